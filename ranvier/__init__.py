@@ -1,0 +1,24 @@
+"""ranvier: a neural-network JIT compiler and trainer.
+
+The API follows SLING's Myelin, so `import ranvier as myelin` runs Myelin examples:
+build a Flow with a Builder, compile it into a Network, and compute Cell instances.
+"""
+
+from .dtypes import (
+    DT_BFLOAT16, DT_BOOL, DT_DOUBLE, DT_FLOAT, DT_FLOAT16, DT_FLOAT32, DT_FLOAT64, DT_HALF,
+    DT_INT, DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT8, DT_UINT16,
+)
+from .errors import CompileError, FlowFileError, RanvierError, ShapeError, UnknownOpError
+from .flow import Blob, Builder, Connector, Flow, Function, Operation, Tensor, Variable
+from .compiler import Compiler
+from .runtime import Cell, Instance, Network
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Blob", "Builder", "Cell", "CompileError", "Compiler", "Connector", "Flow", "FlowFileError",
+    "Function", "Instance", "Network", "Operation", "RanvierError", "ShapeError", "Tensor",
+    "UnknownOpError", "Variable",
+    "DT_BFLOAT16", "DT_BOOL", "DT_DOUBLE", "DT_FLOAT", "DT_FLOAT16", "DT_FLOAT32", "DT_FLOAT64",
+    "DT_HALF", "DT_INT", "DT_INT8", "DT_INT16", "DT_INT32", "DT_INT64", "DT_UINT8", "DT_UINT16",
+]

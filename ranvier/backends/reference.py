@@ -1,0 +1,63 @@
+"""The reference backend: runs every op through its numpy reference. It is the oracle
+every other backend is tested against, so it favours clarity and accuracy over speed."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import RanvierError
+from ..flow.graph import Operation, Variable
+from ..ops import Attrs, TensorType, op_def
+from ..runtime import Cell, Instance, Step
+
+_LOW_PRECISION = (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16)
+
+
+def _widen(array: np.ndarray, var: Variable) -> np.ndarray:
+    """Half-precision inputs are computed in float32 and rounded once on output."""
+    return array.astype(np.float32) if var.dtype in _LOW_PRECISION else array
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def lower(self, flow, func, ops: list[Operation]) -> list[Operation]:
+        return ops
+
+    def choose(self, op: Operation) -> Step:
+        return Step(op, op.type, "reference")
+
+    def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
+        # Every reference kernel computes its results before writing any of them.
+        return source.nbytes == target.nbytes
+
+    def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
+        kernels = [self._kernel(step.op, instance) for step in cell.steps]
+
+        def run() -> None:
+            for kernel in kernels:
+                kernel()
+
+        return run
+
+    def _kernel(self, op: Operation, instance: Instance) -> Callable[[], None]:
+        definition = op_def(op.type)
+        attrs = Attrs(op.attrs, op.name, op.type)
+        types = [TensorType(v.dtype, v.shape) for v in op.outputs]
+        inputs = [(instance.view(v), v) for v in op.inputs]
+        outputs = [instance.view(v) for v in op.outputs]
+
+        def kernel() -> None:
+            args = [_widen(array, var) for array, var in inputs]
+            try:
+                with np.errstate(all="ignore"):
+                    results = definition.reference(attrs, args, types)
+            except (IndexError, ValueError, ZeroDivisionError) as error:
+                raise RanvierError(f"{op.type} op {op.name} failed: {error}") from error
+            for out, result in zip(outputs, results):
+                np.copyto(out, np.asarray(result).reshape(out.shape), casting="unsafe")
+
+        return kernel

@@ -1,0 +1,75 @@
+"""The Compiler turns each function of a flow into a Cell of a Network."""
+
+from __future__ import annotations
+
+from ..errors import CompileError, RanvierError
+from ..flow.graph import Flow, Function, Operation, Variable
+from ..ops import op_def
+from ..runtime import Cell, Network
+from .memory import plan_memory
+
+
+def _backend(name: str):
+    if name == "reference":
+        from ..backends.reference import ReferenceBackend
+
+        return ReferenceBackend()
+    raise RanvierError(f"unknown backend {name!r}; available: reference")
+
+
+def check_types(op: Operation) -> None:
+    """Re-infer an op's output types and compare (or fill in, for files without shapes)."""
+    try:
+        types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
+    except RanvierError as error:
+        raise CompileError(str(error)) from error
+    if len(types) != len(op.outputs):
+        raise CompileError(f"{op.type} op {op.name} has {len(op.outputs)} outputs, expected {len(types)}")
+    for var, t in zip(op.outputs, types):
+        if not var.shape_defined or (not var.shape and t.shape):
+            var.shape = list(t.shape)
+        if var.dtype != t.dtype or tuple(var.shape) != t.shape:
+            raise CompileError(
+                f"{op.type} op {op.name}: output {var.name} is declared {var.typestr()}, "
+                f"but the op computes {t.dtype}[{'x'.join(map(str, t.shape))}]"
+            )
+
+
+class Compiler:
+    """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
+
+    def __init__(self, backend: str = "reference"):
+        self.backend_name = backend
+        self.backend = _backend(backend)
+
+    def compile(self, flow: Flow) -> Network:
+        network = Network(flow, self.backend_name)
+        for func in flow.funcs.values():
+            network.cells[func.name] = self.compile_function(network, func)
+        return network
+
+    def compile_function(self, network: Network, func: Function) -> Cell:
+        flow = network.flow
+        ops = flow.order(func)
+        for op in ops:
+            check_types(op)
+        ops = self.backend.lower(flow, func, ops)
+        steps = [self.backend.choose(op) for op in ops]
+
+        local: dict[str, Variable] = {}
+        for op in ops:
+            for v in [*op.inputs, *op.outputs]:
+                if v.is_global:
+                    network.add_global(v)
+                elif v.name not in local:
+                    if not v.shape_defined:
+                        raise CompileError(
+                            f"variable {v.name} of function {func.name} has an undefined shape "
+                            f"[{'x'.join(map(str, v.shape))}]; give every dimension a size before compiling"
+                        )
+                    local[v.name] = v
+        roles = {v.name: "input" for v in flow.inputs(func) if not v.is_global}
+        roles.update({v.name: "output" for v in flow.outputs(func) if not v.is_global})
+        roles.update({v.name: "input" if v.in_ else "output" for v in local.values() if v.in_ or v.out})
+        slots, size = plan_memory(ops, list(local.values()), set(roles), self.backend.in_place)
+        return Cell(network, func, steps, slots, size, self.backend, roles)

@@ -1,0 +1,99 @@
+"""Memory planning: place a cell's local variables in one buffer, reusing dead storage.
+
+Each variable is live from the step that writes it to the last step that reads it;
+inputs and outputs are live for the whole cell. Variables whose live ranges do not
+overlap may share bytes (Myelin prints them as a `union`). A backend may also let an
+op write its output over an input that dies at that op (in-place), when its kernel
+is safe for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..flow.graph import Operation, Variable
+
+ALIGNMENT = 64
+
+
+@dataclass
+class Slot:
+    """Where one local variable lives in an instance's buffer."""
+
+    var: Variable
+    offset: int
+    size: int
+    alignment: int
+    first: int  # step that writes it (-1: set before compute)
+    last: int  # last step that reads it (len(steps): read after compute)
+
+
+def align(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def live_ranges(steps: Sequence[Operation], local: Sequence[Variable], pinned: set[str]) -> dict[str, tuple[int, int]]:
+    end = len(steps)
+    ranges = {v.name: (-1, -1) for v in local}
+    for i, op in enumerate(steps):
+        for v in op.outputs:
+            if v.name in ranges:
+                ranges[v.name] = (i, max(ranges[v.name][1], i))
+        for v in op.inputs:
+            if v.name in ranges:
+                first, _ = ranges[v.name]
+                ranges[v.name] = (first, i)
+    for name in pinned:
+        if name in ranges:
+            ranges[name] = (-1, end)
+    return ranges
+
+
+InPlace = Callable[[Operation, Variable, Variable], bool]
+
+
+def plan_memory(
+    steps: Sequence[Operation],
+    local: Sequence[Variable],
+    pinned: set[str],
+    in_place: InPlace | None = None,
+    alignment: int = ALIGNMENT,
+) -> tuple[list[Slot], int]:
+    """Offsets for every local variable and the total buffer size.
+
+    `pinned` names variables that must keep their own storage for the whole cell
+    (inputs, outputs). `in_place(op, input, output)` says whether `op` may write
+    `output` over `input` when `input` dies at that op.
+    """
+    ranges = live_ranges(steps, local, pinned)
+    order = sorted(local, key=lambda v: (ranges[v.name][0], -v.nbytes))
+    placed: list[Slot] = []
+    for var in order:
+        first, last = ranges[var.name]
+        size = max(var.nbytes, 1)
+        producer_step = steps[first] if first >= 0 else None
+
+        def conflicts(slot: Slot) -> bool:
+            if slot.last < first or last < slot.first:
+                return False
+            if (
+                slot.last == first
+                and producer_step is not None
+                and in_place is not None
+                and slot.var in producer_step.inputs
+                and in_place(producer_step, slot.var, var)
+            ):
+                return False
+            return True
+
+        busy = sorted((s.offset, s.offset + s.size) for s in placed if conflicts(s))
+        offset = 0
+        for start, stop in busy:
+            if offset + size <= start:
+                break
+            offset = max(offset, align(stop, alignment))
+        placed.append(Slot(var, offset, size, alignment, first, last))
+    total = align(max((s.offset + s.size for s in placed), default=0), alignment)
+    placed.sort(key=lambda s: (s.offset, s.first))
+    return placed, total

@@ -1,0 +1,24 @@
+"""Exceptions raised by ranvier. Every message names the thing that was wrong."""
+
+
+class RanvierError(Exception):
+    """Base class of every error ranvier raises on purpose."""
+
+
+class ShapeError(RanvierError, ValueError):
+    """An op was given inputs whose shapes or dtypes it cannot accept."""
+
+
+class UnknownOpError(RanvierError, KeyError):
+    """An op type has no definition (or no rule for the requested action)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class FlowFileError(RanvierError, ValueError):
+    """A .flow file is truncated, corrupt or not a flow file at all."""
+
+
+class CompileError(RanvierError):
+    """A flow function cannot be compiled as it stands."""

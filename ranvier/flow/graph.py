@@ -1,0 +1,433 @@
+"""The graph IR: a Flow holds variables, operations, functions, connectors and blobs.
+
+The model follows Myelin's: a Variable is a typed tensor (a constant when it has
+data), an Operation reads variables and writes variables, and a Function is the
+ordered set of operations one compiled cell computes.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from typing import Iterable
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import RanvierError
+
+
+class VarFlags(enum.IntFlag):
+    """Variable flag bits, numbered as in Myelin's .flow files."""
+
+    NONE = 0
+    IN = 1
+    OUT = 2
+    REF = 4
+    LEARNABLE = 8
+    UNIQUE = 16
+    DYNAMIC = 32
+    ROW = 64
+    COL = 128
+    NOGRADIENT = 256
+
+
+class OpFlags(enum.IntFlag):
+    NONE = 0
+    NOGRADIENT = 1
+
+
+class FuncFlags(enum.IntFlag):
+    NONE = 0
+    TRAINING = 1
+    BACKPROP = 2
+
+
+def shape_str(shape: Iterable[int]) -> str:
+    return "x".join("?" if d < 0 else str(d) for d in shape)
+
+
+class Variable:
+    """A tensor in the flow: an input, an intermediate, an output, a constant or a parameter."""
+
+    def __init__(self, name: str, dtype: str = dtypes.DT_FLOAT, shape: Iterable[int] = ()):
+        self.name = name
+        self.aliases: list[str] = []
+        self.dtype = dtypes.normalize(dtype)
+        self.shape: list[int] = [int(d) for d in shape]
+        self.flags = VarFlags.NONE
+        self.attrs: dict[str, str] = {}
+        self.data: np.ndarray | None = None
+        self.producer: Operation | None = None
+        self.consumers: list[Operation] = []
+
+    # Flag accessors read like Myelin's.
+    def _flag(self, flag: VarFlags) -> bool:
+        return bool(self.flags & flag)
+
+    def _set_flag(self, flag: VarFlags, on: bool) -> None:
+        self.flags = (self.flags | flag) if on else (self.flags & ~flag)
+
+    in_ = property(lambda self: self._flag(VarFlags.IN), lambda self, on: self._set_flag(VarFlags.IN, on))
+    out = property(lambda self: self._flag(VarFlags.OUT), lambda self, on: self._set_flag(VarFlags.OUT, on))
+    ref = property(lambda self: self._flag(VarFlags.REF), lambda self, on: self._set_flag(VarFlags.REF, on))
+    learnable = property(
+        lambda self: self._flag(VarFlags.LEARNABLE), lambda self, on: self._set_flag(VarFlags.LEARNABLE, on)
+    )
+    unique = property(lambda self: self._flag(VarFlags.UNIQUE), lambda self, on: self._set_flag(VarFlags.UNIQUE, on))
+    dynamic = property(
+        lambda self: self._flag(VarFlags.DYNAMIC), lambda self, on: self._set_flag(VarFlags.DYNAMIC, on)
+    )
+    nogradient = property(
+        lambda self: self._flag(VarFlags.NOGRADIENT), lambda self, on: self._set_flag(VarFlags.NOGRADIENT, on)
+    )
+
+    @property
+    def constant(self) -> bool:
+        return self.data is not None and not self.learnable
+
+    @property
+    def is_global(self) -> bool:
+        """Globals live in the Network and are shared by every cell: constants and parameters."""
+        return self.data is not None or self.learnable
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements (the shape must be fully defined)."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * dtypes.itemsize(self.dtype)
+
+    @property
+    def shape_defined(self) -> bool:
+        return all(d >= 0 for d in self.shape)
+
+    def set_data(self, value) -> None:
+        """Attach constant data; it must match the variable's dtype and shape."""
+        array = np.ascontiguousarray(value, dtype=dtypes.to_numpy(self.dtype))
+        if list(array.shape) != self.shape:
+            if array.size != self.size:
+                raise RanvierError(
+                    f"data for variable {self.name} has shape {list(array.shape)}, expected {self.shape}"
+                )
+            array = array.reshape(self.shape)
+        self.data = array
+
+    def attr(self, name: str, default: str | None = None) -> str | None:
+        return self.attrs.get(name, default)
+
+    def set_attr(self, name: str, value) -> None:
+        self.attrs[name] = attr_string(value)
+
+    def typestr(self) -> str:
+        t = ("&" if self.ref else "") + self.dtype
+        return t + (f"[{shape_str(self.shape)}]" if self.shape else "")
+
+    def __repr__(self) -> str:
+        return f"<Variable {self.name}: {self.typestr()}>"
+
+
+class Operation:
+    """One op of a function: a type (Myelin's op names), inputs, outputs and string attributes."""
+
+    def __init__(self, name: str, type: str = ""):
+        self.name = name
+        self.type = type
+        self.inputs: list[Variable] = []
+        self.outputs: list[Variable] = []
+        self.attrs: dict[str, str] = {}
+        self.flags = OpFlags.NONE
+        self.func: Function | None = None
+
+    def add_input(self, var: Variable) -> None:
+        self.inputs.append(var)
+        var.consumers.append(self)
+
+    def add_output(self, var: Variable) -> None:
+        if var.producer is not None and var.producer is not self:
+            raise RanvierError(f"variable {var.name} is already produced by {var.producer.name}; {self.name} cannot write it")
+        self.outputs.append(var)
+        var.producer = self
+
+    def replace_input(self, old: Variable, new: Variable) -> None:
+        for i, v in enumerate(self.inputs):
+            if v is old:
+                self.inputs[i] = new
+                old.consumers.remove(self)
+                new.consumers.append(self)
+
+    def attr(self, name: str, default: str | None = None) -> str | None:
+        return self.attrs.get(name, default)
+
+    def set_attr(self, name: str, value) -> None:
+        self.attrs[name] = attr_string(value)
+
+    @property
+    def nogradient(self) -> bool:
+        return bool(self.flags & OpFlags.NOGRADIENT)
+
+    @nogradient.setter
+    def nogradient(self, on: bool) -> None:
+        self.flags = (self.flags | OpFlags.NOGRADIENT) if on else (self.flags & ~OpFlags.NOGRADIENT)
+
+    def __repr__(self) -> str:
+        ins = ", ".join(v.name for v in self.inputs)
+        outs = ", ".join(v.name for v in self.outputs)
+        return f"<Operation {self.name}: {outs} = {self.type}({ins})>"
+
+
+class Function:
+    """A named, ordered set of operations; each function compiles into one cell."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.ops: list[Operation] = []
+        self.flags = FuncFlags.NONE
+
+    def add(self, op: Operation) -> None:
+        self.ops.append(op)
+        op.func = self
+
+    @property
+    def training(self) -> bool:
+        return bool(self.flags & FuncFlags.TRAINING)
+
+    @training.setter
+    def training(self, on: bool) -> None:
+        self.flags = (self.flags | FuncFlags.TRAINING) if on else (self.flags & ~FuncFlags.TRAINING)
+
+    @property
+    def backprop(self) -> bool:
+        return bool(self.flags & FuncFlags.BACKPROP)
+
+    @backprop.setter
+    def backprop(self, on: bool) -> None:
+        self.flags = (self.flags | FuncFlags.BACKPROP) if on else (self.flags & ~FuncFlags.BACKPROP)
+
+    def __repr__(self) -> str:
+        return f"<Function {self.name}: {len(self.ops)} ops>"
+
+
+class Connector:
+    """Links variables of different cells that share storage (Myelin's channels)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.links: list[Variable] = []
+        self.flags = 0
+
+    def add(self, var: Variable) -> None:
+        self.links.append(var)
+
+
+class Blob:
+    """Extra data stored with the flow: lexicons, tokenizers, configuration."""
+
+    def __init__(self, name: str, type: str = "", data: bytes = b""):
+        self.name = name
+        self.type = type
+        self.attrs: dict[str, str] = {}
+        self.data = bytes(data)
+        self.flags = 0
+
+    def set_attr(self, name: str, value) -> None:
+        self.attrs[name] = attr_string(value)
+
+
+def attr_string(value) -> str:
+    """Attributes are strings, as in Myelin; lists are comma separated and booleans are 1/0."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (list, tuple)):
+        return ",".join(attr_string(v) for v in value)
+    return str(value)
+
+
+class Flow:
+    """A graph of variables and operations grouped into functions."""
+
+    def __init__(self):
+        self.vars: dict[str, Variable] = {}
+        self.ops: dict[str, Operation] = {}
+        self.funcs: dict[str, Function] = {}
+        self.cnxs: dict[str, Connector] = {}
+        self.blobs: dict[str, Blob] = {}
+        self._alias_index: dict[str, Variable] = {}
+
+    # ---- creating elements -------------------------------------------------
+
+    def add_var(self, name: str, dtype: str = dtypes.DT_FLOAT, shape: Iterable[int] = ()) -> Variable:
+        if name in self.vars:
+            raise RanvierError(f"variable {name} is already defined in the flow")
+        var = Variable(name, dtype, shape)
+        self.vars[name] = var
+        return var
+
+    def add_op(self, name: str, type: str) -> Operation:
+        if name in self.ops:
+            raise RanvierError(f"operation {name} is already defined in the flow")
+        op = Operation(name, type)
+        self.ops[name] = op
+        return op
+
+    def func(self, name: str | Function) -> Function:
+        """The function with this name, created if it does not exist yet (as Myelin's flow.func)."""
+        if isinstance(name, Function):
+            return name
+        if name not in self.funcs:
+            self.funcs[name] = Function(name)
+        return self.funcs[name]
+
+    def cnx(self, name: str) -> Connector:
+        if name not in self.cnxs:
+            self.cnxs[name] = Connector(name)
+        return self.cnxs[name]
+
+    def blob(self, name: str) -> Blob:
+        if name not in self.blobs:
+            self.blobs[name] = Blob(name)
+        return self.blobs[name]
+
+    def add_alias(self, var: Variable, alias: str) -> None:
+        if alias == var.name or alias in var.aliases:
+            return
+        var.aliases.append(alias)
+        self._alias_index[alias] = var
+
+    # ---- lookup ---------------------------------------------------------------
+
+    def var(self, name: str) -> Variable:
+        """Look a variable up by name or alias; an op's name resolves to its first output."""
+        found = self.find_var(name)
+        if found is None:
+            raise RanvierError(f"no variable named {name!r} in the flow")
+        return found
+
+    def find_var(self, name: str) -> Variable | None:
+        var = self.vars.get(name)
+        if var is not None:
+            return var
+        var = self._alias_index.get(name)
+        if var is not None:
+            return var
+        for candidate in self.vars.values():
+            if name in candidate.aliases:
+                self._alias_index[name] = candidate
+                return candidate
+        op = self.ops.get(name)
+        if op is not None and op.outputs:
+            return op.outputs[0]
+        return None
+
+    def unique_name(self, base: str, taken: dict) -> str:
+        if base not in taken:
+            return base
+        index = 1
+        while f"{base}_{index}" in taken:
+            index += 1
+        return f"{base}_{index}"
+
+    # ---- structure ---------------------------------------------------------------
+
+    def order(self, func: Function) -> list[Operation]:
+        """The function's ops in a dependency order (stable: ties keep insertion order)."""
+        ops = func.ops
+        members = set(map(id, ops))
+        missing: dict[int, int] = {}
+        for op in ops:
+            missing[id(op)] = sum(
+                1 for v in op.inputs if v.producer is not None and id(v.producer) in members
+            )
+        ready = [op for op in ops if missing[id(op)] == 0]
+        ordered: list[Operation] = []
+        position = {id(op): i for i, op in enumerate(ops)}
+        heap = [(position[id(op)], op) for op in ready]
+        heapq.heapify(heap)
+        while heap:
+            _, op = heapq.heappop(heap)
+            ordered.append(op)
+            for out in op.outputs:
+                for consumer in out.consumers:
+                    key = id(consumer)
+                    if key not in members:
+                        continue
+                    missing[key] -= sum(1 for v in consumer.inputs if v is out)
+                    if missing[key] == 0:
+                        heapq.heappush(heap, (position[key], consumer))
+                        missing[key] = -1
+        if len(ordered) != len(ops):
+            stuck = [op.name for op in ops if op not in ordered]
+            raise RanvierError(f"function {func.name} has a cycle through ops {', '.join(stuck[:5])}")
+        return ordered
+
+    def inputs(self, func: Function) -> list[Variable]:
+        """Variables read by the function that no op of the function produces."""
+        seen: dict[str, Variable] = {}
+        for op in func.ops:
+            for v in op.inputs:
+                if (v.producer is None or v.producer.func is not func) and v.name not in seen:
+                    seen[v.name] = v
+        return list(seen.values())
+
+    def outputs(self, func: Function) -> list[Variable]:
+        """Variables produced by the function that nothing in it reads, or that are flagged OUT."""
+        result = []
+        for op in func.ops:
+            for v in op.outputs:
+                used_inside = any(c.func is func for c in v.consumers)
+                if v.out or not used_inside:
+                    result.append(v)
+        return result
+
+    def remove_op(self, op: Operation) -> None:
+        for v in op.inputs:
+            if op in v.consumers:
+                v.consumers.remove(op)
+        for v in op.outputs:
+            if v.producer is op:
+                v.producer = None
+        if op.func is not None and op in op.func.ops:
+            op.func.ops.remove(op)
+        self.ops.pop(op.name, None)
+
+    def remove_var(self, var: Variable) -> None:
+        self.vars.pop(var.name, None)
+        for alias in var.aliases:
+            self._alias_index.pop(alias, None)
+
+    # ---- files -------------------------------------------------------------------
+
+    def save(self, path, version: int = 6) -> None:
+        """Write the flow in Myelin's binary .flow format, atomically."""
+        from .fileformat import save_flow
+
+        save_flow(self, path, version)
+
+    def load(self, path) -> "Flow":
+        """Read a Myelin .flow file (versions 3 to 6) into this flow and return it."""
+        from .fileformat import read_flow
+
+        read_flow(self, path)
+        return self
+
+    def __str__(self) -> str:
+        lines = []
+        for var in self.vars.values():
+            kind = "const" if var.constant else ("learnable" if var.learnable else "var")
+            lines.append(f"{kind} {var.name}: {var.typestr()}")
+        for func in self.funcs.values():
+            lines.append(f"func {func.name} {{")
+            for op in func.ops:
+                outs = ", ".join(v.name for v in op.outputs)
+                ins = ", ".join(v.name for v in op.inputs)
+                attrs = "".join(f" {k}={v}" for k, v in op.attrs.items())
+                lines.append(f"  {outs} = {op.type}({ins}){attrs}")
+            lines.append("}")
+        return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""Shape ops: Reshape Transpose Concat Split Slice BroadcastTo ExpandDims Squeeze.
+
+Myelin passes shape arguments as constant inputs (Reshape's target shape,
+Concat's and Split's axis, Split's count); the others take attributes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .registry import TensorType, define
+from .rules import broadcast_shapes, normalize_axis
+
+
+def _infer_reshape(ctx):
+    x = ctx.inputs[0]
+    target = [int(d) for d in ctx.constant(1, "the target shape").reshape(-1)]
+    unknown = [i for i, d in enumerate(target) if d == -1]
+    if len(unknown) > 1 or any(d < -1 for d in target):
+        raise ctx.fail(f"a target shape with at most one -1 (got {target})")
+    known = math.prod(d for d in target if d != -1)
+    if unknown:
+        if known == 0 or x.size % known:
+            raise ctx.fail(f"a target shape {target} whose known dimensions divide {x.size} elements")
+        target[unknown[0]] = x.size // known
+    if math.prod(target) != x.size:
+        raise ctx.fail(f"a target shape with {x.size} elements (got {target})")
+    return [TensorType(x.dtype, target)]
+
+
+define(
+    "Reshape",
+    _infer_reshape,
+    lambda attrs, args, outs: [args[0].reshape(outs[0].shape)],
+    2,
+    "shape",
+    "Reshape(x, shape): shape is a constant int vector, one entry may be -1",
+)
+
+
+def _perm(attrs, rank):
+    perm = attrs.ints("perm")
+    return list(reversed(range(rank))) if perm is None else perm
+
+
+def _infer_transpose(ctx):
+    x = ctx.inputs[0]
+    perm = _perm(ctx.attrs, x.rank)
+    if sorted(perm) != list(range(x.rank)):
+        raise ctx.fail(f"attribute perm to be a permutation of 0..{x.rank - 1} (got {perm})")
+    return [TensorType(x.dtype, [x.shape[p] for p in perm])]
+
+
+define(
+    "Transpose",
+    _infer_transpose,
+    lambda attrs, args, outs: [np.transpose(args[0], _perm(attrs, args[0].ndim))],
+    1,
+    "shape",
+)
+
+
+def _infer_concat(ctx):
+    parts = ctx.inputs[:-1]
+    axis_value = ctx.constant(len(ctx.inputs) - 1, "the axis")
+    if not parts or axis_value.size != 1:
+        raise ctx.fail("one or more tensors followed by a constant scalar axis")
+    first = parts[0]
+    axis = normalize_axis(ctx, int(axis_value.reshape(-1)[0]), first.rank)
+    for p in parts:
+        if p.dtype != first.dtype or p.rank != first.rank:
+            raise ctx.fail("parts of one dtype and rank")
+        if any(p.shape[i] != first.shape[i] for i in range(first.rank) if i != axis):
+            raise ctx.fail(f"parts whose shapes agree except on axis {axis}")
+    shape = list(first.shape)
+    shape[axis] = sum(p.shape[axis] for p in parts)
+    return [TensorType(first.dtype, shape)]
+
+
+def _concat(attrs, args, outs):
+    axis = int(np.asarray(args[-1]).reshape(-1)[0])
+    return [np.concatenate(args[:-1], axis=axis)]
+
+
+define("Concat", _infer_concat, _concat, (2, None), "shape", "Concat(x1, ..., xn, axis)")
+
+
+def split_sizes(splits: np.ndarray, dim: int, fail) -> list[int]:
+    """Split's second input is a part count (scalar) or a list of part sizes."""
+    flat = [int(s) for s in np.asarray(splits).reshape(-1)]
+    if np.asarray(splits).ndim == 0:
+        count = flat[0]
+        if count <= 0 or dim % count:
+            raise fail(f"a part count that divides dimension {dim} (got {count})")
+        return [dim // count] * count
+    if any(s < 0 for s in flat) or sum(flat) != dim:
+        raise fail(f"part sizes that add up to dimension {dim} (got {flat})")
+    return flat
+
+
+def _infer_split(ctx):
+    x = ctx.inputs[0]
+    axis = normalize_axis(ctx, int(ctx.constant(2, "the axis").reshape(-1)[0]), x.rank)
+    sizes = split_sizes(ctx.constant(1, "the part count or sizes"), x.shape[axis], ctx.fail)
+    results = []
+    for size in sizes:
+        shape = list(x.shape)
+        shape[axis] = size
+        results.append(TensorType(x.dtype, shape))
+    return results
+
+
+def _split(attrs, args, outs):
+    x, _, axis_value = args
+    axis = int(np.asarray(axis_value).reshape(-1)[0]) % x.ndim
+    bounds = np.cumsum([o.shape[axis] for o in outs])[:-1]
+    return list(np.split(x, bounds, axis=axis))
+
+
+define("Split", _infer_split, _split, 3, "shape", "Split(x, count or sizes, axis)")
+
+
+def slice_bounds(attrs, shape, fail):
+    begin = attrs.ints("begin")
+    size = attrs.ints("size")
+    if begin is None or size is None or len(begin) != len(shape) or len(size) != len(shape):
+        raise fail(f"attributes begin and size with one entry per dimension ({len(shape)})")
+    bounds = []
+    for axis, (b, s, d) in enumerate(zip(begin, size, shape)):
+        end = d if s == -1 else b + s
+        if b < 0 or s < -1 or end > d:
+            raise fail(f"slice [{b}:{end}] inside dimension {axis} of size {d}")
+        bounds.append((b, end))
+    return bounds
+
+
+def _infer_slice(ctx):
+    x = ctx.inputs[0]
+    bounds = slice_bounds(ctx.attrs, x.shape, ctx.fail)
+    return [TensorType(x.dtype, [e - b for b, e in bounds])]
+
+
+def _slice(attrs, args, outs):
+    bounds = slice_bounds(attrs, args[0].shape, ValueError)
+    return [args[0][tuple(slice(b, e) for b, e in bounds)]]
+
+
+define("Slice", _infer_slice, _slice, 1, "shape", "Slice(x); attributes begin and size (-1: to the end)")
+
+
+def _infer_broadcast(ctx):
+    x = ctx.inputs[0]
+    target = ctx.attrs.ints("shape")
+    if target is None:
+        raise ctx.fail("attribute shape")
+    if broadcast_shapes(ctx, [x.shape, target]) != tuple(target):
+        raise ctx.fail(f"a shape that broadcasts to {target}")
+    return [TensorType(x.dtype, target)]
+
+
+define(
+    "BroadcastTo",
+    _infer_broadcast,
+    lambda attrs, args, outs: [np.broadcast_to(args[0], outs[0].shape)],
+    1,
+    "shape",
+)
+
+
+def _infer_expand(ctx):
+    x = ctx.inputs[0]
+    axis = ctx.attrs.int("axis", 0)
+    if not -(x.rank + 1) <= axis <= x.rank:
+        raise ctx.fail(f"an axis in [{-(x.rank + 1)}, {x.rank}] (got {axis})")
+    axis %= x.rank + 1
+    return [TensorType(x.dtype, [*x.shape[:axis], 1, *x.shape[axis:]])]
+
+
+def _infer_squeeze(ctx):
+    x = ctx.inputs[0]
+    axes = ctx.attrs.ints("axis")
+    if axes is None or axes == []:
+        axes = [i for i, d in enumerate(x.shape) if d == 1]
+    axes = [normalize_axis(ctx, a, x.rank) for a in axes]
+    if any(x.shape[a] != 1 for a in axes):
+        raise ctx.fail(f"squeezed axes {axes} to have size 1")
+    return [TensorType(x.dtype, [d for i, d in enumerate(x.shape) if i not in axes])]
+
+
+_reshape_to_output = lambda attrs, args, outs: [args[0].reshape(outs[0].shape)]  # noqa: E731
+define("ExpandDims", _infer_expand, _reshape_to_output, 1, "shape", "attribute axis")
+define("Squeeze", _infer_squeeze, _reshape_to_output, 1, "shape", "attribute axis (list; empty: all size-1 axes)")

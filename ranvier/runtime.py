@@ -1,0 +1,209 @@
+"""The runtime: a Network holds globals and cells; a Cell is compiled code plus its data
+layout; an Instance is one cell's data, whose tensors are writable numpy views."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+
+from . import dtypes
+from .compiler.memory import Slot
+from .errors import RanvierError
+from .flow.graph import Flow, Function, Operation, Variable, shape_str
+
+
+@dataclass
+class Step:
+    """One computation of a cell: the op it computes and the kernel chosen for it."""
+
+    op: Operation
+    kernel: str
+    variant: str = ""
+
+    def __str__(self) -> str:
+        outs = ", ".join(v.name for v in self.op.outputs)
+        ins = ", ".join(v.name for v in self.op.inputs)
+        variant = f"[{self.variant}]" if self.variant else ""
+        lhs = f"{outs} = " if outs else ""
+        return f"{lhs}{self.kernel}{variant}({ins})"
+
+
+def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
+    """A zeroed uint8 buffer whose first byte is aligned (numpy only promises 16 bytes)."""
+    raw = np.zeros(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + nbytes]
+
+
+def view_of(buffer: np.ndarray, offset: int, var: Variable) -> np.ndarray:
+    dtype = dtypes.to_numpy(var.dtype)
+    return buffer[offset : offset + var.nbytes].view(dtype).reshape(var.shape)
+
+
+class Network:
+    """Compiled flow: the cells of its functions and the globals (constants, parameters) they share."""
+
+    def __init__(self, flow: Flow, backend_name: str):
+        self.flow = flow
+        self.backend_name = backend_name
+        self.cells: dict[str, Cell] = {}
+        self.globals: dict[str, np.ndarray] = {}
+
+    def add_global(self, var: Variable) -> np.ndarray:
+        if var.name not in self.globals:
+            # A learnable variable without an initial value starts at zero.
+            array = view_of(aligned_empty(var.nbytes), 0, var)
+            if var.data is not None:
+                array[...] = var.data
+            self.globals[var.name] = array
+        return self.globals[var.name]
+
+    def cell(self, name: str) -> "Cell":
+        try:
+            return self.cells[name]
+        except KeyError:
+            raise RanvierError(f"no cell {name!r} in the network; cells: {', '.join(self.cells) or 'none'}") from None
+
+    def __getitem__(self, key) -> np.ndarray:
+        """The writable array of a global (constant or parameter), by handle, name or alias."""
+        var = self.flow.var(_key_name(key))
+        if var.name not in self.globals:
+            raise RanvierError(f"{var.name} is not a global of the network (it is local to a cell)")
+        return self.globals[var.name]
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {name: a for name, a in self.globals.items() if self.flow.vars[name].learnable}
+
+
+def _key_name(key) -> str:
+    if isinstance(key, str):
+        return key
+    var = getattr(key, "var", key)
+    if isinstance(var, Variable):
+        return var.name
+    return repr(key)
+
+
+class Cell:
+    """A compiled function: its steps, the layout of its instance data, and its code."""
+
+    def __init__(
+        self,
+        network: Network,
+        func: Function,
+        steps: list[Step],
+        slots: list[Slot],
+        size: int,
+        backend,
+        roles: dict[str, str] | None = None,
+    ):
+        self.network = network
+        self.func = func
+        self.name = func.name
+        self.steps = steps
+        self.slots = slots
+        self.size = size
+        self.backend = backend
+        self.roles = roles or {}
+        self._slot_by_name = {s.var.name: s for s in slots}
+        self._index = {s.var.name: i for i, s in enumerate(slots)}
+        self.global_vars = _globals_of(steps)
+
+    def instance(self) -> "Instance":
+        return Instance(self)
+
+    def index(self, name) -> int:
+        """The parameter id of a local variable, for fast lookups (`data[id]`)."""
+        resolved = self.resolve(name)
+        if resolved.name not in self._index:
+            raise RanvierError(f"{resolved.name} is not a local variable of cell {self.name}")
+        return self._index[resolved.name]
+
+    def resolve(self, key) -> Variable:
+        name = _key_name(key)
+        var = self.network.flow.find_var(name)
+        if var is None:
+            raise RanvierError(f"cell {self.name} has no variable {name!r}")
+        return var
+
+    def slot(self, var: Variable) -> Slot | None:
+        return self._slot_by_name.get(var.name)
+
+    def __str__(self) -> str:
+        lines = [f"cell {self.name} {{  // size {self.size}"]
+        regions: list[tuple[int, int]] = []
+        for slot in self.slots:
+            var = slot.var
+            shared = any(slot.offset < stop and start < slot.offset + slot.size for start, stop in regions)
+            role = "  union" if shared else " ".join(filter(None, [self.roles.get(var.name, ""), "var"]))
+            lines.append(
+                f"  {role} {var.name}: {var.typestr()}"
+                f"    // offset {slot.offset} size {var.nbytes} alignment {slot.alignment} row-major"
+            )
+            regions.append((slot.offset, slot.offset + slot.size))
+        if self.global_vars:
+            lines.append("")
+        for var in self.global_vars:
+            kind = "learnable" if var.learnable else "const"
+            lines.append(f"  {kind} {var.name}: {var.typestr()}    // size {var.nbytes} alignment 64 row-major")
+        lines.append("")
+        for step in self.steps:
+            lines.append(f"  {step}")
+        lines.append("}")
+        return "\n".join(lines)
+
+
+def _globals_of(steps: list[Step]) -> list[Variable]:
+    seen: dict[str, Variable] = {}
+    for step in steps:
+        for v in [*step.op.inputs, *step.op.outputs]:
+            if v.is_global and v.name not in seen:
+                seen[v.name] = v
+    return list(seen.values())
+
+
+class Instance:
+    """One cell's data. `data[x]` is a writable numpy view; `compute()` runs the cell."""
+
+    def __init__(self, cell: Cell):
+        self.cell = cell
+        self.buffer = aligned_empty(cell.size)
+        self._views = [view_of(self.buffer, s.offset, s.var) for s in cell.slots]
+        self._by_name = {s.var.name: v for s, v in zip(cell.slots, self._views)}
+        self._run = cell.backend.bind(cell, self)
+
+    def view(self, var: Variable) -> np.ndarray:
+        """Array for any variable the cell touches: a slice of this instance, or a network global."""
+        local = self._by_name.get(var.name)
+        if local is not None:
+            return local
+        if var.is_global:
+            return self.cell.network.add_global(var)
+        raise RanvierError(f"{var.name} is not a variable of cell {self.cell.name}")
+
+    def __getitem__(self, key) -> np.ndarray:
+        if isinstance(key, (int, np.integer)):
+            if not 0 <= key < len(self._views):
+                raise RanvierError(f"cell {self.cell.name} has no parameter id {key} (ids 0..{len(self._views) - 1})")
+            return self._views[key]
+        return self.view(self.cell.resolve(key))
+
+    def __setitem__(self, key, value) -> None:
+        target = self[key]
+        value = np.asarray(value)
+        try:
+            target[...] = value
+        except ValueError:
+            var = self.cell.resolve(key) if not isinstance(key, (int, np.integer)) else self.cell.slots[key].var
+            raise RanvierError(
+                f"cannot set {var.name}: got an array of shape {list(value.shape)}, expected [{shape_str(var.shape)}]"
+            ) from None
+
+    def compute(self) -> None:
+        self._run()
+
+    def clear(self) -> None:
+        self.buffer[...] = 0
+
+    def __repr__(self) -> str:
+        return f"<Instance of cell {self.cell.name}, {self.cell.size} bytes>"
