@@ -96,6 +96,7 @@ class Cell:
         size: int,
         backend,
         roles: dict[str, str] | None = None,
+        external: list[Variable] | None = None,
     ):
         self.network = network
         self.func = func
@@ -105,12 +106,15 @@ class Cell:
         self.size = size
         self.backend = backend
         self.roles = roles or {}
+        self.external = external or []
         self._slot_by_name = {s.var.name: s for s in slots}
         self._index = {s.var.name: i for i, s in enumerate(slots)}
         self.global_vars = _globals_of(steps)
 
-    def instance(self) -> "Instance":
-        return Instance(self)
+    def instance(self, primal: "Instance | None" = None) -> "Instance":
+        """A new instance. A cell that reads values computed by another cell (a gradient
+        cell reading its forward pass) is linked to an instance of that cell: `primal`."""
+        return Instance(self, primal)
 
     def index(self, name) -> int:
         """The parameter id of a local variable, for fast lookups (`data[id]`)."""
@@ -165,8 +169,15 @@ def _globals_of(steps: list[Step]) -> list[Variable]:
 class Instance:
     """One cell's data. `data[x]` is a writable numpy view; `compute()` runs the cell."""
 
-    def __init__(self, cell: Cell):
+    def __init__(self, cell: Cell, primal: "Instance | None" = None):
         self.cell = cell
+        self.primal = primal
+        if cell.external and primal is None:
+            sources = sorted({v.producer.func.name for v in cell.external})
+            raise RanvierError(
+                f"cell {cell.name} reads {cell.external[0].name} computed by cell {sources[0]}; "
+                f"create it with cell.instance(primal=<instance of {', '.join(sources)}>)"
+            )
         self.buffer = aligned_empty(cell.size)
         self._views = [view_of(self.buffer, s.offset, s.var) for s in cell.slots]
         self._by_name = {s.var.name: v for s, v in zip(cell.slots, self._views)}
@@ -179,6 +190,8 @@ class Instance:
             return local
         if var.is_global:
             return self.cell.network.add_global(var)
+        if self.primal is not None:
+            return self.primal.view(var)
         raise RanvierError(f"{var.name} is not a variable of cell {self.cell.name}")
 
     def __getitem__(self, key) -> np.ndarray:

@@ -49,6 +49,9 @@ class ReferenceBackend:
         types = [TensorType(v.dtype, v.shape) for v in op.outputs]
         inputs = [(instance.view(v), v) for v in op.inputs]
         outputs = [instance.view(v) for v in op.outputs]
+        written = definition.extra.get("writes_input")
+        if written is not None:
+            outputs = [instance.view(op.inputs[written])]
 
         def kernel() -> None:
             args = [_widen(array, var) for array, var in inputs]

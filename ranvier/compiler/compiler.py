@@ -35,6 +35,22 @@ def check_types(op: Operation) -> None:
             )
 
 
+def written_input(op: Operation) -> Variable | None:
+    """The input an op overwrites in place (Assign's target), if any."""
+    index = op_def(op.type).extra.get("writes_input")
+    return None if index is None else op.inputs[index]
+
+
+def write_after_read(func: Function) -> dict[int, list[Operation]]:
+    """An op that overwrites a variable runs after every other op of the function that reads it."""
+    after: dict[int, list[Operation]] = {}
+    for op in func.ops:
+        target = written_input(op)
+        if target is not None:
+            after[id(op)] = [c for c in target.consumers if c is not op and c.func is func]
+    return after
+
+
 class Compiler:
     """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
 
@@ -50,17 +66,22 @@ class Compiler:
 
     def compile_function(self, network: Network, func: Function) -> Cell:
         flow = network.flow
-        ops = flow.order(func)
+        ops = flow.order(func, write_after_read(func))
         for op in ops:
             check_types(op)
         ops = self.backend.lower(flow, func, ops)
         steps = [self.backend.choose(op) for op in ops]
 
+        # Locals live in the instance; globals in the network; variables computed by
+        # another function are read from a linked (primal) instance.
         local: dict[str, Variable] = {}
+        external: dict[str, Variable] = {}
         for op in ops:
             for v in [*op.inputs, *op.outputs]:
                 if v.is_global:
                     network.add_global(v)
+                elif v.producer is not None and v.producer.func is not func:
+                    external[v.name] = v
                 elif v.name not in local:
                     if not v.shape_defined:
                         raise CompileError(
@@ -68,8 +89,9 @@ class Compiler:
                             f"[{'x'.join(map(str, v.shape))}]; give every dimension a size before compiling"
                         )
                     local[v.name] = v
-        roles = {v.name: "input" for v in flow.inputs(func) if not v.is_global}
-        roles.update({v.name: "output" for v in flow.outputs(func) if not v.is_global})
+        roles = {v.name: "input" for v in flow.inputs(func) if v.name in local}
+        roles.update({v.name: "output" for v in flow.outputs(func) if v.name in local})
         roles.update({v.name: "input" if v.in_ else "output" for v in local.values() if v.in_ or v.out})
+        roles.update({t.name: "state" for op in ops if (t := written_input(op)) is not None and t.name in local})
         slots, size = plan_memory(ops, list(local.values()), set(roles), self.backend.in_place)
-        return Cell(network, func, steps, slots, size, self.backend, roles)
+        return Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))

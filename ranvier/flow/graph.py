@@ -336,34 +336,40 @@ class Flow:
 
     # ---- structure ---------------------------------------------------------------
 
-    def order(self, func: Function) -> list[Operation]:
-        """The function's ops in a dependency order (stable: ties keep insertion order)."""
+    def order(self, func: Function, after: dict[int, list[Operation]] | None = None) -> list[Operation]:
+        """The function's ops in dependency order; ties keep insertion order.
+
+        `after` adds ordering constraints beyond data flow: `after[id(op)]` lists ops
+        that must run before `op` (the compiler uses it to run in-place writes last).
+        """
         ops = func.ops
-        members = set(map(id, ops))
-        missing: dict[int, int] = {}
-        for op in ops:
-            missing[id(op)] = sum(
-                1 for v in op.inputs if v.producer is not None and id(v.producer) in members
-            )
-        ready = [op for op in ops if missing[id(op)] == 0]
-        ordered: list[Operation] = []
         position = {id(op): i for i, op in enumerate(ops)}
-        heap = [(position[id(op)], op) for op in ready]
+        prerequisites: dict[int, set[int]] = {id(op): set() for op in ops}
+        for op in ops:
+            for v in op.inputs:
+                if v.producer is not None and id(v.producer) in position and v.producer is not op:
+                    prerequisites[id(op)].add(id(v.producer))
+            for before in (after or {}).get(id(op), []):
+                if id(before) in position and before is not op:
+                    prerequisites[id(op)].add(id(before))
+        dependents: dict[int, list[Operation]] = {id(op): [] for op in ops}
+        for op in ops:
+            for p in prerequisites[id(op)]:
+                dependents[p].append(op)
+        missing = {key: len(p) for key, p in prerequisites.items()}
+        heap = [(position[id(op)], op) for op in ops if missing[id(op)] == 0]
         heapq.heapify(heap)
+        ordered: list[Operation] = []
         while heap:
             _, op = heapq.heappop(heap)
             ordered.append(op)
-            for out in op.outputs:
-                for consumer in out.consumers:
-                    key = id(consumer)
-                    if key not in members:
-                        continue
-                    missing[key] -= sum(1 for v in consumer.inputs if v is out)
-                    if missing[key] == 0:
-                        heapq.heappush(heap, (position[key], consumer))
-                        missing[key] = -1
+            for dependent in dependents[id(op)]:
+                missing[id(dependent)] -= 1
+                if missing[id(dependent)] == 0:
+                    heapq.heappush(heap, (position[id(dependent)], dependent))
         if len(ordered) != len(ops):
-            stuck = [op.name for op in ops if op not in ordered]
+            done = set(map(id, ordered))
+            stuck = [op.name for op in ops if id(op) not in done]
             raise RanvierError(f"function {func.name} has a cycle through ops {', '.join(stuck[:5])}")
         return ordered
 

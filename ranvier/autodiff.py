@@ -1,0 +1,201 @@
+"""Reverse-mode automatic differentiation as a graph transform.
+
+`gradient()` walks a function's ops backwards from a loss and, for each op, asks the
+VJP registry for the vector-Jacobian product: a rule that builds the input
+gradients as ordinary ops. The backward pass is therefore a flow like any other and
+compiles with the same compiler, fused into a training function or as Myelin's
+separate `gradients/<f>` function.
+
+Rules are registered with `@vjp("OpType")` and receive a `VJPContext`; users extend
+the registry the same way for their own ops.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import RanvierError, UnknownOpError
+from .flow.builder import Builder, Tensor, variable_of
+from .flow.graph import Flow, Function, Operation, Variable
+from .ops import Attrs
+
+GradList = Sequence["Tensor | None"]
+
+
+class VJPContext:
+    """What a VJP rule sees: the builder for backward ops, the op, its inputs and outputs."""
+
+    def __init__(self, builder: Builder, op: Operation):
+        self.b = builder
+        self.op = op
+        self.attrs = Attrs(op.attrs, op.name, op.type)
+        self.inputs = [builder._wrap(v) for v in op.inputs]
+        self.outputs = [builder._wrap(v) for v in op.outputs]
+
+    def unbroadcast(self, grad: Tensor, like: Tensor) -> Tensor:
+        """Sum a broadcast gradient back to the shape of the operand it came from."""
+        return unbroadcast(self.b, grad, like.shape)
+
+    def const(self, value: float, like: Tensor) -> Tensor:
+        return self.b.const(value, like.dtype)
+
+
+Rule = Callable[[VJPContext, list], list]
+_RULES: dict[str, Rule] = {}
+
+
+def vjp(op_type: str) -> Callable[[Rule], Rule]:
+    """Register the VJP rule of an op type: `rule(ctx, grads_of_outputs) -> grads_of_inputs`."""
+
+    def register(rule: Rule) -> Rule:
+        _RULES[op_type] = rule
+        return rule
+
+    return register
+
+
+def has_vjp(op_type: str) -> bool:
+    return op_type in _RULES
+
+
+def unbroadcast(b: Builder, grad: Tensor, shape: Sequence[int]) -> Tensor:
+    shape = list(shape)
+    gshape = grad.shape
+    if gshape == shape:
+        return grad
+    lead = len(gshape) - len(shape)
+    axes = list(range(lead)) + [lead + i for i, d in enumerate(shape) if d == 1 and gshape[lead + i] != 1]
+    summed = b.sum(grad, axis=axes, keepdims=True) if axes else grad
+    return b.reshape(summed, shape) if summed.shape != shape else summed
+
+
+def _differentiable(var: Variable) -> bool:
+    return dtypes.is_float(var.dtype) and not var.nogradient
+
+
+def _relevant_ops(ops: list[Operation], sources: set[str], target: Variable, stop: set[str]) -> list[Operation]:
+    """Ops on some path from a source variable to the target, in forward order."""
+    reaches: set[str] = set(sources)
+    forward: list[Operation] = []
+    for op in ops:
+        if op.nogradient:
+            continue
+        if any(v.name in reaches and v.name not in stop - sources for v in op.inputs):
+            forward.append(op)
+            reaches.update(v.name for v in op.outputs)
+    needed = {target.name}
+    relevant = []
+    for op in reversed(forward):
+        if any(v.name in needed for v in op.outputs):
+            relevant.append(op)
+            needed.update(v.name for v in op.inputs)
+    relevant.reverse()
+    return relevant
+
+
+def gradient(
+    flow: Flow,
+    func: Function | str,
+    wrt: Iterable,
+    loss=None,
+    seed=None,
+    stop: Iterable = (),
+    into: Function | str | None = None,
+) -> dict[str, Tensor]:
+    """Add the backward ops of `func` to the flow and return {variable name: gradient}.
+
+    loss: the scalar (or any tensor) to differentiate; defaults to the function's only output.
+    seed: the gradient flowing into `loss` (a Tensor, or a number; default 1). With a
+          number, e.g. a loss scale, the seed is a constant of the loss's shape.
+    stop: variables treated as leaves: no gradient flows past them (the stop-gradient
+          frontier; the `wrt` variables are always leaves).
+    into: the function receiving the backward ops; default `func` itself (a fused
+          training function). Pass "gradients/<f>" for Myelin's separate gradient
+          function, whose cell is instantiated with `primal=` the forward instance.
+    """
+    func = flow.func(func)
+    ops = flow.order(func)
+    wrt_vars = [variable_of(w) if not isinstance(w, str) else flow.var(w) for w in wrt]
+    if loss is None:
+        outputs = flow.outputs(func)
+        if len(outputs) != 1:
+            raise RanvierError(f"function {func.name} has {len(outputs)} outputs; say which one is the loss")
+        loss_var = outputs[0]
+    else:
+        loss_var = variable_of(loss) if not isinstance(loss, str) else flow.var(loss)
+    target_func = flow.func(into) if into is not None else func
+    if into is not None and target_func is not func:
+        target_func.backprop = True
+    b = Builder(flow, target_func)
+
+    if isinstance(seed, (Tensor, Variable)):
+        seed_tensor = b._wrap(variable_of(seed))
+        if seed_tensor.shape != list(loss_var.shape):
+            raise RanvierError(
+                f"gradient seed {seed_tensor.name} has shape {seed_tensor.shape}, expected the loss's {list(loss_var.shape)}"
+            )
+    else:
+        value = 1.0 if seed is None else float(seed)
+        seed_tensor = b.broadcast_to(b.const(value, loss_var.dtype), loss_var.shape) if loss_var.shape else b.const(value, loss_var.dtype)
+
+    stop_names = {variable_of(s).name if not isinstance(s, str) else s for s in stop}
+    sources = {v.name for v in wrt_vars}
+    relevant = _relevant_ops(ops, sources, loss_var, stop_names)
+
+    grads: dict[str, Tensor] = {loss_var.name: seed_tensor}
+    for op in reversed(relevant):
+        out_grads = [grads.get(v.name) for v in op.outputs]
+        if all(g is None for g in out_grads):
+            continue
+        rule = _RULES.get(op.type)
+        if rule is None:
+            raise UnknownOpError(f"no VJP rule for op type {op.type} (op {op.name}); register one with @vjp({op.type!r})")
+        in_grads = rule(VJPContext(b, op), out_grads)
+        if len(in_grads) != len(op.inputs):
+            raise RanvierError(f"VJP rule of {op.type} returned {len(in_grads)} gradients for {len(op.inputs)} inputs")
+        for var, g in zip(op.inputs, in_grads):
+            if g is None or not _differentiable(var):
+                continue
+            if var.name in stop_names and var.name not in sources:
+                continue
+            if var.constant and var.name not in sources:
+                continue
+            if g.shape != var.shape or g.dtype != var.dtype:
+                raise RanvierError(
+                    f"VJP rule of {op.type} (op {op.name}) gave gradient {g.dtype}{g.shape} "
+                    f"for input {var.name} of type {var.typestr()}"
+                )
+            previous = grads.get(var.name)
+            grads[var.name] = g if previous is None else b.add(previous, g)
+
+    result = {}
+    for v in wrt_vars:
+        g = grads.get(v.name)
+        if g is None:
+            zero = b.const(0.0, v.dtype)
+            g = b.broadcast_to(zero, v.shape) if v.shape else b.identity(zero)
+        result[v.name] = g
+    return result
+
+
+def backward(loss: Tensor, params: Sequence[Tensor], loss_scale: float | None = None, stop: Iterable = ()) -> dict[str, Tensor]:
+    """Gradients of `loss` for each parameter, as ops fused into the loss's function (ANEForge's backward)."""
+    return backward_from(loss_scale, loss, params, stop)
+
+
+def backward_from(grad, root: Tensor, params: Sequence[Tensor], stop: Iterable = ()) -> dict[str, Tensor]:
+    """Gradients seeded with an explicit `grad` at an intermediate tensor `root`."""
+    flow = root.builder.flow
+    func = root.producer.func if root.producer is not None else root.builder.func
+    stop = list(stop) + list(params)
+    return gradient(flow, func, params, loss=root, seed=grad, stop=stop)
+
+
+# ---------------------------------------------------------------------------------------
+# VJP rules. Each returns one gradient (or None) per input of the op.
+# ---------------------------------------------------------------------------------------
+
+from . import vjps  # noqa: E402,F401  (registers the rules)
