@@ -111,7 +111,8 @@ def gradient(
     seed: the gradient flowing into `loss` (a Tensor, or a number; default 1). With a
           number, e.g. a loss scale, the seed is a constant of the loss's shape.
     stop: variables treated as leaves: no gradient flows past them (the stop-gradient
-          frontier; the `wrt` variables are always leaves).
+          frontier). A `wrt` variable is never stopped: when one depends on another,
+          each still gets its full gradient.
     into: the function receiving the backward ops; default `func` itself (a fused
           training function). Pass "gradients/<f>" for Myelin's separate gradient
           function, whose cell is instantiated with `primal=` the forward instance.
@@ -141,6 +142,7 @@ def gradient(
         value = 1.0 if seed is None else float(seed)
         seed_tensor = b.broadcast_to(b.const(value, loss_var.dtype), loss_var.shape) if loss_var.shape else b.const(value, loss_var.dtype)
 
+    ops_before = set(map(id, target_func.ops))
     stop_names = {variable_of(s).name if not isinstance(s, str) else s for s in stop}
     sources = {v.name for v in wrt_vars}
     relevant = _relevant_ops(ops, sources, loss_var, stop_names)
@@ -178,7 +180,58 @@ def gradient(
             zero = b.const(0.0, v.dtype)
             g = b.broadcast_to(zero, v.shape) if v.shape else b.identity(zero)
         result[v.name] = g
+    _prune(flow, target_func, ops_before, {g.var.name for g in result.values()})
+    if target_func is not func:
+        _link_primal(flow, func, [op for op in target_func.ops if id(op) not in ops_before])
     return result
+
+
+def _prune(flow: Flow, func: Function, keep_ops: set[int], keep_vars: set[str]) -> None:
+    """Remove backward ops whose results nothing uses (e.g. the gradient of a data input
+    that a rule computed alongside a weight gradient)."""
+    changed = True
+    while changed:
+        changed = False
+        for op in reversed(list(func.ops)):
+            if id(op) in keep_ops or any(v.consumers or v.name in keep_vars for v in op.outputs):
+                continue
+            flow.remove_op(op)
+            for v in op.outputs:
+                flow.remove_var(v)
+            changed = True
+
+
+def _link_primal(flow: Flow, func: Function, grad_ops: list[Operation]) -> None:
+    """Make what a separate gradient function reads from its forward function survive it.
+
+    The gradient cell reads forward values through its primal instance. Values the
+    forward cell computes are flagged OUT, so its memory plan keeps them to the end
+    instead of reusing their storage. The forward function's inputs are not computed
+    by it, so the gradient cell would take them for its own (unset) inputs; it reads a
+    copy the forward cell makes instead (`<input>.primal`).
+    """
+    copies: dict[str, Variable] = {}
+    for op in grad_ops:
+        for v in list(op.inputs):
+            if v.is_global:
+                continue
+            if v.producer is not None:
+                if v.producer.func is func:
+                    v.out = True
+                continue
+            if not any(c.func is func for c in v.consumers):
+                continue  # an input of the gradient function itself (a seed, say)
+            copy = copies.get(v.name)
+            if copy is None:
+                short = v.name[len(func.name) + 1:] if v.name.startswith(func.name + "/") else v.name
+                existing = flow.ops.get(f"{func.name}/{short}.primal")
+                if existing is not None and existing.type == "Identity" and existing.inputs == [v]:
+                    copy = existing.outputs[0]
+                else:
+                    copy = Builder(flow, func).identity(v, name=f"{short}.primal").var
+                copy.out = True
+                copies[v.name] = copy
+            op.replace_input(v, copy)
 
 
 def backward(loss: Tensor, params: Sequence[Tensor], loss_scale: float | None = None, stop: Iterable = ()) -> dict[str, Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import numpy as np
 
@@ -30,6 +31,40 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_mnist(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .train.mnist_job import MnistConfig, resume_mnist, train_mnist
+
+    if args.resume:
+        resume_mnist(Path(args.resume), args.steps, progress=not args.quiet)
+        return 0
+    config = MnistConfig(
+        model=args.model,
+        steps=args.steps if args.steps is not None else MnistConfig.steps,
+        batch=args.batch,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        backend=args.backend,
+        seed=args.seed,
+        data=args.data,
+        checkpoint_every=args.checkpoint_every,
+    )
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"mnist-{args.model}-%Y%m%d-%H%M%S")
+    print(f"run directory: {run_dir}")
+    train_mnist(config, run_dir, progress=not args.quiet)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .train.mnist_job import evaluate_run
+
+    evaluate_run(Path(args.run_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ranvier", description="Neural-network JIT compiler and trainer.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="reference")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
+
+    train = commands.add_parser("train", help="train a model")
+    tasks = train.add_subparsers(dest="task", required=True)
+    mnist = tasks.add_parser("mnist", help="an MNIST classifier (bundled 5,000-digit subset by default)")
+    mnist.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    mnist.add_argument("--steps", type=int, default=None, help="total optimizer steps (default 2340)")
+    mnist.add_argument("--batch", type=int, default=128)
+    mnist.add_argument("--lr", type=float, default=1e-3)
+    mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
+    mnist.add_argument("--backend", default="reference")
+    mnist.add_argument("--seed", type=int, default=0)
+    mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
+    mnist.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")
+    mnist.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its checkpoint")
+    mnist.add_argument("--checkpoint-every", type=int, default=500)
+    mnist.add_argument("--quiet", action="store_true", help="no progress bar")
+    mnist.set_defaults(run=_train_mnist)
+
+    evaluate = commands.add_parser("eval", help="re-evaluate a run directory's checkpoint")
+    evaluate.add_argument("run_dir")
+    evaluate.set_defaults(run=_eval)
     return parser
 
 

@@ -147,8 +147,9 @@ class Cell:
             regions.append((slot.offset, slot.offset + slot.size))
         if self.global_vars:
             lines.append("")
+        written = {step.op.inputs[0].name for step in self.steps if step.op.type == "Assign"}
         for var in self.global_vars:
-            kind = "learnable" if var.learnable else "const"
+            kind = "learnable" if var.learnable else ("state" if var.name in written else "const")
             lines.append(f"  {kind} {var.name}: {var.typestr()}    // size {var.nbytes} alignment 64 row-major")
         lines.append("")
         for step in self.steps:

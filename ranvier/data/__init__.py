@@ -1,0 +1,5 @@
+"""Datasets and batching."""
+
+from .batches import BatchSampler
+
+__all__ = ["BatchSampler"]

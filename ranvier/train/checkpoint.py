@@ -1,0 +1,111 @@
+"""Checkpoints: every network global (weights, optimizer state, counters) as safetensors,
+plus JSON metadata (step, schedule, data position, model description).
+
+Layout of a checkpoint directory:
+    weights-<step>.safetensors   the arrays
+    checkpoint.json              metadata; names the weights file and its SHA-256
+
+Both files are written atomically, the weights first: replacing checkpoint.json is
+the commit point, so an interrupted save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from .. import dtypes
+from ..atomic import atomic_write_bytes
+from ..errors import RanvierError
+
+FORMAT = "ranvier-checkpoint"
+VERSION = 1
+METADATA = "checkpoint.json"
+
+# safetensors' numpy API has no bfloat16; such arrays travel as their uint16 bits.
+_STORED_AS = {dtypes.DT_BFLOAT16: np.uint16}
+
+
+class CheckpointError(RanvierError):
+    """A checkpoint is missing, corrupt, or belongs to a different model."""
+
+
+def save_checkpoint(directory: str | Path, arrays: dict[str, np.ndarray], state: dict) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stored, types = {}, {}
+    for name, array in arrays.items():
+        dtype = dtypes.from_numpy(array.dtype)
+        types[name] = {"dtype": dtype, "shape": list(array.shape)}
+        carrier = _STORED_AS.get(dtype)
+        stored[name] = np.ascontiguousarray(array).view(carrier) if carrier else np.ascontiguousarray(array)
+    blob = st_save(stored)
+    weights_name = f"weights-{int(state.get('step', 0)):08d}.safetensors"
+    atomic_write_bytes(directory / weights_name, blob)
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "weights": weights_name,
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "arrays": types,
+        **state,
+    }
+    atomic_write_bytes(directory / METADATA, json.dumps(metadata, indent=1).encode())
+    for old in directory.glob("weights-*.safetensors"):
+        if old.name != weights_name:
+            old.unlink()
+    return directory
+
+
+def load_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]:
+    directory = Path(directory)
+    meta_path = directory / METADATA
+    if not meta_path.is_file():
+        raise CheckpointError(f"no checkpoint in {directory}: {METADATA} is missing")
+    try:
+        metadata = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{meta_path} is not valid JSON: {error}") from None
+    if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
+        raise CheckpointError(f"{meta_path} is not a {FORMAT} version {VERSION} file")
+    weights_path = directory / metadata["weights"]
+    if not weights_path.is_file():
+        raise CheckpointError(f"checkpoint weights {weights_path} are missing")
+    blob = weights_path.read_bytes()
+    if hashlib.sha256(blob).hexdigest() != metadata["sha256"]:
+        raise CheckpointError(f"checkpoint weights {weights_path} do not match the SHA-256 in {meta_path} (corrupt or partial)")
+    try:
+        stored = st_load(blob)
+    except Exception as error:  # safetensors raises its own error types for corrupt data
+        raise CheckpointError(f"cannot read {weights_path}: {error}") from None
+    arrays = {}
+    for name, info in metadata["arrays"].items():
+        if name not in stored:
+            raise CheckpointError(f"checkpoint {weights_path} lacks array {name}")
+        arrays[name] = stored[name].view(dtypes.to_numpy(info["dtype"])).reshape(info["shape"])
+    return arrays, metadata
+
+
+def check_compatible(arrays: dict[str, np.ndarray], expected: dict[str, np.ndarray], source: str) -> None:
+    """Refuse a checkpoint whose variables differ in name, dtype or shape from the model's."""
+    missing = sorted(set(expected) - set(arrays))
+    extra = sorted(set(arrays) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {source} is for a different model: "
+            + (f"missing {', '.join(missing[:5])}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"unexpected {', '.join(extra[:5])}" if extra else "")
+        )
+    for name, target in expected.items():
+        got = arrays[name]
+        if got.shape != target.shape or got.dtype != target.dtype:
+            raise CheckpointError(
+                f"checkpoint {source} is for a different model: {name} is "
+                f"{dtypes.from_numpy(got.dtype)}{list(got.shape)}, expected {dtypes.from_numpy(target.dtype)}{list(target.shape)}"
+            )

@@ -1,0 +1,145 @@
+"""`ranvier train mnist` and `ranvier eval`: train a classifier on MNIST in a run directory.
+
+A run directory holds config.json (everything needed to rebuild the model), metrics.jsonl
+(one line per logged step), and checkpoint/ (weights, optimizer state, data position).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic import atomic_write_bytes
+from ..data import mnist
+from ..errors import RanvierError
+from ..models import CNN, MLP
+from .classifier import build_classifier
+from .optimizers import SGD, Adam, AdamW
+from .schedules import Constant
+from .trainer import Trainer
+
+OPTIMIZERS = {"adam": Adam, "adamw": AdamW, "sgd": SGD}
+
+
+@dataclass
+class MnistConfig:
+    model: str = "mlp"
+    steps: int = 2340
+    batch: int = 128
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    hidden: list[int] = field(default_factory=lambda: [256])
+    activation: str = "gelu"
+    backend: str = "reference"
+    seed: int = 0
+    data: str | None = None
+    checkpoint_every: int = 500
+    log_every: int = 10
+
+
+def make_model(config: MnistConfig):
+    if config.model == "mlp":
+        return MLP([784, *config.hidden, 10], activation=config.activation, seed=config.seed)
+    if config.model == "cnn":
+        return CNN(seed=config.seed)
+    raise RanvierError(f"unknown model {config.model!r}; choose mlp or cnn")
+
+
+def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split]:
+    if config.optimizer not in OPTIMIZERS:
+        raise RanvierError(f"unknown optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    train_split, test_split = mnist.load(config.data)
+    model = make_model(config)
+    shape = [784] if config.model == "mlp" else [1, 28, 28]
+    setup = build_classifier(model, shape, config.batch)
+    trainer = Trainer(
+        setup.loss,
+        setup.params,
+        OPTIMIZERS[config.optimizer](lr=config.lr),
+        schedule=Constant(config.lr),
+        predict=setup.logits,
+        inputs=[setup.x, setup.labels],
+        backend=config.backend,
+    )
+    images = train_split.flat() if config.model == "mlp" else train_split.nchw()
+    trainer.set_dataset([images, train_split.labels.astype(np.int32)], seed=config.seed)
+    return trainer, train_split, test_split
+
+
+def _test_images(config: MnistConfig, split: mnist.Split) -> np.ndarray:
+    return split.flat() if config.model == "mlp" else split.nchw()
+
+
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """On resume, drop metric lines logged after the checkpoint (they will be logged again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+
+
+def read_config(run_dir: Path) -> MnistConfig:
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
+    return MnistConfig(**json.loads(config_path.read_text()))
+
+
+def resume_mnist(run_dir: Path, steps: int | None = None, progress: bool = True) -> float:
+    """Continue a run from its checkpoint, to its configured steps or to `steps`."""
+    config = read_config(run_dir)
+    if steps is not None:
+        config.steps = steps
+    return train_mnist(config, run_dir, resume=True, progress=progress)
+
+
+def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> float:
+    """Train (or resume) and return the test accuracy. Prints `test_accuracy=0.XXXX` last."""
+    from ..progress import training_progress
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "config.json", json.dumps(asdict(config), indent=1).encode())
+
+    trainer, _, test_split = make_trainer(config)
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        trainer.load(run_dir / "checkpoint")
+        _keep_metrics_until(metrics_path, trainer.step_count)
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    print(f"compiled in {trainer.compile_seconds:.2f}s ({config.backend} backend); training from step {trainer.step_count}")
+
+    remaining = max(0, config.steps - trainer.step_count)
+    start = time.perf_counter()
+    with open(metrics_path, "a") as metrics, training_progress(remaining, enabled=progress) as report:
+        for _ in range(remaining):
+            loss = trainer.step()
+            report(loss)
+            step = trainer.step_count
+            if step % config.log_every == 0 or step == config.steps:
+                record = {"step": step, "loss": loss, "lr": config.lr, "grad_norm": trainer.grad_norm,
+                          "elapsed": time.perf_counter() - start}
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            if step % config.checkpoint_every == 0 and step != config.steps:
+                trainer.save(run_dir / "checkpoint")
+    trainer.save(run_dir / "checkpoint")
+    accuracy = trainer.accuracy(_test_images(config, test_split), test_split.labels)
+    with open(metrics_path, "a") as metrics:
+        metrics.write(json.dumps({"step": trainer.step_count, "test_accuracy": accuracy}) + "\n")
+    print(f"test_accuracy={accuracy:.4f}")
+    return accuracy
+
+
+def evaluate_run(run_dir: Path) -> float:
+    config = read_config(run_dir)
+    trainer, _, test_split = make_trainer(config)
+    trainer.load(run_dir / "checkpoint")
+    accuracy = trainer.accuracy(_test_images(config, test_split), test_split.labels)
+    print(f"step={trainer.step_count}")
+    print(f"test_accuracy={accuracy:.4f}")
+    return accuracy

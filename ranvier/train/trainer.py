@@ -1,0 +1,298 @@
+"""Trainers: compile a whole training step (forward, backward, update) into one cell.
+
+Parameters and optimizer state are network globals that the step updates in place,
+so nothing is recompiled and nothing crosses back to the host per step except the
+scalars: the learning rate in, the loss out.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..autodiff import gradient
+from ..compiler import Compiler
+from ..data.batches import BatchSampler
+from ..errors import RanvierError
+from ..flow.builder import Builder, Tensor
+from ..flow.graph import Variable
+from . import schedules
+from .checkpoint import check_compatible, load_checkpoint, save_checkpoint
+from .loss_scale import DynamicLossScale, dynamic_updates, scale_tensor
+from .optimizers import Adam, state_var
+
+
+def _all_finite(b: Builder, grads: list[Tensor]) -> Tensor:
+    """True when every gradient element is finite: inf or NaN makes (s − s) NaN, never 0."""
+    total = b.sum(grads[0])
+    for g in grads[1:]:
+        total = total + b.sum(g)
+    return b.equal(total - total, 0.0)
+
+
+def build_update(
+    b: Builder,
+    params: list[Tensor],
+    grads: list[Tensor],
+    optimizer,
+    lr: Tensor,
+    scale: Tensor | None,
+    loss_scale,
+    clip_norm: float | None,
+) -> Tensor:
+    """Clip, apply the optimizer, guard against non-finite gradients, and Assign in place.
+
+    Returns the (unscaled) global gradient norm, which the caller may expose.
+    """
+    squares = b.sum(grads[0] * grads[0])
+    for g in grads[1:]:
+        squares = squares + b.sum(g * g)
+    norm = b.sqrt(squares)
+    if scale is not None:
+        norm = norm / scale
+    if clip_norm is not None:
+        factor = b.minimum(b.const(1.0), clip_norm / (norm + 1e-6))
+        grads = [g * factor for g in grads]
+    updates = optimizer.updates(b, params, grads, lr, scale)
+    if isinstance(loss_scale, DynamicLossScale):
+        finite = _all_finite(b, grads)
+        updates = [(target, b.cond(finite, value, b._wrap(target))) for target, value in updates]
+        updates += dynamic_updates(b, loss_scale, scale, finite)
+    for target, value in updates:
+        b.op("Assign", [b._wrap(target), value])
+    return norm
+
+
+class Trainer:
+    """Compile one train-step cell for `loss` over `params`; `step(batch)` returns the loss.
+
+    predict: an output in another function of the same flow (sharing the parameters)
+        that `evaluate` and `accuracy` run, e.g. the logits of an inference function.
+    accumulate: split each batch into this many micro-batches; gradients accumulate in
+        resident buffers and one update is applied per step.
+    loss_scale: None, a number (static) or a DynamicLossScale.
+    """
+
+    def __init__(
+        self,
+        loss: Tensor,
+        params: Sequence[Tensor],
+        optimizer=None,
+        *,
+        schedule=None,
+        clip_norm: float | None = None,
+        loss_scale=None,
+        accumulate: int = 1,
+        predict: Tensor | None = None,
+        inputs: Sequence[Tensor] | None = None,
+        backend: str = "reference",
+    ):
+        if accumulate < 1:
+            raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
+        self.optimizer = optimizer or Adam()
+        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
+        self.accumulate = accumulate
+        self.loss_scale = loss_scale
+        self.params = list(params)
+        self.flow = loss.builder.flow
+        b = loss.builder
+        self.func = b.func
+        self.func.training = True
+        self.loss_var = loss.var
+        loss.var.out = True
+        self.inputs = [t.var for t in inputs] if inputs is not None else self._function_inputs()
+
+        scale = scale_tensor(b, loss_scale, self.func.name)
+        grads_by_name = gradient(self.flow, self.func, self.params, loss=loss, seed=scale)
+        grads = [grads_by_name[p.name] for p in self.params]
+        if accumulate == 1:
+            self.lr_var = b.var("lr", "float32", []).var
+            self.norm_var = build_update(b, self.params, grads, self.optimizer, b._wrap(self.lr_var), scale, loss_scale, clip_norm).var
+            self.apply_func = None
+        else:
+            apply = Builder(self.flow, f"{self.func.name}/apply")
+            apply.func.training = True
+            accumulated = []
+            for p, g in zip(self.params, grads):
+                acc = state_var(b, p.var, "grad_accumulator")
+                b.op("Assign", [acc, acc + g])
+                accumulated.append(apply._wrap(acc.var))
+            self.lr_var = apply.var("lr", "float32", []).var
+            mean_grads = [a * (1.0 / accumulate) for a in accumulated]
+            apply_scale = scale_tensor(apply, loss_scale, self.func.name)
+            self.norm_var = build_update(apply, self.params, mean_grads, self.optimizer, apply._wrap(self.lr_var), apply_scale, loss_scale, clip_norm).var
+            for acc in accumulated:
+                apply.op("Assign", [acc, apply.broadcast_to(apply.const(0.0, acc.dtype), acc.shape) if acc.shape else apply.const(0.0, acc.dtype)])
+            self.apply_func = apply.func
+        self.norm_var.out = True
+
+        compile_start = time.perf_counter()
+        self.network = Compiler(backend).compile(self.flow)
+        self.compile_seconds = time.perf_counter() - compile_start
+        self.cell = self.network.cell(self.func.name)
+        self.data = self.cell.instance()
+        self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None
+        self.predict_var = predict.var if predict is not None else None
+        self.predict_data = None
+        if predict is not None:
+            self.predict_data = self.network.cell(predict.var.producer.func.name).instance()
+        self.step_count = 0
+        self.sampler: BatchSampler | None = None
+        self.dataset: dict[str, np.ndarray] = {}
+
+    def _function_inputs(self) -> list[Variable]:
+        used = {v.name for v in self.flow.inputs(self.func)}
+        return [v for v in self.flow.vars.values() if v.name in used and not v.is_global]
+
+    # ---- data --------------------------------------------------------------------------
+
+    def set_dataset(self, arrays: Mapping | Sequence[np.ndarray], seed: int = 0, shuffle: bool = True) -> None:
+        """Sample minibatches host-side from whole arrays, one per train-step input."""
+        named = self._by_input(arrays, "dataset")
+        sizes = {len(a) for a in named.values()}
+        if len(sizes) != 1:
+            raise RanvierError(f"dataset arrays have different lengths: {sorted(sizes)}")
+        batch = self.inputs[0].shape[0] * self.accumulate
+        for var in self.inputs:
+            array = named[var.name]
+            if list(array.shape[1:]) != var.shape[1:]:
+                raise RanvierError(f"dataset for {var.name} has examples of shape {list(array.shape[1:])}, expected {var.shape[1:]}")
+        self.dataset = named
+        self.sampler = BatchSampler(sizes.pop(), batch, seed=seed, shuffle=shuffle)
+
+    def _by_input(self, arrays, what: str) -> dict[str, np.ndarray]:
+        if isinstance(arrays, Mapping):
+            named = {}
+            for key, value in arrays.items():
+                var = key.var if isinstance(key, Tensor) else (key if isinstance(key, Variable) else self.flow.var(key))
+                named[var.name] = np.asarray(value)
+        else:
+            arrays = list(arrays)
+            if len(arrays) != len(self.inputs):
+                raise RanvierError(f"{what} has {len(arrays)} arrays, expected one per input: {', '.join(v.name for v in self.inputs)}")
+            named = {v.name: np.asarray(a) for v, a in zip(self.inputs, arrays)}
+        missing = [v.name for v in self.inputs if v.name not in named]
+        if missing:
+            raise RanvierError(f"{what} lacks arrays for inputs {', '.join(missing)}")
+        return named
+
+    # ---- training --------------------------------------------------------------------------
+
+    def step(self, batch=None) -> float:
+        """One optimizer step on `batch` (or the next sampled minibatch); returns the loss."""
+        if batch is None:
+            if self.sampler is None:
+                raise RanvierError("step() needs a batch, or call set_dataset() first")
+            indices = self.sampler.next()
+            named = {name: array[indices] for name, array in self.dataset.items()}
+        else:
+            named = self._by_input(batch, "batch")
+        lr = float(self.schedule(self.step_count))
+        if self.accumulate == 1:
+            self._feed(self.data, named, 0, None)
+            self.data[self.lr_var] = lr
+            self.data.compute()
+            loss = float(self.data[self.loss_var])
+        else:
+            micro = self.inputs[0].shape[0]
+            loss = 0.0
+            for k in range(self.accumulate):
+                self._feed(self.data, named, k * micro, micro)
+                self.data.compute()
+                loss += float(self.data[self.loss_var])
+            loss /= self.accumulate
+            self.apply_data[self.lr_var] = lr
+            self.apply_data.compute()
+        self.step_count += 1
+        return loss
+
+    def _feed(self, data, named, start: int, count: int | None) -> None:
+        for var in self.inputs:
+            array = named[var.name]
+            part = array if count is None else array[start : start + count]
+            if list(part.shape) != var.shape:
+                raise RanvierError(f"batch for {var.name} has shape {list(part.shape)}, expected {var.shape}")
+            data[var] = part
+
+    @property
+    def grad_norm(self) -> float:
+        source = self.apply_data if self.apply_data is not None else self.data
+        return float(source[self.norm_var])
+
+    def train(self, steps: int, progress: bool = True, callback: Callable[[int, float], None] | None = None) -> list[float]:
+        """Run `steps` steps on the dataset, with a progress bar (step, loss, steps/s, ETA)."""
+        from ..progress import training_progress
+
+        losses = []
+        with training_progress(steps, enabled=progress) as report:
+            for _ in range(steps):
+                loss = self.step()
+                losses.append(loss)
+                report(loss)
+                if callback is not None:
+                    callback(self.step_count, loss)
+        return losses
+
+    # ---- evaluation --------------------------------------------------------------------------
+
+    def evaluate(self, x: np.ndarray) -> np.ndarray:
+        """Run the prediction cell over all of `x` in batches (the last one padded)."""
+        if self.predict_data is None:
+            raise RanvierError("evaluate() needs the trainer to be created with predict=<output tensor>")
+        cell = self.predict_data.cell
+        inputs = [v for v in self.flow.inputs(cell.func) if not v.is_global]
+        if len(inputs) != 1:
+            raise RanvierError(f"prediction cell {cell.name} has inputs {[v.name for v in inputs]}; evaluate() needs exactly one")
+        (var,) = inputs
+        x = np.asarray(x)
+        if list(x.shape[1:]) != var.shape[1:]:
+            raise RanvierError(f"evaluate() got examples of shape {list(x.shape[1:])}, expected {var.shape[1:]} for {var.name}")
+        batch = var.shape[0]
+        outputs = []
+        for start in range(0, len(x), batch):
+            chunk = x[start : start + batch]
+            padded = np.zeros(var.shape, dtype=self.predict_data[var].dtype)
+            padded[: len(chunk)] = chunk
+            self.predict_data[var] = padded
+            self.predict_data.compute()
+            outputs.append(np.array(self.predict_data[self.predict_var][: len(chunk)]))
+        return np.concatenate(outputs)
+
+    def accuracy(self, x: np.ndarray, labels: np.ndarray) -> float:
+        return float((self.evaluate(x).argmax(axis=-1) == np.asarray(labels)).mean())
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Everything training changes: parameters and every global an Assign writes."""
+        written = {op.inputs[0].name for op in self.flow.ops.values() if op.type == "Assign"}
+        return {
+            name: array
+            for name, array in sorted(self.network.globals.items())
+            if name in written or self.flow.vars[name].learnable
+        }
+
+    def save(self, directory: str | Path, extra: dict | None = None) -> Path:
+        """Write weights, optimizer state, step, schedule and data position, atomically."""
+        state = {
+            "step": self.step_count,
+            "schedule": schedules.to_dict(self.schedule),
+            "sampler": self.sampler.state() if self.sampler else None,
+            **(extra or {}),
+        }
+        return save_checkpoint(directory, self.state_arrays(), state)
+
+    def load(self, directory: str | Path) -> dict:
+        """Restore a checkpoint saved by `save`; training continues exactly where it stopped."""
+        arrays, metadata = load_checkpoint(directory)
+        expected = self.state_arrays()
+        check_compatible(arrays, expected, str(directory))
+        for name, array in arrays.items():
+            expected[name][...] = array
+        self.step_count = int(metadata["step"])
+        if metadata.get("sampler") and self.sampler is not None:
+            self.sampler.restore(metadata["sampler"])
+        return metadata
