@@ -43,7 +43,13 @@ class Module:
         return result
 
     def __call__(self, b: Builder, x: Tensor, params: Mapping[str, Tensor] | None = None) -> Tensor:
-        return self.forward(b, x, dict(params) if params is not None else self.parameters(b))
+        """Apply the model to x; `params` may override parameter values (keyed "W0" or "mlp/W0"),
+        e.g. with the updated values an unrolled training step threads through."""
+        values = self.parameters(b)
+        prefix = f"{self.name}/"
+        for key, value in (params or {}).items():
+            values[key[len(prefix):] if key.startswith(prefix) else key] = value
+        return self.forward(b, x, values)
 
     def forward(self, b: Builder, x: Tensor, p: dict[str, Tensor]) -> Tensor:
         raise NotImplementedError

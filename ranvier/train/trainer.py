@@ -18,11 +18,11 @@ from ..compiler import Compiler
 from ..data.batches import BatchSampler
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
-from ..flow.graph import Variable
+from ..flow.graph import Flow, Variable
 from . import schedules
 from .checkpoint import check_compatible, load_checkpoint, save_checkpoint
 from .loss_scale import DynamicLossScale, dynamic_updates, scale_tensor
-from .optimizers import Adam, state_var
+from .optimizers import Adam, Current, Update, current_value, state_var
 
 
 def _all_finite(b: Builder, grads: list[Tensor]) -> Tensor:
@@ -33,7 +33,7 @@ def _all_finite(b: Builder, grads: list[Tensor]) -> Tensor:
     return b.equal(total - total, 0.0)
 
 
-def build_update(
+def step_updates(
     b: Builder,
     params: list[Tensor],
     grads: list[Tensor],
@@ -42,11 +42,15 @@ def build_update(
     scale: Tensor | None,
     loss_scale,
     clip_norm: float | None,
-) -> Tensor:
-    """Clip, apply the optimizer, guard against non-finite gradients, and Assign in place.
+    current: Current | None = None,
+) -> tuple[list[Update], Tensor]:
+    """Clip, apply the optimizer and guard against non-finite gradients.
 
-    Returns the (unscaled) global gradient norm, which the caller may expose.
+    Returns the (variable, new value) pairs and the unscaled global gradient norm.
     """
+    # Tensor operators build into their left operand's function; make that b's.
+    params = [b._wrap(p.var) for p in params]
+    grads = [b._wrap(g.var) for g in grads]
     squares = b.sum(grads[0] * grads[0])
     for g in grads[1:]:
         squares = squares + b.sum(g * g)
@@ -56,96 +60,36 @@ def build_update(
     if clip_norm is not None:
         factor = b.minimum(b.const(1.0), clip_norm / (norm + 1e-6))
         grads = [g * factor for g in grads]
-    updates = optimizer.updates(b, params, grads, lr, scale)
+    updates = optimizer.updates(b, params, grads, lr, scale, current)
     if isinstance(loss_scale, DynamicLossScale):
         finite = _all_finite(b, grads)
-        updates = [(target, b.cond(finite, value, b._wrap(target))) for target, value in updates]
+        updates = [(target, b.cond(finite, value, current_value(current, b._wrap(target)))) for target, value in updates]
         updates += dynamic_updates(b, loss_scale, scale, finite)
+    return updates, norm
+
+
+def assign_all(b: Builder, updates: list[Update]) -> None:
     for target, value in updates:
         b.op("Assign", [b._wrap(target), value])
-    return norm
 
 
-class Trainer:
-    """Compile one train-step cell for `loss` over `params`; `step(batch)` returns the loss.
+class TrainerBase:
+    """What every trainer shares: the compiled network, the dataset sampler, the schedule,
+    evaluation through a prediction cell, and checkpoints of all resident state."""
 
-    predict: an output in another function of the same flow (sharing the parameters)
-        that `evaluate` and `accuracy` run, e.g. the logits of an inference function.
-    accumulate: split each batch into this many micro-batches; gradients accumulate in
-        resident buffers and one update is applied per step.
-    loss_scale: None, a number (static) or a DynamicLossScale.
-    """
+    flow: Flow
+    inputs: list[Variable]  # the arrays one sampled example set feeds, in dataset order
+    batch_rows: int  # examples drawn from the dataset per step() call
 
-    def __init__(
-        self,
-        loss: Tensor,
-        params: Sequence[Tensor],
-        optimizer=None,
-        *,
-        schedule=None,
-        clip_norm: float | None = None,
-        loss_scale=None,
-        accumulate: int = 1,
-        predict: Tensor | None = None,
-        inputs: Sequence[Tensor] | None = None,
-        backend: str = "reference",
-    ):
-        if accumulate < 1:
-            raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
-        self.optimizer = optimizer or Adam()
-        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
-        self.accumulate = accumulate
-        self.loss_scale = loss_scale
-        self.params = list(params)
-        self.flow = loss.builder.flow
-        b = loss.builder
-        self.func = b.func
-        self.func.training = True
-        self.loss_var = loss.var
-        loss.var.out = True
-        self.inputs = [t.var for t in inputs] if inputs is not None else self._function_inputs()
-
-        scale = scale_tensor(b, loss_scale, self.func.name)
-        grads_by_name = gradient(self.flow, self.func, self.params, loss=loss, seed=scale)
-        grads = [grads_by_name[p.name] for p in self.params]
-        if accumulate == 1:
-            self.lr_var = b.var("lr", "float32", []).var
-            self.norm_var = build_update(b, self.params, grads, self.optimizer, b._wrap(self.lr_var), scale, loss_scale, clip_norm).var
-            self.apply_func = None
-        else:
-            apply = Builder(self.flow, f"{self.func.name}/apply")
-            apply.func.training = True
-            accumulated = []
-            for p, g in zip(self.params, grads):
-                acc = state_var(b, p.var, "grad_accumulator")
-                b.op("Assign", [acc, acc + g])
-                accumulated.append(apply._wrap(acc.var))
-            self.lr_var = apply.var("lr", "float32", []).var
-            mean_grads = [a * (1.0 / accumulate) for a in accumulated]
-            apply_scale = scale_tensor(apply, loss_scale, self.func.name)
-            self.norm_var = build_update(apply, self.params, mean_grads, self.optimizer, apply._wrap(self.lr_var), apply_scale, loss_scale, clip_norm).var
-            for acc in accumulated:
-                apply.op("Assign", [acc, apply.broadcast_to(apply.const(0.0, acc.dtype), acc.shape) if acc.shape else apply.const(0.0, acc.dtype)])
-            self.apply_func = apply.func
-        self.norm_var.out = True
-
+    def _compile(self, backend: str, predict: Tensor | None) -> None:
         compile_start = time.perf_counter()
         self.network = Compiler(backend).compile(self.flow)
         self.compile_seconds = time.perf_counter() - compile_start
-        self.cell = self.network.cell(self.func.name)
-        self.data = self.cell.instance()
-        self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None
         self.predict_var = predict.var if predict is not None else None
-        self.predict_data = None
-        if predict is not None:
-            self.predict_data = self.network.cell(predict.var.producer.func.name).instance()
+        self.predict_data = self.network.cell(predict.var.producer.func.name).instance() if predict is not None else None
         self.step_count = 0
         self.sampler: BatchSampler | None = None
         self.dataset: dict[str, np.ndarray] = {}
-
-    def _function_inputs(self) -> list[Variable]:
-        used = {v.name for v in self.flow.inputs(self.func)}
-        return [v for v in self.flow.vars.values() if v.name in used and not v.is_global]
 
     # ---- data --------------------------------------------------------------------------
 
@@ -155,13 +99,12 @@ class Trainer:
         sizes = {len(a) for a in named.values()}
         if len(sizes) != 1:
             raise RanvierError(f"dataset arrays have different lengths: {sorted(sizes)}")
-        batch = self.inputs[0].shape[0] * self.accumulate
         for var in self.inputs:
             array = named[var.name]
             if list(array.shape[1:]) != var.shape[1:]:
                 raise RanvierError(f"dataset for {var.name} has examples of shape {list(array.shape[1:])}, expected {var.shape[1:]}")
         self.dataset = named
-        self.sampler = BatchSampler(sizes.pop(), batch, seed=seed, shuffle=shuffle)
+        self.sampler = BatchSampler(sizes.pop(), self.batch_rows, seed=seed, shuffle=shuffle)
 
     def _by_input(self, arrays, what: str) -> dict[str, np.ndarray]:
         if isinstance(arrays, Mapping):
@@ -179,51 +122,25 @@ class Trainer:
             raise RanvierError(f"{what} lacks arrays for inputs {', '.join(missing)}")
         return named
 
-    # ---- training --------------------------------------------------------------------------
+    def _next_batch(self, batch) -> dict[str, np.ndarray]:
+        if batch is not None:
+            return self._by_input(batch, "batch")
+        if self.sampler is None:
+            raise RanvierError("step() needs a batch, or call set_dataset() first")
+        indices = self.sampler.next()
+        return {name: array[indices] for name, array in self.dataset.items()}
 
-    def step(self, batch=None) -> float:
-        """One optimizer step on `batch` (or the next sampled minibatch); returns the loss."""
-        if batch is None:
-            if self.sampler is None:
-                raise RanvierError("step() needs a batch, or call set_dataset() first")
-            indices = self.sampler.next()
-            named = {name: array[indices] for name, array in self.dataset.items()}
-        else:
-            named = self._by_input(batch, "batch")
-        lr = float(self.schedule(self.step_count))
-        if self.accumulate == 1:
-            self._feed(self.data, named, 0, None)
-            self.data[self.lr_var] = lr
-            self.data.compute()
-            loss = float(self.data[self.loss_var])
-        else:
-            micro = self.inputs[0].shape[0]
-            loss = 0.0
-            for k in range(self.accumulate):
-                self._feed(self.data, named, k * micro, micro)
-                self.data.compute()
-                loss += float(self.data[self.loss_var])
-            loss /= self.accumulate
-            self.apply_data[self.lr_var] = lr
-            self.apply_data.compute()
-        self.step_count += 1
-        return loss
+    @staticmethod
+    def _feed(data, var: Variable, array: np.ndarray) -> None:
+        if list(array.shape) != var.shape:
+            raise RanvierError(f"batch for {var.name} has shape {list(array.shape)}, expected {var.shape}")
+        data[var] = array
 
-    def _feed(self, data, named, start: int, count: int | None) -> None:
-        for var in self.inputs:
-            array = named[var.name]
-            part = array if count is None else array[start : start + count]
-            if list(part.shape) != var.shape:
-                raise RanvierError(f"batch for {var.name} has shape {list(part.shape)}, expected {var.shape}")
-            data[var] = part
-
-    @property
-    def grad_norm(self) -> float:
-        source = self.apply_data if self.apply_data is not None else self.data
-        return float(source[self.norm_var])
+    def step(self, batch=None):
+        raise NotImplementedError
 
     def train(self, steps: int, progress: bool = True, callback: Callable[[int, float], None] | None = None) -> list[float]:
-        """Run `steps` steps on the dataset, with a progress bar (step, loss, steps/s, ETA)."""
+        """Call step() `steps` times on the dataset, with a progress bar (loss, steps/s, ETA)."""
         from ..progress import training_progress
 
         losses = []
@@ -231,7 +148,7 @@ class Trainer:
             for _ in range(steps):
                 loss = self.step()
                 losses.append(loss)
-                report(loss)
+                report(float(np.mean(loss)))
                 if callback is not None:
                     callback(self.step_count, loss)
         return losses
@@ -296,3 +213,113 @@ class Trainer:
         if metadata.get("sampler") and self.sampler is not None:
             self.sampler.restore(metadata["sampler"])
         return metadata
+
+
+class Trainer(TrainerBase):
+    """Compile one train-step cell for `loss` over `params`; `step(batch)` returns the loss.
+
+    predict: an output in another function of the same flow (sharing the parameters)
+        that `evaluate` and `accuracy` run, e.g. the logits of an inference function.
+    accumulate: split each batch into this many micro-batches; gradients accumulate in
+        resident buffers and one update is applied per step.
+    loss_scale: None, a number (static) or a DynamicLossScale.
+    """
+
+    def __init__(
+        self,
+        loss: Tensor,
+        params: Sequence[Tensor],
+        optimizer=None,
+        *,
+        schedule=None,
+        clip_norm: float | None = None,
+        loss_scale=None,
+        accumulate: int = 1,
+        predict: Tensor | None = None,
+        inputs: Sequence[Tensor] | None = None,
+        backend: str = "reference",
+    ):
+        if accumulate < 1:
+            raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
+        self.optimizer = optimizer or Adam()
+        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
+        self.accumulate = accumulate
+        self.params = list(params)
+        self.flow = loss.builder.flow
+        b = loss.builder
+        self.func = b.func
+        self.func.training = True
+        self.loss_var = loss.var
+        loss.var.out = True
+        self.inputs = [t.var for t in inputs] if inputs is not None else self._function_inputs()
+        self.batch_rows = self.inputs[0].shape[0] * accumulate
+
+        scale = scale_tensor(b, loss_scale, self.func.name)
+        grads_by_name = gradient(self.flow, self.func, self.params, loss=loss, seed=scale)
+        grads = [grads_by_name[p.name] for p in self.params]
+        if accumulate == 1:
+            self.lr_var = b.var("lr", "float32", []).var
+            updates, norm = step_updates(b, self.params, grads, self.optimizer, b._wrap(self.lr_var), scale, loss_scale, clip_norm)
+            assign_all(b, updates)
+            self.apply_func = None
+        else:
+            # Micro-batches add their gradients into resident accumulators; a second
+            # cell applies one update from their mean and clears them.
+            apply = Builder(self.flow, f"{self.func.name}/apply")
+            apply.func.training = True
+            accumulated = []
+            for p, g in zip(self.params, grads):
+                acc = state_var(b, p.var, "grad_accumulator")
+                b.op("Assign", [acc, acc + g])
+                accumulated.append(apply._wrap(acc.var))
+            self.lr_var = apply.var("lr", "float32", []).var
+            mean_grads = [a * (1.0 / accumulate) for a in accumulated]
+            apply_scale = scale_tensor(apply, loss_scale, self.func.name)
+            updates, norm = step_updates(apply, self.params, mean_grads, self.optimizer, apply._wrap(self.lr_var), apply_scale, loss_scale, clip_norm)
+            zero = apply.const(0.0)
+            updates += [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
+            assign_all(apply, updates)
+            self.apply_func = apply.func
+        self.norm_var = norm.var
+        self.norm_var.out = True
+
+        self._compile(backend, predict)
+        self.cell = self.network.cell(self.func.name)
+        self.data = self.cell.instance()
+        self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None
+
+    def _function_inputs(self) -> list[Variable]:
+        used = {v.name for v in self.flow.inputs(self.func)}
+        return [v for v in self.flow.vars.values() if v.name in used and not v.is_global]
+
+    # ---- training --------------------------------------------------------------------------
+
+    def step(self, batch=None) -> float:
+        """One optimizer step on `batch` (or the next sampled minibatch); returns the loss."""
+        named = self._next_batch(batch)
+        lr = float(self.schedule(self.step_count))
+        if self.accumulate == 1:
+            for var in self.inputs:
+                self._feed(self.data, var, named[var.name])
+            self.data[self.lr_var] = lr
+            self.data.compute()
+            loss = float(self.data[self.loss_var])
+        else:
+            micro = self.inputs[0].shape[0]
+            loss = 0.0
+            for k in range(self.accumulate):
+                for var in self.inputs:
+                    self._feed(self.data, var, named[var.name][k * micro : (k + 1) * micro])
+                self.data.compute()
+                loss += float(self.data[self.loss_var])
+            loss /= self.accumulate
+            self.apply_data[self.lr_var] = lr
+            self.apply_data.compute()
+        self.step_count += 1
+        return loss
+
+    @property
+    def grad_norm(self) -> float:
+        source = self.apply_data if self.apply_data is not None else self.data
+        return float(source[self.norm_var])
+

@@ -1,0 +1,94 @@
+"""UnrolledTrainer: K optimizer steps per `compute()` call.
+
+A fixed number of steps has no data-dependent control flow, so the whole
+forward → backward → update recurrence unrolls into one function: step k reads the
+parameter and state values step k−1 computed, and only the last values are written
+back to the resident globals. The host feeds K minibatches and K learning rates.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..autodiff import gradient
+from ..errors import RanvierError
+from ..flow.builder import Builder, Tensor
+from ..flow.graph import Flow
+from . import schedules
+from .optimizers import Adam, current_value
+from .trainer import TrainerBase, assign_all, step_updates
+
+BuildLoss = Callable[[Builder, dict[str, Tensor], int], Tensor]
+
+
+class UnrolledTrainer(TrainerBase):
+    """`build_loss(b, params, k)` builds step k's loss from the given parameter values,
+    creating that step's inputs with `b.var(...)` (one set per step, same order each time)."""
+
+    def __init__(
+        self,
+        flow: Flow,
+        build_loss: BuildLoss,
+        params: Sequence[Tensor],
+        steps_per_call: int,
+        optimizer=None,
+        *,
+        schedule=None,
+        clip_norm: float | None = None,
+        predict: Tensor | None = None,
+        func: str = "train_unrolled",
+        backend: str = "reference",
+    ):
+        if steps_per_call < 1:
+            raise RanvierError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        self.flow = flow
+        self.optimizer = optimizer or Adam()
+        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
+        self.k = steps_per_call
+        b = Builder(flow, func)
+        b.func.training = True
+        self.func = b.func
+        params = [b._wrap(p.var) for p in params]
+        self.lrs_var = b.var("lrs", "float32", [self.k]).var
+        lrs = b._wrap(self.lrs_var)
+
+        current: dict[str, Tensor] = {}
+        self.step_inputs: list[list] = []
+        self.loss_vars = []
+        for k in range(self.k):
+            known = set(flow.vars)
+            values = {p.name: current_value(current, p) for p in params}
+            loss = build_loss(b, values, k)
+            loss.var.out = True
+            self.loss_vars.append(loss.var)
+            self.step_inputs.append([v for name, v in flow.vars.items() if name not in known and v.in_])
+            leaves = [values[p.name] for p in params]
+            grads = gradient(flow, self.func, leaves, loss=loss, stop=leaves)
+            lr = b.reshape(b.slice(lrs, [k], [1]), [])
+            updates, _ = step_updates(b, params, [grads[v.name] for v in leaves], self.optimizer, lr, None, None, clip_norm, current)
+            current.update({target.name: value for target, value in updates})
+        if any(len(inputs) != len(self.step_inputs[0]) for inputs in self.step_inputs):
+            raise RanvierError("build_loss must create the same inputs for every unrolled step")
+        assign_all(b, [(flow.vars[name], value) for name, value in current.items()])
+
+        self.inputs = self.step_inputs[0]
+        self.batch_rows = self.inputs[0].shape[0]
+        self._compile(backend, predict)
+        self.cell = self.network.cell(self.func.name)
+        self.data = self.cell.instance()
+
+    def step(self, batches: Sequence | None = None) -> list[float]:
+        """K optimizer steps in one compute(): `batches` holds K batches, or None to sample
+        them from the dataset. Returns the K losses."""
+        if batches is not None and len(batches) != self.k:
+            raise RanvierError(f"step() got {len(batches)} batches, expected {self.k} (one per unrolled step)")
+        for k in range(self.k):
+            named = self._next_batch(None if batches is None else batches[k])
+            for first_step_var, var in zip(self.inputs, self.step_inputs[k]):
+                self._feed(self.data, var, named[first_step_var.name])
+        self.data[self.lrs_var] = np.array([self.schedule(self.step_count + k) for k in range(self.k)], np.float32)
+        self.data.compute()
+        self.step_count += self.k
+        return [float(self.data[v]) for v in self.loss_vars]
