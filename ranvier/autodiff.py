@@ -134,10 +134,14 @@ def gradient(
 
     if isinstance(seed, (Tensor, Variable)):
         seed_tensor = b._wrap(variable_of(seed))
+        if seed_tensor.dtype != loss_var.dtype:
+            seed_tensor = b.cast(seed_tensor, loss_var.dtype)
         if seed_tensor.shape != list(loss_var.shape):
-            raise RanvierError(
-                f"gradient seed {seed_tensor.name} has shape {seed_tensor.shape}, expected the loss's {list(loss_var.shape)}"
-            )
+            if seed_tensor.shape:
+                raise RanvierError(
+                    f"gradient seed {seed_tensor.name} has shape {seed_tensor.shape}, expected the loss's {list(loss_var.shape)} or a scalar"
+                )
+            seed_tensor = b.broadcast_to(seed_tensor, loss_var.shape)
     else:
         value = 1.0 if seed is None else float(seed)
         seed_tensor = b.broadcast_to(b.const(value, loss_var.dtype), loss_var.shape) if loss_var.shape else b.const(value, loss_var.dtype)
@@ -181,6 +185,11 @@ def gradient(
             g = b.broadcast_to(zero, v.shape) if v.shape else b.identity(zero)
         result[v.name] = g
     _prune(flow, target_func, ops_before, {g.var.name for g in result.values()})
+    for g in result.values():
+        # A gradient is a result of the function even when a later op (an optimizer
+        # update, another gradient) reads it: keep its storage from being reused.
+        if not g.var.is_global:
+            g.var.out = True
     if target_func is not func:
         _link_primal(flow, func, [op for op in target_func.ops if id(op) not in ops_before])
     return result

@@ -55,12 +55,13 @@ class ReferenceBackend:
 
         def kernel() -> None:
             args = [_widen(array, var) for array, var in inputs]
-            try:
-                with np.errstate(all="ignore"):
+            # IEEE semantics: overflow, inf and NaN are values here, not warnings.
+            with np.errstate(all="ignore"):
+                try:
                     results = definition.reference(attrs, args, types)
-            except (IndexError, ValueError, ZeroDivisionError) as error:
-                raise RanvierError(f"{op.type} op {op.name} failed: {error}") from error
-            for out, result in zip(outputs, results):
-                np.copyto(out, np.asarray(result).reshape(out.shape), casting="unsafe")
+                except (IndexError, ValueError, ZeroDivisionError) as error:
+                    raise RanvierError(f"{op.type} op {op.name} failed: {error}") from error
+                for out, result in zip(outputs, results):
+                    np.copyto(out, np.asarray(result).reshape(out.shape), casting="unsafe")
 
         return kernel

@@ -51,18 +51,20 @@ def step_updates(
     # Tensor operators build into their left operand's function; make that b's.
     params = [b._wrap(p.var) for p in params]
     grads = [b._wrap(g.var) for g in grads]
-    squares = b.sum(grads[0] * grads[0])
-    for g in grads[1:]:
+    # The norm and the finiteness test run in float32 even for half-precision gradients.
+    wide = [g if g.dtype in ("float32", "float64") else b.cast(g, "float32") for g in grads]
+    squares = b.sum(wide[0] * wide[0])
+    for g in wide[1:]:
         squares = squares + b.sum(g * g)
     norm = b.sqrt(squares)
     if scale is not None:
         norm = norm / scale
     if clip_norm is not None:
         factor = b.minimum(b.const(1.0), clip_norm / (norm + 1e-6))
-        grads = [g * factor for g in grads]
+        grads = [g * (factor if g.dtype == factor.dtype else b.cast(factor, g.dtype)) for g in grads]
     updates = optimizer.updates(b, params, grads, lr, scale, current)
     if isinstance(loss_scale, DynamicLossScale):
-        finite = _all_finite(b, grads)
+        finite = _all_finite(b, wide)
         updates = [(target, b.cond(finite, value, current_value(current, b._wrap(target)))) for target, value in updates]
         updates += dynamic_updates(b, loss_scale, scale, finite)
     return updates, norm
