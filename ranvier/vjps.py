@@ -409,17 +409,24 @@ def _rms_norm(ctx, g):
 
 @vjp("SoftmaxCrossEntropy")
 def _cross_entropy(ctx, g):
-    """d logits = g · (softmax(logits) − target): the analytic form, with no log (fp16-safe)."""
+    """d logits = g · (softmax(logits) · Σ target − target): the analytic form, with no log
+    (fp16-safe). Class targets (one-hot, smoothed or not) sum to 1; probability targets
+    are taken as given, so a target row that does not sum to 1 still gets its exact
+    gradient."""
     b = ctx.b
     logits, target = ctx.inputs
     classes = logits.shape[-1]
     smoothing = ctx.attrs.float("label_smoothing", 0.0)
-    probs = b.one_hot(target, classes, logits.dtype) if target.dtype in ("int32", "int64") else target
+    integer = target.dtype in ("int32", "int64")
+    probs = b.one_hot(target, classes, logits.dtype) if integer else target
     if smoothing:
         probs = probs * (1.0 - smoothing) + smoothing / classes
     gcol = b.expand_dims(g[0], -1)
-    dlogits = gcol * (b.softmax(logits) - probs)
-    if target.dtype in ("int32", "int64"):
+    softmax = b.softmax(logits)
+    if not integer:
+        softmax = softmax * b.sum(probs, axis=-1, keepdims=True)
+    dlogits = gcol * (softmax - probs)
+    if integer:
         return [dlogits, None]
     return [dlogits, -(gcol * b.log_softmax(logits)) * (1.0 - smoothing)]
 
