@@ -147,7 +147,9 @@ class Cell:
             regions.append((slot.offset, slot.offset + slot.size))
         if self.global_vars:
             lines.append("")
-        written = {step.op.inputs[0].name for step in self.steps if step.op.type == "Assign"}
+        from .compiler.compiler import written_inputs
+
+        written = {v.name for step in self.steps for v in written_inputs(step.op)}
         for var in self.global_vars:
             kind = "learnable" if var.learnable else ("state" if var.name in written else "const")
             lines.append(f"  {kind} {var.name}: {var.typestr()}    // size {var.nbytes} alignment 64 row-major")

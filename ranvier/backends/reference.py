@@ -24,8 +24,8 @@ def _widen(array: np.ndarray, var: Variable) -> np.ndarray:
 class ReferenceBackend:
     name = "reference"
 
-    def lower(self, flow, func, ops: list[Operation]) -> list[Operation]:
-        return ops
+    def lower(self, flow, func, ops: list[Operation], keep: set[str]) -> None:
+        """The oracle runs the flow exactly as built: no rewriting."""
 
     def choose(self, op: Operation) -> Step:
         return Step(op, op.type, "reference")
@@ -48,10 +48,9 @@ class ReferenceBackend:
         attrs = Attrs(op.attrs, op.name, op.type)
         types = [TensorType(v.dtype, v.shape) for v in op.outputs]
         inputs = [(instance.view(v), v) for v in op.inputs]
+        # Results fill the outputs, then the inputs the op overwrites in place.
         outputs = [instance.view(v) for v in op.outputs]
-        written = definition.extra.get("writes_input")
-        if written is not None:
-            outputs = [instance.view(op.inputs[written])]
+        outputs += [instance.view(op.inputs[i]) for i in definition.written_inputs(op)]
 
         def kernel() -> None:
             args = [_widen(array, var) for array, var in inputs]

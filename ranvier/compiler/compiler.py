@@ -35,19 +35,17 @@ def check_types(op: Operation) -> None:
             )
 
 
-def written_input(op: Operation) -> Variable | None:
-    """The input an op overwrites in place (Assign's target), if any."""
-    index = op_def(op.type).extra.get("writes_input")
-    return None if index is None else op.inputs[index]
+def written_inputs(op: Operation) -> list[Variable]:
+    """The inputs an op overwrites in place (Assign's target, a fused update's targets)."""
+    return [op.inputs[i] for i in op_def(op.type).written_inputs(op)]
 
 
 def write_after_read(func: Function) -> dict[int, list[Operation]]:
     """An op that overwrites a variable runs after every other op of the function that reads it."""
     after: dict[int, list[Operation]] = {}
     for op in func.ops:
-        target = written_input(op)
-        if target is not None:
-            after[id(op)] = [c for c in target.consumers if c is not op and c.func is func]
+        for target in written_inputs(op):
+            after.setdefault(id(op), []).extend(c for c in target.consumers if c is not op and c.func is func)
     return after
 
 
@@ -59,7 +57,8 @@ class Compiler:
         self.backend = _backend(backend)
 
     def compile(self, flow: Flow) -> Network:
-        network = Network(flow, self.backend_name)
+        # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
+        network = Network(flow.copy(), self.backend_name)
         for func in flow.funcs.values():
             network.cells[func.name] = self.compile_function(network, func)
         return network
@@ -69,7 +68,10 @@ class Compiler:
         ops = flow.order(func, write_after_read(func))
         for op in ops:
             check_types(op)
-        ops = self.backend.lower(flow, func, ops)
+        keep = {v.name for v in flow.outputs(func)} | {v.name for v in flow.vars.values() if v.out or v.in_}
+        keep |= {v.name for v in flow.vars.values() if any(c.func is not func for c in v.consumers)}
+        self.backend.lower(flow, func, ops, keep)
+        ops = flow.order(func, write_after_read(func))
         steps = [self.backend.choose(op) for op in ops]
 
         # Locals live in the instance; globals in the network; variables computed by
@@ -92,6 +94,6 @@ class Compiler:
         roles = {v.name: "input" for v in flow.inputs(func) if v.name in local}
         roles.update({v.name: "output" for v in flow.outputs(func) if v.name in local})
         roles.update({v.name: "input" if v.in_ else "output" for v in local.values() if v.in_ or v.out})
-        roles.update({t.name: "state" for op in ops if (t := written_input(op)) is not None and t.name in local})
+        roles.update({t.name: "state" for op in ops for t in written_inputs(op) if t.name in local})
         slots, size = plan_memory(ops, list(local.values()), set(roles), self.backend.in_place)
         return Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))

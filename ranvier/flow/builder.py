@@ -24,6 +24,10 @@ class Tensor:
 
     __slots__ = ("var", "builder")
 
+    # numpy defers to our reflected operators (`np_array + x` calls x.__radd__) instead of
+    # broadcasting the handle as an object array.
+    __array_ufunc__ = None
+
     def __init__(self, var: Variable, builder: "Builder"):
         self.var = var
         self.builder = builder
@@ -162,10 +166,15 @@ class Builder:
         return self._wrap(var)
 
     def _operand(self, x, like: Variable | None = None) -> Variable:
-        """A variable for an op input; Python numbers take the dtype of the other operand."""
+        """A variable for an op input; Python numbers take the dtype of the other operand.
+
+        A number the other operand's dtype cannot hold exactly (0.5 for an int32 tensor,
+        300 or -1 for a uint8 one) keeps its own dtype, so the op reports the mismatch
+        instead of silently computing with a truncated or wrapped constant.
+        """
         if isinstance(x, (Tensor, Variable)):
             return variable_of(x)
-        if like is not None and isinstance(x, (int, float, bool)) and not isinstance(x, np.ndarray):
+        if like is not None and isinstance(x, (int, float, bool)) and _fits(x, like.dtype):
             return self.const(x, like.dtype).var
         return self.const(x).var
 
@@ -281,14 +290,15 @@ class Builder:
 
     def cond(self, c, x, y, name=None):
         """c ? x : y (Myelin's Cond)."""
-        anchor = variable_of(x) if isinstance(x, (Tensor, Variable)) else variable_of(y)
+        anchor = next((variable_of(v) for v in (x, y) if isinstance(v, (Tensor, Variable))), None)
         return self.op("Cond", [c, self._operand(x, anchor), self._operand(y, anchor)], name)
 
     where = cond
 
     def select(self, c, x, name=None):
         """c ? x : 0 (Myelin's Select)."""
-        return self.op("Select", [c, x], name)
+        # A Python number keeps its own dtype: the bool condition is no model for it.
+        return self.op("Select", [c, self._operand(x)], name)
 
     # ---- reductions ---------------------------------------------------------------------
 
@@ -366,10 +376,11 @@ class Builder:
 
     @_op_method
     def gather(self, params, indices, name=None):
-        return self.op("Gather", [params, indices], name)
+        # Python-number indices are int32, not converted to the params' dtype.
+        return self.op("Gather", [params, self._operand(indices)], name)
 
     def scatter_add(self, indices, updates, rows: int, name=None):
-        return self.op("ScatterAdd", [indices, updates], name, {"rows": rows})
+        return self.op("ScatterAdd", [self._operand(indices), self._operand(updates)], name, {"rows": rows})
 
     @_op_method
     def one_hot(self, indices, depth: int, dtype=dtypes.DT_FLOAT32, name=None):
@@ -413,6 +424,18 @@ class Builder:
     @_op_method
     def avg_pool(self, x, ksize=(2, 2), strides=None, padding=(0, 0), name=None):
         return self.op("AvgPool", [x], name, _pool_attrs(ksize, strides, padding))
+
+
+def _fits(value, dtype: str) -> bool:
+    """Whether a Python number converts to `dtype` without changing its value."""
+    if dtypes.is_float(dtype):
+        return True
+    if isinstance(value, float) and not value.is_integer():
+        return False
+    if dtype == dtypes.DT_BOOL:
+        return value in (0, 1)
+    info = np.iinfo(dtypes.to_numpy(dtype))
+    return int(info.min) <= value <= int(info.max)
 
 
 def _pair(value) -> list[int]:

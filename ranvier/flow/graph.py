@@ -408,6 +408,37 @@ class Flow:
         for alias in var.aliases:
             self._alias_index.pop(alias, None)
 
+    def copy(self) -> "Flow":
+        """A structural copy for the compiler to rewrite; constant data is shared, not copied."""
+        clone = Flow()
+        for var in self.vars.values():
+            twin = clone.add_var(var.name, var.dtype, var.shape)
+            twin.flags, twin.attrs, twin.data = var.flags, dict(var.attrs), var.data
+            for alias in var.aliases:
+                clone.add_alias(twin, alias)
+        for func in self.funcs.values():
+            twin_func = clone.func(func.name)
+            twin_func.flags = func.flags
+        for op in self.ops.values():
+            twin = clone.add_op(op.name, op.type)
+            twin.attrs, twin.flags = dict(op.attrs), op.flags
+            for v in op.inputs:
+                twin.add_input(clone.vars[v.name])
+            for v in op.outputs:
+                twin.add_output(clone.vars[v.name])
+        for func in self.funcs.values():
+            for op in func.ops:
+                clone.funcs[func.name].add(clone.ops[op.name])
+        for cnx in self.cnxs.values():
+            twin = clone.cnx(cnx.name)
+            twin.flags = cnx.flags
+            for v in cnx.links:
+                twin.add(clone.vars[v.name])
+        for blob in self.blobs.values():
+            twin = clone.blob(blob.name)
+            twin.type, twin.attrs, twin.data, twin.flags = blob.type, dict(blob.attrs), blob.data, blob.flags
+        return clone
+
     # ---- files -------------------------------------------------------------------
 
     def save(self, path, version: int = 6) -> None:

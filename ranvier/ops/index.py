@@ -36,6 +36,8 @@ def _infer_scatter(ctx):
     rows = ctx.attrs.int("rows")
     if indices.dtype not in INDEX or rows is None or rows < 0:
         raise ctx.fail("int32/int64 indices, updates, and attribute rows (the output's first dimension)")
+    if updates.dtype not in dtypes.NUMERIC_DTYPES:
+        raise ctx.fail("numeric updates (they are added up)")
     if tuple(updates.shape[: indices.rank]) != tuple(indices.shape):
         raise ctx.fail(f"updates whose leading dimensions equal the indices' shape {list(indices.shape)}")
     return [TensorType(updates.dtype, (rows, *updates.shape[indices.rank :]))]

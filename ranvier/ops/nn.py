@@ -51,6 +51,9 @@ def _infer_norm(ctx):
     for affine in ctx.inputs[1:]:
         if tuple(affine.shape) != (x.shape[-1],):
             raise ctx.fail(f"scale/shift vectors of shape [{x.shape[-1]}] (the last dimension of x)")
+    eps = ctx.attrs.float("eps", 1e-5)
+    if not eps >= 0.0:
+        raise ctx.fail(f"attribute eps >= 0 (got {eps})")
     return [TensorType(dtype, x.shape)]
 
 
@@ -111,6 +114,10 @@ def _infer_cross_entropy(ctx):
 def target_distribution(target, classes: int, smoothing: float) -> np.ndarray:
     """Integer or one-hot targets as (smoothed) probabilities over the classes."""
     if np.issubdtype(target.dtype, np.integer):
+        if target.size and (target.min() < 0 or target.max() >= classes):
+            # A class outside the logits would silently give a loss of zero.
+            bad = target[(target < 0) | (target >= classes)].reshape(-1)[0]
+            raise IndexError(f"target class {int(bad)} is outside [0, {classes})")
         probs = (target[..., None] == np.arange(classes)).astype(np.float64)
     else:
         probs = _f64(target)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .nn import _f64, _pair, pool_params, windows
+from .nn import _f64, _out_size, _pair, _window_params, pool_params, windows
 from .registry import TensorType, define
 from .rules import FLOATS, same_dtype
 
@@ -22,7 +22,24 @@ def _infer_conv_input_grad(ctx):
     shape = _shape_attr(ctx, "input_shape")
     if dy.rank != 4 or w.rank != 4 or dy.shape[1] != w.shape[0] or shape[1] != w.shape[1]:
         raise ctx.fail("dy [N, O, Ho, Wo] and weights [O, C, KH, KW] matching attribute input_shape [N, C, H, W]")
+    _check_dy(ctx, dy, shape, w.shape[2:], _window_params(ctx, None), "Conv2D")
     return [TensorType(dtype, shape)]
+
+
+def _check_dy(ctx, dy, input_shape, kernel, params, forward):
+    """dy must have the shape the forward op gives for this input, window and attributes."""
+    strides, padding = params
+    expected = [
+        input_shape[0],
+        dy.shape[1],
+        _out_size(ctx, input_shape[2], kernel[0], strides[0], padding[0]),
+        _out_size(ctx, input_shape[3], kernel[1], strides[1], padding[1]),
+    ]
+    if list(dy.shape) != expected:
+        raise ctx.fail(
+            f"dy of shape [{'x'.join(map(str, expected))}] (the {forward} output for an input "
+            f"[{'x'.join(map(str, input_shape))}], window {list(kernel)}, strides {strides}, padding {padding})"
+        )
 
 
 def conv2d_input_grad(dy, w, input_shape, strides, padding):
@@ -55,6 +72,7 @@ def _infer_conv_filter_grad(ctx):
     shape = _shape_attr(ctx, "filter_shape")
     if x.rank != 4 or dy.rank != 4 or x.shape[0] != dy.shape[0] or shape[0] != dy.shape[1] or shape[1] != x.shape[1]:
         raise ctx.fail("x [N, C, H, W] and dy [N, O, Ho, Wo] matching attribute filter_shape [O, C, KH, KW]")
+    _check_dy(ctx, dy, x.shape, shape[2:], _window_params(ctx, None), "Conv2D")
     return [TensorType(dtype, shape)]
 
 
@@ -83,6 +101,10 @@ def _infer_pool_grad(ctx):
         shape = _shape_attr(ctx, "input_shape")
     if dy.rank != 4 or len(shape) != 4 or list(dy.shape[:2]) != list(shape[:2]):
         raise ctx.fail("dy [N, C, Ho, Wo] with the input's N and C")
+    kernel = _pair(ctx.attrs, "ksize", [2, 2])
+    if len(kernel) != 2 or min(kernel) < 1:
+        raise ctx.fail("attribute ksize with one or two positive entries")
+    _check_dy(ctx, dy, shape, kernel, _window_params(ctx, kernel), ctx.op_type[: -len("Grad")])
     return [TensorType(dtype, shape)]
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import dtypes
 from .registry import TensorType, define
-from .rules import FLOATS, NUMERIC, normalize_axis, reduction_axes, same_dtype
+from .rules import FLOATS, INDEX, NUMERIC, normalize_axis, reduction_axes, same_dtype
 
 
 def reduced_shape(shape, axes, keepdims):
@@ -31,7 +31,8 @@ def _reduce(fn):
     def reference(attrs, args, outs):
         x = args[0]
         axis = attrs.ints("axis")
-        axes = tuple(range(x.ndim)) if axis is None else tuple(a % x.ndim for a in axis)
+        # Sorted and without repeats, as the shape rule reads them (axis=[1, -1] is one axis).
+        axes = tuple(range(x.ndim)) if axis is None else tuple(sorted({a % x.ndim for a in axis}))
         result = fn(x, axis=axes, keepdims=attrs.bool("keepdims"))
         return [np.asarray(result).reshape(outs[0].shape)]
 
@@ -42,12 +43,17 @@ def _mean(x, axis, keepdims):
     return np.mean(np.asarray(x, np.float64), axis=axis, keepdims=keepdims)
 
 
+def _wide(fn):
+    """Accumulate floats in float64 so the oracle is more accurate than any kernel it checks."""
+    return lambda x, axis, keepdims: fn(x, axis=axis, keepdims=keepdims, dtype=np.float64 if x.dtype.kind == "f" else None)
+
+
 REDUCTIONS = {
-    "Sum": (np.sum, NUMERIC),
+    "Sum": (_wide(np.sum), NUMERIC),
     "Mean": (_mean, FLOATS),
     "Max": (np.max, NUMERIC),
     "Min": (np.min, NUMERIC),
-    "Product": (np.prod, NUMERIC),
+    "Product": (_wide(np.prod), NUMERIC),
     "All": (np.all, (dtypes.DT_BOOL,)),
     "Any": (np.any, (dtypes.DT_BOOL,)),
 }
@@ -59,15 +65,20 @@ for _type, (_fn, _allowed) in REDUCTIONS.items():
 def _infer_arg(ctx):
     same_dtype(ctx, dtypes.NUMERIC_DTYPES, "a numeric input")
     x = ctx.inputs[0]
+    output_type = ctx.attrs.str("output_type", dtypes.DT_INT32)
+    if output_type not in INDEX:
+        raise ctx.fail(f"attribute output_type to be int32 or int64 (got {output_type})")
     axis = ctx.attrs.int("axis")
     if axis is None:
+        if x.size == 0:
+            raise ctx.fail("a non-empty input")
         shape = (1,) * x.rank if ctx.attrs.bool("keepdims") else ()
     else:
         a = normalize_axis(ctx, axis, x.rank)
         if x.shape[a] == 0:
             raise ctx.fail("a non-empty axis")
         shape = reduced_shape(x.shape, (a,), ctx.attrs.bool("keepdims"))
-    return [TensorType(ctx.attrs.str("output_type", dtypes.DT_INT32), shape)]
+    return [TensorType(output_type, shape)]
 
 
 def _arg(fn):

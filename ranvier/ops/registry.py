@@ -124,6 +124,11 @@ class OpDef:
     doc: str = ""
     extra: dict = field(default_factory=dict)
 
+    def written_inputs(self, op) -> list[int]:
+        """Indices of the inputs this op overwrites in place (Assign's target, a fused update)."""
+        rule = self.extra.get("written_inputs")
+        return rule(op) if rule is not None else []
+
     def infer_types(self, op_name: str, inputs: Sequence, attrs: dict[str, str]) -> list[TensorType]:
         ctx = InferContext(op_name, self.type, inputs, attrs)
         n = len(ctx.inputs)

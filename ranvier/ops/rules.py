@@ -47,9 +47,11 @@ def require_dtype(ctx: InferContext, index: int, allowed: Iterable[str], what: s
 
 
 def normalize_axis(ctx: InferContext, axis: int, rank: int) -> int:
-    if not -rank <= axis < max(rank, 1):
+    if rank == 0:
+        raise ctx.fail(f"no axis argument for a rank-0 input (got axis {axis})")
+    if not -rank <= axis < rank:
         raise ctx.fail(f"an axis in [{-rank}, {rank}) (got {axis})")
-    return axis % rank if rank else 0
+    return axis % rank
 
 
 def reduction_axes(ctx: InferContext, rank: int) -> tuple[int, ...]:

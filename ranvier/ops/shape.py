@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from .registry import TensorType, define
-from .rules import broadcast_shapes, normalize_axis
+from .rules import normalize_axis
 
 
 def _infer_reshape(ctx):
@@ -68,6 +68,8 @@ def _infer_concat(ctx):
     if not parts or axis_value.size != 1:
         raise ctx.fail("one or more tensors followed by a constant scalar axis")
     first = parts[0]
+    if first.rank == 0:
+        raise ctx.fail("parts of rank >= 1 (scalars have no axis to concatenate on)")
     axis = normalize_axis(ctx, int(axis_value.reshape(-1)[0]), first.rank)
     for p in parts:
         if p.dtype != first.dtype or p.rank != first.rank:
@@ -130,7 +132,7 @@ def slice_bounds(attrs, shape, fail):
     bounds = []
     for axis, (b, s, d) in enumerate(zip(begin, size, shape)):
         end = d if s == -1 else b + s
-        if b < 0 or s < -1 or end > d:
+        if b < 0 or b > d or s < -1 or end > d:
             raise fail(f"slice [{b}:{end}] inside dimension {axis} of size {d}")
         bounds.append((b, end))
     return bounds
@@ -155,8 +157,13 @@ def _infer_broadcast(ctx):
     target = ctx.attrs.ints("shape")
     if target is None:
         raise ctx.fail("attribute shape")
-    if broadcast_shapes(ctx, [x.shape, target]) != tuple(target):
-        raise ctx.fail(f"a shape that broadcasts to {target}")
+    offset = len(target) - x.rank
+    if (
+        any(d < 0 for d in target)
+        or offset < 0
+        or any(d != 1 and d != target[offset + i] for i, d in enumerate(x.shape))
+    ):
+        raise ctx.fail(f"a shape that broadcasts to {target} (numpy rules)")
     return [TensorType(x.dtype, target)]
 
 

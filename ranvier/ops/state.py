@@ -26,4 +26,4 @@ ASSIGN = define(
     "state",
     "Assign(target, value): target = value, in place",
 )
-ASSIGN.extra["writes_input"] = 0
+ASSIGN.extra["written_inputs"] = lambda op: [0]

@@ -1,0 +1,137 @@
+"""Small helpers for emitting LLVM IR: element types, loops, vectors and intrinsics."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from llvmlite import ir
+
+from ... import dtypes
+
+I1 = ir.IntType(1)
+I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+F32 = ir.FloatType()
+F64 = ir.DoubleType()
+VOID = ir.VoidType()
+BYTE_PTR = I8.as_pointer()
+
+
+def i64(value: int) -> ir.Constant:
+    return ir.Constant(I64, int(value))
+
+
+# How each dtype is stored in memory. bfloat16 travels as its 16 bits and is
+# widened to float32 by hand; bool is one byte, as numpy stores it.
+_STORAGE = {
+    dtypes.DT_FLOAT16: ir.HalfType(),
+    dtypes.DT_BFLOAT16: I16,
+    dtypes.DT_FLOAT32: F32,
+    dtypes.DT_FLOAT64: F64,
+    dtypes.DT_INT8: I8,
+    dtypes.DT_INT16: I16,
+    dtypes.DT_INT32: I32,
+    dtypes.DT_INT64: I64,
+    dtypes.DT_UINT8: I8,
+    dtypes.DT_UINT16: I16,
+    dtypes.DT_BOOL: I8,
+}
+
+
+def storage_type(dtype: str) -> ir.Type:
+    return _STORAGE[dtype]
+
+
+def compute_type(dtype: str) -> ir.Type:
+    """The type arithmetic runs in: half precision widens to float32, bool is i1."""
+    if dtype in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16):
+        return F32
+    if dtype == dtypes.DT_BOOL:
+        return I1
+    return _STORAGE[dtype]
+
+
+def is_signed(dtype: str) -> bool:
+    return dtype in (dtypes.DT_INT8, dtypes.DT_INT16, dtypes.DT_INT32, dtypes.DT_INT64)
+
+
+def vector_of(scalar: ir.Type, lanes: int) -> ir.Type:
+    return scalar if lanes == 1 else ir.VectorType(scalar, lanes)
+
+
+def splat(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    if lanes == 1:
+        return value
+    vtype = ir.VectorType(value.type, lanes)
+    single = b.insert_element(ir.Constant(vtype, ir.Undefined), value, ir.Constant(I32, 0))
+    return b.shuffle_vector(single, ir.Constant(vtype, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), [0] * lanes))
+
+
+def constant(type_: ir.Type, value) -> ir.Constant:
+    """A scalar or splatted vector constant of `type_`."""
+    if isinstance(type_, ir.VectorType):
+        return ir.Constant(type_, [constant(type_.element, value)] * type_.count)
+    if isinstance(type_, ir.IntType):
+        return ir.Constant(type_, int(value))
+    return ir.Constant(type_, float(value))
+
+
+def intrinsic(module: ir.Module, name: str, type_: ir.Type, arity: int = 1) -> ir.Function:
+    """An overloaded LLVM intrinsic such as llvm.fma.v16f32, declared once per module."""
+    suffix = _type_suffix(type_)
+    full = f"llvm.{name}.{suffix}"
+    existing = module.globals.get(full)
+    if existing is not None:
+        return existing
+    return ir.Function(module, ir.FunctionType(type_, [type_] * arity), name=full)
+
+
+def _type_suffix(type_: ir.Type) -> str:
+    if isinstance(type_, ir.VectorType):
+        return f"v{type_.count}{_type_suffix(type_.element)}"
+    if isinstance(type_, ir.FloatType):
+        return "f32"
+    if isinstance(type_, ir.DoubleType):
+        return "f64"
+    if isinstance(type_, ir.HalfType):
+        return "f16"
+    if isinstance(type_, ir.IntType):
+        return f"i{type_.width}"
+    raise TypeError(f"no intrinsic suffix for {type_}")
+
+
+@contextmanager
+def for_range(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int = 1, name: str = "i") -> Iterator[ir.Value]:
+    """`for (i = start; i < stop; i += step)`: the body is emitted inside the with-block."""
+    pre = b.block
+    header = b.append_basic_block(f"{name}.head")
+    body = b.append_basic_block(f"{name}.body")
+    done = b.append_basic_block(f"{name}.done")
+    b.branch(header)
+    b.position_at_end(header)
+    index = b.phi(I64, name=name)
+    index.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<", index, stop), body, done)
+    b.position_at_end(body)
+    yield index
+    following = b.add(index, i64(step), name=f"{name}.next")
+    index.add_incoming(following, b.block)
+    b.branch(header)
+    b.position_at_end(done)
+
+
+def typed_pointer(b: ir.IRBuilder, base: ir.Value, offset_elements: ir.Value, element: ir.Type, lanes: int = 1) -> ir.Value:
+    """Pointer to element `offset` of a buffer, typed for loading `lanes` elements at once."""
+    pointer = b.gep(base, [offset_elements])
+    return b.bitcast(pointer, vector_of(element, lanes).as_pointer()) if lanes > 1 else pointer
+
+
+def load(b: ir.IRBuilder, base: ir.Value, offset: ir.Value, element: ir.Type, lanes: int = 1) -> ir.Value:
+    return b.load(typed_pointer(b, base, offset, element, lanes), align=1 if lanes > 1 else None)
+
+
+def store(b: ir.IRBuilder, value: ir.Value, base: ir.Value, offset: ir.Value, element: ir.Type, lanes: int = 1) -> None:
+    b.store(value, typed_pointer(b, base, offset, element, lanes), align=1 if lanes > 1 else None)

@@ -1,0 +1,117 @@
+"""Calculate expressions: a fused elementwise computation as a small printable program.
+
+A program is a list of statements such as
+
+    $0=Mul(%0,%1);$1=Add($0,%2);@0=Gelu[approximate=tanh]($1)
+
+where %i is input i of the fused op, $k a temporary and @j output j. A statement
+assigning %i writes input i in place (how a fused optimizer update writes a weight). Each call names
+a registered elementwise op type (with its attributes in brackets), so the numpy
+reference and the code generator both evaluate a statement by looking up that op.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An operand: an input (%), a temporary ($) or an output (@) of the fused op."""
+
+    kind: str  # "%", "$" or "@"
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.index}"
+
+
+@dataclass(frozen=True)
+class Call:
+    op_type: str
+    args: tuple["Ref | Call", ...]
+    attrs: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        attrs = f"[{','.join(f'{k}={v}' for k, v in self.attrs)}]" if self.attrs else ""
+        return f"{self.op_type}{attrs}({','.join(map(str, self.args))})"
+
+
+@dataclass
+class Program:
+    statements: list[tuple[Ref, Call]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return ";".join(f"{target}={call}" for target, call in self.statements)
+
+
+_TOKEN = re.compile(r"\s*(?:(?P<ref>[%$@]\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<attrs>\[[^\]]*\])|(?P<punct>[(),=;]))")
+
+
+class ExpressionError(ValueError):
+    pass
+
+
+def parse(text: str) -> Program:
+    tokens = []
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if not match:
+            raise ExpressionError(f"cannot parse Calculate expression at {text[pos:pos + 20]!r}")
+        kind = match.lastgroup
+        tokens.append((kind, match.group(kind)))
+        pos = match.end()
+    program = Program()
+    i = 0
+
+    def peek() -> str:
+        if i >= len(tokens):
+            raise ExpressionError(f"unexpected end of Calculate expression {text!r}")
+        return tokens[i][1]
+
+    def expect(value):
+        nonlocal i
+        if i >= len(tokens) or tokens[i][1] != value:
+            raise ExpressionError(f"expected {value!r} in Calculate expression {text!r}")
+        i += 1
+
+    def operand():
+        nonlocal i
+        if i >= len(tokens):
+            raise ExpressionError(f"unexpected end of Calculate expression {text!r}")
+        kind, value = tokens[i]
+        if kind == "ref":
+            i += 1
+            return Ref(value[0], int(value[1:]))
+        if kind != "name":
+            raise ExpressionError(f"unexpected {value!r} in Calculate expression {text!r}")
+        i += 1
+        attrs = ()
+        if i < len(tokens) and tokens[i][0] == "attrs":
+            body = tokens[i][1][1:-1]
+            attrs = tuple(tuple(part.split("=", 1)) for part in body.split(",") if part)
+            i += 1
+        expect("(")
+        args = []
+        while peek() != ")":
+            args.append(operand())
+            if peek() == ",":
+                i += 1
+        expect(")")
+        return Call(value, tuple(args), attrs)
+
+    while i < len(tokens):
+        target = operand()
+        if not isinstance(target, Ref):
+            raise ExpressionError(f"a Calculate statement assigns a $temporary, an @output or an %input (in place), in {text!r}")
+        expect("=")
+        call = operand()
+        if not isinstance(call, Call):
+            call = Call("Identity", (call,))
+        program.statements.append((target, call))
+        if i < len(tokens):
+            expect(";")
+    return program

@@ -1,0 +1,201 @@
+"""Shared machinery for the op tests.
+
+`run_flow` builds a one-function flow with `ranvier.Builder`, feeds the inputs
+through an Instance, fills every output with a sentinel before `compute()` (twice,
+with two different sentinels, so an element the kernel never writes cannot pass by
+luck), runs the reference backend and returns the outputs. `check` compares an
+output against an expectation computed independently in the test, with a
+tolerance that suits the output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import pytest
+
+import ranvier
+from ranvier import dtypes
+
+FLOATS = dtypes.FLOAT_DTYPES
+INTS = dtypes.INT_DTYPES
+SIGNED_INTS = ("int8", "int16", "int32", "int64")
+UNSIGNED_INTS = ("uint8", "uint16")
+NUMERIC = dtypes.NUMERIC_DTYPES
+ALL = dtypes.ALL_DTYPES
+LOW_PRECISION = ("float16", "bfloat16")
+
+# (rtol, atol) by output dtype. The reference backend computes half precision in
+# float32 (or wider) and rounds once, so these bound one rounding plus slack.
+TOLERANCES = {
+    "float64": (1e-10, 1e-12),
+    "float32": (2e-5, 2e-6),
+    "float16": (3e-3, 2e-3),
+    "bfloat16": (2e-2, 1e-2),
+}
+
+# Two distinct "never computed" fillers per dtype kind.
+_INT_SENTINELS = (-0x5A5A5A5A5A5A5A5B, 0x3C3C3C3C3C3C3C3D)
+
+
+def np_dtype(dtype: str) -> np.dtype:
+    return dtypes.to_numpy(dtype)
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _sentinel(dtype: str, which: int):
+    if dtypes.is_float(dtype):
+        return np.nan if which == 0 else 1234.5
+    if dtype == "bool":
+        return None  # filled through the raw bytes instead
+    info = np.iinfo(np_dtype(dtype))
+    span = int(info.max) - int(info.min) + 1
+    return (_INT_SENTINELS[which] - int(info.min)) % span + int(info.min)
+
+
+def _fill(view: np.ndarray, dtype: str, which: int) -> None:
+    if dtype == "bool":
+        # 0xA5 is not a valid bool byte: an unwritten element shows up in the raw bytes.
+        view.view(np.uint8)[...] = 0xA5 if which == 0 else 0x5A
+    else:
+        view[...] = _sentinel(dtype, which)
+
+
+def random_array(shape, dtype: str, seed: int = 0, low=-3.0, high=3.0, nonzero=True) -> np.ndarray:
+    """Random values of a dtype; integers are drawn from [low, high] (clipped to the dtype)."""
+    g = rng(seed)
+    shape = tuple(shape)
+    if dtype == "bool":
+        a = g.random(shape) < 0.5
+        # Make sure both values occur when there is room for them.
+        if a.size >= 2:
+            flat = a.reshape(-1)
+            flat[0], flat[-1] = True, False
+        return a
+    if dtypes.is_float(dtype):
+        a = g.uniform(low, high, shape)
+        if nonzero:
+            a = np.where(np.abs(a) < 1e-3, 0.5, a)
+        return a.astype(np_dtype(dtype))
+    info = np.iinfo(np_dtype(dtype))
+    lo, hi = max(int(math.floor(low)), int(info.min)), min(int(math.ceil(high)), int(info.max))
+    a = g.integers(lo, hi + 1, shape, dtype=np.int64)
+    if nonzero:
+        a = np.where(a == 0, 1 if hi >= 1 else -1, a)
+    return a.astype(np_dtype(dtype))
+
+
+def as_f64(a) -> np.ndarray:
+    return np.asarray(a).astype(np.float64)
+
+
+class Result(list):
+    """The outputs of a run, plus the flow and the output tensors for inspection."""
+
+    flow: ranvier.Flow
+    tensors: list
+
+
+def run_flow(
+    build: Callable,
+    inputs: Sequence[np.ndarray] = (),
+    *,
+    names: Sequence[str] | None = None,
+) -> Result:
+    """Build `build(f, *input_tensors)` in function "f", compute it, and return its outputs.
+
+    `inputs` are fed as IN variables through `data[x][...] = value`. `build` returns
+    a Tensor or a tuple/list of Tensors. Every output is filled with a sentinel
+    before computing; the cell is computed twice with two different sentinels and
+    both runs must agree bit for bit, so every output element was written.
+    """
+    flow = ranvier.Flow()
+    f = ranvier.Builder(flow, "f")
+    arrays = [np.asarray(a) for a in inputs]
+    names = list(names) if names is not None else [f"x{i}" for i in range(len(arrays))]
+    handles = [f.var(n, dtypes.from_numpy(a.dtype), a.shape) for n, a in zip(names, arrays)]
+    built = build(f, *handles)
+    outputs = list(built) if isinstance(built, (tuple, list)) else [built]
+    for t in outputs:
+        t.var.out = True
+    network = ranvier.Compiler().compile(flow)
+    cell = network.cell("f")
+    instance = cell.instance()
+    runs = []
+    for which in (0, 1):
+        for t in outputs:
+            _fill(instance[t], t.dtype, which)
+        for h, a in zip(handles, arrays):
+            if h.var.consumers:
+                instance[h][...] = a
+        instance.compute()
+        runs.append([instance[t].copy() for t in outputs])
+    for t, first, second in zip(outputs, *runs):
+        assert first.dtype == np_dtype(t.dtype), f"{t.name}: view dtype {first.dtype}, expected {t.dtype}"
+        assert list(first.shape) == t.shape
+        if t.dtype == "bool":
+            raw = np.frombuffer(first.tobytes(), np.uint8)
+            assert np.isin(raw, (0, 1)).all(), f"{t.name}: some bool elements were not written"
+        same = first.tobytes() == second.tobytes()
+        assert same, f"{t.name}: output depends on the sentinel, so some elements were not written: {first} vs {second}"
+    result = Result(runs[0])
+    result.flow = flow
+    result.tensors = outputs
+    return result
+
+
+def run1(build: Callable, *inputs: np.ndarray) -> np.ndarray:
+    """run_flow for a single output."""
+    (out,) = run_flow(build, inputs)
+    return out
+
+
+def check(actual: np.ndarray, expected, dtype: str | None = None, rtol=None, atol=None) -> None:
+    """Compare an op output with an independently computed expectation.
+
+    `dtype` is the ranvier dtype the output must have (default: the actual array's).
+    Floats are compared with the dtype's tolerance (NaNs must match); integers and
+    bools exactly.
+    """
+    actual = np.asarray(actual)
+    dtype = dtype or dtypes.from_numpy(actual.dtype)
+    assert actual.dtype == np_dtype(dtype), f"output dtype {actual.dtype}, expected {dtype}"
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, f"output shape {actual.shape}, expected {expected.shape}"
+    if dtypes.is_float(dtype):
+        r, a = TOLERANCES[dtype]
+        np.testing.assert_allclose(
+            as_f64(actual), as_f64(expected), rtol=rtol if rtol is not None else r,
+            atol=atol if atol is not None else a, equal_nan=True,
+        )
+    else:
+        np.testing.assert_array_equal(actual, expected.astype(np_dtype(dtype)))
+
+
+def shape_error(build: Callable, inputs: Sequence[tuple[str, str, Sequence[int]]] = ()) -> str:
+    """Build a flow expected to fail; returns the ShapeError's message.
+
+    `inputs` are (name, dtype, shape) triples made into IN variables."""
+    flow = ranvier.Flow()
+    f = ranvier.Builder(flow, "f")
+    handles = [f.var(n, d, s) for n, d, s in inputs]
+    with pytest.raises(ranvier.ShapeError) as info:
+        build(f, *handles)
+    return str(info.value)
+
+
+def assert_mentions(message: str, *parts: str) -> None:
+    for part in parts:
+        assert part in message, f"{part!r} not in error message: {message}"
+
+
+__all__ = [
+    "ALL", "FLOATS", "INTS", "LOW_PRECISION", "NUMERIC", "SIGNED_INTS", "UNSIGNED_INTS",
+    "Result", "as_f64", "assert_mentions", "check", "np_dtype",
+    "random_array", "rng", "run1", "run_flow", "shape_error",
+]
