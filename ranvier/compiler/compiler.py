@@ -95,5 +95,7 @@ class Compiler:
         roles.update({v.name: "output" for v in flow.outputs(func) if v.name in local})
         roles.update({v.name: "input" if v.in_ else "output" for v in local.values() if v.in_ or v.out})
         roles.update({t.name: "state" for op in ops for t in written_inputs(op) if t.name in local})
-        slots, size = plan_memory(ops, list(local.values()), set(roles), self.backend.in_place)
+        order = {"input": 0, "state": 1, "output": 2}
+        ranked = sorted(local.values(), key=lambda v: order.get(roles.get(v.name, ""), 3))
+        slots, size = plan_memory(ops, ranked, set(roles), self.backend.in_place)
         return Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))

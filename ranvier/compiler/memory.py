@@ -67,7 +67,9 @@ def plan_memory(
     `output` over `input` when `input` dies at that op.
     """
     ranges = live_ranges(steps, local, pinned)
-    order = sorted(local, key=lambda v: (ranges[v.name][0], -v.nbytes))
+    # Place by first use; among variables live from the start, keep the caller's order.
+    given = {v.name: i for i, v in enumerate(local)}
+    order = sorted(local, key=lambda v: (ranges[v.name][0], given[v.name] if ranges[v.name][0] < 0 else -v.nbytes))
     placed: list[Slot] = []
     for var in order:
         first, last = ranges[var.name]

@@ -1,0 +1,109 @@
+"""The Myelin-style runtime: Compiler → Network → Cell → Instance."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ranvier as myelin
+
+
+def myelin_example(seed=0):
+    rng = np.random.default_rng(seed)
+    flow = myelin.Flow()
+    f = myelin.Builder(flow, "f")
+    W = f.array("W", rng.random((64, 256), dtype=np.float32))
+    b = f.array("b", rng.random(256, dtype=np.float32))
+    x = f.var("x", myelin.DT_FLOAT, [1, 64])
+    y = f.softmax(f.relu(f.add(f.matmul(x, W), b)), name="y")
+    return flow, x, y, W, b
+
+
+def test_seed_example_runs_as_written():
+    flow, x, y, W, b = myelin_example()
+    net = myelin.Compiler().compile(flow)
+    data = net.cell("f").instance()
+    xdata = data[x]
+    for i in range(64):
+        xdata[0, i] = 5
+    data.compute()
+    expected = np.maximum(np.full((1, 64), 5.0) @ W.var.data + b.var.data, 0)
+    expected = np.exp(expected - expected.max())
+    expected /= expected.sum()
+    np.testing.assert_allclose(data[y], expected, rtol=1e-4, atol=1e-12)
+    assert np.asarray(data[y]).argmax() == expected.argmax()
+    # An op's name resolves to its first output, as in Myelin.
+    assert data["f/y"] is not None and np.shares_memory(data["f/y"], data[y])
+
+
+def test_cell_printout_shows_layout_and_kernels():
+    flow, *_ = myelin_example()
+    cell = myelin.Compiler().compile(flow).cell("f")
+    text = str(cell)
+    assert text.startswith(f"cell f {{  // size {cell.size}")
+    assert "input var f/x: float32[1x64]    // offset 0 size 256 alignment 64 row-major" in text
+    assert "output var f/y:0: float32[1x256]" in text
+    assert "  union " in text  # intermediates share storage
+    assert "const f/W: float32[64x256]    // size 65536" in text
+    assert "f/y:0 = Softmax[reference](f/Relu:0)" in text
+
+
+def test_instances_are_independent_and_share_globals():
+    flow, x, y, W, b = myelin_example()
+    net = myelin.Compiler().compile(flow)
+    cell = net.cell("f")
+    a, b = cell.instance(), cell.instance()
+    a[x] = 1.0
+    b[x] = 2.0
+    a.compute()
+    b.compute()
+    assert not np.allclose(a[y], b[y])
+    assert np.shares_memory(a[W], b[W]) and np.shares_memory(a[W], net[W])
+    net[W][...] = 0.0  # globals are the network's: both instances see the change
+    net[b][...] = 0.0
+    a.compute()
+    np.testing.assert_allclose(a[y], np.full((1, 256), 1 / 256), rtol=1e-5)
+
+
+def test_index_views_and_clear():
+    flow, x, y, *_ = myelin_example()
+    cell = myelin.Compiler().compile(flow).cell("f")
+    data = cell.instance()
+    index = cell.index("f/x")
+    assert np.shares_memory(data[index], data[x])
+    data[x] = 3.0
+    data.clear()
+    assert not data[x].any()
+    with pytest.raises(myelin.RanvierError, match="no variable 'nope'"):
+        data["nope"]
+    with pytest.raises(myelin.RanvierError, match=r"expected \[1x64\]"):
+        data[x] = np.ones(5)
+    with pytest.raises(myelin.RanvierError, match="no cell 'g'"):
+        cell.network.cell("g")
+
+
+def test_undefined_shapes_and_unknown_backends_are_refused():
+    flow = myelin.Flow()
+    f = myelin.Builder(flow, "f")
+    x = f.var("x", myelin.DT_FLOAT, [-1, 3])
+    flow.var("f/x").shape = [-1, 3]
+    f.op("Identity", [x])
+    with pytest.raises(myelin.CompileError, match="undefined shape"):
+        myelin.Compiler().compile(flow)
+    with pytest.raises(myelin.RanvierError, match="unknown backend"):
+        myelin.Compiler(backend="tpu")
+
+
+def test_compiling_leaves_the_flow_as_built():
+    flow, *_ = myelin_example()
+    before = str(flow)
+    myelin.Compiler().compile(flow)
+    assert str(flow) == before
+
+
+def test_demo_command_prints_a_cell_and_a_result():
+    out = subprocess.run([sys.executable, "-m", "ranvier.cli", "demo"], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("cell f {") and "sum=1.000000" in out
