@@ -55,13 +55,13 @@ def test_instances_are_independent_and_share_globals():
     flow, x, y, W, b = myelin_example()
     net = myelin.Compiler().compile(flow)
     cell = net.cell("f")
-    a, b = cell.instance(), cell.instance()
+    a, c = cell.instance(), cell.instance()
     a[x] = 1.0
-    b[x] = 2.0
+    c[x] = 2.0
     a.compute()
-    b.compute()
-    assert not np.allclose(a[y], b[y])
-    assert np.shares_memory(a[W], b[W]) and np.shares_memory(a[W], net[W])
+    c.compute()
+    assert not np.allclose(a[y], c[y])
+    assert np.shares_memory(a[W], c[W]) and np.shares_memory(a[W], net[W])
     net[W][...] = 0.0  # globals are the network's: both instances see the change
     net[b][...] = 0.0
     a.compute()
