@@ -34,8 +34,11 @@ class ReferenceBackend:
         # Every reference kernel computes its results before writing any of them.
         return source.nbytes == target.nbytes
 
+    def finish(self, cell: Cell) -> None:
+        """Nothing to generate: the reference runs the steps as they are."""
+
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
-        kernels = [self._kernel(step.op, instance) for step in cell.steps]
+        kernels = [reference_kernel(step.op, instance) for step in cell.steps]
 
         def run() -> None:
             for kernel in kernels:
@@ -43,24 +46,26 @@ class ReferenceBackend:
 
         return run
 
-    def _kernel(self, op: Operation, instance: Instance) -> Callable[[], None]:
-        definition = op_def(op.type)
-        attrs = Attrs(op.attrs, op.name, op.type)
-        types = [TensorType(v.dtype, v.shape) for v in op.outputs]
-        inputs = [(instance.view(v), v) for v in op.inputs]
-        # Results fill the outputs, then the inputs the op overwrites in place.
-        outputs = [instance.view(v) for v in op.outputs]
-        outputs += [instance.view(op.inputs[i]) for i in definition.written_inputs(op)]
 
-        def kernel() -> None:
-            args = [_widen(array, var) for array, var in inputs]
-            # IEEE semantics: overflow, inf and NaN are values here, not warnings.
-            with np.errstate(all="ignore"):
-                try:
-                    results = definition.reference(attrs, args, types)
-                except (IndexError, ValueError, ZeroDivisionError) as error:
-                    raise RanvierError(f"{op.type} op {op.name} failed: {error}") from error
-                for out, result in zip(outputs, results):
-                    np.copyto(out, np.asarray(result).reshape(out.shape), casting="unsafe")
+def reference_kernel(op: Operation, instance: Instance) -> Callable[[], None]:
+    """Run one op's numpy reference on an instance's views (also the CPU backend's fallback)."""
+    definition = op_def(op.type)
+    attrs = Attrs(op.attrs, op.name, op.type)
+    types = [TensorType(v.dtype, v.shape) for v in op.outputs]
+    inputs = [(instance.view(v), v) for v in op.inputs]
+    # Results fill the outputs, then the inputs the op overwrites in place.
+    outputs = [instance.view(v) for v in op.outputs]
+    outputs += [instance.view(op.inputs[i]) for i in definition.written_inputs(op)]
 
-        return kernel
+    def kernel() -> None:
+        args = [_widen(array, var) for array, var in inputs]
+        # IEEE semantics: overflow, inf and NaN are values here, not warnings.
+        with np.errstate(all="ignore"):
+            try:
+                results = definition.reference(attrs, args, types)
+            except (IndexError, ValueError, ZeroDivisionError) as error:
+                raise RanvierError(f"{op.type} op {op.name} failed: {error}") from error
+            for out, result in zip(outputs, results):
+                np.copyto(out, np.asarray(result).reshape(out.shape), casting="unsafe")
+
+    return kernel

@@ -9,12 +9,19 @@ from ..runtime import Cell, Network
 from .memory import plan_memory
 
 
-def _backend(name: str):
+BACKENDS = ("cpu", "reference")
+
+
+def _backend(name: str, cpu_mask: str = "", cache: bool = True):
     if name == "reference":
         from ..backends.reference import ReferenceBackend
 
         return ReferenceBackend()
-    raise RanvierError(f"unknown backend {name!r}; available: reference")
+    if name == "cpu":
+        from ..backends.cpu.backend import CPUBackend
+
+        return CPUBackend(cpu_mask, cache)
+    raise RanvierError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
 
 
 def check_types(op: Operation) -> None:
@@ -52,14 +59,17 @@ def write_after_read(func: Function) -> dict[int, list[Operation]]:
 class Compiler:
     """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
 
-    def __init__(self, backend: str = "reference"):
+    def __init__(self, backend: str = "reference", cpu: str = "", cache: bool = True):
+        """backend: "cpu" (LLVM JIT) or "reference" (numpy oracle).
+        cpu: CPU features to mask, e.g. "-avx512" or "-avx512,-avx2" (Myelin's --cpu).
+        cache: reuse generated code across processes (the on-disk compile cache)."""
         self.backend_name = backend
-        self.backend = _backend(backend)
+        self.backend = _backend(backend, cpu, cache)
 
     def compile(self, flow: Flow) -> Network:
         # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
         network = Network(flow.copy(), self.backend_name)
-        for func in flow.funcs.values():
+        for func in network.flow.funcs.values():
             network.cells[func.name] = self.compile_function(network, func)
         return network
 
@@ -98,4 +108,6 @@ class Compiler:
         order = {"input": 0, "state": 1, "output": 2}
         ranked = sorted(local.values(), key=lambda v: order.get(roles.get(v.name, ""), 3))
         slots, size = plan_memory(ops, ranked, set(roles), self.backend.in_place)
-        return Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))
+        cell = Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))
+        self.backend.finish(cell)
+        return cell

@@ -31,7 +31,7 @@ class _Spec:
 
 
 def program_types(program, inputs, op_name: str) -> dict[str, _Spec]:
-    """Types of every temporary and output, inferred through the sub-ops' rules."""
+    """Types of every temporary, output and call, inferred through the sub-ops' rules."""
     values = {f"%{i}": _Spec(getattr(v, "name", f"%{i}"), v.dtype, v.shape) for i, v in enumerate(inputs)}
 
     def evaluate(node):
@@ -39,7 +39,8 @@ def program_types(program, inputs, op_name: str) -> dict[str, _Spec]:
             return values[str(node)]
         args = [evaluate(a) for a in node.args]
         (t,) = op_def(node.op_type).infer_types(f"{op_name}:{node.op_type}", args, dict(node.attrs))
-        return _Spec(str(node), t.dtype, t.shape)
+        spec = values[str(node)] = _Spec(str(node), t.dtype, t.shape)
+        return spec
 
     for target, call in program.statements:
         values[str(target)] = evaluate(call)

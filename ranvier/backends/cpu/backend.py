@@ -1,0 +1,157 @@
+"""The CPU backend: rewrite the flow (fold, CSE, fuse), pick kernels by CPU features,
+generate one native function per cell, and run it with a single call per compute()."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ...compiler.fuse import fuse_elementwise
+from ...compiler.simplify import eliminate_common_subexpressions, fold_constants
+from ...errors import RanvierError
+from ...flow.graph import Flow, Function, Operation, Variable
+from ...runtime import Cell, Instance, Step
+from ..reference import reference_kernel
+from . import codegen, jit
+from .codegen import FIRST_TABLE_SLOT, Layout
+from .kernels import FALLBACK, choose
+from .target import CPUTarget, host_target
+
+_CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """Changes to the code generator must invalidate cached object files."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def blas_pointers() -> tuple[int, int]:
+    """Addresses of SciPy's BLAS sgemm and dgemm (OpenBLAS), for generated code to call."""
+    import scipy.linalg.cython_blas as blas
+
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    capsules = blas.__pyx_capi__
+    return tuple(get_pointer(capsules[n], get_name(capsules[n])) for n in ("sgemm", "dgemm"))
+
+
+class CPUBackend:
+    name = "cpu"
+
+    def __init__(self, mask: str = "", cache: bool = True):
+        self.target: CPUTarget = host_target(mask)
+        self.use_disk_cache = cache
+
+    # ---- compile time -----------------------------------------------------------------
+
+    def lower(self, flow: Flow, func: Function, ops: list[Operation], keep: set[str]) -> None:
+        fold_constants(flow, func, keep)
+        eliminate_common_subexpressions(flow, func, keep)
+        fuse_elementwise(flow, func, flow.order(func), keep)
+
+    def choose(self, op: Operation) -> Step:
+        name, _ = choose(op)
+        return Step(op, name, "python" if name == FALLBACK[0] else self.target.variant)
+
+    def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
+        """Loop kernels read and write element i together, so an input of the output's
+        exact type and shape may be overwritten; everything else writes elsewhere."""
+        name, _ = choose(op)
+        return (
+            name in ("Elementwise", "Calculate", "Copy")
+            and source.dtype == target.dtype
+            and list(source.shape) == list(target.shape)
+        )
+
+    def finish(self, cell: Cell) -> None:
+        """Generate (or fetch from the cache) the cell's native code."""
+        table: list[Variable] = []
+        for step in cell.steps:
+            for v in [*step.op.inputs, *step.op.outputs]:
+                if cell.slot(v) is None and all(t.name != v.name for t in table):
+                    table.append(v)
+        layout = Layout({s.var.name: s.offset for s in cell.slots}, table)
+        description = self._describe(cell, layout)
+        key = jit.cache_key(f"{_source_digest()}\n{description}", self.target)
+
+        def generate() -> bytes:
+            emitters = [choose(step.op)[1] for step in cell.steps]
+            module = codegen.build_module(cell.name, self.target, [s.op for s in cell.steps], layout, emitters)
+            return jit.compile_object(module, self.target)
+
+        code, origin = jit.cached_object(key, generate, self.use_disk_cache)
+        cell.native = {
+            "address": jit.load_object(code, self.target, "cell"),
+            "layout": layout,
+            "origin": origin,
+            "python_steps": [i for i, s in enumerate(cell.steps) if s.variant == "python"],
+        }
+
+    @staticmethod
+    def _describe(cell: Cell, layout: Layout) -> str:
+        """Everything the generated code depends on, as text (the compile cache key)."""
+        lines = []
+        for step in cell.steps:
+            op = step.op
+            lines.append(f"{step.kernel} {op.type} {sorted(op.attrs.items())}")
+            for v in [*op.inputs, *op.outputs]:
+                where = layout.offsets.get(v.name)
+                place = f"@{where}" if where is not None else f"#{layout.slot(v)}"
+                constant = hashlib.sha1(np.ascontiguousarray(v.data).tobytes()).hexdigest() if v.data is not None and v.size <= 16 else ""
+                lines.append(f"  {v.name} {v.dtype}{list(v.shape)} {place} {constant}")
+        return "\n".join(lines)
+
+    # ---- run time -----------------------------------------------------------------------
+
+    def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
+        native = cell.native
+        layout: Layout = native["layout"]
+        status = np.zeros(1, np.int64)
+        instance.profile_cycles = np.zeros(max(1, len(cell.steps)), np.uint64)
+        fallbacks = {i: reference_kernel(cell.steps[i].op, instance) for i in native["python_steps"]}
+        errors: list[BaseException] = []
+
+        def run_fallback(index: int) -> None:
+            try:
+                fallbacks[index]()
+            except BaseException as error:  # cannot unwind through native frames
+                errors.append(error)
+                status[0] = index + 1
+
+        callback = _CALLBACK_TYPE(run_fallback)
+        sgemm, dgemm = blas_pointers()
+        table = (ctypes.c_void_p * (FIRST_TABLE_SLOT + len(layout.table)))()
+        table[codegen.DATA] = instance.buffer.ctypes.data
+        table[codegen.STATUS] = status.ctypes.data
+        table[codegen.PROFILE] = instance.profile_cycles.ctypes.data
+        table[codegen.CALLBACK] = ctypes.cast(callback, ctypes.c_void_p).value
+        table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
+        for k, var in enumerate(layout.table):
+            table[FIRST_TABLE_SLOT + k] = instance.view(var).ctypes.data
+        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["address"])
+        keep_alive = (callback, table, status)
+
+        def run() -> None:
+            function(ctypes.addressof(table))
+            if status[0]:
+                step = cell.steps[int(status[0]) - 1]
+                status[0] = 0
+                cause = errors.pop() if errors else None
+                errors.clear()
+                detail = f": {cause}" if cause is not None else ": an index is out of range"
+                raise RanvierError(f"{step.op.type} op {step.op.name} failed{detail}") from cause
+
+        run.keep_alive = keep_alive
+        return run

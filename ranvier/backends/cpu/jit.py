@@ -1,0 +1,74 @@
+"""Turning a cell's LLVM module into callable machine code, with a compile cache.
+
+Code is optimized with LLVM's new pass manager at -O3 for the target CPU and emitted
+as an object file, which MCJIT loads. Object files are cached in memory and on disk
+(`$RANVIER_CACHE`, default ~/.cache/ranvier), keyed by the cell's description, the
+CPU and its features, and ranvier's version, so a second process skips code generation
+entirely. The cache writes atomically; an unreadable entry is regenerated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from ...atomic import atomic_write_bytes
+from .target import CPUTarget
+
+_MEMORY_CACHE: dict[str, bytes] = {}
+_ENGINES: list[llvm.ExecutionEngine] = []  # loaded code must outlive every cell that uses it
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RANVIER_CACHE", Path.home() / ".cache" / "ranvier"))
+
+
+def cache_key(description: str, target: CPUTarget) -> str:
+    from ... import __version__
+
+    return hashlib.sha256(f"{__version__}\n{target.key()}\n{description}".encode()).hexdigest()
+
+
+def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
+    parsed = llvm.parse_assembly(str(module))
+    parsed.verify()
+    options = llvm.create_pipeline_tuning_options(speed_level=3)
+    options.loop_vectorization = True
+    options.slp_vectorization = True
+    builder = llvm.create_pass_builder(target.machine, options)
+    builder.getModulePassManager().run(parsed, builder)
+    return target.machine.emit_object(parsed)
+
+
+def load_object(code: bytes, target: CPUTarget, symbol: str) -> int:
+    """Load an object file into a fresh engine and return the address of `symbol`."""
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), target.machine)
+    engine.add_object_file(llvm.ObjectFileRef.from_data(code))
+    engine.finalize_object()
+    _ENGINES.append(engine)
+    return engine.get_function_address(symbol)
+
+
+def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True) -> tuple[bytes, str]:
+    """The object code for `key`, and where it came from: "memory", "disk" or "compiled"."""
+    if key in _MEMORY_CACHE:
+        return _MEMORY_CACHE[key], "memory"
+    path = cache_dir() / f"{key}.o"
+    if use_disk and path.is_file():
+        code = path.read_bytes()
+        if code:
+            _MEMORY_CACHE[key] = code
+            return code, "disk"
+    code = generate()
+    _MEMORY_CACHE[key] = code
+    if use_disk:
+        try:
+            atomic_write_bytes(path, code)
+        except OSError:
+            pass  # a read-only or full cache directory only costs the next process a compile
+    return code, "compiled"

@@ -1,0 +1,117 @@
+"""MatMul: float32/float64 through the vendor BLAS (OpenBLAS, via SciPy), called directly
+from generated code; other dtypes through a generated triple loop.
+
+Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
+the operands swapped. Batch dimensions (broadcast as numpy does) loop around the call.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .... import dtypes
+from ....ops import Attrs
+from ..codegen import DGEMM, SGEMM
+from ..convert import narrow, widen
+from ..irutil import F32, F64, I8, I32, VOID, compute_type, constant, for_range, i64, is_signed, load, storage_type, store
+from ..views import contiguous_strides
+
+
+def _batch_offsets(batch, a_batch, b_batch):
+    """Per-batch-element offsets (in matrices) of A and B under numpy broadcasting."""
+    import itertools
+
+    def strides_for(shape):
+        shape = [1] * (len(batch) - len(shape)) + list(shape)
+        own = contiguous_strides(shape)
+        return [0 if d == 1 else s for d, s in zip(shape, own)]
+
+    sa, sb = strides_for(a_batch), strides_for(b_batch)
+    result = []
+    for index in itertools.product(*[range(d) for d in batch]):
+        result.append((sum(i * s for i, s in zip(index, sa)), sum(i * s for i, s in zip(index, sb))))
+    return result or [(0, 0)]
+
+
+def _dims(op):
+    a, b = op.inputs
+    attrs = Attrs(op.attrs)
+    ta, tb = attrs.bool("transpose_a"), attrs.bool("transpose_b")
+    m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
+    n = b.shape[-2] if tb else b.shape[-1]
+    return ta, tb, m, k, n
+
+
+def blas_matmul(ctx, op) -> None:
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    ta, tb, m, k, n = _dims(op)
+    element = F32 if a.dtype == dtypes.DT_FLOAT32 else F64
+    gemm_slot = SGEMM if a.dtype == dtypes.DT_FLOAT32 else DGEMM
+    builder = ctx.b
+    ptr = element.as_pointer()
+    i32p, chp = I32.as_pointer(), I8.as_pointer()
+    gemm_type = ir.FunctionType(VOID, [chp, chp, i32p, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
+    gemm = builder.bitcast(ctx.table_entry(gemm_slot), gemm_type.as_pointer())
+
+    def cell(type_, value):
+        with builder.goto_entry_block():
+            slot = builder.alloca(type_)
+        builder.store(ir.Constant(type_, value), slot)
+        return slot
+
+    trans_b, trans_a = cell(I8, ord("T" if tb else "N")), cell(I8, ord("T" if ta else "N"))
+    n_, m_, k_ = cell(I32, n), cell(I32, m), cell(I32, k)
+    ldb, lda, ldc = cell(I32, b.shape[-1]), cell(I32, a.shape[-1]), cell(I32, n)
+    alpha, beta = cell(element, 1.0), cell(element, 0.0)
+    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
+    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
+    for index, (oa, ob) in enumerate(_batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])):
+        args = [
+            trans_b, trans_a, n_, m_, k_, alpha,
+            builder.gep(pb, [i64(ob * b_size)]), ldb,
+            builder.gep(pa, [i64(oa * a_size)]), lda,
+            beta, builder.gep(pc, [i64(index * m * n)]), ldc,
+        ]
+        builder.call(gemm, args)
+
+
+def loop_matmul(ctx, op) -> None:
+    """Any numeric dtype: a plain triple loop accumulating in the compute type."""
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    ta, tb, m, k, n = _dims(op)
+    builder = ctx.b
+    acc_type = compute_type(c.dtype)
+    is_float = dtypes.is_float(c.dtype)
+    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
+    a_cols, b_cols = a.shape[-1], b.shape[-1]
+    a_size, b_size = a.shape[-2] * a_cols, b.shape[-2] * b_cols
+    for index, (oa, ob) in enumerate(_batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])):
+        with for_range(builder, i64(0), i64(m), name="m") as i:
+            with for_range(builder, i64(0), i64(n), name="n") as j:
+                with builder.goto_entry_block():
+                    acc = builder.alloca(acc_type)
+                builder.store(constant(acc_type, 0), acc)
+                with for_range(builder, i64(0), i64(k), name="k") as p:
+                    a_index = builder.add(i64(oa * a_size), builder.add(builder.mul(p, i64(a_cols)), i) if ta else builder.add(builder.mul(i, i64(a_cols)), p))
+                    b_index = builder.add(i64(ob * b_size), builder.add(builder.mul(j, i64(b_cols)), p) if tb else builder.add(builder.mul(p, i64(b_cols)), j))
+                    x = widen(builder, load(builder, pa, a_index, storage_type(a.dtype)), a.dtype, 1)
+                    y = widen(builder, load(builder, pb, b_index, storage_type(b.dtype)), b.dtype, 1)
+                    product = builder.fmul(x, y) if is_float else builder.mul(x, y)
+                    total = builder.fadd(builder.load(acc), product) if is_float else builder.add(builder.load(acc), product)
+                    builder.store(total, acc)
+                c_index = builder.add(i64(index * m * n), builder.add(builder.mul(i, i64(n)), j))
+                store(builder, narrow(builder, builder.load(acc), c.dtype, 1), pc, c_index, storage_type(c.dtype))
+
+
+def matmul(ctx, op) -> str:
+    if op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64):
+        blas_matmul(ctx, op)
+    else:
+        loop_matmul(ctx, op)
+
+
+def kernel_name(op) -> str:
+    return "BlasGemm" if op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) else "LoopMatMul"
+
+
+__all__ = ["matmul", "kernel_name", "is_signed"]

@@ -1,0 +1,61 @@
+"""Simplification passes: constant folding and common-subexpression elimination."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..flow.graph import Flow, Function, Operation
+from ..ops import Attrs, TensorType, op_def
+
+FOLD_LIMIT = 1 << 16  # elements: fold small constant results, keep big ones as computations
+
+
+def _written(func: Function) -> set[str]:
+    names = set()
+    for op in func.ops:
+        for i in op_def(op.type).written_inputs(op):
+            names.add(op.inputs[i].name)
+    return names
+
+
+def fold_constants(flow: Flow, func: Function, keep: set[str]) -> None:
+    """Evaluate ops whose inputs are all constants at compile time."""
+    written = _written(func)
+    for op in flow.order(func):
+        definition = op_def(op.type)
+        if (
+            not op.outputs
+            or definition.written_inputs(op)
+            or any(v.data is None or v.learnable or v.name in written for v in op.inputs)
+            or any(v.name in keep or v.size > FOLD_LIMIT for v in op.outputs)
+        ):
+            continue
+        types = [TensorType(v.dtype, v.shape) for v in op.outputs]
+        args = [np.asarray(v.data) for v in op.inputs]
+        args = [a.astype(np.float32) if v.dtype in ("float16", "bfloat16") else a for a, v in zip(args, op.inputs)]
+        with np.errstate(all="ignore"):
+            results = definition.reference(Attrs(op.attrs, op.name, op.type), args, types)
+        outputs = list(op.outputs)
+        flow.remove_op(op)
+        for var, result in zip(outputs, results):
+            var.set_data(result)
+
+
+def eliminate_common_subexpressions(flow: Flow, func: Function, keep: set[str]) -> None:
+    """Ops of one type, with the same attributes and inputs, compute the same thing once."""
+    seen: dict[tuple, Operation] = {}
+    for op in flow.order(func):
+        if not op.outputs or op_def(op.type).written_inputs(op):
+            continue
+        key = (op.type, tuple(sorted(op.attrs.items())), tuple(v.name for v in op.inputs))
+        original = seen.get(key)
+        if original is None or any(v.name in keep for v in op.outputs):
+            seen.setdefault(key, op)
+            continue
+        for duplicate, kept in zip(op.outputs, original.outputs):
+            for consumer in list(duplicate.consumers):
+                consumer.replace_input(duplicate, kept)
+        duplicates = list(op.outputs)
+        flow.remove_op(op)
+        for var in duplicates:
+            flow.remove_var(var)
