@@ -11,6 +11,7 @@ tolerance that suits the output dtype.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Sequence
 
 import numpy as np
@@ -35,6 +36,9 @@ TOLERANCES = {
     "float16": (3e-3, 2e-3),
     "bfloat16": (2e-2, 1e-2),
 }
+
+# Every op test runs on each of these backends; the reference is the oracle the others must match.
+BACKENDS = tuple(os.environ.get("RANVIER_TEST_BACKENDS", "reference,cpu").split(","))
 
 # Two distinct "never computed" fillers per dtype kind.
 _INT_SENTINELS = (-0x5A5A5A5A5A5A5A5B, 0x3C3C3C3C3C3C3C3D)
@@ -123,9 +127,21 @@ def run_flow(
     outputs = list(built) if isinstance(built, (tuple, list)) else [built]
     for t in outputs:
         t.var.out = True
-    network = ranvier.Compiler().compile(flow)
-    cell = network.cell("f")
-    instance = cell.instance()
+    results = {backend: _run_on(backend, flow, handles, arrays, outputs) for backend in BACKENDS}
+    runs = [results["reference"]]
+    for backend, values in results.items():
+        for t, got, want in zip(outputs, values, results["reference"]):
+            agree(got, want, t.dtype, f"{t.name} on the {backend} backend")
+    result = Result(runs[0])
+    result.flow = flow
+    result.tensors = outputs
+    return result
+
+
+def _run_on(backend: str, flow, handles, arrays, outputs) -> list[np.ndarray]:
+    """Compile for one backend and compute twice with different sentinels in the outputs."""
+    network = ranvier.Compiler(backend).compile(flow)
+    instance = network.cell("f").instance()
     runs = []
     for which in (0, 1):
         for t in outputs:
@@ -140,13 +156,19 @@ def run_flow(
         assert list(first.shape) == t.shape
         if t.dtype == "bool":
             raw = np.frombuffer(first.tobytes(), np.uint8)
-            assert np.isin(raw, (0, 1)).all(), f"{t.name}: some bool elements were not written"
+            assert np.isin(raw, (0, 1)).all(), f"{t.name} on {backend}: some bool elements were not written"
         same = first.tobytes() == second.tobytes()
-        assert same, f"{t.name}: output depends on the sentinel, so some elements were not written: {first} vs {second}"
-    result = Result(runs[0])
-    result.flow = flow
-    result.tensors = outputs
-    return result
+        assert same, f"{t.name} on {backend}: output depends on the sentinel, so some elements were not written: {first} vs {second}"
+    return runs[0]
+
+
+def agree(actual: np.ndarray, expected: np.ndarray, dtype: str, what: str) -> None:
+    """A backend's output against the reference backend's, within the dtype's tolerance."""
+    if dtypes.is_float(dtype):
+        r, a = TOLERANCES[dtype]
+        np.testing.assert_allclose(as_f64(actual), as_f64(expected), rtol=4 * r, atol=4 * a, equal_nan=True, err_msg=what)
+    else:
+        np.testing.assert_array_equal(actual, expected, err_msg=what)
 
 
 def run1(build: Callable, *inputs: np.ndarray) -> np.ndarray:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .... import dtypes
 from ....flow.graph import Operation
-from . import maps, matmul
+from . import index, maps, matmul, reduce, rows
 from .python import python_callback
 
 Emitter = Callable[[object, Operation], None]
@@ -31,11 +30,4 @@ def choose(op: Operation) -> tuple[str, Emitter]:
     return FALLBACK
 
 
-_FAMILIES: list[Callable[[Operation], tuple[str, Emitter] | None]] = []
-
-
-def register_family(chooser: Callable[[Operation], tuple[str, Emitter] | None]) -> None:
-    _FAMILIES.append(chooser)
-
-
-__all__ = ["FALLBACK", "choose", "dtypes", "register_family"]
+_FAMILIES: list[Callable[[Operation], tuple[str, Emitter] | None]] = [reduce.choose, rows.choose, index.choose]

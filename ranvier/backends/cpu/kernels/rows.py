@@ -1,0 +1,189 @@
+"""Fused row kernels over the last axis: Softmax, LogSoftmax, LayerNorm, RMSNorm and
+SoftmaxCrossEntropy, each in as few passes over the row as its math allows.
+
+    softmax        max | exp, sum (exp stored) | scale
+    log_softmax    max | sum of exp            | x − max − log(sum)
+    layer_norm     mean | variance             | normalize, scale, shift
+    rms_norm       mean square                 | normalize, scale
+    cross-entropy  max | sum of exp (and of target·x) → one loss per row
+"""
+
+from __future__ import annotations
+
+import math
+
+from llvmlite import ir
+
+from .... import dtypes
+from ....ops import Attrs
+from .. import mathlib
+from ..codegen import KernelContext
+from ..convert import narrow, widen
+from ..irutil import compute_type, constant, for_range, i64, intrinsic, load, splat, storage_type, store, vector_of
+from ..views import for_vectors
+
+
+class Row:
+    """Vector passes over one row of `length` elements starting at element `start`."""
+
+    def __init__(self, ctx: KernelContext, start: ir.Value, length: int, dtype: str):
+        self.ctx, self.b = ctx, ctx.b
+        self.start, self.length, self.dtype = start, length, dtype
+        self.ctype = compute_type(dtype)
+        self.lanes = ctx.lanes_for([dtype])
+
+    def read(self, var, index, width):
+        return widen(self.b, load(self.b, self.ctx.pointer(var), index, storage_type(var.dtype), width), var.dtype, width)
+
+    def write(self, var, value, index, width):
+        store(self.b, narrow(self.b, value, var.dtype, width), self.ctx.pointer(var), index, storage_type(var.dtype), width)
+
+    def fold(self, init: float, combine, term) -> ir.Value:
+        """Fold `term(index, width)` over the row with `combine`, vector lanes first."""
+        b = self.b
+        with b.goto_entry_block():
+            vacc = b.alloca(vector_of(self.ctype, self.lanes))
+            sacc = b.alloca(self.ctype)
+        b.store(constant(vector_of(self.ctype, self.lanes), init), vacc)
+        b.store(constant(self.ctype, init), sacc)
+
+        def step(index, width):
+            slot = vacc if width > 1 else sacc
+            b.store(combine(b.load(slot), term(index, width)), slot)
+
+        for_vectors(b, self.start, self.length, self.lanes, step)
+        total = b.load(sacc)
+        if self.lanes > 1 and self.length >= self.lanes:
+            vector = b.load(vacc)
+            for lane in range(self.lanes):
+                total = combine(total, b.extract_element(vector, i64(lane)))
+        return total
+
+    def each(self, body) -> None:
+        for_vectors(self.b, self.start, self.length, self.lanes, body)
+
+    def splat(self, value, width):
+        return splat(self.b, value, width)
+
+
+def _max(b):
+    return lambda acc, x: b.select(b.fcmp_ordered(">", x, acc), x, acc)
+
+
+def _add(b):
+    return lambda acc, x: b.fadd(acc, x)
+
+
+def _rows(op):
+    x = op.inputs[0]
+    return x.size // x.shape[-1] if x.shape[-1] else 0, x.shape[-1]
+
+
+def softmax(ctx, op) -> None:
+    x, y = op.inputs[0], op.outputs[0]
+    rows, n = _rows(op)
+    b = ctx.b
+    log = op.type == "LogSoftmax"
+    with for_range(b, i64(0), i64(rows), name="row") as r:
+        row = Row(ctx, b.mul(r, i64(n)), n, x.dtype)
+        peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(x, i, w))
+
+        def exp_term(i, w):
+            e = mathlib.emit("exp", b, b.fsub(row.read(x, i, w), row.splat(peak, w)))
+            if not log:
+                row.write(y, e, i, w)
+            return e
+
+        total = row.fold(0.0, _add(b), exp_term)
+        if log:
+            shift = b.fadd(peak, mathlib.emit("log", b, total))
+            row.each(lambda i, w: row.write(y, b.fsub(row.read(x, i, w), row.splat(shift, w)), i, w))
+        else:
+            scale = b.fdiv(constant(row.ctype, 1.0), total)
+            # The exponentials were stored in y by the sum pass; scale them in place.
+            row.each(lambda i, w: row.write(y, b.fmul(row.read(y, i, w), row.splat(scale, w)), i, w))
+
+
+def norm(ctx, op) -> None:
+    x, y = op.inputs[0], op.outputs[0]
+    gamma = op.inputs[1] if len(op.inputs) > 1 else None
+    beta = op.inputs[2] if len(op.inputs) > 2 else None
+    rows, n = _rows(op)
+    b = ctx.b
+    eps = Attrs(op.attrs).float("eps", 1e-5)
+    rms = op.type == "RMSNorm"
+    with for_range(b, i64(0), i64(rows), name="row") as r:
+        start = b.mul(r, i64(n))
+        row = Row(ctx, start, n, x.dtype)
+        inverse_n = constant(row.ctype, 1.0 / n)
+        if rms:
+            mean = constant(row.ctype, 0.0)
+            square = row.fold(0.0, _add(b), lambda i, w: (lambda v: b.fmul(v, v))(row.read(x, i, w)))
+        else:
+            mean = b.fmul(row.fold(0.0, _add(b), lambda i, w: row.read(x, i, w)), inverse_n)
+            square = row.fold(0.0, _add(b), lambda i, w: (lambda v: b.fmul(v, v))(b.fsub(row.read(x, i, w), row.splat(mean, w))))
+        variance = b.fmul(square, inverse_n)
+        sqrt = intrinsic(ctx.module, "sqrt", row.ctype)
+        rstd = b.fdiv(constant(row.ctype, 1.0), b.call(sqrt, [b.fadd(variance, constant(row.ctype, eps))]))
+
+        def normalize(i, w):
+            value = b.fmul(b.fsub(row.read(x, i, w), row.splat(mean, w)), row.splat(rstd, w))
+            column = b.sub(i, start)
+            if gamma is not None:
+                value = b.fmul(value, row.read(gamma, column, w))
+            if beta is not None:
+                value = b.fadd(value, row.read(beta, column, w))
+            row.write(y, value, i, w)
+
+        row.each(normalize)
+
+
+def cross_entropy(ctx, op) -> None:
+    logits, target = op.inputs
+    loss = op.outputs[0]
+    rows, n = _rows(op)
+    b = ctx.b
+    smoothing = Attrs(op.attrs).float("label_smoothing", 0.0)
+    classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
+    with for_range(b, i64(0), i64(rows), name="row") as r:
+        start = b.mul(r, i64(n))
+        row = Row(ctx, start, n, logits.dtype)
+        t = row.ctype
+        peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(logits, i, w))
+        total = row.fold(0.0, _add(b), lambda i, w: mathlib.emit("exp", b, b.fsub(row.read(logits, i, w), row.splat(peak, w))))
+        logsumexp = b.fadd(peak, mathlib.emit("log", b, total))
+        if classes_target:
+            label = load(b, ctx.pointer(target), r, storage_type(target.dtype))
+            label = b.sext(label, ir.IntType(64)) if label.type.width < 64 else label
+            ctx.fail(b.or_(b.icmp_signed("<", label, i64(0)), b.icmp_signed(">=", label, i64(n))))
+            safe = b.select(b.icmp_unsigned("<", label, i64(n)), label, i64(0))
+            picked = row.read(logits, b.add(start, safe), 1)
+            value = b.fsub(logsumexp, b.fmul(picked, constant(t, 1.0 - smoothing)))
+            if smoothing:
+                everything = row.fold(0.0, _add(b), lambda i, w: row.read(logits, i, w))
+                value = b.fsub(value, b.fmul(everything, constant(t, smoothing / n)))
+        else:
+            # Σ p'·(lse − x) with p' = p(1 − s) + s/n.
+            def weighted(i, w):
+                p = row.read(target, i, w)
+                if smoothing:
+                    p = b.fadd(b.fmul(p, row.splat(constant(t, 1.0 - smoothing), w)), row.splat(constant(t, smoothing / n), w))
+                return b.fmul(p, b.fsub(row.splat(logsumexp, w), row.read(logits, i, w)))
+
+            value = row.fold(0.0, _add(b), weighted)
+        row.write(loss, value, r, 1)
+
+
+def choose(op):
+    if op.type in ("Softmax", "LogSoftmax"):
+        x = op.inputs[0]
+        if Attrs(op.attrs).int("axis", -1) % x.rank == x.rank - 1 and x.shape[-1] > 0:
+            return "SoftmaxRow" if op.type == "Softmax" else "LogSoftmaxRow", softmax
+    if op.type in ("LayerNorm", "RMSNorm") and op.inputs[0].shape[-1] > 0:
+        return f"{op.type}Row", norm
+    if op.type == "SoftmaxCrossEntropy" and op.inputs[0].shape[-1] > 0:
+        return "CrossEntropyRow", cross_entropy
+    return None
+
+
+
