@@ -74,27 +74,27 @@ def plan_memory(
     for var in order:
         first, last = ranges[var.name]
         size = max(var.nbytes, 1)
-        producer_step = steps[first] if first >= 0 else None
-
-        def conflicts(slot: Slot) -> bool:
-            if slot.last < first or last < slot.first:
-                return False
-            if (
-                slot.last == first
-                and producer_step is not None
-                and in_place is not None
-                and slot.var in producer_step.inputs
-                and in_place(producer_step, slot.var, var)
-            ):
-                return False
-            return True
-
-        busy = sorted((s.offset, s.offset + s.size) for s in placed if conflicts(s))
-        offset = 0
-        for start, stop in busy:
-            if offset + size <= start:
+        producer = steps[first] if first >= 0 else None
+        busy = [s for s in placed if not (s.last < first or last < s.first)]
+        # In place: an input that dies at this op may hand over its exact bytes (same
+        # offset, so element i is written where element i was read, never elsewhere).
+        candidates = [
+            s for s in busy
+            if producer is not None and in_place is not None and s.last == first and s.var in producer.inputs
+            and s.size >= size and in_place(producer, s.var, var)
+        ]
+        offset = None
+        for candidate in candidates:
+            others = [s for s in busy if s is not candidate and not (s.offset + s.size <= candidate.offset or candidate.offset + size <= s.offset)]
+            if not others:
+                offset = candidate.offset
                 break
-            offset = max(offset, align(stop, alignment))
+        if offset is None:
+            offset = 0
+            for start, stop in sorted((s.offset, s.offset + s.size) for s in busy):
+                if offset + size <= start:
+                    break
+                offset = max(offset, align(stop, alignment))
         placed.append(Slot(var, offset, size, alignment, first, last))
     total = align(max((s.offset + s.size for s in placed), default=0), alignment)
     placed.sort(key=lambda s: (s.offset, s.first))
