@@ -21,81 +21,101 @@ def is_elementwise(op: Operation) -> bool:
 
 
 class _Group:
-    def __init__(self, first: Operation):
-        self.ops = [first]
+    def __init__(self, first: Operation, position: int):
+        self.ops = [(position, first)]
         self.shape = list(first.outputs[0].shape)
-        self.produced = {v.name for v in first.outputs}
+        self.parent: _Group = self
+
+    def root(self) -> "_Group":
+        group = self
+        while group.parent is not group:
+            group.parent = group.parent.parent
+            group = group.parent
+        return group
+
+    @property
+    def members(self) -> list[Operation]:
+        return [op for _, op in sorted(self.ops, key=lambda item: item[0])]
 
 
 def fuse_elementwise(flow: Flow, func: Function, ops: list[Operation], keep: set[str]) -> None:
     """Replace groups of elementwise ops (given in dependency order) by Calculate ops.
 
+    An op joins (and so merges) the groups of every input producer with its output
+    shape, unless that would make a path leave the merged group and come back.
     `keep` names variables that must stay visible (outputs, values other cells read).
     The function's op list changes; order it again before use.
     """
     group_of: dict[int, _Group] = {}
-    depends_on: dict[int, set[int]] = {}  # op -> ids of groups it (transitively) reads from
-    groups: list[_Group] = []
-    for op in ops:
-        inherited: set[int] = set()
+    depends_on: dict[int, set[_Group]] = {}  # op -> groups it reads from, directly or not
+    for position, op in enumerate(ops):
+        upstream: set[_Group] = set()
         for v in op.inputs:
             producer = v.producer
             if producer is None or id(producer) not in depends_on:
                 continue
-            inherited |= depends_on[id(producer)]
+            upstream |= depends_on[id(producer)]
             if id(producer) in group_of:
-                inherited.add(id(group_of[id(producer)]))
-        if is_elementwise(op):
-            target = _joinable_group(op, group_of, depends_on)
-            if target is None:
-                target = _Group(op)
-                groups.append(target)
-            else:
-                target.ops.append(op)
-                target.produced.update(v.name for v in op.outputs)
-            group_of[id(op)] = target
-            inherited.discard(id(target))
-        depends_on[id(op)] = inherited
+                upstream.add(group_of[id(producer)])
+        depends_on[id(op)] = upstream
+        if not is_elementwise(op):
+            continue
+        shape = list(op.outputs[0].shape)
+        candidates = {
+            group_of[id(v.producer)].root()
+            for v in op.inputs
+            if v.producer is not None and id(v.producer) in group_of and group_of[id(v.producer)].root().shape == shape
+        }
+        group = _Group(op, position)
+        group_of[id(op)] = group
+        for candidate in sorted(candidates, key=lambda g: min(p for p, _ in g.ops)):
+            if _convex(group.root(), candidate, group_of, depends_on):
+                _merge(group.root(), candidate)
 
-    for group in groups:
-        if len(group.ops) > 1 or _assign_of(group, func) is not None:
+    roots = {id(g.root()): g.root() for g in group_of.values()}
+    for group in roots.values():
+        if len(group.ops) > 1 or _assigns(group, func):
             _build_calculate(flow, func, group, keep)
 
 
-def _joinable_group(op: Operation, group_of, depends_on) -> _Group | None:
-    shape = list(op.outputs[0].shape)
-    for v in op.inputs:
-        if v.producer is None or id(v.producer) not in group_of:
-            continue
-        group = group_of[id(v.producer)]
-        if group.shape != shape:
-            continue
-        # Joining is safe when no other input is computed from this group outside it.
-        if all(
-            u.producer is None
-            or id(u.producer) in map(id, group.ops)
-            or id(group) not in depends_on.get(id(u.producer), set())
-            for u in op.inputs
-        ):
-            return group
-    return None
+def _merge(a: _Group, b: _Group) -> None:
+    b.parent = a
+    a.ops += b.ops
 
 
-def _assign_of(group: _Group, func: Function) -> list[Operation] | None:
-    assigns = [
-        c
-        for op in group.ops
-        for v in op.outputs
-        for c in v.consumers
-        if c.type == "Assign" and c.func is func and c.inputs[1] is v and list(c.inputs[0].shape) == group.shape
-        and len(v.consumers) == 1
-    ]
-    return assigns or None
+def _convex(a: _Group, b: _Group, group_of, depends_on) -> bool:
+    """Merging is safe when no value flows from one group to the other through an outside op."""
+    merged = {id(op) for _, op in a.ops} | {id(op) for _, op in b.ops}
+    for _, op in a.ops + b.ops:
+        for v in op.inputs:
+            producer = v.producer
+            if producer is None or id(producer) in merged or id(producer) not in depends_on:
+                continue
+            reached = {g.root() for g in depends_on[id(producer)]}
+            if id(producer) in group_of:
+                reached.add(group_of[id(producer)].root())
+            if a in reached or b in reached:
+                return False
+    return True
+
+
+def _assigns(group: _Group, func: Function) -> list[Operation]:
+    """Assigns of a group's value to a same-shaped variable, when nothing outside the group
+    needs that value: they fold into the group as in-place writes."""
+    members = {id(op) for _, op in group.ops}
+    found = []
+    for _, op in group.ops:
+        out = op.outputs[0]
+        writers = [c for c in out.consumers if c.type == "Assign" and c.func is func and c.inputs[1] is out]
+        others = [c for c in out.consumers if c not in writers]
+        if len(writers) == 1 and list(writers[0].inputs[0].shape) == group.shape and all(id(c) in members for c in others):
+            found.append(writers[0])
+    return found
 
 
 def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str]) -> Operation:
-    members = {id(op) for op in group.ops}
-    assigns = _assign_of(group, func) or []
+    members = {id(op) for _, op in group.ops}
+    assigns = _assigns(group, func)
     assigned = {a.inputs[1].name: a.inputs[0] for a in assigns}
     inputs: list[Variable] = []
     input_index: dict[str, int] = {}
@@ -112,11 +132,14 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str]) 
         return Ref("%", input_index[v.name])
 
     temps = 0
-    for op in group.ops:
+    for op in group.members:
         call = Call(op.type, tuple(operand(v) for v in op.inputs), tuple(sorted(op.attrs.items())))
         out = op.outputs[0]
-        if out.name in assigned:  # read by nothing but its Assign: write the target in place
-            statements.append((assigned[out.name], call))
+        if out.name in assigned:  # the Assign's target is written in place; members may read the value
+            statements.append((Ref("$", temps), call))
+            names[out.name] = Ref("$", temps)
+            statements.append((assigned[out.name], Call("Identity", (Ref("$", temps),))))
+            temps += 1
             continue
         if out.name in keep or out.out or any(id(c) not in members for c in out.consumers):
             ref = Ref("@", len(outputs))
@@ -130,8 +153,8 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str]) 
 
     fused = flow.add_op(flow.unique_name(f"{func.name}/Calculate", flow.ops), "Calculate")
     fused.attrs = {"expr": str(program)}
-    internal = [v for op in group.ops for v in op.outputs if v not in outputs]
-    for op in [*group.ops, *assigns]:
+    internal = [v for op in group.members for v in op.outputs if v not in outputs]
+    for op in [*group.members, *assigns]:
         flow.remove_op(op)
     for v in internal:
         flow.remove_var(v)

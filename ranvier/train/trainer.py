@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from .. import dtypes
 from ..autodiff import gradient
 from ..compiler import Compiler
 from ..data.batches import BatchSampler
@@ -105,7 +106,8 @@ class TrainerBase:
             array = named[var.name]
             if list(array.shape[1:]) != var.shape[1:]:
                 raise RanvierError(f"dataset for {var.name} has examples of shape {list(array.shape[1:])}, expected {var.shape[1:]}")
-        self.dataset = named
+        # Stored in the inputs' dtypes, so batches can be gathered straight into the cell.
+        self.dataset = {v.name: np.ascontiguousarray(named[v.name], dtype=dtypes.to_numpy(v.dtype)) for v in self.inputs}
         self.sampler = BatchSampler(sizes.pop(), self.batch_rows, seed=seed, shuffle=shuffle)
 
     def _by_input(self, arrays, what: str) -> dict[str, np.ndarray]:
@@ -289,6 +291,9 @@ class Trainer(TrainerBase):
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
         self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None
+        self._input_views = {v.name: self.data[v] for v in self.inputs}
+        self._lr_view = (self.apply_data or self.data)[self.lr_var]
+        self._loss_view = self.data[self.loss_var]
 
     def _function_inputs(self) -> list[Variable]:
         used = {v.name for v in self.flow.inputs(self.func)}
@@ -298,8 +303,17 @@ class Trainer(TrainerBase):
 
     def step(self, batch=None) -> float:
         """One optimizer step on `batch` (or the next sampled minibatch); returns the loss."""
-        named = self._next_batch(batch)
         lr = float(self.schedule(self.step_count))
+        if batch is None and self.accumulate == 1 and self.sampler is not None:
+            # The hot path: gather the sampled rows straight into the cell's input views.
+            indices = self.sampler.next()
+            for name, view in self._input_views.items():
+                np.take(self.dataset[name], indices, axis=0, out=view)
+            self._lr_view[...] = lr
+            self.data.compute()
+            self.step_count += 1
+            return float(self._loss_view)
+        named = self._next_batch(batch)
         if self.accumulate == 1:
             for var in self.inputs:
                 self._feed(self.data, var, named[var.name])

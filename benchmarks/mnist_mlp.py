@@ -1,0 +1,76 @@
+"""MNIST benchmark: ranvier vs PyTorch CPU eager, the same recipe in the same run.
+
+784-256-10 GELU MLP, Adam lr 1e-3, batch 128, 2,340 steps on the bundled 4,000-digit
+training split; test accuracy on the 1,000 test digits. The two sides alternate for
+several repetitions; each side's median seconds, its accuracy and the time ratio are
+printed. Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def run_ranvier(steps: int, backend: str) -> tuple[float, float]:
+    from ranvier.train.mnist_job import MnistConfig, make_trainer
+
+    trainer, _, test = make_trainer(MnistConfig(steps=steps, backend=backend))
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.step()
+    seconds = time.perf_counter() - start
+    return seconds, trainer.accuracy(test.flat(), test.labels)
+
+
+def run_torch(steps: int) -> tuple[float, float]:
+    import torch
+
+    from ranvier.data import mnist
+    from ranvier.data.batches import BatchSampler
+
+    train, test = mnist.load()
+    x, y = torch.tensor(train.flat()), torch.tensor(train.labels.astype(np.int64))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sampler = BatchSampler(len(x), 128, seed=0)
+    start = time.perf_counter()
+    for _ in range(steps):
+        index = torch.from_numpy(sampler.next())
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x[index]), y[index])
+        loss.backward()
+        optimizer.step()
+    seconds = time.perf_counter() - start
+    with torch.no_grad():
+        accuracy = (model(torch.tensor(test.flat())).argmax(1).numpy() == test.labels).mean()
+    return seconds, float(accuracy)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2340)
+    parser.add_argument("--backend", default="cpu")
+    args = parser.parse_args()
+    import torch
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ranvier backend {args.backend}")
+    results = {"ranvier": [], "pytorch": []}
+    for repeat in range(args.repeats):
+        for name, run in (("ranvier", lambda: run_ranvier(args.steps, args.backend)), ("pytorch", lambda: run_torch(args.steps))):
+            seconds, accuracy = run()
+            results[name].append((seconds, accuracy))
+            print(f"  run {repeat + 1} {name:8s} {seconds:7.2f} s  accuracy {accuracy:.4f}", flush=True)
+    medians = {name: statistics.median(s for s, _ in runs) for name, runs in results.items()}
+    for name, runs in results.items():
+        print(f"{name:8s} median {medians[name]:.2f} s  accuracy {statistics.median(a for _, a in runs):.4f}")
+    print(f"ratio ranvier/pytorch = {medians['ranvier'] / medians['pytorch']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
