@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="build, print and run Myelin's example cell")
-    demo.add_argument("--backend", default="reference")
+    demo.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--batch", type=int, default=128)
     mnist.add_argument("--lr", type=float, default=1e-3)
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
-    mnist.add_argument("--backend", default="reference")
+    mnist.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     mnist.add_argument("--seed", type=int, default=0)
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
     mnist.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")

@@ -25,7 +25,8 @@ class Step:
         ins = ", ".join(v.name for v in self.op.inputs)
         variant = f"[{self.variant}]" if self.variant else ""
         lhs = f"{outs} = " if outs else ""
-        return f"{lhs}{self.kernel}{variant}({ins})"
+        expression = f"  // {self.op.attrs['expr']}" if "expr" in self.op.attrs else ""
+        return f"{lhs}{self.kernel}{variant}({ins}){expression}"
 
 
 def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:

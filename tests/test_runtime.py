@@ -41,7 +41,7 @@ def test_seed_example_runs_as_written():
 
 def test_cell_printout_shows_layout_and_kernels():
     flow, *_ = myelin_example()
-    cell = myelin.Compiler().compile(flow).cell("f")
+    cell = myelin.Compiler("reference").compile(flow).cell("f")
     text = str(cell)
     assert text.startswith(f"cell f {{  // size {cell.size}")
     assert "input var f/x: float32[1x64]    // offset 0 size 256 alignment 64 row-major" in text
@@ -49,6 +49,14 @@ def test_cell_printout_shows_layout_and_kernels():
     assert "  union " in text  # intermediates share storage
     assert "const f/W: float32[64x256]    // size 65536" in text
     assert "f/y:0 = Softmax[reference](f/Relu:0)" in text
+
+
+def test_cpu_printout_shows_fused_kernels_and_their_expression():
+    flow, *_ = myelin_example()
+    text = str(myelin.Compiler("cpu").compile(flow).cell("f"))
+    assert "f/MatMul:0 = BlasGemm[" in text
+    assert "f/Relu:0 = Calculate[" in text and "// $0=Add(%0,%1);@0=Relu($0)" in text
+    assert "f/y:0 = SoftmaxRow[" in text
 
 
 def test_instances_are_independent_and_share_globals():

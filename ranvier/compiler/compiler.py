@@ -59,7 +59,7 @@ def write_after_read(func: Function) -> dict[int, list[Operation]]:
 class Compiler:
     """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
 
-    def __init__(self, backend: str = "reference", cpu: str = "", cache: bool = True):
+    def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True):
         """backend: "cpu" (LLVM JIT) or "reference" (numpy oracle).
         cpu: CPU features to mask, e.g. "-avx512" or "-avx512,-avx2" (Myelin's --cpu).
         cache: reuse generated code across processes (the on-disk compile cache)."""

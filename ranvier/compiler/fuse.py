@@ -73,9 +73,11 @@ def fuse_elementwise(flow: Flow, func: Function, ops: list[Operation], keep: set
                 _merge(group.root(), candidate)
 
     roots = {id(g.root()): g.root() for g in group_of.values()}
-    for group in roots.values():
-        if len(group.ops) > 1 or _assigns(group, func):
-            _build_calculate(flow, func, group, keep)
+    # Decide every fold before rewriting anything: the checks read the original graph.
+    plans = [(group, _assigns(group, func, group_of, depends_on)) for group in roots.values()]
+    for group, assigns in plans:
+        if len(group.ops) > 1 or assigns:
+            _build_calculate(flow, func, group, keep, assigns)
 
 
 def _merge(a: _Group, b: _Group) -> None:
@@ -99,23 +101,34 @@ def _convex(a: _Group, b: _Group, group_of, depends_on) -> bool:
     return True
 
 
-def _assigns(group: _Group, func: Function) -> list[Operation]:
+def _assigns(group: _Group, func: Function, group_of, depends_on) -> list[Operation]:
     """Assigns of a group's value to a same-shaped variable, when nothing outside the group
-    needs that value: they fold into the group as in-place writes."""
+    needs that value: they fold into the group as in-place writes. A write must follow
+    every other reader of its target, so an Assign stays separate when such a reader
+    itself depends on the group (folding it would make a cycle)."""
     members = {id(op) for _, op in group.ops}
     found = []
     for _, op in group.ops:
         out = op.outputs[0]
         writers = [c for c in out.consumers if c.type == "Assign" and c.func is func and c.inputs[1] is out]
         others = [c for c in out.consumers if c not in writers]
-        if len(writers) == 1 and list(writers[0].inputs[0].shape) == group.shape and all(id(c) in members for c in others):
-            found.append(writers[0])
+        if len(writers) != 1 or list(writers[0].inputs[0].shape) != group.shape or any(id(c) not in members for c in others):
+            continue
+        readers = [c for c in writers[0].inputs[0].consumers if c.func is func and c is not writers[0] and id(c) not in members]
+        if any(group in _upstream(r, group_of, depends_on) for r in readers):
+            continue
+        found.append(writers[0])
     return found
 
 
-def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str]) -> Operation:
+def _upstream(op: Operation, group_of, depends_on) -> set[_Group]:
+    """Groups the op's fused unit (its whole group, if it has one) reads from."""
+    unit = [member for _, member in group_of[id(op)].root().ops] if id(op) in group_of else [op]
+    return {g.root() for member in unit for g in depends_on.get(id(member), set())}
+
+
+def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], assigns: list[Operation]) -> Operation:
     members = {id(op) for _, op in group.ops}
-    assigns = _assigns(group, func)
     assigned = {a.inputs[1].name: a.inputs[0] for a in assigns}
     inputs: list[Variable] = []
     input_index: dict[str, int] = {}

@@ -34,7 +34,7 @@ class MnistConfig:
     optimizer: str = "adam"
     hidden: list[int] = field(default_factory=lambda: [256])
     activation: str = "gelu"
-    backend: str = "reference"
+    backend: str = "cpu"
     seed: int = 0
     data: str | None = None
     checkpoint_every: int = 500

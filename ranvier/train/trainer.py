@@ -241,7 +241,7 @@ class Trainer(TrainerBase):
         accumulate: int = 1,
         predict: Tensor | None = None,
         inputs: Sequence[Tensor] | None = None,
-        backend: str = "reference",
+        backend: str = "cpu",
     ):
         if accumulate < 1:
             raise RanvierError(f"accumulate must be >= 1, got {accumulate}")

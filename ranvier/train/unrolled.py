@@ -39,7 +39,7 @@ class UnrolledTrainer(TrainerBase):
         clip_norm: float | None = None,
         predict: Tensor | None = None,
         func: str = "train_unrolled",
-        backend: str = "reference",
+        backend: str = "cpu",
     ):
         if steps_per_call < 1:
             raise RanvierError(f"steps_per_call must be >= 1, got {steps_per_call}")

@@ -111,3 +111,14 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
                 access([b.add(o, b.mul(index, i64(s[-1]))) for o, s in zip(offsets, strides)], 1, unit)
 
     level(0, [i64(v.offset) for v in views])
+
+
+def for_vectors(b: ir.IRBuilder, start: ir.Value, count: int, lanes: int, body: Callable[[ir.Value, int], None]) -> None:
+    """Call `body(index, width)` over [start, start + count): whole vectors, then single elements."""
+    vector_end = count - count % lanes if lanes > 1 else 0
+    if vector_end:
+        with for_range(b, i64(0), i64(vector_end), step=lanes, name="v") as index:
+            body(b.add(start, index), lanes)
+    if vector_end < count:
+        with for_range(b, i64(vector_end), i64(count), name="s") as index:
+            body(b.add(start, index), 1)
