@@ -150,8 +150,12 @@ class CPUBackend:
                 status[0] = 0
                 cause = errors.pop() if errors else None
                 errors.clear()
-                detail = f": {cause}" if cause is not None else ": an index is out of range"
-                raise RanvierError(f"{step.op.type} op {step.op.name} failed{detail}") from cause
+                if cause is not None:
+                    raise cause
+                # A native kernel met bad data (an index out of range): the reference
+                # kernel of the step says exactly which value and what range.
+                reference_kernel(step.op, instance)()
+                raise RanvierError(f"{step.op.type} op {step.op.name} failed: an index is out of range")
 
         run.keep_alive = keep_alive
         return run
