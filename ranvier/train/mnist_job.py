@@ -121,8 +121,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
             report(loss)
             step = trainer.step_count
             if step % config.log_every == 0 or step == config.steps:
-                record = {"step": step, "loss": loss, "lr": config.lr, "grad_norm": trainer.grad_norm,
-                          "elapsed": time.perf_counter() - start}
+                record = {"step": step, "loss": loss, "lr": config.lr, "elapsed": time.perf_counter() - start}
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if step % config.checkpoint_every == 0 and step != config.steps:

@@ -44,22 +44,26 @@ def step_updates(
     loss_scale,
     clip_norm: float | None,
     current: Current | None = None,
-) -> tuple[list[Update], Tensor]:
+    track_norm: bool = False,
+) -> tuple[list[Update], Tensor | None]:
     """Clip, apply the optimizer and guard against non-finite gradients.
 
-    Returns the (variable, new value) pairs and the unscaled global gradient norm.
+    Returns the (variable, new value) pairs and the unscaled global gradient norm, which
+    costs a pass over every gradient and so is built only for clipping or when tracked.
     """
     # Tensor operators build into their left operand's function; make that b's.
     params = [b._wrap(p.var) for p in params]
     grads = [b._wrap(g.var) for g in grads]
     # The norm and the finiteness test run in float32 even for half-precision gradients.
     wide = [g if g.dtype in ("float32", "float64") else b.cast(g, "float32") for g in grads]
-    squares = b.sum(wide[0] * wide[0])
-    for g in wide[1:]:
-        squares = squares + b.sum(g * g)
-    norm = b.sqrt(squares)
-    if scale is not None:
-        norm = norm / scale
+    norm = None
+    if clip_norm is not None or track_norm:
+        squares = b.sum(wide[0] * wide[0])
+        for g in wide[1:]:
+            squares = squares + b.sum(g * g)
+        norm = b.sqrt(squares)
+        if scale is not None:
+            norm = norm / scale
     if clip_norm is not None:
         factor = b.minimum(b.const(1.0), clip_norm / (norm + 1e-6))
         grads = [g * (factor if g.dtype == factor.dtype else b.cast(factor, g.dtype)) for g in grads]
@@ -227,6 +231,7 @@ class Trainer(TrainerBase):
     accumulate: split each batch into this many micro-batches; gradients accumulate in
         resident buffers and one update is applied per step.
     loss_scale: None, a number (static) or a DynamicLossScale.
+    track_grad_norm: also compute the global gradient norm (`grad_norm`) when not clipping.
     """
 
     def __init__(
@@ -237,6 +242,7 @@ class Trainer(TrainerBase):
         *,
         schedule=None,
         clip_norm: float | None = None,
+        track_grad_norm: bool = False,
         loss_scale=None,
         accumulate: int = 1,
         predict: Tensor | None = None,
@@ -263,7 +269,7 @@ class Trainer(TrainerBase):
         grads = [grads_by_name[p.name] for p in self.params]
         if accumulate == 1:
             self.lr_var = b.var("lr", "float32", []).var
-            updates, norm = step_updates(b, self.params, grads, self.optimizer, b._wrap(self.lr_var), scale, loss_scale, clip_norm)
+            updates, norm = step_updates(b, self.params, grads, self.optimizer, b._wrap(self.lr_var), scale, loss_scale, clip_norm, track_norm=track_grad_norm)
             assign_all(b, updates)
             self.apply_func = None
         else:
@@ -279,13 +285,14 @@ class Trainer(TrainerBase):
             self.lr_var = apply.var("lr", "float32", []).var
             mean_grads = [a * (1.0 / accumulate) for a in accumulated]
             apply_scale = scale_tensor(apply, loss_scale, self.func.name)
-            updates, norm = step_updates(apply, self.params, mean_grads, self.optimizer, apply._wrap(self.lr_var), apply_scale, loss_scale, clip_norm)
+            updates, norm = step_updates(apply, self.params, mean_grads, self.optimizer, apply._wrap(self.lr_var), apply_scale, loss_scale, clip_norm, track_norm=track_grad_norm)
             zero = apply.const(0.0)
             updates += [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
             assign_all(apply, updates)
             self.apply_func = apply.func
-        self.norm_var = norm.var
-        self.norm_var.out = True
+        self.norm_var = norm.var if norm is not None else None
+        if self.norm_var is not None:
+            self.norm_var.out = True
 
         self._compile(backend, predict)
         self.cell = self.network.cell(self.func.name)
@@ -336,6 +343,9 @@ class Trainer(TrainerBase):
 
     @property
     def grad_norm(self) -> float:
+        """The last step's global gradient norm (before clipping)."""
+        if self.norm_var is None:
+            raise RanvierError("the gradient norm is not computed: create the Trainer with clip_norm or track_grad_norm=True")
         source = self.apply_data if self.apply_data is not None else self.data
         return float(source[self.norm_var])
 
