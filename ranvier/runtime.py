@@ -11,6 +11,9 @@ from .compiler.memory import Slot
 from .errors import RanvierError
 from .flow.graph import Flow, Function, Operation, Variable, shape_str
 
+if False:  # pragma: no cover  (type checkers only)
+    from .profile import Profile
+
 
 @dataclass
 class Step:
@@ -185,6 +188,9 @@ class Instance:
         self.buffer = aligned_empty(cell.size)
         self._views = [view_of(self.buffer, s.offset, s.var) for s in cell.slots]
         self._by_name = {s.var.name: v for s, v in zip(cell.slots, self._views)}
+        # Per-step time accumulated by the backend (its own unit: seconds or cycles).
+        self.step_time = np.zeros(max(1, len(cell.steps)), np.uint64 if cell.backend.name == "cpu" else np.float64)
+        self.computes = 0
         self._run = cell.backend.bind(cell, self)
 
     def view(self, var: Variable) -> np.ndarray:
@@ -218,9 +224,26 @@ class Instance:
 
     def compute(self) -> None:
         self._run()
+        self.computes += 1
 
     def clear(self) -> None:
         self.buffer[...] = 0
+
+    def profile(self) -> "Profile":
+        """Time per step, averaged over the computes since the last `reset_profile()`."""
+        from .profile import Profile, StepTime, flops
+
+        seconds = self.cell.backend.step_seconds(self)
+        computes = max(self.computes, 1)
+        steps = [
+            StepTime(i, f"{s.kernel}[{s.variant}]" if s.variant else s.kernel, seconds[i] / computes, flops(s.op), s.op)
+            for i, s in enumerate(self.cell.steps)
+        ]
+        return Profile(self.cell.name, self.computes, steps)
+
+    def reset_profile(self) -> None:
+        self.computes = 0
+        self.step_time[...] = 0
 
     def __repr__(self) -> str:
         return f"<Instance of cell {self.cell.name}, {self.cell.size} bytes>"

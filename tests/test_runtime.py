@@ -115,3 +115,22 @@ def test_compiling_leaves_the_flow_as_built():
 def test_demo_command_prints_a_cell_and_a_result():
     out = subprocess.run([sys.executable, "-m", "ranvier.cli", "demo"], capture_output=True, text=True, check=True).stdout
     assert out.startswith("cell f {") and "sum=1.000000" in out
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_profile_reports_every_step(backend):
+    flow, x, y, *_ = myelin_example()
+    cell = myelin.Compiler(backend).compile(flow).cell("f")
+    data = cell.instance()
+    data[x] = 1.0
+    for _ in range(5):
+        data.compute()
+    profile = data.profile()
+    assert profile.computes == 5 and len(profile.steps) == len(cell.steps)
+    assert all(s.seconds >= 0 for s in profile.steps) and profile.total > 0
+    matmul = next(s for s in profile.steps if s.op.type == "MatMul")
+    assert matmul.flops == 2 * 64 * 256
+    text = str(profile)
+    assert text.startswith("profile of cell f: 5 computes") and "GFLOP/s" in text and "MatMul" in text
+    data.reset_profile()
+    assert data.profile().computes == 0 and data.profile().total == 0

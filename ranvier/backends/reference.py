@@ -3,6 +3,7 @@ every other backend is tested against, so it favours clarity and accuracy over s
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -39,12 +40,19 @@ class ReferenceBackend:
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
         kernels = [reference_kernel(step.op, instance) for step in cell.steps]
+        clock = time.perf_counter
+        times = instance.step_time
 
         def run() -> None:
-            for kernel in kernels:
+            for index, kernel in enumerate(kernels):
+                start = clock()
                 kernel()
+                times[index] += clock() - start
 
         return run
+
+    def step_seconds(self, instance: Instance) -> np.ndarray:
+        return instance.step_time
 
 
 def reference_kernel(op: Operation, instance: Instance) -> Callable[[], None]:

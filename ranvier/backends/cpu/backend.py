@@ -115,11 +115,14 @@ class CPUBackend:
 
     # ---- run time -----------------------------------------------------------------------
 
+    def step_seconds(self, instance: Instance) -> np.ndarray:
+        """The cycle counts the generated code accumulated, in seconds."""
+        return instance.step_time.astype(np.float64) / jit.cycles_per_second()
+
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
         native = cell.native
         layout: Layout = native["layout"]
         status = np.zeros(1, np.int64)
-        instance.profile_cycles = np.zeros(max(1, len(cell.steps)), np.uint64)
         fallbacks = {i: reference_kernel(cell.steps[i].op, instance) for i in native["python_steps"]}
         errors: list[BaseException] = []
 
@@ -135,7 +138,7 @@ class CPUBackend:
         table = (ctypes.c_void_p * (FIRST_TABLE_SLOT + len(layout.table)))()
         table[codegen.DATA] = instance.buffer.ctypes.data
         table[codegen.STATUS] = status.ctypes.data
-        table[codegen.PROFILE] = instance.profile_cycles.ctypes.data
+        table[codegen.PROFILE] = instance.step_time.ctypes.data
         table[codegen.CALLBACK] = ctypes.cast(callback, ctypes.c_void_p).value
         table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
         for k, var in enumerate(layout.table):

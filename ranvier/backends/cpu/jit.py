@@ -9,8 +9,11 @@ entirely. The cache writes atomically; an unreadable entry is regenerated.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -72,3 +75,20 @@ def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True
         except OSError:
             pass  # a read-only or full cache directory only costs the next process a compile
     return code, "compiled"
+
+
+@functools.cache
+def cycles_per_second() -> float:
+    """The rate of the cycle counter the generated code reads (llvm.readcyclecounter)."""
+    module = ir.Module(name="clock")
+    counter = ir.Function(module, ir.FunctionType(ir.IntType(64), []), name="llvm.readcyclecounter")
+    function = ir.Function(module, ir.FunctionType(ir.IntType(64), []), name="cycles")
+    builder = ir.IRBuilder(function.append_basic_block())
+    builder.ret(builder.call(counter, []))
+    from .target import host_target
+
+    target = host_target()
+    read = ctypes.CFUNCTYPE(ctypes.c_uint64)(load_object(compile_object(module, target), target, "cycles"))
+    start_cycles, start = read(), time.perf_counter()
+    time.sleep(0.05)
+    return (read() - start_cycles) / (time.perf_counter() - start)
