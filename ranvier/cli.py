@@ -20,7 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
     b = f.array("b", rng.random(256, dtype=np.float32))
     x = f.var("x", myelin.DT_FLOAT, [1, 64])
     y = f.softmax(f.relu(f.add(f.matmul(x, W), b)), name="y")
-    net = myelin.Compiler(backend=args.backend).compile(flow)
+    net = myelin.Compiler(backend=args.backend, cpu=args.cpu).compile(flow)
     cell = net.cell("f")
     print(cell)
     data = cell.instance()
@@ -46,13 +46,14 @@ def _train_mnist(args: argparse.Namespace) -> int:
         lr=args.lr,
         optimizer=args.optimizer,
         backend=args.backend,
+        cpu=args.cpu,
         seed=args.seed,
         data=args.data,
         checkpoint_every=args.checkpoint_every,
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"mnist-{args.model}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
-    train_mnist(config, run_dir, progress=not args.quiet)
+    train_mnist(config, run_dir, progress=not args.quiet, profile=args.profile)
     return 0
 
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="build, print and run Myelin's example cell")
     demo.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    demo.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
 
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--lr", type=float, default=1e-3)
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     mnist.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
+    mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
     mnist.add_argument("--seed", type=int, default=0)
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
     mnist.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")

@@ -35,6 +35,7 @@ class MnistConfig:
     hidden: list[int] = field(default_factory=lambda: [256])
     activation: str = "gelu"
     backend: str = "cpu"
+    cpu: str = ""
     seed: int = 0
     data: str | None = None
     checkpoint_every: int = 500
@@ -64,6 +65,7 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         predict=setup.logits,
         inputs=[setup.x, setup.labels],
         backend=config.backend,
+        cpu=config.cpu,
     )
     images = train_split.flat() if config.model == "mlp" else train_split.nchw()
     trainer.set_dataset([images, train_split.labels.astype(np.int32)], seed=config.seed)
@@ -97,7 +99,7 @@ def resume_mnist(run_dir: Path, steps: int | None = None, progress: bool = True)
     return train_mnist(config, run_dir, resume=True, progress=progress)
 
 
-def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> float:
+def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True, profile: bool = False) -> float:
     """Train (or resume) and return the test accuracy. Prints `test_accuracy=0.XXXX` last."""
     from ..progress import training_progress
 
@@ -127,6 +129,8 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
             if step % config.checkpoint_every == 0 and step != config.steps:
                 trainer.save(run_dir / "checkpoint")
     trainer.save(run_dir / "checkpoint")
+    if profile:
+        print(trainer.data.profile())
     accuracy = trainer.accuracy(_test_images(config, test_split), test_split.labels)
     with open(metrics_path, "a") as metrics:
         metrics.write(json.dumps({"step": trainer.step_count, "test_accuracy": accuracy}) + "\n")

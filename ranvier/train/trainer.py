@@ -88,9 +88,9 @@ class TrainerBase:
     inputs: list[Variable]  # the arrays one sampled example set feeds, in dataset order
     batch_rows: int  # examples drawn from the dataset per step() call
 
-    def _compile(self, backend: str, predict: Tensor | None) -> None:
+    def _compile(self, backend: str, predict: Tensor | None, cpu: str = "") -> None:
         compile_start = time.perf_counter()
-        self.network = Compiler(backend).compile(self.flow)
+        self.network = Compiler(backend, cpu=cpu).compile(self.flow)
         self.compile_seconds = time.perf_counter() - compile_start
         self.predict_var = predict.var if predict is not None else None
         self.predict_data = self.network.cell(predict.var.producer.func.name).instance() if predict is not None else None
@@ -232,6 +232,7 @@ class Trainer(TrainerBase):
         resident buffers and one update is applied per step.
     loss_scale: None, a number (static) or a DynamicLossScale.
     track_grad_norm: also compute the global gradient norm (`grad_norm`) when not clipping.
+    backend, cpu: the compiler backend and, for "cpu", features to mask (e.g. "-avx512").
     """
 
     def __init__(
@@ -248,6 +249,7 @@ class Trainer(TrainerBase):
         predict: Tensor | None = None,
         inputs: Sequence[Tensor] | None = None,
         backend: str = "cpu",
+        cpu: str = "",
     ):
         if accumulate < 1:
             raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
@@ -294,7 +296,7 @@ class Trainer(TrainerBase):
         if self.norm_var is not None:
             self.norm_var.out = True
 
-        self._compile(backend, predict)
+        self._compile(backend, predict, cpu)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
         self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None
