@@ -1,0 +1,552 @@
+"""Vectorized elementary functions emitted as straight-line LLVM IR.
+
+Every public function takes an `ir.IRBuilder` and a value of type float, double or a
+vector of either (any width) and returns a value of the same type. Each lane runs the
+same instruction sequence, so results do not depend on the vector width. The code
+uses only arithmetic, compares, selects, integer manipulation of the float encodings
+and intrinsics that lower to instructions on every x86 level — no libm calls, loops
+or branches:
+
+* Rounding to an integer adds and subtracts 1.5 * 2^(p-1) (p = significand bits)
+  instead of calling llvm.rint/floor, which become libm calls below SSE4.1; the
+  integer is then read straight out of the sum's encoding.
+* Polynomials use llvm.fmuladd: a fused multiply-add where the target has FMA, a
+  multiply and an add where it does not (llvm.fma would become a call to libm's fma
+  there). Results are identical across vector widths on one target and may differ in
+  the last bit between FMA and non-FMA targets.
+* Range reductions never depend on fusion: their constants are split (Cody-Waite) so
+  that every product they need is exact in plain arithmetic, or they use Dekker's
+  exact product.
+
+Polynomial coefficients are minimax fits (Remez exchange in 50-digit mpmath, weighted
+for the relative error of the final result), rounded to the target precision from the
+low order up, each rounding compensated by a weighted least-squares refit of the
+higher-order coefficients. The error of each rounded polynomial is noted next to it.
+tests/test_mathlib.py measures the end-to-end error in ULPs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from collections.abc import Callable, Sequence
+
+from llvmlite import ir
+
+# -- coefficient tables, lowest order first -------------------------------------------------
+# exp(r) = 1 + r + r^2 * P(r) for |r| <= ln2/2; rel. error 2^-28.1 (f32), 2^-57.7 (f64).
+_EXP = {
+    32: (0.49999994, 0.16666512, 0.041668225, 0.008369654, 0.0013825825),
+    64: (0.5000000000000012, 0.1666666666666643, 0.04166666666651606, 0.008333333333483177,
+         0.0013888888947556587, 0.00019841269534021604, 2.480148880850325e-05, 2.755755791444198e-06,
+         2.763185256558413e-07, 2.5010552425133662e-08),
+}
+# log(1+f) = 2 atanh(s) = 2s + s * z * Q(z), s = f / (2 + f), z = s^2 <= 0.0295 (fdlibm's
+# scheme); rel. error of the s * z * Q term 2^-30.1 (f32), 2^-59.4 (f64).
+_LOG = {
+    32: (0.6666678, 0.39976877, 0.29889685),
+    64: (0.666666666666674, 0.3999999999937741, 0.2857142875134315, 0.22222197588688905,
+         0.18183618730610906, 0.15312579777174176, 0.14811417767687712),
+}
+# tanh(x) = x + x^3 * P(x^2) for |x| < 0.625; rel. error 2^-27.7 (f32), 2^-56.4 (f64).
+_TANH_CUT = 0.625
+_TANH = {
+    32: (-0.3333328, 0.13331412, -0.053737402, 0.020632116, -0.0056977225),
+    64: (-0.33333333333332854, 0.1333333333326155, -0.053968253930943955, 0.02186948756801502,
+         -0.008863220894000658, 0.0035919882987696782, -0.0014549544530637827, 0.0005863023696505671,
+         -0.0002285362984452076, 7.711350173067707e-05, -1.6057902448280745e-05),
+}
+# erf(x) = x + x * P(x^2) for |x| < 0.5, i.e. P's constant term is 2/sqrt(pi) - 1, which keeps
+# the leading term exact; rel. error 2^-29.3 (f32), 2^-56.0 (f64). 0.5 is about where erf and
+# erfc cross, so neither erf = 1 - erfc above it nor erfc = 1 - erf below it cancels much.
+_ERF_CUT = 0.5
+_ERF = {
+    32: (0.12837917, -0.3761261, 0.11282855, -0.026758812, 0.004720762),
+    64: (0.12837916709551256, -0.3761263890318326, 0.1128379167091327, -0.026866170629825208,
+         0.005223977331905118, -0.0008548294625607735, 0.00012053199700619726, -1.4842740406357477e-05,
+         1.469649461046637e-06),
+}
+# erfc(u) = exp(-u^2) * S(t) / u for 0.5 <= u <= _ERFC_MAX, t = (u - c) / (u + c). u * exp(u^2) *
+# erfc(u) tends to 1/sqrt(pi), so S varies little and its Horner sum is well conditioned; the
+# Moebius map folds u -> infinity into t -> 1. A small c keeps |t| small near u = 0.5, where
+# S is most sensitive to the rounding error of t; float64 takes a larger c to cover its longer
+# range with fewer terms. Rel. error 2^-28.7 (f32), 2^-53.2 (f64: half an ulp of the constant
+# term). _ERFC_MAX is where 0.5 * x * erfc(x / sqrt2), the Gelu tail, drops below half the
+# smallest subnormal.
+_ERFC_C = {32: 1.0, 64: 3.5}
+_ERFC_MAX = {32: 10.2, 64: 27.4}
+_ERFC_TAIL = {
+    32: (0.42758358, 0.30874312, -0.16661866, -0.040823374, 0.019653512, 0.017460272, 0.004142381,
+         -0.002331288, -0.0029720028, -0.0019392915, 0.00036846328, 0.000929501),
+    64: (0.54352779463113, 0.07462793234757402, -0.12184303896622828, 0.12942880995888045,
+         -0.10475870253491852, 0.06670995750433711, -0.03290004337586534, 0.01167078477188063,
+         -0.0022412025349675484, -0.0002954115262699838, 0.0003362348141083037, -5.841949538948325e-05,
+         -2.8064906523831015e-05, 1.2945211860241097e-05, 1.92517358019025e-06, -2.093174971871871e-06,
+         -1.1983774003899586e-07, 3.3195524520129486e-07, 1.1049561876668203e-08, -5.1618923639769463e-08,
+         -1.7543700815782798e-09, 5.856043731402173e-09),
+}
+# sin(r) = r + r^3 * S(r^2), cos(r) = 1 - r^2/2 + r^4 * C(r^2) for |r| <= pi/4 (fitted on
+# 1.001 * pi/4); rel. error sin 2^-27.9 / 2^-57.9, cos 2^-33.0 / 2^-63.9 (f32 / f64).
+_TRIG_CLAMP = math.pi / 4 * 1.001
+_SIN = {
+    32: (-0.16666655, 0.008332188, -0.00019518072),
+    64: (-0.1666666666666663, 0.008333333333321888, -0.0001984126982941891, 2.755731356505335e-06,
+         -2.505073921556132e-08, 1.5895744543462727e-10),
+}
+_COS = {
+    32: (0.041666646, -0.001388731, 2.4432338e-05),
+    64: (0.041666666666666595, -0.0013888888888873318, 2.4801587288975266e-05, -2.755731420644774e-07,
+         2.0875703628228804e-09, -1.1358642976671471e-11),
+}
+
+# -- range reduction constants ----------------------------------------------------------------
+# ln2 = LN2_HI + LN2_LO with LN2_HI rounded to p - 11 bits, so k * LN2_HI is exact for |k| < 2^11.
+_LN2_HI = {32: float.fromhex("0x1.62ep-1"), 64: float.fromhex("0x1.62e42fefa38p-1")}
+_LN2_LO = {32: float.fromhex("0x1.0bfbe8p-15"), 64: float.fromhex("0x1.ef35793c7673p-45")}
+# exp's input is clamped to [lo, hi]: exp(hi) overflows; exp(lo) underflows even when scaled by
+# a factor up to 2^20 (silu, gelu), and its 2^k still splits into two normal halves.
+_EXP_CLAMP = {32: (-150.0, 89.0), 64: (-1400.0, 710.0)}
+# pi/2 = C1 + C2 + C3 with C1, C2 of 39 bits (k * Ci exact for k < 2^14, |x| < 25735) and C3 the
+# next 53 bits: about 131 bits in all, enough for the closest approach of a double to a multiple
+# of pi/2 below 2^14 * pi/2 (2^-60.5, at 29 * pi/2). Reduction always runs in double.
+_PIO2 = (float.fromhex("0x1.921fb54444p+0"), float.fromhex("-0x1.2e7b967674p-40"),
+         float.fromhex("0x1.8a2e03707344ap-81"))
+# Gelu (tanh form): 0.5 * x * (1 + tanh(y)) = x * sigmoid(2y), 2y = x * (G1 + G2 * x^2),
+# G1 = 2 * sqrt(2/pi), G2 = G1 * 0.044715, each as an unevaluated sum hi + lo of two floats.
+_GELU_G1 = {32: (1.5957691669464111, -4.534068054340423e-08), 64: (1.5957691216057308, -9.96930880911092e-17)}
+_GELU_G2 = {32: (0.07135481387376785, 2.3988324659995897e-09), 64: (0.07135481627260025, -6.175149918155315e-19)}
+_GELU_CLAMP = 40.0  # |2y| > 4000 beyond: sigmoid(2y) is exactly 0 or 1
+
+_ARITY = {"llvm.fma": 3, "llvm.fmuladd": 3, "llvm.copysign": 2, "llvm.minnum": 2, "llvm.maxnum": 2}
+
+
+def intrinsic(module: ir.Module, name: str, type_: ir.Type) -> ir.Function:
+    """The declaration of the overloaded intrinsic `name` (e.g. "llvm.fmuladd") for `type_`
+    (e.g. <16 x float> gives llvm.fmuladd.v16f32), added to `module` on first use."""
+    full = f"{name}.{_type_suffix(type_)}"
+    existing = module.globals.get(full)
+    if existing is not None:
+        return existing
+    return ir.Function(module, ir.FunctionType(type_, [type_] * _ARITY.get(name, 1)), name=full)
+
+
+def _type_suffix(type_: ir.Type) -> str:
+    if isinstance(type_, ir.VectorType):
+        return f"v{type_.count}{_type_suffix(type_.element)}"
+    if isinstance(type_, ir.FloatType):
+        return "f32"
+    if isinstance(type_, ir.DoubleType):
+        return "f64"
+    raise TypeError(f"no floating-point intrinsic suffix for {type_}")
+
+
+class _Ops:
+    """Lane-wise operations on one floating type (scalar or vector) and the integer type of the
+    same shape and width, with constants splatted to that shape."""
+
+    def __init__(self, builder: ir.IRBuilder, type_: ir.Type) -> None:
+        lanes = type_.count if isinstance(type_, ir.VectorType) else None
+        scalar = type_.element if lanes else type_
+        if not isinstance(scalar, (ir.FloatType, ir.DoubleType)):
+            raise TypeError(f"mathlib works on float, double or vectors of them, not {type_}")
+        self.builder = builder
+        self.ty = type_
+        self.bits = 64 if isinstance(scalar, ir.DoubleType) else 32
+        self.mant = 52 if self.bits == 64 else 23  # explicit significand bits
+        self.bias = 1023 if self.bits == 64 else 127
+        self._fscalar = scalar
+        self._iscalar = ir.IntType(self.bits)
+        self.ity = ir.VectorType(self._iscalar, lanes) if lanes else self._iscalar
+
+    def like(self, scalar: ir.Type) -> _Ops:
+        """Operations on `scalar` elements with this type's shape."""
+        shape = ir.VectorType(scalar, self.ty.count) if isinstance(self.ty, ir.VectorType) else scalar
+        return _Ops(self.builder, shape)
+
+    def c(self, value: float) -> ir.Constant:
+        return self._splat(self.ty, ir.Constant(self._fscalar, value))
+
+    def ic(self, value: int) -> ir.Constant:
+        return self._splat(self.ity, ir.Constant(self._iscalar, value))
+
+    @staticmethod
+    def _splat(type_: ir.Type, scalar: ir.Constant) -> ir.Constant:
+        return ir.Constant(type_, [scalar] * type_.count) if isinstance(type_, ir.VectorType) else scalar
+
+    def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.builder.fadd(a, b)
+
+    def sub(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.builder.fsub(a, b)
+
+    def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.builder.fmul(a, b)
+
+    def div(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.builder.fdiv(a, b)
+
+    def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        """a * b + c, fused where the target has FMA."""
+        return self._call("llvm.fmuladd", a, b, c)
+
+    def poly(self, x: ir.Value, coeffs: Sequence[float]) -> ir.Value:
+        """Horner evaluation of sum(coeffs[i] * x^i)."""
+        acc = self.c(coeffs[-1])
+        for coeff in reversed(coeffs[:-1]):
+            acc = self.fma(acc, x, self.c(coeff))
+        return acc
+
+    def abs(self, x: ir.Value) -> ir.Value:
+        return self._call("llvm.fabs", x)
+
+    def copysign(self, magnitude: ir.Value, sign: ir.Value) -> ir.Value:
+        return self._call("llvm.copysign", magnitude, sign)
+
+    def _call(self, name: str, *args: ir.Value) -> ir.Value:
+        return self.builder.call(intrinsic(self.builder.module, name, self.ty), list(args))
+
+    def cmp(self, op: str, a: ir.Value, b: ir.Value) -> ir.Value:
+        """Ordered comparison: false when either side is NaN."""
+        return self.builder.fcmp_ordered(op, a, b)
+
+    def select(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.builder.select(cond, a, b)
+
+    def min_const(self, x: ir.Value, limit: float) -> ir.Value:
+        """min(x, limit), passing NaN through."""
+        return self.select(self.cmp(">", x, self.c(limit)), self.c(limit), x)
+
+    def clamp(self, x: ir.Value, lo: float, hi: float) -> ir.Value:
+        """x limited to [lo, hi], passing NaN through."""
+        return self.min_const(self.select(self.cmp("<", x, self.c(lo)), self.c(lo), x), hi)
+
+    def to_int(self, x: ir.Value) -> ir.Value:
+        return self.builder.bitcast(x, self.ity)
+
+    def from_int(self, i: ir.Value) -> ir.Value:
+        return self.builder.bitcast(i, self.ty)
+
+    def round_int(self, x: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """x rounded to the nearest integer (ties to even) as a float and as an integer, for
+        |x| < 2^(p-2). Adding 1.5 * 2^(p-1) leaves the integer in the low significand bits;
+        larger inputs or NaN give a meaningless but defined result (never poison)."""
+        magic = 1.5 * 2.0**self.mant
+        shifted = self.add(x, self.c(magic))
+        as_int = self.builder.sub(self.to_int(shifted), self.ic(_float_bits(magic, self.bits)))
+        return self.sub(shifted, self.c(magic)), as_int
+
+    def pow2(self, k: ir.Value) -> ir.Value:
+        """2^k for an integer k in the normal exponent range."""
+        return self.from_int(self.builder.shl(self.builder.add(k, self.ic(self.bias)), self.ic(self.mant)))
+
+
+def _float_bits(value: float, bits: int) -> int:
+    """The IEEE encoding of `value`, rounded to the `bits`-wide format, as a signed integer."""
+    fmt, ifmt = ("<d", "<q") if bits == 64 else ("<f", "<i")
+    return struct.unpack(ifmt, struct.pack(fmt, value))[0]
+
+
+# -- double-word arithmetic (exact without FMA) ----------------------------------------------
+
+def _split(o: _Ops, a: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Veltkamp's split: a = hi + lo, each with at most half the significand bits."""
+    t = o.mul(a, o.c(2.0 ** ((o.mant + 2) // 2) + 1))
+    hi = o.sub(t, o.sub(t, a))
+    return hi, o.sub(a, hi)
+
+
+def _two_prod(o: _Ops, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Dekker's product: a * b = p + e exactly (barring overflow and underflow)."""
+    p = o.mul(a, b)
+    ah, al = _split(o, a)
+    bh, bl = _split(o, b)
+    e = o.add(o.add(o.add(o.sub(o.mul(ah, bh), p), o.mul(ah, bl)), o.mul(al, bh)), o.mul(al, bl))
+    return p, e
+
+
+def _two_sum(o: _Ops, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Knuth's sum: a + b = s + e exactly."""
+    s = o.add(a, b)
+    bb = o.sub(s, a)
+    return s, o.add(o.sub(a, o.sub(s, bb)), o.sub(b, bb))
+
+
+# -- building blocks ---------------------------------------------------------------------------
+
+def _exp_parts(o: _Ops, hi: ir.Value, lo: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
+    """exp(hi + lo) as a pair (m, s) with exp = m * s, where m is normal and s a power of two.
+
+    k = round((hi + lo) / ln2) and r = hi + lo - k * ln2 (Cody-Waite: k * LN2_HI is exact, and so,
+    by Sterbenz's lemma, is hi - k * LN2_HI whenever lo is small), so |r| <= ln2/2 and
+    exp = 2^k * (1 + r + r^2 P(r)). 2^k is applied as 2^k1 * 2^k2 with k1 = k >> 1: m = p * 2^k1
+    is exact and normal, so the one rounding of a subnormal result happens in the final multiply
+    by s = 2^k2. A caller may scale m first (x * exp(z) = (m * x) * s) to keep that single
+    rounding. `lo` carries the low part of an argument known to more than working precision.
+    """
+    lo_limit, hi_limit = _EXP_CLAMP[o.bits]
+    hi = o.clamp(hi, lo_limit, hi_limit)
+    whole = hi if lo is None else o.add(hi, lo)
+    k, ki = o.round_int(o.mul(whole, o.c(1 / math.log(2))))
+    r = o.sub(hi, o.mul(k, o.c(_LN2_HI[o.bits])))
+    if lo is not None:
+        r = o.add(r, lo)
+    r = o.sub(r, o.mul(k, o.c(_LN2_LO[o.bits])))
+    p = o.add(o.c(1.0), o.fma(o.mul(r, r), o.poly(r, _EXP[o.bits]), r))
+    k1 = o.builder.ashr(ki, o.ic(1))
+    k2 = o.builder.sub(ki, k1)
+    return o.mul(p, o.pow2(k1)), o.pow2(k2)
+
+
+def _logistic_parts(o: _Ops, z: ir.Value, z_lo: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """Pieces of sigmoid(z + z_lo): e = exp(-|z + z_lo|) as (m, s), and the denominator 1 + e.
+
+    sigmoid(z) = 1 / (1 + e) for z >= 0 and e / (1 + e) for z < 0; neither form cancels or
+    overflows, and the second keeps full relative accuracy deep into the subnormal range.
+    """
+    negative_lo = None
+    if z_lo is not None:
+        negative_lo = o.select(o.cmp("<", z, o.c(0.0)), z_lo, o.builder.fneg(z_lo))
+    m, s = _exp_parts(o, o.builder.fneg(o.abs(z)), negative_lo)
+    return m, s, o.add(o.c(1.0), o.mul(m, s))
+
+
+def _scaled_logistic(o: _Ops, x: ir.Value, z: ir.Value, z_lo: ir.Value | None = None) -> ir.Value:
+    """x * sigmoid(z) for z with the sign of x, rounded once even when the result is subnormal.
+
+    For x = -inf the limit -0 is returned (x * sigmoid(x) -> 0), not NaN.
+    """
+    m, s, denominator = _logistic_parts(o, z, z_lo)
+    positive = o.div(x, denominator)
+    finite_x = o.clamp(x, _EXP_CLAMP[o.bits][0], 0.0)
+    negative = o.mul(o.mul(m, o.div(finite_x, denominator)), s)
+    return o.select(o.cmp(">=", z, o.c(0.0)), positive, negative)
+
+
+def _erfc_tail(o: _Ops, v: ir.Value, gelu: bool) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """erfc(u) with u = v, or for Gelu 0.5 * v * erfc(u) with u = v / sqrt2, as a triple (m, s, q)
+    with value (m * q) * s; valid for u >= 0.5. v is first clamped to where the value underflows.
+
+    exp(-u^2) is computed from u^2 = hi + lo exactly: vh keeps the upper half of v's
+    significand so vh^2 is exact, and lo = (v - vh)(v + vh) is small. Rounding u^2 instead
+    would cost a relative error of about u^2 ulps, hundreds in the far tail. For Gelu,
+    0.5 * v * exp(-u^2) * S / u = exp(-u^2 - ln(2)/2) * S: the constant joins the low part of
+    the exponent and no division is needed.
+    """
+    v = o.min_const(v, _ERFC_MAX[o.bits] * (math.sqrt(2) if gelu else 1.0))
+    u = o.mul(v, o.c(math.sqrt(0.5))) if gelu else v
+    kept = (o.mant + 1) // 2
+    vh = o.from_int(o.builder.and_(o.to_int(v), o.ic(-(1 << (o.mant + 1 - kept)))))
+    scale = o.c(-0.5 if gelu else -1.0)
+    square_hi = o.mul(o.mul(vh, vh), scale)
+    square_lo = o.mul(o.mul(o.sub(v, vh), o.add(v, vh)), scale)
+    if gelu:
+        square_lo = o.sub(square_lo, o.c(math.log(2) / 2))
+    m, s = _exp_parts(o, square_hi, square_lo)
+    c = o.c(_ERFC_C[o.bits])
+    tail = o.poly(o.div(o.sub(u, c), o.add(u, c)), _ERFC_TAIL[o.bits])
+    return m, s, tail if gelu else o.div(tail, u)
+
+
+def _erf_small(o: _Ops, a: ir.Value) -> ir.Value:
+    """erf(a) for |a| < 0.5."""
+    return o.fma(a, o.poly(o.mul(a, a), _ERF[o.bits]), a)
+
+
+def _sin_cos(builder: ir.IRBuilder, x: ir.Value, cosine: bool) -> ir.Value:
+    """sin(x) or cos(x) by reduction to r = |x| - k * pi/2, |r| <= pi/4, and a polynomial in r.
+
+    The Cody-Waite reduction with a three-part pi/2 runs in double for both precisions: in
+    float it could not resolve the float inputs closest to multiples of pi/2 (2^-27.8 away
+    below 1e4). It is exact up to the final rounding for |x| < 25735; beyond, accuracy fades
+    gradually, and past 2^51 the quotient is meaningless, but r is clamped to [-pi/4, pi/4]
+    (slightly widened) so the result stays in [-1, 1]. Quadrant k mod 4 picks sin or cos of r
+    and the sign; sin is odd, so the reduction works on |x| and sin takes x's sign back.
+    """
+    o = _Ops(builder, x.type)
+    d = o.like(ir.DoubleType())
+    a = o.abs(x)
+    wide = a if o.bits == 64 else builder.fpext(a, d.ty)
+    k, ki = d.round_int(d.mul(wide, d.c(2 / math.pi)))
+    r = wide
+    for part in _PIO2:
+        r = d.sub(r, d.mul(k, d.c(part)))
+    if o.bits == 32:
+        r = builder.fptrunc(r, o.ty)
+        ki = builder.trunc(ki, o.ity)
+    r = o.clamp(r, -_TRIG_CLAMP, _TRIG_CLAMP)
+    z = o.mul(r, r)
+    sin_r = o.fma(o.mul(r, z), o.poly(z, _SIN[o.bits]), r)
+    cos_r = o.fma(o.mul(z, z), o.poly(z, _COS[o.bits]), o.fma(z, o.c(-0.5), o.c(1.0)))
+    if cosine:
+        ki = builder.add(ki, o.ic(1))
+    odd = builder.icmp_unsigned("!=", builder.and_(ki, o.ic(1)), o.ic(0))
+    result = o.select(odd, cos_r, sin_r)
+    sign = builder.shl(builder.and_(ki, o.ic(2)), o.ic(o.bits - 2))
+    if not cosine:
+        sign = builder.xor(sign, builder.and_(o.to_int(x), o.ic(-(1 << (o.bits - 1)))))
+    return o.from_int(builder.xor(o.to_int(result), sign))
+
+
+# -- public functions --------------------------------------------------------------------------
+
+Function = Callable[[ir.IRBuilder, ir.Value], ir.Value]
+
+
+def _nan_in_nan_out(function: Function) -> Function:
+    """Return a NaN input itself (quieted, sign and payload kept) whatever path it took through
+    the computation: the bits of a NaN produced from NaN operands depend on operand order,
+    which instruction selection may commute differently at different vector widths."""
+
+    @functools.wraps(function)
+    def wrapped(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+        result = function(builder, x)
+        return builder.select(builder.fcmp_unordered("uno", x, x), builder.fadd(x, x), result)
+
+    return wrapped
+
+
+@_nan_in_nan_out
+def exp(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """e^x; overflows to inf above log(max), underflows through the subnormals to 0."""
+    o = _Ops(builder, x.type)
+    m, s = _exp_parts(o, x)
+    return o.mul(m, s)
+
+
+@_nan_in_nan_out
+def log(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Natural logarithm, fdlibm's scheme: x = 2^k * m with m in [sqrt(1/2), sqrt(2)), found
+    from the encoding (subnormals are first scaled by 2^(p+1)); with f = m - 1 and
+    s = f / (2 + f), log(m) = f - f^2/2 + s * (f^2/2 + z * Q(z)), z = s^2, and
+    log(x) = k * ln2 + log(m) with ln2 split so that k * LN2_HI is exact.
+    log(0) = -inf, log(x < 0) = NaN, log(inf) = inf."""
+    o = _Ops(builder, x.type)
+    b = builder
+    tiny = o.cmp("<", x, o.c(2.0 ** (1 - o.bias)))
+    normal = o.select(tiny, o.mul(x, o.c(2.0 ** (o.mant + 1))), x)
+    sqrt_half = _float_bits(math.sqrt(0.5), o.bits)
+    bits = b.add(o.to_int(normal), o.ic(_float_bits(1.0, o.bits) - sqrt_half))
+    k = b.sub(b.ashr(bits, o.ic(o.mant)), o.ic(o.bias))
+    k = b.sub(k, b.select(tiny, o.ic(o.mant + 1), o.ic(0)))
+    m = o.from_int(b.add(b.and_(bits, o.ic((1 << o.mant) - 1)), o.ic(sqrt_half)))
+    f = o.sub(m, o.c(1.0))
+    s = o.div(f, o.add(o.c(2.0), f))
+    z = o.mul(s, s)
+    half_f2 = o.mul(o.mul(f, f), o.c(0.5))
+    kf = b.sitofp(k, o.ty)
+    result = o.fma(s, o.add(half_f2, o.mul(z, o.poly(z, _LOG[o.bits]))), o.mul(kf, o.c(_LN2_LO[o.bits])))
+    result = o.add(o.add(o.sub(result, half_f2), f), o.mul(kf, o.c(_LN2_HI[o.bits])))
+    result = o.select(o.cmp("<", x, o.c(0.0)), o.c(math.nan), result)
+    result = o.select(o.cmp("==", x, o.c(0.0)), o.c(-math.inf), result)
+    return o.select(o.cmp("==", x, o.c(math.inf)), o.c(math.inf), result)
+
+
+@_nan_in_nan_out
+def tanh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Hyperbolic tangent: an odd polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above (where
+    the subtraction loses less than a bit), with x's sign; tiny x gives x, large |x| gives ±1."""
+    o = _Ops(builder, x.type)
+    a = o.abs(x)
+    z = o.mul(a, a)
+    small = o.fma(o.mul(a, z), o.poly(z, _TANH[o.bits]), a)
+    m, s = _exp_parts(o, o.add(a, a))
+    large = o.sub(o.c(1.0), o.div(o.c(2.0), o.add(o.mul(m, s), o.c(1.0))))
+    return o.copysign(o.select(o.cmp("<", a, o.c(_TANH_CUT)), small, large), x)
+
+
+@_nan_in_nan_out
+def sigmoid(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """1 / (1 + e^-x), from e = exp(-|x|) as 1 / (1 + e) or e / (1 + e), so it is accurate in
+    both tails: 1 for large x, subnormal down to 0 for very negative x."""
+    o = _Ops(builder, x.type)
+    m, s, denominator = _logistic_parts(o, x)
+    numerator = o.select(o.cmp(">=", x, o.c(0.0)), o.c(1.0), o.mul(m, s))
+    return o.div(numerator, denominator)
+
+
+@_nan_in_nan_out
+def silu(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """x * sigmoid(x) (swish); silu(-inf) = -0, the limit."""
+    return _scaled_logistic(_Ops(builder, x.type), x, x)
+
+
+@_nan_in_nan_out
+def erf(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Error function: x + x * P(x^2) below 0.5, 1 - erfc(|x|) above with erfc from the tail
+    approximation, and x's sign."""
+    o = _Ops(builder, x.type)
+    a = o.abs(x)
+    m, s, q = _erfc_tail(o, a, gelu=False)
+    large = o.sub(o.c(1.0), o.mul(o.mul(m, q), s))
+    return o.copysign(o.select(o.cmp("<", a, o.c(_ERF_CUT)), _erf_small(o, a), large), x)
+
+
+@_nan_in_nan_out
+def gelu_erf(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Exact Gelu, 0.5 * x * (1 + erf(x / sqrt2)). Where |x| / sqrt2 >= 0.5 it is
+    x - 0.5 * x * erfc(u) for x > 0 and 0.5 * x * erfc(u) for x < 0 (u = |x| / sqrt2), so the
+    negative tail keeps its relative accuracy down to the subnormals; gelu_erf(-inf) = -0."""
+    o = _Ops(builder, x.type)
+    a = o.abs(x)
+    u = o.mul(a, o.c(math.sqrt(0.5)))
+    small = o.mul(x, o.fma(o.copysign(o.c(0.5), x), _erf_small(o, u), o.c(0.5)))
+    m, s, q = _erfc_tail(o, a, gelu=True)
+    tail = o.mul(o.mul(m, q), s)
+    large = o.select(o.cmp(">=", x, o.c(0.0)), o.sub(x, tail), o.builder.fneg(tail))
+    return o.select(o.cmp("<", u, o.c(_ERF_CUT)), small, large)
+
+
+@_nan_in_nan_out
+def gelu_tanh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Tanh-approximated Gelu, 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), computed
+    as x * sigmoid(2y). 2y is formed in double-word arithmetic (Dekker products, hi + lo
+    constants): the relative error of exp(2y) is |2y| times that of 2y, which would reach
+    hundreds of ulps in the negative tail. gelu_tanh(-inf) = -0."""
+    o = _Ops(builder, x.type)
+    xc = o.clamp(x, -_GELU_CLAMP, _GELU_CLAMP)
+    g1_hi, g1_lo = (o.c(v) for v in _GELU_G1[o.bits])
+    g2_hi, g2_lo = (o.c(v) for v in _GELU_G2[o.bits])
+    sq_hi, sq_lo = _two_prod(o, xc, xc)
+    p_hi, p_lo = _two_prod(o, g2_hi, sq_hi)
+    p_lo = o.add(p_lo, o.add(o.mul(g2_hi, sq_lo), o.mul(g2_lo, sq_hi)))
+    t_hi, t_lo = _two_sum(o, g1_hi, p_hi)
+    t_lo = o.add(t_lo, o.add(p_lo, g1_lo))
+    z_hi, z_lo = _two_prod(o, xc, t_hi)
+    z_lo = o.add(z_lo, o.mul(xc, t_lo))
+    return _scaled_logistic(o, x, z_hi, z_lo)
+
+
+@_nan_in_nan_out
+def sin(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Sine; see `_sin_cos` for the range reduction. sin(±inf) = NaN."""
+    return _sin_cos(builder, x, cosine=False)
+
+
+@_nan_in_nan_out
+def cos(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Cosine; see `_sin_cos` for the range reduction. cos(±inf) = NaN."""
+    return _sin_cos(builder, x, cosine=True)
+
+
+FUNCTIONS: dict[str, Function] = {
+    "exp": exp,
+    "log": log,
+    "tanh": tanh,
+    "sigmoid": sigmoid,
+    "silu": silu,
+    "erf": erf,
+    "gelu_erf": gelu_erf,
+    "gelu_tanh": gelu_tanh,
+    "sin": sin,
+    "cos": cos,
+}
+
+
+def emit(kind: str, builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """Emit math function `kind` (a key of FUNCTIONS, e.g. "exp") applied to `value`."""
+    try:
+        function = FUNCTIONS[kind]
+    except KeyError:
+        raise ValueError(f"unknown math function {kind!r}; known: {', '.join(FUNCTIONS)}") from None
+    return function(builder, value)

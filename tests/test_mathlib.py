@@ -1,0 +1,375 @@
+"""Accuracy, edge cases and determinism of the LLVM IR math library (ranvier.backends.cpu.mathlib).
+
+Every function is compiled into a kernel `void k(T* in, T* out, i64 n)` (a vector loop plus a
+scalar tail; n is never a multiple of the width), JIT-compiled with MCJIT at -O3 for the host
+CPU and again with the host's AVX/AVX2/AVX-512/FMA features masked off, so both the fused and
+the unfused instruction selections are measured. Errors are in ULPs of the result type against
+float64 (numpy, math.erf/erfc) for float32 and against 40-digit mpmath for float64, over
+log-uniform samples across the whole range of both signs plus function-specific ranges and
+edge cases. `pytest -s` prints the table of worst errors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import platform
+from dataclasses import dataclass
+
+import llvmlite.binding as llvm
+import numpy as np
+import pytest
+from llvmlite import ir
+
+from ranvier.backends.cpu import mathlib
+
+F32, F64 = np.float32, np.float64
+FUNCTIONS = tuple(mathlib.FUNCTIONS)
+WIDTHS = {F32: (1, 4, 8, 16), F64: (1, 8)}
+# Largest accepted error in ULPs. float32: exp/log 2, the rest 4; float64: exp/log 2, the rest 8.
+LIMITS = {
+    F32: {"exp": 2, "log": 2, "tanh": 4, "sigmoid": 4, "silu": 4, "erf": 4, "gelu_erf": 4, "gelu_tanh": 4,
+          "sin": 4, "cos": 4},
+    F64: {"exp": 2, "log": 2, "tanh": 8, "sigmoid": 8, "silu": 8, "erf": 8, "gelu_erf": 8, "gelu_tanh": 8,
+          "sin": 8, "cos": 8},
+}
+TRIG_RANGE = 1e4  # sin/cos accuracy is promised up to here; beyond, only finiteness and [-1, 1]
+# Features masked for the SSE variant: everything that needs AVX (a later "+avx512vl" would turn
+# AVX back on) and every FMA.
+MASKED_PREFIXES = ("avx", "amx", "fma", "f16c", "xop", "vaes", "vpclmulqdq", "evex512")
+
+
+# -- compilation ---------------------------------------------------------------------------------
+
+def _kernel(module: ir.Module, kind: str, scalar: ir.Type, width: int) -> str:
+    """Define `void name(T* src, T* dst, i64 n)` applying `kind` to n elements: `width` at a
+    time while a whole vector remains, then one at a time."""
+    i64 = ir.IntType(64)
+    name = f"{kind}_{_type_name(scalar)}_w{width}"
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [scalar.as_pointer()] * 2 + [i64]), name=name)
+    src, dst, n = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    vector_end = b.sub(n, b.srem(n, ir.Constant(i64, width)))
+    start = ir.Constant(i64, 0)
+    loops = [(width, vector_end)] + ([(1, n)] if width > 1 else [])
+    for lanes, stop in loops:
+        before = b.block
+        head, body, done = (fn.append_basic_block(f"{part}{lanes}") for part in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        index = b.phi(i64)
+        index.add_incoming(start, before)
+        b.cbranch(b.icmp_signed("<", index, stop), body, done)
+        b.position_at_end(body)
+        value_type = scalar if lanes == 1 else ir.VectorType(scalar, lanes)
+        load_at = b.bitcast(b.gep(src, [index]), value_type.as_pointer())
+        store_at = b.bitcast(b.gep(dst, [index]), value_type.as_pointer())
+        b.store(mathlib.emit(kind, b, b.load(load_at, align=1)), store_at, align=1)
+        index.add_incoming(b.add(index, ir.Constant(i64, lanes)), body)
+        b.branch(head)
+        b.position_at_end(done)
+        start = index
+    b.ret_void()
+    return name
+
+
+def _type_name(scalar: ir.Type) -> str:
+    return "f64" if isinstance(scalar, ir.DoubleType) else "f32"
+
+
+@dataclass
+class Compiled:
+    """One JIT-compiled module holding every kernel, and its assembly."""
+
+    engine: llvm.ExecutionEngine
+    asm: str
+    names: dict[tuple[str, type, int], str]  # (kind, dtype, width) -> kernel
+
+    def run(self, kind: str, dtype: type, x: np.ndarray, width: int = 8) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=dtype)
+        out = np.full_like(x, 12345.0)
+        address = self.engine.get_function_address(self.names[kind, dtype, width])
+        signature = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+        signature(address)(x.ctypes.data, out.ctypes.data, x.size)
+        return out
+
+
+def _compile(variant: str) -> Compiled:
+    """Every kernel in one module, optimized at -O3 and JIT-compiled for the host CPU, or for
+    the host CPU without AVX and FMA ("sse")."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    module = ir.Module(name="mathlib_test")
+    module.triple = llvm.get_process_triple()
+    names = {}
+    for dtype, scalar in ((F32, ir.FloatType()), (F64, ir.DoubleType())):
+        for width in WIDTHS[dtype]:
+            for kind in FUNCTIONS:
+                names[kind, dtype, width] = _kernel(module, kind, scalar, width)
+    parsed = llvm.parse_assembly(str(module))
+    parsed.verify()
+    features = llvm.get_host_cpu_features()
+    if variant == "sse":
+        for name in features:
+            if name.startswith(MASKED_PREFIXES):
+                features[name] = False
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=features.flatten(), opt=3)
+    if hasattr(llvm, "create_pass_builder"):  # the new pass manager (llvmlite >= 0.44)
+        builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+        builder.getModulePassManager().run(parsed, builder)
+    engine = llvm.create_mcjit_compiler(parsed, machine)
+    engine.finalize_object()
+    return Compiled(engine, machine.emit_assembly(parsed), names)
+
+
+VARIANTS = ["native"] + (["sse"] if platform.machine().lower() in ("x86_64", "amd64") else [])
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def compiled(request) -> Compiled:
+    return _compile(request.param)
+
+
+# -- samples ---------------------------------------------------------------------------------------
+
+def _log_uniform(rng: np.random.Generator, dtype: type, count: int) -> np.ndarray:
+    """Both signs, exponents uniform from the smallest subnormal to the largest finite value."""
+    info = np.finfo(dtype)
+    low = math.log2(float(info.smallest_subnormal))
+    high = math.log2(float(info.max))
+    x = np.exp2(rng.uniform(low, high, count)) * rng.choice([-1.0, 1.0], count)
+    x = x.astype(dtype)
+    return x[np.isfinite(x)]
+
+
+def _near_multiples_of_half_pi(dtype: type, limit: float) -> np.ndarray:
+    """dtype(k * pi/2) and its neighbours for |k * pi/2| <= limit: the hardest inputs to reduce."""
+    k = np.arange(-int(limit / (np.pi / 2)), int(limit / (np.pi / 2)) + 1)
+    x = (k * (np.pi / 2)).astype(dtype)
+    return np.concatenate([x, np.nextafter(x, dtype(np.inf)), np.nextafter(x, dtype(-np.inf))])
+
+
+def _samples(kind: str, dtype: type, rng: np.random.Generator, count: int) -> np.ndarray:
+    info = np.finfo(dtype)
+    tiny, subnormal, big = float(info.tiny), float(info.smallest_subnormal), float(info.max)
+    common = [0.0, -0.0, subnormal, -subnormal, tiny, -tiny, tiny / 3, -tiny / 3, 1e-30, -1e-30, 1.0, -1.0, 0.5, -0.5,
+              big, -big]
+    parts = [_log_uniform(rng, dtype, count), np.array(common)]
+
+    def uniform(lo: float, hi: float) -> np.ndarray:
+        return rng.uniform(lo, hi, count // 2)
+
+    if kind == "exp":
+        overflow = math.log(big)
+        underflow = math.log(subnormal)
+        edges = [overflow, underflow, underflow - 0.7, math.log(tiny), 88.0, -88.0, 709.0, -709.0, 745.2, -745.2]
+        edges = np.array(edges, dtype=dtype)
+        parts += [uniform(underflow - 2, overflow + 2), edges, np.nextafter(edges, dtype(np.inf)),
+                  np.nextafter(edges, dtype(-np.inf)), uniform(-1, 1), uniform(-1e-6, 1e-6)]
+    elif kind == "log":
+        eps = float(info.eps)
+        parts += [np.abs(parts[0]), uniform(0, 4), 1 + uniform(-1e-3, 1e-3), 1 + eps * np.arange(-40, 40),
+                  np.abs(uniform(0, 1)) * tiny, np.array([2.0, 0.5, math.e, 10.0])]
+    elif kind in ("sin", "cos"):
+        parts += [uniform(-TRIG_RANGE, TRIG_RANGE), uniform(-10, 10), _near_multiples_of_half_pi(dtype, TRIG_RANGE)]
+    else:
+        parts += [uniform(-20, 20), uniform(-3, 3), uniform(-1e-3, 1e-3), uniform(-120, 120),
+                  uniform(-40, 0), uniform(-800, 800)]
+    x = np.concatenate([np.asarray(p, dtype=np.float64).astype(dtype) for p in parts])
+    return x[np.isfinite(x)]
+
+
+# -- references --------------------------------------------------------------------------------
+
+def _sigmoid64(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+_erf64 = np.vectorize(math.erf, otypes=[np.float64])
+_erfc64 = np.vectorize(math.erfc, otypes=[np.float64])
+_GELU_A = math.sqrt(2 / math.pi)
+
+
+def _reference_f64(kind: str, x: np.ndarray) -> np.ndarray:
+    """float64 values, accurate to a small fraction of a float32 ulp."""
+    with np.errstate(all="ignore"):
+        return {
+            "exp": np.exp,
+            "log": np.log,
+            "tanh": np.tanh,
+            "sigmoid": _sigmoid64,
+            "silu": lambda v: v * _sigmoid64(v),
+            "erf": _erf64,
+            "gelu_erf": lambda v: 0.5 * v * _erfc64(-v / math.sqrt(2)),
+            "gelu_tanh": lambda v: v * _sigmoid64(2 * _GELU_A * (v + 0.044715 * v**3)),
+            "sin": np.sin,
+            "cos": np.cos,
+        }[kind](x)
+
+
+def _reference_mp(kind: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """40-digit values as unevaluated sums hi + lo of doubles."""
+    mp = pytest.importorskip("mpmath").mp
+
+    def erfc(z):  # mpmath overflows on huge arguments; the value is 0 or 2 to any precision there
+        return mp.erfc(z) if abs(z) < 100 else mp.mpf(0 if z > 0 else 2)
+
+    def erf(z):
+        return mp.erf(z) if abs(z) < 100 else mp.sign(z)
+
+    def gelu_tanh(v):
+        return v / (1 + mp.exp(-2 * mp.sqrt(2 / mp.pi) * (v + mp.mpf("0.044715") * v**3)))
+
+    function = {
+        "exp": mp.exp,
+        "log": lambda v: mp.log(v) if v > 0 else (mp.ninf if v == 0 else mp.nan),
+        "tanh": mp.tanh,
+        "sigmoid": lambda v: 1 / (1 + mp.exp(-v)),
+        "silu": lambda v: v / (1 + mp.exp(-v)),
+        "erf": erf,
+        "gelu_erf": lambda v: v / 2 * erfc(-v / mp.sqrt(2)),
+        "gelu_tanh": gelu_tanh,
+        "sin": mp.sin,
+        "cos": mp.cos,
+    }[kind]
+    hi = np.empty(x.size)
+    lo = np.empty(x.size)
+    with mp.workdps(40):
+        for i, v in enumerate(x.tolist()):
+            exact = function(mp.mpf(v))
+            hi[i] = float(exact)
+            lo[i] = float(exact - hi[i]) if math.isfinite(hi[i]) else 0.0
+    return hi, lo
+
+
+@functools.cache
+def _case(kind: str, dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The accuracy samples for `kind` and their exact values as hi + lo. sin and cos are
+    measured only up to TRIG_RANGE."""
+    rng = np.random.default_rng(sum(map(ord, kind)))
+    x = _samples(kind, dtype, rng, 20000 if dtype is F32 else 2500)
+    if kind in ("sin", "cos"):
+        x = x[np.abs(x) <= TRIG_RANGE]
+    if dtype is F32:
+        return x, _reference_f64(kind, x.astype(F64)), np.zeros(x.size)
+    return (x, *_reference_mp(kind, x))
+
+
+def ulp_errors(dtype: type, got: np.ndarray, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """|got - (hi + lo)| in ULPs of `dtype` at the exact value hi + lo. Where the exact value
+    rounds to ±inf or is NaN, the error is 0 if got is the same and inf otherwise."""
+    info = np.finfo(dtype)
+    with np.errstate(over="ignore"):
+        rounded = hi.astype(dtype)
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(hi), float(info.tiny)))) - info.nmant)
+    got = got.astype(F64)
+    with np.errstate(invalid="ignore"):
+        error = np.abs((got - hi) - lo) / ulp
+    special = np.isinf(rounded) | np.isnan(hi)
+    same = (got == rounded) | (np.isnan(got) & np.isnan(hi))
+    error[special] = np.where(same[special], 0.0, np.inf)
+    error[np.isnan(error)] = np.inf
+    return error
+
+
+# -- tests -----------------------------------------------------------------------------------------
+
+RESULTS: dict[tuple[str, str, str], tuple[float, float, int]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_table():
+    yield
+    if RESULTS:
+        lines = [f"{'function':<10} {'dtype':<8} {'variant':<7} {'max ulp':>8}  {'at x':>14}  samples"]
+        for (kind, dtype, variant), (worst, where, count) in sorted(RESULTS.items()):
+            lines.append(f"{kind:<10} {dtype:<8} {variant:<7} {worst:8.3f}  {where:14.7g}  {count}")
+        print("\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", FUNCTIONS)
+def test_accuracy(compiled: Compiled, request, kind: str, dtype: type) -> None:
+    x, hi, lo = _case(kind, dtype)
+    got = compiled.run(kind, dtype, x)
+    errors = ulp_errors(dtype, got, hi, lo)
+    worst = int(np.argmax(errors))
+    variant = request.node.callspec.params["compiled"]
+    RESULTS[kind, np.dtype(dtype).name, variant] = (float(errors[worst]), float(x[worst]), x.size)
+    assert errors[worst] <= LIMITS[dtype][kind], f"{kind}({x[worst]!r}) = {got[worst]!r}, {errors[worst]:.2f} ulp"
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", ["sin", "cos"])
+def test_trig_of_huge_arguments_stays_in_range(compiled: Compiled, kind: str, dtype: type) -> None:
+    """Past TRIG_RANGE accuracy may fade, but results stay finite and within [-1, 1]."""
+    x = _log_uniform(np.random.default_rng(3), dtype, 5000)
+    x = np.concatenate([x[np.abs(x) > TRIG_RANGE], np.array([np.finfo(dtype).max, -np.finfo(dtype).max], dtype)])
+    assert np.all(np.abs(compiled.run(kind, dtype, x)) <= 1)
+
+
+SPECIAL = {
+    # function: [(input, expected)], checked bit for bit (the sign of zero included).
+    "exp": [(np.inf, np.inf), (-np.inf, 0.0), (1e4, np.inf), (-1e4, 0.0), (0.0, 1.0), (-0.0, 1.0)],
+    "log": [(0.0, -np.inf), (-0.0, -np.inf), (-1.0, np.nan), (-np.inf, np.nan), (np.inf, np.inf), (1.0, 0.0)],
+    "tanh": [(np.inf, 1.0), (-np.inf, -1.0), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30), (-1e-30, -1e-30),
+             (30.0, 1.0), (-30.0, -1.0)],
+    "sigmoid": [(np.inf, 1.0), (-np.inf, 0.0), (0.0, 0.5), (1e3, 1.0), (-1e4, 0.0)],
+    "silu": [(np.inf, np.inf), (-np.inf, -0.0), (0.0, 0.0), (-0.0, -0.0), (-1e4, -0.0), (1e4, 1e4)],
+    "erf": [(np.inf, 1.0), (-np.inf, -1.0), (0.0, 0.0), (-0.0, -0.0), (30.0, 1.0), (-30.0, -1.0)],
+    "gelu_erf": [(np.inf, np.inf), (-np.inf, -0.0), (0.0, 0.0), (-0.0, -0.0), (-1e4, -0.0), (1e4, 1e4)],
+    "gelu_tanh": [(np.inf, np.inf), (-np.inf, -0.0), (0.0, 0.0), (-0.0, -0.0), (-1e4, -0.0), (1e4, 1e4)],
+    "sin": [(np.inf, np.nan), (-np.inf, np.nan), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30)],
+    "cos": [(np.inf, np.nan), (-np.inf, np.nan), (0.0, 1.0), (-0.0, 1.0)],
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", FUNCTIONS)
+def test_special_values(compiled: Compiled, kind: str, dtype: type) -> None:
+    inputs, expected = (np.array(column, dtype=dtype) for column in zip(*SPECIAL[kind], (np.nan, np.nan), strict=True))
+    got = compiled.run(kind, dtype, inputs)
+    same = np.where(np.isnan(expected), np.isnan(got), (got == expected) & (np.signbit(got) == np.signbit(expected)))
+    assert same.all(), f"{kind}{inputs[~same].tolist()} = {got[~same].tolist()}, expected {expected[~same].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_same_bits_for_every_width(compiled: Compiled, dtype: type) -> None:
+    """Each lane runs the same instructions, so the vector width cannot change a result."""
+    rng = np.random.default_rng(7)
+    specials = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0]
+    x = np.concatenate([specials, _log_uniform(rng, dtype, 2000)[:1500], rng.uniform(-30, 30, 500)])
+    x = x[: 16 * (x.size // 16) - 3].astype(dtype)  # not a multiple of any width: the tails run too
+    for kind in FUNCTIONS:
+        results = [compiled.run(kind, dtype, x, width).view(f"u{x.itemsize}") for width in WIDTHS[dtype]]
+        for width, result in zip(WIDTHS[dtype][1:], results[1:], strict=True):
+            assert np.array_equal(result, results[0]), f"{kind} differs between widths 1 and {width}"
+
+
+def test_straight_line_code_without_calls(compiled: Compiled, request) -> None:
+    """No libm (or any other) calls; the masked variant really uses only SSE registers."""
+    assert "call" not in compiled.asm
+    if request.node.callspec.params["compiled"] == "sse":
+        assert not any(register in compiled.asm for register in ("%ymm", "%zmm", "vfmadd"))
+
+
+def test_emit_rejects_unknown_kinds_and_types() -> None:
+    module = ir.Module()
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), name="f")
+    builder = ir.IRBuilder(fn.append_basic_block())
+    with pytest.raises(ValueError, match="unknown math function"):
+        mathlib.emit("cbrt", builder, ir.Constant(ir.FloatType(), 1.0))
+    with pytest.raises(TypeError):
+        mathlib.emit("exp", builder, fn.args[0])
+
+
+def test_intrinsic_is_declared_once() -> None:
+    module = ir.Module()
+    vector = ir.VectorType(ir.FloatType(), 16)
+    fma = mathlib.intrinsic(module, "llvm.fma", vector)
+    assert fma.name == "llvm.fma.v16f32" and len(fma.args) == 3
+    assert mathlib.intrinsic(module, "llvm.fma", vector) is fma
+    assert mathlib.intrinsic(module, "llvm.fabs", ir.DoubleType()).name == "llvm.fabs.f64"
