@@ -79,14 +79,18 @@ def constant(type_: ir.Type, value) -> ir.Constant:
     return ir.Constant(type_, float(value))
 
 
-def intrinsic(module: ir.Module, name: str, type_: ir.Type, arity: int = 1) -> ir.Function:
-    """An overloaded LLVM intrinsic such as llvm.fma.v16f32, declared once per module."""
-    suffix = _type_suffix(type_)
-    full = f"llvm.{name}.{suffix}"
+_ARITY = {"fma": 3, "fmuladd": 3, "copysign": 2, "minnum": 2, "maxnum": 2}
+
+
+def intrinsic(module: ir.Module, name: str, type_: ir.Type) -> ir.Function:
+    """An overloaded LLVM intrinsic such as llvm.fma.v16f32 ("fma" or "llvm.fma" on
+    <16 x float>), declared once per module."""
+    base = name.removeprefix("llvm.")
+    full = f"llvm.{base}.{_type_suffix(type_)}"
     existing = module.globals.get(full)
     if existing is not None:
         return existing
-    return ir.Function(module, ir.FunctionType(type_, [type_] * arity), name=full)
+    return ir.Function(module, ir.FunctionType(type_, [type_] * _ARITY.get(base, 1)), name=full)
 
 
 def _type_suffix(type_: ir.Type) -> str:

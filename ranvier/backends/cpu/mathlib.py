@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 
 from llvmlite import ir
 
+from .irutil import intrinsic
+
 # -- coefficient tables, lowest order first -------------------------------------------------
 # exp(r) = 1 + r + r^2 * P(r) for |r| <= ln2/2; rel. error 2^-28.1 (f32), 2^-57.7 (f64).
 _EXP = {
@@ -117,29 +119,6 @@ _PIO2 = (float.fromhex("0x1.921fb54444p+0"), float.fromhex("-0x1.2e7b967674p-40"
 _GELU_G1 = {32: (1.5957691669464111, -4.534068054340423e-08), 64: (1.5957691216057308, -9.96930880911092e-17)}
 _GELU_G2 = {32: (0.07135481387376785, 2.3988324659995897e-09), 64: (0.07135481627260025, -6.175149918155315e-19)}
 _GELU_CLAMP = 40.0  # |2y| > 4000 beyond: sigmoid(2y) is exactly 0 or 1
-
-_ARITY = {"llvm.fma": 3, "llvm.fmuladd": 3, "llvm.copysign": 2, "llvm.minnum": 2, "llvm.maxnum": 2}
-
-
-def intrinsic(module: ir.Module, name: str, type_: ir.Type) -> ir.Function:
-    """The declaration of the overloaded intrinsic `name` (e.g. "llvm.fmuladd") for `type_`
-    (e.g. <16 x float> gives llvm.fmuladd.v16f32), added to `module` on first use."""
-    full = f"{name}.{_type_suffix(type_)}"
-    existing = module.globals.get(full)
-    if existing is not None:
-        return existing
-    return ir.Function(module, ir.FunctionType(type_, [type_] * _ARITY.get(name, 1)), name=full)
-
-
-def _type_suffix(type_: ir.Type) -> str:
-    if isinstance(type_, ir.VectorType):
-        return f"v{type_.count}{_type_suffix(type_.element)}"
-    if isinstance(type_, ir.FloatType):
-        return "f32"
-    if isinstance(type_, ir.DoubleType):
-        return "f64"
-    raise TypeError(f"no floating-point intrinsic suffix for {type_}")
-
 
 class _Ops:
     """Lane-wise operations on one floating type (scalar or vector) and the integer type of the
