@@ -44,16 +44,8 @@ def _check_dy(ctx, dy, input_shape, kernel, params, forward):
 
 def conv2d_input_grad(dy, w, input_shape, strides, padding):
     """dx of y = conv2d(x, w): every output gradient spread back over its input window."""
-    (sh, sw), (ph, pw) = strides, padding
-    n, c, h, wd = input_shape
-    o, _, kh, kw = w.shape
-    _, _, ho, wo = dy.shape
-    padded = np.zeros((n, c, h + 2 * ph, wd + 2 * pw))
     contrib = np.einsum("nohw,ocij->nchwij", _f64(dy), _f64(w), optimize=True)
-    for i in range(kh):
-        for j in range(kw):
-            padded[:, :, i : i + sh * ho : sh, j : j + sw * wo : sw] += contrib[..., i, j]
-    return padded[:, :, ph : ph + h, pw : pw + wd]
+    return _scatter_windows(contrib, input_shape, w.shape[2:], strides, padding)
 
 
 define(
