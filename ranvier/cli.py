@@ -66,6 +66,51 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_tinystories(args: argparse.Namespace) -> int:
+    """Download TinyStories (unless --json-dir), get a tokenizer, pretokenize into DEST/tok<VOCAB>/."""
+    from pathlib import Path
+
+    from .data.tinystories import download_tinystories, pretokenize_tinystories, train_tinystories_vocab
+    from .data.tokenizers import load_tokenizer
+
+    dest = Path(args.dest)
+    json_dir = Path(args.json_dir) if args.json_dir else download_tinystories(dest)
+    if args.tokenizer:
+        tokenizer = load_tokenizer(args.tokenizer)
+    else:
+        print(f"training a {args.vocab_size}-piece SentencePiece vocabulary on {json_dir}")
+        tokenizer = train_tinystories_vocab(json_dir, args.vocab_size, dest / f"tok{args.vocab_size}")
+    out = dest / f"tok{tokenizer.vocab_size}"
+    manifest = pretokenize_tinystories(json_dir, tokenizer, out,
+                                       on_shard=lambda path, n: print(f"wrote {path} ({n:,} tokens)"))
+    print(f"{manifest['tokens']:,} tokens from {manifest['documents']:,} stories in {out}, "
+          f"vocabulary {tokenizer.vocab_size}, unigram entropy {manifest['unigram_entropy']:.4f} nats/token")
+    return 0
+
+
+def _data_pretokenize(args: argparse.Namespace) -> int:
+    """Tokenize a text corpus (default: the standard library's source) into uint16 shards in --out."""
+    from pathlib import Path
+
+    from .data.corpus import iter_documents
+    from .data.shards import pretokenize
+    from .data.tokenizers import ByteTokenizer, load_tokenizer, train_sentencepiece
+
+    out = Path(args.out)
+    if args.tokenizer:
+        tokenizer = load_tokenizer(args.tokenizer)
+    elif args.vocab_size:
+        print(f"training a {args.vocab_size}-piece SentencePiece vocabulary on {args.path or 'the standard library'}")
+        tokenizer = train_sentencepiece(iter_documents(args.path, args.max_bytes), args.vocab_size, "bpe", out / "tokenizer")
+    else:
+        tokenizer = ByteTokenizer()
+    manifest = pretokenize(iter_documents(args.path, args.max_bytes), tokenizer, out,
+                           on_shard=lambda path, n: print(f"wrote {path} ({n:,} tokens)"))
+    print(f"{manifest['tokens']:,} tokens from {manifest['documents']:,} documents in {out}, "
+          f"vocabulary {tokenizer.vocab_size}, unigram entropy {manifest['unigram_entropy']:.4f} nats/token")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ranvier", description="Neural-network JIT compiler and trainer.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="re-evaluate a run directory's checkpoint")
     evaluate.add_argument("run_dir")
     evaluate.set_defaults(run=_eval)
+
+    data = commands.add_parser("data", help="prepare language-model training data (uint16 token shards)")
+    datasets = data.add_subparsers(dest="dataset", required=True)
+    stories = datasets.add_parser("tinystories", help="download TinyStories, train a vocabulary, pretokenize")
+    stories.add_argument("--dest", default="data/tinystories", help="where the archive, vocabulary and shards go")
+    stories.add_argument("--json-dir", default=None, help="already unpacked JSON shards: skip the download")
+    stories_vocab = stories.add_mutually_exclusive_group()
+    stories_vocab.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+                               help="train a SentencePiece vocabulary of N pieces (default 4096)")
+    stories_vocab.add_argument("--tokenizer", default=None, metavar="FILE", help="use this tokenizer (.model or .json)")
+    stories.set_defaults(run=_data_tinystories)
+    corpus = datasets.add_parser("pretokenize", help="pretokenize a text file or folder (default: the standard library)")
+    corpus.add_argument("path", nargs="?", default=None, help="text file or folder (*.txt, *.md, *.rst, *.py)")
+    corpus.add_argument("--out", required=True, metavar="DIR", help="folder for the shards, tokenizer and manifest")
+    corpus.add_argument("--max-bytes", type=int, default=None, metavar="N", help="read at most this much text")
+    corpus_vocab = corpus.add_mutually_exclusive_group()
+    corpus_vocab.add_argument("--tokenizer", default=None, metavar="FILE", help="use this tokenizer (.model or .json)")
+    corpus_vocab.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                              help="train a SentencePiece vocabulary of N pieces on the corpus")
+    corpus_vocab.add_argument("--bytes", action="store_true", help="byte tokens, 258-id vocabulary (the default)")
+    corpus.set_defaults(run=_data_pretokenize)
     return parser
 
 

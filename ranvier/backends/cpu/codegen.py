@@ -91,6 +91,8 @@ def build_module(name: str, target: CPUTarget, steps: list[Operation], layout: L
     for index, op in enumerate(steps):
         function = ir.Function(module, step_type, name=f"step{index}")
         function.linkage = "internal"
+        # Kept out of line: optimizing many small functions is linear, one huge one is not.
+        function.attributes.add("noinline")
         ctx = KernelContext(module, function, target, layout, index)
         emitters[index](ctx, op)
         ctx.b.ret_void()

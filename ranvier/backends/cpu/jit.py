@@ -1,6 +1,7 @@
 """Turning a cell's LLVM module into callable machine code, with a compile cache.
 
-Code is optimized with LLVM's new pass manager at -O3 for the target CPU and emitted
+Code is optimized with LLVM's new pass manager (-O3, without its auto-vectorizer and
+unroller: kernels are explicit vector loops) for the target CPU and emitted
 as an object file, which MCJIT loads. Object files are cached in memory and on disk
 (`$RANVIER_CACHE`, default ~/.cache/ranvier), keyed by the cell's description, the
 CPU and its features, and ranvier's version, so a second process skips code generation
@@ -41,8 +42,11 @@ def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
     parsed = llvm.parse_assembly(str(module))
     parsed.verify()
     options = llvm.create_pipeline_tuning_options(speed_level=3)
-    options.loop_vectorization = True
-    options.slp_vectorization = True
+    # Kernels are vectorized by construction; LLVM's loop vectorizer and unroller only
+    # multiply code (loops have small constant trip counts) and compile time, not speed.
+    options.loop_vectorization = False
+    options.slp_vectorization = False
+    options.loop_unrolling = False
     builder = llvm.create_pass_builder(target.machine, options)
     builder.getModulePassManager().run(parsed, builder)
     return target.machine.emit_object(parsed)
