@@ -1,0 +1,318 @@
+"""Times single ops on ranvier cpu, numpy and PyTorch eager vs machine ceilings; run: python benchmarks/kernels.py"""
+
+# Ops: a fused elementwise chain gelu(x*a + b)*c + x (exact, erf GELU everywhere; numpy takes erf
+# from SciPy), softmax over the last axis, layer norm with gamma/beta, per-row softmax
+# cross-entropy with int64 targets, float32 GEMM (square and MLP-shaped). Options: --repeats N,
+# --warmup N, --quick (smaller sizes for a smoke run).
+#
+# Each round times every implementation once, in turn (each timed call right after an untimed one
+# of its own), so noise on a shared machine hits all of them alike. The table shows the median,
+# the time relative to ranvier, and the achieved GB/s (memory-bound ops: inputs read once plus
+# outputs written once) or GFLOP/s (GEMM) as a fraction of the ceiling measured at start: memory
+# bandwidth from np.copyto on 256 MiB arrays (read + write bytes), peak fp32 GEMM from the best of
+# several 2048^3 numpy matmuls. ranvier's time is data.compute() on inputs already in its
+# instance; numpy and torch allocate their outputs, as their natural expressions do. ranvier's and
+# torch's results are checked against numpy's before timing.
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import scipy.special
+import torch
+import torch.nn.functional as F
+
+import ranvier as rv
+from ranvier.runtime import Cell
+
+IMPLS = ("ranvier", "numpy", "torch")
+SQRT1_2 = np.float32(1 / math.sqrt(2))
+
+
+@dataclass
+class Benchmark:
+    """One op: a callable per implementation, how much work one call does, and the cell's kernels."""
+
+    name: str
+    runs: dict[str, Callable[[], object]]
+    work: float  # bytes moved (memory-bound) or floating-point operations (GEMM)
+    compute_bound: bool
+    kernels: str
+    rtol: float = 1e-4
+    atol: float = 1e-5
+
+
+BenchmarkAndResult = tuple[Benchmark, Callable[[], np.ndarray]]  # and a call giving ranvier's output
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes per second
+    gemm: float  # floating-point operations per second
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+def time_round_robin(runs: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each callable, interleaved: every round times each one once, in turn.
+
+    Each timed call follows an untimed one of the same callable, so it finds its own caches and
+    thread pool warm rather than those of whichever implementation ran just before it (numpy,
+    SciPy (which ranvier's BlasGemm calls) and torch each keep a separate BLAS thread pool).
+    """
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            run()
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure_ceilings(megabytes: int, gemm_n: int, repeats: int) -> Ceilings:
+    """Memory bandwidth (median copy, read + write bytes) and peak fp32 GEMM (best matmul)."""
+    src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    copy = time_round_robin({"copy": lambda: np.copyto(dst, src)}, 2, repeats)["copy"]
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
+    b = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
+    gemm = time_round_robin({"gemm": lambda: a @ b}, 2, repeats)["gemm"]
+    return Ceilings(bandwidth=2 * src.nbytes / statistics.median(copy), gemm=2 * gemm_n**3 / min(gemm))
+
+
+# ---- ranvier helpers ----------------------------------------------------------------------------
+
+
+def compile_cell(flow: rv.Flow) -> tuple[Cell, str]:
+    """Compile function f of the flow on the cpu backend; the cell and its steps' kernels."""
+    cell = rv.Compiler("cpu").compile(flow).cell("f")
+    kernels = " + ".join(f"{s.kernel}[{s.variant}]" if s.variant else s.kernel for s in cell.steps)
+    return cell, kernels
+
+
+def ranvier_run(
+    cell: Cell, inputs: dict[rv.Tensor, np.ndarray], output: rv.Tensor
+) -> tuple[Callable[[], np.ndarray], Callable[[], None]]:
+    """An instance loaded with the inputs; a call that computes and returns the output, and one that only computes."""
+    data = cell.instance()
+    for var, value in inputs.items():
+        data[var] = value
+
+    def result() -> np.ndarray:
+        data.compute()
+        return data[output]
+
+    return result, data.compute
+
+
+# ---- benchmarks ---------------------------------------------------------------------------------
+
+
+def bench_elementwise(rows: int, cols: int, rng: np.random.Generator) -> BenchmarkAndResult:
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    a, b, c = (rng.standard_normal(cols, dtype=np.float32) for _ in range(3))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    vx = f.var("x", rv.DT_FLOAT, [rows, cols])
+    va, vb, vc = (f.var(n, rv.DT_FLOAT, [cols]) for n in "abc")
+    vy = f.add(f.mul(f.gelu(f.add(f.mul(vx, va), vb)), vc), vx, name="y")
+    cell, kernels = compile_cell(flow)
+    result, compute = ranvier_run(cell, {vx: x, va: a, vb: b, vc: c}, vy)
+
+    def numpy_run() -> np.ndarray:
+        t = x * a + b
+        return 0.5 * t * (1 + scipy.special.erf(t * SQRT1_2)) * c + x
+
+    tx, ta, tb, tc = (torch.from_numpy(v) for v in (x, a, b, c))
+    return Benchmark(
+        f"gelu(x*a+b)*c+x [{rows}x{cols}]",
+        {"ranvier": compute, "numpy": numpy_run, "torch": lambda: F.gelu(tx * ta + tb) * tc + tx},
+        work=2 * x.nbytes + 3 * a.nbytes,
+        compute_bound=False,
+        kernels=kernels,
+    ), result
+
+
+def bench_softmax(rows: int, cols: int, rng: np.random.Generator) -> BenchmarkAndResult:
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    vx = f.var("x", rv.DT_FLOAT, [rows, cols])
+    vy = f.softmax(vx, name="y")
+    cell, kernels = compile_cell(flow)
+    result, compute = ranvier_run(cell, {vx: x}, vy)
+
+    def numpy_run() -> np.ndarray:
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    tx = torch.from_numpy(x)
+    return Benchmark(
+        f"softmax [{rows}x{cols}]",
+        {"ranvier": compute, "numpy": numpy_run, "torch": lambda: F.softmax(tx, dim=-1)},
+        work=2 * x.nbytes,
+        compute_bound=False,
+        kernels=kernels,
+        atol=1e-7,
+    ), result
+
+
+def bench_layer_norm(rows: int, cols: int, rng: np.random.Generator) -> BenchmarkAndResult:
+    eps = 1e-5
+    x = rng.standard_normal((rows, cols), dtype=np.float32) * 3 + 1
+    gamma, beta = (rng.standard_normal(cols, dtype=np.float32) for _ in range(2))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    vx = f.var("x", rv.DT_FLOAT, [rows, cols])
+    vg, vb = f.var("gamma", rv.DT_FLOAT, [cols]), f.var("beta", rv.DT_FLOAT, [cols])
+    vy = f.layer_norm(vx, vg, vb, eps=eps, name="y")
+    cell, kernels = compile_cell(flow)
+    result, compute = ranvier_run(cell, {vx: x, vg: gamma, vb: beta}, vy)
+
+    def numpy_run() -> np.ndarray:
+        mean = x.mean(axis=-1, keepdims=True)
+        var = x.var(axis=-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + eps) * gamma + beta
+
+    tx, tg, tb = (torch.from_numpy(v) for v in (x, gamma, beta))
+    return Benchmark(
+        f"layer_norm [{rows}x{cols}]",
+        {"ranvier": compute, "numpy": numpy_run, "torch": lambda: F.layer_norm(tx, (cols,), tg, tb, eps)},
+        work=2 * x.nbytes + gamma.nbytes + beta.nbytes,
+        compute_bound=False,
+        kernels=kernels,
+        atol=1e-4,
+    ), result
+
+
+def bench_cross_entropy(rows: int, classes: int, rng: np.random.Generator) -> BenchmarkAndResult:
+    logits = rng.standard_normal((rows, classes), dtype=np.float32) * 4
+    target = rng.integers(0, classes, rows, dtype=np.int64)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    vl = f.var("logits", rv.DT_FLOAT, [rows, classes])
+    vt = f.var("target", rv.DT_INT64, [rows])
+    vy = f.softmax_cross_entropy(vl, vt, name="y")
+    cell, kernels = compile_cell(flow)
+    result, compute = ranvier_run(cell, {vl: logits, vt: target}, vy)
+    row = np.arange(rows)
+
+    def numpy_run() -> np.ndarray:
+        top = logits.max(axis=-1)
+        lse = np.log(np.exp(logits - top[:, None]).sum(axis=-1)) + top
+        return lse - logits[row, target]
+
+    tl, tt = torch.from_numpy(logits), torch.from_numpy(target)
+    return Benchmark(
+        f"softmax_xent [{rows}x{classes}]",
+        {"ranvier": compute, "numpy": numpy_run, "torch": lambda: F.cross_entropy(tl, tt, reduction="none")},
+        work=logits.nbytes + target.nbytes + rows * 4,
+        compute_bound=False,
+        kernels=kernels,
+    ), result
+
+
+def bench_gemm(m: int, k: int, n: int, rng: np.random.Generator) -> BenchmarkAndResult:
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    va, vb = f.var("a", rv.DT_FLOAT, [m, k]), f.var("b", rv.DT_FLOAT, [k, n])
+    vy = f.matmul(va, vb, name="y")
+    cell, kernels = compile_cell(flow)
+    result, compute = ranvier_run(cell, {va: a, vb: b}, vy)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    return Benchmark(
+        f"gemm [{m}x{k}]@[{k}x{n}]",
+        {"ranvier": compute, "numpy": lambda: a @ b, "torch": lambda: torch.matmul(ta, tb)},
+        work=2 * m * k * n,
+        compute_bound=True,
+        kernels=kernels,
+        atol=1e-3,
+    ), result
+
+
+# ---- running and reporting ----------------------------------------------------------------------
+
+
+def verify(bench: Benchmark, ranvier_result: Callable[[], np.ndarray]) -> None:
+    """ranvier's and torch's results must match numpy's, or the benchmark stops."""
+    expected = np.asarray(bench.runs["numpy"]())
+    checks = {"ranvier": np.array(ranvier_result()), "torch": bench.runs["torch"]().numpy()}
+    for impl, actual in checks.items():
+        message = f"{bench.name}: {impl} vs numpy"
+        np.testing.assert_allclose(actual, expected, rtol=bench.rtol, atol=bench.atol, err_msg=message)
+
+
+def report(bench: Benchmark, times: dict[str, list[float]], ceilings: Ceilings) -> list[str]:
+    """Table rows: a heading with ranvier's kernels, then median, min, ratio, rate, fraction of ceiling."""
+    unit, ceiling = ("GFLOP/s", ceilings.gemm) if bench.compute_bound else ("GB/s", ceilings.bandwidth)
+    base = statistics.median(times["ranvier"])
+    lines = [f"{bench.name}    ranvier kernels: {bench.kernels}"]
+    for impl in IMPLS:
+        median = statistics.median(times[impl])
+        rate = bench.work / median
+        lines.append(
+            f"  {impl:8s} {median * 1e3:9.3f} {min(times[impl]) * 1e3:9.3f} {median / base:8.2f}x"
+            f" {rate / 1e9:9.1f} {unit:8s} {100 * rate / ceiling:6.1f}%"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; 5 with --quick)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes for a fast smoke run")
+    args = parser.parse_args()
+    repeats = args.repeats or (5 if args.quick else 20)
+    warmup = min(args.warmup, 2) if args.quick else args.warmup
+    rows = 512 if args.quick else 4096
+    square = 256 if args.quick else 1024
+    rng = np.random.default_rng(0)
+
+    print(
+        f"numpy {np.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"ranvier backend cpu; {warmup} warmup + {repeats} timed rounds, implementations interleaved; "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
+    )
+    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=5 if args.quick else 10)
+    print(
+        f"ceilings: memory bandwidth {ceilings.bandwidth / 1e9:.1f} GB/s (median np.copyto of 256 MiB, read+write); "
+        f"fp32 GEMM {ceilings.gemm / 1e9:.1f} GFLOP/s (best numpy 2048^3 matmul)"
+    )
+    print()
+    print(f"  {'impl':8s} {'median ms':>9s} {'min ms':>9s} {'vs rv':>9s} {'rate':>9s} {'unit':8s} {'of ceil':>7s}")
+
+    benchmarks = [
+        lambda: bench_elementwise(rows, 1024, rng),
+        lambda: bench_softmax(rows, 1024, rng),
+        lambda: bench_layer_norm(rows, 1024, rng),
+        lambda: bench_cross_entropy(rows, 1000, rng),
+        lambda: bench_gemm(square, square, square, rng),
+        lambda: bench_gemm(128, 784, 256, rng),
+    ]
+    for make in benchmarks:
+        bench, ranvier_result = make()
+        verify(bench, ranvier_result)
+        times = time_round_robin(bench.runs, warmup, repeats)
+        print("\n".join(report(bench, times, ceilings)), flush=True)
+    print()
+    print("vs rv = median time / ranvier's median time (above 1: ranvier is faster); of ceil = rate / ceiling")
+
+
+if __name__ == "__main__":
+    main()
