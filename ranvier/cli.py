@@ -57,6 +57,26 @@ def _train_mnist(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_llama(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .train.llama_job import LlamaRunConfig, resume_llama, train_llama
+
+    if args.resume:
+        resume_llama(Path(args.resume), args.steps, progress=not args.quiet)
+        return 0
+    defaults = LlamaRunConfig()
+    config = LlamaRunConfig(
+        preset=args.preset, corpus=args.corpus, steps=args.steps or defaults.steps, minutes=args.minutes,
+        batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
+        backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes,
+    )
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"llama-{args.preset}-%Y%m%d-%H%M%S")
+    print(f"run directory: {run_dir}")
+    train_llama(config, run_dir, progress=not args.quiet)
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -139,6 +159,24 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--checkpoint-every", type=int, default=500)
     mnist.add_argument("--quiet", action="store_true", help="no progress bar")
     mnist.set_defaults(run=_train_mnist)
+
+    llama = tasks.add_parser("llama", help="a Llama language model on a text corpus (the standard library by default)")
+    llama.add_argument("--preset", default="stories260K", help="stories260K, stories15M, stories42M or stories110M")
+    llama.add_argument("--corpus", default=None, help="a text file or folder (default: the Python standard library's source)")
+    llama.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000)")
+    llama.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
+    llama.add_argument("--batch", type=int, default=16)
+    llama.add_argument("--seq", type=int, default=128)
+    llama.add_argument("--lr", type=float, default=2e-3)
+    llama.add_argument("--accumulate", type=int, default=1)
+    llama.add_argument("--max-corpus-bytes", type=int, default=None)
+    llama.add_argument("--seed", type=int, default=0)
+    llama.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    llama.add_argument("--cpu", default="", metavar="MASK")
+    llama.add_argument("--run-dir", default=None)
+    llama.add_argument("--resume", default=None, metavar="RUN_DIR")
+    llama.add_argument("--quiet", action="store_true")
+    llama.set_defaults(run=_train_llama)
 
     evaluate = commands.add_parser("eval", help="re-evaluate a run directory's checkpoint")
     evaluate.add_argument("run_dir")

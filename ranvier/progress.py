@@ -10,37 +10,43 @@ from typing import Callable, Iterator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+def _extras(fields: dict) -> str:
+    return "  ".join(f"{name} {value:,.1f}" if isinstance(value, float) else f"{name} {value}" for name, value in fields.items())
+
+
 @contextmanager
-def training_progress(total: int, enabled: bool = True, every: int = 100) -> Iterator[Callable[[float], None]]:
-    """Yield `report(loss)`, called once per step; shows step, loss, steps/s and ETA."""
+def training_progress(total: int, enabled: bool = True, every: int = 100) -> Iterator[Callable[..., None]]:
+    """Yield `report(loss, **fields)`, called once per step; shows step, loss, steps/s, ETA
+    and any extra fields (tokens/s, ms/step, ...)."""
     start = time.perf_counter()
     count = 0
     if not enabled:
-        yield lambda loss: None
+        yield lambda loss, **fields: None
         return
     if not sys.stderr.isatty():
-        def report_plain(loss: float) -> None:
+        def report_plain(loss: float, **fields) -> None:
             nonlocal count
             count += 1
             if count % every == 0 or count == total:
                 rate = count / max(time.perf_counter() - start, 1e-9)
                 eta = (total - count) / rate
-                print(f"step {count}/{total} loss {loss:.4f} {rate:.1f} steps/s eta {eta:.0f}s", file=sys.stderr, flush=True)
+                extra = f" {_extras(fields)}" if fields else ""
+                print(f"step {count}/{total} loss {loss:.4f} {rate:.1f} steps/s eta {eta:.0f}s{extra}", file=sys.stderr, flush=True)
 
         yield report_plain
         return
     columns = (
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} steps/s"),
-        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[extra]}"),
     )
     with Progress(*columns, transient=False) as progress:
-        task = progress.add_task("train", total=total, loss=float("nan"), rate=0.0)
+        task = progress.add_task("train", total=total, loss=float("nan"), rate=0.0, extra="")
 
-        def report(loss: float) -> None:
+        def report(loss: float, **fields) -> None:
             nonlocal count
             count += 1
             rate = count / max(time.perf_counter() - start, 1e-9)
-            progress.update(task, advance=1, loss=loss, rate=rate)
+            progress.update(task, advance=1, loss=loss, rate=rate, extra=_extras(fields))
 
         yield report

@@ -44,5 +44,5 @@ class CNN(Module):
         x = b.reshape(x, [x.shape[0], self.features])
         return x @ p["W"] + p["b"]
 
-    def config(self) -> dict:
+    def describe(self) -> dict:
         return {"model": "cnn", "input_shape": self.input_shape, "channels": self.channels, "kernel": self.kernel, "classes": self.classes}

@@ -43,5 +43,5 @@ class MLP(Module):
                 x = ACTIVATIONS[self.activation](b, x)
         return x
 
-    def config(self) -> dict:
+    def describe(self) -> dict:
         return {"model": "mlp", "sizes": self.sizes, "activation": self.activation}

@@ -54,5 +54,5 @@ class Module:
     def forward(self, b: Builder, x: Tensor, p: dict[str, Tensor]) -> Tensor:
         raise NotImplementedError
 
-    def config(self) -> dict:
+    def describe(self) -> dict:
         raise NotImplementedError

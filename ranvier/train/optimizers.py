@@ -84,6 +84,9 @@ class SGD:
 class Adam:
     """Adam as torch.optim.Adam (weight_decay adds L2 to the gradient).
 
+    decay_matrices_only: weight decay for parameters of rank 2 or more only (not for
+    norms' scales and biases), as Llama training does.
+
     With a loss scale S the gradients stay scaled: m scales by S and v by S², so
     m̂/√v̂ is unchanged and the step must not be divided by S (eps is scaled instead).
     """
@@ -93,6 +96,7 @@ class Adam:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decay_matrices_only: bool = False
     decoupled = False
 
     def updates(
@@ -114,12 +118,13 @@ class Adam:
             p = current_value(current, param)
             m_var, v_var = state_var(b, param.var, "adam_m"), state_var(b, param.var, "adam_v")
             m, v = current_value(current, m_var), current_value(current, v_var)
-            if self.weight_decay and not self.decoupled:
-                decay = p * self.weight_decay
-                g = g + (decay * _as(b, loss_scale, p) if loss_scale is not None else decay)
+            decay = self.weight_decay if param.rank >= 2 or not self.decay_matrices_only else 0.0
+            if decay and not self.decoupled:
+                l2 = p * decay
+                g = g + (l2 * _as(b, loss_scale, p) if loss_scale is not None else l2)
             new_m = m * self.beta1 + g * (1.0 - self.beta1)
             new_v = v * self.beta2 + g * g * (1.0 - self.beta2)
-            base = p * (1.0 - _as(b, lr, p) * self.weight_decay) if self.weight_decay and self.decoupled else p
+            base = p * (1.0 - _as(b, lr, p) * decay) if decay and self.decoupled else p
             new_p = base - _as(b, lr_t, p) * new_m / (b.sqrt(new_v) + _as(b, eps_t, p))
             result += [(m_var.var, new_m), (v_var.var, new_v), (param.var, new_p)]
         return result

@@ -1,0 +1,164 @@
+"""Llama-2 language models (llama2.c's architecture), built on the IR.
+
+Token embedding → n_layers × [RMSNorm → attention with rotary embeddings (grouped /
+multi-query when n_kv_heads < n_heads) → residual, RMSNorm → SwiGLU → residual] →
+RMSNorm → output projection (shared with the embedding or separate).
+
+Weights are stored [in, out] so a layer is `x @ W`; rotary embeddings rotate the
+pairs (2i, 2i+1) of each head as llama2.c does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..errors import RanvierError
+from ..flow.builder import Builder, Tensor
+from .module import Module
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    hidden_dim: int
+    max_seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    shared_classifier: bool = True
+
+    def __post_init__(self):
+        sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len")
+        for field in sizes:
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                raise RanvierError(f"Llama config: {field} must be a positive integer, not {getattr(self, field)!r}")
+        if not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise RanvierError(f"Llama config: norm_eps {self.norm_eps} and rope_theta {self.rope_theta} must be positive")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise RanvierError(
+                f"Llama config: dim {self.dim} must divide into n_heads {self.n_heads}, "
+                f"and n_heads into n_kv_heads {self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise RanvierError(f"Llama config: the head size {self.dim // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def parameter_count(self) -> int:
+        d, h, kv = self.dim, self.hidden_dim, self.n_kv_heads * self.head_dim
+        layer = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * h
+        head = 0 if self.shared_classifier else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * layer + d + head
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward ≈ 3 × forward): 6·N plus attention."""
+        return 6 * self.parameter_count() + 12 * self.n_layers * self.dim * seq_len
+
+
+PRESETS = {
+    # llama2.c's Stories models.
+    "stories260K": LlamaConfig(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, hidden_dim=172, max_seq_len=512),
+    "stories15M": LlamaConfig(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=32000, hidden_dim=768, max_seq_len=256),
+    "stories42M": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=32000, hidden_dim=1376, max_seq_len=1024),
+    "stories110M": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, hidden_dim=2048, max_seq_len=1024),
+}
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of position × θ^(−2i/head_dim), shape [seq_len, head_dim/2]."""
+    frequencies = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(seq_len), frequencies)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class Llama(Module):
+    name = "llama"
+
+    def __init__(self, config: LlamaConfig, seed: int = 0):
+        super().__init__(seed)
+        self.config = config
+        c = config
+        kv = c.n_kv_heads * c.head_dim
+
+        def normal(key, shape, std=0.02):
+            self.add(key, self.rng.normal(0.0, std, size=shape))
+
+        # llama2.c's initialization: N(0, 0.02), residual projections scaled by 1/√(2·layers).
+        residual_std = 0.02 / math.sqrt(2 * c.n_layers)
+        normal("tok_embeddings", (c.vocab_size, c.dim))
+        for i in range(c.n_layers):
+            self.add(f"layers.{i}.attention_norm", np.ones(c.dim))
+            normal(f"layers.{i}.wq", (c.dim, c.dim))
+            normal(f"layers.{i}.wk", (c.dim, kv))
+            normal(f"layers.{i}.wv", (c.dim, kv))
+            normal(f"layers.{i}.wo", (c.dim, c.dim), residual_std)
+            self.add(f"layers.{i}.ffn_norm", np.ones(c.dim))
+            normal(f"layers.{i}.w1", (c.dim, c.hidden_dim))
+            normal(f"layers.{i}.w2", (c.hidden_dim, c.dim), residual_std)
+            normal(f"layers.{i}.w3", (c.dim, c.hidden_dim))
+        self.add("norm", np.ones(c.dim))
+        if not c.shared_classifier:
+            normal("output", (c.dim, c.vocab_size))
+
+    def describe(self) -> dict:
+        return {"model": "llama", **asdict(self.config)}
+
+    # ---- the forward pass ------------------------------------------------------------------
+
+    def forward(self, b: Builder, tokens: Tensor, p) -> Tensor:
+        """tokens [B, T] int32 → logits [B, T, vocab]."""
+        c = self.config
+        batch, seq = tokens.shape
+        if seq > c.max_seq_len:
+            raise RanvierError(f"Llama: sequence length {seq} exceeds max_seq_len {c.max_seq_len}")
+        cos, sin = rope_tables(c.head_dim, seq, c.rope_theta)
+        rope = (b.const(cos.reshape(1, seq, 1, -1, 1)), b.const(sin.reshape(1, seq, 1, -1, 1)))
+        mask = np.triu(np.full((seq, seq), -np.inf, np.float32), k=1)
+        causal = b.const(mask)
+        x = b.gather(p["tok_embeddings"], tokens)
+        for i in range(c.n_layers):
+            layer = {key.split(".", 2)[2]: value for key, value in p.items() if key.startswith(f"layers.{i}.")}
+            x = x + self.attention(b, b.rms_norm(x, layer["attention_norm"], c.norm_eps), layer, rope, causal)
+            x = x + self.feed_forward(b, b.rms_norm(x, layer["ffn_norm"], c.norm_eps), layer)
+        x = b.rms_norm(x, p["norm"], c.norm_eps)
+        if c.shared_classifier:
+            return b.matmul(x, p["tok_embeddings"], transpose_b=True)
+        return x @ p["output"]
+
+    def attention(self, b: Builder, x: Tensor, w: dict, rope, causal: Tensor) -> Tensor:
+        c = self.config
+        batch, seq, _ = x.shape
+        hd, groups = c.head_dim, c.n_heads // c.n_kv_heads
+        q = rotate(b, (x @ w["wq"]).reshape([batch, seq, c.n_heads, hd]), rope)
+        k = rotate(b, (x @ w["wk"]).reshape([batch, seq, c.n_kv_heads, hd]), rope)
+        v = (x @ w["wv"]).reshape([batch, seq, c.n_kv_heads, hd])
+        # Heads that share a key/value head are grouped: q [B, KV, G, T, hd], k and v [B, KV, 1, T, hd].
+        q = q.transpose([0, 2, 1, 3]).reshape([batch, c.n_kv_heads, groups, seq, hd])
+        k = k.transpose([0, 2, 1, 3]).reshape([batch, c.n_kv_heads, 1, seq, hd])
+        v = v.transpose([0, 2, 1, 3]).reshape([batch, c.n_kv_heads, 1, seq, hd])
+        scores = b.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(hd)) + causal
+        out = b.softmax(scores) @ v  # [B, KV, G, T, hd]
+        out = out.reshape([batch, c.n_heads, seq, hd]).transpose([0, 2, 1, 3]).reshape([batch, seq, c.dim])
+        return out @ w["wo"]
+
+    @staticmethod
+    def feed_forward(b: Builder, x: Tensor, w: dict) -> Tensor:
+        return (b.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]
+
+
+def rotate(b: Builder, x: Tensor, rope) -> Tensor:
+    """Rotary embedding of x [B, T, heads, hd]: each pair (2i, 2i+1) turns by its angle."""
+    cos, sin = rope
+    batch, seq, heads, hd = x.shape
+    pairs = x.reshape([batch, seq, heads, hd // 2, 2])
+    even, odd = b.split(pairs, 2, axis=4)
+    turned = b.concat([even * cos - odd * sin, even * sin + odd * cos], axis=4)
+    return turned.reshape([batch, seq, heads, hd])

@@ -1,0 +1,201 @@
+"""`ranvier train llama`: train a Llama on a text corpus in a run directory.
+
+The corpus (any text file or folder; by default the Python standard library's own
+source, which every user has) is tokenized with a SentencePiece vocabulary trained
+for the preset's vocabulary size, written as llama2.c token shards, and split into
+training and validation tokens. Training samples random windows; the whole step —
+forward, backward, AdamW with warmup + cosine and clipping — is one compiled cell.
+
+A run directory holds config.json, tokenizer.model, data/ (shards and manifest),
+metrics.jsonl and checkpoint/ (weights, optimizer state, sampler RNG state).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic import atomic_write_bytes
+from ..data import corpus as corpora
+from ..data.shards import TokenShards, pretokenize
+from ..data.tokenizers import load_tokenizer, train_sentencepiece
+from ..errors import RanvierError
+from ..flow.builder import Builder
+from ..flow.graph import Flow
+from ..models.llama import PRESETS, Llama, LlamaConfig
+from .losses import softmax_cross_entropy
+from .optimizers import AdamW
+from .schedules import WarmupCosine
+from .trainer import Trainer
+
+
+@dataclass
+class LlamaRunConfig:
+    preset: str = "stories260K"
+    corpus: str | None = None
+    steps: int = 2000
+    minutes: float | None = None
+    batch: int = 16
+    seq: int = 128
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    accumulate: int = 1
+    eval_every: int = 200
+    eval_batches: int = 8
+    checkpoint_every: int = 500
+    max_corpus_bytes: int | None = None
+    seed: int = 0
+    backend: str = "cpu"
+    cpu: str = ""
+
+
+@dataclass
+class LlamaRun:
+    trainer: Trainer
+    model: Llama
+    train: TokenShards
+    validation: TokenShards
+    eval_data: object
+    eval_loss: object
+    tokens: object
+    targets: object
+    unigram_entropy: float
+
+
+def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tuple[Path, dict]:
+    """Tokenizer and shards in the run directory (made once; a resumed run reuses them)."""
+    data_dir = run_dir / "data"
+    manifest_path = data_dir / "manifest.json"
+    tokenizer_path = run_dir / "tokenizer.model"
+    if manifest_path.exists() and tokenizer_path.exists():
+        return tokenizer_path, json.loads(manifest_path.read_text())
+    documents = list(corpora.iter_documents(config.corpus, config.max_corpus_bytes))
+    if not documents:
+        raise RanvierError(f"the corpus {config.corpus or 'standard library'} has no text")
+    print(f"corpus: {len(documents)} documents, {sum(map(len, documents)) / 1e6:.1f} MB; training a {vocab_size}-piece vocabulary")
+    train_sentencepiece(iter(documents), vocab_size, output_prefix=run_dir / "tokenizer", character_coverage=0.9999)
+    tokenizer = load_tokenizer(tokenizer_path)
+    manifest = pretokenize(documents, tokenizer, data_dir)
+    return tokenizer_path, manifest
+
+
+def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
+    if config.preset not in PRESETS:
+        raise RanvierError(f"unknown Llama preset {config.preset!r}; choose one of {', '.join(PRESETS)}")
+    preset = PRESETS[config.preset]
+    tokenizer_path, manifest = prepare_data(config, run_dir, preset.vocab_size)
+    tokenizer = load_tokenizer(tokenizer_path)
+    model_config = LlamaConfig(**{**asdict(preset), "vocab_size": tokenizer.vocab_size, "max_seq_len": max(preset.max_seq_len, config.seq)})
+    shards = TokenShards(run_dir / "data")
+    train, validation = shards.split(fraction=0.05)
+    model = Llama(model_config, seed=config.seed)
+
+    flow = Flow()
+    step_rows = config.batch
+    f = Builder(flow, "train")
+    tokens = f.var("tokens", "int32", [step_rows, config.seq])
+    targets = f.var("targets", "int32", [step_rows, config.seq])
+    params = model.parameters(f)
+    rows = step_rows * config.seq
+    loss = softmax_cross_entropy(model(f, tokens, params).reshape([rows, model_config.vocab_size]), targets.reshape([rows]), name="loss")
+
+    e = Builder(flow, "eval")
+    eval_tokens = e.var("tokens", "int32", [config.batch, config.seq])
+    eval_targets = e.var("targets", "int32", [config.batch, config.seq])
+    eval_loss = softmax_cross_entropy(model(e, eval_tokens).reshape([rows, model_config.vocab_size]), eval_targets.reshape([rows]), name="loss")
+    eval_loss.var.out = True
+
+    optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
+    schedule = WarmupCosine(lr=config.lr, warmup=config.warmup, total=config.steps, floor=config.min_lr)
+    trainer = Trainer(
+        loss, list(params.values()), optimizer, schedule=schedule, clip_norm=config.clip,
+        inputs=[tokens, targets], backend=config.backend, cpu=config.cpu,
+    )
+    eval_data = trainer.network.cell("eval").instance()
+    return LlamaRun(trainer, model, train, validation, eval_data, eval_loss.var, eval_tokens.var, eval_targets.var,
+                    float(manifest.get("unigram_entropy", math.nan)))
+
+
+def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
+    """Mean loss over the same fixed validation windows every time."""
+    rng = np.random.default_rng(12345)
+    losses = []
+    for _ in range(config.eval_batches):
+        x, y = run.validation.sample(config.batch, config.seq, rng)
+        run.eval_data[run.tokens] = x
+        run.eval_data[run.targets] = y
+        run.eval_data.compute()
+        losses.append(float(run.eval_data[run.eval_loss]))
+    return float(np.mean(losses))
+
+
+def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> float:
+    """Train (or resume); returns the final validation loss, printed with the unigram entropy."""
+    from ..progress import training_progress
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "config.json", json.dumps(asdict(config), indent=1).encode())
+    run = build(config, run_dir)
+    trainer = run.trainer
+    rng = np.random.default_rng(config.seed)
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        metadata = trainer.load(run_dir / "checkpoint")
+        rng.bit_generator.state = metadata["rng"]
+        kept = [line for line in metrics_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= trainer.step_count] if metrics_path.exists() else []
+        atomic_write_bytes(metrics_path, ("\n".join(kept) + "\n" if kept else "").encode())
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    c = run.model.config
+    print(f"model: {config.preset} dim {c.dim} layers {c.n_layers} heads {c.n_heads}/{c.n_kv_heads} vocab {c.vocab_size}, "
+          f"{c.parameter_count() / 1e6:.2f}M parameters; compiled in {trainer.compile_seconds:.1f}s; from step {trainer.step_count}")
+    tokens_per_step = config.batch * config.seq * config.accumulate
+    flops_per_step = c.flops_per_token(config.seq) * tokens_per_step
+
+    def checkpoint() -> None:
+        trainer.save(run_dir / "checkpoint", {"rng": rng.bit_generator.state})
+
+    start = time.perf_counter()
+    remaining = max(0, config.steps - trainer.step_count)
+    with open(metrics_path, "a") as metrics, training_progress(remaining, enabled=progress, every=20) as report:
+        for _ in range(remaining):
+            x, y = run.train.sample(config.batch, config.seq, rng)
+            step_start = time.perf_counter()
+            loss = trainer.step([x, y])
+            seconds = time.perf_counter() - step_start
+            step = trainer.step_count
+            report(loss, **{"tok/s": tokens_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9})
+            record = {"step": step, "loss": loss, "lr": trainer.schedule(step - 1), "ms": seconds * 1e3,
+                      "tokens_per_s": tokens_per_step / seconds, "gflops": flops_per_step / seconds / 1e9}
+            if step % config.eval_every == 0:
+                record["val_loss"] = validation_loss(run, config)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if step % config.checkpoint_every == 0:
+                checkpoint()
+            if config.minutes is not None and time.perf_counter() - start > config.minutes * 60:
+                break
+    checkpoint()
+    final = validation_loss(run, config)
+    with open(metrics_path, "a") as metrics:
+        metrics.write(json.dumps({"step": trainer.step_count, "val_loss": final}) + "\n")
+    print(f"validation_loss={final:.4f} unigram_entropy={run.unigram_entropy:.4f} (nats per token)")
+    return final
+
+
+def resume_llama(run_dir: Path, steps: int | None = None, progress: bool = True) -> float:
+    path = run_dir / "config.json"
+    if not path.exists():
+        raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
+    config = LlamaRunConfig(**json.loads(path.read_text()))
+    if steps is not None:
+        config.steps = steps
+    return train_llama(config, run_dir, resume=True, progress=progress)
