@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +46,25 @@ def blas_pointers() -> tuple[int, int]:
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     capsules = blas.__pyx_capi__
     return tuple(get_pointer(capsules[n], get_name(capsules[n])) for n in ("sgemm", "dgemm"))
+
+
+_NO_THREAD_CONTROL = ctypes.CFUNCTYPE(None, ctypes.c_int)(lambda count: None)
+
+
+@functools.cache
+def blas_thread_setter() -> int:
+    """Address of the thread-count setter of the OpenBLAS behind SciPy's BLAS (a no-op
+    where that library is not found), so generated code can run small GEMMs on one thread."""
+    from threadpoolctl import ThreadpoolController
+
+    blas_pointers()  # loads SciPy's BLAS, so the controller can see it
+    for library in ThreadpoolController().select(internal_api="openblas").lib_controllers:
+        if "scipy_openblas" in library.filepath and "numpy" not in library.filepath:
+            handle = ctypes.CDLL(library.filepath)
+            for symbol in ("scipy_openblas_set_num_threads", "openblas_set_num_threads", "scipy_openblas_set_num_threads64_"):
+                if hasattr(handle, symbol):
+                    return ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
+    return ctypes.cast(_NO_THREAD_CONTROL, ctypes.c_void_p).value
 
 
 class CPUBackend:
@@ -141,6 +161,8 @@ class CPUBackend:
         table[codegen.PROFILE] = instance.step_time.ctypes.data
         table[codegen.CALLBACK] = ctypes.cast(callback, ctypes.c_void_p).value
         table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
+        table[codegen.BLAS_THREADS] = blas_thread_setter()
+        table[codegen.MAX_THREADS] = os.cpu_count() or 1
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(var).ctypes.data
         function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["address"])

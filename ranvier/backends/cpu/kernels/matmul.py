@@ -11,7 +11,7 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import Attrs
-from ..codegen import DGEMM, SGEMM
+from ..codegen import BLAS_THREADS, DGEMM, MAX_THREADS, SGEMM
 from ..convert import narrow, widen
 from ..irutil import F32, F64, I8, I32, VOID, compute_type, constant, for_range, i64, is_signed, load, storage_type, store
 from ..views import contiguous_strides
@@ -31,6 +31,18 @@ def _batch_offsets(batch, a_batch, b_batch):
     for index in itertools.product(*[range(d) for d in batch]):
         result.append((sum(i * s for i, s in zip(index, sa)), sum(i * s for i, s in zip(index, sb))))
     return result or [(0, 0)]
+
+
+# Below this many FLOPs a GEMM runs on one thread: waking BLAS's thread pool costs more
+# than it saves, and on a busy machine a waiting thread can stall the call for milliseconds.
+PARALLEL_FLOPS = 1 << 27
+
+
+def _set_threads(ctx, flops: int) -> None:
+    b = ctx.b
+    setter = b.bitcast(ctx.table_entry(BLAS_THREADS), ir.FunctionType(VOID, [I32]).as_pointer())
+    count = ir.Constant(I32, 1) if flops < PARALLEL_FLOPS else b.trunc(b.ptrtoint(ctx.table_entry(MAX_THREADS), ir.IntType(64)), I32)
+    b.call(setter, [count])
 
 
 def _dims(op):
@@ -65,6 +77,7 @@ def blas_matmul(ctx, op) -> None:
     alpha, beta = cell(element, 1.0), cell(element, 0.0)
     pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
     a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
+    _set_threads(ctx, 2 * m * n * k)
     for index, (oa, ob) in enumerate(_batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])):
         args = [
             trans_b, trans_a, n_, m_, k_, alpha,
