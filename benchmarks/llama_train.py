@@ -1,0 +1,133 @@
+"""Llama training throughput: ranvier vs PyTorch CPU eager on the same model, same run.
+
+The stories15M shape (dim 288, 6 layers, 6 heads, vocab 32000, hidden 768) at seq 256
+by default; both sides train with AdamW on identical random token batches, alternating
+for several repetitions, and the median tokens/s of each and the ratio are printed.
+Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import numpy as np
+
+
+def ranvier_trainer(config, batch: int, seq: int):
+    import ranvier as rv
+    from ranvier.models.llama import Llama
+    from ranvier.train.losses import softmax_cross_entropy
+    from ranvier.train.optimizers import AdamW
+    from ranvier.train.trainer import Trainer
+
+    model = Llama(config, seed=0)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "train")
+    tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
+    targets = f.var("targets", rv.DT_INT32, [batch, seq])
+    params = model.parameters(f)
+    logits = model(f, tokens, params)
+    loss = softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
+    start = time.perf_counter()
+    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-4, beta2=0.95, weight_decay=0.1, decay_matrices_only=True),
+                      clip_norm=1.0, inputs=[tokens, targets])
+    print(f"ranvier compiled the training step in {time.perf_counter() - start:.1f}s")
+    return lambda x, y: trainer.step([x, y])
+
+
+def torch_trainer(config, batch: int, seq: int):
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    d, hd = config.dim, config.dim // config.n_heads
+    kv = config.n_kv_heads * hd
+
+    def linear(i, o):
+        return torch.nn.Parameter(torch.randn(i, o) * 0.02)
+
+    params = {"emb": linear(config.vocab_size, d), "norm": torch.nn.Parameter(torch.ones(d))}
+    for i in range(config.n_layers):
+        params.update({f"{i}.{k}": v for k, v in {
+            "an": torch.nn.Parameter(torch.ones(d)), "wq": linear(d, d), "wk": linear(d, kv), "wv": linear(d, kv),
+            "wo": linear(d, d), "fn": torch.nn.Parameter(torch.ones(d)), "w1": linear(d, config.hidden_dim),
+            "w2": linear(config.hidden_dim, d), "w3": linear(d, config.hidden_dim)}.items()})
+    freqs = config.rope_theta ** (-torch.arange(0, hd, 2).float() / hd)
+    angles = torch.outer(torch.arange(seq).float(), freqs)
+    cos, sin = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
+
+    def rms(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.norm_eps) * g
+
+    def rope(x):
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+    def forward(tokens):
+        x = params["emb"][tokens]
+        for i in range(config.n_layers):
+            p = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith(f"{i}.")}
+            h = rms(x, p["an"])
+            q = rope((h @ p["wq"]).view(batch, seq, config.n_heads, hd))
+            k = rope((h @ p["wk"]).view(batch, seq, config.n_kv_heads, hd))
+            v = (h @ p["wv"]).view(batch, seq, config.n_kv_heads, hd)
+            groups = config.n_heads // config.n_kv_heads
+            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+            attention = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            x = x + attention.transpose(1, 2).reshape(batch, seq, d) @ p["wo"]
+            h = rms(x, p["fn"])
+            x = x + (F.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+        return rms(x, params["norm"]) @ params["emb"].T
+
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(forward(torch.from_numpy(x).long()).view(-1, config.vocab_size), torch.from_numpy(y).long().view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        optimizer.step()
+        return loss.item()
+
+    return step
+
+
+def main() -> None:
+    from ranvier.models.llama import PRESETS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="stories15M", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = PRESETS[args.preset]
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, config.vocab_size, (args.batch, args.seq), dtype=np.int32),
+                rng.integers(0, config.vocab_size, (args.batch, args.seq), dtype=np.int32)) for _ in range(args.steps)]
+    sides = {"ranvier": ranvier_trainer(config, args.batch, args.seq), "pytorch": torch_trainer(config, args.batch, args.seq)}
+    tokens = args.batch * args.seq * args.steps
+    print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
+          f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    for name, step in sides.items():
+        step(*batches[0])  # warm up
+    for repeat in range(args.repeats):
+        for name, step in sides.items():
+            start = time.perf_counter()
+            losses = [step(x, y) for x, y in batches]
+            rate = tokens / (time.perf_counter() - start)
+            rates[name].append(rate)
+            print(f"  run {repeat + 1} {name:8s} {rate:9.0f} tokens/s  loss {losses[-1]:.3f} (ln V = {math.log(config.vocab_size):.3f})", flush=True)
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    for name, rate in medians.items():
+        print(f"{name:8s} median {rate:9.0f} tokens/s")
+    print(f"ratio ranvier/pytorch = {medians['ranvier'] / medians['pytorch']:.2f} (tokens/s; above 1: ranvier is faster)")
+
+
+if __name__ == "__main__":
+    main()
