@@ -19,11 +19,10 @@ def flops(op: Operation) -> int:
         k = a.shape[-2] if Attrs(op.attrs).bool("transpose_a") else a.shape[-1]
         return 2 * op.outputs[0].size * k
     if op.type in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"):
-        x, w = (op.inputs[0], op.inputs[1]) if op.type == "Conv2D" else (None, None)
-        if op.type == "Conv2D":
-            return 2 * op.outputs[0].size * math.prod(w.shape[1:])
-        big = max(op.inputs, key=lambda v: v.size)
-        return 2 * big.size * math.prod(op.outputs[0].shape[1:]) // max(1, op.outputs[0].shape[0])
+        # Each does one multiply-add per (output position, filter tap) of the forward conv.
+        positions = {"Conv2D": op.outputs[0], "Conv2DBackpropInput": op.inputs[0], "Conv2DBackpropFilter": op.inputs[1]}[op.type]
+        filters = op.outputs[0] if op.type == "Conv2DBackpropFilter" else op.inputs[1]
+        return 2 * positions.size * math.prod(filters.shape[1:])
     if op.type == "Calculate":
         statements = parse(op.attrs["expr"]).statements
         size = max([v.size for v in op.outputs] + [v.size for v in op.inputs])

@@ -4,6 +4,8 @@ layout; an Instance is one cell's data, whose tensors are writable numpy views."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from . import dtypes
@@ -11,7 +13,7 @@ from .compiler.memory import Slot
 from .errors import RanvierError
 from .flow.graph import Flow, Function, Operation, Variable, shape_str
 
-if False:  # pragma: no cover  (type checkers only)
+if TYPE_CHECKING:
     from .profile import Profile
 
 

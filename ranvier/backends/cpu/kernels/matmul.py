@@ -7,20 +7,20 @@ the operands swapped. Batch dimensions (broadcast as numpy does) loop around the
 
 from __future__ import annotations
 
+import itertools
+
 from llvmlite import ir
 
 from .... import dtypes
 from ....ops import Attrs
 from ..codegen import BLAS_THREADS, DGEMM, MAX_THREADS, SGEMM
 from ..convert import narrow, widen
-from ..irutil import F32, F64, I8, I32, VOID, compute_type, constant, for_range, i64, is_signed, load, storage_type, store
+from ..irutil import F32, F64, I8, I32, VOID, compute_type, constant, for_range, i64, load, storage_type, store
 from ..views import contiguous_strides
 
 
 def _batch_offsets(batch, a_batch, b_batch):
     """Per-batch-element offsets (in matrices) of A and B under numpy broadcasting."""
-    import itertools
-
     def strides_for(shape):
         shape = [1] * (len(batch) - len(shape)) + list(shape)
         own = contiguous_strides(shape)
@@ -126,5 +126,3 @@ def matmul(ctx, op) -> str:
 def kernel_name(op) -> str:
     return "BlasGemm" if op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) else "LoopMatMul"
 
-
-__all__ = ["matmul", "kernel_name", "is_signed"]
