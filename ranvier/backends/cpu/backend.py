@@ -175,8 +175,10 @@ class CPUBackend:
                 status[0] = 0
                 cause = errors.pop() if errors else None
                 errors.clear()
-                if cause is not None:
+                if isinstance(cause, RanvierError):
                     raise cause
+                if cause is not None:
+                    raise RanvierError(f"{step.op.type} op {step.op.name} failed: {cause}") from cause
                 # A native kernel met bad data (an index out of range): the reference
                 # kernel of the step says exactly which value and what range.
                 reference_kernel(step.op, instance)()

@@ -1,17 +1,39 @@
-"""Conversions between how a dtype is stored and the type arithmetic runs in."""
+"""Conversions between how a dtype is stored and the type arithmetic runs in.
+
+float16 converts with F16C instructions where the target has them. Without F16C
+(`cpu="-avx512,-avx2"`, or an older CPU) LLVM would lower `fpext`/`fptrunc` of half
+to the compiler-rt calls __extendhfsf2/__truncsfhf2, which nothing in the process
+defines, so the conversions are written out in integer arithmetic instead (exact,
+rounding to nearest even, and vectorizable). A kernel emitter marks its module with
+`use_target(module, target)` before emitting; an unmarked module gets the portable code.
+"""
 
 from __future__ import annotations
 
 from llvmlite import ir
 
 from ... import dtypes
-from .irutil import F32, I1, I16, I32, compute_type, constant, is_signed, vector_of
+from .irutil import F32, I1, I16, I32, compute_type, constant, intrinsic, is_signed, vector_of
+
+
+_F16C = "_ranvier_f16c"
+
+
+def use_target(module: ir.Module, target) -> None:
+    """Record whether `module`'s code may use F16C half-precision conversions."""
+    setattr(module, _F16C, "f16c" in target.feature_set)
+
+
+def _hardware_half(b: ir.IRBuilder) -> bool:
+    return getattr(b.module, _F16C, False)
 
 
 def widen(b: ir.IRBuilder, value: ir.Value, dtype: str, lanes: int) -> ir.Value:
     """Stored value → compute value (half → float32, bfloat16 bits → float32, bool byte → i1)."""
     if dtype == dtypes.DT_FLOAT16:
-        return b.fpext(value, vector_of(F32, lanes))
+        if _hardware_half(b):
+            return b.fpext(value, vector_of(F32, lanes))
+        return _half_to_float(b, value, lanes)
     if dtype == dtypes.DT_BFLOAT16:
         wide = b.shl(b.zext(value, vector_of(I32, lanes)), constant(vector_of(I32, lanes), 16))
         return b.bitcast(wide, vector_of(F32, lanes))
@@ -23,7 +45,9 @@ def widen(b: ir.IRBuilder, value: ir.Value, dtype: str, lanes: int) -> ir.Value:
 def narrow(b: ir.IRBuilder, value: ir.Value, dtype: str, lanes: int) -> ir.Value:
     """Compute value → stored value, rounding to nearest even for half precision."""
     if dtype == dtypes.DT_FLOAT16:
-        return b.fptrunc(value, vector_of(ir.HalfType(), lanes))
+        if _hardware_half(b):
+            return b.fptrunc(value, vector_of(ir.HalfType(), lanes))
+        return _float_to_half(b, value, lanes)
     if dtype == dtypes.DT_BFLOAT16:
         i32 = vector_of(I32, lanes)
         bits = b.bitcast(value, i32)
@@ -46,7 +70,11 @@ def cast(b: ir.IRBuilder, value: ir.Value, source: str, target: str, lanes: int)
         return value
     if target in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16) and source not in dtypes.INT_DTYPES + (dtypes.DT_BOOL,):
         # Round through the narrow type so the compute value is exactly representable.
-        as_f32 = cast(b, value, source, dtypes.DT_FLOAT32, lanes)
+        if source == dtypes.DT_FLOAT64 and target == dtypes.DT_FLOAT16:
+            as_f32 = _round_to_odd_float(b, value, lanes)  # numpy rounds double → half once
+        else:
+            # ml_dtypes rounds double → bfloat16 through float32, so the reference rounds twice too.
+            as_f32 = cast(b, value, source, dtypes.DT_FLOAT32, lanes)
         return widen(b, narrow(b, as_f32, target, lanes), target, lanes)
     if dst == I1:
         if isinstance(src, ir.IntType):
@@ -76,3 +104,64 @@ def cast(b: ir.IRBuilder, value: ir.Value, source: str, target: str, lanes: int)
 
 def _float_bits(t: ir.Type) -> int:
     return 64 if isinstance(t, ir.DoubleType) else 32
+
+
+def _half_to_float(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    """Half bits → float32 exactly, subnormals, infinities and NaN included."""
+    i32, f32 = vector_of(I32, lanes), vector_of(F32, lanes)
+    h = b.zext(b.bitcast(value, vector_of(I16, lanes)), i32)
+    sign = b.shl(b.and_(h, constant(i32, 0x8000)), constant(i32, 16))
+    shifted = b.shl(b.and_(h, constant(i32, 0x7FFF)), constant(i32, 13))
+    exponent = b.and_(shifted, constant(i32, 0x7C00 << 13))
+    normal = b.add(shifted, constant(i32, (127 - 15) << 23))
+    special = b.add(normal, constant(i32, (128 - 16) << 23))  # Inf/NaN: exponent all ones
+    # A subnormal half: let the FPU renormalize m·2⁻²⁴ as (2⁻¹⁴ + m·2⁻²⁴) − 2⁻¹⁴.
+    tiny = b.fsub(b.bitcast(b.add(normal, constant(i32, 1 << 23)), f32), constant(f32, 2.0**-14))
+    bits = b.select(
+        b.icmp_unsigned("==", exponent, constant(i32, 0x7C00 << 13)),
+        special,
+        b.select(b.icmp_unsigned("==", exponent, constant(i32, 0)), b.bitcast(tiny, i32), normal),
+    )
+    return b.bitcast(b.or_(bits, sign), f32)
+
+
+def _float_to_half(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    """float32 → half bits, rounding to nearest even; overflow gives ±Inf, NaN stays NaN."""
+    i32, f32 = vector_of(I32, lanes), vector_of(F32, lanes)
+    bits = b.bitcast(value, i32)
+    sign = b.and_(bits, constant(i32, -0x80000000))
+    magnitude = b.xor(bits, sign)
+    # Too large for a half (Inf included): Inf; NaN: the quiet NaN.
+    is_nan = b.icmp_unsigned(">", magnitude, constant(i32, 255 << 23))
+    huge = b.select(is_nan, constant(i32, 0x7E00), constant(i32, 0x7C00))
+    # Subnormal or zero: adding 0.5 lets the FPU round the low bits (to nearest even).
+    magic = constant(i32, 126 << 23)
+    tiny = b.sub(b.bitcast(b.fadd(b.bitcast(magnitude, f32), b.bitcast(magic, f32)), i32), magic)
+    # Normal: rebias the exponent and round the 13 dropped mantissa bits to nearest even.
+    odd = b.and_(b.lshr(magnitude, constant(i32, 13)), constant(i32, 1))
+    rounded = b.add(b.add(magnitude, constant(i32, ((15 - 127) << 23) + 0xFFF)), odd)
+    normal = b.lshr(rounded, constant(i32, 13))
+    half = b.select(
+        b.icmp_unsigned(">=", magnitude, constant(i32, (127 + 16) << 23)),
+        huge,
+        b.select(b.icmp_unsigned("<", magnitude, constant(i32, 113 << 23)), tiny, normal),
+    )
+    half = b.or_(half, b.lshr(sign, constant(i32, 16)))
+    return b.bitcast(b.trunc(half, vector_of(I16, lanes)), vector_of(ir.HalfType(), lanes))
+
+
+def _round_to_odd_float(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    """double → float32 rounded to odd: truncated toward zero, with the last bit set when
+    inexact. Rounding that to half (13 bits shorter) then gives the correctly rounded half,
+    where rounding to nearest twice could land on the wrong side of a halfway point."""
+    i32 = vector_of(I32, lanes)
+    nearest = b.fptrunc(value, vector_of(F32, lanes))
+    back = b.fpext(nearest, value.type)
+    fabs = intrinsic(b.module, "fabs", value.type)
+    bits = b.bitcast(nearest, i32)
+    # One step toward zero where rounding went away from it (the bit pattern is sign-magnitude).
+    away = b.fcmp_ordered(">", b.call(fabs, [back]), b.call(fabs, [value]))
+    bits = b.select(away, b.sub(bits, constant(i32, 1)), bits)
+    inexact = b.fcmp_ordered("!=", back, value)
+    bits = b.select(inexact, b.or_(bits, constant(i32, 1)), bits)
+    return b.bitcast(bits, vector_of(F32, lanes))

@@ -12,7 +12,7 @@ from llvmlite import ir
 
 from ... import dtypes
 from ...errors import CompileError
-from . import mathlib  # noqa: E402
+from . import mathlib
 from .convert import cast
 from .irutil import constant, intrinsic, is_signed
 
@@ -107,7 +107,7 @@ def emit(b: ir.IRBuilder, op_type: str, attrs: dict, args: list[ir.Value], arg_d
     if op_type == "Div":
         if is_float:
             return b.fdiv(x, y)
-        return b.sdiv(x, y) if is_signed(dtype) else b.udiv(x, y)
+        return _int_div(b, x, y, is_signed(dtype))
     if op_type in ("Minimum", "Maximum"):
         if is_float:
             pick_x = b.fcmp_ordered("<" if op_type == "Minimum" else ">", x, y)
@@ -118,6 +118,19 @@ def emit(b: ir.IRBuilder, op_type: str, attrs: dict, args: list[ir.Value], arg_d
     if op_type == "Pow":
         return _pow(b, x, y)
     raise CompileError(f"the CPU backend has no elementwise code for {op_type}")
+
+
+def _int_div(b: ir.IRBuilder, x: ir.Value, y: ir.Value, signed: bool) -> ir.Value:
+    """Integer division as the reference computes it, without the hardware trap: x/0 is 0
+    and MIN/−1 wraps to MIN (sdiv/udiv of either is undefined and raises SIGFPE on x86)."""
+    t = x.type
+    zero, one = constant(t, 0), constant(t, 1)
+    by_zero = b.icmp_unsigned("==", y, zero)
+    if not signed:
+        return b.select(by_zero, zero, b.udiv(x, b.select(by_zero, one, y)))
+    by_minus_one = b.icmp_signed("==", y, constant(t, -1))
+    quotient = b.sdiv(x, b.select(b.or_(by_zero, by_minus_one), one, y))
+    return b.select(by_zero, zero, b.select(by_minus_one, b.neg(x), quotient))
 
 
 def _pow(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:

@@ -61,21 +61,38 @@ def load_object(code: bytes, target: CPUTarget, symbol: str) -> int:
     return engine.get_function_address(symbol)
 
 
+_MAGIC = b"ranvier-object-1\n"
+
+
+def _read_entry(path: Path) -> bytes | None:
+    """The object code of a cache file, or None when it is not an intact entry: LLVM would
+    crash the process on a truncated or corrupt object file, so it is checked first."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    header = len(_MAGIC) + 32
+    if not raw.startswith(_MAGIC) or len(raw) <= header:
+        return None
+    digest, code = raw[len(_MAGIC) : header], raw[header:]
+    return code if hashlib.sha256(code).digest() == digest else None
+
+
 def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True) -> tuple[bytes, str]:
     """The object code for `key`, and where it came from: "memory", "disk" or "compiled"."""
     if key in _MEMORY_CACHE:
         return _MEMORY_CACHE[key], "memory"
     path = cache_dir() / f"{key}.o"
     if use_disk and path.is_file():
-        code = path.read_bytes()
-        if code:
+        code = _read_entry(path)
+        if code is not None:
             _MEMORY_CACHE[key] = code
             return code, "disk"
     code = generate()
     _MEMORY_CACHE[key] = code
     if use_disk:
         try:
-            atomic_write_bytes(path, code)
+            atomic_write_bytes(path, _MAGIC + hashlib.sha256(code).digest() + code)
         except OSError:
             pass  # a read-only or full cache directory only costs the next process a compile
     return code, "compiled"

@@ -88,7 +88,10 @@ def host_target(mask: str = "") -> CPUTarget:
     if mask:
         # A named CPU implies its features; a generic one lets the feature string rule.
         name = "x86-64"
-    return CPUTarget(name, ",".join(f"{'+' if on else '-'}{f}" for f, on in sorted(features.items())))
+    # Disabled features go last: LLVM applies the string in order, and a later "+avxvnni"
+    # would switch AVX2 back on after "-avx2".
+    ordered = sorted(features.items(), key=lambda item: (not item[1], item[0]))
+    return CPUTarget(name, ",".join(f"{'+' if on else '-'}{f}" for f, on in ordered))
 
 
 def _parse(flat: str):

@@ -10,6 +10,7 @@ import math
 
 from llvmlite import ir
 
+from .... import dtypes
 from ..convert import narrow, widen
 from ..irutil import I64, compute_type, constant, for_range, i64, load, storage_type, store, vector_of
 from ..views import for_vectors
@@ -93,4 +94,10 @@ def one_hot(ctx, op) -> None:
 
 
 def choose(op):
+    if op.type == "ScatterAdd" and op.outputs[0].dtype in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16):
+        # Sums must build up in float32 and round once, as the reference does: rounding
+        # to half precision after every add loses most of a long sum (bfloat16 stops
+        # growing at 256 when adding values below 1). Without a float32 buffer the
+        # size of the output, the Python fallback is the accurate kernel here.
+        return None
     return {"Gather": ("Gather", gather), "ScatterAdd": ("ScatterAdd", scatter_add), "OneHot": ("OneHot", one_hot)}.get(op.type)

@@ -84,13 +84,19 @@ def softmax(ctx, op) -> None:
     rows, n = _rows(op)
     b = ctx.b
     log = op.type == "LogSoftmax"
+    # A float32/float64 y holds the exponentials between passes; a half-precision y
+    # would round them, and the result twice, so there they are computed again.
+    keep = not log and y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
     with for_range(b, i64(0), i64(rows), name="row") as r:
         row = Row(ctx, b.mul(r, i64(n)), n, x.dtype)
         peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(x, i, w))
 
+        def exponential(i, w):
+            return mathlib.emit("exp", b, b.fsub(row.read(x, i, w), row.splat(peak, w)))
+
         def exp_term(i, w):
-            e = mathlib.emit("exp", b, b.fsub(row.read(x, i, w), row.splat(peak, w)))
-            if not log:
+            e = exponential(i, w)
+            if keep:
                 row.write(y, e, i, w)
             return e
 
@@ -98,10 +104,13 @@ def softmax(ctx, op) -> None:
         if log:
             shift = b.fadd(peak, mathlib.emit("log", b, total))
             row.each(lambda i, w: row.write(y, b.fsub(row.read(x, i, w), row.splat(shift, w)), i, w))
-        else:
+        elif keep:
             scale = b.fdiv(constant(row.ctype, 1.0), total)
             # The exponentials were stored in y by the sum pass; scale them in place.
             row.each(lambda i, w: row.write(y, b.fmul(row.read(y, i, w), row.splat(scale, w)), i, w))
+        else:
+            scale = b.fdiv(constant(row.ctype, 1.0), total)
+            row.each(lambda i, w: row.write(y, b.fmul(exponential(i, w), row.splat(scale, w)), i, w))
 
 
 def norm(ctx, op) -> None:
