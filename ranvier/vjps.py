@@ -453,3 +453,26 @@ def _max_pool(ctx, g):
 @vjp("AvgPool")
 def _avg_pool(ctx, g):
     return [ctx.b.op("AvgPoolGrad", [g[0]], None, {**_pool_attrs(ctx), "input_shape": ctx.inputs[0].shape})]
+
+
+# ---- window primitives ------------------------------------------------------------------------------------
+
+def _view_attrs(ctx):
+    return {"offset": ctx.attrs.int("offset", 0), "shape": ctx.attrs.ints("shape"), "strides": ctx.attrs.ints("strides")}
+
+
+@vjp("Pad")
+def _pad(ctx, g):
+    x = ctx.inputs[0]
+    return [ctx.b.slice(g[0], ctx.attrs.ints("before"), x.shape)]
+
+
+@vjp("StridedView")
+def _strided_view(ctx, g):
+    x = ctx.inputs[0]
+    return [ctx.b.op("StridedScatterAdd", [g[0]], None, {**_view_attrs(ctx), "target_shape": x.shape})]
+
+
+@vjp("StridedScatterAdd")
+def _strided_scatter_add(ctx, g):
+    return [ctx.b.op("StridedView", [g[0]], None, _view_attrs(ctx))]

@@ -341,6 +341,30 @@ case(
     lambda i, u: torch.zeros(5, 3, dtype=u.dtype).index_add(0, i.long(), u),
     i=np.array([0, 3, 3, 1], np.int32), u=normal(4, 3),
 )
+
+# ---- window primitives (what convolution and pooling decompose into) ----------------------
+
+case(
+    "Pad",
+    lambda b, x: b.op("Pad", [x], None, {"before": [1, 0, 2], "after": [0, 3, 1], "value": 0.5}),
+    lambda x: F.pad(x, (2, 1, 0, 3, 1, 0), value=0.5),
+    x=normal(2, 3, 4),
+)
+# Overlapping 3-wide windows of a 2x7 input with stride 2: im2col.
+_WINDOWS = {"offset": 0, "shape": [2, 3, 3], "strides": [7, 2, 1]}
+case(
+    "StridedView",
+    lambda b, x: b.op("StridedView", [x], None, _WINDOWS),
+    lambda x: torch.as_strided(x.reshape(-1), (2, 3, 3), (7, 2, 1), 0),
+    x=normal(2, 7),
+)
+case(
+    "StridedScatterAdd",
+    lambda b, d: b.op("StridedScatterAdd", [d], None, {**_WINDOWS, "target_shape": [2, 7]}),
+    lambda d: torch.zeros(14, dtype=d.dtype).index_add(
+        0, torch.as_strided(torch.arange(14), (2, 3, 3), (7, 2, 1), 0).reshape(-1), d.reshape(-1)).reshape(2, 7),
+    d=normal(2, 3, 3),
+)
 case(
     "ScatterAdd[2d-indices]",
     lambda b, i, u: b.scatter_add(i, u, rows=6),

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from ...compiler.decompose import decompose
 from ...compiler.fuse import fuse_elementwise
 from ...compiler.simplify import eliminate_common_subexpressions, fold_constants
 from ...errors import RanvierError
@@ -77,6 +78,7 @@ class CPUBackend:
     # ---- compile time -----------------------------------------------------------------
 
     def lower(self, flow: Flow, func: Function, ops: list[Operation], keep: set[str]) -> None:
+        decompose(flow, func)
         fold_constants(flow, func, keep)
         eliminate_common_subexpressions(flow, func, keep)
         fuse_elementwise(flow, func, flow.order(func), keep)

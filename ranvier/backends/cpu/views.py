@@ -69,8 +69,12 @@ def _collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list
 Body = Callable[[ir.IRBuilder, list[ir.Value], int], list[ir.Value]]
 
 
-def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body) -> None:
-    """Loop over `shape`, read the inputs, compute `body`, write the outputs (all through views)."""
+def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False) -> None:
+    """Loop over `shape`, read the inputs, compute `body`, write the outputs (all through views).
+
+    With `accumulate`, results are added to what the outputs hold, in loop order, so
+    views that visit an element more than once (overlapping windows) sum correctly.
+    """
     b = ctx.b
     if math.prod(shape) == 0:
         return
@@ -93,7 +97,11 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
         results = body(b, values, width)
         for k, value in enumerate(results):
             j = n_in + k
-            store(b, narrow(b, value, dtypes_[j], width), bases[j], offsets[j], storage_type(dtypes_[j]), width)
+            element = storage_type(dtypes_[j])
+            if accumulate:
+                current = widen(b, load(b, bases[j], offsets[j], element, width), dtypes_[j], width)
+                value = b.fadd(current, value) if isinstance(current.type.element if width > 1 else current.type, (ir.FloatType, ir.DoubleType)) else b.add(current, value)
+            store(b, narrow(b, value, dtypes_[j], width), bases[j], offsets[j], element, width)
 
     def level(depth: int, offsets: list[ir.Value]) -> None:
         if depth < len(dims) - 1:
