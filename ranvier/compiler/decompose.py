@@ -2,7 +2,8 @@
 
 Convolution and pooling, forward and backward, become padding, an im2col-style
 strided view of the windows, a GEMM or a reduction, and (for gradients) the
-strided scatter-add that is the view's transpose. Every variable the rest of the
+strided scatter-add that is the view's transpose. A reduction over axes that are
+not adjacent becomes one reduction per block of adjacent axes. Every variable the rest of the
 flow sees keeps its name; only the inside of the op changes.
 """
 
@@ -128,7 +129,31 @@ def avg_pool_grad(b: Builder, op: Operation) -> Tensor:
     return _unpadded(b, grad, padding, x_shape)
 
 
-RULES: dict[str, Callable[[Builder, Operation], Tensor]] = {
+def split_reduction(b: Builder, op: Operation) -> Tensor | None:
+    """A reduction over axes that are not adjacent, as one reduction per adjacent block
+    (kept as size-1 dimensions), then a reshape: sums of sums, maxima of maxima, and
+    means of equal-sized means are the whole reduction."""
+    x = b._wrap(op.inputs[0])
+    attrs = Attrs(op.attrs)
+    given = attrs.ints("axis")
+    if given is None:
+        return None
+    axes = sorted({a % x.rank for a in given})
+    blocks = []
+    for axis in axes:
+        if blocks and blocks[-1][-1] == axis - 1:
+            blocks[-1].append(axis)
+        else:
+            blocks.append([axis])
+    if len(blocks) < 2:
+        return None
+    reduce = {"Sum": b.sum, "Mean": b.mean, "Max": b.max, "Min": b.min, "Product": b.product, "All": b.all, "Any": b.any}[op.type]
+    for block in reversed(blocks):
+        x = reduce(x, axis=block, keepdims=True)
+    return x.reshape(op.outputs[0].shape)
+
+
+RULES: dict[str, Callable[[Builder, Operation], Tensor | None]] = {
     "Conv2D": conv2d,
     "Conv2DBackpropFilter": conv2d_filter_grad,
     "Conv2DBackpropInput": conv2d_input_grad,
@@ -136,6 +161,7 @@ RULES: dict[str, Callable[[Builder, Operation], Tensor]] = {
     "AvgPool": avg_pool,
     "MaxPoolGrad": max_pool_grad,
     "AvgPoolGrad": avg_pool_grad,
+    **{kind: split_reduction for kind in ("Sum", "Mean", "Max", "Min", "Product", "All", "Any")},
 }
 
 
@@ -147,6 +173,8 @@ def decompose(flow: Flow, func: Function, types: set[str] | None = None) -> None
             continue
         b = Builder(flow, func)
         result = rule(b, op)
+        if result is None:
+            continue
         (original,) = op.outputs
         flow.remove_op(op)
         # The last new op writes the original variable, so names seen outside stay.
