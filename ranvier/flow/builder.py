@@ -107,7 +107,7 @@ class Builder:
         return f"{self.func.name}/{name}"
 
     def opname(self, optype: str) -> str:
-        return self.flow.unique_name(self._prefixed(optype), self.flow.ops)
+        return self.flow.unique_name(self._prefixed(optype), self.flow.ops, output_taken=True)
 
     def varname(self, name: str) -> str:
         return self.flow.unique_name(self._prefixed(name), self.flow.vars)

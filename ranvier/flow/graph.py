@@ -326,11 +326,17 @@ class Flow:
             return op.outputs[0]
         return None
 
-    def unique_name(self, base: str, taken: dict) -> str:
-        if base not in taken:
+    def unique_name(self, base: str, taken: dict, output_taken: bool = False) -> str:
+        """`base`, or `base_1`, `base_2`, ...: the first name not in `taken` (and, for an
+        op name, whose first output name `name:0` is not a variable already)."""
+
+        def free(name: str) -> bool:
+            return name not in taken and not (output_taken and f"{name}:0" in self.vars)
+
+        if free(base):
             return base
         index = 1
-        while f"{base}_{index}" in taken:
+        while not free(f"{base}_{index}"):
             index += 1
         return f"{base}_{index}"
 
