@@ -191,7 +191,7 @@ class Instance:
         self._views = [view_of(self.buffer, s.offset, s.var) for s in cell.slots]
         self._by_name = {s.var.name: v for s, v in zip(cell.slots, self._views)}
         # Per-step time accumulated by the backend (its own unit: seconds or cycles).
-        self.step_time = np.zeros(max(1, len(cell.steps)), np.uint64 if cell.backend.name == "cpu" else np.float64)
+        self.step_time = np.zeros(max(1, len(cell.steps)), cell.backend.step_time_dtype)
         self.computes = 0
         self._run = cell.backend.bind(cell, self)
 

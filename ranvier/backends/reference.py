@@ -24,6 +24,7 @@ def _widen(array: np.ndarray, var: Variable) -> np.ndarray:
 
 class ReferenceBackend:
     name = "reference"
+    step_time_dtype = np.float64  # seconds, from the host clock
 
     def lower(self, flow, func, ops: list[Operation], keep: set[str]) -> None:
         """The oracle runs the flow exactly as built: no rewriting."""

@@ -70,6 +70,7 @@ def blas_thread_setter() -> int:
 
 class CPUBackend:
     name = "cpu"
+    step_time_dtype = np.uint64  # cycles, from the counter the generated code reads
 
     def __init__(self, mask: str = "", cache: bool = True):
         self.target: CPUTarget = host_target(mask)
