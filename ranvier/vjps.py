@@ -415,20 +415,11 @@ def _cross_entropy(ctx, g):
     gradient."""
     b = ctx.b
     logits, target = ctx.inputs
-    classes = logits.shape[-1]
     smoothing = ctx.attrs.float("label_smoothing", 0.0)
-    integer = target.dtype in ("int32", "int64")
-    probs = b.one_hot(target, classes, logits.dtype) if integer else target
-    if smoothing:
-        probs = probs * (1.0 - smoothing) + smoothing / classes
-    gcol = b.expand_dims(g[0], -1)
-    softmax = b.softmax(logits)
-    if not integer:
-        softmax = softmax * b.sum(probs, axis=-1, keepdims=True)
-    dlogits = gcol * (softmax - probs)
-    if integer:
+    dlogits = b.op("SoftmaxCrossEntropyGrad", [logits, target, g[0]], None, {"label_smoothing": smoothing or None})
+    if target.dtype in ("int32", "int64"):
         return [dlogits, None]
-    return [dlogits, -(gcol * b.log_softmax(logits)) * (1.0 - smoothing)]
+    return [dlogits, -(b.expand_dims(g[0], -1) * b.log_softmax(logits)) * (1.0 - smoothing)]
 
 
 @vjp("Conv2D")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .nn import _f64, _out_size, _pair, _window_params, pool_params, windows
-from .registry import TensorType, define
+from .nn import _f64, _out_size, _pair, _window_params, pool_params, softmax, target_distribution, windows
+from .registry import TensorType, define, op_def
 from .rules import FLOATS, same_dtype
 
 
@@ -142,4 +142,28 @@ define(
     1,
     "nn",
     "dx of AvgPool: (dy); attribute input_shape and the pooling attributes",
+)
+
+
+def _infer_cross_entropy_grad(ctx):
+    logits, target, dloss = ctx.inputs
+    (loss_type,) = op_def("SoftmaxCrossEntropy").infer_types(ctx.op_name, [logits, target], ctx.attrs.raw)
+    if dloss.dtype != loss_type.dtype or tuple(dloss.shape) != loss_type.shape:
+        raise ctx.fail(f"a loss gradient of the per-example loss's type {loss_type.dtype}{list(loss_type.shape)}")
+    return [TensorType(logits.dtype, logits.shape)]
+
+
+def cross_entropy_grad(logits, target, dloss, label_smoothing=0.0):
+    """d logits = dloss · (softmax(logits) · Σ target − target), target smoothed."""
+    probs = target_distribution(target, logits.shape[-1], label_smoothing)
+    return _f64(dloss)[..., None] * (softmax(logits) * probs.sum(axis=-1, keepdims=True) - probs)
+
+
+define(
+    "SoftmaxCrossEntropyGrad",
+    _infer_cross_entropy_grad,
+    lambda a, args, o: [cross_entropy_grad(*args, a.float("label_smoothing", 0.0))],
+    3,
+    "nn",
+    "d logits of SoftmaxCrossEntropy: (logits, targets, d loss) in one fused step; attribute label_smoothing",
 )

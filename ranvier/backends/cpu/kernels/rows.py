@@ -162,9 +162,7 @@ def cross_entropy(ctx, op) -> None:
         total = row.fold(0.0, _add(b), lambda i, w: mathlib.emit("exp", b, b.fsub(row.read(logits, i, w), row.splat(peak, w))))
         logsumexp = b.fadd(peak, mathlib.emit("log", b, total))
         if classes_target:
-            label = load(b, ctx.pointer(target), r, storage_type(target.dtype))
-            label = b.sext(label, ir.IntType(64)) if label.type.width < 64 else label
-            ctx.fail(b.or_(b.icmp_signed("<", label, i64(0)), b.icmp_signed(">=", label, i64(n))))
+            label = _label(ctx, target, r, n)
             safe = b.select(b.icmp_unsigned("<", label, i64(n)), label, i64(0))
             picked = row.read(logits, b.add(start, safe), 1)
             value = b.fsub(logsumexp, b.fmul(picked, constant(t, 1.0 - smoothing)))
@@ -183,7 +181,60 @@ def cross_entropy(ctx, op) -> None:
         row.write(loss, value, r, 1)
 
 
+def _label(ctx, target, r, n):
+    """Row r's class, checked against the class count (a bad one marks the step failed)."""
+    b = ctx.b
+    label = load(b, ctx.pointer(target), r, storage_type(target.dtype))
+    label = b.sext(label, ir.IntType(64)) if label.type.width < 64 else label
+    ctx.fail(b.or_(b.icmp_signed("<", label, i64(0)), b.icmp_signed(">=", label, i64(n))))
+    return label
+
+
+def cross_entropy_grad(ctx, op) -> None:
+    """d logits = d loss · (softmax · Σp' − p') in three passes per row (max, sum of exp,
+    output), with the target row p' built on the fly: no one-hot, no stored softmax."""
+    logits, target, dloss = op.inputs
+    out = op.outputs[0]
+    rows, n = _rows(op)
+    b = ctx.b
+    smoothing = Attrs(op.attrs).float("label_smoothing", 0.0)
+    classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
+    with for_range(b, i64(0), i64(rows), name="row") as r:
+        start = b.mul(r, i64(n))
+        row = Row(ctx, start, n, logits.dtype)
+        t = row.ctype
+        peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(logits, i, w))
+        total = row.fold(0.0, _add(b), lambda i, w: mathlib.emit("exp", b, b.fsub(row.read(logits, i, w), row.splat(peak, w))))
+        g = row.read(dloss, r, 1)
+        if classes_target:
+            label = _label(ctx, target, r, n)
+            mass = constant(t, 1.0)
+        else:
+            def smoothed(i, w):
+                p = row.read(target, i, w)
+                if smoothing:
+                    p = b.fadd(b.fmul(p, row.splat(constant(t, 1.0 - smoothing), w)), row.splat(constant(t, smoothing / n), w))
+                return p
+
+            mass = row.fold(0.0, _add(b), smoothed)
+        scale = b.fdiv(b.fmul(g, mass), total)
+
+        def emit(i, w):
+            probability = b.fmul(mathlib.emit("exp", b, b.fsub(row.read(logits, i, w), row.splat(peak, w))), row.splat(scale, w))
+            if classes_target:
+                columns = b.add(row.splat(b.sub(i, start), w), ir.Constant(vector_of(ir.IntType(64), w), list(range(w))) if w > 1 else i64(0))
+                hot = b.icmp_signed("==", columns, row.splat(label, w))
+                share = b.select(hot, row.splat(constant(t, 1.0 - smoothing + smoothing / n), w), row.splat(constant(t, smoothing / n), w))
+            else:
+                share = smoothed(i, w)
+            row.write(out, b.fsub(probability, b.fmul(share, row.splat(g, w))), i, w)
+
+        row.each(emit)
+
+
 def choose(op):
+    if op.type == "SoftmaxCrossEntropyGrad" and op.inputs[0].shape[-1] > 0:
+        return "CrossEntropyGradRow", cross_entropy_grad
     if op.type in ("Softmax", "LogSoftmax"):
         x = op.inputs[0]
         if Attrs(op.attrs).int("axis", -1) % x.rank == x.rank - 1 and x.shape[-1] > 0:
