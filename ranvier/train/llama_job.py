@@ -137,8 +137,11 @@ def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
     return float(np.mean(losses))
 
 
-def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> float:
-    """Train (or resume); returns the final validation loss, printed with the unigram entropy."""
+def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> float:
+    """Train (or resume); returns the final validation loss, printed with the unigram entropy.
+
+    stop_at: pause after this step (checkpointed, schedule unchanged), to resume later.
+    """
     from ..progress import training_progress
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +167,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
         trainer.save(run_dir / "checkpoint", {"rng": rng.bit_generator.state})
 
     start = time.perf_counter()
-    remaining = max(0, config.steps - trainer.step_count)
+    remaining = max(0, min(config.steps, stop_at or config.steps) - trainer.step_count)
     with open(metrics_path, "a") as metrics, training_progress(remaining, enabled=progress, every=20) as report:
         for _ in range(remaining):
             x, y = run.train.sample(config.batch, config.seq, rng)
