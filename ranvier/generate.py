@@ -1,0 +1,183 @@
+"""Text generation with a KV cache: a compiled prefill cell and a compiled decode cell.
+
+Both cells run the same chunk computation — T new tokens at positions pos..pos+T−1 —
+for T = the prefill width and T = 1. Each layer's keys and values live in resident
+caches [max_seq, kv_heads, head_dim] that the chunk writes in place; attention reads
+the updated cache with a causal mask by position, so rows past the current position
+(stale or padding) never count. A prompt is fed in prefill-width chunks (the last one
+padded: its padding rows are masked now and overwritten later).
+
+Sampling runs on the host from the last logits: greedy (temperature 0), temperature,
+top-k and top-p (nucleus), all from a seeded numpy Generator, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from . import dtypes
+from .compiler import Compiler
+from .errors import RanvierError
+from .flow.builder import Builder, Tensor
+from .flow.graph import Flow
+from .models.llama import Llama, rope_tables, rotate
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
+        """The next token from one row of logits."""
+        if self.temperature <= 0:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / self.temperature
+        if self.top_k is not None and self.top_k < scaled.size:
+            cutoff = np.partition(scaled, -self.top_k)[-self.top_k]
+            scaled = np.where(scaled < cutoff, -np.inf, scaled)
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if self.top_p is not None and self.top_p < 1.0:
+            order = np.argsort(-probs)
+            keep = np.cumsum(probs[order]) - probs[order] < self.top_p  # the smallest set reaching top_p
+            nucleus = np.zeros_like(probs)
+            nucleus[order[keep]] = probs[order[keep]]
+            probs = nucleus / nucleus.sum()
+        return int(rng.choice(probs.size, p=probs))
+
+
+class Generator:
+    """Prefill and decode cells for a Llama with the given weights (ranvier keys, [in, out])."""
+
+    def __init__(
+        self,
+        model: Llama,
+        weights: Mapping[str, np.ndarray] | None = None,
+        prefill: int = 32,
+        backend: str = "cpu",
+    ):
+        self.config = c = model.config
+        if weights is not None:
+            missing = sorted(set(model.initial) - set(weights))
+            if missing:
+                raise RanvierError(f"generator weights lack {', '.join(missing[:5])}")
+            model.initial = {key: np.ascontiguousarray(weights[key], np.float32) for key in model.initial}
+        self.model = model
+        self.prefill_width = min(prefill, c.max_seq_len)
+        flow = Flow()
+        self.cells = {}
+        for name, width in (("prefill", self.prefill_width), ("decode", 1)):
+            b = Builder(flow, name)
+            tokens = b.var("tokens", dtypes.DT_INT32, [1, width])
+            position = b.var("position", dtypes.DT_INT32, [])
+            logits = self._chunk(b, tokens, position)
+            logits.var.out = True
+            self.cells[name] = (tokens.var, position.var, logits.var)
+        start = time.perf_counter()
+        self.network = Compiler(backend).compile(flow)
+        self.compile_seconds = time.perf_counter() - start
+        self.instances = {name: self.network.cell(name).instance() for name in self.cells}
+
+    # ---- the graph ---------------------------------------------------------------------------
+
+    def _cache(self, b: Builder, name: str) -> Tensor:
+        c = self.config
+        var_name = f"cache/{name}"
+        if var_name not in b.flow.vars:
+            var = b.flow.add_var(var_name, dtypes.DT_FLOAT32, [c.max_seq_len, c.n_kv_heads, c.head_dim])
+            var.set_data(np.zeros(var.shape, np.float32))
+            var.nogradient = True
+        return b._wrap(b.flow.vars[var_name])
+
+    def _chunk(self, b: Builder, tokens: Tensor, position: Tensor) -> Tensor:
+        c = self.config
+        p = self.model.parameters(b)
+        width = tokens.shape[1]
+        rows = b.const(np.arange(c.max_seq_len, dtype=np.int32))
+        offsets = b.const(np.arange(width, dtype=np.int32))
+        positions = offsets + position  # [T]
+        cos, sin = (b.const(t) for t in rope_tables(c.head_dim, c.max_seq_len, c.rope_theta))
+        rope = tuple(b.gather(t, positions).reshape([1, width, 1, c.head_dim // 2, 1]) for t in (cos, sin))
+        # Cache row s takes chunk row s − pos when pos ≤ s < pos + T.
+        source = b.minimum(b.maximum(rows - position, 0), width - 1)
+        written = ((rows >= position) & (rows < position + width)).reshape([c.max_seq_len, 1, 1])
+        # Query t may see cache rows s ≤ pos + t.
+        hidden = b.greater(rows.reshape([1, c.max_seq_len]), positions.reshape([width, 1]))
+        mask = b.cond(hidden, b.const(-math.inf), b.const(0.0))
+        x = b.gather(p["tok_embeddings"], tokens)
+        for i in range(c.n_layers):
+            w = {key.split(".", 2)[2]: value for key, value in p.items() if key.startswith(f"layers.{i}.")}
+            h = b.rms_norm(x, w["attention_norm"], c.norm_eps)
+            x = x + self._attention(b, h, w, rope, i, source, written, mask)
+            x = x + self.model.feed_forward(b, b.rms_norm(x, w["ffn_norm"], c.norm_eps), w)
+        x = b.rms_norm(x, p["norm"], c.norm_eps)
+        logits = b.matmul(x, p["tok_embeddings"], transpose_b=True) if c.shared_classifier else x @ p["output"]
+        return logits.reshape([width, c.vocab_size])
+
+    def _attention(self, b, x, w, rope, layer, source, written, mask) -> Tensor:
+        c = self.config
+        width, hd, groups, seq = x.shape[1], c.head_dim, c.n_heads // c.n_kv_heads, c.max_seq_len
+        q = rotate(b, (x @ w["wq"]).reshape([1, width, c.n_heads, hd]), rope)
+        caches = []
+        for name, projection, rotated in (("k", "wk", True), ("v", "wv", False)):
+            chunk = (x @ w[projection]).reshape([1, width, c.n_kv_heads, hd])
+            chunk = rotate(b, chunk, rope) if rotated else chunk
+            cache = self._cache(b, f"{layer}/{name}")
+            updated = b.cond(written, b.gather(chunk.reshape([width, c.n_kv_heads, hd]), source), cache)
+            b.op("Assign", [cache, updated])
+            caches.append(updated.transpose([1, 0, 2]).reshape([c.n_kv_heads, 1, seq, hd]))
+        keys, values = caches
+        q = q.reshape([width, c.n_kv_heads, groups, hd]).transpose([1, 2, 0, 3])  # [KV, G, T, hd]
+        scores = b.matmul(q, keys, transpose_b=True) * (1.0 / math.sqrt(hd)) + mask
+        out = b.softmax(scores) @ values  # [KV, G, T, hd]
+        return out.transpose([2, 0, 1, 3]).reshape([1, width, c.dim]) @ w["wo"]
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def _run(self, name: str, tokens: np.ndarray, position: int) -> np.ndarray:
+        token_var, position_var, logits_var = self.cells[name]
+        data = self.instances[name]
+        data[token_var] = tokens.reshape(1, -1)
+        data[position_var] = position
+        data.compute()
+        return data[logits_var]
+
+    def prefill(self, prompt: list[int]) -> np.ndarray:
+        """Feed the prompt from position 0; returns the logits after its last token."""
+        if not prompt:
+            raise RanvierError("generation needs a prompt of at least one token (e.g. BOS)")
+        if len(prompt) > self.config.max_seq_len:
+            raise RanvierError(f"the prompt has {len(prompt)} tokens; the model holds at most {self.config.max_seq_len}")
+        width = self.prefill_width
+        for start in range(0, len(prompt), width):
+            chunk = prompt[start : start + width]
+            padded = np.zeros(width, np.int32)
+            padded[: len(chunk)] = chunk
+            logits = self._run("prefill", padded, start)
+        return np.array(logits[len(chunk) - 1])
+
+    def decode(self, token: int, position: int) -> np.ndarray:
+        return np.array(self._run("decode", np.array([token], np.int32), position)[0])
+
+    def stream(self, prompt: list[int], max_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
+               eos: int | None = None) -> Iterator[int]:
+        """Yield generated tokens one by one until `max_tokens`, EOS or the context is full."""
+        rng = np.random.default_rng(seed)
+        logits = self.prefill(prompt)
+        position = len(prompt)
+        for _ in range(max_tokens):
+            token = sampling.pick(logits, rng)
+            if eos is not None and token == eos:
+                return
+            yield token
+            if position >= self.config.max_seq_len:
+                return
+            logits = self.decode(token, position)
+            position += 1
