@@ -77,6 +77,29 @@ def _train_llama(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .generate import Generator, Sampling
+    from .models.llama import Llama
+    from .train.llama_job import load_model
+
+    config, weights, tokenizer = load_model(Path(args.model))
+    generator = Generator(Llama(config), weights)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompt = tokenizer.encode(args.prompt, bos=True)
+    print(args.prompt, end="", flush=True)
+    produced, text, start = [], "", time.perf_counter()
+    for token in generator.stream(prompt, args.max_tokens, sampling, seed=args.seed, eos=tokenizer.eos_id):
+        produced.append(token)
+        decoded = tokenizer.decode(produced)
+        print(decoded[len(text):], end="", flush=True)  # stream only what is new
+        text = decoded
+    seconds = time.perf_counter() - start
+    print(f"\n{len(produced)} tokens, {len(produced) / max(seconds, 1e-9):.1f} tokens/s")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -177,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("--resume", default=None, metavar="RUN_DIR")
     llama.add_argument("--quiet", action="store_true")
     llama.set_defaults(run=_train_llama)
+
+    generate = commands.add_parser("generate", help="generate text from a trained Llama run directory")
+    generate.add_argument("model", help="a `ranvier train llama` run directory")
+    generate.add_argument("--prompt", default="")
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--max-tokens", type=int, default=256)
+    generate.set_defaults(run=_generate)
 
     evaluate = commands.add_parser("eval", help="re-evaluate a run directory's checkpoint")
     evaluate.add_argument("run_dir")

@@ -39,6 +39,11 @@ def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     expected = [r for r in history if r[1] is not None or r[0] == 12]
     assert resumed == expected  # step for step, bit for bit
 
+    capsys.readouterr()
+    main(["generate", str(straight), "--prompt", "def ", "--max-tokens", "6", "--temperature", "0"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("def ") and printed.strip().endswith("tokens/s")
+
 
 def test_llama_command_refuses_unknown_preset(tmp_path, capsys):
     import pytest

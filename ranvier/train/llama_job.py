@@ -87,13 +87,38 @@ def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tupl
     return tokenizer_path, manifest
 
 
+def model_config_for(config: LlamaRunConfig, vocab_size: int) -> LlamaConfig:
+    """The preset's architecture with the run's vocabulary (and room for its sequence length)."""
+    preset = PRESETS[config.preset]
+    return LlamaConfig(**{**asdict(preset), "vocab_size": vocab_size, "max_seq_len": max(preset.max_seq_len, config.seq)})
+
+
+def read_run(run_dir: Path) -> LlamaRunConfig:
+    path = run_dir / "config.json"
+    if not path.exists():
+        raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
+    return LlamaRunConfig(**json.loads(path.read_text()))
+
+
+def load_model(run_dir: Path):
+    """(LlamaConfig, weights with ranvier keys, tokenizer) of a trained run directory."""
+    from .checkpoint import load_checkpoint
+
+    config = read_run(run_dir)
+    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    arrays, _ = load_checkpoint(run_dir / "checkpoint")
+    prefix = f"{Llama.name}/"
+    weights = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix) and name.count("/") == 1}
+    return model_config_for(config, tokenizer.vocab_size), weights, tokenizer
+
+
 def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     if config.preset not in PRESETS:
         raise RanvierError(f"unknown Llama preset {config.preset!r}; choose one of {', '.join(PRESETS)}")
     preset = PRESETS[config.preset]
     tokenizer_path, manifest = prepare_data(config, run_dir, preset.vocab_size)
     tokenizer = load_tokenizer(tokenizer_path)
-    model_config = LlamaConfig(**{**asdict(preset), "vocab_size": tokenizer.vocab_size, "max_seq_len": max(preset.max_seq_len, config.seq)})
+    model_config = model_config_for(config, tokenizer.vocab_size)
     shards = TokenShards(run_dir / "data")
     train, validation = shards.split(fraction=0.05)
     model = Llama(model_config, seed=config.seed)
@@ -195,10 +220,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
 
 
 def resume_llama(run_dir: Path, steps: int | None = None, progress: bool = True) -> float:
-    path = run_dir / "config.json"
-    if not path.exists():
-        raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
-    config = LlamaRunConfig(**json.loads(path.read_text()))
+    config = read_run(run_dir)
     if steps is not None:
         config.steps = steps
     return train_llama(config, run_dir, resume=True, progress=progress)
