@@ -154,6 +154,37 @@ def _data_pretokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_llama2c(args: argparse.Namespace) -> int:
+    """Write a run's checkpoint as a llama2.c model file (and its tokenizer as tokenizer.bin)."""
+    from pathlib import Path
+
+    from .data.tokenizers import load_tokenizer
+    from .models.interop import export_llama2c, export_tokenizer_bin, weights_from_run
+
+    config, weights = weights_from_run(Path(args.run_dir))
+    path = export_llama2c(config, weights, Path(args.out), version=args.version)
+    print(f"wrote {path} (llama2.c version {args.version}, {config.parameter_count() / 1e6:.2f}M parameters)")
+    if args.tokenizer_out:
+        tokenizer_path = export_tokenizer_bin(load_tokenizer(Path(args.run_dir) / "tokenizer.model"), Path(args.tokenizer_out))
+        print(f"wrote {tokenizer_path}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    """Write a run's checkpoint as a Hugging Face LlamaForCausalLM folder (plus tokenizer.model)."""
+    from pathlib import Path
+
+    from .atomic import atomic_write_bytes
+    from .models.interop import export_hf, weights_from_run
+
+    run_dir, out = Path(args.run_dir), Path(args.out_dir)
+    config, weights = weights_from_run(run_dir)
+    export_hf(config, weights, out)
+    atomic_write_bytes(out / "tokenizer.model", (run_dir / "tokenizer.model").read_bytes())
+    print(f"wrote {out}/config.json, model.safetensors and tokenizer.model ({config.parameter_count() / 1e6:.2f}M parameters)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ranvier", description="Neural-network JIT compiler and trainer.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -235,6 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
                               help="train a SentencePiece vocabulary of N pieces on the corpus")
     corpus_vocab.add_argument("--bytes", action="store_true", help="byte tokens, 258-id vocabulary (the default)")
     corpus.set_defaults(run=_data_pretokenize)
+
+    export = commands.add_parser("export", help="export a Llama run's checkpoint for llama2.c or Hugging Face")
+    formats = export.add_subparsers(dest="format", required=True)
+    llama2c = formats.add_parser("llama2c", help="a llama2.c model .bin (run.c reads version 0)")
+    llama2c.add_argument("run_dir", help="a `ranvier train llama` run directory")
+    llama2c.add_argument("out", help="the .bin file to write")
+    llama2c.add_argument("--version", type=int, choices=[0, 1], default=0, help="0: legacy (run.c), 1: export.py's version 1")
+    llama2c.add_argument("--tokenizer-out", default=None, metavar="FILE", help="also write the tokenizer as llama2.c's tokenizer.bin")
+    llama2c.set_defaults(run=_export_llama2c)
+    hf = formats.add_parser("hf", help="a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors)")
+    hf.add_argument("run_dir", help="a `ranvier train llama` run directory")
+    hf.add_argument("out_dir", help="the folder to write")
+    hf.set_defaults(run=_export_hf)
     return parser
 
 

@@ -697,3 +697,30 @@ def test_cross_entropy_label_out_of_range_raises():
     instance[handles[1]] = np.array([0, 6, 3, 1, 2], np.int32)
     instance.compute()
     assert np.isfinite(instance[outputs[0]]).all()
+
+
+# ---- 7. vector-matrix products (GEMV) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_vector_matrix_products_use_gemv_correctly(dtype, transpose_a, transpose_b, batch):
+    """A one-row product (a decode step) goes to BLAS GEMV; every layout must agree with numpy."""
+    k, n = 37, 29
+    a_shape = (*batch, k, 1) if transpose_a else (*batch, 1, k)
+    b_shape = (*batch, n, k) if transpose_b else (*batch, k, n)
+    rng = np.random.default_rng(11)
+    a_value, b_value = rng.standard_normal(a_shape).astype(dtype), rng.standard_normal(b_shape).astype(dtype)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    a, b = f.var("a", dtype, a_shape), f.var("b", dtype, b_shape)
+    y = f.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b, name="y")
+    data = rv.Compiler("cpu").compile(flow).cell("f").instance()
+    data[y][...] = np.nan
+    data[a], data[b] = a_value, b_value
+    data.compute()
+    left = np.swapaxes(a_value, -1, -2) if transpose_a else a_value
+    right = np.swapaxes(b_value, -1, -2) if transpose_b else b_value
+    np.testing.assert_allclose(data[y], left @ right, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-5 if dtype == "float32" else 1e-12)

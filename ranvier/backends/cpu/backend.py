@@ -37,8 +37,8 @@ def _source_digest() -> str:
 
 
 @functools.cache
-def blas_pointers() -> tuple[int, int]:
-    """Addresses of SciPy's BLAS sgemm and dgemm (OpenBLAS), for generated code to call."""
+def blas_pointers() -> tuple[int, int, int, int]:
+    """Addresses of SciPy's BLAS sgemm, dgemm, sgemv and dgemv (OpenBLAS), for generated code to call."""
     import scipy.linalg.cython_blas as blas
 
     get_name = ctypes.pythonapi.PyCapsule_GetName
@@ -46,7 +46,7 @@ def blas_pointers() -> tuple[int, int]:
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     capsules = blas.__pyx_capi__
-    return tuple(get_pointer(capsules[n], get_name(capsules[n])) for n in ("sgemm", "dgemm"))
+    return tuple(get_pointer(capsules[n], get_name(capsules[n])) for n in ("sgemm", "dgemm", "sgemv", "dgemv"))
 
 
 _NO_THREAD_CONTROL = ctypes.CFUNCTYPE(None, ctypes.c_int)(lambda count: None)
@@ -157,13 +157,14 @@ class CPUBackend:
                 status[0] = index + 1
 
         callback = _CALLBACK_TYPE(run_fallback)
-        sgemm, dgemm = blas_pointers()
+        sgemm, dgemm, sgemv, dgemv = blas_pointers()
         table = (ctypes.c_void_p * (FIRST_TABLE_SLOT + len(layout.table)))()
         table[codegen.DATA] = instance.buffer.ctypes.data
         table[codegen.STATUS] = status.ctypes.data
         table[codegen.PROFILE] = instance.step_time.ctypes.data
         table[codegen.CALLBACK] = ctypes.cast(callback, ctypes.c_void_p).value
         table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
+        table[codegen.SGEMV], table[codegen.DGEMV] = sgemv, dgemv
         table[codegen.BLAS_THREADS] = blas_thread_setter()
         table[codegen.MAX_THREADS] = os.cpu_count() or 1
         for k, var in enumerate(layout.table):

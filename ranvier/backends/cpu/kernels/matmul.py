@@ -13,7 +13,7 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import Attrs
-from ..codegen import BLAS_THREADS, DGEMM, MAX_THREADS, SGEMM
+from ..codegen import BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
 from ..convert import narrow, widen
 from ..irutil import F32, F64, I8, I32, VOID, compute_type, constant, for_range, i64, load, storage_type, store
 from ..views import contiguous_strides
@@ -33,15 +33,19 @@ def _batch_offsets(batch, a_batch, b_batch):
     return result or [(0, 0)]
 
 
-# Below this many FLOPs a GEMM runs on one thread: waking BLAS's thread pool costs more
-# than it saves, and on a busy machine a waiting thread can stall the call for milliseconds.
+# A small GEMM runs on one thread: waking BLAS's thread pool costs more than it saves,
+# and on a busy machine a waiting thread can stall the call for milliseconds. Large ones
+# use every core: by arithmetic, or by the bytes of a big matrix that a thin product
+# (a decode step's vector-matrix product) streams through.
 PARALLEL_FLOPS = 1 << 27
+PARALLEL_BYTES = 1 << 22
 
 
-def _set_threads(ctx, flops: int) -> None:
+def _set_threads(ctx, flops: int, nbytes: int) -> None:
     b = ctx.b
     setter = b.bitcast(ctx.table_entry(BLAS_THREADS), ir.FunctionType(VOID, [I32]).as_pointer())
-    count = ir.Constant(I32, 1) if flops < PARALLEL_FLOPS else b.trunc(b.ptrtoint(ctx.table_entry(MAX_THREADS), ir.IntType(64)), I32)
+    parallel = flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES
+    count = b.trunc(b.ptrtoint(ctx.table_entry(MAX_THREADS), ir.IntType(64)), I32) if parallel else ir.Constant(I32, 1)
     b.call(setter, [count])
 
 
@@ -77,8 +81,22 @@ def blas_matmul(ctx, op) -> None:
     alpha, beta = cell(element, 1.0), cell(element, 0.0)
     pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
     a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
-    _set_threads(ctx, 2 * m * n * k)
-    for index, (oa, ob) in enumerate(_batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])):
+    _set_threads(ctx, 2 * m * n * k, max(a.nbytes, b.nbytes))
+    batches = _batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])
+    if m == 1:
+        # A vector times a matrix (a decode step): GEMV streams the matrix once, where
+        # GEMM would first pack it. y = op(B)ᵀ-view · x in column-major terms.
+        gemv_type = ir.FunctionType(VOID, [chp, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
+        gemv = builder.bitcast(ctx.table_entry(SGEMV if element is F32 else DGEMV), gemv_type.as_pointer())
+        rows, columns = (k, n) if tb else (n, k)
+        trans, rows_, columns_, one = cell(I8, ord("T" if tb else "N")), cell(I32, rows), cell(I32, columns), cell(I32, 1)
+        for index, (oa, ob) in enumerate(batches):
+            builder.call(gemv, [
+                trans, rows_, columns_, alpha, builder.gep(pb, [i64(ob * b_size)]), ldb,
+                builder.gep(pa, [i64(oa * a_size)]), one, beta, builder.gep(pc, [i64(index * n)]), one,
+            ])
+        return
+    for index, (oa, ob) in enumerate(batches):
         args = [
             trans_b, trans_a, n_, m_, k_, alpha,
             builder.gep(pb, [i64(ob * b_size)]), ldb,
