@@ -147,6 +147,27 @@ def norm(ctx, op) -> None:
         row.each(normalize)
 
 
+def _peak_and_exp_sum(row: Row, x) -> tuple[ir.Value, ir.Value]:
+    """A row's maximum and Σ exp(x − max): the two passes every log-sum-exp starts with."""
+    b = row.b
+    peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(x, i, w))
+    total = row.fold(0.0, _add(b), lambda i, w: mathlib.emit("exp", b, b.fsub(row.read(x, i, w), row.splat(peak, w))))
+    return peak, total
+
+
+def _smoothed(row: Row, target, smoothing: float, n: int):
+    """Reader of a probability target row with label smoothing: p' = p(1 − s) + s/n."""
+    b, t = row.b, row.ctype
+
+    def read(i, w):
+        p = row.read(target, i, w)
+        if smoothing:
+            p = b.fadd(b.fmul(p, row.splat(constant(t, 1.0 - smoothing), w)), row.splat(constant(t, smoothing / n), w))
+        return p
+
+    return read
+
+
 def cross_entropy(ctx, op) -> None:
     logits, target = op.inputs
     loss = op.outputs[0]
@@ -158,8 +179,7 @@ def cross_entropy(ctx, op) -> None:
         start = b.mul(r, i64(n))
         row = Row(ctx, start, n, logits.dtype)
         t = row.ctype
-        peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(logits, i, w))
-        total = row.fold(0.0, _add(b), lambda i, w: mathlib.emit("exp", b, b.fsub(row.read(logits, i, w), row.splat(peak, w))))
+        peak, total = _peak_and_exp_sum(row, logits)
         logsumexp = b.fadd(peak, mathlib.emit("log", b, total))
         if classes_target:
             label = _label(ctx, target, r, n)
@@ -170,12 +190,11 @@ def cross_entropy(ctx, op) -> None:
                 everything = row.fold(0.0, _add(b), lambda i, w: row.read(logits, i, w))
                 value = b.fsub(value, b.fmul(everything, constant(t, smoothing / n)))
         else:
-            # Σ p'·(lse − x) with p' = p(1 − s) + s/n.
+            # Σ p'·(lse − x).
+            target_row = _smoothed(row, target, smoothing, n)
+
             def weighted(i, w):
-                p = row.read(target, i, w)
-                if smoothing:
-                    p = b.fadd(b.fmul(p, row.splat(constant(t, 1.0 - smoothing), w)), row.splat(constant(t, smoothing / n), w))
-                return b.fmul(p, b.fsub(row.splat(logsumexp, w), row.read(logits, i, w)))
+                return b.fmul(target_row(i, w), b.fsub(row.splat(logsumexp, w), row.read(logits, i, w)))
 
             value = row.fold(0.0, _add(b), weighted)
         row.write(loss, value, r, 1)
@@ -203,19 +222,13 @@ def cross_entropy_grad(ctx, op) -> None:
         start = b.mul(r, i64(n))
         row = Row(ctx, start, n, logits.dtype)
         t = row.ctype
-        peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(logits, i, w))
-        total = row.fold(0.0, _add(b), lambda i, w: mathlib.emit("exp", b, b.fsub(row.read(logits, i, w), row.splat(peak, w))))
+        peak, total = _peak_and_exp_sum(row, logits)
         g = row.read(dloss, r, 1)
         if classes_target:
             label = _label(ctx, target, r, n)
             mass = constant(t, 1.0)
         else:
-            def smoothed(i, w):
-                p = row.read(target, i, w)
-                if smoothing:
-                    p = b.fadd(b.fmul(p, row.splat(constant(t, 1.0 - smoothing), w)), row.splat(constant(t, smoothing / n), w))
-                return p
-
+            smoothed = _smoothed(row, target, smoothing, n)
             mass = row.fold(0.0, _add(b), smoothed)
         scale = b.fdiv(b.fmul(g, mass), total)
 
