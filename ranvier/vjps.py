@@ -467,3 +467,9 @@ def _strided_view(ctx, g):
 @vjp("StridedScatterAdd")
 def _strided_scatter_add(ctx, g):
     return [ctx.b.op("StridedView", [g[0]], None, _view_attrs(ctx))]
+
+
+@vjp("Attention")
+def _attention(ctx, g):
+    dq, dk, dv = ctx.b.op("AttentionGrad", [*ctx.inputs, g[0]], None, dict(ctx.op.attrs))
+    return [dq, dk, dv]

@@ -232,6 +232,23 @@ def test_hf_sharded_index(tmp_path):
         import_hf(tmp_path / "hf")
 
 
+def test_hf_import_bfloat16(tmp_path):
+    """Checkpoints published in bfloat16 (numpy has no such type) import as float32."""
+    from safetensors.torch import save_file
+
+    config = CONFIGS["unshared-gqa"]
+    weights = {k: torch.from_numpy(v).bfloat16().float().numpy() for k, v in random_weights(config, seed=8).items()}
+    export_hf(config, weights, tmp_path / "hf")
+    from safetensors.numpy import load_file
+
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    halves = {k: torch.from_numpy(v).bfloat16() if "mlp" in k or "embed" in k else torch.from_numpy(v) for k, v in state.items()}
+    save_file(halves, tmp_path / "hf" / "model.safetensors")
+    imported_config, imported = import_hf(tmp_path / "hf")
+    assert imported_config == config
+    assert_same(imported, weights)
+
+
 def test_hf_import_errors(tmp_path):
     config = CONFIGS["shared"]
     export_hf(config, random_weights(config), tmp_path / "hf")

@@ -31,7 +31,7 @@ F32 = m.DT_FLOAT32
 
 # Op types that compute a float output but have no VJP (second-order gradients are not
 # supported: the backward ops of the windowed nn ops; Assign has no output).
-NON_DIFFERENTIABLE = {"Assign", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad"}
+NON_DIFFERENTIABLE = {"Assign", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad"}
 
 FD_EPS = 1e-6
 FD_MAX_ELEMENTS = 40  # per input; larger inputs are checked on a random sample
@@ -340,6 +340,21 @@ case(
     lambda b, i, u: b.scatter_add(i, u, rows=5),
     lambda i, u: torch.zeros(5, 3, dtype=u.dtype).index_add(0, i.long(), u),
     i=np.array([0, 3, 3, 1], np.int32), u=normal(4, 3),
+)
+
+# ---- fused attention ----------------------------------------------------------------------
+
+case(
+    "Attention[gqa,causal]",
+    lambda b, q, k, v: b.op("Attention", [q, k, v]),
+    lambda q, k, v: F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True),
+    q=normal(2, 4, 5, 3), k=normal(2, 2, 5, 3), v=normal(2, 2, 5, 3),
+)
+case(
+    "Attention[mqa,full]",
+    lambda b, q, k, v: b.op("Attention", [q, k, v], None, {"causal": False, "scale": 0.7}),
+    lambda q, k, v: F.scaled_dot_product_attention(q, k.expand(-1, 3, -1, -1), v.expand(-1, 3, -1, -1), scale=0.7),
+    q=normal(1, 3, 4, 2), k=normal(1, 1, 6, 2), v=normal(1, 1, 6, 2),
 )
 
 # ---- window primitives (what convolution and pooling decompose into) ----------------------

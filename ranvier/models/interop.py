@@ -16,7 +16,7 @@ llama2.c tokenizer.bin: uint32 max_token_length, then per token float32 score, u
 length and the token's bytes. `Llama2cTokenizer` reads one and encodes exactly as run.c.
 
 Hugging Face: a folder with config.json (LlamaForCausalLM) and model.safetensors (or shards
-with model.safetensors.index.json). HF rotates the halves of each head (rotate_half) where
+with model.safetensors.index.json; float32, float16 or bfloat16). HF rotates the halves of each head (rotate_half) where
 llama2.c and ranvier rotate interleaved pairs, so q and k rows are permuted on the way.
 """
 
@@ -520,8 +520,36 @@ def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
             raise InteropError(f"{file}, named by {folder}'s safetensors index, is missing")
         try:
             state.update(load_file(file))
+        except TypeError:  # numpy has no bfloat16: safetensors' numpy API refuses such files
+            try:
+                state.update(_read_safetensors_bf16(file))
+            except (struct.error, KeyError, ValueError) as error:
+                raise InteropError(f"cannot read {file}: {error!r}") from None
         except Exception as error:  # safetensors raises its own error types for corrupt data
             raise InteropError(f"cannot read {file}: {error}") from None
+    return state
+
+
+def _read_safetensors_bf16(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as numpy, bfloat16 ones widened to float32 (exactly)."""
+    from safetensors import safe_open
+
+    raw = file.read_bytes()
+    (header_size,) = struct.unpack_from("<Q", raw)
+    try:
+        header = json.loads(raw[8:8 + header_size])
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InteropError(f"cannot read {file}: corrupt safetensors header ({error})") from None
+    state = {}
+    with safe_open(file, framework="numpy") as f:
+        for name in f.keys():
+            info = header[name]
+            if info["dtype"] == "BF16":
+                begin, end = (8 + header_size + offset for offset in info["data_offsets"])
+                bits = np.frombuffer(raw[begin:end], dtype="<u2").astype(np.uint32) << 16
+                state[name] = bits.view(np.float32).reshape(info["shape"])
+            else:
+                state[name] = f.get_tensor(name)
     return state
 
 

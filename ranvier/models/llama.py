@@ -121,33 +121,27 @@ class Llama(Module):
             raise RanvierError(f"Llama: sequence length {seq} exceeds max_seq_len {c.max_seq_len}")
         cos, sin = rope_tables(c.head_dim, seq, c.rope_theta)
         rope = (b.const(cos.reshape(1, seq, 1, -1, 1)), b.const(sin.reshape(1, seq, 1, -1, 1)))
-        mask = np.triu(np.full((seq, seq), -np.inf, np.float32), k=1)
-        causal = b.const(mask)
         x = b.gather(p["tok_embeddings"], tokens)
         for i in range(c.n_layers):
             layer = {key.split(".", 2)[2]: value for key, value in p.items() if key.startswith(f"layers.{i}.")}
-            x = x + self.attention(b, b.rms_norm(x, layer["attention_norm"], c.norm_eps), layer, rope, causal)
+            x = x + self.attention(b, b.rms_norm(x, layer["attention_norm"], c.norm_eps), layer, rope)
             x = x + self.feed_forward(b, b.rms_norm(x, layer["ffn_norm"], c.norm_eps), layer)
         x = b.rms_norm(x, p["norm"], c.norm_eps)
         if c.shared_classifier:
             return b.matmul(x, p["tok_embeddings"], transpose_b=True)
         return x @ p["output"]
 
-    def attention(self, b: Builder, x: Tensor, w: dict, rope, causal: Tensor) -> Tensor:
+    def attention(self, b: Builder, x: Tensor, w: dict, rope) -> Tensor:
+        """Causal self-attention as one fused op (grouped when n_kv_heads < n_heads)."""
         c = self.config
         batch, seq, _ = x.shape
-        hd, groups = c.head_dim, c.n_heads // c.n_kv_heads
+        hd = c.head_dim
         q = rotate(b, (x @ w["wq"]).reshape([batch, seq, c.n_heads, hd]), rope)
         k = rotate(b, (x @ w["wk"]).reshape([batch, seq, c.n_kv_heads, hd]), rope)
         v = (x @ w["wv"]).reshape([batch, seq, c.n_kv_heads, hd])
-        # Heads that share a key/value head are grouped: q [B, KV, G, T, hd], k and v [B, KV, 1, T, hd].
-        q = q.transpose([0, 2, 1, 3]).reshape([batch, c.n_kv_heads, groups, seq, hd])
-        k = k.transpose([0, 2, 1, 3]).reshape([batch, c.n_kv_heads, 1, seq, hd])
-        v = v.transpose([0, 2, 1, 3]).reshape([batch, c.n_kv_heads, 1, seq, hd])
-        scores = b.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(hd)) + causal
-        out = b.softmax(scores) @ v  # [B, KV, G, T, hd]
-        out = out.reshape([batch, c.n_heads, seq, hd]).transpose([0, 2, 1, 3]).reshape([batch, seq, c.dim])
-        return out @ w["wo"]
+        heads_first = [0, 2, 1, 3]  # [B, T, heads, hd] <-> [B, heads, T, hd]
+        out = b.op("Attention", [q.transpose(heads_first), k.transpose(heads_first), v.transpose(heads_first)])
+        return out.transpose(heads_first).reshape([batch, seq, c.dim]) @ w["wo"]
 
     @staticmethod
     def feed_forward(b: Builder, x: Tensor, w: dict) -> Tensor:

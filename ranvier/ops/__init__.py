@@ -1,6 +1,6 @@
 """Op definitions. Importing this package registers every op family."""
 
-from . import elementwise, fused, index, matmul, nn, nn_grad, reduce, shape, state, window  # noqa: F401  (registration)
+from . import attention, elementwise, fused, index, matmul, nn, nn_grad, reduce, shape, state, window  # noqa: F401  (registration)
 from .registry import Attrs, InferContext, OpDef, TensorType, all_ops, define, has_op, op_def
 
 __all__ = ["Attrs", "InferContext", "OpDef", "TensorType", "all_ops", "define", "has_op", "op_def"]

@@ -7,7 +7,7 @@ from typing import Callable
 
 from ....flow.graph import Operation
 from ..convert import use_target
-from . import index, maps, matmul, reduce, rows, window
+from . import attention, index, maps, matmul, reduce, rows, window
 from .python import python_callback
 
 Emitter = Callable[[object, Operation], None]
@@ -49,4 +49,4 @@ def _choose(op: Operation) -> tuple[str, Emitter]:
     return FALLBACK
 
 
-_FAMILIES: list[Callable[[Operation], tuple[str, Emitter] | None]] = [reduce.choose, rows.choose, index.choose, window.choose]
+_FAMILIES: list[Callable[[Operation], tuple[str, Emitter] | None]] = [reduce.choose, rows.choose, index.choose, window.choose, attention.choose]

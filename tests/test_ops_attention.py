@@ -1,0 +1,60 @@
+"""Fused attention (Attention, AttentionGrad) against a per-head numpy loop, on every backend."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from helpers import assert_mentions, check, random_array, run_flow, shape_error
+
+TESTED_OPS = {"Attention", "AttentionGrad"}
+
+SHAPES = [  # (B, H, KV, T, S, hd)
+    (2, 4, 2, 5, 5, 8),
+    (1, 3, 1, 4, 7, 6),  # multi-query, queries are the last 4 of 7 positions
+    (2, 2, 2, 9, 9, 19),
+]
+
+
+def naive(q, k, v, dout, causal, scale):
+    """Loops over heads and queries, float64: the output and the three gradients."""
+    q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    b, h, t, _ = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    out, dq, dk, dv = np.zeros_like(q), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for n in range(b):
+        for head in range(h):
+            g = head // (h // kv)
+            for i in range(t):
+                visible = i + s - t + 1 if causal else s
+                scores = np.array([scale * q[n, head, i] @ k[n, g, j] for j in range(visible)])
+                p = np.exp(scores - scores.max())
+                p /= p.sum()
+                out[n, head, i] = p @ v[n, g, :visible]
+                dp = np.array([dout[n, head, i] @ v[n, g, j] for j in range(visible)])
+                ds = p * (dp - p @ dp)
+                dq[n, head, i] = scale * ds @ k[n, g, :visible]
+                dk[n, g, :visible] += scale * np.outer(ds, q[n, head, i])
+                dv[n, g, :visible] += np.outer(p, dout[n, head, i])
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_and_its_gradient(dtype, shape, causal):
+    b, h, kv, t, s, hd = shape
+    q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    attrs = {"causal": causal}
+    outputs = run_flow(lambda f, *x: [f.op("Attention", list(x[:3]), None, attrs), *f.op("AttentionGrad", list(x), None, attrs)], [q, k, v, dout])
+    for got, want in zip(outputs, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd))):
+        check(got, want, dtype)
+
+
+def test_attention_shape_errors():
+    message = shape_error(lambda f, q, k, v: f.op("Attention", [q, k, v]), [("q", "float32", [1, 3, 4, 8]), ("k", "float32", [1, 2, 4, 8]), ("v", "float32", [1, 2, 4, 8])])
+    assert_mentions(message, "Attention", "q: float32[1x3x4x8]", "multiple of key/value heads")
+    message = shape_error(lambda f, q, k, v: f.op("Attention", [q, k, v]), [("q", "float32", [1, 2, 6, 8]), ("k", "float32", [1, 2, 4, 8]), ("v", "float32", [1, 2, 4, 8])])
+    assert_mentions(message, "no more queries than keys")
