@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-import numpy as np
 
 from . import dtypes
 from .errors import RanvierError, UnknownOpError

@@ -81,10 +81,10 @@ def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .generate import Generator, Sampling
+    from .models.interop import load_any
     from .models.llama import Llama
-    from .train.llama_job import load_model
 
-    config, weights, tokenizer = load_model(Path(args.model))
+    config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
     generator = Generator(Llama(config), weights)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt = tokenizer.encode(args.prompt, bos=True)
@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     llama.set_defaults(run=_train_llama)
 
     generate = commands.add_parser("generate", help="generate text from a trained Llama run directory")
-    generate.add_argument("model", help="a `ranvier train llama` run directory")
+    generate.add_argument("model", help="a `ranvier train llama` run directory, a llama2.c .bin or a Hugging Face folder")
+    generate.add_argument("--tokenizer", default=None, help="tokenizer.bin (llama2.c) or a tokenizer file")
     generate.add_argument("--prompt", default="")
     generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     generate.add_argument("--top-k", type=int, default=None)

@@ -3,6 +3,8 @@ Hugging Face folders (with the q/k rotary permutation checked against a rotate_h
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import struct
@@ -501,3 +503,12 @@ def test_export_run_directory_from_the_command_line(tmp_path, sentencepiece_toke
     assert imported_config == config
     assert_same(imported, weights)
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (run / "tokenizer.model").read_bytes()
+
+    # The same model generates the same greedy text from all three forms.
+    texts = []
+    for model, extra in ((run, []), (tmp_path / "model.bin", ["--tokenizer", str(tmp_path / "tokenizer.bin")]), (tmp_path / "hf", [])):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(["generate", str(model), "--prompt", "Lily", "--max-tokens", "5", "--temperature", "0", *extra]) == 0
+        texts.append(printed.getvalue().splitlines()[0])
+    assert texts[0] == texts[1] == texts[2] and texts[0].startswith("Lily")

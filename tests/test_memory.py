@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from ranvier.compiler import Compiler
 from ranvier.models import MLP
 from ranvier.train.classifier import build_classifier
 from ranvier.train.optimizers import Adam

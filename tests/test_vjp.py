@@ -918,7 +918,6 @@ def test_loss_defaults_to_the_only_output():
 def _deep_net(into=None):
     """A chain of elementwise ops, so the forward cell's memory plan reuses dead storage."""
     flow, x, params, h, loss, feeds = _small_net(seed=11)
-    f = m.Builder(flow, "f")
     z = h
     for _ in range(4):
         z = (z * 1.5).sin() + z.tanh()

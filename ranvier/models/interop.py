@@ -26,7 +26,6 @@ import json
 import os
 import re
 import struct
-from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable
 
@@ -34,7 +33,7 @@ import numpy as np
 
 from ..atomic import atomic_write, atomic_write_bytes
 from ..errors import RanvierError
-from .llama import PRESETS, LlamaConfig, rope_tables
+from .llama import LlamaConfig, rope_tables
 
 MAGIC = 0x616B3432  # "ak42"
 V1_HEADER_BYTES = 256
@@ -259,7 +258,6 @@ def import_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.n
         ffn()
     if not shared:
         weights["output"] = _linear(take(c.vocab_size, c.dim))
-    del data
     return config, {key: weights[key] for key in weight_shapes(config)}
 
 
@@ -629,26 +627,31 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
 
 def weights_from_run(run_dir: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """The model config and latest checkpointed weights of a `ranvier train llama` run directory."""
-    from ..data.tokenizers import load_tokenizer
-    from ..train.checkpoint import load_checkpoint
+    from ..train.llama_job import load_model
 
-    run_dir = Path(run_dir)
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise InteropError(f"{run_dir} is not a run directory: config.json is missing")
-    try:
-        run = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InteropError(f"{path} is not valid JSON: {error}") from None
-    preset = run.get("preset")
-    if preset not in PRESETS:
-        raise InteropError(f"{path}: preset {preset!r} is not a Llama preset ({', '.join(PRESETS)})")
-    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
-    base = PRESETS[preset]
-    seq = int(run.get("seq", base.max_seq_len))
-    config = LlamaConfig(**{**asdict(base), "vocab_size": tokenizer.vocab_size, "max_seq_len": max(base.max_seq_len, seq)})
-    arrays, _ = load_checkpoint(run_dir / "checkpoint")
-    # Optimizer state lives beside the weights under longer names ("llama/<key>/m"): keep the weights alone.
-    weights = {key: np.asarray(arrays[f"llama/{key}"], dtype=np.float32)
-               for key in weight_shapes(config) if f"llama/{key}" in arrays}
-    return config, check_weights(config, weights, f"the checkpoint in {run_dir}")
+    config, weights, _ = load_model(Path(run_dir))
+    return config, check_weights(config, {k: np.asarray(v, np.float32) for k, v in weights.items()}, f"the checkpoint in {run_dir}")
+
+
+def load_any(model: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
+    """(config, weights, tokenizer) of a run directory, a llama2.c .bin (with its
+    tokenizer.bin) or a Hugging Face folder (its tokenizer.model, or `tokenizer`)."""
+    from ..data.tokenizers import load_tokenizer
+    from ..train.llama_job import load_model
+
+    path = Path(model)
+    if path.is_dir() and (path / "checkpoint").is_dir():
+        config, weights, run_tokenizer = load_model(path)
+        return config, weights, load_tokenizer(tokenizer) if tokenizer else run_tokenizer
+    if path.is_file():
+        if tokenizer is None:
+            raise InteropError(f"{path} is a llama2.c checkpoint: give its tokenizer.bin with --tokenizer")
+        config, weights = import_llama2c(path)
+        return config, weights, import_tokenizer_bin(tokenizer) if str(tokenizer).endswith(".bin") else load_tokenizer(tokenizer)
+    if path.is_dir() and (path / "config.json").is_file():
+        config, weights = import_hf(path)
+        source = Path(tokenizer) if tokenizer else path / "tokenizer.model"
+        if not source.is_file():
+            raise InteropError(f"{path} has no tokenizer.model: give one with --tokenizer")
+        return config, weights, load_tokenizer(source)
+    raise InteropError(f"{path} is not a run directory, a llama2.c checkpoint or a Hugging Face folder")
