@@ -2,10 +2,11 @@
 
 Both cells run the same chunk computation — T new tokens at positions pos..pos+T−1 —
 for T = the prefill width and T = 1. Each layer's keys and values live in resident
-caches [max_seq, kv_heads, head_dim] that the chunk writes in place; attention reads
-the updated cache with a causal mask by position, so rows past the current position
-(stale or padding) never count. A prompt is fed in prefill-width chunks (the last one
-padded: its padding rows are masked now and overwritten later).
+caches [kv_heads, max_seq, head_dim]. A chunk attends to the cached rows before pos
+and, causally, to its own new keys and values; then only its T rows are written into
+the caches in place (AssignSlice), so a decode step costs O(1) cache writes, not a
+copy of the cache. Rows at or past the current position (stale, or a padded prompt
+chunk's padding) are masked until a later step overwrites them.
 
 Sampling runs on the host from the last logits: greedy (temperature 0), temperature,
 top-k and top-p (nucleus), all from a seeded numpy Generator, so runs are reproducible.
@@ -91,7 +92,7 @@ class Generator:
         c = self.config
         var_name = f"cache/{name}"
         if var_name not in b.flow.vars:
-            var = b.flow.add_var(var_name, dtypes.DT_FLOAT32, [c.max_seq_len, c.n_kv_heads, c.head_dim])
+            var = b.flow.add_var(var_name, dtypes.DT_FLOAT32, [c.n_kv_heads, c.max_seq_len, c.head_dim])
             var.set_data(np.zeros(var.shape, np.float32))
             var.nogradient = True
         return b._wrap(b.flow.vars[var_name])
@@ -100,43 +101,43 @@ class Generator:
         c = self.config
         p = self.model.parameters(b)
         width = tokens.shape[1]
-        rows = b.const(np.arange(c.max_seq_len, dtype=np.int32))
-        offsets = b.const(np.arange(width, dtype=np.int32))
-        positions = offsets + position  # [T]
+        offsets = np.arange(width, dtype=np.int32)
+        positions = b.const(offsets) + position  # [T]
         cos, sin = (b.const(t) for t in rope_tables(c.head_dim, c.max_seq_len, c.rope_theta))
         rope = tuple(b.gather(t, positions).reshape([1, width, 1, c.head_dim // 2, 1]) for t in (cos, sin))
-        # Cache row s takes chunk row s − pos when pos ≤ s < pos + T.
-        source = b.minimum(b.maximum(rows - position, 0), width - 1)
-        written = ((rows >= position) & (rows < position + width)).reshape([c.max_seq_len, 1, 1])
-        # Query t may see cache rows s ≤ pos + t.
-        hidden = b.greater(rows.reshape([1, c.max_seq_len]), positions.reshape([width, 1]))
-        mask = b.cond(hidden, b.const(-math.inf), b.const(0.0))
+        # Cached row s is visible to every query of the chunk when s < pos; new row j to query t when j <= t.
+        rows = b.const(np.arange(c.max_seq_len, dtype=np.int32))
+        cached = b.cond(rows >= position, b.const(-math.inf), b.const(0.0)).reshape([1, 1, 1, c.max_seq_len])
+        causal = b.const(np.triu(np.full((width, width), -np.inf, np.float32), k=1))
         x = b.gather(p["tok_embeddings"], tokens)
         for i in range(c.n_layers):
             w = {key.split(".", 2)[2]: value for key, value in p.items() if key.startswith(f"layers.{i}.")}
             h = b.rms_norm(x, w["attention_norm"], c.norm_eps)
-            x = x + self._attention(b, h, w, rope, i, source, written, mask)
+            x = x + self._attention(b, h, w, rope, i, position, cached, causal)
             x = x + self.model.feed_forward(b, b.rms_norm(x, w["ffn_norm"], c.norm_eps), w)
         x = b.rms_norm(x, p["norm"], c.norm_eps)
         logits = b.matmul(x, p["tok_embeddings"], transpose_b=True) if c.shared_classifier else x @ p["output"]
         return logits.reshape([width, c.vocab_size])
 
-    def _attention(self, b, x, w, rope, layer, source, written, mask) -> Tensor:
+    def _attention(self, b, x, w, rope, layer, position, cached, causal) -> Tensor:
         c = self.config
         width, hd, groups, seq = x.shape[1], c.head_dim, c.n_heads // c.n_kv_heads, c.max_seq_len
         q = rotate(b, (x @ w["wq"]).reshape([1, width, c.n_heads, hd]), rope)
-        caches = []
+        q = q.reshape([width, c.n_kv_heads, groups, hd]).transpose([1, 2, 0, 3])  # [KV, G, T, hd]
+        old, new = [], []
         for name, projection, rotated in (("k", "wk", True), ("v", "wv", False)):
             chunk = (x @ w[projection]).reshape([1, width, c.n_kv_heads, hd])
-            chunk = rotate(b, chunk, rope) if rotated else chunk
+            chunk = (rotate(b, chunk, rope) if rotated else chunk).reshape([width, c.n_kv_heads, hd]).transpose([1, 0, 2])
             cache = self._cache(b, f"{layer}/{name}")
-            updated = b.cond(written, b.gather(chunk.reshape([width, c.n_kv_heads, hd]), source), cache)
-            b.op("Assign", [cache, updated])
-            caches.append(updated.transpose([1, 0, 2]).reshape([c.n_kv_heads, 1, seq, hd]))
-        keys, values = caches
-        q = q.reshape([width, c.n_kv_heads, groups, hd]).transpose([1, 2, 0, 3])  # [KV, G, T, hd]
-        scores = b.matmul(q, keys, transpose_b=True) * (1.0 / math.sqrt(hd)) + mask
-        out = b.softmax(scores) @ values  # [KV, G, T, hd]
+            old.append(cache.reshape([c.n_kv_heads, 1, seq, hd]))
+            new.append(chunk.reshape([c.n_kv_heads, 1, width, hd]))
+            # Runs after every read of the cache in this cell (the compiler orders writes last).
+            b.op("AssignSlice", [cache, chunk, position], None, {"axis": 1})
+        scale = 1.0 / math.sqrt(hd)
+        scores = b.concat([b.matmul(q, old[0], transpose_b=True) * scale + cached,
+                           b.matmul(q, new[0], transpose_b=True) * scale + causal], axis=3)
+        weights_old, weights_new = b.split(b.softmax(scores), [seq, width], axis=3)
+        out = weights_old @ old[1] + weights_new @ new[1]  # [KV, G, T, hd]
         return out.transpose([2, 0, 1, 3]).reshape([1, width, c.dim]) @ w["wo"]
 
     # ---- running ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ F32 = m.DT_FLOAT32
 
 # Op types that compute a float output but have no VJP (second-order gradients are not
 # supported: the backward ops of the windowed nn ops; Assign has no output).
-NON_DIFFERENTIABLE = {"Assign", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad"}
+NON_DIFFERENTIABLE = {"Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad"}
 
 FD_EPS = 1e-6
 FD_MAX_ELEMENTS = 40  # per input; larger inputs are checked on a random sample

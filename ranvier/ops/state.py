@@ -27,3 +27,43 @@ ASSIGN = define(
     "Assign(target, value): target = value, in place",
 )
 ASSIGN.extra["written_inputs"] = lambda op: [0]
+
+
+def _infer_assign_slice(ctx):
+    target, value, start = ctx.inputs
+    axis = ctx.attrs.int("axis", 0)
+    if start.dtype not in ("int32", "int64") or start.shape:
+        raise ctx.fail("a scalar int32/int64 start position")
+    if target.dtype != value.dtype or target.rank != value.rank or not -target.rank <= axis < target.rank:
+        raise ctx.fail("a target and a value of one dtype and rank, and an axis of theirs")
+    axis %= target.rank
+    if any(t != v for i, (t, v) in enumerate(zip(target.shape, value.shape)) if i != axis) or value.shape[axis] > target.shape[axis]:
+        raise ctx.fail(f"a value shaped like the target except along axis {axis}, where it is no longer")
+    return []
+
+
+def _assign_slice(attrs, args, outs):
+    target, value, start = args
+    axis = attrs.int("axis", 0) % target.ndim
+    begin = int(start)
+    if begin < 0 or begin >= target.shape[axis]:
+        raise IndexError(f"start {begin} is outside [0, {target.shape[axis]})")
+    count = min(value.shape[axis], target.shape[axis] - begin)  # rows past the end are dropped
+    result = np.array(target)
+    index = [slice(None)] * target.ndim
+    index[axis] = slice(begin, begin + count)
+    taken = [slice(None)] * target.ndim
+    taken[axis] = slice(0, count)
+    result[tuple(index)] = value[tuple(taken)]
+    return [result]
+
+
+ASSIGN_SLICE = define(
+    "AssignSlice",
+    _infer_assign_slice,
+    _assign_slice,
+    3,
+    "state",
+    "AssignSlice(target, value, start): target[start:start+n] = value along attribute axis, in place (rows past the end dropped)",
+)
+ASSIGN_SLICE.extra["written_inputs"] = lambda op: [0]

@@ -4,12 +4,15 @@ concatenation, splits, in-place assignment)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ....ops import Attrs
 from ....ops.expression import Ref, parse
 from ....ops.fused import program_types
 from .. import elementwise
+from ..irutil import I64, for_range, i64, load, storage_type, store
 from ..views import View, broadcast_view, contiguous_strides, dense_view, emit_map
 
 
@@ -126,6 +129,29 @@ def split(ctx, op) -> None:
         position += part.shape[axis]
 
 
+def assign_slice(ctx, op) -> None:
+    """target[..., start:start+n, ...] = value: only the n rows move, whatever the target's size."""
+    target, value, start = op.inputs
+    b = ctx.b
+    axis = Attrs(op.attrs).int("axis", 0) % target.rank
+    outer = math.prod(target.shape[:axis])
+    inner = math.prod(target.shape[axis + 1 :])
+    rows, capacity = value.shape[axis], target.shape[axis]
+    begin = load(b, ctx.pointer(start), i64(0), storage_type(start.dtype))
+    begin = b.sext(begin, I64) if begin.type.width < 64 else begin
+    ctx.fail(b.or_(b.icmp_signed("<", begin, i64(0)), b.icmp_signed(">=", begin, i64(capacity))))
+    room = b.sub(i64(capacity), begin)
+    count = b.select(b.icmp_signed("<", room, i64(rows)), room, i64(rows))
+    count = b.select(b.icmp_signed("<", count, i64(0)), i64(0), count)
+    element = storage_type(target.dtype)
+    source, destination = ctx.pointer(value), ctx.pointer(target)
+    with for_range(b, i64(0), i64(outer), name="o") as o:
+        from_row = b.mul(o, i64(rows * inner))
+        to_row = b.add(b.mul(o, i64(capacity * inner)), b.mul(begin, i64(inner)))
+        with for_range(b, i64(0), b.mul(count, i64(inner)), name="e") as e:
+            store(b, load(b, source, b.add(from_row, e), element), destination, b.add(to_row, e), element)
+
+
 KERNELS = {
     **{t: ("Elementwise", elementwise_op) for t in elementwise.SUPPORTED if t not in ("Identity",)},
     "Calculate": ("Calculate", calculate),
@@ -135,8 +161,10 @@ KERNELS = {
     "Squeeze": ("Copy", copy_elements),
     "BroadcastTo": ("Broadcast", broadcast_to),
     "Assign": ("Assign", assign),
+    "AssignSlice": ("AssignSlice", assign_slice),
     "Transpose": ("Transpose", transpose),
     "Slice": ("Slice", slice_),
     "Concat": ("Concat", concat),
     "Split": ("Split", split),
 }
+
