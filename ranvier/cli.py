@@ -100,6 +100,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .plot import plot_run
+
+    print(plot_run(Path(args.run_dir), Path(args.out) if args.out else None))
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -242,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--max-tokens", type=int, default=256)
     generate.set_defaults(run=_generate)
+
+    plot = commands.add_parser("plot", help="write a run's loss and learning-rate curves as a PNG")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/curves.png)")
+    plot.set_defaults(run=_plot)
 
     evaluate = commands.add_parser("eval", help="re-evaluate a run directory's checkpoint")
     evaluate.add_argument("run_dir")

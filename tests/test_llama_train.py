@@ -40,6 +40,10 @@ def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     assert resumed == expected  # step for step, bit for bit
 
     capsys.readouterr()
+    main(["plot", str(straight)])
+    png = (straight / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
     main(["generate", str(straight), "--prompt", "def ", "--max-tokens", "6", "--temperature", "0"])
     printed = capsys.readouterr().out
     assert printed.startswith("def ") and printed.strip().endswith("tokens/s")
