@@ -43,6 +43,7 @@ def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     main(["plot", str(straight)])
     png = (straight / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert capsys.readouterr().out.strip() == str(straight / "curves.png")
 
     main(["generate", str(straight), "--prompt", "def ", "--max-tokens", "6", "--temperature", "0"])
     printed = capsys.readouterr().out
