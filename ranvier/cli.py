@@ -73,7 +73,7 @@ def _train_llama(args: argparse.Namespace) -> int:
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"llama-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
-    train_llama(config, run_dir, progress=not args.quiet)
+    train_llama(config, run_dir, progress=not args.quiet, dashboard=args.dashboard)
     return 0
 
 
@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("--run-dir", default=None)
     llama.add_argument("--resume", default=None, metavar="RUN_DIR")
     llama.add_argument("--quiet", action="store_true")
+    llama.add_argument("--dashboard", action="store_true", help="a live terminal dashboard with samples (plain output when not a terminal)")
     llama.set_defaults(run=_train_llama)
 
     generate = commands.add_parser("generate", help="generate text from a trained Llama run directory")

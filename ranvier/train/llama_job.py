@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +53,7 @@ class LlamaRunConfig:
     eval_every: int = 200
     eval_batches: int = 8
     checkpoint_every: int = 500
+    sample_every: int = 200
     max_corpus_bytes: int | None = None
     seed: int = 0
     backend: str = "cpu"
@@ -162,13 +165,57 @@ def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
     return float(np.mean(losses))
 
 
-def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> float:
+def sample_text(run: LlamaRun, tokenizer, generator_box: list, tokens: int = 48) -> str:
+    """Text generated from the trainer's current weights (temperature 0.8, top-k 50)."""
+    from ..generate import Generator, Sampling
+
+    if not generator_box:
+        generator_box.append(Generator(Llama(run.model.config), run.model.initial, prefill=8))
+    generator = generator_box[0]
+    for key in run.model.initial:  # the generator's weights are a copy: refresh them
+        generator.network.globals[f"{Llama.name}/{key}"][...] = run.trainer.network.globals[f"{Llama.name}/{key}"]
+    ids = list(generator.stream([tokenizer.bos_id], tokens, Sampling(temperature=0.8, top_k=50), seed=0, eos=tokenizer.eos_id))
+    return tokenizer.decode(ids)
+
+
+@contextmanager
+def display(config: LlamaRunConfig, run: LlamaRun, run_dir: Path, steps: int, progress: bool, dashboard: bool):
+    """Yield `show(step, loss, seconds, record)`: the live dashboard on a terminal when
+    asked for, otherwise the progress bar (plain lines when output is not a terminal)."""
+    from ..progress import training_progress
+
+    tokens = config.batch * config.seq * config.accumulate
+    flops = run.model.config.flops_per_token(config.seq) * tokens
+    if not (dashboard and progress and sys.stdout.isatty()):
+        with training_progress(steps, enabled=progress, every=20) as report:
+            yield lambda step, loss, seconds, record: report(
+                loss, **{"tok/s": tokens / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops / seconds / 1e9})
+        return
+    from ..dashboard import Dashboard, measured_peak_gflops
+
+    board = Dashboard(f"ranvier train llama {config.preset} — {run_dir}", config.steps, run.trainer.compile_seconds, measured_peak_gflops())
+    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    generators: list = []
+    with board.live() as live:
+        def show(step, loss, seconds, record):
+            board.update(step, loss, seconds, tokens, flops)
+            board.validation = record.get("val_loss", board.validation)
+            if step % 20 == 0:
+                board.set_profile(run.trainer.data.profile())
+            if step % config.sample_every == 0:
+                board.sample = sample_text(run, tokenizer, generators)
+            live.update(board.render())
+
+        yield show
+
+
+def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, progress: bool = True,
+                stop_at: int | None = None, dashboard: bool = False) -> float:
     """Train (or resume); returns the final validation loss, printed with the unigram entropy.
 
     stop_at: pause after this step (checkpointed, schedule unchanged), to resume later.
+    dashboard: show the live dashboard (on a terminal) instead of the progress bar.
     """
-    from ..progress import training_progress
-
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run_dir / "config.json", json.dumps(asdict(config), indent=1).encode())
     run = build(config, run_dir)
@@ -193,18 +240,18 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
 
     start = time.perf_counter()
     remaining = max(0, min(config.steps, stop_at or config.steps) - trainer.step_count)
-    with open(metrics_path, "a") as metrics, training_progress(remaining, enabled=progress, every=20) as report:
+    with open(metrics_path, "a") as metrics, display(config, run, run_dir, remaining, progress, dashboard) as show:
         for _ in range(remaining):
             x, y = run.train.sample(config.batch, config.seq, rng)
             step_start = time.perf_counter()
             loss = trainer.step([x, y])
             seconds = time.perf_counter() - step_start
             step = trainer.step_count
-            report(loss, **{"tok/s": tokens_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9})
             record = {"step": step, "loss": loss, "lr": trainer.schedule(step - 1), "ms": seconds * 1e3,
                       "tokens_per_s": tokens_per_step / seconds, "gflops": flops_per_step / seconds / 1e9}
             if step % config.eval_every == 0:
                 record["val_loss"] = validation_loss(run, config)
+            show(step, loss, seconds, record)
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if step % config.checkpoint_every == 0:

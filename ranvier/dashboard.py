@@ -1,0 +1,105 @@
+"""A live terminal dashboard for training: loss curve, speed, compute efficiency, where the
+time goes, memory, and text sampled from the current weights.
+
+`Dashboard.render()` builds the view from the latest state, so it can be shown live
+(rich's Live, refreshed as steps report) or printed once (tests, logs).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from rich.console import Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """The last `width` values (averaged into that many buckets) as block characters."""
+    if not values:
+        return ""
+    data = np.asarray(values, np.float64)
+    buckets = np.array_split(data, min(width, len(data)))
+    means = np.array([b.mean() for b in buckets])
+    low, high = means.min(), means.max()
+    scaled = np.zeros_like(means) if high == low else (means - low) / (high - low)
+    return "".join(BLOCKS[int(round(s * (len(BLOCKS) - 1)))] for s in scaled)
+
+
+def measured_peak_gflops() -> float:
+    """This machine's fp32 GEMM rate, measured once (the denominator of "share of peak")."""
+    a = np.random.default_rng(0).random((768, 768), dtype=np.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * 768**3 / best / 1e9
+
+
+@dataclass
+class Dashboard:
+    title: str
+    total_steps: int
+    compile_seconds: float
+    peak_gflops: float
+    losses: list[float] = field(default_factory=list)
+    step: int = 0
+    ms_per_step: float = 0.0
+    tokens_per_second: float = 0.0
+    gflops: float = 0.0
+    validation: float | None = None
+    kernel_groups: list[tuple[str, float]] = field(default_factory=list)
+    sample: str = ""
+
+    def update(self, step: int, loss: float, seconds: float, tokens: int, flops: float) -> None:
+        self.step = step
+        self.losses.append(loss)
+        self.ms_per_step = seconds * 1e3
+        self.tokens_per_second = tokens / seconds
+        self.gflops = flops / seconds / 1e9
+
+    def set_profile(self, profile) -> None:
+        """Share of the step's time per kernel kind, largest first."""
+        totals: dict[str, float] = {}
+        for step in profile.steps:
+            totals[step.kernel] = totals.get(step.kernel, 0.0) + step.seconds
+        whole = sum(totals.values()) or 1.0
+        self.kernel_groups = sorted(((k, v / whole) for k, v in totals.items()), key=lambda kv: -kv[1])[:6]
+
+    def render(self) -> Panel:
+        stats = Table.grid(padding=(0, 2))
+        stats.add_column(style="bold")
+        stats.add_column()
+        best = min(self.losses) if self.losses else float("nan")
+        current = self.losses[-1] if self.losses else float("nan")
+        rows = [
+            ("step", f"{self.step}/{self.total_steps}"),
+            ("loss", f"{current:.4f}  (best {best:.4f})"),
+            ("validation", f"{self.validation:.4f}" if self.validation is not None else "-"),
+            ("ms/step", f"{self.ms_per_step:.1f}"),
+            ("tokens/s", f"{self.tokens_per_second:,.0f}"),
+            ("GFLOP/s", f"{self.gflops:.1f}  ({self.gflops / self.peak_gflops:.0%} of {self.peak_gflops:.0f} measured peak)"),
+            ("compile", f"{self.compile_seconds:.1f} s"),
+            ("memory", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MB peak resident"),
+        ]
+        for name, value in rows:
+            stats.add_row(name, value)
+        kernels = Table(title="time per kernel", show_header=False, box=None, padding=(0, 1))
+        for name, share in self.kernel_groups:
+            kernels.add_row(name, f"{share:6.1%}", "█" * int(round(share * 30)))
+        curve = Text(sparkline(self.losses), style="cyan")
+        parts = [Text("loss", style="bold"), curve, stats, kernels]
+        if self.sample:
+            parts += [Text("sample", style="bold"), Text(self.sample, style="italic")]
+        return Panel(Group(*parts), title=self.title)
+
+    def live(self) -> Live:
+        return Live(self.render(), refresh_per_second=4, transient=False)
