@@ -94,7 +94,7 @@ class Dashboard:
             stats.add_row(name, value)
         kernels = Table(title="time per kernel", show_header=False, box=None, padding=(0, 1))
         for name, share in self.kernel_groups:
-            kernels.add_row(name, f"{share:6.1%}", "█" * int(round(share * 30)))
+            kernels.add_row(Text(name), f"{share:6.1%}", "█" * int(round(share * 30)))
         curve = Text(sparkline(self.losses), style="cyan")
         parts = [Text("loss", style="bold"), curve, stats, kernels]
         if self.sample:
