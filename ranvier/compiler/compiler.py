@@ -47,12 +47,26 @@ def written_inputs(op: Operation) -> list[Variable]:
     return [op.inputs[i] for i in op_def(op.type).written_inputs(op)]
 
 
+VIEW_OPS = ("Reshape", "ExpandDims", "Squeeze", "Identity")  # same elements, same order
+
+
+def readers(var: Variable) -> list[Operation]:
+    """Ops that read `var`, directly or through ops that merely view it (a backend may
+    alias a view's output to the variable's own memory)."""
+    found = []
+    for consumer in var.consumers:
+        found.append(consumer)
+        if consumer.type in VIEW_OPS and consumer.inputs[0] is var:
+            found += readers(consumer.outputs[0])
+    return found
+
+
 def write_after_read(func: Function) -> dict[int, list[Operation]]:
     """An op that overwrites a variable runs after every other op of the function that reads it."""
     after: dict[int, list[Operation]] = {}
     for op in func.ops:
         for target in written_inputs(op):
-            after.setdefault(id(op), []).extend(c for c in target.consumers if c is not op and c.func is func)
+            after.setdefault(id(op), []).extend(c for c in readers(target) if c is not op and c.func is func)
     return after
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from ...compiler.compiler import VIEW_OPS
 from ...compiler.decompose import decompose
 from ...compiler.fuse import fuse_elementwise
 from ...compiler.simplify import eliminate_common_subexpressions, fold_constants
@@ -106,6 +107,7 @@ class CPUBackend:
                 if cell.slot(v) is None and all(t.name != v.name for t in table):
                     table.append(v)
         layout = Layout({s.var.name: s.offset for s in cell.slots}, table)
+        self._alias_views(cell, layout)
         description = self._describe(cell, layout)
         key = jit.cache_key(f"{_source_digest()}\n{description}", self.target)
 
@@ -121,6 +123,21 @@ class CPUBackend:
             "origin": origin,
             "python_steps": [i for i, s in enumerate(cell.steps) if s.variant == "python"],
         }
+
+    @staticmethod
+    def _alias_views(cell: Cell, layout: Layout) -> None:
+        """A reshape (or other view) of a global reads the global's memory in place: copying
+        a whole KV cache per decoded token to change its shape would cost more than the step."""
+        for step in cell.steps:
+            op = step.op
+            if op.type not in VIEW_OPS or not op.outputs:
+                continue
+            source, view = op.inputs[0], op.outputs[0]
+            if source.name in layout.offsets or view.name not in layout.offsets or view.name in cell.roles:
+                continue
+            layout.aliases[view.name] = layout.aliases.get(source.name, source)
+            del layout.offsets[view.name]
+            layout.table.append(view)
 
     @staticmethod
     def _describe(cell: Cell, layout: Layout) -> str:
@@ -168,7 +185,7 @@ class CPUBackend:
         table[codegen.BLAS_THREADS] = blas_thread_setter()
         table[codegen.MAX_THREADS] = os.cpu_count() or 1
         for k, var in enumerate(layout.table):
-            table[FIRST_TABLE_SLOT + k] = instance.view(var).ctypes.data
+            table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
         function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["address"])
         keep_alive = (callback, table, status)
 

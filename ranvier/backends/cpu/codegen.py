@@ -32,6 +32,8 @@ class Layout:
 
     offsets: dict[str, int]
     table: list[Variable] = field(default_factory=list)
+    # Views of a table variable (a reshaped global) that share its memory instead of copying it.
+    aliases: dict[str, Variable] = field(default_factory=dict)
 
     def slot(self, var: Variable) -> int:
         for k, v in enumerate(self.table):

@@ -72,10 +72,11 @@ def _iteration_shape(op):
 
 def copy_elements(ctx, op) -> None:
     """Reshape, ExpandDims, Squeeze, Identity: the same elements in the same order. When
-    the memory plan put the output over its input (in place), there is nothing to do."""
+    the output shares the input's memory (planned in place, or a view of a global),
+    there is nothing to do."""
     src, dst = op.inputs[0], op.outputs[0]
     offsets = ctx.layout.offsets
-    if src.name == dst.name or (src.name in offsets and offsets.get(dst.name) == offsets[src.name]):
+    if src.name == dst.name or dst.name in ctx.layout.aliases or (src.name in offsets and offsets.get(dst.name) == offsets[src.name]):
         return
     emit_map(ctx, [dst.size], [View(src, 0, [1])], [View(dst, 0, [1])], _identity)
 
