@@ -53,7 +53,7 @@ def _train_mnist(args: argparse.Namespace) -> int:
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"mnist-{args.model}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
-    train_mnist(config, run_dir, progress=not args.quiet, profile=args.profile)
+    train_mnist(config, run_dir, progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
     return 0
 
 
@@ -221,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its checkpoint")
     mnist.add_argument("--checkpoint-every", type=int, default=500)
     mnist.add_argument("--quiet", action="store_true", help="no progress bar")
+    mnist.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
     mnist.set_defaults(run=_train_mnist)
 
     llama = tasks.add_parser("llama", help="a Llama language model on a text corpus (the standard library by default)")

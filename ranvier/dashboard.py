@@ -8,8 +8,11 @@ time goes, memory, and text sampled from the current weights.
 from __future__ import annotations
 
 import resource
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import numpy as np
 from rich.console import Group
@@ -58,6 +61,7 @@ class Dashboard:
     validation: float | None = None
     kernel_groups: list[tuple[str, float]] = field(default_factory=list)
     sample: str = ""
+    unit: str = "tokens"
 
     def update(self, step: int, loss: float, seconds: float, tokens: int, flops: float) -> None:
         self.step = step
@@ -85,7 +89,7 @@ class Dashboard:
             ("loss", f"{current:.4f}  (best {best:.4f})"),
             ("validation", f"{self.validation:.4f}" if self.validation is not None else "-"),
             ("ms/step", f"{self.ms_per_step:.1f}"),
-            ("tokens/s", f"{self.tokens_per_second:,.0f}"),
+            (f"{self.unit}/s", f"{self.tokens_per_second:,.0f}"),
             ("GFLOP/s", f"{self.gflops:.1f}  ({self.gflops / self.peak_gflops:.0%} of {self.peak_gflops:.0f} measured peak)"),
             ("compile", f"{self.compile_seconds:.1f} s"),
             ("memory", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MB peak resident"),
@@ -103,3 +107,41 @@ class Dashboard:
 
     def live(self) -> Live:
         return Live(self.render(), refresh_per_second=4, transient=False)
+
+
+@contextmanager
+def training_display(
+    total: int,
+    *,
+    progress: bool,
+    dashboard: bool,
+    title: str,
+    compile_seconds: float,
+    flops_per_step: float,
+    items_per_step: int,
+    unit: str,
+    profile: Callable[[], object],
+    sample: Callable[[], str] | None = None,
+    sample_every: int = 200,
+) -> Iterator[Callable[[int, float, float, dict], None]]:
+    """Yield `show(step, loss, seconds, record)`: the live dashboard on a terminal when asked
+    for, otherwise the progress bar (plain lines when the output is not a terminal)."""
+    from .progress import training_progress
+
+    if not (dashboard and progress and sys.stdout.isatty()):
+        with training_progress(total, enabled=progress, every=20) as report:
+            yield lambda step, loss, seconds, record: report(loss, **{
+                f"{unit}/s": items_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9})
+        return
+    board = Dashboard(title, total, compile_seconds, measured_peak_gflops(), unit=unit)
+    with board.live() as live:
+        def show(step: int, loss: float, seconds: float, record: dict) -> None:
+            board.update(step, loss, seconds, items_per_step, flops_per_step)
+            board.validation = record.get("val_loss", board.validation)
+            if step % 20 == 0:
+                board.set_profile(profile())
+            if sample is not None and step % sample_every == 0:
+                board.sample = sample()
+            live.update(board.render())
+
+        yield show

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..atomic import atomic_write_bytes
+from ..dashboard import training_display
 from ..data import corpus as corpora
 from ..data.shards import TokenShards, pretokenize
 from ..data.tokenizers import load_tokenizer, train_sentencepiece
@@ -178,37 +177,6 @@ def sample_text(run: LlamaRun, tokenizer, generator_box: list, tokens: int = 48)
     return tokenizer.decode(ids)
 
 
-@contextmanager
-def display(config: LlamaRunConfig, run: LlamaRun, run_dir: Path, steps: int, progress: bool, dashboard: bool):
-    """Yield `show(step, loss, seconds, record)`: the live dashboard on a terminal when
-    asked for, otherwise the progress bar (plain lines when output is not a terminal)."""
-    from ..progress import training_progress
-
-    tokens = config.batch * config.seq * config.accumulate
-    flops = run.model.config.flops_per_token(config.seq) * tokens
-    if not (dashboard and progress and sys.stdout.isatty()):
-        with training_progress(steps, enabled=progress, every=20) as report:
-            yield lambda step, loss, seconds, record: report(
-                loss, **{"tok/s": tokens / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops / seconds / 1e9})
-        return
-    from ..dashboard import Dashboard, measured_peak_gflops
-
-    board = Dashboard(f"ranvier train llama {config.preset} — {run_dir}", config.steps, run.trainer.compile_seconds, measured_peak_gflops())
-    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
-    generators: list = []
-    with board.live() as live:
-        def show(step, loss, seconds, record):
-            board.update(step, loss, seconds, tokens, flops)
-            board.validation = record.get("val_loss", board.validation)
-            if step % 20 == 0:
-                board.set_profile(run.trainer.data.profile())
-            if step % config.sample_every == 0:
-                board.sample = sample_text(run, tokenizer, generators)
-            live.update(board.render())
-
-        yield show
-
-
 def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, progress: bool = True,
                 stop_at: int | None = None, dashboard: bool = False) -> float:
     """Train (or resume); returns the final validation loss, printed with the unigram entropy.
@@ -240,7 +208,15 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
 
     start = time.perf_counter()
     remaining = max(0, min(config.steps, stop_at or config.steps) - trainer.step_count)
-    with open(metrics_path, "a") as metrics, display(config, run, run_dir, remaining, progress, dashboard) as show:
+    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    generators: list = []
+    shown = training_display(
+        remaining, progress=progress, dashboard=dashboard, title=f"ranvier train llama {config.preset}: {run_dir}",
+        compile_seconds=trainer.compile_seconds, flops_per_step=flops_per_step, items_per_step=tokens_per_step,
+        unit="tokens", profile=trainer.data.profile, sample=lambda: sample_text(run, tokenizer, generators),
+        sample_every=config.sample_every,
+    )
+    with open(metrics_path, "a") as metrics, shown as show:
         for _ in range(remaining):
             x, y = run.train.sample(config.batch, config.seq, rng)
             step_start = time.perf_counter()

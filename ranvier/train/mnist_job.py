@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write_bytes
+from ..dashboard import training_display
 from ..data import mnist
 from ..errors import RanvierError
 from ..models import CNN, MLP
@@ -99,10 +100,9 @@ def resume_mnist(run_dir: Path, steps: int | None = None, progress: bool = True)
     return train_mnist(config, run_dir, resume=True, progress=progress)
 
 
-def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True, profile: bool = False) -> float:
+def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True, profile: bool = False,
+                dashboard: bool = False) -> float:
     """Train (or resume) and return the test accuracy. Prints `test_accuracy=0.XXXX` last."""
-    from ..progress import training_progress
-
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run_dir / "config.json", json.dumps(asdict(config), indent=1).encode())
 
@@ -117,11 +117,18 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
 
     remaining = max(0, config.steps - trainer.step_count)
     start = time.perf_counter()
-    with open(metrics_path, "a") as metrics, training_progress(remaining, enabled=progress) as report:
+    parameters = sum(p.var.size for p in trainer.params)
+    shown = training_display(
+        remaining, progress=progress, dashboard=dashboard, title=f"ranvier train mnist {config.model}: {run_dir}",
+        compile_seconds=trainer.compile_seconds, flops_per_step=6 * parameters * config.batch,
+        items_per_step=config.batch, unit="examples", profile=trainer.data.profile,
+    )
+    with open(metrics_path, "a") as metrics, shown as show:
         for _ in range(remaining):
+            step_start = time.perf_counter()
             loss = trainer.step()
-            report(loss)
             step = trainer.step_count
+            show(step, loss, time.perf_counter() - step_start, {})
             if step % config.log_every == 0 or step == config.steps:
                 record = {"step": step, "loss": loss, "lr": config.lr, "elapsed": time.perf_counter() - start}
                 metrics.write(json.dumps(record) + "\n")
