@@ -37,7 +37,7 @@ def _batch_offsets(batch, a_batch, b_batch):
 # and on a busy machine a waiting thread can stall the call for milliseconds. Large ones
 # use every core: by arithmetic, or by the bytes of a big matrix that a thin product
 # (a decode step's vector-matrix product) streams through.
-PARALLEL_FLOPS = 1 << 27
+PARALLEL_FLOPS = 1 << 24
 PARALLEL_BYTES = 1 << 22
 
 
