@@ -80,6 +80,18 @@ class _Heads:
             slot = b.gep(buffer, [j])
             b.store(b.fmul(b.load(slot), inverse), slot)
 
+    def each_query(self, q, k, probabilities, body) -> None:
+        """For every (batch·head, query): fill `probabilities`, then call
+        body(key/value base, query row offset, visible key count)."""
+        b = self.b
+        with for_range(b, i64(0), i64(self.batch * self.heads), name="bh") as bh:
+            kv = self.kv_base(bh)
+            with for_range(b, i64(0), i64(self.queries), name="t") as t:
+                row = b.mul(b.add(b.mul(bh, i64(self.queries)), t), i64(self.size))
+                count = self.visible(t)
+                self.probabilities(q, row, k, kv, count, probabilities)
+                body(kv, row, count)
+
     def buffer(self) -> ir.Value:
         with self.b.goto_entry_block():
             return self.b.alloca(self.t, size=i64(self.keys))
@@ -98,14 +110,12 @@ def attention(ctx, op) -> None:
     b = ctx.b
     p = heads.buffer()
     _zero(ctx, out)
-    with for_range(b, i64(0), i64(heads.batch * heads.heads), name="bh") as bh:
-        kv = heads.kv_base(bh)
-        with for_range(b, i64(0), i64(heads.queries), name="t") as t:
-            row = b.mul(b.add(b.mul(bh, i64(heads.queries)), t), i64(heads.size))
-            count = heads.visible(t)
-            heads.probabilities(q, row, k, kv, count, p)
-            with for_range(b, i64(0), count, name="j") as j:
-                heads.axpy(b.load(b.gep(p, [j])), v, b.add(kv, b.mul(j, i64(heads.size))), out, row)
+
+    def weighted_values(kv, row, count):
+        with for_range(b, i64(0), count, name="j") as j:
+            heads.axpy(b.load(b.gep(p, [j])), v, b.add(kv, b.mul(j, i64(heads.size))), out, row)
+
+    heads.each_query(q, k, p, weighted_values)
 
 
 def attention_grad(ctx, op) -> None:
@@ -119,26 +129,23 @@ def attention_grad(ctx, op) -> None:
     with b.goto_entry_block():
         total_slot = b.alloca(heads.t)
     scale = constant(heads.t, heads.scale)
-    with for_range(b, i64(0), i64(heads.batch * heads.heads), name="bh") as bh:
-        kv = heads.kv_base(bh)
-        with for_range(b, i64(0), i64(heads.queries), name="t") as t:
-            row = b.mul(b.add(b.mul(bh, i64(heads.queries)), t), i64(heads.size))
-            count = heads.visible(t)
-            heads.probabilities(q, row, k, kv, count, p)
-            b.store(constant(heads.t, 0.0), total_slot)
-            with for_range(b, i64(0), count, name="j") as j:
-                d = heads.dot(dout, row, v, b.add(kv, b.mul(j, i64(heads.size))))
-                b.store(d, b.gep(dp, [j]))
-                b.store(b.fadd(b.load(total_slot), b.fmul(b.load(b.gep(p, [j])), d)), total_slot)
-            total = b.load(total_slot)
-            with for_range(b, i64(0), count, name="j") as j:
-                pj = b.load(b.gep(p, [j]))
-                ds = b.fmul(pj, b.fsub(b.load(b.gep(dp, [j])), total))
-                key_row = b.add(kv, b.mul(j, i64(heads.size)))
-                heads.axpy(b.fmul(ds, scale), k, key_row, dq, row)
-                heads.axpy(b.fmul(ds, scale), q, row, dk, key_row)
-                heads.axpy(pj, dout, row, dv, key_row)
 
+    def gradients(kv, row, count):
+        b.store(constant(heads.t, 0.0), total_slot)
+        with for_range(b, i64(0), count, name="j") as j:
+            d = heads.dot(dout, row, v, b.add(kv, b.mul(j, i64(heads.size))))
+            b.store(d, b.gep(dp, [j]))
+            b.store(b.fadd(b.load(total_slot), b.fmul(b.load(b.gep(p, [j])), d)), total_slot)
+        total = b.load(total_slot)
+        with for_range(b, i64(0), count, name="j") as j:
+            pj = b.load(b.gep(p, [j]))
+            ds = b.fmul(pj, b.fsub(b.load(b.gep(dp, [j])), total))
+            key_row = b.add(kv, b.mul(j, i64(heads.size)))
+            heads.axpy(b.fmul(ds, scale), k, key_row, dq, row)
+            heads.axpy(b.fmul(ds, scale), q, row, dk, key_row)
+            heads.axpy(pj, dout, row, dv, key_row)
+
+    heads.each_query(q, k, p, gradients)
 
 def choose(op):
     if op.inputs and op.inputs[0].dtype in ("float32", "float64"):
