@@ -15,6 +15,8 @@ SHAPES = [  # (B, H, KV, T, S, hd)
     (2, 4, 2, 5, 5, 8),
     (1, 3, 1, 4, 7, 6),  # multi-query, queries are the last 4 of 7 positions
     (2, 2, 2, 9, 9, 19),
+    (1, 4, 2, 6, 6, 37),  # a head size the CPU backend runs through its fused kernels
+    (1, 2, 1, 3, 5, 32),
 ]
 
 
@@ -58,3 +60,17 @@ def test_attention_shape_errors():
     assert_mentions(message, "Attention", "q: float32[1x3x4x8]", "multiple of key/value heads")
     message = shape_error(lambda f, q, k, v: f.op("Attention", [q, k, v]), [("q", "float32", [1, 2, 6, 8]), ("k", "float32", [1, 2, 4, 8]), ("v", "float32", [1, 2, 4, 8])])
     assert_mentions(message, "no more queries than keys")
+
+
+@pytest.mark.parametrize("size,fused", [(8, False), (32, True)])
+def test_cpu_fuses_attention_for_heads_large_enough_to_pay(size, fused):
+    import ranvier as rv
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    q, k, v, d = (f.var(n, "float32", [1, 2, 4, size]) for n in "qkvd")
+    f.op("Attention", [q, k, v])
+    f.op("AttentionGrad", [q, k, v, d])
+    kernels = {s.kernel for s in rv.Compiler("cpu").compile(flow).cell("f").steps}
+    assert ({"AttentionRow", "AttentionGradRow"} <= kernels) == fused
+    assert ("BlasGemm" in kernels) != fused

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
+
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Function, Operation
 from ..ops import Attrs
@@ -153,7 +155,51 @@ def split_reduction(b: Builder, op: Operation) -> Tensor | None:
     return x.reshape(op.outputs[0].shape)
 
 
-RULES: dict[str, Callable[[Builder, Operation], Tensor | None]] = {
+# Below this head size the fused attention kernel's per-key vector work is too short to
+# pay; batched GEMMs through BLAS win (measured on stories260K, head size 8).
+FUSED_ATTENTION_MIN_HEAD = 32
+
+
+def _attention_parts(b: Builder, op: Operation):
+    """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + causal mask)."""
+    from ..ops.attention import scale_of
+
+    q, k, v = (b._wrap(x) for x in op.inputs[:3])
+    batch, heads, queries, size = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    attrs = Attrs(op.attrs)
+    q5 = q.reshape([batch, kv_heads, groups, queries, size])
+    k5, v5 = (t.reshape([batch, kv_heads, 1, keys, size]) for t in (k, v))
+    scale = scale_of(attrs, size)
+    scores = b.matmul(q5, k5, transpose_b=True) * scale
+    if attrs.bool("causal", True):
+        hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
+        scores = scores + b.const(np.where(hidden, -np.inf, 0.0).astype(np.float32 if q.dtype == "float32" else np.float64))
+    return q5, k5, v5, b.softmax(scores), scale
+
+
+def attention(b: Builder, op: Operation) -> Tensor | None:
+    if op.inputs[0].shape[3] >= FUSED_ATTENTION_MIN_HEAD:
+        return None
+    _, _, v5, p, _ = _attention_parts(b, op)
+    return (p @ v5).reshape(op.outputs[0].shape)
+
+
+def attention_grad(b: Builder, op: Operation) -> list[Tensor] | None:
+    if op.inputs[0].shape[3] >= FUSED_ATTENTION_MIN_HEAD:
+        return None
+    q5, k5, v5, p, scale = _attention_parts(b, op)
+    dout = b._wrap(op.inputs[3]).reshape(q5.shape)
+    dp = b.matmul(dout, v5, transpose_b=True)
+    ds = p * (dp - b.sum(p * dp, axis=-1, keepdims=True))
+    dq = (b.matmul(ds, k5) * scale).reshape(op.outputs[0].shape)
+    dk = b.sum(b.matmul(ds, q5, transpose_a=True) * scale, axis=2).reshape(op.outputs[1].shape)
+    dv = b.sum(b.matmul(p, dout, transpose_a=True), axis=2).reshape(op.outputs[2].shape)
+    return [dq, dk, dv]
+
+
+RULES: dict[str, Callable[[Builder, Operation], Tensor | list[Tensor] | None]] = {
     "Conv2D": conv2d,
     "Conv2DBackpropFilter": conv2d_filter_grad,
     "Conv2DBackpropInput": conv2d_input_grad,
@@ -162,6 +208,8 @@ RULES: dict[str, Callable[[Builder, Operation], Tensor | None]] = {
     "MaxPoolGrad": max_pool_grad,
     "AvgPoolGrad": avg_pool_grad,
     **{kind: split_reduction for kind in ("Sum", "Mean", "Max", "Min", "Product", "All", "Any")},
+    "Attention": attention,
+    "AttentionGrad": attention_grad,
 }
 
 
@@ -175,10 +223,12 @@ def decompose(flow: Flow, func: Function, types: set[str] | None = None) -> None
         result = rule(b, op)
         if result is None:
             continue
-        (original,) = op.outputs
+        results = result if isinstance(result, list) else [result]
+        originals = list(op.outputs)
         flow.remove_op(op)
-        # The last new op writes the original variable, so names seen outside stay.
-        last = result.var.producer
-        last.outputs[last.outputs.index(result.var)] = original
-        original.producer = last
-        flow.remove_var(result.var)
+        # The last new op of each result writes the original variable, so names seen outside stay.
+        for original, new in zip(originals, results):
+            last = new.var.producer
+            last.outputs[last.outputs.index(new.var)] = original
+            original.producer = last
+            flow.remove_var(new.var)

@@ -31,6 +31,8 @@ class Row:
         self.start, self.length, self.dtype = start, length, dtype
         self.ctype = compute_type(dtype)
         self.lanes = ctx.lanes_for([dtype])
+        while self.lanes > 1 and self.lanes > length:  # short rows (a head of 8) use narrower vectors
+            self.lanes //= 2
 
     def read(self, var, index, width):
         return widen(self.b, load(self.b, self.ctx.pointer(var), index, storage_type(var.dtype), width), var.dtype, width)
