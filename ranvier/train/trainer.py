@@ -192,12 +192,13 @@ class TrainerBase:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """Everything training changes: parameters and every global an Assign writes."""
+        """Everything training changes: parameters and every global an Assign writes.
+        (Constants the compiler made, which the flow as built does not have, are not state.)"""
         written = {op.inputs[0].name for op in self.flow.ops.values() if op.type == "Assign"}
         return {
             name: array
             for name, array in sorted(self.network.globals.items())
-            if name in written or self.flow.vars[name].learnable
+            if name in written or (name in self.flow.vars and self.flow.vars[name].learnable)
         }
 
     def save(self, directory: str | Path, extra: dict | None = None) -> Path:
