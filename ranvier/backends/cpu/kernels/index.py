@@ -16,12 +16,14 @@ from ..irutil import I64, compute_type, constant, for_range, i64, load, storage_
 from ..views import for_vectors
 
 
-def _index(ctx, var, position) -> ir.Value:
+def load_index(ctx, var, position) -> ir.Value:
+    """Element `position` of an integer variable, as i64."""
     value = load(ctx.b, ctx.pointer(var), position, storage_type(var.dtype))
     return ctx.b.sext(value, I64) if value.type.width < 64 else value
 
 
-def _in_range(ctx, index, rows) -> ir.Value:
+def check_range(ctx, index, rows) -> ir.Value:
+    """Whether 0 <= index < rows; when not, the step marks itself failed (the runtime raises)."""
     b = ctx.b
     bad = b.or_(b.icmp_signed("<", index, i64(0)), b.icmp_signed(">=", index, i64(rows)))
     ctx.fail(bad)
@@ -37,8 +39,8 @@ def gather(ctx, op) -> None:
     lanes = ctx.lanes_for([params.dtype])
     pp, po = ctx.pointer(params), ctx.pointer(out)
     with for_range(b, i64(0), i64(indices.size), name="n") as n:
-        row = _index(ctx, indices, n)
-        with b.if_then(_in_range(ctx, row, params.shape[0])):
+        row = load_index(ctx, indices, n)
+        with b.if_then(check_range(ctx, row, params.shape[0])):
             source, target = b.mul(row, i64(width)), b.mul(n, i64(width))
 
             def copy(i, w):
@@ -58,8 +60,8 @@ def scatter_add(ctx, op) -> None:
     is_float = isinstance(compute_type(out.dtype), (ir.FloatType, ir.DoubleType))
     for_vectors(b, i64(0), out.size, lanes, lambda i, w: store(b, narrow(b, constant(_ctype(out, w), 0), out.dtype, w), po, i, element, w))
     with for_range(b, i64(0), i64(indices.size), name="n") as n:
-        row = _index(ctx, indices, n)
-        with b.if_then(_in_range(ctx, row, out.shape[0])):
+        row = load_index(ctx, indices, n)
+        with b.if_then(check_range(ctx, row, out.shape[0])):
             source, target = b.mul(n, i64(width)), b.mul(row, i64(width))
 
             def add(i, w):
@@ -87,7 +89,7 @@ def one_hot(ctx, op) -> None:
     for_vectors(b, i64(0), out.size, lanes, lambda i, w: store(b, narrow(b, constant(_ctype(out, w), 0), out.dtype, w), po, i, element, w))
     one = narrow(b, constant(compute_type(out.dtype), 1), out.dtype, 1)
     with for_range(b, i64(0), i64(indices.size), name="n") as n:
-        hot = _index(ctx, indices, n)
+        hot = load_index(ctx, indices, n)
         inside = b.and_(b.icmp_signed(">=", hot, i64(0)), b.icmp_signed("<", hot, i64(depth)))
         with b.if_then(inside):
             store(b, one, po, b.add(b.mul(n, i64(depth)), hot), element)

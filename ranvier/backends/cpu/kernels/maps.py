@@ -12,8 +12,9 @@ from ....ops import Attrs
 from ....ops.expression import Ref, parse
 from ....ops.fused import program_types
 from .. import elementwise
-from ..irutil import I64, for_range, i64, load, storage_type, store
+from ..irutil import for_range, i64, load, storage_type, store
 from ..views import View, broadcast_view, contiguous_strides, dense_view, emit_map
+from .index import check_range, load_index
 
 
 def _identity(b, values, lanes):
@@ -138,9 +139,8 @@ def assign_slice(ctx, op) -> None:
     outer = math.prod(target.shape[:axis])
     inner = math.prod(target.shape[axis + 1 :])
     rows, capacity = value.shape[axis], target.shape[axis]
-    begin = load(b, ctx.pointer(start), i64(0), storage_type(start.dtype))
-    begin = b.sext(begin, I64) if begin.type.width < 64 else begin
-    ctx.fail(b.or_(b.icmp_signed("<", begin, i64(0)), b.icmp_signed(">=", begin, i64(capacity))))
+    begin = load_index(ctx, start, i64(0))
+    check_range(ctx, begin, capacity)
     room = b.sub(i64(capacity), begin)
     count = b.select(b.icmp_signed("<", room, i64(rows)), room, i64(rows))
     count = b.select(b.icmp_signed("<", count, i64(0)), i64(0), count)

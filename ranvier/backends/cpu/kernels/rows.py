@@ -21,6 +21,7 @@ from ..codegen import KernelContext
 from ..convert import narrow, widen
 from ..irutil import compute_type, constant, for_range, i64, intrinsic, load, splat, storage_type, store, vector_of
 from ..views import for_vectors
+from .index import check_range, load_index
 
 
 class Row:
@@ -204,10 +205,8 @@ def cross_entropy(ctx, op) -> None:
 
 def _label(ctx, target, r, n):
     """Row r's class, checked against the class count (a bad one marks the step failed)."""
-    b = ctx.b
-    label = load(b, ctx.pointer(target), r, storage_type(target.dtype))
-    label = b.sext(label, ir.IntType(64)) if label.type.width < 64 else label
-    ctx.fail(b.or_(b.icmp_signed("<", label, i64(0)), b.icmp_signed(">=", label, i64(n))))
+    label = load_index(ctx, target, r)
+    check_range(ctx, label, n)
     return label
 
 
