@@ -29,6 +29,7 @@ from ..errors import RanvierError
 from ..flow.builder import Builder
 from ..flow.graph import Flow
 from ..models.llama import PRESETS, Llama, LlamaConfig
+from . import rundir
 from .losses import softmax_cross_entropy
 from .optimizers import AdamW
 from .schedules import WarmupCosine
@@ -96,10 +97,7 @@ def model_config_for(config: LlamaRunConfig, vocab_size: int) -> LlamaConfig:
 
 
 def read_run(run_dir: Path) -> LlamaRunConfig:
-    path = run_dir / "config.json"
-    if not path.exists():
-        raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
-    return LlamaRunConfig(**json.loads(path.read_text()))
+    return rundir.read_config(run_dir, LlamaRunConfig)
 
 
 def load_model(run_dir: Path):
@@ -193,8 +191,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     if resume:
         metadata = trainer.load(run_dir / "checkpoint")
         rng.bit_generator.state = metadata["rng"]
-        kept = [line for line in metrics_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= trainer.step_count] if metrics_path.exists() else []
-        atomic_write_bytes(metrics_path, ("\n".join(kept) + "\n" if kept else "").encode())
+        rundir.keep_metrics_until(metrics_path, trainer.step_count)
     elif metrics_path.exists():
         metrics_path.unlink()
     c = run.model.config

@@ -18,6 +18,7 @@ from ..dashboard import training_display
 from ..data import mnist
 from ..errors import RanvierError
 from ..models import CNN, MLP
+from . import rundir
 from .classifier import build_classifier
 from .optimizers import SGD, Adam, AdamW
 from .schedules import Constant
@@ -77,19 +78,8 @@ def _test_images(config: MnistConfig, split: mnist.Split) -> np.ndarray:
     return split.flat() if config.model == "mlp" else split.nchw()
 
 
-def _keep_metrics_until(path: Path, step: int) -> None:
-    """On resume, drop metric lines logged after the checkpoint (they will be logged again)."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
-
-
 def read_config(run_dir: Path) -> MnistConfig:
-    config_path = run_dir / "config.json"
-    if not config_path.exists():
-        raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
-    return MnistConfig(**json.loads(config_path.read_text()))
+    return rundir.read_config(run_dir, MnistConfig)
 
 
 def resume_mnist(run_dir: Path, steps: int | None = None, progress: bool = True) -> float:
@@ -110,7 +100,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         trainer.load(run_dir / "checkpoint")
-        _keep_metrics_until(metrics_path, trainer.step_count)
+        rundir.keep_metrics_until(metrics_path, trainer.step_count)
     elif metrics_path.exists():
         metrics_path.unlink()
     print(f"compiled in {trainer.compile_seconds:.2f}s ({config.backend} backend); training from step {trainer.step_count}")
