@@ -22,3 +22,13 @@ class FlowFileError(RanvierError, ValueError):
 
 class CompileError(RanvierError):
     """A flow function cannot be compiled as it stands."""
+
+
+def name_mismatch(missing, extra) -> str:
+    """"missing a, b; unexpected c" (five names each at most), or "" when both are empty."""
+    parts = []
+    if missing:
+        parts.append(f"missing {', '.join(list(missing)[:5])}")
+    if extra:
+        parts.append(f"unexpected {', '.join(list(extra)[:5])}")
+    return "; ".join(parts)

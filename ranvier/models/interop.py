@@ -32,7 +32,7 @@ from typing import Iterable
 import numpy as np
 
 from ..atomic import atomic_write, atomic_write_bytes
-from ..errors import RanvierError
+from ..errors import RanvierError, name_mismatch
 from .llama import LlamaConfig, rope_tables
 
 MAGIC = 0x616B3432  # "ak42"
@@ -79,10 +79,7 @@ def check_weights(config: LlamaConfig, weights: dict[str, np.ndarray], source: s
     extra = [k for k in weights if k not in expected]
     if missing or extra:
         raise InteropError(
-            f"{source} do not fit the Llama config: "
-            + (f"missing {', '.join(missing[:5])}" if missing else "")
-            + ("; " if missing and extra else "")
-            + (f"unexpected {', '.join(extra[:5])}" if extra else "")
+            f"{source} do not fit the Llama config: " + name_mismatch(missing, extra)
         )
     out = {}
     for key, shape in expected.items():
@@ -606,10 +603,7 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
     extra = sorted(set(state) - {hf_name for hf_name, _ in names.values()})
     if missing or extra:
         raise InteropError(
-            f"{folder}: the weights do not fit config.json: "
-            + (f"missing {', '.join(missing[:5])}" if missing else "")
-            + ("; " if missing and extra else "")
-            + (f"unexpected {', '.join(extra[:5])}" if extra else "")
+            f"{folder}: the weights do not fit config.json: " + name_mismatch(missing, extra)
         )
     weights = {}
     for key, (hf_name, heads) in names.items():

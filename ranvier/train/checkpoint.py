@@ -21,7 +21,7 @@ from safetensors.numpy import save as st_save
 
 from .. import dtypes
 from ..atomic import atomic_write_bytes
-from ..errors import RanvierError
+from ..errors import RanvierError, name_mismatch
 
 FORMAT = "ranvier-checkpoint"
 VERSION = 1
@@ -97,10 +97,7 @@ def check_compatible(arrays: dict[str, np.ndarray], expected: dict[str, np.ndarr
     extra = sorted(set(arrays) - set(expected))
     if missing or extra:
         raise CheckpointError(
-            f"checkpoint {source} is for a different model: "
-            + (f"missing {', '.join(missing[:5])}" if missing else "")
-            + ("; " if missing and extra else "")
-            + (f"unexpected {', '.join(extra[:5])}" if extra else "")
+            f"checkpoint {source} is for a different model: " + name_mismatch(missing, extra)
         )
     for name, target in expected.items():
         got = arrays[name]
