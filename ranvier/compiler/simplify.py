@@ -10,9 +10,11 @@ from ..ops import Attrs, TensorType, op_def
 FOLD_LIMIT = 1 << 16  # elements: fold small constant results, keep big ones as computations
 
 
-def _written(func: Function) -> set[str]:
+def _written(flow: Flow) -> set[str]:
+    """Globals some op writes in place, in any function: state one cell updates and
+    another reads is not a constant of either."""
     names = set()
-    for op in func.ops:
+    for op in flow.ops.values():
         for i in op_def(op.type).written_inputs(op):
             names.add(op.inputs[i].name)
     return names
@@ -20,7 +22,7 @@ def _written(func: Function) -> set[str]:
 
 def fold_constants(flow: Flow, func: Function, keep: set[str]) -> None:
     """Evaluate ops whose inputs are all constants at compile time."""
-    written = _written(func)
+    written = _written(flow)
     for op in flow.order(func):
         definition = op_def(op.type)
         if (

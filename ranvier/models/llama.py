@@ -115,19 +115,52 @@ class Llama(Module):
 
     def forward(self, b: Builder, tokens: Tensor, p) -> Tensor:
         """tokens [B, T] int32 → logits [B, T, vocab]."""
+        x = self.embed(b, tokens, p)
+        for i in range(self.config.n_layers):
+            x = self.layer(b, x, self.layer_parameters(p, i))
+        return self.head(b, x, p)
+
+    # The three stages a CheckpointedStack compiles separately: the layers are identical,
+    # so one compiled layer serves them all.
+
+    @property
+    def depth(self) -> int:
+        return self.config.n_layers
+
+    def embed(self, b: Builder, tokens: Tensor, p) -> Tensor:
+        """tokens [B, T] int32 → the first layer's input [B, T, dim]."""
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise RanvierError(f"Llama: sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}")
+        return b.gather(p["tok_embeddings"], tokens)
+
+    @staticmethod
+    def layer_parameters(p, i: int) -> dict:
+        """Layer i's parameters keyed without their "layers.i." prefix (wq, w1, ...)."""
+        prefix = f"layers.{i}."
+        return {key[len(prefix):]: value for key, value in p.items() if key.startswith(prefix)}
+
+    def layer(self, b: Builder, x: Tensor, w: dict) -> Tensor:
+        """One transformer block: x + attention(norm(x)), then + feed_forward(norm(·))."""
         c = self.config
-        batch, seq = tokens.shape
-        if seq > c.max_seq_len:
-            raise RanvierError(f"Llama: sequence length {seq} exceeds max_seq_len {c.max_seq_len}")
-        cos, sin = rope_tables(c.head_dim, seq, c.rope_theta)
-        rope = (b.const(cos.reshape(1, seq, 1, -1, 1)), b.const(sin.reshape(1, seq, 1, -1, 1)))
-        x = b.gather(p["tok_embeddings"], tokens)
-        for i in range(c.n_layers):
-            layer = {key.split(".", 2)[2]: value for key, value in p.items() if key.startswith(f"layers.{i}.")}
-            x = x + self.attention(b, b.rms_norm(x, layer["attention_norm"], c.norm_eps), layer, rope)
-            x = x + self.feed_forward(b, b.rms_norm(x, layer["ffn_norm"], c.norm_eps), layer)
-        x = b.rms_norm(x, p["norm"], c.norm_eps)
-        if c.shared_classifier:
+        rope = self.rope(b, x.shape[1])
+        x = x + self.attention(b, b.rms_norm(x, w["attention_norm"], c.norm_eps), w, rope)
+        return x + self.feed_forward(b, b.rms_norm(x, w["ffn_norm"], c.norm_eps), w)
+
+    def rope(self, b: Builder, seq: int) -> tuple[Tensor, Tensor]:
+        """The rotary tables as constants of b's function, made once and shared by its layers."""
+        tables = rope_tables(self.config.head_dim, seq, self.config.rope_theta)
+        result = []
+        for part, table in zip(("cos", "sin"), tables):
+            name = f"{b.func.name}/rope{seq}x{self.config.head_dim}.{part}"
+            var = b.flow.vars.get(name)
+            result.append(b._wrap(var) if var is not None else b.array(f"rope{seq}x{self.config.head_dim}.{part}", table.reshape(1, seq, 1, -1, 1)))
+        return result[0], result[1]
+
+    def head(self, b: Builder, x: Tensor, p) -> Tensor:
+        """The last layer's output → logits [B, T, vocab]."""
+        x = b.rms_norm(x, p["norm"], self.config.norm_eps)
+        if self.config.shared_classifier:
             return b.matmul(x, p["tok_embeddings"], transpose_b=True)
         return x @ p["output"]
 

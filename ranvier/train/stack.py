@@ -1,0 +1,322 @@
+"""CheckpointedStack: train a deep stack of identical layers with compile work and
+activation memory that do not grow with depth (ANEForge's layer-streamed training).
+
+A monolithic training step compiles every layer's forward and backward into one cell,
+so compile time grows with depth and every layer's intermediate values are live at
+once. Here the model is split into three stages, each compiled once:
+
+    embed:  input → x₀                      (and its backward, into the embedding grads)
+    layer:  xᵢ, wᵢ → xᵢ₊₁                   one cell for every layer, weights fed per call
+    head:   x_L, target → loss, ∂loss/∂x_L  (and the head's parameter gradients)
+
+The forward keeps only each layer's input (the checkpoint). The backward of layer i
+recomputes its forward from that input inside one reused `layer_backward` cell and
+returns the input gradient (the upstream gradient of layer i − 1) with the weight
+gradients. The weight gradients land in resident gradient buffers beside the
+parameters, and one update cell applies the optimizer (clipping included) to all of
+them, so parameters, optimizer state and checkpoints are named exactly as the
+monolithic Trainer's and the two can load each other's checkpoints.
+
+The model provides `depth`, `parameters(b)`, `layer_parameters(p, i)` (layer i's
+parameters keyed by a name shared by all layers) and the stages `embed(b, x, p)`,
+`layer(b, x, w)` and `head(b, x, p)`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from .. import dtypes
+from ..autodiff import gradient
+from ..errors import RanvierError
+from ..flow.builder import Builder, Tensor
+from ..flow.graph import Flow, Variable
+from ..profile import Profile, StepTime, flops
+from . import schedules
+from .optimizers import Adam, state_var
+from .trainer import TrainerBase, assign_all, step_updates
+
+TensorType = tuple[str, Sequence[int]]  # (dtype, shape)
+Loss = Callable[[Builder, Tensor, Tensor], Tensor]
+
+
+class StackModel(Protocol):
+    depth: int
+
+    def parameters(self, b: Builder) -> dict[str, Tensor]: ...
+    def layer_parameters(self, p: dict, i: int) -> dict[str, Tensor]: ...
+    def embed(self, b: Builder, x: Tensor, p: dict) -> Tensor: ...
+    def layer(self, b: Builder, x: Tensor, w: dict) -> Tensor: ...
+    def head(self, b: Builder, x: Tensor, p: dict) -> Tensor: ...
+
+
+class CheckpointedStack(TrainerBase):
+    """A trainer whose step streams the layers through one compiled layer forward and
+    one compiled layer backward (with recompute).
+
+    input_type, target_type: (dtype, shape) of one step's model input and loss target.
+    loss: `loss(b, model_output, target)` → scalar loss tensor.
+    name: the update cell's function name; the optimizer's state is named after it, so
+        the default matches a monolithic Trainer built in a function "train".
+    """
+
+    def __init__(
+        self,
+        model: StackModel,
+        input_type: TensorType,
+        target_type: TensorType,
+        loss: Loss,
+        optimizer=None,
+        *,
+        schedule=None,
+        clip_norm: float | None = None,
+        track_grad_norm: bool = False,
+        name: str = "train",
+        backend: str = "cpu",
+        cpu: str = "",
+    ):
+        self.model = model
+        self.optimizer = optimizer or Adam()
+        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
+        self.flow = flow = Flow()
+        update = Builder(flow, name)
+        update.func.training = True
+        params = model.parameters(update)
+        self.params = params
+        self._layer_globals = [self._layer_names(params, i) for i in range(model.depth)]
+
+        embed_input, x0 = self._build_embed(f"{name}/embed", input_type)
+        self.act_type = (x0.dtype, list(x0.shape))
+        layer_w = self._build_layer(f"{name}/layer")
+        backward_w, backward_grads = self._build_layer_backward(f"{name}/layer_backward")
+        head_target, head_loss, head_params = self._build_head(f"{name}/head", target_type, loss, with_gradient=True)
+        self._eval_target, eval_loss, _ = self._build_head(f"{name}/head_eval", target_type, loss, with_gradient=False)
+        self._build_embed_backward(f"{name}/embed_backward", input_type, head_params)
+
+        # The head's and the embedding's gradients are written by their cells into resident
+        # buffers; a layer's are copied from the layer backward into the update cell's inputs.
+        in_layers = {name for layer in self._layer_globals for name in layer.values()}
+        self.grads = {
+            key: update.var(f"{key}.grad", p.dtype, p.shape) if p.var.name in in_layers else state_var(update, p.var, "grad")
+            for key, p in params.items()
+        }
+        self.lr_var = update.var("lr", "float32", []).var
+        updates, norm = step_updates(
+            update, list(params.values()), [update._wrap(g.var) for g in self.grads.values()], self.optimizer,
+            update._wrap(self.lr_var), None, None, clip_norm, track_norm=track_grad_norm,
+        )
+        assign_all(update, updates)
+        self.norm_var = norm.var if norm is not None else None
+        if self.norm_var is not None:
+            self.norm_var.out = True
+
+        self.inputs = [embed_input, head_target]
+        self.batch_rows = input_type[1][0]
+        self._compile(backend, None, cpu)
+        net = self.network
+        self.embed_data = net.cell(f"{name}/embed").instance()
+        self.layer_data = net.cell(f"{name}/layer").instance()
+        self.backward_data = net.cell(f"{name}/layer_backward").instance()
+        self.head_data = net.cell(f"{name}/head").instance()
+        self.eval_data = net.cell(f"{name}/head_eval").instance()
+        self.embed_backward_data = net.cell(f"{name}/embed_backward").instance()
+        self.update_data = net.cell(name).instance()
+        self._x0, self._head_loss, self._eval_loss = x0.var, head_loss.var, eval_loss.var
+        self._layer_w, self._backward_w, self._backward_grads = layer_w, backward_w, backward_grads
+        self._grad_names = {g.var.name for g in self.grads.values()}
+        self._layer_grad_vars = [
+            {key: self.grads[global_name[len(self.model.name) + 1:]].var for key, global_name in layer.items()}
+            for layer in self._layer_globals
+        ]
+        # The checkpoints: layer i's input, for the backward's recompute.
+        self._activations = [np.empty(self.act_type[1], dtypes.to_numpy(self.act_type[0])) for _ in range(model.depth + 1)]
+
+    # ---- building the stages -------------------------------------------------------------
+
+    def _layer_names(self, params: dict, i: int) -> dict[str, str]:
+        """Layer i's {shared key: global name}; every layer must match layer 0."""
+        def types(layer: dict) -> dict:
+            return {key: (t.dtype, t.shape) for key, t in layer.items()}
+
+        layer = self.model.layer_parameters(params, i)
+        if types(layer) != types(self.model.layer_parameters(params, 0)):
+            raise RanvierError(
+                f"CheckpointedStack needs identical layers: layer {i} has parameters {types(layer)}, "
+                f"layer 0 {types(self.model.layer_parameters(params, 0))}"
+            )
+        return {key: t.var.name for key, t in layer.items()}
+
+    def _wrapped(self, b: Builder) -> dict[str, Tensor]:
+        return {key: b._wrap(t.var) for key, t in self.params.items()}
+
+    def _layer_inputs(self, b: Builder) -> tuple[Tensor, dict[str, Tensor]]:
+        """A layer function's inputs: its input activation and its weights (fed per layer)."""
+        dtype, shape = self.act_type
+        x = b.var("x", dtype, shape)
+        first = self.model.layer_parameters(self.params, 0)
+        weights = {key: b.var(key, t.dtype, t.shape) for key, t in first.items()}
+        return x, weights
+
+    def _build_embed(self, name: str, input_type: TensorType) -> tuple[Variable, Tensor]:
+        b = Builder(self.flow, name)
+        x = b.var("input", input_type[0], input_type[1])
+        x0 = self.model.embed(b, x, self._wrapped(b))
+        x0.var.out = True
+        return x.var, x0
+
+    def _build_layer(self, name: str) -> dict[str, Variable]:
+        b = Builder(self.flow, name)
+        x, weights = self._layer_inputs(b)
+        y = self.model.layer(b, x, weights)
+        y.var.out = True
+        self._layer_x, self._layer_y = x.var, y.var
+        return {key: w.var for key, w in weights.items()}
+
+    def _build_layer_backward(self, name: str) -> tuple[dict[str, Variable], dict[str, Variable]]:
+        b = Builder(self.flow, name)
+        b.func.training = True
+        x, weights = self._layer_inputs(b)
+        dy = b.var("dy", *self.act_type)
+        y = self.model.layer(b, x, weights)
+        grads = gradient(self.flow, b.func, [x, *weights.values()], loss=y, seed=dy)
+        self._backward_x, self._backward_dy, self._backward_dx = x.var, dy.var, grads[x.name].var
+        return {key: w.var for key, w in weights.items()}, {key: grads[w.name].var for key, w in weights.items()}
+
+    def _build_head(self, name: str, target_type: TensorType, loss: Loss, with_gradient: bool):
+        b = Builder(self.flow, name)
+        x = b.var("x", *self.act_type)
+        target = b.var("target", target_type[0], target_type[1])
+        value = loss(b, self.model.head(b, x, self._wrapped(b)), target)
+        if value.shape:
+            raise RanvierError(f"the CheckpointedStack loss must be a scalar, got shape {value.shape}")
+        value.var.out = True
+        used = {v.name for v in self.flow.inputs(b.func)}
+        head_params = [t for t in self.params.values() if t.var.name in used]
+        if with_gradient:
+            b.func.training = True
+            grads = gradient(self.flow, b.func, [x, *head_params], loss=value)
+            self._head_x, self._head_dx = x.var, grads[x.name].var
+            for p in head_params:
+                b.op("Assign", [b._wrap(state_var(b, p.var, "grad").var), grads[p.name]])
+        else:
+            self._eval_x = x.var
+        return target.var, value, head_params
+
+    def _build_embed_backward(self, name: str, input_type: TensorType, head_params: list[Tensor]) -> None:
+        """The embedding's gradients from dx₀; a parameter the head also uses (a shared
+        classifier) adds to the gradient the head wrote."""
+        b = Builder(self.flow, name)
+        b.func.training = True
+        x = b.var("input", input_type[0], input_type[1])
+        dx = b.var("dx", *self.act_type)
+        x0 = self.model.embed(b, x, self._wrapped(b))
+        used = {v.name for v in self.flow.inputs(b.func)}
+        embed_params = [t for t in self.params.values() if t.var.name in used]
+        grads = gradient(self.flow, b.func, embed_params, loss=x0, seed=dx)
+        written_by_head = {p.var.name for p in head_params}
+        for p in embed_params:
+            accumulator = b._wrap(state_var(b, p.var, "grad").var)
+            g = grads[p.name]
+            b.op("Assign", [accumulator, accumulator + g if p.var.name in written_by_head else g])
+        self._embed_backward_input, self._embed_backward_dx = x.var, dx.var
+
+    # ---- running -------------------------------------------------------------------------
+
+    def _feed_layer(self, data, weights: dict[str, Variable], i: int) -> None:
+        globals_ = self.network.globals
+        for key, var in weights.items():
+            data[var][...] = globals_[self._layer_globals[i][key]]
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        """Embed and run every layer, keeping each layer's input; returns the last output."""
+        self.embed_data[self.inputs[0]] = x
+        self.embed_data.compute()
+        acts = self._activations
+        acts[0][...] = self.embed_data[self._x0]
+        layer = self.layer_data
+        for i in range(self.model.depth):
+            self._feed_layer(layer, self._layer_w, i)
+            layer[self._layer_x] = acts[i]
+            layer.compute()
+            acts[i + 1][...] = layer[self._layer_y]
+        return acts[-1]
+
+    def compute_gradients(self, x: np.ndarray, target: np.ndarray) -> float:
+        """Forward and backward of one batch into the resident gradient buffers; returns the loss."""
+        self._check(x, self.inputs[0])
+        self._check(target, self.inputs[1])
+        last = self._forward(x)
+        head = self.head_data
+        head[self._head_x] = last
+        head[self.inputs[1]] = target
+        head.compute()
+        backward = self.backward_data
+        upstream = backward[self._backward_dy]
+        upstream[...] = head[self._head_dx]
+        for i in reversed(range(self.model.depth)):
+            self._feed_layer(backward, self._backward_w, i)
+            backward[self._backward_x] = self._activations[i]
+            backward.compute()
+            for key, var in self._backward_grads.items():
+                self.update_data[self._layer_grad_vars[i][key]] = backward[var]
+            upstream[...] = backward[self._backward_dx]
+        embed = self.embed_backward_data
+        embed[self._embed_backward_input] = x
+        embed[self._embed_backward_dx] = upstream
+        embed.compute()
+        return float(head[self._head_loss])
+
+    def gradients(self, batch) -> tuple[float, dict[str, np.ndarray]]:
+        """(loss, {parameter name: gradient}) of a batch [input, target], without updating."""
+        named = self._by_input(batch, "batch")
+        loss = self.compute_gradients(named[self.inputs[0].name], named[self.inputs[1].name])
+        return loss, {t.var.name: np.array(self.update_data[self.grads[key].var]) for key, t in self.params.items()}
+
+    def step(self, batch=None) -> float:
+        """One optimizer step on `batch` [input, target] (or the next sampled minibatch)."""
+        named = self._next_batch(batch)
+        loss = self.compute_gradients(named[self.inputs[0].name], named[self.inputs[1].name])
+        self.update_data[self.lr_var] = float(self.schedule(self.step_count))
+        self.update_data.compute()
+        self.step_count += 1
+        return loss
+
+    def loss(self, x: np.ndarray, target: np.ndarray) -> float:
+        """The loss of a batch with the current parameters (forward only)."""
+        self._check(x, self.inputs[0])
+        self._check(target, self.inputs[1])
+        self.eval_data[self._eval_x] = self._forward(x)
+        self.eval_data[self._eval_target] = target
+        self.eval_data.compute()
+        return float(self.eval_data[self._eval_loss])
+
+    @staticmethod
+    def _check(array: np.ndarray, var: Variable) -> None:
+        if list(np.shape(array)) != var.shape:
+            raise RanvierError(f"batch for {var.name} has shape {list(np.shape(array))}, expected {var.shape}")
+
+    @property
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm (before clipping)."""
+        if self.norm_var is None:
+            raise RanvierError("the gradient norm is not computed: create the stack with clip_norm or track_grad_norm=True")
+        return float(self.update_data[self.norm_var])
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """As the Trainer's: parameters and optimizer state (the gradient buffers are scratch)."""
+        return {name: array for name, array in super().state_arrays().items() if name not in self._grad_names}
+
+    def profile(self) -> Profile:
+        """Time per training step of every stage's steps (the layer cells summed over layers)."""
+        instances = [self.embed_data, self.layer_data, self.head_data, self.backward_data, self.embed_backward_data, self.update_data]
+        steps = max(self.step_count, 1)
+        result = []
+        for data in instances:
+            seconds = data.cell.backend.step_seconds(data)
+            for i, s in enumerate(data.cell.steps):
+                kernel = f"{s.kernel}[{s.variant}]" if s.variant else s.kernel
+                per_step = seconds[i] / steps
+                result.append(StepTime(len(result), kernel, per_step, flops(s.op) * data.computes // steps, s.op))
+        return Profile("checkpointed stack", self.step_count, result)
