@@ -134,3 +134,24 @@ def test_profile_reports_every_step(backend):
     assert text.startswith("profile of cell f: 5 computes") and "GFLOP/s" in text and "MatMul" in text
     data.reset_profile()
     assert data.profile().computes == 0 and data.profile().total == 0
+
+
+def test_state_written_by_one_cell_is_no_constant_of_another():
+    """A global that one function updates in place is read live by the others, never folded."""
+    flow = myelin.Flow()
+    write = myelin.Builder(flow, "write")
+    state = flow.add_var("counter", "float32", [3])
+    state.set_data(np.zeros(3, np.float32))
+    s = write._wrap(state)
+    write.op("Assign", [s, s + 1.0])
+    read = myelin.Builder(flow, "read")
+    offset = read.var("offset", "float32", [3])
+    doubled = read._wrap(state) * 2.0 + offset
+    doubled.var.out = True
+    network = myelin.Compiler().compile(flow)
+    writer, reader = network.cell("write").instance(), network.cell("read").instance()
+    writer.compute()
+    writer.compute()
+    reader[offset] = [0.5, 1.5, 2.5]
+    reader.compute()
+    np.testing.assert_array_equal(reader[doubled], [4.5, 5.5, 6.5])
