@@ -69,7 +69,7 @@ def _train_llama(args: argparse.Namespace) -> int:
     config = LlamaRunConfig(
         preset=args.preset, corpus=args.corpus, steps=args.steps or defaults.steps, minutes=args.minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
-        backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes,
+        backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"llama-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("--seq", type=int, default=128)
     llama.add_argument("--lr", type=float, default=2e-3)
     llama.add_argument("--accumulate", type=int, default=1)
+    llama.add_argument("--checkpointed", action="store_true",
+                       help="stream the layers through one compiled layer forward and backward (CheckpointedStack): "
+                            "compile time and activation memory independent of depth")
     llama.add_argument("--max-corpus-bytes", type=int, default=None)
     llama.add_argument("--seed", type=int, default=0)
     llama.add_argument("--backend", default="cpu", choices=["cpu", "reference"])

@@ -50,6 +50,25 @@ def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     assert printed.startswith("def ") and printed.strip().endswith("tokens/s")
 
 
+def test_checkpointed_llama_run_trains_and_resumes_exactly(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(read_corpus(max_bytes=200_000))
+    config = dict(corpus=str(corpus), steps=6, batch=4, seq=32, warmup=2, eval_every=3, checkpoint_every=3, eval_batches=2, checkpointed=True)
+    straight = tmp_path / "straight"
+    train_llama(LlamaRunConfig(**config), straight, progress=False)
+    history = losses(straight)
+    assert history[-2][1] < history[0][1]
+
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    shutil.copy(straight / "tokenizer.model", interrupted / "tokenizer.model")
+    shutil.copytree(straight / "data", interrupted / "data")
+    train_llama(LlamaRunConfig(**config), interrupted, progress=False, stop_at=3)
+    resume_llama(interrupted, progress=False)
+    resumed = [r for r in losses(interrupted) if r[1] is not None or r[0] == 6]
+    assert resumed == [r for r in history if r[1] is not None or r[0] == 6]
+
+
 def test_llama_command_refuses_unknown_preset(tmp_path, capsys):
     import pytest
 

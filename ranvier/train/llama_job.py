@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from . import rundir
 from .losses import softmax_cross_entropy
 from .optimizers import AdamW
 from .schedules import WarmupCosine
+from .stack import CheckpointedStack
 from .trainer import Trainer
 
 
@@ -58,18 +60,16 @@ class LlamaRunConfig:
     seed: int = 0
     backend: str = "cpu"
     cpu: str = ""
+    checkpointed: bool = False  # stream the layers through a CheckpointedStack
 
 
 @dataclass
 class LlamaRun:
-    trainer: Trainer
+    trainer: Trainer | CheckpointedStack
     model: Llama
     train: TokenShards
     validation: TokenShards
-    eval_data: object
-    eval_loss: object
-    tokens: object
-    targets: object
+    eval_loss: Callable[[np.ndarray, np.ndarray], float]  # (tokens, targets) → loss, forward only
     unigram_entropy: float
 
 
@@ -122,31 +122,44 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     shards = TokenShards(run_dir / "data")
     train, validation = shards.split(fraction=0.05)
     model = Llama(model_config, seed=config.seed)
+    rows = config.batch * config.seq
+
+    def lm_loss(b: Builder, logits, targets, name: str | None = None):
+        return softmax_cross_entropy(logits.reshape([rows, model_config.vocab_size]), targets.reshape([rows]), name=name)
+
+    optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
+    schedule = WarmupCosine(lr=config.lr, warmup=config.warmup, total=config.steps, floor=config.min_lr)
+    options = dict(schedule=schedule, clip_norm=config.clip, backend=config.backend, cpu=config.cpu)
+    entropy = float(manifest.get("unigram_entropy", math.nan))
+    if config.checkpointed:
+        if config.accumulate != 1:
+            raise RanvierError("gradient accumulation is not available with --checkpointed; raise --batch instead")
+        window = ("int32", [config.batch, config.seq])
+        stack = CheckpointedStack(model, window, window, lm_loss, optimizer, **options)
+        return LlamaRun(stack, model, train, validation, stack.loss, entropy)
 
     flow = Flow()
-    step_rows = config.batch
     f = Builder(flow, "train")
-    tokens = f.var("tokens", "int32", [step_rows, config.seq])
-    targets = f.var("targets", "int32", [step_rows, config.seq])
+    tokens = f.var("tokens", "int32", [config.batch, config.seq])
+    targets = f.var("targets", "int32", [config.batch, config.seq])
     params = model.parameters(f)
-    rows = step_rows * config.seq
-    loss = softmax_cross_entropy(model(f, tokens, params).reshape([rows, model_config.vocab_size]), targets.reshape([rows]), name="loss")
+    loss = lm_loss(f, model(f, tokens, params), targets, name="loss")
 
     e = Builder(flow, "eval")
     eval_tokens = e.var("tokens", "int32", [config.batch, config.seq])
     eval_targets = e.var("targets", "int32", [config.batch, config.seq])
-    eval_loss = softmax_cross_entropy(model(e, eval_tokens).reshape([rows, model_config.vocab_size]), eval_targets.reshape([rows]), name="loss")
+    eval_loss = lm_loss(e, model(e, eval_tokens), eval_targets, name="loss")
     eval_loss.var.out = True
 
-    optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
-    schedule = WarmupCosine(lr=config.lr, warmup=config.warmup, total=config.steps, floor=config.min_lr)
-    trainer = Trainer(
-        loss, list(params.values()), optimizer, schedule=schedule, clip_norm=config.clip,
-        inputs=[tokens, targets], backend=config.backend, cpu=config.cpu,
-    )
+    trainer = Trainer(loss, list(params.values()), optimizer, inputs=[tokens, targets], **options)
     eval_data = trainer.network.cell("eval").instance()
-    return LlamaRun(trainer, model, train, validation, eval_data, eval_loss.var, eval_tokens.var, eval_targets.var,
-                    float(manifest.get("unigram_entropy", math.nan)))
+
+    def evaluate(x: np.ndarray, y: np.ndarray) -> float:
+        eval_data[eval_tokens], eval_data[eval_targets] = x, y
+        eval_data.compute()
+        return float(eval_data[eval_loss])
+
+    return LlamaRun(trainer, model, train, validation, evaluate, entropy)
 
 
 def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
@@ -155,10 +168,7 @@ def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
     losses = []
     for _ in range(config.eval_batches):
         x, y = run.validation.sample(config.batch, config.seq, rng)
-        run.eval_data[run.tokens] = x
-        run.eval_data[run.targets] = y
-        run.eval_data.compute()
-        losses.append(float(run.eval_data[run.eval_loss]))
+        losses.append(run.eval_loss(x, y))
     return float(np.mean(losses))
 
 
@@ -210,7 +220,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     shown = training_display(
         remaining, progress=progress, dashboard=dashboard, title=f"ranvier train llama {config.preset}: {run_dir}",
         compile_seconds=trainer.compile_seconds, flops_per_step=flops_per_step, items_per_step=tokens_per_step,
-        unit="tokens", profile=trainer.data.profile, sample=lambda: sample_text(run, tokenizer, generators),
+        unit="tokens", profile=trainer.profile, sample=lambda: sample_text(run, tokenizer, generators),
         sample_every=config.sample_every,
     )
     with open(metrics_path, "a") as metrics, shown as show:

@@ -344,6 +344,10 @@ class Trainer(TrainerBase):
         self.step_count += 1
         return loss
 
+    def profile(self):
+        """The train-step cell's profile: time per step of each kernel."""
+        return self.data.profile()
+
     @property
     def grad_norm(self) -> float:
         """The last step's global gradient norm (before clipping)."""
