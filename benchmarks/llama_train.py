@@ -3,7 +3,8 @@
 The stories15M shape (dim 288, 6 layers, 6 heads, vocab 32000, hidden 768) at seq 256
 by default; both sides train with AdamW on identical random token batches, alternating
 for several repetitions, and the median tokens/s of each and the ratio are printed.
-Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5]
+Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix products.
+Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5] [--checkpointed]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import numpy as np
 
 
-def ranvier_trainer(config, batch: int, seq: int):
+def ranvier_trainer(config, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False):
     import ranvier as rv
     from ranvier.models.llama import Llama
     from ranvier.train.losses import softmax_cross_entropy
@@ -24,6 +25,18 @@ def ranvier_trainer(config, batch: int, seq: int):
     from ranvier.train.trainer import Trainer
 
     model = Llama(config, seed=0)
+    optimizer = AdamW(lr=1e-4, beta2=0.95, weight_decay=0.1, decay_matrices_only=True)
+    start = time.perf_counter()
+    if checkpointed:
+        from ranvier.train.stack import CheckpointedStack
+
+        def lm_loss(b, logits, targets):
+            return softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
+
+        window = ("int32", [batch, seq])
+        trainer = CheckpointedStack(model, window, window, lm_loss, optimizer, clip_norm=1.0, matmul=matmul)
+        print(f"ranvier ({matmul}, checkpointed) compiled the training step in {time.perf_counter() - start:.1f}s")
+        return lambda x, y: trainer.step([x, y])
     flow = rv.Flow()
     f = rv.Builder(flow, "train")
     tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
@@ -31,10 +44,8 @@ def ranvier_trainer(config, batch: int, seq: int):
     params = model.parameters(f)
     logits = model(f, tokens, params)
     loss = softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
-    start = time.perf_counter()
-    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-4, beta2=0.95, weight_decay=0.1, decay_matrices_only=True),
-                      clip_norm=1.0, inputs=[tokens, targets])
-    print(f"ranvier compiled the training step in {time.perf_counter() - start:.1f}s")
+    trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul)
+    print(f"ranvier ({matmul}) compiled the training step in {time.perf_counter() - start:.1f}s")
     return lambda x, y: trainer.step([x, y])
 
 
@@ -104,12 +115,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkpointed", action="store_true", help="ranvier trains through a CheckpointedStack")
     args = parser.parse_args()
+    from ranvier.backends.cpu.amx import amx_usable
+    from ranvier.backends.cpu.target import host_target
+
     config = PRESETS[args.preset]
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, config.vocab_size, (args.batch, args.seq), dtype=np.int32),
                 rng.integers(0, config.vocab_size, (args.batch, args.seq), dtype=np.int32)) for _ in range(args.steps)]
-    sides = {"ranvier": ranvier_trainer(config, args.batch, args.seq), "pytorch": torch_trainer(config, args.batch, args.seq)}
+    sides = {"ranvier": ranvier_trainer(config, args.batch, args.seq, checkpointed=args.checkpointed)}
+    if amx_usable(host_target()):
+        sides["ranvier-bf16"] = ranvier_trainer(config, args.batch, args.seq, "bfloat16", args.checkpointed)
+    sides["pytorch"] = torch_trainer(config, args.batch, args.seq)
     tokens = args.batch * args.seq * args.steps
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
@@ -122,11 +140,13 @@ def main() -> None:
             losses = [step(x, y) for x, y in batches]
             rate = tokens / (time.perf_counter() - start)
             rates[name].append(rate)
-            print(f"  run {repeat + 1} {name:8s} {rate:9.0f} tokens/s  loss {losses[-1]:.3f} (ln V = {math.log(config.vocab_size):.3f})", flush=True)
+            print(f"  run {repeat + 1} {name:12s} {rate:9.0f} tokens/s  loss {losses[-1]:.3f} (ln V = {math.log(config.vocab_size):.3f})", flush=True)
     medians = {name: statistics.median(r) for name, r in rates.items()}
     for name, rate in medians.items():
-        print(f"{name:8s} median {rate:9.0f} tokens/s")
-    print(f"ratio ranvier/pytorch = {medians['ranvier'] / medians['pytorch']:.2f} (tokens/s; above 1: ranvier is faster)")
+        print(f"{name:12s} median {rate:9.0f} tokens/s")
+    for name in sides:
+        if name != "pytorch":
+            print(f"ratio {name}/pytorch = {medians[name] / medians['pytorch']:.2f} (tokens/s; above 1: ranvier is faster)")
 
 
 if __name__ == "__main__":

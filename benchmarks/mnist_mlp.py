@@ -3,7 +3,9 @@
 784-256-10 GELU MLP, Adam lr 1e-3, batch 128, 2,340 steps on the bundled 4,000-digit
 training split; test accuracy on the 1,000 test digits. The two sides alternate for
 several repetitions; each side's median seconds, its accuracy and the time ratio are
-printed. Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340]
+printed. Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix
+products (`matmul="bfloat16"`: bf16 inputs, float32 sums) as a third side.
+Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340]
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import time
 import numpy as np
 
 
-def run_ranvier(steps: int, backend: str) -> tuple[float, float]:
+def run_ranvier(steps: int, backend: str, matmul: str = "float32") -> tuple[float, float]:
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 
-    trainer, _, test = make_trainer(MnistConfig(steps=steps, backend=backend))
+    trainer, _, test = make_trainer(MnistConfig(steps=steps, backend=backend, matmul=matmul))
     start = time.perf_counter()
     for _ in range(steps):
         trainer.step()
@@ -59,17 +61,26 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from ranvier.backends.cpu.amx import amx_usable
+    from ranvier.backends.cpu.target import host_target
+
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ranvier backend {args.backend}")
-    results = {"ranvier": [], "pytorch": []}
+    sides = {"ranvier": lambda: run_ranvier(args.steps, args.backend)}
+    if args.backend == "cpu" and amx_usable(host_target()):
+        sides["ranvier-bf16"] = lambda: run_ranvier(args.steps, args.backend, "bfloat16")
+    sides["pytorch"] = lambda: run_torch(args.steps)
+    results = {name: [] for name in sides}
     for repeat in range(args.repeats):
-        for name, run in (("ranvier", lambda: run_ranvier(args.steps, args.backend)), ("pytorch", lambda: run_torch(args.steps))):
+        for name, run in sides.items():
             seconds, accuracy = run()
             results[name].append((seconds, accuracy))
-            print(f"  run {repeat + 1} {name:8s} {seconds:7.2f} s  accuracy {accuracy:.4f}", flush=True)
+            print(f"  run {repeat + 1} {name:12s} {seconds:7.2f} s  accuracy {accuracy:.4f}", flush=True)
     medians = {name: statistics.median(s for s, _ in runs) for name, runs in results.items()}
     for name, runs in results.items():
-        print(f"{name:8s} median {medians[name]:.2f} s  accuracy {statistics.median(a for _, a in runs):.4f}")
-    print(f"ratio ranvier/pytorch = {medians['ranvier'] / medians['pytorch']:.2f}")
+        print(f"{name:12s} median {medians[name]:.2f} s  accuracy {statistics.median(a for _, a in runs):.4f}")
+    for name in sides:
+        if name != "pytorch":
+            print(f"ratio {name}/pytorch = {medians[name] / medians['pytorch']:.2f}")
 
 
 if __name__ == "__main__":

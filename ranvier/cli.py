@@ -47,6 +47,7 @@ def _train_mnist(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         backend=args.backend,
         cpu=args.cpu,
+        matmul=args.matmul,
         seed=args.seed,
         data=args.data,
         checkpoint_every=args.checkpoint_every,
@@ -70,6 +71,7 @@ def _train_llama(args: argparse.Namespace) -> int:
         preset=args.preset, corpus=args.corpus, steps=args.steps or defaults.steps, minutes=args.minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
         backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
+        matmul=args.matmul,
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"llama-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     mnist.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
+    mnist.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
+                       help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
     mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
     mnist.add_argument("--seed", type=int, default=0)
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
@@ -240,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("--seed", type=int, default=0)
     llama.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     llama.add_argument("--cpu", default="", metavar="MASK")
+    llama.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
+                       help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
     llama.add_argument("--run-dir", default=None)
     llama.add_argument("--resume", default=None, metavar="RUN_DIR")
     llama.add_argument("--quiet", action="store_true")

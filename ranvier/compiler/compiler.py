@@ -12,7 +12,12 @@ from .memory import plan_memory
 BACKENDS = ("cpu", "reference")
 
 
-def _backend(name: str, cpu_mask: str = "", cache: bool = True):
+MATMUL_PRECISIONS = ("float32", "bfloat16")
+
+
+def _backend(name: str, cpu_mask: str = "", cache: bool = True, matmul: str = "float32"):
+    if matmul not in MATMUL_PRECISIONS:
+        raise RanvierError(f"unknown matmul precision {matmul!r}; available: {', '.join(MATMUL_PRECISIONS)}")
     if name == "reference":
         from ..backends.reference import ReferenceBackend
 
@@ -20,7 +25,7 @@ def _backend(name: str, cpu_mask: str = "", cache: bool = True):
     if name == "cpu":
         from ..backends.cpu.backend import CPUBackend
 
-        return CPUBackend(cpu_mask, cache)
+        return CPUBackend(cpu_mask, cache, matmul)
     raise RanvierError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
 
 
@@ -73,12 +78,15 @@ def write_after_read(func: Function) -> dict[int, list[Operation]]:
 class Compiler:
     """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
 
-    def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True):
+    def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True, matmul: str = "float32"):
         """backend: "cpu" (LLVM JIT) or "reference" (numpy oracle).
         cpu: CPU features to mask, e.g. "-avx512" or "-avx512,-avx2" (Myelin's --cpu).
-        cache: reuse generated code across processes (the on-disk compile cache)."""
+        cache: reuse generated code across processes (the on-disk compile cache).
+        matmul: "float32", or "bfloat16": float32 matrix products round their inputs to
+            bfloat16 and accumulate in float32 on AMX tiles (mixed precision; where the
+            CPU has no AMX-BF16, products stay float32)."""
         self.backend_name = backend
-        self.backend = _backend(backend, cpu, cache)
+        self.backend = _backend(backend, cpu, cache, matmul)
 
     def compile(self, flow: Flow) -> Network:
         # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
@@ -121,7 +129,7 @@ class Compiler:
         roles.update({t.name: "state" for op in ops for t in written_inputs(op) if t.name in local})
         order = {"input": 0, "state": 1, "output": 2}
         ranked = sorted(local.values(), key=lambda v: order.get(roles.get(v.name, ""), 3))
-        slots, size = plan_memory(ops, ranked, set(roles), self.backend.in_place)
+        slots, size = plan_memory(ops, ranked, set(roles), self.backend.in_place, shares_storage=self.backend.shares_storage)
         cell = Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))
         self.backend.finish(cell)
         return cell

@@ -155,11 +155,6 @@ def split_reduction(b: Builder, op: Operation) -> Tensor | None:
     return x.reshape(op.outputs[0].shape)
 
 
-# Below this head size the fused attention kernel's per-key vector work is too short to
-# pay; batched GEMMs through BLAS win (measured on stories260K, head size 8).
-FUSED_ATTENTION_MIN_HEAD = 32
-
-
 def _attention_parts(b: Builder, op: Operation):
     """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + causal mask)."""
     from ..ops.attention import scale_of
@@ -179,16 +174,12 @@ def _attention_parts(b: Builder, op: Operation):
     return q5, k5, v5, b.softmax(scores), scale
 
 
-def attention(b: Builder, op: Operation) -> Tensor | None:
-    if op.inputs[0].shape[3] >= FUSED_ATTENTION_MIN_HEAD:
-        return None
+def attention(b: Builder, op: Operation) -> Tensor:
     _, _, v5, p, _ = _attention_parts(b, op)
     return (p @ v5).reshape(op.outputs[0].shape)
 
 
-def attention_grad(b: Builder, op: Operation) -> list[Tensor] | None:
-    if op.inputs[0].shape[3] >= FUSED_ATTENTION_MIN_HEAD:
-        return None
+def attention_grad(b: Builder, op: Operation) -> list[Tensor]:
     q5, k5, v5, p, scale = _attention_parts(b, op)
     dout = b._wrap(op.inputs[3]).reshape(q5.shape)
     dp = b.matmul(dout, v5, transpose_b=True)
@@ -213,11 +204,12 @@ RULES: dict[str, Callable[[Builder, Operation], Tensor | list[Tensor] | None]] =
 }
 
 
-def decompose(flow: Flow, func: Function, types: set[str] | None = None) -> None:
-    """Replace each op of `func` with a decomposition rule (of the given types) by primitives."""
+def decompose(flow: Flow, func: Function, keep: Callable[[Operation], bool] = lambda op: False) -> None:
+    """Replace each op of `func` that has a decomposition rule by primitives, except the
+    ops `keep` picks: those the backend runs faster as one kernel."""
     for op in list(func.ops):
         rule = RULES.get(op.type)
-        if rule is None or (types is not None and op.type not in types):
+        if rule is None or keep(op):
             continue
         b = Builder(flow, func)
         result = rule(b, op)

@@ -60,6 +60,7 @@ class LlamaRunConfig:
     seed: int = 0
     backend: str = "cpu"
     cpu: str = ""
+    matmul: str = "float32"  # or "bfloat16": mixed-precision matrix products on AMX
     checkpointed: bool = False  # stream the layers through a CheckpointedStack
 
 
@@ -129,7 +130,7 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
 
     optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
     schedule = WarmupCosine(lr=config.lr, warmup=config.warmup, total=config.steps, floor=config.min_lr)
-    options = dict(schedule=schedule, clip_norm=config.clip, backend=config.backend, cpu=config.cpu)
+    options = dict(schedule=schedule, clip_norm=config.clip, backend=config.backend, cpu=config.cpu, matmul=config.matmul)
     entropy = float(manifest.get("unigram_entropy", math.nan))
     if config.checkpointed:
         if config.accumulate != 1:

@@ -38,6 +38,7 @@ class MnistConfig:
     activation: str = "gelu"
     backend: str = "cpu"
     cpu: str = ""
+    matmul: str = "float32"  # or "bfloat16": mixed-precision matrix products on AMX
     seed: int = 0
     data: str | None = None
     checkpoint_every: int = 500
@@ -68,6 +69,7 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         inputs=[setup.x, setup.labels],
         backend=config.backend,
         cpu=config.cpu,
+        matmul=config.matmul,
     )
     images = train_split.flat() if config.model == "mlp" else train_split.nchw()
     trainer.set_dataset([images, train_split.labels.astype(np.int32)], seed=config.seed)

@@ -60,6 +60,7 @@ class CheckpointedStack(TrainerBase):
     loss: `loss(b, model_output, target)` → scalar loss tensor.
     name: the update cell's function name; the optimizer's state is named after it, so
         the default matches a monolithic Trainer built in a function "train".
+    backend, cpu, matmul: as the Trainer's.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class CheckpointedStack(TrainerBase):
         name: str = "train",
         backend: str = "cpu",
         cpu: str = "",
+        matmul: str = "float32",
     ):
         self.model = model
         self.optimizer = optimizer or Adam()
@@ -114,7 +116,7 @@ class CheckpointedStack(TrainerBase):
 
         self.inputs = [embed_input, head_target]
         self.batch_rows = input_type[1][0]
-        self._compile(backend, None, cpu)
+        self._compile(backend, None, cpu, matmul)
         net = self.network
         self.embed_data = net.cell(f"{name}/embed").instance()
         self.layer_data = net.cell(f"{name}/layer").instance()

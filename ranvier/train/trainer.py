@@ -88,9 +88,9 @@ class TrainerBase:
     inputs: list[Variable]  # the arrays one sampled example set feeds, in dataset order
     batch_rows: int  # examples drawn from the dataset per step() call
 
-    def _compile(self, backend: str, predict: Tensor | None, cpu: str = "") -> None:
+    def _compile(self, backend: str, predict: Tensor | None, cpu: str = "", matmul: str = "float32") -> None:
         compile_start = time.perf_counter()
-        self.network = Compiler(backend, cpu=cpu).compile(self.flow)
+        self.network = Compiler(backend, cpu=cpu, matmul=matmul).compile(self.flow)
         self.compile_seconds = time.perf_counter() - compile_start
         self.predict_var = predict.var if predict is not None else None
         self.predict_data = self.network.cell(predict.var.producer.func.name).instance() if predict is not None else None
@@ -234,6 +234,7 @@ class Trainer(TrainerBase):
     loss_scale: None, a number (static) or a DynamicLossScale.
     track_grad_norm: also compute the global gradient norm (`grad_norm`) when not clipping.
     backend, cpu: the compiler backend and, for "cpu", features to mask (e.g. "-avx512").
+    matmul: "float32", or "bfloat16" for mixed-precision matrix products (see Compiler).
     """
 
     def __init__(
@@ -251,6 +252,7 @@ class Trainer(TrainerBase):
         inputs: Sequence[Tensor] | None = None,
         backend: str = "cpu",
         cpu: str = "",
+        matmul: str = "float32",
     ):
         if accumulate < 1:
             raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
@@ -297,7 +299,7 @@ class Trainer(TrainerBase):
         if self.norm_var is not None:
             self.norm_var.out = True
 
-        self._compile(backend, predict, cpu)
+        self._compile(backend, predict, cpu, matmul)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
         self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None

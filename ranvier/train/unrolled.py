@@ -40,6 +40,8 @@ class UnrolledTrainer(TrainerBase):
         predict: Tensor | None = None,
         func: str = "train_unrolled",
         backend: str = "cpu",
+        cpu: str = "",
+        matmul: str = "float32",
     ):
         if steps_per_call < 1:
             raise RanvierError(f"steps_per_call must be >= 1, got {steps_per_call}")
@@ -75,7 +77,7 @@ class UnrolledTrainer(TrainerBase):
 
         self.inputs = self.step_inputs[0]
         self.batch_rows = self.inputs[0].shape[0]
-        self._compile(backend, predict)
+        self._compile(backend, predict, cpu, matmul)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
 

@@ -5,8 +5,8 @@ The cell function takes a table of pointers, filled once per instance:
     ptrs[0] instance data   ptrs[1] status word   ptrs[2] profile counters
     ptrs[3] python fallback callback   ptrs[4] sgemm   ptrs[5] dgemm
     ptrs[6] BLAS set-thread-count function   ptrs[7] the machine's thread count
-    ptrs[8] sgemv   ptrs[9] dgemv
-    ptrs[10 + k] the k-th global or linked (primal) variable
+    ptrs[8] sgemv   ptrs[9] dgemv   ptrs[10] the AMX bf16 GEMM (null without AMX)
+    ptrs[11 + k] the k-th global or linked (primal) variable
 
 Nothing process-specific is baked into the code, so the object file can be cached
 on disk and reused by another process. Each step is an internal function; the cell
@@ -23,7 +23,7 @@ from ...flow.graph import Operation, Variable
 from .irutil import BYTE_PTR, I64, VOID, i64, storage_type
 from .target import CPUTarget
 
-DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, MAX_THREADS, SGEMV, DGEMV, FIRST_TABLE_SLOT = range(11)
+DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, MAX_THREADS, SGEMV, DGEMV, BF16GEMM, FIRST_TABLE_SLOT = range(12)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """MatMul: float32/float64 through the vendor BLAS (OpenBLAS, via SciPy), called directly
-from generated code; other dtypes through a generated triple loop.
+from generated code; float32 in mixed precision through the AMX bf16 GEMM; other dtypes
+through a generated triple loop.
 
 Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
 the operands swapped. Batch dimensions (broadcast as numpy does) loop around the call.
@@ -13,9 +14,11 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import Attrs
-from ..codegen import BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
+from ....flow.graph import Flow, Function
+from ..amx import workspace_bytes
+from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
 from ..convert import narrow, widen
-from ..irutil import F32, F64, I8, I32, VOID, compute_type, constant, for_range, i64, load, storage_type, store
+from ..irutil import F32, F64, I8, I32, I64, VOID, compute_type, constant, for_range, i64, load, storage_type, store
 from ..views import contiguous_strides
 
 
@@ -50,7 +53,7 @@ def _set_threads(ctx, flops: int, nbytes: int) -> None:
 
 
 def _dims(op):
-    a, b = op.inputs
+    a, b = op.inputs[:2]
     attrs = Attrs(op.attrs)
     ta, tb = attrs.bool("transpose_a"), attrs.bool("transpose_b")
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
@@ -58,9 +61,19 @@ def _dims(op):
     return ta, tb, m, k, n
 
 
-def blas_matmul(ctx, op) -> None:
+def _gemms(op) -> tuple[bool, bool, int, int, int, list[tuple[int, int]]]:
+    """(ta, tb, m, k, n, per-GEMM matrix offsets of A and B). A batch of row blocks times
+    one shared matrix (x[B, T, K] @ W) is a single GEMM over all B·T rows."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb, m, k, n = _dims(op)
+    if b.rank == 2 and not ta and a.rank > 2:
+        return ta, tb, a.size // k, k, n, [(0, 0)]
+    return ta, tb, m, k, n, _batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])
+
+
+def blas_matmul(ctx, op) -> None:
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    ta, tb, m, k, n, batches = _gemms(op)
     element = F32 if a.dtype == dtypes.DT_FLOAT32 else F64
     gemm_slot = SGEMM if a.dtype == dtypes.DT_FLOAT32 else DGEMM
     builder = ctx.b
@@ -82,7 +95,6 @@ def blas_matmul(ctx, op) -> None:
     pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
     a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
     _set_threads(ctx, 2 * m * n * k, max(a.nbytes, b.nbytes))
-    batches = _batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])
     if m == 1:
         # A vector times a matrix (a decode step): GEMV streams the matrix once, where
         # GEMM would first pack it. y = op(B)ᵀ-view · x in column-major terms.
@@ -134,13 +146,55 @@ def loop_matmul(ctx, op) -> None:
                 store(builder, narrow(builder, builder.load(acc), c.dtype, 1), pc, c_index, storage_type(c.dtype))
 
 
+AMX_KERNEL = "AmxGemm"
+
+
+def use_bf16_gemm(flow: Flow, func: Function) -> None:
+    """Mixed precision: float32 matrix products (not vector-matrix ones, which stream
+    their matrix once and gain nothing) run on AMX tiles with bf16-rounded inputs. The
+    kernel's packing scratch becomes a second output, so the memory planner places it
+    like any temporary."""
+    for op in list(func.ops):
+        if op.type != "MatMul" or op.inputs[0].dtype != dtypes.DT_FLOAT32 or op.attrs.get("precision") == "bfloat16":
+            continue
+        _, _, m, k, n, _ = _gemms(op)
+        if m == 1:
+            continue
+        op.set_attr("precision", "bfloat16")
+        workspace = flow.add_var(flow.unique_name(f"{op.name}/workspace", flow.vars), dtypes.DT_UINT8, [workspace_bytes(m, n, k)])
+        op.add_output(workspace)
+
+
+def amx_matmul(ctx, op) -> None:
+    a, b, c, workspace = op.inputs[0], op.inputs[1], op.outputs[0], op.outputs[1]
+    ta, tb, m, k, n, batches = _gemms(op)
+    builder = ctx.b
+    fp = F32.as_pointer()
+    gemm_type = ir.FunctionType(VOID, [I64, I64, I64, I64, I64, fp, I64, fp, I64, fp, I64, I8.as_pointer()])
+    gemm = builder.bitcast(ctx.table_entry(BF16GEMM), gemm_type.as_pointer())
+    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
+    scratch = ctx.address(workspace)
+    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
+    for index, (oa, ob) in enumerate(batches):
+        builder.call(gemm, [
+            i64(int(ta)), i64(int(tb)), i64(m), i64(n), i64(k),
+            builder.gep(pa, [i64(oa * a_size)]), i64(a.shape[-1]),
+            builder.gep(pb, [i64(ob * b_size)]), i64(b.shape[-1]),
+            builder.gep(pc, [i64(index * m * n)]), i64(n), scratch,
+        ])
+
+
 def matmul(ctx, op) -> str:
-    if op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64):
+    if op.attrs.get("precision") == "bfloat16":
+        amx_matmul(ctx, op)
+    elif op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64):
         blas_matmul(ctx, op)
     else:
         loop_matmul(ctx, op)
 
 
 def kernel_name(op) -> str:
+    if op.attrs.get("precision") == "bfloat16":
+        return AMX_KERNEL
     return "BlasGemm" if op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) else "LoopMatMul"
 

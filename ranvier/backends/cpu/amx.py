@@ -1,0 +1,462 @@
+"""A bfloat16 GEMM on Intel AMX tiles, generated as LLVM IR.
+
+    void ranvier_bf16_gemm(i64 transpose_a, i64 transpose_b, i64 m, i64 n, i64 k,
+                           float* A, i64 lda, float* B, i64 ldb, float* C, i64 ldc,
+                           i8* workspace)
+
+computes row-major C[m×n] = op(A)[m×k] · op(B)[k×n] (op(X) is X or Xᵀ; the leading
+dimensions count elements), overwriting C. Inputs are rounded to bfloat16 (to nearest
+even) and products accumulate in float32, as AMX's TDPBF16PS does.
+
+The algorithm:
+
+1. Packing. Both operands are converted to bfloat16 into the workspace (at least
+   `workspace_bytes(m, n, k)` bytes, any alignment), zero-padded to whole tiles: m and n
+   to multiples of 16, k to a multiple of 32. Each is cut into panels of 16 rows of
+   op(A) or 16 columns of op(B); a panel is a run of 1 KiB blocks, one per 32 values of
+   k, each exactly the 16 rows × 64 bytes one tile load reads. An A block is row-major
+   (16 rows × 32 k); a B block is in the VNNI order TDPBF16PS wants, 16 rows of k-pairs
+   × 16 columns × 2 (op(B)[2p, j] next to op(B)[2p+1, j]). Contiguous blocks keep tile
+   loads on consecutive cache lines, whatever k is, and let the prefetchers follow.
+
+   Thinking of a block as 16 × 16 32-bit pairs of bfloat16, a source matrix delivers
+   it in one of two ways. If k runs along its rows (A, or a transposed B) a row's 32
+   floats are 16 pairs; if k runs down its columns (B, or a transposed A) two rows
+   interleaved give 16 pairs. A and B want opposite orientations, so the transposed
+   cases also transpose the 16 × 16 block of pairs in registers. Conversion is
+   VCVTNEPS2BF16 (LLVM's fptrunc to bfloat), edges are masked loads that read zeros.
+
+2. Multiplication. C is computed in 32 × 32 blocks: tiles tmm0-3 accumulate the four
+   16 × 16 float32 quarters, and each step of 32 in k loads two A tiles (tmm4-5) and two
+   B tiles (tmm6-7) for four TDPBF16PS: four tile loads feed 4 × 16K multiply-adds.
+   An odd last panel of A or B gets a 16-wide variant. One operand's panel pair stays
+   in L1 while the other operand's panels stream past it from L2: the smaller packed
+   operand streams, in chunks of at most `_STREAM_BYTES` so that a chunk stays in L2.
+
+3. Storing. A whole 16 × 16 tile is stored straight into C; a tile over C's edge goes to
+   a scratch tile on the stack and only its valid rows and columns (masked stores) are
+   copied, so nothing outside the m × n region is written.
+
+The process must have asked Linux for the AMX state first (`amx_permitted`): without
+that grant the first tile instruction raises SIGILL. VCVTNEPS2BF16 treats subnormal
+inputs as zero, which only matters for values below 1.2e-38.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import platform
+import sys
+from pathlib import Path
+
+from llvmlite import ir
+
+from ...errors import RanvierError
+from . import jit
+from .irutil import BYTE_PTR, F32, I1, I8, I32, I64, VOID, for_range, i64
+from .target import CPUTarget
+
+SYMBOL = "ranvier_bf16_gemm"
+
+# The function's C signature, for calling it through ctypes.
+GEMM_CTYPE = ctypes.CFUNCTYPE(
+    None, *[ctypes.c_int64] * 5,
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+    ctypes.c_void_p,
+)
+
+REQUIRED_FEATURES = frozenset({"amx-tile", "amx-bf16", "avx512f", "avx512bw", "avx512bf16"})
+
+TILE = 16  # rows of a tile; also its width in float32 or in bfloat16 pairs
+K_STEP = 32  # bfloat16 values of k that one tile row holds
+BLOCK_BYTES = TILE * 64  # one tile: 16 rows of 64 bytes
+_STREAM_BYTES = 1 << 20  # packed panels streamed past a resident pair: half of a 2 MiB L2
+
+_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+# Accumulators, A tiles and B tiles: a 2 × 2 block of C needs all eight tile registers.
+_ACC = ((0, 1), (2, 3))
+_A_TILES = (4, 5)
+_B_TILES = (6, 7)
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether this process may run AMX instructions: Linux grants the tile data state on
+    request (arch_prctl ARCH_REQ_XCOMP_PERM), once for the whole process."""
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    args = (_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+    return libc.syscall(*map(ctypes.c_long, args)) == 0
+
+
+def amx_usable(target: CPUTarget) -> bool:
+    """Whether code for `target` may use the AMX GEMM here: the target has the tile and
+    bfloat16 features the kernel and its packing use, and the OS lets this process use tiles."""
+    return REQUIRED_FEATURES <= target.feature_set and amx_permitted()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def workspace_bytes(m: int, n: int, k: int) -> int:
+    """Scratch bytes `ranvier_bf16_gemm` needs: both operands packed as bfloat16 tiles
+    (padded to 16 rows or columns and 32 values of k), plus 64 for aligning the start."""
+    return 64 + (_cdiv(m, TILE) + _cdiv(n, TILE)) * _cdiv(k, K_STEP) * BLOCK_BYTES
+
+
+@functools.cache
+def gemm_address(target: CPUTarget) -> int:
+    """Address of `ranvier_bf16_gemm` compiled for `target` (object code cached in memory
+    and on disk like cell code). Asking for it also obtains the OS's permission to run it."""
+    if not amx_usable(target):
+        raise RanvierError(f"AMX bfloat16 GEMM unavailable: the CPU target needs {sorted(REQUIRED_FEATURES)} "
+                           "and Linux must grant this process the AMX tile state")
+    key = jit.cache_key(f"{SYMBOL}\n{_source_digest()}", target)
+
+    def generate() -> bytes:
+        return jit.compile_object(build_module(target), target)
+
+    code, _ = jit.cached_object(key, generate)
+    return jit.load_object(code, target, SYMBOL)
+
+
+def _source_digest() -> str:
+    """The generator's own source and its IR helpers: editing either invalidates the cache."""
+    digest = hashlib.sha256()
+    for name in ("amx.py", "irutil.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# IR building blocks
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat type, which llvmlite does not define."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+BF16 = _BFloat()
+V16F = ir.VectorType(F32, 16)
+V16I = ir.VectorType(I32, 16)
+V16B = ir.VectorType(I1, 16)
+_FLOAT_PTR = F32.as_pointer()
+
+
+def _declare(module: ir.Module, name: str, result: ir.Type, args: list[ir.Type]) -> ir.Function:
+    existing = module.globals.get(name)
+    return existing if existing is not None else ir.Function(module, ir.FunctionType(result, args), name=name)
+
+
+def _call(b: ir.IRBuilder, name: str, result: ir.Type, args: list[ir.Value]) -> ir.Value:
+    return b.call(_declare(b.module, name, result, [a.type for a in args]), args)
+
+
+def _tile(tile: int) -> ir.Constant:
+    return ir.Constant(I8, tile)
+
+
+def _tile_load(b: ir.IRBuilder, tile: int, base: ir.Value, stride: ir.Value) -> None:
+    _call(b, "llvm.x86.tileloadd64", VOID, [_tile(tile), base, stride])
+
+
+def _tile_store(b: ir.IRBuilder, tile: int, base: ir.Value, stride: ir.Value) -> None:
+    _call(b, "llvm.x86.tilestored64", VOID, [_tile(tile), base, stride])
+
+
+def _byte_offset(b: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
+    return b.gep(b.bitcast(base, BYTE_PTR), [offset])
+
+
+def _float_offset(b: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
+    return b.gep(b.bitcast(base, _FLOAT_PTR), [offset])
+
+
+def _lane_mask(b: ir.IRBuilder, start: ir.Value, limit: ir.Value) -> ir.Value:
+    """Lanes i of 16 where start + i < limit."""
+    lanes = b.add(_splat(b, start, I64), ir.Constant(ir.VectorType(I64, 16), list(range(16))))
+    return b.icmp_signed("<", lanes, _splat(b, limit, I64))
+
+
+def _splat(b: ir.IRBuilder, value: ir.Value, element: ir.Type) -> ir.Value:
+    vector = ir.VectorType(element, 16)
+    single = b.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(I32, 0))
+    return b.shuffle_vector(single, ir.Constant(vector, ir.Undefined), ir.Constant(V16I, [0] * 16))
+
+
+def _when(b: ir.IRBuilder, valid: ir.Value, mask: ir.Value) -> ir.Value:
+    """`mask` where the scalar `valid` holds, else no lanes: a whole row outside the matrix."""
+    return b.select(valid, mask, ir.Constant(V16B, [0] * 16))
+
+
+def _masked_load(b: ir.IRBuilder, pointer: ir.Value, mask: ir.Value) -> ir.Value:
+    """16 floats, zero where the mask is off (masked-off lanes never touch memory)."""
+    # The (ptr, i32 align, mask, passthru) form; LLVM upgrades it to its current signature.
+    args = [b.bitcast(pointer, V16F.as_pointer()), ir.Constant(I32, 4), mask, ir.Constant(V16F, None)]
+    return b.call(_declare(b.module, "llvm.masked.load.v16f32.p0", V16F, [a.type for a in args]), args)
+
+
+def _masked_store(b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, mask: ir.Value) -> None:
+    args = [value, b.bitcast(pointer, V16F.as_pointer()), ir.Constant(I32, 4), mask]
+    b.call(_declare(b.module, "llvm.masked.store.v16f32.p0", VOID, [a.type for a in args]), args)
+
+
+def _to_pairs(b: ir.IRBuilder, first: ir.Value, second: ir.Value, interleave: bool) -> ir.Value:
+    """Two vectors of 16 floats → 16 bfloat16 pairs as <16 x i32>: `first` then `second`
+    (consecutive values of k), or, interleaving, (first[i], second[i]) pairs."""
+    narrow = ir.VectorType(BF16, 16)
+    if interleave:
+        order = [lane for i in range(16) for lane in (i, 16 + i)]
+        pairs = b.shuffle_vector(b.fptrunc(first, narrow), b.fptrunc(second, narrow), ir.Constant(ir.VectorType(I32, 32), order))
+    else:
+        joined = b.shuffle_vector(first, second, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+        pairs = b.fptrunc(joined, ir.VectorType(BF16, 32))
+    return b.bitcast(pairs, V16I)
+
+
+def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """Transpose a 16 × 16 block of 32-bit lanes held in 16 vectors.
+
+    A transpose swaps the four bits of the row index with those of the column index;
+    each stage swaps one pair of bits with 16 two-vector shuffles."""
+    rows = list(rows)
+    for bit in (1, 2, 4, 8):
+        low = [c if not c & bit else 16 + (c & ~bit) for c in range(16)]
+        high = [c | bit if not c & bit else 16 + c for c in range(16)]
+        for r in range(16):
+            if r & bit:
+                continue
+            upper, lower = rows[r], rows[r | bit]
+            rows[r] = b.shuffle_vector(upper, lower, ir.Constant(V16I, low))
+            rows[r | bit] = b.shuffle_vector(upper, lower, ir.Constant(V16I, high))
+    return rows
+
+
+def _internal_function(module: ir.Module, name: str, args: list[ir.Type]) -> tuple[ir.Function, ir.IRBuilder]:
+    function = ir.Function(module, ir.FunctionType(VOID, args), name=name)
+    function.linkage = "internal"
+    return function, ir.IRBuilder(function.append_basic_block("entry"))
+
+
+# ---------------------------------------------------------------------------------------
+# Packing
+
+
+def _block_offset(b: ir.IRBuilder, panel: ir.Value, step: ir.Value, panels: ir.Value, steps: ir.Value) -> ir.Value:
+    """Where block `step` of `panel` goes: panels are packed in pairs, the pair's two blocks
+    for each step side by side (an odd last panel alone), so that the tiles a kernel loads
+    for one step are 2 KiB in a row and a sweep over panels reads one sequential stream."""
+    pair_start = b.mul(b.and_(panel, i64(-2)), b.mul(steps, i64(BLOCK_BYTES)))
+    width = b.select(b.icmp_signed("<", b.or_(panel, i64(1)), panels), i64(2), i64(1))
+    within = b.add(b.mul(step, width), b.and_(panel, i64(1)))
+    return b.add(pair_start, b.mul(within, i64(BLOCK_BYTES)))
+
+
+def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Function:
+    """`pack(float* source, i64 ld, i64 outer, i64 k, i8* packed)`: the source matrix holds
+    `outer` rows by k columns (k_along_rows) or k rows by `outer` columns; write its
+    panels of 16 `outer` values in 1 KiB blocks of 16 × 16 bfloat16 pairs, indexed
+    [outer][pair] for k along rows and [pair][outer] otherwise, transposed on request."""
+    name = f"pack_{'rows' if k_along_rows else 'columns'}{'_transposed' if transpose else ''}"
+    function, b = _internal_function(module, name, [_FLOAT_PTR, I64, I64, I64, BYTE_PTR])
+    source, ld, outer, k, packed = function.args
+    panels = b.sdiv(b.add(outer, i64(TILE - 1)), i64(TILE))
+    steps = b.sdiv(b.add(k, i64(K_STEP - 1)), i64(K_STEP))
+
+    def block(panel: ir.Value, step: ir.Value) -> None:
+        first, k0 = b.mul(panel, i64(TILE)), b.mul(step, i64(K_STEP))
+        if k_along_rows:
+            # Row r: 32 floats of k, i.e. 16 pairs, from source row first + r.
+            low, high = _lane_mask(b, k0, k), _lane_mask(b, b.add(k0, i64(16)), k)
+            vectors = []
+            for r in range(TILE):
+                row = b.add(first, i64(r))
+                valid = b.icmp_signed("<", row, outer)
+                start = _float_offset(b, source, b.add(b.mul(row, ld), k0))
+                halves = [_masked_load(b, _float_offset(b, start, i64(h * 16)), _when(b, valid, mask)) for h, mask in enumerate((low, high))]
+                vectors.append(_to_pairs(b, *halves, interleave=False))
+        else:
+            # Pair p: source rows k0 + 2p and k0 + 2p + 1, interleaved, 16 columns wide.
+            columns = _lane_mask(b, first, outer)
+            vectors = []
+            for p in range(TILE):
+                rows = []
+                for j in range(2):
+                    row = b.add(k0, i64(2 * p + j))
+                    start = _float_offset(b, source, b.add(b.mul(row, ld), first))
+                    rows.append(_masked_load(b, start, _when(b, b.icmp_signed("<", row, k), columns)))
+                vectors.append(_to_pairs(b, *rows, interleave=True))
+        if transpose:
+            vectors = _transpose(b, vectors)
+        out = _byte_offset(b, packed, _block_offset(b, panel, step, panels, steps))
+        for r, vector in enumerate(vectors):
+            b.store(vector, b.bitcast(_byte_offset(b, out, i64(64 * r)), V16I.as_pointer()), align=64)
+
+    # Walk the source in memory order: along its rows, then down.
+    if k_along_rows:
+        with for_range(b, i64(0), panels, name="panel") as panel:
+            with for_range(b, i64(0), steps, name="step") as step:
+                block(panel, step)
+    else:
+        with for_range(b, i64(0), steps, name="step") as step:
+            with for_range(b, i64(0), panels, name="panel") as panel:
+                block(panel, step)
+    b.ret_void()
+    return function
+
+
+# ---------------------------------------------------------------------------------------
+# Multiplication
+
+
+def _emit_kernel(module: ir.Module, a_panels: int, b_panels: int) -> ir.Function:
+    """`kernel(i8* a, i8* b, i64 steps, float* c, i64 ldc, i64 rows, i64 columns)`:
+    C[16·a_panels × 16·b_panels] = (a_panels panels of A at a) · (b_panels panels of B at b)
+    over `steps` blocks of k, storing only the first `rows` × `columns` (which may exceed
+    the block) of C."""
+    function, b = _internal_function(module, f"kernel_{a_panels}x{b_panels}", [BYTE_PTR, BYTE_PTR, I64, _FLOAT_PTR, I64, I64, I64])
+    a, bp, steps, c, ldc, rows, columns = function.args
+    with b.goto_entry_block():
+        scratch = b.alloca(ir.ArrayType(F32, TILE * TILE))
+        scratch.align = 64
+    stride = i64(64)
+    for i in range(a_panels):
+        for j in range(b_panels):
+            _call(b, "llvm.x86.tilezero", VOID, [_tile(_ACC[i][j])])
+    with for_range(b, i64(0), steps, name="step") as step:
+        a_step = _byte_offset(b, a, b.mul(step, i64(a_panels * BLOCK_BYTES)))
+        b_step = _byte_offset(b, bp, b.mul(step, i64(b_panels * BLOCK_BYTES)))
+        # Each load just before the first product that reads it: a tile register is free
+        # only once the previous step's products are done with it.
+        for i in range(a_panels):
+            _tile_load(b, _A_TILES[i], _byte_offset(b, a_step, i64(i * BLOCK_BYTES)), stride)
+            for j in range(b_panels):
+                if i == 0:
+                    _tile_load(b, _B_TILES[j], _byte_offset(b, b_step, i64(j * BLOCK_BYTES)), stride)
+                _call(b, "llvm.x86.tdpbf16ps", VOID, [_tile(_ACC[i][j]), _tile(_A_TILES[i]), _tile(_B_TILES[j])])
+    for i in range(a_panels):
+        for j in range(b_panels):
+            _store_accumulator(b, _ACC[i][j], c, ldc, b.sub(rows, i64(16 * i)), b.sub(columns, i64(16 * j)), i, j, scratch)
+    b.ret_void()
+    return function
+
+
+def _store_accumulator(b: ir.IRBuilder, tile: int, c: ir.Value, ldc: ir.Value, rows: ir.Value, columns: ir.Value, i: int, j: int, scratch: ir.Value) -> None:
+    """Store accumulator `tile` at block row i, column j of C, where `rows` × `columns`
+    of it (possibly none, possibly more than 16) lie inside C."""
+    corner = _float_offset(b, c, b.add(b.mul(i64(16 * i), ldc), i64(16 * j)))
+    whole = b.and_(b.icmp_signed(">=", rows, i64(16)), b.icmp_signed(">=", columns, i64(16)))
+    with b.if_else(whole) as (full, edge):
+        with full:
+            _tile_store(b, tile, b.bitcast(corner, BYTE_PTR), b.mul(ldc, i64(4)))
+        with edge:
+            _tile_store(b, tile, b.bitcast(scratch, BYTE_PTR), i64(64))
+            mask = _lane_mask(b, i64(0), columns)
+            count = b.select(b.icmp_signed("<", rows, i64(16)), rows, i64(16))
+            with for_range(b, i64(0), count, name="row") as row:
+                values = b.load(b.bitcast(_float_offset(b, scratch, b.mul(row, i64(16))), V16F.as_pointer()), align=64)
+                _masked_store(b, values, _float_offset(b, corner, b.mul(row, ldc)), mask)
+
+
+def _emit_products(b: ir.IRBuilder, kernels: dict, a_packed: ir.Value, b_packed: ir.Value, steps: ir.Value,
+                   c: ir.Value, ldc: ir.Value, m: ir.Value, n: ir.Value) -> None:
+    """All 32 × 32 blocks of C. A pair of A panels stays in L1 (outer loop) while B's panels
+    stream past it from L2 (inner loop), along C's rows, a chunk that fits in L2 at a time."""
+    panel_bytes = b.mul(steps, i64(BLOCK_BYTES))
+    a_count = b.sdiv(b.add(m, i64(TILE - 1)), i64(TILE))
+    b_count = b.sdiv(b.add(n, i64(TILE - 1)), i64(TILE))
+    chunk = b.and_(b.sdiv(i64(_STREAM_BYTES), panel_bytes), i64(-2))
+    chunk = b.select(b.icmp_signed("<", chunk, i64(2)), i64(2), chunk)
+
+    def product(ai: ir.Value, bj: ir.Value, a_panels: int, b_panels: int) -> None:
+        row, column = b.mul(ai, i64(TILE)), b.mul(bj, i64(TILE))
+        b.call(kernels[a_panels, b_panels], [
+            _byte_offset(b, a_packed, b.mul(ai, panel_bytes)), _byte_offset(b, b_packed, b.mul(bj, panel_bytes)), steps,
+            _float_offset(b, c, b.add(b.mul(row, ldc), column)), ldc, b.sub(m, row), b.sub(n, column),
+        ])
+
+    def sweep(start: ir.Value, stop: ir.Value, ai: ir.Value, a_panels: int) -> None:
+        with for_range(b, start, b.sub(stop, i64(1)), step=2, name="column") as bj:
+            product(ai, bj, a_panels, 2)
+        with b.if_then(b.trunc(b.sub(stop, start), I1)):
+            product(ai, b.sub(stop, i64(1)), a_panels, 1)
+
+    chunks = b.sdiv(b.add(b_count, b.sub(chunk, i64(1))), chunk)
+    with for_range(b, i64(0), chunks, name="chunk") as index:
+        start = b.mul(index, chunk)
+        stop = b.add(start, chunk)
+        stop = b.select(b.icmp_signed("<", stop, b_count), stop, b_count)
+        with for_range(b, i64(0), b.sub(a_count, i64(1)), step=2, name="row") as ai:
+            sweep(start, stop, ai, 2)
+        with b.if_then(b.trunc(a_count, I1)):
+            sweep(start, stop, b.sub(a_count, i64(1)), 1)
+
+
+# ---------------------------------------------------------------------------------------
+# The module
+
+
+def _tile_config(module: ir.Module) -> ir.GlobalVariable:
+    """LDTILECFG's 64 bytes: palette 1, then tmm0-7 all 16 rows × 64 bytes."""
+    config = [0] * 64
+    config[0] = 1
+    for tile in range(8):
+        config[16 + 2 * tile] = 64  # bytes per row, little-endian uint16
+        config[48 + tile] = TILE  # rows
+    array = ir.ArrayType(I8, 64)
+    variable = ir.GlobalVariable(module, array, name="tile_config")
+    variable.global_constant = True
+    variable.linkage = "private"
+    variable.align = 64
+    variable.initializer = ir.Constant(array, config)
+    return variable
+
+
+def build_module(target: CPUTarget) -> ir.Module:
+    """The LLVM module defining `ranvier_bf16_gemm` for `target`."""
+    module = ir.Module(name="amx_gemm")
+    module.triple = target.machine.triple
+    pack_rows, pack_rows_t = _emit_pack(module, True, False), _emit_pack(module, True, True)
+    pack_columns, pack_columns_t = _emit_pack(module, False, False), _emit_pack(module, False, True)
+    kernels = {(ra, rb): _emit_kernel(module, ra, rb) for ra in (1, 2) for rb in (1, 2)}
+    config = _tile_config(module)
+
+    signature = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
+    function = ir.Function(module, signature, name=SYMBOL)
+    ta, tb, m, n, k, a, lda, bm, ldb, c, ldc, workspace = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    steps = b.sdiv(b.add(k, i64(K_STEP - 1)), i64(K_STEP))
+    a_panels = b.sdiv(b.add(m, i64(TILE - 1)), i64(TILE))
+    aligned = b.and_(b.add(b.ptrtoint(workspace, I64), i64(63)), i64(-64))
+    a_packed = b.inttoptr(aligned, BYTE_PTR)
+    b_packed = _byte_offset(b, a_packed, b.mul(b.mul(a_panels, steps), i64(BLOCK_BYTES)))
+    # op(A) is m × k: A itself has k along its rows unless transposed; op(B) is k × n.
+    with b.if_else(b.icmp_signed("!=", ta, i64(0))) as (transposed, plain):
+        with transposed:
+            b.call(pack_columns_t, [a, lda, m, k, a_packed])
+        with plain:
+            b.call(pack_rows, [a, lda, m, k, a_packed])
+    with b.if_else(b.icmp_signed("!=", tb, i64(0))) as (transposed, plain):
+        with transposed:
+            b.call(pack_rows_t, [bm, ldb, n, k, b_packed])
+        with plain:
+            b.call(pack_columns, [bm, ldb, n, k, b_packed])
+    _call(b, "llvm.x86.ldtilecfg", VOID, [b.bitcast(config, BYTE_PTR)])
+    _emit_products(b, kernels, a_packed, b_packed, steps, c, ldc, m, n)
+    _call(b, "llvm.x86.tilerelease", VOID, [])
+    b.ret_void()
+    return module
