@@ -14,13 +14,28 @@ def overlapping(a, b) -> bool:
     return a.offset < b.offset + b.size and b.offset < a.offset + a.size
 
 
+def storage_owner(var, slots) -> str:
+    """The variable whose bytes `var` is: itself, or for a reshape sharing its input's
+    storage, that input's owner."""
+    producer = var.producer
+    if producer is not None and producer.type in ("Reshape", "ExpandDims", "Squeeze"):
+        source = producer.inputs[0]
+        if source.name in slots and slots[source.name].offset == slots[var.name].offset:
+            return storage_owner(source, slots)
+    return var.name
+
+
 def check_plan(cell) -> None:
     """Two variables may share bytes only when one is dead before the other is written,
-    or an op writes its output exactly over an input it reads for the last time."""
+    or an op writes its output exactly over an input it reads for the last time, or
+    one is a view (reshape) of the other, both living as long as either."""
     slots = {s.var.name: s for s in cell.slots}
     for a in cell.slots:
         for b in cell.slots:
             if a is b or not overlapping(a, b) or a.last < b.first or b.last < a.first:
+                continue
+            shared = (a.offset, a.size, a.first, a.last) == (b.offset, b.size, b.first, b.last)
+            if shared and storage_owner(a.var, slots) == storage_owner(b.var, slots):
                 continue
             later, earlier = (a, b) if a.first >= b.first else (b, a)
             op = cell.steps[later.first].op if later.first >= 0 else None

@@ -36,6 +36,9 @@ class ReferenceBackend:
         # Every reference kernel computes its results before writing any of them.
         return source.nbytes == target.nbytes
 
+    def shares_storage(self, op: Operation) -> bool:
+        return False  # the oracle keeps every value in its own storage
+
     def finish(self, cell: Cell) -> None:
         """Nothing to generate: the reference runs the steps as they are."""
 
