@@ -264,6 +264,13 @@ def _matmul(ctx, g):
     dy = g[0]
     b = ctx.b
     ta, tb = _bool(ctx, "transpose_a"), _bool(ctx, "transpose_b")
+    if a.rank > 2 and c.rank == 2 and not ta:
+        # A shared matrix under a batch of rows (x[B, T, K] @ W): its gradient is one
+        # GEMM over all B·T rows, not B products summed afterwards.
+        rows_a, rows_dy = a.reshape([-1, a.shape[-1]]), dy.reshape([-1, dy.shape[-1]])
+        da = b.matmul(dy, c, transpose_b=not tb)
+        dc = b.matmul(rows_dy, rows_a, transpose_a=True) if tb else b.matmul(rows_a, rows_dy, transpose_a=True)
+        return [da, dc]
     if not ta and not tb:
         da, dc = b.matmul(dy, c, transpose_b=True), b.matmul(a, dy, transpose_a=True)
     elif not ta and tb:
