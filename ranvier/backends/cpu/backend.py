@@ -24,6 +24,7 @@ from . import amx, codegen, jit
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import FALLBACK, choose
 from .kernels.matmul import AMX_KERNEL, use_bf16_gemm
+from .parallel import thread_count
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
@@ -166,7 +167,7 @@ class CPUBackend:
     @staticmethod
     def _describe(cell: Cell, layout: Layout) -> str:
         """Everything the generated code depends on, as text (the compile cache key)."""
-        lines = []
+        lines = [f"threads {thread_count()}"]  # kernels split their work this many ways
         for step in cell.steps:
             op = step.op
             lines.append(f"{step.kernel} {op.type} {sorted(op.attrs.items())}")

@@ -9,6 +9,7 @@ the operands swapped. Batch dimensions (broadcast as numpy does) loop around the
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from llvmlite import ir
 
@@ -19,6 +20,7 @@ from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
 from ..convert import narrow, widen
 from ..irutil import F32, F64, I8, I32, I64, VOID, compute_type, constant, for_range, i64, load, storage_type, store
+from ..parallel import run_parts, thread_count, worth_splitting
 from ..views import contiguous_strides
 
 
@@ -149,39 +151,91 @@ def loop_matmul(ctx, op) -> None:
 AMX_KERNEL = "AmxGemm"
 
 
+@dataclass(frozen=True)
+class _Gemm:
+    """One call of the bf16 GEMM: its sizes and where its A, B and C start (elements)."""
+
+    m: int
+    n: int
+    k: int
+    a: int
+    b: int
+    c: int
+
+
+def amx_parts(op) -> list[list[_Gemm]]:
+    """The calls of a bf16 MatMul, in one list per thread. A batch of products is
+    shared out whole; a single large product is cut along its longer side (rows or
+    columns of C) in blocks of 32, each thread packing its own share of that side."""
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    ta, tb, m, k, n, batches = _gemms(op)
+    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
+    calls = [_Gemm(m, n, k, oa * a_size, ob * b_size, index * m * n) for index, (oa, ob) in enumerate(batches)]
+    threads = thread_count() if worth_splitting(2 * m * n * k * len(calls)) else 1
+    if threads == 1:
+        return [calls]
+    if len(calls) > 1:
+        per = -(-len(calls) // threads)
+        return [calls[i : i + per] for i in range(0, len(calls), per)]
+    (whole,) = calls
+    rows = m >= n
+    length = m if rows else n
+    block = -(-length // threads // 32) * 32
+    parts = []
+    for start in range(0, length, block):
+        size = min(block, length - start)
+        if rows:
+            parts.append([_Gemm(size, n, k, start if ta else start * a.shape[-1], 0, start * n)])
+        else:
+            parts.append([_Gemm(m, size, k, 0, start * b.shape[-1] if tb else start, start)])
+    return parts
+
+
+def _part_workspace(part: list[_Gemm]) -> int:
+    return max(workspace_bytes(g.m, g.n, g.k) for g in part)
+
+
 def use_bf16_gemm(flow: Flow, func: Function) -> None:
     """Mixed precision: float32 matrix products (not vector-matrix ones, which stream
     their matrix once and gain nothing) run on AMX tiles with bf16-rounded inputs. The
-    kernel's packing scratch becomes a second output, so the memory planner places it
-    like any temporary."""
+    kernel's packing scratch (one per thread) becomes a second output, so the memory
+    planner places it like any temporary."""
     for op in list(func.ops):
         if op.type != "MatMul" or op.inputs[0].dtype != dtypes.DT_FLOAT32 or op.attrs.get("precision") == "bfloat16":
             continue
-        _, _, m, k, n, _ = _gemms(op)
-        if m == 1:
+        if _gemms(op)[2] == 1:
             continue
         op.set_attr("precision", "bfloat16")
-        workspace = flow.add_var(flow.unique_name(f"{op.name}/workspace", flow.vars), dtypes.DT_UINT8, [workspace_bytes(m, n, k)])
-        op.add_output(workspace)
+        parts = amx_parts(op)
+        size = len(parts) * max(_part_workspace(part) for part in parts)
+        op.add_output(flow.add_var(flow.unique_name(f"{op.name}/workspace", flow.vars), dtypes.DT_UINT8, [size]))
 
 
 def amx_matmul(ctx, op) -> None:
     a, b, c, workspace = op.inputs[0], op.inputs[1], op.outputs[0], op.outputs[1]
-    ta, tb, m, k, n, batches = _gemms(op)
-    builder = ctx.b
+    ta, tb = _gemms(op)[:2]
+    parts = amx_parts(op)
+    share = max(_part_workspace(part) for part in parts)
     fp = F32.as_pointer()
     gemm_type = ir.FunctionType(VOID, [I64, I64, I64, I64, I64, fp, I64, fp, I64, fp, I64, I8.as_pointer()])
-    gemm = builder.bitcast(ctx.table_entry(BF16GEMM), gemm_type.as_pointer())
-    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
-    scratch = ctx.address(workspace)
-    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
-    for index, (oa, ob) in enumerate(batches):
-        builder.call(gemm, [
-            i64(int(ta)), i64(int(tb)), i64(m), i64(n), i64(k),
-            builder.gep(pa, [i64(oa * a_size)]), i64(a.shape[-1]),
-            builder.gep(pb, [i64(ob * b_size)]), i64(b.shape[-1]),
-            builder.gep(pc, [i64(index * m * n)]), i64(n), scratch,
-        ])
+
+    def emit(calls: list[_Gemm], number: int):
+        def part(ctx) -> None:
+            builder = ctx.b
+            gemm = builder.bitcast(ctx.table_entry(BF16GEMM), gemm_type.as_pointer())
+            pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
+            scratch = builder.gep(ctx.address(workspace), [i64(number * share)])
+            for g in calls:
+                builder.call(gemm, [
+                    i64(int(ta)), i64(int(tb)), i64(g.m), i64(g.n), i64(g.k),
+                    builder.gep(pa, [i64(g.a)]), i64(a.shape[-1]),
+                    builder.gep(pb, [i64(g.b)]), i64(b.shape[-1]),
+                    builder.gep(pc, [i64(g.c)]), i64(c.shape[-1]), scratch,
+                ])
+
+        return part
+
+    run_parts(ctx, [emit(calls, number) for number, calls in enumerate(parts)])
 
 
 def matmul(ctx, op) -> str:

@@ -1,0 +1,100 @@
+"""Mixed-precision matrix products (`Compiler(matmul="bfloat16")`): float32 MatMuls run
+on AMX tiles with bf16-rounded inputs and float32 sums, split over threads when large."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ranvier as rv
+from ranvier.backends.cpu.amx import amx_usable
+from ranvier.backends.cpu.kernels.matmul import amx_parts
+from ranvier.backends.cpu.parallel import thread_count
+from ranvier.backends.cpu.target import host_target
+
+pytestmark = pytest.mark.skipif(not amx_usable(host_target()), reason="this CPU (or OS) offers no AMX-BF16")
+
+
+def rounded(x: np.ndarray) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def compiled_matmul(a_shape, b_shape, matmul="bfloat16", cpu="", **attrs):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    a, b = f.var("a", rv.DT_FLOAT, a_shape), f.var("b", rv.DT_FLOAT, b_shape)
+    c = f.matmul(a, b, **attrs)
+    c.var.out = True
+    cell = rv.Compiler(cpu=cpu, matmul=matmul).compile(flow).cell("f")
+    return cell, a, b, c
+
+
+CASES = [
+    ((16, 32), (32, 16), {}),
+    ((17, 33), (33, 65), {}),
+    ((3, 40, 50), (3, 50, 30), {}),
+    ((4, 37, 50), (50, 33), {}),  # shared matrix under batched rows: one GEMM
+    ((50, 37), (50, 33), {"transpose_a": True}),
+    ((37, 50), (33, 50), {"transpose_b": True}),
+    ((2, 50, 37), (2, 33, 50), {"transpose_a": True, "transpose_b": True}),
+    ((640, 288), (288, 700), {}),  # large: rows shared out over threads
+    ((96, 2000), (2000, 800), {}),  # large, wide: columns shared out
+    ((800, 96), (2000, 96), {"transpose_b": True}),
+    ((2000, 640), (2000, 160), {"transpose_a": True}),
+    ((8, 256, 256), (8, 256, 256), {}),  # large batch: whole products shared out
+]
+SPLIT = {7, 8, 9, 10, 11}  # the cases large enough to run on several threads
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_bf16_matmul_matches_the_rounded_product(case):
+    a_shape, b_shape, attrs = CASES[case]
+    cell, a, b, c = compiled_matmul(a_shape, b_shape, **attrs)
+    (step,) = [s for s in cell.steps if s.kernel == "AmxGemm"]
+    assert (len(amx_parts(step.op)) > 1) == (case in SPLIT and thread_count() > 1)
+    rng = np.random.default_rng(len(a_shape) * 1000 + a_shape[-1])
+    x, y = rng.standard_normal(a_shape, np.float32), rng.standard_normal(b_shape, np.float32)
+    data = cell.instance()
+    data[a], data[b] = x, y
+    data[c][...] = np.nan  # every element must be written
+    data.compute()
+    xa, yb = rounded(x), rounded(y)
+    if attrs.get("transpose_a"):
+        xa = np.swapaxes(xa, -1, -2)
+    if attrs.get("transpose_b"):
+        yb = np.swapaxes(yb, -1, -2)
+    expected = xa @ yb
+    bound = np.abs(xa) @ np.abs(yb)  # float32 sums of exact bf16 products
+    assert np.all(np.abs(data[c] - expected) <= 1e-5 * bound + 1e-30)
+
+
+def test_the_cell_shows_the_kernel_and_its_workspace():
+    cell, *_ = compiled_matmul((64, 64), (64, 64))
+    text = str(cell)
+    assert "AmxGemm" in text and "f/MatMul/workspace: uint8" in text
+
+
+def test_vector_products_and_float32_requests_stay_on_blas():
+    cell, *_ = compiled_matmul((1, 64), (64, 64))
+    assert [s.kernel for s in cell.steps] == ["BlasGemm"]
+    cell, *_ = compiled_matmul((64, 64), (64, 64), matmul="float32")
+    assert [s.kernel for s in cell.steps] == ["BlasGemm"]
+    cell, *_ = compiled_matmul((64, 64), (64, 64), cpu="-avx512")  # masks AMX with AVX-512
+    assert [s.kernel for s in cell.steps] == ["BlasGemm"]
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(rv.RanvierError, match="unknown matmul precision 'float8'; available: float32, bfloat16"):
+        rv.Compiler(matmul="float8")
+
+
+def test_mixed_precision_training_follows_float32():
+    from ranvier.train.mnist_job import MnistConfig, make_trainer
+
+    losses = {}
+    for matmul in ("float32", "bfloat16"):
+        trainer, _, _ = make_trainer(MnistConfig(steps=30, matmul=matmul))
+        losses[matmul] = [trainer.step() for _ in range(30)]
+    assert losses["bfloat16"][-1] < 0.8 * losses["bfloat16"][0]
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=0.05)
