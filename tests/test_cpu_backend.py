@@ -242,6 +242,24 @@ def test_row_kernels(mask):
 
 
 @pytest.mark.parametrize("mask", MASKS)
+def test_row_kernels_shared_out_over_threads(mask):
+    """Rows of a large op run on several threads; each row is still computed whole."""
+    from ranvier.backends.cpu.parallel import PARALLEL_BYTES, thread_count
+
+    def build(f, x, gamma, labels):
+        return [f.softmax(x), f.rms_norm(x, gamma), f.softmax_cross_entropy(x, labels)]
+
+    rows, n = 257, PARALLEL_BYTES // 4 // 256 + 3
+    inputs = {
+        "x": data([rows, n], low=-6, high=6), "gamma": data([n], seed=1),
+        "labels": np.random.default_rng(3).integers(0, n, rows).astype(np.int32),
+    }
+    cell = on_cpu(build, inputs, mask, cache=False)
+    if thread_count() > 1:
+        assert "pthread_create" in _native_assembly(cell)
+
+
+@pytest.mark.parametrize("mask", MASKS)
 def test_matmul(mask):
     def build(f, a, b, at, bt, batch, other, d, e, h, g):
         return [
@@ -394,10 +412,11 @@ def _representative_cell(mask):
 @pytest.mark.parametrize("mask", MASKS)
 def test_generated_code_calls_no_runtime_library(mask):
     """Every call the generated code makes goes through the pointer table (BLAS, the
-    fallback): a libcall such as __extendhfsf2 would resolve to nothing and crash."""
+    fallback), or to libc's threads: a libcall such as __extendhfsf2 would resolve to
+    nothing and crash."""
     asm = _native_assembly(_representative_cell(mask))
     symbols = set(re.findall(r"(?:movabsq\s+\$|call[lq]?\s+)([A-Za-z_][\w.@]*)", asm))
-    external = sorted(s for s in symbols if not re.fullmatch(r"step\d+", s))
+    external = sorted(s for s in symbols if not re.fullmatch(r"step\d+(_part)?|pthread_(create|join)", s))
     assert not external, f"cpu={mask!r} code references {external}"
 
 

@@ -23,9 +23,11 @@ from .irutil import BYTE_PTR, I32, I64, i64
 
 Part = Callable[[KernelContext], None]
 
-# Work below this many floating-point operations stays on one thread. AMX runs about
-# 1e12 FLOP/s per core, so 2^27 is ~130 µs: several times a thread's start and join.
+# Work below these sizes stays on one thread. AMX runs about 1e12 FLOP/s per core, so
+# 2^27 FLOPs take ~130 µs; a core streams about 10 GB/s, so 2^24 bytes take ~1.6 ms:
+# both several times a thread's start and join.
 PARALLEL_FLOPS = 1 << 27
+PARALLEL_BYTES = 1 << 24
 
 
 def thread_count() -> int:
@@ -36,8 +38,9 @@ def thread_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def worth_splitting(flops: int) -> bool:
-    return thread_count() > 1 and flops >= PARALLEL_FLOPS
+def worth_splitting(flops: int = 0, nbytes: int = 0) -> bool:
+    """Whether a kernel of this many FLOPs, or touching this many bytes, should be split."""
+    return thread_count() > 1 and (flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES)
 
 
 def _declare(module: ir.Module, name: str, type_: ir.FunctionType) -> ir.Function:

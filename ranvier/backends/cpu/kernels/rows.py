@@ -11,6 +11,7 @@ SoftmaxCrossEntropy, each in as few passes over the row as its math allows.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from llvmlite import ir
 
@@ -20,6 +21,7 @@ from .. import mathlib
 from ..codegen import KernelContext
 from ..convert import narrow, widen
 from ..irutil import compute_type, constant, for_range, i64, intrinsic, load, splat, storage_type, store, vector_of
+from ..parallel import run_parts, thread_count, worth_splitting
 from ..views import for_vectors
 from .index import check_range, load_index
 
@@ -82,15 +84,35 @@ def _rows(op):
     return x.size // x.shape[-1] if x.shape[-1] else 0, x.shape[-1]
 
 
+def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, ir.Value], None]) -> None:
+    """`body(ctx, r)` for every row r; rows of a large op are shared out over threads."""
+    rows, _ = _rows(op)
+    if rows == 0:
+        return
+    nbytes = sum(v.nbytes for v in [*op.inputs, *op.outputs])
+    threads = thread_count() if worth_splitting(nbytes=nbytes) else 1
+    share = -(-rows // threads)
+
+    def part(first: int, last: int):
+        def run(ctx: KernelContext) -> None:
+            with for_range(ctx.b, i64(first), i64(last), name="row") as r:
+                body(ctx, r)
+
+        return run
+
+    run_parts(ctx, [part(first, min(rows, first + share)) for first in range(0, rows, share)])
+
+
 def softmax(ctx, op) -> None:
     x, y = op.inputs[0], op.outputs[0]
     rows, n = _rows(op)
-    b = ctx.b
     log = op.type == "LogSoftmax"
     # A float32/float64 y holds the exponentials between passes; a half-precision y
     # would round them, and the result twice, so there they are computed again.
     keep = not log and y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
-    with for_range(b, i64(0), i64(rows), name="row") as r:
+
+    def body(ctx, r):
+        b = ctx.b
         row = Row(ctx, b.mul(r, i64(n)), n, x.dtype)
         peak = row.fold(-math.inf, _max(b), lambda i, w: row.read(x, i, w))
 
@@ -115,16 +137,19 @@ def softmax(ctx, op) -> None:
             scale = b.fdiv(constant(row.ctype, 1.0), total)
             row.each(lambda i, w: row.write(y, b.fmul(exponential(i, w), row.splat(scale, w)), i, w))
 
+    each_row(ctx, op, body)
+
 
 def norm(ctx, op) -> None:
     x, y = op.inputs[0], op.outputs[0]
     gamma = op.inputs[1] if len(op.inputs) > 1 else None
     beta = op.inputs[2] if len(op.inputs) > 2 else None
     rows, n = _rows(op)
-    b = ctx.b
     eps = Attrs(op.attrs).float("eps", 1e-5)
     rms = op.type == "RMSNorm"
-    with for_range(b, i64(0), i64(rows), name="row") as r:
+
+    def body(ctx, r):
+        b = ctx.b
         start = b.mul(r, i64(n))
         row = Row(ctx, start, n, x.dtype)
         inverse_n = constant(row.ctype, 1.0 / n)
@@ -148,6 +173,8 @@ def norm(ctx, op) -> None:
             row.write(y, value, i, w)
 
         row.each(normalize)
+
+    each_row(ctx, op, body)
 
 
 def _peak_and_exp_sum(row: Row, x) -> tuple[ir.Value, ir.Value]:
@@ -175,10 +202,11 @@ def cross_entropy(ctx, op) -> None:
     logits, target = op.inputs
     loss = op.outputs[0]
     rows, n = _rows(op)
-    b = ctx.b
     smoothing = Attrs(op.attrs).float("label_smoothing", 0.0)
     classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
-    with for_range(b, i64(0), i64(rows), name="row") as r:
+
+    def body(ctx, r):
+        b = ctx.b
         start = b.mul(r, i64(n))
         row = Row(ctx, start, n, logits.dtype)
         t = row.ctype
@@ -202,6 +230,8 @@ def cross_entropy(ctx, op) -> None:
             value = row.fold(0.0, _add(b), weighted)
         row.write(loss, value, r, 1)
 
+    each_row(ctx, op, body)
+
 
 def _label(ctx, target, r, n):
     """Row r's class, checked against the class count (a bad one marks the step failed)."""
@@ -216,10 +246,11 @@ def cross_entropy_grad(ctx, op) -> None:
     logits, target, dloss = op.inputs
     out = op.outputs[0]
     rows, n = _rows(op)
-    b = ctx.b
     smoothing = Attrs(op.attrs).float("label_smoothing", 0.0)
     classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
-    with for_range(b, i64(0), i64(rows), name="row") as r:
+
+    def body(ctx, r):
+        b = ctx.b
         start = b.mul(r, i64(n))
         row = Row(ctx, start, n, logits.dtype)
         t = row.ctype
@@ -244,6 +275,8 @@ def cross_entropy_grad(ctx, op) -> None:
             row.write(out, b.fsub(probability, b.fmul(share, row.splat(g, w))), i, w)
 
         row.each(emit)
+
+    each_row(ctx, op, body)
 
 
 def choose(op):
