@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from .autodiff import vjp
+from .ops.elementwise import gelu_gate
 from .ops.nn import pool_params
 
 
@@ -113,15 +114,12 @@ def _silu(ctx, g):
 def _gelu(ctx, g):
     (x,) = ctx.inputs
     b = ctx.b
-    if ctx.attrs.str("approximate", "none") == "tanh":
-        c = math.sqrt(2.0 / math.pi)
-        inner = (x + x * x * x * 0.044715) * c
-        t = b.tanh(inner)
-        dinner = (1.0 + x * x * (3 * 0.044715)) * c
-        return [g[0] * (0.5 * (1.0 + t) + x * 0.5 * (1.0 - t * t) * dinner)]
-    cdf = 0.5 * (1.0 + b.erf(x * (1.0 / math.sqrt(2.0))))
+    gate, t = gelu_gate(b, x, ctx.attrs.str("approximate", "none"))
+    if t is not None:
+        dinner = (1.0 + x * x * (3 * 0.044715)) * math.sqrt(2.0 / math.pi)
+        return [g[0] * (gate + x * 0.5 * (1.0 - t * t) * dinner)]
     pdf = b.exp(x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
-    return [g[0] * (cdf + x * pdf)]
+    return [g[0] * (gate + x * pdf)]
 
 
 def _zero_gradient(ctx, g):

@@ -520,6 +520,16 @@ def test_adam_update_folds_into_calculate():
     assert "Calculate" in kernels and "Assign" not in kernels
 
 
+def test_gelu_and_its_gradient_share_one_erf():
+    """In a training step the forward GELU is built from the gradient's own Φ (constants
+    equal by value are one constant to CSE), so the fused kernel evaluates erf once."""
+    from ranvier.models import MLP
+
+    trainer = _train_both(lambda: MLP([7, 13, 3], activation="gelu"), [7], 3, 3)
+    expressions = [s.op.attrs.get("expr", "") for s in trainer.cell.steps]
+    assert sum(e.count("Erf(") + e.count("Gelu(") for e in expressions) == 1, str(trainer.cell)
+
+
 # ---- 3. training steps of each model ------------------------------------------------------------
 
 

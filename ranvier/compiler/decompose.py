@@ -17,6 +17,7 @@ import numpy as np
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Function, Operation
 from ..ops import Attrs
+from ..ops.elementwise import gelu_gate
 from ..ops.nn import pool_params
 
 
@@ -190,7 +191,19 @@ def attention_grad(b: Builder, op: Operation) -> list[Tensor]:
     return [dq, dk, dv]
 
 
+def gelu(b: Builder, op: Operation) -> Tensor | None:
+    """In a training step, x·Φ(x) from the primitives the gradient builds Φ from, so
+    the erf (or tanh) is computed once for both passes. Inference keeps the native
+    kernel, whose negative tail keeps its relative accuracy (1 + erf cancels there)."""
+    if not b.func.training:
+        return None
+    x = b._wrap(op.inputs[0])
+    gate, _ = gelu_gate(b, x, Attrs(op.attrs).str("approximate", "none"))
+    return x * gate
+
+
 RULES: dict[str, Callable[[Builder, Operation], Tensor | list[Tensor] | None]] = {
+    "Gelu": gelu,
     "Conv2D": conv2d,
     "Conv2DBackpropFilter": conv2d_filter_grad,
     "Conv2DBackpropInput": conv2d_input_grad,

@@ -43,13 +43,22 @@ def fold_constants(flow: Flow, func: Function, keep: set[str]) -> None:
             var.set_data(result)
 
 
+def _operand_key(var, written: set[str]):
+    """What makes two operands the same: their variable, or for small constants their
+    value (a gradient rule's 1/√2 is the forward pass's 1/√2)."""
+    if var.data is not None and not var.learnable and var.size <= 16 and var.name not in written:
+        return ("constant", var.dtype, tuple(var.shape), np.asarray(var.data).tobytes())
+    return var.name
+
+
 def eliminate_common_subexpressions(flow: Flow, func: Function, keep: set[str]) -> None:
     """Ops of one type, with the same attributes and inputs, compute the same thing once."""
     seen: dict[tuple, Operation] = {}
+    written = _written(flow)
     for op in flow.order(func):
         if not op.outputs or op_def(op.type).written_inputs(op):
             continue
-        key = (op.type, tuple(sorted(op.attrs.items())), tuple(v.name for v in op.inputs))
+        key = (op.type, tuple(sorted(op.attrs.items())), tuple(_operand_key(v, written) for v in op.inputs))
         original = seen.get(key)
         if original is None or any(v.name in keep for v in op.outputs):
             seen.setdefault(key, op)

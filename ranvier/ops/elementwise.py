@@ -98,6 +98,17 @@ def _gelu(attrs, args, outs):
 define("Gelu", _infer_gelu, _gelu, 1, "elementwise", "GELU; attribute approximate='tanh' selects the tanh form")
 
 
+def gelu_gate(b, x, approximate: str):
+    """GELU's gate Φ (gelu(x) = x·Φ(x)) and, for the tanh form, its tanh, as ops of
+    builder b. The gradient rule and the CPU decomposition both build them here, op for
+    op, so the compiler's CSE computes the erf (or tanh) once for the forward and the
+    backward pass."""
+    if approximate == "tanh":
+        t = b.tanh((x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi))
+        return 0.5 * (1.0 + t), t
+    return 0.5 * (1.0 + b.erf(x * (1.0 / math.sqrt(2.0)))), None
+
+
 def _infer_cast(ctx):
     target = ctx.attrs.str("dtype")
     if target not in dtypes.ALL_DTYPES:
