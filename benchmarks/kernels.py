@@ -2,7 +2,8 @@
 
 # Ops: a fused elementwise chain gelu(x*a + b)*c + x (exact, erf GELU everywhere; numpy takes erf
 # from SciPy), softmax over the last axis, layer norm with gamma/beta, per-row softmax
-# cross-entropy with int64 targets, float32 GEMM (square and MLP-shaped). Options: --repeats N,
+# cross-entropy with int64 targets, float32 GEMM (square and MLP-shaped; again with ranvier in mixed
+# precision, bf16 inputs and float32 sums on AMX, where the CPU has it). Options: --repeats N,
 # --warmup N, --quick (smaller sizes for a smoke run).
 #
 # Each round times every implementation once, in turn (each timed call right after an untimed one
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 import ranvier as rv
+from ranvier.backends.cpu.amx import amx_usable
+from ranvier.backends.cpu.target import host_target
 from ranvier.runtime import Cell
 
 IMPLS = ("ranvier", "numpy", "torch")
@@ -96,9 +99,9 @@ def measure_ceilings(megabytes: int, gemm_n: int, repeats: int) -> Ceilings:
 # ---- ranvier helpers ----------------------------------------------------------------------------
 
 
-def compile_cell(flow: rv.Flow) -> tuple[Cell, str]:
+def compile_cell(flow: rv.Flow, matmul: str = "float32") -> tuple[Cell, str]:
     """Compile function f of the flow on the cpu backend; the cell and its steps' kernels."""
-    cell = rv.Compiler("cpu").compile(flow).cell("f")
+    cell = rv.Compiler("cpu", matmul=matmul).compile(flow).cell("f")
     kernels = " + ".join(f"{s.kernel}[{s.variant}]" if s.variant else s.kernel for s in cell.steps)
     return cell, kernels
 
@@ -225,23 +228,25 @@ def bench_cross_entropy(rows: int, classes: int, rng: np.random.Generator) -> Be
     ), result
 
 
-def bench_gemm(m: int, k: int, n: int, rng: np.random.Generator) -> BenchmarkAndResult:
+def bench_gemm(m: int, k: int, n: int, rng: np.random.Generator, matmul: str = "float32") -> BenchmarkAndResult:
+    """ranvier with float32 or mixed-precision (bf16 inputs, float32 sums) products;
+    the peers stay float32, so the bf16 result is checked to bf16 rounding."""
     a = rng.standard_normal((m, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     va, vb = f.var("a", rv.DT_FLOAT, [m, k]), f.var("b", rv.DT_FLOAT, [k, n])
     vy = f.matmul(va, vb, name="y")
-    cell, kernels = compile_cell(flow)
+    cell, kernels = compile_cell(flow, matmul)
     result, compute = ranvier_run(cell, {va: a, vb: b}, vy)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     return Benchmark(
-        f"gemm [{m}x{k}]@[{k}x{n}]",
+        f"gemm [{m}x{k}]@[{k}x{n}]" + (" ranvier in bf16" if matmul == "bfloat16" else ""),
         {"ranvier": compute, "numpy": lambda: a @ b, "torch": lambda: torch.matmul(ta, tb)},
         work=2 * m * k * n,
         compute_bound=True,
         kernels=kernels,
-        atol=1e-3,
+        atol=1e-3 if matmul == "float32" else 0.02 * k**0.5,
     ), result
 
 
@@ -305,6 +310,8 @@ def main() -> None:
         lambda: bench_gemm(square, square, square, rng),
         lambda: bench_gemm(128, 784, 256, rng),
     ]
+    if amx_usable(host_target()):
+        benchmarks += [lambda: bench_gemm(square, square, square, rng, "bfloat16"), lambda: bench_gemm(128, 784, 256, rng, "bfloat16")]
     for make in benchmarks:
         bench, ranvier_result = make()
         verify(bench, ranvier_result)
