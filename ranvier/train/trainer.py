@@ -320,7 +320,8 @@ class Trainer(TrainerBase):
             # The hot path: gather the sampled rows straight into the cell's input views.
             indices = self.sampler.next()
             for name, view in self._input_views.items():
-                np.take(self.dataset[name], indices, axis=0, out=view)
+                # The sampler's indices are in range; mode="raise" would also buffer the copy.
+                np.take(self.dataset[name], indices, axis=0, out=view, mode="clip")
             self._lr_view[...] = lr
             self.data.compute()
             self.step_count += 1
