@@ -99,7 +99,7 @@ class CheckpointedStack(TrainerBase):
 
         # The head's and the embedding's gradients are written by their cells into resident
         # buffers; a layer's are copied from the layer backward into the update cell's inputs.
-        in_layers = {name for layer in self._layer_globals for name in layer.values()}
+        in_layers = {global_name for layer in self._layer_globals for global_name in layer.values()}
         self.grads = {
             key: update.var(f"{key}.grad", p.dtype, p.shape) if p.var.name in in_layers else state_var(update, p.var, "grad")
             for key, p in params.items()
@@ -128,9 +128,9 @@ class CheckpointedStack(TrainerBase):
         self._x0, self._head_loss, self._eval_loss = x0.var, head_loss.var, eval_loss.var
         self._layer_w, self._backward_w, self._backward_grads = layer_w, backward_w, backward_grads
         self._grad_names = {g.var.name for g in self.grads.values()}
+        key_of = {p.var.name: key for key, p in params.items()}
         self._layer_grad_vars = [
-            {key: self.grads[global_name[len(self.model.name) + 1:]].var for key, global_name in layer.items()}
-            for layer in self._layer_globals
+            {key: self.grads[key_of[global_name]].var for key, global_name in layer.items()} for layer in self._layer_globals
         ]
         # The checkpoints: layer i's input, for the backward's recompute.
         self._activations = [np.empty(self.act_type[1], dtypes.to_numpy(self.act_type[0])) for _ in range(model.depth + 1)]
