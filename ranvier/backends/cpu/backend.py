@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -110,8 +109,8 @@ class CPUBackend:
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         """Loop kernels read and write element i together, so an input of the output's
         exact type and shape may be overwritten; everything else writes elsewhere. A
-        view (Reshape and kin) of an input that dies there takes over its bytes, which
-        makes it free: the copy kernel skips a copy onto itself."""
+        copy (Identity) of an input that dies there takes over its bytes, which makes
+        it free: the copy kernel skips a copy onto itself."""
         name, _ = choose(op)
         if source.dtype != target.dtype:
             return False
@@ -208,7 +207,7 @@ class CPUBackend:
         table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
         table[codegen.SGEMV], table[codegen.DGEMV] = sgemv, dgemv
         table[codegen.BLAS_THREADS] = blas_thread_setter()
-        table[codegen.MAX_THREADS] = os.cpu_count() or 1
+        table[codegen.MAX_THREADS] = thread_count()
         if any(step.kernel == AMX_KERNEL for step in cell.steps):
             table[codegen.BF16GEMM] = amx.gemm_address(self.target)
         for k, var in enumerate(layout.table):
