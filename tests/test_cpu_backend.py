@@ -260,6 +260,22 @@ def test_row_kernels_shared_out_over_threads(mask):
 
 
 @pytest.mark.parametrize("mask", MASKS)
+def test_large_maps_shared_out_over_threads(mask):
+    """Elementwise maps over many bytes run on several threads, split by their outermost
+    dimension (a flat one on vector boundaries): broadcasts, transposes and odd tails."""
+    from ranvier.backends.cpu.parallel import PARALLEL_BYTES, thread_count
+
+    def build(f, x, flat, row):
+        return [f.tanh(x * row + 1.5), f.transpose(x, [1, 0]), f.sigmoid(flat) * flat]
+
+    rows, n = 1031, PARALLEL_BYTES // 4 // 1024 + 5
+    inputs = {"x": data([rows, n]), "flat": data([rows * n + 7], seed=1), "row": data([n], seed=2)}
+    cell = on_cpu(build, inputs, mask, cache=False)
+    if thread_count() > 1:
+        assert _native_assembly(cell).count("pthread_create") >= 3
+
+
+@pytest.mark.parametrize("mask", MASKS)
 def test_matmul(mask):
     def build(f, a, b, at, bt, batch, other, d, e, h, g):
         return [

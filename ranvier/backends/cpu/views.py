@@ -18,6 +18,7 @@ from llvmlite import ir
 from ...flow.graph import Variable
 from .convert import narrow, widen
 from .irutil import for_range, i64, load, splat, storage_type, store
+from .parallel import run_parts, thread_count, worth_splitting
 
 
 @dataclass
@@ -74,16 +75,31 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
 
     With `accumulate`, results are added to what the outputs hold, in loop order, so
     views that visit an element more than once (overlapping windows) sum correctly.
+    A large map is shared out over threads by its outermost dimension (never an
+    accumulating one, whose threads could meet at one element).
     """
-    b = ctx.b
     if math.prod(shape) == 0:
         return
     views = inputs + outputs
     dims, strides = _collapse(list(shape), views)
+    lanes = ctx.lanes_for([v.var.dtype for v in views])
+    nbytes = sum(v.var.nbytes for v in views)
+    threads = thread_count() if not accumulate and worth_splitting(nbytes=nbytes) else 1
+    # A lone dimension is cut on vector boundaries, so only the last part has a scalar tail.
+    unit = lanes if len(dims) == 1 else 1
+    share = -(-dims[0] // threads // unit) * unit or unit
+    parts = []
+    for first in range(0, dims[0], share):
+        last = min(dims[0], first + share)
+        parts.append(lambda ctx, first=first, last=last: _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last))
+    run_parts(ctx, parts)
+
+
+def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int, last: int) -> None:
+    """emit_map's loops, over [first, last) of the outermost dimension."""
+    b = ctx.b
     bases = [ctx.pointer(v.var) for v in views]
     dtypes_ = [v.var.dtype for v in views]
-    n_in = len(inputs)
-    lanes = ctx.lanes_for(dtypes_)
     inner_ok = all(s[-1] in (0, 1) for s in strides)
 
     def access(offsets: list[ir.Value], width: int, unit: list[bool]) -> None:
@@ -105,14 +121,15 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
 
     def level(depth: int, offsets: list[ir.Value]) -> None:
         if depth < len(dims) - 1:
-            with for_range(b, i64(0), i64(dims[depth]), name=f"d{depth}") as index:
+            start, stop = (first, last) if depth == 0 else (0, dims[depth])
+            with for_range(b, i64(start), i64(stop), name=f"d{depth}") as index:
                 level(depth + 1, [b.add(o, b.mul(index, i64(s[depth]))) for o, s in zip(offsets, strides)])
             return
-        count = dims[-1]
+        start, count = (first, last) if depth == 0 else (0, dims[-1])
         unit = [s[-1] == 1 for s in strides]
-        vector_end = count - count % lanes if inner_ok and lanes > 1 else 0
-        if vector_end:
-            with for_range(b, i64(0), i64(vector_end), step=lanes, name="v") as index:
+        vector_end = start + (count - start) - (count - start) % lanes if inner_ok and lanes > 1 else start
+        if vector_end > start:
+            with for_range(b, i64(start), i64(vector_end), step=lanes, name="v") as index:
                 access([b.add(o, b.mul(index, i64(s[-1]))) for o, s in zip(offsets, strides)], lanes, unit)
         if vector_end < count:
             with for_range(b, i64(vector_end), i64(count), name="s") as index:
