@@ -28,9 +28,9 @@ from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
-# Below this head size the fused float32 attention kernel's per-key vector work is too
-# short to pay; batched GEMMs through BLAS win (measured on stories260K, head size 8).
-FUSED_ATTENTION_MIN_HEAD = 32
+# Attention whose score matrices (batch × heads × queries × keys) take more bytes than
+# this runs as the fused kernel, which never stores them; smaller ones decompose.
+ATTENTION_SCORES_BUDGET = 1 << 25
 
 
 @functools.cache
@@ -94,13 +94,15 @@ class CPUBackend:
             use_bf16_gemm(flow, func)
 
     def _keep_fused(self, op: Operation) -> bool:
-        """Attention stays one fused kernel where that beats its decomposition into batched
-        GEMMs and a softmax: for float32 heads of FUSED_ATTENTION_MIN_HEAD and more. With
-        AMX GEMMs the decomposition wins at every head size (a stories15M training step,
-        head size 48, batch 4 × 256: 741 ms with the fused kernels, 448 ms without)."""
+        """Attention decomposes into batched GEMMs and a row softmax, which beat the fused
+        kernel wherever measured (a stories15M training step, batch 4 × 256: float32 758
+        ms fused, 560 ms decomposed; bf16 741 and 448; decoding about even), unless its
+        score matrices are too big to store: then the fused kernel, which streams them."""
         if op.type not in ("Attention", "AttentionGrad"):
             return False
-        return not self.bf16_matmul and op.inputs[0].shape[3] >= FUSED_ATTENTION_MIN_HEAD
+        q, k = op.inputs[0], op.inputs[1]
+        batch, heads, queries, _ = q.shape
+        return batch * heads * queries * k.shape[2] * 4 > ATTENTION_SCORES_BUDGET
 
     def choose(self, op: Operation) -> Step:
         name, _ = choose(op)
