@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
+import pytest
+
 from ranvier.cli import main
 from ranvier.data.corpus import read_corpus
 from ranvier.train.llama_job import LlamaRunConfig, resume_llama, train_llama
@@ -67,6 +70,19 @@ def test_checkpointed_llama_run_trains_and_resumes_exactly(tmp_path):
     resume_llama(interrupted, progress=False)
     resumed = [r for r in losses(interrupted) if r[1] is not None or r[0] == 6]
     assert resumed == [r for r in history if r[1] is not None or r[0] == 6]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_llama_job_accumulates_micro_batches(tmp_path, checkpointed):
+    from ranvier.train.llama_job import build
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(read_corpus(max_bytes=100_000))
+    config = LlamaRunConfig(corpus=str(corpus), steps=2, batch=2, seq=16, accumulate=3, checkpointed=checkpointed)
+    run = build(config, tmp_path / "run")
+    assert run.trainer.batch_rows == 6
+    x, y = run.train.sample(6, 16, np.random.default_rng(0))
+    assert np.isfinite(run.trainer.step([x, y]))
 
 
 def test_llama_command_refuses_unknown_preset(tmp_path, capsys):

@@ -108,6 +108,33 @@ def test_training_matches_the_monolithic_trainer_and_shares_its_checkpoints(tmp_
         np.testing.assert_array_equal(array, resumed.state_arrays()[name], err_msg=name)
 
 
+def test_accumulated_micro_batches_match_the_trainer():
+    c = config()
+    options = dict(optimizer=AdamW(lr=3e-3), clip_norm=1.0, accumulate=2)
+    types = ("int32", [BATCH, SEQ])
+    streamed = CheckpointedStack(Llama(c, seed=1), types, types, lm_loss(c.vocab_size), **options)
+    flow = Flow()
+    f = Builder(flow, "train")
+    tokens, targets = f.var("tokens", "int32", [BATCH, SEQ]), f.var("targets", "int32", [BATCH, SEQ])
+    params = Llama(c, seed=1).parameters(f)
+    loss = lm_loss(c.vocab_size)(f, Llama(c, seed=1)(f, tokens, params), targets)
+    whole = Trainer(loss, list(params.values()), inputs=[tokens, targets], **options)
+    assert streamed.batch_rows == whole.batch_rows == 2 * BATCH
+    for step in range(3):
+        (x, y), (x2, y2) = batch(step), batch(step + 10)
+        both = [np.concatenate([x, x2]), np.concatenate([y, y2])]
+        assert streamed.step(both) == pytest.approx(whole.step(both), rel=1e-6)
+    # The Trainer also keeps (zeroed) accumulators and counts steps in its "train/apply" cell.
+    mine = {name: a for name, a in streamed.state_arrays().items() if not name.endswith("adam_step")}
+    theirs = {name: a for name, a in whole.state_arrays().items() if not name.endswith(("/grad_accumulator", "adam_step"))}
+    assert sorted(mine) == sorted(theirs)
+    assert streamed.network["train/adam_step"] == whole.network["train/apply/adam_step"] == 3
+    for name, array in theirs.items():
+        np.testing.assert_allclose(mine[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
+    with pytest.raises(RanvierError, match=r"a batch has 4 rows \(2 micro-batches of 2\), got 2 inputs and 2 targets"):
+        streamed.step(batch(0))
+
+
 def test_compiled_cells_and_layer_memory_do_not_grow_with_depth():
     shallow, deep = stack(config(layers=2)), stack(config(layers=6))
     assert sorted(shallow.network.cells) == sorted(deep.network.cells)

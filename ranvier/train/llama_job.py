@@ -133,10 +133,8 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     options = dict(schedule=schedule, clip_norm=config.clip, backend=config.backend, cpu=config.cpu, matmul=config.matmul)
     entropy = float(manifest.get("unigram_entropy", math.nan))
     if config.checkpointed:
-        if config.accumulate != 1:
-            raise RanvierError("gradient accumulation is not available with --checkpointed; raise --batch instead")
         window = ("int32", [config.batch, config.seq])
-        stack = CheckpointedStack(model, window, window, lm_loss, optimizer, **options)
+        stack = CheckpointedStack(model, window, window, lm_loss, optimizer, accumulate=config.accumulate, **options)
         return LlamaRun(stack, model, train, validation, stack.loss, entropy)
 
     flow = Flow()
@@ -152,7 +150,7 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     eval_loss = lm_loss(e, model(e, eval_tokens), eval_targets, name="loss")
     eval_loss.var.out = True
 
-    trainer = Trainer(loss, list(params.values()), optimizer, inputs=[tokens, targets], **options)
+    trainer = Trainer(loss, list(params.values()), optimizer, inputs=[tokens, targets], accumulate=config.accumulate, **options)
     eval_data = trainer.network.cell("eval").instance()
 
     def evaluate(x: np.ndarray, y: np.ndarray) -> float:
@@ -226,7 +224,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     )
     with open(metrics_path, "a") as metrics, shown as show:
         for _ in range(remaining):
-            x, y = run.train.sample(config.batch, config.seq, rng)
+            x, y = run.train.sample(config.batch * config.accumulate, config.seq, rng)
             step_start = time.perf_counter()
             loss = trainer.step([x, y])
             seconds = time.perf_counter() - step_start

@@ -56,7 +56,8 @@ class CheckpointedStack(TrainerBase):
     """A trainer whose step streams the layers through one compiled layer forward and
     one compiled layer backward (with recompute).
 
-    input_type, target_type: (dtype, shape) of one step's model input and loss target.
+    input_type, target_type: (dtype, shape) of one micro-batch's model input and loss target.
+    accumulate: micro-batches per step; their gradients are averaged before the update.
     loss: `loss(b, model_output, target)` → scalar loss tensor.
     name: the update cell's function name; the optimizer's state is named after it, so
         the default matches a monolithic Trainer built in a function "train".
@@ -74,11 +75,14 @@ class CheckpointedStack(TrainerBase):
         schedule=None,
         clip_norm: float | None = None,
         track_grad_norm: bool = False,
+        accumulate: int = 1,
         name: str = "train",
         backend: str = "cpu",
         cpu: str = "",
         matmul: str = "float32",
     ):
+        if accumulate < 1:
+            raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
         self.model = model
         self.optimizer = optimizer or Adam()
         self.schedule = schedule or schedules.Constant(self.optimizer.lr)
@@ -115,7 +119,8 @@ class CheckpointedStack(TrainerBase):
             self.norm_var.out = True
 
         self.inputs = [embed_input, head_target]
-        self.batch_rows = input_type[1][0]
+        self.accumulate = accumulate
+        self.batch_rows = input_type[1][0] * accumulate
         self._compile(backend, None, cpu, matmul)
         net = self.network
         self.embed_data = net.cell(f"{name}/embed").instance()
@@ -128,6 +133,7 @@ class CheckpointedStack(TrainerBase):
         self._x0, self._head_loss, self._eval_loss = x0.var, head_loss.var, eval_loss.var
         self._layer_w, self._backward_w, self._backward_grads = layer_w, backward_w, backward_grads
         self._grad_names = {g.var.name for g in self.grads.values()}
+        self._resident_grads = [self.update_data[g.var] for key, g in self.grads.items() if g.var.is_global]
         key_of = {p.var.name: key for key, p in params.items()}
         self._layer_grad_vars = [
             {key: self.grads[key_of[global_name]].var for key, global_name in layer.items()} for layer in self._layer_globals
@@ -245,10 +251,13 @@ class CheckpointedStack(TrainerBase):
             acts[i + 1][...] = layer[self._layer_y]
         return acts[-1]
 
-    def compute_gradients(self, x: np.ndarray, target: np.ndarray) -> float:
-        """Forward and backward of one batch into the resident gradient buffers; returns the loss."""
+    def compute_gradients(self, x: np.ndarray, target: np.ndarray, add: bool = False) -> float:
+        """Forward and backward of one micro-batch into the gradient buffers (added to
+        what they hold with `add`); returns the loss."""
         self._check(x, self.inputs[0])
         self._check(target, self.inputs[1])
+        # The head's and embedding's cells overwrite their resident gradients.
+        earlier = [np.array(a) for a in self._resident_grads] if add else []
         last = self._forward(x)
         head = self.head_data
         head[self._head_x] = last
@@ -262,24 +271,44 @@ class CheckpointedStack(TrainerBase):
             backward[self._backward_x] = self._activations[i]
             backward.compute()
             for key, var in self._backward_grads.items():
-                self.update_data[self._layer_grad_vars[i][key]] = backward[var]
+                accumulator = self.update_data[self._layer_grad_vars[i][key]]
+                if add:
+                    accumulator += backward[var]
+                else:
+                    accumulator[...] = backward[var]
             upstream[...] = backward[self._backward_dx]
         embed = self.embed_backward_data
         embed[self._embed_backward_input] = x
         embed[self._embed_backward_dx] = upstream
         embed.compute()
+        for accumulator, before in zip(self._resident_grads, earlier):
+            accumulator += before
         return float(head[self._head_loss])
+
+    def _batch_gradients(self, named: dict[str, np.ndarray]) -> float:
+        """The gradients of a whole batch: the mean over its micro-batches. Returns the mean loss."""
+        x, target = named[self.inputs[0].name], named[self.inputs[1].name]
+        if len(x) != self.batch_rows or len(target) != self.batch_rows:
+            raise RanvierError(
+                f"a batch has {self.batch_rows} rows ({self.accumulate} micro-batches of {self.inputs[0].shape[0]}), "
+                f"got {len(x)} inputs and {len(target)} targets"
+            )
+        micro = self.inputs[0].shape[0]
+        losses = [self.compute_gradients(x[k * micro : (k + 1) * micro], target[k * micro : (k + 1) * micro], add=k > 0)
+                  for k in range(self.accumulate)]
+        if self.accumulate > 1:
+            for g in self.grads.values():
+                self.update_data[g.var] *= 1.0 / self.accumulate
+        return float(np.mean(losses))
 
     def gradients(self, batch) -> tuple[float, dict[str, np.ndarray]]:
         """(loss, {parameter name: gradient}) of a batch [input, target], without updating."""
-        named = self._by_input(batch, "batch")
-        loss = self.compute_gradients(named[self.inputs[0].name], named[self.inputs[1].name])
+        loss = self._batch_gradients(self._by_input(batch, "batch"))
         return loss, {t.var.name: np.array(self.update_data[self.grads[key].var]) for key, t in self.params.items()}
 
     def step(self, batch=None) -> float:
         """One optimizer step on `batch` [input, target] (or the next sampled minibatch)."""
-        named = self._next_batch(batch)
-        loss = self.compute_gradients(named[self.inputs[0].name], named[self.inputs[1].name])
+        loss = self._batch_gradients(self._next_batch(batch))
         self.update_data[self.lr_var] = float(self.schedule(self.step_count))
         self.update_data.compute()
         self.step_count += 1
