@@ -260,6 +260,30 @@ def test_row_kernels_shared_out_over_threads(mask):
 
 
 @pytest.mark.parametrize("mask", MASKS)
+def test_cross_entropy_and_its_gradient_fuse_into_one_kernel(mask):
+    """The loss and its gradient on the same logits: one kernel writes both."""
+    def build(f, x, labels, probs, upstream):
+        results = []
+        for target in (labels, probs):
+            for smoothing in (0.0, 0.1):
+                attrs = {"label_smoothing": smoothing or None}
+                results.append(f.op("SoftmaxCrossEntropy", [x, target], None, attrs))
+                results.append(f.op("SoftmaxCrossEntropyGrad", [x, target, upstream], None, attrs))
+        return results
+
+    rows, n = 13, 37
+    probs = np.random.default_rng(5).random((rows, n)).astype(np.float32)
+    probs /= probs.sum(-1, keepdims=True)
+    inputs = {
+        "x": data([rows, n], low=-6, high=6), "labels": np.random.default_rng(3).integers(0, n, rows).astype(np.int32),
+        "probs": probs, "upstream": data([rows], seed=4),
+    }
+    cell = on_cpu(build, inputs, mask)
+    assert [s.kernel for s in cell.steps] == ["CrossEntropyGradRow"] * 4
+    assert all(len(s.op.outputs) == 2 for s in cell.steps)
+
+
+@pytest.mark.parametrize("mask", MASKS)
 def test_large_maps_shared_out_over_threads(mask):
     """Elementwise maps over many bytes run on several threads, split by their outermost
     dimension (a flat one on vector boundaries): broadcasts, transposes and odd tails."""

@@ -23,6 +23,7 @@ from . import amx, codegen, jit
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import FALLBACK, choose
 from .kernels.matmul import AMX_KERNEL, use_bf16_gemm
+from .kernels.rows import fuse_loss_with_gradient
 from .parallel import thread_count
 from .target import CPUTarget, host_target
 
@@ -90,6 +91,7 @@ class CPUBackend:
         fold_constants(flow, func, keep)
         eliminate_common_subexpressions(flow, func, keep)
         fuse_elementwise(flow, func, flow.order(func), keep)
+        fuse_loss_with_gradient(flow, func)
         if self.bf16_matmul:
             use_bf16_gemm(flow, func)
 

@@ -16,6 +16,7 @@ from typing import Callable
 from llvmlite import ir
 
 from .... import dtypes
+from ....flow.graph import Flow, Function, Variable
 from ....ops import Attrs
 from .. import mathlib
 from ..codegen import KernelContext
@@ -206,31 +207,33 @@ def cross_entropy(ctx, op) -> None:
     classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
 
     def body(ctx, r):
-        b = ctx.b
-        start = b.mul(r, i64(n))
-        row = Row(ctx, start, n, logits.dtype)
-        t = row.ctype
+        row = Row(ctx, ctx.b.mul(r, i64(n)), n, logits.dtype)
         peak, total = _peak_and_exp_sum(row, logits)
-        logsumexp = b.fadd(peak, mathlib.emit("log", b, total))
-        if classes_target:
-            label = _label(ctx, target, r, n)
-            safe = b.select(b.icmp_unsigned("<", label, i64(n)), label, i64(0))
-            picked = row.read(logits, b.add(start, safe), 1)
-            value = b.fsub(logsumexp, b.fmul(picked, constant(t, 1.0 - smoothing)))
-            if smoothing:
-                everything = row.fold(0.0, _add(b), lambda i, w: row.read(logits, i, w))
-                value = b.fsub(value, b.fmul(everything, constant(t, smoothing / n)))
-        else:
-            # Σ p'·(lse − x).
-            target_row = _smoothed(row, target, smoothing, n)
-
-            def weighted(i, w):
-                return b.fmul(target_row(i, w), b.fsub(row.splat(logsumexp, w), row.read(logits, i, w)))
-
-            value = row.fold(0.0, _add(b), weighted)
-        row.write(loss, value, r, 1)
+        label = _label(ctx, target, r, n) if classes_target else None
+        row.write(loss, _row_loss(row, logits, target, label, peak, total, smoothing), r, 1)
 
     each_row(ctx, op, body)
+
+
+def _row_loss(row: Row, logits, target, label, peak, total, smoothing: float) -> ir.Value:
+    """A row's cross-entropy from its max and Σ exp: lse − x[label] for a class (with
+    smoothing, less s/n·Σx), or Σ p'·(lse − x) for a probability target."""
+    b, t, n = row.b, row.ctype, row.length
+    logsumexp = b.fadd(peak, mathlib.emit("log", b, total))
+    if label is not None:
+        safe = b.select(b.icmp_unsigned("<", label, i64(n)), label, i64(0))
+        picked = row.read(logits, b.add(row.start, safe), 1)
+        value = b.fsub(logsumexp, b.fmul(picked, constant(t, 1.0 - smoothing)))
+        if smoothing:
+            everything = row.fold(0.0, _add(b), lambda i, w: row.read(logits, i, w))
+            value = b.fsub(value, b.fmul(everything, constant(t, smoothing / n)))
+        return value
+    target_row = _smoothed(row, target, smoothing, n)
+
+    def weighted(i, w):
+        return b.fmul(target_row(i, w), b.fsub(row.splat(logsumexp, w), row.read(logits, i, w)))
+
+    return row.fold(0.0, _add(b), weighted)
 
 
 def _label(ctx, target, r, n):
@@ -242,9 +245,12 @@ def _label(ctx, target, r, n):
 
 def cross_entropy_grad(ctx, op) -> None:
     """d logits = d loss · (softmax · Σp' − p') in three passes per row (max, sum of exp,
-    output), with the target row p' built on the fly: no one-hot, no stored softmax."""
+    output), with the target row p' built on the fly: no one-hot, no stored softmax.
+    Fused with the forward (a second output), the row's loss comes from the same max
+    and sum."""
     logits, target, dloss = op.inputs
     out = op.outputs[0]
+    loss = op.outputs[1] if len(op.outputs) > 1 else None
     rows, n = _rows(op)
     smoothing = Attrs(op.attrs).float("label_smoothing", 0.0)
     classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
@@ -263,6 +269,8 @@ def cross_entropy_grad(ctx, op) -> None:
             smoothed = _smoothed(row, target, smoothing, n)
             mass = row.fold(0.0, _add(b), smoothed)
         scale = b.fdiv(b.fmul(g, mass), total)
+        if loss is not None:
+            row.write(loss, _row_loss(row, logits, target, label if classes_target else None, peak, total, smoothing), r, 1)
 
         def emit(i, w):
             probability = b.fmul(mathlib.emit("exp", b, b.fsub(row.read(logits, i, w), row.splat(peak, w))), row.splat(scale, w))
@@ -277,6 +285,41 @@ def cross_entropy_grad(ctx, op) -> None:
         row.each(emit)
 
     each_row(ctx, op, body)
+
+
+def fuse_loss_with_gradient(flow: Flow, func: Function) -> None:
+    """A training step's cross-entropy and its gradient read the same logits: the
+    gradient kernel also writes the loss (as a second output), saving a read of the
+    logits (131 MB per stories15M step). Only when the gradient's upstream value does
+    not itself depend on the loss."""
+    forward = {}
+    for op in func.ops:
+        if op.type == "SoftmaxCrossEntropy":
+            forward[(op.inputs[0].name, op.inputs[1].name, tuple(sorted(op.attrs.items())))] = op
+    for op in list(func.ops):
+        if op.type != "SoftmaxCrossEntropyGrad" or len(op.outputs) != 1:
+            continue
+        loss_op = forward.get((op.inputs[0].name, op.inputs[1].name, tuple(sorted(op.attrs.items()))))
+        if loss_op is None or _reads(op.inputs[2], loss_op.outputs[0], func):
+            continue
+        loss = loss_op.outputs[0]
+        flow.remove_op(loss_op)
+        op.add_output(loss)
+
+
+def _reads(var: Variable, source: Variable, func: Function) -> bool:
+    """Whether `var` is computed (within func) from `source`."""
+    pending, seen = [var], set()
+    while pending:
+        v = pending.pop()
+        if v is source:
+            return True
+        producer = v.producer
+        if producer is None or producer.func is not func or id(producer) in seen:
+            continue
+        seen.add(id(producer))
+        pending.extend(producer.inputs)
+    return False
 
 
 def choose(op):
