@@ -170,9 +170,19 @@ def _attention_parts(b: Builder, op: Operation):
     scale = scale_of(attrs, size)
     scores = b.matmul(q5, k5, transpose_b=True) * scale
     if attrs.bool("causal", True):
-        hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
-        scores = scores + b.const(np.where(hidden, -np.inf, 0.0).astype(np.float32 if q.dtype == "float32" else np.float64))
+        scores = scores + _causal_mask(b, queries, keys, q.dtype)
     return q5, k5, v5, b.softmax(scores), scale
+
+
+def _causal_mask(b: Builder, queries: int, keys: int, dtype: str) -> Tensor:
+    """The additive causal mask, one constant per function and shape: the backward's
+    recomputed probabilities are then the forward's op for op, and CSE keeps one."""
+    name = f"causal_mask_{queries}x{keys}_{dtype}"
+    existing = b.flow.vars.get(f"{b.func.name}/{name}")
+    if existing is not None:
+        return b._wrap(existing)
+    hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
+    return b.array(name, np.where(hidden, -np.inf, 0.0).astype(np.float32 if dtype == "float32" else np.float64))
 
 
 def attention(b: Builder, op: Operation) -> Tensor:
