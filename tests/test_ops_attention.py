@@ -85,3 +85,16 @@ def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_atten
     fused = cpu_attention == "fused"
     assert ({"AttentionRow", "AttentionGradRow"} <= kernels) == fused
     assert ("BlasGemm" in kernels) != fused
+
+
+def test_decomposed_backward_reuses_the_forward_probabilities():
+    import ranvier as rv
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    q, k, v, d = (f.var(n, "float32", [2, 4, 16, 8]) for n in "qkvd")
+    f.op("Attention", [q, k, v]).var.out = True
+    for grad in f.op("AttentionGrad", [q, k, v, d]):
+        grad.var.out = True
+    kernels = [s.kernel for s in rv.Compiler("cpu").compile(flow).cell("f").steps]
+    assert kernels.count("SoftmaxRow") == 1, kernels
