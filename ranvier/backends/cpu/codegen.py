@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
+from .convert import use_target
 from .irutil import BYTE_PTR, I64, VOID, i64, storage_type
 from .target import CPUTarget
 
@@ -90,6 +91,7 @@ def build_module(name: str, target: CPUTarget, steps: list[Operation], layout: L
     module = ir.Module(name=name)
     module.triple = target.machine.triple
     module.data_layout = str(target.machine.target_data)
+    use_target(module, target)  # half-precision conversions use F16C where the target has it
     step_type = ir.FunctionType(VOID, [BYTE_PTR.as_pointer()])
     step_functions = []
     for index, op in enumerate(steps):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 from ....flow.graph import Operation
-from ..convert import use_target
 from . import attention, index, maps, matmul, reduce, rows, window
 from .python import python_callback
 
@@ -21,23 +19,6 @@ def _uniform_outputs(op: Operation) -> bool:
 
 def choose(op: Operation) -> tuple[str, Emitter]:
     """(kernel name, emitter) for an op; ops without native code use the Python fallback."""
-    name, emitter = _choose(op)
-    return name, _for_target(emitter)
-
-
-@functools.cache
-def _for_target(emitter: Emitter) -> Emitter:
-    """The emitter, first telling the conversions what the target CPU can do (F16C)."""
-
-    @functools.wraps(emitter)
-    def emit(ctx, op):
-        use_target(ctx.module, ctx.target)
-        return emitter(ctx, op)
-
-    return emit
-
-
-def _choose(op: Operation) -> tuple[str, Emitter]:
     if op.type == "MatMul":
         return matmul.kernel_name(op), matmul.matmul
     if op.type in maps.KERNELS and (op.type != "Calculate" or _uniform_outputs(op)):
