@@ -177,8 +177,7 @@ def amx_parts(op) -> list[list[_Gemm]]:
     if len(calls) > 1:
         per = -(-len(calls) // threads)
         return [calls[i : i + per] for i in range(0, len(calls), per)]
-    (whole,) = calls
-    rows = m >= n
+    rows = m >= n  # one product: cut its longer side
     length = m if rows else n
     block = -(-length // threads // 32) * 32
     parts = []
@@ -238,7 +237,7 @@ def amx_matmul(ctx, op) -> None:
     run_parts(ctx, [emit(calls, number) for number, calls in enumerate(parts)])
 
 
-def matmul(ctx, op) -> str:
+def matmul(ctx, op) -> None:
     if op.attrs.get("precision") == "bfloat16":
         amx_matmul(ctx, op)
     elif op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64):
