@@ -241,6 +241,16 @@ def test_row_kernels(mask):
     assert {"SoftmaxRow", "LogSoftmaxRow", "LayerNormRow", "RMSNormRow", "CrossEntropyRow"} <= kernels
 
 
+def test_work_is_cut_into_near_equal_aligned_shares():
+    from ranvier.backends.cpu.parallel import shares
+
+    assert shares(10, 2) == [(0, 5), (5, 10)]
+    assert shares(7, 3) == [(0, 3), (3, 6), (6, 7)]
+    assert shares(100, 2, 16) == [(0, 64), (64, 100)]
+    assert shares(5, 4, 16) == [(0, 5)]
+    assert shares(1, 8) == [(0, 1)]
+
+
 @pytest.mark.parametrize("mask", MASKS)
 def test_row_kernels_shared_out_over_threads(mask):
     """Rows of a large op run on several threads; each row is still computed whole."""

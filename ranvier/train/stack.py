@@ -254,8 +254,8 @@ class CheckpointedStack(TrainerBase):
     def compute_gradients(self, x: np.ndarray, target: np.ndarray, add: bool = False) -> float:
         """Forward and backward of one micro-batch into the gradient buffers (added to
         what they hold with `add`); returns the loss."""
-        self._check(x, self.inputs[0])
-        self._check(target, self.inputs[1])
+        self._check_batch(self.inputs[0], x)
+        self._check_batch(self.inputs[1], target)
         # The head's and embedding's cells overwrite their resident gradients.
         earlier = [np.array(a) for a in self._resident_grads] if add else []
         last = self._forward(x)
@@ -316,17 +316,12 @@ class CheckpointedStack(TrainerBase):
 
     def loss(self, x: np.ndarray, target: np.ndarray) -> float:
         """The loss of a batch with the current parameters (forward only)."""
-        self._check(x, self.inputs[0])
-        self._check(target, self.inputs[1])
+        self._check_batch(self.inputs[0], x)
+        self._check_batch(self.inputs[1], target)
         self.eval_data[self._eval_x] = self._forward(x)
         self.eval_data[self._eval_target] = target
         self.eval_data.compute()
         return float(self.eval_data[self._eval_loss])
-
-    @staticmethod
-    def _check(array: np.ndarray, var: Variable) -> None:
-        if list(np.shape(array)) != var.shape:
-            raise RanvierError(f"batch for {var.name} has shape {list(np.shape(array))}, expected {var.shape}")
 
     @property
     def grad_norm(self) -> float:

@@ -139,9 +139,13 @@ class TrainerBase:
         return {name: array[indices] for name, array in self.dataset.items()}
 
     @staticmethod
-    def _feed(data, var: Variable, array: np.ndarray) -> None:
-        if list(array.shape) != var.shape:
-            raise RanvierError(f"batch for {var.name} has shape {list(array.shape)}, expected {var.shape}")
+    def _check_batch(var: Variable, array: np.ndarray) -> None:
+        if list(np.shape(array)) != var.shape:
+            raise RanvierError(f"batch for {var.name} has shape {list(np.shape(array))}, expected {var.shape}")
+
+    @classmethod
+    def _feed(cls, data, var: Variable, array: np.ndarray) -> None:
+        cls._check_batch(var, array)
         data[var] = array
 
     def step(self, batch=None):

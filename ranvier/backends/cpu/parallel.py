@@ -38,6 +38,13 @@ def thread_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def shares(length: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
+    """[0, length) cut into at most `parts` contiguous (start, stop) ranges of near-equal
+    size, every boundary but the end a multiple of `unit`."""
+    size = max(unit, -(-length // parts // unit) * unit)
+    return [(start, min(length, start + size)) for start in range(0, length, size)]
+
+
 def worth_splitting(flops: int = 0, nbytes: int = 0) -> bool:
     """Whether a kernel of this many FLOPs, or touching this many bytes, should be split."""
     return thread_count() > 1 and (flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES)

@@ -18,7 +18,7 @@ from llvmlite import ir
 from ...flow.graph import Variable
 from .convert import narrow, widen
 from .irutil import for_range, i64, load, splat, storage_type, store
-from .parallel import run_parts, thread_count, worth_splitting
+from .parallel import run_parts, shares, thread_count, worth_splitting
 
 
 @dataclass
@@ -87,12 +87,10 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
     threads = thread_count() if not accumulate and worth_splitting(nbytes=nbytes) else 1
     # A lone dimension is cut on vector boundaries, so only the last part has a scalar tail.
     unit = lanes if len(dims) == 1 else 1
-    share = -(-dims[0] // threads // unit) * unit or unit
-    parts = []
-    for first in range(0, dims[0], share):
-        last = min(dims[0], first + share)
-        parts.append(lambda ctx, first=first, last=last: _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last))
-    run_parts(ctx, parts)
+    run_parts(ctx, [
+        lambda ctx, first=first, last=last: _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last)
+        for first, last in shares(dims[0], threads, unit)
+    ])
 
 
 def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int, last: int) -> None:

@@ -20,7 +20,7 @@ from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
 from ..convert import narrow, widen
 from ..irutil import F32, F64, I8, I32, I64, VOID, compute_type, constant, for_range, i64, load, storage_type, store
-from ..parallel import run_parts, thread_count, worth_splitting
+from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import contiguous_strides
 
 
@@ -175,14 +175,11 @@ def amx_parts(op) -> list[list[_Gemm]]:
     if threads == 1:
         return [calls]
     if len(calls) > 1:
-        per = -(-len(calls) // threads)
-        return [calls[i : i + per] for i in range(0, len(calls), per)]
+        return [calls[first:last] for first, last in shares(len(calls), threads)]
     rows = m >= n  # one product: cut its longer side
-    length = m if rows else n
-    block = -(-length // threads // 32) * 32
     parts = []
-    for start in range(0, length, block):
-        size = min(block, length - start)
+    for start, stop in shares(m if rows else n, threads, 32):
+        size = stop - start
         if rows:
             parts.append([_Gemm(size, n, k, start if ta else start * a.shape[-1], 0, start * n)])
         else:

@@ -22,7 +22,7 @@ from .. import mathlib
 from ..codegen import KernelContext
 from ..convert import narrow, widen
 from ..irutil import compute_type, constant, for_range, i64, intrinsic, load, splat, storage_type, store, vector_of
-from ..parallel import run_parts, thread_count, worth_splitting
+from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import for_vectors
 from .index import check_range, load_index
 
@@ -92,7 +92,6 @@ def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, ir.Value], N
         return
     nbytes = sum(v.nbytes for v in [*op.inputs, *op.outputs])
     threads = thread_count() if worth_splitting(nbytes=nbytes) else 1
-    share = -(-rows // threads)
 
     def part(first: int, last: int):
         def run(ctx: KernelContext) -> None:
@@ -101,7 +100,7 @@ def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, ir.Value], N
 
         return run
 
-    run_parts(ctx, [part(first, min(rows, first + share)) for first in range(0, rows, share)])
+    run_parts(ctx, [part(first, last) for first, last in shares(rows, threads)])
 
 
 def softmax(ctx, op) -> None:
