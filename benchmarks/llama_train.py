@@ -26,26 +26,26 @@ def ranvier_trainer(config, batch: int, seq: int, matmul: str = "float32", check
 
     model = Llama(config, seed=0)
     optimizer = AdamW(lr=1e-4, beta2=0.95, weight_decay=0.1, decay_matrices_only=True)
+
+    def lm_loss(b, logits, targets):
+        return softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
+
     start = time.perf_counter()
     if checkpointed:
         from ranvier.train.stack import CheckpointedStack
 
-        def lm_loss(b, logits, targets):
-            return softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
-
         window = ("int32", [batch, seq])
         trainer = CheckpointedStack(model, window, window, lm_loss, optimizer, clip_norm=1.0, matmul=matmul)
-        print(f"ranvier ({matmul}, checkpointed) compiled the training step in {time.perf_counter() - start:.1f}s")
-        return lambda x, y: trainer.step([x, y])
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
-    targets = f.var("targets", rv.DT_INT32, [batch, seq])
-    params = model.parameters(f)
-    logits = model(f, tokens, params)
-    loss = softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
-    trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul)
-    print(f"ranvier ({matmul}) compiled the training step in {time.perf_counter() - start:.1f}s")
+    else:
+        flow = rv.Flow()
+        f = rv.Builder(flow, "train")
+        tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
+        targets = f.var("targets", rv.DT_INT32, [batch, seq])
+        params = model.parameters(f)
+        loss = lm_loss(f, model(f, tokens, params), targets)
+        trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul)
+    kind = f"{matmul}, checkpointed" if checkpointed else matmul
+    print(f"ranvier ({kind}) compiled the training step in {time.perf_counter() - start:.1f}s")
     return lambda x, y: trainer.step([x, y])
 
 
