@@ -148,16 +148,20 @@ class CheckpointedStack(TrainerBase):
         def types(layer: dict) -> dict:
             return {key: (t.dtype, t.shape) for key, t in layer.items()}
 
-        layer = self.model.layer_parameters(params, i)
-        if types(layer) != types(self.model.layer_parameters(params, 0)):
+        layer, first = self.model.layer_parameters(params, i), self.model.layer_parameters(params, 0)
+        if types(layer) != types(first):
             raise RanvierError(
-                f"CheckpointedStack needs identical layers: layer {i} has parameters {types(layer)}, "
-                f"layer 0 {types(self.model.layer_parameters(params, 0))}"
+                f"CheckpointedStack needs identical layers: layer {i} has parameters {types(layer)}, layer 0 {types(first)}"
             )
         return {key: t.var.name for key, t in layer.items()}
 
     def _wrapped(self, b: Builder) -> dict[str, Tensor]:
         return {key: b._wrap(t.var) for key, t in self.params.items()}
+
+    def _parameters_read(self, b: Builder) -> list[Tensor]:
+        """The parameters b's function reads."""
+        used = {v.name for v in self.flow.inputs(b.func)}
+        return [t for t in self.params.values() if t.var.name in used]
 
     def _layer_inputs(self, b: Builder) -> tuple[Tensor, dict[str, Tensor]]:
         """A layer function's inputs: its input activation and its weights (fed per layer)."""
@@ -200,8 +204,7 @@ class CheckpointedStack(TrainerBase):
         if value.shape:
             raise RanvierError(f"the CheckpointedStack loss must be a scalar, got shape {value.shape}")
         value.var.out = True
-        used = {v.name for v in self.flow.inputs(b.func)}
-        head_params = [t for t in self.params.values() if t.var.name in used]
+        head_params = self._parameters_read(b)
         if with_gradient:
             b.func.training = True
             grads = gradient(self.flow, b.func, [x, *head_params], loss=value)
@@ -220,8 +223,7 @@ class CheckpointedStack(TrainerBase):
         x = b.var("input", input_type[0], input_type[1])
         dx = b.var("dx", *self.act_type)
         x0 = self.model.embed(b, x, self._wrapped(b))
-        used = {v.name for v in self.flow.inputs(b.func)}
-        embed_params = [t for t in self.params.values() if t.var.name in used]
+        embed_params = self._parameters_read(b)
         grads = gradient(self.flow, b.func, embed_params, loss=x0, seed=dx)
         written_by_head = {p.var.name for p in head_params}
         for p in embed_params:
