@@ -18,6 +18,19 @@ def losses(run_dir):
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in records]
 
 
+def interrupted_and_resumed(tmp_path, straight, config: dict, pause: int):
+    """The history of the same run paused after step `pause` and resumed, with the straight
+    run's tokenizer and shards (so only the interruption differs); the pause's own final
+    evaluation is left out, step for step comparable with the straight run's."""
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    shutil.copy(straight / "tokenizer.model", interrupted / "tokenizer.model")
+    shutil.copytree(straight / "data", interrupted / "data")
+    train_llama(LlamaRunConfig(**config), interrupted, progress=False, stop_at=pause)
+    resume_llama(interrupted, progress=False)
+    return [r for r in losses(interrupted) if r[1] is not None or r[0] == config["steps"]]
+
+
 def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(read_corpus(max_bytes=300_000))
@@ -31,16 +44,7 @@ def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     assert history[-2][1] < history[0][1]  # the loss went down
     assert final == history[-1][2]
 
-    # Same tokenizer and shards, so only the interruption differs.
-    interrupted = tmp_path / "interrupted"
-    interrupted.mkdir()
-    shutil.copy(straight / "tokenizer.model", interrupted / "tokenizer.model")
-    shutil.copytree(straight / "data", interrupted / "data")
-    train_llama(LlamaRunConfig(**config), interrupted, progress=False, stop_at=6)
-    resume_llama(interrupted, progress=False)
-    resumed = [r for r in losses(interrupted) if r[1] is not None or r[0] == 12]  # drop the pause's final eval
-    expected = [r for r in history if r[1] is not None or r[0] == 12]
-    assert resumed == expected  # step for step, bit for bit
+    assert interrupted_and_resumed(tmp_path, straight, config, pause=6) == [r for r in history if r[1] is not None or r[0] == 12]
 
     capsys.readouterr()
     main(["plot", str(straight)])
@@ -62,14 +66,7 @@ def test_checkpointed_llama_run_trains_and_resumes_exactly(tmp_path):
     history = losses(straight)
     assert history[-2][1] < history[0][1]
 
-    interrupted = tmp_path / "interrupted"
-    interrupted.mkdir()
-    shutil.copy(straight / "tokenizer.model", interrupted / "tokenizer.model")
-    shutil.copytree(straight / "data", interrupted / "data")
-    train_llama(LlamaRunConfig(**config), interrupted, progress=False, stop_at=3)
-    resume_llama(interrupted, progress=False)
-    resumed = [r for r in losses(interrupted) if r[1] is not None or r[0] == 6]
-    assert resumed == [r for r in history if r[1] is not None or r[0] == 6]
+    assert interrupted_and_resumed(tmp_path, straight, config, pause=3) == [r for r in history if r[1] is not None or r[0] == 6]
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
