@@ -224,7 +224,8 @@ def test_reductions(mask):
 def test_row_kernels(mask):
     def build(f, x, gamma, beta, labels, probs):
         return [
-            f.softmax(x), f.log_softmax(x), f.layer_norm(x, gamma, beta), f.rms_norm(x, gamma),
+            f.softmax(x), f.log_softmax(x), f.softmax(x, axis=0), f.log_softmax(x, axis=0),
+            f.layer_norm(x, gamma, beta), f.rms_norm(x, gamma),
             f.softmax_cross_entropy(x, labels), f.softmax_cross_entropy(x, labels, label_smoothing=0.1),
             f.softmax_cross_entropy(x, probs), f.softmax_cross_entropy(x, probs, label_smoothing=0.2),
         ]
@@ -687,21 +688,26 @@ def test_corrupt_cache_file_is_regenerated(tmp_path, damage):
 
 
 def test_fallback_is_visible_and_correct():
-    """An op without a native kernel (a softmax over a middle axis) runs its numpy
-    reference, marked [python]; convolution, pooling and reductions over non-adjacent
-    axes are decomposed into native primitives."""
-    def build(f, x, w):
+    """An op without a native kernel (ScatterAdd into bfloat16, whose sums must build up
+    in float32) runs its numpy reference, marked [python]; convolution, pooling,
+    reductions over non-adjacent axes and a softmax over a middle axis are decomposed
+    into native primitives."""
+    def build(f, x, w, rows, updates):
         conv = f.relu(f.conv2d(x, w, padding=1))
-        return [f.max_pool(conv, 2), f.sum(conv, axis=[0, 2]), f.softmax(x, axis=1)]
+        return [f.max_pool(conv, 2), f.sum(conv, axis=[0, 2]), f.softmax(x, axis=1), f.scatter_add(rows, updates, 4)]
 
-    flow, handles, outputs = build_flow(build, {"x": data([2, 3, 7, 7]), "w": data([4, 3, 3, 3], seed=1)})
-    arrays = [data([2, 3, 7, 7]), data([4, 3, 3, 3], seed=1)]
+    inputs = {
+        "x": data([2, 3, 7, 7]), "w": data([4, 3, 3, 3], seed=1),
+        "rows": np.random.default_rng(2).integers(0, 4, 9).astype(np.int32), "updates": data([9, 5], "bfloat16", seed=3),
+    }
+    flow, handles, outputs = build_flow(build, inputs)
+    arrays = list(inputs.values())
     cell = rv.Compiler("cpu").compile(flow).cell("f")
     python = [s for s in cell.steps if s.variant == "python"]
-    assert {s.op.type for s in python} == {"Softmax"}
+    assert {s.op.type for s in python} == {"ScatterAdd"}
     assert sum(variant == "python" for _, variant in printed_steps(cell)) == len(python), str(cell)
     native = [s for s in cell.steps if s.variant != "python"]
-    assert {"StridedView", "BlasGemm"} <= {s.kernel for s in native}
+    assert {"StridedView", "BlasGemm", "SoftmaxRow", "Transpose"} <= {s.kernel for s in native}
     assert all(s.variant == expected_variant("") for s in native)
     got = compute(cell.network, handles, outputs, arrays)
     want = compute(rv.Compiler("reference").compile(flow), handles, outputs, arrays)
@@ -716,25 +722,27 @@ def test_fallback_is_visible_and_correct():
 def test_error_in_fallback_names_the_op(error, monkeypatch):
     from ranvier.ops import op_def
 
-    definition = op_def("Softmax")
+    definition = op_def("ScatterAdd")
     working = definition.reference
-    flow, handles, outputs = build_flow(lambda f, x: f.softmax(f.tanh(x), axis=1) * 2.0, {"x": data([1, 2, 6, 6])})
+    inputs = {"rows": np.array([0, 2, 2, 1], np.int32), "updates": data([4, 6], "bfloat16")}
+    flow, handles, outputs = build_flow(lambda f, i, u: f.cast(f.scatter_add(i, u, 3), "float32") * 2.0, inputs)
     cell = rv.Compiler("cpu").compile(flow).cell("f")
-    pool = next(s.op for s in cell.steps if s.op.type == "Softmax")
-    assert next(s for s in cell.steps if s.op is pool).variant == "python"
+    scatter = next(s.op for s in cell.steps if s.op.type == "ScatterAdd")
+    assert next(s for s in cell.steps if s.op is scatter).variant == "python"
     instance = cell.instance()
-    instance[handles[0]] = data([1, 2, 6, 6])
+    for handle, array in zip(handles, inputs.values()):
+        instance[handle] = array
 
     def broken(*args):
-        raise error("the pool is broken")
+        raise error("the scatter is broken")
 
     monkeypatch.setattr(definition, "reference", broken)
     with pytest.raises(rv.RanvierError) as info:
         instance.compute()
-    assert "Softmax" in str(info.value) and pool.name in str(info.value) and "the pool is broken" in str(info.value)
+    assert "ScatterAdd" in str(info.value) and scatter.name in str(info.value) and "the scatter is broken" in str(info.value)
     monkeypatch.setattr(definition, "reference", working)
     instance.compute()  # the instance is usable again
-    want = compute(rv.Compiler("reference").compile(flow), handles, outputs, [np.array(instance[handles[0]])])
+    want = compute(rv.Compiler("reference").compile(flow), handles, outputs, list(inputs.values()))
     assert_close(instance[outputs[0]], want[0], "float32", "after the error")
 
 

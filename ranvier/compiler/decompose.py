@@ -212,8 +212,23 @@ def gelu(b: Builder, op: Operation) -> Tensor | None:
     return x * gate
 
 
+def softmax_over_axis(b: Builder, op: Operation) -> Tensor | None:
+    """A softmax over any axis but the last runs as the row kernel between two transposes."""
+    x = b._wrap(op.inputs[0])
+    axis = Attrs(op.attrs).int("axis", -1) % x.rank
+    if axis == x.rank - 1:
+        return None
+    perm = [d for d in range(x.rank) if d != axis] + [axis]
+    inverse = [perm.index(d) for d in range(x.rank)]
+    rows = b.transpose(x, perm)
+    normalized = b.softmax(rows) if op.type == "Softmax" else b.log_softmax(rows)
+    return b.transpose(normalized, inverse)
+
+
 RULES: dict[str, Callable[[Builder, Operation], Tensor | list[Tensor] | None]] = {
     "Gelu": gelu,
+    "Softmax": softmax_over_axis,
+    "LogSoftmax": softmax_over_axis,
     "Conv2D": conv2d,
     "Conv2DBackpropFilter": conv2d_filter_grad,
     "Conv2DBackpropInput": conv2d_input_grad,
