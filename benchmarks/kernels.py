@@ -102,7 +102,7 @@ def measure_ceilings(megabytes: int, gemm_n: int, repeats: int) -> Ceilings:
 def compile_cell(flow: rv.Flow, matmul: str = "float32") -> tuple[Cell, str]:
     """Compile function f of the flow on the cpu backend; the cell and its steps' kernels."""
     cell = rv.Compiler("cpu", matmul=matmul).compile(flow).cell("f")
-    kernels = " + ".join(f"{s.kernel}[{s.variant}]" if s.variant else s.kernel for s in cell.steps)
+    kernels = " + ".join(s.label for s in cell.steps)
     return cell, kernels
 
 

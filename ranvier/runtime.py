@@ -25,13 +25,17 @@ class Step:
     kernel: str
     variant: str = ""
 
+    @property
+    def label(self) -> str:
+        """The kernel with its CPU variant, as cells and profiles print it: "Calculate[avx2]"."""
+        return f"{self.kernel}[{self.variant}]" if self.variant else self.kernel
+
     def __str__(self) -> str:
         outs = ", ".join(v.name for v in self.op.outputs)
         ins = ", ".join(v.name for v in self.op.inputs)
-        variant = f"[{self.variant}]" if self.variant else ""
         lhs = f"{outs} = " if outs else ""
         expression = f"  // {self.op.attrs['expr']}" if "expr" in self.op.attrs else ""
-        return f"{lhs}{self.kernel}{variant}({ins}){expression}"
+        return f"{lhs}{self.label}({ins}){expression}"
 
 
 def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
@@ -238,7 +242,7 @@ class Instance:
         seconds = self.cell.backend.step_seconds(self)
         computes = max(self.computes, 1)
         steps = [
-            StepTime(i, f"{s.kernel}[{s.variant}]" if s.variant else s.kernel, seconds[i] / computes, flops(s.op), s.op)
+            StepTime(i, s.label, seconds[i] / computes, flops(s.op), s.op)
             for i, s in enumerate(self.cell.steps)
         ]
         return Profile(self.cell.name, self.computes, steps)

@@ -344,7 +344,5 @@ class CheckpointedStack(TrainerBase):
         for data in instances:
             seconds = data.cell.backend.step_seconds(data)
             for i, s in enumerate(data.cell.steps):
-                kernel = f"{s.kernel}[{s.variant}]" if s.variant else s.kernel
-                per_step = seconds[i] / steps
-                result.append(StepTime(len(result), kernel, per_step, flops(s.op) * data.computes // steps, s.op))
+                result.append(StepTime(len(result), s.label, seconds[i] / steps, flops(s.op) * data.computes // steps, s.op))
         return Profile("checkpointed stack", self.step_count, result)
