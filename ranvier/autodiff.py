@@ -6,22 +6,21 @@ gradients as ordinary ops. The backward pass is therefore a flow like any other 
 compiles with the same compiler, fused into a training function or as Myelin's
 separate `gradients/<f>` function.
 
-Rules are registered with `@vjp("OpType")` and receive a `VJPContext`; users extend
-the registry the same way for their own ops.
+Each op's rule is part of its definition (`ranvier.ops`), beside its forward math;
+`@vjp("OpType")` attaches one to an op a user defines. A rule receives a `VJPContext`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
-
+from typing import Iterable, Sequence
 
 from . import dtypes
 from .errors import RanvierError, UnknownOpError
 from .flow.builder import Builder, Tensor, variable_of
 from .flow.graph import Flow, Function, Operation, Variable
-from .ops import Attrs
+from .ops import has_op, op_def, vjp
 
-GradList = Sequence["Tensor | None"]
+__all__ = ["VJPContext", "backward", "backward_from", "gradient", "has_vjp", "unbroadcast", "vjp"]
 
 
 class VJPContext:
@@ -30,9 +29,9 @@ class VJPContext:
     def __init__(self, builder: Builder, op: Operation):
         self.b = builder
         self.op = op
-        self.attrs = Attrs(op.attrs, op.name, op.type)
-        self.inputs = [builder._wrap(v) for v in op.inputs]
-        self.outputs = [builder._wrap(v) for v in op.outputs]
+        self.attrs = op_def(op.type).attrs_of(op)
+        self.inputs = [builder.wrap(v) for v in op.inputs]
+        self.outputs = [builder.wrap(v) for v in op.outputs]
 
     def unbroadcast(self, grad: Tensor, like: Tensor) -> Tensor:
         """Sum a broadcast gradient back to the shape of the operand it came from."""
@@ -42,22 +41,8 @@ class VJPContext:
         return self.b.const(value, like.dtype)
 
 
-Rule = Callable[[VJPContext, list], list]
-_RULES: dict[str, Rule] = {}
-
-
-def vjp(op_type: str) -> Callable[[Rule], Rule]:
-    """Register the VJP rule of an op type: `rule(ctx, grads_of_outputs) -> grads_of_inputs`."""
-
-    def register(rule: Rule) -> Rule:
-        _RULES[op_type] = rule
-        return rule
-
-    return register
-
-
 def has_vjp(op_type: str) -> bool:
-    return op_type in _RULES
+    return has_op(op_type) and op_def(op_type).vjp is not None
 
 
 def unbroadcast(b: Builder, grad: Tensor, shape: Sequence[int]) -> Tensor:
@@ -132,7 +117,7 @@ def gradient(
     b = Builder(flow, target_func)
 
     if isinstance(seed, (Tensor, Variable)):
-        seed_tensor = b._wrap(variable_of(seed))
+        seed_tensor = b.wrap(variable_of(seed))
         if seed_tensor.dtype != loss_var.dtype:
             seed_tensor = b.cast(seed_tensor, loss_var.dtype)
         if seed_tensor.shape != list(loss_var.shape):
@@ -155,7 +140,7 @@ def gradient(
         out_grads = [grads.get(v.name) for v in op.outputs]
         if all(g is None for g in out_grads):
             continue
-        rule = _RULES.get(op.type)
+        rule = op_def(op.type).vjp
         if rule is None:
             raise UnknownOpError(f"no VJP rule for op type {op.type} (op {op.name}); register one with @vjp({op.type!r})")
         in_grads = rule(VJPContext(b, op), out_grads)
@@ -253,10 +238,3 @@ def backward_from(grad, root: Tensor, params: Sequence[Tensor], stop: Iterable =
     func = root.producer.func if root.producer is not None else root.builder.func
     stop = list(stop) + list(params)
     return gradient(flow, func, params, loss=root, seed=grad, stop=stop)
-
-
-# ---------------------------------------------------------------------------------------
-# VJP rules. Each returns one gradient (or None) per input of the op.
-# ---------------------------------------------------------------------------------------
-
-from . import vjps  # noqa: E402,F401  (registers the rules)

@@ -32,3 +32,8 @@ def name_mismatch(missing, extra) -> str:
     if extra:
         parts.append(f"unexpected {', '.join(list(extra)[:5])}")
     return "; ".join(parts)
+
+
+def shape_str(shape) -> str:
+    """A shape as Myelin prints it: 2x3x4, an undefined dimension as ? (empty for a scalar)."""
+    return "x".join("?" if d < 0 else str(d) for d in shape)

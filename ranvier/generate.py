@@ -95,7 +95,7 @@ class Generator:
             var = b.flow.add_var(var_name, dtypes.DT_FLOAT32, [c.n_kv_heads, c.max_seq_len, c.head_dim])
             var.set_data(np.zeros(var.shape, np.float32))
             var.nogradient = True
-        return b._wrap(b.flow.vars[var_name])
+        return b.wrap(b.flow.vars[var_name])
 
     def _chunk(self, b: Builder, tokens: Tensor, position: Tensor) -> Tensor:
         c = self.config

@@ -3,37 +3,9 @@ cell's time and achieved GFLOP/s."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .flow.graph import Operation
-from .ops import Attrs
-from .ops.expression import parse
-
-
-def flops(op: Operation) -> int:
-    """Floating-point operations one execution of `op` performs (an estimate for profiles)."""
-    outputs = sum(v.size for v in op.outputs)
-    if op.type == "MatMul":
-        a, b = op.inputs
-        k = a.shape[-2] if Attrs(op.attrs).bool("transpose_a") else a.shape[-1]
-        return 2 * op.outputs[0].size * k
-    if op.type in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"):
-        # Each does one multiply-add per (output position, filter tap) of the forward conv.
-        positions = {"Conv2D": op.outputs[0], "Conv2DBackpropInput": op.inputs[0], "Conv2DBackpropFilter": op.inputs[1]}[op.type]
-        filters = op.outputs[0] if op.type == "Conv2DBackpropFilter" else op.inputs[1]
-        return 2 * positions.size * math.prod(filters.shape[1:])
-    if op.type == "Calculate":
-        statements = parse(op.attrs["expr"]).statements
-        size = max([v.size for v in op.outputs] + [v.size for v in op.inputs])
-        return size * sum(1 for _, call in statements if call.op_type != "Identity")
-    if op.type in ("Softmax", "LogSoftmax", "LayerNorm", "RMSNorm", "SoftmaxCrossEntropy"):
-        return 5 * op.inputs[0].size
-    if op.type in ("Sum", "Mean", "Max", "Min", "Product", "ArgMax", "ArgMin"):
-        return op.inputs[0].size
-    if op.inputs and op.outputs and all(v.dtype.startswith(("float", "bfloat")) for v in op.outputs):
-        return outputs if op.type not in ("Reshape", "Identity", "Transpose", "Concat", "Split", "Slice", "BroadcastTo", "ExpandDims", "Squeeze", "Gather", "Assign") else 0
-    return 0
 
 
 @dataclass

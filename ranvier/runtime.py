@@ -11,7 +11,9 @@ import numpy as np
 from . import dtypes
 from .compiler.memory import Slot
 from .errors import RanvierError
-from .flow.graph import Flow, Function, Operation, Variable, shape_str
+from .errors import shape_str
+from .flow.graph import Flow, Function, Operation, Variable
+from .ops import written_inputs
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -24,6 +26,7 @@ class Step:
     op: Operation
     kernel: str
     variant: str = ""
+    flops: int = 0  # floating-point operations per execution, by the kernel's cost
 
     @property
     def label(self) -> str:
@@ -157,8 +160,6 @@ class Cell:
             regions.append((slot.offset, slot.offset + slot.size))
         if self.global_vars:
             lines.append("")
-        from .compiler.compiler import written_inputs
-
         written = {v.name for step in self.steps for v in written_inputs(step.op)}
         for var in self.global_vars:
             kind = "learnable" if var.learnable else ("state" if var.name in written else "const")
@@ -237,12 +238,12 @@ class Instance:
 
     def profile(self) -> "Profile":
         """Time per step, averaged over the computes since the last `reset_profile()`."""
-        from .profile import Profile, StepTime, flops
+        from .profile import Profile, StepTime
 
         seconds = self.cell.backend.step_seconds(self)
         computes = max(self.computes, 1)
         steps = [
-            StepTime(i, s.label, seconds[i] / computes, flops(s.op), s.op)
+            StepTime(i, s.label, seconds[i] / computes, s.flops, s.op)
             for i, s in enumerate(self.cell.steps)
         ]
         return Profile(self.cell.name, self.computes, steps)

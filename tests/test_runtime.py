@@ -142,11 +142,11 @@ def test_state_written_by_one_cell_is_no_constant_of_another():
     write = myelin.Builder(flow, "write")
     state = flow.add_var("counter", "float32", [3])
     state.set_data(np.zeros(3, np.float32))
-    s = write._wrap(state)
+    s = write.wrap(state)
     write.op("Assign", [s, s + 1.0])
     read = myelin.Builder(flow, "read")
     offset = read.var("offset", "float32", [3])
-    doubled = read._wrap(state) * 2.0 + offset
+    doubled = read.wrap(state) * 2.0 + offset
     doubled.var.out = True
     network = myelin.Compiler().compile(flow)
     writer, reader = network.cell("write").instance(), network.cell("read").instance()

@@ -11,7 +11,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import RanvierError
 from ..flow.graph import Operation, Variable
-from ..ops import Attrs, TensorType, op_def
+from ..ops import TensorType, op_def
 from ..runtime import Cell, Instance, Step
 
 _LOW_PRECISION = (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16)
@@ -30,7 +30,7 @@ class ReferenceBackend:
         """The oracle runs the flow exactly as built: no rewriting."""
 
     def choose(self, op: Operation) -> Step:
-        return Step(op, op.type, "reference")
+        return Step(op, op.type, "reference", op_def(op.type).cost(op))
 
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         # Every reference kernel computes its results before writing any of them.
@@ -62,7 +62,7 @@ class ReferenceBackend:
 def reference_kernel(op: Operation, instance: Instance) -> Callable[[], None]:
     """Run one op's numpy reference on an instance's views (also the CPU backend's fallback)."""
     definition = op_def(op.type)
-    attrs = Attrs(op.attrs, op.name, op.type)
+    attrs = definition.attrs_of(op)
     types = [TensorType(v.dtype, v.shape) for v in op.outputs]
     inputs = [(instance.view(v), v) for v in op.inputs]
     # Results fill the outputs, then the inputs the op overwrites in place.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import CompileError, RanvierError
 from ..flow.graph import Flow, Function, Operation, Variable
-from ..ops import op_def
+from ..ops import is_view, op_def, written_inputs
 from ..runtime import Cell, Network
 from .memory import plan_memory
 
@@ -47,21 +47,13 @@ def check_types(op: Operation) -> None:
             )
 
 
-def written_inputs(op: Operation) -> list[Variable]:
-    """The inputs an op overwrites in place (Assign's target, a fused update's targets)."""
-    return [op.inputs[i] for i in op_def(op.type).written_inputs(op)]
-
-
-VIEW_OPS = ("Reshape", "ExpandDims", "Squeeze", "Identity")  # same elements, same order
-
-
 def readers(var: Variable) -> list[Operation]:
     """Ops that read `var`, directly or through ops that merely view it (a backend may
     alias a view's output to the variable's own memory)."""
     found = []
     for consumer in var.consumers:
         found.append(consumer)
-        if consumer.type in VIEW_OPS and consumer.inputs[0] is var:
+        if is_view(consumer) and consumer.inputs[0] is var:
             found += readers(consumer.outputs[0])
     return found
 

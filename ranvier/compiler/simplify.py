@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..flow.graph import Flow, Function, Operation
-from ..ops import Attrs, TensorType, op_def
+from ..ops import TensorType, op_def
 
 FOLD_LIMIT = 1 << 16  # elements: fold small constant results, keep big ones as computations
 
@@ -36,7 +36,7 @@ def fold_constants(flow: Flow, func: Function, keep: set[str]) -> None:
         args = [np.asarray(v.data) for v in op.inputs]
         args = [a.astype(np.float32) if v.dtype in ("float16", "bfloat16") else a for a, v in zip(args, op.inputs)]
         with np.errstate(all="ignore"):
-            results = definition.reference(Attrs(op.attrs, op.name, op.type), args, types)
+            results = definition.reference(definition.attrs_of(op), args, types)
         outputs = list(op.outputs)
         flow.remove_op(op)
         for var, result in zip(outputs, results):

@@ -15,7 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from .. import dtypes
-from ..errors import RanvierError
+from ..errors import RanvierError, shape_str
 
 
 class VarFlags(enum.IntFlag):
@@ -42,10 +42,6 @@ class FuncFlags(enum.IntFlag):
     NONE = 0
     TRAINING = 1
     BACKPROP = 2
-
-
-def shape_str(shape: Iterable[int]) -> str:
-    return "x".join("?" if d < 0 else str(d) for d in shape)
 
 
 class Variable:

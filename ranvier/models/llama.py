@@ -154,7 +154,7 @@ class Llama(Module):
         for part, table in zip(("cos", "sin"), tables):
             name = f"{b.func.name}/rope{seq}x{self.config.head_dim}.{part}"
             var = b.flow.vars.get(name)
-            result.append(b._wrap(var) if var is not None else b.array(f"rope{seq}x{self.config.head_dim}.{part}", table.reshape(1, seq, 1, -1, 1)))
+            result.append(b.wrap(var) if var is not None else b.array(f"rope{seq}x{self.config.head_dim}.{part}", table.reshape(1, seq, 1, -1, 1)))
         return result[0], result[1]
 
     def head(self, b: Builder, x: Tensor, p) -> Tensor:

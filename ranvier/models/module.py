@@ -39,7 +39,7 @@ class Module:
                 var = flow.add_var(name, "float32", value.shape)
                 var.set_data(value)
                 var.flags |= VarFlags.LEARNABLE
-            result[key] = b._wrap(var)
+            result[key] = b.wrap(var)
         return result
 
     def __call__(self, b: Builder, x: Tensor, params: Mapping[str, Tensor] | None = None) -> Tensor:

@@ -1,6 +1,12 @@
-"""Op definitions. Importing this package registers every op family."""
+"""Op definitions, one place per op. Importing this package registers every op family."""
 
 from . import attention, elementwise, fused, index, matmul, nn, nn_grad, reduce, shape, state, window  # noqa: F401  (registration)
-from .registry import Attrs, InferContext, OpDef, TensorType, all_ops, define, has_op, op_def
+from .registry import (
+    Attr, Attrs, Decomposition, InferContext, OpDef, TensorType, all_ops, attrs_of, decomposition, define, has_op,
+    is_view, method_names, op_def, op_method, vjp, written_inputs, zero_gradient,
+)
 
-__all__ = ["Attrs", "InferContext", "OpDef", "TensorType", "all_ops", "define", "has_op", "op_def"]
+__all__ = [
+    "Attr", "Attrs", "Decomposition", "InferContext", "OpDef", "TensorType", "all_ops", "attrs_of", "decomposition",
+    "define", "has_op", "is_view", "method_names", "op_def", "op_method", "vjp", "written_inputs", "zero_gradient",
+]

@@ -5,6 +5,10 @@ reads key/value head h // (H / KV) (grouped- and multi-query attention). With `c
 query t sees keys s ≤ t + S − T (queries are the last T positions). `scale` defaults
 to 1/√hd. AttentionGrad(q, k, v, d out) → (dq, dk, dv) recomputes the probabilities
 row by row instead of keeping the T×S matrix from the forward pass.
+
+Both decompose into batched GEMMs and a row softmax (with one additive causal-mask
+constant per function, so the backward's recomputed probabilities are the forward's,
+op for op, and CSE keeps one); a backend with a fused kernel may claim them whole.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 
 import numpy as np
 
-from .registry import TensorType, define
+from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, same_dtype
 
 
@@ -22,7 +26,7 @@ def _check(ctx, q, k, v):
         raise ctx.fail("q [B, H, T, hd] and k, v of one shape [B, KV, S, hd]")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ctx.fail("the same batch and head size, and heads H a multiple of key/value heads KV")
-    if ctx.attrs.bool("causal", True) and q.shape[2] > k.shape[2]:
+    if ctx.attrs["causal"] and q.shape[2] > k.shape[2]:
         raise ctx.fail("no more queries than keys for causal attention")
 
 
@@ -43,7 +47,9 @@ def _infer_attention_grad(ctx):
 
 
 def scale_of(attrs, head_size: int) -> float:
-    return attrs.float("scale", 1.0 / math.sqrt(head_size))
+    """The score scale: attribute scale, by default 1/√head size."""
+    scale = attrs["scale"]
+    return 1.0 / math.sqrt(head_size) if scale is None else scale
 
 
 def probabilities(q, k, causal: bool, scale: float) -> np.ndarray:
@@ -87,19 +93,90 @@ def attention_grad(q, k, v, dout, causal=True, scale=None):
     return [dq, fold(dk), fold(dv)]
 
 
+ATTRS = [
+    Attr("causal", "bool", True, "query t sees keys s ≤ t + S − T"),
+    Attr("scale", "float", None, "score scale (default 1/√head size)"),
+]
+
+
+def _attention_vjp(ctx, g):
+    dq, dk, dv = ctx.b.op("AttentionGrad", [*ctx.inputs, g[0]], None, dict(ctx.op.attrs))
+    return [dq, dk, dv]
+
+
+def _flops(op) -> int:
+    """Two GEMMs of the scores forward (q kᵀ, p v), four backward; causal halves them."""
+    q, k = op.inputs[0], op.inputs[1]
+    batch, heads, queries, size = q.shape
+    products = 2 if op.type == "Attention" else 4
+    visible = 0.5 if op_def(op.type).attrs_of(op)["causal"] else 1.0
+    return int(products * 2 * batch * heads * queries * k.shape[2] * size * visible)
+
+
 define(
     "Attention",
     _infer_attention,
-    lambda a, args, o: [attention(*args, a.bool("causal", True), scale_of(a, args[0].shape[-1]))],
+    lambda a, args, o: [attention(*args, a["causal"], scale_of(a, args[0].shape[-1]))],
     3,
     "nn",
-    "Attention(q, k, v); attributes causal (default 1), scale (default 1/√head size)",
+    "Attention(q, k, v)",
+    attrs=ATTRS,
+    vjp=_attention_vjp,
+    flops=_flops,
+    method="attention",
 )
 define(
     "AttentionGrad",
     _infer_attention_grad,
-    lambda a, args, o: attention_grad(*args, a.bool("causal", True), scale_of(a, args[0].shape[-1])),
+    lambda a, args, o: attention_grad(*args, a["causal"], scale_of(a, args[0].shape[-1])),
     4,
     "nn",
     "(dq, dk, dv) of Attention from (q, k, v, d out), recomputing the probabilities",
+    attrs=ATTRS,
+    flops=_flops,
 )
+
+
+def _grouped_probabilities(b, op):
+    """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + causal mask)."""
+    q, k, v = (b.wrap(x) for x in op.inputs[:3])
+    batch, heads, queries, size = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    attrs = op_def(op.type).attrs_of(op)
+    q5 = q.reshape([batch, kv_heads, groups, queries, size])
+    k5, v5 = (t.reshape([batch, kv_heads, 1, keys, size]) for t in (k, v))
+    scale = scale_of(attrs, size)
+    scores = q5.matmul(k5, transpose_b=True) * scale
+    if attrs["causal"]:
+        scores = scores + _causal_mask(b, queries, keys, q.dtype)
+    return q5, k5, v5, scores.softmax(), scale
+
+
+def _causal_mask(b, queries: int, keys: int, dtype: str):
+    """The additive causal mask, one constant per function and shape: the backward's
+    recomputed probabilities are then the forward's op for op, and CSE keeps one."""
+    name = f"causal_mask_{queries}x{keys}_{dtype}"
+    existing = b.flow.vars.get(f"{b.func.name}/{name}")
+    if existing is not None:
+        return b.wrap(existing)
+    hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
+    return b.array(name, np.where(hidden, -np.inf, 0.0).astype(np.float32 if dtype == "float32" else np.float64))
+
+
+@decomposition("Attention")
+def _attention_as_gemms(b, op):
+    _, _, v5, p, _ = _grouped_probabilities(b, op)
+    return (p @ v5).reshape(op.outputs[0].shape)
+
+
+@decomposition("AttentionGrad")
+def _attention_grad_as_gemms(b, op):
+    q5, k5, v5, p, scale = _grouped_probabilities(b, op)
+    dout = b.wrap(op.inputs[3]).reshape(q5.shape)
+    dp = dout.matmul(v5, transpose_b=True)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    dq = (ds.matmul(k5) * scale).reshape(op.outputs[0].shape)
+    dk = (ds.matmul(q5, transpose_a=True) * scale).sum(axis=2).reshape(op.outputs[1].shape)
+    dv = p.matmul(dout, transpose_a=True).sum(axis=2).reshape(op.outputs[2].shape)
+    return [dq, dk, dv]

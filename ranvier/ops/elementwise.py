@@ -1,4 +1,11 @@
-"""Elementwise ops: unary math, binary arithmetic with numpy broadcasting, comparisons, logic."""
+"""Elementwise ops: unary math, binary arithmetic with numpy broadcasting, comparisons, logic.
+
+Each op is one line of a table: its numpy reference (the oracle), the dtypes it takes,
+its gradient and its formula. A gradient rule gets Tensors (x the input, y the output,
+g the output's gradient) and builds the input's gradient with ordinary ops; a formula
+gets a code generator's IR values and computes the result with the same vocabulary
+(`x.exp()`, `x * y`, `c.where(x, y)`), so every backend can generate the op.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import math
 import numpy as np
 
 from .. import dtypes
-from .registry import TensorType, define
+from .registry import Attr, TensorType, decomposition, define, zero_gradient
 from .rules import FLOATS, NUMERIC, broadcast_shapes, same_dtype
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -41,36 +48,6 @@ def _relu(x):
     return np.maximum(x, np.zeros((), x.dtype))
 
 
-def _unary(fn):
-    return lambda attrs, args, outs: [fn(args[0])]
-
-
-# type: (numpy function, dtypes accepted, description of what is accepted)
-UNARY = {
-    "Neg": (np.negative, NUMERIC),
-    "Abs": (np.abs, NUMERIC),
-    "Sign": (_sign, NUMERIC),
-    "Square": (np.square, NUMERIC),
-    "Relu": (_relu, NUMERIC),
-    "Identity": (lambda x: x, dtypes.ALL_DTYPES),
-    "Exp": (np.exp, FLOATS),
-    "Log": (np.log, FLOATS),
-    "Sqrt": (np.sqrt, FLOATS),
-    "Rsqrt": (lambda x: 1.0 / np.sqrt(x), FLOATS),
-    "Reciprocal": (lambda x: 1.0 / x, FLOATS),
-    "Sin": (np.sin, FLOATS),
-    "Cos": (np.cos, FLOATS),
-    "Tanh": (np.tanh, FLOATS),
-    "Sigmoid": (sigmoid, FLOATS),
-    "Erf": (erf, FLOATS),
-    "Silu": (lambda x: np.asarray(x, np.float64) * sigmoid(x), FLOATS),
-    "Floor": (np.floor, FLOATS),
-    "Ceil": (np.ceil, FLOATS),
-    "Round": (np.round, FLOATS),  # half to even, as numpy and llvm.roundeven
-    "Not": (np.logical_not, (dtypes.DT_BOOL,)),
-}
-
-
 def _infer_unary(allowed):
     def infer(ctx):
         dtype = same_dtype(ctx, allowed, f"a dtype in ({', '.join(allowed)})")
@@ -79,35 +56,116 @@ def _infer_unary(allowed):
     return infer
 
 
-for _type, (_fn, _allowed) in UNARY.items():
-    define(_type, _infer_unary(_allowed), _unary(_fn), 1, "elementwise")
+def _unary_vjp(rule):
+    """A VJP rule from `rule(x, y, g) -> dx`."""
+    if rule is None:
+        return zero_gradient
+    return lambda ctx, grads: [rule(ctx.inputs[0], ctx.outputs[0], grads[0])]
+
+
+def unary(type: str, reference, allowed, method, vjp, formula, doc: str = "", attrs=(), infer=None):
+    """Define an elementwise op of one input; `vjp=None` declares a zero gradient."""
+    takes_attrs = bool(attrs)
+    return define(
+        type,
+        infer or _infer_unary(allowed),
+        (lambda a, args, outs: [reference(args[0], **a.values())]) if takes_attrs else (lambda a, args, outs: [reference(args[0])]),
+        1,
+        "elementwise",
+        doc,
+        attrs=attrs,
+        vjp=_unary_vjp(vjp) if not takes_attrs else vjp,
+        formula=formula,
+        method=method,
+    )
+
+
+def _sign_formula(x):
+    """-1, 0 or 1 by the sign of x; NaN stays NaN (x ≠ x only for NaN)."""
+    signed = (x < 0).where(-1, (x > 0).where(1, 0))
+    return x.not_equal(x).where(x, signed) if dtypes.is_float(x.dtype) else signed
+
+
+def _silu_vjp(x, y, g):
+    s = x.sigmoid()
+    return g * (s * (1.0 + x * (1.0 - s)))
+
+
+unary("Neg", np.negative, NUMERIC, "neg", lambda x, y, g: -g, lambda x: -x)
+unary("Abs", np.abs, NUMERIC, "abs", lambda x, y, g: g * x.sign(), lambda x: x.abs())
+unary("Sign", _sign, NUMERIC, "sign", None, _sign_formula)
+unary("Square", np.square, NUMERIC, "square", lambda x, y, g: g * (x * 2.0), lambda x: x * x)
+unary("Relu", _relu, NUMERIC, "relu", lambda x, y, g: (x > 0.0).select(g), lambda x: (x < 0).where(0, x),
+      "max(x, 0); NaN stays NaN, as np.maximum")
+unary("Identity", lambda x: x, dtypes.ALL_DTYPES, "identity", lambda x, y, g: g, lambda x: x)
+unary("Exp", np.exp, FLOATS, "exp", lambda x, y, g: g * y, lambda x: x.exp())
+unary("Log", np.log, FLOATS, "log", lambda x, y, g: g / x, lambda x: x.log())
+unary("Sqrt", np.sqrt, FLOATS, "sqrt", lambda x, y, g: g * 0.5 / y, lambda x: x.sqrt())
+unary("Rsqrt", lambda x: 1.0 / np.sqrt(x), FLOATS, "rsqrt", lambda x, y, g: g * (y * y * y) * -0.5, lambda x: 1.0 / x.sqrt())
+unary("Reciprocal", lambda x: 1.0 / x, FLOATS, ("rcp", "reciprocal"), lambda x, y, g: -(g * (y * y)), lambda x: 1.0 / x)
+unary("Sin", np.sin, FLOATS, "sin", lambda x, y, g: g * x.cos(), lambda x: x.sin())
+unary("Cos", np.cos, FLOATS, "cos", lambda x, y, g: -(g * x.sin()), lambda x: x.cos())
+unary("Tanh", np.tanh, FLOATS, "tanh", lambda x, y, g: g * (1.0 - y * y), lambda x: x.tanh())
+unary("Sigmoid", sigmoid, FLOATS, "sigmoid", lambda x, y, g: g * (y * (1.0 - y)), lambda x: x.sigmoid())
+unary("Erf", erf, FLOATS, "erf", lambda x, y, g: g * ((-(x * x)).exp() * (2.0 / math.sqrt(math.pi))), lambda x: x.erf())
+
+unary("Silu", lambda x: np.asarray(x, np.float64) * sigmoid(x), FLOATS, "silu", _silu_vjp, lambda x: x.silu(), "x · sigmoid(x)")
+unary("Floor", np.floor, FLOATS, "floor", None, lambda x: x.floor())
+unary("Ceil", np.ceil, FLOATS, "ceil", None, lambda x: x.ceil())
+unary("Round", np.round, FLOATS, "round", None, lambda x: x.round(), "half to even, as numpy and llvm.roundeven")
+unary("Not", np.logical_not, (dtypes.DT_BOOL,), "logical_not", None, lambda x: ~x)
+
+
+# ---- GELU -----------------------------------------------------------------------------------------
+
+APPROXIMATE = Attr("approximate", "str", "none", "'none' for the exact erf form, 'tanh' for the tanh form")
 
 
 def _infer_gelu(ctx):
-    approximate = ctx.attrs.str("approximate", "none")
-    if approximate not in ("none", "tanh"):
+    if ctx.attrs["approximate"] not in ("none", "tanh"):
         raise ctx.fail("attribute approximate to be 'none' (erf form) or 'tanh'")
     dtype = same_dtype(ctx, FLOATS, "a floating-point input")
     return [TensorType(dtype, ctx.inputs[0].shape)]
 
 
-def _gelu(attrs, args, outs):
-    return [gelu_tanh(args[0]) if attrs.str("approximate", "none") == "tanh" else gelu_erf(args[0])]
-
-
-define("Gelu", _infer_gelu, _gelu, 1, "elementwise", "GELU; attribute approximate='tanh' selects the tanh form")
-
-
-def gelu_gate(b, x, approximate: str):
-    """GELU's gate Φ (gelu(x) = x·Φ(x)) and, for the tanh form, its tanh, as ops of
-    builder b. The gradient rule and the CPU decomposition both build them here, op for
-    op, so the compiler's CSE computes the erf (or tanh) once for the forward and the
-    backward pass."""
+def gelu_gate(x, approximate: str):
+    """GELU's gate Φ (gelu(x) = x·Φ(x)) and, for the tanh form, its tanh. The gradient and
+    the training-step decomposition both build them here, op for op, so the compiler's
+    CSE computes the erf (or tanh) once for the forward and the backward pass."""
     if approximate == "tanh":
-        t = b.tanh((x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi))
+        t = ((x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)).tanh()
         return 0.5 * (1.0 + t), t
-    return 0.5 * (1.0 + b.erf(x * (1.0 / math.sqrt(2.0)))), None
+    return 0.5 * (1.0 + (x * (1.0 / math.sqrt(2.0))).erf()), None
 
+
+def _gelu_vjp(ctx, grads):
+    (x,) = ctx.inputs
+    gate, t = gelu_gate(x, ctx.attrs["approximate"])
+    if t is not None:
+        dinner = (1.0 + x * x * (3 * 0.044715)) * math.sqrt(2.0 / math.pi)
+        return [grads[0] * (gate + x * 0.5 * (1.0 - t * t) * dinner)]
+    pdf = (x * x * -0.5).exp() * (1.0 / math.sqrt(2.0 * math.pi))
+    return [grads[0] * (gate + x * pdf)]
+
+
+GELU = unary(
+    "Gelu", lambda x, approximate: gelu_tanh(x) if approximate == "tanh" else gelu_erf(x), FLOATS, "gelu", _gelu_vjp,
+    lambda x, approximate: x.gelu(approximate), "GELU; attribute approximate='tanh' selects the tanh form",
+    attrs=[APPROXIMATE], infer=_infer_gelu,
+)
+
+
+@decomposition("Gelu", prefer=lambda op: op.func is not None and op.func.training)
+def _gelu_from_its_gate(b, op):
+    """In a training step, x·Φ(x) from the primitives the gradient builds Φ from, so the
+    erf (or tanh) is computed once for both passes. Inference keeps the whole op, whose
+    negative tail keeps its relative accuracy (1 + erf cancels there)."""
+    x = b.wrap(op.inputs[0])
+    gate, _ = gelu_gate(x, GELU.attrs_of(op)["approximate"])
+    return x * gate
+
+
+# ---- Cast -----------------------------------------------------------------------------------------
 
 def _infer_cast(ctx):
     target = ctx.attrs.str("dtype")
@@ -116,8 +174,18 @@ def _infer_cast(ctx):
     return [TensorType(target, ctx.inputs[0].shape)]
 
 
-define("Cast", _infer_cast, lambda attrs, args, outs: [args[0].astype(dtypes.to_numpy(outs[0].dtype))], 1, "elementwise")
+define(
+    "Cast", _infer_cast, lambda attrs, args, outs: [args[0].astype(dtypes.to_numpy(outs[0].dtype))], 1, "elementwise",
+    "x converted to attribute dtype, as numpy's astype",
+    attrs=[Attr("dtype", "str", None, "the target dtype")],
+    vjp=lambda ctx, grads: [grads[0].cast(ctx.inputs[0].dtype)],
+    formula=lambda x, dtype: x.cast(dtype),
+    method="cast",
+    build=lambda b, x, dtype, name=None: b.op("Cast", [x], name, {"dtype": dtypes.normalize(dtype)}),
+)
 
+
+# ---- binary -----------------------------------------------------------------------------------------
 
 def _int_div(a, b):
     """Integer division truncating toward zero, as C and LLVM's sdiv/udiv do."""
@@ -131,30 +199,6 @@ def _div(a, b):
     return a / b
 
 
-def _pow(a, b):
-    return np.power(a, b)
-
-
-BINARY = {
-    "Add": (np.add, NUMERIC, None),
-    "Sub": (np.subtract, NUMERIC, None),
-    "Mul": (np.multiply, NUMERIC, None),
-    "Div": (_div, NUMERIC, None),
-    "Pow": (_pow, FLOATS, None),
-    "Minimum": (np.minimum, NUMERIC, None),
-    "Maximum": (np.maximum, NUMERIC, None),
-    "Equal": (np.equal, dtypes.ALL_DTYPES, dtypes.DT_BOOL),
-    "NotEqual": (np.not_equal, dtypes.ALL_DTYPES, dtypes.DT_BOOL),
-    "Less": (np.less, NUMERIC, dtypes.DT_BOOL),
-    "LessEqual": (np.less_equal, NUMERIC, dtypes.DT_BOOL),
-    "Greater": (np.greater, NUMERIC, dtypes.DT_BOOL),
-    "GreaterEqual": (np.greater_equal, NUMERIC, dtypes.DT_BOOL),
-    "And": (np.logical_and, (dtypes.DT_BOOL,), dtypes.DT_BOOL),
-    "Or": (np.logical_or, (dtypes.DT_BOOL,), dtypes.DT_BOOL),
-    "Xor": (np.logical_xor, (dtypes.DT_BOOL,), dtypes.DT_BOOL),
-}
-
-
 def _infer_binary(allowed, result_dtype):
     def infer(ctx):
         dtype = same_dtype(ctx, allowed, f"both inputs of one dtype in ({', '.join(allowed)})")
@@ -164,9 +208,79 @@ def _infer_binary(allowed, result_dtype):
     return infer
 
 
-for _type, (_fn, _allowed, _result) in BINARY.items():
-    define(_type, _infer_binary(_allowed, _result), (lambda fn: lambda attrs, args, outs: [fn(*args)])(_fn), 2, "elementwise")
+def _binary_vjp(rule):
+    """A VJP rule from `rule(a, b, y, g) -> (da, db)`; broadcast gradients are summed back."""
+    if rule is None:
+        return zero_gradient
 
+    def vjp_rule(ctx, grads):
+        a, b = ctx.inputs
+        da, db = rule(a, b, ctx.outputs[0], grads[0])
+        return [ctx.unbroadcast(da, a), ctx.unbroadcast(db, b)]
+
+    return vjp_rule
+
+
+def binary(type: str, reference, allowed, result_dtype, method, vjp, formula, doc: str = ""):
+    """Define an elementwise op of two inputs (numpy broadcasting); `vjp=None`: zero gradient."""
+    return define(
+        type, _infer_binary(allowed, result_dtype), lambda attrs, args, outs: [reference(*args)], 2, "elementwise", doc,
+        vjp=_binary_vjp(vjp), formula=formula, method=method,
+    )
+
+
+def _pow_formula(x, y):
+    """x**y as exp(y·log|x|), with numpy's sign for negative x and integral y (NaN
+    otherwise); x**0 is 1 for every x, NaN included; 0**y is 0 for y > 0 and inf for
+    y < 0, through log(0) = -inf."""
+    magnitude = (y * x.abs().log()).exp()
+    integral = y.floor().equal(y)
+    half = y * 0.5
+    odd = half.floor().not_equal(half)
+    signed = odd.where(-magnitude, magnitude)
+    result = (x < 0).where(integral.where(signed, math.nan), magnitude)
+    return y.equal(0).where(1, result)
+
+
+def _pow_vjp(a, c, y, g):
+    return g * c * a.pow(c - 1.0), g * y * a.log()
+
+
+def _div_vjp(a, c, y, g):
+    ga = g / c
+    return ga, -(ga * y)
+
+
+def _extreme_vjp(first_wins):
+    def rule(a, c, y, g):
+        take_a = first_wins(a, c)
+        return take_a.select(g), (~take_a).select(g)
+
+    return rule
+
+
+binary("Add", np.add, NUMERIC, None, "add", lambda a, c, y, g: (g, g), lambda x, y: x + y)
+binary("Sub", np.subtract, NUMERIC, None, "sub", lambda a, c, y, g: (g, -g), lambda x, y: x - y)
+binary("Mul", np.multiply, NUMERIC, None, "mul", lambda a, c, y, g: (g * c, g * a), lambda x, y: x * y)
+binary("Div", _div, NUMERIC, None, "div", _div_vjp, lambda x, y: x / y,
+       "a / b; integers truncate toward zero (x / 0 is 0)")
+binary("Pow", np.power, FLOATS, None, "pow", _pow_vjp, _pow_formula)
+binary("Minimum", np.minimum, NUMERIC, None, "minimum", _extreme_vjp(lambda a, c: a <= c), lambda x, y: x.minimum(y),
+       "NaN propagates, as np.minimum")
+binary("Maximum", np.maximum, NUMERIC, None, "maximum", _extreme_vjp(lambda a, c: a >= c), lambda x, y: x.maximum(y),
+       "NaN propagates, as np.maximum")
+binary("Equal", np.equal, dtypes.ALL_DTYPES, dtypes.DT_BOOL, "equal", None, lambda x, y: x.equal(y))
+binary("NotEqual", np.not_equal, dtypes.ALL_DTYPES, dtypes.DT_BOOL, "not_equal", None, lambda x, y: x.not_equal(y))
+binary("Less", np.less, NUMERIC, dtypes.DT_BOOL, "less", None, lambda x, y: x < y)
+binary("LessEqual", np.less_equal, NUMERIC, dtypes.DT_BOOL, "less_equal", None, lambda x, y: x <= y)
+binary("Greater", np.greater, NUMERIC, dtypes.DT_BOOL, "greater", None, lambda x, y: x > y)
+binary("GreaterEqual", np.greater_equal, NUMERIC, dtypes.DT_BOOL, "greater_equal", None, lambda x, y: x >= y)
+binary("And", np.logical_and, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_and", None, lambda x, y: x & y)
+binary("Or", np.logical_or, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_or", None, lambda x, y: x | y)
+binary("Xor", np.logical_xor, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_xor", None, lambda x, y: x ^ y)
+
+
+# ---- Cond and Select ------------------------------------------------------------------------------------
 
 def _infer_cond(ctx):
     cond, x, y = ctx.inputs
@@ -175,7 +289,21 @@ def _infer_cond(ctx):
     return [TensorType(x.dtype, broadcast_shapes(ctx, [cond.shape, x.shape, y.shape]))]
 
 
-define("Cond", _infer_cond, lambda attrs, args, outs: [np.where(*args)], 3, "elementwise", "c ? x : y")
+def _cond_vjp(ctx, grads):
+    c, x, y = ctx.inputs
+    g = grads[0]
+    return [None, ctx.unbroadcast(c.select(g), x), ctx.unbroadcast((~c).select(g), y)]
+
+
+def _build_cond(b, c, x, y, name=None):
+    """c ? x : y (Myelin's Cond); a Python number takes the dtype of the other value."""
+    return b.op("Cond", [c, *b.operands([x, y])], name)
+
+
+define(
+    "Cond", _infer_cond, lambda attrs, args, outs: [np.where(*args)], 3, "elementwise", "c ? x : y",
+    vjp=_cond_vjp, formula=lambda c, x, y: c.where(x, y), method=("cond", "where"), build=_build_cond,
+)
 
 
 def _infer_select(ctx):
@@ -185,6 +313,12 @@ def _infer_select(ctx):
     return [TensorType(x.dtype, broadcast_shapes(ctx, [cond.shape, x.shape]))]
 
 
+def _build_select(b, c, x, name=None):
+    """c ? x : 0 (Myelin's Select); a Python number keeps its own dtype (the bool
+    condition is no model for it)."""
+    return b.op("Select", [c, b.operand(x)], name)
+
+
 define(
     "Select",
     _infer_select,
@@ -192,4 +326,8 @@ define(
     2,
     "elementwise",
     "c ? x : 0",
+    vjp=lambda ctx, grads: [None, ctx.unbroadcast(ctx.inputs[0].select(grads[0]), ctx.inputs[1])],
+    formula=lambda c, x: c.where(x, 0),
+    method="select",
+    build=_build_select,
 )

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import dtypes
 from .expression import Call, Ref, parse
-from .registry import Attrs, TensorType, define, op_def
+from .registry import Attr, Attrs, TensorType, define, op_def
 
 
 class _Spec:
@@ -48,7 +48,7 @@ def program_types(program, inputs, op_name: str) -> dict[str, _Spec]:
 
 
 def _infer(ctx):
-    program = parse(ctx.attrs.str("expr", ""))
+    program = parse(ctx.attrs["expr"])
     values = program_types(program, ctx.inputs, ctx.op_name)
     for target, _ in program.statements:
         if target.kind == "%":
@@ -64,8 +64,8 @@ def written_inputs(op) -> list[int]:
     return [target.index for target, _ in parse(op.attrs.get("expr", "")).statements if target.kind == "%"]
 
 
-def _reference(attrs: Attrs, args, outs):
-    program = parse(attrs.str("expr"))
+def _reference(attrs, args, outs):
+    program = parse(attrs["expr"])
     values = {f"%{i}": a for i, a in enumerate(args)}
 
     def evaluate(node):
@@ -73,7 +73,7 @@ def _reference(attrs: Attrs, args, outs):
             return values[str(node)]
         sub_args = [evaluate(a) for a in node.args]
         definition = op_def(node.op_type)
-        sub_attrs = Attrs(dict(node.attrs), "Calculate", node.op_type)
+        sub_attrs = Attrs(dict(node.attrs), "Calculate", node.op_type, definition.attrs)
         dtype = _dtype_of(node, sub_args)
         (result,) = definition.reference(sub_attrs, sub_args, [TensorType(dtype, np.broadcast_shapes(*[np.shape(a) for a in sub_args]))])
         return np.asarray(result)
@@ -94,5 +94,16 @@ def _dtype_of(call: Call, args) -> str:
     return dtypes.from_numpy(np.asarray(args[0]).dtype) if args else dtypes.DT_FLOAT32
 
 
-CALCULATE = define("Calculate", _infer, _reference, (1, None), "fused", "fused elementwise program; attribute expr")
-CALCULATE.extra["written_inputs"] = written_inputs
+def _flops(op) -> int:
+    """One operation per element for each statement that computes (not a copy)."""
+    statements = parse(op.attrs["expr"]).statements
+    size = max([v.size for v in op.outputs] + [v.size for v in op.inputs])
+    return size * sum(1 for _, call in statements if call.op_type != "Identity")
+
+
+define(
+    "Calculate", _infer, _reference, (1, None), "fused", "fused elementwise program",
+    attrs=[Attr("expr", "str", "", "the program, e.g. $0=Mul(%0,%1);@0=Add($0,%2)")],
+    written=written_inputs,
+    flops=_flops,
+)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes
-from .registry import TensorType, define
+from .registry import Attr, TensorType, define, zero_gradient
 from .rules import INDEX
 
 
@@ -28,12 +28,18 @@ def _gather(attrs, args, outs):
     return [params[indices]]
 
 
-define("Gather", _infer_gather, _gather, 2, "index", "Gather(params, indices) = params[indices] along axis 0")
+define(
+    "Gather", _infer_gather, _gather, 2, "index", "Gather(params, indices) = params[indices] along axis 0",
+    vjp=lambda ctx, g: [ctx.b.scatter_add(ctx.inputs[1], g[0], rows=ctx.inputs[0].shape[0]), None],
+    method="gather",
+    # Python-number indices are int32, not converted to the params' dtype.
+    build=lambda b, params, indices, name=None: b.op("Gather", [params, b.operand(indices)], name),
+)
 
 
 def _infer_scatter(ctx):
     indices, updates = ctx.inputs
-    rows = ctx.attrs.int("rows")
+    rows = ctx.attrs["rows"]
     if indices.dtype not in INDEX or rows is None or rows < 0:
         raise ctx.fail("int32/int64 indices, updates, and attribute rows (the output's first dimension)")
     if updates.dtype not in dtypes.NUMERIC_DTYPES:
@@ -45,7 +51,7 @@ def _infer_scatter(ctx):
 
 def _scatter_add(attrs, args, outs):
     indices, updates = args
-    rows = attrs.int("rows")
+    rows = attrs["rows"]
     _check_range(indices, rows)
     result = np.zeros(outs[0].shape, dtype=np.float64 if updates.dtype.kind == "f" else updates.dtype)
     np.add.at(result, indices.reshape(-1), updates.reshape(-1, *outs[0].shape[1:]))
@@ -59,13 +65,20 @@ define(
     2,
     "index",
     "ScatterAdd(indices, updates): zeros[rows, ...] with updates added at the indexed rows",
+    attrs=[Attr("rows", "int", None, "the output's first dimension")],
+    vjp=lambda ctx, g: [None, g[0].gather(ctx.inputs[0])],
+    flops=lambda op: op.inputs[1].size,
+    method="scatter_add",
+    build=lambda b, indices, updates, rows, name=None: b.op(
+        "ScatterAdd", [b.operand(indices), b.operand(updates)], name, {"rows": rows}
+    ),
 )
 
 
 def _infer_onehot(ctx):
     (indices,) = ctx.inputs
-    depth = ctx.attrs.int("depth")
-    dtype = ctx.attrs.str("dtype", dtypes.DT_FLOAT32)
+    depth = ctx.attrs["depth"]
+    dtype = ctx.attrs["dtype"]
     if indices.dtype not in INDEX or depth is None or depth <= 0 or dtype not in dtypes.ALL_DTYPES:
         raise ctx.fail("int32/int64 indices, a positive attribute depth and an optional dtype")
     return [TensorType(dtype, (*indices.shape, depth))]
@@ -73,9 +86,17 @@ def _infer_onehot(ctx):
 
 def _onehot(attrs, args, outs):
     (indices,) = args
-    depth = attrs.int("depth")
+    depth = attrs["depth"]
     # Out-of-range indices give an all-zero row, as TensorFlow's one_hot does.
     return [(indices[..., None] == np.arange(depth)).astype(dtypes.to_numpy(outs[0].dtype))]
 
 
-define("OneHot", _infer_onehot, _onehot, 1, "index", "OneHot(indices); attributes depth, dtype")
+define(
+    "OneHot", _infer_onehot, _onehot, 1, "index", "rows of zeros with a one at each index",
+    attrs=[Attr("depth", "int", None, "the number of classes"), Attr("dtype", "str", dtypes.DT_FLOAT32, "the output dtype")],
+    vjp=zero_gradient,
+    method="one_hot",
+    build=lambda b, indices, depth, dtype=dtypes.DT_FLOAT32, name=None: b.op(
+        "OneHot", [indices], name, {"depth": depth, "dtype": dtypes.normalize(dtype)}
+    ),
+)

@@ -1,29 +1,28 @@
-"""Backward ops of the windowed nn ops (the VJPs of Conv2D, MaxPool and AvgPool use them)."""
+"""Backward ops of the nn composites (their VJPs build them): the input and filter
+gradients of Conv2D, the input gradients of MaxPool and AvgPool, and the fused
+gradient of SoftmaxCrossEntropy. Each decomposes, like its forward op, into window
+primitives and GEMMs where a backend has no kernel for it whole."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .nn import _f64, _out_size, _pair, _window_params, pool_params, softmax, target_distribution, windows
-from .registry import TensorType, define, op_def
+from .nn import (
+    KSIZE, LABEL_SMOOTHING, PADDING, POOL_STRIDES, STRIDES, _f64, conv_flops, im2col, out_size, pool_params,
+    pool_windows, softmax, softmax_cross_entropy, target_distribution, window_params, windows,
+)
+from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, same_dtype
+from .window import padded_shape, unpadded, window_view
 
 
 def _shape_attr(ctx, name):
-    shape = ctx.attrs.ints(name)
+    shape = ctx.attrs[name]
     if shape is None or len(shape) != 4 or min(shape) < 1:
         raise ctx.fail(f"attribute {name} with four positive dimensions")
     return shape
-
-
-def _infer_conv_input_grad(ctx):
-    dtype = same_dtype(ctx, FLOATS, "floating-point inputs of one dtype")
-    dy, w = ctx.inputs
-    shape = _shape_attr(ctx, "input_shape")
-    if dy.rank != 4 or w.rank != 4 or dy.shape[1] != w.shape[0] or shape[1] != w.shape[1]:
-        raise ctx.fail("dy [N, O, Ho, Wo] and weights [O, C, KH, KW] matching attribute input_shape [N, C, H, W]")
-    _check_dy(ctx, dy, shape, w.shape[2:], _window_params(ctx, None), "Conv2D")
-    return [TensorType(dtype, shape)]
 
 
 def _check_dy(ctx, dy, input_shape, kernel, params, forward):
@@ -32,14 +31,44 @@ def _check_dy(ctx, dy, input_shape, kernel, params, forward):
     expected = [
         input_shape[0],
         dy.shape[1],
-        _out_size(ctx, input_shape[2], kernel[0], strides[0], padding[0]),
-        _out_size(ctx, input_shape[3], kernel[1], strides[1], padding[1]),
+        out_size(ctx, input_shape[2], kernel[0], strides[0], padding[0]),
+        out_size(ctx, input_shape[3], kernel[1], strides[1], padding[1]),
     ]
     if list(dy.shape) != expected:
         raise ctx.fail(
             f"dy of shape [{'x'.join(map(str, expected))}] (the {forward} output for an input "
             f"[{'x'.join(map(str, input_shape))}], window {list(kernel)}, strides {strides}, padding {padding})"
         )
+
+
+def _scatter_windows(dy_windows, input_shape, kernel, strides, padding):
+    """Add a [N, C, Ho, Wo, KH, KW] array back onto the (padded) input it was windowed from."""
+    (sh, sw), (ph, pw) = strides, padding
+    n, c, h, w = input_shape
+    _, _, ho, wo, kh, kw = dy_windows.shape
+    padded_x = np.zeros((n, c, h + 2 * ph, w + 2 * pw))
+    for i in range(kh):
+        for j in range(kw):
+            padded_x[:, :, i : i + sh * ho : sh, j : j + sw * wo : sw] += dy_windows[..., i, j]
+    return padded_x[:, :, ph : ph + h, pw : pw + w]
+
+
+def _rows_of(dy):
+    """dy [N, O, Ho, Wo] as GEMM rows [N·Ho·Wo, O]."""
+    n, o, ho, wo = dy.shape
+    return dy.transpose([0, 2, 3, 1]).reshape([n * ho * wo, o])
+
+
+# ---- Conv2D's input gradient ---------------------------------------------------------------------------
+
+def _infer_conv_input_grad(ctx):
+    dtype = same_dtype(ctx, FLOATS, "floating-point inputs of one dtype")
+    dy, w = ctx.inputs
+    shape = _shape_attr(ctx, "input_shape")
+    if dy.rank != 4 or w.rank != 4 or dy.shape[1] != w.shape[0] or shape[1] != w.shape[1]:
+        raise ctx.fail("dy [N, O, Ho, Wo] and weights [O, C, KH, KW] matching attribute input_shape [N, C, H, W]")
+    _check_dy(ctx, dy, shape, w.shape[2:], window_params(ctx, None), "Conv2D")
+    return [TensorType(dtype, shape)]
 
 
 def conv2d_input_grad(dy, w, input_shape, strides, padding):
@@ -51,12 +80,30 @@ def conv2d_input_grad(dy, w, input_shape, strides, padding):
 define(
     "Conv2DBackpropInput",
     _infer_conv_input_grad,
-    lambda a, args, o: [conv2d_input_grad(*args, o[0].shape, _pair(a, "strides", [1, 1]), _pair(a, "padding", [0, 0]))],
+    lambda a, args, o: [conv2d_input_grad(*args, o[0].shape, a["strides"], a["padding"])],
     2,
     "nn",
-    "dx of Conv2D: (dy, w); attributes input_shape, strides, padding",
+    "dx of Conv2D: (dy, w)",
+    attrs=[Attr("input_shape", "ints", None, "x's shape [N, C, H, W]"), STRIDES, PADDING],
+    flops=lambda op: conv_flops(op.inputs[0], op.inputs[1]),
 )
 
+
+@decomposition("Conv2DBackpropInput")
+def _conv_input_grad_as_gemm(b, op):
+    """dy's rows times the filters give each window's gradient; the view's transpose
+    (StridedScatterAdd) adds them back onto the padded input."""
+    dy, w = (b.wrap(v) for v in op.inputs)
+    attrs = op_def(op.type).attrs_of(op)
+    x_shape, padding = op.outputs[0].shape, attrs["padding"]
+    n, o, ho, wo = dy.shape
+    padded = padded_shape(x_shape, padding)
+    view = window_view(padded, w.shape[2:], attrs["strides"], (ho, wo), channels_last=True)
+    columns = _rows_of(dy).matmul(w.reshape([o, math.prod(w.shape[1:])])).reshape(view["shape"])
+    return unpadded(columns.strided_scatter_add(**view, target_shape=padded), padding, x_shape)
+
+
+# ---- Conv2D's filter gradient --------------------------------------------------------------------------
 
 def _infer_conv_filter_grad(ctx):
     dtype = same_dtype(ctx, FLOATS, "floating-point inputs of one dtype")
@@ -64,7 +111,7 @@ def _infer_conv_filter_grad(ctx):
     shape = _shape_attr(ctx, "filter_shape")
     if x.rank != 4 or dy.rank != 4 or x.shape[0] != dy.shape[0] or shape[0] != dy.shape[1] or shape[1] != x.shape[1]:
         raise ctx.fail("x [N, C, H, W] and dy [N, O, Ho, Wo] matching attribute filter_shape [O, C, KH, KW]")
-    _check_dy(ctx, dy, x.shape, shape[2:], _window_params(ctx, None), "Conv2D")
+    _check_dy(ctx, dy, x.shape, shape[2:], window_params(ctx, None), "Conv2D")
     return [TensorType(dtype, shape)]
 
 
@@ -76,12 +123,24 @@ def conv2d_filter_grad(x, dy, filter_shape, strides, padding):
 define(
     "Conv2DBackpropFilter",
     _infer_conv_filter_grad,
-    lambda a, args, o: [conv2d_filter_grad(*args, o[0].shape, _pair(a, "strides", [1, 1]), _pair(a, "padding", [0, 0]))],
+    lambda a, args, o: [conv2d_filter_grad(*args, o[0].shape, a["strides"], a["padding"])],
     2,
     "nn",
-    "dw of Conv2D: (x, dy); attributes filter_shape, strides, padding",
+    "dw of Conv2D: (x, dy)",
+    attrs=[Attr("filter_shape", "ints", None, "w's shape [O, C, KH, KW]"), STRIDES, PADDING],
+    flops=lambda op: conv_flops(op.inputs[1], op.outputs[0]),
 )
 
+
+@decomposition("Conv2DBackpropFilter")
+def _conv_filter_grad_as_gemm(b, op):
+    x, dy = (b.wrap(v) for v in op.inputs)
+    filters = op.outputs[0].shape
+    cols, _ = im2col(b, x, filters, op_def(op.type).attrs_of(op), dy.shape[2:])
+    return _rows_of(dy).matmul(cols, transpose_a=True).reshape(filters)
+
+
+# ---- pooling gradients ---------------------------------------------------------------------------------
 
 def _infer_pool_grad(ctx):
     dtype = same_dtype(ctx, FLOATS, "floating-point inputs of one dtype")
@@ -93,23 +152,11 @@ def _infer_pool_grad(ctx):
         shape = _shape_attr(ctx, "input_shape")
     if dy.rank != 4 or len(shape) != 4 or list(dy.shape[:2]) != list(shape[:2]):
         raise ctx.fail("dy [N, C, Ho, Wo] with the input's N and C")
-    kernel = _pair(ctx.attrs, "ksize", [2, 2])
+    kernel = ctx.attrs["ksize"]
     if len(kernel) != 2 or min(kernel) < 1:
         raise ctx.fail("attribute ksize with one or two positive entries")
-    _check_dy(ctx, dy, shape, kernel, _window_params(ctx, kernel), ctx.op_type[: -len("Grad")])
+    _check_dy(ctx, dy, shape, kernel, window_params(ctx, kernel), ctx.op_type[: -len("Grad")])
     return [TensorType(dtype, shape)]
-
-
-def _scatter_windows(dy_windows, input_shape, kernel, strides, padding):
-    """Add a [N, C, Ho, Wo, KH, KW] array back onto the (padded) input it was windowed from."""
-    (sh, sw), (ph, pw) = strides, padding
-    n, c, h, w = input_shape
-    _, _, ho, wo, kh, kw = dy_windows.shape
-    padded = np.zeros((n, c, h + 2 * ph, w + 2 * pw))
-    for i in range(kh):
-        for j in range(kw):
-            padded[:, :, i : i + sh * ho : sh, j : j + sw * wo : sw] += dy_windows[..., i, j]
-    return padded[:, :, ph : ph + h, pw : pw + w]
 
 
 def max_pool_grad(x, dy, kernel, strides, padding):
@@ -134,6 +181,8 @@ define(
     2,
     "nn",
     "dx of MaxPool: (x, dy); the pooling attributes",
+    attrs=[KSIZE, POOL_STRIDES, PADDING],
+    flops=lambda op: op.inputs[0].size,
 )
 define(
     "AvgPoolGrad",
@@ -141,29 +190,67 @@ define(
     lambda a, args, o: [avg_pool_grad(args[0], o[0].shape, *pool_params(a))],
     1,
     "nn",
-    "dx of AvgPool: (dy); attribute input_shape and the pooling attributes",
+    "dx of AvgPool: (dy); the pooling attributes",
+    attrs=[Attr("input_shape", "ints", None, "x's shape [N, C, H, W]"), KSIZE, POOL_STRIDES, PADDING],
+    flops=lambda op: op.outputs[0].size,
 )
 
+
+@decomposition("MaxPoolGrad")
+def _max_pool_grad_by_routing(b, op):
+    """Each window's gradient goes to its first maximum, as the reference does."""
+    x, dy = (b.wrap(v) for v in op.inputs)
+    windows_, view, padded, padding = pool_windows(b, x, op_def(op.type).attrs_of(op), dy.shape[2:], -math.inf)
+    n, c, ho, wo, kh, kw = view["shape"]
+    first_max = windows_.reshape([n, c, ho, wo, kh * kw]).argmax(axis=-1)
+    routed = first_max.one_hot(kh * kw, dy.dtype) * dy.expand_dims(-1)
+    return unpadded(routed.reshape(view["shape"]).strided_scatter_add(**view, target_shape=padded), padding, x.shape)
+
+
+@decomposition("AvgPoolGrad")
+def _avg_pool_grad_by_spreading(b, op):
+    dy = b.wrap(op.inputs[0])
+    x_shape = op.outputs[0].shape
+    kernel, strides, padding = pool_params(op_def(op.type).attrs_of(op))
+    padded = padded_shape(x_shape, padding)
+    view = window_view(padded, kernel, strides, dy.shape[2:], channels_last=False)
+    share = (dy * (1.0 / (kernel[0] * kernel[1]))).reshape([*dy.shape, 1, 1])
+    return unpadded(share.broadcast_to(view["shape"]).strided_scatter_add(**view, target_shape=padded), padding, x_shape)
+
+
+# ---- SoftmaxCrossEntropy's gradient --------------------------------------------------------------------
 
 def _infer_cross_entropy_grad(ctx):
     logits, target, dloss = ctx.inputs
     (loss_type,) = op_def("SoftmaxCrossEntropy").infer_types(ctx.op_name, [logits, target], ctx.attrs.raw)
     if dloss.dtype != loss_type.dtype or tuple(dloss.shape) != loss_type.shape:
         raise ctx.fail(f"a loss gradient of the per-example loss's type {loss_type.dtype}{list(loss_type.shape)}")
-    return [TensorType(logits.dtype, logits.shape)]
+    types = [TensorType(logits.dtype, logits.shape)]
+    return types + [loss_type] if ctx.attrs["with_loss"] else types
 
 
-def cross_entropy_grad(logits, target, dloss, label_smoothing=0.0):
-    """d logits = dloss · (softmax(logits) · Σ target − target), target smoothed."""
+def cross_entropy_grad(logits, target, dloss, label_smoothing=LABEL_SMOOTHING.default):
+    """d logits = d loss · (softmax(logits) · Σ target − target), target smoothed."""
     probs = target_distribution(target, logits.shape[-1], label_smoothing)
     return _f64(dloss)[..., None] * (softmax(logits) * probs.sum(axis=-1, keepdims=True) - probs)
+
+
+def _cross_entropy_grad(attrs, args, outs):
+    smoothing = attrs["label_smoothing"]
+    grad = [cross_entropy_grad(*args, smoothing)]
+    if attrs["with_loss"]:
+        grad.append(softmax_cross_entropy(args[0], args[1], smoothing))
+    return grad
 
 
 define(
     "SoftmaxCrossEntropyGrad",
     _infer_cross_entropy_grad,
-    lambda a, args, o: [cross_entropy_grad(*args, a.float("label_smoothing", 0.0))],
+    _cross_entropy_grad,
     3,
     "nn",
-    "d logits of SoftmaxCrossEntropy: (logits, targets, d loss) in one fused step; attribute label_smoothing",
+    "d logits of SoftmaxCrossEntropy: (logits, targets, d loss) in one fused step; with attribute "
+    "with_loss, also the per-example loss (one read of the logits for both)",
+    attrs=[LABEL_SMOOTHING, Attr("with_loss", "bool", False, "a second output: the per-example loss")],
+    flops=lambda op: 5 * op.inputs[0].size,
 )

@@ -1,11 +1,15 @@
-"""Reductions over any set of axes, with keepdims: Sum Mean Max Min Product All Any ArgMax ArgMin."""
+"""Reductions over any set of axes, with keepdims: Sum Mean Max Min Product All Any ArgMax ArgMin.
+
+A reduction over axes that are not adjacent decomposes into one reduction per block of
+adjacent axes, for backends whose kernels reduce one contiguous block.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .. import dtypes
-from .registry import TensorType, define
+from .registry import Attr, TensorType, decomposition, define, op_def, vjp, zero_gradient
 from .rules import FLOATS, INDEX, NUMERIC, normalize_axis, reduction_axes, same_dtype
 
 
@@ -58,26 +62,104 @@ REDUCTIONS = {
     "Any": (np.any, (dtypes.DT_BOOL,)),
 }
 
+AXIS = Attr("axis", "ints", None, "the reduced axes (default: all)")
+KEEPDIMS = Attr("keepdims", "bool", False, "keep reduced axes as size 1")
+
 for _type, (_fn, _allowed) in REDUCTIONS.items():
-    define(_type, _infer_reduce(_allowed), _reduce(_fn), 1, "reduce")
+    define(_type, _infer_reduce(_allowed), _reduce(_fn), 1, "reduce", attrs=[AXIS, KEEPDIMS], method=_type.lower())
+
+
+def _reduced_axes(ctx):
+    x = ctx.inputs[0]
+    axes = ctx.attrs["axis"]
+    return list(range(x.rank)) if axes is None else sorted(a % x.rank for a in axes)
+
+
+def _expand_back(ctx, t):
+    """A reduced tensor reshaped with the reduced axes kept as size 1, broadcast to the input."""
+    x = ctx.inputs[0]
+    kept = [1 if i in _reduced_axes(ctx) else d for i, d in enumerate(x.shape)]
+    t = t.reshape(kept) if t.shape != kept else t
+    return t.broadcast_to(x.shape) if kept != x.shape else t
+
+
+@vjp("Sum")
+def _sum_vjp(ctx, g):
+    return [_expand_back(ctx, g[0])]
+
+
+@vjp("Mean")
+def _mean_vjp(ctx, g):
+    x = ctx.inputs[0]
+    count = int(np.prod([x.shape[a] for a in _reduced_axes(ctx)]))
+    return [_expand_back(ctx, g[0] * (1.0 / count))]
+
+
+def _extreme_vjp(ctx, g):
+    """The gradient is shared equally by the elements equal to the extreme (as torch.amax)."""
+    x = ctx.inputs[0]
+    hit = x.equal(_expand_back(ctx, ctx.outputs[0])).cast(x.dtype)
+    count = hit.sum(axis=_reduced_axes(ctx), keepdims=True)
+    return [hit * _expand_back(ctx, g[0]) / count]
+
+
+vjp("Max")(_extreme_vjp)
+vjp("Min")(_extreme_vjp)
+
+
+@vjp("Product")
+def _product_vjp(ctx, g):
+    x = ctx.inputs[0]
+    return [_expand_back(ctx, g[0] * ctx.outputs[0]) / x]
+
+
+for _type in ("All", "Any"):
+    vjp(_type)(zero_gradient)
+
+
+def _split_reduction(b, op):
+    """A reduction over axes that are not adjacent, as one reduction per adjacent block
+    (kept as size-1 dimensions), then a reshape: sums of sums, maxima of maxima, and
+    means of equal-sized means are the whole reduction."""
+    x = b.wrap(op.inputs[0])
+    given = op_def(op.type).attrs_of(op)["axis"]
+    if given is None:
+        return None
+    axes = sorted({a % x.rank for a in given})
+    blocks = []
+    for axis in axes:
+        if blocks and blocks[-1][-1] == axis - 1:
+            blocks[-1].append(axis)
+        else:
+            blocks.append([axis])
+    if len(blocks) < 2:
+        return None
+    reduce = getattr(b, op.type.lower())
+    for block in reversed(blocks):
+        x = reduce(x, axis=block, keepdims=True)
+    return x.reshape(op.outputs[0].shape)
+
+
+for _type in REDUCTIONS:
+    decomposition(_type)(_split_reduction)
 
 
 def _infer_arg(ctx):
     same_dtype(ctx, dtypes.NUMERIC_DTYPES, "a numeric input")
     x = ctx.inputs[0]
-    output_type = ctx.attrs.str("output_type", dtypes.DT_INT32)
+    output_type = ctx.attrs["output_type"]
     if output_type not in INDEX:
         raise ctx.fail(f"attribute output_type to be int32 or int64 (got {output_type})")
-    axis = ctx.attrs.int("axis")
+    axis = ctx.attrs["axis"]
     if axis is None:
         if x.size == 0:
             raise ctx.fail("a non-empty input")
-        shape = (1,) * x.rank if ctx.attrs.bool("keepdims") else ()
+        shape = (1,) * x.rank if ctx.attrs["keepdims"] else ()
     else:
         a = normalize_axis(ctx, axis, x.rank)
         if x.shape[a] == 0:
             raise ctx.fail("a non-empty axis")
-        shape = reduced_shape(x.shape, (a,), ctx.attrs.bool("keepdims"))
+        shape = reduced_shape(x.shape, (a,), ctx.attrs["keepdims"])
     return [TensorType(output_type, shape)]
 
 
@@ -85,12 +167,17 @@ def _arg(fn):
     """Index of the first extreme element; with no axis, the index into the flattened tensor."""
 
     def reference(attrs, args, outs):
-        axis = attrs.int("axis")
+        axis = attrs["axis"]
         x = args[0] if axis is not None else args[0].reshape(-1)
         return [np.asarray(fn(x, axis=axis if axis is not None else 0)).reshape(outs[0].shape)]
 
     return reference
 
 
-define("ArgMax", _infer_arg, _arg(np.argmax), 1, "reduce")
-define("ArgMin", _infer_arg, _arg(np.argmin), 1, "reduce")
+ARG_ATTRS = [
+    Attr("axis", "int", None, "the axis searched (default: the flattened input)"),
+    KEEPDIMS,
+    Attr("output_type", "str", dtypes.DT_INT32, "int32 or int64"),
+]
+define("ArgMax", _infer_arg, _arg(np.argmax), 1, "reduce", attrs=ARG_ATTRS, vjp=zero_gradient, method="argmax")
+define("ArgMin", _infer_arg, _arg(np.argmin), 1, "reduce", attrs=ARG_ATTRS, vjp=zero_gradient, method="argmin")

@@ -1,18 +1,137 @@
-"""The op registry: each op type is declared once with its shape/dtype rule and numpy reference.
+"""The op registry: everything ranvier knows about an op type, declared once.
 
-Later layers attach more to the same definition (a VJP in `ranvier.autodiff`, a
-decomposition for the compiler), so one op has exactly one place to look.
+An op's definition holds its attributes with their defaults, its shape/dtype rule, its
+numpy reference (the oracle), its gradient rule (VJP), its decompositions into other
+ops, its FLOP count, the Builder methods that add it, and for elementwise ops a
+formula any code generator can evaluate. Backends keep only their kernels, and each
+kernel says which ops it supports.
+
+    SOFTPLUS = unary("Softplus", softplus, FLOATS, method="softplus",
+                     vjp=lambda x, y, g: g * x.sigmoid(),
+                     formula=lambda x: (x.exp() + 1.0).log())
+
+Gradient rules and decompositions build ops through a builder they are handed, so
+this layer imports nothing of the graph or the compiler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ShapeError, UnknownOpError
-from ..flow.graph import shape_str
+from .. import dtypes
+from ..errors import RanvierError, ShapeError, UnknownOpError, shape_str
+
+_NO_DEFAULT = object()
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One attribute of an op: its name, how its string value reads, and its default.
+
+    kind: "str", "int", "float", "bool", "ints" (a list; one number reads as a
+    one-element list), "pair" (two ints; one number is used twice) or "dtype".
+    """
+
+    name: str
+    kind: str = "str"
+    default: Any = None
+    doc: str = ""
+
+    def parse(self, text: str, op_name: str = "", op_type: str = ""):
+        try:
+            return _PARSERS[self.kind](text)
+        except (ValueError, KeyError):
+            expected = _EXPECTED[self.kind]
+            raise ShapeError(f"{op_type} op {op_name}: attribute {self.name}={text!r} is not {expected}") from None
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no", ""):
+        return False
+    raise ValueError(text)
+
+
+def _parse_ints(text: str) -> list[int]:
+    """"1,2,3" (ranvier) or "[1, 2, 3]" (Myelin's Python)."""
+    body = text.strip().strip("[]()")
+    return [int(part) for part in body.replace(" ", "").split(",") if part != ""]
+
+
+def _parse_pair(text: str) -> list[int]:
+    values = _parse_ints(text)
+    return values * 2 if len(values) == 1 else values
+
+
+def _parse_dtype(text: str) -> str:
+    if text not in dtypes.ALL_DTYPES:
+        raise ValueError(text)
+    return text
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "str": str, "int": int, "float": float, "bool": _parse_bool, "ints": _parse_ints, "pair": _parse_pair,
+    "dtype": _parse_dtype,
+}
+_EXPECTED = {
+    "str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean (1/0/true/false)",
+    "ints": "a list of integers", "pair": "one or two integers", "dtype": f"one of {', '.join(dtypes.ALL_DTYPES)}",
+}
+
+
+class Attrs:
+    """Typed reads of an op's string attributes, defaulted by the op's declaration.
+
+    `attrs["eps"]` reads a declared attribute (its default when absent); the typed
+    readers (`attrs.int(name, default)`) also read undeclared ones. A malformed value
+    names the op and the attribute.
+    """
+
+    def __init__(self, attrs: dict[str, str], op_name: str = "", op_type: str = "", declared: dict[str, Attr] | None = None):
+        self.raw = attrs
+        self.op_name = op_name
+        self.op_type = op_type
+        self.declared = declared or {}
+
+    def __getitem__(self, name: str):
+        attr = self.declared.get(name)
+        if attr is None:
+            raise UnknownOpError(f"{self.op_type} declares no attribute {name!r}; it declares {', '.join(self.declared) or 'none'}")
+        if name not in self.raw:
+            return list(attr.default) if isinstance(attr.default, (list, tuple)) else attr.default
+        return attr.parse(self.raw[name], self.op_name, self.op_type)
+
+    def values(self) -> dict[str, Any]:
+        """Every declared attribute, typed and defaulted (what formulas receive)."""
+        return {name: self[name] for name in self.declared}
+
+    def _read(self, name: str, kind: str, default):
+        if name not in self.raw:
+            if default is _NO_DEFAULT:
+                attr = self.declared.get(name)
+                default = attr.default if attr is not None else None
+            return list(default) if isinstance(default, (list, tuple)) else default
+        return Attr(name, kind).parse(self.raw[name], self.op_name, self.op_type)
+
+    def str(self, name: str, default=_NO_DEFAULT) -> str | None:
+        return self._read(name, "str", default)
+
+    def int(self, name: str, default=_NO_DEFAULT) -> int | None:
+        return self._read(name, "int", default)
+
+    def float(self, name: str, default=_NO_DEFAULT) -> float | None:
+        return self._read(name, "float", default)
+
+    def bool(self, name: str, default=_NO_DEFAULT) -> bool:
+        return bool(self._read(name, "bool", default))
+
+    def ints(self, name: str, default=_NO_DEFAULT) -> list[int] | None:
+        return self._read(name, "ints", default)
 
 
 @dataclass(frozen=True)
@@ -26,72 +145,14 @@ class TensorType:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
 
-class Attrs:
-    """Typed reads of an op's string attributes; a malformed value names the op and attribute."""
-
-    def __init__(self, attrs: dict[str, str], op_name: str = "", op_type: str = ""):
-        self.raw = attrs
-        self.op_name = op_name
-        self.op_type = op_type
-
-    def _bad(self, name: str, expected: str) -> ShapeError:
-        return ShapeError(
-            f"{self.op_type} op {self.op_name}: attribute {name}={self.raw[name]!r} is not {expected}"
-        )
-
-    def has(self, name: str) -> bool:
-        return name in self.raw
-
-    def str(self, name: str, default: str | None = None) -> str | None:
-        return self.raw.get(name, default)
-
-    def int(self, name: str, default: int | None = None) -> int | None:
-        if name not in self.raw:
-            return default
-        try:
-            return int(self.raw[name])
-        except ValueError:
-            raise self._bad(name, "an integer") from None
-
-    def float(self, name: str, default: float | None = None) -> float | None:
-        if name not in self.raw:
-            return default
-        try:
-            return float(self.raw[name])
-        except ValueError:
-            raise self._bad(name, "a number") from None
-
-    def bool(self, name: str, default: bool = False) -> bool:
-        if name not in self.raw:
-            return default
-        value = self.raw[name].strip().lower()
-        if value in ("1", "true", "yes"):
-            return True
-        if value in ("0", "false", "no", ""):
-            return False
-        raise self._bad(name, "a boolean (1/0/true/false)")
-
-    def ints(self, name: str, default: Sequence[int] | None = None) -> list[int] | None:
-        """A list of integers, written as "1,2,3" (ranvier) or "[1, 2, 3]" (Myelin's Python)."""
-        if name not in self.raw:
-            return None if default is None else list(default)
-        text = self.raw[name].strip().strip("[]()")
-        if not text:
-            return []
-        try:
-            return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
-        except ValueError:
-            raise self._bad(name, "a list of integers") from None
-
-
 class InferContext:
     """What a shape rule sees: the op's identity, its input variables and its attributes."""
 
-    def __init__(self, op_name: str, op_type: str, inputs: Sequence, attrs: dict[str, str]):
+    def __init__(self, op_name: str, op_type: str, inputs: Sequence, attrs: dict[str, str], declared: dict[str, Attr] | None = None):
         self.op_name = op_name
         self.op_type = op_type
         self.inputs = list(inputs)
-        self.attrs = Attrs(attrs, op_name, op_type)
+        self.attrs = Attrs(attrs, op_name, op_type, declared)
 
     def fail(self, expected: str) -> ShapeError:
         """An error naming the op, every input with its type, and what was expected."""
@@ -109,6 +170,25 @@ class InferContext:
 
 InferFn = Callable[[InferContext], list[TensorType]]
 ReferenceFn = Callable[[Attrs, list[np.ndarray], list[TensorType]], list[np.ndarray]]
+# rule(ctx, gradients of the outputs) -> gradients of the inputs (None: nothing flows back)
+VJPRule = Callable[[Any, list], list]
+# rule(builder, op) -> the op's outputs rebuilt from other ops, or None where it does not apply
+DecompositionRule = Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """How an op is rebuilt from other ops. The compiler applies it where the backend has
+    no kernel for the op whole, and also where `prefer(op)` says the rebuilt form is
+    better on any backend (GELU in a training step shares its erf with the backward)."""
+
+    rule: DecompositionRule
+    prefer: Callable[[Any], bool] | None = None
+
+
+def zero_gradient(ctx, grads) -> list:
+    """The VJP of a piecewise-constant op: zero almost everywhere (nothing flows back)."""
+    return [None] * len(ctx.inputs)
 
 
 @dataclass
@@ -122,15 +202,29 @@ class OpDef:
     max_inputs: int | None
     family: str
     doc: str = ""
-    extra: dict = field(default_factory=dict)
+    attrs: dict[str, Attr] = field(default_factory=dict)
+    vjp: VJPRule | None = None
+    decompositions: list[Decomposition] = field(default_factory=list)
+    flops: Callable[[Any], int] | None = None
+    written: Callable[[Any], list[int]] | None = None
+    view: bool = False
+    formula: Callable | None = None
+
+    def attrs_of(self, op) -> Attrs:
+        return Attrs(op.attrs, op.name, self.type, self.attrs)
 
     def written_inputs(self, op) -> list[int]:
         """Indices of the inputs this op overwrites in place (Assign's target, a fused update)."""
-        rule = self.extra.get("written_inputs")
-        return rule(op) if rule is not None else []
+        return self.written(op) if self.written is not None else []
+
+    def cost(self, op) -> int:
+        """Floating-point operations one execution performs (for profiles and GFLOP/s)."""
+        if self.flops is not None:
+            return self.flops(op)
+        return _FAMILY_FLOPS.get(self.family, _no_flops)(op)
 
     def infer_types(self, op_name: str, inputs: Sequence, attrs: dict[str, str]) -> list[TensorType]:
-        ctx = InferContext(op_name, self.type, inputs, attrs)
+        ctx = InferContext(op_name, self.type, inputs, attrs, self.attrs)
         n = len(ctx.inputs)
         if n < self.min_inputs or (self.max_inputs is not None and n > self.max_inputs):
             if self.max_inputs is None:
@@ -143,7 +237,23 @@ class OpDef:
         return self.infer(ctx)
 
 
+def _no_flops(op) -> int:
+    return 0
+
+
+def _elementwise_flops(op) -> int:
+    """One operation per element of a floating-point result."""
+    return sum(v.size for v in op.outputs) if all(dtypes.is_float(v.dtype) for v in op.outputs) else 0
+
+
+_FAMILY_FLOPS: dict[str, Callable[[Any], int]] = {
+    "elementwise": _elementwise_flops,
+    "reduce": lambda op: op.inputs[0].size,
+}
+
 _REGISTRY: dict[str, OpDef] = {}
+# Builder method name -> fn(builder, *args, **kwargs), the ops' own Python API.
+_METHODS: dict[str, Callable] = {}
 
 
 def define(
@@ -153,14 +263,82 @@ def define(
     inputs: int | tuple[int, int | None],
     family: str,
     doc: str = "",
+    *,
+    attrs: Sequence[Attr] = (),
+    vjp: VJPRule | None = None,
+    flops: Callable[[Any], int] | None = None,
+    written: Callable[[Any], list[int]] | None = None,
+    view: bool = False,
+    formula: Callable | None = None,
+    method: str | Sequence[str] | None = None,
+    build: Callable | None = None,
 ) -> OpDef:
-    """Register an op type. Redefining a type is an error: one definition per op."""
+    """Register an op type. Redefining a type is an error: one definition per op.
+
+    vjp: the gradient rule, `rule(ctx, grads) -> input grads` (also `@vjp(type)`).
+    flops: the FLOP count of one execution (default: by family).
+    written: which inputs the op overwrites in place.
+    view: the output holds the input's elements in the same order (a reshape).
+    formula: elementwise ops: the result from IR values of the inputs, with the declared
+        attributes as keywords; backends generate native code from it.
+    method: Builder (and Tensor) method names that add this op. `build(b, ...)` gives
+        the method its own signature; without it the method takes the inputs, then the
+        declared attributes in order, then `name`.
+    """
     if type in _REGISTRY:
         raise ValueError(f"op {type} is defined twice")
     lo, hi = (inputs, inputs) if isinstance(inputs, int) else inputs
-    definition = OpDef(type, infer, reference, lo, hi, family, doc)
+    definition = OpDef(
+        type, infer, reference, lo, hi, family, doc, {a.name: a for a in attrs}, vjp, [], flops, written, view, formula,
+    )
+    names = [method] if isinstance(method, str) else list(method or [])
+    for name in names:
+        if name in _METHODS:
+            raise ValueError(f"builder method {name} is defined twice (for {type})")
     _REGISTRY[type] = definition
+    for name in names:
+        _METHODS[name] = build if build is not None else _standard_method(definition)
     return definition
+
+
+def _standard_method(definition: OpDef) -> Callable:
+    """b.method(*inputs, *attrs, name=None, **attrs) for an op of a fixed input count."""
+    if definition.max_inputs != definition.min_inputs:
+        raise ValueError(f"op {definition.type} takes a variable number of inputs; give its method a build function")
+    count = definition.min_inputs
+    order = list(definition.attrs)
+
+    def method(b, *args, name=None, **attrs):
+        if len(args) > count + len(order):
+            raise RanvierError(f"{definition.type} takes {count} inputs and the attributes {order}; got {len(args)} arguments")
+        attrs.update(zip(order, args[count:]))
+        unknown = sorted(set(attrs) - set(order))
+        if unknown:
+            raise RanvierError(f"{definition.type} has no attribute {', '.join(unknown)}; it declares {', '.join(order) or 'none'}")
+        return b.op(definition.type, list(args[:count]), name, attrs)
+
+    method.__doc__ = definition.doc
+    return method
+
+
+def vjp(op_type: str) -> Callable[[VJPRule], VJPRule]:
+    """Attach the gradient rule of an op type: `rule(ctx, grads_of_outputs) -> grads_of_inputs`."""
+
+    def register(rule: VJPRule) -> VJPRule:
+        op_def(op_type).vjp = rule
+        return rule
+
+    return register
+
+
+def decomposition(op_type: str, prefer: Callable[[Any], bool] | None = None) -> Callable[[DecompositionRule], DecompositionRule]:
+    """Attach a decomposition `rule(b, op)` to an op type (see `Decomposition`)."""
+
+    def register(rule: DecompositionRule) -> DecompositionRule:
+        op_def(op_type).decompositions.append(Decomposition(rule, prefer))
+        return rule
+
+    return register
 
 
 def op_def(type: str) -> OpDef:
@@ -176,3 +354,27 @@ def has_op(type: str) -> bool:
 
 def all_ops() -> dict[str, OpDef]:
     return dict(_REGISTRY)
+
+
+def op_method(name: str) -> Callable | None:
+    """The Builder method `name` some op definition provides, if any."""
+    return _METHODS.get(name)
+
+
+def method_names() -> frozenset[str]:
+    return frozenset(_METHODS)
+
+
+def attrs_of(op) -> Attrs:
+    """An op's attributes, typed and defaulted by its definition."""
+    return op_def(op.type).attrs_of(op)
+
+
+def written_inputs(op) -> list:
+    """The inputs an op overwrites in place (Assign's target, a fused update's targets)."""
+    return [op.inputs[i] for i in op_def(op.type).written_inputs(op)]
+
+
+def is_view(op) -> bool:
+    """Whether the op's output is its first input's elements in the same order (a reshape)."""
+    return op_def(op.type).view

@@ -39,13 +39,6 @@ def same_dtype(ctx: InferContext, allowed: Iterable[str] | None = None, what: st
     return dtype
 
 
-def require_dtype(ctx: InferContext, index: int, allowed: Iterable[str], what: str) -> str:
-    dtype = ctx.inputs[index].dtype
-    if dtype not in tuple(allowed):
-        raise ctx.fail(what)
-    return dtype
-
-
 def normalize_axis(ctx: InferContext, axis: int, rank: int) -> int:
     if rank == 0:
         raise ctx.fail(f"no axis argument for a rank-0 input (got axis {axis})")
@@ -56,7 +49,7 @@ def normalize_axis(ctx: InferContext, axis: int, rank: int) -> int:
 
 def reduction_axes(ctx: InferContext, rank: int) -> tuple[int, ...]:
     """The `axis` attribute as a sorted tuple; absent means every axis."""
-    axes = ctx.attrs.ints("axis")
+    axes = ctx.attrs["axis"]
     if axes is None:
         return tuple(range(rank))
     normalized = sorted({normalize_axis(ctx, a, rank) for a in axes})

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from .registry import TensorType, define
+from .registry import Attr, TensorType, define
 from .rules import normalize_axis
 
 
@@ -37,11 +37,15 @@ define(
     2,
     "shape",
     "Reshape(x, shape): shape is a constant int vector, one entry may be -1",
+    vjp=lambda ctx, g: [g[0].reshape(ctx.inputs[0].shape), None],
+    view=True,
+    method="reshape",
+    build=lambda b, x, shape, name=None: b.op("Reshape", [x, b.const(np.asarray(list(shape), np.int32))], name),
 )
 
 
 def _perm(attrs, rank):
-    perm = attrs.ints("perm")
+    perm = attrs["perm"]
     return list(reversed(range(rank))) if perm is None else perm
 
 
@@ -53,12 +57,21 @@ def _infer_transpose(ctx):
     return [TensorType(x.dtype, [x.shape[p] for p in perm])]
 
 
+def _transpose_vjp(ctx, g):
+    inverse = list(np.argsort(_perm(ctx.attrs, ctx.inputs[0].rank)))
+    return [g[0].transpose(inverse)]
+
+
 define(
     "Transpose",
     _infer_transpose,
     lambda attrs, args, outs: [np.transpose(args[0], _perm(attrs, args[0].ndim))],
     1,
     "shape",
+    "x with its axes permuted by attribute perm (default: reversed)",
+    attrs=[Attr("perm", "ints", None, "the permutation (default: reversed axes)")],
+    vjp=_transpose_vjp,
+    method=("transpose", "t"),
 )
 
 
@@ -86,7 +99,25 @@ def _concat(attrs, args, outs):
     return [np.concatenate(args[:-1], axis=axis)]
 
 
-define("Concat", _infer_concat, _concat, (2, None), "shape", "Concat(x1, ..., xn, axis)")
+def _axis_of(var, rank: int) -> int:
+    """The axis held by a constant input (Concat's and Split's last)."""
+    return int(np.asarray(var.data).reshape(-1)[0]) % rank
+
+
+def _concat_vjp(ctx, g):
+    parts = ctx.inputs[:-1]
+    axis = _axis_of(ctx.inputs[-1].var, parts[0].rank)
+    pieces = g[0].split([p.shape[axis] for p in parts], axis=axis)
+    return [*pieces, None]
+
+
+define(
+    "Concat", _infer_concat, _concat, (2, None), "shape", "Concat(x1, ..., xn, axis)",
+    attrs=[Attr("N", "int", None, "the number of parts (Myelin writes it)")],
+    vjp=_concat_vjp,
+    method="concat",
+    build=lambda b, parts, axis=0, name=None: b.op("Concat", [*parts, b.const(int(axis))], name, {"N": len(parts)}),
+)
 
 
 def split_sizes(splits: np.ndarray, dim: int, fail) -> list[int]:
@@ -121,12 +152,34 @@ def _split(attrs, args, outs):
     return list(np.split(x, bounds, axis=axis))
 
 
-define("Split", _infer_split, _split, 3, "shape", "Split(x, count or sizes, axis)")
+def _split_vjp(ctx, g):
+    x, _, axis_var = ctx.inputs
+    axis = _axis_of(axis_var.var, x.rank)
+    pieces = [gi if gi is not None else zeros(ctx.b, out.shape, out.dtype) for gi, out in zip(g, ctx.outputs)]
+    return [ctx.b.concat(pieces, axis=axis) if len(pieces) > 1 else pieces[0], None, None]
+
+
+def zeros(b, shape, dtype):
+    """A tensor of zeros built from one scalar constant."""
+    zero = b.const(0.0, dtype)
+    return zero.broadcast_to(shape) if shape else zero.identity()
+
+
+def _build_split(b, x, splits, axis=0, name=None):
+    """Split into `splits` equal parts, or into parts of the listed sizes."""
+    outputs = b.op("Split", [x, b.const(np.asarray(splits, np.int32)), b.const(int(axis))], name)
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+define(
+    "Split", _infer_split, _split, 3, "shape", "Split(x, count or sizes, axis)",
+    vjp=_split_vjp, method="split", build=_build_split,
+)
 
 
 def slice_bounds(attrs, shape, fail):
-    begin = attrs.ints("begin")
-    size = attrs.ints("size")
+    begin = attrs["begin"]
+    size = attrs["size"]
     if begin is None or size is None or len(begin) != len(shape) or len(size) != len(shape):
         raise fail(f"attributes begin and size with one entry per dimension ({len(shape)})")
     bounds = []
@@ -149,12 +202,35 @@ def _slice(attrs, args, outs):
     return [args[0][tuple(slice(b, e) for b, e in bounds)]]
 
 
-define("Slice", _infer_slice, _slice, 1, "shape", "Slice(x); attributes begin and size (-1: to the end)")
+def _slice_vjp(ctx, g):
+    """Pad the gradient with zeros back to the input's shape, one axis at a time."""
+    x = ctx.inputs[0]
+    grad = g[0]
+    for axis, (start, full) in enumerate(zip(ctx.attrs["begin"], x.shape)):
+        size = grad.shape[axis]
+        if size == full:
+            continue
+        pieces = []
+        if start > 0:
+            pieces.append(zeros(ctx.b, [*grad.shape[:axis], start, *grad.shape[axis + 1:]], grad.dtype))
+        pieces.append(grad)
+        rest = full - start - size
+        if rest > 0:
+            pieces.append(zeros(ctx.b, [*grad.shape[:axis], rest, *grad.shape[axis + 1:]], grad.dtype))
+        grad = ctx.b.concat(pieces, axis=axis)
+    return [grad]
+
+
+define(
+    "Slice", _infer_slice, _slice, 1, "shape", "Slice(x); attributes begin and size (-1: to the end)",
+    attrs=[Attr("begin", "ints", None, "first index per dimension"), Attr("size", "ints", None, "extent per dimension (-1: to the end)")],
+    vjp=_slice_vjp, method="slice",
+)
 
 
 def _infer_broadcast(ctx):
     x = ctx.inputs[0]
-    target = ctx.attrs.ints("shape")
+    target = ctx.attrs["shape"]
     if target is None:
         raise ctx.fail("attribute shape")
     offset = len(target) - x.rank
@@ -173,12 +249,16 @@ define(
     lambda attrs, args, outs: [np.broadcast_to(args[0], outs[0].shape)],
     1,
     "shape",
+    "x broadcast to attribute shape (numpy rules)",
+    attrs=[Attr("shape", "ints", None, "the target shape")],
+    vjp=lambda ctx, g: [ctx.unbroadcast(g[0], ctx.inputs[0])],
+    method="broadcast_to",
 )
 
 
 def _infer_expand(ctx):
     x = ctx.inputs[0]
-    axis = ctx.attrs.int("axis", 0)
+    axis = ctx.attrs["axis"]
     if not -(x.rank + 1) <= axis <= x.rank:
         raise ctx.fail(f"an axis in [{-(x.rank + 1)}, {x.rank}] (got {axis})")
     axis %= x.rank + 1
@@ -187,7 +267,7 @@ def _infer_expand(ctx):
 
 def _infer_squeeze(ctx):
     x = ctx.inputs[0]
-    axes = ctx.attrs.ints("axis")
+    axes = ctx.attrs["axis"]
     if axes is None or axes == []:
         axes = [i for i, d in enumerate(x.shape) if d == 1]
     axes = [normalize_axis(ctx, a, x.rank) for a in axes]
@@ -196,6 +276,20 @@ def _infer_squeeze(ctx):
     return [TensorType(x.dtype, [d for i, d in enumerate(x.shape) if i not in axes])]
 
 
-_reshape_to_output = lambda attrs, args, outs: [args[0].reshape(outs[0].shape)]  # noqa: E731
-define("ExpandDims", _infer_expand, _reshape_to_output, 1, "shape", "attribute axis")
-define("Squeeze", _infer_squeeze, _reshape_to_output, 1, "shape", "attribute axis (list; empty: all size-1 axes)")
+def _reshape_to_output(attrs, args, outs):
+    return [args[0].reshape(outs[0].shape)]
+
+
+def _reshape_back(ctx, g):
+    return [g[0].reshape(ctx.inputs[0].shape)]
+
+
+define(
+    "ExpandDims", _infer_expand, _reshape_to_output, 1, "shape", "x with a size-1 axis inserted at attribute axis",
+    attrs=[Attr("axis", "int", 0, "where the new axis goes")], vjp=_reshape_back, view=True, method="expand_dims",
+)
+define(
+    "Squeeze", _infer_squeeze, _reshape_to_output, 1, "shape", "x without the size-1 axes of attribute axis",
+    attrs=[Attr("axis", "ints", None, "the axes removed (default or empty: every size-1 axis)")],
+    vjp=_reshape_back, view=True, method="squeeze",
+)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import define
+from .registry import Attr, define
 
 
 def _infer_assign(ctx):
@@ -18,20 +18,21 @@ def _infer_assign(ctx):
     return []
 
 
-ASSIGN = define(
+define(
     "Assign",
     _infer_assign,
     lambda attrs, args, outs: [np.asarray(args[1])],
     2,
     "state",
     "Assign(target, value): target = value, in place",
+    written=lambda op: [0],
+    method="assign",
 )
-ASSIGN.extra["written_inputs"] = lambda op: [0]
 
 
 def _infer_assign_slice(ctx):
     target, value, start = ctx.inputs
-    axis = ctx.attrs.int("axis", 0)
+    axis = ctx.attrs["axis"]
     if start.dtype not in ("int32", "int64") or start.shape:
         raise ctx.fail("a scalar int32/int64 start position")
     if target.dtype != value.dtype or target.rank != value.rank or not -target.rank <= axis < target.rank:
@@ -44,7 +45,7 @@ def _infer_assign_slice(ctx):
 
 def _assign_slice(attrs, args, outs):
     target, value, start = args
-    axis = attrs.int("axis", 0) % target.ndim
+    axis = attrs["axis"] % target.ndim
     begin = int(start)
     if begin < 0 or begin >= target.shape[axis]:
         raise IndexError(f"start {begin} is outside [0, {target.shape[axis]})")
@@ -58,12 +59,14 @@ def _assign_slice(attrs, args, outs):
     return [result]
 
 
-ASSIGN_SLICE = define(
+define(
     "AssignSlice",
     _infer_assign_slice,
     _assign_slice,
     3,
     "state",
     "AssignSlice(target, value, start): target[start:start+n] = value along attribute axis, in place (rows past the end dropped)",
+    attrs=[Attr("axis", "int", 0, "the axis the value is written along")],
+    written=lambda op: [0],
+    method="assign_slice",
 )
-ASSIGN_SLICE.extra["written_inputs"] = lambda op: [0]

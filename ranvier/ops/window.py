@@ -17,7 +17,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .registry import TensorType, define
+from .registry import Attr, TensorType, define
 
 
 def _ints(ctx, name, length=None, minimum=None):
@@ -33,16 +33,25 @@ def _infer_pad(ctx):
     (x,) = ctx.inputs
     before = _ints(ctx, "before", x.rank, 0)
     after = _ints(ctx, "after", x.rank, 0)
-    ctx.attrs.float("value", 0.0)
+    ctx.attrs["value"]
     return [TensorType(x.dtype, [d + p + q for d, p, q in zip(x.shape, before, after)])]
 
 
 def _pad(attrs, args, outs):
-    widths = list(zip(attrs.ints("before"), attrs.ints("after")))
-    return [np.pad(args[0], widths, constant_values=attrs.float("value", 0.0))]
+    widths = list(zip(attrs["before"], attrs["after"]))
+    return [np.pad(args[0], widths, constant_values=attrs["value"])]
 
 
-define("Pad", _infer_pad, _pad, 1, "window", "Pad(x); attributes before, after (per dimension) and value")
+define(
+    "Pad", _infer_pad, _pad, 1, "window", "Pad(x); attributes before, after (per dimension) and value",
+    attrs=[
+        Attr("before", "ints", None, "elements added before each dimension"),
+        Attr("after", "ints", None, "elements added after each dimension"),
+        Attr("value", "float", 0.0, "the padding value"),
+    ],
+    vjp=lambda ctx, g: [g[0].slice(ctx.attrs["before"], ctx.inputs[0].shape)],
+    method="pad",
+)
 
 
 def view_bounds_ok(size: int, offset: int, shape, strides) -> bool:
@@ -57,7 +66,7 @@ def view_bounds_ok(size: int, offset: int, shape, strides) -> bool:
 def _view_attrs(ctx, size: int):
     shape = _ints(ctx, "shape", minimum=0)
     strides = _ints(ctx, "strides", len(shape))
-    offset = ctx.attrs.int("offset", 0)
+    offset = ctx.attrs["offset"]
     if not view_bounds_ok(size, offset, shape, strides):
         raise ctx.fail(f"a view (offset {offset}, shape {shape}, strides {strides}) inside the {size} elements of the input")
     return shape, strides, offset
@@ -76,10 +85,26 @@ def strided_view(x: np.ndarray, offset: int, shape, strides) -> np.ndarray:
 
 
 def _view(attrs, args, outs):
-    return [strided_view(args[0], attrs.int("offset", 0), attrs.ints("shape"), attrs.ints("strides")).copy()]
+    return [strided_view(args[0], attrs["offset"], attrs["shape"], attrs["strides"]).copy()]
 
 
-define("StridedView", _infer_view, _view, 1, "window", "StridedView(x); attributes offset, shape, strides (elements)")
+VIEW_ATTRS = [
+    Attr("offset", "int", 0, "the first element read"),
+    Attr("shape", "ints", None, "the view's shape"),
+    Attr("strides", "ints", None, "per dimension, elements between neighbours"),
+]
+
+
+def _view_attrs_of(ctx) -> dict:
+    return {"offset": ctx.attrs["offset"], "shape": ctx.attrs["shape"], "strides": ctx.attrs["strides"]}
+
+
+define(
+    "StridedView", _infer_view, _view, 1, "window", "StridedView(x); attributes offset, shape, strides (elements)",
+    attrs=VIEW_ATTRS,
+    vjp=lambda ctx, g: [ctx.b.strided_scatter_add(g[0], **_view_attrs_of(ctx), target_shape=ctx.inputs[0].shape)],
+    method="strided_view",
+)
 
 
 def _infer_scatter(ctx):
@@ -92,9 +117,9 @@ def _infer_scatter(ctx):
 
 
 def _scatter(attrs, args, outs):
-    target = attrs.ints("target_shape")
+    target = attrs["target_shape"]
     result = np.zeros(math.prod(target), dtype=np.float64 if args[0].dtype.kind == "f" else args[0].dtype)
-    index = strided_view(np.arange(result.size), attrs.int("offset", 0), attrs.ints("shape"), attrs.ints("strides"))
+    index = strided_view(np.arange(result.size), attrs["offset"], attrs["shape"], attrs["strides"])
     np.add.at(result, index.reshape(-1), np.asarray(args[0]).reshape(-1))
     return [result.reshape(target)]
 
@@ -106,4 +131,39 @@ define(
     1,
     "window",
     "StridedScatterAdd(d): zeros[target_shape] with d added through the view (offset, shape, strides)",
+    attrs=[*VIEW_ATTRS, Attr("target_shape", "ints", None, "the output's shape")],
+    vjp=lambda ctx, g: [ctx.b.strided_view(g[0], **_view_attrs_of(ctx))],
+    flops=lambda op: op.inputs[0].size,
+    method="strided_scatter_add",
 )
+
+
+# ---- the windows of convolution and pooling, for their decompositions ----------------------------------
+
+def padded(b, x, padding, value: float = 0.0):
+    """x [N, C, H, W] with `padding` (rows, columns) of `value` around each image."""
+    if not any(padding):
+        return x
+    before = [0, 0, padding[0], padding[1]]
+    return b.pad(x, before=before, after=before, value=value)
+
+
+def unpadded(t, padding, shape):
+    """The inverse of `padded` (for gradients): the inside `shape` of t."""
+    return t.slice([0, 0, padding[0], padding[1]], shape) if any(padding) else t
+
+
+def window_view(shape, kernel, strides, out_hw, channels_last: bool) -> dict:
+    """View attributes reading [N, ...] windows from a padded [N, C, Hp, Wp] tensor:
+    [N, Ho, Wo, C, KH, KW] (im2col rows) or [N, C, Ho, Wo, KH, KW] (pooling windows)."""
+    n, c, hp, wp = shape
+    (kh, kw), (sh, sw), (ho, wo) = kernel, strides, out_hw
+    image, row = hp * wp, wp
+    if channels_last:
+        return {"shape": [n, ho, wo, c, kh, kw], "strides": [c * image, sh * row, sw, image, row, 1]}
+    return {"shape": [n, c, ho, wo, kh, kw], "strides": [c * image, image, sh * row, sw, row, 1]}
+
+
+def padded_shape(shape, padding) -> list[int]:
+    n, c, h, w = shape
+    return [n, c, h + 2 * padding[0], w + 2 * padding[1]]

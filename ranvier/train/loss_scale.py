@@ -30,11 +30,11 @@ def scale_tensor(b: Builder, loss_scale, prefix: str) -> Tensor | None:
 
 def _global(b: Builder, name: str, value: float) -> Tensor:
     if name in b.flow.vars:
-        return b._wrap(b.flow.vars[name])
+        return b.wrap(b.flow.vars[name])
     var = b.flow.add_var(name, "float32", [])
     var.set_data(np.float32(value))
     var.nogradient = True
-    return b._wrap(var)
+    return b.wrap(var)
 
 
 def dynamic_updates(b: Builder, policy: DynamicLossScale, scale: Tensor, finite: Tensor):

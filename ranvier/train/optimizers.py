@@ -32,7 +32,7 @@ def state_var(b: Builder, param: Variable, suffix: str) -> Tensor:
         var = b.flow.add_var(name, param.dtype, param.shape)
         var.set_data(np.zeros(param.shape))
         var.nogradient = True
-    return b._wrap(b.flow.vars[name])
+    return b.wrap(b.flow.vars[name])
 
 
 def counter_var(b: Builder, name: str) -> Tensor:
@@ -40,7 +40,7 @@ def counter_var(b: Builder, name: str) -> Tensor:
         var = b.flow.add_var(name, "float32", [])
         var.set_data(np.zeros((), np.float32))
         var.nogradient = True
-    return b._wrap(b.flow.vars[name])
+    return b.wrap(b.flow.vars[name])
 
 
 def _as(b: Builder, scalar: Tensor, like: Tensor) -> Tensor:

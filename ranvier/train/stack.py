@@ -33,7 +33,7 @@ from ..autodiff import gradient
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Variable
-from ..profile import Profile, StepTime, flops
+from ..profile import Profile, StepTime
 from . import schedules
 from .optimizers import Adam, state_var
 from .trainer import TrainerBase, assign_all, step_updates
@@ -110,8 +110,8 @@ class CheckpointedStack(TrainerBase):
         }
         self.lr_var = update.var("lr", "float32", []).var
         updates, norm = step_updates(
-            update, list(params.values()), [update._wrap(g.var) for g in self.grads.values()], self.optimizer,
-            update._wrap(self.lr_var), None, None, clip_norm, track_norm=track_grad_norm,
+            update, list(params.values()), [update.wrap(g.var) for g in self.grads.values()], self.optimizer,
+            update.wrap(self.lr_var), None, None, clip_norm, track_norm=track_grad_norm,
         )
         assign_all(update, updates)
         self.norm_var = norm.var if norm is not None else None
@@ -156,7 +156,7 @@ class CheckpointedStack(TrainerBase):
         return {key: t.var.name for key, t in layer.items()}
 
     def _wrapped(self, b: Builder) -> dict[str, Tensor]:
-        return {key: b._wrap(t.var) for key, t in self.params.items()}
+        return {key: b.wrap(t.var) for key, t in self.params.items()}
 
     def _parameters_read(self, b: Builder) -> list[Tensor]:
         """The parameters b's function reads."""
@@ -210,7 +210,7 @@ class CheckpointedStack(TrainerBase):
             grads = gradient(self.flow, b.func, [x, *head_params], loss=value)
             self._head_x, self._head_dx = x.var, grads[x.name].var
             for p in head_params:
-                b.op("Assign", [b._wrap(state_var(b, p.var, "grad").var), grads[p.name]])
+                b.op("Assign", [b.wrap(state_var(b, p.var, "grad").var), grads[p.name]])
         else:
             self._eval_x = x.var
         return target.var, value, head_params
@@ -227,7 +227,7 @@ class CheckpointedStack(TrainerBase):
         grads = gradient(self.flow, b.func, embed_params, loss=x0, seed=dx)
         written_by_head = {p.var.name for p in head_params}
         for p in embed_params:
-            accumulator = b._wrap(state_var(b, p.var, "grad").var)
+            accumulator = b.wrap(state_var(b, p.var, "grad").var)
             g = grads[p.name]
             b.op("Assign", [accumulator, accumulator + g if p.var.name in written_by_head else g])
         self._embed_backward_input, self._embed_backward_dx = x.var, dx.var
@@ -344,5 +344,5 @@ class CheckpointedStack(TrainerBase):
         for data in instances:
             seconds = data.cell.backend.step_seconds(data)
             for i, s in enumerate(data.cell.steps):
-                result.append(StepTime(len(result), s.label, seconds[i] / steps, flops(s.op) * data.computes // steps, s.op))
+                result.append(StepTime(len(result), s.label, seconds[i] / steps, s.flops * data.computes // steps, s.op))
         return Profile("checkpointed stack", self.step_count, result)

@@ -52,8 +52,8 @@ def step_updates(
     costs a pass over every gradient and so is built only for clipping or when tracked.
     """
     # Tensor operators build into their left operand's function; make that b's.
-    params = [b._wrap(p.var) for p in params]
-    grads = [b._wrap(g.var) for g in grads]
+    params = [b.wrap(p.var) for p in params]
+    grads = [b.wrap(g.var) for g in grads]
     # The norm and the finiteness test run in float32 even for half-precision gradients.
     wide = [g if g.dtype in ("float32", "float64") else b.cast(g, "float32") for g in grads]
     norm = None
@@ -70,14 +70,14 @@ def step_updates(
     updates = optimizer.updates(b, params, grads, lr, scale, current)
     if isinstance(loss_scale, DynamicLossScale):
         finite = _all_finite(b, wide)
-        updates = [(target, b.cond(finite, value, current_value(current, b._wrap(target)))) for target, value in updates]
+        updates = [(target, b.cond(finite, value, current_value(current, b.wrap(target)))) for target, value in updates]
         updates += dynamic_updates(b, loss_scale, scale, finite)
     return updates, norm
 
 
 def assign_all(b: Builder, updates: list[Update]) -> None:
     for target, value in updates:
-        b.op("Assign", [b._wrap(target), value])
+        b.op("Assign", [b.wrap(target), value])
 
 
 class TrainerBase:
@@ -278,7 +278,7 @@ class Trainer(TrainerBase):
         grads = [grads_by_name[p.name] for p in self.params]
         if accumulate == 1:
             self.lr_var = b.var("lr", "float32", []).var
-            updates, norm = step_updates(b, self.params, grads, self.optimizer, b._wrap(self.lr_var), scale, loss_scale, clip_norm, track_norm=track_grad_norm)
+            updates, norm = step_updates(b, self.params, grads, self.optimizer, b.wrap(self.lr_var), scale, loss_scale, clip_norm, track_norm=track_grad_norm)
             assign_all(b, updates)
             self.apply_func = None
         else:
@@ -290,11 +290,11 @@ class Trainer(TrainerBase):
             for p, g in zip(self.params, grads):
                 acc = state_var(b, p.var, "grad_accumulator")
                 b.op("Assign", [acc, acc + g])
-                accumulated.append(apply._wrap(acc.var))
+                accumulated.append(apply.wrap(acc.var))
             self.lr_var = apply.var("lr", "float32", []).var
             mean_grads = [a * (1.0 / accumulate) for a in accumulated]
             apply_scale = scale_tensor(apply, loss_scale, self.func.name)
-            updates, norm = step_updates(apply, self.params, mean_grads, self.optimizer, apply._wrap(self.lr_var), apply_scale, loss_scale, clip_norm, track_norm=track_grad_norm)
+            updates, norm = step_updates(apply, self.params, mean_grads, self.optimizer, apply.wrap(self.lr_var), apply_scale, loss_scale, clip_norm, track_norm=track_grad_norm)
             zero = apply.const(0.0)
             updates += [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
             assign_all(apply, updates)

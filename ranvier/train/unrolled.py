@@ -52,9 +52,9 @@ class UnrolledTrainer(TrainerBase):
         b = Builder(flow, func)
         b.func.training = True
         self.func = b.func
-        params = [b._wrap(p.var) for p in params]
+        params = [b.wrap(p.var) for p in params]
         self.lrs_var = b.var("lrs", "float32", [self.k]).var
-        lrs = b._wrap(self.lrs_var)
+        lrs = b.wrap(self.lrs_var)
 
         current: dict[str, Tensor] = {}
         self.step_inputs: list[list] = []

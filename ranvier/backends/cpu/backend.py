@@ -11,12 +11,12 @@ from typing import Callable
 
 import numpy as np
 
-from ...compiler.compiler import VIEW_OPS
 from ...compiler.decompose import decompose
 from ...compiler.fuse import fuse_elementwise
 from ...compiler.simplify import eliminate_common_subexpressions, fold_constants
 from ...errors import RanvierError
 from ...flow.graph import Flow, Function, Operation, Variable
+from ...ops import is_view, op_def
 from ...runtime import Cell, Instance, Step
 from ..reference import reference_kernel
 from . import amx, codegen, jit
@@ -87,7 +87,7 @@ class CPUBackend:
     # ---- compile time -----------------------------------------------------------------
 
     def lower(self, flow: Flow, func: Function, ops: list[Operation], keep: set[str]) -> None:
-        decompose(flow, func, self._keep_fused)
+        decompose(flow, func, self.runs_whole)
         fold_constants(flow, func, keep)
         eliminate_common_subexpressions(flow, func, keep)
         fuse_elementwise(flow, func, flow.order(func), keep)
@@ -95,20 +95,24 @@ class CPUBackend:
         if self.bf16_matmul:
             use_bf16_gemm(flow, func)
 
-    def _keep_fused(self, op: Operation) -> bool:
-        """Attention decomposes into batched GEMMs and a row softmax, which beat the fused
+    def runs_whole(self, op: Operation) -> bool:
+        """Whether a native kernel runs the op as it is (else it decomposes).
+
+        Attention decomposes into batched GEMMs and a row softmax, which beat the fused
         kernel wherever measured (a stories15M training step, batch 4 × 256: float32 758
         ms fused, 560 ms decomposed; bf16 741 and 448; decoding about even), unless its
         score matrices are too big to store: then the fused kernel, which streams them."""
-        if op.type not in ("Attention", "AttentionGrad"):
+        if choose(op)[0] == FALLBACK[0]:
             return False
+        if op.type not in ("Attention", "AttentionGrad"):
+            return True
         q, k = op.inputs[0], op.inputs[1]
         batch, heads, queries, _ = q.shape
         return batch * heads * queries * k.shape[2] * 4 > ATTENTION_SCORES_BUDGET
 
     def choose(self, op: Operation) -> Step:
         name, _ = choose(op)
-        return Step(op, name, "python" if name == FALLBACK[0] else self.target.variant)
+        return Step(op, name, "python" if name == FALLBACK[0] else self.target.variant, op_def(op.type).cost(op))
 
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         """Loop kernels read and write element i together, so an input of the output's
@@ -125,7 +129,7 @@ class CPUBackend:
     def shares_storage(self, op: Operation) -> bool:
         """A reshape (or other view) of a local is its input's bytes: the copy kernel
         skips a copy onto itself (logits reshaped for the loss would otherwise be copied)."""
-        return op.type in VIEW_OPS and op.type != "Identity"
+        return is_view(op) and op.type != "Identity"
 
     def finish(self, cell: Cell) -> None:
         """Generate (or fetch from the cache) the cell's native code."""
@@ -158,7 +162,7 @@ class CPUBackend:
         a whole KV cache per decoded token to change its shape would cost more than the step."""
         for step in cell.steps:
             op = step.op
-            if op.type not in VIEW_OPS or not op.outputs:
+            if not is_view(op) or not op.outputs:
                 continue
             source, view = op.inputs[0], op.outputs[0]
             if source.name in layout.offsets or view.name not in layout.offsets or view.name in cell.roles:

@@ -13,7 +13,7 @@ import math
 
 from llvmlite import ir
 
-from ....ops import Attrs
+from ....ops import attrs_of
 from ....ops.attention import scale_of
 from .. import mathlib
 from ..irutil import compute_type, constant, for_range, i64, vector_of
@@ -29,7 +29,7 @@ class _Heads:
         self.batch, self.heads, self.queries, self.size = q.shape
         self.kv_heads, self.keys = k.shape[1], k.shape[2]
         self.groups = self.heads // self.kv_heads
-        self.causal = attrs.bool("causal", True)
+        self.causal = attrs["causal"]
         self.scale = scale_of(attrs, self.size)
         self.t = compute_type(q.dtype)
 
@@ -106,7 +106,7 @@ def _zero(ctx, var) -> None:
 def attention(ctx, op) -> None:
     q, k, v = op.inputs
     out = op.outputs[0]
-    heads = _Heads(ctx, q, k, Attrs(op.attrs))
+    heads = _Heads(ctx, q, k, attrs_of(op))
     b = ctx.b
     p = heads.buffer()
     _zero(ctx, out)
@@ -121,7 +121,7 @@ def attention(ctx, op) -> None:
 def attention_grad(ctx, op) -> None:
     q, k, v, dout = op.inputs
     dq, dk, dv = op.outputs
-    heads = _Heads(ctx, q, k, Attrs(op.attrs))
+    heads = _Heads(ctx, q, k, attrs_of(op))
     b = ctx.b
     p, dp = heads.buffer(), heads.buffer()
     for var in (dq, dk, dv):

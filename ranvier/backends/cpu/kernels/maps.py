@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ....ops import Attrs
+from ....ops import attrs_of
 from ....ops.expression import Ref, parse
 from ....ops.fused import program_types
 from .. import elementwise
@@ -94,14 +94,14 @@ def assign(ctx, op) -> None:
 
 def transpose(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
-    perm = Attrs(op.attrs).ints("perm") or list(reversed(range(x.rank)))
+    perm = attrs_of(op)["perm"] or list(reversed(range(x.rank)))
     own = contiguous_strides(x.shape)
     emit_map(ctx, out.shape, [View(x, 0, [own[p] for p in perm])], [dense_view(out)], _identity)
 
 
 def slice_(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
-    begin = Attrs(op.attrs).ints("begin")
+    begin = attrs_of(op)["begin"]
     own = contiguous_strides(x.shape)
     offset = sum(b * s for b, s in zip(begin, own))
     emit_map(ctx, out.shape, [View(x, offset, own)], [dense_view(out)], _identity)
@@ -135,7 +135,7 @@ def assign_slice(ctx, op) -> None:
     """target[..., start:start+n, ...] = value: only the n rows move, whatever the target's size."""
     target, value, start = op.inputs
     b = ctx.b
-    axis = Attrs(op.attrs).int("axis", 0) % target.rank
+    axis = attrs_of(op)["axis"] % target.rank
     outer = math.prod(target.shape[:axis])
     inner = math.prod(target.shape[axis + 1 :])
     rows, capacity = value.shape[axis], target.shape[axis]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from .... import dtypes
-from ....ops import Attrs
+from ....ops import attrs_of
 from ....flow.graph import Flow, Function
 from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
@@ -56,8 +56,8 @@ def _set_threads(ctx, flops: int, nbytes: int) -> None:
 
 def _dims(op):
     a, b = op.inputs[:2]
-    attrs = Attrs(op.attrs)
-    ta, tb = attrs.bool("transpose_a"), attrs.bool("transpose_b")
+    attrs = attrs_of(op)
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
     n = b.shape[-2] if tb else b.shape[-1]
     return ta, tb, m, k, n

@@ -12,7 +12,7 @@ import math
 from llvmlite import ir
 
 from .... import dtypes
-from ....ops import Attrs
+from ....ops import attrs_of
 from ..convert import narrow, widen
 from ..irutil import I1, compute_type, constant, for_range, i64, is_signed, load, storage_type, store, vector_of
 from ..views import for_vectors
@@ -23,12 +23,12 @@ REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Product", "All", "Any"}
 def blocks(op) -> tuple[int, int, int] | None:
     """(outer, reduced, inner) sizes, or None when the reduced axes are not contiguous."""
     x = op.inputs[0]
-    attrs = Attrs(op.attrs)
+    attrs = attrs_of(op)
     if op.type in ("ArgMax", "ArgMin"):
-        axis = attrs.int("axis")
+        axis = attrs["axis"]
         axes = list(range(x.rank)) if axis is None else [axis % x.rank]
     else:
-        given = attrs.ints("axis")
+        given = attrs["axis"]
         axes = list(range(x.rank)) if given is None else sorted({a % x.rank for a in given})
     if not axes:
         return 1, 1, x.size

@@ -17,7 +17,7 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....flow.graph import Flow, Function, Variable
-from ....ops import Attrs
+from ....ops import attrs_of
 from .. import mathlib
 from ..codegen import KernelContext
 from ..convert import narrow, widen
@@ -145,7 +145,7 @@ def norm(ctx, op) -> None:
     gamma = op.inputs[1] if len(op.inputs) > 1 else None
     beta = op.inputs[2] if len(op.inputs) > 2 else None
     rows, n = _rows(op)
-    eps = Attrs(op.attrs).float("eps", 1e-5)
+    eps = attrs_of(op)["eps"]
     rms = op.type == "RMSNorm"
 
     def body(ctx, r):
@@ -202,7 +202,7 @@ def cross_entropy(ctx, op) -> None:
     logits, target = op.inputs
     loss = op.outputs[0]
     rows, n = _rows(op)
-    smoothing = Attrs(op.attrs).float("label_smoothing", 0.0)
+    smoothing = attrs_of(op)["label_smoothing"]
     classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
 
     def body(ctx, r):
@@ -251,7 +251,7 @@ def cross_entropy_grad(ctx, op) -> None:
     out = op.outputs[0]
     loss = op.outputs[1] if len(op.outputs) > 1 else None
     rows, n = _rows(op)
-    smoothing = Attrs(op.attrs).float("label_smoothing", 0.0)
+    smoothing = attrs_of(op)["label_smoothing"]
     classes_target = target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
 
     def body(ctx, r):
@@ -303,6 +303,7 @@ def fuse_loss_with_gradient(flow: Flow, func: Function) -> None:
             continue
         loss = loss_op.outputs[0]
         flow.remove_op(loss_op)
+        op.set_attr("with_loss", True)
         op.add_output(loss)
 
 
@@ -326,7 +327,7 @@ def choose(op):
         return "CrossEntropyGradRow", cross_entropy_grad
     if op.type in ("Softmax", "LogSoftmax"):
         x = op.inputs[0]
-        if Attrs(op.attrs).int("axis", -1) % x.rank == x.rank - 1 and x.shape[-1] > 0:
+        if attrs_of(op)["axis"] % x.rank == x.rank - 1 and x.shape[-1] > 0:
             return "SoftmaxRow" if op.type == "Softmax" else "LogSoftmaxRow", softmax
     if op.type in ("LayerNorm", "RMSNorm") and op.inputs[0].shape[-1] > 0:
         return f"{op.type}Row", norm

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ....ops import Attrs
+from ....ops import attrs_of
 from ..convert import narrow
 from ..irutil import compute_type, constant, i64, storage_type, store, vector_of
 from ..views import View, contiguous_strides, dense_view, emit_map, for_vectors
@@ -25,16 +25,16 @@ def _fill(ctx, var, value: float) -> None:
 
 def pad(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
-    attrs = Attrs(op.attrs)
-    _fill(ctx, out, attrs.float("value", 0.0))
+    attrs = attrs_of(op)
+    _fill(ctx, out, attrs["value"])
     strides = contiguous_strides(out.shape)
-    offset = sum(p * s for p, s in zip(attrs.ints("before"), strides))
+    offset = sum(p * s for p, s in zip(attrs["before"], strides))
     emit_map(ctx, x.shape, [dense_view(x)], [View(out, offset, strides)], _identity)
 
 
 def _view(op, var) -> View:
-    attrs = Attrs(op.attrs)
-    return View(var, attrs.int("offset", 0), attrs.ints("strides"))
+    attrs = attrs_of(op)
+    return View(var, attrs["offset"], attrs["strides"])
 
 
 def strided_view(ctx, op) -> None:
