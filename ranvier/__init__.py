@@ -12,10 +12,11 @@ from .errors import CompileError, FlowFileError, RanvierError, ShapeError, Unkno
 from .flow import Blob, Builder, Connector, Flow, Function, Operation, Tensor, Variable
 from .compiler import Compiler
 from .runtime import Cell, Instance, Network
+from .version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
+    "__version__",
     "Blob", "Builder", "Cell", "CompileError", "Compiler", "Connector", "Flow", "FlowFileError",
     "Function", "Instance", "Network", "Operation", "RanvierError", "ShapeError", "Tensor",
     "UnknownOpError", "Variable",

@@ -83,7 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .generate import Generator, Sampling
-    from .models.interop import load_any
+    from .interop import load_any
     from .models.llama import Llama
 
     config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
@@ -170,7 +170,7 @@ def _export_llama2c(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .data.tokenizers import load_tokenizer
-    from .models.interop import export_llama2c, export_tokenizer_bin, weights_from_run
+    from .interop import export_llama2c, export_tokenizer_bin, weights_from_run
 
     config, weights = weights_from_run(Path(args.run_dir))
     path = export_llama2c(config, weights, Path(args.out), version=args.version)
@@ -186,7 +186,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .atomic import atomic_write_bytes
-    from .models.interop import export_hf, weights_from_run
+    from .interop import export_hf, weights_from_run
 
     run_dir, out = Path(args.run_dir), Path(args.out_dir)
     config, weights = weights_from_run(run_dir)

@@ -4,19 +4,25 @@ layout; an Instance is one cell's data, whose tensors are writable numpy views."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from . import dtypes
-from .compiler.memory import Slot
-from .errors import RanvierError
-from .errors import shape_str
+from .errors import RanvierError, shape_str
 from .flow.graph import Flow, Function, Operation, Variable
 from .ops import written_inputs
+from .profile import Profile, StepTime
 
-if TYPE_CHECKING:
-    from .profile import Profile
+
+@dataclass
+class Slot:
+    """Where one local variable lives in an instance's buffer."""
+
+    var: Variable
+    offset: int
+    size: int
+    alignment: int
+    first: int  # step that writes it (-1: set before compute)
+    last: int  # last step that reads it (len(steps): read after compute)
 
 
 @dataclass
@@ -27,6 +33,7 @@ class Step:
     kernel: str
     variant: str = ""
     flops: int = 0  # floating-point operations per execution, by the kernel's cost
+    workspace: Variable | None = None  # the kernel's working memory, planned like a temporary
 
     @property
     def label(self) -> str:
@@ -146,6 +153,14 @@ class Cell:
     def slot(self, var: Variable) -> Slot | None:
         return self._slot_by_name.get(var.name)
 
+    def llvm_ir(self) -> str:
+        """The LLVM IR generated for this cell (as the backend emits it, before LLVM optimizes)."""
+        return self.backend.code(self, "llvm")
+
+    def asm(self) -> str:
+        """The cell's machine code as assembly."""
+        return self.backend.code(self, "asm")
+
     def __str__(self) -> str:
         lines = [f"cell {self.name} {{  // size {self.size}"]
         regions: list[tuple[int, int]] = []
@@ -236,10 +251,8 @@ class Instance:
     def clear(self) -> None:
         self.buffer[...] = 0
 
-    def profile(self) -> "Profile":
+    def profile(self) -> Profile:
         """Time per step, averaged over the computes since the last `reset_profile()`."""
-        from .profile import Profile, StepTime
-
         seconds = self.cell.backend.step_seconds(self)
         computes = max(self.computes, 1)
         steps = [

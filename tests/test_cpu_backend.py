@@ -267,7 +267,7 @@ def test_row_kernels_shared_out_over_threads(mask):
     }
     cell = on_cpu(build, inputs, mask, cache=False)
     if thread_count() > 1:
-        assert "pthread_create" in _native_assembly(cell)
+        assert "pthread_create" in cell.asm()
 
 
 @pytest.mark.parametrize("mask", MASKS)
@@ -307,7 +307,7 @@ def test_large_maps_shared_out_over_threads(mask):
     inputs = {"x": data([rows, n]), "flat": data([rows * n + 7], seed=1), "row": data([n], seed=2)}
     cell = on_cpu(build, inputs, mask, cache=False)
     if thread_count() > 1:
-        assert _native_assembly(cell).count("pthread_create") >= 3
+        assert cell.asm().count("pthread_create") >= 3
 
 
 @pytest.mark.parametrize("mask", MASKS)
@@ -427,23 +427,6 @@ def test_integer_division_by_zero_does_not_trap():
         on_cpu(build, inputs, mask)
 
 
-def _native_assembly(cell) -> str:
-    """The cell's code as the backend generates it, as assembly text."""
-    import llvmlite.binding as llvm
-
-    from ranvier.backends.cpu import codegen
-    from ranvier.backends.cpu.kernels import choose
-
-    target = cell.backend.target
-    module = codegen.build_module(cell.name, target, [s.op for s in cell.steps], cell.native["layout"], [choose(s.op)[1] for s in cell.steps])
-    parsed = llvm.parse_assembly(str(module))
-    options = llvm.create_pipeline_tuning_options(speed_level=3)
-    options.loop_vectorization = options.slp_vectorization = True
-    builder = llvm.create_pass_builder(target.machine, options)
-    builder.getModulePassManager().run(parsed, builder)
-    return target.machine.emit_assembly(parsed)
-
-
 def _representative_cell(mask):
     def build(f, x, row, n, m, ids, table):
         return [
@@ -465,7 +448,7 @@ def test_generated_code_calls_no_runtime_library(mask):
     """Every call the generated code makes goes through the pointer table (BLAS, the
     fallback), or to libc's threads: a libcall such as __extendhfsf2 would resolve to
     nothing and crash."""
-    asm = _native_assembly(_representative_cell(mask))
+    asm = _representative_cell(mask).asm()
     symbols = set(re.findall(r"(?:movabsq\s+\$|call[lq]?\s+)([A-Za-z_][\w.@]*)", asm))
     external = sorted(s for s in symbols if not re.fullmatch(r"step\d+(_part)?|pthread_(create|join)", s))
     assert not external, f"cpu={mask!r} code references {external}"
@@ -485,7 +468,7 @@ _AVX2_ONLY = re.compile(
 ])
 def test_masked_code_uses_no_masked_instructions(mask):
     """The machine code itself: no zmm registers without AVX-512, no AVX2/FMA instructions without AVX2."""
-    asm = _native_assembly(_representative_cell(mask))
+    asm = _representative_cell(mask).asm()
     assert "%zmm" not in asm, f"AVX-512 registers in code generated for cpu={mask!r}"
     if mask == "-avx512,-avx2":
         found = sorted({m.group(0).strip() for m in _AVX2_ONLY.finditer(asm)})
@@ -558,7 +541,7 @@ def _train_both(make_model, example_shape, classes, steps, mask=None, monkeypatc
 
 
 def test_adam_update_folds_into_calculate():
-    from ranvier.compiler.compiler import written_inputs
+    from ranvier.ops import written_inputs
     from ranvier.models import MLP
 
     trainer = _train_both(lambda: MLP([7, 13, 3], activation="gelu"), [7], 3, 3)

@@ -15,7 +15,7 @@ import torch
 
 import ranvier as rv
 from ranvier.data.tokenizers import ByteTokenizer, CharTokenizer, train_sentencepiece
-from ranvier.models.interop import (
+from ranvier.interop import (
     InteropError,
     export_hf,
     export_llama2c,
@@ -425,7 +425,7 @@ def test_tokenizer_bin_format(tmp_path, sentencepiece_tokenizer):
 
 
 def test_tokenizer_bin_run_c_details():
-    from ranvier.models.interop import Llama2cTokenizer
+    from ranvier.interop import Llama2cTokenizer
 
     tokens = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"<0x{b:02X}>".encode() for b in range(256)]
     tokens += [b" ", b"a", b"b", b" a", b"ab", b" ab", b"\xc3\xa9"]
@@ -470,7 +470,7 @@ def test_export_run_directory_from_the_command_line(tmp_path, sentencepiece_toke
     from dataclasses import asdict
 
     from ranvier.cli import main
-    from ranvier.models.interop import weights_from_run
+    from ranvier.interop import weights_from_run
     from ranvier.models.llama import PRESETS
     from ranvier.train.checkpoint import save_checkpoint
     from ranvier.train.llama_job import LlamaRunConfig

@@ -1,1 +1,42 @@
-"""Backends turn a cell's steps into code: `reference` (numpy) and, later, `cpu` (LLVM)."""
+"""Backends turn a cell's steps into running code: `reference` (numpy, the oracle) and
+`cpu` (LLVM). The compiler finds them here by name; a backend's module is imported when
+a compile first asks for it."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from ..errors import RanvierError
+from .base import MATMUL_PRECISIONS, Backend, Capabilities, CompileOptions
+
+__all__ = ["MATMUL_PRECISIONS", "Backend", "Capabilities", "CompileOptions", "backend_names", "create_backend", "register_backend"]
+
+Factory = Callable[[CompileOptions], Backend]
+
+# name -> a factory, or "module:attribute" naming one (imported on first use)
+_BACKENDS: dict[str, Factory | str] = {
+    "cpu": "ranvier.backends.cpu.backend:CPUBackend",
+    "reference": "ranvier.backends.reference:ReferenceBackend",
+}
+
+
+def register_backend(name: str, factory: Factory | str) -> None:
+    """Make `Compiler(backend=name)` build its backend with `factory(options)`."""
+    _BACKENDS[name] = factory
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def create_backend(name: str, options: CompileOptions) -> Backend:
+    if options.matmul not in MATMUL_PRECISIONS:
+        raise RanvierError(f"unknown matmul precision {options.matmul!r}; available: {', '.join(MATMUL_PRECISIONS)}")
+    factory = _BACKENDS.get(name)
+    if factory is None:
+        raise RanvierError(f"unknown backend {name!r}; available: {', '.join(backend_names())}")
+    if isinstance(factory, str):
+        module, attribute = factory.split(":")
+        factory = getattr(importlib.import_module(module), attribute)
+    return factory(options)

@@ -13,6 +13,7 @@ from ..errors import RanvierError
 from ..flow.graph import Operation, Variable
 from ..ops import TensorType, op_def
 from ..runtime import Cell, Instance, Step
+from .base import Capabilities, CompileOptions
 
 _LOW_PRECISION = (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16)
 
@@ -25,9 +26,20 @@ def _widen(array: np.ndarray, var: Variable) -> np.ndarray:
 class ReferenceBackend:
     name = "reference"
     step_time_dtype = np.float64  # seconds, from the host clock
+    # The oracle runs the flow exactly as built: no rewriting, every op whole.
+    capabilities = Capabilities(rewrites=False)
 
-    def lower(self, flow, func, ops: list[Operation], keep: set[str]) -> None:
-        """The oracle runs the flow exactly as built: no rewriting."""
+    def __init__(self, options: CompileOptions = CompileOptions()):
+        self.options = options
+
+    def runs_whole(self, op: Operation) -> bool:
+        return True
+
+    def workspace_bytes(self, step: Step) -> int:
+        return 0
+
+    def code(self, cell: Cell, kind: str) -> str:
+        raise RanvierError(f"the reference backend generates no code: cell {cell.name} runs each op's numpy reference")
 
     def choose(self, op: Operation) -> Step:
         return Step(op, op.type, "reference", op_def(op.type).cost(op))

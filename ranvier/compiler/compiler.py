@@ -1,32 +1,17 @@
-"""The Compiler turns each function of a flow into a Cell of a Network."""
+"""The Compiler turns each function of a flow into a Cell of a Network: the pass pipeline,
+the schedule, the backend's kernel for every step, and the memory plan."""
 
 from __future__ import annotations
 
+from .. import dtypes
+from ..backends import CompileOptions, create_backend
 from ..errors import CompileError, RanvierError
 from ..flow.graph import Flow, Function, Operation, Variable
-from ..ops import is_view, op_def, written_inputs
-from ..runtime import Cell, Network
+from ..ops import op_def, written_inputs
+from ..runtime import Cell, Network, Step
 from .memory import plan_memory
-
-
-BACKENDS = ("cpu", "reference")
-
-
-MATMUL_PRECISIONS = ("float32", "bfloat16")
-
-
-def _backend(name: str, cpu_mask: str = "", cache: bool = True, matmul: str = "float32"):
-    if matmul not in MATMUL_PRECISIONS:
-        raise RanvierError(f"unknown matmul precision {matmul!r}; available: {', '.join(MATMUL_PRECISIONS)}")
-    if name == "reference":
-        from ..backends.reference import ReferenceBackend
-
-        return ReferenceBackend()
-    if name == "cpu":
-        from ..backends.cpu.backend import CPUBackend
-
-        return CPUBackend(cpu_mask, cache, matmul)
-    raise RanvierError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+from .pipeline import PassContext, run_pipeline
+from .schedule import schedule
 
 
 def check_types(op: Operation) -> None:
@@ -47,38 +32,19 @@ def check_types(op: Operation) -> None:
             )
 
 
-def readers(var: Variable) -> list[Operation]:
-    """Ops that read `var`, directly or through ops that merely view it (a backend may
-    alias a view's output to the variable's own memory)."""
-    found = []
-    for consumer in var.consumers:
-        found.append(consumer)
-        if is_view(consumer) and consumer.inputs[0] is var:
-            found += readers(consumer.outputs[0])
-    return found
-
-
-def write_after_read(func: Function) -> dict[int, list[Operation]]:
-    """An op that overwrites a variable runs after every other op of the function that reads it."""
-    after: dict[int, list[Operation]] = {}
-    for op in func.ops:
-        for target in written_inputs(op):
-            after.setdefault(id(op), []).extend(c for c in readers(target) if c is not op and c.func is func)
-    return after
-
-
 class Compiler:
     """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
 
     def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True, matmul: str = "float32"):
-        """backend: "cpu" (LLVM JIT) or "reference" (numpy oracle).
+        """backend: "cpu" (LLVM JIT), "reference" (numpy oracle), or any registered backend.
         cpu: CPU features to mask, e.g. "-avx512" or "-avx512,-avx2" (Myelin's --cpu).
         cache: reuse generated code across processes (the on-disk compile cache).
         matmul: "float32", or "bfloat16": float32 matrix products round their inputs to
-            bfloat16 and accumulate in float32 on AMX tiles (mixed precision; where the
-            CPU has no AMX-BF16, products stay float32)."""
+            bfloat16 and accumulate in float32 (mixed precision, on AMX tiles on the CPU;
+            where the backend cannot, products stay float32)."""
         self.backend_name = backend
-        self.backend = _backend(backend, cpu, cache, matmul)
+        self.options = CompileOptions(cpu, cache, matmul)
+        self.backend = create_backend(backend, self.options)
 
     def compile(self, flow: Flow) -> Network:
         # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
@@ -89,14 +55,16 @@ class Compiler:
 
     def compile_function(self, network: Network, func: Function) -> Cell:
         flow = network.flow
-        ops = flow.order(func, write_after_read(func))
-        for op in ops:
+        for op in schedule(flow, func):
             check_types(op)
         keep = {v.name for v in flow.outputs(func)} | {v.name for v in flow.vars.values() if v.out or v.in_}
         keep |= {v.name for v in flow.vars.values() if any(c.func is not func for c in v.consumers)}
-        self.backend.lower(flow, func, ops, keep)
-        ops = flow.order(func, write_after_read(func))
+        run_pipeline(PassContext(flow, func, self.backend, self.options, keep))
+        ops = schedule(flow, func)
+        for op in ops:
+            check_types(op)  # every pass leaves a well-typed function
         steps = [self.backend.choose(op) for op in ops]
+        workspaces = self._workspaces(steps)
 
         # Locals live in the instance; globals in the network; variables computed by
         # another function are read from a linked (primal) instance.
@@ -121,7 +89,20 @@ class Compiler:
         roles.update({t.name: "state" for op in ops for t in written_inputs(op) if t.name in local})
         order = {"input": 0, "state": 1, "output": 2}
         ranked = sorted(local.values(), key=lambda v: order.get(roles.get(v.name, ""), 3))
-        slots, size = plan_memory(ops, ranked, set(roles), self.backend.in_place, shares_storage=self.backend.shares_storage)
+        slots, size = plan_memory(
+            ops, ranked + list(workspaces.values()), set(roles), self.backend.in_place,
+            shares_storage=self.backend.shares_storage, workspaces=workspaces,
+        )
         cell = Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))
         self.backend.finish(cell)
         return cell
+
+    def _workspaces(self, steps: list[Step]) -> dict[int, Variable]:
+        """A byte buffer for each step whose kernel needs working memory, live during that step."""
+        workspaces = {}
+        for index, step in enumerate(steps):
+            size = self.backend.workspace_bytes(step)
+            if size:
+                step.workspace = Variable(f"{step.op.name}/workspace", dtypes.DT_UINT8, [size])
+                workspaces[index] = step.workspace
+        return workspaces

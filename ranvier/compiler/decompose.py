@@ -12,6 +12,7 @@ from typing import Callable
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Function, Operation
 from ..ops import op_def
+from .rewrite import splice
 
 
 def decompose(flow: Flow, func: Function, runs_whole: Callable[[Operation], bool]) -> None:
@@ -26,15 +27,3 @@ def decompose(flow: Flow, func: Function, runs_whole: Callable[[Operation], bool
             if result is not None:
                 splice(flow, op, result if isinstance(result, list) else [result])
                 break
-
-
-def splice(flow: Flow, op: Operation, results: list) -> None:
-    """Remove `op`; the last new op of each result writes the original output variable
-    instead of its own, so every name the rest of the flow reads stays."""
-    originals = list(op.outputs)
-    flow.remove_op(op)
-    for original, new in zip(originals, results):
-        last = new.var.producer
-        last.outputs[last.outputs.index(new.var)] = original
-        original.producer = last
-        flow.remove_var(new.var)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import op_def
 from ..ops.expression import Call, Program, Ref
+from .rewrite import erase
 
 ELEMENTWISE_FAMILIES = ("elementwise",)
 
@@ -46,35 +47,35 @@ def fuse_elementwise(flow: Flow, func: Function, ops: list[Operation], keep: set
     `keep` names variables that must stay visible (outputs, values other cells read).
     The function's op list changes; order it again before use.
     """
-    group_of: dict[int, _Group] = {}
-    depends_on: dict[int, set[_Group]] = {}  # op -> groups it reads from, directly or not
+    group_of: dict[Operation, _Group] = {}
+    depends_on: dict[Operation, set[_Group]] = {}  # op -> groups it reads from, directly or not
     for position, op in enumerate(ops):
         upstream: set[_Group] = set()
         for v in op.inputs:
             producer = v.producer
-            if producer is None or id(producer) not in depends_on:
+            if producer is None or producer not in depends_on:
                 continue
-            upstream |= depends_on[id(producer)]
-            if id(producer) in group_of:
-                upstream.add(group_of[id(producer)])
-        depends_on[id(op)] = upstream
+            upstream |= depends_on[producer]
+            if producer in group_of:
+                upstream.add(group_of[producer])
+        depends_on[op] = upstream
         if not is_elementwise(op):
             continue
         shape = list(op.outputs[0].shape)
         candidates = {
-            group_of[id(v.producer)].root()
+            group_of[v.producer].root()
             for v in op.inputs
-            if v.producer is not None and id(v.producer) in group_of and group_of[id(v.producer)].root().shape == shape
+            if v.producer is not None and v.producer in group_of and group_of[v.producer].root().shape == shape
         }
         group = _Group(op, position)
-        group_of[id(op)] = group
+        group_of[op] = group
         for candidate in sorted(candidates, key=lambda g: min(p for p, _ in g.ops)):
             if _convex(group.root(), candidate, group_of, depends_on):
                 _merge(group.root(), candidate)
 
-    roots = {id(g.root()): g.root() for g in group_of.values()}
+    roots = {g.root(): None for g in group_of.values()}
     # Decide every fold before rewriting anything: the checks read the original graph.
-    plans = [(group, _assigns(group, func, group_of, depends_on)) for group in roots.values()]
+    plans = [(group, _assigns(group, func, group_of, depends_on)) for group in roots]
     for group, assigns in plans:
         if len(group.ops) > 1 or assigns:
             _build_calculate(flow, func, group, keep, assigns)
@@ -87,15 +88,15 @@ def _merge(a: _Group, b: _Group) -> None:
 
 def _convex(a: _Group, b: _Group, group_of, depends_on) -> bool:
     """Merging is safe when no value flows from one group to the other through an outside op."""
-    merged = {id(op) for _, op in a.ops} | {id(op) for _, op in b.ops}
+    merged = {op for _, op in a.ops} | {op for _, op in b.ops}
     for _, op in a.ops + b.ops:
         for v in op.inputs:
             producer = v.producer
-            if producer is None or id(producer) in merged or id(producer) not in depends_on:
+            if producer is None or producer in merged or producer not in depends_on:
                 continue
-            reached = {g.root() for g in depends_on[id(producer)]}
-            if id(producer) in group_of:
-                reached.add(group_of[id(producer)].root())
+            reached = {g.root() for g in depends_on[producer]}
+            if producer in group_of:
+                reached.add(group_of[producer].root())
             if a in reached or b in reached:
                 return False
     return True
@@ -106,15 +107,15 @@ def _assigns(group: _Group, func: Function, group_of, depends_on) -> list[Operat
     needs that value: they fold into the group as in-place writes. A write must follow
     every other reader of its target, so an Assign stays separate when such a reader
     itself depends on the group (folding it would make a cycle)."""
-    members = {id(op) for _, op in group.ops}
+    members = {op for _, op in group.ops}
     found = []
     for _, op in group.ops:
         out = op.outputs[0]
         writers = [c for c in out.consumers if c.type == "Assign" and c.func is func and c.inputs[1] is out]
         others = [c for c in out.consumers if c not in writers]
-        if len(writers) != 1 or list(writers[0].inputs[0].shape) != group.shape or any(id(c) not in members for c in others):
+        if len(writers) != 1 or list(writers[0].inputs[0].shape) != group.shape or any(c not in members for c in others):
             continue
-        readers = [c for c in writers[0].inputs[0].consumers if c.func is func and c is not writers[0] and id(c) not in members]
+        readers = [c for c in writers[0].inputs[0].consumers if c.func is func and c is not writers[0] and c not in members]
         if any(group in _upstream(r, group_of, depends_on) for r in readers):
             continue
         found.append(writers[0])
@@ -123,12 +124,12 @@ def _assigns(group: _Group, func: Function, group_of, depends_on) -> list[Operat
 
 def _upstream(op: Operation, group_of, depends_on) -> set[_Group]:
     """Groups the op's fused unit (its whole group, if it has one) reads from."""
-    unit = [member for _, member in group_of[id(op)].root().ops] if id(op) in group_of else [op]
-    return {g.root() for member in unit for g in depends_on.get(id(member), set())}
+    unit = [member for _, member in group_of[op].root().ops] if op in group_of else [op]
+    return {g.root() for member in unit for g in depends_on.get(member, set())}
 
 
 def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], assigns: list[Operation]) -> Operation:
-    members = {id(op) for _, op in group.ops}
+    members = {op for _, op in group.ops}
     assigned = {a.inputs[1].name: a.inputs[0] for a in assigns}
     inputs: list[Variable] = []
     input_index: dict[str, int] = {}
@@ -154,7 +155,7 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], 
             statements.append((assigned[out.name], Call("Identity", (Ref("$", temps),))))
             temps += 1
             continue
-        if out.name in keep or out.out or any(id(c) not in members for c in out.consumers):
+        if out.name in keep or out.out or any(c not in members for c in out.consumers):
             ref = Ref("@", len(outputs))
             outputs.append(out)
         else:
@@ -167,10 +168,7 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], 
     fused = flow.add_op(flow.unique_name(f"{func.name}/Calculate", flow.ops), "Calculate")
     fused.attrs = {"expr": str(program)}
     internal = [v for op in group.members for v in op.outputs if v not in outputs]
-    for op in [*group.members, *assigns]:
-        flow.remove_op(op)
-    for v in internal:
-        flow.remove_var(v)
+    erase(flow, [*group.members, *assigns], internal)
     for v in inputs:
         fused.add_input(v)
     for v in outputs:

@@ -9,33 +9,25 @@ is safe for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..flow.graph import Operation, Variable
+from ..runtime import Slot
 
 ALIGNMENT = 64
-
-
-@dataclass
-class Slot:
-    """Where one local variable lives in an instance's buffer."""
-
-    var: Variable
-    offset: int
-    size: int
-    alignment: int
-    first: int  # step that writes it (-1: set before compute)
-    last: int  # last step that reads it (len(steps): read after compute)
 
 
 def align(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def live_ranges(steps: Sequence[Operation], local: Sequence[Variable], pinned: set[str]) -> dict[str, tuple[int, int]]:
+def live_ranges(
+    steps: Sequence[Operation], local: Sequence[Variable], pinned: set[str], workspaces: dict[int, Variable] | None = None,
+) -> dict[str, tuple[int, int]]:
     end = len(steps)
     ranges = {v.name: (-1, -1) for v in local}
+    for index, workspace in (workspaces or {}).items():
+        ranges[workspace.name] = (index, index)
     for i, op in enumerate(steps):
         for v in op.outputs:
             if v.name in ranges:
@@ -60,6 +52,7 @@ def plan_memory(
     in_place: InPlace | None = None,
     alignment: int = ALIGNMENT,
     shares_storage: Callable[[Operation], bool] | None = None,
+    workspaces: dict[int, Variable] | None = None,
 ) -> tuple[list[Slot], int]:
     """Offsets for every local variable and the total buffer size.
 
@@ -67,9 +60,10 @@ def plan_memory(
     (inputs, outputs). `in_place(op, input, output)` says whether `op` may write
     `output` over `input` when `input` dies at that op. `shares_storage(op)` says
     whether a view op's output (a reshape) may simply be its input's bytes: the two
-    then live as one, from the first write to the last read of either.
+    then live as one, from the first write to the last read of either. `workspaces`
+    maps a step index to the working memory its kernel uses during that step only.
     """
-    ranges = live_ranges(steps, local, pinned)
+    ranges = live_ranges(steps, local, pinned, workspaces)
     root = _storage_roots(steps, local, shares_storage) if shares_storage else {}
     members: dict[str, list[Variable]] = {}
     for var in local:

@@ -6,6 +6,7 @@ import numpy as np
 
 from ..flow.graph import Flow, Function, Operation
 from ..ops import TensorType, op_def
+from .rewrite import erase, replace_uses
 
 FOLD_LIMIT = 1 << 16  # elements: fold small constant results, keep big ones as computations
 
@@ -64,9 +65,5 @@ def eliminate_common_subexpressions(flow: Flow, func: Function, keep: set[str]) 
             seen.setdefault(key, op)
             continue
         for duplicate, kept in zip(op.outputs, original.outputs):
-            for consumer in list(duplicate.consumers):
-                consumer.replace_input(duplicate, kept)
-        duplicates = list(op.outputs)
-        flow.remove_op(op)
-        for var in duplicates:
-            flow.remove_var(var)
+            replace_uses(duplicate, kept)
+        erase(flow, [op], list(op.outputs))

@@ -1,7 +1,8 @@
 """The graph IR (Flow, Variable, Operation, Function), the Builder, and .flow file I/O."""
 
 from .builder import Builder, Tensor
-from .graph import Blob, Connector, Flow, FuncFlags, Function, Operation, OpFlags, Variable, VarFlags
+from .flags import FuncFlags, OpFlags, VarFlags
+from .graph import Blob, Connector, Flow, Function, Operation, Variable
 
 __all__ = [
     "Blob", "Builder", "Connector", "Flow", "FuncFlags", "Function",

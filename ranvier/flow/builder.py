@@ -16,7 +16,8 @@ import numpy as np
 from .. import dtypes
 from ..errors import RanvierError
 from ..ops import op_def, op_method
-from .graph import Flow, Function, Operation, Variable, VarFlags, attr_string
+from .flags import VarFlags
+from .graph import Flow, Function, Operation, Variable, attr_string
 
 class Tensor:
     """A flow variable seen through a builder: supports operators and op methods."""

@@ -30,14 +30,17 @@ import math
 import operator
 import os
 import struct
-from typing import BinaryIO, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import numpy as np
 
 from .. import dtypes
 from ..atomic import atomic_write
 from ..errors import FlowFileError, RanvierError
-from .graph import Flow, FuncFlags, Operation, OpFlags, Variable, VarFlags
+from .flags import FuncFlags, OpFlags, VarFlags
+
+if TYPE_CHECKING:  # the graph imports this module for Flow.save and Flow.load
+    from .graph import Flow, Operation, Variable
 
 MAGIC = 0x776F6C66
 READ_VERSIONS = (3, 4, 5, 6)
@@ -133,9 +136,9 @@ class _Parser:
     """Builds a fresh Flow from the file's records; names are linked once all ops are read,
     because an op input may name an op (its first output) that comes later in the file."""
 
-    def __init__(self, reader: _Reader):
+    def __init__(self, reader: _Reader, flow: Flow):
         self.r = reader
-        self.flow = Flow()
+        self.flow = flow
         self.version = 0
         self.names: dict[str, Variable] = {}  # variable names and aliases
         self.first_outputs: dict[str, str] = {}  # op name -> name of its first output
@@ -345,7 +348,7 @@ def parse_flow(flow: Flow, data: bytes, source: str = "<bytes>") -> Flow:
     so a bad file leaves `flow` unchanged. Names in the file resolve only against the
     file's own variables and ops; a name the file shares with `flow` is an error.
     """
-    loaded = _Parser(_Reader(memoryview(data), source)).parse()
+    loaded = _Parser(_Reader(memoryview(data), source), type(flow)()).parse()
     for kind in ("vars", "ops", "funcs", "cnxs", "blobs"):
         clash = getattr(flow, kind).keys() & getattr(loaded, kind).keys()
         if clash:

@@ -7,7 +7,6 @@ ordered set of operations one compiled cell computes.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
 from typing import Iterable
@@ -16,32 +15,8 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import RanvierError, shape_str
-
-
-class VarFlags(enum.IntFlag):
-    """Variable flag bits, numbered as in Myelin's .flow files."""
-
-    NONE = 0
-    IN = 1
-    OUT = 2
-    REF = 4
-    LEARNABLE = 8
-    UNIQUE = 16
-    DYNAMIC = 32
-    ROW = 64
-    COL = 128
-    NOGRADIENT = 256
-
-
-class OpFlags(enum.IntFlag):
-    NONE = 0
-    NOGRADIENT = 1
-
-
-class FuncFlags(enum.IntFlag):
-    NONE = 0
-    TRAINING = 1
-    BACKPROP = 2
+from .fileformat import read_flow, save_flow
+from .flags import FuncFlags, OpFlags, VarFlags
 
 
 class Variable:
@@ -207,6 +182,16 @@ class Function:
     def backprop(self, on: bool) -> None:
         self.flags = (self.flags | FuncFlags.BACKPROP) if on else (self.flags & ~FuncFlags.BACKPROP)
 
+    def __str__(self) -> str:
+        lines = [f"func {self.name} {{"]
+        for op in self.ops:
+            outs = ", ".join(v.name for v in op.outputs)
+            ins = ", ".join(v.name for v in op.inputs)
+            attrs = "".join(f" {k}={v}" for k, v in op.attrs.items())
+            lines.append(f"  {outs} = {op.type}({ins}){attrs}")
+        lines.append("}")
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return f"<Function {self.name}: {len(self.ops)} ops>"
 
@@ -338,40 +323,40 @@ class Flow:
 
     # ---- structure ---------------------------------------------------------------
 
-    def order(self, func: Function, after: dict[int, list[Operation]] | None = None) -> list[Operation]:
+    def order(self, func: Function, after: dict[Operation, list[Operation]] | None = None) -> list[Operation]:
         """The function's ops in dependency order; ties keep insertion order.
 
-        `after` adds ordering constraints beyond data flow: `after[id(op)]` lists ops
-        that must run before `op` (the compiler uses it to run in-place writes last).
+        `after` adds ordering constraints beyond data flow: `after[op]` lists ops that
+        must run before `op` (the compiler uses it to run in-place writes last).
         """
         ops = func.ops
-        position = {id(op): i for i, op in enumerate(ops)}
-        prerequisites: dict[int, set[int]] = {id(op): set() for op in ops}
+        position = {op: i for i, op in enumerate(ops)}
+        prerequisites: dict[Operation, set[Operation]] = {op: set() for op in ops}
         for op in ops:
             for v in op.inputs:
-                if v.producer is not None and id(v.producer) in position and v.producer is not op:
-                    prerequisites[id(op)].add(id(v.producer))
-            for before in (after or {}).get(id(op), []):
-                if id(before) in position and before is not op:
-                    prerequisites[id(op)].add(id(before))
-        dependents: dict[int, list[Operation]] = {id(op): [] for op in ops}
+                if v.producer is not None and v.producer in position and v.producer is not op:
+                    prerequisites[op].add(v.producer)
+            for before in (after or {}).get(op, []):
+                if before in position and before is not op:
+                    prerequisites[op].add(before)
+        dependents: dict[Operation, list[Operation]] = {op: [] for op in ops}
         for op in ops:
-            for p in prerequisites[id(op)]:
+            for p in prerequisites[op]:
                 dependents[p].append(op)
-        missing = {key: len(p) for key, p in prerequisites.items()}
-        heap = [(position[id(op)], op) for op in ops if missing[id(op)] == 0]
+        missing = {op: len(p) for op, p in prerequisites.items()}
+        heap = [(position[op], op) for op in ops if missing[op] == 0]
         heapq.heapify(heap)
         ordered: list[Operation] = []
         while heap:
             _, op = heapq.heappop(heap)
             ordered.append(op)
-            for dependent in dependents[id(op)]:
-                missing[id(dependent)] -= 1
-                if missing[id(dependent)] == 0:
-                    heapq.heappush(heap, (position[id(dependent)], dependent))
+            for dependent in dependents[op]:
+                missing[dependent] -= 1
+                if missing[dependent] == 0:
+                    heapq.heappush(heap, (position[dependent], dependent))
         if len(ordered) != len(ops):
-            done = set(map(id, ordered))
-            stuck = [op.name for op in ops if id(op) not in done]
+            done = set(ordered)
+            stuck = [op.name for op in ops if op not in done]
             raise RanvierError(f"function {func.name} has a cycle through ops {', '.join(stuck[:5])}")
         return ordered
 
@@ -445,14 +430,10 @@ class Flow:
 
     def save(self, path, version: int = 6) -> None:
         """Write the flow in Myelin's binary .flow format, atomically."""
-        from .fileformat import save_flow
-
         save_flow(self, path, version)
 
     def load(self, path) -> "Flow":
         """Read a Myelin .flow file (versions 3 to 6) into this flow and return it."""
-        from .fileformat import read_flow
-
         read_flow(self, path)
         return self
 
@@ -461,12 +442,5 @@ class Flow:
         for var in self.vars.values():
             kind = "const" if var.constant else ("learnable" if var.learnable else "var")
             lines.append(f"{kind} {var.name}: {var.typestr()}")
-        for func in self.funcs.values():
-            lines.append(f"func {func.name} {{")
-            for op in func.ops:
-                outs = ", ".join(v.name for v in op.outputs)
-                ins = ", ".join(v.name for v in op.inputs)
-                attrs = "".join(f" {k}={v}" for k, v in op.attrs.items())
-                lines.append(f"  {outs} = {op.type}({ins}){attrs}")
-            lines.append("}")
+        lines += [str(func) for func in self.funcs.values()]
         return "\n".join(lines)

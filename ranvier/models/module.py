@@ -8,7 +8,8 @@ from typing import Mapping
 import numpy as np
 
 from ..flow.builder import Builder, Tensor
-from ..flow.graph import Flow, VarFlags
+from ..flow.flags import VarFlags
+from ..flow.graph import Flow
 
 
 class Module:

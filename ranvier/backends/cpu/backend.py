@@ -1,5 +1,5 @@
-"""The CPU backend: rewrite the flow (fold, CSE, fuse), pick kernels by CPU features,
-generate one native function per cell, and run it with a single call per compute()."""
+"""The CPU backend: pick kernels by CPU features, generate one native function per cell,
+and run it with a single call per compute()."""
 
 from __future__ import annotations
 
@@ -11,19 +11,17 @@ from typing import Callable
 
 import numpy as np
 
-from ...compiler.decompose import decompose
-from ...compiler.fuse import fuse_elementwise
-from ...compiler.simplify import eliminate_common_subexpressions, fold_constants
 from ...errors import RanvierError
-from ...flow.graph import Flow, Function, Operation, Variable
+from ...flow.graph import Operation, Variable
 from ...ops import is_view, op_def
 from ...runtime import Cell, Instance, Step
+from ..base import Capabilities, CompileOptions
 from ..reference import reference_kernel
+from ... import debug
 from . import amx, codegen, jit
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import FALLBACK, choose
-from .kernels.matmul import AMX_KERNEL, use_bf16_gemm
-from .kernels.rows import fuse_loss_with_gradient
+from .kernels.matmul import AMX_KERNEL, amx_workspace_bytes
 from .parallel import thread_count
 from .target import CPUTarget, host_target
 
@@ -79,21 +77,14 @@ class CPUBackend:
     name = "cpu"
     step_time_dtype = np.uint64  # cycles, from the counter the generated code reads
 
-    def __init__(self, mask: str = "", cache: bool = True, matmul: str = "float32"):
-        self.target: CPUTarget = host_target(mask)
-        self.use_disk_cache = cache
-        self.bf16_matmul = matmul == "bfloat16" and amx.amx_usable(self.target)
+    def __init__(self, options: CompileOptions = CompileOptions()):
+        self.target: CPUTarget = host_target(options.cpu)
+        self.use_disk_cache = options.cache
+        # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay float32.
+        precisions = ("float32", "bfloat16") if amx.amx_usable(self.target) else ("float32",)
+        self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions)
 
     # ---- compile time -----------------------------------------------------------------
-
-    def lower(self, flow: Flow, func: Function, ops: list[Operation], keep: set[str]) -> None:
-        decompose(flow, func, self.runs_whole)
-        fold_constants(flow, func, keep)
-        eliminate_common_subexpressions(flow, func, keep)
-        fuse_elementwise(flow, func, flow.order(func), keep)
-        fuse_loss_with_gradient(flow, func)
-        if self.bf16_matmul:
-            use_bf16_gemm(flow, func)
 
     def runs_whole(self, op: Operation) -> bool:
         """Whether a native kernel runs the op as it is (else it decomposes).
@@ -113,6 +104,9 @@ class CPUBackend:
     def choose(self, op: Operation) -> Step:
         name, _ = choose(op)
         return Step(op, name, "python" if name == FALLBACK[0] else self.target.variant, op_def(op.type).cost(op))
+
+    def workspace_bytes(self, step: Step) -> int:
+        return amx_workspace_bytes(step.op) if step.kernel == AMX_KERNEL else 0
 
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         """Loop kernels read and write element i together, so an input of the output's
@@ -144,9 +138,12 @@ class CPUBackend:
         key = jit.cache_key(f"{_source_digest()}\n{description}", self.target)
 
         def generate() -> bytes:
-            emitters = [choose(step.op)[1] for step in cell.steps]
-            module = codegen.build_module(cell.name, self.target, [s.op for s in cell.steps], layout, emitters)
-            return jit.compile_object(module, self.target)
+            module = self._module(cell, layout)
+            debug.dump("llvm", f"cell {cell.name}: LLVM IR", str(module))
+            code = jit.compile_object(module, self.target)
+            if debug.enabled("asm"):
+                debug.dump("asm", f"cell {cell.name}: machine code", jit.assembly(module, self.target))
+            return code
 
         code, origin = jit.cached_object(key, generate, self.use_disk_cache)
         cell.native = {
@@ -155,6 +152,20 @@ class CPUBackend:
             "origin": origin,
             "python_steps": [i for i, s in enumerate(cell.steps) if s.variant == "python"],
         }
+
+    def _module(self, cell: Cell, layout: Layout):
+        emitters = [choose(step.op)[1] for step in cell.steps]
+        return codegen.build_module(cell.name, self.target, cell.steps, layout, emitters)
+
+    def code(self, cell: Cell, kind: str) -> str:
+        """The cell's LLVM IR ("llvm": as generated, before LLVM optimizes it) or its
+        optimized machine code ("asm"), generated again from the cell's steps."""
+        module = self._module(cell, cell.native["layout"])
+        if kind == "llvm":
+            return str(module)
+        if kind == "asm":
+            return jit.assembly(module, self.target)
+        raise RanvierError(f"the CPU backend shows its code as 'llvm' or 'asm', not {kind!r}")
 
     @staticmethod
     def _alias_views(cell: Cell, layout: Layout) -> None:
@@ -178,7 +189,7 @@ class CPUBackend:
         for step in cell.steps:
             op = step.op
             lines.append(f"{step.kernel} {op.type} {sorted(op.attrs.items())}")
-            for v in [*op.inputs, *op.outputs]:
+            for v in [*op.inputs, *op.outputs, *([step.workspace] if step.workspace else [])]:
                 where = layout.offsets.get(v.name)
                 place = f"@{where}" if where is not None else f"#{layout.slot(v)}"
                 constant = hashlib.sha1(np.ascontiguousarray(v.data).tobytes()).hexdigest() if v.data is not None and v.size <= 16 else ""

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from llvmlite import ir
 
-from ...flow.graph import Operation, Variable
+from ...flow.graph import Variable
+from ...runtime import Step
 from .convert import use_target
 from .irutil import BYTE_PTR, I64, VOID, i64, storage_type
 from .target import CPUTarget
@@ -46,12 +47,16 @@ class Layout:
 class KernelContext:
     """What a kernel emitter sees while generating one step's function."""
 
-    def __init__(self, module: ir.Module, function: ir.Function, target: CPUTarget, layout: Layout, step_index: int):
+    def __init__(
+        self, module: ir.Module, function: ir.Function, target: CPUTarget, layout: Layout, step_index: int,
+        workspace: Variable | None = None,
+    ):
         self.module = module
         self.function = function
         self.target = target
         self.layout = layout
         self.step_index = step_index
+        self.workspace = workspace  # the step's working memory (see Backend.workspace_bytes)
         self.b = ir.IRBuilder(function.append_basic_block("entry"))
         self.ptrs = function.args[0]
         self._pointers: dict[str, ir.Value] = {}
@@ -86,7 +91,7 @@ class KernelContext:
             self.b.store(i64(self.step_index + 1), status)
 
 
-def build_module(name: str, target: CPUTarget, steps: list[Operation], layout: Layout, emitters) -> ir.Module:
+def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout, emitters) -> ir.Module:
     """The module of one cell: a step function per op and the `cell` entry point."""
     module = ir.Module(name=name)
     module.triple = target.machine.triple
@@ -94,13 +99,13 @@ def build_module(name: str, target: CPUTarget, steps: list[Operation], layout: L
     use_target(module, target)  # half-precision conversions use F16C where the target has it
     step_type = ir.FunctionType(VOID, [BYTE_PTR.as_pointer()])
     step_functions = []
-    for index, op in enumerate(steps):
+    for index, step in enumerate(steps):
         function = ir.Function(module, step_type, name=f"step{index}")
         function.linkage = "internal"
         # Kept out of line: optimizing many small functions is linear, one huge one is not.
         function.attributes.add("noinline")
-        ctx = KernelContext(module, function, target, layout, index)
-        emitters[index](ctx, op)
+        ctx = KernelContext(module, function, target, layout, index, step.workspace)
+        emitters[index](ctx, step.op)
         ctx.b.ret_void()
         step_functions.append(function)
 

@@ -22,6 +22,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ...atomic import atomic_write_bytes
+from ...version import __version__
 from .target import CPUTarget
 
 _MEMORY_CACHE: dict[str, bytes] = {}
@@ -33,12 +34,19 @@ def cache_dir() -> Path:
 
 
 def cache_key(description: str, target: CPUTarget) -> str:
-    from ... import __version__
-
     return hashlib.sha256(f"{__version__}\n{target.key()}\n{description}".encode()).hexdigest()
 
 
 def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
+    return target.machine.emit_object(_optimized(module, target))
+
+
+def assembly(module: ir.Module, target: CPUTarget) -> str:
+    """The machine code compile_object makes of `module`, as assembly text."""
+    return target.machine.emit_assembly(_optimized(module, target))
+
+
+def _optimized(module: ir.Module, target: CPUTarget) -> llvm.ModuleRef:
     parsed = llvm.parse_assembly(str(module))
     parsed.verify()
     options = llvm.create_pipeline_tuning_options(speed_level=3)
@@ -49,7 +57,7 @@ def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
     options.loop_unrolling = False
     builder = llvm.create_pass_builder(target.machine, options)
     builder.getModulePassManager().run(parsed, builder)
-    return target.machine.emit_object(parsed)
+    return parsed
 
 
 def load_object(code: bytes, target: CPUTarget, symbol: str) -> int:

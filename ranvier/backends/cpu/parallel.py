@@ -66,7 +66,7 @@ def run_parts(ctx: KernelContext, parts: list[Part]) -> None:
     task = ir.Function(module, task_type, name=f"step{ctx.step_index}_part")
     task.linkage = "internal"
 
-    sub = KernelContext(module, task, ctx.target, ctx.layout, ctx.step_index)
+    sub = KernelContext(module, task, ctx.target, ctx.layout, ctx.step_index, ctx.workspace)
     block = sub.b.bitcast(task.args[0], block_type.as_pointer())
     sub.ptrs = sub.b.load(sub.b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
     index = sub.b.load(sub.b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))

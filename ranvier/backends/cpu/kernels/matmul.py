@@ -15,7 +15,6 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of
-from ....flow.graph import Flow, Function
 from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
 from ..convert import narrow, widen
@@ -191,24 +190,14 @@ def _part_workspace(part: list[_Gemm]) -> int:
     return max(workspace_bytes(g.m, g.n, g.k) for g in part)
 
 
-def use_bf16_gemm(flow: Flow, func: Function) -> None:
-    """Mixed precision: float32 matrix products (not vector-matrix ones, which stream
-    their matrix once and gain nothing) run on AMX tiles with bf16-rounded inputs. The
-    kernel's packing scratch (one per thread) becomes a second output, so the memory
-    planner places it like any temporary."""
-    for op in list(func.ops):
-        if op.type != "MatMul" or op.inputs[0].dtype != dtypes.DT_FLOAT32 or op.attrs.get("precision") == "bfloat16":
-            continue
-        if _gemms(op)[2] == 1:
-            continue
-        op.set_attr("precision", "bfloat16")
-        parts = amx_parts(op)
-        size = len(parts) * max(_part_workspace(part) for part in parts)
-        op.add_output(flow.add_var(flow.unique_name(f"{op.name}/workspace", flow.vars), dtypes.DT_UINT8, [size]))
+def amx_workspace_bytes(op) -> int:
+    """The packing scratch of a bf16 MatMul: one share per thread."""
+    parts = amx_parts(op)
+    return len(parts) * max(_part_workspace(part) for part in parts)
 
 
 def amx_matmul(ctx, op) -> None:
-    a, b, c, workspace = op.inputs[0], op.inputs[1], op.outputs[0], op.outputs[1]
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb = _gemms(op)[:2]
     parts = amx_parts(op)
     share = max(_part_workspace(part) for part in parts)
@@ -220,7 +209,7 @@ def amx_matmul(ctx, op) -> None:
             builder = ctx.b
             gemm = builder.bitcast(ctx.table_entry(BF16GEMM), gemm_type.as_pointer())
             pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
-            scratch = builder.gep(ctx.address(workspace), [i64(number * share)])
+            scratch = builder.gep(ctx.address(ctx.workspace), [i64(number * share)])
             for g in calls:
                 builder.call(gemm, [
                     i64(int(ta)), i64(int(tb)), i64(g.m), i64(g.n), i64(g.k),

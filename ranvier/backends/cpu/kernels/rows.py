@@ -16,7 +16,6 @@ from typing import Callable
 from llvmlite import ir
 
 from .... import dtypes
-from ....flow.graph import Flow, Function, Variable
 from ....ops import attrs_of
 from .. import mathlib
 from ..codegen import KernelContext
@@ -284,42 +283,6 @@ def cross_entropy_grad(ctx, op) -> None:
         row.each(emit)
 
     each_row(ctx, op, body)
-
-
-def fuse_loss_with_gradient(flow: Flow, func: Function) -> None:
-    """A training step's cross-entropy and its gradient read the same logits: the
-    gradient kernel also writes the loss (as a second output), saving a read of the
-    logits (131 MB per stories15M step). Only when the gradient's upstream value does
-    not itself depend on the loss."""
-    forward = {}
-    for op in func.ops:
-        if op.type == "SoftmaxCrossEntropy":
-            forward[(op.inputs[0].name, op.inputs[1].name, tuple(sorted(op.attrs.items())))] = op
-    for op in list(func.ops):
-        if op.type != "SoftmaxCrossEntropyGrad" or len(op.outputs) != 1:
-            continue
-        loss_op = forward.get((op.inputs[0].name, op.inputs[1].name, tuple(sorted(op.attrs.items()))))
-        if loss_op is None or _reads(op.inputs[2], loss_op.outputs[0], func):
-            continue
-        loss = loss_op.outputs[0]
-        flow.remove_op(loss_op)
-        op.set_attr("with_loss", True)
-        op.add_output(loss)
-
-
-def _reads(var: Variable, source: Variable, func: Function) -> bool:
-    """Whether `var` is computed (within func) from `source`."""
-    pending, seen = [var], set()
-    while pending:
-        v = pending.pop()
-        if v is source:
-            return True
-        producer = v.producer
-        if producer is None or producer.func is not func or id(producer) in seen:
-            continue
-        seen.add(id(producer))
-        pending.extend(producer.inputs)
-    return False
 
 
 def choose(op):

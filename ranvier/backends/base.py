@@ -1,0 +1,78 @@
+"""The interface every backend implements, and the options a compile passes it.
+
+The compiler owns the passes and the memory plan; a backend says what it can run
+(`runs_whole`, `capabilities`), picks a kernel for each op (`choose`), and generates,
+binds and runs a cell's code. Adding a backend touches no compiler file: implement
+`Backend` and name it in `ranvier.backends.register_backend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from ..flow.graph import Operation, Variable
+from ..runtime import Cell, Instance, Step
+
+MATMUL_PRECISIONS = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What a user asks of a compile, whatever the backend.
+
+    cpu: CPU features to mask, e.g. "-avx512" (Myelin's --cpu; CPU backend only).
+    cache: reuse generated code across processes (the on-disk compile cache).
+    matmul: "float32", or "bfloat16": float32 matrix products round their inputs to
+        bfloat16 and sum in float32, where the backend can (`Capabilities`)."""
+
+    cpu: str = ""
+    cache: bool = True
+    matmul: str = "float32"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, so the compiler knows which passes apply.
+
+    rewrites: run the rewriting passes (decompose, fold, CSE, fuse); the reference
+        backend runs the flow exactly as built, which is what makes it the oracle.
+    matmul_precisions: the precisions its matrix products can run in."""
+
+    rewrites: bool = True
+    matmul_precisions: tuple[str, ...] = ("float32",)
+
+
+class Backend(Protocol):
+    name: str
+    capabilities: Capabilities
+    step_time_dtype: type  # the unit instances accumulate step times in (seconds, cycles)
+
+    def runs_whole(self, op: Operation) -> bool:
+        """Whether a kernel runs the op as it is; if not, the compiler decomposes it."""
+
+    def choose(self, op: Operation) -> Step:
+        """The step that computes `op`: its kernel, variant and cost."""
+
+    def scratch_bytes(self, step: Step) -> int:
+        """Working memory the step's kernel needs while it runs (planned like a temporary)."""
+
+    def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
+        """Whether `op` may write `target` over `source` when `source` dies at `op`."""
+
+    def shares_storage(self, op: Operation) -> bool:
+        """Whether a view op's output may simply be its input's bytes."""
+
+    def finish(self, cell: Cell) -> None:
+        """Generate (or fetch from a cache) the cell's code."""
+
+    def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
+        """The function that computes the cell on an instance's data."""
+
+    def step_seconds(self, instance: Instance) -> np.ndarray:
+        """The instance's accumulated step times, in seconds."""
+
+    def code(self, cell: Cell, kind: str) -> str:
+        """The generated code of a cell as text, e.g. kind "llvm" or "asm"."""

@@ -1,0 +1,76 @@
+"""The pass pipeline: every rewrite between the function a user built and the steps a
+backend runs, in order. Each pass is a small rewrite in a module of its own, tested on
+its own; a backend only states what it can do (`Capabilities`, `runs_whole`), and the
+pipeline decides which passes apply.
+
+    decompose        composites the backend cannot run whole → the ops they are made of
+    fold             ops of constants → constants
+    cse              the same op on the same inputs → computed once
+    fuse             chains of elementwise ops → one Calculate (one loop)
+    fuse-loss        cross-entropy beside its gradient → one op, one read of the logits
+    mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
+
+`RANVIER_DEBUG=passes` prints the function after each pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import debug
+from ..backends import Backend, CompileOptions
+from ..flow.graph import Flow, Function
+from .decompose import decompose
+from .fuse import fuse_elementwise
+from .loss import fuse_loss_with_gradient
+from .precision import use_bfloat16_matmul
+from .simplify import eliminate_common_subexpressions, fold_constants
+
+
+@dataclass
+class PassContext:
+    """What a pass works on: the flow and function, the backend and the compile options,
+    and `keep`, the variables that must stay visible (outputs, values other cells read)."""
+
+    flow: Flow
+    func: Function
+    backend: Backend
+    options: CompileOptions
+    keep: set[str]
+
+
+def _rewrites(ctx: PassContext) -> bool:
+    return ctx.backend.capabilities.rewrites
+
+
+def _mixed_precision(ctx: PassContext) -> bool:
+    return _rewrites(ctx) and ctx.options.matmul in ctx.backend.capabilities.matmul_precisions and ctx.options.matmul != "float32"
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[PassContext], None]
+    applies: Callable[[PassContext], bool] = _rewrites
+
+
+PIPELINE: tuple[Pass, ...] = (
+    Pass("decompose", lambda c: decompose(c.flow, c.func, c.backend.runs_whole)),
+    Pass("fold", lambda c: fold_constants(c.flow, c.func, c.keep)),
+    Pass("cse", lambda c: eliminate_common_subexpressions(c.flow, c.func, c.keep)),
+    Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.order(c.func), c.keep)),
+    Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
+    Pass("mixed-precision", lambda c: use_bfloat16_matmul(c.func), _mixed_precision),
+)
+
+
+def run_pipeline(ctx: PassContext, passes: tuple[Pass, ...] = PIPELINE) -> list[str]:
+    """Run the passes that apply, in order; returns their names."""
+    ran = []
+    for step in passes:
+        if step.applies(ctx):
+            step.run(ctx)
+            ran.append(step.name)
+            debug.dump("passes", f"{ctx.func.name} after {step.name}", str(ctx.func))
+    return ran

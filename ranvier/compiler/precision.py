@@ -1,0 +1,28 @@
+"""Mixed precision: float32 matrix products run with bfloat16-rounded inputs and float32
+sums (`MatMul`'s precision attribute), where the user asks for it and the backend can.
+
+Vector-matrix products (a decode step's) stay float32: they stream their matrix once,
+so narrower inputs would save nothing there.
+"""
+
+from __future__ import annotations
+
+from .. import dtypes
+from ..flow.graph import Function
+from ..ops import attrs_of
+
+
+def _rows(op) -> int:
+    """Rows of the product: of one matrix, or of every batch together where a batch of
+    row blocks meets one shared matrix (x[B, T, K] @ W is a single product of B·T rows)."""
+    a, b = op.inputs[:2]
+    if attrs_of(op)["transpose_a"]:
+        return a.shape[-1]
+    return a.size // a.shape[-1] if b.rank == 2 and a.rank > 2 else a.shape[-2]
+
+
+def use_bfloat16_matmul(func: Function) -> None:
+    for op in func.ops:
+        if op.type != "MatMul" or op.inputs[0].dtype != dtypes.DT_FLOAT32 or _rows(op) == 1:
+            continue
+        op.set_attr("precision", "bfloat16")

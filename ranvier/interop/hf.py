@@ -1,0 +1,213 @@
+"""Hugging Face Llama folders: config.json (LlamaForCausalLM) and model.safetensors (or
+shards with model.safetensors.index.json; float32, float16 or bfloat16). HF rotates the
+halves of each head (rotate_half) where llama2.c and ranvier rotate interleaved pairs, so
+q and k rows are permuted on the way."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic import atomic_write_bytes
+from ..errors import name_mismatch
+from ..models.llama import LlamaConfig
+from .weights import InteropError, check_weights, config_from, torch_layout
+
+
+def hf_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows of a torch [out, in] q/k weight from interleaved-pair RoPE order to HF's half-split
+    order (transformers' convert_llama_weights_to_hf.py `permute`)."""
+    out, inp = w.shape
+    return np.ascontiguousarray(w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(0, 2, 1, 3).reshape(out, inp))
+
+
+def hf_unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of `hf_permute`."""
+    out, inp = w.shape
+    return np.ascontiguousarray(w.reshape(n_heads, 2, out // n_heads // 2, inp).transpose(0, 2, 1, 3).reshape(out, inp))
+
+
+def hf_config(config: LlamaConfig, bos_id: int = 1, eos_id: int = 2) -> dict:
+    c = config
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.dim,
+        "intermediate_size": c.hidden_dim,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": c.shared_classifier,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_state_dict(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """ranvier weights → HF LlamaForCausalLM names, torch [out, in] layout, q/k rows permuted."""
+    c, w = config, check_weights(config, weights)
+    state = {"model.embed_tokens.weight": w["tok_embeddings"]}
+    for i in range(c.n_layers):
+        p, lw = f"model.layers.{i}.", (lambda name: w[f"layers.{i}.{name}"])
+        state[p + "input_layernorm.weight"] = lw("attention_norm")
+        state[p + "self_attn.q_proj.weight"] = hf_permute(torch_layout(lw("wq")), c.n_heads)
+        state[p + "self_attn.k_proj.weight"] = hf_permute(torch_layout(lw("wk")), c.n_kv_heads)
+        state[p + "self_attn.v_proj.weight"] = torch_layout(lw("wv"))
+        state[p + "self_attn.o_proj.weight"] = torch_layout(lw("wo"))
+        state[p + "post_attention_layernorm.weight"] = lw("ffn_norm")
+        state[p + "mlp.gate_proj.weight"] = torch_layout(lw("w1"))
+        state[p + "mlp.up_proj.weight"] = torch_layout(lw("w3"))
+        state[p + "mlp.down_proj.weight"] = torch_layout(lw("w2"))
+    state["model.norm.weight"] = w["norm"]
+    if not c.shared_classifier:
+        state["lm_head.weight"] = torch_layout(w["output"])
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()}
+
+
+def export_hf(config: LlamaConfig, weights: dict[str, np.ndarray], out_dir: str | os.PathLike,
+              bos_id: int = 1, eos_id: int = 2) -> Path:
+    """Write config.json and model.safetensors that transformers' LlamaForCausalLM loads."""
+    from safetensors.numpy import save as st_save
+
+    out = Path(out_dir)
+    state = hf_state_dict(config, weights)
+    atomic_write_bytes(out / "model.safetensors", st_save(state, metadata={"format": "pt"}))
+    atomic_write_bytes(out / "config.json", (json.dumps(hf_config(config, bos_id, eos_id), indent=2) + "\n").encode())
+    return out
+
+
+def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+            raise InteropError(f"{index} is not a safetensors index (no readable 'weight_map'): {error}") from None
+        files = sorted({folder / name for name in weight_map.values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise InteropError(f"{folder} holds no *.safetensors weights")
+    state: dict[str, np.ndarray] = {}
+    for file in files:
+        if not file.is_file():
+            raise InteropError(f"{file}, named by {folder}'s safetensors index, is missing")
+        try:
+            state.update(load_file(file))
+        except TypeError:  # numpy has no bfloat16: safetensors' numpy API refuses such files
+            try:
+                state.update(_read_safetensors_bf16(file))
+            except (struct.error, KeyError, ValueError) as error:
+                raise InteropError(f"cannot read {file}: {error!r}") from None
+        except Exception as error:  # safetensors raises its own error types for corrupt data
+            raise InteropError(f"cannot read {file}: {error}") from None
+    return state
+
+
+def _read_safetensors_bf16(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as numpy, bfloat16 ones widened to float32 (exactly)."""
+    from safetensors import safe_open
+
+    raw = file.read_bytes()
+    (header_size,) = struct.unpack_from("<Q", raw)
+    try:
+        header = json.loads(raw[8:8 + header_size])
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InteropError(f"cannot read {file}: corrupt safetensors header ({error})") from None
+    state = {}
+    with safe_open(file, framework="numpy") as f:
+        for name in f.keys():
+            info = header[name]
+            if info["dtype"] == "BF16":
+                begin, end = (8 + header_size + offset for offset in info["data_offsets"])
+                bits = np.frombuffer(raw[begin:end], dtype="<u2").astype(np.uint32) << 16
+                state[name] = bits.view(np.float32).reshape(info["shape"])
+            else:
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Read a Hugging Face Llama folder (config.json + safetensors) into ranvier weights."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise InteropError(f"{folder} is not a Hugging Face model folder: config.json is missing")
+    try:
+        hf = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InteropError(f"{config_path} is not valid JSON: {error}") from None
+    if hf.get("model_type", "llama") != "llama":
+        raise InteropError(f"{config_path}: model_type {hf.get('model_type')!r} is not 'llama'")
+    if hf.get("rope_scaling"):
+        raise InteropError(f"{config_path}: rope_scaling {hf['rope_scaling']!r} is not supported")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise InteropError(f"{config_path}: only silu activations without biases are supported")
+    try:
+        n_heads = hf["num_attention_heads"]
+        config = config_from(
+            str(config_path),
+            dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads, vocab_size=hf["vocab_size"],
+            hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(hf.get("rope_theta", 10000.0)),
+            shared_classifier=bool(hf.get("tie_word_embeddings", False)),
+        )
+    except KeyError as error:
+        raise InteropError(f"{config_path} lacks {error.args[0]!r}") from None
+    if hf.get("head_dim") not in (None, config.head_dim):
+        raise InteropError(f"{config_path}: head_dim {hf['head_dim']} differs from hidden_size / heads = {config.head_dim}")
+    state = _read_safetensors(folder)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.shared_classifier:
+        state.pop("lm_head.weight", None)
+    c = config
+    names = {"tok_embeddings": ("model.embed_tokens.weight", None), "norm": ("model.norm.weight", None)}
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        names.update({
+            f"layers.{i}.attention_norm": (p + "input_layernorm.weight", None),
+            f"layers.{i}.wq": (p + "self_attn.q_proj.weight", c.n_heads),
+            f"layers.{i}.wk": (p + "self_attn.k_proj.weight", c.n_kv_heads),
+            f"layers.{i}.wv": (p + "self_attn.v_proj.weight", 0),
+            f"layers.{i}.wo": (p + "self_attn.o_proj.weight", 0),
+            f"layers.{i}.ffn_norm": (p + "post_attention_layernorm.weight", None),
+            f"layers.{i}.w1": (p + "mlp.gate_proj.weight", 0),
+            f"layers.{i}.w3": (p + "mlp.up_proj.weight", 0),
+            f"layers.{i}.w2": (p + "mlp.down_proj.weight", 0),
+        })
+    if not c.shared_classifier:
+        names["output"] = ("lm_head.weight", 0)
+    missing = [hf_name for hf_name, _ in names.values() if hf_name not in state]
+    extra = sorted(set(state) - {hf_name for hf_name, _ in names.values()})
+    if missing or extra:
+        raise InteropError(
+            f"{folder}: the weights do not fit config.json: " + name_mismatch(missing, extra)
+        )
+    weights = {}
+    for key, (hf_name, heads) in names.items():
+        array = np.asarray(state[hf_name], dtype=np.float32)
+        if heads is not None:  # a Linear weight [out, in]
+            if heads:
+                array = hf_unpermute(array, heads)
+            array = torch_layout(array)
+        weights[key] = array
+    return config, check_weights(config, weights, f"{folder}")
