@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from llvmlite import ir
 
-from ranvier.backends.cpu import mathlib
+from ranvier.backends.llvm import mathlib
 
 F32, F64 = np.float32, np.float64
 FUNCTIONS = tuple(mathlib.FUNCTIONS)

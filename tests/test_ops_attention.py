@@ -47,10 +47,10 @@ def naive(q, k, v, dout, causal, scale):
 def cpu_attention(request, monkeypatch):
     """The cpu backend decomposes attention unless its scores exceed a budget; a zero
     budget makes even these small cases run the fused kernels."""
-    import ranvier.backends.cpu.backend as cpu
+    import ranvier.backends.cpu.kernels.attention as cpu
 
     if request.param == "fused":
-        monkeypatch.setattr(cpu, "ATTENTION_SCORES_BUDGET", 0)
+        monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
     return request.param
 
 

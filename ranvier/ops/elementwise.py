@@ -82,7 +82,8 @@ def unary(type: str, reference, allowed, method, vjp, formula, doc: str = "", at
 
 def _sign_formula(x):
     """-1, 0 or 1 by the sign of x; NaN stays NaN (x ≠ x only for NaN)."""
-    signed = (x < 0).where(-1, (x > 0).where(1, 0))
+    one, zero = x.constant(1), x.constant(0)
+    signed = (x < 0).where(-one, (x > 0).where(one, zero))
     return x.not_equal(x).where(x, signed) if dtypes.is_float(x.dtype) else signed
 
 

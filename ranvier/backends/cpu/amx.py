@@ -62,7 +62,7 @@ from llvmlite import ir
 
 from ...errors import RanvierError
 from . import jit
-from .irutil import BYTE_PTR, F32, I1, I8, I16, I32, I64, VOID, for_range, i64, splat
+from ..llvm.irutil import BYTE_PTR, F32, I1, I8, I16, I32, I64, VOID, for_range, i64, splat
 from .target import CPUTarget
 
 SYMBOL = "ranvier_bf16_gemm"

@@ -13,31 +13,29 @@ import numpy as np
 
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
-from ...ops import is_view, op_def
+from ...ops import is_view
 from ...runtime import Cell, Instance, Step
 from ..base import Capabilities, CompileOptions
 from ..reference import reference_kernel
 from ... import debug
 from . import amx, codegen, jit
 from .codegen import FIRST_TABLE_SLOT, Layout
-from .kernels import FALLBACK, choose
-from .kernels.matmul import AMX_KERNEL, amx_workspace_bytes
+from .kernels import LIBRARY
+from .kernels.matmul import AMX_KERNEL
 from .parallel import thread_count
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
-# Attention whose score matrices (batch × heads × queries × keys) take more bytes than
-# this runs as the fused kernel, which never stores them; smaller ones decompose.
-ATTENTION_SCORES_BUDGET = 1 << 25
-
-
 @functools.cache
 def _source_digest() -> str:
-    """Changes to the code generator must invalidate cached object files."""
+    """Changes to the code generator must invalidate cached object files: this backend, the
+    shared LLVM layer, and the op definitions (their formulas are generated as code)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
+    package = Path(__file__).parents[2]
+    for folder in ("backends/cpu", "backends/llvm", "ops"):
+        for path in sorted((package / folder).rglob("*.py")):
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -87,38 +85,19 @@ class CPUBackend:
     # ---- compile time -----------------------------------------------------------------
 
     def runs_whole(self, op: Operation) -> bool:
-        """Whether a native kernel runs the op as it is (else it decomposes).
-
-        Attention decomposes into batched GEMMs and a row softmax, which beat the fused
-        kernel wherever measured (a stories15M training step, batch 4 × 256: float32 758
-        ms fused, 560 ms decomposed; bf16 741 and 448; decoding about even), unless its
-        score matrices are too big to store: then the fused kernel, which streams them."""
-        if choose(op)[0] == FALLBACK[0]:
-            return False
-        if op.type not in ("Attention", "AttentionGrad"):
-            return True
-        q, k = op.inputs[0], op.inputs[1]
-        batch, heads, queries, _ = q.shape
-        return batch * heads * queries * k.shape[2] * 4 > ATTENTION_SCORES_BUDGET
+        """Whether a native kernel supports the op as it is (else it decomposes)."""
+        return LIBRARY.supports(op)
 
     def choose(self, op: Operation) -> Step:
-        name, _ = choose(op)
-        return Step(op, name, "python" if name == FALLBACK[0] else self.target.variant, op_def(op.type).cost(op))
+        chosen = LIBRARY.choose(op)
+        return Step(op, chosen.name, self.target.variant if chosen.native else "python", chosen.cost(op))
 
     def workspace_bytes(self, step: Step) -> int:
-        return amx_workspace_bytes(step.op) if step.kernel == AMX_KERNEL else 0
+        return LIBRARY.choose(step.op).workspace_bytes(step.op)
 
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
-        """Loop kernels read and write element i together, so an input of the output's
-        exact type and shape may be overwritten; everything else writes elsewhere. A
-        copy (Identity) of an input that dies there takes over its bytes, which makes
-        it free: the copy kernel skips a copy onto itself."""
-        name, _ = choose(op)
-        if source.dtype != target.dtype:
-            return False
-        if name == "Copy":
-            return source.size == target.size
-        return name in ("Elementwise", "Calculate") and list(source.shape) == list(target.shape)
+        """Whether the op's kernel may write `target` over `source` (see Kernel.in_place)."""
+        return LIBRARY.choose(op).may_write_over(op, source, target)
 
     def shares_storage(self, op: Operation) -> bool:
         """A reshape (or other view) of a local is its input's bytes: the copy kernel
@@ -154,7 +133,7 @@ class CPUBackend:
         }
 
     def _module(self, cell: Cell, layout: Layout):
-        emitters = [choose(step.op)[1] for step in cell.steps]
+        emitters = [LIBRARY.choose(step.op).emit for step in cell.steps]
         return codegen.build_module(cell.name, self.target, cell.steps, layout, emitters)
 
     def code(self, cell: Cell, kind: str) -> str:

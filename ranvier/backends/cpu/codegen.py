@@ -15,14 +15,18 @@ function calls them in order and adds each step's cycle count to its profile cou
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from llvmlite import ir
 
+from ... import dtypes
 from ...flow.graph import Variable
 from ...runtime import Step
-from .convert import use_target
-from .irutil import BYTE_PTR, I64, VOID, i64, storage_type
+from ..llvm.convert import narrow, use_target, widen
+from ..llvm.irutil import BYTE_PTR, I64, VOID, compute_type, constant, for_range, i64, load, storage_type, store, vector_of
+from ..llvm.values import Value, index_value
 from .target import CPUTarget
 
 DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, MAX_THREADS, SGEMV, DGEMV, BF16GEMM, FIRST_TABLE_SLOT = range(12)
@@ -79,16 +83,107 @@ class KernelContext:
 
     def lanes_for(self, dtypes_: list[str]) -> int:
         """Vector width for a loop touching these dtypes: one register of the widest element."""
-        from ... import dtypes
-
         widest = max((4 if d in ("float16", "bfloat16", "bool") else dtypes.itemsize(d)) for d in dtypes_)
         return self.target.lanes(widest)
 
-    def fail(self, condition: ir.Value) -> None:
+    def fail(self, condition: Value | ir.Value) -> None:
         """Record this step in the status word when `condition` holds (the runtime raises)."""
-        with self.b.if_then(condition, likely=False):
+        with self.b.if_then(_ir(condition), likely=False):
             status = self.b.bitcast(self.table_entry(STATUS), I64.as_pointer())
             self.b.store(i64(self.step_index + 1), status)
+
+    # ---- values: what kernels compute with -----------------------------------------------
+
+    def index(self, value: Value | ir.Value | int) -> Value:
+        """An int64 Value: loop counters, offsets, sizes."""
+        return value if isinstance(value, Value) else index_value(self.b, value)
+
+    def constant(self, dtype: str, value, lanes: int = 1) -> Value:
+        return Value(self.b, constant(vector_of(compute_type(dtype), lanes), value), dtype)
+
+    def load(self, var: Variable, at: Value | int, lanes: int = 1) -> Value:
+        """`lanes` elements of `var` from element `at`, in the type they compute in."""
+        raw = load(self.b, self.pointer(var), _ir(at), storage_type(var.dtype), lanes)
+        return Value(self.b, widen(self.b, raw, var.dtype, lanes), var.dtype)
+
+    def store(self, var: Variable, at: Value | int, value: Value | float | int) -> None:
+        """Write `value` (rounded to how `var` is stored) at element `at` of `var`."""
+        value = value if isinstance(value, Value) else self.constant(var.dtype, value)
+        narrowed = narrow(self.b, value.ir, var.dtype, value.lanes)
+        store(self.b, narrowed, self.pointer(var), _ir(at), storage_type(var.dtype), value.lanes)
+
+    def copy(self, source: Variable, source_at: Value | int, target: Variable, target_at: Value | int, lanes: int = 1) -> None:
+        """Move `lanes` elements bit for bit (same dtype; nothing converted or rounded)."""
+        element = storage_type(source.dtype)
+        raw = load(self.b, self.pointer(source), _ir(source_at), element, lanes)
+        store(self.b, raw, self.pointer(target), _ir(target_at), element, lanes)
+
+    @contextmanager
+    def loop(self, start: Value | int, stop: Value | int, step: int = 1, name: str = "i") -> Iterator[Value]:
+        """`for (i = start; i < stop; i += step)` with an int64 Value i; the body is the with-block."""
+        with for_range(self.b, _ir(start), _ir(stop), step, name) as i:
+            yield index_value(self.b, i)
+
+    def local(self, dtype: str, lanes: int = 1, initial=None) -> Local:
+        """A variable of the kernel (an accumulator, a running maximum)."""
+        with self.b.goto_entry_block():
+            slot = self.b.alloca(vector_of(compute_type(dtype), lanes))
+        result = Local(self.b, slot, dtype)
+        if initial is not None:
+            result.set(initial if isinstance(initial, Value) else self.constant(dtype, initial, lanes))
+        return result
+
+    def lane_numbers(self, lanes: int) -> Value:
+        """The int64 vector [0, 1, ..., lanes - 1] (0 for a scalar)."""
+        if lanes == 1:
+            return self.index(0)
+        return Value(self.b, ir.Constant(ir.VectorType(I64, lanes), list(range(lanes))), dtypes.DT_INT64)
+
+    def array(self, dtype: str, count: int) -> Array:
+        """A scratch array of `count` scalars on the step's stack."""
+        with self.b.goto_entry_block():
+            base = self.b.alloca(compute_type(dtype), size=i64(count))
+        return Array(self.b, base, dtype)
+
+    def when(self, condition: Value):
+        """`if (condition)`: the body is the with-block."""
+        return self.b.if_then(condition.ir)
+
+
+class Local:
+    """A mutable kernel variable: read `.value`, write `.set(v)`."""
+
+    def __init__(self, b: ir.IRBuilder, slot: ir.Value, dtype: str):
+        self.b, self.slot, self.dtype = b, slot, dtype
+
+    @property
+    def value(self) -> Value:
+        return Value(self.b, self.b.load(self.slot), self.dtype)
+
+    def set(self, value: Value) -> None:
+        self.b.store(value.ir, self.slot)
+
+
+class Array:
+    """Scalars in the step's stack frame: `.load(i)`, `.store(i, value)`."""
+
+    def __init__(self, b: ir.IRBuilder, base: ir.Value, dtype: str):
+        self.b, self.base, self.dtype = b, base, dtype
+
+    def load(self, at: Value | int) -> Value:
+        return Value(self.b, self.b.load(self.b.gep(self.base, [_ir(at)])), self.dtype)
+
+    def store(self, at: Value | int, value: Value) -> None:
+        self.b.store(value.ir, self.b.gep(self.base, [_ir(at)]))
+
+
+def _ir(value) -> ir.Value:
+    """The IR of a Value, an IR value itself, or an i64 constant for a Python int."""
+    if isinstance(value, Value):
+        return value.ir
+    if isinstance(value, int):
+        return i64(value)
+    return value
 
 
 def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout, emitters) -> ir.Module:

@@ -19,7 +19,7 @@ from typing import Callable
 from llvmlite import ir
 
 from .codegen import KernelContext
-from .irutil import BYTE_PTR, I32, I64, i64
+from ..llvm.irutil import BYTE_PTR, I32, I64, i64
 
 Part = Callable[[KernelContext], None]
 

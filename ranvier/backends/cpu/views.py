@@ -13,11 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from llvmlite import ir
-
 from ...flow.graph import Variable
-from .convert import narrow, widen
-from .irutil import for_range, i64, load, splat, storage_type, store
+from ..llvm.values import Value
 from .parallel import run_parts, shares, thread_count, worth_splitting
 
 
@@ -67,11 +64,12 @@ def _collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list
     return merged_dims, merged
 
 
-Body = Callable[[ir.IRBuilder, list[ir.Value], int], list[ir.Value]]
+Body = Callable[[list[Value], int], list[Value]]
 
 
 def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False) -> None:
-    """Loop over `shape`, read the inputs, compute `body`, write the outputs (all through views).
+    """Loop over `shape`, read the inputs, compute `body(values, lanes)`, write the outputs
+    (all through views). `values` are the inputs' elements as Values, `lanes` wide.
 
     With `accumulate`, results are added to what the outputs hold, in loop order, so
     views that visit an element more than once (overlapping windows) sum correctly.
@@ -95,53 +93,67 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
 
 def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int, last: int) -> None:
     """emit_map's loops, over [first, last) of the outermost dimension."""
-    b = ctx.b
-    bases = [ctx.pointer(v.var) for v in views]
-    dtypes_ = [v.var.dtype for v in views]
     inner_ok = all(s[-1] in (0, 1) for s in strides)
 
-    def access(offsets: list[ir.Value], width: int, unit: list[bool]) -> None:
-        values = []
-        for k in range(n_in):
-            element = storage_type(dtypes_[k])
-            if width > 1 and not unit[k]:
-                values.append(splat(b, widen(b, load(b, bases[k], offsets[k], element), dtypes_[k], 1), width))
-            else:
-                values.append(widen(b, load(b, bases[k], offsets[k], element, width), dtypes_[k], width))
-        results = body(b, values, width)
-        for k, value in enumerate(results):
-            j = n_in + k
-            element = storage_type(dtypes_[j])
-            if accumulate:
-                current = widen(b, load(b, bases[j], offsets[j], element, width), dtypes_[j], width)
-                value = b.fadd(current, value) if isinstance(current.type.element if width > 1 else current.type, (ir.FloatType, ir.DoubleType)) else b.add(current, value)
-            store(b, narrow(b, value, dtypes_[j], width), bases[j], offsets[j], element, width)
+    def access(offsets: list[Value], width: int, unit: list[bool]) -> None:
+        values = [
+            ctx.load(v.var, offset, width) if width == 1 or unit[k] else ctx.load(v.var, offset).splat(width)
+            for k, (v, offset) in enumerate(zip(views[:n_in], offsets))
+        ]
+        for view, offset, value in zip(views[n_in:], offsets[n_in:], body(values, width)):
+            ctx.store(view.var, offset, ctx.load(view.var, offset, width) + value if accumulate else value)
 
-    def level(depth: int, offsets: list[ir.Value]) -> None:
+    def level(depth: int, offsets: list[Value]) -> None:
         if depth < len(dims) - 1:
             start, stop = (first, last) if depth == 0 else (0, dims[depth])
-            with for_range(b, i64(start), i64(stop), name=f"d{depth}") as index:
-                level(depth + 1, [b.add(o, b.mul(index, i64(s[depth]))) for o, s in zip(offsets, strides)])
+            with ctx.loop(start, stop, name=f"d{depth}") as i:
+                level(depth + 1, [o + i * s[depth] for o, s in zip(offsets, strides)])
             return
         start, count = (first, last) if depth == 0 else (0, dims[-1])
         unit = [s[-1] == 1 for s in strides]
         vector_end = start + (count - start) - (count - start) % lanes if inner_ok and lanes > 1 else start
         if vector_end > start:
-            with for_range(b, i64(start), i64(vector_end), step=lanes, name="v") as index:
-                access([b.add(o, b.mul(index, i64(s[-1]))) for o, s in zip(offsets, strides)], lanes, unit)
+            with ctx.loop(start, vector_end, step=lanes, name="v") as i:
+                access([o + i * s[-1] for o, s in zip(offsets, strides)], lanes, unit)
         if vector_end < count:
-            with for_range(b, i64(vector_end), i64(count), name="s") as index:
-                access([b.add(o, b.mul(index, i64(s[-1]))) for o, s in zip(offsets, strides)], 1, unit)
+            with ctx.loop(vector_end, count, name="s") as i:
+                access([o + i * s[-1] for o, s in zip(offsets, strides)], 1, unit)
 
-    level(0, [i64(v.offset) for v in views])
+    level(0, [ctx.index(v.offset) for v in views])
 
 
-def for_vectors(b: ir.IRBuilder, start: ir.Value, count: int, lanes: int, body: Callable[[ir.Value, int], None]) -> None:
+def for_vectors(ctx, start: Value | int, count: int, lanes: int, body: Callable[[Value, int], None]) -> None:
     """Call `body(index, width)` over [start, start + count): whole vectors, then single elements."""
+    start = ctx.index(start)
     vector_end = count - count % lanes if lanes > 1 else 0
     if vector_end:
-        with for_range(b, i64(0), i64(vector_end), step=lanes, name="v") as index:
-            body(b.add(start, index), lanes)
+        with ctx.loop(0, vector_end, step=lanes, name="v") as i:
+            body(start + i, lanes)
     if vector_end < count:
-        with for_range(b, i64(vector_end), i64(count), name="s") as index:
-            body(b.add(start, index), 1)
+        with ctx.loop(vector_end, count, name="s") as i:
+            body(start + i, 1)
+
+
+def fill(ctx, var: Variable, value: float) -> None:
+    """Every element of `var` set to `value`."""
+    lanes = ctx.lanes_for([var.dtype])
+    for_vectors(ctx, 0, var.size, lanes, lambda i, w: ctx.store(var, i, ctx.constant(var.dtype, value, w)))
+
+
+def fold(ctx, start: Value | int, count: int, lanes: int, dtype: str, initial, combine, term) -> Value:
+    """`combine` over `term(index, width)` for [start, start + count): partial results
+    `lanes` wide, the scalar tail, then the lanes folded into one value."""
+    vector = ctx.local(dtype, lanes, initial)
+    scalar = ctx.local(dtype, 1, initial)
+
+    def step(i: Value, width: int) -> None:
+        acc = vector if width > 1 else scalar
+        acc.set(combine(acc.value, term(i, width)))
+
+    for_vectors(ctx, start, count, lanes, step)
+    total = scalar.value
+    if lanes > 1 and count >= lanes:
+        partial = vector.value
+        for lane in range(lanes):
+            total = combine(total, partial.lane(lane))
+    return total

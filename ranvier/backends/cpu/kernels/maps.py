@@ -1,6 +1,10 @@
 """Kernels built on the strided loop engine: elementwise ops, fused Calculate programs,
 and every data movement that is a view (copies, broadcasts, transposes, slices,
-concatenation, splits, in-place assignment)."""
+concatenation, splits, in-place assignment).
+
+An elementwise op is generated from its definition's formula (`ranvier.ops`), evaluated
+on IR values, so defining an elementwise op with a formula gives it a native kernel.
+"""
 
 from __future__ import annotations
 
@@ -8,52 +12,72 @@ import math
 
 import numpy as np
 
-from ....ops import attrs_of
-from ....ops.expression import Ref, parse
-from ....ops.fused import program_types
-from .. import elementwise
-from ..irutil import for_range, i64, load, storage_type, store
+from ....ops import Attrs, attrs_of, op_def
+from ....ops.expression import Call, Ref, parse
+from ...llvm.values import Value
 from ..views import View, broadcast_view, contiguous_strides, dense_view, emit_map
 from .index import check_range, load_index
+from .library import kernel
 
 
-def _identity(b, values, lanes):
+def _identity(values, lanes):
     return values
 
 
-def elementwise_op(ctx, op) -> None:
+def _same_type(op, source, target) -> bool:
+    """A loop kernel reads and writes element i together: an input of the output's exact
+    type and shape may be overwritten."""
+    return source.dtype == target.dtype and list(source.shape) == list(target.shape)
+
+
+def _same_bytes(op, source, target) -> bool:
+    """A copy of an input that dies at it takes over the input's bytes: then there is
+    nothing to copy (the copy kernel skips a copy onto itself)."""
+    return source.dtype == target.dtype and source.size == target.size
+
+
+def has_formula(op) -> bool:
+    definition = op_def(op.type)
+    return definition.family == "elementwise" and definition.formula is not None and op.type != "Identity"
+
+
+def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
+    """`op_type(args)` on IR values, by the op's formula, with its typed attributes."""
+    definition = op_def(op_type)
+    return definition.formula(*args, **Attrs(attrs, op_type, op_type, definition.attrs).values())
+
+
+@kernel("Elementwise", supports=has_formula, in_place=_same_type)
+def elementwise(ctx, op) -> None:
     out = op.outputs[0]
     inputs = [broadcast_view(v, out.shape) for v in op.inputs]
-    dtypes_ = [v.dtype for v in op.inputs]
-
-    def body(b, values, lanes):
-        return [elementwise.emit(b, op.type, op.attrs, values, dtypes_, out.dtype)]
-
-    emit_map(ctx, out.shape, inputs, [dense_view(out)], body)
+    emit_map(ctx, out.shape, inputs, [dense_view(out)], lambda values, lanes: [apply(op.type, op.attrs, values)])
 
 
+def _uniform_outputs(op) -> bool:
+    return len({tuple(v.shape) for v in op.outputs}) <= 1
+
+
+@kernel("Calculate", {"Calculate"}, supports=_uniform_outputs, in_place=_same_type)
 def calculate(ctx, op) -> None:
     """A fused program: every statement is evaluated per element of the common output shape."""
     program = parse(op.attrs["expr"])
-    types = program_types(program, op.inputs, op.name)
     shape = _iteration_shape(op)
     inputs = [broadcast_view(v, shape) for v in op.inputs]
     written = [t.index for t, _ in program.statements if t.kind == "%"]
     outputs = [dense_view(v) for v in op.outputs] + [dense_view(op.inputs[i]) for i in written]
 
-    def body(b, values, lanes):
+    def body(values, lanes):
         env = {f"%{i}": value for i, value in enumerate(values)}
 
-        def evaluate(node):
+        def evaluate(node: Ref | Call) -> Value:
             if isinstance(node, Ref):
-                return env[str(node)], types[str(node)].dtype
-            args = [evaluate(a) for a in node.args]
-            out_dtype = types[str(node)].dtype
-            return elementwise.emit(b, node.op_type, dict(node.attrs), [a for a, _ in args], [d for _, d in args], out_dtype), out_dtype
+                return env[str(node)]
+            return apply(node.op_type, dict(node.attrs), [evaluate(a) for a in node.args])
 
         writes = []
         for target, call in program.statements:
-            value, _ = evaluate(call)
+            value = evaluate(call)
             if target.kind == "%":
                 writes.append(value)
             else:
@@ -71,10 +95,10 @@ def _iteration_shape(op):
     return list(op.inputs[first_write].shape)
 
 
+@kernel("Copy", {"Identity", "Reshape", "ExpandDims", "Squeeze"}, in_place=_same_bytes)
 def copy_elements(ctx, op) -> None:
-    """Reshape, ExpandDims, Squeeze, Identity: the same elements in the same order. When
-    the output shares the input's memory (planned in place, or a view of a global),
-    there is nothing to do."""
+    """The same elements in the same order. When the output shares the input's memory
+    (planned in place, or a view of a global), there is nothing to do."""
     src, dst = op.inputs[0], op.outputs[0]
     offsets = ctx.layout.offsets
     if src.name == dst.name or dst.name in ctx.layout.aliases or (src.name in offsets and offsets.get(dst.name) == offsets[src.name]):
@@ -82,16 +106,19 @@ def copy_elements(ctx, op) -> None:
     emit_map(ctx, [dst.size], [View(src, 0, [1])], [View(dst, 0, [1])], _identity)
 
 
+@kernel("Broadcast", {"BroadcastTo"})
 def broadcast_to(ctx, op) -> None:
     out = op.outputs[0]
     emit_map(ctx, out.shape, [broadcast_view(op.inputs[0], out.shape)], [dense_view(out)], _identity)
 
 
+@kernel("Assign", {"Assign"})
 def assign(ctx, op) -> None:
     target, value = op.inputs
     emit_map(ctx, [target.size], [View(value, 0, [1])], [View(target, 0, [1])], _identity)
 
 
+@kernel("Transpose", {"Transpose"})
 def transpose(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
     perm = attrs_of(op)["perm"] or list(reversed(range(x.rank)))
@@ -99,11 +126,11 @@ def transpose(ctx, op) -> None:
     emit_map(ctx, out.shape, [View(x, 0, [own[p] for p in perm])], [dense_view(out)], _identity)
 
 
+@kernel("Slice", {"Slice"})
 def slice_(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
-    begin = attrs_of(op)["begin"]
     own = contiguous_strides(x.shape)
-    offset = sum(b * s for b, s in zip(begin, own))
+    offset = sum(b * s for b, s in zip(attrs_of(op)["begin"], own))
     emit_map(ctx, out.shape, [View(x, offset, own)], [dense_view(out)], _identity)
 
 
@@ -111,6 +138,7 @@ def _axis(value_var, rank):
     return int(np.asarray(value_var.data).reshape(-1)[0]) % rank
 
 
+@kernel("Concat", {"Concat"})
 def concat(ctx, op) -> None:
     out = op.outputs[0]
     axis = _axis(op.inputs[-1], out.rank)
@@ -121,6 +149,7 @@ def concat(ctx, op) -> None:
         position += part.shape[axis]
 
 
+@kernel("Split", {"Split"})
 def split(ctx, op) -> None:
     x = op.inputs[0]
     axis = _axis(op.inputs[2], x.rank)
@@ -131,41 +160,19 @@ def split(ctx, op) -> None:
         position += part.shape[axis]
 
 
+@kernel("AssignSlice", {"AssignSlice"})
 def assign_slice(ctx, op) -> None:
     """target[..., start:start+n, ...] = value: only the n rows move, whatever the target's size."""
     target, value, start = op.inputs
-    b = ctx.b
     axis = attrs_of(op)["axis"] % target.rank
     outer = math.prod(target.shape[:axis])
     inner = math.prod(target.shape[axis + 1 :])
     rows, capacity = value.shape[axis], target.shape[axis]
-    begin = load_index(ctx, start, i64(0))
+    begin = load_index(ctx, start, 0)
     check_range(ctx, begin, capacity)
-    room = b.sub(i64(capacity), begin)
-    count = b.select(b.icmp_signed("<", room, i64(rows)), room, i64(rows))
-    count = b.select(b.icmp_signed("<", count, i64(0)), i64(0), count)
-    element = storage_type(target.dtype)
-    source, destination = ctx.pointer(value), ctx.pointer(target)
-    with for_range(b, i64(0), i64(outer), name="o") as o:
-        from_row = b.mul(o, i64(rows * inner))
-        to_row = b.add(b.mul(o, i64(capacity * inner)), b.mul(begin, i64(inner)))
-        with for_range(b, i64(0), b.mul(count, i64(inner)), name="e") as e:
-            store(b, load(b, source, b.add(from_row, e), element), destination, b.add(to_row, e), element)
-
-
-KERNELS = {
-    **{t: ("Elementwise", elementwise_op) for t in elementwise.SUPPORTED if t not in ("Identity",)},
-    "Calculate": ("Calculate", calculate),
-    "Identity": ("Copy", copy_elements),
-    "Reshape": ("Copy", copy_elements),
-    "ExpandDims": ("Copy", copy_elements),
-    "Squeeze": ("Copy", copy_elements),
-    "BroadcastTo": ("Broadcast", broadcast_to),
-    "Assign": ("Assign", assign),
-    "AssignSlice": ("AssignSlice", assign_slice),
-    "Transpose": ("Transpose", transpose),
-    "Slice": ("Slice", slice_),
-    "Concat": ("Concat", concat),
-    "Split": ("Split", split),
-}
-
+    count = (capacity - begin).minimum(rows).maximum(0)
+    with ctx.loop(0, outer, name="o") as o:
+        from_row = o * (rows * inner)
+        to_row = o * (capacity * inner) + begin * inner
+        with ctx.loop(0, count * inner, name="e") as e:
+            ctx.copy(value, from_row + e, target, to_row + e)

@@ -17,10 +17,10 @@ from .... import dtypes
 from ....ops import attrs_of
 from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
-from ..convert import narrow, widen
-from ..irutil import F32, F64, I8, I32, I64, VOID, compute_type, constant, for_range, i64, load, storage_type, store
+from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import contiguous_strides
+from .library import kernel
 
 
 def _batch_offsets(batch, a_batch, b_batch):
@@ -72,82 +72,11 @@ def _gemms(op) -> tuple[bool, bool, int, int, int, list[tuple[int, int]]]:
     return ta, tb, m, k, n, _batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])
 
 
-def blas_matmul(ctx, op) -> None:
-    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
-    ta, tb, m, k, n, batches = _gemms(op)
-    element = F32 if a.dtype == dtypes.DT_FLOAT32 else F64
-    gemm_slot = SGEMM if a.dtype == dtypes.DT_FLOAT32 else DGEMM
-    builder = ctx.b
-    ptr = element.as_pointer()
-    i32p, chp = I32.as_pointer(), I8.as_pointer()
-    gemm_type = ir.FunctionType(VOID, [chp, chp, i32p, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
-    gemm = builder.bitcast(ctx.table_entry(gemm_slot), gemm_type.as_pointer())
-
-    def cell(type_, value):
-        with builder.goto_entry_block():
-            slot = builder.alloca(type_)
-        builder.store(ir.Constant(type_, value), slot)
-        return slot
-
-    trans_b, trans_a = cell(I8, ord("T" if tb else "N")), cell(I8, ord("T" if ta else "N"))
-    n_, m_, k_ = cell(I32, n), cell(I32, m), cell(I32, k)
-    ldb, lda, ldc = cell(I32, b.shape[-1]), cell(I32, a.shape[-1]), cell(I32, n)
-    alpha, beta = cell(element, 1.0), cell(element, 0.0)
-    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
-    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
-    _set_threads(ctx, 2 * m * n * k, max(a.nbytes, b.nbytes))
-    if m == 1:
-        # A vector times a matrix (a decode step): GEMV streams the matrix once, where
-        # GEMM would first pack it. y = op(B)ᵀ-view · x in column-major terms.
-        gemv_type = ir.FunctionType(VOID, [chp, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
-        gemv = builder.bitcast(ctx.table_entry(SGEMV if element is F32 else DGEMV), gemv_type.as_pointer())
-        rows, columns = (k, n) if tb else (n, k)
-        trans, rows_, columns_, one = cell(I8, ord("T" if tb else "N")), cell(I32, rows), cell(I32, columns), cell(I32, 1)
-        for index, (oa, ob) in enumerate(batches):
-            builder.call(gemv, [
-                trans, rows_, columns_, alpha, builder.gep(pb, [i64(ob * b_size)]), ldb,
-                builder.gep(pa, [i64(oa * a_size)]), one, beta, builder.gep(pc, [i64(index * n)]), one,
-            ])
-        return
-    for index, (oa, ob) in enumerate(batches):
-        args = [
-            trans_b, trans_a, n_, m_, k_, alpha,
-            builder.gep(pb, [i64(ob * b_size)]), ldb,
-            builder.gep(pa, [i64(oa * a_size)]), lda,
-            beta, builder.gep(pc, [i64(index * m * n)]), ldc,
-        ]
-        builder.call(gemm, args)
-
-
-def loop_matmul(ctx, op) -> None:
-    """Any numeric dtype: a plain triple loop accumulating in the compute type."""
-    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
-    ta, tb, m, k, n = _dims(op)
-    builder = ctx.b
-    acc_type = compute_type(c.dtype)
-    is_float = dtypes.is_float(c.dtype)
-    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
-    a_cols, b_cols = a.shape[-1], b.shape[-1]
-    a_size, b_size = a.shape[-2] * a_cols, b.shape[-2] * b_cols
-    for index, (oa, ob) in enumerate(_batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])):
-        with for_range(builder, i64(0), i64(m), name="m") as i:
-            with for_range(builder, i64(0), i64(n), name="n") as j:
-                with builder.goto_entry_block():
-                    acc = builder.alloca(acc_type)
-                builder.store(constant(acc_type, 0), acc)
-                with for_range(builder, i64(0), i64(k), name="k") as p:
-                    a_index = builder.add(i64(oa * a_size), builder.add(builder.mul(p, i64(a_cols)), i) if ta else builder.add(builder.mul(i, i64(a_cols)), p))
-                    b_index = builder.add(i64(ob * b_size), builder.add(builder.mul(j, i64(b_cols)), p) if tb else builder.add(builder.mul(p, i64(b_cols)), j))
-                    x = widen(builder, load(builder, pa, a_index, storage_type(a.dtype)), a.dtype, 1)
-                    y = widen(builder, load(builder, pb, b_index, storage_type(b.dtype)), b.dtype, 1)
-                    product = builder.fmul(x, y) if is_float else builder.mul(x, y)
-                    total = builder.fadd(builder.load(acc), product) if is_float else builder.add(builder.load(acc), product)
-                    builder.store(total, acc)
-                c_index = builder.add(i64(index * m * n), builder.add(builder.mul(i, i64(n)), j))
-                store(builder, narrow(builder, builder.load(acc), c.dtype, 1), pc, c_index, storage_type(c.dtype))
-
-
 AMX_KERNEL = "AmxGemm"
+
+
+def _bfloat16_precision(op) -> bool:
+    return attrs_of(op)["precision"] == "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -196,6 +125,7 @@ def amx_workspace_bytes(op) -> int:
     return len(parts) * max(_part_workspace(part) for part in parts)
 
 
+@kernel(AMX_KERNEL, {"MatMul"}, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
 def amx_matmul(ctx, op) -> None:
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb = _gemms(op)[:2]
@@ -223,17 +153,71 @@ def amx_matmul(ctx, op) -> None:
     run_parts(ctx, [emit(calls, number) for number, calls in enumerate(parts)])
 
 
-def matmul(ctx, op) -> None:
-    if op.attrs.get("precision") == "bfloat16":
-        amx_matmul(ctx, op)
-    elif op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64):
-        blas_matmul(ctx, op)
-    else:
-        loop_matmul(ctx, op)
+def _float32_or_64(op) -> bool:
+    return op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
 
 
-def kernel_name(op) -> str:
-    if op.attrs.get("precision") == "bfloat16":
-        return AMX_KERNEL
-    return "BlasGemm" if op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) else "LoopMatMul"
+@kernel("BlasGemm", {"MatMul"}, supports=_float32_or_64)
+def blas_matmul(ctx, op) -> None:
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    ta, tb, m, k, n, batches = _gemms(op)
+    element = F32 if a.dtype == dtypes.DT_FLOAT32 else F64
+    gemm_slot = SGEMM if a.dtype == dtypes.DT_FLOAT32 else DGEMM
+    builder = ctx.b
+    ptr = element.as_pointer()
+    i32p, chp = I32.as_pointer(), I8.as_pointer()
+    gemm_type = ir.FunctionType(VOID, [chp, chp, i32p, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
+    gemm = builder.bitcast(ctx.table_entry(gemm_slot), gemm_type.as_pointer())
 
+    def cell(type_, value):
+        with builder.goto_entry_block():
+            slot = builder.alloca(type_)
+        builder.store(ir.Constant(type_, value), slot)
+        return slot
+
+    trans_b, trans_a = cell(I8, ord("T" if tb else "N")), cell(I8, ord("T" if ta else "N"))
+    n_, m_, k_ = cell(I32, n), cell(I32, m), cell(I32, k)
+    ldb, lda, ldc = cell(I32, b.shape[-1]), cell(I32, a.shape[-1]), cell(I32, n)
+    alpha, beta = cell(element, 1.0), cell(element, 0.0)
+    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
+    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
+    _set_threads(ctx, 2 * m * n * k, max(a.nbytes, b.nbytes))
+    if m == 1:
+        # A vector times a matrix (a decode step): GEMV streams the matrix once, where
+        # GEMM would first pack it. y = op(B)ᵀ-view · x in column-major terms.
+        gemv_type = ir.FunctionType(VOID, [chp, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
+        gemv = builder.bitcast(ctx.table_entry(SGEMV if element is F32 else DGEMV), gemv_type.as_pointer())
+        rows, columns = (k, n) if tb else (n, k)
+        trans, rows_, columns_, one = cell(I8, ord("T" if tb else "N")), cell(I32, rows), cell(I32, columns), cell(I32, 1)
+        for index, (oa, ob) in enumerate(batches):
+            builder.call(gemv, [
+                trans, rows_, columns_, alpha, builder.gep(pb, [i64(ob * b_size)]), ldb,
+                builder.gep(pa, [i64(oa * a_size)]), one, beta, builder.gep(pc, [i64(index * n)]), one,
+            ])
+        return
+    for index, (oa, ob) in enumerate(batches):
+        args = [
+            trans_b, trans_a, n_, m_, k_, alpha,
+            builder.gep(pb, [i64(ob * b_size)]), ldb,
+            builder.gep(pa, [i64(oa * a_size)]), lda,
+            beta, builder.gep(pc, [i64(index * m * n)]), ldc,
+        ]
+        builder.call(gemm, args)
+
+
+@kernel("LoopMatMul", {"MatMul"})
+def loop_matmul(ctx, op) -> None:
+    """Any numeric dtype: a plain triple loop accumulating in the compute type."""
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    ta, tb, m, k, n = _dims(op)
+    a_cols, b_cols = a.shape[-1], b.shape[-1]
+    a_size, b_size = a.shape[-2] * a_cols, b.shape[-2] * b_cols
+    acc = ctx.local(c.dtype)
+    for index, (oa, ob) in enumerate(_batch_offsets(c.shape[:-2], a.shape[:-2], b.shape[:-2])):
+        with ctx.loop(0, m, name="m") as i, ctx.loop(0, n, name="n") as j:
+            acc.set(ctx.constant(c.dtype, 0))
+            with ctx.loop(0, k, name="k") as p:
+                a_index = oa * a_size + (p * a_cols + i if ta else i * a_cols + p)
+                b_index = ob * b_size + (j * b_cols + p if tb else p * b_cols + j)
+                acc.set(acc.value + ctx.load(a, a_index) * ctx.load(b, b_index))
+            ctx.store(c, index * m * n + i * n + j, acc.value)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from ..codegen import CALLBACK
-from ..irutil import I64, VOID, i64
+from ...llvm.irutil import I64, VOID, i64
 
 
 def python_callback(ctx, op) -> None:

@@ -3,19 +3,19 @@
 With nothing inside the reduced block (inner = 1) each output is a row reduction,
 accumulated in vector registers and folded at the end; otherwise whole vectors of
 the inner dimension accumulate down the reduced axis. ArgMax/ArgMin scan rows.
+Reductions over axes that are not adjacent decompose (see `ranvier.ops.reduce`).
 """
 
 from __future__ import annotations
 
 import math
 
-from llvmlite import ir
-
 from .... import dtypes
 from ....ops import attrs_of
-from ..convert import narrow, widen
-from ..irutil import I1, compute_type, constant, for_range, i64, is_signed, load, storage_type, store, vector_of
-from ..views import for_vectors
+from ...llvm.irutil import compute_type, is_signed
+from ...llvm.values import Value
+from ..views import fold, for_vectors
+from .library import kernel
 
 REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Product", "All", "Any"}
 
@@ -38,134 +38,88 @@ def blocks(op) -> tuple[int, int, int] | None:
     return math.prod(shape[: axes[0]]), math.prod(shape[axes[0] : axes[-1] + 1]), math.prod(shape[axes[-1] + 1 :])
 
 
-def _identity(kind: str, t: ir.Type, dtype: str):
+def _identity(kind: str, dtype: str):
+    """The value a reduction starts from: 0, 1, or the far end of the dtype's range."""
     if kind in ("Sum", "Mean", "Any"):
-        return constant(t, 0)
+        return 0
     if kind in ("Product", "All"):
-        return constant(t, 1)
+        return 1
     if dtypes.is_float(dtype):
-        return constant(t, math.inf if kind == "Min" else -math.inf)
+        return math.inf if kind == "Min" else -math.inf
     bits = compute_type(dtype).width
     if is_signed(dtype):
-        return constant(t, (1 << (bits - 1)) - 1 if kind == "Min" else -(1 << (bits - 1)))
-    return constant(t, (1 << bits) - 1 if kind == "Min" else 0)
+        return (1 << (bits - 1)) - 1 if kind == "Min" else -(1 << (bits - 1))
+    return (1 << bits) - 1 if kind == "Min" else 0
 
 
-def _combine(b: ir.IRBuilder, kind: str, dtype: str, acc: ir.Value, x: ir.Value) -> ir.Value:
-    is_float = dtypes.is_float(dtype)
-    if kind in ("Sum", "Mean"):
-        return b.fadd(acc, x) if is_float else b.add(acc, x)
-    if kind == "Product":
-        return b.fmul(acc, x) if is_float else b.mul(acc, x)
-    if kind == "All":
-        return b.and_(acc, x)
-    if kind == "Any":
-        return b.or_(acc, x)
-    predicate = "<" if kind == "Min" else ">"
-    if is_float:
-        # NaN wins, as in numpy's max/min.
-        take = b.or_(b.fcmp_ordered(predicate, x, acc), b.fcmp_unordered("uno", x, x))
-    else:
-        take = (b.icmp_signed if is_signed(dtype) else b.icmp_unsigned)(predicate, x, acc)
-    return b.select(take, x, acc)
+def _combine(kind: str):
+    def combine(acc: Value, x: Value) -> Value:
+        if kind in ("Sum", "Mean"):
+            return acc + x
+        if kind == "Product":
+            return acc * x
+        if kind == "All":
+            return acc & x
+        if kind == "Any":
+            return acc | x
+        take = x < acc if kind == "Min" else x > acc
+        if x.is_float:
+            take = take | x.not_equal(x)  # NaN wins, as in numpy's max/min
+        return take.where(x, acc)
+
+    return combine
 
 
-def _horizontal(b: ir.IRBuilder, kind: str, dtype: str, vector: ir.Value, lanes: int) -> ir.Value:
-    result = b.extract_element(vector, i64(0))
-    for lane in range(1, lanes):
-        result = _combine(b, kind, dtype, result, b.extract_element(vector, i64(lane)))
-    return result
-
-
+@kernel("Reduce", REDUCTIONS, supports=lambda op: blocks(op) is not None)
 def reduction(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, inner = blocks(op)
-    b = ctx.b
-    kind = op.type
-    ctype = compute_type(x.dtype)
+    combine, start = _combine(op.type), _identity(op.type, x.dtype)
     lanes = ctx.lanes_for([x.dtype])
-    px, po = ctx.pointer(x), ctx.pointer(out)
-    xs = storage_type(x.dtype)
-    scale = 1.0 / reduced if kind == "Mean" and reduced else None
+    scale = 1.0 / reduced if op.type == "Mean" and reduced else None
 
-    def finish(value, width):
-        if scale is not None:
-            value = b.fmul(value, constant(value.type, scale))
-        return narrow(b, value, out.dtype, width)
+    def finish(value: Value) -> Value:
+        return value * scale if scale is not None else value
 
-    with for_range(b, i64(0), i64(outer), name="o") as o:
-        row = b.mul(o, i64(reduced * inner))
+    def columns(o: Value, i: Value, width: int) -> None:
+        """`width` columns of block o accumulate down the reduced axis."""
+        acc = ctx.local(x.dtype, width, start)
+        with ctx.loop(0, reduced, name="r") as r:
+            acc.set(combine(acc.value, ctx.load(x, o * (reduced * inner) + r * inner + i, width)))
+        ctx.store(out, o * inner + i, finish(acc.value))
+
+    with ctx.loop(0, outer, name="o") as o:
         if inner == 1:
-            with b.goto_entry_block():
-                vacc = b.alloca(vector_of(ctype, lanes))
-                sacc = b.alloca(ctype)
-            b.store(_identity(kind, vector_of(ctype, lanes), x.dtype), vacc)
-            b.store(_identity(kind, ctype, x.dtype), sacc)
-
-            def step(index, width):
-                value = widen(b, load(b, px, index, xs, width), x.dtype, width)
-                slot = vacc if width > 1 else sacc
-                b.store(_combine(b, kind, x.dtype, b.load(slot), value), slot)
-
-            for_vectors(b, row, reduced, lanes, step)
-            total = b.load(sacc)
-            if lanes > 1 and reduced >= lanes:
-                total = _combine(b, kind, x.dtype, _horizontal(b, kind, x.dtype, b.load(vacc), lanes), total)
-            store(b, finish(total, 1), po, o, storage_type(out.dtype))
+            total = fold(ctx, o * reduced, reduced, lanes, x.dtype, start, combine, lambda i, w: ctx.load(x, i, w))
+            ctx.store(out, o, finish(total))
         else:
-            def column(index, width):
-                t = vector_of(ctype, width)
-                with b.goto_entry_block():
-                    acc = b.alloca(t)
-                b.store(_identity(kind, t, x.dtype), acc)
-                with for_range(b, i64(0), i64(reduced), name="r") as r:
-                    offset = b.add(b.add(row, b.mul(r, i64(inner))), index)
-                    b.store(_combine(b, kind, x.dtype, b.load(acc), widen(b, load(b, px, offset, xs, width), x.dtype, width)), acc)
-                store(b, finish(b.load(acc), width), po, b.add(b.mul(o, i64(inner)), index), storage_type(out.dtype), width)
-
-            for_vectors(b, i64(0), inner, lanes, column)
+            for_vectors(ctx, 0, inner, lanes, lambda i, w: columns(o, i, w))
 
 
+@kernel("ArgReduce", {"ArgMax", "ArgMin"})
 def arg_reduction(ctx, op) -> None:
     """Index of the first maximum (minimum) along the axis; NaN counts as the extreme, as numpy."""
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, inner = blocks(op)
-    b = ctx.b
-    ctype = compute_type(x.dtype)
-    px, po = ctx.pointer(x), ctx.pointer(out)
-    predicate = ">" if op.type == "ArgMax" else "<"
-    is_float = dtypes.is_float(x.dtype)
-    with b.goto_entry_block():
-        best, where, seen_nan = b.alloca(ctype), b.alloca(ir.IntType(64)), b.alloca(I1)
-    with for_range(b, i64(0), i64(outer), name="o") as o:
-        with for_range(b, i64(0), i64(inner), name="i") as i:
-            base = b.add(b.mul(o, i64(reduced * inner)), i)
-            b.store(widen(b, load(b, px, base, storage_type(x.dtype)), x.dtype, 1), best)
-            b.store(i64(0), where)
-            b.store(b.fcmp_unordered("uno", b.load(best), b.load(best)) if is_float else constant(I1, 0), seen_nan)
-            with for_range(b, i64(1), i64(reduced), name="r") as r:
-                value = widen(b, load(b, px, b.add(base, b.mul(r, i64(inner))), storage_type(x.dtype)), x.dtype, 1)
-                if is_float:
-                    better = b.fcmp_ordered(predicate, value, b.load(best))
-                    is_nan = b.fcmp_unordered("uno", value, value)
-                    take = b.and_(b.not_(b.load(seen_nan)), b.or_(better, is_nan))
-                    b.store(b.or_(b.load(seen_nan), is_nan), seen_nan)
-                else:
-                    take = (b.icmp_signed if is_signed(x.dtype) else b.icmp_unsigned)(predicate, value, b.load(best))
-                with b.if_then(take):
-                    b.store(value, best)
-                    b.store(r, where)
-            result = b.load(where)
-            out_type = storage_type(out.dtype)
-            store(b, b.trunc(result, out_type) if out_type.width < 64 else result, po, b.add(b.mul(o, i64(inner)), i), out_type)
-
-
-def choose(op):
-    if op.type in REDUCTIONS and blocks(op) is not None:
-        return "Reduce", reduction
-    if op.type in ("ArgMax", "ArgMin"):
-        return "ArgReduce", arg_reduction
-    return None
-
-
-
+    better = (lambda v, best: v > best) if op.type == "ArgMax" else (lambda v, best: v < best)
+    best = ctx.local(x.dtype)
+    where = ctx.local(dtypes.DT_INT64)
+    seen_nan = ctx.local(dtypes.DT_BOOL)
+    with ctx.loop(0, outer, name="o") as o, ctx.loop(0, inner, name="i") as i:
+        base = o * (reduced * inner) + i
+        first = ctx.load(x, base)
+        best.set(first)
+        where.set(ctx.index(0))
+        seen_nan.set(first.not_equal(first) if dtypes.is_float(x.dtype) else ctx.constant(dtypes.DT_BOOL, 0))
+        with ctx.loop(1, reduced, name="r") as r:
+            value = ctx.load(x, base + r * inner)
+            if dtypes.is_float(x.dtype):
+                is_nan = value.not_equal(value)
+                take = ~seen_nan.value & (better(value, best.value) | is_nan)
+                seen_nan.set(seen_nan.value | is_nan)
+            else:
+                take = better(value, best.value)
+            with ctx.when(take):
+                best.set(value)
+                where.set(r)
+        ctx.store(out, o * inner + i, where.value.cast(out.dtype))

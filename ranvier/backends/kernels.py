@@ -1,0 +1,95 @@
+"""Kernel libraries, as Myelin's: a backend's kernels each say which ops they support and
+what they cost, and for every step the library picks the first kernel that supports its op.
+
+    @LIBRARY.kernel("SoftmaxRow", ops={"Softmax"}, supports=last_axis)
+    def softmax(ctx, op): ...
+
+A kernel with `ops=None` is tried for every op type (the elementwise kernel takes any
+op with a formula). The fallback is what runs when no kernel supports an op; it is not
+native, so the compiler decomposes such an op where its definition can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ..flow.graph import Operation, Variable
+from ..ops import op_def
+
+
+def _always(op: Operation) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way a backend computes ops.
+
+    emit: the backend's generator for a step (on the CPU, `emit(ctx, op)` writes LLVM IR).
+    supports: whether this kernel handles a given op (its dtypes, shapes, attributes).
+    flops: FLOPs per execution, for profiles (default: the op definition's count).
+    in_place: whether the kernel may write output `target` over input `source` when the
+        input dies at this step: `in_place(op, source, target)`.
+    workspace: bytes of working memory the kernel needs while it runs.
+    native: False for a fallback that leaves generated code (the printed cell says so).
+    """
+
+    name: str
+    ops: frozenset[str] | None
+    emit: Callable
+    supports: Callable[[Operation], bool] = _always
+    flops: Callable[[Operation], int] | None = None
+    in_place: Callable[[Operation, Variable, Variable], bool] | None = None
+    workspace: Callable[[Operation], int] | None = None
+    native: bool = True
+
+    def cost(self, op: Operation) -> int:
+        return self.flops(op) if self.flops is not None else op_def(op.type).cost(op)
+
+    def may_write_over(self, op: Operation, source: Variable, target: Variable) -> bool:
+        return self.in_place is not None and self.in_place(op, source, target)
+
+    def workspace_bytes(self, op: Operation) -> int:
+        return self.workspace(op) if self.workspace is not None else 0
+
+
+class KernelLibrary:
+    """The kernels of one backend, tried in registration order (`first=True` puts a kernel,
+    a user's say, ahead of the ones there)."""
+
+    def __init__(self, name: str, fallback: Kernel):
+        self.name = name
+        self.fallback = fallback
+        self.kernels: list[Kernel] = []
+
+    def register(self, kernel: Kernel, first: bool = False) -> Kernel:
+        if any(k.name == kernel.name and k.ops == kernel.ops for k in self.kernels):
+            raise ValueError(f"{self.name} library: kernel {kernel.name} for {sorted(kernel.ops or ['every op'])} is registered twice")
+        if first:
+            self.kernels.insert(0, kernel)
+        else:
+            self.kernels.append(kernel)
+        return kernel
+
+    def kernel(
+        self, name: str, ops: Iterable[str] | None = None, *, first: bool = False, **options,
+    ) -> Callable[[Callable], Callable]:
+        """Decorator: register the decorated emitter as kernel `name` for `ops`."""
+
+        def register(emit: Callable) -> Callable:
+            self.register(Kernel(name, frozenset(ops) if ops is not None else None, emit, **options), first)
+            return emit
+
+        return register
+
+    def choose(self, op: Operation) -> Kernel:
+        """The first kernel that supports `op`, else the fallback."""
+        for kernel in self.kernels:
+            if (kernel.ops is None or op.type in kernel.ops) and kernel.supports(op):
+                return kernel
+        return self.fallback
+
+    def supports(self, op: Operation) -> bool:
+        """Whether a native kernel runs the op whole."""
+        return self.choose(op).native

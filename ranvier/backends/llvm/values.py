@@ -1,0 +1,269 @@
+"""IR values with operators: kernels written as their math.
+
+A `Value` is an LLVM value of a ranvier dtype, a scalar or a vector of lanes, in the
+type arithmetic runs in (half precision computes in float32, bool is i1). Operators
+pick the instruction for the dtype (fadd or add, signed or unsigned compares) and
+Python numbers become constants of the other operand's dtype, so a kernel reads like
+its formula:
+
+    e = (x - peak.splat(lanes)).exp()
+    y = (x < 0).where(0, x)
+
+The methods are the vocabulary of elementwise formulas (`ranvier.ops`): the same
+expression builds ops on a Builder's Tensors and generates code on Values. Semantics
+follow the numpy references: NaN propagates through minimum, maximum and relu, integer
+division truncates toward zero (x / 0 is 0), rounding is half to even.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from llvmlite import ir
+
+from ... import dtypes
+from . import mathlib
+from .convert import cast
+from .irutil import I32, compute_type, constant, intrinsic, is_signed, vector_of
+
+Number = Union[int, float, bool]
+
+_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+class Value:
+    """An IR value of dtype `dtype` (scalar or vector), emitted through builder `b`."""
+
+    __slots__ = ("b", "dtype", "ir")
+    __array_ufunc__ = None  # numpy scalars defer to our reflected operators
+
+    def __init__(self, b: ir.IRBuilder, value: ir.Value, dtype: str):
+        self.b = b
+        self.ir = value
+        self.dtype = dtype
+
+    # ---- shape and constants ----------------------------------------------------------
+
+    @property
+    def lanes(self) -> int:
+        t = self.ir.type
+        return t.count if isinstance(t, ir.VectorType) else 1
+
+    @property
+    def is_float(self) -> bool:
+        return dtypes.is_float(self.dtype)
+
+    def constant(self, value: Number, dtype: str | None = None) -> Value:
+        """A constant of this value's lanes, of `dtype` (default: this value's)."""
+        dtype = dtype or self.dtype
+        return Value(self.b, constant(vector_of(compute_type(dtype), self.lanes), value), dtype)
+
+    def like(self, x: Value | Number) -> Value:
+        """`x` as a Value: Python numbers become constants of this value's dtype and lanes."""
+        return x if isinstance(x, Value) else self.constant(x)
+
+    def splat(self, lanes: int) -> Value:
+        """This scalar repeated over `lanes` lanes (itself when lanes is 1)."""
+        if lanes == 1 or self.lanes == lanes:
+            return self
+        vtype = ir.VectorType(self.ir.type, lanes)
+        single = self.b.insert_element(ir.Constant(vtype, ir.Undefined), self.ir, ir.Constant(I32, 0))
+        mask = ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
+        return self._new(self.b.shuffle_vector(single, ir.Constant(vtype, ir.Undefined), mask))
+
+    def lane(self, index: int) -> Value:
+        """One lane of a vector, as a scalar."""
+        return Value(self.b, self.b.extract_element(self.ir, ir.Constant(ir.IntType(64), index)), self.dtype)
+
+    def _new(self, value: ir.Value, dtype: str | None = None) -> Value:
+        return Value(self.b, value, dtype or self.dtype)
+
+    def _call(self, name: str, *args: Value) -> Value:
+        return self._new(self.b.call(intrinsic(self.b.module, name, self.ir.type), [self.ir, *(a.ir for a in args)]))
+
+    # ---- arithmetic -----------------------------------------------------------------------
+
+    def __add__(self, other):
+        other = self.like(other)
+        return self._new(self.b.fadd(self.ir, other.ir) if self.is_float else self.b.add(self.ir, other.ir))
+
+    def __radd__(self, other):
+        return self.like(other) + self
+
+    def __sub__(self, other):
+        other = self.like(other)
+        return self._new(self.b.fsub(self.ir, other.ir) if self.is_float else self.b.sub(self.ir, other.ir))
+
+    def __rsub__(self, other):
+        return self.like(other) - self
+
+    def __mul__(self, other):
+        other = self.like(other)
+        return self._new(self.b.fmul(self.ir, other.ir) if self.is_float else self.b.mul(self.ir, other.ir))
+
+    def __rmul__(self, other):
+        return self.like(other) * self
+
+    def __truediv__(self, other):
+        other = self.like(other)
+        if self.is_float:
+            return self._new(self.b.fdiv(self.ir, other.ir))
+        return self._integer_division(other)
+
+    def __rtruediv__(self, other):
+        return self.like(other) / self
+
+    def __neg__(self):
+        return self._new(self.b.fneg(self.ir) if self.is_float else self.b.neg(self.ir))
+
+    def _integer_division(self, other: Value) -> Value:
+        """Division as the reference computes it, without the hardware trap: x/0 is 0 and
+        MIN/−1 wraps to MIN (sdiv/udiv of either is undefined and raises SIGFPE on x86)."""
+        zero, one = self.constant(0), self.constant(1)
+        by_zero = other.equal(zero)
+        if not is_signed(self.dtype):
+            return by_zero.where(zero, self._new(self.b.udiv(self.ir, by_zero.where(one, other).ir)))
+        by_minus_one = other.equal(-1)
+        safe = (by_zero | by_minus_one).where(one, other)
+        quotient = self._new(self.b.sdiv(self.ir, safe.ir))
+        return by_zero.where(zero, by_minus_one.where(-self, quotient))
+
+    def __floordiv__(self, other):
+        """Integer quotient, for the non-negative integers of index arithmetic (udiv)."""
+        return self._new(self.b.udiv(self.ir, self.like(other).ir))
+
+    def __mod__(self, other):
+        """Integer remainder, for the non-negative integers of index arithmetic (urem)."""
+        return self._new(self.b.urem(self.ir, self.like(other).ir))
+
+    def fma(self, factor: Value | Number, addend: Value | Number) -> Value:
+        """self · factor + addend, fused where the target has FMA."""
+        return self._call("llvm.fmuladd", self.like(factor), self.like(addend))
+
+    # ---- comparisons and logic ---------------------------------------------------------------
+
+    def _compare(self, kind: str, other) -> Value:
+        other = self.like(other)
+        predicate = _COMPARE[kind]
+        if self.is_float:
+            # Ordered: a comparison with NaN is false; "not equal" is unordered (NaN ≠ NaN).
+            compare = self.b.fcmp_unordered if kind == "ne" else self.b.fcmp_ordered
+        else:
+            signed = is_signed(self.dtype)
+            compare = self.b.icmp_signed if signed else self.b.icmp_unsigned
+        return self._new(compare(predicate, self.ir, other.ir), dtypes.DT_BOOL)
+
+    def __lt__(self, other):
+        return self._compare("lt", other)
+
+    def __le__(self, other):
+        return self._compare("le", other)
+
+    def __gt__(self, other):
+        return self._compare("gt", other)
+
+    def __ge__(self, other):
+        return self._compare("ge", other)
+
+    def equal(self, other) -> Value:
+        return self._compare("eq", other)
+
+    def not_equal(self, other) -> Value:
+        return self._compare("ne", other)
+
+    def __and__(self, other):
+        return self._new(self.b.and_(self.ir, self.like(other).ir))
+
+    def __or__(self, other):
+        return self._new(self.b.or_(self.ir, self.like(other).ir))
+
+    def __xor__(self, other):
+        return self._new(self.b.xor(self.ir, self.like(other).ir))
+
+    def __invert__(self):
+        return self._new(self.b.not_(self.ir))
+
+    def where(self, if_true: Value | Number, if_false: Value | Number) -> Value:
+        """self ? if_true : if_false, for a bool condition; a number takes the other's dtype."""
+        if not isinstance(if_true, Value) and not isinstance(if_false, Value):
+            raise TypeError("where() needs at least one Value to know the result's dtype; make a constant with x.constant()")
+        like = if_true if isinstance(if_true, Value) else if_false
+        yes, no = like.like(if_true), like.like(if_false)
+        if self.lanes < yes.lanes:
+            return self.splat(yes.lanes).where(yes, no)
+        return Value(self.b, self.b.select(self.ir, yes.ir, no.ir), like.dtype)
+
+    def minimum(self, other) -> Value:
+        return self._extreme(other, "lt")
+
+    def maximum(self, other) -> Value:
+        return self._extreme(other, "gt")
+
+    def _extreme(self, other, kind: str) -> Value:
+        other = self.like(other)
+        chosen = self._compare(kind, other).where(self, other)  # NaN in other: other is chosen
+        return self.not_equal(self).where(self, chosen) if self.is_float else chosen  # NaN in self too
+
+    # ---- elementary functions ---------------------------------------------------------------------
+
+    def abs(self) -> Value:
+        if self.is_float:
+            return self._call("fabs")
+        if not is_signed(self.dtype):
+            return self
+        return (self < 0).where(-self, self)
+
+    def sqrt(self) -> Value:
+        return self._call("sqrt")
+
+    def floor(self) -> Value:
+        return self._call("floor")
+
+    def ceil(self) -> Value:
+        return self._call("ceil")
+
+    def round(self) -> Value:
+        """Half to even, as numpy."""
+        return self._call("roundeven")
+
+    def _math(self, name: str) -> Value:
+        return self._new(mathlib.emit(name, self.b, self.ir))
+
+    def exp(self) -> Value:
+        return self._math("exp")
+
+    def log(self) -> Value:
+        return self._math("log")
+
+    def tanh(self) -> Value:
+        return self._math("tanh")
+
+    def sigmoid(self) -> Value:
+        return self._math("sigmoid")
+
+    def erf(self) -> Value:
+        return self._math("erf")
+
+    def sin(self) -> Value:
+        return self._math("sin")
+
+    def cos(self) -> Value:
+        return self._math("cos")
+
+    def silu(self) -> Value:
+        return self._math("silu")
+
+    def gelu(self, approximate: str = "none") -> Value:
+        return self._math("gelu_tanh" if approximate == "tanh" else "gelu_erf")
+
+    def cast(self, dtype: str) -> Value:
+        """This value converted to `dtype`, as numpy's astype does."""
+        return Value(self.b, cast(self.b, self.ir, self.dtype, dtype, self.lanes), dtype)
+
+    def __repr__(self) -> str:
+        return f"<Value {self.dtype}x{self.lanes}: {self.ir.type}>"
+
+
+def index_value(b: ir.IRBuilder, value: ir.Value | int) -> Value:
+    """An int64 Value (loop counters, offsets) from an i64 IR value or a Python int."""
+    return Value(b, value if isinstance(value, ir.Value) else constant(ir.IntType(64), value), dtypes.DT_INT64)
