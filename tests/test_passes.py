@@ -342,12 +342,6 @@ def test_fuse_does_not_create_a_cycle_through_an_outside_op():
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fuse: an Assign's value that is kept (an output) is folded into an in-place write and "
-    "disappears; the CPU cell then has no such variable",
-)
 def test_fuse_assigned_value_that_is_kept_stays_an_output():
     flow, f = new_flow()
     x = f.var("x", rv.DT_FLOAT, [3, 4])
@@ -360,12 +354,6 @@ def test_fuse_assigned_value_that_is_kept_stays_an_output():
     assert z.name in flow.vars and z.var.producer in func.ops
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=rv.RanvierError,
-    reason="fuse: folding an Assign ignores readers of its target through a view (a Reshape); "
-    "the Calculate must run after such a reader that itself needs the Calculate: a cycle",
-)
 def test_fuse_assign_fold_respects_readers_through_views():
     flow, f = new_flow()
     x = f.var("x", rv.DT_FLOAT, [4, 5])
@@ -553,13 +541,6 @@ def test_fuse_loss_not_across_different_attributes():
     assert flow.func("f").ops == before and loss.var.producer.type == "SoftmaxCrossEntropy"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=rv.RanvierError,
-    reason="fuse-loss: a second gradient op on the same logits/targets (another upstream value) tries to "
-    "take the already-fused loss: RanvierError 'already produced by' (removed ops keep op.func, so the "
-    "`loss_op.func is None` guard never fires); a loss such as ce.mean() + 0.1 * ce.sum() hits it",
-)
 def test_fuse_loss_with_two_gradients_of_one_loss():
     flow, *_ = _cross_entropy()
     f = rv.Builder(flow, "f")
@@ -817,13 +798,6 @@ def test_plan_memory_workspace_lives_during_its_step_only():
         assert not _overlap(ws, by_name[name])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="plan_memory: a workspace is offered an in-place slot like an output, so with an in_place "
-    "rule such as the reference backend's (equal byte sizes) it shares the bytes of an input its "
-    "step still reads",
-)
 def test_plan_memory_workspace_never_takes_an_input_of_its_step():
     flow, f = new_flow()
     x = f.var("x", rv.DT_FLOAT, [4, 4])

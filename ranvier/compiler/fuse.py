@@ -13,6 +13,7 @@ from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import op_def
 from ..ops.expression import Call, Program, Ref
 from .rewrite import erase
+from .schedule import readers
 
 ELEMENTWISE_FAMILIES = ("elementwise",)
 
@@ -75,7 +76,7 @@ def fuse_elementwise(flow: Flow, func: Function, ops: list[Operation], keep: set
 
     roots = {g.root(): None for g in group_of.values()}
     # Decide every fold before rewriting anything: the checks read the original graph.
-    plans = [(group, _assigns(group, func, group_of, depends_on)) for group in roots]
+    plans = [(group, _assigns(group, func, keep, group_of, depends_on)) for group in roots]
     for group, assigns in plans:
         if len(group.ops) > 1 or assigns:
             _build_calculate(flow, func, group, keep, assigns)
@@ -102,11 +103,11 @@ def _convex(a: _Group, b: _Group, group_of, depends_on) -> bool:
     return True
 
 
-def _assigns(group: _Group, func: Function, group_of, depends_on) -> list[Operation]:
+def _assigns(group: _Group, func: Function, keep: set[str], group_of, depends_on) -> list[Operation]:
     """Assigns of a group's value to a same-shaped variable, when nothing outside the group
     needs that value: they fold into the group as in-place writes. A write must follow
-    every other reader of its target, so an Assign stays separate when such a reader
-    itself depends on the group (folding it would make a cycle)."""
+    every other reader of its target (directly or through a view), so an Assign stays
+    separate when such a reader itself depends on the group (folding it would make a cycle)."""
     members = {op for _, op in group.ops}
     found = []
     for _, op in group.ops:
@@ -115,8 +116,10 @@ def _assigns(group: _Group, func: Function, group_of, depends_on) -> list[Operat
         others = [c for c in out.consumers if c not in writers]
         if len(writers) != 1 or list(writers[0].inputs[0].shape) != group.shape or any(c not in members for c in others):
             continue
-        readers = [c for c in writers[0].inputs[0].consumers if c.func is func and c is not writers[0] and c not in members]
-        if any(group in _upstream(r, group_of, depends_on) for r in readers):
+        if out.name in keep or out.out:
+            continue  # the value itself must stay visible
+        target_readers = [c for c in readers(writers[0].inputs[0]) if c.func is func and c is not writers[0] and c not in members]
+        if any(group in _upstream(r, group_of, depends_on) for r in target_readers):
             continue
         found.append(writers[0])
     return found

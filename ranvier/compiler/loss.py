@@ -19,8 +19,9 @@ def fuse_loss_with_gradient(flow: Flow, func: Function) -> None:
         if op.type != "SoftmaxCrossEntropyGrad" or len(op.outputs) != 1:
             continue
         loss_op = forward.get(_key(op))
-        if loss_op is None or loss_op.func is None or depends_on(op.inputs[2], loss_op.outputs[0], func):
+        if loss_op is None or depends_on(op.inputs[2], loss_op.outputs[0], func):
             continue
+        del forward[_key(op)]  # one gradient op takes the loss over
         loss = loss_op.outputs[0]
         flow.remove_op(loss_op)
         op.set_attr("with_loss", True)

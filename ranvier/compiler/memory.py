@@ -64,6 +64,7 @@ def plan_memory(
     maps a step index to the working memory its kernel uses during that step only.
     """
     ranges = live_ranges(steps, local, pinned, workspaces)
+    workspace_names = {w.name for w in (workspaces or {}).values()}
     root = _storage_roots(steps, local, shares_storage) if shares_storage else {}
     members: dict[str, list[Variable]] = {}
     for var in local:
@@ -84,7 +85,7 @@ def plan_memory(
         # In place: an input that dies at this op may hand over its exact bytes (same
         # offset, so element i is written where element i was read, never elsewhere).
         candidates = []
-        if producer is not None and in_place is not None:
+        if producer is not None and in_place is not None and var.name not in workspace_names:
             for s in busy:
                 sources = [v for v in [s.var, *members.get(s.var.name, [])] if v in producer.inputs]
                 if s.last == first and s.size >= size and any(in_place(producer, v, var) for v in sources):

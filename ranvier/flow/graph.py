@@ -388,6 +388,7 @@ class Flow:
                 v.producer = None
         if op.func is not None and op in op.func.ops:
             op.func.ops.remove(op)
+        op.func = None
         self.ops.pop(op.name, None)
 
     def remove_var(self, var: Variable) -> None:
