@@ -15,11 +15,14 @@ from ..ops.expression import Call, Program, Ref
 from .rewrite import erase
 from .schedule import readers
 
-ELEMENTWISE_FAMILIES = ("elementwise",)
-
-
 def is_elementwise(op: Operation) -> bool:
-    return op_def(op.type).family in ELEMENTWISE_FAMILIES and op.type != "Identity" and len(op.outputs) == 1
+    """Ops a Calculate can hold: elementwise, one output, with a formula to generate
+    (an op without one would send the whole fused loop to a fallback)."""
+    definition = op_def(op.type)
+    return (
+        definition.family == "elementwise" and definition.formula is not None
+        and op.type != "Identity" and len(op.outputs) == 1
+    )
 
 
 class _Group:

@@ -117,12 +117,7 @@ class CPUBackend:
         key = jit.cache_key(f"{_source_digest()}\n{description}", self.target)
 
         def generate() -> bytes:
-            module = self._module(cell, layout)
-            debug.dump("llvm", f"cell {cell.name}: LLVM IR", str(module))
-            code = jit.compile_object(module, self.target)
-            if debug.enabled("asm"):
-                debug.dump("asm", f"cell {cell.name}: machine code", jit.assembly(module, self.target))
-            return code
+            return jit.compile_object(self._module(cell, layout), self.target)
 
         code, origin = jit.cached_object(key, generate, self.use_disk_cache)
         cell.native = {
@@ -131,6 +126,10 @@ class CPUBackend:
             "origin": origin,
             "python_steps": [i for i, s in enumerate(cell.steps) if s.variant == "python"],
         }
+        # Shown whether the code was generated now or came from the cache.
+        for kind, what in (("llvm", "LLVM IR"), ("asm", "machine code")):
+            if debug.enabled(kind):
+                debug.dump(kind, f"cell {cell.name}: {what}", self.code(cell, kind))
 
     def _module(self, cell: Cell, layout: Layout):
         emitters = [LIBRARY.choose(step.op).emit for step in cell.steps]
