@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("error")
 
 TESTED_OPS = {
     "Neg", "Abs", "Sign", "Square", "Relu", "Identity", "Exp", "Log", "Sqrt", "Rsqrt", "Reciprocal",
-    "Sin", "Cos", "Tanh", "Sigmoid", "Erf", "Silu", "Floor", "Ceil", "Round", "Not", "Gelu", "Cast",
+    "Sin", "Cos", "Tanh", "Sigmoid", "Erf", "Silu", "Softplus", "Floor", "Ceil", "Round", "Not", "Gelu", "Cast",
     "Add", "Sub", "Mul", "Div", "Pow", "Minimum", "Maximum", "Equal", "NotEqual", "Less",
     "LessEqual", "Greater", "GreaterEqual", "And", "Or", "Xor", "Cond", "Select",
 }
@@ -79,6 +79,7 @@ UNARY = {
     "Floor": ("floor", lambda x: np.vectorize(math.floor, otypes=[np.float64])(x), FLOATS, (-9, 9)),
     "Ceil": ("ceil", lambda x: np.vectorize(math.ceil, otypes=[np.float64])(x), FLOATS, (-9, 9)),
     "Round": ("round", _round_half_even, FLOATS, (-9, 9)),
+    "Softplus": ("softplus", lambda x: np.vectorize(lambda v: math.log1p(math.exp(-abs(v))) + max(v, 0.0))(x), FLOATS, (-30, 30)),
 }
 
 UNARY_CASES = [(op, dt) for op, (_, _, allowed, _) in UNARY.items() for dt in allowed]
@@ -127,6 +128,15 @@ def test_sign_of_zero_and_round_edge_values():
     x = np.array([0.0, -0.0, 1e-30, -1e-30, 0.49999997, -0.49999997, 1e20], np.float32)
     check(run1(lambda f, a: f.sign(a), x), np.array([0, 0, 1, -1, 1, -1, 1]), "float32")
     check(run1(lambda f, a: f.round(a), x), np.array([0, 0, 0, 0, 0, 0, 1e20]), "float32")
+
+
+def test_softplus_tails_keep_their_relative_accuracy():
+    """Far below zero softplus(x) ≈ exp(x), a tiny number 1 + exp(x) would round to 1;
+    far above, it is x itself, with no exp overflow on the way."""
+    x = np.array([-80.0, -30.0, -12.0, -1e-3, 0.0, 1e-3, 12.0, 30.0, 80.0, 1e4], np.float32)
+    out = run1(lambda f, a: a.softplus(), x)
+    expected = np.array([math.log1p(math.exp(-abs(v))) + max(v, 0.0) for v in x.astype(np.float64)])
+    np.testing.assert_allclose(out.astype(np.float64), expected, rtol=3e-6, atol=0)
 
 
 def test_not():

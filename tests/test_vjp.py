@@ -132,6 +132,7 @@ UNARY = [
     ("Sigmoid", normal, lambda b, x: x.sigmoid(), torch.sigmoid),
     ("Erf", normal, lambda b, x: x.erf(), torch.erf),
     ("Silu", normal, lambda b, x: x.silu(), F.silu),
+    ("Softplus", normal, lambda b, x: x.softplus(), F.softplus),
     ("Gelu[erf]", normal, lambda b, x: x.gelu(), F.gelu),
     ("Gelu[tanh]", normal, lambda b, x: x.gelu(approximate="tanh"), lambda x: F.gelu(x, approximate="tanh")),
     # Piecewise-constant ops have a zero gradient; multiplying by x keeps a path that is not.

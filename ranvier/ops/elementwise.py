@@ -87,6 +87,13 @@ def _sign_formula(x):
     return x.not_equal(x).where(x, signed) if dtypes.is_float(x.dtype) else signed
 
 
+def _softplus_formula(x):
+    """max(x, 0) + log(1 + e) with e = exp(−|x|) ≤ 1, which never overflows; for tiny e,
+    log(1 + e) ≈ e·(1 − e/2) keeps the relative accuracy 1 + e would round away."""
+    e = (-x.abs()).exp()
+    return x.maximum(0) + (e < 1e-4).where(e * (1.0 - 0.5 * e), (e + 1.0).log())
+
+
 def _silu_vjp(x, y, g):
     s = x.sigmoid()
     return g * (s * (1.0 + x * (1.0 - s)))
@@ -111,6 +118,8 @@ unary("Sigmoid", sigmoid, FLOATS, "sigmoid", lambda x, y, g: g * (y * (1.0 - y))
 unary("Erf", erf, FLOATS, "erf", lambda x, y, g: g * ((-(x * x)).exp() * (2.0 / math.sqrt(math.pi))), lambda x: x.erf())
 
 unary("Silu", lambda x: np.asarray(x, np.float64) * sigmoid(x), FLOATS, "silu", _silu_vjp, lambda x: x.silu(), "x · sigmoid(x)")
+unary("Softplus", lambda x: np.logaddexp(0.0, np.asarray(x, np.float64)), FLOATS, "softplus",
+      lambda x, y, g: g * x.sigmoid(), _softplus_formula, "log(1 + exp(x)), a smooth relu")
 unary("Floor", np.floor, FLOATS, "floor", None, lambda x: x.floor())
 unary("Ceil", np.ceil, FLOATS, "ceil", None, lambda x: x.ceil())
 unary("Round", np.round, FLOATS, "round", None, lambda x: x.round(), "half to even, as numpy and llvm.roundeven")
