@@ -132,7 +132,7 @@ def main() -> None:
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
     rates: dict[str, list[float]] = {name: [] for name in sides}
-    for name, step in sides.items():
+    for step in sides.values():
         step(*batches[0])  # warm up
     for repeat in range(args.repeats):
         for name, step in sides.items():

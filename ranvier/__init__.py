@@ -4,22 +4,61 @@ The API follows SLING's Myelin, so `import ranvier as myelin` runs Myelin exampl
 build a Flow with a Builder, compile it into a Network, and compute Cell instances.
 """
 
+from .compiler import Compiler
 from .dtypes import (
-    DT_BFLOAT16, DT_BOOL, DT_DOUBLE, DT_FLOAT, DT_FLOAT16, DT_FLOAT32, DT_FLOAT64, DT_HALF,
-    DT_INT, DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT8, DT_UINT16,
+    DT_BFLOAT16,
+    DT_BOOL,
+    DT_DOUBLE,
+    DT_FLOAT,
+    DT_FLOAT16,
+    DT_FLOAT32,
+    DT_FLOAT64,
+    DT_HALF,
+    DT_INT,
+    DT_INT8,
+    DT_INT16,
+    DT_INT32,
+    DT_INT64,
+    DT_UINT8,
+    DT_UINT16,
 )
 from .errors import CompileError, FlowFileError, RanvierError, ShapeError, UnknownOpError
 from .flow import Blob, Builder, Connector, Flow, Function, Operation, Tensor, Variable
-from .compiler import Compiler
 from .runtime import Cell, Instance, Network
 from .version import __version__
 
-
 __all__ = [
+    "DT_BFLOAT16",
+    "DT_BOOL",
+    "DT_DOUBLE",
+    "DT_FLOAT",
+    "DT_FLOAT16",
+    "DT_FLOAT32",
+    "DT_FLOAT64",
+    "DT_HALF",
+    "DT_INT",
+    "DT_INT8",
+    "DT_INT16",
+    "DT_INT32",
+    "DT_INT64",
+    "DT_UINT8",
+    "DT_UINT16",
+    "Blob",
+    "Builder",
+    "Cell",
+    "CompileError",
+    "Compiler",
+    "Connector",
+    "Flow",
+    "FlowFileError",
+    "Function",
+    "Instance",
+    "Network",
+    "Operation",
+    "RanvierError",
+    "ShapeError",
+    "Tensor",
+    "UnknownOpError",
+    "Variable",
     "__version__",
-    "Blob", "Builder", "Cell", "CompileError", "Compiler", "Connector", "Flow", "FlowFileError",
-    "Function", "Instance", "Network", "Operation", "RanvierError", "ShapeError", "Tensor",
-    "UnknownOpError", "Variable",
-    "DT_BFLOAT16", "DT_BOOL", "DT_DOUBLE", "DT_FLOAT", "DT_FLOAT16", "DT_FLOAT32", "DT_FLOAT64",
-    "DT_HALF", "DT_INT", "DT_INT8", "DT_INT16", "DT_INT32", "DT_INT64", "DT_UINT8", "DT_UINT16",
 ]

@@ -12,7 +12,7 @@ Each op's rule is part of its definition (`ranvier.ops`), beside its forward mat
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from . import dtypes
 from .errors import RanvierError, UnknownOpError

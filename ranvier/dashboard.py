@@ -10,9 +10,9 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 from rich.console import Group
@@ -33,7 +33,7 @@ def sparkline(values: list[float], width: int = 60) -> str:
     means = np.array([b.mean() for b in buckets])
     low, high = means.min(), means.max()
     scaled = np.zeros_like(means) if high == low else (means - low) / (high - low)
-    return "".join(BLOCKS[int(round(s * (len(BLOCKS) - 1)))] for s in scaled)
+    return "".join(BLOCKS[round(s * (len(BLOCKS) - 1))] for s in scaled)
 
 
 def measured_peak_gflops() -> float:
@@ -98,7 +98,7 @@ class Dashboard:
             stats.add_row(name, value)
         kernels = Table(title="time per kernel", show_header=False, box=None, padding=(0, 1))
         for name, share in self.kernel_groups:
-            kernels.add_row(Text(name), f"{share:6.1%}", "█" * int(round(share * 30)))
+            kernels.add_row(Text(name), f"{share:6.1%}", "█" * round(share * 30))
         curve = Text(sparkline(self.losses), style="cyan")
         parts = [Text("loss", style="bold"), curve, stats, kernels]
         if self.sample:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 import numpy as np
 

@@ -4,6 +4,7 @@ layout; an Instance is one cell's data, whose tensors are writable numpy views."
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from . import dtypes
@@ -78,7 +79,7 @@ class Network:
             self.globals[var.name] = array
         return self.globals[var.name]
 
-    def cell(self, name: str) -> "Cell":
+    def cell(self, name: str) -> Cell:
         try:
             return self.cells[name]
         except KeyError:
@@ -131,7 +132,7 @@ class Cell:
         self._index = {s.var.name: i for i, s in enumerate(slots)}
         self.global_vars = _globals_of(steps)
 
-    def instance(self, primal: "Instance | None" = None) -> "Instance":
+    def instance(self, primal: Instance | None = None) -> Instance:
         """A new instance. A cell that reads values computed by another cell (a gradient
         cell reading its forward pass) is linked to an instance of that cell: `primal`."""
         return Instance(self, primal)
@@ -198,7 +199,7 @@ def _globals_of(steps: list[Step]) -> list[Variable]:
 class Instance:
     """One cell's data. `data[x]` is a writable numpy view; `compute()` runs the cell."""
 
-    def __init__(self, cell: Cell, primal: "Instance | None" = None):
+    def __init__(self, cell: Cell, primal: Instance | None = None):
         self.cell = cell
         self.primal = primal
         if cell.external and primal is None:

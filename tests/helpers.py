@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -87,7 +87,7 @@ def random_array(shape, dtype: str, seed: int = 0, low=-3.0, high=3.0, nonzero=T
             a = np.where(np.abs(a) < 1e-3, 0.5, a)
         return a.astype(np_dtype(dtype))
     info = np.iinfo(np_dtype(dtype))
-    lo, hi = max(int(math.floor(low)), int(info.min)), min(int(math.ceil(high)), int(info.max))
+    lo, hi = max(math.floor(low), int(info.min)), min(math.ceil(high), int(info.max))
     a = g.integers(lo, hi + 1, shape, dtype=np.int64)
     if nonzero:
         a = np.where(a == 0, 1 if hi >= 1 else -1, a)

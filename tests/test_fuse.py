@@ -66,7 +66,7 @@ def build_chain():
 
 
 def test_fusion_groups_chains_and_folds_assign():
-    flow, x, s, z = build_chain()
+    flow, _x, s, z = build_chain()
     z.var.out = True
     func = flow.funcs["f"]
     before = [op.type for op in flow.order(func)]

@@ -59,9 +59,9 @@ def ranvier_logits(config: LlamaConfig, weights: dict[str, np.ndarray], tokens: 
 
 def assert_same(a: dict, b: dict) -> None:
     assert set(a) == set(b)
-    for key in a:
-        assert a[key].dtype == np.float32 and a[key].shape == b[key].shape, key
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    for key, value in a.items():
+        assert value.dtype == np.float32 and value.shape == b[key].shape, key
+        np.testing.assert_array_equal(value, b[key], err_msg=key)
 
 
 # ---- llama2.c checkpoints ------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_hf_sharded_index(tmp_path):
     weight_map = {}
     for file, keys in shards.items():
         save_file({k: state[k] for k in keys}, tmp_path / "hf" / file)
-        weight_map.update({k: file for k in keys})
+        weight_map.update(dict.fromkeys(keys, file))
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     imported_config, imported = import_hf(tmp_path / "hf")
     assert imported_config == config

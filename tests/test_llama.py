@@ -61,8 +61,8 @@ def precompute_freqs_cis(dim: int, end: int, theta: float):
 
 def apply_rotary_emb(xq, xk, freqs_cos, freqs_sin):
     """Rotate the pairs (2i, 2i+1) of each head, as llama2.c does."""
-    xq_r, xq_i = xq.reshape(xq.shape[:-1] + (-1, 2)).unbind(-1)
-    xk_r, xk_i = xk.reshape(xk.shape[:-1] + (-1, 2)).unbind(-1)
+    xq_r, xq_i = xq.reshape((*xq.shape[:-1], -1, 2)).unbind(-1)
+    xk_r, xk_i = xk.reshape((*xk.shape[:-1], -1, 2)).unbind(-1)
     cos = freqs_cos.view(1, freqs_cos.shape[0], 1, freqs_cos.shape[1])
     sin = freqs_sin.view(1, freqs_sin.shape[0], 1, freqs_sin.shape[1])
     xq_out = torch.stack([xq_r * cos - xq_i * sin, xq_r * sin + xq_i * cos], dim=-1).flatten(3)
@@ -339,14 +339,14 @@ def test_rope_tables_match_llama2c():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(dim=30, n_heads=4, n_kv_heads=2),  # dim not divisible by n_heads
-        dict(dim=32, n_heads=4, n_kv_heads=3),  # n_heads not divisible by n_kv_heads
-        dict(dim=32, n_heads=4, n_kv_heads=8),  # more KV heads than query heads
-        dict(dim=24, n_heads=8, n_kv_heads=4),  # odd head size 3
-        dict(dim=20, n_heads=4, n_kv_heads=4),  # odd head size 5
-        dict(dim=32, n_heads=0, n_kv_heads=1),
-        dict(dim=32, n_heads=4, n_kv_heads=0),
-        dict(dim=0, n_heads=4, n_kv_heads=4),
+        {"dim": 30, "n_heads": 4, "n_kv_heads": 2},  # dim not divisible by n_heads
+        {"dim": 32, "n_heads": 4, "n_kv_heads": 3},  # n_heads not divisible by n_kv_heads
+        {"dim": 32, "n_heads": 4, "n_kv_heads": 8},  # more KV heads than query heads
+        {"dim": 24, "n_heads": 8, "n_kv_heads": 4},  # odd head size 3
+        {"dim": 20, "n_heads": 4, "n_kv_heads": 4},  # odd head size 5
+        {"dim": 32, "n_heads": 0, "n_kv_heads": 1},
+        {"dim": 32, "n_heads": 4, "n_kv_heads": 0},
+        {"dim": 0, "n_heads": 4, "n_kv_heads": 4},
     ],
 )
 def test_config_validation(kwargs):
@@ -354,9 +354,9 @@ def test_config_validation(kwargs):
         LlamaConfig(n_layers=1, vocab_size=10, hidden_dim=16, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(n_layers=0), dict(vocab_size=0), dict(hidden_dim=0), dict(max_seq_len=0), dict(norm_eps=-1.0)])
+@pytest.mark.parametrize("kwargs", [{"n_layers": 0}, {"vocab_size": 0}, {"hidden_dim": 0}, {"max_seq_len": 0}, {"norm_eps": -1.0}])
 def test_config_validation_sizes(kwargs):
-    base = dict(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=10, hidden_dim=16, max_seq_len=8)
+    base = {"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "vocab_size": 10, "hidden_dim": 16, "max_seq_len": 8}
     with pytest.raises(rv.RanvierError):
         LlamaConfig(**{**base, **kwargs})
 

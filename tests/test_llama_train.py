@@ -34,7 +34,7 @@ def interrupted_and_resumed(tmp_path, straight, config: dict, pause: int):
 def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(read_corpus(max_bytes=300_000))
-    config = dict(corpus=str(corpus), steps=12, batch=4, seq=32, warmup=2, eval_every=6, checkpoint_every=6, eval_batches=2)
+    config = {"corpus": str(corpus), "steps": 12, "batch": 4, "seq": 32, "warmup": 2, "eval_every": 6, "checkpoint_every": 6, "eval_batches": 2}
 
     straight = tmp_path / "straight"
     final = train_llama(LlamaRunConfig(**config), straight, progress=False)
@@ -60,7 +60,7 @@ def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
 def test_checkpointed_llama_run_trains_and_resumes_exactly(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(read_corpus(max_bytes=200_000))
-    config = dict(corpus=str(corpus), steps=6, batch=4, seq=32, warmup=2, eval_every=3, checkpoint_every=3, eval_batches=2, checkpointed=True)
+    config = {"corpus": str(corpus), "steps": 6, "batch": 4, "seq": 32, "warmup": 2, "eval_every": 3, "checkpoint_every": 3, "eval_batches": 2, "checkpointed": True}
     straight = tmp_path / "straight"
     train_llama(LlamaRunConfig(**config), straight, progress=False)
     history = losses(straight)

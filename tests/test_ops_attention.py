@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-
 from helpers import assert_mentions, check, random_array, run_flow, shape_error
 
 TESTED_OPS = {"Attention", "AttentionGrad"}

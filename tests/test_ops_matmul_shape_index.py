@@ -7,12 +7,22 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import (
+    ALL,
+    INTS,
+    NUMERIC,
+    UNSIGNED_INTS,
+    as_f64,
+    assert_mentions,
+    check,
+    np_dtype,
+    random_array,
+    run1,
+    run_flow,
+    shape_error,
+)
 
 import ranvier
-from helpers import (
-    ALL, INTS, NUMERIC, UNSIGNED_INTS, as_f64, assert_mentions, check, np_dtype, random_array,
-    run1, run_flow, shape_error,
-)
 
 pytestmark = pytest.mark.filterwarnings("error")
 

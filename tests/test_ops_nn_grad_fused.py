@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import FLOATS, assert_mentions, check, random_array, rng, run1, shape_error
 
 TESTED_OPS = {"SoftmaxCrossEntropyGrad"}

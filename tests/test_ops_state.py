@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import assert_mentions, random_array, shape_error
 
 import ranvier as rv
-from helpers import assert_mentions, random_array, shape_error
 
 TESTED_OPS = {"AssignSlice"}
 

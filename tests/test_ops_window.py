@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import FLOATS, NUMERIC, assert_mentions, check, random_array, run1, shape_error
 
 TESTED_OPS = {"Pad", "StridedView", "StridedScatterAdd"}
@@ -19,7 +18,7 @@ def test_pad(dtype):
     check(got, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", FLOATS + ("int32",))
+@pytest.mark.parametrize("dtype", (*FLOATS, "int32"))
 def test_strided_view_reads_overlapping_windows(dtype):
     x = random_array([3, 11], dtype, seed=2)
     got = run1(lambda f, t: f.op("StridedView", [t], None, {"offset": 2, "shape": [2, 4, 3], "strides": [11, 2, 1]}), x)

@@ -77,7 +77,7 @@ def test_instances_are_independent_and_share_globals():
 
 
 def test_index_views_and_clear():
-    flow, x, y, *_ = myelin_example()
+    flow, x, _y, *_ = myelin_example()
     cell = myelin.Compiler().compile(flow).cell("f")
     data = cell.instance()
     index = cell.index("f/x")
@@ -119,7 +119,7 @@ def test_demo_command_prints_a_cell_and_a_result():
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_profile_reports_every_step(backend):
-    flow, x, y, *_ = myelin_example()
+    flow, x, _y, *_ = myelin_example()
     cell = myelin.Compiler(backend).compile(flow).cell("f")
     data = cell.instance()
     data[x] = 1.0

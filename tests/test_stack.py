@@ -79,10 +79,10 @@ def test_gradients_equal_the_monolithic_backward(shared):
 
 def test_training_matches_the_monolithic_trainer_and_shares_its_checkpoints(tmp_path):
     c = config()
-    options = dict(
-        optimizer=AdamW(lr=3e-3, beta2=0.95, weight_decay=0.1, decay_matrices_only=True),
-        schedule=WarmupCosine(lr=3e-3, warmup=2, total=6, floor=3e-4), clip_norm=0.5,
-    )
+    options = {
+        "optimizer": AdamW(lr=3e-3, beta2=0.95, weight_decay=0.1, decay_matrices_only=True),
+        "schedule": WarmupCosine(lr=3e-3, warmup=2, total=6, floor=3e-4), "clip_norm": 0.5,
+    }
     streamed = stack(c, **options)
     whole, _ = monolithic(c, **options)
     for step in range(4):
@@ -110,7 +110,7 @@ def test_training_matches_the_monolithic_trainer_and_shares_its_checkpoints(tmp_
 
 def test_accumulated_micro_batches_match_the_trainer():
     c = config()
-    options = dict(optimizer=AdamW(lr=3e-3), clip_norm=1.0, accumulate=2)
+    options = {"optimizer": AdamW(lr=3e-3), "clip_norm": 1.0, "accumulate": 2}
     types = ("int32", [BATCH, SEQ])
     streamed = CheckpointedStack(Llama(c, seed=1), types, types, lm_loss(c.vocab_size), **options)
     flow = Flow()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -95,7 +96,7 @@ def test_schedules():
     assert cosine(0) == pytest.approx(0.1) and cosine(9) == pytest.approx(1.0)
     assert cosine(60) == pytest.approx(0.55) and cosine(110) == pytest.approx(0.1) and cosine(500) == 0.1
     values = [cosine(s) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
     linear = schedules.LinearDecay(lr=1.0, total=100, floor=0.0, warmup=0)
     assert linear(0) == 1.0 and linear(50) == pytest.approx(0.5) and linear(200) == 0.0
     assert schedules.Constant(0.3)(1000) == 0.3

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -573,7 +573,7 @@ class Compiled:
         return float(self.fwd[self.fwd_loss])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(case_id: str) -> Compiled:
     return Compiled(CASES[CASE_IDS.index(case_id)])
 
@@ -648,7 +648,7 @@ def test_every_op_has_a_rule_or_is_declared_non_differentiable():
     rules = {t for t in builtin if autodiff.has_vjp(t)}
     missing = sorted(t for t in builtin if t not in rules and t not in NON_DIFFERENTIABLE)
     assert not missing, f"op types with neither a VJP rule nor a place in NON_DIFFERENTIABLE: {missing}"
-    assert NON_DIFFERENTIABLE <= builtin, f"unknown op types in NON_DIFFERENTIABLE: {sorted(NON_DIFFERENTIABLE - builtin)}"
+    assert builtin >= NON_DIFFERENTIABLE, f"unknown op types in NON_DIFFERENTIABLE: {sorted(NON_DIFFERENTIABLE - builtin)}"
     stale = sorted(NON_DIFFERENTIABLE & rules)
     assert not stale, f"op types with a VJP rule listed as non-differentiable: {stale}"
 
@@ -700,7 +700,7 @@ def test_broadcasts_are_summed_back():
     x, y, s, mm = f.var("x", F64, [3, 1]), f.var("y", F64, [1, 4]), f.var("s", F64, []), f.var("m", F64, [2, 3])
     loss = ((x + y) * f.array("w", w)).sum() + (s * mm).sum()
     grads = gradient(flow, "f", [x, y, s, mm], loss=loss)
-    out = _run(flow, "f", {x: xv, y: yv, s: sv, mm: mv}, {n: g for n, g in grads.items()})
+    out = _run(flow, "f", {x: xv, y: yv, s: sv, mm: mv}, dict(grads.items()))
     assert out["f/x"].shape == (3, 1) and out["f/y"].shape == (1, 4) and out["f/s"].shape == ()
     np.testing.assert_allclose(out["f/x"], w.sum(axis=1, keepdims=True), rtol=1e-12)
     np.testing.assert_allclose(out["f/y"], w.sum(axis=0, keepdims=True), rtol=1e-12)
@@ -792,7 +792,7 @@ def test_stop_frontier():
 
 def test_wrt_variables_depending_on_each_other_get_full_gradients():
     xv = normal(3, 4)
-    flow, x, W, h, loss = _two_paths()
+    flow, x, _W, h, loss = _two_paths()
     Wv = flow.var("f/W").data
     grads = gradient(flow, "f", [x, h], loss=loss)
     out = _run(flow, "f", {x: xv}, grads)
@@ -861,19 +861,19 @@ def _small_net(seed=7):
 
 
 def test_backward_and_backward_from_agree_with_gradient():
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, _h, loss, feeds = _small_net()
     reference = _run(flow, "f", feeds, gradient(flow, "f", params, loss=loss))
 
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, _h, loss, feeds = _small_net()
     got = _run(flow, "f", feeds, backward(loss, params))
     for name in reference:
         np.testing.assert_allclose(got[name], reference[name], rtol=1e-12, atol=1e-15)
 
     # Seeded at an intermediate with d loss / d h, computed by a first pass.
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, h, loss, feeds = _small_net()
     gh = gradient(flow, "f", [h], loss=loss)[h.name]
     dh = _run(flow, "f", feeds, {"dh": gh})["dh"]
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, h, loss, feeds = _small_net()
     seed = m.Builder(flow, "f").var("dh", F64, h.shape)
     got = _run(flow, "f", {**feeds, seed: dh}, backward_from(seed, h, params))
     for name in ("f/W1", "f/b1"):
@@ -881,16 +881,16 @@ def test_backward_and_backward_from_agree_with_gradient():
     np.testing.assert_array_equal(got["f/W2"], 0.0)  # W2 comes after h: nothing flows to it from h
 
     # A number as the seed scales every gradient.
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, _h, loss, feeds = _small_net()
     got = _run(flow, "f", feeds, backward_from(3.0, loss, params))
     for name in reference:
         np.testing.assert_allclose(got[name], 3.0 * reference[name], rtol=1e-12, atol=1e-15)
 
 
 def test_loss_scale_multiplies_gradients():
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, _h, loss, feeds = _small_net()
     reference = _run(flow, "f", feeds, backward(loss, params))
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, _h, loss, feeds = _small_net()
     scaled = _run(flow, "f", feeds, backward(loss, params, loss_scale=1024.0))
     for name in reference:
         assert np.abs(reference[name]).max() > 0
@@ -898,7 +898,7 @@ def test_loss_scale_multiplies_gradients():
 
 
 def test_seed_tensor_must_have_the_loss_shape():
-    flow, x, params, h, loss, feeds = _small_net()
+    flow, _x, params, h, _loss, _feeds = _small_net()
     seed = m.Builder(flow, "f").var("bad_seed", F64, [5, 7])
     with pytest.raises(m.RanvierError, match="shape"):
         backward_from(seed, h, params)
@@ -930,10 +930,10 @@ def _deep_net(into=None):
 
 
 def test_separate_gradient_function():
-    flow, x, total, fused_grads, feeds = _deep_net()
+    flow, x, _total, fused_grads, feeds = _deep_net()
     fused = _run(flow, "f", feeds, fused_grads)
 
-    flow, x, total, grads, feeds = _deep_net(into="gradients/f")
+    flow, x, _total, grads, feeds = _deep_net(into="gradients/f")
     net = m.Compiler().compile(flow)
     assert set(net.cells) == {"f", "gradients/f"}
     gcell = net.cell("gradients/f")

@@ -5,7 +5,7 @@ a compile first asks for it."""
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import RanvierError
 from .base import MATMUL_PRECISIONS, Backend, Capabilities, CompileOptions

@@ -8,8 +8,9 @@ binds and runs a cell's code. Adding a backend touches no compiler file: impleme
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -31,6 +32,9 @@ class CompileOptions:
     cpu: str = ""
     cache: bool = True
     matmul: str = "float32"
+
+
+DEFAULT_OPTIONS = CompileOptions()
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ native, so the compiler decomposes such an op where its definition can.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from ..flow.graph import Operation, Variable
 from ..ops import op_def

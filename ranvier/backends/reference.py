@@ -4,7 +4,7 @@ every other backend is tested against, so it favours clarity and accuracy over s
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from ..errors import RanvierError
 from ..flow.graph import Operation, Variable
 from ..ops import TensorType, op_def
 from ..runtime import Cell, Instance, Step
-from .base import Capabilities, CompileOptions
+from .base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 
 _LOW_PRECISION = (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16)
 
@@ -29,7 +29,7 @@ class ReferenceBackend:
     # The oracle runs the flow exactly as built: no rewriting, every op whole.
     capabilities = Capabilities(rewrites=False)
 
-    def __init__(self, options: CompileOptions = CompileOptions()):
+    def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.options = options
 
     def runs_whole(self, op: Operation) -> bool:

@@ -7,7 +7,7 @@ the flow sees keeps its name; only the inside of the op changes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Function, Operation

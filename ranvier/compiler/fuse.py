@@ -15,6 +15,7 @@ from ..ops.expression import Call, Program, Ref
 from .rewrite import erase
 from .schedule import readers
 
+
 def is_elementwise(op: Operation) -> bool:
     """Ops a Calculate can hold: elementwise, one output, with a formula to generate
     (an op without one would send the whole fused loop to a fallback)."""
@@ -31,7 +32,7 @@ class _Group:
         self.shape = list(first.outputs[0].shape)
         self.parent: _Group = self
 
-    def root(self) -> "_Group":
+    def root(self) -> _Group:
         group = self
         while group.parent is not group:
             group.parent = group.parent.parent

@@ -9,7 +9,7 @@ is safe for it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..flow.graph import Operation, Variable
 from ..runtime import Slot

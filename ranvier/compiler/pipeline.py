@@ -15,8 +15,8 @@ pipeline decides which passes apply.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .. import debug
 from ..backends import Backend, CompileOptions

@@ -5,6 +5,15 @@ from .flags import FuncFlags, OpFlags, VarFlags
 from .graph import Blob, Connector, Flow, Function, Operation, Variable
 
 __all__ = [
-    "Blob", "Builder", "Connector", "Flow", "FuncFlags", "Function",
-    "OpFlags", "Operation", "Tensor", "Variable", "VarFlags",
+    "Blob",
+    "Builder",
+    "Connector",
+    "Flow",
+    "FuncFlags",
+    "Function",
+    "OpFlags",
+    "Operation",
+    "Tensor",
+    "VarFlags",
+    "Variable",
 ]

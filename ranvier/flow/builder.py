@@ -9,7 +9,7 @@ ops (`ranvier.ops`); the Builder looks them up by name.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -19,16 +19,17 @@ from ..ops import op_def, op_method
 from .flags import VarFlags
 from .graph import Flow, Function, Operation, Variable, attr_string
 
+
 class Tensor:
     """A flow variable seen through a builder: supports operators and op methods."""
 
-    __slots__ = ("var", "builder")
+    __slots__ = ("builder", "var")
 
     # numpy defers to our reflected operators (`np_array + x` calls x.__radd__) instead of
     # broadcasting the handle as an object array.
     __array_ufunc__ = None
 
-    def __init__(self, var: Variable, builder: "Builder"):
+    def __init__(self, var: Variable, builder: Builder):
         self.var = var
         self.builder = builder
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -396,7 +396,7 @@ class Flow:
         for alias in var.aliases:
             self._alias_index.pop(alias, None)
 
-    def copy(self) -> "Flow":
+    def copy(self) -> Flow:
         """A structural copy for the compiler to rewrite; constant data is shared, not copied."""
         clone = Flow()
         for var in self.vars.values():
@@ -433,7 +433,7 @@ class Flow:
         """Write the flow in Myelin's binary .flow format, atomically."""
         save_flow(self, path, version)
 
-    def load(self, path) -> "Flow":
+    def load(self, path) -> Flow:
         """Read a Myelin .flow file (versions 3 to 6) into this flow and return it."""
         read_flow(self, path)
         return self

@@ -62,7 +62,11 @@ def hf_state_dict(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[s
     c, w = config, check_weights(config, weights)
     state = {"model.embed_tokens.weight": w["tok_embeddings"]}
     for i in range(c.n_layers):
-        p, lw = f"model.layers.{i}.", (lambda name: w[f"layers.{i}.{name}"])
+        p = f"model.layers.{i}."
+
+        def lw(name: str, i: int = i) -> np.ndarray:
+            return w[f"layers.{i}.{name}"]
+
         state[p + "input_layernorm.weight"] = lw("attention_norm")
         state[p + "self_attn.q_proj.weight"] = hf_permute(torch_layout(lw("wq")), c.n_heads)
         state[p + "self_attn.k_proj.weight"] = hf_permute(torch_layout(lw("wk")), c.n_kv_heads)
@@ -117,7 +121,7 @@ def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
                 state.update(_read_safetensors_bf16(file))
             except (struct.error, KeyError, ValueError) as error:
                 raise InteropError(f"cannot read {file}: {error!r}") from None
-        except Exception as error:  # safetensors raises its own error types for corrupt data
+        except Exception as error:  # noqa: BLE001  (safetensors raises its own error types for corrupt data)
             raise InteropError(f"cannot read {file}: {error}") from None
     return state
 
@@ -134,7 +138,7 @@ def _read_safetensors_bf16(file: Path) -> dict[str, np.ndarray]:
         raise InteropError(f"cannot read {file}: corrupt safetensors header ({error})") from None
     state = {}
     with safe_open(file, framework="numpy") as f:
-        for name in f.keys():
+        for name in f:
             info = header[name]
             if info["dtype"] == "BF16":
                 begin, end = (8 + header_size + offset for offset in info["data_offsets"])

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
 from ..atomic import atomic_write_bytes
 from .weights import InteropError
-
 
 _BYTE_PIECE = re.compile(rb"<0x([0-9A-Fa-f]{2})>")
 
@@ -43,8 +42,7 @@ class Llama2cTokenizer:
         """run.c's encode(): dummy-prefix space, one token per UTF-8 codepoint (bytes + 3 when
         unknown), then merge the best-scoring adjacent pair until none is in the vocabulary."""
         ids: list[int] = [self.bos_id] if bos else []
-        if text:
-            if b" " in self._ids:  # add_dummy_prefix
+        if text and b" " in self._ids:  # add_dummy_prefix
                 ids.append(self._ids[b" "])
         for char in text:
             data = char.encode("utf-8", errors="surrogatepass")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import itertools
+from collections.abc import Sequence
 
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
@@ -31,7 +32,7 @@ class MLP(Module):
             raise RanvierError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
         self.sizes = list(sizes)
         self.activation = activation
-        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
             self.uniform_fan_in(f"W{i}", (fan_in, fan_out), fan_in)
             self.uniform_fan_in(f"b{i}", (fan_out,), fan_in)
 

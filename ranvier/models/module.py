@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class Module:
         values = self.parameters(b)
         prefix = f"{self.name}/"
         for key, value in (params or {}).items():
-            values[key[len(prefix):] if key.startswith(prefix) else key] = value
+            values[key.removeprefix(prefix)] = value
         return self.forward(b, x, values)
 
     def forward(self, b: Builder, x: Tensor, p: dict[str, Tensor]) -> Tensor:

@@ -2,8 +2,24 @@
 
 from . import attention, elementwise, fused, index, matmul, nn, nn_grad, reduce, shape, state, window  # noqa: F401  (registration)
 from .registry import (
-    Attr, Attrs, Decomposition, InferContext, OpDef, TensorType, all_ops, attrs_of, decomposition, define, has_op,
-    is_view, method_names, op_def, op_method, vjp, written_inputs, zero_gradient,
+    Attr,
+    Attrs,
+    Decomposition,
+    InferContext,
+    OpDef,
+    TensorType,
+    all_ops,
+    attrs_of,
+    decomposition,
+    define,
+    has_op,
+    is_view,
+    method_names,
+    op_def,
+    op_method,
+    vjp,
+    written_inputs,
+    zero_gradient,
 )
 
 __all__ = [

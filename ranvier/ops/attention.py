@@ -54,7 +54,7 @@ def scale_of(attrs, head_size: int) -> float:
 
 def probabilities(q, k, causal: bool, scale: float) -> np.ndarray:
     """softmax(scale · q kᵀ) per head [B, H, T, S], float64, with the causal mask."""
-    b, h, t, _ = q.shape
+    _b, h, t, _ = q.shape
     groups = h // k.shape[1]
     keys = np.repeat(np.asarray(k, np.float64), groups, axis=1)
     scores = np.einsum("bhtd,bhsd->bhts", np.asarray(q, np.float64), keys) * scale

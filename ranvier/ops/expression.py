@@ -30,7 +30,7 @@ class Ref:
 @dataclass(frozen=True)
 class Call:
     op_type: str
-    args: tuple["Ref | Call", ...]
+    args: tuple[Ref | Call, ...]
     attrs: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:

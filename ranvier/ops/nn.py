@@ -14,7 +14,6 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import RanvierError
-
 from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, INDEX, normalize_axis, same_dtype
 from .window import padded, padded_shape, window_view

@@ -10,8 +10,22 @@ import math
 import numpy as np
 
 from .nn import (
-    KSIZE, LABEL_SMOOTHING, PADDING, POOL_STRIDES, STRIDES, _f64, conv_flops, im2col, out_size, pool_params,
-    pool_windows, softmax, softmax_cross_entropy, target_distribution, window_params, windows,
+    KSIZE,
+    LABEL_SMOOTHING,
+    PADDING,
+    POOL_STRIDES,
+    STRIDES,
+    _f64,
+    conv_flops,
+    im2col,
+    out_size,
+    pool_params,
+    pool_windows,
+    softmax,
+    softmax_cross_entropy,
+    target_distribution,
+    window_params,
+    windows,
 )
 from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, same_dtype
@@ -96,7 +110,7 @@ def _conv_input_grad_as_gemm(b, op):
     dy, w = (b.wrap(v) for v in op.inputs)
     attrs = op_def(op.type).attrs_of(op)
     x_shape, padding = op.outputs[0].shape, attrs["padding"]
-    n, o, ho, wo = dy.shape
+    _n, o, ho, wo = dy.shape
     padded = padded_shape(x_shape, padding)
     view = window_view(padded, w.shape[2:], attrs["strides"], (ho, wo), channels_last=True)
     columns = _rows_of(dy).matmul(w.reshape([o, math.prod(w.shape[1:])])).reshape(view["shape"])
@@ -226,7 +240,7 @@ def _infer_cross_entropy_grad(ctx):
     if dloss.dtype != loss_type.dtype or tuple(dloss.shape) != loss_type.shape:
         raise ctx.fail(f"a loss gradient of the per-example loss's type {loss_type.dtype}{list(loss_type.shape)}")
     types = [TensorType(logits.dtype, logits.shape)]
-    return types + [loss_type] if ctx.attrs["with_loss"] else types
+    return [*types, loss_type] if ctx.attrs["with_loss"] else types
 
 
 def cross_entropy_grad(logits, target, dloss, label_smoothing=LABEL_SMOOTHING.default):

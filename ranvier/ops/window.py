@@ -60,7 +60,7 @@ def view_bounds_ok(size: int, offset: int, shape, strides) -> bool:
         return True
     low = offset + sum(s * (d - 1) for s, d in zip(strides, shape) if s < 0)
     high = offset + sum(s * (d - 1) for s, d in zip(strides, shape) if s > 0)
-    return 0 <= low and high < size
+    return low >= 0 and high < size
 
 
 def _view_attrs(ctx, size: int):

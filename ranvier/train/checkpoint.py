@@ -81,7 +81,7 @@ def load_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]
         raise CheckpointError(f"checkpoint weights {weights_path} do not match the SHA-256 in {meta_path} (corrupt or partial)")
     try:
         stored = st_load(blob)
-    except Exception as error:  # safetensors raises its own error types for corrupt data
+    except Exception as error:  # noqa: BLE001  (safetensors raises its own error types for corrupt data)
         raise CheckpointError(f"cannot read {weights_path}: {error}") from None
     arrays = {}
     for name, info in metadata["arrays"].items():

@@ -3,8 +3,8 @@ that share the model's parameters."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .. import dtypes
 from ..flow.builder import Builder, Tensor

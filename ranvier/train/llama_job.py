@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -130,7 +130,7 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
 
     optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
     schedule = WarmupCosine(lr=config.lr, warmup=config.warmup, total=config.steps, floor=config.min_lr)
-    options = dict(schedule=schedule, clip_norm=config.clip, backend=config.backend, cpu=config.cpu, matmul=config.matmul)
+    options = {"schedule": schedule, "clip_norm": config.clip, "backend": config.backend, "cpu": config.cpu, "matmul": config.matmul}
     entropy = float(manifest.get("unigram_entropy", math.nan))
     if config.checkpointed:
         window = ("int32", [config.batch, config.seq])

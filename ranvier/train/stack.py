@@ -24,7 +24,8 @@ parameters keyed by a name shared by all layers) and the stages `embed(b, x, p)`
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 

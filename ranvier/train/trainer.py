@@ -8,8 +8,8 @@ scalars: the learning rate in, the loss out.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 

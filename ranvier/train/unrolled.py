@@ -8,7 +8,7 @@ back to the resident globals. The host feeds K minibatches and K learning rates.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -61,8 +61,8 @@ from pathlib import Path
 from llvmlite import ir
 
 from ...errors import RanvierError
-from . import jit
 from ..llvm.irutil import BYTE_PTR, F32, I1, I8, I16, I32, I64, VOID, for_range, i64, splat
+from . import jit
 from .target import CPUTarget
 
 SYMBOL = "ranvier_bf16_gemm"
@@ -104,7 +104,7 @@ def amx_permitted() -> bool:
 def amx_usable(target: CPUTarget) -> bool:
     """Whether code for `target` may use the AMX GEMM here: the target has the tile and
     bfloat16 features the kernel and its packing use, and the OS lets this process use tiles."""
-    return REQUIRED_FEATURES <= target.feature_set and amx_permitted()
+    return target.feature_set >= REQUIRED_FEATURES and amx_permitted()
 
 
 def _cdiv(a: int, b: int) -> int:

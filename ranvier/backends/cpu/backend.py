@@ -6,18 +6,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
+from ... import debug
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view
 from ...runtime import Cell, Instance, Step
-from ..base import Capabilities, CompileOptions
+from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..reference import reference_kernel
-from ... import debug
 from . import amx, codegen, jit
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
@@ -75,7 +75,7 @@ class CPUBackend:
     name = "cpu"
     step_time_dtype = np.uint64  # cycles, from the counter the generated code reads
 
-    def __init__(self, options: CompileOptions = CompileOptions()):
+    def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.target: CPUTarget = host_target(options.cpu)
         self.use_disk_cache = options.cache
         # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay float32.
@@ -190,7 +190,7 @@ class CPUBackend:
         def run_fallback(index: int) -> None:
             try:
                 fallbacks[index]()
-            except BaseException as error:  # cannot unwind through native frames
+            except BaseException as error:  # noqa: BLE001  (cannot unwind through native frames)
                 errors.append(error)
                 status[0] = index + 1
 

@@ -15,9 +15,9 @@ function calls them in order and adds each step's cycle count to its profile cou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from llvmlite import ir
 
@@ -25,7 +25,19 @@ from ... import dtypes
 from ...flow.graph import Variable
 from ...runtime import Step
 from ..llvm.convert import narrow, use_target, widen
-from ..llvm.irutil import BYTE_PTR, I64, VOID, compute_type, constant, for_range, i64, load, storage_type, store, vector_of
+from ..llvm.irutil import (
+    BYTE_PTR,
+    I64,
+    VOID,
+    compute_type,
+    constant,
+    for_range,
+    i64,
+    load,
+    storage_type,
+    store,
+    vector_of,
+)
 from ..llvm.values import Value, index_value
 from .target import CPUTarget
 
@@ -106,7 +118,7 @@ class KernelContext:
         raw = load(self.b, self.pointer(var), _ir(at), storage_type(var.dtype), lanes)
         return Value(self.b, widen(self.b, raw, var.dtype, lanes), var.dtype)
 
-    def store(self, var: Variable, at: Value | int, value: Value | float | int) -> None:
+    def store(self, var: Variable, at: Value | int, value: Value | float) -> None:
         """Write `value` (rounded to how `var` is stored) at element `at` of `var`."""
         value = value if isinstance(value, Value) else self.constant(var.dtype, value)
         narrowed = narrow(self.b, value.ir, var.dtype, value.lanes)

@@ -10,13 +10,14 @@ entirely. The cache writes atomically; an unreadable entry is regenerated.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import llvmlite.binding as llvm
 from llvmlite import ir
@@ -99,10 +100,9 @@ def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True
     code = generate()
     _MEMORY_CACHE[key] = code
     if use_disk:
-        try:
+        # A read-only or full cache directory only costs the next process a compile.
+        with contextlib.suppress(OSError):
             atomic_write_bytes(path, _MAGIC + hashlib.sha256(code).digest() + code)
-        except OSError:
-            pass  # a read-only or full cache directory only costs the next process a compile
     return code, "compiled"
 
 

@@ -14,12 +14,12 @@ backend puts in the compile-cache key.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from llvmlite import ir
 
-from .codegen import KernelContext
 from ..llvm.irutil import BYTE_PTR, I32, I64, i64
+from .codegen import KernelContext
 
 Part = Callable[[KernelContext], None]
 

@@ -10,8 +10,8 @@ vectors when every view has stride 1 or 0 there, with a scalar loop for the rest
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from ...flow.graph import Variable
 from ..llvm.values import Value
@@ -47,7 +47,7 @@ def dense_view(var: Variable) -> View:
 
 def _collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list[int]]]:
     """Merge dimension i into i+1 where every view steps through both as one dimension."""
-    dims = [d for d in shape]
+    dims = list(shape)
     strides = [list(v.strides) for v in views]
     keep = [i for i, d in enumerate(dims) if d != 1]
     dims = [dims[i] for i in keep] or [1]

@@ -15,7 +15,6 @@ from llvmlite import ir
 from ... import dtypes
 from .irutil import F32, I1, I16, I32, compute_type, constant, intrinsic, is_signed, vector_of
 
-
 _F16C = "_ranvier_f16c"
 
 
@@ -66,9 +65,9 @@ def cast(b: ir.IRBuilder, value: ir.Value, source: str, target: str, lanes: int)
     """Convert a compute value of dtype `source` to a compute value of dtype `target` (numpy's astype)."""
     src, dst = compute_type(source), compute_type(target)
     vdst = vector_of(dst, lanes)
-    if source == target or (src == dst and not (target in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16))):
+    if source == target or (src == dst and target not in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16)):
         return value
-    if target in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16) and source not in dtypes.INT_DTYPES + (dtypes.DT_BOOL,):
+    if target in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16) and source not in (*dtypes.INT_DTYPES, dtypes.DT_BOOL):
         # Round through the narrow type so the compute value is exactly representable.
         if source == dtypes.DT_FLOAT64 and target == dtypes.DT_FLOAT16:
             as_f32 = _round_to_odd_float(b, value, lanes)  # numpy rounds double → half once

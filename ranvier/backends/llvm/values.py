@@ -17,8 +17,6 @@ division truncates toward zero (x / 0 is 0), rounding is half to even.
 
 from __future__ import annotations
 
-from typing import Union
-
 from llvmlite import ir
 
 from ... import dtypes
@@ -26,7 +24,7 @@ from . import mathlib
 from .convert import cast
 from .irutil import I32, compute_type, constant, intrinsic, is_signed, vector_of
 
-Number = Union[int, float, bool]
+Number = int | float | bool
 
 _COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 

@@ -15,9 +15,9 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of
+from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
-from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import contiguous_strides
 from .library import kernel
@@ -95,7 +95,7 @@ def amx_parts(op) -> list[list[_Gemm]]:
     """The calls of a bf16 MatMul, in one list per thread. A batch of products is
     shared out whole; a single large product is cut along its longer side (rows or
     columns of C) in blocks of 32, each thread packing its own share of that side."""
-    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    a, b = op.inputs[0], op.inputs[1]
     ta, tb, m, k, n, batches = _gemms(op)
     a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
     calls = [_Gemm(m, n, k, oa * a_size, ob * b_size, index * m * n) for index, (oa, ob) in enumerate(batches)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ..codegen import CALLBACK
 from ...llvm.irutil import I64, VOID, i64
+from ..codegen import CALLBACK
 
 
 def python_callback(ctx, op) -> None:

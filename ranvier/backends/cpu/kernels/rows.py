@@ -13,7 +13,7 @@ allows.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from .... import dtypes
 from ....ops import attrs_of
