@@ -133,24 +133,26 @@ def test_no_layer_imports_itself_back():
     assert not cycles, f"import cycles between layers: {cycles}"
 
 
-# What each core layer may import (besides the small shared modules: errors, dtypes, atomic, version).
-BASE = {"ranvier.errors", "ranvier.dtypes", "ranvier.atomic", "ranvier.version", "ranvier.debug"}
-ALLOWED = {
-    "ranvier.ops": set(),
-    "ranvier.flow": {"ranvier.ops"},
-    "ranvier.profile": {"ranvier.flow"},
-    "ranvier.runtime": {"ranvier.flow", "ranvier.ops", "ranvier.profile"},
-    "ranvier.autodiff": {"ranvier.flow", "ranvier.ops"},
-    "ranvier.backends": {"ranvier.flow", "ranvier.ops", "ranvier.runtime", "ranvier.profile"},
-    "ranvier.compiler": {"ranvier.flow", "ranvier.ops", "ranvier.runtime", "ranvier.backends"},
-}
+# The layers from the bottom up, as the README lists them: each may import only the
+# layers before it. The package's own __init__ (the Myelin-style API) sits on top.
+ORDER = [
+    "ranvier.errors", "ranvier.version", "ranvier.dtypes", "ranvier.atomic", "ranvier.debug", "ranvier.progress",
+    "ranvier.dashboard", "ranvier.plot", "ranvier.data",
+    "ranvier.ops", "ranvier.flow", "ranvier.autodiff", "ranvier.profile", "ranvier.runtime", "ranvier.backends",
+    "ranvier.compiler", "ranvier.models", "ranvier.generate", "ranvier.train", "ranvier.interop",
+    "ranvier", "ranvier.cli",
+]
+
+
+def test_the_layer_order_names_every_layer():
+    assert set(ORDER) == set(_layer_graph(import_graph())) | {"ranvier"}
 
 
 def test_each_layer_imports_only_the_layers_beneath_it():
     layers = _layer_graph(import_graph())
     wrong = {
-        layer: sorted(layers.get(layer, set()) - allowed - BASE)
-        for layer, allowed in ALLOWED.items()
-        if layers.get(layer, set()) - allowed - BASE
+        layer: sorted(t for t in layers.get(layer, set()) if ORDER.index(t) > position)
+        for position, layer in enumerate(ORDER)
+        if any(ORDER.index(t) > position for t in layers.get(layer, set()))
     }
-    assert not wrong, f"layers importing above themselves: {wrong}"
+    assert not wrong, f"layers importing layers above them: {wrong}"
