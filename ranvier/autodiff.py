@@ -130,7 +130,7 @@ def gradient(
         value = 1.0 if seed is None else float(seed)
         seed_tensor = b.broadcast_to(b.const(value, loss_var.dtype), loss_var.shape) if loss_var.shape else b.const(value, loss_var.dtype)
 
-    ops_before = set(map(id, target_func.ops))
+    ops_before = set(target_func.ops)
     stop_names = {variable_of(s).name if not isinstance(s, str) else s for s in stop}
     sources = {v.name for v in wrt_vars}
     relevant = _relevant_ops(ops, sources, loss_var, stop_names)
@@ -175,18 +175,18 @@ def gradient(
         if not g.var.is_global:
             g.var.out = True
     if target_func is not func:
-        _link_primal(flow, func, [op for op in target_func.ops if id(op) not in ops_before])
+        _link_primal(flow, func, [op for op in target_func.ops if op not in ops_before])
     return result
 
 
-def _prune(flow: Flow, func: Function, keep_ops: set[int], keep_vars: set[str]) -> None:
+def _prune(flow: Flow, func: Function, keep_ops: set[Operation], keep_vars: set[str]) -> None:
     """Remove backward ops whose results nothing uses (e.g. the gradient of a data input
     that a rule computed alongside a weight gradient)."""
     changed = True
     while changed:
         changed = False
         for op in reversed(list(func.ops)):
-            if id(op) in keep_ops or any(v.consumers or v.name in keep_vars for v in op.outputs):
+            if op in keep_ops or any(v.consumers or v.name in keep_vars for v in op.outputs):
                 continue
             flow.remove_op(op)
             for v in op.outputs:

@@ -615,6 +615,7 @@ def _compile_in_subprocess(cache: Path, mask: str = "") -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_compile_cache_across_processes(tmp_path):
     cache = tmp_path / "cache"
     assert _compile_in_subprocess(cache) == "compiled"
@@ -646,6 +647,7 @@ def test_compile_cache_in_memory(tmp_path, monkeypatch):
         np.testing.assert_allclose(instance[y].sum(-1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_empty_cache_file_is_regenerated(tmp_path):
     cache = tmp_path / "cache"
     assert _compile_in_subprocess(cache) == "compiled"
@@ -656,6 +658,7 @@ def test_empty_cache_file_is_regenerated(tmp_path):
     assert _compile_in_subprocess(cache) == "disk"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_corrupt_cache_file_is_regenerated(tmp_path, damage):
     cache = tmp_path / "cache"

@@ -466,6 +466,7 @@ def test_tokenizer_bin_corrupt(tmp_path, sentencepiece_tokenizer):
 # ---- run directories and the command line ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_export_run_directory_from_the_command_line(tmp_path, sentencepiece_tokenizer):
     from dataclasses import asdict
 

@@ -31,6 +31,7 @@ def interrupted_and_resumed(tmp_path, straight, config: dict, pause: int):
     return [r for r in losses(interrupted) if r[1] is not None or r[0] == config["steps"]]
 
 
+@pytest.mark.slow
 def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(read_corpus(max_bytes=300_000))
@@ -57,6 +58,7 @@ def test_llama_run_learns_and_resumes_exactly(tmp_path, capsys):
     assert printed.startswith("def ") and printed.strip().endswith("tokens/s")
 
 
+@pytest.mark.slow
 def test_checkpointed_llama_run_trains_and_resumes_exactly(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(read_corpus(max_bytes=200_000))
@@ -69,6 +71,7 @@ def test_checkpointed_llama_run_trains_and_resumes_exactly(tmp_path):
     assert interrupted_and_resumed(tmp_path, straight, config, pause=3) == [r for r in history if r[1] is not None or r[0] == 6]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_llama_job_accumulates_micro_batches(tmp_path, checkpointed):
     from ranvier.train.llama_job import build

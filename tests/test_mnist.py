@@ -95,6 +95,7 @@ def test_train_resume_and_eval_commands(tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == last_line
 
 
+@pytest.mark.slow
 def test_mnist_mlp_recipe_reaches_target_accuracy(tmp_path, capsys):
     """The issue's recipe: 784-256-10 GELU MLP, Adam 1e-3, batch 128, 2,340 steps."""
     main(["train", "mnist", "--run-dir", str(tmp_path / "run"), "--quiet"])

@@ -52,6 +52,7 @@ def monolithic(c: LlamaConfig, **options) -> tuple[Trainer, dict]:
     return Trainer(loss, list(params.values()), inputs=[tokens, targets], **options), params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [True, False])
 def test_gradients_equal_the_monolithic_backward(shared):
     c = config(shared=shared)
@@ -77,6 +78,7 @@ def test_gradients_equal_the_monolithic_backward(shared):
         np.testing.assert_allclose(streamed[name], expected, rtol=1e-6, atol=1e-7 * np.abs(expected).max(), err_msg=name)
 
 
+@pytest.mark.slow
 def test_training_matches_the_monolithic_trainer_and_shares_its_checkpoints(tmp_path):
     c = config()
     options = {
@@ -108,6 +110,7 @@ def test_training_matches_the_monolithic_trainer_and_shares_its_checkpoints(tmp_
         np.testing.assert_array_equal(array, resumed.state_arrays()[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_match_the_trainer():
     c = config()
     options = {"optimizer": AdamW(lr=3e-3), "clip_norm": 1.0, "accumulate": 2}

@@ -1,4 +1,4 @@
-"""Models built on the IR: MLP and a small CNN (Llama and MoE come later)."""
+"""Models built on the IR: an MLP, a small CNN (here), and Llama-2 (`ranvier.models.llama`)."""
 
 from .cnn import CNN
 from .mlp import MLP
