@@ -14,7 +14,6 @@ from .registry import (
     define,
     has_op,
     is_view,
-    method_names,
     op_def,
     op_method,
     vjp,
@@ -24,5 +23,5 @@ from .registry import (
 
 __all__ = [
     "Attr", "Attrs", "Decomposition", "InferContext", "OpDef", "TensorType", "all_ops", "attrs_of", "decomposition",
-    "define", "has_op", "is_view", "method_names", "op_def", "op_method", "vjp", "written_inputs", "zero_gradient",
+    "define", "has_op", "is_view", "op_def", "op_method", "vjp", "written_inputs", "zero_gradient",
 ]

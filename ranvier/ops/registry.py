@@ -362,10 +362,6 @@ def op_method(name: str) -> Callable | None:
     return _METHODS.get(name)
 
 
-def method_names() -> frozenset[str]:
-    return frozenset(_METHODS)
-
-
 def attrs_of(op) -> Attrs:
     """An op's attributes, typed and defaulted by its definition."""
     return op_def(op.type).attrs_of(op)
