@@ -182,3 +182,35 @@ def test_builder_methods_and_attribute_defaults_come_from_the_definitions():
     with pytest.raises(rv.RanvierError, match="no attribute"):
         x.softmax(axes=1)
     assert math.isclose(rv.ops.op_def("LayerNorm").attrs["eps"].default, 1e-5)
+
+
+def test_a_backend_plugs_in_without_touching_the_compiler():
+    """A backend registered by name: here the numpy oracle, but asking for the rewriting
+    passes (so its steps are the fused, decomposed ones the CPU backend would run)."""
+    import dataclasses
+
+    from ranvier.backends import register_backend
+    from ranvier.backends.reference import ReferenceBackend
+
+    class RewritingReference(ReferenceBackend):
+        name = "rewriting-reference"
+        capabilities = dataclasses.replace(ReferenceBackend.capabilities, rewrites=True)
+
+        def runs_whole(self, op):
+            return op.type != "Conv2D"  # as if it had no convolution kernel
+
+    register_backend("rewriting-reference", RewritingReference)
+    value = RNG.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    weights = RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    results = {}
+    for backend in ("reference", "rewriting-reference"):
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        x = f.var("x", "float32", value.shape)
+        y = (f.conv2d(x, f.array("w", weights), padding=1) * 2.0).tanh() + 1.0
+        y.var.out = True
+        cell = rv.Compiler(backend).compile(flow).cell("f")
+        results[backend] = (_run(cell, x, y, value), [s.op.type for s in cell.steps])
+    assert "Conv2D" in results["reference"][1] and "Calculate" not in results["reference"][1]
+    assert "Conv2D" not in results["rewriting-reference"][1] and "Calculate" in results["rewriting-reference"][1]
+    np.testing.assert_allclose(results["rewriting-reference"][0], results["reference"][0], rtol=1e-5, atol=1e-6)

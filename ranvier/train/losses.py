@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..flow.builder import Tensor
 
 
-def softmax_cross_entropy(logits: Tensor, target: Tensor, label_smoothing: float = 0.0, name: str | None = None) -> Tensor:
+def softmax_cross_entropy(logits: Tensor, target: Tensor, label_smoothing: float | None = None, name: str | None = None) -> Tensor:
     """Mean cross-entropy of logits [..., C] against integer classes [...] or probabilities [..., C].
 
     Its gradient is the analytic softmax − target (no log in the backward), fp16-safe.
