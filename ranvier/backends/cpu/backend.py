@@ -78,8 +78,10 @@ class CPUBackend:
     def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.target: CPUTarget = host_target(options.cpu)
         self.use_disk_cache = options.cache
-        # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay float32.
-        precisions = ("float32", "bfloat16") if amx.amx_usable(self.target) else ("float32",)
+        # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay
+        # float32. Only a compile that asks for bf16 asks the OS for the tile state.
+        bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
+        precisions = ("float32", "bfloat16") if bfloat16 else ("float32",)
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions)
 
     # ---- compile time -----------------------------------------------------------------
