@@ -134,10 +134,6 @@ class Value:
         """Integer remainder, for the non-negative integers of index arithmetic (urem)."""
         return self._new(self.b.urem(self.ir, self.like(other).ir))
 
-    def fma(self, factor: Value | Number, addend: Value | Number) -> Value:
-        """self · factor + addend, fused where the target has FMA."""
-        return self._call("llvm.fmuladd", self.like(factor), self.like(addend))
-
     # ---- comparisons and logic ---------------------------------------------------------------
 
     def _compare(self, kind: str, other) -> Value:
