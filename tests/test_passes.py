@@ -927,7 +927,7 @@ def test_pipeline_runs_the_rewrites_in_order_for_the_cpu_backend():
     flow, y = _pipeline_flow()
     backend = create_backend("cpu", CompileOptions())
     ran = run_pipeline(_context(flow, backend, CompileOptions(), {y.name}))
-    assert ran == ["decompose", "fold", "cse", "fuse", "fuse-loss"]
+    assert ran == ["decompose", "fold", "cse", "fuse", "fuse-loss", "fuse-router"]
     assert op_types(flow.func("f")) == ["MatMul", "Calculate"]
 
 
@@ -943,7 +943,7 @@ def test_pipeline_mixed_precision_only_where_asked_and_possible(matmul, precisio
     flow, y = _pipeline_flow()
     options = dataclasses.replace(CompileOptions(), matmul=matmul)
     ran = run_pipeline(_context(flow, _fake_backend(precisions), options, {y.name}))
-    expected = ["decompose", "fold", "cse", "fuse", "fuse-loss"] + (["mixed-precision"] if mixed else [])
+    expected = ["decompose", "fold", "cse", "fuse", "fuse-loss", "fuse-router"] + (["mixed-precision"] if mixed else [])
     assert ran == expected
     (matmul_op,) = [op for op in flow.func("f").ops if op.type == "MatMul"]
     assert matmul_op.attrs.get("precision") == ("bfloat16" if mixed else None)
@@ -971,7 +971,7 @@ def test_pipeline_debug_prints_the_function_after_each_pass(monkeypatch, capsys)
     titles = [line for line in err.splitlines() if line.startswith("====")]
     assert titles == [f"==== f after {name} ====" for name in ran]
     assert err.count("func f {") == len(ran)
-    last = err.rsplit("==== f after fuse-loss ====", 1)[1]
+    last = err.rsplit("==== f after fuse-router ====", 1)[1]
     assert str(flow.func("f")) in last and "Calculate" in last
     first = err.split("==== f after fold ====", 1)[0]
     assert "Tanh" in first  # before fusion, the function still shows its elementwise ops

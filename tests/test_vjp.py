@@ -12,6 +12,7 @@ the finite differences evaluate by writing perturbed inputs into its instance.
 from __future__ import annotations
 
 import functools
+import itertools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,10 @@ F32 = m.DT_FLOAT32
 
 # Op types that compute a float output but have no VJP (second-order gradients are not
 # supported: the backward ops of the windowed nn ops; Assign has no output).
-NON_DIFFERENTIABLE = {"Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad"}
+NON_DIFFERENTIABLE = {
+    "Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput",
+    "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad",
+}
 
 FD_EPS = 1e-6
 FD_MAX_ELEMENTS = 40  # per input; larger inputs are checked on a random sample
@@ -498,6 +502,51 @@ for _label, _sx, _k, _s, _p in POOLS:
         (lambda k, s, p: lambda x: F.avg_pool2d(x, k, s, p, count_include_pad=True))(_k, _s, _p),
         x=normal(*_sx),
     )
+
+# ---- mixture of experts ---------------------------------------------------------------------------
+
+case("TopK", lambda b, x: x.top_k(3)[0], lambda x: torch.topk(x, 3).values, x=normal(4, 7))
+case(
+    "TopK[indices]",
+    lambda b, x, p: x.top_k(2)[0] * p.gather(x.top_k(2)[1]),
+    lambda x, p: torch.topk(x, 2).values * p[torch.topk(x, 2).indices],
+    x=normal(5, 6), p=normal(6),
+)
+_GROUP_OFFSETS = np.array([0, 3, 3, 7, 9], np.int32)
+case(
+    "GroupedMatMul",
+    lambda b, x, w, o: b.grouped_matmul(x, w, o),
+    lambda x, w, o: torch.cat([torch.cat([x[a:z] @ w[e] for e, (a, z) in enumerate(itertools.pairwise(o))]), torch.zeros(2, 5, dtype=x.dtype)]),
+    x=normal(11, 4), w=normal(4, 4, 5), o=_GROUP_OFFSETS,
+)
+case(
+    "GroupedMatMul[transpose_b]",
+    lambda b, x, w, o: b.grouped_matmul(x, w, o, transpose_b=True),
+    lambda x, w, o: torch.cat([x[a:z] @ w[e].T for e, (a, z) in enumerate(itertools.pairwise(o))]),
+    x=normal(9, 3), w=normal(4, 6, 3), o=_GROUP_OFFSETS,
+)
+case(
+    "MoEAuxLoss",
+    lambda b, logits, counts: b.load_balancing_loss(logits.softmax(), counts),
+    lambda logits, counts: 4 * (counts.double() / 6 * torch.softmax(logits, -1).mean(0)).sum(),
+    logits=normal(6, 4), counts=np.array([5, 0, 4, 3], np.int32),
+)
+
+
+def _moe_layer(b, x, router, w, experts=4, k=2):
+    """Route each token to its top-k experts, run them as one grouped product, combine."""
+    weights, choices = (x @ router).softmax().top_k(k)
+    order, slot, offsets, _kept, _counts = b.moe_route(choices, experts=experts)
+    rows = b.grouped_matmul(x.gather(order), w, offsets)
+    return (rows.gather(slot) * weights.expand_dims(-1)).sum(axis=1)
+
+
+def _torch_moe_layer(x, router, w, k=2):
+    weights, choices = torch.topk(torch.softmax(x @ router, -1), k)
+    return torch.stack([sum(weights[t, j] * (x[t] @ w[choices[t, j]]) for j in range(k)) for t in range(x.shape[0])])
+
+
+case("MoE[dispatch-combine]", _moe_layer, _torch_moe_layer, x=normal(7, 3), router=normal(3, 4), w=normal(4, 3, 5))
 
 # ---- composites: several rules chained, a tensor used on several paths -----------------------------
 

@@ -8,6 +8,7 @@ pipeline decides which passes apply.
     cse              the same op on the same inputs → computed once
     fuse             chains of elementwise ops → one Calculate (one loop)
     fuse-loss        cross-entropy beside its gradient → one op, one read of the logits
+    fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
     mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
 
 `RANVIER_DEBUG=passes` prints the function after each pass.
@@ -25,6 +26,7 @@ from .decompose import decompose
 from .fuse import fuse_elementwise
 from .loss import fuse_loss_with_gradient
 from .precision import use_bfloat16_matmul
+from .router import fuse_softmax_top_k
 from .simplify import eliminate_common_subexpressions, fold_constants
 
 
@@ -61,6 +63,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("cse", lambda c: eliminate_common_subexpressions(c.flow, c.func, c.keep)),
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
+    Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
     Pass("mixed-precision", lambda c: use_bfloat16_matmul(c.func), _mixed_precision),
 )
 

@@ -113,6 +113,10 @@ class KernelContext:
     def constant(self, dtype: str, value, lanes: int = 1) -> Value:
         return Value(self.b, constant(vector_of(compute_type(dtype), lanes), value), dtype)
 
+    def element_pointer(self, var: Variable, at: Value | int) -> ir.Value:
+        """A pointer to element `at` of `var`."""
+        return self.b.gep(self.pointer(var), [_ir(at)])
+
     def load(self, var: Variable, at: Value | int, lanes: int = 1) -> Value:
         """`lanes` elements of `var` from element `at`, in the type they compute in."""
         raw = load(self.b, self.pointer(var), _ir(at), storage_type(var.dtype), lanes)

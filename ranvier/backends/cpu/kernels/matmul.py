@@ -16,6 +16,7 @@ from llvmlite import ir
 from .... import dtypes
 from ....ops import attrs_of
 from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
+from ...llvm.values import Value
 from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
 from ..parallel import run_parts, shares, thread_count, worth_splitting
@@ -45,7 +46,7 @@ PARALLEL_FLOPS = 1 << 24
 PARALLEL_BYTES = 1 << 22
 
 
-def _set_threads(ctx, flops: int, nbytes: int) -> None:
+def set_blas_threads(ctx, flops: int, nbytes: int) -> None:
     b = ctx.b
     setter = b.bitcast(ctx.table_entry(BLAS_THREADS), ir.FunctionType(VOID, [I32]).as_pointer())
     parallel = flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES
@@ -157,52 +158,67 @@ def _float32_or_64(op) -> bool:
     return op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
 
 
+class Blas:
+    """The vendor BLAS's gemm and gemv as generated code calls them: through the pointer
+    table, with Fortran's by-reference arguments. Operands are row-major, so C = op(A)·op(B)
+    is the column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: A and B swap places. Sizes and leading
+    dimensions may be Python ints or run-time int64 Values (a group's row count)."""
+
+    def __init__(self, ctx, dtype: str):
+        self.ctx, self.b = ctx, ctx.b
+        self.element = F32 if dtype == dtypes.DT_FLOAT32 else F64
+        pointer, i32p, chp = self.element.as_pointer(), I32.as_pointer(), I8.as_pointer()
+        self._gemm_type = ir.FunctionType(VOID, [chp, chp, i32p, i32p, i32p, pointer, pointer, i32p, pointer, i32p, pointer, pointer, i32p])
+        self._gemv_type = ir.FunctionType(VOID, [chp, i32p, i32p, pointer, pointer, i32p, pointer, i32p, pointer, pointer, i32p])
+        self._gemm_slot, self._gemv_slot = (SGEMM, SGEMV) if self.element is F32 else (DGEMM, DGEMV)
+
+    def _ref(self, type_: ir.Type, value) -> ir.Value:
+        """A pointer to `value` (BLAS takes every argument by reference)."""
+        with self.b.goto_entry_block():
+            slot = self.b.alloca(type_)
+        if isinstance(value, Value):
+            value = self.b.trunc(value.ir, type_) if value.ir.type != type_ else value.ir
+        elif not isinstance(value, ir.Value):
+            value = ir.Constant(type_, value)
+        self.b.store(value, slot)
+        return slot
+
+    def _trans(self, transposed: bool) -> ir.Value:
+        return self._ref(I8, ord("T" if transposed else "N"))
+
+    def gemm(self, ta: bool, tb: bool, m, n, k, a: ir.Value, lda, b: ir.Value, ldb, c: ir.Value, ldc) -> None:
+        """C[m, n] = op(A)[m, k] · op(B)[k, n] (row-major, C overwritten)."""
+        gemm = self.b.bitcast(self.ctx.table_entry(self._gemm_slot), self._gemm_type.as_pointer())
+        self.b.call(gemm, [
+            self._trans(tb), self._trans(ta), self._ref(I32, n), self._ref(I32, m), self._ref(I32, k),
+            self._ref(self.element, 1.0), b, self._ref(I32, ldb), a, self._ref(I32, lda),
+            self._ref(self.element, 0.0), c, self._ref(I32, ldc),
+        ])
+
+    def vector_matrix(self, tb: bool, n, k, x: ir.Value, b: ir.Value, ldb, y: ir.Value) -> None:
+        """y[n] = x[k] · op(B)[k, n]: GEMV streams the matrix once, where GEMM would first pack it."""
+        gemv = self.b.bitcast(self.ctx.table_entry(self._gemv_slot), self._gemv_type.as_pointer())
+        rows, columns = (k, n) if tb else (n, k)
+        one = self._ref(I32, 1)
+        self.b.call(gemv, [
+            self._trans(tb), self._ref(I32, rows), self._ref(I32, columns), self._ref(self.element, 1.0),
+            b, self._ref(I32, ldb), x, one, self._ref(self.element, 0.0), y, one,
+        ])
+
+
 @kernel("BlasGemm", {"MatMul"}, supports=_float32_or_64)
 def blas_matmul(ctx, op) -> None:
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb, m, k, n, batches = _gemms(op)
-    element = F32 if a.dtype == dtypes.DT_FLOAT32 else F64
-    gemm_slot = SGEMM if a.dtype == dtypes.DT_FLOAT32 else DGEMM
-    builder = ctx.b
-    ptr = element.as_pointer()
-    i32p, chp = I32.as_pointer(), I8.as_pointer()
-    gemm_type = ir.FunctionType(VOID, [chp, chp, i32p, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
-    gemm = builder.bitcast(ctx.table_entry(gemm_slot), gemm_type.as_pointer())
-
-    def cell(type_, value):
-        with builder.goto_entry_block():
-            slot = builder.alloca(type_)
-        builder.store(ir.Constant(type_, value), slot)
-        return slot
-
-    trans_b, trans_a = cell(I8, ord("T" if tb else "N")), cell(I8, ord("T" if ta else "N"))
-    n_, m_, k_ = cell(I32, n), cell(I32, m), cell(I32, k)
-    ldb, lda, ldc = cell(I32, b.shape[-1]), cell(I32, a.shape[-1]), cell(I32, n)
-    alpha, beta = cell(element, 1.0), cell(element, 0.0)
-    pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
+    blas = Blas(ctx, a.dtype)
     a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
-    _set_threads(ctx, 2 * m * n * k, max(a.nbytes, b.nbytes))
-    if m == 1:
-        # A vector times a matrix (a decode step): GEMV streams the matrix once, where
-        # GEMM would first pack it. y = op(B)ᵀ-view · x in column-major terms.
-        gemv_type = ir.FunctionType(VOID, [chp, i32p, i32p, ptr, ptr, i32p, ptr, i32p, ptr, ptr, i32p])
-        gemv = builder.bitcast(ctx.table_entry(SGEMV if element is F32 else DGEMV), gemv_type.as_pointer())
-        rows, columns = (k, n) if tb else (n, k)
-        trans, rows_, columns_, one = cell(I8, ord("T" if tb else "N")), cell(I32, rows), cell(I32, columns), cell(I32, 1)
-        for index, (oa, ob) in enumerate(batches):
-            builder.call(gemv, [
-                trans, rows_, columns_, alpha, builder.gep(pb, [i64(ob * b_size)]), ldb,
-                builder.gep(pa, [i64(oa * a_size)]), one, beta, builder.gep(pc, [i64(index * n)]), one,
-            ])
-        return
+    set_blas_threads(ctx, 2 * m * n * k, max(a.nbytes, b.nbytes))
     for index, (oa, ob) in enumerate(batches):
-        args = [
-            trans_b, trans_a, n_, m_, k_, alpha,
-            builder.gep(pb, [i64(ob * b_size)]), ldb,
-            builder.gep(pa, [i64(oa * a_size)]), lda,
-            beta, builder.gep(pc, [i64(index * m * n)]), ldc,
-        ]
-        builder.call(gemm, args)
+        pa, pb = ctx.element_pointer(a, oa * a_size), ctx.element_pointer(b, ob * b_size)
+        if m == 1:  # a vector times a matrix (a decode step)
+            blas.vector_matrix(tb, n, k, pa, pb, b.shape[-1], ctx.element_pointer(c, index * n))
+        else:
+            blas.gemm(ta, tb, m, n, k, pa, a.shape[-1], pb, b.shape[-1], ctx.element_pointer(c, index * m * n), n)
 
 
 @kernel("LoopMatMul", {"MatMul"})

@@ -1,0 +1,189 @@
+"""Mixture-of-experts kernels: top-k selection (alone, or after the router's softmax in
+the same pass over a row), the counting sort that routes tokens to experts, and the
+grouped GEMMs, one BLAS call per expert over its run-time group of rows."""
+
+from __future__ import annotations
+
+import math
+
+from .... import dtypes
+from ....ops import attrs_of
+from ...llvm.values import Value
+from ..views import fill
+from .library import kernel
+from .matmul import Blas, set_blas_threads
+from .rows import Row, each_row
+
+
+def _key(value: Value) -> Value:
+    """The order top-k ranks by: NaN counts as the largest."""
+    return value.not_equal(value).where(math.inf, value) if value.is_float else value
+
+
+def select_top_k(ctx, source, start: Value, n: int, k: int, values, indices, out_start: Value) -> None:
+    """The k largest of source[start:start+n] into values/indices[out_start:+k], largest
+    first, ties to the lower index: k passes, each taking the best element ranked after
+    the previous pick (k·n compares; k and n are a router's few experts)."""
+    previous = ctx.local(source.dtype)
+    previous_index = ctx.local(dtypes.DT_INT64)
+    best = ctx.local(source.dtype)
+    best_index = ctx.local(dtypes.DT_INT64)
+    with ctx.loop(0, k, name="pick") as j:
+        best_index.set(ctx.index(-1))
+        with ctx.loop(0, n, name="i") as i:
+            key = _key(ctx.load(source, start + i))
+            after_previous = j.equal(0) | (key < previous.value) | (key.equal(previous.value) & (i > previous_index.value))
+            better = (best_index.value < 0) | (key > best.value)
+            with ctx.when(after_previous & better):
+                best.set(key)
+                best_index.set(i)
+        ctx.store(values, out_start + j, ctx.load(source, start + best_index.value))
+        ctx.store(indices, out_start + j, best_index.value.cast(indices.dtype))
+        previous.set(best.value)
+        previous_index.set(best_index.value)
+
+
+def _rows(op) -> tuple[int, int]:
+    x = op.inputs[0]
+    return x.size // x.shape[-1], x.shape[-1]
+
+
+@kernel("TopKRow", {"TopK"})
+def top_k(ctx, op) -> None:
+    x = op.inputs[0]
+    values, indices = op.outputs
+    _, n = _rows(op)
+    k = attrs_of(op)["k"]
+    each_row(ctx, op, lambda ctx, r: select_top_k(ctx, x, r * n, n, k, values, indices, r * k))
+
+
+@kernel("SoftmaxTopKRow", {"SoftmaxTopK"})
+def softmax_top_k(ctx, op) -> None:
+    """softmax over the row (its exponentials stored, then scaled in place), then the top k
+    of the probabilities just written."""
+    x = op.inputs[0]
+    probs, values, indices = op.outputs
+    _, n = _rows(op)
+    k = attrs_of(op)["k"]
+
+    def body(ctx, r):
+        row = Row(ctx, r * n, n, x.dtype)
+        peak = row.max(x)
+
+        def exponential(i, w):
+            e = (ctx.load(x, i, w) - peak.splat(w)).exp()
+            ctx.store(probs, i, e)
+            return e
+
+        scale = 1.0 / row.sum(exponential)
+        row.each(lambda i, w: ctx.store(probs, i, ctx.load(probs, i, w) * scale.splat(w)))
+        select_top_k(ctx, probs, r * n, n, k, values, indices, r * k)
+
+    each_row(ctx, op, body)
+
+
+def _supported_float(op) -> bool:
+    return op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and op.outputs[0].dtype == op.inputs[0].dtype
+
+
+@kernel("MoERoute", {"MoERoute"})
+def moe_route(ctx, op) -> None:
+    """A counting sort of the choices by expert: count, room (capacity), offsets, then
+    place each choice at its expert's next free row, in token order."""
+    (choices,) = op.inputs
+    order, slot, offsets, kept, counts = op.outputs
+    attrs = attrs_of(op)
+    experts, capacity = attrs["experts"], attrs["capacity"]
+    tokens, k = choices.shape
+    filled = ctx.array(dtypes.DT_INT64, experts)
+    fill(ctx, counts, 0)
+    fill(ctx, order, 0)  # rows past the last group stay a valid token (0)
+    with ctx.loop(0, tokens * k, name="c") as c:
+        expert = ctx.load(choices, c).cast(dtypes.DT_INT64)
+        bad = (expert < 0) | (expert >= experts)
+        ctx.fail(bad)
+        with ctx.when(~bad):
+            ctx.store(counts, expert, ctx.load(counts, expert) + 1)
+
+    def room(e: Value) -> Value:
+        count = ctx.load(counts, e).cast(dtypes.DT_INT64)
+        return count.minimum(capacity) if capacity else count
+
+    ctx.store(offsets, 0, 0)
+    with ctx.loop(0, experts, name="e") as e:
+        ctx.store(offsets, e + 1, ctx.load(offsets, e) + room(e).cast(dtypes.DT_INT32))
+        filled.store(e, ctx.index(0))
+    with ctx.loop(0, tokens * k, name="c") as c:
+        expert = ctx.load(choices, c).cast(dtypes.DT_INT64)
+        inside = (expert >= 0) & (expert < experts)
+        safe = inside.where(expert, 0)
+        taken = filled.load(safe)
+        fits = inside & (taken < room(safe))
+        row = ctx.load(offsets, safe).cast(dtypes.DT_INT64) + taken
+        with ctx.when(fits):
+            ctx.store(order, row, (c // k).cast(order.dtype))
+            filled.store(safe, taken + 1)
+        ctx.store(slot, c, fits.where(row, 0).cast(slot.dtype))
+        ctx.store(kept, c, fits)
+
+
+def _groups(ctx, offsets, experts: int, rows: int, body) -> None:
+    """body(e, start, count) for each expert's group of rows; offsets that do not rise
+    from 0 within the rows mark the step failed (the runtime raises) and are skipped."""
+    with ctx.loop(0, experts, name="e") as e:
+        start = ctx.load(offsets, e).cast(dtypes.DT_INT64)
+        stop = ctx.load(offsets, e + 1).cast(dtypes.DT_INT64)
+        bad = (start < 0) | (stop < start) | (stop > rows)
+        ctx.fail(bad)
+        with ctx.when(~bad):
+            body(e, start, stop - start)
+
+
+@kernel("GroupedGemm", {"GroupedMatMul"}, supports=_supported_float)
+def grouped_matmul(ctx, op) -> None:
+    x, w, offsets = op.inputs
+    y = op.outputs[0]
+    tb = attrs_of(op)["transpose_b"]
+    experts = w.shape[0]
+    rows, k = x.shape
+    n = y.shape[1]
+    blas = Blas(ctx, x.dtype)
+    set_blas_threads(ctx, 2 * rows * k * n, w.nbytes)
+
+    def group(e: Value, start: Value, count: Value) -> None:
+        with ctx.when(count > 0):
+            matrix = ctx.element_pointer(w, e * (k * n))
+            blas.gemm(False, tb, count, n, k, ctx.element_pointer(x, start * k), k, matrix, w.shape[2],
+                      ctx.element_pointer(y, start * n), n)
+
+    _groups(ctx, offsets, experts, rows, group)
+    # Rows past the last group (choices dropped at capacity) are zero.
+    last = ctx.load(offsets, experts).cast(dtypes.DT_INT64).minimum(rows).maximum(0)
+    with ctx.loop(last * n, rows * n, name="z") as i:
+        ctx.store(y, i, 0.0)
+
+
+@kernel("GroupedGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_supported_float)
+def grouped_matmul_weight_grad(ctx, op) -> None:
+    """dw[e] = x_eᵀ · dy_e (or, transposed, dy_eᵀ · x_e); an expert no row chose gets zeros."""
+    x, dy, offsets = op.inputs
+    dw = op.outputs[0]
+    transpose = attrs_of(op)["transpose"]
+    experts = dw.shape[0]
+    rows, k = x.shape
+    n = dy.shape[1]
+    blas = Blas(ctx, x.dtype)
+    set_blas_threads(ctx, 2 * rows * k * n, dw.nbytes)
+    block = k * n
+
+    def group(e: Value, start: Value, count: Value) -> None:
+        target = ctx.element_pointer(dw, e * block)
+        with ctx.when(count > 0):
+            if transpose:
+                blas.gemm(True, False, n, k, count, ctx.element_pointer(dy, start * n), n, ctx.element_pointer(x, start * k), k, target, k)
+            else:
+                blas.gemm(True, False, k, n, count, ctx.element_pointer(x, start * k), k, ctx.element_pointer(dy, start * n), n, target, n)
+        with ctx.when(count.equal(0)), ctx.loop(0, block, name="z") as i:
+            ctx.store(dw, e * block + i, 0.0)
+
+    _groups(ctx, offsets, experts, rows, group)

@@ -1,0 +1,31 @@
+"""Router fusion: a softmax over the last axis read by a TopK (a MoE router's
+probabilities and its choice of experts) becomes one SoftmaxTopK op, which computes
+both in one pass over each row. The probabilities stay an output for their other
+readers (the load-balancing loss)."""
+
+from __future__ import annotations
+
+from ..flow.graph import Flow, Function
+from ..ops import attrs_of
+
+
+def _softmax_over_last_axis(op) -> bool:
+    return op is not None and op.type == "Softmax" and attrs_of(op)["axis"] % op.inputs[0].rank == op.inputs[0].rank - 1
+
+
+def fuse_softmax_top_k(flow: Flow, func: Function) -> None:
+    for top_k in [op for op in func.ops if op.type == "TopK"]:
+        softmax = top_k.inputs[0].producer
+        if not _softmax_over_last_axis(softmax) or softmax.func is not func:
+            continue
+        logits, probs = softmax.inputs[0], softmax.outputs[0]
+        values, indices = top_k.outputs
+        k = attrs_of(top_k)["k"]
+        flow.remove_op(softmax)
+        flow.remove_op(top_k)
+        fused = flow.add_op(flow.unique_name(f"{func.name}/SoftmaxTopK", flow.ops), "SoftmaxTopK")
+        fused.set_attr("k", k)
+        fused.add_input(logits)
+        for output in (probs, values, indices):
+            fused.add_output(output)
+        func.add(fused)

@@ -1,0 +1,297 @@
+"""Mixture-of-experts ops: top-k selection, routing tokens to experts, grouped matrix
+products over the experts' variable-length groups, and the load-balancing loss.
+
+A MoE layer is built from them (see `ranvier.models.moe`):
+
+    probs = softmax(x @ router)                        [T, E]
+    weights, experts = TopK(probs)                     [T, k] each
+    order, slot, offsets, kept, counts = MoERoute(experts)
+    rows = Gather(x, order)                            [R, D]  tokens sorted by expert
+    out_rows = GroupedMatMul(rows, W, offsets)         [R, F]  row r through its expert's W
+    y = Σ_j weights[:, j] · Gather(out_rows, slot)[:, j]
+
+so every token passes through its k experts only, never the others. Rows beyond the last
+group (tokens dropped at an expert's capacity) are zero.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from .. import dtypes
+from .nn import softmax
+from .registry import Attr, TensorType, attrs_of, decomposition, define, zero_gradient
+from .rules import FLOATS, INDEX, NUMERIC, same_dtype
+
+# ---- TopK -------------------------------------------------------------------------------------------
+
+
+def _infer_top_k(ctx):
+    (x,) = ctx.inputs
+    k = ctx.attrs["k"]
+    if x.dtype not in NUMERIC or x.rank < 1:
+        raise ctx.fail("a numeric input of rank >= 1")
+    if k is None or not 1 <= k <= x.shape[-1]:
+        raise ctx.fail(f"attribute k in [1, {x.shape[-1]}] (the last dimension)")
+    shape = (*x.shape[:-1], k)
+    return [TensorType(x.dtype, shape), TensorType(dtypes.DT_INT32, shape)]
+
+
+def top_k_order(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest elements of each row, largest first; NaN counts as the
+    largest, and ties keep the lower index first."""
+    key = np.asarray(x, np.float64)
+    key = np.where(np.isnan(key), np.inf, key)
+    return np.argsort(-key, axis=-1, kind="stable")[..., :k]
+
+
+def _top_k(attrs, args, outs):
+    x = args[0]
+    indices = top_k_order(x, attrs["k"])
+    return [np.take_along_axis(x, indices, axis=-1), indices.astype(np.int32)]
+
+
+def _top_k_vjp(ctx, grads):
+    """The gradient of each selected value goes back to the element it came from."""
+    x, (dvalues, _) = ctx.inputs[0], grads
+    if dvalues is None:
+        return [None]
+    spread = ctx.outputs[1].one_hot(x.shape[-1], x.dtype) * dvalues.expand_dims(-1)  # [..., k, N]
+    return [spread.sum(axis=-2)]
+
+
+define(
+    "TopK", _infer_top_k, _top_k, 1, "moe",
+    "(values, indices) of the k largest elements along the last axis, largest first",
+    attrs=[Attr("k", "int", None, "how many to keep")],
+    vjp=_top_k_vjp,
+    flops=lambda op: op.inputs[0].size * attrs_of(op)["k"],
+    method="top_k",
+)
+
+
+# ---- SoftmaxTopK: the router's softmax and top-k in one pass over each row ---------------------------
+
+
+def _infer_softmax_top_k(ctx):
+    (x,) = ctx.inputs
+    same_dtype(ctx, FLOATS, "floating-point logits")
+    values, indices = _infer_top_k(ctx)
+    return [TensorType(x.dtype, x.shape), values, indices]
+
+
+def _softmax_top_k(attrs, args, outs):
+    probs = softmax(args[0])
+    values, indices = _top_k(attrs, [probs], outs)
+    return [probs, values, indices]
+
+
+define(
+    "SoftmaxTopK", _infer_softmax_top_k, _softmax_top_k, 1, "moe",
+    "(softmax(x), its top-k values, their indices) along the last axis; the compiler fuses a "
+    "softmax read by a TopK into it",
+    attrs=[Attr("k", "int", None, "how many to keep")],
+    flops=lambda op: op.inputs[0].size * (5 + attrs_of(op)["k"]),
+)
+
+
+# ---- MoERoute: tokens sorted by expert ----------------------------------------------------------------
+
+
+def _infer_route(ctx):
+    (experts,) = ctx.inputs
+    count = ctx.attrs["experts"]
+    capacity = ctx.attrs["capacity"]
+    if experts.dtype not in INDEX or experts.rank != 2:
+        raise ctx.fail("int32/int64 expert choices [tokens, k]")
+    if count is None or count < 1 or capacity < 0:
+        raise ctx.fail("attribute experts >= 1 and capacity >= 0 (0: no limit)")
+    tokens, k = experts.shape
+    rows = route_rows(tokens, k, count, capacity)
+    int32 = dtypes.DT_INT32
+    return [
+        TensorType(int32, [rows]), TensorType(int32, [tokens, k]), TensorType(int32, [count + 1]),
+        TensorType(dtypes.DT_BOOL, [tokens, k]), TensorType(int32, [count]),
+    ]
+
+
+def route_rows(tokens: int, k: int, experts: int, capacity: int) -> int:
+    """Rows of the sorted token buffer: every choice, or at most `capacity` per expert."""
+    return tokens * k if capacity == 0 else min(tokens * k, experts * capacity)
+
+
+def route(choices: np.ndarray, experts: int, capacity: int):
+    """(order, slot, offsets, kept, counts) of expert choices [T, k]: a counting sort of the
+    choices by expert, in token order within each expert.
+
+    order[r]    the token whose row r is (rows of expert e: offsets[e] to offsets[e+1])
+    slot[t, j]  the row of token t's j-th choice (row 0 where the choice was dropped)
+    kept[t, j]  whether that choice found room below the expert's capacity
+    counts[e]   how many choices named expert e, dropped ones included
+    """
+    tokens, k = choices.shape
+    if choices.size and (choices.min() < 0 or choices.max() >= experts):
+        bad = choices[(choices < 0) | (choices >= experts)].reshape(-1)[0]
+        raise IndexError(f"expert {int(bad)} is outside [0, {experts})")
+    flat = choices.reshape(-1).astype(np.int64)
+    counts = np.bincount(flat, minlength=experts)
+    room = counts if capacity == 0 else np.minimum(counts, capacity)
+    offsets = np.concatenate([[0], np.cumsum(room)])
+    order = np.zeros(route_rows(tokens, k, experts, capacity), np.int32)
+    slot = np.zeros(tokens * k, np.int32)
+    kept = np.zeros(tokens * k, bool)
+    filled = np.zeros(experts, np.int64)
+    for choice, expert in enumerate(flat):
+        if filled[expert] < room[expert]:
+            row = offsets[expert] + filled[expert]
+            order[row], slot[choice], kept[choice] = choice // k, row, True
+            filled[expert] += 1
+    return order, slot.reshape(tokens, k), offsets.astype(np.int32), kept.reshape(tokens, k), counts.astype(np.int32)
+
+
+define(
+    "MoERoute", _infer_route, lambda a, args, o: list(route(np.asarray(args[0]), a["experts"], a["capacity"])), 1, "moe",
+    "(order, slot, offsets, kept, counts): expert choices [T, k] as rows sorted by expert",
+    attrs=[
+        Attr("experts", "int", None, "the number of experts"),
+        Attr("capacity", "int", 0, "rows per expert at most (0: no limit); choices beyond are dropped"),
+    ],
+    vjp=zero_gradient,
+    method="moe_route",
+)
+
+
+# ---- GroupedMatMul: each group of rows times its own matrix ------------------------------------------------
+
+
+def _infer_grouped(ctx):
+    x, w, offsets = ctx.inputs
+    if x.dtype not in FLOATS or w.dtype != x.dtype:
+        raise ctx.fail("floating-point rows and matrices of one dtype")
+    if x.rank != 2 or w.rank != 3 or offsets.dtype != dtypes.DT_INT32 or list(offsets.shape) != [w.shape[0] + 1]:
+        raise ctx.fail("rows [R, K], matrices [E, K, N] and int32 group offsets [E + 1]")
+    k, n = (w.shape[2], w.shape[1]) if ctx.attrs["transpose_b"] else (w.shape[1], w.shape[2])
+    if x.shape[1] != k:
+        raise ctx.fail(f"rows of {k} values (the matrices' inner dimension), got {x.shape[1]}")
+    return [TensorType(x.dtype, [x.shape[0], n])]
+
+
+def _groups(offsets: np.ndarray, rows: int):
+    """(expert, start, stop) of every group; a bad offset raises, naming it."""
+    bounds = [int(o) for o in offsets]
+    if bounds[0] != 0 or any(b < a for a, b in itertools.pairwise(bounds)) or bounds[-1] > rows:
+        raise ValueError(f"group offsets {bounds[:8]}... must rise from 0 to at most {rows}")
+    return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
+
+
+def grouped_matmul(x, w, offsets, transpose_b=False):
+    y = np.zeros((x.shape[0], w.shape[1] if transpose_b else w.shape[2]))
+    for e, start, stop in _groups(offsets, x.shape[0]):
+        matrix = np.asarray(w[e], np.float64)
+        y[start:stop] = np.asarray(x[start:stop], np.float64) @ (matrix.T if transpose_b else matrix)
+    return y
+
+
+def _grouped_vjp(ctx, grads):
+    x, w, offsets = ctx.inputs
+    dy = grads[0]
+    tb = ctx.attrs["transpose_b"]
+    dx = ctx.b.grouped_matmul(dy, w, offsets, transpose_b=not tb)
+    dw = ctx.b.grouped_matmul_weight_grad(x, dy, offsets, w.shape[0], transpose=tb)
+    return [dx, dw, None]
+
+
+def _grouped_flops(op) -> int:
+    """Two per multiply-add of the rows that belong to a group (all of them, at most)."""
+    x, w = op.inputs[0], op.inputs[1]
+    return 2 * x.size * (w.shape[1] if attrs_of(op)["transpose_b"] else w.shape[2])
+
+
+define(
+    "GroupedMatMul", _infer_grouped, lambda a, args, o: [grouped_matmul(*args, a["transpose_b"])], 3, "moe",
+    "GroupedMatMul(x [R, K], w [E, K, N], offsets [E+1]): rows offsets[e]..offsets[e+1] of x times w[e]; "
+    "rows past the last group are zero",
+    attrs=[Attr("transpose_b", "bool", False, "the matrices are [E, N, K]: use each one's transpose")],
+    vjp=_grouped_vjp,
+    flops=_grouped_flops,
+    method="grouped_matmul",
+)
+
+
+def _infer_grouped_weight_grad(ctx):
+    x, dy, offsets = ctx.inputs
+    experts = ctx.attrs["experts"]
+    if x.dtype not in FLOATS or dy.dtype != x.dtype or x.rank != 2 or dy.rank != 2 or x.shape[0] != dy.shape[0]:
+        raise ctx.fail("floating-point rows x [R, K] and dy [R, N] of one dtype")
+    if experts is None or offsets.dtype != dtypes.DT_INT32 or list(offsets.shape) != [experts + 1]:
+        raise ctx.fail("attribute experts and int32 group offsets [experts + 1]")
+    k, n = x.shape[1], dy.shape[1]
+    return [TensorType(x.dtype, [experts, n, k] if ctx.attrs["transpose"] else [experts, k, n])]
+
+
+def grouped_matmul_weight_grad(x, dy, offsets, experts, transpose=False):
+    """dw[e] = x_eᵀ · dy_e over group e's rows ([E, K, N]; transposed: [E, N, K])."""
+    k, n = x.shape[1], dy.shape[1]
+    dw = np.zeros((experts, n, k) if transpose else (experts, k, n))
+    for e, start, stop in _groups(offsets, x.shape[0]):
+        product = np.asarray(x[start:stop], np.float64).T @ np.asarray(dy[start:stop], np.float64)
+        dw[e] = product.T if transpose else product
+    return dw
+
+
+define(
+    "GroupedMatMulWeightGrad", _infer_grouped_weight_grad,
+    lambda a, args, o: [grouped_matmul_weight_grad(*args, a["experts"], a["transpose"])], 3, "moe",
+    "the matrices' gradient of GroupedMatMul: (x, dy, offsets) → dw[e] = x_eᵀ dy_e",
+    attrs=[
+        Attr("experts", "int", None, "the number of matrices"),
+        Attr("transpose", "bool", False, "give each gradient transposed, [E, N, K]"),
+    ],
+    flops=lambda op: 2 * op.inputs[0].size * op.inputs[1].shape[1],
+    method="grouped_matmul_weight_grad",
+)
+
+
+# ---- the load-balancing loss ------------------------------------------------------------------------------
+
+
+def _infer_aux(ctx):
+    probs, counts = ctx.inputs
+    if probs.dtype not in FLOATS or probs.rank != 2 or counts.dtype not in INDEX or list(counts.shape) != [probs.shape[1]]:
+        raise ctx.fail("floating-point router probabilities [T, E] and integer expert counts [E]")
+    return [TensorType(probs.dtype, [])]
+
+
+def load_balancing_loss(probs, counts):
+    """E · Σᵢ fᵢ·Pᵢ: fᵢ the fraction of tokens routed to expert i (counts / T), Pᵢ the mean
+    router probability of expert i. k when the top-k routing is uniform; E when one expert
+    takes every token (top-1)."""
+    tokens, experts = probs.shape
+    fraction = np.asarray(counts, np.float64) / tokens
+    return experts * float(np.sum(fraction * np.asarray(probs, np.float64).mean(axis=0)))
+
+
+def _aux_vjp(ctx, grads):
+    """Through the probabilities only (the counts are a step function of them)."""
+    probs, counts = ctx.inputs
+    tokens, experts = probs.shape
+    share = counts.cast(probs.dtype) * (experts / (tokens * tokens))
+    return [share.expand_dims(0).broadcast_to(probs.shape) * grads[0], None]
+
+
+define(
+    "MoEAuxLoss", _infer_aux, lambda a, args, o: [np.asarray(load_balancing_loss(*args))], 2, "moe",
+    "the load-balancing loss E · Σᵢ fᵢ·Pᵢ of router probabilities [T, E] and expert counts [E]",
+    vjp=_aux_vjp,
+    flops=lambda op: 2 * op.inputs[0].size,
+    method="load_balancing_loss",
+)
+
+
+@decomposition("MoEAuxLoss")
+def _aux_from_sums(b, op):
+    probs, counts = (b.wrap(v) for v in op.inputs)
+    tokens, experts = probs.shape
+    return (probs.mean(axis=0) * counts.cast(probs.dtype)).sum() * (experts / tokens)
