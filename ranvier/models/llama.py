@@ -82,31 +82,37 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[np.ndarray, 
 class Llama(Module):
     name = "llama"
 
-    def __init__(self, config: LlamaConfig, seed: int = 0):
-        super().__init__(seed)
+    def __init__(self, config: LlamaConfig, seed: int = 0, allocate: bool = True):
+        super().__init__(seed, allocate)
         self.config = config
         c = config
         kv = c.n_kv_heads * c.head_dim
-
-        def normal(key, shape, std=0.02):
-            self.add(key, self.rng.normal(0.0, std, size=shape))
-
         # llama2.c's initialization: N(0, 0.02), residual projections scaled by 1/√(2·layers).
-        residual_std = 0.02 / math.sqrt(2 * c.n_layers)
-        normal("tok_embeddings", (c.vocab_size, c.dim))
+        self.residual_std = 0.02 / math.sqrt(2 * c.n_layers)
+        self.normal("tok_embeddings", (c.vocab_size, c.dim))
         for i in range(c.n_layers):
-            self.add(f"layers.{i}.attention_norm", np.ones(c.dim))
-            normal(f"layers.{i}.wq", (c.dim, c.dim))
-            normal(f"layers.{i}.wk", (c.dim, kv))
-            normal(f"layers.{i}.wv", (c.dim, kv))
-            normal(f"layers.{i}.wo", (c.dim, c.dim), residual_std)
-            self.add(f"layers.{i}.ffn_norm", np.ones(c.dim))
-            normal(f"layers.{i}.w1", (c.dim, c.hidden_dim))
-            normal(f"layers.{i}.w2", (c.hidden_dim, c.dim), residual_std)
-            normal(f"layers.{i}.w3", (c.dim, c.hidden_dim))
-        self.add("norm", np.ones(c.dim))
+            self.ones(f"layers.{i}.attention_norm", (c.dim,))
+            self.normal(f"layers.{i}.wq", (c.dim, c.dim))
+            self.normal(f"layers.{i}.wk", (c.dim, kv))
+            self.normal(f"layers.{i}.wv", (c.dim, kv))
+            self.normal(f"layers.{i}.wo", (c.dim, c.dim), self.residual_std)
+            self.ones(f"layers.{i}.ffn_norm", (c.dim,))
+            self.feed_forward_parameters(i)
+        self.ones("norm", (c.dim,))
         if not c.shared_classifier:
-            normal("output", (c.dim, c.vocab_size))
+            self.normal("output", (c.dim, c.vocab_size))
+
+    def feed_forward_parameters(self, i: int) -> None:
+        """Layer i's SwiGLU weights (a MoE model puts its experts here)."""
+        c = self.config
+        self.normal(f"layers.{i}.w1", (c.dim, c.hidden_dim))
+        self.normal(f"layers.{i}.w2", (c.hidden_dim, c.dim), self.residual_std)
+        self.normal(f"layers.{i}.w3", (c.dim, c.hidden_dim))
+
+    @property
+    def rope_base(self) -> float:
+        """The θ of the rotary frequencies θ^(−2i/head_dim)."""
+        return self.config.rope_theta
 
     def describe(self) -> dict:
         return {"model": "llama", **asdict(self.config)}
@@ -149,7 +155,7 @@ class Llama(Module):
 
     def rope(self, b: Builder, seq: int) -> tuple[Tensor, Tensor]:
         """The rotary tables as constants of b's function, made once and shared by its layers."""
-        tables = rope_tables(self.config.head_dim, seq, self.config.rope_theta)
+        tables = rope_tables(self.config.head_dim, seq, self.rope_base)
         result = []
         for part, table in zip(("cos", "sin"), tables):
             name = f"{b.func.name}/rope{seq}x{self.config.head_dim}.{part}"
@@ -176,9 +182,13 @@ class Llama(Module):
         out = b.op("Attention", [q.transpose(heads_first), k.transpose(heads_first), v.transpose(heads_first)])
         return out.transpose(heads_first).reshape([batch, seq, c.dim]) @ w["wo"]
 
-    @staticmethod
-    def feed_forward(b: Builder, x: Tensor, w: dict) -> Tensor:
-        return (b.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]
+    def feed_forward(self, b: Builder, x: Tensor, w: dict) -> Tensor:
+        return swiglu(b, x, w["w1"], w["w2"], w["w3"])
+
+
+def swiglu(b: Builder, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+    """(silu(x W1) ⊙ x W3) W2."""
+    return (b.silu(x @ w1) * (x @ w3)) @ w2
 
 
 def rotate(b: Builder, x: Tensor, rope) -> Tensor:

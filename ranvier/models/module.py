@@ -14,31 +14,54 @@ from ..flow.graph import Flow
 
 class Module:
     """A model owns named initial values; `parameters(b)` declares them as learnable
-    globals of b's flow (once), so every function built from the same flow shares them."""
+    globals of b's flow (once), so every function built from the same flow shares them.
+
+    With `allocate=False` a model records only its parameters' shapes: its flow can be
+    built and counted (a 6-billion-parameter preset's summary) without the weights."""
 
     name = "model"
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, allocate: bool = True):
         self.rng = np.random.default_rng(seed)
+        self.allocate = allocate
         self.initial: dict[str, np.ndarray] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
 
     def add(self, key: str, value: np.ndarray) -> None:
-        self.initial[key] = np.ascontiguousarray(value, dtype=np.float32)
+        self.shapes[key] = tuple(np.shape(value))
+        if self.allocate:
+            self.initial[key] = np.ascontiguousarray(value, dtype=np.float32)
+
+    def normal(self, key: str, shape, std: float = 0.02) -> None:
+        """N(0, std²) values (nothing drawn without allocating)."""
+        self.shapes[key] = tuple(shape)
+        if self.allocate:
+            self.add(key, self.rng.normal(0.0, std, size=shape))
+
+    def ones(self, key: str, shape) -> None:
+        self.shapes[key] = tuple(shape)
+        if self.allocate:
+            self.add(key, np.ones(shape))
 
     def uniform_fan_in(self, key: str, shape, fan_in: int) -> None:
         """PyTorch's default Linear/Conv initialization: U(−1/√fan_in, 1/√fan_in)."""
         bound = 1.0 / math.sqrt(fan_in)
         self.add(key, self.rng.uniform(-bound, bound, size=shape))
 
+    def parameter_count(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes.values())
+
     def parameters(self, b: Builder) -> dict[str, Tensor]:
         flow: Flow = b.flow
         result = {}
-        for key, value in self.initial.items():
+        for key, shape in self.shapes.items():
             name = f"{self.name}/{key}"
             var = flow.vars.get(name)
             if var is None:
-                var = flow.add_var(name, "float32", value.shape)
-                var.set_data(value)
+                value = self.initial.get(key)
+                var = flow.add_var(name, "float32", shape if value is None else value.shape)
+                if value is not None:
+                    var.set_data(value)
                 var.flags |= VarFlags.LEARNABLE
             result[key] = b.wrap(var)
         return result
