@@ -60,8 +60,25 @@ def _differentiable(var: Variable) -> bool:
     return dtypes.is_float(var.dtype) and not var.nogradient
 
 
-def _relevant_ops(ops: list[Operation], sources: set[str], target: Variable, stop: set[str]) -> list[Operation]:
-    """Ops on some path from a source variable to the target, in forward order."""
+def _seed(b: Builder, root: Variable, seed) -> Tensor:
+    """The gradient flowing into `root`: a Tensor (cast and broadcast to the root's type) or a number."""
+    if isinstance(seed, (Tensor, Variable)):
+        tensor = b.wrap(variable_of(seed))
+        if tensor.dtype != root.dtype:
+            tensor = b.cast(tensor, root.dtype)
+        if tensor.shape != list(root.shape):
+            if tensor.shape:
+                raise RanvierError(
+                    f"gradient seed {tensor.name} has shape {tensor.shape}, expected the loss's {list(root.shape)} or a scalar"
+                )
+            tensor = b.broadcast_to(tensor, root.shape)
+        return tensor
+    value = 1.0 if seed is None else float(seed)
+    return b.broadcast_to(b.const(value, root.dtype), root.shape) if root.shape else b.const(value, root.dtype)
+
+
+def _relevant_ops(ops: list[Operation], sources: set[str], targets: list[Variable], stop: set[str]) -> list[Operation]:
+    """Ops on some path from a source variable to a target, in forward order."""
     reaches: set[str] = set(sources)
     forward: list[Operation] = []
     for op in ops:
@@ -70,7 +87,7 @@ def _relevant_ops(ops: list[Operation], sources: set[str], target: Variable, sto
         if any(v.name in reaches and v.name not in stop - sources for v in op.inputs):
             forward.append(op)
             reaches.update(v.name for v in op.outputs)
-    needed = {target.name}
+    needed = {target.name for target in targets}
     relevant = []
     for op in reversed(forward):
         if any(v.name in needed for v in op.outputs):
@@ -94,6 +111,9 @@ def gradient(
     loss: the scalar (or any tensor) to differentiate; defaults to the function's only output.
     seed: the gradient flowing into `loss` (a Tensor, or a number; default 1). With a
           number, e.g. a loss scale, the seed is a constant of the loss's shape.
+          `loss` and `seed` may also be lists, one seed per root: the gradient of
+          Σ seedᵢ·rootᵢ (a layer's output with its upstream gradient, plus an auxiliary
+          loss it adds with seed 1).
     stop: variables treated as leaves: no gradient flows past them (the stop-gradient
           frontier). A `wrt` variable is never stopped: when one depends on another,
           each still gets its full gradient.
@@ -108,34 +128,26 @@ def gradient(
         outputs = flow.outputs(func)
         if len(outputs) != 1:
             raise RanvierError(f"function {func.name} has {len(outputs)} outputs; say which one is the loss")
-        loss_var = outputs[0]
+        roots = [outputs[0]]
     else:
-        loss_var = variable_of(loss) if not isinstance(loss, str) else flow.var(loss)
+        roots = [variable_of(t) if not isinstance(t, str) else flow.var(t) for t in (loss if isinstance(loss, list) else [loss])]
+    seeds = seed if isinstance(seed, list) else [seed] * len(roots)
+    if len(seeds) != len(roots):
+        raise RanvierError(f"gradient: {len(roots)} roots but {len(seeds)} seeds")
     target_func = flow.func(into) if into is not None else func
     if into is not None and target_func is not func:
         target_func.backprop = True
     b = Builder(flow, target_func)
 
-    if isinstance(seed, (Tensor, Variable)):
-        seed_tensor = b.wrap(variable_of(seed))
-        if seed_tensor.dtype != loss_var.dtype:
-            seed_tensor = b.cast(seed_tensor, loss_var.dtype)
-        if seed_tensor.shape != list(loss_var.shape):
-            if seed_tensor.shape:
-                raise RanvierError(
-                    f"gradient seed {seed_tensor.name} has shape {seed_tensor.shape}, expected the loss's {list(loss_var.shape)} or a scalar"
-                )
-            seed_tensor = b.broadcast_to(seed_tensor, loss_var.shape)
-    else:
-        value = 1.0 if seed is None else float(seed)
-        seed_tensor = b.broadcast_to(b.const(value, loss_var.dtype), loss_var.shape) if loss_var.shape else b.const(value, loss_var.dtype)
-
     ops_before = set(target_func.ops)
     stop_names = {variable_of(s).name if not isinstance(s, str) else s for s in stop}
     sources = {v.name for v in wrt_vars}
-    relevant = _relevant_ops(ops, sources, loss_var, stop_names)
+    relevant = _relevant_ops(ops, sources, roots, stop_names)
 
-    grads: dict[str, Tensor] = {loss_var.name: seed_tensor}
+    grads: dict[str, Tensor] = {}
+    for root, root_seed in zip(roots, seeds):
+        seeded = _seed(b, root, root_seed)
+        grads[root.name] = seeded if root.name not in grads else b.add(grads[root.name], seeded)
     for op in reversed(relevant):
         out_grads = [grads.get(v.name) for v in op.outputs]
         if all(g is None for g in out_grads):

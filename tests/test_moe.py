@@ -138,7 +138,7 @@ def torch_gradient(net: TorchMoE, key: str, shape) -> np.ndarray:
     parameter, linear, expert = torch_parameter(net, key)
     if expert is not None:
         named = dict(net.named_parameters(remove_duplicate=False))
-        i, name = key.split(".")[1], key.split(".")[-1]
+        i, name = key.split(".")[1], key.rsplit(".", maxsplit=1)[-1]
         return np.stack([named[f"layers.{i}.feed_forward.experts.{e}.{name}.weight"].grad.numpy().T for e in range(shape[0])])
     g = parameter.grad.numpy()
     return g.T if linear else g
@@ -281,3 +281,71 @@ def test_ntk_scaling_stretches_the_rotary_base():
 def test_bad_configs_are_refused():
     with pytest.raises(rv.RanvierError, match="top_k"):
         MoEConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=1, vocab_size=10, hidden_dim=8, n_experts=2, top_k=3)
+
+
+def _lm_loss(vocab: int, rows: int):
+    def loss(b, logits, targets):
+        return softmax_cross_entropy(logits.reshape([rows, vocab]), targets.reshape([rows]))
+
+    return loss
+
+
+def test_checkpointed_stack_gives_the_monolithic_gradients_with_the_auxiliary_loss():
+    """Each layer's load-balancing term joins the loss and seeds its backward: the streamed
+    gradients equal the whole model's backward of cross-entropy + α · aux."""
+    from ranvier.train.stack import CheckpointedStack
+
+    config = MoEConfig(dim=24, n_layers=3, n_heads=4, n_kv_heads=1, vocab_size=31, hidden_dim=16, max_seq_len=16,
+                       n_experts=4, top_k=2, aux_loss_weight=0.2)
+    batch, seq = 2, 8
+    rng = np.random.default_rng(4)
+    x, y = (rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32) for _ in range(2))
+    model = MoE(config, seed=2)
+    randomize(model, seed=5)
+    loss_fn = _lm_loss(config.vocab_size, batch * seq)
+    stack = CheckpointedStack(model, ("int32", [batch, seq]), ("int32", [batch, seq]), loss_fn)
+    streamed_loss, streamed = stack.gradients([x, y])
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "whole")
+    tokens, targets = f.var("tokens", "int32", [batch, seq]), f.var("targets", "int32", [batch, seq])
+    params = model.parameters(f)
+    loss = loss_fn(f, model(f, tokens, params), targets) + model.auxiliary_loss(f)
+    loss.var.out = True
+    loads = model.expert_loads(f)
+    for t in loads:
+        t.var.out = True
+    grads = gradient(flow, f.func, list(params.values()), loss=loss)
+    data = rv.Compiler().compile(flow).cell("whole").instance()
+    data[tokens], data[targets] = x, y
+    data.compute()
+    assert streamed_loss == pytest.approx(float(data[loss]), rel=1e-6)
+    for name, g in grads.items():
+        np.testing.assert_allclose(streamed[name], data[g], rtol=1e-5, atol=1e-6 * np.abs(data[g]).max(), err_msg=name)
+    for i, t in enumerate(loads):
+        np.testing.assert_array_equal(stack.watched[f"load.{i}"], data[t])
+        assert stack.watched[f"load.{i}"].sum() == batch * seq * config.top_k
+    assert stack.watched["aux_loss"] > 0
+
+
+def test_the_trainer_watches_values_of_its_step():
+    from ranvier.train.trainer import Trainer
+
+    config = PRESETS["moe-tiny"]
+    batch, seq = 2, 8
+    model = MoE(config)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "train")
+    tokens, targets = f.var("tokens", "int32", [batch, seq]), f.var("targets", "int32", [batch, seq])
+    params = model.parameters(f)
+    loss = _lm_loss(config.vocab_size, batch * seq)(f, model(f, tokens, params), targets)
+    aux = model.auxiliary_loss(f)
+    watch = {"aux_loss": aux, **{f"load.{i}": t for i, t in enumerate(model.expert_loads(f))}}
+    trainer = Trainer(loss + aux, list(params.values()), inputs=[tokens, targets], watch=watch, accumulate=2)
+    rng = np.random.default_rng(0)
+    trainer.step([rng.integers(0, config.vocab_size, (2 * batch, seq)).astype(np.int32) for _ in range(2)])
+    assert set(trainer.watched) == {"aux_loss", "load.0", "load.1"}
+    assert trainer.watched["load.0"].sum() == pytest.approx(batch * seq * config.top_k)  # the mean of two micro-batches
+    with pytest.raises(rv.RanvierError, match="watch"):
+        other = rv.Builder(flow, "other").var("z", "float32", [])
+        Trainer(loss, list(params.values()), inputs=[tokens, targets], watch={"z": other})

@@ -975,3 +975,28 @@ def test_pipeline_debug_prints_the_function_after_each_pass(monkeypatch, capsys)
     assert str(flow.func("f")) in last and "Calculate" in last
     first = err.split("==== f after fold ====", 1)[0]
     assert "Tanh" in first  # before fusion, the function still shows its elementwise ops
+
+
+def test_fuse_sees_what_a_group_reads_through_members_it_takes_in_later():
+    """Group A = {exp(x), A·m2} reads group C through m2 once its second member joins; C's
+    second member reads A through m1. Merging both would make a cycle (A → m1 → C → m2 → A):
+    the check must see A's new upstream from m1, whose dependence was recorded before."""
+    flow, f = new_flow()
+    x, y = f.var("x", rv.DT_FLOAT, [4, 4]), f.var("y", rv.DT_FLOAT, [4, 4])
+    w1, w2 = f.array("w1", rand([4, 4], seed=1)), f.array("w2", rand([4, 4], seed=2))
+    a = x.exp()
+    m1 = a @ w1
+    c = y.tanh()
+    m2 = c @ w2
+    a2 = a * m2
+    c2 = c * m1
+    for t in (a2, c2):
+        t.var.out = True
+    func = flow.func("f")
+    feeds = {"f/x": rand([4, 4], seed=3), "f/y": rand([4, 4], seed=4)}
+    expected = run_reference(flow, feeds, [a2.name, c2.name])
+    fuse_elementwise(flow, func, flow.order(func), {a2.name, c2.name})
+    flow.order(func)  # no cycle
+    assert len(calculates(func)) == 1  # one of the two merges is refused
+    for got, want in zip(run_reference(flow, feeds, [a2.name, c2.name]), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -52,62 +52,95 @@ def fuse_elementwise(flow: Flow, func: Function, ops: list[Operation], keep: set
     `keep` names variables that must stay visible (outputs, values other cells read).
     The function's op list changes; order it again before use.
     """
-    group_of: dict[Operation, _Group] = {}
-    depends_on: dict[Operation, set[_Group]] = {}  # op -> groups it reads from, directly or not
+    fusion = _Fusion()
     for position, op in enumerate(ops):
-        upstream: set[_Group] = set()
-        for v in op.inputs:
-            producer = v.producer
-            if producer is None or producer not in depends_on:
-                continue
-            upstream |= depends_on[producer]
-            if producer in group_of:
-                upstream.add(group_of[producer])
-        depends_on[op] = upstream
-        if not is_elementwise(op):
-            continue
-        shape = list(op.outputs[0].shape)
-        candidates = {
-            group_of[v.producer].root()
-            for v in op.inputs
-            if v.producer is not None and v.producer in group_of and group_of[v.producer].root().shape == shape
-        }
-        group = _Group(op, position)
-        group_of[op] = group
-        for candidate in sorted(candidates, key=lambda g: min(p for p, _ in g.ops)):
-            if _convex(group.root(), candidate, group_of, depends_on):
-                _merge(group.root(), candidate)
-
-    roots = {g.root(): None for g in group_of.values()}
+        fusion.visit(op, position)
+    roots = {g.root(): None for g in fusion.group_of.values()}
     # Decide every fold before rewriting anything: the checks read the original graph.
-    plans = [(group, _assigns(group, func, keep, group_of, depends_on)) for group in roots]
+    plans = [(group, _assigns(group, func, keep, fusion)) for group in roots]
     for group, assigns in plans:
         if len(group.ops) > 1 or assigns:
             _build_calculate(flow, func, group, keep, assigns)
 
 
-def _merge(a: _Group, b: _Group) -> None:
-    b.parent = a
-    a.ops += b.ops
+class _Fusion:
+    """The groups formed so far and what every op depends on, kept current.
 
+    Each group is a bit; `depends_on[op]` is the mask of groups op reads from, directly
+    or through other ops. When two groups merge, the merged group reads what both read,
+    so every op that depended on either of them gains that too: the masks stay
+    transitive, and a convexity check is a few mask tests."""
 
-def _convex(a: _Group, b: _Group, group_of, depends_on) -> bool:
-    """Merging is safe when no value flows from one group to the other through an outside op."""
-    merged = {op for _, op in a.ops} | {op for _, op in b.ops}
-    for _, op in a.ops + b.ops:
-        for v in op.inputs:
-            producer = v.producer
-            if producer is None or producer in merged or producer not in depends_on:
+    def __init__(self):
+        self.group_of: dict[Operation, _Group] = {}
+        self.depends_on: dict[Operation, int] = {}
+        self.bits: dict[_Group, int] = {}  # the groups merged into a root, as a mask
+        self.reads: dict[_Group, int] = {}  # what a root's members read (their depends_on)
+        self.producers: dict[_Group, set[Operation]] = {}
+        self.groups = 0  # groups ever made: the next one's bit
+
+    def carried(self, producer: Operation) -> int:
+        """The groups a value of `producer` depends on: its upstream and its own group."""
+        mask = self.depends_on[producer]
+        if producer in self.group_of:
+            mask |= self.bits[self.group_of[producer].root()]
+        return mask
+
+    def visit(self, op: Operation, position: int) -> None:
+        producers = {v.producer for v in op.inputs if v.producer in self.depends_on}
+        mask = 0
+        for producer in producers:
+            mask |= self.carried(producer)
+        self.depends_on[op] = mask
+        if not is_elementwise(op):
+            return
+        shape = list(op.outputs[0].shape)
+        candidates = {self.group_of[p].root() for p in producers if p in self.group_of and self.group_of[p].root().shape == shape}
+        group = _Group(op, position)
+        self.group_of[op] = group
+        self.bits[group] = 1 << self.groups
+        self.groups += 1
+        self.reads[group] = mask
+        self.producers[group] = producers
+        for candidate in sorted(candidates, key=lambda g: min(p for p, _ in g.ops)):
+            if self._convex(group.root(), candidate):
+                self._merge(group.root(), candidate)
+
+    def _convex(self, a: _Group, b: _Group) -> bool:
+        """Merging is safe when no value flows from one group to the other through an
+        outside op (or an outside group)."""
+        inside = {a, b}
+        both = self.bits[a] | self.bits[b]
+        for producer in self.producers[a] | self.producers[b]:
+            if producer in self.group_of and self.group_of[producer].root() in inside:
                 continue
-            reached = {g.root() for g in depends_on[producer]}
-            if producer in group_of:
-                reached.add(group_of[producer].root())
-            if a in reached or b in reached:
+            if self.carried(producer) & both:
                 return False
-    return True
+        return True
+
+    def _merge(self, a: _Group, b: _Group) -> None:
+        both = self.bits[a] | self.bits[b]
+        reads = self.reads[a] | self.reads.pop(b)
+        b.parent = a
+        a.ops += b.ops
+        self.bits[a] = both
+        del self.bits[b]
+        self.reads[a] = reads
+        self.producers[a] |= self.producers.pop(b)
+        # Whatever depended on either group now depends on all the merged group reads.
+        for op, mask in self.depends_on.items():
+            if mask & both:
+                self.depends_on[op] = mask | reads
+        for root, mask in self.reads.items():
+            if mask & both and root is not a:
+                self.reads[root] = mask | reads
+
+    def unit_depends_on(self, op: Operation) -> int:
+        """The groups the op's fused unit (its whole group, if it has one) depends on."""
+        return self.reads[self.group_of[op].root()] if op in self.group_of else self.depends_on[op]
 
 
-def _assigns(group: _Group, func: Function, keep: set[str], group_of, depends_on) -> list[Operation]:
+def _assigns(group: _Group, func: Function, keep: set[str], fusion: _Fusion) -> list[Operation]:
     """Assigns of a group's value to a same-shaped variable, when nothing outside the group
     needs that value: they fold into the group as in-place writes. A write must follow
     every other reader of its target (directly or through a view), so an Assign stays
@@ -123,16 +156,10 @@ def _assigns(group: _Group, func: Function, keep: set[str], group_of, depends_on
         if out.name in keep or out.out:
             continue  # the value itself must stay visible
         target_readers = [c for c in readers(writers[0].inputs[0]) if c.func is func and c is not writers[0] and c not in members]
-        if any(group in _upstream(r, group_of, depends_on) for r in target_readers):
+        if any(fusion.unit_depends_on(r) & fusion.bits[group] for r in target_readers):
             continue
         found.append(writers[0])
     return found
-
-
-def _upstream(op: Operation, group_of, depends_on) -> set[_Group]:
-    """Groups the op's fused unit (its whole group, if it has one) reads from."""
-    unit = [member for _, member in group_of[op].root().ops] if op in group_of else [op]
-    return {g.root() for member in unit for g in depends_on.get(member, set())}
 
 
 def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], assigns: list[Operation]) -> Operation:

@@ -19,7 +19,10 @@ monolithic Trainer's and the two can load each other's checkpoints.
 
 The model provides `depth`, `parameters(b)`, `layer_parameters(p, i)` (layer i's
 parameters keyed by a name shared by all layers) and the stages `embed(b, x, p)`,
-`layer(b, x, w)` and `head(b, x, p)`.
+`layer(b, x, w)` and `head(b, x, p)`. A model whose layers add to the loss (a MoE
+layer's load balancing) also provides `auxiliary_loss(b)`, the terms its layer built in
+b's function: each layer's term joins the loss, and its backward is seeded with both the
+upstream gradient and 1 for the term. `expert_loads(b)` values are read into `watched`.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class CheckpointedStack(TrainerBase):
         self.params = params
         self._layer_globals = [self._layer_names(params, i) for i in range(model.depth)]
 
+        self.watched: dict[str, np.ndarray] = {}
         embed_input, x0 = self._build_embed(f"{name}/embed", input_type)
         self.act_type = (x0.dtype, list(x0.shape))
         layer_w = self._build_layer(f"{name}/layer")
@@ -179,12 +183,22 @@ class CheckpointedStack(TrainerBase):
         x0.var.out = True
         return x.var, x0
 
+    def _auxiliary_loss(self, b: Builder) -> Tensor | None:
+        terms = getattr(self.model, "auxiliary_loss", None)
+        return terms(b) if terms is not None else None
+
     def _build_layer(self, name: str) -> dict[str, Variable]:
         b = Builder(self.flow, name)
         x, weights = self._layer_inputs(b)
         y = self.model.layer(b, x, weights)
         y.var.out = True
         self._layer_x, self._layer_y = x.var, y.var
+        aux = self._auxiliary_loss(b)
+        self._layer_aux = aux.var if aux is not None else None
+        loads = getattr(self.model, "expert_loads", lambda b: [])(b)
+        self._layer_loads = [t.var for t in loads]
+        for var in ([self._layer_aux] if aux is not None else []) + self._layer_loads:
+            var.out = True
         return {key: w.var for key, w in weights.items()}
 
     def _build_layer_backward(self, name: str) -> tuple[dict[str, Variable], dict[str, Variable]]:
@@ -193,7 +207,9 @@ class CheckpointedStack(TrainerBase):
         x, weights = self._layer_inputs(b)
         dy = b.var("dy", *self.act_type)
         y = self.model.layer(b, x, weights)
-        grads = gradient(self.flow, b.func, [x, *weights.values()], loss=y, seed=dy)
+        aux = self._auxiliary_loss(b)
+        roots, seeds = ([y, aux], [dy, 1.0]) if aux is not None else (y, dy)
+        grads = gradient(self.flow, b.func, [x, *weights.values()], loss=roots, seed=seeds)
         self._backward_x, self._backward_dy, self._backward_dx = x.var, dy.var, grads[x.name].var
         return {key: w.var for key, w in weights.items()}, {key: grads[w.name].var for key, w in weights.items()}
 
@@ -240,19 +256,28 @@ class CheckpointedStack(TrainerBase):
         for key, var in weights.items():
             data[var][...] = globals_[self._layer_globals[i][key]]
 
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        """Embed and run every layer, keeping each layer's input; returns the last output."""
+    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Embed and run every layer, keeping each layer's input; returns the last output
+        and what the layers report: their auxiliary losses' sum and expert loads."""
         self.embed_data[self.inputs[0]] = x
         self.embed_data.compute()
         acts = self._activations
         acts[0][...] = self.embed_data[self._x0]
         layer = self.layer_data
+        reported: dict[str, np.ndarray] = {}
+        aux = 0.0
         for i in range(self.model.depth):
             self._feed_layer(layer, self._layer_w, i)
             layer[self._layer_x] = acts[i]
             layer.compute()
             acts[i + 1][...] = layer[self._layer_y]
-        return acts[-1]
+            if self._layer_aux is not None:
+                aux += float(layer[self._layer_aux])
+            for load in self._layer_loads:
+                reported[f"load.{i}"] = np.array(layer[load], np.float64)
+        if self._layer_aux is not None:
+            reported["aux_loss"] = np.array(aux)
+        return acts[-1], reported
 
     def compute_gradients(self, x: np.ndarray, target: np.ndarray, add: bool = False) -> float:
         """Forward and backward of one micro-batch into the gradient buffers (added to
@@ -261,7 +286,7 @@ class CheckpointedStack(TrainerBase):
         self._check_batch(self.inputs[1], target)
         # The head's and embedding's cells overwrite their resident gradients.
         earlier = [np.array(a) for a in self._resident_grads] if add else []
-        last = self._forward(x)
+        last, reported = self._forward(x)
         head = self.head_data
         head[self._head_x] = last
         head[self.inputs[1]] = target
@@ -286,7 +311,10 @@ class CheckpointedStack(TrainerBase):
         embed.compute()
         for accumulator, before in zip(self._resident_grads, earlier):
             accumulator += before
-        return float(head[self._head_loss])
+        parts = self.accumulate
+        for name, value in reported.items():
+            self.watched[name] = value / parts if not add else self.watched[name] + value / parts
+        return float(head[self._head_loss]) + float(reported.get("aux_loss", 0.0))
 
     def _batch_gradients(self, named: dict[str, np.ndarray]) -> float:
         """The gradients of a whole batch: the mean over its micro-batches. Returns the mean loss."""
@@ -321,7 +349,7 @@ class CheckpointedStack(TrainerBase):
         """The loss of a batch with the current parameters (forward only)."""
         self._check_batch(self.inputs[0], x)
         self._check_batch(self.inputs[1], target)
-        self.eval_data[self._eval_x] = self._forward(x)
+        self.eval_data[self._eval_x] = self._forward(x)[0]
         self.eval_data[self._eval_target] = target
         self.eval_data.compute()
         return float(self.eval_data[self._eval_loss])

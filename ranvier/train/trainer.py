@@ -87,6 +87,7 @@ class TrainerBase:
     flow: Flow
     inputs: list[Variable]  # the arrays one sampled example set feeds, in dataset order
     batch_rows: int  # examples drawn from the dataset per step() call
+    watched: dict[str, np.ndarray]  # the last step's values of what the trainer was asked to watch
 
     def _compile(self, backend: str, predict: Tensor | None, cpu: str = "", matmul: str = "float32") -> None:
         compile_start = time.perf_counter()
@@ -237,6 +238,8 @@ class Trainer(TrainerBase):
         resident buffers and one update is applied per step.
     loss_scale: None, a number (static) or a DynamicLossScale.
     track_grad_norm: also compute the global gradient norm (`grad_norm`) when not clipping.
+    watch: {name: tensor of the loss's function} to read after every step into `watched`
+        (the mean over micro-batches), e.g. an auxiliary loss or a MoE layer's expert loads.
     backend, cpu: the compiler backend and, for "cpu", features to mask (e.g. "-avx512").
     matmul: "float32", or "bfloat16" for mixed-precision matrix products (see Compiler).
     """
@@ -254,12 +257,19 @@ class Trainer(TrainerBase):
         accumulate: int = 1,
         predict: Tensor | None = None,
         inputs: Sequence[Tensor] | None = None,
+        watch: Mapping[str, Tensor] | None = None,
         backend: str = "cpu",
         cpu: str = "",
         matmul: str = "float32",
     ):
         if accumulate < 1:
             raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
+        self._watch = {name: t.var for name, t in (watch or {}).items()}
+        for var in self._watch.values():
+            if var.producer is None or var.producer.func is not loss.builder.func:
+                raise RanvierError(f"Trainer can watch only values the loss's function computes; {var.name} is not one")
+            var.out = True
+        self.watched = {}
         self.optimizer = optimizer or Adam()
         self.schedule = schedule or schedules.Constant(self.optimizer.lr)
         self.accumulate = accumulate
@@ -329,6 +339,7 @@ class Trainer(TrainerBase):
             self._lr_view[...] = lr
             self.data.compute()
             self.step_count += 1
+            self._read_watched(1, fresh=True)
             return float(self._loss_view)
         named = self._next_batch(batch)
         if self.accumulate == 1:
@@ -337,6 +348,7 @@ class Trainer(TrainerBase):
             self.data[self.lr_var] = lr
             self.data.compute()
             loss = float(self.data[self.loss_var])
+            self._read_watched(1, fresh=True)
         else:
             micro = self.inputs[0].shape[0]
             loss = 0.0
@@ -345,11 +357,18 @@ class Trainer(TrainerBase):
                     self._feed(self.data, var, named[var.name][k * micro : (k + 1) * micro])
                 self.data.compute()
                 loss += float(self.data[self.loss_var])
+                self._read_watched(self.accumulate, fresh=k == 0)
             loss /= self.accumulate
             self.apply_data[self.lr_var] = lr
             self.apply_data.compute()
         self.step_count += 1
         return loss
+
+    def _read_watched(self, parts: int, fresh: bool) -> None:
+        """Add this compute's share of each watched value (the mean over `parts` computes)."""
+        for name, var in self._watch.items():
+            value = self.data[var].astype(np.float64) / parts
+            self.watched[name] = value if fresh else self.watched[name] + value
 
     def profile(self):
         """The train-step cell's profile: time per step of each kernel."""
