@@ -68,12 +68,12 @@ def _train_llama(args: argparse.Namespace) -> int:
         return 0
     defaults = LlamaRunConfig()
     config = LlamaRunConfig(
-        preset=args.preset, corpus=args.corpus, steps=args.steps or defaults.steps, minutes=args.minutes,
+        preset=args.preset, model=args.task, corpus=args.corpus, steps=args.steps or defaults.steps, minutes=args.minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
         backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
         matmul=args.matmul,
     )
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"llama-{args.preset}-%Y%m%d-%H%M%S")
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"{args.task}-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
     train_llama(config, run_dir, progress=not args.quiet, dashboard=args.dashboard)
     return 0
@@ -84,10 +84,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .generate import Generator, Sampling
     from .interop import load_any
-    from .models.llama import Llama
+    from .models import language_model
 
     config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
-    generator = Generator(Llama(config), weights)
+    generator = Generator(language_model(config), weights)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt = tokenizer.encode(args.prompt, bos=True)
     print(args.prompt, end="", flush=True)
@@ -228,29 +228,37 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
     mnist.set_defaults(run=_train_mnist)
 
-    llama = tasks.add_parser("llama", help="a Llama language model on a text corpus (the standard library by default)")
-    llama.add_argument("--preset", default="stories260K", help="stories260K, stories15M, stories42M or stories110M")
-    llama.add_argument("--corpus", default=None, help="a text file or folder (default: the Python standard library's source)")
-    llama.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000)")
-    llama.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
-    llama.add_argument("--batch", type=int, default=16)
-    llama.add_argument("--seq", type=int, default=128)
-    llama.add_argument("--lr", type=float, default=2e-3)
-    llama.add_argument("--accumulate", type=int, default=1)
-    llama.add_argument("--checkpointed", action="store_true",
-                       help="stream the layers through one compiled layer forward and backward (CheckpointedStack): "
-                            "compile time and activation memory independent of depth")
-    llama.add_argument("--max-corpus-bytes", type=int, default=None)
-    llama.add_argument("--seed", type=int, default=0)
-    llama.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
-    llama.add_argument("--cpu", default="", metavar="MASK")
-    llama.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
-                       help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
-    llama.add_argument("--run-dir", default=None)
-    llama.add_argument("--resume", default=None, metavar="RUN_DIR")
-    llama.add_argument("--quiet", action="store_true")
-    llama.add_argument("--dashboard", action="store_true", help="a live terminal dashboard with samples (plain output when not a terminal)")
-    llama.set_defaults(run=_train_llama)
+    language_models = (
+        ("llama", "a Llama language model on a text corpus (the standard library by default)", "stories260K",
+         "stories260K, stories15M, stories42M or stories110M"),
+        ("moe", "a mixture-of-experts language model on a text corpus (the standard library by default)", "moe-tiny",
+         "moe-tiny, moe-15M or moe-5.9B"),
+    )
+    for task, help_text, default_preset, presets in language_models:
+        lm = tasks.add_parser(task, help=help_text)
+        lm.add_argument("--preset", default=default_preset, help=presets)
+        lm.add_argument("--corpus", default=None, help="a text file or folder (default: the Python standard library's source)")
+        lm.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000)")
+        lm.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
+        lm.add_argument("--batch", type=int, default=16)
+        lm.add_argument("--seq", type=int, default=128)
+        lm.add_argument("--lr", type=float, default=2e-3)
+        lm.add_argument("--accumulate", type=int, default=1)
+        lm.add_argument("--checkpointed", action="store_true",
+                        help="stream the layers through one compiled layer forward and backward (CheckpointedStack): "
+                             "compile time and activation memory independent of depth")
+        lm.add_argument("--max-corpus-bytes", type=int, default=None)
+        lm.add_argument("--seed", type=int, default=0)
+        lm.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+        lm.add_argument("--cpu", default="", metavar="MASK")
+        lm.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
+                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
+        lm.add_argument("--run-dir", default=None)
+        lm.add_argument("--resume", default=None, metavar="RUN_DIR")
+        lm.add_argument("--quiet", action="store_true")
+        lm.add_argument("--dashboard", action="store_true",
+                        help="a live terminal dashboard with samples (plain output when not a terminal)")
+        lm.set_defaults(run=_train_llama)
 
     generate = commands.add_parser("generate", help="generate text from a trained Llama run directory")
     generate.add_argument("model", help="a `ranvier train llama` run directory, a llama2.c .bin or a Hugging Face folder")

@@ -62,6 +62,7 @@ class Dashboard:
     kernel_groups: list[tuple[str, float]] = field(default_factory=list)
     sample: str = ""
     unit: str = "tokens"
+    expert_load: list[float] = field(default_factory=list)  # a MoE's share of tokens per expert
 
     def update(self, step: int, loss: float, seconds: float, tokens: int, flops: float) -> None:
         self.step = step
@@ -101,9 +102,20 @@ class Dashboard:
             kernels.add_row(Text(name), f"{share:6.1%}", "█" * round(share * 30))
         curve = Text(sparkline(self.losses), style="cyan")
         parts = [Text("loss", style="bold"), curve, stats, kernels]
+        if self.expert_load:
+            parts.append(self.render_expert_load())
         if self.sample:
             parts += [Text("sample", style="bold"), Text(self.sample, style="italic")]
         return Panel(Group(*parts), title=self.title)
+
+    def render_expert_load(self) -> Table:
+        """Each expert's share of the routed tokens, against the even share 1/E."""
+        even = 1.0 / len(self.expert_load)
+        ratio = max(self.expert_load) / even
+        table = Table(title=f"expert load (max/mean {ratio:.2f})", show_header=False, box=None, padding=(0, 1))
+        for expert, share in enumerate(self.expert_load):
+            table.add_row(f"expert {expert}", f"{share:6.1%}", "█" * round(share / even * 10))
+        return table
 
     def live(self) -> Live:
         return Live(self.render(), refresh_per_second=4, transient=False)
@@ -138,6 +150,7 @@ def training_display(
         def show(step: int, loss: float, seconds: float, record: dict) -> None:
             board.update(step, loss, seconds, items_per_step, flops_per_step)
             board.validation = record.get("val_loss", board.validation)
+            board.expert_load = record.get("expert_load", board.expert_load)
             if step % 20 == 0:
                 board.set_profile(profile())
             if sample is not None and step % sample_every == 0:

@@ -41,7 +41,7 @@ class MoEConfig(LlamaConfig):
     rope_scaling: float = 1.0  # NTK-aware scaling of the rotary base, for contexts longer than trained
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
-    capacity_factor: float = 0.0  # rows per expert = ceil(factor · tokens · k / E); 0: no limit, nothing dropped
+    capacity_factor: float = 0.0  # in training, rows per expert = ceil(factor · tokens · k / E); 0: no limit
     normalize_top_k: bool = True
 
     def __post_init__(self):
@@ -92,8 +92,8 @@ class MoEConfig(LlamaConfig):
 
 
 PRESETS = {
-    # Tests: two layers of four experts, top-2, one KV head.
-    "moe-tiny": MoEConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=256, hidden_dim=48, max_seq_len=128,
+    # Tests and quick runs: four layers of four experts, top-2, one KV head (stories260K-sized).
+    "moe-tiny": MoEConfig(dim=64, n_layers=4, n_heads=8, n_kv_heads=1, vocab_size=512, hidden_dim=96, max_seq_len=512,
                           n_experts=4, top_k=2),
     # CPU training: a stories15M-sized trunk, 8 experts top-2 (about 15M active parameters).
     "moe-15M": MoEConfig(dim=288, n_layers=6, n_heads=6, n_kv_heads=1, vocab_size=4096, hidden_dim=512,
@@ -153,7 +153,10 @@ class MoE(Llama):
         weights, choices = probs.top_k(c.top_k)
         if c.normalize_top_k:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        order, slot, offsets, kept, counts = b.moe_route(choices, experts=c.n_experts, capacity=c.capacity(tokens))
+        # Capacity is a training device (it bounds an expert's work per step); inference
+        # routes every token.
+        capacity = c.capacity(tokens) if b.func.training else 0
+        order, slot, offsets, kept, counts = b.moe_route(choices, experts=c.n_experts, capacity=capacity)
         sorted_rows = rows.gather(order)
         gate = b.grouped_matmul(sorted_rows, w["experts.w1"], offsets)
         up = b.grouped_matmul(sorted_rows, w["experts.w3"], offsets)

@@ -1,4 +1,5 @@
-"""`ranvier train llama`: train a Llama on a text corpus in a run directory.
+"""`ranvier train llama|moe`: train a Llama or a mixture-of-experts language model on a
+text corpus in a run directory.
 
 The corpus (any text file or folder; by default the Python standard library's own
 source, which every user has) is tokenized with a SentencePiece vocabulary trained
@@ -29,7 +30,8 @@ from ..data.tokenizers import load_tokenizer, train_sentencepiece
 from ..errors import RanvierError
 from ..flow.builder import Builder
 from ..flow.graph import Flow
-from ..models.llama import PRESETS, Llama, LlamaConfig
+from ..models import LANGUAGE_MODELS, MoE, language_model
+from ..models.llama import Llama, LlamaConfig
 from . import rundir
 from .losses import softmax_cross_entropy
 from .optimizers import AdamW
@@ -41,6 +43,7 @@ from .trainer import Trainer
 @dataclass
 class LlamaRunConfig:
     preset: str = "stories260K"
+    model: str = "llama"  # or "moe": the family the preset belongs to
     corpus: str | None = None
     steps: int = 2000
     minutes: float | None = None
@@ -91,10 +94,16 @@ def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tupl
     return tokenizer_path, manifest
 
 
+def presets_of(config: LlamaRunConfig) -> dict[str, LlamaConfig]:
+    if config.model not in LANGUAGE_MODELS:
+        raise RanvierError(f"unknown model family {config.model!r}; choose one of {', '.join(LANGUAGE_MODELS)}")
+    return LANGUAGE_MODELS[config.model][0]
+
+
 def model_config_for(config: LlamaRunConfig, vocab_size: int) -> LlamaConfig:
     """The preset's architecture with the run's vocabulary (and room for its sequence length)."""
-    preset = PRESETS[config.preset]
-    return LlamaConfig(**{**asdict(preset), "vocab_size": vocab_size, "max_seq_len": max(preset.max_seq_len, config.seq)})
+    preset = presets_of(config)[config.preset]
+    return type(preset)(**{**asdict(preset), "vocab_size": vocab_size, "max_seq_len": max(preset.max_seq_len, config.seq)})
 
 
 def read_run(run_dir: Path) -> LlamaRunConfig:
@@ -108,21 +117,22 @@ def load_model(run_dir: Path):
     config = read_run(run_dir)
     tokenizer = load_tokenizer(run_dir / "tokenizer.model")
     arrays, _ = load_checkpoint(run_dir / "checkpoint")
-    prefix = f"{Llama.name}/"
+    prefix = f"{LANGUAGE_MODELS[config.model][1].name}/"
     weights = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix) and name.count("/") == 1}
     return model_config_for(config, tokenizer.vocab_size), weights, tokenizer
 
 
 def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
-    if config.preset not in PRESETS:
-        raise RanvierError(f"unknown Llama preset {config.preset!r}; choose one of {', '.join(PRESETS)}")
-    preset = PRESETS[config.preset]
+    presets = presets_of(config)
+    if config.preset not in presets:
+        raise RanvierError(f"unknown {config.model} preset {config.preset!r}; choose one of {', '.join(presets)}")
+    preset = presets[config.preset]
     tokenizer_path, manifest = prepare_data(config, run_dir, preset.vocab_size)
     tokenizer = load_tokenizer(tokenizer_path)
     model_config = model_config_for(config, tokenizer.vocab_size)
     shards = TokenShards(run_dir / "data")
     train, validation = shards.split(fraction=0.05)
-    model = Llama(model_config, seed=config.seed)
+    model = language_model(model_config, seed=config.seed)
     rows = config.batch * config.seq
 
     def lm_loss(b: Builder, logits, targets, name: str | None = None):
@@ -139,10 +149,18 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
 
     flow = Flow()
     f = Builder(flow, "train")
+    f.func.training = True
     tokens = f.var("tokens", "int32", [config.batch, config.seq])
     targets = f.var("targets", "int32", [config.batch, config.seq])
     params = model.parameters(f)
     loss = lm_loss(f, model(f, tokens, params), targets, name="loss")
+    watch = {}
+    if isinstance(model, MoE):  # the load-balancing (and z-) losses join the loss; loads are reported
+        aux = model.auxiliary_loss(f)
+        if aux is not None:
+            loss = loss + aux
+            watch["aux_loss"] = aux
+        watch.update({f"load.{i}": counts for i, counts in enumerate(model.expert_loads(f))})
 
     e = Builder(flow, "eval")
     eval_tokens = e.var("tokens", "int32", [config.batch, config.seq])
@@ -150,7 +168,8 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     eval_loss = lm_loss(e, model(e, eval_tokens), eval_targets, name="loss")
     eval_loss.var.out = True
 
-    trainer = Trainer(loss, list(params.values()), optimizer, inputs=[tokens, targets], accumulate=config.accumulate, **options)
+    trainer = Trainer(loss, list(params.values()), optimizer, inputs=[tokens, targets], accumulate=config.accumulate,
+                      watch=watch, **options)
     eval_data = trainer.network.cell("eval").instance()
 
     def evaluate(x: np.ndarray, y: np.ndarray) -> float:
@@ -159,6 +178,22 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
         return float(eval_data[eval_loss])
 
     return LlamaRun(trainer, model, train, validation, evaluate, entropy)
+
+
+def expert_metrics(watched: dict[str, np.ndarray]) -> dict:
+    """A MoE step's auxiliary loss and expert loads: each expert's share of the routed
+    tokens (averaged over layers) and the worst layer's max/mean load (1 is balanced)."""
+    loads = [watched[name] for name in sorted(watched) if name.startswith("load.")]
+    if not loads:
+        return {}
+    shares = [load / max(load.sum(), 1.0) for load in loads]
+    record = {
+        "expert_load": [round(float(s), 4) for s in np.mean(shares, axis=0)],
+        "load_max_mean": round(max(float(load.max() / max(load.mean(), 1e-9)) for load in loads), 4),
+    }
+    if "aux_loss" in watched:
+        record["aux_loss"] = float(watched["aux_loss"])
+    return record
 
 
 def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
@@ -176,10 +211,11 @@ def sample_text(run: LlamaRun, tokenizer, generator_box: list, tokens: int = 48)
     from ..generate import Generator, Sampling
 
     if not generator_box:
-        generator_box.append(Generator(Llama(run.model.config), run.model.initial, prefill=8))
+        generator_box.append(Generator(language_model(run.model.config), run.model.initial, prefill=8))
     generator = generator_box[0]
+    name = run.model.name
     for key in run.model.initial:  # the generator's weights are a copy: refresh them
-        generator.network.globals[f"{Llama.name}/{key}"][...] = run.trainer.network.globals[f"{Llama.name}/{key}"]
+        generator.network.globals[f"{name}/{key}"][...] = run.trainer.network.globals[f"{name}/{key}"]
     ids = list(generator.stream([tokenizer.bos_id], tokens, Sampling(temperature=0.8, top_k=50), seed=0, eos=tokenizer.eos_id))
     return tokenizer.decode(ids)
 
@@ -204,8 +240,10 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     elif metrics_path.exists():
         metrics_path.unlink()
     c = run.model.config
+    experts = f", {c.n_experts} experts top-{c.top_k} ({c.counts()['active'] / 1e6:.2f}M active)" if isinstance(run.model, MoE) else ""
     print(f"model: {config.preset} dim {c.dim} layers {c.n_layers} heads {c.n_heads}/{c.n_kv_heads} vocab {c.vocab_size}, "
-          f"{c.parameter_count() / 1e6:.2f}M parameters; compiled in {trainer.compile_seconds:.1f}s; from step {trainer.step_count}")
+          f"{c.parameter_count() / 1e6:.2f}M parameters{experts}; compiled in {trainer.compile_seconds:.1f}s; "
+          f"from step {trainer.step_count}")
     tokens_per_step = config.batch * config.seq * config.accumulate
     flops_per_step = c.flops_per_token(config.seq) * tokens_per_step
 
@@ -217,7 +255,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     tokenizer = load_tokenizer(run_dir / "tokenizer.model")
     generators: list = []
     shown = training_display(
-        remaining, progress=progress, dashboard=dashboard, title=f"ranvier train llama {config.preset}: {run_dir}",
+        remaining, progress=progress, dashboard=dashboard, title=f"ranvier train {config.model} {config.preset}: {run_dir}",
         compile_seconds=trainer.compile_seconds, flops_per_step=flops_per_step, items_per_step=tokens_per_step,
         unit="tokens", profile=trainer.profile, sample=lambda: sample_text(run, tokenizer, generators),
         sample_every=config.sample_every,
@@ -230,7 +268,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
             seconds = time.perf_counter() - step_start
             step = trainer.step_count
             record = {"step": step, "loss": loss, "lr": trainer.schedule(step - 1), "ms": seconds * 1e3,
-                      "tokens_per_s": tokens_per_step / seconds, "gflops": flops_per_step / seconds / 1e9}
+                      "tokens_per_s": tokens_per_step / seconds, "gflops": flops_per_step / seconds / 1e9,
+                      **expert_metrics(trainer.watched)}
             if step % config.eval_every == 0:
                 record["val_loss"] = validation_loss(run, config)
             show(step, loss, seconds, record)
@@ -245,6 +284,10 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     with open(metrics_path, "a") as metrics:
         metrics.write(json.dumps({"step": trainer.step_count, "val_loss": final}) + "\n")
     print(f"validation_loss={final:.4f} unigram_entropy={run.unigram_entropy:.4f} (nats per token)")
+    experts = expert_metrics(trainer.watched)
+    if experts:
+        shares = " ".join(f"{share:.2f}" for share in experts["expert_load"])
+        print(f"expert_load_max_mean={experts['load_max_mean']:.3f} (1 is balanced; shares {shares})")
     return final
 
 

@@ -189,6 +189,7 @@ class CheckpointedStack(TrainerBase):
 
     def _build_layer(self, name: str) -> dict[str, Variable]:
         b = Builder(self.flow, name)
+        b.func.training = True  # the forward of a training step (a MoE layer drops at capacity here too)
         x, weights = self._layer_inputs(b)
         y = self.model.layer(b, x, weights)
         y.var.out = True
