@@ -102,6 +102,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _summary(args: argparse.Namespace) -> int:
+    from .models.summary import find_preset, summary
+
+    try:
+        find_preset(args.preset)
+    except KeyError as error:
+        raise SystemExit(f"ranvier summary: {error.args[0]}") from None
+    print(summary(args.preset, args.seq))
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -270,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--max-tokens", type=int, default=256)
     generate.set_defaults(run=_generate)
+
+    overview = commands.add_parser("summary", help="a language-model preset's parameters, FLOPs and memory, without its weights")
+    overview.add_argument("--preset", required=True, help="e.g. moe-5.9B, moe-15M or stories110M")
+    overview.add_argument("--seq", type=int, default=None, help="sequence length for the FLOP count (default: the preset's)")
+    overview.set_defaults(run=_summary)
 
     plot = commands.add_parser("plot", help="write a run's loss and learning-rate curves as a PNG")
     plot.add_argument("run_dir")

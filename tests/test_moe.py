@@ -350,3 +350,14 @@ def test_the_trainer_watches_values_of_its_step():
     with pytest.raises(rv.RanvierError, match="watch"):
         other = rv.Builder(flow, "other").var("z", "float32", [])
         Trainer(loss, list(params.values()), inputs=[tokens, targets], watch={"z": other})
+
+
+def test_summary_counts_the_founding_design_without_its_weights(capsys):
+    from ranvier.cli import main
+
+    main(["summary", "--preset", "moe-5.9B"])
+    out = capsys.readouterr().out
+    assert "13 of hidden 6144, top-4" in out and "parameters         5,979.2M" in out
+    assert "active per token   1,902.4M" in out and "built without weights" in out
+    with pytest.raises(SystemExit, match="unknown preset"):
+        main(["summary", "--preset", "moe-nope"])
