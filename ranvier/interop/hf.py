@@ -1,7 +1,8 @@
-"""Hugging Face Llama folders: config.json (LlamaForCausalLM) and model.safetensors (or
-shards with model.safetensors.index.json; float32, float16 or bfloat16). HF rotates the
-halves of each head (rotate_half) where llama2.c and ranvier rotate interleaved pairs, so
-q and k rows are permuted on the way."""
+"""Hugging Face folders: config.json and model.safetensors (or shards with
+model.safetensors.index.json; float32, float16 or bfloat16) of a LlamaForCausalLM or a
+MixtralForCausalLM (a MoE: router gate and experts' w1/w2/w3). HF rotates the halves of
+each head (rotate_half) where llama2.c and ranvier rotate interleaved pairs, so q and k
+rows are permuted on the way."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 from ..atomic import atomic_write_bytes
 from ..errors import name_mismatch
 from ..models.llama import LlamaConfig
+from ..models.moe import MoEConfig
 from .weights import InteropError, check_weights, config_from, torch_layout
 
 
@@ -32,6 +34,8 @@ def hf_unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def hf_config(config: LlamaConfig, bos_id: int = 1, eos_id: int = 2) -> dict:
+    if isinstance(config, MoEConfig):
+        return _mixtral_config(config, bos_id, eos_id)
     c = config
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -57,8 +61,33 @@ def hf_config(config: LlamaConfig, bos_id: int = 1, eos_id: int = 2) -> dict:
     }
 
 
+def _mixtral_config(c: MoEConfig, bos_id: int, eos_id: int) -> dict:
+    """MixtralForCausalLM's config. Mixtral has every layer MoE, no shared expert and
+    renormalized top-k weights; NTK scaling is written as the rotary base it gives."""
+    if c.moe_every != 1 or c.shared_hidden or not c.normalize_top_k:
+        raise InteropError("Mixtral has a MoE in every layer, no shared expert and renormalized top-k weights; "
+                           f"this model has moe_every={c.moe_every}, shared_hidden={c.shared_hidden}, "
+                           f"normalize_top_k={c.normalize_top_k}")
+    llama = hf_config(LlamaConfig(**{f: getattr(c, f) for f in LlamaConfig.__dataclass_fields__}), bos_id, eos_id)
+    for key in ("attention_bias", "mlp_bias", "rope_scaling"):
+        llama.pop(key)
+    return {
+        **llama,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "rope_theta": c.rope_base,
+        "num_local_experts": c.n_experts,
+        "num_experts_per_tok": c.top_k,
+        "router_aux_loss_coef": c.aux_loss_weight,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
+
+
 def hf_state_dict(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """ranvier weights → HF LlamaForCausalLM names, torch [out, in] layout, q/k rows permuted."""
+    """ranvier weights → HF LlamaForCausalLM (or MixtralForCausalLM) names, torch [out, in]
+    layout, q/k rows permuted."""
     c, w = config, check_weights(config, weights)
     state = {"model.embed_tokens.weight": w["tok_embeddings"]}
     for i in range(c.n_layers):
@@ -73,6 +102,12 @@ def hf_state_dict(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[s
         state[p + "self_attn.v_proj.weight"] = torch_layout(lw("wv"))
         state[p + "self_attn.o_proj.weight"] = torch_layout(lw("wo"))
         state[p + "post_attention_layernorm.weight"] = lw("ffn_norm")
+        if isinstance(c, MoEConfig):
+            state[p + "block_sparse_moe.gate.weight"] = torch_layout(lw("router"))
+            for e in range(c.n_experts):
+                for name in ("w1", "w2", "w3"):
+                    state[p + f"block_sparse_moe.experts.{e}.{name}.weight"] = torch_layout(lw(f"experts.{name}")[e])
+            continue
         state[p + "mlp.gate_proj.weight"] = torch_layout(lw("w1"))
         state[p + "mlp.up_proj.weight"] = torch_layout(lw("w3"))
         state[p + "mlp.down_proj.weight"] = torch_layout(lw("w2"))
@@ -84,7 +119,8 @@ def hf_state_dict(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[s
 
 def export_hf(config: LlamaConfig, weights: dict[str, np.ndarray], out_dir: str | os.PathLike,
               bos_id: int = 1, eos_id: int = 2) -> Path:
-    """Write config.json and model.safetensors that transformers' LlamaForCausalLM loads."""
+    """Write config.json and model.safetensors that transformers' LlamaForCausalLM (or, for a
+    MoE, MixtralForCausalLM) loads."""
     from safetensors.numpy import save as st_save
 
     out = Path(out_dir)
@@ -150,7 +186,7 @@ def _read_safetensors_bf16(file: Path) -> dict[str, np.ndarray]:
 
 
 def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """Read a Hugging Face Llama folder (config.json + safetensors) into ranvier weights."""
+    """Read a Hugging Face Llama or Mixtral folder (config.json + safetensors) into ranvier weights."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -159,30 +195,13 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
         hf = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InteropError(f"{config_path} is not valid JSON: {error}") from None
-    if hf.get("model_type", "llama") != "llama":
-        raise InteropError(f"{config_path}: model_type {hf.get('model_type')!r} is not 'llama'")
-    if hf.get("rope_scaling"):
-        raise InteropError(f"{config_path}: rope_scaling {hf['rope_scaling']!r} is not supported")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise InteropError(f"{config_path}: only silu activations without biases are supported")
-    try:
-        n_heads = hf["num_attention_heads"]
-        config = config_from(
-            str(config_path),
-            dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads, vocab_size=hf["vocab_size"],
-            hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(hf.get("rope_theta", 10000.0)),
-            shared_classifier=bool(hf.get("tie_word_embeddings", False)),
-        )
-    except KeyError as error:
-        raise InteropError(f"{config_path} lacks {error.args[0]!r}") from None
-    if hf.get("head_dim") not in (None, config.head_dim):
-        raise InteropError(f"{config_path}: head_dim {hf['head_dim']} differs from hidden_size / heads = {config.head_dim}")
+    config = _config_of(hf, config_path)
     state = _read_safetensors(folder)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.shared_classifier:
         state.pop("lm_head.weight", None)
+    if isinstance(config, MoEConfig):
+        state = _classic_experts(state, config)
     c = config
     names = {"tok_embeddings": ("model.embed_tokens.weight", None), "norm": ("model.norm.weight", None)}
     for i in range(c.n_layers):
@@ -194,10 +213,18 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
             f"layers.{i}.wv": (p + "self_attn.v_proj.weight", 0),
             f"layers.{i}.wo": (p + "self_attn.o_proj.weight", 0),
             f"layers.{i}.ffn_norm": (p + "post_attention_layernorm.weight", None),
-            f"layers.{i}.w1": (p + "mlp.gate_proj.weight", 0),
-            f"layers.{i}.w3": (p + "mlp.up_proj.weight", 0),
-            f"layers.{i}.w2": (p + "mlp.down_proj.weight", 0),
         })
+        if isinstance(c, MoEConfig):
+            names[f"layers.{i}.router"] = (p + "block_sparse_moe.gate.weight", 0)
+            for name in ("w1", "w2", "w3"):
+                for e in range(c.n_experts):
+                    names[f"layers.{i}.experts.{name}.{e}"] = (p + f"block_sparse_moe.experts.{e}.{name}.weight", 0)
+        else:
+            names.update({
+                f"layers.{i}.w1": (p + "mlp.gate_proj.weight", 0),
+                f"layers.{i}.w3": (p + "mlp.up_proj.weight", 0),
+                f"layers.{i}.w2": (p + "mlp.down_proj.weight", 0),
+            })
     if not c.shared_classifier:
         names["output"] = ("lm_head.weight", 0)
     missing = [hf_name for hf_name, _ in names.values() if hf_name not in state]
@@ -214,4 +241,60 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
                 array = hf_unpermute(array, heads)
             array = torch_layout(array)
         weights[key] = array
+    if isinstance(c, MoEConfig):  # one [E, in, out] array per expert weight
+        for i in range(c.n_layers):
+            for name in ("w1", "w2", "w3"):
+                key = f"layers.{i}.experts.{name}"
+                weights[key] = np.stack([weights.pop(f"{key}.{e}") for e in range(c.n_experts)])
     return config, check_weights(config, weights, f"{folder}")
+
+
+def _config_of(hf: dict, config_path: Path) -> LlamaConfig:
+    """The ranvier config of a LlamaForCausalLM or MixtralForCausalLM config.json."""
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ("llama", "mixtral"):
+        raise InteropError(f"{config_path}: model_type {model_type!r} is not 'llama' or 'mixtral'")
+    if hf.get("rope_scaling"):
+        raise InteropError(f"{config_path}: rope_scaling {hf['rope_scaling']!r} is not supported")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise InteropError(f"{config_path}: rope_type {rope['rope_type']!r} is not supported (only 'default')")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise InteropError(f"{config_path}: only silu activations without biases are supported")
+    try:
+        n_heads = hf["num_attention_heads"]
+        fields = {
+            "dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": n_heads,
+            "n_kv_heads": hf.get("num_key_value_heads") or n_heads, "vocab_size": hf["vocab_size"],
+            "hidden_dim": hf["intermediate_size"], "max_seq_len": hf.get("max_position_embeddings", 2048),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            "shared_classifier": bool(hf.get("tie_word_embeddings", False)),
+        }
+        if model_type == "mixtral":
+            fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                          aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)))
+    except KeyError as error:
+        raise InteropError(f"{config_path} lacks {error.args[0]!r}") from None
+    config = config_from(str(config_path), MoEConfig if model_type == "mixtral" else LlamaConfig, **fields)
+    if hf.get("head_dim") not in (None, config.head_dim):
+        raise InteropError(f"{config_path}: head_dim {hf['head_dim']} differs from hidden_size / heads = {config.head_dim}")
+    return config
+
+
+def _classic_experts(state: dict[str, np.ndarray], c: MoEConfig) -> dict[str, np.ndarray]:
+    """Mixtral's experts as its checkpoints name them (block_sparse_moe.experts.e.w1/w2/w3),
+    also from transformers' fused in-memory layout (mlp.experts.gate_up_proj [E, 2H, D],
+    down_proj [E, D, H], mlp.gate)."""
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        if p + "mlp.gate.weight" in state:
+            state[p + "block_sparse_moe.gate.weight"] = state.pop(p + "mlp.gate.weight")
+        gate_up, down = state.pop(p + "mlp.experts.gate_up_proj", None), state.pop(p + "mlp.experts.down_proj", None)
+        if gate_up is None or down is None:
+            continue
+        for e in range(c.n_experts):
+            expert = f"{p}block_sparse_moe.experts.{e}."
+            state[expert + "w1.weight"], state[expert + "w3.weight"] = np.split(np.asarray(gate_up[e]), 2, axis=0)
+            state[expert + "w2.weight"] = np.asarray(down[e])
+    return state

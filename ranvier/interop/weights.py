@@ -1,11 +1,12 @@
-"""The weights of a Llama as every format in `ranvier.interop` hands them over: ranvier's
-names and [in, out] matrices, checked against the model's config."""
+"""The weights of a language model (Llama or MoE) as every format in `ranvier.interop`
+hands them over: ranvier's names and [in, out] matrices, checked against the model's config."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..errors import RanvierError, name_mismatch
+from ..models import language_model
 from ..models.llama import LlamaConfig
 
 
@@ -14,26 +15,8 @@ class InteropError(RanvierError):
 
 
 def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """ranvier's weight names and shapes ([in, out] matrices) for a config."""
-    c = config
-    kv = c.n_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings": (c.vocab_size, c.dim)}
-    for i in range(c.n_layers):
-        shapes.update({
-            f"layers.{i}.attention_norm": (c.dim,),
-            f"layers.{i}.wq": (c.dim, c.dim),
-            f"layers.{i}.wk": (c.dim, kv),
-            f"layers.{i}.wv": (c.dim, kv),
-            f"layers.{i}.wo": (c.dim, c.dim),
-            f"layers.{i}.ffn_norm": (c.dim,),
-            f"layers.{i}.w1": (c.dim, c.hidden_dim),
-            f"layers.{i}.w2": (c.hidden_dim, c.dim),
-            f"layers.{i}.w3": (c.dim, c.hidden_dim),
-        })
-    shapes["norm"] = (c.dim,)
-    if not c.shared_classifier:
-        shapes["output"] = (c.dim, c.vocab_size)
-    return shapes
+    """ranvier's weight names and shapes ([in, out] matrices) for a config: the model's own."""
+    return dict(language_model(config, allocate=False).shapes)
 
 
 def check_weights(config: LlamaConfig, weights: dict[str, np.ndarray], source: str = "weights") -> dict[str, np.ndarray]:
@@ -54,9 +37,9 @@ def check_weights(config: LlamaConfig, weights: dict[str, np.ndarray], source: s
     return out
 
 
-def config_from(source: str, **fields) -> LlamaConfig:
+def config_from(source: str, kind: type[LlamaConfig] = LlamaConfig, **fields) -> LlamaConfig:
     try:
-        return LlamaConfig(**fields)
+        return kind(**fields)
     except RanvierError as error:
         raise InteropError(f"{source}: {error}") from None
     except TypeError as error:
