@@ -56,7 +56,7 @@ def test_moe_run_learns_reports_its_experts_and_resumes_exactly(tmp_path, capsys
 
 
 def test_moe_cli_refuses_a_llama_preset(tmp_path):
-    with pytest.raises(rv.RanvierError, match="unknown moe preset 'stories15M'"):
+    with pytest.raises(rv.RanvierError, match="unknown MoE preset 'stories15M'"):
         train_llama(LlamaRunConfig(model="moe", preset="stories15M", steps=1), tmp_path / "run", progress=False)
 
 

@@ -138,19 +138,23 @@ define(
 
 
 def _grouped_probabilities(b, op):
-    """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + causal mask)."""
+    """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + causal mask).
+
+    The query heads sharing a key/value head are stacked into one matrix of G·T rows
+    [B, KV, G·T, hd], so each key/value head takes one GEMM of G·T rows rather than G
+    GEMMs of T; the probabilities come out [B, KV, G·T, S] in the same row order."""
     q, k, v = (b.wrap(x) for x in op.inputs[:3])
     batch, heads, queries, size = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     attrs = op_def(op.type).attrs_of(op)
-    q5 = q.reshape([batch, kv_heads, groups, queries, size])
-    k5, v5 = (t.reshape([batch, kv_heads, 1, keys, size]) for t in (k, v))
+    stacked = q.reshape([batch, kv_heads, groups * queries, size])
     scale = scale_of(attrs, size)
-    scores = q5.matmul(k5, transpose_b=True) * scale
+    scores = stacked.matmul(k, transpose_b=True) * scale
     if attrs["causal"]:
-        scores = scores + _causal_mask(b, queries, keys, q.dtype)
-    return q5, k5, v5, scores.softmax(), scale
+        scores = scores.reshape([batch, kv_heads, groups, queries, keys]) + _causal_mask(b, queries, keys, q.dtype)
+        scores = scores.reshape([batch, kv_heads, groups * queries, keys])
+    return stacked, k, v, scores.softmax(), scale
 
 
 def _causal_mask(b, queries: int, keys: int, dtype: str):
@@ -166,17 +170,19 @@ def _causal_mask(b, queries: int, keys: int, dtype: str):
 
 @decomposition("Attention")
 def _attention_as_gemms(b, op):
-    _, _, v5, p, _ = _grouped_probabilities(b, op)
-    return (p @ v5).reshape(op.outputs[0].shape)
+    _, _, v, p, _ = _grouped_probabilities(b, op)
+    return (p @ v).reshape(op.outputs[0].shape)
 
 
 @decomposition("AttentionGrad")
 def _attention_grad_as_gemms(b, op):
-    q5, k5, v5, p, scale = _grouped_probabilities(b, op)
-    dout = b.wrap(op.inputs[3]).reshape(q5.shape)
-    dp = dout.matmul(v5, transpose_b=True)
+    """With the group's heads stacked along the rows, the products over rows (d k, d v)
+    sum the group's heads onto their key/value head in the GEMM itself."""
+    q, k, v, p, scale = _grouped_probabilities(b, op)
+    dout = b.wrap(op.inputs[3]).reshape(q.shape)
+    dp = dout.matmul(v, transpose_b=True)
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    dq = (ds.matmul(k5) * scale).reshape(op.outputs[0].shape)
-    dk = (ds.matmul(q5, transpose_a=True) * scale).sum(axis=2).reshape(op.outputs[1].shape)
-    dv = p.matmul(dout, transpose_a=True).sum(axis=2).reshape(op.outputs[2].shape)
+    dq = (ds.matmul(k) * scale).reshape(op.outputs[0].shape)
+    dk = ds.matmul(q, transpose_a=True) * scale
+    dv = p.matmul(dout, transpose_a=True)
     return [dq, dk, dv]

@@ -125,7 +125,7 @@ def load_model(run_dir: Path):
 def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     presets = presets_of(config)
     if config.preset not in presets:
-        raise RanvierError(f"unknown {config.model} preset {config.preset!r}; choose one of {', '.join(presets)}")
+        raise RanvierError(f"unknown {LANGUAGE_MODELS[config.model][1].__name__} preset {config.preset!r}; choose one of {', '.join(presets)}")
     preset = presets[config.preset]
     tokenizer_path, manifest = prepare_data(config, run_dir, preset.vocab_size)
     tokenizer = load_tokenizer(tokenizer_path)
