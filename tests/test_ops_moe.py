@@ -173,6 +173,28 @@ def test_grouped_matmul_weight_grad(dtype, transpose):
     check(dw, want, dtype)
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_grouped_gemms_large_enough_for_threaded_blas(transpose):
+    """Products above the threading threshold, unequal groups, an empty one and dropped
+    rows: every group whole, rows past the last group zero, unchosen experts' gradients zero."""
+    rows, used, experts, k, n = 640, 600, 6, 256, 512
+    x, dy = random_array((rows, k), "float64", seed=6), random_array((rows, n), "float64", seed=7)
+    w = random_array((experts, n, k) if transpose else (experts, k, n), "float64", seed=8)
+    offsets = _offsets(rows, experts, used, seed=11)
+    y, dw = run_flow(lambda f, a, b, d, o: [f.grouped_matmul(a, b, o, transpose_b=transpose),
+                                            f.grouped_matmul_weight_grad(a, d, o, experts, transpose=transpose)],
+                     [x, w, dy, offsets])
+    want_y, want_dw = np.zeros((rows, n)), np.zeros(w.shape)
+    for e in range(experts):
+        group = slice(offsets[e], offsets[e + 1])
+        want_y[group] = as_f64(x[group]) @ (as_f64(w[e]).T if transpose else as_f64(w[e]))
+        outer = as_f64(x[group]).T @ as_f64(dy[group])
+        want_dw[e] = outer.T if transpose else outer
+    check(y, want_y, "float64")
+    check(dw, want_dw, "float64")
+    assert not y[used:].any()
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_grouped_matmul_refuses_bad_offsets(backend):
     flow = rv.Flow()
