@@ -63,6 +63,7 @@ class Dashboard:
     sample: str = ""
     unit: str = "tokens"
     expert_load: list[float] = field(default_factory=list)  # a MoE's share of tokens per expert
+    time_limit: float | None = None  # seconds the run may train
 
     def update(self, step: int, loss: float, seconds: float, tokens: int, flops: float) -> None:
         self.step = step
@@ -86,7 +87,7 @@ class Dashboard:
         best = min(self.losses) if self.losses else float("nan")
         current = self.losses[-1] if self.losses else float("nan")
         rows = [
-            ("step", f"{self.step}/{self.total_steps}"),
+            ("step", f"{self.step}/{self.total_steps}" + (f"  (stops after {self.time_limit / 60:g} min)" if self.time_limit else "")),
             ("loss", f"{current:.4f}  (best {best:.4f})"),
             ("validation", f"{self.validation:.4f}" if self.validation is not None else "-"),
             ("ms/step", f"{self.ms_per_step:.1f}"),
@@ -135,17 +136,19 @@ def training_display(
     profile: Callable[[], object],
     sample: Callable[[], str] | None = None,
     sample_every: int = 200,
+    seconds: float | None = None,
 ) -> Iterator[Callable[[int, float, float, dict], None]]:
     """Yield `show(step, loss, seconds, record)`: the live dashboard on a terminal when asked
-    for, otherwise the progress bar (plain lines when the output is not a terminal)."""
+    for, otherwise the progress bar (plain lines when the output is not a terminal).
+    `seconds`: the run's time limit, if it has one."""
     from .progress import training_progress
 
     if not (dashboard and progress and sys.stdout.isatty()):
-        with training_progress(total, enabled=progress, every=20) as report:
+        with training_progress(total, enabled=progress, every=20, seconds=seconds) as report:
             yield lambda step, loss, seconds, record: report(loss, **{
                 f"{unit}/s": items_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9})
         return
-    board = Dashboard(title, total, compile_seconds, measured_peak_gflops(), unit=unit)
+    board = Dashboard(title, total, compile_seconds, measured_peak_gflops(), unit=unit, time_limit=seconds)
     with board.live() as live:
         def show(step: int, loss: float, seconds: float, record: dict) -> None:
             board.update(step, loss, seconds, items_per_step, flops_per_step)

@@ -258,7 +258,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
         remaining, progress=progress, dashboard=dashboard, title=f"ranvier train {config.model} {config.preset}: {run_dir}",
         compile_seconds=trainer.compile_seconds, flops_per_step=flops_per_step, items_per_step=tokens_per_step,
         unit="tokens", profile=trainer.profile, sample=lambda: sample_text(run, tokenizer, generators),
-        sample_every=config.sample_every,
+        sample_every=config.sample_every, seconds=config.minutes * 60 if config.minutes is not None else None,
     )
     with open(metrics_path, "a") as metrics, shown as show:
         for _ in range(remaining):
@@ -287,7 +287,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     experts = expert_metrics(trainer.watched)
     if experts:
         shares = " ".join(f"{share:.2f}" for share in experts["expert_load"])
-        print(f"expert_load_max_mean={experts['load_max_mean']:.3f} (1 is balanced; shares {shares})")
+        print(f"expert_load_max_mean={experts['load_max_mean']:.3f} (the last step's most loaded layer, 1 is balanced; "
+              f"each expert's share over all layers {shares})")
     return final
 
 
