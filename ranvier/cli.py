@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from .errors import RanvierError
+
 
 def _demo(args: argparse.Namespace) -> int:
     """Build Myelin's example cell y = softmax(relu(x W + b)), print its layout and run it."""
@@ -193,7 +195,8 @@ def _export_llama2c(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    """Write a run's checkpoint as a Hugging Face LlamaForCausalLM folder (plus tokenizer.model)."""
+    """Write a run's checkpoint as a Hugging Face folder (LlamaForCausalLM, or MixtralForCausalLM for a
+    MoE), plus tokenizer.model."""
     from pathlib import Path
 
     from .atomic import atomic_write_bytes
@@ -272,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         lm.set_defaults(run=_train_llama)
 
     generate = commands.add_parser("generate", help="generate text from a trained Llama run directory")
-    generate.add_argument("model", help="a `ranvier train llama` run directory, a llama2.c .bin or a Hugging Face folder")
+    generate.add_argument("model", help="a `ranvier train llama|moe` run directory, a llama2.c .bin or a Hugging Face folder")
     generate.add_argument("--tokenizer", default=None, help="tokenizer.bin (llama2.c) or a tokenizer file")
     generate.add_argument("--prompt", default="")
     generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
@@ -325,17 +328,27 @@ def build_parser() -> argparse.ArgumentParser:
     llama2c.add_argument("--version", type=int, choices=[0, 1], default=0, help="0: legacy (run.c), 1: export.py's version 1")
     llama2c.add_argument("--tokenizer-out", default=None, metavar="FILE", help="also write the tokenizer as llama2.c's tokenizer.bin")
     llama2c.set_defaults(run=_export_llama2c)
-    hf = formats.add_parser("hf", help="a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors)")
-    hf.add_argument("run_dir", help="a `ranvier train llama` run directory")
+    hf = formats.add_parser("hf", help="a Hugging Face folder (config.json, model.safetensors): LlamaForCausalLM, or MixtralForCausalLM for a MoE")
+    hf.add_argument("run_dir", help="a `ranvier train llama|moe` run directory")
     hf.add_argument("out_dir", help="the folder to write")
     hf.set_defaults(run=_export_hf)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; ranvier's errors propagate (for callers and tests)."""
     args = build_parser().parse_args(argv)
     return args.run(args)
 
 
+def console() -> int:
+    """The `ranvier` command: what was wrong, said in one line, instead of a traceback."""
+    try:
+        return main()
+    except RanvierError as error:
+        print(f"ranvier: error: {error}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -28,6 +28,8 @@ from ranvier.interop import (
     weight_shapes,
 )
 from ranvier.models.llama import Llama, LlamaConfig, rope_tables
+from ranvier.models.moe import PRESETS as MOE_PRESETS
+from ranvier.models.moe import MoE
 
 CONFIGS = {
     "shared": LlamaConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=37, hidden_dim=24, max_seq_len=12),
@@ -183,6 +185,9 @@ def test_llama2c_export_refuses_what_it_cannot_store(tmp_path):
     weights["layers.0.wq"] = weights["layers.0.wq"][:, :8]
     with pytest.raises(InteropError, match=r"layers.0.wq has shape \[16, 8\]"):
         export_llama2c(config, weights, tmp_path / "m.bin")
+    moe = MOE_PRESETS["moe-tiny"]
+    with pytest.raises(InteropError, match="not mixtures of experts.*MixtralForCausalLM"):
+        export_llama2c(moe, MoE(moe).initial, tmp_path / "m.bin")
     assert not (tmp_path / "m.bin").exists()
 
 

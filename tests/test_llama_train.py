@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ranvier.cli import main
+from ranvier.cli import console, main
 from ranvier.data.corpus import read_corpus
 from ranvier.train.llama_job import LlamaRunConfig, resume_llama, train_llama
 
@@ -85,10 +85,14 @@ def test_llama_job_accumulates_micro_batches(tmp_path, checkpointed):
     assert np.isfinite(run.trainer.step([x, y]))
 
 
-def test_llama_command_refuses_unknown_preset(tmp_path, capsys):
+def test_llama_command_refuses_unknown_preset(tmp_path, capsys, monkeypatch):
     import pytest
 
     from ranvier import RanvierError
 
     with pytest.raises(RanvierError, match="unknown Llama preset 'stories1B'"):
         main(["train", "llama", "--preset", "stories1B", "--corpus", str(tmp_path), "--run-dir", str(tmp_path / "run"), "--quiet"])
+    # The command itself says so in one line, no traceback, and fails.
+    monkeypatch.setattr("sys.argv", ["ranvier", "train", "llama", "--preset", "stories1B", "--corpus", str(tmp_path), "--quiet"])
+    assert console() == 1
+    assert capsys.readouterr().err == "ranvier: error: unknown Llama preset 'stories1B'; choose one of stories260K, stories15M, stories42M, stories110M\n"

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..atomic import atomic_write
 from ..models.llama import LlamaConfig, rope_tables
+from ..models.moe import MoEConfig
 from .weights import InteropError, check_weights, config_from, torch_layout, weight_shapes
 
 MAGIC = 0x616B3432  # "ak42"
@@ -53,6 +54,9 @@ def export_llama2c(config: LlamaConfig, weights: dict[str, np.ndarray], path: st
     """Write a llama2.c checkpoint (version 0 = legacy, run.c's format; 1 = export.py's version 1)."""
     if version not in (0, 1):
         raise InteropError(f"llama2.c checkpoint version must be 0 (legacy) or 1, not {version!r}")
+    if isinstance(config, MoEConfig):
+        raise InteropError("llama2.c holds dense Llama models, not mixtures of experts; "
+                           "export a MoE as a Hugging Face MixtralForCausalLM folder (ranvier export hf)")
     if config.norm_eps != LLAMA2C_NORM_EPS or config.rope_theta != LLAMA2C_ROPE_THETA:
         raise InteropError(
             f"llama2.c fixes norm_eps at {LLAMA2C_NORM_EPS:g} and rope_theta at {LLAMA2C_ROPE_THETA:g}; "

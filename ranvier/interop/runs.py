@@ -1,4 +1,4 @@
-"""Models wherever they come from: a `ranvier train llama` run directory, a llama2.c
+"""Models wherever they come from: a `ranvier train llama|moe` run directory, a llama2.c
 checkpoint with its tokenizer, or a Hugging Face folder."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .weights import InteropError, check_weights
 
 
 def weights_from_run(run_dir: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """The model config and latest checkpointed weights of a `ranvier train llama` run directory."""
+    """The model config and latest checkpointed weights of a `ranvier train llama|moe` run directory."""
     config, weights, _ = load_model(Path(run_dir))
     return config, check_weights(config, {k: np.asarray(v, np.float32) for k, v in weights.items()}, f"the checkpoint in {run_dir}")
 
