@@ -13,6 +13,8 @@ import argparse
 import statistics
 import time
 
+from common import machine
+
 
 def main() -> None:
     from ranvier.generate import Generator, Sampling
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(machine())
     for preset in args.presets:
         config = PRESETS[preset]
         generator = Generator(Llama(config, seed=0), prefill=16)

@@ -10,11 +10,9 @@ Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 2
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import time
 
-import numpy as np
+from common import machine, match_threads, race, token_batches
 
 
 def ranvier_trainer(config, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False):
@@ -117,36 +115,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checkpointed", action="store_true", help="ranvier trains through a CheckpointedStack")
     args = parser.parse_args()
+    import torch
+
     from ranvier.backends.cpu.amx import amx_usable
     from ranvier.backends.cpu.target import host_target
 
+    match_threads(torch)
+    print(machine(torch))
     config = PRESETS[args.preset]
-    rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, config.vocab_size, (args.batch, args.seq), dtype=np.int32),
-                rng.integers(0, config.vocab_size, (args.batch, args.seq), dtype=np.int32)) for _ in range(args.steps)]
+    batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
     sides = {"ranvier": ranvier_trainer(config, args.batch, args.seq, checkpointed=args.checkpointed)}
     if amx_usable(host_target()):
         sides["ranvier-bf16"] = ranvier_trainer(config, args.batch, args.seq, "bfloat16", args.checkpointed)
     sides["pytorch"] = torch_trainer(config, args.batch, args.seq)
-    tokens = args.batch * args.seq * args.steps
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
-    rates: dict[str, list[float]] = {name: [] for name in sides}
-    for step in sides.values():
-        step(*batches[0])  # warm up
-    for repeat in range(args.repeats):
-        for name, step in sides.items():
-            start = time.perf_counter()
-            losses = [step(x, y) for x, y in batches]
-            rate = tokens / (time.perf_counter() - start)
-            rates[name].append(rate)
-            print(f"  run {repeat + 1} {name:12s} {rate:9.0f} tokens/s  loss {losses[-1]:.3f} (ln V = {math.log(config.vocab_size):.3f})", flush=True)
-    medians = {name: statistics.median(r) for name, r in rates.items()}
-    for name, rate in medians.items():
-        print(f"{name:12s} median {rate:9.0f} tokens/s")
-    for name in sides:
-        if name != "pytorch":
-            print(f"ratio {name}/pytorch = {medians[name] / medians['pytorch']:.2f} (tokens/s; above 1: ranvier is faster)")
+    race(sides, batches, args.repeats, config.vocab_size)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import numpy as np
+from common import machine, match_threads
 
 
 def run_ranvier(steps: int, backend: str, matmul: str = "float32") -> tuple[float, float]:
@@ -64,7 +65,8 @@ def main() -> None:
     from ranvier.backends.cpu.amx import amx_usable
     from ranvier.backends.cpu.target import host_target
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ranvier backend {args.backend}")
+    match_threads(torch)
+    print(f"{machine(torch)}; ranvier backend {args.backend}")
     sides = {"ranvier": lambda: run_ranvier(args.steps, args.backend)}
     if args.backend == "cpu" and amx_usable(host_target()):
         sides["ranvier-bf16"] = lambda: run_ranvier(args.steps, args.backend, "bfloat16")

@@ -15,13 +15,9 @@ Run: python benchmarks/moe_train.py [--preset moe-15M] [--batch 4] [--seq 256] [
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import platform
-import statistics
 import time
 
-import numpy as np
+from common import machine, match_threads, race, token_batches
 
 
 def ranvier_trainer(config, batch: int, seq: int):
@@ -138,7 +134,6 @@ def gemm_share(profile) -> str:
 def main() -> None:
     import torch
 
-    from ranvier.backends.cpu.target import host_target
     from ranvier.models.moe import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -149,10 +144,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     config = PRESETS[args.preset]
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(cores)
-    print(f"CPU: {platform.processor() or platform.machine()}, {cores} cores, ranvier kernels [{host_target().variant}]; "
-          f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+    match_threads(torch)
+    print(machine(torch))
     counts = config.counts()
     skipped = counts["experts"] * (1 - config.top_k / config.n_experts)
     print(f"{args.preset}: {counts['parameters'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active; "
@@ -160,27 +153,11 @@ def main() -> None:
           f"of the expert FLOPs a dense evaluation would spend ({6 * skipped / 1e9:.3f} GFLOP per token of training)")
     trainer = ranvier_trainer(config, args.batch, args.seq)
     sides = {"ranvier": lambda x, y: trainer.step([x, y]), "pytorch": torch_trainer(config, args.batch, args.seq)}
-    rng = np.random.default_rng(0)
-    batches = [[rng.integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32) for _ in range(2)]
-               for _ in range(args.steps)]
-    for step in sides.values():
-        step(*batches[0])  # warm up
-    trainer.data.reset_profile()
-    tokens = args.batch * args.seq * args.steps
-    rates: dict[str, list[float]] = {name: [] for name in sides}
-    for repeat in range(args.repeats):
-        for name, step in sides.items():
-            start = time.perf_counter()
-            for x, y in batches:
-                loss = step(x, y)
-            rate = tokens / (time.perf_counter() - start)
-            rates[name].append(rate)
-            print(f"  run {repeat + 1} {name:<10} {rate:8.0f} tokens/s  loss {loss:.3f} (ln V = {math.log(config.vocab_size):.3f})")
-    medians = {name: statistics.median(values) for name, values in rates.items()}
-    for name, value in medians.items():
-        print(f"{name:<12} median {value:9.0f} tokens/s")
+    batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
+    trainer.step(list(batches[0]))
+    trainer.data.reset_profile()  # warm steps only
+    race(sides, batches, args.repeats, config.vocab_size)
     print(gemm_share(trainer.profile()))
-    print(f"ratio ranvier/pytorch = {medians['ranvier'] / medians['pytorch']:.2f} (tokens/s; above 1: ranvier is faster)")
 
 
 if __name__ == "__main__":
