@@ -3,6 +3,7 @@ of training sides (alternating repetitions, medians, ratios against PyTorch)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import platform
 import statistics
@@ -37,6 +38,17 @@ def machine(torch=None) -> str:
     if torch is not None:
         line += f"; torch {torch.__version__} with {torch.get_num_threads()} threads"
     return line
+
+
+def training_arguments(description: str, presets, default: str) -> argparse.ArgumentParser:
+    """The options every training benchmark takes: the model preset and the step's shape."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--preset", default=default, choices=sorted(presets))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser
 
 
 def match_threads(torch) -> None:

@@ -9,10 +9,9 @@ Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 2
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import machine, match_threads, race, token_batches
+from common import machine, match_threads, race, token_batches, training_arguments
 
 
 def ranvier_trainer(config, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False):
@@ -107,12 +106,7 @@ def torch_trainer(config, batch: int, seq: int):
 def main() -> None:
     from ranvier.models.llama import PRESETS
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="stories15M", choices=sorted(PRESETS))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = training_arguments(__doc__.splitlines()[0], PRESETS, "stories15M")
     parser.add_argument("--checkpointed", action="store_true", help="ranvier trains through a CheckpointedStack")
     args = parser.parse_args()
     import torch

@@ -14,10 +14,9 @@ Run: python benchmarks/moe_train.py [--preset moe-15M] [--batch 4] [--seq 256] [
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import machine, match_threads, race, token_batches
+from common import machine, match_threads, race, token_batches, training_arguments
 
 
 def ranvier_trainer(config, batch: int, seq: int):
@@ -136,12 +135,7 @@ def main() -> None:
 
     from ranvier.models.moe import PRESETS
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="moe-15M", choices=sorted(PRESETS))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = training_arguments(__doc__.splitlines()[0], PRESETS, "moe-15M")
     args = parser.parse_args()
     config = PRESETS[args.preset]
     match_threads(torch)

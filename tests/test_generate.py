@@ -20,19 +20,21 @@ def spread_weights(seed: int = 1) -> dict:
             for k, v in Llama(CONFIG).initial.items()}
 
 
-def full_forward_greedy(weights: dict, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens by re-running the whole growing sequence (padded; the model is causal)."""
-    model = Llama(CONFIG)
+def full_forward_greedy(weights: dict, prompt: list[int], steps: int, model: Llama | None = None) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens by re-running the whole growing sequence (padded; the model is causal).
+    `model`: any language model (default a Llama of CONFIG); its weights are replaced."""
+    model = model or Llama(CONFIG)
     model.initial = weights
+    length = model.config.max_seq_len
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    tokens = f.var("tokens", rv.DT_INT32, [1, CONFIG.max_seq_len])
+    tokens = f.var("tokens", rv.DT_INT32, [1, length])
     logits = model(f, tokens)
     logits.var.out = True
     data = rv.Compiler("cpu").compile(flow).cell("f").instance()
     sequence, picked, rows = list(prompt), [], []
     for _ in range(steps):
-        padded = np.zeros((1, CONFIG.max_seq_len), np.int32)
+        padded = np.zeros((1, length), np.int32)
         padded[0, : len(sequence)] = sequence
         data[tokens] = padded
         data.compute()

@@ -211,7 +211,9 @@ CASES = {
 
 def randomize(model: Llama, seed: int) -> None:
     """Replace the initial weights by ones that make every part of the model matter: the
-    default initialization (N(0, 0.02), unit norm weights) leaves attention nearly uniform."""
+    default initialization (N(0, 0.02), unit norm weights) leaves attention nearly uniform
+    (and a MoE's router nearly uniform). Fan-in is the second-last axis (a MoE's experts
+    are stacked on the first)."""
     rng = np.random.default_rng(seed)
     for key, value in model.initial.items():
         if key.endswith("norm"):
@@ -219,7 +221,7 @@ def randomize(model: Llama, seed: int) -> None:
         elif key == "tok_embeddings":
             new = 0.7 * rng.standard_normal(value.shape)
         else:
-            new = rng.standard_normal(value.shape) * (1.2 / math.sqrt(value.shape[0]))
+            new = rng.standard_normal(value.shape) * (1.2 / math.sqrt(value.shape[-2]))
         model.initial[key] = new.astype(np.float32)
 
 

@@ -4,14 +4,11 @@ parameter's gradient, on the CPU and the reference backend."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_llama import Attention, FeedForward, ModelArgs, RMSNorm, precompute_freqs_cis
+from test_llama import Attention, FeedForward, ModelArgs, Result, RMSNorm, precompute_freqs_cis, randomize
 from torch import nn
 
 import ranvier as rv
@@ -156,29 +153,6 @@ CASES = {
     "capacity": (MoEConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=29, hidden_dim=24, max_seq_len=32,
                            n_experts=3, top_k=1, capacity_factor=0.6, normalize_top_k=False, aux_loss_weight=0.05), 2, 12),
 }
-
-
-def randomize(model: MoE, seed: int) -> None:
-    """Weights that make every part matter (the default initialization routes nearly uniformly)."""
-    rng = np.random.default_rng(seed)
-    for key, value in model.initial.items():
-        if key.endswith("norm"):
-            new = 1.0 + 0.3 * rng.standard_normal(value.shape)
-        elif key == "tok_embeddings":
-            new = 0.7 * rng.standard_normal(value.shape)
-        else:
-            new = rng.standard_normal(value.shape) * (1.2 / math.sqrt(value.shape[-2]))
-        model.initial[key] = new.astype(np.float32)
-
-
-@dataclass
-class Result:
-    logits: np.ndarray
-    loss: float
-    grads: dict
-    torch_logits: np.ndarray
-    torch_loss: float
-    torch_grads: dict
 
 
 def run_case(case: str, backend: str) -> Result:

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from test_generate import full_forward_greedy
 from test_llama_train import interrupted_and_resumed, losses
 
 import ranvier as rv
@@ -76,22 +77,7 @@ def test_moe_greedy_decoding_with_the_cache_matches_rerunning_the_sequence():
     weights = {k: (r.standard_normal(v.shape) * (0.4 if v.ndim > 1 else 1.0) + (v.ndim == 1)).astype(np.float32)
                for k, v in MoE(CONFIG).initial.items()}
     prompt = [1, 5, 9, 13, 2, 7, 30, 4, 11, 3]
-    model = MoE(CONFIG)
-    model.initial = weights
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    tokens = f.var("tokens", rv.DT_INT32, [1, CONFIG.max_seq_len])
-    logits = model(f, tokens)
-    logits.var.out = True
-    data = rv.Compiler().compile(flow).cell("f").instance()
-    sequence, expected = list(prompt), []
-    for _ in range(8):
-        padded = np.zeros((1, CONFIG.max_seq_len), np.int32)
-        padded[0, : len(sequence)] = sequence
-        data[tokens] = padded
-        data.compute()
-        expected.append(int(np.argmax(data[logits][0, len(sequence) - 1])))
-        sequence.append(expected[-1])
+    expected, _ = full_forward_greedy(weights, prompt, 8, MoE(CONFIG))
     generator = Generator(MoE(CONFIG), weights, prefill=4)
     assert list(generator.stream(prompt, 8, Sampling(temperature=0))) == expected
     assert len(set(expected)) > 3
