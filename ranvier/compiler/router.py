@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..flow.graph import Flow, Function
 from ..ops import attrs_of
+from .rewrite import erase
 
 
 def _softmax_over_last_axis(op) -> bool:
@@ -21,8 +22,7 @@ def fuse_softmax_top_k(flow: Flow, func: Function) -> None:
         logits, probs = softmax.inputs[0], softmax.outputs[0]
         values, indices = top_k.outputs
         k = attrs_of(top_k)["k"]
-        flow.remove_op(softmax)
-        flow.remove_op(top_k)
+        erase(flow, [softmax, top_k])
         fused = flow.add_op(flow.unique_name(f"{func.name}/SoftmaxTopK", flow.ops), "SoftmaxTopK")
         fused.set_attr("k", k)
         fused.add_input(logits)

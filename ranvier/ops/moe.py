@@ -27,6 +27,8 @@ from .rules import FLOATS, INDEX, NUMERIC, same_dtype
 
 # ---- TopK -------------------------------------------------------------------------------------------
 
+TOP_K_ATTRS = [Attr("k", "int", None, "how many to keep")]
+
 
 def _infer_top_k(ctx):
     (x,) = ctx.inputs
@@ -65,7 +67,7 @@ def _top_k_vjp(ctx, grads):
 define(
     "TopK", _infer_top_k, _top_k, 1, "moe",
     "(values, indices) of the k largest elements along the last axis, largest first",
-    attrs=[Attr("k", "int", None, "how many to keep")],
+    attrs=TOP_K_ATTRS,
     vjp=_top_k_vjp,
     flops=lambda op: op.inputs[0].size * attrs_of(op)["k"],
     method="top_k",
@@ -92,7 +94,7 @@ define(
     "SoftmaxTopK", _infer_softmax_top_k, _softmax_top_k, 1, "moe",
     "(softmax(x), its top-k values, their indices) along the last axis; the compiler fuses a "
     "softmax read by a TopK into it",
-    attrs=[Attr("k", "int", None, "how many to keep")],
+    attrs=TOP_K_ATTRS,
     flops=lambda op: op.inputs[0].size * (5 + attrs_of(op)["k"]),
 )
 
