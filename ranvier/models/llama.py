@@ -52,15 +52,27 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def attention_parameter_count(self) -> int:
+        """One layer's attention projections and its two norms."""
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        return 2 * d + 2 * d * d + 2 * d * kv
+
+    def outside_parameter_count(self) -> int:
+        """The embedding, the final norm and (unless shared) the output projection."""
+        return self.vocab_size * self.dim + self.dim + (0 if self.shared_classifier else self.dim * self.vocab_size)
+
     def parameter_count(self) -> int:
-        d, h, kv = self.dim, self.hidden_dim, self.n_kv_heads * self.head_dim
-        layer = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * h
-        head = 0 if self.shared_classifier else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * layer + d + head
+        swiglu = 3 * self.dim * self.hidden_dim
+        return self.outside_parameter_count() + self.n_layers * (self.attention_parameter_count() + swiglu)
+
+    def active_parameter_count(self) -> int:
+        """The parameters each token passes through: all of a dense model's."""
+        return self.parameter_count()
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward ≈ 3 × forward): 6·N plus attention."""
-        return 6 * self.parameter_count() + 12 * self.n_layers * self.dim * seq_len
+        """Training FLOPs per token (forward + backward ≈ 3 × forward): 6 · active
+        parameters plus attention."""
+        return 6 * self.active_parameter_count() + 12 * self.n_layers * self.dim * seq_len
 
 
 PRESETS = {
@@ -104,10 +116,15 @@ class Llama(Module):
 
     def feed_forward_parameters(self, i: int) -> None:
         """Layer i's SwiGLU weights (a MoE model puts its experts here)."""
-        c = self.config
-        self.normal(f"layers.{i}.w1", (c.dim, c.hidden_dim))
-        self.normal(f"layers.{i}.w2", (c.hidden_dim, c.dim), self.residual_std)
-        self.normal(f"layers.{i}.w3", (c.dim, c.hidden_dim))
+        self.swiglu_parameters(f"layers.{i}.", self.config.hidden_dim)
+
+    def swiglu_parameters(self, prefix: str, hidden: int, experts: tuple[int, ...] = ()) -> None:
+        """w1, w2 and w3 of a SwiGLU of width `hidden` under `prefix`; `experts` stacks
+        that many of them (a MoE layer's [E, ...] arrays)."""
+        d = self.config.dim
+        self.normal(prefix + "w1", (*experts, d, hidden))
+        self.normal(prefix + "w2", (*experts, hidden, d), self.residual_std)
+        self.normal(prefix + "w3", (*experts, d, hidden))
 
     @property
     def rope_base(self) -> float:
@@ -116,6 +133,14 @@ class Llama(Module):
 
     def describe(self) -> dict:
         return {"model": "llama", **asdict(self.config)}
+
+    def auxiliary_loss(self, b: Builder) -> Tensor | None:
+        """Terms the layers add to the training loss in b's function: none in a dense model."""
+        return None
+
+    def expert_loads(self, b: Builder) -> list[Tensor]:
+        """Tokens each expert received, per routed layer built in b's function: none here."""
+        return []
 
     # ---- the forward pass ------------------------------------------------------------------
 

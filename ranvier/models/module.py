@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -32,21 +32,25 @@ class Module:
         if self.allocate:
             self.initial[key] = np.ascontiguousarray(value, dtype=np.float32)
 
-    def normal(self, key: str, shape, std: float = 0.02) -> None:
-        """N(0, std²) values (nothing drawn without allocating)."""
-        self.shapes[key] = tuple(shape)
+    def _declare(self, key: str, shape, values: Callable[[], np.ndarray]) -> None:
+        """A parameter of `shape` whose initial values `values()` makes (not called, and
+        nothing drawn, without allocating)."""
         if self.allocate:
-            self.add(key, self.rng.normal(0.0, std, size=shape))
+            self.add(key, values())
+        else:
+            self.shapes[key] = tuple(shape)
+
+    def normal(self, key: str, shape, std: float = 0.02) -> None:
+        """N(0, std²) values."""
+        self._declare(key, shape, lambda: self.rng.normal(0.0, std, size=shape))
 
     def ones(self, key: str, shape) -> None:
-        self.shapes[key] = tuple(shape)
-        if self.allocate:
-            self.add(key, np.ones(shape))
+        self._declare(key, shape, lambda: np.ones(shape))
 
     def uniform_fan_in(self, key: str, shape, fan_in: int) -> None:
         """PyTorch's default Linear/Conv initialization: U(−1/√fan_in, 1/√fan_in)."""
         bound = 1.0 / math.sqrt(fan_in)
-        self.add(key, self.rng.uniform(-bound, bound, size=shape))
+        self._declare(key, shape, lambda: self.rng.uniform(-bound, bound, size=shape))
 
     def parameter_count(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes.values())

@@ -65,15 +65,13 @@ class MoEConfig(LlamaConfig):
 
     def counts(self) -> dict[str, int]:
         """Parameters in all and active per token (k of the E experts), from the shapes alone."""
-        d, kv = self.dim, self.n_kv_heads * self.head_dim
-        attention = 2 * d + 2 * d * d + 2 * d * kv
+        d = self.dim
         expert = 3 * d * self.hidden_dim
-        shared = 3 * d * self.shared_hidden
-        dense = 3 * d * (self.dense_hidden or self.hidden_dim)
         moe_layers = sum(self.is_moe(i) for i in range(self.n_layers))
         dense_layers = self.n_layers - moe_layers
-        outside = self.vocab_size * d + d + (0 if self.shared_classifier else d * self.vocab_size)
-        common = outside + self.n_layers * attention + dense_layers * dense + moe_layers * (d * self.n_experts + shared)
+        common = (self.outside_parameter_count() + self.n_layers * self.attention_parameter_count()
+                  + dense_layers * 3 * d * (self.dense_hidden or self.hidden_dim)
+                  + moe_layers * (d * self.n_experts + 3 * d * self.shared_hidden))
         return {
             "parameters": common + moe_layers * self.n_experts * expert,
             "active": common + moe_layers * self.top_k * expert,
@@ -83,9 +81,8 @@ class MoEConfig(LlamaConfig):
     def parameter_count(self) -> int:
         return self.counts()["parameters"]
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 · active parameters plus attention."""
-        return 6 * self.counts()["active"] + 12 * self.n_layers * self.dim * seq_len
+    def active_parameter_count(self) -> int:
+        return self.counts()["active"]
 
     def capacity(self, tokens: int) -> int:
         return 0 if not self.capacity_factor else math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
@@ -118,19 +115,12 @@ class MoE(Llama):
         c: MoEConfig = self.config
         prefix = f"layers.{i}."
         if not c.is_moe(i):
-            hidden = c.dense_hidden or c.hidden_dim
-            self.normal(prefix + "w1", (c.dim, hidden))
-            self.normal(prefix + "w2", (hidden, c.dim), self.residual_std)
-            self.normal(prefix + "w3", (c.dim, hidden))
+            self.swiglu_parameters(prefix, c.dense_hidden or c.hidden_dim)
             return
         self.normal(prefix + "router", (c.dim, c.n_experts))
-        self.normal(prefix + "experts.w1", (c.n_experts, c.dim, c.hidden_dim))
-        self.normal(prefix + "experts.w2", (c.n_experts, c.hidden_dim, c.dim), self.residual_std)
-        self.normal(prefix + "experts.w3", (c.n_experts, c.dim, c.hidden_dim))
+        self.swiglu_parameters(prefix + "experts.", c.hidden_dim, (c.n_experts,))
         if c.shared_hidden:
-            self.normal(prefix + "shared.w1", (c.dim, c.shared_hidden))
-            self.normal(prefix + "shared.w2", (c.shared_hidden, c.dim), self.residual_std)
-            self.normal(prefix + "shared.w3", (c.dim, c.shared_hidden))
+            self.swiglu_parameters(prefix + "shared.", c.shared_hidden)
 
     def describe(self) -> dict:
         return {"model": "moe", **asdict(self.config)}

@@ -30,7 +30,7 @@ def summary(name: str, seq: int | None = None) -> str:
     b = Builder(flow, "forward")
     model(b, b.var("tokens", "int32", [1, seq]))
     parameters = model.parameter_count()
-    active = config.counts()["active"] if isinstance(model, MoE) else parameters
+    active = config.active_parameter_count()
     kv_bytes = 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4
     lines = [
         f"{name}: {family}, {config.n_layers} layers, dim {config.dim}, {config.n_heads} query heads of "

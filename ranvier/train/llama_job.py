@@ -154,13 +154,12 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     targets = f.var("targets", "int32", [config.batch, config.seq])
     params = model.parameters(f)
     loss = lm_loss(f, model(f, tokens, params), targets, name="loss")
-    watch = {}
-    if isinstance(model, MoE):  # the load-balancing (and z-) losses join the loss; loads are reported
-        aux = model.auxiliary_loss(f)
-        if aux is not None:
-            loss = loss + aux
-            watch["aux_loss"] = aux
-        watch.update({f"load.{i}": counts for i, counts in enumerate(model.expert_loads(f))})
+    # A MoE's load-balancing (and z-) losses join the loss; its expert loads are reported.
+    watch = {f"load.{i}": counts for i, counts in enumerate(model.expert_loads(f))}
+    aux = model.auxiliary_loss(f)
+    if aux is not None:
+        loss = loss + aux
+        watch["aux_loss"] = aux
 
     e = Builder(flow, "eval")
     eval_tokens = e.var("tokens", "int32", [config.batch, config.seq])
@@ -240,7 +239,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     elif metrics_path.exists():
         metrics_path.unlink()
     c = run.model.config
-    experts = f", {c.n_experts} experts top-{c.top_k} ({c.counts()['active'] / 1e6:.2f}M active)" if isinstance(run.model, MoE) else ""
+    experts = f", {c.n_experts} experts top-{c.top_k} ({c.active_parameter_count() / 1e6:.2f}M active)" if isinstance(run.model, MoE) else ""
     print(f"model: {config.preset} dim {c.dim} layers {c.n_layers} heads {c.n_heads}/{c.n_kv_heads} vocab {c.vocab_size}, "
           f"{c.parameter_count() / 1e6:.2f}M parameters{experts}; compiled in {trainer.compile_seconds:.1f}s; "
           f"from step {trainer.step_count}")
