@@ -312,9 +312,8 @@ class CheckpointedStack(TrainerBase):
         embed.compute()
         for accumulator, before in zip(self._resident_grads, earlier):
             accumulator += before
-        parts = self.accumulate
         for name, value in reported.items():
-            self.watched[name] = value / parts if not add else self.watched[name] + value / parts
+            self._add_watched(name, value, self.accumulate, fresh=not add)
         return float(head[self._head_loss]) + float(reported.get("aux_loss", 0.0))
 
     def _batch_gradients(self, named: dict[str, np.ndarray]) -> float:

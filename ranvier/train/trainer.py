@@ -89,6 +89,12 @@ class TrainerBase:
     batch_rows: int  # examples drawn from the dataset per step() call
     watched: dict[str, np.ndarray]  # the last step's values of what the trainer was asked to watch
 
+    def _add_watched(self, name: str, value: np.ndarray, parts: int, fresh: bool) -> None:
+        """Add one compute's share of a watched value: `watched` holds the mean over the
+        `parts` computes (micro-batches) of a step; `fresh` starts the step."""
+        share = np.asarray(value, np.float64) / parts
+        self.watched[name] = share if fresh else self.watched[name] + share
+
     def _compile(self, backend: str, predict: Tensor | None, cpu: str = "", matmul: str = "float32") -> None:
         compile_start = time.perf_counter()
         self.network = Compiler(backend, cpu=cpu, matmul=matmul).compile(self.flow)
@@ -365,10 +371,8 @@ class Trainer(TrainerBase):
         return loss
 
     def _read_watched(self, parts: int, fresh: bool) -> None:
-        """Add this compute's share of each watched value (the mean over `parts` computes)."""
         for name, var in self._watch.items():
-            value = self.data[var].astype(np.float64) / parts
-            self.watched[name] = value if fresh else self.watched[name] + value
+            self._add_watched(name, self.data[var], parts, fresh)
 
     def profile(self):
         """The train-step cell's profile: time per step of each kernel."""
