@@ -242,15 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
     mnist.set_defaults(run=_train_mnist)
 
-    language_models = (
-        ("llama", "a Llama language model on a text corpus (the standard library by default)", "stories260K",
-         "stories260K, stories15M, stories42M or stories110M"),
-        ("moe", "a mixture-of-experts language model on a text corpus (the standard library by default)", "moe-tiny",
-         "moe-tiny, moe-15M or moe-5.9B"),
-    )
-    for task, help_text, default_preset, presets in language_models:
-        lm = tasks.add_parser(task, help=help_text)
-        lm.add_argument("--preset", default=default_preset, help=presets)
+    from .models import LANGUAGE_MODELS
+
+    kinds = {"llama": "a Llama", "moe": "a mixture-of-experts"}
+    for task, (presets, _) in LANGUAGE_MODELS.items():
+        lm = tasks.add_parser(task, help=f"{kinds[task]} language model on a text corpus (the standard library by default)")
+        names = list(presets)
+        lm.add_argument("--preset", default=names[0], help=f"{', '.join(names[:-1])} or {names[-1]}")
         lm.add_argument("--corpus", default=None, help="a text file or folder (default: the Python standard library's source)")
         lm.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000)")
         lm.add_argument("--minutes", type=float, default=None, help="stop after this much training time")

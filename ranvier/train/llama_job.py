@@ -94,15 +94,16 @@ def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tupl
     return tokenizer_path, manifest
 
 
-def presets_of(config: LlamaRunConfig) -> dict[str, LlamaConfig]:
+def family_of(config: LlamaRunConfig) -> tuple[dict[str, LlamaConfig], type[Llama]]:
+    """The presets and model class of the run's model family."""
     if config.model not in LANGUAGE_MODELS:
         raise RanvierError(f"unknown model family {config.model!r}; choose one of {', '.join(LANGUAGE_MODELS)}")
-    return LANGUAGE_MODELS[config.model][0]
+    return LANGUAGE_MODELS[config.model]
 
 
 def model_config_for(config: LlamaRunConfig, vocab_size: int) -> LlamaConfig:
     """The preset's architecture with the run's vocabulary (and room for its sequence length)."""
-    preset = presets_of(config)[config.preset]
+    preset = family_of(config)[0][config.preset]
     return type(preset)(**{**asdict(preset), "vocab_size": vocab_size, "max_seq_len": max(preset.max_seq_len, config.seq)})
 
 
@@ -117,15 +118,15 @@ def load_model(run_dir: Path):
     config = read_run(run_dir)
     tokenizer = load_tokenizer(run_dir / "tokenizer.model")
     arrays, _ = load_checkpoint(run_dir / "checkpoint")
-    prefix = f"{LANGUAGE_MODELS[config.model][1].name}/"
+    prefix = f"{family_of(config)[1].name}/"
     weights = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix) and name.count("/") == 1}
     return model_config_for(config, tokenizer.vocab_size), weights, tokenizer
 
 
 def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
-    presets = presets_of(config)
+    presets, model_class = family_of(config)
     if config.preset not in presets:
-        raise RanvierError(f"unknown {LANGUAGE_MODELS[config.model][1].__name__} preset {config.preset!r}; choose one of {', '.join(presets)}")
+        raise RanvierError(f"unknown {model_class.__name__} preset {config.preset!r}; choose one of {', '.join(presets)}")
     preset = presets[config.preset]
     tokenizer_path, manifest = prepare_data(config, run_dir, preset.vocab_size)
     tokenizer = load_tokenizer(tokenizer_path)
