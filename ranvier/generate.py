@@ -103,7 +103,7 @@ class Generator:
         width = tokens.shape[1]
         offsets = np.arange(width, dtype=np.int32)
         positions = b.const(offsets) + position  # [T]
-        cos, sin = (b.const(t) for t in rope_tables(c.head_dim, c.max_seq_len, self.model.rope_base))
+        cos, sin = (b.const(t) for t in rope_tables(c.head_dim, c.max_seq_len, c.rope_base))
         rope = tuple(b.gather(t, positions).reshape([1, width, 1, c.head_dim // 2, 1]) for t in (cos, sin))
         # Cached row s is visible to every query of the chunk when s < pos; new row j to query t when j <= t.
         rows = b.const(np.arange(c.max_seq_len, dtype=np.int32))

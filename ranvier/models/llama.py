@@ -52,6 +52,11 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def rope_base(self) -> float:
+        """The θ of the rotary frequencies θ^(−2i/head_dim)."""
+        return self.rope_theta
+
     def attention_parameter_count(self) -> int:
         """One layer's attention projections and its two norms."""
         d, kv = self.dim, self.n_kv_heads * self.head_dim
@@ -126,11 +131,6 @@ class Llama(Module):
         self.normal(prefix + "w2", (*experts, hidden, d), self.residual_std)
         self.normal(prefix + "w3", (*experts, d, hidden))
 
-    @property
-    def rope_base(self) -> float:
-        """The θ of the rotary frequencies θ^(−2i/head_dim)."""
-        return self.config.rope_theta
-
     def describe(self) -> dict:
         return {"model": "llama", **asdict(self.config)}
 
@@ -180,7 +180,7 @@ class Llama(Module):
 
     def rope(self, b: Builder, seq: int) -> tuple[Tensor, Tensor]:
         """The rotary tables as constants of b's function, made once and shared by its layers."""
-        tables = rope_tables(self.config.head_dim, seq, self.rope_base)
+        tables = rope_tables(self.config.head_dim, seq, self.config.rope_base)
         result = []
         for part, table in zip(("cos", "sin"), tables):
             name = f"{b.func.name}/rope{seq}x{self.config.head_dim}.{part}"

@@ -125,10 +125,6 @@ class MoE(Llama):
     def describe(self) -> dict:
         return {"model": "moe", **asdict(self.config)}
 
-    @property
-    def rope_base(self) -> float:
-        return self.config.rope_base
-
     def feed_forward(self, b: Builder, x: Tensor, w: dict) -> Tensor:
         return self.experts(b, x, w) if "router" in w else super().feed_forward(b, x, w)
 
