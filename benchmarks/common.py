@@ -1,5 +1,7 @@
-"""What the benchmarks share: the machine line printed beside every figure, and the race
-of training sides (alternating repetitions, medians, ratios against PyTorch)."""
+"""What the benchmarks share: the machine line printed beside every figure, the two sides
+of a language-model training race (ranvier's step and a PyTorch eager one of the same
+trunk, with the caller's feed-forward layers) and the race itself (alternating
+repetitions, medians, ratios against PyTorch)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,115 @@ def match_threads(torch) -> None:
 
 
 Step = Callable[[np.ndarray, np.ndarray], float]
+
+
+def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False):
+    """ranvier's training step of a language model on [batch, seq] token windows: AdamW,
+    clipping at 1, the model's auxiliary losses added; a Trainer, or a CheckpointedStack.
+    Prints the compile time; returns the trainer (`trainer.step([x, y])`)."""
+    import ranvier as rv
+    from ranvier.train.losses import softmax_cross_entropy
+    from ranvier.train.optimizers import AdamW
+    from ranvier.train.trainer import Trainer
+
+    vocab = model.config.vocab_size
+    optimizer = AdamW(lr=1e-4, beta2=0.95, weight_decay=0.1, decay_matrices_only=True)
+
+    def lm_loss(b, logits, targets):
+        return softmax_cross_entropy(logits.reshape([batch * seq, vocab]), targets.reshape([batch * seq]))
+
+    start = time.perf_counter()
+    if checkpointed:
+        from ranvier.train.stack import CheckpointedStack
+
+        window = ("int32", [batch, seq])
+        trainer = CheckpointedStack(model, window, window, lm_loss, optimizer, clip_norm=1.0, matmul=matmul)
+    else:
+        flow = rv.Flow()
+        f = rv.Builder(flow, "train")
+        f.func.training = True
+        tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
+        targets = f.var("targets", rv.DT_INT32, [batch, seq])
+        params = model.parameters(f)
+        loss = lm_loss(f, model(f, tokens, params), targets)
+        aux = model.auxiliary_loss(f)
+        if aux is not None:
+            loss = loss + aux
+        trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul)
+    kind = f"{matmul}, checkpointed" if checkpointed else matmul
+    print(f"ranvier ({kind}) compiled the training step in {time.perf_counter() - start:.1f}s")
+    return trainer
+
+
+def stepper(trainer) -> Step:
+    """A race side of a ranvier trainer."""
+    return lambda x, y: trainer.step([x, y])
+
+
+def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, feed_forward: Callable) -> Step:
+    """PyTorch eager training of config's trunk as ranvier builds it (RMSNorm, rotary
+    attention with grouped key/value heads through SDPA, the embedding as the head):
+    AdamW (β2 0.95, weight decay 0.1), clipping at 1. Each layer's feed-forward is the
+    caller's: `feed_forward_weights(weight)` makes its parameters (`weight(*shape)` draws
+    N(0, 0.02²)), `feed_forward(x, p)` returns its output and an auxiliary loss."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    d, hd = config.dim, config.dim // config.n_heads
+    kv = config.n_kv_heads * hd
+
+    def weight(*shape):
+        return torch.nn.Parameter(torch.randn(*shape) * 0.02)
+
+    def ones():
+        return torch.nn.Parameter(torch.ones(d))
+
+    params = {"emb": weight(config.vocab_size, d), "norm": ones()}
+    for i in range(config.n_layers):
+        layer = {"an": ones(), "wq": weight(d, d), "wk": weight(d, kv), "wv": weight(d, kv), "wo": weight(d, d), "fn": ones(),
+                 **feed_forward_weights(weight)}
+        params.update({f"{i}.{k}": v for k, v in layer.items()})
+    freqs = config.rope_base ** (-torch.arange(0, hd, 2).float() / hd)
+    angles = torch.outer(torch.arange(seq).float(), freqs)
+    cos, sin = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
+
+    def rms(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.norm_eps) * g
+
+    def rope(x):
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+    def forward(tokens):
+        x = params["emb"][tokens]
+        total_aux = 0.0
+        for i in range(config.n_layers):
+            p = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith(f"{i}.")}
+            h = rms(x, p["an"])
+            q = rope((h @ p["wq"]).view(batch, seq, config.n_heads, hd))
+            k = rope((h @ p["wk"]).view(batch, seq, config.n_kv_heads, hd))
+            v = (h @ p["wv"]).view(batch, seq, config.n_kv_heads, hd)
+            groups = config.n_heads // config.n_kv_heads
+            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+            attention = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            x = x + attention.transpose(1, 2).reshape(batch, seq, d) @ p["wo"]
+            y, aux = feed_forward(rms(x, p["fn"]), p)
+            x, total_aux = x + y, total_aux + aux
+        return rms(x, params["norm"]) @ params["emb"].T, total_aux
+
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        logits, aux = forward(torch.from_numpy(x).long())
+        loss = F.cross_entropy(logits.view(-1, config.vocab_size), torch.from_numpy(y).long().view(-1)) + aux
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        optimizer.step()
+        return loss.item()
+
+    return step
 
 
 def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], repeats: int, vocab_size: int) -> dict[str, float]:

@@ -14,64 +14,32 @@ Run: python benchmarks/moe_train.py [--preset moe-15M] [--batch 4] [--seq 256] [
 
 from __future__ import annotations
 
-import time
-
-from common import machine, match_threads, race, token_batches, training_arguments
-
-
-def ranvier_trainer(config, batch: int, seq: int):
-    import ranvier as rv
-    from ranvier.models.moe import MoE
-    from ranvier.train.losses import softmax_cross_entropy
-    from ranvier.train.optimizers import AdamW
-    from ranvier.train.trainer import Trainer
-
-    model = MoE(config, seed=0)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    f.func.training = True
-    tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
-    targets = f.var("targets", rv.DT_INT32, [batch, seq])
-    params = model.parameters(f)
-    logits = model(f, tokens, params)
-    loss = softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
-    loss = loss + model.auxiliary_loss(f)
-    optimizer = AdamW(lr=1e-4, beta2=0.95, weight_decay=0.1, decay_matrices_only=True)
-    start = time.perf_counter()
-    trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets])
-    print(f"ranvier compiled the training step in {time.perf_counter() - start:.1f}s")
-    return trainer
+from common import (
+    machine,
+    match_threads,
+    race,
+    ranvier_trainer,
+    stepper,
+    token_batches,
+    torch_trainer,
+    training_arguments,
+)
 
 
-def torch_trainer(config, batch: int, seq: int):
+def mixtral_feed_forward(config):
+    """PyTorch's side of a MoE layer, as Mixtral's eager code runs it: the router's
+    softmax and top-k (renormalized), then a loop over the experts, each on the tokens
+    routed to it, added back weighted (index_add); the load-balancing loss beside it."""
     import torch
     import torch.nn.functional as F
 
-    torch.manual_seed(0)
-    d, hd, h = config.dim, config.dim // config.n_heads, config.hidden_dim
-    kv, experts = config.n_kv_heads * hd, config.n_experts
+    d, h, experts = config.dim, config.hidden_dim, config.n_experts
 
-    def weight(*shape):
-        return torch.nn.Parameter(torch.randn(*shape) * 0.02)
+    def weights(weight):
+        return {"router": weight(d, experts), "w1": weight(experts, d, h), "w2": weight(experts, h, d),
+                "w3": weight(experts, d, h)}
 
-    params = {"emb": weight(config.vocab_size, d), "norm": torch.nn.Parameter(torch.ones(d))}
-    for i in range(config.n_layers):
-        params.update({f"{i}.{k}": v for k, v in {
-            "an": torch.nn.Parameter(torch.ones(d)), "wq": weight(d, d), "wk": weight(d, kv), "wv": weight(d, kv),
-            "wo": weight(d, d), "fn": torch.nn.Parameter(torch.ones(d)), "router": weight(d, experts),
-            "w1": weight(experts, d, h), "w2": weight(experts, h, d), "w3": weight(experts, d, h)}.items()})
-    freqs = config.rope_base ** (-torch.arange(0, hd, 2).float() / hd)
-    angles = torch.outer(torch.arange(seq).float(), freqs)
-    cos, sin = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
-
-    def rms(x, g):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.norm_eps) * g
-
-    def rope(x):
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-
-    def moe(x, p):
+    def forward(x, p):
         rows = x.reshape(-1, d)
         probs = F.softmax(rows @ p["router"], dim=-1)
         weights, choices = torch.topk(probs, config.top_k)
@@ -87,35 +55,7 @@ def torch_trainer(config, batch: int, seq: int):
         aux = config.aux_loss_weight * experts * (counts / rows.shape[0] * probs.mean(0)).sum()
         return out.view_as(x), aux
 
-    def forward(tokens):
-        x = params["emb"][tokens]
-        total_aux = 0.0
-        for i in range(config.n_layers):
-            p = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith(f"{i}.")}
-            a = rms(x, p["an"])
-            q = rope((a @ p["wq"]).view(batch, seq, config.n_heads, hd))
-            k = rope((a @ p["wk"]).view(batch, seq, config.n_kv_heads, hd))
-            v = (a @ p["wv"]).view(batch, seq, config.n_kv_heads, hd)
-            groups = config.n_heads // config.n_kv_heads
-            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-            attention = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            x = x + attention.transpose(1, 2).reshape(batch, seq, d) @ p["wo"]
-            y, aux = moe(rms(x, p["fn"]), p)
-            x, total_aux = x + y, total_aux + aux
-        return rms(x, params["norm"]) @ params["emb"].T, total_aux
-
-    optimizer = torch.optim.AdamW(params.values(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-
-    def step(x, y):
-        optimizer.zero_grad(set_to_none=True)
-        logits, aux = forward(torch.from_numpy(x).long())
-        loss = F.cross_entropy(logits.view(-1, config.vocab_size), torch.from_numpy(y).long().view(-1)) + aux
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-        optimizer.step()
-        return loss.item()
-
-    return step
+    return weights, forward
 
 
 GEMMS = {"MatMul", "GroupedMatMul", "GroupedMatMulWeightGrad"}
@@ -133,7 +73,7 @@ def gemm_share(profile) -> str:
 def main() -> None:
     import torch
 
-    from ranvier.models.moe import PRESETS
+    from ranvier.models.moe import PRESETS, MoE
 
     parser = training_arguments(__doc__.splitlines()[0], PRESETS, "moe-15M")
     args = parser.parse_args()
@@ -145,8 +85,8 @@ def main() -> None:
     print(f"{args.preset}: {counts['parameters'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active; "
           f"{config.n_experts} experts, top-{config.top_k}: routing skips {1 - config.top_k / config.n_experts:.0%} "
           f"of the expert FLOPs a dense evaluation would spend ({6 * skipped / 1e9:.3f} GFLOP per token of training)")
-    trainer = ranvier_trainer(config, args.batch, args.seq)
-    sides = {"ranvier": lambda x, y: trainer.step([x, y]), "pytorch": torch_trainer(config, args.batch, args.seq)}
+    trainer = ranvier_trainer(MoE(config, seed=0), args.batch, args.seq)
+    sides = {"ranvier": stepper(trainer), "pytorch": torch_trainer(config, args.batch, args.seq, *mixtral_feed_forward(config))}
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
     trainer.step(list(batches[0]))
     trainer.data.reset_profile()  # warm steps only
