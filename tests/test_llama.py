@@ -243,21 +243,7 @@ def run_case(case: str, backend: str) -> Result:
     token_values = rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32)
     target_values = rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32)
 
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
-    targets = f.var("targets", rv.DT_INT32, [batch, seq])
-    params = model.parameters(f)
-    logits = model(f, tokens, params)
-    logits.var.out = True
-    loss = softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]), name="loss")
-    grads = gradient(flow, "f", list(params.values()), loss=loss)
-    net = rv.Compiler(backend).compile(flow)
-    data = net.cell("f").instance()
-    data[tokens][...] = token_values
-    data[targets][...] = target_values
-    data.compute()
-    ours = {key: np.array(data[grads[f"llama/{key}"]]) for key in model.initial}
+    logits, loss, ours = ranvier_step(model, token_values, target_values, backend)
 
     net_t = torch_model(model)
     out = net_t(torch.from_numpy(token_values).long())
@@ -268,9 +254,33 @@ def run_case(case: str, backend: str) -> Result:
     for key in model.initial:
         g = named[torch_name(key, config)].grad.numpy()
         theirs[key] = g.T if is_linear(key) else g
-    return Result(
-        np.array(data[logits]), float(data[loss]), ours, out.detach().numpy(), float(loss_t.detach()), theirs
-    )
+    return Result(logits, loss, ours, out.detach().numpy(), float(loss_t.detach()), theirs)
+
+
+def ranvier_step(model: Llama, token_values: np.ndarray, target_values: np.ndarray, backend: str) -> tuple[np.ndarray, float, dict]:
+    """Logits, loss (cross-entropy plus the model's auxiliary losses) and the gradient of
+    every parameter, as ranvier computes them in a training step."""
+    batch, seq = token_values.shape
+    vocab = model.config.vocab_size
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    f.func.training = True  # a training step: a MoE's experts drop tokens at capacity
+    tokens = f.var("tokens", rv.DT_INT32, [batch, seq])
+    targets = f.var("targets", rv.DT_INT32, [batch, seq])
+    params = model.parameters(f)
+    logits = model(f, tokens, params)
+    logits.var.out = True
+    loss = softmax_cross_entropy(logits.reshape([batch * seq, vocab]), targets.reshape([batch * seq]), name="loss")
+    aux = model.auxiliary_loss(f)
+    if aux is not None:
+        loss = loss + aux
+    grads = gradient(flow, "f", list(params.values()), loss=loss)
+    data = rv.Compiler(backend).compile(flow).cell("f").instance()
+    data[tokens][...] = token_values
+    data[targets][...] = target_values
+    data.compute()
+    ours = {key: np.array(data[grads[f"{model.name}/{key}"]]) for key in model.initial}
+    return np.array(data[logits]), float(data[loss]), ours
 
 
 _RESULTS: dict = {}

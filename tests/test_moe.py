@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_llama import Attention, FeedForward, ModelArgs, Result, RMSNorm, precompute_freqs_cis, randomize
+from test_llama import Attention, FeedForward, ModelArgs, Result, RMSNorm, precompute_freqs_cis, randomize, ranvier_step
 from torch import nn
 
 import ranvier as rv
@@ -163,28 +163,14 @@ def run_case(case: str, backend: str) -> Result:
     token_values = rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32)
     target_values = rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32)
 
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    f.func.training = True  # a training step: experts drop tokens at capacity
-    tokens, targets = f.var("tokens", rv.DT_INT32, [batch, seq]), f.var("targets", rv.DT_INT32, [batch, seq])
-    params = model.parameters(f)
-    logits = model(f, tokens, params)
-    logits.var.out = True
-    ce = softmax_cross_entropy(logits.reshape([batch * seq, config.vocab_size]), targets.reshape([batch * seq]))
-    aux = model.auxiliary_loss(f)
-    loss = ce if aux is None else ce + aux
-    grads = gradient(flow, "f", list(params.values()), loss=loss)
-    data = rv.Compiler(backend).compile(flow).cell("f").instance()
-    data[tokens], data[targets] = token_values, target_values
-    data.compute()
-    ours = {key: np.array(data[grads[f"moe/{key}"]]) for key in model.initial}
+    logits, loss, ours = ranvier_step(model, token_values, target_values, backend)
 
     net = torch_model(model)
     out, aux = net(torch.from_numpy(token_values).long())
     loss_t = F.cross_entropy(out.reshape(-1, config.vocab_size), torch.from_numpy(target_values).long().reshape(-1)) + aux
     loss_t.backward()
     theirs = {key: torch_gradient(net, key, value.shape) for key, value in model.initial.items()}
-    return Result(np.array(data[logits]), float(data[loss]), ours, out.detach().numpy(), loss_t.item(), theirs)
+    return Result(logits, loss, ours, out.detach().numpy(), loss_t.item(), theirs)
 
 
 _RESULTS: dict = {}
