@@ -122,15 +122,15 @@ def gradient(
           function, whose cell is instantiated with `primal=` the forward instance.
     """
     func = flow.func(func)
-    ops = flow.order(func)
-    wrt_vars = [variable_of(w) if not isinstance(w, str) else flow.var(w) for w in wrt]
+    ops = flow.op_order(func)
+    wrt_vars = [variable_of(w) if not isinstance(w, str) else flow.lookup(w) for w in wrt]
     if loss is None:
         outputs = flow.outputs(func)
         if len(outputs) != 1:
             raise RanvierError(f"function {func.name} has {len(outputs)} outputs; say which one is the loss")
         roots = [outputs[0]]
     else:
-        roots = [variable_of(t) if not isinstance(t, str) else flow.var(t) for t in (loss if isinstance(loss, list) else [loss])]
+        roots = [variable_of(t) if not isinstance(t, str) else flow.lookup(t) for t in (loss if isinstance(loss, list) else [loss])]
     seeds = seed if isinstance(seed, list) else [seed] * len(roots)
     if len(seeds) != len(roots):
         raise RanvierError(f"gradient: {len(roots)} roots but {len(seeds)} seeds")

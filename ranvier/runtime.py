@@ -87,7 +87,7 @@ class Network:
 
     def __getitem__(self, key) -> np.ndarray:
         """The writable array of a global (constant or parameter), by handle, name or alias."""
-        var = self.flow.var(_key_name(key))
+        var = self.flow.lookup(_key_name(key))
         if var.name not in self.globals:
             raise RanvierError(f"{var.name} is not a global of the network (it is local to a cell)")
         return self.globals[var.name]

@@ -69,9 +69,9 @@ def test_fusion_groups_chains_and_folds_assign():
     flow, _x, s, z = build_chain()
     z.var.out = True
     func = flow.funcs["f"]
-    before = [op.type for op in flow.order(func)]
-    fuse_elementwise(flow, func, flow.order(func), keep={s.name, z.name})
-    fused = flow.order(func)
+    before = [op.type for op in flow.op_order(func)]
+    fuse_elementwise(flow, func, flow.op_order(func), keep={s.name, z.name})
+    fused = flow.op_order(func)
     types = [op.type for op in fused]
     assert types == ["Calculate", "Sum", "ExpandDims", "Calculate"], before
     second = parse(fused[-1].attrs["expr"])
@@ -89,7 +89,7 @@ def test_fused_flow_computes_what_the_original_did():
         z.var.out = True
         if fuse:
             func = flow.funcs["f"]
-            fuse_elementwise(flow, func, flow.order(func), keep={s.name, z.name})
+            fuse_elementwise(flow, func, flow.op_order(func), keep={s.name, z.name})
         net = rv.Compiler().compile(flow)
         data = net.cell("f").instance()
         data[x] = xv

@@ -258,7 +258,7 @@ def test_fuse_chain_becomes_one_calculate():
     (expected,) = run_reference(flow, {"f/x": xv}, [y.name])
     func = flow.func("f")
 
-    fuse_elementwise(flow, func, flow.order(func), keep={y.name})
+    fuse_elementwise(flow, func, flow.op_order(func), keep={y.name})
 
     (calc,) = func.ops
     assert calc.type == "Calculate"
@@ -281,7 +281,7 @@ def test_fuse_value_read_outside_the_group_is_an_output():
     expected = run_reference(flow, {"f/x": xv}, [y.name, s.name])
     func = flow.func("f")
 
-    fuse_elementwise(flow, func, flow.order(func), keep={y.name, s.name})
+    fuse_elementwise(flow, func, flow.op_order(func), keep={y.name, s.name})
 
     (calc,) = calculates(func)
     assert calc.attrs["expr"] == "@0=Exp(%0);@1=Tanh(@0)"
@@ -305,7 +305,7 @@ def test_fuse_folds_assign_as_an_in_place_write():
     data.compute()
     expected = np.array(net["f/w"])
 
-    fuse_elementwise(flow, func, flow.order(func), keep=set())
+    fuse_elementwise(flow, func, flow.op_order(func), keep=set())
 
     (calc,) = func.ops
     assert calc.type == "Calculate" and calc.outputs == []
@@ -332,10 +332,10 @@ def test_fuse_does_not_create_a_cycle_through_an_outside_op():
     (expected,) = run_reference(flow, {"f/x": xv}, [c.name])
     func = flow.func("f")
 
-    fuse_elementwise(flow, func, flow.order(func), keep={c.name})
+    fuse_elementwise(flow, func, flow.op_order(func), keep={c.name})
 
     assert sorted(op_types(func)) == ["Calculate", "Calculate", "MatMul"]
-    order = flow.order(func)  # raises on a cycle
+    order = flow.op_order(func)  # raises on a cycle
     assert [op.type for op in order] == ["Calculate", "MatMul", "Calculate"]
     assert order[0].outputs == [a.var] and order[2].outputs == [c.var]
     (got,) = run_reference(flow, {"f/x": xv}, [c.name])
@@ -350,7 +350,7 @@ def test_fuse_assigned_value_that_is_kept_stays_an_output():
     z.var.out = True  # the function returns the new value, and stores it
     f.assign(w, z)
     func = flow.func("f")
-    fuse_elementwise(flow, func, flow.order(func), keep={z.name})
+    fuse_elementwise(flow, func, flow.op_order(func), keep={z.name})
     assert z.name in flow.vars and z.var.producer in func.ops
 
 
@@ -441,7 +441,7 @@ def test_decompose_where_the_backend_cannot_run_the_op(case):
     assert y.var.producer in func.ops and y.var.producer.type != original.type
     assert all(any(c in func.ops for c in v.var.consumers) for v in inputs)
     assert len(func.ops) > 1
-    for op in flow.order(func):  # every op is well typed
+    for op in flow.op_order(func):  # every op is well typed
         types_ = rv.ops.op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
         assert [(t.dtype, list(t.shape)) for t in types_] == [(v.dtype, v.shape) for v in op.outputs]
     (got,) = run_reference(flow, feeds, [y.name])
@@ -616,7 +616,7 @@ def test_assign_runs_after_every_reader_of_its_target():
     assert set(after) == {assign}
     assert {direct.producer, through_view.producer, through_view.producer.inputs[0].producer} <= set(after[assign])
 
-    plain = flow.order(func)
+    plain = flow.op_order(func)
     assert plain.index(assign) < plain.index(direct.producer)  # data flow alone would run it early
     order = schedule(flow, func)
     assert order[-1] is assign and len(order) == len(func.ops)
@@ -723,7 +723,7 @@ def _chain(length: int = 4, shape=(4, 4)):
     for name in ["exp", "tanh", "sigmoid", "neg", "abs", "relu"][:length]:
         values.append(getattr(values[-1], name)())
     func = flow.func("f")
-    return flow.order(func), [v.var for v in values]
+    return flow.op_order(func), [v.var for v in values]
 
 
 def test_live_ranges_from_first_write_to_last_read():
@@ -756,7 +756,7 @@ def test_plan_memory_never_overlaps_live_variables():
     d = a.sum(axis=1)  # a stays live across the matmul and the tanh
     y = d.sum() + c.sum()
     func = flow.func("f")
-    steps = flow.order(func)
+    steps = flow.op_order(func)
     local = [v for op in steps for v in [*op.inputs, *op.outputs] if not v.is_global]
     local = list({v.name: v for v in local}.values())
     slots, _ = plan_memory(steps, local, {x.name, y.name})
@@ -785,7 +785,7 @@ def test_plan_memory_workspace_lives_during_its_step_only():
     s = a.sum(axis=1)  # step 1: a dies here
     y = s * 2.0  # step 2, with a workspace
     func = flow.func("f")
-    steps = flow.order(func)
+    steps = flow.op_order(func)
     workspace = rv.Variable("ws", rv.DT_UINT8, [a.var.nbytes])
     local = [x.var, y.var, a.var, s.var, workspace]
     slots, _ = plan_memory(steps, local, {x.name, y.name}, workspaces={2: workspace})
@@ -805,7 +805,7 @@ def test_plan_memory_workspace_never_takes_an_input_of_its_step():
     a = x.exp()  # step 0
     m = a @ W  # step 1: reads a for the last time, with a workspace of a's size
     y = m.tanh()  # step 2
-    steps = flow.order(flow.func("f"))
+    steps = flow.op_order(flow.func("f"))
     workspace = rv.Variable("ws", rv.DT_UINT8, [a.var.nbytes])
     local = [x.var, a.var, m.var, y.var, workspace]
     slots, _ = plan_memory(steps, local, {x.name, y.name}, ReferenceBackend().in_place, workspaces={1: workspace})
@@ -846,7 +846,7 @@ def test_plan_memory_in_place_only_where_the_input_dies():
     a = x.exp()  # step 0
     b = a.tanh()  # step 1: a is read again at step 2
     y = a + b  # step 2
-    steps = flow.order(flow.func("f"))
+    steps = flow.op_order(flow.func("f"))
     slots, _ = plan_memory(steps, [x.var, a.var, b.var, y.var], {x.name, y.name}, lambda op, s, t: True)
     by_name = {s.var.name: s for s in slots}
     assert_sound(slots, steps)
@@ -995,8 +995,8 @@ def test_fuse_sees_what_a_group_reads_through_members_it_takes_in_later():
     func = flow.func("f")
     feeds = {"f/x": rand([4, 4], seed=3), "f/y": rand([4, 4], seed=4)}
     expected = run_reference(flow, feeds, [a2.name, c2.name])
-    fuse_elementwise(flow, func, flow.order(func), {a2.name, c2.name})
-    flow.order(func)  # no cycle
+    fuse_elementwise(flow, func, flow.op_order(func), {a2.name, c2.name})
+    flow.op_order(func)  # no cycle
     assert len(calculates(func)) == 1  # one of the two merges is refused
     for got, want in zip(run_reference(flow, feeds, [a2.name, c2.name]), expected):
         np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -61,7 +61,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("decompose", lambda c: decompose(c.flow, c.func, c.backend.runs_whole)),
     Pass("fold", lambda c: fold_constants(c.flow, c.func, c.keep)),
     Pass("cse", lambda c: eliminate_common_subexpressions(c.flow, c.func, c.keep)),
-    Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.order(c.func), c.keep)),
+    Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
     Pass("mixed-precision", lambda c: use_bfloat16_matmul(c.func), _mixed_precision),

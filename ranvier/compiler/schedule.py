@@ -34,4 +34,4 @@ def write_after_read(func: Function) -> dict[Operation, list[Operation]]:
 def schedule(flow: Flow, func: Function) -> list[Operation]:
     """The function's ops in the order they run: dependencies first, writes after reads,
     otherwise as built."""
-    return flow.order(func, write_after_read(func))
+    return flow.op_order(func, write_after_read(func))

@@ -24,7 +24,7 @@ def _written(flow: Flow) -> set[str]:
 def fold_constants(flow: Flow, func: Function, keep: set[str]) -> None:
     """Evaluate ops whose inputs are all constants at compile time."""
     written = _written(flow)
-    for op in flow.order(func):
+    for op in flow.op_order(func):
         definition = op_def(op.type)
         if (
             not op.outputs
@@ -56,7 +56,7 @@ def eliminate_common_subexpressions(flow: Flow, func: Function, keep: set[str]) 
     """Ops of one type, with the same attributes and inputs, compute the same thing once."""
     seen: dict[tuple, Operation] = {}
     written = _written(flow)
-    for op in flow.order(func):
+    for op in flow.op_order(func):
         if not op.outputs or op_def(op.type).written_inputs(op):
             continue
         key = (op.type, tuple(sorted(op.attrs.items())), tuple(_operand_key(v, written) for v in op.inputs))

@@ -17,7 +17,7 @@ from .. import dtypes
 from ..errors import RanvierError
 from ..ops import op_def, op_method
 from .flags import VarFlags
-from .graph import Flow, Function, Operation, Variable, attr_string
+from .graph import Connector, Flow, Function, Operation, Variable, attr_string
 
 
 class Tensor:
@@ -52,11 +52,26 @@ class Tensor:
         return isinstance(other, Tensor) and other.var is self.var
 
     def __getattr__(self, name: str):
-        # x.relu(), x.sum(axis=1), x.reshape([2, 3]), ...: every op method, with x first.
+        # x.relu(), x.sum(axis=1), x.reshape([2, 3]), ...: every op method, with x first;
+        # then the variable's own members (x.data, x.ref, x.consumers), as Myelin's
+        # builder returns the variable itself.
         method = op_method(name)
-        if method is None:
-            raise AttributeError(f"Tensor has no attribute {name!r}")
-        return lambda *args, **kwargs: method(self.builder, self, *args, **kwargs)
+        if method is not None:
+            return lambda *args, **kwargs: method(self.builder, self, *args, **kwargs)
+        if not name.startswith("_") and hasattr(self.var, name):
+            return getattr(self.var, name)
+        raise AttributeError(f"Tensor has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        # Myelin programs set what the builder returns: v.type, v.shape, v.ref, v.output, v.data.
+        if name in Tensor.__slots__:
+            object.__setattr__(self, name, value)
+        elif name == "shape":
+            self.var.shape = [int(d) for d in value]
+        elif not name.startswith("_") and hasattr(self.var, name):
+            setattr(self.var, name, value)
+        else:
+            raise AttributeError(f"Tensor has no attribute {name!r} to set")
 
     def __add__(self, o): return self.builder.add(self, o)
     def __radd__(self, o): return self.builder.add(o, self)
@@ -126,8 +141,9 @@ class Builder:
         return self.wrap(var)
 
     def array(self, name: str, value) -> Tensor:
-        """A constant initialized from an array (or anything with the buffer protocol)."""
-        array = np.asarray(value)
+        """A constant initialized from an array (or anything with the buffer protocol).
+        A nested Python list becomes float32, or int32 when it holds only integers, as in Myelin."""
+        array = np.asarray(value, dtype=_list_dtype(value) if isinstance(value, list) else None)
         var = self.flow.add_var(self.varname(name), dtypes.from_numpy(array.dtype), array.shape)
         var.set_data(array)
         return self.wrap(var)
@@ -205,6 +221,43 @@ class Builder:
         outputs = tuple(self.wrap(v) for v in op.outputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
+    # ---- Myelin's structural helpers ------------------------------------------------------
+
+    def rename(self, var, new_suffix: str) -> Tensor:
+        """Rename a variable to `<function>/<new_suffix>`."""
+        var = variable_of(var)
+        self.flow.rename_var(var, self._prefixed(new_suffix))
+        return self.wrap(var)
+
+    def cnx(self, name: str, args: Sequence) -> Connector:
+        """A connector `<function>/<name>` linking variables that share storage across cells."""
+        connector = self.flow.cnx(self._prefixed(name))
+        for var in args:
+            connector.add(variable_of(var))
+        return connector
+
+    def rawop(self, optype: str, name: str | None = None) -> Operation:
+        """An op with no inputs or outputs yet; the caller adds them (`op.add_input(v)`)."""
+        op = self.flow.add_op(self.opname(name or optype), optype)
+        self.func.add(op)
+        return op
+
+    def reduce(self, optype: str, x, axis: int | None = None, keepdims: bool | None = None, name: str | None = None) -> Tensor:
+        """A reduction op of any type over one axis, or over every element."""
+        return self.op(optype, [x], name, {"axis": axis, "keepdims": keepdims})
+
+    def pooling_gather(self, optype: str, embedding, indices, name: str | None = None) -> Tensor:
+        """GatherSum, GatherMax or GatherAvg: the rows of `embedding` that `indices` picks, pooled."""
+        return self.op(optype, [embedding, indices], name)
+
+    def norm(self, x, name: str | None = None) -> Tensor:
+        """The L2 norm of all the elements of x."""
+        return self.sqrt(self.sum(self.square(x)), name=name)
+
+    def normalize(self, x, name: str | None = None) -> Tensor:
+        """x divided by its L2 norm."""
+        return self.mul(x, self.rcp(self.norm(x)), name=name)
+
     def __getattr__(self, name: str):
         # b.relu(x), b.matmul(x, w, transpose_b=True), ...: the methods op definitions provide.
         method = op_method(name)
@@ -213,12 +266,21 @@ class Builder:
         return lambda *args, **kwargs: method(self, *args, **kwargs)
 
 
+Flow.builder_class = Builder
+
+
 def _is_default(definition, name: str, value) -> bool:
     """Whether an attribute value is what the op assumes when the attribute is absent."""
     declared = definition.attrs.get(name)
     if declared is None or declared.default is None:
         return False
     return declared.parse(attr_string(value), name, definition.type) == declared.default
+
+
+def _list_dtype(values: list) -> str:
+    """float32 for a nested list with any float in it, int32 for one of integers only."""
+    flat = np.asarray(values).ravel()
+    return dtypes.DT_INT32 if flat.size and all(isinstance(v, (int, np.integer)) for v in flat.tolist()) else dtypes.DT_FLOAT32
 
 
 def _fits(value, dtype: str) -> bool:

@@ -19,6 +19,32 @@ from .fileformat import read_flow, save_flow
 from .flags import FuncFlags, OpFlags, VarFlags
 
 
+def _as_array(value, var: Variable) -> np.ndarray:
+    """`value` as an array of the variable's shape: numpy arrays keep their dtype; raw
+    bytes are read as the variable's dtype, other buffers and numbers converted to it."""
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (bytes, bytearray)) or (isinstance(value, memoryview) and value.format in ("B", "b", "c")):
+        raw = memoryview(value).cast("B")
+        itemsize = dtypes.itemsize(var.dtype)
+        if len(raw) % itemsize:
+            raise RanvierError(f"{len(raw)} bytes of data for variable {var.name} of type {var.typestr()} is not a whole number of elements")
+        array = np.frombuffer(raw, dtype=dtypes.to_numpy(var.dtype))
+    else:
+        array = np.asarray(value, dtype=dtypes.to_numpy(var.dtype))
+    array = np.require(array, requirements="C")
+    if var.shape_defined and list(array.shape) != var.shape and array.size == math.prod(var.shape):
+        array = array.reshape(var.shape)
+    return array
+
+
+class Rank(int):
+    """A rank that reads as a number (ranvier: `x.rank`) and as a call (Myelin: `x.rank()`)."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 class Variable:
     """A tensor in the flow: an input, an intermediate, an output, a constant or a parameter."""
 
@@ -53,6 +79,29 @@ class Variable:
     nogradient = property(
         lambda self: self._flag(VarFlags.NOGRADIENT), lambda self, on: self._set_flag(VarFlags.NOGRADIENT, on)
     )
+    # Myelin's Python API spells the IN and OUT flags `input` and `output`.
+    input = in_
+    output = out
+
+    @property
+    def type(self) -> str:
+        """The dtype, under Myelin's name for it; settable."""
+        return self.dtype
+
+    @type.setter
+    def type(self, dtype: str) -> None:
+        self.dtype = dtypes.normalize(dtype)
+
+    @property
+    def data(self) -> np.ndarray | None:
+        """The constant's (or parameter's initial) value, or None."""
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:
+        # Myelin programs assign numpy arrays, array.array, memoryviews and raw bytes;
+        # every reader here (compiler, runtime, file writer) gets a numpy array.
+        self._data = None if value is None else _as_array(value, self)
 
     @property
     def constant(self) -> bool:
@@ -64,8 +113,12 @@ class Variable:
         return self.data is not None or self.learnable
 
     @property
-    def rank(self) -> int:
-        return len(self.shape)
+    def rank(self) -> Rank:
+        return Rank(len(self.shape))
+
+    def elements(self) -> int:
+        """Number of elements (Myelin's name for `size`)."""
+        return self.size
 
     @property
     def size(self) -> int:
@@ -96,6 +149,8 @@ class Variable:
 
     def set_attr(self, name: str, value) -> None:
         self.attrs[name] = attr_string(value)
+
+    add_attr = set_attr
 
     def typestr(self) -> str:
         t = ("&" if self.ref else "") + self.dtype
@@ -139,6 +194,8 @@ class Operation:
 
     def set_attr(self, name: str, value) -> None:
         self.attrs[name] = attr_string(value)
+
+    add_attr = set_attr
 
     @property
     def nogradient(self) -> bool:
@@ -221,6 +278,11 @@ class Blob:
     def set_attr(self, name: str, value) -> None:
         self.attrs[name] = attr_string(value)
 
+    add_attr = set_attr
+
+    def get_attr(self, name: str, default: str | None = None) -> str | None:
+        return self.attrs.get(name, default)
+
 
 def attr_string(value) -> str:
     """Attributes are strings, as in Myelin; lists are comma separated and booleans are 1/0."""
@@ -231,8 +293,44 @@ def attr_string(value) -> str:
     return str(value)
 
 
+def _dependency_order(ops: list[Operation], after: dict[Operation, list[Operation]] | None, what: str) -> list[Operation]:
+    """`ops` sorted so that every op comes after the ops computing its inputs (and after
+    those `after` names); ties keep the given order."""
+    position = {op: i for i, op in enumerate(ops)}
+    prerequisites: dict[Operation, set[Operation]] = {op: set() for op in ops}
+    for op in ops:
+        for v in op.inputs:
+            if v.producer is not None and v.producer in position and v.producer is not op:
+                prerequisites[op].add(v.producer)
+        for before in (after or {}).get(op, []):
+            if before in position and before is not op:
+                prerequisites[op].add(before)
+    dependents: dict[Operation, list[Operation]] = {op: [] for op in ops}
+    for op in ops:
+        for p in prerequisites[op]:
+            dependents[p].append(op)
+    missing = {op: len(p) for op, p in prerequisites.items()}
+    heap = [(position[op], op) for op in ops if missing[op] == 0]
+    heapq.heapify(heap)
+    ordered: list[Operation] = []
+    while heap:
+        _, op = heapq.heappop(heap)
+        ordered.append(op)
+        for dependent in dependents[op]:
+            missing[dependent] -= 1
+            if missing[dependent] == 0:
+                heapq.heappush(heap, (position[dependent], dependent))
+    if len(ordered) != len(ops):
+        done = set(ordered)
+        stuck = [op.name for op in ops if op not in done]
+        raise RanvierError(f"{what} has a cycle through ops {', '.join(stuck[:5])}")
+    return ordered
+
+
 class Flow:
     """A graph of variables and operations grouped into functions."""
+
+    builder_class: type  # what define() returns; the builder module, which imports this one, sets it
 
     def __init__(self):
         self.vars: dict[str, Variable] = {}
@@ -284,12 +382,30 @@ class Flow:
 
     # ---- lookup ---------------------------------------------------------------
 
-    def var(self, name: str) -> Variable:
-        """Look a variable up by name or alias; an op's name resolves to its first output."""
+    def var(self, name: str | Variable, type: str = dtypes.DT_FLOAT, shape: Iterable[int] | None = None) -> Variable:
+        """The variable of this name or alias (an op's name gives its first output), created
+        with `type` and `shape` when there is none, as Myelin's flow.var does."""
+        if isinstance(name, Variable):
+            return name
+        found = self.find_var(name)
+        return found if found is not None else self.add_var(name, type, shape or ())
+
+    def lookup(self, name: str) -> Variable:
+        """The variable of this name or alias; an error naming it when there is none."""
         found = self.find_var(name)
         if found is None:
             raise RanvierError(f"no variable named {name!r} in the flow")
         return found
+
+    def op(self, name: str | Operation) -> Operation:
+        """The op of this name, created (without a type or function yet) when there is none."""
+        if isinstance(name, Operation):
+            return name
+        return self.ops[name] if name in self.ops else self.add_op(name, "")
+
+    def define(self, name: str):
+        """A Builder for the function `name` (Myelin's flow.define)."""
+        return self.builder_class(self, name)
 
     def find_var(self, name: str) -> Variable | None:
         var = self.vars.get(name)
@@ -323,61 +439,78 @@ class Flow:
 
     # ---- structure ---------------------------------------------------------------
 
-    def order(self, func: Function, after: dict[Operation, list[Operation]] | None = None) -> list[Operation]:
+    def op_order(self, func: Function, after: dict[Operation, list[Operation]] | None = None) -> list[Operation]:
         """The function's ops in dependency order; ties keep insertion order.
 
         `after` adds ordering constraints beyond data flow: `after[op]` lists ops that
         must run before `op` (the compiler uses it to run in-place writes last).
         """
-        ops = func.ops
-        position = {op: i for i, op in enumerate(ops)}
-        prerequisites: dict[Operation, set[Operation]] = {op: set() for op in ops}
-        for op in ops:
-            for v in op.inputs:
-                if v.producer is not None and v.producer in position and v.producer is not op:
-                    prerequisites[op].add(v.producer)
-            for before in (after or {}).get(op, []):
-                if before in position and before is not op:
-                    prerequisites[op].add(before)
-        dependents: dict[Operation, list[Operation]] = {op: [] for op in ops}
-        for op in ops:
-            for p in prerequisites[op]:
-                dependents[p].append(op)
-        missing = {op: len(p) for op, p in prerequisites.items()}
-        heap = [(position[op], op) for op in ops if missing[op] == 0]
-        heapq.heapify(heap)
-        ordered: list[Operation] = []
-        while heap:
-            _, op = heapq.heappop(heap)
-            ordered.append(op)
-            for dependent in dependents[op]:
-                missing[dependent] -= 1
-                if missing[dependent] == 0:
-                    heapq.heappush(heap, (position[dependent], dependent))
-        if len(ordered) != len(ops):
-            done = set(ordered)
-            stuck = [op.name for op in ops if op not in done]
-            raise RanvierError(f"function {func.name} has a cycle through ops {', '.join(stuck[:5])}")
-        return ordered
+        return _dependency_order(func.ops, after, f"function {func.name}")
 
-    def inputs(self, func: Function) -> list[Variable]:
-        """Variables read by the function that no op of the function produces."""
-        seen: dict[str, Variable] = {}
-        for op in func.ops:
-            for v in op.inputs:
-                if (v.producer is None or v.producer.func is not func) and v.name not in seen:
-                    seen[v.name] = v
-        return list(seen.values())
+    def order(self, func: Function | str | None = None) -> tuple[list[Variable], list[Operation]]:
+        """Myelin's flow.order: (variables, ops) in dependency order, for one function or
+        the whole flow; the variables start with those no op computes."""
+        ops = self.op_order(self.func(func)) if func is not None else _dependency_order(list(self.ops.values()), None, "the flow")
+        ordered = self.inputs(func) if func is not None else [v for v in self.vars.values() if v.producer is None]
+        return ordered + [v for op in ops for v in op.outputs], ops
 
-    def outputs(self, func: Function) -> list[Variable]:
-        """Variables produced by the function that nothing in it reads, or that are flagged OUT."""
-        result = []
-        for op in func.ops:
-            for v in op.outputs:
-                used_inside = any(c.func is func for c in v.consumers)
-                if v.out or not used_inside:
-                    result.append(v)
-        return result
+    def inputs(self, func: Function | str | None = None, variable: bool = True, const: bool = True) -> list[Variable]:
+        """Variables read by the function that no op of the function produces; without a
+        function, every variable no op produces. `variable`/`const` keep those without/with data."""
+        if func is None:
+            found = [v for v in self.vars.values() if v.producer is None]
+        else:
+            func = self.func(func)
+            seen: dict[str, Variable] = {}
+            for op in func.ops:
+                for v in op.inputs:
+                    if (v.producer is None or v.producer.func is not func) and v.name not in seen:
+                        seen[v.name] = v
+            found = list(seen.values())
+        return [v for v in found if (const if v.data is not None else variable)]
+
+    def outputs(self, func: Function | str | None = None, variable: bool = True, const: bool = True) -> list[Variable]:
+        """Variables produced by the function that nothing in it reads, or that are flagged
+        OUT; without a function, every variable nothing reads."""
+        if func is None:
+            found = [v for v in self.vars.values() if not v.consumers]
+        else:
+            func = self.func(func)
+            found = []
+            for op in func.ops:
+                for v in op.outputs:
+                    used_inside = any(c.func is func for c in v.consumers)
+                    if v.out or not used_inside:
+                        found.append(v)
+        return [v for v in found if (const if v.data is not None else variable)]
+
+    def rename_prefix(self, prefix: str, replacement: str) -> None:
+        """Replace a prefix in the names of variables, ops, functions and connectors (Myelin's)."""
+        self._rename(lambda name: replacement + name[len(prefix):] if name.startswith(prefix) else name)
+
+    def rename_suffix(self, suffix: str, replacement: str) -> None:
+        """Replace a suffix in the names of variables, ops, functions and connectors (Myelin's)."""
+        self._rename(lambda name: name[: len(name) - len(suffix)] + replacement if suffix and name.endswith(suffix) else name)
+
+    def _rename(self, rename) -> None:
+        for table in (self.vars, self.ops, self.funcs, self.cnxs):
+            renamed = {}
+            for name, element in table.items():
+                element.name = rename(name)
+                if element.name in renamed:
+                    raise RanvierError(f"renaming gives two elements the name {element.name!r}")
+                renamed[element.name] = element
+            table.clear()
+            table.update(renamed)
+        self._alias_index = {alias: var for var in self.vars.values() for alias in var.aliases}
+
+    def rename_var(self, var: Variable, name: str) -> None:
+        """Give a variable a new name (Myelin's builder.rename)."""
+        if name in self.vars:
+            raise RanvierError(f"variable {name} is already defined in the flow")
+        del self.vars[var.name]
+        var.name = name
+        self.vars[name] = var
 
     def remove_op(self, op: Operation) -> None:
         for v in op.inputs:

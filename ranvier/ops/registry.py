@@ -16,6 +16,7 @@ this layer imports nothing of the graph or the compiler.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,7 +299,7 @@ def define(
             raise ValueError(f"builder method {name} is defined twice (for {type})")
     _REGISTRY[type] = definition
     for name in names:
-        _METHODS[name] = build if build is not None else _standard_method(definition)
+        _METHODS[name] = _myelin_named(build) if build is not None else _standard_method(definition)
     return definition
 
 
@@ -310,6 +311,7 @@ def _standard_method(definition: OpDef) -> Callable:
     order = list(definition.attrs)
 
     def method(b, *args, name=None, **attrs):
+        args, name = _myelin_name(definition, count, args, name)
         if len(args) > count + len(order):
             raise RanvierError(f"{definition.type} takes {count} inputs and the attributes {order}; got {len(args)} arguments")
         attrs.update(zip(order, args[count:]))
@@ -319,6 +321,36 @@ def _standard_method(definition: OpDef) -> Callable:
         return b.op(definition.type, list(args[:count]), name, attrs)
 
     method.__doc__ = definition.doc
+    return method
+
+
+def _myelin_name(definition: OpDef, count: int, args: tuple, name: str | None) -> tuple[tuple, str | None]:
+    """Myelin's builder takes the op's name as the last positional argument
+    (`f.matmul(x, W, "y")`, `f.softmax(x, "p")`); here that position holds an attribute.
+    A trailing string that no string attribute could take is that name."""
+    if name is not None or len(args) <= count or not isinstance(args[-1], str):
+        return args, name
+    attrs = list(definition.attrs.values())
+    slot = len(args) - 1 - count
+    if slot < len(attrs) and attrs[slot].kind in ("str", "dtype"):
+        return args, name
+    return args[:-1], args[-1]
+
+
+def _myelin_named(build: Callable) -> Callable:
+    """A build function that also takes Myelin's trailing positional name
+    (`f.concat([a, b], "c")`): a string landing on a parameter other than `name` or
+    `dtype` is the op's name."""
+    parameters = list(inspect.signature(build).parameters)[1:]  # after the builder
+
+    def method(b, *args, **kwargs):
+        if args and isinstance(args[-1], str) and "name" not in kwargs:
+            slot = parameters[len(args) - 1] if len(args) <= len(parameters) else "name"
+            if slot not in ("name", "dtype"):
+                args, kwargs = args[:-1], {**kwargs, "name": args[-1]}
+        return build(b, *args, **kwargs)
+
+    method.__doc__ = build.__doc__
     return method
 
 

@@ -116,7 +116,8 @@ define(
     attrs=[Attr("N", "int", None, "the number of parts (Myelin writes it)")],
     vjp=_concat_vjp,
     method="concat",
-    build=lambda b, parts, axis=0, name=None: b.op("Concat", [*parts, b.const(int(axis))], name, {"N": len(parts)}),
+    # Axis 1 by default, as Myelin's builder (which always concatenates rows' features).
+    build=lambda b, parts, axis=1, name=None: b.op("Concat", [*parts, b.const(int(axis))], name, {"N": len(parts)}),
 )
 
 

@@ -125,7 +125,7 @@ class TrainerBase:
         if isinstance(arrays, Mapping):
             named = {}
             for key, value in arrays.items():
-                var = key.var if isinstance(key, Tensor) else (key if isinstance(key, Variable) else self.flow.var(key))
+                var = key.var if isinstance(key, Tensor) else (key if isinstance(key, Variable) else self.flow.lookup(key))
                 named[var.name] = np.asarray(value)
         else:
             arrays = list(arrays)
