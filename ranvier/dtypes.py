@@ -43,6 +43,16 @@ FLOAT_DTYPES = (DT_FLOAT16, DT_BFLOAT16, DT_FLOAT32, DT_FLOAT64)
 INT_DTYPES = (DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT8, DT_UINT16)
 NUMERIC_DTYPES = FLOAT_DTYPES + INT_DTYPES
 
+# Types Myelin's .flow files can name that ranvier carries but cannot compute with, with
+# their element sizes from Myelin's type table (flow.cc): variables of these types load,
+# save and print, and the compiler refuses any kernel that touches one.
+STORAGE_DTYPES: dict[str, int] = {
+    "void": 0, "string": 8, "resource": 1, "complex64": 8, "complex128": 16,
+    "qint8": 1, "quint8": 1, "qint16": 2, "quint16": 2, "qint32": 4,
+}
+# Other spellings Myelin's type table accepts; "" is its invalid type, written back as "void".
+ALIASES = {"float": DT_FLOAT32, "int": DT_INT32, "": "void"}
+
 
 def to_numpy(dtype: str) -> np.dtype:
     """The numpy dtype of a ranvier dtype string."""
@@ -62,9 +72,12 @@ def from_numpy(dtype) -> str:
 
 
 def normalize(dtype) -> str:
-    """Accept a dtype string, a numpy dtype or a numpy scalar type; return the dtype string."""
-    if isinstance(dtype, str) and dtype in _NUMPY:
-        return dtype
+    """Accept a dtype string (Myelin's aliases and storage-only types too), a numpy dtype
+    or a numpy scalar type; return the dtype string."""
+    if isinstance(dtype, str):
+        dtype = ALIASES.get(dtype, dtype)
+        if dtype in _NUMPY or dtype in STORAGE_DTYPES:
+            return dtype
     try:
         return from_numpy(dtype)
     except TypeError:
@@ -72,6 +85,8 @@ def normalize(dtype) -> str:
 
 
 def itemsize(dtype: str) -> int:
+    if dtype in STORAGE_DTYPES:
+        return STORAGE_DTYPES[dtype]
     return to_numpy(dtype).itemsize
 
 

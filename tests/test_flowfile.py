@@ -448,7 +448,6 @@ MALFORMED = [
     (b"\x7fELF\x02\x01\x01\0" + bytes(24), "magic"),
     (MAGIC + i32(7), r"header: unsupported flow file version 7"),
     (MAGIC + i32(2) + i32(0) * 4, "version 2"),
-    (small_valid(6) + b"\0", r"end of file: 1 bytes of trailing data.*byte offset"),
     (flow_file(6, vars=[var_rec(6, "a", "float32", [2])] * 2), r"variable 1 \(a\): duplicate variable name"),
     (
         flow_file(6, vars=[var_rec(6, "a", "float32", [2], aliases=["b"]), var_rec(6, "b", "int8", [])]),
@@ -463,13 +462,18 @@ MALFORMED = [
                   funcs=[list_rec(6, "f", ["o"]), list_rec(6, "g", ["o"])]),
         r"function 1 \(g\): op 'o' already belongs to function 'f'",
     ),
-    (flow_file(6, vars=[var_rec(6, "a", "complex64", [2])]), "unknown dtype 'complex64'"),
+    (flow_file(6, vars=[var_rec(6, "a", "float8", [2])]), "unknown dtype 'float8'"),
+    (flow_file(6, vars=[var_rec(6, "a", "Float32", [2])]), "unknown dtype 'Float32'"),
     (flow_file(6, vars=[var_rec(6, "a", "float32", [2, -2])]), r"variable 0 \(a\): dimension -2"),
-    (flow_file(6, vars=[var_rec(6, "a", "int16", [3], data=bytes(4))]), "4 bytes of constant data"),
-    (flow_file(6, vars=[var_rec(6, "a", "int16", [-1], data=bytes(4))]), "undefined"),
-    (flow_file(6, vars=[var_rec(6, "a", "int16", [2], flags=1 << 12)]), "unknown bits"),
-    (flow_file(6, vars=[var_rec(6, "a", "int16", [2], flags=-1)]), "unknown bits"),
-    (header(6) + i32(1) + i32(0) + i32(2) + b"\xff\xfe" + bytes(40), r"variable 0: variable name is not valid UTF-8"),
+    (flow_file(6, vars=[var_rec(6, "a", "int16", [3], data=bytes(5))]), r"5 bytes of constant data, but int16\[3\] takes 6"),
+    (flow_file(6, vars=[var_rec(6, "a", "float32", [3], data=bytes(3))]), "3 bytes of constant data"),
+    (flow_file(6, vars=[var_rec(6, "a", "float64", [2], data=bytes(2))]), "2 bytes of constant data"),
+    (flow_file(6, vars=[var_rec(6, "a", "int16", [0], data=bytes(2))]), "2 bytes of constant data"),
+    (flow_file(6, vars=[var_rec(6, "a", "int8", [], data=i32(300))]), "int8 cannot hold"),
+    (flow_file(6, vars=[var_rec(6, "a", "bool", [2], data=i32(2, 0))]), "bool cannot hold"),
+    (flow_file(6, vars=[var_rec(6, "a", "float16", [], data=struct.pack("<f", 1e6))]), "float16 cannot hold"),
+    (flow_file(6, vars=[var_rec(6, "a", "int16", [-1, -1], data=bytes(4))]), "undefined.*batch_size"),
+    (flow_file(6, vars=[var_rec(6, "a", "int16", [-1, 3], data=bytes(4))]), "undefined"),
     (
         flow_file(6, vars=[var_rec(6, "a", "int16", [2])], ops=[op_rec(6, "o", "Relu", ["a"], [])] * 2),
         r"op 1 \(o\): duplicate op name",
@@ -486,10 +490,6 @@ MALFORMED = [
     ),
     (flow_file(6, cnxs=[list_rec(6, "c", ["nowhere"])]), r"connector 0 \(c\): link 'nowhere'"),
     (flow_file(6, blobs=[blob_rec(6, "b", "t", {}, b"")] * 2), r"blob 1 \(b\): duplicate blob name"),
-    (
-        header(6) + i32(0, 1, 0) + s("o") + s("T") + i32(0, 0, 2) + s("k") + s("v") + s("k") + s("w") + i32(0, 0, 0, 0),
-        "duplicate op attribute 'k'",
-    ),
 ]
 
 
@@ -621,7 +621,7 @@ def test_failed_save_keeps_the_old_file(tmp_path):
     golden_flow().save(path)
     before = path.read_bytes()
     broken = rich_flow(3)
-    broken.add_var("late/\udc80", dtypes.DT_FLOAT32, [2])  # a lone surrogate cannot be UTF-8
+    broken.add_var("late/\ud800", dtypes.DT_FLOAT32, [2])  # a lone surrogate cannot be UTF-8
     with pytest.raises(FlowFileError, match="UTF-8"):
         broken.save(path)
     assert path.read_bytes() == before

@@ -14,8 +14,22 @@ from .pipeline import PassContext, run_pipeline
 from .schedule import schedule
 
 
+def undefined_shape(var: Variable, func: Function) -> CompileError:
+    return CompileError(
+        f"variable {var.name} of function {func.name} has an undefined shape [{'x'.join(map(str, var.shape))}]; "
+        "give every dimension a size before compiling (a .flow file's -1 dimensions take a batch size "
+        "when loaded, as in Myelin: Flow().load(path, batch_size=N))"
+    )
+
+
 def check_types(op: Operation) -> None:
     """Re-infer an op's output types and compare (or fill in, for files without shapes)."""
+    for var in [*op.inputs, *op.outputs]:
+        if var.dtype in dtypes.STORAGE_DTYPES:
+            raise CompileError(
+                f"{op.type} op {op.name}: {var.name} is {var.dtype}, a type ranvier loads and saves "
+                "but cannot compute with"
+            )
     try:
         types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
     except RanvierError as error:
@@ -55,6 +69,9 @@ class Compiler:
 
     def compile_function(self, network: Network, func: Function) -> Cell:
         flow = network.flow
+        for var in flow.inputs(func):
+            if var.producer is None and not var.shape_defined:
+                raise undefined_shape(var, func)
         for op in schedule(flow, func):
             check_types(op)
         keep = {v.name for v in flow.outputs(func)} | {v.name for v in flow.vars.values() if v.out or v.in_}
@@ -78,10 +95,7 @@ class Compiler:
                     external[v.name] = v
                 elif v.name not in local:
                     if not v.shape_defined:
-                        raise CompileError(
-                            f"variable {v.name} of function {func.name} has an undefined shape "
-                            f"[{'x'.join(map(str, v.shape))}]; give every dimension a size before compiling"
-                        )
+                        raise undefined_shape(v, func)
                     local[v.name] = v
         roles = {v.name: "input" for v in flow.inputs(func) if v.name in local}
         roles.update({v.name: "output" for v in flow.outputs(func) if v.name in local})

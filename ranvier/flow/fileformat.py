@@ -17,19 +17,36 @@ version given.
 Before version 5 variables have no flags field; a REF variable's dtype is written
 "&" + dtype instead (the reader accepts that spelling in every version).
 
+The reader accepts what Myelin's C++ reader (flow.cc, `Flow::Read`) accepts: every type
+name of its type table ("float" and "int" as float32 and int32; "", "void", "string",
+"resource", complex and quantized types as types ranvier carries but cannot compute
+with), any flag bits (kept, so they are written back), repeated attributes (the last
+value wins, at the first one's place), bytes after the last record (ignored), names
+that are not UTF-8 (kept byte for byte) and a -1 dimension, bound to the batch size the
+caller gives (`Flow.load(path, batch_size=N)`; kept as -1 without one). A constant is
+raw bytes to Myelin; here it becomes an array of its variable's type, and bytes that do
+not fill dtype × shape are read the way SLING's Python writer produces them (a float
+as 4 float32 bytes, an int as 4 int32 bytes, an array in its own type), converted, and
+reported with a `FlowFileWarning`; bytes that cannot be read so are an error.
+
 The reader treats the file as untrusted: it reads it into memory and checks every
 count and length against the bytes that are left before allocating anything, so a
 truncated, corrupt or foreign file raises `FlowFileError` naming the record and the
 byte offset rather than crashing, hanging or exhausting memory.
+
+The writer takes constant and blob data in every form SLING's Python writer takes:
+numpy arrays and scalars, array.array, memoryviews of any format and shape, bytes,
+bytearray, str (UTF-8), a Python float or int, and None (no data); the byte count it
+writes is always that of the bytes that follow.
 """
 
 from __future__ import annotations
 
-import functools
+import logging
 import math
-import operator
 import os
 import struct
+import warnings
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import numpy as np
@@ -47,15 +64,108 @@ READ_VERSIONS = (3, 4, 5, 6)
 WRITE_VERSIONS = (4, 5, 6)
 
 _INT32 = struct.Struct("<i")
+_UINT32 = struct.Struct("<I")
 _UINT64 = struct.Struct("<Q")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
+# Names in a file are bytes to Myelin; bytes that are not UTF-8 survive a load and a save.
+_ENCODING, _ERRORS = "utf-8", "surrogateescape"
+
 _Flags = TypeVar("_Flags", VarFlags, OpFlags, FuncFlags)
 
+logger = logging.getLogger(__name__)
 
-@functools.cache
-def _known_bits(flags: type[_Flags]) -> int:
-    return functools.reduce(operator.or_, (member.value for member in flags), 0)
+
+class FlowFileWarning(UserWarning):
+    """A .flow file loaded, but some constant's bytes had to be reinterpreted to do so."""
+
+
+# ---- constants -----------------------------------------------------------------------------
+
+# The element types a constant's bytes may be in when they do not fill its variable, by
+# the kind of the variable and the width of one stored element: SLING's Python writer
+# stores a Python float as a float32 and an int as an int32 whatever the variable's
+# type, and an array in the array's own type.
+_STAND_INS = {
+    "float": {2: np.dtype(np.float16), 4: np.dtype(np.float32), 8: np.dtype(np.float64)},
+    "int": {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)},
+}
+
+
+def _typestr(dtype: str, shape: list[int]) -> str:
+    return dtype + (f"[{'x'.join('?' if d < 0 else str(d) for d in shape)}]" if shape else "")
+
+
+def _infer_dim(size: int, dtype: str, shape: list[int]) -> tuple[list[int], str]:
+    """The shape with its one -1 dimension taken from the data's byte count."""
+    known = math.prod(d for d in shape if d != -1)
+    stride = known * dtypes.itemsize(dtype)
+    if shape.count(-1) != 1 or not stride or size % stride:
+        raise ValueError(
+            f"{size} bytes of constant data for {_typestr(dtype, shape)}, whose shape is undefined "
+            "(bind -1 to a batch size when loading: Flow().load(path, batch_size=N))"
+        )
+    inferred = [size // stride if d == -1 else d for d in shape]
+    return inferred, f"its -1 dimension is {size // stride}, from the size of its data"
+
+
+def _stand_in(raw: memoryview, dtype: str, count: int) -> np.ndarray | None:
+    """The values SLING's Python writer most likely stored, as little-endian numbers of
+    another width: one Python number (4 bytes), or one array element per element."""
+    if len(raw) == 4:
+        width = 4
+    elif count and len(raw) % count == 0:
+        width = len(raw) // count
+    else:
+        return None
+    kind = "float" if dtypes.is_float(dtype) else "int"
+    source = _STAND_INS[kind].get(width)
+    if source is None:
+        return None
+    values = np.frombuffer(raw, source.newbyteorder("<"))
+    if kind == "float" and np.any(values) and np.all(np.abs(values) < np.finfo(source).tiny):
+        # Nothing but subnormal floats: the bytes are an int stored for a float variable.
+        values = np.frombuffer(raw, _STAND_INS["int"][width].newbyteorder("<"))
+    return values
+
+
+def _constant(raw: memoryview, dtype: str, shape: list[int]) -> tuple[np.ndarray, list[int], str]:
+    """A constant's own writable array from its bytes, its shape (an undefined dimension
+    taken from the byte count) and a note saying how the bytes were read where they did
+    not simply fill dtype × shape; ValueError where they cannot be read as the variable."""
+    if dtype in dtypes.STORAGE_DTYPES:
+        return np.frombuffer(raw, np.uint8).copy(), shape, ""  # kept as raw bytes: nothing computes with them
+    notes = []
+    if -1 in shape:
+        shape, note = _infer_dim(len(raw), dtype, shape)
+        notes.append(note)
+    native = dtypes.to_numpy(dtype)
+    count = math.prod(shape)
+    if len(raw) == count * native.itemsize:
+        stored = np.uint8 if dtype == dtypes.DT_BOOL else native.newbyteorder("<")  # any nonzero byte is true
+        return np.frombuffer(raw, stored).astype(native).reshape(shape), shape, "; ".join(notes)
+    taken = f"{count * native.itemsize}"
+    values = _stand_in(raw, dtype, count)
+    if values is None or not count or values.size not in (1, count):
+        raise ValueError(f"{len(raw)} bytes of constant data, but {_typestr(dtype, shape)} takes {taken}")
+    with np.errstate(all="ignore"):
+        converted = values.astype(native)
+    lost = (
+        np.any(np.isfinite(values) & ~np.isfinite(converted.astype(np.float64)))
+        if dtypes.is_float(dtype)
+        else not np.array_equal(converted.astype(values.dtype), values)
+    )
+    if lost:
+        raise ValueError(f"{len(raw)} bytes of constant data for {_typestr(dtype, shape)} read as {values.dtype} "
+                         f"values that {dtype} cannot hold")
+    plural = "s" if values.size > 1 else ""
+    spread = ", repeated to fill it" if values.size < count else ""
+    notes.append(
+        f"{len(raw)} bytes of data for {_typestr(dtype, shape)}, which takes {taken}: read as {values.size} "
+        f"{values.dtype} value{plural} (as SLING's Python writer stores numbers){spread} and converted to {dtype}"
+    )
+    filled = converted.reshape(shape) if values.size == count else np.full(shape, converted[0], native)
+    return filled, shape, "; ".join(notes)
 
 
 # ---- reading -------------------------------------------------------------------------------
@@ -89,6 +199,9 @@ class _Reader:
     def int32(self, what: str) -> int:
         return _INT32.unpack(self.take(4, what))[0]
 
+    def uint32(self, what: str) -> int:
+        return _UINT32.unpack(self.take(4, what))[0]
+
     def uint64(self, what: str) -> int:
         return _UINT64.unpack(self.take(8, what))[0]
 
@@ -108,26 +221,18 @@ class _Reader:
         size = self.int32(f"length of {what}")
         if size < 0:
             raise self.error(f"length of {what} is negative ({size})", at)
-        raw = self.take(size, what)
-        try:
-            return str(raw, "utf-8")
-        except UnicodeDecodeError:
-            raise self.error(f"{what} is not valid UTF-8", at) from None
+        return str(self.take(size, what), _ENCODING, _ERRORS)
 
     def flags(self, kind: type[_Flags], what: str) -> _Flags:
-        at = self.pos
-        value = self.int32(what)
-        if value & ~_known_bits(kind):
-            raise self.error(f"{what} 0x{value & 0xFFFFFFFF:x} has unknown bits", at)
-        return kind(value)
+        # Read unsigned, so that every bit, known or not, survives in the IntFlag.
+        return kind(self.uint32(what))
 
     def attrs(self, what: str) -> dict[str, str]:
+        """Attributes in file order; a repeated name takes the last value, at the first
+        one's place, as Myelin's SetAttr does."""
         attrs: dict[str, str] = {}
         for _ in range(self.count(f"{what} count", 8)):
-            at = self.pos
             name = self.string(f"{what} name")
-            if name in attrs:
-                raise self.error(f"duplicate {what} {name!r}", at)
             attrs[name] = self.string(f"{what} value")
         return attrs
 
@@ -136,9 +241,11 @@ class _Parser:
     """Builds a fresh Flow from the file's records; names are linked once all ops are read,
     because an op input may name an op (its first output) that comes later in the file."""
 
-    def __init__(self, reader: _Reader, flow: Flow):
+    def __init__(self, reader: _Reader, flow: Flow, batch_size: int | None):
         self.r = reader
         self.flow = flow
+        self.batch_size = batch_size
+        self.bound: list[str] = []  # variables whose -1 dimensions took the batch size
         self.version = 0
         self.names: dict[str, Variable] = {}  # variable names and aliases
         self.first_outputs: dict[str, str] = {}  # op name -> name of its first output
@@ -165,9 +272,12 @@ class _Parser:
             r.record = "blob section"
             for index in range(r.count("blob count", v5 + 20)):
                 self.blob(index)
-        if r.left:
-            r.record = "end of file"
-            raise r.error(f"{r.left} bytes of trailing data after the last record")
+        # Bytes after the last record are ignored, as Myelin's reader ignores them.
+        if self.bound:
+            logger.info(
+                "%s: bound the -1 dimensions of %d variables to batch size %d: %s",
+                r.source, len(self.bound), self.batch_size, ", ".join(self.bound),
+            )
         return self.flow
 
     def header(self) -> None:
@@ -184,7 +294,7 @@ class _Parser:
             supported = ", ".join(map(str, READ_VERSIONS))
             raise r.error(f"unsupported flow file version {self.version} (this reader reads {supported})", at)
         if self.version >= 5:
-            r.int32("header flags")  # Myelin writes 0 and defines no bits.
+            r.int32("header flags")  # Myelin defines no bits and ignores them.
 
     def variable(self, index: int) -> None:
         r = self.r
@@ -209,8 +319,10 @@ class _Parser:
         if dtype.startswith("&"):
             flags |= VarFlags.REF
             dtype = dtype[1:]
-        if dtype not in dtypes.ALL_DTYPES:
-            raise r.error(f"unknown dtype {dtype!r} (expected one of {', '.join(dtypes.ALL_DTYPES)})", at)
+        dtype = dtypes.ALIASES.get(dtype, dtype)
+        if dtype not in dtypes.ALL_DTYPES and dtype not in dtypes.STORAGE_DTYPES:
+            known = sorted({*dtypes.ALL_DTYPES, *dtypes.STORAGE_DTYPES, *dtypes.ALIASES} - {""})
+            raise r.error(f"unknown dtype {dtype!r} (expected one of {', '.join(known)})", at)
         shape = []
         for _ in range(r.count("rank", 4)):
             at = r.pos
@@ -218,32 +330,30 @@ class _Parser:
             if dim < -1:
                 raise r.error(f"dimension {dim} is negative (only -1, undefined, is allowed)", at)
             shape.append(dim)
+        if -1 in shape and self.batch_size is not None:
+            shape = [self.batch_size if d == -1 else d for d in shape]  # as Myelin's reader binds it
+            self.bound.append(name)
         attrs = r.attrs("variable attribute") if self.version >= 6 else {}
         at = r.pos
         size = r.uint64("data size")
         raw = r.take(size, "constant data")
+        data = None
+        if size:
+            try:
+                data, shape, note = _constant(raw, dtype, shape)
+            except ValueError as error:
+                raise r.error(str(error), at) from None
+            if note:
+                warnings.warn(FlowFileWarning(f"{r.source}: {r.record}: {note} (at byte offset {at})"), stacklevel=2)
 
         var = self.flow.add_var(name, dtype, shape)
         var.flags = flags
         var.attrs = attrs
+        var.data = data
         for alias in aliases:
             self.flow.add_alias(var, alias)
             self.names[alias] = var
         self.names[name] = var
-        if size:
-            var.data = self.array(raw, var, at)
-
-    def array(self, raw: memoryview, var: Variable, at: int) -> np.ndarray:
-        """The constant's own, writable copy in native byte order."""
-        if not var.shape_defined:
-            raise self.r.error(f"{len(raw)} bytes of constant data for {var.typestr()}, whose shape is undefined", at)
-        expected = var.nbytes
-        if len(raw) != expected:
-            raise self.r.error(f"{len(raw)} bytes of constant data, but {var.typestr()} takes {expected}", at)
-        if var.dtype == dtypes.DT_BOOL:
-            return np.frombuffer(raw, np.uint8).astype(np.bool_).reshape(var.shape)
-        native = dtypes.to_numpy(var.dtype)
-        return np.frombuffer(raw, native.newbyteorder("<")).reshape(var.shape).astype(native)
 
     def op(self, index: int) -> tuple[int, Operation, list[tuple[int, str]], list[tuple[int, str]]]:
         r = self.r
@@ -323,7 +433,9 @@ class _Parser:
         cnx.flags = flags
         for _ in range(r.count("link count", 4)):
             at = r.pos
-            cnx.add(self.variable_named(r.string("link"), "link", at))
+            var = self.variable_named(r.string("link"), "link", at)
+            if var not in cnx.links:  # Myelin links a variable once
+                cnx.add(var)
 
     def blob(self, index: int) -> None:
         r = self.r
@@ -341,14 +453,18 @@ class _Parser:
         blob.data = bytes(r.take(r.uint64("blob size"), "blob data"))
 
 
-def parse_flow(flow: Flow, data: bytes, source: str = "<bytes>") -> Flow:
+def parse_flow(flow: Flow, data: bytes, source: str = "<bytes>", batch_size: int | None = None) -> Flow:
     """Add the flow encoded in `data` to `flow` and return it.
 
     The file is parsed into a fresh Flow first and merged only when all of it is valid,
     so a bad file leaves `flow` unchanged. Names in the file resolve only against the
     file's own variables and ops; a name the file shares with `flow` is an error.
+    `batch_size` replaces every -1 dimension, as Myelin's `Flow::set_batch_size` does
+    (the variables bound are logged at INFO level); without it -1 stays undefined.
     """
-    loaded = _Parser(_Reader(memoryview(data), source), type(flow)()).parse()
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise FlowFileError(f"{source}: batch_size must be a positive integer, not {batch_size!r}")
+    loaded = _Parser(_Reader(memoryview(data), source), type(flow)(), batch_size).parse()
     for kind in ("vars", "ops", "funcs", "cnxs", "blobs"):
         clash = getattr(flow, kind).keys() & getattr(loaded, kind).keys()
         if clash:
@@ -361,11 +477,11 @@ def parse_flow(flow: Flow, data: bytes, source: str = "<bytes>") -> Flow:
     return flow
 
 
-def read_flow(flow: Flow, path: str | os.PathLike) -> Flow:
+def read_flow(flow: Flow, path: str | os.PathLike, batch_size: int | None = None) -> Flow:
     """Read a .flow file into `flow` (see `parse_flow`); OSErrors opening it propagate."""
     with open(path, "rb") as file:
         data = file.read()
-    return parse_flow(flow, data, os.fspath(path))
+    return parse_flow(flow, data, os.fspath(path), batch_size)
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -383,12 +499,25 @@ class _Writer:
             raise FlowFileError(f"cannot write {what}: {value} does not fit in an int32")
         self.stream.write(_INT32.pack(value))
 
-    def uint64(self, value: int) -> None:
-        self.stream.write(_UINT64.pack(value))
+    def flags(self, value: int, what: str) -> None:
+        """Flag bits, from an int32 or an unsigned 32-bit value (how the reader gives them)."""
+        if not _INT32_MIN <= value < 2**32:
+            raise FlowFileError(f"cannot write {what}: {value} does not fit in 32 bits")
+        self.stream.write(_UINT32.pack(value & 0xFFFFFFFF))
 
-    def string(self, text: str, what: str) -> None:
+    def data(self, payload: bytes | np.ndarray | None) -> None:
+        """A byte count and the bytes, counted from the very bytes written."""
+        raw = b"" if payload is None else memoryview(payload).cast("B")
+        self.stream.write(_UINT64.pack(len(raw)))
+        self.stream.write(raw)
+
+    def string(self, text: str | None, what: str) -> None:
+        if text is None:
+            text = ""  # as SLING's Python writer writes None
+        if not isinstance(text, str):
+            raise FlowFileError(f"cannot write {what}: {text!r} is a {type(text).__name__}, not a string")
         try:
-            encoded = text.encode("utf-8")
+            encoded = text.encode(_ENCODING, _ERRORS)
         except UnicodeEncodeError:
             raise FlowFileError(f"cannot write {what} {text!r}: it is not encodable as UTF-8") from None
         self.int32(len(encoded), f"length of {what}")
@@ -406,19 +535,68 @@ class _Writer:
             self.string(value, f"{what} attribute {name!r}")
 
 
-def _data_bytes(var: Variable) -> np.ndarray | None:
-    """The constant's elements as little-endian bytes, checked against its dtype and shape."""
+def _raw_bytes(data, what: str) -> bytes:
+    """Data in any form SLING's Python writer takes, as the bytes it writes for it."""
+    if isinstance(data, str):
+        return data.encode(_ENCODING, _ERRORS)
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    if isinstance(data, float):
+        return struct.pack("<f", data)
+    if isinstance(data, int):
+        if not _INT32_MIN <= data <= _INT32_MAX:
+            raise FlowFileError(f"cannot write {what}: the int {data} does not fit in the 4 bytes Myelin stores")
+        return _INT32.pack(data)
+    if hasattr(data, "tobytes"):  # numpy arrays and scalars, array.array, memoryviews: all their bytes, in order
+        return data.tobytes()
+    raise FlowFileError(f"cannot write {what}: its data is a {type(data).__name__}, not bytes, a string, a number or an array")
+
+
+def _untyped(data) -> bool:
+    """Bytes with no element type of their own: they are read as the variable's elements."""
+    return isinstance(data, (bytes, bytearray, str)) or (isinstance(data, memoryview) and data.format in ("B", "c"))
+
+
+def _dtype_of(var: Variable) -> str:
+    try:
+        return dtypes.normalize(var.dtype)
+    except RanvierError:
+        raise FlowFileError(f"cannot write variable {var.name}: unknown dtype {var.dtype!r}") from None
+
+
+def _data_bytes(var: Variable, dtype: str) -> np.ndarray | bytes | None:
+    """The constant's bytes as written: for a type ranvier computes with, its elements in
+    little-endian order, checked against its dtype and shape, so that the reader gives
+    back the same array. Typed data converts by value (one value fills the variable);
+    untyped bytes are read as the reader reads a file's."""
+    what = f"variable {var.name}"
     if var.data is None:
         return None
-    if var.dtype not in dtypes.ALL_DTYPES:
-        raise FlowFileError(f"cannot write variable {var.name}: unknown dtype {var.dtype!r}")
-    native = dtypes.to_numpy(var.dtype)
-    array = np.ascontiguousarray(var.data, dtype=native)
-    if not var.shape_defined or array.size != math.prod(var.shape):
-        raise FlowFileError(
-            f"cannot write variable {var.name}: its data has {array.size} elements but its type is {var.typestr()}"
-        )
-    return array.astype(native.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+    if dtype in dtypes.STORAGE_DTYPES:
+        return _raw_bytes(var.data, what)
+    if not var.shape_defined:
+        raise FlowFileError(f"cannot write {what}: constant data needs a defined shape, not {var.typestr()}")
+    native = dtypes.to_numpy(dtype)
+    if _untyped(var.data):
+        try:
+            array, _, note = _constant(memoryview(_raw_bytes(var.data, what)), dtype, var.shape)
+        except ValueError as error:
+            raise FlowFileError(f"cannot write {what}: {error}") from None
+        if note:
+            warnings.warn(FlowFileWarning(f"writing {what}: {note}"), stacklevel=4)
+    else:
+        try:
+            array = np.asarray(var.data, dtype=native)
+        except (TypeError, ValueError) as error:
+            raise FlowFileError(f"cannot write {what}: its data cannot be read as {dtype} ({error})") from None
+        if array.size == 1:
+            array = np.broadcast_to(array.reshape(()), var.shape)
+        if array.size != math.prod(var.shape):
+            raise FlowFileError(
+                f"cannot write {what}: its data has {array.size} elements but its type is {var.typestr()}"
+            )
+    little = np.ascontiguousarray(array, dtype=native.newbyteorder("<"))
+    return little.reshape(-1).view(np.uint8)
 
 
 def _name_in(flow_items: dict, item, owner: str) -> str:
@@ -441,7 +619,8 @@ def write_flow(flow: Flow, stream: BinaryIO, version: int = 6) -> None:
 
     Version 4 has no flag fields and no variable attributes: those are dropped, except
     that a REF variable keeps its REF-ness as an "&" prefix on its dtype. Version 5 keeps
-    flags but drops variable attributes.
+    flags but drops variable attributes. A dtype alias is written as the type it names
+    ("float" as "float32"), as Myelin writes it.
     """
     _check_writable(version)
     w = _Writer(stream)
@@ -454,25 +633,23 @@ def write_flow(flow: Flow, stream: BinaryIO, version: int = 6) -> None:
     for var in flow.vars.values():
         what = f"variable {var.name!r}"
         if version >= 5:
-            w.int32(int(var.flags), f"flags of {what}")
+            w.flags(int(var.flags), f"flags of {what}")
         w.string(var.name, "variable name")
         w.strings(var.aliases, f"alias of {what}")
-        w.string(("&" if var.ref and version < 5 else "") + var.dtype, f"dtype of {what}")
+        dtype = _dtype_of(var)
+        w.string(("&" if var.ref and version < 5 else "") + dtype, f"dtype of {what}")
         w.int32(len(var.shape), f"rank of {what}")
         for dim in var.shape:
             w.int32(dim, f"dimension of {what}")
         if version >= 6:
             w.attrs(var.attrs, what)
-        data = _data_bytes(var)
-        w.uint64(0 if data is None else data.size)
-        if data is not None:
-            stream.write(data)
+        w.data(_data_bytes(var, dtype))
 
     w.int32(len(flow.ops), "op count")
     for op in flow.ops.values():
         what = f"op {op.name!r}"
         if version >= 5:
-            w.int32(int(op.flags), f"flags of {what}")
+            w.flags(int(op.flags), f"flags of {what}")
         w.string(op.name, "op name")
         w.string(op.type, f"type of {what}")
         w.strings([_name_in(flow.vars, v, what) for v in op.inputs], f"input of {what}")
@@ -483,7 +660,7 @@ def write_flow(flow: Flow, stream: BinaryIO, version: int = 6) -> None:
     for func in flow.funcs.values():
         what = f"function {func.name!r}"
         if version >= 5:
-            w.int32(int(func.flags), f"flags of {what}")
+            w.flags(int(func.flags), f"flags of {what}")
         w.string(func.name, "function name")
         w.strings([_name_in(flow.ops, op, what) for op in func.ops], f"op of {what}")
 
@@ -491,7 +668,7 @@ def write_flow(flow: Flow, stream: BinaryIO, version: int = 6) -> None:
     for cnx in flow.cnxs.values():
         what = f"connector {cnx.name!r}"
         if version >= 5:
-            w.int32(int(cnx.flags), f"flags of {what}")
+            w.flags(int(cnx.flags), f"flags of {what}")
         w.string(cnx.name, "connector name")
         w.strings([_name_in(flow.vars, v, what) for v in cnx.links], f"link of {what}")
 
@@ -499,12 +676,11 @@ def write_flow(flow: Flow, stream: BinaryIO, version: int = 6) -> None:
     for blob in flow.blobs.values():
         what = f"blob {blob.name!r}"
         if version >= 5:
-            w.int32(int(blob.flags), f"flags of {what}")
+            w.flags(int(blob.flags), f"flags of {what}")
         w.string(blob.name, "blob name")
         w.string(blob.type, f"type of {what}")
         w.attrs(blob.attrs, what)
-        w.uint64(len(blob.data))
-        stream.write(blob.data)
+        w.data(None if blob.data is None else _raw_bytes(blob.data, what))
 
 
 def save_flow(flow: Flow, path: str | os.PathLike, version: int = 6) -> None:
