@@ -566,9 +566,10 @@ class Flow:
         """Write the flow in Myelin's binary .flow format, atomically."""
         save_flow(self, path, version)
 
-    def load(self, path) -> Flow:
-        """Read a Myelin .flow file (versions 3 to 6) into this flow and return it."""
-        read_flow(self, path)
+    def load(self, path, batch_size: int | None = None) -> Flow:
+        """Read a Myelin .flow file (versions 3 to 6) into this flow and return it;
+        `batch_size` replaces -1 dimensions, as Myelin's Flow::set_batch_size does."""
+        read_flow(self, path, batch_size)
         return self
 
     def __str__(self) -> str:
