@@ -4,6 +4,7 @@ The API follows SLING's Myelin, so `import ranvier as myelin` runs Myelin exampl
 build a Flow with a Builder, compile it into a Network, and compute Cell instances.
 """
 
+from . import nn
 from .compiler import Compiler
 from .dtypes import (
     DT_BFLOAT16,
@@ -24,6 +25,7 @@ from .dtypes import (
 )
 from .errors import CompileError, FlowFileError, RanvierError, ShapeError, UnknownOpError
 from .flow import Blob, Builder, Connector, Flow, Function, Operation, Tensor, Variable
+from .handles import Channel, TensorHandle
 from .runtime import Cell, Instance, Network
 from .version import __version__
 
@@ -46,6 +48,7 @@ __all__ = [
     "Blob",
     "Builder",
     "Cell",
+    "Channel",
     "CompileError",
     "Compiler",
     "Connector",
@@ -58,7 +61,9 @@ __all__ = [
     "RanvierError",
     "ShapeError",
     "Tensor",
+    "TensorHandle",
     "UnknownOpError",
     "Variable",
     "__version__",
+    "nn",
 ]

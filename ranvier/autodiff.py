@@ -20,7 +20,7 @@ from .flow.builder import Builder, Tensor, variable_of
 from .flow.graph import Flow, Function, Operation, Variable
 from .ops import has_op, op_def, vjp
 
-__all__ = ["VJPContext", "backward", "backward_from", "gradient", "has_vjp", "unbroadcast", "vjp"]
+__all__ = ["VJPContext", "backward", "backward_from", "gradient", "gradient_function", "has_vjp", "unbroadcast", "vjp"]
 
 
 class VJPContext:
@@ -250,3 +250,40 @@ def backward_from(grad, root: Tensor, params: Sequence[Tensor], stop: Iterable =
     func = root.producer.func if root.producer is not None else root.builder.func
     stop = list(stop) + list(params)
     return gradient(flow, func, params, loss=root, seed=grad, stop=stop)
+
+
+def gradient_function(flow: Flow, func: Function | str) -> Function:
+    """Myelin's gradient function `gradients/<f>` of a function marked for backprop.
+
+    For every float variable `f/x` the function reads (inputs and learnable
+    parameters, not constants or NOGRADIENT ones) it computes the adjoint
+    `gradients/f/d_x`; for every float output `f/y` it takes the adjoint
+    `gradients/f/d_y` as an input; it reads the forward values through the primal link
+    `gradients/f/primal`. As in Myelin, a learnable parameter's adjoint accumulates
+    (`d_W += ...` on every compute) until the caller clears the instance.
+    """
+    func = flow.func(func)
+    name = f"gradients/{func.name}"
+    b = Builder(flow, name)
+    outputs = [v for v in flow.outputs(func) if _differentiable(v)]
+    wrt = [v for v in flow.inputs(func) if _differentiable(v) and not v.constant]
+    seeds = [b.var(f"d_{_basename(y)}", y.dtype, y.shape) for y in outputs]
+    grads = gradient(flow, func, wrt, loss=outputs, seed=seeds, into=name)
+    for v in wrt:
+        adjoint = f"{name}/d_{_basename(v)}"
+        if v.learnable:
+            total = b.var(f"d_{_basename(v)}", v.dtype, v.shape)
+            total.var.out = True
+            b.assign(total, total + grads[v.name])
+        elif grads[v.name].producer is not None and grads[v.name].producer.func.name == name:
+            flow.add_alias(grads[v.name].var, adjoint)
+        else:  # the gradient is a value the function does not compute (its seed, a constant): copy it
+            copy = b.rawop("Identity", f"d_{_basename(v)}")
+            copy.add_input(grads[v.name].var)
+            copy.add_output(flow.add_var(adjoint, v.dtype, v.shape))
+            copy.outputs[0].out = True
+    return flow.funcs[name]
+
+
+def _basename(var: Variable) -> str:
+    return var.name.rsplit("/", 1)[-1]

@@ -3,6 +3,7 @@ layout; an Instance is one cell's data, whose tensors are writable numpy views."
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from . import dtypes
 from .errors import RanvierError, shape_str
 from .flow.graph import Flow, Function, Operation, Variable
+from .handles import Channel, TensorHandle
 from .ops import written_inputs
 from .profile import Profile, StepTime
 
@@ -95,6 +97,15 @@ class Network:
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: a for name, a in self.globals.items() if self.flow.vars[name].learnable}
 
+    def tensor(self, key) -> TensorHandle:
+        """A global as Myelin's tensor handle."""
+        return TensorHandle(self.flow.lookup(_key_name(key)), self[key])
+
+    def profile(self) -> str:
+        """The profiles of every instance that has computed, cell by cell (Myelin's net.profile())."""
+        profiles = [str(data.profile()) for cell in self.cells.values() for data in cell.instances if data.computes]
+        return "\n\n".join(profiles) or "no instance has computed yet"
+
 
 def _key_name(key) -> str:
     if isinstance(key, str):
@@ -131,14 +142,35 @@ class Cell:
         self._slot_by_name = {s.var.name: s for s in slots}
         self._index = {s.var.name: i for i, s in enumerate(slots)}
         self.global_vars = _globals_of(steps)
+        # Myelin names the link from a gradient cell to its forward instance `<cell>/primal`.
+        self.primal_name = f"{self.name}/primal" if self.external else None
+        self.instances: weakref.WeakSet[Instance] = weakref.WeakSet()
 
     def instance(self, primal: Instance | None = None) -> Instance:
         """A new instance. A cell that reads values computed by another cell (a gradient
-        cell reading its forward pass) is linked to an instance of that cell: `primal`."""
-        return Instance(self, primal)
+        cell reading its forward pass) is linked to an instance of that cell: `primal`,
+        given here or later as `data["<cell>/primal"] = forward_instance`."""
+        data = Instance(self, primal)
+        self.instances.add(data)
+        return data
+
+    def channel(self, key, size: int = 0) -> Channel:
+        """A channel of `size` tensors shaped like the variable `key` (Myelin's cell.channel)."""
+        return Channel(self.resolve(key), size)
+
+    def __contains__(self, key) -> bool:
+        """Whether the cell has this variable (or its primal link), as Myelin's `name in cell`."""
+        name = _key_name(key)
+        if name == self.primal_name:
+            return True
+        var = self.network.flow.find_var(name)
+        return var is not None and (var.name in self._index or var in self.global_vars or var in self.external)
 
     def index(self, name) -> int:
-        """The parameter id of a local variable, for fast lookups (`data[id]`)."""
+        """The parameter id of a local variable, for fast lookups (`data[id]`); the primal
+        link's id is one past the last variable's."""
+        if _key_name(name) == self.primal_name:
+            return len(self.slots)
         resolved = self.resolve(name)
         if resolved.name not in self._index:
             raise RanvierError(f"{resolved.name} is not a local variable of cell {self.name}")
@@ -201,20 +233,31 @@ class Instance:
 
     def __init__(self, cell: Cell, primal: Instance | None = None):
         self.cell = cell
-        self.primal = primal
-        if cell.external and primal is None:
-            sources = sorted({v.producer.func.name for v in cell.external})
-            raise RanvierError(
-                f"cell {cell.name} reads {cell.external[0].name} computed by cell {sources[0]}; "
-                f"create it with cell.instance(primal=<instance of {', '.join(sources)}>)"
-            )
         self.buffer = aligned_empty(cell.size)
         self._views = [view_of(self.buffer, s.offset, s.var) for s in cell.slots]
         self._by_name = {s.var.name: v for s, v in zip(cell.slots, self._views)}
         # Per-step time accumulated by the backend (its own unit: seconds or cycles).
         self.step_time = np.zeros(max(1, len(cell.steps)), cell.backend.step_time_dtype)
         self.computes = 0
-        self._run = cell.backend.bind(cell, self)
+        # Reference variables connected to channel elements: copied in before a compute,
+        # and the ones the cell computes copied back after it.
+        self._connected: dict[str, tuple[np.ndarray, np.ndarray, bool]] = {}
+        self.primal: Instance | None = None
+        self._run = None
+        if primal is not None or not cell.external:
+            self.link(primal)
+
+    def link(self, primal: Instance | None) -> None:
+        """Bind the instance of the forward cell this (gradient) cell reads its values from."""
+        if primal is not None:
+            sources = {v.producer.func.name for v in self.cell.external}
+            if primal.cell.name not in sources:
+                raise RanvierError(
+                    f"cell {self.cell.name} reads values of cell {', '.join(sorted(sources))}, "
+                    f"not of {primal.cell.name}; link it to an instance of that cell"
+                )
+        self.primal = primal
+        self._run = self.cell.backend.bind(self.cell, self)
 
     def view(self, var: Variable) -> np.ndarray:
         """Array for any variable the cell touches: a slice of this instance, or a network global."""
@@ -235,6 +278,11 @@ class Instance:
         return self.view(self.cell.resolve(key))
 
     def __setitem__(self, key, value) -> None:
+        if isinstance(value, Instance):
+            if key != self.cell.primal_name and not (isinstance(key, (int, np.integer)) and key == len(self._views)):
+                raise RanvierError(f"only the primal link {self.cell.primal_name or '(none: this cell reads no other cell)'} takes an instance")
+            self.link(value)
+            return
         target = self[key]
         value = np.asarray(value)
         try:
@@ -245,8 +293,33 @@ class Instance:
                 f"cannot set {var.name}: got an array of shape {list(value.shape)}, expected [{shape_str(var.shape)}]"
             ) from None
 
+    def tensor(self, key) -> TensorHandle:
+        """Myelin's tensor handle on one of the cell's variables."""
+        var = self.cell.slots[key].var if isinstance(key, (int, np.integer)) and 0 <= key < len(self._views) else self.cell.resolve(key)
+        return TensorHandle(var, self[key])
+
+    def connect(self, key, channel: Channel, index: int) -> None:
+        """Make a reference variable of the cell stand for element `index` of `channel`."""
+        var = self.cell.resolve(key)
+        if not var.ref:
+            raise RanvierError(f"{var.name} is not a reference variable; only those connect to channels")
+        if var.shape != channel.format.shape or var.dtype != channel.format.dtype:
+            raise RanvierError(f"{var.name} is {var.typestr()}; the channel holds {channel.format.typestr()}")
+        computed = var.producer is not None and var.producer.func is self.cell.func
+        self._connected[var.name] = (self.view(var), channel.element(index), computed)
+
     def compute(self) -> None:
+        if self._run is None:
+            raise RanvierError(
+                f"cell {self.cell.name} reads values computed by another cell: link its primal first, "
+                f"data[{self.cell.primal_name!r}] = <forward instance>, or cell.instance(primal=...)"
+            )
+        for local, element, _ in self._connected.values():
+            local[...] = element
         self._run()
+        for local, element, computed in self._connected.values():
+            if computed:
+                element[...] = local
         self.computes += 1
 
     def clear(self) -> None:

@@ -1008,7 +1008,7 @@ def test_separate_gradient_function():
         np.testing.assert_allclose(backward_instance[g], fused2[name], rtol=1e-12, atol=1e-15, err_msg=name)
 
     with pytest.raises(m.RanvierError, match="primal"):
-        gcell.instance()
+        gcell.instance().compute()
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ the schedule, the backend's kernel for every step, and the memory plan."""
 from __future__ import annotations
 
 from .. import dtypes
+from ..autodiff import gradient_function
 from ..backends import CompileOptions, create_backend
 from ..errors import CompileError, RanvierError
 from ..flow.graph import Flow, Function, Operation, Variable
@@ -63,6 +64,9 @@ class Compiler:
     def compile(self, flow: Flow) -> Network:
         # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
         network = Network(flow.copy(), self.backend_name)
+        for func in list(network.flow.funcs.values()):
+            if func.backprop and f"gradients/{func.name}" not in network.flow.funcs and not func.name.startswith("gradients/"):
+                gradient_function(network.flow, func)
         for func in network.flow.funcs.values():
             network.cells[func.name] = self.compile_function(network, func)
         return network

@@ -9,6 +9,7 @@ every variant can be tested here.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm
@@ -25,6 +26,11 @@ _MASK_GROUPS = {
 }
 _MASK_GROUPS["avx2"] += _MASK_GROUPS["avx512"]
 _MASK_GROUPS["avx"] += _MASK_GROUPS["avx2"]
+# Myelin's names (its --cpu flag) for what LLVM calls otherwise.
+_MYELIN_NAMES = {"fma3": "fma"}
+# What Myelin's "only these" form (a mask without a leading sign) switches off first;
+# SSE and SSE2 stay, as every x86-64 CPU and its calling convention have them.
+_OPTIONAL = ["sse3", "ssse3", "sse4.1", "sse4.2", "avx", "fma"]
 
 
 @functools.cache
@@ -71,20 +77,35 @@ class CPUTarget:
 
 
 def host_target(mask: str = "") -> CPUTarget:
-    """The host CPU with the features named in `mask` removed, e.g. "-avx512" or "-avx512,-avx2".
+    """The host CPU with the features in `mask` switched off (or back on).
 
-    A mask entry is a feature family (avx512, avx2, avx) or any single LLVM feature name.
+    Entries are comma separated, ranvier's way ("-avx512,-avx2"), or run together,
+    Myelin's way ("-avx512-fma3"); an entry is a feature family (avx512, avx2, avx),
+    a Myelin name (fma3, sse4.1) or any LLVM feature name. "+x" re-enables a feature
+    the host has; a mask starting without a sign (Myelin's "avx2+fma3") keeps only
+    the features it names. An unknown name is an error.
     """
     _initialize()
     features = dict(_parse(llvm.get_host_cpu_features().flatten()))
+    host = {f for f, on in features.items() if on}
     name = llvm.get_host_cpu_name()
-    for item in filter(None, (part.strip() for part in mask.split(","))):
-        if not item.startswith("-"):
-            raise RanvierError(f"CPU feature mask entries start with '-' (got {item!r}), e.g. '-avx512'")
-        family = item[1:]
-        for feature in _MASK_GROUPS.get(family, [family]):
-            if feature in features:
+    entries = _mask_entries(mask, features)
+    if mask.strip() and mask.strip()[0] not in "+-":
+        for family in _OPTIONAL:
+            for feature in _MASK_GROUPS.get(family, [family]):
                 features[feature] = False
+    for enable, family in entries:
+        members = _MASK_GROUPS.get(family, [family])
+        if enable:
+            if family not in host and not host & set(members):
+                raise RanvierError(f"cannot enable CPU feature {family!r}: this CPU ({name}) does not have it")
+            for feature in _prerequisites(family) + _own(family):
+                if feature in host:
+                    features[feature] = True
+        else:
+            for feature in members:
+                if feature in features:
+                    features[feature] = False
     if mask:
         # A named CPU implies its features; a generic one lets the feature string rule.
         name = "x86-64"
@@ -92,6 +113,43 @@ def host_target(mask: str = "") -> CPUTarget:
     # would switch AVX2 back on after "-avx2".
     ordered = sorted(features.items(), key=lambda item: (not item[1], item[0]))
     return CPUTarget(name, ",".join(f"{'+' if on else '-'}{f}" for f, on in ordered))
+
+
+def _mask_entries(mask: str, features: dict[str, bool]) -> list[tuple[bool, str]]:
+    """(enable, family or LLVM feature) for each entry of a mask, in order."""
+
+    def known(name: str) -> str | None:
+        name = _MYELIN_NAMES.get(name, name)
+        return name if name in _MASK_GROUPS or name in features else None
+
+    entries = []
+    for part in filter(None, (p.strip() for p in mask.split(","))):
+        sign = part[0] if part[0] in "+-" else "+"
+        whole = known(part.lstrip("+-"))
+        # A whole LLVM name may itself contain '-' ("amx-tile"); otherwise split Myelin-style.
+        pieces = [(sign, part.lstrip("+-"))] if whole else re.findall(r"([+-]?)([^+-]+)", part)
+        for piece_sign, piece in pieces:
+            feature = known(piece)
+            if feature is None:
+                raise RanvierError(
+                    f"unknown CPU feature {piece!r} in mask {mask!r}; use a family ({', '.join(_MASK_GROUPS)}), "
+                    f"a Myelin name (fma3, sse4.1, ...) or an LLVM feature of this CPU"
+                )
+            entries.append(((piece_sign or sign) == "+", feature))
+    return entries
+
+
+def _own(family: str) -> list[str]:
+    """A family's features without those of the families it contains (avx2 without avx512's)."""
+    inner = {"avx": "avx2", "avx2": "avx512"}.get(family)
+    members = _MASK_GROUPS.get(family, [family])
+    return [f for f in members if inner is None or f not in _MASK_GROUPS[inner]]
+
+
+def _prerequisites(family: str) -> list[str]:
+    """The features a family needs switched on with it (AVX2 needs AVX)."""
+    chain = ["avx", "avx2", "avx512"]
+    return [f for needed in chain[: chain.index(family)] for f in _own(needed)] if family in chain else []
 
 
 def _parse(flat: str):
