@@ -34,10 +34,12 @@ count and length against the bytes that are left before allocating anything, so 
 truncated, corrupt or foreign file raises `FlowFileError` naming the record and the
 byte offset rather than crashing, hanging or exhausting memory.
 
-The writer takes constant and blob data in every form SLING's Python writer takes:
-numpy arrays and scalars, array.array, memoryviews of any format and shape, bytes,
-bytearray, str (UTF-8), a Python float or int, and None (no data); the byte count it
-writes is always that of the bytes that follow.
+The writer takes blob data in every form SLING's Python writer takes: numpy arrays and
+scalars, array.array, memoryviews of any format and shape, bytes, bytearray, str
+(UTF-8), a Python float (4 float32 bytes) or int (4 int32 bytes), and None (no data).
+A constant is written as its variable's dtype and shape, converted by value; one of a
+type ranvier cannot compute with, as its raw bytes. The byte count written is always
+that of the bytes that follow.
 """
 
 from __future__ import annotations
@@ -552,11 +554,6 @@ def _raw_bytes(data, what: str) -> bytes:
     raise FlowFileError(f"cannot write {what}: its data is a {type(data).__name__}, not bytes, a string, a number or an array")
 
 
-def _untyped(data) -> bool:
-    """Bytes with no element type of their own: they are read as the variable's elements."""
-    return isinstance(data, (bytes, bytearray, str)) or (isinstance(data, memoryview) and data.format in ("B", "c"))
-
-
 def _dtype_of(var: Variable) -> str:
     try:
         return dtypes.normalize(var.dtype)
@@ -565,10 +562,10 @@ def _dtype_of(var: Variable) -> str:
 
 
 def _data_bytes(var: Variable, dtype: str) -> np.ndarray | bytes | None:
-    """The constant's bytes as written: for a type ranvier computes with, its elements in
-    little-endian order, checked against its dtype and shape, so that the reader gives
-    back the same array. Typed data converts by value (one value fills the variable);
-    untyped bytes are read as the reader reads a file's."""
+    """The constant's bytes as written. A type ranvier carries but cannot compute with
+    keeps its raw bytes; any other gets its elements converted by value to its dtype, in
+    little-endian order, checked against its shape (one value fills the variable), so
+    that the reader gives back the same array."""
     what = f"variable {var.name}"
     if var.data is None:
         return None
@@ -577,24 +574,14 @@ def _data_bytes(var: Variable, dtype: str) -> np.ndarray | bytes | None:
     if not var.shape_defined:
         raise FlowFileError(f"cannot write {what}: constant data needs a defined shape, not {var.typestr()}")
     native = dtypes.to_numpy(dtype)
-    if _untyped(var.data):
-        try:
-            array, _, note = _constant(memoryview(_raw_bytes(var.data, what)), dtype, var.shape)
-        except ValueError as error:
-            raise FlowFileError(f"cannot write {what}: {error}") from None
-        if note:
-            warnings.warn(FlowFileWarning(f"writing {what}: {note}"), stacklevel=4)
-    else:
-        try:
-            array = np.asarray(var.data, dtype=native)
-        except (TypeError, ValueError) as error:
-            raise FlowFileError(f"cannot write {what}: its data cannot be read as {dtype} ({error})") from None
-        if array.size == 1:
-            array = np.broadcast_to(array.reshape(()), var.shape)
-        if array.size != math.prod(var.shape):
-            raise FlowFileError(
-                f"cannot write {what}: its data has {array.size} elements but its type is {var.typestr()}"
-            )
+    try:
+        array = np.asarray(var.data, dtype=native)
+    except (TypeError, ValueError) as error:
+        raise FlowFileError(f"cannot write {what}: its data cannot be read as {dtype} ({error})") from None
+    if array.size == 1:
+        array = np.broadcast_to(array.reshape(()), var.shape)
+    if array.size != math.prod(var.shape):
+        raise FlowFileError(f"cannot write {what}: its data has {array.size} elements but its type is {var.typestr()}")
     little = np.ascontiguousarray(array, dtype=native.newbyteorder("<"))
     return little.reshape(-1).view(np.uint8)
 
