@@ -27,14 +27,23 @@ from ranvier.backends.llvm import mathlib
 F32, F64 = np.float32, np.float64
 FUNCTIONS = tuple(mathlib.FUNCTIONS)
 WIDTHS = {F32: (1, 4, 8, 16), F64: (1, 8)}
-# Largest accepted error in ULPs. float32: exp/log 2, the rest 4; float64: exp/log 2, the rest 8.
+# The functions Myelin adds (trigonometric and hyperbolic families); float32 computes them in double.
+MYELIN = ("tan", "cot", "atan", "asin", "acos", "asec", "acsc", "sinh", "cosh", "sech", "csch", "log1p", "asinh",
+          "acosh", "asech", "atanh", "acoth")
+# Largest accepted error in ULPs. float32: exp/log 2, the rest 4, those computed in double 1;
+# float64: exp/log 2, the rest 8.
 LIMITS = {
     F32: {"exp": 2, "log": 2, "tanh": 4, "sigmoid": 4, "silu": 4, "erf": 4, "gelu_erf": 4, "gelu_tanh": 4,
-          "sin": 4, "cos": 4},
+          "sin": 4, "cos": 4, **dict.fromkeys(MYELIN, 1)},
     F64: {"exp": 2, "log": 2, "tanh": 8, "sigmoid": 8, "silu": 8, "erf": 8, "gelu_erf": 8, "gelu_tanh": 8,
-          "sin": 8, "cos": 8},
+          "sin": 8, "cos": 8, **dict.fromkeys(MYELIN, 8)},
 }
-TRIG_RANGE = 1e4  # sin/cos accuracy is promised up to here; beyond, only finiteness and [-1, 1]
+PERIODIC = ("sin", "cos", "tan", "cot")
+TRIG_RANGE = 1e4  # sin/cos/tan/cot accuracy is promised up to here; beyond, only finiteness (and [-1, 1])
+# Where the inverse functions are defined (NaN outside): samples concentrate there and at its edges.
+DOMAINS = {"asin": (-1, 1), "acos": (-1, 1), "atanh": (-1, 1), "asech": (0, 1), "acosh": (1, 30), "log1p": (-1, 30)}
+OUTSIDE_UNIT = ("asec", "acsc", "acoth")  # defined for |x| >= 1
+POLES_AT_ZERO = ("cot", "csch")  # ±inf at ±0
 # Features masked for the SSE variant: everything that needs AVX (a later "+avx512vl" would turn
 # AVX back on) and every FMA.
 MASKED_PREFIXES = ("avx", "amx", "fma", "f16c", "xop", "vaes", "vpclmulqdq", "evex512")
@@ -172,8 +181,16 @@ def _samples(kind: str, dtype: type, rng: np.random.Generator, count: int) -> np
         eps = float(info.eps)
         parts += [np.abs(parts[0]), uniform(0, 4), 1 + uniform(-1e-3, 1e-3), 1 + eps * np.arange(-40, 40),
                   np.abs(uniform(0, 1)) * tiny, np.array([2.0, 0.5, math.e, 10.0])]
-    elif kind in ("sin", "cos"):
+    elif kind in PERIODIC:
         parts += [uniform(-TRIG_RANGE, TRIG_RANGE), uniform(-10, 10), _near_multiples_of_half_pi(dtype, TRIG_RANGE)]
+    elif kind in DOMAINS or kind in OUTSIDE_UNIT:
+        lo, hi = DOMAINS.get(kind, (1, 30))
+        eps = float(info.eps)
+        edges = np.array([lo, hi], dtype=np.float64)[:, None] + eps * np.arange(-40, 41) * np.maximum(1, abs(hi))
+        parts += [uniform(lo, hi), uniform(lo, lo + 1e-3), uniform(hi - 1e-3, hi), edges.reshape(-1),
+                  uniform(-1e-3, 1e-3)]
+        if kind in OUTSIDE_UNIT:
+            parts += [-part for part in parts[2:]]
     else:
         parts += [uniform(-20, 20), uniform(-3, 3), uniform(-1e-3, 1e-3), uniform(-120, 120),
                   uniform(-40, 0), uniform(-800, 800)]
@@ -207,6 +224,23 @@ def _reference_f64(kind: str, x: np.ndarray) -> np.ndarray:
             "gelu_tanh": lambda v: v * _sigmoid64(2 * _GELU_A * (v + 0.044715 * v**3)),
             "sin": np.sin,
             "cos": np.cos,
+            "tan": np.tan,
+            "cot": lambda v: 1 / np.tan(v),
+            "atan": np.arctan,
+            "asin": np.arcsin,
+            "acos": np.arccos,
+            "asec": lambda v: np.arccos(1 / v),
+            "acsc": lambda v: np.arcsin(1 / v),
+            "sinh": np.sinh,
+            "cosh": np.cosh,
+            "sech": lambda v: 1 / np.cosh(v),
+            "csch": lambda v: 1 / np.sinh(v),
+            "log1p": np.log1p,
+            "asinh": np.arcsinh,
+            "acosh": np.arccosh,
+            "asech": lambda v: np.where(v == 0, np.inf, np.arccosh(1 / v)),  # the limit at ±0
+            "atanh": np.arctanh,
+            "acoth": lambda v: np.arctanh(1 / v),
         }[kind](x)
 
 
@@ -223,6 +257,18 @@ def _reference_mp(kind: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     def gelu_tanh(v):
         return v / (1 + mp.exp(-2 * mp.sqrt(2 / mp.pi) * (v + mp.mpf("0.044715") * v**3)))
 
+    def real(function, lo, hi, outside=False, poles=None):
+        """The function on its real domain [lo, hi] (|x| >= hi with outside), NaN elsewhere,
+        and the infinities at its poles."""
+
+        def restricted(v):
+            if poles and float(v) in poles:
+                return poles[float(v)]
+            inside = abs(v) >= hi if outside else lo <= v <= hi
+            return function(v) if inside else mp.nan
+
+        return restricted
+
     function = {
         "exp": mp.exp,
         "log": lambda v: mp.log(v) if v > 0 else (mp.ninf if v == 0 else mp.nan),
@@ -234,11 +280,31 @@ def _reference_mp(kind: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         "gelu_tanh": gelu_tanh,
         "sin": mp.sin,
         "cos": mp.cos,
+        "tan": mp.tan,
+        "cot": mp.cot,
+        "atan": mp.atan,
+        "asin": real(mp.asin, -1, 1),
+        "acos": real(mp.acos, -1, 1),
+        "asec": real(lambda v: mp.acos(1 / v), -1, 1, outside=True),
+        "acsc": real(lambda v: mp.asin(1 / v), -1, 1, outside=True),
+        "sinh": mp.sinh,
+        "cosh": mp.cosh,
+        "sech": mp.sech,
+        "csch": mp.csch,
+        "log1p": real(mp.log1p, -1, mp.inf, poles={-1.0: mp.ninf}),
+        "asinh": mp.asinh,
+        "acosh": real(mp.acosh, 1, mp.inf),
+        "asech": real(lambda v: mp.acosh(1 / v), 0, 1, poles={0.0: mp.inf}),
+        "atanh": real(mp.atanh, -1, 1, poles={-1.0: mp.ninf, 1.0: mp.inf}),
+        "acoth": real(lambda v: mp.atanh(1 / v), -1, 1, outside=True, poles={-1.0: mp.ninf, 1.0: mp.inf}),
     }[kind]
     hi = np.empty(x.size)
     lo = np.empty(x.size)
     with mp.workdps(40):
         for i, v in enumerate(x.tolist()):
+            if v == 0 and kind in POLES_AT_ZERO:  # mpmath has no signed zero
+                hi[i], lo[i] = math.copysign(math.inf, v), 0.0
+                continue
             exact = function(mp.mpf(v))
             hi[i] = float(exact)
             lo[i] = float(exact - hi[i]) if math.isfinite(hi[i]) else 0.0
@@ -251,7 +317,7 @@ def _case(kind: str, dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     measured only up to TRIG_RANGE."""
     rng = np.random.default_rng(sum(map(ord, kind)))
     x = _samples(kind, dtype, rng, 20000 if dtype is F32 else 2500)
-    if kind in ("sin", "cos"):
+    if kind in PERIODIC:
         x = x[np.abs(x) <= TRIG_RANGE]
     if dtype is F32:
         return x, _reference_f64(kind, x.astype(F64)), np.zeros(x.size)
@@ -324,6 +390,23 @@ SPECIAL = {
     "gelu_tanh": [(np.inf, np.inf), (-np.inf, -0.0), (0.0, 0.0), (-0.0, -0.0), (-1e4, -0.0), (1e4, 1e4)],
     "sin": [(np.inf, np.nan), (-np.inf, np.nan), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30)],
     "cos": [(np.inf, np.nan), (-np.inf, np.nan), (0.0, 1.0), (-0.0, 1.0)],
+    "tan": [(np.inf, np.nan), (-np.inf, np.nan), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30)],
+    "cot": [(np.inf, np.nan), (-np.inf, np.nan), (0.0, np.inf), (-0.0, -np.inf)],
+    "atan": [(np.inf, np.pi / 2), (-np.inf, -np.pi / 2), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30), (1.0, np.pi / 4)],
+    "asin": [(1.0, np.pi / 2), (-1.0, -np.pi / 2), (0.0, 0.0), (-0.0, -0.0), (1.5, np.nan), (-np.inf, np.nan)],
+    "acos": [(1.0, 0.0), (-1.0, np.pi), (0.0, np.pi / 2), (1.5, np.nan), (np.inf, np.nan)],
+    "asec": [(1.0, 0.0), (-1.0, np.pi), (np.inf, np.pi / 2), (-np.inf, np.pi / 2), (0.5, np.nan), (0.0, np.nan)],
+    "acsc": [(1.0, np.pi / 2), (-1.0, -np.pi / 2), (np.inf, 0.0), (-np.inf, -0.0), (0.5, np.nan), (0.0, np.nan)],
+    "sinh": [(np.inf, np.inf), (-np.inf, -np.inf), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30), (1e4, np.inf)],
+    "cosh": [(np.inf, np.inf), (-np.inf, np.inf), (0.0, 1.0), (-0.0, 1.0), (1e4, np.inf), (-1e4, np.inf)],
+    "sech": [(np.inf, 0.0), (-np.inf, 0.0), (0.0, 1.0), (-0.0, 1.0), (1e4, 0.0)],
+    "csch": [(np.inf, 0.0), (-np.inf, -0.0), (0.0, np.inf), (-0.0, -np.inf), (1e4, 0.0)],
+    "log1p": [(0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30), (-1.0, -np.inf), (-2.0, np.nan), (np.inf, np.inf)],
+    "asinh": [(np.inf, np.inf), (-np.inf, -np.inf), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30)],
+    "acosh": [(1.0, 0.0), (np.inf, np.inf), (0.5, np.nan), (-1.0, np.nan), (-np.inf, np.nan)],
+    "asech": [(1.0, 0.0), (0.0, np.inf), (1.5, np.nan), (-0.5, np.nan), (np.inf, np.nan)],
+    "atanh": [(1.0, np.inf), (-1.0, -np.inf), (0.0, 0.0), (-0.0, -0.0), (1e-30, 1e-30), (1.5, np.nan)],
+    "acoth": [(1.0, np.inf), (-1.0, -np.inf), (np.inf, 0.0), (-np.inf, -0.0), (0.5, np.nan), (0.0, np.nan)],
 }
 
 

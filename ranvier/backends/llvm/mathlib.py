@@ -101,6 +101,25 @@ _COS = {
     64: (0.041666666666666595, -0.0013888888888873318, 2.4801587288975266e-05, -2.755731420644774e-07,
          2.0875703628228804e-09, -1.1358642976671471e-11),
 }
+# atan(t) = t - t * z * P(z), z = t^2, for |t| <= 7/16 (fdlibm's coefficients, double only:
+# float32 functions of this group run in double); rel. error 2^-57.6.
+_ATAN = (0.333333333333329318027, -0.199999999998764832476, 0.142857142725034663711, -0.111111104054623557880,
+         0.0909088713343650656196, -0.0769187620504482999495, 0.0666107313738753120669, -0.0583357013379057348645,
+         0.0497687799461593236017, -0.0365315727442169155270, 0.0162858201153657823623)
+# fdlibm's reduction of atan's argument a >= 0: below each bound b, t = (a - c) / (1 + c * a) and
+# atan(a) = atan(c) + atan(t) with atan(c) = hi + lo; above the last bound t = -1 / a (c = inf).
+_ATAN_BOUNDS = (7 / 16, 11 / 16, 19 / 16, 39 / 16)
+_ATAN_BASES = ((0.5, float.fromhex("0x1.dac670561bb4fp-2"), float.fromhex("0x1.a2b7f222f65e2p-56")),
+               (1.0, float.fromhex("0x1.921fb54442d18p-1"), float.fromhex("0x1.1a62633145c07p-55")),
+               (1.5, float.fromhex("0x1.f730bd281f69bp-1"), float.fromhex("0x1.007887af0cbbdp-56")),
+               (math.inf, float.fromhex("0x1.921fb54442d18p+0"), float.fromhex("0x1.1a62633145c07p-54")))
+# sinh(x) = x + x^3 * S(x^2) for |x| < 1: the Taylor series, rel. error 2^-56.8 (double).
+_SINH_CUT = 1.0
+_SINH = tuple(1 / math.factorial(2 * k + 3) for k in range(9))
+# sinh and cosh of |x| beyond this overflow double (log(2 * DBL_MAX)).
+_HYPERBOLIC_OVERFLOW = 710.4758600739439
+# asinh and acosh of a beyond this are log(a) + log(2): sqrt(a^2 +- 1) rounds to a.
+_ARC_HYPERBOLIC_LARGE = 2.0**28
 
 # -- range reduction constants ----------------------------------------------------------------
 # ln2 = LN2_HI + LN2_LO with LN2_HI rounded to p - 11 bits, so k * LN2_HI is exact for |k| < 2^11.
@@ -108,7 +127,7 @@ _LN2_HI = {32: float.fromhex("0x1.62ep-1"), 64: float.fromhex("0x1.62e42fefa38p-
 _LN2_LO = {32: float.fromhex("0x1.0bfbe8p-15"), 64: float.fromhex("0x1.ef35793c7673p-45")}
 # exp's input is clamped to [lo, hi]: exp(hi) overflows; exp(lo) underflows even when scaled by
 # a factor up to 2^20 (silu, gelu), and its 2^k still splits into two normal halves.
-_EXP_CLAMP = {32: (-150.0, 89.0), 64: (-1400.0, 710.0)}
+_EXP_CLAMP = {32: (-150.0, 89.0), 64: (-1400.0, 711.0)}
 # pi/2 = C1 + C2 + C3 with C1, C2 of 39 bits (k * Ci exact for k < 2^14, |x| < 25735) and C3 the
 # next 53 bits: about 131 bits in all, enough for the closest approach of a double to a multiple
 # of pi/2 below 2^14 * pi/2 (2^-60.5, at 29 * pi/2). Reduction always runs in double.
@@ -332,15 +351,14 @@ def _erf_small(o: _Ops, a: ir.Value) -> ir.Value:
     return o.fma(a, o.poly(o.mul(a, a), _ERF[o.bits]), a)
 
 
-def _sin_cos(builder: ir.IRBuilder, x: ir.Value, cosine: bool) -> ir.Value:
-    """sin(x) or cos(x) by reduction to r = |x| - k * pi/2, |r| <= pi/4, and a polynomial in r.
+def _trig_parts(builder: ir.IRBuilder, x: ir.Value) -> tuple[_Ops, ir.Value, ir.Value, ir.Value]:
+    """sin(r), cos(r) and the quadrant k (an integer) with |x| = r + k * pi/2, |r| <= pi/4.
 
     The Cody-Waite reduction with a three-part pi/2 runs in double for both precisions: in
     float it could not resolve the float inputs closest to multiples of pi/2 (2^-27.8 away
     below 1e4). It is exact up to the final rounding for |x| < 25735; beyond, accuracy fades
     gradually, and past 2^51 the quotient is meaningless, but r is clamped to [-pi/4, pi/4]
-    (slightly widened) so the result stays in [-1, 1]. Quadrant k mod 4 picks sin or cos of r
-    and the sign; sin is odd, so the reduction works on |x| and sin takes x's sign back.
+    (slightly widened) so sine and cosine stay in [-1, 1].
     """
     o = _Ops(builder, x.type)
     d = o.like(ir.DoubleType())
@@ -357,14 +375,103 @@ def _sin_cos(builder: ir.IRBuilder, x: ir.Value, cosine: bool) -> ir.Value:
     z = o.mul(r, r)
     sin_r = o.fma(o.mul(r, z), o.poly(z, _SIN[o.bits]), r)
     cos_r = o.fma(o.mul(z, z), o.poly(z, _COS[o.bits]), o.fma(z, o.c(-0.5), o.c(1.0)))
+    return o, sin_r, cos_r, ki
+
+
+def _odd(o: _Ops, ki: ir.Value) -> ir.Value:
+    return o.builder.icmp_unsigned("!=", o.builder.and_(ki, o.ic(1)), o.ic(0))
+
+
+def _sign_of(o: _Ops, x: ir.Value) -> ir.Value:
+    """The sign bit of x, as an integer mask."""
+    return o.builder.and_(o.to_int(x), o.ic(-(1 << (o.bits - 1))))
+
+
+def _sin_cos(builder: ir.IRBuilder, x: ir.Value, cosine: bool) -> ir.Value:
+    """sin(x) or cos(x) from `_trig_parts`: quadrant k mod 4 picks sin or cos of r and the
+    sign; sin is odd, so it takes x's sign back."""
+    o, sin_r, cos_r, ki = _trig_parts(builder, x)
     if cosine:
         ki = builder.add(ki, o.ic(1))
-    odd = builder.icmp_unsigned("!=", builder.and_(ki, o.ic(1)), o.ic(0))
-    result = o.select(odd, cos_r, sin_r)
+    result = o.select(_odd(o, ki), cos_r, sin_r)
     sign = builder.shl(builder.and_(ki, o.ic(2)), o.ic(o.bits - 2))
     if not cosine:
-        sign = builder.xor(sign, builder.and_(o.to_int(x), o.ic(-(1 << (o.bits - 1)))))
+        sign = builder.xor(sign, _sign_of(o, x))
     return o.from_int(builder.xor(o.to_int(result), sign))
+
+
+def _tan_cot(builder: ir.IRBuilder, x: ir.Value, cotangent: bool) -> ir.Value:
+    """tan(x) or cot(x) of |x| = r + k * pi/2: tan is sin(r) / cos(r) for even k and
+    -cos(r) / sin(r) for odd k (cot the reciprocals); both are odd, so x's sign comes back."""
+    o, sin_r, cos_r, ki = _trig_parts(builder, x)
+    odd = _odd(o, ki)
+    swap = builder.not_(odd) if cotangent else odd
+    quotient = o.div(o.select(swap, cos_r, sin_r), o.select(swap, sin_r, cos_r))
+    result = o.select(odd, builder.fneg(quotient), quotient)
+    return o.from_int(builder.xor(o.to_int(result), _sign_of(o, x)))
+
+
+def _atan_positive(d: _Ops, a: ir.Value) -> ir.Value:
+    """atan(a) for a >= 0, fdlibm's scheme: a is reduced to t = (a - c) / (1 + c * a) for
+    the c nearest it (t = -1 / a above 39/16), |t| <= 7/16, and atan(a) = atan(c) + atan(t)
+    with atan(c) known to twice the precision. Each a - c is exact (Sterbenz)."""
+    numerator, denominator, hi, lo = a, d.c(1.0), d.c(0.0), d.c(0.0)
+    for bound, (c, base_hi, base_lo) in zip(_ATAN_BOUNDS, _ATAN_BASES):
+        above = d.cmp(">=", a, d.c(bound))
+        if math.isinf(c):
+            n, m = d.c(-1.0), a
+        else:
+            n, m = d.sub(a, d.c(c)), d.fma(a, d.c(c), d.c(1.0))
+        numerator = d.select(above, n, numerator)
+        denominator = d.select(above, m, denominator)
+        hi = d.select(above, d.c(base_hi), hi)
+        lo = d.select(above, d.c(base_lo), lo)
+    t = d.div(numerator, denominator)
+    z = d.mul(t, t)
+    tail = d.sub(d.mul(d.mul(t, z), d.poly(z, _ATAN)), lo)
+    return d.sub(hi, d.sub(tail, t))
+
+
+def _log1p(d: _Ops, y: ir.Value) -> ir.Value:
+    """log(1 + y) as log(u) + (y - (u - 1)) / u with u = 1 + y rounded: the quotient puts
+    back, to first order, what rounding u lost. Where u rounds to 1 the result is y itself
+    (its sign of zero too)."""
+    u = d.add(d.c(1.0), y)
+    correction = d.div(d.sub(y, d.sub(u, d.c(1.0))), u)
+    finite = d.builder.and_(d.cmp(">", u, d.c(0.0)), d.cmp("<", u, d.c(2.0**53)))
+    result = d.add(log(d.builder, u), d.select(finite, correction, d.c(0.0)))
+    return d.select(d.cmp("==", u, d.c(1.0)), y, result)
+
+
+def _acosh(d: _Ops, y: ir.Value, t: ir.Value) -> ir.Value:
+    """acosh(y), given t = y - 1 to full relative accuracy (near y = 1 everything hangs on it):
+    log1p(t + sqrt(2t + t^2)) up to y = 2, log(2y - 1 / (y + sqrt(y^2 - 1))) above, and
+    log(y) + log(2) where y^2 - 1 rounds to y^2. NaN below 1."""
+    small = _log1p(d, d.add(t, d.builder.call(_sqrt(d), [d.fma(t, t, d.add(t, t))])))
+    root = d.builder.call(_sqrt(d), [d.fma(y, y, d.c(-1.0))])
+    middle = log(d.builder, d.sub(d.add(y, y), d.div(d.c(1.0), d.add(y, root))))
+    large = d.add(log(d.builder, y), d.c(math.log(2)))
+    result = d.select(d.cmp(">", y, d.c(_ARC_HYPERBOLIC_LARGE)), large, d.select(d.cmp(">", y, d.c(2.0)), middle, small))
+    return d.select(d.cmp("<", y, d.c(1.0)), d.c(math.nan), result)
+
+
+def _sqrt(o: _Ops) -> ir.Function:
+    return intrinsic(o.builder.module, "llvm.sqrt", o.ty)
+
+
+def _exp_half(d: _Ops, a: ir.Value) -> ir.Value:
+    """exp(a) / 2 for a >= 0, finite up to where sinh and cosh overflow."""
+    m, s = _exp_parts(d, a)
+    half = d.mul(d.mul(m, d.c(0.5)), s)
+    return d.select(d.cmp(">", a, d.c(_HYPERBOLIC_OVERFLOW)), d.c(math.inf), half)
+
+
+def _reciprocal_exp(d: _Ops, a: ir.Value, sign: float) -> ir.Value:
+    """2e / (1 + sign * e^2) with e = exp(-a), a >= 0: sech (sign 1) and, for a not small,
+    |csch| (sign -1). e = m * s is applied last, so a subnormal result is rounded once."""
+    m, s = _exp_parts(d, d.builder.fneg(a))
+    e = d.mul(m, s)
+    return d.mul(d.div(d.add(m, m), d.fma(d.mul(e, e), d.c(sign), d.c(1.0))), s)
 
 
 # -- public functions --------------------------------------------------------------------------
@@ -508,6 +615,201 @@ def cos(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
     return _sin_cos(builder, x, cosine=True)
 
 
+def _in_double(function: Function) -> Function:
+    """Compute a float32 input in double and round once. The double algorithms err by a few
+    double ulps, far below half a float32 ulp, so float32 results are within about half an
+    ulp; these functions (rarer in models than exp or tanh) get one implementation."""
+
+    @functools.wraps(function)
+    def wrapped(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+        o = _Ops(builder, x.type)
+        if o.bits == 64:
+            return function(builder, x)
+        wide = builder.fpext(x, o.like(ir.DoubleType()).ty)
+        return builder.fptrunc(function(builder, wide), x.type)
+
+    return wrapped
+
+
+@_nan_in_nan_out
+@_in_double
+def tan(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Tangent; the reduction is sin's and cos's. tan(±inf) = NaN."""
+    return _tan_cot(builder, x, cotangent=False)
+
+
+@_nan_in_nan_out
+@_in_double
+def cot(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Cotangent, 1 / tan(x); cot(±0) = ±inf."""
+    return _tan_cot(builder, x, cotangent=True)
+
+
+@_nan_in_nan_out
+@_in_double
+def atan(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Arctangent, in (-pi/2, pi/2); atan(±inf) = ±pi/2."""
+    d = _Ops(builder, x.type)
+    return d.copysign(_atan_positive(d, d.abs(x)), x)
+
+
+@_nan_in_nan_out
+@_in_double
+def asin(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Arcsine, atan(x / sqrt((1 - x)(1 + x))): 1 - |x| is exact where it matters (|x| >= 1/2),
+    so the argument keeps its relative accuracy up to ±1. NaN beyond."""
+    d = _Ops(builder, x.type)
+    a = d.abs(x)
+    root = builder.call(_sqrt(d), [d.mul(d.sub(d.c(1.0), a), d.add(d.c(1.0), a))])
+    return d.copysign(_atan_positive(d, d.div(a, root)), x)
+
+
+@_nan_in_nan_out
+@_in_double
+def acos(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Arccosine, 2 atan(sqrt((1 - x) / (1 + x))), accurate at both ends (1 - x and 1 + x are
+    exact there); in [0, pi], NaN beyond ±1."""
+    d = _Ops(builder, x.type)
+    ratio = d.div(d.sub(d.c(1.0), x), d.add(d.c(1.0), x))
+    angle = _atan_positive(d, builder.call(_sqrt(d), [ratio]))
+    return d.select(d.cmp("<", ratio, d.c(0.0)), d.c(math.nan), d.add(angle, angle))
+
+
+@_nan_in_nan_out
+@_in_double
+def sinh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Hyperbolic sine: its Taylor series below 1 (where e^x - e^-x would cancel), else
+    (e^|x| - e^-|x|) / 2 with x's sign; ±inf beyond log(2 * DBL_MAX)."""
+    d = _Ops(builder, x.type)
+    a = d.abs(x)
+    z = d.mul(a, a)
+    small = d.fma(d.mul(a, z), d.poly(z, _SINH), a)
+    half = _exp_half(d, a)
+    large = d.sub(half, d.div(d.c(0.25), half))
+    return d.copysign(d.select(d.cmp("<", a, d.c(_SINH_CUT)), small, large), x)
+
+
+@_nan_in_nan_out
+@_in_double
+def cosh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Hyperbolic cosine, (e^|x| + e^-|x|) / 2 (no cancellation); inf beyond log(2 * DBL_MAX)."""
+    d = _Ops(builder, x.type)
+    half = _exp_half(d, d.abs(x))
+    return d.add(half, d.div(d.c(0.25), half))
+
+
+@_nan_in_nan_out
+@_in_double
+def sech(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Hyperbolic secant, 2e / (1 + e^2) with e = exp(-|x|): no overflow on the way, and the
+    tail stays accurate through the subnormals."""
+    d = _Ops(builder, x.type)
+    return _reciprocal_exp(d, d.abs(x), 1.0)
+
+
+@_nan_in_nan_out
+@_in_double
+def csch(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Hyperbolic cosecant: 1 / sinh(x) below 1, 2e / (1 - e^2) with e = exp(-|x|) above
+    (accurate through the subnormals), with x's sign; csch(±0) = ±inf."""
+    d = _Ops(builder, x.type)
+    a = d.abs(x)
+    small = d.div(d.c(1.0), sinh(builder, a))
+    return d.copysign(d.select(d.cmp("<", a, d.c(_SINH_CUT)), small, _reciprocal_exp(d, a, -1.0)), x)
+
+
+@_nan_in_nan_out
+@_in_double
+def log1p(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """log(1 + x), accurate for small x; -inf at -1, NaN below."""
+    return _log1p(_Ops(builder, x.type), x)
+
+
+@_nan_in_nan_out
+@_in_double
+def asinh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Inverse hyperbolic sine (fdlibm's forms): log1p(a + a^2 / (1 + sqrt(1 + a^2))) up to
+    a = |x| = 2, log(2a + 1 / (a + sqrt(a^2 + 1))) above, log(a) + log(2) for huge a; x's sign."""
+    d = _Ops(builder, x.type)
+    a = d.abs(x)
+    square = d.mul(a, a)
+    root = builder.call(_sqrt(d), [d.add(square, d.c(1.0))])
+    small = _log1p(d, d.add(a, d.div(square, d.add(d.c(1.0), root))))
+    middle = log(builder, d.add(d.add(a, a), d.div(d.c(1.0), d.add(a, root))))
+    large = d.add(log(builder, a), d.c(math.log(2)))
+    result = d.select(d.cmp(">", a, d.c(_ARC_HYPERBOLIC_LARGE)), large, d.select(d.cmp(">", a, d.c(2.0)), middle, small))
+    return d.copysign(result, x)
+
+
+@_nan_in_nan_out
+@_in_double
+def acosh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Inverse hyperbolic cosine, for x >= 1 (NaN below)."""
+    d = _Ops(builder, x.type)
+    return _acosh(d, x, d.sub(x, d.c(1.0)))
+
+
+@_nan_in_nan_out
+@_in_double
+def asech(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Inverse hyperbolic secant, acosh(1 / x) for 0 < x <= 1 with 1 / x - 1 formed as
+    (1 - x) / x, exact but for one rounding, and log(2 / x) for tiny x; asech(0) = inf, NaN
+    outside [0, 1]."""
+    d = _Ops(builder, x.type)
+    result = _acosh(d, d.div(d.c(1.0), x), d.div(d.sub(d.c(1.0), x), x))
+    # log(2 / x) where acosh(1 / x) is log(1 / x) + log(2), without 1 / x overflowing.
+    tiny = d.sub(d.c(math.log(2)), log(builder, x))
+    return d.select(d.cmp("<", x, d.c(1 / _ARC_HYPERBOLIC_LARGE)), tiny, result)
+
+
+@_nan_in_nan_out
+@_in_double
+def atanh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Inverse hyperbolic tangent, log1p(2a / (1 - a)) / 2 with a = |x| and x's sign (below
+    1/2 as 2a + 2a^2 / (1 - a), fdlibm's form); ±inf at ±1, NaN beyond."""
+    d = _Ops(builder, x.type)
+    a = d.abs(x)
+    twice = d.add(a, a)
+    rest = d.sub(d.c(1.0), a)
+    small = d.add(twice, d.div(d.mul(twice, a), rest))
+    argument = d.select(d.cmp("<", a, d.c(0.5)), small, d.div(twice, rest))
+    return d.copysign(d.mul(_log1p(d, argument), d.c(0.5)), x)
+
+
+@_nan_in_nan_out
+@_in_double
+def acoth(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Inverse hyperbolic cotangent, atanh(1 / x) = log1p(2 / (|x| - 1)) / 2 with x's sign:
+    |x| - 1 is exact near 1, where the value hangs on it. ±inf at ±1, NaN inside (-1, 1)."""
+    d = _Ops(builder, x.type)
+    a = d.abs(x)
+    return d.copysign(d.mul(_log1p(d, d.div(d.c(2.0), d.sub(a, d.c(1.0)))), d.c(0.5)), x)
+
+
+@_nan_in_nan_out
+@_in_double
+def asec(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Inverse secant, acos(1 / x) = 2 atan(sqrt((x - 1) / (x + 1))): x ∓ 1 is exact near ±1,
+    where the value hangs on it. In [0, pi], NaN inside (-1, 1); asec(±inf) = pi/2."""
+    d = _Ops(builder, x.type)
+    bounded = d.clamp(x, -(2.0**60), 2.0**60)  # (x - 1) / (x + 1) rounds to 1 long before
+    # As (1 - x) / (-1 - x), so that x = -1 divides by +0: the limit +inf from x < -1.
+    ratio = d.div(d.sub(d.c(1.0), bounded), d.sub(d.c(-1.0), bounded))
+    angle = _atan_positive(d, d.abs(builder.call(_sqrt(d), [ratio])))
+    return d.select(d.cmp("<", ratio, d.c(0.0)), d.c(math.nan), d.add(angle, angle))
+
+
+@_nan_in_nan_out
+@_in_double
+def acsc(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Inverse cosecant, asin(1 / x) = atan(1 / sqrt(|x| - 1) sqrt(|x| + 1)) with x's sign
+    (no overflow, exact |x| - 1 near 1). In [-pi/2, pi/2], NaN inside (-1, 1)."""
+    d = _Ops(builder, x.type)
+    a = d.abs(x)
+    roots = d.mul(builder.call(_sqrt(d), [d.sub(a, d.c(1.0))]), builder.call(_sqrt(d), [d.add(a, d.c(1.0))]))
+    return d.copysign(_atan_positive(d, d.div(d.c(1.0), roots)), x)
+
+
 FUNCTIONS: dict[str, Function] = {
     "exp": exp,
     "log": log,
@@ -519,6 +821,23 @@ FUNCTIONS: dict[str, Function] = {
     "gelu_tanh": gelu_tanh,
     "sin": sin,
     "cos": cos,
+    "tan": tan,
+    "cot": cot,
+    "atan": atan,
+    "asin": asin,
+    "acos": acos,
+    "asec": asec,
+    "acsc": acsc,
+    "sinh": sinh,
+    "cosh": cosh,
+    "sech": sech,
+    "csch": csch,
+    "log1p": log1p,
+    "asinh": asinh,
+    "acosh": acosh,
+    "asech": asech,
+    "atanh": atanh,
+    "acoth": acoth,
 }
 
 
