@@ -338,6 +338,7 @@ class Flow:
         self.funcs: dict[str, Function] = {}
         self.cnxs: dict[str, Connector] = {}
         self.blobs: dict[str, Blob] = {}
+        self.flags = 0  # Myelin's file-level flags: no bits are defined
         self._alias_index: dict[str, Variable] = {}
 
     # ---- creating elements -------------------------------------------------
