@@ -25,7 +25,7 @@ def _as_array(value, var: Variable) -> np.ndarray:
     if isinstance(value, np.ndarray):
         array = value
     elif isinstance(value, (bytes, bytearray)) or (isinstance(value, memoryview) and value.format in ("B", "b", "c")):
-        raw = memoryview(value).cast("B")
+        raw = memoryview(value).tobytes()  # C order; cast("B") refuses strided and empty views
         itemsize = dtypes.itemsize(var.dtype)
         if len(raw) % itemsize:
             raise RanvierError(f"{len(raw)} bytes of data for variable {var.name} of type {var.typestr()} is not a whole number of elements")
