@@ -20,7 +20,9 @@ from .flow.builder import Builder, Tensor, variable_of
 from .flow.graph import Flow, Function, Operation, Variable
 from .ops import has_op, op_def, vjp
 
-__all__ = ["VJPContext", "backward", "backward_from", "gradient", "gradient_function", "has_vjp", "unbroadcast", "vjp"]
+__all__ = [
+    "VJPContext", "backward", "backward_from", "gradient", "gradient_function", "has_vjp", "link_primal", "unbroadcast", "vjp",
+]
 
 
 class VJPContext:
@@ -187,7 +189,7 @@ def gradient(
         if not g.var.is_global:
             g.var.out = True
     if target_func is not func:
-        _link_primal(flow, func, [op for op in target_func.ops if op not in ops_before])
+        link_primal(flow, func, [op for op in target_func.ops if op not in ops_before])
     return result
 
 
@@ -206,10 +208,11 @@ def _prune(flow: Flow, func: Function, keep_ops: set[Operation], keep_vars: set[
             changed = True
 
 
-def _link_primal(flow: Flow, func: Function, grad_ops: list[Operation]) -> None:
-    """Make what a separate gradient function reads from its forward function survive it.
+def link_primal(flow: Flow, func: Function, grad_ops: list[Operation]) -> None:
+    """Make what another function's ops (a separate gradient function's, or ops after a
+    Myelin Reference) read from `func` survive it.
 
-    The gradient cell reads forward values through its primal instance. Values the
+    The reading cell reads `func`'s values through its primal instance. Values the
     forward cell computes are flagged OUT, so its memory plan keeps them to the end
     instead of reusing their storage. The forward function's inputs are not computed
     by it, so the gradient cell would take them for its own (unset) inputs; it reads a

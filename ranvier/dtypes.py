@@ -23,6 +23,7 @@ DT_FLOAT = DT_FLOAT32
 DT_DOUBLE = DT_FLOAT64
 DT_HALF = DT_FLOAT16
 DT_INT = DT_INT32
+DT_RESOURCE = "resource"  # a handle on another instance: stored, never computed with
 
 _NUMPY = {
     DT_FLOAT16: np.dtype(np.float16),

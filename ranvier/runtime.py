@@ -143,7 +143,7 @@ class Cell:
         self._index = {s.var.name: i for i, s in enumerate(slots)}
         self.global_vars = _globals_of(steps)
         # Myelin names the link from a gradient cell to its forward instance `<cell>/primal`.
-        self.primal_name = f"{self.name}/primal" if self.external else None
+        self.primal_name = (func.primal_link or f"{self.name}/primal") if self.external else None
         self.instances: weakref.WeakSet[Instance] = weakref.WeakSet()
 
     def instance(self, primal: Instance | None = None) -> Instance:
@@ -279,7 +279,7 @@ class Instance:
 
     def __setitem__(self, key, value) -> None:
         if isinstance(value, Instance):
-            if key != self.cell.primal_name and not (isinstance(key, (int, np.integer)) and key == len(self._views)):
+            if _key_name(key) != self.cell.primal_name and not (isinstance(key, (int, np.integer)) and key == len(self._views)):
                 raise RanvierError(f"only the primal link {self.cell.primal_name or '(none: this cell reads no other cell)'} takes an instance")
             self.link(value)
             return

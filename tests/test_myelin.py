@@ -460,3 +460,33 @@ def test_cpu_masks_in_myelin_and_ranvier_syntax(mask):
 def test_unknown_cpu_features_are_refused(mask, message):
     with pytest.raises(myelin.RanvierError, match=message):
         myelin.Compiler(cpu=mask)
+
+
+def test_reference_reads_another_instance():
+    flow = myelin.Flow()
+    f = flow.define("f")
+    x = f.var("x", myelin.DT_FLOAT, [3])
+    h = f.exp(x, "h")
+    f.sum(h, name="y")
+    g = flow.define("g")
+    other = g.instance("f")
+    z = g.add(g.mul(g.ref(other, h), 2.0), g.ref(other, x), "z")
+    net = compiler.compile(flow)
+    forward = net.cell("f").instance()
+    xv = RNG.uniform(-1, 1, 3).astype(np.float32)
+    forward[x] = xv
+    forward.compute()
+    cell = net.cell("g")
+    assert other.name in cell and other.type == "resource"
+    reader = cell.instance()
+    with pytest.raises(myelin.RanvierError, match="link its primal"):
+        reader.compute()
+    reader[other] = forward
+    reader.compute()
+    np.testing.assert_allclose(reader[z], 2 * np.exp(xv.astype(np.float64)) + xv, rtol=1e-6)
+
+    broken = myelin.Flow()
+    b = broken.define("b")
+    b.ref(b.instance("nowhere"), b.var("lonely", myelin.DT_FLOAT, [2]))
+    with pytest.raises(myelin.CompileError, match="no other function"):
+        compiler.compile(broken)

@@ -12,6 +12,7 @@ from ..ops import op_def, written_inputs
 from ..runtime import Cell, Network, Step
 from .memory import plan_memory
 from .pipeline import PassContext, run_pipeline
+from .references import resolve_references
 from .schedule import schedule
 
 
@@ -67,6 +68,7 @@ class Compiler:
         for func in list(network.flow.funcs.values()):
             if func.backprop and f"gradients/{func.name}" not in network.flow.funcs and not func.name.startswith("gradients/"):
                 gradient_function(network.flow, func)
+        resolve_references(network.flow)
         for func in network.flow.funcs.values():
             network.cells[func.name] = self.compile_function(network, func)
         return network

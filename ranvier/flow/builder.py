@@ -258,6 +258,24 @@ class Builder:
         """x divided by its L2 norm."""
         return self.mul(x, self.rcp(self.norm(x)), name=name)
 
+    def instance(self, func: str | Function) -> Tensor:
+        """A variable standing for an instance of another function, for `ref` to read through."""
+        var = self.flow.add_var(self.varname(self.flow.func(func).name), dtypes.DT_RESOURCE, [])
+        var.ref = True
+        return self.wrap(var)
+
+    def ref(self, instance, var, name: str | None = None) -> Tensor:
+        """Myelin's Reference: `var` as the instance bound to `instance` holds it; bind it
+        with `data[instance] = other_instance` before computing."""
+        target = variable_of(var)
+        op = self.rawop("Reference", name)
+        op.add_input(variable_of(instance))
+        op.set_attr("var", target.name)
+        result = self.flow.add_var(f"{op.name}:0", target.dtype, target.shape)
+        result.ref = True
+        op.add_output(result)
+        return self.wrap(result)
+
     def __getattr__(self, name: str):
         # b.relu(x), b.matmul(x, w, transpose_b=True), ...: the methods op definitions provide.
         method = op_method(name)

@@ -218,6 +218,9 @@ class Function:
         self.name = name
         self.ops: list[Operation] = []
         self.flags = FuncFlags.NONE
+        # The variable bound to the instance of another function this one reads values
+        # of (Myelin's Reference input); None: `<name>/primal` when it reads any.
+        self.primal_link: str | None = None
 
     def add(self, op: Operation) -> None:
         self.ops.append(op)
@@ -540,7 +543,7 @@ class Flow:
                 clone.add_alias(twin, alias)
         for func in self.funcs.values():
             twin_func = clone.func(func.name)
-            twin_func.flags = func.flags
+            twin_func.flags, twin_func.primal_link = func.flags, func.primal_link
         for op in self.ops.values():
             twin = clone.add_op(op.name, op.type)
             twin.attrs, twin.flags = dict(op.attrs), op.flags
