@@ -128,7 +128,7 @@ def test_python_writer_file_loads_and_computes(tmp_path):
     notes = "\n".join(str(w.message) for w in record)
     assert "variable 2 (f/b): 16 bytes of data for float32[2], which takes 8: read as 2 float64 values" in notes
     assert "variable 8 (g/c): 4 bytes of data for float64, which takes 8: read as 1 float32 value" in notes
-    assert flow.vars["f/b"].dtype == "float32" and flow.vars["g/z:0"].dtype == "void"
+    assert flow.flags == 7 and flow.vars["f/b"].dtype == "float32" and flow.vars["g/z:0"].dtype == "void"
     assert flow.vars["g/c"].data == 0.375 and flow.vars["g/c"].data.dtype == np.float64
     assert flow.blobs["config"].data == struct.pack("<i", 42)
     # g/z:0 has no type in the file (None in the Python program): nothing computes it.

@@ -56,6 +56,7 @@ class Var:
 
 @dataclass
 class Case:
+    flags: int = 0  # the header's
     vars: list[Var] = field(default_factory=list)
     ops: list[tuple] = field(default_factory=list)  # name, type, inputs, outputs, attrs, flags
     funcs: list[tuple] = field(default_factory=list)  # name, op names, flags
@@ -171,7 +172,7 @@ def raw_data(rng: random.Random, nrng: np.random.Generator) -> tuple[object, byt
 
 
 def random_case(rng: random.Random, nrng: np.random.Generator) -> Case:
-    case = Case()
+    case = Case(rng.randint(*INT32_RANGE))
     var_names: set[str] = set()
     for _ in range(rng.randint(0, 8)):
         dtype_name = rng.choice(DTYPE_NAMES)
@@ -220,6 +221,7 @@ def random_case(rng: random.Random, nrng: np.random.Generator) -> Case:
 
 def ranvier_bytes(case: Case, version: int) -> bytes:
     flow = Flow()
+    flow.flags = case.flags
     for v in case.vars:
         var = flow.add_var(v.name, v.dtype_name, v.shape)
         var.flags, var.attrs, var.data = VarFlags(v.flags), dict(v.attrs), v.form
@@ -258,7 +260,7 @@ def sling_python_bytes(case: Case, rng: random.Random) -> bytes:
     """The case as SLING's Python writer (Flow.save) lays it out: version 6, the flow's flags
     in the header, every attribute as listed (repeats too), none for variables (its loop
     over them writes an op's), data as write_object makes it; then, sometimes, stray bytes."""
-    out = b"flow" + i32(6, rng.randint(*INT32_RANGE)) + i32(len(case.vars))
+    out = b"flow" + i32(6, case.flags) + i32(len(case.vars))
     for v in case.vars:
         out += struct.pack("<I", v.flags) + s(v.name) + strs(v.aliases) + s(v.dtype_name)
         out += i32(len(v.shape), *v.shape) + i32(0) + u64(len(v.sling or b"")) + (v.sling or b"")
@@ -277,6 +279,7 @@ def sling_python_bytes(case: Case, rng: random.Random) -> bytes:
 
 
 def assert_reads_back(case: Case, loaded: Flow, version: int, sling: bool) -> None:
+    assert loaded.flags == (case.flags if version >= 5 else 0)
     assert list(loaded.vars) == [v.name for v in case.vars]
     for v in case.vars:
         var = loaded.vars[v.name]

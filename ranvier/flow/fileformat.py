@@ -5,7 +5,7 @@ Every integer is a little-endian int32 unless noted; a string is an int32 byte
 length followed by that many UTF-8 bytes; `[...]` parts exist only from the
 version given.
 
-    header  magic 0x776f6c66 ("flow"), version, [flags, v5]
+    header  magic 0x776f6c66 ("flow"), version, [flags (Flow.flags), v5]
     body    #vars var*  #ops op*  #funcs func*  #cnxs cnx*  [#blobs blob*, v4]
     var     [flags, v5] name #aliases alias* dtype #dims dim* [#attrs (name value)*, v6]
             uint64 #bytes, raw row-major little-endian element bytes (0 bytes: no data)
@@ -296,7 +296,8 @@ class _Parser:
             supported = ", ".join(map(str, READ_VERSIONS))
             raise r.error(f"unsupported flow file version {self.version} (this reader reads {supported})", at)
         if self.version >= 5:
-            r.int32("header flags")  # Myelin defines no bits and ignores them.
+            # Myelin defines no bits; SLING's Python writer stores its flow's flags here.
+            self.flow.flags = r.int32("header flags")
 
     def variable(self, index: int) -> None:
         r = self.r
@@ -473,6 +474,7 @@ def parse_flow(flow: Flow, data: bytes, source: str = "<bytes>", batch_size: int
             raise FlowFileError(f"{source}: the flow already has {kind} named {', '.join(sorted(clash)[:5])}")
     for kind in ("vars", "ops", "funcs", "cnxs", "blobs"):
         getattr(flow, kind).update(getattr(loaded, kind))
+    flow.flags |= loaded.flags
     for var in loaded.vars.values():
         for alias in var.aliases:
             flow._alias_index[alias] = var
@@ -571,7 +573,7 @@ def _data_bytes(var: Variable, dtype: str) -> np.ndarray | bytes | None:
         return None
     if dtype in dtypes.STORAGE_DTYPES:
         return _raw_bytes(var.data, what)
-    if not var.shape_defined:
+    if not var.shape_defined():
         raise FlowFileError(f"cannot write {what}: constant data needs a defined shape, not {var.typestr()}")
     native = dtypes.to_numpy(dtype)
     try:
@@ -614,7 +616,7 @@ def write_flow(flow: Flow, stream: BinaryIO, version: int = 6) -> None:
     w.int32(MAGIC, "magic")
     w.int32(version, "version")
     if version >= 5:
-        w.int32(0, "header flags")
+        w.flags(flow.flags, "header flags")
 
     w.int32(len(flow.vars), "variable count")
     for var in flow.vars.values():
