@@ -65,7 +65,7 @@ class Channel:
     """A resizable array of tensors shaped like `format`, for reference variables to point into."""
 
     def __init__(self, format: Variable, size: int = 0):
-        if not format.shape_defined:
+        if not format.shape_defined():
             raise RanvierError(f"a channel of {format.name} needs a defined shape, not [{shape_str(format.shape)}]")
         self.format = format
         self.elements: list[np.ndarray] = []

@@ -39,7 +39,7 @@ def check_types(op: Operation) -> None:
     if len(types) != len(op.outputs):
         raise CompileError(f"{op.type} op {op.name} has {len(op.outputs)} outputs, expected {len(types)}")
     for var, t in zip(op.outputs, types):
-        if not var.shape_defined or (not var.shape and t.shape):
+        if not var.shape_defined() or (not var.shape and t.shape):
             var.shape = list(t.shape)
         if var.dtype != t.dtype or tuple(var.shape) != t.shape:
             raise CompileError(
@@ -76,7 +76,7 @@ class Compiler:
     def compile_function(self, network: Network, func: Function) -> Cell:
         flow = network.flow
         for var in flow.inputs(func):
-            if var.producer is None and not var.shape_defined:
+            if var.producer is None and not var.shape_defined():
                 raise undefined_shape(var, func)
         for op in schedule(flow, func):
             check_types(op)
@@ -100,7 +100,7 @@ class Compiler:
                 elif v.producer is not None and v.producer.func is not func:
                     external[v.name] = v
                 elif v.name not in local:
-                    if not v.shape_defined:
+                    if not v.shape_defined():
                         raise undefined_shape(v, func)
                     local[v.name] = v
         roles = {v.name: "input" for v in flow.inputs(func) if v.name in local}

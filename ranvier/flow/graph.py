@@ -33,7 +33,7 @@ def _as_array(value, var: Variable) -> np.ndarray:
     else:
         array = np.asarray(value, dtype=dtypes.to_numpy(var.dtype))
     array = np.require(array, requirements="C")
-    if var.shape_defined and list(array.shape) != var.shape and array.size == math.prod(var.shape):
+    if var.shape_defined() and list(array.shape) != var.shape and array.size == math.prod(var.shape):
         array = array.reshape(var.shape)
     return array
 
@@ -129,7 +129,6 @@ class Variable:
     def nbytes(self) -> int:
         return self.size * dtypes.itemsize(self.dtype)
 
-    @property
     def shape_defined(self) -> bool:
         return all(d >= 0 for d in self.shape)
 
