@@ -34,6 +34,8 @@ TESTED_OPS = {
     "Sin", "Cos", "Tanh", "Sigmoid", "Erf", "Silu", "Softplus", "Floor", "Ceil", "Round", "Not", "Gelu", "Cast",
     "Add", "Sub", "Mul", "Div", "Pow", "Minimum", "Maximum", "Equal", "NotEqual", "Less",
     "LessEqual", "Greater", "GreaterEqual", "And", "Or", "Xor", "Cond", "Select",
+    "Trunc", "Tan", "Cot", "Sec", "Csc", "Asin", "Acos", "Atan", "Acot", "Asec", "Acsc", "Sinh", "Cosh", "Coth", "Sech",
+    "Csch", "Asinh", "Acosh", "Atanh", "Acoth", "Asech", "Acsch", "Softsign", "LogSigmoid", "AndNot",
 }
 
 try:  # scipy is an independent erf; math.erf is the fallback
@@ -92,6 +94,44 @@ UNARY = {
     "Ceil": ("ceil", lambda x: np.vectorize(math.ceil, otypes=[np.float64])(x), FLOATS, (-9, 9)),
     "Round": ("round", _round_half_even, FLOATS, (-9, 9)),
     "Softplus": ("softplus", lambda x: np.vectorize(lambda v: math.log1p(math.exp(-abs(v))) + max(v, 0.0))(x), FLOATS, (-30, 30)),
+    "Trunc": ("trunc", lambda x: np.vectorize(math.trunc, otypes=[np.float64])(x), FLOATS, (-9, 9)),
+}
+
+
+def _by_math(function):
+    """A unary expectation from Python's math module, element by element."""
+    return lambda x: np.vectorize(function, otypes=[np.float64])(x)
+
+
+# Myelin's trigonometric and hyperbolic families, as Myelin's C++ defines them, over ranges like
+# its opcheck's (each function's whole domain where that is bounded).
+UNARY |= {
+    "Tan": ("tan", _by_math(math.tan), FLOATS, (-1.5, 1.5)),
+    "Cot": ("cot", _by_math(lambda v: 1 / math.tan(v)), FLOATS, (-3, 3)),
+    "Sec": ("sec", _by_math(lambda v: 1 / math.cos(v)), FLOATS, (-1.5, 1.5)),
+    "Csc": ("csc", _by_math(lambda v: 1 / math.sin(v)), FLOATS, (-3, 3)),
+    "Asin": ("asin", _by_math(math.asin), FLOATS, (-1, 1)),
+    "Acos": ("acos", _by_math(math.acos), FLOATS, (-1, 1)),
+    "Atan": ("atan", _by_math(math.atan), FLOATS, (-10, 10)),
+    "Acot": ("acot", _by_math(lambda v: math.pi / 2 - math.atan(v)), FLOATS, (-10, 10)),
+    "Sinh": ("sinh", _by_math(math.sinh), FLOATS, (-10, 10)),
+    "Cosh": ("cosh", _by_math(math.cosh), FLOATS, (-10, 10)),
+    "Coth": ("coth", _by_math(lambda v: 1 / math.tanh(v)), FLOATS, (-5, 5)),
+    "Sech": ("sech", _by_math(lambda v: 1 / math.cosh(v)), FLOATS, (-10, 10)),
+    "Csch": ("csch", _by_math(lambda v: 1 / math.sinh(v)), FLOATS, (-5, 5)),
+    "Asinh": ("asinh", _by_math(math.asinh), FLOATS, (-10, 10)),
+    "Atanh": ("atanh", _by_math(math.atanh), FLOATS, (-0.99, 0.99)),
+    "Asech": ("asech", _by_math(lambda v: math.acosh(1 / v)), FLOATS, (0.01, 1)),
+    "Acsch": ("acsch", _by_math(lambda v: math.asinh(1 / v)), FLOATS, (-5, 5)),
+    "Softsign": ("softsign", lambda x: x / (1 + np.abs(x)), FLOATS, (-10, 10)),
+    "LogSigmoid": ("log_sigmoid", _by_math(lambda v: -(math.log1p(math.exp(-abs(v))) + max(-v, 0.0))), FLOATS, (-30, 30)),
+}
+# Defined for x >= 1 (Acosh) or |x| >= 1: drawn from [1, 10] with random signs where both are allowed.
+BEYOND_ONE = {
+    "Acosh": ("acosh", _by_math(math.acosh), False),
+    "Asec": ("asec", _by_math(lambda v: math.acos(1 / v)), True),
+    "Acsc": ("acsc", _by_math(lambda v: math.asin(1 / v)), True),
+    "Acoth": ("acoth", _by_math(lambda v: math.atanh(1 / v)), True),
 }
 
 UNARY_CASES = [(op, dt) for op, (_, _, allowed, _) in UNARY.items() for dt in allowed]
@@ -120,6 +160,37 @@ def test_unary(op, dtype):
         check(out, x, dtype)
     else:
         check(out, expected_fn(as_f64(x)), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op", list(BEYOND_ONE))
+def test_unary_beyond_one(op, dtype):
+    method, expected_fn, both_signs = BEYOND_ONE[op]
+    x = random_array((7, 13), dtype, seed=4, low=1, high=10)
+    if both_signs:
+        x = x * np.where(random_array((7, 13), "bool", seed=5), 1, -1).astype(x.dtype)
+    check(run1(lambda f, a: getattr(f, method)(a), x), expected_fn(as_f64(x)), dtype)
+
+
+def test_myelin_functions_at_the_edges_of_their_domains():
+    """Where the values hang on 1 - |x| or |x| - 1, or come near a pole or an overflow."""
+    near_one = np.array([1.0, 1.0 + 2**-20, 1.0 + 1e-3, 2.0, 1e30], np.float64)
+    inside = np.array([0.0, 1e-30, 1e-3, 0.5, 1.0 - 2**-40, 1.0], np.float64)
+    cases = [
+        ("acosh", near_one, np.arccosh), ("asec", near_one, lambda v: np.arccos(1 / v)),
+        ("acsc", -near_one, lambda v: np.arcsin(1 / v)), ("asin", -inside, np.arcsin), ("acos", inside, np.arccos),
+        ("atanh", inside[:-1], np.arctanh), ("asech", inside[1:], lambda v: np.arccosh(1 / v)),
+        ("acoth", near_one[1:], lambda v: np.arctanh(1 / v)), ("sinh", np.array([1e-20, 0.3, 700.0]), np.sinh),
+        ("sech", np.array([1e-20, 30.0, 700.0]), lambda v: 1 / np.cosh(v)), ("tan", np.array([1.5707963267948966]), np.tan),
+        ("acot", np.array([-1e30, -1.0, 0.0, 1e-3, 1e30]), lambda v: np.pi / 2 - np.arctan(v)),
+    ]
+    for method, x, expected in cases:
+        check(run1(lambda f, a, method=method: getattr(f, method)(a), x), expected(x), "float64", rtol=1e-14, atol=0)
+
+
+def test_trunc_rounds_toward_zero():
+    x = np.array([-2.7, -2.5, -0.5, -0.0, 0.5, 2.5, 2.7, 1e20], np.float32)
+    check(run1(lambda f, a: f.trunc(a), x), np.array([-2, -2, 0, 0, 0, 2, 2, np.float32(1e20)]), "float32", rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", [(), (1,), (7,), (33,), (2, 3, 5), (1, 1, 13)])
@@ -354,7 +425,10 @@ def test_compare_nan():
     check(run1(lambda f, x, y: f.less(x, y), a, b), [False, False, False], "bool")
 
 
-LOGIC = {"And": ("logical_and", np.bitwise_and), "Or": ("logical_or", np.bitwise_or), "Xor": ("logical_xor", np.not_equal)}
+LOGIC = {
+    "And": ("logical_and", np.bitwise_and), "Or": ("logical_or", np.bitwise_or), "Xor": ("logical_xor", np.not_equal),
+    "AndNot": ("logical_and_not", lambda a, b: ~a & b),
+}
 
 
 @pytest.mark.parametrize("shapes", [((7, 13), (7, 13)), ((), (13,)), ((5, 1), (1, 7))], ids=["same", "scalar", "outer"])

@@ -145,6 +145,50 @@ UNARY = [
     ("Ceil", off_grid, lambda b, x: x.ceil() * x, lambda x: torch.ceil(x) * x),
     ("Round", off_grid, lambda b, x: x.round() * x, lambda x: torch.round(x) * x),
 ]
+
+
+def inside(*shape):
+    """Inside (-1, 1), away from its ends: the domain of asin, acos and atanh."""
+    return _RNG.uniform(-0.9, 0.9, shape)
+
+
+def quarter_turn(*shape):
+    """Inside (-pi/2, pi/2), away from its ends (the poles of tan and sec)."""
+    return _RNG.uniform(-1.2, 1.2, shape)
+
+
+def outside(*shape):
+    """|x| in [1.2, 3]: the domain of asec, acsc and acoth."""
+    return away(*shape, lo=1.2, hi=3.0)
+
+
+# Myelin's trigonometric and hyperbolic families, with its definitions (acot(x) = pi/2 - atan(x)).
+UNARY += [
+    ("Tan", quarter_turn, lambda b, x: x.tan(), torch.tan),
+    ("Cot", away, lambda b, x: x.cot(), lambda x: 1 / torch.tan(x)),
+    ("Sec", quarter_turn, lambda b, x: x.sec(), lambda x: 1 / torch.cos(x)),
+    ("Csc", away, lambda b, x: x.csc(), lambda x: 1 / torch.sin(x)),
+    ("Asin", inside, lambda b, x: x.asin(), torch.asin),
+    ("Acos", inside, lambda b, x: x.acos(), torch.acos),
+    ("Atan", normal, lambda b, x: x.atan(), torch.atan),
+    ("Acot", normal, lambda b, x: x.acot(), lambda x: torch.pi / 2 - torch.atan(x)),
+    ("Asec", outside, lambda b, x: x.asec(), lambda x: torch.acos(1 / x)),
+    ("Acsc", outside, lambda b, x: x.acsc(), lambda x: torch.asin(1 / x)),
+    ("Sinh", normal, lambda b, x: x.sinh(), torch.sinh),
+    ("Cosh", normal, lambda b, x: x.cosh(), torch.cosh),
+    ("Coth", away, lambda b, x: x.coth(), lambda x: 1 / torch.tanh(x)),
+    ("Sech", normal, lambda b, x: x.sech(), lambda x: 1 / torch.cosh(x)),
+    ("Csch", away, lambda b, x: x.csch(), lambda x: 1 / torch.sinh(x)),
+    ("Asinh", normal, lambda b, x: x.asinh(), torch.asinh),
+    ("Acosh", lambda *s: positive(*s, lo=1.2, hi=3.0), lambda b, x: x.acosh(), torch.acosh),
+    ("Atanh", inside, lambda b, x: x.atanh(), torch.atanh),
+    ("Acoth", outside, lambda b, x: x.acoth(), lambda x: torch.atanh(1 / x)),
+    ("Asech", lambda *s: positive(*s, lo=0.1, hi=0.9), lambda b, x: x.asech(), lambda x: torch.acosh(1 / x)),
+    ("Acsch", away, lambda b, x: x.acsch(), lambda x: torch.asinh(1 / x)),
+    ("Softsign", normal, lambda b, x: x.softsign(), F.softsign),
+    ("LogSigmoid", normal, lambda b, x: x.log_sigmoid(), F.logsigmoid),
+    ("Trunc", off_grid, lambda b, x: x.trunc() * x, lambda x: torch.trunc(x) * x),
+]
 for _name, _gen, _build, _torch in UNARY:
     case(_name, _build, _torch, x=_gen(3, 5))
 
@@ -214,6 +258,12 @@ def _torch_logic(x, y):
 
 _x, _y = untied([4, 5], [4, 5])
 case("Logic", _logic, _torch_logic, x=_x, y=_y)
+case(
+    "AndNot",
+    lambda b, x, y: b.cond(b.logical_and_not(x < y, y > 0.25), x * y, x + y),
+    lambda x, y: torch.where(~(x < y) & (y > 0.25), x * y, x + y),
+    x=_x, y=_y,
+)
 case(
     "All-Any",
     lambda b, x, y: b.cond((x > -1.0).all(axis=1, keepdims=True) & (y > 0.5).any(axis=1, keepdims=True), x, y * 2.0),

@@ -124,6 +124,61 @@ unary("Floor", np.floor, FLOATS, "floor", None, lambda x: x.floor())
 unary("Ceil", np.ceil, FLOATS, "ceil", None, lambda x: x.ceil())
 unary("Round", np.round, FLOATS, "round", None, lambda x: x.round(), "half to even, as numpy and llvm.roundeven")
 unary("Not", np.logical_not, (dtypes.DT_BOOL,), "logical_not", None, lambda x: ~x)
+unary("Trunc", np.trunc, FLOATS, "trunc", None, lambda x: x.trunc(), "toward zero")
+
+
+# ---- Myelin's trigonometric and hyperbolic families ------------------------------------------------
+# Definitions and gradients as Myelin's C++ compiler has them (express.h, gradients.cc);
+# references in float64. acot(x) is pi/2 - atan(x), in (0, pi), as Myelin defines it.
+
+def _f64(function):
+    return lambda x: function(np.asarray(x, dtype=np.float64))
+
+
+def _acot_formula(x):
+    """pi/2 - atan(x), as atan(1/x) for x > 0, where the subtraction would cancel."""
+    return (x > 0).where((1.0 / x).atan(), math.pi / 2 - x.atan())
+
+
+def _beyond_one(x):
+    """|x| · sqrt(x² − 1), the denominator of asec's and acsc's gradients."""
+    return (x * x - 1.0).sqrt() * abs(x)
+
+
+unary("Tan", _f64(np.tan), FLOATS, "tan", lambda x, y, g: g * (1.0 + y * y), lambda x: x.tan())
+unary("Cot", _f64(lambda x: 1 / np.tan(x)), FLOATS, "cot", lambda x, y, g: -(g * (1.0 + y * y)), lambda x: x.cot(), "1 / tan(x)")
+unary("Sec", _f64(lambda x: 1 / np.cos(x)), FLOATS, "sec", lambda x, y, g: g * x.tan() * y, lambda x: 1.0 / x.cos(), "1 / cos(x)")
+unary("Csc", _f64(lambda x: 1 / np.sin(x)), FLOATS, "csc", lambda x, y, g: -(g * x.cot() * y), lambda x: 1.0 / x.sin(), "1 / sin(x)")
+unary("Asin", _f64(np.arcsin), FLOATS, "asin", lambda x, y, g: g * (1.0 - x * x).rsqrt(), lambda x: x.asin())
+unary("Acos", _f64(np.arccos), FLOATS, "acos", lambda x, y, g: -(g * (1.0 - x * x).rsqrt()), lambda x: x.acos())
+unary("Atan", _f64(np.arctan), FLOATS, "atan", lambda x, y, g: g / (1.0 + x * x), lambda x: x.atan())
+unary("Acot", _f64(lambda x: np.pi / 2 - np.arctan(x)), FLOATS, "acot", lambda x, y, g: -(g / (1.0 + x * x)), _acot_formula,
+      "pi/2 - atan(x), in (0, pi)")
+unary("Asec", _f64(lambda x: np.arccos(1 / x)), FLOATS, "asec", lambda x, y, g: g / _beyond_one(x), lambda x: x.asec(),
+      "acos(1 / x)")
+unary("Acsc", _f64(lambda x: np.arcsin(1 / x)), FLOATS, "acsc", lambda x, y, g: -(g / _beyond_one(x)), lambda x: x.acsc(),
+      "asin(1 / x)")
+unary("Sinh", _f64(np.sinh), FLOATS, "sinh", lambda x, y, g: g * x.cosh(), lambda x: x.sinh())
+unary("Cosh", _f64(np.cosh), FLOATS, "cosh", lambda x, y, g: g * x.sinh(), lambda x: x.cosh())
+unary("Coth", _f64(lambda x: 1 / np.tanh(x)), FLOATS, "coth", lambda x, y, g: g * (1.0 - y * y), lambda x: 1.0 / x.tanh(),
+      "1 / tanh(x)")
+unary("Sech", _f64(lambda x: 1 / np.cosh(x)), FLOATS, "sech", lambda x, y, g: -(g * x.tanh() * y), lambda x: x.sech(),
+      "1 / cosh(x)")
+unary("Csch", _f64(lambda x: 1 / np.sinh(x)), FLOATS, "csch", lambda x, y, g: -(g * x.coth() * y), lambda x: x.csch(),
+      "1 / sinh(x)")
+unary("Asinh", _f64(np.arcsinh), FLOATS, "asinh", lambda x, y, g: g * (x * x + 1.0).rsqrt(), lambda x: x.asinh())
+unary("Acosh", _f64(np.arccosh), FLOATS, "acosh", lambda x, y, g: g * (x * x - 1.0).rsqrt(), lambda x: x.acosh())
+unary("Atanh", _f64(np.arctanh), FLOATS, "atanh", lambda x, y, g: g / (1.0 - x * x), lambda x: x.atanh())
+unary("Acoth", _f64(lambda x: np.arctanh(1 / x)), FLOATS, "acoth", lambda x, y, g: g / (1.0 - x * x), lambda x: x.acoth(),
+      "atanh(1 / x)")
+unary("Asech", _f64(lambda x: np.arccosh(1 / x)), FLOATS, "asech", lambda x, y, g: -(g / ((1.0 - x * x).sqrt() * x)),
+      lambda x: x.asech(), "acosh(1 / x)")
+unary("Acsch", _f64(lambda x: np.arcsinh(1 / x)), FLOATS, "acsch", lambda x, y, g: -(g / ((x * x + 1.0).sqrt() * abs(x))),
+      lambda x: (1.0 / x).asinh(), "asinh(1 / x)")
+unary("Softsign", _f64(lambda x: x / (1 + np.abs(x))), FLOATS, "softsign", lambda x, y, g: g / (1.0 + abs(x)).square(),
+      lambda x: x / (1.0 + x.abs()), "x / (1 + |x|)")
+unary("LogSigmoid", _f64(lambda x: -np.logaddexp(0.0, -x)), FLOATS, "log_sigmoid", lambda x, y, g: g * (-x).sigmoid(),
+      lambda x: -_softplus_formula(-x), "log(sigmoid(x)) = -softplus(-x)")
 
 
 # ---- GELU -----------------------------------------------------------------------------------------
@@ -288,6 +343,8 @@ binary("GreaterEqual", np.greater_equal, NUMERIC, dtypes.DT_BOOL, "greater_equal
 binary("And", np.logical_and, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_and", None, lambda x, y: x & y)
 binary("Or", np.logical_or, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_or", None, lambda x, y: x | y)
 binary("Xor", np.logical_xor, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_xor", None, lambda x, y: x ^ y)
+binary("AndNot", lambda a, b: np.logical_and(np.logical_not(a), b), (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_and_not", None,
+       lambda x, y: ~x & y, "(not a) and b, as Myelin's AndNot")
 
 
 # ---- Cond and Select ------------------------------------------------------------------------------------

@@ -220,6 +220,10 @@ class Value:
         """Half to even, as numpy."""
         return self._call("roundeven")
 
+    def trunc(self) -> Value:
+        """Toward zero."""
+        return self._call("trunc")
+
     def _math(self, name: str) -> Value:
         return self._new(mathlib.emit(name, self.b, self.ir))
 
@@ -246,6 +250,59 @@ class Value:
 
     def silu(self) -> Value:
         return self._math("silu")
+
+    # The trigonometric and hyperbolic functions of Myelin's op set, and log1p.
+
+    def tan(self) -> Value:
+        return self._math("tan")
+
+    def cot(self) -> Value:
+        return self._math("cot")
+
+    def atan(self) -> Value:
+        return self._math("atan")
+
+    def asin(self) -> Value:
+        return self._math("asin")
+
+    def acos(self) -> Value:
+        return self._math("acos")
+
+    def asec(self) -> Value:
+        return self._math("asec")
+
+    def acsc(self) -> Value:
+        return self._math("acsc")
+
+    def sinh(self) -> Value:
+        return self._math("sinh")
+
+    def cosh(self) -> Value:
+        return self._math("cosh")
+
+    def sech(self) -> Value:
+        return self._math("sech")
+
+    def csch(self) -> Value:
+        return self._math("csch")
+
+    def log1p(self) -> Value:
+        return self._math("log1p")
+
+    def asinh(self) -> Value:
+        return self._math("asinh")
+
+    def acosh(self) -> Value:
+        return self._math("acosh")
+
+    def asech(self) -> Value:
+        return self._math("asech")
+
+    def atanh(self) -> Value:
+        return self._math("atanh")
+
+    def acoth(self) -> Value:
+        return self._math("acoth")
 
     def gelu(self, approximate: str = "none") -> Value:
         return self._math("gelu_tanh" if approximate == "tanh" else "gelu_erf")
