@@ -543,6 +543,7 @@ def test_random_bytes_after_a_valid_header(version, body):
         header(6) + i32(0, 1, 0) + s("o") + s("T") + i32(0x7FFFFFFF) + bytes(64),
         header(6) + i32(0, 0, 1, 0) + s("f") + i32(0x7FFFFFFF) + bytes(64),
         header(6) + i32(0, 0, 0, 0, 1, 0) + s("b") + s("t") + i32(0) + u64(2**62) + bytes(64),
+        header(6) + i32(1, 0) + s("v") + i32(0) + s("int64") + i32(2, 2**30, 2**30) + i32(0) + u64(4) + bytes(4),
     ],
 )
 def test_huge_counts_fail_fast_without_allocating(data):

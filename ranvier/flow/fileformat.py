@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import dtypes
 from ..atomic import atomic_write
-from ..errors import FlowFileError, RanvierError
+from ..errors import FlowFileError, RanvierError, shape_str
 from .flags import FuncFlags, OpFlags, VarFlags
 
 if TYPE_CHECKING:  # the graph imports this module for Flow.save and Flow.load
@@ -92,10 +92,13 @@ _STAND_INS = {
     "float": {2: np.dtype(np.float16), 4: np.dtype(np.float32), 8: np.dtype(np.float64)},
     "int": {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)},
 }
+# The most elements one stored number may fill: a file's few bytes must not make the
+# reader allocate without bound.
+_MAX_FILL = 1 << 24
 
 
 def _typestr(dtype: str, shape: list[int]) -> str:
-    return dtype + (f"[{'x'.join('?' if d < 0 else str(d) for d in shape)}]" if shape else "")
+    return dtype + (f"[{shape_str(shape)}]" if shape else "")
 
 
 def _infer_dim(size: int, dtype: str, shape: list[int]) -> tuple[list[int], str]:
@@ -146,14 +149,15 @@ def _constant(raw: memoryview, dtype: str, shape: list[int]) -> tuple[np.ndarray
     if len(raw) == count * native.itemsize:
         stored = np.uint8 if dtype == dtypes.DT_BOOL else native.newbyteorder("<")  # any nonzero byte is true
         return np.frombuffer(raw, stored).astype(native).reshape(shape), shape, "; ".join(notes)
-    taken = f"{count * native.itemsize}"
+    taken = count * native.itemsize
     values = _stand_in(raw, dtype, count)
-    if values is None or not count or values.size not in (1, count):
+    if values is None or not count or values.size not in (1, count) or count > max(values.size, _MAX_FILL):
         raise ValueError(f"{len(raw)} bytes of constant data, but {_typestr(dtype, shape)} takes {taken}")
     with np.errstate(all="ignore"):
         converted = values.astype(native)
+    # Floats may round but not overflow; integers and bools must keep their values.
     lost = (
-        np.any(np.isfinite(values) & ~np.isfinite(converted.astype(np.float64)))
+        np.any(np.isfinite(values) & ~np.isfinite(converted.astype(np.float64)))  # float64: isfinite knows it
         if dtypes.is_float(dtype)
         else not np.array_equal(converted.astype(values.dtype), values)
     )
