@@ -34,7 +34,7 @@ F32 = m.DT_FLOAT32
 # supported: the backward ops of the windowed nn ops; Assign has no output).
 NON_DIFFERENTIABLE = {
     "Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput",
-    "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad",
+    "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "AssignAddScatter",
 }
 
 FD_EPS = 1e-6
@@ -395,6 +395,18 @@ case(
     lambda b, i, u: b.scatter_add(i, u, rows=5),
     lambda i, u: torch.zeros(5, 3, dtype=u.dtype).index_add(0, i.long(), u),
     i=np.array([0, 3, 3, 1], np.int32), u=normal(4, 3),
+)
+
+# Myelin's pooled lookups; negative indices are padding.
+_POOLED = np.array([[-1, 3, 0, 3, 1, -1]], np.int32)
+case("GatherSum", lambda b, p, i: b.gather_sum(p, i), lambda p, i: p[i[i >= 0].long()].sum(0, keepdim=True), p=normal(5, 3), i=_POOLED)
+case("GatherAvg", lambda b, p, i: b.gather_avg(p, i), lambda p, i: p[i[i >= 0].long()].mean(0, keepdim=True), p=normal(5, 3), i=_POOLED)
+case("GatherMax", lambda b, p, i: b.gather_max(p, i), lambda p, i: p[i[i >= 0].long()].amax(0, keepdim=True), p=normal(5, 3), i=_POOLED)
+case(
+    "Shape-Size-Rank-Count",
+    lambda b, x: x * (b.size(x).cast(F64) + b.rank(x).cast(F64) + b.shape(x).cast(F64).sum() + b.count(x > 0.0, dtype=F64)),
+    lambda x: x * (12 + 2 + 7 + (x > 0).sum()),
+    x=away(3, 4),
 )
 
 # ---- fused attention ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Reductions over any set of axes, with keepdims: Sum Mean Max Min Product All Any ArgMax ArgMin.
+"""Reductions over any set of axes, with keepdims: Sum Mean Max Min Product All Any Count ArgMax ArgMin.
 
 A reduction over axes that are not adjacent decomposes into one reduction per block of
 adjacent axes, for backends whose kernels reduce one contiguous block.
@@ -181,3 +181,45 @@ ARG_ATTRS = [
 ]
 define("ArgMax", _infer_arg, _arg(np.argmax), 1, "reduce", attrs=ARG_ATTRS, vjp=zero_gradient, method="argmax")
 define("ArgMin", _infer_arg, _arg(np.argmin), 1, "reduce", attrs=ARG_ATTRS, vjp=zero_gradient, method="argmin")
+
+
+# ---- Count: Myelin's number of true (non-zero) elements ---------------------------------------------
+
+def _infer_count(ctx):
+    x = ctx.inputs[0]
+    dtype = ctx.attrs["dtype"]
+    if dtype not in NUMERIC:
+        raise ctx.fail(f"attribute dtype to be numeric (got {dtype})")
+    return [TensorType(dtype, reduced_shape(x.shape, reduction_axes(ctx, x.rank), ctx.attrs["keepdims"]))]
+
+
+def _count(attrs, args, outs):
+    x = args[0]
+    axis = attrs["axis"]
+    axes = None if axis is None else tuple(sorted({a % x.ndim for a in axis}))
+    counted = np.count_nonzero(x, axis=axes, keepdims=attrs["keepdims"])
+    return [np.asarray(counted).astype(dtypes.to_numpy(outs[0].dtype)).reshape(outs[0].shape)]
+
+
+def _build_count(b, p, axis=None, dtype=dtypes.DT_FLOAT32, name=None, keepdims=False):
+    """Myelin's count(p, axis=None, dtype=DT_FLOAT32): how many elements of p are true (non-zero)."""
+    attrs = {"dtype": dtypes.normalize(dtype), "keepdims": keepdims}
+    if axis is not None:
+        attrs["axis"] = [axis] if isinstance(axis, int) else list(axis)
+    return b.op("Count", [p], name, attrs)
+
+
+define(
+    "Count", _infer_count, _count, 1, "reduce", "the number of true (non-zero) elements, as attribute dtype",
+    attrs=[AXIS, KEEPDIMS, Attr("dtype", "str", dtypes.DT_FLOAT32, "the output dtype")],
+    vjp=zero_gradient, method="count", build=_build_count,
+)
+
+
+@decomposition("Count")
+def _count_as_sum(b, op):
+    """A sum of ones where the input is true: native wherever Sum is."""
+    x = b.wrap(op.inputs[0])
+    attrs = op_def("Count").attrs_of(op)
+    hits = x if x.dtype == dtypes.DT_BOOL else x.not_equal(0)
+    return hits.cast(attrs["dtype"]).sum(axis=attrs["axis"], keepdims=attrs["keepdims"])

@@ -1,4 +1,5 @@
-"""Shape ops: Reshape Transpose Concat Split Slice BroadcastTo ExpandDims Squeeze.
+"""Shape ops: Reshape Transpose Concat Split Slice BroadcastTo ExpandDims Squeeze, and Myelin's
+Shape Size Rank (int32 facts about a tensor, known when the cell is compiled).
 
 Myelin passes shape arguments as constant inputs (Reshape's target shape,
 Concat's and Split's axis, Split's count); the others take attributes.
@@ -10,7 +11,7 @@ import math
 
 import numpy as np
 
-from .registry import Attr, TensorType, define
+from .registry import Attr, TensorType, define, zero_gradient
 from .rules import normalize_axis
 
 
@@ -294,3 +295,36 @@ define(
     attrs=[Attr("axis", "ints", None, "the axes removed (default or empty: every size-1 axis)")],
     vjp=_reshape_back, view=True, method="squeeze",
 )
+
+
+# ---- Shape, Size, Rank: the input's static shape as int32 values ---------------------------------
+
+SHAPE_FACTS = {
+    "Shape": (list, lambda shape: (len(shape),), "the input's dimensions, an int32 vector"),
+    "Size": (math.prod, lambda shape: (), "the input's element count, an int32 scalar"),
+    "Rank": (len, lambda shape: (), "the input's number of dimensions, an int32 scalar"),
+}
+
+
+def shape_fact(op_type: str, shape) -> np.ndarray:
+    """The value op `op_type` (Shape, Size or Rank) has for an input of `shape`."""
+    value, _, _ = SHAPE_FACTS[op_type]
+    return np.asarray(value(shape), dtype=np.int32)
+
+
+def _shape_fact_op(op_type: str):
+    _, out_shape, doc = SHAPE_FACTS[op_type]
+    define(
+        op_type,
+        lambda ctx: [TensorType("int32", out_shape(ctx.inputs[0].shape))],
+        lambda attrs, args, outs: [shape_fact(op_type, args[0].shape)],
+        1,
+        "shape",
+        doc,
+        vjp=zero_gradient,
+        method=op_type.lower(),
+    )
+
+
+for _type in SHAPE_FACTS:
+    _shape_fact_op(_type)

@@ -1,4 +1,5 @@
-"""Indexing kernels: Gather (embedding rows), ScatterAdd (its transpose) and OneHot.
+"""Indexing kernels: Gather (embedding rows), ScatterAdd (its transpose), OneHot, Myelin's
+pooled lookups (GatherSum, GatherMax, GatherAvg) and AssignAddScatter.
 
 An index outside the table is not read or written; the step records itself in the
 status word and the runtime raises an error naming the op, as the reference does.
@@ -76,3 +77,80 @@ def one_hot(ctx, op) -> None:
         hot = load_index(ctx, indices, n)
         with ctx.when((hot >= 0) & (hot < depth)):
             ctx.store(out, n * depth + hot, 1)
+
+
+def _pooled_rows(ctx, indices, visit) -> Value:
+    """Call `visit(row, first)` for each row a pooled lookup combines: negative indices are
+    padding, leading ones skipped and the next one after a row ending the list (Myelin's
+    kernel). Returns how many rows were visited (int64)."""
+    count = ctx.local(dtypes.DT_INT64, initial=0)
+    ended = ctx.local(dtypes.DT_INT64, initial=0)
+    with ctx.loop(0, indices.size, name="n") as n:
+        row = load_index(ctx, indices, n)
+        negative = row < 0
+        ended.set((negative & (count.value > 0)).where(1, ended.value))
+        with ctx.when(~negative & ended.value.equal(0)):
+            visit(row, count.value.equal(0))
+            count.set(count.value + 1)
+    return count.value
+
+
+def _not_half(op) -> bool:
+    """Rows are combined in the output's dtype: half precision goes to the accurate reference."""
+    return op.outputs[0].dtype not in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16)
+
+
+@kernel("PoolingGather", {"GatherSum", "GatherMax", "GatherAvg"}, supports=_not_half)
+def pooling_gather(ctx, op) -> None:
+    table, indices = op.inputs
+    out = op.outputs[0]
+    width = table.shape[1]
+    lanes = ctx.lanes_for([out.dtype])
+    fill(ctx, out, 0)
+
+    def visit(row, first):
+        with ctx.when(check_range(ctx, row, table.shape[0])):
+
+            def combine(i, w):
+                value = ctx.load(table, row * width + i, w)
+                if op.type == "GatherMax":
+                    value = first.where(value, ctx.load(out, i, w).maximum(value))
+                else:
+                    value = ctx.load(out, i, w) + value
+                ctx.store(out, i, value)
+
+            for_vectors(ctx, 0, width, lanes, combine)
+
+    count = _pooled_rows(ctx, indices, visit)
+    if op.type == "GatherAvg":
+        with ctx.when(count > 0):
+            divisor = count.cast(out.dtype)
+            for_vectors(ctx, 0, width, lanes, lambda i, w: ctx.store(out, i, ctx.load(out, i, w) / divisor.splat(w)))
+
+
+@kernel("AssignAddScatter", {"AssignAddScatter"}, supports=lambda op: op.inputs[0].dtype not in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16))
+def assign_add_scatter(ctx, op) -> None:
+    """target[index] += value row by row; a negative index adds to the oov row, or without
+    one ends the list (Myelin's kernel)."""
+    target, indices, value, *oov = op.inputs
+    width = target.shape[1]
+    lanes = ctx.lanes_for([target.dtype])
+    ended = ctx.local(dtypes.DT_INT64, initial=0)
+    with ctx.loop(0, indices.size, name="n") as n:
+        row = load_index(ctx, indices, n)
+        source = n * width if value.shape[0] > 1 else 0
+        negative = row < 0
+        if not oov:
+            ended.set(negative.where(1, ended.value))
+
+        def add(into, at):
+            def add_vector(i, w):
+                ctx.store(into, at + i, ctx.load(into, at + i, w) + ctx.load(value, source + i, w))
+
+            for_vectors(ctx, 0, width, lanes, add_vector)
+
+        with ctx.when(~negative & ended.value.equal(0)), ctx.when(check_range(ctx, row, target.shape[0])):
+            add(target, row * width)
+        if oov:
+            with ctx.when(negative):
+                add(oov[0], 0)

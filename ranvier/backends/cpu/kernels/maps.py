@@ -14,6 +14,7 @@ import numpy as np
 
 from ....ops import Attrs, attrs_of, op_def
 from ....ops.expression import Call, Ref, parse
+from ....ops.shape import shape_fact
 from ...llvm.values import Value
 from ..views import View, broadcast_view, contiguous_strides, dense_view, emit_map
 from .index import check_range, load_index
@@ -104,6 +105,13 @@ def copy_elements(ctx, op) -> None:
     if src.name == dst.name or dst.name in ctx.layout.aliases or (src.name in offsets and offsets.get(dst.name) == offsets[src.name]):
         return
     emit_map(ctx, [dst.size], [View(src, 0, [1])], [View(dst, 0, [1])], _identity)
+
+
+@kernel("ShapeFact", {"Shape", "Size", "Rank"})
+def shape_fact_(ctx, op) -> None:
+    """Known when the cell is compiled: the values are stored as constants."""
+    for i, value in enumerate(shape_fact(op.type, op.inputs[0].shape).reshape(-1).tolist()):
+        ctx.store(op.outputs[0], i, value)
 
 
 @kernel("Broadcast", {"BroadcastTo"})
