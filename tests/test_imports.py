@@ -138,7 +138,8 @@ def test_no_layer_imports_itself_back():
 ORDER = [
     "ranvier.errors", "ranvier.version", "ranvier.dtypes", "ranvier.atomic", "ranvier.debug", "ranvier.progress",
     "ranvier.dashboard", "ranvier.plot", "ranvier.data",
-    "ranvier.ops", "ranvier.flow", "ranvier.autodiff", "ranvier.profile", "ranvier.runtime", "ranvier.backends",
+    "ranvier.ops", "ranvier.flow", "ranvier.nn", "ranvier.autodiff", "ranvier.profile", "ranvier.handles", "ranvier.runtime",
+    "ranvier.backends",
     "ranvier.compiler", "ranvier.models", "ranvier.generate", "ranvier.train", "ranvier.interop",
     "ranvier", "ranvier.cli",
 ]

@@ -21,7 +21,11 @@ from .flags import FuncFlags, OpFlags, VarFlags
 
 def _as_array(value, var: Variable) -> np.ndarray:
     """`value` as an array of the variable's shape: numpy arrays keep their dtype; raw
-    bytes are read as the variable's dtype, other buffers and numbers converted to it."""
+    bytes are read as the variable's dtype, other buffers and numbers converted to it. A
+    type ranvier only stores (string, resource, ...) keeps raw bytes; text is UTF-8."""
+    if var.dtype in dtypes.STORAGE_DTYPES:
+        raw = value.encode() if isinstance(value, str) else memoryview(np.ascontiguousarray(value)).tobytes()
+        return np.frombuffer(raw, np.uint8).copy()
     if isinstance(value, np.ndarray):
         array = value
     elif isinstance(value, (bytes, bytearray)) or (isinstance(value, memoryview) and value.format in ("B", "b", "c")):
@@ -36,6 +40,13 @@ def _as_array(value, var: Variable) -> np.ndarray:
     if var.shape_defined() and list(array.shape) != var.shape and array.size == math.prod(var.shape):
         array = array.reshape(var.shape)
     return array
+
+
+def _with_flag(flags, flag, on: bool):
+    """`flags` with `flag` set or cleared, keeping bits the flag type does not name (a
+    .flow file may carry them; an IntFlag's ~ covers only the named bits)."""
+    value = int(flags) | int(flag) if on else int(flags) & ~int(flag)
+    return type(flag)(value)
 
 
 class Rank(int):
@@ -64,7 +75,7 @@ class Variable:
         return bool(self.flags & flag)
 
     def _set_flag(self, flag: VarFlags, on: bool) -> None:
-        self.flags = (self.flags | flag) if on else (self.flags & ~flag)
+        self.flags = _with_flag(self.flags, flag, on)
 
     in_ = property(lambda self: self._flag(VarFlags.IN), lambda self, on: self._set_flag(VarFlags.IN, on))
     out = property(lambda self: self._flag(VarFlags.OUT), lambda self, on: self._set_flag(VarFlags.OUT, on))
@@ -202,7 +213,7 @@ class Operation:
 
     @nogradient.setter
     def nogradient(self, on: bool) -> None:
-        self.flags = (self.flags | OpFlags.NOGRADIENT) if on else (self.flags & ~OpFlags.NOGRADIENT)
+        self.flags = _with_flag(self.flags, OpFlags.NOGRADIENT, on)
 
     def __repr__(self) -> str:
         ins = ", ".join(v.name for v in self.inputs)
@@ -231,7 +242,7 @@ class Function:
 
     @training.setter
     def training(self, on: bool) -> None:
-        self.flags = (self.flags | FuncFlags.TRAINING) if on else (self.flags & ~FuncFlags.TRAINING)
+        self.flags = _with_flag(self.flags, FuncFlags.TRAINING, on)
 
     @property
     def backprop(self) -> bool:
@@ -239,7 +250,7 @@ class Function:
 
     @backprop.setter
     def backprop(self, on: bool) -> None:
-        self.flags = (self.flags | FuncFlags.BACKPROP) if on else (self.flags & ~FuncFlags.BACKPROP)
+        self.flags = _with_flag(self.flags, FuncFlags.BACKPROP, on)
 
     def __str__(self) -> str:
         lines = [f"func {self.name} {{"]
