@@ -69,6 +69,14 @@ UNARY = {
     "log": (np.log, 0.1, 10), "sin": (np.sin, -10, 10), "cos": (np.cos, -10, 10), "tanh": (np.tanh, -1, 1),
     "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), -10, 10), "erf": (np.vectorize(math.erf), -2, 2),
     "sign": (np.sign, -10, 10), "floor": (np.floor, -10, 10), "ceil": (np.ceil, -10, 10), "round": (np.round, -10, 10),
+    "trunc": (np.trunc, -10, 10), "tan": (np.tan, -1.2, 1.2), "asin": (np.arcsin, -1, 1), "acos": (np.arccos, -1, 1),
+    "atan": (np.arctan, -10, 10), "sinh": (np.sinh, -5, 5), "cosh": (np.cosh, -5, 5), "asinh": (np.arcsinh, -1, 1),
+    "acosh": (np.arccosh, 1, 10), "atanh": (np.arctanh, -0.9, 0.9), "cot": (lambda x: 1 / np.tan(x), 0.2, 1.4),
+    "sec": (lambda x: 1 / np.cos(x), -1.2, 1.2), "csc": (lambda x: 1 / np.sin(x), 0.2, 3), "acot": (lambda x: np.arctan(1 / x), 0.1, 10),
+    "asec": (lambda x: np.arccos(1 / x), 1, 10), "acsc": (lambda x: np.arcsin(1 / x), 1, 10), "coth": (lambda x: 1 / np.tanh(x), 0.1, 5),
+    "sech": (lambda x: 1 / np.cosh(x), -5, 5), "csch": (lambda x: 1 / np.sinh(x), 0.1, 5),
+    "acoth": (lambda x: np.arctanh(1 / x), 1.1, 10), "asech": (lambda x: np.arccosh(1 / x), 0.1, 1),
+    "acsch": (lambda x: np.arcsinh(1 / x), 0.1, 10),
 }
 
 
@@ -162,6 +170,38 @@ def test_matmul_transpose_concat_split_gather_and_accumulate():
 
 
 # ---- builder and flow API ------------------------------------------------------------------
+
+# Every member of SLING's Python classes (python/myelin/flow.py and builder.py): methods, then attributes.
+MYELIN_API = {
+    "Variable": ("add_attr attr shape_defined elements rank typestr",
+                 "input output ref learnable unique name flags aliases type shape attrs data producer consumers"),
+    "Operation": ("add_input add_output add_attr attr", "name flags type inputs outputs attrs func"),
+    "Function": ("add", "backprop name flags ops"),
+    "Connector": ("add", "name flags links"),
+    "Blob": ("add_attr get_attr", "name flags type data attrs"),
+    "Flow": ("func var op cnx blob define rename_prefix rename_suffix inputs outputs order save load",
+             "flags vars ops funcs cnxs blobs"),
+    "Builder": ("var rename cnx op rawop const array opname varname concat split reshape add sub mul div minimum "
+                "maximum argmin argmax gather pooling_gather gather_sum gather_max gather_avg matmul transpose t log "
+                "exp pow erf sigmoid relu sin cos tan cot sec csc asin acos atan acot asec acsc sinh cosh tanh coth "
+                "sech csch asinh acosh atanh acoth asech acsch square sqrt rsqrt neg abs sign rcp floor ceil round "
+                "trunc equal not_equal less less_equal greater greater_equal logical_and logical_or logical_xor "
+                "logical_not cond select identity reduce sum product min max all any count mean norm normalize "
+                "softmax ref shape size rank assign assign_add_scatter", "flow func"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MYELIN_API))
+def test_every_member_of_myelins_python_api_exists(kind):
+    flow = myelin.Flow()
+    objects = {"Variable": flow.var("v"), "Operation": flow.op("o"), "Function": flow.func("f"),
+               "Connector": flow.cnx("c"), "Blob": flow.blob("b"), "Flow": flow, "Builder": flow.define("g")}
+    obj = objects[kind]
+    methods, attributes = MYELIN_API[kind]
+    assert not [m for m in methods.split() if not callable(getattr(obj, m, None))], "missing methods"
+    assert not [a for a in attributes.split() if not hasattr(obj, a)], "missing attributes"
+    assert isinstance(flow.define("h").var("x", myelin.DT_FLOAT, [2]).var, myelin.Variable)
+
 
 
 def test_builder_results_are_variables():
@@ -396,13 +436,49 @@ def test_binary_gradient_check(op):
     assert gradcheck(f, [x1, x2], [y], lo=0.5, hi=3.0) < 1e-7
 
 
-@pytest.mark.parametrize("op", ["square", "sqrt", "rcp", "neg", "abs", "exp", "log", "sin", "cos", "tanh", "sigmoid", "relu", "erf"])
+GRADIENT_RANGES = {"asin": (-0.9, 0.9), "acos": (-0.9, 0.9), "atanh": (-0.9, 0.9), "tan": (-1.2, 1.2), "sec": (-1.2, 1.2),
+                   "cot": (0.2, 1.4), "asec": (1.1, 10), "acsc": (1.1, 10), "acosh": (1.1, 10), "acoth": (1.1, 10),
+                   "asech": (0.1, 0.9)}
+
+
+@pytest.mark.parametrize("op", ["square", "sqrt", "rcp", "neg", "abs", "exp", "log", "sin", "cos", "tanh", "sigmoid", "relu",
+                                "erf", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "asec", "acsc", "sinh",
+                                "cosh", "coth", "sech", "csch", "asinh", "acosh", "atanh", "acoth", "asech", "acsch"])
 def test_unary_gradient_check(op):
     flow = myelin.Flow()
     f = flow.define(op)
     x = f.var("x", myelin.DT_DOUBLE, [6])
     y = getattr(f, op)(x, "y")
-    assert gradcheck(f, [x], [y], lo=0.2, hi=3.0) < 1e-7
+    lo, hi = GRADIENT_RANGES.get(op, (0.2, 3.0))
+    assert gradcheck(f, [x], [y], lo=lo, hi=hi) < 1e-7
+
+
+def test_myelins_shape_counting_pooling_and_scatter_ops():
+    flow = myelin.Flow()
+    f = flow.define("misc")
+    x = f.var("x", myelin.DT_FLOAT, [3, 5])
+    emb = f.array("emb", RNG.random((10, 4)).astype(np.float32))
+    ind = f.var("ind", myelin.DT_INT32, [1, 3])
+    m = f.var("m", myelin.DT_FLOAT, [10, 4])
+    v = f.var("v", myelin.DT_FLOAT, [1, 4])
+    outs = {"shape": f.shape(x), "size": f.size(x), "rank": f.rank(x), "count": f.count(f.greater(x, 0.0)),
+            "sum": f.gather_sum(emb, ind), "max": f.gather_max(emb, ind), "avg": f.gather_avg(emb, ind)}
+    f.assign_add_scatter(m, ind, v)
+    net = compiler.compile(flow)
+    data = net.cell("misc").instance()
+    xv, iv = RNG.uniform(-5, 5, (3, 5)).astype(np.float32), np.array([[2, 7, 2]], np.int32)
+    mv, vv = RNG.random((10, 4)).astype(np.float32), RNG.random((1, 4)).astype(np.float32)
+    data[x], data[ind], data[m], data[v] = xv, iv, mv, vv
+    data.compute()
+    rows = emb.data[iv[0]]
+    expected = {"shape": [3, 5], "size": 15, "rank": 2, "count": np.count_nonzero(xv > 0),
+                "sum": rows.sum(0, keepdims=True), "max": rows.max(0, keepdims=True), "avg": rows.mean(0, keepdims=True)}
+    for key, out in outs.items():
+        np.testing.assert_allclose(np.asarray(data[out]).reshape(np.shape(expected[key])), expected[key], rtol=1e-6, err_msg=key)
+    assert outs["count"].type == "float32" and outs["shape"].type == "int32"
+    scattered = mv.copy()
+    np.add.at(scattered, iv[0], vv[0])
+    np.testing.assert_allclose(data[m], scattered, rtol=1e-6)
 
 
 def test_gradient_of_a_small_network_and_learnable_accumulation():
@@ -490,3 +566,19 @@ def test_reference_reads_another_instance():
     b.ref(b.instance("nowhere"), b.var("lonely", myelin.DT_FLOAT, [2]))
     with pytest.raises(myelin.CompileError, match="no other function"):
         compiler.compile(broken)
+
+
+def test_flag_setters_keep_unknown_bits_and_storage_types_keep_bytes(tmp_path):
+    flow = myelin.Flow()
+    v = flow.var("v")
+    v.flags = myelin.flow.VarFlags(512 | 1)
+    v.ref, v.input = True, False
+    assert int(v.flags) == 512 | 4
+    func = flow.func("f")
+    func.flags = myelin.flow.FuncFlags(64)
+    func.backprop = True
+    assert int(func.flags) == 64 | 2
+    text = flow.var("lexicon", "string", [])
+    text.data = "héllo"
+    flow.save(tmp_path / "s.flow")
+    assert myelin.Flow().load(tmp_path / "s.flow").vars["lexicon"].data.tobytes().decode() == "héllo"
