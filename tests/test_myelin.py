@@ -582,3 +582,47 @@ def test_flag_setters_keep_unknown_bits_and_storage_types_keep_bytes(tmp_path):
     text.data = "héllo"
     flow.save(tmp_path / "s.flow")
     assert myelin.Flow().load(tmp_path / "s.flow").vars["lexicon"].data.tobytes().decode() == "héllo"
+
+
+def test_a_lexical_encoder_built_as_sling_builds_it(tmp_path):
+    """SLING's parser builds its features with raw ops and outputs it declares itself,
+    saves the flow, and links the feature vector to the LSTMs' inputs by a connector."""
+    import ranvier.flow.builder as builder
+
+    flow = myelin.Flow()
+    features = builder.Builder(flow, "features")
+    parts, tables = [], {}
+    for name, vocab, dim, num in [("words", 20, 4, 1), ("suffix", 10, 3, 2)]:
+        embedding = features.var(name=name + "_embeddings", shape=[vocab, dim])
+        embedding.data = tables[name] = RNG.random((vocab, dim)).astype(np.float32)
+        ids = features.var(name=name, dtype="int32", shape=[1, num])
+        gather = features.rawop("Gather" if num == 1 else "GatherSum")
+        gather.add_input(embedding)
+        gather.add_input(ids)
+        output = features.var(gather.name + ":0", "float32", [1, dim])
+        gather.add_output(output)
+        parts.append(output)
+    vector = features.concat(parts)
+    features.rename(vector, "feature_vector")
+    vector.ref = vector.input = vector.output = True
+    lr = builder.Builder(flow, "lstm/lr")
+    lr_input = lr.var(name="input", shape=[1, 7])
+    lr_input.ref = True
+    nn.LSTM(lr, input=lr_input, size=5)
+    link = flow.cnx("features")
+    link.add(vector)
+    link.add(lr_input)
+    flow.save(tmp_path / "encoder.flow")
+
+    net = compiler.compile(myelin.Flow().load(tmp_path / "encoder.flow"))
+    cell = net.cell("features")
+    channel = cell.channel("features/feature_vector", 1)
+    data = cell.instance()
+    data["features/words"], data["features/suffix"] = [[3]], [[1, 4]]
+    data.connect("features/feature_vector", channel, 0)
+    data.compute()
+    expected = np.concatenate([tables["words"][[3]], tables["suffix"][[1, 4]].sum(0, keepdims=True)], axis=1)
+    np.testing.assert_allclose(np.asarray(channel[0]), expected, rtol=1e-6)
+    lstm = net.cell("lstm/lr").instance()
+    lstm.connect("lstm/lr/input", channel, 0)  # the LSTM reads the features where the encoder wrote them
+    lstm.compute()

@@ -10,6 +10,7 @@ from ..errors import CompileError, RanvierError
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import op_def, written_inputs
 from ..runtime import Cell, Network, Step
+from .declared import reshape_declared_outputs
 from .memory import plan_memory
 from .pipeline import PassContext, run_pipeline
 from .references import resolve_references
@@ -69,6 +70,7 @@ class Compiler:
             if func.backprop and f"gradients/{func.name}" not in network.flow.funcs and not func.name.startswith("gradients/"):
                 gradient_function(network.flow, func)
         resolve_references(network.flow)
+        reshape_declared_outputs(network.flow)
         for func in network.flow.funcs.values():
             network.cells[func.name] = self.compile_function(network, func)
         return network

@@ -42,6 +42,12 @@ def _as_array(value, var: Variable) -> np.ndarray:
     return array
 
 
+def _variable(x) -> Variable:
+    """The variable itself, or the one behind a builder's handle (Myelin programs pass
+    what the builder returned wherever a variable goes)."""
+    return getattr(x, "var", x)
+
+
 def _with_flag(flags, flag, on: bool):
     """`flags` with `flag` set or cleared, keeping bits the flag type does not name (a
     .flow file may carry them; an IntFlag's ~ covers only the named bits)."""
@@ -183,10 +189,12 @@ class Operation:
         self.func: Function | None = None
 
     def add_input(self, var: Variable) -> None:
+        var = _variable(var)
         self.inputs.append(var)
         var.consumers.append(self)
 
     def add_output(self, var: Variable) -> None:
+        var = _variable(var)
         if var.producer is not None and var.producer is not self:
             raise RanvierError(f"variable {var.name} is already produced by {var.producer.name}; {self.name} cannot write it")
         self.outputs.append(var)
@@ -275,7 +283,7 @@ class Connector:
         self.flags = 0
 
     def add(self, var: Variable) -> None:
-        self.links.append(var)
+        self.links.append(_variable(var))
 
 
 class Blob:
