@@ -626,3 +626,21 @@ def test_a_lexical_encoder_built_as_sling_builds_it(tmp_path):
     lstm = net.cell("lstm/lr").instance()
     lstm.connect("lstm/lr/input", channel, 0)  # the LSTM reads the features where the encoder wrote them
     lstm.compute()
+
+
+def test_gather_with_an_out_of_vocabulary_row():
+    flow = myelin.Flow()
+    f = flow.define("lookup")
+    emb = f.array("emb", RNG.random((6, 4)).astype(np.float32))
+    oov = f.array("oov", RNG.random((1, 4)).astype(np.float32))
+    ind = f.var("ind", myelin.DT_INT32, [2, 3])
+    rows = f.gather(emb, ind, oov, "rows")
+    data = compiler.compile(flow).cell("lookup").instance()
+    iv = np.array([[0, 6, 5], [-1, 2, 100]], np.int32)
+    data[ind] = iv
+    data.compute()
+    valid = (iv >= 0) & (iv < 6)
+    expected = np.where(valid[..., None], emb.data[np.where(valid, iv, 0)], oov.data[0])
+    np.testing.assert_array_equal(data[rows], expected)
+    with pytest.raises(myelin.ShapeError, match="out-of-vocabulary row of float32 with 4 elements"):
+        f.gather(emb, ind, f.array("short", np.zeros(3, np.float32)))

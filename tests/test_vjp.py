@@ -391,6 +391,12 @@ case(
 )
 case("Gather[int64]", lambda b, p, i: p.gather(i), lambda p, i: p[i], p=normal(4, 2, 3), i=np.array([2, 2, 2, 1], np.int64))
 case(
+    "Gather[oov]",  # Myelin's out-of-vocabulary row: indices outside the table read it
+    lambda b, p, i, o: p.gather(i, o),
+    lambda p, i, o: torch.where(((i >= 0) & (i < 5))[..., None], p[i.long().clamp(0, 4)], o),
+    p=normal(5, 3), i=np.array([[0, 7, 2], [-1, 4, 7]], np.int32), o=normal(3),
+)
+case(
     "ScatterAdd",
     lambda b, i, u: b.scatter_add(i, u, rows=5),
     lambda i, u: torch.zeros(5, 3, dtype=u.dtype).index_add(0, i.long(), u),

@@ -3,6 +3,8 @@ pooled lookups GatherSum GatherMax GatherAvg and in-place AssignAddScatter."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import dtypes
@@ -12,9 +14,11 @@ from .rules import FLOATS, INDEX, NUMERIC
 
 
 def _infer_gather(ctx):
-    params, indices = ctx.inputs
+    params, indices, *oov = ctx.inputs
     if indices.dtype not in INDEX or params.rank < 1:
         raise ctx.fail("params of rank >= 1 and int32/int64 indices")
+    if oov and (oov[0].dtype != params.dtype or oov[0].size != math.prod(params.shape[1:])):
+        raise ctx.fail(f"an out-of-vocabulary row of {params.dtype} with {math.prod(params.shape[1:])} elements")
     return [TensorType(params.dtype, (*indices.shape, *params.shape[1:]))]
 
 
@@ -25,17 +29,37 @@ def _check_range(indices, rows):
 
 
 def _gather(attrs, args, outs):
-    params, indices = args
-    _check_range(indices, params.shape[0])
-    return [params[indices]]
+    params, indices, *oov = args
+    if not oov:
+        _check_range(indices, params.shape[0])
+        return [params[indices]]
+    valid = (indices >= 0) & (indices < params.shape[0])
+    rows = params[np.where(valid, indices, 0)]
+    return [np.where(valid.reshape(*valid.shape, *[1] * (params.ndim - 1)), rows, oov[0].reshape(params.shape[1:]))]
+
+
+def _gather_vjp(ctx, g):
+    params, indices, *oov = ctx.inputs
+    rows = params.shape[0]
+    if not oov:
+        return [ctx.b.scatter_add(indices, g[0], rows=rows), None]
+    # Rows looked up in the table get their gradient there; the others, the oov row's.
+    valid = ((indices >= 0) & (indices < rows)).reshape([*indices.shape, *[1] * (params.rank - 1)])
+    inside = ctx.b.scatter_add(valid.where(indices.reshape(valid.shape), 0).reshape(indices.shape), valid.select(g[0]), rows=rows)
+    outside = (~valid).select(g[0]).reshape([indices.size, *params.shape[1:]]).sum(axis=0).reshape(oov[0].shape)
+    return [inside, None, outside]
 
 
 define(
-    "Gather", _infer_gather, _gather, 2, "index", "Gather(params, indices) = params[indices] along axis 0",
-    vjp=lambda ctx, g: [ctx.b.scatter_add(ctx.inputs[1], g[0], rows=ctx.inputs[0].shape[0]), None],
+    "Gather", _infer_gather, _gather, (2, 3), "index",
+    "Gather(params, indices[, oov]) = params[indices] along axis 0; with Myelin's out-of-vocabulary row, "
+    "an index outside the table reads that row",
+    vjp=_gather_vjp,
     method="gather",
     # Python-number indices are int32, not converted to the params' dtype.
-    build=lambda b, params, indices, name=None: b.op("Gather", [params, b.operand(indices)], name),
+    build=lambda b, params, indices, oov=None, name=None: b.op(
+        "Gather", [params, b.operand(indices), *([] if oov is None else [oov])], name
+    ),
 )
 
 

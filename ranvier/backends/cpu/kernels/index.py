@@ -29,15 +29,22 @@ def check_range(ctx, index: Value, rows: int) -> Value:
 
 @kernel("Gather", {"Gather"})
 def gather(ctx, op) -> None:
-    params, indices = op.inputs
+    """Table rows; with an out-of-vocabulary row (Myelin's third input), an index outside
+    the table reads that row instead of failing."""
+    params, indices, *oov = op.inputs
     out = op.outputs[0]
     width = math.prod(params.shape[1:])
     lanes = ctx.lanes_for([params.dtype])
     with ctx.loop(0, indices.size, name="n") as n:
         row = load_index(ctx, indices, n)
-        with ctx.when(check_range(ctx, row, params.shape[0])):
-            source, target = row * width, n * width
+        target = n * width
+        inside = (row >= 0) & (row < params.shape[0]) if oov else check_range(ctx, row, params.shape[0])
+        with ctx.when(inside):
+            source = row * width
             for_vectors(ctx, 0, width, lanes, lambda i, w: ctx.copy(params, source + i, out, target + i, w))
+        if oov:
+            with ctx.when(~inside):
+                for_vectors(ctx, 0, width, lanes, lambda i, w: ctx.copy(oov[0], i, out, target + i, w))
 
 
 def _sums_in_its_own_dtype(op) -> bool:
