@@ -1,0 +1,488 @@
+"""One converter per ONNX operator: the ranvier ops that compute a node.
+
+A converter gets the node (its inputs' values, attributes, the builder) and returns the
+values of its outputs. Inputs known at load time are numpy arrays; a node whose inputs
+are all known never reaches a converter (the importer folds it), so converters only
+deal with nodes that read the model's inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import dtypes
+from ..ops.nn import avg_pool
+from .node import Node, converts, onnx_dtype
+
+# ---- elementwise -----------------------------------------------------------------------------
+
+_UNARY = {
+    "Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Exp": "exp", "Log": "log", "Sqrt": "sqrt",
+    "Reciprocal": "rcp", "Neg": "neg", "Abs": "abs", "Erf": "erf", "Floor": "floor", "Ceil": "ceil",
+    "Round": "round", "Sin": "sin", "Cos": "cos", "Tan": "tan", "Asin": "asin", "Acos": "acos", "Atan": "atan",
+    "Sinh": "sinh", "Cosh": "cosh", "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh", "Sign": "sign",
+    "Not": "logical_not", "Softplus": "softplus", "Softsign": "softsign", "Identity": "identity",
+}
+_BINARY = {
+    "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Equal": "equal", "Less": "less",
+    "Greater": "greater", "LessOrEqual": "less_equal", "GreaterOrEqual": "greater_equal",
+    "And": "logical_and", "Or": "logical_or", "Xor": "logical_xor",
+}
+
+
+@converts(*_UNARY)
+def unary(node: Node):
+    return getattr(node.b, _UNARY[node.proto.op_type])(node.tensor(0))
+
+
+@converts(*_BINARY)
+def binary(node: Node):
+    return getattr(node.b, _BINARY[node.proto.op_type])(node.tensor(0), node.tensor(1))
+
+
+@converts("Max", "Min", "Sum", "Mean")
+def variadic(node: Node):
+    combine = {"Max": node.b.maximum, "Min": node.b.minimum, "Sum": node.b.add, "Mean": node.b.add}[node.proto.op_type]
+    result = node.tensor(0)
+    for index in range(1, len(node.inputs)):
+        result = combine(result, node.tensor(index))
+    return result / float(len(node.inputs)) if node.proto.op_type == "Mean" else result
+
+
+@converts("Where")
+def where(node: Node):
+    return node.b.cond(node.tensor(0), node.tensor(1), node.tensor(2))
+
+
+@converts("Dropout")
+def dropout(node: Node):
+    if len(node.proto.output) > 1 and node.proto.output[1]:
+        raise node.error("its mask output is not supported (inference has no dropout)")
+    return node.b.identity(node.tensor(0))
+
+
+@converts("LeakyRelu")
+def leaky_relu(node: Node):
+    x = node.tensor(0)
+    return node.b.cond(x < 0.0, x * float(node.attr("alpha", 0.01)), x)
+
+
+@converts("Clip")
+def clip(node: Node):
+    x = node.tensor(0)
+    low, high = node.optional(1), node.optional(2)
+    if low is not None:
+        x = node.b.maximum(x, node.tensor(1))
+    if high is not None:
+        x = node.b.minimum(x, node.tensor(2))
+    return x
+
+
+@converts("Gelu")
+def gelu(node: Node):
+    return node.b.gelu(node.tensor(0), approximate=node.attr("approximate", "none"))
+
+
+@converts("Cast", "CastLike")
+def cast(node: Node):
+    if node.proto.op_type == "Cast":
+        target = onnx_dtype(node.attr("to"), f"Cast node {node.name!r}")
+    else:
+        target = node.inputs[1].dtype if isinstance(node.inputs[1], np.ndarray) else node.tensor(1).dtype
+        target = dtypes.from_numpy(target) if not isinstance(target, str) else target
+    x = node.tensor(0)
+    return x if x.dtype == target else node.b.cast(x, target)
+
+
+# ---- matrix products and normalisation ---------------------------------------------------------
+
+
+@converts("MatMul")
+def matmul(node: Node):
+    a, b = node.tensor(0), node.tensor(1)
+    # numpy's rule for 1-D operands: a vector is a row (left) or a column (right), then dropped.
+    a2 = a.reshape([1, *a.shape]) if a.rank == 1 else a
+    b2 = b.reshape([*b.shape, 1]) if b.rank == 1 else b
+    result = node.b.matmul(a2, b2)
+    if a.rank == 1 or b.rank == 1:
+        shape = list(result.shape)
+        if a.rank == 1:
+            del shape[-2]
+        if b.rank == 1:
+            del shape[-1]
+        result = result.reshape(shape)
+    return result
+
+
+@converts("Gemm")
+def gemm(node: Node):
+    alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
+    result = node.b.matmul(node.tensor(0), node.tensor(1), transpose_a=bool(node.attr("transA", 0)),
+                           transpose_b=bool(node.attr("transB", 0)))
+    if alpha != 1.0:
+        result = result * alpha
+    if node.optional(2) is not None and beta != 0.0:
+        bias = node.tensor(2)
+        result = result + (bias * beta if beta != 1.0 else bias)
+    return result
+
+
+def _over_trailing_axes(node: Node, x, axis: int, normalise):
+    """Apply a last-axis op over the axes from `axis` on (ONNX's LayerNormalization and
+    the opset < 13 softmax flatten them), reshaping around it."""
+    axis %= x.rank
+    if axis == x.rank - 1:
+        return normalise(x)
+    flat = x.reshape([*x.shape[:axis], math.prod(x.shape[axis:])])
+    return normalise(flat).reshape(x.shape)
+
+
+@converts("Softmax", "LogSoftmax")
+def softmax(node: Node):
+    x = node.tensor(0)
+    method = node.b.softmax if node.proto.op_type == "Softmax" else node.b.log_softmax
+    if node.opset >= 13:
+        return method(x, axis=int(node.attr("axis", -1)))
+    return _over_trailing_axes(node, x, int(node.attr("axis", 1)), lambda flat: method(flat, axis=-1))
+
+
+@converts("LayerNormalization")
+def layer_norm(node: Node):
+    if any(node.proto.output[1:]):
+        raise node.error("its mean and inverse standard deviation outputs are not supported")
+    x = node.tensor(0)
+    axis = int(node.attr("axis", -1)) % x.rank
+    width = math.prod(x.shape[axis:])
+    gamma = node.tensor(1).reshape([width])
+    beta = node.tensor(2).reshape([width]) if node.optional(2) is not None else None
+    eps = float(node.attr("epsilon", 1e-5))
+    return _over_trailing_axes(node, x, axis, lambda flat: node.b.layer_norm(flat, gamma, beta, eps=eps))
+
+
+@converts("SkipLayerNormalization", domain="com.microsoft")
+def skip_layer_norm(node: Node):
+    """ONNX Runtime's fused residual + LayerNorm: LN(x + skip + bias); output 3 is the sum."""
+    total = node.tensor(0) + node.tensor(1)
+    if node.optional(4) is not None:
+        total = total + node.tensor(4)
+    beta = node.tensor(3) if node.optional(3) is not None else None
+    normed = node.b.layer_norm(total, node.tensor(2), beta, eps=float(node.attr("epsilon", 1e-12)))
+    if any(node.proto.output[1:3]):
+        raise node.error("its mean and inverse standard deviation outputs are not supported")
+    return [normed, None, None, total]
+
+
+@converts("FastGelu", "BiasGelu", domain="com.microsoft")
+def fast_gelu(node: Node):
+    x = node.tensor(0) + node.tensor(1) if node.optional(1) is not None else node.tensor(0)
+    return node.b.gelu(x, approximate="tanh" if node.proto.op_type == "FastGelu" else "none")
+
+
+@converts("BatchNormalization")
+def batch_norm(node: Node):
+    """Inference batch norm as one scale and shift per channel (the importer folds it into a
+    preceding convolution's weights where it can, see `fold_batch_norms`)."""
+    if node.attr("training_mode", 0):
+        raise node.error("training_mode=1 is not supported (ranvier imports inference graphs)")
+    scale, shift = batch_norm_affine(node)
+    x = node.tensor(0)
+    shape = [1, x.shape[1]] + [1] * (x.rank - 2)
+    return x * node.importer.as_tensor(scale.reshape(shape).astype(scale.dtype), "") + \
+        node.importer.as_tensor(shift.reshape(shape), "")
+
+
+def batch_norm_affine(node: Node) -> tuple[np.ndarray, np.ndarray]:
+    gamma, beta = node.constant(1, "scale"), node.constant(2, "bias")
+    mean, var = node.constant(3, "running mean"), node.constant(4, "running variance")
+    scale = gamma / np.sqrt(var.astype(np.float64) + float(node.attr("epsilon", 1e-5)))
+    return scale.astype(gamma.dtype), (beta - mean * scale).astype(gamma.dtype)
+
+
+# ---- shapes -------------------------------------------------------------------------------------
+
+
+@converts("Reshape")
+def reshape(node: Node):
+    x = node.tensor(0)
+    target = [int(d) for d in node.constant(1, "target shape")]
+    if not node.attr("allowzero", 0):
+        target = [x.shape[i] if d == 0 else d for i, d in enumerate(target)]
+    if -1 in target:
+        known = math.prod(d for d in target if d != -1)
+        target[target.index(-1)] = x.size // known if known else 0
+    return x.reshape(target)
+
+
+@converts("Flatten")
+def flatten(node: Node):
+    x = node.tensor(0)
+    axis = int(node.attr("axis", 1)) % (x.rank + 1)
+    return x.reshape([math.prod(x.shape[:axis]), math.prod(x.shape[axis:])])
+
+
+def _axes(node: Node, rank: int, attribute_until: int) -> list[int] | None:
+    """Axes from the attribute (opsets before `attribute_until`) or the second input."""
+    if node.opset < attribute_until:
+        axes = node.attr("axes")
+    else:
+        axes = node.constant(1, "axes") if node.optional(1) is not None else None
+    return None if axes is None else sorted(int(a) % rank for a in np.asarray(axes).reshape(-1))
+
+
+@converts("Unsqueeze")
+def unsqueeze(node: Node):
+    x = node.tensor(0)
+    rank = x.rank + len(np.asarray(node.attr("axes") if node.opset < 13 else node.constant(1, "axes")).reshape(-1))
+    shape = list(x.shape)
+    for axis in _axes(node, rank, 13):
+        shape.insert(axis, 1)
+    return x.reshape(shape)
+
+
+@converts("Squeeze")
+def squeeze(node: Node):
+    x = node.tensor(0)
+    axes = _axes(node, x.rank, 13)
+    axes = axes if axes is not None else [i for i, d in enumerate(x.shape) if d == 1]
+    return x.reshape([d for i, d in enumerate(x.shape) if i not in axes])
+
+
+@converts("Transpose")
+def transpose(node: Node):
+    x = node.tensor(0)
+    perm = node.attr("perm")
+    return node.b.transpose(x, perm=list(perm) if perm is not None else list(reversed(range(x.rank))))
+
+
+@converts("Concat")
+def concat(node: Node):
+    parts = [node.tensor(i) for i, v in enumerate(node.inputs) if not (isinstance(v, np.ndarray) and v.size == 0)]
+    axis = int(node.attr("axis")) % parts[0].rank
+    return parts[0] if len(parts) == 1 else node.b.concat(parts, axis)
+
+
+@converts("Split")
+def split(node: Node):
+    x = node.tensor(0)
+    axis = int(node.attr("axis", 0)) % x.rank
+    if node.opset >= 13 and node.optional(1) is not None:
+        sizes = [int(s) for s in node.constant(1, "split sizes")]
+    elif node.attr("split") is not None:
+        sizes = [int(s) for s in node.attr("split")]
+    else:
+        count = int(node.attr("num_outputs", len(node.proto.output)))
+        step = -(-x.shape[axis] // count)  # ONNX: equal parts, the last one smaller
+        sizes = [min(step, x.shape[axis] - i * step) for i in range(count)]
+    parts = node.b.split(x, sizes, axis)
+    return list(parts)
+
+
+@converts("Slice")
+def slice_(node: Node):
+    x = node.tensor(0)
+    starts = [int(v) for v in node.constant(1, "starts")]
+    ends = [int(v) for v in node.constant(2, "ends")]
+    axes = [int(a) % x.rank for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(len(starts)))
+    steps = [int(s) for s in node.constant(4, "steps")] if node.optional(4) is not None else [1] * len(starts)
+    begin, size, stride = [0] * x.rank, list(x.shape), [1] * x.rank
+    for axis, start, end, step in zip(axes, starts, ends, steps):
+        indices = range(x.shape[axis])[slice(start, end, step)]
+        if step < 1:
+            raise node.error(f"step {step} along axis {axis}: only positive steps are supported")
+        begin[axis], size[axis], stride[axis] = (indices.start if len(indices) else 0), len(indices), step
+    if all(s == 1 for s in stride):
+        return node.b.slice(x, begin, size)
+    element_strides = [math.prod(x.shape[i + 1:]) for i in range(x.rank)]
+    return node.b.strided_view(x, offset=sum(b * e for b, e in zip(begin, element_strides)), shape=size,
+                               strides=[s * e for s, e in zip(stride, element_strides)])
+
+
+@converts("Gather")
+def gather(node: Node):
+    params = node.tensor(0)
+    axis = int(node.attr("axis", 0)) % params.rank
+    indices = node.inputs[1]
+    if isinstance(indices, np.ndarray):
+        indices = np.where(indices < 0, indices + params.shape[axis], indices)  # ONNX counts negatives from the end
+        if np.any((indices < 0) | (indices >= params.shape[axis])):
+            raise node.error(f"an index is outside [0, {params.shape[axis]})")
+        indices = node.b.const(indices.astype(np.int64 if indices.dtype == np.int64 else np.int32))
+    else:
+        indices = node.tensor(1)
+    if axis == 0:
+        return node.b.gather(params, indices)
+    # Bring the axis first, gather rows, and put the gathered axes back where it was.
+    perm = [axis, *[i for i in range(params.rank) if i != axis]]
+    rows = node.b.gather(node.b.transpose(params, perm=perm), indices)
+    k = indices.rank
+    order = list(range(k, k + axis)) + list(range(k)) + list(range(k + axis, rows.rank))
+    return node.b.transpose(rows, perm=order)
+
+
+@converts("Expand")
+def expand(node: Node):
+    x = node.tensor(0)
+    shape = [int(d) for d in node.constant(1, "shape")]
+    target = list(np.broadcast_shapes(tuple(x.shape), tuple(shape)))
+    return x if target == x.shape else node.b.broadcast_to(x, target)
+
+
+@converts("Shape")
+def shape(node: Node):
+    dims = np.asarray(node.shape(0), np.int64)
+    start, end = node.attr("start", 0), node.attr("end")
+    return dims[start:end]
+
+
+@converts("Size")
+def size(node: Node):
+    return np.asarray(math.prod(node.shape(0)), np.int64)
+
+
+@converts("Trilu")
+def trilu(node: Node):
+    x = node.tensor(0)
+    k = int(node.constant(1, "diagonal")) if node.optional(1) is not None else 0
+    rows, cols = x.shape[-2:]
+    keep = np.triu(np.ones((rows, cols), bool), k) if node.attr("upper", 1) else np.tril(np.ones((rows, cols), bool), k)
+    return node.b.select(node.b.const(keep), x)
+
+
+# ---- reductions ---------------------------------------------------------------------------------
+
+_REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "max", "ReduceMin": "min", "ReduceProd": "product"}
+
+
+@converts(*_REDUCE)
+def reduce(node: Node):
+    x = node.tensor(0)
+    since = 13 if node.proto.op_type == "ReduceSum" else 18  # when axes became an input
+    axes = _axes(node, x.rank, since)
+    if axes is None and node.attr("noop_with_empty_axes", 0):
+        return node.b.identity(x)
+    keepdims = bool(node.attr("keepdims", 1))
+    return getattr(node.b, _REDUCE[node.proto.op_type])(x, axis=axes if axes is not None else list(range(x.rank)),
+                                                        keepdims=keepdims)
+
+
+@converts("ArgMax", "ArgMin")
+def arg(node: Node):
+    x = node.tensor(0)
+    if node.attr("select_last_index", 0):
+        raise node.error("select_last_index=1 is not supported")
+    method = node.b.argmax if node.proto.op_type == "ArgMax" else node.b.argmin
+    return method(x, axis=int(node.attr("axis", 0)) % x.rank, keepdims=bool(node.attr("keepdims", 1)),
+                  output_type="int64")
+
+
+# ---- convolution, pooling, padding, resizing ------------------------------------------------------
+
+
+def _window(node: Node, x, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(strides, symmetric padding, extra (before, after) padding) of a 2-D window op."""
+    if x.rank != 4 or len(kernel) != 2:
+        raise node.error(f"only 2-D windows over [N, C, H, W] are supported, not a rank-{x.rank} input")
+    if any(d != 1 for d in node.attr("dilations", [1, 1])):
+        raise node.error("dilations other than 1 are not supported")
+    strides = list(node.attr("strides", [1, 1]))
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = []
+        for size, k, s in zip(x.shape[2:], kernel, strides):
+            total = max((-(-size // s) - 1) * s + k - size, 0)
+            small, large = total // 2, total - total // 2
+            pads.append((small, large) if auto_pad == "SAME_UPPER" else (large, small))
+        pads = [pads[0][0], pads[1][0], pads[0][1], pads[1][1]]
+    else:
+        pads = list(node.attr("pads", [0, 0, 0, 0])) if auto_pad != "VALID" else [0, 0, 0, 0]
+    symmetric = [min(pads[0], pads[2]), min(pads[1], pads[3])]
+    extra = [pads[0] - symmetric[0], pads[1] - symmetric[1], pads[2] - symmetric[0], pads[3] - symmetric[1]]
+    return strides, symmetric, extra
+
+
+def _pad_extra(node: Node, x, extra: list[int], value: float):
+    if not any(extra):
+        return x
+    return node.b.pad(x, before=[0, 0, extra[0], extra[1]], after=[0, 0, extra[2], extra[3]], value=value)
+
+
+@converts("Conv")
+def conv(node: Node):
+    x, w = node.tensor(0), node.tensor(1)
+    if int(node.attr("group", 1)) != 1:
+        raise node.error(f"group={node.attr('group')} (grouped or depthwise convolution) is not supported")
+    strides, padding, extra = _window(node, x, list(w.shape[2:]))
+    y = node.b.conv2d(_pad_extra(node, x, extra, 0.0), w, strides=strides, padding=padding)
+    if node.optional(2) is not None:
+        y = y + node.tensor(2).reshape([1, w.shape[0], 1, 1])
+    return y
+
+
+@converts("MaxPool", "AveragePool")
+def pool(node: Node):
+    x = node.tensor(0)
+    if node.attr("ceil_mode", 0):
+        raise node.error("ceil_mode=1 is not supported")
+    if len(node.proto.output) > 1 and node.proto.output[1]:
+        raise node.error("its indices output is not supported")
+    kernel = list(node.attr("kernel_shape"))
+    strides, padding, extra = _window(node, x, kernel)
+    if node.proto.op_type == "MaxPool":
+        return node.b.max_pool(_pad_extra(node, x, extra, -math.inf), ksize=kernel, strides=strides, padding=padding)
+    padded = _pad_extra(node, x, extra, 0.0)
+    average = node.b.avg_pool(padded, ksize=kernel, strides=strides, padding=padding)
+    if (any(padding) or any(extra)) and not node.attr("count_include_pad", 0):
+        # ranvier counts padding as zeros; ONNX's default divides by the real elements only.
+        ones = np.ones([1, 1, *x.shape[2:]])
+        ones = np.pad(ones, [(0, 0), (0, 0), (extra[0], extra[2]), (extra[1], extra[3])])
+        share = avg_pool(ones, kernel, strides, padding).astype(dtypes.to_numpy(x.dtype))
+        average = average / node.importer.as_tensor(share, "")
+    return average
+
+
+@converts("GlobalAveragePool", "GlobalMaxPool")
+def global_pool(node: Node):
+    x = node.tensor(0)
+    method = node.b.mean if node.proto.op_type == "GlobalAveragePool" else node.b.max
+    return method(x, axis=list(range(2, x.rank)), keepdims=True)
+
+
+@converts("Pad")
+def pad(node: Node):
+    x = node.tensor(0)
+    if node.attr("mode", "constant") != "constant":
+        raise node.error(f"mode {node.attr('mode')!r}: only constant padding is supported")
+    pads = [int(p) for p in (node.constant(1, "pads") if node.opset >= 11 else node.attr("pads"))]
+    value = node.optional(2) if node.opset >= 11 else node.attr("value", 0.0)
+    value = float(node.constant(2, "constant value")) if node.opset >= 11 and value is not None else float(value or 0.0)
+    axes = [int(a) % x.rank for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(x.rank))
+    before, after = [0] * x.rank, [0] * x.rank
+    for i, axis in enumerate(axes):
+        before[axis], after[axis] = pads[i], pads[i + len(axes)]
+    if min(before + after) < 0:
+        raise node.error("negative pads (cropping) are not supported")
+    return node.b.pad(x, before=before, after=after, value=value)
+
+
+@converts("Resize", "Upsample")
+def resize(node: Node):
+    """Nearest-neighbour upsampling by whole factors: each element repeated (the usual
+    decoder and FPN upsampling); other modes are refused by name."""
+    x = node.tensor(0)
+    mode = node.attr("mode", "nearest")
+    if mode != "nearest" or node.attr("coordinate_transformation_mode", "half_pixel") in ("align_corners", "tf_crop_and_resize"):
+        raise node.error(f"mode {mode!r} with {node.attr('coordinate_transformation_mode', 'half_pixel')} coordinates: "
+                         "only nearest upsampling by whole factors is supported")
+    scales_index, sizes_index = (1, None) if node.proto.op_type == "Upsample" else (2, 3)
+    if sizes_index is not None and node.optional(sizes_index) is not None and np.size(node.inputs[sizes_index]):
+        factors = [s / d for s, d in zip(node.constant(sizes_index, "sizes"), x.shape)]
+    else:
+        factors = [float(f) for f in node.constant(scales_index, "scales")]
+    if any(f < 1 or f != int(f) for f in factors):
+        raise node.error(f"scales {factors}: only whole upsampling factors are supported")
+    factors = [int(f) for f in factors]
+    spread = [d for size, f in zip(x.shape, factors) for d in (size, f)]
+    grown = node.b.broadcast_to(x.reshape([d for size in x.shape for d in (size, 1)]), spread)
+    return grown.reshape([size * f for size, f in zip(x.shape, factors)])

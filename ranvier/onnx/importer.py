@@ -1,0 +1,175 @@
+"""ONNX models as flows: `load(path) -> Flow`.
+
+The importer walks the graph's nodes in order and asks a table of converters, one per
+ONNX operator (`converters.py`), for the ranvier ops that compute each node. Every value
+is either known at load time (a numpy array: initializers, constants, shapes, and
+anything computed only from them, folded with ONNX's own reference implementation) or
+a flow variable. Shapes are static: a symbolic dimension (`batch`, `sequence`) is bound
+to a size given at load (`dims={"batch": 1}`), so `Shape`, `Range` and
+`ConstantOfShape` fold away and `Reshape` targets are constants.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .. import dtypes
+from ..errors import UnknownOpError
+from ..flow.builder import Builder, Tensor
+from ..flow.graph import Flow
+from . import converters  # noqa: F401  (each converter registers itself)
+from .node import CONVERTERS, Node, OnnxError, Value, onnx_dtype
+
+# Operators whose result is not a function of their inputs' values: never folded.
+_NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def load(model: str | os.PathLike | bytes | onnx.ModelProto, dims: Mapping[str, int] | None = None,
+         function: str = "main") -> Flow:
+    """A flow with one function computing the ONNX model's graph.
+
+    model: a file (external-data files beside it are read too), its bytes, or a ModelProto.
+    dims: sizes for the graph's symbolic dimensions, e.g. {"batch": 1, "sequence": 128}.
+    function: the name of the flow function (its variables are named `<function>/...`;
+        the graph's inputs and outputs are also reachable by their ONNX names).
+    """
+    proto = read_model(model)
+    flow = Flow()
+    _GraphImporter(proto, flow, function, dict(dims or {})).run()
+    return flow
+
+
+def read_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
+    """The ModelProto, checked by ONNX's checker; a clear error for anything unreadable."""
+    source = "<bytes>" if isinstance(model, bytes) else "<ModelProto>" if isinstance(model, onnx.ModelProto) else os.fspath(model)
+    try:
+        if isinstance(model, onnx.ModelProto):
+            proto = model
+        elif isinstance(model, bytes):
+            proto = onnx.load_from_string(model)
+        else:
+            proto = onnx.load(os.fspath(model), load_external_data=True)
+        onnx.checker.check_model(proto)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001  (protobuf, checker and external-data errors have no common base)
+        raise OnnxError(f"{source} is not a valid ONNX model: {type(error).__name__}: {str(error).strip()[:300]}") from None
+    return proto
+
+
+class _GraphImporter:
+    def __init__(self, model: onnx.ModelProto, flow: Flow, function: str, dims: dict[str, int]):
+        self.model = model
+        self.graph = model.graph
+        self.flow = flow
+        self.b = Builder(flow, function)
+        self.dims = dims
+        self.opsets = {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
+        self.values: dict[str, Value] = {}
+        self.constant_vars: dict[str, Tensor] = {}
+
+    def run(self) -> None:
+        initializers = {t.name: numpy_helper.to_array(t) for t in self.graph.initializer}
+        self.values.update(initializers)
+        for value_info in self.graph.input:
+            if value_info.name not in initializers:
+                self.values[value_info.name] = self.input(value_info)
+        unused = set(self.dims) - self._dim_names()
+        if unused:
+            raise OnnxError(f"dims names {sorted(unused)}, which the model's inputs do not use; they use {sorted(self._dim_names())}")
+        for proto in self.graph.node:
+            self.convert(proto)
+        for value_info in self.graph.output:
+            self.output(value_info.name)
+
+    def _dim_names(self) -> set[str]:
+        return {d.dim_param for v in self.graph.input for d in v.type.tensor_type.shape.dim if d.dim_param}
+
+    def input(self, value_info: onnx.ValueInfoProto) -> Tensor:
+        tensor_type = value_info.type.tensor_type
+        if not value_info.type.HasField("tensor_type"):
+            raise OnnxError(f"graph input {value_info.name!r} is not a tensor (sequences and maps are not supported)")
+        shape = []
+        for index, dim in enumerate(tensor_type.shape.dim):
+            if dim.HasField("dim_value"):
+                shape.append(dim.dim_value)
+            elif dim.dim_param in self.dims:
+                shape.append(int(self.dims[dim.dim_param]))
+            else:
+                symbol = dim.dim_param or f"dimension {index}"
+                raise OnnxError(f"graph input {value_info.name!r} has a symbolic size {symbol!r}; give it one at load: "
+                                f"load(..., dims={{{symbol!r}: N}})")
+        var = self.b.var(_clean(value_info.name), onnx_dtype(tensor_type.elem_type, value_info.name), shape)
+        self.flow.add_alias(var.var, value_info.name)
+        return var
+
+    def output(self, name: str) -> None:
+        value = self.values.get(name)
+        if value is None:
+            raise OnnxError(f"graph output {name!r} is computed by no node")
+        tensor = value if isinstance(value, Tensor) and value.producer is not None else self.b.identity(self.as_tensor(value, name))
+        tensor.var.out = True
+        if self.flow.find_var(name) is None:
+            self.flow.add_alias(tensor.var, name)
+
+    def convert(self, proto: onnx.NodeProto) -> None:
+        domain = proto.domain if proto.domain not in ("", "ai.onnx") else ""
+        key = f"{domain}:{proto.op_type}" if domain else proto.op_type
+        inputs = [self.values[name] if name else None for name in proto.input]
+        missing = [name for name in proto.input if name and name not in self.values]
+        if missing:
+            raise OnnxError(f"ONNX node {proto.name!r} reads {missing[0]!r}, which no earlier node computes")
+        node = Node(proto, inputs, self)
+        if (not domain and proto.op_type not in _NOT_FOLDED and not _has_subgraph(proto)
+                and all(v is None or isinstance(v, np.ndarray) for v in inputs)):
+            results = self.fold(node)
+        else:
+            converter = CONVERTERS.get(key)
+            if converter is None:
+                raise UnknownOpError(
+                    f"ONNX operator {proto.op_type} (domain {domain or 'ai.onnx'}, opset {node.opset}) of node "
+                    f"{node.name!r} is not supported by ranvier's importer"
+                )
+            results = converter(node)
+        results = results if isinstance(results, (list, tuple)) else [results]
+        for name, value in zip(proto.output, results):
+            if name:
+                self.values[name] = value
+
+    def fold(self, node: Node) -> list[np.ndarray]:
+        """Evaluate a node whose inputs are all known, with ONNX's reference implementation."""
+        from onnx.reference import ReferenceEvaluator
+
+        feeds = {name: value for name, value in zip(node.proto.input, node.inputs) if name}
+        try:
+            evaluator = ReferenceEvaluator(node.proto, opsets={"": node.opset})
+            return [np.asarray(v) for v in evaluator.run(None, feeds)]
+        except Exception as error:  # noqa: BLE001  (the reference raises anything)
+            raise node.error(f"could not be computed at load time: {type(error).__name__}: {error}") from None
+
+    def as_tensor(self, value: Value, name: str) -> Tensor:
+        if isinstance(value, Tensor):
+            return value
+        if name in self.constant_vars:
+            return self.constant_vars[name]
+        array = np.ascontiguousarray(value)
+        dtypes.from_numpy(array.dtype)  # refuses what ranvier cannot hold
+        tensor = self.b.array(_clean(name) or "const", array) if array.size > 16 else self.b.const(array, dtypes.from_numpy(array.dtype))
+        if name:
+            self.constant_vars[name] = tensor
+        return tensor
+
+
+def _has_subgraph(proto: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in proto.attribute)
+
+
+def _clean(name: str) -> str:
+    """An ONNX value name as a flow name: no leading slashes or runs of separators."""
+    return re.sub(r"[/:]+", "_", name).strip("_")
