@@ -72,10 +72,13 @@ def leaky_relu(node: Node):
 @converts("Clip")
 def clip(node: Node):
     x = node.tensor(0)
-    low, high = node.optional(1), node.optional(2)
-    if low is not None:
+    if node.opset < 11:  # the bounds were attributes then
+        low, high = node.attr("min"), node.attr("max")
+        return node.b.minimum(node.b.maximum(x, float(low if low is not None else -math.inf)),
+                              float(high if high is not None else math.inf))
+    if node.optional(1) is not None:
         x = node.b.maximum(x, node.tensor(1))
-    if high is not None:
+    if node.optional(2) is not None:
         x = node.b.minimum(x, node.tensor(2))
     return x
 
@@ -218,7 +221,8 @@ def reshape(node: Node):
 @converts("Flatten")
 def flatten(node: Node):
     x = node.tensor(0)
-    axis = int(node.attr("axis", 1)) % (x.rank + 1)
+    axis = int(node.attr("axis", 1))
+    axis += x.rank if axis < 0 else 0  # a negative axis counts from the end, in [-rank, rank]
     return x.reshape([math.prod(x.shape[:axis]), math.prod(x.shape[axis:])])
 
 
