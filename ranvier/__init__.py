@@ -29,6 +29,15 @@ from .handles import Channel, TensorHandle
 from .runtime import Cell, Instance, Network
 from .version import __version__
 
+
+def from_torch(module, example_inputs, dims=None, function: str = "main") -> Flow:
+    """A PyTorch module's forward pass as a flow, through torch.export and ONNX (see
+    `ranvier.onnx.from_torch`); needs torch, onnx and onnxscript."""
+    from .onnx import from_torch as convert
+
+    return convert(module, example_inputs, dims, function)
+
+
 __all__ = [
     "DT_BFLOAT16",
     "DT_BOOL",
@@ -65,5 +74,6 @@ __all__ = [
     "UnknownOpError",
     "Variable",
     "__version__",
+    "from_torch",
     "nn",
 ]

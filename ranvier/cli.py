@@ -210,6 +210,47 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .modelrun import convert, only_function, parse_dims
+
+    flow = convert(args.source, args.target, parse_dims(args.dims))
+    func = only_function(flow) if len(flow.funcs) == 1 else None
+    ops = len(func.ops) if func else sum(len(f.ops) for f in flow.funcs.values())
+    print(f"wrote {args.target}: {len(flow.funcs)} function(s), {ops} ops, {len(flow.vars)} variables")
+    return 0
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .modelrun import load_model, parse_dims, read_inputs, run
+
+    flow = load_model(args.model, parse_dims(args.dims))
+    data, outputs = run(flow, read_inputs(flow, args.input), args.backend, args.cpu)
+    for name, array in outputs.items():
+        print(f"{name}: {array.dtype}[{'x'.join(map(str, array.shape))}]")
+        print(np.array2string(array, threshold=20, edgeitems=3, precision=6))
+        if args.output:
+            Path(args.output).mkdir(parents=True, exist_ok=True)
+            np.save(Path(args.output) / f"{name.replace('/', '_')}.npy", array)
+    if args.profile:
+        data.reset_profile()
+        data.compute()
+        print(data.profile(), file=sys.stderr)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .modelrun import bench, load_model, parse_dims, ratio_line
+
+    flow = load_model(args.model, parse_dims(args.dims))
+    times = bench(args.model, flow, args.repeats, args.cpu)
+    ours, theirs = times["ranvier"], times["onnxruntime"]
+    print(f"{args.model}: ranvier {ours * 1e3:.2f} ms, ONNX Runtime {theirs * 1e3:.2f} ms "
+          f"(medians of {args.repeats}): {ratio_line(ours, theirs, 'ONNX Runtime')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ranvier", description="Neural-network JIT compiler and trainer.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -330,6 +371,30 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("run_dir", help="a `ranvier train llama|moe` run directory")
     hf.add_argument("out_dir", help="the folder to write")
     hf.set_defaults(run=_export_hf)
+
+    dims_help = "sizes of the model's symbolic dimensions, e.g. batch=1,seq=128 (a .flow file's -1: batch=N)"
+    conversion = commands.add_parser("convert", help="convert a model file: .onnx or .flow to .flow or .onnx")
+    conversion.add_argument("source", help="model.onnx or model.flow")
+    conversion.add_argument("target", help="model.flow or model.onnx to write")
+    conversion.add_argument("--dims", help=dims_help)
+    conversion.set_defaults(run=_convert)
+
+    running = commands.add_parser("run", help="run a .flow or .onnx model on inputs from .npy files and print its outputs")
+    running.add_argument("model", help="model.flow or model.onnx")
+    running.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="one per model input")
+    running.add_argument("--dims", help=dims_help)
+    running.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    running.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
+    running.add_argument("--output", metavar="DIR", help="also save each output as DIR/NAME.npy")
+    running.add_argument("--profile", action="store_true", help="print the per-step profile (to stderr)")
+    running.set_defaults(run=_run_model)
+
+    benchmark = commands.add_parser("bench", help="time an .onnx model in ranvier and in ONNX Runtime on the same random inputs")
+    benchmark.add_argument("model", help="model.onnx")
+    benchmark.add_argument("--dims", help=dims_help)
+    benchmark.add_argument("--repeats", type=int, default=10, help="timed runs per side (default 10; medians are compared)")
+    benchmark.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
+    benchmark.set_defaults(run=_bench)
     return parser
 
 

@@ -1,9 +1,11 @@
-"""ONNX models in and out of ranvier: `load(path) -> Flow` and `save(flow, path)`.
+"""ONNX models in and out of ranvier: `load(path) -> Flow`, `save(flow, path)`, and
+`from_torch(module, example_inputs) -> Flow` through torch.export.
 
 Needs the `onnx` package (`pip install 'ranvier[onnx]'`); ranvier itself does not import it.
 """
 
+from .from_torch import from_torch
 from .importer import load, read_model
 from .node import OnnxError
 
-__all__ = ["OnnxError", "load", "read_model"]
+__all__ = ["OnnxError", "from_torch", "load", "read_model"]

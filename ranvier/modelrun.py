@@ -1,0 +1,167 @@
+"""Model files from the command line: convert between formats, run one on inputs from .npy
+files, and time it against ONNX Runtime (`ranvier convert | run | bench`).
+
+A model file is a Myelin `.flow` or an `.onnx` model; its graph becomes one compiled
+cell whose inputs are the function's variables without data.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import dtypes
+from .compiler import Compiler
+from .errors import RanvierError, shape_str
+from .flow.graph import Flow, Function, Variable
+from .runtime import Instance
+
+
+def parse_dims(text: str | None) -> dict[str, int]:
+    """"batch=1,seq=128" → {"batch": 1, "seq": 128}."""
+    dims: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        name, _, size = item.partition("=")
+        if not size.strip().isdigit():
+            raise RanvierError(f"--dims entry {item!r} is not NAME=SIZE (e.g. batch=1,seq=128)")
+        dims[name.strip()] = int(size)
+    return dims
+
+
+def load_model(path: str | os.PathLike, dims: Mapping[str, int] | None = None) -> Flow:
+    """A .flow or .onnx file as a flow. For a .flow file, dims' `batch` binds its −1 dimensions."""
+    path = Path(path)
+    if not path.exists():
+        raise RanvierError(f"no model file {path}")
+    if path.suffix == ".onnx":
+        from .onnx import load
+
+        return load(path, dims=dims)
+    if path.suffix == ".flow":
+        unknown = set(dims or {}) - {"batch"}
+        if unknown:
+            raise RanvierError(f"a .flow file has one symbolic size, batch; got --dims {sorted(unknown)}")
+        return Flow().load(path, batch_size=(dims or {}).get("batch"))
+    raise RanvierError(f"{path} is neither a .flow nor an .onnx model")
+
+
+def convert(source: str | os.PathLike, target: str | os.PathLike, dims: Mapping[str, int] | None = None) -> Flow:
+    """Read `source` and write it as `target` (.flow, or .onnx), atomically."""
+    flow = load_model(source, dims)
+    suffix = Path(target).suffix
+    if suffix == ".flow":
+        flow.save(target)
+    elif suffix == ".onnx":
+        from .onnx import save
+
+        save(flow, target)
+    else:
+        raise RanvierError(f"cannot write {target}: the formats are .flow and .onnx")
+    return flow
+
+
+def only_function(flow: Flow) -> Function:
+    if len(flow.funcs) != 1:
+        raise RanvierError(f"the model has {len(flow.funcs)} functions ({', '.join(flow.funcs)}); these commands run models of one")
+    return next(iter(flow.funcs.values()))
+
+
+def model_inputs(flow: Flow) -> list[Variable]:
+    return flow.inputs(only_function(flow), const=False)
+
+
+def _name(var: Variable) -> str:
+    """The name a user knows a variable by: its ONNX name (an alias) when it has one."""
+    return var.aliases[0] if var.aliases else var.name
+
+
+def read_inputs(flow: Flow, specs: Sequence[str]) -> dict[str, np.ndarray]:
+    """NAME=FILE.npy pairs, checked against the model's inputs (every one given, shapes that fit)."""
+    wanted = {_name(v): v for v in model_inputs(flow)}
+    given: dict[str, np.ndarray] = {}
+    for spec in specs:
+        name, _, file = spec.partition("=")
+        if not file:
+            raise RanvierError(f"--input {spec!r} is not NAME=FILE.npy")
+        if name not in wanted:
+            raise RanvierError(f"the model has no input {name!r}; its inputs: {describe(wanted.values())}")
+        try:
+            array = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise RanvierError(f"cannot read input {name} from {file}: {error}") from None
+        var = wanted[name]
+        if list(array.shape) != var.shape:
+            raise RanvierError(f"input {name} from {file} has shape [{shape_str(array.shape)}], expected [{shape_str(var.shape)}]")
+        given[name] = array
+    missing = [n for n in wanted if n not in given]
+    if missing:
+        raise RanvierError(f"no --input for {', '.join(missing)}; the model's inputs: {describe(wanted.values())}")
+    return given
+
+
+def random_inputs(flow: Flow, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs to time a model with: normal floats; integers 0 or 1 (valid token ids and masks)."""
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for var in model_inputs(flow):
+        if dtypes.is_float(var.dtype):
+            inputs[_name(var)] = rng.standard_normal(var.shape).astype(dtypes.to_numpy(var.dtype))
+        else:
+            inputs[_name(var)] = rng.integers(0, 2, var.shape).astype(dtypes.to_numpy(var.dtype))
+    return inputs
+
+
+def describe(variables) -> str:
+    return ", ".join(f"{_name(v)}: {v.typestr()}" for v in variables)
+
+
+def instance(flow: Flow, backend: str = "cpu", cpu: str = "") -> Instance:
+    network = Compiler(backend=backend, cpu=cpu).compile(flow)
+    return network.cell(only_function(flow).name).instance()
+
+
+def run(flow: Flow, inputs: Mapping[str, np.ndarray], backend: str = "cpu", cpu: str = "") -> tuple[Instance, dict[str, np.ndarray]]:
+    """Compute the model once; its outputs by name."""
+    data = instance(flow, backend, cpu)
+    for name, array in inputs.items():
+        data[name] = array
+    data.compute()
+    outputs = flow.outputs(only_function(flow))
+    return data, {_name(v): np.array(data[v]) for v in outputs}
+
+
+def bench(path: str | os.PathLike, flow: Flow, repeats: int = 10, cpu: str = "") -> dict[str, float]:
+    """Median seconds per inference of ranvier and of ONNX Runtime (default session, all
+    graph optimizations) on the same random inputs, alternating; needs onnxruntime."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise RanvierError("ranvier bench compares with ONNX Runtime: pip install onnxruntime") from None
+    inputs = random_inputs(flow)
+    data = instance(flow, cpu=cpu)
+    for name, array in inputs.items():
+        data[name] = array
+    session = onnxruntime.InferenceSession(os.fspath(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
+    sides = {"ranvier": data.compute, "onnxruntime": lambda: session.run(None, feeds)}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for side in sides.values():
+        side()  # warm up: first-touch of weights, thread pools
+    for _ in range(repeats):
+        for name, side in sides.items():
+            start = time.perf_counter()
+            side()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def ratio_line(ours: float, theirs: float, peer: str) -> str:
+    """"ranvier is 1.30× faster than X" or "... slower ..."; the ratio is always ≥ 1."""
+    if ours <= theirs:
+        return f"ranvier is {theirs / ours:.2f}× faster than {peer}"
+    return f"ranvier is {ours / theirs:.2f}× slower than {peer}"

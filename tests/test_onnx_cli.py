@@ -1,0 +1,97 @@
+"""ONNX from the command line and from PyTorch: `ranvier convert | run | bench`, from_torch."""
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+from onnx import TensorProto, helper  # noqa: E402
+
+import ranvier  # noqa: E402
+from ranvier.cli import main  # noqa: E402
+from ranvier.errors import RanvierError  # noqa: E402
+
+RNG = np.random.default_rng(15)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    """y = softmax(x @ W + b) with a symbolic batch; W and b random."""
+    W = helper.make_tensor("W", TensorProto.FLOAT, [6, 4], RNG.standard_normal(24).astype(np.float32))
+    b = helper.make_tensor("b", TensorProto.FLOAT, [4], RNG.standard_normal(4).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["z"]),
+             helper.make_node("Softmax", ["z"], ["y"], axis=-1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [W, b])
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def expected(path, x):
+    return ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+
+
+def test_run_prints_and_saves_outputs(model_file, tmp_path, capsys):
+    x = RNG.standard_normal((3, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    assert main(["run", str(model_file), "--dims", "batch=3", "--input", f"x={tmp_path / 'x.npy'}",
+                 "--output", str(tmp_path / "out"), "--profile"]) == 0
+    out, err = capsys.readouterr()
+    assert "y: float32[3x4]" in out and "profile of cell main" in err
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "y.npy"), expected(model_file, x), rtol=1e-5, atol=1e-7)
+
+
+def test_convert_to_flow_and_run_the_flow(model_file, tmp_path, capsys):
+    target = tmp_path / "model.flow"
+    assert main(["convert", str(model_file), str(target), "--dims", "batch=2"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    x = RNG.standard_normal((2, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    main(["run", str(target), "--input", f"x={tmp_path / 'x.npy'}", "--output", str(tmp_path / "out")])
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "y.npy"), expected(model_file, x), rtol=1e-5, atol=1e-7)
+
+
+def test_bench_says_which_side_is_faster(model_file, capsys):
+    assert main(["bench", str(model_file), "--dims", "batch=2", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ONNX Runtime" in out and ("faster than ONNX Runtime" in out or "slower than ONNX Runtime" in out)
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--dims", "batch=2"], "no --input for x"),
+    (["--dims", "batch=2", "--input", "z=X"], "no input 'z'; its inputs: x: float32\\[2x6\\]"),
+    (["--dims", "batch=2", "--input", "x=SHAPE"], "has shape \\[3x6\\], expected \\[2x6\\]"),
+    (["--dims", "batch"], "not NAME=SIZE"),
+    ([], "symbolic size 'batch'"),
+])
+def test_run_errors_name_what_was_wrong(model_file, tmp_path, arguments, message):
+    np.save(tmp_path / "shape.npy", np.zeros((3, 6), np.float32))
+    arguments = [a.replace("SHAPE", str(tmp_path / "shape.npy")).replace("=X", f"={tmp_path / 'shape.npy'}") for a in arguments]
+    with pytest.raises(RanvierError, match=message):
+        main(["run", str(model_file), *arguments])
+
+
+def test_model_files_of_other_kinds_are_refused(tmp_path):
+    (tmp_path / "m.txt").write_text("hello")
+    with pytest.raises(RanvierError, match="neither a .flow nor an .onnx"):
+        main(["run", str(tmp_path / "m.txt")])
+    with pytest.raises(RanvierError, match="no model file"):
+        main(["run", str(tmp_path / "missing.onnx")])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.export internals
+def test_from_torch_matches_the_module():
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                 torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 5)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    flow = ranvier.from_torch(module, [x])
+    data = ranvier.Compiler().compile(flow).cell("main").instance()
+    data["input"] = x.numpy()
+    data.compute()
+    (output,) = flow.outputs(flow.funcs["main"])
+    reference = module(x).detach().numpy()
+    assert np.abs(data[output] - reference).max() / np.abs(reference).max() < 1e-5
+    with pytest.raises(RanvierError, match="torch.nn.Module"):
+        ranvier.from_torch(lambda t: t, [x])
