@@ -45,6 +45,13 @@ ONNX_DTYPES = {
 }
 
 
+def onnx_dtype(dtype: str) -> int:
+    """The ONNX element type of a ranvier dtype."""
+    if dtype not in ONNX_DTYPES:
+        raise RanvierError(f"ONNX export: dtype {dtype} has no ONNX element type; expected one of {', '.join(ONNX_DTYPES)}")
+    return ONNX_DTYPES[dtype]
+
+
 def save(
     flow: Flow,
     path: str | os.PathLike | None = None,
@@ -84,9 +91,11 @@ def save(
         raise RanvierError(f"ONNX export of {func.name}: no data for {', '.join(missing)}; feed them as inputs or give weights")
 
     graph = _Graph(flow, opset)
-    initializers = [numpy_helper.from_array(np.asarray(_data(v, weights)), v.name) for v in read if v.name not in fed]
     for op in ops:
         graph.convert(op)
+    # Constants that became attributes (Reshape's shape, Concat's axis) are no initializers.
+    used = {name for node in graph.nodes for name in node.input}
+    initializers = [numpy_helper.from_array(_data(v, weights), v.name) for v in read if v.name in used and v.name not in fed]
     model = helper.make_model(
         helper.make_graph(
             graph.nodes, func.name, [_value_info(v) for v in feeds], [_value_info(v) for v in results],
@@ -117,13 +126,13 @@ def _variable(flow: Flow, handle) -> Variable:
     return flow.lookup(handle) if isinstance(handle, str) else getattr(handle, "var", handle)
 
 
-def _data(var: Variable, weights: Mapping | None):
+def _data(var: Variable, weights: Mapping | None) -> np.ndarray | None:
     value = weights.get(var.name) if weights is not None else None
     if value is None:
         return var.data
     if list(np.shape(value)) != var.shape:
         raise RanvierError(f"ONNX export: weights for {var.name} have shape {list(np.shape(value))}, expected {var.shape}")
-    return np.asarray(value)
+    return np.asarray(value, dtypes.to_numpy(var.dtype))
 
 
 def _needed_ops(flow: Flow, func: Function, results: list[Variable]) -> list[Operation]:
@@ -151,7 +160,7 @@ def _read_variables(ops: list[Operation]) -> list[Variable]:
 
 
 def _value_info(var: Variable) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(var.name, ONNX_DTYPES[var.dtype], var.shape)
+    return helper.make_tensor_value_info(var.name, onnx_dtype(var.dtype), var.shape)
 
 
 def _write(model: onnx.ModelProto, path: Path, external_data: bool | None) -> None:
@@ -171,7 +180,7 @@ def _write(model: onnx.ModelProto, path: Path, external_data: bool | None) -> No
             f.write(raw[id(t)])
             t.ClearField("raw_data")
 
-    # The returned model keeps its data inline: the references are only in the file.
+    # The returned model keeps its data inline: only the file refers to the data file.
     try:
         atomic_write(path.with_name(location), write_data)
         atomic_write(path, lambda f: f.write(model.SerializeToString()))
@@ -190,15 +199,21 @@ class _Graph:
         self.nodes: list[onnx.NodeProto] = []
         self.constants: list[onnx.TensorProto] = []
         self.taken = set(flow.vars) | {alias for v in flow.vars.values() for alias in v.aliases}
+        self.node_names: set[str] = set()
         self.op: Operation | None = None
         self.first_node = 0  # where the current op's nodes start
 
-    def fresh(self, base: str) -> str:
+    def fresh(self, base: str, taken: set[str] | None = None) -> str:
+        """`base`, or `base_1`, `base_2`, ...: the first name not yet taken (by a value, by default)."""
+        taken = self.taken if taken is None else taken
         name, index = base, 1
-        while name in self.taken:
+        while name in taken:
             name, index = f"{base}_{index}", index + 1
-        self.taken.add(name)
+        taken.add(name)
         return name
+
+    def node_name(self, op_type: str) -> str:
+        return self.fresh(f"{self.op.name}/{op_type}", self.node_names)
 
     def const(self, value, dtype) -> str:
         """A constant value of the current op (a shape, an axis list, a scalar)."""
@@ -212,14 +227,15 @@ class _Graph:
     def node(self, op_type: str, inputs: Sequence[str], outputs: int = 1, **attrs) -> str | list[str]:
         """Add a node of the current op; its outputs get fresh names."""
         names = [self.fresh(f"{self.op.name}/{op_type}") for _ in range(outputs)]
-        node = helper.make_node(op_type, list(inputs), names, self.fresh(f"{self.op.name}/{op_type}"), **attrs)
+        node = helper.make_node(op_type, list(inputs), names, self.node_name(op_type), **attrs)
         self.nodes.append(node)
         return names[0] if outputs == 1 else names
 
     def convert(self, op: Operation) -> None:
         converter = CONVERTERS.get(op.type)
         if converter is None:
-            raise UnknownOpError(f"ONNX export: op {op.name} of type {op.type} has no ONNX mapping")
+            hint = "; export the flow as built, not a compiled one" if op.type == "Calculate" else ""
+            raise UnknownOpError(f"ONNX export: op {op.name} of type {op.type} has no ONNX mapping{hint}")
         self.op, self.first_node = op, len(self.nodes)
         results = converter(self, op, *(v.name for v in op.inputs))
         results = [results] if isinstance(results, str) else results
@@ -230,7 +246,7 @@ class _Graph:
         """Rename the current op's value `result` to the output variable's name."""
         own = self.nodes[self.first_node:]
         if not any(result in node.output for node in own):  # an input passed through unchanged
-            self.nodes.append(helper.make_node("Identity", [result], [name], self.fresh(f"{self.op.name}/Identity")))
+            self.nodes.append(helper.make_node("Identity", [result], [name], self.node_name("Identity")))
             return
         for node in own:
             for values in (node.input, node.output):
@@ -340,7 +356,7 @@ def _gelu(g, op, x):
 
 @converts("Cast")
 def _cast(g, op, x):
-    return g.node("Cast", [x], to=ONNX_DTYPES[op.outputs[0].dtype])
+    return g.node("Cast", [x], to=onnx_dtype(op.outputs[0].dtype))
 
 
 # ---- matrices and shapes ----------------------------------------------------------------------------
@@ -422,9 +438,13 @@ def _reduce(g, op, onnx_type: str, x: str) -> str:
     return g.node(onnx_type, [x, axes], keepdims=int(attrs_of(op)["keepdims"]), noop_with_empty_axes=1)
 
 
+def _reduction(onnx_type: str) -> Converter:
+    return lambda g, op, x: _reduce(g, op, onnx_type, x)
+
+
 REDUCTIONS = {"Sum": "ReduceSum", "Mean": "ReduceMean", "Max": "ReduceMax", "Min": "ReduceMin", "Product": "ReduceProd"}
 for _type, _onnx_type in REDUCTIONS.items():
-    CONVERTERS[_type] = lambda g, op, x, _onnx_type=_onnx_type: _reduce(g, op, _onnx_type, x)
+    CONVERTERS[_type] = _reduction(_onnx_type)
 
 
 @converts("All", "Any")
@@ -439,7 +459,7 @@ def _all_any(g, op, x):
 def _count(g, op, x):
     source = op.inputs[0]
     hits = x if source.dtype == "bool" else g.node("Not", [g.node("Equal", [x, g.const(0, _numpy(source))])])
-    return _reduce(g, op, "ReduceSum", g.node("Cast", [hits], to=ONNX_DTYPES[op.outputs[0].dtype]))
+    return _reduce(g, op, "ReduceSum", g.node("Cast", [hits], to=onnx_dtype(op.outputs[0].dtype)))
 
 
 @converts("ArgMax", "ArgMin")
@@ -451,7 +471,7 @@ def _arg(g, op, x):
     index = g.node(op.type, [x], axis=axis, keepdims=int(attrs["keepdims"]))
     if attrs["axis"] is None:
         index = g.node("Reshape", [index, g.ints(op.outputs[0].shape)])
-    return g.node("Cast", [index], to=ONNX_DTYPES[op.outputs[0].dtype])
+    return g.node("Cast", [index], to=onnx_dtype(op.outputs[0].dtype))
 
 
 # ---- neural-network ops ---------------------------------------------------------------------------------
@@ -492,7 +512,7 @@ def _cross_entropy(g, op, logits, target):
     classes = logits_var.shape[-1]
     probs = target
     if target_var.dtype != logits_var.dtype:
-        probs = _one_hot(g, target, target_var, classes, ONNX_DTYPES[logits_var.dtype])
+        probs = _one_hot(g, target, target_var, classes, onnx_dtype(logits_var.dtype))
     smoothing = attrs_of(op)["label_smoothing"]
     if smoothing:
         probs = g.node("Add", [g.node("Mul", [probs, g.const(1 - smoothing, dtype)]), g.const(smoothing / classes, dtype)])
@@ -503,7 +523,7 @@ def _cross_entropy(g, op, logits, target):
 
 @converts("OneHot")
 def _one_hot_op(g, op, indices):
-    return _one_hot(g, indices, op.inputs[0], attrs_of(op)["depth"], ONNX_DTYPES[op.outputs[0].dtype])
+    return _one_hot(g, indices, op.inputs[0], attrs_of(op)["depth"], onnx_dtype(op.outputs[0].dtype))
 
 
 def _window_attrs(op, kernel=None) -> dict:
@@ -563,7 +583,7 @@ def _gather(g, op, params, indices, *oov):
 
 def _top_k(g, op, x):
     values, indices = g.node("TopK", [x, g.ints([attrs_of(op)["k"]])], outputs=2, axis=-1, largest=1, sorted=1)
-    return values, g.node("Cast", [indices], to=ONNX_DTYPES[op.outputs[-1].dtype])
+    return values, g.node("Cast", [indices], to=onnx_dtype(op.outputs[-1].dtype))
 
 
 @converts("TopK")
