@@ -30,3 +30,17 @@ def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, 
     if script == "moe_train.py":
         assert "routing skips 50% of the expert FLOPs" in out  # top-2 of 4
         assert "ranvier's step: matrix products" in out
+
+
+@pytest.mark.slow
+def test_onnx_inference_benchmark_races_onnx_runtime_on_each_model():
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    out = run("onnx_inference.py", "--quick", "--batches", "1", "--repeats", "1")
+    lines = out.splitlines()
+    assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0]
+    assert lines[1].startswith("ONNX Runtime ")
+    for model in ("bert-base", "resnet18", "gpt2-small"):
+        row = next(line for line in lines if line.startswith(model))
+        assert ("faster" in row or "slower" in row) and "max rel. error" in row
+        assert float(row.split("max rel. error ")[1].rstrip(")")) < 1e-5, row

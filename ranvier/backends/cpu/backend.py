@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +44,12 @@ def _source_digest() -> str:
 @functools.cache
 def blas_pointers() -> tuple[int, int, int, int]:
     """Addresses of SciPy's BLAS sgemm, dgemm, sgemv and dgemv (OpenBLAS), for generated code to call."""
+    if "scipy.linalg" not in sys.modules:
+        # OpenBLAS's threads spin for 2^28 cycles after each GEMM by default, fighting the
+        # kernels that run between GEMMs for the cores (10x slower mid-size steps on two
+        # cores). Sleeping at once costs a wake-up per GEMM instead. Read when SciPy's
+        # OpenBLAS loads, so only if nothing loaded it yet; a user's setting wins.
+        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")
     import scipy.linalg.cython_blas as blas
 
     get_name = ctypes.pythonapi.PyCapsule_GetName
