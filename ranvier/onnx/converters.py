@@ -292,9 +292,9 @@ def slice_(node: Node):
     steps = [int(s) for s in node.constant(4, "steps")] if node.optional(4) is not None else [1] * len(starts)
     begin, size, stride = [0] * x.rank, list(x.shape), [1] * x.rank
     for axis, start, end, step in zip(axes, starts, ends, steps):
-        indices = range(x.shape[axis])[slice(start, end, step)]
         if step < 1:
             raise node.error(f"step {step} along axis {axis}: only positive steps are supported")
+        indices = range(x.shape[axis])[slice(start, end, step)]
         begin[axis], size[axis], stride[axis] = (indices.start if len(indices) else 0), len(indices), step
     if all(s == 1 for s in stride):
         return node.b.slice(x, begin, size)
