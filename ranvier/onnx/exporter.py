@@ -287,14 +287,16 @@ def _chain(*onnx_types: str) -> Converter:
 
 
 CHAINS = {
-    # Elementwise ops ONNX has under the same name, and the binary ones of other names.
+    # Elementwise ops ONNX has under the same name.
     **{t: (t,) for t in (
         "Abs", "Neg", "Sign", "Relu", "Identity", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Tan", "Tanh",
         "Sigmoid", "Erf", "Softplus", "Softsign", "Floor", "Ceil", "Round", "Not", "Asin", "Acos", "Atan", "Sinh",
         "Cosh", "Asinh", "Acosh", "Atanh", "Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Greater", "And",
         "Or", "Xor",
     )},
-    "LessEqual": ("LessOrEqual",), "GreaterEqual": ("GreaterOrEqual",), "Minimum": ("Min",), "Maximum": ("Max",), "Cond": ("Where",), "NotEqual": ("Equal", "Not"),
+    # Under other names, or as two ops.
+    "LessEqual": ("LessOrEqual",), "GreaterEqual": ("GreaterOrEqual",), "Minimum": ("Min",), "Maximum": ("Max",),
+    "Cond": ("Where",), "NotEqual": ("Equal", "Not"),
     # Myelin's reciprocal trigonometric family.
     "Rsqrt": ("Sqrt", "Reciprocal"), "Cot": ("Tan", "Reciprocal"), "Sec": ("Cos", "Reciprocal"),
     "Csc": ("Sin", "Reciprocal"), "Coth": ("Tanh", "Reciprocal"), "Sech": ("Cosh", "Reciprocal"),
