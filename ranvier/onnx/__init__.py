@@ -4,8 +4,9 @@
 Needs the `onnx` package (`pip install 'ranvier[onnx]'`); ranvier itself does not import it.
 """
 
+from .exporter import save
 from .from_torch import from_torch
 from .importer import load, read_model
 from .node import OnnxError
 
-__all__ = ["OnnxError", "from_torch", "load", "read_model"]
+__all__ = ["OnnxError", "from_torch", "load", "read_model", "save"]
