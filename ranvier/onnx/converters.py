@@ -215,6 +215,8 @@ def reshape(node: Node):
     if -1 in target:
         known = math.prod(d for d in target if d != -1)
         target[target.index(-1)] = x.size // known if known else 0
+    if min(target, default=0) < 0 or math.prod(target) != x.size:
+        raise node.error(f"target shape {target} does not hold the {x.size} elements of shape {x.shape}")
     return x.reshape(target)
 
 

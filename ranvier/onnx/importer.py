@@ -75,7 +75,7 @@ class _GraphImporter:
         self.constant_vars: dict[str, Tensor] = {}
 
     def run(self) -> None:
-        initializers = {t.name: numpy_helper.to_array(t) for t in self.graph.initializer}
+        initializers = {t.name: _initializer(t) for t in self.graph.initializer}
         self.values.update(initializers)
         for value_info in self.graph.input:
             if value_info.name not in initializers:
@@ -121,10 +121,10 @@ class _GraphImporter:
     def convert(self, proto: onnx.NodeProto) -> None:
         domain = proto.domain if proto.domain not in ("", "ai.onnx") else ""
         key = f"{domain}:{proto.op_type}" if domain else proto.op_type
-        inputs = [self.values[name] if name else None for name in proto.input]
         missing = [name for name in proto.input if name and name not in self.values]
         if missing:
             raise OnnxError(f"ONNX node {proto.name!r} reads {missing[0]!r}, which no earlier node computes")
+        inputs = [self.values[name] if name else None for name in proto.input]
         node = Node(proto, inputs, self)
         if (not domain and proto.op_type not in _NOT_FOLDED and not _has_subgraph(proto)
                 and all(v is None or isinstance(v, np.ndarray) for v in inputs)):
@@ -136,7 +136,14 @@ class _GraphImporter:
                     f"ONNX operator {proto.op_type} (domain {domain or 'ai.onnx'}, opset {node.opset}) of node "
                     f"{node.name!r} is not supported by ranvier's importer"
                 )
-            results = converter(node)
+            try:
+                results = converter(node)
+            except UnknownOpError:  # a KeyError too, but already says what is missing
+                raise
+            except (ValueError, TypeError, IndexError, KeyError, OverflowError, ZeroDivisionError) as error:
+                # A malformed node (attributes of the wrong kind or size, inconsistent shapes) that passed
+                # ONNX's checker: report it by node rather than as a Python error from deep inside.
+                raise node.error(f"could not be converted: {type(error).__name__}: {error}") from None
         results = results if isinstance(results, (list, tuple)) else [results]
         for name, value in zip(proto.output, results):
             if name:
@@ -164,6 +171,13 @@ class _GraphImporter:
         if name:
             self.constant_vars[name] = tensor
         return tensor
+
+
+def _initializer(tensor: onnx.TensorProto) -> np.ndarray:
+    try:
+        return numpy_helper.to_array(tensor)
+    except (ValueError, TypeError, KeyError) as error:  # an unknown element type, data not matching its dims
+        raise OnnxError(f"initializer {tensor.name!r} cannot be read: {type(error).__name__}: {error}") from None
 
 
 def _has_subgraph(proto: onnx.NodeProto) -> bool:

@@ -1,0 +1,557 @@
+"""ONNX import against ONNX Runtime: models exported by torch.onnx.export from randomly
+initialised modules, and one-node models built with onnx.helper for every converter, load,
+compile on the CPU backend and give ORT's outputs on random inputs (float32: max abs error
+/ max abs value < 1e-5). Also symbolic dimensions, external data, the errors unsupported
+nodes give, and a seeded fuzz of malformed model bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+torch = pytest.importorskip("torch")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+import ranvier  # noqa: E402
+import ranvier.onnx as ro  # noqa: E402
+from ranvier.errors import RanvierError, UnknownOpError  # noqa: E402
+from ranvier.onnx import OnnxError  # noqa: E402
+
+RNG = np.random.default_rng(15)
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Known:
+    """A node input given as an initializer (known at load time), not fed at run time."""
+
+    value: np.ndarray
+
+
+def rand(*shape, low=None, high=None, dtype=np.float32) -> np.ndarray:
+    """Random values, normal unless a range is given; never all zeros."""
+    values = RNG.standard_normal(shape) if low is None else RNG.uniform(low, high, shape)
+    return np.asarray(values, dtype)
+
+
+def known(*values, dtype=np.int64) -> Known:
+    return Known(np.asarray(values, dtype))
+
+
+def build(nodes, values: dict, outputs, opset: int = 17) -> onnx.ModelProto:
+    """A model over `values`: arrays are graph inputs, `Known`s initializers. The outputs
+    are left untyped; `check` types them from ORT's results."""
+    inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+              for name, v in values.items() if not isinstance(v, Known)]
+    initializers = [numpy_helper.from_array(v.value, name) for name, v in values.items() if isinstance(v, Known)]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_empty_tensor_value_info(o) for o in outputs], initializers)
+    opsets = [helper.make_opsetid("", opset)]
+    if any(n.domain == "com.microsoft" for n in nodes):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString()).run(None, feeds)
+
+
+def run_ranvier(model, feeds: dict, outputs, dims=None) -> list[np.ndarray]:
+    net = ranvier.Compiler().compile(ro.load(model, dims=dims))
+    data = net.cell("main").instance()
+    for name, value in feeds.items():
+        data[name] = value
+    data.compute()
+    return [np.array(data[name]) for name in outputs]
+
+
+def assert_matches(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape}, ORT {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, ORT {expected.dtype}"
+    if expected.dtype.kind == "f":
+        error = np.abs(actual - expected).max(initial=0) / max(np.abs(expected).max(initial=0), 1e-30)
+        assert error < TOLERANCE, f"{what}: relative error {error:.2e}"
+    else:
+        np.testing.assert_array_equal(actual, expected, err_msg=what)
+
+
+def check(model: onnx.ModelProto, feeds: dict, dims=None) -> None:
+    """Run the model in ORT and ranvier and compare every output."""
+    expected = run_ort(model, feeds)
+    outputs = [o.name for o in model.graph.output]
+    if not model.graph.output[0].type.HasField("tensor_type"):  # built by `build`: type them as ORT found them
+        del model.graph.output[:]
+        model.graph.output.extend(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
+                                  for name, e in zip(outputs, expected))
+    for name, actual, e in zip(outputs, run_ranvier(model, feeds, outputs, dims), expected):
+        assert_matches(actual, e, name)
+
+
+def check_node(op: str, values: dict, *, inputs=None, outputs=("y",), opset=17, domain="", **attrs) -> None:
+    """One node reading `values` (in order, unless `inputs` names them) into `outputs`."""
+    node = helper.make_node(op, list(inputs or values), list(outputs), domain=domain or None, **attrs)
+    check(build([node], values, outputs, opset), {k: v for k, v in values.items() if not isinstance(v, Known)})
+
+
+def case(op: str, values: dict, *, id: str = "", **kwargs):
+    return pytest.param(op, values, kwargs, id=f"{op}-{id}" if id else op)
+
+
+# ---- one node per converter ----------------------------------------------------------------------
+
+# Each unary operator on inputs inside its domain.
+UNARY_INPUTS = {
+    "Log": rand(3, 4, low=0.1, high=3), "Sqrt": rand(3, 4, low=0.1, high=3), "Reciprocal": rand(3, 4, low=0.5, high=2),
+    "Asin": rand(3, 4, low=-0.9, high=0.9), "Acos": rand(3, 4, low=-0.9, high=0.9),
+    "Atanh": rand(3, 4, low=-0.9, high=0.9), "Acosh": rand(3, 4, low=1.1, high=3), "Not": rand(3, 4) > 0,
+}
+UNARY = ["Relu", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Neg", "Abs", "Erf", "Floor", "Ceil", "Round",
+         "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Sign", "Not",
+         "Softplus", "Softsign", "Identity"]
+
+X34 = rand(3, 4)
+X234 = rand(2, 3, 4)
+IMAGE = rand(2, 3, 7, 8)
+INTS = RNG.integers(-3, 4, (2, 3, 4)).astype(np.int64)
+
+NODE_CASES = [
+    *(case(op, {"x": UNARY_INPUTS.get(op, rand(3, 4) * 2)}) for op in UNARY),
+    # Binary operators broadcast both ways: [2,3,1] with [4] gives [2,3,4].
+    *(case(op, {"a": rand(2, 3, 1), "b": rand(4)}) for op in ("Add", "Sub", "Mul", "Div")),
+    case("Pow", {"a": rand(2, 3, 1, low=0.5, high=2), "b": rand(4)}),
+    case("Add", {"a": X234, "b": Known(rand(3, 1))}, id="known"),
+    *(case(op, {"a": INTS, "b": RNG.integers(-3, 4, (3, 1)).astype(np.int64)})
+      for op in ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")),
+    case("Less", {"a": rand(2, 3, 4), "b": rand(3, 4)}, id="float"),
+    *(case(op, {"a": rand(2, 3, 4) > 0, "b": rand(4) > 0}) for op in ("And", "Or", "Xor")),
+    *(case(op, {"a": rand(2, 3, 4), "b": rand(3, 1), "c": rand(4)}) for op in ("Max", "Min", "Sum", "Mean")),
+    case("Max", {"a": X34}, id="one"),
+    case("Where", {"c": rand(3, 1) > 0, "a": rand(2, 3, 4), "b": rand(4)}),
+    case("Clip", {"x": X234, "lo": Known(np.float32(-0.5)), "hi": Known(np.float32(0.7))}, opset=13),
+    case("Clip", {"x": X234, "lo": Known(np.float32(-0.5))}, id="min-only"),
+    case("Clip", {"x": X234, "hi": Known(np.float32(0.3))}, inputs=["x", "", "hi"], id="max-only"),
+    case("Clip", {"x": X234}, id="none"),
+    case("Clip", {"x": X234}, opset=6, min=-0.5, max=0.25, id="attributes"),
+    case("LeakyRelu", {"x": X234}, alpha=0.2),
+    case("LeakyRelu", {"x": X234}, id="default"),
+    case("Gelu", {"x": X234 * 3}, opset=20),
+    case("Gelu", {"x": X234 * 3}, opset=20, approximate="tanh", id="tanh"),
+    case("Cast", {"x": X234 * 5}, to=TensorProto.INT64, id="to-int64"),
+    case("Cast", {"x": INTS}, to=TensorProto.FLOAT, id="to-float"),
+    case("Cast", {"x": INTS}, to=TensorProto.BOOL, id="to-bool"),
+    case("Cast", {"x": X234}, to=TensorProto.FLOAT, id="same"),
+    case("CastLike", {"x": INTS, "like": Known(np.float32([1.0]))}),
+    # MatMul: numpy's rules, 1-D operands and batch broadcasting.
+    case("MatMul", {"a": rand(3, 4), "b": rand(4, 5)}),
+    case("MatMul", {"a": rand(4), "b": rand(4, 5)}, id="vector-left"),
+    case("MatMul", {"a": rand(2, 3, 4), "b": rand(4)}, id="vector-right"),
+    case("MatMul", {"a": rand(4), "b": rand(4)}, id="dot"),
+    case("MatMul", {"a": rand(2, 1, 3, 4), "b": rand(3, 4, 5)}, id="batch-broadcast"),
+    case("MatMul", {"a": rand(2, 3, 4), "w": Known(rand(4, 5))}, id="known-weight"),
+    case("Gemm", {"a": rand(3, 4), "b": rand(4, 5), "c": rand(5)}),
+    case("Gemm", {"a": rand(4, 3), "b": Known(rand(5, 4)), "c": Known(rand(3, 1))},
+         transA=1, transB=1, alpha=0.5, beta=2.0, id="transposed-scaled"),
+    case("Gemm", {"a": rand(3, 4), "b": rand(4, 5)}, alpha=1.5, id="no-c"),
+    case("Gemm", {"a": rand(3, 4), "b": rand(4, 5), "c": Known(rand(3, 5))}, beta=0.0, id="beta-0"),
+    # Softmax before opset 13 flattens the axes from `axis` on; from 13 it is one axis.
+    case("Softmax", {"x": X234}, opset=11, axis=1, id="opset11-axis1"),
+    case("Softmax", {"x": X234}, opset=11, id="opset11-default"),
+    case("Softmax", {"x": X234}, opset=13, axis=1, id="opset13-axis1"),
+    case("Softmax", {"x": X234}, opset=13, id="opset13-default"),
+    case("LogSoftmax", {"x": X234}, opset=11, axis=0, id="opset11-axis0"),
+    case("LogSoftmax", {"x": X234}, opset=13, axis=-2, id="opset13-axis-2"),
+    case("LayerNormalization", {"x": X234, "g": Known(rand(4)), "b": Known(rand(4))}),
+    case("LayerNormalization", {"x": X234, "g": Known(rand(3, 4))}, axis=-2, epsilon=1e-3, id="axis-2-no-bias"),
+    case("LayerNormalization", {"x": X234, "g": rand(4), "b": rand(4)}, id="fed-scale"),
+    # Shapes.
+    case("Reshape", {"x": X234, "s": known(0, -1, 2)}),
+    case("Reshape", {"x": X234, "s": known(-1)}, id="flat"),
+    case("Reshape", {"x": X234, "s": known(4, 0, 2)}, opset=14, allowzero=0, id="zero-copies"),
+    case("Flatten", {"x": IMAGE}),
+    case("Flatten", {"x": IMAGE}, axis=0, id="axis0"),
+    case("Flatten", {"x": IMAGE}, axis=-2, id="axis-2"),
+    case("Transpose", {"x": IMAGE}, perm=[0, 2, 3, 1]),
+    case("Transpose", {"x": X234}, id="reversed"),
+    case("Concat", {"a": X234, "b": Known(rand(2, 1, 4)), "c": rand(2, 2, 4)}, axis=-2),
+    case("Concat", {"a": X234, "b": rand(2, 3, 1)}, axis=2, id="last"),
+    case("Unsqueeze", {"x": X234}, opset=11, axes=[0, -1], id="opset11"),
+    case("Unsqueeze", {"x": X234, "axes": known(1, -1)}, opset=13, id="opset13"),
+    case("Squeeze", {"x": rand(1, 3, 1, 4)}, opset=11, axes=[2], id="opset11"),
+    case("Squeeze", {"x": rand(1, 3, 1, 4), "axes": known(-2, 0)}, opset=13, id="opset13"),
+    case("Squeeze", {"x": rand(1, 3, 1, 4)}, opset=13, id="all-ones"),
+    case("Split", {"x": rand(2, 7, 3)}, outputs=("y", "z"), opset=11, axis=1, split=[3, 4], id="opset11-attribute"),
+    case("Split", {"x": rand(2, 7, 3), "s": known(5, 2)}, outputs=("y", "z"), opset=13, axis=1, id="opset13-input"),
+    case("Split", {"x": rand(6, 3)}, outputs=("y", "z", "w"), opset=13, id="opset13-equal"),
+    case("Split", {"x": rand(2, 7, 3)}, outputs=("y", "z"), opset=18, axis=-2, num_outputs=2, id="opset18-uneven"),
+    # Slice: negative and out-of-range starts and ends are clamped; steps > 1 stride.
+    case("Slice", {"x": rand(5, 6, 7), "s": known(1, -5), "e": known(-1, 1000), "a": known(0, 2)}),
+    case("Slice", {"x": rand(5, 6, 7), "s": known(-1000, 1), "e": known(4, 6), "a": known(-2, 2), "t": known(2, 3)},
+         id="steps"),
+    case("Slice", {"x": rand(5, 6), "s": known(0, 0), "e": known(5, 6)}, id="no-axes"),
+    # Gather: constant indices (negatives count from the end) and fed ones, on axis 0 and 1.
+    case("Gather", {"x": rand(5, 4), "i": known(-1, 0, 3, -2)}),
+    case("Gather", {"x": rand(3, 5, 4), "i": known([[-1, 0], [2, 2]])}, axis=1, id="axis1-negative"),
+    case("Gather", {"x": Known(rand(10, 4)), "i": RNG.integers(0, 10, (2, 3)).astype(np.int64)}, id="fed"),
+    case("Gather", {"x": rand(3, 5, 4), "i": RNG.integers(0, 5, (2,)).astype(np.int64)}, axis=1, id="fed-axis1"),
+    case("Gather", {"x": rand(3, 5, 4), "i": RNG.integers(0, 4, (2, 2)).astype(np.int32)}, axis=-1, id="fed-axis-1"),
+    case("Expand", {"x": rand(3, 1), "s": known(2, 3, 4)}),
+    case("Expand", {"x": X34, "s": known(4)}, id="smaller-shape"),
+    case("Trilu", {"x": X234}),
+    case("Trilu", {"x": rand(2, 4, 5), "k": Known(np.int64(-1))}, upper=0, id="lower-k-1"),
+    case("Trilu", {"x": rand(4, 3), "k": Known(np.int64(1))}, upper=1, id="upper-k1"),
+    # Reductions: axes as an attribute (ReduceSum before 13, the others before 18) or an input.
+    *(case(op, {"x": X234}, opset=13, axes=[0, -1], keepdims=k, id=f"opset13-keepdims{k}")
+      for op in ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd") for k in (0, 1)),
+    *(case(op, {"x": X234, "a": known(1)}, opset=18, keepdims=k, id=f"opset18-keepdims{k}")
+      for op in ("ReduceMean", "ReduceSum", "ReduceMax") for k in (0, 1)),
+    case("ReduceSum", {"x": X234}, opset=11, axes=[1], keepdims=0, id="opset11"),
+    case("ReduceSum", {"x": X234, "a": known(-1, 0)}, opset=13, id="opset13"),
+    case("ReduceMean", {"x": X234}, opset=18, keepdims=0, id="all"),
+    case("ReduceSum", {"x": X234}, opset=13, noop_with_empty_axes=1, id="noop"),
+    case("ArgMax", {"x": X234}, axis=1, keepdims=0),
+    case("ArgMax", {"x": X234}, id="default"),
+    case("ArgMin", {"x": X234}, axis=-1, keepdims=1),
+    # Convolution and pooling over [N, C, H, W].
+    case("Conv", {"x": IMAGE, "w": Known(rand(4, 3, 3, 3)), "b": Known(rand(4))}, pads=[1, 1, 1, 1]),
+    case("Conv", {"x": IMAGE, "w": rand(4, 3, 3, 2)}, strides=[2, 1], pads=[1, 0, 2, 1], id="asymmetric"),
+    case("Conv", {"x": IMAGE, "w": Known(rand(4, 3, 3, 3))}, strides=[2, 2], auto_pad="SAME_UPPER", id="same-upper"),
+    case("Conv", {"x": IMAGE, "w": Known(rand(4, 3, 2, 2))}, auto_pad="SAME_LOWER", id="same-lower"),
+    case("Conv", {"x": IMAGE, "w": Known(rand(4, 3, 3, 3)), "b": rand(4)}, auto_pad="VALID", strides=[2, 2],
+         id="valid"),
+    case("MaxPool", {"x": IMAGE}, kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+    case("MaxPool", {"x": -IMAGE - 5}, kernel_shape=[2, 3], pads=[0, 1, 1, 2], id="asymmetric-negative"),
+    case("MaxPool", {"x": IMAGE}, kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER", id="same-upper"),
+    *(case("AveragePool", {"x": IMAGE}, kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], count_include_pad=c,
+           id=f"count-include-pad{c}") for c in (0, 1)),
+    *(case("AveragePool", {"x": IMAGE}, kernel_shape=[2, 3], pads=[1, 0, 0, 2], count_include_pad=c,
+           id=f"asymmetric-count-include-pad{c}") for c in (0, 1)),
+    case("AveragePool", {"x": IMAGE}, kernel_shape=[2, 2], id="no-pads"),
+    case("GlobalAveragePool", {"x": IMAGE}),
+    case("GlobalMaxPool", {"x": IMAGE}),
+    case("Pad", {"x": X234, "p": known(0, 1, 2, 1, 0, 3), "v": Known(np.float32(1.5))}, opset=13),
+    case("Pad", {"x": X234, "p": known(0, 1, 0, 0, 2, 1)}, opset=13, id="zeros"),
+    case("Pad", {"x": X234, "p": known(2, 1, 0, 3), "v": Known(np.float32(-2)), "a": known(-1, 0)}, opset=18,
+         id="axes"),
+    case("Pad", {"x": X234}, opset=2, pads=[0, 1, 1, 0, 2, 0], value=0.5, id="opset2"),
+    case("Resize", {"x": IMAGE, "r": known(dtype=np.float32), "s": known(1, 1, 2, 2, dtype=np.float32)},
+         opset=13, mode="nearest", id="scales"),
+    case("Resize", {"x": IMAGE, "z": known(2, 3, 14, 24)}, inputs=["x", "", "", "z"], opset=13, id="sizes-x2-x3"),
+    case("Resize", {"x": IMAGE, "s": known(1, 1, 2, 2, dtype=np.float32)}, inputs=["x", "", "s"], opset=13,
+         coordinate_transformation_mode="asymmetric", nearest_mode="floor", id="asymmetric-floor"),
+    case("Resize", {"x": IMAGE, "s": known(1, 1, 3, 2, dtype=np.float32)}, inputs=["x", "", "s"], opset=13,
+         nearest_mode="round_prefer_ceil", id="x3-round-prefer-ceil"),
+    case("Resize", {"x": IMAGE, "s": known(1, 1, 2, 2, dtype=np.float32)}, inputs=["x", "", "s"], opset=13,
+         coordinate_transformation_mode="pytorch_half_pixel", id="pytorch-half-pixel"),
+    case("Resize", {"x": IMAGE, "s": known(1, 1, 2, 2, dtype=np.float32)}, inputs=["x", "", "s"], opset=13,
+         coordinate_transformation_mode="asymmetric", id="asymmetric-round"),
+    case("BatchNormalization", {"x": IMAGE, "g": Known(rand(3)), "b": Known(rand(3)), "m": Known(rand(3)),
+                                "v": Known(rand(3, low=0.5, high=2))}, epsilon=1e-3),
+    case("BatchNormalization", {"x": rand(5, 3), "g": Known(rand(3)), "b": Known(rand(3)), "m": Known(rand(3)),
+                                "v": Known(rand(3, low=0.5, high=2))}, opset=9, id="rank2-opset9"),
+    case("Dropout", {"x": X234}, opset=13),
+    case("Dropout", {"x": X234, "r": Known(np.float32(0.3))}, opset=12, id="ratio"),
+    case("SkipLayerNormalization", {"x": X234, "s": rand(2, 3, 4), "g": Known(rand(4)), "b": Known(rand(4)),
+                                    "bias": Known(rand(4))}, domain="com.microsoft", epsilon=1e-5),
+    case("SkipLayerNormalization", {"x": X234, "s": rand(2, 3, 4), "g": Known(rand(4))}, domain="com.microsoft",
+         id="no-beta"),
+    case("FastGelu", {"x": X234 * 3, "b": Known(rand(4))}, domain="com.microsoft"),
+    case("FastGelu", {"x": X234 * 3}, domain="com.microsoft", id="no-bias"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", NODE_CASES)
+def test_node(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+# ---- models exported by torch.onnx.export --------------------------------------------------------
+
+nn = torch.nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 32), nn.GELU(), nn.Linear(32, 10), nn.LogSoftmax(-1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Block(nn.Module):
+    """A ResNet basic block; a strided or widening one has a projection shortcut."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False), nn.BatchNorm2d(outputs), nn.ReLU(),
+                                  nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False), nn.BatchNorm2d(outputs))
+        self.shortcut = nn.Identity() if stride == 1 and inputs == outputs else \
+            nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        self.blocks = nn.Sequential(Block(8, 8, 1), Block(8, 16, 2))
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
+
+
+class Encoder(nn.Module):
+    """BERT-style: token and position embeddings, post-norm layers, a padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.position = nn.Parameter(torch.randn(16, 32) * 0.1)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation="gelu", batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, ids, mask):
+        return self.layers(self.embed(ids) + self.position[: ids.shape[1]], src_key_padding_mask=mask == 0)
+
+
+class GPT(nn.Module):
+    """GPT-2-style: pre-norm blocks, causal attention, tanh GELU, an untied head."""
+
+    def __init__(self, vocab=100, dim=32, heads=4, layers=2, context=16):
+        super().__init__()
+        self.wte, self.wpe, self.heads = nn.Embedding(vocab, dim), nn.Embedding(context, dim), heads
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": nn.LayerNorm(dim), "qkv": nn.Linear(dim, 3 * dim), "proj": nn.Linear(dim, dim),
+            "ln2": nn.LayerNorm(dim), "fc": nn.Linear(dim, 4 * dim), "out": nn.Linear(4 * dim, dim),
+        }) for _ in range(layers))
+        self.lnf, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        batch, length = ids.shape
+        x = self.wte(ids) + self.wpe(torch.arange(length))
+        for b in self.blocks:
+            q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                       for t in b["qkv"](b["ln1"](x)).split(x.shape[-1], -1))
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + b["proj"](y.transpose(1, 2).reshape(batch, length, -1))
+            x = x + b["out"](nn.functional.gelu(b["fc"](b["ln2"](x)), approximate="tanh"))
+        return self.head(self.lnf(x))
+
+
+def family(name: str) -> tuple[nn.Module, list[torch.Tensor]]:
+    """A randomly initialised module (BatchNorm with random running statistics) and inputs."""
+    torch.manual_seed(0)
+    module, inputs = {
+        "mlp": lambda: (MLP(), [torch.randn(4, 20)]),
+        "cnn": lambda: (CNN(), [torch.randn(2, 3, 32, 32)]),
+        "bert": lambda: (Encoder(), [torch.randint(0, 100, (2, 16)), torch.tensor([[1] * 16, [1] * 10 + [0] * 6])]),
+        "gpt": lambda: (GPT(), [torch.randint(0, 100, (2, 16))]),
+    }[name]()
+    for norm in (m for m in module.modules() if isinstance(m, nn.BatchNorm2d)):
+        norm.running_mean.normal_(0, 0.5)
+        norm.running_var.uniform_(0.5, 2)
+        norm.weight.data.normal_(1, 0.3)
+        norm.bias.data.normal_(0, 0.3)
+    return module.eval(), inputs
+
+
+def export(module: nn.Module, inputs: list[torch.Tensor], dynamo: bool, **options) -> onnx.ModelProto:
+    if dynamo:
+        return torch.onnx.export(module, tuple(inputs), dynamo=True, verbose=False, **options).model_proto
+    buffer = io.BytesIO()
+    torch.onnx.export(module, tuple(inputs), buffer, dynamo=False, **options)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[str]:
+    initializers = {t.name for t in model.graph.initializer}
+    return [i.name for i in model.graph.input if i.name not in initializers]
+
+
+EXPORTS = [("mlp", True), ("cnn", True), ("bert", True), ("gpt", True), ("cnn", False), ("bert", False), ("gpt", False)]
+
+
+@pytest.fixture(scope="module", params=EXPORTS, ids=[f"{n}-{'dynamo' if d else 'torchscript'}" for n, d in EXPORTS])
+def exported(request) -> tuple[onnx.ModelProto, dict]:
+    name, dynamo = request.param
+    module, inputs = family(name)
+    model = export(module, inputs, dynamo)
+    return model, {n: t.numpy() for n, t in zip(graph_inputs(model), inputs)}
+
+
+def test_exported_model(exported):
+    model, feeds = exported
+    check(model, feeds)
+
+
+# ---- symbolic dimensions, external data -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dynamic_gpt() -> onnx.ModelProto:
+    """The GPT decoder with a symbolic batch and sequence length."""
+    module, inputs = family("gpt")
+    shapes = {"ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=16)}}
+    return export(module, inputs, True, input_names=["ids"], dynamic_shapes=shapes)
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 5), (3, 16)])
+def test_symbolic_dims(dynamic_gpt, batch, seq):
+    assert [d.dim_param for d in dynamic_gpt.graph.input[0].type.tensor_type.shape.dim] == ["batch", "seq"]
+    check(dynamic_gpt, {"ids": RNG.integers(0, 100, (batch, seq))}, dims={"batch": batch, "seq": seq})
+
+
+def test_unbound_dim_is_named(dynamic_gpt):
+    with pytest.raises(OnnxError, match=r"'ids'.*'seq'.*dims=\{'seq': N\}"):
+        ro.load(dynamic_gpt, dims={"batch": 2})
+
+
+def test_unknown_dims_name_is_refused(dynamic_gpt):
+    with pytest.raises(OnnxError, match=r"\['beam'\].*\['batch', 'seq'\]"):
+        ro.load(dynamic_gpt, dims={"batch": 2, "seq": 4, "beam": 3})
+
+
+def test_external_data(tmp_path):
+    values = {"x": rand(2, 8), "w": Known(rand(8, 6)), "b": Known(rand(6))}
+    model = build([helper.make_node("Gemm", ["x", "w", "b"], ["y"])], values, ["y"])
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6]))
+    onnx.save_model(model, tmp_path / "m.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="w.data", size_threshold=0)
+    assert (tmp_path / "w.data").stat().st_size == (8 * 6 + 6) * 4
+    feeds = {"x": values["x"]}
+    [expected] = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, feeds)
+    [actual] = run_ranvier(tmp_path / "m.onnx", feeds, ["y"])
+    assert_matches(actual, expected, "y")
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+
+def model_with(node: onnx.NodeProto, values: dict, opset: int = 17) -> onnx.ModelProto:
+    """A one-node model whose output types come from ONNX's shape inference (ORT may not run it)."""
+    model = onnx.shape_inference.infer_shapes(build([node], values, node.output, opset))
+    for output in model.graph.output:
+        if not output.type.HasField("tensor_type"):  # inference gave up on an invalid node: any type will do
+            output.CopyFrom(helper.make_tensor_value_info(output.name, TensorProto.FLOAT, []))
+    return model
+
+
+@pytest.mark.parametrize("op, values, attrs", [
+    ("Einsum", {"a": X34, "b": rand(4, 5)}, {"equation": "ij,jk->ik"}),
+    ("LSTM", {"x": X234, "w": Known(rand(1, 20, 4)), "r": Known(rand(1, 20, 5))}, {"hidden_size": 5}),
+])
+def test_unsupported_operator_is_named(op, values, attrs):
+    model = model_with(helper.make_node(op, list(values), ["y"], name="the_node", **attrs), values)
+    with pytest.raises(UnknownOpError, match=rf"{op} \(domain ai.onnx, opset 17\) of node 'the_node'"):
+        ro.load(model)
+
+
+W333 = Known(rand(4, 3, 3, 3))
+REFUSED = [
+    ("Conv", {"x": rand(1, 4, 6, 6), "w": Known(rand(4, 2, 3, 3))}, {"group": 2}, "group=2"),
+    ("Conv", {"x": IMAGE, "w": W333}, {"dilations": [2, 2]}, "dilations"),
+    ("Conv", {"x": rand(1, 3, 9), "w": Known(rand(4, 3, 3))}, {}, "rank-3"),
+    ("MaxPool", {"x": IMAGE}, {"kernel_shape": [3, 3], "ceil_mode": 1}, "ceil_mode"),
+    ("Slice", {"x": X34, "s": known(3), "e": known(0), "a": known(1), "t": known(-1)}, {}, "step -1"),
+    ("Slice", {"x": X34, "s": known(0), "e": known(3), "a": known(1), "t": known(0)}, {}, "step 0"),
+    ("Pad", {"x": X34, "p": known(1, 1, 1, 1)}, {"mode": "reflect"}, "mode 'reflect'"),
+    ("Resize", {"x": IMAGE, "r": known(dtype=np.float32), "s": known(1, 1, 1.5, 2, dtype=np.float32)}, {},
+     "whole"),
+    ("Resize", {"x": IMAGE, "r": known(dtype=np.float32), "s": known(1, 1, 3, 3, dtype=np.float32)},
+     {"coordinate_transformation_mode": "asymmetric"}, "do not repeat"),
+    ("Resize", {"x": IMAGE, "r": known(dtype=np.float32), "s": known(1, 1, 2, 2, dtype=np.float32)},
+     {"mode": "linear"}, "mode 'linear'"),
+    ("ArgMax", {"x": X34}, {"select_last_index": 1}, "select_last_index"),
+    ("Gather", {"x": X34, "i": known(4)}, {}, "outside"),
+]
+
+
+@pytest.mark.parametrize("op, values, attrs, reason", REFUSED, ids=[f"{r[0]}-{r[3]}" for r in REFUSED])
+def test_refused_node_is_named(op, values, attrs, reason):
+    model = model_with(helper.make_node(op, list(values), ["y"], name="the_node", **attrs), values)
+    with pytest.raises(OnnxError, match=rf"'the_node' \({op}, opset 17\).*{reason}"):
+        ro.load(model)
+
+
+def test_refused_extra_outputs_are_named():
+    mask = helper.make_node("Dropout", ["x"], ["y", "mask"], name="the_node")
+    with pytest.raises(OnnxError, match=r"'the_node' \(Dropout.*mask"):
+        ro.load(model_with(mask, {"x": X34}))
+    stats = helper.make_node("LayerNormalization", ["x", "g"], ["y", "mean"], name="the_node")
+    with pytest.raises(OnnxError, match=r"'the_node' \(LayerNormalization.*mean"):
+        ro.load(model_with(stats, {"x": X34, "g": Known(rand(4))}))
+
+
+def test_computed_reshape_target_is_refused():
+    nodes = [helper.make_node("Abs", ["s"], ["t"]), helper.make_node("Reshape", ["x", "t"], ["y"], name="the_node")]
+    model = onnx.shape_inference.infer_shapes(build(nodes, {"x": X34, "s": np.int64([2, 6])}, ["y"]))
+    with pytest.raises(OnnxError, match=r"'the_node' \(Reshape.*target shape.*'t'.*computed from the model's inputs"):
+        ro.load(model)
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------------
+
+FUZZ_SEED = 15
+FUZZ_BUDGET_S = 2.0
+
+
+def fuzz_base() -> bytes:
+    """A small model touching many converters, so mutated bytes reach attributes and shapes."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["hb"]),
+        helper.make_node("Relu", ["hb"], ["r"]),
+        helper.make_node("Reshape", ["r", "shape"], ["r3"]),
+        helper.make_node("Transpose", ["r3"], ["t"], perm=[0, 2, 1]),
+        helper.make_node("Slice", ["t", "starts", "ends", "axes", "steps"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("Gather", ["p", "idx"], ["g"], axis=1),
+        helper.make_node("ReduceMean", ["g"], ["y"], axes=[-1], keepdims=0),
+    ]
+    values = {"x": rand(2, 8), "w": Known(rand(8, 12)), "b": Known(rand(12)), "shape": known(2, 4, 3),
+              "starts": known(0), "ends": known(4), "axes": known(2), "steps": known(2), "idx": known(-1, 0)}
+    return onnx.shape_inference.infer_shapes(build(nodes, values, ["y"])).SerializeToString()
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        at = rng.randrange(len(data))
+        kind = rng.randrange(4)
+        if kind == 0:
+            data[at] = rng.randrange(256)
+        elif kind == 1:
+            data[at] ^= 1 << rng.randrange(8)
+        elif kind == 2:
+            del data[at: at + rng.randint(1, 8)]
+        else:
+            data[at:at] = rng.randbytes(rng.randint(1, 4))
+    return bytes(data[: rng.randrange(len(data)) + 1] if rng.random() < 0.2 else data)
+
+
+def test_fuzzed_model_bytes_fail_cleanly():
+    rng, base = random.Random(FUZZ_SEED), fuzz_base()
+    ranvier.Compiler().compile(ro.load(base))
+    outcomes = {"refused": 0, "loaded": 0}
+    deadline = time.monotonic() + FUZZ_BUDGET_S
+    while time.monotonic() < deadline:
+        data = mutate(base, rng)
+        try:
+            flow = ro.load(data)
+            outcomes["loaded"] += 1
+            ranvier.Compiler().compile(flow)
+        except RanvierError as error:
+            outcomes["refused"] += 1
+            assert str(error), f"an empty message from {type(error).__name__}"
+    assert outcomes["refused"] >= 20 and outcomes["loaded"] >= 1, outcomes
