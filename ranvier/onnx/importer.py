@@ -165,7 +165,7 @@ class _GraphImporter:
             return value
         if name in self.constant_vars:
             return self.constant_vars[name]
-        array = np.ascontiguousarray(value)
+        array = np.asarray(value, order="C")  # ascontiguousarray would make a scalar [1]
         dtypes.from_numpy(array.dtype)  # refuses what ranvier cannot hold
         tensor = self.b.array(_clean(name) or "const", array) if array.size > 16 else self.b.const(array, dtypes.from_numpy(array.dtype))
         if name:
