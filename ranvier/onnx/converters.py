@@ -316,7 +316,11 @@ def gather(node: Node):
             raise node.error(f"an index is outside [0, {params.shape[axis]})")
         indices = node.b.const(indices.astype(np.int64 if indices.dtype == np.int64 else np.int32))
     else:
+        # ONNX counts negative indices from the end, where ranvier's Gather reads them as out of range.
         indices = node.tensor(1)
+        index_type = dtypes.to_numpy(indices.dtype)
+        size = node.b.const(np.asarray(params.shape[axis], index_type))
+        indices = node.b.cond(indices < node.b.const(np.asarray(0, index_type)), indices + size, indices)
     if axis == 0:
         return node.b.gather(params, indices)
     # Bring the axis first, gather rows, and put the gathered axes back where it was.
