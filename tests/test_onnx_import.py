@@ -266,6 +266,8 @@ NODE_CASES = [
          id="no-beta"),
     case("FastGelu", {"x": X234 * 3, "b": Known(rand(4))}, domain="com.microsoft"),
     case("FastGelu", {"x": X234 * 3}, domain="com.microsoft", id="no-bias"),
+    case("BiasGelu", {"x": X234 * 3, "b": Known(rand(4))}, domain="com.microsoft"),
+    case("Upsample", {"x": IMAGE, "s": Known(np.float32([1, 1, 2, 3]))}, opset=9),
     case("Shape", {"x": X234}),
     case("Shape", {"x": IMAGE}, opset=15, start=1, end=-1, id="start-end"),
     case("Size", {"x": IMAGE}),
