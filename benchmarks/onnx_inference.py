@@ -120,16 +120,22 @@ def models(quick: bool):
 
 
 def race(sides: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each side, alternating so both see the same machine."""
+    """Median seconds per call of each side, alternating so both see the same machine. A
+    pause before each call lets the other side's threads go idle: ONNX Runtime's spin for
+    a while after a run, and would otherwise take the cores from ranvier's next call."""
     for side in sides.values():
         side()
     times = {name: [] for name in sides}
     for _ in range(repeats):
         for name, side in sides.items():
+            time.sleep(SETTLE)
             start = time.perf_counter()
             side()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+SETTLE = 0.2  # seconds
 
 
 def compare(module, inputs, repeats: int) -> tuple[dict[str, float], float]:

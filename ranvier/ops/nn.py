@@ -327,11 +327,18 @@ def im2col(b, x, filter_shape, attrs, out_hw):
 
 @decomposition("Conv2D")
 def _conv_as_gemm(b, op):
+    """y[n] = W [O, C·KH·KW] · windows[n] [C·KH·KW, Ho·Wo]: the product is NCHW as it
+    comes out, and the windows' rows run along the image (long contiguous copies)."""
     x, w = (b.wrap(v) for v in op.inputs)
     n, o, ho, wo = op.outputs[0].shape
-    cols, _ = im2col(b, x, w.shape, op_def("Conv2D").attrs_of(op), (ho, wo))
-    y = cols.matmul(w.reshape([o, math.prod(w.shape[1:])]), transpose_b=True)
-    return y.reshape([n, ho, wo, o]).transpose([0, 3, 1, 2])
+    attrs = op_def("Conv2D").attrs_of(op)
+    padding, taps = attrs["padding"], math.prod(w.shape[1:])
+    (c, kh, kw), (sh, sw) = w.shape[1:], attrs["strides"]
+    _, _, hp, wp = padded_shape(x.shape, padding)
+    windows = padded(b, x, padding).strided_view(
+        shape=[n, c, kh, kw, ho, wo], strides=[c * hp * wp, hp * wp, wp, 1, sh * wp, sw],
+    )
+    return w.reshape([o, taps]).matmul(windows.reshape([n, taps, ho * wo])).reshape([n, o, ho, wo])
 
 
 def _infer_pool(ctx):
