@@ -125,11 +125,18 @@ def instance(flow: Flow, backend: str = "cpu", cpu: str = "") -> Instance:
     return network.cell(only_function(flow).name).instance()
 
 
+def feed(data: Instance, inputs: Mapping[str, np.ndarray]) -> None:
+    """Set the inputs the cell reads; an input the model uses only for its shape (folded
+    away at load) has nothing to set."""
+    for name, array in inputs.items():
+        if name in data.cell:
+            data[name] = array
+
+
 def run(flow: Flow, inputs: Mapping[str, np.ndarray], backend: str = "cpu", cpu: str = "") -> tuple[Instance, dict[str, np.ndarray]]:
     """Compute the model once; its outputs by name."""
     data = instance(flow, backend, cpu)
-    for name, array in inputs.items():
-        data[name] = array
+    feed(data, inputs)
     data.compute()
     outputs = flow.outputs(only_function(flow))
     return data, {_name(v): np.array(data[v]) for v in outputs}
@@ -144,8 +151,7 @@ def bench(path: str | os.PathLike, flow: Flow, repeats: int = 10, cpu: str = "")
         raise RanvierError("ranvier bench compares with ONNX Runtime: pip install onnxruntime") from None
     inputs = random_inputs(flow)
     data = instance(flow, cpu=cpu)
-    for name, array in inputs.items():
-        data[name] = array
+    feed(data, inputs)
     session = onnxruntime.InferenceSession(os.fspath(path), providers=["CPUExecutionProvider"])
     feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
     sides = {"ranvier": data.compute, "onnxruntime": lambda: session.run(None, feeds)}

@@ -797,3 +797,20 @@ def test_vector_matrix_products_use_gemv_correctly(dtype, transpose_a, transpose
     left = np.swapaxes(a_value, -1, -2) if transpose_a else a_value
     right = np.swapaxes(b_value, -1, -2) if transpose_b else b_value
     np.testing.assert_allclose(data[y], left @ right, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-5 if dtype == "float32" else 1e-12)
+
+
+def test_a_split_written_in_parallel_parts_compiles():
+    """Each output of a large Split is a parallel loop: one step, several part functions."""
+    from ranvier.backends.cpu.parallel import PARALLEL_BYTES
+
+    rows = PARALLEL_BYTES // (4 * 3 * 64) + 1  # each output at least the parallel threshold's third
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", rv.DT_FLOAT, [rows, 3 * 64])
+    parts = f.split(x, 3, 1)
+    data = rv.Compiler(cache=False).compile(flow).cell("f").instance()
+    value = np.random.default_rng(6).standard_normal((rows, 3 * 64)).astype(np.float32)
+    data[x] = value
+    data.compute()
+    for part, expected in zip(parts, np.split(value, 3, 1)):
+        np.testing.assert_array_equal(data[part], expected)

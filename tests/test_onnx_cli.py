@@ -95,3 +95,19 @@ def test_from_torch_matches_the_module():
     assert np.abs(data[output] - reference).max() / np.abs(reference).max() < 1e-5
     with pytest.raises(RanvierError, match="torch.nn.Module"):
         ranvier.from_torch(lambda t: t, [x])
+
+
+def test_an_input_used_only_for_its_shape_needs_no_value_in_the_cell(tmp_path, capsys):
+    """`like` only gives `x` its new shape; the load folds it away, and run takes it anyway."""
+    nodes = [helper.make_node("Shape", ["like"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+                                           helper.make_tensor_value_info("like", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    path = tmp_path / "shape.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    x = RNG.standard_normal(6).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "like.npy", RNG.standard_normal((2, 3)).astype(np.float32))
+    main(["run", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--input", f"like={tmp_path / 'like.npy'}",
+          "--output", str(tmp_path / "out")])
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "y.npy"), x.reshape(2, 3))

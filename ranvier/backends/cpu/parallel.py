@@ -63,7 +63,8 @@ def run_parts(ctx: KernelContext, parts: list[Part]) -> None:
     module, b = ctx.module, ctx.b
     block_type = ir.LiteralStructType([BYTE_PTR.as_pointer(), I64])  # (pointer table, part index)
     task_type = ir.FunctionType(BYTE_PTR, [BYTE_PTR])
-    task = ir.Function(module, task_type, name=f"step{ctx.step_index}_part")
+    # A step may run several parallel loops (Split writes each of its outputs in parts).
+    task = ir.Function(module, task_type, name=module.get_unique_name(f"step{ctx.step_index}_part"))
     task.linkage = "internal"
 
     sub = KernelContext(module, task, ctx.target, ctx.layout, ctx.step_index, ctx.workspace)
