@@ -72,7 +72,11 @@ def only_function(flow: Flow) -> Function:
 
 
 def model_inputs(flow: Flow) -> list[Variable]:
-    return flow.inputs(only_function(flow), const=False)
+    """What the function reads, and the model's declared inputs it reads only for their
+    shapes (folded away at load; a user, or ONNX Runtime, still passes them)."""
+    read = flow.inputs(only_function(flow), const=False)
+    declared = [v for v in flow.vars.values() if v.in_ and v.data is None and v.producer is None and v not in read]
+    return read + declared
 
 
 def _name(var: Variable) -> str:
