@@ -29,6 +29,14 @@ from ranvier.onnx import OnnxError  # noqa: E402
 RNG = np.random.default_rng(15)
 TOLERANCE = 1e-5
 
+# PyTorch's exporters warn about themselves (the TorchScript one is deprecated, and traces
+# Python-side checks as constants); the tests use both on purpose.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Converting a tensor to a Python boolean"),
+]
+
 
 @dataclass
 class Known:
