@@ -34,7 +34,7 @@ TOLERANCE = 1e-5
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:Converting a tensor to a Python boolean"),
+    pytest.mark.filterwarnings("ignore:Converting a tensor to a Python"),
 ]
 
 
