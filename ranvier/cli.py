@@ -251,6 +251,17 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from .backends.cpu import jit
+
+    if args.action == "clear":
+        count, size = jit.clear_cache()
+        print(f"deleted {count:,} entries ({size / 2**20:,.1f} MB) from {jit.cache_dir()}")
+    else:
+        print(jit.describe_cache())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ranvier", description="Neural-network JIT compiler and trainer.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -258,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="build, print and run Myelin's example cell")
     demo.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     demo.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     demo.set_defaults(run=_demo)
 
     train = commands.add_parser("train", help="train a model")
@@ -266,15 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
     mnist = tasks.add_parser("mnist", help="an MNIST classifier (bundled 5,000-digit subset by default)")
     mnist.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     mnist.add_argument("--steps", type=int, default=None, help="total optimizer steps (default 2340)")
-    mnist.add_argument("--batch", type=int, default=128)
-    mnist.add_argument("--lr", type=float, default=1e-3)
+    mnist.add_argument("--batch", type=int, default=128, help="examples per step (default: %(default)s)")
+    mnist.add_argument("--lr", type=float, default=1e-3, help="learning rate, constant (default: %(default)s)")
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     mnist.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
     mnist.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
     mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
-    mnist.add_argument("--seed", type=int, default=0)
+    mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
     mnist.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")
     mnist.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its checkpoint")
@@ -293,15 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
         lm.add_argument("--corpus", default=None, help="a text file or folder (default: the Python standard library's source)")
         lm.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000)")
         lm.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
-        lm.add_argument("--batch", type=int, default=16)
-        lm.add_argument("--seq", type=int, default=128)
-        lm.add_argument("--lr", type=float, default=2e-3)
-        lm.add_argument("--accumulate", type=int, default=1)
+        lm.add_argument("--batch", type=int, default=16, help="sequences per micro-batch (default: %(default)s)")
+        lm.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+        lm.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, after warm-up, of the cosine schedule (default: %(default)s)")
+        lm.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches whose gradients are summed into one optimizer step (default: %(default)s)")
         lm.add_argument("--checkpointed", action="store_true",
                         help="stream the layers through one compiled layer forward and backward (CheckpointedStack): "
                              "compile time and activation memory independent of depth")
         lm.add_argument("--max-corpus-bytes", type=int, default=None)
-        lm.add_argument("--seed", type=int, default=0)
+        lm.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
         lm.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
         lm.add_argument("--cpu", default="", metavar="MASK")
         lm.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
@@ -320,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
     generate.add_argument("--max-tokens", type=int, default=256)
     generate.set_defaults(run=_generate)
 
@@ -395,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark.add_argument("--repeats", type=int, default=10, help="timed runs per side (default 10; medians are compared)")
     benchmark.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
     benchmark.set_defaults(run=_bench)
+
+    cache = commands.add_parser("cache", help="the JIT cache of compiled code ($RANVIER_CACHE, default ~/.cache/ranvier)")
+    cache.add_argument("action", choices=["info", "clear"], help="info: where, entries, size; clear: delete every entry")
+    cache.set_defaults(run=_cache)
     return parser
 
 

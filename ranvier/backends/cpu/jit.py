@@ -6,6 +6,11 @@ as an object file, which MCJIT loads. Object files are cached in memory and on d
 (`$RANVIER_CACHE`, default ~/.cache/ranvier), keyed by the cell's description, the
 CPU and its features, and ranvier's version, so a second process skips code generation
 entirely. The cache writes atomically; an unreadable entry is regenerated.
+
+The disk cache is capped (`$RANVIER_CACHE_MAX_MB`, default 512): each write evicts the
+least recently used entries (oldest modification time; a read hit touches its entry)
+until the total fits. Processes share the folder safely: a reader whose entry another
+process evicts meanwhile reads nothing and compiles again.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -32,6 +38,74 @@ _ENGINES: list[llvm.ExecutionEngine] = []  # loaded code must outlive every cell
 
 def cache_dir() -> Path:
     return Path(os.environ.get("RANVIER_CACHE", Path.home() / ".cache" / "ranvier"))
+
+
+DEFAULT_CACHE_MAX_MB = 512
+
+
+def cache_max_bytes() -> int:
+    return int(float(os.environ.get("RANVIER_CACHE_MAX_MB", DEFAULT_CACHE_MAX_MB)) * 2**20)
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: Path
+    size: int
+    mtime: float  # when it was last written or read: the LRU order
+
+
+def cache_entries() -> list[CacheEntry]:
+    """The disk cache's entries, least recently used first (others' temporary files excluded)."""
+    entries = []
+    with contextlib.suppress(FileNotFoundError):
+        for item in os.scandir(cache_dir()):
+            if not item.name.endswith(".o"):
+                continue
+            try:
+                stat = item.stat()
+            except FileNotFoundError:  # evicted by another process as we listed
+                continue
+            entries.append(CacheEntry(Path(item.path), stat.st_size, stat.st_mtime))
+    return sorted(entries, key=lambda entry: entry.mtime)
+
+
+def prune_cache(max_bytes: int) -> int:
+    """Evict least recently used entries until the cache holds at most `max_bytes`; the
+    number evicted."""
+    entries = cache_entries()
+    total = sum(entry.size for entry in entries)
+    evicted = 0
+    for entry in entries:
+        if total <= max_bytes:
+            break
+        with contextlib.suppress(FileNotFoundError):  # another process evicted it first
+            entry.path.unlink()
+            evicted += 1
+        total -= entry.size
+    return evicted
+
+
+def clear_cache() -> tuple[int, int]:
+    """Delete every entry (a process compiling meanwhile just writes its own again); the
+    number of entries and bytes deleted."""
+    entries = cache_entries()
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            entry.path.unlink()
+    return len(entries), sum(entry.size for entry in entries)
+
+
+def describe_cache() -> str:
+    """Where the cache is, its entries, size against the cap, oldest and newest use."""
+    entries = cache_entries()
+    size = sum(entry.size for entry in entries)
+    lines = [f"cache: {cache_dir()}",
+             f"entries: {len(entries):,}, {size / 2**20:,.1f} MB of {cache_max_bytes() / 2**20:,.0f} MB "
+             f"(RANVIER_CACHE_MAX_MB; least recently used entries go first)"]
+    if entries:
+        oldest, newest = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.mtime)) for e in (entries[0], entries[-1]))
+        lines.append(f"least recently used: {oldest}, most recently used: {newest}")
+    return "\n".join(lines)
 
 
 def cache_key(description: str, target: CPUTarget) -> str:
@@ -96,6 +170,8 @@ def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True
         code = _read_entry(path)
         if code is not None:
             _MEMORY_CACHE[key] = code
+            with contextlib.suppress(OSError):  # mark it recently used; atimes are often off (noatime)
+                os.utime(path)
             return code, "disk"
     code = generate()
     _MEMORY_CACHE[key] = code
@@ -103,6 +179,7 @@ def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True
         # A read-only or full cache directory only costs the next process a compile.
         with contextlib.suppress(OSError):
             atomic_write_bytes(path, _MAGIC + hashlib.sha256(code).digest() + code)
+            prune_cache(cache_max_bytes())
     return code, "compiled"
 
 
