@@ -154,6 +154,12 @@ class Cell:
         self.instances.add(data)
         return data
 
+    @property
+    def flops(self) -> int:
+        """Floating-point operations per compute, by each step's kernel (convolutions
+        count each window, which parameter counts cannot)."""
+        return sum(step.flops for step in self.steps)
+
     def channel(self, key, size: int = 0) -> Channel:
         """A channel of `size` tensors shaped like the variable `key` (Myelin's cell.channel)."""
         return Channel(self.resolve(key), size)

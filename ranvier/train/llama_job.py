@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import atomic_write_bytes
 from ..dashboard import training_display
 from ..data import corpus as corpora
 from ..data.shards import TokenShards, pretokenize
@@ -108,7 +107,7 @@ def model_config_for(config: LlamaRunConfig, vocab_size: int) -> LlamaConfig:
 
 
 def read_run(run_dir: Path) -> LlamaRunConfig:
-    return rundir.read_config(run_dir, LlamaRunConfig)
+    return rundir.read_config(run_dir, LlamaRunConfig, tuple(LANGUAGE_MODELS))
 
 
 def load_model(run_dir: Path):
@@ -228,7 +227,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     dashboard: show the live dashboard (on a terminal) instead of the progress bar.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / "config.json", json.dumps(asdict(config), indent=1).encode())
+    rundir.write_config(run_dir, config.model, config)
     run = build(config, run_dir)
     trainer = run.trainer
     rng = np.random.default_rng(config.seed)
@@ -279,8 +278,9 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
                 checkpoint()
             if config.minutes is not None and time.perf_counter() - start > config.minutes * 60:
                 break
+        final = validation_loss(run, config)
+        show.final({"val_loss": final})
     checkpoint()
-    final = validation_loss(run, config)
     with open(metrics_path, "a") as metrics:
         metrics.write(json.dumps({"step": trainer.step_count, "val_loss": final}) + "\n")
     print(f"validation_loss={final:.4f} unigram_entropy={run.unigram_entropy:.4f} (nats per token)")

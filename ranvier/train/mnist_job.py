@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..atomic import atomic_write_bytes
 from ..dashboard import training_display
 from ..data import mnist
 from ..errors import RanvierError
@@ -81,7 +80,7 @@ def _test_images(config: MnistConfig, split: mnist.Split) -> np.ndarray:
 
 
 def read_config(run_dir: Path) -> MnistConfig:
-    return rundir.read_config(run_dir, MnistConfig)
+    return rundir.read_config(run_dir, MnistConfig, ("mnist",))
 
 
 def resume_mnist(run_dir: Path, steps: int | None = None, progress: bool = True) -> float:
@@ -96,7 +95,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
                 dashboard: bool = False) -> float:
     """Train (or resume) and return the test accuracy. Prints `test_accuracy=0.XXXX` last."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / "config.json", json.dumps(asdict(config), indent=1).encode())
+    rundir.write_config(run_dir, "mnist", config)
 
     trainer, _, test_split = make_trainer(config)
     metrics_path = run_dir / "metrics.jsonl"
@@ -109,10 +108,9 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
 
     remaining = max(0, config.steps - trainer.step_count)
     start = time.perf_counter()
-    parameters = sum(p.var.size for p in trainer.params)
     shown = training_display(
         remaining, progress=progress, dashboard=dashboard, title=f"ranvier train mnist {config.model}: {run_dir}",
-        compile_seconds=trainer.compile_seconds, flops_per_step=6 * parameters * config.batch,
+        compile_seconds=trainer.compile_seconds, flops_per_step=trainer.cell.flops,
         items_per_step=config.batch, unit="examples", profile=trainer.data.profile,
     )
     with open(metrics_path, "a") as metrics, shown as show:

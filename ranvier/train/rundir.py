@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -11,13 +12,60 @@ from ..errors import RanvierError
 
 Config = TypeVar("Config")
 
+# Each kind of run with its article, as messages name it.
+KINDS = {"mnist": ("an", "MNIST"), "llama": ("a", "llama"), "moe": ("a", "moe")}
 
-def read_config(run_dir: Path, kind: type[Config]) -> Config:
-    """The job config saved in `run_dir/config.json`."""
+
+def _runs(kinds: tuple[str, ...]) -> str:
+    """ "a llama or moe run" """
+    return f"{KINDS[kinds[0]][0]} {' or '.join(KINDS[kind][1] for kind in kinds)} run"
+
+
+def write_config(run_dir: Path, kind: str, config) -> None:
+    """Save a job config as `run_dir/config.json`, with the run's kind first."""
+    atomic_write_bytes(run_dir / "config.json", json.dumps({"kind": kind, **asdict(config)}, indent=1).encode())
+
+
+def kind_of(saved: dict) -> str | None:
+    """A saved config's run kind; runs written before config.json recorded it are known by
+    their keys. None: not a ranvier run's config (a Hugging Face config.json, say)."""
+    if "kind" in saved:
+        return saved["kind"]
+    if "preset" in saved:
+        return saved.get("model", "llama")
+    if "optimizer" in saved and "hidden" in saved:
+        return "mnist"
+    return None
+
+
+def check_kind(run_dir: Path, kinds: tuple[str, ...], command: str | None = None) -> dict:
+    """The saved config of `run_dir`, a run of one of `kinds`, or an error naming what it is
+    and what `command` (when given) needs."""
     path = run_dir / "config.json"
-    if not path.exists():
+    if not run_dir.is_dir():
+        raise RanvierError(f"{run_dir} is not a run directory: {'no such folder' if not run_dir.exists() else 'not a folder'}")
+    if not path.is_file():
         raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
-    return kind(**json.loads(path.read_text()))
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise RanvierError(f"{path} is not JSON: {error}") from None
+    kind = kind_of(saved)
+    if kind not in kinds:
+        what = _runs((kind,)) if kind in KINDS else "not a ranvier run directory"
+        needs = f"{command} needs {_runs(kinds)}" if command else f"expected {_runs(kinds)}"
+        raise RanvierError(f"{run_dir} is {what}; {needs}")
+    return saved
+
+
+def read_config(run_dir: Path, kind: type[Config], kinds: tuple[str, ...]) -> Config:
+    """The job config saved in `run_dir/config.json`, which must be a run of one of `kinds`."""
+    saved = check_kind(run_dir, kinds)
+    saved.pop("kind", None)
+    unknown = set(saved) - {f.name for f in fields(kind)}
+    if unknown:
+        raise RanvierError(f"{run_dir / 'config.json'} has settings this ranvier does not know: {', '.join(sorted(unknown))}")
+    return kind(**saved)
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
@@ -26,3 +74,34 @@ def keep_metrics_until(path: Path, step: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
     atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+
+
+def resume_config(run_dir: Path, kind: type[Config], flags: dict, may_change: set[str]) -> Config:
+    """The run's config with the flags given on resume applied: those in `may_change`
+    (steps, checkpoint interval, ...) replace the run's; any other that differs from the
+    run's is refused, naming it, since the checkpoint was trained under the run's."""
+    config = read_config(run_dir, kind)
+    own = {name: value for name, value in flags.items() if hasattr(config, name)}
+    changed = sorted(name for name, value in own.items() if name not in may_change and getattr(config, name) != value)
+    if changed:
+        def flag(name: str, value) -> str:
+            return f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+        given = ", ".join(flag(name, own[name]) for name in changed)
+        was = ", ".join(flag(name, getattr(config, name)) for name in changed)
+        raise RanvierError(f"cannot change {given} on resume: {run_dir} was trained with {was} "
+                           "(leave them out to resume, or start a new run)")
+    for name in may_change & own.keys():
+        setattr(config, name, own[name])
+    return config
+
+
+def steps_to_resume(run_dir: Path, config, done: int) -> bool:
+    """Whether a resumed run has steps left to train (`config.steps` set on resume); a
+    finished run says so, and fewer steps than it has made are refused."""
+    if config.steps is not None and config.steps < done:
+        raise RanvierError(f"{run_dir} is already at step {done}: --steps {config.steps} is fewer; "
+                           f"pass --steps N > {done} to train further")
+    if config.steps == done:
+        print(f"run {run_dir} finished at step {done} of {config.steps}; pass --steps N > {done} to train further")
+        return False
+    return True
