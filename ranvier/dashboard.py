@@ -122,6 +122,18 @@ class Dashboard:
         return Live(self.render(), refresh_per_second=4, transient=False)
 
 
+class Shown:
+    """What training_display yields: `show(step, loss, seconds, record)` once per step, and
+    `show.final(record)` with what is measured after the last step (the final validation
+    loss), so that the dashboard's last frame shows the figures of the run's last line."""
+
+    def __init__(self, step: Callable[[int, float, float, dict], None], final: Callable[[dict], None] = lambda record: None):
+        self.step, self.final = step, final
+
+    def __call__(self, step: int, loss: float, seconds: float, record: dict) -> None:
+        self.step(step, loss, seconds, record)
+
+
 @contextmanager
 def training_display(
     total: int,
@@ -137,16 +149,16 @@ def training_display(
     sample: Callable[[], str] | None = None,
     sample_every: int = 200,
     seconds: float | None = None,
-) -> Iterator[Callable[[int, float, float, dict], None]]:
-    """Yield `show(step, loss, seconds, record)`: the live dashboard on a terminal when asked
-    for, otherwise the progress bar (plain lines when the output is not a terminal).
-    `seconds`: the run's time limit, if it has one."""
+) -> Iterator[Shown]:
+    """Yield `show`: the live dashboard on a terminal when asked for, otherwise the progress
+    bar (plain lines when the output is not a terminal). `seconds`: the run's time limit, if
+    it has one."""
     from .progress import training_progress
 
     if not (dashboard and progress and sys.stdout.isatty()):
         with training_progress(total, enabled=progress, every=20, seconds=seconds) as report:
-            yield lambda step, loss, seconds, record: report(loss, **{
-                f"{unit}/s": items_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9})
+            yield Shown(lambda step, loss, seconds, record: report(loss, **{
+                f"{unit}/s": items_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9}))
         return
     board = Dashboard(title, total, compile_seconds, measured_peak_gflops(), unit=unit, time_limit=seconds)
     with board.live() as live:
@@ -160,4 +172,8 @@ def training_display(
                 board.sample = sample()
             live.update(board.render())
 
-        yield show
+        def final(record: dict) -> None:
+            board.validation = record.get("val_loss", board.validation)
+            live.update(board.render())
+
+        yield Shown(show, final)
