@@ -1,7 +1,8 @@
-"""What the benchmarks share: the machine line printed beside every figure, the two sides
-of a language-model training race (ranvier's step and a PyTorch eager one of the same
-trunk, with the caller's feed-forward layers) and the race itself (alternating
-repetitions, medians, ratios against PyTorch)."""
+"""What the benchmarks share: the machine line printed beside every figure, the summary
+every benchmark ends with (each side's median, then "ranvier is 2.30× faster than
+pytorch"), the two sides of a language-model training race (ranvier's step and a PyTorch
+eager one of the same trunk, with the caller's feed-forward layers) and the race itself
+(alternating repetitions, medians, ratios against PyTorch)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,24 @@ def machine(torch=None) -> str:
     if torch is not None:
         line += f"; torch {torch.__version__} with {torch.get_num_threads()} threads"
     return line
+
+
+def comparison(side: str, ours: float, peer: str, theirs: float, higher_is_better: bool) -> str:
+    """"ranvier is 2.30× faster than pytorch" (or "slower"): two medians' ratio, at least 1,
+    with its direction in words."""
+    speedup = ours / theirs if higher_is_better else theirs / ours
+    if speedup >= 1:
+        return f"{side} is {speedup:.2f}× faster than {peer}"
+    return f"{side} is {1 / speedup:.2f}× slower than {peer}"
+
+
+def summary(medians: dict[str, float], unit: str, higher_is_better: bool, peer: str = "pytorch", digits: int = 0) -> None:
+    """Print each side's median and how each side other than `peer` compares with it."""
+    for name, value in medians.items():
+        print(f"{name:12s} median {value:9.{digits}f} {unit}")
+    for name, value in medians.items():
+        if name != peer and peer in medians:
+            print(f"{comparison(name, value, peer, medians[peer], higher_is_better)} (median {unit})")
 
 
 def training_arguments(description: str, presets, default: str) -> argparse.ArgumentParser:
@@ -176,7 +195,7 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
 def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], repeats: int, vocab_size: int) -> dict[str, float]:
     """Train every side on the same token batches, the sides alternating each repetition
     (so the machine's slow and fast spells fall on all of them); print each run, the
-    median tokens/s per side and each side's ratio to "pytorch". Returns the medians."""
+    median tokens/s per side and how each compares with "pytorch". Returns the medians."""
     tokens = sum(x.size for x, _ in batches)
     for step in sides.values():
         step(*batches[0])  # warm up
@@ -189,11 +208,7 @@ def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], r
             print(f"  run {repeat + 1} {name:12s} {rates[name][-1]:9.0f} tokens/s  loss {losses[-1]:.3f} "
                   f"(ln V = {math.log(vocab_size):.3f})", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    for name, rate in medians.items():
-        print(f"{name:12s} median {rate:9.0f} tokens/s")
-    for name in sides:
-        if name != "pytorch" and "pytorch" in medians:
-            print(f"ratio {name}/pytorch = {medians[name] / medians['pytorch']:.2f} (tokens/s; above 1: ranvier is faster)")
+    summary(medians, "tokens/s", higher_is_better=True)
     return medians
 
 

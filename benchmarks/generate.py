@@ -1,9 +1,12 @@
-"""Decode throughput with the KV cache: tokens/s for the Stories model shapes.
+"""Decode throughput with a KV cache: ranvier vs PyTorch eager, tokens/s for the Stories shapes.
 
-Random weights of each preset's shape (speed does not depend on their values); a short
-prompt is prefilled, then N tokens are decoded greedily, several repetitions, median
-printed. llama2.c's run.c (fp32, 2 OpenMP threads) measured 95–99 tokens/s for
-stories15M and 25–26 for stories110M on this machine, per the issue.
+Random weights of each preset's shape (speed does not depend on their values), the same
+for both sides: ranvier's Generator (prefill and decode cells sharing resident caches)
+and a PyTorch decoder of the same model written here, with its own preallocated KV
+cache, run under torch.inference_mode with as many threads as ranvier. A short prompt is
+prefilled, then N tokens are decoded greedily; the sides alternate for several
+repetitions and the decode tokens/s medians are compared. The greedy tokens of the two
+are compared too (float32 rounding may part them where random weights give near-ties).
 Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64]
 """
 
@@ -12,33 +15,117 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Iterator
 
-from common import machine
+import numpy as np
+from common import machine, match_threads, summary
+
+PROMPT = [1, 306, 471, 263]
+
+
+def torch_decoder(config, weights: dict[str, np.ndarray]) -> Callable[[list[int], int], Iterator[int]]:
+    """`stream(prompt, n)`: greedy tokens of the Llama `config` with ranvier's `weights`
+    ([in, out] matrices, llama2.c's rotary pairs (2i, 2i+1)), decoded in PyTorch with a KV cache."""
+    import torch
+    import torch.nn.functional as F
+
+    c, hd = config, config.head_dim
+    w = {key: torch.from_numpy(np.ascontiguousarray(value, np.float32)) for key, value in weights.items()}
+    classifier = w["tok_embeddings"].T.contiguous() if c.shared_classifier else w["output"]
+    angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64),
+                         c.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    keys = torch.zeros(c.n_layers, c.n_kv_heads, c.max_seq_len, hd)
+    values = torch.zeros_like(keys)
+
+    def rms(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * g
+
+    def rope(x, at: slice):  # x [T, heads, hd]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        cs, sn = cos[at, None, :], sin[at, None, :]
+        return torch.stack([even * cs - odd * sn, even * sn + odd * cs], dim=-1).flatten(-2)
+
+    def forward(tokens: list[int], start: int) -> torch.Tensor:
+        """The logits after `tokens`, which sit at positions start, start + 1, ..."""
+        at = slice(start, start + len(tokens))
+        x = w["tok_embeddings"][torch.tensor(tokens)]
+        for i in range(c.n_layers):
+            p = {name: w[f"layers.{i}.{name}"] for name in ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")}
+            h = rms(x, p["attention_norm"])
+            q = rope((h @ p["wq"]).view(-1, c.n_heads, hd), at).transpose(0, 1)
+            keys[i, :, at] = rope((h @ p["wk"]).view(-1, c.n_kv_heads, hd), at).transpose(0, 1)
+            values[i, :, at] = (h @ p["wv"]).view(-1, c.n_kv_heads, hd).transpose(0, 1)
+            # Only the prefill (from position 0) needs a mask; one new token sees the whole cache.
+            attention = F.scaled_dot_product_attention(q, keys[i, :, : at.stop], values[i, :, : at.stop],
+                                                       is_causal=len(tokens) > 1, enable_gqa=True)
+            x = x + attention.transpose(0, 1).reshape(-1, c.dim) @ p["wo"]
+            h = rms(x, p["ffn_norm"])
+            x = x + (F.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+        return rms(x[-1], w["norm"]) @ classifier
+
+    def stream(prompt: list[int], n: int) -> Iterator[int]:  # the loop of ranvier's Generator.stream
+        with torch.inference_mode():
+            logits, position = forward(prompt, 0), len(prompt)
+            for _ in range(n):
+                token = int(logits.argmax())
+                yield token
+                if position >= c.max_seq_len:
+                    return
+                logits, position = forward([token], position), position + 1
+
+    return stream
+
+
+def decode_rate(stream: Iterator[int]) -> tuple[float, list[int]]:
+    """Tokens/s after the first token (which includes the prefill), and the tokens."""
+    tokens = [next(stream)]
+    start = time.perf_counter()
+    tokens += list(stream)
+    return (len(tokens) - 1) / (time.perf_counter() - start), tokens
+
+
+def race(preset: str, tokens: int, repeats: int) -> None:
+    """Both sides on one preset's shapes, alternating; print each run and the summary."""
+    from ranvier.generate import Generator, Sampling
+    from ranvier.models.llama import PRESETS, Llama
+
+    config = PRESETS[preset]
+    model = Llama(config, seed=0)
+    generator = Generator(model, prefill=16)
+    decoder = torch_decoder(config, model.initial)
+    print(f"{preset}: {config.parameter_count() / 1e6:.1f}M parameters, ranvier compiled in {generator.compile_seconds:.1f}s; "
+          f"prompt {len(PROMPT)} tokens, {tokens} decoded greedily, batch 1")
+    sides = {"ranvier": lambda: generator.stream(PROMPT, tokens, Sampling(temperature=0)),
+             "pytorch": lambda: decoder(PROMPT, tokens)}
+    for start in sides.values():
+        decode_rate(start())  # warm up
+    rates, produced = {name: [] for name in sides}, {}
+    for repeat in range(repeats):
+        for name, start in sides.items():
+            rate, produced[name] = decode_rate(start())
+            rates[name].append(rate)
+            print(f"  run {repeat + 1} {name:12s} {rate:9.1f} tokens/s", flush=True)
+    ours, theirs = produced["ranvier"], produced["pytorch"]
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    print(f"the same greedy tokens for the first {same} of {len(ours)}")
+    summary({name: statistics.median(values) for name, values in rates.items()}, "tokens/s", higher_is_better=True, digits=1)
 
 
 def main() -> None:
-    from ranvier.generate import Generator, Sampling
-    from ranvier.models.llama import PRESETS, Llama
+    import torch
+
+    from ranvier.models.llama import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["stories15M", "stories110M"], choices=sorted(PRESETS))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(machine())
+    match_threads(torch)
+    print(machine(torch))
     for preset in args.presets:
-        config = PRESETS[preset]
-        generator = Generator(Llama(config, seed=0), prefill=16)
-        print(f"{preset}: {config.parameter_count() / 1e6:.1f}M parameters, compiled in {generator.compile_seconds:.1f}s")
-        rates = []
-        for repeat in range(args.repeats):
-            stream = generator.stream([1, 306, 471, 263], args.tokens, Sampling(temperature=0))
-            next(stream)  # the prefill and the first token
-            start = time.perf_counter()
-            produced = 1 + sum(1 for _ in stream)
-            rates.append((produced - 1) / (time.perf_counter() - start))
-            print(f"  run {repeat + 1}: {rates[-1]:.1f} tokens/s", flush=True)
-        print(f"{preset} median {statistics.median(rates):.1f} tokens/s (decode, batch 1)")
+        race(preset, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 784-256-10 GELU MLP, Adam lr 1e-3, batch 128, 2,340 steps on the bundled 4,000-digit
 training split; test accuracy on the 1,000 test digits. The two sides alternate for
-several repetitions; each side's median seconds, its accuracy and the time ratio are
-printed. Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix
+several repetitions; each side's median accuracy, then its median seconds and how much
+faster or slower than PyTorch it is, are printed. Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix
 products (`matmul="bfloat16"`: bf16 inputs, float32 sums) as a third side.
 Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340]
 """
@@ -15,7 +15,7 @@ import statistics
 import time
 
 import numpy as np
-from common import machine, match_threads
+from common import machine, match_threads, summary
 
 
 def run_ranvier(steps: int, backend: str, matmul: str = "float32") -> tuple[float, float]:
@@ -77,12 +77,9 @@ def main() -> None:
             seconds, accuracy = run()
             results[name].append((seconds, accuracy))
             print(f"  run {repeat + 1} {name:12s} {seconds:7.2f} s  accuracy {accuracy:.4f}", flush=True)
-    medians = {name: statistics.median(s for s, _ in runs) for name, runs in results.items()}
     for name, runs in results.items():
-        print(f"{name:12s} median {medians[name]:.2f} s  accuracy {statistics.median(a for _, a in runs):.4f}")
-    for name in sides:
-        if name != "pytorch":
-            print(f"ratio {name}/pytorch = {medians[name] / medians['pytorch']:.2f}")
+        print(f"{name:12s} median accuracy {statistics.median(a for _, a in runs):.4f}")
+    summary({name: statistics.median(s for s, _ in runs) for name, runs in results.items()}, "s", higher_is_better=False, digits=2)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The side-by-side benchmarks run end to end (tiny shapes, one repetition) and print the
-machine, both sides and the ratio, so they cannot rot between the times someone measures."""
+machine, both sides' medians and the ratio with its direction in words, so they cannot rot
+between the times someone measures."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +20,19 @@ def run(script: str, *args: str) -> str:
     return done.stdout
 
 
+def assert_summary(lines: list[str], unit: str, sides=("ranvier", "pytorch")) -> None:
+    """The machine first; each side's median; "ranvier is N× faster/slower than pytorch"."""
+    assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0] and "torch " in lines[0]
+    for side in sides:
+        assert any(line.startswith(f"{side:12s} median") and line.endswith(f" {unit}") for line in lines), side
+    assert any(re.fullmatch(rf"ranvier is \d+\.\d\d× (faster|slower) than pytorch \(median {unit}\)", line) for line in lines)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,preset", [("llama_train.py", "stories260K"), ("moe_train.py", "moe-tiny")])
 def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, preset):
     out = run(script, "--preset", preset, "--batch", "2", "--seq", "16", "--steps", "2", "--repeats", "1")
-    lines = out.splitlines()
-    assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0] and "torch " in lines[0]
-    for side in ("ranvier", "pytorch"):
-        assert any(line.startswith(f"{side:12s} median") and line.endswith("tokens/s") for line in lines), side
-    assert any(line.startswith("ratio ranvier/pytorch = ") for line in lines)
+    assert_summary(out.splitlines(), "tokens/s")
     if script == "moe_train.py":
         assert "routing skips 50% of the expert FLOPs" in out  # top-2 of 4
         assert "ranvier's step: matrix products" in out
@@ -44,3 +50,28 @@ def test_onnx_inference_benchmark_races_onnx_runtime_on_each_model():
         row = next(line for line in lines if line.startswith(model))
         assert ("faster" in row or "slower" in row) and "max rel. error" in row
         assert float(row.split("max rel. error ")[1].rstrip(")")) < 1e-5, row
+
+
+@pytest.mark.slow
+def test_mnist_benchmark_says_which_side_is_faster():
+    assert_summary(run("mnist_mlp.py", "--steps", "20", "--repeats", "1").splitlines(), "s")
+
+
+@pytest.mark.slow
+def test_generate_benchmark_races_pytorch_with_a_kv_cache_on_the_same_weights():
+    out = run("generate.py", "--presets", "stories260K", "--tokens", "8", "--repeats", "1")
+    assert_summary(out.splitlines(), "tokens/s")
+    assert "the same greedy tokens for the first 8 of 8" in out
+
+
+@pytest.mark.slow
+def test_kernels_benchmark_compares_each_op_and_stays_under_its_ceiling():
+    out = run("kernels.py", "--quick", "--repeats", "1")
+    lines = out.splitlines()
+    assert lines[0].startswith("CPU: ") and "2 warmup + 1 timed rounds" in lines[1]
+    shares = [float(line.rsplit(None, 1)[1].rstrip("%")) for line in lines if re.match(r"  (ranvier|numpy|torch) +\d", line)]
+    assert shares and all(0 < share <= 100.0 for share in shares)
+    verdicts = [line for line in lines if line.startswith("  ranvier is ")]
+    assert len(verdicts) == len(shares) // 3
+    assert all(re.fullmatch(r"  ranvier is [\d.]+× (faster|slower) than numpy, [\d.]+× (faster|slower) than torch \(median time\)", v)
+               for v in verdicts)
