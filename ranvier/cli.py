@@ -3,12 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
+from . import debug
 from .errors import RanvierError
+
+
+def _number(kind: type, accepts, needs: str):
+    """An argparse type: a number of `kind` that `accepts`, or a usage error saying it `needs` more."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {needs}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
+
+
+_positive_int = _number(int, lambda n: n > 0, "a positive integer")
+_positive_float = _number(float, lambda x: x > 0, "above 0")
+_non_negative_float = _number(float, lambda x: x >= 0, "0 or more")
+_probability = _number(float, lambda x: 0 < x <= 1, "in (0, 1]")
+
+
+def _check_run(path: str, kinds: tuple[str, ...], command: str) -> None:
+    """A command taking a run directory says up front when it is of the wrong kind."""
+    from .train.rundir import check_kind
+
+    check_kind(Path(path), kinds, f"`ranvier {command}`")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -33,17 +63,52 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Noted(argparse.Action):
+    """argparse's store action that also notes the option in `args.given`: a resumed run
+    must tell a flag the user gave from one left at its default."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*namespace.given, self.dest}
+
+
+class _NotedSwitch(_Noted):
+    """store_true, noted."""
+
+    def __init__(self, option_strings, dest, default=False, required=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=True, default=default, required=required, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, self.const, option_string)
+
+
+def _noting_given(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make the parser's options (added after this) note in `args.given` which were given."""
+    parser.register("action", None, _Noted)
+    parser.register("action", "store", _Noted)
+    parser.register("action", "store_true", _NotedSwitch)
+    parser.set_defaults(given=frozenset())
+    return parser
+
+
+def _given(args: argparse.Namespace) -> dict:
+    """The options given on the command line, by name, with their values."""
+    return {name: getattr(args, name) for name in args.given}
+
+
 def _train_mnist(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .train.mnist_job import MnistConfig, resume_mnist, train_mnist
 
     if args.resume:
-        resume_mnist(Path(args.resume), args.steps, progress=not args.quiet)
+        _check_run(args.resume, ("mnist",), "train mnist --resume")
+        resume_mnist(Path(args.resume), _given(args), progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
         return 0
     config = MnistConfig(
         model=args.model,
-        steps=args.steps if args.steps is not None else MnistConfig.steps,
+        steps=args.steps if args.steps is not None or args.minutes is not None else MnistConfig.steps,
+        minutes=args.minutes,
         batch=args.batch,
         lr=args.lr,
         optimizer=args.optimizer,
@@ -66,14 +131,15 @@ def _train_llama(args: argparse.Namespace) -> int:
     from .train.llama_job import LlamaRunConfig, resume_llama, train_llama
 
     if args.resume:
-        resume_llama(Path(args.resume), args.steps, progress=not args.quiet)
+        _check_run(args.resume, (args.task,), f"train {args.task} --resume")
+        resume_llama(Path(args.resume), _given(args), progress=not args.quiet, dashboard=args.dashboard)
         return 0
-    defaults = LlamaRunConfig()
     config = LlamaRunConfig(
-        preset=args.preset, model=args.task, corpus=args.corpus, steps=args.steps or defaults.steps, minutes=args.minutes,
+        preset=args.preset, model=args.task, corpus=args.corpus, data=args.data,
+        steps=args.steps if args.steps is not None or args.minutes is not None else LlamaRunConfig.steps, minutes=args.minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
         backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
-        matmul=args.matmul,
+        matmul=args.matmul, checkpoint_every=args.checkpoint_every,
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"{args.task}-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
@@ -87,7 +153,11 @@ def _generate(args: argparse.Namespace) -> int:
     from .generate import Generator, Sampling
     from .interop import load_any
     from .models import language_model
+    from .train.rundir import kind_of
 
+    config_file = Path(args.model, "config.json")
+    if config_file.is_file() and kind_of(json.loads(config_file.read_text())):  # a run, not a Hugging Face folder
+        _check_run(args.model, ("llama", "moe"), "generate")
     config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
     generator = Generator(language_model(config), weights)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -100,7 +170,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(decoded[len(text):], end="", flush=True)  # stream only what is new
         text = decoded
     seconds = time.perf_counter() - start
-    print(f"\n{len(produced)} tokens, {len(produced) / max(seconds, 1e-9):.1f} tokens/s")
+    print()
+    # Statistics go to stderr, so that stdout holds the text alone.
+    print(f"{len(produced)} tokens, {len(produced) / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)
     return 0
 
 
@@ -110,7 +182,7 @@ def _summary(args: argparse.Namespace) -> int:
     try:
         find_preset(args.preset)
     except KeyError as error:
-        raise SystemExit(f"ranvier summary: {error.args[0]}") from None
+        raise RanvierError(error.args[0]) from None
     print(summary(args.preset, args.seq))
     return 0
 
@@ -120,6 +192,7 @@ def _plot(args: argparse.Namespace) -> int:
 
     from .plot import plot_run
 
+    _check_run(args.run_dir, ("mnist", "llama", "moe"), "plot")
     print(plot_run(Path(args.run_dir), Path(args.out) if args.out else None))
     return 0
 
@@ -129,6 +202,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .train.mnist_job import evaluate_run
 
+    _check_run(args.run_dir, ("mnist",), "eval")
     evaluate_run(Path(args.run_dir))
     return 0
 
@@ -185,6 +259,7 @@ def _export_llama2c(args: argparse.Namespace) -> int:
     from .data.tokenizers import load_tokenizer
     from .interop import export_llama2c, export_tokenizer_bin, weights_from_run
 
+    _check_run(args.run_dir, ("llama",), "export llama2c")
     config, weights = weights_from_run(Path(args.run_dir))
     path = export_llama2c(config, weights, Path(args.out), version=args.version)
     print(f"wrote {path} (llama2.c version {args.version}, {config.parameter_count() / 1e6:.2f}M parameters)")
@@ -202,6 +277,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     from .atomic import atomic_write_bytes
     from .interop import export_hf, weights_from_run
 
+    _check_run(args.run_dir, ("llama", "moe"), "export hf")
     run_dir, out = Path(args.run_dir), Path(args.out_dir)
     config, weights = weights_from_run(run_dir)
     export_hf(config, weights, out)
@@ -262,8 +338,17 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors said in one line (exit code 2); subcommands' parsers
+    are of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ranvier", description="Neural-network JIT compiler and trainer.")
+    parser = _Parser(prog="ranvier", description="Neural-network JIT compiler and trainer.")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (also: RANVIER_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="build, print and run Myelin's example cell")
@@ -273,12 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     train = commands.add_parser("train", help="train a model")
+    minutes_help = ("train for about this many minutes: the step time, measured over a few warm-up steps, "
+                    "fixes the step count (and the learning-rate schedule to it)")
+    resume_help = ("continue a run from its checkpoint; --steps, --minutes and --checkpoint-every may change, "
+                   "the run's other settings may not")
     tasks = train.add_subparsers(dest="task", required=True)
-    mnist = tasks.add_parser("mnist", help="an MNIST classifier (bundled 5,000-digit subset by default)")
+    mnist = _noting_given(tasks.add_parser("mnist", help="an MNIST classifier (bundled 5,000-digit subset by default)"))
     mnist.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
-    mnist.add_argument("--steps", type=int, default=None, help="total optimizer steps (default 2340)")
-    mnist.add_argument("--batch", type=int, default=128, help="examples per step (default: %(default)s)")
-    mnist.add_argument("--lr", type=float, default=1e-3, help="learning rate, constant (default: %(default)s)")
+    mnist.add_argument("--steps", type=_positive_int, default=None, help="total optimizer steps (default 2340; with --minutes, at most this many)")
+    mnist.add_argument("--minutes", type=_positive_float, default=None, help=minutes_help)
+    mnist.add_argument("--batch", type=_positive_int, default=128, help="examples per step (default: %(default)s)")
+    mnist.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate, constant (default: %(default)s)")
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     mnist.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
@@ -288,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
     mnist.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")
-    mnist.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its checkpoint")
-    mnist.add_argument("--checkpoint-every", type=int, default=500)
+    mnist.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
+    mnist.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
     mnist.add_argument("--quiet", action="store_true", help="no progress bar")
     mnist.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
     mnist.set_defaults(run=_train_mnist)
@@ -298,28 +388,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     kinds = {"llama": "a Llama", "moe": "a mixture-of-experts"}
     for task, (presets, _) in LANGUAGE_MODELS.items():
-        lm = tasks.add_parser(task, help=f"{kinds[task]} language model on a text corpus (the standard library by default)")
+        lm = _noting_given(tasks.add_parser(
+            task, help=f"{kinds[task]} language model on a text corpus (the standard library by default)"))
         names = list(presets)
         lm.add_argument("--preset", default=names[0], help=f"{', '.join(names[:-1])} or {names[-1]}")
-        lm.add_argument("--corpus", default=None, help="a text file or folder (default: the Python standard library's source)")
-        lm.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000)")
-        lm.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
-        lm.add_argument("--batch", type=int, default=16, help="sequences per micro-batch (default: %(default)s)")
-        lm.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: %(default)s)")
-        lm.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, after warm-up, of the cosine schedule (default: %(default)s)")
-        lm.add_argument("--accumulate", type=int, default=1,
+        source = lm.add_mutually_exclusive_group()
+        source.add_argument("--corpus", default=None, help="a text file or folder (default: the Python standard library's source)")
+        source.add_argument("--data", default=None, metavar="SHARDS",
+                            help="a folder of token shards from `ranvier data pretokenize` or `ranvier data tinystories`, "
+                                 "trained on with their tokenizer; the run refers to them, so keep them in place")
+        lm.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default 2000; with --minutes, at most this many)")
+        lm.add_argument("--minutes", type=_positive_float, default=None, help=minutes_help)
+        lm.add_argument("--batch", type=_positive_int, default=16, help="sequences per micro-batch (default: %(default)s)")
+        lm.add_argument("--seq", type=_positive_int, default=128, help="tokens per sequence (default: %(default)s)")
+        lm.add_argument("--lr", type=_positive_float, default=2e-3, help="peak learning rate, after warm-up, of the cosine schedule (default: %(default)s)")
+        lm.add_argument("--accumulate", type=_positive_int, default=1,
                         help="micro-batches whose gradients are summed into one optimizer step (default: %(default)s)")
         lm.add_argument("--checkpointed", action="store_true",
                         help="stream the layers through one compiled layer forward and backward (CheckpointedStack): "
                              "compile time and activation memory independent of depth")
-        lm.add_argument("--max-corpus-bytes", type=int, default=None)
+        lm.add_argument("--max-corpus-bytes", type=_positive_int, default=None)
         lm.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
         lm.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
         lm.add_argument("--cpu", default="", metavar="MASK")
         lm.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
         lm.add_argument("--run-dir", default=None)
-        lm.add_argument("--resume", default=None, metavar="RUN_DIR")
+        lm.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
+        lm.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
         lm.add_argument("--quiet", action="store_true")
         lm.add_argument("--dashboard", action="store_true",
                         help="a live terminal dashboard with samples (plain output when not a terminal)")
@@ -329,16 +425,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("model", help="a `ranvier train llama|moe` run directory, a llama2.c .bin or a Hugging Face folder")
     generate.add_argument("--tokenizer", default=None, help="tokenizer.bin (llama2.c) or a tokenizer file")
     generate.add_argument("--prompt", default="")
-    generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    generate.add_argument("--top-k", type=int, default=None)
-    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 means greedy")
+    generate.add_argument("--top-k", type=_positive_int, default=None)
+    generate.add_argument("--top-p", type=_probability, default=None)
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
-    generate.add_argument("--max-tokens", type=int, default=256)
+    generate.add_argument("--max-tokens", type=_positive_int, default=256)
     generate.set_defaults(run=_generate)
 
     overview = commands.add_parser("summary", help="a language-model preset's parameters, FLOPs and memory, without its weights")
     overview.add_argument("--preset", required=True, help="e.g. moe-5.9B, moe-15M or stories110M")
-    overview.add_argument("--seq", type=int, default=None, help="sequence length for the FLOP count (default: the preset's)")
+    overview.add_argument("--seq", type=_positive_int, default=None, help="sequence length for the FLOP count (default: the preset's)")
     overview.set_defaults(run=_summary)
 
     plot = commands.add_parser("plot", help="write a run's loss and learning-rate curves as a PNG")
@@ -356,17 +452,17 @@ def build_parser() -> argparse.ArgumentParser:
     stories.add_argument("--dest", default="data/tinystories", help="where the archive, vocabulary and shards go")
     stories.add_argument("--json-dir", default=None, help="already unpacked JSON shards: skip the download")
     stories_vocab = stories.add_mutually_exclusive_group()
-    stories_vocab.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+    stories_vocab.add_argument("--vocab-size", type=_positive_int, default=4096, metavar="N",
                                help="train a SentencePiece vocabulary of N pieces (default 4096)")
     stories_vocab.add_argument("--tokenizer", default=None, metavar="FILE", help="use this tokenizer (.model or .json)")
     stories.set_defaults(run=_data_tinystories)
     corpus = datasets.add_parser("pretokenize", help="pretokenize a text file or folder (default: the standard library)")
     corpus.add_argument("path", nargs="?", default=None, help="text file or folder (*.txt, *.md, *.rst, *.py)")
     corpus.add_argument("--out", required=True, metavar="DIR", help="folder for the shards, tokenizer and manifest")
-    corpus.add_argument("--max-bytes", type=int, default=None, metavar="N", help="read at most this much text")
+    corpus.add_argument("--max-bytes", type=_positive_int, default=None, metavar="N", help="read at most this much text")
     corpus_vocab = corpus.add_mutually_exclusive_group()
     corpus_vocab.add_argument("--tokenizer", default=None, metavar="FILE", help="use this tokenizer (.model or .json)")
-    corpus_vocab.add_argument("--vocab-size", type=int, default=None, metavar="N",
+    corpus_vocab.add_argument("--vocab-size", type=_positive_int, default=None, metavar="N",
                               help="train a SentencePiece vocabulary of N pieces on the corpus")
     corpus_vocab.add_argument("--bytes", action="store_true", help="byte tokens, 258-id vocabulary (the default)")
     corpus.set_defaults(run=_data_pretokenize)
@@ -404,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark = commands.add_parser("bench", help="time an .onnx model in ranvier and in ONNX Runtime on the same random inputs")
     benchmark.add_argument("model", help="model.onnx")
     benchmark.add_argument("--dims", help=dims_help)
-    benchmark.add_argument("--repeats", type=int, default=10, help="timed runs per side (default 10; medians are compared)")
+    benchmark.add_argument("--repeats", type=_positive_int, default=10, help="timed runs per side (default 10; medians are compared)")
     benchmark.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
     benchmark.set_defaults(run=_bench)
 
@@ -414,19 +510,101 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with what argparse cannot check refused as a usage error too."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "cpu", ""):
+        from .backends.cpu.target import host_target
+
+        try:  # before any work: a run directory, a vocabulary, a compile
+            host_target(args.cpu)
+        except RanvierError as error:
+            parser.exit(2, f"ranvier: error: argument --cpu: {error}\n")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; ranvier's errors propagate (for callers and tests)."""
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     return args.run(args)
 
 
+# Errors a user makes and can fix: said in one line instead of a traceback.
+USER_ERRORS = (RanvierError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+               ModuleNotFoundError)
+# Optional packages and the extra that installs each.
+EXTRAS = {"matplotlib": "plot", "onnx": "onnx"}
+
+
+def _describe(error: Exception) -> str:
+    """One line saying what was wrong and what to do."""
+    if isinstance(error, ModuleNotFoundError):
+        package = (error.name or "").split(".")[0]
+        install = f"'ranvier[{EXTRAS[package]}]'" if package in EXTRAS else package
+        return f"this command needs the {package} package: pip install {install}"
+    if isinstance(error, OSError) and error.filename:
+        what = {
+            FileNotFoundError: "does not exist",
+            FileExistsError: "exists already and is not a folder",
+            NotADirectoryError: "is not a folder (or a folder in its path is a file)",
+            IsADirectoryError: "is a folder, where a file is needed",
+            PermissionError: "cannot be used: permission denied",
+        }
+        return f"{error.filename} {what.get(type(error), error.strerror)}"
+    return str(error)
+
+
+class _CompileStatus:
+    """A compile still running after a second says so on stderr, and ends the line with
+    how long it took: a cold llama run compiles for seconds without a word otherwise."""
+
+    def __init__(self, flow):
+        ops = sum(len(func.ops) for func in flow.funcs.values())
+        names = list(flow.funcs)
+        self.what = f"{', '.join(names[:3])}{' and more' if len(names) > 3 else ''} ({ops:,} ops)"
+        self.timer = threading.Timer(1.0, self._announce)
+        self.timer.daemon = True
+        self.announced = False
+
+    def _announce(self) -> None:
+        self.announced = True
+        print(f"compiling {self.what}…", end="", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+        self.timer.start()
+
+    def __exit__(self, failed, *_) -> None:
+        self.timer.cancel()
+        self.timer.join()  # an announcement under way is printed before the result
+        if self.announced:
+            print(f" {time.perf_counter() - self.start:.1f} s" if failed is None else "", file=sys.stderr, flush=True)
+
+
 def console() -> int:
-    """The `ranvier` command: what was wrong, said in one line, instead of a traceback."""
+    """The `ranvier` command: a user's error said in one line (exit code 1; usage errors 2),
+    the full traceback with --debug or RANVIER_DEBUG."""
+    from .compiler import compiler
+
+    args = _parse(sys.argv[1:])
+    show_traceback = args.debug or debug.tracebacks()
+    compiler.compile_observer = _CompileStatus
     try:
-        return main()
-    except RanvierError as error:
-        print(f"ranvier: error: {error}", file=sys.stderr)
+        return args.run(args)
+    except USER_ERRORS as error:
+        ours = isinstance(error, ModuleNotFoundError) and (error.name or "").startswith("ranvier")  # a bug, not the user's
+        if show_traceback or ours:
+            raise
+        print(f"ranvier: error: {_describe(error)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if show_traceback:
+            raise
+        print("ranvier: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        compiler.compile_observer = None  # a caller in the same process (a test) compiles quietly again
 
 
 if __name__ == "__main__":

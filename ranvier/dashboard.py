@@ -149,14 +149,15 @@ def training_display(
     sample: Callable[[], str] | None = None,
     sample_every: int = 200,
     seconds: float | None = None,
+    done: int = 0,
 ) -> Iterator[Shown]:
     """Yield `show`: the live dashboard on a terminal when asked for, otherwise the progress
     bar (plain lines when the output is not a terminal). `seconds`: the run's time limit, if
-    it has one."""
+    it has one; `total` and `done`: the run's steps in all and before this session."""
     from .progress import training_progress
 
     if not (dashboard and progress and sys.stdout.isatty()):
-        with training_progress(total, enabled=progress, every=20, seconds=seconds) as report:
+        with training_progress(total, enabled=progress, every=20, seconds=seconds, done=done) as report:
             yield Shown(lambda step, loss, seconds, record: report(loss, **{
                 f"{unit}/s": items_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9}))
         return

@@ -43,10 +43,11 @@ def _clock(seconds: float) -> str:
 
 @contextmanager
 def training_progress(total: int, enabled: bool = True, every: int = 100, seconds: float | None = None,
-                      console: Console | None = None) -> Iterator[Callable[..., None]]:
+                      console: Console | None = None, done: int = 0) -> Iterator[Callable[..., None]]:
     """Yield `report(loss, **fields)`, called once per step; shows step, loss, steps/s, ETA
     and any extra fields (tokens/s, ms/step, ...). Under a time limit (`seconds`) the total
-    and ETA are those of the steps that fit in it.
+    and ETA are those of the steps that fit in it. `done`: steps made before (a resumed
+    run), so that steps count from where it stands, as its metrics do.
 
     On a terminal: a bar, the step and the ETA always, then as many of loss, steps/s, the
     fields in their order and the elapsed time as fit the width; the loss and fields are the
@@ -54,7 +55,7 @@ def training_progress(total: int, enabled: bool = True, every: int = 100, second
     fields and ETA are all means over the steps since the line before.
     """
     start = time.perf_counter()
-    count = 0
+    count = done
     if not enabled:
         yield lambda loss, **fields: None
         return
@@ -84,7 +85,7 @@ def training_progress(total: int, enabled: bool = True, every: int = 100, second
     columns = (BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(), TextColumn("eta"), TimeRemainingColumn(),
                TextColumn("{task.fields[stats]}"))
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=total, stats="")
+        task = progress.add_task("train", total=total, completed=done, stats="")
 
         def report(loss: float, **fields) -> None:
             nonlocal count
@@ -93,7 +94,7 @@ def training_progress(total: int, enabled: bool = True, every: int = 100, second
             expected = expected_steps(total, count, elapsed, seconds)
             # What the bar, "step/total", "eta" and its time take, with a space between columns.
             fixed = BAR_WIDTH + 2 * len(str(expected)) + 1 + len("eta") + len("-:--:--") + 4
-            items = [f"loss {loss:.4f}", f"{count / elapsed:.1f} steps/s", *_items(fields), f"elapsed {_clock(elapsed)}"]
+            items = [f"loss {loss:.4f}", f"{(count - done) / elapsed:.1f} steps/s", *_items(fields), f"elapsed {_clock(elapsed)}"]
             progress.update(task, advance=1, total=expected, stats=fit(items, progress.console.width - fixed - 1))
 
         yield report

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -20,12 +19,10 @@ def losses(run_dir):
 
 def interrupted_and_resumed(tmp_path, straight, config: dict, pause: int):
     """The history of the same run paused after step `pause` and resumed, with the straight
-    run's tokenizer and shards (so only the interruption differs); the pause's own final
-    evaluation is left out, step for step comparable with the straight run's."""
+    run's tokenizer and shards (the same corpus's, from the cache, so only the interruption
+    differs); the pause's own final evaluation is left out, step for step comparable with
+    the straight run's."""
     interrupted = tmp_path / "interrupted"
-    interrupted.mkdir()
-    shutil.copy(straight / "tokenizer.model", interrupted / "tokenizer.model")
-    shutil.copytree(straight / "data", interrupted / "data")
     train_llama(LlamaRunConfig(**config), interrupted, progress=False, stop_at=pause)
     resume_llama(interrupted, progress=False)
     return [r for r in losses(interrupted) if r[1] is not None or r[0] == config["steps"]]

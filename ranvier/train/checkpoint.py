@@ -62,9 +62,9 @@ def save_checkpoint(directory: str | Path, arrays: dict[str, np.ndarray], state:
     return directory
 
 
-def load_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]:
-    directory = Path(directory)
-    meta_path = directory / METADATA
+def read_metadata(directory: str | Path) -> dict:
+    """A checkpoint's metadata (its step, schedule, ...), without reading its weights."""
+    meta_path = Path(directory) / METADATA
     if not meta_path.is_file():
         raise CheckpointError(f"no checkpoint in {directory}: {METADATA} is missing")
     try:
@@ -73,6 +73,13 @@ def load_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]
         raise CheckpointError(f"{meta_path} is not valid JSON: {error}") from None
     if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
         raise CheckpointError(f"{meta_path} is not a {FORMAT} version {VERSION} file")
+    return metadata
+
+
+def load_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]:
+    directory = Path(directory)
+    meta_path = directory / METADATA
+    metadata = read_metadata(directory)
     weights_path = directory / metadata["weights"]
     if not weights_path.is_file():
         raise CheckpointError(f"checkpoint weights {weights_path} are missing")

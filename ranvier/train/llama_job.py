@@ -7,14 +7,21 @@ for the preset's vocabulary size, written as llama2.c token shards, and split in
 training and validation tokens. Training samples random windows; the whole step —
 forward, backward, AdamW with warmup + cosine and clipping — is one compiled cell.
 
-A run directory holds config.json, tokenizer.model, data/ (shards and manifest),
-metrics.jsonl and checkpoint/ (weights, optimizer state, sampler RNG state).
+The shards are not copied into the run: a text corpus is tokenized once into the cache
+(`corpora/` beside the compiled code, reused by every run on the same text and vocabulary
+size), shards from `ranvier data pretokenize` are trained on where they are, and
+config.json records the shard files with their sizes and times, which a resume checks.
+A run directory holds config.json, its tokenizer (tokenizer.model, or tokenizer.json for
+byte tokens), metrics.jsonl and checkpoint/ (weights, optimizer state, sampler RNG state).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -24,7 +31,7 @@ import numpy as np
 
 from ..dashboard import training_display
 from ..data import corpus as corpora
-from ..data.shards import TokenShards, pretokenize
+from ..data.shards import MANIFEST, TokenShards, pretokenize
 from ..data.tokenizers import load_tokenizer, train_sentencepiece
 from ..errors import RanvierError
 from ..flow.builder import Builder
@@ -32,6 +39,8 @@ from ..flow.graph import Flow
 from ..models import LANGUAGE_MODELS, MoE, language_model
 from ..models.llama import Llama, LlamaConfig
 from . import rundir
+from .budget import plan_steps
+from .checkpoint import read_metadata
 from .losses import softmax_cross_entropy
 from .optimizers import AdamW
 from .schedules import WarmupCosine
@@ -44,8 +53,10 @@ class LlamaRunConfig:
     preset: str = "stories260K"
     model: str = "llama"  # or "moe": the family the preset belongs to
     corpus: str | None = None
-    steps: int = 2000
-    minutes: float | None = None
+    data: str | None = None  # a folder of token shards (from `ranvier data pretokenize`) instead of a corpus
+    shards: list[dict] | None = None  # the shard files trained on: {"path", "bytes", "mtime_ns"}
+    steps: int | None = 2000  # None: as many as fit in `minutes`
+    minutes: float | None = None  # plan the steps to fit this training time
     batch: int = 16
     seq: int = 128
     lr: float = 2e-3
@@ -62,7 +73,8 @@ class LlamaRunConfig:
     seed: int = 0
     backend: str = "cpu"
     cpu: str = ""
-    matmul: str = "float32"  # or "bfloat16": mixed-precision matrix products on AMX
+    matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
+    matmul_requested: str | None = None  # what --matmul asked for
     checkpointed: bool = False  # stream the layers through a CheckpointedStack
 
 
@@ -76,21 +88,84 @@ class LlamaRun:
     unigram_entropy: float
 
 
-def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tuple[Path, dict]:
-    """Tokenizer and shards in the run directory (made once; a resumed run reuses them)."""
-    data_dir = run_dir / "data"
-    manifest_path = data_dir / "manifest.json"
-    tokenizer_path = run_dir / "tokenizer.model"
-    if manifest_path.exists() and tokenizer_path.exists():
-        return tokenizer_path, json.loads(manifest_path.read_text())
+def run_tokenizer(run_dir: Path) -> Path:
+    """The run's tokenizer file: tokenizer.model (SentencePiece), or tokenizer.json."""
+    model = run_dir / "tokenizer.model"
+    return model if model.exists() or not (run_dir / "tokenizer.json").exists() else run_dir / "tokenizer.json"
+
+
+def tokenized_corpus(config: LlamaRunConfig, vocab_size: int) -> Path:
+    """The folder of the corpus's shards and vocabulary in the cache, made on first use.
+
+    Its name hashes what the tokens depend on (the corpus files with their sizes and
+    times, the byte cap, the vocabulary size), so an edited corpus is tokenized afresh."""
+    from ..backends.cpu.jit import cache_dir
+
+    files = corpora.corpus_files(config.corpus)
+    identity = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    key = hashlib.sha256(json.dumps([identity, config.max_corpus_bytes, vocab_size]).encode()).hexdigest()[:16]
+    folder = cache_dir() / "corpora" / f"{Path(config.corpus or 'stdlib').name}-{vocab_size}-{key}"
+    if (folder / MANIFEST).exists():
+        print(f"corpus: tokenized in {folder} by an earlier run")
+        return folder
     documents = list(corpora.iter_documents(config.corpus, config.max_corpus_bytes))
     if not documents:
         raise RanvierError(f"the corpus {config.corpus or 'standard library'} has no text")
     print(f"corpus: {len(documents)} documents, {sum(map(len, documents)) / 1e6:.1f} MB; training a {vocab_size}-piece vocabulary")
-    train_sentencepiece(iter(documents), vocab_size, output_prefix=run_dir / "tokenizer", character_coverage=0.9999)
-    tokenizer = load_tokenizer(tokenizer_path)
-    manifest = pretokenize(documents, tokenizer, data_dir)
-    return tokenizer_path, manifest
+    # Built beside and renamed into place, so a run never sees half a folder (and of two
+    # runs tokenizing the same corpus at once, the first to finish wins).
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    train_sentencepiece(iter(documents), vocab_size, output_prefix=partial / "tokenizer", character_coverage=0.9999)
+    pretokenize(documents, load_tokenizer(partial / "tokenizer.model"), partial)
+    try:
+        os.replace(partial, folder)
+    except OSError:
+        shutil.rmtree(partial)
+    print(f"corpus: tokenized into {folder} (later runs on the same corpus reuse it)")
+    return folder
+
+
+def shard_record(path: Path) -> dict:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def check_shards(run_dir: Path, recorded: list[dict]) -> None:
+    """Refuse to resume on shards that are gone or differ from those the run started on."""
+    for entry in recorded:
+        path = Path(entry["path"])
+        if not path.is_file():
+            raise RanvierError(f"{run_dir} trains on the token shard {path}, which is missing; "
+                               "put it back to resume (or start a new run)")
+        if shard_record(path) != entry:
+            raise RanvierError(f"the token shard {path} has changed since {run_dir} started (its size or modification "
+                               "time differs); resuming on other tokens would not continue the run: restore it, or start a new run")
+
+
+def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tuple[Path, dict, list[Path]]:
+    """(tokenizer, manifest, shard files): on a fresh run, the --data folder's or the
+    tokenized corpus's, its tokenizer copied into the run and its shards recorded in the
+    config; on resume, those the config records, checked to be unchanged."""
+    if config.shards is not None:
+        check_shards(run_dir, config.shards)
+        paths = [Path(entry["path"]) for entry in config.shards]
+        return run_tokenizer(run_dir), json.loads((paths[0].parent / MANIFEST).read_text()), paths
+    legacy = run_dir / "data"  # runs made before shards were referenced hold their own
+    folder = Path(config.data) if config.data else legacy if (legacy / MANIFEST).exists() else tokenized_corpus(config, vocab_size)
+    if config.data and not (folder / MANIFEST).is_file():
+        raise RanvierError(f"{folder} is not a folder of token shards from `ranvier data pretokenize` "
+                           f"(no {MANIFEST}, which names their tokenizer)")
+    shards = TokenShards(folder)
+    manifest = shards.manifest
+    source = folder / manifest["tokenizer"]["file"]
+    tokenizer_path = run_dir / source.name
+    shutil.copyfile(source, tokenizer_path)
+    if config.data:
+        shards.validate(load_tokenizer(tokenizer_path).vocab_size)
+    paths = [Path(name) for name in shards.names]
+    config.shards = [shard_record(path) for path in paths]
+    return tokenizer_path, manifest, paths
 
 
 def family_of(config: LlamaRunConfig) -> tuple[dict[str, LlamaConfig], type[Llama]]:
@@ -115,11 +190,18 @@ def load_model(run_dir: Path):
     from .checkpoint import load_checkpoint
 
     config = read_run(run_dir)
-    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    tokenizer = load_tokenizer(run_tokenizer(run_dir))
     arrays, _ = load_checkpoint(run_dir / "checkpoint")
     prefix = f"{family_of(config)[1].name}/"
     weights = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix) and name.count("/") == 1}
     return model_config_for(config, tokenizer.vocab_size), weights, tokenizer
+
+
+def lr_schedule(config: LlamaRunConfig) -> WarmupCosine:
+    """Warmup, then cosine decay to min_lr at the run's last step (before --minutes has
+    planned the steps, to the warmup's end: the warm-up steps that measure the rate run
+    inside the warmup, whatever the plan)."""
+    return WarmupCosine(lr=config.lr, warmup=config.warmup, total=config.steps or config.warmup, floor=config.min_lr)
 
 
 def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
@@ -127,11 +209,10 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     if config.preset not in presets:
         raise RanvierError(f"unknown {model_class.__name__} preset {config.preset!r}; choose one of {', '.join(presets)}")
     preset = presets[config.preset]
-    tokenizer_path, manifest = prepare_data(config, run_dir, preset.vocab_size)
+    tokenizer_path, manifest, paths = prepare_data(config, run_dir, preset.vocab_size)
     tokenizer = load_tokenizer(tokenizer_path)
     model_config = model_config_for(config, tokenizer.vocab_size)
-    shards = TokenShards(run_dir / "data")
-    train, validation = shards.split(fraction=0.05)
+    train, validation = TokenShards(paths).split(fraction=0.05)
     model = language_model(model_config, seed=config.seed)
     rows = config.batch * config.seq
 
@@ -139,8 +220,9 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
         return softmax_cross_entropy(logits.reshape([rows, model_config.vocab_size]), targets.reshape([rows]), name=name)
 
     optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
-    schedule = WarmupCosine(lr=config.lr, warmup=config.warmup, total=config.steps, floor=config.min_lr)
-    options = {"schedule": schedule, "clip_norm": config.clip, "backend": config.backend, "cpu": config.cpu, "matmul": config.matmul}
+    schedule = lr_schedule(config)
+    options = {"schedule": schedule, "clip_norm": config.clip, "backend": config.backend, "cpu": config.cpu,
+               "matmul": rundir.requested_matmul(config)}
     entropy = float(manifest.get("unigram_entropy", math.nan))
     if config.checkpointed:
         window = ("int32", [config.batch, config.seq])
@@ -230,6 +312,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     rundir.write_config(run_dir, config.model, config)
     run = build(config, run_dir)
     trainer = run.trainer
+    rundir.record_matmul(config, trainer.matmul)
+    rundir.write_config(run_dir, config.model, config)
     rng = np.random.default_rng(config.seed)
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
@@ -249,18 +333,10 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     def checkpoint() -> None:
         trainer.save(run_dir / "checkpoint", {"rng": rng.bit_generator.state})
 
-    start = time.perf_counter()
-    remaining = max(0, min(config.steps, stop_at or config.steps) - trainer.step_count)
-    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    tokenizer = load_tokenizer(run_tokenizer(run_dir))
     generators: list = []
-    shown = training_display(
-        remaining, progress=progress, dashboard=dashboard, title=f"ranvier train {config.model} {config.preset}: {run_dir}",
-        compile_seconds=trainer.compile_seconds, flops_per_step=flops_per_step, items_per_step=tokens_per_step,
-        unit="tokens", profile=trainer.profile, sample=lambda: sample_text(run, tokenizer, generators),
-        sample_every=config.sample_every, seconds=config.minutes * 60 if config.minutes is not None else None,
-    )
-    with open(metrics_path, "a") as metrics, shown as show:
-        for _ in range(remaining):
+    with open(metrics_path, "a") as metrics:
+        def run_step() -> tuple[int, float, float, dict]:
             x, y = run.train.sample(config.batch * config.accumulate, config.seq, rng)
             step_start = time.perf_counter()
             loss = trainer.step([x, y])
@@ -271,15 +347,30 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
                       **expert_metrics(trainer.watched)}
             if step % config.eval_every == 0:
                 record["val_loss"] = validation_loss(run, config)
-            show(step, loss, seconds, record)
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if step % config.checkpoint_every == 0:
                 checkpoint()
-            if config.minutes is not None and time.perf_counter() - start > config.minutes * 60:
-                break
-        final = validation_loss(run, config)
-        show.final({"val_loss": final})
+            return step, loss, seconds, record
+
+        if config.minutes is not None:
+            config.steps, plan = plan_steps(run_step, trainer.step_count, config.minutes, config.steps)
+            print(plan)
+            # A short budget warms up over at most a tenth of its steps, so that most decay.
+            config.warmup = min(config.warmup, config.steps // 10)
+            trainer.schedule = lr_schedule(config)
+            rundir.write_config(run_dir, config.model, config)
+        shown = training_display(
+            config.steps, done=trainer.step_count, progress=progress, dashboard=dashboard,
+            title=f"ranvier train {config.model} {config.preset}: {run_dir}", compile_seconds=trainer.compile_seconds,
+            flops_per_step=flops_per_step, items_per_step=tokens_per_step, unit="tokens", profile=trainer.profile,
+            sample=lambda: sample_text(run, tokenizer, generators), sample_every=config.sample_every,
+        )
+        with shown as show:
+            while trainer.step_count < min(config.steps, stop_at or config.steps):
+                show(*run_step())
+            final = validation_loss(run, config)
+            show.final({"val_loss": final})
     checkpoint()
     with open(metrics_path, "a") as metrics:
         metrics.write(json.dumps({"step": trainer.step_count, "val_loss": final}) + "\n")
@@ -292,8 +383,20 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     return final
 
 
-def resume_llama(run_dir: Path, steps: int | None = None, progress: bool = True) -> float:
+# What a resumed run may change: how far it goes and how often it saves.
+RESUMABLE = {"steps", "minutes", "checkpoint_every"}
+
+
+def resume_llama(run_dir: Path, flags: dict | None = None, progress: bool = True, dashboard: bool = False) -> float | None:
+    """Continue a run from its checkpoint, to its configured steps or as `flags` (the
+    command line's, by config field) say; None when it had finished."""
     config = read_run(run_dir)
-    if steps is not None:
-        config.steps = steps
-    return train_llama(config, run_dir, resume=True, progress=progress)
+    flags = flags or {}
+    rundir.apply_resume_flags(run_dir, config, flags, RESUMABLE)
+    # A time budget is this session's: a run resumed without one finishes its planned steps.
+    config.minutes = flags.get("minutes")
+    if config.minutes is not None and "steps" not in flags:
+        config.steps = None
+    if not rundir.steps_to_resume(run_dir, config, read_metadata(run_dir / "checkpoint")["step"]):
+        return None
+    return train_llama(config, run_dir, resume=True, progress=progress, dashboard=dashboard)

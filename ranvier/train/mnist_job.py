@@ -18,6 +18,8 @@ from ..data import mnist
 from ..errors import RanvierError
 from ..models import CNN, MLP
 from . import rundir
+from .budget import plan_steps
+from .checkpoint import read_metadata
 from .classifier import build_classifier
 from .optimizers import SGD, Adam, AdamW
 from .schedules import Constant
@@ -29,7 +31,8 @@ OPTIMIZERS = {"adam": Adam, "adamw": AdamW, "sgd": SGD}
 @dataclass
 class MnistConfig:
     model: str = "mlp"
-    steps: int = 2340
+    steps: int | None = 2340  # None: as many as fit in `minutes`
+    minutes: float | None = None  # plan the steps to fit this training time
     batch: int = 128
     lr: float = 1e-3
     optimizer: str = "adam"
@@ -37,7 +40,8 @@ class MnistConfig:
     activation: str = "gelu"
     backend: str = "cpu"
     cpu: str = ""
-    matmul: str = "float32"  # or "bfloat16": mixed-precision matrix products on AMX
+    matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
+    matmul_requested: str | None = None  # what --matmul asked for
     seed: int = 0
     data: str | None = None
     checkpoint_every: int = 500
@@ -68,7 +72,7 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         inputs=[setup.x, setup.labels],
         backend=config.backend,
         cpu=config.cpu,
-        matmul=config.matmul,
+        matmul=rundir.requested_matmul(config),
     )
     images = train_split.flat() if config.model == "mlp" else train_split.nchw()
     trainer.set_dataset([images, train_split.labels.astype(np.int32)], seed=config.seed)
@@ -83,21 +87,33 @@ def read_config(run_dir: Path) -> MnistConfig:
     return rundir.read_config(run_dir, MnistConfig, ("mnist",))
 
 
-def resume_mnist(run_dir: Path, steps: int | None = None, progress: bool = True) -> float:
-    """Continue a run from its checkpoint, to its configured steps or to `steps`."""
+# What a resumed run may change: how far it goes and how often it saves.
+RESUMABLE = {"steps", "minutes", "checkpoint_every"}
+
+
+def resume_mnist(run_dir: Path, flags: dict | None = None, progress: bool = True, profile: bool = False,
+                 dashboard: bool = False) -> float | None:
+    """Continue a run from its checkpoint, to its configured steps or as `flags` (the
+    command line's, by config field) say; None when it had finished."""
     config = read_config(run_dir)
-    if steps is not None:
-        config.steps = steps
-    return train_mnist(config, run_dir, resume=True, progress=progress)
+    flags = flags or {}
+    rundir.apply_resume_flags(run_dir, config, flags, RESUMABLE)
+    # A time budget is this session's: a run resumed without one finishes its planned steps.
+    config.minutes = flags.get("minutes")
+    if config.minutes is not None and "steps" not in flags:
+        config.steps = None
+    if not rundir.steps_to_resume(run_dir, config, read_metadata(run_dir / "checkpoint")["step"]):
+        return None
+    return train_mnist(config, run_dir, resume=True, progress=progress, profile=profile, dashboard=dashboard)
 
 
 def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True, profile: bool = False,
                 dashboard: bool = False) -> float:
     """Train (or resume) and return the test accuracy. Prints `test_accuracy=0.XXXX` last."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    rundir.write_config(run_dir, "mnist", config)
-
     trainer, _, test_split = make_trainer(config)
+    rundir.record_matmul(config, trainer.matmul)
+    rundir.write_config(run_dir, "mnist", config)
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         trainer.load(run_dir / "checkpoint")
@@ -106,25 +122,33 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
         metrics_path.unlink()
     print(f"compiled in {trainer.compile_seconds:.2f}s ({config.backend} backend); training from step {trainer.step_count}")
 
-    remaining = max(0, config.steps - trainer.step_count)
     start = time.perf_counter()
-    shown = training_display(
-        remaining, progress=progress, dashboard=dashboard, title=f"ranvier train mnist {config.model}: {run_dir}",
-        compile_seconds=trainer.compile_seconds, flops_per_step=trainer.cell.flops,
-        items_per_step=config.batch, unit="examples", profile=trainer.data.profile,
-    )
-    with open(metrics_path, "a") as metrics, shown as show:
-        for _ in range(remaining):
+    with open(metrics_path, "a") as metrics:
+        def run_step() -> tuple[int, float, float, dict]:
             step_start = time.perf_counter()
             loss = trainer.step()
+            seconds = time.perf_counter() - step_start
             step = trainer.step_count
-            show(step, loss, time.perf_counter() - step_start, {})
             if step % config.log_every == 0 or step == config.steps:
                 record = {"step": step, "loss": loss, "lr": config.lr, "elapsed": time.perf_counter() - start}
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if step % config.checkpoint_every == 0 and step != config.steps:
                 trainer.save(run_dir / "checkpoint")
+            return step, loss, seconds, {}
+
+        if config.minutes is not None:
+            config.steps, plan = plan_steps(run_step, trainer.step_count, config.minutes, config.steps)
+            print(plan)
+            rundir.write_config(run_dir, "mnist", config)
+        shown = training_display(
+            config.steps, done=trainer.step_count, progress=progress, dashboard=dashboard,
+            title=f"ranvier train mnist {config.model}: {run_dir}", compile_seconds=trainer.compile_seconds,
+            flops_per_step=trainer.cell.flops, items_per_step=config.batch, unit="examples", profile=trainer.data.profile,
+        )
+        with shown as show:
+            while trainer.step_count < config.steps:
+                show(*run_step())
     trainer.save(run_dir / "checkpoint")
     if profile:
         print(trainer.data.profile())

@@ -76,23 +76,25 @@ def keep_metrics_until(path: Path, step: int) -> None:
     atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
 
 
-def resume_config(run_dir: Path, kind: type[Config], flags: dict, may_change: set[str]) -> Config:
-    """The run's config with the flags given on resume applied: those in `may_change`
-    (steps, checkpoint interval, ...) replace the run's; any other that differs from the
-    run's is refused, naming it, since the checkpoint was trained under the run's."""
-    config = read_config(run_dir, kind)
+def apply_resume_flags(run_dir: Path, config, flags: dict, may_change: set[str]) -> None:
+    """Apply to a run's config the flags given on resume: those in `may_change` (steps,
+    checkpoint interval, ...) replace the run's; any other that differs from the run's is
+    refused, naming it, since the checkpoint was trained under the run's."""
     own = {name: value for name, value in flags.items() if hasattr(config, name)}
-    changed = sorted(name for name, value in own.items() if name not in may_change and getattr(config, name) != value)
+
+    def recorded(name: str):
+        return getattr(config, f"{name}_requested", None) or getattr(config, name)
+
+    changed = sorted(name for name, value in own.items() if name not in may_change and recorded(name) != value)
     if changed:
         def flag(name: str, value) -> str:
             return f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
         given = ", ".join(flag(name, own[name]) for name in changed)
-        was = ", ".join(flag(name, getattr(config, name)) for name in changed)
+        was = ", ".join(flag(name, recorded(name)) for name in changed)
         raise RanvierError(f"cannot change {given} on resume: {run_dir} was trained with {was} "
                            "(leave them out to resume, or start a new run)")
     for name in may_change & own.keys():
         setattr(config, name, own[name])
-    return config
 
 
 def steps_to_resume(run_dir: Path, config, done: int) -> bool:
@@ -105,3 +107,20 @@ def steps_to_resume(run_dir: Path, config, done: int) -> bool:
         print(f"run {run_dir} finished at step {done} of {config.steps}; pass --steps N > {done} to train further")
         return False
     return True
+
+
+def requested_matmul(config) -> str:
+    """The matrix-product precision the run asked for (config.matmul is what ran)."""
+    return config.matmul_requested or config.matmul
+
+
+def record_matmul(config, ran: str) -> None:
+    """Record in the config the precision the matrix products run in, beside the one asked
+    for, and say so when they differ (bfloat16 needs AMX-BF16 tiles; without them the
+    compiler keeps float32)."""
+    config.matmul_requested = requested_matmul(config)
+    config.matmul = ran
+    if ran != config.matmul_requested:
+        where = (f"the {config.backend} backend has no bfloat16 matrix products" if config.backend != "cpu" else
+                 f"this CPU{f' (masked with --cpu={config.cpu})' if config.cpu else ''} has no usable AMX-BF16")
+        print(f"--matmul {config.matmul_requested}: {where}: matrix products run in {ran}")

@@ -97,8 +97,11 @@ class TrainerBase:
 
     def _compile(self, backend: str, predict: Tensor | None, cpu: str = "", matmul: str = "float32") -> None:
         compile_start = time.perf_counter()
-        self.network = Compiler(backend, cpu=cpu, matmul=matmul).compile(self.flow)
+        compiler = Compiler(backend, cpu=cpu, matmul=matmul)
+        self.network = compiler.compile(self.flow)
         self.compile_seconds = time.perf_counter() - compile_start
+        # Where the backend cannot run the requested precision, products stay float32.
+        self.matmul = matmul if matmul in compiler.backend.capabilities.matmul_precisions else "float32"
         self.predict_var = predict.var if predict is not None else None
         self.predict_data = self.network.cell(predict.var.producer.func.name).instance() if predict is not None else None
         self.step_count = 0
