@@ -5,7 +5,8 @@
     asm      each generated cell's machine code, as assembly (Myelin's --jit_code)
 
 Output goes to standard error. `cell.llvm_ir()` and `cell.asm()` give the same text
-for one cell.
+for one cell. RANVIER_DEBUG set to anything also makes the `ranvier` command show the
+full traceback of an error (as `ranvier --debug` does) instead of one line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ def enabled(kind: str) -> bool:
     """Whether RANVIER_DEBUG names `kind` (or says "all")."""
     asked = {part.strip() for part in os.environ.get("RANVIER_DEBUG", "").split(",") if part.strip()}
     return kind in asked or "all" in asked
+
+
+def tracebacks() -> bool:
+    """Whether the `ranvier` command shows full tracebacks: RANVIER_DEBUG has any value."""
+    return bool(os.environ.get("RANVIER_DEBUG"))
 
 
 def dump(kind: str, title: str, text: str) -> None:

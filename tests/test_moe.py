@@ -319,5 +319,5 @@ def test_summary_counts_the_founding_design_without_its_weights(capsys):
     out = capsys.readouterr().out
     assert "13 of hidden 6144, top-4" in out and "parameters         5,979.2M" in out
     assert "active per token   1,902.4M" in out and "built without weights" in out
-    with pytest.raises(SystemExit, match="unknown preset"):
+    with pytest.raises(rv.RanvierError, match="unknown preset"):
         main(["summary", "--preset", "moe-nope"])

@@ -3,6 +3,9 @@ the schedule, the backend's kernel for every step, and the memory plan."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 from .. import dtypes
 from ..autodiff import gradient_function
 from ..backends import CompileOptions, create_backend
@@ -15,6 +18,10 @@ from .memory import plan_memory
 from .pipeline import PassContext, run_pipeline
 from .references import resolve_references
 from .schedule import schedule
+
+# Set by the `ranvier` command to show slow compiles; the library itself prints nothing.
+# Given the flow about to be compiled, it returns a context manager around the compile.
+compile_observer: Callable[[Flow], contextlib.AbstractContextManager] | None = None
 
 
 def undefined_shape(var: Variable, func: Function) -> CompileError:
@@ -64,15 +71,16 @@ class Compiler:
         self.backend = create_backend(backend, self.options)
 
     def compile(self, flow: Flow) -> Network:
-        # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
-        network = Network(flow.copy(), self.backend_name)
-        for func in list(network.flow.funcs.values()):
-            if func.backprop and f"gradients/{func.name}" not in network.flow.funcs and not func.name.startswith("gradients/"):
-                gradient_function(network.flow, func)
-        resolve_references(network.flow)
-        reshape_declared_outputs(network.flow)
-        for func in network.flow.funcs.values():
-            network.cells[func.name] = self.compile_function(network, func)
+        with compile_observer(flow) if compile_observer else contextlib.nullcontext():
+            # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
+            network = Network(flow.copy(), self.backend_name)
+            for func in list(network.flow.funcs.values()):
+                if func.backprop and f"gradients/{func.name}" not in network.flow.funcs and not func.name.startswith("gradients/"):
+                    gradient_function(network.flow, func)
+            resolve_references(network.flow)
+            reshape_declared_outputs(network.flow)
+            for func in network.flow.funcs.values():
+                network.cells[func.name] = self.compile_function(network, func)
         return network
 
     def compile_function(self, network: Network, func: Function) -> Cell:
