@@ -68,7 +68,7 @@ def test_minutes_plans_the_steps_and_records_them(tmp_path, capsys):
     main(["train", "mnist", "--resume", str(run), "--quiet"])
     assert f"finished at step {planned} of {planned}" in capsys.readouterr().out
     main(["train", "mnist", "--resume", str(run), "--minutes", "0.01", "--steps", str(planned + 12), "--quiet"])
-    assert f"(to step {planned + 12})" in capsys.readouterr().out
+    assert f"(to step {planned + 12:,})" in capsys.readouterr().out
 
 
 def test_matmul_bfloat16_without_amx_records_float32(tmp_path, capsys):

@@ -160,6 +160,7 @@ def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tupl
     manifest = shards.manifest
     source = folder / manifest["tokenizer"]["file"]
     tokenizer_path = run_dir / source.name
+    run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, tokenizer_path)
     if config.data:
         shards.validate(load_tokenizer(tokenizer_path).vocab_size)
