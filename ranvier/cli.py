@@ -100,6 +100,7 @@ def _train_mnist(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .train.mnist_job import MnistConfig, resume_mnist, train_mnist
+    from .train.rundir import removed_on_failure
 
     if args.resume:
         _check_run(args.resume, ("mnist",), "train mnist --resume")
@@ -121,7 +122,8 @@ def _train_mnist(args: argparse.Namespace) -> int:
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"mnist-{args.model}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
-    train_mnist(config, run_dir, progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
+    with removed_on_failure(run_dir):
+        train_mnist(config, run_dir, progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
     return 0
 
 
@@ -129,6 +131,7 @@ def _train_llama(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .train.llama_job import LlamaRunConfig, resume_llama, train_llama
+    from .train.rundir import removed_on_failure
 
     if args.resume:
         _check_run(args.resume, (args.task,), f"train {args.task} --resume")
@@ -143,7 +146,8 @@ def _train_llama(args: argparse.Namespace) -> int:
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"{args.task}-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
-    train_llama(config, run_dir, progress=not args.quiet, dashboard=args.dashboard)
+    with removed_on_failure(run_dir):
+        train_llama(config, run_dir, progress=not args.quiet, dashboard=args.dashboard)
     return 0
 
 

@@ -268,3 +268,17 @@ def test_a_slow_compile_says_so_on_stderr_and_the_library_stays_quiet(capsys):
         time.sleep(0.2)
     assert capsys.readouterr().err.startswith("compiling f (1 ops)… 0.")
     assert compiler.compile_observer is None
+
+
+def test_a_new_run_that_fails_before_its_first_checkpoint_leaves_no_directory(tmp_path):
+    from ranvier.cli import main
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RanvierError):
+        main(["train", "llama", "--data", str(tmp_path / "nowhere"), "--run-dir", str(run_dir), "--quiet"])
+    assert not run_dir.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(RanvierError):
+        main(["train", "llama", "--data", str(tmp_path / "nowhere"), "--run-dir", str(kept), "--quiet"])
+    assert kept.exists()  # a folder the user made stays

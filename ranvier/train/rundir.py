@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TypeVar
@@ -19,6 +22,19 @@ KINDS = {"mnist": ("an", "MNIST"), "llama": ("a", "llama"), "moe": ("a", "moe")}
 def _runs(kinds: tuple[str, ...]) -> str:
     """ "a llama or moe run" """
     return f"{KINDS[kinds[0]][0]} {' or '.join(KINDS[kind][1] for kind in kinds)} run"
+
+
+@contextlib.contextmanager
+def removed_on_failure(run_dir: Path) -> Iterator[None]:
+    """A new run's directory, removed again when the run fails (or is interrupted) before
+    its first checkpoint: a config without weights is nothing to resume or keep."""
+    existed = run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and not (run_dir / "checkpoint").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def write_config(run_dir: Path, kind: str, config) -> None:
