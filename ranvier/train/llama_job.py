@@ -40,7 +40,6 @@ from ..models import LANGUAGE_MODELS, MoE, language_model
 from ..models.llama import Llama, LlamaConfig
 from . import rundir
 from .budget import plan_steps
-from .checkpoint import read_metadata
 from .losses import softmax_cross_entropy
 from .optimizers import AdamW
 from .schedules import WarmupCosine
@@ -384,20 +383,10 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     return final
 
 
-# What a resumed run may change: how far it goes and how often it saves.
-RESUMABLE = {"steps", "minutes", "checkpoint_every"}
-
-
 def resume_llama(run_dir: Path, flags: dict | None = None, progress: bool = True, dashboard: bool = False) -> float | None:
     """Continue a run from its checkpoint, to its configured steps or as `flags` (the
     command line's, by config field) say; None when it had finished."""
     config = read_run(run_dir)
-    flags = flags or {}
-    rundir.apply_resume_flags(run_dir, config, flags, RESUMABLE)
-    # A time budget is this session's: a run resumed without one finishes its planned steps.
-    config.minutes = flags.get("minutes")
-    if config.minutes is not None and "steps" not in flags:
-        config.steps = None
-    if not rundir.steps_to_resume(run_dir, config, read_metadata(run_dir / "checkpoint")["step"]):
+    if not rundir.prepare_resume(run_dir, config, flags or {}):
         return None
     return train_llama(config, run_dir, resume=True, progress=progress, dashboard=dashboard)

@@ -19,7 +19,6 @@ from ..errors import RanvierError
 from ..models import CNN, MLP
 from . import rundir
 from .budget import plan_steps
-from .checkpoint import read_metadata
 from .classifier import build_classifier
 from .optimizers import SGD, Adam, AdamW
 from .schedules import Constant
@@ -87,22 +86,12 @@ def read_config(run_dir: Path) -> MnistConfig:
     return rundir.read_config(run_dir, MnistConfig, ("mnist",))
 
 
-# What a resumed run may change: how far it goes and how often it saves.
-RESUMABLE = {"steps", "minutes", "checkpoint_every"}
-
-
 def resume_mnist(run_dir: Path, flags: dict | None = None, progress: bool = True, profile: bool = False,
                  dashboard: bool = False) -> float | None:
     """Continue a run from its checkpoint, to its configured steps or as `flags` (the
     command line's, by config field) say; None when it had finished."""
     config = read_config(run_dir)
-    flags = flags or {}
-    rundir.apply_resume_flags(run_dir, config, flags, RESUMABLE)
-    # A time budget is this session's: a run resumed without one finishes its planned steps.
-    config.minutes = flags.get("minutes")
-    if config.minutes is not None and "steps" not in flags:
-        config.steps = None
-    if not rundir.steps_to_resume(run_dir, config, read_metadata(run_dir / "checkpoint")["step"]):
+    if not rundir.prepare_resume(run_dir, config, flags or {}):
         return None
     return train_mnist(config, run_dir, resume=True, progress=progress, profile=profile, dashboard=dashboard)
 

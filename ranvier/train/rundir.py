@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from ..atomic import atomic_write_bytes
 from ..errors import RanvierError
+from .checkpoint import read_metadata
 
 Config = TypeVar("Config")
 
@@ -111,6 +112,21 @@ def apply_resume_flags(run_dir: Path, config, flags: dict, may_change: set[str])
                            "(leave them out to resume, or start a new run)")
     for name in may_change & own.keys():
         setattr(config, name, own[name])
+
+
+# What a resumed run may change: how far it goes and how often it saves.
+RESUMABLE = {"steps", "minutes", "checkpoint_every"}
+
+
+def prepare_resume(run_dir: Path, config, flags: dict) -> bool:
+    """Apply the command line's `flags` (by config field) to a run's config for a resume;
+    False when there is nothing left to train."""
+    apply_resume_flags(run_dir, config, flags, RESUMABLE)
+    # A time budget is this session's: a run resumed without one finishes its planned steps.
+    config.minutes = flags.get("minutes")
+    if config.minutes is not None and "steps" not in flags:
+        config.steps = None
+    return steps_to_resume(run_dir, config, read_metadata(run_dir / "checkpoint")["step"])
 
 
 def steps_to_resume(run_dir: Path, config, done: int) -> bool:
