@@ -7,18 +7,27 @@ cache, run under torch.inference_mode with as many threads as ranvier. A short p
 prefilled, then N tokens are decoded greedily; the sides alternate for several
 repetitions and the decode tokens/s medians are compared. The greedy tokens of the two
 are compared too (float32 rounding may part them where random weights give near-ties).
-Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64]
+With `--llama2c DIR` (a checkout of karpathy/llama2.c), its run.c is a third side: built
+here with `cc -O3 -march=native -fopenmp`, on the same weights exported as a llama2.c
+.bin, with OMP_NUM_THREADS equal to ranvier's threads; it reports its own decode tok/s.
+Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64] [--llama2c DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import struct
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
-from common import machine, match_threads, summary
+from common import comparison, machine, match_threads, summary
 
 PROMPT = [1, 306, 471, 263]
 
@@ -85,7 +94,31 @@ def decode_rate(stream: Iterator[int]) -> tuple[float, list[int]]:
     return (len(tokens) - 1) / (time.perf_counter() - start), tokens
 
 
-def race(preset: str, tokens: int, repeats: int) -> None:
+def llama2c_decoder(source: Path, workdir: Path, config, weights: dict[str, np.ndarray]) -> Callable[[int], float]:
+    """`rate(n)`: run.c's own decode tok/s for n tokens on these weights (a built binary,
+    the model as a llama2.c .bin, a tokenizer.bin of placeholder pieces)."""
+    from ranvier.backends.cpu.parallel import thread_count
+    from ranvier.interop.llama2c import export_llama2c
+
+    binary = workdir / "run"
+    if not binary.exists():
+        subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-o", str(binary), str(source / "run.c"), "-lm"], check=True)
+    model = export_llama2c(config, weights, workdir / "model.bin")
+    pieces = [b"<unk>", b"<s>", b"</s>"] + [bytes([i]) for i in range(256)]
+    pieces += [f"<{i}>".encode() for i in range(len(pieces), config.vocab_size)]
+    (workdir / "tokenizer.bin").write_bytes(
+        struct.pack("<I", max(map(len, pieces))) + b"".join(struct.pack("<fI", 0.0, len(p)) + p for p in pieces))
+    environment = {**os.environ, "OMP_NUM_THREADS": str(thread_count())}
+
+    def rate(n: int) -> float:
+        done = subprocess.run([str(binary), str(model), "-z", str(workdir / "tokenizer.bin"), "-t", "0", "-n", str(n + len(PROMPT)),
+                               "-i", "abcd"], capture_output=True, text=True, env=environment, check=True)
+        return float(re.search(r"achieved tok/s: ([0-9.]+)", done.stderr).group(1))
+
+    return rate
+
+
+def race(preset: str, tokens: int, repeats: int, llama2c: Path | None = None) -> None:
     """Both sides on one preset's shapes, alternating; print each run and the summary."""
     from ranvier.generate import Generator, Sampling
     from ranvier.models.llama import PRESETS, Llama
@@ -98,18 +131,27 @@ def race(preset: str, tokens: int, repeats: int) -> None:
           f"prompt {len(PROMPT)} tokens, {tokens} decoded greedily, batch 1")
     sides = {"ranvier": lambda: generator.stream(PROMPT, tokens, Sampling(temperature=0)),
              "pytorch": lambda: decoder(PROMPT, tokens)}
+    workdir = tempfile.TemporaryDirectory()
+    run_c = llama2c_decoder(llama2c, Path(workdir.name), config, model.initial) if llama2c else None
     for start in sides.values():
         decode_rate(start())  # warm up
-    rates, produced = {name: [] for name in sides}, {}
+    rates, produced = {name: [] for name in [*sides, *(["llama2.c"] if run_c else [])]}, {}
     for repeat in range(repeats):
         for name, start in sides.items():
             rate, produced[name] = decode_rate(start())
             rates[name].append(rate)
             print(f"  run {repeat + 1} {name:12s} {rate:9.1f} tokens/s", flush=True)
+        if run_c:
+            rates["llama2.c"].append(run_c(tokens))
+            print(f"  run {repeat + 1} {'llama2.c':12s} {rates['llama2.c'][-1]:9.1f} tokens/s", flush=True)
+    workdir.cleanup()
     ours, theirs = produced["ranvier"], produced["pytorch"]
     same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     print(f"the same greedy tokens for the first {same} of {len(ours)}")
-    summary({name: statistics.median(values) for name, values in rates.items()}, "tokens/s", higher_is_better=True, digits=1)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    summary(medians, "tokens/s", higher_is_better=True, digits=1)
+    if "llama2.c" in medians:
+        print(f"{comparison('ranvier', medians['ranvier'], 'llama2.c', medians['llama2.c'], True)} (median tokens/s)")
 
 
 def main() -> None:
@@ -121,11 +163,12 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["stories15M", "stories110M"], choices=sorted(PRESETS))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llama2c", type=Path, metavar="DIR", help="a llama2.c checkout: its run.c races too")
     args = parser.parse_args()
     match_threads(torch)
     print(machine(torch))
     for preset in args.presets:
-        race(preset, args.tokens, args.repeats)
+        race(preset, args.tokens, args.repeats, args.llama2c)
 
 
 if __name__ == "__main__":
