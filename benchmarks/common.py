@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ranvier.modelrun import comparison  # one wording for every verdict, the CLI's too
+
 
 def cpu_model() -> str:
     """The CPU's marketing name (/proc/cpuinfo), else what the platform module knows."""
@@ -41,15 +43,6 @@ def machine(torch=None) -> str:
     if torch is not None:
         line += f"; torch {torch.__version__} with {torch.get_num_threads()} threads"
     return line
-
-
-def comparison(side: str, ours: float, peer: str, theirs: float, higher_is_better: bool) -> str:
-    """"ranvier is 2.30× faster than pytorch" (or "slower"): two medians' ratio, at least 1,
-    with its direction in words."""
-    speedup = ours / theirs if higher_is_better else theirs / ours
-    if speedup >= 1:
-        return f"{side} is {speedup:.2f}× faster than {peer}"
-    return f"{side} is {1 / speedup:.2f}× slower than {peer}"
 
 
 def summary(medians: dict[str, float], unit: str, higher_is_better: bool, peer: str = "pytorch", digits: int = 0) -> None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 import warnings
 
 import numpy as np
@@ -27,6 +25,7 @@ from common import machine
 
 import ranvier
 import ranvier.onnx
+from ranvier.modelrun import race
 
 
 class BasicBlock(torch.nn.Module):
@@ -117,25 +116,6 @@ def models(quick: bool):
         "resnet18": (ResNet(), lambda n: [torch.randn(n, 3, 224, 224)]),
         "gpt2-small": (Decoder(), lambda n: [torch.randint(0, 50257, (n, 128))]),
     }
-
-
-def race(sides: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each side, alternating so both see the same machine. A
-    pause before each call lets the other side's threads go idle: ONNX Runtime's spin for
-    a while after a run, and would otherwise take the cores from ranvier's next call."""
-    for side in sides.values():
-        side()
-    times = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, side in sides.items():
-            time.sleep(SETTLE)
-            start = time.perf_counter()
-            side()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-SETTLE = 0.2  # seconds
 
 
 def compare(module, inputs, repeats: int) -> tuple[dict[str, float], float]:

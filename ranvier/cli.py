@@ -321,13 +321,13 @@ def _run_model(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .modelrun import bench, load_model, parse_dims, ratio_line
+    from .modelrun import bench, comparison, load_model, parse_dims
 
     flow = load_model(args.model, parse_dims(args.dims))
     times = bench(args.model, flow, args.repeats, args.cpu)
     ours, theirs = times["ranvier"], times["onnxruntime"]
     print(f"{args.model}: ranvier {ours * 1e3:.2f} ms, ONNX Runtime {theirs * 1e3:.2f} ms "
-          f"(medians of {args.repeats}): {ratio_line(ours, theirs, 'ONNX Runtime')}")
+          f"(medians of {args.repeats}): {comparison('ranvier', ours, 'ONNX Runtime', theirs, higher_is_better=False)}")
     return 0
 
 
@@ -559,6 +559,9 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
+COMPILE_STATUS_AFTER = 1.0  # seconds a compile runs before it is announced
+
+
 class _CompileStatus:
     """A compile still running after a second says so on stderr, and ends the line with
     how long it took: a cold llama run compiles for seconds without a word otherwise."""
@@ -567,7 +570,7 @@ class _CompileStatus:
         ops = sum(len(func.ops) for func in flow.funcs.values())
         names = list(flow.funcs)
         self.what = f"{', '.join(names[:3])}{' and more' if len(names) > 3 else ''} ({ops:,} ops)"
-        self.timer = threading.Timer(1.0, self._announce)
+        self.timer = threading.Timer(COMPILE_STATUS_AFTER, self._announce)
         self.timer.daemon = True
         self.announced = False
 

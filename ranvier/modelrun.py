@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -158,20 +158,33 @@ def bench(path: str | os.PathLike, flow: Flow, repeats: int = 10, cpu: str = "")
     feed(data, inputs)
     session = onnxruntime.InferenceSession(os.fspath(path), providers=["CPUExecutionProvider"])
     feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
-    sides = {"ranvier": data.compute, "onnxruntime": lambda: session.run(None, feeds)}
-    times: dict[str, list[float]] = {name: [] for name in sides}
+    return race({"ranvier": data.compute, "onnxruntime": lambda: session.run(None, feeds)}, repeats)
+
+
+SETTLE = 0.2  # seconds
+
+
+def race(sides: dict[str, Callable[[], object]], repeats: int, settle: float = SETTLE) -> dict[str, float]:
+    """Median seconds per call of each side, after one warm-up call each (first touch of
+    weights, thread pools), alternating so both see the same machine. A pause before each
+    call lets the other side's threads go idle: ONNX Runtime's spin for a while after a
+    run, and would otherwise take the cores from ranvier's next call."""
     for side in sides.values():
-        side()  # warm up: first-touch of weights, thread pools
+        side()
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
         for name, side in sides.items():
+            time.sleep(settle)
             start = time.perf_counter()
             side()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def ratio_line(ours: float, theirs: float, peer: str) -> str:
-    """"ranvier is 1.30× faster than X" or "... slower ..."; the ratio is always ≥ 1."""
-    if ours <= theirs:
-        return f"ranvier is {theirs / ours:.2f}× faster than {peer}"
-    return f"ranvier is {ours / theirs:.2f}× slower than {peer}"
+def comparison(side: str, ours: float, peer: str, theirs: float, higher_is_better: bool) -> str:
+    """"ranvier is 2.30× faster than pytorch" (or "slower"): two medians' ratio, at least 1,
+    with its direction in words."""
+    speedup = ours / theirs if higher_is_better else theirs / ours
+    if speedup >= 1:
+        return f"{side} is {speedup:.2f}× faster than {peer}"
+    return f"{side} is {1 / speedup:.2f}× slower than {peer}"
