@@ -20,7 +20,7 @@ from ..ops import op_def
 
 def reshape_declared_outputs(flow: Flow) -> None:
     for op in list(flow.ops.values()):
-        if op.func is None or not op.outputs or op.type in ("Reshape", "Reference"):
+        if op.func is None or not op.outputs or op.type == "Reshape":
             continue
         try:
             types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)

@@ -93,8 +93,8 @@ def cast(node: Node):
     if node.proto.op_type == "Cast":
         target = onnx_dtype(node.attr("to"), f"Cast node {node.name!r}")
     else:
-        target = node.inputs[1].dtype if isinstance(node.inputs[1], np.ndarray) else node.tensor(1).dtype
-        target = dtypes.from_numpy(target) if not isinstance(target, str) else target
+        like = node.inputs[1]
+        target = dtypes.from_numpy(like.dtype) if isinstance(like, np.ndarray) else like.dtype
     x = node.tensor(0)
     return x if x.dtype == target else node.b.cast(x, target)
 
@@ -132,7 +132,7 @@ def gemm(node: Node):
     return result
 
 
-def _over_trailing_axes(node: Node, x, axis: int, normalise):
+def _over_trailing_axes(x, axis: int, normalise):
     """Apply a last-axis op over the axes from `axis` on (ONNX's LayerNormalization and
     the opset < 13 softmax flatten them), reshaping around it."""
     axis %= x.rank
@@ -148,7 +148,7 @@ def softmax(node: Node):
     method = node.b.softmax if node.proto.op_type == "Softmax" else node.b.log_softmax
     if node.opset >= 13:
         return method(x, axis=int(node.attr("axis", -1)))
-    return _over_trailing_axes(node, x, int(node.attr("axis", 1)), lambda flat: method(flat, axis=-1))
+    return _over_trailing_axes(x, int(node.attr("axis", 1)), lambda flat: method(flat, axis=-1))
 
 
 @converts("LayerNormalization")
@@ -161,7 +161,7 @@ def layer_norm(node: Node):
     gamma = node.tensor(1).reshape([width])
     beta = node.tensor(2).reshape([width]) if node.optional(2) is not None else None
     eps = float(node.attr("epsilon", 1e-5))
-    return _over_trailing_axes(node, x, axis, lambda flat: node.b.layer_norm(flat, gamma, beta, eps=eps))
+    return _over_trailing_axes(x, axis, lambda flat: node.b.layer_norm(flat, gamma, beta, eps=eps))
 
 
 @converts("SkipLayerNormalization", domain="com.microsoft")
@@ -185,14 +185,14 @@ def fast_gelu(node: Node):
 
 @converts("BatchNormalization")
 def batch_norm(node: Node):
-    """Inference batch norm as one scale and shift per channel (the importer folds it into a
-    preceding convolution's weights where it can, see `fold_batch_norms`)."""
+    """Inference batch norm as one scale and shift per channel (the compiler fuses them
+    into the elementwise work around; PyTorch's exporters fold it into the convolution)."""
     if node.attr("training_mode", 0):
         raise node.error("training_mode=1 is not supported (ranvier imports inference graphs)")
     scale, shift = batch_norm_affine(node)
     x = node.tensor(0)
     shape = [1, x.shape[1]] + [1] * (x.rank - 2)
-    return x * node.importer.as_tensor(scale.reshape(shape).astype(scale.dtype), "") + \
+    return x * node.importer.as_tensor(scale.reshape(shape), "") + \
         node.importer.as_tensor(shift.reshape(shape), "")
 
 
