@@ -46,8 +46,10 @@ def runs(tmp_path):
 
 @pytest.fixture
 def cli(monkeypatch, capsys):
-    """Run `ranvier ARGS...` in this process: (exit code, stderr)."""
+    """Run `ranvier ARGS...` in this process: (exit code, stderr). Compiles stay
+    unannounced however slow the machine is: stderr holds the error line alone."""
     monkeypatch.delenv("RANVIER_DEBUG", raising=False)
+    monkeypatch.setattr("ranvier.cli.COMPILE_STATUS_AFTER", 1e9)
 
     def run(*argv: str) -> tuple[int, str]:
         monkeypatch.setattr(sys, "argv", ["ranvier", *map(str, argv)])
