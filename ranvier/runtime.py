@@ -276,12 +276,17 @@ class Instance:
             return self.primal.view(var)
         raise RanvierError(f"{var.name} is not a variable of cell {self.cell.name}")
 
-    def __getitem__(self, key) -> np.ndarray:
+    def variable(self, key) -> Variable:
+        """The variable a key names: a parameter id (`cell.index`), a name, alias or handle."""
         if isinstance(key, (int, np.integer)):
             if not 0 <= key < len(self._views):
                 raise RanvierError(f"cell {self.cell.name} has no parameter id {key} (ids 0..{len(self._views) - 1})")
-            return self._views[key]
-        return self.view(self.cell.resolve(key))
+            return self.cell.slots[key].var
+        return self.cell.resolve(key)
+
+    def __getitem__(self, key) -> np.ndarray:
+        var = self.variable(key)
+        return self._views[key] if isinstance(key, (int, np.integer)) else self.view(var)
 
     def __setitem__(self, key, value) -> None:
         if isinstance(value, Instance):
@@ -294,15 +299,14 @@ class Instance:
         try:
             target[...] = value
         except ValueError:
-            var = self.cell.resolve(key) if not isinstance(key, (int, np.integer)) else self.cell.slots[key].var
+            var = self.variable(key)
             raise RanvierError(
                 f"cannot set {var.name}: got an array of shape {list(value.shape)}, expected [{shape_str(var.shape)}]"
             ) from None
 
     def tensor(self, key) -> TensorHandle:
         """Myelin's tensor handle on one of the cell's variables."""
-        var = self.cell.slots[key].var if isinstance(key, (int, np.integer)) and 0 <= key < len(self._views) else self.cell.resolve(key)
-        return TensorHandle(var, self[key])
+        return TensorHandle(self.variable(key), self[key])
 
     def connect(self, key, channel: Channel, index: int) -> None:
         """Make a reference variable of the cell stand for element `index` of `channel`."""
