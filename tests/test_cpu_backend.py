@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -630,8 +631,7 @@ def test_compile_cache_in_memory(tmp_path, monkeypatch):
     from ranvier.backends.cpu import jit
 
     monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
-    if isinstance(getattr(jit, "_MEMORY_CACHE", None), dict):
-        monkeypatch.setattr(jit, "_MEMORY_CACHE", {})  # what earlier tests compiled does not count
+    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())  # what earlier tests compiled does not count
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", "float32", [13, 7])

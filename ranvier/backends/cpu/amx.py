@@ -120,10 +120,16 @@ def workspace_bytes(m: int, n: int, k: int) -> int:
     return 64 + (_cdiv(m, TILE) + min(_cdiv(n, TILE), chunk)) * slice_steps * BLOCK_BYTES
 
 
-@functools.cache
 def gemm_address(target: CPUTarget) -> int:
-    """Address of `ranvier_bf16_gemm` compiled for `target` (object code cached in memory
-    and on disk like cell code). Asking for it also obtains the OS's permission to run it."""
+    """Address of `ranvier_bf16_gemm` for `target` (see gemm_code)."""
+    return gemm_code(target).address
+
+
+@functools.cache
+def gemm_code(target: CPUTarget) -> jit.LoadedCode:
+    """`ranvier_bf16_gemm` compiled for `target` and loaded for the life of the process
+    (object code cached in memory and on disk like cell code). Asking for it also obtains
+    the OS's permission to run it."""
     if not amx_usable(target):
         raise RanvierError(f"AMX bfloat16 GEMM unavailable: the CPU target needs {sorted(REQUIRED_FEATURES)} "
                            "and Linux must grant this process the AMX tile state")

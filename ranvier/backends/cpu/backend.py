@@ -132,7 +132,7 @@ class CPUBackend:
 
         code, origin = jit.cached_object(key, generate, self.use_disk_cache)
         cell.native = {
-            "address": jit.load_object(code, self.target, "cell"),
+            "code": jit.load_object(code, self.target, "cell"),
             "layout": layout,
             "origin": origin,
             "python_steps": [i for i, s in enumerate(cell.steps) if s.variant == "python"],
@@ -220,8 +220,8 @@ class CPUBackend:
             table[codegen.BF16GEMM] = amx.gemm_address(self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
-        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["address"])
-        keep_alive = (callback, table, status)
+        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["code"].address)
+        keep_alive = (callback, table, status, native["code"])
 
         def run() -> None:
             function(ctypes.addressof(table))

@@ -7,6 +7,12 @@ as an object file, which MCJIT loads. Object files are cached in memory and on d
 CPU and its features, and ranvier's version, so a second process skips code generation
 entirely. The cache writes atomically; an unreadable entry is regenerated.
 
+Loaded code lives as long as something uses it: `load_object` returns a `LoadedCode`
+that owns its execution engine (and the memory LLVM mapped for it), shared by every
+cell compiled to the same object code and freed with the last of them. The in-memory
+cache of object files is bounded too (`MEMORY_CACHE_BYTES`), so a process that
+compiles many different networks keeps a flat footprint.
+
 The disk cache is capped (`$RANVIER_CACHE_MAX_MB`, default 512): each write evicts the
 least recently used entries (oldest modification time; a read hit touches its entry)
 until the total fits. Processes share the folder safely: a reader whose entry another
@@ -21,6 +27,8 @@ import functools
 import hashlib
 import os
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +40,9 @@ from ...atomic import atomic_write_bytes
 from ...version import __version__
 from .target import CPUTarget
 
-_MEMORY_CACHE: dict[str, bytes] = {}
-_ENGINES: list[llvm.ExecutionEngine] = []  # loaded code must outlive every cell that uses it
+# Object files by cache key, least recently used first; holds at most MEMORY_CACHE_BYTES.
+_MEMORY_CACHE: OrderedDict[str, bytes] = OrderedDict()
+MEMORY_CACHE_BYTES = 64 * 2**20
 
 
 def cache_dir() -> Path:
@@ -135,13 +144,27 @@ def _optimized(module: ir.Module, target: CPUTarget) -> llvm.ModuleRef:
     return parsed
 
 
-def load_object(code: bytes, target: CPUTarget, symbol: str) -> int:
-    """Load an object file into a fresh engine and return the address of `symbol`."""
-    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), target.machine)
-    engine.add_object_file(llvm.ObjectFileRef.from_data(code))
-    engine.finalize_object()
-    _ENGINES.append(engine)
-    return engine.get_function_address(symbol)
+class LoadedCode:
+    """An object file loaded as machine code; the code is unmapped when this is collected,
+    so whoever calls into it (a cell, a cached helper) must hold a reference."""
+
+    def __init__(self, code: bytes, target: CPUTarget, symbol: str):
+        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), target.new_machine())
+        self._engine.add_object_file(llvm.ObjectFileRef.from_data(code))
+        self._engine.finalize_object()
+        self.address: int = self._engine.get_function_address(symbol)
+
+
+_LOADED: weakref.WeakValueDictionary[tuple[bytes, str], LoadedCode] = weakref.WeakValueDictionary()
+
+
+def load_object(code: bytes, target: CPUTarget, symbol: str) -> LoadedCode:
+    """`code` loaded into this process, shared with every live holder of the same code."""
+    key = (hashlib.sha256(code).digest() + target.key().encode(), symbol)
+    loaded = _LOADED.get(key)
+    if loaded is None:
+        loaded = _LOADED[key] = LoadedCode(code, target, symbol)
+    return loaded
 
 
 _MAGIC = b"ranvier-object-1\n"
@@ -164,23 +187,31 @@ def _read_entry(path: Path) -> bytes | None:
 def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True) -> tuple[bytes, str]:
     """The object code for `key`, and where it came from: "memory", "disk" or "compiled"."""
     if key in _MEMORY_CACHE:
+        _MEMORY_CACHE.move_to_end(key)
         return _MEMORY_CACHE[key], "memory"
     path = cache_dir() / f"{key}.o"
     if use_disk and path.is_file():
         code = _read_entry(path)
         if code is not None:
-            _MEMORY_CACHE[key] = code
+            _remember(key, code)
             with contextlib.suppress(OSError):  # mark it recently used; atimes are often off (noatime)
                 os.utime(path)
             return code, "disk"
     code = generate()
-    _MEMORY_CACHE[key] = code
+    _remember(key, code)
     if use_disk:
         # A read-only or full cache directory only costs the next process a compile.
         with contextlib.suppress(OSError):
             atomic_write_bytes(path, _MAGIC + hashlib.sha256(code).digest() + code)
             prune_cache(cache_max_bytes())
     return code, "compiled"
+
+
+def _remember(key: str, code: bytes) -> None:
+    _MEMORY_CACHE[key] = code
+    total = sum(map(len, _MEMORY_CACHE.values()))
+    while total > MEMORY_CACHE_BYTES and len(_MEMORY_CACHE) > 1:
+        total -= len(_MEMORY_CACHE.popitem(last=False)[1])
 
 
 @functools.cache
@@ -194,7 +225,8 @@ def cycles_per_second() -> float:
     from .target import host_target
 
     target = host_target()
-    read = ctypes.CFUNCTYPE(ctypes.c_uint64)(load_object(compile_object(module, target), target, "cycles"))
+    loaded = load_object(compile_object(module, target), target, "cycles")
+    read = ctypes.CFUNCTYPE(ctypes.c_uint64)(loaded.address)
     start_cycles, start = read(), time.perf_counter()
     time.sleep(0.05)
     return (read() - start_cycles) / (time.perf_counter() - start)

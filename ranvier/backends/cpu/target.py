@@ -68,6 +68,12 @@ class CPUTarget:
 
     @functools.cached_property
     def machine(self) -> llvm.TargetMachine:
+        """The machine code generator for this CPU (shared: see new_machine)."""
+        return self.new_machine()
+
+    def new_machine(self) -> llvm.TargetMachine:
+        """A target machine of its own: an execution engine takes ownership of the one it
+        is given and deletes it with itself."""
         _initialize()
         target = llvm.Target.from_default_triple()
         return target.create_target_machine(cpu=self.name, features=self.features, opt=3, reloc="default", codemodel="jitdefault")
@@ -76,6 +82,7 @@ class CPUTarget:
         return f"{self.name}:{self.features}"
 
 
+@functools.cache
 def host_target(mask: str = "") -> CPUTarget:
     """The host CPU with the features in `mask` switched off (or back on).
 
