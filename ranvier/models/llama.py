@@ -36,8 +36,9 @@ class LlamaConfig:
     def __post_init__(self):
         sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len")
         for field in sizes:
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                raise RanvierError(f"Llama config: {field} must be a positive integer, not {getattr(self, field)!r}")
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RanvierError(f"Llama config: {field} must be a positive integer, not {value!r}")
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise RanvierError(f"Llama config: norm_eps {self.norm_eps} and rope_theta {self.rope_theta} must be positive")
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:

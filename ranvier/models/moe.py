@@ -67,7 +67,7 @@ class MoEConfig(LlamaConfig):
         """Parameters in all and active per token (k of the E experts), from the shapes alone."""
         d = self.dim
         expert = 3 * d * self.hidden_dim
-        moe_layers = sum(self.is_moe(i) for i in range(self.n_layers))
+        moe_layers = self.n_layers // self.moe_every  # the layers is_moe picks, counted without a loop over them
         dense_layers = self.n_layers - moe_layers
         common = (self.outside_parameter_count() + self.n_layers * self.attention_parameter_count()
                   + dense_layers * 3 * d * (self.dense_hidden or self.hidden_dim)
