@@ -1,5 +1,7 @@
 """Exceptions raised by ranvier. Every message names the thing that was wrong."""
 
+import json
+
 
 class RanvierError(Exception):
     """Base class of every error ranvier raises on purpose."""
@@ -32,6 +34,13 @@ def name_mismatch(missing, extra) -> str:
     if extra:
         parts.append(f"unexpected {', '.join(list(extra)[:5])}")
     return "; ".join(parts)
+
+
+def brief(value: object) -> str:
+    """A value read from a JSON file, for a message: at most 60 characters of its JSON, and
+    containers of containers described, not printed, however deep a corrupt file nests them."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return "(nested JSON)" if any(isinstance(v, (list, dict)) for v in items) else json.dumps(value)[:60]
 
 
 def shape_str(shape) -> str:

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .. import dtypes
 from ..atomic import atomic_write_bytes
-from ..errors import RanvierError, name_mismatch
+from ..errors import RanvierError, brief, name_mismatch
+from ..safetensors_file import read_safetensors
 
 FORMAT = "ranvier-checkpoint"
 VERSION = 1
@@ -68,12 +69,33 @@ def read_metadata(directory: str | Path) -> dict:
     if not meta_path.is_file():
         raise CheckpointError(f"no checkpoint in {directory}: {METADATA} is missing")
     try:
-        metadata = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        metadata = json.loads(meta_path.read_bytes())
+    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
         raise CheckpointError(f"{meta_path} is not valid JSON: {error}") from None
-    if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
         raise CheckpointError(f"{meta_path} is not a {FORMAT} version {VERSION} file")
+    _check_metadata(metadata, meta_path)
     return metadata
+
+
+def _check_metadata(metadata: dict, meta_path: Path) -> None:
+    """The fields that reading a checkpoint relies on, each of the kind it needs."""
+    weights, arrays, step = metadata.get("weights"), metadata.get("arrays"), metadata.get("step", 0)
+    if not isinstance(weights, str) or Path(weights).name != weights or weights in ("", ".."):
+        raise CheckpointError(f"{meta_path}: weights {brief(weights)} is not a file name in {meta_path.parent}")
+    if not isinstance(metadata.get("sha256"), str):
+        raise CheckpointError(f"{meta_path}: sha256 {brief(metadata.get('sha256'))} is not a hex digest")
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{meta_path}: step {brief(step)} is not a non-negative integer")
+    if not isinstance(arrays, dict):
+        raise CheckpointError(f"{meta_path}: arrays {brief(arrays)} is not an object")
+    for name, info in arrays.items():
+        dtype, shape = (info.get("dtype"), info.get("shape")) if isinstance(info, dict) else (None, None)
+        if dtype not in dtypes.ALL_DTYPES:
+            raise CheckpointError(f"{meta_path}: arrays[{name!r}] has dtype {brief(dtype)}, not one of "
+                                  f"{', '.join(dtypes.ALL_DTYPES)}")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise CheckpointError(f"{meta_path}: arrays[{name!r}] has shape {brief(shape)}, not a list of sizes")
 
 
 def load_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]:
@@ -82,19 +104,24 @@ def load_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]
     metadata = read_metadata(directory)
     weights_path = directory / metadata["weights"]
     if not weights_path.is_file():
-        raise CheckpointError(f"checkpoint weights {weights_path} are missing")
+        raise CheckpointError(f"checkpoint weights {weights_path}, named by {meta_path}, are missing")
     blob = weights_path.read_bytes()
     if hashlib.sha256(blob).hexdigest() != metadata["sha256"]:
         raise CheckpointError(f"checkpoint weights {weights_path} do not match the SHA-256 in {meta_path} (corrupt or partial)")
-    try:
-        stored = st_load(blob)
-    except Exception as error:  # noqa: BLE001  (safetensors raises its own error types for corrupt data)
-        raise CheckpointError(f"cannot read {weights_path}: {error}") from None
+    stored = read_safetensors(blob, str(weights_path), CheckpointError)
     arrays = {}
     for name, info in metadata["arrays"].items():
         if name not in stored:
-            raise CheckpointError(f"checkpoint {weights_path} lacks array {name}")
-        arrays[name] = stored[name].view(dtypes.to_numpy(info["dtype"])).reshape(info["shape"])
+            raise CheckpointError(f"checkpoint {weights_path} lacks array {name}, which {meta_path} lists")
+        dtype = dtypes.to_numpy(info["dtype"])
+        carrier = np.dtype(_STORED_AS.get(info["dtype"], dtype))
+        # Sizes, not shapes, must agree: a scalar is saved as one element.
+        if stored[name].dtype != carrier or stored[name].size != math.prod(info["shape"]):
+            raise CheckpointError(
+                f"checkpoint {weights_path}: array {name} is {stored[name].dtype}{list(stored[name].shape)}, "
+                f"{meta_path} says {info['dtype']}{info['shape']}"
+            )
+        arrays[name] = stored[name].view(dtype).reshape(info["shape"])
     return arrays, metadata
 
 
