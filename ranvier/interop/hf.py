@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from ..atomic import atomic_write_bytes
-from ..errors import name_mismatch
+from ..errors import brief, name_mismatch
 from ..models.llama import LlamaConfig
 from ..models.moe import MoEConfig
-from .weights import InteropError, check_weights, config_from, torch_layout
+from ..safetensors_file import read_safetensors
+from .weights import InteropError, check_weights, config_from, oversized_fields, torch_layout, weight_shapes
 
 
 def hf_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -130,59 +130,51 @@ def export_hf(config: LlamaConfig, weights: dict[str, np.ndarray], out_dir: str 
     return out
 
 
-def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+def _json(path: Path) -> object:
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
+        raise InteropError(f"{path} is not valid JSON: {error}") from None
 
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: those the shard index names, else model.safetensors, else every *.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-            raise InteropError(f"{index} is not a safetensors index (no readable 'weight_map'): {error}") from None
+        document = _json(index)
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict):
+            raise InteropError(f"{index} is not a safetensors index: it has no 'weight_map' object")
+        for name in weight_map.values():
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".."):
+                raise InteropError(f"{index}: weight_map names {brief(name)}, not a file in {folder}")
         files = sorted({folder / name for name in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise InteropError(f"{file}, named by {index}'s weight_map, is missing")
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise InteropError(f"{folder} holds no *.safetensors weights")
-    state: dict[str, np.ndarray] = {}
-    for file in files:
-        if not file.is_file():
-            raise InteropError(f"{file}, named by {folder}'s safetensors index, is missing")
-        try:
-            state.update(load_file(file))
-        except TypeError:  # numpy has no bfloat16: safetensors' numpy API refuses such files
-            try:
-                state.update(_read_safetensors_bf16(file))
-            except (struct.error, KeyError, ValueError) as error:
-                raise InteropError(f"cannot read {file}: {error!r}") from None
-        except Exception as error:  # noqa: BLE001  (safetensors raises its own error types for corrupt data)
-            raise InteropError(f"cannot read {file}: {error}") from None
-    return state
+    return files
 
 
-def _read_safetensors_bf16(file: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as numpy, bfloat16 ones widened to float32 (exactly)."""
-    from safetensors import safe_open
+def _check_size(config: LlamaConfig, config_path: Path, files: list[Path]) -> None:
+    """Refuse a config.json that needs more weights than its safetensors files hold, before
+    anything its sizes describe is built: 2 bytes a parameter at the least (16-bit floats)."""
+    available = sum(file.stat().st_size for file in files)
 
-    raw = file.read_bytes()
-    (header_size,) = struct.unpack_from("<Q", raw)
-    try:
-        header = json.loads(raw[8:8 + header_size])
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InteropError(f"cannot read {file}: corrupt safetensors header ({error})") from None
-    state = {}
-    with safe_open(file, framework="numpy") as f:
-        for name in f:
-            info = header[name]
-            if info["dtype"] == "BF16":
-                begin, end = (8 + header_size + offset for offset in info["data_offsets"])
-                bits = np.frombuffer(raw[begin:end], dtype="<u2").astype(np.uint32) << 16
-                state[name] = bits.view(np.float32).reshape(info["shape"])
-            else:
-                state[name] = f.get_tensor(name)
-    return state
+    def fits(c: LlamaConfig) -> bool:
+        return 2 * c.parameter_count() <= available
+
+    if not fits(config):
+        said = ", ".join(f"{_HF_NAMES[k]} {getattr(config, k):,}" for k in oversized_fields(config, fits))
+        raise InteropError(
+            f"{config_path}: {said or 'the model'} needs at least {2 * config.parameter_count():,} bytes of weights "
+            f"(2 bytes a parameter), but {', '.join(file.name for file in files)} hold {available:,}"
+        )
 
 
 def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
@@ -191,17 +183,23 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise InteropError(f"{folder} is not a Hugging Face model folder: config.json is missing")
-    try:
-        hf = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InteropError(f"{config_path} is not valid JSON: {error}") from None
+    hf = _json(config_path)
+    if not isinstance(hf, dict):
+        raise InteropError(f"{config_path}: expected a JSON object, not a {type(hf).__name__}")
     config = _config_of(hf, config_path)
-    state = _read_safetensors(folder)
+    files = _safetensors_files(folder)
+    _check_size(config, config_path, files)
+    state: dict[str, np.ndarray] = {}
+    source: dict[str, Path] = {}
+    for file in files:
+        tensors = read_safetensors(file.read_bytes(), str(file), InteropError)
+        state.update(tensors)
+        source.update(dict.fromkeys(tensors, file))
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.shared_classifier:
         state.pop("lm_head.weight", None)
     if isinstance(config, MoEConfig):
-        state = _classic_experts(state, config)
+        state = _classic_experts(state, config, folder)
     c = config
     names = {"tok_embeddings": ("model.embed_tokens.weight", None), "norm": ("model.norm.weight", None)}
     for i in range(c.n_layers):
@@ -231,11 +229,19 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
     extra = sorted(set(state) - {hf_name for hf_name, _ in names.values()})
     if missing or extra:
         raise InteropError(
-            f"{folder}: the weights do not fit config.json: " + name_mismatch(missing, extra)
+            f"{folder}: the weights in {', '.join(file.name for file in files)} do not fit config.json: "
+            + name_mismatch(missing, extra)
         )
+    shapes = weight_shapes(c)
     weights = {}
     for key, (hf_name, heads) in names.items():
-        array = np.asarray(state[hf_name], dtype=np.float32)
+        stacked, _, expert = key.rpartition(".")
+        shape = shapes[stacked][1:] if expert.isdigit() else shapes[key]  # one expert of an [E, in, out] weight
+        expected = shape[::-1] if heads is not None else shape  # a Linear weight is [out, in]
+        if state[hf_name].shape != expected:
+            raise InteropError(f"{source.get(hf_name, folder)}: {hf_name} has shape {list(state[hf_name].shape)}, "
+                               f"config.json needs {list(expected)}")
+        array = np.array(state[hf_name], dtype=np.float32)  # a copy: the file's bytes are not kept
         if heads is not None:  # a Linear weight [out, in]
             if heads:
                 array = hf_unpermute(array, heads)
@@ -249,40 +255,59 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
     return config, check_weights(config, weights, f"{folder}")
 
 
+# ranvier's config fields and the config.json keys they come from, which messages name.
+_HF_NAMES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+             "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "hidden_dim": "intermediate_size",
+             "max_seq_len": "max_position_embeddings", "n_experts": "num_local_experts", "top_k": "num_experts_per_tok"}
+
+
 def _config_of(hf: dict, config_path: Path) -> LlamaConfig:
     """The ranvier config of a LlamaForCausalLM or MixtralForCausalLM config.json."""
     model_type = hf.get("model_type", "llama")
     if model_type not in ("llama", "mixtral"):
-        raise InteropError(f"{config_path}: model_type {model_type!r} is not 'llama' or 'mixtral'")
+        raise InteropError(f"{config_path}: model_type {brief(model_type)} is not 'llama' or 'mixtral'")
     if hf.get("rope_scaling"):
-        raise InteropError(f"{config_path}: rope_scaling {hf['rope_scaling']!r} is not supported")
+        raise InteropError(f"{config_path}: rope_scaling {brief(hf['rope_scaling'])} is not supported")
     rope = hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise InteropError(f"{config_path}: rope_parameters {brief(rope)} is not an object")
     if rope.get("rope_type", "default") != "default":
-        raise InteropError(f"{config_path}: rope_type {rope['rope_type']!r} is not supported (only 'default')")
+        raise InteropError(f"{config_path}: rope_type {brief(rope['rope_type'])} is not supported (only 'default')")
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
         raise InteropError(f"{config_path}: only silu activations without biases are supported")
-    try:
-        n_heads = hf["num_attention_heads"]
-        fields = {
-            "dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": n_heads,
-            "n_kv_heads": hf.get("num_key_value_heads") or n_heads, "vocab_size": hf["vocab_size"],
-            "hidden_dim": hf["intermediate_size"], "max_seq_len": hf.get("max_position_embeddings", 2048),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            "shared_classifier": bool(hf.get("tie_word_embeddings", False)),
-        }
-        if model_type == "mixtral":
-            fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-                          aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)))
-    except KeyError as error:
-        raise InteropError(f"{config_path} lacks {error.args[0]!r}") from None
+
+    def integer(field: str, default: int | None = None) -> int:
+        key = _HF_NAMES[field]
+        value = default if hf.get(key) is None else hf[key]
+        if value is None:
+            raise InteropError(f"{config_path} lacks {key!r}")
+        if type(value) is not int or value < 1:  # bool is no size
+            raise InteropError(f"{config_path}: {key} {brief(value)} is not a positive integer")
+        return value
+
+    def number(key: str, value: object) -> float:
+        if type(value) not in (int, float):
+            raise InteropError(f"{config_path}: {key} {brief(value)} is not a number")
+        return float(value)
+
+    n_heads = integer("n_heads")
+    fields = {name: integer(name) for name in ("dim", "n_layers", "vocab_size", "hidden_dim")}
+    fields |= {
+        "n_heads": n_heads, "n_kv_heads": integer("n_kv_heads", n_heads), "max_seq_len": integer("max_seq_len", 2048),
+        "norm_eps": number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": number("rope_theta", hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        "shared_classifier": bool(hf.get("tie_word_embeddings", False)),
+    }
+    if model_type == "mixtral":
+        fields |= {"n_experts": integer("n_experts"), "top_k": integer("top_k"),
+                   "aux_loss_weight": number("router_aux_loss_coef", hf.get("router_aux_loss_coef", 0.02))}
     config = config_from(str(config_path), MoEConfig if model_type == "mixtral" else LlamaConfig, **fields)
     if hf.get("head_dim") not in (None, config.head_dim):
-        raise InteropError(f"{config_path}: head_dim {hf['head_dim']} differs from hidden_size / heads = {config.head_dim}")
+        raise InteropError(f"{config_path}: head_dim {brief(hf['head_dim'])} differs from hidden_size / heads = {config.head_dim}")
     return config
 
 
-def _classic_experts(state: dict[str, np.ndarray], c: MoEConfig) -> dict[str, np.ndarray]:
+def _classic_experts(state: dict[str, np.ndarray], c: MoEConfig, folder: Path) -> dict[str, np.ndarray]:
     """Mixtral's experts as its checkpoints name them (block_sparse_moe.experts.e.w1/w2/w3),
     also from transformers' fused in-memory layout (mlp.experts.gate_up_proj [E, 2H, D],
     down_proj [E, D, H], mlp.gate)."""
@@ -293,6 +318,10 @@ def _classic_experts(state: dict[str, np.ndarray], c: MoEConfig) -> dict[str, np
         gate_up, down = state.pop(p + "mlp.experts.gate_up_proj", None), state.pop(p + "mlp.experts.down_proj", None)
         if gate_up is None or down is None:
             continue
+        E, H, D = c.n_experts, c.hidden_dim, c.dim
+        if gate_up.shape != (E, 2 * H, D) or down.shape != (E, D, H):
+            raise InteropError(f"{folder}: {p}mlp.experts.gate_up_proj {list(gate_up.shape)} and down_proj "
+                               f"{list(down.shape)} do not fit config.json ([{E}, {2 * H}, {D}] and [{E}, {D}, {H}])")
         for e in range(c.n_experts):
             expert = f"{p}block_sparse_moe.experts.{e}."
             state[expert + "w1.weight"], state[expert + "w3.weight"] = np.split(np.asarray(gate_up[e]), 2, axis=0)

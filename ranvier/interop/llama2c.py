@@ -23,7 +23,7 @@ import numpy as np
 from ..atomic import atomic_write
 from ..models.llama import LlamaConfig, rope_tables
 from ..models.moe import MoEConfig
-from .weights import InteropError, check_weights, config_from, torch_layout, weight_shapes
+from .weights import InteropError, check_weights, config_from, oversized_fields, torch_layout, weight_shapes
 
 MAGIC = 0x616B3432  # "ak42"
 V1_HEADER_BYTES = 256
@@ -128,7 +128,17 @@ def import_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.n
         raise InteropError(f"{path} is not a llama2.c checkpoint: read as {kind}, its header has non-positive {', '.join(bad)}")
     config = config_from(f"{path} is not a valid llama2.c checkpoint: read as {kind}, its header says", **values, norm_eps=LLAMA2C_NORM_EPS,
                      rope_theta=LLAMA2C_ROPE_THETA, shared_classifier=shared)
-    expected = offset + 4 * _llama2c_float_count(config, version)
+
+    def needed(c: LlamaConfig) -> int:
+        return offset + 4 * _llama2c_float_count(c, version)
+
+    expected = needed(config)
+    too_large = oversized_fields(config, lambda c: needed(c) <= size) if size < expected else []
+    if too_large:
+        raise InteropError(
+            f"{path}: the {kind} llama2.c header says {', '.join(f'{k} {values[k]:,}' for k in too_large)}, but the "
+            f"file holds {size:,} bytes (the header needs {expected:,}): corrupt, or not a llama2.c checkpoint"
+        )
     if size != expected:
         raise InteropError(
             f"{path}: the {kind} llama2.c header ({', '.join(f'{k}={v}' for k, v in values.items())}, "

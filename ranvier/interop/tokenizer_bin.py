@@ -152,6 +152,9 @@ def import_tokenizer_bin(path: str | os.PathLike) -> Llama2cTokenizer:
     if len(data) < 4:
         raise InteropError(f"{path} is not a llama2.c tokenizer.bin: {len(data)} bytes")
     (max_length,) = struct.unpack_from("<I", data, 0)
+    if max_length > len(data):  # run.c sizes a buffer by it
+        raise InteropError(f"{path}: header says max_token_length {max_length:,}, but the file holds {len(data):,} bytes: "
+                           "corrupt or not a tokenizer.bin")
     position, tokens, scores = 4, [], []
     while position < len(data):
         if position + 8 > len(data):

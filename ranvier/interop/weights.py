@@ -3,11 +3,15 @@ hands them over: ranvier's names and [in, out] matrices, checked against the mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import numpy as np
 
 from ..errors import RanvierError, name_mismatch
 from ..models import language_model
 from ..models.llama import LlamaConfig
+from ..models.moe import MoEConfig
 
 
 class InteropError(RanvierError):
@@ -44,6 +48,19 @@ def config_from(source: str, kind: type[LlamaConfig] = LlamaConfig, **fields) ->
         raise InteropError(f"{source}: {error}") from None
     except TypeError as error:
         raise InteropError(f"{source}: {error}") from None
+
+
+def oversized_fields(config: LlamaConfig, fits: Callable[[LlamaConfig], bool]) -> list[str]:
+    """The size fields of a config that `fits` (a file's size, say) refuses on their own: with
+    every other size at its smallest, the config still does not fit. So an error can name the
+    header field a file cannot hold, not only the total it implies."""
+    # dim 2 with one head: the smallest head a rotary embedding takes (its size must be even).
+    smallest = {"dim": 2, "n_heads": 1, "n_kv_heads": 1, "hidden_dim": 1, "n_layers": 1, "vocab_size": 1, "max_seq_len": 1}
+    sizes = ["dim", "hidden_dim", "n_layers", "vocab_size", "max_seq_len"]
+    if isinstance(config, MoEConfig):
+        smallest |= {"n_experts": 1, "top_k": 1}
+        sizes.append("n_experts")
+    return [name for name in sizes if not fits(replace(config, **{**smallest, name: getattr(config, name)}))]
 
 
 def torch_layout(array: np.ndarray) -> np.ndarray:
