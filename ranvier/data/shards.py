@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write_bytes
-from ..errors import RanvierError
+from ..errors import RanvierError, brief
 from .corpus import entropy_from_counts
 from .tokenizers import Tokenizer
 
@@ -128,6 +128,27 @@ def _natural_key(path: Path) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
 
 
+def _read_manifest(path: Path) -> dict:
+    """A shard manifest, with the fields reading shards relies on checked."""
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
+        raise ShardError(f"{path} is not a valid shard manifest: {error}") from None
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list) or not shards:
+        raise ShardError(f"{path} is not a valid shard manifest: it has no 'shards' list")
+    if manifest.get("format", "uint16-le") != "uint16-le":
+        raise ShardError(f"{path}: format {brief(manifest['format'])} is not 'uint16-le'")
+    for i, shard in enumerate(shards):
+        file = shard.get("file") if isinstance(shard, dict) else None
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".."):
+            raise ShardError(f"{path}: shards[{i}] names {brief(file)}, not a file in {path.parent}")
+        tokens = shard.get("tokens", 0)
+        if type(tokens) is not int or tokens < 0:
+            raise ShardError(f"{path}: shards[{i}] has tokens {brief(tokens)}, not a count")
+    return manifest
+
+
 def _shard_paths(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[Path], dict | None]:
     if isinstance(source, (str, os.PathLike)):
         root = Path(source)
@@ -137,11 +158,8 @@ def _shard_paths(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tup
             raise ShardError(f"token shard file or folder {root} does not exist")
         manifest_path = root / MANIFEST
         if manifest_path.is_file():
-            try:
-                manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-                return [root / shard["file"] for shard in manifest["shards"]], manifest
-            except (ValueError, KeyError, TypeError) as error:
-                raise ShardError(f"{manifest_path} is not a valid shard manifest: {error!r}") from None
+            manifest = _read_manifest(manifest_path)
+            return [root / shard["file"] for shard in manifest["shards"]], manifest
         paths = sorted(root.glob("*.bin"), key=_natural_key)
         if not paths:
             raise ShardError(f"{root} holds no .bin token shards")
@@ -152,16 +170,21 @@ def _shard_paths(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tup
     return paths, None
 
 
-def _open_shard(path: Path) -> np.ndarray:
+def _open_shard(path: Path, manifest: Path | None = None, tokens: int | None = None) -> np.ndarray:
+    """A shard's memmap; `tokens` is its count in `manifest`, the file that named it."""
+    where = f"token shard {path}" + (f" (named by {manifest})" if manifest else "")
     if not path.is_file():
-        raise ShardError(f"token shard {path} does not exist")
+        raise ShardError(f"{where} does not exist")
     size = path.stat().st_size
     if size == 0:
-        raise ShardError(f"token shard {path} is empty")
+        raise ShardError(f"{where} is empty")
     if size % TOKEN_DTYPE.itemsize:
         raise ShardError(
-            f"token shard {path} has {size} bytes, an odd count: expected uint16 tokens (2 bytes each); truncated or not a shard?"
+            f"{where} has {size} bytes, an odd count: expected uint16 tokens (2 bytes each); truncated or not a shard?"
         )
+    if tokens is not None and size != tokens * TOKEN_DTYPE.itemsize:
+        raise ShardError(f"{where} holds {size // TOKEN_DTYPE.itemsize:,} tokens, but the manifest's tokens "
+                         f"field says {tokens:,}: truncated, or not the shard it names")
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
 
 
@@ -176,7 +199,12 @@ class TokenShards:
     def __init__(self, source: str | os.PathLike | Sequence[str | os.PathLike]):
         paths, self.manifest = _shard_paths(source)
         self.names = [str(p) for p in paths]
-        self.shards = [_open_shard(p) for p in paths]
+        if self.manifest is None:
+            self.shards = [_open_shard(p) for p in paths]
+        else:
+            listed = self.manifest["shards"]
+            manifest = Path(source) / MANIFEST
+            self.shards = [_open_shard(p, manifest, entry.get("tokens")) for p, entry in zip(paths, listed)]
 
     @classmethod
     def _from_views(cls, names: list[str], shards: list[np.ndarray], manifest: dict | None) -> TokenShards:

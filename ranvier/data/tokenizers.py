@@ -304,7 +304,7 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | CharTokenizer | S
         raise TokenizerError(f"tokenizer file {path}: expected a .json (byte/char) or .model (SentencePiece) file")
     try:
         payload = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
         raise TokenizerError(f"tokenizer file {path} is not valid JSON: {error}") from None
     kind = payload.get("type") if isinstance(payload, dict) else None
     if kind == ByteTokenizer.kind:
@@ -312,5 +312,8 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | CharTokenizer | S
     if kind == CharTokenizer.kind:
         if not isinstance(payload.get("chars"), str):
             raise TokenizerError(f"tokenizer file {path}: a char tokenizer needs a string field 'chars'")
-        return CharTokenizer(payload["chars"])
+        try:
+            return CharTokenizer(payload["chars"])
+        except TokenizerError as error:
+            raise TokenizerError(f"tokenizer file {path}: field 'chars': {error}") from None
     raise TokenizerError(f"tokenizer file {path}: expected 'type' to be 'byte' or 'char', got {kind!r}")
