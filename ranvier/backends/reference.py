@@ -73,23 +73,28 @@ class ReferenceBackend:
 
 def reference_kernel(op: Operation, instance: Instance) -> Callable[[], None]:
     """Run one op's numpy reference on an instance's views (also the CPU backend's fallback)."""
-    definition = op_def(op.type)
-    attrs = definition.attrs_of(op)
-    types = [TensorType(v.dtype, v.shape) for v in op.outputs]
-    inputs = [(instance.view(v), v) for v in op.inputs]
+    inputs = [instance.view(v) for v in op.inputs]
     # Results fill the outputs, then the inputs the op overwrites in place.
     outputs = [instance.view(v) for v in op.outputs]
-    outputs += [instance.view(op.inputs[i]) for i in definition.written_inputs(op)]
+    outputs += [instance.view(op.inputs[i]) for i in op_def(op.type).written_inputs(op)]
 
     def kernel() -> None:
-        args = [_widen(array, var) for array, var in inputs]
-        # IEEE semantics: overflow, inf and NaN are values here, not warnings.
-        with np.errstate(all="ignore"):
-            try:
-                results = definition.reference(attrs, args, types)
-            except (IndexError, ValueError, ZeroDivisionError) as error:
-                raise RanvierError(f"{op.type} op {op.name} failed: {error}") from error
-            for out, result in zip(outputs, results):
-                np.copyto(out, np.asarray(result).reshape(out.shape), casting="unsafe")
+        for out, result in zip(outputs, evaluate(op, inputs)):
+            np.copyto(out, result.reshape(out.shape), casting="unsafe")
 
     return kernel
+
+
+def evaluate(op: Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """The op's numpy reference on `inputs`: its outputs, then the new values of the
+    inputs it writes in place."""
+    definition = op_def(op.type)
+    types = [TensorType(v.dtype, v.shape) for v in op.outputs]
+    args = [_widen(array, var) for array, var in zip(inputs, op.inputs)]
+    # IEEE semantics: overflow, inf and NaN are values here, not warnings.
+    with np.errstate(all="ignore"):
+        try:
+            results = definition.reference(definition.attrs_of(op), args, types)
+        except (IndexError, ValueError, ZeroDivisionError) as error:
+            raise RanvierError(f"{op.type} op {op.name} failed: {error}") from error
+    return [np.asarray(result) for result in results]

@@ -39,6 +39,7 @@ from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Variable
 from ..profile import Profile, StepTime
 from . import schedules
+from .nonfinite import NonFiniteError, first_in
 from .optimizers import Adam, state_var
 from .trainer import TrainerBase, assign_all, step_updates
 
@@ -114,14 +115,16 @@ class CheckpointedStack(TrainerBase):
             for key, p in params.items()
         }
         self.lr_var = update.var("lr", "float32", []).var
-        updates, norm = step_updates(
+        stepped = step_updates(
             update, list(params.values()), [update.wrap(g.var) for g in self.grads.values()], self.optimizer,
             update.wrap(self.lr_var), None, None, clip_norm, track_norm=track_grad_norm,
         )
-        assign_all(update, updates)
-        self.norm_var = norm.var if norm is not None else None
+        assign_all(update, stepped.updates)
+        self.norm_var = stepped.norm.var if stepped.norm is not None else None
         if self.norm_var is not None:
             self.norm_var.out = True
+        self.finite_var = stepped.finite.var
+        self.finite_var.out = True
 
         self.inputs = [embed_input, head_target]
         self.accumulate = accumulate
@@ -342,8 +345,18 @@ class CheckpointedStack(TrainerBase):
         loss = self._batch_gradients(self._next_batch(batch))
         self.update_data[self.lr_var] = float(self.schedule(self.step_count))
         self.update_data.compute()
+        if not self.update_data[self.finite_var]:
+            raise NonFiniteError(self.step_count + 1, self._first_nonfinite())
         self.step_count += 1
         return loss
+
+    def _first_nonfinite(self) -> str:
+        """The first non-finite value among what the host holds of the step, in the order it
+        was computed: the layers' inputs (the last micro-batch's), then the gradients."""
+        activations = [(f"the input of layer {i}" if i < self.model.depth else "the last layer's output", a)
+                       for i, a in enumerate(self._activations)]
+        gradients = [(f"the gradient of {p.var.name}", self.update_data[self.grads[key].var]) for key, p in self.params.items()]
+        return first_in(activations + gradients) or "the sum of the squared gradients (it overflowed float32)"
 
     def loss(self, x: np.ndarray, target: np.ndarray) -> float:
         """The loss of a batch with the current parameters (forward only)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,8 @@ from ..flow.graph import Flow, Variable
 from . import schedules
 from .checkpoint import check_compatible, load_checkpoint, save_checkpoint
 from .loss_scale import DynamicLossScale, dynamic_updates, scale_tensor
-from .optimizers import Adam, Current, Update, current_value, state_var
+from .nonfinite import NonFiniteError, first_in, replay
+from .optimizers import Adam, Current, Update, counter_var, current_value, state_var
 
 
 def _all_finite(b: Builder, grads: list[Tensor]) -> Tensor:
@@ -32,6 +34,14 @@ def _all_finite(b: Builder, grads: list[Tensor]) -> Tensor:
     for g in grads[1:]:
         total = total + b.sum(g)
     return b.equal(total - total, 0.0)
+
+
+@dataclass
+class StepUpdates:
+    updates: list[Update]  # (variable, new value), every one guarded by `finite`
+    norm: Tensor | None  # the unscaled global gradient norm, when clipping or tracked
+    finite: Tensor  # whether every gradient (and every earlier unrolled step's) was finite
+    skipped: Tensor | None  # with loss scaling: the count of steps skipped as non-finite
 
 
 def step_updates(
@@ -45,11 +55,16 @@ def step_updates(
     clip_norm: float | None,
     current: Current | None = None,
     track_norm: bool = False,
-) -> tuple[list[Update], Tensor | None]:
-    """Clip, apply the optimizer and guard against non-finite gradients.
+    finite_before: Tensor | None = None,
+) -> StepUpdates:
+    """Clip, apply the optimizer, and guard every write: a step whose gradients are not
+    all finite (or that follows a non-finite one, `finite_before`) writes nothing. With
+    loss scaling such a step is expected: the global `<function>/skipped_steps` counts it
+    (and a dynamic scale backs off); without, the trainer stops on it.
 
-    Returns the (variable, new value) pairs and the unscaled global gradient norm, which
-    costs a pass over every gradient and so is built only for clipping or when tracked.
+    The norm costs a pass over every gradient and so is built only for clipping or when
+    tracked; where it is, the finiteness test reads the sum of squares instead of taking
+    a pass of its own (a sum of squares that overflows float32 counts as non-finite).
     """
     # Tensor operators build into their left operand's function; make that b's.
     params = [b.wrap(p.var) for p in params]
@@ -61,18 +76,26 @@ def step_updates(
         squares = b.sum(wide[0] * wide[0])
         for g in wide[1:]:
             squares = squares + b.sum(g * g)
+        finite = b.equal(squares - squares, 0.0)
         norm = b.sqrt(squares)
         if scale is not None:
             norm = norm / scale
+    else:
+        finite = _all_finite(b, wide)
+    if finite_before is not None:
+        finite = b.logical_and(finite_before, finite)
     if clip_norm is not None:
         factor = b.minimum(b.const(1.0), clip_norm / (norm + 1e-6))
         grads = [g * (factor if g.dtype == factor.dtype else b.cast(factor, g.dtype)) for g in grads]
     updates = optimizer.updates(b, params, grads, lr, scale, current)
+    updates = [(target, b.cond(finite, value, current_value(current, b.wrap(target)))) for target, value in updates]
+    skipped = None
+    if scale is not None:
+        skipped = counter_var(b, f"{b.func.name}/skipped_steps")
+        updates.append((skipped.var, b.cond(finite, skipped, skipped + 1.0)))
     if isinstance(loss_scale, DynamicLossScale):
-        finite = _all_finite(b, wide)
-        updates = [(target, b.cond(finite, value, current_value(current, b.wrap(target)))) for target, value in updates]
         updates += dynamic_updates(b, loss_scale, scale, finite)
-    return updates, norm
+    return StepUpdates(updates, norm, finite, skipped)
 
 
 def assign_all(b: Builder, updates: list[Update]) -> None:
@@ -297,9 +320,10 @@ class Trainer(TrainerBase):
         grads = [grads_by_name[p.name] for p in self.params]
         if accumulate == 1:
             self.lr_var = b.var("lr", "float32", []).var
-            updates, norm = step_updates(b, self.params, grads, self.optimizer, b.wrap(self.lr_var), scale, loss_scale, clip_norm, track_norm=track_grad_norm)
-            assign_all(b, updates)
+            stepped = step_updates(b, self.params, grads, self.optimizer, b.wrap(self.lr_var), scale, loss_scale, clip_norm, track_norm=track_grad_norm)
+            assign_all(b, stepped.updates)
             self.apply_func = None
+            self._accumulators: list[Variable] = []
         else:
             # Micro-batches add their gradients into resident accumulators; a second
             # cell applies one update from their mean and clears them.
@@ -313,14 +337,20 @@ class Trainer(TrainerBase):
             self.lr_var = apply.var("lr", "float32", []).var
             mean_grads = [a * (1.0 / accumulate) for a in accumulated]
             apply_scale = scale_tensor(apply, loss_scale, self.func.name)
-            updates, norm = step_updates(apply, self.params, mean_grads, self.optimizer, apply.wrap(self.lr_var), apply_scale, loss_scale, clip_norm, track_norm=track_grad_norm)
+            stepped = step_updates(apply, self.params, mean_grads, self.optimizer, apply.wrap(self.lr_var), apply_scale, loss_scale, clip_norm, track_norm=track_grad_norm)
             zero = apply.const(0.0)
-            updates += [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
-            assign_all(apply, updates)
+            clear = [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
+            if loss_scale is None:  # a skipped step keeps them, to name the culprit (see _check_finite)
+                clear = [(acc.var, apply.cond(stepped.finite, value, acc)) for acc, (_, value) in zip(accumulated, clear)]
+            assign_all(apply, stepped.updates + clear)
             self.apply_func = apply.func
-        self.norm_var = norm.var if norm is not None else None
+            self._accumulators = [acc.var for acc in accumulated]
+        self.norm_var = stepped.norm.var if stepped.norm is not None else None
         if self.norm_var is not None:
             self.norm_var.out = True
+        self.finite_var = stepped.finite.var
+        self.finite_var.out = True
+        self.skipped_var = stepped.skipped.var if stepped.skipped is not None else None
 
         self._compile(backend, predict, cpu, matmul)
         self.cell = self.network.cell(self.func.name)
@@ -329,6 +359,7 @@ class Trainer(TrainerBase):
         self._input_views = {v.name: self.data[v] for v in self.inputs}
         self._lr_view = (self.apply_data or self.data)[self.lr_var]
         self._loss_view = self.data[self.loss_var]
+        self._finite_view = (self.apply_data or self.data)[self.finite_var]
 
     def _function_inputs(self) -> list[Variable]:
         used = {v.name for v in self.flow.inputs(self.func)}
@@ -347,6 +378,7 @@ class Trainer(TrainerBase):
                 np.take(self.dataset[name], indices, axis=0, out=view, mode="clip")
             self._lr_view[...] = lr
             self.data.compute()
+            self._check_finite()
             self.step_count += 1
             self._read_watched(1, fresh=True)
             return float(self._loss_view)
@@ -356,6 +388,7 @@ class Trainer(TrainerBase):
                 self._feed(self.data, var, named[var.name])
             self.data[self.lr_var] = lr
             self.data.compute()
+            self._check_finite()
             loss = float(self.data[self.loss_var])
             self._read_watched(1, fresh=True)
         else:
@@ -370,8 +403,31 @@ class Trainer(TrainerBase):
             loss /= self.accumulate
             self.apply_data[self.lr_var] = lr
             self.apply_data.compute()
+            self._check_finite()
         self.step_count += 1
         return loss
+
+    def _check_finite(self) -> None:
+        """Stop on a step the guard skipped, unless loss scaling expects such steps."""
+        if self._finite_view or self.skipped_var is not None:
+            return
+        values = dict(self.network.globals)
+        values.update({v.name: self.data[v] for v in self.flow.inputs(self.func, const=False) if v.name not in values})
+        # With accumulation only the last micro-batch can be replayed (from empty
+        # accumulators); an earlier one's non-finite gradient is still in the accumulators,
+        # which the skipped step kept.
+        values.update({v.name: np.zeros_like(values[v.name]) for v in self._accumulators})
+        accumulated = [(f"accumulated gradient {v.name}", self.apply_data[v]) for v in self._accumulators]
+        where = replay(self.flow, self.func, values) or first_in(accumulated)
+        for v in self._accumulators:
+            self.apply_data[v][...] = 0  # the next step starts afresh
+        raise NonFiniteError(self.step_count + 1, where or "a gradient the compiled step computed (the numpy replay of the step stays finite)")
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (counted with loss scaling; without it,
+        the first one stops training)."""
+        return int(self.network.globals[self.skipped_var.name]) if self.skipped_var is not None else 0
 
     def _read_watched(self, parts: int, fresh: bool) -> None:
         for name, var in self._watch.items():

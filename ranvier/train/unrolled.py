@@ -15,8 +15,9 @@ import numpy as np
 from ..autodiff import gradient
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
-from ..flow.graph import Flow
+from ..flow.graph import Flow, Variable
 from . import schedules
+from .nonfinite import NonFiniteError, describe
 from .optimizers import Adam, current_value
 from .trainer import TrainerBase, assign_all, step_updates
 
@@ -59,6 +60,8 @@ class UnrolledTrainer(TrainerBase):
         current: dict[str, Tensor] = {}
         self.step_inputs: list[list] = []
         self.loss_vars = []
+        self.finite_vars: list[Variable] = []
+        finite = None
         for k in range(self.k):
             known = set(flow.vars)
             values = {p.name: current_value(current, p) for p in params}
@@ -69,8 +72,13 @@ class UnrolledTrainer(TrainerBase):
             leaves = [values[p.name] for p in params]
             grads = gradient(flow, self.func, leaves, loss=loss, stop=leaves)
             lr = b.reshape(b.slice(lrs, [k], [1]), [])
-            updates, _ = step_updates(b, params, [grads[v.name] for v in leaves], self.optimizer, lr, None, None, clip_norm, current)
-            current.update({target.name: value for target, value in updates})
+            # Once a step is not finite, it and every later one write nothing.
+            stepped = step_updates(b, params, [grads[v.name] for v in leaves], self.optimizer, lr, None, None, clip_norm, current,
+                                   finite_before=finite)
+            finite = stepped.finite
+            finite.var.out = True
+            self.finite_vars.append(finite.var)
+            current.update({target.name: value for target, value in stepped.updates})
         if any(len(inputs) != len(self.step_inputs[0]) for inputs in self.step_inputs):
             raise RanvierError("build_loss must create the same inputs for every unrolled step")
         assign_all(b, [(flow.vars[name], value) for name, value in current.items()])
@@ -92,5 +100,11 @@ class UnrolledTrainer(TrainerBase):
                 self._feed(self.data, var, named[first_step_var.name])
         self.data[self.lrs_var] = np.array([self.schedule(self.step_count + k) for k in range(self.k)], np.float32)
         self.data.compute()
+        for k, var in enumerate(self.finite_vars):
+            if not self.data[var]:
+                # Steps before k were applied; from k on nothing was.
+                self.step_count += k
+                loss = describe(f"the loss of step {self.step_count + 1}", self.data[self.loss_vars[k]])
+                raise NonFiniteError(self.step_count + 1, loss or f"a gradient of step {self.step_count + 1} (its loss is finite)")
         self.step_count += self.k
         return [float(self.data[v]) for v in self.loss_vars]
