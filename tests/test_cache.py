@@ -1,9 +1,15 @@
 """The JIT's disk cache: the size cap evicts least recently used entries, `ranvier cache`
-reports and clears it, and entries vanishing under a reader cost only a recompile."""
+reports and clears it, entries vanishing under a reader cost only a recompile, a damaged
+entry fails its checksum and is compiled again, and processes compiling the same model at
+once all succeed and leave one intact entry."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +20,7 @@ from ranvier.cli import main
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", {})
+    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())
     return tmp_path / "cache"
 
 
@@ -67,3 +73,55 @@ def test_entry_evicted_while_reading_is_recompiled(cache, monkeypatch):
     monkeypatch.setattr(jit, "_read_entry", evicted_first)
     code, origin = jit.cached_object("a", lambda: b"fresh")
     assert (code, origin) == (b"fresh", "compiled")
+
+
+def test_every_damaged_byte_fails_the_checksum(cache):
+    code = _store("a", 1000)
+    entry = cache / "a.o"
+    intact = entry.read_bytes()
+    rng = __import__("random").Random(0)
+    for position in [0, len(intact) // 2, len(intact) - 1, *rng.sample(range(len(intact)), 40)]:
+        damaged = bytearray(intact)
+        damaged[position] ^= 1 << rng.randrange(8)
+        entry.write_bytes(bytes(damaged))
+        assert jit._read_entry(entry) is None, f"a flipped bit at byte {position} went unnoticed"
+    entry.write_bytes(intact)
+    assert jit._read_entry(entry) == code
+
+
+_COMPILE_SCRIPT = """
+import sys
+import numpy as np
+import ranvier as rv
+flow = rv.Flow()
+f = rv.Builder(flow, "f")
+x = f.var("x", "float32", [37, 13])
+y = f.tanh(x * 2.0) + f.sigmoid(x) * x
+y.var.out = True
+cell = rv.Compiler("cpu").compile(flow).cell("f")
+instance = cell.instance()
+a = np.linspace(-3, 3, 37 * 13, dtype=np.float32).reshape(37, 13)
+instance[x] = a
+instance.compute()
+assert np.allclose(instance[y], np.tanh(2 * a) + a / (1 + np.exp(-a)), rtol=1e-5, atol=1e-6)
+print(cell.native["origin"])
+"""
+
+
+@pytest.mark.slow
+def test_processes_compiling_the_same_model_at_once(tmp_path):
+    cache = tmp_path / "cache"
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, RANVIER_CACHE=str(cache), PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for round_ in range(3):  # an empty cache, then one a previous round filled
+        writers = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        origins = []
+        for writer in writers:
+            out, err = writer.communicate(timeout=300)
+            assert writer.returncode == 0, f"round {round_}: a writer failed: {err[-2000:]}"
+            origins.append(out.split()[-1])
+        assert set(origins) <= {"compiled", "disk"} and (round_ == 0 or origins == ["disk"] * 4), origins
+        entries = list(cache.iterdir())
+        assert len(entries) == 1 and entries[0].suffix == ".o", f"left in the cache: {[e.name for e in entries]}"
+        assert jit._read_entry(entries[0]) is not None
