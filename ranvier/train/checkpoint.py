@@ -6,7 +6,9 @@ Layout of a checkpoint directory:
     checkpoint.json              metadata; names the weights file and its SHA-256
 
 Both files are written atomically, the weights first: replacing checkpoint.json is
-the commit point, so an interrupted save leaves the previous checkpoint intact.
+the commit point, so an interrupted save leaves the previous checkpoint intact. What a
+killed save leaves behind (temporary files, weights no checkpoint.json names) goes with
+the next save.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from safetensors.numpy import save as st_save
 
 from .. import dtypes
-from ..atomic import atomic_write_bytes
+from ..atomic import atomic_write_bytes, remove_partial_writes
 from ..errors import RanvierError, brief, name_mismatch
 from ..safetensors_file import read_safetensors
 
@@ -37,8 +39,11 @@ class CheckpointError(RanvierError):
 
 
 def save_checkpoint(directory: str | Path, arrays: dict[str, np.ndarray], state: dict) -> Path:
+    """Write a checkpoint of `arrays` and `state` (its "step" names the weights file).
+
+    Saving fails whole: on a full disk, say, the error names the file that could not be
+    written, and the directory keeps the previous checkpoint (without the new weights)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     stored, types = {}, {}
     for name, array in arrays.items():
         dtype = dtypes.from_numpy(array.dtype)
@@ -46,8 +51,8 @@ def save_checkpoint(directory: str | Path, arrays: dict[str, np.ndarray], state:
         carrier = _STORED_AS.get(dtype)
         stored[name] = np.ascontiguousarray(array).view(carrier) if carrier else np.ascontiguousarray(array)
     blob = st_save(stored)
-    weights_name = f"weights-{int(state.get('step', 0)):08d}.safetensors"
-    atomic_write_bytes(directory / weights_name, blob)
+    step = int(state.get("step", 0))
+    weights_name = f"weights-{step:08d}.safetensors"
     metadata = {
         "format": FORMAT,
         "version": VERSION,
@@ -56,11 +61,29 @@ def save_checkpoint(directory: str | Path, arrays: dict[str, np.ndarray], state:
         "arrays": types,
         **state,
     }
-    atomic_write_bytes(directory / METADATA, json.dumps(metadata, indent=1).encode())
+    previous = _committed(directory)
+    try:
+        atomic_write_bytes(directory / weights_name, blob)
+        atomic_write_bytes(directory / METADATA, json.dumps(metadata, indent=1).encode())
+    except RanvierError as error:
+        if previous is None or previous.get("weights") != weights_name:
+            (directory / weights_name).unlink(missing_ok=True)
+        kept = f"{directory} still holds the step {previous.get('step')} checkpoint" if previous else f"{directory} holds no checkpoint"
+        raise CheckpointError(f"cannot save the step {step} checkpoint: {error}; {kept}") from error
+    # Committed: what earlier saves left, finished or killed midway, goes.
     for old in directory.glob("weights-*.safetensors"):
         if old.name != weights_name:
             old.unlink()
+    remove_partial_writes(directory)
     return directory
+
+
+def _committed(directory: Path) -> dict | None:
+    """The metadata of the checkpoint in `directory`, None where there is none to keep."""
+    try:
+        return read_metadata(directory)
+    except CheckpointError:
+        return None
 
 
 def read_metadata(directory: str | Path) -> dict:
