@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_write_bytes
 from ..dashboard import training_display
 from ..data import corpus as corpora
 from ..data.shards import MANIFEST, TokenShards, pretokenize
@@ -159,8 +160,7 @@ def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tupl
     manifest = shards.manifest
     source = folder / manifest["tokenizer"]["file"]
     tokenizer_path = run_dir / source.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, tokenizer_path)
+    atomic_write_bytes(tokenizer_path, source.read_bytes())
     if config.data:
         shards.validate(load_tokenizer(tokenizer_path).vocab_size)
     paths = [Path(name) for name in shards.names]
@@ -308,7 +308,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     stop_at: pause after this step (checkpointed, schedule unchanged), to resume later.
     dashboard: show the live dashboard (on a terminal) instead of the progress bar.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.open_run_dir(run_dir)
     rundir.write_config(run_dir, config.model, config)
     run = build(config, run_dir)
     trainer = run.trainer
@@ -316,12 +316,10 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     rundir.write_config(run_dir, config.model, config)
     rng = np.random.default_rng(config.seed)
     metrics_path = run_dir / "metrics.jsonl"
-    if resume:
+    if resume and rundir.checkpoint_step(run_dir) is not None:
         metadata = trainer.load(run_dir / "checkpoint")
         rng.bit_generator.state = metadata["rng"]
-        rundir.keep_metrics_until(metrics_path, trainer.step_count)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    rundir.keep_metrics_until(metrics_path, trainer.step_count)
     c = run.model.config
     experts = f", {c.n_experts} experts top-{c.top_k} ({c.active_parameter_count() / 1e6:.2f}M active)" if isinstance(run.model, MoE) else ""
     print(f"model: {config.preset} dim {c.dim} layers {c.n_layers} heads {c.n_heads}/{c.n_kv_heads} vocab {c.vocab_size}, "
@@ -335,7 +333,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
 
     tokenizer = load_tokenizer(run_tokenizer(run_dir))
     generators: list = []
-    with open(metrics_path, "a") as metrics:
+    with rundir.MetricsLog(metrics_path) as metrics:
         def run_step() -> tuple[int, float, float, dict]:
             x, y = run.train.sample(config.batch * config.accumulate, config.seq, rng)
             step_start = time.perf_counter()
@@ -347,9 +345,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
                       **expert_metrics(trainer.watched)}
             if step % config.eval_every == 0:
                 record["val_loss"] = validation_loss(run, config)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if step % config.checkpoint_every == 0:
+            metrics.write(record)
+            if step % config.checkpoint_every == 0 and step not in (config.steps, stop_at):  # the last is saved below
                 checkpoint()
             return step, loss, seconds, record
 
@@ -371,9 +368,10 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
                 show(*run_step())
             final = validation_loss(run, config)
             show.final({"val_loss": final})
+        # Logged before the last checkpoint commits the run as finished: a run killed in between
+        # resumes from the checkpoint before, which drops this line and logs it again.
+        metrics.write({"step": trainer.step_count, "val_loss": final})
     checkpoint()
-    with open(metrics_path, "a") as metrics:
-        metrics.write(json.dumps({"step": trainer.step_count, "val_loss": final}) + "\n")
     print(f"validation_loss={final:.4f} unigram_entropy={run.unigram_entropy:.4f} (nats per token)")
     experts = expert_metrics(trainer.watched)
     if experts:

@@ -6,7 +6,6 @@ A run directory holds config.json (everything needed to rebuild the model), metr
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,29 +98,25 @@ def resume_mnist(run_dir: Path, flags: dict | None = None, progress: bool = True
 def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True, profile: bool = False,
                 dashboard: bool = False) -> float:
     """Train (or resume) and return the test accuracy. Prints `test_accuracy=0.XXXX` last."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.open_run_dir(run_dir)
     trainer, _, test_split = make_trainer(config)
     rundir.record_matmul(config, trainer.matmul)
     rundir.write_config(run_dir, "mnist", config)
     metrics_path = run_dir / "metrics.jsonl"
-    if resume:
+    if resume and rundir.checkpoint_step(run_dir) is not None:
         trainer.load(run_dir / "checkpoint")
-        rundir.keep_metrics_until(metrics_path, trainer.step_count)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    rundir.keep_metrics_until(metrics_path, trainer.step_count)
     print(f"compiled in {trainer.compile_seconds:.2f}s ({config.backend} backend); training from step {trainer.step_count}")
 
     start = time.perf_counter()
-    with open(metrics_path, "a") as metrics:
+    with rundir.MetricsLog(metrics_path) as metrics:
         def run_step() -> tuple[int, float, float, dict]:
             step_start = time.perf_counter()
             loss = trainer.step()
             seconds = time.perf_counter() - step_start
             step = trainer.step_count
             if step % config.log_every == 0 or step == config.steps:
-                record = {"step": step, "loss": loss, "lr": config.lr, "elapsed": time.perf_counter() - start}
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.write({"step": step, "loss": loss, "lr": config.lr, "elapsed": time.perf_counter() - start})
             if step % config.checkpoint_every == 0 and step != config.steps:
                 trainer.save(run_dir / "checkpoint")
             return step, loss, seconds, {}
@@ -138,12 +133,13 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
         with shown as show:
             while trainer.step_count < config.steps:
                 show(*run_step())
+        if profile:
+            print(trainer.data.profile())
+        accuracy = trainer.accuracy(_test_images(config, test_split), test_split.labels)
+        # Logged before the last checkpoint commits the run as finished: a run killed in between
+        # resumes from the checkpoint before, which drops this line and logs it again.
+        metrics.write({"step": trainer.step_count, "test_accuracy": accuracy})
     trainer.save(run_dir / "checkpoint")
-    if profile:
-        print(trainer.data.profile())
-    accuracy = trainer.accuracy(_test_images(config, test_split), test_split.labels)
-    with open(metrics_path, "a") as metrics:
-        metrics.write(json.dumps({"step": trainer.step_count, "test_accuracy": accuracy}) + "\n")
     print(f"test_accuracy={accuracy:.4f}")
     return accuracy
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import Self, TypeVar
 
-from ..atomic import atomic_write_bytes
+from ..atomic import TEMPORARY, WriteError, atomic_write_bytes, os_error, remove_partial_writes
 from ..errors import RanvierError
-from .checkpoint import read_metadata
+from .checkpoint import METADATA, read_metadata
 
 Config = TypeVar("Config")
 
@@ -36,6 +38,55 @@ def removed_on_failure(run_dir: Path) -> Iterator[None]:
         if not existed and not (run_dir / "checkpoint").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def open_run_dir(run_dir: Path) -> None:
+    """Make or reopen a run directory for training. One training cannot write is refused
+    here, naming it, before any compile (it would fail at the first checkpoint, minutes in);
+    the temporary files of writes a killed run left are removed."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for folder in (run_dir, run_dir / "checkpoint"):
+            if folder.is_dir():
+                # Only a write tells: permissions, read-only mounts and root's rights all count.
+                fd, probe = tempfile.mkstemp(prefix=".probe.", suffix=TEMPORARY, dir=folder)
+                os.close(fd)
+                os.unlink(probe)
+                remove_partial_writes(folder)
+    except OSError as error:
+        raise RanvierError(f"the run directory {run_dir} is not writable: {os_error(error)}") from None
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's checkpoint; None before its first."""
+    folder = run_dir / "checkpoint"
+    return int(read_metadata(folder)["step"]) if (folder / METADATA).exists() else None
+
+
+class MetricsLog:
+    """metrics.jsonl, appended to one JSON line per record. Each line is written through at
+    once (a killed run loses no logged step) and whole or not at all: a write that fails, on
+    a full disk say, is cut back and raises a WriteError naming the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def write(self, record: dict) -> None:
+        line = memoryview((json.dumps(record) + "\n").encode())
+        end = os.fstat(self.fd).st_size
+        try:
+            while line:
+                line = line[os.write(self.fd, line):]
+        except OSError as error:
+            os.ftruncate(self.fd, end)
+            raise WriteError(self.path, error) from error
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_) -> None:
+        os.close(self.fd)
 
 
 def write_config(run_dir: Path, kind: str, config) -> None:
@@ -86,10 +137,21 @@ def read_config(run_dir: Path, kind: type[Config], kinds: tuple[str, ...]) -> Co
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
-    """On resume, drop metric lines logged after the checkpoint (they will be logged again)."""
+    """Drop metric lines logged after the checkpoint (a resumed run logs them again), and a
+    last line cut short (by a machine that stopped mid-write)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise RanvierError(f"{path} line {number} is not JSON: {line[:80]!r}") from None
+        if record.get("step", 0) <= step:
+            kept.append(line)
     atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
 
 
@@ -126,7 +188,12 @@ def prepare_resume(run_dir: Path, config, flags: dict) -> bool:
     config.minutes = flags.get("minutes")
     if config.minutes is not None and "steps" not in flags:
         config.steps = None
-    return steps_to_resume(run_dir, config, read_metadata(run_dir / "checkpoint")["step"])
+    if config.steps is None and config.minutes is None:
+        raise RanvierError(f"{run_dir} stopped before --minutes planned its steps: pass --steps N or --minutes M to resume it")
+    done = checkpoint_step(run_dir)
+    if done is None:
+        print(f"{run_dir} has no checkpoint (it stopped before its first): training from step 0")
+    return steps_to_resume(run_dir, config, done or 0)
 
 
 def steps_to_resume(run_dir: Path, config, done: int) -> bool:
