@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from . import debug
+from .atomic import os_error
 from .errors import RanvierError
 
 
@@ -537,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
 # Errors a user makes and can fix: said in one line instead of a traceback.
 USER_ERRORS = (RanvierError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
                ModuleNotFoundError)
+# What the machine, not ranvier, got wrong while writing (the compile cache, a corpus being
+# tokenized): one line too. Other OSErrors keep their traceback.
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
 # Optional packages and the extra that installs each.
 EXTRAS = {"matplotlib": "plot", "onnx": "onnx"}
 
@@ -555,7 +560,9 @@ def _describe(error: Exception) -> str:
             IsADirectoryError: "is a folder, where a file is needed",
             PermissionError: "cannot be used: permission denied",
         }
-        return f"{error.filename} {what.get(type(error), error.strerror)}"
+        if type(error) in what:
+            return f"{error.filename} {what[type(error)]}"
+        return f"cannot write {error.filename}: {os_error(error)}"
     return str(error)
 
 
@@ -599,9 +606,10 @@ def console() -> int:
     compiler.compile_observer = _CompileStatus
     try:
         return args.run(args)
-    except USER_ERRORS as error:
+    except (*USER_ERRORS, OSError) as error:
         ours = isinstance(error, ModuleNotFoundError) and (error.name or "").startswith("ranvier")  # a bug, not the user's
-        if show_traceback or ours:
+        unexpected = not isinstance(error, USER_ERRORS) and error.errno not in ENVIRONMENT_ERRNOS
+        if show_traceback or ours or unexpected:
             raise
         print(f"ranvier: error: {_describe(error)}", file=sys.stderr)
         return 1

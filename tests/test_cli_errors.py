@@ -222,11 +222,27 @@ def test_convert_without_onnx_says_which_extra(cli, paths, tmp_path, monkeypatch
     (NotADirectoryError(20, "Not a directory", "a/b"), "a/b is not a folder"),
     (IsADirectoryError(21, "Is a directory", "a"), "a is a folder, where a file is needed"),
     (PermissionError(13, "Permission denied", "a"), "a cannot be used: permission denied"),
+    (OSError(28, "No space left on device", "a/c.o"), "cannot write a/c.o: No space left on device (ENOSPC)"),
+    (OSError(30, "Read-only file system", "a"), "cannot write a: Read-only file system (EROFS)"),
     (ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib.pyplot"), "pip install 'ranvier[plot]'"),
     (ModuleNotFoundError("No module named 'sentencepiece'", name="sentencepiece"), "pip install sentencepiece"),
 ])
 def test_file_errors_and_missing_packages_are_described(error, words):
     assert words in _describe(error)
+
+
+@pytest.mark.parametrize("number, one_line", [(28, True), (30, True), (104, False)])  # ENOSPC, EROFS; ECONNRESET
+def test_a_machine_failing_a_write_is_one_line_other_os_errors_a_traceback(cli, monkeypatch, number, one_line):
+    def failing():
+        raise OSError(number, "failed", "/cache/x.o")
+
+    monkeypatch.setattr("ranvier.backends.cpu.jit.describe_cache", failing)
+    if not one_line:
+        with pytest.raises(OSError):
+            cli("cache", "info")
+        return
+    code, err = cli("cache", "info")
+    assert_one_line(code, err, 1, "cannot write /cache/x.o: failed (E")
 
 
 def test_debug_flag_and_environment_show_the_traceback(cli, runs, monkeypatch):
