@@ -27,6 +27,7 @@ from ranvier.cli import main
 from ranvier.data.corpus import read_corpus
 from ranvier.errors import RanvierError
 from ranvier.train.checkpoint import load_checkpoint
+from ranvier.train.llama_job import remove_abandoned
 
 RANVIER = [sys.executable, "-m", "ranvier.cli"]
 MNIST = ["train", "mnist", "--batch", "8", "--quiet"]
@@ -270,3 +271,19 @@ def test_unwritable_run_directory_is_refused_before_compiling(tmp_path, finished
             main(["train", "mnist", "--resume", str(run), "--steps", "4", "--quiet"])
     finally:
         run.chmod(0o755)
+
+
+def test_half_built_corpora_of_killed_processes_are_removed(tmp_path):
+    """Tokenizing builds `.<folder>.<pid>` and renames it into place; a build whose process
+    was killed is removed by the next one, a live process's is left to it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    folder = tmp_path / "corpora" / "corpus-64-0123abcd"
+    abandoned = folder.with_name(f".{folder.name}.{dead.stdout.strip()}")
+    abandoned.mkdir(parents=True)
+    (abandoned / "shard-00000.bin").write_bytes(b"\0" * 64)
+    building = folder.with_name(f".{folder.name}.{os.getpid()}")
+    building.mkdir()
+    other = folder.with_name(f".stories-64-0123abcd.{dead.stdout.strip()}")
+    other.mkdir()
+    remove_abandoned(folder)
+    assert not abandoned.exists() and building.exists() and other.exists()

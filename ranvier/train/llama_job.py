@@ -17,6 +17,7 @@ byte tokens), metrics.jsonl and checkpoint/ (weights, optimizer state, sampler R
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -115,6 +116,7 @@ def tokenized_corpus(config: LlamaRunConfig, vocab_size: int) -> Path:
     # Built beside and renamed into place, so a run never sees half a folder (and of two
     # runs tokenizing the same corpus at once, the first to finish wins).
     partial = folder.with_name(f".{folder.name}.{os.getpid()}")
+    remove_abandoned(folder)
     shutil.rmtree(partial, ignore_errors=True)
     train_sentencepiece(iter(documents), vocab_size, output_prefix=partial / "tokenizer", character_coverage=0.9999)
     pretokenize(documents, load_tokenizer(partial / "tokenizer.model"), partial)
@@ -124,6 +126,21 @@ def tokenized_corpus(config: LlamaRunConfig, vocab_size: int) -> Path:
         shutil.rmtree(partial)
     print(f"corpus: tokenized into {folder} (later runs on the same corpus reuse it)")
     return folder
+
+
+def remove_abandoned(folder: Path) -> None:
+    """Delete the half-built `.<folder>.<pid>` copies that killed processes left (a live
+    process's build is its own to finish)."""
+    for partial in folder.parent.glob(f".{glob.escape(folder.name)}.*"):
+        pid = partial.suffix[1:]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+        except PermissionError:  # another user's process, alive
+            pass
 
 
 def shard_record(path: Path) -> dict:
