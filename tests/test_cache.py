@@ -125,3 +125,15 @@ def test_processes_compiling_the_same_model_at_once(tmp_path):
         entries = list(cache.iterdir())
         assert len(entries) == 1 and entries[0].suffix == ".o", f"left in the cache: {[e.name for e in entries]}"
         assert jit._read_entry(entries[0]) is not None
+
+
+def test_the_folder_is_listed_at_the_first_write_then_after_each_sixteenth_of_the_cap(cache, monkeypatch):
+    """Enforcing the cap lists every entry: a cache of 50,000 small entries made each
+    compile pay for that listing before writes were counted."""
+    monkeypatch.setattr(jit, "_PRUNING", jit._PruneSchedule())
+    monkeypatch.setenv("RANVIER_CACHE_MAX_MB", str(16_000 / 2**20))  # a sixteenth: about 1,000 bytes
+    listings = []
+    monkeypatch.setattr(jit, "prune_cache", listings.append)
+    for number, size in enumerate([10, 400, 400, 300, 10]):
+        _store(f"k{number}", size)
+        assert len(listings) == [1, 1, 1, 2, 2][number], f"after write {number}"

@@ -13,10 +13,12 @@ cell compiled to the same object code and freed with the last of them. The in-me
 cache of object files is bounded too (`MEMORY_CACHE_BYTES`), so a process that
 compiles many different networks keeps a flat footprint.
 
-The disk cache is capped (`$RANVIER_CACHE_MAX_MB`, default 512): each write evicts the
+The disk cache is capped (`$RANVIER_CACHE_MAX_MB`, default 512): writing evicts the
 least recently used entries (oldest modification time; a read hit touches its entry)
-until the total fits. Processes share the folder safely: a reader whose entry another
-process evicts meanwhile reads nothing and compiles again.
+until the total fits. Checking means listing the whole folder, so a process checks at
+its first write and then after each 1/16 of the cap it writes: the folder may exceed the
+cap by that much per process meanwhile. Processes share the folder safely: a reader
+whose entry another process evicts meanwhile reads nothing and compiles again.
 """
 
 from __future__ import annotations
@@ -203,8 +205,27 @@ def cached_object(key: str, generate: Callable[[], bytes], use_disk: bool = True
         # A read-only or full cache directory only costs the next process a compile.
         with contextlib.suppress(OSError):
             atomic_write_bytes(path, _MAGIC + hashlib.sha256(code).digest() + code)
-            prune_cache(cache_max_bytes())
+            _PRUNING.wrote(len(code))
     return code, "compiled"
+
+
+class _PruneSchedule:
+    """When this process lists the folder to enforce the cap: at its first write, then
+    after each 1/16 of the cap it writes."""
+
+    unpruned: int | None = None  # bytes written since the last pruning; None before the first
+
+    def wrote(self, size: int) -> None:
+        cap = cache_max_bytes()
+        if self.unpruned is not None:
+            self.unpruned += size
+            if self.unpruned < cap // 16:
+                return
+        prune_cache(cap)
+        self.unpruned = 0
+
+
+_PRUNING = _PruneSchedule()
 
 
 def _remember(key: str, code: bytes) -> None:
