@@ -31,6 +31,10 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# Mappings the rest of the process may add meanwhile (malloc arenas, numpy's caches):
+# a leak of one or two mappings per compile exceeds this within the first hundred.
+LEEWAY = 32
+
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc to count mappings")
 
 
@@ -66,7 +70,7 @@ def soak(compiles: int, widths: int) -> tuple[int, int]:
 
 def test_dropped_networks_unmap_their_code():
     grown_maps, _ = soak(compiles=300, widths=7)
-    assert grown_maps <= 4, f"{grown_maps} memory mappings left behind by 300 dropped networks"
+    assert grown_maps <= LEEWAY, f"{grown_maps} memory mappings left behind by 300 dropped networks"
 
 
 def test_cells_with_the_same_code_share_one_engine():
@@ -99,12 +103,12 @@ def test_network_survives_a_million_computes_with_flat_memory():
         instance.compute()
     gc.collect()
     np.testing.assert_allclose(instance[y], np.tanh(data * data), rtol=1e-5, atol=1e-6)
-    assert mappings() - maps <= 2
+    assert mappings() - maps <= LEEWAY
     assert resident_bytes() - rss < 1 << 20, f"resident memory grew {resident_bytes() - rss:,} bytes"
 
 
 @pytest.mark.slow
 def test_fifty_thousand_compiles_keep_memory_flat():
     grown_maps, grown_bytes = soak(compiles=50_000, widths=7)
-    assert grown_maps <= 4, f"{grown_maps} memory mappings left behind by 50,000 dropped networks"
+    assert grown_maps <= LEEWAY, f"{grown_maps} memory mappings left behind by 50,000 dropped networks"
     assert grown_bytes < 16 << 20, f"resident memory grew {grown_bytes:,} bytes over 50,000 compiles"
