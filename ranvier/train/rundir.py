@@ -10,11 +10,14 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Self, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ..atomic import TEMPORARY, WriteError, atomic_write_bytes, os_error, remove_partial_writes
 from ..errors import RanvierError
 from .checkpoint import METADATA, read_metadata
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 Config = TypeVar("Config")
 
