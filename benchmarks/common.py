@@ -1,5 +1,6 @@
-"""What the benchmarks share: the machine line printed beside every figure, the summary
-every benchmark ends with (each side's median, then "ranvier is 2.30× faster than
+"""What the benchmarks share: the machine line printed beside every figure, the machine's
+measured ceilings (fp32 GEMM and memory bandwidth) that say how far a figure is from
+the limit, the summary every benchmark ends with (each side's median, then "ranvier is 2.30× faster than
 pytorch"), the two sides of a language-model training race (ranvier's step and a PyTorch
 eager one of the same trunk, with the caller's feed-forward layers) and the race itself
 (alternating repetitions, medians, ratios against PyTorch)."""
@@ -12,6 +13,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,6 +45,53 @@ def machine(torch=None) -> str:
     if torch is not None:
         line += f"; torch {torch.__version__} with {torch.get_num_threads()} threads"
     return line
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes per second
+    gemm: float  # floating-point operations per second
+
+    def __str__(self) -> str:
+        return (f"ceilings measured here: fp32 GEMM {self.gemm / 1e9:,.0f} GFLOP/s (the best BLAS matmul), "
+                f"memory {self.bandwidth / 1e9:,.1f} GB/s (a copy, read + write)")
+
+
+def time_round_robin(runs: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each callable, interleaved: every round times each one once, in turn.
+
+    Each timed call follows an untimed one of the same callable, so it finds its own caches and
+    thread pool warm rather than those of whichever implementation ran just before it (numpy,
+    SciPy (which ranvier's BlasGemm calls) and torch each keep a separate BLAS thread pool).
+    """
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            run()
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure_ceilings(megabytes: int, gemm_n: int, repeats: int, torch=None) -> Ceilings:
+    """Memory bandwidth (median copy, read + write bytes) and peak fp32 GEMM (the best
+    matmul of numpy's BLAS and, given the torch module, torch's, whichever is faster here)."""
+    src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    copy = time_round_robin({"copy": lambda: np.copyto(dst, src)}, 2, repeats)["copy"]
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
+    b = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
+    matmuls: dict[str, Callable[[], object]] = {"numpy": lambda: a @ b}
+    if torch is not None:
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        matmuls["torch"] = lambda: ta @ tb
+    gemm = time_round_robin(matmuls, 2, repeats)
+    return Ceilings(bandwidth=2 * src.nbytes / statistics.median(copy), gemm=2 * gemm_n**3 / min(map(min, gemm.values())))
 
 
 def summary(medians: dict[str, float], unit: str, higher_is_better: bool, peer: str = "pytorch", digits: int = 0) -> None:
@@ -185,10 +234,12 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
     return step
 
 
-def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], repeats: int, vocab_size: int) -> dict[str, float]:
+def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], repeats: int, vocab_size: int,
+         flops_per_token: int, ceilings: Ceilings) -> dict[str, float]:
     """Train every side on the same token batches, the sides alternating each repetition
     (so the machine's slow and fast spells fall on all of them); print each run, the
-    median tokens/s per side and how each compares with "pytorch". Returns the medians."""
+    median tokens/s per side, the model arithmetic that rate does against the machine's
+    GEMM ceiling, and how each side compares with "pytorch". Returns the medians."""
     tokens = sum(x.size for x, _ in batches)
     for step in sides.values():
         step(*batches[0])  # warm up
@@ -202,6 +253,11 @@ def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], r
                   f"(ln V = {math.log(vocab_size):.3f})", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     summary(medians, "tokens/s", higher_is_better=True)
+    print(ceilings)
+    for name, rate in medians.items():
+        achieved = rate * flops_per_token
+        print(f"{name:12s} {achieved / 1e9:9.1f} GFLOP/s of model arithmetic "
+              f"({flops_per_token / 1e6:,.1f} MFLOP per token), {achieved / ceilings.gemm:.0%} of the GEMM ceiling")
     return medians
 
 

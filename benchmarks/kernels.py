@@ -24,7 +24,6 @@ import argparse
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ import numpy as np
 import scipy.special
 import torch
 import torch.nn.functional as F
-from common import comparison, machine
+from common import Ceilings, comparison, machine, measure_ceilings, time_round_robin
 
 import ranvier as rv
 from ranvier.backends.cpu.amx import amx_usable
@@ -57,49 +56,6 @@ class Benchmark:
 
 
 BenchmarkAndResult = tuple[Benchmark, Callable[[], np.ndarray]]  # and a call giving ranvier's output
-
-
-@dataclass
-class Ceilings:
-    bandwidth: float  # bytes per second
-    gemm: float  # floating-point operations per second
-
-
-# ---- timing -------------------------------------------------------------------------------------
-
-
-def time_round_robin(runs: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each callable, interleaved: every round times each one once, in turn.
-
-    Each timed call follows an untimed one of the same callable, so it finds its own caches and
-    thread pool warm rather than those of whichever implementation ran just before it (numpy,
-    SciPy (which ranvier's BlasGemm calls) and torch each keep a separate BLAS thread pool).
-    """
-    for _ in range(warmup):
-        for run in runs.values():
-            run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            run()
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def measure_ceilings(megabytes: int, gemm_n: int, repeats: int) -> Ceilings:
-    """Memory bandwidth (median copy, read + write bytes) and peak fp32 GEMM (the best
-    matmul of numpy's and torch's BLAS, whichever is faster here)."""
-    src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    copy = time_round_robin({"copy": lambda: np.copyto(dst, src)}, 2, repeats)["copy"]
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
-    b = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    gemm = time_round_robin({"numpy": lambda: a @ b, "torch": lambda: ta @ tb}, 2, repeats)
-    return Ceilings(bandwidth=2 * src.nbytes / statistics.median(copy), gemm=2 * gemm_n**3 / min(map(min, gemm.values())))
 
 
 # ---- ranvier helpers ----------------------------------------------------------------------------
@@ -304,7 +260,7 @@ def main() -> None:
         f"ranvier backend cpu; {warmup} warmup + {repeats} timed rounds, implementations interleaved; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
     )
-    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=5 if args.quick else 10)
+    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=5 if args.quick else 10, torch=torch)
     print(
         f"ceilings: memory bandwidth {ceilings.bandwidth / 1e9:.1f} GB/s (median np.copyto of 256 MiB, read+write); "
         f"fp32 GEMM {ceilings.gemm / 1e9:.1f} GFLOP/s (best numpy or torch 2048^3 matmul); a row faster than its ceiling counts as its own ceiling"

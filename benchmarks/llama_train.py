@@ -12,6 +12,7 @@ from __future__ import annotations
 from common import (
     machine,
     match_threads,
+    measure_ceilings,
     race,
     ranvier_trainer,
     stepper,
@@ -58,7 +59,8 @@ def main() -> None:
     sides["pytorch"] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config))
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
-    race(sides, batches, args.repeats, config.vocab_size)
+    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
+    race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings)
 
 
 if __name__ == "__main__":

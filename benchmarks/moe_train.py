@@ -17,6 +17,7 @@ from __future__ import annotations
 from common import (
     machine,
     match_threads,
+    measure_ceilings,
     race,
     ranvier_trainer,
     stepper,
@@ -90,7 +91,8 @@ def main() -> None:
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
     trainer.step(list(batches[0]))
     trainer.data.reset_profile()  # warm steps only
-    race(sides, batches, args.repeats, config.vocab_size)
+    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
+    race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings)
     print(gemm_share(trainer.profile()))
 
 

@@ -33,6 +33,9 @@ def assert_summary(lines: list[str], unit: str, sides=("ranvier", "pytorch")) ->
 def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, preset):
     out = run(script, "--preset", preset, "--batch", "2", "--seq", "16", "--steps", "2", "--repeats", "1")
     assert_summary(out.splitlines(), "tokens/s")
+    assert re.search(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", out)
+    for side in ("ranvier", "pytorch"):
+        assert re.search(rf"^{side} +[\d.]+ GFLOP/s of model arithmetic .*, \d+% of the GEMM ceiling$", out, re.MULTILINE), side
     if script == "moe_train.py":
         assert "routing skips 50% of the expert FLOPs" in out  # top-2 of 4
         assert "ranvier's step: matrix products" in out
