@@ -1,6 +1,8 @@
-"""Exceptions raised by ranvier. Every message names the thing that was wrong."""
+"""Exceptions raised by ranvier. Every message names the thing that was wrong. Also the
+checks every file reader makes of what a file holds, so each says it the same way."""
 
 import json
+from pathlib import Path
 
 
 class RanvierError(Exception):
@@ -41,6 +43,21 @@ def brief(value: object) -> str:
     containers of containers described, not printed, however deep a corrupt file nests them."""
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     return "(nested JSON)" if any(isinstance(v, (list, dict)) for v in items) else json.dumps(value)[:60]
+
+
+def parse_json(text: str | bytes, error: type[RanvierError], message: str) -> object:
+    """JSON read from a file. Bad JSON or UTF-8 (a ValueError) and nesting deeper than the
+    parser recurses raise `error` as "<message>: <what the parser said>"."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as problem:
+        raise error(f"{message}: {problem}") from None
+
+
+def is_file_name(value: object) -> bool:
+    """Whether a name read from a file (a manifest, an index) is a plain file name: no
+    folder, so it cannot point outside the folder it was found in."""
+    return isinstance(value, str) and value not in ("", "..") and Path(value).name == value
 
 
 def shape_str(shape) -> str:

@@ -10,14 +10,13 @@ the data; offsets count from the data's start.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 
 import ml_dtypes
 import numpy as np
 
-from .errors import RanvierError, brief
+from .errors import RanvierError, brief, parse_json
 
 DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype("<u1"), "I8": np.dtype("<i1"), "U16": np.dtype("<u2"),
@@ -39,10 +38,7 @@ def read_safetensors(blob: bytes, source: str, error: type[RanvierError] = Ranvi
     if length > len(blob) - LENGTH_BYTES:
         raise error(f"{source}: the header length field says {length:,} bytes, but the file holds {len(blob):,}: "
                     "truncated or not a safetensors file")
-    try:
-        header = json.loads(blob[LENGTH_BYTES:LENGTH_BYTES + length])
-    except (ValueError, RecursionError) as problem:  # ValueError: bad JSON or UTF-8
-        raise error(f"{source}: the safetensors header is not JSON: {problem}") from None
+    header = parse_json(blob[LENGTH_BYTES:LENGTH_BYTES + length], error, f"{source}: the safetensors header is not JSON")
     if not isinstance(header, dict):
         raise error(f"{source}: the safetensors header is a JSON {type(header).__name__}, not an object")
     data = memoryview(blob)[LENGTH_BYTES + length:]

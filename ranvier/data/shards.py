@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write_bytes
-from ..errors import RanvierError, brief
+from ..errors import RanvierError, brief, is_file_name, parse_json
 from .corpus import entropy_from_counts
 from .tokenizers import Tokenizer
 
@@ -130,10 +130,7 @@ def _natural_key(path: Path) -> list:
 
 def _read_manifest(path: Path) -> dict:
     """A shard manifest, with the fields reading shards relies on checked."""
-    try:
-        manifest = json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
-        raise ShardError(f"{path} is not a valid shard manifest: {error}") from None
+    manifest = parse_json(path.read_bytes(), ShardError, f"{path} is not a valid shard manifest")
     shards = manifest.get("shards") if isinstance(manifest, dict) else None
     if not isinstance(shards, list) or not shards:
         raise ShardError(f"{path} is not a valid shard manifest: it has no 'shards' list")
@@ -141,7 +138,7 @@ def _read_manifest(path: Path) -> dict:
         raise ShardError(f"{path}: format {brief(manifest['format'])} is not 'uint16-le'")
     for i, shard in enumerate(shards):
         file = shard.get("file") if isinstance(shard, dict) else None
-        if not isinstance(file, str) or Path(file).name != file or file in ("", ".."):
+        if not is_file_name(file):
             raise ShardError(f"{path}: shards[{i}] names {brief(file)}, not a file in {path.parent}")
         tokens = shard.get("tokens", 0)
         if type(tokens) is not int or tokens < 0:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..atomic import atomic_write_bytes
-from ..errors import RanvierError
+from ..errors import RanvierError, parse_json
 
 FORMAT_VERSION = 1
 
@@ -303,9 +303,10 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | CharTokenizer | S
     if path.suffix != ".json":
         raise TokenizerError(f"tokenizer file {path}: expected a .json (byte/char) or .model (SentencePiece) file")
     try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
         raise TokenizerError(f"tokenizer file {path} is not valid JSON: {error}") from None
+    payload = parse_json(text, TokenizerError, f"tokenizer file {path} is not valid JSON")
     kind = payload.get("type") if isinstance(payload, dict) else None
     if kind == ByteTokenizer.kind:
         return ByteTokenizer()

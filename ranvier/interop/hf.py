@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write_bytes
-from ..errors import brief, name_mismatch
+from ..errors import brief, is_file_name, name_mismatch, parse_json
 from ..models.llama import LlamaConfig
 from ..models.moe import MoEConfig
 from ..safetensors_file import read_safetensors
@@ -130,23 +130,16 @@ def export_hf(config: LlamaConfig, weights: dict[str, np.ndarray], out_dir: str 
     return out
 
 
-def _json(path: Path) -> object:
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
-        raise InteropError(f"{path} is not valid JSON: {error}") from None
-
-
 def _safetensors_files(folder: Path) -> list[Path]:
     """The weight files: those the shard index names, else model.safetensors, else every *.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        document = _json(index)
+        document = parse_json(index.read_bytes(), InteropError, f"{index} is not valid JSON")
         weight_map = document.get("weight_map") if isinstance(document, dict) else None
         if not isinstance(weight_map, dict):
             raise InteropError(f"{index} is not a safetensors index: it has no 'weight_map' object")
         for name in weight_map.values():
-            if not isinstance(name, str) or Path(name).name != name or name in ("", ".."):
+            if not is_file_name(name):
                 raise InteropError(f"{index}: weight_map names {brief(name)}, not a file in {folder}")
         files = sorted({folder / name for name in weight_map.values()})
         for file in files:
@@ -183,7 +176,7 @@ def import_hf(folder: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndar
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise InteropError(f"{folder} is not a Hugging Face model folder: config.json is missing")
-    hf = _json(config_path)
+    hf = parse_json(config_path.read_bytes(), InteropError, f"{config_path} is not valid JSON")
     if not isinstance(hf, dict):
         raise InteropError(f"{config_path}: expected a JSON object, not a {type(hf).__name__}")
     config = _config_of(hf, config_path)

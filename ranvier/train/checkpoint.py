@@ -23,7 +23,7 @@ from safetensors.numpy import save as st_save
 
 from .. import dtypes
 from ..atomic import atomic_write_bytes, remove_partial_writes
-from ..errors import RanvierError, brief, name_mismatch
+from ..errors import RanvierError, brief, is_file_name, name_mismatch, parse_json
 from ..safetensors_file import read_safetensors
 
 FORMAT = "ranvier-checkpoint"
@@ -91,10 +91,7 @@ def read_metadata(directory: str | Path) -> dict:
     meta_path = Path(directory) / METADATA
     if not meta_path.is_file():
         raise CheckpointError(f"no checkpoint in {directory}: {METADATA} is missing")
-    try:
-        metadata = json.loads(meta_path.read_bytes())
-    except (ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
-        raise CheckpointError(f"{meta_path} is not valid JSON: {error}") from None
+    metadata = parse_json(meta_path.read_bytes(), CheckpointError, f"{meta_path} is not valid JSON")
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
         raise CheckpointError(f"{meta_path} is not a {FORMAT} version {VERSION} file")
     _check_metadata(metadata, meta_path)
@@ -104,7 +101,7 @@ def read_metadata(directory: str | Path) -> dict:
 def _check_metadata(metadata: dict, meta_path: Path) -> None:
     """The fields that reading a checkpoint relies on, each of the kind it needs."""
     weights, arrays, step = metadata.get("weights"), metadata.get("arrays"), metadata.get("step", 0)
-    if not isinstance(weights, str) or Path(weights).name != weights or weights in ("", ".."):
+    if not is_file_name(weights):
         raise CheckpointError(f"{meta_path}: weights {brief(weights)} is not a file name in {meta_path.parent}")
     if not isinstance(metadata.get("sha256"), str):
         raise CheckpointError(f"{meta_path}: sha256 {brief(metadata.get('sha256'))} is not a hex digest")

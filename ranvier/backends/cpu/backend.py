@@ -42,7 +42,6 @@ def _source_digest() -> str:
 
 
 @functools.cache
-@functools.cache
 def blas_pointers() -> tuple[int, int, int, int]:
     """Addresses of SciPy's BLAS sgemm, dgemm, sgemv and dgemv (OpenBLAS), for generated code to call."""
     if "scipy.linalg" not in sys.modules:
