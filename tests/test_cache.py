@@ -6,6 +6,7 @@ once all succeed and leave one intact entry."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from collections import OrderedDict
@@ -79,7 +80,7 @@ def test_every_damaged_byte_fails_the_checksum(cache):
     code = _store("a", 1000)
     entry = cache / "a.o"
     intact = entry.read_bytes()
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     for position in [0, len(intact) // 2, len(intact) - 1, *rng.sample(range(len(intact)), 40)]:
         damaged = bytearray(intact)
         damaged[position] ^= 1 << rng.randrange(8)

@@ -26,6 +26,7 @@ import pytest
 from ranvier.cli import main
 from ranvier.data.corpus import read_corpus
 from ranvier.errors import RanvierError
+from ranvier.train import rundir
 from ranvier.train.checkpoint import load_checkpoint
 from ranvier.train.llama_job import remove_abandoned
 
@@ -67,9 +68,9 @@ def litter(run_dir: Path) -> list[str]:
 
 
 def checkpoint_step(run_dir: Path) -> int:
-    """The committed checkpoint's step; -1 before the first."""
-    path = run_dir / "checkpoint" / "checkpoint.json"
-    return json.loads(path.read_text())["step"] if path.exists() else -1
+    """The committed checkpoint's step; -1 before the first (so steps compare)."""
+    step = rundir.checkpoint_step(run_dir)
+    return -1 if step is None else step
 
 
 # ---- killed at random moments, resumed, bit-identical ---------------------------------------
