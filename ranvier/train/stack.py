@@ -66,7 +66,8 @@ class CheckpointedStack(TrainerBase):
     loss: `loss(b, model_output, target)` → scalar loss tensor.
     name: the update cell's function name; the optimizer's state is named after it, so
         the default matches a monolithic Trainer built in a function "train".
-    backend, cpu, matmul: as the Trainer's.
+    backend, cpu, matmul, world, zero: as the Trainer's. In a data-parallel run each layer's
+        weight gradients are averaged over the ranks while the next layer's backward runs.
     """
 
     def __init__(
@@ -85,6 +86,8 @@ class CheckpointedStack(TrainerBase):
         backend: str = "cpu",
         cpu: str = "",
         matmul: str = "float32",
+        world=None,
+        zero: bool = False,
     ):
         if accumulate < 1:
             raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
@@ -96,6 +99,7 @@ class CheckpointedStack(TrainerBase):
         update.func.training = True
         params = model.parameters(update)
         self.params = params
+        owned = self._join_world(world, zero, list(params.values()))
         self._layer_globals = [self._layer_names(params, i) for i in range(model.depth)]
 
         self.watched: dict[str, np.ndarray] = {}
@@ -117,7 +121,7 @@ class CheckpointedStack(TrainerBase):
         self.lr_var = update.var("lr", "float32", []).var
         stepped = step_updates(
             update, list(params.values()), [update.wrap(g.var) for g in self.grads.values()], self.optimizer,
-            update.wrap(self.lr_var), None, None, clip_norm, track_norm=track_grad_norm,
+            update.wrap(self.lr_var), None, None, clip_norm, track_norm=track_grad_norm, owned=owned,
         )
         assign_all(update, stepped.updates)
         self.norm_var = stepped.norm.var if stepped.norm is not None else None
@@ -128,7 +132,7 @@ class CheckpointedStack(TrainerBase):
 
         self.inputs = [embed_input, head_target]
         self.accumulate = accumulate
-        self.batch_rows = input_type[1][0] * accumulate
+        self.local_rows = input_type[1][0] * accumulate
         self._compile(backend, None, cpu, matmul)
         net = self.network
         self.embed_data = net.cell(f"{name}/embed").instance()
@@ -148,6 +152,7 @@ class CheckpointedStack(TrainerBase):
         ]
         # The checkpoints: layer i's input, for the backward's recompute.
         self._activations = [np.empty(self.act_type[1], dtypes.to_numpy(self.act_type[0])) for _ in range(model.depth + 1)]
+        self._start_parallel(list(params.values()))
 
     # ---- building the stages -------------------------------------------------------------
 
@@ -283,9 +288,10 @@ class CheckpointedStack(TrainerBase):
             reported["aux_loss"] = np.array(aux)
         return acts[-1], reported
 
-    def compute_gradients(self, x: np.ndarray, target: np.ndarray, add: bool = False) -> float:
+    def compute_gradients(self, x: np.ndarray, target: np.ndarray, add: bool = False, reduce: bool = False) -> float:
         """Forward and backward of one micro-batch into the gradient buffers (added to
-        what they hold with `add`); returns the loss."""
+        what they hold with `add`); returns the loss. With `reduce` (the last micro-batch of
+        a data-parallel step) each finished gradient is handed to the all-reduce at once."""
         self._check_batch(self.inputs[0], x)
         self._check_batch(self.inputs[1], target)
         # The head's and embedding's cells overwrite their resident gradients.
@@ -302,12 +308,16 @@ class CheckpointedStack(TrainerBase):
             self._feed_layer(backward, self._backward_w, i)
             backward[self._backward_x] = self._activations[i]
             backward.compute()
+            finished = []
             for key, var in self._backward_grads.items():
                 accumulator = self.update_data[self._layer_grad_vars[i][key]]
                 if add:
                     accumulator += backward[var]
                 else:
                     accumulator[...] = backward[var]
+                finished.append(accumulator)
+            if reduce:
+                self.reducer.submit(finished)
             upstream[...] = backward[self._backward_dx]
         embed = self.embed_backward_data
         embed[self._embed_backward_input] = x
@@ -315,6 +325,8 @@ class CheckpointedStack(TrainerBase):
         embed.compute()
         for accumulator, before in zip(self._resident_grads, earlier):
             accumulator += before
+        if reduce:
+            self.reducer.submit(self._resident_grads)
         for name, value in reported.items():
             self._add_watched(name, value, self.accumulate, fresh=not add)
         return float(head[self._head_loss]) + float(reported.get("aux_loss", 0.0))
@@ -322,22 +334,26 @@ class CheckpointedStack(TrainerBase):
     def _batch_gradients(self, named: dict[str, np.ndarray]) -> float:
         """The gradients of a whole batch: the mean over its micro-batches. Returns the mean loss."""
         x, target = named[self.inputs[0].name], named[self.inputs[1].name]
-        if len(x) != self.batch_rows or len(target) != self.batch_rows:
+        if len(x) != self.local_rows or len(target) != self.local_rows:
             raise RanvierError(
-                f"a batch has {self.batch_rows} rows ({self.accumulate} micro-batches of {self.inputs[0].shape[0]}), "
+                f"a batch has {self.local_rows} rows ({self.accumulate} micro-batches of {self.inputs[0].shape[0]}), "
                 f"got {len(x)} inputs and {len(target)} targets"
             )
         micro = self.inputs[0].shape[0]
-        losses = [self.compute_gradients(x[k * micro : (k + 1) * micro], target[k * micro : (k + 1) * micro], add=k > 0)
+        last = self.accumulate - 1
+        losses = [self.compute_gradients(x[k * micro : (k + 1) * micro], target[k * micro : (k + 1) * micro], add=k > 0,
+                                         reduce=k == last and self.reducer is not None)
                   for k in range(self.accumulate)]
+        if self.reducer is not None:
+            self.reduce_times = self.reducer.wait()
         if self.accumulate > 1:
             for g in self.grads.values():
                 self.update_data[g.var] *= 1.0 / self.accumulate
-        return float(np.mean(losses))
+        return self._mean_over_ranks(float(np.mean(losses)))
 
     def gradients(self, batch) -> tuple[float, dict[str, np.ndarray]]:
         """(loss, {parameter name: gradient}) of a batch [input, target], without updating."""
-        loss = self._batch_gradients(self._by_input(batch, "batch"))
+        loss = self._batch_gradients(self._next_batch(batch))
         return loss, {t.var.name: np.array(self.update_data[self.grads[key].var]) for key, t in self.params.items()}
 
     def step(self, batch=None) -> float:
@@ -347,6 +363,8 @@ class CheckpointedStack(TrainerBase):
         self.update_data.compute()
         if not self.update_data[self.finite_var]:
             raise NonFiniteError(self.step_count + 1, self._first_nonfinite())
+        if self._gather_params is not None:
+            self._gather_params()
         self.step_count += 1
         return loss
 

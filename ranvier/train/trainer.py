@@ -18,6 +18,7 @@ from .. import dtypes
 from ..autodiff import gradient
 from ..compiler import Compiler
 from ..data.batches import BatchSampler
+from ..distributed import GradientReducer, ParameterGather, ReduceTimes, World, current_world, owners
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Variable
@@ -56,6 +57,7 @@ def step_updates(
     current: Current | None = None,
     track_norm: bool = False,
     finite_before: Tensor | None = None,
+    owned: Sequence[bool] | None = None,
 ) -> StepUpdates:
     """Clip, apply the optimizer, and guard every write: a step whose gradients are not
     all finite (or that follows a non-finite one, `finite_before`) writes nothing. With
@@ -65,6 +67,9 @@ def step_updates(
     The norm costs a pass over every gradient and so is built only for clipping or when
     tracked; where it is, the finiteness test reads the sum of squares instead of taking
     a pass of its own (a sum of squares that overflows float32 counts as non-finite).
+
+    owned: which parameters this step updates (ZeRO-1: a rank updates its own share and
+    holds only their optimizer state); the norm and the test still see every gradient.
     """
     # Tensor operators build into their left operand's function; make that b's.
     params = [b.wrap(p.var) for p in params]
@@ -87,6 +92,9 @@ def step_updates(
     if clip_norm is not None:
         factor = b.minimum(b.const(1.0), clip_norm / (norm + 1e-6))
         grads = [g * (factor if g.dtype == factor.dtype else b.cast(factor, g.dtype)) for g in grads]
+    if owned is not None:
+        params = [p for p, mine in zip(params, owned) if mine]
+        grads = [g for g, mine in zip(grads, owned) if mine]
     updates = optimizer.updates(b, params, grads, lr, scale, current)
     updates = [(target, b.cond(finite, value, current_value(current, b.wrap(target)))) for target, value in updates]
     skipped = None
@@ -109,8 +117,57 @@ class TrainerBase:
 
     flow: Flow
     inputs: list[Variable]  # the arrays one sampled example set feeds, in dataset order
-    batch_rows: int  # examples drawn from the dataset per step() call
+    local_rows: int  # examples this process trains on per step() call (its micro-batches)
     watched: dict[str, np.ndarray]  # the last step's values of what the trainer was asked to watch
+    world: World = World()  # the ranks of a data-parallel run; a single process by default
+    zero: bool = False  # ZeRO-1: this rank holds the optimizer state of its own share of the parameters
+    reduce_times = ReduceTimes()  # the last step's gradient all-reduce: busy seconds, wait, share hidden
+
+    @property
+    def batch_rows(self) -> int:
+        """Examples per step over all ranks (the global batch, which the dataset is sampled in)."""
+        return self.local_rows * self.world.size
+
+    def _join_world(self, world: World | None, zero: bool, params: Sequence[Tensor]) -> list[bool] | None:
+        """Take this process's place in `world` (default: the MPI job it was started in, if
+        any); with ZeRO-1, which of `params` this rank updates."""
+        self.world = world if world is not None else current_world()
+        self.zero = zero and self.world.size > 1
+        if not self.zero:
+            return None
+        self._owner = owners([int(np.prod(p.shape)) for p in params], self.world.size)
+        return [owner == self.world.rank for owner in self._owner]
+
+    def _start_parallel(self, params: Sequence[Tensor]) -> None:
+        """After compiling: every rank starts from rank 0's parameters (as seeded alike, or not),
+        and the collectives get their buffers."""
+        self.reducer = GradientReducer(self.world) if self.world.size > 1 else None
+        self._gather_params = None
+        if self.world.size == 1:
+            return
+        # With ZeRO-1 no cell of this rank may read a parameter another rank updates (a
+        # CheckpointedStack feeds its layers' weights from the globals): it is made a global here.
+        arrays = [self.network.add_global(p.var) for p in params]
+        for p, array in zip(params, arrays):
+            self.world.broadcast_(array, f"the broadcast of {p.var.name} from rank 0")
+        if self.zero:
+            self._gather_params = ParameterGather(self.world, arrays, self._owner)
+
+    def _mean_over_ranks(self, loss: float) -> float:
+        """The step's loss and watched values, averaged over the ranks."""
+        if self.world.size == 1:
+            return loss
+        names = sorted(self.watched)
+        values = np.concatenate([[loss], *(np.ravel(self.watched[n]) for n in names)]).astype(np.float64)
+        self.world.sum_(values, "the all-reduce of the loss")
+        values /= self.world.size
+        offset = 1
+        for name in names:
+            shape = np.shape(self.watched[name])
+            size = int(np.prod(shape))
+            self.watched[name] = values[offset : offset + size].reshape(shape)
+            offset += size
+        return float(values[0])
 
     def _add_watched(self, name: str, value: np.ndarray, parts: int, fresh: bool) -> None:
         """Add one compute's share of a watched value: `watched` holds the mean over the
@@ -145,6 +202,7 @@ class TrainerBase:
                 raise RanvierError(f"dataset for {var.name} has examples of shape {list(array.shape[1:])}, expected {var.shape[1:]}")
         # Stored in the inputs' dtypes, so batches can be gathered straight into the cell.
         self.dataset = {v.name: np.ascontiguousarray(named[v.name], dtype=dtypes.to_numpy(v.dtype)) for v in self.inputs}
+        # Every rank draws the same global batches and trains on its share of their rows.
         self.sampler = BatchSampler(sizes.pop(), self.batch_rows, seed=seed, shuffle=shuffle)
 
     def _by_input(self, arrays, what: str) -> dict[str, np.ndarray]:
@@ -164,11 +222,16 @@ class TrainerBase:
         return named
 
     def _next_batch(self, batch) -> dict[str, np.ndarray]:
+        """This rank's rows of `batch` (the global batch, or already its own share) or of
+        the next sampled one."""
         if batch is not None:
-            return self._by_input(batch, "batch")
+            named = self._by_input(batch, "batch")
+            if self.world.size > 1:
+                named = {name: a[self.world.rows(len(a))] if len(a) == self.batch_rows else a for name, a in named.items()}
+            return named
         if self.sampler is None:
             raise RanvierError("step() needs a batch, or call set_dataset() first")
-        indices = self.sampler.next()
+        indices = self.sampler.next()[self.world.rows(self.batch_rows)]
         return {name: array[indices] for name, array in self.dataset.items()}
 
     @staticmethod
@@ -239,22 +302,41 @@ class TrainerBase:
         }
 
     def save(self, directory: str | Path, extra: dict | None = None) -> Path:
-        """Write weights, optimizer state, step, schedule and data position, atomically."""
+        """Write weights, optimizer state, step, schedule and data position, atomically.
+
+        In a data-parallel run every rank calls it: rank 0 writes the one checkpoint (with
+        ZeRO-1, of every rank's optimizer state), and it returns on each rank once written.
+        The checkpoint is the same as a single process's, so a run resumes on any number of ranks."""
         state = {
             "step": self.step_count,
             "schedule": schedules.to_dict(self.schedule),
             "sampler": self.sampler.state() if self.sampler else None,
             **(extra or {}),
         }
-        return save_checkpoint(directory, self.state_arrays(), state)
+        arrays = self.state_arrays()
+        if self.zero:
+            learnable = {name for name, var in self.flow.vars.items() if var.learnable}
+            shares = self.world.collect({n: a for n, a in arrays.items() if n not in learnable}, "collecting the optimizer state")
+            arrays = {name: array for share in shares or [] for name, array in share.items()} | arrays
+        path = Path(directory)
+        if self.world.is_root:
+            path = save_checkpoint(directory, dict(sorted(arrays.items())), state)
+        self.world.barrier(f"writing the checkpoint {directory}")
+        return path
 
     def load(self, directory: str | Path) -> dict:
-        """Restore a checkpoint saved by `save`; training continues exactly where it stopped."""
+        """Restore a checkpoint saved by `save`; training continues exactly where it stopped.
+        (Every rank of a data-parallel run reads it: the run directory must be on a file
+        system they all see.)"""
         arrays, metadata = load_checkpoint(directory)
         expected = self.state_arrays()
-        check_compatible(arrays, expected, str(directory))
-        for name, array in arrays.items():
-            expected[name][...] = array
+        every_rank = expected
+        if self.zero:  # the checkpoint holds every rank's optimizer state: check it against them all
+            layouts = self.world.gather({n: (a.dtype, a.shape) for n, a in expected.items()}, "checking the checkpoint")
+            every_rank = {n: np.broadcast_to(np.zeros((), dtype), shape) for layout in layouts for n, (dtype, shape) in layout.items()}
+        check_compatible(arrays, every_rank, str(directory))
+        for name, target in expected.items():
+            target[...] = arrays[name]
         self.step_count = int(metadata["step"])
         if metadata.get("sampler") and self.sampler is not None:
             self.sampler.restore(metadata["sampler"])
@@ -274,6 +356,12 @@ class Trainer(TrainerBase):
         (the mean over micro-batches), e.g. an auxiliary loss or a MoE layer's expert loads.
     backend, cpu: the compiler backend and, for "cpu", features to mask (e.g. "-avx512").
     matmul: "float32", or "bfloat16" for mixed-precision matrix products (see Compiler).
+    world: the ranks of a data-parallel run (default: the MPI job this process was started
+        in, or none). Each rank's inputs hold its share of the global batch; the gradients
+        are averaged over the ranks before the update, so N ranks take the steps one process
+        would take on the global batch. `step` and `set_dataset` take global batches.
+    zero: ZeRO-1 in a data-parallel run: each rank holds the optimizer state of its share
+        of the parameters and updates only those; the others' new values are gathered.
     """
 
     def __init__(
@@ -293,6 +381,8 @@ class Trainer(TrainerBase):
         backend: str = "cpu",
         cpu: str = "",
         matmul: str = "float32",
+        world: World | None = None,
+        zero: bool = False,
     ):
         if accumulate < 1:
             raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
@@ -306,6 +396,7 @@ class Trainer(TrainerBase):
         self.schedule = schedule or schedules.Constant(self.optimizer.lr)
         self.accumulate = accumulate
         self.params = list(params)
+        owned = self._join_world(world, zero, self.params)
         self.flow = loss.builder.flow
         b = loss.builder
         self.func = b.func
@@ -313,12 +404,12 @@ class Trainer(TrainerBase):
         self.loss_var = loss.var
         loss.var.out = True
         self.inputs = [t.var for t in inputs] if inputs is not None else self._function_inputs()
-        self.batch_rows = self.inputs[0].shape[0] * accumulate
+        self.local_rows = self.inputs[0].shape[0] * accumulate
 
         scale = scale_tensor(b, loss_scale, self.func.name)
         grads_by_name = gradient(self.flow, self.func, self.params, loss=loss, seed=scale)
         grads = [grads_by_name[p.name] for p in self.params]
-        if accumulate == 1:
+        if accumulate == 1 and self.world.size == 1:
             self.lr_var = b.var("lr", "float32", []).var
             stepped = step_updates(b, self.params, grads, self.optimizer, b.wrap(self.lr_var), scale, loss_scale, clip_norm, track_norm=track_grad_norm)
             assign_all(b, stepped.updates)
@@ -326,7 +417,8 @@ class Trainer(TrainerBase):
             self._accumulators: list[Variable] = []
         else:
             # Micro-batches add their gradients into resident accumulators; a second
-            # cell applies one update from their mean and clears them.
+            # cell applies one update from their mean and clears them. (In a data-parallel
+            # run the accumulators are averaged over the ranks in between.)
             apply = Builder(self.flow, f"{self.func.name}/apply")
             apply.func.training = True
             accumulated = []
@@ -337,7 +429,8 @@ class Trainer(TrainerBase):
             self.lr_var = apply.var("lr", "float32", []).var
             mean_grads = [a * (1.0 / accumulate) for a in accumulated]
             apply_scale = scale_tensor(apply, loss_scale, self.func.name)
-            stepped = step_updates(apply, self.params, mean_grads, self.optimizer, apply.wrap(self.lr_var), apply_scale, loss_scale, clip_norm, track_norm=track_grad_norm)
+            stepped = step_updates(apply, self.params, mean_grads, self.optimizer, apply.wrap(self.lr_var), apply_scale, loss_scale,
+                                   clip_norm, track_norm=track_grad_norm, owned=owned)
             zero = apply.const(0.0)
             clear = [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
             if loss_scale is None:  # a skipped step keeps them, to name the culprit (see _check_finite)
@@ -360,6 +453,7 @@ class Trainer(TrainerBase):
         self._lr_view = (self.apply_data or self.data)[self.lr_var]
         self._loss_view = self.data[self.loss_var]
         self._finite_view = (self.apply_data or self.data)[self.finite_var]
+        self._start_parallel(self.params)
 
     def _function_inputs(self) -> list[Variable]:
         used = {v.name for v in self.flow.inputs(self.func)}
@@ -370,7 +464,7 @@ class Trainer(TrainerBase):
     def step(self, batch=None) -> float:
         """One optimizer step on `batch` (or the next sampled minibatch); returns the loss."""
         lr = float(self.schedule(self.step_count))
-        if batch is None and self.accumulate == 1 and self.sampler is not None:
+        if batch is None and self.apply_data is None and self.sampler is not None:
             # The hot path: gather the sampled rows straight into the cell's input views.
             indices = self.sampler.next()
             for name, view in self._input_views.items():
@@ -383,7 +477,7 @@ class Trainer(TrainerBase):
             self._read_watched(1, fresh=True)
             return float(self._loss_view)
         named = self._next_batch(batch)
-        if self.accumulate == 1:
+        if self.apply_data is None:
             for var in self.inputs:
                 self._feed(self.data, var, named[var.name])
             self.data[self.lr_var] = lr
@@ -401,9 +495,15 @@ class Trainer(TrainerBase):
                 loss += float(self.data[self.loss_var])
                 self._read_watched(self.accumulate, fresh=k == 0)
             loss /= self.accumulate
+            if self.reducer is not None:
+                self.reducer.submit([self.network.globals[v.name] for v in self._accumulators])
+                self.reduce_times = self.reducer.wait()
+                loss = self._mean_over_ranks(loss)
             self.apply_data[self.lr_var] = lr
             self.apply_data.compute()
             self._check_finite()
+            if self._gather_params is not None:
+                self._gather_params()
         self.step_count += 1
         return loss
 

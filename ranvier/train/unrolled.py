@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..autodiff import gradient
+from ..distributed import current_world
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Variable
@@ -46,6 +47,9 @@ class UnrolledTrainer(TrainerBase):
     ):
         if steps_per_call < 1:
             raise RanvierError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        if current_world().size > 1:
+            raise RanvierError("the UnrolledTrainer applies its K updates inside one compute() call, so there is no point "
+                               "between them to average gradients over data-parallel ranks: use a Trainer or CheckpointedStack")
         self.flow = flow
         self.optimizer = optimizer or Adam()
         self.schedule = schedule or schedules.Constant(self.optimizer.lr)
@@ -84,7 +88,7 @@ class UnrolledTrainer(TrainerBase):
         assign_all(b, [(flow.vars[name], value) for name, value in current.items()])
 
         self.inputs = self.step_inputs[0]
-        self.batch_rows = self.inputs[0].shape[0]
+        self.local_rows = self.inputs[0].shape[0]
         self._compile(backend, predict, cpu, matmul)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
