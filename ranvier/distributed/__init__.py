@@ -4,7 +4,7 @@ ZeRO-1 optimizer-state sharding, and launching N workers through mpiexec."""
 
 from .reducer import GradientReducer, ReduceTimes
 from .sharding import ParameterGather, owners
-from .world import MPIWorld, World, WorkerLost, current_world, launched_by_mpi
+from .world import MPIWorld, WorkerLost, World, current_world, launched_by_mpi
 
 __all__ = ["GradientReducer", "MPIWorld", "ParameterGather", "ReduceTimes", "WorkerLost", "World", "current_world",
            "launched_by_mpi", "owners"]

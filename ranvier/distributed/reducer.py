@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import RanvierError
 from .world import World
 
 BUCKET_BYTES = 1 << 22  # 4 MiB: large enough to amortise a collective's latency, small enough to start early
@@ -92,7 +93,7 @@ class GradientReducer:
                     start = time.perf_counter()
                     self._reduce(index, group, bucket)
                     self._busy += time.perf_counter() - start
-            except BaseException as error:  # handed to the trainer's thread by wait()
+            except (RanvierError, RuntimeError, ValueError) as error:  # MPI's are RuntimeErrors; wait() raises them
                 self._failure = error
             self._done.release()
 

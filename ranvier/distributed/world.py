@@ -14,6 +14,7 @@ that just exits leaves the others blocked in MPI_Finalize.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -160,35 +161,29 @@ class MPIWorld(World):
         self.comm.Abort(code)
 
 
-_WORLD: World | None = None
-
-
 def launched_by_mpi() -> bool:
     """Whether this process is a rank started by an MPI launcher (MPICH's Hydra, Open MPI,
     Slurm's PMI), from the variables each sets."""
     return any(name in os.environ for name in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
 
 
+@functools.cache
 def current_world() -> World:
     """This process's world: the MPI job it was launched in, or a single process.
 
     The first call of an MPI rank initializes MPI, makes an uncaught exception abort the
     whole job, and gives each rank on a machine its own share of the machine's cores (so
     N ranks on one host do not each start a thread per core)."""
-    global _WORLD
-    if _WORLD is None:
-        if not launched_by_mpi():
-            _WORLD = World()
-        else:
-            try:
-                world = MPIWorld(float(os.environ.get("RANVIER_DP_TIMEOUT", DEFAULT_TIMEOUT)))
-            except ImportError as error:
-                raise RanvierError("this process was started by mpiexec, and data-parallel training needs mpi4py: "
-                                   "pip install 'ranvier[mpi]'") from error
-            _abort_on_uncaught(world)
-            _share_cores(world)
-            _WORLD = world
-    return _WORLD
+    if not launched_by_mpi():
+        return World()
+    try:
+        world = MPIWorld(float(os.environ.get("RANVIER_DP_TIMEOUT", DEFAULT_TIMEOUT)))
+    except ImportError as error:
+        raise RanvierError("this process was started by mpiexec, and data-parallel training needs mpi4py: "
+                           "pip install 'ranvier[mpi]'") from error
+    _abort_on_uncaught(world)
+    _share_cores(world)
+    return world
 
 
 def _abort_on_uncaught(world: World) -> None:
