@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 import threading
 import time
@@ -98,12 +99,40 @@ def _given(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in args.given}
 
 
+def _launched_workers(args: argparse.Namespace) -> int | None:
+    """With --workers N (outside an MPI job): run this command as N ranks and return their
+    exit code. Otherwise None, after making this process a quiet rank if it is one of
+    several but not rank 0 (which alone prints, shows progress and writes the run)."""
+    from .distributed import current_world, launched_by_mpi
+    from .distributed.launch import launch
+
+    if args.workers > 1 and not launched_by_mpi():
+        code = launch(args.argv, args.workers)
+        if code:
+            print(f"ranvier: error: the {args.workers} workers stopped with exit code {code}: a rank failed or was "
+                  "killed (its message is above); the last checkpoint is intact", file=sys.stderr)
+        return code
+    world = current_world()
+    if world.size > 1 and args.workers not in (1, world.size):
+        raise RanvierError(f"--workers {args.workers} in an MPI job of {world.size} ranks: leave --workers out under mpiexec")
+    if not world.is_root:
+        from .compiler import compiler
+
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- this rank's output, for the rest of the process
+        args.quiet, args.dashboard = True, False
+        compiler.compile_observer = None
+    return None
+
+
 def _train_mnist(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .train.mnist_job import MnistConfig, resume_mnist, train_mnist
     from .train.rundir import removed_on_failure
 
+    launched = _launched_workers(args)
+    if launched is not None:
+        return launched
     if args.resume:
         _check_run(args.resume, ("mnist",), "train mnist --resume")
         resume_mnist(Path(args.resume), _given(args), progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
@@ -121,6 +150,7 @@ def _train_mnist(args: argparse.Namespace) -> int:
         seed=args.seed,
         data=args.data,
         checkpoint_every=args.checkpoint_every,
+        zero=args.zero,
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"mnist-{args.model}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
@@ -135,6 +165,9 @@ def _train_llama(args: argparse.Namespace) -> int:
     from .train.llama_job import LlamaRunConfig, resume_llama, train_llama
     from .train.rundir import removed_on_failure
 
+    launched = _launched_workers(args)
+    if launched is not None:
+        return launched
     if args.resume:
         _check_run(args.resume, (args.task,), f"train {args.task} --resume")
         resume_llama(Path(args.resume), _given(args), progress=not args.quiet, dashboard=args.dashboard)
@@ -144,7 +177,7 @@ def _train_llama(args: argparse.Namespace) -> int:
         steps=args.steps if args.steps is not None or args.minutes is not None else LlamaRunConfig.steps, minutes=args.minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
         backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
-        matmul=args.matmul, checkpoint_every=args.checkpoint_every,
+        matmul=args.matmul, checkpoint_every=args.checkpoint_every, zero=args.zero,
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"{args.task}-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
@@ -373,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     mnist.add_argument("--steps", type=_positive_int, default=None, help="total optimizer steps (default 2340; with --minutes, at most this many)")
     mnist.add_argument("--minutes", type=_positive_float, default=None, help=minutes_help)
-    mnist.add_argument("--batch", type=_positive_int, default=128, help="examples per step (default: %(default)s)")
+    mnist.add_argument("--batch", type=_positive_int, default=128, help="examples per step, over all workers (default: %(default)s)")
     mnist.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate, constant (default: %(default)s)")
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     mnist.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
@@ -388,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
     mnist.add_argument("--quiet", action="store_true", help="no progress bar")
     mnist.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
+    _data_parallel_options(mnist)
     mnist.set_defaults(run=_train_mnist)
 
     from .models import LANGUAGE_MODELS
@@ -405,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "trained on with their tokenizer; the run refers to them, so keep them in place")
         lm.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default 2000; with --minutes, at most this many)")
         lm.add_argument("--minutes", type=_positive_float, default=None, help=minutes_help)
-        lm.add_argument("--batch", type=_positive_int, default=16, help="sequences per micro-batch (default: %(default)s)")
+        lm.add_argument("--batch", type=_positive_int, default=16, help="sequences per micro-batch, over all workers (default: %(default)s)")
         lm.add_argument("--seq", type=_positive_int, default=128, help="tokens per sequence (default: %(default)s)")
         lm.add_argument("--lr", type=_positive_float, default=2e-3, help="peak learning rate, after warm-up, of the cosine schedule (default: %(default)s)")
         lm.add_argument("--accumulate", type=_positive_int, default=1,
@@ -425,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
         lm.add_argument("--quiet", action="store_true")
         lm.add_argument("--dashboard", action="store_true",
                         help="a live terminal dashboard with samples (plain output when not a terminal)")
+        _data_parallel_options(lm)
         lm.set_defaults(run=_train_llama)
 
     generate = commands.add_parser("generate", help="generate text from a trained Llama run directory")
@@ -516,10 +551,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _data_parallel_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                        help="train data-parallel in N processes on this machine through mpiexec (pip install 'ranvier[mpi]'); "
+                             "--batch is split over them. Across machines: mpiexec -n N -f HOSTFILE ranvier train ... "
+                             "(default: %(default)s)")
+    parser.add_argument("--zero", action="store_true",
+                        help="with several workers, shard the optimizer state over them (ZeRO-1)")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with what argparse cannot check refused as a usage error too."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # what --workers relaunches in each rank
     if getattr(args, "cpu", ""):
         from .backends.cpu.target import host_target
 
@@ -564,6 +610,22 @@ def _describe(error: Exception) -> str:
             return f"{error.filename} {what[type(error)]}"
         return f"cannot write {error.filename}: {os_error(error)}"
     return str(error)
+
+
+def _rank() -> str:
+    """" (rank 1 of 4)" in a data-parallel rank, else ""."""
+    from .distributed import current_world, launched_by_mpi
+
+    world = current_world() if launched_by_mpi() else None
+    return f" (rank {world.rank} of {world.size})" if world is not None and world.size > 1 else ""
+
+
+def _end_other_ranks(code: int) -> None:
+    """A data-parallel rank that stops ends the whole job: the others would wait for it."""
+    from .distributed import current_world, launched_by_mpi
+
+    if launched_by_mpi() and current_world().size > 1:
+        current_world().abort(code)
 
 
 COMPILE_STATUS_AFTER = 1.0  # seconds a compile runs before it is announced
@@ -611,12 +673,14 @@ def console() -> int:
         unexpected = not isinstance(error, USER_ERRORS) and error.errno not in ENVIRONMENT_ERRNOS
         if show_traceback or ours or unexpected:
             raise
-        print(f"ranvier: error: {_describe(error)}", file=sys.stderr)
+        print(f"ranvier: error{_rank()}: {_describe(error)}", file=sys.stderr)
+        _end_other_ranks(1)
         return 1
     except KeyboardInterrupt:
         if show_traceback:
             raise
-        print("ranvier: interrupted", file=sys.stderr)
+        print(f"ranvier: interrupted{_rank()}", file=sys.stderr)
+        _end_other_ranks(130)
         return 130
     finally:
         compiler.compile_observer = None  # a caller in the same process (a test) compiles quietly again

@@ -219,11 +219,13 @@ class TokenShards:
     def __repr__(self) -> str:
         return f"TokenShards({len(self.shards)} shards, {self.num_tokens} tokens)"
 
-    def sample(self, batch: int, seq: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def sample(self, batch: int, seq: int, rng: np.random.Generator, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
         """`batch` random windows of seq+1 tokens: inputs x = window[:-1], targets y = window[1:].
 
         Every window start in every shard is equally likely, and the same seeded
         Generator state gives the same batch. Both arrays are int32 [batch, seq].
+        rows: read only these rows of the batch (a data-parallel rank's share); the
+        Generator advances as for the whole batch, so every rank stays in step.
         """
         if batch <= 0 or seq <= 0:
             raise ShardError(f"batch and seq must be positive, got batch={batch} seq={seq}")
@@ -235,9 +237,9 @@ class TokenShards:
                 f"windows of {seq + 1} tokens (seq={seq} plus the target) do not fit in any shard; the longest has {longest} tokens"
             )
         ends = np.cumsum(starts_per_shard)
-        draws = rng.integers(0, total, size=batch)
+        draws = rng.integers(0, total, size=batch)[rows or slice(None)]
         shard_index = np.searchsorted(ends, draws, side="right")
-        windows = np.empty((batch, seq + 1), dtype=np.int32)
+        windows = np.empty((len(draws), seq + 1), dtype=np.int32)
         for row, (k, draw) in enumerate(zip(shard_index, draws)):
             start = int(draw - (ends[k] - starts_per_shard[k]))
             windows[row] = self.shards[k][start : start + seq + 1]

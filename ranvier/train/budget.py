@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ..distributed import current_world
+
 WARMUP_STEPS = 10  # steps timed to measure the rate
 
 
@@ -32,4 +34,5 @@ def plan_steps(run_step: Callable[[], object], done: int, minutes: float, cap: i
             f"planning {total - done:,} steps" + (f" (to step {total:,})" if done else ""))
     if total < fits:
         note += f"; --steps {cap} stops it sooner"
-    return total, note
+    # The ranks of a data-parallel run measure different rates; they take rank 0's plan.
+    return current_world().share((total, note), "sharing rank 0's step plan")

@@ -35,6 +35,7 @@ from ..dashboard import training_display
 from ..data import corpus as corpora
 from ..data.shards import MANIFEST, TokenShards, pretokenize
 from ..data.tokenizers import load_tokenizer, train_sentencepiece
+from ..distributed import current_world
 from ..errors import RanvierError
 from ..flow.builder import Builder
 from ..flow.graph import Flow
@@ -77,6 +78,7 @@ class LlamaRunConfig:
     matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
     matmul_requested: str | None = None  # what --matmul asked for
     checkpointed: bool = False  # stream the layers through a CheckpointedStack
+    zero: bool = False  # ZeRO-1 over data-parallel workers (a resume may change it)
 
 
 @dataclass
@@ -226,12 +228,20 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     if config.preset not in presets:
         raise RanvierError(f"unknown {model_class.__name__} preset {config.preset!r}; choose one of {', '.join(presets)}")
     preset = presets[config.preset]
+    # Rank 0 of a data-parallel run tokenizes the corpus; the others then find it in the cache.
+    world = current_world()
+    if not world.is_root:
+        world.barrier("waiting for rank 0 to prepare the training data")
     tokenizer_path, manifest, paths = prepare_data(config, run_dir, preset.vocab_size)
+    if world.is_root:
+        world.barrier("waiting for every rank to start")
     tokenizer = load_tokenizer(tokenizer_path)
     model_config = model_config_for(config, tokenizer.vocab_size)
     train, validation = TokenShards(paths).split(fraction=0.05)
     model = language_model(model_config, seed=config.seed)
-    rows = config.batch * config.seq
+    world.rows(config.batch)  # --batch is the global micro-batch: each rank's cells take their share
+    batch = config.batch // world.size
+    rows = batch * config.seq
 
     def lm_loss(b: Builder, logits, targets, name: str | None = None):
         return softmax_cross_entropy(logits.reshape([rows, model_config.vocab_size]), targets.reshape([rows]), name=name)
@@ -239,18 +249,18 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
     schedule = lr_schedule(config)
     options = {"schedule": schedule, "clip_norm": config.clip, "backend": config.backend, "cpu": config.cpu,
-               "matmul": rundir.requested_matmul(config)}
+               "matmul": rundir.requested_matmul(config), "zero": config.zero}
     entropy = float(manifest.get("unigram_entropy", math.nan))
     if config.checkpointed:
-        window = ("int32", [config.batch, config.seq])
+        window = ("int32", [batch, config.seq])
         stack = CheckpointedStack(model, window, window, lm_loss, optimizer, accumulate=config.accumulate, **options)
         return LlamaRun(stack, model, train, validation, stack.loss, entropy)
 
     flow = Flow()
     f = Builder(flow, "train")
     f.func.training = True
-    tokens = f.var("tokens", "int32", [config.batch, config.seq])
-    targets = f.var("targets", "int32", [config.batch, config.seq])
+    tokens = f.var("tokens", "int32", [batch, config.seq])
+    targets = f.var("targets", "int32", [batch, config.seq])
     params = model.parameters(f)
     loss = lm_loss(f, model(f, tokens, params), targets, name="loss")
     # A MoE's load-balancing (and z-) losses join the loss; its expert loads are reported.
@@ -261,8 +271,8 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
         watch["aux_loss"] = aux
 
     e = Builder(flow, "eval")
-    eval_tokens = e.var("tokens", "int32", [config.batch, config.seq])
-    eval_targets = e.var("targets", "int32", [config.batch, config.seq])
+    eval_tokens = e.var("tokens", "int32", [batch, config.seq])
+    eval_targets = e.var("targets", "int32", [batch, config.seq])
     eval_loss = lm_loss(e, model(e, eval_tokens), eval_targets, name="loss")
     eval_loss.var.out = True
 
@@ -295,13 +305,17 @@ def expert_metrics(watched: dict[str, np.ndarray]) -> dict:
 
 
 def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
-    """Mean loss over the same fixed validation windows every time."""
+    """Mean loss over the same fixed validation windows every time (split over the ranks of a
+    data-parallel run, which average their means)."""
+    world = run.trainer.world
     rng = np.random.default_rng(12345)
     losses = []
     for _ in range(config.eval_batches):
-        x, y = run.validation.sample(config.batch, config.seq, rng)
+        x, y = run.validation.sample(config.batch, config.seq, rng, rows=world.rows(config.batch))
         losses.append(run.eval_loss(x, y))
-    return float(np.mean(losses))
+    mean = np.array([np.mean(losses)])
+    world.sum_(mean, "the all-reduce of the validation loss")
+    return float(mean[0]) / world.size
 
 
 def sample_text(run: LlamaRun, tokenizer, generator_box: list, tokens: int = 48) -> str:
@@ -337,11 +351,13 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
         metadata = trainer.load(run_dir / "checkpoint")
         rng.bit_generator.state = metadata["rng"]
     rundir.keep_metrics_until(metrics_path, trainer.step_count)
+    world = trainer.world
+    progress, dashboard = progress and world.is_root, dashboard and world.is_root
     c = run.model.config
     experts = f", {c.n_experts} experts top-{c.top_k} ({c.active_parameter_count() / 1e6:.2f}M active)" if isinstance(run.model, MoE) else ""
     print(f"model: {config.preset} dim {c.dim} layers {c.n_layers} heads {c.n_heads}/{c.n_kv_heads} vocab {c.vocab_size}, "
-          f"{c.parameter_count() / 1e6:.2f}M parameters{experts}; compiled in {trainer.compile_seconds:.1f}s; "
-          f"from step {trainer.step_count}")
+          f"{c.parameter_count() / 1e6:.2f}M parameters{experts}; compiled in {trainer.compile_seconds:.1f}s"
+          f"{f' on each of {world.size} workers' if world.size > 1 else ''}; from step {trainer.step_count}")
     tokens_per_step = config.batch * config.seq * config.accumulate
     flops_per_step = c.flops_per_token(config.seq) * tokens_per_step
 
@@ -352,7 +368,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     generators: list = []
     with rundir.MetricsLog(metrics_path) as metrics:
         def run_step() -> tuple[int, float, float, dict]:
-            x, y = run.train.sample(config.batch * config.accumulate, config.seq, rng)
+            x, y = run.train.sample(config.batch * config.accumulate, config.seq, rng,
+                                    rows=world.rows(config.batch * config.accumulate))
             step_start = time.perf_counter()
             loss = trainer.step([x, y])
             seconds = time.perf_counter() - step_start

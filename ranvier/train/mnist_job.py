@@ -14,6 +14,7 @@ import numpy as np
 
 from ..dashboard import training_display
 from ..data import mnist
+from ..distributed import current_world
 from ..errors import RanvierError
 from ..models import CNN, MLP
 from . import rundir
@@ -44,6 +45,7 @@ class MnistConfig:
     data: str | None = None
     checkpoint_every: int = 500
     log_every: int = 10
+    zero: bool = False  # ZeRO-1 over data-parallel workers (a resume may change it)
 
 
 def make_model(config: MnistConfig):
@@ -60,7 +62,10 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
     train_split, test_split = mnist.load(config.data)
     model = make_model(config)
     shape = [784] if config.model == "mlp" else [1, 28, 28]
-    setup = build_classifier(model, shape, config.batch)
+    # In a data-parallel run --batch is the global batch; each rank's cell takes its share.
+    world = current_world()
+    world.rows(config.batch)
+    setup = build_classifier(model, shape, config.batch // world.size)
     trainer = Trainer(
         setup.loss,
         setup.params,
@@ -71,6 +76,7 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         backend=config.backend,
         cpu=config.cpu,
         matmul=rundir.requested_matmul(config),
+        zero=config.zero,
     )
     images = train_split.flat() if config.model == "mlp" else train_split.nchw()
     trainer.set_dataset([images, train_split.labels.astype(np.int32)], seed=config.seed)
@@ -106,7 +112,9 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
     if resume and rundir.checkpoint_step(run_dir) is not None:
         trainer.load(run_dir / "checkpoint")
     rundir.keep_metrics_until(metrics_path, trainer.step_count)
-    print(f"compiled in {trainer.compile_seconds:.2f}s ({config.backend} backend); training from step {trainer.step_count}")
+    workers = f" on each of {trainer.world.size} workers" if trainer.world.size > 1 else ""
+    print(f"compiled in {trainer.compile_seconds:.2f}s ({config.backend} backend){workers}; training from step {trainer.step_count}")
+    progress, dashboard = progress and trainer.world.is_root, dashboard and trainer.world.is_root
 
     start = time.perf_counter()
     with rundir.MetricsLog(metrics_path) as metrics:
@@ -128,7 +136,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
         shown = training_display(
             config.steps, done=trainer.step_count, progress=progress, dashboard=dashboard,
             title=f"ranvier train mnist {config.model}: {run_dir}", compile_seconds=trainer.compile_seconds,
-            flops_per_step=trainer.cell.flops, items_per_step=config.batch, unit="examples", profile=trainer.data.profile,
+            flops_per_step=trainer.cell.flops * trainer.world.size, items_per_step=config.batch, unit="examples", profile=trainer.data.profile,
         )
         with shown as show:
             while trainer.step_count < config.steps:

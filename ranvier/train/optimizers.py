@@ -61,9 +61,10 @@ class SGD:
 
     def updates(
         self, b: Builder, params: list[Tensor], grads: list[Tensor], lr: Tensor,
-        loss_scale: Tensor | None = None, current: Current | None = None,
+        loss_scale: Tensor | None = None, current: Current | None = None, scope: str | None = None,
     ) -> list[Update]:
-        """(variable, new value) for every parameter and state variable."""
+        """(variable, new value) for every parameter and state variable; state that is not
+        per parameter is named after `scope` (default: b's function)."""
         result: list[Update] = []
         for param, g in zip(params, grads):
             p = current_value(current, param)
@@ -101,10 +102,11 @@ class Adam:
 
     def updates(
         self, b: Builder, params: list[Tensor], grads: list[Tensor], lr: Tensor,
-        loss_scale: Tensor | None = None, current: Current | None = None,
+        loss_scale: Tensor | None = None, current: Current | None = None, scope: str | None = None,
     ) -> list[Update]:
-        """(variable, new value) for every parameter and state variable."""
-        step = counter_var(b, f"{b.func.name}/adam_step")
+        """(variable, new value) for every parameter and state variable; state that is not
+        per parameter is named after `scope` (default: b's function)."""
+        step = counter_var(b, f"{scope or b.func.name}/adam_step")
         t = current_value(current, step) + 1.0
         correction1 = 1.0 - b.pow(b.const(self.beta1), t)
         correction2 = 1.0 - b.pow(b.const(self.beta2), t)

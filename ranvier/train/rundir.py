@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ..atomic import TEMPORARY, WriteError, atomic_write_bytes, os_error, remove_partial_writes
+from ..distributed import current_world
 from ..errors import RanvierError
 from .checkpoint import METADATA, read_metadata
 
@@ -38,7 +39,7 @@ def removed_on_failure(run_dir: Path) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if not existed and not (run_dir / "checkpoint").exists():
+        if current_world().is_root and not existed and not (run_dir / "checkpoint").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
@@ -46,7 +47,10 @@ def removed_on_failure(run_dir: Path) -> Iterator[None]:
 def open_run_dir(run_dir: Path) -> None:
     """Make or reopen a run directory for training. One training cannot write is refused
     here, naming it, before any compile (it would fail at the first checkpoint, minutes in);
-    the temporary files of writes a killed run left are removed."""
+    the temporary files of writes a killed run left are removed. (Of a data-parallel run's
+    ranks, rank 0 writes the run directory; the others only read it.)"""
+    if not current_world().is_root:
+        return
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for folder in (run_dir, run_dir / "checkpoint"):
@@ -69,13 +73,16 @@ def checkpoint_step(run_dir: Path) -> int | None:
 class MetricsLog:
     """metrics.jsonl, appended to one JSON line per record. Each line is written through at
     once (a killed run loses no logged step) and whole or not at all: a write that fails, on
-    a full disk say, is cut back and raises a WriteError naming the file."""
+    a full disk say, is cut back and raises a WriteError naming the file. Only rank 0 of a
+    data-parallel run writes it."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if current_world().is_root else None
 
     def write(self, record: dict) -> None:
+        if self.fd is None:
+            return
         line = memoryview((json.dumps(record) + "\n").encode())
         end = os.fstat(self.fd).st_size
         try:
@@ -89,12 +96,15 @@ class MetricsLog:
         return self
 
     def __exit__(self, *_) -> None:
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 def write_config(run_dir: Path, kind: str, config) -> None:
-    """Save a job config as `run_dir/config.json`, with the run's kind first."""
-    atomic_write_bytes(run_dir / "config.json", json.dumps({"kind": kind, **asdict(config)}, indent=1).encode())
+    """Save a job config as `run_dir/config.json`, with the run's kind first (rank 0 of a
+    data-parallel run)."""
+    if current_world().is_root:
+        atomic_write_bytes(run_dir / "config.json", json.dumps({"kind": kind, **asdict(config)}, indent=1).encode())
 
 
 def kind_of(saved: dict) -> str | None:
@@ -142,7 +152,7 @@ def read_config(run_dir: Path, kind: type[Config], kinds: tuple[str, ...]) -> Co
 def keep_metrics_until(path: Path, step: int) -> None:
     """Drop metric lines logged after the checkpoint (a resumed run logs them again), and a
     last line cut short (by a machine that stopped mid-write)."""
-    if not path.exists():
+    if not path.exists() or not current_world().is_root:
         return
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     kept = []
@@ -180,7 +190,7 @@ def apply_resume_flags(run_dir: Path, config, flags: dict, may_change: set[str])
 
 
 # What a resumed run may change: how far it goes and how often it saves.
-RESUMABLE = {"steps", "minutes", "checkpoint_every"}
+RESUMABLE = {"steps", "minutes", "checkpoint_every", "zero"}
 
 
 def prepare_resume(run_dir: Path, config, flags: dict) -> bool:

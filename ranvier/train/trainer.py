@@ -58,6 +58,7 @@ def step_updates(
     track_norm: bool = False,
     finite_before: Tensor | None = None,
     owned: Sequence[bool] | None = None,
+    scope: str | None = None,
 ) -> StepUpdates:
     """Clip, apply the optimizer, and guard every write: a step whose gradients are not
     all finite (or that follows a non-finite one, `finite_before`) writes nothing. With
@@ -70,6 +71,9 @@ def step_updates(
 
     owned: which parameters this step updates (ZeRO-1: a rank updates its own share and
     holds only their optimizer state); the norm and the test still see every gradient.
+    scope: the name of the training step that the optimizer's step counter and the skipped
+    steps are named after (default: b's function), so that a step split into a gradient
+    cell and an update cell keeps the state names of one cell's.
     """
     # Tensor operators build into their left operand's function; make that b's.
     params = [b.wrap(p.var) for p in params]
@@ -95,11 +99,11 @@ def step_updates(
     if owned is not None:
         params = [p for p, mine in zip(params, owned) if mine]
         grads = [g for g, mine in zip(grads, owned) if mine]
-    updates = optimizer.updates(b, params, grads, lr, scale, current)
+    updates = optimizer.updates(b, params, grads, lr, scale, current, scope)
     updates = [(target, b.cond(finite, value, current_value(current, b.wrap(target)))) for target, value in updates]
     skipped = None
     if scale is not None:
-        skipped = counter_var(b, f"{b.func.name}/skipped_steps")
+        skipped = counter_var(b, f"{scope or b.func.name}/skipped_steps")
         updates.append((skipped.var, b.cond(finite, skipped, skipped + 1.0)))
     if isinstance(loss_scale, DynamicLossScale):
         updates += dynamic_updates(b, loss_scale, scale, finite)
@@ -430,7 +434,7 @@ class Trainer(TrainerBase):
             mean_grads = [a * (1.0 / accumulate) for a in accumulated]
             apply_scale = scale_tensor(apply, loss_scale, self.func.name)
             stepped = step_updates(apply, self.params, mean_grads, self.optimizer, apply.wrap(self.lr_var), apply_scale, loss_scale,
-                                   clip_norm, track_norm=track_grad_norm, owned=owned)
+                                   clip_norm, track_norm=track_grad_norm, owned=owned, scope=self.func.name)
             zero = apply.const(0.0)
             clear = [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
             if loss_scale is None:  # a skipped step keeps them, to name the culprit (see _check_finite)
@@ -454,6 +458,12 @@ class Trainer(TrainerBase):
         self._loss_view = self.data[self.loss_var]
         self._finite_view = (self.apply_data or self.data)[self.finite_var]
         self._start_parallel(self.params)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """As TrainerBase's, less the gradient accumulators (zero between steps), so the
+        checkpoint is the same with or without accumulation and data parallelism."""
+        scratch = {v.name for v in self._accumulators}
+        return {name: array for name, array in super().state_arrays().items() if name not in scratch}
 
     def _function_inputs(self) -> list[Variable]:
         used = {v.name for v in self.flow.inputs(self.func)}
