@@ -589,7 +589,7 @@ USER_ERRORS = (RanvierError, FileNotFoundError, FileExistsError, NotADirectoryEr
 # tokenized): one line too. Other OSErrors keep their traceback.
 ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
 # Optional packages and the extra that installs each.
-EXTRAS = {"matplotlib": "plot", "onnx": "onnx"}
+EXTRAS = {"matplotlib": "plot", "onnx": "onnx", "mpi4py": "mpi"}
 
 
 def _describe(error: Exception) -> str:
