@@ -239,3 +239,21 @@ def test_checkpoints_are_the_same_with_accumulation_and_without(tmp_path):
     dp_worker.train(plain, job, 0, 2)
     plain.save(tmp_path / "ckpt")
     assert accumulated.load(tmp_path / "ckpt")["step"] == 2
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_cli_llama_on_two_workers_matches_one(tmp_path):
+    """The language-model job through the CheckpointedStack with ZeRO-1: each rank reads its
+    rows of the shared batches, and the validation loss is the single process's."""
+    def validation_loss(*args: str) -> float:
+        done = subprocess.run([sys.executable, "-m", "ranvier.cli", "train", "llama", "--steps", "3", "--batch", "4",
+                               "--seq", "32", "--checkpointed", "--quiet", *args],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith("validation_loss=")]
+        return float(line.split()[0].split("=")[1])
+
+    one = validation_loss("--run-dir", str(tmp_path / "one"))
+    two = validation_loss("--run-dir", str(tmp_path / "two"), "--workers", "2", "--zero")
+    assert two == pytest.approx(one, rel=1e-5)

@@ -358,6 +358,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     print(f"model: {config.preset} dim {c.dim} layers {c.n_layers} heads {c.n_heads}/{c.n_kv_heads} vocab {c.vocab_size}, "
           f"{c.parameter_count() / 1e6:.2f}M parameters{experts}; compiled in {trainer.compile_seconds:.1f}s"
           f"{f' on each of {world.size} workers' if world.size > 1 else ''}; from step {trainer.step_count}")
+    if world.size > 1:
+        print(trainer.parallel_summary())
     tokens_per_step = config.batch * config.seq * config.accumulate
     flops_per_step = c.flops_per_token(config.seq) * tokens_per_step
 

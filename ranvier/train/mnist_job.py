@@ -115,6 +115,8 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
     workers = f" on each of {trainer.world.size} workers" if trainer.world.size > 1 else ""
     print(f"compiled in {trainer.compile_seconds:.2f}s ({config.backend} backend){workers}; training from step {trainer.step_count}")
     progress, dashboard = progress and trainer.world.is_root, dashboard and trainer.world.is_root
+    if trainer.world.size > 1:
+        print(trainer.parallel_summary())
 
     start = time.perf_counter()
     with rundir.MetricsLog(metrics_path) as metrics:

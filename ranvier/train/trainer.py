@@ -157,6 +157,14 @@ class TrainerBase:
         if self.zero:
             self._gather_params = ParameterGather(self.world, arrays, self._owner)
 
+    def parallel_summary(self) -> str:
+        """One line on the data-parallel run: its ranks, each one's rows per step and the
+        training state (parameters and optimizer state) each holds. Every rank calls it."""
+        held = self.world.gather(sum(a.nbytes for a in self.state_arrays().values()), "counting each rank's state")
+        sharing = "ZeRO-1: optimizer state sharded" if self.zero else "optimizer state replicated"
+        return (f"data parallel: {self.world.size} workers, {self.local_rows} rows each per step; training state per worker "
+                f"{', '.join(f'{n / 2**20:.1f}' for n in held)} MiB ({sharing})")
+
     def _mean_over_ranks(self, loss: float) -> float:
         """The step's loss and watched values, averaged over the ranks."""
         if self.world.size == 1:
