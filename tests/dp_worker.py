@@ -4,8 +4,9 @@ The same builders make the single-process oracle inside the test process. The jo
 JSON object: model ("mlp": a Trainer sampling its dataset; "stack": a CheckpointedStack
 fed explicit global batches), zero, accumulate, steps, first (the step to start from,
 resuming `load` if given), save (a checkpoint folder to write at the end), out (the
-folder each rank writes rank<r>.npz into: its losses and final state), and fail: "kill"
-or "hang" rank 1 after `fail_at` steps.
+folder each rank writes rank<r>.npz into: its losses and final state), fail: "kill"
+or "hang" rank 1 after `fail_at` steps, and poison_at: at that step the last rank's rows
+hold an infinity ("mlp" with dynamic loss scaling: every rank must skip the step).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ranvier.flow.builder import Builder
 from ranvier.flow.graph import Flow
 from ranvier.models import MLP
 from ranvier.models.llama import Llama, LlamaConfig
+from ranvier.train.loss_scale import DynamicLossScale
 from ranvier.train.losses import softmax_cross_entropy
 from ranvier.train.optimizers import Adam, AdamW
 from ranvier.train.stack import CheckpointedStack
@@ -37,6 +39,8 @@ def build(job: dict, world=None):
     ranks = world.size if world is not None else _world_size()
     micro = GLOBAL_BATCH // (ranks * job.get("accumulate", 1))
     options = {"accumulate": job.get("accumulate", 1), "zero": job.get("zero", False), "world": world, "clip_norm": 0.5}
+    if "poison_at" in job:
+        options["loss_scale"] = DynamicLossScale(initial=2.0**8)
     if job["model"] == "mlp":
         flow = Flow()
         b = Builder(flow, "train")
@@ -68,7 +72,12 @@ def train(trainer, job: dict, first: int, steps: int, before_step=None) -> list[
     for step in range(first, first + steps):
         if before_step is not None:
             before_step(step)
-        losses.append(trainer.step(global_batch(step) if job["model"] == "stack" else None))
+        if job.get("poison_at") == step:
+            x, labels = (trainer.dataset[v.name][: trainer.batch_rows].copy() for v in trainer.inputs)
+            x[-1, 0] = np.inf
+            losses.append(trainer.step([x, labels]))
+        else:
+            losses.append(trainer.step(global_batch(step) if job["model"] == "stack" else None))
     return losses
 
 
@@ -103,7 +112,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = trainer.state_arrays()
     np.savez(out / f"rank{world.rank}.npz", losses=np.array(losses), **{f"state:{k}": v for k, v in state.items()},
-             hidden=trainer.reduce_times.hidden)
+             hidden=trainer.reduce_times.hidden, skipped=trainer.skipped_steps if job["model"] == "mlp" else 0)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_ranks_take_the_single_process_steps(tmp_path, model, ranks, zero, accum
     np.testing.assert_allclose(results[0]["losses"], losses, rtol=1e-5)
     for result in results:
         assert_close(result, expected)
-    assert {name for result in results for name in result} == {f"state:{name}" for name in expected} | {"losses", "hidden"}
+    assert {name for result in results for name in result} == {f"state:{name}" for name in expected} | {"losses", "hidden", "skipped"}
     # Every rank holds the same parameters, bit for bit.
     for name in expected:
         if not zero or "adam" not in name:
@@ -156,6 +156,20 @@ def test_ranks_take_the_single_process_steps(tmp_path, model, ranks, zero, accum
         moments = [sum(v.size for k, v in result.items() if k.endswith("adam_m")) for result in results]
         assert sum(moments) == sum(v.size for k, v in expected.items() if k.endswith("adam_m"))
         assert max(moments) < sum(moments)
+
+
+@needs_mpi
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(tmp_path):
+    job = {"model": "mlp", "steps": 4, "poison_at": 2, "out": str(tmp_path)}
+    results = run_ranks(2, job)
+    trainer = dp_worker.build(job, World())
+    losses, expected = oracle(job, trainer=trainer)
+    assert trainer.skipped_steps == 1
+    assert [int(result["skipped"]) for result in results] == [1, 1]
+    np.testing.assert_allclose(results[0]["losses"][[0, 1, 3]], np.array(losses)[[0, 1, 3]], rtol=1e-5)
+    assert not np.isfinite(results[0]["losses"][2])
+    for result in results:
+        assert_close(result, expected)
 
 
 @needs_mpi
