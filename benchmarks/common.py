@@ -168,12 +168,14 @@ def stepper(trainer) -> Step:
     return lambda x, y: trainer.step([x, y])
 
 
-def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, feed_forward: Callable) -> Step:
+def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, feed_forward: Callable,
+                  wrap: Callable | None = None) -> Step:
     """PyTorch eager training of config's trunk as ranvier builds it (RMSNorm, rotary
     attention with grouped key/value heads through SDPA, the embedding as the head):
     AdamW (β2 0.95, weight decay 0.1), clipping at 1. Each layer's feed-forward is the
     caller's: `feed_forward_weights(weight)` makes its parameters (`weight(*shape)` draws
-    N(0, 0.02²)), `feed_forward(x, p)` returns its output and an auxiliary loss."""
+    N(0, 0.02²)), `feed_forward(x, p)` returns its output and an auxiliary loss.
+    `wrap(module)`, given, returns the module the step calls instead (DistributedDataParallel)."""
     import torch
     import torch.nn.functional as F
 
@@ -187,11 +189,11 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
     def ones():
         return torch.nn.Parameter(torch.ones(d))
 
-    params = {"emb": weight(config.vocab_size, d), "norm": ones()}
+    params = torch.nn.ParameterDict({"emb": weight(config.vocab_size, d), "norm": ones()})
     for i in range(config.n_layers):
         layer = {"an": ones(), "wq": weight(d, d), "wk": weight(d, kv), "wv": weight(d, kv), "wo": weight(d, d), "fn": ones(),
                  **feed_forward_weights(weight)}
-        params.update({f"{i}.{k}": v for k, v in layer.items()})
+        params.update({f"{i}_{k}": v for k, v in layer.items()})
     freqs = config.rope_base ** (-torch.arange(0, hd, 2).float() / hd)
     angles = torch.outer(torch.arange(seq).float(), freqs)
     cos, sin = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
@@ -203,31 +205,38 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
         even, odd = x[..., 0::2], x[..., 1::2]
         return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
 
-    def forward(tokens):
-        x = params["emb"][tokens]
-        total_aux = 0.0
-        for i in range(config.n_layers):
-            p = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith(f"{i}.")}
-            h = rms(x, p["an"])
-            q = rope((h @ p["wq"]).view(batch, seq, config.n_heads, hd))
-            k = rope((h @ p["wk"]).view(batch, seq, config.n_kv_heads, hd))
-            v = (h @ p["wv"]).view(batch, seq, config.n_kv_heads, hd)
-            groups = config.n_heads // config.n_kv_heads
-            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-            attention = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            x = x + attention.transpose(1, 2).reshape(batch, seq, d) @ p["wo"]
-            y, aux = feed_forward(rms(x, p["fn"]), p)
-            x, total_aux = x + y, total_aux + aux
-        return rms(x, params["norm"]) @ params["emb"].T, total_aux
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.params = params
 
-    optimizer = torch.optim.AdamW(params.values(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        def forward(self, tokens):
+            x = params["emb"][tokens]
+            total_aux = 0.0
+            for i in range(config.n_layers):
+                p = {k.split("_", 1)[1]: v for k, v in params.items() if k.startswith(f"{i}_")}
+                h = rms(x, p["an"])
+                q = rope((h @ p["wq"]).view(batch, seq, config.n_heads, hd))
+                k = rope((h @ p["wk"]).view(batch, seq, config.n_kv_heads, hd))
+                v = (h @ p["wv"]).view(batch, seq, config.n_kv_heads, hd)
+                groups = config.n_heads // config.n_kv_heads
+                k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+                attention = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+                x = x + attention.transpose(1, 2).reshape(batch, seq, d) @ p["wo"]
+                y, aux = feed_forward(rms(x, p["fn"]), p)
+                x, total_aux = x + y, total_aux + aux
+            return rms(x, params["norm"]) @ params["emb"].T, total_aux
+
+    model = Model()
+    module = wrap(model) if wrap is not None else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
-        logits, aux = forward(torch.from_numpy(x).long())
+        logits, aux = module(torch.from_numpy(x).long())
         loss = F.cross_entropy(logits.view(-1, config.vocab_size), torch.from_numpy(y).long().view(-1)) + aux
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         return loss.item()
 

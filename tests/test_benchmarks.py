@@ -4,6 +4,7 @@ between the times someone measures."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -78,3 +79,27 @@ def test_kernels_benchmark_compares_each_op_and_stays_under_its_ceiling():
     assert len(verdicts) == len(shares) // 3
     assert all(re.fullmatch(r"  ranvier is [\d.]+× (faster|slower) than numpy, [\d.]+× (faster|slower) than torch \(median time\)", v)
                for v in verdicts)
+
+
+@pytest.mark.slow
+def test_data_parallel_benchmark_scales_both_sides_over_mpi_ranks():
+    pytest.importorskip("mpi4py")
+    from ranvier.distributed.launch import find_mpiexec
+    from ranvier.errors import RanvierError
+
+    try:
+        find_mpiexec()
+    except RanvierError:
+        pytest.skip("no MPI launcher")
+    out = run("data_parallel.py", "--workers", "1,2,3", "--preset", "stories260K", "--batch", "2", "--seq", "16",
+              "--steps", "2", "--repeats", "1")
+    lines = out.splitlines()
+    assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0]
+    rows = {int(line.split()[0]): line for line in lines if re.match(r" +[123] +\d+ \| ", line)}
+    assert sorted(rows) == [1, 2, 3]
+    assert re.search(r"\| +\d+ +100% +- +- \| +\d+ +100%$", rows[1])
+    for n in (2, 3):
+        assert re.search(r"\| +\d+ +\d+% +[\d.]+ms +\d+% \| +\d+ +\d+%$", rows[n]), rows[n]
+        assert re.search(rf"^{n} ranks: ranvier is [\d.]+× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
+    assert "gradients all-reduced per step: " in out
+    assert ("share cores (oversubscribed)" in out) == (len(os.sched_getaffinity(0)) < 3)
