@@ -15,6 +15,7 @@ class StepTime:
     seconds: float
     flops: int
     op: Operation
+    all_cores: float = 0.0  # of `seconds`, the time the step ran split over all the cores
 
 
 class Profile:
@@ -29,14 +30,23 @@ class Profile:
     def total(self) -> float:
         return sum(s.seconds for s in self.steps)
 
+    @property
+    def all_cores_share(self) -> float:
+        """The share of the time spent split over all the cores (the worker pool's jobs,
+        GEMMs on BLAS's threads); the rest ran on one core."""
+        return min(1.0, sum(s.all_cores for s in self.steps) / self.total) if self.total > 0 else 0.0
+
     def __str__(self) -> str:
         total = self.total or 1e-30
         lines = [
-            f"profile of cell {self.cell_name}: {self.computes} computes, {self.total * 1e3:.3f} ms per compute",
-            f"  {'step':>4}  {'kernel':<24} {'time us':>9} {'share':>6} {'GFLOP/s':>8}  op",
+            f"profile of cell {self.cell_name}: {self.computes} computes, {self.total * 1e3:.3f} ms per compute, "
+            f"{self.all_cores_share:.0%} of it on all cores",
+            f"  {'step':>4}  {'kernel':<24} {'time us':>9} {'share':>6} {'GFLOP/s':>8} {'cores':>5}  op",
         ]
         for s in sorted(self.steps, key=lambda s: -s.seconds):
             rate = f"{s.flops / s.seconds / 1e9:8.1f}" if s.flops and s.seconds > 0 else f"{'':>8}"
+            cores = f"{min(1.0, s.all_cores / s.seconds):5.0%}" if s.seconds > 0 else f"{'':>5}"
             outs = ", ".join(v.name for v in s.op.outputs) or s.op.inputs[0].name
-            lines.append(f"  {s.index:>4}  {s.kernel:<24} {s.seconds * 1e6:9.2f} {s.seconds / total * 100:5.1f}% {rate}  {outs} = {s.op.type}")
+            lines.append(f"  {s.index:>4}  {s.kernel:<24} {s.seconds * 1e6:9.2f} {s.seconds / total * 100:5.1f}% {rate} {cores}  "
+                         f"{outs} = {s.op.type}")
         return "\n".join(lines)

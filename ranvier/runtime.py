@@ -244,6 +244,7 @@ class Instance:
         self._by_name = {s.var.name: v for s, v in zip(cell.slots, self._views)}
         # Per-step time accumulated by the backend (its own unit: seconds or cycles).
         self.step_time = np.zeros(max(1, len(cell.steps)), cell.backend.step_time_dtype)
+        self.all_cores_time = np.zeros_like(self.step_time)  # the part of it run on all cores
         self.computes = 0
         # Reference variables connected to channel elements: copied in before a compute,
         # and the ones the cell computes copied back after it.
@@ -338,9 +339,10 @@ class Instance:
     def profile(self) -> Profile:
         """Time per step, averaged over the computes since the last `reset_profile()`."""
         seconds = self.cell.backend.step_seconds(self)
+        all_cores = self.cell.backend.all_cores_seconds(self)
         computes = max(self.computes, 1)
         steps = [
-            StepTime(i, s.label, seconds[i] / computes, s.flops, s.op)
+            StepTime(i, s.label, seconds[i] / computes, s.flops, s.op, all_cores[i] / computes)
             for i, s in enumerate(self.cell.steps)
         ]
         return Profile(self.cell.name, self.computes, steps)
@@ -348,6 +350,7 @@ class Instance:
     def reset_profile(self) -> None:
         self.computes = 0
         self.step_time[...] = 0
+        self.all_cores_time[...] = 0
 
     def __repr__(self) -> str:
         return f"<Instance of cell {self.cell.name}, {self.cell.size} bytes>"

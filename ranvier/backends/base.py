@@ -78,5 +78,8 @@ class Backend(Protocol):
     def step_seconds(self, instance: Instance) -> np.ndarray:
         """The instance's accumulated step times, in seconds."""
 
+    def all_cores_seconds(self, instance: Instance) -> np.ndarray:
+        """The part of each step's accumulated time it ran split over all the cores."""
+
     def code(self, cell: Cell, kind: str) -> str:
         """The generated code of a cell as text, e.g. kind "llvm" or "asm"."""

@@ -70,6 +70,9 @@ class ReferenceBackend:
     def step_seconds(self, instance: Instance) -> np.ndarray:
         return instance.step_time
 
+    def all_cores_seconds(self, instance: Instance) -> np.ndarray:
+        return instance.all_cores_time  # numpy's own threads are not counted: zeros
+
 
 def reference_kernel(op: Operation, instance: Instance) -> Callable[[], None]:
     """Run one op's numpy reference on an instance's views (also the CPU backend's fallback)."""

@@ -403,6 +403,8 @@ class CheckpointedStack(TrainerBase):
         result = []
         for data in instances:
             seconds = data.cell.backend.step_seconds(data)
+            all_cores = data.cell.backend.all_cores_seconds(data)
             for i, s in enumerate(data.cell.steps):
-                result.append(StepTime(len(result), s.label, seconds[i] / steps, s.flops * data.computes // steps, s.op))
+                result.append(StepTime(len(result), s.label, seconds[i] / steps, s.flops * data.computes // steps, s.op,
+                                       all_cores[i] / steps))
         return Profile("checkpointed stack", self.step_count, result)

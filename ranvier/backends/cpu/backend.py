@@ -24,7 +24,8 @@ from . import amx, codegen, jit
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
 from .kernels.matmul import AMX_KERNEL
-from .parallel import thread_count
+from .parallel import split_thresholds, thread_count
+from .pool import pool
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
@@ -173,7 +174,8 @@ class CPUBackend:
     @staticmethod
     def _describe(cell: Cell, layout: Layout) -> str:
         """Everything the generated code depends on, as text (the compile cache key)."""
-        lines = [f"threads {thread_count()}"]  # kernels split their work this many ways
+        # Kernels split their work this many ways, from these sizes on.
+        lines = [f"threads {thread_count()}, {split_thresholds() if thread_count() > 1 else 'never split'}"]
         for step in cell.steps:
             op = step.op
             lines.append(f"{step.kernel} {op.type} {sorted(op.attrs.items())}")
@@ -189,6 +191,9 @@ class CPUBackend:
     def step_seconds(self, instance: Instance) -> np.ndarray:
         """The cycle counts the generated code accumulated, in seconds."""
         return instance.step_time.astype(np.float64) / jit.cycles_per_second()
+
+    def all_cores_seconds(self, instance: Instance) -> np.ndarray:
+        return instance.all_cores_time.astype(np.float64) / jit.cycles_per_second()
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
         native = cell.native
@@ -210,17 +215,21 @@ class CPUBackend:
         table[codegen.DATA] = instance.buffer.ctypes.data
         table[codegen.STATUS] = status.ctypes.data
         table[codegen.PROFILE] = instance.step_time.ctypes.data
+        table[codegen.ALL_CORES] = instance.all_cores_time.ctypes.data
         table[codegen.CALLBACK] = ctypes.cast(callback, ctypes.c_void_p).value
         table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
         table[codegen.SGEMV], table[codegen.DGEMV] = sgemv, dgemv
         table[codegen.BLAS_THREADS] = blas_thread_setter()
         table[codegen.MAX_THREADS] = thread_count()
+        workers = pool()
+        workers.ensure(thread_count() - 1)
+        table[codegen.POOL] = workers.run_address
         if any(step.kernel == AMX_KERNEL for step in cell.steps):
             table[codegen.BF16GEMM] = amx.gemm_address(self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
         function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["code"].address)
-        keep_alive = (callback, table, status, native["code"])
+        keep_alive = (callback, table, status, native["code"], workers)
 
         def run() -> None:
             function(ctypes.addressof(table))

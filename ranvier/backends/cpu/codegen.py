@@ -6,7 +6,8 @@ The cell function takes a table of pointers, filled once per instance:
     ptrs[3] python fallback callback   ptrs[4] sgemm   ptrs[5] dgemm
     ptrs[6] BLAS set-thread-count function   ptrs[7] the machine's thread count
     ptrs[8] sgemv   ptrs[9] dgemv   ptrs[10] the AMX bf16 GEMM (null without AMX)
-    ptrs[11 + k] the k-th global or linked (primal) variable
+    ptrs[11] the worker pool's ranvier_pool_run   ptrs[12] per-step cycles run on all cores
+    ptrs[13 + k] the k-th global or linked (primal) variable
 
 Nothing process-specific is baked into the code, so the object file can be cached
 on disk and reused by another process. Each step is an internal function; the cell
@@ -41,7 +42,8 @@ from ..llvm.irutil import (
 from ..llvm.values import Value, index_value
 from .target import CPUTarget
 
-DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, MAX_THREADS, SGEMV, DGEMV, BF16GEMM, FIRST_TABLE_SLOT = range(12)
+(DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, MAX_THREADS, SGEMV, DGEMV, BF16GEMM, POOL, ALL_CORES,
+ FIRST_TABLE_SLOT) = range(14)
 
 
 @dataclass
@@ -58,6 +60,12 @@ class Layout:
             if v.name == var.name:
                 return FIRST_TABLE_SLOT + k
         raise KeyError(var.name)
+
+
+def cycle_counter(module: ir.Module) -> ir.Function:
+    """The module's declaration of LLVM's cycle counter intrinsic (made once)."""
+    existing = module.globals.get("llvm.readcyclecounter")
+    return existing if existing is not None else ir.Function(module, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
 
 
 class KernelContext:
@@ -103,6 +111,17 @@ class KernelContext:
         with self.b.if_then(_ir(condition), likely=False):
             status = self.b.bitcast(self.table_entry(STATUS), I64.as_pointer())
             self.b.store(i64(self.step_index + 1), status)
+
+    @contextmanager
+    def on_all_cores(self) -> Iterator[None]:
+        """Count the cycles of the code emitted inside as this step's time on all cores
+        (a job of the worker pool, a GEMM on BLAS's threads): the profile's utilisation."""
+        clock = cycle_counter(self.module)
+        start = self.b.call(clock, [])
+        yield
+        counters = self.b.bitcast(self.table_entry(ALL_CORES), I64.as_pointer())
+        slot = self.b.gep(counters, [i64(self.step_index)])
+        self.b.store(self.b.add(self.b.load(slot), self.b.sub(self.b.call(clock, []), start)), slot)
 
     # ---- values: what kernels compute with -----------------------------------------------
 
@@ -223,7 +242,7 @@ def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout
     cell = ir.Function(module, step_type, name="cell")
     b = ir.IRBuilder(cell.append_basic_block("entry"))
     ptrs = cell.args[0]
-    clock = ir.Function(module, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
+    clock = cycle_counter(module)
     counters = b.bitcast(b.load(b.gep(ptrs, [i64(PROFILE)])), I64.as_pointer())
     for index, function in enumerate(step_functions):
         start = b.call(clock, [])

@@ -156,6 +156,10 @@ class LoadedCode:
         self._engine.finalize_object()
         self.address: int = self._engine.get_function_address(symbol)
 
+    def address_of(self, symbol: str) -> int:
+        """Another exported function of the same code."""
+        return self._engine.get_function_address(symbol)
+
 
 _LOADED: weakref.WeakValueDictionary[tuple[bytes, str], LoadedCode] = weakref.WeakValueDictionary()
 

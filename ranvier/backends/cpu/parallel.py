@@ -1,33 +1,42 @@
 """Splitting one step's work over the machine's cores, from generated code.
 
 A kernel that divides its work into independent parts (row blocks of a GEMM, the
-matrices of a batched product) emits each part's code once; `run_parts` puts them in
-one task function that dispatches on the part index, runs part 0 on the calling
-thread and every other part on a thread of its own (pthread_create), and joins them
-all before the step returns. Starting a thread costs tens of microseconds, so only
-kernels that take far longer than that are split (see `worth_splitting`).
+matrices of a batched product, slices of a map) emits each part's code once;
+`run_parts` puts them in one task function that dispatches on the part index and hands
+it to the process's worker pool (pool.py), which runs the parts on its threads and the
+calling one and returns when all are done.
 
-The part count is fixed when the code is generated: `thread_count()`, which the
-backend puts in the compile-cache key.
+Only work that takes several times a job's cost is split. That cost is measured on
+each machine (`split_thresholds`): the pool's latency when its workers must be woken
+from sleep, the worst case, against what one core streams or computes meanwhile. The
+part count and the thresholds are fixed when the code is generated, and are in the
+backend's compile-cache key.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import math
 import os
+import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
+import numpy as np
 from llvmlite import ir
 
+from ...atomic import atomic_write_bytes
 from ..llvm.irutil import BYTE_PTR, I32, I64, i64
-from .codegen import KernelContext
+from .codegen import POOL, KernelContext
+from .pool import RUN, pool
 
 Part = Callable[[KernelContext], None]
 
-# Work below these sizes stays on one thread. AMX runs about 1e12 FLOP/s per core, so
-# 2^27 FLOPs take ~130 µs; a core streams about 10 GB/s, so 2^24 bytes take ~1.6 ms:
-# both several times a thread's start and join.
-PARALLEL_FLOPS = 1 << 27
-PARALLEL_BYTES = 1 << 24
+# A kernel is split when one core would take this many times a job's wake-up to run it.
+SPLIT_FACTOR = 8
+SPLIT_ENVIRONMENT = "RANVIER_SPLIT_BYTES"  # a fixed byte threshold (FLOPs: 8 per byte), skipping the measurement
 
 
 def thread_count() -> int:
@@ -45,18 +54,79 @@ def shares(length: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
     return [(start, min(length, start + size)) for start in range(0, length, size)]
 
 
+@dataclass(frozen=True)
+class SplitThresholds:
+    """Work at or above either size is split over the cores."""
+
+    flops: int
+    nbytes: int
+    wake_seconds: float  # what they were derived from: a job's cost with the workers asleep,
+    core_bytes_per_second: float  # one core's copy rate (read + write),
+    core_flops: float  # and one core's peak arithmetic (vector FMA units at the counter's clock)
+
+    def __str__(self) -> str:
+        return f"split at {self.nbytes:,} bytes or {self.flops:,} FLOPs"
+
+
+def _power_of_two(value: float) -> int:
+    return 1 << max(10, round(math.log2(max(value, 1.0))))
+
+
+def _measure(cores: int) -> SplitThresholds:
+    from .jit import cycles_per_second
+    from .target import host_target
+
+    wake = pool().job_seconds(cores, asleep=True)
+    source = np.ones(1 << 21, np.float32)  # 8 MiB: beyond the caches, on one core (numpy's copy)
+    target = np.empty_like(source)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    bandwidth = 2 * source.nbytes / sorted(times)[3]
+    core_flops = cycles_per_second() * host_target().lanes(4) * 4  # two FMA units, 2 FLOPs each
+    work = SPLIT_FACTOR * max(wake, 1e-6)
+    return SplitThresholds(_power_of_two(work * core_flops), _power_of_two(work * bandwidth), wake, bandwidth, core_flops)
+
+
+@functools.cache
+def split_thresholds() -> SplitThresholds:
+    """This machine's thresholds: `$RANVIER_SPLIT_BYTES` if set, else measured once and
+    kept in the code cache's folder (code generated for them is cached there too)."""
+    from .jit import cache_dir
+    from .target import host_target
+
+    fixed = os.environ.get(SPLIT_ENVIRONMENT)
+    if fixed:
+        nbytes = int(fixed)
+        return SplitThresholds(8 * nbytes, nbytes, 0.0, 0.0, 0.0)
+    cores = thread_count()
+    name = hashlib.sha256(f"{host_target().key()}\n{cores}".encode()).hexdigest()[:16]
+    path = cache_dir() / f"split-{name}.json"
+    try:
+        return SplitThresholds(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    measured = _measure(cores)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(asdict(measured)).encode())
+    except OSError:
+        pass  # a read-only cache folder: measure again next time
+    return measured
+
+
 def worth_splitting(flops: int = 0, nbytes: int = 0) -> bool:
     """Whether a kernel of this many FLOPs, or touching this many bytes, should be split."""
-    return thread_count() > 1 and (flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES)
-
-
-def _declare(module: ir.Module, name: str, type_: ir.FunctionType) -> ir.Function:
-    existing = module.globals.get(name)
-    return existing if existing is not None else ir.Function(module, type_, name=name)
+    if thread_count() == 1:
+        return False
+    thresholds = split_thresholds()
+    return flops >= thresholds.flops or nbytes >= thresholds.nbytes
 
 
 def run_parts(ctx: KernelContext, parts: list[Part]) -> None:
-    """Emit `parts` as concurrent threads of this step (one part runs inline)."""
+    """Emit `parts` as one job of the worker pool (a single part runs inline)."""
     if len(parts) == 1:
         parts[0](ctx)
         return
@@ -76,24 +146,13 @@ def run_parts(ctx: KernelContext, parts: list[Part]) -> None:
             part(sub)
     sub.b.ret(ir.Constant(BYTE_PTR, None))
 
-    create = _declare(module, "pthread_create", ir.FunctionType(I32, [I64.as_pointer(), BYTE_PTR, task_type.as_pointer(), BYTE_PTR]))
-    join = _declare(module, "pthread_join", ir.FunctionType(I32, [I64, BYTE_PTR]))
     with b.goto_entry_block():
         blocks = b.alloca(block_type, i64(len(parts)))
-        threads = b.alloca(I64, i64(len(parts)))
-    started = []
     for number in range(len(parts)):
         slot = b.gep(blocks, [i64(number)])
         b.store(ctx.ptrs, b.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
         b.store(i64(number), b.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
-        if number:
-            # A thread that cannot start leaves its part to this one.
-            status = b.call(create, [b.gep(threads, [i64(number)]), ir.Constant(BYTE_PTR, None), task, b.bitcast(slot, BYTE_PTR)])
-            failed = b.icmp_signed("!=", status, ir.Constant(I32, 0))
-            with b.if_then(failed, likely=False):
-                b.call(task, [b.bitcast(slot, BYTE_PTR)])
-            started.append((number, failed))
-    b.call(task, [b.bitcast(blocks, BYTE_PTR)])
-    for number, failed in started:
-        with b.if_then(b.not_(failed)):
-            b.call(join, [b.load(b.gep(threads, [i64(number)])), ir.Constant(BYTE_PTR, None)])
+    run = b.bitcast(ctx.table_entry(POOL), RUN.as_pointer())
+    stride = block_type.get_abi_size(ctx.target.machine.target_data)
+    with ctx.on_all_cores():
+        b.call(run, [task, b.bitcast(blocks, BYTE_PTR), i64(len(parts)), i64(stride)])

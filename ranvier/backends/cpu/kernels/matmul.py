@@ -46,12 +46,14 @@ PARALLEL_FLOPS = 1 << 24
 PARALLEL_BYTES = 1 << 22
 
 
-def set_blas_threads(ctx, flops: int, nbytes: int) -> None:
+def set_blas_threads(ctx, flops: int, nbytes: int) -> bool:
+    """Let BLAS use every core for a product this large, else one; whether it may."""
     b = ctx.b
     setter = b.bitcast(ctx.table_entry(BLAS_THREADS), ir.FunctionType(VOID, [I32]).as_pointer())
-    parallel = flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES
+    parallel = thread_count() > 1 and (flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES)
     count = b.trunc(b.ptrtoint(ctx.table_entry(MAX_THREADS), ir.IntType(64)), I32) if parallel else ir.Constant(I32, 1)
     b.call(setter, [count])
+    return parallel
 
 
 def _dims(op):
@@ -208,17 +210,35 @@ class Blas:
 
 @kernel("BlasGemm", {"MatMul"}, supports=_float32_or_64)
 def blas_matmul(ctx, op) -> None:
+    """One BLAS call per matrix product. A batch of products worth splitting is shared
+    out over the worker pool, each part calling BLAS on one thread (BLAS's own threads
+    would split each small product again, and wake for every one of them); a single
+    product uses BLAS's threads when it is large."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb, m, k, n, batches = _gemms(op)
-    blas = Blas(ctx, a.dtype)
     a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
-    set_blas_threads(ctx, 2 * m * n * k, max(a.nbytes, b.nbytes))
-    for index, (oa, ob) in enumerate(batches):
-        pa, pb = ctx.element_pointer(a, oa * a_size), ctx.element_pointer(b, ob * b_size)
-        if m == 1:  # a vector times a matrix (a decode step)
-            blas.vector_matrix(tb, n, k, pa, pb, b.shape[-1], ctx.element_pointer(c, index * n))
-        else:
-            blas.gemm(ta, tb, m, n, k, pa, a.shape[-1], pb, b.shape[-1], ctx.element_pointer(c, index * m * n), n)
+    flops = 2 * m * n * k
+    split = len(batches) > 1 and worth_splitting(flops * len(batches))
+    threaded = set_blas_threads(ctx, 0 if split else flops, 0 if split else max(a.nbytes, b.nbytes))
+
+    def part(first: int, last: int):
+        def emit(ctx) -> None:
+            blas = Blas(ctx, a.dtype)
+            for index in range(first, last):
+                oa, ob = batches[index]
+                pa, pb = ctx.element_pointer(a, oa * a_size), ctx.element_pointer(b, ob * b_size)
+                if m == 1:  # a vector times a matrix (a decode step)
+                    blas.vector_matrix(tb, n, k, pa, pb, b.shape[-1], ctx.element_pointer(c, index * n))
+                else:
+                    blas.gemm(ta, tb, m, n, k, pa, a.shape[-1], pb, b.shape[-1], ctx.element_pointer(c, index * m * n), n)
+
+        return emit
+
+    if threaded:
+        with ctx.on_all_cores():
+            part(0, len(batches))(ctx)
+    else:
+        run_parts(ctx, [part(first, last) for first, last in shares(len(batches), thread_count() if split else 1)])
 
 
 @kernel("LoopMatMul", {"MatMul"})

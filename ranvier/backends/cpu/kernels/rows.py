@@ -228,6 +228,8 @@ def cross_entropy(ctx, op) -> None:
 def cross_entropy_grad(ctx, op) -> None:
     """d logits = d loss · (softmax · Σp' − p') in three passes per row (max, sum of exp,
     output), with the target row p' built on the fly: no one-hot, no stored softmax.
+    A float32/float64 output holds the exponentials between the last two passes (as
+    the softmax does), so each element's exp is computed once: the kernel's main cost.
     Fused with the forward (`with_loss`), the row's loss comes from the same max and sum."""
     logits, target, dloss = op.inputs
     out = op.outputs[0]
@@ -235,11 +237,22 @@ def cross_entropy_grad(ctx, op) -> None:
     _, n = _rows(op)
     smoothing = attrs_of(op)["label_smoothing"]
     classes = _class_targets(target)
+    keep = out.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
 
     def body(ctx, r):
         start = r * n
         row = Row(ctx, start, n, logits.dtype)
-        peak, total = _peak_and_exp_sum(row, logits)
+        peak = row.max(logits)
+
+        def exponential(i, w):
+            return (ctx.load(logits, i, w) - peak.splat(w)).exp()
+
+        def stored_exponential(i, w):
+            e = exponential(i, w)
+            ctx.store(out, i, e)
+            return e
+
+        total = row.sum(stored_exponential if keep else exponential)
         g = ctx.load(dloss, r)
         if classes:
             label = _label(ctx, target, r, n)
@@ -252,7 +265,7 @@ def cross_entropy_grad(ctx, op) -> None:
             ctx.store(loss, r, _row_loss(row, logits, target, label, peak, total, smoothing))
 
         def gradient(i, w):
-            probability = (ctx.load(logits, i, w) - peak.splat(w)).exp() * scale.splat(w)
+            probability = (ctx.load(out, i, w) if keep else exponential(i, w)) * scale.splat(w)
             if classes:
                 hot = ((i - start).splat(w) + ctx.lane_numbers(w)).equal(label.splat(w))
                 on, off = ctx.constant(logits.dtype, 1.0 - smoothing + smoothing / n, w), smoothing / n

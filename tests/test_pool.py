@@ -1,0 +1,188 @@
+"""The worker pool: every part of every job runs exactly once, whoever calls, however
+many parts, from several threads at once, after fork(); generated kernels split over it
+at every thread count from 1 to the cores agree with the reference."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llvmlite import ir
+
+from ranvier.backends.cpu import jit
+from ranvier.backends.cpu.parallel import split_thresholds, thread_count
+from ranvier.backends.cpu.pool import BYTE_PTR, TASK, pool
+from ranvier.backends.cpu.target import host_target
+
+ROOT = Path(__file__).resolve().parent.parent
+I32, I64 = ir.IntType(32), ir.IntType(64)
+
+
+@pytest.fixture(scope="module")
+def count_task():
+    """A part that adds index + 1 to counts[index]; its block is (counts, index)."""
+    target = host_target()
+    module = ir.Module("count_task")
+    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    function = ir.Function(module, TASK, "count_part")
+    b = ir.IRBuilder(function.append_basic_block())
+    block = b.bitcast(function.args[0], ir.LiteralStructType([I64.as_pointer(), I64]).as_pointer())
+    counts = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
+    index = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+    slot = b.gep(counts, [index])
+    b.store(b.add(b.load(slot), b.add(index, ir.Constant(I64, 1))), slot)
+    b.ret(ir.Constant(BYTE_PTR, None))
+    return jit.load_object(jit.compile_object(module, target), target, "count_part")
+
+
+def run_jobs(task, parts: int, jobs: int) -> np.ndarray:
+    """`jobs` jobs of `parts` parts; the counts each part left."""
+    run = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(pool().run_address)
+    counts = np.zeros(parts, np.int64)
+    blocks = np.zeros((parts, 2), np.int64)
+    blocks[:, 0], blocks[:, 1] = counts.ctypes.data, np.arange(parts)
+    for _ in range(jobs):
+        run(task.address, blocks.ctypes.data, parts, blocks.strides[0])
+    return counts
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64, 1000])
+def test_every_part_runs_once_per_job(count_task, parts):
+    pool().ensure(3)
+    assert np.array_equal(run_jobs(count_task, parts, 300), 300 * np.arange(1, parts + 1))
+
+
+def test_callers_on_several_threads_each_get_all_their_parts(count_task):
+    """While one thread's job holds the pool, another's runs its parts itself."""
+    pool().ensure(3)
+    results: list[np.ndarray] = [None] * 4
+
+    def call(k: int) -> None:
+        results[k] = run_jobs(count_task, 5, 5000)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(np.array_equal(r, 5000 * np.arange(1, 6)) for r in results)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+def test_a_forked_child_has_a_pool_of_its_own(count_task):
+    pool().ensure(2)
+    run_jobs(count_task, 4, 10)
+    workers = pool().workers
+    child = os.fork()
+    if child == 0:  # the child: the parent's workers did not come along; it started as many
+        ok = np.array_equal(run_jobs(count_task, 4, 1000), 1000 * np.arange(1, 5)) and pool().workers == workers
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_a_job_costs_far_less_than_a_thread_start():
+    """Waking sleeping workers takes microseconds (pthread_create and join took tens)."""
+    assert pool().job_seconds(2, asleep=False) < 20e-6
+    assert pool().job_seconds(2, asleep=True) < 200e-6
+
+
+def test_split_thresholds_are_measured_kept_and_overridable(tmp_path):
+    code = ("from ranvier.backends.cpu.parallel import split_thresholds as s; t = s(); "
+            "print(t.nbytes, t.flops, t.wake_seconds > 0)")
+    env = dict(os.environ, RANVIER_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    env.pop("RANVIER_SPLIT_BYTES", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert first[2] == "True" and all(int(v) & (int(v) - 1) == 0 for v in first[:2])  # powers of two
+    (kept,) = tmp_path.glob("split-*.json")
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split() == first
+    fixed = subprocess.run([sys.executable, "-c", code], env=dict(env, RANVIER_SPLIT_BYTES="4096"), capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert fixed == ["4096", "32768", "False"]
+    kept.write_text("{not json")
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).returncode == 0
+    assert str(split_thresholds())
+
+
+_SPLIT_SCRIPT = """
+import os, sys
+import numpy as np
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: int(sys.argv[1])])
+import ranvier as rv
+from ranvier.backends.cpu.parallel import thread_count
+assert thread_count() == int(sys.argv[1])
+rng = np.random.default_rng(0)
+shapes = {"a": [37, 29], "b": [29, 45], "at": [29, 37], "bt": [45, 29], "batch": [6, 37, 29], "other": [6, 29, 45],
+          "v": [1, 29], "x": [67, 131], "g": [131]}
+values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+flow = rv.Flow()
+f = rv.Builder(flow, "f")
+h = {name: f.var(name, "float32", shape) for name, shape in shapes.items()}
+outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True), f.matmul(h["a"], h["bt"], transpose_b=True),
+           f.matmul(h["at"], h["bt"], transpose_a=True, transpose_b=True), f.matmul(h["batch"], h["other"]),
+           f.matmul(h["batch"], h["b"]), f.matmul(h["v"], h["b"]), f.softmax(h["x"]), f.rms_norm(h["x"], h["g"]),
+           f.tanh(h["x"] * 1.5 + 0.25), f.transpose(h["x"], [1, 0])]
+for o in outputs:
+    o.var.out = True
+results = []
+for backend in ("cpu", "reference"):
+    data = rv.Compiler(backend, cpu=sys.argv[2] if backend == "cpu" else "", cache=False).compile(flow).cell("f").instance()
+    for name, value in values.items():
+        data[h[name]] = value
+    if backend == "cpu":
+        for o in outputs:
+            data[o] = np.full(o.shape, np.nan, np.float32)
+    data.compute()
+    results.append([np.array(data[o]) for o in outputs])
+for got, want in zip(*results):
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", ["", "-avx512", "-avx512,-avx2"])
+@pytest.mark.parametrize("threads", sorted({1, 2, thread_count()}))
+def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask):
+    """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
+    a vector), row kernels and maps give the reference's results on 1, 2 and every core."""
+    if threads > thread_count():
+        pytest.skip(f"this process may use {thread_count()} cores")
+    env = dict(os.environ, RANVIER_SPLIT_BYTES="1024", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(threads), mask], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_the_profile_shows_the_time_each_step_ran_on_all_cores():
+    import ranvier as rv
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    large = f.var("large", "float32", [split_thresholds().nbytes // 4])
+    small = f.var("small", "float32", [64])
+    outputs = [f.tanh(large), f.tanh(small)]
+    for o in outputs:
+        o.var.out = True
+    data = rv.Compiler(cache=False).compile(flow).cell("f").instance()
+    data[large] = np.random.default_rng(0).standard_normal(large.shape).astype(np.float32)
+    data[small] = np.random.default_rng(1).standard_normal(small.shape).astype(np.float32)
+    for _ in range(5):
+        data.compute()
+    profile = data.profile()
+    by_output = {s.op.outputs[0].name: s for s in profile.steps}
+    split, alone = by_output[outputs[0].name], by_output[outputs[1].name]
+    assert alone.all_cores == 0
+    if thread_count() > 1:
+        assert 0.5 * split.seconds < split.all_cores <= split.seconds
+        assert 0 < profile.all_cores_share <= 1
+    else:
+        assert split.all_cores == 0 and profile.all_cores_share == 0
+    assert f"{profile.all_cores_share:.0%} of it on all cores" in str(profile)
