@@ -123,7 +123,7 @@ def test_processes_compiling_the_same_model_at_once(tmp_path):
             assert writer.returncode == 0, f"round {round_}: a writer failed: {err[-2000:]}"
             origins.append(out.split()[-1])
         assert set(origins) <= {"compiled", "disk"} and (round_ == 0 or origins == ["disk"] * 4), origins
-        entries = list(cache.iterdir())
+        entries = [e for e in cache.iterdir() if not e.name.startswith("split-")]  # this machine's split thresholds
         assert len(entries) == 1 and entries[0].suffix == ".o", f"left in the cache: {[e.name for e in entries]}"
         assert jit._read_entry(entries[0]) is not None
 

@@ -15,6 +15,7 @@ backend's compile-cache key.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -105,16 +106,21 @@ def split_thresholds() -> SplitThresholds:
     name = hashlib.sha256(f"{host_target().key()}\n{cores}".encode()).hexdigest()[:16]
     path = cache_dir() / f"split-{name}.json"
     try:
-        return SplitThresholds(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
-    measured = _measure(cores)
-    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, json.dumps(asdict(measured)).encode())
+        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 -- held across the measurement
     except OSError:
-        pass  # a read-only cache folder: measure again next time
-    return measured
+        return _measure(cores)  # no cache folder to keep them in
+    with lock:
+        # Processes starting together on a fresh machine wait for the first one's
+        # measurement rather than each generating code for its own.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return SplitThresholds(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+        measured = _measure(cores)
+        atomic_write_bytes(path, json.dumps(asdict(measured)).encode())
+        return measured
 
 
 def worth_splitting(flops: int = 0, nbytes: int = 0) -> bool:
