@@ -32,8 +32,8 @@ class Profile:
 
     @property
     def all_cores_share(self) -> float:
-        """The share of the time spent split over all the cores (the worker pool's jobs,
-        GEMMs on BLAS's threads); the rest ran on one core."""
+        """The share of the time spent split over all the cores (the worker pool's jobs);
+        the rest ran on one core."""
         return min(1.0, sum(s.all_cores for s in self.steps) / self.total) if self.total > 0 else 0.0
 
     def __str__(self) -> str:

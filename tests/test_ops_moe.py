@@ -174,10 +174,11 @@ def test_grouped_matmul_weight_grad(dtype, transpose):
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_grouped_gemms_large_enough_for_threaded_blas(transpose):
-    """Products above the threading threshold, unequal groups, an empty one and dropped
-    rows: every group whole, rows past the last group zero, unchosen experts' gradients zero."""
-    rows, used, experts, k, n = 640, 600, 6, 256, 512
+def test_grouped_gemms_split_over_the_pool(transpose):
+    """Products above the split threshold (columns shared out, the last slice ragged),
+    unequal groups, an empty one and dropped rows: every group whole, rows past the last
+    group zero, unchosen experts' gradients zero."""
+    rows, used, experts, k, n = 640, 600, 6, 256, 509
     x, dy = random_array((rows, k), "float64", seed=6), random_array((rows, n), "float64", seed=7)
     w = random_array((experts, n, k) if transpose else (experts, k, n), "float64", seed=8)
     offsets = _offsets(rows, experts, used, seed=11)

@@ -186,3 +186,54 @@ def test_the_profile_shows_the_time_each_step_ran_on_all_cores():
     else:
         assert split.all_cores == 0 and profile.all_cores_share == 0
     assert f"{profile.all_cores_share:.0%} of it on all cores" in str(profile)
+
+
+GEMM_PART_CASES = [
+    ((128, 784), (784, 256), {}),
+    ((784, 128), (784, 256), {"transpose_a": True}),
+    ((128, 256), (784, 256), {"transpose_b": True}),
+    ((37, 29), (45, 37), {"transpose_a": True, "transpose_b": True}),
+    ((3, 100, 70), (3, 70, 90), {}),  # fewer products than cores: each cut into blocks
+    ((4, 60, 70), (70, 33), {}),  # rows of a batch times one matrix: one GEMM
+    ((1, 500), (500, 300), {}),  # a vector: columns only
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("case", range(len(GEMM_PART_CASES)))
+def test_gemm_parts_compute_every_element_of_c_once(case, threads, monkeypatch):
+    """Carrying out a MatMul's calls as planned, with numpy, over the flat buffers (each
+    call's offsets and the operands' leading dimensions) gives A·B, every element of C
+    written by exactly one call, and at most one part per core."""
+    import ranvier as rv
+    from ranvier.backends.cpu.kernels import matmul
+
+    monkeypatch.setattr(matmul, "thread_count", lambda: threads)
+    monkeypatch.setattr(matmul, "worth_splitting", lambda flops=0, nbytes=0: True)
+    a_shape, b_shape, attrs = GEMM_PART_CASES[case]
+    f = rv.Builder(rv.Flow(), "f")
+    c = f.matmul(f.var("a", "float32", list(a_shape)), f.var("b", "float32", list(b_shape)), **attrs)
+    op = c.var.producer
+    rng = np.random.default_rng(case)
+    a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
+    ta, tb = attrs.get("transpose_a", False), attrs.get("transpose_b", False)
+    lda, ldb, ldc = a_shape[-1], b_shape[-1], c.shape[-1]
+    flat_a, flat_b = a.ravel(), b.ravel()
+    result, writes = np.full(c.var.size, np.nan), np.zeros(c.var.size, int)
+    parts = matmul.gemm_parts(op, 16)
+    assert 1 <= len(parts) <= threads
+    for call in (g for part in parts for g in part):
+        def matrix(flat, offset, rows, columns, ld, transposed):
+            stored = (columns, rows) if transposed else (rows, columns)
+            block = np.lib.stride_tricks.as_strided(flat[offset:], stored, (ld * 8, 8))
+            return block.T if transposed else block
+
+        product = matrix(flat_a, call.a, call.m, call.k, lda, ta) @ matrix(flat_b, call.b, call.k, call.n, ldb, tb)
+        for row in range(call.m):
+            start = call.c + row * ldc
+            result[start : start + call.n] = product[row]
+            writes[start : start + call.n] += 1
+    want = np.swapaxes(a, -1, -2) if ta else a
+    want = want @ (np.swapaxes(b, -1, -2) if tb else b)
+    assert (writes == 1).all()
+    np.testing.assert_allclose(result.reshape(c.shape), want, rtol=1e-12)

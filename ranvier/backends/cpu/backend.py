@@ -6,8 +6,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,12 +43,6 @@ def _source_digest() -> str:
 @functools.cache
 def blas_pointers() -> tuple[int, int, int, int]:
     """Addresses of SciPy's BLAS sgemm, dgemm, sgemv and dgemv (OpenBLAS), for generated code to call."""
-    if "scipy.linalg" not in sys.modules:
-        # OpenBLAS's threads spin for 2^28 cycles after each GEMM by default, fighting the
-        # kernels that run between GEMMs for the cores (10x slower mid-size steps on two
-        # cores). Sleeping at once costs a wake-up per GEMM instead. Read when SciPy's
-        # OpenBLAS loads, so only if nothing loaded it yet; a user's setting wins.
-        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")
     import scipy.linalg.cython_blas as blas
 
     get_name = ctypes.pythonapi.PyCapsule_GetName
@@ -67,7 +59,7 @@ _NO_THREAD_CONTROL = ctypes.CFUNCTYPE(None, ctypes.c_int)(lambda count: None)
 @functools.cache
 def blas_thread_setter() -> int:
     """Address of the thread-count setter of the OpenBLAS behind SciPy's BLAS (a no-op
-    where that library is not found), so generated code can run small GEMMs on one thread."""
+    where that library is not found), so generated code can keep BLAS on one thread."""
     from threadpoolctl import ThreadpoolController
 
     blas_pointers()  # loads SciPy's BLAS, so the controller can see it
@@ -220,7 +212,6 @@ class CPUBackend:
         table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
         table[codegen.SGEMV], table[codegen.DGEMV] = sgemv, dgemv
         table[codegen.BLAS_THREADS] = blas_thread_setter()
-        table[codegen.MAX_THREADS] = thread_count()
         workers = pool()
         workers.ensure(thread_count() - 1)
         table[codegen.POOL] = workers.run_address

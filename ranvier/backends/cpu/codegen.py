@@ -42,8 +42,8 @@ from ..llvm.irutil import (
 from ..llvm.values import Value, index_value
 from .target import CPUTarget
 
-(DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, MAX_THREADS, SGEMV, DGEMV, BF16GEMM, POOL, ALL_CORES,
- FIRST_TABLE_SLOT) = range(14)
+(DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, SGEMV, DGEMV, BF16GEMM, POOL, ALL_CORES,
+ FIRST_TABLE_SLOT) = range(13)
 
 
 @dataclass
@@ -115,7 +115,7 @@ class KernelContext:
     @contextmanager
     def on_all_cores(self) -> Iterator[None]:
         """Count the cycles of the code emitted inside as this step's time on all cores
-        (a job of the worker pool, a GEMM on BLAS's threads): the profile's utilisation."""
+        (a job of the worker pool): the profile's utilisation."""
         clock = cycle_counter(self.module)
         start = self.b.call(clock, [])
         yield

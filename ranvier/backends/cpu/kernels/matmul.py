@@ -18,7 +18,7 @@ from ....ops import attrs_of
 from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ...llvm.values import Value
 from ..amx import workspace_bytes
-from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, MAX_THREADS, SGEMM, SGEMV
+from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMV
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import contiguous_strides
 from .library import kernel
@@ -38,22 +38,11 @@ def _batch_offsets(batch, a_batch, b_batch):
     return result or [(0, 0)]
 
 
-# A small GEMM runs on one thread: waking BLAS's thread pool costs more than it saves,
-# and on a busy machine a waiting thread can stall the call for milliseconds. Large ones
-# use every core: by arithmetic, or by the bytes of a big matrix that a thin product
-# (a decode step's vector-matrix product) streams through.
-PARALLEL_FLOPS = 1 << 24
-PARALLEL_BYTES = 1 << 22
-
-
-def set_blas_threads(ctx, flops: int, nbytes: int) -> bool:
-    """Let BLAS use every core for a product this large, else one; whether it may."""
+def single_threaded_blas(ctx) -> None:
+    """Keep BLAS on the calling thread: parallel GEMMs are split over the worker pool."""
     b = ctx.b
     setter = b.bitcast(ctx.table_entry(BLAS_THREADS), ir.FunctionType(VOID, [I32]).as_pointer())
-    parallel = thread_count() > 1 and (flops >= PARALLEL_FLOPS or nbytes >= PARALLEL_BYTES)
-    count = b.trunc(b.ptrtoint(ctx.table_entry(MAX_THREADS), ir.IntType(64)), I32) if parallel else ir.Constant(I32, 1)
-    b.call(setter, [count])
-    return parallel
+    b.call(setter, [ir.Constant(I32, 1)])
 
 
 def _dims(op):
@@ -84,7 +73,7 @@ def _bfloat16_precision(op) -> bool:
 
 @dataclass(frozen=True)
 class _Gemm:
-    """One call of the bf16 GEMM: its sizes and where its A, B and C start (elements)."""
+    """One GEMM call: its sizes and where its A, B and C start (elements)."""
 
     m: int
     n: int
@@ -94,28 +83,44 @@ class _Gemm:
     c: int
 
 
-def amx_parts(op) -> list[list[_Gemm]]:
-    """The calls of a bf16 MatMul, in one list per thread. A batch of products is
-    shared out whole; a single large product is cut along its longer side (rows or
-    columns of C) in blocks of 32, each thread packing its own share of that side."""
+def _grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """C[m, n] cut into at most `parts` blocks (row range, column range), edges multiples
+    of `unit`: the most blocks, then the squarest, since each part packs its rows of A
+    and its columns of B and packing costs in proportion to the block's rows + columns."""
+    best = None
+    for across in range(1, parts + 1):
+        rows, columns = shares(m, across, unit), shares(n, parts // across, unit)
+        blocks = len(rows) * len(columns)
+        rank = (blocks, -(rows[0][1] - rows[0][0] + columns[0][1] - columns[0][0]))
+        if best is None or rank > best[0]:
+            best = rank, rows, columns
+    _, rows, columns = best
+    return [(r, c) for r in rows for c in columns]
+
+
+def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
+    """The calls of a MatMul, in one list per worker-pool part. A batch of at least as
+    many products as cores is shared out whole; otherwise each product's C is cut into
+    a grid of blocks (`_grid`), each a call of its own, so a single large product uses
+    every core through the pool while the GEMM itself runs on one thread."""
     a, b = op.inputs[0], op.inputs[1]
     ta, tb, m, k, n, batches = _gemms(op)
-    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
-    calls = [_Gemm(m, n, k, oa * a_size, ob * b_size, index * m * n) for index, (oa, ob) in enumerate(batches)]
-    threads = thread_count() if worth_splitting(2 * m * n * k * len(calls)) else 1
-    if threads == 1:
-        return [calls]
-    if len(calls) > 1:
+    a_size, b_size, lda, ldb = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1], a.shape[-1], b.shape[-1]
+    threads = thread_count() if worth_splitting(2 * m * n * k * len(batches), max(a.nbytes, b.nbytes)) else 1
+    if len(batches) >= threads:
+        calls = [_Gemm(m, n, k, oa * a_size, ob * b_size, index * m * n) for index, (oa, ob) in enumerate(batches)]
         return [calls[first:last] for first, last in shares(len(calls), threads)]
-    rows = m >= n  # one product: cut its longer side
     parts = []
-    for start, stop in shares(m if rows else n, threads, 32):
-        size = stop - start
-        if rows:
-            parts.append([_Gemm(size, n, k, start if ta else start * a.shape[-1], 0, start * n)])
-        else:
-            parts.append([_Gemm(m, size, k, 0, start * b.shape[-1] if tb else start, start)])
+    for index, (oa, ob) in enumerate(batches):
+        for (r0, r1), (c0, c1) in _grid(m, n, threads // len(batches), unit):
+            parts.append([_Gemm(r1 - r0, c1 - c0, k, oa * a_size + (r0 if ta else r0 * lda),
+                                ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0)])
     return parts
+
+
+def amx_parts(op) -> list[list[_Gemm]]:
+    """The bf16 GEMM's calls per part, blocks in multiples of its 32-row tiles."""
+    return gemm_parts(op, 32)
 
 
 def _part_workspace(part: list[_Gemm]) -> int:
@@ -210,35 +215,26 @@ class Blas:
 
 @kernel("BlasGemm", {"MatMul"}, supports=_float32_or_64)
 def blas_matmul(ctx, op) -> None:
-    """One BLAS call per matrix product. A batch of products worth splitting is shared
-    out over the worker pool, each part calling BLAS on one thread (BLAS's own threads
-    would split each small product again, and wake for every one of them); a single
-    product uses BLAS's threads when it is large."""
+    """One BLAS call per product, or per block of a large product's C (`gemm_parts`),
+    the parts run over the worker pool with BLAS on one thread: BLAS's own pool would
+    compete with ours for the cores, and wake for every product."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
-    ta, tb, m, k, n, batches = _gemms(op)
-    a_size, b_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1]
-    flops = 2 * m * n * k
-    split = len(batches) > 1 and worth_splitting(flops * len(batches))
-    threaded = set_blas_threads(ctx, 0 if split else flops, 0 if split else max(a.nbytes, b.nbytes))
+    ta, tb, _, k, _, _ = _gemms(op)
+    single_threaded_blas(ctx)
 
-    def part(first: int, last: int):
+    def part(calls: list[_Gemm]):
         def emit(ctx) -> None:
             blas = Blas(ctx, a.dtype)
-            for index in range(first, last):
-                oa, ob = batches[index]
-                pa, pb = ctx.element_pointer(a, oa * a_size), ctx.element_pointer(b, ob * b_size)
-                if m == 1:  # a vector times a matrix (a decode step)
-                    blas.vector_matrix(tb, n, k, pa, pb, b.shape[-1], ctx.element_pointer(c, index * n))
+            for g in calls:
+                pa, pb, pc = ctx.element_pointer(a, g.a), ctx.element_pointer(b, g.b), ctx.element_pointer(c, g.c)
+                if g.m == 1:  # a vector times a matrix (a decode step)
+                    blas.vector_matrix(tb, g.n, k, pa, pb, b.shape[-1], pc)
                 else:
-                    blas.gemm(ta, tb, m, n, k, pa, a.shape[-1], pb, b.shape[-1], ctx.element_pointer(c, index * m * n), n)
+                    blas.gemm(ta, tb, g.m, g.n, k, pa, a.shape[-1], pb, b.shape[-1], pc, c.shape[-1])
 
         return emit
 
-    if threaded:
-        with ctx.on_all_cores():
-            part(0, len(batches))(ctx)
-    else:
-        run_parts(ctx, [part(first, last) for first, last in shares(len(batches), thread_count() if split else 1)])
+    run_parts(ctx, [part(calls) for calls in gemm_parts(op, 16)])
 
 
 @kernel("LoopMatMul", {"MatMul"})

@@ -1,6 +1,7 @@
 """Mixture-of-experts kernels: top-k selection (alone, or after the router's softmax in
 the same pass over a row), the counting sort that routes tokens to experts, and the
-grouped GEMMs, one BLAS call per expert over its run-time group of rows."""
+grouped GEMMs, one BLAS call per expert over its run-time group of rows (per slice of
+columns, the slices shared out over the worker pool)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import math
 from .... import dtypes
 from ....ops import attrs_of
 from ...llvm.values import Value
+from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import fill
 from .library import kernel
-from .matmul import Blas, set_blas_threads
+from .matmul import Blas, single_threaded_blas
 from .rows import Row, each_row
 
 
@@ -139,24 +141,39 @@ def _groups(ctx, offsets, experts: int, rows: int, body) -> None:
             body(e, start, stop - start)
 
 
+def _column_shares(rows: int, k: int, n: int) -> list[tuple[int, int]]:
+    """The columns of a grouped product's output each worker-pool part computes, for
+    every group (the split is fixed at compile time, so it assumes all rows are routed)."""
+    worth = worth_splitting(2 * rows * k * n)
+    return shares(n, thread_count() if worth else 1, 16)
+
+
 @kernel("GroupedGemm", {"GroupedMatMul"}, supports=_supported_float)
 def grouped_matmul(ctx, op) -> None:
+    """y[group e] = x[group e] · w[e], each part computing its columns of every group."""
     x, w, offsets = op.inputs
     y = op.outputs[0]
     tb = attrs_of(op)["transpose_b"]
     experts = w.shape[0]
     rows, k = x.shape
     n = y.shape[1]
-    blas = Blas(ctx, x.dtype)
-    set_blas_threads(ctx, 2 * rows * k * n, w.nbytes)
+    single_threaded_blas(ctx)
 
-    def group(e: Value, start: Value, count: Value) -> None:
-        with ctx.when(count > 0):
-            matrix = ctx.element_pointer(w, e * (k * n))
-            blas.gemm(False, tb, count, n, k, ctx.element_pointer(x, start * k), k, matrix, w.shape[2],
-                      ctx.element_pointer(y, start * n), n)
+    def part(first: int, last: int):
+        def emit(ctx) -> None:
+            blas = Blas(ctx, x.dtype)
 
-    _groups(ctx, offsets, experts, rows, group)
+            def group(e: Value, start: Value, count: Value) -> None:
+                with ctx.when(count > 0):
+                    matrix = ctx.element_pointer(w, e * (k * n) + (first * k if tb else first))
+                    blas.gemm(False, tb, count, last - first, k, ctx.element_pointer(x, start * k), k, matrix, w.shape[2],
+                              ctx.element_pointer(y, start * n + first), n)
+
+            _groups(ctx, offsets, experts, rows, group)
+
+        return emit
+
+    run_parts(ctx, [part(first, last) for first, last in _column_shares(rows, k, n)])
     # Rows past the last group (choices dropped at capacity) are zero.
     last = ctx.load(offsets, experts).cast(dtypes.DT_INT64).minimum(rows).maximum(0)
     with ctx.loop(last * n, rows * n, name="z") as i:
@@ -165,25 +182,34 @@ def grouped_matmul(ctx, op) -> None:
 
 @kernel("GroupedGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_supported_float)
 def grouped_matmul_weight_grad(ctx, op) -> None:
-    """dw[e] = x_eᵀ · dy_e (or, transposed, dy_eᵀ · x_e); an expert no row chose gets zeros."""
+    """dw[e] = x_eᵀ · dy_e (or, transposed, dy_eᵀ · x_e); an expert no row chose gets zeros.
+    Each part computes the slice of every dw[e] that its columns of dy make."""
     x, dy, offsets = op.inputs
     dw = op.outputs[0]
     transpose = attrs_of(op)["transpose"]
     experts = dw.shape[0]
     rows, k = x.shape
     n = dy.shape[1]
-    blas = Blas(ctx, x.dtype)
-    set_blas_threads(ctx, 2 * rows * k * n, dw.nbytes)
+    single_threaded_blas(ctx)
     block = k * n
 
-    def group(e: Value, start: Value, count: Value) -> None:
-        target = ctx.element_pointer(dw, e * block)
-        with ctx.when(count > 0):
-            if transpose:
-                blas.gemm(True, False, n, k, count, ctx.element_pointer(dy, start * n), n, ctx.element_pointer(x, start * k), k, target, k)
-            else:
-                blas.gemm(True, False, k, n, count, ctx.element_pointer(x, start * k), k, ctx.element_pointer(dy, start * n), n, target, n)
-        with ctx.when(count.equal(0)), ctx.loop(0, block, name="z") as i:
-            ctx.store(dw, e * block + i, 0.0)
+    def part(first: int, last: int):
+        def emit(ctx) -> None:
+            blas = Blas(ctx, x.dtype)
+            columns = last - first
 
-    _groups(ctx, offsets, experts, rows, group)
+            def group(e: Value, start: Value, count: Value) -> None:
+                with ctx.when(count > 0):
+                    x_rows, dy_rows = ctx.element_pointer(x, start * k), ctx.element_pointer(dy, start * n + first)
+                    if transpose:  # dw[e] is [n, k]: its rows first..last
+                        blas.gemm(True, False, columns, k, count, dy_rows, n, x_rows, k, ctx.element_pointer(dw, e * block + first * k), k)
+                    else:  # dw[e] is [k, n]: its columns first..last
+                        blas.gemm(True, False, k, columns, count, x_rows, k, dy_rows, n, ctx.element_pointer(dw, e * block + first), n)
+                with ctx.when(count.equal(0)), ctx.loop(0, k, name="r") as r, ctx.loop(first, last, name="z") as j:
+                    ctx.store(dw, e * block + (j * k + r if transpose else r * n + j), 0.0)
+
+            _groups(ctx, offsets, experts, rows, group)
+
+        return emit
+
+    run_parts(ctx, [part(first, last) for first, last in _column_shares(rows, k, n)])
