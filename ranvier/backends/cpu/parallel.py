@@ -7,8 +7,8 @@ it to the process's worker pool (pool.py), which runs the parts on its threads a
 calling one and returns when all are done.
 
 Only work that takes several times a job's cost is split. That cost is measured on
-each machine (`split_thresholds`): the pool's latency when its workers must be woken
-from sleep, the worst case, against what one core streams or computes meanwhile. The
+each machine (`split_thresholds`): the pool's latency with its workers spinning and
+when they must be woken from sleep, against what one core streams or computes meanwhile. The
 part count and the thresholds are fixed when the code is generated, and are in the
 backend's compile-cache key.
 """
@@ -35,8 +35,9 @@ from .pool import RUN, pool
 
 Part = Callable[[KernelContext], None]
 
-# A kernel is split when one core would take this many times a job's wake-up to run it.
-SPLIT_FACTOR = 8
+# A kernel is split when one core would take this many times a job's cost to run it
+# (on two cores it then takes 3/4 of its time).
+SPLIT_FACTOR = 4
 SPLIT_ENVIRONMENT = "RANVIER_SPLIT_BYTES"  # a fixed byte threshold (FLOPs: 8 per byte), skipping the measurement
 
 
@@ -62,6 +63,7 @@ class SplitThresholds:
     flops: int
     nbytes: int
     wake_seconds: float  # what they were derived from: a job's cost with the workers asleep,
+    spin_seconds: float  # and with them spinning,
     core_bytes_per_second: float  # one core's copy rate (read + write),
     core_flops: float  # and one core's peak arithmetic (vector FMA units at the counter's clock)
 
@@ -77,7 +79,8 @@ def _measure(cores: int) -> SplitThresholds:
     from .jit import cycles_per_second
     from .target import host_target
 
-    wake = pool().job_seconds(cores, asleep=True)
+    workers = pool()
+    wake, spin = workers.job_seconds(cores, asleep=True), workers.job_seconds(cores, asleep=False)
     source = np.ones(1 << 21, np.float32)  # 8 MiB: beyond the caches, on one core (numpy's copy)
     target = np.empty_like(source)
     times = []
@@ -87,8 +90,12 @@ def _measure(cores: int) -> SplitThresholds:
         times.append(time.perf_counter() - start)
     bandwidth = 2 * source.nbytes / sorted(times)[3]
     core_flops = cycles_per_second() * host_target().lanes(4) * 4  # two FMA units, 2 FLOPs each
-    work = SPLIT_FACTOR * max(wake, 1e-6)
-    return SplitThresholds(_power_of_two(work * core_flops), _power_of_two(work * bandwidth), wake, bandwidth, core_flops)
+    # A step's kernels run back to back, so its jobs mostly find the workers spinning and
+    # sometimes (after a long one-core kernel) asleep: a job costs between the two, taken
+    # as their geometric mean. On the 2-core EPYC this was tuned on that splits from
+    # 128 KiB; the asleep cost alone made it 1 MiB, and MNIST's training step 15% slower.
+    work = SPLIT_FACTOR * max(math.sqrt(wake * spin), 1e-7)
+    return SplitThresholds(_power_of_two(work * core_flops), _power_of_two(work * bandwidth), wake, spin, bandwidth, core_flops)
 
 
 @functools.cache
@@ -101,7 +108,7 @@ def split_thresholds() -> SplitThresholds:
     fixed = os.environ.get(SPLIT_ENVIRONMENT)
     if fixed:
         nbytes = int(fixed)
-        return SplitThresholds(8 * nbytes, nbytes, 0.0, 0.0, 0.0)
+        return SplitThresholds(8 * nbytes, nbytes, 0.0, 0.0, 0.0, 0.0)
     cores = thread_count()
     name = hashlib.sha256(f"{host_target().key()}\n{cores}".encode()).hexdigest()[:16]
     path = cache_dir() / f"split-{name}.json"

@@ -315,27 +315,28 @@ class Pool:
                 self.workers = workers
 
     def job_seconds(self, parts: int, asleep: bool) -> float:
-        """The median time a job of `parts` empty parts adds over running one inline:
-        publishing it, waking the workers (spinning, or `asleep` after a pause) and
-        waiting for them."""
+        """The time a job of `parts` empty parts adds over running one inline: publishing
+        it, waking the workers (spinning, or `asleep` after a pause) and waiting for them.
+        The two are timed in alternation and the median of their differences is taken:
+        after a pause even the inline call runs cold, and a shared machine's noise comes
+        in bursts that a difference of neighbours cancels."""
         run = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(self.run_address)
         blocks = ctypes.create_string_buffer(parts)
         self.ensure(parts - 1)
+        repeats = 1 if asleep else 1000
 
         def seconds(count: int) -> float:
-            times = []
-            for _ in range(50 if asleep else 5):
-                if asleep:
-                    time.sleep(SPIN_TICKS / jit.cycles_per_second() * 20)
-                repeats = 1 if asleep else 1000
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    run(self._nothing, blocks, count, 1)
-                times.append((time.perf_counter() - start) / repeats)
-            return statistics.median(times)
+            if asleep:
+                time.sleep(SPIN_TICKS / jit.cycles_per_second() * 20)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                run(self._nothing, blocks, count, 1)
+            return (time.perf_counter() - start) / repeats
 
-        seconds(parts)
-        return max(0.0, seconds(parts) - seconds(1))
+        for _ in range(3):  # workers awake and spinning, code and data in cache
+            seconds(parts)
+        differences = [seconds(parts) - seconds(1) for _ in range(100 if asleep else 15)]
+        return max(0.0, statistics.median(differences))
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
