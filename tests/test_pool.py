@@ -127,7 +127,8 @@ h = {name: f.var(name, "float32", shape) for name, shape in shapes.items()}
 outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True), f.matmul(h["a"], h["bt"], transpose_b=True),
            f.matmul(h["at"], h["bt"], transpose_a=True, transpose_b=True), f.matmul(h["batch"], h["other"]),
            f.matmul(h["batch"], h["b"]), f.matmul(h["v"], h["b"]), f.softmax(h["x"]), f.rms_norm(h["x"], h["g"]),
-           f.tanh(h["x"] * 1.5 + 0.25), f.transpose(h["x"], [1, 0])]
+           f.tanh(h["x"] * 1.5 + 0.25), f.transpose(h["x"], [1, 0]), f.sum(h["x"], axis=0), f.sum(h["x"], axis=1),
+           f.max(h["batch"], axis=1), f.mean(h["batch"], axis=[1, 2])]
 for o in outputs:
     o.var.out = True
 results = []
@@ -152,7 +153,8 @@ print("ok")
 @pytest.mark.parametrize("threads", sorted({1, 2, thread_count()}))
 def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask):
     """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
-    a vector), row kernels and maps give the reference's results on 1, 2 and every core."""
+    a vector), row kernels, maps and reductions (by rows, by columns, across a middle
+    axis) give the reference's results on 1, 2 and every core."""
     if threads > thread_count():
         pytest.skip(f"this process may use {thread_count()} cores")
     env = dict(os.environ, RANVIER_SPLIT_BYTES="1024", PYTHONPATH=str(ROOT))

@@ -14,6 +14,7 @@ from .... import dtypes
 from ....ops import attrs_of
 from ...llvm.irutil import compute_type, is_signed
 from ...llvm.values import Value
+from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import fold, for_vectors
 from .library import kernel
 
@@ -72,6 +73,8 @@ def _combine(kind: str):
 
 @kernel("Reduce", REDUCTIONS, supports=lambda op: blocks(op) is not None)
 def reduction(ctx, op) -> None:
+    """A large reduction is shared out over the pool by its blocks, or, with fewer
+    blocks than cores (a bias gradient's column sums), by vectors of its columns."""
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, inner = blocks(op)
     combine, start = _combine(op.type), _identity(op.type, x.dtype)
@@ -81,19 +84,30 @@ def reduction(ctx, op) -> None:
     def finish(value: Value) -> Value:
         return value * scale if scale is not None else value
 
-    def columns(o: Value, i: Value, width: int) -> None:
+    def columns(ctx, o: Value, i: Value, width: int) -> None:
         """`width` columns of block o accumulate down the reduced axis."""
         acc = ctx.local(x.dtype, width, start)
         with ctx.loop(0, reduced, name="r") as r:
             acc.set(combine(acc.value, ctx.load(x, o * (reduced * inner) + r * inner + i, width)))
         ctx.store(out, o * inner + i, finish(acc.value))
 
-    with ctx.loop(0, outer, name="o") as o:
-        if inner == 1:
-            total = fold(ctx, o * reduced, reduced, lanes, x.dtype, start, combine, lambda i, w: ctx.load(x, i, w))
-            ctx.store(out, o, finish(total))
-        else:
-            for_vectors(ctx, 0, inner, lanes, lambda i, w: columns(o, i, w))
+    def part(rows: tuple[int, int], cols: tuple[int, int]):
+        def emit(ctx) -> None:
+            with ctx.loop(*rows, name="o") as o:
+                if inner == 1:
+                    total = fold(ctx, o * reduced, reduced, lanes, x.dtype, start, combine, lambda i, w: ctx.load(x, i, w))
+                    ctx.store(out, o, finish(total))
+                else:
+                    for_vectors(ctx, cols[0], cols[1] - cols[0], lanes, lambda i, w: columns(ctx, o, i, w))
+
+        return emit
+
+    threads = thread_count() if worth_splitting(nbytes=x.nbytes + out.nbytes) else 1
+    if outer >= threads or inner == 1:
+        parts = [part(share, (0, inner)) for share in shares(outer, threads)]
+    else:
+        parts = [part((0, outer), share) for share in shares(inner, threads, lanes)]
+    run_parts(ctx, parts)
 
 
 @kernel("ArgReduce", {"ArgMax", "ArgMin"})

@@ -13,9 +13,11 @@ def _identity(values, lanes):
 
 @kernel("Pad", {"Pad"})
 def pad(ctx, op) -> None:
+    """The border's value everywhere, then x over the inside: both maps, so a large pad
+    is shared out over the cores."""
     x, out = op.inputs[0], op.outputs[0]
     attrs = attrs_of(op)
-    fill(ctx, out, attrs["value"])
+    emit_map(ctx, out.shape, [], [dense_view(out)], lambda values, lanes: [ctx.constant(out.dtype, attrs["value"], lanes)])
     strides = contiguous_strides(out.shape)
     offset = sum(p * s for p, s in zip(attrs["before"], strides))
     emit_map(ctx, x.shape, [dense_view(x)], [View(out, offset, strides)], _identity)
