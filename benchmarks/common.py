@@ -56,6 +56,12 @@ class Ceilings:
         return (f"ceilings measured here: fp32 GEMM {self.gemm / 1e9:,.0f} GFLOP/s (the best BLAS matmul), "
                 f"memory {self.bandwidth / 1e9:,.1f} GB/s (a copy, read + write)")
 
+    def against(self, flops: float, seconds: dict[str, float]) -> str:
+        """These ceilings, and each side's rate doing `flops` in its `seconds`, as a share of the GEMM ceiling."""
+        rates = [f"{name:12s} {flops / time / 1e9:9.1f} GFLOP/s, {flops / time / self.gemm:.0%} of the GEMM ceiling"
+                 for name, time in seconds.items()]
+        return "\n".join([str(self), *rates])
+
 
 def time_round_robin(runs: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
     """Seconds per call of each callable, interleaved: every round times each one once, in turn.

@@ -15,7 +15,7 @@ import statistics
 import time
 
 import numpy as np
-from common import machine, match_threads, summary
+from common import machine, match_threads, measure_ceilings, summary
 
 
 def run_ranvier(steps: int, backend: str, matmul: str = "float32") -> tuple[float, float]:
@@ -79,7 +79,17 @@ def main() -> None:
             print(f"  run {repeat + 1} {name:12s} {seconds:7.2f} s  accuracy {accuracy:.4f}", flush=True)
     for name, runs in results.items():
         print(f"{name:12s} median accuracy {statistics.median(a for _, a in runs):.4f}")
-    summary({name: statistics.median(s for s, _ in runs) for name, runs in results.items()}, "s", higher_is_better=False, digits=2)
+    medians = {name: statistics.median(s for s, _ in runs) for name, runs in results.items()}
+    summary(medians, "s", higher_is_better=False, digits=2)
+    print(measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch).against(step_flops() * args.steps, medians))
+
+
+def step_flops() -> int:
+    """The arithmetic of one training step as ranvier's compiled step counts it; both
+    sides do the same products (neither computes the input's gradient)."""
+    from ranvier.train.mnist_job import MnistConfig, make_trainer
+
+    return make_trainer(MnistConfig(steps=1))[0].cell.flops
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import onnxruntime
 import torch
-from common import machine
+from common import machine, measure_ceilings
 
 import ranvier
 import ranvier.onnx
@@ -118,7 +118,7 @@ def models(quick: bool):
     }
 
 
-def compare(module, inputs, repeats: int) -> tuple[dict[str, float], float]:
+def compare(module, inputs, repeats: int) -> tuple[dict[str, float], float, int]:
     model = torch.onnx.export(module, tuple(inputs), dynamo=True, verbose=False).model_proto
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
@@ -129,7 +129,7 @@ def compare(module, inputs, repeats: int) -> tuple[dict[str, float], float]:
     output = model.graph.output[0].name
     reference = session.run(None, feeds)[0]
     error = float(np.abs(np.asarray(data[output]) - reference).max() / np.abs(reference).max())
-    return times, error
+    return times, error, data.cell.flops
 
 
 def main() -> None:
@@ -144,6 +144,8 @@ def main() -> None:
     torch.manual_seed(0)
     catalogue = models(args.quick)
     print(machine())
+    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
+    print(ceilings)
     print(f"ONNX Runtime {onnxruntime.__version__}: default session options (all graph optimizations), CPUExecutionProvider")
     print(f"{'model':<11} {'batch':>5} {'ranvier ms':>11} {'ORT ms':>9}  {'items/s ranvier':>16} {'items/s ORT':>12}  ratio")
     for name in args.models:
@@ -151,11 +153,13 @@ def main() -> None:
         module.eval()
         for batch in args.batches:
             with torch.no_grad():
-                times, error = compare(module, make_inputs(batch), args.repeats)
+                times, error, flops = compare(module, make_inputs(batch), args.repeats)
             ours, theirs = times["ranvier"], times["onnxruntime"]
             verdict = f"ranvier {theirs / ours:.2f}× faster" if ours <= theirs else f"ranvier {ours / theirs:.2f}× slower"
             print(f"{name:<11} {batch:>5} {ours * 1e3:>11.1f} {theirs * 1e3:>9.1f}  {batch / ours:>16.1f} {batch / theirs:>12.1f}  "
-                  f"{verdict} (ranvier/ORT time {ours / theirs:.2f}; max rel. error {error:.1e})", flush=True)
+                  f"{verdict} (ranvier/ORT time {ours / theirs:.2f}; max rel. error {error:.1e}; "
+                  f"{flops / 1e9:.1f} GFLOP: ranvier {flops / ours / ceilings.gemm:.0%}, ORT {flops / theirs / ceilings.gemm:.0%} "
+                  f"of the GEMM ceiling)", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,16 +49,22 @@ def test_onnx_inference_benchmark_races_onnx_runtime_on_each_model():
     out = run("onnx_inference.py", "--quick", "--batches", "1", "--repeats", "1")
     lines = out.splitlines()
     assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0]
-    assert lines[1].startswith("ONNX Runtime ")
+    assert re.match(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", lines[1])
+    assert lines[2].startswith("ONNX Runtime ")
     for model in ("bert-base", "resnet18", "gpt2-small"):
         row = next(line for line in lines if line.startswith(model))
         assert ("faster" in row or "slower" in row) and "max rel. error" in row
-        assert float(row.split("max rel. error ")[1].rstrip(")")) < 1e-5, row
+        assert re.search(r"GFLOP: ranvier \d+%, ORT \d+% of the GEMM ceiling\)$", row), row
+        assert float(row.split("max rel. error ")[1].split(";")[0]) < 1e-5, row
 
 
 @pytest.mark.slow
-def test_mnist_benchmark_says_which_side_is_faster():
-    assert_summary(run("mnist_mlp.py", "--steps", "20", "--repeats", "1").splitlines(), "s")
+def test_mnist_benchmark_says_which_side_is_faster_and_how_far_each_is_from_the_ceiling():
+    out = run("mnist_mlp.py", "--steps", "20", "--repeats", "1")
+    assert_summary(out.splitlines(), "s")
+    assert re.search(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", out)
+    for side in ("ranvier", "pytorch"):
+        assert re.search(rf"^{side} +[\d.]+ GFLOP/s, \d+% of the GEMM ceiling$", out, re.MULTILINE), side
 
 
 @pytest.mark.slow
