@@ -75,13 +75,14 @@ def test_the_cell_shows_the_kernel_and_its_workspace():
     assert "AmxGemm" in text and "f/MatMul/workspace: uint8" in text
 
 
-def test_vector_products_and_float32_requests_stay_on_blas():
+def test_vector_products_and_float32_requests_stay_in_float32():
     cell, *_ = compiled_matmul((1, 64), (64, 64))
-    assert [s.kernel for s in cell.steps] == ["BlasGemm"]
+    assert [s.kernel for s in cell.steps] == ["BlasGemm"]  # GEMV
+    float32 = (["BlasGemm"], ["Gemm"])  # whichever measured faster for the shape
     cell, *_ = compiled_matmul((64, 64), (64, 64), matmul="float32")
-    assert [s.kernel for s in cell.steps] == ["BlasGemm"]
+    assert [s.kernel for s in cell.steps] in float32
     cell, *_ = compiled_matmul((64, 64), (64, 64), cpu="-avx512")  # masks AMX with AVX-512
-    assert [s.kernel for s in cell.steps] == ["BlasGemm"]
+    assert [s.kernel for s in cell.steps] in float32
 
 
 def test_unknown_precision_is_refused():

@@ -133,7 +133,11 @@ for o in outputs:
     o.var.out = True
 results = []
 for backend in ("cpu", "reference"):
-    data = rv.Compiler(backend, cpu=sys.argv[2] if backend == "cpu" else "", cache=False).compile(flow).cell("f").instance()
+    cell = rv.Compiler(backend, cpu=sys.argv[2] if backend == "cpu" else "", cache=False).compile(flow).cell("f")
+    if backend == "cpu":
+        wanted = "Gemm" if os.environ["RANVIER_GEMM"] == "generated" else "BlasGemm"
+        assert sum(s.kernel == wanted for s in cell.steps) >= 5, [s.kernel for s in cell.steps]
+    data = cell.instance()
     for name, value in values.items():
         data[h[name]] = value
     if backend == "cpu":
@@ -149,15 +153,16 @@ print("ok")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gemm", ["generated", "blas"])
 @pytest.mark.parametrize("mask", ["", "-avx512", "-avx512,-avx2"])
 @pytest.mark.parametrize("threads", sorted({1, 2, thread_count()}))
-def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask):
+def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask, gemm):
     """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
-    a vector), row kernels, maps and reductions (by rows, by columns, across a middle
-    axis) give the reference's results on 1, 2 and every core."""
+    a vector; the generated GEMM and BLAS), row kernels, maps and reductions (by rows, by
+    columns, across a middle axis) give the reference's results on 1, 2 and every core."""
     if threads > thread_count():
         pytest.skip(f"this process may use {thread_count()} cores")
-    env = dict(os.environ, RANVIER_SPLIT_BYTES="1024", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, RANVIER_SPLIT_BYTES="1024", RANVIER_GEMM=gemm, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(threads), mask], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

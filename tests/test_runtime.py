@@ -54,7 +54,7 @@ def test_cell_printout_shows_layout_and_kernels():
 def test_cpu_printout_shows_fused_kernels_and_their_expression():
     flow, *_ = myelin_example()
     text = str(myelin.Compiler("cpu").compile(flow).cell("f"))
-    assert "f/MatMul:0 = BlasGemm[" in text
+    assert "f/MatMul:0 = BlasGemm[" in text or "f/MatMul:0 = Gemm[" in text
     assert "f/Relu:0 = Calculate[" in text and "// $0=Add(%0,%1);@0=Relu($0)" in text
     assert "f/y:0 = SoftmaxRow[" in text
 

@@ -18,10 +18,10 @@ from ...ops import is_view
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..reference import reference_kernel
-from . import amx, codegen, jit
+from . import amx, codegen, jit, sgemm
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
-from .kernels.matmul import AMX_KERNEL
+from .kernels.matmul import AMX_KERNEL, GENERATED_KERNEL
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
@@ -202,14 +202,14 @@ class CPUBackend:
                 status[0] = index + 1
 
         callback = _CALLBACK_TYPE(run_fallback)
-        sgemm, dgemm, sgemv, dgemv = blas_pointers()
+        blas_sgemm, dgemm, sgemv, dgemv = blas_pointers()
         table = (ctypes.c_void_p * (FIRST_TABLE_SLOT + len(layout.table)))()
         table[codegen.DATA] = instance.buffer.ctypes.data
         table[codegen.STATUS] = status.ctypes.data
         table[codegen.PROFILE] = instance.step_time.ctypes.data
         table[codegen.ALL_CORES] = instance.all_cores_time.ctypes.data
         table[codegen.CALLBACK] = ctypes.cast(callback, ctypes.c_void_p).value
-        table[codegen.SGEMM], table[codegen.DGEMM] = sgemm, dgemm
+        table[codegen.SGEMM], table[codegen.DGEMM] = blas_sgemm, dgemm
         table[codegen.SGEMV], table[codegen.DGEMV] = sgemv, dgemv
         table[codegen.BLAS_THREADS] = blas_thread_setter()
         workers = pool()
@@ -217,6 +217,8 @@ class CPUBackend:
         table[codegen.POOL] = workers.run_address
         if any(step.kernel == AMX_KERNEL for step in cell.steps):
             table[codegen.BF16GEMM] = amx.gemm_address(self.target)
+        if any(step.kernel == GENERATED_KERNEL for step in cell.steps):
+            table[codegen.SGEMM_GENERATED] = sgemm.gemm_address(self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
         function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["code"].address)

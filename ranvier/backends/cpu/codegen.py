@@ -42,8 +42,8 @@ from ..llvm.irutil import (
 from ..llvm.values import Value, index_value
 from .target import CPUTarget
 
-(DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, SGEMV, DGEMV, BF16GEMM, POOL, ALL_CORES,
- FIRST_TABLE_SLOT) = range(13)
+(DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, SGEMV, DGEMV, BF16GEMM, SGEMM_GENERATED, POOL, ALL_CORES,
+ FIRST_TABLE_SLOT) = range(14)
 
 
 @dataclass

@@ -15,10 +15,7 @@ backend's compile-cache key.
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import json
 import math
 import os
 import time
@@ -28,9 +25,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from llvmlite import ir
 
-from ...atomic import atomic_write_bytes
 from ..llvm.irutil import BYTE_PTR, I32, I64, i64
 from .codegen import POOL, KernelContext
+from .measured import kept, kept_path
 from .pool import RUN, pool
 
 Part = Callable[[KernelContext], None]
@@ -101,8 +98,7 @@ def _measure(cores: int) -> SplitThresholds:
 @functools.cache
 def split_thresholds() -> SplitThresholds:
     """This machine's thresholds: `$RANVIER_SPLIT_BYTES` if set, else measured once and
-    kept in the code cache's folder (code generated for them is cached there too)."""
-    from .jit import cache_dir
+    kept (measured.py)."""
     from .target import host_target
 
     fixed = os.environ.get(SPLIT_ENVIRONMENT)
@@ -110,23 +106,15 @@ def split_thresholds() -> SplitThresholds:
         nbytes = int(fixed)
         return SplitThresholds(8 * nbytes, nbytes, 0.0, 0.0, 0.0, 0.0)
     cores = thread_count()
-    name = hashlib.sha256(f"{host_target().key()}\n{cores}".encode()).hexdigest()[:16]
-    path = cache_dir() / f"split-{name}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 -- held across the measurement
-    except OSError:
-        return _measure(cores)  # no cache folder to keep them in
-    with lock:
-        # Processes starting together on a fresh machine wait for the first one's
-        # measurement rather than each generating code for its own.
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return SplitThresholds(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            pass
+    with kept(kept_path("split", f"{host_target().key()}\n{cores}")) as values:
+        if values:
+            try:
+                return SplitThresholds(**values)
+            except TypeError:  # kept by an older version
+                values.clear()
         measured = _measure(cores)
-        atomic_write_bytes(path, json.dumps(asdict(measured)).encode())
+        if values is not None:
+            values.update(asdict(measured))
         return measured
 
 

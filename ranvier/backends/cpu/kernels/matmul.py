@@ -1,6 +1,7 @@
-"""MatMul: float32/float64 through the vendor BLAS (OpenBLAS, via SciPy), called directly
-from generated code; float32 in mixed precision through the AMX bf16 GEMM; other dtypes
-through a generated triple loop.
+"""MatMul: float32 through ranvier's generated GEMM (sgemm.py) where it measured faster
+for the shape, else, and float64, through the vendor BLAS (OpenBLAS, via SciPy), called
+directly from generated code; float32 in mixed precision through the AMX bf16 GEMM;
+other dtypes through a generated triple loop.
 
 Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
 the operands swapped. Batch dimensions (broadcast as numpy does) loop around the call.
@@ -17,8 +18,10 @@ from .... import dtypes
 from ....ops import attrs_of
 from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ...llvm.values import Value
+from .. import sgemm
 from ..amx import workspace_bytes
-from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMV
+from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMM_GENERATED, SGEMV
+from ..gemm_choice import generated_is_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import contiguous_strides
 from .library import kernel
@@ -133,19 +136,19 @@ def amx_workspace_bytes(op) -> int:
     return len(parts) * max(_part_workspace(part) for part in parts)
 
 
-@kernel(AMX_KERNEL, {"MatMul"}, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
-def amx_matmul(ctx, op) -> None:
+def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
+    """The calls of a generated GEMM (`slot` in the pointer table; the bf16 AMX one or
+    the float32 one, which take the same arguments), each part with `share` bytes of
+    the step's workspace."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb = _gemms(op)[:2]
-    parts = amx_parts(op)
-    share = max(_part_workspace(part) for part in parts)
     fp = F32.as_pointer()
     gemm_type = ir.FunctionType(VOID, [I64, I64, I64, I64, I64, fp, I64, fp, I64, fp, I64, I8.as_pointer()])
 
     def emit(calls: list[_Gemm], number: int):
         def part(ctx) -> None:
             builder = ctx.b
-            gemm = builder.bitcast(ctx.table_entry(BF16GEMM), gemm_type.as_pointer())
+            gemm = builder.bitcast(ctx.table_entry(slot), gemm_type.as_pointer())
             pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
             scratch = builder.gep(ctx.address(ctx.workspace), [i64(number * share)])
             for g in calls:
@@ -159,6 +162,37 @@ def amx_matmul(ctx, op) -> None:
         return part
 
     run_parts(ctx, [emit(calls, number) for number, calls in enumerate(parts)])
+
+
+@kernel(AMX_KERNEL, {"MatMul"}, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
+def amx_matmul(ctx, op) -> None:
+    parts = amx_parts(op)
+    _call_generated(ctx, op, BF16GEMM, parts, max(_part_workspace(part) for part in parts))
+
+
+GENERATED_KERNEL = "Gemm"
+
+
+def _generated_share(op) -> int:
+    return max(sgemm.workspace_bytes(g.n, g.k) for part in gemm_parts(op, 16) for g in part)
+
+
+def _generated_faster(op) -> bool:
+    """float32, not a vector times a matrix (GEMV streams it best), and the generated
+    GEMM measured faster than BLAS on the largest call a part makes."""
+    if op.inputs[0].dtype != dtypes.DT_FLOAT32 or op.inputs[1].dtype != dtypes.DT_FLOAT32:
+        return False
+    ta, tb = _gemms(op)[:2]
+    calls = [g for part in gemm_parts(op, 16) for g in part]
+    largest = max(calls, key=lambda g: g.m * g.n * g.k)
+    return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k)
+
+
+@kernel(GENERATED_KERNEL, {"MatMul"}, supports=_generated_faster,
+        workspace=lambda op: len(gemm_parts(op, 16)) * _generated_share(op))
+def generated_matmul(ctx, op) -> None:
+    """ranvier's own float32 GEMM (sgemm.py), where it measured faster than BLAS."""
+    _call_generated(ctx, op, SGEMM_GENERATED, gemm_parts(op, 16), _generated_share(op))
 
 
 def _float32_or_64(op) -> bool:

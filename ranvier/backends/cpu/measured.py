@@ -1,0 +1,47 @@
+"""Measurements of this machine kept in the code cache's folder (code generated from them
+is cached there too), so each is taken once per machine, not once per process."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ...atomic import atomic_write_bytes
+
+
+def kept_path(kind: str, identity: str) -> Path:
+    """The file holding measurements of `kind` for a machine described by `identity`."""
+    from .jit import cache_dir
+
+    return cache_dir() / f"{kind}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
+
+
+@contextmanager
+def kept(path: Path) -> Iterator[dict | None]:
+    """The measurements in `path` (an empty dict if there are none or they do not read),
+    held under a lock beside the file: processes starting together on a fresh machine
+    wait for the first one's measurement rather than each taking its own. What the body
+    adds to the dict is written back atomically. None where there is no folder to keep
+    them in (measure, and keep nothing)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 -- held across the measurement
+    except OSError:
+        yield None
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, ValueError):
+            values = {}
+        if not isinstance(values, dict):
+            values = {}
+        before = dict(values)
+        yield values
+        if values != before:
+            atomic_write_bytes(path, json.dumps(values, sort_keys=True).encode())

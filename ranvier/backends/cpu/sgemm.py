@@ -1,0 +1,251 @@
+"""A float32 GEMM generated as LLVM IR for the target's vector width (AVX-512, AVX2/FMA, SSE).
+
+    void ranvier_sgemm(i64 transpose_a, i64 transpose_b, i64 m, i64 n, i64 k,
+                       float* A, i64 lda, float* B, i64 ldb, float* C, i64 ldc,
+                       i8* workspace)
+
+computes row-major C[m×n] = op(A)[m×k] · op(B)[k×n] (op(X) is X or Xᵀ; leading
+dimensions count elements), overwriting C, on the calling thread: a parallel MatMul
+gives each worker-pool part its own blocks of C (kernels/matmul.py, `gemm_parts`).
+
+The algorithm is BLIS's, less the packing of A:
+
+1. B is packed a block at a time, `KC` rows of k by at most `NC` columns, into the
+   workspace (`workspace_bytes`): panels of NR = two vectors of columns, each panel
+   k-major (its row p is NR contiguous floats), columns past n zero.
+2. For each strip of MR rows of op(A) and each panel, a micro-kernel keeps the MR × NR
+   tile of C in 2·MR vector registers; per step of k it loads the panel's row (two
+   vectors), broadcasts MR values of A and does 2·MR fused multiply-adds. A is read in
+   place: a step's MR values lie a row apart (or side by side when A is transposed), and
+   the strip's slice of A stays in L1 while the panels stream past it from L2.
+3. The first slice of k stores the tile into C, later ones add to it. A tile over C's
+   right edge goes through a buffer on the stack, so nothing outside C is written; the
+   last strip of fewer than MR rows has a micro-kernel of its own size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+from pathlib import Path
+
+from llvmlite import ir
+
+from ..llvm.irutil import BYTE_PTR, F32, I1, I64, VOID, for_range, i64, intrinsic, splat
+from . import jit
+from .target import CPUTarget
+
+SYMBOL = "ranvier_sgemm"
+
+GEMM_CTYPE = ctypes.CFUNCTYPE(
+    None, *[ctypes.c_int64] * 5,
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+    ctypes.c_void_p,
+)
+
+MR = 6  # rows of a tile: 2·MR accumulators, two B vectors and a broadcast fit 16 vector registers
+KC = 256  # steps of k per packed block: a strip's slice of A, MR × 1 KiB, stays in L1
+_BLOCK_BYTES = 384 << 10  # a packed block of B: most of a 512 KiB L2
+_FLOAT_PTR = F32.as_pointer()
+_FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
+# kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
+_MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
+
+
+def panel_width(target: CPUTarget) -> int:
+    """NR: the columns of a tile, two vectors."""
+    return 2 * target.lanes(4)
+
+
+def block_columns(target: CPUTarget) -> int:
+    """NC: the columns of a packed block of B, whole panels."""
+    nr = panel_width(target)
+    return max(nr, _BLOCK_BYTES // (KC * 4) // nr * nr)
+
+
+_WIDEST_PANEL = 32  # NR on AVX-512: the workspace is sized for it, whatever the target
+
+
+def workspace_bytes(n: int, k: int) -> int:
+    """Scratch `ranvier_sgemm` needs for op(B) of k × n on any target: one packed block,
+    plus 64 bytes for aligning its start."""
+    columns = min(-(-n // _WIDEST_PANEL) * _WIDEST_PANEL, _BLOCK_BYTES // (KC * 4) // _WIDEST_PANEL * _WIDEST_PANEL)
+    return 64 + max(1, min(k, KC)) * columns * 4
+
+
+@functools.cache
+def gemm_code(target: CPUTarget) -> jit.LoadedCode:
+    """`ranvier_sgemm` compiled for `target` and loaded for the life of the process
+    (object code cached in memory and on disk like cell code)."""
+    key = jit.cache_key(f"{SYMBOL}\n{_source_digest()}", target)
+    code, _ = jit.cached_object(key, lambda: jit.compile_object(build_module(target), target))
+    return jit.load_object(code, target, SYMBOL)
+
+
+def gemm_address(target: CPUTarget) -> int:
+    return gemm_code(target).address
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in (Path(__file__), Path(__file__).parent.parent / "llvm" / "irutil.py"):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class _Emitter:
+    """IR for one target: its vector type and the operations the kernels are made of."""
+
+    def __init__(self, module: ir.Module, target: CPUTarget):
+        self.module = module
+        self.lanes = target.lanes(4)
+        self.nr = 2 * self.lanes
+        self.vector = ir.VectorType(F32, self.lanes) if self.lanes > 1 else F32
+        self.fma = intrinsic(module, "fma", self.vector)
+
+    def load_vector(self, b: ir.IRBuilder, pointer: ir.Value, aligned: bool = False) -> ir.Value:
+        if self.lanes == 1:
+            return b.load(pointer)
+        return b.load(b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
+
+    def store_vector(self, b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, aligned: bool = False) -> None:
+        if self.lanes == 1:
+            b.store(value, pointer)
+        else:
+            b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
+
+    # ---- the micro-kernel -----------------------------------------------------------------
+
+    def micro_kernel(self, rows: int) -> ir.Function:
+        """C[rows × NR] (=|+=) A-strip[rows × kc] · panel[kc × NR]."""
+        function = ir.Function(self.module, _MICRO, name=f"{SYMBOL}_tile{rows}")
+        function.linkage = "internal"
+        kc, a, sa, sk, panel, c, ldc, columns, accumulate = function.args
+        b = ir.IRBuilder(function.append_basic_block("entry"))
+        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes if self.lanes > 1 else 0.0)
+        sums = [[b.alloca(self.vector) for _ in range(2)] for _ in range(rows)]
+        for row in sums:
+            for slot in row:
+                b.store(zero, slot)
+        row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
+        with for_range(b, i64(0), kc, name="p") as p:
+            step = b.gep(panel, [b.mul(p, i64(self.nr))])
+            halves = [self.load_vector(b, step, aligned=True), self.load_vector(b, b.gep(step, [i64(self.lanes)]), aligned=True)]
+            along = b.mul(p, sk)
+            for r in range(rows):
+                value = splat(b, b.load(b.gep(row_starts[r], [along])), self.lanes)
+                for h in range(2):
+                    b.store(b.call(self.fma, [value, halves[h], b.load(sums[r][h])]), sums[r][h])
+        whole = b.icmp_signed("==", columns, i64(self.nr))
+        with b.if_else(whole) as (full, edge):
+            with full:
+                for r in range(rows):
+                    for h in range(2):
+                        target = b.gep(c, [b.add(b.mul(i64(r), ldc), i64(h * self.lanes))])
+                        total = b.load(sums[r][h])
+                        added = b.fadd(total, self.load_vector(b, target))
+                        self.store_vector(b, b.select(accumulate, added, total), target)
+            with edge:
+                tile = b.alloca(F32, i64(rows * self.nr))
+                for r in range(rows):
+                    for h in range(2):
+                        self.store_vector(b, b.load(sums[r][h]), b.gep(tile, [i64(r * self.nr + h * self.lanes)]))
+                    with for_range(b, i64(0), columns, name="j") as j:
+                        target = b.gep(c, [b.add(b.mul(i64(r), ldc), j)])
+                        value = b.load(b.gep(tile, [b.add(i64(r * self.nr), j)]))
+                        b.store(b.select(accumulate, b.fadd(value, b.load(target)), value), target)
+        b.ret_void()
+        return function
+
+    # ---- packing B ------------------------------------------------------------------------
+
+    def pack(self, b: ir.IRBuilder, tb: ir.Value, source: ir.Value, ldb: ir.Value, pc: ir.Value, jc: ir.Value,
+             kc: ir.Value, nc: ir.Value, packed: ir.Value) -> None:
+        """op(B)[pc:pc+kc, jc:jc+nc] into panels of NR columns, zeros past nc."""
+        nr = i64(self.nr)
+        panels = b.sdiv(b.add(nc, i64(self.nr - 1)), nr)
+        with for_range(b, i64(0), panels, name="q") as q:
+            first = b.mul(q, nr)
+            columns = b.select(b.icmp_signed("<", b.sub(nc, first), nr), b.sub(nc, first), nr)
+            panel = b.gep(packed, [b.mul(q, b.mul(kc, nr))])
+            column = b.add(jc, first)
+            with b.if_else(b.icmp_signed("!=", tb, i64(0))) as (transposed, plain):
+                with transposed:
+                    self._pack_columns(b, source, ldb, pc, column, kc, columns, panel)
+                with plain:
+                    self._pack_rows(b, source, ldb, pc, column, kc, columns, panel)
+
+    def _pack_columns(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
+        """op(B)[p, j] = B[j, p]: each column of the panel is a run of one of B's rows."""
+        nr = i64(self.nr)
+        with for_range(b, i64(0), nr, name="jt") as j:
+            inside = b.icmp_signed("<", j, columns)
+            row = b.gep(source, [b.add(b.mul(b.add(column, j), ldb), pc)])
+            with for_range(b, i64(0), kc, name="pt") as p:
+                value = b.select(inside, b.load(b.gep(row, [b.select(inside, p, i64(0))])), ir.Constant(F32, 0.0))
+                b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
+
+    def _pack_rows(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
+        """op(B)[p, j] = B[p, j]: each row of the panel is a run of one of B's rows,
+        copied as two vectors when the panel is whole."""
+        nr = i64(self.nr)
+        with b.if_else(b.icmp_signed("==", columns, nr)) as (whole, edge):
+            with whole, for_range(b, i64(0), kc, name="pw") as p:
+                row = b.gep(source, [b.add(b.mul(b.add(pc, p), ldb), column)])
+                for h in range(2):
+                    value = self.load_vector(b, b.gep(row, [i64(h * self.lanes)]))
+                    self.store_vector(b, value, b.gep(panel, [b.add(b.mul(p, nr), i64(h * self.lanes))]), aligned=True)
+            with edge, for_range(b, i64(0), kc, name="pe") as p, for_range(b, i64(0), nr, name="je") as j:
+                inside = b.icmp_signed("<", j, columns)
+                where = b.add(b.mul(b.add(pc, p), ldb), b.add(column, b.select(inside, j, i64(0))))
+                value = b.select(inside, b.load(b.gep(source, [where])), ir.Constant(F32, 0.0))
+                b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
+
+
+def build_module(target: CPUTarget) -> ir.Module:
+    module = ir.Module(SYMBOL)
+    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    emit = _Emitter(module, target)
+    tiles = {rows: emit.micro_kernel(rows) for rows in range(1, MR + 1)}
+    function = ir.Function(module, _FUNCTION, name=SYMBOL)
+    ta, tb, m, n, k, a, lda, source, ldb, c, ldc, workspace = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    address = b.ptrtoint(workspace, I64)
+    packed = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), _FLOAT_PTR)
+    transposed = b.icmp_signed("!=", ta, i64(0))
+    sa, sk = b.select(transposed, i64(1), lda), b.select(transposed, lda, i64(1))
+    nr, nc_max = i64(emit.nr), i64(block_columns(target))
+
+    empty = b.icmp_signed("==", k, i64(0))  # an empty sum: C is zeros
+    with b.if_then(empty), for_range(b, i64(0), m, name="zi") as i, for_range(b, i64(0), n, name="zj") as j:
+        b.store(ir.Constant(F32, 0.0), b.gep(c, [b.add(b.mul(i, ldc), j)]))
+
+    def smaller(x: ir.Value, y: ir.Value) -> ir.Value:
+        return b.select(b.icmp_signed("<", x, y), x, y)
+
+    full_rows = b.mul(b.sdiv(m, i64(MR)), i64(MR))
+    with for_range(b, i64(0), n, step=block_columns(target), name="jc") as jc:
+        nc = smaller(nc_max, b.sub(n, jc))
+        panels = b.sdiv(b.add(nc, i64(emit.nr - 1)), nr)
+        with for_range(b, i64(0), k, step=KC, name="pc") as pc:
+            kc = smaller(i64(KC), b.sub(k, pc))
+            emit.pack(b, tb, source, ldb, pc, jc, kc, nc, packed)
+            accumulate = b.icmp_signed(">", pc, i64(0))
+
+            def strip(tile: ir.Function, i0: ir.Value) -> None:
+                strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
+                with for_range(b, i64(0), panels, name="jr") as q:
+                    first = b.mul(q, nr)
+                    b.call(tile, [kc, strip_a, sa, sk, b.gep(packed, [b.mul(first, kc)]),
+                                  b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]), ldc,
+                                  smaller(nr, b.sub(nc, first)), accumulate])
+
+            with for_range(b, i64(0), full_rows, step=MR, name="ir") as i0:
+                strip(tiles[MR], i0)
+            left = b.sub(m, full_rows)
+            for rows in range(1, MR):
+                with b.if_then(b.icmp_signed("==", left, i64(rows))):
+                    strip(tiles[rows], full_rows)
+    b.ret_void()
+    return module

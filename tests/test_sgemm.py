@@ -1,0 +1,105 @@
+"""ranvier's generated float32 GEMM (backends/cpu/sgemm.py) against float64 numpy, for each
+vector variant, every shape class (edges of the tile, of k's slices and of B's blocks,
+transposes, leading dimensions wider than the matrix, empty sums), and nothing outside C
+written; the per-shape choice between it and BLAS, measured once and kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.target import host_target
+
+ROOT = Path(__file__).resolve().parent.parent
+MASKS = ["", "-avx512", "-avx512,-avx2"]
+
+SHAPES = [
+    (1, 1, 1), (5, 3, 2),  # smaller than one tile
+    (6, 16, 7), (12, 32, 256), (6, 8, 256),  # whole tiles (of AVX2; of SSE; a whole slice of k)
+    (13, 33, 300),  # a row strip and a panel left over, two slices of k
+    (37, 70, 513),  # three slices of k, the last of one step
+    (9, 800, 40),  # columns over several packed blocks of B
+    (64, 20, 1),
+    (7, 9, 0),  # an empty sum: C is zeros
+]
+
+
+def _operands(m, n, k, ta, tb, pad, rng):
+    """A, B with leading dimensions `pad` wider than their rows; C inside a NaN frame."""
+    a_rows, a_cols = (k, m) if ta else (m, k)
+    b_rows, b_cols = (n, k) if tb else (k, n)
+    a = rng.standard_normal((a_rows, a_cols + pad)).astype(np.float32)
+    b = rng.standard_normal((b_rows, b_cols + pad)).astype(np.float32)
+    c = np.full((m + 1, n + pad + 1), np.nan, np.float32)
+    return a, b, c
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_generated_gemm_matches_float64_numpy_and_writes_only_c(shape, ta, tb, mask):
+    m, n, k = shape
+    target = host_target(mask)
+    gemm = sgemm.GEMM_CTYPE(sgemm.gemm_address(target))
+    rng = np.random.default_rng(m * 10_000 + n * 100 + k)
+    pad = 3
+    a, b, c = _operands(m, n, k, ta, tb, pad, rng)
+    workspace = np.empty(sgemm.workspace_bytes(n, k), np.uint8)
+    gemm(int(ta), int(tb), m, n, k, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], c.ctypes.data, c.shape[1],
+         workspace.ctypes.data)
+    op_a = a[:, : a.shape[1] - pad].astype(np.float64)
+    op_b = b[:, : b.shape[1] - pad].astype(np.float64)
+    want = (op_a.T if ta else op_a) @ (op_b.T if tb else op_b)
+    got = c[:m, :n]
+    assert np.isfinite(got).all(), "every element of C written"
+    bound = np.abs(op_a.T if ta else op_a) @ np.abs(op_b.T if tb else op_b)
+    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30)
+    frame = c.copy()
+    frame[:m, :n] = 0
+    assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n:]).all(), "nothing outside C written"
+
+
+def test_the_workspace_fits_every_variant():
+    """workspace_bytes is sized for the widest panel: every variant's block fits."""
+    for mask in MASKS:
+        nr = sgemm.panel_width(host_target(mask))
+        for n, k in [(1, 1), (33, 300), (800, 40), (5000, 5000)]:
+            block = min(-(-n // nr) * nr, sgemm.block_columns(host_target(mask))) * min(k, sgemm.KC) * 4
+            assert block + 64 <= sgemm.workspace_bytes(n, k)
+
+
+_CHOICE_SCRIPT = """
+import sys
+from ranvier.backends.cpu.gemm_choice import generated_is_faster
+print(generated_is_faster(False, True, 128, 96, 200), generated_is_faster(False, False, 48, 64, 80))
+"""
+
+
+@pytest.mark.slow
+def test_the_choice_is_measured_once_and_kept(tmp_path):
+    env = dict(os.environ, RANVIER_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    env.pop("RANVIER_GEMM", None)
+    first = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
+    (kept,) = tmp_path.glob("gemm-*.json")
+    assert set(json.loads(kept.read_text())) == {"NT 128x96x200", "NN 48x64x80"}
+    again = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
+    assert again == first
+    forced = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
+                            text=True, check=True).stdout
+    assert forced.split() == ["False", "False"]
+
+
+def test_a_wrong_gemm_setting_is_named(monkeypatch):
+    from ranvier.backends.cpu.gemm_choice import generated_is_faster
+    from ranvier.errors import RanvierError
+
+    monkeypatch.setenv("RANVIER_GEMM", "fastest")
+    with pytest.raises(RanvierError, match="RANVIER_GEMM='fastest': expected 'generated' or 'blas'"):
+        generated_is_faster(False, False, 8, 8, 8)
