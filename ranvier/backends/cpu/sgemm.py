@@ -10,7 +10,7 @@ gives each worker-pool part its own blocks of C (kernels/matmul.py, `gemm_parts`
 
 The algorithm is BLIS's, less the packing of A:
 
-1. B is packed a block at a time, `KC` rows of k by at most `NC` columns, into the
+1. B is packed a block at a time, at most `KC` rows of k (k cut evenly) by at most `NC` columns, into the
    workspace (`workspace_bytes`): panels of NR = two vectors of columns, each panel
    k-major (its row p is NR contiguous floats), columns past n zero.
 2. For each strip of MR rows of op(A) and each panel, a micro-kernel keeps the MR × NR
@@ -177,14 +177,43 @@ class _Emitter:
                     self._pack_rows(b, source, ldb, pc, column, kc, columns, panel)
 
     def _pack_columns(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
-        """op(B)[p, j] = B[j, p]: each column of the panel is a run of one of B's rows."""
-        nr = i64(self.nr)
+        """op(B)[p, j] = B[j, p]: each column of the panel is a run of one of B's rows.
+        A whole panel goes in square blocks, L rows of B by L steps of k (L the vector
+        lanes): L vector loads, a transpose in registers, L vector stores; the steps of
+        k left over, and a panel over B's edge, go element by element."""
+        nr, lanes = i64(self.nr), self.lanes
+        whole_steps = b.mul(b.sdiv(kc, i64(lanes)), i64(lanes)) if lanes > 1 else i64(0)
+        whole = b.icmp_signed("==", columns, nr)
+        first_scalar = b.select(whole, whole_steps, i64(0))
+        if lanes > 1:
+            with b.if_then(whole), for_range(b, i64(0), whole_steps, step=lanes, name="pb") as p:
+                for half in range(2):
+                    rows = [self.load_vector(b, b.gep(source, [b.add(b.mul(b.add(column, i64(half * lanes + j)), ldb), b.add(pc, p))]))
+                            for j in range(lanes)]
+                    for t, vector in enumerate(self._transpose(b, rows)):
+                        self.store_vector(b, vector, b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), nr), i64(half * lanes))]), aligned=True)
         with for_range(b, i64(0), nr, name="jt") as j:
             inside = b.icmp_signed("<", j, columns)
             row = b.gep(source, [b.add(b.mul(b.add(column, j), ldb), pc)])
-            with for_range(b, i64(0), kc, name="pt") as p:
+            with for_range(b, first_scalar, kc, name="pt") as p:
                 value = b.select(inside, b.load(b.gep(row, [b.select(inside, p, i64(0))])), ir.Constant(F32, 0.0))
                 b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
+
+    def _transpose(self, b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+        """An L × L block transposed: one stage per bit of the index, each swapping that
+        bit of the row number with the same bit of the column number across row pairs."""
+        lanes, mask_type = self.lanes, ir.VectorType(ir.IntType(32), self.lanes)
+        h = 1
+        while h < lanes:
+            low = ir.Constant(mask_type, [c if c & h == 0 else lanes + c - h for c in range(lanes)])
+            high = ir.Constant(mask_type, [c + h if c & h == 0 else lanes + c for c in range(lanes)])
+            swapped = list(rows)
+            for i in range(lanes):
+                if i & h == 0:
+                    swapped[i] = b.shuffle_vector(rows[i], rows[i + h], low)
+                    swapped[i + h] = b.shuffle_vector(rows[i], rows[i + h], high)
+            rows, h = swapped, h * 2
+        return rows
 
     def _pack_rows(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
         """op(B)[p, j] = B[p, j]: each row of the panel is a run of one of B's rows,
@@ -225,11 +254,15 @@ def build_module(target: CPUTarget) -> ir.Module:
         return b.select(b.icmp_signed("<", x, y), x, y)
 
     full_rows = b.mul(b.sdiv(m, i64(MR)), i64(MR))
+    # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
+    slices = b.sdiv(b.add(k, i64(KC - 1)), i64(KC))
+    slice_steps = b.sdiv(b.add(k, b.sub(slices, i64(1))), b.select(b.icmp_signed(">", slices, i64(0)), slices, i64(1)))
     with for_range(b, i64(0), n, step=block_columns(target), name="jc") as jc:
         nc = smaller(nc_max, b.sub(n, jc))
         panels = b.sdiv(b.add(nc, i64(emit.nr - 1)), nr)
-        with for_range(b, i64(0), k, step=KC, name="pc") as pc:
-            kc = smaller(i64(KC), b.sub(k, pc))
+        with for_range(b, i64(0), slices, name="slice") as number:
+            pc = b.mul(number, slice_steps)
+            kc = smaller(slice_steps, b.sub(k, pc))
             emit.pack(b, tb, source, ldb, pc, jc, kc, nc, packed)
             accumulate = b.icmp_signed(">", pc, i64(0))
 
