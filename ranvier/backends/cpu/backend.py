@@ -19,6 +19,7 @@ from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..reference import reference_kernel
 from . import amx, codegen, jit, sgemm
+from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
 from .kernels.matmul import AMX_KERNEL, GENERATED_KERNEL
@@ -38,38 +39,6 @@ def _source_digest() -> str:
         for path in sorted((package / folder).rglob("*.py")):
             digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-@functools.cache
-def blas_pointers() -> tuple[int, int, int, int]:
-    """Addresses of SciPy's BLAS sgemm, dgemm, sgemv and dgemv (OpenBLAS), for generated code to call."""
-    import scipy.linalg.cython_blas as blas
-
-    get_name = ctypes.pythonapi.PyCapsule_GetName
-    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    capsules = blas.__pyx_capi__
-    return tuple(get_pointer(capsules[n], get_name(capsules[n])) for n in ("sgemm", "dgemm", "sgemv", "dgemv"))
-
-
-_NO_THREAD_CONTROL = ctypes.CFUNCTYPE(None, ctypes.c_int)(lambda count: None)
-
-
-@functools.cache
-def blas_thread_setter() -> int:
-    """Address of the thread-count setter of the OpenBLAS behind SciPy's BLAS (a no-op
-    where that library is not found), so generated code can keep BLAS on one thread."""
-    from threadpoolctl import ThreadpoolController
-
-    blas_pointers()  # loads SciPy's BLAS, so the controller can see it
-    for library in ThreadpoolController().select(internal_api="openblas").lib_controllers:
-        if "scipy_openblas" in library.filepath and "numpy" not in library.filepath:
-            handle = ctypes.CDLL(library.filepath)
-            for symbol in ("scipy_openblas_set_num_threads", "openblas_set_num_threads", "scipy_openblas_set_num_threads64_"):
-                if hasattr(handle, symbol):
-                    return ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
-    return ctypes.cast(_NO_THREAD_CONTROL, ctypes.c_void_p).value
 
 
 class CPUBackend:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ...errors import RanvierError
 from . import sgemm
+from .blas import blas_pointers, blas_thread_setter
 from .measured import kept, kept_path
 from .target import host_target
 
@@ -49,8 +50,6 @@ def _decide(ta: bool, tb: bool, m: int, n: int, k: int) -> bool:
 
 
 def _measure(ta: bool, tb: bool, m: int, n: int, k: int) -> bool:
-    from .backend import blas_pointers, blas_thread_setter
-
     target = host_target()
     rows = min(m, max(4 * sgemm.MR, _MEASURED_FLOPS // max(1, 2 * n * k)))
     rng = np.random.default_rng(0)
