@@ -19,7 +19,7 @@ from .measured import kept, kept_path
 from .target import host_target
 
 GEMM_ENVIRONMENT = "RANVIER_GEMM"
-_MEASURED_FLOPS = 1 << 28  # a larger product is measured on fewer of its rows (~5 ms)
+_MEASURED_FLOPS = 1 << 28  # a larger product is measured on part of it (~5 ms)
 _ROUNDS = 5  # the two alternate; each one's fastest run counts
 
 _INT, _FLOAT = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
@@ -51,22 +51,26 @@ def _decide(ta: bool, tb: bool, m: int, n: int, k: int) -> bool:
 
 def _measure(ta: bool, tb: bool, m: int, n: int, k: int) -> bool:
     target = host_target()
-    rows = min(m, max(4 * sgemm.MR, _MEASURED_FLOPS // max(1, 2 * n * k)))
+    # A large product is measured on fewer of its columns (down to one packed block of B),
+    # then of its rows: a row strip's work, which depends on m, is what differs most.
+    columns = min(n, max(sgemm.block_columns(target), _MEASURED_FLOPS // max(1, 2 * m * k)))
+    rows = min(m, max(4 * sgemm.MR, _MEASURED_FLOPS // max(1, 2 * columns * k)))
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, rows) if ta else (rows, k), dtype=np.float32)
-    b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
-    c = np.empty((rows, n), np.float32)
-    workspace = np.empty(sgemm.workspace_bytes(n, k), np.uint8)
+    b = rng.standard_normal((columns, k) if tb else (k, columns), dtype=np.float32)
+    c = np.empty((rows, columns), np.float32)
+    workspace = np.empty(sgemm.workspace_bytes(columns, k), np.uint8)
     lda, ldb = a.shape[1], b.shape[1]
     generated = sgemm.GEMM_CTYPE(sgemm.gemm_address(target))
     blas = _FORTRAN_SGEMM(blas_pointers()[0])
     ctypes.CFUNCTYPE(None, ctypes.c_int)(blas_thread_setter())(1)
-    refs = [ctypes.byref(ctypes.c_int(v)) for v in (n, rows, k, ldb, lda, n)]
+    refs = [ctypes.byref(ctypes.c_int(v)) for v in (columns, rows, k, ldb, lda, columns)]
     one, zero = ctypes.byref(ctypes.c_float(1.0)), ctypes.byref(ctypes.c_float(0.0))
     flags = (b"T" if tb else b"N", b"T" if ta else b"N")  # row-major C = column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
 
     def ours() -> None:
-        generated(int(ta), int(tb), rows, n, k, a.ctypes.data, lda, b.ctypes.data, ldb, c.ctypes.data, n, workspace.ctypes.data)
+        generated(int(ta), int(tb), rows, columns, k, a.ctypes.data, lda, b.ctypes.data, ldb, c.ctypes.data, columns,
+                  workspace.ctypes.data)
 
     def theirs() -> None:
         blas(*flags, *refs[:3], one, b.ctypes.data, refs[3], a.ctypes.data, refs[4], zero, c.ctypes.data, refs[5])
