@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import platform
 import sys
 from collections.abc import Callable
@@ -133,21 +132,7 @@ def gemm_code(target: CPUTarget) -> jit.LoadedCode:
     if not amx_usable(target):
         raise RanvierError(f"AMX bfloat16 GEMM unavailable: the CPU target needs {sorted(REQUIRED_FEATURES)} "
                            "and Linux must grant this process the AMX tile state")
-    key = jit.cache_key(f"{SYMBOL}\n{_source_digest()}", target)
-
-    def generate() -> bytes:
-        return jit.compile_object(build_module(target), target)
-
-    code, _ = jit.cached_object(key, generate)
-    return jit.load_object(code, target, SYMBOL)
-
-
-def _source_digest() -> str:
-    """The generator's own source and its IR helpers: editing either invalidates the cache."""
-    digest = hashlib.sha256()
-    for name in ("amx.py", "irutil.py"):
-        digest.update((Path(__file__).parent / name).read_bytes())
-    return digest.hexdigest()
+    return jit.generated_function(SYMBOL, Path(__file__), target, build_module)
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ gives each worker-pool part its own blocks of C (kernels/matmul.py, `gemm_parts`
 
 The algorithm is BLIS's, less the packing of A:
 
-1. B is packed a block at a time, at most `KC` rows of k (k cut evenly) by at most `NC` columns, into the
-   workspace (`workspace_bytes`): panels of NR = two vectors of columns, each panel
-   k-major (its row p is NR contiguous floats), columns past n zero.
+1. B is packed a block at a time, at most `KC` steps of k (k cut into even slices) by
+   `block_columns` columns, into the workspace (`workspace_bytes`): panels of NR = two
+   vectors of columns, each k-major (its row p is NR contiguous floats), zeros past n.
+   A transposed B is packed in L × L blocks (L the lanes) transposed in registers.
 2. For each strip of MR rows of op(A) and each panel, a micro-kernel keeps the MR × NR
    tile of C in 2·MR vector registers; per step of k it loads the panel's row (two
    vectors), broadcasts MR values of A and does 2·MR fused multiply-adds. A is read in
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 from pathlib import Path
 
 from llvmlite import ir
@@ -76,22 +76,12 @@ def workspace_bytes(n: int, k: int) -> int:
 
 @functools.cache
 def gemm_code(target: CPUTarget) -> jit.LoadedCode:
-    """`ranvier_sgemm` compiled for `target` and loaded for the life of the process
-    (object code cached in memory and on disk like cell code)."""
-    key = jit.cache_key(f"{SYMBOL}\n{_source_digest()}", target)
-    code, _ = jit.cached_object(key, lambda: jit.compile_object(build_module(target), target))
-    return jit.load_object(code, target, SYMBOL)
+    """`ranvier_sgemm` compiled for `target` and loaded for the life of the process."""
+    return jit.generated_function(SYMBOL, Path(__file__), target, build_module)
 
 
 def gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address
-
-
-def _source_digest() -> str:
-    digest = hashlib.sha256()
-    for path in (Path(__file__), Path(__file__).parent.parent / "llvm" / "irutil.py"):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 class _Emitter:
@@ -101,19 +91,14 @@ class _Emitter:
         self.module = module
         self.lanes = target.lanes(4)
         self.nr = 2 * self.lanes
-        self.vector = ir.VectorType(F32, self.lanes) if self.lanes > 1 else F32
+        self.vector = ir.VectorType(F32, self.lanes)  # SSE's 4 lanes at the least
         self.fma = intrinsic(module, "fma", self.vector)
 
     def load_vector(self, b: ir.IRBuilder, pointer: ir.Value, aligned: bool = False) -> ir.Value:
-        if self.lanes == 1:
-            return b.load(pointer)
         return b.load(b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
 
     def store_vector(self, b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, aligned: bool = False) -> None:
-        if self.lanes == 1:
-            b.store(value, pointer)
-        else:
-            b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
+        b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
 
     # ---- the micro-kernel -----------------------------------------------------------------
 
@@ -123,7 +108,7 @@ class _Emitter:
         function.linkage = "internal"
         kc, a, sa, sk, panel, c, ldc, columns, accumulate = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
-        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes if self.lanes > 1 else 0.0)
+        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes)
         sums = [[b.alloca(self.vector) for _ in range(2)] for _ in range(rows)]
         for row in sums:
             for slot in row:
@@ -182,16 +167,15 @@ class _Emitter:
         lanes): L vector loads, a transpose in registers, L vector stores; the steps of
         k left over, and a panel over B's edge, go element by element."""
         nr, lanes = i64(self.nr), self.lanes
-        whole_steps = b.mul(b.sdiv(kc, i64(lanes)), i64(lanes)) if lanes > 1 else i64(0)
+        whole_steps = b.mul(b.sdiv(kc, i64(lanes)), i64(lanes))
         whole = b.icmp_signed("==", columns, nr)
         first_scalar = b.select(whole, whole_steps, i64(0))
-        if lanes > 1:
-            with b.if_then(whole), for_range(b, i64(0), whole_steps, step=lanes, name="pb") as p:
-                for half in range(2):
-                    rows = [self.load_vector(b, b.gep(source, [b.add(b.mul(b.add(column, i64(half * lanes + j)), ldb), b.add(pc, p))]))
-                            for j in range(lanes)]
-                    for t, vector in enumerate(self._transpose(b, rows)):
-                        self.store_vector(b, vector, b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), nr), i64(half * lanes))]), aligned=True)
+        with b.if_then(whole), for_range(b, i64(0), whole_steps, step=lanes, name="pb") as p:
+            for half in range(2):
+                rows = [self.load_vector(b, b.gep(source, [b.add(b.mul(b.add(column, i64(half * lanes + j)), ldb), b.add(pc, p))]))
+                        for j in range(lanes)]
+                for t, vector in enumerate(self._transpose(b, rows)):
+                    self.store_vector(b, vector, b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), nr), i64(half * lanes))]), aligned=True)
         with for_range(b, i64(0), nr, name="jt") as j:
             inside = b.icmp_signed("<", j, columns)
             row = b.gep(source, [b.add(b.mul(b.add(column, j), ldb), pc)])
