@@ -103,3 +103,17 @@ def test_a_wrong_gemm_setting_is_named(monkeypatch):
     monkeypatch.setenv("RANVIER_GEMM", "fastest")
     with pytest.raises(RanvierError, match="RANVIER_GEMM='fastest': expected 'generated' or 'blas'"):
         generated_is_faster(False, False, 8, 8, 8)
+
+
+def test_every_variant_compiles_whatever_the_host():
+    """The AVX-512 variant is generated and compiled even where it cannot run (an AVX2
+    host), so CI on either kind of machine checks all three generators."""
+    from ranvier.backends.cpu import jit
+    from ranvier.backends.cpu.target import CPUTarget
+
+    for name, features in [("skylake-avx512", "+avx512f,+avx512vl,+avx2,+fma,+avx"), ("haswell", "+avx2,+fma,+avx"),
+                           ("x86-64", "+sse4.2")]:
+        target = CPUTarget(name, features)
+        assembly = jit.assembly(sgemm.build_module(target), target)
+        register = {"skylake-avx512": "%zmm", "haswell": "%ymm", "x86-64": "%xmm"}[name]
+        assert "ranvier_sgemm:" in assembly and register in assembly
