@@ -62,6 +62,15 @@ def test_cache_info_and_clear(cache, capsys):
     assert "entries: 0," in capsys.readouterr().out
 
 
+def test_cache_info_names_the_machine_measurements_that_clearing_keeps(cache, capsys):
+    _store("a", 1000)
+    (cache / "gemm-0123.json").write_text('{"NN 8x8x8": true}')
+    assert main(["cache", "clear"]) == 0
+    capsys.readouterr()
+    assert main(["cache", "info"]) == 0
+    assert "this machine's measurements (split thresholds, GEMM choices): gemm-0123.json" in capsys.readouterr().out
+
+
 def test_entry_evicted_while_reading_is_recompiled(cache, monkeypatch):
     _store("a", 1000)
     jit._MEMORY_CACHE.clear()

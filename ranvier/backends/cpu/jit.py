@@ -116,6 +116,9 @@ def describe_cache() -> str:
     if entries:
         oldest, newest = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.mtime)) for e in (entries[0], entries[-1]))
         lines.append(f"least recently used: {oldest}, most recently used: {newest}")
+    kept = sorted(path.name for path in cache_dir().glob("*.json")) if cache_dir().is_dir() else []
+    if kept:  # measured once per machine (measured.py); clearing the code keeps them
+        lines.append(f"this machine's measurements (split thresholds, GEMM choices): {', '.join(kept)}")
     return "\n".join(lines)
 
 
