@@ -76,9 +76,9 @@ def test_the_workspace_fits_every_variant():
 
 
 _CHOICE_SCRIPT = """
-import sys
 from ranvier.backends.cpu.gemm_choice import generated_is_faster
-print(generated_is_faster(False, True, 128, 96, 200), generated_is_faster(False, False, 48, 64, 80))
+print(generated_is_faster(False, True, 128, 96, 200, 200, 200), generated_is_faster(False, False, 48, 64, 80, 80, 64),
+      generated_is_faster(False, False, 4096, 4096, 4096, 4096, 4096))
 """
 
 
@@ -88,12 +88,14 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
     env.pop("RANVIER_GEMM", None)
     first = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     (kept,) = tmp_path.glob("gemm-*.json")
-    assert set(json.loads(kept.read_text())) == {"NT 128x96x200", "NN 48x64x80"}
+    # the product too large to time quickly stays on BLAS, unmeasured
+    assert set(json.loads(kept.read_text())) == {"NT 128x96x200 lda 200 ldb 200", "NN 48x64x80 lda 80 ldb 64"}
+    assert first.split()[2] == "False"
     again = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     assert again == first
     forced = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
                             text=True, check=True).stdout
-    assert forced.split() == ["False", "False"]
+    assert forced.split() == ["False", "False", "False"]
 
 
 def test_a_wrong_gemm_setting_is_named(monkeypatch):
@@ -102,7 +104,7 @@ def test_a_wrong_gemm_setting_is_named(monkeypatch):
 
     monkeypatch.setenv("RANVIER_GEMM", "fastest")
     with pytest.raises(RanvierError, match="RANVIER_GEMM='fastest': expected 'generated' or 'blas'"):
-        generated_is_faster(False, False, 8, 8, 8)
+        generated_is_faster(False, False, 8, 8, 8, 8, 8)
 
 
 def test_every_variant_compiles_whatever_the_host():

@@ -179,13 +179,14 @@ def _generated_share(op) -> int:
 
 def _generated_faster(op) -> bool:
     """float32, not a vector times a matrix (GEMV streams it best), and the generated
-    GEMM measured faster than BLAS on the largest call a part makes."""
+    GEMM measured faster than BLAS on the largest call a part makes, as it makes it."""
     if op.inputs[0].dtype != dtypes.DT_FLOAT32 or op.inputs[1].dtype != dtypes.DT_FLOAT32:
         return False
     ta, tb = _gemms(op)[:2]
     calls = [g for part in gemm_parts(op, 16) for g in part]
     largest = max(calls, key=lambda g: g.m * g.n * g.k)
-    return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k)
+    lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
+    return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb)
 
 
 @kernel(GENERATED_KERNEL, {"MatMul"}, supports=_generated_faster,
