@@ -126,14 +126,19 @@ def amx_parts(op) -> list[list[_Gemm]]:
     return gemm_parts(op, 32)
 
 
-def _part_workspace(part: list[_Gemm]) -> int:
-    return max(workspace_bytes(g.m, g.n, g.k) for g in part)
+def _share(parts: list[list[_Gemm]], call_bytes) -> int:
+    """The workspace each part gets: enough for its largest call."""
+    return max(call_bytes(g) for part in parts for g in part)
+
+
+def _amx_call_bytes(g: _Gemm) -> int:
+    return workspace_bytes(g.m, g.n, g.k)
 
 
 def amx_workspace_bytes(op) -> int:
     """The packing scratch of a bf16 MatMul: one share per thread."""
     parts = amx_parts(op)
-    return len(parts) * max(_part_workspace(part) for part in parts)
+    return len(parts) * _share(parts, _amx_call_bytes)
 
 
 def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
@@ -167,14 +172,14 @@ def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) ->
 @kernel(AMX_KERNEL, {"MatMul"}, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
 def amx_matmul(ctx, op) -> None:
     parts = amx_parts(op)
-    _call_generated(ctx, op, BF16GEMM, parts, max(_part_workspace(part) for part in parts))
+    _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
 
 
 GENERATED_KERNEL = "Gemm"
 
 
-def _generated_share(op) -> int:
-    return max(sgemm.workspace_bytes(g.n, g.k) for part in gemm_parts(op, 16) for g in part)
+def _generated_call_bytes(g: _Gemm) -> int:
+    return sgemm.workspace_bytes(g.n, g.k)
 
 
 def _generated_faster(op) -> bool:
@@ -189,11 +194,16 @@ def _generated_faster(op) -> bool:
     return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb)
 
 
-@kernel(GENERATED_KERNEL, {"MatMul"}, supports=_generated_faster,
-        workspace=lambda op: len(gemm_parts(op, 16)) * _generated_share(op))
+def _generated_workspace_bytes(op) -> int:
+    parts = gemm_parts(op, 16)
+    return len(parts) * _share(parts, _generated_call_bytes)
+
+
+@kernel(GENERATED_KERNEL, {"MatMul"}, supports=_generated_faster, workspace=_generated_workspace_bytes)
 def generated_matmul(ctx, op) -> None:
     """ranvier's own float32 GEMM (sgemm.py), where it measured faster than BLAS."""
-    _call_generated(ctx, op, SGEMM_GENERATED, gemm_parts(op, 16), _generated_share(op))
+    parts = gemm_parts(op, 16)
+    _call_generated(ctx, op, SGEMM_GENERATED, parts, _share(parts, _generated_call_bytes))
 
 
 def _float32_or_64(op) -> bool:
