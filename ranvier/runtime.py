@@ -4,6 +4,7 @@ layout; an Instance is one cell's data, whose tensors are writable numpy views."
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,7 @@ class Network:
         self.backend_name = backend_name
         self.cells: dict[str, Cell] = {}
         self.globals: dict[str, np.ndarray] = {}
+        self._prepared: dict[tuple[str, str, str], np.ndarray] = {}
 
     def add_global(self, var: Variable) -> np.ndarray:
         if var.name not in self.globals:
@@ -80,6 +82,17 @@ class Network:
                 array[...] = var.data
             self.globals[var.name] = array
         return self.globals[var.name]
+
+    def prepared(self, var: Variable, form: str, target: str, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Constant `var` in a form a kernel reads (`make` of its value), made once per
+        form and target and shared by every instance. The constant becomes read-only:
+        a write to it would not reach the copy the kernels read."""
+        key = (var.name, form, target)
+        if key not in self._prepared:
+            value = self.add_global(var)
+            value.flags.writeable = False
+            self._prepared[key] = make(value)
+        return self._prepared[key]
 
     def cell(self, name: str) -> Cell:
         try:

@@ -129,6 +129,12 @@ outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True)
            f.matmul(h["batch"], h["b"]), f.matmul(h["v"], h["b"]), f.softmax(h["x"]), f.rms_norm(h["x"], h["g"]),
            f.tanh(h["x"] * 1.5 + 0.25), f.transpose(h["x"], [1, 0]), f.sum(h["x"], axis=0), f.sum(h["x"], axis=1),
            f.max(h["batch"], axis=1), f.mean(h["batch"], axis=[1, 2])]
+# products by constants (weights), which the generated GEMM reads from panels packed once
+weights = {"w": rng.standard_normal((29, 45)).astype(np.float32), "wt": rng.standard_normal((70, 29)).astype(np.float32)}
+constant_products = [f.matmul(h["a"], f.const(weights["w"])), f.matmul(h["a"], f.const(weights["wt"]), transpose_b=True),
+                     f.matmul(h["batch"], f.const(weights["w"])), f.matmul(h["at"], f.const(weights["w"]), transpose_a=True),
+                     f.matmul(h["v"], f.const(weights["w"]))]
+outputs += constant_products
 for o in outputs:
     o.var.out = True
 results = []
@@ -137,6 +143,8 @@ for backend in ("cpu", "reference"):
     if backend == "cpu":
         wanted = "Gemm" if os.environ["RANVIER_GEMM"] == "generated" else "BlasGemm"
         assert sum(s.kernel == wanted for s in cell.steps) >= 5, [s.kernel for s in cell.steps]
+        packed = sum(s.kernel == "PackedGemm" for s in cell.steps)
+        assert packed == (4 if wanted == "Gemm" else 0), [s.kernel for s in cell.steps]
     data = cell.instance()
     for name, value in values.items():
         data[h[name]] = value

@@ -66,6 +66,48 @@ def test_generated_gemm_matches_float64_numpy_and_writes_only_c(shape, ta, tb, m
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n:]).all(), "nothing outside C written"
 
 
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_gemm_on_packed_panels_matches_float64_numpy_and_writes_only_c(shape, ta, tb, mask):
+    """ranvier_sgemm_packed, B packed ahead of time (a constant's weights), from its first
+    panel and from a later one (a worker-pool part's columns)."""
+    m, n, k = shape
+    target = host_target(mask)
+    gemm = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target))
+    rng = np.random.default_rng(m * 10_000 + n * 100 + k + 1)
+    pad = 3
+    a, b, c = _operands(m, n, k, ta, tb, pad, rng)
+    op_b = b[:, : b.shape[1] - pad]
+    panels = sgemm.pack_panels(op_b, tb, target)
+    assert panels.size == 0 or panels.ctypes.data % sgemm.PANEL_ALIGNMENT == 0
+    nr = sgemm.panel_width(target)
+    first = nr if n > nr else 0
+    gemm(int(ta), m, n - first, k, a.ctypes.data, a.shape[1], panels.ctypes.data + first * k * 4, c.ctypes.data, c.shape[1])
+    op_a = a[:, : a.shape[1] - pad].astype(np.float64)
+    wide = op_b.astype(np.float64)
+    want = ((op_a.T if ta else op_a) @ (wide.T if tb else wide))[:, first:]
+    got = c[:m, : n - first]
+    assert np.isfinite(got).all(), "every element of C written"
+    bound = np.abs(op_a.T if ta else op_a) @ np.abs(wide.T if tb else wide)[:, first:]
+    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30)
+    frame = c.copy()
+    frame[:m, : n - first] = 0
+    assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
+
+
+def test_packed_panels_hold_op_b_by_columns_of_nr_zeros_past_n():
+    target = host_target()
+    nr = sgemm.panel_width(target)
+    b = np.random.default_rng(0).standard_normal((7, nr + 3)).astype(np.float32)
+    for transposed, source in [(False, b), (True, np.ascontiguousarray(b.T))]:
+        panels = sgemm.pack_panels(source, transposed, target)
+        assert panels.shape == (2, 7, nr)
+        np.testing.assert_array_equal(panels[0], b[:, :nr])
+        np.testing.assert_array_equal(panels[1, :, :3], b[:, nr:])
+        assert not panels[1, :, 3:].any()
+
+
 def test_the_workspace_fits_every_variant():
     """workspace_bytes is sized for the widest panel: every variant's block fits."""
     for mask in MASKS:
@@ -78,7 +120,7 @@ def test_the_workspace_fits_every_variant():
 _CHOICE_SCRIPT = """
 from ranvier.backends.cpu.gemm_choice import generated_is_faster
 print(generated_is_faster(False, True, 128, 96, 200, 200, 200), generated_is_faster(False, False, 48, 64, 80, 80, 64),
-      generated_is_faster(False, False, 4096, 4096, 4096, 4096, 4096))
+      generated_is_faster(False, False, 4096, 4096, 4096, 4096, 4096), generated_is_faster(True, True, 40, 50, 60, 40, 60, True))
 """
 
 
@@ -89,13 +131,14 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
     first = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     (kept,) = tmp_path.glob("gemm-*.json")
     # the product too large to time quickly stays on BLAS, unmeasured
-    assert set(json.loads(kept.read_text())) == {"NT 128x96x200 lda 200 ldb 200", "NN 48x64x80 lda 80 ldb 64"}
+    assert set(json.loads(kept.read_text())) == {"NT 128x96x200 lda 200 ldb 200", "NN 48x64x80 lda 80 ldb 64",
+                                                 "packed TT 40x50x60 lda 40 ldb 60"}
     assert first.split()[2] == "False"
     again = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     assert again == first
     forced = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
                             text=True, check=True).stdout
-    assert forced.split() == ["False", "False", "False"]
+    assert forced.split() == ["False", "False", "False", "False"]
 
 
 def test_a_wrong_gemm_setting_is_named(monkeypatch):
@@ -118,4 +161,37 @@ def test_every_variant_compiles_whatever_the_host():
         target = CPUTarget(name, features)
         assembly = jit.assembly(sgemm.build_module(target), target)
         register = {"skylake-avx512": "%zmm", "haswell": "%ymm", "x86-64": "%xmm"}[name]
-        assert "ranvier_sgemm:" in assembly and register in assembly
+        assert "ranvier_sgemm:" in assembly and "ranvier_sgemm_packed:" in assembly and register in assembly
+
+
+@pytest.mark.parametrize("gemm,kernel", [("generated", "PackedGemm"), ("blas", "BlasGemm")])
+def test_a_product_by_a_constant_reads_panels_packed_once_per_network(gemm, kernel, monkeypatch):
+    """A constant B (an imported model's weights) is packed when the first instance is
+    made and shared by every instance; it becomes read-only, since the kernels read the
+    packed copy. Unpacked, the generated GEMM never takes such a product."""
+    import ranvier as rv
+
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    rng = np.random.default_rng(5)
+    w, wt = rng.standard_normal((70, 45)).astype(np.float32), rng.standard_normal((33, 70)).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [2, 19, 70])
+    y, z = f.matmul(x, f.const(w)), f.matmul(x, f.const(wt), transpose_b=True)
+    y.var.out = z.var.out = True
+    cell = rv.Compiler("cpu", cache=False).compile(flow).cell("f")
+    assert [s.kernel for s in cell.steps] == [kernel, kernel]
+    first, second = cell.instance(), cell.instance()
+    for data in (first, second):
+        value = rng.standard_normal((2, 19, 70)).astype(np.float32)
+        data[x] = value
+        data[y], data[z] = np.full((2, 19, 45), np.nan, np.float32), np.full((2, 19, 33), np.nan, np.float32)
+        data.compute()
+        np.testing.assert_allclose(data[y], value @ w, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(data[z], value @ wt.T, rtol=1e-5, atol=1e-4)
+    packed = cell.network._prepared
+    assert len(packed) == (2 if gemm == "generated" else 0)
+    if gemm == "generated":
+        constant = cell.network.globals[cell.steps[0].op.inputs[1].name]
+        with pytest.raises(ValueError, match="read-only"):
+            constant[...] = 0

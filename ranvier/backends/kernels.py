@@ -14,12 +14,25 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..flow.graph import Operation, Variable
 from ..ops import op_def
 
 
 def _always(op: Operation) -> bool:
     return True
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A constant a kernel reads in a form of its own (a GEMM's weights packed into
+    panels), made from the constant's value once per network and target, so no step
+    repacks it. `form` names the form; `make(value, target)` makes it."""
+
+    var: Variable
+    form: str
+    make: Callable[[np.ndarray, object], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,7 @@ class Kernel:
     in_place: whether the kernel may write output `target` over input `source` when the
         input dies at this step: `in_place(op, source, target)`.
     workspace: bytes of working memory the kernel needs while it runs.
+    prepares: the constants it reads in a form of its own, made once (`Prepared`).
     native: False for a fallback that leaves generated code (the printed cell says so).
     """
 
@@ -42,6 +56,7 @@ class Kernel:
     flops: Callable[[Operation], int] | None = None
     in_place: Callable[[Operation, Variable, Variable], bool] | None = None
     workspace: Callable[[Operation], int] | None = None
+    prepares: Callable[[Operation], list[Prepared]] | None = None
     native: bool = True
 
     def cost(self, op: Operation) -> int:
@@ -52,6 +67,9 @@ class Kernel:
 
     def workspace_bytes(self, op: Operation) -> int:
         return self.workspace(op) if self.workspace is not None else 0
+
+    def prepared(self, op: Operation) -> list[Prepared]:
+        return self.prepares(op) if self.prepares is not None else []
 
 
 class KernelLibrary:

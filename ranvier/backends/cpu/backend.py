@@ -22,7 +22,7 @@ from . import amx, codegen, jit, sgemm
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
-from .kernels.matmul import AMX_KERNEL, GENERATED_KERNEL
+from .kernels.matmul import AMX_KERNEL, GENERATED_KERNEL, PACKED_KERNEL
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
@@ -84,6 +84,10 @@ class CPUBackend:
                 if cell.slot(v) is None and all(t.name != v.name for t in table):
                     table.append(v)
         layout = Layout({s.var.name: s.offset for s in cell.slots}, table)
+        for step in cell.steps:
+            for prepared in LIBRARY.choose(step.op).prepared(step.op):
+                if all((p.var.name, p.form) != (prepared.var.name, prepared.form) for p in layout.prepared):
+                    layout.prepared.append(prepared)
         self._alias_views(cell, layout)
         description = self._describe(cell, layout)
         key = jit.cache_key(f"{_source_digest()}\n{description}", self.target)
@@ -145,6 +149,7 @@ class CPUBackend:
                 place = f"@{where}" if where is not None else f"#{layout.slot(v)}"
                 constant = hashlib.sha1(np.ascontiguousarray(v.data).tobytes()).hexdigest() if v.data is not None and v.size <= 16 else ""
                 lines.append(f"  {v.name} {v.dtype}{list(v.shape)} {place} {constant}")
+        lines += [f"prepared {p.var.name} as {p.form}" for p in layout.prepared]
         return "\n".join(lines)
 
     # ---- run time -----------------------------------------------------------------------
@@ -172,7 +177,7 @@ class CPUBackend:
 
         callback = _CALLBACK_TYPE(run_fallback)
         blas_sgemm, dgemm, sgemv, dgemv = blas_pointers()
-        table = (ctypes.c_void_p * (FIRST_TABLE_SLOT + len(layout.table)))()
+        table = (ctypes.c_void_p * (FIRST_TABLE_SLOT + len(layout.table) + len(layout.prepared)))()
         table[codegen.DATA] = instance.buffer.ctypes.data
         table[codegen.STATUS] = status.ctypes.data
         table[codegen.PROFILE] = instance.step_time.ctypes.data
@@ -188,10 +193,16 @@ class CPUBackend:
             table[codegen.BF16GEMM] = amx.gemm_address(self.target)
         if any(step.kernel == GENERATED_KERNEL for step in cell.steps):
             table[codegen.SGEMM_GENERATED] = sgemm.gemm_address(self.target)
+        if any(step.kernel == PACKED_KERNEL for step in cell.steps):
+            table[codegen.SGEMM_PACKED] = sgemm.packed_gemm_address(self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
+        prepared = [cell.network.prepared(p.var, p.form, self.target.key(), lambda value, p=p: p.make(value, self.target))
+                    for p in layout.prepared]
+        for k, array in enumerate(prepared):
+            table[layout.prepared_slot(layout.prepared[k].var, layout.prepared[k].form)] = array.ctypes.data
         function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["code"].address)
-        keep_alive = (callback, table, status, native["code"], workers)
+        keep_alive = (callback, table, status, native["code"], workers, prepared)
 
         def run() -> None:
             function(ctypes.addressof(table))

@@ -4,10 +4,11 @@ The cell function takes a table of pointers, filled once per instance:
 
     ptrs[0] instance data   ptrs[1] status word   ptrs[2] profile counters
     ptrs[3] python fallback callback   ptrs[4] sgemm   ptrs[5] dgemm
-    ptrs[6] BLAS set-thread-count function   ptrs[7] the machine's thread count
-    ptrs[8] sgemv   ptrs[9] dgemv   ptrs[10] the AMX bf16 GEMM (null without AMX)
-    ptrs[11] the worker pool's ranvier_pool_run   ptrs[12] per-step cycles run on all cores
-    ptrs[13 + k] the k-th global or linked (primal) variable
+    ptrs[6] BLAS set-thread-count function   ptrs[7] sgemv   ptrs[8] dgemv
+    ptrs[9] the AMX bf16 GEMM (null without AMX)   ptrs[10] the generated float32 GEMM
+    ptrs[11] the same on packed panels of B   ptrs[12] the worker pool's ranvier_pool_run
+    ptrs[13] per-step cycles run on all cores
+    ptrs[14 + k] the k-th global or linked (primal) variable, then the prepared constants
 
 Nothing process-specific is baked into the code, so the object file can be cached
 on disk and reused by another process. Each step is an internal function; the cell
@@ -25,6 +26,7 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Variable
 from ...runtime import Step
+from ..kernels import Prepared
 from ..llvm.convert import narrow, use_target, widen
 from ..llvm.irutil import (
     BYTE_PTR,
@@ -42,8 +44,8 @@ from ..llvm.irutil import (
 from ..llvm.values import Value, index_value
 from .target import CPUTarget
 
-(DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, SGEMV, DGEMV, BF16GEMM, SGEMM_GENERATED, POOL, ALL_CORES,
- FIRST_TABLE_SLOT) = range(14)
+(DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, SGEMV, DGEMV, BF16GEMM, SGEMM_GENERATED, SGEMM_PACKED, POOL,
+ ALL_CORES, FIRST_TABLE_SLOT) = range(15)
 
 
 @dataclass
@@ -54,6 +56,14 @@ class Layout:
     table: list[Variable] = field(default_factory=list)
     # Views of a table variable (a reshaped global) that share its memory instead of copying it.
     aliases: dict[str, Variable] = field(default_factory=dict)
+    # Constants kernels read in a form of their own, after the table.
+    prepared: list[Prepared] = field(default_factory=list)
+
+    def prepared_slot(self, var: Variable, form: str) -> int:
+        for k, p in enumerate(self.prepared):
+            if (p.var.name, p.form) == (var.name, form):
+                return FIRST_TABLE_SLOT + len(self.table) + k
+        raise KeyError(f"{var.name} ({form})")
 
     def slot(self, var: Variable) -> int:
         for k, v in enumerate(self.table):
@@ -100,6 +110,10 @@ class KernelContext:
             with self.b.goto_entry_block():
                 self._pointers[var.name] = self.b.bitcast(self.address(var), storage_type(var.dtype).as_pointer())
         return self._pointers[var.name]
+
+    def prepared(self, var: Variable, form: str, element: ir.Type) -> ir.Value:
+        """A pointer to the `element`s of constant `var` in `form` (a `Prepared` of the step's kernel)."""
+        return self.b.bitcast(self.table_entry(self.layout.prepared_slot(var, form)), element.as_pointer())
 
     def lanes_for(self, dtypes_: list[str]) -> int:
         """Vector width for a loop touching these dtypes: one register of the widest element."""

@@ -21,16 +21,17 @@ from .target import host_target
 
 GEMM_ENVIRONMENT = "RANVIER_GEMM"
 _MEASURED_FLOPS = 1 << 29  # a larger product stays on BLAS (this one takes ~7 ms)
-_ROUNDS = 5  # the two alternate; each one's fastest run counts
+_ROUNDS = 15  # the two alternate; each one's fastest run counts (5 flipped one choice in ten here)
 
 _INT, _FLOAT = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
 _FORTRAN_SGEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, _INT, _INT, _INT, _FLOAT, ctypes.c_void_p, _INT,
                                   ctypes.c_void_p, _INT, _FLOAT, ctypes.c_void_p, _INT)
 
 
-def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int) -> bool:
+def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool = False) -> bool:
     """Whether the generated GEMM beats BLAS for op(A)[m×k] · op(B)[k×n] (leading
-    dimensions lda, ldb) on this machine. Products over the measuring budget stay on
+    dimensions lda, ldb) on this machine; with `packed`, the generated GEMM on a B packed
+    ahead of time (`sgemm.pack_panels`: a constant's) against BLAS on the plain B. Products over the measuring budget stay on
     BLAS unmeasured: timing part of one would not show how the whole streams C and A
     through memory (a 2048 × 16000 LM-head block measured as 1213 × 384 chose wrongly)."""
     fixed = os.environ.get(GEMM_ENVIRONMENT, "")
@@ -40,22 +41,22 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
         raise RanvierError(f"${GEMM_ENVIRONMENT}={fixed!r}: expected 'generated' or 'blas' (or unset, to measure)")
     if 2 * m * n * k > _MEASURED_FLOPS:
         return False
-    return _decide(bool(ta), bool(tb), m, n, k, lda, ldb)
+    return _decide(bool(ta), bool(tb), m, n, k, lda, ldb, packed)
 
 
 @functools.cache
-def _decide(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int) -> bool:
-    key = f"{'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
+def _decide(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool) -> bool:
+    key = f"{'packed ' if packed else ''}{'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
     with kept(kept_path("gemm", host_target().key())) as choices:
         if choices is not None and isinstance(choices.get(key), bool):
             return choices[key]
-        faster = _measure(ta, tb, m, n, k, lda, ldb)
+        faster = _measure(ta, tb, m, n, k, lda, ldb, packed)
         if choices is not None:
             choices[key] = faster
         return faster
 
 
-def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int) -> bool:
+def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool) -> bool:
     target = host_target()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, lda) if ta else (m, lda), dtype=np.float32)
@@ -69,8 +70,14 @@ def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int) -> 
     one, zero = ctypes.byref(ctypes.c_float(1.0)), ctypes.byref(ctypes.c_float(0.0))
     flags = (b"T" if tb else b"N", b"T" if ta else b"N")  # row-major C = column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
 
+    panels = sgemm.pack_panels(b[:, :k] if tb else b[:, :n], tb, target) if packed else None
+    on_panels = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target))
+
     def ours() -> None:
-        generated(int(ta), int(tb), m, n, k, a.ctypes.data, lda, b.ctypes.data, ldb, c.ctypes.data, n, workspace.ctypes.data)
+        if packed:
+            on_panels(int(ta), m, n, k, a.ctypes.data, lda, panels.ctypes.data, c.ctypes.data, n)
+        else:
+            generated(int(ta), int(tb), m, n, k, a.ctypes.data, lda, b.ctypes.data, ldb, c.ctypes.data, n, workspace.ctypes.data)
 
     def theirs() -> None:
         blas(*flags, *refs[:3], one, b.ctypes.data, refs[3], a.ctypes.data, refs[4], zero, c.ctypes.data, refs[5])

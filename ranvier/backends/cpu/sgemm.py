@@ -22,6 +22,15 @@ The algorithm is BLIS's, less the packing of A:
 3. The first slice of k stores the tile into C, later ones add to it. A tile over C's
    right edge goes through a buffer on the stack, so nothing outside C is written; the
    last strip of fewer than MR rows has a micro-kernel of its own size.
+
+A B that never changes (an inference model's weights) is packed once instead, ahead of
+time, by `pack_panels`, and multiplied by
+
+    void ranvier_sgemm_packed(i64 transpose_a, i64 m, i64 n, i64 k, float* A, i64 lda,
+                              float* panels, float* C, i64 ldc)
+
+the same loops less the packing: `panels` holds op(B)'s columns in panels of NR, each
+k-major over all of k, so any slice of k of a panel is contiguous where the loops read it.
 """
 
 from __future__ import annotations
@@ -30,13 +39,15 @@ import ctypes
 import functools
 from pathlib import Path
 
+import numpy as np
 from llvmlite import ir
 
-from ..llvm.irutil import BYTE_PTR, F32, I1, I64, VOID, for_range, i64, intrinsic, splat
+from ..llvm.irutil import BYTE_PTR, F32, I1, I64, VOID, for_range, i64, intrinsic, splat, transpose_square
 from . import jit
 from .target import CPUTarget
 
 SYMBOL = "ranvier_sgemm"
+PACKED_SYMBOL = "ranvier_sgemm_packed"
 
 GEMM_CTYPE = ctypes.CFUNCTYPE(
     None, *[ctypes.c_int64] * 5,
@@ -44,11 +55,16 @@ GEMM_CTYPE = ctypes.CFUNCTYPE(
     ctypes.c_void_p,
 )
 
+PACKED_CTYPE = ctypes.CFUNCTYPE(
+    None, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+)
+
 MR = 6  # rows of a tile: 2·MR accumulators, two B vectors and a broadcast fit 16 vector registers
 KC = 256  # steps of k per packed block: a strip's slice of A, MR × 1 KiB, stays in L1
 _BLOCK_BYTES = 384 << 10  # a packed block of B: most of a 512 KiB L2
 _FLOAT_PTR = F32.as_pointer()
 _FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
+_PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
 _MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
 
@@ -64,13 +80,13 @@ def block_columns(target: CPUTarget) -> int:
     return max(nr, _BLOCK_BYTES // (KC * 4) // nr * nr)
 
 
-_WIDEST_PANEL = 32  # NR on AVX-512: the workspace is sized for it, whatever the target
+WIDEST_PANEL = 32  # NR on AVX-512: the workspace is sized for it, whatever the target
 
 
 def workspace_bytes(n: int, k: int) -> int:
     """Scratch `ranvier_sgemm` needs for op(B) of k × n on any target: one packed block,
     plus 64 bytes for aligning its start."""
-    columns = min(-(-n // _WIDEST_PANEL) * _WIDEST_PANEL, _BLOCK_BYTES // (KC * 4) // _WIDEST_PANEL * _WIDEST_PANEL)
+    columns = min(-(-n // WIDEST_PANEL) * WIDEST_PANEL, _BLOCK_BYTES // (KC * 4) // WIDEST_PANEL * WIDEST_PANEL)
     return 64 + max(1, min(k, KC)) * columns * 4
 
 
@@ -82,6 +98,30 @@ def gemm_code(target: CPUTarget) -> jit.LoadedCode:
 
 def gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address
+
+
+def packed_gemm_address(target: CPUTarget) -> int:
+    return gemm_code(target).address_of(PACKED_SYMBOL)
+
+
+PANEL_ALIGNMENT = 64  # bytes: the micro-kernel loads a panel's rows as aligned vectors
+
+
+def pack_panels(b: np.ndarray, transposed: bool, target: CPUTarget) -> np.ndarray:
+    """op(B) (B float32 [k, n], or [n, k] when `transposed`) as `ranvier_sgemm_packed`
+    reads it: panels of NR columns, each k rows of NR floats, zeros past n; 64-byte
+    aligned. Columns c0.. of the product start at panel c0 / NR, c0 · k floats in."""
+    columns = b.T if transposed else b
+    k, n = columns.shape
+    nr = panel_width(target)
+    count = -(-n // nr)
+    storage = np.empty(count * k * nr + PANEL_ALIGNMENT // 4, np.float32)
+    start = (-storage.ctypes.data % PANEL_ALIGNMENT) // 4
+    panels = storage[start : start + count * k * nr].reshape(count, k, nr)
+    padded = np.zeros((k, count * nr), np.float32)
+    padded[:, :n] = columns
+    panels[...] = padded.reshape(k, count, nr).transpose(1, 0, 2)
+    return panels
 
 
 class _Emitter:
@@ -174,7 +214,7 @@ class _Emitter:
             for half in range(2):
                 rows = [self.load_vector(b, b.gep(source, [b.add(b.mul(b.add(column, i64(half * lanes + j)), ldb), b.add(pc, p))]))
                         for j in range(lanes)]
-                for t, vector in enumerate(self._transpose(b, rows)):
+                for t, vector in enumerate(transpose_square(b, rows)):
                     self.store_vector(b, vector, b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), nr), i64(half * lanes))]), aligned=True)
         with for_range(b, i64(0), nr, name="jt") as j:
             inside = b.icmp_signed("<", j, columns)
@@ -182,22 +222,6 @@ class _Emitter:
             with for_range(b, first_scalar, kc, name="pt") as p:
                 value = b.select(inside, b.load(b.gep(row, [b.select(inside, p, i64(0))])), ir.Constant(F32, 0.0))
                 b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
-
-    def _transpose(self, b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
-        """An L × L block transposed: one stage per bit of the index, each swapping that
-        bit of the row number with the same bit of the column number across row pairs."""
-        lanes, mask_type = self.lanes, ir.VectorType(ir.IntType(32), self.lanes)
-        h = 1
-        while h < lanes:
-            low = ir.Constant(mask_type, [c if c & h == 0 else lanes + c - h for c in range(lanes)])
-            high = ir.Constant(mask_type, [c + h if c & h == 0 else lanes + c for c in range(lanes)])
-            swapped = list(rows)
-            for i in range(lanes):
-                if i & h == 0:
-                    swapped[i] = b.shuffle_vector(rows[i], rows[i + h], low)
-                    swapped[i + h] = b.shuffle_vector(rows[i], rows[i + h], high)
-            rows, h = swapped, h * 2
-        return rows
 
     def _pack_rows(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
         """op(B)[p, j] = B[p, j]: each row of the panel is a run of one of B's rows,
@@ -221,14 +245,27 @@ def build_module(target: CPUTarget) -> ir.Module:
     module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
     emit = _Emitter(module, target)
     tiles = {rows: emit.micro_kernel(rows) for rows in range(1, MR + 1)}
-    function = ir.Function(module, _FUNCTION, name=SYMBOL)
-    ta, tb, m, n, k, a, lda, source, ldb, c, ldc, workspace = function.args
+    _gemm(emit, tiles, block_columns(target), packed=False)
+    _gemm(emit, tiles, block_columns(target), packed=True)
+    return module
+
+
+def _gemm(emit: _Emitter, tiles: dict[int, ir.Function], block: int, packed: bool) -> None:
+    """`ranvier_sgemm`, or with `packed` `ranvier_sgemm_packed`, whose B comes as
+    `pack_panels` made it ahead of time: the same loops, less the packing."""
+    if packed:
+        function = ir.Function(emit.module, _PACKED_FUNCTION, name=PACKED_SYMBOL)
+        ta, m, n, k, a, lda, panels_of_b, c, ldc = function.args
+    else:
+        function = ir.Function(emit.module, _FUNCTION, name=SYMBOL)
+        ta, tb, m, n, k, a, lda, source, ldb, c, ldc, workspace = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
-    address = b.ptrtoint(workspace, I64)
-    packed = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), _FLOAT_PTR)
+    if not packed:
+        address = b.ptrtoint(workspace, I64)
+        block_of_b = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), _FLOAT_PTR)
     transposed = b.icmp_signed("!=", ta, i64(0))
     sa, sk = b.select(transposed, i64(1), lda), b.select(transposed, lda, i64(1))
-    nr, nc_max = i64(emit.nr), i64(block_columns(target))
+    nr, nc_max = i64(emit.nr), i64(block)
 
     empty = b.icmp_signed("==", k, i64(0))  # an empty sum: C is zeros
     with b.if_then(empty), for_range(b, i64(0), m, name="zi") as i, for_range(b, i64(0), n, name="zj") as j:
@@ -241,20 +278,29 @@ def build_module(target: CPUTarget) -> ir.Module:
     # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
     slices = b.sdiv(b.add(k, i64(KC - 1)), i64(KC))
     slice_steps = b.sdiv(b.add(k, b.sub(slices, i64(1))), b.select(b.icmp_signed(">", slices, i64(0)), slices, i64(1)))
-    with for_range(b, i64(0), n, step=block_columns(target), name="jc") as jc:
+    with for_range(b, i64(0), n, step=block, name="jc") as jc:
         nc = smaller(nc_max, b.sub(n, jc))
         panels = b.sdiv(b.add(nc, i64(emit.nr - 1)), nr)
         with for_range(b, i64(0), slices, name="slice") as number:
             pc = b.mul(number, slice_steps)
             kc = smaller(slice_steps, b.sub(k, pc))
-            emit.pack(b, tb, source, ldb, pc, jc, kc, nc, packed)
+            if packed:  # a panel is NR columns by all k; this slice of it starts pc rows in
+
+                def panel(first: ir.Value) -> ir.Value:
+                    return b.gep(panels_of_b, [b.add(b.mul(b.add(jc, first), k), b.mul(pc, nr))])
+            else:
+                emit.pack(b, tb, source, ldb, pc, jc, kc, nc, block_of_b)
+
+                def panel(first: ir.Value) -> ir.Value:
+                    return b.gep(block_of_b, [b.mul(first, kc)])
+
             accumulate = b.icmp_signed(">", pc, i64(0))
 
             def strip(tile: ir.Function, i0: ir.Value) -> None:
                 strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
                 with for_range(b, i64(0), panels, name="jr") as q:
                     first = b.mul(q, nr)
-                    b.call(tile, [kc, strip_a, sa, sk, b.gep(packed, [b.mul(first, kc)]),
+                    b.call(tile, [kc, strip_a, sa, sk, panel(first),
                                   b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]), ldc,
                                   smaller(nr, b.sub(nc, first)), accumulate])
 
@@ -265,4 +311,3 @@ def build_module(target: CPUTarget) -> ir.Module:
                 with b.if_then(b.icmp_signed("==", left, i64(rows))):
                     strip(tiles[rows], full_rows)
     b.ret_void()
-    return module

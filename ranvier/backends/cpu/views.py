@@ -45,7 +45,7 @@ def dense_view(var: Variable) -> View:
     return View(var, 0, contiguous_strides(var.shape))
 
 
-def _collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list[int]]]:
+def collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list[int]]]:
     """Merge dimension i into i+1 where every view steps through both as one dimension."""
     dims = list(shape)
     strides = [list(v.strides) for v in views]
@@ -79,7 +79,7 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
     if math.prod(shape) == 0:
         return
     views = inputs + outputs
-    dims, strides = _collapse(list(shape), views)
+    dims, strides = collapse(list(shape), views)
     lanes = ctx.lanes_for([v.var.dtype for v in views])
     nbytes = sum(v.var.nbytes for v in views)
     threads = thread_count() if not accumulate and worth_splitting(nbytes=nbytes) else 1

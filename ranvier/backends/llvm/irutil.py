@@ -139,3 +139,22 @@ def load(b: ir.IRBuilder, base: ir.Value, offset: ir.Value, element: ir.Type, la
 
 def store(b: ir.IRBuilder, value: ir.Value, base: ir.Value, offset: ir.Value, element: ir.Type, lanes: int = 1) -> None:
     b.store(value, typed_pointer(b, base, offset, element, lanes), align=1 if lanes > 1 else None)
+
+
+def transpose_square(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """An L × L block held as L vectors of L lanes, transposed in registers: one stage per
+    bit of the index, each swapping that bit of the row number with the same bit of the
+    column number across pairs of rows (log2 L stages of L shuffles)."""
+    lanes = len(rows)
+    mask_type = ir.VectorType(ir.IntType(32), lanes)
+    h = 1
+    while h < lanes:
+        low = ir.Constant(mask_type, [c if c & h == 0 else lanes + c - h for c in range(lanes)])
+        high = ir.Constant(mask_type, [c + h if c & h == 0 else lanes + c for c in range(lanes)])
+        swapped = list(rows)
+        for i in range(lanes):
+            if i & h == 0:
+                swapped[i] = b.shuffle_vector(rows[i], rows[i + h], low)
+                swapped[i + h] = b.shuffle_vector(rows[i], rows[i + h], high)
+        rows, h = swapped, h * 2
+    return rows

@@ -16,11 +16,12 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of
+from ...kernels import Prepared
 from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ...llvm.values import Value
 from .. import sgemm
 from ..amx import workspace_bytes
-from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMM_GENERATED, SGEMV
+from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMM_GENERATED, SGEMM_PACKED, SGEMV
 from ..gemm_choice import generated_is_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import contiguous_strides
@@ -76,7 +77,8 @@ def _bfloat16_precision(op) -> bool:
 
 @dataclass(frozen=True)
 class _Gemm:
-    """One GEMM call: its sizes and where its A, B and C start (elements)."""
+    """One GEMM call: its sizes, where its A, B and C start (elements), and the first
+    column of op(B) it reads (where its panels start when B comes packed)."""
 
     m: int
     n: int
@@ -84,6 +86,7 @@ class _Gemm:
     a: int
     b: int
     c: int
+    column: int = 0
 
 
 def _grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -117,7 +120,7 @@ def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
     for index, (oa, ob) in enumerate(batches):
         for (r0, r1), (c0, c1) in _grid(m, n, threads // len(batches), unit):
             parts.append([_Gemm(r1 - r0, c1 - c0, k, oa * a_size + (r0 if ta else r0 * lda),
-                                ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0)])
+                                ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0, c0)])
     return parts
 
 
@@ -175,6 +178,69 @@ def amx_matmul(ctx, op) -> None:
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
 
 
+def _float32(op) -> bool:
+    return op.inputs[0].dtype == dtypes.DT_FLOAT32 and op.inputs[1].dtype == dtypes.DT_FLOAT32
+
+
+def _chose_generated(op, unit: int, packed: bool) -> bool:
+    """Not a vector times a matrix (GEMV streams it best), and the generated GEMM measured
+    faster than BLAS on the largest call a part makes, as it makes it."""
+    ta, tb = _gemms(op)[:2]
+    calls = [g for part in gemm_parts(op, unit) for g in part]
+    largest = max(calls, key=lambda g: g.m * g.n * g.k)
+    lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
+    return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed)
+
+
+PACKED_KERNEL = "PackedGemm"
+_PANEL_UNIT = sgemm.WIDEST_PANEL  # parts start on a panel of B on every target
+
+
+def _panels_of_b(op) -> Prepared:
+    """A constant B packed once into the generated GEMM's panels."""
+    transposed = bool(attrs_of(op)["transpose_b"])
+    form = "sgemm panels of Bᵀ" if transposed else "sgemm panels"
+    return Prepared(op.inputs[1], form, lambda value, target: sgemm.pack_panels(value, transposed, target))
+
+
+def _by_constant(op) -> bool:
+    """A float32 product by a constant matrix (an inference model's weights)."""
+    b = op.inputs[1]
+    return _float32(op) and b.constant and b.rank == 2
+
+
+def _packed_faster(op) -> bool:
+    """A product by a constant, where the generated GEMM on panels packed ahead of time
+    measured faster than BLAS."""
+    return _by_constant(op) and _chose_generated(op, _PANEL_UNIT, packed=True)
+
+
+@kernel(PACKED_KERNEL, {"MatMul"}, supports=_packed_faster, prepares=lambda op: [_panels_of_b(op)])
+def packed_matmul(ctx, op) -> None:
+    """The generated GEMM, B read from panels packed when the network was made: the
+    product's steps skip the packing the workspace version does every call."""
+    a, c = op.inputs[0], op.outputs[0]
+    ta, _, _, k, _, _ = _gemms(op)
+    fp = F32.as_pointer()
+    gemm_type = ir.FunctionType(VOID, [I64, I64, I64, I64, fp, I64, fp, fp, I64])
+    panels = _panels_of_b(op)
+
+    def part(calls: list[_Gemm]):
+        def emit(ctx) -> None:
+            builder = ctx.b
+            gemm = builder.bitcast(ctx.table_entry(SGEMM_PACKED), gemm_type.as_pointer())
+            first_panel = ctx.prepared(panels.var, panels.form, F32)
+            for g in calls:
+                builder.call(gemm, [
+                    i64(int(ta)), i64(g.m), i64(g.n), i64(k), ctx.element_pointer(a, g.a), i64(a.shape[-1]),
+                    builder.gep(first_panel, [i64(g.column * k)]), ctx.element_pointer(c, g.c), i64(c.shape[-1]),
+                ])
+
+        return emit
+
+    run_parts(ctx, [part(calls) for calls in gemm_parts(op, _PANEL_UNIT)])
+
+
 GENERATED_KERNEL = "Gemm"
 
 
@@ -183,15 +249,9 @@ def _generated_call_bytes(g: _Gemm) -> int:
 
 
 def _generated_faster(op) -> bool:
-    """float32, not a vector times a matrix (GEMV streams it best), and the generated
-    GEMM measured faster than BLAS on the largest call a part makes, as it makes it."""
-    if op.inputs[0].dtype != dtypes.DT_FLOAT32 or op.inputs[1].dtype != dtypes.DT_FLOAT32:
-        return False
-    ta, tb = _gemms(op)[:2]
-    calls = [g for part in gemm_parts(op, 16) for g in part]
-    largest = max(calls, key=lambda g: g.m * g.n * g.k)
-    lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
-    return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb)
+    """Products by constants are the packed kernel's or BLAS's: packing B every call
+    cannot beat packing it once."""
+    return _float32(op) and not _by_constant(op) and _chose_generated(op, 16, packed=False)
 
 
 def _generated_workspace_bytes(op) -> int:
