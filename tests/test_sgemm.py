@@ -96,16 +96,24 @@ def test_the_gemm_on_packed_panels_matches_float64_numpy_and_writes_only_c(shape
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
 
 
-def test_packed_panels_hold_op_b_by_columns_of_nr_zeros_past_n():
+def test_packed_panels_hold_op_b_by_columns_of_nr_zeros_past_each_range():
     target = host_target()
     nr = sgemm.panel_width(target)
-    b = np.random.default_rng(0).standard_normal((7, nr + 3)).astype(np.float32)
+    b = np.random.default_rng(0).standard_normal((7, 2 * nr + 3)).astype(np.float32)
     for transposed, source in [(False, b), (True, np.ascontiguousarray(b.T))]:
-        panels = sgemm.pack_panels(source, transposed, target)
-        assert panels.shape == (2, 7, nr)
-        np.testing.assert_array_equal(panels[0], b[:, :nr])
-        np.testing.assert_array_equal(panels[1, :, :3], b[:, nr:])
-        assert not panels[1, :, 3:].any()
+        whole = sgemm.pack_panels(source, transposed, target).reshape(-1, 7, nr)
+        assert whole.shape == (3, 7, nr)
+        np.testing.assert_array_equal(whole[1], b[:, nr : 2 * nr])
+        np.testing.assert_array_equal(whole[2, :, :3], b[:, 2 * nr :])
+        assert not whole[2, :, 3:].any()
+        # two calls' columns, the first ending inside a panel: each range starts a panel
+        ranges = [(0, nr + 1), (nr + 1, 2 * nr + 3)]
+        split = sgemm.pack_panels(source, transposed, target, ranges)
+        assert split.size == sum(sgemm.panels_size(last - first, 7, target) for first, last in ranges)
+        first, second = split[: 2 * nr * 7].reshape(2, 7, nr), split[2 * nr * 7 :].reshape(-1, 7, nr)
+        np.testing.assert_array_equal(first[1, :, :1], b[:, nr : nr + 1])
+        np.testing.assert_array_equal(second[0], b[:, nr + 1 : 2 * nr + 1])
+        assert split.ctypes.data % sgemm.PANEL_ALIGNMENT == 0
 
 
 def test_the_workspace_fits_every_variant():

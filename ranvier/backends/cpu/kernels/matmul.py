@@ -193,14 +193,21 @@ def _chose_generated(op, unit: int, packed: bool) -> bool:
 
 
 PACKED_KERNEL = "PackedGemm"
-_PANEL_UNIT = sgemm.WIDEST_PANEL  # parts start on a panel of B on every target
+
+
+def _column_ranges(op) -> list[tuple[int, int]]:
+    """The columns of op(B) each call reads, each range once, in the order calls come."""
+    ranges = [(g.column, g.column + g.n) for part in gemm_parts(op, 16) for g in part]
+    return list(dict.fromkeys(ranges))
 
 
 def _panels_of_b(op) -> Prepared:
-    """A constant B packed once into the generated GEMM's panels."""
+    """A constant B packed once into the generated GEMM's panels, each call's columns
+    apart (so a part's columns need not start on a panel)."""
     transposed = bool(attrs_of(op)["transpose_b"])
-    form = "sgemm panels of Bᵀ" if transposed else "sgemm panels"
-    return Prepared(op.inputs[1], form, lambda value, target: sgemm.pack_panels(value, transposed, target))
+    ranges = _column_ranges(op)
+    form = f"sgemm panels{' of Bᵀ' if transposed else ''}, columns {ranges}"
+    return Prepared(op.inputs[1], form, lambda value, target: sgemm.pack_panels(value, transposed, target, ranges))
 
 
 def _by_constant(op) -> bool:
@@ -212,7 +219,7 @@ def _by_constant(op) -> bool:
 def _packed_faster(op) -> bool:
     """A product by a constant, where the generated GEMM on panels packed ahead of time
     measured faster than BLAS."""
-    return _by_constant(op) and _chose_generated(op, _PANEL_UNIT, packed=True)
+    return _by_constant(op) and _chose_generated(op, 16, packed=True)
 
 
 @kernel(PACKED_KERNEL, {"MatMul"}, supports=_packed_faster, prepares=lambda op: [_panels_of_b(op)])
@@ -224,21 +231,25 @@ def packed_matmul(ctx, op) -> None:
     fp = F32.as_pointer()
     gemm_type = ir.FunctionType(VOID, [I64, I64, I64, I64, fp, I64, fp, fp, I64])
     panels = _panels_of_b(op)
+    starts, at = {}, 0
+    for first, last in _column_ranges(op):
+        starts[first, last] = at
+        at += sgemm.panels_size(last - first, k, ctx.target)
 
     def part(calls: list[_Gemm]):
         def emit(ctx) -> None:
             builder = ctx.b
             gemm = builder.bitcast(ctx.table_entry(SGEMM_PACKED), gemm_type.as_pointer())
-            first_panel = ctx.prepared(panels.var, panels.form, F32)
+            packed = ctx.prepared(panels.var, panels.form, F32)
             for g in calls:
                 builder.call(gemm, [
                     i64(int(ta)), i64(g.m), i64(g.n), i64(k), ctx.element_pointer(a, g.a), i64(a.shape[-1]),
-                    builder.gep(first_panel, [i64(g.column * k)]), ctx.element_pointer(c, g.c), i64(c.shape[-1]),
+                    builder.gep(packed, [i64(starts[g.column, g.column + g.n])]), ctx.element_pointer(c, g.c), i64(c.shape[-1]),
                 ])
 
         return emit
 
-    run_parts(ctx, [part(calls) for calls in gemm_parts(op, _PANEL_UNIT)])
+    run_parts(ctx, [part(calls) for calls in gemm_parts(op, 16)])
 
 
 GENERATED_KERNEL = "Gemm"
