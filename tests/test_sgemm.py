@@ -128,7 +128,8 @@ def test_the_workspace_fits_every_variant():
 _CHOICE_SCRIPT = """
 from ranvier.backends.cpu.gemm_choice import generated_is_faster
 print(generated_is_faster(False, True, 128, 96, 200, 200, 200), generated_is_faster(False, False, 48, 64, 80, 80, 64),
-      generated_is_faster(False, False, 4096, 4096, 4096, 4096, 4096), generated_is_faster(True, True, 40, 50, 60, 40, 60, True))
+      generated_is_faster(False, False, 4096, 4096, 4096, 4096, 4096), generated_is_faster(True, True, 40, 50, 60, 40, 60, True),
+      generated_is_faster(False, True, 128, 50000, 768, 768, 768, True))
 """
 
 
@@ -138,15 +139,18 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
     env.pop("RANVIER_GEMM", None)
     first = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     (kept,) = tmp_path.glob("gemm-*.json")
-    # the product too large to time quickly stays on BLAS, unmeasured
+    # a product too large to time quickly is timed on its first columns (an LM head's
+    # blocks of B) or, where that would leave too few of them, stays on BLAS unmeasured
+    block = sgemm.block_columns(host_target())
+    columns = (1 << 29) // (2 * 128 * 768) // block * block
     assert set(json.loads(kept.read_text())) == {"NT 128x96x200 lda 200 ldb 200", "NN 48x64x80 lda 80 ldb 64",
-                                                 "packed TT 40x50x60 lda 40 ldb 60"}
+                                                 "packed TT 40x50x60 lda 40 ldb 60", f"packed NT 128x{columns}x768 lda 768 ldb 768"}
     assert first.split()[2] == "False"
     again = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     assert again == first
     forced = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
                             text=True, check=True).stdout
-    assert forced.split() == ["False", "False", "False", "False"]
+    assert forced.split() == ["False"] * 5
 
 
 def test_a_wrong_gemm_setting_is_named(monkeypatch):

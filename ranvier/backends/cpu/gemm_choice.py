@@ -20,7 +20,8 @@ from .measured import kept, kept_path
 from .target import host_target
 
 GEMM_ENVIRONMENT = "RANVIER_GEMM"
-_MEASURED_FLOPS = 1 << 29  # a larger product stays on BLAS (this one takes ~7 ms)
+_MEASURED_FLOPS = 1 << 29  # a larger product is timed on some of its columns (this takes ~7 ms)
+_FEWEST_BLOCKS = 4  # of B's columns, for a product timed on its first columns
 _ROUNDS = 15  # the two alternate; each one's fastest run counts (5 flipped one choice in ten here)
 
 _INT, _FLOAT = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
@@ -31,16 +32,24 @@ _FORTRAN_SGEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, _INT, 
 def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool = False) -> bool:
     """Whether the generated GEMM beats BLAS for op(A)[m×k] · op(B)[k×n] (leading
     dimensions lda, ldb) on this machine; with `packed`, the generated GEMM on a B packed
-    ahead of time (`sgemm.pack_panels`: a constant's) against BLAS on the plain B. Products over the measuring budget stay on
-    BLAS unmeasured: timing part of one would not show how the whole streams C and A
-    through memory (a 2048 × 16000 LM-head block measured as 1213 × 384 chose wrongly)."""
+    ahead of time (`sgemm.pack_panels`: a constant's) against BLAS on the plain B.
+
+    A product over the measuring budget is timed on its first columns, at least
+    `_FEWEST_BLOCKS` blocks of B, with every row and all of k (both GEMMs
+    go through B a block of columns at a time, so the rest repeats what was timed).
+    Fewer columns would not show how the whole streams C and A through memory (a 2048 ×
+    16000 LM-head block timed as 1213 × 384 chose wrongly): such a product stays on BLAS."""
     fixed = os.environ.get(GEMM_ENVIRONMENT, "")
     if fixed in ("generated", "blas"):
         return fixed == "generated"
     if fixed:
         raise RanvierError(f"${GEMM_ENVIRONMENT}={fixed!r}: expected 'generated' or 'blas' (or unset, to measure)")
     if 2 * m * n * k > _MEASURED_FLOPS:
-        return False
+        block = sgemm.block_columns(host_target())
+        columns = _MEASURED_FLOPS // (2 * m * k) // block * block
+        if columns < _FEWEST_BLOCKS * block:
+            return False
+        n, ldb = columns, (ldb if tb else columns)
     return _decide(bool(ta), bool(tb), m, n, k, lda, ldb, packed)
 
 
