@@ -24,6 +24,7 @@ from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMM_GENERATED, SGEMM_PACKED, SGEMV
 from ..gemm_choice import generated_is_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ..target import host_target
 from ..views import contiguous_strides
 from .library import kernel
 
@@ -89,15 +90,23 @@ class _Gemm:
     column: int = 0
 
 
+_PACKING_WEIGHT = 8  # a row of A read or a column of B packed costs about this many multiply-adds
+
+
 def _grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """C[m, n] cut into at most `parts` blocks (row range, column range), edges multiples
-    of `unit`: the most blocks, then the squarest, since each part packs its rows of A
-    and its columns of B and packing costs in proportion to the block's rows + columns."""
+    of `unit`: the most blocks, then the cheapest largest block. A block costs its rows
+    times its columns rounded up to whole tiles of the generated GEMM (a 128-column block
+    of 24-column tiles computes 144), plus the packing of its rows of A and columns of B."""
+    panel = sgemm.panel_width(host_target())
+
+    def cost(rows: int, columns: int) -> int:
+        return rows * -(-columns // panel) * panel + _PACKING_WEIGHT * (rows + columns)
+
     best = None
     for across in range(1, parts + 1):
         rows, columns = shares(m, across, unit), shares(n, parts // across, unit)
-        blocks = len(rows) * len(columns)
-        rank = (blocks, -(rows[0][1] - rows[0][0] + columns[0][1] - columns[0][0]))
+        rank = (len(rows) * len(columns), -max(cost(r1 - r0, c1 - c0) for r0, r1 in rows for c0, c1 in columns))
         if best is None or rank > best[0]:
             best = rank, rows, columns
     _, rows, columns = best
