@@ -71,10 +71,30 @@ def _combine(kind: str):
     return combine
 
 
-@kernel("Reduce", REDUCTIONS, supports=lambda op: blocks(op) is not None)
+def _threads(op) -> int:
+    x, out = op.inputs[0], op.outputs[0]
+    return thread_count() if worth_splitting(nbytes=x.nbytes + out.nbytes) else 1
+
+
+def _row_pieces(op) -> int:
+    """How many pieces each row of a row reduction is cut into: one per core when there
+    are fewer rows than cores (a whole-tensor sum, a gradient's finiteness check)."""
+    outer, _, inner = blocks(op)
+    threads = _threads(op)
+    return threads if inner == 1 and outer < threads else 1
+
+
+def _partials_bytes(op) -> int:
+    """Where the pieces of the rows leave their partial results: eight bytes each."""
+    pieces = _row_pieces(op)
+    return blocks(op)[0] * pieces * 8 if pieces > 1 else 0
+
+
+@kernel("Reduce", REDUCTIONS, supports=lambda op: blocks(op) is not None, workspace=_partials_bytes)
 def reduction(ctx, op) -> None:
-    """A large reduction is shared out over the pool by its blocks, or, with fewer
-    blocks than cores (a bias gradient's column sums), by vectors of its columns."""
+    """A large reduction is shared out over the pool by its blocks; with fewer blocks
+    than cores, by vectors of its columns (a bias gradient's column sums) or, for rows,
+    by pieces of each row whose partial results are combined after (a whole-tensor sum)."""
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, inner = blocks(op)
     combine, start = _combine(op.type), _identity(op.type, x.dtype)
@@ -102,12 +122,41 @@ def reduction(ctx, op) -> None:
 
         return emit
 
-    threads = thread_count() if worth_splitting(nbytes=x.nbytes + out.nbytes) else 1
-    if outer >= threads or inner == 1:
-        parts = [part(share, (0, inner)) for share in shares(outer, threads)]
+    threads, pieces = _threads(op), _row_pieces(op)
+    if pieces > 1:
+        _reduce_rows_in_pieces(ctx, op, pieces, lanes, start, combine, finish)
+    elif outer >= threads or inner == 1:
+        run_parts(ctx, [part(share, (0, inner)) for share in shares(outer, threads)])
     else:
-        parts = [part((0, outer), share) for share in shares(inner, threads, lanes)]
-    run_parts(ctx, parts)
+        run_parts(ctx, [part((0, outer), share) for share in shares(inner, threads, lanes)])
+
+
+def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, finish) -> None:
+    """Each row cut into `pieces` runs of whole vectors, one per pool part, each folded
+    into a partial result in the workspace; the caller then combines each row's partials."""
+    x, out = op.inputs[0], op.outputs[0]
+    outer, reduced, _ = blocks(op)
+    runs = shares(reduced, pieces, lanes)
+    element = compute_type(x.dtype)
+
+    def partials(ctx):
+        return ctx.b.bitcast(ctx.address(ctx.workspace), element.as_pointer())
+
+    def piece(number: int, first: int, last: int):
+        def emit(ctx) -> None:
+            with ctx.loop(0, outer, name="o") as o:
+                total = fold(ctx, o * reduced + first, last - first, lanes, x.dtype, start, combine, lambda i, w: ctx.load(x, i, w))
+                ctx.b.store(total.ir, ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir]))
+
+        return emit
+
+    run_parts(ctx, [piece(number, first, last) for number, (first, last) in enumerate(runs)])
+    with ctx.loop(0, outer, name="o") as o:
+        total = None
+        for number in range(len(runs)):
+            value = Value(ctx.b, ctx.b.load(ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir])), x.dtype)
+            total = value if total is None else combine(total, value)
+        ctx.store(out, o, finish(total))
 
 
 @kernel("ArgReduce", {"ArgMax", "ArgMin"})
