@@ -1,7 +1,8 @@
 """ranvier's generated float32 GEMM (backends/cpu/sgemm.py) against float64 numpy, for each
 vector variant, every shape class (edges of the tile, of k's slices and of B's blocks,
 transposes, leading dimensions wider than the matrix, empty sums), and nothing outside C
-written; the per-shape choice between it and BLAS, measured once and kept."""
+written; the per-shape choice between it and BLAS, measured once and kept; the GEMM on B packed
+ahead of time (a constant's panels)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ SHAPES = [
     (37, 70, 513),  # three slices of k, the last of one step
     (9, 800, 40),  # columns over several packed blocks of B
     (64, 20, 1),
+    (13, 40, 1021),  # A's rows 4 KiB apart (lda 1024): its strips are copied, as transposed ones are
     (7, 9, 0),  # an empty sum: C is zeros
 ]
 

@@ -208,6 +208,22 @@ class _Emitter:
         b.ret_void()
         return function
 
+    # ---- copying a strip of A ---------------------------------------------------------------
+
+    def copy_strip(self, b: ir.IRBuilder, transposed: ir.Value, strip: ir.Value, sa: ir.Value, sk: ir.Value, kc: ir.Value,
+                   rows: int, copy: ir.Value) -> None:
+        """A's strip (`rows` rows, kc steps of k) k-major into `copy`: a step's values
+        adjacent, as the micro-kernel then reads them (row stride 1, k stride `rows`)."""
+        run = ir.VectorType(F32, rows)
+        with b.if_else(transposed) as (side_by_side, apart):
+            with side_by_side, for_range(b, i64(0), kc, name="ka") as p:
+                source = b.bitcast(b.gep(strip, [b.mul(p, sk)]), run.as_pointer())
+                b.store(b.load(source, align=4), b.bitcast(b.gep(copy, [b.mul(p, i64(rows))]), run.as_pointer()), align=4)
+            with apart, for_range(b, i64(0), kc, name="kb") as p:
+                for r in range(rows):
+                    value = b.load(b.gep(strip, [b.add(b.mul(i64(r), sa), p)]))
+                    b.store(value, b.gep(copy, [b.add(b.mul(p, i64(rows)), i64(r))]))
+
     # ---- packing B ------------------------------------------------------------------------
 
     def pack(self, b: ir.IRBuilder, tb: ir.Value, source: ir.Value, ldb: ir.Value, pc: ir.Value, jc: ir.Value,
@@ -290,6 +306,11 @@ def _gemm(emit: _Emitter, tiles: dict[int, ir.Function], block: int, packed: boo
         block_of_b = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), _FLOAT_PTR)
     transposed = b.icmp_signed("!=", ta, i64(0))
     sa, sk = b.select(transposed, i64(1), lda), b.select(transposed, lda, i64(1))
+    # A strip read in place touches a cache line per step of k when A is transposed (MR
+    # values side by side, rows lda apart), or MR lines of one L1 set when rows are a
+    # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
+    copy_a = b.or_(transposed, b.icmp_signed("==", b.and_(lda, i64(1023)), i64(0)))
+    strip_copy = b.alloca(F32, i64(emit.mr * KC))
     nr, nc_max = i64(emit.nr), i64(block)
 
     empty = b.icmp_signed("==", k, i64(0))  # an empty sum: C is zeros
@@ -322,18 +343,22 @@ def _gemm(emit: _Emitter, tiles: dict[int, ir.Function], block: int, packed: boo
 
             accumulate = b.icmp_signed(">", pc, i64(0))
 
-            def strip(tile: ir.Function, i0: ir.Value) -> None:
+            def strip(tile: ir.Function, i0: ir.Value, rows: int) -> None:
                 strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
+                with b.if_then(copy_a):
+                    emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
+                read_a = b.select(copy_a, strip_copy, strip_a)
+                row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
                 with for_range(b, i64(0), panels, name="jr") as q:
                     first = b.mul(q, nr)
-                    b.call(tile, [kc, strip_a, sa, sk, panel(first),
+                    b.call(tile, [kc, read_a, row_step, k_step, panel(first),
                                   b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]), ldc,
                                   smaller(nr, b.sub(nc, first)), accumulate])
 
             with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
-                strip(tiles[mr], i0)
+                strip(tiles[mr], i0, mr)
             left = b.sub(m, full_rows)
             for rows in range(1, mr):
                 with b.if_then(b.icmp_signed("==", left, i64(rows))):
-                    strip(tiles[rows], full_rows)
+                    strip(tiles[rows], full_rows, rows)
     b.ret_void()
