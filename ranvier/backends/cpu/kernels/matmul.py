@@ -153,28 +153,41 @@ def amx_workspace_bytes(op) -> int:
     return len(parts) * _share(parts, _amx_call_bytes)
 
 
+class GeneratedGemm:
+    """A generated GEMM as generated code calls it, with `Blas.gemm`'s arguments: the
+    float32 one (sgemm.py) or the bf16 AMX one (`slot` in the pointer table: they take
+    the same arguments), packing B in part `number`'s `share` of the step's workspace.
+    Sizes and leading dimensions may be Python ints or run-time int64 Values."""
+
+    _TYPE = ir.FunctionType(VOID, [I64] * 5 + [F32.as_pointer(), I64, F32.as_pointer(), I64, F32.as_pointer(), I64,
+                                               I8.as_pointer()])
+
+    def __init__(self, ctx, slot: int, number: int, share: int):
+        self.b = ctx.b
+        self._function = self.b.bitcast(ctx.table_entry(slot), self._TYPE.as_pointer())
+        self._scratch = self.b.gep(ctx.address(ctx.workspace), [i64(number * share)])
+
+    def gemm(self, ta: bool, tb: bool, m, n, k, a: ir.Value, lda, b: ir.Value, ldb, c: ir.Value, ldc) -> None:
+        """C[m, n] = op(A)[m, k] · op(B)[k, n] (row-major, C overwritten)."""
+        def size(value) -> ir.Value:
+            return value.ir if isinstance(value, Value) else i64(value)
+
+        self.b.call(self._function, [i64(int(ta)), i64(int(tb)), size(m), size(n), size(k), a, size(lda), b, size(ldb), c,
+                                     size(ldc), self._scratch])
+
+
 def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
-    """The calls of a generated GEMM (`slot` in the pointer table; the bf16 AMX one or
-    the float32 one, which take the same arguments), each part with `share` bytes of
-    the step's workspace."""
+    """The calls of a generated GEMM (`slot`: see GeneratedGemm), each part with `share`
+    bytes of the step's workspace."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb = _gemms(op)[:2]
-    fp = F32.as_pointer()
-    gemm_type = ir.FunctionType(VOID, [I64, I64, I64, I64, I64, fp, I64, fp, I64, fp, I64, I8.as_pointer()])
 
     def emit(calls: list[_Gemm], number: int):
         def part(ctx) -> None:
-            builder = ctx.b
-            gemm = builder.bitcast(ctx.table_entry(slot), gemm_type.as_pointer())
-            pa, pb, pc = ctx.pointer(a), ctx.pointer(b), ctx.pointer(c)
-            scratch = builder.gep(ctx.address(ctx.workspace), [i64(number * share)])
+            gemm = GeneratedGemm(ctx, slot, number, share)
             for g in calls:
-                builder.call(gemm, [
-                    i64(int(ta)), i64(int(tb)), i64(g.m), i64(g.n), i64(g.k),
-                    builder.gep(pa, [i64(g.a)]), i64(a.shape[-1]),
-                    builder.gep(pb, [i64(g.b)]), i64(b.shape[-1]),
-                    builder.gep(pc, [i64(g.c)]), i64(c.shape[-1]), scratch,
-                ])
+                gemm.gemm(ta, tb, g.m, g.n, g.k, ctx.element_pointer(a, g.a), a.shape[-1], ctx.element_pointer(b, g.b),
+                          b.shape[-1], ctx.element_pointer(c, g.c), c.shape[-1])
 
         return part
 
@@ -262,6 +275,8 @@ def packed_matmul(ctx, op) -> None:
 
 
 GENERATED_KERNEL = "Gemm"
+# Kernels that call the generated float32 GEMM (the grouped MoE products add theirs).
+GENERATED_GEMM_KERNELS = {GENERATED_KERNEL}
 
 
 def _generated_call_bytes(g: _Gemm) -> int:
