@@ -209,3 +209,27 @@ def test_a_product_by_a_constant_reads_panels_packed_once_per_network(gemm, kern
         constant = cell.network.globals[cell.steps[0].op.inputs[1].name]
         with pytest.raises(ValueError, match="read-only"):
             constant[...] = 0
+
+
+def test_a_constant_some_op_writes_is_never_packed(monkeypatch):
+    """A key/value cache starts as data, like a constant, and an AssignSlice writes it:
+    its products read it as it is now, not a copy packed when the instance was made."""
+    import ranvier as rv
+
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    cache = flow.add_var("cache", "float32", [6, 8])
+    cache.set_data(np.zeros((6, 8), np.float32))
+    row, start, q = f.var("row", "float32", [1, 8]), f.var("start", "int32", []), f.var("q", "float32", [5, 8])
+    f.op("AssignSlice", [f.wrap(cache), row, start], None, {"axis": 0})
+    scores = f.matmul(q, f.wrap(cache), transpose_b=True)
+    scores.var.out = True
+    cell = rv.Compiler("cpu", cache=False).compile(flow).cell("f")
+    assert "PackedGemm" not in [s.kernel for s in cell.steps]
+    data = cell.instance()
+    value, queries = np.arange(8, dtype=np.float32).reshape(1, 8), np.ones((5, 8), np.float32)
+    data[row], data[start], data[q] = value, np.int32(2), queries
+    data.compute()
+    data.compute()  # the product reads the cache this step wrote, whatever their order in the step
+    assert np.array_equal(data[scores][:, 2], np.full(5, value.sum(), np.float32))

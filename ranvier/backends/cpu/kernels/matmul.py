@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from .... import dtypes
-from ....ops import attrs_of
+from ....ops import attrs_of, written_inputs
 from ...kernels import Prepared
 from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ...llvm.values import Value
@@ -233,9 +233,11 @@ def _panels_of_b(op) -> Prepared:
 
 
 def _by_constant(op) -> bool:
-    """A float32 product by a constant matrix (an inference model's weights)."""
+    """A float32 product by a constant matrix (an inference model's weights) that no op
+    writes (a key/value cache starts as data too, and is written as decoding goes)."""
     b = op.inputs[1]
-    return _float32(op) and b.constant and b.rank == 2
+    never_written = all(all(v is not b for v in written_inputs(reader)) for reader in b.consumers)
+    return _float32(op) and b.constant and b.rank == 2 and never_written
 
 
 def _packed_faster(op) -> bool:
