@@ -107,10 +107,12 @@ class MPIWorld(World):
         nap = 0.0
         while not request.Test():
             if time.monotonic() > deadline:
-                raise WorkerLost(
-                    f"rank {self.rank} of {self.size}: {what} did not complete within {self.timeout:g} s; "
-                    "another rank has died, hangs or was cut off (see its output)"
-                )
+                message = (f"rank {self.rank} of {self.size}: {what} did not complete within {self.timeout:g} s; "
+                           "another rank has died, hangs or was cut off (see its output)")
+                # Said now, not only in the traceback: mpiexec tears the job down as this rank
+                # exits and can drop the last line it printed (seen under load).
+                print(message, file=sys.stderr, flush=True)
+                raise WorkerLost(message)
             if nap:
                 time.sleep(nap)
             nap = min(1e-4, nap * 2 or 1e-6)
