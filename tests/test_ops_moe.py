@@ -173,6 +173,17 @@ def test_grouped_matmul_weight_grad(dtype, transpose):
     check(dw, want, dtype)
 
 
+def _expected_pair(x, w, dy, offsets, transpose):
+    """float64 y of each group through its expert's matrix, and each expert's gradient."""
+    want_y, want_dw = np.zeros((x.shape[0], dy.shape[1])), np.zeros(w.shape)
+    for e in range(w.shape[0]):
+        group = slice(offsets[e], offsets[e + 1])
+        want_y[group] = as_f64(x[group]) @ (as_f64(w[e]).T if transpose else as_f64(w[e]))
+        outer = as_f64(x[group]).T @ as_f64(dy[group])
+        want_dw[e] = outer.T if transpose else outer
+    return want_y, want_dw
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_grouped_gemms_split_over_the_pool(transpose):
     """Products above the split threshold (columns shared out, the last slice ragged),
@@ -185,12 +196,7 @@ def test_grouped_gemms_split_over_the_pool(transpose):
     y, dw = run_flow(lambda f, a, b, d, o: [f.grouped_matmul(a, b, o, transpose_b=transpose),
                                             f.grouped_matmul_weight_grad(a, d, o, experts, transpose=transpose)],
                      [x, w, dy, offsets])
-    want_y, want_dw = np.zeros((rows, n)), np.zeros(w.shape)
-    for e in range(experts):
-        group = slice(offsets[e], offsets[e + 1])
-        want_y[group] = as_f64(x[group]) @ (as_f64(w[e]).T if transpose else as_f64(w[e]))
-        outer = as_f64(x[group]).T @ as_f64(dy[group])
-        want_dw[e] = outer.T if transpose else outer
+    want_y, want_dw = _expected_pair(x, w, dy, offsets, transpose)
     check(y, want_y, "float64")
     check(dw, want_dw, "float64")
     assert not y[used:].any()
@@ -221,12 +227,7 @@ def test_float32_grouped_gemms_through_either_gemm(transpose, gemm, kernels, mon
         data[handle] = value
     data[y], data[dw] = np.full(y.shape, np.nan, np.float32), np.full(dw.shape, np.nan, np.float32)
     data.compute()
-    want_y, want_dw = np.zeros((rows, n)), np.zeros(w.shape)
-    for e in range(experts):
-        group = slice(offsets[e], offsets[e + 1])
-        want_y[group] = as_f64(x[group]) @ (as_f64(w[e]).T if transpose else as_f64(w[e]))
-        outer = as_f64(x[group]).T @ as_f64(dy[group])
-        want_dw[e] = outer.T if transpose else outer
+    want_y, want_dw = _expected_pair(x, w, dy, offsets, transpose)
     check(data[y], want_y, "float32", rtol=1e-5, atol=1e-4)
     check(data[dw], want_dw, "float32", rtol=1e-5, atol=1e-4)
 
