@@ -101,7 +101,8 @@ class Network:
             raise RanvierError(f"no cell {name!r} in the network; cells: {', '.join(self.cells) or 'none'}") from None
 
     def __getitem__(self, key) -> np.ndarray:
-        """The writable array of a global (constant or parameter), by handle, name or alias."""
+        """The array of a global (constant or parameter), by handle, name or alias: writable,
+        except a constant a kernel reads prepared (`prepared`: a GEMM's packed weights)."""
         var = self.flow.lookup(_key_name(key))
         if var.name not in self.globals:
             raise RanvierError(f"{var.name} is not a global of the network (it is local to a cell)")
