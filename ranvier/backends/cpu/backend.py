@@ -199,8 +199,8 @@ class CPUBackend:
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
         prepared = [cell.network.prepared(p.var, p.form, self.target.key(), lambda value, p=p: p.make(value, self.target))
                     for p in layout.prepared]
-        for k, array in enumerate(prepared):
-            table[layout.prepared_slot(layout.prepared[k].var, layout.prepared[k].form)] = array.ctypes.data
+        for p, array in zip(layout.prepared, prepared):
+            table[layout.prepared_slot(p.var, p.form)] = array.ctypes.data
         function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["code"].address)
         keep_alive = (callback, table, status, native["code"], workers, prepared)
 
