@@ -79,13 +79,15 @@ def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, pac
     one, zero = ctypes.byref(ctypes.c_float(1.0)), ctypes.byref(ctypes.c_float(0.0))
     flags = (b"T" if tb else b"N", b"T" if ta else b"N")  # row-major C = column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
 
-    panels = sgemm.pack_panels(b[:, :k] if tb else b[:, :n], tb, target) if packed else None
-    on_panels = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target))
+    if packed:
+        panels = sgemm.pack_panels(b[:, :k] if tb else b[:, :n], tb, target)
+        on_panels = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target))
 
-    def ours() -> None:
-        if packed:
+        def ours() -> None:
             on_panels(int(ta), m, n, k, a.ctypes.data, lda, panels.ctypes.data, c.ctypes.data, n)
-        else:
+    else:
+
+        def ours() -> None:
             generated(int(ta), int(tb), m, n, k, a.ctypes.data, lda, b.ctypes.data, ldb, c.ctypes.data, n, workspace.ctypes.data)
 
     def theirs() -> None:
