@@ -167,31 +167,32 @@ class _Emitter:
 
     # ---- the micro-kernel -----------------------------------------------------------------
 
-    def micro_kernel(self, rows: int) -> ir.Function:
-        """C[rows × NR] (=|+=) A-strip[rows × kc] · panel[kc × NR]."""
-        function = ir.Function(self.module, _MICRO, name=f"{SYMBOL}_tile{rows}")
+    def micro_kernel(self, rows: int, vectors: int) -> ir.Function:
+        """C[rows × vectors·L] (=|+=) A-strip[rows × kc] · the panel's first vectors·L
+        columns [kc × NR]: a panel over C's edge computes only the vectors it needs."""
+        function = ir.Function(self.module, _MICRO, name=f"{SYMBOL}_tile{rows}x{vectors}")
         function.linkage = "internal"
         kc, a, sa, sk, panel, c, ldc, columns, accumulate = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
         zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes)
-        sums = [[b.alloca(self.vector) for _ in range(self.vectors)] for _ in range(rows)]
+        sums = [[b.alloca(self.vector) for _ in range(vectors)] for _ in range(rows)]
         for row in sums:
             for slot in row:
                 b.store(zero, slot)
         row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
         with for_range(b, i64(0), kc, name="p") as p:
             step = b.gep(panel, [b.mul(p, i64(self.nr))])
-            parts = [self.load_vector(b, b.gep(step, [i64(v * self.lanes)]), aligned=True) for v in range(self.vectors)]
+            parts = [self.load_vector(b, b.gep(step, [i64(v * self.lanes)]), aligned=True) for v in range(vectors)]
             along = b.mul(p, sk)
             for r in range(rows):
                 value = splat(b, b.load(b.gep(row_starts[r], [along])), self.lanes)
-                for h in range(self.vectors):
+                for h in range(vectors):
                     b.store(b.call(self.fma, [value, parts[h], b.load(sums[r][h])]), sums[r][h])
-        whole = b.icmp_signed("==", columns, i64(self.nr))
+        whole = b.icmp_signed("==", columns, i64(vectors * self.lanes))
         with b.if_else(whole) as (full, edge):
             with full:
                 for r in range(rows):
-                    for h in range(self.vectors):
+                    for h in range(vectors):
                         target = b.gep(c, [b.add(b.mul(i64(r), ldc), i64(h * self.lanes))])
                         total = b.load(sums[r][h])
                         added = b.fadd(total, self.load_vector(b, target))
@@ -199,7 +200,7 @@ class _Emitter:
             with edge:
                 tile = b.alloca(F32, i64(rows * self.nr))
                 for r in range(rows):
-                    for h in range(self.vectors):
+                    for h in range(vectors):
                         self.store_vector(b, b.load(sums[r][h]), b.gep(tile, [i64(r * self.nr + h * self.lanes)]))
                     with for_range(b, i64(0), columns, name="j") as j:
                         target = b.gep(c, [b.add(b.mul(i64(r), ldc), j)])
@@ -285,13 +286,14 @@ def build_module(target: CPUTarget) -> ir.Module:
     module = ir.Module(SYMBOL)
     module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
     emit = _Emitter(module, target)
-    tiles = {rows: emit.micro_kernel(rows) for rows in range(1, emit.mr + 1)}
+    tiles = {(rows, vectors): emit.micro_kernel(rows, vectors) for rows in range(1, emit.mr + 1)
+             for vectors in range(1, emit.vectors + 1)}
     _gemm(emit, tiles, block_columns(target), packed=False)
     _gemm(emit, tiles, block_columns(target), packed=True)
     return module
 
 
-def _gemm(emit: _Emitter, tiles: dict[int, ir.Function], block: int, packed: bool) -> None:
+def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int, packed: bool) -> None:
     """`ranvier_sgemm`, or with `packed` `ranvier_sgemm_packed`, whose B comes as
     `pack_panels` made it ahead of time: the same loops, less the packing."""
     if packed:
@@ -343,7 +345,7 @@ def _gemm(emit: _Emitter, tiles: dict[int, ir.Function], block: int, packed: boo
 
             accumulate = b.icmp_signed(">", pc, i64(0))
 
-            def strip(tile: ir.Function, i0: ir.Value, rows: int) -> None:
+            def strip(i0: ir.Value, rows: int) -> None:
                 strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
                 with b.if_then(copy_a):
                     emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
@@ -351,14 +353,21 @@ def _gemm(emit: _Emitter, tiles: dict[int, ir.Function], block: int, packed: boo
                 row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
                 with for_range(b, i64(0), panels, name="jr") as q:
                     first = b.mul(q, nr)
-                    b.call(tile, [kc, read_a, row_step, k_step, panel(first),
-                                  b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]), ldc,
-                                  smaller(nr, b.sub(nc, first)), accumulate])
+                    columns = smaller(nr, b.sub(nc, first))
+                    arguments = [kc, read_a, row_step, k_step, panel(first), b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]),
+                                 ldc, columns, accumulate]
+                    # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
+                    needed = b.sdiv(b.add(columns, i64(emit.lanes - 1)), i64(emit.lanes))
+                    for vectors in range(1, emit.vectors):
+                        with b.if_then(b.icmp_signed("==", needed, i64(vectors))):
+                            b.call(tiles[rows, vectors], arguments)
+                    with b.if_then(b.icmp_signed("==", needed, i64(emit.vectors))):
+                        b.call(tiles[rows, emit.vectors], arguments)
 
             with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
-                strip(tiles[mr], i0, mr)
+                strip(i0, mr)
             left = b.sub(m, full_rows)
             for rows in range(1, mr):
                 with b.if_then(b.icmp_signed("==", left, i64(rows))):
-                    strip(tiles[rows], full_rows, rows)
+                    strip(full_rows, rows)
     b.ret_void()
