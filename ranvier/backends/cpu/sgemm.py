@@ -358,11 +358,9 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
                                  ldc, columns, accumulate]
                     # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
                     needed = b.sdiv(b.add(columns, i64(emit.lanes - 1)), i64(emit.lanes))
-                    for vectors in range(1, emit.vectors):
+                    for vectors in range(1, emit.vectors + 1):
                         with b.if_then(b.icmp_signed("==", needed, i64(vectors))):
                             b.call(tiles[rows, vectors], arguments)
-                    with b.if_then(b.icmp_signed("==", needed, i64(emit.vectors))):
-                        b.call(tiles[rows, emit.vectors], arguments)
 
             with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
                 strip(i0, mr)

@@ -133,6 +133,9 @@ def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
     return parts
 
 
+_FLOAT_UNIT = 16  # edges of the blocks of C a float32 or float64 part computes
+
+
 def amx_parts(op) -> list[list[_Gemm]]:
     """The bf16 GEMM's calls per part, blocks in multiples of its 32-row tiles."""
     return gemm_parts(op, 32)
@@ -204,11 +207,11 @@ def _float32(op) -> bool:
     return op.inputs[0].dtype == dtypes.DT_FLOAT32 and op.inputs[1].dtype == dtypes.DT_FLOAT32
 
 
-def _chose_generated(op, unit: int, packed: bool) -> bool:
+def _chose_generated(op, packed: bool) -> bool:
     """Not a vector times a matrix (GEMV streams it best), and the generated GEMM measured
     faster than BLAS on the largest call a part makes, as it makes it."""
     ta, tb = _gemms(op)[:2]
-    calls = [g for part in gemm_parts(op, unit) for g in part]
+    calls = [g for part in gemm_parts(op, _FLOAT_UNIT) for g in part]
     largest = max(calls, key=lambda g: g.m * g.n * g.k)
     lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
     return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed)
@@ -219,7 +222,7 @@ PACKED_KERNEL = "PackedGemm"
 
 def _column_ranges(op) -> list[tuple[int, int]]:
     """The columns of op(B) each call reads, each range once, in the order calls come."""
-    ranges = [(g.column, g.column + g.n) for part in gemm_parts(op, 16) for g in part]
+    ranges = [(g.column, g.column + g.n) for part in gemm_parts(op, _FLOAT_UNIT) for g in part]
     return list(dict.fromkeys(ranges))
 
 
@@ -243,7 +246,7 @@ def _by_constant(op) -> bool:
 def _packed_faster(op) -> bool:
     """A product by a constant, where the generated GEMM on panels packed ahead of time
     measured faster than BLAS."""
-    return _by_constant(op) and _chose_generated(op, 16, packed=True)
+    return _by_constant(op) and _chose_generated(op, packed=True)
 
 
 @kernel(PACKED_KERNEL, {"MatMul"}, supports=_packed_faster, prepares=lambda op: [_panels_of_b(op)])
@@ -273,7 +276,7 @@ def packed_matmul(ctx, op) -> None:
 
         return emit
 
-    run_parts(ctx, [part(calls) for calls in gemm_parts(op, 16)])
+    run_parts(ctx, [part(calls) for calls in gemm_parts(op, _FLOAT_UNIT)])
 
 
 GENERATED_KERNEL = "Gemm"
@@ -288,18 +291,18 @@ def _generated_call_bytes(g: _Gemm) -> int:
 def _generated_faster(op) -> bool:
     """Products by constants are the packed kernel's or BLAS's: packing B every call
     cannot beat packing it once."""
-    return _float32(op) and not _by_constant(op) and _chose_generated(op, 16, packed=False)
+    return _float32(op) and not _by_constant(op) and _chose_generated(op, packed=False)
 
 
 def _generated_workspace_bytes(op) -> int:
-    parts = gemm_parts(op, 16)
+    parts = gemm_parts(op, _FLOAT_UNIT)
     return len(parts) * _share(parts, _generated_call_bytes)
 
 
 @kernel(GENERATED_KERNEL, {"MatMul"}, supports=_generated_faster, workspace=_generated_workspace_bytes)
 def generated_matmul(ctx, op) -> None:
     """ranvier's own float32 GEMM (sgemm.py), where it measured faster than BLAS."""
-    parts = gemm_parts(op, 16)
+    parts = gemm_parts(op, _FLOAT_UNIT)
     _call_generated(ctx, op, SGEMM_GENERATED, parts, _share(parts, _generated_call_bytes))
 
 
@@ -376,7 +379,7 @@ def blas_matmul(ctx, op) -> None:
 
         return emit
 
-    run_parts(ctx, [part(calls) for calls in gemm_parts(op, 16)])
+    run_parts(ctx, [part(calls) for calls in gemm_parts(op, _FLOAT_UNIT)])
 
 
 @kernel("LoopMatMul", {"MatMul"})
