@@ -27,6 +27,7 @@ SHAPES = [
     (13, 33, 300),  # a row strip and a panel left over, two slices of k
     (37, 70, 513),  # three slices of k, the last of one step
     (9, 800, 40),  # columns over several packed blocks of B
+    (21, 290, 600),  # several blocks and slices: the next block's lines asked for across both
     (64, 20, 1),
     (13, 40, 1021),  # A's rows 4 KiB apart (lda 1024): its strips are copied, as transposed ones are
     (7, 9, 0),  # an empty sum: C is zeros
@@ -143,7 +144,7 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
     (kept,) = tmp_path.glob("gemm-*.json")
     # a product too large to time quickly is timed on its first columns (an LM head's
     # blocks of B) or, where that would leave too few of them, stays on BLAS unmeasured
-    block = sgemm.block_columns(host_target())
+    block = sgemm.block_columns(host_target(), packed=True)
     columns = (1 << 29) // (2 * 128 * 768) // block * block
     assert set(json.loads(kept.read_text())) == {"NT 128x96x200 lda 200 ldb 200", "NN 48x64x80 lda 80 ldb 64",
                                                  "packed TT 40x50x60 lda 40 ldb 60", f"packed NT 128x{columns}x768 lda 768 ldb 768"}

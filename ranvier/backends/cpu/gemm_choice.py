@@ -45,7 +45,7 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
     if fixed:
         raise RanvierError(f"${GEMM_ENVIRONMENT}={fixed!r}: expected 'generated' or 'blas' (or unset, to measure)")
     if 2 * m * n * k > _MEASURED_FLOPS:
-        block = sgemm.block_columns(host_target())
+        block = sgemm.block_columns(host_target(), packed)
         columns = _MEASURED_FLOPS // (2 * m * k) // block * block
         if columns < _FEWEST_BLOCKS * block:
             return False
@@ -56,7 +56,9 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
 @functools.cache
 def _decide(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool) -> bool:
     key = f"{'packed ' if packed else ''}{'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
-    with kept(kept_path("gemm", host_target().key())) as choices:
+    # kept per machine and per generated GEMM: a change to its code measures anew
+    identity = f"{host_target().key()}\n{sgemm.gemm_code(host_target()).digest}"
+    with kept(kept_path("gemm", identity)) as choices:
         if choices is not None and isinstance(choices.get(key), bool):
             return choices[key]
         faster = _measure(ta, tb, m, n, k, lda, ldb, packed)

@@ -169,6 +169,7 @@ class LoadedCode:
         self._engine.add_object_file(llvm.ObjectFileRef.from_data(code))
         self._engine.finalize_object()
         self.address: int = self._engine.get_function_address(symbol)
+        self.digest = hashlib.sha256(code).hexdigest()  # names this machine code (measurements of it are kept under it)
 
     def address_of(self, symbol: str) -> int:
         """Another exported function of the same code."""

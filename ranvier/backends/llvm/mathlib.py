@@ -315,10 +315,10 @@ def _scaled_logistic(o: _Ops, x: ir.Value, z: ir.Value, z_lo: ir.Value | None = 
     For x = -inf the limit -0 is returned (x * sigmoid(x) -> 0), not NaN.
     """
     m, s, denominator = _logistic_parts(o, z, z_lo)
-    positive = o.div(x, denominator)
-    finite_x = o.clamp(x, _EXP_CLAMP[o.bits][0], 0.0)
-    negative = o.mul(o.mul(m, o.div(finite_x, denominator)), s)
-    return o.select(o.cmp(">=", z, o.c(0.0)), positive, negative)
+    positive = o.cmp(">=", z, o.c(0.0))
+    # one division serves both signs: x / (1 + e) above zero, m * (x / (1 + e)) * s below
+    quotient = o.div(o.select(positive, x, o.clamp(x, _EXP_CLAMP[o.bits][0], 0.0)), denominator)
+    return o.select(positive, quotient, o.mul(o.mul(m, quotient), s))
 
 
 def _erfc_tail(o: _Ops, v: ir.Value, gelu: bool) -> tuple[ir.Value, ir.Value, ir.Value]:
