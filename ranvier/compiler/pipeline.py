@@ -10,6 +10,7 @@ pipeline decides which passes apply.
     fuse-loss        cross-entropy beside its gradient → one op, one read of the logits
     fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
     mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
+    fuse-epilogue    a MatMul and the Calculate that alone reads its product → one op
 
 `RANVIER_DEBUG=passes` prints the function after each pass.
 """
@@ -23,6 +24,7 @@ from .. import debug
 from ..backends import Backend, CompileOptions
 from ..flow.graph import Flow, Function
 from .decompose import decompose
+from .epilogue import fuse_epilogues
 from .fuse import fuse_elementwise
 from .loss import fuse_loss_with_gradient
 from .precision import use_bfloat16_matmul
@@ -65,6 +67,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
     Pass("mixed-precision", lambda c: use_bfloat16_matmul(c.func), _mixed_precision),
+    Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep)),
 )
 
 

@@ -234,7 +234,7 @@ class _Graph:
     def convert(self, op: Operation) -> None:
         converter = CONVERTERS.get(op.type)
         if converter is None:
-            hint = "; export the flow as built, not a compiled one" if op.type == "Calculate" else ""
+            hint = "; export the flow as built, not a compiled one" if op.type in ("Calculate", "MatMulCalculate") else ""
             raise UnknownOpError(f"ONNX export: op {op.name} of type {op.type} has no ONNX mapping{hint}")
         self.op, self.first_node = op, len(self.nodes)
         results = converter(self, op, *(v.name for v in op.inputs))

@@ -107,3 +107,89 @@ define(
     written=written_inputs,
     flops=_flops,
 )
+
+
+# ---- MatMulCalculate: a matrix product and the Calculate that reads it ----------------------
+#
+# The compiler's epilogue pass (compiler/epilogue.py) makes it of a MatMul whose product
+# only a Calculate reads: inputs a, b (the MatMul's), then the Calculate's other inputs;
+# in the program %0 is the product and %i (i ≥ 1) is input i + 1. Output 0 has the
+# product's type: the product is computed into it, and the program then runs over each
+# block of it a GEMM call made, while the block is still in cache.
+
+_MATMUL_ATTRS = ("transpose_a", "transpose_b", "precision")
+
+
+def _matmul_attrs(raw: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in raw.items() if name in _MATMUL_ATTRS}
+
+
+def _epilogue_inputs(product: TensorType, others) -> list:
+    return [_Spec("product", product.dtype, product.shape), *others]
+
+
+def _infer_matmul_calculate(ctx):
+    (product,) = op_def("MatMul").infer_types(ctx.op_name, ctx.inputs[:2], _matmul_attrs(ctx.attrs.raw))
+    program = parse(ctx.attrs["expr"])
+    if any(target.kind == "%" for target, _ in program.statements):
+        raise ctx.fail("an epilogue that writes no input in place")
+    values = program_types(program, _epilogue_inputs(product, ctx.inputs[2:]), ctx.op_name)
+    outputs = [v for _, v in sorted((int(k[1:]), v) for k, v in values.items() if k.startswith("@"))]
+    if not outputs or outputs[0].dtype != product.dtype or list(outputs[0].shape) != list(product.shape):
+        raise ctx.fail(f"a first output of the product's type, {product.dtype}{list(product.shape)}")
+    for v in outputs:
+        if list(v.shape) != list(product.shape):
+            raise ctx.fail(f"every output of the product's shape {list(product.shape)} (got {list(v.shape)})")
+    return [TensorType(v.dtype, v.shape) for v in outputs]
+
+
+def _matmul_calculate_reference(attrs, args, outs):
+    matmul = op_def("MatMul")
+    raw = _matmul_attrs(attrs.raw)
+    (product,) = matmul.reference(Attrs(raw, "", "MatMul", matmul.attrs), args[:2], outs[:1])
+    rounded = np.asarray(product).astype(dtypes.to_numpy(outs[0].dtype))  # as the kernel stores it
+    return _reference(attrs, [rounded, *args[2:]], outs)
+
+
+def _matmul_calculate_flops(op) -> int:
+    a = op.inputs[0]
+    k = a.shape[-2] if op_def("MatMulCalculate").attrs_of(op)["transpose_a"] else a.shape[-1]
+    product = 2 * op.outputs[0].size * k
+    return product + op.outputs[0].size * sum(1 for _, call in parse(op.attrs["expr"]).statements if call.op_type != "Identity")
+
+
+def epilogue_strides(shape, product_shape) -> tuple[int, int] | None:
+    """How an epilogue reads an input of `shape` broadcast to the product's: element
+    (row, column) of the product, rows counted over all its leading dimensions, is at
+    row · r + column · c; (r, c), or None where no such pair exists (an input that
+    broadcasts over some leading dimensions but not others)."""
+    shape, product_shape = list(shape), list(product_shape)
+    lead = len(product_shape) - len(shape)
+    if lead < 0:
+        return None
+    own, step = [0] * len(shape), 1
+    for i in reversed(range(len(shape))):
+        own[i], step = step, step * shape[i]
+    strides = [0] * lead + [0 if d == 1 else own[i] for i, d in enumerate(shape)]
+    # rows a step of each leading dimension moves over, in the product's [rows, columns] view
+    unit, rows = [0] * (len(product_shape) - 1), 1
+    for i in reversed(range(len(product_shape) - 1)):
+        unit[i], rows = rows, rows * product_shape[i]
+    moving = [i for i in range(len(product_shape) - 1) if product_shape[i] != 1]
+    row_stride = strides[moving[-1]] if moving else 0
+    if any(strides[i] != row_stride * unit[i] for i in moving):
+        return None
+    return row_stride, strides[-1]
+
+
+define(
+    "MatMulCalculate", _infer_matmul_calculate, _matmul_calculate_reference, (2, None), "fused",
+    "a @ b, then a Calculate program over the product (%0) and further inputs (%1 is input 2)",
+    attrs=[
+        Attr("transpose_a", "bool", False, "use aᵀ"),
+        Attr("transpose_b", "bool", False, "use bᵀ"),
+        Attr("precision", "str", "float32", "float32, or bfloat16: float32 inputs rounded to bfloat16, float32 sums"),
+        Attr("expr", "str", "", "the epilogue program; %0 is the product, %i input i + 1"),
+    ],
+    flops=_matmul_calculate_flops,
+)

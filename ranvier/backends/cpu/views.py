@@ -91,6 +91,17 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
     ])
 
 
+def emit_map_here(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body) -> None:
+    """emit_map's loops on the calling thread, never split: for a part of a kernel that is
+    already one of several (a GEMM's epilogue over the block the part computed)."""
+    if math.prod(shape) == 0:
+        return
+    views = inputs + outputs
+    dims, strides = collapse(list(shape), views)
+    lanes = ctx.lanes_for([v.var.dtype for v in views])
+    _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, False, 0, dims[0])
+
+
 def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int, last: int) -> None:
     """emit_map's loops, over [first, last) of the outermost dimension."""
     inner_ok = all(s[-1] in (0, 1) for s in strides)

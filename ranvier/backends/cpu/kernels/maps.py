@@ -12,13 +12,13 @@ import math
 
 import numpy as np
 
-from ....ops import Attrs, attrs_of, op_def
-from ....ops.expression import Call, Ref, parse
+from ....ops import attrs_of, op_def
+from ....ops.expression import parse
 from ....ops.shape import shape_fact
-from ...llvm.values import Value
 from ..views import View, broadcast_view, contiguous_strides, dense_view, emit_map
 from .index import check_range, load_index
 from .library import kernel
+from .program import apply, program_body
 
 
 def _identity(values, lanes):
@@ -42,12 +42,6 @@ def has_formula(op) -> bool:
     return definition.family == "elementwise" and definition.formula is not None and op.type != "Identity"
 
 
-def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
-    """`op_type(args)` on IR values, by the op's formula, with its typed attributes."""
-    definition = op_def(op_type)
-    return definition.formula(*args, **Attrs(attrs, op_type, op_type, definition.attrs).values())
-
-
 @kernel("Elementwise", supports=has_formula, in_place=_same_type)
 def elementwise(ctx, op) -> None:
     out = op.outputs[0]
@@ -67,25 +61,7 @@ def calculate(ctx, op) -> None:
     inputs = [broadcast_view(v, shape) for v in op.inputs]
     written = [t.index for t, _ in program.statements if t.kind == "%"]
     outputs = [dense_view(v) for v in op.outputs] + [dense_view(op.inputs[i]) for i in written]
-
-    def body(values, lanes):
-        env = {f"%{i}": value for i, value in enumerate(values)}
-
-        def evaluate(node: Ref | Call) -> Value:
-            if isinstance(node, Ref):
-                return env[str(node)]
-            return apply(node.op_type, dict(node.attrs), [evaluate(a) for a in node.args])
-
-        writes = []
-        for target, call in program.statements:
-            value = evaluate(call)
-            if target.kind == "%":
-                writes.append(value)
-            else:
-                env[str(target)] = value
-        return [env[f"@{j}"] for j in range(len(op.outputs))] + writes
-
-    emit_map(ctx, shape, inputs, outputs, body)
+    emit_map(ctx, shape, inputs, outputs, program_body(program, len(op.outputs)))
 
 
 def _iteration_shape(op):

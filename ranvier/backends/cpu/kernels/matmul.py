@@ -27,6 +27,7 @@ from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..target import host_target
 from ..views import contiguous_strides
 from .library import kernel
+from .program import epilogue
 
 
 def _batch_offsets(batch, a_batch, b_batch):
@@ -70,6 +71,9 @@ def _gemms(op) -> tuple[bool, bool, int, int, int, list[tuple[int, int]]]:
 
 
 AMX_KERNEL = "AmxGemm"
+# Every GEMM kernel also runs a MatMul fused with the Calculate after it: the program runs
+# over each block of the product right after the call that wrote it (`epilogue`).
+MATMUL_OPS = {"MatMul", "MatMulCalculate"}
 
 
 def _bfloat16_precision(op) -> bool:
@@ -191,13 +195,14 @@ def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) ->
             for g in calls:
                 gemm.gemm(ta, tb, g.m, g.n, g.k, ctx.element_pointer(a, g.a), a.shape[-1], ctx.element_pointer(b, g.b),
                           b.shape[-1], ctx.element_pointer(c, g.c), c.shape[-1])
+                epilogue(ctx, op, g.c, g.m, g.n)
 
         return part
 
     run_parts(ctx, [emit(calls, number) for number, calls in enumerate(parts)])
 
 
-@kernel(AMX_KERNEL, {"MatMul"}, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
+@kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
 def amx_matmul(ctx, op) -> None:
     parts = amx_parts(op)
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
@@ -249,7 +254,7 @@ def _packed_faster(op) -> bool:
     return _by_constant(op) and _chose_generated(op, packed=True)
 
 
-@kernel(PACKED_KERNEL, {"MatMul"}, supports=_packed_faster, prepares=lambda op: [_panels_of_b(op)])
+@kernel(PACKED_KERNEL, MATMUL_OPS, supports=_packed_faster, prepares=lambda op: [_panels_of_b(op)])
 def packed_matmul(ctx, op) -> None:
     """The generated GEMM, B read from panels packed when the network was made: the
     product's steps skip the packing the workspace version does every call."""
@@ -273,6 +278,7 @@ def packed_matmul(ctx, op) -> None:
                     i64(int(ta)), i64(g.m), i64(g.n), i64(k), ctx.element_pointer(a, g.a), i64(a.shape[-1]),
                     builder.gep(packed, [i64(starts[g.column, g.column + g.n])]), ctx.element_pointer(c, g.c), i64(c.shape[-1]),
                 ])
+                epilogue(ctx, op, g.c, g.m, g.n)
 
         return emit
 
@@ -299,7 +305,7 @@ def _generated_workspace_bytes(op) -> int:
     return len(parts) * _share(parts, _generated_call_bytes)
 
 
-@kernel(GENERATED_KERNEL, {"MatMul"}, supports=_generated_faster, workspace=_generated_workspace_bytes)
+@kernel(GENERATED_KERNEL, MATMUL_OPS, supports=_generated_faster, workspace=_generated_workspace_bytes)
 def generated_matmul(ctx, op) -> None:
     """ranvier's own float32 GEMM (sgemm.py), where it measured faster than BLAS."""
     parts = gemm_parts(op, _FLOAT_UNIT)
@@ -358,7 +364,7 @@ class Blas:
         ])
 
 
-@kernel("BlasGemm", {"MatMul"}, supports=_float32_or_64)
+@kernel("BlasGemm", MATMUL_OPS, supports=_float32_or_64)
 def blas_matmul(ctx, op) -> None:
     """One BLAS call per product, or per block of a large product's C (`gemm_parts`),
     the parts run over the worker pool with BLAS on one thread: BLAS's own pool would
@@ -376,13 +382,14 @@ def blas_matmul(ctx, op) -> None:
                     blas.vector_matrix(tb, g.n, k, pa, pb, b.shape[-1], pc)
                 else:
                     blas.gemm(ta, tb, g.m, g.n, k, pa, a.shape[-1], pb, b.shape[-1], pc, c.shape[-1])
+                epilogue(ctx, op, g.c, g.m, g.n)
 
         return emit
 
     run_parts(ctx, [part(calls) for calls in gemm_parts(op, _FLOAT_UNIT)])
 
 
-@kernel("LoopMatMul", {"MatMul"})
+@kernel("LoopMatMul", MATMUL_OPS)
 def loop_matmul(ctx, op) -> None:
     """Any numeric dtype: a plain triple loop accumulating in the compute type."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
@@ -398,3 +405,4 @@ def loop_matmul(ctx, op) -> None:
                 b_index = ob * b_size + (j * b_cols + p if tb else p * b_cols + j)
                 acc.set(acc.value + ctx.load(a, a_index) * ctx.load(b, b_index))
             ctx.store(c, index * m * n + i * n + j, acc.value)
+    epilogue(ctx, op, 0, c.size // n, n)

@@ -1,0 +1,60 @@
+"""Elementwise programs as loop bodies: an op's formula applied to IR values, a Calculate
+program evaluated statement by statement, and that program run as a GEMM's epilogue over
+the block of the product a call just wrote. Registers no kernel (maps.py and matmul.py
+use it), so importing it leaves the order kernels are tried in alone."""
+
+from __future__ import annotations
+
+from ....ops import Attrs, op_def
+from ....ops.expression import Call, Program, Ref, parse
+from ....ops.fused import epilogue_strides
+from ...llvm.values import Value
+from ..views import Body, View, emit_map_here
+
+
+def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
+    """`op_type(args)` on IR values, by the op's formula, with its typed attributes."""
+    definition = op_def(op_type)
+    return definition.formula(*args, **Attrs(attrs, op_type, op_type, definition.attrs).values())
+
+
+def program_body(program: Program, outputs: int) -> Body:
+    """A Calculate program as a loop body: its `outputs` results, then what it writes in place."""
+
+    def body(values, lanes):
+        env = {f"%{i}": value for i, value in enumerate(values)}
+
+        def evaluate(node: Ref | Call) -> Value:
+            if isinstance(node, Ref):
+                return env[str(node)]
+            return apply(node.op_type, dict(node.attrs), [evaluate(a) for a in node.args])
+
+        writes = []
+        for target, call in program.statements:
+            value = evaluate(call)
+            if target.kind == "%":
+                writes.append(value)
+            else:
+                env[str(target)] = value
+        return [env[f"@{j}"] for j in range(outputs)] + writes
+
+    return body
+
+
+def epilogue(ctx, op, at: int, rows: int, columns: int) -> None:
+    """A MatMulCalculate's program over the block of its product a GEMM call just wrote:
+    `rows` × `columns` from element `at` of output 0 (rows `n` apart), on the calling
+    thread. A MatMul has none."""
+    if op.type != "MatMulCalculate":
+        return
+    product = op.outputs[0]
+    n = product.shape[-1]
+    row, column = divmod(at, n)
+
+    def block(var, strides: tuple[int, int]) -> View:
+        down, across = strides
+        return View(var, row * down + column * across, [down, across])
+
+    inputs = [block(product, (n, 1))] + [block(v, epilogue_strides(v.shape, product.shape)) for v in op.inputs[2:]]
+    emit_map_here(ctx, [rows, columns], inputs, [block(v, (n, 1)) for v in op.outputs],
+                  program_body(parse(op.attrs["expr"]), len(op.outputs)))

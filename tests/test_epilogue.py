@@ -1,0 +1,188 @@
+"""Epilogue fusion: a MatMul and the Calculate that alone reads its product run as one
+MatMulCalculate, the program over each block of the product a GEMM call wrote."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import check, random_array, run_flow
+
+import ranvier as rv
+from ranvier.autodiff import backward
+from ranvier.ops.fused import epilogue_strides
+
+TESTED_OPS = {"MatMulCalculate"}
+MASKS = ["", "-avx512", "-avx512,-avx2"]
+GEMMS = ["generated", "blas"]
+
+
+def _steps(flow: rv.Flow, **options) -> list:
+    return rv.Compiler("cpu", **options).compile(flow).cell("f").steps
+
+
+def _torch(*arrays):
+    return [torch.tensor(np.asarray(a, np.float64)) for a in arrays]
+
+
+def test_epilogue_strides_read_a_bias_a_same_shape_tensor_and_a_per_row_scale():
+    assert epilogue_strides([70], [3, 37, 70]) == (0, 1)
+    assert epilogue_strides([3, 37, 70], [3, 37, 70]) == (70, 1)
+    assert epilogue_strides([37, 70], [1, 37, 70]) == (70, 1)
+    assert epilogue_strides([3, 37, 1], [3, 37, 70]) == (1, 0)
+    assert epilogue_strides([], [5, 6]) == (0, 0)
+    # broadcast over one leading dimension but not another: no (row, column) strides
+    assert epilogue_strides([3, 1, 70], [3, 37, 70]) is None
+    assert epilogue_strides([37, 70], [3, 37, 70]) is None
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_bias_and_gelu_run_in_the_products_epilogue(gemm, ta, tb, monkeypatch):
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    x = random_array([50, 37] if ta else [37, 50], "float32", seed=1)
+    w = random_array([70, 50] if tb else [50, 70], "float32", seed=2)
+    bias = random_array([70], "float32", seed=3)
+
+    def build(f, x, w, b):
+        return f.gelu(f.matmul(x, w, transpose_a=ta, transpose_b=tb) + b)
+
+    result = run_flow(build, [x, w, bias])
+    tx, tw, tb_ = _torch(x.T if ta else x, w.T if tb else w, bias)
+    check(result[0], torch.nn.functional.gelu(tx @ tw + tb_).numpy().astype(np.float32))
+    (step,) = _steps(result.flow)
+    assert step.op.type == "MatMulCalculate"
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_a_residual_and_a_per_row_scale_over_a_batch_of_rows(mask):
+    """x[B, T, K] @ W is one GEMM over B·T rows; the epilogue reads a same-shaped residual
+    and a [B, T, 1] scale at each block's rows."""
+    x, w = random_array([3, 37, 50], "float32", seed=1), random_array([50, 70], "float32", seed=2)
+    residual, scale = random_array([3, 37, 70], "float32", seed=3), random_array([3, 37, 1], "float32", seed=4)
+
+    def build(f, x, w, r, s):
+        return (x @ w) * s + r
+
+    result = run_flow(build, [x, w, residual, scale])
+    tx, tw, tr, ts = _torch(x, w, residual, scale)
+    check(result[0], ((tx @ tw) * ts + tr).numpy().astype(np.float32))
+    (step,) = _steps(result.flow, cpu=mask)
+    assert step.op.type == "MatMulCalculate" and step.variant != "python"
+
+
+def test_a_batched_product_and_float64_and_two_outputs():
+    """Batched products (a GEMM per matrix) each run the epilogue over their own block; a
+    Calculate that also keeps its pre-activation writes both outputs."""
+    a, b = random_array([4, 9, 13], "float64", seed=1), random_array([4, 13, 11], "float64", seed=2)
+    bias = random_array([11], "float64", seed=3)
+
+    def build(f, a, b, bias):
+        h = a @ b + bias
+        return [h, f.tanh(h)]
+
+    result = run_flow(build, [a, b, bias])
+    want = np.matmul(a, b) + bias
+    check(result[0], want)
+    check(result[1], np.tanh(want))
+    (step,) = _steps(result.flow)
+    assert step.op.type == "MatMulCalculate" and len(step.op.outputs) == 2
+
+
+def test_an_integer_product_runs_its_epilogue_after_the_loop():
+    a = np.random.default_rng(1).integers(-5, 5, (6, 7)).astype(np.int32)
+    b = np.random.default_rng(2).integers(-5, 5, (7, 3)).astype(np.int32)
+    result = run_flow(lambda f, a, b: f.abs(a @ b) + 1, [a, b])
+    check(result[0], np.abs(a @ b) + 1)
+    (step,) = _steps(result.flow)
+    assert step.op.type == "MatMulCalculate" and step.kernel == "LoopMatMul"
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_product_split_over_every_core_runs_each_blocks_epilogue(gemm, monkeypatch):
+    """Large enough to be cut into blocks of C, one per worker-pool part."""
+    from ranvier.backends.cpu.parallel import split_thresholds
+
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    m = max(67, math.isqrt(split_thresholds().flops // 2) // 64 + 3)
+    x, w, bias = random_array([m, 64], "float32", seed=1), random_array([64, 150], "float32", seed=2), random_array([150], "float32")
+    result = run_flow(lambda f, x, w, b: f.relu(x @ w - b), [x, w, bias])
+    check(result[0], np.maximum(x.astype(np.float64) @ w - bias, 0).astype(np.float32))
+
+
+def test_weights_packed_ahead_of_time_take_the_epilogue_too(monkeypatch):
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    rng = np.random.default_rng(0)
+    w, bias = rng.standard_normal((96, 200)).astype(np.float32), rng.standard_normal(200).astype(np.float32)
+    x = rng.standard_normal((40, 96)).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    xs = f.var("x", rv.DT_FLOAT, [40, 96])
+    y = f.silu(xs @ f.const(w) + f.const(bias))
+    y.var.out = True
+    cell = rv.Compiler().compile(flow).cell("f")
+    (step,) = cell.steps
+    assert (step.op.type, step.kernel) == ("MatMulCalculate", "PackedGemm")
+    data = cell.instance()
+    data[xs] = x
+    data.compute()
+    check(data[y], torch.nn.functional.silu(torch.tensor(x, dtype=torch.float64) @ torch.tensor(w, dtype=torch.float64) + torch.tensor(bias)).numpy().astype(np.float32))
+
+
+def _fused_types(build, shapes) -> list[str]:
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    handles = [f.var(f"x{i}", rv.DT_FLOAT, shape) for i, shape in enumerate(shapes)]
+    outputs = build(f, *handles)
+    for t in outputs if isinstance(outputs, list) else [outputs]:
+        t.var.out = True
+    return sorted(s.op.type for s in _steps(flow))
+
+
+def test_no_epilogue_where_the_product_is_needed_elsewhere_or_cannot_be_read_by_rows():
+    # the product is itself an output, or read by two ops
+    assert "MatMulCalculate" not in _fused_types(lambda f, x, w: [x @ w, f.tanh(x @ w)], [[5, 6], [6, 7]])
+    assert "MatMulCalculate" not in _fused_types(lambda f, x, w: [f.tanh(x @ w), f.sum(x @ w)], [[5, 6], [6, 7]])
+    # an input broadcast over the batch but not over the rows
+    assert "MatMulCalculate" not in _fused_types(lambda f, x, w, b: (x @ w) + b, [[3, 5, 6], [6, 7], [3, 1, 7]])
+    # a Calculate whose outputs are larger than the product (it broadcasts the product)
+    assert "MatMulCalculate" not in _fused_types(lambda f, x, w, y: f.tanh(x @ w) + y, [[5, 6], [6, 7], [2, 5, 7]])
+    # a [T, n] tensor under a [B, T, n] product repeats every T rows: not (row, column) strides
+    assert "MatMulCalculate" not in _fused_types(lambda f, x, w, b: f.tanh(x @ w + b), [[3, 5, 6], [6, 7], [5, 7]])
+    assert "MatMulCalculate" in _fused_types(lambda f, x, w, b: f.tanh(x @ w + b), [[3, 5, 6], [6, 7], [7]])
+
+
+def test_a_training_step_fuses_its_epilogues_and_matches_torch():
+    """An MLP's loss and gradients: bias and activation epilogues in the forward pass, and
+    the gradients equal float64 PyTorch's and the unfused reference backend's."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in ((16, 12), (12, 20), (20,), (20, 5))]
+
+    def build(f, x, w1, b1, w2):
+        loss = f.sum(f.gelu(x @ w1 + b1) @ w2 * 0.5)
+        grads = backward(loss, [w1, b1, w2])
+        return [loss, *(grads[p.name] for p in (w1, b1, w2))]
+
+    result = run_flow(build, arrays)
+    tx, tw1, tb1, tw2 = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in arrays)
+    loss = (torch.nn.functional.gelu(tx @ tw1 + tb1) @ tw2 * 0.5).sum()
+    loss.backward()
+    check(result[0], loss.detach().numpy().astype(np.float32), rtol=1e-5)
+    for got, want in zip(result[1:], (tw1, tb1, tw2)):
+        check(got, want.grad.numpy().astype(np.float32), rtol=1e-4, atol=1e-4)
+    assert "MatMulCalculate" in {s.op.type for s in _steps(result.flow)}
+
+
+def test_a_malformed_epilogue_is_named():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, w = f.var("x", rv.DT_FLOAT, [5, 6]), f.var("w", rv.DT_FLOAT, [6, 7])
+    small = f.var("s", rv.DT_FLOAT, [5, 7])
+    with pytest.raises(rv.ShapeError, match="in place"):
+        f.op("MatMulCalculate", [x, w, small], attrs={"expr": "%1=Tanh(%0)"})
+    with pytest.raises(rv.ShapeError, match="first output of the product's type"):
+        f.op("MatMulCalculate", [x, w], attrs={"expr": "@0=Cast[dtype=float64](%0)"})
+    with pytest.raises(rv.ShapeError, match="inner dimensions"):
+        f.op("MatMulCalculate", [w, w], attrs={"expr": "@0=Tanh(%0)"})
