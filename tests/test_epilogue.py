@@ -186,3 +186,23 @@ def test_a_malformed_epilogue_is_named():
         f.op("MatMulCalculate", [x, w], attrs={"expr": "@0=Cast[dtype=float64](%0)"})
     with pytest.raises(rv.ShapeError, match="inner dimensions"):
         f.op("MatMulCalculate", [w, w], attrs={"expr": "@0=Tanh(%0)"})
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_wide_product_runs_its_epilogue_block_by_block(gemm, monkeypatch):
+    """Each call is cut into blocks of columns that fit the L2 (here 700 rows: 96 columns),
+    the last narrower; weights packed ahead of time are packed per block."""
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    rng = np.random.default_rng(0)
+    x, w, bias = rng.standard_normal((700, 30)), rng.standard_normal((30, 1000)), rng.standard_normal(1000)
+    x, w, bias = (a.astype(np.float32) for a in (x, w, bias))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    xs = f.var("x", rv.DT_FLOAT, [700, 30])
+    y = f.tanh(xs @ f.const(w) + f.const(bias))
+    y.var.out = True
+    data = rv.Compiler().compile(flow).cell("f").instance()
+    data[xs] = x
+    data[y] = np.nan
+    data.compute()
+    check(data[y], np.tanh(x.astype(np.float64) @ w + bias).astype(np.float32))

@@ -121,20 +121,38 @@ def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
     """The calls of a MatMul, in one list per worker-pool part. A batch of at least as
     many products as cores is shared out whole; otherwise each product's C is cut into
     a grid of blocks (`_grid`), each a call of its own, so a single large product uses
-    every core through the pool while the GEMM itself runs on one thread."""
+    every core through the pool while the GEMM itself runs on one thread. With an
+    epilogue, a call is cut further into blocks of columns that fit the L2
+    (`_epilogue_blocks`)."""
     a, b = op.inputs[0], op.inputs[1]
     ta, tb, m, k, n, batches = _gemms(op)
     a_size, b_size, lda, ldb = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1], a.shape[-1], b.shape[-1]
     threads = thread_count() if worth_splitting(2 * m * n * k * len(batches), max(a.nbytes, b.nbytes)) else 1
     if len(batches) >= threads:
         calls = [_Gemm(m, n, k, oa * a_size, ob * b_size, index * m * n) for index, (oa, ob) in enumerate(batches)]
-        return [calls[first:last] for first, last in shares(len(calls), threads)]
-    parts = []
-    for index, (oa, ob) in enumerate(batches):
-        for (r0, r1), (c0, c1) in _grid(m, n, threads // len(batches), unit):
-            parts.append([_Gemm(r1 - r0, c1 - c0, k, oa * a_size + (r0 if ta else r0 * lda),
-                                ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0, c0)])
-    return parts
+        parts = [calls[first:last] for first, last in shares(len(calls), threads)]
+    else:
+        parts = []
+        for index, (oa, ob) in enumerate(batches):
+            for (r0, r1), (c0, c1) in _grid(m, n, threads // len(batches), unit):
+                parts.append([_Gemm(r1 - r0, c1 - c0, k, oa * a_size + (r0 if ta else r0 * lda),
+                                    ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0, c0)])
+    if op.type != "MatMulCalculate":
+        return parts
+    itemsize = op.outputs[0].nbytes // max(1, op.outputs[0].size)
+    return [[block for g in part for block in _epilogue_blocks(g, ldb, tb, itemsize)] for part in parts]
+
+
+_EPILOGUE_BYTES = 256 << 10  # a block of the product its epilogue reads while it is in L2
+_EPILOGUE_UNIT = 96  # columns: whole panels of the generated GEMM on every target (12, 24, 32)
+
+
+def _epilogue_blocks(g: _Gemm, ldb: int, tb: bool, itemsize: int) -> list[_Gemm]:
+    """A call cut into calls over blocks of at most `_EPILOGUE_BYTES` of C (whole panels of
+    columns), so the epilogue after each reads C from L2 rather than from memory."""
+    width = max(_EPILOGUE_UNIT, _EPILOGUE_BYTES // (itemsize * g.m) // _EPILOGUE_UNIT * _EPILOGUE_UNIT)
+    return [_Gemm(g.m, min(width, g.n - j), g.k, g.a, g.b + (j * ldb if tb else j), g.c + j, g.column + j)
+            for j in range(0, g.n, width)]
 
 
 _FLOAT_UNIT = 16  # edges of the blocks of C a float32 or float64 part computes
