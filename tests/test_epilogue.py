@@ -194,7 +194,7 @@ def test_a_wide_product_runs_its_epilogue_block_by_block(gemm, monkeypatch):
     the last narrower; weights packed ahead of time are packed per block."""
     monkeypatch.setenv("RANVIER_GEMM", gemm)
     rng = np.random.default_rng(0)
-    x, w, bias = rng.standard_normal((700, 30)), rng.standard_normal((30, 1000)), rng.standard_normal(1000)
+    x, w, bias = rng.standard_normal((700, 30)), rng.standard_normal((30, 1000)), rng.standard_normal(1000)  # k 30 < 2 · 96
     x, w, bias = (a.astype(np.float32) for a in (x, w, bias))
     flow = rv.Flow()
     f = rv.Builder(flow, "f")

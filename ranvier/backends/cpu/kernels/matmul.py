@@ -149,8 +149,12 @@ _EPILOGUE_UNIT = 96  # columns: whole panels of the generated GEMM on every targ
 
 def _epilogue_blocks(g: _Gemm, ldb: int, tb: bool, itemsize: int) -> list[_Gemm]:
     """A call cut into calls over blocks of at most `_EPILOGUE_BYTES` of C (whole panels of
-    columns), so the epilogue after each reads C from L2 rather than from memory."""
+    columns), so the epilogue after each reads C from L2 rather than from memory. Each
+    block reads all of A again (BLAS packs it again): worth it only while A's rows are
+    shorter than twice a block's (k < 2 · width), else the call stays whole."""
     width = max(_EPILOGUE_UNIT, _EPILOGUE_BYTES // (itemsize * g.m) // _EPILOGUE_UNIT * _EPILOGUE_UNIT)
+    if g.k >= 2 * width:
+        return [g]
     return [_Gemm(g.m, min(width, g.n - j), g.k, g.a, g.b + (j * ldb if tb else j), g.c + j, g.column + j)
             for j in range(0, g.n, width)]
 
