@@ -13,7 +13,9 @@ reference and the code generator both evaluate a statement by looking up that op
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,23 @@ class Program:
 
     def __str__(self) -> str:
         return ";".join(f"{target}={call}" for target, call in self.statements)
+
+    def evaluate(self, inputs: list, outputs: int, call: Callable[[Call, list], Any]) -> list:
+        """Run the program on `inputs` (numpy arrays, IR values...), `call(node, args)`
+        computing each call: its `outputs` results, then the values it writes in place."""
+        env = {f"%{i}": value for i, value in enumerate(inputs)}
+
+        def operand(node: Ref | Call):
+            return env[str(node)] if isinstance(node, Ref) else call(node, [operand(a) for a in node.args])
+
+        writes = []
+        for target, statement in self.statements:
+            value = operand(statement)
+            if target.kind == "%":
+                writes.append(value)
+            else:
+                env[str(target)] = value
+        return [env[f"@{j}"] for j in range(outputs)] + writes
 
 
 _TOKEN = re.compile(r"\s*(?:(?P<ref>[%$@]\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<attrs>\[[^\]]*\])|(?P<punct>[(),=;]))")

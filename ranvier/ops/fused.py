@@ -65,27 +65,14 @@ def written_inputs(op) -> list[int]:
 
 
 def _reference(attrs, args, outs):
-    program = parse(attrs["expr"])
-    values = {f"%{i}": a for i, a in enumerate(args)}
-
-    def evaluate(node):
-        if isinstance(node, Ref):
-            return values[str(node)]
-        sub_args = [evaluate(a) for a in node.args]
+    def call(node: Call, sub_args: list) -> np.ndarray:
         definition = op_def(node.op_type)
         sub_attrs = Attrs(dict(node.attrs), "Calculate", node.op_type, definition.attrs)
         dtype = _dtype_of(node, sub_args)
         (result,) = definition.reference(sub_attrs, sub_args, [TensorType(dtype, np.broadcast_shapes(*[np.shape(a) for a in sub_args]))])
         return np.asarray(result)
 
-    writes = []
-    for target, call in program.statements:
-        result = evaluate(call)
-        if target.kind == "%":
-            writes.append(result)
-        else:
-            values[str(target)] = result
-    return [values[f"@{j}"] for j in range(len(outs))] + writes
+    return parse(attrs["expr"]).evaluate(list(args), len(outs), call)
 
 
 def _dtype_of(call: Call, args) -> str:

@@ -6,7 +6,7 @@ use it), so importing it leaves the order kernels are tried in alone."""
 from __future__ import annotations
 
 from ....ops import Attrs, op_def
-from ....ops.expression import Call, Program, Ref, parse
+from ....ops.expression import Program, parse
 from ....ops.fused import epilogue_strides
 from ...llvm.values import Value
 from ..views import Body, View, emit_map_here
@@ -22,21 +22,7 @@ def program_body(program: Program, outputs: int) -> Body:
     """A Calculate program as a loop body: its `outputs` results, then what it writes in place."""
 
     def body(values, lanes):
-        env = {f"%{i}": value for i, value in enumerate(values)}
-
-        def evaluate(node: Ref | Call) -> Value:
-            if isinstance(node, Ref):
-                return env[str(node)]
-            return apply(node.op_type, dict(node.attrs), [evaluate(a) for a in node.args])
-
-        writes = []
-        for target, call in program.statements:
-            value = evaluate(call)
-            if target.kind == "%":
-                writes.append(value)
-            else:
-                env[str(target)] = value
-        return [env[f"@{j}"] for j in range(outputs)] + writes
+        return program.evaluate(values, outputs, lambda node, args: apply(node.op_type, dict(node.attrs), args))
 
     return body
 
