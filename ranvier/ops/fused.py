@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import dtypes
 from .expression import Call, Ref, parse
+from .matmul import MATMUL_ATTRS, matmul_flops
 from .registry import Attr, Attrs, TensorType, define, op_def
 
 
@@ -55,8 +56,12 @@ def _infer(ctx):
             written, into = values[str(target)], ctx.inputs[target.index]
             if written.dtype != into.dtype or list(written.shape) != list(into.shape):
                 raise ctx.fail(f"a value of {into.name}'s type to write into it in place (got {written.dtype}{written.shape})")
-    outputs = sorted((int(k[1:]), v) for k, v in values.items() if k.startswith("@"))
-    return [TensorType(v.dtype, v.shape) for _, v in outputs]
+    return [TensorType(v.dtype, v.shape) for v in _outputs(values)]
+
+
+def _outputs(values: dict[str, _Spec]) -> list[_Spec]:
+    """The program's outputs @0, @1, ... among the types `program_types` found."""
+    return [v for _, v in sorted((int(k[1:]), v) for k, v in values.items() if k.startswith("@"))]
 
 
 def written_inputs(op) -> list[int]:
@@ -81,11 +86,14 @@ def _dtype_of(call: Call, args) -> str:
     return dtypes.from_numpy(np.asarray(args[0]).dtype) if args else dtypes.DT_FLOAT32
 
 
+def _computing_statements(op) -> int:
+    """The statements of the op's program that compute (not a copy)."""
+    return sum(1 for _, call in parse(op.attrs["expr"]).statements if call.op_type != "Identity")
+
+
 def _flops(op) -> int:
-    """One operation per element for each statement that computes (not a copy)."""
-    statements = parse(op.attrs["expr"]).statements
-    size = max([v.size for v in op.outputs] + [v.size for v in op.inputs])
-    return size * sum(1 for _, call in statements if call.op_type != "Identity")
+    """One operation per element for each statement that computes."""
+    return max([v.size for v in op.outputs] + [v.size for v in op.inputs]) * _computing_statements(op)
 
 
 define(
@@ -104,15 +112,9 @@ define(
 # product's type: the product is computed into it, and the program then runs over each
 # block of it a GEMM call made, while the block is still in cache.
 
-_MATMUL_ATTRS = ("transpose_a", "transpose_b", "precision")
-
 
 def _matmul_attrs(raw: dict[str, str]) -> dict[str, str]:
-    return {name: value for name, value in raw.items() if name in _MATMUL_ATTRS}
-
-
-def _epilogue_inputs(product: TensorType, others) -> list:
-    return [_Spec("product", product.dtype, product.shape), *others]
+    return {name: value for name, value in raw.items() if name in op_def("MatMul").attrs}
 
 
 def _infer_matmul_calculate(ctx):
@@ -120,8 +122,8 @@ def _infer_matmul_calculate(ctx):
     program = parse(ctx.attrs["expr"])
     if any(target.kind == "%" for target, _ in program.statements):
         raise ctx.fail("an epilogue that writes no input in place")
-    values = program_types(program, _epilogue_inputs(product, ctx.inputs[2:]), ctx.op_name)
-    outputs = [v for _, v in sorted((int(k[1:]), v) for k, v in values.items() if k.startswith("@"))]
+    values = program_types(program, [_Spec("product", product.dtype, product.shape), *ctx.inputs[2:]], ctx.op_name)
+    outputs = _outputs(values)
     if not outputs or outputs[0].dtype != product.dtype or list(outputs[0].shape) != list(product.shape):
         raise ctx.fail(f"a first output of the product's type, {product.dtype}{list(product.shape)}")
     for v in outputs:
@@ -139,10 +141,8 @@ def _matmul_calculate_reference(attrs, args, outs):
 
 
 def _matmul_calculate_flops(op) -> int:
-    a = op.inputs[0]
-    k = a.shape[-2] if op_def("MatMulCalculate").attrs_of(op)["transpose_a"] else a.shape[-1]
-    product = 2 * op.outputs[0].size * k
-    return product + op.outputs[0].size * sum(1 for _, call in parse(op.attrs["expr"]).statements if call.op_type != "Identity")
+    """The product's, then one operation per element of it for each statement that computes."""
+    return matmul_flops(op) + op.outputs[0].size * _computing_statements(op)
 
 
 def epilogue_strides(shape, product_shape) -> tuple[int, int] | None:
@@ -172,11 +172,6 @@ def epilogue_strides(shape, product_shape) -> tuple[int, int] | None:
 define(
     "MatMulCalculate", _infer_matmul_calculate, _matmul_calculate_reference, (2, None), "fused",
     "a @ b, then a Calculate program over the product (%0) and further inputs (%1 is input 2)",
-    attrs=[
-        Attr("transpose_a", "bool", False, "use aᵀ"),
-        Attr("transpose_b", "bool", False, "use bᵀ"),
-        Attr("precision", "str", "float32", "float32, or bfloat16: float32 inputs rounded to bfloat16, float32 sums"),
-        Attr("expr", "str", "", "the epilogue program; %0 is the product, %i input i + 1"),
-    ],
+    attrs=[*MATMUL_ATTRS, Attr("expr", "str", "", "the epilogue program; %0 is the product, %i input i + 1")],
     flops=_matmul_calculate_flops,
 )

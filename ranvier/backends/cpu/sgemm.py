@@ -366,10 +366,12 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
                 same_columns = b.icmp_signed("<", next_pc, k)
 
                 def upcoming(first: ir.Value) -> tuple[ir.Value, ir.Value]:
-                    """Where panel `first`'s next slice starts and its lines (0: none)."""
-                    later = b.gep(panels_of_b, [b.mul(b.add(b.add(jc, nc), first), k)])
-                    steps = b.select(same_columns, smaller(slice_steps, b.sub(k, next_pc)), smaller(slice_steps, k))
-                    exists = b.or_(same_columns, b.icmp_signed("<", b.add(b.add(jc, nc), first), n))
+                    """Where panel `first`'s next slice starts and its lines (0: none): the
+                    next slice of k of this panel, else the first of the next block's."""
+                    next_column = b.add(b.add(jc, nc), first)
+                    later = b.gep(panels_of_b, [b.mul(next_column, k)])
+                    steps = b.select(same_columns, smaller(slice_steps, b.sub(k, next_pc)), slice_steps)
+                    exists = b.or_(same_columns, b.icmp_signed("<", next_column, n))
                     lines = b.select(exists, b.sdiv(b.mul(steps, nr), i64(_LINE_FLOATS)), i64(0))
                     return b.select(same_columns, b.gep(panel(first), [b.mul(kc, nr)]), later), lines
 

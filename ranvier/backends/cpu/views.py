@@ -67,14 +67,17 @@ def collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list[
 Body = Callable[[list[Value], int], list[Value]]
 
 
-def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False) -> None:
+def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False,
+             split: bool = True) -> None:
     """Loop over `shape`, read the inputs, compute `body(values, lanes)`, write the outputs
     (all through views). `values` are the inputs' elements as Values, `lanes` wide.
 
     With `accumulate`, results are added to what the outputs hold, in loop order, so
     views that visit an element more than once (overlapping windows) sum correctly.
     A large map is shared out over threads by its outermost dimension (never an
-    accumulating one, whose threads could meet at one element).
+    accumulating one, whose threads could meet at one element); without `split` it runs
+    on the calling thread (a part of a kernel that is already one of several: a GEMM's
+    epilogue over the block the part computed).
     """
     if math.prod(shape) == 0:
         return
@@ -82,24 +85,13 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
     dims, strides = collapse(list(shape), views)
     lanes = ctx.lanes_for([v.var.dtype for v in views])
     nbytes = sum(v.var.nbytes for v in views)
-    threads = thread_count() if not accumulate and worth_splitting(nbytes=nbytes) else 1
+    threads = thread_count() if split and not accumulate and worth_splitting(nbytes=nbytes) else 1
     # A lone dimension is cut on vector boundaries, so only the last part has a scalar tail.
     unit = lanes if len(dims) == 1 else 1
     run_parts(ctx, [
         lambda ctx, first=first, last=last: _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last)
         for first, last in shares(dims[0], threads, unit)
     ])
-
-
-def emit_map_here(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body) -> None:
-    """emit_map's loops on the calling thread, never split: for a part of a kernel that is
-    already one of several (a GEMM's epilogue over the block the part computed)."""
-    if math.prod(shape) == 0:
-        return
-    views = inputs + outputs
-    dims, strides = collapse(list(shape), views)
-    lanes = ctx.lanes_for([v.var.dtype for v in views])
-    _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, False, 0, dims[0])
 
 
 def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int, last: int) -> None:

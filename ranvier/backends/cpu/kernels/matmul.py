@@ -139,7 +139,7 @@ def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
                                     ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0, c0)])
     if op.type != "MatMulCalculate":
         return parts
-    itemsize = op.outputs[0].nbytes // max(1, op.outputs[0].size)
+    itemsize = dtypes.itemsize(op.outputs[0].dtype)
     return [[block for g in part for block in _epilogue_blocks(g, ldb, tb, itemsize)] for part in parts]
 
 

@@ -9,7 +9,7 @@ from ....ops import Attrs, op_def
 from ....ops.expression import Program, parse
 from ....ops.fused import epilogue_strides
 from ...llvm.values import Value
-from ..views import Body, View, emit_map_here
+from ..views import Body, View, emit_map
 
 
 def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
@@ -42,5 +42,5 @@ def epilogue(ctx, op, at: int, rows: int, columns: int) -> None:
         return View(var, row * down + column * across, [down, across])
 
     inputs = [block(product, (n, 1))] + [block(v, epilogue_strides(v.shape, product.shape)) for v in op.inputs[2:]]
-    emit_map_here(ctx, [rows, columns], inputs, [block(v, (n, 1)) for v in op.outputs],
-                  program_body(parse(op.attrs["expr"]), len(op.outputs)))
+    emit_map(ctx, [rows, columns], inputs, [block(v, (n, 1)) for v in op.outputs],
+             program_body(parse(op.attrs["expr"]), len(op.outputs)), split=False)
