@@ -23,6 +23,7 @@ import pytest
 from llvmlite import ir
 
 from ranvier.backends.llvm import mathlib
+from ranvier.backends.llvm.irutil import use_features
 
 F32, F64 = np.float32, np.float64
 FUNCTIONS = tuple(mathlib.FUNCTIONS)
@@ -109,8 +110,14 @@ def _compile(variant: str) -> Compiled:
     the host CPU without AVX and FMA ("sse")."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
+    features = llvm.get_host_cpu_features()
+    if variant == "sse":
+        for name in features:
+            if name.startswith(MASKED_PREFIXES):
+                features[name] = False
     module = ir.Module(name="mathlib_test")
     module.triple = llvm.get_process_triple()
+    use_features(module, [name for name, on in features.items() if on])  # FMA's exact products where present
     names = {}
     for dtype, scalar in ((F32, ir.FloatType()), (F64, ir.DoubleType())):
         for width in WIDTHS[dtype]:
@@ -118,11 +125,6 @@ def _compile(variant: str) -> Compiled:
                 names[kind, dtype, width] = _kernel(module, kind, scalar, width)
     parsed = llvm.parse_assembly(str(module))
     parsed.verify()
-    features = llvm.get_host_cpu_features()
-    if variant == "sse":
-        for name in features:
-            if name.startswith(MASKED_PREFIXES):
-                features[name] = False
     machine = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=features.flatten(), opt=3)
     if hasattr(llvm, "create_pass_builder"):  # the new pass manager (llvmlite >= 0.44)

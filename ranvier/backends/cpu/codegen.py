@@ -27,7 +27,7 @@ from ... import dtypes
 from ...flow.graph import Variable
 from ...runtime import Step
 from ..kernels import Prepared
-from ..llvm.convert import narrow, use_target, widen
+from ..llvm.convert import narrow, widen
 from ..llvm.irutil import (
     BYTE_PTR,
     I64,
@@ -39,6 +39,7 @@ from ..llvm.irutil import (
     load,
     storage_type,
     store,
+    use_features,
     vector_of,
 )
 from ..llvm.values import Value, index_value
@@ -240,7 +241,7 @@ def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout
     module = ir.Module(name=name)
     module.triple = target.machine.triple
     module.data_layout = str(target.machine.target_data)
-    use_target(module, target)  # half-precision conversions use F16C where the target has it
+    use_features(module, target.feature_set)  # F16C conversions, FMA's exact products
     step_type = ir.FunctionType(VOID, [BYTE_PTR.as_pointer()])
     step_functions = []
     for index, step in enumerate(steps):

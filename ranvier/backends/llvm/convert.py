@@ -5,7 +5,8 @@ float16 converts with F16C instructions where the target has them. Without F16C
 to the compiler-rt calls __extendhfsf2/__truncsfhf2, which nothing in the process
 defines, so the conversions are written out in integer arithmetic instead (exact,
 rounding to nearest even, and vectorizable). A kernel emitter marks its module with
-`use_target(module, target)` before emitting; an unmarked module gets the portable code.
+`use_features(module, target.feature_set)` before emitting; an unmarked module gets the
+portable code.
 """
 
 from __future__ import annotations
@@ -13,18 +14,11 @@ from __future__ import annotations
 from llvmlite import ir
 
 from ... import dtypes
-from .irutil import F32, I1, I16, I32, compute_type, constant, intrinsic, is_signed, vector_of
-
-_F16C = "_ranvier_f16c"
-
-
-def use_target(module: ir.Module, target) -> None:
-    """Record whether `module`'s code may use F16C half-precision conversions."""
-    setattr(module, _F16C, "f16c" in target.feature_set)
+from .irutil import F32, I1, I16, I32, compute_type, constant, has_feature, intrinsic, is_signed, vector_of
 
 
 def _hardware_half(b: ir.IRBuilder) -> bool:
-    return getattr(b.module, _F16C, False)
+    return has_feature(b.module, "f16c")
 
 
 def widen(b: ir.IRBuilder, value: ir.Value, dtype: str, lanes: int) -> ir.Value:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from llvmlite import ir
@@ -77,6 +77,19 @@ def constant(type_: ir.Type, value) -> ir.Constant:
     if isinstance(type_, ir.IntType):
         return ir.Constant(type_, int(value))
     return ir.Constant(type_, float(value))
+
+
+_FEATURES = "_ranvier_target_features"
+
+
+def use_features(module: ir.Module, features: Iterable[str]) -> None:
+    """Record the CPU features `module` is compiled for (LLVM names: "fma", "f16c"), so
+    emitters pick instructions by them; an unmarked module gets the portable code."""
+    setattr(module, _FEATURES, frozenset(features))
+
+
+def has_feature(module: ir.Module, feature: str) -> bool:
+    return feature in getattr(module, _FEATURES, ())
 
 
 _ARITY = {"fma": 3, "fmuladd": 3, "copysign": 2, "minnum": 2, "maxnum": 2}
