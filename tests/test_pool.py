@@ -119,7 +119,7 @@ from ranvier.backends.cpu.parallel import thread_count
 assert thread_count() == int(sys.argv[1])
 rng = np.random.default_rng(0)
 shapes = {"a": [37, 29], "b": [29, 45], "at": [29, 37], "bt": [45, 29], "batch": [6, 37, 29], "other": [6, 29, 45],
-          "v": [1, 29], "x": [67, 131], "g": [131]}
+          "v": [1, 29], "x": [67, 131], "g": [131], "image": [1, 3, 12, 12], "images": [3, 3, 12, 12], "filters": [5, 3, 3, 3]}
 values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 flow = rv.Flow()
 f = rv.Builder(flow, "f")
@@ -128,7 +128,8 @@ outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True)
            f.matmul(h["at"], h["bt"], transpose_a=True, transpose_b=True), f.matmul(h["batch"], h["other"]),
            f.matmul(h["batch"], h["b"]), f.matmul(h["v"], h["b"]), f.softmax(h["x"]), f.rms_norm(h["x"], h["g"]),
            f.tanh(h["x"] * 1.5 + 0.25), f.transpose(h["x"], [1, 0]), f.sum(h["x"], axis=0), f.sum(h["x"], axis=1),
-           f.max(h["batch"], axis=1), f.mean(h["batch"], axis=[1, 2]), f.sum(h["x"]), f.max(h["batch"]), f.mean(h["x"])]
+           f.max(h["batch"], axis=1), f.mean(h["batch"], axis=[1, 2]), f.sum(h["x"]), f.max(h["batch"]), f.mean(h["x"]),
+           f.conv2d(h["image"], h["filters"], padding=1), f.conv2d(h["images"], h["filters"], strides=2, padding=1)]
 # products by constants (weights), which the generated GEMM reads from panels packed once
 weights = {"w": rng.standard_normal((29, 45)).astype(np.float32), "wt": rng.standard_normal((70, 29)).astype(np.float32)}
 constant_products = [f.matmul(h["a"], f.const(weights["w"])), f.matmul(h["a"], f.const(weights["wt"]), transpose_b=True),
@@ -145,6 +146,7 @@ for backend in ("cpu", "reference"):
         assert sum(s.kernel == wanted for s in cell.steps) >= 5, [s.kernel for s in cell.steps]
         packed = sum(s.kernel == "PackedGemm" for s in cell.steps)
         assert packed == (4 if wanted == "Gemm" else 0), [s.kernel for s in cell.steps]
+        assert sum(s.kernel == "ConvGemm" for s in cell.steps) == 2
     data = cell.instance()
     for name, value in values.items():
         data[h[name]] = value
@@ -166,7 +168,8 @@ print("ok")
 @pytest.mark.parametrize("threads", sorted({1, 2, thread_count()}))
 def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask, gemm):
     """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
-    a vector; the generated GEMM and BLAS), row kernels, maps and reductions (by rows, by
+    a vector; the generated GEMM and BLAS), convolutions (one image in blocks, a batch by
+    images), row kernels, maps and reductions (by rows, by
     columns, across a middle axis) give the reference's results on 1, 2 and every core."""
     if threads > thread_count():
         pytest.skip(f"this process may use {thread_count()} cores")

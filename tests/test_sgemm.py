@@ -176,7 +176,8 @@ def test_every_variant_compiles_whatever_the_host():
         target = CPUTarget(name, features)
         assembly = jit.assembly(sgemm.build_module(target), target)
         register = {"skylake-avx512": "%zmm", "haswell": "%ymm", "x86-64": "%xmm"}[name]
-        assert "ranvier_sgemm:" in assembly and "ranvier_sgemm_packed:" in assembly and register in assembly
+        assert all(f"{symbol}:" in assembly for symbol in (sgemm.SYMBOL, sgemm.PACKED_SYMBOL, sgemm.WINDOWS_SYMBOL))
+        assert register in assembly
 
 
 @pytest.mark.parametrize("gemm,kernel", [("generated", "PackedGemm"), ("blas", "BlasGemm")])

@@ -22,6 +22,7 @@ from . import amx, codegen, jit, sgemm
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
+from .kernels.conv import CONV_KERNEL
 from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, PACKED_KERNEL
 from .parallel import split_thresholds, thread_count
 from .pool import pool
@@ -195,6 +196,8 @@ class CPUBackend:
             table[codegen.SGEMM_GENERATED] = sgemm.gemm_address(self.target)
         if any(step.kernel == PACKED_KERNEL for step in cell.steps):
             table[codegen.SGEMM_PACKED] = sgemm.packed_gemm_address(self.target)
+        if any(step.kernel == CONV_KERNEL for step in cell.steps):
+            table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
         prepared = [cell.network.prepared(p.var, p.form, self.target.key(), lambda value, p=p: p.make(value, self.target))

@@ -35,6 +35,18 @@ of NR, each k-major over all of k, so any slice of k of a panel is contiguous wh
 loops read it. Those panels come from memory, not from a packing pass that just wrote
 them: while a block's strips compute, each strip asks for its share of the next block's
 cache lines (a prefetch into L2), so the next block is there when its turn comes.
+
+A convolution's B is the im2col matrix of its input, never written out:
+
+    void ranvier_sgemm_windows(i64 m, i64 n, i64 k, float* A, i64 lda, float* image,
+                               i64* geometry, i64 first_column, float* C, i64 ldc,
+                               i8* workspace)
+
+packs B's blocks straight from one image [channels, H, W] (`pack_windows`): row p of B
+is a filter tap (channel, kernel row, kernel column), column j an output position
+(first_column + j as row y, column x of the output), and B[p, j] the image's element
+under that tap, zero in the padding. `geometry` holds H, W, KH, KW, SH, SW, PH, PW and
+the output width.
 """
 
 from __future__ import annotations
@@ -52,6 +64,9 @@ from .target import CPUTarget
 
 SYMBOL = "ranvier_sgemm"
 PACKED_SYMBOL = "ranvier_sgemm_packed"
+WINDOWS_SYMBOL = "ranvier_sgemm_windows"
+GEOMETRY = ("height", "width", "kernel_height", "kernel_width", "stride_height", "stride_width", "pad_height",
+            "pad_width", "out_width")
 
 GEMM_CTYPE = ctypes.CFUNCTYPE(
     None, *[ctypes.c_int64] * 5,
@@ -74,6 +89,8 @@ _FLOAT_PTR = F32.as_pointer()
 _LINE_FLOATS = 16  # a 64-byte cache line
 _FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
 _PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64])
+_WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64.as_pointer(), I64, _FLOAT_PTR, I64,
+                                                       BYTE_PTR])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
 _MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
 
@@ -122,6 +139,10 @@ def packed_gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address_of(PACKED_SYMBOL)
 
 
+def windows_gemm_address(target: CPUTarget) -> int:
+    return gemm_code(target).address_of(WINDOWS_SYMBOL)
+
+
 PANEL_ALIGNMENT = 64  # bytes: the micro-kernel loads a panel's rows as aligned vectors
 
 
@@ -168,6 +189,10 @@ class _Emitter:
         self.fma = intrinsic(module, "fmuladd", self.vector)
         # (address, read, keep in L2, data)
         self.prefetch_function = ir.Function(module, ir.FunctionType(VOID, [BYTE_PTR, I32, I32, I32]), name="llvm.prefetch.p0i8")
+        # (address, alignment, lanes to load, value of the others): masked-off lanes are not read
+        self.masked_load = ir.Function(
+            module, ir.FunctionType(self.vector, [self.vector.as_pointer(), I32, ir.VectorType(I1, self.lanes), self.vector]),
+            name=f"llvm.masked.load.v{self.lanes}f32.p0v{self.lanes}f32")
 
     def load_vector(self, b: ir.IRBuilder, pointer: ir.Value, aligned: bool = False) -> ir.Value:
         return b.load(b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
@@ -298,30 +323,121 @@ class _Emitter:
                 b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
 
 
+    # ---- packing a convolution's windows ---------------------------------------------------
+
+    def pack_windows(self, b: ir.IRBuilder, image: ir.Value, geometry: dict[str, ir.Value], first_column: ir.Value,
+                     pc: ir.Value, jc: ir.Value, kc: ir.Value, nc: ir.Value, packed: ir.Value, taps: ir.Value,
+                     positions: ir.Value) -> None:
+        """B[pc:pc+kc, jc:jc+nc] of the im2col matrix of `image` (see the module's docstring)
+        into panels of NR columns, zeros in the padding and past nc. `taps` (3 × KC i32) and
+        `positions` (3 × NR i32) are scratch: each row's offset in the image, kernel row and
+        kernel column; each column's offset, first input row and first input column. A
+        vector of columns in one output row (stride 1) is one masked load per row of B,
+        any other vector is read lane by lane."""
+        g = geometry
+        lanes, nr = self.lanes, self.nr
+        ints = ir.VectorType(I32, lanes)
+
+        def i32(value: ir.Value) -> ir.Value:
+            return b.trunc(value, I32)
+
+        def table(array: ir.Value, field: int, size: int, at: ir.Value) -> ir.Value:
+            return b.gep(array, [b.add(i64(field * size), at)])
+
+        per_tap = b.mul(g["kernel_height"], g["kernel_width"])
+        plane = b.mul(g["height"], g["width"])
+        with for_range(b, i64(0), kc, name="tap") as p:
+            tap = b.add(pc, p)
+            channel, within = b.sdiv(tap, per_tap), b.srem(tap, per_tap)
+            row, column = b.sdiv(within, g["kernel_width"]), b.srem(within, g["kernel_width"])
+            offset = b.add(b.mul(channel, plane), b.add(b.mul(row, g["width"]), column))
+            for field, value in enumerate((offset, row, column)):
+                b.store(i32(value), table(taps, field, KC, p))
+
+        height, width = (splat(b, i32(g[name]), lanes) for name in ("height", "width"))
+        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * lanes)
+        outside = ir.Constant(I32, -(1 << 30))  # a first input row no kernel row brings inside
+        panels = b.sdiv(b.add(nc, i64(nr - 1)), i64(nr))
+        with for_range(b, i64(0), panels, name="wq") as q:
+            first = b.mul(q, i64(nr))
+            columns = b.sub(nc, first)
+            start = b.add(first_column, b.add(jc, first))
+            y, x = b.sdiv(start, g["out_width"]), b.srem(start, g["out_width"])
+            for j in range(nr):  # the output position of each column, stepping along the rows
+                if j:
+                    x = b.add(x, i64(1))
+                    wrapped = b.icmp_signed("==", x, g["out_width"])
+                    y, x = b.select(wrapped, b.add(y, i64(1)), y), b.select(wrapped, i64(0), x)
+                inside = b.icmp_signed("<", i64(j), columns)
+                top = i32(b.sub(b.mul(y, g["stride_height"]), g["pad_height"]))
+                left = i32(b.sub(b.mul(x, g["stride_width"]), g["pad_width"]))
+                # a column past nc reads nothing, from an address inside the image: a masked
+                # load from an unmapped page takes a microcode assist even with no lane on
+                offset = b.select(inside, b.add(b.mul(top, i32(g["width"])), left), ir.Constant(I32, 0))
+                for field, value in enumerate((offset, b.select(inside, top, outside), left)):
+                    b.store(value, table(positions, field, nr, i64(j)))
+            panel = b.gep(packed, [b.mul(q, b.mul(kc, i64(nr)))])
+            for h in range(self.vectors):
+                offsets, tops, lefts = (b.load(b.bitcast(table(positions, field, nr, i64(h * lanes)), ints.as_pointer()), align=4)
+                                        for field in range(3))
+                first_top, last_top = (b.load(table(positions, 1, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
+                first_offset = b.load(table(positions, 0, nr, i64(h * lanes)))
+                one_row = b.and_(b.icmp_signed("==", first_top, last_top), b.icmp_signed("==", g["stride_width"], i64(1)))
+                with b.if_else(one_row) as (contiguous, scattered):
+                    for run_whole in (True, False):
+                        with (contiguous if run_whole else scattered), for_range(b, i64(0), kc, name="wp") as p:
+                            tap_offset, tap_row, tap_column = (b.load(table(taps, f, KC, p)) for f in range(3))
+                            rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), height)
+                            cols = b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), width)
+                            mask = b.and_(rows, cols)
+                            if run_whole:
+                                at = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
+                                value = b.call(self.masked_load, [b.bitcast(at, self.vector.as_pointer()), ir.Constant(I32, 4),
+                                                                  mask, zero])
+                            else:
+                                safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
+                                value = zero
+                                for e in range(lanes):
+                                    at = b.gep(image, [b.sext(b.extract_element(safe, ir.Constant(I32, e)), I64)])
+                                    value = b.insert_element(value, b.load(at), ir.Constant(I32, e))
+                                value = b.select(mask, value, zero)
+                            self.store_vector(b, value, b.gep(panel, [b.add(b.mul(p, i64(nr)), i64(h * lanes))]), aligned=True)
+
+
 def build_module(target: CPUTarget) -> ir.Module:
     module = ir.Module(SYMBOL)
     module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
     emit = _Emitter(module, target)
     tiles = {(rows, vectors): emit.micro_kernel(rows, vectors) for rows in range(1, emit.mr + 1)
              for vectors in range(1, emit.vectors + 1)}
-    _gemm(emit, tiles, block_columns(target), packed=False)
-    _gemm(emit, tiles, block_columns(target, packed=True), packed=True)
+    _gemm(emit, tiles, block_columns(target), "matrix")
+    _gemm(emit, tiles, block_columns(target, packed=True), "panels")
+    _gemm(emit, tiles, block_columns(target), "windows")
     return module
 
 
-def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int, packed: bool) -> None:
-    """`ranvier_sgemm`, or with `packed` `ranvier_sgemm_packed`, whose B comes as
-    `pack_panels` made it ahead of time: the same loops, less the packing."""
+def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int, source: str) -> None:
+    """The GEMM whose B is `source`: a "matrix" packed a block at a time (`ranvier_sgemm`),
+    "panels" packed ahead of time (`ranvier_sgemm_packed`: the same loops, less the
+    packing), or a convolution's "windows" (`ranvier_sgemm_windows`)."""
+    packed = source == "panels"
     if packed:
         function = ir.Function(emit.module, _PACKED_FUNCTION, name=PACKED_SYMBOL)
         ta, m, n, k, a, lda, panels_of_b, c, ldc = function.args
+    elif source == "windows":
+        function = ir.Function(emit.module, _WINDOWS_FUNCTION, name=WINDOWS_SYMBOL)
+        m, n, k, a, lda, image, geometry_of_b, first_column, c, ldc, workspace = function.args
+        ta = i64(0)
     else:
         function = ir.Function(emit.module, _FUNCTION, name=SYMBOL)
-        ta, tb, m, n, k, a, lda, source, ldb, c, ldc, workspace = function.args
+        ta, tb, m, n, k, a, lda, matrix, ldb, c, ldc, workspace = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
     if not packed:
         address = b.ptrtoint(workspace, I64)
         block_of_b = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), _FLOAT_PTR)
+    if source == "windows":
+        geometry = {name: b.load(b.gep(geometry_of_b, [i64(index)])) for index, name in enumerate(GEOMETRY)}
+        taps, positions = b.alloca(I32, i64(3 * KC)), b.alloca(I32, i64(3 * emit.nr))
     transposed = b.icmp_signed("!=", ta, i64(0))
     sa, sk = b.select(transposed, i64(1), lda), b.select(transposed, lda, i64(1))
     # A strip read in place touches a cache line per step of k when A is transposed (MR
@@ -354,7 +470,10 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
                 def panel(first: ir.Value) -> ir.Value:
                     return b.gep(panels_of_b, [b.add(b.mul(b.add(jc, first), k), b.mul(pc, nr))])
             else:
-                emit.pack(b, tb, source, ldb, pc, jc, kc, nc, block_of_b)
+                if source == "windows":
+                    emit.pack_windows(b, image, geometry, first_column, pc, jc, kc, nc, block_of_b, taps, positions)
+                else:
+                    emit.pack(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b)
 
                 def panel(first: ir.Value) -> ir.Value:
                     return b.gep(block_of_b, [b.mul(first, kc)])

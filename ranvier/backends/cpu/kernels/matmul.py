@@ -97,7 +97,7 @@ class _Gemm:
 _PACKING_WEIGHT = 8  # a row of A read or a column of B packed costs about this many multiply-adds
 
 
-def _grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def gemm_grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """C[m, n] cut into at most `parts` blocks (row range, column range), edges multiples
     of `unit`: the most blocks, then the cheapest largest block. A block costs its rows
     times its columns rounded up to whole tiles of the generated GEMM (a 128-column block
@@ -120,7 +120,7 @@ def _grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], 
 def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
     """The calls of a MatMul, in one list per worker-pool part. A batch of at least as
     many products as cores is shared out whole; otherwise each product's C is cut into
-    a grid of blocks (`_grid`), each a call of its own, so a single large product uses
+    a grid of blocks (`gemm_grid`), each a call of its own, so a single large product uses
     every core through the pool while the GEMM itself runs on one thread. With an
     epilogue, a call is cut further into blocks of columns that fit the L2
     (`_epilogue_blocks`)."""
@@ -134,7 +134,7 @@ def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
     else:
         parts = []
         for index, (oa, ob) in enumerate(batches):
-            for (r0, r1), (c0, c1) in _grid(m, n, threads // len(batches), unit):
+            for (r0, r1), (c0, c1) in gemm_grid(m, n, threads // len(batches), unit):
                 parts.append([_Gemm(r1 - r0, c1 - c0, k, oa * a_size + (r0 if ta else r0 * lda),
                                     ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0, c0)])
     if op.type != "MatMulCalculate":

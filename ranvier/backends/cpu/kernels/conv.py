@@ -1,0 +1,95 @@
+"""Conv2D as an implicit GEMM: y[image] [O, Ho·Wo] = W [O, C·KH·KW] · windows [C·KH·KW, Ho·Wo],
+where the generated GEMM packs each block of the windows straight from the image
+(`ranvier_sgemm_windows`, sgemm.py) instead of reading an im2col copy of it: the
+decomposition's Pad, StridedView and their memory traffic (for ResNet-18 at batch 1,
+60 MB written and read again) are gone. The output comes out NCHW, as the GEMM writes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llvmlite import ir
+
+from .... import dtypes
+from ....ops import attrs_of
+from ...llvm.irutil import F32, I64, i64
+from .. import sgemm
+from ..codegen import SGEMM_WINDOWS
+from ..parallel import run_parts, shares, thread_count, worth_splitting
+from .library import kernel
+from .matmul import gemm_grid
+
+CONV_KERNEL = "ConvGemm"
+_UNIT = 16  # edges of the blocks of an image's output a part computes
+
+
+def _sizes(op) -> tuple[int, int, int, int]:
+    """(images, output channels, output positions per image, taps)."""
+    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    return x.shape[0], w.shape[0], y.shape[2] * y.shape[3], math.prod(w.shape[1:])
+
+
+def _supported(op) -> bool:
+    """float32, and every offset in an image fits the GEMM's 32-bit lane arithmetic."""
+    x, w = op.inputs[0], op.inputs[1]
+    return x.dtype == w.dtype == dtypes.DT_FLOAT32 and math.prod(x.shape[1:]) < 1 << 30 and op.outputs[0].size > 0
+
+
+def _parts(op) -> list[list[tuple[int, int, int, int, int]]]:
+    """The calls per worker-pool part, each (image, first row, rows, first column, columns)
+    of the output: whole images shared out when there are at least as many as cores,
+    else each image's output cut into a grid of blocks."""
+    images, rows, columns, taps = _sizes(op)
+    threads = thread_count() if worth_splitting(2 * op.outputs[0].size * taps, op.inputs[0].nbytes) else 1
+    if images >= threads:
+        return [[(i, 0, rows, 0, columns) for i in range(first, last)] for first, last in shares(images, threads)]
+    return [[(i, r0, r1 - r0, c0, c1 - c0)] for i in range(images)
+            for (r0, r1), (c0, c1) in gemm_grid(rows, columns, threads // images, _UNIT)]
+
+
+def _share(op) -> int:
+    """A part's packing scratch: enough for its widest call."""
+    taps = _sizes(op)[3]
+    return max(sgemm.workspace_bytes(call[4], taps) for part in _parts(op) for call in part)
+
+
+def _workspace_bytes(op) -> int:
+    return len(_parts(op)) * _share(op)
+
+
+def _geometry(ctx, op) -> ir.Value:
+    """The GEMM's `geometry` (sgemm.GEOMETRY) as a constant of the module."""
+    attrs = attrs_of(op)
+    (_, _, height, width), (kernel_height, kernel_width) = op.inputs[0].shape, op.inputs[1].shape[2:]
+    values = [height, width, kernel_height, kernel_width, *attrs["strides"], *attrs["padding"], op.outputs[0].shape[3]]
+    array = ir.ArrayType(I64, len(values))
+    constant = ir.GlobalVariable(ctx.module, array, name=ctx.module.get_unique_name("conv_geometry"))
+    constant.global_constant, constant.linkage = True, "internal"
+    constant.initializer = ir.Constant(array, [i64(v) for v in values])
+    return ctx.b.bitcast(constant, I64.as_pointer())
+
+
+@kernel(CONV_KERNEL, {"Conv2D"}, supports=_supported, workspace=_workspace_bytes)
+def conv_gemm(ctx, op) -> None:
+    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    _, rows, columns, taps = _sizes(op)
+    image_size = math.prod(x.shape[1:])
+    share = _share(op)
+    function_type = ir.FunctionType(ir.VoidType(), [I64] * 3 + [F32.as_pointer(), I64, F32.as_pointer(), I64.as_pointer(), I64,
+                                                                F32.as_pointer(), I64, ir.IntType(8).as_pointer()])
+
+    def part(calls, number: int):
+        def emit(ctx) -> None:
+            b = ctx.b
+            gemm = b.bitcast(ctx.table_entry(SGEMM_WINDOWS), function_type.as_pointer())
+            scratch = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
+            geometry = _geometry(ctx, op)
+            for image, r0, count, c0, width in calls:
+                b.call(gemm, [i64(count), i64(width), i64(taps), ctx.element_pointer(w, r0 * taps), i64(taps),
+                              ctx.element_pointer(x, image * image_size), geometry, i64(c0),
+                              ctx.element_pointer(y, (image * rows + r0) * columns + c0), i64(columns), scratch])
+
+        return emit
+
+    run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op))])

@@ -1,0 +1,127 @@
+"""Conv2D as an implicit GEMM (kernels/conv.py): the generated GEMM packing a convolution's
+windows straight from the image (`ranvier_sgemm_windows`) against float64 im2col products,
+for each vector variant and every geometry class (strides, padding wider than the kernel's
+reach, rectangular kernels, output rows shorter and longer than a vector, several slices of k
+and blocks of columns, a call starting mid-row); and the kernel in compiled cells against
+PyTorch's float64 convolution, over batches shared out by image and single images cut
+into blocks."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_array
+
+import ranvier as rv
+from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.target import host_target
+
+MASKS = ["", "-avx512", "-avx512,-avx2"]
+WINDOWS_CTYPE = ctypes.CFUNCTYPE(None, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+
+GEOMETRIES = [
+    # channels, height, width, filters, (kernel), (strides), (padding)
+    (3, 20, 20, 5, (3, 3), (1, 1), (1, 1)),  # rows of 20: vectors cross rows
+    (4, 9, 7, 7, (3, 3), (2, 2), (1, 1)),  # stride 2, rows shorter than a vector
+    (3, 30, 31, 8, (7, 7), (2, 2), (3, 3)),  # a ResNet stem
+    (64, 14, 14, 20, (3, 3), (1, 1), (1, 1)),  # k = 576: several slices
+    (5, 7, 7, 6, (1, 1), (2, 2), (0, 0)),  # a 1 × 1 downsampling
+    (30, 8, 9, 13, (3, 2), (1, 1), (0, 1)),  # rectangular kernel, padding on one axis
+    (2, 5, 6, 3, (3, 3), (3, 2), (2, 2)),  # padding as wide as the kernel reaches
+    (2, 40, 48, 4, (3, 3), (1, 1), (1, 1)),  # rows a multiple of every vector width, n over several blocks
+]
+
+
+def _im2col(x: np.ndarray, kernel, strides, padding) -> tuple[np.ndarray, int]:
+    """x [C, H, W] as B [C·KH·KW, Ho·Wo] in float64, and Wo."""
+    (kh, kw), (sh, sw), (ph, pw) = kernel, strides, padding
+    c, h, w = x.shape
+    padded = np.pad(x.astype(np.float64), ((0, 0), (ph, ph), (pw, pw)))
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    columns = np.empty((c, kh, kw, ho, wo))
+    for i in range(kh):
+        for j in range(kw):
+            columns[:, i, j] = padded[:, i : i + sh * ho : sh, j : j + sw * wo : sw]
+    return columns.reshape(c * kh * kw, ho * wo), wo
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"g{i}" for i in range(len(GEOMETRIES))])
+def test_the_windows_gemm_matches_an_im2col_product_and_writes_only_c(geometry, mask):
+    c, h, w, o, kernel, strides, padding = geometry
+    gemm = WINDOWS_CTYPE(sgemm.windows_gemm_address(host_target(mask)))
+    rng = np.random.default_rng(sum(geometry[:4]))
+    image = rng.standard_normal((c, h, w)).astype(np.float32)
+    columns, wo = _im2col(image, kernel, strides, padding)
+    k, n = columns.shape
+    weights = rng.standard_normal((o, k + 3)).astype(np.float32)  # lda wider than a row
+    want = weights[:, :k].astype(np.float64) @ columns
+    bound = np.abs(weights[:, :k]).astype(np.float64) @ np.abs(columns)
+    geometry_array = np.array([h, w, *kernel, *strides, *padding, wo], np.int64)
+    for first in sorted({0, 8, min(n - 1, 17)}):  # a part's columns start anywhere in a row
+        out = np.full((o + 1, n + 5), np.nan, np.float32)
+        workspace = np.empty(sgemm.workspace_bytes(n - first, k), np.uint8)
+        gemm(o, n - first, k, weights.ctypes.data, weights.shape[1], image.ctypes.data, geometry_array.ctypes.data, first,
+             out.ctypes.data, out.shape[1], workspace.ctypes.data)
+        got = out[:o, : n - first]
+        assert np.isfinite(got).all(), "every element of C written"
+        assert np.all(np.abs(got - want[:, first:]) <= 1e-6 * bound[:, first:] + 1e-30)
+        frame = out.copy()
+        frame[:o, : n - first] = 0
+        assert np.isnan(frame[o:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
+
+
+def _conv_cell(shape, filters, strides, padding, mask: str = ""):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, w = f.var("x", "float32", shape), f.var("w", "float32", filters)
+    y = f.conv2d(x, w, strides=strides, padding=padding)
+    y.var.out = True
+    return rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f"), y
+
+
+CASES = [
+    ((3, 4, 11, 13), (6, 4, 3, 3), (1, 1), (1, 1)),  # a batch: images shared out
+    ((1, 16, 30, 30), (40, 16, 3, 3), (1, 1), (1, 1)),  # one image: its output cut into blocks
+    ((2, 3, 23, 21), (8, 3, 7, 7), (2, 2), (3, 3)),
+    ((1, 8, 9, 9), (5, 8, 1, 1), (2, 2), (0, 0)),
+    ((1, 2, 8, 5), (3, 2, 2, 3), (2, 1), (1, 2)),
+]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_conv2d_runs_as_one_implicit_gemm_and_matches_pytorch(case, mask):
+    shape, filters, strides, padding = case
+    cell, y = _conv_cell(shape, filters, strides, padding, mask)
+    (step,) = cell.steps
+    assert step.kernel == "ConvGemm" and step.variant != "python"
+    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
+    data = cell.instance()
+    data["f/x"], data["f/w"] = x, w
+    data[y] = np.full(y.shape, np.nan, np.float32)
+    data.compute()
+    tx, tw = torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64)
+    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
+    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
+    got = np.array(data[y])
+    assert np.isfinite(got).all()
+    assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30)
+
+
+def test_other_dtypes_decompose_into_the_im2col_product():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.conv2d(f.var("x", "float64", [1, 2, 6, 6]), f.var("w", "float64", [3, 2, 3, 3]), padding=1)
+    y.var.out = True
+    kernels = [s.kernel for s in rv.Compiler("cpu", cache=False).compile(flow).cell("f").steps]
+    assert "ConvGemm" not in kernels and any("Gemm" in k for k in kernels)
+
+
+def test_the_printed_cell_names_the_convolution_kernel():
+    cell, _ = _conv_cell((1, 3, 8, 8), (4, 3, 3, 3), (1, 1), (1, 1))
+    assert "ConvGemm" in str(cell)
