@@ -328,6 +328,30 @@ def test_max_pool_of_negative_values_ignores_padding():
     check(out, naive_pool(as_f64(x), (2, 2), (2, 2), (1, 1), "max"), "float32")
 
 
+@pytest.mark.parametrize("mask", ["", "-avx512", "-avx512,-avx2"])
+@pytest.mark.parametrize("ksize,strides,padding", [((3, 3), (2, 2), (1, 1)), ((2, 2), (1, 1), (0, 0)), ((3, 2), (3, 1), (1, 1)),
+                                                   ((1, 1), (2, 2), (0, 0))])
+def test_max_pool_kernel_reads_windows_in_place_on_every_variant(mask, ksize, strides, padding):
+    """MaxPool runs whole (`WindowMax`): rows wide enough for vectors of whole windows, strided
+    and not, borders clipped; a NaN anywhere in a window is its maximum."""
+    from ranvier.ops.nn import max_pool
+
+    x = random_array((2, 3, 13, 75), "float32", seed=26)
+    x[0, 1, 4, 33] = x[1, 2, 0, 0] = x[1, 0, 12, 74] = np.nan
+    flow = ranvier.Flow()
+    f = ranvier.Builder(flow, "f")
+    y = f.max_pool(f.var("x", "float32", list(x.shape)), ksize=ksize, strides=strides, padding=padding)
+    y.var.out = True
+    cell = ranvier.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    assert [s.kernel for s in cell.steps] == ["WindowMax"]
+    data = cell.instance()
+    data["f/x"] = x
+    data[y] = np.full(y.shape, -1234.0, np.float32)
+    data.compute()
+    want = max_pool(x.astype(np.float64), ksize, strides, padding)
+    np.testing.assert_array_equal(np.array(data[y]), want.astype(np.float32))
+
+
 # ---- errors ---------------------------------------------------------------------------------------------
 
 

@@ -129,7 +129,8 @@ outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True)
            f.matmul(h["batch"], h["b"]), f.matmul(h["v"], h["b"]), f.softmax(h["x"]), f.rms_norm(h["x"], h["g"]),
            f.tanh(h["x"] * 1.5 + 0.25), f.transpose(h["x"], [1, 0]), f.sum(h["x"], axis=0), f.sum(h["x"], axis=1),
            f.max(h["batch"], axis=1), f.mean(h["batch"], axis=[1, 2]), f.sum(h["x"]), f.max(h["batch"]), f.mean(h["x"]),
-           f.conv2d(h["image"], h["filters"], padding=1), f.conv2d(h["images"], h["filters"], strides=2, padding=1)]
+           f.conv2d(h["image"], h["filters"], padding=1), f.conv2d(h["images"], h["filters"], strides=2, padding=1),
+           f.max_pool(h["images"], ksize=3, strides=2, padding=1)]
 # products by constants (weights), which the generated GEMM reads from panels packed once
 weights = {"w": rng.standard_normal((29, 45)).astype(np.float32), "wt": rng.standard_normal((70, 29)).astype(np.float32)}
 constant_products = [f.matmul(h["a"], f.const(weights["w"])), f.matmul(h["a"], f.const(weights["wt"]), transpose_b=True),
@@ -169,7 +170,7 @@ print("ok")
 def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask, gemm):
     """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
     a vector; the generated GEMM and BLAS), convolutions (one image in blocks, a batch by
-    images), row kernels, maps and reductions (by rows, by
+    images), max pooling, row kernels, maps and reductions (by rows, by
     columns, across a middle axis) give the reference's results on 1, 2 and every core."""
     if threads > thread_count():
         pytest.skip(f"this process may use {thread_count()} cores")

@@ -1,8 +1,15 @@
-"""Window primitives on the strided loop engine: Pad, StridedView, StridedScatterAdd."""
+"""Window primitives on the strided loop engine: Pad, StridedView, StridedScatterAdd; and
+MaxPool whole, each window's maximum read from the input where it lies."""
 
 from __future__ import annotations
 
+from llvmlite import ir
+
+from .... import dtypes
 from ....ops import attrs_of
+from ....ops.nn import pool_params
+from ...llvm.values import Value
+from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import View, contiguous_strides, dense_view, emit_map, fill
 from .library import kernel
 
@@ -39,3 +46,80 @@ def strided_scatter_add(ctx, op) -> None:
     d, out = op.inputs[0], op.outputs[0]
     fill(ctx, out, 0.0)
     emit_map(ctx, d.shape, [dense_view(d)], [_view(op, out)], _identity, accumulate=True)
+
+
+def _inside(size: int, kernel: int, stride: int, padding: int, outputs: int) -> tuple[int, int]:
+    """The outputs [first, last) whose windows lie wholly inside an axis of `size`."""
+    first = min(outputs, -(-padding // stride))
+    return first, max(first, min(outputs, (size - kernel + padding) // stride + 1))
+
+
+@kernel("WindowMax", {"MaxPool"}, supports=lambda op: dtypes.is_float(op.inputs[0].dtype))
+def max_pool(ctx, op) -> None:
+    """Each output the maximum of its window, read in place: the decomposition's padded
+    copy and windows copy (for a ResNet stem, 1.5 ms of 1.9) are never made. Along a row,
+    windows wholly inside the image go a vector of outputs at a time, a tap one load of
+    the lanes' elements (with stride s, s·L contiguous elements and a shuffle of every
+    s-th); windows over the border loop over the part inside (padding never exceeds half
+    the window, so none is empty). A NaN in a window is its maximum, as numpy's."""
+    x, y = op.inputs[0], op.outputs[0]
+    (kh, kw), (sh, sw), (ph, pw) = pool_params(attrs_of(op))
+    _, _, height, width = x.shape
+    planes, ho, wo = x.shape[0] * x.shape[1], y.shape[2], y.shape[3]
+    lanes = ctx.lanes_for([y.dtype])
+    rows_inside, (inside_first, inside_last) = _inside(height, kh, sh, ph, ho), _inside(width, kw, sw, pw, wo)
+    # a vector's loads reach s - 1 elements past its last window: keep them inside the row
+    loads_inside = max(inside_first, min(inside_last, (width - kw - sw + 1 + pw) // sw + 1))
+    vectors_last = inside_first + (loads_inside - inside_first) // lanes * lanes
+
+    def taps(ctx, at, count: int):
+        """Tap (i, j)'s element for `count` windows side by side, from element `at` of the
+        first window's top-left."""
+        if count == 1 or sw == 1:
+            return [ctx.load(x, at + i * width + j, count) for i in range(kh) for j in range(kw)]
+        picks = ir.Constant(ir.VectorType(ir.IntType(32), count), [e * sw for e in range(count)])
+        spans = [ctx.load(x, at + i * width + j, count * sw) for i in range(kh) for j in range(kw)]
+        return [Value(ctx.b, ctx.b.shuffle_vector(v.ir, v.ir, picks), v.dtype) for v in spans]
+
+    def whole(ctx, plane, top, left, count: int):
+        values = taps(ctx, plane * (height * width) + top * width + left, count)
+        best = values[0]
+        for value in values[1:]:
+            best = best.maximum(value)
+        return best
+
+    def clipped(ctx, plane, top, left):
+        best = ctx.local(y.dtype, initial=-float("inf"))
+        with ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
+                ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
+            best.set(best.value.maximum(ctx.load(x, plane * (height * width) + iy * width + ix)))
+        return best.value
+
+    def columns(ctx, row, plane, top, first: int, last: int, count: int = 0):
+        """Outputs [first, last) of a row: `count` at a time of whole windows, else clipped."""
+        with ctx.loop(first, last, step=max(count, 1), name="xo") as xo:
+            left = xo * sw - pw
+            value = whole(ctx, plane, top, left, count) if count else clipped(ctx, plane, top, left)
+            ctx.store(y, row * wo + xo, value)
+
+    def part(first: int, last: int):
+        def run(ctx) -> None:
+            with ctx.loop(first, last, name="row") as row:
+                plane, yo = row // ho, row % ho
+                top = yo * sh - ph
+                inside = (yo >= rows_inside[0]) & (yo < rows_inside[1])
+                with ctx.b.if_else(inside.ir) as (interior, border):
+                    with interior:
+                        columns(ctx, row, plane, top, 0, inside_first)
+                        columns(ctx, row, plane, top, inside_first, vectors_last, lanes)
+                        columns(ctx, row, plane, top, vectors_last, inside_last, 1)
+                        columns(ctx, row, plane, top, inside_last, wo)
+                    with border:
+                        columns(ctx, row, plane, top, 0, wo)
+
+        return run
+
+    rows = planes * ho
+    if rows and wo:
+        threads = thread_count() if worth_splitting(nbytes=x.nbytes + y.nbytes) else 1
+        run_parts(ctx, [part(first, last) for first, last in shares(rows, threads)])
