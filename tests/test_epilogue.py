@@ -12,9 +12,9 @@ from helpers import check, random_array, run_flow
 
 import ranvier as rv
 from ranvier.autodiff import backward
-from ranvier.ops.fused import epilogue_strides
+from ranvier.ops.fused import epilogue_input_strides, epilogue_strides
 
-TESTED_OPS = {"MatMulCalculate"}
+TESTED_OPS = {"MatMulCalculate", "Conv2DCalculate"}
 MASKS = ["", "-avx512", "-avx512,-avx2"]
 GEMMS = ["generated", "blas"]
 
@@ -147,8 +147,10 @@ def test_no_epilogue_where_the_product_is_needed_elsewhere_or_cannot_be_read_by_
     assert "MatMulCalculate" not in _fused_types(lambda f, x, w: [f.tanh(x @ w), f.sum(x @ w)], [[5, 6], [6, 7]])
     # an input broadcast over the batch but not over the rows
     assert "MatMulCalculate" not in _fused_types(lambda f, x, w, b: (x @ w) + b, [[3, 5, 6], [6, 7], [3, 1, 7]])
-    # a Calculate whose outputs are larger than the product (it broadcasts the product)
-    assert "MatMulCalculate" not in _fused_types(lambda f, x, w, y: f.tanh(x @ w) + y, [[5, 6], [6, 7], [2, 5, 7]])
+    # an op whose output is larger than the product (it broadcasts the product); the Tanh
+    # before such an Add is an epilogue of its own
+    assert "MatMulCalculate" not in _fused_types(lambda f, x, w, y: (x @ w) + y, [[5, 6], [6, 7], [2, 5, 7]])
+    assert sorted(_fused_types(lambda f, x, w, y: f.tanh(x @ w) + y, [[5, 6], [6, 7], [2, 5, 7]])) == ["Add", "MatMulCalculate"]
     # a [T, n] tensor under a [B, T, n] product repeats every T rows: not (row, column) strides
     assert "MatMulCalculate" not in _fused_types(lambda f, x, w, b: f.tanh(x @ w + b), [[3, 5, 6], [6, 7], [5, 7]])
     assert "MatMulCalculate" in _fused_types(lambda f, x, w, b: f.tanh(x @ w + b), [[3, 5, 6], [6, 7], [7]])
@@ -206,3 +208,68 @@ def test_a_wide_product_runs_its_epilogue_block_by_block(gemm, monkeypatch):
     data[y] = np.nan
     data.compute()
     check(data[y], np.tanh(x.astype(np.float64) @ w + bias).astype(np.float32))
+
+
+def test_a_convolutions_matrix_is_its_channels_by_positions():
+    """A Conv2D's product [N, O, Ho, Wo] is written per image as O rows of Ho·Wo columns: a
+    per-channel bias reads one value per row, a same-shaped residual every element, a
+    per-image one a value per image; an input along one axis of the image only has no
+    (row, column) strides."""
+    assert epilogue_input_strides([1, 8, 1, 1], [3, 8, 5, 6], (1, 2)) == (0, 1, 0)
+    assert epilogue_input_strides([3, 8, 5, 6], [3, 8, 5, 6], (1, 2)) == (240, 30, 1)
+    assert epilogue_input_strides([3, 8, 1, 1], [3, 8, 5, 6], (1, 2)) == (8, 1, 0)
+    assert epilogue_input_strides([8, 1, 1], [3, 8, 5, 6], (1, 2)) == (0, 1, 0)
+    assert epilogue_input_strides([1, 1, 1, 6], [3, 8, 5, 6], (1, 2)) is None
+    assert epilogue_input_strides([1, 1, 5, 6], [3, 8, 5, 6], (1, 2)) == (0, 0, 1)  # per position
+    # a MatMul's rows run over its batch: a [T, n] input under [B, T, n] repeats every T rows
+    assert epilogue_input_strides([7], [3, 5, 7], (0, 1)) == (0, 0, 1)
+    assert epilogue_input_strides([5, 7], [3, 5, 7], (0, 1)) is None
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilogue(batch, mask):
+    """relu(conv(x, w) + bias + skip), and a ReLU alone after a convolution, each one
+    Conv2DCalculate on the implicit-GEMM kernel, every output element written; float64
+    PyTorch agrees (to float32 rounding of sums of |terms|)."""
+    arrays = {"x": random_array([batch, 6, 13, 11], "float32", seed=1), "w1": random_array([8, 6, 3, 3], "float32", seed=2),
+              "w2": random_array([8, 8, 3, 3], "float32", seed=3), "bias": random_array([1, 8, 1, 1], "float32", seed=4),
+              "skip": random_array([batch, 8, 13, 11], "float32", seed=5)}
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    v = {name: f.var(name, rv.DT_FLOAT, a.shape) for name, a in arrays.items()}
+    h = f.relu(f.conv2d(v["x"], v["w1"], padding=1))
+    y = f.relu(f.conv2d(h, v["w2"], padding=1) + v["bias"] + v["skip"])
+    y.var.out = True
+    cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    assert [(s.op.type, s.kernel) for s in cell.steps] == [("Conv2DCalculate", "ConvGemm")] * 2
+    assert all(s.variant != "python" for s in cell.steps)
+    data = cell.instance()
+    for name, value in arrays.items():
+        data[v[name]] = value
+    data[y] = np.full(y.shape, np.nan, np.float32)
+    data.compute()
+    t = {name: torch.tensor(a, dtype=torch.float64) for name, a in arrays.items()}
+    inner = torch.relu(torch.nn.functional.conv2d(t["x"], t["w1"], padding=1))
+    want = torch.relu(torch.nn.functional.conv2d(inner, t["w2"], padding=1) + t["bias"] + t["skip"]).numpy()
+    bound = (torch.nn.functional.conv2d(inner, t["w2"].abs(), padding=1) + t["bias"].abs() + t["skip"].abs()).numpy()
+    got = np.array(data[y])
+    assert np.isfinite(got).all()
+    assert np.all(np.abs(got - want) <= 1e-5 * bound)
+
+
+def test_the_fused_convolutions_reference_is_the_unfused_flows():
+    x, w = random_array([2, 3, 7, 9], "float32", seed=1), random_array([4, 3, 3, 3], "float32", seed=2)
+    bias = random_array([1, 4, 1, 1], "float32", seed=3)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.op("Conv2DCalculate", [f.var("x", rv.DT_FLOAT, x.shape), f.var("w", rv.DT_FLOAT, w.shape),
+                                 f.var("b", rv.DT_FLOAT, bias.shape)],
+             attrs={"strides": "2,1", "padding": "1,0", "expr": "$0=Add(%0,%1);@0=Tanh($0)"})
+    y.var.out = True
+    data = rv.Compiler("reference").compile(flow).cell("f").instance()
+    data["f/x"], data["f/w"], data["f/b"] = x, w, bias
+    data.compute()
+    tx, tw, tb = _torch(x, w, bias)
+    check(np.array(data[y]), torch.tanh(torch.nn.functional.conv2d(tx, tw, stride=(2, 1), padding=(1, 0)) + tb).numpy(),
+          "float32", rtol=1e-5, atol=1e-6)

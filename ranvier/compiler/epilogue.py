@@ -1,37 +1,38 @@
-"""Epilogue fusion: a MatMul whose product only a Calculate reads becomes one
-MatMulCalculate, so the Calculate runs over each block of the product its GEMM call
-just wrote (still in cache) instead of as a pass of its own over the whole product:
-a bias, an activation, a residual added, any fused elementwise program.
+"""Epilogue fusion: a MatMul (or Conv2D) whose product only a Calculate (or a single
+elementwise op: a ReLU) reads becomes one MatMulCalculate (Conv2DCalculate), so the Calculate runs over each block of the
+product its GEMM call just wrote (still in cache) instead of as a pass of its own over
+the whole product: a bias, an activation, a residual added, any fused elementwise program.
 
 It applies when the Calculate's outputs all have the product's shape, one of them its
 dtype too (the product is computed into it, then overwritten in place by the program),
 the Calculate writes no input in place, and each of its other inputs reads one element
-per (row, column) of the product (`epilogue_strides`: a bias, a same-shaped tensor, a
-per-row scale).
+per (row, column) of the matrix the GEMM writes (`epilogue_input_strides`: a bias, a
+same-shaped tensor, a per-row scale; a convolution's per-channel bias).
 """
 
 from __future__ import annotations
 
 from ..flow.graph import Flow, Function, Operation
 from ..ops.expression import Call, Program, Ref, parse
-from ..ops.fused import epilogue_strides, written_inputs
+from ..ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, written_inputs
+from .fuse import is_elementwise
 from .rewrite import erase
 
 
 def fuse_epilogues(flow: Flow, func: Function, keep: set[str]) -> None:
-    """Replace each MatMul and the Calculate that alone reads its product by a MatMulCalculate."""
-    for matmul in [op for op in func.ops if op.type == "MatMul"]:
-        calculate = _epilogue_of(matmul, func, keep)
+    """Replace each MatMul or Conv2D and the Calculate that alone reads its product by one op."""
+    for producer in [op for op in func.ops if op.type in EPILOGUE_PRODUCTS]:
+        calculate = _epilogue_of(producer, func, keep)
         if calculate is not None:
-            _fuse(flow, func, matmul, calculate)
+            _fuse(flow, func, producer, calculate)
 
 
-def _epilogue_of(matmul: Operation, func: Function, keep: set[str]) -> Operation | None:
-    product = matmul.outputs[0]
+def _epilogue_of(producer: Operation, func: Function, keep: set[str]) -> Operation | None:
+    product = producer.outputs[0]
     if product.name in keep or product.out or len(product.consumers) != 1:
         return None
     calculate = product.consumers[0]
-    if calculate.type != "Calculate" or calculate.func is not func or written_inputs(calculate):
+    if not (calculate.type == "Calculate" or is_elementwise(calculate)) or calculate.func is not func or written_inputs(calculate):
         return None
     if sum(v is product for v in calculate.inputs) != 1:
         return None
@@ -40,9 +41,17 @@ def _epilogue_of(matmul: Operation, func: Function, keep: set[str]) -> Operation
     if not any(v.dtype == product.dtype for v in calculate.outputs):
         return None
     others = [v for v in calculate.inputs if v is not product]
-    if any(epilogue_strides(v.shape, product.shape) is None for v in others):
+    if any(epilogue_input_strides(v.shape, product.shape, EPILOGUE_PRODUCTS[producer.type]) is None for v in others):
         return None
     return calculate
+
+
+def _program(op: Operation) -> Program:
+    """A Calculate's program, or a single elementwise op's as one."""
+    if op.type == "Calculate":
+        return parse(op.attrs["expr"])
+    call = Call(op.type, tuple(Ref("%", i) for i in range(len(op.inputs))), tuple(sorted(op.attrs.items())))
+    return Program([(Ref("@", 0), call)])
 
 
 def _renumbered(program: Program, inputs: dict[int, int], outputs: dict[int, int]) -> Program:
@@ -56,20 +65,21 @@ def _renumbered(program: Program, inputs: dict[int, int], outputs: dict[int, int
     return Program([(operand(target), operand(call)) for target, call in program.statements])
 
 
-def _fuse(flow: Flow, func: Function, matmul: Operation, calculate: Operation) -> None:
-    product = matmul.outputs[0]
+def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation) -> None:
+    product = producer.outputs[0]
     others = [v for v in calculate.inputs if v is not product]
     # the program's inputs: the product first, then the others in order
     inputs = {i: (0 if v is product else 1 + others.index(v)) for i, v in enumerate(calculate.inputs)}
     landing = next(v for v in calculate.outputs if v.dtype == product.dtype)
     order = [landing, *(v for v in calculate.outputs if v is not landing)]
     outputs = {j: order.index(v) for j, v in enumerate(calculate.outputs)}
-    program = _renumbered(parse(calculate.attrs["expr"]), inputs, outputs)
+    program = _renumbered(_program(calculate), inputs, outputs)
 
-    fused = flow.add_op(flow.unique_name(f"{func.name}/MatMulCalculate", flow.ops), "MatMulCalculate")
-    fused.attrs = {**matmul.attrs, "expr": str(program)}
-    a, b = matmul.inputs
-    erase(flow, [matmul, calculate], [product])
+    kind = fused_type(producer.type)
+    fused = flow.add_op(flow.unique_name(f"{func.name}/{kind}", flow.ops), kind)
+    fused.attrs = {**producer.attrs, "expr": str(program)}
+    a, b = producer.inputs
+    erase(flow, [producer, calculate], [product])
     for v in (a, b, *others):
         fused.add_input(v)
     for v in order:

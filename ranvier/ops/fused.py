@@ -7,11 +7,13 @@ registered op definitions, so a fused op means exactly what its parts meant.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import dtypes
+from . import matmul, nn  # noqa: F401  (the products epilogues follow are defined first)
 from .expression import Call, Ref, parse
-from .matmul import MATMUL_ATTRS, matmul_flops
 from .registry import Attr, Attrs, TensorType, define, op_def
 
 
@@ -104,21 +106,36 @@ define(
 )
 
 
-# ---- MatMulCalculate: a matrix product and the Calculate that reads it ----------------------
+# ---- MatMulCalculate, Conv2DCalculate: a product and the Calculate that reads it -----------
 #
-# The compiler's epilogue pass (compiler/epilogue.py) makes it of a MatMul whose product
-# only a Calculate reads: inputs a, b (the MatMul's), then the Calculate's other inputs;
-# in the program %0 is the product and %i (i ≥ 1) is input i + 1. Output 0 has the
-# product's type: the product is computed into it, and the program then runs over each
-# block of it a GEMM call made, while the block is still in cache.
+# The compiler's epilogue pass (compiler/epilogue.py) makes one of a MatMul or a Conv2D whose
+# product only a Calculate reads: inputs the product's two (a, b; x, w), then the
+# Calculate's other inputs; in the program %0 is the product and %i (i ≥ 1) is input i + 1.
+# Output 0 has the product's type: the product is computed into it, and the program then
+# runs over each block of it a GEMM call made, while the block is still in cache.
+
+# The ops whose product an epilogue can follow, and how the GEMM writes it as a matrix:
+# (outer, columns), its leading dimensions a call never crosses and its trailing dimensions
+# that make the columns. A MatMul's rows run over every leading dimension (a batch of row
+# blocks times one matrix is one GEMM); a convolution's [N, O, Ho, Wo] is, per image, O
+# rows of Ho·Wo positions.
+EPILOGUE_PRODUCTS = {"MatMul": (0, 1), "Conv2D": (1, 2)}
 
 
-def _matmul_attrs(raw: dict[str, str]) -> dict[str, str]:
-    return {name: value for name, value in raw.items() if name in op_def("MatMul").attrs}
+def fused_type(product_type: str) -> str:
+    return f"{product_type}Calculate"
 
 
-def _infer_matmul_calculate(ctx):
-    (product,) = op_def("MatMul").infer_types(ctx.op_name, ctx.inputs[:2], _matmul_attrs(ctx.attrs.raw))
+def product_type(fused: str) -> str:
+    return fused.removesuffix("Calculate")
+
+
+def _product_attrs(fused: str, raw: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in raw.items() if name in op_def(product_type(fused)).attrs}
+
+
+def _infer_product_calculate(ctx):
+    (product,) = op_def(product_type(ctx.op_type)).infer_types(ctx.op_name, ctx.inputs[:2], _product_attrs(ctx.op_type, ctx.attrs.raw))
     program = parse(ctx.attrs["expr"])
     if any(target.kind == "%" for target, _ in program.statements):
         raise ctx.fail("an epilogue that writes no input in place")
@@ -132,17 +149,20 @@ def _infer_matmul_calculate(ctx):
     return [TensorType(v.dtype, v.shape) for v in outputs]
 
 
-def _matmul_calculate_reference(attrs, args, outs):
-    matmul = op_def("MatMul")
-    raw = _matmul_attrs(attrs.raw)
-    (product,) = matmul.reference(Attrs(raw, "", "MatMul", matmul.attrs), args[:2], outs[:1])
-    rounded = np.asarray(product).astype(dtypes.to_numpy(outs[0].dtype))  # as the kernel stores it
-    return _reference(attrs, [rounded, *args[2:]], outs)
+def _product_calculate_reference(fused: str):
+    def reference(attrs, args, outs):
+        base = op_def(product_type(fused))
+        raw = _product_attrs(fused, attrs.raw)
+        (product,) = base.reference(Attrs(raw, "", base.type, base.attrs), args[:2], outs[:1])
+        rounded = np.asarray(product).astype(dtypes.to_numpy(outs[0].dtype))  # as the kernel stores it
+        return _reference(attrs, [rounded, *args[2:]], outs)
+
+    return reference
 
 
-def _matmul_calculate_flops(op) -> int:
+def _product_calculate_flops(op) -> int:
     """The product's, then one operation per element of it for each statement that computes."""
-    return matmul_flops(op) + op.outputs[0].size * _computing_statements(op)
+    return op_def(product_type(op.type)).cost(op) + op.outputs[0].size * _computing_statements(op)
 
 
 def epilogue_strides(shape, product_shape) -> tuple[int, int] | None:
@@ -169,9 +189,34 @@ def epilogue_strides(shape, product_shape) -> tuple[int, int] | None:
     return row_stride, strides[-1]
 
 
-define(
-    "MatMulCalculate", _infer_matmul_calculate, _matmul_calculate_reference, (2, None), "fused",
-    "a @ b, then a Calculate program over the product (%0) and further inputs (%1 is input 2)",
-    attrs=[*MATMUL_ATTRS, Attr("expr", "str", "", "the epilogue program; %0 is the product, %i input i + 1")],
-    flops=_matmul_calculate_flops,
-)
+def epilogue_input_strides(shape, product_shape, layout: tuple[int, int]) -> tuple[int, int, int] | None:
+    """How an epilogue reads an input of `shape` over a product the GEMM writes in
+    `layout` (see EPILOGUE_PRODUCTS): (outer, row, column) strides, the element at
+    (outer index, row, column) being at their dot product; None where the input cannot be
+    read so (its trailing dimensions must be all the product's or all 1, and its rows
+    linear: `epilogue_strides`)."""
+    outer, columns_rank = layout
+    product_shape = list(product_shape)
+    shape = [1] * (len(product_shape) - len(shape)) + list(shape)
+    if len(shape) > len(product_shape):
+        return None
+    tail, product_tail = shape[-columns_rank:], product_shape[-columns_rank:]
+    if tail != product_tail and any(d != 1 for d in tail):
+        return None
+    columns = math.prod(product_tail)
+    inner = epilogue_strides([*shape[outer:-columns_rank], columns if tail == product_tail else 1],
+                             [*product_shape[outer:-columns_rank], columns])
+    if inner is None:
+        return None
+    outer_stride = 0 if not outer or shape[outer - 1] == 1 else math.prod(shape[outer:])
+    return outer_stride, *inner
+
+
+for _product in EPILOGUE_PRODUCTS:
+    _inputs = "a @ b" if _product == "MatMul" else "Conv2D(x, w)"
+    define(
+        fused_type(_product), _infer_product_calculate, _product_calculate_reference(fused_type(_product)), (2, None), "fused",
+        f"{_inputs}, then a Calculate program over the product (%0) and further inputs (%1 is input 2)",
+        attrs=[*op_def(_product).attrs.values(), Attr("expr", "str", "", "the epilogue program; %0 is the product, %i input i + 1")],
+        flops=_product_calculate_flops,
+    )

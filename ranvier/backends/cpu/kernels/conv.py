@@ -2,7 +2,8 @@
 where the generated GEMM packs each block of the windows straight from the image
 (`ranvier_sgemm_windows`, sgemm.py) instead of reading an im2col copy of it: the
 decomposition's Pad, StridedView and their memory traffic (for ResNet-18 at batch 1,
-60 MB written and read again) are gone. The output comes out NCHW, as the GEMM writes it.
+60 MB written and read again) are gone. The output comes out NCHW, as the GEMM writes it;
+a Conv2DCalculate's program (bias, activation, residual) runs over each block after its call.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..codegen import SGEMM_WINDOWS
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
 from .matmul import gemm_grid
+from .program import epilogue
 
 CONV_KERNEL = "ConvGemm"
 _UNIT = 16  # edges of the blocks of an image's output a part computes
@@ -70,7 +72,7 @@ def _geometry(ctx, op) -> ir.Value:
     return ctx.b.bitcast(constant, I64.as_pointer())
 
 
-@kernel(CONV_KERNEL, {"Conv2D"}, supports=_supported, workspace=_workspace_bytes)
+@kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes)
 def conv_gemm(ctx, op) -> None:
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     _, rows, columns, taps = _sizes(op)
@@ -89,6 +91,7 @@ def conv_gemm(ctx, op) -> None:
                 b.call(gemm, [i64(count), i64(width), i64(taps), ctx.element_pointer(w, r0 * taps), i64(taps),
                               ctx.element_pointer(x, image * image_size), geometry, i64(c0),
                               ctx.element_pointer(y, (image * rows + r0) * columns + c0), i64(columns), scratch])
+                epilogue(ctx, op, (image * rows + r0) * columns + c0, count, width)
 
         return emit
 

@@ -5,11 +5,15 @@ use it), so importing it leaves the order kernels are tried in alone."""
 
 from __future__ import annotations
 
+import math
+
 from ....ops import Attrs, op_def
 from ....ops.expression import Program, parse
-from ....ops.fused import epilogue_strides
+from ....ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, product_type
 from ...llvm.values import Value
 from ..views import Body, View, emit_map
+
+FUSED_PRODUCTS = {fused_type(product) for product in EPILOGUE_PRODUCTS}
 
 
 def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
@@ -28,19 +32,23 @@ def program_body(program: Program, outputs: int) -> Body:
 
 
 def epilogue(ctx, op, at: int, rows: int, columns: int) -> None:
-    """A MatMulCalculate's program over the block of its product a GEMM call just wrote:
-    `rows` × `columns` from element `at` of output 0 (rows `n` apart), on the calling
-    thread. A MatMul has none."""
-    if op.type != "MatMulCalculate":
+    """A MatMulCalculate's or Conv2DCalculate's program over the block of its product a GEMM
+    call just wrote: `rows` × `columns` from element `at` of output 0 (in the matrix the
+    GEMM writes, rows `n` apart), on the calling thread. A plain product has none."""
+    if op.type not in FUSED_PRODUCTS:
         return
     product = op.outputs[0]
-    n = product.shape[-1]
-    row, column = divmod(at, n)
+    layout = EPILOGUE_PRODUCTS[product_type(op.type)]
+    outer, columns_rank = layout
+    n = math.prod(product.shape[-columns_rank:])
+    index, within = divmod(at, math.prod(product.shape[outer:]))
+    row, column = divmod(within, n)
 
-    def block(var, strides: tuple[int, int]) -> View:
-        down, across = strides
-        return View(var, row * down + column * across, [down, across])
+    def block(var, strides: tuple[int, int, int]) -> View:
+        over, down, across = strides
+        return View(var, index * over + row * down + column * across, [down, across])
 
-    inputs = [block(product, (n, 1))] + [block(v, epilogue_strides(v.shape, product.shape)) for v in op.inputs[2:]]
-    emit_map(ctx, [rows, columns], inputs, [block(v, (n, 1)) for v in op.outputs],
+    own = (math.prod(product.shape[outer:]) if outer else 0, n, 1)
+    inputs = [block(product, own)] + [block(v, epilogue_input_strides(v.shape, product.shape, layout)) for v in op.inputs[2:]]
+    emit_map(ctx, [rows, columns], inputs, [block(v, own) for v in op.outputs],
              program_body(parse(op.attrs["expr"]), len(op.outputs)), split=False)
