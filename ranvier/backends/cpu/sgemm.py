@@ -332,8 +332,8 @@ class _Emitter:
         into panels of NR columns, zeros in the padding and past nc. `taps` (3 × KC i32) and
         `positions` (3 × NR i32) are scratch: each row's offset in the image, kernel row and
         kernel column; each column's offset, first input row and first input column. A
-        vector of columns in one output row (stride 1) is one masked load per row of B,
-        any other vector is read lane by lane."""
+        vector of columns in one output row is one masked load per row of B (stride 1) or
+        two and a shuffle (stride 2); any other vector is read lane by lane."""
         g = geometry
         lanes, nr = self.lanes, self.nr
         ints = ir.VectorType(I32, lanes)
@@ -356,6 +356,7 @@ class _Emitter:
 
         height, width = (splat(b, i32(g[name]), lanes) for name in ("height", "width"))
         zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * lanes)
+        no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
         outside = ir.Constant(I32, -(1 << 30))  # a first input row no kernel row brings inside
         panels = b.sdiv(b.add(nc, i64(nr - 1)), i64(nr))
         with for_range(b, i64(0), panels, name="wq") as q:
@@ -382,26 +383,46 @@ class _Emitter:
                                         for field in range(3))
                 first_top, last_top = (b.load(table(positions, 1, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
                 first_offset = b.load(table(positions, 0, nr, i64(h * lanes)))
-                one_row = b.and_(b.icmp_signed("==", first_top, last_top), b.icmp_signed("==", g["stride_width"], i64(1)))
-                with b.if_else(one_row) as (contiguous, scattered):
-                    for run_whole in (True, False):
-                        with (contiguous if run_whole else scattered), for_range(b, i64(0), kc, name="wp") as p:
-                            tap_offset, tap_row, tap_column = (b.load(table(taps, f, KC, p)) for f in range(3))
-                            rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), height)
-                            cols = b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), width)
-                            mask = b.and_(rows, cols)
-                            if run_whole:
-                                at = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
-                                value = b.call(self.masked_load, [b.bitcast(at, self.vector.as_pointer()), ir.Constant(I32, 4),
-                                                                  mask, zero])
-                            else:
-                                safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
-                                value = zero
-                                for e in range(lanes):
-                                    at = b.gep(image, [b.sext(b.extract_element(safe, ir.Constant(I32, e)), I64)])
-                                    value = b.insert_element(value, b.load(at), ir.Constant(I32, e))
-                                value = b.select(mask, value, zero)
-                            self.store_vector(b, value, b.gep(panel, [b.add(b.mul(p, i64(nr)), i64(h * lanes))]), aligned=True)
+                one_row = b.icmp_signed("==", first_top, last_top)
+
+                def taps_of(way: str, kc=kc, offsets=offsets, tops=tops, lefts=lefts, first_offset=first_offset, h=h) -> None:
+                    """Rows of B for this vector of columns, read `way`: "run" (one masked load),
+                    "pairs" (stride 2: two masked loads, every other element), "lanes"."""
+                    with for_range(b, i64(0), kc, name="wp") as p:
+                        tap_offset, tap_row, tap_column = (b.load(table(taps, f, KC, p)) for f in range(3))
+                        rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), height)
+                        cols = b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), width)
+                        mask = b.and_(rows, cols)
+                        start = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
+                        if way == "run":
+                            value = self.masked_read(b, start, mask)
+                        elif way == "pairs":
+                            halves = [self.masked_read(b, b.gep(start, [i64(half * lanes)]), b.shuffle_vector(mask, no_lanes, ir.Constant(
+                                ints, [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)]))) for half in (0, 1)]
+                            value = b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
+                        else:
+                            safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
+                            value = zero
+                            for e in range(lanes):
+                                at = b.gep(image, [b.sext(b.extract_element(safe, ir.Constant(I32, e)), I64)])
+                                value = b.insert_element(value, b.load(at), ir.Constant(I32, e))
+                            value = b.select(mask, value, zero)
+                        self.store_vector(b, value, b.gep(panel, [b.add(b.mul(p, i64(nr)), i64(h * lanes))]), aligned=True)
+
+                stride = g["stride_width"]
+                with b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(1)))) as (run, other):
+                    with run:
+                        taps_of("run")
+                    with other, b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(2)))) as (pairs, scattered):
+                        with pairs:
+                            taps_of("pairs")
+                        with scattered:
+                            taps_of("lanes")
+
+    def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value) -> ir.Value:
+        """The vector at `start`, zeros in the lanes `mask` leaves off (not read)."""
+        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes)
+        return b.call(self.masked_load, [b.bitcast(start, self.vector.as_pointer()), ir.Constant(I32, 4), mask, zero])
 
 
 def build_module(target: CPUTarget) -> ir.Module:
