@@ -355,8 +355,6 @@ class _Emitter:
                 b.store(i32(value), table(taps, field, KC, p))
 
         height, width = (splat(b, i32(g[name]), lanes) for name in ("height", "width"))
-        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * lanes)
-        no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
         outside = ir.Constant(I32, -(1 << 30))  # a first input row no kernel row brings inside
         panels = b.sdiv(b.add(nc, i64(nr - 1)), i64(nr))
         with for_range(b, i64(0), panels, name="wq") as q:
@@ -384,40 +382,51 @@ class _Emitter:
                 first_top, last_top = (b.load(table(positions, 1, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
                 first_offset = b.load(table(positions, 0, nr, i64(h * lanes)))
                 one_row = b.icmp_signed("==", first_top, last_top)
-
-                def taps_of(way: str, kc=kc, offsets=offsets, tops=tops, lefts=lefts, first_offset=first_offset, h=h) -> None:
-                    """Rows of B for this vector of columns, read `way`: "run" (one masked load),
-                    "pairs" (stride 2: two masked loads, every other element), "lanes"."""
-                    with for_range(b, i64(0), kc, name="wp") as p:
-                        tap_offset, tap_row, tap_column = (b.load(table(taps, f, KC, p)) for f in range(3))
-                        rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), height)
-                        cols = b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), width)
-                        mask = b.and_(rows, cols)
-                        start = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
-                        if way == "run":
-                            value = self.masked_read(b, start, mask)
-                        elif way == "pairs":
-                            halves = [self.masked_read(b, b.gep(start, [i64(half * lanes)]), b.shuffle_vector(mask, no_lanes, ir.Constant(
-                                ints, [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)]))) for half in (0, 1)]
-                            value = b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
-                        else:
-                            safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
-                            value = zero
-                            for e in range(lanes):
-                                at = b.gep(image, [b.sext(b.extract_element(safe, ir.Constant(I32, e)), I64)])
-                                value = b.insert_element(value, b.load(at), ir.Constant(I32, e))
-                            value = b.select(mask, value, zero)
-                        self.store_vector(b, value, b.gep(panel, [b.add(b.mul(p, i64(nr)), i64(h * lanes))]), aligned=True)
-
+                columns_of_vector = (offsets, tops, lefts, first_offset)
+                target = b.gep(panel, [i64(h * lanes)])
                 stride = g["stride_width"]
                 with b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(1)))) as (run, other):
                     with run:
-                        taps_of("run")
+                        self._pack_window_vector(b, "run", image, taps, kc, columns_of_vector, (height, width), target)
                     with other, b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(2)))) as (pairs, scattered):
                         with pairs:
-                            taps_of("pairs")
+                            self._pack_window_vector(b, "pairs", image, taps, kc, columns_of_vector, (height, width), target)
                         with scattered:
-                            taps_of("lanes")
+                            self._pack_window_vector(b, "lanes", image, taps, kc, columns_of_vector, (height, width), target)
+
+    def _pack_window_vector(self, b: ir.IRBuilder, way: str, image: ir.Value, taps: ir.Value, kc: ir.Value,
+                            columns: tuple[ir.Value, ...], bounds: tuple[ir.Value, ir.Value], target: ir.Value) -> None:
+        """A vector of B's columns for each of the slice's kc rows, stored NR floats apart from
+        `target`, read `way`: "run" (one masked load), "pairs" (stride 2: two masked loads,
+        every other element) or "lanes" (one by one). `columns` holds the vector's offsets,
+        first input rows and columns (i32 vectors) and its first offset; `bounds` the
+        image's height and width (splatted)."""
+        lanes = self.lanes
+        ints = ir.VectorType(I32, lanes)
+        offsets, tops, lefts, first_offset = columns
+        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * lanes)
+        with for_range(b, i64(0), kc, name="wp") as p:
+            tap_offset, tap_row, tap_column = (b.load(b.gep(taps, [b.add(i64(field * KC), p)])) for field in range(3))
+            rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), bounds[0])
+            mask = b.and_(rows, b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), bounds[1]))
+            start = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
+            if way == "run":
+                value = self.masked_read(b, start, mask)
+            elif way == "pairs":
+                no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
+                halves = []
+                for half in (0, 1):  # element 2e of the 2L read is lane e's
+                    evens = ir.Constant(ints, [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)])
+                    halves.append(self.masked_read(b, b.gep(start, [i64(half * lanes)]), b.shuffle_vector(mask, no_lanes, evens)))
+                value = b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
+            else:
+                safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
+                value = zero
+                for e in range(lanes):
+                    at = b.gep(image, [b.sext(b.extract_element(safe, ir.Constant(I32, e)), I64)])
+                    value = b.insert_element(value, b.load(at), ir.Constant(I32, e))
+                value = b.select(mask, value, zero)
+            self.store_vector(b, value, b.gep(target, [b.mul(p, i64(self.nr))]), aligned=True)
 
     def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value) -> ir.Value:
         """The vector at `start`, zeros in the lanes `mask` leaves off (not read)."""
