@@ -382,23 +382,41 @@ class _Emitter:
                 first_top, last_top = (b.load(table(positions, 1, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
                 first_offset = b.load(table(positions, 0, nr, i64(h * lanes)))
                 one_row = b.icmp_signed("==", first_top, last_top)
+                first_left, last_left = (b.load(table(positions, 2, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
+                # every tap of every lane inside the image: loads need no mask
+                inside = b.and_(
+                    b.and_(b.icmp_signed(">=", first_top, ir.Constant(I32, 0)),
+                           b.icmp_signed("<=", b.add(last_top, i32(g["kernel_height"])), i32(g["height"]))),
+                    b.and_(b.icmp_signed(">=", first_left, ir.Constant(I32, 0)),
+                           b.icmp_signed("<=", b.add(last_left, i32(g["kernel_width"])), i32(g["width"]))))
                 columns_of_vector = (offsets, tops, lefts, first_offset)
                 target = b.gep(panel, [i64(h * lanes)])
                 stride = g["stride_width"]
-                with b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(1)))) as (run, other):
-                    with run:
-                        self._pack_window_vector(b, "run", image, taps, kc, columns_of_vector, (height, width), target)
-                    with other, b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(2)))) as (pairs, scattered):
-                        with pairs:
-                            self._pack_window_vector(b, "pairs", image, taps, kc, columns_of_vector, (height, width), target)
-                        with scattered:
-                            self._pack_window_vector(b, "lanes", image, taps, kc, columns_of_vector, (height, width), target)
 
-    def _pack_window_vector(self, b: ir.IRBuilder, way: str, image: ir.Value, taps: ir.Value, kc: ir.Value,
+                def pack(way: str, masked: bool, columns_of_vector=columns_of_vector, target=target) -> None:
+                    self._pack_window_vector(b, way, masked, image, taps, kc, columns_of_vector, (height, width), target)
+
+                with b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(1)))) as (run, other):
+                    with run, b.if_else(inside) as (clear, edge):
+                        with clear:
+                            pack("run", masked=False)
+                        with edge:
+                            pack("run", masked=True)
+                    with other, b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(2)))) as (pairs, scattered):
+                        with pairs, b.if_else(inside) as (clear, edge):
+                            with clear:
+                                pack("pairs", masked=False)
+                            with edge:
+                                pack("pairs", masked=True)
+                        with scattered:
+                            pack("lanes", masked=True)
+
+    def _pack_window_vector(self, b: ir.IRBuilder, way: str, masked: bool, image: ir.Value, taps: ir.Value, kc: ir.Value,
                             columns: tuple[ir.Value, ...], bounds: tuple[ir.Value, ir.Value], target: ir.Value) -> None:
         """A vector of B's columns for each of the slice's kc rows, stored NR floats apart from
-        `target`, read `way`: "run" (one masked load), "pairs" (stride 2: two masked loads,
-        every other element) or "lanes" (one by one). `columns` holds the vector's offsets,
+        `target`, read `way`: "run" (one load), "pairs" (stride 2: two loads, every other
+        element) or "lanes" (one by one); `masked`: lanes whose tap falls in the padding are
+        zeros, not read (else every lane is inside). `columns` holds the vector's offsets,
         first input rows and columns (i32 vectors) and its first offset; `bounds` the
         image's height and width (splatted)."""
         lanes = self.lanes
@@ -407,8 +425,11 @@ class _Emitter:
         zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * lanes)
         with for_range(b, i64(0), kc, name="wp") as p:
             tap_offset, tap_row, tap_column = (b.load(b.gep(taps, [b.add(i64(field * KC), p)])) for field in range(3))
-            rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), bounds[0])
-            mask = b.and_(rows, b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), bounds[1]))
+            if masked:
+                rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), bounds[0])
+                mask = b.and_(rows, b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), bounds[1]))
+            else:
+                mask = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 1)] * lanes)
             start = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
             if way == "run":
                 value = self.masked_read(b, start, mask)
