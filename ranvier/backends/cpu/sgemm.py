@@ -89,7 +89,7 @@ _FLOAT_PTR = F32.as_pointer()
 _LINE_FLOATS = 16  # a 64-byte cache line
 _FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
 _PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64])
-_WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64.as_pointer(), I64, _FLOAT_PTR, I64,
+WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64.as_pointer(), I64, _FLOAT_PTR, I64,
                                                        BYTE_PTR])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
 _MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
@@ -476,7 +476,7 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
         function = ir.Function(emit.module, _PACKED_FUNCTION, name=PACKED_SYMBOL)
         ta, m, n, k, a, lda, panels_of_b, c, ldc = function.args
     elif source == "windows":
-        function = ir.Function(emit.module, _WINDOWS_FUNCTION, name=WINDOWS_SYMBOL)
+        function = ir.Function(emit.module, WINDOWS_FUNCTION, name=WINDOWS_SYMBOL)
         m, n, k, a, lda, image, geometry_of_b, first_column, c, ldc, workspace = function.args
         ta = i64(0)
     else:

@@ -14,7 +14,7 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of
-from ...llvm.irutil import F32, I64, i64
+from ...llvm.irutil import I64, i64
 from .. import sgemm
 from ..codegen import SGEMM_WINDOWS
 from ..parallel import run_parts, shares, thread_count, worth_splitting
@@ -60,7 +60,7 @@ def _workspace_bytes(op) -> int:
     return len(_parts(op)) * _share(op)
 
 
-def _geometry(ctx, op) -> ir.Value:
+def _geometry(ctx, op) -> ir.GlobalVariable:
     """The GEMM's `geometry` (sgemm.GEOMETRY) as a constant of the module."""
     attrs = attrs_of(op)
     (_, _, height, width), (kernel_height, kernel_width) = op.inputs[0].shape, op.inputs[1].shape[2:]
@@ -69,7 +69,7 @@ def _geometry(ctx, op) -> ir.Value:
     constant = ir.GlobalVariable(ctx.module, array, name=ctx.module.get_unique_name("conv_geometry"))
     constant.global_constant, constant.linkage = True, "internal"
     constant.initializer = ir.Constant(array, [i64(v) for v in values])
-    return ctx.b.bitcast(constant, I64.as_pointer())
+    return constant
 
 
 @kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes)
@@ -78,18 +78,16 @@ def conv_gemm(ctx, op) -> None:
     _, rows, columns, taps = _sizes(op)
     image_size = math.prod(x.shape[1:])
     share = _share(op)
-    function_type = ir.FunctionType(ir.VoidType(), [I64] * 3 + [F32.as_pointer(), I64, F32.as_pointer(), I64.as_pointer(), I64,
-                                                                F32.as_pointer(), I64, ir.IntType(8).as_pointer()])
+    geometry = _geometry(ctx, op)
 
     def part(calls, number: int):
         def emit(ctx) -> None:
             b = ctx.b
-            gemm = b.bitcast(ctx.table_entry(SGEMM_WINDOWS), function_type.as_pointer())
+            gemm = b.bitcast(ctx.table_entry(SGEMM_WINDOWS), sgemm.WINDOWS_FUNCTION.as_pointer())
             scratch = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
-            geometry = _geometry(ctx, op)
             for image, r0, count, c0, width in calls:
                 b.call(gemm, [i64(count), i64(width), i64(taps), ctx.element_pointer(w, r0 * taps), i64(taps),
-                              ctx.element_pointer(x, image * image_size), geometry, i64(c0),
+                              ctx.element_pointer(x, image * image_size), b.bitcast(geometry, I64.as_pointer()), i64(c0),
                               ctx.element_pointer(y, (image * rows + r0) * columns + c0), i64(columns), scratch])
                 epilogue(ctx, op, (image * rows + r0) * columns + c0, count, width)
 
