@@ -480,6 +480,29 @@ def test_conv2d_backprop(xs, ws, strides, padding):
     check(dw, edw, "float64")
 
 
+@pytest.mark.parametrize("dtype,kernel", [("float32", "ConvGemm"), ("float64", None)])
+def test_a_stride_one_input_gradient_is_a_convolution(dtype, kernel):
+    """dx of a stride-1 convolution is dy convolved with the turned filters: on the CPU in
+    float32 one implicit GEMM, no windows scattered back; in float64 that convolution is
+    itself decomposed (into im2col and a GEMM), never left to Python. Stride 2 keeps the
+    scatter."""
+    x_shape, w = [2, 3, 9, 7], random_array((4, 3, 3, 2), dtype, seed=32)
+    for strides, padding in (([1, 1], [1, 0]), ([1, 1], [2, 1]), ([2, 2], [1, 1])):
+        ho = (x_shape[2] + 2 * padding[0] - 3) // strides[0] + 1
+        wo = (x_shape[3] + 2 * padding[1] - 2) // strides[1] + 1
+        dy = random_array((2, 4, ho, wo), dtype, seed=33)
+        attrs = {"strides": strides, "padding": padding, "input_shape": x_shape}
+        result = run_flow(lambda f, b, g, attrs=attrs: f.op("Conv2DBackpropInput", [g, b], attrs=attrs), [w, dy])
+        check(result[0], naive_conv2d_grads(np.zeros(x_shape), as_f64(w), as_f64(dy), strides, padding)[0], dtype)
+        steps = ranvier.Compiler("cpu", cache=False).compile(result.flow).cell("f").steps
+        assert all(s.variant != "python" for s in steps)
+        kernels = {s.kernel for s in steps}
+        if strides == [2, 2]:
+            assert "StridedScatterAdd" in kernels
+        else:
+            assert "StridedScatterAdd" not in kernels and (kernel is None or kernel in kernels)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_conv2d_backprop_dtypes(dtype):
     x = random_array((1, 2, 6, 5), dtype, seed=29)

@@ -104,6 +104,22 @@ define(
 
 
 @decomposition("Conv2DBackpropInput")
+def _conv_input_grad_as_convolution(b, op):
+    """With stride 1, dx is dy convolved with the filters turned around (each flipped in
+    both spatial axes, input and output channels swapped), dy padded by each kernel's
+    reach less the forward padding: a convolution the backend may run whole, where the
+    form below writes every window's gradient and adds them back (StridedScatterAdd)."""
+    attrs = op_def(op.type).attrs_of(op)
+    o, c, kh, kw = op.inputs[1].shape
+    (ph, pw) = attrs["padding"]
+    if list(attrs["strides"]) != [1, 1] or ph > kh - 1 or pw > kw - 1:
+        return None
+    dy, w = (b.wrap(v) for v in op.inputs)
+    turned = w.strided_view(offset=kh * kw - 1, shape=[c, o, kh, kw], strides=[kh * kw, c * kh * kw, -kw, -1])
+    return b.conv2d(dy, turned, strides=[1, 1], padding=[kh - 1 - ph, kw - 1 - pw])
+
+
+@decomposition("Conv2DBackpropInput")
 def _conv_input_grad_as_gemm(b, op):
     """dy's rows times the filters give each window's gradient; the view's transpose
     (StridedScatterAdd) adds them back onto the padded input."""
