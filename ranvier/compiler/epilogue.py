@@ -1,7 +1,8 @@
 """Epilogue fusion: a MatMul (or Conv2D) whose product only a Calculate (or a single
-elementwise op: a ReLU) reads becomes one MatMulCalculate (Conv2DCalculate), so the Calculate runs over each block of the
-product its GEMM call just wrote (still in cache) instead of as a pass of its own over
-the whole product: a bias, an activation, a residual added, any fused elementwise program.
+elementwise op: a ReLU) reads becomes one MatMulCalculate (Conv2DCalculate), so the
+Calculate runs over each block of the product its GEMM call just wrote (still in cache)
+instead of as a pass of its own over the whole product: a bias, an activation, a residual
+added, any fused elementwise program.
 
 It applies when the Calculate's outputs all have the product's shape, one of them its
 dtype too (the product is computed into it, then overwritten in place by the program),

@@ -10,7 +10,7 @@ pipeline decides which passes apply.
     fuse-loss        cross-entropy beside its gradient → one op, one read of the logits
     fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
     mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
-    fuse-epilogue    a MatMul and the Calculate that alone reads its product → one op
+    fuse-epilogue    a MatMul or Conv2D and the elementwise op that alone reads its product → one op
 
 `RANVIER_DEBUG=passes` prints the function after each pass.
 """

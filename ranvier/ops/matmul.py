@@ -63,20 +63,18 @@ def _matmul_vjp(ctx, g):
     return [ctx.unbroadcast(da, a), ctx.unbroadcast(dc, c)]
 
 
-def matmul_flops(op) -> int:
-    """2·M·N·K of a MatMul (or of the product a MatMulCalculate starts with)."""
+def _matmul_flops(op) -> int:
     a = op.inputs[0]
     k = a.shape[-2] if op_def("MatMul").attrs_of(op)["transpose_a"] else a.shape[-1]
     return 2 * op.outputs[0].size * k
 
 
-MATMUL_ATTRS = [
-    Attr("transpose_a", "bool", False, "use aᵀ"),
-    Attr("transpose_b", "bool", False, "use bᵀ"),
-    Attr("precision", "str", "float32", "float32, or bfloat16: float32 inputs rounded to bfloat16, float32 sums"),
-]
-
 define(
     "MatMul", _infer_matmul, _matmul, 2, "matmul", "a @ b, batch dimensions broadcast as numpy's",
-    attrs=MATMUL_ATTRS, vjp=_matmul_vjp, flops=matmul_flops, method="matmul",
+    attrs=[
+        Attr("transpose_a", "bool", False, "use aᵀ"),
+        Attr("transpose_b", "bool", False, "use bᵀ"),
+        Attr("precision", "str", "float32", "float32, or bfloat16: float32 inputs rounded to bfloat16, float32 sums"),
+    ],
+    vjp=_matmul_vjp, flops=_matmul_flops, method="matmul",
 )

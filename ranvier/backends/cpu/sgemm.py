@@ -184,6 +184,7 @@ class _Emitter:
         self.mr, self.vectors = tile_shape(target)
         self.nr = self.vectors * self.lanes
         self.vector = ir.VectorType(F32, self.lanes)  # SSE's 4 lanes at the least
+        self.zeros = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes)
         # fmuladd: one fused instruction where the target has FMA; without it (SSE) a
         # multiply and an add, where llvm.fma would call the C library per lane
         self.fma = intrinsic(module, "fmuladd", self.vector)
@@ -215,11 +216,10 @@ class _Emitter:
         function.linkage = "internal"
         kc, a, sa, sk, panel, c, ldc, columns, accumulate = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
-        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes)
         sums = [[b.alloca(self.vector) for _ in range(vectors)] for _ in range(rows)]
         for row in sums:
             for slot in row:
-                b.store(zero, slot)
+                b.store(self.zeros, slot)
         row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
         with for_range(b, i64(0), kc, name="p") as p:
             step = b.gep(panel, [b.mul(p, i64(self.nr))])
@@ -322,7 +322,6 @@ class _Emitter:
                 value = b.select(inside, b.load(b.gep(source, [where])), ir.Constant(F32, 0.0))
                 b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
 
-
     # ---- packing a convolution's windows ---------------------------------------------------
 
     def pack_windows(self, b: ir.IRBuilder, image: ir.Value, geometry: dict[str, ir.Value], first_column: ir.Value,
@@ -422,7 +421,6 @@ class _Emitter:
         lanes = self.lanes
         ints = ir.VectorType(I32, lanes)
         offsets, tops, lefts, first_offset = columns
-        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * lanes)
         with for_range(b, i64(0), kc, name="wp") as p:
             tap_offset, tap_row, tap_column = (b.load(b.gep(taps, [b.add(i64(field * KC), p)])) for field in range(3))
             if masked:
@@ -442,17 +440,16 @@ class _Emitter:
                 value = b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
             else:
                 safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
-                value = zero
+                value = self.zeros
                 for e in range(lanes):
                     at = b.gep(image, [b.sext(b.extract_element(safe, ir.Constant(I32, e)), I64)])
                     value = b.insert_element(value, b.load(at), ir.Constant(I32, e))
-                value = b.select(mask, value, zero)
+                value = b.select(mask, value, self.zeros)
             self.store_vector(b, value, b.gep(target, [b.mul(p, i64(self.nr))]), aligned=True)
 
     def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value) -> ir.Value:
         """The vector at `start`, zeros in the lanes `mask` leaves off (not read)."""
-        zero = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes)
-        return b.call(self.masked_load, [b.bitcast(start, self.vector.as_pointer()), ir.Constant(I32, 4), mask, zero])
+        return b.call(self.masked_load, [b.bitcast(start, self.vector.as_pointer()), ir.Constant(I32, 4), mask, self.zeros])
 
 
 def build_module(target: CPUTarget) -> ir.Module:

@@ -260,7 +260,7 @@ def _two_prod(o: _Ops, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
     multiplies and eight adds more: llvm.fma without FMA would call the C library per lane)."""
     p = o.mul(a, b)
     if has_feature(o.builder.module, "fma"):
-        return p, o.builder.call(intrinsic(o.builder.module, "llvm.fma", o.ty), [a, b, o.builder.fneg(p)])
+        return p, o._call("llvm.fma", a, b, o.builder.fneg(p))
     ah, al = _split(o, a)
     bh, bl = _split(o, b)
     e = o.add(o.add(o.add(o.sub(o.mul(ah, bh), p), o.mul(ah, bl)), o.mul(al, bh)), o.mul(al, bl))

@@ -41,14 +41,15 @@ def epilogue(ctx, op, at: int, rows: int, columns: int) -> None:
     layout = EPILOGUE_PRODUCTS[product_type(op.type)]
     outer, columns_rank = layout
     n = math.prod(product.shape[-columns_rank:])
-    index, within = divmod(at, math.prod(product.shape[outer:]))
+    per_index = math.prod(product.shape[outer:])  # elements under one outer index (an image's)
+    index, within = divmod(at, per_index)
     row, column = divmod(within, n)
 
     def block(var, strides: tuple[int, int, int]) -> View:
         over, down, across = strides
         return View(var, index * over + row * down + column * across, [down, across])
 
-    own = (math.prod(product.shape[outer:]) if outer else 0, n, 1)
+    own = (per_index if outer else 0, n, 1)
     inputs = [block(product, own)] + [block(v, epilogue_input_strides(v.shape, product.shape, layout)) for v in op.inputs[2:]]
     emit_map(ctx, [rows, columns], inputs, [block(v, own) for v in op.outputs],
              program_body(parse(op.attrs["expr"]), len(op.outputs)), split=False)
