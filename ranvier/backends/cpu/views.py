@@ -1,70 +1,20 @@
 """Strided loops: the one loop engine behind elementwise ops, fused Calculate ops and copies.
 
-An operand is a `View`: a variable plus an element offset and one stride per
-iteration dimension (0 where it broadcasts). Transposes, slices, concatenation and
-broadcasting are all views, so one engine serves them. Adjacent dimensions that
-every view walks contiguously are merged first; the innermost dimension runs as
-vectors when every view has stride 1 or 0 there, with a scalar loop for the rest.
+Every operand is a strided view (`ranvier.backends.llvm.strided`), so transposes, slices,
+concatenation and broadcasting run on one engine. Adjacent dimensions that every view
+walks contiguously are merged first; the innermost dimension runs as vectors when every
+view has stride 1 or 0 there, with a scalar loop for the rest.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ...flow.graph import Variable
+from ..llvm.strided import Body, View, collapse
 from ..llvm.values import Value
 from .parallel import run_parts, shares, thread_count, worth_splitting
-
-
-@dataclass
-class View:
-    var: Variable
-    offset: int
-    strides: list[int]
-
-
-def contiguous_strides(shape: Sequence[int]) -> list[int]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return strides[::-1]
-
-
-def broadcast_view(var: Variable, shape: Sequence[int]) -> View:
-    """`var` read as if broadcast to `shape` (numpy rules)."""
-    own = contiguous_strides(var.shape)
-    lead = len(shape) - len(var.shape)
-    strides = [0] * lead + [0 if d == 1 and shape[lead + i] != 1 else own[i] for i, d in enumerate(var.shape)]
-    return View(var, 0, strides)
-
-
-def dense_view(var: Variable) -> View:
-    return View(var, 0, contiguous_strides(var.shape))
-
-
-def collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list[int]]]:
-    """Merge dimension i into i+1 where every view steps through both as one dimension."""
-    dims = list(shape)
-    strides = [list(v.strides) for v in views]
-    keep = [i for i, d in enumerate(dims) if d != 1]
-    dims = [dims[i] for i in keep] or [1]
-    strides = [[s[i] for i in keep] or [0] for s in strides]
-    merged_dims = [dims[-1]]
-    merged = [[s[-1]] for s in strides]
-    for i in range(len(dims) - 2, -1, -1):
-        if all(s[i] == m[0] * merged_dims[0] for s, m in zip(strides, merged)):
-            merged_dims[0] *= dims[i]
-            continue
-        merged_dims.insert(0, dims[i])
-        for s, m in zip(strides, merged):
-            m.insert(0, s[i])
-    return merged_dims, merged
-
-
-Body = Callable[[list[Value], int], list[Value]]
 
 
 def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False,

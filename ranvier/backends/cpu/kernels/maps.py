@@ -15,10 +15,11 @@ import numpy as np
 from ....ops import attrs_of, op_def
 from ....ops.expression import parse
 from ....ops.shape import shape_fact
-from ..views import View, broadcast_view, contiguous_strides, dense_view, emit_map
+from ...llvm.formulas import apply, program_body
+from ...llvm.strided import View, broadcast_view, contiguous_strides, dense_view
+from ..views import emit_map
 from .index import check_range, load_index
 from .library import kernel
-from .program import apply, program_body
 
 
 def _identity(values, lanes):

@@ -18,6 +18,7 @@ from .... import dtypes
 from ....ops import attrs_of, written_inputs
 from ...kernels import Prepared
 from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
+from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
 from .. import sgemm
 from ..amx import workspace_bytes
@@ -25,7 +26,6 @@ from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMM_GENERAT
 from ..gemm_choice import generated_is_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..target import host_target
-from ..views import contiguous_strides
 from .library import kernel
 from .program import epilogue
 

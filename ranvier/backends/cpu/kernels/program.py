@@ -1,34 +1,18 @@
-"""Elementwise programs as loop bodies: an op's formula applied to IR values, a Calculate
-program evaluated statement by statement, and that program run as a GEMM's epilogue over
-the block of the product a call just wrote. Registers no kernel (maps.py and matmul.py
-use it), so importing it leaves the order kernels are tried in alone."""
+"""A Calculate program run as a GEMM's epilogue over the block of the product a call just
+wrote. Registers no kernel (matmul.py and conv.py use it), so importing it leaves the
+order kernels are tried in alone."""
 
 from __future__ import annotations
 
 import math
 
-from ....ops import Attrs, op_def
-from ....ops.expression import Program, parse
+from ....ops.expression import parse
 from ....ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, product_type
-from ...llvm.values import Value
-from ..views import Body, View, emit_map
+from ...llvm.formulas import program_body
+from ...llvm.strided import View
+from ..views import emit_map
 
 FUSED_PRODUCTS = {fused_type(product) for product in EPILOGUE_PRODUCTS}
-
-
-def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
-    """`op_type(args)` on IR values, by the op's formula, with its typed attributes."""
-    definition = op_def(op_type)
-    return definition.formula(*args, **Attrs(attrs, op_type, op_type, definition.attrs).values())
-
-
-def program_body(program: Program, outputs: int) -> Body:
-    """A Calculate program as a loop body: its `outputs` results, then what it writes in place."""
-
-    def body(values, lanes):
-        return program.evaluate(values, outputs, lambda node, args: apply(node.op_type, dict(node.attrs), args))
-
-    return body
 
 
 def epilogue(ctx, op, at: int, rows: int, columns: int) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from .... import dtypes
 from ....ops import attrs_of
 from ...llvm.irutil import transpose_square
+from ...llvm.strided import View, collapse, contiguous_strides, dense_view
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
-from ..views import View, collapse, contiguous_strides, dense_view
 from .library import kernel
 
 _MOVED_AS_IS = (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64, dtypes.DT_INT32, dtypes.DT_INT64)

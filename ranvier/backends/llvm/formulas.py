@@ -1,0 +1,26 @@
+"""Elementwise math as loop bodies, for every LLVM backend: an op's formula applied to IR
+values, and a Calculate program evaluated statement by statement. The CPU's vector loops
+and the GPU's one-thread-per-element kernels run the same bodies, so an op defined with a
+formula gets a kernel on each."""
+
+from __future__ import annotations
+
+from ...ops import Attrs, op_def
+from ...ops.expression import Program
+from .strided import Body
+from .values import Value
+
+
+def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
+    """`op_type(args)` on IR values, by the op's formula, with its typed attributes."""
+    definition = op_def(op_type)
+    return definition.formula(*args, **Attrs(attrs, op_type, op_type, definition.attrs).values())
+
+
+def program_body(program: Program, outputs: int) -> Body:
+    """A Calculate program as a loop body: its `outputs` results, then what it writes in place."""
+
+    def body(values, lanes):
+        return program.evaluate(values, outputs, lambda node, args: apply(node.op_type, dict(node.attrs), args))
+
+    return body
