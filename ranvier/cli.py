@@ -15,6 +15,7 @@ import numpy as np
 
 from . import debug
 from .atomic import os_error
+from .backends import backend_names
 from .errors import RanvierError
 
 
@@ -391,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="build, print and run Myelin's example cell")
-    demo.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    demo.add_argument("--backend", default="cpu", choices=backend_names())
     demo.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     demo.set_defaults(run=_demo)
@@ -409,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--batch", type=_positive_int, default=128, help="examples per step, over all workers (default: %(default)s)")
     mnist.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate, constant (default: %(default)s)")
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
-    mnist.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    mnist.add_argument("--backend", default="cpu", choices=backend_names())
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
     mnist.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
@@ -449,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "compile time and activation memory independent of depth")
         lm.add_argument("--max-corpus-bytes", type=_positive_int, default=None)
         lm.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
-        lm.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+        lm.add_argument("--backend", default="cpu", choices=backend_names())
         lm.add_argument("--cpu", default="", metavar="MASK")
         lm.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
@@ -532,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("model", help="model.flow or model.onnx")
     running.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="one per model input")
     running.add_argument("--dims", help=dims_help)
-    running.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    running.add_argument("--backend", default="cpu", choices=backend_names())
     running.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
     running.add_argument("--output", metavar="DIR", help="also save each output as DIR/NAME.npy")
     running.add_argument("--profile", action="store_true", help="print the per-step profile (to stderr)")

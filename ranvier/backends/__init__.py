@@ -1,6 +1,7 @@
-"""Backends turn a cell's steps into running code: `reference` (numpy, the oracle) and
-`cpu` (LLVM). The compiler finds them here by name; a backend's module is imported when
-a compile first asks for it."""
+"""Backends turn a cell's steps into running code: `reference` (numpy, the oracle), `cpu`
+(LLVM) and `cuda` (LLVM's NVPTX; finds the GPU, generates its kernels, runs nothing yet).
+The compiler finds them here by name; a backend's module is imported when a compile
+first asks for it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ Factory = Callable[[CompileOptions], Backend]
 # name -> a factory, or "module:attribute" naming one (imported on first use)
 _BACKENDS: dict[str, Factory | str] = {
     "cpu": "ranvier.backends.cpu.backend:CPUBackend",
+    "cuda": "ranvier.backends.cuda.backend:create",
     "reference": "ranvier.backends.reference:ReferenceBackend",
 }
 

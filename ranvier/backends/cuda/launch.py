@@ -1,0 +1,58 @@
+"""Launch shapes: how many blocks of how many threads run a kernel on a given GPU.
+
+A map kernel's grid-stride loop computes any size with any grid, so the shape is chosen
+for the device: blocks of 256 threads (eight warps: enough to hide a load's latency, few
+enough that a block's registers fit), and no more blocks than the multiprocessors hold at
+once — every thread then stays resident, and a large map loops instead of paying for
+blocks that would wait their turn. How many blocks a multiprocessor holds is bounded by
+its threads and by its registers, which ptxas reports per kernel (`ptx.Assembled`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import RanvierError
+
+WARP = 32
+THREADS_PER_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Multiprocessor:
+    """What one streaming multiprocessor holds at once (the same from Volta to Hopper)."""
+
+    threads: int = 2048
+    registers: int = 65536
+    blocks: int = 32
+    register_unit: int = 256  # registers are given to a warp in units of this many
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    blocks: int
+    threads: int
+
+    def __str__(self) -> str:
+        return f"{self.blocks} × {self.threads}"
+
+
+def resident_blocks(threads: int, registers: int, sm: Multiprocessor = Multiprocessor()) -> int:
+    """Blocks of `threads` threads, each thread using `registers`, one multiprocessor runs at once."""
+    warps = -(-threads // WARP)
+    per_warp = -(-registers * WARP // sm.register_unit) * sm.register_unit
+    by_registers = sm.registers // (per_warp * warps) if registers else sm.blocks
+    return max(0, min(sm.threads // (warps * WARP), by_registers, sm.blocks))
+
+
+def map_launch(elements: int, multiprocessors: int, registers: int, sm: Multiprocessor = Multiprocessor()) -> LaunchShape:
+    """The launch shape of a map over `elements` on a GPU of `multiprocessors`, its kernel
+    using `registers` per thread: a small map gets one thread per element (whole warps)."""
+    if elements < 1 or multiprocessors < 1:
+        raise RanvierError(f"a launch needs elements and multiprocessors; got {elements} and {multiprocessors}")
+    threads = min(THREADS_PER_BLOCK, -(-elements // WARP) * WARP)
+    fitting = resident_blocks(threads, registers, sm)
+    if fitting == 0:
+        raise RanvierError(f"a block of {threads} threads at {registers} registers each does not fit a multiprocessor "
+                           f"({sm.registers} registers)")
+    return LaunchShape(min(-(-elements // threads), multiprocessors * fitting), threads)

@@ -1,0 +1,256 @@
+"""The CUDA backend's device-free parts: every elementwise op with a formula, and fused
+Calculate programs, generate GPU kernels that NVIDIA's assembler accepts for Hopper and
+Ampere (skipped where ptxas is missing); the same kernels' arithmetic, compiled for the
+host, equals the CPU backend's bit for bit on random, broadcast inputs; launch shapes
+follow the multiprocessor's limits; and a machine without a GPU gets an error naming what
+is missing. Nothing here runs on a GPU: that part of the backend is not built yet."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from helpers import np_dtype, random_array
+
+import ranvier as rv
+from ranvier.backends.cpu import jit
+from ranvier.backends.cpu.target import host_target
+from ranvier.backends.cuda import backend, driver, launch, maps, ptx
+from ranvier.backends.llvm.irutil import storage_type
+from ranvier.errors import RanvierError
+from ranvier.ops import all_ops
+
+FORMULA_OPS = sorted(name for name, d in all_ops().items() if d.family == "elementwise" and d.formula is not None and name != "Identity")
+LOGICAL = {"Not", "And", "Or", "Xor", "AndNot"}
+CONDITIONS = {"Cond", "Select"}  # the first input is a bool
+SHAPE = [3, 5, 7]
+BROADCASTS = [[3, 5, 7], [5, 1], [3, 1, 7]]  # the inputs' shapes, in turn: a full one, then broadcast ones
+# ops checked in more dtypes than float32: integer arithmetic, doubles, and half-precision loads and stores
+MORE_DTYPES = {"Add": ["int32", "int8", "float64", "float16", "bfloat16"], "Div": ["int32", "float64"],
+               "Mul": ["int64", "bfloat16"], "Maximum": ["uint8", "float16"], "Less": ["int16", "float64"],
+               "Exp": ["float64", "float16"], "Tanh": ["bfloat16"], "Neg": ["int32"], "Abs": ["int8"]}
+CASES = [(name, "float32") for name in FORMULA_OPS] + [(name, dt) for name, extra in MORE_DTYPES.items() for dt in extra]
+
+needs_ptxas = pytest.mark.skipif(ptx.ptxas_path() is None, reason="ptxas (CUDA toolkit or nvidia-cuda-nvcc) is not installed")
+
+
+def _single_op_flow(name: str, dtype: str):
+    """A flow of one op on random inputs of `dtype` (bools where the op wants them), the
+    inputs broadcast against SHAPE; returns the flow, the op and the inputs' values."""
+    definition = all_ops()[name]
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    count = definition.min_inputs
+    tensors, values = [], {}
+    for i in range(count):
+        kind = "bool" if name in LOGICAL or (name in CONDITIONS and i == 0) else dtype
+        shape = BROADCASTS[i]
+        tensor = f.var(f"in{i}", kind, shape)
+        values[tensor.name] = random_array(shape, kind, seed=i + 1)
+        tensors.append(tensor)
+    attrs = {"dtype": "float16"} if name == "Cast" else {}
+    out = f.op(name, tensors, None, attrs)
+    out.var.out = True
+    return flow, out.var.producer, values
+
+
+def _cpu_outputs(flow, op, values) -> list[np.ndarray]:
+    data = rv.Compiler("cpu").compile(flow).cell("f").instance()
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    return [np.array(data[v.name]) for v in op.outputs]
+
+
+def _run_on_host(op, values, extra_written: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The op's GPU kernel arithmetic compiled for this CPU and run over every element:
+    each operand's final contents (outputs start as a pattern no element keeps)."""
+    target = host_target()
+    module, kernel = maps.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
+    code = jit.load_object(jit.compile_object(module, target), target, kernel.name)
+    arrays = {}
+    for var in kernel.operands:
+        if var.name in values:
+            arrays[var.name] = np.ascontiguousarray(values[var.name]).copy()
+        else:
+            pattern = np.full(int(np.prod(var.shape)) * np_dtype(var.dtype).itemsize, 0x5A, np.uint8)
+            arrays[var.name] = pattern.view(np_dtype(var.dtype)).reshape(var.shape)
+    function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(kernel.operands), ctypes.c_int64, ctypes.c_int64)(code.address)
+    function(*[arrays[v.name].ctypes.data for v in kernel.operands], 0, kernel.elements)
+    return arrays
+
+
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_the_kernels_arithmetic_equals_the_cpu_backends_bit_for_bit(name, dtype):
+    flow, op, values = _single_op_flow(name, dtype)
+    want = _cpu_outputs(flow, op, values)
+    got = _run_on_host(op, values)
+    for var, expected in zip(op.outputs, want):
+        result = got[var.name]
+        assert result.dtype == expected.dtype and result.shape == expected.shape
+        assert result.tobytes() == expected.tobytes(), f"{name} {dtype}: {result} vs {expected}"
+
+
+@needs_ptxas
+@pytest.mark.parametrize("architecture", ["sm_90", "sm_80"])
+def test_every_formula_op_assembles_for_the_gpu(architecture):
+    """One module per op; ptxas accepts each and reports its registers (no spills)."""
+    for name, dtype in CASES:
+        _, op, _ = _single_op_flow(name, dtype)
+        module, kernel = maps.kernel_module(op, architecture)
+        text = ptx.emit_ptx(module, architecture)
+        assert f".visible .entry {kernel.name}(" in text and f".target {architecture}" in text
+        assembled = ptx.assemble(text, architecture)
+        assert assembled.cubin and 0 < assembled.registers(kernel.name) <= 255, name
+        assert "0 bytes spill stores" in assembled.report, f"{name} spills registers"
+
+
+def _fused_step(build):
+    """The first Calculate the CPU compile fuses out of `build(f)`'s ops, with the cell."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    build(f)
+    cell = rv.Compiler("cpu").compile(flow).cell("f")
+    (step,) = [s for s in cell.steps if s.op.type == "Calculate"]
+    return cell, step.op
+
+
+def _adam_like(f):
+    w, m, v, g = (f.var(n, "float32", [6, 50]) for n in "wmvg")
+    lr = f.var("lr", "float32", [])
+    new_m = m * 0.9 + g * 0.1
+    new_v = v * 0.999 + g * g * 0.001
+    new_w = w - lr * new_m / (f.sqrt(new_v) + 1e-8)
+    for t in (new_m, new_v, new_w):
+        t.var.out = True
+
+
+def _gelu_and_mask(f):
+    x, b = f.var("x", "float32", [4, 33]), f.var("b", "float32", [33])
+    h = x + b
+    (f.gelu(h) * f.cast(h > 0.5, "float32")).var.out = True
+    f.tanh(h).var.out = True
+
+
+@pytest.mark.parametrize("build", [_adam_like, _gelu_and_mask])
+def test_a_fused_calculate_program_becomes_one_kernel_with_the_cpus_arithmetic(build):
+    cell, op = _fused_step(build)
+    values = {v.name: random_array(v.shape, v.dtype, seed=k, low=0.1 if v.name == "f/v" else -3)
+              for k, v in enumerate(op.inputs) if not v.constant}
+    values.update({v.name: np.asarray(v.data).reshape(v.shape) for v in op.inputs if v.constant})
+    data = cell.instance()
+    for name, value in values.items():
+        if not cell.network.flow.vars[name].constant:
+            data[name] = value
+    data.compute()
+    got = _run_on_host(op, values)
+    for var in op.outputs:
+        assert got[var.name].tobytes() == np.array(data[var.name]).tobytes(), var.name
+    if ptx.ptxas_path() is not None:
+        module, kernel = maps.kernel_module(op)
+        assert ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+
+
+def test_an_op_without_an_elementwise_kernel_is_refused_by_name():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.matmul(f.var("a", "float32", [2, 3]), f.var("b", "float32", [3, 4]))
+    with pytest.raises(RanvierError, match="MatMul.*no elementwise GPU kernel"):
+        maps.kernel_module(y.var.producer)
+
+
+def test_the_kernels_operands_are_each_variable_once_in_a_stable_order():
+    _, op, _ = _single_op_flow("Add", "float32")
+    _, kernel = maps.kernel_module(op)
+    assert [v.name for v in kernel.operands] == ["f/in0", "f/in1", op.outputs[0].name]
+    assert kernel.elements == int(np.prod(SHAPE))
+    assert [str(t) for t in maps.kernel_module(op)[0].get_global(kernel.name).function_type.args] == \
+        [str(storage_type("float32").as_pointer())] * 3
+
+
+# ---- launch shapes ---------------------------------------------------------------------------
+
+
+def test_a_small_map_gets_one_thread_per_element_in_whole_warps():
+    assert launch.map_launch(10, 132, 20) == launch.LaunchShape(1, 32)
+    assert launch.map_launch(100, 132, 20) == launch.LaunchShape(1, 128)
+    assert launch.map_launch(1000, 132, 20) == launch.LaunchShape(4, 256)
+
+
+def test_a_large_map_fills_every_multiprocessor_once_and_loops():
+    # 256 threads at 32 registers: 8 blocks by threads (2048), 8 by registers (65536 / 8192)
+    assert launch.map_launch(10**8, 132, 32) == launch.LaunchShape(132 * 8, 256)
+    # at 128 registers a block takes 32768: two fit
+    assert launch.map_launch(10**8, 132, 128) == launch.LaunchShape(132 * 2, 256)
+    # 255 registers are allotted as 256 per thread: one block of 256 threads fills a multiprocessor
+    assert launch.map_launch(10**8, 8, 255) == launch.LaunchShape(8, 256)
+
+
+def test_a_block_that_cannot_fit_and_an_empty_launch_are_refused():
+    small = launch.Multiprocessor(registers=32768)
+    with pytest.raises(RanvierError, match="does not fit a multiprocessor"):
+        launch.map_launch(10**6, 4, 255, small)
+    with pytest.raises(RanvierError, match="needs elements and multiprocessors"):
+        launch.map_launch(0, 132, 20)
+    with pytest.raises(RanvierError, match="expected a name like 'sm_90'"):
+        ptx.target_machine("hopper")
+
+
+# ---- finding a GPU ---------------------------------------------------------------------------
+
+
+class _FakeDriver:
+    """A stand-in for libcuda: each call fills its out-arguments, or fails with `fail`."""
+
+    def __init__(self, devices: int = 1, fail: dict[str, int] | None = None):
+        self.devices, self.fail = devices, fail or {}
+
+    def __getattr__(self, call: str):
+        def run(*args):
+            if call in self.fail:
+                return self.fail[call]
+            if call == "cuDeviceGetCount":
+                args[0]._obj.value = self.devices
+            elif call == "cuDeviceGetName":
+                args[0].value = b"NVIDIA H100 80GB HBM3"
+            elif call == "cuDeviceGetAttribute":
+                args[0]._obj.value = {75: 9, 76: 0, 16: 132}[args[1]]
+            elif call == "cuGetErrorName":
+                args[1]._obj.value = {100: b"CUDA_ERROR_NO_DEVICE", 999: b"CUDA_ERROR_UNKNOWN"}[args[0]]
+            return 0
+
+        return run
+
+
+def test_a_device_is_described_through_the_driver():
+    device = driver.find_device(lambda name: _FakeDriver())
+    assert device == driver.Device("NVIDIA H100 80GB HBM3", (9, 0), 132)
+    assert device.architecture == "sm_90" and "132 multiprocessors" in str(device)
+
+
+@pytest.mark.parametrize("fake,message", [
+    (_FakeDriver(fail={"cuInit": 100}), "failed to start: CUDA_ERROR_NO_DEVICE"),
+    (_FakeDriver(devices=0), "sees no GPU"),
+    (_FakeDriver(fail={"cuDeviceGetAttribute": 999}), "failed to describe device 0: CUDA_ERROR_UNKNOWN"),
+])
+def test_what_the_driver_lacks_is_named(fake, message):
+    with pytest.raises(RanvierError, match=message):
+        driver.find_device(lambda name: fake)
+
+
+def test_without_a_driver_the_cuda_backend_says_so_and_the_cpu_is_unaffected():
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    with pytest.raises(RanvierError, match="needs an NVIDIA GPU and its driver: libcuda.so.1 could not be loaded"):
+        driver.find_device(missing)
+    with pytest.raises(RanvierError, match="libcuda.so.1|cannot run cells on a GPU yet"):
+        rv.Compiler("cuda")
+    assert "cuda" in rv.backends.backend_names()
+
+
+def test_a_found_gpu_is_named_and_nothing_runs_elsewhere_in_its_place(monkeypatch):
+    monkeypatch.setattr(backend, "find_device", lambda: driver.Device("NVIDIA H200", (9, 0), 132))
+    with pytest.raises(RanvierError, match=r"found NVIDIA H200 \(sm_90, 132 multiprocessors\), but ranvier cannot run"):
+        backend.create(rv.backends.CompileOptions())
