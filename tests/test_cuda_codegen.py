@@ -1,14 +1,16 @@
-"""The CUDA backend's device-free parts: every elementwise op with a formula, and fused
-Calculate programs, generate GPU kernels that NVIDIA's assembler accepts for Hopper and
-Ampere (skipped where ptxas is missing); the same kernels' arithmetic, compiled for the
-host, equals the CPU backend's bit for bit on random, broadcast inputs; launch shapes
-follow the multiprocessor's limits; and a machine without a GPU gets an error naming what
-is missing. Nothing here runs on a GPU: that part of the backend is not built yet."""
+"""The CUDA backend's device-free parts: every elementwise op with a formula, fused
+Calculate programs and reductions generate GPU kernels that NVIDIA's assembler accepts for
+Hopper and Ampere (skipped where ptxas is missing); the same kernels' arithmetic, compiled
+for the host, equals the CPU backend's bit for bit on random, broadcast inputs (and the
+numpy reference, for reductions summed in another order); launch shapes follow the
+multiprocessor's limits; and a machine without a GPU gets an error naming what is
+missing. Nothing here runs on a GPU: that part of the backend is not built yet."""
 
 from __future__ import annotations
 
 import ctypes
 
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import np_dtype, random_array
@@ -16,7 +18,7 @@ from helpers import np_dtype, random_array
 import ranvier as rv
 from ranvier.backends.cpu import jit
 from ranvier.backends.cpu.target import host_target
-from ranvier.backends.cuda import backend, driver, launch, maps, ptx
+from ranvier.backends.cuda import backend, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
 from ranvier.errors import RanvierError
 from ranvier.ops import all_ops
@@ -67,7 +69,7 @@ def _run_on_host(op, values, extra_written: dict[str, np.ndarray] | None = None)
     """The op's GPU kernel arithmetic compiled for this CPU and run over every element:
     each operand's final contents (outputs start as a pattern no element keeps)."""
     target = host_target()
-    module, kernel = maps.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
+    module, kernel = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
     code = jit.load_object(jit.compile_object(module, target), target, kernel.name)
     arrays = {}
     for var in kernel.operands:
@@ -98,7 +100,7 @@ def test_every_formula_op_assembles_for_the_gpu(architecture):
     """One module per op; ptxas accepts each and reports its registers (no spills)."""
     for name, dtype in CASES:
         _, op, _ = _single_op_flow(name, dtype)
-        module, kernel = maps.kernel_module(op, architecture)
+        module, kernel = kernels.kernel_module(op, architecture)
         text = ptx.emit_ptx(module, architecture)
         assert f".visible .entry {kernel.name}(" in text and f".target {architecture}" in text
         assembled = ptx.assemble(text, architecture)
@@ -148,24 +150,64 @@ def test_a_fused_calculate_program_becomes_one_kernel_with_the_cpus_arithmetic(b
     for var in op.outputs:
         assert got[var.name].tobytes() == np.array(data[var.name]).tobytes(), var.name
     if ptx.ptxas_path() is not None:
-        module, kernel = maps.kernel_module(op)
+        module, kernel = kernels.kernel_module(op)
         assert ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
 
 
-def test_an_op_without_an_elementwise_kernel_is_refused_by_name():
+REDUCTION_CASES = [  # op, dtype, input shape, axes (None: all)
+    ("Sum", "float32", [6, 40], [1]), ("Sum", "float32", [6, 40, 3], [1]), ("Mean", "float32", [4, 5, 6], [0, 1]),
+    ("Max", "float32", [7, 9], [0]), ("Min", "float64", [7, 9], None), ("Product", "float32", [3, 8], [1]),
+    ("Sum", "int32", [5, 11], [1]), ("Max", "int8", [4, 6, 5], [2]), ("All", "bool", [6, 7], [1]),
+    ("Any", "bool", [6, 7], [0]), ("Mean", "float16", [8, 30], [1]), ("Sum", "bfloat16", [3, 16, 4], [1]),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,axes", REDUCTION_CASES, ids=[f"{c[0]}-{c[1]}-{len(c[2])}d" for c in REDUCTION_CASES])
+def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dtype, shape, axes):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", dtype, shape)
+    attrs = {} if axes is None else {"axis": axes}
+    out = f.op(name, [x], None, attrs)
+    out.var.out = True
+    op = out.var.producer
+    values = {"f/x": random_array(shape, dtype, seed=3, low=0.5 if name == "Product" else -3, high=1.5 if name == "Product" else 3)}
+    got = _run_on_host(op, values)[out.var.name]
+    data = rv.Compiler("reference").compile(flow).cell("f").instance()
+    data["f/x"] = values["f/x"]
+    data.compute()
+    want = np.array(data[out.var.name])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype.kind in "fV":  # floats, bfloat16 among them: summed in another order
+        reduced = int(np.prod(shape)) // want.size
+        magnitude = np.abs(values["f/x"].astype(np.float64))
+        summed = np.sum(magnitude, axis=None if axes is None else tuple(axes)) / (reduced if name == "Mean" else 1)
+        scale = summed if name in ("Sum", "Mean") else np.abs(want.astype(np.float64))
+        float32_eps = float(np.finfo(np.float32).eps)
+        compute_eps = float(np.finfo(np.float64).eps) if dtype == "float64" else float32_eps
+        bound = (reduced * compute_eps + float(ml_dtypes.finfo(want.dtype).eps)) * scale
+        assert np.all(np.abs(got.astype(np.float64) - want.astype(np.float64)) <= bound), (got, want)
+    else:
+        np.testing.assert_array_equal(got, want)
+    if ptx.ptxas_path() is not None:
+        module, kernel = kernels.kernel_module(op)
+        assert kernel.elements == want.size and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+
+
+def test_an_op_without_a_gpu_kernel_is_refused_by_name():
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     y = f.matmul(f.var("a", "float32", [2, 3]), f.var("b", "float32", [3, 4]))
-    with pytest.raises(RanvierError, match="MatMul.*no elementwise GPU kernel"):
-        maps.kernel_module(y.var.producer)
+    with pytest.raises(RanvierError, match=r"MatMul\).*no GPU kernel computes it yet"):
+        kernels.kernel_module(y.var.producer)
 
 
 def test_the_kernels_operands_are_each_variable_once_in_a_stable_order():
     _, op, _ = _single_op_flow("Add", "float32")
-    _, kernel = maps.kernel_module(op)
+    _, kernel = kernels.kernel_module(op)
     assert [v.name for v in kernel.operands] == ["f/in0", "f/in1", op.outputs[0].name]
     assert kernel.elements == int(np.prod(SHAPE))
-    assert [str(t) for t in maps.kernel_module(op)[0].get_global(kernel.name).function_type.args] == \
+    assert [str(t) for t in kernels.kernel_module(op)[0].get_global(kernel.name).function_type.args] == \
         [str(storage_type("float32").as_pointer())] * 3
 
 

@@ -8,67 +8,13 @@ Reductions over axes that are not adjacent decompose (see `ranvier.ops.reduce`).
 
 from __future__ import annotations
 
-import math
-
 from .... import dtypes
-from ....ops import attrs_of
-from ...llvm.irutil import compute_type, is_signed
+from ...llvm.irutil import compute_type
+from ...llvm.reductions import REDUCTIONS, blocks, combiner, identity
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import fold, for_vectors
 from .library import kernel
-
-REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Product", "All", "Any"}
-
-
-def blocks(op) -> tuple[int, int, int] | None:
-    """(outer, reduced, inner) sizes, or None when the reduced axes are not contiguous."""
-    x = op.inputs[0]
-    attrs = attrs_of(op)
-    if op.type in ("ArgMax", "ArgMin"):
-        axis = attrs["axis"]
-        axes = list(range(x.rank)) if axis is None else [axis % x.rank]
-    else:
-        given = attrs["axis"]
-        axes = list(range(x.rank)) if given is None else sorted({a % x.rank for a in given})
-    if not axes:
-        return 1, 1, x.size
-    if axes != list(range(axes[0], axes[-1] + 1)):
-        return None
-    shape = x.shape
-    return math.prod(shape[: axes[0]]), math.prod(shape[axes[0] : axes[-1] + 1]), math.prod(shape[axes[-1] + 1 :])
-
-
-def _identity(kind: str, dtype: str):
-    """The value a reduction starts from: 0, 1, or the far end of the dtype's range."""
-    if kind in ("Sum", "Mean", "Any"):
-        return 0
-    if kind in ("Product", "All"):
-        return 1
-    if dtypes.is_float(dtype):
-        return math.inf if kind == "Min" else -math.inf
-    bits = compute_type(dtype).width
-    if is_signed(dtype):
-        return (1 << (bits - 1)) - 1 if kind == "Min" else -(1 << (bits - 1))
-    return (1 << bits) - 1 if kind == "Min" else 0
-
-
-def _combine(kind: str):
-    def combine(acc: Value, x: Value) -> Value:
-        if kind in ("Sum", "Mean"):
-            return acc + x
-        if kind == "Product":
-            return acc * x
-        if kind == "All":
-            return acc & x
-        if kind == "Any":
-            return acc | x
-        take = x < acc if kind == "Min" else x > acc
-        if x.is_float:
-            take = take | x.not_equal(x)  # NaN wins, as in numpy's max/min
-        return take.where(x, acc)
-
-    return combine
 
 
 def _threads(op) -> int:
@@ -97,7 +43,7 @@ def reduction(ctx, op) -> None:
     by pieces of each row whose partial results are combined after (a whole-tensor sum)."""
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, inner = blocks(op)
-    combine, start = _combine(op.type), _identity(op.type, x.dtype)
+    combine, start = combiner(op.type), identity(op.type, x.dtype)
     lanes = ctx.lanes_for([x.dtype])
     scale = 1.0 / reduced if op.type == "Mean" and reduced else None
 

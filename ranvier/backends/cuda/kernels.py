@@ -1,0 +1,123 @@
+"""GPU kernels of one thread per output element, and the generators that fill them in.
+
+A kernel's threads each take elements of its index space: thread t of the grid takes
+elements t, t + (threads in the grid), ... (a grid-stride loop, so any launch shape covers
+any size; `launch.py` picks one). What one element is, is a generator's: `maps` (an
+elementwise op or a fused Calculate program: an output element) and `reductions` (a
+reduction's output element: a loop down the reduced axis), tried in order. A generator
+says which ops it `supports`, the variables its kernel reads and writes (`operands`, each
+once: the kernel's pointer parameters), how many `elements` there are, and how to `emit`
+one element at IR index `index`.
+
+That element is a function of its own, `element(index, operands...)`, which the kernel
+calls per element. The same function compiled for the host, inside a plain loop
+(`host_module`), is how the code generated for the GPU is checked where there is no GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from ...errors import RanvierError
+from ...flow.graph import Operation, Variable
+from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
+from . import maps, reductions
+from .ptx import ARCHITECTURE, gpu_module, mark_kernel
+
+GENERATORS = (maps, reductions)
+# What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
+# (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
+# x86's F16C gives the CPU).
+GPU_FEATURES = frozenset({"fma", "f16c"})
+
+
+@dataclass(frozen=True)
+class GPUKernel:
+    """A generated kernel: its name, the variables its pointer parameters point at (in
+    order; each once, whether read, written or both), and its elements (threads' work)."""
+
+    name: str
+    operands: tuple[Variable, ...]
+    elements: int
+
+
+def supports(op: Operation) -> bool:
+    return any(generator.supports(op) for generator in GENERATORS)
+
+
+def _generator(op: Operation):
+    for generator in GENERATORS:
+        if generator.supports(op):
+            return generator
+    raise RanvierError(f"{op.name} ({op.type}): no GPU kernel computes it yet")
+
+
+def kernel_name(op: Operation) -> str:
+    """A PTX identifier for the op's kernel: its name's letters and digits."""
+    return "k_" + "".join(c if c.isalnum() else "_" for c in op.name)
+
+
+def _element_function(module: ir.Module, op: Operation) -> tuple[ir.Function, GPUKernel]:
+    generator = _generator(op)
+    operands = generator.operands(op)
+    name = kernel_name(op)
+    pointers = [storage_type(v.dtype).as_pointer() for v in operands]
+    function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers]), name=f"{name}_element")
+    function.linkage = "internal"
+    function.attributes.add("alwaysinline")
+    index, *arguments = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    generator.emit(b, op, index, {id(v): arguments[k] for k, v in enumerate(operands)})
+    b.ret_void()
+    return function, GPUKernel(name, operands, generator.elements(op))
+
+
+def _special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value:
+    """A thread's or the grid's coordinate (tid.x, ntid.x, ctaid.x, nctaid.x), as i64."""
+    full = f"llvm.nvvm.read.ptx.sreg.{name}"
+    function = module.globals.get(full) or ir.Function(module, ir.FunctionType(I32, []), name=full)
+    return b.zext(b.call(function, []), I64)
+
+
+def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.Module, GPUKernel]:
+    """The op's GPU kernel: `name(operands...)` runs a grid-stride loop over the elements."""
+    module = gpu_module(kernel_name(op), architecture)
+    use_features(module, GPU_FEATURES)
+    element, kernel = _element_function(module, op)
+    function = ir.Function(module, ir.FunctionType(VOID, list(element.function_type.args[1:])), name=kernel.name)
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    threads = _special_register(module, b, "ntid.x")
+    first = b.add(b.mul(_special_register(module, b, "ctaid.x"), threads), _special_register(module, b, "tid.x"))
+    step = b.mul(_special_register(module, b, "nctaid.x"), threads)
+    loop, body, done = (function.append_basic_block(n) for n in ("loop", "body", "done"))
+    b.branch(loop)
+    b.position_at_end(loop)
+    index = b.phi(I64)
+    index.add_incoming(first, function.blocks[0])
+    b.cbranch(b.icmp_unsigned("<", index, i64(kernel.elements)), body, done)
+    b.position_at_end(body)
+    b.call(element, [index, *function.args])
+    index.add_incoming(b.add(index, step), body)
+    b.branch(loop)
+    b.position_at_end(done)
+    b.ret_void()
+    mark_kernel(module, function)
+    return module, kernel
+
+
+def host_module(op: Operation, triple: str, data_layout: str, features: frozenset[str]) -> tuple[ir.Module, GPUKernel]:
+    """The kernel's element function in a host loop, `name(operands..., first, last)`, for
+    the host CPU (`triple`, `data_layout`, `features`): the GPU's arithmetic, run here."""
+    module = ir.Module(kernel_name(op))
+    module.triple, module.data_layout = triple, data_layout
+    use_features(module, features)
+    element, kernel = _element_function(module, op)
+    function = ir.Function(module, ir.FunctionType(VOID, [*element.function_type.args[1:], I64, I64]), name=kernel.name)
+    *pointers, first, last = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    with for_range(b, first, last, name="e") as index:
+        b.call(element, [index, *pointers])
+    b.ret_void()
+    return module, kernel

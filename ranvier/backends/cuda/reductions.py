@@ -1,0 +1,46 @@
+"""One output element of a reduction over contiguous axes (`kernels.py` runs one thread per
+element): the input seen as [outer, reduced, inner], element (o, i) combines x[o, r, i]
+down r from the reduction's starting value, with the CPU backend's combining rules
+(`ranvier.backends.llvm.reductions`). Each thread sums in order, so a long row is one
+thread's loop: correct everywhere, fast where outputs are many (a bias gradient's column
+sums); a row split over a block's threads is the GPU speed issue's."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from ...flow.graph import Operation, Variable
+from ..llvm.convert import narrow, widen
+from ..llvm.irutil import compute_type, constant, for_range, i64, load, storage_type, store
+from ..llvm.reductions import REDUCTIONS, blocks, combiner, identity
+from ..llvm.values import Value
+
+
+def supports(op: Operation) -> bool:
+    return op.type in REDUCTIONS and blocks(op) is not None
+
+
+def operands(op: Operation) -> tuple[Variable, ...]:
+    return op.inputs[0], op.outputs[0]
+
+
+def elements(op: Operation) -> int:
+    return op.outputs[0].size
+
+
+def emit(b: ir.IRBuilder, op: Operation, index: ir.Value, pointer_of: dict[int, ir.Value]) -> None:
+    x, out = op.inputs[0], op.outputs[0]
+    _, reduced, inner = blocks(op)
+    combine = combiner(op.type)
+    kind = compute_type(x.dtype)
+    total = b.alloca(kind)
+    b.store(constant(kind, identity(op.type, x.dtype)), total)
+    base = b.add(b.mul(b.sdiv(index, i64(inner)), i64(reduced * inner)), b.srem(index, i64(inner)))
+    with for_range(b, i64(0), i64(reduced), name="r") as r:
+        raw = load(b, pointer_of[id(x)], b.add(base, b.mul(r, i64(inner))), storage_type(x.dtype))
+        value = combine(Value(b, b.load(total), x.dtype), Value(b, widen(b, raw, x.dtype, 1), x.dtype))
+        b.store(value.ir, total)
+    result = Value(b, b.load(total), x.dtype)
+    if op.type == "Mean" and reduced:
+        result = result * (1.0 / reduced)
+    store(b, narrow(b, result.ir, out.dtype, 1), pointer_of[id(out)], index, storage_type(out.dtype))

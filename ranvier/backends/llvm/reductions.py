@@ -1,0 +1,64 @@
+"""Reductions as math on IR values, for every LLVM backend: the block structure of a
+reduction over contiguous axes ([outer, reduced, inner]), the value each starts from, and
+how two partial results combine (NaN wins a maximum or minimum, as in numpy)."""
+
+from __future__ import annotations
+
+import math
+
+from ... import dtypes
+from ...ops import attrs_of
+from .irutil import compute_type, is_signed
+from .values import Value
+
+REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Product", "All", "Any"}
+
+
+def blocks(op) -> tuple[int, int, int] | None:
+    """(outer, reduced, inner) sizes, or None when the reduced axes are not contiguous."""
+    x = op.inputs[0]
+    attrs = attrs_of(op)
+    if op.type in ("ArgMax", "ArgMin"):
+        axis = attrs["axis"]
+        axes = list(range(x.rank)) if axis is None else [axis % x.rank]
+    else:
+        given = attrs["axis"]
+        axes = list(range(x.rank)) if given is None else sorted({a % x.rank for a in given})
+    if not axes:
+        return 1, 1, x.size
+    if axes != list(range(axes[0], axes[-1] + 1)):
+        return None
+    shape = x.shape
+    return math.prod(shape[: axes[0]]), math.prod(shape[axes[0] : axes[-1] + 1]), math.prod(shape[axes[-1] + 1 :])
+
+
+def identity(kind: str, dtype: str):
+    """The value a reduction starts from: 0, 1, or the far end of the dtype's range."""
+    if kind in ("Sum", "Mean", "Any"):
+        return 0
+    if kind in ("Product", "All"):
+        return 1
+    if dtypes.is_float(dtype):
+        return math.inf if kind == "Min" else -math.inf
+    bits = compute_type(dtype).width
+    if is_signed(dtype):
+        return (1 << (bits - 1)) - 1 if kind == "Min" else -(1 << (bits - 1))
+    return (1 << bits) - 1 if kind == "Min" else 0
+
+
+def combiner(kind: str):
+    def combine(acc: Value, x: Value) -> Value:
+        if kind in ("Sum", "Mean"):
+            return acc + x
+        if kind == "Product":
+            return acc * x
+        if kind == "All":
+            return acc & x
+        if kind == "Any":
+            return acc | x
+        take = x < acc if kind == "Min" else x > acc
+        if x.is_float:
+            take = take | x.not_equal(x)  # NaN wins, as in numpy's max/min
+        return take.where(x, acc)
+
+    return combine
