@@ -239,6 +239,14 @@ def test_a_block_that_cannot_fit_and_an_empty_launch_are_refused():
         ptx.target_machine("hopper")
 
 
+def test_ptxas_is_found_in_either_cuda_wheel_layout(tmp_path):
+    assert ptx.wheel_ptxas([str(tmp_path)]) is None
+    for layout in ("cuda_nvcc", "cu13"):
+        (tmp_path / layout / "bin").mkdir(parents=True)
+        (tmp_path / layout / "bin" / "ptxas").write_text("")
+    assert ptx.wheel_ptxas([str(tmp_path / "missing"), str(tmp_path)]) == str(tmp_path / "cu13" / "bin" / "ptxas")
+
+
 # ---- finding a GPU ---------------------------------------------------------------------------
 
 

@@ -70,14 +70,19 @@ def emit_ptx(module: ir.Module, architecture: str = ARCHITECTURE) -> str:
 
 
 def ptxas_path() -> str | None:
-    """NVIDIA's PTX assembler: on the PATH (a CUDA toolkit), else the nvidia-cuda-nvcc wheel's."""
+    """NVIDIA's PTX assembler: on the PATH (a CUDA toolkit), else a CUDA wheel's."""
     found = shutil.which("ptxas")
     if found:
         return found
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc") if importlib.util.find_spec("nvidia") else None
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(root) / "bin" / "ptxas"
-        if candidate.exists():
+    spec = importlib.util.find_spec("nvidia")
+    return wheel_ptxas(list(spec.submodule_search_locations or []) if spec else [])
+
+
+def wheel_ptxas(roots: list[str]) -> str | None:
+    """ptxas inside the `nvidia` namespace package at `roots`: nvidia/cu13/bin (the
+    nvidia-cuda-nvcc 13 wheel) or nvidia/cuda_nvcc/bin (its CUDA 12 wheel)."""
+    for root in roots:
+        for candidate in sorted(Path(root).glob("*/bin/ptxas")):
             return str(candidate)
     return None
 
