@@ -18,7 +18,7 @@ Factory = Callable[[CompileOptions], Backend]
 # name -> a factory, or "module:attribute" naming one (imported on first use)
 _BACKENDS: dict[str, Factory | str] = {
     "cpu": "ranvier.backends.cpu.backend:CPUBackend",
-    "cuda": "ranvier.backends.cuda.backend:create",
+    "cuda": "ranvier.backends.cuda.backend:CUDABackend",
     "reference": "ranvier.backends.reference:ReferenceBackend",
 }
 

@@ -43,10 +43,13 @@ class Capabilities:
 
     rewrites: run the rewriting passes (decompose, fold, CSE, fuse); the reference
         backend runs the flow exactly as built, which is what makes it the oracle.
-    matmul_precisions: the precisions its matrix products can run in."""
+    matmul_precisions: the precisions its matrix products can run in.
+    epilogues: it runs a matrix product or convolution and the elementwise program after
+        it as one op (MatMulCalculate, Conv2DCalculate), so the epilogue pass may fuse them."""
 
     rewrites: bool = True
     matmul_precisions: tuple[str, ...] = ("float32",)
+    epilogues: bool = True
 
 
 class Backend(Protocol):

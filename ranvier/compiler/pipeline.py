@@ -52,6 +52,10 @@ def _mixed_precision(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.options.matmul in ctx.backend.capabilities.matmul_precisions and ctx.options.matmul != "float32"
 
 
+def _epilogues(ctx: PassContext) -> bool:
+    return _rewrites(ctx) and ctx.backend.capabilities.epilogues
+
+
 @dataclass(frozen=True)
 class Pass:
     name: str
@@ -67,7 +71,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
     Pass("mixed-precision", lambda c: use_bfloat16_matmul(c.func), _mixed_precision),
-    Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep)),
+    Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep), _epilogues),
 )
 
 

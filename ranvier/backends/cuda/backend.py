@@ -1,17 +1,115 @@
-"""`Compiler(backend="cuda")`: a compile for an NVIDIA GPU first finds one (`driver.py`),
-so a machine without a GPU, its driver or a device gets an error naming which. The
-kernels a cell would run are generated and checked here without a GPU (`maps.py`,
-`ptx.py`); what runs them on the device (memory, launches, graph replay) is not built yet,
-and a compile that found a GPU says so rather than run anything on the CPU instead."""
+"""`Compiler(backend="cuda")`: cells compiled for an NVIDIA GPU.
+
+A compile needs no GPU: the passes run as for the CPU (less epilogue fusion: a GPU product
+is a cuBLASLt call, its epilogue a kernel of its own), each step gets a GPU kernel —
+generated (`kernels.py`: maps, copies, reductions, one thread per output element) or a
+float32 matrix product planned for cuBLASLt — and the cell's kernels are one PTX module,
+for the GPU found (`driver.py`) or else Hopper (sm_90, 132 multiprocessors). With ptxas at
+hand each kernel's launch shape follows its registers, and the printed cell shows it.
+
+Running a cell needs the device runtime (arena, launches, CUDA graph replay), which is not
+built yet: making an instance raises, naming what this machine lacks (the driver, a GPU)
+or, where a GPU was found, that the runtime is missing. Nothing runs on the CPU instead.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+
 from ...errors import RanvierError
-from ..base import Backend, CompileOptions
-from .driver import find_device
+from ...flow.graph import Operation, Variable
+from ...ops import op_def
+from ...runtime import Cell, Instance, Step
+from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
+from . import kernels, ptx
+from .driver import Device, find_device
+from .launch import map_launch
+
+GEMM_KERNEL = "CublasLtGemm"
+HOPPER_MULTIPROCESSORS = 132  # an H100 SXM's: the launch shapes of a compile without a GPU
 
 
-def create(options: CompileOptions) -> Backend:
-    device = find_device()
-    raise RanvierError(f"found {device}, but ranvier cannot run cells on a GPU yet: it generates and checks the GPU "
-                       "kernels (ranvier.backends.cuda) without a device runtime; use --backend cpu")
+def _planned_gemm(op: Operation) -> bool:
+    """A float32 MatMul: a cuBLASLt call (batched over leading dimensions)."""
+    return op.type == "MatMul" and all(v.dtype == "float32" for v in (*op.inputs[:2], *op.outputs))
+
+
+class CUDABackend:
+    name = "cuda"
+    step_time_dtype = np.float64  # seconds, as CUDA events measure them
+
+    def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
+        self.capabilities = Capabilities(rewrites=True, matmul_precisions=("float32",), epilogues=False)
+        self.device: Device | None = None
+        self.missing = ""
+        try:
+            self.device = find_device()
+        except RanvierError as error:
+            self.missing = str(error)
+        self.architecture = self.device.architecture if self.device else ptx.ARCHITECTURE
+        self.multiprocessors = self.device.multiprocessors if self.device else HOPPER_MULTIPROCESSORS
+
+    # ---- compile time -----------------------------------------------------------------
+
+    def runs_whole(self, op: Operation) -> bool:
+        return _planned_gemm(op) or kernels.supports(op)
+
+    def choose(self, op: Operation) -> Step:
+        if _planned_gemm(op):
+            return Step(op, GEMM_KERNEL, self.architecture, op_def(op.type).cost(op))
+        if not kernels.supports(op):
+            raise RanvierError(f"{op.type} op {op.name} has no GPU kernel yet: the CUDA backend generates elementwise "
+                               "maps, fused Calculate programs, copies through views and reductions, and plans float32 "
+                               "matrix products for cuBLASLt; use --backend cpu for this model")
+        return Step(op, kernels.kernel_kind(op), self.architecture, op_def(op.type).cost(op))
+
+    def workspace_bytes(self, step: Step) -> int:
+        return 0
+
+    def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
+        """A thread reads its element's inputs before it writes: an elementwise op may write
+        over an input of its output's exact type and shape."""
+        return kernels.kernel_kind(op) == "Map" and source.dtype == target.dtype and list(source.shape) == list(target.shape)
+
+    def shares_storage(self, op: Operation) -> bool:
+        return False
+
+    def finish(self, cell: Cell) -> None:
+        """The cell's kernels as one PTX module; with ptxas, each one's launch shape."""
+        module = ptx.gpu_module(cell.name, self.architecture)
+        generated = {}
+        for index, step in enumerate(cell.steps):
+            if step.kernel != GEMM_KERNEL:
+                generated[index] = kernels.add_kernel(module, step.op)
+        text = ptx.emit_ptx(module, self.architecture)
+        assembled = ptx.assemble(text, self.architecture) if generated and ptx.ptxas_path() else None
+        for index, kernel in generated.items():
+            step = cell.steps[index]
+            if assembled is not None:
+                shape = map_launch(kernel.elements, self.multiprocessors, assembled.registers(kernel.name))
+                step.variant = f"{self.architecture} {shape}"
+        cell.native = {"module": module, "ptx": text, "kernels": generated}
+
+    def code(self, cell: Cell, kind: str) -> str:
+        """The cell's GPU kernels as LLVM IR ("llvm") or PTX ("ptx")."""
+        if kind == "llvm":
+            return str(cell.native["module"])
+        if kind == "ptx":
+            return cell.native["ptx"]
+        raise RanvierError(f"the CUDA backend shows its code as 'llvm' or 'ptx', not {kind!r}")
+
+    # ---- run time -----------------------------------------------------------------------
+
+    def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
+        if self.device is None:
+            raise RanvierError(f"cell {cell.name} was compiled for {self.architecture}, but {self.missing}")
+        raise RanvierError(f"found {self.device}, but ranvier cannot run cells on a GPU yet: it compiles them for the "
+                           "GPU (kernels as PTX, products planned for cuBLASLt) without a device runtime; use --backend cpu")
+
+    def step_seconds(self, instance: Instance) -> np.ndarray:
+        return np.zeros(len(instance.cell.steps))
+
+    def all_cores_seconds(self, instance: Instance) -> np.ndarray:
+        return np.zeros(len(instance.cell.steps))

@@ -47,6 +47,14 @@ def supports(op: Operation) -> bool:
     return any(generator.supports(op) for generator in GENERATORS)
 
 
+def kernel_kind(op: Operation) -> str:
+    """What a cell printout calls the op's kernel: "Copy", "Map" or "Reduce"."""
+    generator = _generator(op)
+    if generator is maps:
+        return "Copy" if op.type in maps.COPIES else "Map"
+    return "Reduce"
+
+
 def _generator(op: Operation):
     for generator in GENERATORS:
         if generator.supports(op):
@@ -82,8 +90,14 @@ def _special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value
 
 
 def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.Module, GPUKernel]:
-    """The op's GPU kernel: `name(operands...)` runs a grid-stride loop over the elements."""
+    """A module of the op's GPU kernel alone."""
     module = gpu_module(kernel_name(op), architecture)
+    return module, add_kernel(module, op)
+
+
+def add_kernel(module: ir.Module, op: Operation) -> GPUKernel:
+    """The op's GPU kernel in `module` (a GPU module): `name(operands...)` runs a
+    grid-stride loop over the elements."""
     use_features(module, GPU_FEATURES)
     element, kernel = _element_function(module, op)
     function = ir.Function(module, ir.FunctionType(VOID, list(element.function_type.args[1:])), name=kernel.name)
@@ -104,7 +118,7 @@ def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.M
     b.position_at_end(done)
     b.ret_void()
     mark_kernel(module, function)
-    return module, kernel
+    return kernel
 
 
 def host_module(op: Operation, triple: str, data_layout: str, features: frozenset[str]) -> tuple[ir.Module, GPUKernel]:

@@ -1,5 +1,5 @@
-"""One element of an elementwise op with a formula, or of a fused Calculate program
-(`kernels.py` runs one thread per element). The element's index is split into the
+"""One element of an elementwise op with a formula, of a fused Calculate program, or of a
+copy through a view (`kernels.py` runs one thread per element). The element's index is split into the
 iteration dimensions (merged where every operand walks them as one), and each operand is
 read through its strided view, so a broadcast costs no copy. The arithmetic is the CPU
 backend's, from the same formulas on the same IR values (`ranvier.backends.llvm.formulas`),
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
-from ...ops import op_def
+from ...ops import attrs_of, op_def
 from ...ops.expression import parse
 from ..llvm.convert import narrow, widen
 from ..llvm.formulas import apply, program_body
 from ..llvm.irutil import i64, load, storage_type, store
-from ..llvm.strided import Body, View, broadcast_view, collapse, dense_view
+from ..llvm.strided import Body, View, broadcast_view, collapse, contiguous_strides, dense_view
 from ..llvm.values import Value
 
 
@@ -30,15 +30,43 @@ class _Map:
     body: Body
 
 
+def _same_elements(op: Operation) -> View:
+    return View(op.inputs[0], 0, contiguous_strides(op.outputs[0].shape))
+
+
+def _transposed(op: Operation) -> View:
+    x = op.inputs[0]
+    perm = attrs_of(op)["perm"] or list(reversed(range(x.rank)))
+    own = contiguous_strides(x.shape)
+    return View(x, 0, [own[p] for p in perm])
+
+
+def _sliced(op: Operation) -> View:
+    x = op.inputs[0]
+    own = contiguous_strides(x.shape)
+    return View(x, sum(b * s for b, s in zip(attrs_of(op)["begin"], own)), own)
+
+
+# Data movement as a map of one input read through a view: the output's element is the
+# input's element the view reaches.
+COPIES = {
+    "Identity": _same_elements, "Reshape": _same_elements, "ExpandDims": _same_elements, "Squeeze": _same_elements,
+    "BroadcastTo": lambda op: broadcast_view(op.inputs[0], op.outputs[0].shape), "Transpose": _transposed, "Slice": _sliced,
+}
+
+
 def supports(op: Operation) -> bool:
-    """An elementwise op with a formula, or a Calculate whose outputs share one shape."""
+    """An elementwise op with a formula, a Calculate whose outputs share one shape, or a copy
+    through a view (a reshape, broadcast, transpose or slice)."""
     if op.type == "Calculate":
         return len({tuple(v.shape) for v in op.outputs}) <= 1
     definition = op_def(op.type)
-    return definition.family == "elementwise" and definition.formula is not None and op.type != "Identity"
+    return op.type in COPIES or (definition.family == "elementwise" and definition.formula is not None)
 
 
 def _describe(op: Operation) -> _Map:
+    if op.type in COPIES:
+        return _Map(list(op.outputs[0].shape), [COPIES[op.type](op)], [dense_view(op.outputs[0])], lambda values, lanes: values)
     if op.type != "Calculate":
         shape = list(op.outputs[0].shape)
         return _Map(shape, [broadcast_view(v, shape) for v in op.inputs], [dense_view(op.outputs[0])],
