@@ -65,9 +65,10 @@ def _cpu_outputs(flow, op, values) -> list[np.ndarray]:
     return [np.array(data[v.name]) for v in op.outputs]
 
 
-def _run_on_host(op, values, extra_written: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+def _run_on_host(op, values) -> dict[str, np.ndarray]:
     """The op's GPU kernel arithmetic compiled for this CPU and run over every element:
-    each operand's final contents (outputs start as a pattern no element keeps)."""
+    each operand's final contents (outputs start as a pattern no element keeps), and the
+    kernel's status word ("status")."""
     target = host_target()
     module, kernel = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
     code = jit.load_object(jit.compile_object(module, target), target, kernel.name)
@@ -78,8 +79,10 @@ def _run_on_host(op, values, extra_written: dict[str, np.ndarray] | None = None)
         else:
             pattern = np.full(int(np.prod(var.shape)) * np_dtype(var.dtype).itemsize, 0x5A, np.uint8)
             arrays[var.name] = pattern.view(np_dtype(var.dtype)).reshape(var.shape)
-    function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(kernel.operands), ctypes.c_int64, ctypes.c_int64)(code.address)
-    function(*[arrays[v.name].ctypes.data for v in kernel.operands], 0, kernel.elements)
+    status = np.zeros(1, np.int64)
+    function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)(code.address)
+    function(*[arrays[v.name].ctypes.data for v in kernel.operands], status.ctypes.data, 0, kernel.elements)
+    arrays["status"] = status
     return arrays
 
 
@@ -207,8 +210,8 @@ def test_the_kernels_operands_are_each_variable_once_in_a_stable_order():
     _, kernel = kernels.kernel_module(op)
     assert [v.name for v in kernel.operands] == ["f/in0", "f/in1", op.outputs[0].name]
     assert kernel.elements == int(np.prod(SHAPE))
-    assert [str(t) for t in kernels.kernel_module(op)[0].get_global(kernel.name).function_type.args] == \
-        [str(storage_type("float32").as_pointer())] * 3
+    parameters = [str(t) for t in kernels.kernel_module(op)[0].get_global(kernel.name).function_type.args]
+    assert parameters == [str(storage_type("float32").as_pointer())] * 3 + ["i64*"]  # the operands, then the status word
 
 
 # ---- launch shapes ---------------------------------------------------------------------------
@@ -337,11 +340,68 @@ def test_a_found_gpu_sets_the_architecture_and_nothing_runs_in_its_place(monkeyp
 
 
 def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
-    def softmax(f):
-        f.softmax(f.var("x", "float32", [4, 10])).var.out = True
+    def arg_max(f):
+        f.op("ArgMax", [f.var("x", "float32", [4, 10])], None, {"axis": 1}).var.out = True
 
-    with pytest.raises(RanvierError, match="Softmax op f/Softmax has no GPU kernel yet"):
-        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), softmax)
+    with pytest.raises(RanvierError, match="ArgMax op f/ArgMax has no GPU kernel yet"):
+        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), arg_max)
+
+
+ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's
+    ("Softmax", {"axis": -1}, "float32", 7), ("LogSoftmax", {"axis": -1}, "float64", 40), ("Softmax", {"axis": -1}, "float16", 33),
+    ("LayerNorm", {"eps": 1e-5}, "float32", 48), ("RMSNorm", {"eps": 1e-6}, "float32", 64),
+    ("SoftmaxCrossEntropy", {}, "float32", 50), ("SoftmaxCrossEntropyGrad", {"with_loss": True}, "float32", 1000),
+    ("SoftmaxCrossEntropyGrad", {"label_smoothing": 0.1}, "float32", 30),
+]
+
+
+def _row_op(name, attrs, dtype, n, labels=None):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    rows = 6
+    x = f.var("x", dtype, [2, 3, n] if name.startswith(("Softmax", "Log")) and "Cross" not in name else [rows, n])
+    values = {"f/x": random_array(x.shape, dtype, seed=4)}
+    inputs = [x]
+    if name in ("LayerNorm", "RMSNorm"):
+        for k, extra in enumerate(["gamma", "beta"][: 2 if name == "LayerNorm" else 1]):
+            inputs.append(f.var(extra, dtype, [n]))
+            values[f"f/{extra}"] = random_array([n], dtype, seed=5 + k)
+    if "CrossEntropy" in name:
+        inputs.append(f.var("labels", "int32", [rows]))
+        values["f/labels"] = np.array(labels if labels is not None else [3, 0, n - 1, 7, 1, 2], np.int32)
+    if name == "SoftmaxCrossEntropyGrad":
+        inputs.append(f.var("dloss", dtype, [rows]))
+        values["f/dloss"] = random_array([rows], dtype, seed=6)
+    outputs = f.op(name, inputs, None, dict(attrs))
+    for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+        out.var.out = True
+    return flow, (outputs[0] if isinstance(outputs, (list, tuple)) else outputs).var.producer, values
+
+
+@pytest.mark.parametrize("name,attrs,dtype,n", ROW_CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in ROW_CASES])
+def test_a_row_op_runs_the_cpus_row_passes_one_row_per_thread(name, attrs, dtype, n):
+    flow, op, values = _row_op(name, attrs, dtype, n)
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    data = rv.Compiler("reference").compile(flow).cell("f").instance()
+    for key, value in values.items():
+        data[key] = value
+    data.compute()
+    eps = float(ml_dtypes.finfo(np_dtype(dtype)).eps)
+    for var in op.outputs:
+        want = np.array(data[var.name]).astype(np.float64)
+        error = np.abs(got[var.name].astype(np.float64) - want)
+        assert np.all(error <= 8 * eps * (np.abs(want) + 1) + (n * eps if dtype != "float16" else 4 * eps)), (name, var.name, error.max())
+    if ptx.ptxas_path() is not None:
+        module, kernel = kernels.kernel_module(op)
+        assert kernel.elements == 6 and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+
+
+def test_a_class_label_out_of_range_sets_the_kernels_status_word():
+    _, op, values = _row_op("SoftmaxCrossEntropy", {}, "float32", 10, labels=[3, 0, 10, 7, 1, 2])
+    assert _run_on_host(op, values)["status"][0] == 1
+    values["f/labels"][2] = 9
+    assert _run_on_host(op, values)["status"][0] == 0
 
 
 def _copies(f):
@@ -350,6 +410,26 @@ def _copies(f):
     for out in (f.transpose(x, [2, 0, 1]), f.slice(x, [1, 2, 3], [4, 7, 30]), f.broadcast_to(f.reshape(z, [7, 1, 7]), [7, 13, 7]),
                 f.transpose(z)):
         out.var.out = True
+
+
+def test_an_mlp_training_step_compiles_for_the_gpu_whole(monkeypatch):
+    """Forward, loss and its gradient, backward products and Adam: every step a GPU kernel
+    or a planned product; only the instances need the device."""
+    from ranvier.train.mnist_job import MnistConfig, make_trainer
+
+    monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
+    networks = []
+    compile_flow = rv.Compiler.compile
+    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: networks.append(compile_flow(self, flow)) or networks[-1])
+    with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
+        make_trainer(MnistConfig(steps=1, backend="cuda"))
+    train = networks[0].cell("train")
+    kinds = [step.kernel for step in train.steps]
+    assert set(kinds) == {"CublasLtGemm", "Map", "Copy", "Reduce", "Rows"}, kinds
+    assert sum(kind == "CublasLtGemm" for kind in kinds) == 5  # two forward products, three backward
+    assert [step.op.type for step in train.steps if step.kernel == "Rows"] == ["SoftmaxCrossEntropyGrad"]
+    if ptx.ptxas_path() is not None:
+        ptx.assemble(train.backend.code(train, "ptx"))
 
 
 def test_copies_through_views_equal_the_cpu_backends():

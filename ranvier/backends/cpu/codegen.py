@@ -27,22 +27,16 @@ from ... import dtypes
 from ...flow.graph import Variable
 from ...runtime import Step
 from ..kernels import Prepared
-from ..llvm.convert import narrow, widen
+from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import (
     BYTE_PTR,
     I64,
     VOID,
-    compute_type,
-    constant,
-    for_range,
     i64,
-    load,
     storage_type,
-    store,
     use_features,
-    vector_of,
 )
-from ..llvm.values import Value, index_value
+from ..llvm.values import Value
 from .target import CPUTarget
 
 (DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, SGEMV, DGEMV, BF16GEMM, SGEMM_GENERATED, SGEMM_PACKED,
@@ -79,20 +73,20 @@ def cycle_counter(module: ir.Module) -> ir.Function:
     return existing if existing is not None else ir.Function(module, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
 
 
-class KernelContext:
-    """What a kernel emitter sees while generating one step's function."""
+class KernelContext(EmitContext):
+    """What a kernel emitter sees while generating one step's function: the shared
+    vocabulary (`EmitContext`), with variables reached through the cell's pointer table."""
 
     def __init__(
         self, module: ir.Module, function: ir.Function, target: CPUTarget, layout: Layout, step_index: int,
         workspace: Variable | None = None,
     ):
-        self.module = module
+        super().__init__(module, ir.IRBuilder(function.append_basic_block("entry")))
         self.function = function
         self.target = target
         self.layout = layout
         self.step_index = step_index
         self.workspace = workspace  # the step's working memory (see Backend.workspace_bytes)
-        self.b = ir.IRBuilder(function.append_basic_block("entry"))
         self.ptrs = function.args[0]
         self._pointers: dict[str, ir.Value] = {}
 
@@ -123,7 +117,7 @@ class KernelContext:
 
     def fail(self, condition: Value | ir.Value) -> None:
         """Record this step in the status word when `condition` holds (the runtime raises)."""
-        with self.b.if_then(_ir(condition), likely=False):
+        with self.b.if_then(ir_of(condition), likely=False):
             status = self.b.bitcast(self.table_entry(STATUS), I64.as_pointer())
             self.b.store(i64(self.step_index + 1), status)
 
@@ -137,104 +131,6 @@ class KernelContext:
         counters = self.b.bitcast(self.table_entry(ALL_CORES), I64.as_pointer())
         slot = self.b.gep(counters, [i64(self.step_index)])
         self.b.store(self.b.add(self.b.load(slot), self.b.sub(self.b.call(clock, []), start)), slot)
-
-    # ---- values: what kernels compute with -----------------------------------------------
-
-    def index(self, value: Value | ir.Value | int) -> Value:
-        """An int64 Value: loop counters, offsets, sizes."""
-        return value if isinstance(value, Value) else index_value(self.b, value)
-
-    def constant(self, dtype: str, value, lanes: int = 1) -> Value:
-        return Value(self.b, constant(vector_of(compute_type(dtype), lanes), value), dtype)
-
-    def element_pointer(self, var: Variable, at: Value | int) -> ir.Value:
-        """A pointer to element `at` of `var`."""
-        return self.b.gep(self.pointer(var), [_ir(at)])
-
-    def load(self, var: Variable, at: Value | int, lanes: int = 1) -> Value:
-        """`lanes` elements of `var` from element `at`, in the type they compute in."""
-        raw = load(self.b, self.pointer(var), _ir(at), storage_type(var.dtype), lanes)
-        return Value(self.b, widen(self.b, raw, var.dtype, lanes), var.dtype)
-
-    def store(self, var: Variable, at: Value | int, value: Value | float) -> None:
-        """Write `value` (rounded to how `var` is stored) at element `at` of `var`."""
-        value = value if isinstance(value, Value) else self.constant(var.dtype, value)
-        narrowed = narrow(self.b, value.ir, var.dtype, value.lanes)
-        store(self.b, narrowed, self.pointer(var), _ir(at), storage_type(var.dtype), value.lanes)
-
-    def copy(self, source: Variable, source_at: Value | int, target: Variable, target_at: Value | int, lanes: int = 1) -> None:
-        """Move `lanes` elements bit for bit (same dtype; nothing converted or rounded)."""
-        element = storage_type(source.dtype)
-        raw = load(self.b, self.pointer(source), _ir(source_at), element, lanes)
-        store(self.b, raw, self.pointer(target), _ir(target_at), element, lanes)
-
-    @contextmanager
-    def loop(self, start: Value | int, stop: Value | int, step: int = 1, name: str = "i") -> Iterator[Value]:
-        """`for (i = start; i < stop; i += step)` with an int64 Value i; the body is the with-block."""
-        with for_range(self.b, _ir(start), _ir(stop), step, name) as i:
-            yield index_value(self.b, i)
-
-    def local(self, dtype: str, lanes: int = 1, initial=None) -> Local:
-        """A variable of the kernel (an accumulator, a running maximum)."""
-        with self.b.goto_entry_block():
-            slot = self.b.alloca(vector_of(compute_type(dtype), lanes))
-        result = Local(self.b, slot, dtype)
-        if initial is not None:
-            result.set(initial if isinstance(initial, Value) else self.constant(dtype, initial, lanes))
-        return result
-
-    def lane_numbers(self, lanes: int) -> Value:
-        """The int64 vector [0, 1, ..., lanes - 1] (0 for a scalar)."""
-        if lanes == 1:
-            return self.index(0)
-        return Value(self.b, ir.Constant(ir.VectorType(I64, lanes), list(range(lanes))), dtypes.DT_INT64)
-
-    def array(self, dtype: str, count: int) -> Array:
-        """A scratch array of `count` scalars on the step's stack."""
-        with self.b.goto_entry_block():
-            base = self.b.alloca(compute_type(dtype), size=i64(count))
-        return Array(self.b, base, dtype)
-
-    def when(self, condition: Value):
-        """`if (condition)`: the body is the with-block."""
-        return self.b.if_then(condition.ir)
-
-
-class Local:
-    """A mutable kernel variable: read `.value`, write `.set(v)`."""
-
-    def __init__(self, b: ir.IRBuilder, slot: ir.Value, dtype: str):
-        self.b, self.slot, self.dtype = b, slot, dtype
-
-    @property
-    def value(self) -> Value:
-        return Value(self.b, self.b.load(self.slot), self.dtype)
-
-    def set(self, value: Value) -> None:
-        self.b.store(value.ir, self.slot)
-
-
-class Array:
-    """Scalars in the step's stack frame: `.load(i)`, `.store(i, value)`."""
-
-    def __init__(self, b: ir.IRBuilder, base: ir.Value, dtype: str):
-        self.b, self.base, self.dtype = b, base, dtype
-
-    def load(self, at: Value | int) -> Value:
-        return Value(self.b, self.b.load(self.b.gep(self.base, [_ir(at)])), self.dtype)
-
-    def store(self, at: Value | int, value: Value) -> None:
-        self.b.store(value.ir, self.b.gep(self.base, [_ir(at)]))
-
-
-def _ir(value) -> ir.Value:
-    """The IR of a Value, an IR value itself, or an i64 constant for a Python int."""
-    if isinstance(value, Value):
-        return value.ir
-    if isinstance(value, int):
-        return i64(value)
-    return value
-
 
 def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout, emitters) -> ir.Module:
     """The module of one cell: a step function per op and the `cell` entry point."""

@@ -71,7 +71,8 @@ class CUDABackend:
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         """A thread reads its element's inputs before it writes: an elementwise op may write
         over an input of its output's exact type and shape."""
-        return kernels.kernel_kind(op) == "Map" and source.dtype == target.dtype and list(source.shape) == list(target.shape)
+        same = source.dtype == target.dtype and list(source.shape) == list(target.shape)
+        return same and kernels.supports(op) and kernels.kernel_kind(op) == "Map"
 
     def shares_storage(self, op: Operation) -> bool:
         return False

@@ -4,10 +4,13 @@ A kernel's threads each take elements of its index space: thread t of the grid t
 elements t, t + (threads in the grid), ... (a grid-stride loop, so any launch shape covers
 any size; `launch.py` picks one). What one element is, is a generator's: `maps` (an
 elementwise op or a fused Calculate program: an output element) and `reductions` (a
-reduction's output element: a loop down the reduced axis), tried in order. A generator
-says which ops it `supports`, the variables its kernel reads and writes (`operands`, each
-once: the kernel's pointer parameters), how many `elements` there are, and how to `emit`
-one element at IR index `index`.
+reduction's output element: a loop down the reduced axis) and `rows` (a row op's row: the
+CPU's row passes, one lane wide), tried in order. A generator says which ops it
+`supports`, the variables its kernel reads and writes (`operands`, each once: the kernel's
+pointer parameters), how many `elements` there are, and how to `emit` one element at IR
+index `index` in a `ThreadContext` (the shared kernel vocabulary, `EmitContext`). Every
+kernel takes one more parameter, a status word (i64*) a thread sets to 1 on bad data (a
+class label out of range): the runtime raises, naming the step.
 
 That element is a function of its own, `element(index, operands...)`, which the kernel
 calls per element. The same function compiled for the host, inside a plain loop
@@ -22,11 +25,13 @@ from llvmlite import ir
 
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
+from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
-from . import maps, reductions
+from ..llvm.values import Value
+from . import maps, reductions, rows
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, reductions)
+GENERATORS = (maps, reductions, rows)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -48,11 +53,30 @@ def supports(op: Operation) -> bool:
 
 
 def kernel_kind(op: Operation) -> str:
-    """What a cell printout calls the op's kernel: "Copy", "Map" or "Reduce"."""
+    """What a cell printout calls the op's kernel: "Copy", "Map", "Reduce" or "Rows"."""
     generator = _generator(op)
     if generator is maps:
         return "Copy" if op.type in maps.COPIES else "Map"
-    return "Reduce"
+    return "Reduce" if generator is reductions else "Rows"
+
+
+class ThreadContext(EmitContext):
+    """What a GPU thread's element is written in: variables are the kernel's parameters,
+    vectors are one lane wide, and bad data sets the kernel's status word."""
+
+    def __init__(self, module: ir.Module, b: ir.IRBuilder, pointers: dict[int, ir.Value], status: ir.Value):
+        super().__init__(module, b)
+        self.pointers, self.status = pointers, status
+
+    def pointer(self, var: Variable) -> ir.Value:
+        return self.pointers[id(var)]
+
+    def lanes_for(self, dtypes_: list[str]) -> int:
+        return 1
+
+    def fail(self, condition: Value | ir.Value) -> None:
+        with self.b.if_then(ir_of(condition), likely=False):
+            self.b.store(i64(1), self.status)
 
 
 def _generator(op: Operation):
@@ -72,13 +96,14 @@ def _element_function(module: ir.Module, op: Operation) -> tuple[ir.Function, GP
     operands = generator.operands(op)
     name = kernel_name(op)
     pointers = [storage_type(v.dtype).as_pointer() for v in operands]
-    function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers]), name=f"{name}_element")
+    function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers, I64.as_pointer()]), name=f"{name}_element")
     function.linkage = "internal"
     function.attributes.add("alwaysinline")
-    index, *arguments = function.args
-    b = ir.IRBuilder(function.append_basic_block("entry"))
-    generator.emit(b, op, index, {id(v): arguments[k] for k, v in enumerate(operands)})
-    b.ret_void()
+    index, *arguments, status = function.args
+    ctx = ThreadContext(module, ir.IRBuilder(function.append_basic_block("entry")), {id(v): arguments[k] for k, v in enumerate(operands)},
+                        status)
+    generator.emit(ctx, op, index)
+    ctx.b.ret_void()
     return function, GPUKernel(name, operands, generator.elements(op))
 
 

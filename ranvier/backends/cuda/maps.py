@@ -15,6 +15,7 @@ from llvmlite import ir
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of, op_def
 from ...ops.expression import parse
+from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
 from ..llvm.formulas import apply, program_body
 from ..llvm.irutil import i64, load, storage_type, store
@@ -52,6 +53,7 @@ def _sliced(op: Operation) -> View:
 COPIES = {
     "Identity": _same_elements, "Reshape": _same_elements, "ExpandDims": _same_elements, "Squeeze": _same_elements,
     "BroadcastTo": lambda op: broadcast_view(op.inputs[0], op.outputs[0].shape), "Transpose": _transposed, "Slice": _sliced,
+    "StridedView": lambda op: View(op.inputs[0], attrs_of(op)["offset"], attrs_of(op)["strides"]),
 }
 
 
@@ -87,7 +89,8 @@ def elements(op: Operation) -> int:
     return math.prod(_describe(op).shape)
 
 
-def emit(b: ir.IRBuilder, op: Operation, index: ir.Value, pointer_of: dict[int, ir.Value]) -> None:
+def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+    b = ctx.b
     description = _describe(op)
     views = description.inputs + description.outputs
     dims, strides = collapse(description.shape, views)
@@ -106,9 +109,9 @@ def emit(b: ir.IRBuilder, op: Operation, index: ir.Value, pointer_of: dict[int, 
 
     values = []
     for k, view in enumerate(description.inputs):
-        raw = load(b, pointer_of[id(view.var)], offset(k), storage_type(view.var.dtype))
+        raw = load(b, ctx.pointer(view.var), offset(k), storage_type(view.var.dtype))
         values.append(Value(b, widen(b, raw, view.var.dtype, 1), view.var.dtype))
     first_output = len(description.inputs)
     for k, (view, value) in enumerate(zip(description.outputs, description.body(values, 1))):
         narrowed = narrow(b, value.ir, view.var.dtype, 1)
-        store(b, narrowed, pointer_of[id(view.var)], offset(first_output + k), storage_type(view.var.dtype))
+        store(b, narrowed, ctx.pointer(view.var), offset(first_output + k), storage_type(view.var.dtype))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
+from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
 from ..llvm.irutil import compute_type, constant, for_range, i64, load, storage_type, store
 from ..llvm.reductions import REDUCTIONS, blocks, combiner, identity
@@ -28,7 +29,8 @@ def elements(op: Operation) -> int:
     return op.outputs[0].size
 
 
-def emit(b: ir.IRBuilder, op: Operation, index: ir.Value, pointer_of: dict[int, ir.Value]) -> None:
+def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+    b = ctx.b
     x, out = op.inputs[0], op.outputs[0]
     _, reduced, inner = blocks(op)
     combine = combiner(op.type)
@@ -37,10 +39,10 @@ def emit(b: ir.IRBuilder, op: Operation, index: ir.Value, pointer_of: dict[int, 
     b.store(constant(kind, identity(op.type, x.dtype)), total)
     base = b.add(b.mul(b.sdiv(index, i64(inner)), i64(reduced * inner)), b.srem(index, i64(inner)))
     with for_range(b, i64(0), i64(reduced), name="r") as r:
-        raw = load(b, pointer_of[id(x)], b.add(base, b.mul(r, i64(inner))), storage_type(x.dtype))
+        raw = load(b, ctx.pointer(x), b.add(base, b.mul(r, i64(inner))), storage_type(x.dtype))
         value = combine(Value(b, b.load(total), x.dtype), Value(b, widen(b, raw, x.dtype, 1), x.dtype))
         b.store(value.ir, total)
     result = Value(b, b.load(total), x.dtype)
     if op.type == "Mean" and reduced:
         result = result * (1.0 / reduced)
-    store(b, narrow(b, result.ir, out.dtype, 1), pointer_of[id(out)], index, storage_type(out.dtype))
+    store(b, narrow(b, result.ir, out.dtype, 1), ctx.pointer(out), index, storage_type(out.dtype))

@@ -17,10 +17,10 @@ import math
 from .... import dtypes
 from ....ops import attrs_of
 from ....ops.attention import scale_of
+from ...llvm.loops import fill
+from ...llvm.rows import Row
 from ...llvm.values import Value
-from ..views import fill
 from .library import kernel
-from .rows import Row
 
 # Attention whose score matrices (batch × heads × queries × keys) take more bytes than
 # this runs fused; smaller ones decompose into GEMMs and a softmax, which beat the fused

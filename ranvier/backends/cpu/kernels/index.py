@@ -10,21 +10,10 @@ from __future__ import annotations
 import math
 
 from .... import dtypes
+from ...llvm.context import check_range, load_index
+from ...llvm.loops import fill, for_vectors
 from ...llvm.values import Value
-from ..views import fill, for_vectors
 from .library import kernel
-
-
-def load_index(ctx, var, position: Value | int) -> Value:
-    """Element `position` of an integer variable, as int64."""
-    return ctx.load(var, position).cast(dtypes.DT_INT64)
-
-
-def check_range(ctx, index: Value, rows: int) -> Value:
-    """Whether 0 <= index < rows; when not, the step marks itself failed (the runtime raises)."""
-    bad = (index < 0) | (index >= rows)
-    ctx.fail(bad)
-    return ~bad
 
 
 @kernel("Gather", {"Gather"})

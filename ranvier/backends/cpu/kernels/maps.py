@@ -15,10 +15,10 @@ import numpy as np
 from ....ops import attrs_of, op_def
 from ....ops.expression import parse
 from ....ops.shape import shape_fact
+from ...llvm.context import check_range, load_index
 from ...llvm.formulas import apply, program_body
 from ...llvm.strided import View, broadcast_view, contiguous_strides, dense_view
 from ..views import emit_map
-from .index import check_range, load_index
 from .library import kernel
 
 

@@ -10,15 +10,16 @@ import math
 
 from .... import dtypes
 from ....ops import attrs_of
+from ...llvm.loops import fill
+from ...llvm.rows import Row
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
 from ..gemm_choice import generated_is_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
-from ..views import fill
 from .library import kernel
 from .matmul import GENERATED_GEMM_KERNELS, Blas, GeneratedGemm, single_threaded_blas
-from .rows import Row, each_row
+from .rows import each_row
 
 
 def _key(value: Value) -> Value:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from .... import dtypes
 from ...llvm.irutil import compute_type
+from ...llvm.loops import fold, for_vectors
 from ...llvm.reductions import REDUCTIONS, blocks, combiner, identity
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
-from ..views import fold, for_vectors
 from .library import kernel
 
 

@@ -1,73 +1,28 @@
-"""Fused row kernels over the last axis: Softmax, LogSoftmax, LayerNorm, RMSNorm and
-SoftmaxCrossEntropy with its gradient, each in as few passes over the row as its math
-allows.
-
-    softmax        max | exp, sum (exp stored) | scale
-    log_softmax    max | sum of exp            | x − max − log(sum)
-    layer_norm     mean | variance             | normalize, scale, shift
-    rms_norm       mean square                 | normalize, scale
-    cross-entropy  max | sum of exp (and of target·x) → one loss per row
-    its gradient   max | sum of exp            | softmax · Σp' − p'  (and the loss)
-"""
+"""The CPU's row kernels: the fused row passes of `ranvier.backends.llvm.rows`, rows shared
+out over the cores, each row's passes in vectors."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
-from .... import dtypes
-from ....ops import attrs_of
+from ...llvm.rows import (
+    cross_entropy_grad_rows,
+    cross_entropy_rows,
+    last_axis,
+    nonempty_rows,
+    norm_rows,
+    row_shape,
+    softmax_rows,
+)
 from ...llvm.values import Value
 from ..codegen import KernelContext
 from ..parallel import run_parts, shares, thread_count, worth_splitting
-from ..views import fold, for_vectors
-from .index import check_range, load_index
 from .library import kernel
-
-
-class Row:
-    """Vector passes over one row of `length` elements starting at element `start`."""
-
-    def __init__(self, ctx: KernelContext, start: Value, length: int, dtype: str):
-        self.ctx, self.start, self.length, self.dtype = ctx, start, length, dtype
-        self.lanes = ctx.lanes_for([dtype])
-        while self.lanes > 1 and self.lanes > length:  # short rows (a head of 8) use narrower vectors
-            self.lanes //= 2
-
-    def fold(self, initial: float, combine, term: Callable[[Value, int], Value]) -> Value:
-        """`combine` over `term(index, width)` along the row, vector lanes first."""
-        return fold(self.ctx, self.start, self.length, self.lanes, self.dtype, initial, combine, term)
-
-    def sum(self, term: Callable[[Value, int], Value]) -> Value:
-        return self.fold(0.0, _add, term)
-
-    def max(self, var) -> Value:
-        return self.fold(-math.inf, _max, lambda i, w: self.ctx.load(var, i, w))
-
-    def each(self, body: Callable[[Value, int], None]) -> None:
-        for_vectors(self.ctx, self.start, self.length, self.lanes, body)
-
-
-def _max(acc: Value, x: Value) -> Value:
-    return (x > acc).where(x, acc)
-
-
-def _add(acc: Value, x: Value) -> Value:
-    return acc + x
-
-
-def _square(x: Value) -> Value:
-    return x * x
-
-
-def _rows(op) -> tuple[int, int]:
-    x = op.inputs[0]
-    return x.size // x.shape[-1] if x.shape[-1] else 0, x.shape[-1]
 
 
 def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, Value], None]) -> None:
     """`body(ctx, r)` for every row r; rows of a large op are shared out over threads."""
-    rows, _ = _rows(op)
+    rows, _ = row_shape(op)
     if rows == 0:
         return
     nbytes = sum(v.nbytes for v in [*op.inputs, *op.outputs])
@@ -83,197 +38,23 @@ def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, Value], None
     run_parts(ctx, [part(first, last) for first, last in shares(rows, threads)])
 
 
-def _last_axis(op) -> bool:
-    x = op.inputs[0]
-    return attrs_of(op)["axis"] % x.rank == x.rank - 1 and x.shape[-1] > 0
-
-
-def _nonempty_rows(op) -> bool:
-    return op.inputs[0].shape[-1] > 0
-
-
-@kernel("SoftmaxRow", {"Softmax"}, supports=_last_axis)
-@kernel("LogSoftmaxRow", {"LogSoftmax"}, supports=_last_axis)
+@kernel("SoftmaxRow", {"Softmax"}, supports=last_axis)
+@kernel("LogSoftmaxRow", {"LogSoftmax"}, supports=last_axis)
 def softmax(ctx, op) -> None:
-    x, y = op.inputs[0], op.outputs[0]
-    _, n = _rows(op)
-    log = op.type == "LogSoftmax"
-    # A float32/float64 y holds the exponentials between passes; a half-precision y
-    # would round them, and the result twice, so there they are computed again.
-    keep = not log and y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
-
-    def body(ctx, r):
-        row = Row(ctx, r * n, n, x.dtype)
-        peak = row.max(x)
-
-        def exponential(i, w):
-            return (ctx.load(x, i, w) - peak.splat(w)).exp()
-
-        def stored_exponential(i, w):
-            e = exponential(i, w)
-            if keep:
-                ctx.store(y, i, e)
-            return e
-
-        total = row.sum(stored_exponential)
-        if log:
-            shift = peak + total.log()
-            row.each(lambda i, w: ctx.store(y, i, ctx.load(x, i, w) - shift.splat(w)))
-        elif keep:
-            scale = 1.0 / total
-            # The exponentials were stored in y by the sum pass; scale them in place.
-            row.each(lambda i, w: ctx.store(y, i, ctx.load(y, i, w) * scale.splat(w)))
-        else:
-            scale = 1.0 / total
-            row.each(lambda i, w: ctx.store(y, i, exponential(i, w) * scale.splat(w)))
-
-    each_row(ctx, op, body)
+    each_row(ctx, op, softmax_rows(op))
 
 
-@kernel("LayerNormRow", {"LayerNorm"}, supports=_nonempty_rows)
-@kernel("RMSNormRow", {"RMSNorm"}, supports=_nonempty_rows)
+@kernel("LayerNormRow", {"LayerNorm"}, supports=nonempty_rows)
+@kernel("RMSNormRow", {"RMSNorm"}, supports=nonempty_rows)
 def norm(ctx, op) -> None:
-    x, y = op.inputs[0], op.outputs[0]
-    gamma = op.inputs[1] if len(op.inputs) > 1 else None
-    beta = op.inputs[2] if len(op.inputs) > 2 else None
-    _, n = _rows(op)
-    eps = attrs_of(op)["eps"]
-
-    def body(ctx, r):
-        start = r * n
-        row = Row(ctx, start, n, x.dtype)
-        if op.type == "RMSNorm":
-            mean = ctx.constant(x.dtype, 0.0)
-            square = row.sum(lambda i, w: _square(ctx.load(x, i, w)))
-        else:
-            mean = row.sum(lambda i, w: ctx.load(x, i, w)) * (1.0 / n)
-            square = row.sum(lambda i, w: _square(ctx.load(x, i, w) - mean.splat(w)))
-        rstd = 1.0 / (square * (1.0 / n) + eps).sqrt()
-
-        def normalize(i, w):
-            value = (ctx.load(x, i, w) - mean.splat(w)) * rstd.splat(w)
-            column = i - start
-            if gamma is not None:
-                value = value * ctx.load(gamma, column, w)
-            if beta is not None:
-                value = value + ctx.load(beta, column, w)
-            ctx.store(y, i, value)
-
-        row.each(normalize)
-
-    each_row(ctx, op, body)
+    each_row(ctx, op, norm_rows(op))
 
 
-def _peak_and_exp_sum(row: Row, x) -> tuple[Value, Value]:
-    """A row's maximum and Σ exp(x − max): the two passes every log-sum-exp starts with."""
-    ctx = row.ctx
-    peak = row.max(x)
-    return peak, row.sum(lambda i, w: (ctx.load(x, i, w) - peak.splat(w)).exp())
-
-
-def _smoothed(row: Row, target, smoothing: float, n: int) -> Callable[[Value, int], Value]:
-    """Reader of a probability target row with label smoothing: p' = p(1 − s) + s/n."""
-
-    def read(i, w):
-        p = row.ctx.load(target, i, w)
-        return p * (1.0 - smoothing) + smoothing / n if smoothing else p
-
-    return read
-
-
-def _label(ctx, target, r: Value, n: int) -> Value:
-    """Row r's class, checked against the class count (a bad one marks the step failed)."""
-    label = load_index(ctx, target, r)
-    check_range(ctx, label, n)
-    return label
-
-
-def _row_loss(row: Row, logits, target, label: Value | None, peak: Value, total: Value, smoothing: float) -> Value:
-    """A row's cross-entropy from its max and Σ exp: lse − x[label] for a class (with
-    smoothing, less s/n·Σx), or Σ p'·(lse − x) for a probability target."""
-    ctx, n = row.ctx, row.length
-    logsumexp = peak + total.log()
-    if label is not None:
-        inside = (label >= 0) & (label < n)  # a bad class was reported; read a safe one
-        picked = ctx.load(logits, row.start + inside.where(label, 0))
-        value = logsumexp - picked * (1.0 - smoothing)
-        if smoothing:
-            value = value - row.sum(lambda i, w: ctx.load(logits, i, w)) * (smoothing / n)
-        return value
-    target_row = _smoothed(row, target, smoothing, n)
-    return row.sum(lambda i, w: target_row(i, w) * (logsumexp.splat(w) - ctx.load(logits, i, w)))
-
-
-def _class_targets(target) -> bool:
-    return target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
-
-
-@kernel("CrossEntropyRow", {"SoftmaxCrossEntropy"}, supports=_nonempty_rows)
+@kernel("CrossEntropyRow", {"SoftmaxCrossEntropy"}, supports=nonempty_rows)
 def cross_entropy(ctx, op) -> None:
-    logits, target = op.inputs
-    loss = op.outputs[0]
-    _, n = _rows(op)
-    smoothing = attrs_of(op)["label_smoothing"]
-
-    def body(ctx, r):
-        row = Row(ctx, r * n, n, logits.dtype)
-        peak, total = _peak_and_exp_sum(row, logits)
-        label = _label(ctx, target, r, n) if _class_targets(target) else None
-        ctx.store(loss, r, _row_loss(row, logits, target, label, peak, total, smoothing))
-
-    each_row(ctx, op, body)
+    each_row(ctx, op, cross_entropy_rows(op))
 
 
-@kernel("CrossEntropyGradRow", {"SoftmaxCrossEntropyGrad"}, supports=_nonempty_rows)
+@kernel("CrossEntropyGradRow", {"SoftmaxCrossEntropyGrad"}, supports=nonempty_rows)
 def cross_entropy_grad(ctx, op) -> None:
-    """d logits = d loss · (softmax · Σp' − p') in three passes per row (max, sum of exp,
-    output), with the target row p' built on the fly: no one-hot, no stored softmax.
-    A float32/float64 output holds the exponentials between the last two passes (as
-    the softmax does), so each element's exp is computed once: the kernel's main cost.
-    Fused with the forward (`with_loss`), the row's loss comes from the same max and sum."""
-    logits, target, dloss = op.inputs
-    out = op.outputs[0]
-    loss = op.outputs[1] if len(op.outputs) > 1 else None
-    _, n = _rows(op)
-    smoothing = attrs_of(op)["label_smoothing"]
-    classes = _class_targets(target)
-    keep = out.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
-
-    def body(ctx, r):
-        start = r * n
-        row = Row(ctx, start, n, logits.dtype)
-        peak = row.max(logits)
-
-        def exponential(i, w):
-            return (ctx.load(logits, i, w) - peak.splat(w)).exp()
-
-        def stored_exponential(i, w):
-            e = exponential(i, w)
-            ctx.store(out, i, e)
-            return e
-
-        total = row.sum(stored_exponential if keep else exponential)
-        g = ctx.load(dloss, r)
-        if classes:
-            label = _label(ctx, target, r, n)
-            mass = ctx.constant(logits.dtype, 1.0)
-        else:
-            label, smoothed = None, _smoothed(row, target, smoothing, n)
-            mass = row.sum(smoothed)
-        scale = g * mass / total
-        if loss is not None:
-            ctx.store(loss, r, _row_loss(row, logits, target, label, peak, total, smoothing))
-
-        def gradient(i, w):
-            probability = (ctx.load(out, i, w) if keep else exponential(i, w)) * scale.splat(w)
-            if classes:
-                hot = ((i - start).splat(w) + ctx.lane_numbers(w)).equal(label.splat(w))
-                on, off = ctx.constant(logits.dtype, 1.0 - smoothing + smoothing / n, w), smoothing / n
-                share = hot.where(on, off)
-            else:
-                share = smoothed(i, w)
-            ctx.store(out, i, probability - share * g.splat(w))
-
-        row.each(gradient)
-
-    each_row(ctx, op, body)
+    each_row(ctx, op, cross_entropy_grad_rows(op))

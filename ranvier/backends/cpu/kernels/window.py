@@ -8,10 +8,11 @@ from llvmlite import ir
 from .... import dtypes
 from ....ops import attrs_of
 from ....ops.nn import pool_params
+from ...llvm.loops import fill
 from ...llvm.strided import View, contiguous_strides, dense_view
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
-from ..views import emit_map, fill
+from ..views import emit_map
 from .library import kernel
 
 

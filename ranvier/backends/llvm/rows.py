@@ -1,0 +1,268 @@
+"""Fused row kernels over the last axis, for every LLVM backend: Softmax, LogSoftmax,
+LayerNorm, RMSNorm and SoftmaxCrossEntropy with its gradient, each in as few passes over
+the row as its math allows.
+
+    softmax        max | exp, sum (exp stored) | scale
+    log_softmax    max | sum of exp            | x − max − log(sum)
+    layer_norm     mean | variance             | normalize, scale, shift
+    rms_norm       mean square                 | normalize, scale
+    cross-entropy  max | sum of exp (and of target·x) → one loss per row
+    its gradient   max | sum of exp            | softmax · Σp' − p'  (and the loss)
+
+Each `*_rows(op)` gives the body of one row, `body(ctx, r)`, over an `EmitContext`: the CPU
+backend shares rows out over its cores and runs the passes in vectors; a GPU thread runs a
+row's passes one element at a time (its context's vectors are one lane wide).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ... import dtypes
+from ...ops import attrs_of
+from .context import EmitContext, check_range, load_index
+from .loops import fold, for_vectors
+from .values import Value
+
+RowBody = Callable[[EmitContext, Value], None]
+
+
+class Row:
+    """Vector passes over one row of `length` elements starting at element `start`."""
+
+    def __init__(self, ctx: EmitContext, start: Value, length: int, dtype: str):
+        self.ctx, self.start, self.length, self.dtype = ctx, start, length, dtype
+        self.lanes = ctx.lanes_for([dtype])
+        while self.lanes > 1 and self.lanes > length:  # short rows (a head of 8) use narrower vectors
+            self.lanes //= 2
+
+    def fold(self, initial: float, combine, term: Callable[[Value, int], Value]) -> Value:
+        """`combine` over `term(index, width)` along the row, vector lanes first."""
+        return fold(self.ctx, self.start, self.length, self.lanes, self.dtype, initial, combine, term)
+
+    def sum(self, term: Callable[[Value, int], Value]) -> Value:
+        return self.fold(0.0, _add, term)
+
+    def max(self, var) -> Value:
+        return self.fold(-math.inf, _max, lambda i, w: self.ctx.load(var, i, w))
+
+    def each(self, body: Callable[[Value, int], None]) -> None:
+        for_vectors(self.ctx, self.start, self.length, self.lanes, body)
+
+
+def _max(acc: Value, x: Value) -> Value:
+    return (x > acc).where(x, acc)
+
+
+def _add(acc: Value, x: Value) -> Value:
+    return acc + x
+
+
+def _square(x: Value) -> Value:
+    return x * x
+
+
+def row_shape(op) -> tuple[int, int]:
+    """(rows, row length) of a row op over the last axis."""
+    x = op.inputs[0]
+    return x.size // x.shape[-1] if x.shape[-1] else 0, x.shape[-1]
+
+
+def last_axis(op) -> bool:
+    x = op.inputs[0]
+    return attrs_of(op)["axis"] % x.rank == x.rank - 1 and x.shape[-1] > 0
+
+
+def nonempty_rows(op) -> bool:
+    return op.inputs[0].shape[-1] > 0
+
+
+def softmax_rows(op) -> RowBody:
+    x, y = op.inputs[0], op.outputs[0]
+    _, n = row_shape(op)
+    log = op.type == "LogSoftmax"
+    # A float32/float64 y holds the exponentials between passes; a half-precision y
+    # would round them, and the result twice, so there they are computed again.
+    keep = not log and y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
+
+    def body(ctx, r):
+        row = Row(ctx, r * n, n, x.dtype)
+        peak = row.max(x)
+
+        def exponential(i, w):
+            return (ctx.load(x, i, w) - peak.splat(w)).exp()
+
+        def stored_exponential(i, w):
+            e = exponential(i, w)
+            if keep:
+                ctx.store(y, i, e)
+            return e
+
+        total = row.sum(stored_exponential)
+        if log:
+            shift = peak + total.log()
+            row.each(lambda i, w: ctx.store(y, i, ctx.load(x, i, w) - shift.splat(w)))
+        elif keep:
+            scale = 1.0 / total
+            # The exponentials were stored in y by the sum pass; scale them in place.
+            row.each(lambda i, w: ctx.store(y, i, ctx.load(y, i, w) * scale.splat(w)))
+        else:
+            scale = 1.0 / total
+            row.each(lambda i, w: ctx.store(y, i, exponential(i, w) * scale.splat(w)))
+
+    return body
+
+
+def norm_rows(op) -> RowBody:
+    x, y = op.inputs[0], op.outputs[0]
+    gamma = op.inputs[1] if len(op.inputs) > 1 else None
+    beta = op.inputs[2] if len(op.inputs) > 2 else None
+    _, n = row_shape(op)
+    eps = attrs_of(op)["eps"]
+
+    def body(ctx, r):
+        start = r * n
+        row = Row(ctx, start, n, x.dtype)
+        if op.type == "RMSNorm":
+            mean = ctx.constant(x.dtype, 0.0)
+            square = row.sum(lambda i, w: _square(ctx.load(x, i, w)))
+        else:
+            mean = row.sum(lambda i, w: ctx.load(x, i, w)) * (1.0 / n)
+            square = row.sum(lambda i, w: _square(ctx.load(x, i, w) - mean.splat(w)))
+        rstd = 1.0 / (square * (1.0 / n) + eps).sqrt()
+
+        def normalize(i, w):
+            value = (ctx.load(x, i, w) - mean.splat(w)) * rstd.splat(w)
+            column = i - start
+            if gamma is not None:
+                value = value * ctx.load(gamma, column, w)
+            if beta is not None:
+                value = value + ctx.load(beta, column, w)
+            ctx.store(y, i, value)
+
+        row.each(normalize)
+
+    return body
+
+
+def _peak_and_exp_sum(row: Row, x) -> tuple[Value, Value]:
+    """A row's maximum and Σ exp(x − max): the two passes every log-sum-exp starts with."""
+    ctx = row.ctx
+    peak = row.max(x)
+    return peak, row.sum(lambda i, w: (ctx.load(x, i, w) - peak.splat(w)).exp())
+
+
+def _smoothed(row: Row, target, smoothing: float, n: int) -> Callable[[Value, int], Value]:
+    """Reader of a probability target row with label smoothing: p' = p(1 − s) + s/n."""
+
+    def read(i, w):
+        p = row.ctx.load(target, i, w)
+        return p * (1.0 - smoothing) + smoothing / n if smoothing else p
+
+    return read
+
+
+def _label(ctx, target, r: Value, n: int) -> Value:
+    """Row r's class, checked against the class count (a bad one marks the step failed)."""
+    label = load_index(ctx, target, r)
+    check_range(ctx, label, n)
+    return label
+
+
+def _row_loss(row: Row, logits, target, label: Value | None, peak: Value, total: Value, smoothing: float) -> Value:
+    """A row's cross-entropy from its max and Σ exp: lse − x[label] for a class (with
+    smoothing, less s/n·Σx), or Σ p'·(lse − x) for a probability target."""
+    ctx, n = row.ctx, row.length
+    logsumexp = peak + total.log()
+    if label is not None:
+        inside = (label >= 0) & (label < n)  # a bad class was reported; read a safe one
+        picked = ctx.load(logits, row.start + inside.where(label, 0))
+        value = logsumexp - picked * (1.0 - smoothing)
+        if smoothing:
+            value = value - row.sum(lambda i, w: ctx.load(logits, i, w)) * (smoothing / n)
+        return value
+    target_row = _smoothed(row, target, smoothing, n)
+    return row.sum(lambda i, w: target_row(i, w) * (logsumexp.splat(w) - ctx.load(logits, i, w)))
+
+
+def _class_targets(target) -> bool:
+    return target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
+
+
+def cross_entropy_rows(op) -> RowBody:
+    logits, target = op.inputs
+    loss = op.outputs[0]
+    _, n = row_shape(op)
+    smoothing = attrs_of(op)["label_smoothing"]
+
+    def body(ctx, r):
+        row = Row(ctx, r * n, n, logits.dtype)
+        peak, total = _peak_and_exp_sum(row, logits)
+        label = _label(ctx, target, r, n) if _class_targets(target) else None
+        ctx.store(loss, r, _row_loss(row, logits, target, label, peak, total, smoothing))
+
+    return body
+
+
+def cross_entropy_grad_rows(op) -> RowBody:
+    """d logits = d loss · (softmax · Σp' − p') in three passes per row (max, sum of exp,
+    output), with the target row p' built on the fly: no one-hot, no stored softmax.
+    A float32/float64 output holds the exponentials between the last two passes (as
+    the softmax does), so each element's exp is computed once: the kernel's main cost.
+    Fused with the forward (`with_loss`), the row's loss comes from the same max and sum."""
+    logits, target, dloss = op.inputs
+    out = op.outputs[0]
+    loss = op.outputs[1] if len(op.outputs) > 1 else None
+    _, n = row_shape(op)
+    smoothing = attrs_of(op)["label_smoothing"]
+    classes = _class_targets(target)
+    keep = out.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
+
+    def body(ctx, r):
+        start = r * n
+        row = Row(ctx, start, n, logits.dtype)
+        peak = row.max(logits)
+
+        def exponential(i, w):
+            return (ctx.load(logits, i, w) - peak.splat(w)).exp()
+
+        def stored_exponential(i, w):
+            e = exponential(i, w)
+            ctx.store(out, i, e)
+            return e
+
+        total = row.sum(stored_exponential if keep else exponential)
+        g = ctx.load(dloss, r)
+        if classes:
+            label = _label(ctx, target, r, n)
+            mass = ctx.constant(logits.dtype, 1.0)
+        else:
+            label, smoothed = None, _smoothed(row, target, smoothing, n)
+            mass = row.sum(smoothed)
+        scale = g * mass / total
+        if loss is not None:
+            ctx.store(loss, r, _row_loss(row, logits, target, label, peak, total, smoothing))
+
+        def gradient(i, w):
+            probability = (ctx.load(out, i, w) if keep else exponential(i, w)) * scale.splat(w)
+            if classes:
+                hot = ((i - start).splat(w) + ctx.lane_numbers(w)).equal(label.splat(w))
+                on, off = ctx.constant(logits.dtype, 1.0 - smoothing + smoothing / n, w), smoothing / n
+                share = hot.where(on, off)
+            else:
+                share = smoothed(i, w)
+            ctx.store(out, i, probability - share * g.splat(w))
+
+        row.each(gradient)
+
+    return body
+
+
+# Each row op's body and when it applies (the op's kernels run rows over the last axis).
+ROW_OPS: dict[str, tuple[Callable[..., RowBody], Callable[..., bool]]] = {
+    "Softmax": (softmax_rows, last_axis), "LogSoftmax": (softmax_rows, last_axis),
+    "LayerNorm": (norm_rows, nonempty_rows), "RMSNorm": (norm_rows, nonempty_rows),
+    "SoftmaxCrossEntropy": (cross_entropy_rows, nonempty_rows),
+    "SoftmaxCrossEntropyGrad": (cross_entropy_grad_rows, nonempty_rows),
+}
