@@ -3,7 +3,7 @@
 A kernel's threads each take elements of its index space: thread t of the grid takes
 elements t, t + (threads in the grid), ... (a grid-stride loop, so any launch shape covers
 any size; `launch.py` picks one). What one element is, is a generator's: `maps` (an
-elementwise op or a fused Calculate program: an output element) and `reductions` (a
+elementwise op, a fused Calculate program or a copy: an output element), `reductions` (a
 reduction's output element: a loop down the reduced axis) and `rows` (a row op's row: the
 CPU's row passes, one lane wide), tried in order. A generator says which ops it
 `supports`, the variables its kernel reads and writes (`operands`, each once: the kernel's
@@ -12,8 +12,8 @@ index `index` in a `ThreadContext` (the shared kernel vocabulary, `EmitContext`)
 kernel takes one more parameter, a status word (i64*) a thread sets to 1 on bad data (a
 class label out of range): the runtime raises, naming the step.
 
-That element is a function of its own, `element(index, operands...)`, which the kernel
-calls per element. The same function compiled for the host, inside a plain loop
+That element is a function of its own, `element(index, operands..., status)`, which the
+kernel calls per element. The same function compiled for the host, inside a plain loop
 (`host_module`), is how the code generated for the GPU is checked where there is no GPU.
 """
 
@@ -121,7 +121,7 @@ def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.M
 
 
 def add_kernel(module: ir.Module, op: Operation) -> GPUKernel:
-    """The op's GPU kernel in `module` (a GPU module): `name(operands...)` runs a
+    """The op's GPU kernel in `module` (a GPU module): `name(operands..., status)` runs a
     grid-stride loop over the elements."""
     use_features(module, GPU_FEATURES)
     element, kernel = _element_function(module, op)
@@ -147,7 +147,7 @@ def add_kernel(module: ir.Module, op: Operation) -> GPUKernel:
 
 
 def host_module(op: Operation, triple: str, data_layout: str, features: frozenset[str]) -> tuple[ir.Module, GPUKernel]:
-    """The kernel's element function in a host loop, `name(operands..., first, last)`, for
+    """The kernel's element function in a host loop, `name(operands..., status, first, last)`, for
     the host CPU (`triple`, `data_layout`, `features`): the GPU's arithmetic, run here."""
     module = ir.Module(kernel_name(op))
     module.triple, module.data_layout = triple, data_layout
