@@ -397,6 +397,43 @@ def test_a_row_op_runs_the_cpus_row_passes_one_row_per_thread(name, attrs, dtype
         assert kernel.elements == 6 and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
 
 
+def _lookup(name, indices, oov=False):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    index = f.var("i", "int32", [len(indices)])
+    values = {"f/i": np.array(indices, np.int32)}
+    if name == "Gather":
+        table = f.var("t", "float32", [9, 2, 5])
+        values["f/t"] = random_array([9, 2, 5], "float32", seed=7)
+        inputs = [table, index]
+        if oov:
+            inputs.append(f.var("oov", "float32", [2, 5]))
+            values["f/oov"] = random_array([2, 5], "float32", seed=8)
+        out = f.op("Gather", inputs, None, {})
+    else:
+        out = f.op("OneHot", [index], None, {"depth": 9})
+    out.var.out = True
+    return flow, out.var.producer, values
+
+
+@pytest.mark.parametrize("name,indices,oov", [("Gather", [3, 0, 8, 3], False), ("Gather", [3, -1, 12, 0], True),
+                                             ("OneHot", [3, 0, 8, 3, -2, 9], False)])
+def test_a_lookup_runs_one_index_per_thread_with_the_cpus_results(name, indices, oov):
+    flow, op, values = _lookup(name, indices, oov)
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    (want,) = _cpu_outputs(flow, op, values)
+    assert got[op.outputs[0].name].tobytes() == want.tobytes()
+    if ptx.ptxas_path() is not None:
+        module, kernel = kernels.kernel_module(op)
+        assert kernel.elements == len(indices) and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+
+
+def test_a_gather_outside_its_table_sets_the_status_word():
+    _, op, values = _lookup("Gather", [3, 9, 0])
+    assert _run_on_host(op, values)["status"][0] == 1
+
+
 def test_a_class_label_out_of_range_sets_the_kernels_status_word():
     _, op, values = _row_op("SoftmaxCrossEntropy", {}, "float32", 10, labels=[3, 0, 10, 7, 1, 2])
     assert _run_on_host(op, values)["status"][0] == 1

@@ -2,7 +2,8 @@
 
 A compile needs no GPU: the passes run as for the CPU (less epilogue fusion: a GPU product
 is a cuBLASLt call, its epilogue a kernel of its own), each step gets a GPU kernel —
-generated (`kernels.py`: maps, copies, reductions, one thread per output element) or a
+generated (`kernels.py`: maps, copies, reductions, rows, lookups; one thread per output
+element, row or index) or a
 float32 matrix product planned for cuBLASLt — and the cell's kernels are one PTX module,
 for the GPU found (`driver.py`) or else Hopper (sm_90, 132 multiprocessors). With ptxas at
 hand each kernel's launch shape follows its registers, and the printed cell shows it.
@@ -61,8 +62,9 @@ class CUDABackend:
             return Step(op, GEMM_KERNEL, self.architecture, op_def(op.type).cost(op))
         if not kernels.supports(op):
             raise RanvierError(f"{op.type} op {op.name} has no GPU kernel yet: the CUDA backend generates elementwise "
-                               "maps, fused Calculate programs, copies through views and reductions, and plans float32 "
-                               "matrix products for cuBLASLt; use --backend cpu for this model")
+                               "maps, fused Calculate programs, copies through views, reductions, row kernels (softmax, "
+                               "norms, cross-entropy) and lookups (gather, one-hot), and plans float32 matrix products for "
+                               "cuBLASLt; use --backend cpu for this model")
         return Step(op, kernels.kernel_kind(op), self.architecture, op_def(op.type).cost(op))
 
     def workspace_bytes(self, step: Step) -> int:

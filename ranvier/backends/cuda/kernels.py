@@ -4,8 +4,9 @@ A kernel's threads each take elements of its index space: thread t of the grid t
 elements t, t + (threads in the grid), ... (a grid-stride loop, so any launch shape covers
 any size; `launch.py` picks one). What one element is, is a generator's: `maps` (an
 elementwise op, a fused Calculate program or a copy: an output element), `reductions` (a
-reduction's output element: a loop down the reduced axis) and `rows` (a row op's row: the
-CPU's row passes, one lane wide), tried in order. A generator says which ops it
+reduction's output element: a loop down the reduced axis), `rows` (a row op's row: the
+CPU's row passes, one lane wide) and `lookups` (one index of a Gather or OneHot), tried in
+order. A generator says which ops it
 `supports`, the variables its kernel reads and writes (`operands`, each once: the kernel's
 pointer parameters), how many `elements` there are, and how to `emit` one element at IR
 index `index` in a `ThreadContext` (the shared kernel vocabulary, `EmitContext`). Every
@@ -28,10 +29,10 @@ from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
-from . import maps, reductions, rows
+from . import lookups, maps, reductions, rows
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, reductions, rows)
+GENERATORS = (maps, reductions, rows, lookups)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -53,11 +54,11 @@ def supports(op: Operation) -> bool:
 
 
 def kernel_kind(op: Operation) -> str:
-    """What a cell printout calls the op's kernel: "Copy", "Map", "Reduce" or "Rows"."""
+    """What a cell printout calls the op's kernel: "Copy", "Map", "Reduce", "Rows" or "Lookup"."""
     generator = _generator(op)
     if generator is maps:
         return "Copy" if op.type in maps.COPIES else "Map"
-    return "Reduce" if generator is reductions else "Rows"
+    return {reductions: "Reduce", rows: "Rows", lookups: "Lookup"}[generator]
 
 
 class ThreadContext(EmitContext):

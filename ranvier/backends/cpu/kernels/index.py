@@ -11,6 +11,7 @@ import math
 
 from .... import dtypes
 from ...llvm.context import check_range, load_index
+from ...llvm.lookups import gather_row, one_hot_row
 from ...llvm.loops import fill, for_vectors
 from ...llvm.values import Value
 from .library import kernel
@@ -18,22 +19,8 @@ from .library import kernel
 
 @kernel("Gather", {"Gather"})
 def gather(ctx, op) -> None:
-    """Table rows; with an out-of-vocabulary row (Myelin's third input), an index outside
-    the table reads that row instead of failing."""
-    params, indices, *oov = op.inputs
-    out = op.outputs[0]
-    width = math.prod(params.shape[1:])
-    lanes = ctx.lanes_for([params.dtype])
-    with ctx.loop(0, indices.size, name="n") as n:
-        row = load_index(ctx, indices, n)
-        target = n * width
-        inside = (row >= 0) & (row < params.shape[0]) if oov else check_range(ctx, row, params.shape[0])
-        with ctx.when(inside):
-            source = row * width
-            for_vectors(ctx, 0, width, lanes, lambda i, w: ctx.copy(params, source + i, out, target + i, w))
-        if oov:
-            with ctx.when(~inside):
-                for_vectors(ctx, 0, width, lanes, lambda i, w: ctx.copy(oov[0], i, out, target + i, w))
+    with ctx.loop(0, op.inputs[1].size, name="n") as n:
+        gather_row(op)(ctx, n)
 
 
 def _sums_in_its_own_dtype(op) -> bool:
@@ -64,15 +51,8 @@ def scatter_add(ctx, op) -> None:
 
 @kernel("OneHot", {"OneHot"})
 def one_hot(ctx, op) -> None:
-    """Rows of zeros with a one at the index; an out-of-range index leaves its row zero."""
-    (indices,) = op.inputs
-    out = op.outputs[0]
-    depth = out.shape[-1]
-    fill(ctx, out, 0)
-    with ctx.loop(0, indices.size, name="n") as n:
-        hot = load_index(ctx, indices, n)
-        with ctx.when((hot >= 0) & (hot < depth)):
-            ctx.store(out, n * depth + hot, 1)
+    with ctx.loop(0, op.inputs[0].size, name="n") as n:
+        one_hot_row(op)(ctx, n)
 
 
 def _pooled_rows(ctx, indices, visit) -> Value:
