@@ -162,6 +162,7 @@ REDUCTION_CASES = [  # op, dtype, input shape, axes (None: all)
     ("Max", "float32", [7, 9], [0]), ("Min", "float64", [7, 9], None), ("Product", "float32", [3, 8], [1]),
     ("Sum", "int32", [5, 11], [1]), ("Max", "int8", [4, 6, 5], [2]), ("All", "bool", [6, 7], [1]),
     ("Any", "bool", [6, 7], [0]), ("Mean", "float16", [8, 30], [1]), ("Sum", "bfloat16", [3, 16, 4], [1]),
+    ("ArgMax", "float32", [5, 9, 4], 1), ("ArgMin", "int32", [7, 6], -1),
 ]
 
 
@@ -171,6 +172,8 @@ def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dt
     f = rv.Builder(flow, "f")
     x = f.var("x", dtype, shape)
     attrs = {} if axes is None else {"axis": axes}
+    if name.startswith("Arg"):
+        attrs["output_type"] = "int64"
     out = f.op(name, [x], None, attrs)
     out.var.out = True
     op = out.var.producer
@@ -184,7 +187,7 @@ def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dt
     if want.dtype.kind in "fV":  # floats, bfloat16 among them: summed in another order
         reduced = int(np.prod(shape)) // want.size
         magnitude = np.abs(values["f/x"].astype(np.float64))
-        summed = np.sum(magnitude, axis=None if axes is None else tuple(axes)) / (reduced if name == "Mean" else 1)
+        summed = np.sum(magnitude, axis=None if axes is None else tuple(np.atleast_1d(axes))) / (reduced if name == "Mean" else 1)
         scale = summed if name in ("Sum", "Mean") else np.abs(want.astype(np.float64))
         float32_eps = float(np.finfo(np.float32).eps)
         compute_eps = float(np.finfo(np.float64).eps) if dtype == "float64" else float32_eps
@@ -427,6 +430,19 @@ def test_a_lookup_runs_one_index_per_thread_with_the_cpus_results(name, indices,
     if ptx.ptxas_path() is not None:
         module, kernel = kernels.kernel_module(op)
         assert kernel.elements == len(indices) and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+
+
+@pytest.mark.parametrize("before,after,value", [([0, 1, 2, 2], [0, 1, 2, 2], 0.0), ([1, 0, 0, 3], [0, 2, 1, 0], -1.5)])
+def test_a_pad_is_one_thread_per_output_element_with_the_cpus_result(before, after, value):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [2, 3, 5, 4])
+    out = f.op("Pad", [x], None, {"before": before, "after": after, "value": value})
+    out.var.out = True
+    values = {"f/x": random_array([2, 3, 5, 4], "float32", seed=9)}
+    got = _run_on_host(out.var.producer, values)[out.var.name]
+    (want,) = _cpu_outputs(flow, out.var.producer, values)
+    assert got.tobytes() == want.tobytes()
 
 
 def test_a_gather_outside_its_table_sets_the_status_word():

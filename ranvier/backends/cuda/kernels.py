@@ -3,7 +3,8 @@
 A kernel's threads each take elements of its index space: thread t of the grid takes
 elements t, t + (threads in the grid), ... (a grid-stride loop, so any launch shape covers
 any size; `launch.py` picks one). What one element is, is a generator's: `maps` (an
-elementwise op, a fused Calculate program or a copy: an output element), `reductions` (a
+elementwise op, a fused Calculate program or a copy: an output element), `pads` (a Pad's
+output element), `reductions` (a
 reduction's output element: a loop down the reduced axis), `rows` (a row op's row: the
 CPU's row passes, one lane wide) and `lookups` (one index of a Gather or OneHot), tried in
 order. A generator says which ops it
@@ -29,10 +30,10 @@ from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
-from . import lookups, maps, reductions, rows
+from . import lookups, maps, pads, reductions, rows
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, reductions, rows, lookups)
+GENERATORS = (maps, pads, reductions, rows, lookups)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -54,11 +55,11 @@ def supports(op: Operation) -> bool:
 
 
 def kernel_kind(op: Operation) -> str:
-    """What a cell printout calls the op's kernel: "Copy", "Map", "Reduce", "Rows" or "Lookup"."""
+    """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows" or "Lookup"."""
     generator = _generator(op)
     if generator is maps:
         return "Copy" if op.type in maps.COPIES else "Map"
-    return {reductions: "Reduce", rows: "Rows", lookups: "Lookup"}[generator]
+    return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup"}[generator]
 
 
 class ThreadContext(EmitContext):

@@ -1,7 +1,7 @@
 """One output element of a reduction over contiguous axes (`kernels.py` runs one thread per
 element): the input seen as [outer, reduced, inner], element (o, i) combines x[o, r, i]
 down r from the reduction's starting value, with the CPU backend's combining rules
-(`ranvier.backends.llvm.reductions`). Each thread sums in order, so a long row is one
+(`ranvier.backends.llvm.reductions`); ArgMax and ArgMin run the CPU's own scan. Each thread sums in order, so a long row is one
 thread's loop: correct everywhere, fast where outputs are many (a bias gradient's column
 sums); a row split over a block's threads is the GPU speed issue's."""
 
@@ -13,12 +13,14 @@ from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
 from ..llvm.irutil import compute_type, constant, for_range, i64, load, storage_type, store
-from ..llvm.reductions import REDUCTIONS, blocks, combiner, identity
-from ..llvm.values import Value
+from ..llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, combiner, identity
+from ..llvm.values import Value, index_value
+
+ARG_REDUCTIONS = {"ArgMax", "ArgMin"}
 
 
 def supports(op: Operation) -> bool:
-    return op.type in REDUCTIONS and blocks(op) is not None
+    return op.type in ARG_REDUCTIONS or (op.type in REDUCTIONS and blocks(op) is not None)
 
 
 def operands(op: Operation) -> tuple[Variable, ...]:
@@ -33,6 +35,10 @@ def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
     b = ctx.b
     x, out = op.inputs[0], op.outputs[0]
     _, reduced, inner = blocks(op)
+    if op.type in ARG_REDUCTIONS:
+        at = index_value(b, index)
+        arg_reduction_element(op)(ctx, at // inner, at % inner)
+        return
     combine = combiner(op.type)
     kind = compute_type(x.dtype)
     total = b.alloca(kind)

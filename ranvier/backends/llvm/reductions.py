@@ -1,13 +1,16 @@
 """Reductions as math on IR values, for every LLVM backend: the block structure of a
 reduction over contiguous axes ([outer, reduced, inner]), the value each starts from, and
-how two partial results combine (NaN wins a maximum or minimum, as in numpy)."""
+how two partial results combine (NaN wins a maximum or minimum, as in numpy); and the
+scan of ArgMax/ArgMin for one output element, `body(ctx, o, i)`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ... import dtypes
 from ...ops import attrs_of
+from .context import EmitContext
 from .irutil import compute_type, is_signed
 from .values import Value
 
@@ -62,3 +65,34 @@ def combiner(kind: str):
         return take.where(x, acc)
 
     return combine
+
+
+def arg_reduction_element(op) -> Callable[[EmitContext, Value, Value], None]:
+    """Index of the first maximum (minimum) along the axis; NaN counts as the extreme, as numpy."""
+    x, out = op.inputs[0], op.outputs[0]
+    _, reduced, inner = blocks(op)
+    better = (lambda v, best: v > best) if op.type == "ArgMax" else (lambda v, best: v < best)
+
+    def body(ctx: EmitContext, o: Value, i: Value) -> None:
+        best = ctx.local(x.dtype)
+        where = ctx.local(dtypes.DT_INT64)
+        seen_nan = ctx.local(dtypes.DT_BOOL)
+        base = o * (reduced * inner) + i
+        first = ctx.load(x, base)
+        best.set(first)
+        where.set(ctx.index(0))
+        seen_nan.set(first.not_equal(first) if dtypes.is_float(x.dtype) else ctx.constant(dtypes.DT_BOOL, 0))
+        with ctx.loop(1, reduced, name="r") as r:
+            value = ctx.load(x, base + r * inner)
+            if dtypes.is_float(x.dtype):
+                is_nan = value.not_equal(value)
+                take = ~seen_nan.value & (better(value, best.value) | is_nan)
+                seen_nan.set(seen_nan.value | is_nan)
+            else:
+                take = better(value, best.value)
+            with ctx.when(take):
+                best.set(value)
+                where.set(r)
+        ctx.store(out, o * inner + i, where.value.cast(out.dtype))
+
+    return body

@@ -8,10 +8,9 @@ Reductions over axes that are not adjacent decompose (see `ranvier.ops.reduce`).
 
 from __future__ import annotations
 
-from .... import dtypes
 from ...llvm.irutil import compute_type
 from ...llvm.loops import fold, for_vectors
-from ...llvm.reductions import REDUCTIONS, blocks, combiner, identity
+from ...llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, combiner, identity
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
@@ -107,28 +106,7 @@ def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, fin
 
 @kernel("ArgReduce", {"ArgMax", "ArgMin"})
 def arg_reduction(ctx, op) -> None:
-    """Index of the first maximum (minimum) along the axis; NaN counts as the extreme, as numpy."""
-    x, out = op.inputs[0], op.outputs[0]
-    outer, reduced, inner = blocks(op)
-    better = (lambda v, best: v > best) if op.type == "ArgMax" else (lambda v, best: v < best)
-    best = ctx.local(x.dtype)
-    where = ctx.local(dtypes.DT_INT64)
-    seen_nan = ctx.local(dtypes.DT_BOOL)
+    outer, _, inner = blocks(op)
+    body = arg_reduction_element(op)
     with ctx.loop(0, outer, name="o") as o, ctx.loop(0, inner, name="i") as i:
-        base = o * (reduced * inner) + i
-        first = ctx.load(x, base)
-        best.set(first)
-        where.set(ctx.index(0))
-        seen_nan.set(first.not_equal(first) if dtypes.is_float(x.dtype) else ctx.constant(dtypes.DT_BOOL, 0))
-        with ctx.loop(1, reduced, name="r") as r:
-            value = ctx.load(x, base + r * inner)
-            if dtypes.is_float(x.dtype):
-                is_nan = value.not_equal(value)
-                take = ~seen_nan.value & (better(value, best.value) | is_nan)
-                seen_nan.set(seen_nan.value | is_nan)
-            else:
-                take = better(value, best.value)
-            with ctx.when(take):
-                best.set(value)
-                where.set(r)
-        ctx.store(out, o * inner + i, where.value.cast(out.dtype))
+        body(ctx, o, i)
