@@ -70,18 +70,21 @@ def _run_on_host(op, values) -> dict[str, np.ndarray]:
     each operand's final contents (outputs start as a pattern no element keeps), and the
     kernel's status word ("status")."""
     target = host_target()
-    module, kernel = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
-    code = jit.load_object(jit.compile_object(module, target), target, kernel.name)
+    module, launches = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
+    code = jit.load_object(jit.compile_object(module, target), target, launches[0].name)
+    operands = launches[0].operands
     arrays = {}
-    for var in kernel.operands:
+    for var in operands:
         if var.name in values:
             arrays[var.name] = np.ascontiguousarray(values[var.name]).copy()
         else:
             pattern = np.full(int(np.prod(var.shape)) * np_dtype(var.dtype).itemsize, 0x5A, np.uint8)
             arrays[var.name] = pattern.view(np_dtype(var.dtype)).reshape(var.shape)
     status = np.zeros(1, np.int64)
-    function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)(code.address)
-    function(*[arrays[v.name].ctypes.data for v in kernel.operands], status.ctypes.data, 0, kernel.elements)
+    for kernel in launches:
+        function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(operands) + 1), ctypes.c_int64, ctypes.c_int64)(
+            code.address_of(kernel.name))
+        function(*[arrays[v.name].ctypes.data for v in operands], status.ctypes.data, 0, kernel.elements)
     arrays["status"] = status
     return arrays
 
@@ -103,7 +106,7 @@ def test_every_formula_op_assembles_for_the_gpu(architecture):
     """One module per op; ptxas accepts each and reports its registers (no spills)."""
     for name, dtype in CASES:
         _, op, _ = _single_op_flow(name, dtype)
-        module, kernel = kernels.kernel_module(op, architecture)
+        module, (kernel,) = kernels.kernel_module(op, architecture)
         text = ptx.emit_ptx(module, architecture)
         assert f".visible .entry {kernel.name}(" in text and f".target {architecture}" in text
         assembled = ptx.assemble(text, architecture)
@@ -153,7 +156,7 @@ def test_a_fused_calculate_program_becomes_one_kernel_with_the_cpus_arithmetic(b
     for var in op.outputs:
         assert got[var.name].tobytes() == np.array(data[var.name]).tobytes(), var.name
     if ptx.ptxas_path() is not None:
-        module, kernel = kernels.kernel_module(op)
+        module, (kernel,) = kernels.kernel_module(op)
         assert ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
 
 
@@ -196,7 +199,7 @@ def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dt
     else:
         np.testing.assert_array_equal(got, want)
     if ptx.ptxas_path() is not None:
-        module, kernel = kernels.kernel_module(op)
+        module, (kernel,) = kernels.kernel_module(op)
         assert kernel.elements == want.size and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
 
 
@@ -210,7 +213,7 @@ def test_an_op_without_a_gpu_kernel_is_refused_by_name():
 
 def test_the_kernels_operands_are_each_variable_once_in_a_stable_order():
     _, op, _ = _single_op_flow("Add", "float32")
-    _, kernel = kernels.kernel_module(op)
+    _, (kernel,) = kernels.kernel_module(op)
     assert [v.name for v in kernel.operands] == ["f/in0", "f/in1", op.outputs[0].name]
     assert kernel.elements == int(np.prod(SHAPE))
     parameters = [str(t) for t in kernels.kernel_module(op)[0].get_global(kernel.name).function_type.args]
@@ -343,11 +346,11 @@ def test_a_found_gpu_sets_the_architecture_and_nothing_runs_in_its_place(monkeyp
 
 
 def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
-    def arg_max(f):
-        f.op("ArgMax", [f.var("x", "float32", [4, 10])], None, {"axis": 1}).var.out = True
+    def concat(f):
+        f.concat([f.var("x", "float32", [4, 10]), f.var("y", "float32", [4, 3])], axis=1).var.out = True
 
-    with pytest.raises(RanvierError, match="ArgMax op f/ArgMax has no GPU kernel yet"):
-        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), arg_max)
+    with pytest.raises(RanvierError, match="Concat op f/Concat has no GPU kernel yet"):
+        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), concat)
 
 
 ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's
@@ -396,7 +399,7 @@ def test_a_row_op_runs_the_cpus_row_passes_one_row_per_thread(name, attrs, dtype
         error = np.abs(got[var.name].astype(np.float64) - want)
         assert np.all(error <= 8 * eps * (np.abs(want) + 1) + (n * eps if dtype != "float16" else 4 * eps)), (name, var.name, error.max())
     if ptx.ptxas_path() is not None:
-        module, kernel = kernels.kernel_module(op)
+        module, (kernel,) = kernels.kernel_module(op)
         assert kernel.elements == 6 and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
 
 
@@ -428,7 +431,7 @@ def test_a_lookup_runs_one_index_per_thread_with_the_cpus_results(name, indices,
     (want,) = _cpu_outputs(flow, op, values)
     assert got[op.outputs[0].name].tobytes() == want.tobytes()
     if ptx.ptxas_path() is not None:
-        module, kernel = kernels.kernel_module(op)
+        module, (kernel,) = kernels.kernel_module(op)
         assert kernel.elements == len(indices) and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
 
 
@@ -443,6 +446,38 @@ def test_a_pad_is_one_thread_per_output_element_with_the_cpus_result(before, aft
     got = _run_on_host(out.var.producer, values)[out.var.name]
     (want,) = _cpu_outputs(flow, out.var.producer, values)
     assert got.tobytes() == want.tobytes()
+
+
+def _scatter(name):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    if name == "ScatterAdd":
+        indices, updates = f.var("i", "int32", [6]), f.var("u", "float32", [6, 5])
+        out = f.op("ScatterAdd", [indices, updates], None, {"rows": 4})
+        values = {"f/i": np.array([1, 3, 1, 0, 3, 3], np.int32), "f/u": random_array([6, 5], "float32", seed=10)}
+    else:  # the windows of a 3 × 3, stride 2 view of a 7 × 9 image: overlapping windows add up
+        d = f.var("d", "float32", [3, 4, 3, 3])
+        out = f.op("StridedScatterAdd", [d], None, {"offset": 0, "shape": [3, 4, 3, 3], "strides": [18, 2, 9, 1],
+                                                   "target_shape": [7, 9]})
+        values = {"f/d": random_array([3, 4, 3, 3], "float32", seed=11)}
+    out.var.out = True
+    return flow, out.var.producer, values
+
+
+@pytest.mark.parametrize("name", ["ScatterAdd", "StridedScatterAdd"])
+def test_a_scatter_zeroes_then_adds_with_atomics_and_equals_the_cpu_in_index_order(name):
+    flow, op, values = _scatter(name)
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    (want,) = _cpu_outputs(flow, op, values)
+    assert got[op.outputs[0].name].tobytes() == want.tobytes()
+    module, launches = kernels.kernel_module(op)
+    assert [k.elements for k in launches] == [op.outputs[0].size, op.inputs[-1].size]
+    text = ptx.emit_ptx(module)
+    assert "atom.global.add.f32" in text or "red.global.add.f32" in text
+    if ptx.ptxas_path() is not None:
+        assembled = ptx.assemble(text)
+        assert all(assembled.registers(k.name) > 0 for k in launches)
 
 
 def test_a_gather_outside_its_table_sets_the_status_word():
@@ -465,9 +500,11 @@ def _copies(f):
         out.var.out = True
 
 
-def test_an_mlp_training_step_compiles_for_the_gpu_whole(monkeypatch):
-    """Forward, loss and its gradient, backward products and Adam: every step a GPU kernel
-    or a planned product; only the instances need the device."""
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, model):
+    """Forward, loss and its gradient, backward products (a CNN's windows and their
+    scatter-adds) and Adam: every step a GPU kernel or a planned product; only the
+    instances need the device."""
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 
     monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
@@ -475,12 +512,15 @@ def test_an_mlp_training_step_compiles_for_the_gpu_whole(monkeypatch):
     compile_flow = rv.Compiler.compile
     monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: networks.append(compile_flow(self, flow)) or networks[-1])
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
-        make_trainer(MnistConfig(steps=1, backend="cuda"))
+        make_trainer(MnistConfig(steps=1, backend="cuda", model=model))
     train = networks[0].cell("train")
     kinds = [step.kernel for step in train.steps]
-    assert set(kinds) == {"CublasLtGemm", "Map", "Copy", "Reduce", "Rows"}, kinds
-    assert sum(kind == "CublasLtGemm" for kind in kinds) == 5  # two forward products, three backward
-    assert [step.op.type for step in train.steps if step.kernel == "Rows"] == ["SoftmaxCrossEntropyGrad"]
+    if model == "mlp":
+        assert set(kinds) == {"CublasLtGemm", "Map", "Copy", "Reduce", "Rows"}, kinds
+        assert sum(kind == "CublasLtGemm" for kind in kinds) == 5  # two forward products, three backward
+        assert [step.op.type for step in train.steps if step.kernel == "Rows"] == ["SoftmaxCrossEntropyGrad"]
+    else:
+        assert {"CublasLtGemm", "Pad", "Scatter", "Reduce", "Rows"} <= set(kinds), kinds
     if ptx.ptxas_path() is not None:
         ptx.assemble(train.backend.code(train, "ptx"))
 

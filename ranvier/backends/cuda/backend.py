@@ -2,8 +2,8 @@
 
 A compile needs no GPU: the passes run as for the CPU (less epilogue fusion: a GPU product
 is a cuBLASLt call, its epilogue a kernel of its own), each step gets a GPU kernel —
-generated (`kernels.py`: maps, copies, reductions, rows, lookups; one thread per output
-element, row or index) or a
+generated (`kernels.py`: maps, copies, pads, reductions, rows, lookups, scatters; one
+thread per output element, row or index) or a
 float32 matrix product planned for cuBLASLt — and the cell's kernels are one PTX module,
 for the GPU found (`driver.py`) or else Hopper (sm_90, 132 multiprocessors). With ptxas at
 hand each kernel's launch shape follows its registers, and the printed cell shows it.
@@ -62,9 +62,9 @@ class CUDABackend:
             return Step(op, GEMM_KERNEL, self.architecture, op_def(op.type).cost(op))
         if not kernels.supports(op):
             raise RanvierError(f"{op.type} op {op.name} has no GPU kernel yet: the CUDA backend generates elementwise "
-                               "maps, fused Calculate programs, copies through views, reductions, row kernels (softmax, "
-                               "norms, cross-entropy) and lookups (gather, one-hot), and plans float32 matrix products for "
-                               "cuBLASLt; use --backend cpu for this model")
+                               "maps, fused Calculate programs, copies through views, pads, reductions, row kernels "
+                               "(softmax, norms, cross-entropy), lookups (gather, one-hot) and scatter-adds, and plans "
+                               "float32 matrix products for cuBLASLt; use --backend cpu for this model")
         return Step(op, kernels.kernel_kind(op), self.architecture, op_def(op.type).cost(op))
 
     def workspace_bytes(self, step: Step) -> int:
@@ -85,14 +85,13 @@ class CUDABackend:
         generated = {}
         for index, step in enumerate(cell.steps):
             if step.kernel != GEMM_KERNEL:
-                generated[index] = kernels.add_kernel(module, step.op)
+                generated[index] = kernels.add_kernels(module, step.op)
         text = ptx.emit_ptx(module, self.architecture)
         assembled = ptx.assemble(text, self.architecture) if generated and ptx.ptxas_path() else None
-        for index, kernel in generated.items():
-            step = cell.steps[index]
+        for index, launches in generated.items():
             if assembled is not None:
-                shape = map_launch(kernel.elements, self.multiprocessors, assembled.registers(kernel.name))
-                step.variant = f"{self.architecture} {shape}"
+                shapes = [map_launch(k.elements, self.multiprocessors, assembled.registers(k.name)) for k in launches]
+                cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes))}"
         cell.native = {"module": module, "ptx": text, "kernels": generated}
 
     def code(self, cell: Cell, kind: str) -> str:

@@ -6,11 +6,13 @@ any size; `launch.py` picks one). What one element is, is a generator's: `maps` 
 elementwise op, a fused Calculate program or a copy: an output element), `pads` (a Pad's
 output element), `reductions` (a
 reduction's output element: a loop down the reduced axis), `rows` (a row op's row: the
-CPU's row passes, one lane wide) and `lookups` (one index of a Gather or OneHot), tried in
-order. A generator says which ops it
-`supports`, the variables its kernel reads and writes (`operands`, each once: the kernel's
-pointer parameters), how many `elements` there are, and how to `emit` one element at IR
-index `index` in a `ThreadContext` (the shared kernel vocabulary, `EmitContext`). Every
+CPU's row passes, one lane wide), `lookups` (one index of a Gather or OneHot) and
+`scatters` (an accumulation: the output zeroed, then one thread per element added), tried
+in order. A generator says which ops it `supports`, the variables its kernels read and
+write (`operands`, each once: the kernels' pointer parameters), and either how many
+`elements` there are and how to `emit` one element at IR index `index` in a
+`ThreadContext` (the shared kernel vocabulary, `EmitContext`), or its `launches`: several
+such (elements, emit) in order. Every
 kernel takes one more parameter, a status word (i64*) a thread sets to 1 on bad data (a
 class label out of range): the runtime raises, naming the step.
 
@@ -21,6 +23,7 @@ kernel calls per element. The same function compiled for the host, inside a plai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llvmlite import ir
@@ -30,10 +33,10 @@ from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
-from . import lookups, maps, pads, reductions, rows
+from . import lookups, maps, pads, reductions, rows, scatters
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, pads, reductions, rows, lookups)
+GENERATORS = (maps, pads, reductions, rows, lookups, scatters)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -55,11 +58,11 @@ def supports(op: Operation) -> bool:
 
 
 def kernel_kind(op: Operation) -> str:
-    """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows" or "Lookup"."""
+    """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup" or "Scatter"."""
     generator = _generator(op)
     if generator is maps:
         return "Copy" if op.type in maps.COPIES else "Map"
-    return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup"}[generator]
+    return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup", scatters: "Scatter"}[generator]
 
 
 class ThreadContext(EmitContext):
@@ -93,20 +96,35 @@ def kernel_name(op: Operation) -> str:
     return "k_" + "".join(c if c.isalnum() else "_" for c in op.name)
 
 
-def _element_function(module: ir.Module, op: Operation) -> tuple[ir.Function, GPUKernel]:
+Emit = Callable[[EmitContext, ir.Value], None]
+
+
+def _launches(op: Operation) -> list[tuple[int, Emit]]:
+    """The op's launches in order, each (elements, how to emit one): one for most ops; an
+    accumulation first zeroes its output (a launch finishes before the next starts)."""
     generator = _generator(op)
-    operands = generator.operands(op)
-    name = kernel_name(op)
+    if hasattr(generator, "launches"):
+        return generator.launches(op)
+    return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index))]
+
+
+def _element_functions(module: ir.Module, op: Operation) -> list[tuple[ir.Function, GPUKernel]]:
+    """`element(index, operands..., status)` for each of the op's launches, with its kernel's name."""
+    operands = _generator(op).operands(op)
     pointers = [storage_type(v.dtype).as_pointer() for v in operands]
-    function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers, I64.as_pointer()]), name=f"{name}_element")
-    function.linkage = "internal"
-    function.attributes.add("alwaysinline")
-    index, *arguments, status = function.args
-    ctx = ThreadContext(module, ir.IRBuilder(function.append_basic_block("entry")), {id(v): arguments[k] for k, v in enumerate(operands)},
-                        status)
-    generator.emit(ctx, op, index)
-    ctx.b.ret_void()
-    return function, GPUKernel(name, operands, generator.elements(op))
+    made = []
+    for number, (elements, emit) in enumerate(_launches(op)):
+        name = kernel_name(op) + (f"$then{number}" if number else "")  # "$": no op name makes it
+        function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers, I64.as_pointer()]), name=f"{name}_element")
+        function.linkage = "internal"
+        function.attributes.add("alwaysinline")
+        index, *arguments, status = function.args
+        ctx = ThreadContext(module, ir.IRBuilder(function.append_basic_block("entry")),
+                            {id(v): arguments[k] for k, v in enumerate(operands)}, status)
+        emit(ctx, index)
+        ctx.b.ret_void()
+        made.append((function, GPUKernel(name, operands, elements)))
+    return made
 
 
 def _special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value:
@@ -116,49 +134,54 @@ def _special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value
     return b.zext(b.call(function, []), I64)
 
 
-def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.Module, GPUKernel]:
-    """A module of the op's GPU kernel alone."""
+def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.Module, list[GPUKernel]]:
+    """A module of the op's GPU kernels alone (one per launch)."""
     module = gpu_module(kernel_name(op), architecture)
-    return module, add_kernel(module, op)
+    return module, add_kernels(module, op)
 
 
-def add_kernel(module: ir.Module, op: Operation) -> GPUKernel:
-    """The op's GPU kernel in `module` (a GPU module): `name(operands..., status)` runs a
-    grid-stride loop over the elements."""
+def add_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
+    """The op's GPU kernels in `module` (a GPU module), one per launch, in launch order:
+    `name(operands..., status)` runs a grid-stride loop over the launch's elements."""
     use_features(module, GPU_FEATURES)
-    element, kernel = _element_function(module, op)
-    function = ir.Function(module, ir.FunctionType(VOID, list(element.function_type.args[1:])), name=kernel.name)
-    b = ir.IRBuilder(function.append_basic_block("entry"))
-    threads = _special_register(module, b, "ntid.x")
-    first = b.add(b.mul(_special_register(module, b, "ctaid.x"), threads), _special_register(module, b, "tid.x"))
-    step = b.mul(_special_register(module, b, "nctaid.x"), threads)
-    loop, body, done = (function.append_basic_block(n) for n in ("loop", "body", "done"))
-    b.branch(loop)
-    b.position_at_end(loop)
-    index = b.phi(I64)
-    index.add_incoming(first, function.blocks[0])
-    b.cbranch(b.icmp_unsigned("<", index, i64(kernel.elements)), body, done)
-    b.position_at_end(body)
-    b.call(element, [index, *function.args])
-    index.add_incoming(b.add(index, step), body)
-    b.branch(loop)
-    b.position_at_end(done)
-    b.ret_void()
-    mark_kernel(module, function)
-    return kernel
+    kernels = []
+    for element, kernel in _element_functions(module, op):
+        function = ir.Function(module, ir.FunctionType(VOID, list(element.function_type.args[1:])), name=kernel.name)
+        b = ir.IRBuilder(function.append_basic_block("entry"))
+        threads = _special_register(module, b, "ntid.x")
+        first = b.add(b.mul(_special_register(module, b, "ctaid.x"), threads), _special_register(module, b, "tid.x"))
+        step = b.mul(_special_register(module, b, "nctaid.x"), threads)
+        loop, body, done = (function.append_basic_block(n) for n in ("loop", "body", "done"))
+        b.branch(loop)
+        b.position_at_end(loop)
+        index = b.phi(I64)
+        index.add_incoming(first, function.blocks[0])
+        b.cbranch(b.icmp_unsigned("<", index, i64(kernel.elements)), body, done)
+        b.position_at_end(body)
+        b.call(element, [index, *function.args])
+        index.add_incoming(b.add(index, step), body)
+        b.branch(loop)
+        b.position_at_end(done)
+        b.ret_void()
+        mark_kernel(module, function)
+        kernels.append(kernel)
+    return kernels
 
 
-def host_module(op: Operation, triple: str, data_layout: str, features: frozenset[str]) -> tuple[ir.Module, GPUKernel]:
-    """The kernel's element function in a host loop, `name(operands..., status, first, last)`, for
-    the host CPU (`triple`, `data_layout`, `features`): the GPU's arithmetic, run here."""
+def host_module(op: Operation, triple: str, data_layout: str, features: frozenset[str]) -> tuple[ir.Module, list[GPUKernel]]:
+    """Each launch's element function in a host loop, `name(operands..., status, first, last)`,
+    for the host CPU (`triple`, `data_layout`, `features`): the GPU's arithmetic, run here
+    (the launches one after another, as the GPU runs them)."""
     module = ir.Module(kernel_name(op))
     module.triple, module.data_layout = triple, data_layout
     use_features(module, features)
-    element, kernel = _element_function(module, op)
-    function = ir.Function(module, ir.FunctionType(VOID, [*element.function_type.args[1:], I64, I64]), name=kernel.name)
-    *pointers, first, last = function.args
-    b = ir.IRBuilder(function.append_basic_block("entry"))
-    with for_range(b, first, last, name="e") as index:
-        b.call(element, [index, *pointers])
-    b.ret_void()
-    return module, kernel
+    kernels = []
+    for element, kernel in _element_functions(module, op):
+        function = ir.Function(module, ir.FunctionType(VOID, [*element.function_type.args[1:], I64, I64]), name=kernel.name)
+        *pointers, first, last = function.args
+        b = ir.IRBuilder(function.append_basic_block("entry"))
+        with for_range(b, first, last, name="e") as index:
+            b.call(element, [index, *pointers])
+        b.ret_void()
+        kernels.append(kernel)
+    return module, kernels
