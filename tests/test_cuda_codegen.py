@@ -346,11 +346,12 @@ def test_a_found_gpu_sets_the_architecture_and_nothing_runs_in_its_place(monkeyp
 
 
 def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
-    def concat(f):
-        f.concat([f.var("x", "float32", [4, 10]), f.var("y", "float32", [4, 3])], axis=1).var.out = True
+    def top_k(f):
+        for out in f.op("TopK", [f.var("x", "float32", [4, 10])], None, {"k": 2}):
+            out.var.out = True
 
-    with pytest.raises(RanvierError, match="Concat op f/Concat has no GPU kernel yet"):
-        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), concat)
+    with pytest.raises(RanvierError, match="TopK op f/TopK has no GPU kernel yet"):
+        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), top_k)
 
 
 ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's
@@ -496,8 +497,10 @@ def _copies(f):
     x = f.var("x", "float32", [6, 10, 40])
     z = f.var("z", "float32", [7, 7])
     for out in (f.transpose(x, [2, 0, 1]), f.slice(x, [1, 2, 3], [4, 7, 30]), f.broadcast_to(f.reshape(z, [7, 1, 7]), [7, 13, 7]),
-                f.transpose(z)):
+                f.transpose(z), f.concat([x, f.slice(x, [0, 0, 0], [6, 10, 3])], axis=2)):
         out.var.out = True
+    for part in f.split(x, 2, axis=1):
+        part.var.out = True
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -529,7 +532,7 @@ def test_copies_through_views_equal_the_cpu_backends():
     flow = rv.Flow()
     _copies(rv.Builder(flow, "f"))
     values = {"f/x": random_array([6, 10, 40], "float32", seed=1), "f/z": random_array([7, 7], "float32", seed=2)}
-    copies = [op for op in flow.ops.values() if op.type in ("Transpose", "Slice", "BroadcastTo", "Reshape")]
+    copies = [op for op in flow.ops.values() if op.type in ("Transpose", "Slice", "BroadcastTo", "Reshape", "Concat", "Split")]
     data = rv.Compiler("cpu").compile(flow).cell("f").instance()
     for name, value in values.items():
         data[name] = value
@@ -537,7 +540,8 @@ def test_copies_through_views_equal_the_cpu_backends():
     reshaped = {}
     for op in copies:
         inputs = {**values, **reshaped}
-        got = _run_on_host(op, inputs)[op.outputs[0].name]
-        reshaped[op.outputs[0].name] = got
-        if op.outputs[0].out:
-            assert got.tobytes() == np.array(data[op.outputs[0].name]).tobytes(), op.type
+        ran = _run_on_host(op, inputs)
+        for out in op.outputs:
+            reshaped[out.name] = ran[out.name]
+            if out.out:
+                assert ran[out.name].tobytes() == np.array(data[out.name]).tobytes(), op.type

@@ -61,7 +61,7 @@ def kernel_kind(op: Operation) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup" or "Scatter"."""
     generator = _generator(op)
     if generator is maps:
-        return "Copy" if op.type in maps.COPIES else "Map"
+        return "Copy" if maps.is_copy(op) else "Map"
     return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup", scatters: "Scatter"}[generator]
 
 

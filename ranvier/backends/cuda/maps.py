@@ -1,5 +1,6 @@
 """One element of an elementwise op with a formula, of a fused Calculate program, or of a
-copy through a view (`kernels.py` runs one thread per element). The element's index is split into the
+copy through a view (`kernels.py` runs one thread per element); a concatenation or split is
+a copy per part, each its own launch. The element's index is split into the
 iteration dimensions (merged where every operand walks them as one), and each operand is
 read through its strided view, so a broadcast costs no copy. The arithmetic is the CPU
 backend's, from the same formulas on the same IR values (`ranvier.backends.llvm.formulas`),
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
@@ -57,41 +59,78 @@ COPIES = {
 }
 
 
+def _identity(values, lanes):
+    return values
+
+
+def _axis(op: Operation, rank: int) -> int:
+    axis = op.inputs[-1] if op.type == "Concat" else op.inputs[2]
+    return int(np.asarray(axis.data).reshape(-1)[0]) % rank
+
+
+def is_copy(op: Operation) -> bool:
+    """Data movement only: a view's copy, a concatenation or a split."""
+    return op.type in COPIES or op.type in ("Concat", "Split")
+
+
+def _parts(op: Operation) -> list[_Map]:
+    """Concat and Split as one copy per part: a part read densely and written through a
+    view of the whole at its position along the axis (or the other way round)."""
+    whole = op.outputs[0] if op.type == "Concat" else op.inputs[0]
+    parts = op.inputs[:-1] if op.type == "Concat" else op.outputs
+    axis = _axis(op, whole.rank)
+    strides = contiguous_strides(whole.shape)
+    maps, position = [], 0
+    for part in parts:
+        at = View(whole, position * strides[axis], strides)
+        if op.type == "Concat":
+            maps.append(_Map(list(part.shape), [dense_view(part)], [at], _identity))
+        else:
+            maps.append(_Map(list(part.shape), [at], [dense_view(part)], _identity))
+        position += part.shape[axis]
+    return maps
+
+
 def supports(op: Operation) -> bool:
-    """An elementwise op with a formula, a Calculate whose outputs share one shape, or a copy
-    through a view (a reshape, broadcast, transpose or slice)."""
+    """An elementwise op with a formula, a Calculate whose outputs share one shape, a copy
+    through a view (a reshape, broadcast, transpose, slice or any strided view), or a
+    concatenation or split (a copy per part)."""
     if op.type == "Calculate":
         return len({tuple(v.shape) for v in op.outputs}) <= 1
     definition = op_def(op.type)
-    return op.type in COPIES or (definition.family == "elementwise" and definition.formula is not None)
+    return is_copy(op) or (definition.family == "elementwise" and definition.formula is not None)
 
 
-def _describe(op: Operation) -> _Map:
+def _describe(op: Operation) -> list[_Map]:
+    """The op's maps, one per launch."""
+    if op.type in ("Concat", "Split"):
+        return _parts(op)
     if op.type in COPIES:
-        return _Map(list(op.outputs[0].shape), [COPIES[op.type](op)], [dense_view(op.outputs[0])], lambda values, lanes: values)
+        return [_Map(list(op.outputs[0].shape), [COPIES[op.type](op)], [dense_view(op.outputs[0])], _identity)]
     if op.type != "Calculate":
         shape = list(op.outputs[0].shape)
-        return _Map(shape, [broadcast_view(v, shape) for v in op.inputs], [dense_view(op.outputs[0])],
-                    lambda values, lanes: [apply(op.type, op.attrs, values)])
+        return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], [dense_view(op.outputs[0])],
+                     lambda values, lanes: [apply(op.type, op.attrs, values)])]
     program = parse(op.attrs["expr"])
     written = [t.index for t, _ in program.statements if t.kind == "%"]
     shape = list(op.outputs[0].shape) if op.outputs else list(op.inputs[written[0]].shape)
     outputs = [dense_view(v) for v in op.outputs] + [dense_view(op.inputs[i]) for i in written]
-    return _Map(shape, [broadcast_view(v, shape) for v in op.inputs], outputs, program_body(program, len(op.outputs)))
+    return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], outputs, program_body(program, len(op.outputs)))]
 
 
 def operands(op: Operation) -> tuple[Variable, ...]:
-    description = _describe(op)
-    return tuple({id(v.var): v.var for v in description.inputs + description.outputs}.values())
+    views = [view for description in _describe(op) for view in description.inputs + description.outputs]
+    return tuple({id(v.var): v.var for v in views}.values())
 
 
-def elements(op: Operation) -> int:
-    return math.prod(_describe(op).shape)
+def launches(op: Operation) -> list:
+    """(elements, emit) per map: one for most ops, one per part of a Concat or Split."""
+    return [(math.prod(description.shape), lambda ctx, index, description=description: _emit(ctx, description, index))
+            for description in _describe(op)]
 
 
-def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def _emit(ctx: EmitContext, description: _Map, index: ir.Value) -> None:
     b = ctx.b
-    description = _describe(op)
     views = description.inputs + description.outputs
     dims, strides = collapse(description.shape, views)
     coordinates, rest = [], index
