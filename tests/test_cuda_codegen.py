@@ -528,6 +528,36 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, model):
         ptx.assemble(train.backend.code(train, "ptx"))
 
 
+def test_a_llama_training_step_compiles_for_the_gpu_whole(monkeypatch):
+    """Embedding gather, RMSNorm, RoPE's splits and concatenations, attention (decomposed
+    into products, a mask and a softmax), SwiGLU, the loss, every gradient (a scatter-add
+    for the embedding) and AdamW with clipping: all GPU kernels or planned products."""
+    from ranvier.models.llama import PRESETS, Llama
+    from ranvier.train.losses import softmax_cross_entropy
+    from ranvier.train.optimizers import AdamW
+    from ranvier.train.trainer import Trainer
+
+    monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
+    networks = []
+    compile_flow = rv.Compiler.compile
+    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: networks.append(compile_flow(self, flow)) or networks[-1])
+    model = Llama(PRESETS["stories260K"], seed=0)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "train")
+    f.func.training = True
+    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
+    params = model.parameters(f)
+    logits = model(f, tokens, params).reshape([32, model.config.vocab_size])
+    loss = softmax_cross_entropy(logits, targets.reshape([32]))
+    with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
+        Trainer(loss, list(params.values()), AdamW(lr=1e-4), clip_norm=1.0, inputs=[tokens, targets], backend="cuda")
+    train = networks[0].cell("train")
+    kinds = {step.kernel for step in train.steps}
+    assert {"CublasLtGemm", "Lookup", "Rows", "Scatter", "Copy", "Map", "Reduce"} <= kinds, kinds
+    if ptx.ptxas_path() is not None:
+        ptx.assemble(train.backend.code(train, "ptx"))
+
+
 def test_copies_through_views_equal_the_cpu_backends():
     flow = rv.Flow()
     _copies(rv.Builder(flow, "f"))
