@@ -346,12 +346,13 @@ def test_a_found_gpu_sets_the_architecture_and_nothing_runs_in_its_place(monkeyp
 
 
 def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
-    def top_k(f):
-        for out in f.op("TopK", [f.var("x", "float32", [4, 10])], None, {"k": 2}):
-            out.var.out = True
+    def grouped(f):
+        x, w = f.var("x", "float32", [6, 4]), f.var("w", "float32", [2, 4, 3])
+        sizes = f.var("offsets", "int32", [3])
+        f.op("GroupedMatMul", [x, w, sizes], None, {}).var.out = True  # rows grouped by offsets
 
-    with pytest.raises(RanvierError, match="TopK op f/TopK has no GPU kernel yet"):
-        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), top_k)
+    with pytest.raises(RanvierError, match="GroupedMatMul op f/GroupedMatMul has no GPU kernel yet"):
+        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), grouped)
 
 
 ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's
@@ -484,6 +485,29 @@ def test_a_scatter_zeroes_then_adds_with_atomics_and_equals_the_cpu_in_index_ord
 def test_a_gather_outside_its_table_sets_the_status_word():
     _, op, values = _lookup("Gather", [3, 9, 0])
     assert _run_on_host(op, values)["status"][0] == 1
+
+
+@pytest.mark.parametrize("name", ["TopK", "SoftmaxTopK"])
+def test_a_router_row_takes_its_top_k_one_row_per_thread(name):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [5, 8])
+    outputs = f.op(name, [x], None, {"k": 3})
+    for out in outputs:
+        out.var.out = True
+    op = outputs[0].var.producer
+    values = {"f/x": random_array([5, 8], "float32", seed=12)}
+    values["f/x"][1, 2] = values["f/x"][1, 5]  # a tie goes to the lower index
+    got = _run_on_host(op, values)
+    want = _cpu_outputs(flow, op, values)
+    for var, expected in zip(op.outputs, want):
+        if var.dtype == "float32" and name == "SoftmaxTopK":  # the softmax's sum in another order
+            np.testing.assert_allclose(got[var.name], expected, rtol=4e-7, atol=0)
+        else:
+            assert got[var.name].tobytes() == expected.tobytes(), var.name
+    if ptx.ptxas_path() is not None:
+        module, (kernel,) = kernels.kernel_module(op)
+        assert ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
 
 
 def test_a_class_label_out_of_range_sets_the_kernels_status_word():

@@ -8,6 +8,8 @@ the row as its math allows.
     rms_norm       mean square                 | normalize, scale
     cross-entropy  max | sum of exp (and of target·x) → one loss per row
     its gradient   max | sum of exp            | softmax · Σp' − p'  (and the loss)
+    top-k          k passes, each the best after the last pick (a router's few experts)
+    softmax-top-k  the softmax's passes, then top-k of the probabilities
 
 Each `*_rows(op)` gives the body of one row, `body(ctx, r)`, over an `EmitContext`: the CPU
 backend shares rows out over its cores and runs the passes in vectors; a GPU thread runs a
@@ -259,10 +261,72 @@ def cross_entropy_grad_rows(op) -> RowBody:
     return body
 
 
+def _key(value: Value) -> Value:
+    """The order top-k ranks by: NaN counts as the largest."""
+    return value.not_equal(value).where(math.inf, value) if value.is_float else value
+
+
+def select_top_k(ctx, source, start: Value, n: int, k: int, values, indices, out_start: Value) -> None:
+    """The k largest of source[start:start+n] into values/indices[out_start:+k], largest
+    first, ties to the lower index: k passes, each taking the best element ranked after
+    the previous pick (k·n compares; k and n are a router's few experts)."""
+    previous = ctx.local(source.dtype)
+    previous_index = ctx.local(dtypes.DT_INT64)
+    best = ctx.local(source.dtype)
+    best_index = ctx.local(dtypes.DT_INT64)
+    with ctx.loop(0, k, name="pick") as j:
+        best_index.set(ctx.index(-1))
+        with ctx.loop(0, n, name="i") as i:
+            key = _key(ctx.load(source, start + i))
+            after_previous = j.equal(0) | (key < previous.value) | (key.equal(previous.value) & (i > previous_index.value))
+            better = (best_index.value < 0) | (key > best.value)
+            with ctx.when(after_previous & better):
+                best.set(key)
+                best_index.set(i)
+        ctx.store(values, out_start + j, ctx.load(source, start + best_index.value))
+        ctx.store(indices, out_start + j, best_index.value.cast(indices.dtype))
+        previous.set(best.value)
+        previous_index.set(best_index.value)
+
+
+def top_k_rows(op) -> RowBody:
+    """Each row's k largest values and their indices."""
+    x = op.inputs[0]
+    values, indices = op.outputs
+    _, n = row_shape(op)
+    k = attrs_of(op)["k"]
+    return lambda ctx, r: select_top_k(ctx, x, r * n, n, k, values, indices, r * k)
+
+
+def softmax_top_k_rows(op) -> RowBody:
+    """softmax over the row (its exponentials stored, then scaled in place), then the top k
+    of the probabilities just written."""
+    x = op.inputs[0]
+    probs, values, indices = op.outputs
+    _, n = row_shape(op)
+    k = attrs_of(op)["k"]
+
+    def body(ctx, r):
+        row = Row(ctx, r * n, n, x.dtype)
+        peak = row.max(x)
+
+        def exponential(i, w):
+            e = (ctx.load(x, i, w) - peak.splat(w)).exp()
+            ctx.store(probs, i, e)
+            return e
+
+        scale = 1.0 / row.sum(exponential)
+        row.each(lambda i, w: ctx.store(probs, i, ctx.load(probs, i, w) * scale.splat(w)))
+        select_top_k(ctx, probs, r * n, n, k, values, indices, r * k)
+
+    return body
+
+
 # Each row op's body and when it applies (the op's kernels run rows over the last axis).
 ROW_OPS: dict[str, tuple[Callable[..., RowBody], Callable[..., bool]]] = {
     "Softmax": (softmax_rows, last_axis), "LogSoftmax": (softmax_rows, last_axis),
     "LayerNorm": (norm_rows, nonempty_rows), "RMSNorm": (norm_rows, nonempty_rows),
     "SoftmaxCrossEntropy": (cross_entropy_rows, nonempty_rows),
     "SoftmaxCrossEntropyGrad": (cross_entropy_grad_rows, nonempty_rows),
+    "TopK": (top_k_rows, nonempty_rows), "SoftmaxTopK": (softmax_top_k_rows, nonempty_rows),
 }

@@ -6,12 +6,10 @@ measured faster than BLAS on a typical group, else BLAS."""
 
 from __future__ import annotations
 
-import math
-
 from .... import dtypes
 from ....ops import attrs_of
 from ...llvm.loops import fill
-from ...llvm.rows import Row
+from ...llvm.rows import softmax_top_k_rows, top_k_rows
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -22,71 +20,14 @@ from .matmul import GENERATED_GEMM_KERNELS, Blas, GeneratedGemm, single_threaded
 from .rows import each_row
 
 
-def _key(value: Value) -> Value:
-    """The order top-k ranks by: NaN counts as the largest."""
-    return value.not_equal(value).where(math.inf, value) if value.is_float else value
-
-
-def select_top_k(ctx, source, start: Value, n: int, k: int, values, indices, out_start: Value) -> None:
-    """The k largest of source[start:start+n] into values/indices[out_start:+k], largest
-    first, ties to the lower index: k passes, each taking the best element ranked after
-    the previous pick (k·n compares; k and n are a router's few experts)."""
-    previous = ctx.local(source.dtype)
-    previous_index = ctx.local(dtypes.DT_INT64)
-    best = ctx.local(source.dtype)
-    best_index = ctx.local(dtypes.DT_INT64)
-    with ctx.loop(0, k, name="pick") as j:
-        best_index.set(ctx.index(-1))
-        with ctx.loop(0, n, name="i") as i:
-            key = _key(ctx.load(source, start + i))
-            after_previous = j.equal(0) | (key < previous.value) | (key.equal(previous.value) & (i > previous_index.value))
-            better = (best_index.value < 0) | (key > best.value)
-            with ctx.when(after_previous & better):
-                best.set(key)
-                best_index.set(i)
-        ctx.store(values, out_start + j, ctx.load(source, start + best_index.value))
-        ctx.store(indices, out_start + j, best_index.value.cast(indices.dtype))
-        previous.set(best.value)
-        previous_index.set(best_index.value)
-
-
-def _rows(op) -> tuple[int, int]:
-    x = op.inputs[0]
-    return x.size // x.shape[-1], x.shape[-1]
-
-
 @kernel("TopKRow", {"TopK"})
 def top_k(ctx, op) -> None:
-    x = op.inputs[0]
-    values, indices = op.outputs
-    _, n = _rows(op)
-    k = attrs_of(op)["k"]
-    each_row(ctx, op, lambda ctx, r: select_top_k(ctx, x, r * n, n, k, values, indices, r * k))
+    each_row(ctx, op, top_k_rows(op))
 
 
 @kernel("SoftmaxTopKRow", {"SoftmaxTopK"})
 def softmax_top_k(ctx, op) -> None:
-    """softmax over the row (its exponentials stored, then scaled in place), then the top k
-    of the probabilities just written."""
-    x = op.inputs[0]
-    probs, values, indices = op.outputs
-    _, n = _rows(op)
-    k = attrs_of(op)["k"]
-
-    def body(ctx, r):
-        row = Row(ctx, r * n, n, x.dtype)
-        peak = row.max(x)
-
-        def exponential(i, w):
-            e = (ctx.load(x, i, w) - peak.splat(w)).exp()
-            ctx.store(probs, i, e)
-            return e
-
-        scale = 1.0 / row.sum(exponential)
-        row.each(lambda i, w: ctx.store(probs, i, ctx.load(probs, i, w) * scale.splat(w)))
-        select_top_k(ctx, probs, r * n, n, k, values, indices, r * k)
-
-    each_row(ctx, op, body)
+    each_row(ctx, op, softmax_top_k_rows(op))
 
 
 def _supported_float(op) -> bool:
