@@ -1,11 +1,11 @@
 """`Compiler(backend="cuda")`: cells compiled for an NVIDIA GPU.
 
 A compile needs no GPU: the passes run as for the CPU (less epilogue fusion: a GPU product
-is a cuBLASLt call, its epilogue a kernel of its own), each step gets a GPU kernel —
+is a cuBLASLt call, its epilogue a kernel of its own), each step gets GPU kernels —
 generated (`kernels.py`: maps, copies, pads, reductions, rows, lookups, scatters; one
-thread per output element, row or index) or a
-float32 matrix product planned for cuBLASLt — and the cell's kernels are one PTX module,
-for the GPU found (`driver.py`) or else Hopper (sm_90, 132 multiprocessors). With ptxas at
+thread per output element, row or index) — or is a float32 matrix product planned for
+cuBLASLt, and the cell's kernels are one PTX module, for the GPU found (`driver.py`) or
+else Hopper (sm_90, 132 multiprocessors). With ptxas at
 hand each kernel's launch shape follows its registers, and the printed cell shows it.
 
 Running a cell needs the device runtime (arena, launches, CUDA graph replay), which is not
