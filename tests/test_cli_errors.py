@@ -139,6 +139,8 @@ FAILURES = [
     (["train", "moe", "--resume", "{llama}"], ["`ranvier train moe --resume` needs a moe run"]),
     (["train", "mnist", "--data", "{missing}", "--run-dir", "{new}", "--quiet"], ["not found"]),
     (["train", "llama", "--corpus", "{missing}", "--run-dir", "{new}", "--quiet"], ["does not exist"]),
+    # compiles for the GPU, then names what running it lacks (the driver here; the runtime on a GPU machine)
+    (["train", "mnist", "--backend", "cuda", "--steps", "1", "--run-dir", "{new}", "--quiet"], ["CUDA", "use --backend cpu"]),
     (["eval", "{missing}"], ["is not a run directory"]),
     (["eval", "{file}"], ["is not a run directory"]),
     (["eval", "{empty}"], ["config.json is missing"]),
