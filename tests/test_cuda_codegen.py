@@ -338,6 +338,22 @@ def test_without_a_gpu_a_cell_compiles_for_hopper_and_its_instance_names_what_is
         cell.asm()
 
 
+def test_a_cells_ptx_and_launch_shapes_are_kept_in_the_compile_cache(monkeypatch, tmp_path):
+    from collections import OrderedDict
+
+    monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())
+    first = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
+    again = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
+    jit._MEMORY_CACHE.clear()
+    from_disk = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
+    assert [c.native["origin"] for c in (first, again, from_disk)] == ["compiled", "memory", "disk"]
+    assert first.backend.code(first, "ptx") == from_disk.backend.code(from_disk, "ptx")
+    assert str(first) == str(from_disk)  # the same launch shapes, from the kept ptxas report
+    other = _compile_for_gpu(monkeypatch, lambda: driver.Device("NVIDIA A100", (8, 0), 108))
+    assert other.native["origin"] == "compiled" and ".target sm_80" in other.backend.code(other, "ptx")
+
+
 def test_a_found_gpu_sets_the_architecture_and_nothing_runs_in_its_place(monkeypatch):
     cell = _compile_for_gpu(monkeypatch, lambda: driver.Device("NVIDIA A100", (8, 0), 108))
     assert ".target sm_80" in cell.backend.code(cell, "ptx")

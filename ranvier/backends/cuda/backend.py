@@ -15,8 +15,13 @@ or, where a GPU was found, that the runtime is missing. Nothing runs on the CPU 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from collections.abc import Callable
+from pathlib import Path
 
+import llvmlite.binding as llvm
 import numpy as np
 
 from ...errors import RanvierError
@@ -24,11 +29,37 @@ from ...flow.graph import Operation, Variable
 from ...ops import op_def
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
+from ..cpu import jit  # the compile cache, shared with the CPU's object files
 from . import kernels, ptx
 from .driver import Device, find_device
 from .launch import map_launch
 
 GEMM_KERNEL = "CublasLtGemm"
+
+
+@functools.cache
+def _source_digest() -> str:
+    """The code generator's sources (this backend, the shared LLVM layer, the op
+    definitions): a change to any compiles anew."""
+    digest = hashlib.sha256()
+    package = Path(__file__).parents[2]
+    for folder in ("backends/cuda", "backends/llvm", "ops"):
+        for path in sorted((package / folder).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _describe(cell: Cell) -> str:
+    """What a cell's kernels depend on: each step's op, attributes and variables (small
+    constants by value: a concatenation's axis)."""
+    lines = []
+    for step in cell.steps:
+        op = step.op
+        lines.append(f"{step.kernel} {op.type} {op.name} {sorted(op.attrs.items())}")
+        for v in (*op.inputs, *op.outputs):
+            value = np.ascontiguousarray(v.data).tobytes().hex() if v.data is not None and v.size <= 16 else ""
+            lines.append(f"  {v.name} {v.dtype}{list(v.shape)} {value}")
+    return "\n".join(lines)
 HOPPER_MULTIPROCESSORS = 132  # an H100 SXM's: the launch shapes of a compile without a GPU
 
 
@@ -43,6 +74,7 @@ class CUDABackend:
 
     def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=("float32",), epilogues=False)
+        self.use_disk_cache = options.cache
         self.device: Device | None = None
         self.missing = ""
         try:
@@ -80,19 +112,29 @@ class CUDABackend:
         return False
 
     def finish(self, cell: Cell) -> None:
-        """The cell's kernels as one PTX module; with ptxas, each one's launch shape."""
+        """The cell's kernels as one PTX module, and with ptxas each one's launch shape; both
+        kept in the compile cache (`ranvier cache`), keyed by the cell, the architecture, and
+        the code generator's and LLVM's versions."""
         module = ptx.gpu_module(cell.name, self.architecture)
         generated = {}
         for index, step in enumerate(cell.steps):
             if step.kernel != GEMM_KERNEL:
                 generated[index] = kernels.add_kernels(module, step.op)
-        text = ptx.emit_ptx(module, self.architecture)
-        assembled = ptx.assemble(text, self.architecture) if generated and ptx.ptxas_path() else None
+
+        def generate() -> bytes:
+            text = ptx.emit_ptx(module, self.architecture)
+            report = ptx.assemble(text, self.architecture).report if generated and ptx.ptxas_path() else ""
+            return json.dumps({"ptx": text, "ptxas": report}).encode()
+
+        key = hashlib.sha256(f"{_source_digest()}\n{self.architecture}\n{llvm.llvm_version_info}\n{_describe(cell)}".encode())
+        entry, origin = jit.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
+        built = json.loads(entry)
         for index, launches in generated.items():
-            if assembled is not None:
-                shapes = [map_launch(k.elements, self.multiprocessors, assembled.registers(k.name)) for k in launches]
+            if built["ptxas"]:
+                report = ptx.Assembled(b"", built["ptxas"])
+                shapes = [map_launch(k.elements, self.multiprocessors, report.registers(k.name)) for k in launches]
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes))}"
-        cell.native = {"module": module, "ptx": text, "kernels": generated}
+        cell.native = {"module": module, "ptx": built["ptx"], "kernels": generated, "origin": origin}
 
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's GPU kernels as LLVM IR ("llvm") or PTX ("ptx")."""
