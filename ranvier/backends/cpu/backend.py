@@ -4,10 +4,8 @@ and run it with a single call per compute()."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
@@ -29,18 +27,6 @@ from .pool import pool
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
-
-@functools.cache
-def _source_digest() -> str:
-    """Changes to the code generator must invalidate cached object files: this backend, the
-    shared LLVM layer, and the op definitions (their formulas are generated as code)."""
-    digest = hashlib.sha256()
-    package = Path(__file__).parents[2]
-    for folder in ("backends/cpu", "backends/llvm", "ops"):
-        for path in sorted((package / folder).rglob("*.py")):
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
 
 class CPUBackend:
     name = "cpu"
@@ -91,7 +77,9 @@ class CPUBackend:
                     layout.prepared.append(prepared)
         self._alias_views(cell, layout)
         description = self._describe(cell, layout)
-        key = jit.cache_key(f"{_source_digest()}\n{description}", self.target)
+        # the generator's sources: this backend, the shared LLVM layer, the op definitions
+        # (their formulas are generated as code)
+        key = jit.cache_key(f"{jit.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{description}", self.target)
 
         def generate() -> bytes:
             return jit.compile_object(self._module(cell, layout), self.target)

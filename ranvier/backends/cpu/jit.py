@@ -133,6 +133,18 @@ def generated_function(symbol: str, generator: Path, target: CPUTarget, build: C
     return load_object(code, target, symbol)
 
 
+@functools.cache
+def source_digest(*folders: str) -> str:
+    """A digest of a code generator's sources (the Python files under `folders` of the
+    package): compiled code cached under it is made anew when any of them changes."""
+    digest = hashlib.sha256()
+    package = Path(__file__).parents[2]
+    for folder in folders:
+        for path in sorted((package / folder).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def cache_key(description: str, target: CPUTarget) -> str:
     return hashlib.sha256(f"{__version__}\n{target.key()}\n{description}".encode()).hexdigest()
 

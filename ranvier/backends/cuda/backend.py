@@ -15,11 +15,9 @@ or, where a GPU was found, that the runtime is missing. Nothing runs on the CPU 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -35,18 +33,6 @@ from .driver import Device, find_device
 from .launch import map_launch
 
 GEMM_KERNEL = "CublasLtGemm"
-
-
-@functools.cache
-def _source_digest() -> str:
-    """The code generator's sources (this backend, the shared LLVM layer, the op
-    definitions): a change to any compiles anew."""
-    digest = hashlib.sha256()
-    package = Path(__file__).parents[2]
-    for folder in ("backends/cuda", "backends/llvm", "ops"):
-        for path in sorted((package / folder).rglob("*.py")):
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def _describe(cell: Cell) -> str:
@@ -126,12 +112,13 @@ class CUDABackend:
             report = ptx.assemble(text, self.architecture).report if generated and ptx.ptxas_path() else ""
             return json.dumps({"ptx": text, "ptxas": report}).encode()
 
-        key = hashlib.sha256(f"{_source_digest()}\n{self.architecture}\n{llvm.llvm_version_info}\n{_describe(cell)}".encode())
+        sources = jit.source_digest("backends/cuda", "backends/llvm", "ops")
+        key = hashlib.sha256(f"{sources}\n{self.architecture}\n{llvm.llvm_version_info}\n{_describe(cell)}".encode())
         entry, origin = jit.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
         built = json.loads(entry)
-        for index, launches in generated.items():
-            if built["ptxas"]:
-                report = ptx.Assembled(b"", built["ptxas"])
+        if built["ptxas"]:
+            report = ptx.Assembled(b"", built["ptxas"])
+            for index, launches in generated.items():
                 shapes = [map_launch(k.elements, self.multiprocessors, report.registers(k.name)) for k in launches]
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes))}"
         cell.native = {"module": module, "ptx": built["ptx"], "kernels": generated, "origin": origin}

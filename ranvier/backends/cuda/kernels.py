@@ -99,10 +99,9 @@ def kernel_name(op: Operation) -> str:
 Emit = Callable[[EmitContext, ir.Value], None]
 
 
-def _launches(op: Operation) -> list[tuple[int, Emit]]:
+def _launches(generator, op: Operation) -> list[tuple[int, Emit]]:
     """The op's launches in order, each (elements, how to emit one): one for most ops; an
     accumulation first zeroes its output (a launch finishes before the next starts)."""
-    generator = _generator(op)
     if hasattr(generator, "launches"):
         return generator.launches(op)
     return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index))]
@@ -110,10 +109,11 @@ def _launches(op: Operation) -> list[tuple[int, Emit]]:
 
 def _element_functions(module: ir.Module, op: Operation) -> list[tuple[ir.Function, GPUKernel]]:
     """`element(index, operands..., status)` for each of the op's launches, with its kernel's name."""
-    operands = _generator(op).operands(op)
+    generator = _generator(op)
+    operands = generator.operands(op)
     pointers = [storage_type(v.dtype).as_pointer() for v in operands]
     made = []
-    for number, (elements, emit) in enumerate(_launches(op)):
+    for number, (elements, emit) in enumerate(_launches(generator, op)):
         name = kernel_name(op) + (f"$then{number}" if number else "")  # "$": no op name makes it
         function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers, I64.as_pointer()]), name=f"{name}_element")
         function.linkage = "internal"

@@ -1,7 +1,8 @@
 """Reductions as math on IR values, for every LLVM backend: the block structure of a
 reduction over contiguous axes ([outer, reduced, inner]), the value each starts from, and
-how two partial results combine (NaN wins a maximum or minimum, as in numpy); and the
-scan of ArgMax/ArgMin for one output element, `body(ctx, o, i)`."""
+how two partial results combine (NaN wins a maximum or minimum, as in numpy); and, for
+both backends, the reduction of columns down the reduced axis and the scan of
+ArgMax/ArgMin for one output element."""
 
 from __future__ import annotations
 
@@ -65,6 +66,28 @@ def combiner(kind: str):
         return take.where(x, acc)
 
     return combine
+
+
+def finished(op, value: Value) -> Value:
+    """A reduction's result from its combined value: a mean divides by the count."""
+    reduced = blocks(op)[1]
+    return value * (1.0 / reduced) if op.type == "Mean" and reduced else value
+
+
+def column_reduction(op) -> Callable[[EmitContext, Value, Value, int], None]:
+    """`body(ctx, o, i, width)`: `width` columns from i of block o reduced down the reduced
+    axis into the output (the CPU's vectors of a bias gradient's columns, a GPU thread's one)."""
+    x, out = op.inputs[0], op.outputs[0]
+    _, reduced, inner = blocks(op)
+    combine, start = combiner(op.type), identity(op.type, x.dtype)
+
+    def body(ctx: EmitContext, o: Value, i: Value, width: int) -> None:
+        acc = ctx.local(x.dtype, width, start)
+        with ctx.loop(0, reduced, name="r") as r:
+            acc.set(combine(acc.value, ctx.load(x, o * (reduced * inner) + r * inner + i, width)))
+        ctx.store(out, o * inner + i, finished(op, acc.value))
+
+    return body
 
 
 def arg_reduction_element(op) -> Callable[[EmitContext, Value, Value], None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...llvm.irutil import compute_type
 from ...llvm.loops import fold, for_vectors
-from ...llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, combiner, identity
+from ...llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, column_reduction, combiner, finished, identity
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
@@ -44,17 +44,10 @@ def reduction(ctx, op) -> None:
     outer, reduced, inner = blocks(op)
     combine, start = combiner(op.type), identity(op.type, x.dtype)
     lanes = ctx.lanes_for([x.dtype])
-    scale = 1.0 / reduced if op.type == "Mean" and reduced else None
+    columns = column_reduction(op)
 
     def finish(value: Value) -> Value:
-        return value * scale if scale is not None else value
-
-    def columns(ctx, o: Value, i: Value, width: int) -> None:
-        """`width` columns of block o accumulate down the reduced axis."""
-        acc = ctx.local(x.dtype, width, start)
-        with ctx.loop(0, reduced, name="r") as r:
-            acc.set(combine(acc.value, ctx.load(x, o * (reduced * inner) + r * inner + i, width)))
-        ctx.store(out, o * inner + i, finish(acc.value))
+        return finished(op, value)
 
     def part(rows: tuple[int, int], cols: tuple[int, int]):
         def emit(ctx) -> None:
