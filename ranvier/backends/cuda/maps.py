@@ -11,17 +11,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
-from ...ops import attrs_of, op_def
+from ...ops import op_def
 from ...ops.expression import parse
 from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
 from ..llvm.formulas import apply, program_body
 from ..llvm.irutil import i64, load, storage_type, store
-from ..llvm.strided import Body, View, broadcast_view, collapse, contiguous_strides, dense_view
+from ..llvm.strided import (
+    SOURCE_VIEWS,
+    Body,
+    View,
+    broadcast_view,
+    collapse,
+    contiguous_strides,
+    dense_view,
+    part_views,
+)
 from ..llvm.values import Value
 
 
@@ -37,35 +45,14 @@ def _same_elements(op: Operation) -> View:
     return View(op.inputs[0], 0, contiguous_strides(op.outputs[0].shape))
 
 
-def _transposed(op: Operation) -> View:
-    x = op.inputs[0]
-    perm = attrs_of(op)["perm"] or list(reversed(range(x.rank)))
-    own = contiguous_strides(x.shape)
-    return View(x, 0, [own[p] for p in perm])
-
-
-def _sliced(op: Operation) -> View:
-    x = op.inputs[0]
-    own = contiguous_strides(x.shape)
-    return View(x, sum(b * s for b, s in zip(attrs_of(op)["begin"], own)), own)
-
-
 # Data movement as a map of one input read through a view: the output's element is the
-# input's element the view reaches.
-COPIES = {
-    "Identity": _same_elements, "Reshape": _same_elements, "ExpandDims": _same_elements, "Squeeze": _same_elements,
-    "BroadcastTo": lambda op: broadcast_view(op.inputs[0], op.outputs[0].shape), "Transpose": _transposed, "Slice": _sliced,
-    "StridedView": lambda op: View(op.inputs[0], attrs_of(op)["offset"], attrs_of(op)["strides"]),
-}
+# input's element the view reaches (the views the CPU's copy kernels read too).
+COPIES = {"Identity": _same_elements, "Reshape": _same_elements, "ExpandDims": _same_elements, "Squeeze": _same_elements,
+          **SOURCE_VIEWS}
 
 
 def _identity(values, lanes):
     return values
-
-
-def _axis(op: Operation, rank: int) -> int:
-    axis = op.inputs[-1] if op.type == "Concat" else op.inputs[2]
-    return int(np.asarray(axis.data).reshape(-1)[0]) % rank
 
 
 def is_copy(op: Operation) -> bool:
@@ -75,20 +62,10 @@ def is_copy(op: Operation) -> bool:
 
 def _parts(op: Operation) -> list[_Map]:
     """Concat and Split as one copy per part: a part read densely and written through a
-    view of the whole at its position along the axis (or the other way round)."""
-    whole = op.outputs[0] if op.type == "Concat" else op.inputs[0]
-    parts = op.inputs[:-1] if op.type == "Concat" else op.outputs
-    axis = _axis(op, whole.rank)
-    strides = contiguous_strides(whole.shape)
-    maps, position = [], 0
-    for part in parts:
-        at = View(whole, position * strides[axis], strides)
-        if op.type == "Concat":
-            maps.append(_Map(list(part.shape), [dense_view(part)], [at], _identity))
-        else:
-            maps.append(_Map(list(part.shape), [at], [dense_view(part)], _identity))
-        position += part.shape[axis]
-    return maps
+    view of the whole at its place along the axis (or the other way round)."""
+    if op.type == "Concat":
+        return [_Map(list(part.shape), [dense_view(part)], [place], _identity) for part, place in part_views(op)]
+    return [_Map(list(part.shape), [place], [dense_view(part)], _identity) for part, place in part_views(op)]
 
 
 def supports(op: Operation) -> bool:

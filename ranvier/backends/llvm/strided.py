@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...flow.graph import Variable
+from ...ops import attrs_of
 from .values import Value
 
 
@@ -63,3 +66,46 @@ def collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list[
 
 
 Body = Callable[[list[Value], int], list[Value]]
+
+
+def attribute_view(op, var: Variable) -> View:
+    """`var` through the view an op's attributes give (StridedView's source, StridedScatterAdd's target)."""
+    attrs = attrs_of(op)
+    return View(var, attrs["offset"], attrs["strides"])
+
+
+def _transposed(op) -> View:
+    x = op.inputs[0]
+    perm = attrs_of(op)["perm"] or list(reversed(range(x.rank)))
+    own = contiguous_strides(x.shape)
+    return View(x, 0, [own[p] for p in perm])
+
+
+def _sliced(op) -> View:
+    x = op.inputs[0]
+    own = contiguous_strides(x.shape)
+    return View(x, sum(b * s for b, s in zip(attrs_of(op)["begin"], own)), own)
+
+
+# Copies: the input each op's output reads, as a view over the output's shape.
+SOURCE_VIEWS: dict[str, Callable[..., View]] = {
+    "BroadcastTo": lambda op: broadcast_view(op.inputs[0], op.outputs[0].shape),
+    "Transpose": _transposed,
+    "Slice": _sliced,
+    "StridedView": lambda op: attribute_view(op, op.inputs[0]),
+}
+
+
+def part_views(op) -> list[tuple[Variable, View]]:
+    """Each part of a Concat (its inputs) or Split (its outputs), with the view of the whole
+    that is its place along the axis."""
+    concat = op.type == "Concat"
+    whole = op.outputs[0] if concat else op.inputs[0]
+    axis_var = op.inputs[-1] if concat else op.inputs[2]
+    axis = int(np.asarray(axis_var.data).reshape(-1)[0]) % whole.rank
+    strides = contiguous_strides(whole.shape)
+    places, position = [], 0
+    for part in op.inputs[:-1] if concat else op.outputs:
+        places.append((part, View(whole, position * strides[axis], strides)))
+        position += part.shape[axis]
+    return places

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from ....ops import attrs_of, op_def
 from ....ops.expression import parse
 from ....ops.shape import shape_fact
 from ...llvm.context import check_range, load_index
 from ...llvm.formulas import apply, program_body
-from ...llvm.strided import View, broadcast_view, contiguous_strides, dense_view
+from ...llvm.strided import SOURCE_VIEWS, View, broadcast_view, dense_view, part_views
 from ..views import emit_map
 from .library import kernel
 
@@ -92,9 +90,12 @@ def shape_fact_(ctx, op) -> None:
 
 
 @kernel("Broadcast", {"BroadcastTo"})
-def broadcast_to(ctx, op) -> None:
+@kernel("Transpose", {"Transpose"})
+@kernel("Slice", {"Slice"})
+def view_copy(ctx, op) -> None:
+    """The input read through the op's view (`SOURCE_VIEWS`)."""
     out = op.outputs[0]
-    emit_map(ctx, out.shape, [broadcast_view(op.inputs[0], out.shape)], [dense_view(out)], _identity)
+    emit_map(ctx, out.shape, [SOURCE_VIEWS[op.type](op)], [dense_view(out)], _identity)
 
 
 @kernel("Assign", {"Assign"})
@@ -103,46 +104,16 @@ def assign(ctx, op) -> None:
     emit_map(ctx, [target.size], [View(value, 0, [1])], [View(target, 0, [1])], _identity)
 
 
-@kernel("Transpose", {"Transpose"})
-def transpose(ctx, op) -> None:
-    x, out = op.inputs[0], op.outputs[0]
-    perm = attrs_of(op)["perm"] or list(reversed(range(x.rank)))
-    own = contiguous_strides(x.shape)
-    emit_map(ctx, out.shape, [View(x, 0, [own[p] for p in perm])], [dense_view(out)], _identity)
-
-
-@kernel("Slice", {"Slice"})
-def slice_(ctx, op) -> None:
-    x, out = op.inputs[0], op.outputs[0]
-    own = contiguous_strides(x.shape)
-    offset = sum(b * s for b, s in zip(attrs_of(op)["begin"], own))
-    emit_map(ctx, out.shape, [View(x, offset, own)], [dense_view(out)], _identity)
-
-
-def _axis(value_var, rank):
-    return int(np.asarray(value_var.data).reshape(-1)[0]) % rank
-
-
 @kernel("Concat", {"Concat"})
 def concat(ctx, op) -> None:
-    out = op.outputs[0]
-    axis = _axis(op.inputs[-1], out.rank)
-    out_strides = contiguous_strides(out.shape)
-    position = 0
-    for part in op.inputs[:-1]:
-        emit_map(ctx, part.shape, [dense_view(part)], [View(out, position * out_strides[axis], out_strides)], _identity)
-        position += part.shape[axis]
+    for part, place in part_views(op):
+        emit_map(ctx, part.shape, [dense_view(part)], [place], _identity)
 
 
 @kernel("Split", {"Split"})
 def split(ctx, op) -> None:
-    x = op.inputs[0]
-    axis = _axis(op.inputs[2], x.rank)
-    own = contiguous_strides(x.shape)
-    position = 0
-    for part in op.outputs:
-        emit_map(ctx, part.shape, [View(x, position * own[axis], own)], [dense_view(part)], _identity)
-        position += part.shape[axis]
+    for part, place in part_views(op):
+        emit_map(ctx, part.shape, [place], [dense_view(part)], _identity)
 
 
 @kernel("AssignSlice", {"AssignSlice"})

@@ -9,7 +9,7 @@ from .... import dtypes
 from ....ops import attrs_of
 from ....ops.nn import pool_params
 from ...llvm.loops import fill
-from ...llvm.strided import View, contiguous_strides, dense_view
+from ...llvm.strided import View, attribute_view, contiguous_strides, dense_view
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import emit_map
@@ -32,22 +32,17 @@ def pad(ctx, op) -> None:
     emit_map(ctx, x.shape, [dense_view(x)], [View(out, offset, strides)], _identity)
 
 
-def _view(op, var) -> View:
-    attrs = attrs_of(op)
-    return View(var, attrs["offset"], attrs["strides"])
-
-
 @kernel("StridedView", {"StridedView"})
 def strided_view(ctx, op) -> None:
     out = op.outputs[0]
-    emit_map(ctx, out.shape, [_view(op, op.inputs[0])], [dense_view(out)], _identity)
+    emit_map(ctx, out.shape, [attribute_view(op, op.inputs[0])], [dense_view(out)], _identity)
 
 
 @kernel("StridedScatterAdd", {"StridedScatterAdd"})
 def strided_scatter_add(ctx, op) -> None:
     d, out = op.inputs[0], op.outputs[0]
     fill(ctx, out, 0.0)
-    emit_map(ctx, d.shape, [dense_view(d)], [_view(op, out)], _identity, accumulate=True)
+    emit_map(ctx, d.shape, [dense_view(d)], [attribute_view(op, out)], _identity, accumulate=True)
 
 
 def _inside(size: int, kernel: int, stride: int, padding: int, outputs: int) -> tuple[int, int]:
