@@ -14,7 +14,6 @@ import math
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import EmitContext, check_range, load_index
-from ..llvm.irutil import storage_type
 from ..llvm.values import Value, index_value
 
 ATOMIC_DTYPES = ("float32", "float64")  # what the GPU's atomic add takes for floats
@@ -39,8 +38,8 @@ def launches(op: Operation) -> list:
 
 
 def _atomic_add(ctx: EmitContext, var: Variable, at: Value, value: Value) -> None:
-    target = ctx.b.bitcast(ctx.element_pointer(var, at), storage_type(var.dtype).as_pointer())
-    ctx.b.atomic_rmw("fadd", target, value.ir, "monotonic")
+    """var[at] += value, as one atomic add (float32 and float64 compute as they are stored)."""
+    ctx.b.atomic_rmw("fadd", ctx.element_pointer(var, at), value.ir, "monotonic")
 
 
 def _add(ctx: EmitContext, op: Operation, index: Value) -> None:
