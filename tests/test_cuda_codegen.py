@@ -89,6 +89,14 @@ def _run_on_host(op, values) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _assembles(op) -> int:
+    """The op's kernel assembles for sm_90 (where ptxas is installed): its elements."""
+    module, (kernel,) = kernels.kernel_module(op)
+    if ptx.ptxas_path() is not None:
+        assert ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+    return kernel.elements
+
+
 @pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
 def test_the_kernels_arithmetic_equals_the_cpu_backends_bit_for_bit(name, dtype):
     flow, op, values = _single_op_flow(name, dtype)
@@ -155,9 +163,7 @@ def test_a_fused_calculate_program_becomes_one_kernel_with_the_cpus_arithmetic(b
     got = _run_on_host(op, values)
     for var in op.outputs:
         assert got[var.name].tobytes() == np.array(data[var.name]).tobytes(), var.name
-    if ptx.ptxas_path() is not None:
-        module, (kernel,) = kernels.kernel_module(op)
-        assert ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+    _assembles(op)
 
 
 REDUCTION_CASES = [  # op, dtype, input shape, axes (None: all)
@@ -198,9 +204,7 @@ def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dt
         assert np.all(np.abs(got.astype(np.float64) - want.astype(np.float64)) <= bound), (got, want)
     else:
         np.testing.assert_array_equal(got, want)
-    if ptx.ptxas_path() is not None:
-        module, (kernel,) = kernels.kernel_module(op)
-        assert kernel.elements == want.size and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+    assert _assembles(op) == want.size
 
 
 def test_an_op_without_a_gpu_kernel_is_refused_by_name():
@@ -416,9 +420,7 @@ def test_a_row_op_runs_the_cpus_row_passes_one_row_per_thread(name, attrs, dtype
         want = np.array(data[var.name]).astype(np.float64)
         error = np.abs(got[var.name].astype(np.float64) - want)
         assert np.all(error <= 8 * eps * (np.abs(want) + 1) + (n * eps if dtype != "float16" else 4 * eps)), (name, var.name, error.max())
-    if ptx.ptxas_path() is not None:
-        module, (kernel,) = kernels.kernel_module(op)
-        assert kernel.elements == 6 and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+    assert _assembles(op) == 6
 
 
 def _lookup(name, indices, oov=False):
@@ -448,9 +450,7 @@ def test_a_lookup_runs_one_index_per_thread_with_the_cpus_results(name, indices,
     assert got["status"][0] == 0
     (want,) = _cpu_outputs(flow, op, values)
     assert got[op.outputs[0].name].tobytes() == want.tobytes()
-    if ptx.ptxas_path() is not None:
-        module, (kernel,) = kernels.kernel_module(op)
-        assert kernel.elements == len(indices) and ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+    assert _assembles(op) == len(indices)
 
 
 @pytest.mark.parametrize("before,after,value", [([0, 1, 2, 2], [0, 1, 2, 2], 0.0), ([1, 0, 0, 3], [0, 2, 1, 0], -1.5)])
@@ -521,9 +521,7 @@ def test_a_router_row_takes_its_top_k_one_row_per_thread(name):
             np.testing.assert_allclose(got[var.name], expected, rtol=4e-7, atol=0)
         else:
             assert got[var.name].tobytes() == expected.tobytes(), var.name
-    if ptx.ptxas_path() is not None:
-        module, (kernel,) = kernels.kernel_module(op)
-        assert ptx.assemble(ptx.emit_ptx(module)).registers(kernel.name) > 0
+    _assembles(op)
 
 
 def test_a_class_label_out_of_range_sets_the_kernels_status_word():
@@ -543,17 +541,23 @@ def _copies(f):
         part.var.out = True
 
 
+@pytest.fixture
+def networks(monkeypatch) -> list:
+    """Every network compiled while the test runs (a trainer's, whose instances then fail)."""
+    compiled = []
+    compile_flow = rv.Compiler.compile
+    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: compiled.append(compile_flow(self, flow)) or compiled[-1])
+    return compiled
+
+
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
-def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, model):
+def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, networks, model):
     """Forward, loss and its gradient, backward products (a CNN's windows and their
     scatter-adds) and Adam: every step a GPU kernel or a planned product; only the
     instances need the device."""
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 
     monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
-    networks = []
-    compile_flow = rv.Compiler.compile
-    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: networks.append(compile_flow(self, flow)) or networks[-1])
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
         make_trainer(MnistConfig(steps=1, backend="cuda", model=model))
     train = networks[0].cell("train")
@@ -568,7 +572,7 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, model):
         ptx.assemble(train.backend.code(train, "ptx"))
 
 
-def test_a_llama_training_step_compiles_for_the_gpu_whole(monkeypatch):
+def test_a_llama_training_step_compiles_for_the_gpu_whole(monkeypatch, networks):
     """Embedding gather, RMSNorm, RoPE's splits and concatenations, attention (decomposed
     into products, a mask and a softmax), SwiGLU, the loss, every gradient (a scatter-add
     for the embedding) and AdamW with clipping: all GPU kernels or planned products."""
@@ -578,9 +582,6 @@ def test_a_llama_training_step_compiles_for_the_gpu_whole(monkeypatch):
     from ranvier.train.trainer import Trainer
 
     monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
-    networks = []
-    compile_flow = rv.Compiler.compile
-    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: networks.append(compile_flow(self, flow)) or networks[-1])
     model = Llama(PRESETS["stories260K"], seed=0)
     flow = rv.Flow()
     f = rv.Builder(flow, "train")
