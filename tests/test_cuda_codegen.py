@@ -366,13 +366,12 @@ def test_a_found_gpu_sets_the_architecture_and_nothing_runs_in_its_place(monkeyp
 
 
 def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
-    def grouped(f):
-        x, w = f.var("x", "float32", [6, 4]), f.var("w", "float32", [2, 4, 3])
-        sizes = f.var("offsets", "int32", [3])
-        f.op("GroupedMatMul", [x, w, sizes], None, {}).var.out = True  # rows grouped by offsets
+    def doubles(f):
+        x, w = f.var("x", "float64", [6, 4]), f.var("w", "float64", [4, 3])
+        f.matmul(x, w).var.out = True  # cuBLASLt is planned for float32 products only
 
-    with pytest.raises(RanvierError, match="GroupedMatMul op f/GroupedMatMul has no GPU kernel yet"):
-        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), grouped)
+    with pytest.raises(RanvierError, match="MatMul op f/MatMul has no GPU kernel yet"):
+        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), doubles)
 
 
 ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's
@@ -616,3 +615,111 @@ def test_copies_through_views_equal_the_cpu_backends():
             reshaped[out.name] = ran[out.name]
             if out.out:
                 assert ran[out.name].tobytes() == np.array(data[out.name]).tobytes(), op.type
+
+
+def _route(capacity: int, choices: np.ndarray):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    experts = f.var("experts", "int32", list(choices.shape))
+    outputs = f.op("MoERoute", [experts], None, {"experts": 4, "capacity": capacity})
+    for out in outputs:
+        out.var.out = True
+    return flow, outputs[0].var.producer, {"f/experts": choices}
+
+
+@pytest.mark.parametrize("capacity", [0, 3])
+def test_the_routing_sort_runs_in_one_thread_with_the_cpus_result(capacity):
+    """Every choice placed (or dropped at capacity) as the CPU places it: order, slot,
+    offsets, kept and counts equal bit for bit; an expert out of range sets the status."""
+    choices = np.random.default_rng(5).integers(0, 4, (9, 2)).astype(np.int32)
+    choices[4] = [3, 3]  # one expert twice over: more than capacity 3 wants it
+    flow, op, values = _route(capacity, choices)
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    for var, expected in zip(op.outputs, _cpu_outputs(flow, op, values)):
+        assert got[var.name].tobytes() == expected.tobytes(), var.name
+    assert _assembles(op) == 1
+    values["f/experts"][2, 1] = 4
+    assert _run_on_host(op, values)["status"][0] == 1
+
+
+def _grouped(op_type: str, dtype: str, transposed: bool, offsets: list[int]):
+    """A grouped product (or its weight gradient) of 3 experts over 10 rows, K 5, N 7."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    rows, k, n, experts = 10, 5, 7, 3
+    x = f.var("x", dtype, [rows, k])
+    groups = f.var("offsets", "int32", [experts + 1])
+    if op_type == "GroupedMatMul":
+        w = f.var("w", dtype, [experts, n, k] if transposed else [experts, k, n])
+        out = f.op(op_type, [x, w, groups], None, {"transpose_b": transposed})
+        values = {"f/w": random_array(list(w.shape), dtype, seed=22)}
+    else:
+        dy = f.var("dy", dtype, [rows, n])
+        out = f.op(op_type, [x, dy, groups], None, {"experts": experts, "transpose": transposed})
+        values = {"f/dy": random_array([rows, n], dtype, seed=23)}
+    out.var.out = True
+    values.update({"f/x": random_array([rows, k], dtype, seed=21), "f/offsets": np.array(offsets, np.int32)})
+    return out.var.producer, values
+
+
+GROUPED_CASES = [(op_type, dtype, transposed) for op_type in ("GroupedMatMul", "GroupedMatMulWeightGrad")
+                 for dtype in ("float32", "float64") for transposed in (False, True)]
+
+
+@pytest.mark.parametrize("op_type,dtype,transposed", GROUPED_CASES)
+def test_a_grouped_product_is_one_thread_per_output_and_matches_the_reference(op_type, dtype, transposed):
+    """Groups of 4, 0 and 3 rows, then 3 rows no group holds (dropped at capacity): those
+    rows, and the gradient of the expert no row chose, are zeros; every element is
+    written, and equals the float64 reference to the dtype's rounding."""
+    from ranvier.ops.moe import grouped_matmul, grouped_matmul_weight_grad
+
+    op, values = _grouped(op_type, dtype, transposed, [0, 4, 4, 7])
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    x, offsets = values["f/x"], values["f/offsets"]
+    if op_type == "GroupedMatMul":
+        want = grouped_matmul(x, values["f/w"], offsets, transposed)
+        assert not want[7:].any()
+    else:
+        want = grouped_matmul_weight_grad(x, values["f/dy"], offsets, 3, transposed)
+        assert not want[1].any()
+    result = got[op.outputs[0].name]
+    np.testing.assert_allclose(result, want, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-6 if dtype == "float32" else 1e-13)
+    assert _assembles(op) == op.outputs[0].size
+
+
+@pytest.mark.parametrize("op_type", ["GroupedMatMul", "GroupedMatMulWeightGrad"])
+def test_group_offsets_that_do_not_rise_set_the_status_word(op_type):
+    op, values = _grouped(op_type, "float32", False, [0, 6, 4, 7])
+    assert _run_on_host(op, values)["status"][0] == 1
+    op, values = _grouped(op_type, "float32", False, [0, 4, 6, 11])  # past the 10 rows
+    assert _run_on_host(op, values)["status"][0] == 1
+
+
+def test_a_moe_training_step_compiles_for_the_gpu_whole(monkeypatch, networks):
+    """The router's softmax-top-k, the routing sort, the experts' grouped products and
+    their gradients, the load-balancing loss and AdamW: all GPU kernels or planned products."""
+    from ranvier.models.moe import PRESETS, MoE
+    from ranvier.train.losses import softmax_cross_entropy
+    from ranvier.train.optimizers import AdamW
+    from ranvier.train.trainer import Trainer
+
+    monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
+    model = MoE(PRESETS["moe-tiny"], seed=0)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "train")
+    f.func.training = True
+    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
+    params = model.parameters(f)
+    logits = model(f, tokens, params).reshape([32, model.config.vocab_size])
+    loss = softmax_cross_entropy(logits, targets.reshape([32])) + model.auxiliary_loss(f)
+    with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
+        Trainer(loss, list(params.values()), AdamW(lr=1e-4), clip_norm=1.0, inputs=[tokens, targets], backend="cuda")
+    train = networks[0].cell("train")
+    kinds = {step.kernel for step in train.steps}
+    assert {"Route", "GroupedProduct", "CublasLtGemm", "Rows", "Scatter"} <= kinds, kinds
+    ops = {step.op.type for step in train.steps if step.kernel == "GroupedProduct"}
+    assert ops == {"GroupedMatMul", "GroupedMatMulWeightGrad"}, ops
+    if ptx.ptxas_path() is not None:
+        ptx.assemble(train.backend.code(train, "ptx"))

@@ -2,8 +2,8 @@
 
 A compile needs no GPU: the passes run as for the CPU (less epilogue fusion: a GPU product
 is a cuBLASLt call, its epilogue a kernel of its own), each step gets GPU kernels —
-generated (`kernels.py`: maps, copies, pads, reductions, rows, lookups, scatters; one
-thread per output element, row or index) — or is a float32 matrix product planned for
+generated (`kernels.py`: maps, copies, pads, reductions, rows, lookups, scatters, a MoE
+layer's routing and grouped products; one thread per output element, row or index) — or is a float32 matrix product planned for
 cuBLASLt, and the cell's kernels are one PTX module, for the GPU found (`driver.py`) or
 else Hopper (sm_90, 132 multiprocessors). With ptxas at
 hand each kernel's launch shape follows its registers, and the printed cell shows it.
@@ -81,7 +81,8 @@ class CUDABackend:
         if not kernels.supports(op):
             raise RanvierError(f"{op.type} op {op.name} has no GPU kernel yet: the CUDA backend generates elementwise "
                                "maps, fused Calculate programs, copies through views, pads, reductions, row kernels "
-                               "(softmax, norms, cross-entropy), lookups (gather, one-hot) and scatter-adds, and plans "
+                               "(softmax, norms, cross-entropy), lookups (gather, one-hot), scatter-adds, and MoE "
+                               "routing and grouped products, and plans "
                                "float32 matrix products for cuBLASLt; use --backend cpu for this model")
         return Step(op, kernels.kernel_kind(op), self.architecture, op_def(op.type).cost(op))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .... import dtypes
 from ....ops import attrs_of
-from ...llvm.loops import fill
+from ...llvm.routing import group_bounds, route
 from ...llvm.rows import softmax_top_k_rows, top_k_rows
 from ...llvm.values import Value
 from .. import sgemm
@@ -36,54 +36,15 @@ def _supported_float(op) -> bool:
 
 @kernel("MoERoute", {"MoERoute"})
 def moe_route(ctx, op) -> None:
-    """A counting sort of the choices by expert: count, room (capacity), offsets, then
-    place each choice at its expert's next free row, in token order."""
-    (choices,) = op.inputs
-    order, slot, offsets, kept, counts = op.outputs
-    attrs = attrs_of(op)
-    experts, capacity = attrs["experts"], attrs["capacity"]
-    tokens, k = choices.shape
-    filled = ctx.array(dtypes.DT_INT64, experts)
-    fill(ctx, counts, 0)
-    fill(ctx, order, 0)  # rows past the last group stay a valid token (0)
-    with ctx.loop(0, tokens * k, name="c") as c:
-        expert = ctx.load(choices, c).cast(dtypes.DT_INT64)
-        bad = (expert < 0) | (expert >= experts)
-        ctx.fail(bad)
-        with ctx.when(~bad):
-            ctx.store(counts, expert, ctx.load(counts, expert) + 1)
-
-    def room(e: Value) -> Value:
-        count = ctx.load(counts, e).cast(dtypes.DT_INT64)
-        return count.minimum(capacity) if capacity else count
-
-    ctx.store(offsets, 0, 0)
-    with ctx.loop(0, experts, name="e") as e:
-        ctx.store(offsets, e + 1, ctx.load(offsets, e) + room(e).cast(dtypes.DT_INT32))
-        filled.store(e, ctx.index(0))
-    with ctx.loop(0, tokens * k, name="c") as c:
-        expert = ctx.load(choices, c).cast(dtypes.DT_INT64)
-        inside = (expert >= 0) & (expert < experts)
-        safe = inside.where(expert, 0)
-        taken = filled.load(safe)
-        fits = inside & (taken < room(safe))
-        row = ctx.load(offsets, safe).cast(dtypes.DT_INT64) + taken
-        with ctx.when(fits):
-            ctx.store(order, row, (c // k).cast(order.dtype))
-            filled.store(safe, taken + 1)
-        ctx.store(slot, c, fits.where(row, 0).cast(slot.dtype))
-        ctx.store(kept, c, fits)
+    route(ctx, op)
 
 
 def _groups(ctx, offsets, experts: int, rows: int, body) -> None:
-    """body(e, start, count) for each expert's group of rows; offsets that do not rise
-    from 0 within the rows mark the step failed (the runtime raises) and are skipped."""
+    """body(e, start, count) for each expert's group of rows; a group whose offsets are
+    bad marks the step failed (the runtime raises) and is skipped."""
     with ctx.loop(0, experts, name="e") as e:
-        start = ctx.load(offsets, e).cast(dtypes.DT_INT64)
-        stop = ctx.load(offsets, e + 1).cast(dtypes.DT_INT64)
-        bad = (start < 0) | (stop < start) | (stop > rows)
-        ctx.fail(bad)
-        with ctx.when(~bad):
+        start, stop, good = group_bounds(ctx, offsets, e, rows)
+        with ctx.when(good):
             body(e, start, stop - start)
 
 
