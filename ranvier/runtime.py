@@ -4,7 +4,7 @@ layout; an Instance is one cell's data, whose tensors are writable numpy views."
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +64,38 @@ def view_of(buffer: np.ndarray, offset: int, var: Variable) -> np.ndarray:
     return buffer[offset : offset + var.nbytes].view(dtype).reshape(var.shape)
 
 
+class GlobalArrays(MutableMapping):
+    """A network's globals by name: host arrays. Where a device keeps them (the CUDA
+    backend), `before_access` is told of each one the host is about to read or write, so
+    the device's newer values come back first and the host's go out before the next
+    compute; `host` holds the arrays themselves, for the device to copy without that."""
+
+    def __init__(self):
+        self.host: dict[str, np.ndarray] = {}
+        self.before_access: Callable[[str], None] | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        array = self.host[name]
+        if self.before_access is not None:
+            self.before_access(name)
+        return array
+
+    def __setitem__(self, name: str, array: np.ndarray) -> None:
+        self.host[name] = array
+
+    def __delitem__(self, name: str) -> None:
+        del self.host[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self.host
+
+    def __iter__(self):
+        return iter(self.host)
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+
 class Network:
     """Compiled flow: the cells of its functions and the globals (constants, parameters) they share."""
 
@@ -71,11 +103,11 @@ class Network:
         self.flow = flow
         self.backend_name = backend_name
         self.cells: dict[str, Cell] = {}
-        self.globals: dict[str, np.ndarray] = {}
+        self.globals = GlobalArrays()
         self._prepared: dict[tuple[str, str, str], np.ndarray] = {}
 
     def add_global(self, var: Variable) -> np.ndarray:
-        if var.name not in self.globals:
+        if var.name not in self.globals.host:
             # A learnable variable without an initial value starts at zero.
             array = view_of(aligned_empty(var.nbytes), 0, var)
             if var.data is not None:
@@ -265,6 +297,12 @@ class Instance:
         self._connected: dict[str, tuple[np.ndarray, np.ndarray, bool]] = {}
         self.primal: Instance | None = None
         self._run = None
+        # Where the cell's data lives on a device (the CUDA backend): told of a local
+        # variable the host is about to read (`before_read`: its value comes back) or has
+        # set (`after_write`: it goes out before the next compute).
+        self.before_read: Callable[[Variable], None] | None = None
+        self.after_write: Callable[[Variable], None] | None = None
+        self.device = None  # the backend's record of this instance's data on a device
         if primal is not None or not cell.external:
             self.link(primal)
 
@@ -301,6 +339,8 @@ class Instance:
 
     def __getitem__(self, key) -> np.ndarray:
         var = self.variable(key)
+        if self.before_read is not None and var.name in self._by_name:
+            self.before_read(var)
         return self._views[key] if isinstance(key, (int, np.integer)) else self.view(var)
 
     def __setitem__(self, key, value) -> None:
@@ -318,6 +358,10 @@ class Instance:
             raise RanvierError(
                 f"cannot set {var.name}: got an array of shape {list(value.shape)}, expected [{shape_str(var.shape)}]"
             ) from None
+        if self.after_write is not None:
+            var = self.variable(key)
+            if var.name in self._by_name:
+                self.after_write(var)
 
     def tensor(self, key) -> TensorHandle:
         """Myelin's tensor handle on one of the cell's variables."""

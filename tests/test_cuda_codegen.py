@@ -4,7 +4,8 @@ Hopper and Ampere (skipped where ptxas is missing); the same kernels' arithmetic
 for the host, equals the CPU backend's bit for bit on random, broadcast inputs (and the
 numpy reference, for reductions summed in another order); launch shapes follow the
 multiprocessor's limits; and a machine without a GPU gets an error naming what is
-missing. Nothing here runs on a GPU: that part of the backend is not built yet."""
+missing. Nothing here runs on a GPU (tests/test_cuda_runtime.py runs cells on the device, or
+on its host emulation)."""
 
 from __future__ import annotations
 
@@ -210,9 +211,33 @@ def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dt
 def test_an_op_without_a_gpu_kernel_is_refused_by_name():
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    y = f.matmul(f.var("a", "float32", [2, 3]), f.var("b", "float32", [3, 4]))
+    y = f.matmul(f.var("a", "int32", [2, 3]), f.var("b", "int32", [3, 4]))
     with pytest.raises(RanvierError, match=r"MatMul\).*no GPU kernel computes it yet"):
         kernels.kernel_module(y.var.producer)
+
+
+PRODUCT_CASES = [  # A's shape, B's shape, transpose_a, transpose_b, dtype
+    ([5, 7], [7, 3], False, False, "float32"), ([7, 5], [3, 7], True, True, "float64"),
+    ([2, 3, 5, 7], [7, 4], False, False, "float32"), ([3, 7, 5], [1, 7, 6], True, False, "float32"),
+    ([2, 1, 5, 7], [3, 6, 7], False, True, "float16"),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape,ta,tb,dtype", PRODUCT_CASES)
+def test_a_product_is_one_thread_per_output_element_and_matches_the_reference(a_shape, b_shape, ta, tb, dtype):
+    """Batched (broadcast as numpy does), either side transposed: every element written,
+    equal to the float64 product to the dtype's rounding."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.matmul(f.var("a", dtype, a_shape), f.var("b", dtype, b_shape), transpose_a=ta, transpose_b=tb)
+    y.var.out = True
+    values = {"f/a": random_array(a_shape, dtype, seed=31), "f/b": random_array(b_shape, dtype, seed=32)}
+    got = _run_on_host(y.var.producer, values)[y.var.name]
+    a, b = (values[n].astype(np.float64) for n in ("f/a", "f/b"))
+    want = (np.swapaxes(a, -1, -2) if ta else a) @ (np.swapaxes(b, -1, -2) if tb else b)
+    tolerance = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tolerance, atol=tolerance)
+    assert _assembles(y.var.producer) == y.var.size
 
 
 def test_the_kernels_operands_are_each_variable_once_in_a_stable_order():
@@ -329,11 +354,11 @@ def _compile_for_gpu(monkeypatch, device, build=_mlp):
 def test_without_a_gpu_a_cell_compiles_for_hopper_and_its_instance_names_what_is_missing(monkeypatch):
     cell = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
     kinds = [step.kernel for step in cell.steps]
-    assert kinds == ["CublasLtGemm", "Map", "Copy", "Reduce"], kinds  # the bias and GELU stay one kernel, not an epilogue
-    assert all(step.variant.startswith("sm_90") for step in cell.steps)
+    assert kinds == ["Product", "Map", "Copy", "Reduce"], kinds  # the bias and GELU stay one kernel, not an epilogue
     text = cell.backend.code(cell, "ptx")
-    assert text.count(".visible .entry") == 3 and ".target sm_90" in text
+    assert text.count(".visible .entry") == 4 and ".target sm_90" in text
     if ptx.ptxas_path() is not None:
+        assert all(step.variant.startswith("sm_90") for step in cell.steps)
         assert "Map[sm_90 12 × 256]" in str(cell)  # 32 × 96 elements
         ptx.assemble(text)
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU and its driver"):
@@ -358,20 +383,27 @@ def test_a_cells_ptx_and_launch_shapes_are_kept_in_the_compile_cache(monkeypatch
     assert other.native["origin"] == "compiled" and ".target sm_80" in other.backend.code(other, "ptx")
 
 
-def test_a_found_gpu_sets_the_architecture_and_nothing_runs_in_its_place(monkeypatch):
+def test_a_found_gpu_sets_the_architecture_and_its_instances_go_to_the_driver(monkeypatch):
     cell = _compile_for_gpu(monkeypatch, lambda: driver.Device("NVIDIA A100", (8, 0), 108))
     assert ".target sm_80" in cell.backend.code(cell, "ptx")
-    with pytest.raises(RanvierError, match=r"found NVIDIA A100 \(sm_80, 108 multiprocessors\), but ranvier cannot run"):
+
+    def refusing_driver():
+        raise RanvierError("the CUDA driver failed to make a context: CUDA_ERROR_OUT_OF_MEMORY")
+
+    monkeypatch.setattr(backend, "DriverGPU", refusing_driver)
+    backend._driver_gpu.cache_clear()
+    with pytest.raises(RanvierError, match="failed to make a context"):
         cell.instance()
+    backend._driver_gpu.cache_clear()
 
 
 def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
-    def doubles(f):
-        x, w = f.var("x", "float64", [6, 4]), f.var("w", "float64", [4, 3])
-        f.matmul(x, w).var.out = True  # cuBLASLt is planned for float32 products only
+    def integers(f):
+        x, w = f.var("x", "int32", [6, 4]), f.var("w", "int32", [4, 3])
+        f.matmul(x, w).var.out = True  # products are floating-point only
 
     with pytest.raises(RanvierError, match="MatMul op f/MatMul has no GPU kernel yet"):
-        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), doubles)
+        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), integers)
 
 
 ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's
@@ -562,11 +594,11 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, networks, model
     train = networks[0].cell("train")
     kinds = [step.kernel for step in train.steps]
     if model == "mlp":
-        assert set(kinds) == {"CublasLtGemm", "Map", "Copy", "Reduce", "Rows"}, kinds
-        assert sum(kind == "CublasLtGemm" for kind in kinds) == 5  # two forward products, three backward
+        assert set(kinds) == {"Product", "Map", "Copy", "Reduce", "Rows"}, kinds
+        assert sum(kind == "Product" for kind in kinds) == 5  # two forward products, three backward
         assert [step.op.type for step in train.steps if step.kernel == "Rows"] == ["SoftmaxCrossEntropyGrad"]
     else:
-        assert {"CublasLtGemm", "Pad", "Scatter", "Reduce", "Rows"} <= set(kinds), kinds
+        assert {"Product", "Pad", "Scatter", "Reduce", "Rows"} <= set(kinds), kinds
     if ptx.ptxas_path() is not None:
         ptx.assemble(train.backend.code(train, "ptx"))
 
@@ -593,7 +625,7 @@ def test_a_llama_training_step_compiles_for_the_gpu_whole(monkeypatch, networks)
         Trainer(loss, list(params.values()), AdamW(lr=1e-4), clip_norm=1.0, inputs=[tokens, targets], backend="cuda")
     train = networks[0].cell("train")
     kinds = {step.kernel for step in train.steps}
-    assert {"CublasLtGemm", "Lookup", "Rows", "Scatter", "Copy", "Map", "Reduce"} <= kinds, kinds
+    assert {"Product", "Lookup", "Rows", "Scatter", "Copy", "Map", "Reduce"} <= kinds, kinds
     if ptx.ptxas_path() is not None:
         ptx.assemble(train.backend.code(train, "ptx"))
 
@@ -718,7 +750,7 @@ def test_a_moe_training_step_compiles_for_the_gpu_whole(monkeypatch, networks):
         Trainer(loss, list(params.values()), AdamW(lr=1e-4), clip_norm=1.0, inputs=[tokens, targets], backend="cuda")
     train = networks[0].cell("train")
     kinds = {step.kernel for step in train.steps}
-    assert {"Route", "GroupedProduct", "CublasLtGemm", "Rows", "Scatter"} <= kinds, kinds
+    assert {"Route", "GroupedProduct", "Product", "Rows", "Scatter"} <= kinds, kinds
     ops = {step.op.type for step in train.steps if step.kernel == "GroupedProduct"}
     assert ops == {"GroupedMatMul", "GroupedMatMulWeightGrad"}, ops
     if ptx.ptxas_path() is not None:

@@ -1,12 +1,15 @@
-"""Finding a GPU: the CUDA driver library, loaded with ctypes (no CUDA Python package
-needed to ask), and its first device's name, compute capability and multiprocessors.
-Whatever is missing — the library, a working driver, a device — is named in the error."""
+"""The CUDA driver library, loaded with ctypes (no CUDA Python package needed): finding a
+GPU (its first device's name, compute capability and multiprocessors; whatever is missing
+— the library, a working driver, a device — is named in the error), and `DriverGPU`, the
+device as the runtime uses it (`device.GPU`)."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from ...errors import RanvierError
 
@@ -65,3 +68,77 @@ def find_device(load: Callable[[str], object] = ctypes.CDLL) -> Device:
         check(library.cuDeviceGetAttribute(ctypes.byref(value), attribute, device), "describe device 0")
         values.append(value.value)
     return Device(name.value.decode(), (values[0], values[1]), values[2])
+
+
+class DriverGPU:
+    """Device 0 through the CUDA driver API (ctypes): its primary context, memory by
+    cuMemAlloc, each cell's PTX loaded by the driver (which compiles it for the device),
+    kernels launched on the default stream, CUDA events as timing marks. Written to the
+    driver API's documented signatures; it has not yet run on a GPU (none has been lent to
+    this project's work), so the first GPU session checks it (tests/test_cuda_runtime.py)."""
+
+    def __init__(self, load: Callable[[str], object] = ctypes.CDLL):
+        self.device = find_device(load)
+        self.name = str(self.device)
+        self._library = load(DRIVER_LIBRARY)
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        self._check(self._library.cuDeviceGet(ctypes.byref(device), 0), "open device 0")
+        self._check(self._library.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "make a context")
+        self._check(self._library.cuCtxSetCurrent(context), "use its context")
+        self._context = context
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise RanvierError(f"the CUDA driver failed to {what}: {_error_name(self._library, code)}")
+
+    def allocate(self, nbytes: int) -> int:
+        address = ctypes.c_uint64()
+        self._check(self._library.cuMemAlloc_v2(ctypes.byref(address), ctypes.c_size_t(max(1, nbytes))),
+                    f"allocate {nbytes} bytes of device memory")
+        return address.value
+
+    def upload(self, address: int, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host)
+        self._check(self._library.cuMemcpyHtoD_v2(ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data),
+                                                   ctypes.c_size_t(host.nbytes)), "copy to the device")
+
+    def download(self, address: int, host: np.ndarray) -> None:
+        self._check(self._library.cuMemcpyDtoH_v2(ctypes.c_void_p(host.ctypes.data), ctypes.c_uint64(address),
+                                                   ctypes.c_size_t(host.nbytes)), "copy from the device")
+
+    def zero(self, address: int, nbytes: int) -> None:
+        self._check(self._library.cuMemsetD8_v2(ctypes.c_uint64(address), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes)),
+                    "zero device memory")
+
+    def load(self, cell) -> dict[str, ctypes.c_void_p]:
+        module = ctypes.c_void_p()
+        self._check(self._library.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cell.native["ptx"].encode())),
+                    f"load cell {cell.name}'s PTX")
+        functions = {}
+        for launches in cell.native["kernels"].values():
+            for kernel in launches:
+                function = ctypes.c_void_p()
+                self._check(self._library.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()),
+                            f"find kernel {kernel.name}")
+                functions[kernel.name] = function
+        return functions
+
+    def launch(self, code: dict[str, ctypes.c_void_p], kernel, shape, addresses: list[int]) -> None:
+        values = [ctypes.c_uint64(a) for a in addresses]
+        parameters = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self._check(self._library.cuLaunchKernel(code[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, None,
+                                                 parameters, None), f"launch {kernel.name}")
+
+    def mark(self) -> ctypes.c_void_p:
+        event = ctypes.c_void_p()
+        self._check(self._library.cuEventCreate(ctypes.byref(event), 0), "make an event")
+        self._check(self._library.cuEventRecord(event, None), "record an event")
+        return event
+
+    def seconds(self, start: ctypes.c_void_p, stop: ctypes.c_void_p) -> float:
+        milliseconds = ctypes.c_float()
+        self._check(self._library.cuEventElapsedTime(ctypes.byref(milliseconds), start, stop), "time a step")
+        return milliseconds.value / 1e3
+
+    def synchronize(self) -> None:
+        self._check(self._library.cuCtxSynchronize(), "finish the launches")

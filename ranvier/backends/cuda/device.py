@@ -1,0 +1,110 @@
+"""What the CUDA runtime asks of a device, and a device that is this CPU.
+
+`GPU` is the runtime's whole view of a device: memory (allocate, copy in and out, zero),
+the cell's kernels loaded, launches, and timing marks between them. Two kinds provide
+it: the CUDA driver (`driver.DriverGPU`: PTX loaded by the driver, launches on the
+device) and `HostEmulator`, which runs each launch's element function compiled for this
+CPU over every element, one launch after another: the same generated arithmetic and the
+same runtime (arena, transfers, status words, globals kept on the "device"), where no GPU
+is at hand. It is what the tests run cells on, and `RANVIER_CUDA_DEVICE=emulator` selects
+it; it is slow, and never chosen in a GPU's place unasked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Protocol
+
+import numpy as np
+
+from ...runtime import Cell
+from . import kernels
+from .kernels import GPUKernel
+from .launch import LaunchShape
+
+EMULATOR = "emulator"
+DEVICE_ENVIRONMENT = "RANVIER_CUDA_DEVICE"  # "emulator": run cells on HostEmulator
+
+
+class GPU(Protocol):
+    """A device's memory, code and clock, as the runtime uses them. Addresses are ints."""
+
+    name: str
+
+    def allocate(self, nbytes: int) -> int: ...
+
+    def upload(self, address: int, host: np.ndarray) -> None: ...
+
+    def download(self, address: int, host: np.ndarray) -> None: ...
+
+    def zero(self, address: int, nbytes: int) -> None: ...
+
+    def load(self, cell: Cell) -> object:
+        """The cell's kernels, ready to launch (what `launch` takes as `code`)."""
+
+    def launch(self, code: object, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
+        """Run `kernel` over its elements; `addresses`: its operands', then its status word's."""
+
+    def mark(self) -> object:
+        """A point in the launch order to time from or to (`seconds`)."""
+
+    def seconds(self, start: object, stop: object) -> float:
+        """Time between two marks, once the launches between them have finished."""
+
+    def synchronize(self) -> None: ...
+
+
+class HostEmulator:
+    """The GPU's kernels run on this CPU (see the module's docstring). Memory is host
+    memory, kept alive here; addresses are its own."""
+
+    name = "host emulator of the CUDA backend (this CPU)"
+
+    def __init__(self):
+        self._memory: dict[int, np.ndarray] = {}
+
+    def allocate(self, nbytes: int) -> int:
+        block = np.zeros(max(1, nbytes) + 64, np.uint8)
+        start = -block.ctypes.data % 64
+        address = block.ctypes.data + start
+        self._memory[address] = block
+        return address
+
+    def upload(self, address: int, host: np.ndarray) -> None:
+        ctypes.memmove(address, np.ascontiguousarray(host).ctypes.data, host.nbytes)
+
+    def download(self, address: int, host: np.ndarray) -> None:
+        ctypes.memmove(host.ctypes.data, address, host.nbytes)
+
+    def zero(self, address: int, nbytes: int) -> None:
+        ctypes.memset(address, 0, nbytes)
+
+    def load(self, cell: Cell) -> dict[str, object]:
+        from ..cpu import jit
+        from ..cpu.target import host_target
+
+        target = host_target()
+        functions, keep = {}, []
+        for step in cell.steps:
+            module, launches = kernels.host_module(step.op, target.machine.triple, str(target.machine.target_data),
+                                                   target.feature_set)
+            code = jit.load_object(jit.compile_object(module, target), target, launches[0].name)
+            keep.append(code)
+            for kernel in launches:
+                signature = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)
+                functions[kernel.name] = signature(code.address_of(kernel.name))
+        functions["$code"] = keep  # the loaded objects live as long as the functions
+        return functions
+
+    def launch(self, code: dict[str, object], kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
+        code[kernel.name](*addresses, 0, kernel.elements)
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, stop: float) -> float:
+        return stop - start
+
+    def synchronize(self) -> None:
+        pass

@@ -1,0 +1,159 @@
+"""Cells running on a device: each instance's data in one device arena, the network's
+globals kept on the device, and a compute as the cell's launches in order.
+
+What moves between host and device, and when:
+- An instance's arena holds all its local variables at the offsets the memory planner
+  gave them (the cell's layout, as on the CPU). A compute first copies in the locals set
+  before it (the cell's inputs: a batch, a learning rate) from the instance's host views,
+  and afterwards copies out the ones read after it (its outputs: a loss); nothing else
+  moves. Another local is copied back when the host asks for it (`data[x]`), and one the
+  host sets (`data[x] = value`) goes out before the next compute.
+- A global (parameter, optimizer state, constant) is copied to the device before the
+  first compute that reads it and then lives there: a training step updates it in place
+  on the device. The host's array is brought up to date when the host reaches for it
+  (`network[name]`, `data[name]`, a checkpoint's state arrays), and then sent again before
+  the next compute, since the host may have written it.
+- A gradient cell reads its forward instance's values in that instance's arena.
+
+Each step's kernels get one status word; a kernel that meets bad data (a label or index
+out of range) sets it, and the compute raises naming the step, as on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import RanvierError
+from ...flow.graph import Variable
+from ...ops import written_inputs
+from ...runtime import Cell, Instance, Network
+from .device import GPU
+
+_HOST_NEWER, _SAME, _DEVICE_NEWER = "host newer", "same", "device newer"
+
+
+class DeviceGlobals:
+    """A network's globals on one device: where each lives, and which side holds its
+    latest value."""
+
+    def __init__(self, network: Network, gpu: GPU):
+        self.network, self.gpu = network, gpu
+        self.addresses: dict[str, int] = {}
+        self.state: dict[str, str] = {}
+        network.globals.before_access = self.before_host_access
+
+    def address(self, var: Variable) -> int:
+        if var.name not in self.addresses:
+            self.network.add_global(var)
+            self.addresses[var.name] = self.gpu.allocate(var.nbytes)
+            self.state[var.name] = _HOST_NEWER
+        return self.addresses[var.name]
+
+    def before_compute(self, names: list[str]) -> None:
+        """Send the globals a compute reads whose latest value is the host's."""
+        for name in names:
+            if self.state[name] == _HOST_NEWER:
+                self.gpu.upload(self.addresses[name], self.network.globals.host[name])
+                self.state[name] = _SAME
+
+    def after_compute(self, written: list[str]) -> None:
+        for name in written:
+            self.state[name] = _DEVICE_NEWER
+
+    def before_host_access(self, name: str) -> None:
+        """The host is about to read or write a global: bring its device value back first."""
+        state = self.state.get(name)
+        if state is None:
+            return
+        if state == _DEVICE_NEWER:
+            self.gpu.synchronize()
+            self.gpu.download(self.addresses[name], self.network.globals.host[name])
+        self.state[name] = _HOST_NEWER
+
+
+def device_globals(network: Network, gpu: GPU) -> DeviceGlobals:
+    """The network's globals on `gpu` (one record per network)."""
+    record = getattr(network, "device_globals", None)
+    if record is None or record.gpu is not gpu:
+        record = network.device_globals = DeviceGlobals(network, gpu)
+    return record
+
+
+class DeviceInstance:
+    """An instance's arena on the device and the launches of its cell (module docstring)."""
+
+    def __init__(self, cell: Cell, instance: Instance, gpu: GPU, code: object):
+        self.cell, self.instance, self.gpu, self.code = cell, instance, gpu, code
+        self.globals = device_globals(cell.network, gpu)
+        self.arena = gpu.allocate(cell.size)
+        self.status = np.zeros(max(1, len(cell.steps)), np.int64)
+        self.status_address = gpu.allocate(self.status.nbytes)
+        steps = len(cell.steps)
+        self.inputs = [slot for slot in cell.slots if slot.first < 0]
+        self.outputs = [slot for slot in cell.slots if slot.last >= steps]
+        self.pending: dict[str, object] = {}  # locals the host set since the last compute
+        self.launches = []
+        for index in range(len(cell.steps)):
+            status = self.status_address + 8 * index
+            for kernel, shape in zip(cell.native["kernels"][index], cell.native["shapes"][index]):
+                self.launches.append((index, kernel, shape, [*(self.address(v) for v in kernel.operands), status]))
+        # the globals the kernels read (a shape operand no kernel reads stays on the host)
+        self.read_globals = [var.name for var in cell.global_vars if var.name in self.globals.addresses]
+        written = {v.name for step in cell.steps for v in (*written_inputs(step.op), *step.op.outputs) if v.is_global}
+        self.written_globals = sorted(written & set(self.read_globals))
+        instance.before_read = self.before_read
+        instance.after_write = self.after_write
+        instance.device = self
+
+    def address(self, var: Variable) -> int:
+        """Where `var` lives on the device: this arena, the network's globals, or the
+        forward instance's arena."""
+        slot = self.cell.slot(var)
+        if slot is not None:
+            return self.arena + slot.offset
+        if var.is_global:
+            return self.globals.address(var)
+        primal = self.instance.primal
+        if primal is not None and isinstance(primal.device, DeviceInstance):
+            return primal.device.address(var)
+        raise RanvierError(f"{var.name} is not a variable of cell {self.cell.name} or of its linked forward instance")
+
+    def _host_view(self, slot) -> np.ndarray:
+        return self.instance.buffer[slot.offset : slot.offset + slot.var.nbytes]
+
+    def before_read(self, var: Variable) -> None:
+        slot = self.cell.slot(var)
+        if slot is not None and var.name not in self.pending:
+            self.gpu.synchronize()
+            self.gpu.download(self.arena + slot.offset, self._host_view(slot))
+
+    def after_write(self, var: Variable) -> None:
+        self.pending[var.name] = self.cell.slot(var)
+
+    def __call__(self) -> None:
+        gpu = self.gpu
+        self.globals.before_compute(self.read_globals)
+        for slot in [*self.inputs, *(s for s in self.pending.values() if s.first >= 0)]:
+            gpu.upload(self.arena + slot.offset, self._host_view(slot))
+        self.pending.clear()
+        gpu.zero(self.status_address, self.status.nbytes)
+        marks = [gpu.mark()]
+        step = 0
+        for index, kernel, shape, addresses in self.launches:
+            while step < index:  # a mark at each step's end, for the profile
+                marks.append(gpu.mark())
+                step += 1
+            gpu.launch(self.code, kernel, shape, addresses)
+        while len(marks) <= len(self.cell.steps):
+            marks.append(gpu.mark())
+        self.globals.after_compute(self.written_globals)
+        gpu.synchronize()
+        for index in range(len(self.cell.steps)):
+            self.instance.step_time[index] += gpu.seconds(marks[index], marks[index + 1])
+        gpu.download(self.status_address, self.status)
+        for slot in self.outputs:
+            gpu.download(self.arena + slot.offset, self._host_view(slot))
+        failed = np.flatnonzero(self.status)
+        if failed.size:
+            op = self.cell.steps[failed[0]].op
+            raise RanvierError(f"{op.type} op {op.name} failed on the GPU: an index or class label is out of range")
