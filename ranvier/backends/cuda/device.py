@@ -57,7 +57,9 @@ class GPU(Protocol):
 
 class HostEmulator:
     """The GPU's kernels run on this CPU (see the module's docstring). Memory is host
-    memory, kept alive here; addresses are its own."""
+    memory, kept alive here; addresses are its own. Fresh memory has every bit set (NaN in
+    a float, -1 in an integer), as a device's holds whatever it held: a kernel that reads
+    what nothing wrote shows in its results."""
 
     name = "host emulator of the CUDA backend (this CPU)"
 
@@ -65,7 +67,7 @@ class HostEmulator:
         self._memory: dict[int, np.ndarray] = {}
 
     def allocate(self, nbytes: int) -> int:
-        block = np.zeros(max(1, nbytes) + 64, np.uint8)
+        block = np.full(max(1, nbytes) + 64, 0xFF, np.uint8)
         start = -block.ctypes.data % 64
         address = block.ctypes.data + start
         self._memory[address] = block

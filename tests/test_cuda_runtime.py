@@ -1,0 +1,218 @@
+"""Cells running on the CUDA backend's device: results equal the CPU backend's, a training
+step's parameters stay on the device and come back when the host reaches for them, the
+host's writes go out, checkpoints move between backends, bad data fails the step by name,
+and each step is timed.
+
+Every test runs on the host emulation of the device (`RANVIER_CUDA_DEVICE=emulator`: the
+generated kernels' arithmetic compiled for this CPU, behind the same runtime), and again
+on a GPU through the CUDA driver where one is found (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from helpers import random_array
+
+import ranvier as rv
+from ranvier.backends.cuda import backend, device, driver
+from ranvier.backends.cuda.launch import LaunchShape
+from ranvier.errors import RanvierError
+
+
+def _gpu_found() -> bool:
+    try:
+        driver.find_device()
+    except RanvierError:
+        return False
+    return True
+
+
+@pytest.fixture(params=["emulator", "driver"])
+def on_device(request, monkeypatch):
+    """The device cells run on: the host emulator, or the GPU (where there is one)."""
+    if request.param == "emulator":
+        monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    elif not _gpu_found():
+        pytest.skip("no NVIDIA GPU and driver here")
+    else:
+        monkeypatch.delenv(device.DEVICE_ENVIRONMENT, raising=False)
+    return request.param
+
+
+def _classifier(f):
+    """Two dense layers with GELU, a softmax, and a per-row arg-max: products, a fused map,
+    a row kernel and a reduction."""
+    x = f.var("x", "float32", [24, 40])
+    w1, b1 = f.var("w1", "float32", [40, 32]), f.var("b1", "float32", [32])
+    w2 = f.var("w2", "float32", [32, 10])
+    probs = f.softmax(f.gelu(x @ w1 + b1) @ w2)
+    probs.var.out = True
+    f.argmax(probs, axis=1).var.out = True
+    return {x.name: [24, 40], w1.name: [40, 32], b1.name: [32], w2.name: [32, 10]}
+
+
+def _outputs(backend_name: str, build, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    flow = rv.Flow()
+    build(rv.Builder(flow, "f"))
+    data = rv.Compiler(backend_name).compile(flow).cell("f").instance()
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    return {v.name: np.array(data[v.name]) for v in flow.vars.values() if v.out}
+
+
+def test_an_inference_cell_computes_on_the_device_what_the_cpu_computes(on_device):
+    flow = rv.Flow()
+    shapes = _classifier(rv.Builder(flow, "f"))
+    values = {name: random_array(shape, "float32", seed=i) * (1 if name == "f/x" else 0.2)
+              for i, (name, shape) in enumerate(shapes.items())}
+    got, want = _outputs("cuda", _classifier, values), _outputs("cpu", _classifier, values)
+    assert set(got) == set(want) and len(got) == 2
+    for name, expected in want.items():
+        assert np.isfinite(got[name].astype(np.float64)).all(), name  # every element written
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _trainer(backend_name: str, model: str = "mlp"):
+    from ranvier.train.mnist_job import MnistConfig, make_trainer
+
+    trainer, _, test = make_trainer(MnistConfig(steps=12, backend=backend_name, model=model, batch=32, hidden=[48]))
+    return trainer, test
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_a_training_step_on_the_device_follows_the_cpus_losses_and_parameters(on_device, model):
+    """Adam on MNIST: the losses of 12 steps, the parameters after them (read back from the
+    device) and the accuracy of the trained model (an evaluation cell sharing them)."""
+    gpu, test = _trainer("cuda", model)
+    cpu, _ = _trainer("cpu", model)
+    losses = [(gpu.step(), cpu.step()) for _ in range(12)]
+    np.testing.assert_allclose(*zip(*losses), rtol=2e-5)
+    assert losses[-1][0] < losses[0][0]
+    for name, expected in cpu.network.parameters().items():
+        # Adam's step is about ±lr wherever a gradient is tiny, whatever its rounding: 1% of lr
+        np.testing.assert_allclose(gpu.network[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+    x = test.flat()[:100]
+    x, labels = (x if model == "mlp" else x.reshape(100, 1, 28, 28)), test.labels[:100]
+    assert gpu.accuracy(x, labels) == pytest.approx(cpu.accuracy(x, labels), abs=0.011)
+
+
+def test_the_hosts_writes_to_parameters_reach_the_device_and_checkpoints_cross_backends(on_device, tmp_path):
+    gpu, _ = _trainer("cuda")
+    cpu, _ = _trainer("cpu")
+    for trainer in (gpu, cpu):
+        trainer.network["mlp/W1"][...] *= 0.5  # a host write between steps
+        trainer.step()
+    assert gpu.step() == pytest.approx(cpu.step(), rel=2e-5)
+    gpu.save(tmp_path / "from-gpu")
+    resumed, _ = _trainer("cpu")
+    resumed.load(tmp_path / "from-gpu")
+    assert resumed.step() == pytest.approx(cpu.step(), rel=2e-5)
+    cpu.save(tmp_path / "from-cpu")
+    back, _ = _trainer("cuda")
+    back.load(tmp_path / "from-cpu")
+    assert back.step() == pytest.approx(cpu.step(), rel=2e-5)
+
+
+def test_a_label_out_of_range_fails_the_step_by_name(on_device):
+    gpu, _ = _trainer("cuda")
+    labels = np.zeros(32, np.int64)
+    labels[5] = 10
+    batch = [random_array([32, 784], "float32", seed=3), labels]
+    with pytest.raises(RanvierError, match="SoftmaxCrossEntropyGrad op .* failed on the GPU: an index or class label is out of range"):
+        gpu.step(batch)
+    labels[5] = 9
+    gpu.step(batch)  # the status words start clean again
+
+
+def test_a_gradient_cell_reads_its_forward_instance_on_the_device(on_device):
+    from ranvier.autodiff import gradient
+
+    def network(backend_name: str):
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        x, w = f.var("x", "float32", [6, 5]), f.var("w", "float32", [5, 4])
+        loss = f.mean(f.tanh(x @ w) * f.tanh(x @ w))
+        loss.var.out = True
+        grads = gradient(flow, "f", [w], loss=loss, into="gradients/f")
+        net = rv.Compiler(backend_name).compile(flow)
+        forward = net.cell("f").instance()
+        forward[x] = random_array([6, 5], "float32", seed=8)
+        forward[w] = random_array([5, 4], "float32", seed=9)
+        forward.compute()
+        backward = net.cell("gradients/f").instance(primal=forward)
+        backward.compute()
+        return np.array(backward[grads[w.name]])
+
+    np.testing.assert_allclose(network("cuda"), network("cpu"), rtol=1e-5, atol=1e-7)
+
+
+def test_every_step_is_timed_on_the_device(on_device):
+    gpu, _ = _trainer("cuda")
+    for _ in range(3):
+        gpu.step()
+    profile = gpu.profile()
+    assert profile.computes == 3
+    assert all(step.seconds > 0 for step in profile.steps)
+    assert "Product" in str(profile) and "Rows" in str(profile)
+
+
+class _MemoryDriver:
+    """A stand-in for libcuda that keeps device memory in host memory and records each
+    launch, to check what the runtime hands the driver."""
+
+    def __init__(self):
+        self.launches = []
+        self.blocks = []
+
+    def __getattr__(self, call: str):
+        def run(*args):
+            if call == "cuDeviceGetCount":
+                args[0]._obj.value = 1
+            elif call == "cuDeviceGetName":
+                args[0].value = b"NVIDIA H100 80GB HBM3"
+            elif call == "cuDeviceGetAttribute":
+                args[0]._obj.value = {75: 9, 76: 0, 16: 132}[args[1]]
+            elif call == "cuMemAlloc_v2":
+                block = np.zeros(args[1].value, np.uint8)
+                self.blocks.append(block)
+                args[0]._obj.value = block.ctypes.data
+            elif call in ("cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2"):
+                ctypes.memmove(args[0].value, args[1].value, args[2].value)
+            elif call == "cuLaunchKernel":
+                function, grid, _, _, threads, _, _, _, _, parameters, _ = args
+                count = len(self.last_operands)
+                self.launches.append((function, grid, threads, [ctypes.c_uint64.from_address(parameters[i]).value
+                                                                for i in range(count)]))
+            return 0
+
+        return run
+
+
+def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
+    """What the runtime's launch passes libcuda: the grid and block, and a parameter array
+    whose entries point at each operand's 64-bit device address."""
+    fake = _MemoryDriver()
+    gpu = driver.DriverGPU(lambda name: fake)
+    address = gpu.allocate(64)
+    values = np.arange(16, dtype=np.float32)
+    gpu.upload(address, values)
+    back = np.zeros_like(values)
+    gpu.download(address, back)
+    assert (back == values).all()
+    kernel = type("Kernel", (), {"name": "k_f_Add"})()
+    fake.last_operands = [address, address + 16, address + 32]
+    gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands)
+    assert fake.launches == [("function", 3, 256, [address, address + 16, address + 32])]
+
+
+def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeypatch):
+    monkeypatch.delenv(device.DEVICE_ENVIRONMENT, raising=False)
+    monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(lambda name: (_ for _ in ()).throw(OSError(name))))
+    flow = rv.Flow()
+    _classifier(rv.Builder(flow, "f"))
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
+        cell.instance()
