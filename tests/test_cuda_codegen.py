@@ -603,33 +603,6 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, networks, model
         ptx.assemble(train.backend.code(train, "ptx"))
 
 
-def test_a_llama_training_step_compiles_for_the_gpu_whole(monkeypatch, networks):
-    """Embedding gather, RMSNorm, RoPE's splits and concatenations, attention (decomposed
-    into products, a mask and a softmax), SwiGLU, the loss, every gradient (a scatter-add
-    for the embedding) and AdamW with clipping: all GPU kernels or planned products."""
-    from ranvier.models.llama import PRESETS, Llama
-    from ranvier.train.losses import softmax_cross_entropy
-    from ranvier.train.optimizers import AdamW
-    from ranvier.train.trainer import Trainer
-
-    monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
-    model = Llama(PRESETS["stories260K"], seed=0)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    f.func.training = True
-    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
-    params = model.parameters(f)
-    logits = model(f, tokens, params).reshape([32, model.config.vocab_size])
-    loss = softmax_cross_entropy(logits, targets.reshape([32]))
-    with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
-        Trainer(loss, list(params.values()), AdamW(lr=1e-4), clip_norm=1.0, inputs=[tokens, targets], backend="cuda")
-    train = networks[0].cell("train")
-    kinds = {step.kernel for step in train.steps}
-    assert {"Product", "Lookup", "Rows", "Scatter", "Copy", "Map", "Reduce"} <= kinds, kinds
-    if ptx.ptxas_path() is not None:
-        ptx.assemble(train.backend.code(train, "ptx"))
-
-
 def test_copies_through_views_equal_the_cpu_backends():
     flow = rv.Flow()
     _copies(rv.Builder(flow, "f"))
@@ -727,31 +700,3 @@ def test_group_offsets_that_do_not_rise_set_the_status_word(op_type):
     assert _run_on_host(op, values)["status"][0] == 1
     op, values = _grouped(op_type, "float32", False, [0, 4, 6, 11])  # past the 10 rows
     assert _run_on_host(op, values)["status"][0] == 1
-
-
-def test_a_moe_training_step_compiles_for_the_gpu_whole(monkeypatch, networks):
-    """The router's softmax-top-k, the routing sort, the experts' grouped products and
-    their gradients, the load-balancing loss and AdamW: all GPU kernels or planned products."""
-    from ranvier.models.moe import PRESETS, MoE
-    from ranvier.train.losses import softmax_cross_entropy
-    from ranvier.train.optimizers import AdamW
-    from ranvier.train.trainer import Trainer
-
-    monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
-    model = MoE(PRESETS["moe-tiny"], seed=0)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    f.func.training = True
-    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
-    params = model.parameters(f)
-    logits = model(f, tokens, params).reshape([32, model.config.vocab_size])
-    loss = softmax_cross_entropy(logits, targets.reshape([32])) + model.auxiliary_loss(f)
-    with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
-        Trainer(loss, list(params.values()), AdamW(lr=1e-4), clip_norm=1.0, inputs=[tokens, targets], backend="cuda")
-    train = networks[0].cell("train")
-    kinds = {step.kernel for step in train.steps}
-    assert {"Route", "GroupedProduct", "Product", "Rows", "Scatter"} <= kinds, kinds
-    ops = {step.op.type for step in train.steps if step.kernel == "GroupedProduct"}
-    assert ops == {"GroupedMatMul", "GroupedMatMulWeightGrad"}, ops
-    if ptx.ptxas_path() is not None:
-        ptx.assemble(train.backend.code(train, "ptx"))

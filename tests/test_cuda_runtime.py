@@ -216,3 +216,44 @@ def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeyp
     cell = rv.Compiler("cuda").compile(flow).cell("f")
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):
         cell.instance()
+
+
+def _language_model_trainer(backend_name: str, kind: str):
+    """A stories260K-shaped Llama, or the MoE preset moe-tiny (with its load-balancing
+    loss), training with AdamW and clipping on 2 × 16 tokens."""
+    from ranvier.models import llama, moe
+    from ranvier.train.losses import softmax_cross_entropy
+    from ranvier.train.optimizers import AdamW
+    from ranvier.train.trainer import Trainer
+
+    model = llama.Llama(llama.PRESETS["stories260K"], seed=0) if kind == "llama" else moe.MoE(moe.PRESETS["moe-tiny"], seed=0)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "train")
+    f.func.training = True
+    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
+    params = model.parameters(f)
+    logits = model(f, tokens, params).reshape([32, model.config.vocab_size])
+    loss = softmax_cross_entropy(logits, targets.reshape([32]))
+    if kind == "moe":
+        loss = loss + model.auxiliary_loss(f)
+    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-3), clip_norm=1.0, inputs=[tokens, targets], backend=backend_name)
+    return trainer, model.config.vocab_size
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_a_language_models_training_step_runs_whole_on_the_device_as_on_the_cpu(on_device, kind):
+    """Embedding gather, RMSNorm, RoPE's splits and concatenations, attention (decomposed
+    into products, a mask and a softmax), SwiGLU or the experts (router softmax-top-k, the
+    routing sort, grouped products and their gradients, the load-balancing loss), the loss,
+    every gradient (a scatter-add for the embedding) and AdamW with clipping: every step a
+    GPU kernel, and four steps' losses those of the CPU backend."""
+    gpu, vocabulary = _language_model_trainer("cuda", kind)
+    kinds = {step.kernel for step in gpu.network.cell("train").steps}
+    assert {"Product", "Lookup", "Rows", "Scatter", "Copy", "Map", "Reduce"} <= kinds, kinds
+    if kind == "moe":
+        assert {"Route", "GroupedProduct"} <= kinds, kinds
+    cpu, _ = _language_model_trainer("cpu", kind)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
+        assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=2e-5)

@@ -122,7 +122,8 @@ class CUDABackend:
                              for k in launches]
             if report:
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes[index]))}"
-        cell.native = {"module": module, "ptx": built["ptx"], "kernels": generated, "shapes": shapes, "origin": origin}
+        cell.native = {"module": module, "ptx": built["ptx"], "kernels": generated, "shapes": shapes, "origin": origin,
+                       "key": key.hexdigest()}
 
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's GPU kernels as LLVM IR ("llvm") or PTX ("ptx")."""

@@ -17,14 +17,19 @@ import time
 from typing import Protocol
 
 import numpy as np
+from llvmlite import ir
 
 from ...runtime import Cell
+from ..llvm.irutil import use_features
 from . import kernels
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
 EMULATOR = "emulator"
 DEVICE_ENVIRONMENT = "RANVIER_CUDA_DEVICE"  # "emulator": run cells on HostEmulator
+# LLVM's optimization of the emulator's code: it checks results, so compile time counts
+# more than speed (a Llama step's 700 launches compile in a fifth of the time at level 1)
+HOST_SPEED_LEVEL = 1
 
 
 class GPU(Protocol):
@@ -83,20 +88,29 @@ class HostEmulator:
         ctypes.memset(address, 0, nbytes)
 
     def load(self, cell: Cell) -> dict[str, object]:
+        """The cell's launches compiled for this CPU as one module, kept in the compile
+        cache beside the cell's PTX (under the same key)."""
         from ..cpu import jit
         from ..cpu.target import host_target
 
         target = host_target()
-        functions, keep = {}, []
-        for step in cell.steps:
-            module, launches = kernels.host_module(step.op, target.machine.triple, str(target.machine.target_data),
-                                                   target.feature_set)
-            code = jit.load_object(jit.compile_object(module, target), target, launches[0].name)
-            keep.append(code)
-            for kernel in launches:
-                signature = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)
-                functions[kernel.name] = signature(code.address_of(kernel.name))
-        functions["$code"] = keep  # the loaded objects live as long as the functions
+
+        def compile_for_host() -> bytes:
+            module = ir.Module(f"{cell.name} on the host")
+            module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+            use_features(module, target.feature_set)
+            for step in cell.steps:
+                kernels.add_host_kernels(module, step.op)
+            return jit.compile_object(module, target, HOST_SPEED_LEVEL)
+
+        launches = [kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels]
+        key = jit.cache_key(f"cuda emulator\n{cell.native['key']}", target)
+        entry, _ = jit.cached_object(key, compile_for_host, cell.backend.use_disk_cache)
+        code = jit.load_object(entry, target, launches[0].name)
+        functions: dict[str, object] = {"$code": code}  # the loaded object lives as long as its functions
+        for kernel in launches:
+            signature = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)
+            functions[kernel.name] = signature(code.address_of(kernel.name))
         return functions
 
     def launch(self, code: dict[str, object], kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:

@@ -173,12 +173,18 @@ def add_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
 
 
 def host_module(op: Operation, triple: str, data_layout: str, features: frozenset[str]) -> tuple[ir.Module, list[GPUKernel]]:
-    """Each launch's element function in a host loop, `name(operands..., status, first, last)`,
-    for the host CPU (`triple`, `data_layout`, `features`): the GPU's arithmetic, run here
-    (the launches one after another, as the GPU runs them)."""
+    """A module of the op's launches for the host CPU (`triple`, `data_layout`, `features`):
+    see `add_host_kernels`."""
     module = ir.Module(kernel_name(op))
     module.triple, module.data_layout = triple, data_layout
     use_features(module, features)
+    return module, add_host_kernels(module, op)
+
+
+def add_host_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
+    """Each launch's element function in a host loop, `name(operands..., status, first, last)`,
+    in `module` (a host module): the GPU's arithmetic, run here (the launches one after
+    another, as the GPU runs them)."""
     kernels = []
     for element, kernel in _element_functions(module, op):
         function = ir.Function(module, ir.FunctionType(VOID, [*element.function_type.args[1:], I64, I64]), name=kernel.name)
@@ -188,4 +194,4 @@ def host_module(op: Operation, triple: str, data_layout: str, features: frozense
             b.call(element, [index, *pointers])
         b.ret_void()
         kernels.append(kernel)
-    return module, kernels
+    return kernels
