@@ -199,7 +199,7 @@ def _generate(args: argparse.Namespace) -> int:
     if config_file.is_file() and kind_of(json.loads(config_file.read_text())):  # a run, not a Hugging Face folder
         _check_run(args.model, ("llama", "moe"), "generate")
     config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
-    generator = Generator(language_model(config), weights)
+    generator = Generator(language_model(config), weights, backend=args.backend)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt = tokenizer.encode(args.prompt, bos=True)
     print(args.prompt, end="", flush=True)
@@ -472,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=_probability, default=None)
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
     generate.add_argument("--max-tokens", type=_positive_int, default=256)
+    generate.add_argument("--backend", default="cpu", choices=backend_names())
     generate.set_defaults(run=_generate)
 
     overview = commands.add_parser("summary", help="a language-model preset's parameters, FLOPs and memory, without its weights")

@@ -105,6 +105,7 @@ USAGE = [
     (["generate", "{llama}", "--top-p", "1.5"], ["--top-p"]),
     (["generate", "{llama}", "--temperature", "-1"], ["--temperature"]),
     (["generate", "{llama}", "--max-tokens", "0"], ["--max-tokens"]),
+    (["generate", "{llama}", "--backend", "tpu"], ["--backend"]),
     (["summary"], ["--preset"]),
     (["summary", "--preset", "stories15M", "--seq", "0"], ["--seq"]),
     (["plot"], ["run_dir"]),
@@ -139,8 +140,6 @@ FAILURES = [
     (["train", "moe", "--resume", "{llama}"], ["`ranvier train moe --resume` needs a moe run"]),
     (["train", "mnist", "--data", "{missing}", "--run-dir", "{new}", "--quiet"], ["not found"]),
     (["train", "llama", "--corpus", "{missing}", "--run-dir", "{new}", "--quiet"], ["does not exist"]),
-    # compiles for the GPU, then names what running it lacks (the driver here; the runtime on a GPU machine)
-    (["train", "mnist", "--backend", "cuda", "--steps", "1", "--run-dir", "{new}", "--quiet"], ["CUDA", "use --backend cpu"]),
     (["eval", "{missing}"], ["is not a run directory"]),
     (["eval", "{file}"], ["is not a run directory"]),
     (["eval", "{empty}"], ["config.json is missing"]),
@@ -203,6 +202,19 @@ def test_failures_say_one_line_and_exit_1(cli, paths, tmp_path, monkeypatch, arg
     monkeypatch.chdir(tmp_path)
     code, err = cli(*fill(argv, paths))
     assert_one_line(code, err, 1, "ranvier: error: ", *words)
+
+
+def test_the_cuda_backend_without_a_gpu_compiles_then_names_the_missing_driver(cli, paths, tmp_path, monkeypatch):
+    from ranvier.backends.cuda import backend, device, driver
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.delenv(device.DEVICE_ENVIRONMENT, raising=False)
+    monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(missing))
+    monkeypatch.chdir(tmp_path)
+    code, err = cli(*fill(["train", "mnist", "--backend", "cuda", "--steps", "1", "--run-dir", "{new}", "--quiet"], paths))
+    assert_one_line(code, err, 1, "ranvier: error: ", "libcuda.so.1 could not be loaded", "use --backend cpu")
 
 
 def test_plot_without_matplotlib_says_which_extra(cli, runs, monkeypatch):

@@ -700,3 +700,35 @@ def test_group_offsets_that_do_not_rise_set_the_status_word(op_type):
     assert _run_on_host(op, values)["status"][0] == 1
     op, values = _grouped(op_type, "float32", False, [0, 4, 6, 11])  # past the 10 rows
     assert _run_on_host(op, values)["status"][0] == 1
+
+
+@pytest.mark.parametrize("start,expect_status", [(0, 0), (5, 0), (8, 1)])
+def test_a_slice_assigned_in_place_writes_its_rows_and_drops_those_past_the_end(start, expect_status):
+    """A KV cache's write: rows start..start+3 of axis 1 (those inside the 8 rows); a start
+    outside the target sets the status word and writes nothing."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    target, value = f.var("cache", "float32", [2, 8, 5]), f.var("value", "float32", [2, 3, 5])
+    position = f.var("position", "int32", [])
+    f.op("AssignSlice", [target, value, position], None, {"axis": 1})
+    op = flow.ops["f/AssignSlice"]
+    values = {"f/cache": random_array([2, 8, 5], "float32", seed=41), "f/value": random_array([2, 3, 5], "float32", seed=42),
+              "f/position": np.array(start, np.int32)}
+    got = _run_on_host(op, values)
+    assert got["status"][0] == expect_status
+    want = values["f/cache"].copy()
+    if not expect_status:
+        rows = min(3, 8 - start)
+        want[:, start : start + rows] = values["f/value"][:, :rows]
+    assert got["f/cache"].tobytes() == want.tobytes()
+    assert _assembles(op) == 30
+
+
+def test_an_assign_copies_every_element_in_place():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    target, value = f.var("state", "float64", [4, 7]), f.var("value", "float64", [4, 7])
+    f.assign(target, value)
+    op = next(op for op in flow.ops.values() if op.type == "Assign")
+    values = {"f/state": random_array([4, 7], "float64", seed=43), "f/value": random_array([4, 7], "float64", seed=44)}
+    assert _run_on_host(op, values)["f/state"].tobytes() == values["f/value"].tobytes()

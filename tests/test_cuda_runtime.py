@@ -257,3 +257,22 @@ def test_a_language_models_training_step_runs_whole_on_the_device_as_on_the_cpu(
     for _ in range(4):
         batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
         assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=2e-5)
+
+
+def test_decoding_with_the_kv_cache_on_the_device_gives_the_cpus_tokens(on_device):
+    """The prefill and decode cells share their KV cache on the device (a global each
+    writes in place); greedy and sampled tokens equal the CPU backend's."""
+    from test_generate import CONFIG, spread_weights
+
+    from ranvier.generate import Generator, Sampling
+    from ranvier.models.llama import Llama
+
+    weights = spread_weights()
+    prompt = [1, 5, 9, 13, 2, 7, 30, 4, 11, 3]  # longer than the prefill: chunked
+    tokens = {}
+    for backend_name in ("cuda", "cpu"):
+        generator = Generator(Llama(CONFIG), weights, prefill=8, backend=backend_name)
+        tokens[backend_name] = (list(generator.stream(prompt, 8, Sampling(temperature=0))),
+                                list(generator.stream(prompt, 8, Sampling(temperature=0.9, top_k=20), seed=3)))
+    assert tokens["cuda"] == tokens["cpu"]
+    assert len(set(tokens["cpu"][0])) > 3

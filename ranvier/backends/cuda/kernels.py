@@ -8,8 +8,9 @@ output element), `reductions` (a
 reduction's output element: a loop down the reduced axis), `rows` (a row op's row: the
 CPU's row passes, one lane wide), `lookups` (one index of a Gather or OneHot),
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
-`experts` (a MoE layer's routing sort, one thread; its grouped products' elements) and
-`products` (a matrix product's output element), tried in order. A generator says which ops it `supports`, the variables its kernels read and
+`experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
+`products` (a matrix product's output element) and `assigns` (an element written in
+place: Assign, a KV cache's AssignSlice), tried in order. A generator says which ops it `supports`, the variables its kernels read and
 write (`operands`, each once: the kernels' pointer parameters), and either how many
 `elements` there are and how to `emit` one element at IR index `index` in a
 `ThreadContext` (the shared kernel vocabulary, `EmitContext`), or its `launches`: several
@@ -34,10 +35,10 @@ from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
-from . import experts, lookups, maps, pads, products, reductions, rows, scatters
+from . import assigns, experts, lookups, maps, pads, products, reductions, rows, scatters
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products)
+GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products, assigns)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -60,13 +61,14 @@ def supports(op: Operation) -> bool:
 
 def kernel_kind(op: Operation) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
-    "Route", "GroupedProduct" or "Product"."""
+    "Route", "GroupedProduct", "Product" or "Assign"."""
     generator = _generator(op)
     if generator is maps:
         return "Copy" if maps.is_copy(op) else "Map"
     if generator is experts:
         return "Route" if op.type == "MoERoute" else "GroupedProduct"
-    return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup", scatters: "Scatter", products: "Product"}[generator]
+    return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup", scatters: "Scatter", products: "Product",
+            assigns: "Assign"}[generator]
 
 
 class ThreadContext(EmitContext):
