@@ -51,13 +51,31 @@ class GPU(Protocol):
     def launch(self, code: object, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         """Run `kernel` over its elements; `addresses`: its operands', then its status word's."""
 
-    def mark(self) -> object:
-        """A point in the launch order to time from or to (`seconds`)."""
-
-    def seconds(self, start: object, stop: object) -> float:
-        """Time between two marks, once the launches between them have finished."""
+    def timer(self, marks: int) -> Timer:
+        """`marks` points in the launch order to time between, made once and reused."""
 
     def synchronize(self) -> None: ...
+
+
+class Timer(Protocol):
+    def record(self, mark: int) -> None:
+        """Set mark `mark` at this point of the launch order."""
+
+    def seconds(self, start: int, stop: int) -> float:
+        """Time between two marks, once the launches between them have finished."""
+
+
+class HostTimer:
+    """Marks as the host's clock: the emulator runs each launch as it is made."""
+
+    def __init__(self, marks: int):
+        self.times = [0.0] * marks
+
+    def record(self, mark: int) -> None:
+        self.times[mark] = time.perf_counter()
+
+    def seconds(self, start: int, stop: int) -> float:
+        return self.times[stop] - self.times[start]
 
 
 class HostEmulator:
@@ -116,11 +134,8 @@ class HostEmulator:
     def launch(self, code: dict[str, object], kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         code[kernel.name](*addresses, 0, kernel.elements)
 
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start: float, stop: float) -> float:
-        return stop - start
+    def timer(self, marks: int) -> HostTimer:
+        return HostTimer(marks)
 
     def synchronize(self) -> None:
         pass

@@ -129,16 +129,27 @@ class DriverGPU:
         self._check(self._library.cuLaunchKernel(code[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, None,
                                                  parameters, None), f"launch {kernel.name}")
 
-    def mark(self) -> ctypes.c_void_p:
-        event = ctypes.c_void_p()
-        self._check(self._library.cuEventCreate(ctypes.byref(event), 0), "make an event")
-        self._check(self._library.cuEventRecord(event, None), "record an event")
-        return event
-
-    def seconds(self, start: ctypes.c_void_p, stop: ctypes.c_void_p) -> float:
-        milliseconds = ctypes.c_float()
-        self._check(self._library.cuEventElapsedTime(ctypes.byref(milliseconds), start, stop), "time a step")
-        return milliseconds.value / 1e3
+    def timer(self, marks: int) -> EventTimer:
+        return EventTimer(self, marks)
 
     def synchronize(self) -> None:
         self._check(self._library.cuCtxSynchronize(), "finish the launches")
+
+
+class EventTimer:
+    """Marks as CUDA events on the default stream, made once per instance."""
+
+    def __init__(self, gpu: DriverGPU, marks: int):
+        self.gpu = gpu
+        self.events = [ctypes.c_void_p() for _ in range(marks)]
+        for event in self.events:
+            gpu._check(gpu._library.cuEventCreate(ctypes.byref(event), 0), "make an event")
+
+    def record(self, mark: int) -> None:
+        self.gpu._check(self.gpu._library.cuEventRecord(self.events[mark], None), "record an event")
+
+    def seconds(self, start: int, stop: int) -> float:
+        milliseconds = ctypes.c_float()
+        self.gpu._check(self.gpu._library.cuEventElapsedTime(ctypes.byref(milliseconds), self.events[start], self.events[stop]),
+                        "time a step")
+        return milliseconds.value / 1e3

@@ -92,6 +92,7 @@ class DeviceInstance:
         self.inputs = [slot for slot in cell.slots if slot.first < 0]
         self.outputs = [slot for slot in cell.slots if slot.last >= steps]
         self.pending: dict[str, object] = {}  # locals the host set since the last compute
+        self.timer = gpu.timer(len(cell.steps) + 1)
         self.launches = []
         for index in range(len(cell.steps)):
             status = self.status_address + 8 * index
@@ -137,19 +138,21 @@ class DeviceInstance:
             gpu.upload(self.arena + slot.offset, self._host_view(slot))
         self.pending.clear()
         gpu.zero(self.status_address, self.status.nbytes)
-        marks = [gpu.mark()]
+        steps, timer = len(self.cell.steps), self.timer
+        timer.record(0)
         step = 0
         for index, kernel, shape, addresses in self.launches:
-            while step < index:  # a mark at each step's end, for the profile
-                marks.append(gpu.mark())
+            while step < index:  # mark each step's end, for the profile
                 step += 1
+                timer.record(step)
             gpu.launch(self.code, kernel, shape, addresses)
-        while len(marks) <= len(self.cell.steps):
-            marks.append(gpu.mark())
+        while step < steps:
+            step += 1
+            timer.record(step)
         self.globals.after_compute(self.written_globals)
         gpu.synchronize()
-        for index in range(len(self.cell.steps)):
-            self.instance.step_time[index] += gpu.seconds(marks[index], marks[index + 1])
+        for index in range(steps):
+            self.instance.step_time[index] += timer.seconds(index, index + 1)
         gpu.download(self.status_address, self.status)
         for slot in self.outputs:
             gpu.download(self.arena + slot.offset, self._host_view(slot))
