@@ -31,6 +31,8 @@ SHAPES = [
     (64, 20, 1),
     (13, 40, 1021),  # A's rows 4 KiB apart (lda 1024): its strips are copied, as transposed ones are
     (7, 9, 0),  # an empty sum: C is zeros
+    (11, 49, 530),  # a last panel of one column (of 24, 12): dot products along k, with a tail of k
+    (10, 52, 200),  # a last panel of four columns (of 24, 12)
 ]
 
 

@@ -93,6 +93,13 @@ WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PT
                                                        BYTE_PTR])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
 _MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
+# kc, a, a's row stride, the edge's columns (KC apart), c, ldc, columns, add to C?
+_DOT = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
+# A block's last panel this narrow is computed as dot products along k (`dot_kernel`): a
+# vector-wide tile would do a whole vector of multiply-adds per row and step of k for it
+# (a 7×7 convolution's 49 positions are two panels of 24 and one of 1). Up to this many
+# columns the dot products cost less.
+DOT_COLUMNS = 4
 
 
 def tile_shape(target: CPUTarget) -> tuple[int, int]:
@@ -247,6 +254,49 @@ class _Emitter:
                         target = b.gep(c, [b.add(b.mul(i64(r), ldc), j)])
                         value = b.load(b.gep(tile, [b.add(i64(r * self.nr), j)]))
                         b.store(b.select(accumulate, b.fadd(value, b.load(target)), value), target)
+        b.ret_void()
+        return function
+
+    def dot_kernel(self, rows: int) -> ir.Function:
+        """C[rows × columns] (=|+=) A-strip[rows × kc] · the edge's columns, each a dot
+        product along k: A's rows read in place (k contiguous), each edge column kc
+        contiguous floats (`KC` apart). Two vectors of k per row in flight, so the rows'
+        sums are eight independent chains of multiply-adds."""
+        function = ir.Function(self.module, _DOT, name=f"{SYMBOL}_dot{rows}")
+        function.linkage = "internal"
+        kc, a, sa, edge, c, ldc, columns, accumulate = function.args
+        b = ir.IRBuilder(function.append_basic_block("entry"))
+        lanes, double = self.lanes, 2 * self.lanes
+        sums = [[b.alloca(self.vector) for _ in range(2)] for _ in range(rows)]
+        totals = [b.alloca(F32) for _ in range(rows)]
+        row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
+        whole = b.mul(b.sdiv(kc, i64(double)), i64(double))
+        with for_range(b, i64(0), columns, name="dj") as j:
+            column = b.gep(edge, [b.mul(j, i64(KC))])
+            for pair in sums:
+                for slot in pair:
+                    b.store(self.zeros, slot)
+            with for_range(b, i64(0), whole, step=double, name="dp") as p:
+                halves = [self.load_vector(b, b.gep(column, [b.add(p, i64(h * lanes))])) for h in range(2)]
+                for r in range(rows):
+                    for h in range(2):
+                        value = self.load_vector(b, b.gep(row_starts[r], [b.add(p, i64(h * lanes))]))
+                        b.store(b.call(self.fma, [value, halves[h], b.load(sums[r][h])]), sums[r][h])
+            for r in range(rows):
+                vector = b.fadd(b.load(sums[r][0]), b.load(sums[r][1]))
+                total = b.extract_element(vector, ir.Constant(I32, 0))
+                for e in range(1, lanes):
+                    total = b.fadd(total, b.extract_element(vector, ir.Constant(I32, e)))
+                b.store(total, totals[r])
+            with for_range(b, whole, kc, name="dt") as p:
+                step = b.load(b.gep(column, [p]))
+                for r in range(rows):
+                    product = b.fmul(b.load(b.gep(row_starts[r], [p])), step)
+                    b.store(b.fadd(b.load(totals[r]), product), totals[r])
+            for r in range(rows):
+                target = b.gep(c, [b.add(b.mul(i64(r), ldc), j)])
+                total = b.load(totals[r])
+                b.store(b.select(accumulate, b.fadd(b.load(target), total), total), target)
         b.ret_void()
         return function
 
@@ -458,13 +508,14 @@ def build_module(target: CPUTarget) -> ir.Module:
     emit = _Emitter(module, target)
     tiles = {(rows, vectors): emit.micro_kernel(rows, vectors) for rows in range(1, emit.mr + 1)
              for vectors in range(1, emit.vectors + 1)}
+    tiles.update({(rows, "dot"): emit.dot_kernel(rows) for rows in range(1, emit.mr + 1)})
     _gemm(emit, tiles, block_columns(target), "matrix")
     _gemm(emit, tiles, block_columns(target, packed=True), "panels")
     _gemm(emit, tiles, block_columns(target), "windows")
     return module
 
 
-def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int, source: str) -> None:
+def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block: int, source: str) -> None:
     """The GEMM whose B is `source`: a "matrix" packed a block at a time (`ranvier_sgemm`),
     "panels" packed ahead of time (`ranvier_sgemm_packed`: the same loops, less the
     packing), or a convolution's "windows" (`ranvier_sgemm_windows`)."""
@@ -493,6 +544,7 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
     # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
     copy_a = b.or_(transposed, b.icmp_signed("==", b.and_(lda, i64(1023)), i64(0)))
     strip_copy = b.alloca(F32, i64(emit.mr * KC))
+    edge = b.alloca(F32, i64(DOT_COLUMNS * KC))
     nr, nc_max = i64(emit.nr), i64(block)
 
     empty = b.icmp_signed("==", k, i64(0))  # an empty sum: C is zeros
@@ -527,6 +579,15 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
                     return b.gep(block_of_b, [b.mul(first, kc)])
 
             accumulate = b.icmp_signed(">", pc, i64(0))
+            # a narrow last panel as dot products, where A's rows are read in place (k contiguous)
+            last_first = b.mul(b.sub(panels, i64(1)), nr)
+            edge_columns = b.sub(nc, last_first)
+            dots = b.and_(b.not_(copy_a), b.icmp_signed("<=", edge_columns, i64(DOT_COLUMNS)))
+            with b.if_then(dots):
+                last = panel(last_first)
+                with for_range(b, i64(0), edge_columns, name="ej") as j, for_range(b, i64(0), kc, name="ep") as p:
+                    b.store(b.load(b.gep(last, [b.add(b.mul(p, nr), j)])), b.gep(edge, [b.add(b.mul(j, i64(KC)), p)]))
+            tiled_panels = b.sub(panels, b.zext(dots, I64))
 
             if packed:  # the next block's slice of each panel, read from memory while this one computes
                 next_pc = b.add(pc, kc)
@@ -550,7 +611,7 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
                     emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
                 read_a = b.select(copy_a, strip_copy, strip_a)
                 row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
-                with for_range(b, i64(0), panels, name="jr") as q:
+                with for_range(b, i64(0), tiled_panels, name="jr") as q:
                     first = b.mul(q, nr)
                     columns = smaller(nr, b.sub(nc, first))
                     arguments = [kc, read_a, row_step, k_step, panel(first), b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]),
@@ -565,6 +626,9 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int], ir.Function], block: int,
                     for vectors in range(1, emit.vectors + 1):
                         with b.if_then(b.icmp_signed("==", needed, i64(vectors))):
                             b.call(tiles[rows, vectors], arguments)
+                with b.if_then(dots):
+                    b.call(tiles[rows, "dot"], [kc, read_a, row_step, edge, b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, last_first))]),
+                                                ldc, edge_columns, accumulate])
 
             with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
                 strip(i0, mr)
