@@ -276,3 +276,26 @@ def test_decoding_with_the_kv_cache_on_the_device_gives_the_cpus_tokens(on_devic
                                 list(generator.stream(prompt, 8, Sampling(temperature=0.9, top_k=20), seed=3)))
     assert tokens["cuda"] == tokens["cpu"]
     assert len(set(tokens["cpu"][0])) > 3
+
+
+def test_device_memory_goes_back_with_the_instance_and_the_network(monkeypatch):
+    import gc
+
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    emulator = backend._emulator()
+    gc.collect()
+    before = len(emulator._memory)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    weights = [f.const(random_array([8, 8], "float32", seed=seed)) for seed in (1, 2)]
+    f.tanh(f.var("x", "float32", [3, 8]) @ weights[0] @ weights[1]).var.out = True
+    network = rv.Compiler("cuda").compile(flow)
+    data = network.cell("f").instance()
+    data.compute()
+    assert len(emulator._memory) == before + 2 + 2  # the arena and the status words; the two constants
+    del data
+    gc.collect()
+    assert len(emulator._memory) == before + 2
+    del network
+    gc.collect()
+    assert len(emulator._memory) == before

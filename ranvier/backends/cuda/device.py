@@ -39,6 +39,9 @@ class GPU(Protocol):
 
     def allocate(self, nbytes: int) -> int: ...
 
+    def release(self, address: int) -> None:
+        """Give back memory `allocate` gave."""
+
     def upload(self, address: int, host: np.ndarray) -> None: ...
 
     def download(self, address: int, host: np.ndarray) -> None: ...
@@ -95,6 +98,9 @@ class HostEmulator:
         address = block.ctypes.data + start
         self._memory[address] = block
         return address
+
+    def release(self, address: int) -> None:
+        del self._memory[address]
 
     def upload(self, address: int, host: np.ndarray) -> None:
         ctypes.memmove(address, np.ascontiguousarray(host).ctypes.data, host.nbytes)

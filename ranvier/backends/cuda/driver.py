@@ -97,6 +97,9 @@ class DriverGPU:
                     f"allocate {nbytes} bytes of device memory")
         return address.value
 
+    def release(self, address: int) -> None:
+        self._check(self._library.cuMemFree_v2(ctypes.c_uint64(address)), "free device memory")
+
     def upload(self, address: int, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host)
         self._check(self._library.cuMemcpyHtoD_v2(ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data),

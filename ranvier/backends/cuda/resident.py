@@ -21,6 +21,8 @@ out of range) sets it, and the compute raises naming the step, as on the CPU.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ...errors import RanvierError
@@ -41,6 +43,7 @@ class DeviceGlobals:
         self.addresses: dict[str, int] = {}
         self.state: dict[str, str] = {}
         network.globals.before_access = self.before_host_access
+        weakref.finalize(self, _release, gpu, self.addresses.values())
 
     def address(self, var: Variable) -> int:
         if var.name not in self.addresses:
@@ -71,6 +74,12 @@ class DeviceGlobals:
         self.state[name] = _HOST_NEWER
 
 
+def _release(gpu: GPU, addresses) -> None:
+    """Give a collected instance's (or network's) device memory back."""
+    for address in list(addresses):
+        gpu.release(address)
+
+
 def device_globals(network: Network, gpu: GPU) -> DeviceGlobals:
     """The network's globals on `gpu` (one record per network)."""
     record = getattr(network, "device_globals", None)
@@ -88,6 +97,7 @@ class DeviceInstance:
         self.arena = gpu.allocate(cell.size)
         self.status = np.zeros(max(1, len(cell.steps)), np.int64)
         self.status_address = gpu.allocate(self.status.nbytes)
+        weakref.finalize(self, _release, gpu, [self.arena, self.status_address])
         steps = len(cell.steps)
         self.inputs = [slot for slot in cell.slots if slot.first < 0]
         self.outputs = [slot for slot in cell.slots if slot.last >= steps]
