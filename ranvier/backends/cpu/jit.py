@@ -149,9 +149,8 @@ def cache_key(description: str, target: CPUTarget) -> str:
     return hashlib.sha256(f"{__version__}\n{target.key()}\n{description}".encode()).hexdigest()
 
 
-def compile_object(module: ir.Module, target: CPUTarget, speed_level: int = 3) -> bytes:
-    """Machine code for `module`, optimized at LLVM's `speed_level` (0-3)."""
-    return target.machine.emit_object(_optimized(module, target, speed_level))
+def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
+    return target.machine.emit_object(_optimized(module, target))
 
 
 def assembly(module: ir.Module, target: CPUTarget) -> str:
@@ -159,10 +158,10 @@ def assembly(module: ir.Module, target: CPUTarget) -> str:
     return target.machine.emit_assembly(_optimized(module, target))
 
 
-def _optimized(module: ir.Module, target: CPUTarget, speed_level: int = 3) -> llvm.ModuleRef:
+def _optimized(module: ir.Module, target: CPUTarget) -> llvm.ModuleRef:
     parsed = llvm.parse_assembly(str(module))
     parsed.verify()
-    options = llvm.create_pipeline_tuning_options(speed_level=speed_level)
+    options = llvm.create_pipeline_tuning_options(speed_level=3)
     # Kernels are vectorized by construction; LLVM's loop vectorizer and unroller only
     # multiply code (loops have small constant trip counts) and compile time, not speed.
     options.loop_vectorization = False

@@ -27,9 +27,6 @@ from .launch import LaunchShape
 
 EMULATOR = "emulator"
 DEVICE_ENVIRONMENT = "RANVIER_CUDA_DEVICE"  # "emulator": run cells on HostEmulator
-# LLVM's optimization of the emulator's code: it checks results, so compile time counts
-# more than speed (a Llama step's 700 launches compile in a fifth of the time at level 1)
-HOST_SPEED_LEVEL = 1
 
 
 class GPU(Protocol):
@@ -125,7 +122,7 @@ class HostEmulator:
             use_features(module, target.feature_set)
             for step in cell.steps:
                 kernels.add_host_kernels(module, step.op)
-            return jit.compile_object(module, target, HOST_SPEED_LEVEL)
+            return jit.compile_object(module, target)
 
         launches = [kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels]
         key = jit.cache_key(f"cuda emulator\n{cell.native['key']}", target)
