@@ -68,6 +68,7 @@ def max_pool(ctx, op) -> None:
     # a vector's loads reach s - 1 elements past its last window: keep them inside the row
     loads_inside = max(inside_first, min(inside_last, (width - kw - sw + 1 + pw) // sw + 1))
     vectors_last = inside_first + (loads_inside - inside_first) // lanes * lanes
+    rows = planes * ho
 
     def taps(ctx, at, count: int):
         """Tap (i, j)'s element for `count` windows side by side, from element `at` of the
@@ -99,6 +100,22 @@ def max_pool(ctx, op) -> None:
             value = whole(ctx, plane, top, left, count) if count else clipped(ctx, plane, top, left)
             ctx.store(y, row * wo + xo, value)
 
+    def tail(ctx, row, plane, top) -> None:
+        """The whole windows after the last vector: one more vector ending at the last of
+        them where it can overlap the ones before, else one at a time. Its loads pass the
+        row's end by up to s - 1 elements, which belong to the next row: only the tensor's
+        last row of outputs (whose next row may not exist) goes one at a time."""
+        if vectors_last == inside_last:
+            return
+        if inside_last - inside_first < lanes or lanes == 1:
+            columns(ctx, row, plane, top, vectors_last, inside_last, 1)
+            return
+        with ctx.b.if_else((row < rows - 1).ir) as (overlapping, last_row):
+            with overlapping:
+                columns(ctx, row, plane, top, inside_last - lanes, inside_last, lanes)
+            with last_row:
+                columns(ctx, row, plane, top, vectors_last, inside_last, 1)
+
     def part(first: int, last: int):
         def run(ctx) -> None:
             with ctx.loop(first, last, name="row") as row:
@@ -109,14 +126,13 @@ def max_pool(ctx, op) -> None:
                     with interior:
                         columns(ctx, row, plane, top, 0, inside_first)
                         columns(ctx, row, plane, top, inside_first, vectors_last, lanes)
-                        columns(ctx, row, plane, top, vectors_last, inside_last, 1)
+                        tail(ctx, row, plane, top)
                         columns(ctx, row, plane, top, inside_last, wo)
                     with border:
                         columns(ctx, row, plane, top, 0, wo)
 
         return run
 
-    rows = planes * ho
     if rows and wo:
         threads = thread_count() if worth_splitting(nbytes=x.nbytes + y.nbytes) else 1
         run_parts(ctx, [part(first, last) for first, last in shares(rows, threads)])
