@@ -181,6 +181,11 @@ class _MemoryDriver:
                 args[0]._obj.value = block.ctypes.data
             elif call in ("cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2"):
                 ctypes.memmove(args[0].value, args[1].value, args[2].value)
+            elif call == "cuModuleLoadDataEx":
+                ctypes.memmove(args[4][0], b"ptxas fatal: unknown target sm_99\0", 34)
+                return 218  # CUDA_ERROR_INVALID_PTX
+            elif call == "cuGetErrorName":
+                args[1]._obj.value = b"CUDA_ERROR_INVALID_PTX"
             elif call == "cuLaunchKernel":
                 function, grid, _, _, threads, _, _, _, _, parameters, _ = args
                 count = len(self.last_operands)
@@ -193,7 +198,8 @@ class _MemoryDriver:
 
 def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     """What the runtime's launch passes libcuda: the grid and block, and a parameter array
-    whose entries point at each operand's 64-bit device address."""
+    whose entries point at each operand's 64-bit device address; PTX the driver refuses
+    fails with its compile log."""
     fake = _MemoryDriver()
     gpu = driver.DriverGPU(lambda name: fake)
     address = gpu.allocate(64)
@@ -206,6 +212,9 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     fake.last_operands = [address, address + 16, address + 32]
     gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands)
     assert fake.launches == [("function", 3, 256, [address, address + 16, address + 32])]
+    cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99"}})()
+    with pytest.raises(RanvierError, match="load cell f's PTX: CUDA_ERROR_INVALID_PTX\nptxas fatal: unknown target sm_99"):
+        gpu.load(cell)
 
 
 def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeypatch):

@@ -16,6 +16,9 @@ from ...errors import RanvierError
 DRIVER_LIBRARY = "libcuda.so.1"
 # CUdevice_attribute values (cuda.h)
 _MULTIPROCESSOR_COUNT, _CAPABILITY_MAJOR, _CAPABILITY_MINOR = 16, 75, 76
+# CUjit_option values (cuda.h): where the driver's PTX compiler writes its errors
+_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
+_LOG_BYTES = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,17 @@ class DriverGPU:
                     "zero device memory")
 
     def load(self, cell) -> dict[str, ctypes.c_void_p]:
+        """The cell's PTX compiled by the driver for this device; a failure quotes the
+        driver's compile log."""
         module = ctypes.c_void_p()
-        self._check(self._library.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cell.native["ptx"].encode())),
-                    f"load cell {cell.name}'s PTX")
+        log = ctypes.create_string_buffer(_LOG_BYTES)
+        options = (ctypes.c_int * 2)(_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
+        values = (ctypes.c_void_p * 2)(ctypes.cast(log, ctypes.c_void_p), ctypes.c_void_p(_LOG_BYTES))
+        code = self._library.cuModuleLoadDataEx(ctypes.byref(module), ctypes.c_char_p(cell.native["ptx"].encode()), 2, options,
+                                                values)
+        if code != 0:
+            raise RanvierError(f"the CUDA driver failed to load cell {cell.name}'s PTX: {_error_name(self._library, code)}"
+                               + (f"\n{log.value.decode(errors='replace')}" if log.value else ""))
         functions = {}
         for launches in cell.native["kernels"].values():
             for kernel in launches:
