@@ -363,6 +363,13 @@ class Instance:
             if var.name in self._by_name:
                 self.after_write(var)
 
+    def device_array(self, key):
+        """The variable's memory where the cell computes, shared without a copy: on the CPU
+        the numpy view `data[key]`; on a GPU a handle other GPU libraries read in place
+        (`ranvier.backends.cuda.resident.DeviceArray`)."""
+        var = self.variable(key)
+        return self[key] if self.device is None else self.device.array(var)
+
     def tensor(self, key) -> TensorHandle:
         """Myelin's tensor handle on one of the cell's variables."""
         return TensorHandle(self.variable(key), self[key])

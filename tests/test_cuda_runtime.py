@@ -308,3 +308,53 @@ def test_device_memory_goes_back_with_the_instance_and_the_network(monkeypatch):
     del network
     gc.collect()
     assert len(emulator._memory) == before
+
+
+def test_device_arrays_share_the_device_memory_without_a_copy(on_device):
+    """An output read in place; an input fed on the device (no longer copied in from the
+    host, until the host sets it again); a parameter written on the device, which the host
+    then reads back."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, w = f.var("x", "float32", [4, 6]), f.const(random_array([6, 3], "float32", seed=5))
+    y = f.tanh(x @ w)
+    y.var.out = True
+    network = rv.Compiler("cuda").compile(flow)
+    data = network.cell("f").instance()
+    values = random_array([4, 6], "float32", seed=6)
+    data[x] = values
+    data.compute()
+    handles = {name: data.device_array(name) for name in (y.name, x.name, w.name)}
+    assert repr(handles[y.name]).startswith(f"<DeviceArray {y.name}: float32[4x3] at 0x")
+    if on_device == "driver":
+        interface = handles[y.name].__cuda_array_interface__
+        assert interface["shape"] == (4, 3) and interface["typestr"] == "<f4" and interface["version"] == 3
+        return
+    np.testing.assert_array_equal(np.asarray(handles[y.name]), data[y])
+    np.asarray(handles[x.name])[...] = values * 2  # fed on the device: the host's copy is stale
+    np.asarray(handles[w.name])[...] *= -1
+    data.compute()
+    assert (network[w.name] == -random_array([6, 3], "float32", seed=5)).all()  # the device's value, read back
+    expected = np.tanh((values * 2).astype(np.float64) @ network[w.name].astype(np.float64))
+    np.testing.assert_allclose(data[y], expected, rtol=1e-5, atol=1e-6)
+    data[x] = values  # the host sets it again: copied in as before
+    data.compute()
+    np.testing.assert_allclose(data[y], np.tanh(values.astype(np.float64) @ network[w.name].astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
+def test_on_the_cpu_a_device_array_is_the_instances_own_view():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    f.tanh(f.var("x", "float32", [2, 3])).var.out = True
+    data = rv.Compiler("cpu").compile(flow).cell("f").instance()
+    assert np.shares_memory(data.device_array("f/x"), data["f/x"])
+
+
+def test_a_bfloat16_variable_has_no_cuda_array_interface_type(monkeypatch):
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    f.neg(f.var("x", "bfloat16", [2, 3])).var.out = True
+    data = rv.Compiler("cuda").compile(flow).cell("f").instance()
+    with pytest.raises(RanvierError, match="f/x is bfloat16, which __cuda_array_interface__ has no type string for"):
+        data.device_array("f/x")

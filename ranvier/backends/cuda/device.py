@@ -85,6 +85,7 @@ class HostEmulator:
     what nothing wrote shows in its results."""
 
     name = "host emulator of the CUDA backend (this CPU)"
+    host_memory = True  # its "device" addresses are the host's
 
     def __init__(self):
         self._memory: dict[int, np.ndarray] = {}

@@ -15,6 +15,11 @@ What moves between host and device, and when:
   the next compute, since the host may have written it.
 - A gradient cell reads its forward instance's values in that instance's arena.
 
+`data.device_array(x)` hands a variable's device memory to other GPU libraries without a
+copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
+write there stays: an input handed out so is no longer copied in from the host (until the
+host sets it again), and a global's host copy is fetched again when next read.
+
 Each step's kernels get one status word; a kernel that meets bad data (a label or index
 out of range) sets it, and the compute raises naming the step, as on the CPU.
 """
@@ -25,6 +30,7 @@ import weakref
 
 import numpy as np
 
+from ... import dtypes
 from ...errors import RanvierError
 from ...flow.graph import Variable
 from ...ops import written_inputs
@@ -74,6 +80,25 @@ class DeviceGlobals:
         self.state[name] = _HOST_NEWER
 
 
+class DeviceArray:
+    """A variable's memory on the device, for other GPU libraries: `cupy.asarray(handle)` or
+    `torch.as_tensor(handle, device="cuda")` read it in place through
+    `__cuda_array_interface__` (version 3). On the host emulator the memory is the host's,
+    so it offers `__array_interface__` instead (`numpy.asarray(handle)`). Valid while its
+    instance lives; a compute may overwrite it."""
+
+    def __init__(self, address: int, var: Variable, owner: DeviceInstance, host_memory: bool):
+        self.address, self.var, self.owner = address, var, owner  # the owner keeps the memory alive
+        dtype = np.dtype(dtypes.to_numpy(var.dtype))
+        if dtype.kind == "V":
+            raise RanvierError(f"{var.name} is {var.dtype}, which __cuda_array_interface__ has no type string for")
+        interface = {"shape": tuple(var.shape), "typestr": dtype.str, "data": (address, False), "strides": None, "version": 3}
+        setattr(self, "__array_interface__" if host_memory else "__cuda_array_interface__", interface)
+
+    def __repr__(self) -> str:
+        return f"<DeviceArray {self.var.name}: {self.var.typestr()} at {self.address:#x}>"
+
+
 def _release(gpu: GPU, addresses) -> None:
     """Give a collected instance's (or network's) device memory back."""
     for address in list(addresses):
@@ -102,6 +127,7 @@ class DeviceInstance:
         self.inputs = [slot for slot in cell.slots if slot.first < 0]
         self.outputs = [slot for slot in cell.slots if slot.last >= steps]
         self.pending: dict[str, object] = {}  # locals the host set since the last compute
+        self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.timer = gpu.timer(len(cell.steps) + 1)
         self.launches = []
         for index in range(len(cell.steps)):
@@ -140,11 +166,23 @@ class DeviceInstance:
 
     def after_write(self, var: Variable) -> None:
         self.pending[var.name] = self.cell.slot(var)
+        self.fed_on_device.discard(var.name)
+
+    def array(self, var: Variable) -> DeviceArray:
+        """`var`'s device memory as a `DeviceArray` (see the module's docstring)."""
+        address = self.address(var)
+        if var.is_global:
+            self.globals.before_compute([var.name])
+            self.globals.after_compute([var.name])
+        elif self.cell.slot(var) is not None and self.cell.slot(var).first < 0:
+            self.fed_on_device.add(var.name)
+        return DeviceArray(address, var, self, getattr(self.gpu, "host_memory", False))
 
     def __call__(self) -> None:
         gpu = self.gpu
         self.globals.before_compute(self.read_globals)
-        for slot in [*self.inputs, *(s for s in self.pending.values() if s.first >= 0)]:
+        inputs = [s for s in self.inputs if s.var.name not in self.fed_on_device]
+        for slot in [*inputs, *(s for s in self.pending.values() if s.first >= 0)]:
             gpu.upload(self.arena + slot.offset, self._host_view(slot))
         self.pending.clear()
         gpu.zero(self.status_address, self.status.nbytes)
