@@ -732,3 +732,49 @@ def test_an_assign_copies_every_element_in_place():
     op = next(op for op in flow.ops.values() if op.type == "Assign")
     values = {"f/state": random_array([4, 7], "float64", seed=43), "f/value": random_array([4, 7], "float64", seed=44)}
     assert _run_on_host(op, values)["f/state"].tobytes() == values["f/value"].tobytes()
+
+
+ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype
+    (4, 2, 5, 5, 8, True, "float32"), (4, 1, 3, 7, 6, True, "float64"), (2, 2, 6, 4, 5, False, "float32"),
+    (2, 1, 4, 4, 8, True, "float16"),
+]
+
+
+def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    shapes = {"q": [2, heads, queries, size], "k": [2, kv_heads, keys, size], "v": [2, kv_heads, keys, size]}
+    if op_type == "AttentionGrad":
+        shapes["dout"] = shapes["q"]
+    inputs = [f.var(name, dtype, shape) for name, shape in shapes.items()]
+    outputs = f.op(op_type, inputs, None, {"causal": causal})
+    for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+        out.var.out = True
+    values = {f"f/{name}": random_array(shape, dtype, seed=50 + i) for i, (name, shape) in enumerate(shapes.items())}
+    return flow.ops[f"f/{op_type}"], values
+
+
+@pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,dtype", ATTENTION_CASES)
+@pytest.mark.parametrize("op_type", ["Attention", "AttentionGrad"])
+def test_attention_runs_a_row_per_thread_without_the_score_matrix(op_type, heads, kv_heads, queries, keys, size, causal, dtype):
+    """Grouped heads, a causal mask with fewer queries than keys, or none: every output
+    element written, equal to the float64 reference to the dtype's rounding; a
+    half-precision gradient is left to the decomposition."""
+    from ranvier.ops.attention import attention, attention_grad
+
+    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype)
+    if op_type == "AttentionGrad" and dtype == "float16":
+        assert not kernels.supports(op)
+        return
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    args = [values[f"f/{name}"] for name in ("q", "k", "v", "dout")[: len(op.inputs)]]
+    want = attention(*args, causal) if op_type == "Attention" else attention_grad(*args, causal)
+    tolerance = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-12}[dtype]
+    for var, expected in zip(op.outputs, [want] if op_type == "Attention" else want):
+        np.testing.assert_allclose(got[var.name].astype(np.float64), expected, rtol=tolerance, atol=tolerance, err_msg=var.name)
+    module, launched = kernels.kernel_module(op)
+    assert [k.elements for k in launched] == ([2 * heads * queries] if op_type == "Attention" else
+                                              [2 * heads * queries, 2 * kv_heads * keys, 2 * heads * queries])
+    if ptx.ptxas_path() is not None:
+        ptx.assemble(ptx.emit_ptx(module))

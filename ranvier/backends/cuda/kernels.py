@@ -9,8 +9,9 @@ reduction's output element: a loop down the reduced axis), `rows` (a row op's ro
 CPU's row passes, one lane wide), `lookups` (one index of a Gather or OneHot),
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
-`products` (a matrix product's output element) and `assigns` (an element written in
-place: Assign, a KV cache's AssignSlice), tried in order. A generator says which ops it `supports`, the variables its kernels read and
+`products` (a matrix product's output element), `assigns` (an element written in
+place: Assign, a KV cache's AssignSlice) and `attention` (a query's or key's row of
+attention and its gradient, no score matrix formed), tried in order. A generator says which ops it `supports`, the variables its kernels read and
 write (`operands`, each once: the kernels' pointer parameters), and either how many
 `elements` there are and how to `emit` one element at IR index `index` in a
 `ThreadContext` (the shared kernel vocabulary, `EmitContext`), or its `launches`: several
@@ -35,10 +36,10 @@ from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
-from . import assigns, experts, lookups, maps, pads, products, reductions, rows, scatters
+from . import assigns, attention, experts, lookups, maps, pads, products, reductions, rows, scatters
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products, assigns)
+GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products, assigns, attention)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -61,14 +62,14 @@ def supports(op: Operation) -> bool:
 
 def kernel_kind(op: Operation) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
-    "Route", "GroupedProduct", "Product" or "Assign"."""
+    "Route", "GroupedProduct", "Product", "Assign" or "Attention"."""
     generator = _generator(op)
     if generator is maps:
         return "Copy" if maps.is_copy(op) else "Map"
     if generator is experts:
         return "Route" if op.type == "MoERoute" else "GroupedProduct"
     return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup", scatters: "Scatter", products: "Product",
-            assigns: "Assign"}[generator]
+            assigns: "Assign", attention: "Attention"}[generator]
 
 
 class ThreadContext(EmitContext):
