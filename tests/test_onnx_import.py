@@ -72,8 +72,8 @@ def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString()).run(None, feeds)
 
 
-def run_ranvier(model, feeds: dict, outputs, dims=None) -> list[np.ndarray]:
-    cell = ranvier.Compiler().compile(ro.load(model, dims=dims)).cell("main")
+def run_ranvier(model, feeds: dict, outputs, dims=None, backend: str = "cpu") -> list[np.ndarray]:
+    cell = ranvier.Compiler(backend).compile(ro.load(model, dims=dims)).cell("main")
     data = cell.instance()
     for name, value in feeds.items():
         if name in cell:  # an input whose shape alone is read folds away
@@ -92,7 +92,7 @@ def assert_matches(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
 
-def check(model: onnx.ModelProto, feeds: dict, dims=None) -> None:
+def check(model: onnx.ModelProto, feeds: dict, dims=None, backend: str = "cpu") -> None:
     """Run the model in ORT and ranvier and compare every output."""
     expected = run_ort(model, feeds)
     outputs = [o.name for o in model.graph.output]
@@ -100,7 +100,7 @@ def check(model: onnx.ModelProto, feeds: dict, dims=None) -> None:
         del model.graph.output[:]
         model.graph.output.extend(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
                                   for name, e in zip(outputs, expected))
-    for name, actual, e in zip(outputs, run_ranvier(model, feeds, outputs, dims), expected):
+    for name, actual, e in zip(outputs, run_ranvier(model, feeds, outputs, dims, backend), expected):
         assert_matches(actual, e, name)
 
 
@@ -432,6 +432,15 @@ def exported(request) -> tuple[onnx.ModelProto, dict]:
 def test_exported_model(exported):
     model, feeds = exported
     check(model, feeds)
+
+
+def test_exported_model_on_the_cuda_backends_device(exported, monkeypatch):
+    """The same models compiled for the GPU, run on the host emulation of the device."""
+    from ranvier.backends.cuda import device
+
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    model, feeds = exported
+    check(model, feeds, backend="cuda")
 
 
 # ---- symbolic dimensions, external data -----------------------------------------------------------
