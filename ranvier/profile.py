@@ -21,10 +21,11 @@ class StepTime:
 class Profile:
     """Average time per compute of each step of a cell, over the computes since the last reset."""
 
-    def __init__(self, cell_name: str, computes: int, steps: list[StepTime]):
+    def __init__(self, cell_name: str, computes: int, steps: list[StepTime], device: str | None = None):
         self.cell_name = cell_name
         self.computes = computes
         self.steps = steps
+        self.device = device  # the GPU the steps ran on (no share of CPU cores to show); None: the CPU
 
     @property
     def total(self) -> float:
@@ -38,14 +39,14 @@ class Profile:
 
     def __str__(self) -> str:
         total = self.total or 1e-30
+        where = f"on {self.device}" if self.device else f"{self.all_cores_share:.0%} of it on all cores"
         lines = [
-            f"profile of cell {self.cell_name}: {self.computes} computes, {self.total * 1e3:.3f} ms per compute, "
-            f"{self.all_cores_share:.0%} of it on all cores",
-            f"  {'step':>4}  {'kernel':<24} {'time us':>9} {'share':>6} {'GFLOP/s':>8} {'cores':>5}  op",
+            f"profile of cell {self.cell_name}: {self.computes} computes, {self.total * 1e3:.3f} ms per compute, {where}",
+            f"  {'step':>4}  {'kernel':<24} {'time us':>9} {'share':>6} {'GFLOP/s':>8} {'' if self.device else 'cores':>5}  op",
         ]
         for s in sorted(self.steps, key=lambda s: -s.seconds):
             rate = f"{s.flops / s.seconds / 1e9:8.1f}" if s.flops and s.seconds > 0 else f"{'':>8}"
-            cores = f"{min(1.0, s.all_cores / s.seconds):5.0%}" if s.seconds > 0 else f"{'':>5}"
+            cores = f"{min(1.0, s.all_cores / s.seconds):5.0%}" if s.seconds > 0 and not self.device else f"{'':>5}"
             outs = ", ".join(v.name for v in s.op.outputs) or s.op.inputs[0].name
             lines.append(f"  {s.index:>4}  {s.kernel:<24} {s.seconds * 1e6:9.2f} {s.seconds / total * 100:5.1f}% {rate} {cores}  "
                          f"{outs} = {s.op.type}")

@@ -410,7 +410,7 @@ class Instance:
             StepTime(i, s.label, seconds[i] / computes, s.flops, s.op, all_cores[i] / computes)
             for i, s in enumerate(self.cell.steps)
         ]
-        return Profile(self.cell.name, self.computes, steps)
+        return Profile(self.cell.name, self.computes, steps, self.device.gpu.name if self.device is not None else None)
 
     def reset_profile(self) -> None:
         self.computes = 0

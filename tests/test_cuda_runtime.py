@@ -157,6 +157,8 @@ def test_every_step_is_timed_on_the_device(on_device):
     assert profile.computes == 3
     assert all(step.seconds > 0 for step in profile.steps)
     assert "Product" in str(profile) and "Rows" in str(profile)
+    assert f"ms per compute, on {backend._emulator().name if on_device == 'emulator' else ''}" in str(profile)
+    assert "cores" not in str(profile)
 
 
 class _MemoryDriver:

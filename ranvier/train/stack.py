@@ -407,4 +407,5 @@ class CheckpointedStack(TrainerBase):
             for i, s in enumerate(data.cell.steps):
                 result.append(StepTime(len(result), s.label, seconds[i] / steps, s.flops * data.computes // steps, s.op,
                                        all_cores[i] / steps))
-        return Profile("checkpointed stack", self.step_count, result)
+        device = self.layer_data.device
+        return Profile("checkpointed stack", self.step_count, result, device.gpu.name if device is not None else None)
