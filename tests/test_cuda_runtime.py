@@ -168,9 +168,12 @@ class _MemoryDriver:
     def __init__(self):
         self.launches = []
         self.blocks = []
+        self.graph_calls = []
 
     def __getattr__(self, call: str):
         def run(*args):
+            if "Capture" in call or "Graph" in call:
+                self.graph_calls.append(call)
             if call == "cuDeviceGetCount":
                 args[0]._obj.value = 1
             elif call == "cuDeviceGetName":
@@ -200,8 +203,9 @@ class _MemoryDriver:
 
 def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     """What the runtime's launch passes libcuda: the grid and block, and a parameter array
-    whose entries point at each operand's 64-bit device address; PTX the driver refuses
-    fails with its compile log."""
+    whose entries point at each operand's 64-bit device address; a compute's launches
+    captured from the stream as a graph, run, and replayed; PTX the driver refuses fails
+    with its compile log."""
     fake = _MemoryDriver()
     gpu = driver.DriverGPU(lambda name: fake)
     address = gpu.allocate(64)
@@ -214,6 +218,12 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     fake.last_operands = [address, address + 16, address + 32]
     gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands)
     assert fake.launches == [("function", 3, 256, [address, address + 16, address + 32])]
+    fake.launches.clear()
+    graph = gpu.graph(lambda: gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands))
+    gpu.replay(graph)
+    assert len(fake.launches) == 1  # captured once; the graph runs it
+    assert fake.graph_calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
+                                "cuGraphLaunch", "cuGraphLaunch"]
     cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99"}})()
     with pytest.raises(RanvierError, match="load cell f's PTX: CUDA_ERROR_INVALID_PTX\nptxas fatal: unknown target sm_99"):
         gpu.load(cell)

@@ -1,7 +1,8 @@
 """What the CUDA runtime asks of a device, and a device that is this CPU.
 
 `GPU` is the runtime's whole view of a device: memory (allocate, copy in and out, zero),
-the cell's kernels loaded, launches, and timing marks between them. Two kinds provide
+the cell's kernels loaded, launches, timing marks between them, and a compute's launches
+captured once as a graph and replayed. Two kinds provide
 it: the CUDA driver (`driver.DriverGPU`: PTX loaded by the driver, launches on the
 device) and `HostEmulator`, which runs each launch's element function compiled for this
 CPU over every element, one launch after another: the same generated arithmetic and the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -53,6 +55,12 @@ class GPU(Protocol):
 
     def timer(self, marks: int) -> Timer:
         """`marks` points in the launch order to time between, made once and reused."""
+
+    def graph(self, launches: Callable[[], None]) -> object:
+        """The launches (and timing marks) `launches` makes, captured once as a graph that
+        `replay` runs again as one launch; this call runs them too."""
+
+    def replay(self, graph: object) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -142,6 +150,14 @@ class HostEmulator:
 
     def timer(self, marks: int) -> HostTimer:
         return HostTimer(marks)
+
+    def graph(self, launches: Callable[[], None]) -> Callable[[], None]:
+        """The emulator runs each launch as it is made: its graph is the call itself."""
+        launches()
+        return launches
+
+    def replay(self, graph: Callable[[], None]) -> None:
+        graph()
 
     def synchronize(self) -> None:
         pass

@@ -19,6 +19,7 @@ _MULTIPROCESSOR_COUNT, _CAPABILITY_MAJOR, _CAPABILITY_MINOR = 16, 75, 76
 # CUjit_option values (cuda.h): where the driver's PTX compiler writes its errors
 _JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
 _LOG_BYTES = 1 << 14
+_CAPTURE_GLOBAL = 0  # CUstreamCaptureMode: no other thread may use the GPU unsafely meanwhile
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def find_device(load: Callable[[str], object] = ctypes.CDLL) -> Device:
 class DriverGPU:
     """Device 0 through the CUDA driver API (ctypes): its primary context, memory by
     cuMemAlloc, each cell's PTX loaded by the driver (which compiles it for the device),
-    kernels launched on the default stream, CUDA events as timing marks. Written to the
+    kernels launched on a stream of ours, CUDA events as timing marks, a compute's launches
+    captured as a CUDA graph and replayed. Written to the
     driver API's documented signatures; it has not yet run on a GPU (none has been lent to
     this project's work), so the first GPU session checks it (tests/test_cuda_runtime.py)."""
 
@@ -89,6 +91,10 @@ class DriverGPU:
         self._check(self._library.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "make a context")
         self._check(self._library.cuCtxSetCurrent(context), "use its context")
         self._context = context
+        # kernels and timing marks go on a stream of their own: only such a stream can be
+        # captured as a graph (its flags 0: ordered with the default stream's copies)
+        self._stream = ctypes.c_void_p()
+        self._check(self._library.cuStreamCreate(ctypes.byref(self._stream), 0), "make a stream")
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
@@ -140,8 +146,24 @@ class DriverGPU:
     def launch(self, code: dict[str, ctypes.c_void_p], kernel, shape, addresses: list[int]) -> None:
         values = [ctypes.c_uint64(a) for a in addresses]
         parameters = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        self._check(self._library.cuLaunchKernel(code[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, None,
+        self._check(self._library.cuLaunchKernel(code[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, self._stream,
                                                  parameters, None), f"launch {kernel.name}")
+
+    def graph(self, launches) -> ctypes.c_void_p:
+        """The launches captured from the stream as a CUDA graph, instantiated, and run once."""
+        graph, executable = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self._library.cuStreamBeginCapture_v2(self._stream, _CAPTURE_GLOBAL), "start capturing a graph")
+        try:
+            launches()
+        finally:
+            self._check(self._library.cuStreamEndCapture(self._stream, ctypes.byref(graph)), "finish capturing a graph")
+        self._check(self._library.cuGraphInstantiateWithFlags(ctypes.byref(executable), graph, ctypes.c_ulonglong(0)),
+                    "instantiate a graph")
+        self.replay(executable)
+        return executable
+
+    def replay(self, graph: ctypes.c_void_p) -> None:
+        self._check(self._library.cuGraphLaunch(graph, self._stream), "launch a graph")
 
     def timer(self, marks: int) -> EventTimer:
         return EventTimer(self, marks)
@@ -151,7 +173,7 @@ class DriverGPU:
 
 
 class EventTimer:
-    """Marks as CUDA events on the default stream, made once per instance."""
+    """Marks as CUDA events on the launches' stream, made once per instance."""
 
     def __init__(self, gpu: DriverGPU, marks: int):
         self.gpu = gpu
@@ -160,7 +182,7 @@ class EventTimer:
             gpu._check(gpu._library.cuEventCreate(ctypes.byref(event), 0), "make an event")
 
     def record(self, mark: int) -> None:
-        self.gpu._check(self.gpu._library.cuEventRecord(self.events[mark], None), "record an event")
+        self.gpu._check(self.gpu._library.cuEventRecord(self.events[mark], self.gpu._stream), "record an event")
 
     def seconds(self, start: int, stop: int) -> float:
         milliseconds = ctypes.c_float()

@@ -15,6 +15,10 @@ What moves between host and device, and when:
   the next compute, since the host may have written it.
 - A gradient cell reads its forward instance's values in that instance's arena.
 
+A compute's launches (every step's kernels and the timing marks between them) are captured
+once as a graph (a CUDA graph on the driver) and replayed as one launch by every later
+compute: the addresses they read never change, only the memory's contents.
+
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
 write there stays: an input handed out so is no longer copied in from the host (until the
@@ -129,6 +133,7 @@ class DeviceInstance:
         self.pending: dict[str, object] = {}  # locals the host set since the last compute
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.timer = gpu.timer(len(cell.steps) + 1)
+        self.graph = None  # the launches, captured by the first compute and replayed by the next
         self.launches = []
         for index in range(len(cell.steps)):
             status = self.status_address + 8 * index
@@ -178,6 +183,19 @@ class DeviceInstance:
             self.fed_on_device.add(var.name)
         return DeviceArray(address, var, self, getattr(self.gpu, "host_memory", False))
 
+    def _launch_steps(self) -> None:
+        """Every step's kernels in order, with a timing mark at each step's end."""
+        timer, step = self.timer, 0
+        timer.record(0)
+        for index, kernel, shape, addresses in self.launches:
+            while step < index:
+                step += 1
+                timer.record(step)
+            self.gpu.launch(self.code, kernel, shape, addresses)
+        while step < len(self.cell.steps):
+            step += 1
+            timer.record(step)
+
     def __call__(self) -> None:
         gpu = self.gpu
         self.globals.before_compute(self.read_globals)
@@ -186,17 +204,11 @@ class DeviceInstance:
             gpu.upload(self.arena + slot.offset, self._host_view(slot))
         self.pending.clear()
         gpu.zero(self.status_address, self.status.nbytes)
+        if self.graph is None:
+            self.graph = gpu.graph(self._launch_steps)
+        else:
+            gpu.replay(self.graph)
         steps, timer = len(self.cell.steps), self.timer
-        timer.record(0)
-        step = 0
-        for index, kernel, shape, addresses in self.launches:
-            while step < index:  # mark each step's end, for the profile
-                step += 1
-                timer.record(step)
-            gpu.launch(self.code, kernel, shape, addresses)
-        while step < steps:
-            step += 1
-            timer.record(step)
         self.globals.after_compute(self.written_globals)
         gpu.synchronize()
         for index in range(steps):
