@@ -370,3 +370,27 @@ def test_a_bfloat16_variable_has_no_cuda_array_interface_type(monkeypatch):
     data = rv.Compiler("cuda").compile(flow).cell("f").instance()
     with pytest.raises(RanvierError, match="f/x is bfloat16, which __cuda_array_interface__ has no type string for"):
         data.device_array("f/x")
+
+
+def test_an_unrolled_trainer_on_the_device_takes_the_cpus_steps(on_device):
+    """Four optimizer steps inside one compute (the parameters' updates chained on the device)."""
+    from test_train import MLP, Adam, X, Y, softmax_cross_entropy
+
+    from ranvier.train.unrolled import UnrolledTrainer
+
+    results = {}
+    for backend_name in ("cuda", "cpu"):
+        flow = rv.Flow()
+        model = MLP([7, 16, 3], seed=3)
+
+        def build(b, params, k, model=model):
+            x, y = b.var(f"x{k}", rv.DT_FLOAT, [16, 7]), b.var(f"labels{k}", rv.DT_INT32, [16])
+            return softmax_cross_entropy(model(b, x, params), y)
+
+        params = list(model.parameters(rv.Builder(flow, "train_unrolled")).values())
+        trainer = UnrolledTrainer(flow, build, params, 4, Adam(lr=0.01), backend=backend_name)
+        trainer.set_dataset([X, Y.argmax(axis=1).astype(np.int32)], seed=5)
+        losses = [loss for call in trainer.train(2, progress=False) for loss in call]
+        results[backend_name] = losses, np.array(trainer.network["mlp/W0"])
+    np.testing.assert_allclose(results["cuda"][0], results["cpu"][0], rtol=2e-6)
+    np.testing.assert_allclose(results["cuda"][1], results["cpu"][1], rtol=1e-5, atol=1e-6)
