@@ -9,7 +9,7 @@ import math
 
 from llvmlite import ir
 
-from ...flow.graph import Operation, Variable
+from ...flow.graph import Operation
 from ...ops import attrs_of
 from ..llvm.context import EmitContext, check_range, load_index
 from ..llvm.values import index_value
@@ -19,10 +19,6 @@ OPS = ("Assign", "AssignSlice")
 
 def supports(op: Operation) -> bool:
     return op.type in OPS
-
-
-def operands(op: Operation) -> tuple[Variable, ...]:
-    return tuple({id(v): v for v in op.inputs}.values())
 
 
 def elements(op: Operation) -> int:

@@ -39,10 +39,6 @@ def supports(op: Operation) -> bool:
             and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
 
 
-def operands(op: Operation) -> tuple[Variable, ...]:
-    return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
-
-
 class _Shape:
     """An attention op's sizes and the element offsets of its rows."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from ... import dtypes
-from ...flow.graph import Operation, Variable
+from ...flow.graph import Operation
 from ...ops import attrs_of
 from ..llvm.context import EmitContext
 from ..llvm.routing import group_bounds, route
@@ -25,10 +25,6 @@ OPS = ("MoERoute", "GroupedMatMul", "GroupedMatMulWeightGrad")
 
 def supports(op: Operation) -> bool:
     return op.type in OPS
-
-
-def operands(op: Operation) -> tuple[Variable, ...]:
-    return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
 
 
 def elements(op: Operation) -> int:

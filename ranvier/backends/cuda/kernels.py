@@ -11,8 +11,9 @@ CPU's row passes, one lane wide), `lookups` (one index of a Gather or OneHot),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
 `products` (a matrix product's output element), `assigns` (an element written in
 place: Assign, a KV cache's AssignSlice) and `attention` (a query's or key's row of
-attention and its gradient, no score matrix formed), tried in order. A generator says which ops it `supports`, the variables its kernels read and
-write (`operands`, each once: the kernels' pointer parameters), and either how many
+attention and its gradient, no score matrix formed), tried in order. A generator says
+which ops it `supports`; the variables its kernels read and write, if not every input and
+output (`operands`, each once: the kernels' pointer parameters); and either how many
 `elements` there are and how to `emit` one element at IR index `index` in a
 `ThreadContext` (the shared kernel vocabulary, `EmitContext`), or its `launches`: several
 such (elements, emit) in order. Every
@@ -114,10 +115,16 @@ def _launches(generator, op: Operation) -> list[tuple[int, Emit]]:
     return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index))]
 
 
+def _every_operand(op: Operation) -> tuple[Variable, ...]:
+    """The op's inputs and outputs, each once: what a generator's kernels read and write
+    unless it says otherwise."""
+    return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
+
+
 def _element_functions(module: ir.Module, op: Operation) -> list[tuple[ir.Function, GPUKernel]]:
     """`element(index, operands..., status)` for each of the op's launches, with its kernel's name."""
     generator = _generator(op)
-    operands = generator.operands(op)
+    operands = generator.operands(op) if hasattr(generator, "operands") else _every_operand(op)
     pointers = [storage_type(v.dtype).as_pointer() for v in operands]
     made = []
     for number, (elements, emit) in enumerate(_launches(generator, op)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ...flow.graph import Operation, Variable
+from ...flow.graph import Operation
 from ..llvm.context import EmitContext
 from ..llvm.lookups import LOOKUP_OPS
 from ..llvm.values import index_value
@@ -14,10 +14,6 @@ from ..llvm.values import index_value
 
 def supports(op: Operation) -> bool:
     return op.type in LOOKUP_OPS
-
-
-def operands(op: Operation) -> tuple[Variable, ...]:
-    return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
 
 
 def elements(op: Operation) -> int:

@@ -22,10 +22,6 @@ def supports(op: Operation) -> bool:
     return op.type == "MatMul" and dtypes.is_float(op.outputs[0].dtype)
 
 
-def operands(op: Operation) -> tuple[Variable, ...]:
-    return tuple({id(v): v for v in (*op.inputs[:2], *op.outputs)}.values())
-
-
 def elements(op: Operation) -> int:
     return op.outputs[0].size
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ...flow.graph import Operation, Variable
+from ...flow.graph import Operation
 from ..llvm.context import EmitContext
 from ..llvm.rows import ROW_OPS, row_shape
 from ..llvm.values import index_value
@@ -15,10 +15,6 @@ from ..llvm.values import index_value
 
 def supports(op: Operation) -> bool:
     return op.type in ROW_OPS and ROW_OPS[op.type][1](op)
-
-
-def operands(op: Operation) -> tuple[Variable, ...]:
-    return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
 
 
 def elements(op: Operation) -> int:

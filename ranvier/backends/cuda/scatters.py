@@ -23,10 +23,6 @@ def supports(op: Operation) -> bool:
     return op.type in ("ScatterAdd", "StridedScatterAdd") and op.outputs[0].dtype in ATOMIC_DTYPES
 
 
-def operands(op: Operation) -> tuple[Variable, ...]:
-    return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
-
-
 def _added(op: Operation) -> Variable:
     return op.inputs[1] if op.type == "ScatterAdd" else op.inputs[0]
 
