@@ -297,12 +297,10 @@ class Instance:
         self._connected: dict[str, tuple[np.ndarray, np.ndarray, bool]] = {}
         self.primal: Instance | None = None
         self._run = None
-        # Where the cell's data lives on a device (the CUDA backend): told of a local
-        # variable the host is about to read (`before_read`: its value comes back) or has
-        # set (`after_write`: it goes out before the next compute).
-        self.before_read: Callable[[Variable], None] | None = None
-        self.after_write: Callable[[Variable], None] | None = None
-        self.device = None  # the backend's record of this instance's data on a device
+        # Where the cell's data lives on a device (the CUDA backend's DeviceInstance): told of
+        # a local variable the host is about to read (`before_read`: its value comes back)
+        # or has set (`after_write`: it goes out before the next compute). None on the CPU.
+        self.device = None
         if primal is not None or not cell.external:
             self.link(primal)
 
@@ -339,8 +337,11 @@ class Instance:
 
     def __getitem__(self, key) -> np.ndarray:
         var = self.variable(key)
-        if self.before_read is not None and var.name in self._by_name:
-            self.before_read(var)
+        if self.device is not None and var.name in self._by_name:
+            self.device.before_read(var)
+        return self._host_view(key, var)
+
+    def _host_view(self, key, var: Variable) -> np.ndarray:
         return self._views[key] if isinstance(key, (int, np.integer)) else self.view(var)
 
     def __setitem__(self, key, value) -> None:
@@ -349,19 +350,16 @@ class Instance:
                 raise RanvierError(f"only the primal link {self.cell.primal_name or '(none: this cell reads no other cell)'} takes an instance")
             self.link(value)
             return
-        target = self[key]
+        var = self.variable(key)
         value = np.asarray(value)
         try:
-            target[...] = value
+            self._host_view(key, var)[...] = value  # overwritten whole: no need to fetch it from a device first
         except ValueError:
-            var = self.variable(key)
             raise RanvierError(
                 f"cannot set {var.name}: got an array of shape {list(value.shape)}, expected [{shape_str(var.shape)}]"
             ) from None
-        if self.after_write is not None:
-            var = self.variable(key)
-            if var.name in self._by_name:
-                self.after_write(var)
+        if self.device is not None and var.name in self._by_name:
+            self.device.after_write(var)
 
     def device_array(self, key):
         """The variable's memory where the cell computes, shared without a copy: on the CPU

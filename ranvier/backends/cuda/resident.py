@@ -143,8 +143,6 @@ class DeviceInstance:
         self.read_globals = [var.name for var in cell.global_vars if var.name in self.globals.addresses]
         written = {v.name for step in cell.steps for v in (*written_inputs(step.op), *step.op.outputs) if v.is_global}
         self.written_globals = sorted(written & set(self.read_globals))
-        instance.before_read = self.before_read
-        instance.after_write = self.after_write
         instance.device = self
 
     def address(self, var: Variable) -> int:
