@@ -35,6 +35,7 @@ class GPU(Protocol):
     """A device's memory, code and clock, as the runtime uses them. Addresses are ints."""
 
     name: str
+    host_memory: bool  # whether its addresses are the host's (the emulator's are)
 
     def allocate(self, nbytes: int) -> int: ...
 

@@ -82,6 +82,8 @@ class DriverGPU:
     driver API's documented signatures; it has not yet run on a GPU (none has been lent to
     this project's work), so the first GPU session checks it (tests/test_cuda_runtime.py)."""
 
+    host_memory = False
+
     def __init__(self, load: Callable[[str], object] = ctypes.CDLL):
         self.device = find_device(load)
         self.name = str(self.device)

@@ -179,7 +179,7 @@ class DeviceInstance:
             self.globals.after_compute([var.name])
         elif self.cell.slot(var) is not None and self.cell.slot(var).first < 0:
             self.fed_on_device.add(var.name)
-        return DeviceArray(address, var, self, getattr(self.gpu, "host_memory", False))
+        return DeviceArray(address, var, self, self.gpu.host_memory)
 
     def _launch_steps(self) -> None:
         """Every step's kernels in order, with a timing mark at each step's end."""
