@@ -68,6 +68,17 @@ def _dot(ctx: EmitContext, a: Variable, a_row: Value, b: Variable, b_row: Value,
     return total.value
 
 
+def _score(ctx: EmitContext, op: Operation, shape: _Shape, query: Value, key: Value, dtype: str) -> Value:
+    """scale · q[query row] · k[key row]."""
+    return _dot(ctx, op.inputs[0], query, op.inputs[1], key, shape.size, dtype) * shape.scale
+
+
+def _probability(ctx: EmitContext, op: Operation, shape: _Shape, query: Value, key: Value, dtype: str, peak: Value,
+                 total: Value) -> Value:
+    """The softmax probability of a (query, key) pair, from its row's maximum and sum."""
+    return (_score(ctx, op, shape, query, key, dtype) - peak).exp() / total
+
+
 def launches(op: Operation) -> list[tuple[int, Callable[[EmitContext, ir.Value], None]]]:
     shape = _Shape(op)
     query_rows = shape.batch * shape.heads * shape.queries
@@ -84,7 +95,7 @@ def _query(shape: _Shape, row: Value) -> tuple[Value, Value, Value]:
 
 
 def _forward(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
-    q, k, v = op.inputs
+    v = op.inputs[2]
     out = op.outputs[0]
     b, h, t = _query(shape, row)
     kv, at = h // shape.group, shape.query_row(b, h, t)
@@ -94,7 +105,7 @@ def _forward(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None
         acc.store(i, ctx.constant(out.dtype, 0.0))
     with ctx.loop(0, shape.visible_keys(ctx, t), name="s") as s:
         key = shape.key_row(b, kv, s)
-        score = _dot(ctx, q, at, k, key, shape.size, out.dtype) * shape.scale
+        score = _score(ctx, op, shape, at, key, out.dtype)
         grown = peak.value.maximum(score)
         correction, weight = (peak.value - grown).exp(), (score - grown).exp()
         total.set(total.value * correction + weight)
@@ -107,19 +118,19 @@ def _forward(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None
 
 def _statistics(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
     """Launch 1: m, l and D of a query row, parked in its dq row."""
-    q, k, v, dout = op.inputs
+    v, dout = op.inputs[2:]
     dq = op.outputs[0]
     b, h, t = _query(shape, row)
     kv, at, visible = h // shape.group, shape.query_row(b, h, t), shape.visible_keys(ctx, t)
     peak, total, d = (ctx.local(dq.dtype, initial=value) for value in (-float("inf"), 0.0, 0.0))
     with ctx.loop(0, visible, name="s") as s:
-        score = _dot(ctx, q, at, k, shape.key_row(b, kv, s), shape.size, dq.dtype) * shape.scale
+        score = _score(ctx, op, shape, at, shape.key_row(b, kv, s), dq.dtype)
         grown = peak.value.maximum(score)
         total.set(total.value * (peak.value - grown).exp() + (score - grown).exp())
         peak.set(grown)
     with ctx.loop(0, visible, name="s") as s:
         key = shape.key_row(b, kv, s)
-        p = (_dot(ctx, q, at, k, key, shape.size, dq.dtype) * shape.scale - peak.value).exp() / total.value
+        p = _probability(ctx, op, shape, at, key, dq.dtype, peak.value, total.value)
         d.set(d.value + p * _dot(ctx, dout, at, v, key, shape.size, dq.dtype))
     for offset, value in enumerate((peak, total, d)):
         ctx.store(dq, at + offset, value.value)
@@ -127,7 +138,7 @@ def _statistics(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> N
 
 def _key_gradients(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
     """Launch 2: a key row's dk and dv, over every query of its group's heads that sees it."""
-    q, k, v, dout = op.inputs
+    q, _, v, dout = op.inputs
     dq, dk, dv = op.outputs
     b, kv, s = row // (shape.kv_heads * shape.keys), (row // shape.keys) % shape.kv_heads, row % shape.keys
     key = shape.key_row(b, kv, s)
@@ -139,7 +150,7 @@ def _key_gradients(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -
     with ctx.loop(0, shape.group, name="g") as g, ctx.loop(first, shape.queries, name="t") as t:
         at = shape.query_row(b, kv * shape.group + g, t)
         peak, total, d = (ctx.load(dq, at + offset) for offset in range(_PARKED))
-        p = (_dot(ctx, q, at, k, key, shape.size, dk.dtype) * shape.scale - peak).exp() / total
+        p = _probability(ctx, op, shape, at, key, dk.dtype, peak, total)
         ds = p * (_dot(ctx, dout, at, v, key, shape.size, dk.dtype) - d) * shape.scale
         with ctx.loop(0, shape.size, name="i") as i:
             dk_acc.store(i, dk_acc.load(i) + ds * ctx.load(q, at + i))
@@ -151,7 +162,7 @@ def _key_gradients(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -
 
 def _query_gradient(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
     """Launch 3: a query row's dq, from its parked m, l and D (read before the row is written)."""
-    q, k, v, dout = op.inputs
+    _, k, v, dout = op.inputs
     dq = op.outputs[0]
     b, h, t = _query(shape, row)
     kv, at = h // shape.group, shape.query_row(b, h, t)
@@ -161,7 +172,7 @@ def _query_gradient(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) 
         acc.store(i, ctx.constant(dq.dtype, 0.0))
     with ctx.loop(0, shape.visible_keys(ctx, t), name="s") as s:
         key = shape.key_row(b, kv, s)
-        p = (_dot(ctx, q, at, k, key, shape.size, dq.dtype) * shape.scale - peak).exp() / total
+        p = _probability(ctx, op, shape, at, key, dq.dtype, peak, total)
         ds = p * (_dot(ctx, dout, at, v, key, shape.size, dq.dtype) - d)
         with ctx.loop(0, shape.size, name="i") as i:
             acc.store(i, acc.load(i) + ds * ctx.load(k, key + i))
