@@ -14,6 +14,7 @@ import ctypes
 import numpy as np
 import pytest
 from helpers import random_array
+from test_cuda_codegen import _FakeDriver
 
 import ranvier as rv
 from ranvier.backends.cuda import backend, device, driver
@@ -161,26 +162,23 @@ def test_every_step_is_timed_on_the_device(on_device):
     assert "cores" not in str(profile)
 
 
-class _MemoryDriver:
-    """A stand-in for libcuda that keeps device memory in host memory and records each
-    launch, to check what the runtime hands the driver."""
+class _MemoryDriver(_FakeDriver):
+    """The device-describing stand-in for libcuda, which also keeps device memory in host
+    memory and records each launch, to check what the runtime hands the driver."""
 
     def __init__(self):
+        super().__init__()
         self.launches = []
         self.blocks = []
         self.graph_calls = []
 
     def __getattr__(self, call: str):
+        describe = super().__getattr__(call)
+
         def run(*args):
             if "Capture" in call or "Graph" in call:
                 self.graph_calls.append(call)
-            if call == "cuDeviceGetCount":
-                args[0]._obj.value = 1
-            elif call == "cuDeviceGetName":
-                args[0].value = b"NVIDIA H100 80GB HBM3"
-            elif call == "cuDeviceGetAttribute":
-                args[0]._obj.value = {75: 9, 76: 0, 16: 132}[args[1]]
-            elif call == "cuMemAlloc_v2":
+            if call == "cuMemAlloc_v2":
                 block = np.zeros(args[1].value, np.uint8)
                 self.blocks.append(block)
                 args[0]._obj.value = block.ctypes.data
@@ -189,13 +187,15 @@ class _MemoryDriver:
             elif call == "cuModuleLoadDataEx":
                 ctypes.memmove(args[4][0], b"ptxas fatal: unknown target sm_99\0", 34)
                 return 218  # CUDA_ERROR_INVALID_PTX
-            elif call == "cuGetErrorName":
+            elif call == "cuGetErrorName" and args[0] == 218:
                 args[1]._obj.value = b"CUDA_ERROR_INVALID_PTX"
             elif call == "cuLaunchKernel":
                 function, grid, _, _, threads, _, _, _, _, parameters, _ = args
                 count = len(self.last_operands)
                 self.launches.append((function, grid, threads, [ctypes.c_uint64.from_address(parameters[i]).value
                                                                 for i in range(count)]))
+            else:
+                return describe(*args)
             return 0
 
         return run
