@@ -15,7 +15,7 @@ import numpy as np
 
 from . import debug
 from .atomic import os_error
-from .backends import backend_names
+from .backends import MATMUL_PRECISIONS, backend_names
 from .errors import RanvierError
 
 
@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     mnist.add_argument("--backend", default="cpu", choices=backend_names())
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
-    mnist.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
-                       help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
+    mnist.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
+                       help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs; tfloat32: TF32 inputs on GPUs")
     mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
     mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
@@ -452,8 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
         lm.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
         lm.add_argument("--backend", default="cpu", choices=backend_names())
         lm.add_argument("--cpu", default="", metavar="MASK")
-        lm.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
-                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs")
+        lm.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
+                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs; tfloat32: TF32 inputs on GPUs")
         lm.add_argument("--run-dir", default=None)
         lm.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
         lm.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")

@@ -354,11 +354,12 @@ def _compile_for_gpu(monkeypatch, device, build=_mlp):
 def test_without_a_gpu_a_cell_compiles_for_hopper_and_its_instance_names_what_is_missing(monkeypatch):
     cell = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
     kinds = [step.kernel for step in cell.steps]
-    assert kinds == ["Product", "Map", "Copy", "Reduce"], kinds  # the bias and GELU stay one kernel, not an epilogue
+    assert kinds == ["cuBLASLt", "Map", "Copy", "Reduce"], kinds  # the bias and GELU stay one kernel, not an epilogue
+    assert cell.steps[0].variant == "32×96×784 float32, compute 32F"
     text = cell.backend.code(cell, "ptx")
-    assert text.count(".visible .entry") == 4 and ".target sm_90" in text
+    assert text.count(".visible .entry") == 3 and ".target sm_90" in text
     if ptx.ptxas_path() is not None:
-        assert all(step.variant.startswith("sm_90") for step in cell.steps)
+        assert all(step.variant.startswith("sm_90") for step in cell.steps[1:])
         assert "Map[sm_90 12 × 256]" in str(cell)  # 32 × 96 elements
         ptx.assemble(text)
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU and its driver"):
@@ -594,11 +595,11 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, networks, model
     train = networks[0].cell("train")
     kinds = [step.kernel for step in train.steps]
     if model == "mlp":
-        assert set(kinds) == {"Product", "Map", "Copy", "Reduce", "Rows"}, kinds
-        assert sum(kind == "Product" for kind in kinds) == 5  # two forward products, three backward
+        assert set(kinds) == {"cuBLASLt", "Map", "Copy", "Reduce", "Rows"}, kinds
+        assert sum(kind == "cuBLASLt" for kind in kinds) == 5  # two forward products, three backward
         assert [step.op.type for step in train.steps if step.kernel == "Rows"] == ["SoftmaxCrossEntropyGrad"]
     else:
-        assert {"Product", "Pad", "Scatter", "Reduce", "Rows"} <= set(kinds), kinds
+        assert {"cuBLASLt", "Pad", "Scatter", "Reduce", "Rows"} <= set(kinds), kinds
     if ptx.ptxas_path() is not None:
         ptx.assemble(train.backend.code(train, "ptx"))
 

@@ -157,7 +157,7 @@ def test_every_step_is_timed_on_the_device(on_device):
     profile = gpu.profile()
     assert profile.computes == 3
     assert all(step.seconds > 0 for step in profile.steps)
-    assert "Product" in str(profile) and "Rows" in str(profile)
+    assert "cuBLASLt" in str(profile) and "Rows" in str(profile)
     assert f"ms per compute, on {backend._emulator().name if on_device == 'emulator' else ''}" in str(profile)
     assert "cores" not in str(profile)
 
@@ -267,10 +267,10 @@ def test_a_language_models_training_step_runs_whole_on_the_device_as_on_the_cpu(
     gradient (a query or key row per thread, no score matrix), SwiGLU or the experts (router softmax-top-k, the
     routing sort, grouped products and their gradients, the load-balancing loss), the loss,
     every gradient (a scatter-add for the embedding) and AdamW with clipping: every step a
-    GPU kernel, and four steps' losses those of the CPU backend."""
+    GPU kernel or a cuBLASLt product, and four steps' losses those of the CPU backend."""
     gpu, vocabulary = _language_model_trainer("cuda", kind)
     kinds = {step.kernel for step in gpu.network.cell("train").steps}
-    assert {"Product", "Lookup", "Rows", "Scatter", "Copy", "Map", "Reduce", "Attention"} <= kinds, kinds
+    assert {"cuBLASLt", "Lookup", "Rows", "Scatter", "Copy", "Map", "Reduce", "Attention"} <= kinds, kinds
     if kind == "moe":
         assert {"Route", "GroupedProduct"} <= kinds, kinds
     cpu, _ = _language_model_trainer("cpu", kind)

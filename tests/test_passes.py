@@ -23,7 +23,7 @@ from ranvier.compiler.fuse import fuse_elementwise
 from ranvier.compiler.loss import fuse_loss_with_gradient
 from ranvier.compiler.memory import live_ranges, plan_memory
 from ranvier.compiler.pipeline import PassContext, run_pipeline
-from ranvier.compiler.precision import use_bfloat16_matmul
+from ranvier.compiler.precision import use_matmul_precision
 from ranvier.compiler.rewrite import depends_on, replace_uses, splice
 from ranvier.compiler.schedule import readers, schedule, write_after_read
 from ranvier.compiler.simplify import FOLD_LIMIT, eliminate_common_subexpressions, fold_constants
@@ -553,7 +553,7 @@ def test_fuse_loss_with_two_gradients_of_one_loss():
     assert all(len(op.outputs) == len(rv.ops.op_def(op.type).infer_types(op.name, op.inputs, op.attrs)) for op in func.ops)
 
 
-# ---- use_bfloat16_matmul ----------------------------------------------------------------------
+# ---- use_matmul_precision ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -575,7 +575,7 @@ def test_bfloat16_matmul_marks_float32_products_with_rows(a_shape, b_shape, dtyp
     a = f.var("a", dtype, a_shape)
     b = f.var("b", dtype, b_shape)
     y = f.matmul(a, b, **attrs)
-    use_bfloat16_matmul(flow.func("f"))
+    use_matmul_precision(flow.func("f"), "bfloat16")
     assert y.producer.attrs.get("precision") == ("bfloat16" if bf16 else None)
     assert rv.ops.attrs_of(y.producer)["precision"] == ("bfloat16" if bf16 else "float32")
 
@@ -584,7 +584,7 @@ def test_bfloat16_matmul_leaves_other_ops():
     flow, f = new_flow()
     a = f.var("a", rv.DT_FLOAT, [8, 16])
     f.sum(a.exp(), axis=0)
-    use_bfloat16_matmul(flow.func("f"))
+    use_matmul_precision(flow.func("f"), "bfloat16")
     assert all("precision" not in op.attrs for op in flow.func("f").ops)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..flow.graph import Operation, Variable
 from ..runtime import Cell, Instance, Step
 
-MATMUL_PRECISIONS = ("float32", "bfloat16")
+MATMUL_PRECISIONS = ("float32", "tfloat32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ class CompileOptions:
 
     cpu: CPU features to mask, e.g. "-avx512" (Myelin's --cpu; CPU backend only).
     cache: reuse generated code across processes (the on-disk compile cache).
-    matmul: "float32", or "bfloat16": float32 matrix products round their inputs to
-        bfloat16 and sum in float32, where the backend can (`Capabilities`)."""
+    matmul: one of MATMUL_PRECISIONS: "float32", or "tfloat32" / "bfloat16": float32 matrix
+        products round their inputs to that type and sum in float32, where the backend can
+        (`Capabilities`)."""
 
     cpu: str = ""
     cache: bool = True

@@ -63,9 +63,10 @@ class Compiler:
         """backend: "cpu" (LLVM JIT), "reference" (numpy oracle), or any registered backend.
         cpu: CPU features to mask, e.g. "-avx512" or "-avx512,-avx2" (Myelin's --cpu).
         cache: reuse generated code across processes (the on-disk compile cache).
-        matmul: "float32", or "bfloat16": float32 matrix products round their inputs to
-            bfloat16 and accumulate in float32 (mixed precision, on AMX tiles on the CPU;
-            where the backend cannot, products stay float32)."""
+        matmul: "float32", or "bfloat16" / "tfloat32": float32 matrix products round their
+            inputs to that type and accumulate in float32 (mixed precision: bfloat16 on AMX
+            tiles on the CPU, either on tensor cores through cuBLASLt on a GPU; where the
+            backend cannot, products stay float32)."""
         self.backend_name = backend
         self.options = CompileOptions(cpu, cache, matmul)
         self.backend = create_backend(backend, self.options)

@@ -27,7 +27,7 @@ from .decompose import decompose
 from .epilogue import fuse_epilogues
 from .fuse import fuse_elementwise
 from .loss import fuse_loss_with_gradient
-from .precision import use_bfloat16_matmul
+from .precision import use_matmul_precision
 from .router import fuse_softmax_top_k
 from .simplify import eliminate_common_subexpressions, fold_constants
 
@@ -70,7 +70,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
-    Pass("mixed-precision", lambda c: use_bfloat16_matmul(c.func), _mixed_precision),
+    Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul), _mixed_precision),
     Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep), _epilogues),
 )
 

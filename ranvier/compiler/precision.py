@@ -1,5 +1,5 @@
-"""Mixed precision: float32 matrix products run with bfloat16-rounded inputs and float32
-sums (`MatMul`'s precision attribute), where the user asks for it and the backend can.
+"""Mixed precision: float32 matrix products run with inputs rounded to bfloat16 or TF32 and
+float32 sums (`MatMul`'s precision attribute), where the user asks for it and the backend can.
 
 Vector-matrix products (a decode step's) stay float32: they stream their matrix once,
 so narrower inputs would save nothing there.
@@ -21,8 +21,9 @@ def _rows(op) -> int:
     return a.size // a.shape[-1] if b.rank == 2 and a.rank > 2 else a.shape[-2]
 
 
-def use_bfloat16_matmul(func: Function) -> None:
+def use_matmul_precision(func: Function, precision: str) -> None:
+    """Mark the float32 matrix products of `func` that have rows to run in `precision`."""
     for op in func.ops:
         if op.type != "MatMul" or op.inputs[0].dtype != dtypes.DT_FLOAT32 or _rows(op) == 1:
             continue
-        op.set_attr("precision", "bfloat16")
+        op.set_attr("precision", precision)

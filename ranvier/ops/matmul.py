@@ -74,7 +74,8 @@ define(
     attrs=[
         Attr("transpose_a", "bool", False, "use aᵀ"),
         Attr("transpose_b", "bool", False, "use bᵀ"),
-        Attr("precision", "str", "float32", "float32, or bfloat16: float32 inputs rounded to bfloat16, float32 sums"),
+        Attr("precision", "str", "float32",
+             "float32, or bfloat16 / tfloat32: float32 inputs may be rounded to that type, float32 sums"),
     ],
     vjp=_matmul_vjp, flops=_matmul_flops, method="matmul",
 )

@@ -1,13 +1,14 @@
 """What the CUDA runtime asks of a device, and a device that is this CPU.
 
 `GPU` is the runtime's whole view of a device: memory (allocate, copy in and out, zero),
-the cell's kernels loaded, launches, timing marks between them, and a compute's launches
-captured once as a graph and replayed. Two kinds provide
+the cell's kernels loaded, launches and cuBLASLt products, timing marks between them, and
+a compute's launches captured once as a graph and replayed. Two kinds provide
 it: the CUDA driver (`driver.DriverGPU`: PTX loaded by the driver, launches on the
-device) and `HostEmulator`, which runs each launch's element function compiled for this
-CPU over every element, one launch after another: the same generated arithmetic and the
-same runtime (arena, transfers, status words, globals kept on the "device"), where no GPU
-is at hand. It is what the tests run cells on, and `RANVIER_CUDA_DEVICE=emulator` selects
+device, products by cuBLASLt) and `HostEmulator`, which runs each launch's element
+function compiled for this CPU over every element, one launch after another, and each
+product as cuBLASLt's plan says in numpy (`blas.run_on_host`): the same generated
+arithmetic and the same runtime (arena, transfers, status words, globals kept on the
+"device"), where no GPU is at hand. It is what the tests run cells on, and `RANVIER_CUDA_DEVICE=emulator` selects
 it; it is slow, and never chosen in a GPU's place unasked.
 """
 
@@ -23,7 +24,8 @@ from llvmlite import ir
 
 from ...runtime import Cell
 from ..llvm.irutil import use_features
-from . import kernels
+from . import blas, kernels
+from .blas import Gemm
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
@@ -53,6 +55,9 @@ class GPU(Protocol):
 
     def launch(self, code: object, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         """Run `kernel` over its elements; `addresses`: its operands', then its status word's."""
+
+    def gemm(self, code: object, gemm: Gemm, addresses: list[int]) -> None:
+        """Run a planned product; `addresses`: cuBLASLt's A, B and D."""
 
     def timer(self, marks: int) -> Timer:
         """`marks` points in the launch order to time between, made once and reused."""
@@ -131,10 +136,12 @@ class HostEmulator:
             module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
             use_features(module, target.feature_set)
             for step in cell.steps:
-                kernels.add_host_kernels(module, step.op)
+                if step.kernel != blas.KIND:
+                    kernels.add_host_kernels(module, step.op)
             return jit.compile_object(module, target)
 
-        launches = [kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels]
+        launches = [kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels
+                    if isinstance(kernel, GPUKernel)]
         if not launches:  # a cell of no steps (its outputs are its inputs' views)
             return {}
         key = jit.cache_key(f"cuda emulator\n{cell.native['key']}", target)
@@ -148,6 +155,9 @@ class HostEmulator:
 
     def launch(self, code: dict[str, object], kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         code[kernel.name](*addresses, 0, kernel.elements)
+
+    def gemm(self, code: dict[str, object], gemm: Gemm, addresses: list[int]) -> None:
+        blas.run_on_host(gemm.plan, addresses)
 
     def timer(self, marks: int) -> HostTimer:
         return HostTimer(marks)

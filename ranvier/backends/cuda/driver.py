@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import RanvierError
+from .blas import CublasLt, Gemm
 
 DRIVER_LIBRARY = "libcuda.so.1"
 # CUdevice_attribute values (cuda.h)
@@ -77,14 +78,16 @@ def find_device(load: Callable[[str], object] = ctypes.CDLL) -> Device:
 class DriverGPU:
     """Device 0 through the CUDA driver API (ctypes): its primary context, memory by
     cuMemAlloc, each cell's PTX loaded by the driver (which compiles it for the device),
-    kernels launched on a stream of ours, CUDA events as timing marks, a compute's launches
-    captured as a CUDA graph and replayed. Written to the
+    kernels launched on a stream of ours and products run there by cuBLASLt (`blas`),
+    CUDA events as timing marks, a compute's launches captured as a CUDA graph and replayed. Written to the
     driver API's documented signatures; it has not yet run on a GPU (none has been lent to
     this project's work), so the first GPU session checks it (tests/test_cuda_runtime.py)."""
 
     host_memory = False
 
     def __init__(self, load: Callable[[str], object] = ctypes.CDLL):
+        self._load = load
+        self._blas: CublasLt | None = None  # started by the first cell with a product
         self.device = find_device(load)
         self.name = str(self.device)
         self._library = load(DRIVER_LIBRARY)
@@ -124,9 +127,9 @@ class DriverGPU:
         self._check(self._library.cuMemsetD8_v2(ctypes.c_uint64(address), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes)),
                     "zero device memory")
 
-    def load(self, cell) -> dict[str, ctypes.c_void_p]:
-        """The cell's PTX compiled by the driver for this device; a failure quotes the
-        driver's compile log."""
+    def load(self, cell) -> dict[str, object]:
+        """The cell's PTX compiled by the driver for this device (a failure quotes the
+        driver's compile log), and its products prepared by cuBLASLt."""
         module = ctypes.c_void_p()
         log = ctypes.create_string_buffer(_LOG_BYTES)
         options = (ctypes.c_int * 2)(_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
@@ -136,9 +139,14 @@ class DriverGPU:
         if code != 0:
             raise RanvierError(f"the CUDA driver failed to load cell {cell.name}'s PTX: {_error_name(self._library, code)}"
                                + (f"\n{log.value.decode(errors='replace')}" if log.value else ""))
-        functions = {}
+        functions: dict[str, object] = {}
         for launches in cell.native["kernels"].values():
             for kernel in launches:
+                if isinstance(kernel, Gemm):
+                    if self._blas is None:
+                        self._blas = CublasLt(self._stream, self.allocate, self._load)
+                    functions[kernel.name] = self._blas.prepare(kernel.plan)
+                    continue
                 function = ctypes.c_void_p()
                 self._check(self._library.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()),
                             f"find kernel {kernel.name}")
@@ -150,6 +158,9 @@ class DriverGPU:
         parameters = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         self._check(self._library.cuLaunchKernel(code[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, self._stream,
                                                  parameters, None), f"launch {kernel.name}")
+
+    def gemm(self, code: dict[str, object], gemm: Gemm, addresses: list[int]) -> None:
+        self._blas.matmul(code[gemm.name], addresses)
 
     def graph(self, launches) -> ctypes.c_void_p:
         """The launches captured from the stream as a CUDA graph, instantiated, and run once."""

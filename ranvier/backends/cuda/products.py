@@ -26,7 +26,7 @@ def elements(op: Operation) -> int:
     return op.outputs[0].size
 
 
-def _batch_strides(var: Variable, batch: list[int]) -> list[int]:
+def batch_strides(var: Variable, batch: list[int]) -> list[int]:
     """The element strides of `var`'s matrices along the output's batch dimensions
     (0 where `var` is broadcast)."""
     own = contiguous_strides(var.shape)[:-2]
@@ -44,7 +44,7 @@ def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
     element = index_value(ctx.b, index)
     i, j, rest = (element // n) % m, element % n, element // (m * n)
     a_start, b_start = ctx.index(0), ctx.index(0)
-    for size, a_stride, b_stride in reversed(list(zip(batch, _batch_strides(a, batch), _batch_strides(b, batch)))):
+    for size, a_stride, b_stride in reversed(list(zip(batch, batch_strides(a, batch), batch_strides(b, batch)))):
         coordinate = rest % size
         rest = rest // size
         a_start, b_start = a_start + coordinate * a_stride, b_start + coordinate * b_stride

@@ -15,7 +15,8 @@ What moves between host and device, and when:
   the next compute, since the host may have written it.
 - A gradient cell reads its forward instance's values in that instance's arena.
 
-A compute's launches (every step's kernels and the timing marks between them) are captured
+A compute's launches (every step's kernels or cuBLASLt product, and the timing marks
+between them) are captured
 once as a graph (a CUDA graph on the driver) and replayed as one launch by every later
 compute: the addresses they read never change, only the memory's contents.
 
@@ -39,6 +40,7 @@ from ...errors import RanvierError
 from ...flow.graph import Variable
 from ...ops import written_inputs
 from ...runtime import Cell, Instance, Network
+from .blas import Gemm
 from .device import GPU
 
 _HOST_NEWER, _SAME, _DEVICE_NEWER = "host newer", "same", "device newer"
@@ -138,7 +140,8 @@ class DeviceInstance:
         for index in range(len(cell.steps)):
             status = self.status_address + 8 * index
             for kernel, shape in zip(cell.native["kernels"][index], cell.native["shapes"][index]):
-                self.launches.append((index, kernel, shape, [*(self.address(v) for v in kernel.operands), status]))
+                operands = [self.address(v) for v in kernel.operands]
+                self.launches.append((index, kernel, shape, operands if isinstance(kernel, Gemm) else [*operands, status]))
         # the globals the kernels read (a shape operand no kernel reads stays on the host)
         self.read_globals = [var.name for var in cell.global_vars if var.name in self.globals.addresses]
         written = {v.name for step in cell.steps for v in (*written_inputs(step.op), *step.op.outputs) if v.is_global}
@@ -189,7 +192,10 @@ class DeviceInstance:
             while step < index:
                 step += 1
                 timer.record(step)
-            self.gpu.launch(self.code, kernel, shape, addresses)
+            if isinstance(kernel, Gemm):
+                self.gpu.gemm(self.code, kernel, addresses)
+            else:
+                self.gpu.launch(self.code, kernel, shape, addresses)
         while step < len(self.cell.steps):
             step += 1
             timer.record(step)

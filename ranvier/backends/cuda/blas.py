@@ -1,0 +1,286 @@
+"""Matrix products through cuBLASLt, NVIDIA's GEMM library: the plan made at compile time,
+its run on a GPU (`CublasLt`, the library through ctypes) and on the host emulator
+(`run_on_host`, the same plan in numpy).
+
+A MatMul's matrices are row-major and cuBLASLt's are column-major. A row-major r×c matrix
+is the column-major c×r matrix in the same memory, so C = op(X)·op(Y) is computed as
+Cᵀ = op(Y)ᵀ·op(X)ᵀ: cuBLASLt's first matrix (A) is our Y, its second (B) our X, and its
+N×M column-major result is our M×N C, in place, with no copy or transpose kernel. A batch
+goes as one strided batch when every batch dimension of an operand either steps through
+it contiguously or is broadcast whole (a batch stride of 0); a shared matrix under a batch
+of row blocks (x[B, T, K] @ W) is one product of B·T rows. A partly broadcast batch (x[2,
+1, …] @ y[1, 3, …]) has no strided form, and stays with the generated Product kernel.
+
+Precision: float32 products sum in float32 (CUBLAS_COMPUTE_32F); with the compile's matmul
+precision "tfloat32" or "bfloat16", cuBLASLt may round the inputs to that type on the
+tensor cores and still sums in float32 (COMPUTE_32F_FAST_TF32 / _FAST_16BF). float16 and
+bfloat16 matrices sum in float32, float64 ones in float64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ... import dtypes
+from ...errors import RanvierError
+from ...flow.graph import Operation, Variable
+from ...ops import attrs_of
+from .products import batch_strides
+
+KIND = "cuBLASLt"  # what a cell printout calls a product planned here
+WORKSPACE_BYTES = 32 << 20  # scratch cuBLASLt's split-K kernels may use (PyTorch gives Hopper as much)
+LIBRARIES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
+
+# cudaDataType (library_types.h) of each matrix dtype, and the compute type (cublas_api.h)
+# its products sum in, by the MatMul's precision attribute.
+_DATA_TYPES = {dtypes.DT_FLOAT32: 0, dtypes.DT_FLOAT64: 1, dtypes.DT_FLOAT16: 2, dtypes.DT_BFLOAT16: 14}
+_COMPUTE_TYPES = {"32F": 68, "32F_FAST_16BF": 75, "32F_FAST_TF32": 77, "64F": 70}
+_FLOAT32_COMPUTE = {"float32": "32F", "tfloat32": "32F_FAST_TF32", "bfloat16": "32F_FAST_16BF"}
+# cublasLtMatmulDescAttributes_t, cublasLtMatrixLayoutAttribute_t, cublasLtMatmulPreferenceAttributes_t
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6
+_PREFERENCE_MAX_WORKSPACE = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One column-major matrix (or batch of them) as cuBLASLt describes it, in elements."""
+
+    rows: int
+    cols: int
+    ld: int
+    batch_stride: int
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """D = op(A)·op(B) over `batch` matrices, column-major, as cuBLASLt is asked for it."""
+
+    dtype: str
+    compute: str  # a key of _COMPUTE_TYPES
+    transa: bool
+    transb: bool
+    m: int
+    n: int
+    k: int
+    batch: int
+    a: Layout
+    b: Layout
+    d: Layout
+
+    def __str__(self) -> str:
+        """In the MatMul's own terms: its rows × columns × inner size, batch and precision."""
+        batch = f" × {self.batch}" if self.batch > 1 else ""
+        return f"{self.n}×{self.m}×{self.k}{batch} {self.dtype}, compute {self.compute}"
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A product's launch: its plan, and the variables in cuBLASLt's A, B and D."""
+
+    name: str
+    plan: GemmPlan
+    operands: tuple[Variable, Variable, Variable]
+
+
+def _batch_step(var: Variable, batch: list[int]) -> int | None:
+    """Elements from one of `var`'s matrices to the next along the flattened batch: the
+    matrix size, 0 where `var` is broadcast over the whole batch, None where neither."""
+    live = [(size, stride) for size, stride in zip(batch, batch_strides(var, batch)) if size > 1]
+    if all(stride == 0 for _, stride in live):
+        return 0
+    matrix = var.shape[-1] * var.shape[-2]
+    expected = matrix
+    for size, stride in reversed(live):
+        if stride != expected:
+            return None
+        expected *= size
+    return matrix
+
+
+def plan_product(op: Operation) -> Gemm | None:
+    """The op's product as one cuBLASLt call, or None where it is not one (module docstring)."""
+    if op.type != "MatMul" or op.inputs[0].dtype not in _DATA_TYPES:
+        return None
+    x, y = op.inputs[:2]
+    out = op.outputs[0]
+    attrs = attrs_of(op)
+    tx, ty = attrs["transpose_a"], attrs["transpose_b"]
+    *batch, rows, cols = out.shape
+    inner = x.shape[-2] if tx else x.shape[-1]
+    x_step, y_step = _batch_step(x, batch), _batch_step(y, batch)
+    if x_step is None or y_step is None:
+        return None
+    count = math.prod(batch)
+    if count > 1 and y_step == 0 and x_step and not tx:
+        rows, count, x_step = rows * count, 1, 0  # one product of every batch's rows
+    if x.dtype == dtypes.DT_FLOAT64:
+        compute = "64F"
+    elif x.dtype == dtypes.DT_FLOAT32:
+        compute = _FLOAT32_COMPUTE[attrs["precision"]]
+    else:
+        compute = "32F"
+    a = Layout(inner, cols, inner, y_step) if ty else Layout(cols, inner, cols, y_step)
+    b = Layout(rows, inner, rows, x_step) if tx else Layout(inner, rows, inner, x_step)
+    d = Layout(cols, rows, cols, rows * cols)
+    described = GemmPlan(x.dtype, compute, ty, tx, cols, rows, inner, count, a, b, d)
+    return Gemm("g_" + "".join(c if c.isalnum() else "_" for c in op.name), described, (y, x, out))
+
+
+# ---- the plan on the host (the emulator) ---------------------------------------------------
+
+
+def _host_matrices(address: int, layout: Layout, dtype: np.dtype, batch: int) -> np.ndarray:
+    """The column-major matrices at host `address` as a writable [batch, rows, cols] view."""
+    extent = layout.batch_stride * (batch - 1) + layout.ld * (layout.cols - 1) + layout.rows
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (extent * dtype.itemsize)).from_address(address)).view(dtype)
+    item = dtype.itemsize
+    return np.lib.stride_tricks.as_strided(raw, (batch, layout.rows, layout.cols),
+                                           (layout.batch_stride * item, item, layout.ld * item))
+
+
+def _as_tensor_cores_read(values: np.ndarray, compute: str) -> np.ndarray:
+    """float32 inputs as a FAST compute type may read them: rounded (to nearest even) to
+    TF32's 10 or bfloat16's 7 mantissa bits."""
+    if compute == "32F_FAST_16BF":
+        return values.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if compute == "32F_FAST_TF32":
+        bits = values.astype(np.float32).view(np.uint32)
+        rounded = (bits + np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+        return rounded.view(np.float32)
+    return values
+
+
+def run_on_host(gemm: GemmPlan, addresses: list[int]) -> None:
+    """What cublasLtMatmul computes for the plan, over host memory at A's, B's and D's
+    addresses: the emulator's product, and the check that a plan means the MatMul."""
+    dtype = np.dtype(dtypes.to_numpy(gemm.dtype))
+    a, b, d = (_host_matrices(address, layout, dtype, gemm.batch)
+               for address, layout in zip(addresses, (gemm.a, gemm.b, gemm.d)))
+    wide = np.float64 if gemm.compute == "64F" else np.float32
+    op_a = _as_tensor_cores_read((a.swapaxes(1, 2) if gemm.transa else a).astype(wide), gemm.compute)
+    op_b = _as_tensor_cores_read((b.swapaxes(1, 2) if gemm.transb else b).astype(wide), gemm.compute)
+    d[...] = np.matmul(op_a, op_b).astype(dtype)
+
+
+# ---- the plan on a GPU ------------------------------------------------------------------------
+
+
+class _HeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t (cublasLt.h)."""
+
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def find_library() -> str:
+    """Where libcublasLt is: NVIDIA's wheel (`pip install 'ranvier[cuda]'`) or the system's
+    library path. Raises, naming what to install, where neither has it."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for name in LIBRARIES:
+            for found in sorted(Path(root).glob(f"*/lib/{name}")):
+                return str(found)
+    for name in LIBRARIES:
+        try:
+            ctypes.CDLL(name)
+            return name
+        except OSError:
+            continue
+    raise RanvierError("the CUDA backend runs matrix products with cuBLASLt, and libcublasLt was not found: "
+                       "pip install 'ranvier[cuda]' (NVIDIA's nvidia-cublas wheel), or put a CUDA toolkit's lib64 "
+                       "on LD_LIBRARY_PATH")
+
+
+@dataclass
+class Prepared:
+    """A plan's descriptors and the algorithm cuBLASLt's heuristic chose, made once."""
+
+    desc: ctypes.c_void_p
+    layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    result: _HeuristicResult
+    alpha: ctypes.Array
+    beta: ctypes.Array
+
+
+def _check(library, status: int, what: str) -> None:
+    if status != 0:
+        name = library.cublasLtGetStatusName
+        name.restype = ctypes.c_char_p
+        raise RanvierError(f"cuBLASLt failed to {what}: {(name(status) or b'status %d' % status).decode()}")
+
+
+def _set(library, setter: str, handle: ctypes.c_void_p, attribute: int, value) -> None:
+    _check(library, getattr(library, setter)(handle, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))),
+           f"set attribute {attribute} ({setter})")
+
+
+def describe(library, gemm: GemmPlan) -> tuple[ctypes.c_void_p, tuple[ctypes.c_void_p, ...]]:
+    """The plan's operation and matrix-layout descriptors, made by `library` (libcublasLt:
+    descriptors need no GPU)."""
+    data_type = _DATA_TYPES[gemm.dtype]
+    scale_type = _DATA_TYPES[dtypes.DT_FLOAT64 if gemm.compute == "64F" else dtypes.DT_FLOAT32]
+    desc = ctypes.c_void_p()
+    _check(library, library.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_TYPES[gemm.compute], scale_type),
+           f"describe {gemm}")
+    for attribute, transposed in ((_DESC_TRANSA, gemm.transa), (_DESC_TRANSB, gemm.transb)):
+        _set(library, "cublasLtMatmulDescSetAttribute", desc, attribute, ctypes.c_int32(int(transposed)))
+    layouts = []
+    for layout in (gemm.a, gemm.b, gemm.d):
+        handle = ctypes.c_void_p()
+        _check(library, library.cublasLtMatrixLayoutCreate(ctypes.byref(handle), data_type, ctypes.c_uint64(layout.rows),
+                                                           ctypes.c_uint64(layout.cols), ctypes.c_int64(layout.ld)),
+               f"describe a matrix of {gemm}")
+        if gemm.batch > 1:
+            _set(library, "cublasLtMatrixLayoutSetAttribute", handle, _LAYOUT_BATCH_COUNT, ctypes.c_int32(gemm.batch))
+            _set(library, "cublasLtMatrixLayoutSetAttribute", handle, _LAYOUT_BATCH_STRIDE, ctypes.c_int64(layout.batch_stride))
+        layouts.append(handle)
+    return desc, tuple(layouts)
+
+
+class CublasLt:
+    """libcublasLt through ctypes, on a device's stream: a handle and one workspace for
+    every product (they run one after another on that stream), each plan's descriptors and
+    algorithm chosen when its cell is loaded — before any graph capture, which may not
+    allocate — so that a product in a compute is one cublasLtMatmul call."""
+
+    def __init__(self, stream: ctypes.c_void_p, allocate: Callable[[int], int], load: Callable[[str], object] = ctypes.CDLL):
+        self.library = load(find_library())
+        self._stream = stream
+        self._handle = ctypes.c_void_p()
+        _check(self.library, self.library.cublasLtCreate(ctypes.byref(self._handle)), "start")
+        self._workspace = allocate(WORKSPACE_BYTES)
+
+    def prepare(self, gemm: GemmPlan) -> Prepared:
+        library = self.library
+        desc, layouts = describe(library, gemm)
+        preference = ctypes.c_void_p()
+        _check(library, library.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "make a preference")
+        _set(library, "cublasLtMatmulPreferenceSetAttribute", preference, _PREFERENCE_MAX_WORKSPACE,
+             ctypes.c_uint64(WORKSPACE_BYTES))
+        result, found = _HeuristicResult(), ctypes.c_int()
+        _check(library, library.cublasLtMatmulAlgoGetHeuristic(self._handle, desc, layouts[0], layouts[1], layouts[2],
+                                                               layouts[2], preference, 1, ctypes.byref(result),
+                                                               ctypes.byref(found)), f"choose an algorithm for {gemm}")
+        library.cublasLtMatmulPreferenceDestroy(preference)
+        if found.value < 1:
+            raise RanvierError(f"cuBLASLt has no algorithm for {gemm}")
+        scale = ctypes.c_double if gemm.compute == "64F" else ctypes.c_float
+        return Prepared(desc, layouts, result, (scale * 1)(1.0), (scale * 1)(0.0))
+
+    def matmul(self, prepared: Prepared, addresses: list[int]) -> None:
+        """D = op(A)·op(B) on the stream (`addresses`: A's, B's and D's)."""
+        a, b, d = (ctypes.c_uint64(address) for address in addresses)
+        a_layout, b_layout, d_layout = prepared.layouts
+        _check(self.library, self.library.cublasLtMatmul(
+            self._handle, prepared.desc, prepared.alpha, a, a_layout, b, b_layout, prepared.beta, d, d_layout, d, d_layout,
+            ctypes.byref(prepared.result.algo), ctypes.c_uint64(self._workspace), ctypes.c_size_t(WORKSPACE_BYTES),
+            self._stream), "run a product")

@@ -1,0 +1,227 @@
+"""Matrix products through cuBLASLt: the plan a MatMul becomes (row-major products as
+column-major cuBLASLt calls, strided batches, shared matrices as one product of all rows,
+precision), what the plan computes (run on the host emulator, so a wrong layout shows as a
+wrong result), the descriptors libcublasLt itself builds from it (where the library is
+installed: descriptors need no GPU), and what the driver runtime hands the library (a
+stand-in library: setup before a graph capture, one cublasLtMatmul per product inside it)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import random_array
+from test_cuda_runtime import _MemoryDriver
+
+import ranvier as rv
+from ranvier.backends.cuda import backend, blas, device, driver
+from ranvier.errors import RanvierError
+
+PRODUCTS = [  # X's shape, Y's shape, transpose_a, transpose_b, dtype, the plan's (M×N×K, batch)
+    ([5, 7], [7, 3], False, False, "float32", "5×3×7"),
+    ([7, 5], [3, 7], True, True, "float64", "5×3×7"),
+    ([7, 5], [7, 3], True, False, "float32", "5×3×7"),
+    ([5, 7], [3, 7], False, True, "bfloat16", "5×3×7"),
+    ([2, 3, 5, 7], [7, 4], False, False, "float32", "30×4×7"),  # a shared matrix under every row: one product
+    ([2, 3, 7, 5], [7, 4], True, False, "float32", "5×4×7 × 6"),  # transposed rows cannot be stacked
+    ([4, 5, 7], [4, 7, 6], False, False, "float16", "5×6×7 × 4"),
+    ([5, 7], [3, 7, 6], False, False, "float32", "5×6×7 × 3"),  # a shared left matrix: batch stride 0
+    ([3, 1, 5, 7], [3, 1, 7, 2], False, False, "float32", "5×2×7 × 3"),
+]
+
+
+def _product_cell(x_shape, y_shape, ta, tb, dtype, matmul="float32"):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.matmul(f.var("x", dtype, x_shape), f.var("y", dtype, y_shape), transpose_a=ta, transpose_b=tb)
+    y.var.out = True
+    return rv.Compiler("cuda", matmul=matmul).compile(flow).cell("f"), y.var.name
+
+
+def _run(cell, output, values):
+    data = cell.instance()
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    return np.array(data[output])
+
+
+def _exact(values, ta, tb, rounding=lambda v: v):
+    x, y = (rounding(values[name]).astype(np.float64) for name in ("f/x", "f/y"))
+    return (np.swapaxes(x, -1, -2) if ta else x) @ (np.swapaxes(y, -1, -2) if tb else y)
+
+
+@pytest.mark.parametrize("x_shape,y_shape,ta,tb,dtype,planned", PRODUCTS)
+def test_a_planned_product_equals_the_reference(monkeypatch, x_shape, y_shape, ta, tb, dtype, planned):
+    """Run as the plan tells cuBLASLt (on the emulator, whose fresh memory is NaN): every
+    element written, equal to the float64 product to the dtype's rounding."""
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    cell, output = _product_cell(x_shape, y_shape, ta, tb, dtype)
+    (step,) = cell.steps
+    assert step.kernel == blas.KIND and step.variant.startswith(planned + f" {dtype},"), step.variant
+    assert f"cuBLASLt[{planned}" in str(cell)
+    values = {"f/x": random_array(x_shape, dtype, seed=41), "f/y": random_array(y_shape, dtype, seed=42)}
+    got = _run(cell, output, values).astype(np.float64)
+    tolerance = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got, _exact(values, ta, tb), rtol=tolerance, atol=tolerance)
+
+
+def test_a_partly_broadcast_batch_is_left_to_the_generated_kernel(monkeypatch):
+    """x[2, 1, …] @ y[1, 3, …] has no single batch stride for either side."""
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    cell, output = _product_cell([2, 1, 5, 7], [1, 3, 7, 4], False, False, "float32")
+    assert [step.kernel for step in cell.steps] == ["Product"]
+    values = {"f/x": random_array([2, 1, 5, 7], "float32", seed=1), "f/y": random_array([1, 3, 7, 4], "float32", seed=2)}
+    np.testing.assert_allclose(_run(cell, output, values), _exact(values, False, False), rtol=1e-5, atol=1e-6)
+
+
+def _tf32(values: np.ndarray) -> np.ndarray:
+    """Rounded to TF32's 10 mantissa bits, nearest even, independently of ranvier's rounding."""
+    mantissa, exponent = np.frexp(values.astype(np.float64))
+    return np.ldexp(np.round(mantissa * 2**11) / 2**11, exponent)
+
+
+@pytest.mark.parametrize("precision,rounding", [
+    ("tfloat32", _tf32), ("bfloat16", lambda v: v.astype(ml_dtypes.bfloat16)),
+])
+def test_a_mixed_precision_product_rounds_its_inputs_and_sums_in_float32(monkeypatch, precision, rounding):
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    cell, output = _product_cell([2, 24, 64], [64, 16], False, False, "float32", matmul=precision)
+    compute = {"tfloat32": "32F_FAST_TF32", "bfloat16": "32F_FAST_16BF"}[precision]
+    assert cell.steps[0].variant.endswith(f"compute {compute}")
+    values = {"f/x": random_array([2, 24, 64], "float32", seed=5), "f/y": random_array([64, 16], "float32", seed=6)}
+    got = _run(cell, output, values).astype(np.float64)
+    np.testing.assert_allclose(got, _exact(values, False, False, rounding), rtol=1e-5, atol=1e-5)
+    assert np.abs(got - _exact(values, False, False)).max() > 1e-4  # the rounding happened
+
+
+def test_a_vector_matrix_product_stays_float32_in_mixed_precision():
+    cell, _ = _product_cell([1, 64], [64, 16], False, False, "float32", matmul="tfloat32")
+    assert cell.steps[0].variant.endswith("compute 32F")
+
+
+def test_the_plan_is_cublaslts_column_major_view_of_the_row_major_product():
+    """Y is cuBLASLt's A and X its B: C[M, N] row-major is Cᵀ = Yᵀ·Xᵀ column-major."""
+    cell, _ = _product_cell([3, 7, 5], [3, 6, 7], True, True, "float32")
+    gemm = blas.plan_product(cell.steps[0].op)
+    assert [v.name for v in gemm.operands] == ["f/y", "f/x", cell.steps[0].op.outputs[0].name]
+    plan = gemm.plan
+    assert (plan.m, plan.n, plan.k, plan.batch, plan.transa, plan.transb) == (6, 5, 7, 3, True, True)
+    assert plan.a == blas.Layout(rows=7, cols=6, ld=7, batch_stride=42)
+    assert plan.b == blas.Layout(rows=5, cols=7, ld=5, batch_stride=35)
+    assert plan.d == blas.Layout(rows=6, cols=5, ld=6, batch_stride=30)
+
+
+# ---- libcublasLt ----------------------------------------------------------------------------
+
+
+def _installed_library():
+    try:
+        return ctypes.CDLL(blas.find_library())
+    except RanvierError:
+        return None
+
+
+LIBRARY = _installed_library()
+needs_cublaslt = pytest.mark.skipif(LIBRARY is None, reason="libcublasLt (pip install nvidia-cublas) is not installed")
+# cublasLtMatrixLayoutAttribute_t and cublasLtMatmulDescAttributes_t values (cublasLt.h)
+_LAYOUT_ROWS, _LAYOUT_COLS, _LAYOUT_LD, _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 2, 3, 4, 5, 6
+_DESC_COMPUTE_TYPE, _DESC_TRANSA, _DESC_TRANSB = 0, 3, 4
+
+
+def _read(getter, handle, attribute, kind):
+    value, written = kind(), ctypes.c_size_t()
+    status = getter(handle, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value)), ctypes.byref(written))
+    assert status == 0 and written.value == ctypes.sizeof(value)
+    return value.value
+
+
+@needs_cublaslt
+@pytest.mark.parametrize("x_shape,y_shape,ta,tb,dtype,precision", [
+    ([3, 7, 5], [3, 6, 7], True, True, "float32", "tfloat32"), ([5, 7], [7, 3], False, False, "float64", "float32"),
+    ([4, 7, 5], [7, 6], True, False, "bfloat16", "float32"),
+])
+def test_libcublaslt_accepts_the_plans_descriptors(x_shape, y_shape, ta, tb, dtype, precision):
+    """The real library builds the descriptors from the plan's values and gives them back
+    (which checks each attribute's size and type as ctypes passes it)."""
+    cell, _ = _product_cell(x_shape, y_shape, ta, tb, dtype, matmul=precision)
+    plan = blas.plan_product(cell.steps[0].op).plan
+    desc, layouts = blas.describe(LIBRARY, plan)
+    get_desc, get_layout = LIBRARY.cublasLtMatmulDescGetAttribute, LIBRARY.cublasLtMatrixLayoutGetAttribute
+    assert _read(get_desc, desc, _DESC_COMPUTE_TYPE, ctypes.c_int32) == blas._COMPUTE_TYPES[plan.compute]
+    assert (_read(get_desc, desc, _DESC_TRANSA, ctypes.c_int32), _read(get_desc, desc, _DESC_TRANSB, ctypes.c_int32)) \
+        == (plan.transa, plan.transb)
+    for handle, layout in zip(layouts, (plan.a, plan.b, plan.d)):
+        assert _read(get_layout, handle, _LAYOUT_ROWS, ctypes.c_uint64) == layout.rows
+        assert _read(get_layout, handle, _LAYOUT_COLS, ctypes.c_uint64) == layout.cols
+        assert _read(get_layout, handle, _LAYOUT_LD, ctypes.c_int64) == layout.ld
+        assert _read(get_layout, handle, _LAYOUT_BATCH_COUNT, ctypes.c_int32) == plan.batch
+        assert _read(get_layout, handle, _LAYOUT_BATCH_STRIDE, ctypes.c_int64) == (layout.batch_stride if plan.batch > 1 else 0)
+        LIBRARY.cublasLtMatrixLayoutDestroy(handle)
+    LIBRARY.cublasLtMatmulDescDestroy(desc)
+
+
+def test_without_libcublaslt_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(blas.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(blas.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    with pytest.raises(RanvierError, match=r"libcublasLt was not found: pip install 'ranvier\[cuda\]'"):
+        blas.find_library()
+
+
+class _FakeCublasLt:
+    """A stand-in for libcublasLt that records its calls (and the driver's, through `events`)."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def __getattr__(self, call: str):
+        def run(*args):
+            self.events.append((call, args))
+            if call == "cublasLtMatmulAlgoGetHeuristic":
+                args[-1]._obj.value = 1
+            return 0
+
+        return run
+
+
+class _RecordingDriver(_MemoryDriver):
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __getattr__(self, call: str):
+        run = super().__getattr__(call)
+
+        def record(*args):
+            self.events.append((call, args))
+            return 0 if call == "cuModuleLoadDataEx" else run(*args)  # this stand-in loads any PTX
+
+        return record
+
+
+def test_the_driver_prepares_products_before_capture_and_runs_one_call_each_inside_it(monkeypatch):
+    """Handle, workspace, descriptors and algorithm when the cell is loaded (a graph capture
+    may not allocate); in the captured compute, cublasLtMatmul on the runtime's stream with
+    the arena addresses of Y, X and the output, and the workspace."""
+    events: list = []
+    monkeypatch.setattr(blas, "find_library", lambda: "libcublasLt.so.13")
+    fake_driver, fake_blas = _RecordingDriver(events), _FakeCublasLt(events)
+    gpu = driver.DriverGPU(lambda name: fake_blas if "cublas" in name else fake_driver)
+    monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
+    cell, _ = _product_cell([4, 5, 7], [7, 6], False, False, "float32")
+    data = cell.instance()
+    data["f/x"], data["f/y"] = random_array([4, 5, 7], "float32", seed=1), random_array([7, 6], "float32", seed=2)
+    data.compute()
+    calls = [call for call, _ in events]
+    setup = ["cublasLtCreate", "cuMemAlloc_v2", "cublasLtMatmulDescCreate", "cublasLtMatmulAlgoGetHeuristic"]
+    assert all(calls.index(call) < calls.index("cuStreamBeginCapture_v2") for call in setup)
+    begin, end = calls.index("cuStreamBeginCapture_v2"), calls.index("cuStreamEndCapture")
+    assert [c for c in calls[begin:end] if c.startswith("cublasLt")] == ["cublasLtMatmul"]
+    (arguments,) = [args for call, args in events if call == "cublasLtMatmul"]
+    device_data = data.device
+    addresses = [device_data.address(v) for v in blas.plan_product(cell.steps[0].op).operands]
+    assert [arguments[i].value for i in (3, 5, 10)] == addresses
+    assert arguments[15] is gpu._stream and arguments[14].value == blas.WORKSPACE_BYTES
+
