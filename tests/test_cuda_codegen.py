@@ -19,7 +19,7 @@ from helpers import np_dtype, random_array
 import ranvier as rv
 from ranvier.backends.cpu import jit
 from ranvier.backends.cpu.target import host_target
-from ranvier.backends.cuda import backend, driver, kernels, launch, ptx
+from ranvier.backends.cuda import attention, backend, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
 from ranvier.errors import RanvierError
 from ranvier.ops import all_ops
@@ -738,6 +738,9 @@ def test_an_assign_copies_every_element_in_place():
 ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype
     (4, 2, 5, 5, 8, True, "float32"), (4, 1, 3, 7, 6, True, "float64"), (2, 2, 6, 4, 5, False, "float32"),
     (2, 1, 4, 4, 8, True, "float16"),
+    (2, 1, 70, 70, 8, True, "float32"),  # three blocks of query (and key) rows, three streamed tiles
+    (2, 2, 3, 70, 4, True, "float64"),  # a few queries at the end of a long cache
+    (1, 1, 40, 37, 700, False, "float64"),  # rows so long that a streamed tile holds two of them
 ]
 
 
@@ -757,11 +760,13 @@ def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype):
 
 @pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,dtype", ATTENTION_CASES)
 @pytest.mark.parametrize("op_type", ["Attention", "AttentionGrad"])
-def test_attention_runs_a_row_per_thread_without_the_score_matrix(op_type, heads, kv_heads, queries, keys, size, causal, dtype):
-    """Grouped heads, a causal mask with fewer queries than keys, or none: every output
-    element written, equal to the float64 reference to the dtype's rounding; a
-    half-precision gradient is left to the decomposition."""
-    from ranvier.ops.attention import attention, attention_grad
+def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, kv_heads, queries, keys, size, causal, dtype):
+    """Grouped heads, a causal mask with fewer queries than keys, or none, rows in one block
+    or several, tiles of many rows or of two: every output element written, equal to the
+    float64 reference to the dtype's rounding; a half-precision gradient is left to the
+    decomposition."""
+    from ranvier.ops.attention import attention as attention_reference
+    from ranvier.ops.attention import attention_grad
 
     op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype)
     if op_type == "AttentionGrad" and dtype == "float16":
@@ -770,12 +775,14 @@ def test_attention_runs_a_row_per_thread_without_the_score_matrix(op_type, heads
     got = _run_on_host(op, values)
     assert got["status"][0] == 0
     args = [values[f"f/{name}"] for name in ("q", "k", "v", "dout")[: len(op.inputs)]]
-    want = attention(*args, causal) if op_type == "Attention" else attention_grad(*args, causal)
+    want = attention_reference(*args, causal) if op_type == "Attention" else attention_grad(*args, causal)
     tolerance = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-12}[dtype]
     for var, expected in zip(op.outputs, [want] if op_type == "Attention" else want):
         np.testing.assert_allclose(got[var.name].astype(np.float64), expected, rtol=tolerance, atol=tolerance, err_msg=var.name)
     module, launched = kernels.kernel_module(op)
-    assert [k.elements for k in launched] == ([2 * heads * queries] if op_type == "Attention" else
-                                              [2 * heads * queries, 2 * kv_heads * keys, 2 * heads * queries])
+    query_blocks, key_blocks = 2 * heads * -(-queries // attention.TILE), 2 * kv_heads * -(-keys // attention.TILE)
+    assert [k.elements for k in launched] == ([query_blocks] if op_type == "Attention" else
+                                              [query_blocks, key_blocks, query_blocks])
+    assert all(k.threads == attention.TILE for k in launched)
     if ptx.ptxas_path() is not None:
         ptx.assemble(ptx.emit_ptx(module))

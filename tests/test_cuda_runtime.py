@@ -264,7 +264,7 @@ def _language_model_trainer(backend_name: str, kind: str):
 @pytest.mark.parametrize("kind", ["llama", "moe"])
 def test_a_language_models_training_step_runs_whole_on_the_device_as_on_the_cpu(on_device, kind):
     """Embedding gather, RMSNorm, RoPE's splits and concatenations, attention and its
-    gradient (a query or key row per thread, no score matrix), SwiGLU or the experts (router softmax-top-k, the
+    gradient (blocks of query or key rows streaming tiles, no score matrix), SwiGLU or the experts (router softmax-top-k, the
     routing sort, grouped products and their gradients, the load-balancing loss), the loss,
     every gradient (a scatter-add for the embedding) and AdamW with clipping: every step a
     GPU kernel or a cuBLASLt product, and four steps' losses those of the CPU backend."""

@@ -1,19 +1,22 @@
-"""Attention and its gradient as GPU kernels that never form the T × S score matrix: one
-thread per query row (or key row), each score computed where it is used.
+"""Attention and its gradient as GPU block kernels that never form the T × S score matrix:
+a block of `TILE` threads takes `TILE` query rows (or key rows), one per thread, and streams
+the rows they pair with through shared memory: the block's threads load a tile of them
+together, once (`blocks.BlockProgram`), and every thread reads all of it.
 
-Attention: a query row's thread runs over its visible keys once with an online softmax
-(the running maximum m, the running sum l, and the output row rescaled when m grows).
+Attention: query rows stream key and value tiles; each thread runs an online softmax over
+its visible keys (the running maximum m, the running sum l, and the output row rescaled
+when m grows).
 
 AttentionGrad, three launches in order:
-1. per query row: m and l over the visible keys, then D = Σₛ pₛ (dout · vₛ); the three
-   are parked in the first elements of the row's dq (a head has at least three), which
-   the third launch overwrites;
-2. per key row: dk and dv summed over the queries that see the key, in every head of its
-   group, each pₛ recomputed from the parked m and l;
-3. per query row: dq = scale · Σₛ pₛ (dout · vₛ − D) kₛ.
+1. query rows streaming key and value tiles: m, l and D = Σₛ pₛ (dout · vₛ) (summed online
+   as the output is, rescaled when m grows), parked in the first elements of the row's dq
+   (a head has at least three), which the third launch overwrites;
+2. key rows streaming tiles of queries, their dout rows and parked (m, l, D), in every
+   head of the key's group: dk and dv, each pₛ recomputed;
+3. query rows streaming key and value tiles: dq = scale · Σₛ pₛ (dout · vₛ − D) kₛ.
 Head sizes under three, and half-precision gradients (m, l, D would be rounded), are
-decomposed into products and a softmax instead. Correct at any size; tiles on tensor
-cores are the GPU speed issue's work.
+decomposed into products and a softmax instead. Correct at any size; tensor cores are the
+GPU speed issue's work.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ...ops.attention import scale_of
-from ..llvm.context import EmitContext
+from ..llvm.context import Array, EmitContext
 from ..llvm.values import Value, index_value
+from .blocks import BlockProgram
 
 _PARKED = 3  # m, l and D, in a dq row between launches
+TILE = 32  # a block's rows, one per thread: a warp
+SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
 
 
 def supports(op: Operation) -> bool:
@@ -49,6 +55,7 @@ class _Shape:
         self.group = self.heads // self.kv_heads
         attrs = attrs_of(op)
         self.causal, self.scale = attrs["causal"], scale_of(attrs, self.size)
+        self.query_tiles, self.key_tiles = -(-self.queries // TILE), -(-self.keys // TILE)
 
     def query_row(self, b: Value, h: Value, t: Value) -> Value:
         return ((b * self.heads + h) * self.queries + t) * self.size
@@ -61,120 +68,211 @@ class _Shape:
         return t + (self.keys - self.queries + 1) if self.causal else ctx.index(self.keys)
 
 
-def _dot(ctx: EmitContext, a: Variable, a_row: Value, b: Variable, b_row: Value, size: int, dtype: str) -> Value:
+def _streamed_rows(op: Operation, row_floats: int) -> int:
+    """Rows per streamed tile: as many as fit the shared memory, at most a block's."""
+    item = 8 if op.outputs[0].dtype == dtypes.DT_FLOAT64 else 4
+    return max(1, min(TILE, SHARED_BYTES // (row_floats * item)))
+
+
+def _dot(ctx: EmitContext, a: Callable[[Value], Value], b: Callable[[Value], Value], size: int, dtype: str) -> Value:
     total = ctx.local(dtype, initial=0.0)
     with ctx.loop(0, size, name="d") as i:
-        total.set(total.value + ctx.load(a, a_row + i) * ctx.load(b, b_row + i))
+        total.set(total.value + a(i) * b(i))
     return total.value
 
 
-def _score(ctx: EmitContext, op: Operation, shape: _Shape, query: Value, key: Value, dtype: str) -> Value:
-    """scale · q[query row] · k[key row]."""
-    return _dot(ctx, op.inputs[0], query, op.inputs[1], key, shape.size, dtype) * shape.scale
+def _row(ctx: EmitContext, var: Variable, at: Value) -> Callable[[Value], Value]:
+    """Element i of the row of `var` at element offset `at`."""
+    return lambda i: ctx.load(var, at + i)
 
 
-def _probability(ctx: EmitContext, op: Operation, shape: _Shape, query: Value, key: Value, dtype: str, peak: Value,
-                 total: Value) -> Value:
-    """The softmax probability of a (query, key) pair, from its row's maximum and sum."""
-    return (_score(ctx, op, shape, query, key, dtype) - peak).exp() / total
+def _tile_row(tile: Array, j: Value, size: int) -> Callable[[Value], Value]:
+    """Element i of row j of a tile in shared memory."""
+    return lambda i: tile.load(j * size + i)
 
 
-def launches(op: Operation) -> list[tuple[int, Callable[[EmitContext, ir.Value], None]]]:
+def _load_tiles(program: BlockProgram, first: Value, rows: int, last: int, sources: list[tuple[Variable, Callable, Array, int]]) -> None:
+    """One phase: the block's threads copy rows first .. first + rows - 1 (clamped to row
+    `last`: a row past it is never used) of each source into its shared tile. A source is
+    (variable, the element offset of its row r, the tile, elements per row)."""
+    ctx = program.ctx
+    with program.phase() as thread:
+        for var, row_at, tile, width in sources:
+            with ctx.loop(thread, rows * width, step=TILE, name="e") as e:
+                row = (first + e // width).minimum(last)
+                tile.store(e, ctx.load(var, row_at(row) + e % width))
+
+
+def _query_block(shape: _Shape, block: Value) -> tuple[Value, Value, Value]:
+    """(batch, head, first query row) of a block of query rows."""
+    heads = block // shape.query_tiles
+    return heads // shape.heads, heads % shape.heads, block % shape.query_tiles * TILE
+
+
+def _key_tiles_seen(ctx: EmitContext, shape: _Shape, first_query: Value, rows: int) -> Value:
+    """How many tiles of `rows` keys a block of queries from `first_query` looks at."""
+    last_query = (first_query + TILE).minimum(shape.queries) - 1
+    return (shape.visible_keys(ctx, last_query) + (rows - 1)) // rows
+
+
+def launches(op: Operation) -> list[tuple[int, Callable[[EmitContext, ir.Value], None], int]]:
     shape = _Shape(op)
-    query_rows = shape.batch * shape.heads * shape.queries
+    query_blocks = shape.batch * shape.heads * shape.query_tiles
+
+    def block(emit):
+        return lambda ctx, index: emit(BlockProgram(ctx, TILE, ctx.on_gpu), op, shape, index_value(ctx.b, index))
+
     if op.type == "Attention":
-        return [(query_rows, lambda ctx, index: _forward(ctx, op, shape, index_value(ctx.b, index)))]
-    return [(query_rows, lambda ctx, index: _statistics(ctx, op, shape, index_value(ctx.b, index))),
-            (shape.batch * shape.kv_heads * shape.keys, lambda ctx, index: _key_gradients(ctx, op, shape, index_value(ctx.b, index))),
-            (query_rows, lambda ctx, index: _query_gradient(ctx, op, shape, index_value(ctx.b, index)))]
+        return [(query_blocks, block(_forward), TILE)]
+    return [(query_blocks, block(_statistics), TILE),
+            (shape.batch * shape.kv_heads * shape.key_tiles, block(_key_gradients), TILE),
+            (query_blocks, block(_query_gradient), TILE)]
 
 
-def _query(shape: _Shape, row: Value) -> tuple[Value, Value, Value]:
-    """(batch, head, query) of a query row's index."""
-    return row // (shape.heads * shape.queries), (row // shape.queries) % shape.heads, row % shape.queries
+def _stream_keys(program: BlockProgram, op: Operation, shape: _Shape, b: Value, h: Value, first_query: Value,
+                 visit: Callable[[Value, Value, Value, Array, Array], None]) -> None:
+    """Stream the key and value rows a block of query rows sees through shared memory:
+    `visit(t, s, j, keys, values)` for each thread's query t and each key s it sees (row j
+    of the tiles)."""
+    ctx, size, kv = program.ctx, shape.size, h // shape.group
+    rows = _streamed_rows(op, 2 * size)
+    dtype = op.outputs[0].dtype
+    keys, values = program.shared(dtype, rows * size), program.shared(dtype, rows * size)
+    with ctx.loop(0, _key_tiles_seen(ctx, shape, first_query, rows), name="tile") as tile:
+        first_key = tile * rows
+        _load_tiles(program, first_key, rows, shape.keys - 1, [
+            (op.inputs[1], lambda s: shape.key_row(b, kv, s), keys, size),
+            (op.inputs[2], lambda s: shape.key_row(b, kv, s), values, size)])
+        with program.phase() as thread:
+            t = first_query + thread
+            with ctx.when(t < shape.queries):
+                seen = (shape.visible_keys(ctx, t) - first_key).minimum(rows)
+                with ctx.loop(0, seen, name="j") as j:
+                    visit(t, first_key + j, j, keys, values)
 
 
-def _forward(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
-    v = op.inputs[2]
+def _forward(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+    ctx, size = program.ctx, shape.size
     out = op.outputs[0]
-    b, h, t = _query(shape, row)
-    kv, at = h // shape.group, shape.query_row(b, h, t)
-    peak, total = ctx.local(out.dtype, initial=-float("inf")), ctx.local(out.dtype, initial=0.0)
-    acc = ctx.array(out.dtype, shape.size)
-    with ctx.loop(0, shape.size, name="z") as i:
-        acc.store(i, ctx.constant(out.dtype, 0.0))
-    with ctx.loop(0, shape.visible_keys(ctx, t), name="s") as s:
-        key = shape.key_row(b, kv, s)
-        score = _score(ctx, op, shape, at, key, out.dtype)
-        grown = peak.value.maximum(score)
-        correction, weight = (peak.value - grown).exp(), (score - grown).exp()
-        total.set(total.value * correction + weight)
-        with ctx.loop(0, shape.size, name="i") as i:
-            acc.store(i, acc.load(i) * correction + weight * ctx.load(v, key + i))
-        peak.set(grown)
-    with ctx.loop(0, shape.size, name="o") as i:
-        ctx.store(out, at + i, acc.load(i) / total.value)
+    b, h, first_query = _query_block(shape, block)
+    peak, total, acc = program.private(out.dtype, 1), program.private(out.dtype, 1), program.private(out.dtype, size)
+    with program.phase():
+        peak.store(0, ctx.constant(out.dtype, -float("inf")))
+        total.store(0, ctx.constant(out.dtype, 0.0))
+        with ctx.loop(0, size, name="z") as i:
+            acc.store(i, ctx.constant(out.dtype, 0.0))
+
+    def visit(t, s, j, keys, values):
+        score = _dot(ctx, _row(ctx, op.inputs[0], shape.query_row(b, h, t)), _tile_row(keys, j, size), size, out.dtype) * shape.scale
+        grown = peak.load(0).maximum(score)
+        correction, weight = (peak.load(0) - grown).exp(), (score - grown).exp()
+        total.store(0, total.load(0) * correction + weight)
+        with ctx.loop(0, size, name="i") as i:
+            acc.store(i, acc.load(i) * correction + weight * values.load(j * size + i))
+        peak.store(0, grown)
+
+    _stream_keys(program, op, shape, b, h, first_query, visit)
+    with program.phase() as thread:
+        t = first_query + thread
+        with ctx.when(t < shape.queries), ctx.loop(0, size, name="o") as i:
+            ctx.store(out, shape.query_row(b, h, t) + i, acc.load(i) / total.load(0))
 
 
-def _statistics(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
-    """Launch 1: m, l and D of a query row, parked in its dq row."""
-    v, dout = op.inputs[2:]
-    dq = op.outputs[0]
-    b, h, t = _query(shape, row)
-    kv, at, visible = h // shape.group, shape.query_row(b, h, t), shape.visible_keys(ctx, t)
-    peak, total, d = (ctx.local(dq.dtype, initial=value) for value in (-float("inf"), 0.0, 0.0))
-    with ctx.loop(0, visible, name="s") as s:
-        score = _score(ctx, op, shape, at, shape.key_row(b, kv, s), dq.dtype)
-        grown = peak.value.maximum(score)
-        total.set(total.value * (peak.value - grown).exp() + (score - grown).exp())
-        peak.set(grown)
-    with ctx.loop(0, visible, name="s") as s:
-        key = shape.key_row(b, kv, s)
-        p = _probability(ctx, op, shape, at, key, dq.dtype, peak.value, total.value)
-        d.set(d.value + p * _dot(ctx, dout, at, v, key, shape.size, dq.dtype))
-    for offset, value in enumerate((peak, total, d)):
-        ctx.store(dq, at + offset, value.value)
+def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+    """Launch 1: m, l and D of each query row, parked in its dq row."""
+    ctx, size = program.ctx, shape.size
+    dout, dq = op.inputs[3], op.outputs[0]
+    b, h, first_query = _query_block(shape, block)
+    peak, total, d = (program.private(dq.dtype, 1) for _ in range(_PARKED))
+    with program.phase():
+        for value, initial in ((peak, -float("inf")), (total, 0.0), (d, 0.0)):
+            value.store(0, ctx.constant(dq.dtype, initial))
+
+    def visit(t, s, j, keys, values):
+        at = shape.query_row(b, h, t)
+        score = _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype) * shape.scale
+        grown = peak.load(0).maximum(score)
+        correction, weight = (peak.load(0) - grown).exp(), (score - grown).exp()
+        total.store(0, total.load(0) * correction + weight)
+        d.store(0, d.load(0) * correction + weight * _dot(ctx, _row(ctx, dout, at), _tile_row(values, j, size), size, dq.dtype))
+        peak.store(0, grown)
+
+    _stream_keys(program, op, shape, b, h, first_query, visit)
+    with program.phase() as thread:
+        t = first_query + thread
+        with ctx.when(t < shape.queries):
+            at = shape.query_row(b, h, t)
+            ctx.store(dq, at, peak.load(0))
+            ctx.store(dq, at + 1, total.load(0))
+            ctx.store(dq, at + 2, d.load(0) / total.load(0))
 
 
-def _key_gradients(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
-    """Launch 2: a key row's dk and dv, over every query of its group's heads that sees it."""
+def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+    """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
+    it, streaming tiles of query rows, their dout rows and parked (m, l, D)."""
+    ctx, size = program.ctx, shape.size
     q, _, v, dout = op.inputs
     dq, dk, dv = op.outputs
-    b, kv, s = row // (shape.kv_heads * shape.keys), (row // shape.keys) % shape.kv_heads, row % shape.keys
-    key = shape.key_row(b, kv, s)
-    dk_acc, dv_acc = ctx.array(dk.dtype, shape.size), ctx.array(dv.dtype, shape.size)
-    with ctx.loop(0, shape.size, name="z") as i:
+    heads = block // shape.key_tiles
+    b, kv, first_key = heads // shape.kv_heads, heads % shape.kv_heads, block % shape.key_tiles * TILE
+    dk_acc, dv_acc = program.private(dk.dtype, size), program.private(dv.dtype, size)
+    with program.phase(), ctx.loop(0, size, name="z") as i:
         dk_acc.store(i, ctx.constant(dk.dtype, 0.0))
         dv_acc.store(i, ctx.constant(dv.dtype, 0.0))
-    first = (s - (shape.keys - shape.queries)).maximum(0) if shape.causal else ctx.index(0)
-    with ctx.loop(0, shape.group, name="g") as g, ctx.loop(first, shape.queries, name="t") as t:
-        at = shape.query_row(b, kv * shape.group + g, t)
-        peak, total, d = (ctx.load(dq, at + offset) for offset in range(_PARKED))
-        p = _probability(ctx, op, shape, at, key, dk.dtype, peak, total)
-        ds = p * (_dot(ctx, dout, at, v, key, shape.size, dk.dtype) - d) * shape.scale
-        with ctx.loop(0, shape.size, name="i") as i:
-            dk_acc.store(i, dk_acc.load(i) + ds * ctx.load(q, at + i))
-            dv_acc.store(i, dv_acc.load(i) + p * ctx.load(dout, at + i))
-    with ctx.loop(0, shape.size, name="o") as i:
-        ctx.store(dk, key + i, dk_acc.load(i))
-        ctx.store(dv, key + i, dv_acc.load(i))
+    rows = _streamed_rows(op, 2 * size + _PARKED)
+    queries, douts, parked = (program.shared(dk.dtype, rows * width) for width in (size, size, _PARKED))
+    # the first query that sees the block's first key
+    first_seen = (first_key - (shape.keys - shape.queries)).maximum(0) if shape.causal else ctx.index(0)
+    with ctx.loop(0, shape.group, name="g") as g, ctx.loop(first_seen // rows, -(-shape.queries // rows), name="tile") as tile:
+        h, first_query = kv * shape.group + g, tile * rows
+        _load_tiles(program, first_query, rows, shape.queries - 1, [
+            (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
+            (dq, lambda t: shape.query_row(b, h, t), parked, _PARKED)])
+        with program.phase() as thread:
+            s = first_key + thread
+            key = shape.key_row(b, kv, s)
+            with (ctx.when(s < shape.keys), ctx.loop(0, (shape.queries - first_query).minimum(rows), name="j") as j,
+                  ctx.when(s < shape.visible_keys(ctx, first_query + j))):
+                peak, total, d = (parked.load(j * _PARKED + k) for k in range(_PARKED))
+                score = _dot(ctx, _tile_row(queries, j, size), _row(ctx, op.inputs[1], key), size, dk.dtype) * shape.scale
+                p = (score - peak).exp() / total
+                ds = p * (_dot(ctx, _tile_row(douts, j, size), _row(ctx, v, key), size, dk.dtype) - d) * shape.scale
+                with ctx.loop(0, size, name="i") as i:
+                    dk_acc.store(i, dk_acc.load(i) + ds * queries.load(j * size + i))
+                    dv_acc.store(i, dv_acc.load(i) + p * douts.load(j * size + i))
+    with program.phase() as thread:
+        s = first_key + thread
+        with ctx.when(s < shape.keys), ctx.loop(0, size, name="o") as i:
+            key = shape.key_row(b, kv, s)
+            ctx.store(dk, key + i, dk_acc.load(i))
+            ctx.store(dv, key + i, dv_acc.load(i))
 
 
-def _query_gradient(ctx: EmitContext, op: Operation, shape: _Shape, row: Value) -> None:
-    """Launch 3: a query row's dq, from its parked m, l and D (read before the row is written)."""
-    _, k, v, dout = op.inputs
-    dq = op.outputs[0]
-    b, h, t = _query(shape, row)
-    kv, at = h // shape.group, shape.query_row(b, h, t)
-    peak, total, d = (ctx.load(dq, at + offset) for offset in range(_PARKED))
-    acc = ctx.array(dq.dtype, shape.size)
-    with ctx.loop(0, shape.size, name="z") as i:
-        acc.store(i, ctx.constant(dq.dtype, 0.0))
-    with ctx.loop(0, shape.visible_keys(ctx, t), name="s") as s:
-        key = shape.key_row(b, kv, s)
-        p = _probability(ctx, op, shape, at, key, dq.dtype, peak, total)
-        ds = p * (_dot(ctx, dout, at, v, key, shape.size, dq.dtype) - d)
-        with ctx.loop(0, shape.size, name="i") as i:
-            acc.store(i, acc.load(i) + ds * ctx.load(k, key + i))
-    with ctx.loop(0, shape.size, name="o") as i:
-        ctx.store(dq, at + i, acc.load(i) * shape.scale)
+def _query_gradient(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+    """Launch 3: each query row's dq, from its parked m, l and D (read before the row is written)."""
+    ctx, size = program.ctx, shape.size
+    dout, dq = op.inputs[3], op.outputs[0]
+    b, h, first_query = _query_block(shape, block)
+    parked, acc = program.private(dq.dtype, _PARKED), program.private(dq.dtype, size)
+    with program.phase() as thread:
+        t = first_query + thread
+        with ctx.when(t < shape.queries):
+            for k in range(_PARKED):
+                parked.store(k, ctx.load(dq, shape.query_row(b, h, t) + k))
+        with ctx.loop(0, size, name="z") as i:
+            acc.store(i, ctx.constant(dq.dtype, 0.0))
+
+    def visit(t, s, j, keys, values):
+        at = shape.query_row(b, h, t)
+        peak, total, d = (parked.load(k) for k in range(_PARKED))
+        score = _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype) * shape.scale
+        p = (score - peak).exp() / total
+        ds = p * (_dot(ctx, _row(ctx, dout, at), _tile_row(values, j, size), size, dq.dtype) - d)
+        with ctx.loop(0, size, name="i") as i:
+            acc.store(i, acc.load(i) + ds * keys.load(j * size + i))
+
+    _stream_keys(program, op, shape, b, h, first_query, visit)
+    with program.phase() as thread:
+        t = first_query + thread
+        with ctx.when(t < shape.queries), ctx.loop(0, size, name="o") as i:
+            ctx.store(dq, shape.query_row(b, h, t) + i, acc.load(i) * shape.scale)

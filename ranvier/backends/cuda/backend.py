@@ -37,7 +37,7 @@ from ..cpu import jit  # the compile cache, shared with the CPU's object files
 from . import blas, kernels, ptx
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU, HostEmulator
 from .driver import Device, DriverGPU, find_device
-from .launch import map_launch
+from .launch import LaunchShape, block_launch, map_launch
 from .resident import DeviceInstance
 
 HOPPER_MULTIPROCESSORS = 132  # an H100 SXM's: the launch shapes of a compile without a GPU
@@ -127,13 +127,18 @@ class CUDABackend:
             if cell.steps[index].kernel == blas.KIND:
                 shapes[index] = [None]  # cuBLASLt chooses its kernels' shapes
                 continue
-            # without ptxas's count, as many registers as a thread may have: a shape that always fits
-            shapes[index] = [map_launch(k.elements, self.multiprocessors, report.registers(k.name) if report else MAX_REGISTERS)
-                             for k in launches]
+            shapes[index] = [self._launch_shape(k, report) for k in launches]
             if report:
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes[index]))}"
         cell.native = {"module": module, "ptx": built["ptx"], "kernels": generated, "shapes": shapes, "origin": origin,
                        "key": key.hexdigest()}
+
+    def _launch_shape(self, kernel: kernels.GPUKernel, report: ptx.Assembled | None) -> LaunchShape:
+        # without ptxas's count, as many registers as a thread may have: a shape that always fits
+        registers = report.registers(kernel.name) if report else MAX_REGISTERS
+        if kernel.threads:
+            return block_launch(kernel.elements, kernel.threads, self.multiprocessors, registers)
+        return map_launch(kernel.elements, self.multiprocessors, registers)
 
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's GPU kernels as LLVM IR ("llvm") or PTX ("ptx")."""

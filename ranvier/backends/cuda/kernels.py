@@ -10,13 +10,15 @@ CPU's row passes, one lane wide), `lookups` (one index of a Gather or OneHot),
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
 `products` (a matrix product's output element), `assigns` (an element written in
-place: Assign, a KV cache's AssignSlice) and `attention` (a query's or key's row of
-attention and its gradient, no score matrix formed), tried in order. A generator says
+place: Assign, a KV cache's AssignSlice) and `attention` (blocks of query or key rows of
+attention and its gradient, streaming tiles through shared memory, no score matrix
+formed), tried in order. A generator says
 which ops it `supports`; the variables its kernels read and write, if not every input and
 output (`operands`, each once: the kernels' pointer parameters); and either how many
 `elements` there are and how to `emit` one element at IR index `index` in a
 `ThreadContext` (the shared kernel vocabulary, `EmitContext`), or its `launches`: several
-such (elements, emit) in order. Every
+such (elements, emit) in order, or (blocks, emit, threads) for a block kernel, whose
+element is a block of `threads` threads working together (`blocks.BlockProgram`). Every
 kernel takes one more parameter, a status word (i64*) a thread sets to 1 on bad data (a
 class label out of range): the runtime raises, naming the step.
 
@@ -35,9 +37,10 @@ from llvmlite import ir
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext, ir_of
-from ..llvm.irutil import I32, I64, VOID, for_range, i64, storage_type, use_features
+from ..llvm.irutil import I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
 from . import assigns, attention, experts, lookups, maps, pads, products, reductions, rows, scatters
+from .blocks import special_register
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
 GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products, assigns, attention)
@@ -50,11 +53,13 @@ GPU_FEATURES = frozenset({"fma", "f16c"})
 @dataclass(frozen=True)
 class GPUKernel:
     """A generated kernel: its name, the variables its pointer parameters point at (in
-    order; each once, whether read, written or both), and its elements (threads' work)."""
+    order; each once, whether read, written or both), and its elements (threads' work) —
+    or, for a block kernel (`threads` > 0), its blocks of `threads` threads."""
 
     name: str
     operands: tuple[Variable, ...]
     elements: int
+    threads: int = 0
 
 
 def supports(op: Operation) -> bool:
@@ -77,9 +82,9 @@ class ThreadContext(EmitContext):
     """What a GPU thread's element is written in: variables are the kernel's parameters,
     vectors are one lane wide, and bad data sets the kernel's status word."""
 
-    def __init__(self, module: ir.Module, b: ir.IRBuilder, pointers: dict[int, ir.Value], status: ir.Value):
+    def __init__(self, module: ir.Module, b: ir.IRBuilder, pointers: dict[int, ir.Value], status: ir.Value, on_gpu: bool):
         super().__init__(module, b)
-        self.pointers, self.status = pointers, status
+        self.pointers, self.status, self.on_gpu = pointers, status, on_gpu
 
     def pointer(self, var: Variable) -> ir.Value:
         return self.pointers[id(var)]
@@ -107,12 +112,13 @@ def kernel_name(op: Operation) -> str:
 Emit = Callable[[EmitContext, ir.Value], None]
 
 
-def _launches(generator, op: Operation) -> list[tuple[int, Emit]]:
-    """The op's launches in order, each (elements, how to emit one): one for most ops; an
-    accumulation first zeroes its output (a launch finishes before the next starts)."""
+def _launches(generator, op: Operation) -> list[tuple[int, Emit, int]]:
+    """The op's launches in order, each (elements, how to emit one, threads per block of a
+    block kernel or 0): one for most ops; an accumulation first zeroes its output (a launch
+    finishes before the next starts)."""
     if hasattr(generator, "launches"):
-        return generator.launches(op)
-    return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index))]
+        return [(*launch, 0) if len(launch) == 2 else launch for launch in generator.launches(op)]
+    return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index), 0)]
 
 
 def _every_operand(op: Operation) -> tuple[Variable, ...]:
@@ -121,31 +127,25 @@ def _every_operand(op: Operation) -> tuple[Variable, ...]:
     return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
 
 
-def _element_functions(module: ir.Module, op: Operation) -> list[tuple[ir.Function, GPUKernel]]:
-    """`element(index, operands..., status)` for each of the op's launches, with its kernel's name."""
+def _element_functions(module: ir.Module, op: Operation, on_gpu: bool) -> list[tuple[ir.Function, GPUKernel]]:
+    """`element(index, operands..., status)` for each of the op's launches, with its kernel,
+    for the GPU or for the host emulator (`on_gpu`; they differ in block kernels alone)."""
     generator = _generator(op)
     operands = generator.operands(op) if hasattr(generator, "operands") else _every_operand(op)
     pointers = [storage_type(v.dtype).as_pointer() for v in operands]
     made = []
-    for number, (elements, emit) in enumerate(_launches(generator, op)):
+    for number, (elements, emit, threads) in enumerate(_launches(generator, op)):
         name = kernel_name(op) + (f"$then{number}" if number else "")  # "$": no op name makes it
         function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers, I64.as_pointer()]), name=f"{name}_element")
         function.linkage = "internal"
         function.attributes.add("alwaysinline")
         index, *arguments, status = function.args
         ctx = ThreadContext(module, ir.IRBuilder(function.append_basic_block("entry")),
-                            {id(v): arguments[k] for k, v in enumerate(operands)}, status)
+                            {id(v): arguments[k] for k, v in enumerate(operands)}, status, on_gpu)
         emit(ctx, index)
         ctx.b.ret_void()
-        made.append((function, GPUKernel(name, operands, elements)))
+        made.append((function, GPUKernel(name, operands, elements, threads)))
     return made
-
-
-def _special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value:
-    """A thread's or the grid's coordinate (tid.x, ntid.x, ctaid.x, nctaid.x), as i64."""
-    full = f"llvm.nvvm.read.ptx.sreg.{name}"
-    function = module.globals.get(full) or ir.Function(module, ir.FunctionType(I32, []), name=full)
-    return b.zext(b.call(function, []), I64)
 
 
 def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.Module, list[GPUKernel]]:
@@ -156,15 +156,19 @@ def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.M
 
 def add_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
     """The op's GPU kernels in `module` (a GPU module), one per launch, in launch order:
-    `name(operands..., status)` runs a grid-stride loop over the launch's elements."""
+    `name(operands..., status)` runs a grid-stride loop over the launch's elements (a block
+    kernel's blocks: each block takes whole elements)."""
     use_features(module, GPU_FEATURES)
     kernels = []
-    for element, kernel in _element_functions(module, op):
+    for element, kernel in _element_functions(module, op, on_gpu=True):
         function = ir.Function(module, ir.FunctionType(VOID, list(element.function_type.args[1:])), name=kernel.name)
         b = ir.IRBuilder(function.append_basic_block("entry"))
-        threads = _special_register(module, b, "ntid.x")
-        first = b.add(b.mul(_special_register(module, b, "ctaid.x"), threads), _special_register(module, b, "tid.x"))
-        step = b.mul(_special_register(module, b, "nctaid.x"), threads)
+        if kernel.threads:
+            first, step = special_register(module, b, "ctaid.x"), special_register(module, b, "nctaid.x")
+        else:
+            threads = special_register(module, b, "ntid.x")
+            first = b.add(b.mul(special_register(module, b, "ctaid.x"), threads), special_register(module, b, "tid.x"))
+            step = b.mul(special_register(module, b, "nctaid.x"), threads)
         loop, body, done = (function.append_basic_block(n) for n in ("loop", "body", "done"))
         b.branch(loop)
         b.position_at_end(loop)
@@ -196,7 +200,7 @@ def add_host_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
     in `module` (a host module): the GPU's arithmetic, run here (the launches one after
     another, as the GPU runs them)."""
     kernels = []
-    for element, kernel in _element_functions(module, op):
+    for element, kernel in _element_functions(module, op, on_gpu=False):
         function = ir.Function(module, ir.FunctionType(VOID, [*element.function_type.args[1:], I64, I64]), name=kernel.name)
         *pointers, first, last = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))

@@ -51,8 +51,15 @@ def map_launch(elements: int, multiprocessors: int, registers: int, sm: Multipro
     if elements < 1 or multiprocessors < 1:
         raise RanvierError(f"a launch needs elements and multiprocessors; got {elements} and {multiprocessors}")
     threads = min(THREADS_PER_BLOCK, -(-elements // WARP) * WARP)
+    return block_launch(-(-elements // threads), threads, multiprocessors, registers, sm)
+
+
+def block_launch(blocks: int, threads: int, multiprocessors: int, registers: int,
+                 sm: Multiprocessor = Multiprocessor()) -> LaunchShape:
+    """The launch shape of `blocks` blocks of `threads` threads: no more blocks than the
+    multiprocessors hold at once (the kernel's grid-stride loop takes the rest)."""
     fitting = resident_blocks(threads, registers, sm)
     if fitting == 0:
         raise RanvierError(f"a block of {threads} threads at {registers} registers each does not fit a multiprocessor "
                            f"({sm.registers} registers)")
-    return LaunchShape(min(-(-elements // threads), multiprocessors * fitting), threads)
+    return LaunchShape(min(blocks, multiprocessors * fitting), threads)

@@ -1,0 +1,108 @@
+"""Block programs: kernels whose threads work together — a block's threads load a tile into
+shared memory once, wait for each other, and all read it.
+
+A block program is written as phases: code every thread of the block runs (`phase`,
+which yields the thread's number), with the block waiting for all its threads between one
+phase and the next. Phases may sit in loops (`ctx.loop`) whose trip count is the same for
+every thread of the block — bounds from the block's index alone — which is what lets a
+kernel stream tiles: load a tile (a phase), use it (a phase), repeat. Memory is of three
+kinds: the kernel's operands; `shared` arrays, one per block; and `private` arrays, one per
+thread, which keep a thread's values from one phase to a later one (a local variable lives
+in its phase only).
+
+On the GPU a phase is the threads' code itself and the wait a barrier (`bar.sync`);
+shared arrays are `.shared` memory and private ones the thread's own. The host emulator
+runs a phase as a loop over the block's threads, one after another (the end of the loop is
+the barrier), a private array as one slot per thread, and a shared array on the stack: the
+same program, so the tests of a block kernel's arithmetic on the host test what the GPU runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from llvmlite import ir
+
+from ..llvm.context import Array, EmitContext, ir_of
+from ..llvm.irutil import I32, I64, VOID, compute_type, i64
+from ..llvm.values import Value, index_value
+
+SHARED = 3  # NVPTX's address space of a block's shared memory
+
+
+def special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value:
+    """A thread's or the grid's coordinate (tid.x, ntid.x, ctaid.x, nctaid.x), as i64."""
+    full = f"llvm.nvvm.read.ptx.sreg.{name}"
+    function = module.globals.get(full) or ir.Function(module, ir.FunctionType(I32, []), name=full)
+    return b.zext(b.call(function, []), I64)
+
+
+class PrivateArray:
+    """`count` scalars of each thread, kept across phases: `.load(i)` and `.store(i, v)`
+    reach the current phase's thread's own."""
+
+    def __init__(self, program: BlockProgram, base: ir.Value, dtype: str, count: int):
+        self.program, self.base, self.dtype, self.count = program, base, dtype, count
+
+    def _array(self) -> Array:
+        program = self.program
+        if program.on_gpu:
+            return Array(program.ctx.b, self.base, self.dtype)
+        own = program.ctx.b.gep(self.base, [ir_of(program.thread * self.count)])
+        return Array(program.ctx.b, own, self.dtype)
+
+    def load(self, at: Value | int) -> Value:
+        return self._array().load(at)
+
+    def store(self, at: Value | int, value: Value) -> None:
+        self._array().store(at, value)
+
+
+class BlockProgram:
+    """A block kernel's element (one block's work) being written; see the module docstring.
+    `ctx` is the element function's context, `threads` the block's size, `on_gpu` whether
+    the code is for the GPU or for the host emulator."""
+
+    def __init__(self, ctx: EmitContext, threads: int, on_gpu: bool):
+        self.ctx, self.threads, self.on_gpu = ctx, threads, on_gpu
+        self.thread: Value | None = None  # inside a phase: the thread's number in the block
+
+    def shared(self, dtype: str, count: int) -> Array:
+        """`count` scalars the block's threads share."""
+        b, element = self.ctx.b, compute_type(dtype)
+        if not self.on_gpu:
+            with b.goto_entry_block():
+                return Array(b, b.alloca(element, size=i64(count)), dtype)
+        module = self.ctx.module
+        memory = ir.GlobalVariable(module, ir.ArrayType(element, count), module.get_unique_name("shared"), addrspace=SHARED)
+        memory.linkage, memory.align = "internal", 16
+        memory.initializer = ir.Constant(memory.value_type, ir.Undefined)
+        return Array(b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
+
+    def private(self, dtype: str, count: int) -> PrivateArray:
+        """`count` scalars of each thread, kept from one phase to the next."""
+        b = self.ctx.b
+        with b.goto_entry_block():
+            base = b.alloca(compute_type(dtype), size=i64(count if self.on_gpu else count * self.threads))
+        return PrivateArray(self, base, dtype, count)
+
+    @contextmanager
+    def phase(self) -> Iterator[Value]:
+        """Code each thread runs (the with-block; it gets the thread's number); the block
+        then waits until all its threads are done."""
+        if self.thread is not None:
+            raise RuntimeError("a phase cannot hold another: the block waits between phases")
+        ctx = self.ctx
+        if self.on_gpu:
+            self.thread = index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x"))
+            yield self.thread
+            barrier = ctx.module.globals.get("llvm.nvvm.barrier0") or ir.Function(ctx.module, ir.FunctionType(VOID, []),
+                                                                                   name="llvm.nvvm.barrier0")
+            ctx.b.call(barrier, [])
+        else:
+            with ctx.loop(0, self.threads, name="thread") as thread:
+                self.thread = thread
+                yield thread
+        self.thread = None
+
