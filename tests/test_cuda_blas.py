@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import random_array
-from test_cuda_runtime import _MemoryDriver
+from test_cuda_runtime import _RecordingDriver
 
 import ranvier as rv
 from ranvier.backends.cuda import backend, blas, device, driver
@@ -184,21 +184,6 @@ class _FakeCublasLt:
             return 0
 
         return run
-
-
-class _RecordingDriver(_MemoryDriver):
-    def __init__(self, events: list):
-        super().__init__()
-        self.events = events
-
-    def __getattr__(self, call: str):
-        run = super().__getattr__(call)
-
-        def record(*args):
-            self.events.append((call, args))
-            return 0 if call == "cuModuleLoadDataEx" else run(*args)  # this stand-in loads any PTX
-
-        return record
 
 
 def test_the_driver_prepares_products_before_capture_and_runs_one_call_each_inside_it(monkeypatch):

@@ -17,7 +17,7 @@ from helpers import random_array
 from test_cuda_codegen import _FakeDriver
 
 import ranvier as rv
-from ranvier.backends.cuda import backend, device, driver
+from ranvier.backends.cuda import backend, device, driver, resident
 from ranvier.backends.cuda.launch import LaunchShape
 from ranvier.errors import RanvierError
 
@@ -201,6 +201,24 @@ class _MemoryDriver(_FakeDriver):
         return run
 
 
+class _RecordingDriver(_MemoryDriver):
+    """The memory-keeping stand-in, which loads any PTX and records every call in `events`."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+        self.last_operands = []  # parameters are not read back here
+
+    def __getattr__(self, call: str):
+        run = super().__getattr__(call)
+
+        def record(*args):
+            self.events.append((call, args))
+            return 0 if call == "cuModuleLoadDataEx" else run(*args)  # this stand-in loads any PTX
+
+        return record
+
+
 def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     """What the runtime's launch passes libcuda: the grid and block, and a parameter array
     whose entries point at each operand's 64-bit device address; a compute's launches
@@ -227,6 +245,29 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99"}})()
     with pytest.raises(RanvierError, match="load cell f's PTX: CUDA_ERROR_INVALID_PTX\nptxas fatal: unknown target sm_99"):
         gpu.load(cell)
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(monkeypatch, graphs):
+    monkeypatch.setenv(resident.GRAPHS_ENVIRONMENT, graphs)
+    events: list = []
+    gpu = driver.DriverGPU(lambda name: _RecordingDriver(events))
+    monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    f.softmax(f.var("x", "float32", [4, 8]) * 2.0).var.out = True
+    data = rv.Compiler("cuda").compile(flow).cell("f").instance()
+    data["f/x"] = random_array([4, 8], "float32", seed=1)
+    for _ in range(3):
+        data.compute()
+    calls = [call for call, _ in events]
+    kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
+    if graphs == "1":
+        assert calls.count("cuStreamBeginCapture_v2") == 1 and calls.count("cuGraphLaunch") == 3
+        assert calls.count("cuLaunchKernel") == kernels_per_compute  # captured once
+    else:
+        assert not any("Capture" in call or "Graph" in call for call in calls)
+        assert calls.count("cuLaunchKernel") == 3 * kernels_per_compute
 
 
 def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeypatch):

@@ -18,7 +18,9 @@ What moves between host and device, and when:
 A compute's launches (every step's kernels or cuBLASLt product, and the timing marks
 between them) are captured
 once as a graph (a CUDA graph on the driver) and replayed as one launch by every later
-compute: the addresses they read never change, only the memory's contents.
+compute: the addresses they read never change, only the memory's contents. With
+`RANVIER_CUDA_GRAPHS=0` (read when an instance is made) every compute makes its launches
+one by one instead, which is what a graph saves (benchmarks/llama_train.py compares them).
 
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
@@ -31,6 +33,7 @@ out of range) sets it, and the compute raises naming the step, as on the CPU.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -44,6 +47,7 @@ from .blas import Gemm
 from .device import GPU
 
 _HOST_NEWER, _SAME, _DEVICE_NEWER = "host newer", "same", "device newer"
+GRAPHS_ENVIRONMENT = "RANVIER_CUDA_GRAPHS"  # "0": launch kernel by kernel, no graph
 
 
 class DeviceGlobals:
@@ -136,6 +140,7 @@ class DeviceInstance:
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.timer = gpu.timer(len(cell.steps) + 1)
         self.graph = None  # the launches, captured by the first compute and replayed by the next
+        self.use_graph = os.environ.get(GRAPHS_ENVIRONMENT, "1") != "0"
         self.launches = []
         for index in range(len(cell.steps)):
             status = self.status_address + 8 * index
@@ -208,7 +213,9 @@ class DeviceInstance:
             gpu.upload(self.arena + slot.offset, self._host_view(slot))
         self.pending.clear()
         gpu.zero(self.status_address, self.status.nbytes)
-        if self.graph is None:
+        if not self.use_graph:
+            self._launch_steps()
+        elif self.graph is None:
             self.graph = gpu.graph(self._launch_steps)
         else:
             gpu.replay(self.graph)
