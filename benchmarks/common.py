@@ -51,9 +51,11 @@ def machine(torch=None) -> str:
 class Ceilings:
     bandwidth: float  # bytes per second
     gemm: float  # floating-point operations per second
+    gemm_kind: str = "fp32 GEMM"
+    gemm_source: str = "the best BLAS matmul"
 
     def __str__(self) -> str:
-        return (f"ceilings measured here: fp32 GEMM {self.gemm / 1e9:,.0f} GFLOP/s (the best BLAS matmul), "
+        return (f"ceilings measured here: {self.gemm_kind} {self.gemm / 1e9:,.0f} GFLOP/s ({self.gemm_source}), "
                 f"memory {self.bandwidth / 1e9:,.1f} GB/s (a copy, read + write)")
 
     def against(self, flops: float, seconds: dict[str, float]) -> str:
@@ -100,6 +102,29 @@ def measure_ceilings(megabytes: int, gemm_n: int, repeats: int, torch=None) -> C
     return Ceilings(bandwidth=2 * src.nbytes / statistics.median(copy), gemm=2 * gemm_n**3 / min(map(min, gemm.values())))
 
 
+def measure_gpu_ceilings(torch, n: int = 8192, repeats: int = 5) -> Ceilings:
+    """The GPU's bf16 GEMM rate (PyTorch's n × n × n product: the peak an MFU is taken
+    against) and its memory bandwidth (a device-to-device copy), each the best of `repeats`."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    source = torch.empty(1 << 28, device="cuda", dtype=torch.float32)
+    target = torch.empty_like(source)
+
+    def best(run) -> float:
+        run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    gemm = 2 * n**3 / best(lambda: a @ b)
+    bandwidth = 2 * source.numel() * 4 / best(lambda: target.copy_(source))
+    return Ceilings(bandwidth, gemm, "bf16 GEMM", f"PyTorch's {n}³ product on {torch.cuda.get_device_name()}")
+
+
 def summary(medians: dict[str, float], unit: str, higher_is_better: bool, peer: str = "pytorch", digits: int = 0) -> None:
     """Print each side's median and how each side other than `peer` compares with it."""
     for name, value in medians.items():
@@ -131,10 +156,10 @@ def match_threads(torch) -> None:
 Step = Callable[[np.ndarray, np.ndarray], float]
 
 
-def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False):
+def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False, backend: str = "cpu"):
     """ranvier's training step of a language model on [batch, seq] token windows: AdamW,
-    clipping at 1, the model's auxiliary losses added; a Trainer, or a CheckpointedStack.
-    Prints the compile time; returns the trainer (`trainer.step([x, y])`)."""
+    clipping at 1, the model's auxiliary losses added; a Trainer, or a CheckpointedStack,
+    on `backend`. Prints the compile time; returns the trainer (`trainer.step([x, y])`)."""
     import ranvier as rv
     from ranvier.train.losses import softmax_cross_entropy
     from ranvier.train.optimizers import AdamW
@@ -151,7 +176,7 @@ def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkp
         from ranvier.train.stack import CheckpointedStack
 
         window = ("int32", [batch, seq])
-        trainer = CheckpointedStack(model, window, window, lm_loss, optimizer, clip_norm=1.0, matmul=matmul)
+        trainer = CheckpointedStack(model, window, window, lm_loss, optimizer, clip_norm=1.0, matmul=matmul, backend=backend)
     else:
         flow = rv.Flow()
         f = rv.Builder(flow, "train")
@@ -163,8 +188,9 @@ def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkp
         aux = model.auxiliary_loss(f)
         if aux is not None:
             loss = loss + aux
-        trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul)
-    kind = f"{matmul}, checkpointed" if checkpointed else matmul
+        trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul,
+                          backend=backend)
+    kind = f"{backend}, {matmul}" + (", checkpointed" if checkpointed else "")
     print(f"ranvier ({kind}) compiled the training step in {time.perf_counter() - start:.1f}s")
     return trainer
 
@@ -175,13 +201,14 @@ def stepper(trainer) -> Step:
 
 
 def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, feed_forward: Callable,
-                  wrap: Callable | None = None) -> Step:
+                  wrap: Callable | None = None, device: str = "cpu", bf16: bool = False) -> Step:
     """PyTorch eager training of config's trunk as ranvier builds it (RMSNorm, rotary
     attention with grouped key/value heads through SDPA, the embedding as the head):
     AdamW (β2 0.95, weight decay 0.1), clipping at 1. Each layer's feed-forward is the
     caller's: `feed_forward_weights(weight)` makes its parameters (`weight(*shape)` draws
     N(0, 0.02²)), `feed_forward(x, p)` returns its output and an auxiliary loss.
-    `wrap(module)`, given, returns the module the step calls instead (DistributedDataParallel)."""
+    `wrap(module)`, given, returns the module the step calls instead (DistributedDataParallel).
+    On `device` ("cuda": a GPU); `bf16`: the forward pass and loss under bf16 autocast."""
     import torch
     import torch.nn.functional as F
 
@@ -190,18 +217,18 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
     kv = config.n_kv_heads * hd
 
     def weight(*shape):
-        return torch.nn.Parameter(torch.randn(*shape) * 0.02)
+        return torch.nn.Parameter(torch.randn(*shape, device=device) * 0.02)
 
     def ones():
-        return torch.nn.Parameter(torch.ones(d))
+        return torch.nn.Parameter(torch.ones(d, device=device))
 
     params = torch.nn.ParameterDict({"emb": weight(config.vocab_size, d), "norm": ones()})
     for i in range(config.n_layers):
         layer = {"an": ones(), "wq": weight(d, d), "wk": weight(d, kv), "wv": weight(d, kv), "wo": weight(d, d), "fn": ones(),
                  **feed_forward_weights(weight)}
         params.update({f"{i}_{k}": v for k, v in layer.items()})
-    freqs = config.rope_base ** (-torch.arange(0, hd, 2).float() / hd)
-    angles = torch.outer(torch.arange(seq).float(), freqs)
+    freqs = config.rope_base ** (-torch.arange(0, hd, 2, device=device).float() / hd)
+    angles = torch.outer(torch.arange(seq, device=device).float(), freqs)
     cos, sin = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
 
     def rms(x, g):
@@ -239,8 +266,9 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
-        logits, aux = module(torch.from_numpy(x).long())
-        loss = F.cross_entropy(logits.view(-1, config.vocab_size), torch.from_numpy(y).long().view(-1)) + aux
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            logits, aux = module(torch.from_numpy(x).to(device).long())
+            loss = F.cross_entropy(logits.view(-1, config.vocab_size), torch.from_numpy(y).to(device).long().view(-1)) + aux
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -1,18 +1,29 @@
-"""Llama training throughput: ranvier vs PyTorch CPU eager on the same model, same run.
+"""Llama training throughput: ranvier vs PyTorch eager on the same model, same run.
 
 The stories15M shape (dim 288, 6 layers, 6 heads, vocab 32000, hidden 768) at seq 256
 by default; both sides train with AdamW on identical random token batches, alternating
 for several repetitions, and the median tokens/s of each and the ratio are printed.
 Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix products.
+
+With --backend cuda, ranvier's CUDA backend races PyTorch eager under bf16 autocast on
+the GPU (ranvier's products in bf16 too, unless --matmul says otherwise), and ranvier
+runs twice: replaying each step as one CUDA graph, and launching kernel by kernel
+(RANVIER_CUDA_GRAPHS=0: the "rv-no-graph" side), so the graph's saving shows; the share
+of the GPU's measured bf16 GEMM rate each side's model arithmetic reaches is its MFU. The issue's shapes:
+--preset stories15M --batch 64 --seq 256, and --preset stories110M --batch 32 --seq 1024.
 Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5] [--checkpointed]
+     [--backend cuda] [--matmul float32|tfloat32|bfloat16]
 """
 
 from __future__ import annotations
+
+import os
 
 from common import (
     machine,
     match_threads,
     measure_ceilings,
+    measure_gpu_ceilings,
     race,
     ranvier_trainer,
     stepper,
@@ -39,10 +50,15 @@ def dense_feed_forward(config):
 
 
 def main() -> None:
+    from ranvier.backends import MATMUL_PRECISIONS
     from ranvier.models.llama import PRESETS, Llama
 
     parser = training_arguments(__doc__.splitlines()[0], PRESETS, "stories15M")
     parser.add_argument("--checkpointed", action="store_true", help="ranvier trains through a CheckpointedStack")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--matmul", default=None, choices=MATMUL_PRECISIONS,
+                        help="ranvier's matrix products (default: float32, and bfloat16 beside it on AMX CPUs; "
+                             "bfloat16 on cuda)")
     args = parser.parse_args()
     import torch
 
@@ -53,14 +69,43 @@ def main() -> None:
     print(machine(torch))
     config = PRESETS[args.preset]
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
-    matmuls = ["float32", "bfloat16"] if amx_usable(host_target()) else ["float32"]
-    sides = {name: stepper(ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, matmul, args.checkpointed))
-             for name, matmul in zip(("ranvier", "ranvier-bf16"), matmuls)}
-    sides["pytorch"] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config))
+    if args.backend == "cuda":
+        sides, ceilings = gpu_sides(args, config, torch)
+    else:
+        matmuls = [args.matmul] if args.matmul else ["float32", "bfloat16"] if amx_usable(host_target()) else ["float32"]
+        sides = {name: stepper(ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, matmul, args.checkpointed))
+                 for name, matmul in zip(("ranvier", "ranvier-bf16"), matmuls)}
+        sides["pytorch"] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config))
+        ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
-    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings)
+
+
+def gpu_sides(args, config, torch):
+    """ranvier on the CUDA backend, replaying graphs and launching kernel by kernel, and
+    PyTorch eager under bf16 autocast on the GPU (on the CPU in float32 where PyTorch sees
+    no GPU, as with ranvier's host emulator: then only that the script runs is shown)."""
+    from ranvier.backends.cuda.resident import GRAPHS_ENVIRONMENT
+    from ranvier.models.llama import Llama
+
+    on_gpu = torch.cuda.is_available()
+    print(f"GPU: {torch.cuda.get_device_name()}" if on_gpu else "GPU: none that PyTorch sees; its side runs on the CPU")
+    trainer = ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, args.matmul or "bfloat16", args.checkpointed,
+                              backend="cuda")
+
+    def without_graphs(x, y):
+        os.environ[GRAPHS_ENVIRONMENT] = "0"
+        try:
+            return trainer.step([x, y])
+        finally:
+            del os.environ[GRAPHS_ENVIRONMENT]
+
+    sides = {"ranvier": stepper(trainer), "rv-no-graph": without_graphs,
+             "pytorch": torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config),
+                                      device="cuda" if on_gpu else "cpu", bf16=on_gpu)}
+    ceilings = measure_gpu_ceilings(torch) if on_gpu else measure_ceilings(megabytes=64, gemm_n=1024, repeats=3, torch=torch)
+    return sides, ceilings
 
 
 if __name__ == "__main__":

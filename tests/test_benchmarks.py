@@ -43,6 +43,19 @@ def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, 
 
 
 @pytest.mark.slow
+def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monkeypatch):
+    """On the host emulator here (PyTorch's side then on the CPU): the GPU line, ranvier
+    replaying graphs and launching kernel by kernel, PyTorch, and both verdicts."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    out = run("llama_train.py", "--backend", "cuda", "--preset", "stories260K", "--batch", "2", "--seq", "16", "--steps", "1",
+              "--repeats", "1")
+    lines = out.splitlines()
+    assert lines[1].startswith("GPU: ") and "ranvier (cuda, bfloat16) compiled the training step" in out
+    assert_summary(lines, "tokens/s", sides=("ranvier", "rv-no-graph", "pytorch"))
+    assert re.search(r"^rv-no-graph is \d+\.\d\d× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
+
+
+@pytest.mark.slow
 def test_onnx_inference_benchmark_races_onnx_runtime_on_each_model():
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")

@@ -18,9 +18,9 @@ What moves between host and device, and when:
 A compute's launches (every step's kernels or cuBLASLt product, and the timing marks
 between them) are captured
 once as a graph (a CUDA graph on the driver) and replayed as one launch by every later
-compute: the addresses they read never change, only the memory's contents. With
-`RANVIER_CUDA_GRAPHS=0` (read when an instance is made) every compute makes its launches
-one by one instead, which is what a graph saves (benchmarks/llama_train.py compares them).
+compute: the addresses they read never change, only the memory's contents. A compute made
+while `RANVIER_CUDA_GRAPHS=0` makes its launches one by one instead, which is what a
+graph saves (benchmarks/llama_train.py --backend cuda compares them).
 
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
@@ -140,7 +140,6 @@ class DeviceInstance:
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.timer = gpu.timer(len(cell.steps) + 1)
         self.graph = None  # the launches, captured by the first compute and replayed by the next
-        self.use_graph = os.environ.get(GRAPHS_ENVIRONMENT, "1") != "0"
         self.launches = []
         for index in range(len(cell.steps)):
             status = self.status_address + 8 * index
@@ -213,7 +212,7 @@ class DeviceInstance:
             gpu.upload(self.arena + slot.offset, self._host_view(slot))
         self.pending.clear()
         gpu.zero(self.status_address, self.status.nbytes)
-        if not self.use_graph:
+        if os.environ.get(GRAPHS_ENVIRONMENT) == "0":
             self._launch_steps()
         elif self.graph is None:
             self.graph = gpu.graph(self._launch_steps)
