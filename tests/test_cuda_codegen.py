@@ -407,11 +407,12 @@ def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
         _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), integers)
 
 
-ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's
+ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's (a block of 32, 128 or 256 threads)
     ("Softmax", {"axis": -1}, "float32", 7), ("LogSoftmax", {"axis": -1}, "float64", 40), ("Softmax", {"axis": -1}, "float16", 33),
     ("LayerNorm", {"eps": 1e-5}, "float32", 48), ("RMSNorm", {"eps": 1e-6}, "float32", 64),
     ("SoftmaxCrossEntropy", {}, "float32", 50), ("SoftmaxCrossEntropyGrad", {"with_loss": True}, "float32", 1000),
-    ("SoftmaxCrossEntropyGrad", {"label_smoothing": 0.1}, "float32", 30),
+    ("SoftmaxCrossEntropyGrad", {"label_smoothing": 0.1}, "float32", 30), ("LayerNorm", {"eps": 1e-5}, "float32", 3000),
+    ("SoftmaxCrossEntropyGrad", {"with_loss": True}, "float32", 9000),
 ]
 
 
@@ -439,7 +440,7 @@ def _row_op(name, attrs, dtype, n, labels=None):
 
 
 @pytest.mark.parametrize("name,attrs,dtype,n", ROW_CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in ROW_CASES])
-def test_a_row_op_runs_the_cpus_row_passes_one_row_per_thread(name, attrs, dtype, n):
+def test_a_row_op_runs_the_cpus_row_passes_split_over_a_block(name, attrs, dtype, n):
     flow, op, values = _row_op(name, attrs, dtype, n)
     got = _run_on_host(op, values)
     assert got["status"][0] == 0
@@ -452,7 +453,9 @@ def test_a_row_op_runs_the_cpus_row_passes_one_row_per_thread(name, attrs, dtype
         want = np.array(data[var.name]).astype(np.float64)
         error = np.abs(got[var.name].astype(np.float64) - want)
         assert np.all(error <= 8 * eps * (np.abs(want) + 1) + (n * eps if dtype != "float16" else 4 * eps)), (name, var.name, error.max())
-    assert _assembles(op) == 6
+    assert _assembles(op) == 6  # rows, one block each
+    (kernel,) = kernels.kernel_module(op)[1]
+    assert kernel.threads == (32 if n <= 1024 else 128 if n <= 8192 else 256)
 
 
 def _lookup(name, indices, oov=False):

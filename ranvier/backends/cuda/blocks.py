@@ -38,6 +38,25 @@ def special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value:
     return b.zext(b.call(function, []), I64)
 
 
+def shared_array(ctx: EmitContext, dtype: str, count: int) -> Array:
+    """`count` scalars in the block's shared memory (GPU code only)."""
+    module = ctx.module
+    memory = ir.GlobalVariable(module, ir.ArrayType(compute_type(dtype), count), module.get_unique_name("shared"),
+                               addrspace=SHARED)
+    memory.linkage, memory.align = "internal", 16
+    memory.initializer = ir.Constant(memory.value_type, ir.Undefined)
+    return Array(ctx.b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
+
+
+def barrier(ctx: EmitContext) -> None:
+    """Wait until every thread of the block is here (`bar.sync`). On the host, where the
+    block's threads run one after another, nothing: there the code is ordered already."""
+    if ctx.on_gpu:
+        function = ctx.module.globals.get("llvm.nvvm.barrier0") or ir.Function(ctx.module, ir.FunctionType(VOID, []),
+                                                                             name="llvm.nvvm.barrier0")
+        ctx.b.call(function, [])
+
+
 class PrivateArray:
     """`count` scalars of each thread, kept across phases: `.load(i)` and `.store(i, v)`
     reach the current phase's thread's own."""
@@ -70,15 +89,7 @@ class BlockProgram:
 
     def shared(self, dtype: str, count: int) -> Array:
         """`count` scalars the block's threads share."""
-        b, element = self.ctx.b, compute_type(dtype)
-        if not self.on_gpu:
-            with b.goto_entry_block():
-                return Array(b, b.alloca(element, size=i64(count)), dtype)
-        module = self.ctx.module
-        memory = ir.GlobalVariable(module, ir.ArrayType(element, count), module.get_unique_name("shared"), addrspace=SHARED)
-        memory.linkage, memory.align = "internal", 16
-        memory.initializer = ir.Constant(memory.value_type, ir.Undefined)
-        return Array(b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
+        return shared_array(self.ctx, dtype, count) if self.on_gpu else self.ctx.array(dtype, count)
 
     def private(self, dtype: str, count: int) -> PrivateArray:
         """`count` scalars of each thread, kept from one phase to the next."""
@@ -97,9 +108,7 @@ class BlockProgram:
         if self.on_gpu:
             self.thread = index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x"))
             yield self.thread
-            barrier = ctx.module.globals.get("llvm.nvvm.barrier0") or ir.Function(ctx.module, ir.FunctionType(VOID, []),
-                                                                                   name="llvm.nvvm.barrier0")
-            ctx.b.call(barrier, [])
+            barrier(ctx)
         else:
             with ctx.loop(0, self.threads, name="thread") as thread:
                 self.thread = thread

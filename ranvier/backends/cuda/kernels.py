@@ -6,7 +6,7 @@ any size; `launch.py` picks one). What one element is, is a generator's: `maps` 
 elementwise op, a fused Calculate program or a copy: an output element), `pads` (a Pad's
 output element), `reductions` (a
 reduction's output element: a loop down the reduced axis), `rows` (a row op's row: the
-CPU's row passes, one lane wide), `lookups` (one index of a Gather or OneHot),
+CPU's row passes, split over a block's threads), `lookups` (one index of a Gather or OneHot),
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
 `products` (a matrix product's output element), `assigns` (an element written in
@@ -85,6 +85,18 @@ class ThreadContext(EmitContext):
     def __init__(self, module: ir.Module, b: ir.IRBuilder, pointers: dict[int, ir.Value], status: ir.Value, on_gpu: bool):
         super().__init__(module, b)
         self.pointers, self.status, self.on_gpu = pointers, status, on_gpu
+        self.row_threads = 0  # a row kernel's threads splitting each row (`rows.py`); 0: one thread's row
+
+    def row_fold(self, start: Value, length: int, lanes: int, dtype: str, initial, combine, term) -> Value:
+        if not self.row_threads:
+            return super().row_fold(start, length, lanes, dtype, initial, combine, term)
+        return rows.fold_over_block(self, self.row_threads, start, length, dtype, initial, combine, term)
+
+    def row_each(self, start: Value, length: int, lanes: int, body) -> None:
+        if not self.row_threads:
+            super().row_each(start, length, lanes, body)
+        else:
+            rows.each_over_block(self, self.row_threads, start, length, body)
 
     def pointer(self, var: Variable) -> ir.Value:
         return self.pointers[id(var)]

@@ -2,9 +2,11 @@
 being generated, whose vocabulary is loads and stores of a variable's elements (converted
 to and from the type they compute in), constants, loops, local variables and conditions.
 A backend says where a variable's elements are (`pointer`), how wide its vectors are
-(`lanes_for`) and how a kernel reports bad data (`fail`): the CPU's step functions reach
-variables through the cell's pointer table, a GPU kernel through its parameters. Kernels
-written in this vocabulary alone (row kernels, reductions) serve both.
+(`lanes_for`), how a kernel reports bad data (`fail`) and how a row kernel's passes
+split a row (`row_fold`, `row_each`): the CPU's step functions reach variables through
+the cell's pointer table and pass over a row in vectors, a GPU kernel reaches them
+through its parameters and may split a row over a block's threads. Kernels written in
+this vocabulary alone (row kernels, reductions) serve both.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ... import dtypes
 from ...flow.graph import Variable
 from .convert import narrow, widen
 from .irutil import I64, compute_type, constant, for_range, i64, load, storage_type, store, vector_of
+from .loops import fold, for_vectors
 from .values import Value, index_value
 
 
@@ -39,6 +42,15 @@ class EmitContext:
     def fail(self, condition: Value | ir.Value) -> None:
         """Report bad data (an index out of range) when `condition` holds; the runtime raises."""
         raise NotImplementedError
+
+    def row_fold(self, start: Value, length: int, lanes: int, dtype: str, initial, combine, term) -> Value:
+        """`combine` over `term(index, width)` along a row of `length` from `start` (a row
+        kernel's pass, `rows.Row`): here in vectors of `lanes`, then the lanes folded."""
+        return fold(self, start, length, lanes, dtype, initial, combine, term)
+
+    def row_each(self, start: Value, length: int, lanes: int, body) -> None:
+        """`body(index, width)` over a row (a row kernel's last pass): here in vectors."""
+        for_vectors(self, start, length, lanes, body)
 
     def index(self, value: Value | ir.Value | int) -> Value:
         """An int64 Value: loop counters, offsets, sizes."""

@@ -12,8 +12,9 @@ the row as its math allows.
     softmax-top-k  the softmax's passes, then top-k of the probabilities
 
 Each `*_rows(op)` gives the body of one row, `body(ctx, r)`, over an `EmitContext`: the CPU
-backend shares rows out over its cores and runs the passes in vectors; a GPU thread runs a
-row's passes one element at a time (its context's vectors are one lane wide).
+backend shares rows out over its cores and runs the passes in vectors; on a GPU a block's
+threads split each pass of a row (`EmitContext.row_fold`, `row_each`), or for top-k one
+thread runs a row's passes one element at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Callable
 from ... import dtypes
 from ...ops import attrs_of
 from .context import EmitContext, check_range, load_index
-from .loops import fold, for_vectors
 from .values import Value
 
 RowBody = Callable[[EmitContext, Value], None]
@@ -40,8 +40,9 @@ class Row:
             self.lanes //= 2
 
     def fold(self, initial: float, combine, term: Callable[[Value, int], Value]) -> Value:
-        """`combine` over `term(index, width)` along the row, vector lanes first."""
-        return fold(self.ctx, self.start, self.length, self.lanes, self.dtype, initial, combine, term)
+        """`combine` over `term(index, width)` along the row, as the context splits it
+        (vector lanes first on the CPU)."""
+        return self.ctx.row_fold(self.start, self.length, self.lanes, self.dtype, initial, combine, term)
 
     def sum(self, term: Callable[[Value, int], Value]) -> Value:
         return self.fold(0.0, _add, term)
@@ -50,7 +51,7 @@ class Row:
         return self.fold(-math.inf, _max, lambda i, w: self.ctx.load(var, i, w))
 
     def each(self, body: Callable[[Value, int], None]) -> None:
-        for_vectors(self.ctx, self.start, self.length, self.lanes, body)
+        self.ctx.row_each(self.start, self.length, self.lanes, body)
 
 
 def _max(acc: Value, x: Value) -> Value:
