@@ -173,11 +173,14 @@ REDUCTION_CASES = [  # op, dtype, input shape, axes (None: all)
     ("Sum", "int32", [5, 11], [1]), ("Max", "int8", [4, 6, 5], [2]), ("All", "bool", [6, 7], [1]),
     ("Any", "bool", [6, 7], [0]), ("Mean", "float16", [8, 30], [1]), ("Sum", "bfloat16", [3, 16, 4], [1]),
     ("ArgMax", "float32", [5, 9, 4], 1), ("ArgMin", "int32", [7, 6], -1),
+    # long axes, few outputs: a block per output element (32, 128 and 256 threads)
+    ("Sum", "float32", [3, 5000], [1]), ("Max", "float64", [300, 4], [0]), ("Mean", "float32", [70000], None),
+    ("Sum", "int32", [2, 100, 3], [1]),
 ]
 
 
 @pytest.mark.parametrize("name,dtype,shape,axes", REDUCTION_CASES, ids=[f"{c[0]}-{c[1]}-{len(c[2])}d" for c in REDUCTION_CASES])
-def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dtype, shape, axes):
+def test_a_reduction_matches_the_reference_a_thread_or_a_block_per_output(name, dtype, shape, axes):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", dtype, shape)
@@ -206,6 +209,10 @@ def test_a_reduction_is_one_thread_per_output_and_matches_the_reference(name, dt
     else:
         np.testing.assert_array_equal(got, want)
     assert _assembles(op) == want.size
+    (kernel,) = kernels.kernel_module(op)[1]
+    reduced = int(np.prod(shape)) // max(1, want.size)
+    assert kernel.threads == (0 if reduced < 64 or name.startswith("Arg") or dtype == "bool" else
+                              32 if reduced <= 1024 else 128 if reduced <= 8192 else 256)
 
 
 def test_an_op_without_a_gpu_kernel_is_refused_by_name():

@@ -5,7 +5,7 @@ elements t, t + (threads in the grid), ... (a grid-stride loop, so any launch sh
 any size; `launch.py` picks one). What one element is, is a generator's: `maps` (an
 elementwise op, a fused Calculate program or a copy: an output element), `pads` (a Pad's
 output element), `reductions` (a
-reduction's output element: a loop down the reduced axis), `rows` (a row op's row: the
+reduction's output element: a loop down the reduced axis, by a thread or a block), `rows` (a row op's row: the
 CPU's row passes, split over a block's threads), `lookups` (one index of a Gather or OneHot),
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),

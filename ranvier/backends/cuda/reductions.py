@@ -1,20 +1,29 @@
-"""One output element of a reduction over contiguous axes (`kernels.py` runs one thread per
-element): the input seen as [outer, reduced, inner], element (o, i) combines x[o, r, i]
-down r — the CPU backend's own column reduction (`ranvier.backends.llvm.reductions`), one
-lane wide; ArgMax and ArgMin run the CPU's own scan. Each thread sums in order, so a long
-row is one thread's loop: correct everywhere, fast where outputs are many (a bias
-gradient's column sums); a row split over a block's threads is the GPU speed issue's."""
+"""Reductions over contiguous axes, the input seen as [outer, reduced, inner]: output
+element (o, i) combines x[o, r, i] down r, by the CPU backend's own combiners
+(`ranvier.backends.llvm.reductions`).
+
+Many outputs with a short reduced axis (a bias gradient's column sums over a few rows)
+get one thread per output element, summing in order (the CPU's column reduction, one lane
+wide). Few outputs with a long axis (a loss's mean, a gradient norm's sum of squares over
+millions of elements) get a block per output element instead, its threads splitting the
+axis as a row kernel's do (`rows.fold_over_block`). ArgMax and ArgMin run the CPU's own
+scan, one thread per output element.
+"""
 
 from __future__ import annotations
 
 from llvmlite import ir
 
+from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext
-from ..llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, column_reduction
+from ..llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, column_reduction, combiner, finished, identity
 from ..llvm.values import index_value
+from .rows import fold_over_block, threads_per_row
 
 ARG_REDUCTIONS = {"ArgMax", "ArgMin"}
+SPLIT_AXIS = 64  # reduced elements from which a block splits the axis…
+FEW_OUTPUTS = 1 << 16  # …where there are at most this many outputs (more fill the GPU a thread each)
 
 
 def supports(op: Operation) -> bool:
@@ -25,14 +34,30 @@ def operands(op: Operation) -> tuple[Variable, ...]:
     return op.inputs[0], op.outputs[0]
 
 
-def elements(op: Operation) -> int:
-    return op.outputs[0].size
+def launches(op: Operation) -> list[tuple]:
+    outer, reduced, inner = blocks(op)
+    outputs = outer * inner
+    if op.type in ARG_REDUCTIONS or op.inputs[0].dtype == dtypes.DT_BOOL or reduced < SPLIT_AXIS or outputs > FEW_OUTPUTS:
+        return [(outputs, lambda ctx, index: _thread_element(ctx, op, index))]
+    threads = threads_per_row(reduced)
+    return [(outputs, lambda ctx, index: _block_element(ctx, op, threads, index), threads)]
 
 
-def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def _thread_element(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
     inner = blocks(op)[2]
     at = index_value(ctx.b, index)
     if op.type in ARG_REDUCTIONS:
         arg_reduction_element(op)(ctx, at // inner, at % inner)
     else:
         column_reduction(op)(ctx, at // inner, at % inner, 1)
+
+
+def _block_element(ctx: EmitContext, op: Operation, threads: int, index: ir.Value) -> None:
+    """One output element, its reduced axis split over the block (every thread stores the total)."""
+    x, out = op.inputs[0], op.outputs[0]
+    _, reduced, inner = blocks(op)
+    at = index_value(ctx.b, index)
+    base = at // inner * (reduced * inner) + at % inner
+    total = fold_over_block(ctx, threads, ctx.index(0), reduced, x.dtype, identity(op.type, x.dtype), combiner(op.type),
+                            lambda r, width: ctx.load(x, base + r * inner))
+    ctx.store(out, at, finished(op, total))
