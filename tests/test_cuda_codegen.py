@@ -465,34 +465,37 @@ def test_a_row_op_runs_the_cpus_row_passes_split_over_a_block(name, attrs, dtype
     assert kernel.threads == (32 if n <= 1024 else 128 if n <= 8192 else 256)
 
 
-def _lookup(name, indices, oov=False):
+def _lookup(name, indices, oov=False, width=5):
+    """A lookup into 9 rows of 2 × `width` (Gather) or of `width` + 4 columns (OneHot)."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     index = f.var("i", "int32", [len(indices)])
     values = {"f/i": np.array(indices, np.int32)}
     if name == "Gather":
-        table = f.var("t", "float32", [9, 2, 5])
-        values["f/t"] = random_array([9, 2, 5], "float32", seed=7)
+        table = f.var("t", "float32", [9, 2, width])
+        values["f/t"] = random_array([9, 2, width], "float32", seed=7)
         inputs = [table, index]
         if oov:
-            inputs.append(f.var("oov", "float32", [2, 5]))
-            values["f/oov"] = random_array([2, 5], "float32", seed=8)
+            inputs.append(f.var("oov", "float32", [2, width]))
+            values["f/oov"] = random_array([2, width], "float32", seed=8)
         out = f.op("Gather", inputs, None, {})
     else:
-        out = f.op("OneHot", [index], None, {"depth": 9})
+        out = f.op("OneHot", [index], None, {"depth": width + 4})
     out.var.out = True
     return flow, out.var.producer, values
 
 
+@pytest.mark.parametrize("width", [5, 300])  # rows of 10 and 9 elements (a thread each), of 600 and 304 (a block)
 @pytest.mark.parametrize("name,indices,oov", [("Gather", [3, 0, 8, 3], False), ("Gather", [3, -1, 12, 0], True),
                                              ("OneHot", [3, 0, 8, 3, -2, 9], False)])
-def test_a_lookup_runs_one_index_per_thread_with_the_cpus_results(name, indices, oov):
-    flow, op, values = _lookup(name, indices, oov)
+def test_a_lookup_runs_a_thread_or_a_block_per_index_with_the_cpus_results(name, indices, oov, width):
+    flow, op, values = _lookup(name, indices, oov, width)
     got = _run_on_host(op, values)
     assert got["status"][0] == 0
     (want,) = _cpu_outputs(flow, op, values)
     assert got[op.outputs[0].name].tobytes() == want.tobytes()
     assert _assembles(op) == len(indices)
+    assert kernels.kernel_module(op)[1][0].threads == (0 if width == 5 else 32)
 
 
 @pytest.mark.parametrize("before,after,value", [([0, 1, 2, 2], [0, 1, 2, 2], 0.0), ([1, 0, 0, 3], [0, 2, 1, 0], -1.5)])

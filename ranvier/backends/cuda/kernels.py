@@ -6,7 +6,7 @@ any size; `launch.py` picks one). What one element is, is a generator's: `maps` 
 elementwise op, a fused Calculate program or a copy: an output element), `pads` (a Pad's
 output element), `reductions` (a
 reduction's output element: a loop down the reduced axis, by a thread or a block), `rows` (a row op's row: the
-CPU's row passes, split over a block's threads), `lookups` (one index of a Gather or OneHot),
+CPU's row passes, split over a block's threads), `lookups` (one index of a Gather or OneHot, its row split over a block),
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
 `products` (a matrix product's output element), `assigns` (an element written in

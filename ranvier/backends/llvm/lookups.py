@@ -1,6 +1,7 @@
 """Table lookups by index, one index at a time, for every LLVM backend: Gather's row and
-OneHot's row as `body(ctx, n)` for index n. The CPU loops over the indices and copies a row
-in vectors; a GPU thread takes one index (its context's vectors are one lane wide)."""
+OneHot's row as `body(ctx, n)` for index n, each row written as a row kernel's last pass
+(`EmitContext.row_each`). The CPU loops over the indices and writes a row in vectors; on
+a GPU a block takes an index and its threads split the row."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 from collections.abc import Callable
 
 from .context import EmitContext, check_range, load_index
-from .loops import for_vectors
 from .values import Value
 
 IndexBody = Callable[[EmitContext, Value], None]
@@ -28,25 +28,29 @@ def gather_row(op) -> IndexBody:
         inside = (row >= 0) & (row < params.shape[0]) if oov else check_range(ctx, row, params.shape[0])
         with ctx.when(inside):
             source = row * width
-            for_vectors(ctx, 0, width, lanes, lambda i, w: ctx.copy(params, source + i, out, target + i, w))
+            ctx.row_each(target, width, lanes, lambda i, w: ctx.copy(params, source + i - target, out, i, w))
         if oov:
             with ctx.when(~inside):
-                for_vectors(ctx, 0, width, lanes, lambda i, w: ctx.copy(oov[0], i, out, target + i, w))
+                ctx.row_each(target, width, lanes, lambda i, w: ctx.copy(oov[0], i - target, out, i, w))
 
     return body
 
 
 def one_hot_row(op) -> IndexBody:
-    """Output row n: zeros with a one at `indices[n]`; an index out of range leaves it zero."""
+    """Output row n: zeros with a one at `indices[n]`; an index out of range leaves it zero.
+    One pass writes each element once (a GPU block's threads split the row)."""
     out = op.outputs[0]
     depth = out.shape[-1]
 
     def body(ctx: EmitContext, n: Value) -> None:
         lanes = ctx.lanes_for([out.dtype])
-        for_vectors(ctx, n * depth, depth, lanes, lambda i, w: ctx.store(out, i, ctx.constant(out.dtype, 0, w)))
-        hot = load_index(ctx, op.inputs[0], n)
-        with ctx.when((hot >= 0) & (hot < depth)):
-            ctx.store(out, n * depth + hot, 1)
+        start, hot = n * depth, load_index(ctx, op.inputs[0], n)
+
+        def element(i, w):
+            hit = ((i - start).splat(w) + ctx.lane_numbers(w)).equal(hot.splat(w))
+            ctx.store(out, i, hit.where(ctx.constant(out.dtype, 1, w), ctx.constant(out.dtype, 0, w)))
+
+        ctx.row_each(start, depth, lanes, element)
 
     return body
 
