@@ -19,7 +19,7 @@ from helpers import np_dtype, random_array
 import ranvier as rv
 from ranvier.backends.cpu import jit
 from ranvier.backends.cpu.target import host_target
-from ranvier.backends.cuda import attention, backend, driver, kernels, launch, ptx
+from ranvier.backends.cuda import attention, backend, device, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
 from ranvier.errors import RanvierError
 from ranvier.ops import all_ops
@@ -375,6 +375,38 @@ def test_without_a_gpu_a_cell_compiles_for_hopper_and_its_instance_names_what_is
         cell.asm()
 
 
+def _two_layers(f):
+    x = f.var("x", "float32", [8, 16])
+    for layer in range(2):
+        w, b = f.var(f"w{layer}", "float32", [16, 16]), f.var(f"b{layer}", "float32", [16])
+        x = f.gelu(x @ w + b)
+    x.var.out = True
+
+
+def test_steps_of_one_signature_share_their_kernels(monkeypatch):
+    """A model's layers: the second layer's bias-and-GELU runs the first one's kernel on
+    its own variables, so the module holds one (and compiles in a fraction of the time)."""
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    cell = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), _two_layers)
+    maps = [index for index, step in enumerate(cell.steps) if step.kernel == "Map"]
+    assert len(maps) == 2 and cell.native["owners"] == maps[:1]
+    (first,), (second,) = (cell.native["kernels"][index] for index in maps)
+    assert first.name == second.name and first.operands != second.operands
+    assert cell.backend.code(cell, "ptx").count(".visible .entry") == 1
+    values = {f"f/{name}": random_array(shape, "float32", seed=i) * 0.5
+              for i, (name, shape) in enumerate([("x", [8, 16]), ("w0", [16, 16]), ("b0", [16]), ("w1", [16, 16]), ("b1", [16])])}
+    flow = rv.Flow()
+    _two_layers(rv.Builder(flow, "f"))
+    (out,) = [v.name for v in flow.vars.values() if v.out]
+    results = []
+    for data in (cell.instance(), rv.Compiler("cpu").compile(flow).cell("f").instance()):
+        for name, value in values.items():
+            data[name] = value
+        data.compute()
+        results.append(np.array(data[out]))
+    np.testing.assert_allclose(*results, rtol=1e-5, atol=1e-6)
+
+
 def test_a_cells_ptx_and_launch_shapes_are_kept_in_the_compile_cache(monkeypatch, tmp_path):
     from collections import OrderedDict
 
@@ -387,6 +419,8 @@ def test_a_cells_ptx_and_launch_shapes_are_kept_in_the_compile_cache(monkeypatch
     assert [c.native["origin"] for c in (first, again, from_disk)] == ["compiled", "memory", "disk"]
     assert first.backend.code(first, "ptx") == from_disk.backend.code(from_disk, "ptx")
     assert str(first) == str(from_disk)  # the same launch shapes, from the kept ptxas report
+    assert first.native["cubin"] == from_disk.native["cubin"]  # the driver loads it without compiling the PTX
+    assert first.native["cubin"][:4] == (b"\x7fELF" if ptx.ptxas_path() else b"")
     other = _compile_for_gpu(monkeypatch, lambda: driver.Device("NVIDIA A100", (8, 0), 108))
     assert other.native["origin"] == "compiled" and ".target sm_80" in other.backend.code(other, "ptx")
 

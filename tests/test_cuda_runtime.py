@@ -185,6 +185,7 @@ class _MemoryDriver(_FakeDriver):
             elif call in ("cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2"):
                 ctypes.memmove(args[0].value, args[1].value, args[2].value)
             elif call == "cuModuleLoadDataEx":
+                self.loaded = args[1].value
                 ctypes.memmove(args[4][0], b"ptxas fatal: unknown target sm_99\0", 34)
                 return 218  # CUDA_ERROR_INVALID_PTX
             elif call == "cuGetErrorName" and args[0] == 218:
@@ -242,9 +243,14 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     assert len(fake.launches) == 1  # captured once; the graph runs it
     assert fake.graph_calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
                                 "cuGraphLaunch", "cuGraphLaunch"]
-    cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99"}})()
+    cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99", "cubin": b""}})()
     with pytest.raises(RanvierError, match="load cell f's PTX: CUDA_ERROR_INVALID_PTX\nptxas fatal: unknown target sm_99"):
         gpu.load(cell)
+    assert fake.loaded == b".target sm_99"
+    cell.native["cubin"] = b"\x7fELF machine code from ptxas"  # made at compile time: loaded instead of the PTX
+    with pytest.raises(RanvierError, match="load cell f's machine code"):
+        gpu.load(cell)
+    assert fake.loaded == cell.native["cubin"]
 
 
 @pytest.mark.parametrize("graphs", ["1", "0"])

@@ -19,6 +19,7 @@ driver, a GPU); nothing runs on the CPU in a GPU's place unasked.
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -45,16 +46,9 @@ MAX_REGISTERS = 255  # per thread, on every architecture since Kepler
 
 
 def _describe(cell: Cell) -> str:
-    """What a cell's kernels depend on: each step's op, attributes and variables (small
-    constants by value: a concatenation's axis)."""
-    lines = []
-    for step in cell.steps:
-        op = step.op
-        lines.append(f"{step.kernel} {op.type} {op.name} {sorted(op.attrs.items())}")
-        for v in (*op.inputs, *op.outputs):
-            value = np.ascontiguousarray(v.data).tobytes().hex() if v.data is not None and v.size <= 16 else ""
-            lines.append(f"  {v.name} {v.dtype}{list(v.shape)} {value}")
-    return "\n".join(lines)
+    """What a cell's kernels depend on: each step's kind, op name (its kernels' names) and
+    signature (`kernels.signature`)."""
+    return "\n".join(f"{step.kernel} {step.op.name} {kernels.signature(step.op)}" for step in cell.steps)
 
 
 class CUDABackend:
@@ -105,17 +99,30 @@ class CUDABackend:
 
     def finish(self, cell: Cell) -> None:
         """The cell's kernels as one PTX module, and each one's launch shape (from its
-        registers, where ptxas reports them); PTX and report kept in the compile cache
-        (`ranvier cache`), keyed by the cell, the architecture, and the code generator's and
-        LLVM's versions."""
+        registers, where ptxas reports them); PTX, and where ptxas ran its report and the
+        machine code it made (which the driver then loads instead of compiling the PTX
+        again), kept in the compile cache (`ranvier cache`), keyed by the cell, the
+        architecture, and the code generator's and LLVM's versions."""
         module = ptx.gpu_module(cell.name, self.architecture)
-        generated = {index: [blas.plan_product(step.op)] if step.kernel == blas.KIND else kernels.add_kernels(module, step.op)
-                     for index, step in enumerate(cell.steps)}
+        generated: dict[int, list] = {}
+        made: dict[str, list[kernels.GPUKernel]] = {}  # by signature: a model's layers share their kernels
+        owners = []  # the steps whose kernels are in the module
+        for index, step in enumerate(cell.steps):
+            if step.kernel == blas.KIND:
+                generated[index] = [blas.plan_product(step.op)]
+                continue
+            signature = kernels.signature(step.op)
+            if signature in made:
+                generated[index] = kernels.shared_kernels(made[signature], step.op)
+            else:
+                generated[index] = made[signature] = kernels.add_kernels(module, step.op)
+                owners.append(index)
 
         def generate() -> bytes:
             text = ptx.emit_ptx(module, self.architecture)
-            report = ptx.assemble(text, self.architecture).report if module.functions and ptx.ptxas_path() else ""
-            return json.dumps({"ptx": text, "ptxas": report}).encode()
+            assembled = ptx.assemble(text, self.architecture) if module.functions and ptx.ptxas_path() else None
+            return json.dumps({"ptx": text, "ptxas": assembled.report if assembled else "",
+                               "cubin": base64.b64encode(assembled.cubin).decode() if assembled else ""}).encode()
 
         sources = jit.source_digest("backends/cuda", "backends/llvm", "ops")
         key = hashlib.sha256(f"{sources}\n{self.architecture}\n{llvm.llvm_version_info}\n{_describe(cell)}".encode())
@@ -130,8 +137,8 @@ class CUDABackend:
             shapes[index] = [self._launch_shape(k, report) for k in launches]
             if report:
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes[index]))}"
-        cell.native = {"module": module, "ptx": built["ptx"], "kernels": generated, "shapes": shapes, "origin": origin,
-                       "key": key.hexdigest()}
+        cell.native = {"module": module, "ptx": built["ptx"], "cubin": base64.b64decode(built["cubin"]), "kernels": generated,
+                       "owners": owners, "shapes": shapes, "origin": origin, "key": key.hexdigest()}
 
     def _launch_shape(self, kernel: kernels.GPUKernel, report: ptx.Assembled | None) -> LaunchShape:
         # without ptxas's count, as many registers as a thread may have: a shape that always fits

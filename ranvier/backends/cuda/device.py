@@ -135,13 +135,12 @@ class HostEmulator:
             module = ir.Module(f"{cell.name} on the host")
             module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
             use_features(module, target.feature_set)
-            for step in cell.steps:
-                if step.kernel != blas.KIND:
-                    kernels.add_host_kernels(module, step.op)
+            for index in cell.native["owners"]:  # each kernel once, however many steps run it
+                kernels.add_host_kernels(module, cell.steps[index].op)
             return jit.compile_object(module, target)
 
-        launches = [kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels
-                    if isinstance(kernel, GPUKernel)]
+        launches = list({kernel.name: kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels
+                         if isinstance(kernel, GPUKernel)}.values())
         if not launches:  # a cell of no steps (its outputs are its inputs' views)
             return {}
         key = jit.cache_key(f"cuda emulator\n{cell.native['key']}", target)

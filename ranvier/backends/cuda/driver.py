@@ -128,16 +128,17 @@ class DriverGPU:
                     "zero device memory")
 
     def load(self, cell) -> dict[str, object]:
-        """The cell's PTX compiled by the driver for this device (a failure quotes the
-        driver's compile log), and its products prepared by cuBLASLt."""
+        """The cell's kernels: the machine code ptxas made for this device's architecture
+        at compile time, or else its PTX compiled by the driver (a failure quotes the
+        driver's compile log); and its products prepared by cuBLASLt."""
         module = ctypes.c_void_p()
         log = ctypes.create_string_buffer(_LOG_BYTES)
         options = (ctypes.c_int * 2)(_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
         values = (ctypes.c_void_p * 2)(ctypes.cast(log, ctypes.c_void_p), ctypes.c_void_p(_LOG_BYTES))
-        code = self._library.cuModuleLoadDataEx(ctypes.byref(module), ctypes.c_char_p(cell.native["ptx"].encode()), 2, options,
-                                                values)
+        image, what = (cell.native["cubin"], "machine code") if cell.native["cubin"] else (cell.native["ptx"].encode(), "PTX")
+        code = self._library.cuModuleLoadDataEx(ctypes.byref(module), ctypes.c_char_p(image), 2, options, values)
         if code != 0:
-            raise RanvierError(f"the CUDA driver failed to load cell {cell.name}'s PTX: {_error_name(self._library, code)}"
+            raise RanvierError(f"the CUDA driver failed to load cell {cell.name}'s {what}: {_error_name(self._library, code)}"
                                + (f"\n{log.value.decode(errors='replace')}" if log.value else ""))
         functions: dict[str, object] = {}
         for launches in cell.native["kernels"].values():
@@ -146,6 +147,8 @@ class DriverGPU:
                     if self._blas is None:
                         self._blas = CublasLt(self._stream, self.allocate, self._load)
                     functions[kernel.name] = self._blas.prepare(kernel.plan)
+                    continue
+                if kernel.name in functions:  # shared by steps of the same signature
                     continue
                 function = ctypes.c_void_p()
                 self._check(self._library.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()),

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from llvmlite import ir
 
 from ...errors import RanvierError
@@ -116,6 +117,26 @@ def _generator(op: Operation):
     raise RanvierError(f"{op.name} ({op.type}): no GPU kernel computes it yet")
 
 
+def signature(op: Operation) -> str:
+    """Everything an op's kernels are made from: its type and attributes, and each input's
+    and output's dtype, shape, which earlier operand it is the same variable as, and a small
+    constant's value (a concatenation's axis). Ops of equal signatures — a model's layers —
+    have the same kernels, the variables they run on being their parameters."""
+    first: dict[int, int] = {}
+    lines = [f"{op.type} {sorted(op.attrs.items())}"]
+    for v in (*op.inputs, *op.outputs):
+        value = np.ascontiguousarray(v.data).tobytes().hex() if v.data is not None and v.size <= 16 else ""
+        lines.append(f"  {first.setdefault(id(v), len(first))} {v.dtype}{list(v.shape)} {value}")
+    return "\n".join(lines)
+
+
+def shared_kernels(made: list[GPUKernel], op: Operation) -> list[GPUKernel]:
+    """`made` (the kernels of an op of the same signature) as `op`'s: the same code, run on
+    `op`'s variables."""
+    operands = _operands(_generator(op), op)
+    return [GPUKernel(kernel.name, operands, kernel.elements, kernel.threads) for kernel in made]
+
+
 def kernel_name(op: Operation) -> str:
     """A PTX identifier for the op's kernel: its name's letters and digits."""
     return "k_" + "".join(c if c.isalnum() else "_" for c in op.name)
@@ -133,9 +154,11 @@ def _launches(generator, op: Operation) -> list[tuple[int, Emit, int]]:
     return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index), 0)]
 
 
-def _every_operand(op: Operation) -> tuple[Variable, ...]:
-    """The op's inputs and outputs, each once: what a generator's kernels read and write
-    unless it says otherwise."""
+def _operands(generator, op: Operation) -> tuple[Variable, ...]:
+    """The variables the op's kernels take, in order: the generator's choice, or the op's
+    inputs and outputs, each once."""
+    if hasattr(generator, "operands"):
+        return generator.operands(op)
     return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
 
 
@@ -143,7 +166,7 @@ def _element_functions(module: ir.Module, op: Operation, on_gpu: bool) -> list[t
     """`element(index, operands..., status)` for each of the op's launches, with its kernel,
     for the GPU or for the host emulator (`on_gpu`; they differ in block kernels alone)."""
     generator = _generator(op)
-    operands = generator.operands(op) if hasattr(generator, "operands") else _every_operand(op)
+    operands = _operands(generator, op)
     pointers = [storage_type(v.dtype).as_pointer() for v in operands]
     made = []
     for number, (elements, emit, threads) in enumerate(_launches(generator, op)):

@@ -103,6 +103,13 @@ class Assembled:
         return int(match.group(1))
 
 
+@functools.cache
+def _splits(ptxas: str) -> bool:
+    """Whether this ptxas can spread its work over threads (-split-compile, CUDA 12.4 on)."""
+    done = subprocess.run([ptxas, "--help"], check=False, capture_output=True, text=True)
+    return "split-compile" in done.stdout
+
+
 def assemble(ptx: str, architecture: str = ARCHITECTURE) -> Assembled:
     """Assemble PTX for `architecture` with ptxas; a kernel it rejects raises, with its message."""
     ptxas = ptxas_path()
@@ -111,7 +118,8 @@ def assemble(ptx: str, architecture: str = ARCHITECTURE) -> Assembled:
     with tempfile.TemporaryDirectory(prefix="ranvier-ptx-") as folder:
         source, cubin = Path(folder) / "kernels.ptx", Path(folder) / "kernels.cubin"
         source.write_text(ptx)
-        done = subprocess.run([ptxas, f"-arch={architecture}", "-v", str(source), "-o", str(cubin)],
+        threads = ["-split-compile", "0"] if _splits(ptxas) else []  # optimize on every core
+        done = subprocess.run([ptxas, f"-arch={architecture}", "-v", *threads, str(source), "-o", str(cubin)],
                               check=False, capture_output=True, text=True)
         if done.returncode != 0:
             raise RanvierError(f"ptxas rejected the generated PTX for {architecture}:\n{done.stderr.strip()}")
