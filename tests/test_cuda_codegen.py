@@ -10,6 +10,7 @@ on its host emulation)."""
 from __future__ import annotations
 
 import ctypes
+import re
 
 import ml_dtypes
 import numpy as np
@@ -545,33 +546,41 @@ def test_a_pad_is_one_thread_per_output_element_with_the_cpus_result(before, aft
     assert got.tobytes() == want.tobytes()
 
 
-def _scatter(name):
+def _scatter(name, dtype="float32"):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     if name == "ScatterAdd":
-        indices, updates = f.var("i", "int32", [6]), f.var("u", "float32", [6, 5])
+        indices, updates = f.var("i", "int32", [6]), f.var("u", dtype, [6, 5])
         out = f.op("ScatterAdd", [indices, updates], None, {"rows": 4})
-        values = {"f/i": np.array([1, 3, 1, 0, 3, 3], np.int32), "f/u": random_array([6, 5], "float32", seed=10)}
+        values = {"f/i": np.array([1, 3, 1, 0, 3, 3], np.int32), "f/u": random_array([6, 5], dtype, seed=10)}
     else:  # the windows of a 3 × 3, stride 2 view of a 7 × 9 image: overlapping windows add up
-        d = f.var("d", "float32", [3, 4, 3, 3])
+        d = f.var("d", dtype, [3, 4, 3, 3])
         out = f.op("StridedScatterAdd", [d], None, {"offset": 0, "shape": [3, 4, 3, 3], "strides": [18, 2, 9, 1],
                                                    "target_shape": [7, 9]})
-        values = {"f/d": random_array([3, 4, 3, 3], "float32", seed=11)}
+        values = {"f/d": random_array([3, 4, 3, 3], dtype, seed=11)}
     out.var.out = True
     return flow, out.var.producer, values
 
 
+@pytest.mark.parametrize("dtype,atomic", [  # the hardware's atomic add, or a compare-and-swap loop on the word
+    ("float32", "add.f32"), ("float64", "add.f64"), ("int32", "add.u32"), ("int64", "add.u64"), ("float16", "cas.b32"),
+    ("bfloat16", "cas.b32"), ("int8", "cas.b32"), ("uint16", "cas.b32"),
+])
 @pytest.mark.parametrize("name", ["ScatterAdd", "StridedScatterAdd"])
-def test_a_scatter_zeroes_then_adds_with_atomics_and_equals_the_cpu_in_index_order(name):
-    flow, op, values = _scatter(name)
+def test_a_scatter_zeroes_then_adds_with_atomics_and_equals_the_cpu_in_index_order(name, dtype, atomic):
+    flow, op, values = _scatter(name, dtype)
     got = _run_on_host(op, values)
     assert got["status"][0] == 0
     (want,) = _cpu_outputs(flow, op, values)
-    assert got[op.outputs[0].name].tobytes() == want.tobytes()
+    if dtype in ("float16", "bfloat16"):  # rounded after each add here; the CPU's reference rounds the sum once
+        eps = float(ml_dtypes.finfo(np_dtype(dtype)).eps)
+        np.testing.assert_allclose(got[op.outputs[0].name].astype(np.float64), want.astype(np.float64), rtol=4 * eps, atol=4 * eps)
+    else:
+        assert got[op.outputs[0].name].tobytes() == want.tobytes()
     module, launches = kernels.kernel_module(op)
     assert [k.elements for k in launches] == [op.outputs[0].size, op.inputs[-1].size]
     text = ptx.emit_ptx(module)
-    assert "atom.global.add.f32" in text or "red.global.add.f32" in text
+    assert re.search(rf"\b(atom|red)\.[a-z.]*{re.escape(atomic)}\b", text), atomic
     if ptx.ptxas_path() is not None:
         assembled = ptx.assemble(text)
         assert all(assembled.registers(k.name) > 0 for k in launches)

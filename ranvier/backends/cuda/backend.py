@@ -114,11 +114,11 @@ class CUDABackend:
                 generated[index] = [blas.plan_product(step.op)]
                 continue
             signature = kernels.signature(step.op)
-            if signature in made:
-                generated[index] = kernels.shared_kernels(made[signature], step.op)
-            else:
-                generated[index] = made[signature] = kernels.add_kernels(module, step.op)
+            if signature not in made:
+                made[signature] = kernels.add_kernels(module, step.op)
                 owners.append(index)
+            # a launch over no elements (a zero-size tensor's) is left out
+            generated[index] = [k for k in kernels.shared_kernels(made[signature], step.op) if k.elements]
 
         def generate() -> bytes:
             text = ptx.emit_ptx(module, self.architecture)

@@ -117,7 +117,7 @@ def plan_product(op: Operation) -> Gemm | None:
     *batch, rows, cols = out.shape
     inner = x.shape[-2] if tx else x.shape[-1]
     x_step, y_step = _batch_step(x, batch), _batch_step(y, batch)
-    if x_step is None or y_step is None:
+    if x_step is None or y_step is None or 0 in (rows, cols, inner):
         return None
     count = math.prod(batch)
     if count > 1 and y_step == 0 and x_step and not tx:

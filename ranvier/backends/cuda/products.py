@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import EmitContext
@@ -19,7 +18,7 @@ from ..llvm.values import index_value
 
 
 def supports(op: Operation) -> bool:
-    return op.type == "MatMul" and dtypes.is_float(op.outputs[0].dtype)
+    return op.type == "MatMul"
 
 
 def elements(op: Operation) -> int:
@@ -50,7 +49,7 @@ def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
         a_start, b_start = a_start + coordinate * a_stride, b_start + coordinate * b_stride
     a_row, a_step = (a_start + i, m) if ta else (a_start + i * k, 1)
     b_column, b_step = (b_start + j * k, 1) if tb else (b_start + j, n)
-    total = ctx.local(out.dtype, initial=0.0)
+    total = ctx.local(out.dtype, initial=0)
     with ctx.loop(0, k, name="p") as p:
         total.set(total.value + ctx.load(a, a_row + p * a_step) * ctx.load(b, b_column + p * b_step))
     ctx.store(out, element, total.value)

@@ -2,7 +2,9 @@
 embedding's gradient) and StridedScatterAdd (d added through a strided view: a
 convolution's or a pooling's input gradient). Two launches each: the output zeroed, one
 thread per element; then one thread per update element adds it where it lands, with an
-atomic add, since several land on one element (a repeated token, overlapping windows).
+atomic add, since several land on one element (a repeated token, overlapping windows):
+the hardware's for 32- and 64-bit elements; for 8- and 16-bit ones (half precision,
+small integers) a compare-and-swap loop on the aligned 32-bit word that holds the element.
 The order of those adds is the threads' and may vary in the last bits from run to run;
 the host check, adding in index order, matches the CPU. An index outside the table sets
 the status word."""
@@ -11,16 +13,19 @@ from __future__ import annotations
 
 import math
 
+from llvmlite import ir
+
+from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import EmitContext, check_range, load_index
+from ..llvm.convert import narrow, widen
+from ..llvm.irutil import I32, I64, i64, storage_type
 from ..llvm.values import Value, index_value
-
-ATOMIC_DTYPES = ("float32", "float64")  # what the GPU's atomic add takes for floats
 
 
 def supports(op: Operation) -> bool:
-    return op.type in ("ScatterAdd", "StridedScatterAdd") and op.outputs[0].dtype in ATOMIC_DTYPES
+    return op.type in ("ScatterAdd", "StridedScatterAdd") and op.outputs[0].dtype != dtypes.DT_BOOL
 
 
 def _added(op: Operation) -> Variable:
@@ -34,8 +39,41 @@ def launches(op: Operation) -> list:
 
 
 def _atomic_add(ctx: EmitContext, var: Variable, at: Value, value: Value) -> None:
-    """var[at] += value, as one atomic add (float32 and float64 compute as they are stored)."""
-    ctx.b.atomic_rmw("fadd", ctx.element_pointer(var, at), value.ir, "monotonic")
+    """var[at] += value, atomically (module docstring)."""
+    stored = storage_type(var.dtype)
+    if isinstance(stored, (ir.FloatType, ir.DoubleType)):
+        ctx.b.atomic_rmw("fadd", ctx.element_pointer(var, at), value.ir, "monotonic")
+    elif isinstance(stored, ir.IntType) and stored.width >= 32:
+        ctx.b.atomic_rmw("add", ctx.element_pointer(var, at), value.ir, "monotonic")
+    else:
+        _add_by_compare_and_swap(ctx, var, at, value)
+
+
+def _add_by_compare_and_swap(ctx: EmitContext, var: Variable, at: Value, value: Value) -> None:
+    """var[at] += value for an 8- or 16-bit element: read the aligned 32-bit word holding
+    it, write the word back with the element's sum in place only if no other thread
+    changed it meanwhile (cmpxchg), else try again with what that thread left."""
+    b = ctx.b
+    stored = storage_type(var.dtype)
+    element = ir.IntType(stored.width if isinstance(stored, ir.IntType) else 16)
+    address = b.ptrtoint(ctx.element_pointer(var, at), I64)
+    word = b.inttoptr(b.and_(address, i64(~3)), I32.as_pointer())
+    shift = b.trunc(b.shl(b.and_(address, i64(3)), i64(3)), I32)  # the element's bit offset (little-endian)
+    mask = b.shl(ir.Constant(I32, (1 << element.width) - 1), shift)
+    start = b.block
+    first = b.load(word)
+    retry, done = b.append_basic_block("cas.retry"), b.append_basic_block("cas.done")
+    b.branch(retry)
+    b.position_at_end(retry)
+    old = b.phi(I32)
+    old.add_incoming(first, start)
+    current = widen(b, b.bitcast(b.trunc(b.lshr(old, shift), element), stored), var.dtype, 1)
+    total = narrow(b, (Value(b, current, var.dtype) + value).ir, var.dtype, 1)
+    new = b.or_(b.and_(old, b.not_(mask)), b.shl(b.zext(b.bitcast(total, element), I32), shift))
+    exchanged = b.cmpxchg(word, old, new, "monotonic", "monotonic")
+    old.add_incoming(b.extract_value(exchanged, 0), b.block)
+    b.cbranch(b.extract_value(exchanged, 1), done, retry)
+    b.position_at_end(done)
 
 
 def _add(ctx: EmitContext, op: Operation, index: Value) -> None:

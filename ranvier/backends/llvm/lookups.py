@@ -1,13 +1,15 @@
 """Table lookups by index, one index at a time, for every LLVM backend: Gather's row and
 OneHot's row as `body(ctx, n)` for index n, each row written as a row kernel's last pass
 (`EmitContext.row_each`). The CPU loops over the indices and writes a row in vectors; on
-a GPU a block takes an index and its threads split the row."""
+a GPU a block takes an index and its threads split the row. And the rows a pooled lookup
+(GatherSum, GatherMax, GatherAvg) combines, as Myelin's kernel reads its indices."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
+from ... import dtypes
 from .context import EmitContext, check_range, load_index
 from .values import Value
 
@@ -53,6 +55,22 @@ def one_hot_row(op) -> IndexBody:
         ctx.row_each(start, depth, lanes, element)
 
     return body
+
+
+def pooled_rows(ctx: EmitContext, indices, visit) -> Value:
+    """Call `visit(row, first)` for each row a pooled lookup combines: negative indices are
+    padding, leading ones skipped and the next one after a row ending the list (Myelin's
+    kernel). Returns how many rows were visited (int64)."""
+    count = ctx.local(dtypes.DT_INT64, initial=0)
+    ended = ctx.local(dtypes.DT_INT64, initial=0)
+    with ctx.loop(0, indices.size, name="n") as n:
+        row = load_index(ctx, indices, n)
+        negative = row < 0
+        ended.set((negative & (count.value > 0)).where(1, ended.value))
+        with ctx.when(~negative & ended.value.equal(0)):
+            visit(row, count.value.equal(0))
+            count.set(count.value + 1)
+    return count.value
 
 
 # Each lookup op's body, one index at a time.

@@ -11,9 +11,8 @@ import math
 
 from .... import dtypes
 from ...llvm.context import check_range, load_index
-from ...llvm.lookups import gather_row, one_hot_row
+from ...llvm.lookups import gather_row, one_hot_row, pooled_rows
 from ...llvm.loops import fill, for_vectors
-from ...llvm.values import Value
 from .library import kernel
 
 
@@ -55,22 +54,6 @@ def one_hot(ctx, op) -> None:
         one_hot_row(op)(ctx, n)
 
 
-def _pooled_rows(ctx, indices, visit) -> Value:
-    """Call `visit(row, first)` for each row a pooled lookup combines: negative indices are
-    padding, leading ones skipped and the next one after a row ending the list (Myelin's
-    kernel). Returns how many rows were visited (int64)."""
-    count = ctx.local(dtypes.DT_INT64, initial=0)
-    ended = ctx.local(dtypes.DT_INT64, initial=0)
-    with ctx.loop(0, indices.size, name="n") as n:
-        row = load_index(ctx, indices, n)
-        negative = row < 0
-        ended.set((negative & (count.value > 0)).where(1, ended.value))
-        with ctx.when(~negative & ended.value.equal(0)):
-            visit(row, count.value.equal(0))
-            count.set(count.value + 1)
-    return count.value
-
-
 def _not_half(op) -> bool:
     """Rows are combined in the output's dtype: half precision goes to the accurate reference."""
     return op.outputs[0].dtype not in (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16)
@@ -97,7 +80,7 @@ def pooling_gather(ctx, op) -> None:
 
             for_vectors(ctx, 0, width, lanes, combine)
 
-    count = _pooled_rows(ctx, indices, visit)
+    count = pooled_rows(ctx, indices, visit)
     if op.type == "GatherAvg":
         with ctx.when(count > 0):
             divisor = count.cast(out.dtype)
