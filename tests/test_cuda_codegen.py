@@ -23,7 +23,7 @@ from ranvier.backends.cpu.target import host_target
 from ranvier.backends.cuda import attention, backend, device, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
 from ranvier.errors import RanvierError
-from ranvier.ops import all_ops
+from ranvier.ops import TensorType, all_ops, define, has_op
 
 FORMULA_OPS = sorted(name for name, d in all_ops().items() if d.family == "elementwise" and d.formula is not None and name != "Identity")
 LOGICAL = {"Not", "And", "Or", "Xor", "AndNot"}
@@ -216,11 +216,17 @@ def test_a_reduction_matches_the_reference_a_thread_or_a_block_per_output(name, 
                               32 if reduced <= 1024 else 128 if reduced <= 8192 else 256)
 
 
+if not has_op("GpuTestOpaque"):
+    # A user's op with a reference and nothing else: no kernel on any backend but the reference.
+    define("GpuTestOpaque", lambda ctx: [TensorType(ctx.inputs[0].dtype, ctx.inputs[0].shape)],
+           lambda attrs, args, outs: [np.asarray(args[0], np.float64) * 3.0], 1, "test")
+
+
 def test_an_op_without_a_gpu_kernel_is_refused_by_name():
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    y = f.matmul(f.var("a", "int32", [2, 3]), f.var("b", "int32", [3, 4]))
-    with pytest.raises(RanvierError, match=r"MatMul\).*no GPU kernel computes it yet"):
+    y = f.op("GpuTestOpaque", [f.var("a", "float32", [2, 3])])
+    with pytest.raises(RanvierError, match=r"GpuTestOpaque\).*no GPU kernel computes it yet"):
         kernels.kernel_module(y.var.producer)
 
 
@@ -441,12 +447,11 @@ def test_a_found_gpu_sets_the_architecture_and_its_instances_go_to_the_driver(mo
 
 
 def test_an_op_without_a_gpu_kernel_fails_the_compile_by_name(monkeypatch):
-    def integers(f):
-        x, w = f.var("x", "int32", [6, 4]), f.var("w", "int32", [4, 3])
-        f.matmul(x, w).var.out = True  # products are floating-point only
+    def opaque(f):
+        f.op("GpuTestOpaque", [f.var("x", "float32", [6, 4])]).var.out = True
 
-    with pytest.raises(RanvierError, match="MatMul op f/MatMul has no GPU kernel yet"):
-        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), integers)
+    with pytest.raises(RanvierError, match="GpuTestOpaque op f/GpuTestOpaque has no GPU kernel yet"):
+        _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), opaque)
 
 
 ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabulary's (a block of 32, 128 or 256 threads)

@@ -79,9 +79,9 @@ class CUDABackend:
         if not kernels.supports(op):
             raise RanvierError(f"{op.type} op {op.name} has no GPU kernel yet: the CUDA backend generates elementwise "
                                "maps, fused Calculate programs, copies through views, pads, reductions, row kernels "
-                               "(softmax, norms, cross-entropy), lookups (gather, one-hot), scatter-adds, MoE "
-                               "routing and grouped products, floating-point matrix products, assignments and "
-                               "attention; use --backend cpu for this model")
+                               "(softmax, norms, cross-entropy, top-k), lookups (gather, one-hot, pooled gathers), "
+                               "scatter-adds, MoE routing and grouped products, matrix products, assignments, "
+                               "attention and shape facts; use --backend cpu for this model")
         gemm = blas.plan_product(op)
         if gemm is not None:
             return Step(op, blas.KIND, str(gemm.plan), op_def(op.type).cost(op))

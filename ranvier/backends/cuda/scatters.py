@@ -6,8 +6,9 @@ atomic add, since several land on one element (a repeated token, overlapping win
 the hardware's for 32- and 64-bit elements; for 8- and 16-bit ones (half precision,
 small integers) a compare-and-swap loop on the aligned 32-bit word that holds the element.
 The order of those adds is the threads' and may vary in the last bits from run to run;
-the host check, adding in index order, matches the CPU. An index outside the table sets
-the status word."""
+the host check, adding in index order, matches the CPU. Myelin's AssignAddScatter adds
+rows into its table in place the same way, one thread per added element (no zeroing). An
+index outside the table sets the status word."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ..llvm.values import Value, index_value
 
 
 def supports(op: Operation) -> bool:
-    return op.type in ("ScatterAdd", "StridedScatterAdd") and op.outputs[0].dtype != dtypes.DT_BOOL
+    return op.type in ("ScatterAdd", "StridedScatterAdd", "AssignAddScatter") and op.inputs[-1].dtype != dtypes.DT_BOOL
 
 
 def _added(op: Operation) -> Variable:
@@ -33,6 +34,9 @@ def _added(op: Operation) -> Variable:
 
 
 def launches(op: Operation) -> list:
+    if op.type == "AssignAddScatter":
+        table, indices = op.inputs[:2]
+        return [(indices.size * table.shape[1], lambda ctx, index: _assign_add(ctx, op, index_value(ctx.b, index)))]
     out = op.outputs[0]
     return [(out.size, lambda ctx, index: ctx.store(out, index_value(ctx.b, index), 0)),
             (_added(op).size, lambda ctx, index: _add(ctx, op, index_value(ctx.b, index)))]
@@ -93,3 +97,25 @@ def _add(ctx: EmitContext, op: Operation, index: Value) -> None:
         target = target + coordinate * attrs["strides"][d]
     _atomic_add(ctx, out, target, value)
 
+
+
+def _assign_add(ctx: EmitContext, op: Operation, index: Value) -> None:
+    """Element i of added row n: table[indices[n]] += value[n] (value's one row, if it has
+    one); a negative index adds to the out-of-vocabulary row, or without one ends the list
+    (no row from that index on is added), as Myelin's kernel reads it."""
+    table, indices, value, *oov = op.inputs
+    width = table.shape[1]
+    n, i = index // width, index % width
+    row = load_index(ctx, indices, n)
+    added = ctx.load(value, (n * width if value.shape[0] > 1 else 0) + i)
+    if oov:
+        with ctx.when(row < 0):
+            _atomic_add(ctx, oov[0], i, added)
+        listed = row >= 0
+    else:
+        ended = ctx.local(dtypes.DT_BOOL, initial=0)
+        with ctx.loop(0, n + 1, name="m") as m:
+            ended.set(ended.value | (load_index(ctx, indices, m) < 0))
+        listed = ~ended.value
+    with ctx.when(listed), ctx.when(check_range(ctx, row, table.shape[0])):
+        _atomic_add(ctx, table, row * width + i, added)
