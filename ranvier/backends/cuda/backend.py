@@ -104,7 +104,7 @@ class CUDABackend:
         registers, where ptxas reports them); PTX, and where ptxas ran its report and the
         machine code it made (which the driver then loads instead of compiling the PTX
         again), kept in the compile cache (`ranvier cache`), keyed by the cell, the
-        architecture, and the code generator's and LLVM's versions."""
+        architecture, and the versions of the code generator, LLVM and ptxas."""
         module = ptx.gpu_module(cell.name, self.architecture)
         generated: dict[int, list] = {}
         made: dict[str, list[kernels.GPUKernel]] = {}  # by signature: a model's layers share their kernels
@@ -127,7 +127,8 @@ class CUDABackend:
                                "cubin": base64.b64encode(assembled.cubin).decode() if assembled else ""}).encode()
 
         sources = jit.source_digest("backends/cuda", "backends/llvm", "ops")
-        key = hashlib.sha256(f"{sources}\n{self.architecture}\n{llvm.llvm_version_info}\n{_describe(cell)}".encode())
+        toolkit = f"{llvm.llvm_version_info} {ptx.ptxas_version()}"
+        key = hashlib.sha256(f"{sources}\n{self.architecture}\n{toolkit}\n{_describe(cell)}".encode())
         entry, origin = jit.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
         built = json.loads(entry)
         report = ptx.Assembled(b"", built["ptxas"]) if built["ptxas"] else None

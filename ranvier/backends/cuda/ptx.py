@@ -104,6 +104,17 @@ class Assembled:
 
 
 @functools.cache
+def ptxas_version() -> str:
+    """The assembler's version line (its machine code and register counts depend on it), or
+    "" where there is none."""
+    ptxas = ptxas_path()
+    if ptxas is None:
+        return ""
+    done = subprocess.run([ptxas, "--version"], check=False, capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+@functools.cache
 def _splits(ptxas: str) -> bool:
     """Whether this ptxas can spread its work over threads (-split-compile, CUDA 12.4 on)."""
     done = subprocess.run([ptxas, "--help"], check=False, capture_output=True, text=True)
