@@ -114,6 +114,51 @@ def test_the_plan_is_cublaslts_column_major_view_of_the_row_major_product():
     assert plan.d == blas.Layout(rows=6, cols=5, ld=6, batch_stride=30)
 
 
+EPILOGUES = [  # how the layer ends, the dtype, X's shape, the plan's epilogue (None: a map kernel of its own)
+    ("relu(x @ w + b)", "float32", [3, 8, 16], "RELU_BIAS"), ("b + x @ w", "float32", [8, 16], "BIAS"),
+    ("relu(x @ w)", "float16", [8, 16], "RELU"), ("gelu(x @ w + b)", "float32", [8, 16], None),
+    ("relu(x @ w + b)", "float64", [8, 16], None), ("x @ w + b", "float32", [2, 1, 8, 16], None),
+]
+
+
+def _layer(ending: str, dtype: str, x_shape: list[int]):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, b = f.var("x", dtype, x_shape), f.var("b", dtype, [4])
+    w = f.var("w", dtype, [3, 16, 4] if len(x_shape) == 4 else [16, 4])  # [2, 1, …] @ [3, …]: no strided batch
+    product = x @ w
+    y = {"relu(x @ w + b)": lambda: f.relu(product + b), "b + x @ w": lambda: b + product, "relu(x @ w)": lambda: f.relu(product),
+         "gelu(x @ w + b)": lambda: f.gelu(product + b), "x @ w + b": lambda: product + b}[ending]()
+    y.var.out = True
+    values = {"f/x": random_array(x_shape, dtype, seed=1), "f/w": random_array(w.shape, dtype, seed=2) * 0.3}
+    if "b" in ending:
+        values["f/b"] = random_array([4], dtype, seed=3)
+    return flow, y.var.name, values
+
+
+@pytest.mark.parametrize("ending,dtype,x_shape,epilogue", EPILOGUES)
+def test_a_bias_and_a_relu_after_a_product_are_cublaslts_epilogue(monkeypatch, ending, dtype, x_shape, epilogue):
+    """One call where cuBLASLt can (a float32 or half product, a bias along its rows), a
+    map kernel after the product elsewhere; the CPU's result either way."""
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    flow, output, values = _layer(ending, dtype, x_shape)
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    if epilogue is None:
+        assert [step.kernel for step in cell.steps][-1] == "Map" and "epilogue" not in str(cell)
+    else:
+        (step,) = cell.steps
+        assert step.kernel == blas.KIND and step.variant.endswith(f"epilogue {epilogue}")
+    results = []
+    for backend_name in ("cuda", "cpu"):
+        data = rv.Compiler(backend_name).compile(flow).cell("f").instance()
+        for name, value in values.items():
+            data[name] = value
+        data.compute()
+        results.append(np.array(data[output]).astype(np.float64))
+    tolerance = {"float16": 3e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(*results, rtol=tolerance, atol=tolerance)
+
+
 # ---- libcublasLt ----------------------------------------------------------------------------
 
 
@@ -128,7 +173,7 @@ LIBRARY = _installed_library()
 needs_cublaslt = pytest.mark.skipif(LIBRARY is None, reason="libcublasLt (pip install nvidia-cublas) is not installed")
 # cublasLtMatrixLayoutAttribute_t and cublasLtMatmulDescAttributes_t values (cublasLt.h)
 _LAYOUT_ROWS, _LAYOUT_COLS, _LAYOUT_LD, _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 2, 3, 4, 5, 6
-_DESC_COMPUTE_TYPE, _DESC_TRANSA, _DESC_TRANSB = 0, 3, 4
+_DESC_COMPUTE_TYPE, _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE = 0, 3, 4, 7
 
 
 def _read(getter, handle, attribute, kind):
@@ -153,6 +198,7 @@ def test_libcublaslt_accepts_the_plans_descriptors(x_shape, y_shape, ta, tb, dty
     assert _read(get_desc, desc, _DESC_COMPUTE_TYPE, ctypes.c_int32) == blas._COMPUTE_TYPES[plan.compute]
     assert (_read(get_desc, desc, _DESC_TRANSA, ctypes.c_int32), _read(get_desc, desc, _DESC_TRANSB, ctypes.c_int32)) \
         == (plan.transa, plan.transb)
+    assert _read(get_desc, desc, _DESC_EPILOGUE, ctypes.c_uint32) == blas._EPILOGUE_CODES[plan.epilogue]
     for handle, layout in zip(layouts, (plan.a, plan.b, plan.d)):
         assert _read(get_layout, handle, _LAYOUT_ROWS, ctypes.c_uint64) == layout.rows
         assert _read(get_layout, handle, _LAYOUT_COLS, ctypes.c_uint64) == layout.cols
@@ -210,3 +256,23 @@ def test_the_driver_prepares_products_before_capture_and_runs_one_call_each_insi
     assert [arguments[i].value for i in (3, 5, 10)] == addresses
     assert arguments[15] is gpu._stream and arguments[14].value == blas.WORKSPACE_BYTES
 
+
+
+def test_each_call_of_a_biased_product_hands_cublaslt_its_bias(monkeypatch):
+    """The descriptor is made once per cell; the bias's address is the instance's, set on
+    it right before the call (and so captured in the instance's graph)."""
+    events: list = []
+    monkeypatch.setattr(blas, "find_library", lambda: "libcublasLt.so.13")
+    fake_driver, fake_blas = _RecordingDriver(events), _FakeCublasLt(events)
+    gpu = driver.DriverGPU(lambda name: fake_blas if "cublas" in name else fake_driver)
+    monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
+    flow, _, values = _layer("relu(x @ w + b)", "float32", [8, 16])
+    data = rv.Compiler("cuda").compile(flow).cell("f").instance()
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    calls = [call for call, _ in events]
+    matmul = calls.index("cublasLtMatmul")
+    attribute, pointer = events[matmul - 1][1][1], events[matmul - 1][1][2]._obj.value
+    assert calls[matmul - 1] == "cublasLtMatmulDescSetAttribute" and attribute == blas._DESC_BIAS_POINTER
+    assert pointer == data.device.address(flow.vars["f/b"])

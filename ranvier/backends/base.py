@@ -46,11 +46,15 @@ class Capabilities:
         backend runs the flow exactly as built, which is what makes it the oracle.
     matmul_precisions: the precisions its matrix products can run in.
     epilogues: it runs a matrix product or convolution and the elementwise program after
-        it as one op (MatMulCalculate, Conv2DCalculate), so the epilogue pass may fuse them."""
+        it as one op (MatMulCalculate, Conv2DCalculate), so the epilogue pass may fuse them.
+    fuses_epilogue: where given, which epilogues it runs so — `fuses_epilogue(product,
+        program, inputs)` for the product's variable, the fused op's program and its further
+        inputs; the others stay apart (cuBLASLt adds a bias and applies a ReLU, no more)."""
 
     rewrites: bool = True
     matmul_precisions: tuple[str, ...] = ("float32",)
     epilogues: bool = True
+    fuses_epilogue: Callable[[Variable, str, list[Variable]], bool] | None = None
 
 
 class Backend(Protocol):

@@ -13,18 +13,24 @@ same-shaped tensor, a per-row scale; a convolution's per-channel bias).
 
 from __future__ import annotations
 
-from ..flow.graph import Flow, Function, Operation
+from collections.abc import Callable
+
+from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops.expression import Call, Program, Ref, parse
 from ..ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, written_inputs
 from .fuse import is_elementwise
 from .rewrite import erase
 
 
-def fuse_epilogues(flow: Flow, func: Function, keep: set[str]) -> None:
-    """Replace each MatMul or Conv2D and the Calculate that alone reads its product by one op."""
+def fuse_epilogues(flow: Flow, func: Function, keep: set[str], accepts: Callable | None = None) -> None:
+    """Replace each MatMul or Conv2D and the Calculate that alone reads its product by one op
+    (where given, only those `accepts(product, program, further inputs)`: `Capabilities`)."""
     for producer in [op for op in func.ops if op.type in EPILOGUE_PRODUCTS]:
         calculate = _epilogue_of(producer, func, keep)
-        if calculate is not None:
+        if calculate is None:
+            continue
+        program, others, _ = _fused_program(producer, calculate)
+        if accepts is None or accepts(producer.outputs[0], str(program), others):
             _fuse(flow, func, producer, calculate)
 
 
@@ -66,15 +72,21 @@ def _renumbered(program: Program, inputs: dict[int, int], outputs: dict[int, int
     return Program([(operand(target), operand(call)) for target, call in program.statements])
 
 
-def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation) -> None:
+def _fused_program(producer: Operation, calculate: Operation) -> tuple[Program, list[Variable], list[Variable]]:
+    """The fused op's program (%0 the product, then the Calculate's other inputs in order;
+    @0 the output the product lands in), those other inputs, and the outputs in order."""
     product = producer.outputs[0]
     others = [v for v in calculate.inputs if v is not product]
-    # the program's inputs: the product first, then the others in order
     inputs = {i: (0 if v is product else 1 + others.index(v)) for i, v in enumerate(calculate.inputs)}
     landing = next(v for v in calculate.outputs if v.dtype == product.dtype)
     order = [landing, *(v for v in calculate.outputs if v is not landing)]
     outputs = {j: order.index(v) for j, v in enumerate(calculate.outputs)}
-    program = _renumbered(_program(calculate), inputs, outputs)
+    return _renumbered(_program(calculate), inputs, outputs), others, order
+
+
+def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation) -> None:
+    product = producer.outputs[0]
+    program, others, order = _fused_program(producer, calculate)
 
     kind = fused_type(producer.type)
     fused = flow.add_op(flow.unique_name(f"{func.name}/{kind}", flow.ops), kind)

@@ -71,7 +71,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
     Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul), _mixed_precision),
-    Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep), _epilogues),
+    Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep, c.backend.capabilities.fuses_epilogue),
+         _epilogues),
 )
 
 

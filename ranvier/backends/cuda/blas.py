@@ -15,6 +15,12 @@ Precision: float32 products sum in float32 (CUBLAS_COMPUTE_32F); with the compil
 precision "tfloat32" or "bfloat16", cuBLASLt may round the inputs to that type on the
 tensor cores and still sums in float32 (COMPUTE_32F_FAST_TF32 / _FAST_16BF). float16 and
 bfloat16 matrices sum in float32, float64 ones in float64.
+
+Epilogues: a product followed by a bias added along its rows (a linear layer's), a ReLU,
+or both, is one call (cuBLASLt's BIAS, RELU and RELU_BIAS epilogues, on float32 and
+half-precision products): the compiler fuses those (`Capabilities.fuses_epilogue` →
+`fuses_epilogue`) into a MatMulCalculate, and no other epilogue, which stays a map
+kernel of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +54,12 @@ _FLOAT32_COMPUTE = {"float32": "32F", "tfloat32": "32F_FAST_TF32", "bfloat16": "
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6
 _PREFERENCE_MAX_WORKSPACE = 1
+_DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
+# MatMulCalculate programs cuBLASLt runs as its epilogue (cublasLtEpilogue_t)
+_EPILOGUES = {"@0=Add(%0,%1)": "BIAS", "@0=Add(%1,%0)": "BIAS", "@0=Relu(%0)": "RELU",
+              "$0=Add(%0,%1);@0=Relu($0)": "RELU_BIAS", "$0=Add(%1,%0);@0=Relu($0)": "RELU_BIAS"}
+_EPILOGUE_CODES = {"DEFAULT": 1, "RELU": 2, "BIAS": 4, "RELU_BIAS": 6}
+_ANY_ALIGNMENT = 64  # a stand-in bias address for the heuristic: as aligned as the arena's slots
 
 
 @dataclass(frozen=True)
@@ -75,20 +87,42 @@ class GemmPlan:
     a: Layout
     b: Layout
     d: Layout
+    epilogue: str = "DEFAULT"  # a key of _EPILOGUE_CODES: with a bias, the call's fourth operand
 
     def __str__(self) -> str:
         """In the MatMul's own terms: its rows × columns × inner size, batch and precision."""
         batch = f" × {self.batch}" if self.batch > 1 else ""
-        return f"{self.n}×{self.m}×{self.k}{batch} {self.dtype}, compute {self.compute}"
+        epilogue = f", epilogue {self.epilogue}" if self.epilogue != "DEFAULT" else ""
+        return f"{self.n}×{self.m}×{self.k}{batch} {self.dtype}, compute {self.compute}{epilogue}"
 
 
 @dataclass(frozen=True)
 class Gemm:
-    """A product's launch: its plan, and the variables in cuBLASLt's A, B and D."""
+    """A product's launch: its plan, and the variables in cuBLASLt's A, B and D (and the
+    bias, with one)."""
 
     name: str
     plan: GemmPlan
-    operands: tuple[Variable, Variable, Variable]
+    operands: tuple[Variable, ...]
+
+
+def epilogue_of(program: str, product: Variable, inputs: list[Variable]) -> str | None:
+    """The cuBLASLt epilogue that runs a product's fused program (module docstring), or None."""
+    kind = _EPILOGUES.get(program)
+    if kind is None or product.dtype not in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16):
+        return None
+    if "BIAS" not in kind:
+        return kind if not inputs else None
+    (bias,) = inputs
+    along_rows = bias.shape[-1:] == product.shape[-1:] and all(d == 1 for d in bias.shape[:-1])
+    return kind if along_rows and bias.dtype == product.dtype and bias.rank <= product.rank else None
+
+
+def fuses_epilogue(product: Variable, program: str, inputs: list[Variable]) -> bool:
+    """Whether one cuBLASLt call runs the product (a MatMul it takes) and this epilogue."""
+    producer = product.producer
+    return (producer is not None and producer.type == "MatMul" and plan_product(producer) is not None
+            and epilogue_of(program, product, inputs) is not None)
 
 
 def _batch_step(var: Variable, batch: list[int]) -> int | None:
@@ -107,8 +141,12 @@ def _batch_step(var: Variable, batch: list[int]) -> int | None:
 
 
 def plan_product(op: Operation) -> Gemm | None:
-    """The op's product as one cuBLASLt call, or None where it is not one (module docstring)."""
-    if op.type != "MatMul" or op.inputs[0].dtype not in _DATA_TYPES:
+    """The op's product (and epilogue) as one cuBLASLt call, or None where it is not one
+    (module docstring)."""
+    if op.type not in ("MatMul", "MatMulCalculate") or op.inputs[0].dtype not in _DATA_TYPES:
+        return None
+    epilogue = epilogue_of(op.attrs["expr"], op.outputs[0], op.inputs[2:]) if op.type == "MatMulCalculate" else "DEFAULT"
+    if epilogue is None:
         return None
     x, y = op.inputs[:2]
     out = op.outputs[0]
@@ -131,8 +169,8 @@ def plan_product(op: Operation) -> Gemm | None:
     a = Layout(inner, cols, inner, y_step) if ty else Layout(cols, inner, cols, y_step)
     b = Layout(rows, inner, rows, x_step) if tx else Layout(inner, rows, inner, x_step)
     d = Layout(cols, rows, cols, rows * cols)
-    described = GemmPlan(x.dtype, compute, ty, tx, cols, rows, inner, count, a, b, d)
-    return Gemm("g_" + "".join(c if c.isalnum() else "_" for c in op.name), described, (y, x, out))
+    described = GemmPlan(x.dtype, compute, ty, tx, cols, rows, inner, count, a, b, d, epilogue)
+    return Gemm("g_" + "".join(c if c.isalnum() else "_" for c in op.name), described, (y, x, out, *op.inputs[2:]))
 
 
 # ---- the plan on the host (the emulator) ---------------------------------------------------
@@ -168,7 +206,12 @@ def run_on_host(gemm: GemmPlan, addresses: list[int]) -> None:
     wide = np.float64 if gemm.compute == "64F" else np.float32
     op_a = _as_tensor_cores_read((a.swapaxes(1, 2) if gemm.transa else a).astype(wide), gemm.compute)
     op_b = _as_tensor_cores_read((b.swapaxes(1, 2) if gemm.transb else b).astype(wide), gemm.compute)
-    d[...] = np.matmul(op_a, op_b).astype(dtype)
+    result = np.matmul(op_a, op_b)
+    if "BIAS" in gemm.epilogue:  # one value per row of D (a column of the MatMul's product)
+        result = result + _host_matrices(addresses[3], Layout(gemm.m, 1, gemm.m, 0), dtype, 1).astype(wide)
+    if "RELU" in gemm.epilogue:
+        result = np.maximum(result, 0)
+    d[...] = result.astype(dtype)
 
 
 # ---- the plan on a GPU ------------------------------------------------------------------------
@@ -233,6 +276,10 @@ def describe(library, gemm: GemmPlan) -> tuple[ctypes.c_void_p, tuple[ctypes.c_v
            f"describe {gemm}")
     for attribute, transposed in ((_DESC_TRANSA, gemm.transa), (_DESC_TRANSB, gemm.transb)):
         _set(library, "cublasLtMatmulDescSetAttribute", desc, attribute, ctypes.c_int32(int(transposed)))
+    if gemm.epilogue != "DEFAULT":
+        _set(library, "cublasLtMatmulDescSetAttribute", desc, _DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_CODES[gemm.epilogue]))
+    if "BIAS" in gemm.epilogue:  # the heuristic reads the bias address's alignment; each call sets the real one
+        _set(library, "cublasLtMatmulDescSetAttribute", desc, _DESC_BIAS_POINTER, ctypes.c_uint64(_ANY_ALIGNMENT))
     layouts = []
     for layout in (gemm.a, gemm.b, gemm.d):
         handle = ctypes.c_void_p()
@@ -277,8 +324,12 @@ class CublasLt:
         return Prepared(desc, layouts, result, (scale * 1)(1.0), (scale * 1)(0.0))
 
     def matmul(self, prepared: Prepared, addresses: list[int]) -> None:
-        """D = op(A)·op(B) on the stream (`addresses`: A's, B's and D's)."""
-        a, b, d = (ctypes.c_uint64(address) for address in addresses)
+        """D = op(A)·op(B), and the epilogue, on the stream (`addresses`: A's, B's, D's and
+        the bias's where there is one)."""
+        if len(addresses) > 3:
+            _set(self.library, "cublasLtMatmulDescSetAttribute", prepared.desc, _DESC_BIAS_POINTER,
+                 ctypes.c_uint64(addresses[3]))
+        a, b, d = (ctypes.c_uint64(address) for address in addresses[:3])
         a_layout, b_layout, d_layout = prepared.layouts
         _check(self.library, self.library.cublasLtMatmul(
             self._handle, prepared.desc, prepared.alpha, a, a_layout, b, b_layout, prepared.beta, d, d_layout, d, d_layout,
