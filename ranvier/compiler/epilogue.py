@@ -29,9 +29,9 @@ def fuse_epilogues(flow: Flow, func: Function, keep: set[str], accepts: Callable
         calculate = _epilogue_of(producer, func, keep)
         if calculate is None:
             continue
-        program, others, _ = _fused_program(producer, calculate)
+        program, others, order = _fused_program(producer, calculate)
         if accepts is None or accepts(producer.outputs[0], str(program), others):
-            _fuse(flow, func, producer, calculate)
+            _fuse(flow, func, producer, calculate, program, others, order)
 
 
 def _epilogue_of(producer: Operation, func: Function, keep: set[str]) -> Operation | None:
@@ -84,9 +84,10 @@ def _fused_program(producer: Operation, calculate: Operation) -> tuple[Program, 
     return _renumbered(_program(calculate), inputs, outputs), others, order
 
 
-def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation) -> None:
+def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation, program: Program,
+          others: list[Variable], order: list[Variable]) -> None:
+    """Put the fused op (`_fused_program`'s program, inputs and outputs) in their place."""
     product = producer.outputs[0]
-    program, others, order = _fused_program(producer, calculate)
 
     kind = fused_type(producer.type)
     fused = flow.add_op(flow.unique_name(f"{func.name}/{kind}", flow.ops), kind)

@@ -150,6 +150,7 @@ def cache_key(description: str, target: CPUTarget) -> str:
 
 
 def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
+    """Machine code for `module`, optimized."""
     return target.machine.emit_object(_optimized(module, target))
 
 

@@ -8,8 +8,9 @@ device, products by cuBLASLt) and `HostEmulator`, which runs each launch's eleme
 function compiled for this CPU over every element, one launch after another, and each
 product as cuBLASLt's plan says in numpy (`blas.run_on_host`): the same generated
 arithmetic and the same runtime (arena, transfers, status words, globals kept on the
-"device"), where no GPU is at hand. It is what the tests run cells on, and `RANVIER_CUDA_DEVICE=emulator` selects
-it; it is slow, and never chosen in a GPU's place unasked.
+"device"), where no GPU is at hand. It is what the tests run cells on, and
+`RANVIER_CUDA_DEVICE=emulator` selects it; it is slow, and never chosen in a GPU's place
+unasked.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class GPU(Protocol):
         """Run `kernel` over its elements; `addresses`: its operands', then its status word's."""
 
     def gemm(self, code: object, gemm: Gemm, addresses: list[int]) -> None:
-        """Run a planned product; `addresses`: cuBLASLt's A, B and D."""
+        """Run a planned product; `addresses`: cuBLASLt's A, B and D (and a bias)."""
 
     def timer(self, marks: int) -> Timer:
         """`marks` points in the launch order to time between, made once and reused."""

@@ -79,9 +79,10 @@ class DriverGPU:
     """Device 0 through the CUDA driver API (ctypes): its primary context, memory by
     cuMemAlloc, each cell's PTX loaded by the driver (which compiles it for the device),
     kernels launched on a stream of ours and products run there by cuBLASLt (`blas`),
-    CUDA events as timing marks, a compute's launches captured as a CUDA graph and replayed. Written to the
-    driver API's documented signatures; it has not yet run on a GPU (none has been lent to
-    this project's work), so the first GPU session checks it (tests/test_cuda_runtime.py)."""
+    CUDA events as timing marks, a compute's launches captured as a CUDA graph and
+    replayed. Written to the driver API's documented signatures; it has not yet run on a
+    GPU (none has been lent to this project's work), so the first GPU session checks it
+    (.ci/gpu-check)."""
 
     host_memory = False
 

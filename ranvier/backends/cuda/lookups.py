@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import math
 
-from llvmlite import ir
-
 from ...flow.graph import Operation
 from ..llvm.context import EmitContext, check_range
 from ..llvm.lookups import LOOKUP_OPS, pooled_rows
 from ..llvm.values import Value, index_value
-from .rows import threads_per_row
+from .rows import row_launch
 
 WARP = 32
 
@@ -36,13 +34,7 @@ def launches(op: Operation) -> list[tuple]:
     body = LOOKUP_OPS[op.type](op)
     if width < WARP:
         return [(indices.size, lambda ctx, index: body(ctx, index_value(ctx.b, index)))]
-    threads = threads_per_row(width)
-
-    def emit(ctx, index: ir.Value) -> None:
-        ctx.row_threads = threads
-        body(ctx, index_value(ctx.b, index))
-
-    return [(indices.size, emit, threads)]
+    return [row_launch(indices.size, width, body)]
 
 
 def _pooled_column(ctx: EmitContext, op: Operation, column: Value) -> None:

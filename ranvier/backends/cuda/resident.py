@@ -16,11 +16,11 @@ What moves between host and device, and when:
 - A gradient cell reads its forward instance's values in that instance's arena.
 
 A compute's launches (every step's kernels or cuBLASLt product, and the timing marks
-between them) are captured
-once as a graph (a CUDA graph on the driver) and replayed as one launch by every later
-compute: the addresses they read never change, only the memory's contents. A compute made
-while `RANVIER_CUDA_GRAPHS=0` makes its launches one by one instead, which is what a
-graph saves (benchmarks/llama_train.py --backend cuda compares them).
+between them) are captured once as a graph (a CUDA graph on the driver) and replayed as
+one launch by every later compute: the addresses they read never change, only the
+memory's contents. A compute made while `RANVIER_CUDA_GRAPHS=0` makes its launches one
+by one instead, which is what a graph saves (benchmarks/llama_train.py --backend cuda
+compares them).
 
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they

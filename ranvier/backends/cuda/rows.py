@@ -41,18 +41,24 @@ def threads_per_row(length: int) -> int:
     return 32 if length <= 1024 else 128 if length <= 8192 else 256
 
 
-def launches(op: Operation) -> list[tuple]:
-    rows, length = row_shape(op)
-    body = ROW_OPS[op.type][0](op)
-    if op.type in ONE_THREAD_ROWS:
-        return [(rows, lambda ctx, index: body(ctx, index_value(ctx.b, index)))]
+def row_launch(rows: int, length: int, body) -> tuple:
+    """The launch of `body(ctx, r)` for each of `rows` rows of `length`, a block per row
+    whose threads split its passes (`EmitContext.row_fold`, `row_each`)."""
     threads = threads_per_row(length)
 
     def emit(ctx, index: ir.Value) -> None:
         ctx.row_threads = threads
         body(ctx, index_value(ctx.b, index))
 
-    return [(rows, emit, threads)]
+    return rows, emit, threads
+
+
+def launches(op: Operation) -> list[tuple]:
+    rows, length = row_shape(op)
+    body = ROW_OPS[op.type][0](op)
+    if op.type in ONE_THREAD_ROWS:
+        return [(rows, lambda ctx, index: body(ctx, index_value(ctx.b, index)))]
+    return [row_launch(rows, length, body)]
 
 
 def _threads(ctx: EmitContext, threads: int):
