@@ -21,7 +21,7 @@ from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
 from .kernels.conv import CONV_KERNEL
-from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, PACKED_KERNEL
+from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, PACKED_GEMM_KERNELS
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
@@ -182,7 +182,7 @@ class CPUBackend:
             table[codegen.BF16GEMM] = amx.gemm_address(self.target)
         if any(step.kernel in GENERATED_GEMM_KERNELS for step in cell.steps):
             table[codegen.SGEMM_GENERATED] = sgemm.gemm_address(self.target)
-        if any(step.kernel == PACKED_KERNEL for step in cell.steps):
+        if any(step.kernel in PACKED_GEMM_KERNELS for step in cell.steps):
             table[codegen.SGEMM_PACKED] = sgemm.packed_gemm_address(self.target)
         if any(step.kernel == CONV_KERNEL for step in cell.steps):
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)

@@ -122,13 +122,13 @@ def block_columns(target: CPUTarget, packed: bool = False) -> int:
     return max(nr, (_PACKED_BLOCK_BYTES if packed else _BLOCK_BYTES) // (KC * 4) // nr * nr)
 
 
-_PANEL_WIDTHS = (12, 24, 32)  # NR on SSE, AVX2 and AVX-512: the workspace fits any of them
+PANEL_WIDTHS = (12, 24, 32)  # NR on SSE, AVX2 and AVX-512: the workspace fits any of them
 
 
 def workspace_bytes(n: int, k: int) -> int:
     """Scratch `ranvier_sgemm` needs for op(B) of k × n on any target: one packed block,
     plus 64 bytes for aligning its start."""
-    columns = max(min(-(-n // nr) * nr, max(nr, _BLOCK_BYTES // (KC * 4) // nr * nr)) for nr in _PANEL_WIDTHS)
+    columns = max(min(-(-n // nr) * nr, max(nr, _BLOCK_BYTES // (KC * 4) // nr * nr)) for nr in PANEL_WIDTHS)
     return 64 + max(1, min(k, KC)) * columns * 4
 
 

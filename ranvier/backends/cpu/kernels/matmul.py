@@ -245,6 +245,8 @@ def _chose_generated(op, packed: bool) -> bool:
 
 
 PACKED_KERNEL = "PackedGemm"
+# Kernels that call the generated GEMM on packed panels (Winograd's convolution adds its own).
+PACKED_GEMM_KERNELS = {PACKED_KERNEL}
 
 
 def _column_ranges(op) -> list[tuple[int, int]]:
@@ -262,12 +264,16 @@ def _panels_of_b(op) -> Prepared:
     return Prepared(op.inputs[1], form, lambda value, target: sgemm.pack_panels(value, transposed, target, ranges))
 
 
+def unchanging_constant(var) -> bool:
+    """A constant (an inference model's weights) that no op writes: a key/value cache
+    starts as data too, and is written as decoding goes."""
+    return var.constant and all(all(v is not var for v in written_inputs(reader)) for reader in var.consumers)
+
+
 def _by_constant(op) -> bool:
-    """A float32 product by a constant matrix (an inference model's weights) that no op
-    writes (a key/value cache starts as data too, and is written as decoding goes)."""
+    """A float32 product by an unchanging constant matrix."""
     b = op.inputs[1]
-    never_written = all(all(v is not b for v in written_inputs(reader)) for reader in b.consumers)
-    return _float32(op) and b.constant and b.rank == 2 and never_written
+    return _float32(op) and b.rank == 2 and unchanging_constant(b)
 
 
 def _packed_faster(op) -> bool:

@@ -1,0 +1,385 @@
+"""Conv2D by Winograd's minimal filtering F(2×2, 3×3) (Lavin and Gray, "Fast Algorithms for
+Convolutional Neural Networks", 2016): a 3 × 3 convolution of stride 1 computes each 2 × 2
+tile of its output from the 4 × 4 patch of input under it as
+
+    Y = Aᵀ [ U ⊙ V ] A,    U = G g Gᵀ (per filter k and channel c),   V = Bᵀ d B (per tile and c),
+
+summing over the channels inside the ⊙: each of the 16 points ξ of the transformed tile is a
+matrix product M[ξ] [K, tiles] = U[ξ] [K, C] · V[ξ] [C, tiles]. That is 16 multiplies per tile
+and channel pair where the direct convolution does 36: 2.25 times fewer, for some additions in
+the transforms and their memory traffic. The filters are an inference model's constants, so U
+is made once when the network is (a `Prepared` form of the weights).
+
+The output's tiles are taken a block of tile rows at a time, sized so the block's V and M stay
+near the caches. Per block, on the calling thread:
+
+1. the input transform reads each channel's patches, a vector of `group` horizontally
+   adjacent tiles at a time (each row of their patches is two loads split into even and odd
+   columns, masked where the patches reach into the padding), and stores V[ξ] as the
+   generated GEMM's packed panels of B (sgemm.py: NR tiles by all C channels);
+2. 16 calls of `ranvier_sgemm_packed` make M[ξ], reading U[ξ] in place;
+3. the output transform stores each tile's 2 × 2 outputs into the NCHW output (two
+   interleaved vectors per output row, masked past its edge), and a Conv2DCalculate's
+   program runs over the rows of output the part wrote.
+
+A tile row is padded to a whole number of vectors of tiles (28 tiles are 32): the padding
+tiles compute what is never stored, so the loads and stores need no other case. Profiles
+count the direct convolution's FLOPs, so the kernel's GFLOP/s is the rate a direct
+convolution would need to match it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+
+from .... import dtypes
+from ....ops import attrs_of
+from ...kernels import Prepared
+from ...llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, for_range, i64
+from ...llvm.values import Value
+from .. import sgemm
+from ..codegen import SGEMM_PACKED
+from ..parallel import run_parts, shares, thread_count, worth_splitting
+from .library import kernel
+from .matmul import PACKED_GEMM_KERNELS, unchanging_constant
+from .program import epilogue
+
+WINOGRAD_KERNEL = "WinogradConv"
+PACKED_GEMM_KERNELS.add(WINOGRAD_KERNEL)
+
+# F(2, 3)'s matrices: 2 outputs of a 3-tap filter from 4 inputs, applied along both axes.
+INPUT_T = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64)  # Bᵀ
+FILTER = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float64)  # G
+OUTPUT_T = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)  # Aᵀ
+TILE, PATCH = OUTPUT_T.shape  # an output tile's edge, an input patch's
+POINTS = PATCH * PATCH  # products per tile and channel pair: one GEMM each
+FORM = "Winograd F(2x2, 3x3) filters U[16, K, C]"
+
+# A block's V and M, as bytes: a block takes the fewest tile rows that reach this, so the
+# GEMMs' panels and rows are long enough to run near their peak, while V and M stay in the
+# caches between the transforms and the products.
+_BLOCK_BYTES = 512 << 10
+# Above this many filter × channel pairs the 16 transformed filters (64 bytes a pair) are
+# read from memory once per block: ResNet-18's 256-channel layers measured no faster.
+_MAX_PAIRS = 256 * 256
+
+
+def transformed_filters(w: np.ndarray) -> np.ndarray:
+    """U[ξ, k, c] = (G · w[k, c] · Gᵀ)[ξ] for filters w [K, C, 3, 3]: [16, K, C] float32,
+    computed in float64."""
+    u = np.einsum("ia,kcab,jb->ijkc", FILTER, w.astype(np.float64), FILTER)
+    return np.ascontiguousarray(u.reshape(POINTS, *w.shape[:2]), np.float32)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Sizes of one convolution, as the kernel's loops use them."""
+
+    channels: int
+    filters: int
+    height: int
+    width: int
+    pad_height: int
+    pad_width: int
+    out_height: int
+    out_width: int
+    group: int  # tiles per vector of the transforms
+    panel: int  # NR: tiles per packed panel of V
+
+    @property
+    def tile_rows(self) -> int:
+        return -(-self.out_height // TILE)
+
+    @property
+    def row_tiles(self) -> int:
+        """Tiles per tile row, padded to whole vectors."""
+        return -(-self.out_width // (TILE * self.group)) * self.group
+
+    @property
+    def block_rows(self) -> int:
+        """Tile rows per block: enough for V and M to fill _BLOCK_BYTES, and enough that the
+        transformed filters, read once a block, move no more bytes per tile than V and M do
+        (K·C / P ≤ K + C for P tiles a block): 256 × 256 filters take 128 tiles a block."""
+        per_row = 4 * POINTS * (self.channels + self.filters) * self.row_tiles
+        filter_tiles = self.channels * self.filters // (self.channels + self.filters)
+        rows = max(-(-_BLOCK_BYTES // per_row), -(-filter_tiles // self.row_tiles))
+        return max(1, min(self.tile_rows, rows))
+
+    @property
+    def block_tiles(self) -> int:
+        return self.block_rows * self.row_tiles
+
+    @property
+    def v_floats(self) -> int:
+        """Floats from one point's V to the next: the block's tiles in whole panels, by all
+        channels (`_staggered`)."""
+        return _staggered(-(-self.block_tiles // self.panel) * self.panel * self.channels)
+
+    @property
+    def m_floats(self) -> int:
+        """Floats from one point's M to the next: filters × the block's tiles (`_staggered`)."""
+        return _staggered(self.filters * self.block_tiles)
+
+    @property
+    def patch_rows(self) -> int:
+        """Input rows under a block's tiles."""
+        return TILE * self.block_rows + PATCH - TILE
+
+    @property
+    def patch_width(self) -> int:
+        """A row of input under a tile row, its padding included."""
+        return TILE * self.row_tiles + PATCH - TILE
+
+    @property
+    def patch_floats(self) -> int:
+        return self.channels * self.patch_rows * self.patch_width
+
+    @property
+    def workspace_bytes(self) -> int:
+        """A part's scratch: V and M of every point, the block's input rows and output rows,
+        and room to align V to a cache line."""
+        return 64 + 4 * (POINTS * (self.v_floats + self.m_floats) + self.patch_floats
+                         + self.filters * TILE * self.block_rows * TILE * self.row_tiles)
+
+
+def _staggered(floats: int) -> int:
+    """`floats` rounded up to whole 4 KiB pages plus one cache line: the transforms touch
+    the same place in all 16 points at once, and 16 streams a multiple of 4 KiB apart
+    would share one set of the L1 cache (8 ways) and evict each other."""
+    return -(-floats // 1024) * 1024 + 16
+
+
+def _geometry(op, panel: int) -> _Geometry:
+    """`op`'s sizes, for the packed GEMM's panels of `panel` tiles."""
+    (_, channels, height, width), (filters, *_), (_, _, out_height, out_width) = (v.shape for v in (*op.inputs[:2], op.outputs[0]))
+    pad_height, pad_width = attrs_of(op)["padding"]
+    group = 8 if panel % 8 == 0 else 4  # AVX2 and AVX-512 panels hold vectors of 8; SSE's of 12, of 4
+    return _Geometry(channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel)
+
+
+def _supported(op) -> bool:
+    """A float32 3 × 3 convolution of stride 1 by constant filters (an inference model's),
+    not so wide that its transformed filters come from memory for every block."""
+    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    attrs = attrs_of(op)
+    return (x.dtype == w.dtype == dtypes.DT_FLOAT32 and tuple(w.shape[2:]) == (3, 3) and tuple(attrs["strides"]) == (1, 1)
+            and unchanging_constant(w) and w.shape[0] * w.shape[1] <= _MAX_PAIRS and y.size > 0
+            and math.prod(x.shape[1:]) < 1 << 31)
+
+
+_FILTER_UNIT = 8  # filters in a part's share: whole strips of the GEMM's tiles (MR ≤ 6) mostly
+
+
+def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int]]]:
+    """The calls per worker-pool part, each (image, first tile row, last tile row, first
+    filter, last filter): whole images shared out when there are at least as many as cores,
+    else each image's blocks, or where it has fewer blocks than its share of the cores, its
+    filters (each part then transforms the whole input, and reads only its filters' U)."""
+    images = op.inputs[0].shape[0]
+    flops = 2 * op.outputs[0].size * math.prod(op.inputs[1].shape[1:])
+    threads = thread_count() if worth_splitting(flops, op.inputs[0].nbytes) else 1
+    if images >= threads:
+        return [[(i, 0, g.tile_rows, 0, g.filters) for i in range(first, last)] for first, last in shares(images, threads)]
+    per_image = max(1, threads // images)
+    if -(-g.tile_rows // g.block_rows) >= per_image:
+        return [[(i, first, last, 0, g.filters)] for i in range(images) for first, last in shares(g.tile_rows, per_image, g.block_rows)]
+    return [[(i, 0, g.tile_rows, first, last)] for i in range(images) for first, last in shares(g.filters, per_image, _FILTER_UNIT)]
+
+
+def _workspace_bytes(op) -> int:
+    """Enough for the parts of any target's panel width."""
+    return max(len(_parts(op, g)) * g.workspace_bytes for g in (_geometry(op, panel) for panel in sgemm.PANEL_WIDTHS))
+
+
+def _prepared(op) -> Prepared:
+    return Prepared(op.inputs[1], FORM, lambda value, target: transformed_filters(value))
+
+
+_GEMM = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer(), F32.as_pointer(), I64])
+# image, the first filter's U[0], its output plane, first and last tile row, filters, scratch, the packed GEMM
+_TILES = ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer(), F32.as_pointer(), I64, I64, I64, BYTE_PTR, _GEMM.as_pointer()])
+
+
+@kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes,
+        prepares=lambda op: [_prepared(op)])
+def winograd_conv(ctx, op) -> None:
+    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    g = _geometry(op, sgemm.panel_width(ctx.target))
+    tiles = _Emitter(ctx.module, g).tiles_function()
+    image_size, out_size = math.prod(x.shape[1:]), math.prod(y.shape[1:])
+    plane = g.out_height * g.out_width
+
+    def part(calls, number: int):
+        def emit(ctx) -> None:
+            b = ctx.b
+            gemm = b.bitcast(ctx.table_entry(SGEMM_PACKED), _GEMM.as_pointer())
+            filters = ctx.prepared(w, FORM, F32)
+            scratch = b.gep(ctx.address(ctx.workspace), [i64(number * g.workspace_bytes)])
+            for image, first, last, first_filter, last_filter in calls:
+                b.call(tiles, [ctx.element_pointer(x, image * image_size), b.gep(filters, [i64(first_filter * g.channels)]),
+                               ctx.element_pointer(y, image * out_size + first_filter * plane), i64(first), i64(last),
+                               i64(last_filter - first_filter), scratch, gemm])
+                top, bottom = TILE * first, min(TILE * last, g.out_height)
+                epilogue(ctx, op, image * out_size + first_filter * plane + top * g.out_width, last_filter - first_filter,
+                         (bottom - top) * g.out_width)
+
+        return emit
+
+    run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op, g))])
+
+
+def _apply(matrix: np.ndarray, values: list[Value]) -> list[Value]:
+    """matrix · values, the values a column of vectors: each row a signed sum of them."""
+    rows = []
+    for row in matrix:
+        terms = sorted(((c, v) for c, v in zip(row, values, strict=True) if c != 0), key=lambda t: t[0] < 0)
+        first, total = terms[0]
+        total = total if first == 1 else total * float(first)
+        for coefficient, value in terms[1:]:
+            total = total + value if coefficient == 1 else total - value if coefficient == -1 else total + value * float(coefficient)
+        rows.append(total)
+    return rows
+
+
+def _apply_both(matrix: np.ndarray, square: list[list[Value]]) -> list[list[Value]]:
+    """matrix · square · matrixᵀ, the square a list of rows."""
+    columns = [_apply(matrix, [row[s] for row in square]) for s in range(len(square[0]))]  # columns[s][i]
+    return [_apply(matrix, [column[i] for column in columns]) for i in range(matrix.shape[0])]
+
+
+class _Emitter:
+    """The function computing one image's output over a range of tile rows."""
+
+    def __init__(self, module: ir.Module, g: _Geometry):
+        self.module, self.g = module, g
+        self.vector = ir.VectorType(F32, g.group)
+        self.ints = ir.VectorType(I32, g.group)
+        self.zeros = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * g.group)
+
+    def tiles_function(self) -> ir.Function:
+        g = self.g
+        function = ir.Function(self.module, _TILES, name=self.module.get_unique_name("winograd_tiles"))
+        function.linkage = "internal"
+        image, filters, out, first_row, last_row, filter_count, scratch, gemm = function.args
+        b = self.b = ir.IRBuilder(function.append_basic_block("entry"))
+        address = b.ptrtoint(scratch, I64)
+        v = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), F32.as_pointer())
+        m = b.gep(v, [i64(POINTS * g.v_floats)])
+        patches = b.gep(m, [i64(POINTS * g.m_floats)])
+        tiles_out = b.gep(patches, [i64(g.patch_floats)])
+        with for_range(b, first_row, last_row, step=g.block_rows, name="block") as top:
+            rows = b.sub(last_row, top)
+            rows = b.select(b.icmp_signed("<", rows, i64(g.block_rows)), rows, i64(g.block_rows))
+            count = b.mul(rows, i64(g.row_tiles))
+            self.gather_rows(image, top, rows, patches)
+            with for_range(b, i64(0), rows, name="tile_row") as row, \
+                    for_range(b, i64(0), i64(g.row_tiles), step=g.group, name="tile") as column:
+                self.input_transform(patches, row, column, b.add(b.mul(row, i64(g.row_tiles)), column), v)
+            with for_range(b, i64(0), i64(POINTS), name="point") as point:
+                b.call(gemm, [i64(0), filter_count, count, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * g.channels))]),
+                              i64(g.channels), b.gep(v, [b.mul(point, i64(g.v_floats))]), b.gep(m, [b.mul(point, i64(g.m_floats))]),
+                              count])
+            with for_range(b, i64(0), filter_count, name="filter") as k, for_range(b, i64(0), rows, name="out_row") as row, \
+                    for_range(b, i64(0), i64(g.row_tiles), step=g.group, name="out_tile") as column:
+                at = b.add(b.mul(k, count), b.add(b.mul(row, i64(g.row_tiles)), column))
+                self.output_transform(m, at, tiles_out, k, row, column)
+            self.scatter_rows(tiles_out, top, rows, filter_count, out)
+        b.ret_void()
+        return function
+
+    # ---- moving rows between the image and the block's scratch ------------------------------
+
+    def copy(self, source: ir.Value | None, target: ir.Value, count: int) -> None:
+        """`count` floats from `source` (zeros if None) to `target`: whole vectors, then the rest."""
+        b, group = self.b, self.g.group
+        whole = count // group * group
+
+        def move(at: ir.Value, lanes: int) -> None:
+            kind = self.vector if lanes > 1 else F32
+            value = self.zeros if source is None and lanes > 1 else ir.Constant(F32, 0.0) if source is None else \
+                b.load(b.bitcast(b.gep(source, [at]), kind.as_pointer()), align=4)
+            b.store(value, b.bitcast(b.gep(target, [at]), kind.as_pointer()), align=4)
+
+        if whole:
+            with for_range(b, i64(0), i64(whole), step=group, name="copy") as at:
+                move(at, group)
+        for at in range(whole, count):
+            move(i64(at), 1)
+
+    def gather_rows(self, image: ir.Value, top: ir.Value, rows: ir.Value, patches: ir.Value) -> None:
+        """The input rows under the block's tiles, every channel, into `patches` with their
+        padding as zeros (the image's column x at x + pad_width): the transform reads them
+        without masks."""
+        b, g = self.b, self.g
+        with for_range(b, i64(0), i64(g.channels), name="gather_channel") as c, \
+                for_range(b, i64(0), b.add(b.mul(rows, i64(TILE)), i64(PATCH - TILE)), name="gather_row") as r:
+            y = b.add(b.sub(b.mul(top, i64(TILE)), i64(g.pad_height)), r)
+            target = b.gep(patches, [b.mul(b.add(b.mul(c, i64(g.patch_rows)), r), i64(g.patch_width))])
+            with b.if_else(b.icmp_unsigned("<", y, i64(g.height))) as (inside, outside):
+                with inside:
+                    self.copy(None, target, g.pad_width)
+                    source = b.gep(image, [b.add(b.mul(c, i64(g.height * g.width)), b.mul(y, i64(g.width)))])
+                    self.copy(source, b.gep(target, [i64(g.pad_width)]), g.width)
+                    self.copy(None, b.gep(target, [i64(g.pad_width + g.width)]), g.patch_width - g.pad_width - g.width)
+                with outside:
+                    self.copy(None, target, g.patch_width)
+
+    def scatter_rows(self, tiles_out: ir.Value, top: ir.Value, rows: ir.Value, filters: ir.Value, out: ir.Value) -> None:
+        """The block's output rows of the call's filters, from `tiles_out` into the image's output
+        (the tiles' columns and rows past its edge left out)."""
+        b, g = self.b, self.g
+        out_rows = b.sub(b.mul(rows, i64(TILE)), b.zext(b.icmp_signed(">", b.mul(b.add(top, rows), i64(TILE)), i64(g.out_height)), I64))
+        with for_range(b, i64(0), filters, name="scatter_filter") as k, for_range(b, i64(0), out_rows, name="scatter_row") as r:
+            source = b.gep(tiles_out, [b.mul(b.add(b.mul(k, i64(TILE * g.block_rows)), r), i64(TILE * g.row_tiles))])
+            y = b.add(b.mul(top, i64(TILE)), r)
+            self.copy(source, b.gep(out, [b.add(b.mul(k, i64(g.out_height * g.out_width)), b.mul(y, i64(g.out_width)))]), g.out_width)
+
+    # ---- the transforms ---------------------------------------------------------------------
+
+    def input_transform(self, patches: ir.Value, row: ir.Value, tile: ir.Value, index: ir.Value, v: ir.Value) -> None:
+        """V of the `group` tiles from `tile` in the block's tile row `row`, every channel,
+        into the panels at tile `index` of the block."""
+        b, g = self.b, self.g
+        group = g.group
+        # a patch row is read as [left, left + 2·group) and [left + 2, left + 2 + 2·group),
+        # split into even and odd columns
+        starts = [0, group, 2, 2 + group]
+        evens = ir.Constant(self.ints, [2 * e for e in range(group)])
+        odds = ir.Constant(self.ints, [2 * e + 1 for e in range(group)])
+        panel, lane = b.sdiv(index, i64(g.panel)), b.srem(index, i64(g.panel))
+        target = b.add(b.mul(panel, i64(g.panel * g.channels)), lane)
+        first = b.add(b.mul(b.mul(row, i64(TILE)), i64(g.patch_width)), b.mul(tile, i64(TILE)))
+        with for_range(b, i64(0), i64(g.channels), name="channel") as c:
+            corner = b.gep(patches, [b.add(b.mul(c, i64(g.patch_rows * g.patch_width)), first)])
+            patch = []
+            for r in range(PATCH):
+                loads = [b.load(b.bitcast(b.gep(corner, [i64(r * g.patch_width + s)]), self.vector.as_pointer()), align=4) for s in starts]
+                patch.append([Value(b, b.shuffle_vector(loads[pair], loads[pair + 1], parity), dtypes.DT_FLOAT32)
+                              for pair in (0, 2) for parity in (evens, odds)])
+            at = b.add(target, b.mul(c, i64(g.panel)))
+            for point, value in enumerate(value for row_ in _apply_both(INPUT_T, patch) for value in row_):
+                pointer = b.gep(v, [b.add(at, i64(point * g.v_floats))])
+                b.store(value.ir, b.bitcast(pointer, self.vector.as_pointer()), align=4)
+
+    def output_transform(self, m: ir.Value, at: ir.Value, tiles_out: ir.Value, k: ir.Value, row: ir.Value, tile: ir.Value) -> None:
+        """The 2 × 2 outputs of filter k for the `group` tiles from `tile` in the block's tile
+        row `row`, from their products at `at` of each point's M, into `tiles_out`."""
+        b, g = self.b, self.g
+        group = g.group
+        points = []
+        for point in range(POINTS):
+            pointer = b.gep(m, [b.add(at, i64(point * g.m_floats))])
+            points.append(Value(b, b.load(b.bitcast(pointer, self.vector.as_pointer()), align=4), dtypes.DT_FLOAT32))
+        y = _apply_both(OUTPUT_T, [points[r * PATCH : (r + 1) * PATCH] for r in range(PATCH)])
+        halves = [ir.Constant(self.ints, [h * group // 2 + e // 2 + (e % 2) * group for e in range(group)]) for h in (0, 1)]
+        width = TILE * g.row_tiles
+        corner = b.add(b.mul(b.add(b.mul(k, i64(TILE * g.block_rows)), b.mul(row, i64(TILE))), i64(width)), b.mul(tile, i64(TILE)))
+        for a in range(TILE):
+            for h in (0, 1):
+                value = b.shuffle_vector(y[a][0].ir, y[a][1].ir, halves[h])
+                pointer = b.gep(tiles_out, [b.add(corner, i64(a * width + h * group))])
+                b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=4)

@@ -1,0 +1,150 @@
+"""Conv2D by Winograd's F(2×2, 3×3) (kernels/winograd.py): the transform matrices against the
+direct correlation in float64; the kernel in compiled cells against PyTorch's float64
+convolution for each vector variant, at geometries that reach every edge of its loops
+(outputs of odd sizes, tile rows padded to whole vectors, padding 0 to 2, a last block of
+fewer rows, channels past one slice of the GEMM's k), with a Conv2DCalculate's program, and
+for each way of sharing the work out (images, blocks of tile rows, filters); and which
+convolutions it takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_array
+
+import ranvier as rv
+from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.kernels import winograd
+
+MASKS = ["", "-avx512", "-avx512,-avx2"]
+
+
+def test_the_transforms_compute_a_2x2_tile_of_the_correlation():
+    rng = np.random.default_rng(0)
+    patch, taps = rng.standard_normal((4, 4)), rng.standard_normal((3, 3))
+    u = winograd.FILTER @ taps @ winograd.FILTER.T
+    v = winograd.INPUT_T @ patch @ winograd.INPUT_T.T
+    tile = winograd.OUTPUT_T @ (u * v) @ winograd.OUTPUT_T.T
+    direct = np.array([[np.sum(patch[i : i + 3, j : j + 3] * taps) for j in range(2)] for i in range(2)])
+    np.testing.assert_allclose(tile, direct, rtol=1e-12, atol=1e-12)
+
+
+def test_transformed_filters_are_one_matrix_per_point():
+    w = random_array((5, 3, 3, 3), "float32", seed=3)
+    u = winograd.transformed_filters(w)
+    assert u.shape == (16, 5, 3) and u.dtype == np.float32 and u.flags.c_contiguous
+    want = np.einsum("ia,kcab,jb->kcij", winograd.FILTER, w.astype(np.float64), winograd.FILTER)
+    np.testing.assert_allclose(u.reshape(4, 4, 5, 3).transpose(2, 3, 0, 1), want, rtol=1e-6, atol=1e-6)
+
+
+def _cell(shape, filters, padding, mask="", calculate=False, seed=0):
+    """A cell convolving a variable x with constant filters (and, if `calculate`, a bias,
+    a residual and a ReLU after), its output, and the float64 expectation and error bound."""
+    x_value = random_array(shape, "float32", seed=seed)
+    w_value = random_array(filters, "float32", seed=seed + 1, low=-1, high=1)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", shape)
+    y = f.conv2d(x, f.const(w_value), strides=1, padding=padding)
+    tx, tw = torch.tensor(x_value, dtype=torch.float64), torch.tensor(w_value, dtype=torch.float64)
+    want = torch.nn.functional.conv2d(tx, tw, padding=padding)
+    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), padding=padding)
+    if calculate:
+        bias = random_array((filters[0], 1, 1), "float32", seed=seed + 2)
+        residual = random_array(want.shape, "float32", seed=seed + 3)
+        y = f.relu(y + f.const(bias) + f.const(residual))
+        want = torch.relu(want + torch.tensor(bias, dtype=torch.float64) + torch.tensor(residual, dtype=torch.float64))
+        bound = bound + torch.tensor(np.abs(bias) + np.abs(residual), dtype=torch.float64)
+    y.var.out = True
+    cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    data = cell.instance()
+    data[x] = x_value
+    return cell, data, y, want.numpy(), bound.numpy()
+
+
+def _check(data, y, want, bound) -> None:
+    for sentinel in (np.nan, 7.0):  # an element never written keeps one of them
+        data[y] = np.full(y.shape, sentinel, np.float32)
+        data.compute()
+        got = np.array(data[y])
+        assert np.isfinite(got).all()
+        # F(2, 3)'s transforms add a few roundings of values up to 4 × the inputs'
+        assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
+
+
+GEOMETRIES = [
+    ((1, 3, 8, 8), (4, 3, 3, 3), 1),  # one vector of tiles, half of it padding
+    ((2, 5, 11, 13), (7, 5, 3, 3), 1),  # odd output: last tile row and column half outside
+    ((1, 6, 9, 17), (9, 6, 3, 3), 0),  # no padding: 7 × 15 outputs
+    ((1, 4, 10, 10), (3, 4, 3, 3), 2),  # padding wider than one: 12 × 12 outputs
+    ((1, 300, 6, 6), (5, 300, 3, 3), 1),  # channels past one slice of the GEMM's k
+    ((1, 8, 40, 70), (12, 8, 3, 3), 1),  # several blocks, the last one shorter
+]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"g{i}" for i in range(len(GEOMETRIES))])
+def test_winograd_convolution_matches_pytorch(geometry, mask):
+    cell, data, y, want, bound = _cell(*geometry, mask=mask)
+    (step,) = cell.steps
+    assert step.kernel == winograd.WINOGRAD_KERNEL and step.variant != "python"
+    _check(data, y, want, bound)
+
+
+@pytest.mark.parametrize("mask", ["", "-avx512,-avx2"])
+def test_a_calculate_after_the_convolution_runs_over_the_rows_each_part_wrote(mask):
+    cell, data, y, want, bound = _cell((1, 32, 30, 30), (24, 32, 3, 3), 1, mask=mask, calculate=True)
+    assert [step.kernel for step in cell.steps] == [winograd.WINOGRAD_KERNEL]
+    _check(data, y, want, bound)
+
+
+SPLITS = {
+    "images": ((3, 16, 20, 20), (16, 16, 3, 3)),
+    "tile rows": ((1, 64, 56, 56), (64, 64, 3, 3)),
+    "filters": ((1, 256, 14, 14), (256, 256, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_each_way_of_sharing_the_work_out(split, monkeypatch):
+    """Two parts as on a 2-core machine, whatever this one has: whole images, ranges of
+    tile rows, or (an image of fewer blocks than parts) ranges of filters."""
+    monkeypatch.setattr(winograd, "thread_count", lambda: 2)
+    monkeypatch.setattr(winograd, "worth_splitting", lambda flops, nbytes: True)
+    shape, filters = SPLITS[split]
+    cell, data, y, want, bound = _cell(shape, filters, 1, calculate=True, seed=len(split))
+    op = next(step.op for step in cell.steps if step.kernel == winograd.WINOGRAD_KERNEL)
+    parts = winograd._parts(op, winograd._geometry(op, sgemm.panel_width(cell.backend.target)))
+    assert len(parts) == 2
+    images, rows, filter_ranges = ({call[i] for part in parts for call in part} for i in (0, slice(1, 3), slice(3, 5)))
+    if split == "images":
+        assert images == {0, 1, 2} and len(filter_ranges) == 1
+    elif split == "tile rows":
+        assert len(rows) == 2 and len(filter_ranges) == 1
+    else:
+        assert len(rows) == 1 and filter_ranges == {(0, 128), (128, 256)}
+    _check(data, y, want, bound)
+
+
+def test_other_convolutions_are_the_implicit_gemms():
+    """Filters that change (training), strides, other kernel sizes and filters too wide for
+    their transforms to stay in the caches keep the direct convolution."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [1, 8, 12, 12])
+    outputs = [
+        f.conv2d(x, f.var("w", "float32", [4, 8, 3, 3]), padding=1),
+        f.conv2d(x, f.const(random_array((4, 8, 3, 3), "float32")), strides=2, padding=1),
+        f.conv2d(x, f.const(random_array((4, 8, 5, 5), "float32")), padding=2),
+        f.conv2d(f.var("wide", "float32", [1, 512, 4, 4]), f.const(random_array((512, 512, 3, 3), "float32")), padding=1),
+    ]
+    for output in outputs:
+        output.var.out = True
+    kernels = [step.kernel for step in rv.Compiler("cpu", cache=False).compile(flow).cell("f").steps]
+    assert kernels == ["ConvGemm"] * 4
+
+
+def test_the_printed_cell_names_the_winograd_kernel():
+    cell, *_ = _cell((1, 3, 8, 8), (4, 3, 3, 3), 1)
+    assert winograd.WINOGRAD_KERNEL in str(cell)
