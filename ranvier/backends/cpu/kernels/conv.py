@@ -24,6 +24,11 @@ from .program import epilogue
 
 CONV_KERNEL = "ConvGemm"
 _UNIT = 16  # edges of the blocks of an image's output a part computes
+# A call of a whole image writes at most this much output (ResNet-18's first convolution
+# writes 3.2 MB an image: at batch 32 its bias and ReLU then read it back from memory), in
+# columns a multiple of the GEMM's blocks of B (384 on every target).
+_CALL_BYTES = 256 << 10
+_CALL_UNIT = 384
 
 
 def _sizes(op) -> tuple[int, int, int, int]:
@@ -40,12 +45,15 @@ def _supported(op) -> bool:
 
 def _parts(op) -> list[list[tuple[int, int, int, int, int]]]:
     """The calls per worker-pool part, each (image, first row, rows, first column, columns)
-    of the output: whole images shared out when there are at least as many as cores,
-    else each image's output cut into a grid of blocks."""
+    of the output: whole images shared out when there are at least as many as cores (each
+    in calls of at most `_CALL_BYTES` of output, so a Conv2DCalculate's program finds what
+    it reads in the cache), else each image's output cut into a grid of blocks."""
     images, rows, columns, taps = _sizes(op)
     threads = thread_count() if worth_splitting(2 * op.outputs[0].size * taps, op.inputs[0].nbytes) else 1
     if images >= threads:
-        return [[(i, 0, rows, 0, columns) for i in range(first, last)] for first, last in shares(images, threads)]
+        width = max(1, _CALL_BYTES // (4 * rows * _CALL_UNIT)) * _CALL_UNIT
+        return [[(i, 0, rows, c0, c1 - c0) for i in range(first, last) for c0, c1 in shares(columns, -(-columns // width))]
+                for first, last in shares(images, threads)]
     return [[(i, r0, r1 - r0, c0, c1 - c0)] for i in range(images)
             for (r0, r1), (c0, c1) in gemm_grid(rows, columns, threads // images, _UNIT)]
 
