@@ -38,6 +38,20 @@ def test_transformed_filters_are_one_matrix_per_point():
     np.testing.assert_allclose(u.reshape(4, 4, 5, 3).transpose(2, 3, 0, 1), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("width", "panel", "group", "row_tiles"), [
+    (56, 24, 4, 28),  # 28 tiles: seven vectors of 4, where 8s would pad to 32
+    (28, 24, 8, 16),  # 14 tiles: 16 either way, in vectors of 8
+    (13, 32, 8, 8),  # AVX-512's panels
+    (56, 12, 4, 28),  # SSE's panels of 12 hold vectors of 4 only
+])
+def test_tile_rows_are_vectors_of_whichever_group_pads_less(width, panel, group, row_tiles):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.conv2d(f.var("x", "float32", [1, 2, 8, width]), f.const(random_array((3, 2, 3, 3), "float32")), padding=1)
+    geometry = winograd._geometry(y.var.producer, panel)
+    assert (geometry.group, geometry.row_tiles) == (group, row_tiles)
+
+
 def _cell(shape, filters, padding, mask="", calculate=False, seed=0):
     """A cell convolving a variable x with constant filters (and, if `calculate`, a bias,
     a residual and a ReLU after), its output, and the float64 expectation and error bound."""

@@ -11,19 +11,23 @@ the transforms and their memory traffic. The filters are an inference model's co
 is made once when the network is (a `Prepared` form of the weights).
 
 The output's tiles are taken a block of tile rows at a time, sized so the block's V and M stay
-near the caches. Per block, on the calling thread:
+near the caches and the filters' U is read few times. Per block, on the calling thread:
 
-1. the input transform reads each channel's patches, a vector of `group` horizontally
-   adjacent tiles at a time (each row of their patches is two loads split into even and odd
-   columns, masked where the patches reach into the padding), and stores V[ξ] as the
-   generated GEMM's packed panels of B (sgemm.py: NR tiles by all C channels);
-2. 16 calls of `ranvier_sgemm_packed` make M[ξ], reading U[ξ] in place;
-3. the output transform stores each tile's 2 × 2 outputs into the NCHW output (two
-   interleaved vectors per output row, masked past its edge), and a Conv2DCalculate's
-   program runs over the rows of output the part wrote.
+1. the input rows under the block are copied, every channel, into a scratch with their
+   padding as zeros, so the transform reads them with plain vector loads;
+2. the input transform reads a vector of `group` horizontally adjacent tiles at a time (each
+   row of their patches is two loads split into even and odd columns) and stores V[ξ] as
+   the generated GEMM's packed panels of B (sgemm.py: NR tiles by all C channels);
+3. 16 calls of `ranvier_sgemm_packed` make M[ξ], reading U[ξ] in place;
+4. the output transform writes each tile's 2 × 2 outputs into a scratch of whole tile rows
+   (two interleaved vectors per output row), whose rows are then copied into the NCHW
+   output less what lies past its edge; a Conv2DCalculate's program runs over the rows
+   of output each call wrote.
 
-A tile row is padded to a whole number of vectors of tiles (28 tiles are 32): the padding
-tiles compute what is never stored, so the loads and stores need no other case. Profiles
+The edges go through the scratches rather than masked loads and stores, which are slow on
+AMD's cores (ResNet-18's first 3 × 3 convolution spent 0.39 ms in its transforms with masks,
+0.29 ms without). A tile row is padded to a whole number of vectors of tiles,
+4 or 8 (whichever pads less): the padding tiles compute what is never stored. Profiles
 count the direct convolution's FLOPs, so the kernel's GFLOP/s is the rate a direct
 convolution would need to match it.
 """
@@ -63,8 +67,9 @@ FORM = "Winograd F(2x2, 3x3) filters U[16, K, C]"
 # GEMMs' panels and rows are long enough to run near their peak, while V and M stay in the
 # caches between the transforms and the products.
 _BLOCK_BYTES = 512 << 10
-# Above this many filter × channel pairs the 16 transformed filters (64 bytes a pair) are
-# read from memory once per block: ResNet-18's 256-channel layers measured no faster.
+# Above this many filter × channel pairs the 16 transformed filters (64 bytes a pair) come
+# from memory: ResNet-18's 512 × 512 convolutions (16 MB of U) took 1.2 times the direct
+# convolution's time at batch 1 and the same at batch 8; its 256 × 256 ones 0.7 times.
 _MAX_PAIRS = 256 * 256
 
 
@@ -157,7 +162,10 @@ def _geometry(op, panel: int) -> _Geometry:
     """`op`'s sizes, for the packed GEMM's panels of `panel` tiles."""
     (_, channels, height, width), (filters, *_), (_, _, out_height, out_width) = (v.shape for v in (*op.inputs[:2], op.outputs[0]))
     pad_height, pad_width = attrs_of(op)["padding"]
-    group = 8 if panel % 8 == 0 else 4  # AVX2 and AVX-512 panels hold vectors of 8; SSE's of 12, of 4
+    # vectors of 8 tiles where they waste no more tiles on padding than vectors of 4 (28 tiles
+    # a row are 7 vectors of 4, or 4 of 8 with 4 padding); SSE's panels of 12 hold 4s only
+    tiles = -(-out_width // TILE)
+    group = 8 if panel % 8 == 0 and -(-tiles // 8) * 8 <= -(-tiles // 4) * 4 else 4
     return _Geometry(channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel)
 
 
