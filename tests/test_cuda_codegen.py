@@ -505,6 +505,34 @@ def test_a_row_op_runs_the_cpus_row_passes_split_over_a_block(name, attrs, dtype
     assert kernel.threads == (32 if n <= 1024 else 128 if n <= 8192 else 256)
 
 
+def test_sampling_splits_each_pass_and_bisection_over_a_block():
+    """SampleToken on a block of 128 threads per 5,000-word row: every cut and the token
+    are the reference's (the uniform numbers lie mid-way in their tokens' shares), the
+    probabilities within the block's summation order."""
+    from ranvier.ops.sampling import pick, sample_distribution
+
+    rows, n = 2, 5000
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    inputs = [f.var("l", "float32", [rows, n]), f.var("u", "float32", [rows]), f.var("t", "float32", []),
+              f.var("k", "int32", []), f.var("p", "float32", [])]
+    tokens, probabilities = f.sample_token(*inputs)
+    logits = random_array([rows, n], "float32", seed=4)
+    p = [sample_distribution(row, 0.9, 200, 1.0) for row in logits]
+    top_p = float(np.mean(np.cumsum(np.sort(p[0])[::-1])[[29, 30]]))  # a nucleus of 31 in row 0
+    p = [sample_distribution(row, 0.9, 200, top_p) for row in logits]
+    uniform = np.array([np.cumsum(q)[pick(q, 0.4)] - q[pick(q, 0.4)] / 2 for q in p], np.float32)
+    values = {"f/l": logits, "f/u": uniform, "f/t": np.float32(0.9), "f/k": np.int32(200), "f/p": np.float32(top_p)}
+    op = tokens.var.producer
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    assert got[tokens.name].tolist() == [pick(q, float(u)) for q, u in zip(p, uniform, strict=True)]
+    np.testing.assert_allclose(got[probabilities.name], np.array(p), atol=1e-6)
+    assert _assembles(op) == rows
+    (kernel,) = kernels.kernel_module(op)[1]
+    assert kernel.threads == 128
+
+
 def _lookup(name, indices, oov=False, width=5):
     """A lookup into 9 rows of 2 × `width` (Gather) or of `width` + 4 columns (OneHot)."""
     flow = rv.Flow()

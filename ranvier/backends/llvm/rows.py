@@ -323,6 +323,127 @@ def softmax_top_k_rows(op) -> RowBody:
     return body
 
 
+def _min(acc: Value, x: Value) -> Value:
+    return (x < acc).where(x, acc)
+
+
+def _ordered(value: Value) -> Value:
+    """float32 bits as an int32 that orders as the floats do (a negative float's other bits
+    reversed): bisection over it ends on a row's exact value. It is its own inverse."""
+    bits = value.bitcast(dtypes.DT_INT32)
+    return (bits < 0).where(bits ^ 0x7FFFFFFF, bits)
+
+
+def _ordered_inverse(key: Value) -> Value:
+    bits = key.cast(dtypes.DT_INT32)
+    return (bits < 0).where(bits ^ 0x7FFFFFFF, bits).bitcast(dtypes.DT_FLOAT32)
+
+
+def _bisect(ctx, low: int | Value, high: int | Value, steps: int, holds: Callable[[Value], Value], upper: bool) -> Value:
+    """Over the integers [low, high]: with `upper`, the largest m where `holds(m)` (it holds
+    at `low` and fails from some point on); else the smallest m where it holds (it holds at
+    `high` and from some point on). `steps` halvings cover the range; each costs a pass."""
+    lo = ctx.local(dtypes.DT_INT64, 1, ctx.index(low).cast(dtypes.DT_INT64))
+    hi = ctx.local(dtypes.DT_INT64, 1, ctx.index(high).cast(dtypes.DT_INT64))
+    with ctx.loop(0, steps, name="bisect"), ctx.when(lo.value < hi.value):
+        mid = lo.value + (hi.value - lo.value + (1 if upper else 0)) / 2
+        yes = holds(mid)
+        if upper:
+            lo.set(yes.where(mid, lo.value))
+            hi.set(yes.where(hi.value, mid - 1))
+        else:
+            hi.set(yes.where(mid, hi.value))
+            lo.set(yes.where(lo.value, mid + 1))
+    return lo.value
+
+
+def sample_rows(op) -> RowBody:
+    """A token per row (`ranvier.ops.sampling`), every step a pass or a bisection of passes:
+    the row's maximum; greedy: its first position; else the k-th largest logit (bisection
+    over the logits' ordered bits: each pass counts the logits at least a candidate), the
+    exponentials kept in `probabilities` with their sum, the nucleus's cut (bisection over
+    the probabilities' bits: each pass sums those at least a candidate), and the token
+    (bisection over positions: each pass sums the probabilities up to one)."""
+    logits, uniform, temperature, top_k, top_p = op.inputs
+    token, probs = op.outputs
+    _, n = row_shape(op)
+    f32 = dtypes.DT_FLOAT32
+
+    def body(ctx, r):
+        start = r * n
+        row = Row(ctx, start, n, f32)
+        heat, k, nucleus = (ctx.load(v, 0) for v in (temperature, top_k, top_p))
+        peak = row.max(logits)
+
+        def position(i, w):
+            return (i - start).splat(w) + ctx.lane_numbers(w)
+
+        def one(w):
+            return ctx.constant(f32, 1.0, w)
+
+        chosen = ctx.local(dtypes.DT_INT64, 1, 0)
+        greedy = heat <= 0.0
+        with ctx.when(greedy):
+            first = row.fold(float(n), _min, lambda i, w: ctx.load(logits, i, w).equal(peak.splat(w)).where(position(i, w).cast(f32), float(n)))
+            chosen.set(first.cast(dtypes.DT_INT64))
+            row.each(lambda i, w: ctx.store(probs, i, position(i, w).equal(chosen.value.splat(w)).where(one(w), 0.0)))
+        with ctx.when(~greedy):
+            cut = ctx.local(f32, 1, -math.inf)
+            cutting = (k > 0) & (k < n)
+            with ctx.when(cutting):
+                def at_least_k(key):
+                    candidate = _ordered_inverse(key)
+                    return row.sum(lambda i, w: (ctx.load(logits, i, w) >= candidate.splat(w)).where(one(w), 0.0)) >= k.cast(f32)
+
+                cut.set(_ordered_inverse(_bisect(ctx, -(1 << 31), _ordered(peak), 32, at_least_k, upper=True)))
+            scale = 1.0 / heat
+
+            def exponential(i, w):
+                x = ctx.load(logits, i, w)
+                e = (x >= cut.value.splat(w)).where(((x - peak.splat(w)) * scale.splat(w)).exp(), 0.0)
+                ctx.store(probs, i, e)
+                return e
+
+            total = ctx.local(f32, 1, row.sum(exponential))
+            with ctx.when((nucleus > 0.0) & (nucleus < 1.0)):
+                target = nucleus * total.value
+
+                def reaches(key):
+                    candidate = key.cast(dtypes.DT_INT32).bitcast(f32)
+
+                    def kept(i, w):
+                        e = ctx.load(probs, i, w)
+                        return (e >= candidate.splat(w)).where(e, 0.0)
+
+                    return row.sum(kept) >= target
+
+                # the exponentials lie in [0, 1]: their bits in [0, 2^30)
+                smallest = _bisect(ctx, 0, _ordered(ctx.constant(f32, 1.0)), 30, reaches, upper=True).cast(dtypes.DT_INT32).bitcast(f32)
+
+                def trimmed(i, w):
+                    e = ctx.load(probs, i, w)
+                    e = (e >= smallest.splat(w)).where(e, 0.0)
+                    ctx.store(probs, i, e)
+                    return e
+
+                total.set(row.sum(trimmed))
+            drawn = ctx.load(uniform, r) * total.value
+
+            def passes(index):
+                return row.sum(lambda i, w: (position(i, w) <= index.splat(w)).where(ctx.load(probs, i, w), 0.0)) > drawn
+
+            chosen.set(_bisect(ctx, 0, n - 1, max(1, (n - 1).bit_length()), passes, upper=False))
+            # rounding can leave the running sum short of the drawn mass: the last kept position
+            with ctx.when(ctx.load(probs, start + chosen.value).equal(0.0)):
+                last = row.fold(-1.0, _max, lambda i, w: (ctx.load(probs, i, w) > 0.0).where(position(i, w).cast(f32), -1.0))
+                chosen.set(last.cast(dtypes.DT_INT64))
+            factor = 1.0 / total.value
+            row.each(lambda i, w: ctx.store(probs, i, ctx.load(probs, i, w) * factor.splat(w)))
+        ctx.store(token, r, chosen.value.cast(token.dtype))
+
+    return body
+
+
 # Each row op's body and when it applies (the op's kernels run rows over the last axis).
 ROW_OPS: dict[str, tuple[Callable[..., RowBody], Callable[..., bool]]] = {
     "Softmax": (softmax_rows, last_axis), "LogSoftmax": (softmax_rows, last_axis),
@@ -330,4 +451,5 @@ ROW_OPS: dict[str, tuple[Callable[..., RowBody], Callable[..., bool]]] = {
     "SoftmaxCrossEntropy": (cross_entropy_rows, nonempty_rows),
     "SoftmaxCrossEntropyGrad": (cross_entropy_grad_rows, nonempty_rows),
     "TopK": (top_k_rows, nonempty_rows), "SoftmaxTopK": (softmax_top_k_rows, nonempty_rows),
+    "SampleToken": (sample_rows, nonempty_rows),
 }

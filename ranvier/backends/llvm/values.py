@@ -311,6 +311,10 @@ class Value:
         """This value converted to `dtype`, as numpy's astype does."""
         return Value(self.b, cast(self.b, self.ir, self.dtype, dtype, self.lanes), dtype)
 
+    def bitcast(self, dtype: str) -> Value:
+        """This value's bits read as `dtype` (of the same width), as numpy's view does."""
+        return Value(self.b, self.b.bitcast(self.ir, vector_of(compute_type(dtype), self.lanes)), dtype)
+
     def __repr__(self) -> str:
         return f"<Value {self.dtype}x{self.lanes}: {self.ir.type}>"
 

@@ -12,6 +12,7 @@ from ...llvm.rows import (
     nonempty_rows,
     norm_rows,
     row_shape,
+    sample_rows,
     softmax_rows,
 )
 from ...llvm.values import Value
@@ -58,3 +59,8 @@ def cross_entropy(ctx, op) -> None:
 @kernel("CrossEntropyGradRow", {"SoftmaxCrossEntropyGrad"}, supports=nonempty_rows)
 def cross_entropy_grad(ctx, op) -> None:
     each_row(ctx, op, cross_entropy_grad_rows(op))
+
+
+@kernel("SampleTokenRow", {"SampleToken"}, supports=nonempty_rows)
+def sample_token(ctx, op) -> None:
+    each_row(ctx, op, sample_rows(op))
