@@ -8,8 +8,11 @@ the caches in place (AssignSlice), so a decode step costs O(1) cache writes, not
 copy of the cache. Rows at or past the current position (stale, or a padded prompt
 chunk's padding) are masked until a later step overwrites them.
 
-Sampling runs on the host from the last logits: greedy (temperature 0), temperature,
-top-k and top-p (nucleus), all from a seeded numpy Generator, so runs are reproducible.
+Each cell also draws the next token from the logits of a chosen row (the prompt's last,
+or the decoded token's) with the SampleToken op: greedy (temperature 0), temperature,
+top-k and top-p (nucleus), its settings inputs of the cell and its uniform number drawn
+from a seeded numpy Generator, so runs are reproducible and `stream` reads back one token
+id per step, not a vocabulary's logits to sample on the host.
 """
 
 from __future__ import annotations
@@ -25,33 +28,51 @@ from . import dtypes
 from .compiler import Compiler
 from .errors import RanvierError
 from .flow.builder import Builder, Tensor
-from .flow.graph import Flow
+from .flow.graph import Flow, Variable
 from .models.llama import Llama, rope_tables, rotate
+from .ops.sampling import pick, sample_distribution
+
+_UNIFORM_BITS = 24  # uniform numbers of float32's precision, so none rounds up to 1
 
 
 @dataclass(frozen=True)
 class Sampling:
+    """How the next token is drawn (`ranvier.ops.sampling`): temperature ≤ 0 is greedy;
+    top_k and top_p are off when None."""
+
     temperature: float = 0.8
     top_k: int | None = None
     top_p: float | None = None
 
+    def settings(self) -> list[np.ndarray]:
+        """The SampleToken op's temperature, top_k and top_p inputs."""
+        return [np.array(self.temperature, np.float32), np.array(self.top_k or 0, np.int32),
+                np.array(1.0 if self.top_p is None else self.top_p, np.float32)]
+
+    @staticmethod
+    def draw(rng: np.random.Generator) -> np.float32:
+        """A uniform number in [0, 1) for one token."""
+        return np.float32(rng.integers(0, 1 << _UNIFORM_BITS) / (1 << _UNIFORM_BITS))
+
     def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
-        """The next token from one row of logits."""
-        if self.temperature <= 0:
-            return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / self.temperature
-        if self.top_k is not None and self.top_k < scaled.size:
-            cutoff = np.partition(scaled, -self.top_k)[-self.top_k]
-            scaled = np.where(scaled < cutoff, -np.inf, scaled)
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
-        if self.top_p is not None and self.top_p < 1.0:
-            order = np.argsort(-probs)
-            keep = np.cumsum(probs[order]) - probs[order] < self.top_p  # the smallest set reaching top_p
-            nucleus = np.zeros_like(probs)
-            nucleus[order[keep]] = probs[order[keep]]
-            probs = nucleus / nucleus.sum()
-        return int(rng.choice(probs.size, p=probs))
+        """The next token from one row of logits, on the host, as the cells draw it."""
+        temperature, top_k, top_p = (value.item() for value in self.settings())
+        return pick(sample_distribution(logits, temperature, top_k, top_p), float(self.draw(rng)))
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class _CellVars:
+    """A generator cell's inputs and outputs."""
+
+    tokens: Variable
+    position: Variable
+    logits: Variable
+    last: Variable
+    drawing: list[Variable]  # uniform, temperature, top_k, top_p
+    token: Variable
 
 
 class Generator:
@@ -79,8 +100,13 @@ class Generator:
             tokens = b.var("tokens", dtypes.DT_INT32, [1, width])
             position = b.var("position", dtypes.DT_INT32, [])
             logits = self._chunk(b, tokens, position)
-            logits.var.out = True
-            self.cells[name] = (tokens.var, position.var, logits.var)
+            # the next token, drawn from the logits of row `last` (the chunk's last real token)
+            last = b.var("last", dtypes.DT_INT32, [1])
+            drawing = [b.var("uniform", dtypes.DT_FLOAT32, [1]), b.var("temperature", dtypes.DT_FLOAT32, []),
+                       b.var("top_k", dtypes.DT_INT32, []), b.var("top_p", dtypes.DT_FLOAT32, [])]
+            token, _ = b.sample_token(b.gather(logits, last), *drawing)
+            logits.var.out = token.var.out = True
+            self.cells[name] = _CellVars(tokens.var, position.var, logits.var, last.var, [t.var for t in drawing], token.var)
         start = time.perf_counter()
         self.network = Compiler(backend).compile(flow)
         self.compile_seconds = time.perf_counter() - start
@@ -142,16 +168,21 @@ class Generator:
 
     # ---- running ---------------------------------------------------------------------------
 
-    def _run(self, name: str, tokens: np.ndarray, position: int) -> np.ndarray:
-        token_var, position_var, logits_var = self.cells[name]
+    def _run(self, name: str, tokens: np.ndarray, position: int, last: int = 0, sampling: Sampling = GREEDY,
+             uniform: float = 0.0):
+        """Compute a chunk at `position`, drawing the token after row `last`; the instance."""
+        cell = self.cells[name]
         data = self.instances[name]
-        data[token_var] = tokens.reshape(1, -1)
-        data[position_var] = position
+        data[cell.tokens] = tokens.reshape(1, -1)
+        data[cell.position] = position
+        data[cell.last] = last
+        for var, value in zip(cell.drawing, [np.array([uniform], np.float32), *sampling.settings()], strict=True):
+            data[var] = value
         data.compute()
-        return data[logits_var]
+        return data
 
-    def prefill(self, prompt: list[int]) -> np.ndarray:
-        """Feed the prompt from position 0; returns the logits after its last token."""
+    def _prefill(self, prompt: list[int], **drawing):
+        """Feed the prompt from position 0 in chunks; the last chunk's instance."""
         if not prompt:
             raise RanvierError("generation needs a prompt of at least one token (e.g. BOS)")
         if len(prompt) > self.config.max_seq_len:
@@ -161,24 +192,30 @@ class Generator:
             chunk = prompt[start : start + width]
             padded = np.zeros(width, np.int32)
             padded[: len(chunk)] = chunk
-            logits = self._run("prefill", padded, start)
-        return np.array(logits[len(chunk) - 1])
+            data = self._run("prefill", padded, start, last=len(chunk) - 1, **drawing)
+        return data
+
+    def prefill(self, prompt: list[int]) -> np.ndarray:
+        """Feed the prompt from position 0; returns the logits after its last token."""
+        data = self._prefill(prompt)
+        return np.array(data[self.cells["prefill"].logits][(len(prompt) - 1) % self.prefill_width])
 
     def decode(self, token: int, position: int) -> np.ndarray:
-        return np.array(self._run("decode", np.array([token], np.int32), position)[0])
+        """Feed one token at `position`; returns the logits after it."""
+        return np.array(self._run("decode", np.array([token], np.int32), position)[self.cells["decode"].logits][0])
 
     def stream(self, prompt: list[int], max_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
                eos: int | None = None) -> Iterator[int]:
         """Yield generated tokens one by one until `max_tokens`, EOS or the context is full."""
         rng = np.random.default_rng(seed)
-        logits = self.prefill(prompt)
+        token = int(self._prefill(prompt, sampling=sampling, uniform=sampling.draw(rng))[self.cells["prefill"].token][0])
         position = len(prompt)
         for _ in range(max_tokens):
-            token = sampling.pick(logits, rng)
             if eos is not None and token == eos:
                 return
             yield token
             if position >= self.config.max_seq_len:
                 return
-            logits = self.decode(token, position)
+            data = self._run("decode", np.array([token], np.int32), position, sampling=sampling, uniform=sampling.draw(rng))
+            token = int(data[self.cells["decode"].token][0])
             position += 1

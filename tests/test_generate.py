@@ -1,5 +1,5 @@
 """Generation with a KV cache: the same tokens as re-running the whole sequence, and
-reproducible sampling."""
+reproducible sampling, drawn in the cells as the host would draw it."""
 
 from __future__ import annotations
 
@@ -69,6 +69,22 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert {Sampling(1.0, top_p=0.7).pick(logits, rng) for _ in range(200)} == {0, 1}
     assert {Sampling(1.0, top_p=0.9).pick(logits, rng) for _ in range(400)} == {0, 1, 2}
     assert Sampling(0.0).pick(logits, rng) == 0
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.9, top_k=20, top_p=0.8), Sampling(1.2), Sampling(0.7, top_p=0.95)])
+def test_the_cells_draw_the_tokens_the_host_would(sampling):
+    """stream() reads back only the token each cell drew; drawing on the host from the
+    same logits with the same uniform numbers gives the same tokens."""
+    generator = Generator(Llama(CONFIG), spread_weights(), prefill=4)
+    prompt = [1, 5, 9, 13, 2, 7]  # two prefill chunks: the token comes after the second's row 1
+    streamed = list(generator.stream(prompt, 12, sampling, seed=5))
+    rng = np.random.default_rng(5)
+    logits, position, host = generator.prefill(prompt), len(prompt), []
+    for _ in range(12):
+        host.append(sampling.pick(logits, rng))
+        logits = generator.decode(host[-1], position)
+        position += 1
+    assert streamed == host and len(set(host)) > 3
 
 
 def test_stream_stops_at_eos_and_at_the_context():
