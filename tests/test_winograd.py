@@ -94,6 +94,7 @@ GEOMETRIES = [
     ((1, 4, 10, 10), (3, 4, 3, 3), 2),  # padding wider than one: 12 × 12 outputs
     ((1, 300, 6, 6), (5, 300, 3, 3), 1),  # channels past one slice of the GEMM's k
     ((1, 8, 40, 70), (12, 8, 3, 3), 1),  # several blocks, the last one shorter
+    ((1, 4, 1, 1), (3, 4, 3, 3), 1),  # one pixel: a tile all padding but one output
 ]
 
 

@@ -14,12 +14,14 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of
-from ...llvm.irutil import I64, i64
+from ...llvm.irutil import I64, i64, load, storage_type, store
+from ...llvm.loops import for_vectors
+from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_WINDOWS
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import gemm_grid
+from .matmul import Blas, gemm_grid, single_threaded_blas
 from .program import epilogue
 
 CONV_KERNEL = "ConvGemm"
@@ -102,3 +104,113 @@ def conv_gemm(ctx, op) -> None:
         return emit
 
     run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op))])
+
+
+FILTER_GRADIENT_KERNEL = "ConvFilterGemm"
+
+
+def _filter_gradient_parts(op) -> list[tuple[int, int]]:
+    """The images each worker-pool part takes."""
+    x, dy = op.inputs
+    flops = 2 * dy.size * math.prod(op.outputs[0].shape[1:])
+    threads = thread_count() if worth_splitting(flops, x.nbytes + dy.nbytes) else 1
+    return shares(x.shape[0], threads)
+
+
+def _filter_gradient_share(op) -> int:
+    """A part's scratch in elements: one image's windows [taps, positions] and its own sum of dw."""
+    dy = op.inputs[1]
+    taps = math.prod(op.outputs[0].shape[1:])
+    return taps * (dy.shape[2] * dy.shape[3]) + op.outputs[0].size
+
+
+def _filter_gradient_workspace(op) -> int:
+    return len(_filter_gradient_parts(op)) * _filter_gradient_share(op) * dtypes.itemsize(op.outputs[0].dtype)
+
+
+def _float32_or_64(op) -> bool:
+    return op.outputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and op.outputs[0].size > 0
+
+
+@kernel(FILTER_GRADIENT_KERNEL, {"Conv2DBackpropFilter"}, supports=_float32_or_64, workspace=_filter_gradient_workspace)
+def conv_filter_gradient(ctx, op) -> None:
+    """dw [O, C·KH·KW] = Σ over images of dy[n] [O, Ho·Wo] · windows[n]ᵀ, a part's images
+    one at a time: each image's windows copied into the part's scratch (where the cache
+    still holds them for the GEMM) and added in by one BLAS call, into the part's own sum;
+    the parts' sums then added into dw. The decomposition's im2col of the whole batch (the
+    MNIST CNN's 20 MB) is never written."""
+    x, dy = op.inputs
+    dw = op.outputs[0]
+    attrs = attrs_of(op)
+    (_, channels, height, width), (_, filters, out_height, out_width) = x.shape, dy.shape
+    kernel_height, kernel_width = dw.shape[2:]
+    (stride_height, stride_width), (pad_height, pad_width) = attrs["strides"], attrs["padding"]
+    taps, positions = channels * kernel_height * kernel_width, out_height * out_width
+    element = storage_type(dw.dtype)
+    share, parts = _filter_gradient_share(op), _filter_gradient_parts(op)
+    single_threaded_blas(ctx)
+
+    def scratch(ctx, number: int) -> tuple[ir.Value, ir.Value]:
+        """A part's windows and its sum of dw."""
+        base = ctx.b.bitcast(ctx.address(ctx.workspace), element.as_pointer())
+        windows = ctx.b.gep(base, [i64(number * share)])
+        return windows, ctx.b.gep(windows, [i64(taps * positions)])
+
+    def windows_of(ctx, image: Value, windows: ir.Value) -> None:
+        """Row (c, i, j) of the windows: the image's element under tap (i, j) of each
+        output position, zero in the padding."""
+        b = ctx.b
+        zero = ctx.constant(dw.dtype, 0.0)
+        with ctx.loop(0, taps, name="tap") as tap, ctx.loop(0, out_height, name="yo") as yo:
+            c, within = tap // (kernel_height * kernel_width), tap % (kernel_height * kernel_width)
+            i, j = within // kernel_width, within % kernel_width
+            y = yo * stride_height - pad_height + i
+            row = (tap * out_height + yo) * out_width
+            source = ((image * channels + c) * height + y) * width
+            inside = (y >= 0) & (y < height)
+            # the output columns whose input column x·s - p + j lies in the image
+            first = ((pad_width - j + stride_width - 1) // stride_width).maximum(0).minimum(out_width)
+            last = ((width - 1 + pad_width - j) // stride_width + 1).minimum(out_width).maximum(first)
+            first, last = inside.where(first, out_width), inside.where(last, out_width)
+            with ctx.loop(0, first, name="left") as xo:
+                store(b, zero.ir, windows, (row + xo).ir, element)
+            if stride_width == 1:  # a run of the image's row: whole vectors, then the rest
+                lanes = ctx.lanes_for([dw.dtype])
+                count = last - first
+                whole = count // lanes * lanes
+                for begin, end, step, w in ((0, whole, lanes, lanes), (whole, count, 1, 1)):
+                    with ctx.loop(begin, end, step=step, name="run") as at:
+                        value = ctx.load(x, source + first - pad_width + j + at, w)
+                        store(b, value.ir, windows, (row + first + at).ir, element, w)
+            else:
+                with ctx.loop(first, last, name="inside") as xo:
+                    value = ctx.load(x, source + xo * stride_width - pad_width + j)
+                    store(b, value.ir, windows, (row + xo).ir, element)
+            with ctx.loop(last, out_width, name="right") as xo:
+                store(b, zero.ir, windows, (row + xo).ir, element)
+
+    def part(number: int, first: int, last: int):
+        def emit(ctx) -> None:
+            windows, total = scratch(ctx, number)
+            lanes = ctx.lanes_for([dw.dtype])
+            for_vectors(ctx, 0, dw.size, lanes,
+                        lambda i, w: store(ctx.b, ctx.constant(dw.dtype, 0.0, w).ir, total, i.ir, element, w))
+            blas = Blas(ctx, dw.dtype)
+            with ctx.loop(first, last, name="image") as image:
+                windows_of(ctx, image, windows)
+                gradient = ctx.b.gep(ctx.pointer(dy), [(image * (filters * positions)).ir])
+                blas.gemm(False, True, filters, taps, positions, gradient, positions, windows, positions, total, taps, add=True)
+
+        return emit
+
+    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(parts)])
+    lanes = ctx.lanes_for([dw.dtype])
+
+    def add_parts(i, w):
+        sums = [Value(ctx.b, load(ctx.b, scratch(ctx, number)[1], i.ir, element, w), dw.dtype) for number in range(len(parts))]
+        total = sums[0]
+        for value in sums[1:]:
+            total = total + value
+        ctx.store(dw, i, total)
+
+    for_vectors(ctx, 0, dw.size, lanes, add_parts)

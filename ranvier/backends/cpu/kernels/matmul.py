@@ -372,13 +372,13 @@ class Blas:
     def _trans(self, transposed: bool) -> ir.Value:
         return self._ref(I8, ord("T" if transposed else "N"))
 
-    def gemm(self, ta: bool, tb: bool, m, n, k, a: ir.Value, lda, b: ir.Value, ldb, c: ir.Value, ldc) -> None:
-        """C[m, n] = op(A)[m, k] · op(B)[k, n] (row-major, C overwritten)."""
+    def gemm(self, ta: bool, tb: bool, m, n, k, a: ir.Value, lda, b: ir.Value, ldb, c: ir.Value, ldc, add: bool = False) -> None:
+        """C[m, n] = op(A)[m, k] · op(B)[k, n] (row-major; C overwritten, or with `add` added to)."""
         gemm = self.b.bitcast(self.ctx.table_entry(self._gemm_slot), self._gemm_type.as_pointer())
         self.b.call(gemm, [
             self._trans(tb), self._trans(ta), self._ref(I32, n), self._ref(I32, m), self._ref(I32, k),
             self._ref(self.element, 1.0), b, self._ref(I32, ldb), a, self._ref(I32, lda),
-            self._ref(self.element, 0.0), c, self._ref(I32, ldc),
+            self._ref(self.element, 1.0 if add else 0.0), c, self._ref(I32, ldc),
         ])
 
     def vector_matrix(self, tb: bool, n, k, x: ir.Value, b: ir.Value, ldb, y: ir.Value) -> None:

@@ -1,0 +1,92 @@
+"""The CPU kernels of a CNN's backward pass: ConvFilterGemm (a convolution's filter gradient,
+each image's windows copied into scratch and added in by one GEMM, never the whole batch's
+im2col) against PyTorch's float64 filter gradient, for strides, padding, rectangular filters
+and the images shared out over parts; WindowMaxGrad (max pooling's gradient, each window's
+first maximum found in place) against the reference, with ties, NaNs, overlapping and padded
+windows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_array
+
+import ranvier as rv
+from ranvier.backends.cpu.kernels import conv, window
+
+FILTER_CASES = [
+    # x, filters, strides, padding
+    ((3, 2, 9, 8), (4, 2, 3, 3), (1, 1), (1, 1)),  # three images: parts of two and one
+    ((2, 3, 11, 10), (5, 3, 5, 5), (1, 1), (2, 2)),  # the MNIST CNN's filters
+    ((2, 2, 9, 8), (3, 2, 3, 2), (2, 3), (0, 1)),  # strides, rectangular filters, padding on one axis
+    ((1, 4, 7, 7), (2, 4, 1, 1), (2, 2), (0, 0)),  # a 1 × 1 downsampling
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", FILTER_CASES, ids=[f"case{i}" for i in range(len(FILTER_CASES))])
+def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, monkeypatch):
+    monkeypatch.setattr(conv, "thread_count", lambda: 2)
+    monkeypatch.setattr(conv, "worth_splitting", lambda flops=0, nbytes=0: True)
+    x_shape, w_shape, strides, padding = case
+    ho = (x_shape[2] + 2 * padding[0] - w_shape[2]) // strides[0] + 1
+    wo = (x_shape[3] + 2 * padding[1] - w_shape[3]) // strides[1] + 1
+    x_value = random_array(x_shape, dtype, seed=1)
+    dy_value = random_array((x_shape[0], w_shape[0], ho, wo), dtype, seed=2)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, dy = f.var("x", dtype, x_shape), f.var("dy", dtype, dy_value.shape)
+    dw = f.op("Conv2DBackpropFilter", [x, dy], attrs={"strides": list(strides), "padding": list(padding), "filter_shape": list(w_shape)})
+    dw.var.out = True
+    cell = rv.Compiler("cpu", cache=False).compile(flow).cell("f")
+    assert [step.kernel for step in cell.steps] == [conv.FILTER_GRADIENT_KERNEL]
+    assert len(conv._filter_gradient_parts(cell.steps[0].op)) == min(2, x_shape[0])
+    data = cell.instance()
+    data[x], data[dy] = x_value, dy_value
+    tx, tdy = torch.tensor(x_value, dtype=torch.float64), torch.tensor(dy_value, dtype=torch.float64)
+    want = torch.nn.grad.conv2d_weight(tx, w_shape, tdy, stride=strides, padding=padding).numpy()
+    bound = torch.nn.grad.conv2d_weight(tx.abs(), w_shape, tdy.abs(), stride=strides, padding=padding).numpy()
+    for sentinel in (np.nan, 5.0):
+        data[dw] = np.full(w_shape, sentinel, dtype)
+        data.compute()
+        got = np.array(data[dw]).astype(np.float64)
+        assert np.all(np.abs(got - want) <= (1e-6 if dtype == "float32" else 1e-13) * bound + 1e-30)
+
+
+POOL_CASES = [
+    ((2, 3, 8, 8), (2, 2), None, (0, 0)),  # a CNN's 2 × 2 pooling: windows apart
+    ((1, 2, 7, 9), (3, 3), (2, 2), (1, 1)),  # overlapping windows over a padded border
+    ((3, 1, 5, 6), (2, 3), (1, 2), (0, 1)),  # rectangular
+]
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=[f"case{i}" for i in range(len(POOL_CASES))])
+def test_the_max_pool_gradient_goes_to_each_windows_first_maximum(case, monkeypatch):
+    monkeypatch.setattr(window, "thread_count", lambda: 2)
+    monkeypatch.setattr(window, "worth_splitting", lambda flops=0, nbytes=0: True)
+    x_shape, ksize, strides, padding = case
+    g = np.random.default_rng(3)
+    x_value = g.integers(-2, 3, x_shape).astype(np.float32)  # many ties
+    x_value.reshape(-1)[[5, 17]] = np.nan  # a NaN is its window's maximum
+    attrs = {"ksize": list(ksize), "padding": list(padding), **({"strides": list(strides)} if strides else {})}
+    steps = strides or ksize
+    dy_shape = [*x_shape[:2], *((x_shape[2 + a] + 2 * padding[a] - ksize[a]) // steps[a] + 1 for a in (0, 1))]
+    outputs = {}
+    for backend in ("reference", "cpu"):
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        x, dy = f.var("x", "float32", x_shape), f.var("dy", "float32", dy_shape)
+        dx = f.op("MaxPoolGrad", [x, dy], attrs=attrs)
+        dx.var.out = True
+        cell = rv.Compiler(backend, cache=False).compile(flow).cell("f")
+        if backend == "cpu":
+            assert [step.kernel for step in cell.steps] == ["WindowMaxGrad"]
+        data = cell.instance()
+        data[x], data[dy] = x_value, random_array(dy_shape, "float32", seed=4)
+        data[dx] = np.full(x_shape, np.nan, np.float32)
+        data.compute()
+        outputs[backend] = np.array(data[dx])
+    got, want = outputs["cpu"], outputs["reference"]
+    np.testing.assert_array_equal(got != 0, want != 0)  # the same elements took gradients
+    np.testing.assert_allclose(got, want, rtol=1e-6)  # overlapping windows add in float32
