@@ -1,11 +1,13 @@
 """MNIST benchmark: ranvier vs PyTorch CPU eager, the same recipe in the same run.
 
-784-256-10 GELU MLP, Adam lr 1e-3, batch 128, 2,340 steps on the bundled 4,000-digit
-training split; test accuracy on the 1,000 test digits. The two sides alternate for
+784-256-10 GELU MLP (or with --model cnn, `ranvier train mnist --model cnn`'s network: two
+5 × 5 convolutions of 8 and 16 channels, each with a ReLU and 2 × 2 max pooling, and a dense
+layer), Adam lr 1e-3, batch 128, 2,340 steps on the bundled 4,000-digit training split;
+test accuracy on the 1,000 test digits. The two sides alternate for
 several repetitions; each side's median accuracy, then its median seconds and how much
 faster or slower than PyTorch it is, are printed. Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix
 products (`matmul="bfloat16"`: bf16 inputs, float32 sums) as a third side.
-Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340]
+Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340] [--model cnn]
 """
 
 from __future__ import annotations
@@ -18,27 +20,44 @@ import numpy as np
 from common import machine, match_threads, measure_ceilings, summary
 
 
-def run_ranvier(steps: int, backend: str, matmul: str = "float32") -> tuple[float, float]:
+def _images(split, model: str) -> np.ndarray:
+    return split.flat() if model == "mlp" else split.nchw()
+
+
+def run_ranvier(steps: int, backend: str, matmul: str = "float32", model: str = "mlp") -> tuple[float, float]:
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 
-    trainer, _, test = make_trainer(MnistConfig(steps=steps, backend=backend, matmul=matmul))
+    trainer, _, test = make_trainer(MnistConfig(steps=steps, backend=backend, matmul=matmul, model=model))
     start = time.perf_counter()
     for _ in range(steps):
         trainer.step()
     seconds = time.perf_counter() - start
-    return seconds, trainer.accuracy(test.flat(), test.labels)
+    return seconds, trainer.accuracy(_images(test, model), test.labels)
 
 
-def run_torch(steps: int) -> tuple[float, float]:
+def torch_model(model: str):
+    """The PyTorch network of ranvier's `model` (models/mlp.py, models/cnn.py)."""
+    import torch
+
+    if model == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 5, padding=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 5, padding=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(16 * 7 * 7, 10),
+    )
+
+
+def run_torch(steps: int, model_name: str = "mlp") -> tuple[float, float]:
     import torch
 
     from ranvier.data import mnist
     from ranvier.data.batches import BatchSampler
 
     train, test = mnist.load()
-    x, y = torch.tensor(train.flat()), torch.tensor(train.labels.astype(np.int64))
+    x, y = torch.tensor(_images(train, model_name)), torch.tensor(train.labels.astype(np.int64))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    model = torch_model(model_name)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sampler = BatchSampler(len(x), 128, seed=0)
     start = time.perf_counter()
@@ -50,7 +69,7 @@ def run_torch(steps: int) -> tuple[float, float]:
         optimizer.step()
     seconds = time.perf_counter() - start
     with torch.no_grad():
-        accuracy = (model(torch.tensor(test.flat())).argmax(1).numpy() == test.labels).mean()
+        accuracy = (model(torch.tensor(_images(test, model_name))).argmax(1).numpy() == test.labels).mean()
     return seconds, float(accuracy)
 
 
@@ -59,6 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2340)
     parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     args = parser.parse_args()
     import torch
 
@@ -66,11 +86,11 @@ def main() -> None:
     from ranvier.backends.cpu.target import host_target
 
     match_threads(torch)
-    print(f"{machine(torch)}; ranvier backend {args.backend}")
-    sides = {"ranvier": lambda: run_ranvier(args.steps, args.backend)}
+    print(f"{machine(torch)}; ranvier backend {args.backend}; model {args.model}")
+    sides = {"ranvier": lambda: run_ranvier(args.steps, args.backend, model=args.model)}
     if args.backend == "cpu" and amx_usable(host_target()):
-        sides["ranvier-bf16"] = lambda: run_ranvier(args.steps, args.backend, "bfloat16")
-    sides["pytorch"] = lambda: run_torch(args.steps)
+        sides["ranvier-bf16"] = lambda: run_ranvier(args.steps, args.backend, "bfloat16", args.model)
+    sides["pytorch"] = lambda: run_torch(args.steps, args.model)
     results = {name: [] for name in sides}
     for repeat in range(args.repeats):
         for name, run in sides.items():
@@ -81,15 +101,15 @@ def main() -> None:
         print(f"{name:12s} median accuracy {statistics.median(a for _, a in runs):.4f}")
     medians = {name: statistics.median(s for s, _ in runs) for name, runs in results.items()}
     summary(medians, "s", higher_is_better=False, digits=2)
-    print(measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch).against(step_flops() * args.steps, medians))
+    print(measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch).against(step_flops(args.model) * args.steps, medians))
 
 
-def step_flops() -> int:
+def step_flops(model: str = "mlp") -> int:
     """The arithmetic of one training step as ranvier's compiled step counts it; both
     sides do the same products (neither computes the input's gradient)."""
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 
-    return make_trainer(MnistConfig(steps=1))[0].cell.flops
+    return make_trainer(MnistConfig(steps=1, model=model))[0].cell.flops
 
 
 if __name__ == "__main__":
