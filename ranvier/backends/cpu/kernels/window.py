@@ -166,14 +166,24 @@ def max_pool_grad(ctx, op) -> None:
                 top, left = yo * sh - ph, xo * sw - pw
                 best = ctx.local(dx.dtype, initial=-float("inf"))
                 where = ctx.local(dtypes.DT_INT64, initial=-1)
-                with ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
-                        ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
-                    at = plane * area + iy * width + ix
+
+                def visit(at: Value) -> None:
                     value, current = ctx.load(x, at), best.value
                     # the first maximum, a NaN counting as one (it stays once found)
                     better = (where.value < 0) | (current.equal(current) & ((value > current) | value.not_equal(value)))
                     best.set(better.where(value, current))
                     where.set(better.where(at, where.value))
+
+                inside = (top >= 0) & (top + kh <= height) & (left >= 0) & (left + kw <= width)
+                with ctx.b.if_else(inside.ir) as (interior, border):
+                    with interior:  # every tap in the image: the taps unrolled
+                        corner = plane * area + top * width + left
+                        for i in range(kh):
+                            for j in range(kw):
+                                visit(corner + (i * width + j))
+                    with border, ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
+                            ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
+                        visit(plane * area + iy * width + ix)
                 with ctx.when(where.value >= 0):
                     ctx.store(dx, where.value, ctx.load(dx, where.value) + ctx.load(dy, (plane * ho + yo) * wo + xo))
 
