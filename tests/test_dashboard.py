@@ -32,7 +32,7 @@ def test_dashboard_shows_speed_efficiency_kernels_memory_and_samples():
     console.print(board.render())
     text = console.export_text()
     for expected in ("step", "3/100", "2.7000", "best 2.5000", "2.6000", "ms/step", "50.0", "20,000", "100.0",
-                     "50% of 200 measured peak", "1.5 s", "MB peak resident", "BlasGemm[avx512]", "75.0%", "Once upon a time"):
+                     "50% of 200: measured fp32 GEMM", "1.5 s", "MB peak resident", "BlasGemm[avx512]", "75.0%", "Once upon a time"):
         assert expected in text, expected
 
 
@@ -108,3 +108,18 @@ def test_dashboard_last_frame_shows_the_final_validation_loss(monkeypatch):
         show.final({"val_loss": 2.4321})
     last = console.file.getvalue().rpartition("╭")[2]
     assert "validation  2.4321" in last
+
+
+def test_on_a_gpu_the_share_of_peak_is_the_devices_own_product_in_the_runs_precision(monkeypatch):
+    """A CUDA run's dashboard measures the device's product (the cuBLASLt call its steps
+    make, bf16 here) by the device's clock: its share is the run's MFU. Here on the host
+    emulator, at a small size."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    gflops, what = dashboard.measured_device_peak("cuda", "bfloat16", n=64)
+    assert gflops > 0 and what == "bfloat16 GEMM on cuda"
+    board = Dashboard("run", total_steps=10, compile_seconds=1.0, peak_gflops=gflops, peak_what=what)
+    board.update(1, 2.0, 1.0, 100, gflops * 0.5e9)
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(board.render())
+    assert f"50% of {gflops:,.0f}: measured bfloat16 GEMM on cuda" in console.file.getvalue()
+
