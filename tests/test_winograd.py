@@ -1,6 +1,7 @@
 """Conv2D by Winograd's F(2×2, 3×3) (kernels/winograd.py): the transform matrices against the
 direct correlation in float64; the kernel in compiled cells against PyTorch's float64
-convolution for each vector variant, at geometries that reach every edge of its loops
+convolution for each vector variant, with constant filters (transformed once) and changing
+ones (transformed by each compute), at geometries that reach every edge of its loops
 (outputs of odd sizes, tile rows padded to whole vectors, padding 0 to 2, a last block of
 fewer rows, channels past one slice of the GEMM's k), with a Conv2DCalculate's program, and
 for each way of sharing the work out (images, blocks of tile rows, filters); and which
@@ -143,13 +144,12 @@ def test_each_way_of_sharing_the_work_out(split, monkeypatch):
 
 
 def test_other_convolutions_are_the_implicit_gemms():
-    """Filters that change (training), strides, other kernel sizes and filters too wide for
-    their transforms to stay in the caches keep the direct convolution."""
+    """Strides, other kernel sizes and filters too wide for their transforms to stay in the
+    caches keep the direct convolution."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", "float32", [1, 8, 12, 12])
     outputs = [
-        f.conv2d(x, f.var("w", "float32", [4, 8, 3, 3]), padding=1),
         f.conv2d(x, f.const(random_array((4, 8, 3, 3), "float32")), strides=2, padding=1),
         f.conv2d(x, f.const(random_array((4, 8, 5, 5), "float32")), padding=2),
         f.conv2d(f.var("wide", "float32", [1, 512, 4, 4]), f.const(random_array((512, 512, 3, 3), "float32")), padding=1),
@@ -157,7 +157,32 @@ def test_other_convolutions_are_the_implicit_gemms():
     for output in outputs:
         output.var.out = True
     kernels = [step.kernel for step in rv.Compiler("cpu", cache=False).compile(flow).cell("f").steps]
-    assert kernels == ["ConvGemm"] * 4
+    assert kernels == ["ConvGemm"] * 3
+
+
+@pytest.mark.parametrize("mask", ["", "-avx512,-avx2"])
+def test_filters_that_change_are_transformed_at_every_compute(mask, monkeypatch):
+    """A training step's filters (a variable, shared out over two parts) are transformed by
+    the step itself: a new value is used by the next compute."""
+    monkeypatch.setattr(winograd, "thread_count", lambda: 2)
+    monkeypatch.setattr(winograd, "worth_splitting", lambda flops=0, nbytes=0: True)
+    shape, filters = (2, 6, 10, 9), (5, 6, 3, 3)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, w = f.var("x", "float32", shape), f.var("w", "float32", filters)
+    y = f.conv2d(x, w, padding=1)
+    y.var.out = True
+    cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    assert [step.kernel for step in cell.steps] == [winograd.WINOGRAD_KERNEL]
+    data = cell.instance()
+    data[x] = x_value = random_array(shape, "float32", seed=5)
+    tx = torch.tensor(x_value, dtype=torch.float64)
+    for seed in (6, 7):
+        data[w] = w_value = random_array(filters, "float32", seed=seed, low=-1, high=1)
+        tw = torch.tensor(w_value, dtype=torch.float64)
+        want = torch.nn.functional.conv2d(tx, tw, padding=1).numpy()
+        bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), padding=1).numpy()
+        _check(data, y, want, bound)
 
 
 def test_the_printed_cell_names_the_winograd_kernel():

@@ -170,13 +170,19 @@ def _geometry(op, panel: int) -> _Geometry:
 
 
 def _supported(op) -> bool:
-    """A float32 3 × 3 convolution of stride 1 by constant filters (an inference model's),
-    not so wide that its transformed filters come from memory for every block."""
+    """A float32 3 × 3 convolution of stride 1, not so wide that its transformed filters
+    come from memory for every block."""
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     attrs = attrs_of(op)
     return (x.dtype == w.dtype == dtypes.DT_FLOAT32 and tuple(w.shape[2:]) == (3, 3) and tuple(attrs["strides"]) == (1, 1)
-            and unchanging_constant(w) and w.shape[0] * w.shape[1] <= _MAX_PAIRS and y.size > 0
-            and math.prod(x.shape[1:]) < 1 << 31)
+            and w.shape[0] * w.shape[1] <= _MAX_PAIRS and y.size > 0 and math.prod(x.shape[1:]) < 1 << 31)
+
+
+def _filter_bytes(op) -> int:
+    """The workspace's room for U made at run time: filters that change (a training step's,
+    or an input gradient's turned filters), 64 bytes of it for alignment; none for constants."""
+    w = op.inputs[1]
+    return 0 if unchanging_constant(w) else 64 + 4 * POINTS * w.shape[0] * w.shape[1]
 
 
 _FILTER_UNIT = 8  # filters in a part's share: whole strips of the GEMM's tiles (MR ≤ 6) mostly
@@ -199,12 +205,34 @@ def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int]]]:
 
 
 def _workspace_bytes(op) -> int:
-    """Enough for the parts of any target's panel width."""
-    return max(len(_parts(op, g)) * g.workspace_bytes for g in (_geometry(op, panel) for panel in sgemm.PANEL_WIDTHS))
+    """U where it is made at run time, and the parts' scratch for any target's panel width."""
+    return _filter_bytes(op) + max(len(_parts(op, g)) * g.workspace_bytes for g in (_geometry(op, panel) for panel in sgemm.PANEL_WIDTHS))
 
 
-def _prepared(op) -> Prepared:
-    return Prepared(op.inputs[1], FORM, lambda value, target: transformed_filters(value))
+def _prepared(op) -> list[Prepared]:
+    """Constant filters' U, made once with the network."""
+    w = op.inputs[1]
+    return [Prepared(w, FORM, lambda value, target: transformed_filters(value))] if unchanging_constant(w) else []
+
+
+def _transform_filters(ctx, op, target) -> None:
+    """U = G · w · Gᵀ of every filter and channel pair into `target(ctx)` ([16, K, C]), the
+    filters shared out over the cores: a step's first job, before the tiles read it."""
+    w = op.inputs[1]
+    filters, channels = w.shape[:2]
+    threads = thread_count() if worth_splitting(nbytes=POINTS * 4 * filters * channels) else 1
+
+    def part(first: int, last: int):
+        def emit(ctx) -> None:
+            u = target(ctx)
+            with ctx.loop(first, last, name="filter_k") as k, ctx.loop(0, channels, name="filter_c") as c:
+                taps = [[ctx.load(w, (k * channels + c) * 9 + 3 * a + column) for column in range(3)] for a in range(3)]
+                for point, value in enumerate(v for row in _apply_both(FILTER, taps) for v in row):
+                    ctx.b.store(value.ir, ctx.b.gep(u, [(k * channels + c + point * filters * channels).ir]))
+
+        return emit
+
+    run_parts(ctx, [part(first, last) for first, last in shares(filters, threads)])
 
 
 _GEMM = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer(), F32.as_pointer(), I64])
@@ -212,21 +240,31 @@ _GEMM = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer
 _TILES = ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer(), F32.as_pointer(), I64, I64, I64, BYTE_PTR, _GEMM.as_pointer()])
 
 
-@kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes,
-        prepares=lambda op: [_prepared(op)])
+@kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes, prepares=_prepared)
 def winograd_conv(ctx, op) -> None:
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     g = _geometry(op, sgemm.panel_width(ctx.target))
     tiles = _Emitter(ctx.module, g).tiles_function()
     image_size, out_size = math.prod(x.shape[1:]), math.prod(y.shape[1:])
     plane = g.out_height * g.out_width
+    made_here = _filter_bytes(op)
+
+    def transformed(ctx) -> ir.Value:
+        """U: the constant's prepared form, or the workspace's start (aligned) where it is made."""
+        if not made_here:
+            return ctx.prepared(w, FORM, F32)
+        start = ctx.b.ptrtoint(ctx.address(ctx.workspace), I64)
+        return ctx.b.inttoptr(ctx.b.and_(ctx.b.add(start, i64(63)), i64(-64)), F32.as_pointer())
+
+    if made_here:
+        _transform_filters(ctx, op, transformed)
 
     def part(calls, number: int):
         def emit(ctx) -> None:
             b = ctx.b
             gemm = b.bitcast(ctx.table_entry(SGEMM_PACKED), _GEMM.as_pointer())
-            filters = ctx.prepared(w, FORM, F32)
-            scratch = b.gep(ctx.address(ctx.workspace), [i64(number * g.workspace_bytes)])
+            filters = transformed(ctx)
+            scratch = b.gep(ctx.address(ctx.workspace), [i64(made_here + number * g.workspace_bytes)])
             for image, first, last, first_filter, last_filter in calls:
                 b.call(tiles, [ctx.element_pointer(x, image * image_size), b.gep(filters, [i64(first_filter * g.channels)]),
                                ctx.element_pointer(y, image * out_size + first_filter * plane), i64(first), i64(last),
