@@ -228,21 +228,24 @@ def test_a_convolutions_matrix_is_its_channels_by_positions():
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilogue(batch, mask):
+@pytest.mark.parametrize(("size", "kernel"), [(3, "WinogradConv"), (1, "ConvGemm")])
+def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilogue(batch, mask, size, kernel):
     """relu(conv(x, w) + bias + skip), and a ReLU alone after a convolution, each one
-    Conv2DCalculate on the implicit-GEMM kernel, every output element written; float64
-    PyTorch agrees (to float32 rounding of sums of |terms|)."""
-    arrays = {"x": random_array([batch, 6, 13, 11], "float32", seed=1), "w1": random_array([8, 6, 3, 3], "float32", seed=2),
-              "w2": random_array([8, 8, 3, 3], "float32", seed=3), "bias": random_array([1, 8, 1, 1], "float32", seed=4),
+    Conv2DCalculate on the convolution's kernel (Winograd's for 3 × 3 filters, the implicit
+    GEMM for 1 × 1), every output element written; float64 PyTorch agrees (to float32
+    rounding of sums of |terms|)."""
+    arrays = {"x": random_array([batch, 6, 13, 11], "float32", seed=1), "w1": random_array([8, 6, size, size], "float32", seed=2),
+              "w2": random_array([8, 8, size, size], "float32", seed=3), "bias": random_array([1, 8, 1, 1], "float32", seed=4),
               "skip": random_array([batch, 8, 13, 11], "float32", seed=5)}
+    padding = size // 2
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     v = {name: f.var(name, rv.DT_FLOAT, a.shape) for name, a in arrays.items()}
-    h = f.relu(f.conv2d(v["x"], v["w1"], padding=1))
-    y = f.relu(f.conv2d(h, v["w2"], padding=1) + v["bias"] + v["skip"])
+    h = f.relu(f.conv2d(v["x"], v["w1"], padding=padding))
+    y = f.relu(f.conv2d(h, v["w2"], padding=padding) + v["bias"] + v["skip"])
     y.var.out = True
     cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
-    assert [(s.op.type, s.kernel) for s in cell.steps] == [("Conv2DCalculate", "ConvGemm")] * 2
+    assert [(s.op.type, s.kernel) for s in cell.steps] == [("Conv2DCalculate", kernel)] * 2
     assert all(s.variant != "python" for s in cell.steps)
     data = cell.instance()
     for name, value in arrays.items():
@@ -250,9 +253,9 @@ def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilog
     data[y] = np.full(y.shape, np.nan, np.float32)
     data.compute()
     t = {name: torch.tensor(a, dtype=torch.float64) for name, a in arrays.items()}
-    inner = torch.relu(torch.nn.functional.conv2d(t["x"], t["w1"], padding=1))
-    want = torch.relu(torch.nn.functional.conv2d(inner, t["w2"], padding=1) + t["bias"] + t["skip"]).numpy()
-    bound = (torch.nn.functional.conv2d(inner, t["w2"].abs(), padding=1) + t["bias"].abs() + t["skip"].abs()).numpy()
+    inner = torch.relu(torch.nn.functional.conv2d(t["x"], t["w1"], padding=padding))
+    want = torch.relu(torch.nn.functional.conv2d(inner, t["w2"], padding=padding) + t["bias"] + t["skip"]).numpy()
+    bound = (torch.nn.functional.conv2d(inner, t["w2"].abs(), padding=padding) + t["bias"].abs() + t["skip"].abs()).numpy()
     got = np.array(data[y])
     assert np.isfinite(got).all()
     assert np.all(np.abs(got - want) <= 1e-5 * bound)
