@@ -7,7 +7,6 @@ time goes, memory, and text sampled from the current weights.
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 import time
@@ -46,35 +45,6 @@ def measured_peak_gflops() -> float:
         a @ a
         best = min(best, time.perf_counter() - start)
     return 2 * 768**3 / best / 1e9
-
-
-def measured_device_peak(backend: str, matmul: str = "float32", n: int | None = None) -> tuple[float, str]:
-    """(GFLOP/s, what was measured) of an n × n × n product compiled for `backend` with the
-    run's matrix-product precision: on a GPU the cuBLASLt product the training step's own
-    products are, so a run's share of it is its MFU. Timed by the device's own clock on the
-    product's step (best of 5), not the host's. n defaults to 8192 (256 on the host emulator)."""
-    from . import dtypes
-    from .backends.cuda.device import DEVICE_ENVIRONMENT, EMULATOR
-    from .compiler import Compiler
-    from .flow.builder import Builder
-    from .flow.graph import Flow
-
-    n = n or (256 if os.environ.get(DEVICE_ENVIRONMENT) == EMULATOR else 8192)
-    flow = Flow()
-    b = Builder(flow, "peak")
-    a = b.var("a", dtypes.DT_FLOAT32, [n, n])
-    total = b.sum(b.matmul(a, a))  # a scalar out: the product itself never leaves the device
-    total.var.out = True
-    data = Compiler(backend, matmul=matmul).compile(flow).cell("peak").instance()
-    data[a] = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32) / np.sqrt(n)
-    step = next(k for k, s in enumerate(data.cell.steps) if s.op.type.startswith("MatMul"))
-    data.compute()
-    best = float("inf")
-    for _ in range(5):
-        before = float(data.step_time[step])
-        data.compute()
-        best = min(best, float(data.step_time[step]) - before)
-    return 2 * n**3 / best / 1e9, f"{matmul} GEMM on {backend}"
 
 
 @dataclass
@@ -181,14 +151,13 @@ def training_display(
     sample_every: int = 200,
     seconds: float | None = None,
     done: int = 0,
-    backend: str = "cpu",
-    matmul: str = "float32",
+    peak: Callable[[], tuple[float, str]] | None = None,
 ) -> Iterator[Shown]:
     """Yield `show`: the live dashboard on a terminal when asked for, otherwise the progress
     bar (plain lines when the output is not a terminal). `seconds`: the run's time limit, if
-    it has one; `total` and `done`: the run's steps in all and before this session. The
-    dashboard's share of peak is against this machine's fp32 GEMM on the CPU, and against
-    the device's own product in the run's precision on a GPU (the run's MFU)."""
+    it has one; `total` and `done`: the run's steps in all and before this session. `peak`
+    measures the (GFLOP/s, what) the dashboard's share of peak is against, when it is shown
+    (default: this machine's fp32 GEMM; a GPU run's is its device's product, its MFU)."""
     from .progress import training_progress
 
     if not (dashboard and progress and sys.stdout.isatty()):
@@ -196,8 +165,8 @@ def training_display(
             yield Shown(lambda step, loss, seconds, record: report(loss, **{
                 f"{unit}/s": items_per_step / seconds, "ms/step": seconds * 1e3, "GFLOP/s": flops_per_step / seconds / 1e9}))
         return
-    peak, what = (measured_peak_gflops(), "fp32 GEMM") if backend == "cpu" else measured_device_peak(backend, matmul)
-    board = Dashboard(title, total, compile_seconds, peak, what, unit=unit, time_limit=seconds)
+    rate, what = peak() if peak is not None else (measured_peak_gflops(), "fp32 GEMM")
+    board = Dashboard(title, total, compile_seconds, rate, what, unit=unit, time_limit=seconds)
     with board.live() as live:
         def show(step: int, loss: float, seconds: float, record: dict) -> None:
             board.update(step, loss, seconds, items_per_step, flops_per_step)

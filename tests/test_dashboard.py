@@ -12,6 +12,7 @@ from ranvier import dashboard
 from ranvier.dashboard import Dashboard, sparkline
 from ranvier.profile import Profile, StepTime
 from ranvier.progress import BAR_WIDTH, expected_steps, fit, training_progress
+from ranvier.train.peak import device_peak
 
 
 def test_sparkline_scales_to_the_block_range():
@@ -115,7 +116,7 @@ def test_on_a_gpu_the_share_of_peak_is_the_devices_own_product_in_the_runs_preci
     make, bf16 here) by the device's clock: its share is the run's MFU. Here on the host
     emulator, at a small size."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
-    gflops, what = dashboard.measured_device_peak("cuda", "bfloat16", n=64)
+    gflops, what = device_peak("cuda", "bfloat16", n=64)
     assert gflops > 0 and what == "bfloat16 GEMM on cuda"
     board = Dashboard("run", total_steps=10, compile_seconds=1.0, peak_gflops=gflops, peak_what=what)
     board.update(1, 2.0, 1.0, 100, gflops * 0.5e9)

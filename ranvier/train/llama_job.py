@@ -45,6 +45,7 @@ from . import rundir
 from .budget import plan_steps
 from .losses import softmax_cross_entropy
 from .optimizers import AdamW
+from .peak import measured_peak
 from .schedules import WarmupCosine
 from .stack import CheckpointedStack
 from .trainer import Trainer
@@ -398,7 +399,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
             title=f"ranvier train {config.model} {config.preset}: {run_dir}", compile_seconds=trainer.compile_seconds,
             flops_per_step=flops_per_step, items_per_step=tokens_per_step, unit="tokens", profile=trainer.profile,
             sample=lambda: sample_text(run, tokenizer, generators), sample_every=config.sample_every,
-            backend=config.backend, matmul=trainer.matmul,
+            peak=lambda: measured_peak(config.backend, trainer.matmul),
         )
         with shown as show:
             while trainer.step_count < min(config.steps, stop_at or config.steps):

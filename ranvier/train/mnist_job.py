@@ -21,6 +21,7 @@ from . import rundir
 from .budget import plan_steps
 from .classifier import build_classifier
 from .optimizers import SGD, Adam, AdamW
+from .peak import measured_peak
 from .schedules import Constant
 from .trainer import Trainer
 
@@ -139,7 +140,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
             config.steps, done=trainer.step_count, progress=progress, dashboard=dashboard,
             title=f"ranvier train mnist {config.model}: {run_dir}", compile_seconds=trainer.compile_seconds,
             flops_per_step=trainer.cell.flops * trainer.world.size, items_per_step=config.batch, unit="examples", profile=trainer.data.profile,
-            backend=config.backend, matmul=trainer.matmul,
+            peak=lambda: measured_peak(config.backend, trainer.matmul),
         )
         with shown as show:
             while trainer.step_count < config.steps:
