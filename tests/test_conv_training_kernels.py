@@ -21,6 +21,7 @@ FILTER_CASES = [
     ((2, 3, 11, 10), (5, 3, 5, 5), (1, 1), (2, 2)),  # the MNIST CNN's filters
     ((2, 2, 9, 8), (3, 2, 3, 2), (2, 3), (0, 1)),  # strides, rectangular filters, padding on one axis
     ((1, 4, 7, 7), (2, 4, 1, 1), (2, 2), (0, 0)),  # a 1 × 1 downsampling
+    ((2, 2, 6, 5), (3, 2, 3, 3), (1, 1), (1, 1)),  # output rows shorter than a vector
 ]
 
 

@@ -174,14 +174,22 @@ def conv_filter_gradient(ctx, op) -> None:
             first, last = inside.where(first, out_width), inside.where(last, out_width)
             with ctx.loop(0, first, name="left") as xo:
                 store(b, zero.ir, windows, (row + xo).ir, element)
-            if stride_width == 1:  # a run of the image's row: whole vectors, then the rest
-                lanes = ctx.lanes_for([dw.dtype])
+            if stride_width == 1:  # a run of the image's row: whole vectors, the rest as one more
+                lanes = ctx.lanes_for([dw.dtype])  # ending at the run's end (overlapping the last)
                 count = last - first
-                whole = count // lanes * lanes
-                for begin, end, step, w in ((0, whole, lanes, lanes), (whole, count, 1, 1)):
-                    with ctx.loop(begin, end, step=step, name="run") as at:
-                        value = ctx.load(x, source + first - pad_width + j + at, w)
-                        store(b, value.ir, windows, (row + first + at).ir, element, w)
+
+                def copy(at: Value, w: int, row=row, source=source, first=first, j=j) -> None:
+                    value = ctx.load(x, source + first - pad_width + j + at, w)
+                    store(b, value.ir, windows, (row + first + at).ir, element, w)
+
+                with b.if_else((count >= lanes).ir) as (long_run, short_run):
+                    with long_run:
+                        with ctx.loop(0, count - lanes + 1, step=lanes, name="run") as at:
+                            copy(at, lanes)
+                        with ctx.when(count % lanes > 0):
+                            copy(count - lanes, lanes)
+                    with short_run, ctx.loop(0, count, name="short") as at:
+                        copy(at, 1)
             else:
                 with ctx.loop(first, last, name="inside") as xo:
                     value = ctx.load(x, source + xo * stride_width - pad_width + j)
