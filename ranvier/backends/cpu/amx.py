@@ -60,7 +60,7 @@ from pathlib import Path
 from llvmlite import ir
 
 from ...errors import RanvierError
-from ..llvm.irutil import BYTE_PTR, F32, I1, I8, I16, I32, I64, VOID, for_range, i64, splat
+from ..llvm.irutil import BYTE_PTR, F32, I1, I8, I16, I32, I64, VOID, cache_line_aligned, for_range, i64, splat
 from . import jit
 from .target import CPUTarget
 
@@ -488,7 +488,7 @@ def build_module(target: CPUTarget) -> ir.Module:
     chunk = b.and_(b.sdiv(i64(_STREAM_BYTES), panel_bytes), i64(-2))
     chunk = b.select(b.icmp_signed("<", chunk, i64(2)), i64(2), chunk)
     a_count = b.sdiv(b.add(m, i64(TILE - 1)), i64(TILE))
-    a_packed = b.inttoptr(b.and_(b.add(b.ptrtoint(workspace, I64), i64(63)), i64(-64)), BYTE_PTR)
+    a_packed = cache_line_aligned(b, workspace, BYTE_PTR)
     b_packed = _byte_offset(b, a_packed, b.mul(b.mul(a_count, slice_steps), i64(BLOCK_BYTES)))
     # op(A) is m × k: A itself has k along its rows unless transposed; op(B) is k × n.
     pack_a = b.select(b.icmp_signed("!=", ta, i64(0)), pack_columns_t, pack_rows)

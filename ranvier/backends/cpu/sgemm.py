@@ -58,7 +58,20 @@ from pathlib import Path
 import numpy as np
 from llvmlite import ir
 
-from ..llvm.irutil import BYTE_PTR, F32, I1, I32, I64, VOID, for_range, i64, intrinsic, splat, transpose_square
+from ..llvm.irutil import (
+    BYTE_PTR,
+    F32,
+    I1,
+    I32,
+    I64,
+    VOID,
+    cache_line_aligned,
+    for_range,
+    i64,
+    intrinsic,
+    splat,
+    transpose_square,
+)
 from . import jit
 from .target import CPUTarget
 
@@ -532,8 +545,7 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
         ta, tb, m, n, k, a, lda, matrix, ldb, c, ldc, workspace = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
     if not packed:
-        address = b.ptrtoint(workspace, I64)
-        block_of_b = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), _FLOAT_PTR)
+        block_of_b = cache_line_aligned(b, workspace, _FLOAT_PTR)
     if source == "windows":
         geometry = {name: b.load(b.gep(geometry_of_b, [i64(index)])) for index, name in enumerate(GEOMETRY)}
         taps, positions = b.alloca(I32, i64(3 * KC)), b.alloca(I32, i64(3 * emit.nr))

@@ -140,6 +140,16 @@ def for_range(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int = 1, n
     b.position_at_end(done)
 
 
+CACHE_LINE = 64  # bytes
+
+
+def cache_line_aligned(b: ir.IRBuilder, pointer: ir.Value, type_: ir.PointerType) -> ir.Value:
+    """`pointer` rounded up to the next cache line (scratch whose start must be aligned:
+    its allotment has a line to spare), as `type_`."""
+    address = b.ptrtoint(pointer, I64)
+    return b.inttoptr(b.and_(b.add(address, i64(CACHE_LINE - 1)), i64(-CACHE_LINE)), type_)
+
+
 def typed_pointer(b: ir.IRBuilder, base: ir.Value, offset_elements: ir.Value, element: ir.Type, lanes: int = 1) -> ir.Value:
     """Pointer to element `offset` of a buffer, typed for loading `lanes` elements at once."""
     pointer = b.gep(base, [offset_elements])

@@ -327,16 +327,20 @@ def _min(acc: Value, x: Value) -> Value:
     return (x < acc).where(x, acc)
 
 
-def _ordered(value: Value) -> Value:
-    """float32 bits as an int32 that orders as the floats do (a negative float's other bits
-    reversed): bisection over it ends on a row's exact value. It is its own inverse."""
-    bits = value.bitcast(dtypes.DT_INT32)
+def _flip_negatives(bits: Value) -> Value:
+    """int32 bits with a negative value's other bits reversed: its own inverse."""
     return (bits < 0).where(bits ^ 0x7FFFFFFF, bits)
 
 
+def _ordered(value: Value) -> Value:
+    """A float32 as an int32 key that orders as the floats do: bisection over keys ends on a
+    row's exact value."""
+    return _flip_negatives(value.bitcast(dtypes.DT_INT32))
+
+
 def _ordered_inverse(key: Value) -> Value:
-    bits = key.cast(dtypes.DT_INT32)
-    return (bits < 0).where(bits ^ 0x7FFFFFFF, bits).bitcast(dtypes.DT_FLOAT32)
+    """The float32 of an (int64-held) key."""
+    return _flip_negatives(key.cast(dtypes.DT_INT32)).bitcast(dtypes.DT_FLOAT32)
 
 
 def _bisect(ctx, low: int | Value, high: int | Value, steps: int, holds: Callable[[Value], Value], upper: bool) -> Value:
@@ -409,7 +413,7 @@ def sample_rows(op) -> RowBody:
                 target = nucleus * total.value
 
                 def reaches(key):
-                    candidate = key.cast(dtypes.DT_INT32).bitcast(f32)
+                    candidate = _ordered_inverse(key)
 
                     def kept(i, w):
                         e = ctx.load(probs, i, w)
@@ -418,7 +422,7 @@ def sample_rows(op) -> RowBody:
                     return row.sum(kept) >= target
 
                 # the exponentials lie in [0, 1]: their bits in [0, 2^30)
-                smallest = _bisect(ctx, 0, _ordered(ctx.constant(f32, 1.0)), 30, reaches, upper=True).cast(dtypes.DT_INT32).bitcast(f32)
+                smallest = _ordered_inverse(_bisect(ctx, 0, _ordered(ctx.constant(f32, 1.0)), 30, reaches, upper=True))
 
                 def trimmed(i, w):
                     e = ctx.load(probs, i, w)

@@ -212,13 +212,12 @@ def conv_filter_gradient(ctx, op) -> None:
         return emit
 
     run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(parts)])
-    lanes = ctx.lanes_for([dw.dtype])
+    sums = [scratch(ctx, number)[1] for number in range(len(parts))]
 
     def add_parts(i, w):
-        sums = [Value(ctx.b, load(ctx.b, scratch(ctx, number)[1], i.ir, element, w), dw.dtype) for number in range(len(parts))]
-        total = sums[0]
-        for value in sums[1:]:
-            total = total + value
+        total = Value(ctx.b, load(ctx.b, sums[0], i.ir, element, w), dw.dtype)
+        for partial in sums[1:]:
+            total = total + Value(ctx.b, load(ctx.b, partial, i.ir, element, w), dw.dtype)
         ctx.store(dw, i, total)
 
-    for_vectors(ctx, 0, dw.size, lanes, add_parts)
+    for_vectors(ctx, 0, dw.size, ctx.lanes_for([dw.dtype]), add_parts)

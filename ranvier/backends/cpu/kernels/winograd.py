@@ -43,7 +43,7 @@ from llvmlite import ir
 from .... import dtypes
 from ....ops import attrs_of
 from ...kernels import Prepared
-from ...llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, for_range, i64
+from ...llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, cache_line_aligned, for_range, i64
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_PACKED
@@ -253,8 +253,7 @@ def winograd_conv(ctx, op) -> None:
         """U: the constant's prepared form, or the workspace's start (aligned) where it is made."""
         if not made_here:
             return ctx.prepared(w, FORM, F32)
-        start = ctx.b.ptrtoint(ctx.address(ctx.workspace), I64)
-        return ctx.b.inttoptr(ctx.b.and_(ctx.b.add(start, i64(63)), i64(-64)), F32.as_pointer())
+        return cache_line_aligned(ctx.b, ctx.address(ctx.workspace), F32.as_pointer())
 
     if made_here:
         _transform_filters(ctx, op, transformed)
@@ -312,8 +311,7 @@ class _Emitter:
         function.linkage = "internal"
         image, filters, out, first_row, last_row, filter_count, scratch, gemm = function.args
         b = self.b = ir.IRBuilder(function.append_basic_block("entry"))
-        address = b.ptrtoint(scratch, I64)
-        v = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), F32.as_pointer())
+        v = cache_line_aligned(b, scratch, F32.as_pointer())
         m = b.gep(v, [i64(POINTS * g.v_floats)])
         patches = b.gep(m, [i64(POINTS * g.m_floats)])
         tiles_out = b.gep(patches, [i64(g.patch_floats)])
