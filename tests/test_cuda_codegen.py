@@ -824,47 +824,68 @@ def test_an_assign_copies_every_element_in_place():
     assert _run_on_host(op, values)["f/state"].tobytes() == values["f/value"].tobytes()
 
 
-ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype
-    (4, 2, 5, 5, 8, True, "float32"), (4, 1, 3, 7, 6, True, "float64"), (2, 2, 6, 4, 5, False, "float32"),
-    (2, 1, 4, 4, 8, True, "float16"),
-    (2, 1, 70, 70, 8, True, "float32"),  # three blocks of query (and key) rows, three streamed tiles
-    (2, 2, 3, 70, 4, True, "float64"),  # a few queries at the end of a long cache
-    (1, 1, 40, 37, 700, False, "float64"),  # rows so long that a streamed tile holds two of them
+ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype, score bias
+    (4, 2, 5, 5, 8, True, "float32", None), (4, 1, 3, 7, 6, True, "float64", "position"),
+    (2, 2, 6, 4, 5, False, "float32", "padding"),
+    (2, 1, 4, 4, 8, True, "float16", None),
+    (2, 1, 70, 70, 8, True, "float32", "padding"),  # three blocks of query (and key) rows, three streamed tiles
+    (2, 2, 3, 70, 4, True, "float64", "position"),  # a few queries at the end of a long cache
+    (1, 1, 40, 37, 700, False, "float64", None),  # rows so long that a streamed tile holds two of them
 ]
 
 
-def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype):
+def attention_bias(kind, heads, queries, keys, causal, dtype):
+    """A padding mask [2, 1, 1, S] of 0 and −∞ or a learned position bias [H, T, S]. The
+    mask leaves every query a key: key 0 when causal (query 0 may see no other), else
+    the last, with the second image's first keys masked (left padding: a row's maximum
+    stays −∞ over its first keys)."""
+    rng = np.random.default_rng(7)
+    if kind == "padding":
+        hidden = rng.random((2, 1, 1, keys)) < 0.3
+        if causal:
+            hidden[..., 0] = False
+        else:
+            hidden[1, ..., :2], hidden[..., -1] = True, False
+        return np.where(hidden, -np.inf, 0.0).astype(dtype)
+    return rng.standard_normal((heads, queries, keys)).astype(dtype)
+
+
+def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias=None):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     shapes = {"q": [2, heads, queries, size], "k": [2, kv_heads, keys, size], "v": [2, kv_heads, keys, size]}
     if op_type == "AttentionGrad":
         shapes["dout"] = shapes["q"]
+    values = {f"f/{name}": random_array(shape, dtype, seed=50 + i) for i, (name, shape) in enumerate(shapes.items())}
+    if bias is not None:
+        values["f/bias"] = attention_bias(bias, heads, queries, keys, causal, dtype)
+        shapes["bias"] = list(values["f/bias"].shape)
     inputs = [f.var(name, dtype, shape) for name, shape in shapes.items()]
     outputs = f.op(op_type, inputs, None, {"causal": causal})
     for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
         out.var.out = True
-    values = {f"f/{name}": random_array(shape, dtype, seed=50 + i) for i, (name, shape) in enumerate(shapes.items())}
     return flow.ops[f"f/{op_type}"], values
 
 
-@pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,dtype", ATTENTION_CASES)
+@pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,dtype,bias", ATTENTION_CASES)
 @pytest.mark.parametrize("op_type", ["Attention", "AttentionGrad"])
-def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, kv_heads, queries, keys, size, causal, dtype):
-    """Grouped heads, a causal mask with fewer queries than keys, or none, rows in one block
-    or several, tiles of many rows or of two: every output element written, equal to the
-    float64 reference to the dtype's rounding; a half-precision gradient is left to the
-    decomposition."""
+def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias):
+    """Grouped heads, a causal mask with fewer queries than keys, or none, a padding mask
+    or a position bias, rows in one block or several, tiles of many rows or of two: every
+    output element written, equal to the float64 reference to the dtype's rounding; a
+    half-precision gradient is left to the decomposition."""
     from ranvier.ops.attention import attention as attention_reference
     from ranvier.ops.attention import attention_grad
 
-    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype)
+    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias)
     if op_type == "AttentionGrad" and dtype == "float16":
         assert not kernels.supports(op)
         return
     got = _run_on_host(op, values)
     assert got["status"][0] == 0
-    args = [values[f"f/{name}"] for name in ("q", "k", "v", "dout")[: len(op.inputs)]]
-    want = attention_reference(*args, causal) if op_type == "Attention" else attention_grad(*args, causal)
+    args = [values[f"f/{name}"] for name in ("q", "k", "v", "dout")[: 3 if op_type == "Attention" else 4]]
+    score_bias = values.get("f/bias")
+    want = attention_reference(*args, score_bias, causal=causal) if op_type == "Attention" else attention_grad(*args, score_bias, causal=causal)
     tolerance = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-12}[dtype]
     for var, expected in zip(op.outputs, [want] if op_type == "Attention" else want):
         np.testing.assert_allclose(got[var.name].astype(np.float64), expected, rtol=tolerance, atol=tolerance, err_msg=var.name)

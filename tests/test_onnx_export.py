@@ -254,19 +254,23 @@ def test_lookups_and_top_k():
     })
 
 
-@pytest.mark.parametrize("heads, kv_heads, queries, keys, causal, scale", [
-    (4, 2, 5, 5, True, None),  # grouped-query, as Llama
-    (3, 1, 4, 6, True, None),  # multi-query, more keys than queries
-    (2, 2, 3, 4, False, 0.3),
+@pytest.mark.parametrize("heads, kv_heads, queries, keys, causal, scale, bias", [
+    (4, 2, 5, 5, True, None, None),  # grouped-query, as Llama
+    (3, 1, 4, 6, True, None, [3, 4, 6]),  # multi-query, more keys than queries, a position bias
+    (2, 2, 3, 4, False, 0.3, [2, 1, 1, 4]),  # a padding mask's shape
 ])
-def test_attention(heads, kv_heads, queries, keys, causal, scale):
+def test_attention(heads, kv_heads, queries, keys, causal, scale, bias):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     q = f.var("q", rv.DT_FLOAT, [2, heads, queries, 8])
     k = f.var("k", rv.DT_FLOAT, [2, kv_heads, keys, 8])
     v = f.var("v", rv.DT_FLOAT, [2, kv_heads, keys, 8])
-    f.attention(q, k, v, causal=causal, scale=scale, name="attention")
-    check(flow, {q: uniform(q.shape), k: uniform(k.shape), v: uniform(v.shape)})
+    inputs = {q: uniform(q.shape), k: uniform(k.shape), v: uniform(v.shape)}
+    if bias is not None:
+        bias = f.var("bias", rv.DT_FLOAT, bias)
+        inputs[bias] = uniform(bias.shape)
+    f.attention(q, k, v, bias, causal=causal, scale=scale, name="attention")
+    check(flow, inputs)
 
 
 # ---- models ------------------------------------------------------------------------------------------

@@ -19,18 +19,19 @@ SHAPES = [  # (B, H, KV, T, S, hd)
 ]
 
 
-def naive(q, k, v, dout, causal, scale):
+def naive(q, k, v, dout, causal, scale, bias=None):
     """Loops over heads and queries, float64: the output and the three gradients."""
     q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
     b, h, t, _ = q.shape
     kv, s = k.shape[1], k.shape[2]
+    bias = np.broadcast_to(np.zeros(()) if bias is None else np.asarray(bias, np.float64), (b, h, t, s))
     out, dq, dk, dv = np.zeros_like(q), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for n in range(b):
         for head in range(h):
             g = head // (h // kv)
             for i in range(t):
                 visible = i + s - t + 1 if causal else s
-                scores = np.array([scale * q[n, head, i] @ k[n, g, j] for j in range(visible)])
+                scores = np.array([scale * q[n, head, i] @ k[n, g, j] + bias[n, head, i, j] for j in range(visible)])
                 p = np.exp(scores - scores.max())
                 p /= p.sum()
                 out[n, head, i] = p @ v[n, g, :visible]
@@ -63,6 +64,38 @@ def test_attention_and_its_gradient(dtype, shape, causal, cpu_attention):
     outputs = run_flow(lambda f, *x: [f.op("Attention", list(x[:3]), None, attrs), *f.op("AttentionGrad", list(x), None, attrs)], [q, k, v, dout])
     for got, want in zip(outputs, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd))):
         check(got, want, dtype)
+
+
+def score_bias(kind, b, h, t, s, dtype):
+    """A padding mask [B, 1, 1, S] of 0 and −∞ (the last key always seen, the first
+    image's first keys hidden: left padding) or a learned position bias [H, T, S]."""
+    rng = np.random.default_rng(3)
+    if kind == "position":
+        return rng.standard_normal((h, t, s)).astype(dtype)
+    hidden = rng.random((b, 1, 1, s)) < 0.3
+    hidden[0, ..., :2], hidden[..., -1] = True, False
+    return np.where(hidden, -np.inf, 0.0).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3]])
+@pytest.mark.parametrize("kind", ["padding", "position"])
+def test_attention_adds_a_score_bias(dtype, shape, kind, cpu_attention):
+    b, h, kv, t, s, hd = shape
+    q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    bias = score_bias(kind, b, h, t, s, dtype)
+    attrs = {"causal": False}
+    outputs = run_flow(lambda f, q, k, v, d, bias: [f.attention(q, k, v, bias, causal=False), *f.op("AttentionGrad", [q, k, v, d, bias], None, attrs)],
+                       [q, k, v, dout, bias])
+    for got, want in zip(outputs, naive(q, k, v, dout, False, 1.0 / math.sqrt(hd), bias)):
+        check(got, want, dtype)
+
+
+def test_attention_bias_errors():
+    inputs = [("q", "float32", [2, 3, 4, 8]), ("k", "float32", [2, 3, 5, 8]), ("v", "float32", [2, 3, 5, 8])]
+    for shape in ([2, 3, 4, 4], [3, 1, 1, 5], [1, 2, 3, 4, 5]):
+        message = shape_error(lambda f, q, k, v, bias: f.attention(q, k, v, bias), [*inputs, ("bias", "float32", shape)])
+        assert_mentions(message, "Attention", "broadcasts to the scores' shape [B, H, T, S] = [2, 3, 4, 5]")
 
 
 def test_attention_shape_errors():

@@ -430,6 +430,20 @@ case(
     lambda q, k, v: F.scaled_dot_product_attention(q, k.expand(-1, 3, -1, -1), v.expand(-1, 3, -1, -1), scale=0.7),
     q=normal(1, 3, 4, 2), k=normal(1, 1, 6, 2), v=normal(1, 1, 6, 2),
 )
+_CAUSAL_5x5 = torch.triu(torch.full((5, 5), float("-inf"), dtype=torch.float64), 1)
+case(
+    "Attention[gqa,causal,position bias]",  # a learned bias [H, T, S]: its gradient too
+    lambda b, q, k, v, bias: b.attention(q, k, v, bias),
+    lambda q, k, v, bias: F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                         attn_mask=bias + _CAUSAL_5x5),
+    q=normal(2, 4, 5, 3), k=normal(2, 2, 5, 3), v=normal(2, 2, 5, 3), bias=normal(4, 5, 5),
+)
+case(
+    "Attention[mqa,full,batch bias]",
+    lambda b, q, k, v, bias: b.attention(q, k, v, bias, causal=False, scale=0.7),
+    lambda q, k, v, bias: F.scaled_dot_product_attention(q, k.expand(-1, 3, -1, -1), v.expand(-1, 3, -1, -1), attn_mask=bias, scale=0.7),
+    q=normal(2, 3, 4, 2), k=normal(2, 1, 6, 2), v=normal(2, 1, 6, 2), bias=normal(2, 1, 1, 6),
+)
 
 # ---- window primitives (what convolution and pooling decompose into) ----------------------
 

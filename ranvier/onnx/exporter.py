@@ -27,7 +27,7 @@ from ..atomic import atomic_write
 from ..errors import RanvierError, UnknownOpError
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of
-from ..ops.attention import scale_of
+from ..ops.attention import bias_dims, scale_of
 from ..ops.shape import shape_fact
 from ..ops.window import strided_view
 from ..version import __version__
@@ -600,9 +600,10 @@ def _softmax_top_k(g, op, x):
 
 
 @converts("Attention")
-def _attention(g, op, q, k, v):
-    """softmax(scale · q kᵀ + causal mask) v, as its decomposition in ranvier.ops.attention:
-    the G query heads sharing a key/value head are stacked as G·T rows of one matrix."""
+def _attention(g, op, q, k, v, bias=None):
+    """softmax(scale · q kᵀ + bias + causal mask) v, as its decomposition in
+    ranvier.ops.attention: the G query heads sharing a key/value head are stacked as G·T
+    rows of one matrix."""
     q_var, k_var = op.inputs[0], op.inputs[1]
     batch, heads, queries, size = q_var.shape
     kv_heads, keys = k_var.shape[1], k_var.shape[2]
@@ -612,10 +613,15 @@ def _attention(g, op, q, k, v):
     stacked = g.node("Reshape", [q, g.ints([batch, kv_heads, groups * queries, size])])
     scores = g.node("MatMul", [stacked, _swap_last(g, k, 4)])
     scores = g.node("Mul", [scores, g.const(scale_of(attrs, size), dtype)])
-    if attrs["causal"]:
-        hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
-        by_group = g.node("Reshape", [scores, g.ints([batch, kv_heads, groups, queries, keys])])
-        masked = g.node("Add", [by_group, g.const(np.where(hidden, -np.inf, 0.0), dtype)])
-        scores = g.node("Reshape", [masked, g.ints([batch, kv_heads, groups * queries, keys])])
+    if attrs["causal"] or bias is not None:
+        scores = g.node("Reshape", [scores, g.ints([batch, kv_heads, groups, queries, keys])])
+        if bias is not None:
+            bias_batch, bias_heads, bias_queries, bias_keys = bias_dims(op.inputs[3].shape)
+            split = [kv_heads, groups] if bias_heads > 1 else [1, 1]
+            scores = g.node("Add", [scores, g.node("Reshape", [bias, g.ints([bias_batch, *split, bias_queries, bias_keys])])])
+        if attrs["causal"]:
+            hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
+            scores = g.node("Add", [scores, g.const(np.where(hidden, -np.inf, 0.0), dtype)])
+        scores = g.node("Reshape", [scores, g.ints([batch, kv_heads, groups * queries, keys])])
     probs = g.node("Softmax", [scores], axis=-1)
     return g.node("Reshape", [g.node("MatMul", [probs, v]), g.ints(q_var.shape)])

@@ -1,10 +1,13 @@
 """Attention as one composite op, forward and backward, so a backend can fuse it whole.
 
-Attention(q [B, H, T, hd], k [B, KV, S, hd], v [B, KV, S, hd]) → [B, H, T, hd]: head h
-reads key/value head h // (H / KV) (grouped- and multi-query attention). With `causal`
-query t sees keys s ≤ t + S − T (queries are the last T positions). `scale` defaults
-to 1/√hd. AttentionGrad(q, k, v, d out) → (dq, dk, dv) recomputes the probabilities
-row by row instead of keeping the T×S matrix from the forward pass.
+Attention(q [B, H, T, hd], k [B, KV, S, hd], v [B, KV, S, hd][, bias]) → [B, H, T, hd]:
+head h reads key/value head h // (H / KV) (grouped- and multi-query attention). With
+`causal` query t sees keys s ≤ t + S − T (queries are the last T positions). `scale`
+defaults to 1/√hd. The optional bias is added to the scaled scores before the softmax,
+broadcast to [B, H, T, S] (a padding mask [B, 1, 1, S] of 0 and −∞, a position bias
+[1, H, T, S]). AttentionGrad(q, k, v, d out[, bias]) → (dq, dk, dv) recomputes the
+probabilities row by row instead of keeping the T×S matrix from the forward pass; a
+bias's own gradient, wanted only when it is learned, comes from the decomposed form.
 
 Both decompose into batched GEMMs and a row softmax (with one additive causal-mask
 constant per function, so the backward's recomputed probabilities are the forward's,
@@ -21,7 +24,11 @@ from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, same_dtype
 
 
-def _check(ctx, q, k, v):
+def _check(ctx, q, k, v, bias=None):
+    if bias is not None:
+        full = [q.shape[0], q.shape[1], q.shape[2], k.shape[2]] if q.rank == 4 and k.rank == 4 else []
+        if bias.rank > 4 or not full or any(d not in (1, n) for d, n in zip(bias_dims(bias.shape), full)):
+            raise ctx.fail(f"a bias that broadcasts to the scores' shape [B, H, T, S] = {full}")
     if q.rank != 4 or k.rank != 4 or list(k.shape) != list(v.shape):
         raise ctx.fail("q [B, H, T, hd] and k, v of one shape [B, KV, S, hd]")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
@@ -32,15 +39,14 @@ def _check(ctx, q, k, v):
 
 def _infer_attention(ctx):
     dtype = same_dtype(ctx, FLOATS, "floating-point q, k, v of one dtype")
-    q, k, v = ctx.inputs
-    _check(ctx, q, k, v)
-    return [TensorType(dtype, q.shape)]
+    _check(ctx, *ctx.inputs)
+    return [TensorType(dtype, ctx.inputs[0].shape)]
 
 
 def _infer_attention_grad(ctx):
     dtype = same_dtype(ctx, FLOATS, "floating-point q, k, v, d out of one dtype")
-    q, k, v, dout = ctx.inputs
-    _check(ctx, q, k, v)
+    q, k, v, dout = ctx.inputs[:4]
+    _check(ctx, q, k, v, *ctx.inputs[4:])
     if list(dout.shape) != list(q.shape):
         raise ctx.fail(f"d out of the output's shape {list(q.shape)}")
     return [TensorType(dtype, q.shape), TensorType(dtype, k.shape), TensorType(dtype, v.shape)]
@@ -52,12 +58,34 @@ def scale_of(attrs, head_size: int) -> float:
     return 1.0 / math.sqrt(head_size) if scale is None else scale
 
 
-def probabilities(q, k, causal: bool, scale: float) -> np.ndarray:
-    """softmax(scale · q kᵀ) per head [B, H, T, S], float64, with the causal mask."""
+def bias_of(op):
+    """An Attention or AttentionGrad op's score bias, or None."""
+    first = 4 if op.type == "AttentionGrad" else 3
+    return op.inputs[first] if len(op.inputs) > first else None
+
+
+def bias_dims(shape) -> list[int]:
+    """A bias's shape as rank 4, ones in front (it broadcasts to [B, H, T, S])."""
+    return [1] * (4 - len(shape)) + list(shape)
+
+
+def bias_offset(dims, batch, head, query, key):
+    """The element of a bias of rank-4 `dims` that the score (batch, head, query, key)
+    adds (indices or IR values): a broadcast axis is read at 0."""
+    index = 0
+    for size, at in zip(dims, (batch, head, query, key)):
+        index = index * size + (at if size > 1 else 0)
+    return index
+
+
+def probabilities(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
+    """softmax(scale · q kᵀ + bias) per head [B, H, T, S], float64, with the causal mask."""
     _b, h, t, _ = q.shape
     groups = h // k.shape[1]
     keys = np.repeat(np.asarray(k, np.float64), groups, axis=1)
     scores = np.einsum("bhtd,bhsd->bhts", np.asarray(q, np.float64), keys) * scale
+    if bias is not None:
+        scores = scores + np.asarray(bias, np.float64)
     if causal:
         s = k.shape[2]
         hidden = np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t)
@@ -67,17 +95,17 @@ def probabilities(q, k, causal: bool, scale: float) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def attention(q, k, v, causal=True, scale=None):
+def attention(q, k, v, bias=None, causal=True, scale=None):
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    p = probabilities(q, k, causal, scale)
+    p = probabilities(q, k, causal, scale, bias)
     values = np.repeat(np.asarray(v, np.float64), q.shape[1] // k.shape[1], axis=1)
     return np.einsum("bhts,bhsd->bhtd", p, values)
 
 
-def attention_grad(q, k, v, dout, causal=True, scale=None):
+def attention_grad(q, k, v, dout, bias=None, causal=True, scale=None):
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[1] // k.shape[1]
-    p = probabilities(q, k, causal, scale)
+    p = probabilities(q, k, causal, scale, bias)
     keys = np.repeat(np.asarray(k, np.float64), groups, axis=1)
     values = np.repeat(np.asarray(v, np.float64), groups, axis=1)
     dout = np.asarray(dout, np.float64)
@@ -100,8 +128,16 @@ ATTRS = [
 
 
 def _attention_vjp(ctx, g):
-    dq, dk, dv = ctx.b.op("AttentionGrad", [*ctx.inputs, g[0]], None, dict(ctx.op.attrs))
-    return [dq, dk, dv]
+    q, k, v, *bias = ctx.inputs
+    dq, dk, dv = ctx.b.op("AttentionGrad", [q, k, v, g[0], *bias], None, dict(ctx.op.attrs))
+    if not bias:
+        return [dq, dk, dv]
+    return [dq, dk, dv, ctx.unbroadcast(_score_gradient(ctx.b, ctx.op, g[0]), bias[0])]
+
+
+def _build_attention(b, q, k, v, bias=None, causal=True, scale=None, name=None):
+    attrs = {"causal": causal} if scale is None else {"causal": causal, "scale": scale}
+    return b.op("Attention", [q, k, v] if bias is None else [q, k, v, bias], name, attrs)
 
 
 def _flops(op) -> int:
@@ -116,29 +152,30 @@ def _flops(op) -> int:
 define(
     "Attention",
     _infer_attention,
-    lambda a, args, o: [attention(*args, a["causal"], scale_of(a, args[0].shape[-1]))],
-    3,
+    lambda a, args, o: [attention(*args[:3], *args[3:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]))],
+    (3, 4),
     "nn",
-    "Attention(q, k, v)",
+    "Attention(q, k, v[, bias])",
     attrs=ATTRS,
     vjp=_attention_vjp,
     flops=_flops,
     method="attention",
+    build=_build_attention,
 )
 define(
     "AttentionGrad",
     _infer_attention_grad,
-    lambda a, args, o: attention_grad(*args, a["causal"], scale_of(a, args[0].shape[-1])),
-    4,
+    lambda a, args, o: attention_grad(*args[:4], *args[4:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1])),
+    (4, 5),
     "nn",
-    "(dq, dk, dv) of Attention from (q, k, v, d out), recomputing the probabilities",
+    "(dq, dk, dv) of Attention from (q, k, v, d out[, bias]), recomputing the probabilities",
     attrs=ATTRS,
     flops=_flops,
 )
 
 
 def _grouped_probabilities(b, op):
-    """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + causal mask).
+    """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + bias + causal mask).
 
     The query heads sharing a key/value head are stacked into one matrix of G·T rows
     [B, KV, G·T, hd], so each key/value head takes one GEMM of G·T rows rather than G
@@ -151,10 +188,31 @@ def _grouped_probabilities(b, op):
     stacked = q.reshape([batch, kv_heads, groups * queries, size])
     scale = scale_of(attrs, size)
     scores = stacked.matmul(k, transpose_b=True) * scale
-    if attrs["causal"]:
-        scores = scores.reshape([batch, kv_heads, groups, queries, keys]) + _causal_mask(b, queries, keys, q.dtype)
+    bias = bias_of(op)
+    if attrs["causal"] or bias is not None:
+        scores = scores.reshape([batch, kv_heads, groups, queries, keys])
+        if bias is not None:
+            scores = scores + _grouped_bias(b.wrap(bias), kv_heads, groups)
+        if attrs["causal"]:
+            scores = scores + _causal_mask(b, queries, keys, q.dtype)
         scores = scores.reshape([batch, kv_heads, groups * queries, keys])
     return stacked, k, v, scores.softmax(), scale
+
+
+def _grouped_bias(bias, kv_heads: int, groups: int):
+    """A bias [B|1, H|1, T|1, S|1] as [B|1, KV|1, G|1, T|1, S|1], to add to grouped scores."""
+    batch, heads, queries, keys = bias_dims(bias.shape)
+    split = [kv_heads, groups] if heads > 1 else [1, 1]
+    return bias.reshape([batch, *split, queries, keys])
+
+
+def _score_gradient(b, op, dout):
+    """d scores [B, H, T, S] of Attention `op` for d out: a learned bias's gradient."""
+    q, _, v, p, _ = _grouped_probabilities(b, op)
+    batch, heads, queries, _ = op.inputs[0].shape
+    dp = b.wrap(dout).reshape(q.shape).matmul(v, transpose_b=True)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    return ds.reshape([batch, heads, queries, op.inputs[1].shape[2]])
 
 
 def _causal_mask(b, queries: int, keys: int, dtype: str):

@@ -21,6 +21,7 @@ GPU speed issue's work.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from llvmlite import ir
@@ -28,7 +29,7 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ...ops.attention import scale_of
+from ...ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ..llvm.context import Array, EmitContext
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram
@@ -56,6 +57,14 @@ class _Shape:
         attrs = attrs_of(op)
         self.causal, self.scale = attrs["causal"], scale_of(attrs, self.size)
         self.query_tiles, self.key_tiles = -(-self.queries // TILE), -(-self.keys // TILE)
+        self.bias = bias_of(op)
+
+    def score(self, ctx: EmitContext, product: Value, b: Value, h: Value, t: Value, s: Value) -> Value:
+        """Query t's score of key s from their dot product: scaled, plus the bias."""
+        score = product * self.scale
+        if self.bias is None:
+            return score
+        return score + ctx.load(self.bias, bias_offset(bias_dims(self.bias.shape), b, h, t, s))
 
     def query_row(self, b: Value, h: Value, t: Value) -> Value:
         return ((b * self.heads + h) * self.queries + t) * self.size
@@ -66,6 +75,14 @@ class _Shape:
     def visible_keys(self, ctx: EmitContext, t: Value) -> Value:
         """One past the last key query t sees."""
         return t + (self.keys - self.queries + 1) if self.causal else ctx.index(self.keys)
+
+
+def _rescale(peak: Value, grown: Value, score: Value) -> tuple[Value, Value]:
+    """The online softmax's factor for the sum so far and the new score's weight, when
+    the running maximum goes from `peak` to `grown`. Until a score is finite (keys masked
+    by a −∞ bias) the maximum stays −∞ and both are 0, not −∞ − (−∞)."""
+    finite = grown.equal(-math.inf).where(0.0, grown)
+    return (peak - finite).exp(), (score - finite).exp()
 
 
 def _streamed_rows(op: Operation, row_floats: int) -> int:
@@ -163,9 +180,10 @@ def _forward(program: BlockProgram, op: Operation, shape: _Shape, block: Value) 
             acc.store(i, ctx.constant(out.dtype, 0.0))
 
     def visit(t, s, j, keys, values):
-        score = _dot(ctx, _row(ctx, op.inputs[0], shape.query_row(b, h, t)), _tile_row(keys, j, size), size, out.dtype) * shape.scale
+        score = shape.score(ctx, _dot(ctx, _row(ctx, op.inputs[0], shape.query_row(b, h, t)), _tile_row(keys, j, size), size, out.dtype),
+                            b, h, t, s)
         grown = peak.load(0).maximum(score)
-        correction, weight = (peak.load(0) - grown).exp(), (score - grown).exp()
+        correction, weight = _rescale(peak.load(0), grown, score)
         total.store(0, total.load(0) * correction + weight)
         with ctx.loop(0, size, name="i") as i:
             acc.store(i, acc.load(i) * correction + weight * values.load(j * size + i))
@@ -190,9 +208,9 @@ def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Valu
 
     def visit(t, s, j, keys, values):
         at = shape.query_row(b, h, t)
-        score = _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype) * shape.scale
+        score = shape.score(ctx, _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype), b, h, t, s)
         grown = peak.load(0).maximum(score)
-        correction, weight = (peak.load(0) - grown).exp(), (score - grown).exp()
+        correction, weight = _rescale(peak.load(0), grown, score)
         total.store(0, total.load(0) * correction + weight)
         d.store(0, d.load(0) * correction + weight * _dot(ctx, _row(ctx, dout, at), _tile_row(values, j, size), size, dq.dtype))
         peak.store(0, grown)
@@ -211,7 +229,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
     """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
     it, streaming tiles of query rows, their dout rows and parked (m, l, D)."""
     ctx, size = program.ctx, shape.size
-    q, _, v, dout = op.inputs
+    q, _, v, dout = op.inputs[:4]
     dq, dk, dv = op.outputs
     heads = block // shape.key_tiles
     b, kv, first_key = heads // shape.kv_heads, heads % shape.kv_heads, block % shape.key_tiles * TILE
@@ -234,7 +252,8 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
             with (ctx.when(s < shape.keys), ctx.loop(0, (shape.queries - first_query).minimum(rows), name="j") as j,
                   ctx.when(s < shape.visible_keys(ctx, first_query + j))):
                 peak, total, d = (parked.load(j * _PARKED + k) for k in range(_PARKED))
-                score = _dot(ctx, _tile_row(queries, j, size), _row(ctx, op.inputs[1], key), size, dk.dtype) * shape.scale
+                score = shape.score(ctx, _dot(ctx, _tile_row(queries, j, size), _row(ctx, op.inputs[1], key), size, dk.dtype),
+                                    b, h, first_query + j, s)
                 p = (score - peak).exp() / total
                 ds = p * (_dot(ctx, _tile_row(douts, j, size), _row(ctx, v, key), size, dk.dtype) - d) * shape.scale
                 with ctx.loop(0, size, name="i") as i:
@@ -265,7 +284,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: _Shape, block: 
     def visit(t, s, j, keys, values):
         at = shape.query_row(b, h, t)
         peak, total, d = (parked.load(k) for k in range(_PARKED))
-        score = _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype) * shape.scale
+        score = shape.score(ctx, _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype), b, h, t, s)
         p = (score - peak).exp() / total
         ds = p * (_dot(ctx, _row(ctx, dout, at), _tile_row(values, j, size), size, dq.dtype) - d)
         with ctx.loop(0, size, name="i") as i:

@@ -16,7 +16,7 @@ import math
 
 from .... import dtypes
 from ....ops import attrs_of
-from ....ops.attention import scale_of
+from ....ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ...llvm.loops import fill
 from ...llvm.rows import Row
 from ...llvm.values import Value
@@ -48,10 +48,18 @@ class _Heads:
         self.causal = attrs["causal"]
         self.scale = scale_of(attrs, self.size)
         self.dtype = q.dtype
+        self.bias = bias_of(op)
+        self.bias_dims = bias_dims(self.bias.shape) if self.bias is not None else None
 
     def kv_base(self, bh: Value) -> Value:
         batch, head = bh // self.heads, bh % self.heads
         return (batch * self.kv_heads + head // self.groups) * (self.keys * self.size)
+
+    def bias_start(self, bh: Value, t: Value) -> Value | int:
+        """Where the bias row of (batch·head, query) starts; a broadcast axis stays put."""
+        if self.bias is None:
+            return 0
+        return bias_offset(self.bias_dims, bh // self.heads, bh % self.heads, t, 0)
 
     def visible(self, t: Value) -> Value | int:
         """How many keys query t sees."""
@@ -67,12 +75,14 @@ class _Heads:
         row = Row(ctx, y_start, self.size, y.dtype)
         row.each(lambda i, w: ctx.store(y, i, ctx.load(y, i, w) + alpha.splat(w) * ctx.load(x, i - y_start + x_start, w)))
 
-    def probabilities(self, q, q_start: Value, k, kv: Value, count, p) -> None:
+    def probabilities(self, q, q_start: Value, k, kv: Value, count, p, bias_start: Value | int) -> None:
         """Fill p[j] with the probability of each visible key j."""
         ctx = self.ctx
         peak = ctx.local(self.dtype, 1, -math.inf)
         with ctx.loop(0, count, name="j") as j:
             score = self.dot(q, q_start, k, kv + j * self.size) * self.scale
+            if self.bias is not None:
+                score = score + ctx.load(self.bias, bias_start + (j if self.bias_dims[3] > 1 else 0))
             p.store(j, score)
             peak.set((score > peak.value).where(score, peak.value))
         total = ctx.local(self.dtype, 1, 0.0)
@@ -93,7 +103,7 @@ class _Heads:
             with ctx.loop(0, self.queries, name="t") as t:
                 row = (bh * self.queries + t) * self.size
                 count = self.visible(t)
-                self.probabilities(q, row, k, kv, count, p)
+                self.probabilities(q, row, k, kv, count, p, self.bias_start(bh, t))
                 body(kv, row, count)
 
     def buffer(self):
@@ -102,7 +112,7 @@ class _Heads:
 
 @kernel("AttentionRow", {"Attention"}, supports=_too_big_to_decompose)
 def attention(ctx, op) -> None:
-    q, k, v = op.inputs
+    q, k, v = op.inputs[:3]
     out = op.outputs[0]
     heads = _Heads(ctx, q, k, op)
     p = heads.buffer()
@@ -117,7 +127,7 @@ def attention(ctx, op) -> None:
 
 @kernel("AttentionGradRow", {"AttentionGrad"}, supports=_too_big_to_decompose)
 def attention_grad(ctx, op) -> None:
-    q, k, v, dout = op.inputs
+    q, k, v, dout = op.inputs[:4]
     dq, dk, dv = op.outputs
     heads = _Heads(ctx, q, k, op)
     p, dp = heads.buffer(), heads.buffer()
