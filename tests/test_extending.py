@@ -140,7 +140,7 @@ def test_debug_passes_prints_the_function_after_each_pass(monkeypatch, capsys):
     monkeypatch.setenv("RANVIER_DEBUG", "passes")
     _compile(lambda f, x: (x * 2.0).exp().sum(axis=1), [3, 4])
     err = capsys.readouterr().err
-    for name in ("decompose", "fold", "cse", "fuse", "fuse-loss", "fuse-router"):
+    for name in ("fuse-attention", "decompose", "fold", "cse", "fuse", "fuse-loss", "fuse-router"):
         assert f"==== f after {name} ====" in err
     assert "Calculate(" in err.split("f after fuse ====")[1]
 

@@ -3,6 +3,7 @@ backend runs, in order. Each pass is a small rewrite in a module of its own, tes
 its own; a backend only states what it can do (`Capabilities`, `runs_whole`), and the
 pipeline decides which passes apply.
 
+    fuse-attention   softmax(scale · Q Kᵀ + mask) V written out op by op → one Attention
     decompose        composites the backend cannot run whole → the ops they are made of
     fold             ops of constants → constants
     cse              the same op on the same inputs → computed once
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from .. import debug
 from ..backends import Backend, CompileOptions
 from ..flow.graph import Flow, Function
+from .attention import fuse_attention
 from .decompose import decompose
 from .epilogue import fuse_epilogues
 from .fuse import fuse_elementwise
@@ -64,6 +66,7 @@ class Pass:
 
 
 PIPELINE: tuple[Pass, ...] = (
+    Pass("fuse-attention", lambda c: fuse_attention(c.flow, c.func, c.keep)),
     Pass("decompose", lambda c: decompose(c.flow, c.func, c.backend.runs_whole)),
     Pass("fold", lambda c: fold_constants(c.flow, c.func, c.keep)),
     Pass("cse", lambda c: eliminate_common_subexpressions(c.flow, c.func, c.keep)),
