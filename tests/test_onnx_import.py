@@ -131,6 +131,27 @@ X234 = rand(2, 3, 4)
 IMAGE = rand(2, 3, 7, 8)
 INTS = RNG.integers(-3, 4, (2, 3, 4)).astype(np.int64)
 
+def _attention_mask(*shape) -> np.ndarray:
+    """A boolean mask (True: attend) that leaves every query its first key."""
+    mask = RNG.random(shape) < 0.6
+    mask[..., 0] = True
+    return mask
+
+
+Q4, K4, V4 = rand(2, 4, 3, 8), rand(2, 2, 5, 8), rand(2, 2, 5, 8)
+ATTENTION_CASES = [  # ONNX's Attention (opset 23)
+    case("Attention", {"q": Q4, "k": K4, "v": V4}, opset=23, id="grouped"),
+    case("Attention", {"q": Q4, "k": K4, "v": V4, "m": _attention_mask(2, 1, 3, 5)}, opset=23, id="boolean-mask"),
+    case("Attention", {"q": Q4, "k": K4, "v": V4, "m": rand(2, 4, 3, 5)}, opset=23, scale=0.3, id="float-mask-scale"),
+    case("Attention", {"q": rand(2, 3, 32), "k": rand(2, 5, 16), "v": rand(2, 5, 16)}, opset=23, q_num_heads=4,
+         kv_num_heads=2, id="3d"),
+    case("Attention", {"q": rand(2, 4, 5, 8), "k": K4, "v": V4}, opset=23, is_causal=1, id="causal"),
+    case("Attention", {"q": Q4, "k": K4, "v": V4}, opset=23, is_causal=1, id="causal-more-keys-than-queries"),
+    case("Attention", {"q": rand(1, 4, 1, 8), "k": rand(1, 2, 1, 8), "v": rand(1, 2, 1, 8), "pk": rand(1, 2, 4, 8),
+                       "pv": rand(1, 2, 4, 8)}, inputs=["q", "k", "v", "", "pk", "pv"], outputs=("y", "present_key", "present_value"),
+         opset=23, is_causal=1, id="cached"),
+]
+
 NODE_CASES = [
     *(case(op, {"x": UNARY_INPUTS.get(op, rand(3, 4) * 2)}) for op in UNARY),
     # Binary operators broadcast both ways: [2,3,1] with [4] gives [2,3,4].
@@ -279,6 +300,7 @@ NODE_CASES = [
     case("Shape", {"x": X234}),
     case("Shape", {"x": IMAGE}, opset=15, start=1, end=-1, id="start-end"),
     case("Size", {"x": IMAGE}),
+    *ATTENTION_CASES,
 ]
 
 
@@ -530,6 +552,37 @@ def test_refused_node_is_named(op, values, attrs, reason):
     model = model_with(helper.make_node(op, list(values), ["y"], name="the_node", **attrs), values)
     with pytest.raises(OnnxError, match=rf"'the_node' \({op}, opset 17\).*{reason}"):
         ro.load(model)
+
+
+@pytest.mark.parametrize("attrs, outputs, reason", [
+    ({"softcap": 30.0}, ["y"], "softcap"),
+    ({}, ["y", "present_key", "present_value", "qk"], "qk_matmul_output"),
+])
+def test_refused_attention_is_named(attrs, outputs, reason):
+    values = {"q": Q4, "k": K4, "v": V4}
+    model = model_with(helper.make_node("Attention", list(values), outputs, name="the_node", **attrs), values, opset=23)
+    with pytest.raises(OnnxError, match=rf"'the_node' \(Attention, opset 23\).*{reason}"):
+        ro.load(model)
+    values["v"] = rand(2, 2, 5, 6)
+    model = model_with(helper.make_node("Attention", list(values), ["y"], name="the_node"), values, opset=23)
+    with pytest.raises(OnnxError, match="head size 6 differ from keys' 8"):
+        ro.load(model)
+
+
+def test_opset_23_exports_attention_as_one_node():
+    """The dynamo exporter at opset 23 writes SDPA as ONNX's Attention node; ranvier's
+    outputs equal ONNX Runtime's on the opset-20 export of the same module (ORT's own
+    Attention refuses the encoder's [B, 1, 1, S] padding mask)."""
+    for name in ("bert", "gpt"):
+        module, inputs = family(name)
+        model = export(module, inputs, True, opset_version=23)
+        assert any(node.op_type == "Attention" for node in model.graph.node)
+        feeds = {n: t.numpy() for n, t in zip(graph_inputs(model), inputs)}
+        oracle = export(module, inputs, True)
+        expected = run_ort(oracle, {n: t.numpy() for n, t in zip(graph_inputs(oracle), inputs)})
+        outputs = [o.name for o in model.graph.output]
+        for name_, actual, e in zip(outputs, run_ranvier(model, feeds, outputs), expected):
+            assert_matches(actual, e, name_)
 
 
 def test_refused_extra_outputs_are_named():

@@ -151,6 +151,60 @@ def softmax(node: Node):
     return _over_trailing_axes(x, int(node.attr("axis", 1)), lambda flat: method(flat, axis=-1))
 
 
+@converts("Attention")
+def attention(node: Node):
+    """ONNX's scaled dot-product attention (opset 23) as ranvier's Attention op: 4-D
+    [B, heads, T, head size] inputs, or 3-D [B, T, heads · head size] with q_num_heads and
+    kv_num_heads; grouped key/value heads; a boolean (True: attend) or additive mask as the
+    score bias; cached keys and values (past_key/past_value) put in front of the new ones,
+    returned as present_key/present_value. `is_causal` lets query i see key j ≤ i + the
+    cached count: ranvier's causal flag when there are as many new keys as queries, else
+    a constant mask."""
+    if node.attr("softcap", 0.0):
+        raise node.error("its softcap is not supported")
+    if len(node.proto.output) > 3 and node.proto.output[3]:
+        raise node.error("its qk_matmul_output is not supported")
+    q, k, v = (_heads_first(node, i) for i in range(3))
+    if k.shape[-1] != v.shape[-1]:
+        raise node.error(f"values of head size {v.shape[-1]} differ from keys' {k.shape[-1]}; ranvier needs them equal")
+    past = node.optional(4)
+    new_keys = k.shape[2]
+    if past is not None:
+        if node.optional(5) is None:
+            raise node.error("has past_key without past_value (ONNX needs both)")
+        k = node.b.concat([node.tensor(4), k], 2)
+        v = node.b.concat([node.tensor(5), v], 2)
+    queries, keys = q.shape[2], k.shape[2]
+    bias = None
+    if node.optional(3) is not None:
+        mask = node.tensor(3)
+        bias = node.b.cond(mask, node.b.const(0.0, q.dtype), node.b.const(-math.inf, q.dtype)) if mask.dtype == dtypes.DT_BOOL else mask
+    causal = bool(node.attr("is_causal", 0))
+    if causal and new_keys != queries:  # the cached count, not S − T, sets where query 0 stops
+        seen = np.arange(keys)[None, :] <= np.arange(queries)[:, None] + (keys - new_keys)
+        frontier = node.b.const(np.where(seen, 0.0, -np.inf).astype(dtypes.to_numpy(q.dtype)))
+        bias, causal = (frontier if bias is None else bias + frontier), False
+    scale = node.attr("scale")
+    y = node.b.attention(q, k, v, bias, causal=causal, scale=None if scale is None else float(scale))
+    if node.inputs[0].rank == 3:
+        y = y.transpose([0, 2, 1, 3]).reshape([y.shape[0], queries, y.shape[1] * y.shape[3]])
+    return [y, k, v]
+
+
+def _heads_first(node: Node, index: int):
+    """Input `index` (Q, K or V) as [B, heads, T, head size]."""
+    x = node.tensor(index)
+    if x.rank == 4:
+        return x
+    if x.rank != 3:
+        raise node.error(f"input {index} has rank {x.rank}; ONNX Attention takes rank 3 or 4")
+    heads = node.attr("q_num_heads" if index == 0 else "kv_num_heads")
+    if heads is None or x.shape[2] % int(heads):
+        raise node.error(f"3-D input {index} needs {'q_num_heads' if index == 0 else 'kv_num_heads'} dividing its last axis")
+    heads = int(heads)
+    return x.reshape([x.shape[0], x.shape[1], heads, x.shape[2] // heads]).transpose([0, 2, 1, 3])
+
+
 @converts("LayerNormalization")
 def layer_norm(node: Node):
     if any(node.proto.output[1:]):
