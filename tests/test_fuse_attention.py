@@ -1,7 +1,7 @@
 """The fuse-attention pass: softmax(scale · Q Kᵀ + mask) V written out op by op becomes
 one Attention op, in exported models and in flows built by hand, and only where that is
 exact. The CPU backend's score budget is set to 0 here, so a fused op runs the fused
-kernel (AttentionRow) and its presence in the steps shows the pass fired."""
+kernel (AttentionGemm) and its presence in the steps shows the pass fired."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_exported_attention_becomes_one_op(name, dynamo):
         assert (len(op.inputs) == 4) == (name == "bert")
         assert op.attrs.get("causal", "1") == ("0" if name == "bert" else "1")
     steps = {s.kernel for s in rv.Compiler("cpu").compile(ranvier.onnx.load(model)).cell("main").steps}
-    assert "AttentionRow" in steps
+    assert "AttentionGemm" in steps
     check_against_ort(model, {n: t.numpy() for n, t in zip(graph_inputs(model), inputs)})
 
 
@@ -77,7 +77,7 @@ def test_scaled_scores_of_rank_3_with_a_transposed_product():
     def build(f, q, k, v):
         return (q.matmul(k, transpose_b=True) / 4.0).softmax() @ v
 
-    assert "AttentionRow" in kernels(built(build, [q, k, v]))
+    assert "AttentionGemm" in kernels(built(build, [q, k, v]))
     check(run_flow(build, [q, k, v])[0], reference(q, k, v, 0.25))
 
 
@@ -89,7 +89,7 @@ def test_factors_on_both_sides_and_a_plain_transposed_key():
     def build(f, q, kt, v):
         return ((q * 0.5) @ (kt * 0.5)).softmax() @ v
 
-    assert "AttentionRow" in kernels(built(build, [q, kt, v]))
+    assert "AttentionGemm" in kernels(built(build, [q, kt, v]))
     check(run_flow(build, [q, kt, v])[0], reference(q, kt.swapaxes(-1, -2), v, 0.25))
 
 
@@ -139,7 +139,7 @@ def test_patterns_that_are_not_attention_stay_as_written(pattern):
             return ((scores + f.array("mask", mask)) * 0.5).softmax() @ v
         return scores.softmax(axis=2) @ v
 
-    assert "AttentionRow" not in kernels(built(build, [q, k, v]))
+    assert "AttentionGemm" not in kernels(built(build, [q, k, v]))
     got = run_flow(build, [q, k, v])
     want = {"probabilities read elsewhere": reference(q, k, v, 1.0),
             "mask added before the scale": reference(q, k, v, 0.5, 0.5 * mask)}.get(pattern)

@@ -105,17 +105,19 @@ def test_attention_shape_errors():
     assert_mentions(message, "no more queries than keys")
 
 
-def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_attention):
+@pytest.mark.parametrize("dtype, forward", [("float32", "AttentionGemm"), ("float64", "AttentionRow")])
+def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_attention, dtype, forward):
+    """float32's forward goes through the generated GEMM a block of query rows at a time."""
     import ranvier as rv
 
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    q, k, v, d = (f.var(n, "float32", [1, 2, 4, 32]) for n in "qkvd")
+    q, k, v, d = (f.var(n, dtype, [1, 2, 4, 32]) for n in "qkvd")
     f.op("Attention", [q, k, v])
     f.op("AttentionGrad", [q, k, v, d])
     kernels = {s.kernel for s in rv.Compiler("cpu").compile(flow).cell("f").steps}
     fused = cpu_attention == "fused"
-    assert ({"AttentionRow", "AttentionGradRow"} <= kernels) == fused
+    assert ({forward, "AttentionGradRow"} <= kernels) == fused
     assert bool(kernels & {"BlasGemm", "Gemm"}) != fused
 
 
@@ -130,3 +132,21 @@ def test_decomposed_backward_reuses_the_forward_probabilities():
         grad.var.out = True
     kernels = [s.kernel for s in rv.Compiler("cpu").compile(flow).cell("f").steps]
     assert kernels.count("SoftmaxRow") == 1, kernels
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kind", [None, "padding", "position"])
+def test_attention_gemm_in_blocks_over_parts(causal, kind, monkeypatch):
+    """AttentionGemm with blocks of 8 query rows (the last one short), items shared out
+    over 3 parts, more keys than queries: every output row equal to the per-head loop's."""
+    import ranvier.backends.cpu.kernels.attention as cpu
+
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
+    monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 8 * 45)
+    monkeypatch.setattr(cpu, "thread_count", lambda: 3)
+    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
+    b, h, kv, t, s, hd = 2, 4, 2, 37, 45, 12
+    q, k, v = (random_array(x, "float32", seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd)]))
+    inputs = [q, k, v] + ([] if kind is None else [score_bias(kind, b, h, t, s, "float32")])
+    got = run_flow(lambda f, *x: f.attention(*x, causal=causal), inputs)[0]
+    check(got, naive(q, k, v, q, causal, 1.0 / math.sqrt(hd), inputs[3] if kind else None)[0], "float32")

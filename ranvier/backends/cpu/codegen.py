@@ -106,6 +106,13 @@ class KernelContext(EmitContext):
                 self._pointers[var.name] = self.b.bitcast(self.address(var), storage_type(var.dtype).as_pointer())
         return self._pointers[var.name]
 
+    def scratch(self, name: str, dtype: str, count: int, address: ir.Value) -> Variable:
+        """A variable of `count` elements at `address` (a part's share of the workspace), so
+        loads, stores and row passes reach it as they reach the step's variables."""
+        var = Variable(name, dtype, [count])
+        self._pointers[name] = self.b.bitcast(address, storage_type(dtype).as_pointer())
+        return var
+
     def prepared(self, var: Variable, form: str, element: ir.Type) -> ir.Value:
         """A pointer to the `element`s of constant `var` in `form` (a `Prepared` of the step's kernel)."""
         return self.b.bitcast(self.table_entry(self.layout.prepared_slot(var, form)), element.as_pointer())

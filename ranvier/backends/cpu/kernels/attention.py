@@ -1,8 +1,13 @@
-"""Fused attention kernels: one query row at a time, the T×S probabilities never stored.
+"""Fused attention kernels, the B×H×T×S probabilities never stored whole.
 
-Forward, per (batch, head, query): scores against every visible key into a row buffer
-on the stack, their maximum, exponentials and sum, then the weighted sum of values.
-Backward recomputes the same row of probabilities, then
+Forward in float32 (`AttentionGemm`), per (batch·head, block of query rows): the block's
+scores S = Q_block Kᵀ by the generated GEMM into the part's scratch (a block's rows of
+every key stay in L2), each row scaled, biased, masked and turned into probabilities in
+place, then O_block = P V by the GEMM again.
+
+Otherwise (float64, and every backward) one query row at a time: scores against every
+visible key into a row buffer on the stack, their maximum, exponentials and sum, then
+the weighted sum of values. The backward recomputes the same row of probabilities, then
     dp_j = d out · v_j,  ds_j = p_j (dp_j − Σ p·dp),
     dq += scale · ds_j k_j,  dk_j += scale · ds_j q,  dv_j += p_j · d out.
 
@@ -17,10 +22,15 @@ import math
 from .... import dtypes
 from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, scale_of
+from ...llvm.irutil import i64
 from ...llvm.loops import fill
 from ...llvm.rows import Row
 from ...llvm.values import Value
+from .. import sgemm
+from ..codegen import SGEMM_GENERATED
+from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
+from .matmul import GENERATED_GEMM_KERNELS, GeneratedGemm
 
 # Attention whose score matrices (batch × heads × queries × keys) take more bytes than
 # this runs fused; smaller ones decompose into GEMMs and a softmax, which beat the fused
@@ -94,6 +104,35 @@ class _Heads:
         with ctx.loop(0, count, name="j") as j:
             p.store(j, p.load(j) * inverse)
 
+    def normalize(self, scores, start: Value, bh: Value, t: Value) -> None:
+        """A row of a block's raw scores (q · k of every key) → query t's probabilities,
+        in place: scaled, biased, keys it does not see (and columns past the product) at 0."""
+        ctx = self.ctx
+        row = Row(ctx, start, self.keys, self.dtype)
+        seen, bias_start = self.visible(t), self.bias_start(bh, t)
+
+        def logit(i, w):
+            score = ctx.load(scores, i, w) * self.scale
+            if self.bias is not None:
+                across = self.bias_dims[3] > 1
+                score = score + (ctx.load(self.bias, bias_start + (i - start), w) if across else
+                                 ctx.load(self.bias, bias_start).splat(w))
+            if self.causal:  # positions as float32 (exact below 2^24): one compare per vector
+                key = (i - start).cast(dtypes.DT_FLOAT32).splat(w) + ctx.lane_numbers(w).cast(dtypes.DT_FLOAT32)
+                score = (key < ctx.index(seen).cast(dtypes.DT_FLOAT32).splat(w)).where(score, -math.inf)
+            ctx.store(scores, i, score)
+            return score
+
+        peak = row.fold(-math.inf, lambda acc, x: (x > acc).where(x, acc), logit)
+
+        def exponential(i, w):
+            e = (ctx.load(scores, i, w) - peak.splat(w)).exp()
+            ctx.store(scores, i, e)
+            return e
+
+        inverse = 1.0 / row.sum(exponential)
+        row.each(lambda i, w: ctx.store(scores, i, ctx.load(scores, i, w) * inverse.splat(w)))
+
     def each_query(self, q, k, p, body) -> None:
         """For every (batch·head, query): fill the probabilities p, then call
         body(key/value base, query row offset, visible key count)."""
@@ -108,6 +147,78 @@ class _Heads:
 
     def buffer(self):
         return self.ctx.array(self.dtype, self.keys)
+
+
+# A block of query rows' scores, one row per key: small enough to stay in L2 between
+# the two products.
+_BLOCK_BYTES = 256 << 10
+
+
+def _block_rows(op) -> int:
+    """Query rows per block: as many as `_BLOCK_BYTES` of scores hold (4 to 64, whole strips of 4)."""
+    keys = op.inputs[1].shape[2]
+    return max(4, min(64, _BLOCK_BYTES // (4 * keys) // 4 * 4))
+
+
+def _gemm_blocks(op) -> bool:
+    return op.inputs[0].dtype == dtypes.DT_FLOAT32 and _too_big_to_decompose(op)
+
+
+def _block_parts(op) -> list[tuple[int, int]]:
+    """Each worker-pool part's range of (batch·head, query block) items."""
+    batch, heads, queries, size = op.inputs[0].shape
+    keys = op.inputs[1].shape[2]
+    items = batch * heads * -(-queries // _block_rows(op))
+    split = worth_splitting(4 * batch * heads * queries * keys * size)
+    return shares(items, thread_count() if split else 1)
+
+
+def _gemm_bytes(op) -> int:
+    """A part's GEMM packing scratch, cache-line rounded: B is Kᵀ [hd × S] or V [S × hd]."""
+    size, keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
+    return -(-max(sgemm.workspace_bytes(keys, size), sgemm.workspace_bytes(size, keys)) // 64) * 64
+
+
+def _block_share(op) -> int:
+    return _gemm_bytes(op) + 4 * _block_rows(op) * op.inputs[1].shape[2] + 64
+
+
+def _block_workspace(op) -> int:
+    return len(_block_parts(op)) * _block_share(op)
+
+
+@kernel("AttentionGemm", {"Attention"}, supports=_gemm_blocks, workspace=_block_workspace)
+def attention_blocks(ctx, op) -> None:
+    q, k, v = op.inputs[:3]
+    out = op.outputs[0]
+    size, keys, rows_per_block = q.shape[3], k.shape[2], _block_rows(op)
+    blocks = -(-q.shape[2] // rows_per_block)
+    share = _block_share(op)
+
+    def part(number: int, first: int, last: int):
+        def emit(ctx) -> None:
+            heads = _Heads(ctx, q, k, op)
+            gemm = GeneratedGemm(ctx, SGEMM_GENERATED, number, share)
+            start = ctx.b.gep(ctx.address(ctx.workspace), [i64(number * share + _gemm_bytes(op))])
+            scores = ctx.scratch(f"{op.name}/scores{number}", q.dtype, rows_per_block * keys, start)
+            with ctx.loop(first, last, name="item") as item:
+                bh, first_query = item // blocks, item % blocks * rows_per_block
+                rows = (first_query + rows_per_block).minimum(heads.queries) - first_query
+                seen = heads.visible(first_query + rows - 1)
+                kv, query_rows = heads.kv_base(bh), (bh * heads.queries + first_query) * size
+                gemm.gemm(False, True, rows, seen, size, ctx.element_pointer(q, query_rows), size,
+                          ctx.element_pointer(k, kv), size, ctx.pointer(scores), keys)
+                with ctx.loop(0, rows, name="r") as r:
+                    heads.normalize(scores, r * keys, bh, first_query + r)
+                gemm.gemm(False, False, rows, size, seen, ctx.pointer(scores), keys,
+                          ctx.element_pointer(v, kv), size, ctx.element_pointer(out, query_rows), size)
+
+        return emit
+
+    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_block_parts(op))])
+
+
+GENERATED_GEMM_KERNELS.add("AttentionGemm")
 
 
 @kernel("AttentionRow", {"Attention"}, supports=_too_big_to_decompose)
