@@ -309,18 +309,23 @@ def softmax_top_k_rows(op) -> RowBody:
 
     def body(ctx, r):
         row = Row(ctx, r * n, n, x.dtype)
-        peak = row.max(x)
-
-        def exponential(i, w):
-            e = (ctx.load(x, i, w) - peak.splat(w)).exp()
-            ctx.store(probs, i, e)
-            return e
-
-        scale = 1.0 / row.sum(exponential)
-        row.each(lambda i, w: ctx.store(probs, i, ctx.load(probs, i, w) * scale.splat(w)))
+        normalized_exponentials(ctx, row, x, probs, row.max(x))
         select_top_k(ctx, probs, r * n, n, k, values, indices, r * k)
 
     return body
+
+
+def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Value) -> None:
+    """target = exp(source − peak) / their sum along the row (source may be target): the
+    exponentials stored, then scaled in place."""
+
+    def exponential(i, w):
+        e = (ctx.load(source, i, w) - peak.splat(w)).exp()
+        ctx.store(target, i, e)
+        return e
+
+    scale = 1.0 / row.sum(exponential)
+    row.each(lambda i, w: ctx.store(target, i, ctx.load(target, i, w) * scale.splat(w)))
 
 
 def _min(acc: Value, x: Value) -> Value:

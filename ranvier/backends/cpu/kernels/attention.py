@@ -24,7 +24,7 @@ from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ...llvm.irutil import i64
 from ...llvm.loops import fill
-from ...llvm.rows import Row
+from ...llvm.rows import Row, normalized_exponentials
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -124,14 +124,7 @@ class _Heads:
             return score
 
         peak = row.fold(-math.inf, lambda acc, x: (x > acc).where(x, acc), logit)
-
-        def exponential(i, w):
-            e = (ctx.load(scores, i, w) - peak.splat(w)).exp()
-            ctx.store(scores, i, e)
-            return e
-
-        inverse = 1.0 / row.sum(exponential)
-        row.each(lambda i, w: ctx.store(scores, i, ctx.load(scores, i, w) * inverse.splat(w)))
+        normalized_exponentials(ctx, row, scores, scores, peak)
 
     def each_query(self, q, k, p, body) -> None:
         """For every (batch·head, query): fill the probabilities p, then call
