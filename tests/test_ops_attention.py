@@ -105,9 +105,10 @@ def test_attention_shape_errors():
     assert_mentions(message, "no more queries than keys")
 
 
-@pytest.mark.parametrize("dtype, forward", [("float32", "AttentionGemm"), ("float64", "AttentionRow")])
-def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_attention, dtype, forward):
-    """float32's forward goes through the generated GEMM a block of query rows at a time."""
+@pytest.mark.parametrize("dtype, forward, backward", [("float32", "AttentionGemm", "AttentionGradGemm"),
+                                                     ("float64", "AttentionRow", "AttentionGradRow")])
+def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_attention, dtype, forward, backward):
+    """float32 goes through the generated GEMM a block of query rows at a time."""
     import ranvier as rv
 
     flow = rv.Flow()
@@ -117,7 +118,7 @@ def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_atten
     f.op("AttentionGrad", [q, k, v, d])
     kernels = {s.kernel for s in rv.Compiler("cpu").compile(flow).cell("f").steps}
     fused = cpu_attention == "fused"
-    assert ({forward, "AttentionGradRow"} <= kernels) == fused
+    assert ({forward, backward} <= kernels) == fused
     assert bool(kernels & {"BlasGemm", "Gemm"}) != fused
 
 
@@ -136,9 +137,10 @@ def test_decomposed_backward_reuses_the_forward_probabilities():
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kind", [None, "padding", "position"])
-def test_attention_gemm_in_blocks_over_parts(causal, kind, monkeypatch):
-    """AttentionGemm with blocks of 8 query rows (the last one short), items shared out
-    over 3 parts, more keys than queries: every output row equal to the per-head loop's."""
+def test_attention_gemm_blocks_over_parts(causal, kind, monkeypatch):
+    """AttentionGemm and AttentionGradGemm with blocks of 8 query rows (the last one short),
+    items shared out over 3 parts, grouped heads, more keys than queries: every output and
+    gradient equal to the per-head loop's."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
     monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
@@ -148,5 +150,13 @@ def test_attention_gemm_in_blocks_over_parts(causal, kind, monkeypatch):
     b, h, kv, t, s, hd = 2, 4, 2, 37, 45, 12
     q, k, v = (random_array(x, "float32", seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd)]))
     inputs = [q, k, v] + ([] if kind is None else [score_bias(kind, b, h, t, s, "float32")])
-    got = run_flow(lambda f, *x: f.attention(*x, causal=causal), inputs)[0]
-    check(got, naive(q, k, v, q, causal, 1.0 / math.sqrt(hd), inputs[3] if kind else None)[0], "float32")
+    dout = random_array((b, h, t, hd), "float32", seed=7)
+    bias = inputs[3:]
+
+    def build(f, q, k, v, dout, *bias):
+        attrs = {"causal": causal}
+        return [f.attention(q, k, v, *bias, causal=causal), *f.op("AttentionGrad", [q, k, v, dout, *bias], None, attrs)]
+
+    got = run_flow(build, [q, k, v, dout, *bias])
+    for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd), bias[0] if bias else None)):
+        check(result, want, "float32")

@@ -1,13 +1,15 @@
 """Fused attention kernels, the B×H×T×S probabilities never stored whole.
 
-Forward in float32 (`AttentionGemm`), per (batch·head, block of query rows): the block's
-scores S = Q_block Kᵀ by the generated GEMM into the part's scratch (a block's rows of
-every key stay in L2), each row scaled, biased, masked and turned into probabilities in
-place, then O_block = P V by the GEMM again.
+In float32, per (batch·head, block of query rows): the block's scores S = Q_block Kᵀ by
+the generated GEMM into the part's scratch (a block's rows of every key stay in L2), each
+row scaled, biased, masked and turned into probabilities P in place; then the forward
+(`AttentionGemm`) is O_block = P V, and the backward (`AttentionGradGemm`, a part owning
+whole key/value heads) dP = dO Vᵀ, dS = scale · P (dP − Σ P·dP), dQ = dS K,
+dK += dSᵀ Q_block and dV += Pᵀ dO_block, all by the GEMM.
 
-Otherwise (float64, and every backward) one query row at a time: scores against every
-visible key into a row buffer on the stack, their maximum, exponentials and sum, then
-the weighted sum of values. The backward recomputes the same row of probabilities, then
+In float64, one query row at a time: scores against every visible key into a row buffer
+on the stack, their maximum, exponentials and sum, then the weighted sum of values. The
+backward recomputes the same row of probabilities, then
     dp_j = d out · v_j,  ds_j = p_j (dp_j − Σ p·dp),
     dq += scale · ds_j k_j,  dk_j += scale · ds_j q,  dv_j += p_j · d out.
 
@@ -104,6 +106,29 @@ class _Heads:
         with ctx.loop(0, count, name="j") as j:
             p.store(j, p.load(j) * inverse)
 
+    def where_seen(self, start: Value, i: Value, w: int, seen, value: Value, otherwise: float) -> Value:
+        """`value` for the keys of a block row (from `start`) that its query sees, else
+        `otherwise`; positions compared as float32 (exact below 2^24), one compare a vector."""
+        if not self.causal:
+            return value
+        ctx = self.ctx
+        key = (i - start).cast(dtypes.DT_FLOAT32).splat(w) + ctx.lane_numbers(w).cast(dtypes.DT_FLOAT32)
+        return (key < ctx.index(seen).cast(dtypes.DT_FLOAT32).splat(w)).where(value, otherwise)
+
+    def score_gradients(self, p, dp, start: Value, t: Value) -> None:
+        """A block row of d probabilities → d scores, in place: scale · p (dp − Σ p·dp),
+        0 for keys query t does not see (their dp was never computed)."""
+        ctx = self.ctx
+        row = Row(ctx, start, self.keys, self.dtype)
+        seen = self.visible(t)
+
+        def product(i, w):
+            return self.where_seen(start, i, w, seen, ctx.load(p, i, w) * ctx.load(dp, i, w), 0.0)
+
+        total = row.sum(product)
+        row.each(lambda i, w: ctx.store(dp, i, self.where_seen(
+            start, i, w, seen, ctx.load(p, i, w) * (ctx.load(dp, i, w) - total.splat(w)) * self.scale, 0.0)))
+
     def normalize(self, scores, start: Value, bh: Value, t: Value) -> None:
         """A row of a block's raw scores (q · k of every key) → query t's probabilities,
         in place: scaled, biased, keys it does not see (and columns past the product) at 0."""
@@ -117,9 +142,7 @@ class _Heads:
                 across = self.bias_dims[3] > 1
                 score = score + (ctx.load(self.bias, bias_start + (i - start), w) if across else
                                  ctx.load(self.bias, bias_start).splat(w))
-            if self.causal:  # positions as float32 (exact below 2^24): one compare per vector
-                key = (i - start).cast(dtypes.DT_FLOAT32).splat(w) + ctx.lane_numbers(w).cast(dtypes.DT_FLOAT32)
-                score = (key < ctx.index(seen).cast(dtypes.DT_FLOAT32).splat(w)).where(score, -math.inf)
+            score = self.where_seen(start, i, w, seen, score, -math.inf)
             ctx.store(scores, i, score)
             return score
 
@@ -212,6 +235,85 @@ def attention_blocks(ctx, op) -> None:
 
 
 GENERATED_GEMM_KERNELS.add("AttentionGemm")
+
+
+def _grad_parts(op) -> list[tuple[int, int]]:
+    """Each worker-pool part's range of (batch, key/value head) items: a part owns the
+    d keys and d values of its heads, so no two parts add into the same rows."""
+    batch, heads, queries, size = op.inputs[0].shape
+    kv_heads, keys = op.inputs[1].shape[1], op.inputs[1].shape[2]
+    split = worth_splitting(8 * batch * heads * queries * keys * size)
+    return shares(batch * kv_heads, thread_count() if split else 1)
+
+
+def _grad_share(op) -> int:
+    """Packing scratch, a block's probabilities and d scores, and one head's d keys or values."""
+    size, keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
+    return _gemm_bytes(op) + 2 * 4 * _block_rows(op) * keys + 4 * keys * size + 3 * 64
+
+
+def _grad_workspace(op) -> int:
+    return len(_grad_parts(op)) * _grad_share(op)
+
+
+@kernel("AttentionGradGemm", {"AttentionGrad"}, supports=_gemm_blocks, workspace=_grad_workspace)
+def attention_grad_blocks(ctx, op) -> None:
+    """Per (batch, key/value head), for each query head of its group and block of query
+    rows: P again (the forward's product and normalisation), dP = dO Vᵀ, dS, then
+    dQ = dS K, dK += dSᵀ Q and dV += Pᵀ dO, the last two through a scratch head."""
+    q, k, v, dout = op.inputs[:4]
+    dq, dk, dv = op.outputs
+    size, keys, rows_per_block = q.shape[3], k.shape[2], _block_rows(op)
+    queries, heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
+    groups, blocks = heads // kv_heads, -(-queries // rows_per_block)
+    block_floats, head_floats = rows_per_block * keys, keys * size
+    share = _grad_share(op)
+
+    def part(number: int, first: int, last: int):
+        def emit(ctx) -> None:
+            geometry = _Heads(ctx, q, k, op)
+            gemm = GeneratedGemm(ctx, SGEMM_GENERATED, number, share)
+            base = number * share + _gemm_bytes(op)
+
+            def scratch(name: str, offset: int, count: int):
+                at = ctx.b.gep(ctx.address(ctx.workspace), [i64(base + offset)])
+                return ctx.scratch(f"{op.name}/{name}{number}", q.dtype, count, at)
+
+            p = scratch("p", 0, block_floats)
+            ds = scratch("ds", 4 * block_floats + 64, block_floats)
+            head = scratch("head", 8 * block_floats + 128, head_floats)
+            with ctx.loop(first, last, name="item") as item:
+                batch, kv_head = item // kv_heads, item % kv_heads
+                kv = item * head_floats
+                for grad in (dk, dv):
+                    Row(ctx, kv, head_floats, q.dtype).each(lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
+                with ctx.loop(0, groups * blocks, name="gb") as gb:
+                    bh = batch * heads + kv_head * groups + gb // blocks
+                    first_query = gb % blocks * rows_per_block
+                    rows = (first_query + rows_per_block).minimum(queries) - first_query
+                    seen = geometry.visible(first_query + rows - 1)
+                    query_rows = (bh * queries + first_query) * size
+                    at_q, at_k, at_v = (ctx.element_pointer(x, query_rows if x is q else kv) for x in (q, k, v))
+                    at_dout = ctx.element_pointer(dout, query_rows)
+                    gemm.gemm(False, True, rows, seen, size, at_q, size, at_k, size, ctx.pointer(p), keys)
+                    gemm.gemm(False, True, rows, seen, size, at_dout, size, at_v, size, ctx.pointer(ds), keys)
+                    with ctx.loop(0, rows, name="r") as r:
+                        geometry.normalize(p, r * keys, bh, first_query + r)
+                        geometry.score_gradients(p, ds, r * keys, first_query + r)
+                    gemm.gemm(False, False, rows, size, seen, ctx.pointer(ds), keys, at_k, size,
+                              ctx.element_pointer(dq, query_rows), size)
+                    for grad, left, right in ((dk, ds, at_q), (dv, p, at_dout)):
+                        gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), keys, right, size, ctx.pointer(head), size)
+                        with ctx.loop(0, seen, name="j") as j:
+                            Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad: ctx.store(
+                                grad, kv + i, ctx.load(grad, kv + i, w) + ctx.load(head, i, w)))
+
+        return emit
+
+    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_grad_parts(op))])
+
+
+GENERATED_GEMM_KERNELS.add("AttentionGradGemm")
 
 
 @kernel("AttentionRow", {"Attention"}, supports=_too_big_to_decompose)
