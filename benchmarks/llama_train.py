@@ -12,11 +12,13 @@ runs twice: replaying each step as one CUDA graph, and launching kernel by kerne
 of the GPU's measured bf16 GEMM rate each side's model arithmetic reaches is its MFU. The issue's shapes:
 --preset stories15M --batch 64 --seq 256, and --preset stories110M --batch 32 --seq 1024.
 Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5] [--checkpointed]
+     (a --seq past the preset's window lengthens its rotary tables: --batch 2 --seq 1024 races long-context attention)
      [--backend cuda] [--matmul float32|tfloat32|bfloat16]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from common import (
@@ -67,7 +69,8 @@ def main() -> None:
 
     match_threads(torch)
     print(machine(torch))
-    config = PRESETS[args.preset]
+    # a window past the preset's (long-context attention) only needs longer rotary tables
+    config = dataclasses.replace(PRESETS[args.preset], max_seq_len=max(args.seq, PRESETS[args.preset].max_seq_len))
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
     if args.backend == "cuda":
         sides, ceilings = gpu_sides(args, config, torch)
