@@ -27,7 +27,7 @@ from ..atomic import atomic_write
 from ..errors import RanvierError, UnknownOpError
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of
-from ..ops.attention import bias_dims, scale_of
+from ..ops.attention import grouped_bias_shape, scale_of
 from ..ops.shape import shape_fact
 from ..ops.window import strided_view
 from ..version import __version__
@@ -616,9 +616,8 @@ def _attention(g, op, q, k, v, bias=None):
     if attrs["causal"] or bias is not None:
         scores = g.node("Reshape", [scores, g.ints([batch, kv_heads, groups, queries, keys])])
         if bias is not None:
-            bias_batch, bias_heads, bias_queries, bias_keys = bias_dims(op.inputs[3].shape)
-            split = [kv_heads, groups] if bias_heads > 1 else [1, 1]
-            scores = g.node("Add", [scores, g.node("Reshape", [bias, g.ints([bias_batch, *split, bias_queries, bias_keys])])])
+            grouped = grouped_bias_shape(op.inputs[3].shape, kv_heads, groups)
+            scores = g.node("Add", [scores, g.node("Reshape", [bias, g.ints(grouped)])])
         if attrs["causal"]:
             hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
             scores = g.node("Add", [scores, g.const(np.where(hidden, -np.inf, 0.0), dtype)])

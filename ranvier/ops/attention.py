@@ -199,19 +199,27 @@ def _grouped_probabilities(b, op):
     return stacked, k, v, scores.softmax(), scale
 
 
+def grouped_bias_shape(shape, kv_heads: int, groups: int) -> list[int]:
+    """A bias [B|1, H|1, T|1, S|1]'s shape as [B|1, KV|1, G|1, T|1, S|1], to add to scores
+    whose query heads are grouped by key/value head."""
+    batch, heads, queries, keys = bias_dims(shape)
+    return [batch, *([kv_heads, groups] if heads > 1 else [1, 1]), queries, keys]
+
+
 def _grouped_bias(bias, kv_heads: int, groups: int):
-    """A bias [B|1, H|1, T|1, S|1] as [B|1, KV|1, G|1, T|1, S|1], to add to grouped scores."""
-    batch, heads, queries, keys = bias_dims(bias.shape)
-    split = [kv_heads, groups] if heads > 1 else [1, 1]
-    return bias.reshape([batch, *split, queries, keys])
+    return bias.reshape(grouped_bias_shape(bias.shape, kv_heads, groups))
+
+
+def _d_scores(p, dp):
+    """The softmax's gradient along each row: d scores (before the scale) from d probabilities."""
+    return p * (dp - (p * dp).sum(axis=-1, keepdims=True))
 
 
 def _score_gradient(b, op, dout):
     """d scores [B, H, T, S] of Attention `op` for d out: a learned bias's gradient."""
     q, _, v, p, _ = _grouped_probabilities(b, op)
+    ds = _d_scores(p, b.wrap(dout).reshape(q.shape).matmul(v, transpose_b=True))
     batch, heads, queries, _ = op.inputs[0].shape
-    dp = b.wrap(dout).reshape(q.shape).matmul(v, transpose_b=True)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
     return ds.reshape([batch, heads, queries, op.inputs[1].shape[2]])
 
 
@@ -238,8 +246,7 @@ def _attention_grad_as_gemms(b, op):
     sum the group's heads onto their key/value head in the GEMM itself."""
     q, k, v, p, scale = _grouped_probabilities(b, op)
     dout = b.wrap(op.inputs[3]).reshape(q.shape)
-    dp = dout.matmul(v, transpose_b=True)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    ds = _d_scores(p, dout.matmul(v, transpose_b=True))
     dq = (ds.matmul(k) * scale).reshape(op.outputs[0].shape)
     dk = ds.matmul(q, transpose_a=True) * scale
     dv = p.matmul(dout, transpose_a=True)

@@ -58,13 +58,14 @@ class _Shape:
         self.causal, self.scale = attrs["causal"], scale_of(attrs, self.size)
         self.query_tiles, self.key_tiles = -(-self.queries // TILE), -(-self.keys // TILE)
         self.bias = bias_of(op)
+        self.bias_dims = bias_dims(self.bias.shape) if self.bias is not None else None
 
     def score(self, ctx: EmitContext, product: Value, b: Value, h: Value, t: Value, s: Value) -> Value:
         """Query t's score of key s from their dot product: scaled, plus the bias."""
         score = product * self.scale
         if self.bias is None:
             return score
-        return score + ctx.load(self.bias, bias_offset(bias_dims(self.bias.shape), b, h, t, s))
+        return score + ctx.load(self.bias, bias_offset(self.bias_dims, b, h, t, s))
 
     def query_row(self, b: Value, h: Value, t: Value) -> Value:
         return ((b * self.heads + h) * self.queries + t) * self.size

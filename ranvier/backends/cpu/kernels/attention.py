@@ -77,6 +77,11 @@ class _Heads:
         """How many keys query t sees."""
         return t + (self.keys - self.queries + 1) if self.causal else self.keys
 
+    def block(self, first_query: Value, rows_per_block: int) -> tuple[Value, Value | int]:
+        """(its rows, the keys its last row sees) of the block of queries from `first_query`."""
+        rows = (first_query + rows_per_block).minimum(self.queries) - first_query
+        return rows, self.visible(first_query + rows - 1)
+
     def dot(self, x, x_start: Value, y, y_start: Value) -> Value:
         row = Row(self.ctx, x_start, self.size, x.dtype)
         return row.sum(lambda i, w: self.ctx.load(x, i, w) * self.ctx.load(y, i - x_start + y_start, w))
@@ -196,7 +201,7 @@ def _gemm_bytes(op) -> int:
 
 
 def _block_share(op) -> int:
-    return _gemm_bytes(op) + 4 * _block_rows(op) * op.inputs[1].shape[2] + 64
+    return _gemm_bytes(op) + 4 * _block_rows(op) * op.inputs[1].shape[2]
 
 
 def _block_workspace(op) -> int:
@@ -219,8 +224,7 @@ def attention_blocks(ctx, op) -> None:
             scores = ctx.scratch(f"{op.name}/scores{number}", q.dtype, rows_per_block * keys, start)
             with ctx.loop(first, last, name="item") as item:
                 bh, first_query = item // blocks, item % blocks * rows_per_block
-                rows = (first_query + rows_per_block).minimum(heads.queries) - first_query
-                seen = heads.visible(first_query + rows - 1)
+                rows, seen = heads.block(first_query, rows_per_block)
                 kv, query_rows = heads.kv_base(bh), (bh * heads.queries + first_query) * size
                 gemm.gemm(False, True, rows, seen, size, ctx.element_pointer(q, query_rows), size,
                           ctx.element_pointer(k, kv), size, ctx.pointer(scores), keys)
@@ -249,7 +253,7 @@ def _grad_parts(op) -> list[tuple[int, int]]:
 def _grad_share(op) -> int:
     """Packing scratch, a block's probabilities and d scores, and one head's d keys or values."""
     size, keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
-    return _gemm_bytes(op) + 2 * 4 * _block_rows(op) * keys + 4 * keys * size + 3 * 64
+    return _gemm_bytes(op) + 2 * 4 * _block_rows(op) * keys + 4 * keys * size
 
 
 def _grad_workspace(op) -> int:
@@ -280,8 +284,8 @@ def attention_grad_blocks(ctx, op) -> None:
                 return ctx.scratch(f"{op.name}/{name}{number}", q.dtype, count, at)
 
             p = scratch("p", 0, block_floats)
-            ds = scratch("ds", 4 * block_floats + 64, block_floats)
-            head = scratch("head", 8 * block_floats + 128, head_floats)
+            ds = scratch("ds", 4 * block_floats, block_floats)
+            head = scratch("head", 8 * block_floats, head_floats)
             with ctx.loop(first, last, name="item") as item:
                 batch, kv_head = item // kv_heads, item % kv_heads
                 kv = item * head_floats
@@ -290,11 +294,10 @@ def attention_grad_blocks(ctx, op) -> None:
                 with ctx.loop(0, groups * blocks, name="gb") as gb:
                     bh = batch * heads + kv_head * groups + gb // blocks
                     first_query = gb % blocks * rows_per_block
-                    rows = (first_query + rows_per_block).minimum(queries) - first_query
-                    seen = geometry.visible(first_query + rows - 1)
+                    rows, seen = geometry.block(first_query, rows_per_block)
                     query_rows = (bh * queries + first_query) * size
-                    at_q, at_k, at_v = (ctx.element_pointer(x, query_rows if x is q else kv) for x in (q, k, v))
-                    at_dout = ctx.element_pointer(dout, query_rows)
+                    at_q, at_dout = ctx.element_pointer(q, query_rows), ctx.element_pointer(dout, query_rows)
+                    at_k, at_v = ctx.element_pointer(k, kv), ctx.element_pointer(v, kv)
                     gemm.gemm(False, True, rows, seen, size, at_q, size, at_k, size, ctx.pointer(p), keys)
                     gemm.gemm(False, True, rows, seen, size, at_dout, size, at_v, size, ctx.pointer(ds), keys)
                     with ctx.loop(0, rows, name="r") as r:
