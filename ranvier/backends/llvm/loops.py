@@ -28,20 +28,35 @@ def fill(ctx, var: Variable, value: float) -> None:
     for_vectors(ctx, 0, var.size, lanes, lambda i, w: ctx.store(var, i, ctx.constant(var.dtype, value, w)))
 
 
+# A fold keeps this many partial results: each vector add waits for the one before it on
+# its chain (about 4 cycles), so one chain reads a vector per 4 cycles even from L1.
+FOLD_CHAINS = 4
+
+
 def fold(ctx, start: Value | int, count: int, lanes: int, dtype: str, initial, combine, term) -> Value:
     """`combine` over `term(index, width)` for [start, start + count): partial results
-    `lanes` wide, the scalar tail, then the lanes folded into one value."""
-    vector = ctx.local(dtype, lanes, initial)
+    `lanes` wide on `FOLD_CHAINS` independent chains where the row has room for them, the
+    scalar tail, then the chains and the lanes folded into one value."""
+    start = ctx.index(start)
+    chains = FOLD_CHAINS if lanes > 1 and count >= FOLD_CHAINS * lanes else 1
+    vectors = [ctx.local(dtype, lanes, initial) for _ in range(chains)]
     scalar = ctx.local(dtype, 1, initial)
+    interleaved = count - count % (chains * lanes) if chains > 1 else 0
+    if interleaved:
+        with ctx.loop(0, interleaved, step=chains * lanes, name="f") as i:
+            for chain, vector in enumerate(vectors):
+                vector.set(combine(vector.value, term(start + i + chain * lanes, lanes)))
 
     def step(i: Value, width: int) -> None:
-        acc = vector if width > 1 else scalar
+        acc = vectors[0] if width > 1 else scalar
         acc.set(combine(acc.value, term(i, width)))
 
-    for_vectors(ctx, start, count, lanes, step)
+    for_vectors(ctx, start + interleaved, count - interleaved, lanes, step)
     total = scalar.value
     if lanes > 1 and count >= lanes:
-        partial = vector.value
+        partials = [vector.value for vector in vectors]
+        while len(partials) > 1:  # pairwise, as the chains are independent
+            partials = [combine(partials[j], partials[j + 1]) for j in range(0, len(partials), 2)]
         for lane in range(lanes):
-            total = combine(total, partial.lane(lane))
+            total = combine(total, partials[0].lane(lane))
     return total
