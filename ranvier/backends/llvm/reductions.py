@@ -13,6 +13,7 @@ from ... import dtypes
 from ...ops import attrs_of
 from .context import EmitContext
 from .irutil import compute_type, is_signed
+from .loops import FOLD_CHAINS
 from .values import Value
 
 REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Product", "All", "Any"}
@@ -81,11 +82,25 @@ def column_reduction(op) -> Callable[[EmitContext, Value, Value, int], None]:
     _, reduced, inner = blocks(op)
     combine, start = combiner(op.type), identity(op.type, x.dtype)
 
+    chains = FOLD_CHAINS if reduced >= FOLD_CHAINS else 1
+    interleaved = reduced - reduced % chains
+
     def body(ctx: EmitContext, o: Value, i: Value, width: int) -> None:
-        acc = ctx.local(x.dtype, width, start)
-        with ctx.loop(0, reduced, name="r") as r:
+        # the rows on independent chains (`loops.FOLD_CHAINS`), each row's vector joining one
+        sums = [ctx.local(x.dtype, width, start) for _ in range(chains)]
+
+        def add(acc, r) -> None:
             acc.set(combine(acc.value, ctx.load(x, o * (reduced * inner) + r * inner + i, width)))
-        ctx.store(out, o * inner + i, finished(op, acc.value))
+
+        with ctx.loop(0, interleaved, step=chains, name="r") as r:
+            for chain, acc in enumerate(sums):
+                add(acc, r + chain)
+        with ctx.loop(interleaved, reduced, name="rt") as r:
+            add(sums[0], r)
+        partials = [acc.value for acc in sums]
+        while len(partials) > 1:
+            partials = [combine(partials[j], partials[j + 1]) for j in range(0, len(partials), 2)]
+        ctx.store(out, o * inner + i, finished(op, partials[0]))
 
     return body
 
