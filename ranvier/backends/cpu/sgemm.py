@@ -617,11 +617,27 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
 
             strips = b.sdiv(b.add(m, i64(mr - 1)), i64(mr))
 
+            def next_strip_of_a(i0: ir.Value) -> None:
+                """Bring the next strip's rows of A (this slice of k; after the last strip, the
+                first strip's next slice) into L2 while this one computes: a strip reads a few
+                short runs, too short for the hardware's prefetchers to follow from memory."""
+                following = b.add(i0, i64(mr))
+                wraps = b.icmp_signed(">=", following, m)
+                row = b.select(wraps, i64(0), following)
+                steps_in = b.select(wraps, b.add(pc, kc), pc)
+                lines = b.add(b.sdiv(kc, i64(_LINE_FLOATS)), i64(1))
+                with b.if_then(b.and_(b.not_(transposed), b.icmp_signed("<", steps_in, k))):
+                    for r in range(mr):
+                        at = b.add(row, i64(r))
+                        with b.if_then(b.icmp_signed("<", at, m)):
+                            emit.prefetch(b, b.gep(a, [b.add(b.mul(at, lda), steps_in)]), i64(0), lines)
+
             def strip(i0: ir.Value, rows: int) -> None:
                 strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
                 with b.if_then(copy_a):
                     emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
                 read_a = b.select(copy_a, strip_copy, strip_a)
+                next_strip_of_a(i0)
                 row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
                 with for_range(b, i64(0), tiled_panels, name="jr") as q:
                     first = b.mul(q, nr)
