@@ -144,7 +144,7 @@ def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
 
 
 _EPILOGUE_BYTES = 256 << 10  # a block of the product its epilogue reads while it is in L2
-_EPILOGUE_UNIT = 96  # columns: whole panels of the generated GEMM on every target (12, 24, 32)
+_EPILOGUE_UNIT = 96  # columns: whole panels of the generated GEMM on every target (12, 24, 48)
 
 
 def _epilogue_blocks(g: _Gemm, ldb: int, tb: bool, itemsize: int) -> list[_Gemm]:
