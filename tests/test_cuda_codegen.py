@@ -831,6 +831,8 @@ ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype,
     (2, 1, 70, 70, 8, True, "float32", "padding"),  # three blocks of query (and key) rows, three streamed tiles
     (2, 2, 3, 70, 4, True, "float64", "position"),  # a few queries at the end of a long cache
     (1, 1, 40, 37, 700, False, "float64", None),  # rows so long that a streamed tile holds two of them
+    (2, 1, 70, 70, 8, True, "float32", "unseen"),  # left padding: the second image's first queries see no key
+    (2, 2, 6, 4, 5, False, "float64", "unseen"),  # the second image's every key masked
 ]
 
 
@@ -838,8 +840,12 @@ def attention_bias(kind, heads, queries, keys, causal, dtype):
     """A padding mask [2, 1, 1, S] of 0 and −∞ or a learned position bias [H, T, S]. The
     mask leaves every query a key: key 0 when causal (query 0 may see no other), else
     the last, with the second image's first keys masked (left padding: a row's maximum
-    stays −∞ over its first keys)."""
+    stays −∞ over its first keys); an "unseen" mask leaves some queries none."""
     rng = np.random.default_rng(7)
+    if kind == "unseen":  # some queries see no key: their rows and gradients are 0
+        hidden = np.zeros((2, 1, 1, keys), bool)
+        hidden[1, ..., : keys - queries + 2 if causal else keys] = True
+        return np.where(hidden, -np.inf, 0.0).astype(dtype)
     if kind == "padding":
         hidden = rng.random((2, 1, 1, keys)) < 0.3
         if causal:

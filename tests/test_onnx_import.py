@@ -145,6 +145,8 @@ ATTENTION_CASES = [  # ONNX's Attention (opset 23)
     case("Attention", {"q": Q4, "k": K4, "v": V4, "m": rand(2, 4, 3, 5)}, opset=23, scale=0.3, id="float-mask-scale"),
     case("Attention", {"q": rand(2, 3, 32), "k": rand(2, 5, 16), "v": rand(2, 5, 16)}, opset=23, q_num_heads=4,
          kv_num_heads=2, id="3d"),
+    case("Attention", {"q": Q4, "k": K4, "v": V4, "m": _attention_mask(2, 1, 3, 5) & np.array([True, False, True])[:, None]},
+         opset=23, id="a-query-sees-no-key"),  # its row is 0 (the operator's errata), not 0/0
     case("Attention", {"q": rand(2, 4, 5, 8), "k": K4, "v": V4}, opset=23, is_causal=1, id="causal"),
     case("Attention", {"q": Q4, "k": K4, "v": V4}, opset=23, is_causal=1, id="causal-more-keys-than-queries"),
     case("Attention", {"q": rand(1, 4, 1, 8), "k": rand(1, 2, 1, 8), "v": rand(1, 2, 1, 8), "pk": rand(1, 2, 4, 8),

@@ -91,6 +91,49 @@ def test_attention_adds_a_score_bias(dtype, shape, kind, cpu_attention):
         check(got, want, dtype)
 
 
+def unseen_mask(b, t, s, causal):
+    """Padding masks [B, 1, 1, S] under which some queries see no key: with `causal`, left
+    padding (the second image's first keys hidden, so its first queries see only padding);
+    without, a batch image whose every key is hidden."""
+    hidden = np.zeros((b, 1, 1, s), bool)
+    if causal:
+        hidden[1, ..., : s - t + 2] = True
+    else:
+        hidden[1] = True
+    hidden[0, ..., 1] = True
+    return np.where(hidden, -np.inf, 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attention):
+    """Its output row and every gradient it contributes are 0 — what PyTorch's
+    scaled_dot_product_attention gives and ONNX's Attention specifies — not the softmax's
+    0/0; the other queries are as without it. PyTorch, float64, is the oracle."""
+    import torch
+
+    b, h, kv, t, s, hd = 2, 4, 2, 6, 8, 8
+    q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    mask = unseen_mask(b, t, s, causal).astype(dtype)
+    attrs = {"causal": causal}
+    outputs = run_flow(lambda f, q, k, v, d, mask: [f.attention(q, k, v, mask, causal=causal),
+                                                    *f.op("AttentionGrad", [q, k, v, d, mask], None, attrs)],
+                       [q, k, v, dout, mask])
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+    visible = torch.tensor(mask, dtype=torch.float64)
+    if causal:
+        visible = visible + torch.triu(torch.full((t, s), -torch.inf, dtype=torch.float64), diagonal=s - t + 1)
+    groups = h // kv
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk.repeat_interleave(groups, 1), tv.repeat_interleave(groups, 1),
+                                                           attn_mask=visible)
+    out.backward(torch.tensor(dout, dtype=torch.float64))
+    unseen = np.isneginf(visible.numpy().max(axis=-1))
+    assert unseen.any() and not unseen.all()
+    assert np.all(out.detach().numpy()[np.broadcast_to(unseen, (b, h, t))] == 0)
+    for got, want in zip(outputs, [out.detach(), tq.grad, tk.grad, tv.grad]):
+        check(got, want.numpy(), dtype)
+
+
 def test_attention_bias_errors():
     inputs = [("q", "float32", [2, 3, 4, 8]), ("k", "float32", [2, 3, 5, 8]), ("v", "float32", [2, 3, 5, 8])]
     for shape in ([2, 3, 4, 4], [3, 1, 1, 5], [1, 2, 3, 4, 5]):

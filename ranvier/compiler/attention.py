@@ -6,7 +6,9 @@ becomes one Attention op, which a backend runs whole (a fused kernel that never 
 the scores) or decomposes back into its grouped GEMMs and a row softmax. A constant
 causal mask (0 where key s ≤ t + S − T, −∞ elsewhere) becomes `causal`; the other
 addends (a padding mask, a position bias) become the op's bias. Scalar constant factors
-on Q, on Kᵀ or on the scores, and divisors, make the op's scale.
+on Q, on Kᵀ or on the scores, and divisors, make the op's scale. A query whose every key
+the mask hides then gets a row of zeros, as ONNX's Attention and PyTorch's SDPA give,
+where the written-out softmax gave 0/0 = NaN.
 
 Only a pattern whose scores and probabilities nothing else reads is fused (a training
 step's backward reads them: there the op-by-op form stays), and only for queries, keys

@@ -5,7 +5,10 @@ head h reads key/value head h // (H / KV) (grouped- and multi-query attention). 
 `causal` query t sees keys s ≤ t + S − T (queries are the last T positions). `scale`
 defaults to 1/√hd. The optional bias is added to the scaled scores before the softmax,
 broadcast to [B, H, T, S] (a padding mask [B, 1, 1, S] of 0 and −∞, a position bias
-[1, H, T, S]). AttentionGrad(q, k, v, d out[, bias]) → (dq, dk, dv) recomputes the
+[1, H, T, S]). A query whose every key is masked (−∞ throughout its row: left padding
+under a causal mask) attends to nothing: its output row and its gradients are 0, as in
+ONNX's Attention and PyTorch's scaled_dot_product_attention, where a plain softmax would
+give 0/0. AttentionGrad(q, k, v, d out[, bias]) → (dq, dk, dv) recomputes the
 probabilities row by row instead of keeping the T×S matrix from the forward pass; a
 bias's own gradient, wanted only when it is learned, comes from the decomposed form.
 
@@ -90,9 +93,10 @@ def probabilities(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
         s = k.shape[2]
         hidden = np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t)
         scores = np.where(hidden, -np.inf, scores)
-    scores -= scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores)
-    return e / e.sum(axis=-1, keepdims=True)
+    peak = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - np.where(peak == -np.inf, 0.0, peak))  # a row of −∞ (no key seen): zeros
+    total = e.sum(axis=-1, keepdims=True)
+    return np.where(total > 0, e / np.where(total > 0, total, 1.0), e)
 
 
 def attention(q, k, v, bias=None, causal=True, scale=None):
@@ -196,7 +200,10 @@ def _grouped_probabilities(b, op):
         if attrs["causal"]:
             scores = scores + _causal_mask(b, queries, keys, q.dtype)
         scores = scores.reshape([batch, kv_heads, groups * queries, keys])
-    return stacked, k, v, scores.softmax(), scale
+    p = scores.softmax()
+    if bias is not None:  # a bias may mask a query's every key: its row is 0, not the softmax's 0/0
+        p = scores.max(axis=[-1], keepdims=True).not_equal(-math.inf).select(p)
+    return stacked, k, v, p, scale
 
 
 def grouped_bias_shape(shape, kv_heads: int, groups: int) -> list[int]:

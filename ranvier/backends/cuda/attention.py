@@ -8,10 +8,11 @@ its visible keys (the running maximum m, the running sum l, and the output row r
 when m grows).
 
 AttentionGrad, three launches in order:
-1. query rows streaming key and value tiles: m, l and D = Σₛ pₛ (dout · vₛ) (summed online
+1. query rows streaming key and value tiles: m, 1/l and D = Σₛ pₛ (dout · vₛ) (summed online
    as the output is, rescaled when m grows), parked in the first elements of the row's dq
-   (a head has at least three), which the third launch overwrites;
-2. key rows streaming tiles of queries, their dout rows and parked (m, l, D), in every
+   (a head has at least three), which the third launch overwrites; a query whose every key
+   is masked parks m = 0 and 1/l = 0, so its pₛ = exp(−∞) · 0 are 0, as its output is;
+2. key rows streaming tiles of queries, their dout rows and parked (m, 1/l, D), in every
    head of the key's group: dk and dv, each pₛ recomputed;
 3. query rows streaming key and value tiles: dq = scale · Σₛ pₛ (dout · vₛ − D) kₛ.
 Head sizes under three, and half-precision gradients (m, l, D would be rounded), are
@@ -31,10 +32,11 @@ from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ...ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ..llvm.context import Array, EmitContext
+from ..llvm.rows import unseen_inverse
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram
 
-_PARKED = 3  # m, l and D, in a dq row between launches
+_PARKED = 3  # m, 1/l and D, in a dq row between launches
 TILE = 32  # a block's rows, one per thread: a warp
 SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
 
@@ -194,11 +196,11 @@ def _forward(program: BlockProgram, op: Operation, shape: _Shape, block: Value) 
     with program.phase() as thread:
         t = first_query + thread
         with ctx.when(t < shape.queries), ctx.loop(0, size, name="o") as i:
-            ctx.store(out, shape.query_row(b, h, t) + i, acc.load(i) / total.load(0))
+            ctx.store(out, shape.query_row(b, h, t) + i, acc.load(i) * unseen_inverse(total.load(0)))
 
 
 def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
-    """Launch 1: m, l and D of each query row, parked in its dq row."""
+    """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
@@ -221,14 +223,15 @@ def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Valu
         t = first_query + thread
         with ctx.when(t < shape.queries):
             at = shape.query_row(b, h, t)
-            ctx.store(dq, at, peak.load(0))
-            ctx.store(dq, at + 1, total.load(0))
-            ctx.store(dq, at + 2, d.load(0) / total.load(0))
+            inverse = unseen_inverse(total.load(0))
+            ctx.store(dq, at, peak.load(0).equal(-math.inf).where(0.0, peak.load(0)))
+            ctx.store(dq, at + 1, inverse)
+            ctx.store(dq, at + 2, d.load(0) * inverse)
 
 
 def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
     """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
-    it, streaming tiles of query rows, their dout rows and parked (m, l, D)."""
+    it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
     ctx, size = program.ctx, shape.size
     q, _, v, dout = op.inputs[:4]
     dq, dk, dv = op.outputs
@@ -252,10 +255,10 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
             key = shape.key_row(b, kv, s)
             with (ctx.when(s < shape.keys), ctx.loop(0, (shape.queries - first_query).minimum(rows), name="j") as j,
                   ctx.when(s < shape.visible_keys(ctx, first_query + j))):
-                peak, total, d = (parked.load(j * _PARKED + k) for k in range(_PARKED))
+                peak, inverse, d = (parked.load(j * _PARKED + k) for k in range(_PARKED))
                 score = shape.score(ctx, _dot(ctx, _tile_row(queries, j, size), _row(ctx, op.inputs[1], key), size, dk.dtype),
                                     b, h, first_query + j, s)
-                p = (score - peak).exp() / total
+                p = (score - peak).exp() * inverse
                 ds = p * (_dot(ctx, _tile_row(douts, j, size), _row(ctx, v, key), size, dk.dtype) - d) * shape.scale
                 with ctx.loop(0, size, name="i") as i:
                     dk_acc.store(i, dk_acc.load(i) + ds * queries.load(j * size + i))
@@ -269,7 +272,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
 
 
 def _query_gradient(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
-    """Launch 3: each query row's dq, from its parked m, l and D (read before the row is written)."""
+    """Launch 3: each query row's dq, from its parked m, 1/l and D (read before the row is written)."""
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
@@ -284,9 +287,9 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: _Shape, block: 
 
     def visit(t, s, j, keys, values):
         at = shape.query_row(b, h, t)
-        peak, total, d = (parked.load(k) for k in range(_PARKED))
+        peak, inverse, d = (parked.load(k) for k in range(_PARKED))
         score = shape.score(ctx, _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype), b, h, t, s)
-        p = (score - peak).exp() / total
+        p = (score - peak).exp() * inverse
         ds = p * (_dot(ctx, _row(ctx, dout, at), _tile_row(values, j, size), size, dq.dtype) - d)
         with ctx.loop(0, size, name="i") as i:
             acc.store(i, acc.load(i) + ds * keys.load(j * size + i))

@@ -315,17 +315,27 @@ def softmax_top_k_rows(op) -> RowBody:
     return body
 
 
-def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Value) -> None:
+def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Value, unseen_zero: bool = False) -> None:
     """target = exp(source − peak) / their sum along the row (source may be target): the
-    exponentials stored, then scaled in place."""
+    exponentials stored, then scaled in place. With `unseen_zero` a row of −∞ (an
+    attention query that sees no key) gives zeros rather than 0/0."""
+    if unseen_zero:
+        peak = (peak > -math.inf).where(peak, 0.0)
 
     def exponential(i, w):
         e = (ctx.load(source, i, w) - peak.splat(w)).exp()
         ctx.store(target, i, e)
         return e
 
-    scale = 1.0 / row.sum(exponential)
+    total = row.sum(exponential)
+    scale = unseen_inverse(total) if unseen_zero else 1.0 / total
     row.each(lambda i, w: ctx.store(target, i, ctx.load(target, i, w) * scale.splat(w)))
+
+
+def unseen_inverse(total: Value) -> Value:
+    """1 / a sum of exponentials, or 0 where it is 0 (every term exp(−∞): an attention
+    query that sees no key attends to nothing). A NaN sum stays NaN."""
+    return (total.equal(0.0)).where(0.0, 1.0 / total)
 
 
 def _min(acc: Value, x: Value) -> Value:

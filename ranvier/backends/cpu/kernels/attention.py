@@ -26,7 +26,7 @@ from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ...llvm.irutil import i64
 from ...llvm.loops import fill
-from ...llvm.rows import Row, normalized_exponentials
+from ...llvm.rows import Row, normalized_exponentials, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -103,11 +103,12 @@ class _Heads:
             p.store(j, score)
             peak.set((score > peak.value).where(score, peak.value))
         total = ctx.local(self.dtype, 1, 0.0)
+        finite_peak = (peak.value > -math.inf).where(peak.value, 0.0)  # every key masked: exp(−∞) = 0
         with ctx.loop(0, count, name="j") as j:
-            e = (p.load(j) - peak.value).exp()
+            e = (p.load(j) - finite_peak).exp()
             p.store(j, e)
             total.set(total.value + e)
-        inverse = 1.0 / total.value
+        inverse = unseen_inverse(total.value)
         with ctx.loop(0, count, name="j") as j:
             p.store(j, p.load(j) * inverse)
 
@@ -152,7 +153,7 @@ class _Heads:
             return score
 
         peak = row.fold(-math.inf, lambda acc, x: (x > acc).where(x, acc), logit)
-        normalized_exponentials(ctx, row, scores, scores, peak)
+        normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero=True)
 
     def each_query(self, q, k, p, body) -> None:
         """For every (batch·head, query): fill the probabilities p, then call
