@@ -2,7 +2,9 @@
 
 # Ops: a fused elementwise chain gelu(x*a + b)*c + x (exact, erf GELU everywhere; numpy takes erf
 # from SciPy), softmax over the last axis, layer norm with gamma/beta, per-row softmax
-# cross-entropy with int64 targets, float32 GEMM (square and MLP-shaped; again with ranvier in mixed
+# cross-entropy with int64 targets, Adam's update over moments decayed into subnormals (ranvier
+# flushing them, as its trainers compile; the peers computing with them), float32 GEMM
+# (square and MLP-shaped; again with ranvier in mixed
 # precision, bf16 inputs and float32 sums on AMX, where the CPU has it). Options: --repeats N,
 # --warmup N, --quick (smaller sizes for a smoke run).
 #
@@ -61,9 +63,9 @@ BenchmarkAndResult = tuple[Benchmark, Callable[[], np.ndarray]]  # and a call gi
 # ---- ranvier helpers ----------------------------------------------------------------------------
 
 
-def compile_cell(flow: rv.Flow, matmul: str = "float32") -> tuple[Cell, str]:
+def compile_cell(flow: rv.Flow, matmul: str = "float32", denormals: str = "keep") -> tuple[Cell, str]:
     """Compile function f of the flow on the cpu backend; the cell and its steps' kernels."""
-    cell = rv.Compiler("cpu", matmul=matmul).compile(flow).cell("f")
+    cell = rv.Compiler("cpu", matmul=matmul, denormals=denormals).compile(flow).cell("f")
     kernels = " + ".join(s.label for s in cell.steps)
     return cell, kernels
 
@@ -190,6 +192,45 @@ def bench_cross_entropy(rows: int, classes: int, rng: np.random.Generator) -> Be
     ), result
 
 
+def bench_adam_decayed(n: int, rng: np.random.Generator) -> BenchmarkAndResult:
+    """Adam's update of an embedding table most of whose rows no batch used for long: their
+    moments have decayed below 1e-38 (subnormal) and their gradient is 0; a tenth of the
+    rows is live. ranvier compiled as its trainers compile (denormals flushed); numpy and
+    PyTorch compute with the subnormals, as they do by default."""
+    lr, beta1, beta2, eps = 1e-3, 0.9, 0.999, 1e-8
+    live = rng.random(n) < 0.1
+    w = rng.standard_normal(n, dtype=np.float32)
+    g = np.where(live, rng.standard_normal(n), 0.0).astype(np.float32)
+    m = (rng.standard_normal(n) * np.where(live, 1e-2, 1e-39)).astype(np.float32)
+    v = (rng.random(n) * np.where(live, 1e-4, 1e-39)).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    vw, vg, vm, vv = (f.var(name, rv.DT_FLOAT, [n]) for name in "wgmv")
+    m2, v2 = vm * beta1 + vg * (1 - beta1), vv * beta2 + vg * vg * (1 - beta2)
+    vy = f.sub(vw, m2 * lr / (f.sqrt(v2) + eps), name="y")
+    m2.var.out = v2.var.out = True
+    cell, kernels = compile_cell(flow, denormals="flush")
+    result, compute = ranvier_run(cell, {vw: w, vg: g, vm: m, vv: v}, vy)
+
+    def numpy_run() -> np.ndarray:
+        m2, v2 = m * np.float32(beta1) + g * np.float32(1 - beta1), v * np.float32(beta2) + g * g * np.float32(1 - beta2)
+        return w - m2 * np.float32(lr) / (np.sqrt(v2) + np.float32(eps))
+
+    tw, tg, tm, tv = (torch.from_numpy(x) for x in (w, g, m, v))
+
+    def torch_run():
+        m2, v2 = tm * beta1 + tg * (1 - beta1), torch.addcmul(tv * beta2, tg, tg, value=1 - beta2)
+        return torch.addcdiv(tw, m2, v2.sqrt() + eps, value=-lr)
+
+    return Benchmark(
+        f"adam, moments decayed below 1e-38 [{n}]",
+        {"ranvier": compute, "numpy": numpy_run, "torch": torch_run},
+        work=7 * w.nbytes,
+        compute_bound=False,
+        kernels=kernels,
+    ), result
+
+
 def bench_gemm(m: int, k: int, n: int, rng: np.random.Generator, matmul: str = "float32") -> BenchmarkAndResult:
     """ranvier with float32 or mixed-precision (bf16 inputs, float32 sums) products;
     the peers stay float32, so the bf16 result is checked to bf16 rounding."""
@@ -273,6 +314,7 @@ def main() -> None:
         lambda: bench_softmax(rows, 1024, rng),
         lambda: bench_layer_norm(rows, 1024, rng),
         lambda: bench_cross_entropy(rows, 1000, rng),
+        lambda: bench_adam_decayed(rows * 1024, rng),
         lambda: bench_gemm(square, square, square, rng),
         lambda: bench_gemm(128, 784, 256, rng),
     ]

@@ -311,6 +311,40 @@ def test_large_maps_shared_out_over_threads(mask):
         assert len(re.findall(r"^step\d+_part\d*:", cell.asm(), re.MULTILINE)) >= 3
 
 
+@pytest.mark.parametrize("denormals", ["keep", "flush"])
+def test_denormals_kept_or_flushed_on_every_thread(denormals):
+    """A map large enough to be shared out over the pool, on values that are or become
+    subnormal: kept, every element is numpy's; flushed, every subnormal input counts as 0
+    and every subnormal result is 0, in the parts the workers ran too. The calling
+    thread's own mode is as it was after the compute: numpy still makes subnormals."""
+    from ranvier.backends.cpu.parallel import split_thresholds
+
+    n = split_thresholds().nbytes // 4 + 4099
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(n) * np.where(np.arange(n) % 2, 1e-39, 1.0)).astype(np.float32)  # every other one subnormal
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    xv = f.var("x", "float32", [n])
+    y = f.add(xv * 1e-3, xv, name="y")
+    instance = rv.Compiler("cpu", denormals=denormals).compile(flow).cell("f").instance()
+    instance[xv] = x
+    instance.compute()
+    got = np.asarray(instance[y])
+    tiny = np.abs(x) < np.finfo(np.float32).tiny
+    if denormals == "keep":
+        np.testing.assert_array_equal(got, x * np.float32(1e-3) + x)
+        assert np.count_nonzero(got[tiny]) == np.count_nonzero(x[tiny])
+    else:
+        assert not np.any(got[tiny]), "a subnormal input was read as itself"
+        np.testing.assert_array_equal(got[~tiny], x[~tiny] * np.float32(1e-3) + x[~tiny])
+    assert np.float32(1e-39) * np.float32(1.0) != 0, "the compute left the calling thread flushing denormals"
+
+
+def test_unknown_denormals_mode_is_named():
+    with pytest.raises(rv.RanvierError, match="unknown denormals mode 'zero'; available: keep, flush"):
+        rv.Compiler("cpu", denormals="zero")
+
+
 @pytest.mark.parametrize("mask", MASKS)
 def test_matmul(mask):
     def build(f, a, b, at, bt, batch, other, d, e, h, g):

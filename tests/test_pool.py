@@ -87,6 +87,62 @@ def test_a_forked_child_has_a_pool_of_its_own(count_task):
     assert os.WEXITSTATUS(status) == 0
 
 
+def test_workers_take_on_the_callers_floating_point_modes():
+    """A caller that flushes denormals (FTZ and DAZ in its MXCSR) runs a job whose parts,
+    on whichever thread, each record their thread and MXCSR, after spinning long enough
+    that the caller cannot take them all: every part saw the flushing modes, on the workers
+    too; a job from a caller that keeps denormals finds them cleared again."""
+    from ranvier.backends.cpu import fpmode
+
+    target = host_target()
+    if not target.machine.triple.startswith("x86_64"):
+        pytest.skip("MXCSR is x86's")
+    module = ir.Module("modes")
+    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    part = ir.Function(module, TASK, "record_part")
+    b = ir.IRBuilder(part.append_basic_block())
+    block = b.bitcast(part.args[0], ir.LiteralStructType([I64.as_pointer(), I64]).as_pointer())
+    records = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
+    index = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+    clock = ir.Function(module, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
+    start = b.call(clock, [])
+    spin, done = part.append_basic_block("spin"), part.append_basic_block("done")
+    b.branch(spin)
+    b.position_at_end(spin)
+    b.cbranch(b.icmp_unsigned("<", b.sub(b.call(clock, []), start), ir.Constant(I64, 200_000)), spin, done)
+    b.position_at_end(done)
+    mode = b.alloca(I32)
+    fpmode.read_mxcsr(b, mode)
+    self_ = ir.Function(module, ir.FunctionType(I64, []), name="pthread_self")
+    b.store(b.zext(b.load(mode), I64), b.gep(records, [b.mul(index, ir.Constant(I64, 2))]))
+    b.store(b.call(self_, []), b.gep(records, [b.add(b.mul(index, ir.Constant(I64, 2)), ir.Constant(I64, 1))]))
+    b.ret(ir.Constant(BYTE_PTR, None))
+    run_type = ir.FunctionType(ir.VoidType(), [TASK.as_pointer(), BYTE_PTR, I64, I64])
+    caller = ir.Function(module, ir.FunctionType(ir.VoidType(), [run_type.as_pointer(), BYTE_PTR, I64, I64, I64]), "run_with_flushing")
+    b = ir.IRBuilder(caller.append_basic_block())
+    run, blocks, count, stride, flush = caller.args
+    saved = fpmode.flushing(b)
+    with b.if_then(b.icmp_unsigned("==", flush, ir.Constant(I64, 0))):
+        fpmode.write_mxcsr(b, saved)
+    b.call(run, [part, blocks, count, stride])
+    fpmode.write_mxcsr(b, saved)
+    b.ret_void()
+    code = jit.load_object(jit.compile_object(module, target), target, "run_with_flushing")
+    call = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(code.address)
+    pool().ensure(2)
+    parts, threads = 32, set()
+    for flush in (1, 0) * 10:
+        records = np.zeros((parts, 2), np.int64)
+        blocks = np.zeros((parts, 2), np.int64)
+        blocks[:, 0], blocks[:, 1] = records.ctypes.data, np.arange(parts)
+        call(pool().run_address, blocks.ctypes.data, parts, blocks.strides[0], flush)
+        flushing = (records[:, 0] & fpmode.FLUSH_BITS) == fpmode.FLUSH_BITS
+        assert flushing.all() if flush else not flushing.any(), records[:, 0]
+        threads |= set(records[:, 1])
+    # a job finds the pool busy (another thread's) only now and then: over twenty, workers ran parts
+    assert len(threads) >= min(2, thread_count()), "the workers ran no part"
+
+
 def test_a_job_costs_far_less_than_a_thread_start():
     """Waking sleeping workers takes microseconds (pthread_create and join took tens)."""
     assert pool().job_seconds(2, asleep=False) < 20e-6

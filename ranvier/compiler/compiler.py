@@ -59,16 +59,18 @@ def check_types(op: Operation) -> None:
 class Compiler:
     """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
 
-    def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True, matmul: str = "float32"):
+    def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True, matmul: str = "float32", denormals: str = "keep"):
         """backend: "cpu" (LLVM JIT), "reference" (numpy oracle), or any registered backend.
         cpu: CPU features to mask, e.g. "-avx512" or "-avx512,-avx2" (Myelin's --cpu).
         cache: reuse generated code across processes (the on-disk compile cache).
         matmul: "float32", or "bfloat16" / "tfloat32": float32 matrix products round their
             inputs to that type and accumulate in float32 (mixed precision: bfloat16 on AMX
             tiles on the CPU, either on tensor cores through cuBLASLt on a GPU; where the
-            backend cannot, products stay float32)."""
+            backend cannot, products stay float32).
+        denormals: "keep" (IEEE subnormal numbers) or "flush" (the CPU backend's code treats
+            them as zero: far faster on Intel cores where values decay below 1e-38)."""
         self.backend_name = backend
-        self.options = CompileOptions(cpu, cache, matmul)
+        self.options = CompileOptions(cpu, cache, matmul, denormals)
         self.backend = create_backend(backend, self.options)
 
     def compile(self, flow: Flow) -> Network:

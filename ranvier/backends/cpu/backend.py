@@ -35,6 +35,9 @@ class CPUBackend:
     def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.target: CPUTarget = host_target(options.cpu)
         self.use_disk_cache = options.cache
+        self.flush_denormals = options.denormals == "flush"
+        if self.flush_denormals and not self.target.machine.triple.startswith(("x86_64", "i386", "i686")):
+            raise RanvierError(f"denormals='flush' sets x86's MXCSR; this CPU is {self.target.machine.triple}: use 'keep'")
         # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay
         # float32. Only a compile that asks for bf16 asks the OS for the tile state.
         bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
@@ -79,7 +82,8 @@ class CPUBackend:
         description = self._describe(cell, layout)
         # the generator's sources: this backend, the shared LLVM layer, the op definitions
         # (their formulas are generated as code)
-        key = jit.cache_key(f"{jit.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{description}", self.target)
+        mode = "flush denormals\n" if self.flush_denormals else ""
+        key = jit.cache_key(f"{jit.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{mode}{description}", self.target)
 
         def generate() -> bytes:
             return jit.compile_object(self._module(cell, layout), self.target)
@@ -98,7 +102,7 @@ class CPUBackend:
 
     def _module(self, cell: Cell, layout: Layout):
         emitters = [LIBRARY.choose(step.op).emit for step in cell.steps]
-        return codegen.build_module(cell.name, self.target, cell.steps, layout, emitters)
+        return codegen.build_module(cell.name, self.target, cell.steps, layout, emitters, self.flush_denormals)
 
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's LLVM IR ("llvm": as generated, before LLVM optimizes it) or its

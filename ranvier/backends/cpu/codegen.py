@@ -13,6 +13,8 @@ The cell function takes a table of pointers, filled once per instance:
 Nothing process-specific is baked into the code, so the object file can be cached
 on disk and reused by another process. Each step is an internal function; the cell
 function calls them in order and adds each step's cycle count to its profile counter.
+Compiled to flush denormals, it sets the thread's FTZ and DAZ modes around them
+(`fpmode`) and puts the thread's own back after.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..llvm.irutil import (
     use_features,
 )
 from ..llvm.values import Value
+from . import fpmode
 from .target import CPUTarget
 
 (DATA, STATUS, PROFILE, CALLBACK, SGEMM, DGEMM, BLAS_THREADS, SGEMV, DGEMV, BF16GEMM, SGEMM_GENERATED, SGEMM_PACKED,
@@ -139,7 +142,8 @@ class KernelContext(EmitContext):
         slot = self.b.gep(counters, [i64(self.step_index)])
         self.b.store(self.b.add(self.b.load(slot), self.b.sub(self.b.call(clock, []), start)), slot)
 
-def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout, emitters) -> ir.Module:
+def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout, emitters,
+                 flush_denormals: bool = False) -> ir.Module:
     """The module of one cell: a step function per op and the `cell` entry point."""
     module = ir.Module(name=name)
     module.triple = target.machine.triple
@@ -162,11 +166,14 @@ def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout
     ptrs = cell.args[0]
     clock = cycle_counter(module)
     counters = b.bitcast(b.load(b.gep(ptrs, [i64(PROFILE)])), I64.as_pointer())
+    saved_mode = fpmode.flushing(b) if flush_denormals else None
     for index, function in enumerate(step_functions):
         start = b.call(clock, [])
         b.call(function, [ptrs])
         spent = b.sub(b.call(clock, []), start)
         slot = b.gep(counters, [i64(index)])
         b.store(b.add(b.load(slot), spent), slot)
+    if saved_mode is not None:
+        fpmode.write_mxcsr(b, saved_mode)
     b.ret_void()
     return module

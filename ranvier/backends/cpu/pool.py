@@ -17,6 +17,8 @@ next, and the task, blocks and stride it reads after a claim cannot change befor
 part is done (the caller waits for it). A second thread that calls while a job runs
 (another cell on another Python thread, or a part that splits again) runs its parts
 itself, in order. After fork() the child's pool has no workers; it starts its own.
+On x86 a job also carries the caller's floating-point modes (MXCSR: flushing denormals or
+not), which each worker takes on before it claims a part.
 
 The machine code is built here with llvmlite like every kernel, compiled once per
 process, and never unloaded.
@@ -35,7 +37,7 @@ from pathlib import Path
 
 from llvmlite import ir
 
-from . import jit
+from . import fpmode, jit
 from .target import CPUTarget, host_target
 
 MAX_WORKERS = 255  # part counts stay below 2^16; workers beyond the cores would only wait
@@ -66,6 +68,8 @@ class _Emitter:
         self.task = self._global("task", TASK.as_pointer())
         self.blocks = self._global("blocks", BYTE_PTR)
         self.stride = self._global("stride", I64)
+        # the caller's floating-point modes (x86's MXCSR), which the workers take on for its job
+        self.mxcsr = self._global("mxcsr", I32) if fpmode.has_mxcsr(module) else None
         self.mutex = self._global("mutex", ir.ArrayType(I8, SYNC_BYTES))
         self.cond = self._global("cond", ir.ArrayType(I8, SYNC_BYTES))
         self.threads = self._global("threads", ir.ArrayType(I64, MAX_WORKERS))
@@ -184,6 +188,8 @@ class _Emitter:
         b.position_at_end(work)
         number = self._load(b, self.number)
         b.store(number, seen)
+        if self.mxcsr is not None:
+            fpmode.write_mxcsr(b, self.mxcsr)
         b.call(self.drain, [number])
         b.branch(wait)
         return function
@@ -221,6 +227,8 @@ class _Emitter:
         b.store(task, self.task)
         b.store(blocks, self.blocks)
         b.store(stride, self.stride)
+        if self.mxcsr is not None:
+            fpmode.read_mxcsr(b, self.mxcsr)
         self._store(b, count, self.pending)
         number = b.add(self._load(b, self.number), ir.Constant(I64, 1))
         number = b.and_(number, ir.Constant(I64, 0xFFFFFFFF))
