@@ -193,6 +193,9 @@ constant_products = [f.matmul(h["a"], f.const(weights["w"])), f.matmul(h["a"], f
                      f.matmul(h["batch"], f.const(weights["w"])), f.matmul(h["at"], f.const(weights["w"]), transpose_a=True),
                      f.matmul(h["v"], f.const(weights["w"]))]
 outputs += constant_products
+# rows looked up and their gradients summed back, an index repeated (ScatterAdd's parts own columns, not rows)
+rows = f.const(np.array([3, 0, 3, 66, 7, 3, 12], np.int32))
+outputs += [f.gather(h["x"], rows), f.scatter_add(rows, f.gather(h["x"], rows) * 2.0, 67)]
 for o in outputs:
     o.var.out = True
 results = []
@@ -227,7 +230,8 @@ def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask
     """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
     a vector; the generated GEMM and BLAS), convolutions (one image in blocks, a batch by
     images), max pooling, row kernels, maps and reductions (by rows, by
-    columns, across a middle axis) give the reference's results on 1, 2 and every core."""
+    columns, across a middle axis), lookups and their scattered sums give the
+    reference's results on 1, 2 and every core."""
     if threads > thread_count():
         pytest.skip(f"this process may use {thread_count()} cores")
     env = dict(os.environ, RANVIER_SPLIT_BYTES="1024", RANVIER_GEMM=gemm, PYTHONPATH=str(ROOT))
