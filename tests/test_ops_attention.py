@@ -134,6 +134,17 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
         check(got, want.numpy(), dtype)
 
 
+def _grad_op(b, h, kv, t, s, hd):
+    import ranvier as rv
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    q, d = (f.var(n, "float32", [b, h, t, hd]) for n in "qd")
+    k, v = (f.var(n, "float32", [b, kv, s, hd]) for n in "kv")
+    f.op("AttentionGrad", [q, k, v, d])
+    return flow.ops["f/AttentionGrad"]
+
+
 def test_attention_bias_errors():
     inputs = [("q", "float32", [2, 3, 4, 8]), ("k", "float32", [2, 3, 5, 8]), ("v", "float32", [2, 3, 5, 8])]
     for shape in ([2, 3, 4, 4], [3, 1, 1, 5], [1, 2, 3, 4, 5]):
@@ -180,17 +191,22 @@ def test_decomposed_backward_reuses_the_forward_probabilities():
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kind", [None, "padding", "position"])
-def test_attention_gemm_blocks_over_parts(causal, kind, monkeypatch):
+@pytest.mark.parametrize("b, kv, threads", [(2, 2, 3), (1, 1, 3), (2, 1, 5)])
+def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, monkeypatch):
     """AttentionGemm and AttentionGradGemm with blocks of 8 query rows (the last one short),
-    items shared out over 3 parts, grouped heads, more keys than queries: every output and
-    gradient equal to the per-head loop's."""
+    items shared out over parts, grouped heads, more keys than queries: every output and
+    gradient equal to the per-head loop's. With fewer (batch, key/value head) items than
+    parts (multi-query attention at batch 1 or 2), the gradient shares each item's blocks
+    out and sums the parts' d keys and d values after."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
     monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
     monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 8 * 45)
-    monkeypatch.setattr(cpu, "thread_count", lambda: 3)
+    monkeypatch.setattr(cpu, "thread_count", lambda: threads)
     monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
-    b, h, kv, t, s, hd = 2, 4, 2, 37, 45, 12
+    h, t, s, hd = 4, 37, 45, 12
+    split = [part.pairs for part in cpu._grad_parts(_grad_op(b, h, kv, t, s, hd))]
+    assert all(split) == (b * kv < threads) and (len(split) > b * kv or b * kv >= threads)
     q, k, v = (random_array(x, "float32", seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd)]))
     inputs = [q, k, v] + ([] if kind is None else [score_bias(kind, b, h, t, s, "float32")])
     dout = random_array((b, h, t, hd), "float32", seed=7)

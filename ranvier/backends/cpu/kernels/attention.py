@@ -4,7 +4,8 @@ In float32, per (batch·head, block of query rows): the block's scores S = Q_blo
 the generated GEMM into the part's scratch (a block's rows of every key stay in L2), each
 row scaled, biased, masked and turned into probabilities P in place; then the forward
 (`AttentionGemm`) is O_block = P V, and the backward (`AttentionGradGemm`, a part owning
-whole key/value heads) dP = dO Vᵀ, dS = scale · P (dP − Σ P·dP), dQ = dS K,
+whole key/value heads, or with fewer of those than cores a share of one's blocks with
+partial sums of its own) dP = dO Vᵀ, dS = scale · P (dP − Σ P·dP), dQ = dS K,
 dK += dSᵀ Q_block and dV += Pᵀ dO_block, all by the GEMM.
 
 In float64, one query row at a time: scores against every visible key into a row buffer
@@ -19,7 +20,10 @@ so these kernels claim only attention whose score matrices are too big to store.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
+from dataclasses import dataclass
 
 from .... import dtypes
 from ....ops import attrs_of
@@ -242,19 +246,37 @@ def attention_blocks(ctx, op) -> None:
 GENERATED_GEMM_KERNELS.add("AttentionGemm")
 
 
-def _grad_parts(op) -> list[tuple[int, int]]:
-    """Each worker-pool part's range of (batch, key/value head) items: a part owns the
-    d keys and d values of its heads, so no two parts add into the same rows."""
+@dataclass(frozen=True)
+class _GradPart:
+    """A worker-pool part of AttentionGradGemm: (batch, key/value head) items, and either
+    all of their (query head, query block) pairs, adding into d keys and d values, or a
+    share of one item's pairs (`pairs`), summed into the part's own partial d keys and d
+    values that the step adds up after: no two parts add into the same rows."""
+
+    items: tuple[int, int]
+    pairs: tuple[int, int] | None = None
+
+
+def _grad_parts(op) -> list[_GradPart]:
+    """Whole items per part, or with fewer items than cores (a multi-query model at batch
+    1 has one) each item's pairs shared out over the cores left to it."""
     batch, heads, queries, size = op.inputs[0].shape
     kv_heads, keys = op.inputs[1].shape[1], op.inputs[1].shape[2]
-    split = worth_splitting(8 * batch * heads * queries * keys * size)
-    return shares(batch * kv_heads, thread_count() if split else 1)
+    threads = thread_count() if worth_splitting(8 * batch * heads * queries * keys * size) else 1
+    items = batch * kv_heads
+    if items >= threads:
+        return [_GradPart(share) for share in shares(items, threads)]
+    pairs = heads // kv_heads * -(-queries // _block_rows(op))
+    split = shares(pairs, threads // items)
+    return [_GradPart((item, item + 1), share if len(split) > 1 else None) for item in range(items) for share in split]
 
 
 def _grad_share(op) -> int:
-    """Packing scratch, a block's probabilities and d scores, and one head's d keys or values."""
+    """Packing scratch, a block's probabilities and d scores, one head's d keys or values,
+    and a share's partial d keys and d values."""
     size, keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
-    return _gemm_bytes(op) + 2 * 4 * _block_rows(op) * keys + 4 * keys * size
+    partials = 2 if any(part.pairs for part in _grad_parts(op)) else 0
+    return _gemm_bytes(op) + 2 * 4 * _block_rows(op) * keys + (1 + partials) * 4 * keys * size
 
 
 def _grad_workspace(op) -> int:
@@ -272,27 +294,33 @@ def attention_grad_blocks(ctx, op) -> None:
     queries, heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
     groups, blocks = heads // kv_heads, -(-queries // rows_per_block)
     block_floats, head_floats = rows_per_block * keys, keys * size
-    share = _grad_share(op)
+    share, parts = _grad_share(op), _grad_parts(op)
 
-    def part(number: int, first: int, last: int):
+    def scratch(ctx, number: int, name: str, offset: int, count: int):
+        at = ctx.b.gep(ctx.address(ctx.workspace), [i64(number * share + _gemm_bytes(op) + offset)])
+        return ctx.scratch(f"{op.name}/{name}{number}", q.dtype, count, at)
+
+    def partials(ctx, number: int):
+        """A part's partial d keys and d values, after its scratch head."""
+        return [scratch(ctx, number, name, 8 * block_floats + 4 * head_floats * (1 + i), head_floats)
+                for i, name in enumerate(("dk", "dv"))]
+
+    def part(number: int, shared: _GradPart):
         def emit(ctx) -> None:
             geometry = _Heads(ctx, q, k, op)
             gemm = GeneratedGemm(ctx, SGEMM_GENERATED, number, share)
-            base = number * share + _gemm_bytes(op)
-
-            def scratch(name: str, offset: int, count: int):
-                at = ctx.b.gep(ctx.address(ctx.workspace), [i64(base + offset)])
-                return ctx.scratch(f"{op.name}/{name}{number}", q.dtype, count, at)
-
-            p = scratch("p", 0, block_floats)
-            ds = scratch("ds", 4 * block_floats, block_floats)
-            head = scratch("head", 8 * block_floats, head_floats)
-            with ctx.loop(first, last, name="item") as item:
+            p = scratch(ctx, number, "p", 0, block_floats)
+            ds = scratch(ctx, number, "ds", 4 * block_floats, block_floats)
+            head = scratch(ctx, number, "head", 8 * block_floats, head_floats)
+            first_pair, last_pair = shared.pairs or (0, groups * blocks)
+            with ctx.loop(*shared.items, name="item") as item:
                 batch, kv_head = item // kv_heads, item % kv_heads
                 kv = item * head_floats
-                for grad in (dk, dv):
-                    Row(ctx, kv, head_floats, q.dtype).each(lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
-                with ctx.loop(0, groups * blocks, name="gb") as gb:
+                # where this part adds d keys and d values: the outputs' rows, or its partials
+                targets = [(grad, kv) for grad in (dk, dv)] if shared.pairs is None else [(grad, 0) for grad in partials(ctx, number)]
+                for grad, base in targets:
+                    Row(ctx, base, head_floats, q.dtype).each(lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
+                with ctx.loop(first_pair, last_pair, name="gb") as gb:
                     bh = batch * heads + kv_head * groups + gb // blocks
                     first_query = gb % blocks * rows_per_block
                     rows, seen = geometry.block(first_query, rows_per_block)
@@ -306,15 +334,27 @@ def attention_grad_blocks(ctx, op) -> None:
                         geometry.score_gradients(p, ds, r * keys, first_query + r)
                     gemm.gemm(False, False, rows, size, seen, ctx.pointer(ds), keys, at_k, size,
                               ctx.element_pointer(dq, query_rows), size)
-                    for grad, left, right in ((dk, ds, at_q), (dv, p, at_dout)):
+                    for (grad, base), left, right in zip(targets, (ds, p), (at_q, at_dout)):
                         gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), keys, right, size, ctx.pointer(head), size)
                         with ctx.loop(0, seen, name="j") as j:
-                            Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad: ctx.store(
-                                grad, kv + i, ctx.load(grad, kv + i, w) + ctx.load(head, i, w)))
+                            Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad, base=base: ctx.store(
+                                grad, base + i, ctx.load(grad, base + i, w) + ctx.load(head, i, w)))
 
         return emit
 
-    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_grad_parts(op))])
+    run_parts(ctx, [part(number, shared) for number, shared in enumerate(parts)])
+    for item in sorted({shared.items[0] for shared in parts if shared.pairs is not None}):
+        shares_of_item = [partials(ctx, number) for number, shared in enumerate(parts) if shared.pairs and shared.items[0] == item]
+        for grad, sources in zip((dk, dv), zip(*shares_of_item)):
+            _add_up(ctx, grad, item * head_floats, sources, head_floats)
+
+
+def _add_up(ctx, target, base: int, sources, count: int) -> None:
+    """target[base:base + count] = the sum of the sources' first `count` elements."""
+    def store(i, w):
+        ctx.store(target, base + i, functools.reduce(operator.add, (ctx.load(source, i, w) for source in sources)))
+
+    Row(ctx, 0, count, target.dtype).each(store)
 
 
 GENERATED_GEMM_KERNELS.add("AttentionGradGemm")
