@@ -24,17 +24,25 @@ ROOT = Path(__file__).resolve().parent.parent
 I32, I64 = ir.IntType(32), ir.IntType(64)
 
 
+def part_function(name: str):
+    """A module holding part `name`, whose block is (an int64 array, the part's index):
+    (module, function, its builder, the array, the index)."""
+    target = host_target()
+    module = ir.Module(name)
+    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    function = ir.Function(module, TASK, name)
+    b = ir.IRBuilder(function.append_basic_block())
+    block = b.bitcast(function.args[0], ir.LiteralStructType([I64.as_pointer(), I64]).as_pointer())
+    array = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
+    index = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+    return module, function, b, array, index
+
+
 @pytest.fixture(scope="module")
 def count_task():
     """A part that adds index + 1 to counts[index]; its block is (counts, index)."""
     target = host_target()
-    module = ir.Module("count_task")
-    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
-    function = ir.Function(module, TASK, "count_part")
-    b = ir.IRBuilder(function.append_basic_block())
-    block = b.bitcast(function.args[0], ir.LiteralStructType([I64.as_pointer(), I64]).as_pointer())
-    counts = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
-    index = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+    module, _, b, counts, index = part_function("count_part")
     slot = b.gep(counts, [index])
     b.store(b.add(b.load(slot), b.add(index, ir.Constant(I64, 1))), slot)
     b.ret(ir.Constant(BYTE_PTR, None))
@@ -97,13 +105,7 @@ def test_workers_take_on_the_callers_floating_point_modes():
     target = host_target()
     if not target.machine.triple.startswith("x86_64"):
         pytest.skip("MXCSR is x86's")
-    module = ir.Module("modes")
-    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
-    part = ir.Function(module, TASK, "record_part")
-    b = ir.IRBuilder(part.append_basic_block())
-    block = b.bitcast(part.args[0], ir.LiteralStructType([I64.as_pointer(), I64]).as_pointer())
-    records = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
-    index = b.load(b.gep(block, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+    module, part, b, records, index = part_function("record_part")
     clock = ir.Function(module, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
     start = b.call(clock, [])
     spin, done = part.append_basic_block("spin"), part.append_basic_block("done")

@@ -185,7 +185,7 @@ def _filter_bytes(op) -> int:
     return 0 if unchanging_constant(w) else 64 + 4 * POINTS * w.shape[0] * w.shape[1]
 
 
-_FILTER_UNIT = 8  # filters in a part's share: whole strips of the GEMM's tiles (MR ≤ 6) mostly
+_FILTER_UNIT = 8  # filters in a part's share: whole strips of the GEMM's tiles (MR is 4 or 8)
 
 
 def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int]]]:
