@@ -177,6 +177,7 @@ REDUCTION_CASES = [  # op, dtype, input shape, axes (None: all)
     # long axes, few outputs: a block per output element (32, 128 and 256 threads)
     ("Sum", "float32", [3, 5000], [1]), ("Max", "float64", [300, 4], [0]), ("Mean", "float32", [70000], None),
     ("Sum", "int32", [2, 100, 3], [1]),
+    ("SumSquares", "float32", [6, 40, 3], [1]), ("SumSquares", "float32", [3, 5000], [1]),
 ]
 
 
@@ -202,7 +203,7 @@ def test_a_reduction_matches_the_reference_a_thread_or_a_block_per_output(name, 
         reduced = int(np.prod(shape)) // want.size
         magnitude = np.abs(values["f/x"].astype(np.float64))
         summed = np.sum(magnitude, axis=None if axes is None else tuple(np.atleast_1d(axes))) / (reduced if name == "Mean" else 1)
-        scale = summed if name in ("Sum", "Mean") else np.abs(want.astype(np.float64))
+        scale = summed if name in ("Sum", "Mean") else np.abs(want.astype(np.float64))  # SumSquares: positive terms
         float32_eps = float(np.finfo(np.float32).eps)
         compute_eps = float(np.finfo(np.float64).eps) if dtype == "float64" else float32_eps
         bound = (reduced * compute_eps + float(ml_dtypes.finfo(want.dtype).eps)) * scale

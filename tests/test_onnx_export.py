@@ -182,7 +182,7 @@ def test_reductions():
     f = rv.Builder(flow, "f")
     x = f.var("x", rv.DT_FLOAT, [3, 4, 5])
     p = f.var("p", rv.DT_BOOL, [3, 4])
-    for method in ("sum", "mean", "max", "min", "product"):
+    for method in ("sum", "sum_squares", "mean", "max", "min", "product"):
         getattr(f, method)(x, axis=[0, 2], name=method).var.out = True
         getattr(f, method)(x, axis=[-1], keepdims=True, name=f"{method}_kept").var.out = True
         getattr(f, method)(x, name=f"{method}_all").var.out = True

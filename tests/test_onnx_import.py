@@ -242,9 +242,9 @@ NODE_CASES = [
     case("Trilu", {"x": rand(4, 3), "k": Known(np.int64(1))}, upper=1, id="upper-k1"),
     # Reductions: axes as an attribute (ReduceSum before 13, the others before 18) or an input.
     *(case(op, {"x": X234}, opset=13, axes=[0, -1], keepdims=k, id=f"opset13-keepdims{k}")
-      for op in ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd") for k in (0, 1)),
+      for op in ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare") for k in (0, 1)),
     *(case(op, {"x": X234, "a": known(1)}, opset=18, keepdims=k, id=f"opset18-keepdims{k}")
-      for op in ("ReduceMean", "ReduceSum", "ReduceMax") for k in (0, 1)),
+      for op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceSumSquare") for k in (0, 1)),
     case("ReduceSum", {"x": X234}, opset=11, axes=[1], keepdims=0, id="opset11"),
     case("ReduceSum", {"x": X234, "a": known(-1, 0)}, opset=13, id="opset13"),
     case("ReduceMean", {"x": X234}, opset=18, keepdims=0, id="all"),

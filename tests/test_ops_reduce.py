@@ -1,4 +1,4 @@
-"""Reductions: Sum Mean Max Min Product All Any ArgMax ArgMin over single, multiple,
+"""Reductions: Sum SumSquares Mean Max Min Product All Any ArgMax ArgMin over single, multiple,
 negative and all axes, with and without keepdims, for every dtype each accepts."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import ranvier
 
 pytestmark = pytest.mark.filterwarnings("error")
 
-TESTED_OPS = {"Sum", "Mean", "Max", "Min", "Product", "All", "Any", "ArgMax", "ArgMin"}
+TESTED_OPS = {"Sum", "SumSquares", "Mean", "Max", "Min", "Product", "All", "Any", "ArgMax", "ArgMin"}
 
 SHAPE = (3, 7, 5)
 AXES = [None, [0], [1], [2], [-1], [-3], [0, 2], [-1, 0], [1, 2], [0, 1, 2], [2, 0, 1]]
@@ -59,6 +59,7 @@ def _prod(values):
 REDUCE = {
     # op: (method, combine over Python numbers, dtypes)
     "Sum": ("sum", lambda v: sum(v), NUMERIC),
+    "SumSquares": ("sum_squares", lambda v: sum(x * x for x in v), FLOATS),
     "Mean": ("mean", lambda v: sum(v) / len(v), FLOATS),
     "Max": ("max", max, NUMERIC),
     "Min": ("min", min, NUMERIC),

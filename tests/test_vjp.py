@@ -309,6 +309,7 @@ def _torch_prod(x, dims, keepdims):
 
 REDUCTIONS = [
     ("Sum", "sum", _torch_reduce(lambda x, d, k: x.sum(dim=d, keepdim=k)), normal),
+    ("SumSquares", "sum_squares", _torch_reduce(lambda x, d, k: (x * x).sum(dim=d, keepdim=k)), normal),
     ("Mean", "mean", _torch_reduce(lambda x, d, k: x.mean(dim=d, keepdim=k)), normal),
     ("Max", "max", _torch_reduce(lambda x, d, k: torch.amax(x, dim=d, keepdim=k)), normal),
     ("Min", "min", _torch_reduce(lambda x, d, k: torch.amin(x, dim=d, keepdim=k)), normal),

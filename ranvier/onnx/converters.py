@@ -416,7 +416,8 @@ def trilu(node: Node):
 
 # ---- reductions ---------------------------------------------------------------------------------
 
-_REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "max", "ReduceMin": "min", "ReduceProd": "product"}
+_REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "max", "ReduceMin": "min", "ReduceProd": "product",
+           "ReduceSumSquare": "sum_squares"}
 
 
 @converts(*_REDUCE)

@@ -444,7 +444,8 @@ def _reduction(onnx_type: str) -> Converter:
     return lambda g, op, x: _reduce(g, op, onnx_type, x)
 
 
-REDUCTIONS = {"Sum": "ReduceSum", "Mean": "ReduceMean", "Max": "ReduceMax", "Min": "ReduceMin", "Product": "ReduceProd"}
+REDUCTIONS = {"Sum": "ReduceSum", "SumSquares": "ReduceSumSquare", "Mean": "ReduceMean", "Max": "ReduceMax", "Min": "ReduceMin",
+              "Product": "ReduceProd"}
 for _type, _onnx_type in REDUCTIONS.items():
     CONVERTERS[_type] = _reduction(_onnx_type)
 

@@ -1,4 +1,5 @@
-"""Reductions over any set of axes, with keepdims: Sum Mean Max Min Product All Any Count ArgMax ArgMin.
+"""Reductions over any set of axes, with keepdims: Sum Mean Max Min Product All Any Count ArgMax ArgMin,
+and SumSquares (Σ x², ONNX's ReduceSumSquare: a gradient norm reads each gradient once).
 
 A reduction over axes that are not adjacent decomposes into one reduction per block of
 adjacent axes, for backends whose kernels reduce one contiguous block.
@@ -52,8 +53,14 @@ def _wide(fn):
     return lambda x, axis, keepdims: fn(x, axis=axis, keepdims=keepdims, dtype=np.float64 if x.dtype.kind == "f" else None)
 
 
+def _sum_squares(x, axis, keepdims):
+    wide = np.asarray(x, np.float64)
+    return np.sum(wide * wide, axis=axis, keepdims=keepdims)
+
+
 REDUCTIONS = {
     "Sum": (_wide(np.sum), NUMERIC),
+    "SumSquares": (_sum_squares, FLOATS),
     "Mean": (_mean, FLOATS),
     "Max": (np.max, NUMERIC),
     "Min": (np.min, NUMERIC),
@@ -65,8 +72,11 @@ REDUCTIONS = {
 AXIS = Attr("axis", "ints", None, "the reduced axes (default: all)")
 KEEPDIMS = Attr("keepdims", "bool", False, "keep reduced axes as size 1")
 
+# the builder's method for each: b.sum(x), b.sum_squares(x), ...
+METHODS = {_type: "sum_squares" if _type == "SumSquares" else _type.lower() for _type in REDUCTIONS}
+
 for _type, (_fn, _allowed) in REDUCTIONS.items():
-    define(_type, _infer_reduce(_allowed), _reduce(_fn), 1, "reduce", attrs=[AXIS, KEEPDIMS], method=_type.lower())
+    define(_type, _infer_reduce(_allowed), _reduce(_fn), 1, "reduce", attrs=[AXIS, KEEPDIMS], method=METHODS[_type])
 
 
 def _reduced_axes(ctx):
@@ -86,6 +96,12 @@ def _expand_back(ctx, t):
 @vjp("Sum")
 def _sum_vjp(ctx, g):
     return [_expand_back(ctx, g[0])]
+
+
+@vjp("SumSquares")
+def _sum_squares_vjp(ctx, g):
+    x = ctx.inputs[0]
+    return [_expand_back(ctx, g[0]) * (x * 2.0)]
 
 
 @vjp("Mean")
@@ -120,7 +136,8 @@ for _type in ("All", "Any"):
 def _split_reduction(b, op):
     """A reduction over axes that are not adjacent, as one reduction per adjacent block
     (kept as size-1 dimensions), then a reshape: sums of sums, maxima of maxima, and
-    means of equal-sized means are the whole reduction."""
+    means of equal-sized means are the whole reduction; a sum of squares squares only in
+    its first block and sums the rest."""
     x = b.wrap(op.inputs[0])
     given = op_def(op.type).attrs_of(op)["axis"]
     if given is None:
@@ -134,9 +151,9 @@ def _split_reduction(b, op):
             blocks.append([axis])
     if len(blocks) < 2:
         return None
-    reduce = getattr(b, op.type.lower())
-    for block in reversed(blocks):
-        x = reduce(x, axis=block, keepdims=True)
+    for number, block in enumerate(reversed(blocks)):
+        kind = "Sum" if number and op.type == "SumSquares" else op.type
+        x = getattr(b, METHODS[kind])(x, axis=block, keepdims=True)
     return x.reshape(op.outputs[0].shape)
 
 

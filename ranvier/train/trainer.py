@@ -82,9 +82,9 @@ def step_updates(
     wide = [g if g.dtype in ("float32", "float64") else b.cast(g, "float32") for g in grads]
     norm = None
     if clip_norm is not None or track_norm:
-        squares = b.sum(wide[0] * wide[0])
+        squares = b.sum_squares(wide[0])
         for g in wide[1:]:
-            squares = squares + b.sum(g * g)
+            squares = squares + b.sum_squares(g)
         finite = b.equal(squares - squares, 0.0)
         norm = b.sqrt(squares)
         if scale is not None:

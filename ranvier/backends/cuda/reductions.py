@@ -17,7 +17,16 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext
-from ..llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, column_reduction, combiner, finished, identity
+from ..llvm.reductions import (
+    REDUCTIONS,
+    arg_reduction_element,
+    blocks,
+    column_reduction,
+    combiner,
+    finished,
+    identity,
+    term,
+)
 from ..llvm.values import index_value
 from .rows import fold_over_block, threads_per_row
 
@@ -59,5 +68,5 @@ def _block_element(ctx: EmitContext, op: Operation, threads: int, index: ir.Valu
     at = index_value(ctx.b, index)
     base = at // inner * (reduced * inner) + at % inner
     total = fold_over_block(ctx, threads, ctx.index(0), reduced, x.dtype, identity(op.type, x.dtype), combiner(op.type),
-                            lambda r, width: ctx.load(x, base + r * inner))
+                            lambda r, width: term(op.type)(ctx.load(x, base + r * inner)))
     ctx.store(out, at, finished(op, total))

@@ -16,7 +16,7 @@ from .irutil import compute_type, is_signed
 from .loops import FOLD_CHAINS
 from .values import Value
 
-REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Product", "All", "Any"}
+REDUCTIONS = {"Sum", "SumSquares", "Mean", "Max", "Min", "Product", "All", "Any"}
 
 
 def blocks(op) -> tuple[int, int, int] | None:
@@ -39,7 +39,7 @@ def blocks(op) -> tuple[int, int, int] | None:
 
 def identity(kind: str, dtype: str):
     """The value a reduction starts from: 0, 1, or the far end of the dtype's range."""
-    if kind in ("Sum", "Mean", "Any"):
+    if kind in ("Sum", "SumSquares", "Mean", "Any"):
         return 0
     if kind in ("Product", "All"):
         return 1
@@ -53,7 +53,7 @@ def identity(kind: str, dtype: str):
 
 def combiner(kind: str):
     def combine(acc: Value, x: Value) -> Value:
-        if kind in ("Sum", "Mean"):
+        if kind in ("Sum", "SumSquares", "Mean"):
             return acc + x
         if kind == "Product":
             return acc * x
@@ -69,6 +69,11 @@ def combiner(kind: str):
     return combine
 
 
+def term(kind: str) -> Callable[[Value], Value]:
+    """What a reduction combines of each element: its square for SumSquares, else itself."""
+    return (lambda x: x * x) if kind == "SumSquares" else (lambda x: x)
+
+
 def finished(op, value: Value) -> Value:
     """A reduction's result from its combined value: a mean divides by the count."""
     reduced = blocks(op)[1]
@@ -80,8 +85,7 @@ def column_reduction(op) -> Callable[[EmitContext, Value, Value, int], None]:
     axis into the output (the CPU's vectors of a bias gradient's columns, a GPU thread's one)."""
     x, out = op.inputs[0], op.outputs[0]
     _, reduced, inner = blocks(op)
-    combine, start = combiner(op.type), identity(op.type, x.dtype)
-
+    combine, start, element = combiner(op.type), identity(op.type, x.dtype), term(op.type)
     chains = FOLD_CHAINS if reduced >= FOLD_CHAINS else 1
     interleaved = reduced - reduced % chains
 
@@ -90,7 +94,7 @@ def column_reduction(op) -> Callable[[EmitContext, Value, Value, int], None]:
         sums = [ctx.local(x.dtype, width, start) for _ in range(chains)]
 
         def add(acc, r) -> None:
-            acc.set(combine(acc.value, ctx.load(x, o * (reduced * inner) + r * inner + i, width)))
+            acc.set(combine(acc.value, element(ctx.load(x, o * (reduced * inner) + r * inner + i, width))))
 
         with ctx.loop(0, interleaved, step=chains, name="r") as r:
             for chain, acc in enumerate(sums):

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from ...llvm.irutil import compute_type
 from ...llvm.loops import fold, for_vectors
-from ...llvm.reductions import REDUCTIONS, arg_reduction_element, blocks, column_reduction, combiner, finished, identity
+from ...llvm.reductions import (
+    REDUCTIONS,
+    arg_reduction_element,
+    blocks,
+    column_reduction,
+    combiner,
+    finished,
+    identity,
+    term,
+)
 from ...llvm.values import Value
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
@@ -42,7 +51,7 @@ def reduction(ctx, op) -> None:
     by pieces of each row whose partial results are combined after (a whole-tensor sum)."""
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, inner = blocks(op)
-    combine, start = combiner(op.type), identity(op.type, x.dtype)
+    combine, start, element = combiner(op.type), identity(op.type, x.dtype), term(op.type)
     lanes = ctx.lanes_for([x.dtype])
     columns = column_reduction(op)
 
@@ -53,7 +62,7 @@ def reduction(ctx, op) -> None:
         def emit(ctx) -> None:
             with ctx.loop(*rows, name="o") as o:
                 if inner == 1:
-                    total = fold(ctx, o * reduced, reduced, lanes, x.dtype, start, combine, lambda i, w: ctx.load(x, i, w))
+                    total = fold(ctx, o * reduced, reduced, lanes, x.dtype, start, combine, lambda i, w: element(ctx.load(x, i, w)))
                     ctx.store(out, o, finish(total))
                 else:
                     for_vectors(ctx, cols[0], cols[1] - cols[0], lanes, lambda i, w: columns(ctx, o, i, w))
@@ -62,14 +71,14 @@ def reduction(ctx, op) -> None:
 
     threads, pieces = _threads(op), _row_pieces(op)
     if pieces > 1:
-        _reduce_rows_in_pieces(ctx, op, pieces, lanes, start, combine, finish)
+        _reduce_rows_in_pieces(ctx, op, pieces, lanes, start, combine, element, finish)
     elif outer >= threads or inner == 1:
         run_parts(ctx, [part(share, (0, inner)) for share in shares(outer, threads)])
     else:
         run_parts(ctx, [part((0, outer), share) for share in shares(inner, threads, lanes)])
 
 
-def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, finish) -> None:
+def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, element, finish) -> None:
     """Each row cut into `pieces` runs of whole vectors, one per pool part, each folded
     into a partial result in the workspace; the caller then combines each row's partials."""
     x, out = op.inputs[0], op.outputs[0]
@@ -83,7 +92,8 @@ def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, fin
     def piece(number: int, first: int, last: int):
         def emit(ctx) -> None:
             with ctx.loop(0, outer, name="o") as o:
-                total = fold(ctx, o * reduced + first, last - first, lanes, x.dtype, start, combine, lambda i, w: ctx.load(x, i, w))
+                total = fold(ctx, o * reduced + first, last - first, lanes, x.dtype, start, combine,
+                             lambda i, w: element(ctx.load(x, i, w)))
                 ctx.b.store(total.ir, ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir]))
 
         return emit
