@@ -84,10 +84,9 @@ def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, ele
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, _ = blocks(op)
     runs = shares(reduced, pieces, lanes)
-    element = compute_type(x.dtype)
 
     def partials(ctx):
-        return ctx.b.bitcast(ctx.address(ctx.workspace), element.as_pointer())
+        return ctx.b.bitcast(ctx.address(ctx.workspace), compute_type(x.dtype).as_pointer())
 
     def piece(number: int, first: int, last: int):
         def emit(ctx) -> None:
