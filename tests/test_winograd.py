@@ -145,19 +145,28 @@ def test_each_way_of_sharing_the_work_out(split, monkeypatch):
 
 def test_other_convolutions_are_the_implicit_gemms():
     """Strides, other kernel sizes and filters too wide for their transforms to stay in the
-    caches keep the direct convolution."""
+    caches keep the direct convolution, unless the batch has enough images to read them
+    once per image from the last-level cache."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", "float32", [1, 8, 12, 12])
+    wide = f.const(random_array((512, 512, 3, 3), "float32"))
     outputs = [
         f.conv2d(x, f.const(random_array((4, 8, 3, 3), "float32")), strides=2, padding=1),
         f.conv2d(x, f.const(random_array((4, 8, 5, 5), "float32")), padding=2),
-        f.conv2d(f.var("wide", "float32", [1, 512, 4, 4]), f.const(random_array((512, 512, 3, 3), "float32")), padding=1),
+        f.conv2d(f.var("wide", "float32", [1, 512, 4, 4]), wide, padding=1),
+        f.conv2d(f.var("batch", "float32", [8, 512, 4, 4]), wide, padding=1),
     ]
     for output in outputs:
         output.var.out = True
-    kernels = [step.kernel for step in rv.Compiler("cpu", cache=False).compile(flow).cell("f").steps]
-    assert kernels == ["ConvGemm"] * 3
+    cell = rv.Compiler("cpu", cache=False).compile(flow).cell("f")
+    assert [step.kernel for step in cell.steps] == ["ConvGemm"] * 3 + ["WinogradConv"]
+    images = random_array((8, 512, 4, 4), "float32")
+    data, reference = cell.instance(), rv.Compiler("reference").compile(flow).cell("f").instance()
+    for instance in (data, reference):
+        instance["f/batch"] = images
+        instance.compute()
+    np.testing.assert_allclose(data[outputs[3]], reference[outputs[3]], rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("mask", ["", "-avx512,-avx2"])

@@ -69,8 +69,12 @@ FORM = "Winograd F(2x2, 3x3) filters U[16, K, C]"
 _BLOCK_BYTES = 512 << 10
 # Above this many filter × channel pairs the 16 transformed filters (64 bytes a pair) come
 # from memory: ResNet-18's 512 × 512 convolutions (16 MB of U) took 1.2 times the direct
-# convolution's time at batch 1 and the same at batch 8; its 256 × 256 ones 0.7 times.
+# convolution's time at batch 1 and the same at batch 8 on an AVX2 EPYC; its 256 × 256
+# ones 0.7 times. With this many images U is read once per image from the last-level
+# cache instead: on an AVX-512 Xeon the 512 × 512 ones took 0.8 times the direct
+# convolution's time at batch 8 and 32 (alone, and the same at batch 1 in ResNet-18).
 _MAX_PAIRS = 256 * 256
+_MANY_IMAGES = 8
 
 
 def transformed_filters(w: np.ndarray) -> np.ndarray:
@@ -171,11 +175,12 @@ def _geometry(op, panel: int) -> _Geometry:
 
 def _supported(op) -> bool:
     """A float32 3 × 3 convolution of stride 1, not so wide that its transformed filters
-    come from memory for every block."""
+    come from memory for every block of a few images."""
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     attrs = attrs_of(op)
     return (x.dtype == w.dtype == dtypes.DT_FLOAT32 and tuple(w.shape[2:]) == (3, 3) and tuple(attrs["strides"]) == (1, 1)
-            and w.shape[0] * w.shape[1] <= _MAX_PAIRS and y.size > 0 and math.prod(x.shape[1:]) < 1 << 31)
+            and (w.shape[0] * w.shape[1] <= _MAX_PAIRS or x.shape[0] >= _MANY_IMAGES) and y.size > 0
+            and math.prod(x.shape[1:]) < 1 << 31)
 
 
 def _filter_bytes(op) -> int:
