@@ -120,12 +120,13 @@ def tile_shape(target: CPUTarget) -> tuple[int, int]:
     the vectors of a panel row and a broadcast must fit the registers: with 16 (AVX2,
     SSE) a 4 × 3-vector tile measured 6-13% faster than 6 × 2 here (paired runs on the
     BERT, MNIST and square shapes; it loads 7 values per 12 multiply-adds instead of 8).
-    AVX-512's 32 hold 8 × 3: on an Emerald Rapids Xeon it ran one-thread products as
-    fast as 6 × 2, 12 × 2, 6 × 4 or 4 × 4 (140-160 GFLOP/s on the MNIST and MoE shapes),
-    and its 48-column panels fit what convolutions make: a 7 × 7 image is one panel and a
-    column of dot products, where 32-column panels compute 64 columns; ResNet-18 at batch
-    1 went from 1.17-1.35 to 1.17-1.21 times ONNX Runtime's time (three alternated pairs),
-    batch 32 from 1.20-1.30 to 1.13-1.16."""
+    AVX-512's 32 hold 8 × 3. On an Emerald Rapids Xeon, one thread: the MoE layers'
+    products of 144 columns (three panels of 48) ran at 155-165 GFLOP/s against 141 with
+    6 × 2, the MNIST ones of 128 and 256 columns about 5% slower than 6 × 2 or 12 × 2
+    (120-150); and its 48-column panels fit what convolutions make: a 7 × 7 image is one
+    panel and a column of dot products, where 32-column panels compute 64 columns.
+    ResNet-18 at batch 1 went from 1.17-1.35 to 1.17-1.21 times ONNX Runtime's time (three
+    alternated pairs), batch 32 from 1.20-1.30 to 1.13-1.16; the MNIST step stayed level."""
     return (8, 3) if target.lanes(4) >= 16 else (4, 3)
 
 
