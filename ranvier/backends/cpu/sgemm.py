@@ -95,9 +95,12 @@ KC = 256  # steps of k per packed block: a strip's slice of A, MR × 1 KiB, stay
 _BLOCK_BYTES = 384 << 10  # a block of B packed into the workspace: most of a 512 KiB L2
 # A block of B packed ahead of time (a constant's) is smaller, a quarter of the L2: it comes
 # from memory, not from a packing pass that just wrote it, and the strips of A and tiles of C
-# streaming past must not evict it. Both cores busy, 96-160 KiB ran 4-13% faster than 384 KiB
-# on BERT's and GPT-2's products (paired runs); the workspace GEMM's measured the same.
-_PACKED_BLOCK_BYTES = 128 << 10
+# streaming past must not evict it. Both cores busy on an AVX2 EPYC (512 KiB of L2), 96-160
+# KiB ran 4-13% faster than 384 KiB on BERT's and GPT-2's products (paired runs); the
+# workspace GEMM's measured the same. Cores with AVX-512 have 1-2 MiB of L2: on an Emerald
+# Rapids Xeon 384 KiB ran BERT-base and GPT-2 at batch 1 5-7% faster than 128 (two
+# alternated pairs each), the FFN's 3,072-deep products 15% faster on one core.
+_PACKED_BLOCK_BYTES = {8: 128 << 10, 16: 384 << 10}  # by float lanes; SSE's 4 as AVX2's
 _FLOAT_PTR = F32.as_pointer()
 _LINE_FLOATS = 16  # a 64-byte cache line
 _FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
@@ -138,7 +141,8 @@ def panel_width(target: CPUTarget) -> int:
 def block_columns(target: CPUTarget, packed: bool = False) -> int:
     """NC: the columns of a block of B, whole panels; `packed`: of a B packed ahead of time."""
     nr = panel_width(target)
-    return max(nr, (_PACKED_BLOCK_BYTES if packed else _BLOCK_BYTES) // (KC * 4) // nr * nr)
+    packed_bytes = _PACKED_BLOCK_BYTES[max(8, target.lanes(4))]
+    return max(nr, (packed_bytes if packed else _BLOCK_BYTES) // (KC * 4) // nr * nr)
 
 
 PANEL_WIDTHS = (12, 24, 48)  # NR on SSE, AVX2 and AVX-512: the workspace fits any of them
