@@ -16,7 +16,7 @@ from ...ops import is_view
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..reference import reference_kernel
-from . import amx, codegen, jit, sgemm
+from . import amx, codegen, fpmode, jit, sgemm
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
@@ -36,7 +36,7 @@ class CPUBackend:
         self.target: CPUTarget = host_target(options.cpu)
         self.use_disk_cache = options.cache
         self.flush_denormals = options.denormals == "flush"
-        if self.flush_denormals and not self.target.machine.triple.startswith(("x86_64", "i386", "i686")):
+        if self.flush_denormals and not fpmode.is_x86(self.target.machine.triple):
             raise RanvierError(f"denormals='flush' sets x86's MXCSR; this CPU is {self.target.machine.triple}: use 'keep'")
         # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay
         # float32. Only a compile that asks for bf16 asks the OS for the tile state.

@@ -14,8 +14,9 @@ from ..llvm.irutil import BYTE_PTR, I32, VOID
 FLUSH_BITS = 0x8040  # FTZ (bit 15) and DAZ (bit 6)
 
 
-def has_mxcsr(module: ir.Module) -> bool:
-    return module.triple.startswith(("x86_64", "i386", "i686"))
+def is_x86(triple: str) -> bool:
+    """Whether code for this target triple runs on x86 (and so has MXCSR)."""
+    return triple.startswith(("x86_64", "i386", "i686"))
 
 
 def _intrinsic(module: ir.Module, name: str) -> ir.Function:

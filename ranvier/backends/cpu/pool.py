@@ -69,7 +69,7 @@ class _Emitter:
         self.blocks = self._global("blocks", BYTE_PTR)
         self.stride = self._global("stride", I64)
         # the caller's floating-point modes (x86's MXCSR), which the workers take on for its job
-        self.mxcsr = self._global("mxcsr", I32) if fpmode.has_mxcsr(module) else None
+        self.mxcsr = self._global("mxcsr", I32) if fpmode.is_x86(module.triple) else None
         self.mutex = self._global("mutex", ir.ArrayType(I8, SYNC_BYTES))
         self.cond = self._global("cond", ir.ArrayType(I8, SYNC_BYTES))
         self.threads = self._global("threads", ir.ArrayType(I64, MAX_WORKERS))
@@ -90,7 +90,7 @@ class _Emitter:
             }.items()
         }
         self.ticks = ir.Function(module, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
-        x86 = module.triple.startswith(("x86_64", "i386", "i686"))
+        x86 = fpmode.is_x86(module.triple)
         self.pause = ir.Function(module, ir.FunctionType(void, []), name="llvm.x86.sse2.pause") if x86 else None
         self.drain = self._drain()
         worker = self._worker()

@@ -22,7 +22,6 @@ GPU speed issue's work.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from llvmlite import ir
@@ -32,7 +31,7 @@ from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ...ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ..llvm.context import Array, EmitContext
-from ..llvm.rows import unseen_inverse
+from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram
 
@@ -84,7 +83,7 @@ def _rescale(peak: Value, grown: Value, score: Value) -> tuple[Value, Value]:
     """The online softmax's factor for the sum so far and the new score's weight, when
     the running maximum goes from `peak` to `grown`. Until a score is finite (keys masked
     by a −∞ bias) the maximum stays −∞ and both are 0, not −∞ − (−∞)."""
-    finite = grown.equal(-math.inf).where(0.0, grown)
+    finite = finite_peak(grown)
     return (peak - finite).exp(), (score - finite).exp()
 
 
@@ -224,7 +223,7 @@ def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Valu
         with ctx.when(t < shape.queries):
             at = shape.query_row(b, h, t)
             inverse = unseen_inverse(total.load(0))
-            ctx.store(dq, at, peak.load(0).equal(-math.inf).where(0.0, peak.load(0)))
+            ctx.store(dq, at, finite_peak(peak.load(0)))
             ctx.store(dq, at + 1, inverse)
             ctx.store(dq, at + 2, d.load(0) * inverse)
 

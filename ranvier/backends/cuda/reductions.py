@@ -67,6 +67,7 @@ def _block_element(ctx: EmitContext, op: Operation, threads: int, index: ir.Valu
     _, reduced, inner = blocks(op)
     at = index_value(ctx.b, index)
     base = at // inner * (reduced * inner) + at % inner
+    element = term(op.type)
     total = fold_over_block(ctx, threads, ctx.index(0), reduced, x.dtype, identity(op.type, x.dtype), combiner(op.type),
-                            lambda r, width: term(op.type)(ctx.load(x, base + r * inner)))
+                            lambda r, width: element(ctx.load(x, base + r * inner)))
     ctx.store(out, at, finished(op, total))

@@ -54,9 +54,14 @@ def fold(ctx, start: Value | int, count: int, lanes: int, dtype: str, initial, c
     for_vectors(ctx, start + interleaved, count - interleaved, lanes, step)
     total = scalar.value
     if lanes > 1 and count >= lanes:
-        partials = [vector.value for vector in vectors]
-        while len(partials) > 1:  # pairwise, as the chains are independent
-            partials = [combine(partials[j], partials[j + 1]) for j in range(0, len(partials), 2)]
+        partial = pairwise(combine, [vector.value for vector in vectors])
         for lane in range(lanes):
-            total = combine(total, partials[0].lane(lane))
+            total = combine(total, partial.lane(lane))
     return total
+
+
+def pairwise(combine, partials: list[Value]) -> Value:
+    """The independent chains' partial results combined two by two (their count a power of two)."""
+    while len(partials) > 1:
+        partials = [combine(partials[j], partials[j + 1]) for j in range(0, len(partials), 2)]
+    return partials[0]

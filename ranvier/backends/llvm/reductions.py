@@ -13,7 +13,7 @@ from ... import dtypes
 from ...ops import attrs_of
 from .context import EmitContext
 from .irutil import compute_type, is_signed
-from .loops import FOLD_CHAINS
+from .loops import FOLD_CHAINS, pairwise
 from .values import Value
 
 REDUCTIONS = {"Sum", "SumSquares", "Mean", "Max", "Min", "Product", "All", "Any"}
@@ -101,10 +101,7 @@ def column_reduction(op) -> Callable[[EmitContext, Value, Value, int], None]:
                 add(acc, r + chain)
         with ctx.loop(interleaved, reduced, name="rt") as r:
             add(sums[0], r)
-        partials = [acc.value for acc in sums]
-        while len(partials) > 1:
-            partials = [combine(partials[j], partials[j + 1]) for j in range(0, len(partials), 2)]
-        ctx.store(out, o * inner + i, finished(op, partials[0]))
+        ctx.store(out, o * inner + i, finished(op, pairwise(combine, [acc.value for acc in sums])))
 
     return body
 

@@ -320,7 +320,7 @@ def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Va
     exponentials stored, then scaled in place. With `unseen_zero` a row of −∞ (an
     attention query that sees no key) gives zeros rather than 0/0."""
     if unseen_zero:
-        peak = (peak > -math.inf).where(peak, 0.0)
+        peak = finite_peak(peak)
 
     def exponential(i, w):
         e = (ctx.load(source, i, w) - peak.splat(w)).exp()
@@ -330,6 +330,12 @@ def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Va
     total = row.sum(exponential)
     scale = unseen_inverse(total) if unseen_zero else 1.0 / total
     row.each(lambda i, w: ctx.store(target, i, ctx.load(target, i, w) * scale.splat(w)))
+
+
+def finite_peak(peak: Value) -> Value:
+    """The maximum a row's exponentials are taken against, 0 for a row of −∞ (an attention
+    query that sees no key), whose exp(−∞ − 0) are then 0 rather than exp(−∞ + ∞) = NaN."""
+    return peak.equal(-math.inf).where(0.0, peak)
 
 
 def unseen_inverse(total: Value) -> Value:

@@ -30,7 +30,7 @@ from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ...llvm.irutil import i64
 from ...llvm.loops import fill
-from ...llvm.rows import Row, normalized_exponentials, unseen_inverse
+from ...llvm.rows import Row, finite_peak, normalized_exponentials, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -107,9 +107,9 @@ class _Heads:
             p.store(j, score)
             peak.set((score > peak.value).where(score, peak.value))
         total = ctx.local(self.dtype, 1, 0.0)
-        finite_peak = (peak.value > -math.inf).where(peak.value, 0.0)  # every key masked: exp(−∞) = 0
+        subtracted = finite_peak(peak.value)
         with ctx.loop(0, count, name="j") as j:
-            e = (p.load(j) - finite_peak).exp()
+            e = (p.load(j) - subtracted).exp()
             p.store(j, e)
             total.set(total.value + e)
         inverse = unseen_inverse(total.value)

@@ -71,18 +71,19 @@ def reduction(ctx, op) -> None:
 
     threads, pieces = _threads(op), _row_pieces(op)
     if pieces > 1:
-        _reduce_rows_in_pieces(ctx, op, pieces, lanes, start, combine, element, finish)
+        _reduce_rows_in_pieces(ctx, op, pieces, lanes)
     elif outer >= threads or inner == 1:
         run_parts(ctx, [part(share, (0, inner)) for share in shares(outer, threads)])
     else:
         run_parts(ctx, [part((0, outer), share) for share in shares(inner, threads, lanes)])
 
 
-def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, element, finish) -> None:
+def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int) -> None:
     """Each row cut into `pieces` runs of whole vectors, one per pool part, each folded
     into a partial result in the workspace; the caller then combines each row's partials."""
     x, out = op.inputs[0], op.outputs[0]
     outer, reduced, _ = blocks(op)
+    combine, start, element = combiner(op.type), identity(op.type, x.dtype), term(op.type)
     runs = shares(reduced, pieces, lanes)
 
     def partials(ctx):
@@ -103,7 +104,7 @@ def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int, start, combine, ele
         for number in range(len(runs)):
             value = Value(ctx.b, ctx.b.load(ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir])), x.dtype)
             total = value if total is None else combine(total, value)
-        ctx.store(out, o, finish(total))
+        ctx.store(out, o, finished(op, total))
 
 
 @kernel("ArgReduce", {"ArgMax", "ArgMin"})
