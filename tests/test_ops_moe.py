@@ -202,6 +202,36 @@ def test_grouped_gemms_split_over_the_pool(transpose):
     assert not y[used:].any()
 
 
+@pytest.mark.parametrize("gemm", ["generated", "blas"])
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_grouped_gemm_work_items_claimed_by_the_parts(threads, gemm, monkeypatch):
+    """Each piece of an expert's product is a work item the parts claim at run time, as
+    many pieces as give each part 4 items: 5 experts' 331 columns go in 2, 3 and 7
+    pieces (the last one ragged) for 2, 3 and 16 parts, more parts than the pool has
+    threads. Unequal groups, an empty one, dropped rows: everything against float64."""
+    from ranvier.backends.cpu import parallel
+    from ranvier.backends.cpu.kernels import moe
+
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    monkeypatch.setenv("RANVIER_SPLIT_BYTES", "1024")
+    monkeypatch.setattr(moe, "thread_count", lambda: threads)
+    monkeypatch.setattr(parallel, "thread_count", lambda: threads)
+    parallel.split_thresholds.cache_clear()
+    rows, used, experts, k, n = 200, 190, 5, 40, 331
+    x, dy = random_array((rows, k), "float32", seed=13), random_array((rows, n), "float32", seed=14)
+    for transpose in (False, True):
+        w = random_array((experts, n, k) if transpose else (experts, k, n), "float32", seed=15)
+        offsets = _offsets(rows, experts, used, seed=16)
+        y, dw = run_flow(lambda f, a, b, d, o: [f.grouped_matmul(a, b, o, transpose_b=transpose),
+                                                f.grouped_matmul_weight_grad(a, d, o, experts, transpose=transpose)],
+                         [x, w, dy, offsets])
+        want_y, want_dw = _expected_pair(x, w, dy, offsets, transpose)
+        check(y, want_y, "float32")
+        check(dw, want_dw, "float32")
+        assert not y[used:].any()
+    parallel.split_thresholds.cache_clear()
+
+
 @pytest.mark.parametrize("gemm,kernels", [("generated", ["GroupedGemm", "GroupedGemmWeightGrad"]),
                                           ("blas", ["GroupedBlasGemm", "GroupedBlasGemmWeightGrad"])])
 @pytest.mark.parametrize("transpose", [False, True])

@@ -19,13 +19,15 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
 from llvmlite import ir
 
 from ..llvm.irutil import BYTE_PTR, I32, I64, i64
+from ..llvm.values import Value
 from .codegen import POOL, KernelContext
 from .measured import kept, kept_path
 from .pool import RUN, pool
@@ -157,3 +159,21 @@ def run_parts(ctx: KernelContext, parts: list[Part]) -> None:
     stride = block_type.get_abi_size(ctx.target.machine.target_data)
     with ctx.on_all_cores():
         b.call(run, [task, b.bitcast(blocks, BYTE_PTR), i64(len(parts)), i64(stride)])
+
+
+@contextmanager
+def each_claimed(ctx: KernelContext, counter: ir.Value, items: int) -> Iterator[Value]:
+    """A part's loop over work items it claims one at a time from `counter` (an i64* shared
+    by the job's parts, zero when the job starts) until all `items` are taken: the body,
+    emitted in the with-block, gets the item's number. Items of sizes known only at run
+    time (an expert's group of rows) so balance over the parts as they finish."""
+    b = ctx.b
+    claim, body, done = (b.append_basic_block(name) for name in ("claim", "claimed", "all_claimed"))
+    b.branch(claim)
+    b.position_at_end(claim)
+    item = b.atomic_rmw("add", counter, i64(1), "monotonic")
+    b.cbranch(b.icmp_signed("<", item, i64(items)), body, done)
+    b.position_at_end(body)
+    yield ctx.index(item)
+    b.branch(claim)
+    b.position_at_end(done)

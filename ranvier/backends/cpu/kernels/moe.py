@@ -1,20 +1,25 @@
 """Mixture-of-experts kernels: top-k selection (alone, or after the router's softmax in
 the same pass over a row), the counting sort that routes tokens to experts, and the
-grouped GEMMs, one GEMM call per expert over its run-time group of rows (per slice of
-columns, the slices shared out over the worker pool): ranvier's generated GEMM where it
-measured faster than BLAS on a typical group, else BLAS."""
+grouped GEMMs, one GEMM call per expert over its run-time group of rows (or per piece of
+its columns where experts are few beside the cores), the calls claimed one at a time by
+the worker pool's parts: ranvier's generated GEMM where it measured faster than BLAS on a
+typical group, else BLAS."""
 
 from __future__ import annotations
 
+from llvmlite import ir
+
 from .... import dtypes
 from ....ops import attrs_of
+from ...llvm.irutil import I64, i64
 from ...llvm.routing import group_bounds, route
 from ...llvm.rows import softmax_top_k_rows, top_k_rows
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
 from ..gemm_choice import generated_is_faster
-from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ..parallel import each_claimed, run_parts, shares, thread_count, worth_splitting
+from ..target import host_target
 from .library import kernel
 from .matmul import GENERATED_GEMM_KERNELS, Blas, GeneratedGemm, single_threaded_blas
 from .rows import each_row
@@ -39,26 +44,50 @@ def moe_route(ctx, op) -> None:
     route(ctx, op)
 
 
-def _groups(ctx, offsets, experts: int, rows: int, body) -> None:
-    """body(e, start, count) for each expert's group of rows; a group whose offsets are
-    bad marks the step failed (the runtime raises) and is skipped."""
-    with ctx.loop(0, experts, name="e") as e:
-        start, stop, good = group_bounds(ctx, offsets, e, rows)
-        with ctx.when(good):
-            body(e, start, stop - start)
+def _group(ctx, offsets, e: Value, rows: int, body) -> None:
+    """body(start, count) for expert e's group of rows; a group whose offsets are bad
+    marks the step failed (the runtime raises) and is skipped."""
+    start, stop, good = group_bounds(ctx, offsets, e, rows)
+    with ctx.when(good):
+        body(start, stop - start)
 
 
-def _column_shares(rows: int, k: int, n: int) -> list[tuple[int, int]]:
-    """The columns of a grouped product's output each worker-pool part computes, for
-    every group (the split is fixed at compile time, so it assumes all rows are routed)."""
-    worth = worth_splitting(2 * rows * k * n)
-    return shares(n, thread_count() if worth else 1, 16)
+def _output_columns(op) -> int:
+    """The columns each expert's product is cut along: y's, or dy's for a weight gradient."""
+    return op.outputs[0].shape[1] if op.type == "GroupedMatMul" else op.inputs[1].shape[1]
+
+
+def _experts(op) -> int:
+    return op.outputs[0].shape[0] if op.type == "GroupedMatMulWeightGrad" else op.inputs[1].shape[0]
+
+
+def _parts(op) -> int:
+    """Worker-pool parts: every core where the product is worth splitting."""
+    x = op.inputs[0]
+    return thread_count() if worth_splitting(2 * x.shape[0] * x.shape[1] * _output_columns(op)) else 1
+
+
+# Work items per part: groups of uneven sizes, claimed as parts finish, even out. An
+# expert's whole product is one item where there are enough of them: cut in two halves
+# of columns (as every part's slice of all groups was), a 512-column product of 8 groups
+# of ~256 rows ran 10% slower on 2 cores of an Emerald Rapids Xeon (a ragged panel per
+# half, and every part through every group).
+_ITEMS_PER_PART = 4
+
+
+def _piece_columns(op) -> int:
+    """The columns of one work item: each expert's product in as few pieces as give every
+    part `_ITEMS_PER_PART` items, each piece whole panels of the GEMM."""
+    n, parts = _output_columns(op), _parts(op)
+    if parts == 1:
+        return n
+    pieces = -(-_ITEMS_PER_PART * parts // _experts(op))
+    return shares(n, pieces, sgemm.panel_width(host_target()))[0][1]
 
 
 def _typical_rows(op) -> int:
     """An expert's rows when routing is balanced: what the GEMM choice is measured on."""
-    experts = op.outputs[0].shape[0] if op.type == "GroupedMatMulWeightGrad" else op.inputs[1].shape[0]
-    return max(2, op.inputs[0].shape[0] // experts)
+    return max(2, op.inputs[0].shape[0] // _experts(op))
 
 
 def _group_call(op, columns: int) -> tuple[bool, bool, int, int, int, int, int]:
@@ -74,69 +103,96 @@ def _group_call(op, columns: int) -> tuple[bool, bool, int, int, int, int, int]:
     return True, False, k, columns, rows, k, n
 
 
-def _parts(op) -> list[tuple[int, int]]:
-    x = op.inputs[0]
-    n = op.outputs[0].shape[1] if op.type == "GroupedMatMul" else op.inputs[1].shape[1]
-    return _column_shares(x.shape[0], x.shape[1], n)
-
-
 def _generated_faster(op) -> bool:
     """float32, and the generated GEMM measured faster than BLAS on a typical group."""
     if not _supported_float(op) or op.inputs[0].dtype != dtypes.DT_FLOAT32:
         return False
-    first, last = _parts(op)[0]
-    return generated_is_faster(*_group_call(op, last - first))
+    return generated_is_faster(*_group_call(op, _piece_columns(op)))
 
 
 def _share(op) -> int:
     """The packing scratch of one part: B of a group call at most every row long."""
-    first, last = _parts(op)[0]
-    _, _, _, n, _, _, _ = _group_call(op, last - first)
+    _, _, _, n, _, _, _ = _group_call(op, _piece_columns(op))
     k = op.inputs[0].shape[1] if op.type == "GroupedMatMul" else op.inputs[0].shape[0]
     return sgemm.workspace_bytes(n, k)
 
 
+_COUNTER_BYTES = 64  # the work-item counter, on a cache line of its own
+
+
 def _workspace(op) -> int:
-    return len(_parts(op)) * _share(op)
+    """The parts' packing scratch, then the counter."""
+    return _parts(op) * _share(op) + _COUNTER_BYTES
 
 
-def _generated(op):
-    share = _share(op)
-    return lambda ctx, number: GeneratedGemm(ctx, SGEMM_GENERATED, number, share)
+def _blas_workspace(op) -> int:
+    return _COUNTER_BYTES
 
 
-def _blas(ctx, op):
-    single_threaded_blas(ctx)
-    return lambda ctx, number: Blas(ctx, op.inputs[0].dtype)
+class _Caller:
+    """The GEMM a part calls, generated or BLAS, and where the step's work-item counter is."""
+
+    def __init__(self, op, generated: bool):
+        self.share = _share(op) if generated else 0
+        self.counter_at = _parts(op) * self.share
+        self.dtype = op.inputs[0].dtype
+
+    def gemm(self, ctx, number: int):
+        if self.share:
+            return GeneratedGemm(ctx, SGEMM_GENERATED, number, self.share)
+        return Blas(ctx, self.dtype)
+
+    def counter(self, ctx) -> ir.Value:
+        return ctx.b.bitcast(ctx.b.gep(ctx.address(ctx.workspace), [i64(self.counter_at)]), I64.as_pointer())
+
+
+def _each_piece(ctx, op, caller: _Caller, body) -> None:
+    """body(ctx, gemm, e, first, columns) for every expert e and piece of columns
+    [first, first + columns) of its product, the pieces claimed by the parts at run time."""
+    n, experts, size = _output_columns(op), _experts(op), _piece_columns(op)
+    pieces = -(-n // size)
+    ctx.b.store(i64(0), caller.counter(ctx))
+
+    def part(number: int):
+        def emit(ctx) -> None:
+            gemm = caller.gemm(ctx, number)
+            with each_claimed(ctx, caller.counter(ctx), experts * pieces) as item:
+                first = (item % pieces) * size
+                body(ctx, gemm, item // pieces, first, (first + size).minimum(n) - first)
+
+        return emit
+
+    run_parts(ctx, [part(number) for number in range(_parts(op))])
 
 
 @kernel("GroupedGemm", {"GroupedMatMul"}, supports=_generated_faster, workspace=_workspace)
 def grouped_generated(ctx, op) -> None:
     """The grouped product through ranvier's generated GEMM."""
-    _grouped_matmul(ctx, op, _generated(op))
+    _grouped_matmul(ctx, op, _Caller(op, generated=True))
 
 
-@kernel("GroupedBlasGemm", {"GroupedMatMul"}, supports=_supported_float)
+@kernel("GroupedBlasGemm", {"GroupedMatMul"}, supports=_supported_float, workspace=_blas_workspace)
 def grouped_blas(ctx, op) -> None:
-    _grouped_matmul(ctx, op, _blas(ctx, op))
+    single_threaded_blas(ctx)
+    _grouped_matmul(ctx, op, _Caller(op, generated=False))
 
 
 @kernel("GroupedGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_generated_faster, workspace=_workspace)
 def grouped_weight_grad_generated(ctx, op) -> None:
-    _grouped_weight_grad(ctx, op, _generated(op))
+    _grouped_weight_grad(ctx, op, _Caller(op, generated=True))
 
 
-@kernel("GroupedBlasGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_supported_float)
+@kernel("GroupedBlasGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_supported_float, workspace=_blas_workspace)
 def grouped_weight_grad_blas(ctx, op) -> None:
-    _grouped_weight_grad(ctx, op, _blas(ctx, op))
+    single_threaded_blas(ctx)
+    _grouped_weight_grad(ctx, op, _Caller(op, generated=False))
 
 
 GENERATED_GEMM_KERNELS.update({"GroupedGemm", "GroupedGemmWeightGrad"})
 
 
-def _grouped_matmul(ctx, op, caller) -> None:
-    """y[group e] = x[group e] · w[e], each part computing its columns of every group
-    (`caller(ctx, part)`: the GEMM a part calls, generated or BLAS)."""
+def _grouped_matmul(ctx, op, caller: _Caller) -> None:
+    """y[group e] = x[group e] · w[e], a piece of its columns at a time."""
     x, w, offsets = op.inputs
     y = op.outputs[0]
     tb = attrs_of(op)["transpose_b"]
@@ -144,55 +200,43 @@ def _grouped_matmul(ctx, op, caller) -> None:
     rows, k = x.shape
     n = y.shape[1]
 
-    def part(number: int, first: int, last: int):
-        def emit(ctx) -> None:
-            gemm = caller(ctx, number)
+    def piece(ctx, gemm, e: Value, first: Value, columns: Value) -> None:
+        def group(start: Value, count: Value) -> None:
+            with ctx.when(count > 0):
+                matrix = ctx.element_pointer(w, e * (k * n) + (first * k if tb else first))
+                gemm.gemm(False, tb, count, columns, k, ctx.element_pointer(x, start * k), k, matrix, w.shape[2],
+                          ctx.element_pointer(y, start * n + first), n)
 
-            def group(e: Value, start: Value, count: Value) -> None:
-                with ctx.when(count > 0):
-                    matrix = ctx.element_pointer(w, e * (k * n) + (first * k if tb else first))
-                    gemm.gemm(False, tb, count, last - first, k, ctx.element_pointer(x, start * k), k, matrix, w.shape[2],
-                              ctx.element_pointer(y, start * n + first), n)
+        _group(ctx, offsets, e, rows, group)
 
-            _groups(ctx, offsets, experts, rows, group)
-
-        return emit
-
-    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_parts(op))])
+    _each_piece(ctx, op, caller, piece)
     # Rows past the last group (choices dropped at capacity) are zero.
     last = ctx.load(offsets, experts).cast(dtypes.DT_INT64).minimum(rows).maximum(0)
     with ctx.loop(last * n, rows * n, name="z") as i:
         ctx.store(y, i, 0.0)
 
 
-def _grouped_weight_grad(ctx, op, caller) -> None:
+def _grouped_weight_grad(ctx, op, caller: _Caller) -> None:
     """dw[e] = x_eᵀ · dy_e (or, transposed, dy_eᵀ · x_e); an expert no row chose gets zeros.
-    Each part computes the slice of every dw[e] that its columns of dy make."""
+    A piece of dy's columns makes that slice of dw[e]."""
     x, dy, offsets = op.inputs
     dw = op.outputs[0]
     transpose = attrs_of(op)["transpose"]
-    experts = dw.shape[0]
     rows, k = x.shape
     n = dy.shape[1]
     block = k * n
 
-    def part(number: int, first: int, last: int):
-        def emit(ctx) -> None:
-            gemm = caller(ctx, number)
-            columns = last - first
+    def piece(ctx, gemm, e: Value, first: Value, columns: Value) -> None:
+        def group(start: Value, count: Value) -> None:
+            with ctx.when(count > 0):
+                x_rows, dy_rows = ctx.element_pointer(x, start * k), ctx.element_pointer(dy, start * n + first)
+                if transpose:  # dw[e] is [n, k]: its rows first..last
+                    gemm.gemm(True, False, columns, k, count, dy_rows, n, x_rows, k, ctx.element_pointer(dw, e * block + first * k), k)
+                else:  # dw[e] is [k, n]: its columns first..last
+                    gemm.gemm(True, False, k, columns, count, x_rows, k, dy_rows, n, ctx.element_pointer(dw, e * block + first), n)
+            with ctx.when(count.equal(0)), ctx.loop(0, k, name="r") as r, ctx.loop(first, first + columns, name="z") as j:
+                ctx.store(dw, e * block + (j * k + r if transpose else r * n + j), 0.0)
 
-            def group(e: Value, start: Value, count: Value) -> None:
-                with ctx.when(count > 0):
-                    x_rows, dy_rows = ctx.element_pointer(x, start * k), ctx.element_pointer(dy, start * n + first)
-                    if transpose:  # dw[e] is [n, k]: its rows first..last
-                        gemm.gemm(True, False, columns, k, count, dy_rows, n, x_rows, k, ctx.element_pointer(dw, e * block + first * k), k)
-                    else:  # dw[e] is [k, n]: its columns first..last
-                        gemm.gemm(True, False, k, columns, count, x_rows, k, dy_rows, n, ctx.element_pointer(dw, e * block + first), n)
-                with ctx.when(count.equal(0)), ctx.loop(0, k, name="r") as r, ctx.loop(first, last, name="z") as j:
-                    ctx.store(dw, e * block + (j * k + r if transpose else r * n + j), 0.0)
+        _group(ctx, offsets, e, rows, group)
 
-            _groups(ctx, offsets, experts, rows, group)
-
-        return emit
-
-    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_parts(op))])
+    _each_piece(ctx, op, caller, piece)
