@@ -222,8 +222,8 @@ def test_grouped_gemm_work_items_claimed_by_the_parts(threads, gemm, monkeypatch
     for transpose in (False, True):
         w = random_array((experts, n, k) if transpose else (experts, k, n), "float32", seed=15)
         offsets = _offsets(rows, experts, used, seed=16)
-        y, dw = run_flow(lambda f, a, b, d, o: [f.grouped_matmul(a, b, o, transpose_b=transpose),
-                                                f.grouped_matmul_weight_grad(a, d, o, experts, transpose=transpose)],
+        y, dw = run_flow(lambda f, a, b, d, o, t=transpose: [f.grouped_matmul(a, b, o, transpose_b=t),
+                                                             f.grouped_matmul_weight_grad(a, d, o, experts, transpose=t)],
                          [x, w, dy, offsets])
         want_y, want_dw = _expected_pair(x, w, dy, offsets, transpose)
         check(y, want_y, "float32")
