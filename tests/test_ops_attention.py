@@ -45,12 +45,11 @@ def naive(q, k, v, dout, causal, scale, bias=None):
 
 @pytest.fixture(params=["decomposed", "fused"])
 def cpu_attention(request, monkeypatch):
-    """The cpu backend decomposes attention unless its scores exceed a budget; a zero
-    budget makes even these small cases run the fused kernels."""
+    """The cpu backend decomposes attention unless its scores exceed a budget (none on
+    AVX-512): an unbounded budget makes every case decompose, a zero one run fused."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    if request.param == "fused":
-        monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
+    monkeypatch.setattr(cpu, "scores_budget", lambda: 0 if request.param == "fused" else 1 << 62)
     return request.param
 
 
@@ -176,8 +175,11 @@ def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_atten
     assert bool(kernels & {"BlasGemm", "Gemm"}) != fused
 
 
-def test_decomposed_backward_reuses_the_forward_probabilities():
+def test_decomposed_backward_reuses_the_forward_probabilities(monkeypatch):
     import ranvier as rv
+    import ranvier.backends.cpu.kernels.attention as cpu
+
+    monkeypatch.setattr(cpu, "scores_budget", lambda: 1 << 62)
 
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
@@ -200,7 +202,7 @@ def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, monkeypa
     out and sums the parts' d keys and d values after."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
+    monkeypatch.setattr(cpu, "scores_budget", lambda: 0)
     monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 8 * 45)
     monkeypatch.setattr(cpu, "thread_count", lambda: threads)
     monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
