@@ -34,7 +34,10 @@ the same loops less the packing: `panels` holds op(B)'s n columns (a call's) in 
 of NR, each k-major over all of k, so any slice of k of a panel is contiguous where the
 loops read it. Those panels come from memory, not from a packing pass that just wrote
 them: while a block's strips compute, each strip asks for its share of the next block's
-cache lines (a prefetch into L2), so the next block is there when its turn comes.
+cache lines (a prefetch into L2), so the next block is there when its turn comes. The
+micro-kernel asks for them itself, one line per step of k among its multiply-adds (as it
+does for the next strip's rows of A read in place): asked for in a burst before each
+tile, they filled the core's line-fill buffers and stalled it.
 
 A convolution's B is the im2col matrix of its input, never written out:
 
@@ -108,7 +111,9 @@ _PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, _FLOAT_PT
 WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64.as_pointer(), I64, _FLOAT_PTR, I64,
                                                        BYTE_PTR])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
-_MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
+# ..., then lines to bring into L2 meanwhile, one per step of k: runs of `run` lines `stride`
+# floats apart from `ahead`, `lines` of them in all
+_MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1, _FLOAT_PTR, I64, I64, I64])
 # kc, a, a's row stride, the edge's columns (KC apart), c, ldc, columns, add to C?
 _DOT = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
 # A block's last panel this narrow is computed as dot products along k (`dot_kernel`): a
@@ -234,8 +239,11 @@ class _Emitter:
     def prefetch(self, b: ir.IRBuilder, start: ir.Value, first: ir.Value, last: ir.Value) -> None:
         """Ask for the cache lines [first, last) from float `start` on into L2."""
         with for_range(b, first, last, name="line") as line:
-            address = b.bitcast(b.gep(start, [b.mul(line, i64(_LINE_FLOATS))]), BYTE_PTR)
-            b.call(self.prefetch_function, [address, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+            self.prefetch_line(b, b.gep(start, [b.mul(line, i64(_LINE_FLOATS))]))
+
+    def prefetch_line(self, b: ir.IRBuilder, address: ir.Value) -> None:
+        """Ask for the cache line at `address` (a float*) into L2."""
+        b.call(self.prefetch_function, [b.bitcast(address, BYTE_PTR), ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
 
     # ---- the micro-kernel -----------------------------------------------------------------
 
@@ -244,14 +252,25 @@ class _Emitter:
         columns [kc × NR]: a panel over C's edge computes only the vectors it needs."""
         function = ir.Function(self.module, _MICRO, name=f"{SYMBOL}_tile{rows}x{vectors}")
         function.linkage = "internal"
-        kc, a, sa, sk, panel, c, ldc, columns, accumulate = function.args
+        kc, a, sa, sk, panel, c, ldc, columns, accumulate, ahead, run, stride, lines = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
         sums = [[b.alloca(self.vector) for _ in range(vectors)] for _ in range(rows)]
         for row in sums:
             for slot in row:
                 b.store(self.zeros, slot)
         row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
+        run_start, in_run = b.alloca(_FLOAT_PTR), b.alloca(I64)
+        b.store(ahead, run_start)
+        b.store(i64(0), in_run)
         with for_range(b, i64(0), kc, name="p") as p:
+            # one line asked for per step, spread among the multiply-adds (a burst of them
+            # before the loop would fill the core's miss buffers and stall it)
+            with b.if_then(b.icmp_signed("<", p, lines)):
+                self.prefetch_line(b, b.gep(b.load(run_start), [b.mul(b.load(in_run), i64(_LINE_FLOATS))]))
+                following = b.add(b.load(in_run), i64(1))
+                wraps = b.icmp_signed("==", following, run)
+                b.store(b.select(wraps, i64(0), following), in_run)
+                b.store(b.select(wraps, b.gep(b.load(run_start), [stride]), b.load(run_start)), run_start)
             step = b.gep(panel, [b.mul(p, i64(self.nr))])
             parts = [self.load_vector(b, b.gep(step, [i64(v * self.lanes)]), aligned=True) for v in range(vectors)]
             along = b.mul(p, sk)
@@ -627,38 +646,44 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
 
             strips = b.sdiv(b.add(m, i64(mr - 1)), i64(mr))
 
-            def next_strip_of_a(i0: ir.Value) -> None:
-                """Bring the next strip's rows of A (this slice of k; after the last strip, the
-                first strip's next slice) into L2 while this one computes: a strip reads a few
-                short runs, too short for the hardware's prefetchers to follow from memory."""
+            def next_strip_of_a(i0: ir.Value) -> list[ir.Value]:
+                """The lines of the next strip's rows of A (this slice of k; after the last
+                strip, the first strip's next slice), for the strip's first tile to bring into L2
+                as it computes: a strip reads a few short runs, too short for the hardware's
+                prefetchers to follow from memory. (ahead, run, stride, lines) as a tile takes them."""
                 following = b.add(i0, i64(mr))
                 wraps = b.icmp_signed(">=", following, m)
                 row = b.select(wraps, i64(0), following)
                 steps_in = b.select(wraps, b.add(pc, kc), pc)
-                lines = b.add(b.sdiv(kc, i64(_LINE_FLOATS)), i64(1))
-                with b.if_then(b.and_(b.not_(transposed), b.icmp_signed("<", steps_in, k))):
-                    for r in range(mr):
-                        at = b.add(row, i64(r))
-                        with b.if_then(b.icmp_signed("<", at, m)):
-                            emit.prefetch(b, b.gep(a, [b.add(b.mul(at, lda), steps_in)]), i64(0), lines)
+                run = b.add(b.sdiv(kc, i64(_LINE_FLOATS)), i64(1))
+                rows_left = smaller(i64(mr), b.sub(m, row))
+                wanted = b.and_(b.not_(transposed), b.icmp_signed("<", steps_in, k))
+                lines = b.select(wanted, b.mul(rows_left, run), i64(0))
+                return [b.gep(a, [b.add(b.mul(row, lda), steps_in)]), run, lda, lines]
 
             def strip(i0: ir.Value, rows: int) -> None:
                 strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
                 with b.if_then(copy_a):
                     emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
                 read_a = b.select(copy_a, strip_copy, strip_a)
-                next_strip_of_a(i0)
                 row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
+                a_ahead = None if packed else next_strip_of_a(i0)
                 with for_range(b, i64(0), tiled_panels, name="jr") as q:
                     first = b.mul(q, nr)
                     columns = smaller(nr, b.sub(nc, first))
                     arguments = [kc, read_a, row_step, k_step, panel(first), b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]),
                                  ldc, columns, accumulate]
-                    if packed:  # each strip asks for its share of the lines
+                    if packed:  # each strip asks for its share of the lines, a tile's steps' worth as it computes
                         start, lines = upcoming(first)
                         share = b.sdiv(b.add(lines, b.sub(strips, i64(1))), strips)
                         low = smaller(b.mul(b.sdiv(i0, i64(mr)), share), lines)
-                        emit.prefetch(b, start, low, smaller(b.add(low, share), lines))
+                        high = smaller(b.add(low, share), lines)
+                        spread = smaller(b.sub(high, low), kc)
+                        emit.prefetch(b, start, b.add(low, spread), high)
+                        ahead = [b.gep(start, [b.mul(low, i64(_LINE_FLOATS))]), spread, i64(0), spread]
+                    else:  # the next strip's rows of A, by the strip's first tile
+                        ahead = [*a_ahead[:3], b.select(b.icmp_signed("==", q, i64(0)), a_ahead[3], i64(0))]
+                    arguments += ahead
                     # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
                     needed = b.sdiv(b.add(columns, i64(emit.lanes - 1)), i64(emit.lanes))
                     for vectors in range(1, emit.vectors + 1):
