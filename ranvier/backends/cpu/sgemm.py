@@ -646,6 +646,36 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
 
             strips = b.sdiv(b.add(m, i64(mr - 1)), i64(mr))
 
+            if source == "matrix":  # the next block's source in B, read from memory while this one computes
+                next_pc = b.add(pc, kc)
+                same_columns = b.icmp_signed("<", next_pc, k)
+                next_jc = b.select(same_columns, jc, b.add(jc, nc))
+                upcoming_pc = b.select(same_columns, next_pc, i64(0))
+                upcoming_kc = smaller(slice_steps, b.sub(k, upcoming_pc))
+                upcoming_nc = smaller(nc_max, b.sub(n, next_jc))
+                exists = b.icmp_signed("<", next_jc, n)
+                by_rows = b.icmp_signed("==", tb, i64(0))  # op(B)'s rows are B's: a run of columns per step of k
+                source_rows = b.select(exists, b.select(by_rows, upcoming_kc, upcoming_nc), i64(0))
+                run = b.add(b.sdiv(b.select(by_rows, upcoming_nc, upcoming_kc), i64(_LINE_FLOATS)), i64(1))
+                first_source_row = b.select(by_rows, upcoming_pc, next_jc)
+                along = b.select(by_rows, next_jc, upcoming_pc)
+                # each strip takes an even share of the rows, each of its tiles but the first
+                # (which brings in the next strip's rows of A) a share of those
+                strip_rows = b.sdiv(b.add(source_rows, b.sub(strips, i64(1))), strips)
+                b_tiles = b.sub(tiled_panels, b.zext(b.not_(copy_a), I64))
+                tile_rows = b.sdiv(b.add(strip_rows, b.sub(b_tiles, i64(1))), b.select(b.icmp_signed(">", b_tiles, i64(0)), b_tiles, i64(1)))
+
+                def upcoming_rows(i0: ir.Value, q: ir.Value) -> list[ir.Value]:
+                    """(ahead, run, stride, lines) of tile q of the strip at row i0."""
+                    strip_first = smaller(b.mul(b.sdiv(i0, i64(mr)), strip_rows), source_rows)
+                    strip_last = smaller(b.add(strip_first, strip_rows), source_rows)
+                    order = b.sub(q, b.sub(tiled_panels, b_tiles))  # this tile's place among those that fetch B
+                    first = smaller(b.add(strip_first, b.mul(order, tile_rows)), strip_last)
+                    count = b.sub(smaller(b.add(first, tile_rows), strip_last), first)
+                    lines = b.select(b.icmp_signed(">=", order, i64(0)), b.mul(count, run), i64(0))
+                    start = b.gep(matrix, [b.add(b.mul(b.add(first_source_row, first), ldb), along)])
+                    return [start, run, ldb, lines]
+
             def next_strip_of_a(i0: ir.Value) -> list[ir.Value]:
                 """The lines of the next strip's rows of A (this slice of k; after the last
                 strip, the first strip's next slice), for the strip's first tile to bring into L2
@@ -681,8 +711,12 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                         spread = smaller(b.sub(high, low), kc)
                         emit.prefetch(b, start, b.add(low, spread), high)
                         ahead = [b.gep(start, [b.mul(low, i64(_LINE_FLOATS))]), spread, i64(0), spread]
-                    else:  # the next strip's rows of A, by the strip's first tile
+                    else:  # the next strip's rows of A by the strip's first tile (read in place), B's by the others
                         ahead = [*a_ahead[:3], b.select(b.icmp_signed("==", q, i64(0)), a_ahead[3], i64(0))]
+                        if source == "matrix":
+                            b_ahead = upcoming_rows(i0, q)
+                            takes_b = b.icmp_signed(">", b_ahead[3], i64(0))
+                            ahead = [b.select(takes_b, x, y) for x, y in zip(b_ahead, ahead)]
                     arguments += ahead
                     # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
                     needed = b.sdiv(b.add(columns, i64(emit.lanes - 1)), i64(emit.lanes))
