@@ -184,22 +184,27 @@ def _expected_pair(x, w, dy, offsets, transpose):
     return want_y, want_dw
 
 
-@pytest.mark.parametrize("transpose", [False, True])
-def test_grouped_gemms_split_over_the_pool(transpose):
-    """Products above the split threshold (columns shared out, the last slice ragged),
-    unequal groups, an empty one and dropped rows: every group whole, rows past the last
-    group zero, unchosen experts' gradients zero."""
-    rows, used, experts, k, n = 640, 600, 6, 256, 509
-    x, dy = random_array((rows, k), "float64", seed=6), random_array((rows, n), "float64", seed=7)
-    w = random_array((experts, n, k) if transpose else (experts, k, n), "float64", seed=8)
-    offsets = _offsets(rows, experts, used, seed=11)
+def _check_grouped_pair(sizes: tuple[int, int, int, int, int], transpose: bool, dtype: str, seed: int) -> None:
+    """A grouped product and its weight gradient over (rows, used rows, experts, k, n), with
+    unequal groups, an empty one and dropped rows, against float64: every group whole,
+    rows past the last group zero, unchosen experts' gradients zero."""
+    rows, used, experts, k, n = sizes
+    x, dy = random_array((rows, k), dtype, seed=seed), random_array((rows, n), dtype, seed=seed + 1)
+    w = random_array((experts, n, k) if transpose else (experts, k, n), dtype, seed=seed + 2)
+    offsets = _offsets(rows, experts, used, seed=seed + 3)
     y, dw = run_flow(lambda f, a, b, d, o: [f.grouped_matmul(a, b, o, transpose_b=transpose),
                                             f.grouped_matmul_weight_grad(a, d, o, experts, transpose=transpose)],
                      [x, w, dy, offsets])
     want_y, want_dw = _expected_pair(x, w, dy, offsets, transpose)
-    check(y, want_y, "float64")
-    check(dw, want_dw, "float64")
+    check(y, want_y, dtype)
+    check(dw, want_dw, dtype)
     assert not y[used:].any()
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_grouped_gemms_split_over_the_pool(transpose):
+    """Products above the split threshold, the experts claimed by the pool's parts."""
+    _check_grouped_pair((640, 600, 6, 256, 509), transpose, "float64", seed=6)
 
 
 @pytest.mark.parametrize("gemm", ["generated", "blas"])
@@ -208,7 +213,7 @@ def test_grouped_gemm_work_items_claimed_by_the_parts(threads, gemm, monkeypatch
     """Each piece of an expert's product is a work item the parts claim at run time, as
     many pieces as give each part 4 items: 5 experts' 331 columns go in 2, 3 and 7
     pieces (the last one ragged) for 2, 3 and 16 parts, more parts than the pool has
-    threads. Unequal groups, an empty one, dropped rows: everything against float64."""
+    threads."""
     from ranvier.backends.cpu import parallel
     from ranvier.backends.cpu.kernels import moe
 
@@ -217,18 +222,8 @@ def test_grouped_gemm_work_items_claimed_by_the_parts(threads, gemm, monkeypatch
     monkeypatch.setattr(moe, "thread_count", lambda: threads)
     monkeypatch.setattr(parallel, "thread_count", lambda: threads)
     parallel.split_thresholds.cache_clear()
-    rows, used, experts, k, n = 200, 190, 5, 40, 331
-    x, dy = random_array((rows, k), "float32", seed=13), random_array((rows, n), "float32", seed=14)
     for transpose in (False, True):
-        w = random_array((experts, n, k) if transpose else (experts, k, n), "float32", seed=15)
-        offsets = _offsets(rows, experts, used, seed=16)
-        y, dw = run_flow(lambda f, a, b, d, o, t=transpose: [f.grouped_matmul(a, b, o, transpose_b=t),
-                                                             f.grouped_matmul_weight_grad(a, d, o, experts, transpose=t)],
-                         [x, w, dy, offsets])
-        want_y, want_dw = _expected_pair(x, w, dy, offsets, transpose)
-        check(y, want_y, "float32")
-        check(dw, want_dw, "float32")
-        assert not y[used:].any()
+        _check_grouped_pair((200, 190, 5, 40, 331), transpose, "float32", seed=13)
     parallel.split_thresholds.cache_clear()
 
 

@@ -14,6 +14,8 @@ The algorithm is BLIS's, less the packing of A:
    `block_columns` columns, into the workspace (`workspace_bytes`): panels of NR = V
    vectors of columns, each k-major (its row p is NR contiguous floats), zeros past n.
    A transposed B is packed in L × L blocks (L the lanes) transposed in registers.
+   While a block computes, its tiles bring the next block's rows of B into L2, so its
+   packing reads them from there rather than from memory.
 2. For each strip of MR rows of op(A) and each panel, a micro-kernel keeps the MR × NR
    tile of C in MR·V vector registers (`tile_shape`: 4 × 3 vectors with 16 registers,
    8 × 3 with 32); per step of k it loads the panel's row (V vectors), broadcasts MR
@@ -697,6 +699,7 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                     emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
                 read_a = b.select(copy_a, strip_copy, strip_a)
                 row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
+                # a constant B's panels come from memory, and its tiles ask for those; A (activations) is in the caches
                 a_ahead = None if packed else next_strip_of_a(i0)
                 with for_range(b, i64(0), tiled_panels, name="jr") as q:
                     first = b.mul(q, nr)
