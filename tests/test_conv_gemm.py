@@ -1,10 +1,10 @@
 """Conv2D as an implicit GEMM (kernels/conv.py): the generated GEMM packing a convolution's
 windows straight from the image (`ranvier_sgemm_windows`) against float64 im2col products,
 for each vector variant and every geometry class (strides, padding wider than the kernel's
-reach, rectangular kernels, output rows shorter and longer than a vector, several slices of k
-and blocks of columns, a call starting mid-row); and the kernel in compiled cells against
-PyTorch's float64 convolution, over batches shared out by image and single images cut
-into blocks."""
+reach, rectangular kernels, output rows shorter and longer than a vector, vectors over a
+few output rows and over many, several slices of k and blocks of columns, a call starting
+mid-row); and the kernel in compiled cells against PyTorch's float64 convolution, over
+batches shared out by image and single images cut into blocks."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ GEOMETRIES = [
     (30, 8, 9, 13, (3, 2), (1, 1), (0, 1)),  # rectangular kernel, padding on one axis
     (2, 5, 6, 3, (3, 3), (3, 2), (2, 2)),  # padding as wide as the kernel reaches
     (2, 40, 48, 4, (3, 3), (1, 1), (1, 1)),  # rows a multiple of every vector width, n over several blocks
+    (9, 7, 7, 5, (3, 3), (1, 1), (1, 1)),  # a 7 × 7 image: vectors over 2-4 output rows, a masked load each
+    (6, 9, 4, 5, (3, 3), (1, 1), (1, 1)),  # rows of 4: vectors over more rows than that go lane by lane
 ]
 
 

@@ -123,6 +123,7 @@ _DOT = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64,
 # (a 7×7 convolution's 49 positions are two panels of 24 and one of 1). Up to this many
 # columns the dot products cost less.
 DOT_COLUMNS = 4
+_MAX_SEGMENTS = 4  # output rows a vector of a convolution's columns is read from, a masked load each
 
 
 def tile_shape(target: CPUTarget) -> tuple[int, int]:
@@ -228,6 +229,8 @@ class _Emitter:
         # (address, read, keep in L2, data)
         self.prefetch_function = ir.Function(module, ir.FunctionType(VOID, [BYTE_PTR, I32, I32, I32]), name="llvm.prefetch.p0i8")
         # (address, alignment, lanes to load, value of the others): masked-off lanes are not read
+        ints = ir.VectorType(I32, self.lanes)
+        self.highest = ir.Function(module, ir.FunctionType(I32, [ints]), name=f"llvm.vector.reduce.smax.v{self.lanes}i32")
         self.masked_load = ir.Function(
             module, ir.FunctionType(self.vector, [self.vector.as_pointer(), I32, ir.VectorType(I1, self.lanes), self.vector]),
             name=f"llvm.masked.load.v{self.lanes}f32.p0v{self.lanes}f32")
@@ -448,6 +451,7 @@ class _Emitter:
                 b.store(i32(value), table(taps, field, KC, p))
 
         height, width = (splat(b, i32(g[name]), lanes) for name in ("height", "width"))
+        row_step = i32(g["stride_height"])  # input rows from one output row to the next
         outside = ir.Constant(I32, -(1 << 30))  # a first input row no kernel row brings inside
         panels = b.sdiv(b.add(nc, i64(nr - 1)), i64(nr))
         with for_range(b, i64(0), panels, name="wq") as q:
@@ -475,6 +479,10 @@ class _Emitter:
                 first_top, last_top = (b.load(table(positions, 1, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
                 first_offset = b.load(table(positions, 0, nr, i64(h * lanes)))
                 one_row = b.icmp_signed("==", first_top, last_top)
+                # a vector over a few output rows (a small image's): a masked load per row (lanes
+                # past nc have the lowest first row, so the highest is the last column's)
+                highest_top = b.call(self.highest, [tops])
+                few_rows = b.icmp_signed("<=", b.sub(highest_top, first_top), b.mul(row_step, ir.Constant(I32, _MAX_SEGMENTS - 1)))
                 first_left, last_left = (b.load(table(positions, 2, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
                 # every tap of every lane inside the image: loads need no mask
                 inside = b.and_(
@@ -487,7 +495,8 @@ class _Emitter:
                 stride = g["stride_width"]
 
                 def pack(way: str, masked: bool, columns_of_vector=columns_of_vector, target=target) -> None:
-                    self._pack_window_vector(b, way, masked, image, taps, kc, columns_of_vector, (height, width), target)
+                    self._pack_window_vector(b, way, masked, image, taps, kc, columns_of_vector, (height, width), row_step,
+                                             target)
 
                 with b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(1)))) as (run, other):
                     with run, b.if_else(inside) as (clear, edge):
@@ -501,20 +510,38 @@ class _Emitter:
                                 pack("pairs", masked=False)
                             with edge:
                                 pack("pairs", masked=True)
-                        with scattered:
-                            pack("lanes", masked=True)
+                        with scattered, b.if_else(b.and_(few_rows, b.icmp_signed("==", stride, i64(1)))) as (by_rows, by_lanes):
+                            with by_rows:
+                                pack("segments", masked=True)
+                            with by_lanes:
+                                pack("lanes", masked=True)
 
     def _pack_window_vector(self, b: ir.IRBuilder, way: str, masked: bool, image: ir.Value, taps: ir.Value, kc: ir.Value,
-                            columns: tuple[ir.Value, ...], bounds: tuple[ir.Value, ir.Value], target: ir.Value) -> None:
+                            columns: tuple[ir.Value, ...], bounds: tuple[ir.Value, ir.Value], row_step: ir.Value,
+                            target: ir.Value) -> None:
         """A vector of B's columns for each of the slice's kc rows, stored NR floats apart from
         `target`, read `way`: "run" (one load), "pairs" (stride 2: two loads, every other
-        element) or "lanes" (one by one); `masked`: lanes whose tap falls in the padding are
+        element), "segments" (stride 1 over up to `_MAX_SEGMENTS` output rows: a masked load
+        per row, each into its lanes) or "lanes" (one by one); `masked`: lanes whose tap falls in the padding are
         zeros, not read (else every lane is inside). `columns` holds the vector's offsets,
         first input rows and columns (i32 vectors) and its first offset; `bounds` the
         image's height and width (splatted)."""
         lanes = self.lanes
         ints = ir.VectorType(I32, lanes)
         offsets, tops, lefts, first_offset = columns
+        if way == "segments":  # each output row's lanes, and where lane 0 would read for that row's run
+            segments = []
+            first_top = b.extract_element(tops, ir.Constant(I32, 0))
+            mask_bits = ir.IntType(lanes)
+            popcount = intrinsic(self.module, "ctpop", mask_bits)
+            for row in range(_MAX_SEGMENTS):
+                top = b.add(first_top, b.mul(row_step, ir.Constant(I32, row)))
+                # lanes of the rows above (columns past nc, with the lowest first row, are not)
+                before = b.and_(b.icmp_signed("<", tops, splat(b, top, lanes)), b.icmp_signed(">=", tops, splat(b, first_top, lanes)))
+                first_lane = b.zext(b.call(popcount, [b.bitcast(before, mask_bits)]), I32)
+                last = ir.Constant(I32, lanes - 1)
+                lane = b.select(b.icmp_signed("<", first_lane, last), first_lane, last)
+                segments.append((b.icmp_signed("==", tops, splat(b, top, lanes)), b.sub(b.extract_element(offsets, lane), first_lane)))
         with for_range(b, i64(0), kc, name="wp") as p:
             tap_offset, tap_row, tap_column = (b.load(b.gep(taps, [b.add(i64(field * KC), p)])) for field in range(3))
             if masked:
@@ -525,6 +552,11 @@ class _Emitter:
             start = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
             if way == "run":
                 value = self.masked_read(b, start, mask)
+            elif way == "segments":
+                value = self.zeros
+                for lanes_of_row, row_start in segments:
+                    at = b.gep(image, [b.sext(b.add(tap_offset, row_start), I64)])
+                    value = self.masked_read(b, at, b.and_(mask, lanes_of_row), value)
             elif way == "pairs":
                 no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
                 halves = []
@@ -541,9 +573,10 @@ class _Emitter:
                 value = b.select(mask, value, self.zeros)
             self.store_vector(b, value, b.gep(target, [b.mul(p, i64(self.nr))]), aligned=True)
 
-    def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value) -> ir.Value:
-        """The vector at `start`, zeros in the lanes `mask` leaves off (not read)."""
-        return b.call(self.masked_load, [b.bitcast(start, self.vector.as_pointer()), ir.Constant(I32, 4), mask, self.zeros])
+    def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value, others: ir.Value | None = None) -> ir.Value:
+        """The vector at `start` in the lanes `mask` leaves on, `others`' (zeros) in the rest (not read)."""
+        return b.call(self.masked_load, [b.bitcast(start, self.vector.as_pointer()), ir.Constant(I32, 4), mask,
+                                         self.zeros if others is None else others])
 
 
 def build_module(target: CPUTarget) -> ir.Module:
