@@ -71,6 +71,7 @@ from ..llvm.irutil import (
     I64,
     VOID,
     cache_line_aligned,
+    constant,
     for_range,
     i64,
     intrinsic,
@@ -230,6 +231,10 @@ class _Emitter:
         self.prefetch_function = ir.Function(module, ir.FunctionType(VOID, [BYTE_PTR, I32, I32, I32]), name="llvm.prefetch.p0i8")
         # (address, alignment, lanes to load, value of the others): masked-off lanes are not read
         ints = ir.VectorType(I32, self.lanes)
+        pointers = ir.VectorType(_FLOAT_PTR, self.lanes)
+        # (addresses, alignment, lanes to load, value of the others)
+        self.gather = ir.Function(module, ir.FunctionType(self.vector, [pointers, I32, ir.VectorType(I1, self.lanes), self.vector]),
+                                  name=f"llvm.masked.gather.v{self.lanes}f32.v{self.lanes}p0f32")
         self.highest = ir.Function(module, ir.FunctionType(I32, [ints]), name=f"llvm.vector.reduce.smax.v{self.lanes}i32")
         self.masked_load = ir.Function(
             module, ir.FunctionType(self.vector, [self.vector.as_pointer(), I32, ir.VectorType(I1, self.lanes), self.vector]),
@@ -564,13 +569,12 @@ class _Emitter:
                     evens = ir.Constant(ints, [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)])
                     halves.append(self.masked_read(b, b.gep(start, [i64(half * lanes)]), b.shuffle_vector(mask, no_lanes, evens)))
                 value = b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
-            else:
+            else:  # one gather: the lanes' addresses from their offsets in the image
                 safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
-                value = self.zeros
-                for e in range(lanes):
-                    at = b.gep(image, [b.sext(b.extract_element(safe, ir.Constant(I32, e)), I64)])
-                    value = b.insert_element(value, b.load(at), ir.Constant(I32, e))
-                value = b.select(mask, value, self.zeros)
+                wide = ir.VectorType(I64, lanes)
+                addresses = b.add(splat(b, b.ptrtoint(image, I64), lanes), b.mul(b.sext(safe, wide), constant(wide, 4)))
+                pointers = b.inttoptr(addresses, self.gather.args[0].type)
+                value = b.call(self.gather, [pointers, ir.Constant(I32, 4), mask, self.zeros])
             self.store_vector(b, value, b.gep(target, [b.mul(p, i64(self.nr))]), aligned=True)
 
     def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value, others: ir.Value | None = None) -> ir.Value:
