@@ -434,7 +434,8 @@ class _Emitter:
         `positions` (3 × NR i32) are scratch: each row's offset in the image, kernel row and
         kernel column; each column's offset, first input row and first input column. A
         vector of columns in one output row is one masked load per row of B (stride 1) or
-        two and a shuffle (stride 2); any other vector is read lane by lane."""
+        two and a shuffle (stride 2); one over a few output rows (stride 1) a masked load per
+        row; any other vector is one gather."""
         g = geometry
         lanes, nr = self.lanes, self.nr
         ints = ir.VectorType(I32, lanes)
@@ -527,7 +528,7 @@ class _Emitter:
         """A vector of B's columns for each of the slice's kc rows, stored NR floats apart from
         `target`, read `way`: "run" (one load), "pairs" (stride 2: two loads, every other
         element), "segments" (stride 1 over up to `_MAX_SEGMENTS` output rows: a masked load
-        per row, each into its lanes) or "lanes" (one by one); `masked`: lanes whose tap falls in the padding are
+        per row, each into its lanes) or "lanes" (a gather of each lane's element); `masked`: lanes whose tap falls in the padding are
         zeros, not read (else every lane is inside). `columns` holds the vector's offsets,
         first input rows and columns (i32 vectors) and its first offset; `bounds` the
         image's height and width (splatted)."""
