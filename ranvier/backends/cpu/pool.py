@@ -8,7 +8,7 @@ counter, so a worker that starts late or a part that runs long balances out.
 
 Why not a thread per part: starting and joining a thread costs tens of microseconds, so
 only kernels of milliseconds were worth splitting. A pool's workers spin for about
-0.1 ms after a job (a step's next kernel usually comes sooner), then sleep on a
+1 ms after a job (a step's next kernel usually comes sooner), then sleep on a
 condition variable; a job reaches spinning workers in well under a microsecond.
 
 The job lives in one 64-bit word, (job number << 32) | (next part << 16) | part count,
@@ -41,7 +41,13 @@ from . import fpmode, jit
 from .target import CPUTarget, host_target
 
 MAX_WORKERS = 255  # part counts stay below 2^16; workers beyond the cores would only wait
-SPIN_TICKS = 1 << 18  # time-stamp counter ticks (~0.1 ms) a worker spins before it sleeps
+# Time-stamp counter ticks (~1 ms) a worker spins before it sleeps. 0.1 ms was enough back
+# to back, but not after a pause: on a shared 2-core VM, ResNet-18 b1 called 0.2 s after its
+# last call took 17.4-18.3 ms with 0.1 ms spins, 13.8-15.1 ms with 1 ms (13 ms back to back,
+# three alternated runs; one thread alone showed no such pause cost). The likely cause: a
+# worker woken on a vCPU the host has just rescheduled falls asleep again in the short gaps
+# between that call's jobs, and each wake costs a job its start.
+SPIN_TICKS = 1 << 21
 SYNC_BYTES = 64  # room for a pthread mutex or condition variable (40 and 48 bytes on glibc x86-64)
 SYMBOLS = ("ranvier_pool_run", "ranvier_pool_grow", "ranvier_pool_forget", "ranvier_pool_nothing")
 
