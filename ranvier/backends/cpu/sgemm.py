@@ -230,15 +230,16 @@ class _Emitter:
         # (address, read, keep in L2, data)
         self.prefetch_function = ir.Function(module, ir.FunctionType(VOID, [BYTE_PTR, I32, I32, I32]), name="llvm.prefetch.p0i8")
         # (address, alignment, lanes to load, value of the others): masked-off lanes are not read
-        ints = ir.VectorType(I32, self.lanes)
-        pointers = ir.VectorType(_FLOAT_PTR, self.lanes)
-        # (addresses, alignment, lanes to load, value of the others)
-        self.gather = ir.Function(module, ir.FunctionType(self.vector, [pointers, I32, ir.VectorType(I1, self.lanes), self.vector]),
-                                  name=f"llvm.masked.gather.v{self.lanes}f32.v{self.lanes}p0f32")
-        self.highest = ir.Function(module, ir.FunctionType(I32, [ints]), name=f"llvm.vector.reduce.smax.v{self.lanes}i32")
         self.masked_load = ir.Function(
             module, ir.FunctionType(self.vector, [self.vector.as_pointer(), I32, ir.VectorType(I1, self.lanes), self.vector]),
             name=f"llvm.masked.load.v{self.lanes}f32.p0v{self.lanes}f32")
+        # the same from one address per lane
+        pointers = ir.VectorType(_FLOAT_PTR, self.lanes)
+        self.gather = ir.Function(module, ir.FunctionType(self.vector, [pointers, I32, ir.VectorType(I1, self.lanes), self.vector]),
+                                  name=f"llvm.masked.gather.v{self.lanes}f32.v{self.lanes}p0f32")
+        # the largest lane of an i32 vector
+        self.highest = ir.Function(module, ir.FunctionType(I32, [ir.VectorType(I32, self.lanes)]),
+                                   name=f"llvm.vector.reduce.smax.v{self.lanes}i32")
 
     def load_vector(self, b: ir.IRBuilder, pointer: ir.Value, aligned: bool = False) -> ir.Value:
         return b.load(b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
@@ -528,8 +529,8 @@ class _Emitter:
         """A vector of B's columns for each of the slice's kc rows, stored NR floats apart from
         `target`, read `way`: "run" (one load), "pairs" (stride 2: two loads, every other
         element), "segments" (stride 1 over up to `_MAX_SEGMENTS` output rows: a masked load
-        per row, each into its lanes) or "lanes" (a gather of each lane's element); `masked`: lanes whose tap falls in the padding are
-        zeros, not read (else every lane is inside). `columns` holds the vector's offsets,
+        per row, each into its lanes) or "lanes" (a gather of each lane's element); `masked`:
+        lanes whose tap falls in the padding are zeros, not read (else every lane is inside). `columns` holds the vector's offsets,
         first input rows and columns (i32 vectors) and its first offset; `bounds` the
         image's height and width (splatted)."""
         lanes = self.lanes
@@ -670,28 +671,27 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                     b.store(b.load(b.gep(last, [b.add(b.mul(p, nr), j)])), b.gep(edge, [b.add(b.mul(j, i64(KC)), p)]))
             tiled_panels = b.sub(panels, b.zext(dots, I64))
 
+            # the next block: these columns' next slice of k, else the next columns' first slice
+            next_pc = b.add(pc, kc)
+            same_columns = b.icmp_signed("<", next_pc, k)
+            upcoming_pc = b.select(same_columns, next_pc, i64(0))
+            upcoming_kc = smaller(slice_steps, b.sub(k, upcoming_pc))
+
             if packed:  # the next block's slice of each panel, read from memory while this one computes
-                next_pc = b.add(pc, kc)
-                same_columns = b.icmp_signed("<", next_pc, k)
 
                 def upcoming(first: ir.Value) -> tuple[ir.Value, ir.Value]:
                     """Where panel `first`'s next slice starts and its lines (0: none): the
                     next slice of k of this panel, else the first of the next block's."""
                     next_column = b.add(b.add(jc, nc), first)
                     later = b.gep(panels_of_b, [b.mul(next_column, k)])
-                    steps = b.select(same_columns, smaller(slice_steps, b.sub(k, next_pc)), slice_steps)
                     exists = b.or_(same_columns, b.icmp_signed("<", next_column, n))
-                    lines = b.select(exists, b.sdiv(b.mul(steps, nr), i64(_LINE_FLOATS)), i64(0))
+                    lines = b.select(exists, b.sdiv(b.mul(upcoming_kc, nr), i64(_LINE_FLOATS)), i64(0))
                     return b.select(same_columns, b.gep(panel(first), [b.mul(kc, nr)]), later), lines
 
             strips = b.sdiv(b.add(m, i64(mr - 1)), i64(mr))
 
             if source == "matrix":  # the next block's source in B, read from memory while this one computes
-                next_pc = b.add(pc, kc)
-                same_columns = b.icmp_signed("<", next_pc, k)
                 next_jc = b.select(same_columns, jc, b.add(jc, nc))
-                upcoming_pc = b.select(same_columns, next_pc, i64(0))
-                upcoming_kc = smaller(slice_steps, b.sub(k, upcoming_pc))
                 upcoming_nc = smaller(nc_max, b.sub(n, next_jc))
                 exists = b.icmp_signed("<", next_jc, n)
                 by_rows = b.icmp_signed("==", tb, i64(0))  # op(B)'s rows are B's: a run of columns per step of k
