@@ -16,6 +16,7 @@ SHAPES = [  # (B, H, KV, T, S, hd)
     (2, 2, 2, 9, 9, 19),
     (1, 4, 2, 6, 6, 37),  # a head size the CPU backend runs through its fused kernels
     (1, 2, 1, 3, 5, 32),
+    (1, 3, 1, 100, 130, 16),  # two blocks of query rows; causal rows of 31 to 130 keys, in whole vectors and a tail
 ]
 
 

@@ -43,12 +43,12 @@ class EmitContext:
         """Report bad data (an index out of range) when `condition` holds; the runtime raises."""
         raise NotImplementedError
 
-    def row_fold(self, start: Value, length: int, lanes: int, dtype: str, initial, combine, term) -> Value:
+    def row_fold(self, start: Value, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
         """`combine` over `term(index, width)` along a row of `length` from `start` (a row
         kernel's pass, `rows.Row`): here in vectors of `lanes`, then the lanes folded."""
         return fold(self, start, length, lanes, dtype, initial, combine, term)
 
-    def row_each(self, start: Value, length: int, lanes: int, body) -> None:
+    def row_each(self, start: Value, length: int | Value, lanes: int, body) -> None:
         """`body(index, width)` over a row (a row kernel's last pass): here in vectors."""
         for_vectors(self, start, length, lanes, body)
 

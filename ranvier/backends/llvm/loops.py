@@ -10,16 +10,24 @@ from ...flow.graph import Variable
 from .values import Value
 
 
-def for_vectors(ctx, start: Value | int, count: int, lanes: int, body: Callable[[Value, int], None]) -> None:
-    """Call `body(index, width)` over [start, start + count): whole vectors, then single elements."""
+def for_vectors(ctx, start: Value | int, count: int | Value, lanes: int, body: Callable[[Value, int], None]) -> None:
+    """Call `body(index, width)` over [start, start + count): whole vectors, then single
+    elements. `count` may be known only at run time (a non-negative int64 Value)."""
     start = ctx.index(start)
-    vector_end = count - count % lanes if lanes > 1 else 0
-    if vector_end:
+    vector_end = _whole(count, lanes) if lanes > 1 else 0
+    if isinstance(count, Value) or vector_end:
         with ctx.loop(0, vector_end, step=lanes, name="v") as i:
             body(start + i, lanes)
-    if vector_end < count:
+    if isinstance(count, Value) or vector_end < count:
         with ctx.loop(vector_end, count, name="s") as i:
             body(start + i, 1)
+
+
+def _whole(count: int | Value, size: int) -> int | Value:
+    """`count` rounded down to a multiple of `size` (a power of two where count is a Value)."""
+    if isinstance(count, Value):
+        return count & -size
+    return count - count % size
 
 
 def fill(ctx, var: Variable, value: float) -> None:
@@ -33,16 +41,19 @@ def fill(ctx, var: Variable, value: float) -> None:
 FOLD_CHAINS = 4
 
 
-def fold(ctx, start: Value | int, count: int, lanes: int, dtype: str, initial, combine, term) -> Value:
+def fold(ctx, start: Value | int, count: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
     """`combine` over `term(index, width)` for [start, start + count): partial results
     `lanes` wide on `FOLD_CHAINS` independent chains where the row has room for them, the
-    scalar tail, then the chains and the lanes folded into one value."""
+    scalar tail, then the chains and the lanes folded into one value. A `count` known only
+    at run time (a non-negative int64 Value) gets every chain; `initial` must then be
+    `combine`'s identity, as unused chains are folded in too."""
     start = ctx.index(start)
-    chains = FOLD_CHAINS if lanes > 1 and count >= FOLD_CHAINS * lanes else 1
+    known = not isinstance(count, Value)
+    chains = FOLD_CHAINS if lanes > 1 and (not known or count >= FOLD_CHAINS * lanes) else 1
     vectors = [ctx.local(dtype, lanes, initial) for _ in range(chains)]
     scalar = ctx.local(dtype, 1, initial)
-    interleaved = count - count % (chains * lanes) if chains > 1 else 0
-    if interleaved:
+    interleaved = _whole(count, chains * lanes) if chains > 1 else 0
+    if not known or interleaved:
         with ctx.loop(0, interleaved, step=chains * lanes, name="f") as i:
             for chain, vector in enumerate(vectors):
                 vector.set(combine(vector.value, term(start + i + chain * lanes, lanes)))
@@ -53,10 +64,13 @@ def fold(ctx, start: Value | int, count: int, lanes: int, dtype: str, initial, c
 
     for_vectors(ctx, start + interleaved, count - interleaved, lanes, step)
     total = scalar.value
-    if lanes > 1 and count >= lanes:
+    if lanes > 1 and (not known or count >= lanes):
         partial = pairwise(combine, [vector.value for vector in vectors])
-        for lane in range(lanes):
-            total = combine(total, partial.lane(lane))
+        # halves combined until one lane is left: four dependent steps for 16 lanes where
+        # lane by lane took 16, the latency a short row (an attention query's) waits on
+        while partial.lanes > 1:
+            partial = combine(*partial.halves())
+        total = combine(total, partial.lane(0))
     return total
 
 

@@ -31,12 +31,13 @@ RowBody = Callable[[EmitContext, Value], None]
 
 
 class Row:
-    """Vector passes over one row of `length` elements starting at element `start`."""
+    """Vector passes over one row of `length` elements starting at element `start`; a
+    length known only at run time is a non-negative int64 Value (the CPU's loops take one)."""
 
-    def __init__(self, ctx: EmitContext, start: Value, length: int, dtype: str):
+    def __init__(self, ctx: EmitContext, start: Value, length: int | Value, dtype: str):
         self.ctx, self.start, self.length, self.dtype = ctx, start, length, dtype
         self.lanes = ctx.lanes_for([dtype])
-        while self.lanes > 1 and self.lanes > length:  # short rows (a head of 8) use narrower vectors
+        while isinstance(length, int) and self.lanes > 1 and self.lanes > length:  # short rows (a head of 8) use narrower vectors
             self.lanes //= 2
 
     def fold(self, initial: float, combine, term: Callable[[Value, int], Value]) -> Value:

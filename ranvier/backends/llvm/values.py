@@ -73,6 +73,16 @@ class Value:
         """One lane of a vector, as a scalar."""
         return Value(self.b, self.b.extract_element(self.ir, ir.Constant(ir.IntType(64), index)), self.dtype)
 
+    def halves(self) -> tuple[Value, Value]:
+        """A vector's low and high halves of lanes (its lane count even)."""
+        half = self.lanes // 2
+
+        def pick(first: int) -> Value:
+            mask = ir.Constant(ir.VectorType(I32, half), list(range(first, first + half)))
+            return self._new(self.b.shuffle_vector(self.ir, ir.Constant(self.ir.type, ir.Undefined), mask))
+
+        return pick(0), pick(half)
+
     def _new(self, value: ir.Value, dtype: str | None = None) -> Value:
         return Value(self.b, value, dtype or self.dtype)
 

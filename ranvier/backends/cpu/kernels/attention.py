@@ -124,35 +124,34 @@ class _Heads:
         with ctx.loop(0, count, name="j") as j:
             p.store(j, p.load(j) * inverse)
 
-    def where_seen(self, start: Value, i: Value, w: int, seen, value: Value, otherwise: float) -> Value:
-        """`value` for the keys of a block row (from `start`) that its query sees, else
-        `otherwise`; positions compared as float32 (exact below 2^24), one compare a vector."""
-        if not self.causal:
-            return value
+    def row_keys(self, t: Value) -> Value | int:
+        """The keys query t sees, as the length of its row of scores (0 where it sees none)."""
+        return self.visible(t).maximum(0) if self.causal else self.keys
+
+    def clear_unseen(self, row_values, start: Value, seen: Value | int, columns: Value | int) -> None:
+        """Zero a block row's entries from `seen` to `columns` (the keys of the block's last
+        row, which the products after read), where this query sees fewer."""
+        if self.causal:
+            Row(self.ctx, start + seen, (columns - seen).maximum(0), self.dtype).each(
+                lambda i, w: self.ctx.store(row_values, i, self.ctx.constant(self.dtype, 0.0, w)))
+
+    def score_gradients(self, p, dp, start: Value, t: Value, columns: Value | int) -> None:
+        """A block row of d probabilities → d scores, in place: scale · p (dp − Σ p·dp) over
+        the keys query t sees, 0 for the rest of the block's `columns`."""
         ctx = self.ctx
-        key = (i - start).cast(dtypes.DT_FLOAT32).splat(w) + ctx.lane_numbers(w).cast(dtypes.DT_FLOAT32)
-        return (key < ctx.index(seen).cast(dtypes.DT_FLOAT32).splat(w)).where(value, otherwise)
+        seen = self.row_keys(t)
+        row = Row(ctx, start, seen, self.dtype)
+        total = row.sum(lambda i, w: ctx.load(p, i, w) * ctx.load(dp, i, w))
+        row.each(lambda i, w: ctx.store(dp, i, ctx.load(p, i, w) * (ctx.load(dp, i, w) - total.splat(w)) * self.scale))
+        self.clear_unseen(dp, start, seen, columns)
 
-    def score_gradients(self, p, dp, start: Value, t: Value) -> None:
-        """A block row of d probabilities → d scores, in place: scale · p (dp − Σ p·dp),
-        0 for keys query t does not see (their dp was never computed)."""
+    def normalize(self, scores, start: Value, bh: Value, t: Value, columns: Value | int) -> None:
+        """A row of a block's raw scores (q · k of the block's `columns` keys) → query t's
+        probabilities, in place: the keys it sees scaled, biased and normalized, only they
+        passed over (a causal row sees half the keys on average), the rest at 0."""
         ctx = self.ctx
-        row = Row(ctx, start, self.keys, self.dtype)
-        seen = self.visible(t)
-
-        def product(i, w):
-            return self.where_seen(start, i, w, seen, ctx.load(p, i, w) * ctx.load(dp, i, w), 0.0)
-
-        total = row.sum(product)
-        row.each(lambda i, w: ctx.store(dp, i, self.where_seen(
-            start, i, w, seen, ctx.load(p, i, w) * (ctx.load(dp, i, w) - total.splat(w)) * self.scale, 0.0)))
-
-    def normalize(self, scores, start: Value, bh: Value, t: Value) -> None:
-        """A row of a block's raw scores (q · k of every key) → query t's probabilities,
-        in place: scaled, biased, keys it does not see (and columns past the product) at 0."""
-        ctx = self.ctx
-        row = Row(ctx, start, self.keys, self.dtype)
-        seen, bias_start = self.visible(t), self.bias_start(bh, t)
+        seen, bias_start = self.row_keys(t), self.bias_start(bh, t)
+        row = Row(ctx, start, seen, self.dtype)
 
         def logit(i, w):
             score = ctx.load(scores, i, w) * self.scale
@@ -160,12 +159,12 @@ class _Heads:
                 across = self.bias_dims[3] > 1
                 score = score + (ctx.load(self.bias, bias_start + (i - start), w) if across else
                                  ctx.load(self.bias, bias_start).splat(w))
-            score = self.where_seen(start, i, w, seen, score, -math.inf)
             ctx.store(scores, i, score)
             return score
 
         peak = row.fold(-math.inf, lambda acc, x: (x > acc).where(x, acc), logit)
         normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero=True)
+        self.clear_unseen(scores, start, seen, columns)
 
     def each_query(self, q, k, p, body) -> None:
         """For every (batch·head, query): fill the probabilities p, then call
@@ -242,7 +241,7 @@ def attention_blocks(ctx, op) -> None:
                 gemm.gemm(False, True, rows, seen, size, ctx.element_pointer(q, query_rows), size,
                           ctx.element_pointer(k, kv), size, ctx.pointer(scores), keys)
                 with ctx.loop(0, rows, name="r") as r:
-                    heads.normalize(scores, r * keys, bh, first_query + r)
+                    heads.normalize(scores, r * keys, bh, first_query + r, seen)
                 gemm.gemm(False, False, rows, size, seen, ctx.pointer(scores), keys,
                           ctx.element_pointer(v, kv), size, ctx.element_pointer(out, query_rows), size)
 
@@ -338,8 +337,8 @@ def attention_grad_blocks(ctx, op) -> None:
                     gemm.gemm(False, True, rows, seen, size, at_q, size, at_k, size, ctx.pointer(p), keys)
                     gemm.gemm(False, True, rows, seen, size, at_dout, size, at_v, size, ctx.pointer(ds), keys)
                     with ctx.loop(0, rows, name="r") as r:
-                        geometry.normalize(p, r * keys, bh, first_query + r)
-                        geometry.score_gradients(p, ds, r * keys, first_query + r)
+                        geometry.normalize(p, r * keys, bh, first_query + r, seen)
+                        geometry.score_gradients(p, ds, r * keys, first_query + r, seen)
                     gemm.gemm(False, False, rows, size, seen, ctx.pointer(ds), keys, at_k, size,
                               ctx.element_pointer(dq, query_rows), size)
                     for (grad, base), left, right in zip(targets, (ds, p), (at_q, at_dout)):
