@@ -190,6 +190,7 @@ outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True)
            f.sum_squares(h["x"]), f.sum_squares(h["x"], axis=0),
            f.conv2d(h["image"], h["filters"], padding=1), f.conv2d(h["images"], h["filters"], strides=2, padding=1),
            f.max_pool(h["images"], ksize=3, strides=2, padding=1)]
+winograd_output = len(outputs) - 3  # the stride-1 convolution
 # products by constants (weights), which the generated GEMM reads from panels packed once
 weights = {"w": rng.standard_normal((29, 45)).astype(np.float32), "wt": rng.standard_normal((70, 29)).astype(np.float32)}
 constant_products = [f.matmul(h["a"], f.const(weights["w"])), f.matmul(h["a"], f.const(weights["wt"]), transpose_b=True),
@@ -218,9 +219,11 @@ for backend in ("cpu", "reference"):
             data[o] = np.full(o.shape, np.nan, np.float32)
     data.compute()
     results.append([np.array(data[o]) for o in outputs])
-for got, want in zip(*results):
+# the stride-1 convolution runs as Winograd's F(4, 3), whose transforms' roundings reach a
+# few millionths of the sum of the products' magnitudes (here ~20)
+for index, (got, want) in enumerate(zip(*results)):
     assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4 if index == winograd_output else 2e-5)
 print("ok")
 """
 

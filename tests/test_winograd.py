@@ -1,11 +1,11 @@
-"""Conv2D by Winograd's F(2×2, 3×3) (kernels/winograd.py): the transform matrices against the
-direct correlation in float64; the kernel in compiled cells against PyTorch's float64
-convolution for each vector variant, with constant filters (transformed once) and changing
-ones (transformed by each compute), at geometries that reach every edge of its loops
-(outputs of odd sizes, tile rows padded to whole vectors, padding 0 to 2, a last block of
-fewer rows, channels past one slice of the GEMM's k), with a Conv2DCalculate's program, and
-for each way of sharing the work out (images, blocks of tile rows, filters); and which
-convolutions it takes."""
+"""Conv2D by Winograd's F(2×2, 3×3) and F(4×4, 3×3) (kernels/winograd.py): the transform
+matrices against the direct correlation in float64; the kernel in compiled cells against
+PyTorch's float64 convolution for each vector variant and each form, with constant filters
+(transformed once) and changing ones (transformed by each compute), at geometries that reach
+every edge of its loops (outputs of odd sizes, tile rows padded to whole vectors, padding 0
+to 2, a last block of fewer rows, channels past one slice of the GEMM's k), with a
+Conv2DCalculate's program, and for each way of sharing the work out (images, blocks of tile
+rows, filters); which form each convolution takes, and which convolutions it takes."""
 
 from __future__ import annotations
 
@@ -21,36 +21,64 @@ from ranvier.backends.cpu.kernels import winograd
 MASKS = ["", "-avx512", "-avx512,-avx2"]
 
 
-def test_the_transforms_compute_a_2x2_tile_of_the_correlation():
+FORMS = {form.name: form for form in winograd.FORMS}
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=list(FORMS))
+def test_the_transforms_compute_a_tile_of_the_correlation(form):
     rng = np.random.default_rng(0)
-    patch, taps = rng.standard_normal((4, 4)), rng.standard_normal((3, 3))
-    u = winograd.FILTER @ taps @ winograd.FILTER.T
-    v = winograd.INPUT_T @ patch @ winograd.INPUT_T.T
-    tile = winograd.OUTPUT_T @ (u * v) @ winograd.OUTPUT_T.T
-    direct = np.array([[np.sum(patch[i : i + 3, j : j + 3] * taps) for j in range(2)] for i in range(2)])
+    patch, taps = rng.standard_normal((form.patch, form.patch)), rng.standard_normal((3, 3))
+    u = form.filter @ taps @ form.filter.T
+    v = form.input_t @ patch @ form.input_t.T
+    tile = form.output_t @ (u * v) @ form.output_t.T
+    direct = np.array([[np.sum(patch[i : i + 3, j : j + 3] * taps) for j in range(form.tile)] for i in range(form.tile)])
     np.testing.assert_allclose(tile, direct, rtol=1e-12, atol=1e-12)
 
 
-def test_transformed_filters_are_one_matrix_per_point():
+@pytest.mark.parametrize("form", FORMS.values(), ids=list(FORMS))
+def test_transformed_filters_are_one_matrix_per_point(form):
     w = random_array((5, 3, 3, 3), "float32", seed=3)
-    u = winograd.transformed_filters(w)
-    assert u.shape == (16, 5, 3) and u.dtype == np.float32 and u.flags.c_contiguous
-    want = np.einsum("ia,kcab,jb->kcij", winograd.FILTER, w.astype(np.float64), winograd.FILTER)
-    np.testing.assert_allclose(u.reshape(4, 4, 5, 3).transpose(2, 3, 0, 1), want, rtol=1e-6, atol=1e-6)
+    u = winograd.transformed_filters(w, form)
+    assert u.shape == (form.points, 5, 3) and u.dtype == np.float32 and u.flags.c_contiguous
+    want = np.einsum("ia,kcab,jb->kcij", form.filter, w.astype(np.float64), form.filter)
+    np.testing.assert_allclose(u.reshape(form.patch, form.patch, 5, 3).transpose(2, 3, 0, 1), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize(("width", "panel", "group", "row_tiles"), [
-    (56, 24, 4, 28),  # 28 tiles: seven vectors of 4, where 8s would pad to 32
-    (28, 24, 8, 16),  # 14 tiles: 16 either way, in vectors of 8
-    (13, 32, 8, 8),  # AVX-512's panels
-    (56, 12, 4, 28),  # SSE's panels of 12 hold vectors of 4 only
+@pytest.mark.parametrize(("height", "width", "panel", "form", "group", "row_tiles"), [
+    (8, 56, 24, "F(4x4, 3x3)", 8, 16),  # 14 tiles of 4: 16 either way, in vectors of 8
+    (8, 28, 24, "F(4x4, 3x3)", 8, 8),
+    (8, 56, 12, "F(4x4, 3x3)", 4, 16),  # SSE's panels of 12 hold vectors of 4 only
+    (7, 7, 48, "F(2x2, 3x3)", 4, 4),  # 2 × 2 tiles of 4 padded to 2 × 4: more products than 4 × 4 of 2
+    (2, 56, 24, "F(2x2, 3x3)", 4, 28),  # one row of tiles of 2: 28, seven vectors of 4 where 8s pad to 32
 ])
-def test_tile_rows_are_vectors_of_whichever_group_pads_less(width, panel, group, row_tiles):
+def test_each_convolution_takes_the_form_of_fewest_products(height, width, panel, form, group, row_tiles):
+    """Tile rows are vectors of whichever group pads less; the form is whichever computes
+    fewer products over its padded tiles."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    y = f.conv2d(f.var("x", "float32", [1, 2, 8, width]), f.const(random_array((3, 2, 3, 3), "float32")), padding=1)
+    y = f.conv2d(f.var("x", "float32", [1, 2, height, width]), f.const(random_array((3, 2, 3, 3), "float32")), padding=1)
     geometry = winograd._geometry(y.var.producer, panel)
-    assert (geometry.group, geometry.row_tiles) == (group, row_tiles)
+    assert (geometry.form.name, geometry.group, geometry.row_tiles) == (form, group, row_tiles)
+
+
+@pytest.mark.parametrize(("channels", "size", "form"), [
+    (64, 56, "F(4x4, 3x3)"),  # 224 tiles of 4 for 64 × 64 filters: 32 tiles' worth of bytes
+    (128, 28, "F(2x2, 3x3)"),  # 56 tiles of 4 for 128 × 128 filters (64 tiles' worth)
+    (256, 14, "F(2x2, 3x3)"),
+])
+def test_filters_that_would_outweigh_their_tiles_keep_the_smaller_form(channels, size, form):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [1, channels, size, size])
+    y = f.conv2d(x, f.const(random_array((channels, channels, 3, 3), "float32")), padding=1)
+    assert winograd._geometry(y.var.producer, 48).form.name == form
+
+
+@pytest.fixture(params=list(FORMS))
+def form(request, monkeypatch):
+    """Every convolution computed in this form, whatever its size would choose."""
+    monkeypatch.setattr(winograd, "_form", lambda op: FORMS[request.param])
+    return FORMS[request.param]
 
 
 def _cell(shape, filters, padding, mask="", calculate=False, seed=0):
@@ -84,7 +112,8 @@ def _check(data, y, want, bound) -> None:
         data.compute()
         got = np.array(data[y])
         assert np.isfinite(got).all()
-        # F(2, 3)'s transforms add a few roundings of values up to 4 × the inputs'
+        # the transforms add a few roundings of values a few times the inputs': F(2, 3) erred
+        # up to 2e-7 of the bound, F(4, 3), whose coefficients reach 8, up to 4.2e-6
         assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
 
 
@@ -101,7 +130,7 @@ GEOMETRIES = [
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"g{i}" for i in range(len(GEOMETRIES))])
-def test_winograd_convolution_matches_pytorch(geometry, mask):
+def test_winograd_convolution_matches_pytorch(geometry, mask, form):
     cell, data, y, want, bound = _cell(*geometry, mask=mask)
     (step,) = cell.steps
     assert step.kernel == winograd.WINOGRAD_KERNEL and step.variant != "python"
@@ -109,7 +138,7 @@ def test_winograd_convolution_matches_pytorch(geometry, mask):
 
 
 @pytest.mark.parametrize("mask", ["", "-avx512,-avx2"])
-def test_a_calculate_after_the_convolution_runs_over_the_rows_each_part_wrote(mask):
+def test_a_calculate_after_the_convolution_runs_over_the_rows_each_part_wrote(mask, form):
     cell, data, y, want, bound = _cell((1, 32, 30, 30), (24, 32, 3, 3), 1, mask=mask, calculate=True)
     assert [step.kernel for step in cell.steps] == [winograd.WINOGRAD_KERNEL]
     _check(data, y, want, bound)
@@ -123,7 +152,7 @@ SPLITS = {
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
-def test_each_way_of_sharing_the_work_out(split, monkeypatch):
+def test_each_way_of_sharing_the_work_out(split, monkeypatch, form):
     """Two parts as on a 2-core machine, whatever this one has: whole images, ranges of
     tile rows, or (an image of fewer blocks than parts) ranges of filters."""
     monkeypatch.setattr(winograd, "thread_count", lambda: 2)
@@ -170,7 +199,7 @@ def test_other_convolutions_are_the_implicit_gemms():
 
 
 @pytest.mark.parametrize("mask", ["", "-avx512,-avx2"])
-def test_filters_that_change_are_transformed_at_every_compute(mask, monkeypatch):
+def test_filters_that_change_are_transformed_at_every_compute(mask, monkeypatch, form):
     """A training step's filters (a variable, shared out over two parts) are transformed by
     the step itself: a new value is used by the next compute."""
     monkeypatch.setattr(winograd, "thread_count", lambda: 2)

@@ -1,14 +1,16 @@
-"""Conv2D by Winograd's minimal filtering F(2×2, 3×3) (Lavin and Gray, "Fast Algorithms for
-Convolutional Neural Networks", 2016): a 3 × 3 convolution of stride 1 computes each 2 × 2
-tile of its output from the 4 × 4 patch of input under it as
+"""Conv2D by Winograd's minimal filtering F(m×m, 3×3) (Lavin and Gray, "Fast Algorithms for
+Convolutional Neural Networks", 2016): a 3 × 3 convolution of stride 1 computes each m × m
+tile of its output from the (m + 2) × (m + 2) patch of input under it as
 
     Y = Aᵀ [ U ⊙ V ] A,    U = G g Gᵀ (per filter k and channel c),   V = Bᵀ d B (per tile and c),
 
-summing over the channels inside the ⊙: each of the 16 points ξ of the transformed tile is a
-matrix product M[ξ] [K, tiles] = U[ξ] [K, C] · V[ξ] [C, tiles]. That is 16 multiplies per tile
-and channel pair where the direct convolution does 36: 2.25 times fewer, for some additions in
-the transforms and their memory traffic. The filters are an inference model's constants, so U
-is made once when the network is (a `Prepared` form of the weights).
+summing over the channels inside the ⊙: each of the (m + 2)² points ξ of the transformed tile
+is a matrix product M[ξ] [K, tiles] = U[ξ] [K, C] · V[ξ] [C, tiles]. F(2×2, 3×3) does 16
+multiplies per tile and channel pair where the direct convolution does 36 (2.25 times fewer),
+F(4×4, 3×3) 36 where it does 144 (4 times fewer), for additions in the transforms and their
+memory traffic; a convolution takes the form that computes fewer (`_form`). The filters are
+an inference model's constants, so U is made once when the network is (a `Prepared` form of
+the weights).
 
 The output's tiles are taken a block of tile rows at a time, sized so the block's V and M stay
 near the caches and the filters' U is read few times. Per block, on the calling thread:
@@ -16,11 +18,11 @@ near the caches and the filters' U is read few times. Per block, on the calling 
 1. the input rows under the block are copied, every channel, into a scratch with their
    padding as zeros, so the transform reads them with plain vector loads;
 2. the input transform reads a vector of `group` horizontally adjacent tiles at a time (each
-   row of their patches is two loads split into even and odd columns) and stores V[ξ] as
+   row of their patches is runs of loads split into m phases of columns) and stores V[ξ] as
    the generated GEMM's packed panels of B (sgemm.py: NR tiles by all C channels);
-3. 16 calls of `ranvier_sgemm_packed` make M[ξ], reading U[ξ] in place;
-4. the output transform writes each tile's 2 × 2 outputs into a scratch of whole tile rows
-   (two interleaved vectors per output row), whose rows are then copied into the NCHW
+3. a call of `ranvier_sgemm_packed` per point makes M[ξ], reading U[ξ] in place;
+4. the output transform writes each tile's m × m outputs into a scratch of whole tile rows
+   (m interleaved vectors per output row), whose rows are then copied into the NCHW
    output less what lies past its edge; a Conv2DCalculate's program runs over the rows
    of output each call wrote.
 
@@ -55,13 +57,54 @@ from .program import epilogue
 WINOGRAD_KERNEL = "WinogradConv"
 PACKED_GEMM_KERNELS.add(WINOGRAD_KERNEL)
 
-# F(2, 3)'s matrices: 2 outputs of a 3-tap filter from 4 inputs, applied along both axes.
-INPUT_T = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64)  # Bᵀ
-FILTER = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float64)  # G
-OUTPUT_T = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)  # Aᵀ
-TILE, PATCH = OUTPUT_T.shape  # an output tile's edge, an input patch's
-POINTS = PATCH * PATCH  # products per tile and channel pair: one GEMM each
-FORM = "Winograd F(2x2, 3x3) filters U[16, K, C]"
+
+
+@dataclass(frozen=True, eq=False)
+class Form:
+    """One of Winograd's algorithms F(m × m, 3 × 3): m outputs of a 3-tap filter from
+    m + 2 inputs, along both axes, by its matrices Bᵀ (`input_t`), G and Aᵀ (`output_t`)."""
+
+    name: str
+    input_t: np.ndarray
+    filter: np.ndarray
+    output_t: np.ndarray
+
+    @property
+    def tile(self) -> int:
+        """An output tile's edge."""
+        return self.output_t.shape[0]
+
+    @property
+    def patch(self) -> int:
+        """An input patch's edge."""
+        return self.output_t.shape[1]
+
+    @property
+    def points(self) -> int:
+        """Products per tile and channel pair: one GEMM each."""
+        return self.patch * self.patch
+
+    @property
+    def prepared(self) -> str:
+        """What constant filters are prepared as."""
+        return f"Winograd {self.name} filters U[{self.points}, K, C]"
+
+
+F2 = Form("F(2x2, 3x3)",
+          np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64),
+          np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float64),
+          np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64))
+# Lavin and Gray's F(4, 3), interpolating at 0, ±1, ±2 and infinity: 2.25 products an output
+# where F(2, 3) takes 4, for transforms whose coefficients reach 8: its error reached 4.2e-6
+# of the direct convolution's bound (the sum of the products' magnitudes) in the tests, where
+# F(2, 3)'s reached 2e-7.
+F4 = Form("F(4x4, 3x3)",
+          np.array([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0],
+                    [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], np.float64),
+          np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
+                    [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], np.float64),
+          np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]], np.float64))
+FORMS = (F2, F4)
 
 # A block's V and M, as bytes: a block takes the fewest tile rows that reach this, so the
 # GEMMs' panels and rows are long enough to run near their peak, while V and M stay in the
@@ -77,17 +120,18 @@ _MAX_PAIRS = 256 * 256
 _MANY_IMAGES = 8
 
 
-def transformed_filters(w: np.ndarray) -> np.ndarray:
-    """U[ξ, k, c] = (G · w[k, c] · Gᵀ)[ξ] for filters w [K, C, 3, 3]: [16, K, C] float32,
+def transformed_filters(w: np.ndarray, form: Form) -> np.ndarray:
+    """U[ξ, k, c] = (G · w[k, c] · Gᵀ)[ξ] for filters w [K, C, 3, 3]: [points, K, C] float32,
     computed in float64."""
-    u = np.einsum("ia,kcab,jb->ijkc", FILTER, w.astype(np.float64), FILTER)
-    return np.ascontiguousarray(u.reshape(POINTS, *w.shape[:2]), np.float32)
+    u = np.einsum("ia,kcab,jb->ijkc", form.filter, w.astype(np.float64), form.filter)
+    return np.ascontiguousarray(u.reshape(form.points, *w.shape[:2]), np.float32)
 
 
 @dataclass(frozen=True)
 class _Geometry:
-    """Sizes of one convolution, as the kernel's loops use them."""
+    """Sizes of one convolution, as the kernel's loops use them, and the form computing it."""
 
+    form: Form
     channels: int
     filters: int
     height: int
@@ -101,19 +145,19 @@ class _Geometry:
 
     @property
     def tile_rows(self) -> int:
-        return -(-self.out_height // TILE)
+        return -(-self.out_height // self.form.tile)
 
     @property
     def row_tiles(self) -> int:
         """Tiles per tile row, padded to whole vectors."""
-        return -(-self.out_width // (TILE * self.group)) * self.group
+        return -(-self.out_width // (self.form.tile * self.group)) * self.group
 
     @property
     def block_rows(self) -> int:
         """Tile rows per block: enough for V and M to fill _BLOCK_BYTES, and enough that the
         transformed filters, read once a block, move no more bytes per tile than V and M do
         (K·C / P ≤ K + C for P tiles a block): 256 × 256 filters take 128 tiles a block."""
-        per_row = 4 * POINTS * (self.channels + self.filters) * self.row_tiles
+        per_row = 4 * self.form.points * (self.channels + self.filters) * self.row_tiles
         filter_tiles = self.channels * self.filters // (self.channels + self.filters)
         rows = max(-(-_BLOCK_BYTES // per_row), -(-filter_tiles // self.row_tiles))
         return max(1, min(self.tile_rows, rows))
@@ -136,12 +180,13 @@ class _Geometry:
     @property
     def patch_rows(self) -> int:
         """Input rows under a block's tiles."""
-        return TILE * self.block_rows + PATCH - TILE
+        return self.form.tile * self.block_rows + self.form.patch - self.form.tile
 
     @property
     def patch_width(self) -> int:
-        """A row of input under a tile row, its padding included."""
-        return TILE * self.row_tiles + PATCH - TILE
+        """A row of input under a tile row, its padding included, and room for the
+        transform's last loads (a tile's edge past the row's last tile)."""
+        return self.form.tile * (self.row_tiles + 1)
 
     @property
     def patch_floats(self) -> int:
@@ -151,8 +196,9 @@ class _Geometry:
     def workspace_bytes(self) -> int:
         """A part's scratch: V and M of every point, the block's input rows and output rows,
         and room to align V to a cache line."""
-        return 64 + 4 * (POINTS * (self.v_floats + self.m_floats) + self.patch_floats
-                         + self.filters * TILE * self.block_rows * TILE * self.row_tiles)
+        tile = self.form.tile
+        return 64 + 4 * (self.form.points * (self.v_floats + self.m_floats) + self.patch_floats
+                         + self.filters * tile * self.block_rows * tile * self.row_tiles)
 
 
 def _staggered(floats: int) -> int:
@@ -162,15 +208,36 @@ def _staggered(floats: int) -> int:
     return -(-floats // 1024) * 1024 + 16
 
 
+def _form(op) -> Form:
+    """The form whose tiles, padded to whole vectors of 4, take the fewest products, among
+    those with enough tiles an image that their transformed filters, read once per image at
+    least, move no more bytes per tile than V and M do (K·C / tiles ≤ K + C): F(4, 3) but on
+    small images, whose tiles of 4 would mostly compute padding (a 7 × 7 output is 2 × 4 of
+    them, 288 products a channel pair, where F(2, 3)'s 4 × 4 tiles take 256), and on ones
+    with many channels, whose 36 points' filters would be read for few tiles (ResNet-18's
+    256-channel 14 × 14 convolutions took 0.94-1.04 ms in F(4, 3), 0.78-0.85 in F(2, 3), at
+    batch 1 on 2 cores of an Emerald Rapids Xeon; its 64-channel 56 × 56 ones 0.52-0.57
+    against 0.77-0.80). The same on every target, as the filters prepared in it are."""
+    filters, channels = op.inputs[1].shape[:2]
+    height, width = op.outputs[0].shape[2:]
+
+    def tiles(form: Form) -> int:
+        return -(-height // form.tile) * -(-width // (4 * form.tile)) * 4
+
+    usable = [form for form in FORMS if tiles(form) >= filters * channels // (filters + channels)] or [F2]
+    return min(usable, key=lambda form: tiles(form) * form.points)
+
+
 def _geometry(op, panel: int) -> _Geometry:
     """`op`'s sizes, for the packed GEMM's panels of `panel` tiles."""
     (_, channels, height, width), (filters, *_), (_, _, out_height, out_width) = (v.shape for v in (*op.inputs[:2], op.outputs[0]))
     pad_height, pad_width = attrs_of(op)["padding"]
+    form = _form(op)
     # vectors of 8 tiles where they waste no more tiles on padding than vectors of 4 (28 tiles
     # a row are 7 vectors of 4, or 4 of 8 with 4 padding); SSE's panels of 12 hold 4s only
-    tiles = -(-out_width // TILE)
+    tiles = -(-out_width // form.tile)
     group = 8 if panel % 8 == 0 and -(-tiles // 8) * 8 <= -(-tiles // 4) * 4 else 4
-    return _Geometry(channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel)
+    return _Geometry(form, channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel)
 
 
 def _supported(op) -> bool:
@@ -187,7 +254,7 @@ def _filter_bytes(op) -> int:
     """The workspace's room for U made at run time: filters that change (a training step's,
     or an input gradient's turned filters), 64 bytes of it for alignment; none for constants."""
     w = op.inputs[1]
-    return 0 if unchanging_constant(w) else 64 + 4 * POINTS * w.shape[0] * w.shape[1]
+    return 0 if unchanging_constant(w) else 64 + 4 * _form(op).points * w.shape[0] * w.shape[1]
 
 
 _FILTER_UNIT = 8  # filters in a part's share: whole strips of the GEMM's tiles (MR is 4 or 8)
@@ -216,23 +283,23 @@ def _workspace_bytes(op) -> int:
 
 def _prepared(op) -> list[Prepared]:
     """Constant filters' U, made once with the network."""
-    w = op.inputs[1]
-    return [Prepared(w, FORM, lambda value, target: transformed_filters(value))] if unchanging_constant(w) else []
+    w, form = op.inputs[1], _form(op)
+    return [Prepared(w, form.prepared, lambda value, target: transformed_filters(value, form))] if unchanging_constant(w) else []
 
 
-def _transform_filters(ctx, op, target) -> None:
-    """U = G · w · Gᵀ of every filter and channel pair into `target(ctx)` ([16, K, C]), the
-    filters shared out over the cores: a step's first job, before the tiles read it."""
+def _transform_filters(ctx, op, form: Form, target) -> None:
+    """U = G · w · Gᵀ of every filter and channel pair into `target(ctx)` ([points, K, C]),
+    the filters shared out over the cores: a step's first job, before the tiles read it."""
     w = op.inputs[1]
     filters, channels = w.shape[:2]
-    threads = thread_count() if worth_splitting(nbytes=POINTS * 4 * filters * channels) else 1
+    threads = thread_count() if worth_splitting(nbytes=form.points * 4 * filters * channels) else 1
 
     def part(first: int, last: int):
         def emit(ctx) -> None:
             u = target(ctx)
             with ctx.loop(first, last, name="filter_k") as k, ctx.loop(0, channels, name="filter_c") as c:
                 taps = [[ctx.load(w, (k * channels + c) * 9 + 3 * a + column) for column in range(3)] for a in range(3)]
-                for point, value in enumerate(v for row in _apply_both(FILTER, taps) for v in row):
+                for point, value in enumerate(v for row in _apply_both(form.filter, taps) for v in row):
                     ctx.b.store(value.ir, ctx.b.gep(u, [(k * channels + c + point * filters * channels).ir]))
 
         return emit
@@ -257,11 +324,11 @@ def winograd_conv(ctx, op) -> None:
     def transformed(ctx) -> ir.Value:
         """U: the constant's prepared form, or the workspace's start (aligned) where it is made."""
         if not made_here:
-            return ctx.prepared(w, FORM, F32)
+            return ctx.prepared(w, g.form.prepared, F32)
         return cache_line_aligned(ctx.b, ctx.address(ctx.workspace), F32.as_pointer())
 
     if made_here:
-        _transform_filters(ctx, op, transformed)
+        _transform_filters(ctx, op, g.form, transformed)
 
     def part(calls, number: int):
         def emit(ctx) -> None:
@@ -273,7 +340,7 @@ def winograd_conv(ctx, op) -> None:
                 b.call(tiles, [ctx.element_pointer(x, image * image_size), b.gep(filters, [i64(first_filter * g.channels)]),
                                ctx.element_pointer(y, image * out_size + first_filter * plane), i64(first), i64(last),
                                i64(last_filter - first_filter), scratch, gemm])
-                top, bottom = TILE * first, min(TILE * last, g.out_height)
+                top, bottom = g.form.tile * first, min(g.form.tile * last, g.out_height)
                 epilogue(ctx, op, image * out_size + first_filter * plane + top * g.out_width, last_filter - first_filter,
                          (bottom - top) * g.out_width)
 
@@ -305,7 +372,7 @@ class _Emitter:
     """The function computing one image's output over a range of tile rows."""
 
     def __init__(self, module: ir.Module, g: _Geometry):
-        self.module, self.g = module, g
+        self.module, self.g, self.form = module, g, g.form
         self.vector = ir.VectorType(F32, g.group)
         self.ints = ir.VectorType(I32, g.group)
         self.zeros = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * g.group)
@@ -317,8 +384,9 @@ class _Emitter:
         image, filters, out, first_row, last_row, filter_count, scratch, gemm = function.args
         b = self.b = ir.IRBuilder(function.append_basic_block("entry"))
         v = cache_line_aligned(b, scratch, F32.as_pointer())
-        m = b.gep(v, [i64(POINTS * g.v_floats)])
-        patches = b.gep(m, [i64(POINTS * g.m_floats)])
+        points = self.form.points
+        m = b.gep(v, [i64(points * g.v_floats)])
+        patches = b.gep(m, [i64(points * g.m_floats)])
         tiles_out = b.gep(patches, [i64(g.patch_floats)])
         with for_range(b, first_row, last_row, step=g.block_rows, name="block") as top:
             rows = b.sub(last_row, top)
@@ -328,7 +396,7 @@ class _Emitter:
             with for_range(b, i64(0), rows, name="tile_row") as row, \
                     for_range(b, i64(0), i64(g.row_tiles), step=g.group, name="tile") as column:
                 self.input_transform(patches, row, column, b.add(b.mul(row, i64(g.row_tiles)), column), v)
-            with for_range(b, i64(0), i64(POINTS), name="point") as point:
+            with for_range(b, i64(0), i64(points), name="point") as point:
                 b.call(gemm, [i64(0), filter_count, count, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * g.channels))]),
                               i64(g.channels), b.gep(v, [b.mul(point, i64(g.v_floats))]), b.gep(m, [b.mul(point, i64(g.m_floats))]),
                               count])
@@ -363,10 +431,10 @@ class _Emitter:
         """The input rows under the block's tiles, every channel, into `patches` with their
         padding as zeros (the image's column x at x + pad_width): the transform reads them
         without masks."""
-        b, g = self.b, self.g
+        b, g, tile = self.b, self.g, self.form.tile
         with for_range(b, i64(0), i64(g.channels), name="gather_channel") as c, \
-                for_range(b, i64(0), b.add(b.mul(rows, i64(TILE)), i64(PATCH - TILE)), name="gather_row") as r:
-            y = b.add(b.sub(b.mul(top, i64(TILE)), i64(g.pad_height)), r)
+                for_range(b, i64(0), b.add(b.mul(rows, i64(tile)), i64(self.form.patch - tile)), name="gather_row") as r:
+            y = b.add(b.sub(b.mul(top, i64(tile)), i64(g.pad_height)), r)
             target = b.gep(patches, [b.mul(b.add(b.mul(c, i64(g.patch_rows)), r), i64(g.patch_width))])
             with b.if_else(b.icmp_unsigned("<", y, i64(g.height))) as (inside, outside):
                 with inside:
@@ -380,55 +448,72 @@ class _Emitter:
     def scatter_rows(self, tiles_out: ir.Value, top: ir.Value, rows: ir.Value, filters: ir.Value, out: ir.Value) -> None:
         """The block's output rows of the call's filters, from `tiles_out` into the image's output
         (the tiles' columns and rows past its edge left out)."""
-        b, g = self.b, self.g
-        out_rows = b.sub(b.mul(rows, i64(TILE)), b.zext(b.icmp_signed(">", b.mul(b.add(top, rows), i64(TILE)), i64(g.out_height)), I64))
+        b, g, tile = self.b, self.g, self.form.tile
+        out_rows = b.mul(rows, i64(tile))
+        left = b.sub(i64(g.out_height), b.mul(top, i64(tile)))  # the output's rows from the block's first
+        out_rows = b.select(b.icmp_signed("<", left, out_rows), left, out_rows)
         with for_range(b, i64(0), filters, name="scatter_filter") as k, for_range(b, i64(0), out_rows, name="scatter_row") as r:
-            source = b.gep(tiles_out, [b.mul(b.add(b.mul(k, i64(TILE * g.block_rows)), r), i64(TILE * g.row_tiles))])
-            y = b.add(b.mul(top, i64(TILE)), r)
+            source = b.gep(tiles_out, [b.mul(b.add(b.mul(k, i64(tile * g.block_rows)), r), i64(tile * g.row_tiles))])
+            y = b.add(b.mul(top, i64(tile)), r)
             self.copy(source, b.gep(out, [b.add(b.mul(k, i64(g.out_height * g.out_width)), b.mul(y, i64(g.out_width)))]), g.out_width)
 
     # ---- the transforms ---------------------------------------------------------------------
 
+    def concat(self, vectors: list[ir.Value]) -> ir.Value:
+        """Vectors of equal lanes (a power of two of them) joined end to end into one."""
+        b = self.b
+        while len(vectors) > 1:
+            lanes = 2 * vectors[0].type.count
+            order = ir.Constant(ir.VectorType(I32, lanes), list(range(lanes)))
+            vectors = [b.shuffle_vector(vectors[i], vectors[i + 1], order) for i in range(0, len(vectors), 2)]
+        return vectors[0]
+
     def input_transform(self, patches: ir.Value, row: ir.Value, tile: ir.Value, index: ir.Value, v: ir.Value) -> None:
         """V of the `group` tiles from `tile` in the block's tile row `row`, every channel,
         into the panels at tile `index` of the block."""
-        b, g = self.b, self.g
-        group = g.group
-        # a patch row is read as [left, left + 2·group) and [left + 2, left + 2 + 2·group),
-        # split into even and odd columns
-        starts = [0, group, 2, 2 + group]
-        evens = ir.Constant(self.ints, [2 * e for e in range(group)])
-        odds = ir.Constant(self.ints, [2 * e + 1 for e in range(group)])
+        b, g, form = self.b, self.g, self.form
+        group, step = g.group, form.tile
+        # A tile's patch column j lies `step` columns after the previous tile's: a row of
+        # the group's patches is read as runs of step·group floats from column `base` (0,
+        # then step), each split into its step phases, phase p the columns base + p
+        reads = [(base, phase) for base in range(0, form.patch, step) for phase in range(min(step, form.patch - base))]
+        phases = [ir.Constant(self.ints, [phase + step * e for e in range(group)]) for phase in range(step)]
         panel, lane = b.sdiv(index, i64(g.panel)), b.srem(index, i64(g.panel))
         target = b.add(b.mul(panel, i64(g.panel * g.channels)), lane)
-        first = b.add(b.mul(b.mul(row, i64(TILE)), i64(g.patch_width)), b.mul(tile, i64(TILE)))
+        first = b.add(b.mul(b.mul(row, i64(step)), i64(g.patch_width)), b.mul(tile, i64(step)))
         with for_range(b, i64(0), i64(g.channels), name="channel") as c:
             corner = b.gep(patches, [b.add(b.mul(c, i64(g.patch_rows * g.patch_width)), first)])
             patch = []
-            for r in range(PATCH):
-                loads = [b.load(b.bitcast(b.gep(corner, [i64(r * g.patch_width + s)]), self.vector.as_pointer()), align=4) for s in starts]
-                patch.append([Value(b, b.shuffle_vector(loads[pair], loads[pair + 1], parity), dtypes.DT_FLOAT32)
-                              for pair in (0, 2) for parity in (evens, odds)])
+            for r in range(form.patch):
+                runs = {}
+                for base, _ in reads:
+                    if base not in runs:
+                        loads = [b.load(b.bitcast(b.gep(corner, [i64(r * g.patch_width + base + i * group)]), self.vector.as_pointer()),
+                                        align=4) for i in range(step)]
+                        runs[base] = self.concat(loads)
+                patch.append([Value(b, b.shuffle_vector(runs[base], ir.Constant(runs[base].type, ir.Undefined), phases[phase]),
+                                    dtypes.DT_FLOAT32) for base, phase in reads])
             at = b.add(target, b.mul(c, i64(g.panel)))
-            for point, value in enumerate(value for row_ in _apply_both(INPUT_T, patch) for value in row_):
+            for point, value in enumerate(value for row_ in _apply_both(form.input_t, patch) for value in row_):
                 pointer = b.gep(v, [b.add(at, i64(point * g.v_floats))])
                 b.store(value.ir, b.bitcast(pointer, self.vector.as_pointer()), align=4)
 
     def output_transform(self, m: ir.Value, at: ir.Value, tiles_out: ir.Value, k: ir.Value, row: ir.Value, tile: ir.Value) -> None:
-        """The 2 × 2 outputs of filter k for the `group` tiles from `tile` in the block's tile
-        row `row`, from their products at `at` of each point's M, into `tiles_out`."""
-        b, g = self.b, self.g
-        group = g.group
+        """The tile × tile outputs of filter k for the `group` tiles from `tile` in the block's
+        tile row `row`, from their products at `at` of each point's M, into `tiles_out`."""
+        b, g, form = self.b, self.g, self.form
+        group, size, patch = g.group, form.tile, form.patch
         points = []
-        for point in range(POINTS):
+        for point in range(form.points):
             pointer = b.gep(m, [b.add(at, i64(point * g.m_floats))])
             points.append(Value(b, b.load(b.bitcast(pointer, self.vector.as_pointer()), align=4), dtypes.DT_FLOAT32))
-        y = _apply_both(OUTPUT_T, [points[r * PATCH : (r + 1) * PATCH] for r in range(PATCH)])
-        halves = [ir.Constant(self.ints, [h * group // 2 + e // 2 + (e % 2) * group for e in range(group)]) for h in (0, 1)]
-        width = TILE * g.row_tiles
-        corner = b.add(b.mul(b.add(b.mul(k, i64(TILE * g.block_rows)), b.mul(row, i64(TILE))), i64(width)), b.mul(tile, i64(TILE)))
-        for a in range(TILE):
-            for h in (0, 1):
-                value = b.shuffle_vector(y[a][0].ir, y[a][1].ir, halves[h])
-                pointer = b.gep(tiles_out, [b.add(corner, i64(a * width + h * group))])
-                b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=4)
+        y = _apply_both(form.output_t, [points[r * patch : (r + 1) * patch] for r in range(patch)])
+        # output row a of the group's tiles: tile e's column j (y[a][j]'s lane e) at size·e + j
+        interleave = ir.Constant(ir.VectorType(I32, size * group), [(p % size) * group + p // size for p in range(size * group)])
+        width = size * g.row_tiles
+        corner = b.add(b.mul(b.add(b.mul(k, i64(size * g.block_rows)), b.mul(row, i64(size))), i64(width)), b.mul(tile, i64(size)))
+        for a in range(size):
+            joined = self.concat([y[a][j].ir for j in range(size)])
+            value = b.shuffle_vector(joined, ir.Constant(joined.type, ir.Undefined), interleave)
+            pointer = b.gep(tiles_out, [b.add(corner, i64(a * width))])
+            b.store(value, b.bitcast(pointer, value.type.as_pointer()), align=4)
