@@ -110,8 +110,8 @@ FORMS = (F2, F4)
 # GEMMs' panels and rows are long enough to run near their peak, while V and M stay in the
 # caches between the transforms and the products.
 _BLOCK_BYTES = 512 << 10
-# Above this many filter × channel pairs the 16 transformed filters (64 bytes a pair) come
-# from memory: ResNet-18's 512 × 512 convolutions (16 MB of U) took 1.2 times the direct
+# Above this many filter × channel pairs the transformed filters (F(2, 3)'s, 64 bytes a pair,
+# which so many channels take: `_form`) come from memory: ResNet-18's 512 × 512 convolutions (16 MB of U) took 1.2 times the direct
 # convolution's time at batch 1 and the same at batch 8 on an AVX2 EPYC; its 256 × 256
 # ones 0.7 times. With this many images U is read once per image from the last-level
 # cache instead: on an AVX-512 Xeon the 512 × 512 ones took 0.8 times the direct
@@ -203,7 +203,7 @@ class _Geometry:
 
 def _staggered(floats: int) -> int:
     """`floats` rounded up to whole 4 KiB pages plus one cache line: the transforms touch
-    the same place in all 16 points at once, and 16 streams a multiple of 4 KiB apart
+    the same place in every point (16 or 36) at once, and streams a multiple of 4 KiB apart
     would share one set of the L1 cache (8 ways) and evict each other."""
     return -(-floats // 1024) * 1024 + 16
 
