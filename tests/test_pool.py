@@ -145,6 +145,33 @@ def test_workers_take_on_the_callers_floating_point_modes():
     assert len(threads) >= min(2, thread_count()), "the workers ran no part"
 
 
+_PINNING_SCRIPT = """
+import os
+from ranvier.backends.cpu.pool import pool
+
+def allowed(tid):
+    status = open(f"/proc/self/task/{tid}/status").read()
+    return next(line.split(":")[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+
+before = set(os.listdir("/proc/self/task"))
+pool().ensure(3)
+print(allowed(os.getpid()), *(allowed(tid) for tid in sorted(set(os.listdir("/proc/self/task")) - before, key=int)))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc/self/task"), reason="Linux affinity masks")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_workers_are_bound_one_cpu_each_unless_told_not_to(pinned):
+    """Worker i runs on the (i + 1)-th CPU of the process's mask, round again past its end
+    (three workers on two CPUs: the second, the first, the second); with
+    RANVIER_PIN_WORKERS=0 they keep the whole mask, as the caller does."""
+    cpus = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANVIER_PIN_WORKERS="1" if pinned else "0")
+    done = subprocess.run([sys.executable, "-c", _PINNING_SCRIPT], env=env, capture_output=True, text=True, check=True)
+    caller, *workers = done.stdout.split()
+    assert workers == ([str(cpus[(i + 1) % len(cpus)]) for i in range(3)] if pinned else [caller] * 3)
+
+
 def test_a_job_costs_far_less_than_a_thread_start():
     """Waking sleeping workers takes microseconds (pthread_create and join took tens)."""
     assert pool().job_seconds(2, asleep=False) < 20e-6
