@@ -55,8 +55,8 @@ CPU_SET_BYTES = 128  # glibc's cpu_set_t: CPUs 0 to 1023
 # this is "0". Left free, a worker woken after a pause was often placed on the caller's CPU
 # and shared it for milliseconds: ResNet-18 b1 called 0.2 s after its last call took
 # 20.8-22.4 ms with the worker free, 13.0-16.9 bound to either CPU (the caller then moved to
-# the other; a 2-core VM, three alternated runs). Bound workers of several processes on one
-# machine share the CPUs evenly, as their callers do.
+# the other; a 2-core VM, three alternated runs). Several processes on one machine bind their
+# workers alike, so each of those CPUs takes one worker of each, and the callers float.
 PIN_ENVIRONMENT = "RANVIER_PIN_WORKERS"
 SYMBOLS = ("ranvier_pool_run", "ranvier_pool_grow", "ranvier_pool_forget", "ranvier_pool_nothing")
 
