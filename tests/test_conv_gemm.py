@@ -35,7 +35,7 @@ GEOMETRIES = [
     (2, 5, 6, 3, (3, 3), (3, 2), (2, 2)),  # padding as wide as the kernel reaches
     (2, 40, 48, 4, (3, 3), (1, 1), (1, 1)),  # rows a multiple of every vector width, n over several blocks
     (9, 7, 7, 5, (3, 3), (1, 1), (1, 1)),  # a 7 × 7 image: vectors over 2-4 output rows, a masked load each
-    (6, 9, 4, 5, (3, 3), (1, 1), (1, 1)),  # rows of 4: vectors over more rows than that go lane by lane
+    (6, 9, 4, 5, (3, 3), (1, 1), (1, 1)),  # rows of 4: vectors over more rows than that, one gather each
 ]
 
 

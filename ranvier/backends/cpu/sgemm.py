@@ -530,9 +530,9 @@ class _Emitter:
         `target`, read `way`: "run" (one load), "pairs" (stride 2: two loads, every other
         element), "segments" (stride 1 over up to `_MAX_SEGMENTS` output rows: a masked load
         per row, each into its lanes) or "lanes" (a gather of each lane's element); `masked`:
-        lanes whose tap falls in the padding are zeros, not read (else every lane is inside). `columns` holds the vector's offsets,
-        first input rows and columns (i32 vectors) and its first offset; `bounds` the
-        image's height and width (splatted)."""
+        lanes whose tap falls in the padding are zeros, not read (else every lane is
+        inside). `columns` holds the vector's offsets, first input rows and columns (i32
+        vectors) and its first offset; `bounds` the image's height and width (splatted)."""
         lanes = self.lanes
         ints = ir.VectorType(I32, lanes)
         offsets, tops, lefts, first_offset = columns

@@ -459,14 +459,15 @@ class _Emitter:
 
     # ---- the transforms ---------------------------------------------------------------------
 
-    def concat(self, vectors: list[ir.Value]) -> ir.Value:
-        """Vectors of equal lanes (a power of two of them) joined end to end into one."""
+    def pick(self, vectors: list[ir.Value], order: ir.Constant) -> ir.Value:
+        """The lanes `order` names of vectors of equal lanes (a power of two of them) joined
+        end to end."""
         b = self.b
         while len(vectors) > 1:
             lanes = 2 * vectors[0].type.count
-            order = ir.Constant(ir.VectorType(I32, lanes), list(range(lanes)))
-            vectors = [b.shuffle_vector(vectors[i], vectors[i + 1], order) for i in range(0, len(vectors), 2)]
-        return vectors[0]
+            joined = ir.Constant(ir.VectorType(I32, lanes), list(range(lanes)))
+            vectors = [b.shuffle_vector(vectors[i], vectors[i + 1], joined) for i in range(0, len(vectors), 2)]
+        return b.shuffle_vector(vectors[0], ir.Constant(vectors[0].type, ir.Undefined), order)
 
     def input_transform(self, patches: ir.Value, row: ir.Value, tile: ir.Value, index: ir.Value, v: ir.Value) -> None:
         """V of the `group` tiles from `tile` in the block's tile row `row`, every channel,
@@ -476,7 +477,7 @@ class _Emitter:
         # A tile's patch column j lies `step` columns after the previous tile's: a row of
         # the group's patches is read as runs of step·group floats from column `base` (0,
         # then step), each split into its step phases, phase p the columns base + p
-        reads = [(base, phase) for base in range(0, form.patch, step) for phase in range(min(step, form.patch - base))]
+        bases = range(0, form.patch, step)
         phases = [ir.Constant(self.ints, [phase + step * e for e in range(group)]) for phase in range(step)]
         panel, lane = b.sdiv(index, i64(g.panel)), b.srem(index, i64(g.panel))
         target = b.add(b.mul(panel, i64(g.panel * g.channels)), lane)
@@ -485,14 +486,13 @@ class _Emitter:
             corner = b.gep(patches, [b.add(b.mul(c, i64(g.patch_rows * g.patch_width)), first)])
             patch = []
             for r in range(form.patch):
-                runs = {}
-                for base, _ in reads:
-                    if base not in runs:
-                        loads = [b.load(b.bitcast(b.gep(corner, [i64(r * g.patch_width + base + i * group)]), self.vector.as_pointer()),
-                                        align=4) for i in range(step)]
-                        runs[base] = self.concat(loads)
-                patch.append([Value(b, b.shuffle_vector(runs[base], ir.Constant(runs[base].type, ir.Undefined), phases[phase]),
-                                    dtypes.DT_FLOAT32) for base, phase in reads])
+                columns = []
+                for base in bases:
+                    run = [b.load(b.bitcast(b.gep(corner, [i64(r * g.patch_width + base + i * group)]), self.vector.as_pointer()),
+                                  align=4) for i in range(step)]
+                    columns += [Value(b, self.pick(run, phases[phase]), dtypes.DT_FLOAT32)
+                                for phase in range(min(step, form.patch - base))]
+                patch.append(columns)
             at = b.add(target, b.mul(c, i64(g.panel)))
             for point, value in enumerate(value for row_ in _apply_both(form.input_t, patch) for value in row_):
                 pointer = b.gep(v, [b.add(at, i64(point * g.v_floats))])
@@ -513,7 +513,6 @@ class _Emitter:
         width = size * g.row_tiles
         corner = b.add(b.mul(b.add(b.mul(k, i64(size * g.block_rows)), b.mul(row, i64(size))), i64(width)), b.mul(tile, i64(size)))
         for a in range(size):
-            joined = self.concat([y[a][j].ir for j in range(size)])
-            value = b.shuffle_vector(joined, ir.Constant(joined.type, ir.Undefined), interleave)
+            value = self.pick([y[a][j].ir for j in range(size)], interleave)
             pointer = b.gep(tiles_out, [b.add(corner, i64(a * width))])
             b.store(value, b.bitcast(pointer, value.type.as_pointer()), align=4)
