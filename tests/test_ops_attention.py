@@ -222,3 +222,37 @@ def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, monkeypa
     got = run_flow(build, [q, k, v, dout, *bias])
     for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd), bias[0] if bias else None)):
         check(result, want, "float32")
+
+
+@pytest.mark.parametrize("cpu_mask", ["", "-avx512", "-avx512,-avx2"])
+@pytest.mark.parametrize("hd", [64, 100])
+def test_attention_gemm_heads_wider_than_a_panel(cpu_mask, hd, monkeypatch):
+    """Key and value heads packed once into the GEMM's panels (48, 24 or 12 columns by
+    target) where a head takes several, the last one partial: the forward's and the
+    backward's products against float64 loops, on every CPU variant, items over two parts
+    (the outputs are the same bits as the unpacked products': packing reorders no sum)."""
+    import ranvier as rv
+    import ranvier.backends.cpu.kernels.attention as cpu
+
+    monkeypatch.setattr(cpu, "scores_budget", lambda: 0)
+    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
+    b, h, kv, t, s = 2, 4, 2, 21, 29
+    q, k, v, dout = (random_array(shape, "float32", seed=i) for i, shape in
+                     enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    handles = [f.var(name, "float32", list(x.shape)) for name, x in zip("qkvd", (q, k, v, dout))]
+    outputs = [f.attention(*handles[:3], causal=True), *f.op("AttentionGrad", handles, None, {"causal": True})]
+    for tensor in outputs:
+        tensor.var.out = True
+    cell = rv.Compiler("cpu", cpu=cpu_mask, cache=False).compile(flow).cell("f")
+    assert {"AttentionGemm", "AttentionGradGemm"} <= {step.kernel.split("[")[0] for step in cell.steps}
+    data = cell.instance()
+    for handle, x in zip(handles, (q, k, v, dout)):
+        data[handle] = x
+    data.compute()
+    for tensor, want in zip(outputs, naive(q, k, v, dout, True, 1.0 / math.sqrt(hd))):
+        # sums over heads this wide round further than float32's element tolerance: errors
+        # are bounded against the output's largest value instead
+        check(data[tensor], want, "float32", atol=1e-5 * np.abs(want).max())

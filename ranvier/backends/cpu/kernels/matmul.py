@@ -17,7 +17,8 @@ from llvmlite import ir
 from .... import dtypes
 from ....ops import attrs_of, written_inputs
 from ...kernels import Prepared
-from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
+from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64, transpose_square
+from ...llvm.rows import Row
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
 from .. import sgemm
@@ -205,6 +206,67 @@ class GeneratedGemm:
                                      size(ldc), self._scratch])
 
 
+class PackedGemm:
+    """The generated GEMM on a B already in panels (`sgemm.pack_panels`' layout, or
+    `pack_panels_here`'s), as generated code calls it: C[m, n] = op(A)[m, k] · B."""
+
+    _TYPE = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer(), F32.as_pointer(), I64])
+
+    def __init__(self, ctx):
+        self.b = ctx.b
+        self._function = self.b.bitcast(ctx.table_entry(SGEMM_PACKED), self._TYPE.as_pointer())
+
+    def gemm(self, ta: bool, m, n, k, a: ir.Value, lda, panels: ir.Value, c: ir.Value, ldc) -> None:
+        def size(value) -> ir.Value:
+            return value.ir if isinstance(value, Value) else i64(value)
+
+        self.b.call(self._function, [i64(int(ta)), size(m), size(n), size(k), a, size(lda), panels, c, size(ldc)])
+
+
+def panel_floats(columns: int, k: int) -> int:
+    """Floats `pack_panels_here` writes for `columns` columns of k rows, on any target."""
+    return max(-(-columns // nr) * nr * k for nr in sgemm.PANEL_WIDTHS)
+
+
+def pack_panels_here(ctx, source, start: Value, rows: int, columns: int, transposed: bool, panels) -> None:
+    """op(B) into the packed GEMM's panels at run time, as `sgemm.pack_panels` does ahead
+    of time: B is `source`'s [rows × columns] matrix from element `start`, op(B) B or Bᵀ;
+    panel q holds op(B)'s columns q·NR to q·NR + NR - 1, k-major, zeros past its last.
+    Rows are copied as vectors; a transposed B goes in L × L squares transposed in
+    registers (L the lanes), its ragged edges element by element."""
+    nr, dtype = sgemm.panel_width(ctx.target), dtypes.DT_FLOAT32
+    k, n = (columns, rows) if transposed else (rows, columns)
+    last = n // nr * nr  # the first column of a partial last panel
+
+    def at(p, j) -> Value:
+        """Where op(B)[p, j] goes."""
+        return (j // nr * k + p) * nr + j % nr
+
+    if n > last:  # the partial panel's columns past n are zeros
+        with ctx.loop(0, k, name="zp") as p:
+            Row(ctx, at(p, ctx.index(last)) + (n - last), nr - (n - last), dtype).each(
+                lambda i, w: ctx.store(panels, i, ctx.constant(dtype, 0.0, w)))
+    if not transposed:
+        with ctx.loop(0, rows, name="pp") as p:
+            for first in range(0, columns, nr):
+                to = at(p, ctx.index(first))
+                from_ = start + p * columns + first
+                Row(ctx, to, min(nr, columns - first), dtype).each(
+                    lambda i, w, to=to, from_=from_: ctx.store(panels, i, ctx.load(source, i - to + from_, w)))
+        return
+    lanes = ctx.lanes_for([dtype])
+    square_rows, square_columns = rows // lanes * lanes, columns // lanes * lanes
+    with ctx.loop(0, square_rows, step=lanes, name="pj") as j:
+        for d in range(0, square_columns, lanes):
+            vectors = [ctx.load(source, start + (j + r) * columns + d, lanes).ir for r in range(lanes)]
+            for t, vector in enumerate(transpose_square(ctx.b, vectors)):
+                ctx.store(panels, at(ctx.index(d + t), j), Value(ctx.b, vector, dtype))
+        with ctx.loop(square_columns, columns, name="pd") as d, ctx.loop(0, lanes, name="pr") as r:
+            ctx.store(panels, at(d, j + r), ctx.load(source, start + (j + r) * columns + d))
+    with ctx.loop(square_rows, rows, name="pj") as j, ctx.loop(0, columns, name="pd") as d:
+        ctx.store(panels, at(d, j), ctx.load(source, start + j * columns + d))
+
+
 def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
     """The calls of a generated GEMM (`slot`: see GeneratedGemm), each part with `share`
     bytes of the step's workspace."""
@@ -288,8 +350,6 @@ def packed_matmul(ctx, op) -> None:
     product's steps skip the packing the workspace version does every call."""
     a, c = op.inputs[0], op.outputs[0]
     ta, _, _, k, _, _ = _gemms(op)
-    fp = F32.as_pointer()
-    gemm_type = ir.FunctionType(VOID, [I64, I64, I64, I64, fp, I64, fp, fp, I64])
     panels = _panels_of_b(op)
     starts, at = {}, 0
     for first, last in _column_ranges(op):
@@ -298,14 +358,11 @@ def packed_matmul(ctx, op) -> None:
 
     def part(calls: list[_Gemm]):
         def emit(ctx) -> None:
-            builder = ctx.b
-            gemm = builder.bitcast(ctx.table_entry(SGEMM_PACKED), gemm_type.as_pointer())
+            gemm = PackedGemm(ctx)
             packed = ctx.prepared(panels.var, panels.form, F32)
             for g in calls:
-                builder.call(gemm, [
-                    i64(int(ta)), i64(g.m), i64(g.n), i64(k), ctx.element_pointer(a, g.a), i64(a.shape[-1]),
-                    builder.gep(packed, [i64(starts[g.column, g.column + g.n])]), ctx.element_pointer(c, g.c), i64(c.shape[-1]),
-                ])
+                gemm.gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
+                          ctx.b.gep(packed, [i64(starts[g.column, g.column + g.n])]), ctx.element_pointer(c, g.c), c.shape[-1])
                 epilogue(ctx, op, g.c, g.m, g.n)
 
         return emit
