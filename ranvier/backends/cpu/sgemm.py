@@ -753,8 +753,8 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                         spread = smaller(b.sub(high, low), kc)
                         emit.prefetch(b, start, b.add(low, spread), high)
                         ahead = [b.gep(start, [b.mul(low, i64(_LINE_FLOATS))]), spread, i64(0), spread]
-                        # With none of B's left to ask for (a product of one block and one slice of k),
-                        # the first tile asks for the next strip's rows of A: Winograd's A is the
+                        # With none of B's lines for this strip to ask for (the last block and slice of
+                        # k), its first tile asks for the next strip's rows of A: Winograd's A is the
                         # transformed filters, from the last-level cache (ResNet-18's 256-channel
                         # 14 × 14 convolutions at batch 1 in-model 0.84 → 0.68 ms), its B the tiles
                         # just transformed.
