@@ -367,6 +367,91 @@ def test_fuse_assign_fold_respects_readers_through_views():
     schedule(flow, func)  # RanvierError: function f has a cycle
 
 
+def test_fuse_merges_groups_that_read_one_value_into_one_loop():
+    flow, f = new_flow()
+    x = f.var("x", rv.DT_FLOAT, [4, 6])
+    W = f.array("W", rand([6, 6], seed=25))
+    v = x @ W  # computed by an op the groups cannot hold
+    p = (v * 2.0).tanh()
+    q = (v + x).exp()  # a sibling of p: both read v, neither reads the other
+    p.var.out = q.var.out = True
+    xv = rand([4, 6], seed=26)
+    expected = run_reference(flow, {"f/x": xv}, [p.name, q.name])
+    func = flow.func("f")
+
+    fuse_elementwise(flow, func, flow.op_order(func), keep={p.name, q.name})
+
+    (calc,) = calculates(func)
+    assert sorted(v_.name for v_ in calc.outputs) == sorted([p.name, q.name])
+    assert [v_.name for v_ in calc.inputs].count(v.name) == 1  # v read once
+    got = run_reference(flow, {"f/x": xv}, [p.name, q.name])
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_fuse_keeps_apart_groups_of_one_value_joined_by_a_path():
+    flow, f = new_flow()
+    x = f.var("x", rv.DT_FLOAT, [4, 4])
+    W = f.array("W", rand([4, 4], seed=27))
+    v = x @ W
+    p = v.tanh()
+    m = p @ W  # q reads v and, through this product, p: one loop would need m before it has it
+    q = (v + m).exp()
+    q.var.out = True
+    xv = rand([4, 4], seed=28)
+    (expected,) = run_reference(flow, {"f/x": xv}, [q.name])
+    func = flow.func("f")
+
+    fuse_elementwise(flow, func, flow.op_order(func), keep={q.name})
+
+    assert [op.type for op in flow.op_order(func)] == ["MatMul", "Tanh", "MatMul", "Calculate"]  # no cycle
+    (got,) = run_reference(flow, {"f/x": xv}, [q.name])
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_fuse_computes_again_a_value_whose_inputs_the_loop_reads():
+    """A SwiGLU and the gradients of its inputs: the backward loop computes Silu(a) from
+    the a it reads anyway, so the forward loop no longer stores it."""
+    flow, f = new_flow()
+    x = f.var("x", rv.DT_FLOAT, [4, 6])
+    W1, W3, W2 = (f.array(name, rand([6, 6], seed=seed)) for name, seed in (("W1", 29), ("W3", 30), ("W2", 31)))
+    a, b = x @ W1, x @ W3
+    s = a.silu()
+    h = s * b
+    y = h @ W2
+    dh = y @ W2  # stands for the gradient reaching h
+    db = dh * s
+    da = dh * b * (a.sigmoid() * (1.0 + a * (1.0 - a.sigmoid())))
+    db.var.out = da.var.out = True
+    xv = rand([4, 6], seed=32)
+    expected = run_reference(flow, {"f/x": xv}, [db.name, da.name])
+    func = flow.func("f")
+
+    fuse_elementwise(flow, func, flow.op_order(func), keep={db.name, da.name})
+
+    forward, backward = calculates(func)
+    assert [v_.name for v_ in forward.outputs] == [h.name]  # Silu(a) is not stored
+    assert "Silu" in backward.attrs["expr"] and s.name not in [v_.name for v_ in backward.inputs]
+    assert sorted(v_.name for v_ in backward.outputs) == sorted([db.name, da.name])
+    got = run_reference(flow, {"f/x": xv}, [db.name, da.name])
+    for result, want in zip(got, expected):  # one loop rounds its float32 steps where the ops did apart
+        np.testing.assert_allclose(result, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fuse_does_not_compute_again_a_value_broadcast_into_the_loop():
+    flow, f = new_flow()
+    x = f.var("x", rv.DT_FLOAT, [3, 4])
+    c = x.sum(axis=0)  # [4], computed
+    e = c.exp()
+    m = e.reshape([1, 4]) * 1.0  # e is read by another op: it is stored either way
+    y = (x * e + c).tanh()  # e broadcast over 3 rows: computing it again would triple its exponentials
+    y.var.out = m.var.out = True
+    func = flow.func("f")
+    fuse_elementwise(flow, func, flow.op_order(func), keep={y.name, m.name})
+    loop = next(op for op in calculates(func) if y.var in op.outputs)
+    assert "Exp" not in loop.attrs["expr"] and e.name in [v_.name for v_ in loop.inputs]
+
+
 # ---- decompose --------------------------------------------------------------------------------
 
 

@@ -5,6 +5,12 @@ cycle (no path leaves the group and comes back). A value leaves the group as an
 output when something outside reads it or the cell must keep it. An `Assign` of a
 group's value to a same-shaped variable folds into the group as an in-place write,
 so an optimizer's update reads and writes each parameter in a single pass.
+
+Two groups of one shape that read the same computed value, neither depending on the
+other, become one loop that reads it once (a SwiGLU's gradient reads d h for the
+gradients of both its inputs). A group that reads an elementwise op's value and already
+reads all that op's inputs computes the value itself instead of reading it (Silu(a)
+beside a, in that gradient), and the value is stored only if something else needs it.
 """
 
 from __future__ import annotations
@@ -55,12 +61,15 @@ def fuse_elementwise(flow: Flow, func: Function, ops: list[Operation], keep: set
     fusion = _Fusion()
     for position, op in enumerate(ops):
         fusion.visit(op, position)
+    fusion.merge_siblings(ops)
     roots = {g.root(): None for g in fusion.group_of.values()}
-    # Decide every fold before rewriting anything: the checks read the original graph.
+    # Decide every fold and recomputation before rewriting anything: the checks read the original graph.
+    recomputed = {group: _recomputed(group, func) for group in roots}
+    recomputing = {(name, op) for group, names in recomputed.items() for name in names for op in group.members}
     plans = [(group, _assigns(group, func, keep, fusion)) for group in roots]
     for group, assigns in plans:
-        if len(group.ops) > 1 or assigns:
-            _build_calculate(flow, func, group, keep, assigns)
+        if len(group.ops) > 1 or assigns or recomputed[group]:
+            _build_calculate(flow, func, group, keep, assigns, recomputed[group], recomputing)
 
 
 class _Fusion:
@@ -135,6 +144,17 @@ class _Fusion:
             if mask & both and root is not a:
                 self.reads[root] = mask | reads
 
+    def merge_siblings(self, ops: list[Operation]) -> None:
+        """Merge the groups of one shape that read a value an op of the function computes
+        at that shape, where no path leads from one to the other."""
+        for op in ops:
+            for value in op.outputs:
+                readers = [self.group_of[c] for c in value.consumers if c in self.group_of]
+                for group in readers:
+                    first, other = readers[0].root(), group.root()
+                    if first is not other and first.shape == other.shape == list(value.shape) and self._convex(first, other):
+                        self._merge(first, other)
+
     def unit_depends_on(self, op: Operation) -> int:
         """The groups the op's fused unit (its whole group, if it has one) depends on."""
         return self.reads[self.group_of[op].root()] if op in self.group_of else self.depends_on[op]
@@ -162,7 +182,38 @@ def _assigns(group: _Group, func: Function, keep: set[str], fusion: _Fusion) -> 
     return found
 
 
-def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], assigns: list[Operation]) -> Operation:
+def _recomputed(group: _Group, func: Function) -> dict[str, Operation]:
+    """Values of the group's shape that it reads and an elementwise op of the function
+    outside it computes from values the group reads anyway (or small constants): cheaper
+    to compute again in the loop than to store and read back. Those values are computed
+    by ops, not globals, so no in-place write comes between the two computations; a value
+    of a smaller shape would be computed again for every element it is broadcast to. The
+    producer, whose only readers could not all be this group (it would have joined it),
+    stays for the others."""
+    members = {op for _, op in group.ops}
+    read = {v.name for op in members for v in op.inputs if v.producer not in members}  # from outside the loop
+    found = {}
+    for op in members:
+        for value in op.inputs:
+            producer = value.producer
+            if (producer is None or producer in members or producer.func is not func or not is_elementwise(producer)
+                    or list(value.shape) != group.shape or value.name in found):
+                continue
+            if all((v.name in read and v.producer is not None) or _small_constant(v) for v in producer.inputs):
+                found[value.name] = producer
+    return found
+
+
+def _small_constant(var: Variable) -> bool:
+    return var.data is not None and not var.learnable and var.size <= 16
+
+
+def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], assigns: list[Operation],
+                     recomputed: dict[str, Operation], recomputing: set[tuple[str, Operation]]) -> Operation:
+    """The group as one Calculate. `recomputed`: values it computes again rather than
+    reads, by the ops that computed them (as they were before any group was rewritten);
+    `recomputing`: (value, op) pairs, an op of any group that does so, which so no longer
+    needs the value stored."""
     members = {op for _, op in group.ops}
     assigned = {a.inputs[1].name: a.inputs[0] for a in assigns}
     inputs: list[Variable] = []
@@ -171,15 +222,24 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], 
     outputs: list[Variable] = []
     statements: list[tuple[Ref | Variable, Call]] = []
 
+    temps = 0
+
     def operand(v: Variable) -> Ref:
+        nonlocal temps
         if v.name in names:
+            return names[v.name]
+        if v.name in recomputed:
+            producer = recomputed[v.name]
+            call = Call(producer.type, tuple(operand(u) for u in producer.inputs), tuple(sorted(producer.attrs.items())))
+            names[v.name] = Ref("$", temps)
+            statements.append((names[v.name], call))
+            temps += 1
             return names[v.name]
         if v.name not in input_index:
             input_index[v.name] = len(inputs)
             inputs.append(v)
         return Ref("%", input_index[v.name])
 
-    temps = 0
     for op in group.members:
         call = Call(op.type, tuple(operand(v) for v in op.inputs), tuple(sorted(op.attrs.items())))
         out = op.outputs[0]
@@ -189,7 +249,7 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], 
             statements.append((assigned[out.name], Call("Identity", (Ref("$", temps),))))
             temps += 1
             continue
-        if out.name in keep or out.out or any(c not in members for c in out.consumers):
+        if out.name in keep or out.out or any(c not in members and (out.name, c) not in recomputing for c in out.consumers):
             ref = Ref("@", len(outputs))
             outputs.append(out)
         else:
