@@ -7,7 +7,7 @@ pipeline decides which passes apply.
     decompose        composites the backend cannot run whole → the ops they are made of
     fold             ops of constants → constants
     cse              the same op on the same inputs → computed once
-    fuse             chains of elementwise ops → one Calculate (one loop)
+    fuse             chains of elementwise ops, and loops of one shape reading one value → one Calculate (one loop)
     fuse-loss        cross-entropy beside its gradient → one op, one read of the logits
     fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
     mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
