@@ -1,5 +1,5 @@
 """Mixture-of-experts ops: TopK, SoftmaxTopK, MoERoute, GroupedMatMul and its weight
-gradient, MoEAuxLoss. Expectations are computed here with plain Python loops and float64
+gradient, MoECombine and its gradients, MoEAuxLoss. Expectations are computed here with plain Python loops and float64
 numpy, independently of the ops' references; run_flow runs the reference and the CPU
 backend and checks every output element was written."""
 
@@ -11,7 +11,8 @@ from helpers import FLOATS, as_f64, assert_mentions, check, random_array, run_fl
 
 import ranvier as rv
 
-TESTED_OPS = {"TopK", "SoftmaxTopK", "MoERoute", "GroupedMatMul", "GroupedMatMulWeightGrad", "MoEAuxLoss"}
+TESTED_OPS = {"TopK", "SoftmaxTopK", "MoERoute", "GroupedMatMul", "GroupedMatMulWeightGrad", "MoECombine", "MoECombineGrad",
+              "MoEAuxLoss"}
 
 RNG = np.random.default_rng(5)
 
@@ -280,6 +281,82 @@ def test_grouped_matmul_checks_shapes():
     with pytest.raises(rv.ShapeError) as error:
         f.grouped_matmul(x, w, o)
     assert_mentions(str(error.value), "GroupedMatMul", "inner dimension")
+
+
+def _combine_inputs(rows: int, tokens: int, k: int, width: int, dtype: str, seed: int):
+    """Expert rows, slots (some rows chosen twice, some never) and weights, and a d y."""
+    slot = np.random.default_rng(seed).integers(0, rows, (tokens, k)).astype(np.int32)
+    slot[0, 0] = slot[-1, -1]  # a row two choices share
+    return (random_array((rows, width), dtype, seed=seed + 1), slot, random_array((tokens, k), dtype, seed=seed + 2),
+            random_array((tokens, width), dtype, seed=seed + 3))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rows,tokens,k,width", [(7, 4, 2, 5), (40, 19, 3, 37), (64, 32, 2, 48)])
+def test_moe_combine_and_its_gradients(dtype, rows, tokens, k, width):
+    out, slot, weights, dy = _combine_inputs(rows, tokens, k, width, dtype, seed=rows)
+    y, d_rows, d_weights = run_flow(lambda f, r, s, w, g: [f.moe_combine(r, s, w), *f.moe_combine_grad(g, r, s, w)],
+                                    [out, slot, weights, dy])
+    want_y, want_rows, want_weights = np.zeros((tokens, width)), np.zeros((rows, width)), np.zeros((tokens, k))
+    for t in range(tokens):
+        for j in range(k):
+            row = slot[t, j]
+            want_y[t] += as_f64(weights)[t, j] * as_f64(out)[row]
+            want_rows[row] += as_f64(weights)[t, j] * as_f64(dy)[t]
+            want_weights[t, j] = as_f64(dy)[t] @ as_f64(out)[row]
+    check(y, want_y, dtype)
+    check(d_rows, want_rows, dtype)
+    check(d_weights, want_weights, dtype)
+    assert not d_rows[sorted(set(range(rows)) - set(slot.reshape(-1)))].any()  # rows no token chose
+
+
+def test_moe_combine_decomposes_into_gathers_and_a_scatter():
+    """A backend without its kernels (the CUDA one) runs the ops as Gather, products and
+    sums, and ScatterAdd: the same results."""
+    from ranvier.compiler.decompose import decompose
+
+    out, slot, weights, dy = _combine_inputs(9, 6, 2, 4, "float64", seed=3)
+    results = []
+    for whole in (True, False):
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        r, s, w, g = (f.var(name, rv.dtypes.from_numpy(a.dtype), list(a.shape)) for name, a in zip("rswg", (out, slot, weights, dy)))
+        outputs = [f.moe_combine(r, s, w), *f.moe_combine_grad(g, r, s, w)]
+        for t in outputs:
+            t.var.out = True
+        if not whole:
+            decompose(flow, flow.func("f"), lambda op: False)
+            assert not {"MoECombine", "MoECombineGrad"} & {op.type for op in flow.func("f").ops}
+        data = rv.Compiler("reference").compile(flow).cell("f").instance()
+        for var, value in zip((r, s, w, g), (out, slot, weights, dy)):
+            data[var] = value
+        data.compute()
+        results.append([np.array(data[t]) for t in outputs])
+    for whole, parts in zip(*results):
+        np.testing.assert_allclose(parts, whole, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_moe_combine_refuses_a_slot_out_of_range(backend):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    r, s, w = f.var("r", "float32", [5, 3]), f.var("s", "int32", [2, 2]), f.var("w", "float32", [2, 2])
+    y = f.moe_combine(r, s, w)
+    y.var.out = True
+    data = rv.Compiler(backend).compile(flow).cell("f").instance()
+    data[r], data[w] = RNG.standard_normal((5, 3)), RNG.standard_normal((2, 2))
+    data[s] = np.array([[0, 1], [5, 2]], np.int32)  # 5: past the 5 rows
+    with pytest.raises(rv.RanvierError, match="MoECombine"):
+        data.compute()
+
+
+def test_moe_combine_checks_shapes():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    r, s, w = f.var("r", "float32", [5, 3]), f.var("s", "int32", [2, 3]), f.var("w", "float32", [2, 2])
+    with pytest.raises(rv.ShapeError) as error:
+        f.moe_combine(r, s, w)
+    assert_mentions(str(error.value), "MoECombine", "int32 slots")
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

@@ -34,7 +34,7 @@ F32 = m.DT_FLOAT32
 # supported: the backward ops of the windowed nn ops; Assign has no output).
 NON_DIFFERENTIABLE = {
     "Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput",
-    "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "AssignAddScatter",
+    "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "MoECombineGrad", "AssignAddScatter",
     "MatMulCalculate", "Conv2DCalculate", "SampleToken",
 }
 
@@ -608,6 +608,12 @@ case(
     lambda b, x, w, o: b.grouped_matmul(x, w, o, transpose_b=True),
     lambda x, w, o: torch.cat([x[a:z] @ w[e].T for e, (a, z) in enumerate(itertools.pairwise(o))]),
     x=normal(9, 3), w=normal(4, 6, 3), o=_GROUP_OFFSETS,
+)
+case(
+    "MoECombine",
+    lambda b, r, s, w: b.moe_combine(r, s, w),
+    lambda r, s, w: (r[s.long()] * w.unsqueeze(-1)).sum(1),
+    r=normal(7, 5), s=np.array([[0, 3], [3, 6], [2, 0], [5, 1]], np.int32), w=normal(4, 2),
 )
 case(
     "MoEAuxLoss",

@@ -147,7 +147,7 @@ class MoE(Llama):
         gate = b.grouped_matmul(sorted_rows, w["experts.w1"], offsets)
         up = b.grouped_matmul(sorted_rows, w["experts.w3"], offsets)
         out = b.grouped_matmul(gate.silu() * up, w["experts.w2"], offsets)
-        y = (out.gather(slot) * kept.select(weights).expand_dims(-1)).sum(axis=1)
+        y = b.moe_combine(out, slot, kept.select(weights))
         if c.shared_hidden:
             y = y + swiglu(b, rows, w["shared.w1"], w["shared.w2"], w["shared.w3"])
         self._record(b, probs, counts, logits)

@@ -22,7 +22,8 @@ def _infer_gather(ctx):
     return [TensorType(params.dtype, (*indices.shape, *params.shape[1:]))]
 
 
-def _check_range(indices, rows):
+def check_range(indices, rows) -> None:
+    """Raise, naming the first index outside [0, rows)."""
     if indices.size and (indices.min() < 0 or indices.max() >= rows):
         bad = indices[(indices < 0) | (indices >= rows)].reshape(-1)[0]
         raise IndexError(f"index {int(bad)} is outside [0, {rows})")
@@ -31,7 +32,7 @@ def _check_range(indices, rows):
 def _gather(attrs, args, outs):
     params, indices, *oov = args
     if not oov:
-        _check_range(indices, params.shape[0])
+        check_range(indices, params.shape[0])
         return [params[indices]]
     valid = (indices >= 0) & (indices < params.shape[0])
     rows = params[np.where(valid, indices, 0)]
@@ -78,7 +79,7 @@ def _infer_scatter(ctx):
 def _scatter_add(attrs, args, outs):
     indices, updates = args
     rows = attrs["rows"]
-    _check_range(indices, rows)
+    check_range(indices, rows)
     result = np.zeros(outs[0].shape, dtype=np.float64 if updates.dtype.kind == "f" else updates.dtype)
     np.add.at(result, indices.reshape(-1), updates.reshape(-1, *outs[0].shape[1:]))
     return [result]
@@ -163,7 +164,7 @@ def _pooled(pool):
     def reference(attrs, args, outs):
         table, indices = args
         run = pooled_run(indices)
-        _check_range(run, table.shape[0])
+        check_range(run, table.shape[0])
         wide = table.astype(np.float64) if table.dtype.kind == "f" else table
         if not run.size:
             return [np.zeros(outs[0].shape, wide.dtype)]
@@ -231,7 +232,7 @@ def _assign_add_scatter(attrs, args, outs):
     target = np.array(target)
     oov = [np.array(row) for row in oov]
     flat = indices.reshape(-1)
-    _check_range(flat[flat >= 0], target.shape[0])
+    check_range(flat[flat >= 0], target.shape[0])
     for position, index in enumerate(flat):
         row = value[position if value.shape[0] > 1 else 0]
         if index >= 0:

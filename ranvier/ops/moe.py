@@ -8,7 +8,7 @@ A MoE layer is built from them (see `ranvier.models.moe`):
     order, slot, offsets, kept, counts = MoERoute(experts)
     rows = Gather(x, order)                            [R, D]  tokens sorted by expert
     out_rows = GroupedMatMul(rows, W, offsets)         [R, F]  row r through its expert's W
-    y = Σ_j weights[:, j] · Gather(out_rows, slot)[:, j]
+    y = MoECombine(out_rows, slot, weights)            [T, F]  Σ_j weights[:, j] · out_rows[slot[:, j]]
 
 so every token passes through its k experts only, never the others. Rows beyond the last
 group (tokens dropped at an expert's capacity) are zero.
@@ -17,10 +17,12 @@ group (tokens dropped at an expert's capacity) are zero.
 from __future__ import annotations
 
 import itertools
+import types
 
 import numpy as np
 
 from .. import dtypes
+from .index import check_range
 from .nn import softmax
 from .registry import Attr, TensorType, attrs_of, decomposition, define, zero_gradient
 from .rules import FLOATS, INDEX, NUMERIC, same_dtype
@@ -254,6 +256,80 @@ define(
     flops=lambda op: 2 * op.inputs[0].size * op.inputs[1].shape[1],
     method="grouped_matmul_weight_grad",
 )
+
+
+# ---- MoECombine: each token's expert outputs, weighted and summed ------------------------------------------
+
+
+def _infer_combine(ctx):
+    rows, slot, weights = ctx.inputs
+    if rows.dtype not in FLOATS or rows.rank != 2 or weights.dtype != rows.dtype or weights.rank != 2:
+        raise ctx.fail("floating-point expert output rows [R, D] and weights [T, k] of one dtype")
+    if slot.dtype != dtypes.DT_INT32 or list(slot.shape) != list(weights.shape):
+        raise ctx.fail(f"int32 slots of the weights' shape {list(weights.shape)}")
+    return [TensorType(rows.dtype, [weights.shape[0], rows.shape[1]])]
+
+
+def moe_combine(rows, slot, weights):
+    """y[t] = Σ_j weights[t, j] · rows[slot[t, j]] (float64); a slot outside the rows raises."""
+    check_range(slot, rows.shape[0])
+    return np.einsum("tj,tjd->td", np.asarray(weights, np.float64), np.asarray(rows, np.float64)[slot])
+
+
+def _combine_vjp(ctx, grads):
+    rows, slot, weights = ctx.inputs
+    d_rows, d_weights = ctx.b.moe_combine_grad(grads[0], rows, slot, weights)
+    return [d_rows, None, d_weights]
+
+
+define(
+    "MoECombine", _infer_combine, lambda a, args, o: [moe_combine(*args)], 3, "moe",
+    "MoECombine(rows [R, D], slot [T, k], weights [T, k]): y[t] = Σ_j weights[t, j] · rows[slot[t, j]], "
+    "each token's expert outputs combined without the [T, k, D] rows they are gathered into",
+    vjp=_combine_vjp,
+    flops=lambda op: 2 * op.inputs[2].size * op.inputs[0].shape[1],
+    method="moe_combine",
+)
+
+
+@decomposition("MoECombine")
+def _combine_by_gathering(b, op):
+    rows, slot, weights = (b.wrap(v) for v in op.inputs)
+    return (rows.gather(slot) * weights.expand_dims(-1)).sum(axis=1)
+
+
+def _infer_combine_grad(ctx):
+    dy, rows, slot, weights = ctx.inputs
+    (y,) = _infer_combine(types.SimpleNamespace(inputs=[rows, slot, weights], fail=ctx.fail))
+    if dy.dtype != rows.dtype or list(dy.shape) != list(y.shape):
+        raise ctx.fail(f"d y of MoECombine's output type {y.dtype}{list(y.shape)}")
+    return [TensorType(rows.dtype, rows.shape), TensorType(weights.dtype, weights.shape)]
+
+
+def moe_combine_grad(dy, rows, slot, weights):
+    """(d rows, d weights) of MoECombine: d rows[r] = Σ over the (t, j) whose slot is r of
+    weights[t, j] · dy[t], d weights[t, j] = dy[t] · rows[slot[t, j]] (float64)."""
+    check_range(slot, rows.shape[0])
+    dy, rows, weights = (np.asarray(a, np.float64) for a in (dy, rows, weights))
+    d_rows = np.zeros(rows.shape)
+    np.add.at(d_rows, slot.reshape(-1), (weights[..., None] * dy[:, None, :]).reshape(-1, rows.shape[1]))
+    return d_rows, np.einsum("td,tjd->tj", dy, rows[slot])
+
+
+define(
+    "MoECombineGrad", _infer_combine_grad, lambda a, args, o: list(moe_combine_grad(*args)), 4, "moe",
+    "the gradients of MoECombine: (dy, rows, slot, weights) → (d rows, d weights)",
+    flops=lambda op: 4 * op.inputs[3].size * op.inputs[1].shape[1],
+    method="moe_combine_grad",
+)
+
+
+@decomposition("MoECombineGrad")
+def _combine_grad_by_gathering(b, op):
+    dy, rows, slot, weights = (b.wrap(v) for v in op.inputs)
+    spread = dy.expand_dims(1)  # [T, 1, D]
+    d_rows = b.scatter_add(slot, weights.expand_dims(-1) * spread, rows=rows.shape[0])
+    return [d_rows, (rows.gather(slot) * spread).sum(axis=-1)]
 
 
 # ---- the load-balancing loss ------------------------------------------------------------------------------

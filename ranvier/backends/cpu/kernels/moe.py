@@ -7,13 +7,17 @@ typical group, else BLAS."""
 
 from __future__ import annotations
 
+import functools
+import operator
+
 from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of
+from ...llvm.context import check_range, load_index
 from ...llvm.irutil import I64, i64
 from ...llvm.routing import group_bounds, route
-from ...llvm.rows import softmax_top_k_rows, top_k_rows
+from ...llvm.rows import Row, softmax_top_k_rows, top_k_rows
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -42,6 +46,81 @@ def _supported_float(op) -> bool:
 @kernel("MoERoute", {"MoERoute"})
 def moe_route(ctx, op) -> None:
     route(ctx, op)
+
+
+def _combine_threads(op) -> int:
+    return thread_count() if worth_splitting(nbytes=sum(v.nbytes for v in (*op.inputs, *op.outputs))) else 1
+
+
+def _slot(ctx, slot, n: Value, rows: int) -> tuple[Value, Value]:
+    """(slot n, whether it names one of the rows); one that does not fails the step."""
+    row = load_index(ctx, slot, n)
+    return row, check_range(ctx, row, rows)
+
+
+@kernel("MoECombineRows", {"MoECombine"}, supports=_supported_float)
+def moe_combine(ctx, op) -> None:
+    """Each token's row: its k expert rows read in place, weighted and summed in registers;
+    the tokens shared out over the pool."""
+    rows, slot, weights = op.inputs
+    y = op.outputs[0]
+    width, k = rows.shape[1], slot.shape[1]
+
+    def part(first: int, last: int):
+        def emit(ctx) -> None:
+            with ctx.loop(first, last, name="t") as t:
+                chosen = []
+                for j in range(k):
+                    row, inside = _slot(ctx, slot, t * k + j, rows.shape[0])
+                    chosen.append((inside.where(row, 0) * width, inside.where(ctx.load(weights, t * k + j), 0.0)))
+
+                def store(i, w):
+                    terms = [weight.splat(w) * ctx.load(rows, start + i - t * width, w) for start, weight in chosen]
+                    ctx.store(y, i, functools.reduce(operator.add, terms))
+
+                Row(ctx, t * width, width, y.dtype).each(store)
+
+        return emit
+
+    run_parts(ctx, [part(first, last) for first, last in shares(slot.shape[0], _combine_threads(op))])
+
+
+@kernel("MoECombineGradRows", {"MoECombineGrad"}, supports=_supported_float)
+def moe_combine_grad(ctx, op) -> None:
+    """Each part: the weights' gradients of its share of the tokens (a dot product a
+    choice), then the rows' gradients of its share of the rows, scanning every slot for
+    those it owns, so no two parts add into one row."""
+    dy, rows, slot, weights = op.inputs
+    d_rows, d_weights = op.outputs
+    width, (tokens, k) = rows.shape[1], slot.shape
+    threads = _combine_threads(op)
+
+    def part(tokens_share: tuple[int, int], rows_share: tuple[int, int]):
+        def emit(ctx) -> None:
+            with ctx.loop(*tokens_share, name="t") as t:
+                for j in range(k):
+                    row, inside = _slot(ctx, slot, t * k + j, rows.shape[0])
+                    start = inside.where(row, 0) * width
+                    dot = Row(ctx, t * width, width, dy.dtype).sum(
+                        lambda i, w, start=start: ctx.load(dy, i, w) * ctx.load(rows, start + i - t * width, w))
+                    ctx.store(d_weights, t * k + j, inside.where(dot, 0.0))
+            low, high = rows_share
+            Row(ctx, ctx.index(low * width), (high - low) * width, d_rows.dtype).each(
+                lambda i, w: ctx.store(d_rows, i, ctx.constant(d_rows.dtype, 0.0, w)))
+            with ctx.loop(0, tokens * k, name="n") as n:
+                row = load_index(ctx, slot, n)
+                with ctx.when((row >= low) & (row < high)):
+                    t, weight = n // k, ctx.load(weights, n)
+                    Row(ctx, row * width, width, d_rows.dtype).each(lambda i, w: ctx.store(
+                        d_rows, i, ctx.load(d_rows, i, w) + weight.splat(w) * ctx.load(dy, i - row * width + t * width, w)))
+
+        return emit
+
+    token_shares, row_shares = shares(tokens, threads), shares(rows.shape[0], threads)
+    count = max(len(token_shares), len(row_shares))
+    token_shares += [(tokens, tokens)] * (count - len(token_shares))
+    row_shares += [(rows.shape[0], rows.shape[0])] * (count - len(row_shares))
+    run_parts(ctx, [part(*shared) for shared in zip(token_shares, row_shares)])
 
 
 def _group(ctx, offsets, e: Value, rows: int, body) -> None:
