@@ -74,6 +74,7 @@ from ..llvm.irutil import (
     VOID,
     cache_line_aligned,
     constant,
+    declared,
     for_range,
     i64,
     intrinsic,
@@ -216,6 +217,15 @@ def pack_panels(b: np.ndarray, transposed: bool, target: CPUTarget, ranges: list
     return packed
 
 
+def pack_at_run_time(module: ir.Module, target: CPUTarget, b: ir.IRBuilder, transposed: bool, source: ir.Value, ldb: int,
+                     k: ir.Value, n: ir.Value, panels: ir.Value) -> None:
+    """Emit, where `b` is, the packing of op(B) [k × n] (B from float `source`, rows `ldb`
+    apart; op(B) its transpose where `transposed`) into `panels` (64-byte aligned) as
+    `ranvier_sgemm_packed` reads them: the run-time twin of `pack_panels`, by the same
+    packing the GEMM does a block at a time."""
+    _Emitter(module, target).pack(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, panels)
+
+
 class _Emitter:
     """IR for one target: its vector type and the operations the kernels are made of."""
 
@@ -230,18 +240,18 @@ class _Emitter:
         # multiply and an add, where llvm.fma would call the C library per lane
         self.fma = intrinsic(module, "fmuladd", self.vector)
         # (address, read, keep in L2, data)
-        self.prefetch_function = ir.Function(module, ir.FunctionType(VOID, [BYTE_PTR, I32, I32, I32]), name="llvm.prefetch.p0i8")
+        self.prefetch_function = declared(module, "llvm.prefetch.p0i8", ir.FunctionType(VOID, [BYTE_PTR, I32, I32, I32]))
         # (address, alignment, lanes to load, value of the others): masked-off lanes are not read
-        self.masked_load = ir.Function(
-            module, ir.FunctionType(self.vector, [self.vector.as_pointer(), I32, ir.VectorType(I1, self.lanes), self.vector]),
-            name=f"llvm.masked.load.v{self.lanes}f32.p0v{self.lanes}f32")
+        self.masked_load = declared(
+            module, f"llvm.masked.load.v{self.lanes}f32.p0v{self.lanes}f32",
+            ir.FunctionType(self.vector, [self.vector.as_pointer(), I32, ir.VectorType(I1, self.lanes), self.vector]))
         # the same from one address per lane
         pointers = ir.VectorType(_FLOAT_PTR, self.lanes)
-        self.gather = ir.Function(module, ir.FunctionType(self.vector, [pointers, I32, ir.VectorType(I1, self.lanes), self.vector]),
-                                  name=f"llvm.masked.gather.v{self.lanes}f32.v{self.lanes}p0f32")
+        self.gather = declared(module, f"llvm.masked.gather.v{self.lanes}f32.v{self.lanes}p0f32",
+                               ir.FunctionType(self.vector, [pointers, I32, ir.VectorType(I1, self.lanes), self.vector]))
         # the largest lane of an i32 vector
-        self.highest = ir.Function(module, ir.FunctionType(I32, [ir.VectorType(I32, self.lanes)]),
-                                   name=f"llvm.vector.reduce.smax.v{self.lanes}i32")
+        self.highest = declared(module, f"llvm.vector.reduce.smax.v{self.lanes}i32",
+                                ir.FunctionType(I32, [ir.VectorType(I32, self.lanes)]))
 
     def load_vector(self, b: ir.IRBuilder, pointer: ir.Value, aligned: bool = False) -> ir.Value:
         return b.load(b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)

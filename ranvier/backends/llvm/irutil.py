@@ -95,15 +95,17 @@ def has_feature(module: ir.Module, feature: str) -> bool:
 _ARITY = {"fma": 3, "fmuladd": 3, "copysign": 2, "minnum": 2, "maxnum": 2}
 
 
+def declared(module: ir.Module, name: str, type_: ir.FunctionType) -> ir.Function:
+    """The module's function `name`, declared at its first use."""
+    existing = module.globals.get(name)
+    return existing if existing is not None else ir.Function(module, type_, name=name)
+
+
 def intrinsic(module: ir.Module, name: str, type_: ir.Type) -> ir.Function:
     """An overloaded LLVM intrinsic such as llvm.fma.v16f32 ("fma" or "llvm.fma" on
     <16 x float>), declared once per module."""
     base = name.removeprefix("llvm.")
-    full = f"llvm.{base}.{_type_suffix(type_)}"
-    existing = module.globals.get(full)
-    if existing is not None:
-        return existing
-    return ir.Function(module, ir.FunctionType(type_, [type_] * _ARITY.get(base, 1)), name=full)
+    return declared(module, f"llvm.{base}.{_type_suffix(type_)}", ir.FunctionType(type_, [type_] * _ARITY.get(base, 1)))
 
 
 def _type_suffix(type_: ir.Type) -> str:

@@ -41,14 +41,7 @@ from ..codegen import SGEMM_GENERATED
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..target import host_target
 from .library import kernel
-from .matmul import (
-    GENERATED_GEMM_KERNELS,
-    PACKED_GEMM_KERNELS,
-    GeneratedGemm,
-    PackedGemm,
-    pack_panels_here,
-    panel_floats,
-)
+from .matmul import GENERATED_GEMM_KERNELS, PACKED_GEMM_KERNELS, GeneratedGemm, PackedGemm, panel_floats
 
 
 # Without AVX-512, attention whose score matrices (batch × heads × queries × keys) take
@@ -250,11 +243,16 @@ class _Panels:
 
     def across_keys(self, source, kv: Value) -> None:
         """source's head at kv [S × hd] as op(B) = its transpose [hd × S]: S columns."""
-        pack_panels_here(self.ctx, source, kv, self.keys, self.size, True, self.var)
+        self._pack(source, kv, True, self.size, self.keys)
 
     def along_keys(self, source, kv: Value) -> None:
         """source's head at kv [S × hd] as op(B) = itself: hd columns, S deep."""
-        pack_panels_here(self.ctx, source, kv, self.keys, self.size, False, self.var)
+        self._pack(source, kv, False, self.keys, self.size)
+
+    def _pack(self, source, kv: Value, transposed: bool, k: int, n: int) -> None:
+        ctx = self.ctx
+        sgemm.pack_at_run_time(ctx.module, ctx.target, ctx.b, transposed, ctx.element_pointer(source, kv), self.size,
+                               i64(k), i64(n), ctx.pointer(self.var))
 
     def times_keys(self, gemm: PackedGemm, rows, seen, a: ir.Value, lda: int, c: ir.Value) -> None:
         """C[rows × S'] = A[rows × hd] · the across-keys panels' first `seen` columns."""

@@ -17,8 +17,7 @@ from llvmlite import ir
 from .... import dtypes
 from ....ops import attrs_of, written_inputs
 from ...kernels import Prepared
-from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64, transpose_square
-from ...llvm.rows import Row
+from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
 from .. import sgemm
@@ -207,8 +206,8 @@ class GeneratedGemm:
 
 
 class PackedGemm:
-    """The generated GEMM on a B already in panels (`sgemm.pack_panels`' layout, or
-    `pack_panels_here`'s), as generated code calls it: C[m, n] = op(A)[m, k] · B."""
+    """The generated GEMM on a B already in panels (`sgemm.pack_panels`, or at run time
+    `sgemm.pack_at_run_time`), as generated code calls it: C[m, n] = op(A)[m, k] · B."""
 
     _TYPE = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer(), F32.as_pointer(), I64])
 
@@ -224,47 +223,8 @@ class PackedGemm:
 
 
 def panel_floats(columns: int, k: int) -> int:
-    """Floats `pack_panels_here` writes for `columns` columns of k rows, on any target."""
+    """Floats the panels of `columns` columns of k rows take, on any target."""
     return max(-(-columns // nr) * nr * k for nr in sgemm.PANEL_WIDTHS)
-
-
-def pack_panels_here(ctx, source, start: Value, rows: int, columns: int, transposed: bool, panels) -> None:
-    """op(B) into the packed GEMM's panels at run time, as `sgemm.pack_panels` does ahead
-    of time: B is `source`'s [rows × columns] matrix from element `start`, op(B) B or Bᵀ;
-    panel q holds op(B)'s columns q·NR to q·NR + NR - 1, k-major, zeros past its last.
-    Rows are copied as vectors; a transposed B goes in L × L squares transposed in
-    registers (L the lanes), its ragged edges element by element."""
-    nr, dtype = sgemm.panel_width(ctx.target), dtypes.DT_FLOAT32
-    k, n = (columns, rows) if transposed else (rows, columns)
-    last = n // nr * nr  # the first column of a partial last panel
-
-    def at(p, j) -> Value:
-        """Where op(B)[p, j] goes."""
-        return (j // nr * k + p) * nr + j % nr
-
-    if n > last:  # the partial panel's columns past n are zeros
-        with ctx.loop(0, k, name="zp") as p:
-            Row(ctx, at(p, ctx.index(last)) + (n - last), nr - (n - last), dtype).each(
-                lambda i, w: ctx.store(panels, i, ctx.constant(dtype, 0.0, w)))
-    if not transposed:
-        with ctx.loop(0, rows, name="pp") as p:
-            for first in range(0, columns, nr):
-                to = at(p, ctx.index(first))
-                from_ = start + p * columns + first
-                Row(ctx, to, min(nr, columns - first), dtype).each(
-                    lambda i, w, to=to, from_=from_: ctx.store(panels, i, ctx.load(source, i - to + from_, w)))
-        return
-    lanes = ctx.lanes_for([dtype])
-    square_rows, square_columns = rows // lanes * lanes, columns // lanes * lanes
-    with ctx.loop(0, square_rows, step=lanes, name="pj") as j:
-        for d in range(0, square_columns, lanes):
-            vectors = [ctx.load(source, start + (j + r) * columns + d, lanes).ir for r in range(lanes)]
-            for t, vector in enumerate(transpose_square(ctx.b, vectors)):
-                ctx.store(panels, at(ctx.index(d + t), j), Value(ctx.b, vector, dtype))
-        with ctx.loop(square_columns, columns, name="pd") as d, ctx.loop(0, lanes, name="pr") as r:
-            ctx.store(panels, at(d, j + r), ctx.load(source, start + (j + r) * columns + d))
-    with ctx.loop(square_rows, rows, name="pj") as j, ctx.loop(0, columns, name="pd") as d:
-        ctx.store(panels, at(d, j), ctx.load(source, start + j * columns + d))
 
 
 def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
