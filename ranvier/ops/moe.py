@@ -17,7 +17,6 @@ group (tokens dropped at an expert's capacity) are zero.
 from __future__ import annotations
 
 import itertools
-import types
 
 import numpy as np
 
@@ -261,13 +260,17 @@ define(
 # ---- MoECombine: each token's expert outputs, weighted and summed ------------------------------------------
 
 
-def _infer_combine(ctx):
-    rows, slot, weights = ctx.inputs
+def _combined_type(ctx, rows, slot, weights) -> TensorType:
+    """MoECombine's output type, after checking its inputs (MoECombineGrad's too)."""
     if rows.dtype not in FLOATS or rows.rank != 2 or weights.dtype != rows.dtype or weights.rank != 2:
         raise ctx.fail("floating-point expert output rows [R, D] and weights [T, k] of one dtype")
     if slot.dtype != dtypes.DT_INT32 or list(slot.shape) != list(weights.shape):
         raise ctx.fail(f"int32 slots of the weights' shape {list(weights.shape)}")
-    return [TensorType(rows.dtype, [weights.shape[0], rows.shape[1]])]
+    return TensorType(rows.dtype, [weights.shape[0], rows.shape[1]])
+
+
+def _infer_combine(ctx):
+    return [_combined_type(ctx, *ctx.inputs)]
 
 
 def moe_combine(rows, slot, weights):
@@ -300,7 +303,7 @@ def _combine_by_gathering(b, op):
 
 def _infer_combine_grad(ctx):
     dy, rows, slot, weights = ctx.inputs
-    (y,) = _infer_combine(types.SimpleNamespace(inputs=[rows, slot, weights], fail=ctx.fail))
+    y = _combined_type(ctx, rows, slot, weights)
     if dy.dtype != rows.dtype or list(dy.shape) != list(y.shape):
         raise ctx.fail(f"d y of MoECombine's output type {y.dtype}{list(y.shape)}")
     return [TensorType(rows.dtype, rows.shape), TensorType(weights.dtype, weights.shape)]
