@@ -60,7 +60,21 @@ from pathlib import Path
 from llvmlite import ir
 
 from ...errors import RanvierError
-from ..llvm.irutil import BYTE_PTR, F32, I1, I8, I16, I32, I64, VOID, cache_line_aligned, for_range, i64, splat
+from ..llvm.irutil import (
+    BYTE_PTR,
+    F32,
+    I1,
+    I8,
+    I16,
+    I32,
+    I64,
+    VOID,
+    cache_line_aligned,
+    declared,
+    for_range,
+    i64,
+    splat,
+)
 from . import jit
 from .target import CPUTarget
 
@@ -161,10 +175,7 @@ _FLOAT_PTR = F32.as_pointer()
 
 def _call(b: ir.IRBuilder, name: str, result: ir.Type, args: list[ir.Value]) -> ir.Value:
     """Call the function (an intrinsic) `name`, declared on first use from the arguments' types."""
-    function = b.module.globals.get(name)
-    if function is None:
-        function = ir.Function(b.module, ir.FunctionType(result, [a.type for a in args]), name=name)
-    return b.call(function, args)
+    return b.call(declared(b.module, name, ir.FunctionType(result, [a.type for a in args])), args)
 
 
 def _tile(tile: int) -> ir.Constant:

@@ -34,6 +34,7 @@ from ..llvm.irutil import (
     BYTE_PTR,
     I64,
     VOID,
+    declared,
     i64,
     storage_type,
     use_features,
@@ -72,8 +73,7 @@ class Layout:
 
 def cycle_counter(module: ir.Module) -> ir.Function:
     """The module's declaration of LLVM's cycle counter intrinsic (made once)."""
-    existing = module.globals.get("llvm.readcyclecounter")
-    return existing if existing is not None else ir.Function(module, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
+    return declared(module, "llvm.readcyclecounter", ir.FunctionType(I64, []))
 
 
 class KernelContext(EmitContext):

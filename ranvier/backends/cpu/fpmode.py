@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ..llvm.irutil import BYTE_PTR, I32, VOID
+from ..llvm.irutil import BYTE_PTR, I32, VOID, declared
 
 FLUSH_BITS = 0x8040  # FTZ (bit 15) and DAZ (bit 6)
 
@@ -20,8 +20,7 @@ def is_x86(triple: str) -> bool:
 
 
 def _intrinsic(module: ir.Module, name: str) -> ir.Function:
-    existing = module.globals.get(name)
-    return existing if existing is not None else ir.Function(module, ir.FunctionType(VOID, [BYTE_PTR]), name=name)
+    return declared(module, name, ir.FunctionType(VOID, [BYTE_PTR]))
 
 
 def read_mxcsr(b: ir.IRBuilder, into: ir.Value) -> None:

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from llvmlite import ir
 
 from ..llvm.context import Array, EmitContext, ir_of
-from ..llvm.irutil import I32, I64, VOID, compute_type, i64
+from ..llvm.irutil import I32, I64, VOID, compute_type, declared, i64
 from ..llvm.values import Value, index_value
 
 SHARED = 3  # NVPTX's address space of a block's shared memory
@@ -34,8 +34,7 @@ SHARED = 3  # NVPTX's address space of a block's shared memory
 def special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value:
     """A thread's or the grid's coordinate (tid.x, ntid.x, ctaid.x, nctaid.x), as i64."""
     full = f"llvm.nvvm.read.ptx.sreg.{name}"
-    function = module.globals.get(full) or ir.Function(module, ir.FunctionType(I32, []), name=full)
-    return b.zext(b.call(function, []), I64)
+    return b.zext(b.call(declared(module, full, ir.FunctionType(I32, [])), []), I64)
 
 
 def shared_array(ctx: EmitContext, dtype: str, count: int) -> Array:
@@ -52,9 +51,7 @@ def barrier(ctx: EmitContext) -> None:
     """Wait until every thread of the block is here (`bar.sync`). On the host, where the
     block's threads run one after another, nothing: there the code is ordered already."""
     if ctx.on_gpu:
-        function = ctx.module.globals.get("llvm.nvvm.barrier0") or ir.Function(ctx.module, ir.FunctionType(VOID, []),
-                                                                             name="llvm.nvvm.barrier0")
-        ctx.b.call(function, [])
+        ctx.b.call(declared(ctx.module, "llvm.nvvm.barrier0", ir.FunctionType(VOID, [])), [])
 
 
 class PrivateArray:
