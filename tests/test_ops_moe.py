@@ -1,7 +1,7 @@
 """Mixture-of-experts ops: TopK, SoftmaxTopK, MoERoute, GroupedMatMul and its weight
-gradient, MoECombine and its gradients, MoEAuxLoss. Expectations are computed here with plain Python loops and float64
-numpy, independently of the ops' references; run_flow runs the reference and the CPU
-backend and checks every output element was written."""
+gradient, MoECombine and its gradients, MoEAuxLoss. Expectations are computed here with
+plain Python loops and float64 numpy, independently of the ops' references; run_flow runs
+the reference and the CPU backend and checks every output element was written."""
 
 from __future__ import annotations
 
