@@ -29,7 +29,7 @@ from .compiler import Compiler
 from .errors import RanvierError
 from .flow.builder import Builder, Tensor
 from .flow.graph import Flow, Variable
-from .models.llama import Llama, rope_tables, rotate
+from .models.llama import Llama, rope_tables
 from .ops.sampling import pick, sample_distribution
 
 _UNIFORM_BITS = 24  # uniform numbers of float32's precision, so none rounds up to 1
@@ -130,7 +130,7 @@ class Generator:
         offsets = np.arange(width, dtype=np.int32)
         positions = b.const(offsets) + position  # [T]
         cos, sin = (b.const(t) for t in rope_tables(c.head_dim, c.max_seq_len, c.rope_base))
-        rope = tuple(b.gather(t, positions).reshape([1, width, 1, c.head_dim // 2, 1]) for t in (cos, sin))
+        rope = tuple(b.gather(t, positions) for t in (cos, sin))  # [T, hd/2]
         # Cached row s is visible to every query of the chunk when s < pos; new row j to query t when j <= t.
         rows = b.const(np.arange(c.max_seq_len, dtype=np.int32))
         cached = b.cond(rows >= position, b.const(-math.inf), b.const(0.0)).reshape([1, 1, 1, c.max_seq_len])
@@ -148,12 +148,12 @@ class Generator:
     def _attention(self, b, x, w, rope, layer, position, cached, causal) -> Tensor:
         c = self.config
         width, hd, groups, seq = x.shape[1], c.head_dim, c.n_heads // c.n_kv_heads, c.max_seq_len
-        q = rotate(b, (x @ w["wq"]).reshape([1, width, c.n_heads, hd]), rope)
+        q = b.rotary((x @ w["wq"]).reshape([1, width, c.n_heads, hd]), *rope)
         q = q.reshape([width, c.n_kv_heads, groups, hd]).transpose([1, 2, 0, 3])  # [KV, G, T, hd]
         old, new = [], []
         for name, projection, rotated in (("k", "wk", True), ("v", "wv", False)):
             chunk = (x @ w[projection]).reshape([1, width, c.n_kv_heads, hd])
-            chunk = (rotate(b, chunk, rope) if rotated else chunk).reshape([width, c.n_kv_heads, hd]).transpose([1, 0, 2])
+            chunk = (b.rotary(chunk, *rope) if rotated else chunk).reshape([width, c.n_kv_heads, hd]).transpose([1, 0, 2])
             cache = self._cache(b, f"{layer}/{name}")
             old.append(cache.reshape([c.n_kv_heads, 1, seq, hd]))
             new.append(chunk.reshape([c.n_kv_heads, 1, width, hd]))

@@ -273,6 +273,16 @@ def test_attention(heads, kv_heads, queries, keys, causal, scale, bias):
     check(flow, inputs)
 
 
+def test_rotary():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", rv.DT_FLOAT, [2, 5, 3, 8])
+    cos, sin = f.array("cos", uniform([5, 4])), f.array("sin", uniform([5, 4]))
+    f.rotary(x, cos, sin, name="rotary").var.out = True
+    f.rotary(x, cos, sin, inverse=True, name="rotary_back").var.out = True
+    check(flow, {x: uniform([2, 5, 3, 8])})
+
+
 # ---- models ------------------------------------------------------------------------------------------
 
 

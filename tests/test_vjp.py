@@ -431,6 +431,22 @@ case(
     lambda q, k, v: F.scaled_dot_product_attention(q, k.expand(-1, 3, -1, -1), v.expand(-1, 3, -1, -1), scale=0.7),
     q=normal(1, 3, 4, 2), k=normal(1, 1, 6, 2), v=normal(1, 1, 6, 2),
 )
+def _torch_rotary(x, cos, sin, inverse=False):
+    """Interleaved pairs turned by the angle at each position (x [..., T, H, D], tables [T, D/2])."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    c, s = cos[:, None, :], (-sin if inverse else sin)[:, None, :]
+    return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2)
+
+
+# the tables learned too: their gradients sum over batch and heads
+case("Rotary", lambda b, x, c, s: b.rotary(x, c, s), _torch_rotary, x=normal(2, 3, 2, 6), c=normal(3, 3), s=normal(3, 3))
+case(
+    "Rotary[inverse]",
+    lambda b, x, c, s: b.rotary(x, c, s, inverse=True),
+    lambda x, c, s: _torch_rotary(x, c, s, inverse=True),
+    x=normal(4, 2, 4), c=normal(4, 2), s=normal(4, 2),
+)
+
 _CAUSAL_5x5 = torch.triu(torch.full((5, 5), float("-inf"), dtype=torch.float64), 1)
 case(
     "Attention[gqa,causal,position bias]",  # a learned bias [H, T, S]: its gradient too

@@ -186,7 +186,7 @@ class Llama(Module):
         for part, table in zip(("cos", "sin"), tables):
             name = f"{b.func.name}/rope{seq}x{self.config.head_dim}.{part}"
             var = b.flow.vars.get(name)
-            result.append(b.wrap(var) if var is not None else b.array(f"rope{seq}x{self.config.head_dim}.{part}", table.reshape(1, seq, 1, -1, 1)))
+            result.append(b.wrap(var) if var is not None else b.array(f"rope{seq}x{self.config.head_dim}.{part}", table))
         return result[0], result[1]
 
     def head(self, b: Builder, x: Tensor, p) -> Tensor:
@@ -201,8 +201,8 @@ class Llama(Module):
         c = self.config
         batch, seq, _ = x.shape
         hd = c.head_dim
-        q = rotate(b, (x @ w["wq"]).reshape([batch, seq, c.n_heads, hd]), rope)
-        k = rotate(b, (x @ w["wk"]).reshape([batch, seq, c.n_kv_heads, hd]), rope)
+        q = b.rotary((x @ w["wq"]).reshape([batch, seq, c.n_heads, hd]), *rope)
+        k = b.rotary((x @ w["wk"]).reshape([batch, seq, c.n_kv_heads, hd]), *rope)
         v = (x @ w["wv"]).reshape([batch, seq, c.n_kv_heads, hd])
         heads_first = [0, 2, 1, 3]  # [B, T, heads, hd] <-> [B, heads, T, hd]
         out = b.op("Attention", [q.transpose(heads_first), k.transpose(heads_first), v.transpose(heads_first)])
@@ -216,12 +216,3 @@ def swiglu(b: Builder, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
     """(silu(x W1) ⊙ x W3) W2."""
     return (b.silu(x @ w1) * (x @ w3)) @ w2
 
-
-def rotate(b: Builder, x: Tensor, rope) -> Tensor:
-    """Rotary embedding of x [B, T, heads, hd]: each pair (2i, 2i+1) turns by its angle."""
-    cos, sin = rope
-    batch, seq, heads, hd = x.shape
-    pairs = x.reshape([batch, seq, heads, hd // 2, 2])
-    even, odd = b.split(pairs, 2, axis=4)
-    turned = b.concat([even * cos - odd * sin, even * sin + odd * cos], axis=4)
-    return turned.reshape([batch, seq, heads, hd])

@@ -7,7 +7,7 @@ constants and parameters become initializers. Values keep their flow names
 ("infer/x", "mlp/W0", "infer/MatMul:0"); the extra values an op needs in ONNX are
 named after the op ("infer/Attention/Softmax"). Every op maps to standard ONNX ops
 (opset 18 or later); composite ops with no ONNX equivalent at the opset (RMSNorm,
-Attention, cross-entropy) are written as the primitives they are defined by. An op
+Attention, Rotary, cross-entropy) are written as the primitives they are defined by. An op
 with no mapping is an error naming it: the export never drops an op.
 """
 
@@ -598,6 +598,21 @@ def _top_k_op(g, op, x):
 def _softmax_top_k(g, op, x):
     probs = g.node("Softmax", [x], axis=-1)
     return [probs, *_top_k(g, op, probs)]
+
+
+@converts("Rotary")
+def _rotary(g, op, x, cos, sin):
+    """Each pair (2i, 2i+1) turned by its position's angle, as Split, products and Concat
+    over x's pairs [..., T, H, D/2, 2] (ONNX's RotaryEmbedding needs opset 23)."""
+    shape = op.inputs[0].shape
+    positions, pairs = op.inputs[1].shape
+    even, odd = g.node("Split", [g.node("Reshape", [x, g.ints([*shape[:-1], pairs, 2])]), g.ints([1, 1])], outputs=2, axis=-1)
+    c, s = (g.node("Reshape", [table, g.ints([positions, 1, pairs, 1])]) for table in (cos, sin))
+    if attrs_of(op)["inverse"]:
+        s = g.node("Neg", [s])
+    first = g.node("Sub", [g.node("Mul", [even, c]), g.node("Mul", [odd, s])])
+    second = g.node("Add", [g.node("Mul", [even, s]), g.node("Mul", [odd, c])])
+    return g.node("Reshape", [g.node("Concat", [first, second], axis=-1), g.ints(shape)])
 
 
 @converts("Attention")

@@ -1,6 +1,21 @@
 """Op definitions, one place per op. Importing this package registers every op family."""
 
-from . import attention, elementwise, fused, index, matmul, moe, nn, nn_grad, reduce, sampling, shape, state, window  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    attention,
+    elementwise,
+    fused,
+    index,
+    matmul,
+    moe,
+    nn,
+    nn_grad,
+    reduce,
+    rotary,
+    sampling,
+    shape,
+    state,
+    window,
+)
 from .registry import (
     Attr,
     Attrs,

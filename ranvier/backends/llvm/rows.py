@@ -10,6 +10,7 @@ the row as its math allows.
     its gradient   max | sum of exp            | softmax · Σp' − p'  (and the loss)
     top-k          k passes, each the best after the last pick (a router's few experts)
     softmax-top-k  the softmax's passes, then top-k of the probabilities
+    rotary         each pair of a head's features turned by its position's angle
 
 Each `*_rows(op)` gives the body of one row, `body(ctx, r)`, over an `EmitContext`: the CPU
 backend shares rows out over its cores and runs the passes in vectors; on a GPU a block's
@@ -146,6 +147,47 @@ def norm_rows(op) -> RowBody:
             ctx.store(y, i, value)
 
         row.each(normalize)
+
+    return body
+
+
+def rotary_rows(op) -> RowBody:
+    """Each row a head's D features at one position: pairs turned by the position's angle,
+    w pairs at a time (2w lanes: the pairs' partners swapped and the tables' entries
+    doubled by shuffles), or one pair of scalars."""
+    x, cos, sin = op.inputs
+    y = op.outputs[0]
+    _, n = row_shape(op)
+    heads, positions, pairs = x.shape[-2], x.shape[-3], n // 2
+    back = attrs_of(op)["inverse"]
+
+    def pair_lanes(ctx) -> int:
+        """Pairs a vector holds (half its lanes), fewer for a short head."""
+        w = max(1, ctx.lanes_for([x.dtype]) // 2)
+        while w > 1 and w > pairs:
+            w //= 2
+        return w
+
+    def body(ctx, r):
+        start, table = r * n, (r // heads) % positions * pairs
+
+        def turn(p, w):
+            at = start + p * 2
+            c, s = ctx.load(cos, table + p, w), ctx.load(sin, table + p, w)
+            if w == 1:
+                even, odd = ctx.load(x, at), ctx.load(x, at + 1)
+                s = -s if back else s
+                ctx.store(y, at, even * c - odd * s)
+                ctx.store(y, at + 1, even * s + odd * c)
+                return
+            value = ctx.load(x, at, 2 * w)
+            doubled = [i // 2 for i in range(2 * w)]
+            # even lanes take −sin (+sin turning back), odd lanes +sin (−sin): from -s where picked at w + i
+            signed = [w + i // 2 if (i % 2 == 0) != back else i // 2 for i in range(2 * w)]
+            partners = value.shuffle([i ^ 1 for i in range(2 * w)])
+            ctx.store(y, at, value * c.shuffle(doubled) + partners * s.shuffle(signed, -s))
+
+        ctx.row_each(ctx.index(0), pairs, pair_lanes(ctx), turn)
 
     return body
 

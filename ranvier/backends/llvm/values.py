@@ -83,6 +83,13 @@ class Value:
 
         return pick(0), pick(half)
 
+    def shuffle(self, lanes: list[int], other: Value | None = None) -> Value:
+        """A vector of this one's lanes picked by index; indices from this value's lane
+        count on pick `other`'s lanes (a vector of the same type)."""
+        mask = ir.Constant(ir.VectorType(I32, len(lanes)), lanes)
+        second = other.ir if other is not None else ir.Constant(self.ir.type, ir.Undefined)
+        return self._new(self.b.shuffle_vector(self.ir, second, mask))
+
     def _new(self, value: ir.Value, dtype: str | None = None) -> Value:
         return Value(self.b, value, dtype or self.dtype)
 

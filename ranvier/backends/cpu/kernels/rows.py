@@ -11,6 +11,7 @@ from ...llvm.rows import (
     last_axis,
     nonempty_rows,
     norm_rows,
+    rotary_rows,
     row_shape,
     sample_rows,
     softmax_rows,
@@ -49,6 +50,11 @@ def softmax(ctx, op) -> None:
 @kernel("RMSNormRow", {"RMSNorm"}, supports=nonempty_rows)
 def norm(ctx, op) -> None:
     each_row(ctx, op, norm_rows(op))
+
+
+@kernel("RotaryRow", {"Rotary"})
+def rotary(ctx, op) -> None:
+    each_row(ctx, op, rotary_rows(op))
 
 
 @kernel("CrossEntropyRow", {"SoftmaxCrossEntropy"}, supports=nonempty_rows)
