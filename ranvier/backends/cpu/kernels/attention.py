@@ -191,10 +191,19 @@ class _Heads:
 _BLOCK_BYTES = 256 << 10
 
 
+# Causal attention's blocks are shorter: a block's products run to the keys its last row
+# sees, so its first rows compute scores they mask, half a block's square on average.
+# Blocks of 32 rows against 64 (Emerald Rapids, 2 cores, alternated runs): moe-15M's
+# [4, 6, 256, 48] forward 5-8% and gradient 4-7% faster, [8, 6, 256, 48] 7% and 5%,
+# [1, 12, 128, 64] 11% and 9%; [1, 8, 1024, 64] +3% and -9%; without a mask level.
+_CAUSAL_BLOCK_ROWS, _BLOCK_ROWS = 32, 64
+
+
 def _block_rows(op) -> int:
-    """Query rows per block: as many as `_BLOCK_BYTES` of scores hold (4 to 64, whole strips of 4)."""
+    """Query rows per block: as many as `_BLOCK_BYTES` of scores hold (4 to 32 or 64, whole strips of 4)."""
     keys = op.inputs[1].shape[2]
-    return max(4, min(64, _BLOCK_BYTES // (4 * keys) // 4 * 4))
+    most = _CAUSAL_BLOCK_ROWS if attrs_of(op)["causal"] else _BLOCK_ROWS
+    return max(4, min(most, _BLOCK_BYTES // (4 * keys) // 4 * 4))
 
 
 def _gemm_blocks(op) -> bool:
