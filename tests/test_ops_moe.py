@@ -230,6 +230,31 @@ def test_grouped_gemm_work_items_claimed_by_the_parts(threads, gemm, monkeypatch
         parallel.split_thresholds.cache_clear()
 
 
+@pytest.mark.parametrize("gemm", ["generated", "blas"])
+def test_grouped_gemm_claims_the_largest_groups_first(gemm, monkeypatch):
+    """The parts claim the experts largest group first, ties by number: groups of equal
+    sizes (two of 40 rows, three empty) each computed once, none skipped."""
+    from ranvier.backends.cpu import parallel
+    from ranvier.backends.cpu.kernels import moe
+
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    monkeypatch.setenv("RANVIER_SPLIT_BYTES", "1024")
+    monkeypatch.setattr(moe, "thread_count", lambda: 3)
+    monkeypatch.setattr(parallel, "thread_count", lambda: 3)
+    parallel.split_thresholds.cache_clear()
+    offsets = np.cumsum([0, 5, 40, 0, 40, 0, 17, 0]).astype(np.int32)  # 7 experts, 102 of 110 rows
+    x, dy = random_array((110, 24), "float32", seed=21), random_array((110, 50), "float32", seed=22)
+    w = random_array((7, 24, 50), "float32", seed=23)
+    try:
+        y, dw = run_flow(lambda f, a, b, d, o: [f.grouped_matmul(a, b, o), f.grouped_matmul_weight_grad(a, d, o, 7)],
+                         [x, w, dy, offsets])
+    finally:
+        parallel.split_thresholds.cache_clear()
+    want_y, want_dw = _expected_pair(x, w, dy, offsets, False)
+    check(y, want_y, "float32")
+    check(dw, want_dw, "float32")
+
+
 @pytest.mark.parametrize("gemm,kernels", [("generated", ["GroupedGemm", "GroupedGemmWeightGrad"]),
                                           ("blas", ["GroupedBlasGemm", "GroupedBlasGemmWeightGrad"])])
 @pytest.mark.parametrize("transpose", [False, True])

@@ -2,7 +2,7 @@
 the same pass over a row), the counting sort that routes tokens to experts, and the
 grouped GEMMs, one GEMM call per expert over its run-time group of rows (or per piece of
 its columns where experts are few beside the cores), the calls claimed one at a time by
-the worker pool's parts: ranvier's generated GEMM where it measured faster than BLAS on a
+the worker pool's parts, the largest groups first: ranvier's generated GEMM where it measured faster than BLAS on a
 typical group, else BLAS; and the combine of each token's expert rows, with its gradients."""
 
 from __future__ import annotations
@@ -199,22 +199,29 @@ def _share(op) -> int:
 _COUNTER_BYTES = 64  # the work-item counter, on a cache line of its own
 
 
+def _order_bytes(op) -> int:
+    """The experts in the order their pieces are claimed: one int64 each."""
+    return 8 * _experts(op)
+
+
 def _workspace(op) -> int:
-    """The parts' packing scratch, then the counter."""
-    return _parts(op) * _share(op) + _COUNTER_BYTES
+    """The parts' packing scratch, then the counter and the claiming order."""
+    return _parts(op) * _share(op) + _COUNTER_BYTES + _order_bytes(op)
 
 
 def _blas_workspace(op) -> int:
-    return _COUNTER_BYTES
+    return _COUNTER_BYTES + _order_bytes(op)
 
 
 class _Caller:
-    """The GEMM a part calls, generated or BLAS, and where the step's work-item counter is."""
+    """The GEMM a part calls, generated or BLAS, and where the step's work-item counter
+    and claiming order are."""
 
     def __init__(self, op, generated: bool):
         self.share = _share(op) if generated else 0
         self.counter_at = _parts(op) * self.share
         self.dtype = op.inputs[0].dtype
+        self.name, self.experts = op.name, _experts(op)
 
     def gemm(self, ctx, number: int):
         if self.share:
@@ -222,22 +229,51 @@ class _Caller:
         return Blas(ctx, self.dtype)
 
     def counter(self, ctx) -> ir.Value:
-        return ctx.b.bitcast(ctx.b.gep(ctx.address(ctx.workspace), [i64(self.counter_at)]), I64.as_pointer())
+        return ctx.b.bitcast(self._at(ctx, self.counter_at), I64.as_pointer())
+
+    def order(self, ctx):
+        """The experts, largest group first (`_largest_first`)."""
+        return ctx.scratch(f"{self.name}/order", dtypes.DT_INT64, self.experts, self._at(ctx, self.counter_at + _COUNTER_BYTES))
+
+    @staticmethod
+    def _at(ctx, offset: int) -> ir.Value:
+        return ctx.b.gep(ctx.address(ctx.workspace), [i64(offset)])
+
+
+def _largest_first(ctx, offsets, order, experts: int) -> None:
+    """order = the experts by group size, largest first (ties by number): each expert's
+    place is how many groups come before it. Parts claiming the largest products first
+    finish nearly together: in the experts' order, moe-15M's steps left one part idle for
+    4.8% of a grouped product on average (simulated from its routing, 2 parts), largest
+    first 1.5%. Emerald Rapids, 2 cores: groups of 18 to 541 rows in rising order 2.81 →
+    2.45 ms, seven of 128 and one of 1,152 3.31 → 2.42; the moe-15M step 245.2 → 240.8
+    and 247.4 → 245.5 ms (alternated trainers)."""
+    def size(e):
+        return ctx.load(offsets, e + 1).cast(dtypes.DT_INT64) - ctx.load(offsets, e).cast(dtypes.DT_INT64)
+
+    with ctx.loop(0, experts, name="e") as e:
+        place = ctx.local(dtypes.DT_INT64, initial=0)
+        with ctx.loop(0, experts, name="other") as other:
+            before = (size(other) > size(e)) | (size(other).equal(size(e)) & (other < e))
+            place.set(before.where(place.value + 1, place.value))
+        ctx.store(order, place.value, e)
 
 
 def _each_piece(ctx, op, caller: _Caller, body) -> None:
     """body(ctx, gemm, e, first, columns) for every expert e and piece of columns
-    [first, first + columns) of its product, the pieces claimed by the parts at run time."""
+    [first, first + columns) of its product, the pieces claimed by the parts at run time,
+    the largest groups' first."""
     n, experts, size = _output_columns(op), _experts(op), _piece_columns(op)
     pieces = -(-n // size)
     ctx.b.store(i64(0), caller.counter(ctx))
+    _largest_first(ctx, op.inputs[2], caller.order(ctx), experts)
 
     def part(number: int):
         def emit(ctx) -> None:
-            gemm = caller.gemm(ctx, number)
+            gemm, order = caller.gemm(ctx, number), caller.order(ctx)
             with each_claimed(ctx, caller.counter(ctx), experts * pieces) as item:
                 first = (item % pieces) * size
-                body(ctx, gemm, item // pieces, first, (first + size).minimum(n) - first)
+                body(ctx, gemm, ctx.load(order, item // pieces), first, (first + size).minimum(n) - first)
 
         return emit
 
