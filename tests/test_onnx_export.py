@@ -259,17 +259,22 @@ def test_lookups_and_top_k():
     (3, 1, 4, 6, True, None, [3, 4, 6]),  # multi-query, more keys than queries, a position bias
     (2, 2, 3, 4, False, 0.3, [2, 1, 1, 4]),  # a padding mask's shape
 ])
-def test_attention(heads, kv_heads, queries, keys, causal, scale, bias):
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_attention(heads, kv_heads, queries, keys, causal, scale, bias, heads_first):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    q = f.var("q", rv.DT_FLOAT, [2, heads, queries, 8])
-    k = f.var("k", rv.DT_FLOAT, [2, kv_heads, keys, 8])
-    v = f.var("v", rv.DT_FLOAT, [2, kv_heads, keys, 8])
+
+    def shape(heads: int, positions: int) -> list[int]:
+        return [2, heads, positions, 8] if heads_first else [2, positions, heads, 8]
+
+    q = f.var("q", rv.DT_FLOAT, shape(heads, queries))
+    k = f.var("k", rv.DT_FLOAT, shape(kv_heads, keys))
+    v = f.var("v", rv.DT_FLOAT, shape(kv_heads, keys))
     inputs = {q: uniform(q.shape), k: uniform(k.shape), v: uniform(v.shape)}
     if bias is not None:
         bias = f.var("bias", rv.DT_FLOAT, bias)
         inputs[bias] = uniform(bias.shape)
-    f.attention(q, k, v, bias, causal=causal, scale=scale, name="attention")
+    f.attention(q, k, v, bias, causal=causal, scale=scale, heads_first=heads_first, name="attention")
     check(flow, inputs)
 
 

@@ -66,6 +66,28 @@ def test_attention_and_its_gradient(dtype, shape, causal, cpu_attention):
         check(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[5]])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_tokens_first(dtype, shape, causal, cpu_attention):
+    """heads_first false: q, k, v, the output and the gradients [B, T, heads, hd], as a
+    model's projections give them; read and written in place by the fused kernels (rows of
+    a head heads · hd apart), transposed around the op elsewhere."""
+    b, h, kv, t, s, hd = shape
+    q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, t, h, hd), (b, s, kv, hd), (b, s, kv, hd), (b, t, h, hd)]))
+    attrs = {"causal": causal, "heads_first": False}
+    outputs = run_flow(lambda f, *x: [f.op("Attention", list(x[:3]), None, attrs), *f.op("AttentionGrad", list(x), None, attrs)], [q, k, v, dout])
+    wanted = naive(*(np.swapaxes(x, 1, 2) for x in (q, k, v, dout)), causal, 1.0 / math.sqrt(hd))
+    for got, want in zip(outputs, wanted):
+        check(got, np.swapaxes(want, 1, 2), dtype)
+
+
+def test_attention_tokens_first_checks_its_layout():
+    message = shape_error(lambda f, q, k, v: f.attention(q, k, v, heads_first=False),
+                          [("q", "float32", [2, 5, 4, 8]), ("k", "float32", [2, 4, 5, 8]), ("v", "float32", [2, 4, 5, 8])])
+    assert_mentions(message, "Attention", "heads H a multiple of key/value heads KV")
+
+
 def score_bias(kind, b, h, t, s, dtype):
     """A padding mask [B, 1, 1, S] of 0 and −∞ (the last key always seen, the first
     image's first keys hidden: left padding) or a learned position bias [H, T, S]."""

@@ -426,6 +426,14 @@ case(
     q=normal(2, 4, 5, 3), k=normal(2, 2, 5, 3), v=normal(2, 2, 5, 3),
 )
 case(
+    "Attention[tokens first]",  # q, k, v and the output [B, T, heads, hd]
+    lambda b, q, k, v: b.attention(q, k, v, heads_first=False),
+    lambda q, k, v: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1), is_causal=True,
+    ).transpose(1, 2),
+    q=normal(2, 5, 4, 3), k=normal(2, 5, 2, 3), v=normal(2, 5, 2, 3),
+)
+case(
     "Attention[mqa,full]",
     lambda b, q, k, v: b.op("Attention", [q, k, v], None, {"causal": False, "scale": 0.7}),
     lambda q, k, v: F.scaled_dot_product_attention(q, k.expand(-1, 3, -1, -1), v.expand(-1, 3, -1, -1), scale=0.7),
@@ -454,6 +462,15 @@ case(
     lambda q, k, v, bias: F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                          attn_mask=bias + _CAUSAL_5x5),
     q=normal(2, 4, 5, 3), k=normal(2, 2, 5, 3), v=normal(2, 2, 5, 3), bias=normal(4, 5, 5),
+)
+case(
+    "Attention[tokens first,position bias]",
+    lambda b, q, k, v, bias: b.attention(q, k, v, bias, heads_first=False),
+    lambda q, k, v, bias: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1),
+        attn_mask=bias + _CAUSAL_5x5,
+    ).transpose(1, 2),
+    q=normal(2, 5, 4, 3), k=normal(2, 5, 2, 3), v=normal(2, 5, 2, 3), bias=normal(4, 5, 5),
 )
 case(
     "Attention[mqa,full,batch bias]",

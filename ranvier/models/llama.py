@@ -204,9 +204,8 @@ class Llama(Module):
         q = b.rotary((x @ w["wq"]).reshape([batch, seq, c.n_heads, hd]), *rope)
         k = b.rotary((x @ w["wk"]).reshape([batch, seq, c.n_kv_heads, hd]), *rope)
         v = (x @ w["wv"]).reshape([batch, seq, c.n_kv_heads, hd])
-        heads_first = [0, 2, 1, 3]  # [B, T, heads, hd] <-> [B, heads, T, hd]
-        out = b.op("Attention", [q.transpose(heads_first), k.transpose(heads_first), v.transpose(heads_first)])
-        return out.transpose(heads_first).reshape([batch, seq, c.dim]) @ w["wo"]
+        out = b.attention(q, k, v, heads_first=False)  # [B, T, heads, hd], as the projections give them
+        return out.reshape([batch, seq, c.dim]) @ w["wo"]
 
     def feed_forward(self, b: Builder, x: Tensor, w: dict) -> Tensor:
         return swiglu(b, x, w["w1"], w["w2"], w["w3"])

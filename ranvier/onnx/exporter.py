@@ -27,7 +27,7 @@ from ..atomic import atomic_write
 from ..errors import RanvierError, UnknownOpError
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of
-from ..ops.attention import grouped_bias_shape, scale_of
+from ..ops.attention import grouped_bias_shape, heads_first_shape, scale_of
 from ..ops.shape import shape_fact
 from ..ops.window import strided_view
 from ..version import __version__
@@ -619,13 +619,16 @@ def _rotary(g, op, x, cos, sin):
 def _attention(g, op, q, k, v, bias=None):
     """softmax(scale · q kᵀ + bias + causal mask) v, as its decomposition in
     ranvier.ops.attention: the G query heads sharing a key/value head are stacked as G·T
-    rows of one matrix."""
+    rows of one matrix; [B, T, heads, hd] tensors are transposed to it and back."""
     q_var, k_var = op.inputs[0], op.inputs[1]
-    batch, heads, queries, size = q_var.shape
-    kv_heads, keys = k_var.shape[1], k_var.shape[2]
-    groups = heads // kv_heads
     attrs = attrs_of(op)
+    first = attrs["heads_first"]
+    batch, heads, queries, size = heads_first_shape(q_var.shape, first)
+    _, kv_heads, keys, _ = heads_first_shape(k_var.shape, first)
+    groups = heads // kv_heads
     dtype = _numpy(q_var)
+    if not first:
+        q, k, v = (g.node("Transpose", [x], perm=[0, 2, 1, 3]) for x in (q, k, v))
     stacked = g.node("Reshape", [q, g.ints([batch, kv_heads, groups * queries, size])])
     scores = g.node("MatMul", [stacked, _swap_last(g, k, 4)])
     scores = g.node("Mul", [scores, g.const(scale_of(attrs, size), dtype)])
@@ -639,4 +642,5 @@ def _attention(g, op, q, k, v, bias=None):
             scores = g.node("Add", [scores, g.const(np.where(hidden, -np.inf, 0.0), dtype)])
         scores = g.node("Reshape", [scores, g.ints([batch, kv_heads, groups * queries, keys])])
     probs = g.node("Softmax", [scores], axis=-1)
-    return g.node("Reshape", [g.node("MatMul", [probs, v]), g.ints(q_var.shape)])
+    out = g.node("Reshape", [g.node("MatMul", [probs, v]), g.ints([batch, heads, queries, size])])
+    return out if first else g.node("Transpose", [out], perm=[0, 2, 1, 3])

@@ -12,6 +12,10 @@ give 0/0. AttentionGrad(q, k, v, d out[, bias]) → (dq, dk, dv) recomputes the
 probabilities row by row instead of keeping the T×S matrix from the forward pass; a
 bias's own gradient, wanted only when it is learned, comes from the decomposed form.
 
+With `heads_first` false, q, k, v, the output and the gradients are [B, T, heads, hd]
+instead, as a model's projections give them: a kernel reads and writes the heads in
+place, with no transposes on either side (a decomposition makes the transposes).
+
 Both decompose into batched GEMMs and a row softmax (with one additive causal-mask
 constant per function, so the backward's recomputed probabilities are the forward's,
 op for op, and CSE keeps one); a backend with a fused kernel may claim them whole.
@@ -27,16 +31,25 @@ from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, same_dtype
 
 
+def heads_first_shape(shape, heads_first: bool) -> list[int]:
+    """A q, k, v or output shape as [B, heads, T, hd], whichever layout it is in."""
+    shape = list(shape)
+    return shape if heads_first or len(shape) != 4 else [shape[0], shape[2], shape[1], shape[3]]
+
+
 def _check(ctx, q, k, v, bias=None):
+    first = ctx.attrs["heads_first"]
+    layout = "[B, H, T, hd] and k, v of one shape [B, KV, S, hd]" if first else "[B, T, H, hd] and k, v of one shape [B, S, KV, hd]"
+    qs, ks = heads_first_shape(q.shape, first), heads_first_shape(k.shape, first)
     if bias is not None:
-        full = [q.shape[0], q.shape[1], q.shape[2], k.shape[2]] if q.rank == 4 and k.rank == 4 else []
+        full = [qs[0], qs[1], qs[2], ks[2]] if q.rank == 4 and k.rank == 4 else []
         if bias.rank > 4 or not full or any(d not in (1, n) for d, n in zip(bias_dims(bias.shape), full)):
             raise ctx.fail(f"a bias that broadcasts to the scores' shape [B, H, T, S] = {full}")
     if q.rank != 4 or k.rank != 4 or list(k.shape) != list(v.shape):
-        raise ctx.fail("q [B, H, T, hd] and k, v of one shape [B, KV, S, hd]")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ctx.fail(f"q {layout}")
+    if qs[0] != ks[0] or qs[3] != ks[3] or ks[1] == 0 or qs[1] % ks[1]:
         raise ctx.fail("the same batch and head size, and heads H a multiple of key/value heads KV")
-    if ctx.attrs["causal"] and q.shape[2] > k.shape[2]:
+    if ctx.attrs["causal"] and qs[2] > ks[2]:
         raise ctx.fail("no more queries than keys for causal attention")
 
 
@@ -99,14 +112,24 @@ def probabilities(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
     return np.where(total > 0, e / np.where(total > 0, total, 1.0), e)
 
 
-def attention(q, k, v, bias=None, causal=True, scale=None):
+def _swapped(t, heads_first: bool):
+    """Tensor t [B, T, heads, hd] as [B, heads, T, hd], or back; as is where heads come first."""
+    return t if heads_first else t.transpose([0, 2, 1, 3])
+
+
+def attention(q, k, v, bias=None, causal=True, scale=None, heads_first=True):
+    if not heads_first:  # [B, T, heads, hd] arrays: the same, axes 1 and 2 swapped each way
+        return np.swapaxes(attention(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), bias, causal, scale), 1, 2)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     p = probabilities(q, k, causal, scale, bias)
     values = np.repeat(np.asarray(v, np.float64), q.shape[1] // k.shape[1], axis=1)
     return np.einsum("bhts,bhsd->bhtd", p, values)
 
 
-def attention_grad(q, k, v, dout, bias=None, causal=True, scale=None):
+def attention_grad(q, k, v, dout, bias=None, causal=True, scale=None, heads_first=True):
+    if not heads_first:
+        grads = attention_grad(*(np.swapaxes(x, 1, 2) for x in (q, k, v, dout)), bias, causal, scale)
+        return [np.swapaxes(g, 1, 2) for g in grads]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[1] // k.shape[1]
     p = probabilities(q, k, causal, scale, bias)
@@ -128,6 +151,7 @@ def attention_grad(q, k, v, dout, bias=None, causal=True, scale=None):
 ATTRS = [
     Attr("causal", "bool", True, "query t sees keys s ≤ t + S − T"),
     Attr("scale", "float", None, "score scale (default 1/√head size)"),
+    Attr("heads_first", "bool", True, "q, k, v and the output [B, heads, T, hd]; false: [B, T, heads, hd]"),
 ]
 
 
@@ -139,24 +163,28 @@ def _attention_vjp(ctx, g):
     return [dq, dk, dv, ctx.unbroadcast(_score_gradient(ctx.b, ctx.op, g[0]), bias[0])]
 
 
-def _build_attention(b, q, k, v, bias=None, causal=True, scale=None, name=None):
+def _build_attention(b, q, k, v, bias=None, causal=True, scale=None, heads_first=True, name=None):
     attrs = {"causal": causal} if scale is None else {"causal": causal, "scale": scale}
+    if not heads_first:
+        attrs["heads_first"] = False
     return b.op("Attention", [q, k, v] if bias is None else [q, k, v, bias], name, attrs)
 
 
 def _flops(op) -> int:
     """Two GEMMs of the scores forward (q kᵀ, p v), four backward; causal halves them."""
-    q, k = op.inputs[0], op.inputs[1]
-    batch, heads, queries, size = q.shape
+    attrs = op_def(op.type).attrs_of(op)
+    batch, heads, queries, size = heads_first_shape(op.inputs[0].shape, attrs["heads_first"])
+    keys = heads_first_shape(op.inputs[1].shape, attrs["heads_first"])[2]
     products = 2 if op.type == "Attention" else 4
-    visible = 0.5 if op_def(op.type).attrs_of(op)["causal"] else 1.0
-    return int(products * 2 * batch * heads * queries * k.shape[2] * size * visible)
+    visible = 0.5 if attrs["causal"] else 1.0
+    return int(products * 2 * batch * heads * queries * keys * size * visible)
 
 
 define(
     "Attention",
     _infer_attention,
-    lambda a, args, o: [attention(*args[:3], *args[3:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]))],
+    lambda a, args, o: [attention(*args[:3], *args[3:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]),
+                                  heads_first=a["heads_first"])],
     (3, 4),
     "nn",
     "Attention(q, k, v[, bias])",
@@ -169,7 +197,8 @@ define(
 define(
     "AttentionGrad",
     _infer_attention_grad,
-    lambda a, args, o: attention_grad(*args[:4], *args[4:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1])),
+    lambda a, args, o: attention_grad(*args[:4], *args[4:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]),
+                                      heads_first=a["heads_first"]),
     (4, 5),
     "nn",
     "(dq, dk, dv) of Attention from (q, k, v, d out[, bias]), recomputing the probabilities",
@@ -184,7 +213,7 @@ def _grouped_probabilities(b, op):
     The query heads sharing a key/value head are stacked into one matrix of G·T rows
     [B, KV, G·T, hd], so each key/value head takes one GEMM of G·T rows rather than G
     GEMMs of T; the probabilities come out [B, KV, G·T, S] in the same row order."""
-    q, k, v = (b.wrap(x) for x in op.inputs[:3])
+    q, k, v = heads_first(b, op, op.inputs[:3])
     batch, heads, queries, size = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -222,12 +251,19 @@ def _d_scores(p, dp):
     return p * (dp - (p * dp).sum(axis=-1, keepdims=True))
 
 
+def heads_first(b, op, values) -> list:
+    """An attention op's q, k, v (or d out) as [B, heads, T, hd] tensors: transposed where
+    the op takes them [B, T, heads, hd]."""
+    return [_swapped(b.wrap(x), op_def(op.type).attrs_of(op)["heads_first"]) for x in values]
+
+
 def _score_gradient(b, op, dout):
     """d scores [B, H, T, S] of Attention `op` for d out: a learned bias's gradient."""
-    q, _, v, p, _ = _grouped_probabilities(b, op)
-    ds = _d_scores(p, b.wrap(dout).reshape(q.shape).matmul(v, transpose_b=True))
-    batch, heads, queries, _ = op.inputs[0].shape
-    return ds.reshape([batch, heads, queries, op.inputs[1].shape[2]])
+    q, k, v, p, _ = _grouped_probabilities(b, op)
+    (dout,) = heads_first(b, op, [dout])
+    ds = _d_scores(p, dout.reshape(q.shape).matmul(v, transpose_b=True))
+    batch, heads, queries, _ = dout.shape
+    return ds.reshape([batch, heads, queries, k.shape[2]])
 
 
 def _causal_mask(b, queries: int, keys: int, dtype: str):
@@ -241,8 +277,23 @@ def _causal_mask(b, queries: int, keys: int, dtype: str):
     return b.array(name, np.where(hidden, -np.inf, 0.0).astype(np.float32 if dtype == "float32" else np.float64))
 
 
+def _transposed_around(b, op):
+    """An op taking [B, T, heads, hd] as transposes to and from the same op taking
+    [B, heads, T, hd] (which a backend may run whole, or decompose in turn); None where
+    the heads come first already."""
+    if op_def(op.type).attrs_of(op)["heads_first"]:
+        return None
+    count = 4 if op.type == "AttentionGrad" else 3  # then the bias, the same in either layout
+    inputs = [*heads_first(b, op, op.inputs[:count]), *(b.wrap(x) for x in op.inputs[count:])]
+    results = b.op(op.type, inputs, None, {name: value for name, value in op.attrs.items() if name != "heads_first"})
+    return [_swapped(r, False) for r in results] if isinstance(results, (list, tuple)) else _swapped(results, False)
+
+
 @decomposition("Attention")
 def _attention_as_gemms(b, op):
+    turned = _transposed_around(b, op)
+    if turned is not None:
+        return turned
     _, _, v, p, _ = _grouped_probabilities(b, op)
     return (p @ v).reshape(op.outputs[0].shape)
 
@@ -251,6 +302,9 @@ def _attention_as_gemms(b, op):
 def _attention_grad_as_gemms(b, op):
     """With the group's heads stacked along the rows, the products over rows (d k, d v)
     sum the group's heads onto their key/value head in the GEMM itself."""
+    turned = _transposed_around(b, op)
+    if turned is not None:
+        return turned
     q, k, v, p, scale = _grouped_probabilities(b, op)
     dout = b.wrap(op.inputs[3]).reshape(q.shape)
     ds = _d_scores(p, dout.matmul(v, transpose_b=True))

@@ -41,10 +41,10 @@ SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel
 
 
 def supports(op: Operation) -> bool:
-    if op.type == "Attention":
-        return True
-    return (op.type == "AttentionGrad" and op.inputs[0].shape[-1] >= _PARKED
-            and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
+    """Heads first: the other layout decomposes into transposes around an op these take."""
+    if op.type not in ("Attention", "AttentionGrad") or not attrs_of(op)["heads_first"]:
+        return False
+    return op.type == "Attention" or (op.inputs[0].shape[-1] >= _PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
 
 
 class _Shape:

@@ -8,7 +8,8 @@ whole key/value heads, or with fewer of those than cores a share of one's blocks
 partial sums of its own) dP = dO Vᵀ, dS = scale · P (dP − Σ P·dP), dQ = dS K,
 dK += dSᵀ Q_block and dV += Pᵀ dO_block, all by the GEMM. The key and value heads a
 part's products read as B are packed into the GEMM's panels once per head (`_Panels`),
-not by every product.
+not by every product. Tensors [B, T, heads, hd] (`heads_first` false) are read and
+written in place, a head's rows heads · hd apart instead of hd.
 
 In float64, one query row at a time: scores against every visible key into a row buffer
 on the stack, their maximum, exponentials and sum, then the weighted sum of values. The
@@ -31,7 +32,7 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of
-from ....ops.attention import bias_dims, bias_of, bias_offset, scale_of
+from ....ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
 from ...llvm.irutil import BYTE_PTR, cache_line_aligned, i64
 from ...llvm.loops import fill
 from ...llvm.rows import Row, finite_peak, normalized_exponentials, unseen_inverse
@@ -57,11 +58,52 @@ def scores_budget() -> int:
     return 0 if host_target().lanes(4) >= 16 else 1 << 25
 
 
+@dataclass(frozen=True)
+class _Dims:
+    """An attention op's sizes, whichever layout its tensors are in, and the elements
+    between consecutive rows (positions) of one head: hd where heads come first, heads·hd
+    where they are [B, T, heads, hd]."""
+
+    batch: int
+    heads: int
+    queries: int
+    size: int
+    kv_heads: int
+    keys: int
+    heads_first: bool
+
+    @property
+    def q_stride(self) -> int:
+        return self.size if self.heads_first else self.heads * self.size
+
+    @property
+    def kv_stride(self) -> int:
+        return self.size if self.heads_first else self.kv_heads * self.size
+
+    def kv_head_start(self, batch, kv_head):
+        """Where key/value head kv_head of a batch starts (ints or Values)."""
+        if self.heads_first:
+            return (batch * self.kv_heads + kv_head) * (self.keys * self.size)
+        return batch * (self.keys * self.kv_heads * self.size) + kv_head * self.size
+
+
+def _dims(op) -> _Dims:
+    first = attrs_of(op)["heads_first"]
+    batch, heads, queries, size = heads_first_shape(op.inputs[0].shape, first)
+    _, kv_heads, keys, _ = heads_first_shape(op.inputs[1].shape, first)
+    return _Dims(batch, heads, queries, size, kv_heads, keys, first)
+
+
 def _too_big_to_decompose(op) -> bool:
-    q, k = op.inputs[0], op.inputs[1]
-    batch, heads, queries, _ = q.shape
-    fits = q.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
-    return fits and batch * heads * queries * k.shape[2] * 4 > scores_budget()
+    d = _dims(op)
+    fits = op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
+    return fits and d.batch * d.heads * d.queries * d.keys * 4 > scores_budget()
+
+
+def _rows_heads_first(op) -> bool:
+    """The float64 row kernels read heads first; the other layout decomposes into
+    transposes around an op they take."""
+    return _too_big_to_decompose(op) and attrs_of(op)["heads_first"]
 
 
 class _Heads:
@@ -70,8 +112,9 @@ class _Heads:
     def __init__(self, ctx, q, k, op):
         attrs = attrs_of(op)
         self.ctx = ctx
-        self.batch, self.heads, self.queries, self.size = q.shape
-        self.kv_heads, self.keys = k.shape[1], k.shape[2]
+        self.dims = d = _dims(op)
+        self.batch, self.heads, self.queries, self.size = d.batch, d.heads, d.queries, d.size
+        self.kv_heads, self.keys = d.kv_heads, d.keys
         self.groups = self.heads // self.kv_heads
         self.causal = attrs["causal"]
         self.scale = scale_of(attrs, self.size)
@@ -80,8 +123,14 @@ class _Heads:
         self.bias_dims = bias_dims(self.bias.shape) if self.bias is not None else None
 
     def kv_base(self, bh: Value) -> Value:
-        batch, head = bh // self.heads, bh % self.heads
-        return (batch * self.kv_heads + head // self.groups) * (self.keys * self.size)
+        """Where the key/value head query head bh reads starts."""
+        return self.dims.kv_head_start(bh // self.heads, bh % self.heads // self.groups)
+
+    def q_row(self, bh: Value, t: Value) -> Value:
+        """Where query t of (batch·head) bh starts in q, the output and their gradients."""
+        if self.dims.heads_first:
+            return (bh * self.queries + t) * self.size
+        return ((bh // self.heads * self.queries + t) * self.heads + bh % self.heads) * self.size
 
     def bias_start(self, bh: Value, t: Value) -> Value | int:
         """Where the bias row of (batch·head, query) starts; a broadcast axis stays put."""
@@ -201,7 +250,7 @@ _CAUSAL_BLOCK_ROWS, _BLOCK_ROWS = 32, 64
 
 def _block_rows(op) -> int:
     """Query rows per block: as many as `_BLOCK_BYTES` of scores hold (4 to 32 or 64, whole strips of 4)."""
-    keys = op.inputs[1].shape[2]
+    keys = _dims(op).keys
     most = _CAUSAL_BLOCK_ROWS if attrs_of(op)["causal"] else _BLOCK_ROWS
     return max(4, min(most, _BLOCK_BYTES // (4 * keys) // 4 * 4))
 
@@ -212,28 +261,27 @@ def _gemm_blocks(op) -> bool:
 
 def _block_parts(op) -> list[tuple[int, int]]:
     """Each worker-pool part's range of (batch·head, query block) items."""
-    batch, heads, queries, size = op.inputs[0].shape
-    keys = op.inputs[1].shape[2]
-    items = batch * heads * -(-queries // _block_rows(op))
-    split = worth_splitting(4 * batch * heads * queries * keys * size)
+    d = _dims(op)
+    items = d.batch * d.heads * -(-d.queries // _block_rows(op))
+    split = worth_splitting(4 * d.batch * d.heads * d.queries * d.keys * d.size)
     return shares(items, thread_count() if split else 1)
 
 
 def _gemm_bytes(op) -> int:
     """A part's GEMM packing scratch, cache-line rounded: B is Kᵀ [hd × S] or V [S × hd]."""
-    size, keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
+    size, keys = _dims(op).size, _dims(op).keys
     return -(-max(sgemm.workspace_bytes(keys, size), sgemm.workspace_bytes(size, keys)) // 64) * 64
 
 
 def _block_share(op) -> int:
     """A part's K and V in panels (a line to spare, to align them), then a block's scores."""
-    return 64 + _panels_bytes(op, 2) + 4 * _block_rows(op) * op.inputs[1].shape[2]
+    return 64 + _panels_bytes(op, 2) + 4 * _block_rows(op) * _dims(op).keys
 
 
 def _panels_bytes(op, count: int) -> int:
     """`count` key/value heads in the packed GEMM's panels, as Kᵀ [hd × S] or V [S × hd],
     cache-line rounded each: the GEMM reads panels as aligned vectors."""
-    size, keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
+    size, keys = _dims(op).size, _dims(op).keys
     return count * -(-4 * max(panel_floats(keys, size), panel_floats(size, keys)) // 64) * 64
 
 
@@ -246,12 +294,13 @@ class _Panels:
 
     def __init__(self, ctx, name: str, at: ir.Value, op):
         self.ctx = ctx
-        self.size, self.keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
+        d = _dims(op)
+        self.size, self.keys, self.stride, self.out_stride = d.size, d.keys, d.kv_stride, d.q_stride
         self.var = ctx.scratch(name, dtypes.DT_FLOAT32, _panels_bytes(op, 1) // 4, at)
         self.nr = sgemm.panel_width(ctx.target)
 
     def across_keys(self, source, kv: Value) -> None:
-        """source's head at kv [S × hd] as op(B) = its transpose [hd × S]: S columns."""
+        """source's head at kv [S × hd] (rows `stride` apart) as op(B) = its transpose [hd × S]: S columns."""
         self._pack(source, kv, True, self.size, self.keys)
 
     def along_keys(self, source, kv: Value) -> None:
@@ -260,7 +309,7 @@ class _Panels:
 
     def _pack(self, source, kv: Value, transposed: bool, k: int, n: int) -> None:
         ctx = self.ctx
-        sgemm.pack_at_run_time(ctx.module, ctx.target, ctx.b, transposed, ctx.element_pointer(source, kv), self.size,
+        sgemm.pack_at_run_time(ctx.module, ctx.target, ctx.b, transposed, ctx.element_pointer(source, kv), self.stride,
                                i64(k), i64(n), ctx.pointer(self.var))
 
     def times_keys(self, gemm: PackedGemm, rows, seen, a: ir.Value, lda: int, c: ir.Value) -> None:
@@ -268,12 +317,13 @@ class _Panels:
         gemm.gemm(False, rows, seen, self.size, a, lda, self.ctx.pointer(self.var), c, self.keys)
 
     def times_head(self, gemm: PackedGemm, rows, seen, a: ir.Value, c: ir.Value) -> None:
-        """C[rows × hd] = A[rows × seen] (rows S apart) · the along-keys panels' first `seen`
-        rows: a call per panel, as the panels are S deep and the product only `seen`."""
+        """C[rows × hd] (rows of the output or d q) = A[rows × seen] (rows S apart) · the
+        along-keys panels' first `seen` rows: a call per panel, as the panels are S deep
+        and the product only `seen`."""
         for first in range(0, self.size, self.nr):
             panel = self.ctx.b.gep(self.ctx.pointer(self.var), [i64(first * self.keys)])
             gemm.gemm(False, rows, min(self.nr, self.size - first), seen, a, self.keys, panel,
-                      self.ctx.b.gep(c, [i64(first)]), self.size)
+                      self.ctx.b.gep(c, [i64(first)]), self.out_stride)
 
 
 def _block_workspace(op) -> int:
@@ -284,8 +334,9 @@ def _block_workspace(op) -> int:
 def attention_blocks(ctx, op) -> None:
     q, k, v = op.inputs[:3]
     out = op.outputs[0]
-    size, keys, rows_per_block = q.shape[3], k.shape[2], _block_rows(op)
-    blocks = -(-q.shape[2] // rows_per_block)
+    d = _dims(op)
+    keys, rows_per_block = d.keys, _block_rows(op)
+    blocks = -(-d.queries // rows_per_block)
     share = _block_share(op)
 
     def part(number: int, first: int, last: int):
@@ -305,12 +356,12 @@ def attention_blocks(ctx, op) -> None:
             with ctx.loop(first, last, name="item") as item:
                 bh, first_query = item // blocks, item % blocks * rows_per_block
                 rows, seen = heads.block(first_query, rows_per_block)
-                kv, query_rows = heads.kv_base(bh), (bh * heads.queries + first_query) * size
+                kv, query_rows = heads.kv_base(bh), heads.q_row(bh, first_query)
                 with ctx.when(~kv.equal(packed_kv.value)):
                     keys_across.across_keys(k, kv)
                     values.along_keys(v, kv)
                     packed_kv.set(kv)
-                keys_across.times_keys(gemm, rows, seen, ctx.element_pointer(q, query_rows), size, ctx.pointer(scores))
+                keys_across.times_keys(gemm, rows, seen, ctx.element_pointer(q, query_rows), d.q_stride, ctx.pointer(scores))
                 with ctx.loop(0, rows, name="r") as r:
                     heads.normalize(scores, r * keys, bh, first_query + r, seen)
                 values.times_head(gemm, rows, seen, ctx.pointer(scores), ctx.element_pointer(out, query_rows))
@@ -337,9 +388,9 @@ class _GradPart:
 def _grad_parts(op) -> list[_GradPart]:
     """Whole items per part, or with fewer items than cores (a multi-query model at batch
     1 has one) each item's pairs shared out over the cores left to it."""
-    batch, heads, queries, size = op.inputs[0].shape
-    kv_heads, keys = op.inputs[1].shape[1], op.inputs[1].shape[2]
-    threads = thread_count() if worth_splitting(8 * batch * heads * queries * keys * size) else 1
+    d = _dims(op)
+    batch, heads, queries, kv_heads = d.batch, d.heads, d.queries, d.kv_heads
+    threads = thread_count() if worth_splitting(8 * batch * heads * queries * d.keys * d.size) else 1
     items = batch * kv_heads
     if items >= threads:
         return [_GradPart(share) for share in shares(items, threads)]
@@ -352,7 +403,7 @@ def _grad_panels_offset(op) -> int:
     """Where a part's panels go in its share: after packing scratch, a block's
     probabilities and d scores, one head's d keys or values, and a share's partial d keys
     and d values."""
-    size, keys = op.inputs[0].shape[3], op.inputs[1].shape[2]
+    size, keys = _dims(op).size, _dims(op).keys
     partials = 2 if any(part.pairs for part in _grad_parts(op)) else 0
     return _gemm_bytes(op) + 2 * 4 * _block_rows(op) * keys + (1 + partials) * 4 * keys * size
 
@@ -373,8 +424,9 @@ def attention_grad_blocks(ctx, op) -> None:
     dQ = dS K, dK += dSᵀ Q and dV += Pᵀ dO, the last two through a scratch head."""
     q, k, v, dout = op.inputs[:4]
     dq, dk, dv = op.outputs
-    size, keys, rows_per_block = q.shape[3], k.shape[2], _block_rows(op)
-    queries, heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
+    d = _dims(op)
+    size, keys, rows_per_block = d.size, d.keys, _block_rows(op)
+    queries, heads, kv_heads = d.queries, d.heads, d.kv_heads
     groups, blocks = heads // kv_heads, -(-queries // rows_per_block)
     block_floats, head_floats = rows_per_block * keys, keys * size
     share, parts = _grad_share(op), _grad_parts(op)
@@ -403,11 +455,14 @@ def attention_grad_blocks(ctx, op) -> None:
             first_pair, last_pair = shared.pairs or (0, groups * blocks)
             with ctx.loop(*shared.items, name="item") as item:
                 batch, kv_head = item // kv_heads, item % kv_heads
-                kv = item * head_floats
-                # where this part adds d keys and d values: the outputs' rows, or its partials
-                targets = [(grad, kv) for grad in (dk, dv)] if shared.pairs is None else [(grad, 0) for grad in partials(ctx, number)]
-                for grad, base in targets:
-                    Row(ctx, base, head_floats, q.dtype).each(lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
+                kv = d.kv_head_start(batch, kv_head)
+                # where this part adds d keys and d values, and its rows' stride: the outputs, or its partials
+                targets = ([(grad, kv, d.kv_stride) for grad in (dk, dv)] if shared.pairs is None else
+                           [(grad, 0, size) for grad in partials(ctx, number)])
+                for grad, base, stride in targets:
+                    with ctx.loop(0, keys, name="j") as j:
+                        Row(ctx, base + j * stride, size, q.dtype).each(
+                            lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
                 keys_across.across_keys(k, kv)
                 values_across.across_keys(v, kv)
                 keys_along.along_keys(k, kv)
@@ -415,19 +470,20 @@ def attention_grad_blocks(ctx, op) -> None:
                     bh = batch * heads + kv_head * groups + gb // blocks
                     first_query = gb % blocks * rows_per_block
                     rows, seen = geometry.block(first_query, rows_per_block)
-                    query_rows = (bh * queries + first_query) * size
+                    query_rows = geometry.q_row(bh, first_query)
                     at_q, at_dout = ctx.element_pointer(q, query_rows), ctx.element_pointer(dout, query_rows)
-                    keys_across.times_keys(packed, rows, seen, at_q, size, ctx.pointer(p))
-                    values_across.times_keys(packed, rows, seen, at_dout, size, ctx.pointer(ds))
+                    keys_across.times_keys(packed, rows, seen, at_q, d.q_stride, ctx.pointer(p))
+                    values_across.times_keys(packed, rows, seen, at_dout, d.q_stride, ctx.pointer(ds))
                     with ctx.loop(0, rows, name="r") as r:
                         geometry.normalize(p, r * keys, bh, first_query + r, seen)
                         geometry.score_gradients(p, ds, r * keys, first_query + r, seen)
                     keys_along.times_head(packed, rows, seen, ctx.pointer(ds), ctx.element_pointer(dq, query_rows))
-                    for (grad, base), left, right in zip(targets, (ds, p), (at_q, at_dout)):
-                        gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), keys, right, size, ctx.pointer(head), size)
+                    for (grad, base, stride), left, right in zip(targets, (ds, p), (at_q, at_dout)):
+                        gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), keys, right, d.q_stride, ctx.pointer(head), size)
                         with ctx.loop(0, seen, name="j") as j:
-                            Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad, base=base: ctx.store(
-                                grad, base + i, ctx.load(grad, base + i, w) + ctx.load(head, i, w)))
+                            row = base + j * stride - j * size  # the head's row j, where `head` has it at j · size
+                            Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad, row=row: ctx.store(
+                                grad, row + i, ctx.load(grad, row + i, w) + ctx.load(head, i, w)))
 
         return emit
 
@@ -435,22 +491,25 @@ def attention_grad_blocks(ctx, op) -> None:
     for item in sorted({shared.items[0] for shared in parts if shared.pairs is not None}):
         shares_of_item = [partials(ctx, number) for number, shared in enumerate(parts) if shared.pairs and shared.items[0] == item]
         for grad, sources in zip((dk, dv), zip(*shares_of_item)):
-            _add_up(ctx, grad, item * head_floats, sources, head_floats)
+            _add_up(ctx, grad, d.kv_head_start(item // kv_heads, item % kv_heads), d.kv_stride, sources, keys, size)
 
 
-def _add_up(ctx, target, base: int, sources, count: int) -> None:
-    """target[base:base + count] = the sum of the sources' first `count` elements."""
-    def store(i, w):
-        ctx.store(target, base + i, functools.reduce(operator.add, (ctx.load(source, i, w) for source in sources)))
+def _add_up(ctx, target, base: int, stride: int, sources, rows: int, size: int) -> None:
+    """The target's `rows` rows of `size` from `base`, `stride` apart, = the sum of the
+    sources' (rows of `size` one after another)."""
+    with ctx.loop(0, rows, name="j") as j:
+        def store(i, w):
+            total = functools.reduce(operator.add, (ctx.load(source, i, w) for source in sources))
+            ctx.store(target, base + j * stride + i - j * size, total)
 
-    Row(ctx, 0, count, target.dtype).each(store)
+        Row(ctx, j * size, size, target.dtype).each(store)
 
 
 GENERATED_GEMM_KERNELS.add("AttentionGradGemm")
 PACKED_GEMM_KERNELS.add("AttentionGradGemm")
 
 
-@kernel("AttentionRow", {"Attention"}, supports=_too_big_to_decompose)
+@kernel("AttentionRow", {"Attention"}, supports=_rows_heads_first)
 def attention(ctx, op) -> None:
     q, k, v = op.inputs[:3]
     out = op.outputs[0]
@@ -465,7 +524,7 @@ def attention(ctx, op) -> None:
     heads.each_query(q, k, p, weighted_values)
 
 
-@kernel("AttentionGradRow", {"AttentionGrad"}, supports=_too_big_to_decompose)
+@kernel("AttentionGradRow", {"AttentionGrad"}, supports=_rows_heads_first)
 def attention_grad(ctx, op) -> None:
     q, k, v, dout = op.inputs[:4]
     dq, dk, dv = op.outputs
