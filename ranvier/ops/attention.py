@@ -213,7 +213,7 @@ def _grouped_probabilities(b, op):
     The query heads sharing a key/value head are stacked into one matrix of G·T rows
     [B, KV, G·T, hd], so each key/value head takes one GEMM of G·T rows rather than G
     GEMMs of T; the probabilities come out [B, KV, G·T, S] in the same row order."""
-    q, k, v = heads_first(b, op, op.inputs[:3])
+    q, k, v = _as_heads_first(b, op, op.inputs[:3])
     batch, heads, queries, size = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -251,7 +251,7 @@ def _d_scores(p, dp):
     return p * (dp - (p * dp).sum(axis=-1, keepdims=True))
 
 
-def heads_first(b, op, values) -> list:
+def _as_heads_first(b, op, values) -> list:
     """An attention op's q, k, v (or d out) as [B, heads, T, hd] tensors: transposed where
     the op takes them [B, T, heads, hd]."""
     return [_swapped(b.wrap(x), op_def(op.type).attrs_of(op)["heads_first"]) for x in values]
@@ -260,7 +260,7 @@ def heads_first(b, op, values) -> list:
 def _score_gradient(b, op, dout):
     """d scores [B, H, T, S] of Attention `op` for d out: a learned bias's gradient."""
     q, k, v, p, _ = _grouped_probabilities(b, op)
-    (dout,) = heads_first(b, op, [dout])
+    (dout,) = _as_heads_first(b, op, [dout])
     ds = _d_scores(p, dout.reshape(q.shape).matmul(v, transpose_b=True))
     batch, heads, queries, _ = dout.shape
     return ds.reshape([batch, heads, queries, k.shape[2]])
@@ -284,7 +284,7 @@ def _transposed_around(b, op):
     if op_def(op.type).attrs_of(op)["heads_first"]:
         return None
     count = 4 if op.type == "AttentionGrad" else 3  # then the bias, the same in either layout
-    inputs = [*heads_first(b, op, op.inputs[:count]), *(b.wrap(x) for x in op.inputs[count:])]
+    inputs = [*_as_heads_first(b, op, op.inputs[:count]), *(b.wrap(x) for x in op.inputs[count:])]
     results = b.op(op.type, inputs, None, {name: value for name, value in op.attrs.items() if name != "heads_first"})
     return [_swapped(r, False) for r in results] if isinstance(results, (list, tuple)) else _swapped(results, False)
 
