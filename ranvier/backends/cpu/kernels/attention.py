@@ -269,7 +269,8 @@ def _block_parts(op) -> list[tuple[int, int]]:
 
 def _gemm_bytes(op) -> int:
     """A part's GEMM packing scratch, cache-line rounded: B is Kᵀ [hd × S] or V [S × hd]."""
-    size, keys = _dims(op).size, _dims(op).keys
+    d = _dims(op)
+    size, keys = d.size, d.keys
     return -(-max(sgemm.workspace_bytes(keys, size), sgemm.workspace_bytes(size, keys)) // 64) * 64
 
 
@@ -281,7 +282,8 @@ def _block_share(op) -> int:
 def _panels_bytes(op, count: int) -> int:
     """`count` key/value heads in the packed GEMM's panels, as Kᵀ [hd × S] or V [S × hd],
     cache-line rounded each: the GEMM reads panels as aligned vectors."""
-    size, keys = _dims(op).size, _dims(op).keys
+    d = _dims(op)
+    size, keys = d.size, d.keys
     return count * -(-4 * max(panel_floats(keys, size), panel_floats(size, keys)) // 64) * 64
 
 
@@ -403,7 +405,8 @@ def _grad_panels_offset(op) -> int:
     """Where a part's panels go in its share: after packing scratch, a block's
     probabilities and d scores, one head's d keys or values, and a share's partial d keys
     and d values."""
-    size, keys = _dims(op).size, _dims(op).keys
+    d = _dims(op)
+    size, keys = d.size, d.keys
     partials = 2 if any(part.pairs for part in _grad_parts(op)) else 0
     return _gemm_bytes(op) + 2 * 4 * _block_rows(op) * keys + (1 + partials) * 4 * keys * size
 

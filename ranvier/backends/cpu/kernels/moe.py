@@ -2,8 +2,9 @@
 the same pass over a row), the counting sort that routes tokens to experts, and the
 grouped GEMMs, one GEMM call per expert over its run-time group of rows (or per piece of
 its columns where experts are few beside the cores), the calls claimed one at a time by
-the worker pool's parts, the largest groups first: ranvier's generated GEMM where it measured faster than BLAS on a
-typical group, else BLAS; and the combine of each token's expert rows, with its gradients."""
+the worker pool's parts, the largest groups first: ranvier's generated GEMM where it
+measured faster than BLAS on a typical group, else BLAS; and the combine of each token's
+expert rows, with its gradients."""
 
 from __future__ import annotations
 
