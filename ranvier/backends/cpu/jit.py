@@ -11,7 +11,11 @@ Loaded code lives as long as something uses it: `load_object` returns a `LoadedC
 that owns its execution engine (and the memory LLVM mapped for it), shared by every
 cell compiled to the same object code and freed with the last of them. The in-memory
 cache of object files is bounded too (`MEMORY_CACHE_BYTES`), so a process that
-compiles many different networks keeps a flat footprint.
+compiles many different networks keeps a flat footprint. The sources are read once per
+process (`source_digest`): a generator changed while it runs (a constant patched to
+compare two settings in one process) keeps its key, so such an experiment clears
+`_MEMORY_CACHE` and points `$RANVIER_CACHE` elsewhere before each compile, or it times
+the first setting's code twice.
 
 The disk cache is capped (`$RANVIER_CACHE_MAX_MB`, default 512): writing evicts the
 least recently used entries (oldest modification time; a read hit touches its entry)
