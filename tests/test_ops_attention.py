@@ -217,12 +217,14 @@ def test_decomposed_backward_reuses_the_forward_probabilities(monkeypatch):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kind", [None, "padding", "position"])
 @pytest.mark.parametrize("b, kv, threads", [(2, 2, 3), (1, 1, 3), (2, 1, 5)])
-def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, monkeypatch):
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, heads_first, monkeypatch):
     """AttentionGemm and AttentionGradGemm with blocks of 8 query rows (the last one short),
     items shared out over parts, grouped heads, more keys than queries: every output and
     gradient equal to the per-head loop's. With fewer (batch, key/value head) items than
     parts (multi-query attention at batch 1 or 2), the gradient shares each item's blocks
-    out and sums the parts' d keys and d values after."""
+    out and sums the parts' d keys and d values after (into rows kv · hd apart where the
+    tensors are [B, T, heads, hd])."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
     monkeypatch.setattr(cpu, "scores_budget", lambda: 0)
@@ -238,12 +240,16 @@ def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, monkeypa
     bias = inputs[3:]
 
     def build(f, q, k, v, dout, *bias):
-        attrs = {"causal": causal}
-        return [f.attention(q, k, v, *bias, causal=causal), *f.op("AttentionGrad", [q, k, v, dout, *bias], None, attrs)]
+        attrs = {"causal": causal, "heads_first": heads_first}
+        return [f.attention(q, k, v, *bias, causal=causal, heads_first=heads_first),
+                *f.op("AttentionGrad", [q, k, v, dout, *bias], None, attrs)]
 
-    got = run_flow(build, [q, k, v, dout, *bias])
+    def layout(x):
+        return x if heads_first else np.swapaxes(x, 1, 2)
+
+    got = run_flow(build, [*(layout(x) for x in (q, k, v, dout)), *bias])
     for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd), bias[0] if bias else None)):
-        check(result, want, "float32")
+        check(result, layout(want), "float32")
 
 
 @pytest.mark.parametrize("cpu_mask", ["", "-avx512", "-avx512,-avx2"])
