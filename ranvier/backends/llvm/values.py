@@ -76,12 +76,7 @@ class Value:
     def halves(self) -> tuple[Value, Value]:
         """A vector's low and high halves of lanes (its lane count even)."""
         half = self.lanes // 2
-
-        def pick(first: int) -> Value:
-            mask = ir.Constant(ir.VectorType(I32, half), list(range(first, first + half)))
-            return self._new(self.b.shuffle_vector(self.ir, ir.Constant(self.ir.type, ir.Undefined), mask))
-
-        return pick(0), pick(half)
+        return self.shuffle(list(range(half))), self.shuffle(list(range(half, self.lanes)))
 
     def shuffle(self, lanes: list[int], other: Value | None = None) -> Value:
         """A vector of this one's lanes picked by index; indices from this value's lane
