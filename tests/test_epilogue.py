@@ -112,6 +112,26 @@ def test_a_product_split_over_every_core_runs_each_blocks_epilogue(gemm, monkeyp
     check(result[0], np.maximum(x.astype(np.float64) @ w - bias, 0).astype(np.float32))
 
 
+@pytest.mark.parametrize("dtype,gemm", [("float32", "generated"), ("float32", "blas"), ("float64", "blas")])
+def test_a_short_product_over_a_deep_k_adds_its_partial_products_before_the_epilogue(dtype, gemm, monkeypatch):
+    """Cut along k over three parts, each computing all of C over its slice (slices 1 and 2
+    into partial products in the workspace), then summed into C a share of rows per part,
+    the bias and GELU run over each share of the sum."""
+    from ranvier.backends.cpu.kernels import matmul
+
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    monkeypatch.setattr(matmul, "thread_count", lambda: 3)
+    monkeypatch.setattr(matmul, "worth_splitting", lambda flops=0, nbytes=0: True)
+    x, w, bias = random_array([20, 901], dtype, seed=4), random_array([901, 40], dtype, seed=5), random_array([40], dtype, seed=6)
+    result = run_flow(lambda f, x, w, b: f.gelu(x @ w + b), [x, w, bias])
+    want = torch.nn.functional.gelu(*_torch(x @ w.astype(np.float64) + bias)).numpy()
+    check(result[0], want.astype(dtype))
+    (step,) = _steps(result.flow)
+    assert step.op.type == "MatMulCalculate" and step.kernel == ("Gemm" if gemm == "generated" else "BlasGemm")
+    parts = matmul.gemm_parts(step.op, 16, slices=True)
+    assert [[(g.slice, g.k) for g in part] for part in parts] == [[(0, 301)], [(1, 301)], [(2, 299)]]
+
+
 def test_weights_packed_ahead_of_time_take_the_epilogue_too(monkeypatch):
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     rng = np.random.default_rng(0)

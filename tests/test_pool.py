@@ -204,14 +204,16 @@ from ranvier.backends.cpu.parallel import thread_count
 assert thread_count() == int(sys.argv[1])
 rng = np.random.default_rng(0)
 shapes = {"a": [37, 29], "b": [29, 45], "at": [29, 37], "bt": [45, 29], "batch": [6, 37, 29], "other": [6, 29, 45],
-          "v": [1, 29], "x": [67, 131], "g": [131], "image": [1, 3, 12, 12], "images": [3, 3, 12, 12], "filters": [5, 3, 3, 3]}
+          "v": [1, 29], "ka": [16, 777], "kb": [777, 40], "kat": [777, 16], "kbt": [40, 777], "x": [67, 131], "g": [131], "image": [1, 3, 12, 12], "images": [3, 3, 12, 12], "filters": [5, 3, 3, 3]}
 values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 flow = rv.Flow()
 f = rv.Builder(flow, "f")
 h = {name: f.var(name, "float32", shape) for name, shape in shapes.items()}
 outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True), f.matmul(h["a"], h["bt"], transpose_b=True),
            f.matmul(h["at"], h["bt"], transpose_a=True, transpose_b=True), f.matmul(h["batch"], h["other"]),
-           f.matmul(h["batch"], h["b"]), f.matmul(h["v"], h["b"]), f.softmax(h["x"]), f.rms_norm(h["x"], h["g"]),
+           f.matmul(h["batch"], h["b"]), f.matmul(h["v"], h["b"]), f.matmul(h["ka"], h["kb"]),
+           f.matmul(h["kat"], h["kbt"], transpose_a=True, transpose_b=True), f.tanh(f.matmul(h["kat"], h["kb"], transpose_a=True) * 0.5 + 0.25),
+           f.softmax(h["x"]), f.rms_norm(h["x"], h["g"]),
            f.tanh(h["x"] * 1.5 + 0.25), f.transpose(h["x"], [1, 0]), f.sum(h["x"], axis=0), f.sum(h["x"], axis=1),
            f.max(h["batch"], axis=1), f.mean(h["batch"], axis=[1, 2]), f.sum(h["x"]), f.max(h["batch"]), f.mean(h["x"]),
            f.sum_squares(h["x"]), f.sum_squares(h["x"], axis=0),
@@ -238,6 +240,10 @@ for backend in ("cpu", "reference"):
         packed = sum(s.kernel == "PackedGemm" for s in cell.steps)
         assert packed == (4 if wanted == "Gemm" else 0), [s.kernel for s in cell.steps]
         assert sorted(s.kernel for s in cell.steps if s.op.type.startswith("Conv2D")) == ["ConvGemm", "WinogradConv"]
+        from ranvier.backends.cpu.kernels.matmul import gemm_parts
+        cut_along_k = [s for s in cell.steps if s.op.type.startswith("MatMul")
+                       and any(g.slice for part in gemm_parts(s.op, 16, slices=True) for g in part)]
+        assert len(cut_along_k) == (3 if thread_count() > 1 else 0), [s.op.inputs[0].shape for s in cut_along_k]
     data = cell.instance()
     for name, value in values.items():
         data[h[name]] = value
@@ -261,7 +267,8 @@ print("ok")
 @pytest.mark.parametrize("threads", sorted({1, 2, thread_count()}))
 def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask, gemm):
     """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
-    a vector; the generated GEMM and BLAS), convolutions (one image in blocks, a batch by
+    a vector, short products over a deep k cut along it, one with an epilogue; the
+    generated GEMM and BLAS), convolutions (one image in blocks, a batch by
     images), max pooling, row kernels, maps and reductions (by rows, by
     columns, across a middle axis), lookups and their scattered sums give the
     reference's results on 1, 2 and every core."""
@@ -308,15 +315,20 @@ GEMM_PART_CASES = [
     ((3, 100, 70), (3, 70, 90), {}),  # fewer products than cores: each cut into blocks
     ((4, 60, 70), (70, 33), {}),  # rows of a batch times one matrix: one GEMM
     ((1, 500), (500, 300), {}),  # a vector: columns only
+    ((16, 1201), (1201, 40), {}),  # short and narrow over a deep k: cut along k
+    ((1201, 16), (40, 1201), {"transpose_a": True, "transpose_b": True}),
 ]
 
 
+@pytest.mark.parametrize("slices", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3, 4, 7, 16])
 @pytest.mark.parametrize("case", range(len(GEMM_PART_CASES)))
-def test_gemm_parts_compute_every_element_of_c_once(case, threads, monkeypatch):
+def test_gemm_parts_compute_every_element_of_c_once(case, threads, slices, monkeypatch):
     """Carrying out a MatMul's calls as planned, with numpy, over the flat buffers (each
     call's offsets and the operands' leading dimensions) gives A·B, every element of C
-    written by exactly one call, and at most one part per core."""
+    written by exactly one call of each slice of k (a product cut along k: slice 0 into C,
+    the others into partial products laid out as C, summed after), and at most one part
+    per core."""
     import ranvier as rv
     from ranvier.backends.cpu.kernels import matmul
 
@@ -331,10 +343,13 @@ def test_gemm_parts_compute_every_element_of_c_once(case, threads, monkeypatch):
     ta, tb = attrs.get("transpose_a", False), attrs.get("transpose_b", False)
     lda, ldb, ldc = a_shape[-1], b_shape[-1], c.shape[-1]
     flat_a, flat_b = a.ravel(), b.ravel()
-    result, writes = np.full(c.var.size, np.nan), np.zeros(c.var.size, int)
-    parts = matmul.gemm_parts(op, 16)
+    result, writes = np.zeros(c.var.size), np.zeros(c.var.size, int)
+    parts = matmul.gemm_parts(op, 16, slices)
     assert 1 <= len(parts) <= threads
-    for call in (g for part in parts for g in part):
+    calls = [g for part in parts for g in part]
+    count = 1 + max(g.slice for g in calls)
+    assert count == 1 or (slices and len(parts) == count and all(g.k >= 256 for g in calls))
+    for call in calls:
         def matrix(flat, offset, rows, columns, ld, transposed):
             stored = (columns, rows) if transposed else (rows, columns)
             block = np.lib.stride_tricks.as_strided(flat[offset:], stored, (ld * 8, 8))
@@ -343,9 +358,9 @@ def test_gemm_parts_compute_every_element_of_c_once(case, threads, monkeypatch):
         product = matrix(flat_a, call.a, call.m, call.k, lda, ta) @ matrix(flat_b, call.b, call.k, call.n, ldb, tb)
         for row in range(call.m):
             start = call.c + row * ldc
-            result[start : start + call.n] = product[row]
+            result[start : start + call.n] += product[row]
             writes[start : start + call.n] += 1
     want = np.swapaxes(a, -1, -2) if ta else a
     want = want @ (np.swapaxes(b, -1, -2) if tb else b)
-    assert (writes == 1).all()
-    np.testing.assert_allclose(result.reshape(c.shape), want, rtol=1e-12)
+    assert (writes == count).all()
+    np.testing.assert_allclose(result.reshape(c.shape), want, rtol=1e-12, atol=1e-12)

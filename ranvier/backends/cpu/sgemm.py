@@ -6,7 +6,8 @@
 
 computes row-major C[m×n] = op(A)[m×k] · op(B)[k×n] (op(X) is X or Xᵀ; leading
 dimensions count elements), overwriting C, on the calling thread: a parallel MatMul
-gives each worker-pool part its own blocks of C (kernels/matmul.py, `gemm_parts`).
+gives each worker-pool part its own blocks of C, or its own slice of k and a partial
+product of all of C (kernels/matmul.py, `gemm_parts`).
 
 The algorithm is BLIS's, less the packing of A:
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from .... import dtypes
+from ....flow.graph import Variable
 from ....ops import attrs_of, written_inputs
 from ...kernels import Prepared
 from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
@@ -92,42 +93,70 @@ class _Gemm:
     b: int
     c: int
     column: int = 0
+    slice: int = 0  # of k: slice 0 writes C, slice s > 0 partial product s (`_run_calls`)
 
 
 _PACKING_WEIGHT = 8  # a row of A read or a column of B packed costs about this many multiply-adds
+# An element of a partial product that one part wrote and another adds into C costs about
+# this many multiply-adds: its cache line crosses from one core to the other.
+_PARTIAL_WEIGHT = 16
+
+
+def _block_cost(rows: int, columns: int, depth: int) -> int:
+    """A block of C over `depth` steps of k, in multiply-adds: its rows times its columns
+    rounded up to whole tiles of the generated GEMM (a 128-column block of 48-column tiles
+    computes 144), plus the packing of its rows of A and columns of B."""
+    panel = sgemm.panel_width(host_target())
+    return depth * (rows * -(-columns // panel) * panel + _PACKING_WEIGHT * (rows + columns))
 
 
 def gemm_grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """C[m, n] cut into at most `parts` blocks (row range, column range), edges multiples
-    of `unit`: the most blocks, then the cheapest largest block. A block costs its rows
-    times its columns rounded up to whole tiles of the generated GEMM (a 128-column block
-    of 24-column tiles computes 144), plus the packing of its rows of A and columns of B."""
-    panel = sgemm.panel_width(host_target())
-
-    def cost(rows: int, columns: int) -> int:
-        return rows * -(-columns // panel) * panel + _PACKING_WEIGHT * (rows + columns)
-
+    of `unit`: the most blocks, then the cheapest largest block (`_block_cost`)."""
     best = None
     for across in range(1, parts + 1):
         rows, columns = shares(m, across, unit), shares(n, parts // across, unit)
-        rank = (len(rows) * len(columns), -max(cost(r1 - r0, c1 - c0) for r0, r1 in rows for c0, c1 in columns))
+        rank = (len(rows) * len(columns), -max(_block_cost(r1 - r0, c1 - c0, 1) for r0, r1 in rows for c0, c1 in columns))
         if best is None or rank > best[0]:
             best = rank, rows, columns
     _, rows, columns = best
     return [(r, c) for r in rows for c in columns]
 
 
-def gemm_parts(op, unit: int) -> list[list[_Gemm]]:
+def k_slices(m: int, n: int, k: int, parts: int, unit: int) -> list[tuple[int, int]] | None:
+    """k cut into a slice per part, each part computing all of C[m, n] over its slice, where
+    that costs less than `gemm_grid`'s blocks over all of k: each part packs and reads
+    only its slice of A and B, and the partial products are then added up
+    (`_PARTIAL_WEIGHT`). A short, wide product's columns cut across parts leave each a
+    ragged last tile and make both read all of A; its k cut leaves neither. A slice is at
+    least the GEMM's block of k deep (a shallower one writes its tiles of C more often
+    than it multiplies into them). None where the grid is cheaper, or k too short to cut."""
+    count = min(parts, k // sgemm.KC)
+    if m == 1 or count < 2:
+        return None
+    depths = shares(k, count)
+    grid = gemm_grid(m, n, parts, unit)
+    grid_rank = (len(grid), -max(_block_cost(r1 - r0, c1 - c0, k) for (r0, r1), (c0, c1) in grid))
+    sliced_cost = _block_cost(m, n, depths[0][1]) + _PARTIAL_WEIGHT * m * n * (len(depths) - 1) // len(depths)
+    return depths if (len(depths), -sliced_cost) > grid_rank else None
+
+
+def gemm_parts(op, unit: int, slices: bool = False) -> list[list[_Gemm]]:
     """The calls of a MatMul, in one list per worker-pool part. A batch of at least as
     many products as cores is shared out whole; otherwise each product's C is cut into
     a grid of blocks (`gemm_grid`), each a call of its own, so a single large product uses
-    every core through the pool while the GEMM itself runs on one thread. With an
-    epilogue, a call is cut further into blocks of columns that fit the L2
-    (`_epilogue_blocks`)."""
+    every core through the pool while the GEMM itself runs on one thread. With `slices`
+    (a kernel that adds up partial products: `_run_calls`), a single product may instead
+    be cut along k (`k_slices`). With an epilogue, a call is cut further into blocks of
+    columns that fit the L2 (`_epilogue_blocks`); a slice's runs after the sum."""
     a, b = op.inputs[0], op.inputs[1]
     ta, tb, m, k, n, batches = _gemms(op)
     a_size, b_size, lda, ldb = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1], a.shape[-1], b.shape[-1]
     threads = thread_count() if worth_splitting(2 * m * n * k * len(batches), max(a.nbytes, b.nbytes)) else 1
+    depths = k_slices(m, n, k, threads, unit) if slices and len(batches) == 1 and threads > 1 else None
+    if depths:
+        return [[_Gemm(m, n, p1 - p0, p0 * lda if ta else p0, p0 if tb else p0 * ldb, 0, 0, number)]
+                for number, (p0, p1) in enumerate(depths)]
     if len(batches) >= threads:
         calls = [_Gemm(m, n, k, oa * a_size, ob * b_size, index * m * n) for index, (oa, ob) in enumerate(batches)]
         parts = [calls[first:last] for first, last in shares(len(calls), threads)]
@@ -227,23 +256,61 @@ def panel_floats(columns: int, k: int) -> int:
     return max(-(-columns // nr) * nr * k for nr in sgemm.PANEL_WIDTHS)
 
 
+def _slice_count(parts: list[list[_Gemm]]) -> int:
+    return 1 + max(g.slice for part in parts for g in part)
+
+
+def _partials_bytes(op, parts: list[list[_Gemm]]) -> int:
+    """Workspace for the partial products of slices 1.. of k (none where k is not cut)."""
+    g = parts[0][0]
+    return (_slice_count(parts) - 1) * g.m * g.n * dtypes.itemsize(op.outputs[0].dtype)
+
+
+def _run_calls(ctx, op, parts: list[list[_Gemm]], emit_call, partials_at: int) -> None:
+    """Each part's calls (`emit_call(ctx, number, g, c)` emits the part's GEMM for call g
+    into C at pointer c), each followed by the op's epilogue over the block it wrote.
+    Where k is cut into slices, slice 0 writes C and slice s partial product s (in the
+    workspace from byte `partials_at`); a second job then adds the partials into C, a share
+    of rows per part, and runs the epilogue over those rows."""
+    c = op.outputs[0]
+    count = _slice_count(parts)
+    m, n = parts[0][0].m, parts[0][0].n
+
+    def partial(ctx, number: int) -> Variable:
+        at = partials_at + (number - 1) * m * n * dtypes.itemsize(c.dtype)
+        return ctx.scratch(f"{c.name}/partial{number}", c.dtype, m * n, ctx.b.gep(ctx.address(ctx.workspace), [i64(at)]))
+
+    def compute(number: int, calls: list[_Gemm]):
+        def emit(ctx) -> None:
+            for g in calls:
+                emit_call(ctx, number, g, ctx.element_pointer(c, g.c) if g.slice == 0 else ctx.pointer(partial(ctx, g.slice)))
+                if count == 1:
+                    epilogue(ctx, op, g.c, g.m, g.n)
+
+        return emit
+
+    def add_up(first: int, last: int):
+        def emit(ctx) -> None:
+            epilogue(ctx, op, first * n, last - first, n, [partial(ctx, number) for number in range(1, count)])
+
+        return emit
+
+    run_parts(ctx, [compute(number, calls) for number, calls in enumerate(parts)])
+    if count > 1:
+        run_parts(ctx, [add_up(first, last) for first, last in shares(m, count)])
+
+
 def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
     """The calls of a generated GEMM (`slot`: see GeneratedGemm), each part with `share`
-    bytes of the step's workspace."""
+    bytes of the step's workspace, the partial products of a product cut along k after them."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
     ta, tb = _gemms(op)[:2]
 
-    def emit(calls: list[_Gemm], number: int):
-        def part(ctx) -> None:
-            gemm = GeneratedGemm(ctx, slot, number, share)
-            for g in calls:
-                gemm.gemm(ta, tb, g.m, g.n, g.k, ctx.element_pointer(a, g.a), a.shape[-1], ctx.element_pointer(b, g.b),
-                          b.shape[-1], ctx.element_pointer(c, g.c), c.shape[-1])
-                epilogue(ctx, op, g.c, g.m, g.n)
+    def call(ctx, number: int, g: _Gemm, target: ir.Value) -> None:
+        GeneratedGemm(ctx, slot, number, share).gemm(ta, tb, g.m, g.n, g.k, ctx.element_pointer(a, g.a), a.shape[-1],
+                                                     ctx.element_pointer(b, g.b), b.shape[-1], target, c.shape[-1])
 
-        return part
-
-    run_parts(ctx, [emit(calls, number) for number, calls in enumerate(parts)])
+    _run_calls(ctx, op, parts, call, len(parts) * share)
 
 
 @kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
@@ -260,7 +327,7 @@ def _chose_generated(op, packed: bool) -> bool:
     """Not a vector times a matrix (GEMV streams it best), and the generated GEMM measured
     faster than BLAS on the largest call a part makes, as it makes it."""
     ta, tb = _gemms(op)[:2]
-    calls = [g for part in gemm_parts(op, _FLOAT_UNIT) for g in part]
+    calls = [g for part in gemm_parts(op, _FLOAT_UNIT, slices=not packed) for g in part]
     largest = max(calls, key=lambda g: g.m * g.n * g.k)
     lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
     return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed)
@@ -346,14 +413,14 @@ def _generated_faster(op) -> bool:
 
 
 def _generated_workspace_bytes(op) -> int:
-    parts = gemm_parts(op, _FLOAT_UNIT)
-    return len(parts) * _share(parts, _generated_call_bytes)
+    parts = gemm_parts(op, _FLOAT_UNIT, slices=True)
+    return len(parts) * _share(parts, _generated_call_bytes) + _partials_bytes(op, parts)
 
 
 @kernel(GENERATED_KERNEL, MATMUL_OPS, supports=_generated_faster, workspace=_generated_workspace_bytes)
 def generated_matmul(ctx, op) -> None:
     """ranvier's own float32 GEMM (sgemm.py), where it measured faster than BLAS."""
-    parts = gemm_parts(op, _FLOAT_UNIT)
+    parts = gemm_parts(op, _FLOAT_UNIT, slices=True)
     _call_generated(ctx, op, SGEMM_GENERATED, parts, _share(parts, _generated_call_bytes))
 
 
@@ -409,29 +476,28 @@ class Blas:
         ])
 
 
-@kernel("BlasGemm", MATMUL_OPS, supports=_float32_or_64)
+def _blas_workspace_bytes(op) -> int:
+    return _partials_bytes(op, gemm_parts(op, _FLOAT_UNIT, slices=True))
+
+
+@kernel("BlasGemm", MATMUL_OPS, supports=_float32_or_64, workspace=_blas_workspace_bytes)
 def blas_matmul(ctx, op) -> None:
-    """One BLAS call per product, or per block of a large product's C (`gemm_parts`),
-    the parts run over the worker pool with BLAS on one thread: BLAS's own pool would
-    compete with ours for the cores, and wake for every product."""
+    """One BLAS call per product, or per block of a large product's C or slice of its k
+    (`gemm_parts`), the parts run over the worker pool with BLAS on one thread: BLAS's own
+    pool would compete with ours for the cores, and wake for every product."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
-    ta, tb, _, k, _, _ = _gemms(op)
+    ta, tb = _gemms(op)[:2]
     single_threaded_blas(ctx)
 
-    def part(calls: list[_Gemm]):
-        def emit(ctx) -> None:
-            blas = Blas(ctx, a.dtype)
-            for g in calls:
-                pa, pb, pc = ctx.element_pointer(a, g.a), ctx.element_pointer(b, g.b), ctx.element_pointer(c, g.c)
-                if g.m == 1:  # a vector times a matrix (a decode step)
-                    blas.vector_matrix(tb, g.n, k, pa, pb, b.shape[-1], pc)
-                else:
-                    blas.gemm(ta, tb, g.m, g.n, k, pa, a.shape[-1], pb, b.shape[-1], pc, c.shape[-1])
-                epilogue(ctx, op, g.c, g.m, g.n)
+    def call(ctx, number: int, g: _Gemm, target: ir.Value) -> None:
+        blas = Blas(ctx, a.dtype)
+        pa, pb = ctx.element_pointer(a, g.a), ctx.element_pointer(b, g.b)
+        if g.m == 1:  # a vector times a matrix (a decode step)
+            blas.vector_matrix(tb, g.n, g.k, pa, pb, b.shape[-1], target)
+        else:
+            blas.gemm(ta, tb, g.m, g.n, g.k, pa, a.shape[-1], pb, b.shape[-1], target, c.shape[-1])
 
-        return emit
-
-    run_parts(ctx, [part(calls) for calls in gemm_parts(op, _FLOAT_UNIT)])
+    _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT, slices=True), call, 0)
 
 
 @kernel("LoopMatMul", MATMUL_OPS)

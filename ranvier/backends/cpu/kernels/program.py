@@ -1,28 +1,34 @@
 """A Calculate program run as a GEMM's epilogue over the block of the product a call just
-wrote. Registers no kernel (matmul.py and conv.py use it), so importing it leaves the
+wrote (after adding the partial products of a product cut along k). Registers no kernel (matmul.py and conv.py use it), so importing it leaves the
 order kernels are tried in alone."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+from ....flow.graph import Variable
 from ....ops.expression import parse
 from ....ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, product_type
 from ...llvm.formulas import program_body
 from ...llvm.strided import View
+from ...llvm.values import Value
 from ..views import emit_map
 
 FUSED_PRODUCTS = {fused_type(product) for product in EPILOGUE_PRODUCTS}
 
 
-def epilogue(ctx, op, at: int, rows: int, columns: int) -> None:
+def epilogue(ctx, op, at: int, rows: int, columns: int, partials: Sequence[Variable] = ()) -> None:
     """A MatMulCalculate's or Conv2DCalculate's program over the block of its product a GEMM
     call just wrote: `rows` × `columns` from element `at` of output 0 (in the matrix the
-    GEMM writes, rows `n` apart), on the calling thread. A plain product has none."""
-    if op.type not in FUSED_PRODUCTS:
+    GEMM writes, rows `n` apart), on the calling thread. `partials` (laid out as that
+    matrix: the products of other slices of k) are added to the product first; a plain
+    product has no program, and only those to add."""
+    fused = op.type in FUSED_PRODUCTS
+    if not fused and not partials:
         return
     product = op.outputs[0]
-    layout = EPILOGUE_PRODUCTS[product_type(op.type)]
+    layout = EPILOGUE_PRODUCTS[product_type(op.type) if fused else op.type]
     outer, columns_rank = layout
     n = math.prod(product.shape[-columns_rank:])
     per_index = math.prod(product.shape[outer:])  # elements under one outer index (an image's)
@@ -34,6 +40,14 @@ def epilogue(ctx, op, at: int, rows: int, columns: int) -> None:
         return View(var, index * over + row * down + column * across, [down, across])
 
     own = (per_index if outer else 0, n, 1)
-    inputs = [block(product, own)] + [block(v, epilogue_input_strides(v.shape, product.shape, layout)) for v in op.inputs[2:]]
-    emit_map(ctx, [rows, columns], inputs, [block(v, own) for v in op.outputs],
-             program_body(parse(op.attrs["expr"]), len(op.outputs)), split=False)
+    others = op.inputs[2:] if fused else []
+    program = program_body(parse(op.attrs["expr"]), len(op.outputs)) if fused else lambda values, lanes: values[:1]
+    added = len(partials)
+
+    def body(values: list[Value], lanes: int) -> list[Value]:
+        return program([sum(values[1 : 1 + added], values[0]), *values[1 + added :]], lanes)
+
+    inputs = [block(v, own) for v in (product, *partials)]
+    inputs += [block(v, epilogue_input_strides(v.shape, product.shape, layout)) for v in others]
+    outputs = [block(v, own) for v in (op.outputs if fused else [product])]
+    emit_map(ctx, [rows, columns], inputs, outputs, body, split=False)
