@@ -402,41 +402,53 @@ class _Emitter:
 
     def _pack_columns(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
         """op(B)[p, j] = B[j, p]: each column of the panel is a run of one of B's rows.
-        A whole panel goes in square blocks, L rows of B by L steps of k (L the vector
-        lanes): L vector loads, a transpose in registers, L vector stores; the steps of
-        k left over, and a panel over B's edge, go element by element."""
+        The panel goes in square blocks, L rows of B by L steps of k (L the vector lanes):
+        L vector loads (zeros for a column past B's edge), a transpose in registers, L
+        vector stores; the steps of k left over go element by element."""
         nr, lanes = i64(self.nr), self.lanes
         whole_steps = b.mul(b.sdiv(kc, i64(lanes)), i64(lanes))
-        whole = b.icmp_signed("==", columns, nr)
-        first_scalar = b.select(whole, whole_steps, i64(0))
-        with b.if_then(whole), for_range(b, i64(0), whole_steps, step=lanes, name="pb") as p:
+        with for_range(b, i64(0), whole_steps, step=lanes, name="pb") as p:
             for part in range(self.vectors):
-                rows = [self.load_vector(b, b.gep(source, [b.add(b.mul(b.add(column, i64(part * lanes + j)), ldb), b.add(pc, p))]))
-                        for j in range(lanes)]
+                rows = []
+                for j in range(lanes):
+                    inside = b.icmp_signed("<", i64(part * lanes + j), columns)
+                    row = b.add(column, b.select(inside, i64(part * lanes + j), i64(0)))
+                    value = self.load_vector(b, b.gep(source, [b.add(b.mul(row, ldb), b.add(pc, p))]))
+                    rows.append(b.select(inside, value, self.zeros))
                 for t, vector in enumerate(transpose_square(b, rows)):
                     self.store_vector(b, vector, b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), nr), i64(part * lanes))]), aligned=True)
         with for_range(b, i64(0), nr, name="jt") as j:
             inside = b.icmp_signed("<", j, columns)
             row = b.gep(source, [b.add(b.mul(b.add(column, j), ldb), pc)])
-            with for_range(b, first_scalar, kc, name="pt") as p:
+            with for_range(b, whole_steps, kc, name="pt") as p:
                 value = b.select(inside, b.load(b.gep(row, [b.select(inside, p, i64(0))])), ir.Constant(F32, 0.0))
                 b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
 
     def _pack_rows(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
-        """op(B)[p, j] = B[p, j]: each row of the panel is a run of one of B's rows,
-        copied as two vectors when the panel is whole."""
+        """op(B)[p, j] = B[p, j]: each row of the panel is a run of one of B's rows, copied
+        as V vectors; over B's edge as masked loads, zeros past `columns` (element by
+        element, a 16-column edge of a 48-column panel cost as much to pack and compute as
+        a whole panel)."""
         nr = i64(self.nr)
-        with b.if_else(b.icmp_signed("==", columns, nr)) as (whole, edge):
-            with whole, for_range(b, i64(0), kc, name="pw") as p:
-                row = b.gep(source, [b.add(b.mul(b.add(pc, p), ldb), column)])
-                for h in range(self.vectors):
-                    value = self.load_vector(b, b.gep(row, [i64(h * self.lanes)]))
-                    self.store_vector(b, value, b.gep(panel, [b.add(b.mul(p, nr), i64(h * self.lanes))]), aligned=True)
-            with edge, for_range(b, i64(0), kc, name="pe") as p, for_range(b, i64(0), nr, name="je") as j:
-                inside = b.icmp_signed("<", j, columns)
-                where = b.add(b.mul(b.add(pc, p), ldb), b.add(column, b.select(inside, j, i64(0))))
-                value = b.select(inside, b.load(b.gep(source, [where])), ir.Constant(F32, 0.0))
-                b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
+        lane = ir.Constant(ir.VectorType(I64, self.lanes), list(range(self.lanes)))
+        masks = [b.icmp_signed("<", b.add(lane, splat(b, i64(h * self.lanes), self.lanes)), splat(b, columns, self.lanes))
+                 for h in range(self.vectors)]
+        whole = b.icmp_signed("==", columns, nr)
+        with for_range(b, i64(0), kc, name="pr") as p:
+            row = b.gep(source, [b.add(b.mul(b.add(pc, p), ldb), column)])
+            for h, mask in enumerate(masks):
+                start = b.gep(row, [i64(h * self.lanes)])
+                with b.if_else(whole) as (plain, edge):
+                    with plain:
+                        value = self.load_vector(b, start)
+                        plain_block = b.block
+                    with edge:
+                        masked = self.masked_read(b, start, mask)
+                        edge_block = b.block
+                merged = b.phi(self.vector)
+                merged.add_incoming(value, plain_block)
+                merged.add_incoming(masked, edge_block)
+                self.store_vector(b, merged, b.gep(panel, [b.add(b.mul(p, nr), i64(h * self.lanes))]), aligned=True)
 
     # ---- packing a convolution's windows ---------------------------------------------------
 
