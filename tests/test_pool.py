@@ -320,6 +320,20 @@ GEMM_PART_CASES = [
 ]
 
 
+def test_a_product_is_cut_along_k_where_its_blocks_of_c_would_cost_more():
+    """MNIST's [128 × 784] · [784 × 256] by a weight the optimizer updates is cut along k on
+    two cores (a block of columns would read rows of B written on the other core); the
+    same product by a constant, a square one, a vector and too short a k are not."""
+    from ranvier.backends.cpu.kernels.matmul import k_slices
+
+    assert k_slices(128, 256, 784, 2, 16, b_written=True) == [(0, 392), (392, 784)]
+    assert k_slices(288, 288, 2048, 2, 16, b_written=True) == [(0, 1024), (1024, 2048)]  # a weight gradient over tokens
+    assert k_slices(128, 3072, 768, 2, 16, b_written=False) is None
+    assert k_slices(1024, 1024, 1024, 2, 16, b_written=True) is None
+    assert k_slices(1, 256, 784, 2, 16, b_written=True) is None
+    assert k_slices(128, 256, 300, 2, 16, b_written=True) is None  # slices shallower than a block of k
+
+
 @pytest.mark.parametrize("slices", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3, 4, 7, 16])
 @pytest.mark.parametrize("case", range(len(GEMM_PART_CASES)))

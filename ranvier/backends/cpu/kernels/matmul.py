@@ -123,20 +123,29 @@ def gemm_grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, in
     return [(r, c) for r in rows for c in columns]
 
 
-def k_slices(m: int, n: int, k: int, parts: int, unit: int) -> list[tuple[int, int]] | None:
+def k_slices(m: int, n: int, k: int, parts: int, unit: int, b_written: bool) -> list[tuple[int, int]] | None:
     """k cut into a slice per part, each part computing all of C[m, n] over its slice, where
     that costs less than `gemm_grid`'s blocks over all of k: each part packs and reads
-    only its slice of A and B, and the partial products are then added up
-    (`_PARTIAL_WEIGHT`). A short, wide product's columns cut across parts leave each a
-    ragged last tile and make both read all of A; its k cut leaves neither. A slice is at
-    least the GEMM's block of k deep (a shallower one writes its tiles of C more often
-    than it multiplies into them). None where the grid is cheaper, or k too short to cut."""
+    only its slice of A and B, and the partial products are then added up, a share of
+    rows per part (each element crossing between cores: `_PARTIAL_WEIGHT`). A short, wide
+    product's columns cut across parts make each read all of A and leave it a ragged last
+    tile; its k cut does neither. Where B is `b_written` in the step (a parameter the
+    optimizer updates, its parts each writing a share of the rows), a block of the grid
+    reads its columns of every row, most written on other cores; a slice of k reads the
+    rows its own core wrote. A slice is at least the GEMM's block of k deep (a shallower
+    one writes its tiles of C more often than it multiplies into them). None where the
+    grid is cheaper, or k too short to cut."""
     count = min(parts, k // sgemm.KC)
     if m == 1 or count < 2:
         return None
     depths = shares(k, count)
     grid = gemm_grid(m, n, parts, unit)
-    grid_rank = (len(grid), -max(_block_cost(r1 - r0, c1 - c0, k) for (r0, r1), (c0, c1) in grid))
+
+    def block_cost(rows: int, columns: int) -> int:
+        crossing = _PARTIAL_WEIGHT * k * columns * (parts - 1) // parts if b_written else 0
+        return _block_cost(rows, columns, k) + crossing
+
+    grid_rank = (len(grid), -max(block_cost(r1 - r0, c1 - c0) for (r0, r1), (c0, c1) in grid))
     sliced_cost = _block_cost(m, n, depths[0][1]) + _PARTIAL_WEIGHT * m * n * (len(depths) - 1) // len(depths)
     return depths if (len(depths), -sliced_cost) > grid_rank else None
 
@@ -153,7 +162,7 @@ def gemm_parts(op, unit: int, slices: bool = False) -> list[list[_Gemm]]:
     ta, tb, m, k, n, batches = _gemms(op)
     a_size, b_size, lda, ldb = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1], a.shape[-1], b.shape[-1]
     threads = thread_count() if worth_splitting(2 * m * n * k * len(batches), max(a.nbytes, b.nbytes)) else 1
-    depths = k_slices(m, n, k, threads, unit) if slices and len(batches) == 1 and threads > 1 else None
+    depths = k_slices(m, n, k, threads, unit, not unchanging_constant(b)) if slices and len(batches) == 1 and threads > 1 else None
     if depths:
         return [[_Gemm(m, n, p1 - p0, p0 * lda if ta else p0, p0 if tb else p0 * ldb, 0, 0, number)]
                 for number, (p0, p1) in enumerate(depths)]
