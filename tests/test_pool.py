@@ -320,6 +320,16 @@ GEMM_PART_CASES = [
 ]
 
 
+def test_a_product_read_by_rows_after_it_is_cut_by_rows_where_it_stays_in_cache():
+    """MNIST's weight gradient [784 × 256] (Adam reads it a share of rows per core) is cut
+    into blocks of rows, not columns, though their tiles cost alike; a product too large to
+    stay in a core's cache (an LM head's logits) is cut by its cost alone."""
+    from ranvier.backends.cpu.kernels.matmul import gemm_grid
+
+    assert gemm_grid(784, 256, 128, 2, 16) == [((0, 400), (0, 256)), ((400, 784), (0, 256))]
+    assert gemm_grid(2048, 32000, 288, 2, 16) == [((0, 2048), (0, 16000)), ((0, 2048), (16000, 32000))]
+
+
 def test_a_product_is_cut_along_k_where_its_blocks_of_c_would_cost_more():
     """MNIST's [128 × 784] · [784 × 256] by a weight the optimizer updates is cut along k on
     two cores (a block of columns would read rows of B written on the other core); the

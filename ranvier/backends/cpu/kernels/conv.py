@@ -57,7 +57,7 @@ def _parts(op) -> list[list[tuple[int, int, int, int, int]]]:
         return [[(i, 0, rows, c0, c1 - c0) for i in range(first, last) for c0, c1 in shares(columns, -(-columns // width))]
                 for first, last in shares(images, threads)]
     return [[(i, r0, r1 - r0, c0, c1 - c0)] for i in range(images)
-            for (r0, r1), (c0, c1) in gemm_grid(rows, columns, threads // images, _UNIT)]
+            for (r0, r1), (c0, c1) in gemm_grid(rows, columns, taps, threads // images, _UNIT)]
 
 
 def _share(op) -> int:

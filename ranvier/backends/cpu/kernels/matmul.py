@@ -97,9 +97,17 @@ class _Gemm:
 
 
 _PACKING_WEIGHT = 8  # a row of A read or a column of B packed costs about this many multiply-adds
-# An element of a partial product that one part wrote and another adds into C costs about
-# this many multiply-adds: its cache line crosses from one core to the other.
-_PARTIAL_WEIGHT = 16
+# An element that one core wrote and another reads costs about this many multiply-adds: its
+# cache line crosses from one core's cache to the other's. Only while what a core wrote is
+# still in its cache: past this many bytes it comes from memory wherever it was written.
+_CROSSING_WEIGHT = 16
+_CACHED_BYTES = 1 << 20  # of a core's L2: 512 KiB on the AVX2 EPYCs, 2 MiB on the Xeons
+
+
+def _crossing(elements: int, others: int, shares: int) -> int:
+    """The cost of reading `elements` float32 values of which `others` in `shares` were
+    written on other cores."""
+    return _CROSSING_WEIGHT * elements * others // shares if 4 * elements <= _CACHED_BYTES else 0
 
 
 def _block_cost(rows: int, columns: int, depth: int) -> int:
@@ -110,13 +118,22 @@ def _block_cost(rows: int, columns: int, depth: int) -> int:
     return depth * (rows * -(-columns // panel) * panel + _PACKING_WEIGHT * (rows + columns))
 
 
-def gemm_grid(m: int, n: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """C[m, n] cut into at most `parts` blocks (row range, column range), edges multiples
-    of `unit`: the most blocks, then the cheapest largest block (`_block_cost`)."""
+def _grid_block_cost(rows: int, columns: int, depth: int, column_blocks: int) -> int:
+    """`_block_cost`, plus the block's elements of C that the ops after the product read on
+    other cores: those (an activation, a reduction, the optimizer's update of a weight by
+    its gradient) share C out by rows, so a block of 1/column_blocks of C's columns has
+    all but that share of its rows read elsewhere."""
+    return _block_cost(rows, columns, depth) + _crossing(rows * columns, column_blocks - 1, column_blocks)
+
+
+def gemm_grid(m: int, n: int, k: int, parts: int, unit: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """C[m, n] (over k) cut into at most `parts` blocks (row range, column range), edges
+    multiples of `unit`: the most blocks, then the cheapest largest block
+    (`_grid_block_cost`)."""
     best = None
     for across in range(1, parts + 1):
         rows, columns = shares(m, across, unit), shares(n, parts // across, unit)
-        rank = (len(rows) * len(columns), -max(_block_cost(r1 - r0, c1 - c0, 1) for r0, r1 in rows for c0, c1 in columns))
+        rank = (len(rows) * len(columns), -max(_grid_block_cost(r1 - r0, c1 - c0, k, len(columns)) for r0, r1 in rows for c0, c1 in columns))
         if best is None or rank > best[0]:
             best = rank, rows, columns
     _, rows, columns = best
@@ -127,7 +144,7 @@ def k_slices(m: int, n: int, k: int, parts: int, unit: int, b_written: bool) -> 
     """k cut into a slice per part, each part computing all of C[m, n] over its slice, where
     that costs less than `gemm_grid`'s blocks over all of k: each part packs and reads
     only its slice of A and B, and the partial products are then added up, a share of
-    rows per part (each element crossing between cores: `_PARTIAL_WEIGHT`). A short, wide
+    rows per part (each element crossing between cores: `_CROSSING_WEIGHT`). A short, wide
     product's columns cut across parts make each read all of A and leave it a ragged last
     tile; its k cut does neither. Where B is `b_written` in the step (a parameter the
     optimizer updates, its parts each writing a share of the rows), a block of the grid
@@ -139,14 +156,14 @@ def k_slices(m: int, n: int, k: int, parts: int, unit: int, b_written: bool) -> 
     if m == 1 or count < 2:
         return None
     depths = shares(k, count)
-    grid = gemm_grid(m, n, parts, unit)
+    grid = gemm_grid(m, n, k, parts, unit)
+    column_blocks = len({c for _, c in grid})
 
     def block_cost(rows: int, columns: int) -> int:
-        crossing = _PARTIAL_WEIGHT * k * columns * (parts - 1) // parts if b_written else 0
-        return _block_cost(rows, columns, k) + crossing
+        return _grid_block_cost(rows, columns, k, column_blocks) + (_crossing(k * columns, parts - 1, parts) if b_written else 0)
 
     grid_rank = (len(grid), -max(block_cost(r1 - r0, c1 - c0) for (r0, r1), (c0, c1) in grid))
-    sliced_cost = _block_cost(m, n, depths[0][1]) + _PARTIAL_WEIGHT * m * n * (len(depths) - 1) // len(depths)
+    sliced_cost = _block_cost(m, n, depths[0][1]) + _CROSSING_WEIGHT * m * n * (len(depths) - 1) // len(depths)
     return depths if (len(depths), -sliced_cost) > grid_rank else None
 
 
@@ -172,7 +189,7 @@ def gemm_parts(op, unit: int, slices: bool = False) -> list[list[_Gemm]]:
     else:
         parts = []
         for index, (oa, ob) in enumerate(batches):
-            for (r0, r1), (c0, c1) in gemm_grid(m, n, threads // len(batches), unit):
+            for (r0, r1), (c0, c1) in gemm_grid(m, n, k, threads // len(batches), unit):
                 parts.append([_Gemm(r1 - r0, c1 - c0, k, oa * a_size + (r0 if ta else r0 * lda),
                                     ob * b_size + (c0 * ldb if tb else c0), index * m * n + r0 * n + c0, c0)])
     if op.type != "MatMulCalculate":
