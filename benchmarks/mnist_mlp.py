@@ -3,7 +3,8 @@
 784-256-10 GELU MLP (or with --model cnn, `ranvier train mnist --model cnn`'s network: two
 5 × 5 convolutions of 8 and 16 channels, each with a ReLU and 2 × 2 max pooling, and a dense
 layer), Adam lr 1e-3, batch 128, 2,340 steps on the bundled 4,000-digit training split;
-test accuracy on the 1,000 test digits. The two sides alternate for
+test accuracy on the 1,000 test digits. Both sides gather each batch's uint8 pixels and
+divide them by 255 in the step, as `ranvier train mnist` does. The two sides alternate for
 several repetitions; each side's median accuracy, then its median seconds and how much
 faster or slower than PyTorch it is, are printed. Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix
 products (`matmul="bfloat16"`: bf16 inputs, float32 sums) as a third side.
@@ -21,7 +22,8 @@ from common import machine, match_threads, measure_ceilings, summary
 
 
 def _images(split, model: str) -> np.ndarray:
-    return split.flat() if model == "mlp" else split.nchw()
+    """The images as both sides gather them: uint8 pixels, divided by 255 in each step."""
+    return split.pixels([784] if model == "mlp" else [1, 28, 28])
 
 
 def run_ranvier(steps: int, backend: str, matmul: str = "float32", model: str = "mlp") -> tuple[float, float]:
@@ -64,12 +66,12 @@ def run_torch(steps: int, model_name: str = "mlp") -> tuple[float, float]:
     for _ in range(steps):
         index = torch.from_numpy(sampler.next())
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x[index]), y[index])
+        loss = torch.nn.functional.cross_entropy(model(x[index].float() / 255), y[index])
         loss.backward()
         optimizer.step()
     seconds = time.perf_counter() - start
     with torch.no_grad():
-        accuracy = (model(torch.tensor(_images(test, model_name))).argmax(1).numpy() == test.labels).mean()
+        accuracy = (model(torch.tensor(_images(test, model_name)).float() / 255).argmax(1).numpy() == test.labels).mean()
     return seconds, float(accuracy)
 
 

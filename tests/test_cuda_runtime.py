@@ -95,8 +95,8 @@ def test_a_training_step_on_the_device_follows_the_cpus_losses_and_parameters(on
     for name, expected in cpu.network.parameters().items():
         # Adam's step is about ±lr wherever a gradient is tiny, whatever its rounding: 1% of lr
         np.testing.assert_allclose(gpu.network[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
-    x = test.flat()[:100]
-    x, labels = (x if model == "mlp" else x.reshape(100, 1, 28, 28)), test.labels[:100]
+    x = test.pixels([784] if model == "mlp" else [1, 28, 28])[:100]
+    labels = test.labels[:100]
     assert gpu.accuracy(x, labels) == pytest.approx(cpu.accuracy(x, labels), abs=0.011)
 
 
@@ -121,7 +121,7 @@ def test_a_label_out_of_range_fails_the_step_by_name(on_device):
     gpu, _ = _trainer("cuda")
     labels = np.zeros(32, np.int64)
     labels[5] = 10
-    batch = [random_array([32, 784], "float32", seed=3), labels]
+    batch = [np.random.default_rng(3).integers(0, 256, (32, 784), dtype=np.uint8), labels]
     with pytest.raises(RanvierError, match="SoftmaxCrossEntropyGrad op .* failed on the GPU: an index or class label is out of range"):
         gpu.step(batch)
     labels[5] = 9

@@ -38,6 +38,7 @@ def test_idx_files_plain_and_gzipped(idx_dir):
     np.testing.assert_array_equal(test.images, expected)
     assert train.flat().shape == (30, 784) and train.flat().max() <= 1.0
     assert train.nchw().shape == (30, 1, 28, 28)
+    assert train.pixels([784]).dtype == np.uint8 and train.pixels([1, 28, 28]).shape == (30, 1, 28, 28)
 
 
 def test_idx_reader_reads_big_endian_ints(tmp_path):
@@ -101,3 +102,41 @@ def test_mnist_mlp_recipe_reaches_target_accuracy(tmp_path, capsys):
     main(["train", "mnist", "--run-dir", str(tmp_path / "run"), "--quiet"])
     accuracy = float(capsys.readouterr().out.strip().splitlines()[-1].split("=")[1])
     assert accuracy >= 0.93
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_the_job_feeds_pixels_that_the_step_scales_as_the_float_images_would_be(model):
+    """`ranvier train mnist` gathers uint8 pixels and divides them by 255 in the step: the
+    losses, parameters and predictions are those of the same classifier fed
+    `Split.flat()` / `nchw()` (numpy's pixels / np.float32(255))."""
+    from ranvier.train.classifier import build_classifier
+    from ranvier.train.mnist_job import MnistConfig, example_shape, make_model, make_trainer
+    from ranvier.train.optimizers import Adam
+    from ranvier.train.trainer import Trainer
+
+    config = MnistConfig(model=model, batch=16, hidden=[32])
+    pixels, train, test = make_trainer(config)
+    setup = build_classifier(make_model(config), example_shape(config), 16)
+    floats = Trainer(setup.loss, setup.params, Adam(lr=1e-3), predict=setup.logits, inputs=[setup.x, setup.labels])
+    floats.set_dataset([train.flat() if model == "mlp" else train.nchw(), train.labels.astype(np.int32)])
+    assert pixels.dataset["train/x"].dtype == np.uint8
+    for _ in range(3):
+        assert pixels.step() == floats.step()
+    for name, value in floats.network.parameters().items():
+        np.testing.assert_array_equal(pixels.network[name], value, err_msg=name)
+    np.testing.assert_array_equal(pixels.evaluate(test.pixels(example_shape(config))[:50]),
+                                  floats.evaluate((test.flat() if model == "mlp" else test.nchw())[:50]))
+
+
+def test_float_images_for_a_pixel_input_are_refused_not_truncated():
+    from ranvier.errors import RanvierError
+    from ranvier.train.mnist_job import MnistConfig, make_trainer
+
+    trainer, train, test = make_trainer(MnistConfig(batch=16, hidden=[16]))
+    with pytest.raises(RanvierError, match=r"evaluate\(\)'s examples for infer/x is float32, expected uint8"):
+        trainer.accuracy(test.flat(), test.labels)
+    with pytest.raises(RanvierError, match="dataset for train/x is float32, expected uint8"):
+        trainer.set_dataset([train.flat(), train.labels])
+    with pytest.raises(RanvierError, match="batch for train/x is float32, expected uint8"):
+        trainer.step([train.flat()[:16], train.labels[:16].astype(np.int32)])
+    assert trainer.step([train.pixels([784])[:16], train.labels[:16]]) > 0  # uint8 labels widen to int32

@@ -11,6 +11,7 @@ import gzip
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -47,6 +48,10 @@ class Split:
     def nchw(self) -> np.ndarray:
         """Images as float32 [N, 1, 28, 28] scaled to [0, 1]."""
         return self.flat().reshape(-1, 1, 28, 28)
+
+    def pixels(self, shape: Sequence[int]) -> np.ndarray:
+        """Images as their uint8 pixels, each of `shape` ([784] or [1, 28, 28])."""
+        return self.images.reshape(len(self.images), *shape)
 
 
 def read_idx(path: str | Path) -> np.ndarray:

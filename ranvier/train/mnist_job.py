@@ -62,11 +62,11 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         raise RanvierError(f"unknown optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     train_split, test_split = mnist.load(config.data)
     model = make_model(config)
-    shape = [784] if config.model == "mlp" else [1, 28, 28]
+    shape = example_shape(config)
     # In a data-parallel run --batch is the global batch; each rank's cell takes its share.
     world = current_world()
     world.rows(config.batch)
-    setup = build_classifier(model, shape, config.batch // world.size)
+    setup = build_classifier(model, shape, config.batch // world.size, uint8_divisor=255.0)
     trainer = Trainer(
         setup.loss,
         setup.params,
@@ -79,13 +79,17 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         matmul=rundir.requested_matmul(config),
         zero=config.zero,
     )
-    images = train_split.flat() if config.model == "mlp" else train_split.nchw()
-    trainer.set_dataset([images, train_split.labels.astype(np.int32)], seed=config.seed)
+    trainer.set_dataset([train_split.pixels(shape), train_split.labels.astype(np.int32)], seed=config.seed)
     return trainer, train_split, test_split
 
 
+def example_shape(config: MnistConfig) -> list[int]:
+    """One image as the model reads it."""
+    return [784] if config.model == "mlp" else [1, 28, 28]
+
+
 def _test_images(config: MnistConfig, split: mnist.Split) -> np.ndarray:
-    return split.flat() if config.model == "mlp" else split.nchw()
+    return split.pixels(example_shape(config))
 
 
 def read_config(run_dir: Path) -> MnistConfig:

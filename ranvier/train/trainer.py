@@ -115,6 +115,15 @@ def assign_all(b: Builder, updates: list[Update]) -> None:
         b.op("Assign", [b.wrap(target), value])
 
 
+def _check_kind(what: str, var: Variable, array: np.ndarray) -> None:
+    """Values for an input convert to its dtype within their kind (float64 to float32, int64
+    labels to int32), never across: float images would be truncated into a uint8 input."""
+    wanted = dtypes.to_numpy(var.dtype)
+    if not np.can_cast(array.dtype, wanted, "same_kind"):
+        raise RanvierError(f"{what} for {var.name} is {array.dtype}, expected {np.dtype(wanted).name} "
+                           f"(or a dtype of its kind: {var.name} is {var.typestr()})")
+
+
 class TrainerBase:
     """What every trainer shares: the compiled network, the dataset sampler, the schedule,
     evaluation through a prediction cell, and checkpoints of all resident state."""
@@ -212,6 +221,7 @@ class TrainerBase:
             array = named[var.name]
             if list(array.shape[1:]) != var.shape[1:]:
                 raise RanvierError(f"dataset for {var.name} has examples of shape {list(array.shape[1:])}, expected {var.shape[1:]}")
+            _check_kind("dataset", var, array)
         # Stored in the inputs' dtypes, so batches can be gathered straight into the cell.
         self.dataset = {v.name: np.ascontiguousarray(named[v.name], dtype=dtypes.to_numpy(v.dtype)) for v in self.inputs}
         # Every rank draws the same global batches and trains on its share of their rows.
@@ -250,6 +260,7 @@ class TrainerBase:
     def _check_batch(var: Variable, array: np.ndarray) -> None:
         if list(np.shape(array)) != var.shape:
             raise RanvierError(f"batch for {var.name} has shape {list(np.shape(array))}, expected {var.shape}")
+        _check_kind("batch", var, np.asarray(array))
 
     @classmethod
     def _feed(cls, data, var: Variable, array: np.ndarray) -> None:
@@ -287,6 +298,7 @@ class TrainerBase:
         x = np.asarray(x)
         if list(x.shape[1:]) != var.shape[1:]:
             raise RanvierError(f"evaluate() got examples of shape {list(x.shape[1:])}, expected {var.shape[1:]} for {var.name}")
+        _check_kind("evaluate()'s examples", var, x)
         batch = var.shape[0]
         outputs = []
         for start in range(0, len(x), batch):
