@@ -112,8 +112,10 @@ def _crossing(elements: int, others: int, shares: int) -> int:
 
 def _block_cost(rows: int, columns: int, depth: int) -> int:
     """A block of C over `depth` steps of k, in multiply-adds: its rows times its columns
-    rounded up to whole tiles of the generated GEMM (a 128-column block of 48-column tiles
-    computes 144), plus the packing of its rows of A and columns of B."""
+    rounded up to whole panels of the generated GEMM (48 columns with AVX-512; a narrow
+    last panel runs a narrower tile, measured at half to two thirds of a whole one's
+    time, so this errs against ragged blocks), plus the packing of its rows of A and
+    columns of B."""
     panel = sgemm.panel_width(host_target())
     return depth * (rows * -(-columns // panel) * panel + _PACKING_WEIGHT * (rows + columns))
 
@@ -174,7 +176,7 @@ def gemm_parts(op, unit: int, slices: bool = False) -> list[list[_Gemm]]:
     every core through the pool while the GEMM itself runs on one thread. With `slices`
     (a kernel that adds up partial products: `_run_calls`), a single product may instead
     be cut along k (`k_slices`). With an epilogue, a call is cut further into blocks of
-    columns that fit the L2 (`_epilogue_blocks`); a slice's runs after the sum."""
+    columns that fit the L2 (`_epilogue_blocks`); a product cut along k runs it after the sum."""
     a, b = op.inputs[0], op.inputs[1]
     ta, tb, m, k, n, batches = _gemms(op)
     a_size, b_size, lda, ldb = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1], a.shape[-1], b.shape[-1]
