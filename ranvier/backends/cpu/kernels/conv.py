@@ -182,14 +182,21 @@ def conv_filter_gradient(ctx, op) -> None:
                     value = ctx.load(x, source + first - pad_width + j + at, w)
                     store(b, value.ir, windows, (row + first + at).ir, element, w)
 
+                half = max(1, lanes // 2)
                 with b.if_else((count >= lanes).ir) as (long_run, short_run):
                     with long_run:
                         with ctx.loop(0, count - lanes + 1, step=lanes, name="run") as at:
                             copy(at, lanes)
                         with ctx.when(count % lanes > 0):
                             copy(count - lanes, lanes)
-                    with short_run, ctx.loop(0, count, name="short") as at:
-                        copy(at, 1)
+                    # a run shorter than a vector (14 of MNIST's second layer's): two overlapping
+                    # half vectors where it is as long as one, else element by element
+                    with short_run, b.if_else((count >= half).ir) as (halves, elements):
+                        with halves:
+                            copy(0, half)
+                            copy(count - half, half)
+                        with elements, ctx.loop(0, count, name="short") as at:
+                            copy(at, 1)
             else:
                 with ctx.loop(first, last, name="inside") as xo:
                     value = ctx.load(x, source + xo * stride_width - pad_width + j)
