@@ -57,20 +57,27 @@ def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, mask, m
 
 
 POOL_CASES = [
-    ((2, 3, 8, 8), (2, 2), None, (0, 0)),  # a CNN's 2 × 2 pooling: windows apart
+    ((2, 3, 8, 8), (2, 2), None, (0, 0)),  # a CNN's 2 × 2 pooling: windows apart, tiling the image
+    ((1, 2, 28, 28), (2, 2), None, (0, 0)),  # MNIST's first: rows of 14 windows, the last vector overlapping
+    ((3, 2, 14, 14), (2, 2), None, (0, 0)),  # and its second: rows of 7
+    ((2, 2, 9, 6), (3, 2), None, (0, 0)),  # three rows by two columns, tiling
     ((1, 2, 7, 9), (3, 3), (2, 2), (1, 1)),  # overlapping windows over a padded border
     ((3, 1, 5, 6), (2, 3), (1, 2), (0, 1)),  # rectangular
+    ((2, 1, 5, 6), (2, 2), None, (0, 0)),  # a row left over under the last windows
 ]
+TILED_POOL_CASES = 4  # the first ones: every element of dx in one window, a vector of windows at a time
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("mask", ["", "-avx512", "-avx512,-avx2"])
 @pytest.mark.parametrize("case", POOL_CASES, ids=[f"case{i}" for i in range(len(POOL_CASES))])
-def test_the_max_pool_gradient_goes_to_each_windows_first_maximum(case, monkeypatch):
+def test_the_max_pool_gradient_goes_to_each_windows_first_maximum(case, mask, dtype, monkeypatch):
     monkeypatch.setattr(window, "thread_count", lambda: 2)
     monkeypatch.setattr(window, "worth_splitting", lambda flops=0, nbytes=0: True)
     x_shape, ksize, strides, padding = case
     g = np.random.default_rng(3)
-    x_value = g.integers(-2, 3, x_shape).astype(np.float32)  # many ties
-    x_value.reshape(-1)[[5, 17]] = np.nan  # a NaN is its window's maximum
+    x_value = g.integers(-2, 3, x_shape).astype(dtype)  # many ties
+    x_value.reshape(-1)[[5, 17, 42]] = np.nan  # a NaN is its window's maximum
     attrs = {"ksize": list(ksize), "padding": list(padding), **({"strides": list(strides)} if strides else {})}
     steps = strides or ksize
     dy_shape = [*x_shape[:2], *((x_shape[2 + a] + 2 * padding[a] - ksize[a]) // steps[a] + 1 for a in (0, 1))]
@@ -78,15 +85,16 @@ def test_the_max_pool_gradient_goes_to_each_windows_first_maximum(case, monkeypa
     for backend in ("reference", "cpu"):
         flow = rv.Flow()
         f = rv.Builder(flow, "f")
-        x, dy = f.var("x", "float32", x_shape), f.var("dy", "float32", dy_shape)
+        x, dy = f.var("x", dtype, x_shape), f.var("dy", dtype, dy_shape)
         dx = f.op("MaxPoolGrad", [x, dy], attrs=attrs)
         dx.var.out = True
-        cell = rv.Compiler(backend, cache=False).compile(flow).cell("f")
+        cell = rv.Compiler(backend, cpu=mask if backend == "cpu" else "", cache=False).compile(flow).cell("f")
         if backend == "cpu":
             assert [step.kernel for step in cell.steps] == ["WindowMaxGrad"]
+            assert window._tiled_pairs(cell.steps[0].op) == (POOL_CASES.index(case) < TILED_POOL_CASES)
         data = cell.instance()
-        data[x], data[dy] = x_value, random_array(dy_shape, "float32", seed=4)
-        data[dx] = np.full(x_shape, np.nan, np.float32)
+        data[x], data[dy] = x_value, random_array(dy_shape, dtype, seed=4)
+        data[dx] = np.full(x_shape, np.nan, dtype)
         data.compute()
         outputs[backend] = np.array(data[dx])
     got, want = outputs["cpu"], outputs["reference"]

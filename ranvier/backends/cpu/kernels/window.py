@@ -189,6 +189,62 @@ def max_pool_grad(ctx, op) -> None:
 
         return run
 
-    if planes:
-        threads = thread_count() if worth_splitting(nbytes=x.nbytes + dx.nbytes + dy.nbytes) else 1
-        run_parts(ctx, [part(first, last) for first, last in shares(planes, threads)])
+    if not planes:
+        return
+    threads = thread_count() if worth_splitting(nbytes=x.nbytes + dx.nbytes + dy.nbytes) else 1
+    tiled = _tiled_pairs(op)
+    run_parts(ctx, [(_tiled_pairs_part(ctx, op, first, last) if tiled else part(first, last)) for first, last in shares(planes, threads)])
+
+
+def _tiled_pairs(op) -> bool:
+    """Windows two columns wide that tile the image (stride the window, no padding, the
+    image a whole number of windows, at least two across): a CNN's 2 × 2 pooling."""
+    (kh, kw), strides, padding = pool_params(attrs_of(op))
+    _, _, height, width = op.inputs[0].shape
+    return kw == 2 and tuple(strides) == (kh, kw) and tuple(padding) == (0, 0) and height % kh == 0 and width % 2 == 0 and width >= 4
+
+
+def _tiled_pairs_part(ctx, op, first: int, last: int):
+    """MaxPoolGrad over planes [first, last) of tiled two-column windows, a vector of w
+    windows along an output row at a time: each row of taps is two vectors of the input
+    split into its even and odd columns, the first maximum (a NaN counting as one) kept
+    lane by lane as the scalar windows keep it, and every element of dx written once, the
+    window's gradient where its maximum lies and zero elsewhere (no zeroing pass, no
+    scattered adds). A row of windows not a multiple of w ends with a vector overlapping
+    the one before, which writes the same values again."""
+    x, dy = op.inputs
+    dx = op.outputs[0]
+    (kh, _), _, _ = pool_params(attrs_of(op))
+    _, _, height, width = x.shape
+    ho, wo = dy.shape[2], dy.shape[3]
+    w = 1 << (min(ctx.lanes_for([dx.dtype]), wo).bit_length() - 1)
+    evens, odds = [2 * lane for lane in range(w)], [2 * lane + 1 for lane in range(w)]
+    interleaved = [lane // 2 + (lane % 2) * w for lane in range(2 * w)]
+
+    def windows(ctx, plane: Value, yo: Value, xo: Value | int) -> None:
+        best = where = None
+        for i in range(kh):
+            row = (plane * height + yo * kh + i) * width + xo * 2
+            left, right = ctx.load(x, row, w), ctx.load(x, row + w, w)
+            for j, lanes in enumerate((evens, odds)):
+                value, tap = left.shuffle(lanes, right), ctx.constant(dtypes.DT_INT32, 2 * i + j, w)
+                if best is None:
+                    best, where = value, tap
+                    continue
+                better = best.equal(best) & ((value > best) | value.not_equal(value))
+                best, where = better.where(value, best), better.where(tap, where)
+        gradient, zero = ctx.load(dy, (plane * ho + yo) * wo + xo, w), ctx.constant(dx.dtype, 0.0, w)
+        for i in range(kh):
+            row = (plane * height + yo * kh + i) * width + xo * 2
+            even, odd = (where.equal(ctx.constant(dtypes.DT_INT32, 2 * i + j, w)).where(gradient, zero) for j in (0, 1))
+            ctx.store(dx, row, even.shuffle(interleaved[:w], odd))
+            ctx.store(dx, row + w, even.shuffle(interleaved[w:], odd))
+
+    def run(ctx) -> None:
+        with ctx.loop(first, last, name="plane") as plane, ctx.loop(0, ho, name="yo") as yo:
+            with ctx.loop(0, wo - w + 1, step=w, name="xo") as xo:
+                windows(ctx, plane, yo, xo)
+            if wo % w:
+                windows(ctx, plane, yo, wo - w)
+
+    return run
