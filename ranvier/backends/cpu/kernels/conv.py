@@ -158,51 +158,55 @@ def conv_filter_gradient(ctx, op) -> None:
 
     def windows_of(ctx, image: Value, windows: ir.Value) -> None:
         """Row (c, i, j) of the windows: the image's element under tap (i, j) of each
-        output position, zero in the padding."""
+        output position, zero in the padding. A channel's taps are unrolled, so each one's
+        run of output columns inside the image is known here, its copy planned in vectors,
+        and only a row's top and bottom edges are checked as it runs."""
         b = ctx.b
-        zero = ctx.constant(dw.dtype, 0.0)
-        with ctx.loop(0, taps, name="tap") as tap, ctx.loop(0, out_height, name="yo") as yo:
-            c, within = tap // (kernel_height * kernel_width), tap % (kernel_height * kernel_width)
-            i, j = within // kernel_width, within % kernel_width
-            y = yo * stride_height - pad_height + i
-            row = (tap * out_height + yo) * out_width
-            source = ((image * channels + c) * height + y) * width
-            inside = (y >= 0) & (y < height)
-            # the output columns whose input column x·s - p + j lies in the image
-            first = ((pad_width - j + stride_width - 1) // stride_width).maximum(0).minimum(out_width)
-            last = ((width - 1 + pad_width - j) // stride_width + 1).minimum(out_width).maximum(first)
-            first, last = inside.where(first, out_width), inside.where(last, out_width)
-            with ctx.loop(0, first, name="left") as xo:
-                store(b, zero.ir, windows, (row + xo).ir, element)
-            if stride_width == 1:  # a run of the image's row: whole vectors, the rest as one more
-                lanes = ctx.lanes_for([dw.dtype])  # ending at the run's end (overlapping the last)
-                count = last - first
+        lanes = ctx.lanes_for([dw.dtype])
 
-                def copy(at: Value, w: int, row=row, source=source, first=first, j=j) -> None:
-                    value = ctx.load(x, source + first - pad_width + j + at, w)
-                    store(b, value.ir, windows, (row + first + at).ir, element, w)
+        def zeros(row: Value, start: int, stop: int) -> None:
+            for_vectors(ctx, row + start, stop - start, lanes,
+                        lambda at, w: store(b, ctx.constant(dw.dtype, 0.0, w).ir, windows, at.ir, element, w))
 
-                half = max(1, lanes // 2)
-                with b.if_else((count >= lanes).ir) as (long_run, short_run):
-                    with long_run:
-                        with ctx.loop(0, count - lanes + 1, step=lanes, name="run") as at:
-                            copy(at, lanes)
-                        with ctx.when(count % lanes > 0):
-                            copy(count - lanes, lanes)
-                    # a run shorter than a vector (14 of MNIST's second layer's): two overlapping
-                    # half vectors where it is as long as one, else element by element
-                    with short_run, b.if_else((count >= half).ir) as (halves, elements):
-                        with halves:
-                            copy(0, half)
-                            copy(count - half, half)
-                        with elements, ctx.loop(0, count, name="short") as at:
-                            copy(at, 1)
-            else:
+        def run(row: Value, source: Value, first: int, last: int) -> None:
+            """Output columns [first, last) of a row from the image's row at `source`."""
+            if stride_width != 1:
                 with ctx.loop(first, last, name="inside") as xo:
-                    value = ctx.load(x, source + xo * stride_width - pad_width + j)
-                    store(b, value.ir, windows, (row + xo).ir, element)
-            with ctx.loop(last, out_width, name="right") as xo:
-                store(b, zero.ir, windows, (row + xo).ir, element)
+                    store(b, ctx.load(x, source + xo * stride_width).ir, windows, (row + xo).ir, element)
+                return
+            count = last - first
+            if count == 0:
+                return
+            # a run of the image's row: vectors as wide as fit (a 14-wide run two of 8, the
+            # second overlapping the first), the last one ending at the run's end
+            w = 1 << (min(lanes, count).bit_length() - 1)
+
+            def copy(at: Value | int, w: int = w) -> None:
+                store(b, ctx.load(x, source + first + at, w).ir, windows, (row + first + at).ir, element, w)
+
+            with ctx.loop(0, count - w + 1, step=w, name="run") as at:
+                copy(at)
+            if count % w:
+                copy(count - w)
+
+        with ctx.loop(0, channels, name="channel") as c:
+            for i in range(kernel_height):
+                for j in range(kernel_width):
+                    # the output columns whose input column xo·s - p + j lies in the image
+                    first = min(out_width, max(0, -(-(pad_width - j) // stride_width)))
+                    last = max(first, min(out_width, (width - 1 + pad_width - j) // stride_width + 1))
+                    tap = (c * kernel_height + i) * kernel_width + j
+                    with ctx.loop(0, out_height, name="yo") as yo:
+                        y = yo * stride_height - pad_height + i
+                        row = (tap * out_height + yo) * out_width
+                        source = ((image * channels + c) * height + y) * width + j - pad_width
+                        with b.if_else(((y >= 0) & (y < height)).ir) as (inside, padding):
+                            with inside:
+                                zeros(row, 0, first)
+                                run(row, source, first, last)
+                                zeros(row, last, out_width)
+                            with padding:
+                                zeros(row, 0, out_width)
 
     def part(number: int, first: int, last: int):
         def emit(ctx) -> None:
