@@ -411,18 +411,12 @@ def packed_matmul(ctx, op) -> None:
         starts[first, last] = at
         at += sgemm.panels_size(last - first, k, ctx.target)
 
-    def part(calls: list[_Gemm]):
-        def emit(ctx) -> None:
-            gemm = PackedGemm(ctx)
-            packed = ctx.prepared(panels.var, panels.form, F32)
-            for g in calls:
-                gemm.gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
-                          ctx.b.gep(packed, [i64(starts[g.column, g.column + g.n])]), ctx.element_pointer(c, g.c), c.shape[-1])
-                epilogue(ctx, op, g.c, g.m, g.n)
+    def call(ctx, number: int, g: _Gemm, target: ir.Value) -> None:
+        packed = ctx.prepared(panels.var, panels.form, F32)
+        PackedGemm(ctx).gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
+                             ctx.b.gep(packed, [i64(starts[g.column, g.column + g.n])]), target, c.shape[-1])
 
-        return emit
-
-    run_parts(ctx, [part(calls) for calls in gemm_parts(op, _FLOAT_UNIT)])
+    _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT), call, 0)
 
 
 GENERATED_KERNEL = "Gemm"

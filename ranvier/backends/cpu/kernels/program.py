@@ -1,6 +1,7 @@
 """A Calculate program run as a GEMM's epilogue over the block of the product a call just
-wrote (after adding the partial products of a product cut along k). Registers no kernel (matmul.py and conv.py use it), so importing it leaves the
-order kernels are tried in alone."""
+wrote (after adding the partial products of a product cut along k). Registers no kernel
+(matmul.py and conv.py use it), so importing it leaves the order kernels are tried in
+alone."""
 
 from __future__ import annotations
 

@@ -222,9 +222,9 @@ def _tiled_pairs_part(ctx, op, first: int, last: int):
     interleaved = [lane // 2 + (lane % 2) * w for lane in range(2 * w)]
 
     def windows(ctx, plane: Value, yo: Value, xo: Value | int) -> None:
+        rows = [(plane * height + yo * kh + i) * width + xo * 2 for i in range(kh)]  # each tap row's first element
         best = where = None
-        for i in range(kh):
-            row = (plane * height + yo * kh + i) * width + xo * 2
+        for i, row in enumerate(rows):
             left, right = ctx.load(x, row, w), ctx.load(x, row + w, w)
             for j, lanes in enumerate((evens, odds)):
                 value, tap = left.shuffle(lanes, right), ctx.constant(dtypes.DT_INT32, 2 * i + j, w)
@@ -234,8 +234,7 @@ def _tiled_pairs_part(ctx, op, first: int, last: int):
                 better = best.equal(best) & ((value > best) | value.not_equal(value))
                 best, where = better.where(value, best), better.where(tap, where)
         gradient, zero = ctx.load(dy, (plane * ho + yo) * wo + xo, w), ctx.constant(dx.dtype, 0.0, w)
-        for i in range(kh):
-            row = (plane * height + yo * kh + i) * width + xo * 2
+        for i, row in enumerate(rows):
             even, odd = (where.equal(ctx.constant(dtypes.DT_INT32, 2 * i + j, w)).where(gradient, zero) for j in (0, 1))
             ctx.store(dx, row, even.shuffle(interleaved[:w], odd))
             ctx.store(dx, row + w, even.shuffle(interleaved[w:], odd))
