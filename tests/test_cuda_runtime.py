@@ -268,12 +268,17 @@ def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(mo
         data.compute()
     calls = [call for call, _ in events]
     kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
+    # a timing mark on each side of each step; while captured, as a node of the graph
+    record_flags = [args[2] for call, args in events if call == "cuEventRecordWithFlags"]
+    marks = len(data.cell.steps) + 1
     if graphs == "1":
         assert calls.count("cuStreamBeginCapture_v2") == 1 and calls.count("cuGraphLaunch") == 3
         assert calls.count("cuLaunchKernel") == kernels_per_compute  # captured once
+        assert record_flags == [driver._EVENT_RECORD_EXTERNAL] * marks
     else:
         assert not any("Capture" in call or "Graph" in call for call in calls)
         assert calls.count("cuLaunchKernel") == 3 * kernels_per_compute
+        assert record_flags == [driver._EVENT_RECORD_DEFAULT] * 3 * marks
 
 
 def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeypatch):

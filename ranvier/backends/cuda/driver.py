@@ -21,6 +21,10 @@ _MULTIPROCESSOR_COUNT, _CAPABILITY_MAJOR, _CAPABILITY_MINOR = 16, 75, 76
 _JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
 _LOG_BYTES = 1 << 14
 _CAPTURE_GLOBAL = 0  # CUstreamCaptureMode: no other thread may use the GPU unsafely meanwhile
+# CUevent_record_flags: an event recorded while a stream is captured becomes a node of the
+# graph (recorded at each replay) only with this flag; without it the capture takes it as
+# an edge between streams and the event is never recorded (its times are then refused)
+_EVENT_RECORD_DEFAULT, _EVENT_RECORD_EXTERNAL = 0, 1
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class DriverGPU:
         # captured as a graph (its flags 0: ordered with the default stream's copies)
         self._stream = ctypes.c_void_p()
         self._check(self._library.cuStreamCreate(ctypes.byref(self._stream), 0), "make a stream")
+        self.capturing = False  # whether launches and marks now go into a graph
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
@@ -170,9 +175,11 @@ class DriverGPU:
         """The launches captured from the stream as a CUDA graph, instantiated, and run once."""
         graph, executable = ctypes.c_void_p(), ctypes.c_void_p()
         self._check(self._library.cuStreamBeginCapture_v2(self._stream, _CAPTURE_GLOBAL), "start capturing a graph")
+        self.capturing = True
         try:
             launches()
         finally:
+            self.capturing = False
             self._check(self._library.cuStreamEndCapture(self._stream, ctypes.byref(graph)), "finish capturing a graph")
         self._check(self._library.cuGraphInstantiateWithFlags(ctypes.byref(executable), graph, ctypes.c_ulonglong(0)),
                     "instantiate a graph")
@@ -199,7 +206,9 @@ class EventTimer:
             gpu._check(gpu._library.cuEventCreate(ctypes.byref(event), 0), "make an event")
 
     def record(self, mark: int) -> None:
-        self.gpu._check(self.gpu._library.cuEventRecord(self.events[mark], self.gpu._stream), "record an event")
+        flags = _EVENT_RECORD_EXTERNAL if self.gpu.capturing else _EVENT_RECORD_DEFAULT
+        self.gpu._check(self.gpu._library.cuEventRecordWithFlags(self.events[mark], self.gpu._stream, flags),
+                        "record an event")
 
     def seconds(self, start: int, stop: int) -> float:
         milliseconds = ctypes.c_float()
