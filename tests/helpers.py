@@ -157,16 +157,33 @@ def _run_on(backend: str, flow, handles, arrays, outputs) -> list[np.ndarray]:
         if t.dtype == "bool":
             raw = np.frombuffer(first.tobytes(), np.uint8)
             assert np.isin(raw, (0, 1)).all(), f"{t.name} on {backend}: some bool elements were not written"
-        same = first.tobytes() == second.tobytes()
-        assert same, f"{t.name} on {backend}: output depends on the sentinel, so some elements were not written: {first} vs {second}"
+        what = f"{t.name} on {backend}: output depends on the sentinel, so some elements were not written"
+        if dtypes.is_float(t.dtype) and _adds_in_any_order(backend, network):
+            # atomic adds land in the threads' order, which varies in the last bits; an
+            # unwritten element still shows as NaN in one run and 1234.5 in the other
+            agree(first, second, t.dtype, what)
+        else:
+            assert first.tobytes() == second.tobytes(), f"{what}: {first} vs {second}"
     return runs[0]
+
+
+def _adds_in_any_order(backend: str, network) -> bool:
+    """Whether a step of the cell adds with atomics on a GPU (the CUDA backend's scatters)."""
+    from ranvier.backends.cuda import scatters
+
+    return backend == "cuda" and any(scatters.supports(step.op) for step in network.cell("f").steps)
 
 
 def agree(actual: np.ndarray, expected: np.ndarray, dtype: str, what: str) -> None:
     """A backend's output against the reference backend's, within the dtype's tolerance."""
     if dtypes.is_float(dtype):
         r, a = TOLERANCES[dtype]
-        np.testing.assert_allclose(as_f64(actual), as_f64(expected), rtol=4 * r, atol=4 * a, equal_nan=True, err_msg=what)
+        # a sum of many terms rounds in proportion to its terms, not to its value: where
+        # they cancel, the absolute error follows the output's scale (its largest element)
+        finite = np.abs(as_f64(expected)[np.isfinite(as_f64(expected))])
+        scale = max(1.0, float(finite.max())) if finite.size else 1.0
+        np.testing.assert_allclose(as_f64(actual), as_f64(expected), rtol=4 * r, atol=4 * a * scale, equal_nan=True,
+                                   err_msg=what)
     else:
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
