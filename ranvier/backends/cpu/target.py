@@ -46,11 +46,12 @@ class CPUTarget:
     name: str
     features: str
 
-    @property
+    # kept once worked out: the cost models ask for lanes hundreds of thousands of times
+    @functools.cached_property
     def feature_set(self) -> set[str]:
         return {f[1:] for f in self.features.split(",") if f.startswith("+")}
 
-    @property
+    @functools.cached_property
     def variant(self) -> str:
         flags = self.feature_set
         if "avx512f" in flags:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..llvm.strided import Body, View, collapse
 from ..llvm.values import Value
-from .parallel import run_parts, shares, thread_count, worth_splitting
+from .parallel import share_out, thread_count, worth_splitting
 
 
 def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False,
@@ -37,13 +37,12 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
     threads = thread_count() if split and not accumulate and worth_splitting(nbytes=nbytes) else 1
     # A lone dimension is cut on vector boundaries, so only the last part has a scalar tail.
     unit = lanes if len(dims) == 1 else 1
-    run_parts(ctx, [
-        lambda ctx, first=first, last=last: _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last)
-        for first, last in shares(dims[0], threads, unit)
-    ])
+    share_out(ctx, dims[0], threads, lambda ctx, first, last: _emit_range(
+        ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last), unit)
 
 
-def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int, last: int) -> None:
+def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int | Value,
+                last: int | Value) -> None:
     """emit_map's loops, over [first, last) of the outermost dimension."""
     inner_ok = all(s[-1] in (0, 1) for s in strides)
 
@@ -63,11 +62,15 @@ def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: 
             return
         start, count = (first, last) if depth == 0 else (0, dims[-1])
         unit = [s[-1] == 1 for s in strides]
-        vector_end = start + (count - start) - (count - start) % lanes if inner_ok and lanes > 1 else start
-        if vector_end > start:
+        vectors = inner_ok and lanes > 1
+        vector_end = count - (count - start) % lanes if vectors else start
+        # whole vectors, then the scalar tail: each loop only where it can run (bounds
+        # known here, or a part's looked up at run time)
+        length = count - start if isinstance(start, int) and isinstance(count, int) else None
+        if vectors and (length is None or length >= lanes):
             with ctx.loop(start, vector_end, step=lanes, name="v") as i:
                 access([o + i * s[-1] for o, s in zip(offsets, strides)], lanes, unit)
-        if vector_end < count:
+        if length is None or not vectors or length % lanes:
             with ctx.loop(vector_end, count, name="s") as i:
                 access([o + i * s[-1] for o, s in zip(offsets, strides)], 1, unit)
 

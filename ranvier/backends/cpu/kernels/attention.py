@@ -39,7 +39,7 @@ from ...llvm.rows import Row, finite_peak, normalized_exponentials, unseen_inver
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
-from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ..parallel import each_part, shares, thread_count, worth_splitting
 from ..target import host_target
 from .library import kernel
 from .matmul import GENERATED_GEMM_KERNELS, PACKED_GEMM_KERNELS, GeneratedGemm, PackedGemm, panel_floats
@@ -341,36 +341,33 @@ def attention_blocks(ctx, op) -> None:
     blocks = -(-d.queries // rows_per_block)
     share = _block_share(op)
 
-    def part(number: int, first: int, last: int):
-        def emit(ctx) -> None:
-            heads = _Heads(ctx, q, k, op)
-            gemm = PackedGemm(ctx)
+    def part(ctx, number: int | Value, first: int | Value, last: int | Value) -> None:
+        heads = _Heads(ctx, q, k, op)
+        gemm = PackedGemm(ctx)
 
-            start = cache_line_aligned(ctx.b, ctx.b.gep(ctx.address(ctx.workspace), [i64(number * share)]), BYTE_PTR)
+        start = cache_line_aligned(ctx.b, ctx.b.gep(ctx.address(ctx.workspace), [ctx.index(number * share).ir]), BYTE_PTR)
 
-            def at(offset: int) -> ir.Value:
-                return ctx.b.gep(start, [i64(offset)])
+        def at(offset: int) -> ir.Value:
+            return ctx.b.gep(start, [i64(offset)])
 
-            keys_across, values = (_Panels(ctx, f"{op.name}/{name}{number}", at(i * _panels_bytes(op, 1)), op)
-                                   for i, name in enumerate(("k", "v")))
-            scores = ctx.scratch(f"{op.name}/scores{number}", q.dtype, rows_per_block * keys, at(_panels_bytes(op, 2)))
-            packed_kv = ctx.local(dtypes.DT_INT64, initial=-1)
-            with ctx.loop(first, last, name="item") as item:
-                bh, first_query = item // blocks, item % blocks * rows_per_block
-                rows, seen = heads.block(first_query, rows_per_block)
-                kv, query_rows = heads.kv_base(bh), heads.q_row(bh, first_query)
-                with ctx.when(~kv.equal(packed_kv.value)):
-                    keys_across.across_keys(k, kv)
-                    values.along_keys(v, kv)
-                    packed_kv.set(kv)
-                keys_across.times_keys(gemm, rows, seen, ctx.element_pointer(q, query_rows), d.q_stride, ctx.pointer(scores))
-                with ctx.loop(0, rows, name="r") as r:
-                    heads.normalize(scores, r * keys, bh, first_query + r, seen)
-                values.times_head(gemm, rows, seen, ctx.pointer(scores), ctx.element_pointer(out, query_rows))
+        keys_across, values = (_Panels(ctx, f"{op.name}/{name}", at(i * _panels_bytes(op, 1)), op)
+                               for i, name in enumerate(("k", "v")))
+        scores = ctx.scratch(f"{op.name}/scores", q.dtype, rows_per_block * keys, at(_panels_bytes(op, 2)))
+        packed_kv = ctx.local(dtypes.DT_INT64, initial=-1)
+        with ctx.loop(first, last, name="item") as item:
+            bh, first_query = item // blocks, item % blocks * rows_per_block
+            rows, seen = heads.block(first_query, rows_per_block)
+            kv, query_rows = heads.kv_base(bh), heads.q_row(bh, first_query)
+            with ctx.when(~kv.equal(packed_kv.value)):
+                keys_across.across_keys(k, kv)
+                values.along_keys(v, kv)
+                packed_kv.set(kv)
+            keys_across.times_keys(gemm, rows, seen, ctx.element_pointer(q, query_rows), d.q_stride, ctx.pointer(scores))
+            with ctx.loop(0, rows, name="r") as r:
+                heads.normalize(scores, r * keys, bh, first_query + r, seen)
+            values.times_head(gemm, rows, seen, ctx.pointer(scores), ctx.element_pointer(out, query_rows))
 
-        return emit
-
-    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_block_parts(op))])
+    each_part(ctx, _block_parts(op), part)
 
 
 PACKED_GEMM_KERNELS.add("AttentionGemm")
@@ -434,63 +431,61 @@ def attention_grad_blocks(ctx, op) -> None:
     block_floats, head_floats = rows_per_block * keys, keys * size
     share, parts = _grad_share(op), _grad_parts(op)
 
-    def scratch(ctx, number: int, name: str, offset: int, count: int):
-        at = ctx.b.gep(ctx.address(ctx.workspace), [i64(number * share + _gemm_bytes(op) + offset)])
-        return ctx.scratch(f"{op.name}/{name}{number}", q.dtype, count, at)
+    def scratch(ctx, number: int | Value, name: str, offset: int, count: int):
+        at = ctx.b.gep(ctx.address(ctx.workspace), [ctx.index(number * share + _gemm_bytes(op) + offset).ir])
+        return ctx.scratch(f"{op.name}/{name}{number if isinstance(number, int) else ''}", q.dtype, count, at)
 
-    def partials(ctx, number: int):
+    def partials(ctx, number: int | Value):
         """A part's partial d keys and d values, after its scratch head."""
         return [scratch(ctx, number, name, 8 * block_floats + 4 * head_floats * (1 + i), head_floats)
                 for i, name in enumerate(("dk", "dv"))]
 
-    def part(number: int, shared: _GradPart):
-        def emit(ctx) -> None:
-            geometry = _Heads(ctx, q, k, op)
-            gemm, packed = GeneratedGemm(ctx, SGEMM_GENERATED, number, share), PackedGemm(ctx)
-            panels_at = cache_line_aligned(ctx.b, ctx.b.gep(ctx.address(ctx.workspace), [i64(number * share + _grad_panels_offset(op))]),
-                                           BYTE_PTR)
-            keys_across, values_across, keys_along = (
-                _Panels(ctx, f"{op.name}/{name}{number}", ctx.b.gep(panels_at, [i64(i * _panels_bytes(op, 1))]), op)
-                for i, name in enumerate(("kt", "vt", "k")))
-            p = scratch(ctx, number, "p", 0, block_floats)
-            ds = scratch(ctx, number, "ds", 4 * block_floats, block_floats)
-            head = scratch(ctx, number, "head", 8 * block_floats, head_floats)
-            first_pair, last_pair = shared.pairs or (0, groups * blocks)
-            with ctx.loop(*shared.items, name="item") as item:
-                batch, kv_head = item // kv_heads, item % kv_heads
-                kv = d.kv_head_start(batch, kv_head)
-                # where this part adds d keys and d values, and its rows' stride: the outputs, or its partials
-                targets = ([(grad, kv, d.kv_stride) for grad in (dk, dv)] if shared.pairs is None else
-                           [(grad, 0, size) for grad in partials(ctx, number)])
-                for grad, base, stride in targets:
-                    with ctx.loop(0, keys, name="j") as j:
-                        Row(ctx, base + j * stride, size, q.dtype).each(
-                            lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
-                keys_across.across_keys(k, kv)
-                values_across.across_keys(v, kv)
-                keys_along.along_keys(k, kv)
-                with ctx.loop(first_pair, last_pair, name="gb") as gb:
-                    bh = batch * heads + kv_head * groups + gb // blocks
-                    first_query = gb % blocks * rows_per_block
-                    rows, seen = geometry.block(first_query, rows_per_block)
-                    query_rows = geometry.q_row(bh, first_query)
-                    at_q, at_dout = ctx.element_pointer(q, query_rows), ctx.element_pointer(dout, query_rows)
-                    keys_across.times_keys(packed, rows, seen, at_q, d.q_stride, ctx.pointer(p))
-                    values_across.times_keys(packed, rows, seen, at_dout, d.q_stride, ctx.pointer(ds))
-                    with ctx.loop(0, rows, name="r") as r:
-                        geometry.normalize(p, r * keys, bh, first_query + r, seen)
-                        geometry.score_gradients(p, ds, r * keys, first_query + r, seen)
-                    keys_along.times_head(packed, rows, seen, ctx.pointer(ds), ctx.element_pointer(dq, query_rows))
-                    for (grad, base, stride), left, right in zip(targets, (ds, p), (at_q, at_dout)):
-                        gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), keys, right, d.q_stride, ctx.pointer(head), size)
-                        with ctx.loop(0, seen, name="j") as j:
-                            row = base + j * stride - j * size  # the head's row j, where `head` has it at j · size
-                            Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad, row=row: ctx.store(
-                                grad, row + i, ctx.load(grad, row + i, w) + ctx.load(head, i, w)))
+    into_partials = parts[0].pairs is not None  # parts share out each item's pairs (the same for every part)
 
-        return emit
+    def part(ctx, number: int | Value, first_item, last_item, first_pair, last_pair) -> None:
+        geometry = _Heads(ctx, q, k, op)
+        gemm, packed = GeneratedGemm(ctx, SGEMM_GENERATED, number, share), PackedGemm(ctx)
+        panels_at = cache_line_aligned(
+            ctx.b, ctx.b.gep(ctx.address(ctx.workspace), [ctx.index(number * share + _grad_panels_offset(op)).ir]), BYTE_PTR)
+        keys_across, values_across, keys_along = (
+            _Panels(ctx, f"{op.name}/{name}", ctx.b.gep(panels_at, [i64(i * _panels_bytes(op, 1))]), op)
+            for i, name in enumerate(("kt", "vt", "k")))
+        p = scratch(ctx, number, "p", 0, block_floats)
+        ds = scratch(ctx, number, "ds", 4 * block_floats, block_floats)
+        head = scratch(ctx, number, "head", 8 * block_floats, head_floats)
+        with ctx.loop(first_item, last_item, name="item") as item:
+            batch, kv_head = item // kv_heads, item % kv_heads
+            kv = d.kv_head_start(batch, kv_head)
+            # where this part adds d keys and d values, and its rows' stride: the outputs, or its partials
+            targets = ([(grad, kv, d.kv_stride) for grad in (dk, dv)] if not into_partials else
+                       [(grad, 0, size) for grad in partials(ctx, number)])
+            for grad, base, stride in targets:
+                with ctx.loop(0, keys, name="j") as j:
+                    Row(ctx, base + j * stride, size, q.dtype).each(
+                        lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
+            keys_across.across_keys(k, kv)
+            values_across.across_keys(v, kv)
+            keys_along.along_keys(k, kv)
+            with ctx.loop(first_pair, last_pair, name="gb") as gb:
+                bh = batch * heads + kv_head * groups + gb // blocks
+                first_query = gb % blocks * rows_per_block
+                rows, seen = geometry.block(first_query, rows_per_block)
+                query_rows = geometry.q_row(bh, first_query)
+                at_q, at_dout = ctx.element_pointer(q, query_rows), ctx.element_pointer(dout, query_rows)
+                keys_across.times_keys(packed, rows, seen, at_q, d.q_stride, ctx.pointer(p))
+                values_across.times_keys(packed, rows, seen, at_dout, d.q_stride, ctx.pointer(ds))
+                with ctx.loop(0, rows, name="r") as r:
+                    geometry.normalize(p, r * keys, bh, first_query + r, seen)
+                    geometry.score_gradients(p, ds, r * keys, first_query + r, seen)
+                keys_along.times_head(packed, rows, seen, ctx.pointer(ds), ctx.element_pointer(dq, query_rows))
+                for (grad, base, stride), left, right in zip(targets, (ds, p), (at_q, at_dout)):
+                    gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), keys, right, d.q_stride, ctx.pointer(head), size)
+                    with ctx.loop(0, seen, name="j") as j:
+                        row = base + j * stride - j * size  # the head's row j, where `head` has it at j · size
+                        Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad, row=row: ctx.store(
+                            grad, row + i, ctx.load(grad, row + i, w) + ctx.load(head, i, w)))
 
-    run_parts(ctx, [part(number, shared) for number, shared in enumerate(parts)])
+    each_part(ctx, [(*shared.items, *(shared.pairs or (0, groups * blocks))) for shared in parts], part)
     for item in sorted({shared.items[0] for shared in parts if shared.pairs is not None}):
         shares_of_item = [partials(ctx, number) for number, shared in enumerate(parts) if shared.pairs and shared.items[0] == item]
         for grad, sources in zip((dk, dv), zip(*shares_of_item)):

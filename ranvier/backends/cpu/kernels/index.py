@@ -13,7 +13,8 @@ from .... import dtypes
 from ...llvm.context import check_range, load_index
 from ...llvm.lookups import gather_row, one_hot_row, pooled_rows
 from ...llvm.loops import fill, for_vectors
-from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ...llvm.values import Value
+from ..parallel import share_out, thread_count, worth_splitting
 from .library import kernel
 
 
@@ -23,14 +24,11 @@ def gather(ctx, op) -> None:
     MoE layers' token gathers took half the time on two cores)."""
     threads = thread_count() if worth_splitting(nbytes=2 * op.outputs[0].nbytes) else 1
 
-    def part(first: int, last: int):
-        def emit(ctx) -> None:
-            with ctx.loop(first, last, name="n") as n:
-                gather_row(op)(ctx, n)
+    def share(ctx, first: Value, last: Value) -> None:
+        with ctx.loop(first, last, name="n") as n:
+            gather_row(op)(ctx, n)
 
-        return emit
-
-    run_parts(ctx, [part(first, last) for first, last in shares(op.inputs[1].size, threads)])
+    share_out(ctx, op.inputs[1].size, threads, share)
 
 
 def _sums_in_its_own_dtype(op) -> bool:

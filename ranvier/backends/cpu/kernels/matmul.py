@@ -248,10 +248,10 @@ class GeneratedGemm:
     _TYPE = ir.FunctionType(VOID, [I64] * 5 + [F32.as_pointer(), I64, F32.as_pointer(), I64, F32.as_pointer(), I64,
                                                I8.as_pointer()])
 
-    def __init__(self, ctx, slot: int, number: int, share: int):
+    def __init__(self, ctx, slot: int, number: int | Value, share: int):
         self.b = ctx.b
         self._function = self.b.bitcast(ctx.table_entry(slot), self._TYPE.as_pointer())
-        self._scratch = self.b.gep(ctx.address(ctx.workspace), [i64(number * share)])
+        self._scratch = self.b.gep(ctx.address(ctx.workspace), [ctx.index(number * share).ir])
 
     def gemm(self, ta: bool, tb: bool, m, n, k, a: ir.Value, lda, b: ir.Value, ldb, c: ir.Value, ldc) -> None:
         """C[m, n] = op(A)[m, k] · op(B)[k, n] (row-major, C overwritten)."""

@@ -21,7 +21,7 @@ from ...llvm.reductions import (
     term,
 )
 from ...llvm.values import Value
-from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ..parallel import each_part, share_out, shares, thread_count, worth_splitting
 from .library import kernel
 
 
@@ -58,24 +58,21 @@ def reduction(ctx, op) -> None:
     def finish(value: Value) -> Value:
         return finished(op, value)
 
-    def part(rows: tuple[int, int], cols: tuple[int, int]):
-        def emit(ctx) -> None:
-            with ctx.loop(*rows, name="o") as o:
-                if inner == 1:
-                    total = fold(ctx, o * reduced, reduced, lanes, x.dtype, start, combine, lambda i, w: element(ctx.load(x, i, w)))
-                    ctx.store(out, o, finish(total))
-                else:
-                    for_vectors(ctx, cols[0], cols[1] - cols[0], lanes, lambda i, w: columns(ctx, o, i, w))
-
-        return emit
+    def block(ctx, rows: tuple[int | Value, int | Value], cols: tuple[int | Value, int | Value]) -> None:
+        with ctx.loop(*rows, name="o") as o:
+            if inner == 1:
+                total = fold(ctx, o * reduced, reduced, lanes, x.dtype, start, combine, lambda i, w: element(ctx.load(x, i, w)))
+                ctx.store(out, o, finish(total))
+            else:
+                for_vectors(ctx, cols[0], cols[1] - cols[0], lanes, lambda i, w: columns(ctx, o, i, w))
 
     threads, pieces = _threads(op), _row_pieces(op)
     if pieces > 1:
         _reduce_rows_in_pieces(ctx, op, pieces, lanes)
     elif outer >= threads or inner == 1:
-        run_parts(ctx, [part(share, (0, inner)) for share in shares(outer, threads)])
+        share_out(ctx, outer, threads, lambda ctx, first, last: block(ctx, (first, last), (0, inner)))
     else:
-        run_parts(ctx, [part((0, outer), share) for share in shares(inner, threads, lanes)])
+        share_out(ctx, inner, threads, lambda ctx, first, last: block(ctx, (0, outer), (first, last)), lanes)
 
 
 def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int) -> None:
@@ -89,16 +86,13 @@ def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int) -> None:
     def partials(ctx):
         return ctx.b.bitcast(ctx.address(ctx.workspace), compute_type(x.dtype).as_pointer())
 
-    def piece(number: int, first: int, last: int):
-        def emit(ctx) -> None:
-            with ctx.loop(0, outer, name="o") as o:
-                total = fold(ctx, o * reduced + first, last - first, lanes, x.dtype, start, combine,
-                             lambda i, w: element(ctx.load(x, i, w)))
-                ctx.b.store(total.ir, ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir]))
+    def piece(ctx, number: int | Value, first: int | Value, last: int | Value) -> None:
+        with ctx.loop(0, outer, name="o") as o:
+            total = fold(ctx, o * reduced + first, last - first, lanes, x.dtype, start, combine,
+                         lambda i, w: element(ctx.load(x, i, w)))
+            ctx.b.store(total.ir, ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir]))
 
-        return emit
-
-    run_parts(ctx, [piece(number, first, last) for number, (first, last) in enumerate(runs)])
+    each_part(ctx, runs, piece)
     with ctx.loop(0, outer, name="o") as o:
         total = None
         for number in range(len(runs)):

@@ -18,7 +18,7 @@ from ...llvm.rows import (
 )
 from ...llvm.values import Value
 from ..codegen import KernelContext
-from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ..parallel import share_out, thread_count, worth_splitting
 from .library import kernel
 
 
@@ -30,14 +30,11 @@ def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, Value], None
     nbytes = sum(v.nbytes for v in [*op.inputs, *op.outputs])
     threads = thread_count() if worth_splitting(nbytes=nbytes) else 1
 
-    def part(first: int, last: int):
-        def run(ctx: KernelContext) -> None:
-            with ctx.loop(first, last, name="row") as r:
-                body(ctx, r)
+    def share(ctx: KernelContext, first: Value, last: Value) -> None:
+        with ctx.loop(first, last, name="row") as r:
+            body(ctx, r)
 
-        return run
-
-    run_parts(ctx, [part(first, last) for first, last in shares(rows, threads)])
+    share_out(ctx, rows, threads, share)
 
 
 @kernel("SoftmaxRow", {"Softmax"}, supports=last_axis)
