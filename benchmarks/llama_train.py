@@ -73,22 +73,25 @@ def main() -> None:
     config = dataclasses.replace(PRESETS[args.preset], max_seq_len=max(args.seq, PRESETS[args.preset].max_seq_len))
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
     if args.backend == "cuda":
-        sides, ceilings = gpu_sides(args, config, torch)
+        first_trainer, sides, ceilings = gpu_sides(args, config, torch)
     else:
         matmuls = [args.matmul] if args.matmul else ["float32", "bfloat16"] if amx_usable(host_target()) else ["float32"]
-        sides = {name: stepper(ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, matmul, args.checkpointed))
-                 for name, matmul in zip(("ranvier", "ranvier-bf16"), matmuls)}
+        trainers = [ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, matmul, args.checkpointed) for matmul in matmuls]
+        first_trainer = trainers[0]
+        sides = {name: stepper(trainer) for name, trainer in zip(("ranvier", "ranvier-bf16"), trainers)}
         sides["pytorch"] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config))
         ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
     race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings)
+    print(first_trainer.profile().by_kernel())  # where ranvier's step spends its time (averaged over the race)
 
 
 def gpu_sides(args, config, torch):
     """ranvier on the CUDA backend, replaying graphs and launching kernel by kernel, and
     PyTorch eager under bf16 autocast on the GPU (on the CPU in float32 where PyTorch sees
-    no GPU, as with ranvier's host emulator: then only that the script runs is shown)."""
+    no GPU, as with ranvier's host emulator: then only that the script runs is shown); the
+    trainer, the sides and the GPU's ceilings."""
     from ranvier.backends.cuda.resident import GRAPHS_ENVIRONMENT
     from ranvier.models.llama import Llama
 
@@ -108,7 +111,7 @@ def gpu_sides(args, config, torch):
              "pytorch": torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config),
                                       device="cuda" if on_gpu else "cpu", bf16=on_gpu)}
     ceilings = measure_gpu_ceilings(torch) if on_gpu else measure_ceilings(megabytes=64, gemm_n=1024, repeats=3, torch=torch)
-    return sides, ceilings
+    return trainer, sides, ceilings
 
 
 if __name__ == "__main__":

@@ -37,6 +37,23 @@ class Profile:
         the rest ran on one core."""
         return min(1.0, sum(s.all_cores for s in self.steps) / self.total) if self.total > 0 else 0.0
 
+    def by_kernel(self, top: int = 12) -> str:
+        """Each kernel's time over all the steps it runs, largest first (the `top` of them):
+        where a cell's time goes, at a glance. A GPU kernel's launch shapes are left out
+        (`Map[sm_90 12 × 256]` counts as Map)."""
+        kernels: dict[str, tuple[float, int, int]] = {}
+        for s in self.steps:
+            name = s.kernel.split("[")[0]
+            seconds, flops, count = kernels.get(name, (0.0, 0, 0))
+            kernels[name] = (seconds + s.seconds, flops + s.flops, count + 1)
+        total = self.total or 1e-30
+        lines = [f"cell {self.cell_name}: {self.total * 1e3:.3f} ms per compute{f' on {self.device}' if self.device else ''}, by kernel",
+                 f"  {'kernel':<24} {'steps':>5} {'time us':>10} {'share':>6} {'GFLOP/s':>8}"]
+        for kernel, (seconds, flops, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:top]:
+            rate = f"{flops / seconds / 1e9:8.1f}" if flops and seconds > 0 else f"{'':>8}"
+            lines.append(f"  {kernel:<24} {count:>5} {seconds * 1e6:10.1f} {seconds / total * 100:5.1f}% {rate}")
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         total = self.total or 1e-30
         where = f"on {self.device}" if self.device else f"{self.all_cores_share:.0%} of it on all cores"

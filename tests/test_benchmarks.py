@@ -37,6 +37,8 @@ def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, 
     assert re.search(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", out)
     for side in ("ranvier", "pytorch"):
         assert re.search(rf"^{side} +[\d.]+ GFLOP/s of model arithmetic .*, \d+% of the GEMM ceiling$", out, re.MULTILINE), side
+    if script == "llama_train.py":  # where ranvier's step spent its time, kernel by kernel
+        assert re.search(r"^cell train: [\d.]+ ms per compute, by kernel$", out, re.MULTILINE)
     if script == "moe_train.py":
         assert "routing skips 50% of the expert FLOPs" in out  # top-2 of 4
         assert "ranvier's step: matrix products" in out
@@ -53,6 +55,8 @@ def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monke
     assert lines[1].startswith("GPU: ") and "ranvier (cuda, bfloat16) compiled the training step" in out
     assert_summary(lines, "tokens/s", sides=("ranvier", "rv-no-graph", "pytorch"))
     assert re.search(r"^rv-no-graph is \d+\.\d\d× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
+    assert re.search(r"^cell train: [\d.]+ ms per compute on host emulator.*, by kernel$", out, re.MULTILINE)
+    assert re.search(r"^  Attention +\d+ +[\d.]+ +[\d.]+%", out, re.MULTILINE)
 
 
 @pytest.mark.slow

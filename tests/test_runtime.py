@@ -134,6 +134,14 @@ def test_profile_reports_every_step(backend):
     assert matmul.flops == 2 * 64 * 256 + (2 * 256 if matmul.op.type == "MatMulCalculate" else 0)
     text = str(profile)
     assert text.startswith("profile of cell f: 5 computes") and "GFLOP/s" in text and "MatMul" in text
+    # the same time by kernel: each kernel's steps summed, largest first, every step counted once
+    summary = profile.by_kernel().splitlines()
+    kernels = {s.kernel.split("[")[0] for s in profile.steps}
+    assert summary[0].startswith("cell f:") and len(summary) == 2 + len(kernels)
+    rows = [line.split() for line in summary[2:]]
+    assert sum(int(row[1]) for row in rows) == len(profile.steps)
+    times = [float(row[2]) for row in rows]
+    assert times == sorted(times, reverse=True) and abs(sum(times) - profile.total * 1e6) <= 0.1 * len(rows)
     data.reset_profile()
     assert data.profile().computes == 0 and data.profile().total == 0
 
