@@ -176,11 +176,11 @@ def run_each_part(ctx: KernelContext, count: int, emit: Callable[[KernelContext,
         b.call(run, [task, b.bitcast(blocks, BYTE_PTR), i64(count), i64(stride)])
 
 
-def per_part(ctx: KernelContext, number: Value, values: list[int]) -> Value:
-    """values[number]: a constant where every part has the same, else read from a table
-    of them in the module's constants."""
+def per_part(ctx: KernelContext, number: Value, values: list[int]) -> int | Value:
+    """values[number]: the number itself where every part has the same (the code may then
+    be planned around it), else read from a table of them in the module's constants."""
     if len(set(values)) == 1:
-        return ctx.index(values[0])
+        return values[0]
     array_type = ir.ArrayType(I64, len(values))
     table = ir.GlobalVariable(ctx.module, array_type, name=ctx.module.get_unique_name("per_part"))
     table.linkage, table.global_constant = "private", True
@@ -191,9 +191,10 @@ def per_part(ctx: KernelContext, number: Value, values: list[int]) -> Value:
 def each_part(ctx: KernelContext, values: list[tuple[int, ...]], body: Callable[..., None]) -> None:
     """A part per entry of `values`, as one job: `body(ctx, number, *entry)` emitted once,
     with the part's number and entry as run-time Values (as numbers where a single part
-    runs inline)."""
-    if len(values) == 1:
-        body(ctx, 0, *values[0])
+    runs inline). No entries, no parts (nothing to share out)."""
+    if len(values) <= 1:
+        for entry in values:
+            body(ctx, 0, *entry)
         return
 
     def emit(sub: KernelContext, number: Value) -> None:

@@ -16,7 +16,7 @@ from ..llvm.values import Value
 from .parallel import share_out, thread_count, worth_splitting
 
 
-def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False,
+def emit_map(ctx, shape: Sequence[int | Value], inputs: list[View], outputs: list[View], body: Body, accumulate: bool = False,
              split: bool = True) -> None:
     """Loop over `shape`, read the inputs, compute `body(values, lanes)`, write the outputs
     (all through views). `values` are the inputs' elements as Values, `lanes` wide.
@@ -26,19 +26,25 @@ def emit_map(ctx, shape: Sequence[int], inputs: list[View], outputs: list[View],
     A large map is shared out over threads by its outermost dimension (never an
     accumulating one, whose threads could meet at one element); without `split` it runs
     on the calling thread (a part of a kernel that is already one of several: a GEMM's
-    epilogue over the block the part computed).
+    epilogue over the block the part computed), and its outermost dimension and the views'
+    offsets may be known only at run time (that block's rows and start).
     """
-    if math.prod(shape) == 0:
+    if all(isinstance(d, int) for d in shape) and math.prod(shape) == 0:
         return
     views = inputs + outputs
     dims, strides = collapse(list(shape), views)
     lanes = ctx.lanes_for([v.var.dtype for v in views])
     nbytes = sum(v.var.nbytes for v in views)
     threads = thread_count() if split and not accumulate and worth_splitting(nbytes=nbytes) else 1
+
+    def emit(ctx, first: int | Value, last: int | Value) -> None:
+        _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last)
+
+    if threads == 1:
+        emit(ctx, 0, dims[0])
+        return
     # A lone dimension is cut on vector boundaries, so only the last part has a scalar tail.
-    unit = lanes if len(dims) == 1 else 1
-    share_out(ctx, dims[0], threads, lambda ctx, first, last: _emit_range(
-        ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last), unit)
+    share_out(ctx, dims[0], threads, emit, lanes if len(dims) == 1 else 1)
 
 
 def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int | Value,

@@ -46,11 +46,12 @@ def dense_view(var: Variable) -> View:
     return View(var, 0, contiguous_strides(var.shape))
 
 
-def collapse(shape: list[int], views: list[View]) -> tuple[list[int], list[list[int]]]:
-    """Merge dimension i into i+1 where every view steps through both as one dimension."""
+def collapse(shape: list, views: list[View]) -> tuple[list, list[list[int]]]:
+    """Merge dimension i into i+1 where every view steps through both as one dimension (a
+    dimension known only at run time, a Value, is never taken for 1)."""
     dims = list(shape)
     strides = [list(v.strides) for v in views]
-    keep = [i for i, d in enumerate(dims) if d != 1]
+    keep = [i for i, d in enumerate(dims) if not (isinstance(d, int) and d == 1)]
     dims = [dims[i] for i in keep] or [1]
     strides = [[s[i] for i in keep] or [0] for s in strides]
     merged_dims = [dims[-1]]

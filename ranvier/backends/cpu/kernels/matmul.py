@@ -9,6 +9,7 @@ the operands swapped. Batch dimensions (broadcast as numpy does) loop around the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -18,17 +19,17 @@ from .... import dtypes
 from ....flow.graph import Variable
 from ....ops import attrs_of, written_inputs
 from ...kernels import Prepared
-from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64
+from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64, storage_type
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
 from .. import sgemm
 from ..amx import workspace_bytes
 from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMM_GENERATED, SGEMM_PACKED, SGEMV
 from ..gemm_choice import generated_is_faster
-from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ..parallel import each_part, run_parts, share_out, shares, thread_count, worth_splitting
 from ..target import host_target
 from .library import kernel
-from .program import epilogue
+from .program import FUSED_PRODUCTS, epilogue
 
 
 def _batch_offsets(batch, a_batch, b_batch):
@@ -294,38 +295,53 @@ def _partials_bytes(op, parts: list[list[_Gemm]]) -> int:
     return (_slice_count(parts) - 1) * g.m * g.n * dtypes.itemsize(op.outputs[0].dtype)
 
 
-def _run_calls(ctx, op, parts: list[list[_Gemm]], emit_call, partials_at: int) -> None:
+def _run_calls(ctx, op, parts: list[list[_Gemm]], emit_call, partials_at: int, fixed=lambda g: ()) -> None:
     """Each part's calls (`emit_call(ctx, number, g, c)` emits the part's GEMM for call g
     into C at pointer c), each followed by the op's epilogue over the block it wrote.
     Where k is cut into slices, slice 0 writes C and slice s partial product s (in the
     workspace from byte `partials_at`); a second job then adds the partials into C, a share
-    of rows per part, and runs the epilogue over those rows."""
+    of rows per part, and runs the epilogue over those rows. Parts whose calls differ only
+    in numbers the code takes at run time (a block's rows, where it starts) are emitted
+    once (`each_part`): `fixed(g)` is what `emit_call`'s code is made from, and an
+    epilogue's columns are fixed too."""
     c = op.outputs[0]
     count = _slice_count(parts)
     m, n = parts[0][0].m, parts[0][0].n
+    storage = storage_type(c.dtype).as_pointer()
 
     def partial(ctx, number: int) -> Variable:
         at = partials_at + (number - 1) * m * n * dtypes.itemsize(c.dtype)
         return ctx.scratch(f"{c.name}/partial{number}", c.dtype, m * n, ctx.b.gep(ctx.address(ctx.workspace), [i64(at)]))
 
-    def compute(number: int, calls: list[_Gemm]):
-        def emit(ctx) -> None:
-            for g in calls:
-                emit_call(ctx, number, g, ctx.element_pointer(c, g.c) if g.slice == 0 else ctx.pointer(partial(ctx, g.slice)))
-                if count == 1:
-                    epilogue(ctx, op, g.c, g.m, g.n)
+    def target(ctx, g: _Gemm) -> ir.Value:
+        if isinstance(g.slice, int):
+            return ctx.element_pointer(c, g.c) if g.slice == 0 else ctx.pointer(partial(ctx, g.slice))
+        at = ctx.index(partials_at + (g.slice - 1) * m * n * dtypes.itemsize(c.dtype))
+        partial_at = ctx.b.bitcast(ctx.b.gep(ctx.address(ctx.workspace), [at.ir]), storage)
+        return ctx.b.select(ctx.b.icmp_signed("==", g.slice.ir, i64(0)), ctx.element_pointer(c, g.c), partial_at)
 
-        return emit
+    def compute(ctx, number: int | Value, calls: list[_Gemm]) -> None:
+        for g in calls:
+            emit_call(ctx, number, g, target(ctx, g))
+            if count == 1:
+                epilogue(ctx, op, g.c, g.m, g.n)
 
-    def add_up(first: int, last: int):
-        def emit(ctx) -> None:
-            epilogue(ctx, op, first * n, last - first, n, [partial(ctx, number) for number in range(1, count)])
+    def add_up(ctx, first: int | Value, last: int | Value) -> None:
+        epilogue(ctx, op, first * n, last - first, n, [partial(ctx, number) for number in range(1, count)])
 
-        return emit
-
-    run_parts(ctx, [compute(number, calls) for number, calls in enumerate(parts)])
+    calls = len(parts[0])
+    with_epilogue = count == 1 and op.type in FUSED_PRODUCTS
+    alike = all(len(part) == calls for part in parts) and all(
+        len({(fixed(part[j]), part[j].n if with_epilogue else None) for part in parts}) == 1 for j in range(calls))
+    if alike:
+        fields = [field.name for field in dataclasses.fields(_Gemm)]
+        each_part(ctx, [tuple(getattr(g, name) for g in part for name in fields) for part in parts],
+                  lambda ctx, number, *values: compute(ctx, number, [
+                      _Gemm(*values[j * len(fields) : (j + 1) * len(fields)]) for j in range(calls)]))
+    else:
+        run_parts(ctx, [lambda ctx, number=number, part=part: compute(ctx, number, part) for number, part in enumerate(parts)])
     if count > 1:
-        run_parts(ctx, [add_up(first, last) for first, last in shares(m, count)])
+        share_out(ctx, m, count, add_up)
 
 
 def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
@@ -416,7 +432,7 @@ def packed_matmul(ctx, op) -> None:
         PackedGemm(ctx).gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
                              ctx.b.gep(packed, [i64(starts[g.column, g.column + g.n])]), target, c.shape[-1])
 
-    _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT), call, 0)
+    _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT), call, 0, fixed=lambda g: (g.column, g.n))  # its panels' start
 
 
 GENERATED_KERNEL = "Gemm"
@@ -519,7 +535,7 @@ def blas_matmul(ctx, op) -> None:
         else:
             blas.gemm(ta, tb, g.m, g.n, g.k, pa, a.shape[-1], pb, b.shape[-1], target, c.shape[-1])
 
-    _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT, slices=True), call, 0)
+    _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT, slices=True), call, 0, fixed=lambda g: (g.m == 1,))
 
 
 @kernel("LoopMatMul", MATMUL_OPS)

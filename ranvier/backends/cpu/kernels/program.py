@@ -19,12 +19,13 @@ from ..views import emit_map
 FUSED_PRODUCTS = {fused_type(product) for product in EPILOGUE_PRODUCTS}
 
 
-def epilogue(ctx, op, at: int, rows: int, columns: int, partials: Sequence[Variable] = ()) -> None:
+def epilogue(ctx, op, at: int | Value, rows: int | Value, columns: int, partials: Sequence[Variable] = ()) -> None:
     """A MatMulCalculate's or Conv2DCalculate's program over the block of its product a GEMM
     call just wrote: `rows` × `columns` from element `at` of output 0 (in the matrix the
-    GEMM writes, rows `n` apart), on the calling thread. `partials` (laid out as that
-    matrix: the products of other slices of k) are added to the product first; a plain
-    product has no program, and only those to add."""
+    GEMM writes, rows `n` apart), on the calling thread; `at` and `rows` may be known only
+    at run time (a pool part's block). `partials` (laid out as that matrix: the products
+    of other slices of k) are added to the product first; a plain product has no program,
+    and only those to add."""
     fused = op.type in FUSED_PRODUCTS
     if not fused and not partials:
         return
@@ -33,8 +34,8 @@ def epilogue(ctx, op, at: int, rows: int, columns: int, partials: Sequence[Varia
     outer, columns_rank = layout
     n = math.prod(product.shape[-columns_rank:])
     per_index = math.prod(product.shape[outer:])  # elements under one outer index (an image's)
-    index, within = divmod(at, per_index)
-    row, column = divmod(within, n)
+    index, within = at // per_index, at % per_index
+    row, column = within // n, within % n
 
     def block(var, strides: tuple[int, int, int]) -> View:
         over, down, across = strides
