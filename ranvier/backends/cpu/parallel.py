@@ -4,12 +4,12 @@ A kernel that divides its work into independent parts (row blocks of a GEMM, the
 matrices of a batched product, slices of a map) hands them to the process's worker pool
 (pool.py) as one task function, which the pool runs on its threads and the calling one,
 returning when all are done. Parts whose code is the same but for a few numbers (a
-share's first and last row, where its scratch starts) are emitted once, those numbers
-looked up by the part's index at run time (`run_each_part`, `share_out`): the code does
-not grow with the core count (stories15M's training step was 1.07 M lines of LLVM IR
-cut in sixteen parts, 0.15 M in two, when every part was emitted apart). Parts that differ in their code
-(a GEMM's calls for its block) are emitted each (`run_parts`), the task dispatching on
-the index.
+share's first and last row, where its scratch starts, a GEMM block's rows) are emitted
+once, those numbers looked up by the part's index at run time (`each_part`,
+`share_out`): the code does not grow with the core count (stories15M's training step
+was 1.07 M lines of LLVM IR cut in sixteen parts, 0.15 M in two, when every part was
+emitted apart; 0.12 M and 0.11 M now). Parts whose code differs (a convolution's calls)
+are emitted each (`run_parts`), the task dispatching on the index.
 
 Only work that takes several times a job's cost is split. That cost is measured on
 each machine (`split_thresholds`): the pool's latency with its workers spinning and
@@ -190,8 +190,8 @@ def per_part(ctx: KernelContext, number: Value, values: list[int]) -> int | Valu
 
 def each_part(ctx: KernelContext, values: list[tuple[int, ...]], body: Callable[..., None]) -> None:
     """A part per entry of `values`, as one job: `body(ctx, number, *entry)` emitted once,
-    with the part's number and entry as run-time Values (as numbers where a single part
-    runs inline). No entries, no parts (nothing to share out)."""
+    the part's number and entry run-time Values (`per_part`: a number where every part
+    has the same; all numbers where a single part runs inline). No entries, no parts."""
     if len(values) <= 1:
         for entry in values:
             body(ctx, 0, *entry)
