@@ -45,6 +45,15 @@ def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, 
 
 
 @pytest.mark.slow
+def test_compile_time_benchmark_prints_the_code_and_the_seconds_as_for_more_cores():
+    out = run("compile_time.py", "--preset", "stories260K", "--batch", "2", "--seq", "16", "--cores", "3", "--repeats", "1")
+    lines = out.splitlines()
+    assert lines[0].startswith("CPU: ") and lines[0].endswith("; code generated as for 3 cores") and " 3 cores, " in lines[0]
+    assert re.fullmatch(r"stories260K training step, batch 2 x seq 16: [\d,]+ lines of LLVM IR; compiled in [\d.]+ s "
+                        r"\(median of 1\), \d+% of it in LLVM", lines[-1]), lines[-1]
+
+
+@pytest.mark.slow
 def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monkeypatch):
     """On the host emulator here (PyTorch's side then on the CPU): the GPU line, ranvier
     replaying graphs and launching kernel by kernel, PyTorch, and both verdicts."""
