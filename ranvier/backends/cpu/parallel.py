@@ -166,10 +166,10 @@ def run_each_part(ctx: KernelContext, count: int, emit: Callable[[KernelContext,
 
     with b.goto_entry_block():
         blocks = b.alloca(block_type, i64(count))
-    for number in range(count):
-        slot = b.gep(blocks, [i64(number)])
+    with ctx.loop(0, count, name="part") as number:  # a loop: the code stays the same size for any count
+        slot = b.gep(blocks, [number.ir])
         b.store(ctx.ptrs, b.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
-        b.store(i64(number), b.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+        b.store(number.ir, b.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
     run = b.bitcast(ctx.table_entry(POOL), RUN.as_pointer())
     stride = block_type.get_abi_size(ctx.target.machine.target_data)
     with ctx.on_all_cores():
