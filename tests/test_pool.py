@@ -406,21 +406,21 @@ f = rv.Builder(flow, "f")
 x, w, b = f.var("x", "float32", [512, 96]), f.var("w", "float32", [96, 160]), f.var("b", "float32", [160])
 rows = f.const(np.arange(0, 512, 5, dtype=np.int32))
 outputs = [f.tanh(x * 1.5 + 0.25), f.softmax(x), f.rms_norm(x, f.var("g", "float32", [96])), f.sum(x, axis=0),
-           f.sum(x), f.gather(x, rows), f.relu(x @ w + b)]
+           f.sum(x), f.gather(x, rows), f.relu(x @ w + b), f.max_pool(f.var("image", "float32", [4, 3, 16, 16]), ksize=2)]
 for o in outputs:
     o.var.out = True
 cell = rv.Compiler(cache=False).compile(flow).cell("f")
-assert {s.kernel for s in cell.steps} >= {"Gemm", "SoftmaxRow", "RMSNormRow", "Reduce", "Gather"}, [s.kernel for s in cell.steps]
+assert {s.kernel for s in cell.steps} >= {"Gemm", "SoftmaxRow", "RMSNormRow", "Reduce", "Gather", "WindowMax"}, [s.kernel for s in cell.steps]
 print(str(cell.backend.code(cell, "llvm")).count(chr(10)))
 """
 
 
 @pytest.mark.slow
 def test_split_kernels_code_hardly_grows_with_the_parts():
-    """Maps, row kernels, reductions (by columns, and a whole tensor's in pieces), gathers
-    and a GEMM with its epilogue, every one split (splitting forced): their parts are
-    emitted once, so code for 16 cores is barely more than for 2 (1,732 and 1,858 lines of
-    LLVM IR here; 2,435 and 15,433 when each part was emitted apart)."""
+    """Maps, row kernels, reductions (by columns, and a whole tensor's in pieces), gathers,
+    pooling and a GEMM with its epilogue, every one split (splitting forced): their parts are
+    emitted once, so code for 16 cores is barely more than for 2 (2,100 and 2,226 lines of
+    LLVM IR here; 3,102 and 20,426 when each part was emitted apart)."""
     env = dict(os.environ, RANVIER_SPLIT_BYTES="1024", RANVIER_GEMM="generated", PYTHONPATH=str(ROOT))
     lines = {}
     for parts in (2, 16):

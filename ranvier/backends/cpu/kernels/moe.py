@@ -23,7 +23,7 @@ from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
 from ..gemm_choice import generated_is_faster
-from ..parallel import each_claimed, run_parts, shares, thread_count, worth_splitting
+from ..parallel import each_claimed, run_parts, share_out, shares, thread_count, worth_splitting
 from ..target import host_target
 from .library import kernel
 from .matmul import GENERATED_GEMM_KERNELS, Blas, GeneratedGemm, single_threaded_blas
@@ -67,23 +67,20 @@ def moe_combine(ctx, op) -> None:
     y = op.outputs[0]
     width, k = rows.shape[1], slot.shape[1]
 
-    def part(first: int, last: int):
-        def emit(ctx) -> None:
-            with ctx.loop(first, last, name="t") as t:
-                chosen = []
-                for j in range(k):
-                    row, inside = _slot(ctx, slot, t * k + j, rows.shape[0])
-                    chosen.append((inside.where(row, 0) * width, inside.where(ctx.load(weights, t * k + j), 0.0)))
+    def tokens(ctx, first: int | Value, last: int | Value) -> None:
+        with ctx.loop(first, last, name="t") as t:
+            chosen = []
+            for j in range(k):
+                row, inside = _slot(ctx, slot, t * k + j, rows.shape[0])
+                chosen.append((inside.where(row, 0) * width, inside.where(ctx.load(weights, t * k + j), 0.0)))
 
-                def store(i, w):
-                    terms = [weight.splat(w) * ctx.load(rows, start + i - t * width, w) for start, weight in chosen]
-                    ctx.store(y, i, functools.reduce(operator.add, terms))
+            def store(i, w):
+                terms = [weight.splat(w) * ctx.load(rows, start + i - t * width, w) for start, weight in chosen]
+                ctx.store(y, i, functools.reduce(operator.add, terms))
 
-                Row(ctx, t * width, width, y.dtype).each(store)
+            Row(ctx, t * width, width, y.dtype).each(store)
 
-        return emit
-
-    run_parts(ctx, [part(first, last) for first, last in shares(slot.shape[0], _combine_threads(op))])
+    share_out(ctx, slot.shape[0], _combine_threads(op), tokens)
 
 
 @kernel("MoECombineGradRows", {"MoECombineGrad"}, supports=_supported_float)

@@ -11,7 +11,7 @@ from ....ops.nn import pool_params
 from ...llvm.loops import fill, for_vectors
 from ...llvm.strided import View, attribute_view, contiguous_strides, dense_view
 from ...llvm.values import Value
-from ..parallel import run_parts, shares, thread_count, worth_splitting
+from ..parallel import share_out, thread_count, worth_splitting
 from ..views import emit_map
 from .library import kernel
 
@@ -116,26 +116,23 @@ def max_pool(ctx, op) -> None:
             with last_row:
                 columns(ctx, row, plane, top, vectors_last, inside_last, 1)
 
-    def part(first: int, last: int):
-        def run(ctx) -> None:
-            with ctx.loop(first, last, name="row") as row:
-                plane, yo = row // ho, row % ho
-                top = yo * sh - ph
-                inside = (yo >= rows_inside[0]) & (yo < rows_inside[1])
-                with ctx.b.if_else(inside.ir) as (interior, border):
-                    with interior:
-                        columns(ctx, row, plane, top, 0, inside_first)
-                        columns(ctx, row, plane, top, inside_first, vectors_last, lanes)
-                        tail(ctx, row, plane, top)
-                        columns(ctx, row, plane, top, inside_last, wo)
-                    with border:
-                        columns(ctx, row, plane, top, 0, wo)
-
-        return run
+    def share(ctx, first: int | Value, last: int | Value) -> None:
+        with ctx.loop(first, last, name="row") as row:
+            plane, yo = row // ho, row % ho
+            top = yo * sh - ph
+            inside = (yo >= rows_inside[0]) & (yo < rows_inside[1])
+            with ctx.b.if_else(inside.ir) as (interior, border):
+                with interior:
+                    columns(ctx, row, plane, top, 0, inside_first)
+                    columns(ctx, row, plane, top, inside_first, vectors_last, lanes)
+                    tail(ctx, row, plane, top)
+                    columns(ctx, row, plane, top, inside_last, wo)
+                with border:
+                    columns(ctx, row, plane, top, 0, wo)
 
     if rows and wo:
         threads = thread_count() if worth_splitting(nbytes=x.nbytes + y.nbytes) else 1
-        run_parts(ctx, [part(first, last) for first, last in shares(rows, threads)])
+        share_out(ctx, rows, threads, share)
 
 
 def _full_precision(op) -> bool:
@@ -158,42 +155,39 @@ def max_pool_grad(ctx, op) -> None:
     planes, ho, wo = x.shape[0] * x.shape[1], dy.shape[2], dy.shape[3]
     area = height * width
 
-    def part(first: int, last: int):
-        def run(ctx) -> None:
-            lanes = ctx.lanes_for([dx.dtype])
-            for_vectors(ctx, first * area, (last - first) * area, lanes, lambda i, w: ctx.store(dx, i, ctx.constant(dx.dtype, 0.0, w)))
-            with ctx.loop(first, last, name="plane") as plane, ctx.loop(0, ho, name="yo") as yo, ctx.loop(0, wo, name="xo") as xo:
-                top, left = yo * sh - ph, xo * sw - pw
-                best = ctx.local(dx.dtype, initial=-float("inf"))
-                where = ctx.local(dtypes.DT_INT64, initial=-1)
+    def share(ctx, first: int | Value, last: int | Value) -> None:
+        lanes = ctx.lanes_for([dx.dtype])
+        for_vectors(ctx, first * area, (last - first) * area, lanes, lambda i, w: ctx.store(dx, i, ctx.constant(dx.dtype, 0.0, w)))
+        with ctx.loop(first, last, name="plane") as plane, ctx.loop(0, ho, name="yo") as yo, ctx.loop(0, wo, name="xo") as xo:
+            top, left = yo * sh - ph, xo * sw - pw
+            best = ctx.local(dx.dtype, initial=-float("inf"))
+            where = ctx.local(dtypes.DT_INT64, initial=-1)
 
-                def visit(at: Value) -> None:
-                    value, current = ctx.load(x, at), best.value
-                    # the first maximum, a NaN counting as one (it stays once found)
-                    better = (where.value < 0) | (current.equal(current) & ((value > current) | value.not_equal(value)))
-                    best.set(better.where(value, current))
-                    where.set(better.where(at, where.value))
+            def visit(at: Value) -> None:
+                value, current = ctx.load(x, at), best.value
+                # the first maximum, a NaN counting as one (it stays once found)
+                better = (where.value < 0) | (current.equal(current) & ((value > current) | value.not_equal(value)))
+                best.set(better.where(value, current))
+                where.set(better.where(at, where.value))
 
-                inside = (top >= 0) & (top + kh <= height) & (left >= 0) & (left + kw <= width)
-                with ctx.b.if_else(inside.ir) as (interior, border):
-                    with interior:  # every tap in the image: the taps unrolled
-                        corner = plane * area + top * width + left
-                        for i in range(kh):
-                            for j in range(kw):
-                                visit(corner + (i * width + j))
-                    with border, ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
-                            ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
-                        visit(plane * area + iy * width + ix)
-                with ctx.when(where.value >= 0):
-                    ctx.store(dx, where.value, ctx.load(dx, where.value) + ctx.load(dy, (plane * ho + yo) * wo + xo))
-
-        return run
+            inside = (top >= 0) & (top + kh <= height) & (left >= 0) & (left + kw <= width)
+            with ctx.b.if_else(inside.ir) as (interior, border):
+                with interior:  # every tap in the image: the taps unrolled
+                    corner = plane * area + top * width + left
+                    for i in range(kh):
+                        for j in range(kw):
+                            visit(corner + (i * width + j))
+                with border, ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
+                        ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
+                    visit(plane * area + iy * width + ix)
+            with ctx.when(where.value >= 0):
+                ctx.store(dx, where.value, ctx.load(dx, where.value) + ctx.load(dy, (plane * ho + yo) * wo + xo))
 
     if not planes:
         return
     threads = thread_count() if worth_splitting(nbytes=x.nbytes + dx.nbytes + dy.nbytes) else 1
     tiled = _tiled_pairs(op)
-    run_parts(ctx, [(_tiled_pairs_part(ctx, op, first, last) if tiled else part(first, last)) for first, last in shares(planes, threads)])
+    share_out(ctx, planes, threads, _tiled_pairs_share(op) if tiled else share)
 
 
 def _tiled_pairs(op) -> bool:
@@ -204,7 +198,7 @@ def _tiled_pairs(op) -> bool:
     return kw == 2 and tuple(strides) == (kh, kw) and tuple(padding) == (0, 0) and height % kh == 0 and width % 2 == 0 and width >= 4
 
 
-def _tiled_pairs_part(ctx, op, first: int, last: int):
+def _tiled_pairs_share(op):
     """MaxPoolGrad over planes [first, last) of tiled two-column windows, a vector of w
     windows along an output row at a time: each row of taps is two vectors of the input
     split into its even and odd columns, the first maximum (a NaN counting as one) kept
@@ -217,11 +211,10 @@ def _tiled_pairs_part(ctx, op, first: int, last: int):
     (kh, _), _, _ = pool_params(attrs_of(op))
     _, _, height, width = x.shape
     ho, wo = dy.shape[2], dy.shape[3]
-    w = 1 << (min(ctx.lanes_for([dx.dtype]), wo).bit_length() - 1)
-    evens, odds = [2 * lane for lane in range(w)], [2 * lane + 1 for lane in range(w)]
-    interleaved = [lane // 2 + (lane % 2) * w for lane in range(2 * w)]
 
-    def windows(ctx, plane: Value, yo: Value, xo: Value | int) -> None:
+    def windows(ctx, w: int, plane: Value, yo: Value, xo: Value | int) -> None:
+        evens, odds = [2 * lane for lane in range(w)], [2 * lane + 1 for lane in range(w)]
+        interleaved = [lane // 2 + (lane % 2) * w for lane in range(2 * w)]
         rows = [(plane * height + yo * kh + i) * width + xo * 2 for i in range(kh)]  # each tap row's first element
         best = where = None
         for i, row in enumerate(rows):
@@ -239,11 +232,12 @@ def _tiled_pairs_part(ctx, op, first: int, last: int):
             ctx.store(dx, row, even.shuffle(interleaved[:w], odd))
             ctx.store(dx, row + w, even.shuffle(interleaved[w:], odd))
 
-    def run(ctx) -> None:
+    def share(ctx, first: int | Value, last: int | Value) -> None:
+        w = 1 << (min(ctx.lanes_for([dx.dtype]), wo).bit_length() - 1)
         with ctx.loop(first, last, name="plane") as plane, ctx.loop(0, ho, name="yo") as yo:
             with ctx.loop(0, wo - w + 1, step=w, name="xo") as xo:
-                windows(ctx, plane, yo, xo)
+                windows(ctx, w, plane, yo, xo)
             if wo % w:
-                windows(ctx, plane, yo, wo - w)
+                windows(ctx, w, plane, yo, wo - w)
 
-    return run
+    return share
