@@ -16,7 +16,6 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +47,16 @@ def main() -> None:
         return module
 
     backend.CPUBackend._module = counting
+    compile_object, in_llvm = jit.compile_object, [0.0]
+
+    def timed(module, target):
+        start = time.perf_counter()
+        try:
+            return compile_object(module, target)
+        finally:
+            in_llvm[0] += time.perf_counter() - start
+
+    jit.compile_object = timed
     measured = Path(tempfile.mkdtemp())  # what the machine measured, carried from one repetition to the next
     seconds, llvm_shares = [], []
     for repeat in range(args.repeats + 1):  # the first also measures the machine, and is not counted
@@ -56,33 +65,20 @@ def main() -> None:
             shutil.copy(kept, cache)
         os.environ["RANVIER_CACHE"] = str(cache)
         jit._MEMORY_CACHE.clear()
-        in_llvm = 0.0
-        compile_object = jit.compile_object
-
-        def timed(module, target, compile_object=compile_object):
-            nonlocal in_llvm
-            start = time.perf_counter()
-            try:
-                return compile_object(module, target)
-            finally:
-                in_llvm += time.perf_counter() - start
-
-        jit.compile_object = timed
+        in_llvm[0] = 0.0
         start = time.perf_counter()
         ranvier_trainer(Llama(PRESETS[args.preset], seed=0), args.batch, args.seq)
         took = time.perf_counter() - start
-        jit.compile_object = compile_object
         for kept in cache.glob("*.json"):
             shutil.copy(kept, measured)
         shutil.rmtree(cache)
         if repeat:
             seconds.append(took)
-            llvm_shares.append(in_llvm / took)
+            llvm_shares.append(in_llvm[0] / took)
     print(f"{args.preset} training step, batch {args.batch} x seq {args.seq}: {lines[-1]:,} lines of LLVM IR; "
           f"compiled in {statistics.median(seconds):.1f} s (median of {args.repeats}), "
           f"{statistics.median(llvm_shares):.0%} of it in LLVM")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main()

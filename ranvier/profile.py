@@ -50,8 +50,7 @@ class Profile:
         lines = [f"cell {self.cell_name}: {self.total * 1e3:.3f} ms per compute{f' on {self.device}' if self.device else ''}, by kernel",
                  f"  {'kernel':<24} {'steps':>5} {'time us':>10} {'share':>6} {'GFLOP/s':>8}"]
         for kernel, (seconds, flops, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:top]:
-            rate = f"{flops / seconds / 1e9:8.1f}" if flops and seconds > 0 else f"{'':>8}"
-            lines.append(f"  {kernel:<24} {count:>5} {seconds * 1e6:10.1f} {seconds / total * 100:5.1f}% {rate}")
+            lines.append(f"  {kernel:<24} {count:>5} {seconds * 1e6:10.1f} {seconds / total * 100:5.1f}% {_rate(flops, seconds)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -62,9 +61,13 @@ class Profile:
             f"  {'step':>4}  {'kernel':<24} {'time us':>9} {'share':>6} {'GFLOP/s':>8} {'' if self.device else 'cores':>5}  op",
         ]
         for s in sorted(self.steps, key=lambda s: -s.seconds):
-            rate = f"{s.flops / s.seconds / 1e9:8.1f}" if s.flops and s.seconds > 0 else f"{'':>8}"
             cores = f"{min(1.0, s.all_cores / s.seconds):5.0%}" if s.seconds > 0 and not self.device else f"{'':>5}"
             outs = ", ".join(v.name for v in s.op.outputs) or s.op.inputs[0].name
-            lines.append(f"  {s.index:>4}  {s.kernel:<24} {s.seconds * 1e6:9.2f} {s.seconds / total * 100:5.1f}% {rate} {cores}  "
+            lines.append(f"  {s.index:>4}  {s.kernel:<24} {s.seconds * 1e6:9.2f} {s.seconds / total * 100:5.1f}% {_rate(s.flops, s.seconds)} {cores}  "
                          f"{outs} = {s.op.type}")
         return "\n".join(lines)
+
+
+def _rate(flops: int, seconds: float) -> str:
+    """GFLOP/s in a column 8 wide, blank for a step that counts no arithmetic or took no time."""
+    return f"{flops / seconds / 1e9:8.1f}" if flops and seconds > 0 else f"{'':>8}"

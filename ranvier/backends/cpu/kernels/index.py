@@ -24,7 +24,7 @@ def gather(ctx, op) -> None:
     MoE layers' token gathers took half the time on two cores)."""
     threads = thread_count() if worth_splitting(nbytes=2 * op.outputs[0].nbytes) else 1
 
-    def share(ctx, first: Value, last: Value) -> None:
+    def share(ctx, first: int | Value, last: int | Value) -> None:
         with ctx.loop(first, last, name="n") as n:
             gather_row(op)(ctx, n)
 

@@ -309,16 +309,19 @@ def _run_calls(ctx, op, parts: list[list[_Gemm]], emit_call, partials_at: int, f
     m, n = parts[0][0].m, parts[0][0].n
     storage = storage_type(c.dtype).as_pointer()
 
+    def partial_at(ctx, number: int | Value) -> ir.Value:
+        """Where partial product `number` (a slice of k past the first) starts in the workspace."""
+        at = ctx.index(partials_at + (number - 1) * m * n * dtypes.itemsize(c.dtype))
+        return ctx.b.gep(ctx.address(ctx.workspace), [at.ir])
+
     def partial(ctx, number: int) -> Variable:
-        at = partials_at + (number - 1) * m * n * dtypes.itemsize(c.dtype)
-        return ctx.scratch(f"{c.name}/partial{number}", c.dtype, m * n, ctx.b.gep(ctx.address(ctx.workspace), [i64(at)]))
+        return ctx.scratch(f"{c.name}/partial{number}", c.dtype, m * n, partial_at(ctx, number))
 
     def target(ctx, g: _Gemm) -> ir.Value:
         if isinstance(g.slice, int):
             return ctx.element_pointer(c, g.c) if g.slice == 0 else ctx.pointer(partial(ctx, g.slice))
-        at = ctx.index(partials_at + (g.slice - 1) * m * n * dtypes.itemsize(c.dtype))
-        partial_at = ctx.b.bitcast(ctx.b.gep(ctx.address(ctx.workspace), [at.ir]), storage)
-        return ctx.b.select(ctx.b.icmp_signed("==", g.slice.ir, i64(0)), ctx.element_pointer(c, g.c), partial_at)
+        slice_at = ctx.b.bitcast(partial_at(ctx, g.slice), storage)
+        return ctx.b.select(ctx.b.icmp_signed("==", g.slice.ir, i64(0)), ctx.element_pointer(c, g.c), slice_at)
 
     def compute(ctx, number: int | Value, calls: list[_Gemm]) -> None:
         for g in calls:

@@ -30,7 +30,7 @@ def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, Value], None
     nbytes = sum(v.nbytes for v in [*op.inputs, *op.outputs])
     threads = thread_count() if worth_splitting(nbytes=nbytes) else 1
 
-    def share(ctx: KernelContext, first: Value, last: Value) -> None:
+    def share(ctx: KernelContext, first: int | Value, last: int | Value) -> None:
         with ctx.loop(first, last, name="row") as r:
             body(ctx, r)
 
