@@ -834,6 +834,7 @@ ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype,
     (1, 1, 40, 37, 700, False, "float64", None),  # rows so long that a streamed tile holds two of them
     (2, 1, 70, 70, 8, True, "float32", "unseen"),  # left padding: the second image's first queries see no key
     (2, 2, 6, 4, 5, False, "float64", "unseen"),  # the second image's every key masked
+    (2, 1, 35, 35, 64, True, "float32", None),  # a Llama's head size, its rows in registers
 ]
 
 
@@ -903,3 +904,18 @@ def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, 
     assert all(k.threads == attention.TILE for k in launched)
     if ptx.ptxas_path() is not None:
         ptx.assemble(ptx.emit_ptx(module))
+
+
+@pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
+@pytest.mark.parametrize("size", [32, 64])
+def test_attention_keeps_a_threads_rows_in_registers(size):
+    """At a Llama's head sizes the forward kernel and the gradient's first launch (two rows
+    a thread each) take no local memory: the thread's rows are registers, not reloaded per
+    key from the operands or from the stack."""
+    for op_type in ("Attention", "AttentionGrad"):
+        op, _ = _attention_op(op_type, 4, 2, 256, 256, size, True, "float32")
+        module, launched = kernels.kernel_module(op)
+        report = ptx.assemble(ptx.emit_ptx(module)).report
+        name = launched[0].name
+        properties = re.search(rf"Function properties for {re.escape(name)}\n\s*(\d+) bytes stack frame", report)
+        assert properties and properties.group(1) == "0", (name, report)

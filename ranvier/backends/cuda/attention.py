@@ -18,6 +18,15 @@ AttentionGrad, three launches in order:
 Head sizes under three, and half-precision gradients (m, l, D would be rounded), are
 decomposed into products and a softmax instead. Correct at any size; tensor cores are the
 GPU speed issue's work.
+
+A thread's own rows (its query's q and dout, its key's k and v, the rows it sums into) are
+read from memory once, into private arrays: reading them from the operand at every key
+instead had each of a warp's loads touch 32 lines (the rows are a head apart). For head
+sizes up to `UNROLLED_SIZE` the loops along a row are unrolled, so LLVM reaches those
+arrays at known indices and keeps them in registers (ptxas spills what does not fit: the
+key gradients' four rows from head size 48 on, the query gradient's three from 64); longer
+rows live in the thread's local memory. An unrolled dot product runs over independent
+sums, so each multiply-add need not wait for the one before.
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ from ...ops.attention import bias_dims, bias_of, bias_offset, scale_of
 from ..llvm.context import Array, EmitContext
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
-from .blocks import BlockProgram
+from .blocks import BlockProgram, PrivateArray
 
 _PARKED = 3  # m, 1/l and D, in a dq row between launches
 TILE = 32  # a block's rows, one per thread: a warp
 SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
+UNROLLED_SIZE = 128  # head sizes whose loops along a row are unrolled, the thread's rows in registers
+_CHAINS = 4  # independent partial sums of an unrolled dot product
 
 
 def supports(op: Operation) -> bool:
@@ -93,16 +104,42 @@ def _streamed_rows(op: Operation, row_floats: int) -> int:
     return max(1, min(TILE, SHARED_BYTES // (row_floats * item)))
 
 
-def _dot(ctx: EmitContext, a: Callable[[Value], Value], b: Callable[[Value], Value], size: int, dtype: str) -> Value:
-    total = ctx.local(dtype, initial=0.0)
-    with ctx.loop(0, size, name="d") as i:
-        total.set(total.value + a(i) * b(i))
-    return total.value
+def _unrolled(shape: _Shape) -> bool:
+    return shape.size <= UNROLLED_SIZE
 
 
-def _row(ctx: EmitContext, var: Variable, at: Value) -> Callable[[Value], Value]:
-    """Element i of the row of `var` at element offset `at`."""
-    return lambda i: ctx.load(var, at + i)
+def _each(ctx: EmitContext, shape: _Shape, body: Callable[[Value | int], None], name: str = "i") -> None:
+    """`body(i)` for each element i of a row: i a number where the loop is unrolled."""
+    if _unrolled(shape):
+        for i in range(shape.size):
+            body(i)
+    else:
+        with ctx.loop(0, shape.size, name=name) as i:
+            body(i)
+
+
+def _dot(ctx: EmitContext, shape: _Shape, a: Callable, b: Callable, dtype: str) -> Value:
+    """Σᵢ a(i) · b(i) along a row: unrolled, over `_CHAINS` independent sums."""
+    if not _unrolled(shape):
+        total = ctx.local(dtype, initial=0.0)
+        with ctx.loop(0, shape.size, name="d") as i:
+            total.set(a(i).mul_add(b(i), total.value))
+        return total.value
+    sums = [a(i) * b(i) for i in range(min(_CHAINS, shape.size))]
+    for i in range(len(sums), shape.size):
+        sums[i % _CHAINS] = a(i).mul_add(b(i), sums[i % _CHAINS])
+    while len(sums) > 1:
+        sums = [sums[k] + sums[k + 1] if k + 1 < len(sums) else sums[k] for k in range(0, len(sums), 2)]
+    return sums[0]
+
+
+def _own_rows(program: BlockProgram, shape: _Shape, dtype: str, count: int) -> list[PrivateArray]:
+    """`count` rows of each thread's own."""
+    return [program.private(dtype, shape.size) for _ in range(count)]
+
+
+def _read_row(ctx: EmitContext, shape: _Shape, var: Variable, at: Value, row: PrivateArray) -> None:
+    _each(ctx, shape, lambda i: row.store(i, ctx.load(var, at + i)))
 
 
 def _tile_row(tile: Array, j: Value, size: int) -> Callable[[Value], Value]:
@@ -120,6 +157,11 @@ def _load_tiles(program: BlockProgram, first: Value, rows: int, last: int, sourc
             with ctx.loop(thread, rows * width, step=TILE, name="e") as e:
                 row = (first + e // width).minimum(last)
                 tile.store(e, ctx.load(var, row_at(row) + e % width))
+
+
+def _own(rows: int, row: Value) -> Value:
+    """A thread's row, clamped to the last: a thread past the end reads a row it never uses."""
+    return row.minimum(rows - 1)
 
 
 def _query_block(shape: _Shape, block: Value) -> tuple[Value, Value, Value]:
@@ -174,28 +216,28 @@ def _forward(program: BlockProgram, op: Operation, shape: _Shape, block: Value) 
     ctx, size = program.ctx, shape.size
     out = op.outputs[0]
     b, h, first_query = _query_block(shape, block)
-    peak, total, acc = program.private(out.dtype, 1), program.private(out.dtype, 1), program.private(out.dtype, size)
-    with program.phase():
+    peak, total = program.private(out.dtype, 1), program.private(out.dtype, 1)
+    acc, query = _own_rows(program, shape, out.dtype, 2)
+    with program.phase() as thread:
         peak.store(0, ctx.constant(out.dtype, -float("inf")))
         total.store(0, ctx.constant(out.dtype, 0.0))
-        with ctx.loop(0, size, name="z") as i:
-            acc.store(i, ctx.constant(out.dtype, 0.0))
+        _each(ctx, shape, lambda i: acc.store(i, ctx.constant(out.dtype, 0.0)))
+        _read_row(ctx, shape, op.inputs[0], shape.query_row(b, h, _own(shape.queries, first_query + thread)), query)
 
     def visit(t, s, j, keys, values):
-        score = shape.score(ctx, _dot(ctx, _row(ctx, op.inputs[0], shape.query_row(b, h, t)), _tile_row(keys, j, size), size, out.dtype),
-                            b, h, t, s)
+        score = shape.score(ctx, _dot(ctx, shape, query.load, _tile_row(keys, j, size), out.dtype), b, h, t, s)
         grown = peak.load(0).maximum(score)
         correction, weight = _rescale(peak.load(0), grown, score)
         total.store(0, total.load(0) * correction + weight)
-        with ctx.loop(0, size, name="i") as i:
-            acc.store(i, acc.load(i) * correction + weight * values.load(j * size + i))
+        _each(ctx, shape, lambda i: acc.store(i, values.load(j * size + i).mul_add(weight, acc.load(i) * correction)))
         peak.store(0, grown)
 
     _stream_keys(program, op, shape, b, h, first_query, visit)
     with program.phase() as thread:
         t = first_query + thread
-        with ctx.when(t < shape.queries), ctx.loop(0, size, name="o") as i:
-            ctx.store(out, shape.query_row(b, h, t) + i, acc.load(i) * unseen_inverse(total.load(0)))
+        with ctx.when(t < shape.queries):
+            inverse = unseen_inverse(total.load(0))
+            _each(ctx, shape, lambda i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(i) * inverse))
 
 
 def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
@@ -204,17 +246,20 @@ def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Valu
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
     peak, total, d = (program.private(dq.dtype, 1) for _ in range(_PARKED))
-    with program.phase():
+    query, gradient = _own_rows(program, shape, dq.dtype, 2)
+    with program.phase() as thread:
         for value, initial in ((peak, -float("inf")), (total, 0.0), (d, 0.0)):
             value.store(0, ctx.constant(dq.dtype, initial))
+        at = shape.query_row(b, h, _own(shape.queries, first_query + thread))
+        _read_row(ctx, shape, op.inputs[0], at, query)
+        _read_row(ctx, shape, dout, at, gradient)
 
     def visit(t, s, j, keys, values):
-        at = shape.query_row(b, h, t)
-        score = shape.score(ctx, _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype), b, h, t, s)
+        score = shape.score(ctx, _dot(ctx, shape, query.load, _tile_row(keys, j, size), dq.dtype), b, h, t, s)
         grown = peak.load(0).maximum(score)
         correction, weight = _rescale(peak.load(0), grown, score)
         total.store(0, total.load(0) * correction + weight)
-        d.store(0, d.load(0) * correction + weight * _dot(ctx, _row(ctx, dout, at), _tile_row(values, j, size), size, dq.dtype))
+        d.store(0, d.load(0) * correction + weight * _dot(ctx, shape, gradient.load, _tile_row(values, j, size), dq.dtype))
         peak.store(0, grown)
 
     _stream_keys(program, op, shape, b, h, first_query, visit)
@@ -236,10 +281,12 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
     dq, dk, dv = op.outputs
     heads = block // shape.key_tiles
     b, kv, first_key = heads // shape.kv_heads, heads % shape.kv_heads, block % shape.key_tiles * TILE
-    dk_acc, dv_acc = program.private(dk.dtype, size), program.private(dv.dtype, size)
-    with program.phase(), ctx.loop(0, size, name="z") as i:
-        dk_acc.store(i, ctx.constant(dk.dtype, 0.0))
-        dv_acc.store(i, ctx.constant(dv.dtype, 0.0))
+    dk_acc, dv_acc, key, value = _own_rows(program, shape, dk.dtype, 4)
+    with program.phase() as thread:
+        _each(ctx, shape, lambda i: (dk_acc.store(i, ctx.constant(dk.dtype, 0.0)), dv_acc.store(i, ctx.constant(dv.dtype, 0.0))))
+        at = shape.key_row(b, kv, _own(shape.keys, first_key + thread))
+        _read_row(ctx, shape, op.inputs[1], at, key)
+        _read_row(ctx, shape, v, at, value)
     rows = _streamed_rows(op, 2 * size + _PARKED)
     queries, douts, parked = (program.shared(dk.dtype, rows * width) for width in (size, size, _PARKED))
     # the first query that sees the block's first key
@@ -251,23 +298,19 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
             (dq, lambda t: shape.query_row(b, h, t), parked, _PARKED)])
         with program.phase() as thread:
             s = first_key + thread
-            key = shape.key_row(b, kv, s)
             with (ctx.when(s < shape.keys), ctx.loop(0, (shape.queries - first_query).minimum(rows), name="j") as j,
                   ctx.when(s < shape.visible_keys(ctx, first_query + j))):
                 peak, inverse, d = (parked.load(j * _PARKED + k) for k in range(_PARKED))
-                score = shape.score(ctx, _dot(ctx, _tile_row(queries, j, size), _row(ctx, op.inputs[1], key), size, dk.dtype),
-                                    b, h, first_query + j, s)
+                score = shape.score(ctx, _dot(ctx, shape, _tile_row(queries, j, size), key.load, dk.dtype), b, h, first_query + j, s)
                 p = (score - peak).exp() * inverse
-                ds = p * (_dot(ctx, _tile_row(douts, j, size), _row(ctx, v, key), size, dk.dtype) - d) * shape.scale
-                with ctx.loop(0, size, name="i") as i:
-                    dk_acc.store(i, dk_acc.load(i) + ds * queries.load(j * size + i))
-                    dv_acc.store(i, dv_acc.load(i) + p * douts.load(j * size + i))
+                ds = p * (_dot(ctx, shape, _tile_row(douts, j, size), value.load, dk.dtype) - d) * shape.scale
+                _each(ctx, shape, lambda i: (dk_acc.store(i, queries.load(j * size + i).mul_add(ds, dk_acc.load(i))),
+                                             dv_acc.store(i, douts.load(j * size + i).mul_add(p, dv_acc.load(i)))))
     with program.phase() as thread:
         s = first_key + thread
-        with ctx.when(s < shape.keys), ctx.loop(0, size, name="o") as i:
-            key = shape.key_row(b, kv, s)
-            ctx.store(dk, key + i, dk_acc.load(i))
-            ctx.store(dv, key + i, dv_acc.load(i))
+        with ctx.when(s < shape.keys):
+            at = shape.key_row(b, kv, s)
+            _each(ctx, shape, lambda i: (ctx.store(dk, at + i, dk_acc.load(i)), ctx.store(dv, at + i, dv_acc.load(i))))
 
 
 def _query_gradient(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
@@ -275,26 +318,25 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: _Shape, block: 
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
-    parked, acc = program.private(dq.dtype, _PARKED), program.private(dq.dtype, size)
+    parked = program.private(dq.dtype, _PARKED)
+    acc, query, gradient = _own_rows(program, shape, dq.dtype, 3)
     with program.phase() as thread:
-        t = first_query + thread
-        with ctx.when(t < shape.queries):
-            for k in range(_PARKED):
-                parked.store(k, ctx.load(dq, shape.query_row(b, h, t) + k))
-        with ctx.loop(0, size, name="z") as i:
-            acc.store(i, ctx.constant(dq.dtype, 0.0))
+        at = shape.query_row(b, h, _own(shape.queries, first_query + thread))
+        for k in range(_PARKED):
+            parked.store(k, ctx.load(dq, at + k))
+        _each(ctx, shape, lambda i: acc.store(i, ctx.constant(dq.dtype, 0.0)))
+        _read_row(ctx, shape, op.inputs[0], at, query)
+        _read_row(ctx, shape, dout, at, gradient)
 
     def visit(t, s, j, keys, values):
-        at = shape.query_row(b, h, t)
         peak, inverse, d = (parked.load(k) for k in range(_PARKED))
-        score = shape.score(ctx, _dot(ctx, _row(ctx, op.inputs[0], at), _tile_row(keys, j, size), size, dq.dtype), b, h, t, s)
+        score = shape.score(ctx, _dot(ctx, shape, query.load, _tile_row(keys, j, size), dq.dtype), b, h, t, s)
         p = (score - peak).exp() * inverse
-        ds = p * (_dot(ctx, _row(ctx, dout, at), _tile_row(values, j, size), size, dq.dtype) - d)
-        with ctx.loop(0, size, name="i") as i:
-            acc.store(i, acc.load(i) + ds * keys.load(j * size + i))
+        ds = p * (_dot(ctx, shape, gradient.load, _tile_row(values, j, size), dq.dtype) - d)
+        _each(ctx, shape, lambda i: acc.store(i, keys.load(j * size + i).mul_add(ds, acc.load(i))))
 
     _stream_keys(program, op, shape, b, h, first_query, visit)
     with program.phase() as thread:
         t = first_query + thread
-        with ctx.when(t < shape.queries), ctx.loop(0, size, name="o") as i:
-            ctx.store(dq, shape.query_row(b, h, t) + i, acc.load(i) * shape.scale)
+        with ctx.when(t < shape.queries):
+            _each(ctx, shape, lambda i: ctx.store(dq, shape.query_row(b, h, t) + i, acc.load(i) * shape.scale))

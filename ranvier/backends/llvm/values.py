@@ -123,6 +123,13 @@ class Value:
     def __rtruediv__(self, other):
         return self.like(other) / self
 
+    def mul_add(self, factor: Value | Number, addend: Value | Number) -> Value:
+        """self · factor + addend, one fused multiply-add (one rounding) where the target has
+        FMA: a dot product's step, written once for the GPU and for its host emulator."""
+        if not self.is_float:
+            return self * factor + addend
+        return self._call("fmuladd", self.like(factor), self.like(addend))
+
     def __neg__(self):
         return self._new(self.b.fneg(self.ir) if self.is_float else self.b.neg(self.ir))
 
