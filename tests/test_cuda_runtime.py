@@ -76,6 +76,28 @@ def test_an_inference_cell_computes_on_the_device_what_the_cpu_computes(on_devic
         np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def _reshapes(f):
+    """Reshapes of values the cell's arena holds: an input, and a product."""
+    x, w = f.var("x", "float32", [6, 4, 10]), f.var("w", "float32", [10, 12])
+    product = f.reshape(x, [24, 10]) @ w
+    (f.reshape(product, [6, 4, 12]) * 2.0).var.out = True
+    return {x.name: [6, 4, 10], w.name: [10, 12]}
+
+
+def test_a_reshape_of_a_value_in_the_cell_launches_nothing(on_device):
+    """A reshaped value is its source's bytes: no copy kernel runs for it (it would write
+    each element onto itself), and the result is the CPU's."""
+    flow = rv.Flow()
+    shapes = _reshapes(rv.Builder(flow, "f"))
+    values = {name: random_array(shape, "float32", seed=i) for i, (name, shape) in enumerate(shapes.items())}
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    launched = [cell.native["kernels"][index] for index, step in enumerate(cell.steps) if step.op.type == "Reshape"]
+    assert launched == [[], []]
+    got, want = _outputs("cuda", _reshapes, values), _outputs("cpu", _reshapes, values)
+    for name, expected in want.items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def _trainer(backend_name: str, model: str = "mlp"):
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 

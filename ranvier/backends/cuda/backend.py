@@ -8,6 +8,9 @@ in-place assignments, attention and its gradient, and the products cuBLASLt cann
 a thread per output element, or a block per row or index), and the cell's kernels are one
 PTX module, for the GPU found (`driver.py`) or else Hopper (sm_90, 132 multiprocessors).
 Steps of one signature (`kernels.signature`: a model's layers) share one set of kernels.
+A reshape of a value that lives only in the cell is the value's own bytes (`shares_storage`)
+and launches nothing: copying it would write each element onto itself (a step's logits,
+2 GB at stories15M's batch, were copied three times over).
 With ptxas at hand each kernel's launch shape follows its registers, and the printed cell
 shows it.
 
@@ -33,7 +36,7 @@ import numpy as np
 
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
-from ...ops import op_def
+from ...ops import is_view, op_def
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..cpu import jit  # the compile cache, shared with the CPU's object files
@@ -97,7 +100,7 @@ class CUDABackend:
         return same and kernels.supports(op) and kernels.kernel_kind(op) == "Map"
 
     def shares_storage(self, op: Operation) -> bool:
-        return False
+        return is_view(op) and op.type != "Identity"
 
     def finish(self, cell: Cell) -> None:
         """The cell's kernels as one PTX module, and each one's launch shape (from its
@@ -112,6 +115,9 @@ class CUDABackend:
         for index, step in enumerate(cell.steps):
             if step.kernel == blas.KIND:
                 generated[index] = [blas.plan_product(step.op)]
+                continue
+            if _onto_itself(cell, step.op):
+                generated[index] = []
                 continue
             signature = kernels.signature(step.op)
             if signature not in made:
@@ -179,6 +185,14 @@ class CUDABackend:
 
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return np.zeros(len(instance.cell.steps))
+
+
+def _onto_itself(cell: Cell, op: Operation) -> bool:
+    """Whether `op` is a view whose output shares its input's bytes in the cell's arena."""
+    if not (op.inputs and op.outputs and is_view(op)):
+        return False
+    source, view = cell.slot(op.inputs[0]), cell.slot(op.outputs[0])
+    return source is not None and view is not None and source.offset == view.offset
 
 
 @functools.cache
