@@ -201,14 +201,15 @@ def stepper(trainer) -> Step:
 
 
 def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, feed_forward: Callable,
-                  wrap: Callable | None = None, device: str = "cpu", bf16: bool = False) -> Step:
+                  wrap: Callable | None = None, device: str = "cpu", bf16: bool = False, compiled: bool = False) -> Step:
     """PyTorch eager training of config's trunk as ranvier builds it (RMSNorm, rotary
     attention with grouped key/value heads through SDPA, the embedding as the head):
     AdamW (β2 0.95, weight decay 0.1), clipping at 1. Each layer's feed-forward is the
     caller's: `feed_forward_weights(weight)` makes its parameters (`weight(*shape)` draws
     N(0, 0.02²)), `feed_forward(x, p)` returns its output and an auxiliary loss.
     `wrap(module)`, given, returns the module the step calls instead (DistributedDataParallel).
-    On `device` ("cuda": a GPU); `bf16`: the forward pass and loss under bf16 autocast."""
+    On `device` ("cuda": a GPU, where AdamW runs fused); `bf16`: the forward pass and loss
+    under bf16 autocast; `compiled`: the model through torch.compile (the first step compiles it)."""
     import torch
     import torch.nn.functional as F
 
@@ -262,7 +263,10 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
 
     model = Model()
     module = wrap(model) if wrap is not None else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if compiled:
+        module = torch.compile(module)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=device == "cuda")
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
@@ -278,30 +282,52 @@ def torch_trainer(config, batch: int, seq: int, feed_forward_weights: Callable, 
 
 
 def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], repeats: int, vocab_size: int,
-         flops_per_token: int, ceilings: Ceilings) -> dict[str, float]:
+         flops_per_token: int, ceilings: Ceilings, datasheet: tuple[float, str] | None = None) -> dict[str, float]:
     """Train every side on the same token batches, the sides alternating each repetition
-    (so the machine's slow and fast spells fall on all of them); print each run, the
-    median tokens/s per side, the model arithmetic that rate does against the machine's
-    GEMM ceiling, and how each side compares with "pytorch". Returns the medians."""
+    (so the machine's slow and fast spells fall on all of them); print each side's first
+    step (a torch.compile side compiles in it), each run, the median tokens/s per side,
+    the model arithmetic that rate does against the machine's GEMM ceiling (and against
+    the `datasheet` peak, (FLOP/s, device), where given: the MFU), and how each side
+    compares with "pytorch" and, where one races, "torch.compile". Returns the medians."""
     tokens = sum(x.size for x, _ in batches)
-    for step in sides.values():
-        step(*batches[0])  # warm up
+    for name, step in sides.items():
+        start = time.perf_counter()
+        step(*batches[0])
+        print(f"  first step {name:13s} {time.perf_counter() - start:9.2f} s", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for repeat in range(repeats):
         for name, step in sides.items():
             start = time.perf_counter()
             losses = [step(x, y) for x, y in batches]
             rates[name].append(tokens / (time.perf_counter() - start))
-            print(f"  run {repeat + 1} {name:12s} {rates[name][-1]:9.0f} tokens/s  loss {losses[-1]:.3f} "
+            print(f"  run {repeat + 1} {name:13s} {rates[name][-1]:9.0f} tokens/s  loss {losses[-1]:.3f} "
                   f"(ln V = {math.log(vocab_size):.3f})", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     summary(medians, "tokens/s", higher_is_better=True)
+    if TORCH_COMPILE in medians:
+        print(f"{comparison('ranvier', medians['ranvier'], TORCH_COMPILE, medians[TORCH_COMPILE], True)} (median tokens/s)")
     print(ceilings)
     for name, rate in medians.items():
         achieved = rate * flops_per_token
-        print(f"{name:12s} {achieved / 1e9:9.1f} GFLOP/s of model arithmetic "
-              f"({flops_per_token / 1e6:,.1f} MFLOP per token), {achieved / ceilings.gemm:.0%} of the GEMM ceiling")
+        mfu = f", MFU {achieved / datasheet[0]:.0%} of {datasheet[1]}" if datasheet else ""
+        print(f"{name:13s} {achieved / 1e9:9.1f} GFLOP/s of model arithmetic "
+              f"({flops_per_token / 1e6:,.1f} MFLOP per token), {achieved / ceilings.gemm:.0%} of the GEMM ceiling{mfu}")
     return medians
+
+
+TORCH_COMPILE = "torch.compile"  # the race side of PyTorch through torch.compile
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets, by the device name's words: what
+# an MFU is quoted against (6N FLOP per token plus attention's).
+DATASHEET_BF16 = {"H100 80GB HBM3": 989.4e12, "H100 SXM": 989.4e12, "H200": 989.4e12, "H100 NVL": 835.5e12,
+                  "H100 PCIe": 756.5e12, "A100": 312e12}
+
+
+def datasheet_peak(device_name: str) -> tuple[float, str] | None:
+    """(bf16 FLOP/s, which) of a GPU NVIDIA gives a dense bf16 peak for, else None."""
+    for words, flops in DATASHEET_BF16.items():
+        if words in device_name:
+            return flops, f"{device_name}'s {flops / 1e12:,.0f} TFLOP/s datasheet bf16"
+    return None
 
 
 def token_batches(vocab_size: int, batch: int, seq: int, count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -8,20 +8,26 @@ Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix produc
 With --backend cuda, ranvier's CUDA backend races PyTorch eager under bf16 autocast on
 the GPU (ranvier's products in bf16 too, unless --matmul says otherwise), and ranvier
 runs twice: replaying each step as one CUDA graph, and launching kernel by kernel
-(RANVIER_CUDA_GRAPHS=0: the "rv-no-graph" side), so the graph's saving shows; the share
-of the GPU's measured bf16 GEMM rate each side's model arithmetic reaches is its MFU. The issue's shapes:
+(RANVIER_CUDA_GRAPHS=0: the "rv-no-graph" side), so the graph's saving shows. Where
+PyTorch sees a GPU, PyTorch also runs through torch.compile (the "torch.compile" side,
+bf16 autocast, its first step the compile; --torch-compile races it on the CPU too). Each
+side's model arithmetic is shown against the GPU's measured bf16 GEMM rate and, for GPUs
+with a datasheet bf16 peak, as the MFU against that. The issue's shapes:
 --preset stories15M --batch 64 --seq 256, and --preset stories110M --batch 32 --seq 1024.
 Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5] [--checkpointed]
      (a --seq past the preset's window lengthens its rotary tables: --batch 2 --seq 1024 races long-context attention)
-     [--backend cuda] [--matmul float32|tfloat32|bfloat16]
+     [--backend cuda] [--matmul float32|tfloat32|bfloat16] [--torch-compile | --no-torch-compile]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 
 from common import (
+    TORCH_COMPILE,
+    datasheet_peak,
     machine,
     match_threads,
     measure_ceilings,
@@ -61,6 +67,8 @@ def main() -> None:
     parser.add_argument("--matmul", default=None, choices=MATMUL_PRECISIONS,
                         help="ranvier's matrix products (default: float32, and bfloat16 beside it on AMX CPUs; "
                              "bfloat16 on cuda)")
+    parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --backend cuda, race PyTorch through torch.compile too (default: where PyTorch sees a GPU)")
     args = parser.parse_args()
     import torch
 
@@ -72,8 +80,10 @@ def main() -> None:
     # a window past the preset's (long-context attention) only needs longer rotary tables
     config = dataclasses.replace(PRESETS[args.preset], max_seq_len=max(args.seq, PRESETS[args.preset].max_seq_len))
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
+    datasheet = None
     if args.backend == "cuda":
         first_trainer, sides, ceilings = gpu_sides(args, config, torch)
+        datasheet = datasheet_peak(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     else:
         matmuls = [args.matmul] if args.matmul else ["float32", "bfloat16"] if amx_usable(host_target()) else ["float32"]
         trainers = [ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, matmul, args.checkpointed) for matmul in matmuls]
@@ -83,14 +93,15 @@ def main() -> None:
         ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
-    race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings)
+    race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings, datasheet)
     print(first_trainer.profile().by_kernel())  # where ranvier's step spends its time (averaged over the race)
 
 
 def gpu_sides(args, config, torch):
     """ranvier on the CUDA backend, replaying graphs and launching kernel by kernel, and
-    PyTorch eager under bf16 autocast on the GPU (on the CPU in float32 where PyTorch sees
-    no GPU, as with ranvier's host emulator: then only that the script runs is shown); the
+    PyTorch eager and through torch.compile (where asked, or by default where PyTorch sees
+    a GPU), under bf16 autocast on the GPU (on the CPU in float32 where PyTorch sees no
+    GPU, as with ranvier's host emulator: then only that the script runs is shown); the
     trainer, the sides and the GPU's ceilings."""
     from ranvier.backends.cuda.resident import GRAPHS_ENVIRONMENT
     from ranvier.models.llama import Llama
@@ -107,9 +118,12 @@ def gpu_sides(args, config, torch):
         finally:
             del os.environ[GRAPHS_ENVIRONMENT]
 
+    device = "cuda" if on_gpu else "cpu"
     sides = {"ranvier": stepper(trainer), "rv-no-graph": without_graphs,
-             "pytorch": torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config),
-                                      device="cuda" if on_gpu else "cpu", bf16=on_gpu)}
+             "pytorch": torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config), device=device, bf16=on_gpu)}
+    if args.torch_compile if args.torch_compile is not None else on_gpu:
+        sides[TORCH_COMPILE] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config), device=device,
+                                             bf16=on_gpu, compiled=True)
     ceilings = measure_gpu_ceilings(torch) if on_gpu else measure_ceilings(megabytes=64, gemm_n=1024, repeats=3, torch=torch)
     return trainer, sides, ceilings
 

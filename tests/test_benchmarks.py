@@ -55,15 +55,20 @@ def test_compile_time_benchmark_prints_the_code_and_the_seconds_as_for_more_core
 
 @pytest.mark.slow
 def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monkeypatch):
-    """On the host emulator here (PyTorch's side then on the CPU): the GPU line, ranvier
-    replaying graphs and launching kernel by kernel, PyTorch, and both verdicts."""
+    """On the host emulator here (PyTorch's sides then on the CPU): the GPU line, ranvier
+    replaying graphs and launching kernel by kernel, PyTorch eager and through
+    torch.compile (asked for: by default only on a GPU), each side's first step, and the
+    verdicts against both PyTorch sides."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     out = run("llama_train.py", "--backend", "cuda", "--preset", "stories260K", "--batch", "2", "--seq", "16", "--steps", "1",
-              "--repeats", "1")
+              "--repeats", "1", "--torch-compile")
     lines = out.splitlines()
     assert lines[1].startswith("GPU: ") and "ranvier (cuda, bfloat16) compiled the training step" in out
-    assert_summary(lines, "tokens/s", sides=("ranvier", "rv-no-graph", "pytorch"))
+    assert_summary(lines, "tokens/s", sides=("ranvier", "rv-no-graph", "pytorch", "torch.compile"))
+    for side in ("ranvier", "rv-no-graph", "pytorch", "torch.compile"):
+        assert re.search(rf"^  first step {re.escape(side)} +[\d.]+ s$", out, re.MULTILINE), side
     assert re.search(r"^rv-no-graph is \d+\.\d\d× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
+    assert re.search(r"^ranvier is \d+\.\d\d× (faster|slower) than torch.compile \(median tokens/s\)$", out, re.MULTILINE)
     assert re.search(r"^cell train: [\d.]+ ms per compute on host emulator.*, by kernel$", out, re.MULTILINE)
     assert re.search(r"^  Attention +\d+ +[\d.]+ +[\d.]+%", out, re.MULTILINE)
 
@@ -135,3 +140,15 @@ def test_data_parallel_benchmark_scales_both_sides_over_mpi_ranks():
         assert re.search(rf"^{n} ranks: ranvier is [\d.]+× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
     assert "gradients all-reduced per step: " in out
     assert ("share cores (oversubscribed)" in out) == (len(os.sched_getaffinity(0)) < 3)
+
+
+def test_an_mfu_is_quoted_against_the_datasheet_peak_of_the_gpu_named():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from common import datasheet_peak
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    flops, which = datasheet_peak("NVIDIA H100 80GB HBM3")
+    assert flops == 989.4e12 and which == "NVIDIA H100 80GB HBM3's 989 TFLOP/s datasheet bf16"
+    assert datasheet_peak("NVIDIA H200")[0] == 989.4e12 and datasheet_peak("NVIDIA H100 PCIe")[0] == 756.5e12
+    assert datasheet_peak("NVIDIA GeForce RTX 4090") is None
