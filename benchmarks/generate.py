@@ -10,7 +10,10 @@ are compared too (float32 rounding may part them where random weights give near-
 With `--llama2c DIR` (a checkout of karpathy/llama2.c), its run.c is a third side: built
 here with `cc -O3 -march=native -fopenmp`, on the same weights exported as a llama2.c
 .bin, with OMP_NUM_THREADS equal to ranvier's threads; it reports its own decode tok/s.
-Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64] [--llama2c DIR]
+With `--backend cuda` ranvier's cells run on the GPU and the PyTorch decoder, weights and
+cache, on the same GPU where PyTorch sees one (each token's arg-max read back, as a
+decoder must); both in float32.
+Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64] [--llama2c DIR] [--backend cuda]
 """
 
 from __future__ import annotations
@@ -32,19 +35,20 @@ from common import comparison, machine, match_threads, summary
 PROMPT = [1, 306, 471, 263]
 
 
-def torch_decoder(config, weights: dict[str, np.ndarray]) -> Callable[[list[int], int], Iterator[int]]:
+def torch_decoder(config, weights: dict[str, np.ndarray], device: str = "cpu") -> Callable[[list[int], int], Iterator[int]]:
     """`stream(prompt, n)`: greedy tokens of the Llama `config` with ranvier's `weights`
-    ([in, out] matrices, llama2.c's rotary pairs (2i, 2i+1)), decoded in PyTorch with a KV cache."""
+    ([in, out] matrices, llama2.c's rotary pairs (2i, 2i+1)), decoded in PyTorch with a KV
+    cache, on `device`."""
     import torch
     import torch.nn.functional as F
 
     c, hd = config, config.head_dim
-    w = {key: torch.from_numpy(np.ascontiguousarray(value, np.float32)) for key, value in weights.items()}
+    w = {key: torch.from_numpy(np.ascontiguousarray(value, np.float32)).to(device) for key, value in weights.items()}
     classifier = w["tok_embeddings"].T.contiguous() if c.shared_classifier else w["output"]
     angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64),
                          c.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
-    keys = torch.zeros(c.n_layers, c.n_kv_heads, c.max_seq_len, hd)
+    cos, sin = torch.cos(angles).float().to(device), torch.sin(angles).float().to(device)
+    keys = torch.zeros(c.n_layers, c.n_kv_heads, c.max_seq_len, hd, device=device)
     values = torch.zeros_like(keys)
 
     def rms(x, g):
@@ -58,7 +62,7 @@ def torch_decoder(config, weights: dict[str, np.ndarray]) -> Callable[[list[int]
     def forward(tokens: list[int], start: int) -> torch.Tensor:
         """The logits after `tokens`, which sit at positions start, start + 1, ..."""
         at = slice(start, start + len(tokens))
-        x = w["tok_embeddings"][torch.tensor(tokens)]
+        x = w["tok_embeddings"][torch.tensor(tokens, device=device)]
         for i in range(c.n_layers):
             p = {name: w[f"layers.{i}.{name}"] for name in ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")}
             h = rms(x, p["attention_norm"])
@@ -118,17 +122,19 @@ def llama2c_decoder(source: Path, workdir: Path, config, weights: dict[str, np.n
     return rate
 
 
-def race(preset: str, tokens: int, repeats: int, llama2c: Path | None = None) -> None:
+def race(preset: str, tokens: int, repeats: int, llama2c: Path | None = None, backend: str = "cpu",
+         torch_device: str = "cpu") -> None:
     """Both sides on one preset's shapes, alternating; print each run and the summary."""
     from ranvier.generate import Generator, Sampling
     from ranvier.models.llama import PRESETS, Llama
 
     config = PRESETS[preset]
     model = Llama(config, seed=0)
-    generator = Generator(model, prefill=16)
-    decoder = torch_decoder(config, model.initial)
-    print(f"{preset}: {config.parameter_count() / 1e6:.1f}M parameters, ranvier compiled in {generator.compile_seconds:.1f}s; "
-          f"prompt {len(PROMPT)} tokens, {tokens} decoded greedily, batch 1")
+    generator = Generator(model, prefill=16, backend=backend)
+    decoder = torch_decoder(config, model.initial, torch_device)
+    print(f"{preset}: {config.parameter_count() / 1e6:.1f}M parameters, ranvier ({backend}) compiled in "
+          f"{generator.compile_seconds:.1f}s; PyTorch on {torch_device}; prompt {len(PROMPT)} tokens, {tokens} decoded "
+          f"greedily, batch 1")
     sides = {"ranvier": lambda: generator.stream(PROMPT, tokens, Sampling(temperature=0)),
              "pytorch": lambda: decoder(PROMPT, tokens)}
     workdir = tempfile.TemporaryDirectory()
@@ -164,11 +170,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama2c", type=Path, metavar="DIR", help="a llama2.c checkout: its run.c races too")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     match_threads(torch)
     print(machine(torch))
+    torch_device = "cuda" if args.backend == "cuda" and torch.cuda.is_available() else "cpu"
+    if args.backend == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}" if torch_device == "cuda" else "GPU: none that PyTorch sees; its side runs on the CPU")
     for preset in args.presets:
-        race(preset, args.tokens, args.repeats, args.llama2c)
+        race(preset, args.tokens, args.repeats, args.llama2c, args.backend, torch_device)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,19 @@ def test_generate_benchmark_races_pytorch_with_a_kv_cache_on_the_same_weights():
 
 
 @pytest.mark.slow
+def test_generate_benchmark_decodes_on_the_cuda_backend(monkeypatch):
+    """On the host emulator here: ranvier's cells on the CUDA backend, PyTorch's decoder on
+    the CPU (it sees no GPU), the same greedy tokens."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    out = run("generate.py", "--presets", "stories260K", "--tokens", "8", "--repeats", "1", "--backend", "cuda")
+    lines = out.splitlines()
+    assert lines[1] == "GPU: none that PyTorch sees; its side runs on the CPU"
+    assert re.match(r"stories260K: .*, ranvier \(cuda\) compiled in [\d.]+s; PyTorch on cpu; ", lines[2])
+    assert_summary(lines, "tokens/s")
+    assert "the same greedy tokens for the first 8 of 8" in out
+
+
+@pytest.mark.slow
 def test_kernels_benchmark_compares_each_op_and_stays_under_its_ceiling():
     out = run("kernels.py", "--quick", "--repeats", "1")
     lines = out.splitlines()
