@@ -858,10 +858,12 @@ def attention_bias(kind, heads, queries, keys, causal, dtype):
     return rng.standard_normal((heads, queries, keys)).astype(dtype)
 
 
-def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias=None):
+def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias=None, heads_first=True):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     shapes = {"q": [2, heads, queries, size], "k": [2, kv_heads, keys, size], "v": [2, kv_heads, keys, size]}
+    if not heads_first:
+        shapes = {name: [shape[0], shape[2], shape[1], shape[3]] for name, shape in shapes.items()}
     if op_type == "AttentionGrad":
         shapes["dout"] = shapes["q"]
     values = {f"f/{name}": random_array(shape, dtype, seed=50 + i) for i, (name, shape) in enumerate(shapes.items())}
@@ -869,23 +871,26 @@ def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, 
         values["f/bias"] = attention_bias(bias, heads, queries, keys, causal, dtype)
         shapes["bias"] = list(values["f/bias"].shape)
     inputs = [f.var(name, dtype, shape) for name, shape in shapes.items()]
-    outputs = f.op(op_type, inputs, None, {"causal": causal})
+    outputs = f.op(op_type, inputs, None, {"causal": causal, "heads_first": heads_first})
     for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
         out.var.out = True
     return flow.ops[f"f/{op_type}"], values
 
 
+@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "heads-last"])
 @pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,dtype,bias", ATTENTION_CASES)
 @pytest.mark.parametrize("op_type", ["Attention", "AttentionGrad"])
-def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias):
+def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias,
+                                                                heads_first):
     """Grouped heads, a causal mask with fewer queries than keys, or none, a padding mask
-    or a position bias, rows in one block or several, tiles of many rows or of two: every
-    output element written, equal to the float64 reference to the dtype's rounding; a
-    half-precision gradient is left to the decomposition."""
+    or a position bias, rows in one block or several, tiles of many rows or of two, the
+    operands [B, heads, T, hd] or [B, T, heads, hd]: every output element written, equal to
+    the float64 reference to the dtype's rounding; a half-precision gradient is left to the
+    decomposition."""
     from ranvier.ops.attention import attention as attention_reference
     from ranvier.ops.attention import attention_grad
 
-    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias)
+    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias, heads_first)
     if op_type == "AttentionGrad" and dtype == "float16":
         assert not kernels.supports(op)
         return
@@ -893,7 +898,8 @@ def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, 
     assert got["status"][0] == 0
     args = [values[f"f/{name}"] for name in ("q", "k", "v", "dout")[: 3 if op_type == "Attention" else 4]]
     score_bias = values.get("f/bias")
-    want = attention_reference(*args, score_bias, causal=causal) if op_type == "Attention" else attention_grad(*args, score_bias, causal=causal)
+    want = (attention_reference(*args, score_bias, causal=causal, heads_first=heads_first) if op_type == "Attention" else
+            attention_grad(*args, score_bias, causal=causal, heads_first=heads_first))
     tolerance = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-12}[dtype]
     for var, expected in zip(op.outputs, [want] if op_type == "Attention" else want):
         np.testing.assert_allclose(got[var.name].astype(np.float64), expected, rtol=tolerance, atol=tolerance, err_msg=var.name)

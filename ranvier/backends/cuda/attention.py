@@ -38,7 +38,7 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ...ops.attention import bias_dims, bias_of, bias_offset, scale_of
+from ...ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
 from ..llvm.context import Array, EmitContext
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
@@ -52,8 +52,9 @@ _CHAINS = 4  # independent partial sums of an unrolled dot product
 
 
 def supports(op: Operation) -> bool:
-    """Heads first: the other layout decomposes into transposes around an op these take."""
-    if op.type not in ("Attention", "AttentionGrad") or not attrs_of(op)["heads_first"]:
+    """Either layout: [B, heads, T, hd], or [B, T, heads, hd] (rows heads · hd apart, read
+    and written in place, so a Llama's projections need no transposes)."""
+    if op.type not in ("Attention", "AttentionGrad"):
         return False
     return op.type == "Attention" or (op.inputs[0].shape[-1] >= _PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
 
@@ -62,11 +63,12 @@ class _Shape:
     """An attention op's sizes and the element offsets of its rows."""
 
     def __init__(self, op: Operation):
-        q, k = op.inputs[0], op.inputs[1]
-        self.batch, self.heads, self.queries, self.size = q.shape
-        self.kv_heads, self.keys = k.shape[1], k.shape[2]
-        self.group = self.heads // self.kv_heads
         attrs = attrs_of(op)
+        self.heads_first = attrs["heads_first"]
+        q, k = (heads_first_shape(v.shape, self.heads_first) for v in op.inputs[:2])
+        self.batch, self.heads, self.queries, self.size = q
+        self.kv_heads, self.keys = k[1], k[2]
+        self.group = self.heads // self.kv_heads
         self.causal, self.scale = attrs["causal"], scale_of(attrs, self.size)
         self.query_tiles, self.key_tiles = -(-self.queries // TILE), -(-self.keys // TILE)
         self.bias = bias_of(op)
@@ -80,10 +82,14 @@ class _Shape:
         return score + ctx.load(self.bias, bias_offset(self.bias_dims, b, h, t, s))
 
     def query_row(self, b: Value, h: Value, t: Value) -> Value:
-        return ((b * self.heads + h) * self.queries + t) * self.size
+        if self.heads_first:
+            return ((b * self.heads + h) * self.queries + t) * self.size
+        return ((b * self.queries + t) * self.heads + h) * self.size
 
     def key_row(self, b: Value, kv: Value, s: Value) -> Value:
-        return ((b * self.kv_heads + kv) * self.keys + s) * self.size
+        if self.heads_first:
+            return ((b * self.kv_heads + kv) * self.keys + s) * self.size
+        return ((b * self.keys + s) * self.kv_heads + kv) * self.size
 
     def visible_keys(self, ctx: EmitContext, t: Value) -> Value:
         """One past the last key query t sees."""
