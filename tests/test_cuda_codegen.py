@@ -461,6 +461,7 @@ ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabula
     ("SoftmaxCrossEntropy", {}, "float32", 50), ("SoftmaxCrossEntropyGrad", {"with_loss": True}, "float32", 1000),
     ("SoftmaxCrossEntropyGrad", {"label_smoothing": 0.1}, "float32", 30), ("LayerNorm", {"eps": 1e-5}, "float32", 3000),
     ("SoftmaxCrossEntropyGrad", {"with_loss": True}, "float32", 9000),
+    ("Rotary", {}, "float32", 48), ("Rotary", {"inverse": True}, "float64", 64),  # a head's pairs turned
 ]
 
 
@@ -468,9 +469,14 @@ def _row_op(name, attrs, dtype, n, labels=None):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     rows = 6
-    x = f.var("x", dtype, [2, 3, n] if name.startswith(("Softmax", "Log")) and "Cross" not in name else [rows, n])
+    shape = [2, 3, n] if name.startswith(("Softmax", "Log")) and "Cross" not in name else [rows, n]
+    x = f.var("x", dtype, [1, 3, 2, n] if name == "Rotary" else shape)  # Rotary: [B, T, H, D]
     values = {"f/x": random_array(x.shape, dtype, seed=4)}
     inputs = [x]
+    if name == "Rotary":
+        for k, table in enumerate(["cos", "sin"]):
+            inputs.append(f.var(table, dtype, [3, n // 2]))
+            values[f"f/{table}"] = random_array([3, n // 2], dtype, seed=7 + k)
     if name in ("LayerNorm", "RMSNorm"):
         for k, extra in enumerate(["gamma", "beta"][: 2 if name == "LayerNorm" else 1]):
             inputs.append(f.var(extra, dtype, [n]))

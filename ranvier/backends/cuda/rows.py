@@ -1,6 +1,7 @@
-"""Row ops (softmax, norms, cross-entropy and its gradient) as block kernels: a block of
-threads per row, running the CPU backend's row passes (`ranvier.backends.llvm.rows`) with
-each pass split over the block (`ThreadContext.row_fold`, `row_each`, which call here).
+"""Row ops (softmax, norms, cross-entropy and its gradient, a head's rotary embedding) as
+block kernels: a block of threads per row, running the CPU backend's row passes
+(`ranvier.backends.llvm.rows`) with each pass split over the block
+(`ThreadContext.row_fold`, `row_each`, which call here).
 
 Thread t takes elements t, t + T, ... of the row (T the block's threads: neighbouring
 threads read neighbouring elements, so a warp's loads are whole lines). A fold (a row's

@@ -519,5 +519,5 @@ ROW_OPS: dict[str, tuple[Callable[..., RowBody], Callable[..., bool]]] = {
     "SoftmaxCrossEntropy": (cross_entropy_rows, nonempty_rows),
     "SoftmaxCrossEntropyGrad": (cross_entropy_grad_rows, nonempty_rows),
     "TopK": (top_k_rows, nonempty_rows), "SoftmaxTopK": (softmax_top_k_rows, nonempty_rows),
-    "SampleToken": (sample_rows, nonempty_rows),
+    "SampleToken": (sample_rows, nonempty_rows), "Rotary": (rotary_rows, nonempty_rows),
 }
