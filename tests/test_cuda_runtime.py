@@ -98,6 +98,29 @@ def test_a_reshape_of_a_value_in_the_cell_launches_nothing(on_device):
         np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def _gradient_norm(f):
+    """The sum of squares of a gradient of 307,200 elements: a norm for clipping."""
+    g = f.var("g", "float32", [300, 1024])
+    f.sum_squares(g).var.out = True
+    return {g.name: [300, 1024]}
+
+
+def test_a_long_reduction_to_one_value_runs_in_two_stages_on_the_device(on_device):
+    """Not one block of the GPU's 132 multiprocessors over every element: 300 pieces of
+    1,024, each a block's, then one block over their sums; the CPU's total to float32's
+    summation error."""
+    flow = rv.Flow()
+    shapes = _gradient_norm(rv.Builder(flow, "f"))
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    staged = [(step.op.type, step.op.inputs[0].shape, [k.elements for k in cell.native["kernels"][index]])
+              for index, step in enumerate(cell.steps)]
+    assert staged == [("SumSquares", [300, 1024], [300]), ("Sum", [300], [1])]
+    values = {name: random_array(shape, "float32", seed=9) for name, shape in shapes.items()}
+    got, want = _outputs("cuda", _gradient_norm, values), _outputs("cpu", _gradient_norm, values)
+    for name, expected in want.items():
+        np.testing.assert_allclose(got[name], expected, rtol=2e-6, err_msg=name)
+
+
 def _trainer(backend_name: str, model: str = "mlp"):
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 

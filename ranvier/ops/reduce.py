@@ -160,6 +160,46 @@ def _split_reduction(b, op):
 for _type in REDUCTIONS:
     decomposition(_type)(_split_reduction)
 
+STAGE_CHUNKS = (16384, 8192, 4096, 2048, 1024)  # the pieces' lengths a staged reduction may take
+STAGE_PIECES = 256  # pieces enough to spread over a few hundred processors
+
+
+def staged_chunk(reduced: int) -> int | None:
+    """The length of the pieces a long reduced axis is cut into for a staged reduction:
+    the longest of `STAGE_CHUNKS` that divides it into `STAGE_PIECES` or more, else the
+    shortest that divides it; None where none does."""
+    dividing = [chunk for chunk in STAGE_CHUNKS if reduced % chunk == 0 and reduced > chunk]
+    return next((chunk for chunk in dividing if reduced // chunk >= STAGE_PIECES), dividing[-1] if dividing else None)
+
+
+def _staged_reduction(b, op):
+    """A reduction over one block of adjacent axes, in two stages: each piece of
+    `staged_chunk` elements of the reduced axis, then the pieces' results (sums of sums,
+    maxima of maxima, means of equal-sized means; a sum of squares squares in the first
+    stage only). For a backend that runs a few long reductions better as many short ones
+    (a GPU, whose block per output would leave most of it idle)."""
+    x = b.wrap(op.inputs[0])
+    given = op_def(op.type).attrs_of(op)["axis"]
+    axes = list(range(x.rank)) if given is None else sorted({a % x.rank for a in given})
+    if not axes or axes != list(range(axes[0], axes[-1] + 1)):
+        return None
+    reduced = int(np.prod([x.shape[a] for a in axes]))
+    chunk = staged_chunk(reduced)
+    if chunk is None:
+        return None
+    pieces = _reshaped(x, [*x.shape[: axes[0]], reduced // chunk, chunk, *x.shape[axes[-1] + 1 :]])
+    first = getattr(b, METHODS[op.type])(pieces, axis=[axes[0] + 1])
+    kind = "Sum" if op.type == "SumSquares" else op.type
+    return _reshaped(getattr(b, METHODS[kind])(first, axis=[axes[0]]), op.outputs[0].shape)
+
+
+def _reshaped(t, shape):
+    return t if list(t.shape) == list(shape) else t.reshape(list(shape))
+
+
+for _type in REDUCTIONS:
+    decomposition(_type)(_staged_reduction)
+
 
 def _infer_arg(ctx):
     same_dtype(ctx, dtypes.NUMERIC_DTYPES, "a numeric input")

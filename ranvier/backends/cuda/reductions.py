@@ -8,6 +8,12 @@ wide). Few outputs with a long axis (a loss's mean, a gradient norm's sum of squ
 millions of elements) get a block per output element instead, its threads splitting the
 axis as a row kernel's do (`rows.fold_over_block`). ArgMax and ArgMin run the CPU's own
 scan, one thread per output element.
+
+A block per output leaves most of the GPU idle where there are few outputs of a very long
+axis (a gradient's sum of squares for its norm: one output, millions of elements, one
+multiprocessor of 132): those this backend declines, and the reduction's staged
+decomposition (`ranvier.ops.reduce`) runs them as a reduction of many pieces, then one of
+the pieces' results.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from llvmlite import ir
 
 from ... import dtypes
 from ...flow.graph import Operation, Variable
+from ...ops.reduce import staged_chunk
 from ..llvm.context import EmitContext
 from ..llvm.reductions import (
     REDUCTIONS,
@@ -33,10 +40,21 @@ from .rows import fold_over_block, threads_per_row
 ARG_REDUCTIONS = {"ArgMax", "ArgMin"}
 SPLIT_AXIS = 64  # reduced elements from which a block splits the axis…
 FEW_OUTPUTS = 1 << 16  # …where there are at most this many outputs (more fill the GPU a thread each)
+STAGED_OUTPUTS = 64  # outputs under which a long axis reduces in stages…
+STAGED_AXIS = 1 << 16  # …from this many reduced elements on
 
 
 def supports(op: Operation) -> bool:
-    return op.type in ARG_REDUCTIONS or (op.type in REDUCTIONS and blocks(op) is not None)
+    if op.type in ARG_REDUCTIONS:
+        return True
+    return op.type in REDUCTIONS and blocks(op) is not None and not staged(op)
+
+
+def staged(op: Operation) -> bool:
+    """Whether the reduction is better run in stages (module docstring)."""
+    outer, reduced, inner = blocks(op)
+    return (dtypes.is_float(op.inputs[0].dtype) and outer * inner < STAGED_OUTPUTS and reduced >= STAGED_AXIS
+            and staged_chunk(reduced) is not None)
 
 
 def operands(op: Operation) -> tuple[Variable, ...]:
