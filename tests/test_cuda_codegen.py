@@ -918,6 +918,44 @@ def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, 
         ptx.assemble(ptx.emit_ptx(module))
 
 
+MMA_ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, score bias, heads first
+    (4, 2, 70, 70, 64, True, None, True),  # two blocks of 64 query rows, the second ragged; two tiles of 64 keys
+    (2, 2, 5, 130, 32, True, "padding", True),  # a few queries at the end of a long cache, a ragged last tile
+    (2, 1, 70, 70, 48, False, "position", False),  # a learned bias, [B, T, heads, hd]
+    (2, 2, 33, 33, 128, True, None, False),  # tiles of 32 keys
+    (2, 1, 40, 37, 16, False, "unseen", True),  # the second image's first queries see no key
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,bias,heads_first", MMA_ATTENTION_CASES)
+def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_query_rows(heads, kv_heads, queries, keys, size, causal, bias,
+                                                                        heads_first):
+    """The tensor-core kernel, as the host emulator runs its warps' products and exchanges:
+    every output element written, equal to float64 attention over q, k and v rounded to
+    bfloat16 within the probabilities' own rounding to bfloat16 (2⁻⁸ of the largest |v|),
+    rows that see no key 0; four warps a block, a block per 64 query rows of a head; the
+    GPU's code assembles and keeps its fragments in registers."""
+    from ranvier.backends.cuda import attention_mma
+    from ranvier.ops.attention import attention as attention_reference
+
+    op, values = _attention_op("Attention", heads, kv_heads, queries, keys, size, causal, "float32", bias, heads_first)
+    assert not attention_mma.supports(op)  # float32 products unless the compile asks for bfloat16
+    op.set_attr("precision", "bfloat16")
+    assert attention_mma.supports(op) and kernels.kernel_kind(op) == "AttentionMMA"
+    got = _run_on_host(op, values)
+    assert got["status"][0] == 0
+    rounded = [values[f"f/{name}"].astype(ml_dtypes.bfloat16).astype(np.float64) for name in ("q", "k", "v")]
+    want = attention_reference(*rounded, values.get("f/bias"), causal=causal, heads_first=heads_first)
+    tolerance = 2.0**-8 * np.abs(rounded[2]).max()
+    np.testing.assert_allclose(got[op.outputs[0].name], want, rtol=0, atol=tolerance)
+    module, launched = kernels.kernel_module(op)
+    assert [(k.elements, k.threads) for k in launched] == [(2 * heads * -(-queries // 64), 128)]
+    if ptx.ptxas_path() is not None:
+        text = ptx.emit_ptx(module)
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+        assert "0 bytes stack frame" in ptx.assemble(text).report
+
+
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
 @pytest.mark.parametrize("size", [32, 64])
 def test_attention_keeps_a_threads_rows_in_registers(size):

@@ -336,15 +336,21 @@ def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeyp
         cell.instance()
 
 
-def _language_model_trainer(backend_name: str, kind: str):
-    """A stories260K-shaped Llama, or the MoE preset moe-tiny (with its load-balancing
-    loss), training with AdamW and clipping on 2 × 16 tokens."""
+def _language_model_trainer(backend_name: str, kind: str, matmul: str = "float32", heads: int | None = None):
+    """A stories260K-shaped Llama (with `heads` query heads, half as many key/value heads,
+    where given), or the MoE preset moe-tiny (with its load-balancing loss), training with
+    AdamW and clipping on 2 × 16 tokens, its products in `matmul`."""
+    import dataclasses
+
     from ranvier.models import llama, moe
     from ranvier.train.losses import softmax_cross_entropy
     from ranvier.train.optimizers import AdamW
     from ranvier.train.trainer import Trainer
 
-    model = llama.Llama(llama.PRESETS["stories260K"], seed=0) if kind == "llama" else moe.MoE(moe.PRESETS["moe-tiny"], seed=0)
+    config = llama.PRESETS["stories260K"]
+    if heads is not None:
+        config = dataclasses.replace(config, n_heads=heads, n_kv_heads=heads // 2)
+    model = llama.Llama(config, seed=0) if kind == "llama" else moe.MoE(moe.PRESETS["moe-tiny"], seed=0)
     flow = rv.Flow()
     f = rv.Builder(flow, "train")
     f.func.training = True
@@ -354,13 +360,14 @@ def _language_model_trainer(backend_name: str, kind: str):
     loss = softmax_cross_entropy(logits, targets.reshape([32]))
     if kind == "moe":
         loss = loss + model.auxiliary_loss(f)
-    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-3), clip_norm=1.0, inputs=[tokens, targets], backend=backend_name)
+    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-3), clip_norm=1.0, inputs=[tokens, targets], backend=backend_name,
+                      matmul=matmul)
     return trainer, model.config.vocab_size
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])
 def test_a_language_models_training_step_runs_whole_on_the_device_as_on_the_cpu(on_device, kind):
-    """Embedding gather, RMSNorm, RoPE's splits and concatenations, attention and its
+    """Embedding gather, RMSNorm, rotary embeddings, attention and its
     gradient (blocks of query or key rows streaming tiles, no score matrix), SwiGLU or the experts (router softmax-top-k, the
     routing sort, grouped products and their gradients, the load-balancing loss), the loss,
     every gradient (a scatter-add for the embedding) and AdamW with clipping: every step a
@@ -375,6 +382,19 @@ def test_a_language_models_training_step_runs_whole_on_the_device_as_on_the_cpu(
     for _ in range(4):
         batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
         assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=2e-5)
+
+
+def test_a_bfloat16_training_step_runs_attention_on_tensor_cores_and_follows_the_float32_losses(on_device):
+    """With the products in bfloat16 (cuBLASLt's, and attention's forward on tensor cores,
+    its gradient in float32; heads of 16 features), ten steps' losses stay within
+    bfloat16's rounding of the CPU's float32 ones."""
+    gpu, vocabulary = _language_model_trainer("cuda", "llama", matmul="bfloat16", heads=4)
+    assert "AttentionMMA" in {step.kernel for step in gpu.network.cell("train").steps}
+    cpu, _ = _language_model_trainer("cpu", "llama", heads=4)
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
+        assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=1e-3)
 
 
 def test_decoding_with_the_kv_cache_on_the_device_gives_the_cpus_tokens(on_device):

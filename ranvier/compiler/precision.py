@@ -2,7 +2,8 @@
 float32 sums (`MatMul`'s precision attribute), where the user asks for it and the backend can.
 
 Vector-matrix products (a decode step's) stay float32: they stream their matrix once,
-so narrower inputs would save nothing there.
+so narrower inputs would save nothing there; so does a decode step's attention, of one
+query.
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ def _rows(op) -> int:
 
 
 def use_matmul_precision(func: Function, precision: str) -> None:
-    """Mark the float32 matrix products of `func` that have rows to run in `precision`."""
+    """Mark the float32 matrix products of `func` that have rows to run in `precision`,
+    and the float32 attention ops (their products q kᵀ and p v) of more than one query."""
     for op in func.ops:
-        if op.type != "MatMul" or op.inputs[0].dtype != dtypes.DT_FLOAT32 or _rows(op) == 1:
+        if op.inputs[0].dtype != dtypes.DT_FLOAT32:
             continue
-        op.set_attr("precision", precision)
+        if (op.type == "MatMul" and _rows(op) > 1) or (op.type == "Attention" and _queries(op) > 1):
+            op.set_attr("precision", precision)
+
+
+def _queries(op) -> int:
+    return op.inputs[0].shape[-2 if attrs_of(op)["heads_first"] else -3]

@@ -152,6 +152,8 @@ ATTRS = [
     Attr("causal", "bool", True, "query t sees keys s ≤ t + S − T"),
     Attr("scale", "float", None, "score scale (default 1/√head size)"),
     Attr("heads_first", "bool", True, "q, k, v and the output [B, heads, T, hd]; false: [B, T, heads, hd]"),
+    Attr("precision", "str", "float32",
+         "float32, or bfloat16: the products q kᵀ and p v may round their inputs to bfloat16 (float32 sums)"),
 ]
 
 

@@ -59,7 +59,7 @@ def supports(op: Operation) -> bool:
     return op.type == "Attention" or (op.inputs[0].shape[-1] >= _PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
 
 
-class _Shape:
+class AttentionShape:
     """An attention op's sizes and the element offsets of its rows."""
 
     def __init__(self, op: Operation):
@@ -110,11 +110,11 @@ def _streamed_rows(op: Operation, row_floats: int) -> int:
     return max(1, min(TILE, SHARED_BYTES // (row_floats * item)))
 
 
-def _unrolled(shape: _Shape) -> bool:
+def _unrolled(shape: AttentionShape) -> bool:
     return shape.size <= UNROLLED_SIZE
 
 
-def _each(ctx: EmitContext, shape: _Shape, body: Callable[[Value | int], None], name: str = "i") -> None:
+def _each(ctx: EmitContext, shape: AttentionShape, body: Callable[[Value | int], None], name: str = "i") -> None:
     """`body(i)` for each element i of a row: i a number where the loop is unrolled."""
     if _unrolled(shape):
         for i in range(shape.size):
@@ -124,7 +124,7 @@ def _each(ctx: EmitContext, shape: _Shape, body: Callable[[Value | int], None], 
             body(i)
 
 
-def _dot(ctx: EmitContext, shape: _Shape, a: Callable, b: Callable, dtype: str) -> Value:
+def _dot(ctx: EmitContext, shape: AttentionShape, a: Callable, b: Callable, dtype: str) -> Value:
     """Σᵢ a(i) · b(i) along a row: unrolled, over `_CHAINS` independent sums."""
     if not _unrolled(shape):
         total = ctx.local(dtype, initial=0.0)
@@ -139,12 +139,12 @@ def _dot(ctx: EmitContext, shape: _Shape, a: Callable, b: Callable, dtype: str) 
     return sums[0]
 
 
-def _own_rows(program: BlockProgram, shape: _Shape, dtype: str, count: int) -> list[PrivateArray]:
+def _own_rows(program: BlockProgram, shape: AttentionShape, dtype: str, count: int) -> list[PrivateArray]:
     """`count` rows of each thread's own."""
     return [program.private(dtype, shape.size) for _ in range(count)]
 
 
-def _read_row(ctx: EmitContext, shape: _Shape, var: Variable, at: Value, row: PrivateArray) -> None:
+def _read_row(ctx: EmitContext, shape: AttentionShape, var: Variable, at: Value, row: PrivateArray) -> None:
     _each(ctx, shape, lambda i: row.store(i, ctx.load(var, at + i)))
 
 
@@ -153,16 +153,18 @@ def _tile_row(tile: Array, j: Value, size: int) -> Callable[[Value], Value]:
     return lambda i: tile.load(j * size + i)
 
 
-def _load_tiles(program: BlockProgram, first: Value, rows: int, last: int, sources: list[tuple[Variable, Callable, Array, int]]) -> None:
+def load_tiles(program: BlockProgram, first: Value, rows: int, last: int, sources: list[tuple[Variable, Callable, Array, int]],
+               padding: int = 0) -> None:
     """One phase: the block's threads copy rows first .. first + rows - 1 (clamped to row
-    `last`: a row past it is never used) of each source into its shared tile. A source is
-    (variable, the element offset of its row r, the tile, elements per row)."""
+    `last`: a row past it is never used) of each source into its shared tile, a row every
+    width + `padding` elements. A source is (variable, the element offset of its row r,
+    the tile, elements per row)."""
     ctx = program.ctx
     with program.phase() as thread:
         for var, row_at, tile, width in sources:
-            with ctx.loop(thread, rows * width, step=TILE, name="e") as e:
+            with ctx.loop(thread, rows * width, step=program.threads, name="e") as e:
                 row = (first + e // width).minimum(last)
-                tile.store(e, ctx.load(var, row_at(row) + e % width))
+                tile.store(e // width * (width + padding) + e % width, ctx.load(var, row_at(row) + e % width))
 
 
 def _own(rows: int, row: Value) -> Value:
@@ -170,20 +172,20 @@ def _own(rows: int, row: Value) -> Value:
     return row.minimum(rows - 1)
 
 
-def _query_block(shape: _Shape, block: Value) -> tuple[Value, Value, Value]:
+def _query_block(shape: AttentionShape, block: Value) -> tuple[Value, Value, Value]:
     """(batch, head, first query row) of a block of query rows."""
     heads = block // shape.query_tiles
     return heads // shape.heads, heads % shape.heads, block % shape.query_tiles * TILE
 
 
-def _key_tiles_seen(ctx: EmitContext, shape: _Shape, first_query: Value, rows: int) -> Value:
+def _key_tiles_seen(ctx: EmitContext, shape: AttentionShape, first_query: Value, rows: int) -> Value:
     """How many tiles of `rows` keys a block of queries from `first_query` looks at."""
     last_query = (first_query + TILE).minimum(shape.queries) - 1
     return (shape.visible_keys(ctx, last_query) + (rows - 1)) // rows
 
 
 def launches(op: Operation) -> list[tuple[int, Callable[[EmitContext, ir.Value], None], int]]:
-    shape = _Shape(op)
+    shape = AttentionShape(op)
     query_blocks = shape.batch * shape.heads * shape.query_tiles
 
     def block(emit):
@@ -196,7 +198,7 @@ def launches(op: Operation) -> list[tuple[int, Callable[[EmitContext, ir.Value],
             (query_blocks, block(_query_gradient), TILE)]
 
 
-def _stream_keys(program: BlockProgram, op: Operation, shape: _Shape, b: Value, h: Value, first_query: Value,
+def _stream_keys(program: BlockProgram, op: Operation, shape: AttentionShape, b: Value, h: Value, first_query: Value,
                  visit: Callable[[Value, Value, Value, Array, Array], None]) -> None:
     """Stream the key and value rows a block of query rows sees through shared memory:
     `visit(t, s, j, keys, values)` for each thread's query t and each key s it sees (row j
@@ -207,7 +209,7 @@ def _stream_keys(program: BlockProgram, op: Operation, shape: _Shape, b: Value, 
     keys, values = program.shared(dtype, rows * size), program.shared(dtype, rows * size)
     with ctx.loop(0, _key_tiles_seen(ctx, shape, first_query, rows), name="tile") as tile:
         first_key = tile * rows
-        _load_tiles(program, first_key, rows, shape.keys - 1, [
+        load_tiles(program, first_key, rows, shape.keys - 1, [
             (op.inputs[1], lambda s: shape.key_row(b, kv, s), keys, size),
             (op.inputs[2], lambda s: shape.key_row(b, kv, s), values, size)])
         with program.phase() as thread:
@@ -218,7 +220,7 @@ def _stream_keys(program: BlockProgram, op: Operation, shape: _Shape, b: Value, 
                     visit(t, first_key + j, j, keys, values)
 
 
-def _forward(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
     ctx, size = program.ctx, shape.size
     out = op.outputs[0]
     b, h, first_query = _query_block(shape, block)
@@ -246,7 +248,7 @@ def _forward(program: BlockProgram, op: Operation, shape: _Shape, block: Value) 
             _each(ctx, shape, lambda i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(i) * inverse))
 
 
-def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
@@ -279,7 +281,7 @@ def _statistics(program: BlockProgram, op: Operation, shape: _Shape, block: Valu
             ctx.store(dq, at + 2, d.load(0) * inverse)
 
 
-def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
     it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
     ctx, size = program.ctx, shape.size
@@ -299,7 +301,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
     first_seen = (first_key - (shape.keys - shape.queries)).maximum(0) if shape.causal else ctx.index(0)
     with ctx.loop(0, shape.group, name="g") as g, ctx.loop(first_seen // rows, -(-shape.queries // rows), name="tile") as tile:
         h, first_query = kv * shape.group + g, tile * rows
-        _load_tiles(program, first_query, rows, shape.queries - 1, [
+        load_tiles(program, first_query, rows, shape.queries - 1, [
             (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
             (dq, lambda t: shape.query_row(b, h, t), parked, _PARKED)])
         with program.phase() as thread:
@@ -319,7 +321,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: _Shape, block: V
             _each(ctx, shape, lambda i: (ctx.store(dk, at + i, dk_acc.load(i)), ctx.store(dv, at + i, dv_acc.load(i))))
 
 
-def _query_gradient(program: BlockProgram, op: Operation, shape: _Shape, block: Value) -> None:
+def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 3: each query row's dq, from its parked m, 1/l and D (read before the row is written)."""
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]

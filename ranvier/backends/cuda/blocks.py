@@ -74,6 +74,11 @@ class PrivateArray:
     def store(self, at: Value | int, value: Value) -> None:
         self._array().store(at, value)
 
+    def of(self, thread: Value) -> Array:
+        """Thread `thread`'s own array, on the host emulator (where a warp-wide operation
+        reads its lanes' arrays one after another, `warps.py`)."""
+        return Array(self.program.ctx.b, self.program.ctx.b.gep(self.base, [ir_of(thread * self.count)]), self.dtype)
+
 
 class BlockProgram:
     """A block kernel's element (one block's work) being written; see the module docstring.
@@ -96,16 +101,18 @@ class BlockProgram:
         return PrivateArray(self, base, dtype, count)
 
     @contextmanager
-    def phase(self) -> Iterator[Value]:
+    def phase(self, wait: bool = True) -> Iterator[Value]:
         """Code each thread runs (the with-block; it gets the thread's number); the block
-        then waits until all its threads are done."""
+        then waits until all its threads are done, unless `wait` is false (a phase whose
+        results only its own thread, or its warp through a warp-wide operation, reads)."""
         if self.thread is not None:
             raise RuntimeError("a phase cannot hold another: the block waits between phases")
         ctx = self.ctx
         if self.on_gpu:
             self.thread = index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x"))
             yield self.thread
-            barrier(ctx)
+            if wait:
+                barrier(ctx)
         else:
             with ctx.loop(0, self.threads, name="thread") as thread:
                 self.thread = thread

@@ -10,7 +10,8 @@ CPU's row passes, split over a block's threads), `lookups` (one index of a Gathe
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
 `products` (a matrix product's output element), `assigns` (an element written in
-place: Assign, a KV cache's AssignSlice), `attention` (blocks of query or key rows of
+place: Assign, a KV cache's AssignSlice), `attention_mma` (attention in bfloat16 on
+tensor cores, a warp per 16 query rows), `attention` (blocks of query or key rows of
 attention and its gradient, streaming tiles through shared memory, no score matrix
 formed) and `facts` (Shape, Size, Rank: constants stored), tried in order. A generator says
 which ops it `supports`; the variables its kernels read and write, if not every input and
@@ -40,11 +41,24 @@ from ...flow.graph import Operation, Variable
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
-from . import assigns, attention, experts, facts, lookups, maps, pads, products, reductions, rows, scatters
+from . import (
+    assigns,
+    attention,
+    attention_mma,
+    experts,
+    facts,
+    lookups,
+    maps,
+    pads,
+    products,
+    reductions,
+    rows,
+    scatters,
+)
 from .blocks import special_register
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products, assigns, attention, facts)
+GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products, assigns, attention_mma, attention, facts)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -69,14 +83,14 @@ def supports(op: Operation) -> bool:
 
 def kernel_kind(op: Operation) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
-    "Route", "GroupedProduct", "Product", "Assign", "Attention" or "ShapeFact"."""
+    "Route", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention" or "ShapeFact"."""
     generator = _generator(op)
     if generator is maps:
         return "Copy" if maps.is_copy(op) else "Map"
     if generator is experts:
         return "Route" if op.type == "MoERoute" else "GroupedProduct"
     return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup", scatters: "Scatter", products: "Product",
-            assigns: "Assign", attention: "Attention", facts: "ShapeFact"}[generator]
+            assigns: "Assign", attention_mma: "AttentionMMA", attention: "Attention", facts: "ShapeFact"}[generator]
 
 
 class ThreadContext(EmitContext):

@@ -1,0 +1,140 @@
+"""Warp-wide operations of a block program (`blocks.BlockProgram`): a tensor-core product
+of bfloat16 fragments summed in float32 (`mma`: PTX's mma.sync.m16n8k16, 16 × 16 by
+16 × 8 per warp), and an exchange of values between lanes (`exchange`: shfl.sync.bfly).
+
+A warp's 32 lanes hold the product's matrices between them, a fragment each, laid out as
+the PTX ISA says (lane = 4·g + q, g its group, q its place in the group):
+
+    A, 16 × 16 by rows:   a lane's element i of 8 is A[g + 8·(i // 2 % 2)][2q + i % 2 + 8·(i // 4)]
+    B, 16 × 8 by columns: element i of 4 is B[2q + i % 2 + 8·(i // 2)][g]
+    C, D, 16 × 8:         element i of 4 is C[g + 8·(i // 2)][2q + i % 2]
+
+A and B fragments are kept packed, two bfloat16 to a 32-bit word (`pack`: the element
+numbered lower in the low half), C and D as float32; each lives in its threads' private
+arrays (`BlockProgram.private`) from an offset on.
+
+On the GPU each operation is its instruction, run by a warp's lanes together, and a
+private array reached at known indices stays in registers. On the host emulator, where a
+block's threads run one after another, a warp-wide operation comes between phases: a
+loop over the block's threads that reads every lane's private array as the layouts above
+say (the product summed in order along k, as float32 multiply-adds). So a kernel written
+with these, its fragments' layouts included, is checked on the host before it runs on a
+GPU.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from ..llvm.context import EmitContext, ir_of
+from ..llvm.convert import narrow
+from ..llvm.irutil import F32, I32, I64, VOID, declared
+from ..llvm.values import Value, index_value
+from .blocks import BlockProgram, PrivateArray
+
+WARP = 32
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+        "{$10,$11,$12,$13};")
+_EMULATED_MMA = "ranvier_emulated_mma"  # the host emulator's product, one function per module
+
+
+def pack(program: BlockProgram, high: Value, low: Value) -> Value:
+    """Two float32 values rounded to bfloat16 (to nearest even) in one 32-bit word."""
+    b = program.ctx.b
+    if program.on_gpu:
+        convert = ir.InlineAsm(ir.FunctionType(I32, [F32, F32]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+        return Value(b, b.call(convert, [high.ir, low.ir]), "int32")
+    halves = [b.zext(narrow(b, v.ir, "bfloat16", 1), I32) for v in (high, low)]
+    return Value(b, b.or_(b.shl(halves[0], ir.Constant(I32, 16)), halves[1]), "int32")
+
+
+def _unpacked(b: ir.IRBuilder, word: ir.Value, high: bool) -> ir.Value:
+    bits = b.and_(word, ir.Constant(I32, -0x10000)) if high else b.shl(word, ir.Constant(I32, 16))
+    return b.bitcast(bits, F32)
+
+
+def _warp_sync(ctx: EmitContext) -> None:
+    """Every lane of the warp here before a warp-wide instruction (after code where they parted)."""
+    ctx.b.call(declared(ctx.module, "llvm.nvvm.bar.warp.sync", ir.FunctionType(VOID, [I32])), [ir.Constant(I32, -1)])
+
+
+def mma(program: BlockProgram, d: tuple[PrivateArray, int], a: tuple[PrivateArray, int], b: tuple[PrivateArray, int],
+        c: tuple[PrivateArray, int]) -> None:
+    """D = A · B + C in every warp of the block: each operand a private array and the
+    offset of its fragment there (4 packed words of A, 2 of B, 4 floats of C and D; D may
+    be C). Called between phases."""
+    ctx = program.ctx
+    if program.on_gpu:
+        with program.phase(wait=False):
+            _warp_sync(ctx)
+            array, at = a
+            words = [array.load(at + k).ir for k in range(4)]
+            array, at = b
+            words += [array.load(at + k).ir for k in range(2)]
+            array, at = c
+            sums = [array.load(at + k).ir for k in range(4)]
+            product = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4), _MMA,
+                                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            result = ctx.b.call(product, [*words, *sums])
+            array, at = d
+            for k in range(4):
+                array.store(at + k, Value(ctx.b, ctx.b.extract_value(result, k), "float32"))
+        return
+    if program.thread is not None:
+        raise RuntimeError("a warp-wide operation comes between phases, not in one")
+    operands = []
+    for array, at in (a, b, c, d):
+        operands += [ctx.b.gep(array.base, [ir_of(at)]), ir.Constant(I64, array.count)]
+    ctx.b.call(_emulated_mma(ctx.module), [*operands, ir.Constant(I64, program.threads)])
+
+
+def _emulated_mma(module: ir.Module) -> ir.Function:
+    """The host's mma over a block's threads: (A, its words per thread, B, …, C, …, D, …, threads)."""
+    existing = module.globals.get(_EMULATED_MMA)
+    if existing is not None:
+        return existing
+    words, floats = I32.as_pointer(), F32.as_pointer()
+    function = ir.Function(module, ir.FunctionType(VOID, [words, I64, words, I64, floats, I64, floats, I64, I64]),
+                           _EMULATED_MMA)
+    function.linkage = "internal"
+    a, a_count, b_, b_count, c, c_count, d, d_count, threads = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    ctx = EmitContext(module, b)
+
+    def element(base, count, thread: Value, at) -> ir.Value:
+        return b.load(b.gep(base, [ir_of(thread * index_value(b, count) + at)]))
+
+    with ctx.loop(0, index_value(b, threads), name="thread") as thread:
+        lane = thread % WARP
+        first, group, place = thread - lane, lane // 4, lane % 4
+        for i in range(4):
+            row_high, column = i // 2, place * 2 + i % 2
+            total = element(c, c_count, thread, i)
+            for k in range(16):
+                a_word = element(a, a_count, first + group * 4 + k % 8 // 2, (k % 2 + 2 * row_high + 4 * (k // 8)) // 2)
+                b_word = element(b_, b_count, first + column * 4 + k % 8 // 2, k // 8)
+                product = b.fmul(_unpacked(b, a_word, k % 2 == 1), _unpacked(b, b_word, k % 2 == 1))
+                total = b.fadd(total, product)
+            b.store(total, b.gep(d, [ir_of(thread * index_value(b, d_count) + i)]))
+    b.ret_void()
+    return function
+
+
+def exchange(program: BlockProgram, target: PrivateArray, source: PrivateArray, count: int, mask: int) -> None:
+    """Each lane's `count` values of `source` from the lane whose number differs from its
+    own in the bits of `mask` (a butterfly: masks 1 and 2 pass a value round a group of
+    four lanes), into `target` (another array). Called between phases."""
+    ctx = program.ctx
+    if program.on_gpu:
+        shuffle = declared(ctx.module, "llvm.nvvm.shfl.sync.bfly.f32", ir.FunctionType(F32, [I32, F32, I32, I32]))
+        with program.phase(wait=False):
+            for i in range(count):
+                moved = ctx.b.call(shuffle, [ir.Constant(I32, -1), source.load(i).ir, ir.Constant(I32, mask),
+                                             ir.Constant(I32, WARP - 1)])
+                target.store(i, Value(ctx.b, moved, source.dtype))
+        return
+    if program.thread is not None:
+        raise RuntimeError("a warp-wide operation comes between phases, not in one")
+    with ctx.loop(0, program.threads, name="lane") as thread:
+        for i in range(count):
+            target.of(thread).store(i, source.of(thread ^ mask).load(i))

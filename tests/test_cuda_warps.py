@@ -1,0 +1,143 @@
+"""Warp-wide operations of GPU block programs (`ranvier.backends.cuda.warps`): the host
+emulator's tensor-core product and lane exchange, against numpy, with fragments laid out
+over lanes as the PTX ISA's tables give them (written out here on their own); and the
+GPU's instructions, which ptxas must accept."""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+from llvmlite import ir
+
+from ranvier.backends.cpu import jit
+from ranvier.backends.cpu.target import host_target
+from ranvier.backends.cuda import ptx, warps
+from ranvier.backends.cuda.blocks import BlockProgram
+from ranvier.backends.cuda.kernels import GPU_FEATURES
+from ranvier.backends.llvm.context import Array, EmitContext
+from ranvier.backends.llvm.irutil import F32, I32, VOID, use_features
+
+WARPS = 2  # a block of two warps: each does its own product
+
+
+def a_fragments(a: np.ndarray) -> np.ndarray:
+    """[32, 8] bfloat16: lane 4g + q's element i is A[g + 8·(i // 2 % 2)][2q + i % 2 + 8·(i // 4)]."""
+    out = np.empty((32, 8), a.dtype)
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        for i in range(8):
+            out[lane, i] = a[g + 8 * (i // 2 % 2), 2 * q + i % 2 + 8 * (i // 4)]
+    return out
+
+
+def b_fragments(b: np.ndarray) -> np.ndarray:
+    """[32, 4]: element i is B[2q + i % 2 + 8·(i // 2)][g]."""
+    out = np.empty((32, 4), b.dtype)
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        for i in range(4):
+            out[lane, i] = b[2 * q + i % 2 + 8 * (i // 2), g]
+    return out
+
+
+def c_fragments(c: np.ndarray) -> np.ndarray:
+    """[32, 4]: element i is C[g + 8·(i // 2)][2q + i % 2]."""
+    out = np.empty((32, 4), c.dtype)
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        for i in range(4):
+            out[lane, i] = c[g + 8 * (i // 2), 2 * q + i % 2]
+    return out
+
+
+def words(fragments: np.ndarray) -> np.ndarray:
+    """bfloat16 pairs as 32-bit words, the lower-numbered element in the low half."""
+    bits = fragments.view(np.uint16).astype(np.uint32)
+    return (bits[:, 0::2] | (bits[:, 1::2] << 16)).astype(np.int32)
+
+
+def _product_kernel(on_gpu: bool):
+    """`kernel(a words, b words, c, d)`: each warp's fragments from the arrays (its lanes'
+    words and floats in turn), D = A·B + C by `warps.mma`, D's fragments back."""
+    module = ptx.gpu_module("warps") if on_gpu else ir.Module("warps")
+    if on_gpu:
+        use_features(module, GPU_FEATURES)
+    else:
+        target = host_target()
+        module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    pointers = [I32.as_pointer(), I32.as_pointer(), F32.as_pointer(), F32.as_pointer()]
+    function = ir.Function(module, ir.FunctionType(VOID, pointers), "kernel")
+    ctx = EmitContext(module, ir.IRBuilder(function.append_basic_block("entry")))
+    ctx.on_gpu = on_gpu
+    program = BlockProgram(ctx, 32 * WARPS, on_gpu)
+    fa, fb = program.private("int32", 4), program.private("int32", 2)
+    fc, fd = program.private("float32", 4), program.private("float32", 4)
+    a, b, c, d = (Array(ctx.b, arg, dtype) for arg, dtype in zip(function.args, ["int32", "int32", "float32", "float32"]))
+    with program.phase() as thread:
+        for k in range(4):
+            fa.store(k, a.load(thread * 4 + k))
+            fc.store(k, c.load(thread * 4 + k))
+        for k in range(2):
+            fb.store(k, b.load(thread * 2 + k))
+    warps.mma(program, (fd, 0), (fa, 0), (fb, 0), (fc, 0))
+    with program.phase() as thread:
+        for k in range(4):
+            d.store(thread * 4 + k, fd.load(k))
+    ctx.b.ret_void()
+    if on_gpu:
+        ptx.mark_kernel(module, function)
+    return module
+
+
+def test_the_emulated_product_is_each_warps_bfloat16_matrices_summed_in_float32():
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((WARPS, 16, 16)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((WARPS, 16, 8)).astype(ml_dtypes.bfloat16)
+    c = rng.standard_normal((WARPS, 16, 8)).astype(np.float32)
+    a_words = np.concatenate([words(a_fragments(a[w])) for w in range(WARPS)])
+    b_words = np.concatenate([words(b_fragments(b[w])) for w in range(WARPS)])
+    c_floats = np.concatenate([c_fragments(c[w]) for w in range(WARPS)])
+    d_floats = np.full_like(c_floats, np.nan)
+    target = host_target()
+    code = jit.load_object(jit.compile_object(_product_kernel(on_gpu=False), target), target, "kernel")
+    ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4)(code.address_of("kernel"))(
+        *[array.ctypes.data for array in (a_words, b_words, c_floats, d_floats)])
+    for w in range(WARPS):
+        want = a[w].astype(np.float64) @ b[w].astype(np.float64) + c[w]
+        got = d_floats[32 * w : 32 * (w + 1)]
+        np.testing.assert_allclose(got, c_fragments(want), rtol=1e-5, atol=1e-5)
+
+
+def test_an_exchange_passes_each_lanes_values_to_its_butterfly_partner():
+    module = ir.Module("exchange")
+    target = host_target()
+    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    function = ir.Function(module, ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer()]), "kernel")
+    ctx = EmitContext(module, ir.IRBuilder(function.append_basic_block("entry")))
+    program = BlockProgram(ctx, 64, on_gpu=False)
+    source, target_values = program.private("float32", 2), program.private("float32", 2)
+    given, got = (Array(ctx.b, arg, "float32") for arg in function.args)
+    with program.phase() as thread:
+        for k in range(2):
+            source.store(k, given.load(thread * 2 + k))
+    warps.exchange(program, target_values, source, 2, mask=2)
+    with program.phase() as thread:
+        for k in range(2):
+            got.store(thread * 2 + k, target_values.load(k))
+    ctx.b.ret_void()
+    code = jit.load_object(jit.compile_object(module, target), target, "kernel")
+    values = np.random.default_rng(4).standard_normal((64, 2)).astype(np.float32)
+    out = np.full_like(values, np.nan)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(code.address_of("kernel"))(values.ctypes.data, out.ctypes.data)
+    np.testing.assert_array_equal(out, values[np.arange(64) ^ 2])
+
+
+@pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
+def test_the_gpus_product_is_one_mma_instruction_that_ptxas_accepts():
+    text = ptx.emit_ptx(_product_kernel(on_gpu=True))
+    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 1
+    assert "local" not in text  # the fragments are registers
+    assert ptx.assemble(text).registers("kernel") > 0
