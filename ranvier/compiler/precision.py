@@ -24,11 +24,11 @@ def _rows(op) -> int:
 
 def use_matmul_precision(func: Function, precision: str) -> None:
     """Mark the float32 matrix products of `func` that have rows to run in `precision`,
-    and the float32 attention ops (their products q kᵀ and p v) of more than one query."""
+    and the float32 attention ops (their products) and gradients of more than one query."""
     for op in func.ops:
         if op.inputs[0].dtype != dtypes.DT_FLOAT32:
             continue
-        if (op.type == "MatMul" and _rows(op) > 1) or (op.type == "Attention" and _queries(op) > 1):
+        if (op.type == "MatMul" and _rows(op) > 1) or (op.type in ("Attention", "AttentionGrad") and _queries(op) > 1):
             op.set_attr("precision", precision)
 
 

@@ -16,8 +16,9 @@ AttentionGrad, three launches in order:
    head of the key's group: dk and dv, each pₛ recomputed;
 3. query rows streaming key and value tiles: dq = scale · Σₛ pₛ (dout · vₛ − D) kₛ.
 Head sizes under three, and half-precision gradients (m, l, D would be rounded), are
-decomposed into products and a softmax instead. Correct at any size; tensor cores are the
-GPU speed issue's work.
+decomposed into products and a softmax instead. Correct at any size, in float32; where the
+compile's products run in bfloat16, `attention_mma.py`'s tensor-core kernels take head
+sizes that are multiples of 16 instead.
 
 A thread's own rows (its query's q and dout, its key's k and v, the rows it sums into) are
 read from memory once, into private arrays: reading them from the operand at every key
@@ -44,7 +45,7 @@ from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray
 
-_PARKED = 3  # m, 1/l and D, in a dq row between launches
+PARKED = 3  # m, 1/l and D, in a dq row between launches
 TILE = 32  # a block's rows, one per thread: a warp
 SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
 UNROLLED_SIZE = 128  # head sizes whose loops along a row are unrolled, the thread's rows in registers
@@ -56,7 +57,7 @@ def supports(op: Operation) -> bool:
     and written in place, so a Llama's projections need no transposes)."""
     if op.type not in ("Attention", "AttentionGrad"):
         return False
-    return op.type == "Attention" or (op.inputs[0].shape[-1] >= _PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
+    return op.type == "Attention" or (op.inputs[0].shape[-1] >= PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
 
 
 class AttentionShape:
@@ -253,7 +254,7 @@ def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, blo
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
-    peak, total, d = (program.private(dq.dtype, 1) for _ in range(_PARKED))
+    peak, total, d = (program.private(dq.dtype, 1) for _ in range(PARKED))
     query, gradient = _own_rows(program, shape, dq.dtype, 2)
     with program.phase() as thread:
         for value, initial in ((peak, -float("inf")), (total, 0.0), (d, 0.0)):
@@ -295,20 +296,20 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         at = shape.key_row(b, kv, _own(shape.keys, first_key + thread))
         _read_row(ctx, shape, op.inputs[1], at, key)
         _read_row(ctx, shape, v, at, value)
-    rows = _streamed_rows(op, 2 * size + _PARKED)
-    queries, douts, parked = (program.shared(dk.dtype, rows * width) for width in (size, size, _PARKED))
+    rows = _streamed_rows(op, 2 * size + PARKED)
+    queries, douts, parked = (program.shared(dk.dtype, rows * width) for width in (size, size, PARKED))
     # the first query that sees the block's first key
     first_seen = (first_key - (shape.keys - shape.queries)).maximum(0) if shape.causal else ctx.index(0)
     with ctx.loop(0, shape.group, name="g") as g, ctx.loop(first_seen // rows, -(-shape.queries // rows), name="tile") as tile:
         h, first_query = kv * shape.group + g, tile * rows
         load_tiles(program, first_query, rows, shape.queries - 1, [
             (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
-            (dq, lambda t: shape.query_row(b, h, t), parked, _PARKED)])
+            (dq, lambda t: shape.query_row(b, h, t), parked, PARKED)])
         with program.phase() as thread:
             s = first_key + thread
             with (ctx.when(s < shape.keys), ctx.loop(0, (shape.queries - first_query).minimum(rows), name="j") as j,
                   ctx.when(s < shape.visible_keys(ctx, first_query + j))):
-                peak, inverse, d = (parked.load(j * _PARKED + k) for k in range(_PARKED))
+                peak, inverse, d = (parked.load(j * PARKED + k) for k in range(PARKED))
                 score = shape.score(ctx, _dot(ctx, shape, _tile_row(queries, j, size), key.load, dk.dtype), b, h, first_query + j, s)
                 p = (score - peak).exp() * inverse
                 ds = p * (_dot(ctx, shape, _tile_row(douts, j, size), value.load, dk.dtype) - d) * shape.scale
@@ -326,18 +327,18 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
-    parked = program.private(dq.dtype, _PARKED)
+    parked = program.private(dq.dtype, PARKED)
     acc, query, gradient = _own_rows(program, shape, dq.dtype, 3)
     with program.phase() as thread:
         at = shape.query_row(b, h, _own(shape.queries, first_query + thread))
-        for k in range(_PARKED):
+        for k in range(PARKED):
             parked.store(k, ctx.load(dq, at + k))
         _each(ctx, shape, lambda i: acc.store(i, ctx.constant(dq.dtype, 0.0)))
         _read_row(ctx, shape, op.inputs[0], at, query)
         _read_row(ctx, shape, dout, at, gradient)
 
     def visit(t, s, j, keys, values):
-        peak, inverse, d = (parked.load(k) for k in range(_PARKED))
+        peak, inverse, d = (parked.load(k) for k in range(PARKED))
         score = shape.score(ctx, _dot(ctx, shape, query.load, _tile_row(keys, j, size), dq.dtype), b, h, t, s)
         p = (score - peak).exp() * inverse
         ds = p * (_dot(ctx, shape, gradient.load, _tile_row(values, j, size), dq.dtype) - d)

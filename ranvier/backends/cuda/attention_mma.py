@@ -1,67 +1,83 @@
-"""Attention's forward pass on tensor cores, FlashAttention-2's way: for a compile whose
-matrix products run in bfloat16 (`Compiler(matmul="bfloat16")` marks the op's precision),
-float32 operands, head sizes a multiple of 16 up to 128.
+"""Attention and its gradient on tensor cores, FlashAttention-2's way: for a compile whose
+matrix products run in bfloat16 (`Compiler(matmul="bfloat16")` marks the ops' precision),
+float32 operands, head sizes a multiple of 16 up to 128. Every product is a warp's
+`warps.mma` (bfloat16 inputs, float32 sums); no score matrix is formed.
 
-A block of `WARPS` warps takes `ROWS` query rows of one head, 16 a warp (the rows of an
-mma's A), and the warps stream tiles of key and value rows through shared memory
-together (rows padded by `PADDING` floats, so a fragment's lanes fall on different banks).
-Per tile, each warp:
-1. S = Q Kᵀ: bfloat16 products summed in float32 (`warps.mma`; Q's fragments are rounded
-   and packed once, before the first tile), then scaled, the bias added, the causal mask
-   and keys past the end set to −∞;
-2. the online softmax: each row's maximum over the four lanes that hold it (two
-   `warps.exchange`s), the running maximum m, P = exp(S − m), the output rescaled where
-   m grew, the running sum l kept as each lane's own share until the end;
-3. O += P V, P's bfloat16 A fragments packed straight from S's float32 fragments (the
-   accumulator's layout is the next product's input layout: no exchange).
-No score matrix is formed; a lane holds two rows of a tile's scores. A query whose every
-key is masked attends to nothing (its row is 0), as on the CPU. The gradient stays with
-the float32 kernels (`attention.py`), which recompute the probabilities unrounded.
+A block of `WARPS` warps takes 64 rows, 16 a warp (the rows of an mma's A), and the warps
+stream tiles of the rows they pair with through shared memory together (rows padded by
+`PADDING` floats, so a fragment's lanes fall on different banks). A warp's own rows are
+rounded and packed into A fragments once; a tile's rows come in as B fragments; a
+product's float32 C fragments become the next product's A fragments in place (the layouts
+line up), so the probabilities never leave the registers.
+
+Attention: query rows streaming key and value tiles. Per tile: S = Q Kᵀ, scaled, the bias
+added, −∞ where the causal mask hides a key or past the last; the online softmax, each
+row's maximum taken over the four lanes that hold the row (two `warps.exchange`s), the
+running sum l kept as each lane's own share until the end; O += P V.
+
+AttentionGrad, three launches as the float32 kernels' (`attention.py`), the same parked
+statistics in the first elements of a dq row:
+1. query rows streaming key and value tiles: S and dP = dO Vᵀ; m and l online as above,
+   and D = Σₛ pₛ dPₛ beside l; parked m, 1/l and D/l;
+2. key rows streaming tiles of query rows, their dout rows and parked statistics, in every
+   head of the key's group: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, Pᵀ from the parked m and 1/l of each
+   column's query, dSᵀ = Pᵀ ∘ (dPᵀ − D); dV += Pᵀ dO, dK += scale · dSᵀ Q;
+3. query rows streaming key and value tiles: dQ += scale · dS K, with dS recomputed.
+A query whose every key is masked attends to nothing (its row and gradients are 0).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 
 from llvmlite import ir
 
 from ... import dtypes
-from ...flow.graph import Operation
+from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import EmitContext
+from ..llvm.context import Array, EmitContext
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from . import warps
-from .attention import AttentionShape, load_tiles
-from .blocks import BlockProgram
+from .attention import PARKED, AttentionShape, load_tiles
+from .blocks import BlockProgram, PrivateArray
 
 WARPS = 4
-ROWS = 16 * WARPS  # query rows a block takes
+ROWS = 16 * WARPS  # a block's own rows
 THREADS = warps.WARP * WARPS
 PADDING = 8  # floats after each row of a shared tile
+QUERY_TILE = 32  # query rows a key block streams at a time (its scores take half the registers of 64)
+FLOAT = dtypes.DT_FLOAT32
 
 
 def supports(op: Operation) -> bool:
-    if op.type != "Attention" or attrs_of(op)["precision"] != "bfloat16":
+    if op.type not in ("Attention", "AttentionGrad") or attrs_of(op)["precision"] != "bfloat16":
         return False
     size = op.inputs[0].shape[-1]
-    return all(v.dtype == dtypes.DT_FLOAT32 for v in (*op.inputs, *op.outputs)) and size % 16 == 0 and 16 <= size <= 128
+    return all(v.dtype == FLOAT for v in (*op.inputs, *op.outputs)) and size % 16 == 0 and 16 <= size <= 128
 
 
-def _keys_per_tile(size: int) -> int:
+def _key_tile(size: int) -> int:
     """Key rows a streamed tile holds: its key and value rows, padded, in 40 KiB of float32."""
     return 64 if size <= 64 else 32
 
 
 def launches(op: Operation) -> list[tuple]:
     shape = AttentionShape(op)
-    blocks = shape.batch * shape.heads * -(-shape.queries // ROWS)
+    query_blocks = shape.batch * shape.heads * -(-shape.queries // ROWS)
 
-    def emit(ctx: EmitContext, index: ir.Value) -> None:
-        _forward(BlockProgram(ctx, THREADS, ctx.on_gpu), op, shape, index_value(ctx.b, index))
+    def block(kernel: Callable) -> Callable[[EmitContext, ir.Value], None]:
+        return lambda ctx, index: kernel(BlockProgram(ctx, THREADS, ctx.on_gpu), op, shape, index_value(ctx.b, index))
 
-    return [(blocks, emit, THREADS)]
+    if op.type == "Attention":
+        return [(query_blocks, block(_forward), THREADS)]
+    key_blocks = shape.batch * shape.kv_heads * -(-shape.keys // ROWS)
+    return [(query_blocks, block(_statistics), THREADS), (key_blocks, block(_key_gradients), THREADS),
+            (query_blocks, block(_query_gradient), THREADS)]
 
+
+# ---- a warp's fragments -----------------------------------------------------------------
 
 def _lane(thread: Value) -> tuple[Value, Value, Value]:
     """A thread's warp, its lane's group g (the fragments' rows g and g + 8) and place q in it."""
@@ -69,147 +85,336 @@ def _lane(thread: Value) -> tuple[Value, Value, Value]:
     return thread // warps.WARP, lane // 4, lane % 4
 
 
-def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
-    ctx, size = program.ctx, shape.size
-    q, k, v = op.inputs[:3]
-    out = op.outputs[0]
-    per_tile = _keys_per_tile(size)
+def _own_rows(thread: Value, first: Value) -> list[Value]:
+    """The two rows, of a block's `ROWS` from `first`, whose fragments the thread holds."""
+    warp, group, _ = _lane(thread)
+    row = first + warp * 16 + group
+    return [row, row + 8]
+
+
+def _elements(columns: int) -> Iterator[tuple[int, int, int]]:
+    """(row r of the lane's two, offset in the fragment's columns from 2q, index in the lane's
+    C fragments) of each float the lane holds of a 16 × `columns` product."""
+    for r in range(2):
+        for j in range(columns // 8):
+            for half in range(2):
+                yield r, j * 8 + half, j * 4 + 2 * r + half
+
+
+def _pack_rows(program: BlockProgram, var: Variable, rows: list[Value], size: int, words: PrivateArray) -> None:
+    """A fragments of the warp's 16 rows of `var` (the element offsets of the lane's rows)."""
+    ctx = program.ctx
+    _, _, place = _lane(program.thread)
+    for chunk in range(size // 16):
+        for word in range(4):  # rows g, g + 8, g, g + 8; features 2q, 2q, 2q + 8, 2q + 8 (and one more each)
+            at = rows[word % 2] + chunk * 16 + place * 2 + 8 * (word // 2)
+            words.store(chunk * 4 + word, warps.pack(program, ctx.load(var, at + 1), ctx.load(var, at)))
+
+
+def _zero(program: BlockProgram, array: PrivateArray, count: int) -> None:
+    for i in range(count):
+        array.store(i, program.ctx.constant(FLOAT, 0.0))
+
+
+def _times_transposed(program: BlockProgram, size: int, count: int, tile: Array, a_words: PrivateArray,
+                      b_words: PrivateArray, out: PrivateArray) -> None:
+    """out = A · Tᵀ over `count` rows of a shared tile T: 8 tile rows at a time, their B
+    fragments (Tᵀ's columns) from the tile, then one product per 16 features."""
     stride = size + PADDING
-    query_blocks = -(-shape.queries // ROWS)
-    head = block // query_blocks
-    b, h, first_query = head // shape.heads, head % shape.heads, block % query_blocks * ROWS
-    kv = h // shape.group
-    q_words = program.private(dtypes.DT_INT32, size // 16 * 4)  # A fragments of Q, by chunk of 16 features
-    scores = program.private(dtypes.DT_FLOAT32, per_tile // 8 * 4)  # C fragments, by 8 keys
-    output = program.private(dtypes.DT_FLOAT32, size // 8 * 4)  # C fragments, by 8 features
-    k_words = program.private(dtypes.DT_INT32, size // 16 * 2)  # B fragments of one 8 keys' Kᵀ
-    p_words, v_words = program.private(dtypes.DT_INT32, 4), program.private(dtypes.DT_INT32, 2)
-    peak, total, tile_peak, partner = (program.private(dtypes.DT_FLOAT32, 2) for _ in range(4))
-    keys, values = (program.shared(dtypes.DT_FLOAT32, per_tile * stride) for _ in range(2))
-
-    def rows(thread: Value) -> list[Value]:
-        warp, group, _ = _lane(thread)
-        first = first_query + warp * 16 + group
-        return [first, first + 8]
-
-    with program.phase(wait=False) as thread:
-        _, _, place = _lane(thread)
-        for r in range(2):
-            peak.store(r, ctx.constant(dtypes.DT_FLOAT32, -math.inf))
-            total.store(r, ctx.constant(dtypes.DT_FLOAT32, 0.0))
-        for i in range(size // 8 * 4):
-            output.store(i, ctx.constant(dtypes.DT_FLOAT32, 0.0))
-        query_rows = [shape.query_row(b, h, t.minimum(shape.queries - 1)) for t in rows(thread)]
-        for chunk in range(size // 16):
-            for word in range(4):  # rows g, g + 8, g, g + 8; features 2q, 2q, 2q + 8, 2q + 8 (and one more each)
-                at = query_rows[word % 2] + chunk * 16 + place * 2 + 8 * (word // 2)
-                q_words.store(chunk * 4 + word, warps.pack(program, ctx.load(q, at + 1), ctx.load(q, at)))
-
-    last_query = (first_query + ROWS).minimum(shape.queries) - 1
-    with ctx.loop(0, (shape.visible_keys(ctx, last_query) + per_tile - 1) // per_tile, name="tile") as tile:
-        first_key = tile * per_tile
-        load_tiles(program, first_key, per_tile, shape.keys - 1, [
-            (k, lambda s: shape.key_row(b, kv, s), keys, size), (v, lambda s: shape.key_row(b, kv, s), values, size)], PADDING)
-        _scores(program, size, per_tile, stride, keys, q_words, k_words, scores)
-        _mask(program, shape, b, h, first_key, per_tile, rows, scores, tile_peak)
-        for mask in (1, 2):
-            warps.exchange(program, partner, tile_peak, 2, mask)
-            with program.phase(wait=False):
-                for r in range(2):
-                    tile_peak.store(r, tile_peak.load(r).maximum(partner.load(r)))
-        _softmax(program, size, per_tile, scores, output, peak, total, tile_peak)
-        _add_products(program, size, per_tile, stride, values, scores, p_words, v_words, output)
-        with program.phase():  # every warp done with the tiles before the next overwrites them
-            pass
-    for mask in (1, 2):
-        warps.exchange(program, partner, total, 2, mask)
-        with program.phase(wait=False):
-            for r in range(2):
-                total.store(r, total.load(r) + partner.load(r))
-    with program.phase(wait=False) as thread:
-        _, _, place = _lane(thread)
-        for r, t in enumerate(rows(thread)):
-            inverse = unseen_inverse(total.load(r))
-            with ctx.when(t < shape.queries):
-                at = shape.query_row(b, h, t) + place * 2
-                for n in range(size // 8):
-                    for half in range(2):
-                        ctx.store(out, at + n * 8 + half, output.load(n * 4 + 2 * r + half) * inverse)
-
-
-def _scores(program: BlockProgram, size: int, per_tile: int, stride: int, keys, q_words, k_words, scores) -> None:
-    """S = Q Kᵀ for the tile, 8 keys at a time: Kᵀ's B fragments from the shared tile, then
-    one product per 16 features."""
-    for j in range(per_tile // 8):
+    for j in range(count // 8):
         with program.phase(wait=False) as thread:
             _, group, place = _lane(thread)
             row = (j * 8 + group) * stride + place * 2
             for chunk in range(size // 16):
-                for word in range(2):  # features 2q (and 2q + 1), 2q + 8 (and 2q + 9) of key g
+                for word in range(2):  # features 2q (and 2q + 1), 2q + 8 (and 2q + 9) of tile row g
                     at = row + chunk * 16 + 8 * word
-                    k_words.store(chunk * 2 + word, warps.pack(program, keys.load(at + 1), keys.load(at)))
+                    b_words.store(chunk * 2 + word, warps.pack(program, tile.load(at + 1), tile.load(at)))
             for i in range(4):
-                scores.store(j * 4 + i, program.ctx.constant(dtypes.DT_FLOAT32, 0.0))
+                out.store(j * 4 + i, program.ctx.constant(FLOAT, 0.0))
         for chunk in range(size // 16):
-            warps.mma(program, (scores, j * 4), (q_words, chunk * 4), (k_words, chunk * 2), (scores, j * 4))
+            warps.mma(program, (out, j * 4), (a_words, chunk * 4), (b_words, chunk * 2), (out, j * 4))
 
 
-def _mask(program: BlockProgram, shape: AttentionShape, b: Value, h: Value, first_key: Value, per_tile: int, rows, scores,
-          tile_peak) -> None:
-    """Each score scaled, the bias added, −∞ where the query does not see the key (or past
-    the last key); each lane's maximum of its two rows."""
-    ctx = program.ctx
-    with program.phase(wait=False) as thread:
-        _, _, place = _lane(thread)
-        for r, t in enumerate(rows(thread)):
+def _accumulate(program: BlockProgram, size: int, count: int, tile: Array, weights: PrivateArray, a_words: PrivateArray,
+                b_words: PrivateArray, out: PrivateArray) -> None:
+    """out += W · T, W the lanes' C fragments over `count` rows of the shared tile T: W's A
+    fragment packed from two 8-column fragments, 16 tile rows at a time, then one product
+    per 8 features, T's B fragment from the tile."""
+    stride = size + PADDING
+    for chunk in range(count // 16):
+        with program.phase(wait=False):
+            for word in range(4):  # rows g, g + 8 of columns 2q (and 2q + 1) of the chunk's first 8, then its last 8
+                at = (2 * chunk + word // 2) * 4 + 2 * (word % 2)
+                a_words.store(word, warps.pack(program, weights.load(at + 1), weights.load(at)))
+        for n in range(size // 8):
+            with program.phase(wait=False) as thread:
+                _, group, place = _lane(thread)
+                for word in range(2):  # tile rows 2q (and 2q + 1), 2q + 8 (and 2q + 9) of the chunk, feature g
+                    at = (chunk * 16 + place * 2 + 8 * word) * stride + n * 8 + group
+                    b_words.store(word, warps.pack(program, tile.load(at + stride), tile.load(at)))
+            warps.mma(program, (out, n * 4), (a_words, 0), (b_words, 0), (out, n * 4))
+
+
+def _group_sum(program: BlockProgram, values: PrivateArray, partner: PrivateArray, combine=lambda a, b: a + b) -> None:
+    """Each lane's two values combined over the four lanes that hold the same rows."""
+    for mask in (1, 2):
+        warps.exchange(program, partner, values, 2, mask)
+        with program.phase(wait=False):
+            for r in range(2):
+                values.store(r, combine(values.load(r), partner.load(r)))
+
+
+# ---- the kernels ------------------------------------------------------------------------
+
+class _QueryBlock:
+    """A block of query rows streaming key and value tiles: its head and rows, its
+    privates, Q (and dout) packed once."""
+
+    def __init__(self, program: BlockProgram, op: Operation, shape: AttentionShape, block: Value, with_gradient: bool):
+        self.program, self.op, self.shape = program, op, shape
+        size = shape.size
+        query_blocks = -(-shape.queries // ROWS)
+        head = block // query_blocks
+        self.b, self.h, self.first = head // shape.heads, head % shape.heads, block % query_blocks * ROWS
+        self.per_tile = _key_tile(size)
+        self.q_words = program.private(dtypes.DT_INT32, size // 16 * 4)
+        self.g_words = program.private(dtypes.DT_INT32, size // 16 * 4) if with_gradient else None  # dout's
+        self.b_words = program.private(dtypes.DT_INT32, size // 16 * 2)
+        self.a_words = program.private(dtypes.DT_INT32, 4)
+        self.scores = program.private(FLOAT, self.per_tile // 8 * 4)
+        self.keys, self.values = (program.shared(FLOAT, self.per_tile * (size + PADDING)) for _ in range(2))
+
+    def rows(self, thread: Value) -> list[Value]:
+        return _own_rows(thread, self.first)
+
+    def row_offsets(self, thread: Value) -> list[Value]:
+        """The element offsets of the thread's two rows (clamped to the last: a row past
+        it is read, never written)."""
+        return [self.shape.query_row(self.b, self.h, t.minimum(self.shape.queries - 1)) for t in self.rows(thread)]
+
+    def pack(self) -> None:
+        """Q's A fragments, and dout's where the kernel has them (in a phase)."""
+        offsets = self.row_offsets(self.program.thread)
+        _pack_rows(self.program, self.op.inputs[0], offsets, self.shape.size, self.q_words)
+        if self.g_words is not None:
+            _pack_rows(self.program, self.op.inputs[3], offsets, self.shape.size, self.g_words)
+
+    def stream(self, per_tile: Callable[[Value], None]) -> None:
+        """`per_tile(first key)` for each tile of keys the block's queries see, the tile's
+        key and value rows in shared memory; the block waits before the next tile."""
+        program, shape, ctx = self.program, self.shape, self.program.ctx
+        kv = self.h // shape.group
+        last_query = (self.first + ROWS).minimum(shape.queries) - 1
+        with ctx.loop(0, (shape.visible_keys(ctx, last_query) + self.per_tile - 1) // self.per_tile, name="tile") as tile:
+            first_key = tile * self.per_tile
+            load_tiles(program, first_key, self.per_tile, shape.keys - 1, [
+                (self.op.inputs[1], lambda s: shape.key_row(self.b, kv, s), self.keys, shape.size),
+                (self.op.inputs[2], lambda s: shape.key_row(self.b, kv, s), self.values, shape.size)], PADDING)
+            per_tile(first_key)
+            with program.phase():
+                pass
+
+    def masked_scores(self, first_key: Value, visit: Callable[[int, int, Value], None]) -> None:
+        """Each score of the tile scaled, the bias added, −∞ where its query does not see
+        its key; `visit(r, at, score)` for each (in a phase)."""
+        program, shape, ctx = self.program, self.shape, self.program.ctx
+        _, _, place = _lane(program.thread)
+        for r, t in enumerate(self.rows(program.thread)):
             seen = shape.visible_keys(ctx, t).minimum(shape.keys)
-            peak = ctx.constant(dtypes.DT_FLOAT32, -math.inf)
-            for j in range(per_tile // 8):
-                for half in range(2):
-                    at, s = j * 4 + 2 * r + half, first_key + j * 8 + place * 2 + half
-                    score = shape.score(ctx, scores.load(at), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
-                    score = (s < seen).where(score, -math.inf)
-                    scores.store(at, score)
-                    peak = peak.maximum(score)
-            tile_peak.store(r, peak)
+            for _, column, at in (e for e in _elements(self.per_tile) if e[0] == r):
+                s = first_key + place * 2 + column
+                score = shape.score(ctx, self.scores.load(at), self.b, self.h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
+                visit(r, at, (s < seen).where(score, -math.inf))
 
 
-def _softmax(program: BlockProgram, size: int, per_tile: int, scores, output, peak, total, tile_peak) -> None:
-    """The online softmax's step: scores → exp(score − m) with m the grown maximum, the
-    lane's share of the sum and the output rows rescaled by exp(m_old − m)."""
+def _online_softmax(block: _QueryBlock, first_key: Value, peak, total, tile_peak, partner,
+                    rescale: Callable[[int, Value], None], weigh: Callable[[int, int, Value], None]) -> None:
+    """The online softmax's step over a tile of masked scores: each row's maximum over its
+    four lanes, m grown to it, the scores replaced by exp(score − m), the lane's share of l
+    (and whatever `rescale(r, factor)` keeps) rescaled by exp(m_old − m), `weigh(r, at, p)`
+    for each weight."""
+    program = block.program
+    with program.phase(wait=False):
+        for r in range(2):
+            tile_peak.store(r, program.ctx.constant(FLOAT, -math.inf))
+
+        def keep(r: int, at: int, score: Value) -> None:
+            block.scores.store(at, score)
+            tile_peak.store(r, tile_peak.load(r).maximum(score))
+
+        block.masked_scores(first_key, keep)
+    _group_sum(program, tile_peak, partner, lambda a, b: a.maximum(b))
     with program.phase(wait=False):
         for r in range(2):
             grown = peak.load(r).maximum(tile_peak.load(r))
             finite = finite_peak(grown)
             correction = (peak.load(r) - finite).exp()
             share = total.load(r) * correction
-            for j in range(per_tile // 8):
-                for half in range(2):
-                    at = j * 4 + 2 * r + half
-                    weight = (scores.load(at) - finite).exp()
-                    scores.store(at, weight)
-                    share = share + weight
+            rescale(r, correction)
+            for _, _, at in (e for e in _elements(block.per_tile) if e[0] == r):
+                weight = (block.scores.load(at) - finite).exp()
+                block.scores.store(at, weight)
+                weigh(r, at, weight)
+                share = share + weight
             total.store(r, share)
-            for n in range(size // 8):
-                for half in range(2):
-                    at = n * 4 + 2 * r + half
-                    output.store(at, output.load(at) * correction)
             peak.store(r, grown)
 
 
-def _add_products(program: BlockProgram, size: int, per_tile: int, stride: int, values, scores, p_words, v_words,
-                  output) -> None:
-    """O += P V, 16 keys at a time: P's A fragment packed from the weights of two 8-key
-    score fragments, then one product per 8 features, V's B fragment from the shared tile."""
-    for chunk in range(per_tile // 16):
+def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
+    ctx, size = program.ctx, shape.size
+    block = _QueryBlock(program, op, shape, index, with_gradient=False)
+    output = program.private(FLOAT, size // 8 * 4)
+    peak, total, tile_peak, partner = (program.private(FLOAT, 2) for _ in range(4))
+    with program.phase(wait=False):
+        for r in range(2):
+            peak.store(r, ctx.constant(FLOAT, -math.inf))
+            total.store(r, ctx.constant(FLOAT, 0.0))
+        _zero(program, output, size // 8 * 4)
+        block.pack()
+
+    def rescale(r: int, factor: Value) -> None:
+        for _, _, at in (e for e in _elements(size) if e[0] == r):
+            output.store(at, output.load(at) * factor)
+
+    def tile(first_key: Value) -> None:
+        _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
+        _online_softmax(block, first_key, peak, total, tile_peak, partner, rescale, lambda r, at, p: None)
+        _accumulate(program, size, block.per_tile, block.values, block.scores, block.a_words, block.b_words, output)
+
+    block.stream(tile)
+    _group_sum(program, total, partner)
+    with program.phase(wait=False) as thread:
+        _, _, place = _lane(thread)
+        for r, t in enumerate(block.rows(thread)):
+            inverse = unseen_inverse(total.load(r))
+            with ctx.when(t < shape.queries):
+                at = shape.query_row(block.b, block.h, t) + place * 2
+                for _, column, i in (e for e in _elements(size) if e[0] == r):
+                    ctx.store(op.outputs[0], at + column, output.load(i) * inverse)
+
+
+def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
+    """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
+    ctx, size = program.ctx, shape.size
+    dq = op.outputs[0]
+    block = _QueryBlock(program, op, shape, index, with_gradient=True)
+    products = program.private(FLOAT, block.per_tile // 8 * 4)  # dP = dout Vᵀ
+    peak, total, d, tile_peak, partner = (program.private(FLOAT, 2) for _ in range(5))
+    with program.phase(wait=False):
+        for r in range(2):
+            peak.store(r, ctx.constant(FLOAT, -math.inf))
+            total.store(r, ctx.constant(FLOAT, 0.0))
+            d.store(r, ctx.constant(FLOAT, 0.0))
+        block.pack()
+
+    def tile(first_key: Value) -> None:
+        _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
+        _times_transposed(program, size, block.per_tile, block.values, block.g_words, block.b_words, products)
+        _online_softmax(block, first_key, peak, total, tile_peak, partner, lambda r, factor: d.store(r, d.load(r) * factor),
+                        lambda r, at, p: d.store(r, p.mul_add(products.load(at), d.load(r))))
+
+    block.stream(tile)
+    _group_sum(program, total, partner)
+    _group_sum(program, d, partner)
+    with program.phase(wait=False) as thread:
+        for r, t in enumerate(block.rows(thread)):
+            inverse = unseen_inverse(total.load(r))
+            with ctx.when(t < shape.queries):  # the four lanes of a row store the same three values
+                at = shape.query_row(block.b, block.h, t)
+                ctx.store(dq, at, finite_peak(peak.load(r)))
+                ctx.store(dq, at + 1, inverse)
+                ctx.store(dq, at + 2, d.load(r) * inverse)
+
+
+def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
+    """Launch 3: each query row's dq, from its parked m, 1/l and D (read before the row is written)."""
+    ctx, size = program.ctx, shape.size
+    dq = op.outputs[0]
+    block = _QueryBlock(program, op, shape, index, with_gradient=True)
+    products = program.private(FLOAT, block.per_tile // 8 * 4)
+    parked = program.private(FLOAT, 2 * PARKED)
+    gradient = program.private(FLOAT, size // 8 * 4)
+    with program.phase(wait=False) as thread:
+        for r, at in enumerate(block.row_offsets(thread)):
+            for k in range(PARKED):
+                parked.store(r * PARKED + k, ctx.load(dq, at + k))
+        _zero(program, gradient, size // 8 * 4)
+        block.pack()
+
+    def tile(first_key: Value) -> None:
+        _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
+        _times_transposed(program, size, block.per_tile, block.values, block.g_words, block.b_words, products)
         with program.phase(wait=False):
-            for word in range(4):  # rows g, g + 8 of keys 2q (and 2q + 1) of the chunk's first 8, then its last 8
-                at = (2 * chunk + word // 2) * 4 + 2 * (word % 2)
-                p_words.store(word, warps.pack(program, scores.load(at + 1), scores.load(at)))
-        for n in range(size // 8):
-            with program.phase(wait=False) as thread:
-                _, group, place = _lane(thread)
-                for word in range(2):  # keys 2q (and 2q + 1), 2q + 8 (and 2q + 9) of the chunk, feature g
-                    at = (chunk * 16 + place * 2 + 8 * word) * stride + n * 8 + group
-                    v_words.store(word, warps.pack(program, values.load(at + stride), values.load(at)))
-            warps.mma(program, (output, n * 4), (p_words, 0), (v_words, 0), (output, n * 4))
+            def score_gradient(r: int, at: int, score: Value) -> None:
+                peak, inverse, d = (parked.load(r * PARKED + k) for k in range(PARKED))
+                p = (score - peak).exp() * inverse
+                block.scores.store(at, p * (products.load(at) - d))
+
+            block.masked_scores(first_key, score_gradient)
+        _accumulate(program, size, block.per_tile, block.keys, block.scores, block.a_words, block.b_words, gradient)
+
+    block.stream(tile)
+    with program.phase(wait=False) as thread:
+        _, _, place = _lane(thread)
+        for r, t in enumerate(block.rows(thread)):
+            with ctx.when(t < shape.queries):
+                at = shape.query_row(block.b, block.h, t) + place * 2
+                for _, column, i in (e for e in _elements(size) if e[0] == r):
+                    ctx.store(dq, at + column, gradient.load(i) * shape.scale)
+
+
+def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
+    """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
+    it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
+    ctx, size = program.ctx, shape.size
+    q, k, v, dout = op.inputs[:4]
+    dq, dk, dv = op.outputs
+    key_blocks = -(-shape.keys // ROWS)
+    head = index // key_blocks
+    b, kv, first_key = head // shape.kv_heads, head % shape.kv_heads, index % key_blocks * ROWS
+    k_words, v_words = (program.private(dtypes.DT_INT32, size // 16 * 4) for _ in range(2))
+    b_words, a_words = program.private(dtypes.DT_INT32, size // 16 * 2), program.private(dtypes.DT_INT32, 4)
+    weights, gradients = (program.private(FLOAT, QUERY_TILE // 8 * 4) for _ in range(2))  # Pᵀ, then dPᵀ and dSᵀ
+    dk_sum, dv_sum = (program.private(FLOAT, size // 8 * 4) for _ in range(2))
+    stride = size + PADDING
+    queries, douts, parked = (program.shared(FLOAT, QUERY_TILE * width) for width in (stride, stride, PARKED + PADDING))
+    with program.phase(wait=False) as thread:
+        offsets = [shape.key_row(b, kv, s.minimum(shape.keys - 1)) for s in _own_rows(thread, first_key)]
+        _pack_rows(program, k, offsets, size, k_words)
+        _pack_rows(program, v, offsets, size, v_words)
+        _zero(program, dk_sum, size // 8 * 4)
+        _zero(program, dv_sum, size // 8 * 4)
+    # the first query that sees the block's first key
+    first_seen = (first_key - (shape.keys - shape.queries)).maximum(0) if shape.causal else ctx.index(0)
+    with (ctx.loop(0, shape.group, name="g") as g,
+          ctx.loop(first_seen // QUERY_TILE, -(-shape.queries // QUERY_TILE), name="tile") as tile):
+        h, first_query = kv * shape.group + g, tile * QUERY_TILE
+        load_tiles(program, first_query, QUERY_TILE, shape.queries - 1, [
+            (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
+            (dq, lambda t: shape.query_row(b, h, t), parked, PARKED)], PADDING)
+        _times_transposed(program, size, QUERY_TILE, queries, k_words, b_words, weights)  # Sᵀ
+        _times_transposed(program, size, QUERY_TILE, douts, v_words, b_words, gradients)  # dPᵀ
+        with program.phase(wait=False) as thread:
+            _, _, place = _lane(thread)
+            for r, s in enumerate(_own_rows(thread, first_key)):
+                for _, column, at in (e for e in _elements(QUERY_TILE) if e[0] == r):
+                    t = first_query + place * 2 + column
+                    row = (place * 2 + column) * (PARKED + PADDING)
+                    peak, inverse, d = (parked.load(row + i) for i in range(PARKED))
+                    score = shape.score(ctx, weights.load(at), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
+                    seen = (t < shape.queries) & (s < shape.visible_keys(ctx, t).minimum(shape.keys))
+                    p = seen.where((score - peak).exp() * inverse, 0.0)
+                    weights.store(at, p)
+                    gradients.store(at, p * (gradients.load(at) - d))
+        _accumulate(program, size, QUERY_TILE, douts, weights, a_words, b_words, dv_sum)
+        _accumulate(program, size, QUERY_TILE, queries, gradients, a_words, b_words, dk_sum)
+        with program.phase():  # every warp done with the tiles before the next overwrites them
+            pass
+    with program.phase(wait=False) as thread:
+        _, _, place = _lane(thread)
+        for r, s in enumerate(_own_rows(thread, first_key)):
+            with ctx.when(s < shape.keys):
+                at = shape.key_row(b, kv, s) + place * 2
+                for _, column, i in (e for e in _elements(size) if e[0] == r):
+                    ctx.store(dk, at + column, dk_sum.load(i) * shape.scale)
+                    ctx.store(dv, at + column, dv_sum.load(i))
