@@ -37,6 +37,7 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, EmitContext
+from ..llvm.irutil import declared
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from . import warps
@@ -109,6 +110,18 @@ def _pack_rows(program: BlockProgram, var: Variable, rows: list[Value], size: in
         for word in range(4):  # rows g, g + 8, g, g + 8; features 2q, 2q, 2q + 8, 2q + 8 (and one more each)
             at = rows[word % 2] + chunk * 16 + place * 2 + 8 * (word // 2)
             words.store(chunk * 4 + word, warps.pack(program, ctx.load(var, at + 1), ctx.load(var, at)))
+
+
+def _exp(program: BlockProgram, x: Value) -> Value:
+    """eˣ: on the GPU the special-function unit's 2^x (ex2.approx, 2 ulp; exp(−∞) = 0) of
+    x·log₂e, one instruction where the polynomial takes twenty, the softmax's cost beside
+    the tensor cores'; on the host emulator the polynomial (they part by a few ulp, far
+    inside the bfloat16 rounding the weights then take)."""
+    if not program.on_gpu:
+        return x.exp()
+    ctx = program.ctx
+    power = declared(ctx.module, "llvm.nvvm.ex2.approx.f", ir.FunctionType(ir.FloatType(), [ir.FloatType()]))
+    return Value(ctx.b, ctx.b.call(power, [(x * math.log2(math.e)).ir]), FLOAT)
 
 
 def _zero(program: BlockProgram, array: PrivateArray, count: int) -> None:
@@ -248,11 +261,11 @@ def _online_softmax(block: _QueryBlock, first_key: Value, peak, total, tile_peak
         for r in range(2):
             grown = peak.load(r).maximum(tile_peak.load(r))
             finite = finite_peak(grown)
-            correction = (peak.load(r) - finite).exp()
+            correction = _exp(program, peak.load(r) - finite)
             share = total.load(r) * correction
             rescale(r, correction)
             for _, _, at in (e for e in _elements(block.per_tile) if e[0] == r):
-                weight = (block.scores.load(at) - finite).exp()
+                weight = _exp(program, block.scores.load(at) - finite)
                 block.scores.store(at, weight)
                 weigh(r, at, weight)
                 share = share + weight
@@ -347,7 +360,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
         with program.phase(wait=False):
             def score_gradient(r: int, at: int, score: Value) -> None:
                 peak, inverse, d = (parked.load(r * PARKED + k) for k in range(PARKED))
-                p = (score - peak).exp() * inverse
+                p = _exp(program, score - peak) * inverse
                 block.scores.store(at, p * (products.load(at) - d))
 
             block.masked_scores(first_key, score_gradient)
@@ -403,7 +416,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
                     peak, inverse, d = (parked.load(row + i) for i in range(PARKED))
                     score = shape.score(ctx, weights.load(at), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
                     seen = (t < shape.queries) & (s < shape.visible_keys(ctx, t).minimum(shape.keys))
-                    p = seen.where((score - peak).exp() * inverse, 0.0)
+                    p = seen.where(_exp(program, score - peak) * inverse, 0.0)
                     weights.store(at, p)
                     gradients.store(at, p * (gradients.load(at) - d))
         _accumulate(program, size, QUERY_TILE, douts, weights, a_words, b_words, dv_sum)
