@@ -106,6 +106,22 @@ def test_generate_benchmark_races_pytorch_with_a_kv_cache_on_the_same_weights():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_attention_benchmark_times_both_passes_of_each_side(backend, monkeypatch):
+    """ranvier's attention steps by the backend's clock (the CUDA backend on the host
+    emulator here: its tensor-core kernels) against PyTorch's SDPA, both passes, the ratio."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    out = run("attention.py", "--backend", backend, "--batch", "1", "--seq", "70", "--heads", "2", "--kv-heads", "1",
+              "--head-size", "32", "--repeats", "1", "--steps", "1")
+    lines = out.splitlines()
+    kernels = "AttentionMMA" if backend == "cuda" else "Attention"
+    assert re.search(rf"ranvier \({backend}, (bfloat16|float32) products\): {kernels}", out), out
+    for side in ("ranvier", "pytorch"):
+        assert re.search(rf"^{side} +forward +[\d.]+ ms \( *[\d.]+ TFLOP/s\), backward +[\d.]+ ms", out, re.MULTILINE), side
+    assert_summary(lines, "ms")
+
+
+@pytest.mark.slow
 def test_generate_benchmark_decodes_on_the_cuda_backend(monkeypatch):
     """On the host emulator here: ranvier's cells on the CUDA backend, PyTorch's decoder on
     the CPU (it sees no GPU), the same greedy tokens."""

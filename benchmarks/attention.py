@@ -1,0 +1,137 @@
+"""Attention forward and backward: ranvier's kernels vs PyTorch's scaled_dot_product_attention, same shapes, same run.
+
+A Llama's attention: rows [B, T, heads, hd], causal, grouped key/value heads. ranvier's
+Attention and AttentionGrad are two steps of one compiled cell, timed by the backend's
+own clock per step (the device's events on a GPU); PyTorch's SDPA forward and backward
+(FlashAttention on a GPU, in bfloat16 as autocast runs it; float32 on the CPU) are timed
+around a synchronize. ranvier's products run in --matmul: bfloat16 by default on cuda
+(the tensor-core kernels), float32 on the CPU. Medians of --repeats rounds, each of
+--steps computes per side, alternating. FLOPs: the causal half of 4·B·H·T²·hd forward
+and 2.5 times that backward (FlashAttention's own count).
+Run: python benchmarks/attention.py [--backend cuda] [--batch 32] [--seq 1024] [--heads 12] [--kv-heads 12]
+     [--head-size 64] [--repeats 5] [--steps 10] [--matmul float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from common import machine, match_threads, summary
+
+import ranvier as rv
+
+
+def ranvier_side(args, matmul: str):
+    """A function timing `steps` computes of the cell: (forward, backward) seconds per compute."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "attention")
+    shapes = {"q": [args.batch, args.seq, args.heads, args.head_size], "k": [args.batch, args.seq, args.kv_heads, args.head_size],
+              "v": [args.batch, args.seq, args.kv_heads, args.head_size], "dout": [args.batch, args.seq, args.heads, args.head_size]}
+    q, k, v, dout = (f.var(name, "float32", shape) for name, shape in shapes.items())
+    f.op("Attention", [q, k, v], None, {"heads_first": False}).var.out = True
+    for gradient in f.op("AttentionGrad", [q, k, v, dout], None, {"heads_first": False}):
+        gradient.var.out = True
+    cell = rv.Compiler(args.backend, matmul=matmul).compile(flow).cell("attention")
+    data = cell.instance()
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        data[f"attention/{name}"] = rng.standard_normal(shape).astype(np.float32)
+    steps = {cell.steps[i].op.type: i for i in range(len(cell.steps)) if cell.steps[i].op.type.startswith("Attention")}
+    kernels = sorted({cell.steps[i].kernel for i in steps.values()})
+    data.compute()
+
+    def run() -> tuple[float, float]:
+        data.reset_profile()
+        for _ in range(args.steps):
+            data.compute()
+        seconds = {s.op.type: s.seconds for s in data.profile().steps}
+        return seconds["Attention"], seconds["AttentionGrad"]
+
+    return run, ", ".join(kernels)
+
+
+def torch_side(args, torch, device: str):
+    """The same for PyTorch's SDPA (bfloat16 on a GPU, float32 on the CPU)."""
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def tensor(heads: int, grad: bool):
+        x = torch.randn(args.batch, heads, args.seq, args.head_size, generator=generator).to(device=device, dtype=dtype)
+        return x.requires_grad_(grad)
+
+    q, k, v = tensor(args.heads, True), tensor(args.kv_heads, True), tensor(args.kv_heads, True)
+    dout = tensor(args.heads, False)
+    gqa = args.kv_heads != args.heads
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def run() -> tuple[float, float]:
+        forward = backward = 0.0
+        for _ in range(args.steps):
+            synchronize()
+            start = time.perf_counter()
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            synchronize()
+            middle = time.perf_counter()
+            out.backward(dout)
+            synchronize()
+            forward, backward = forward + middle - start, backward + time.perf_counter() - middle
+            q.grad = k.grad = v.grad = None
+        return forward / args.steps, backward / args.steps
+
+    run()  # warm up
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--matmul", default=None, choices=["float32", "bfloat16"],
+                        help="ranvier's products (default: bfloat16 on cuda, float32 on the CPU)")
+    args = parser.parse_args()
+    args.kv_heads = args.kv_heads or args.heads
+    import torch
+
+    match_threads(torch)
+    print(machine(torch))
+    device = "cuda" if args.backend == "cuda" and torch.cuda.is_available() else "cpu"
+    if args.backend == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}" if device == "cuda" else "GPU: none that PyTorch sees; its side runs on the CPU")
+    matmul = args.matmul or ("bfloat16" if args.backend == "cuda" else "float32")
+    ours, kernels = ranvier_side(args, matmul)
+    sides = {"ranvier": ours, "pytorch": torch_side(args, torch, device)}
+    forward_flops = 2 * args.batch * args.heads * args.seq * args.seq * args.head_size  # the causal half of 4·B·H·T²·hd
+    print(f"batch {args.batch} x seq {args.seq}, {args.heads} heads ({args.kv_heads} key/value) of {args.head_size}, causal; "
+          f"ranvier ({args.backend}, {matmul} products): {kernels}; pytorch: SDPA on {device} in "
+          f"{'bfloat16' if device == 'cuda' else 'float32'}")
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    for repeat in range(args.repeats):
+        for name, run in sides.items():
+            times[name].append(run())
+            forward, backward = times[name][-1]
+            print(f"  run {repeat + 1} {name:8s} forward {forward * 1e3:9.3f} ms  backward {backward * 1e3:9.3f} ms", flush=True)
+    medians = {}
+    for name, values in times.items():
+        forward, backward = (statistics.median(v[i] for v in values) for i in range(2))
+        medians[name] = (forward + backward) * 1e3
+        print(f"{name:8s} forward {forward * 1e3:9.3f} ms ({forward_flops / forward / 1e12:6.2f} TFLOP/s), backward "
+              f"{backward * 1e3:9.3f} ms ({2.5 * forward_flops / backward / 1e12:6.2f} TFLOP/s)")
+    summary(medians, "ms", higher_is_better=False, digits=3)
+
+
+if __name__ == "__main__":
+    main()
