@@ -23,34 +23,20 @@ from ranvier.backends.llvm.irutil import F32, I32, VOID, use_features
 WARPS = 2  # a block of two warps: each does its own product
 
 
-def a_fragments(a: np.ndarray) -> np.ndarray:
-    """[32, 8] bfloat16: lane 4g + q's element i is A[g + 8·(i // 2 % 2)][2q + i % 2 + 8·(i // 4)]."""
-    out = np.empty((32, 8), a.dtype)
+def fragments(matrix: np.ndarray, count: int, at) -> np.ndarray:
+    """[32, count]: lane 4g + q's element i is matrix[at(g, q, i)]."""
+    out = np.empty((32, count), matrix.dtype)
     for lane in range(32):
         g, q = divmod(lane, 4)
-        for i in range(8):
-            out[lane, i] = a[g + 8 * (i // 2 % 2), 2 * q + i % 2 + 8 * (i // 4)]
+        for i in range(count):
+            out[lane, i] = matrix[at(g, q, i)]
     return out
 
 
-def b_fragments(b: np.ndarray) -> np.ndarray:
-    """[32, 4]: element i is B[2q + i % 2 + 8·(i // 2)][g]."""
-    out = np.empty((32, 4), b.dtype)
-    for lane in range(32):
-        g, q = divmod(lane, 4)
-        for i in range(4):
-            out[lane, i] = b[2 * q + i % 2 + 8 * (i // 2), g]
-    return out
-
-
-def c_fragments(c: np.ndarray) -> np.ndarray:
-    """[32, 4]: element i is C[g + 8·(i // 2)][2q + i % 2]."""
-    out = np.empty((32, 4), c.dtype)
-    for lane in range(32):
-        g, q = divmod(lane, 4)
-        for i in range(4):
-            out[lane, i] = c[g + 8 * (i // 2), 2 * q + i % 2]
-    return out
+# The PTX ISA's tables for mma.m16n8k16: (elements a lane holds, where element i of lane 4g + q lies)
+A_LAYOUT = (8, lambda g, q, i: (g + 8 * (i // 2 % 2), 2 * q + i % 2 + 8 * (i // 4)))  # A, 16 × 16
+B_LAYOUT = (4, lambda g, q, i: (2 * q + i % 2 + 8 * (i // 2), g))  # B, 16 × 8
+C_LAYOUT = (4, lambda g, q, i: (g + 8 * (i // 2), 2 * q + i % 2))  # C and D, 16 × 8
 
 
 def words(fragments: np.ndarray) -> np.ndarray:
@@ -97,9 +83,9 @@ def test_the_emulated_product_is_each_warps_bfloat16_matrices_summed_in_float32(
     a = rng.standard_normal((WARPS, 16, 16)).astype(ml_dtypes.bfloat16)
     b = rng.standard_normal((WARPS, 16, 8)).astype(ml_dtypes.bfloat16)
     c = rng.standard_normal((WARPS, 16, 8)).astype(np.float32)
-    a_words = np.concatenate([words(a_fragments(a[w])) for w in range(WARPS)])
-    b_words = np.concatenate([words(b_fragments(b[w])) for w in range(WARPS)])
-    c_floats = np.concatenate([c_fragments(c[w]) for w in range(WARPS)])
+    a_words = np.concatenate([words(fragments(a[w], *A_LAYOUT)) for w in range(WARPS)])
+    b_words = np.concatenate([words(fragments(b[w], *B_LAYOUT)) for w in range(WARPS)])
+    c_floats = np.concatenate([fragments(c[w], *C_LAYOUT) for w in range(WARPS)])
     d_floats = np.full_like(c_floats, np.nan)
     target = host_target()
     code = jit.load_object(jit.compile_object(_product_kernel(on_gpu=False), target), target, "kernel")
@@ -108,7 +94,7 @@ def test_the_emulated_product_is_each_warps_bfloat16_matrices_summed_in_float32(
     for w in range(WARPS):
         want = a[w].astype(np.float64) @ b[w].astype(np.float64) + c[w]
         got = d_floats[32 * w : 32 * (w + 1)]
-        np.testing.assert_allclose(got, c_fragments(want), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, fragments(want, *C_LAYOUT), rtol=1e-5, atol=1e-5)
 
 
 def test_an_exchange_passes_each_lanes_values_to_its_butterfly_partner():
