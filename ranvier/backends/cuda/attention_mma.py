@@ -188,7 +188,10 @@ class _QueryBlock:
         size = shape.size
         query_blocks = -(-shape.queries // ROWS)
         head = block // query_blocks
-        self.b, self.h, self.first = head // shape.heads, head % shape.heads, block % query_blocks * ROWS
+        # a head's last rows first: under a causal mask they see the most keys, and the GPU
+        # takes blocks in order, so the longest start first and the short ones fill the tail
+        self.b, self.h = head // shape.heads, head % shape.heads
+        self.first = (query_blocks - 1 - block % query_blocks) * ROWS
         self.per_tile = _key_tile(size)
         self.q_words = program.private(dtypes.DT_INT32, size // 16 * 4)
         self.g_words = program.private(dtypes.DT_INT32, size // 16 * 4) if with_gradient else None  # dout's
