@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from ... import dtypes
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.convert import narrow
 from ..llvm.irutil import F32, I32, I64, VOID, declared
@@ -43,9 +44,9 @@ def pack(program: BlockProgram, high: Value, low: Value) -> Value:
     b = program.ctx.b
     if program.on_gpu:
         convert = ir.InlineAsm(ir.FunctionType(I32, [F32, F32]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
-        return Value(b, b.call(convert, [high.ir, low.ir]), "int32")
-    halves = [b.zext(narrow(b, v.ir, "bfloat16", 1), I32) for v in (high, low)]
-    return Value(b, b.or_(b.shl(halves[0], ir.Constant(I32, 16)), halves[1]), "int32")
+        return Value(b, b.call(convert, [high.ir, low.ir]), dtypes.DT_INT32)
+    halves = [b.zext(narrow(b, v.ir, dtypes.DT_BFLOAT16, 1), I32) for v in (high, low)]
+    return Value(b, b.or_(b.shl(halves[0], ir.Constant(I32, 16)), halves[1]), dtypes.DT_INT32)
 
 
 def _unpacked(b: ir.IRBuilder, word: ir.Value, high: bool) -> ir.Value:
@@ -78,7 +79,7 @@ def mma(program: BlockProgram, d: tuple[PrivateArray, int], a: tuple[PrivateArra
             result = ctx.b.call(product, [*words, *sums])
             array, at = d
             for k in range(4):
-                array.store(at + k, Value(ctx.b, ctx.b.extract_value(result, k), "float32"))
+                array.store(at + k, Value(ctx.b, ctx.b.extract_value(result, k), dtypes.DT_FLOAT32))
         return
     if program.thread is not None:
         raise RuntimeError("a warp-wide operation comes between phases, not in one")
