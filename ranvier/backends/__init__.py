@@ -9,9 +9,9 @@ import importlib
 from collections.abc import Callable
 
 from ..errors import RanvierError
-from .base import DENORMALS, MATMUL_PRECISIONS, Backend, Capabilities, CompileOptions
+from .base import DENORMALS, MATMUL_PRECISIONS, PRECISIONS, Backend, Capabilities, CompileOptions
 
-__all__ = ["DENORMALS", "MATMUL_PRECISIONS", "Backend", "Capabilities", "CompileOptions", "backend_names", "create_backend", "register_backend"]
+__all__ = ["DENORMALS", "MATMUL_PRECISIONS", "PRECISIONS", "Backend", "Capabilities", "CompileOptions", "backend_names", "create_backend", "register_backend"]
 
 Factory = Callable[[CompileOptions], Backend]
 
@@ -35,6 +35,8 @@ def backend_names() -> list[str]:
 def create_backend(name: str, options: CompileOptions) -> Backend:
     if options.matmul not in MATMUL_PRECISIONS:
         raise RanvierError(f"unknown matmul precision {options.matmul!r}; available: {', '.join(MATMUL_PRECISIONS)}")
+    if options.precision not in PRECISIONS:
+        raise RanvierError(f"unknown precision {options.precision!r}; available: {', '.join(PRECISIONS)}")
     if options.denormals not in DENORMALS:
         raise RanvierError(f"unknown denormals mode {options.denormals!r}; available: {', '.join(DENORMALS)}")
     factory = _BACKENDS.get(name)

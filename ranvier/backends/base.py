@@ -18,6 +18,7 @@ from ..flow.graph import Operation, Variable
 from ..runtime import Cell, Instance, Step
 
 MATMUL_PRECISIONS = ("float32", "tfloat32", "bfloat16")
+PRECISIONS = ("float32", "bfloat16")  # what activations are stored in
 DENORMALS = ("keep", "flush")
 
 
@@ -34,12 +35,16 @@ class CompileOptions:
         the CPU backend's code treat them as zero, inputs and results (x86's FTZ and DAZ
         modes, for the cell and the workers running its parts). On Intel cores an
         arithmetic operation on a subnormal costs some hundred cycles: an Adam step over
-        state decayed below 1e-38 ran 13 times slower."""
+        state decayed below 1e-38 ran 13 times slower.
+    precision: one of PRECISIONS: "float32", or "bfloat16": activations and their gradients
+        stored in bfloat16 (parameters, optimizer state and losses in float32), where the
+        backend can (`Capabilities.activation_precisions`)."""
 
     cpu: str = ""
     cache: bool = True
     matmul: str = "float32"
     denormals: str = "keep"
+    precision: str = "float32"
 
 
 DEFAULT_OPTIONS = CompileOptions()
@@ -52,6 +57,7 @@ class Capabilities:
     rewrites: run the rewriting passes (decompose, fold, CSE, fuse); the reference
         backend runs the flow exactly as built, which is what makes it the oracle.
     matmul_precisions: the precisions its matrix products can run in.
+    activation_precisions: the precisions it can store activations in.
     epilogues: it runs a matrix product or convolution and the elementwise program after
         it as one op (MatMulCalculate, Conv2DCalculate), so the epilogue pass may fuse them.
     fuses_epilogue: where given, which epilogues it runs so — `fuses_epilogue(product,
@@ -60,6 +66,7 @@ class Capabilities:
 
     rewrites: bool = True
     matmul_precisions: tuple[str, ...] = ("float32",)
+    activation_precisions: tuple[str, ...] = ("float32",)
     epilogues: bool = True
     fuses_epilogue: Callable[[Variable, str, list[Variable]], bool] | None = None
 

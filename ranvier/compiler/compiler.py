@@ -59,7 +59,8 @@ def check_types(op: Operation) -> None:
 class Compiler:
     """Compile a flow for a backend: `Compiler().compile(flow)` returns a Network."""
 
-    def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True, matmul: str = "float32", denormals: str = "keep"):
+    def __init__(self, backend: str = "cpu", cpu: str = "", cache: bool = True, matmul: str = "float32", denormals: str = "keep",
+                 precision: str = "float32"):
         """backend: "cpu" (LLVM JIT), "reference" (numpy oracle), or any registered backend.
         cpu: CPU features to mask, e.g. "-avx512" or "-avx512,-avx2" (Myelin's --cpu).
         cache: reuse generated code across processes (the on-disk compile cache).
@@ -68,9 +69,14 @@ class Compiler:
             tiles on the CPU, either on tensor cores through cuBLASLt on a GPU; where the
             backend cannot, products stay float32).
         denormals: "keep" (IEEE subnormal numbers) or "flush" (the CPU backend's code treats
-            them as zero: far faster on Intel cores where values decay below 1e-38)."""
+            them as zero: far faster on Intel cores where values decay below 1e-38).
+        precision: "float32", or "bfloat16": activations and their gradients stored in
+            bfloat16, parameters, optimizer state and losses in float32, matrix products on
+            bfloat16 inputs (mixed precision; where the backend cannot, float32)."""
         self.backend_name = backend
-        self.options = CompileOptions(cpu, cache, matmul, denormals)
+        if precision == "bfloat16" and matmul == "float32":
+            matmul = "bfloat16"  # the products left in float32 (an attention gradient's) round their inputs too
+        self.options = CompileOptions(cpu, cache, matmul, denormals, precision)
         self.backend = create_backend(backend, self.options)
 
     def compile(self, flow: Flow) -> Network:

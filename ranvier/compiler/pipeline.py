@@ -7,6 +7,7 @@ pipeline decides which passes apply.
     decompose        composites the backend cannot run whole → the ops they are made of
     fold             ops of constants → constants
     cse              the same op on the same inputs → computed once
+    activation-precision  float32 activations → stored in bfloat16 (Compiler(precision=...))
     fuse             chains of elementwise ops, and loops of one shape reading one value → one Calculate (one loop)
     fuse-loss        cross-entropy beside its gradient → one op, one read of the logits
     fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from .. import debug
 from ..backends import Backend, CompileOptions
 from ..flow.graph import Flow, Function
+from .activations import use_activation_precision
 from .attention import fuse_attention
 from .decompose import decompose
 from .epilogue import fuse_epilogues
@@ -54,6 +56,10 @@ def _mixed_precision(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.options.matmul in ctx.backend.capabilities.matmul_precisions and ctx.options.matmul != "float32"
 
 
+def _activation_precision(ctx: PassContext) -> bool:
+    return _rewrites(ctx) and ctx.options.precision != "float32" and ctx.options.precision in ctx.backend.capabilities.activation_precisions
+
+
 def _epilogues(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.backend.capabilities.epilogues
 
@@ -70,6 +76,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("decompose", lambda c: decompose(c.flow, c.func, c.backend.runs_whole)),
     Pass("fold", lambda c: fold_constants(c.flow, c.func, c.keep)),
     Pass("cse", lambda c: eliminate_common_subexpressions(c.flow, c.func, c.keep)),
+    Pass("activation-precision", lambda c: use_activation_precision(c.flow, c.func, c.keep, c.options.precision),
+         _activation_precision),
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),

@@ -196,13 +196,16 @@ class TrainerBase:
         share = np.asarray(value, np.float64) / parts
         self.watched[name] = share if fresh else self.watched[name] + share
 
-    def _compile(self, backend: str, predict: Tensor | None, cpu: str = "", matmul: str = "float32") -> None:
+    def _compile(self, backend: str, predict: Tensor | None, cpu: str = "", matmul: str = "float32",
+                 precision: str = "float32") -> None:
         compile_start = time.perf_counter()
-        compiler = Compiler(backend, cpu=cpu, matmul=matmul, denormals="flush")
+        compiler = Compiler(backend, cpu=cpu, matmul=matmul, denormals="flush", precision=precision)
         self.network = compiler.compile(self.flow)
         self.compile_seconds = time.perf_counter() - compile_start
-        # Where the backend cannot run the requested precision, products stay float32.
+        # Where the backend cannot run the requested precision, products and activations stay float32.
+        matmul = compiler.options.matmul
         self.matmul = matmul if matmul in compiler.backend.capabilities.matmul_precisions else "float32"
+        self.precision = precision if precision in compiler.backend.capabilities.activation_precisions else "float32"
         self.predict_var = predict.var if predict is not None else None
         self.predict_data = self.network.cell(predict.var.producer.func.name).instance() if predict is not None else None
         self.step_count = 0
@@ -383,6 +386,8 @@ class Trainer(TrainerBase):
         that decays below 1e-38 (Adam's moments of rarely used embedding rows) would
         otherwise slow every update it takes part in, on Intel cores 13-fold.
     matmul: "float32", or "bfloat16" for mixed-precision matrix products (see Compiler).
+    precision: "float32", or "bfloat16": activations and their gradients stored in bfloat16,
+        matrix products on bfloat16 inputs (see Compiler; where the backend cannot, float32).
     world: the ranks of a data-parallel run (default: the MPI job this process was started
         in, or none). Each rank's inputs hold its share of the global batch; the gradients
         are averaged over the ranks before the update, so N ranks take the steps one process
@@ -408,6 +413,7 @@ class Trainer(TrainerBase):
         backend: str = "cpu",
         cpu: str = "",
         matmul: str = "float32",
+        precision: str = "float32",
         world: World | None = None,
         zero: bool = False,
     ):
@@ -472,7 +478,7 @@ class Trainer(TrainerBase):
         self.finite_var.out = True
         self.skipped_var = stepped.skipped.var if stepped.skipped is not None else None
 
-        self._compile(backend, predict, cpu, matmul)
+        self._compile(backend, predict, cpu, matmul, precision)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
         self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None

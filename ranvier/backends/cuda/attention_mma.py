@@ -1,6 +1,7 @@
 """Attention and its gradient on tensor cores, FlashAttention-2's way: for a compile whose
 matrix products run in bfloat16 (`Compiler(matmul="bfloat16")` marks the ops' precision),
-float32 operands, head sizes a multiple of 16 up to 128. Every product is a warp's
+float32 operands (or bfloat16 ones for the forward pass), head sizes a multiple of 16 up
+to 128. Every product is a warp's
 `warps.mma` (bfloat16 inputs, float32 sums); no score matrix is formed.
 
 A block of `WARPS` warps takes 64 rows, 16 a warp (the rows of an mma's A), and the warps
@@ -53,10 +54,16 @@ FLOAT = dtypes.DT_FLOAT32
 
 
 def supports(op: Operation) -> bool:
-    if op.type not in ("Attention", "AttentionGrad") or attrs_of(op)["precision"] != "bfloat16":
+    """Float32 operands whose products may round to bfloat16 (the op's precision), or, for
+    the forward pass, bfloat16 operands (`Compiler(precision="bfloat16")`'s activations;
+    the gradient keeps float32 operands there, its statistics parked unrounded)."""
+    if op.type not in ("Attention", "AttentionGrad"):
         return False
     size = op.inputs[0].shape[-1]
-    return all(v.dtype == FLOAT for v in (*op.inputs, *op.outputs)) and size % 16 == 0 and 16 <= size <= 128
+    operands = {v.dtype for v in (*op.inputs, *op.outputs)}
+    rounded = attrs_of(op)["precision"] == "bfloat16" and operands == {FLOAT}
+    halves = op.type == "Attention" and operands == {dtypes.DT_BFLOAT16}
+    return (rounded or halves) and size % 16 == 0 and 16 <= size <= 128
 
 
 def _key_tile(size: int) -> int:

@@ -1,0 +1,98 @@
+"""Activation precision: a function's float32 activations and their gradients stored in
+bfloat16 (`Compiler(precision="bfloat16")`), its parameters, optimizer state, losses and
+the values other cells read in float32: half the bytes for every memory-bound kernel and
+bfloat16 inputs for every matrix product. Kernels still compute in float32 (a bfloat16
+value is widened when loaded and rounded when stored), so what changes is where values
+are rounded.
+
+The pass walks the ops in dependency order and picks each one's float dtype, then casts
+the inputs that differ (`Cast` ops, which fusion later folds into the neighbouring
+elementwise programs, where they cost nothing):
+- matrix products run on bfloat16 inputs (a weight is rounded once per step);
+- ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds,
+  attention's gradient, whose statistics must not be rounded), ops that write a value
+  other cells or the caller read (a loss), a global (an optimizer's update) or one that
+  cannot be typed in bfloat16, get float32 inputs;
+- any other op takes the dtype of its largest float input (its activation, rather than a
+  norm's gain or a loss's scale), float32 on a tie (a residual stream, float32 from the
+  embedding on, stays float32 where a bfloat16 branch is added to it).
+"""
+
+from __future__ import annotations
+
+from .. import dtypes
+from ..errors import RanvierError
+from ..flow.builder import Builder
+from ..flow.graph import Flow, Function, Operation, Variable
+from ..ops import op_def
+
+FLOAT32_OPS = {"AttentionGrad", "ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
+_FLOATS = (dtypes.DT_FLOAT32, dtypes.DT_BFLOAT16)
+
+
+def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: str = dtypes.DT_BFLOAT16) -> None:
+    """Store `func`'s float32 activations in `dtype` (module docstring)."""
+    b = Builder(flow, func)
+    casts: dict[tuple[str, str], Variable] = {}
+    for op in flow.op_order(func):
+        floats = [i for i, v in enumerate(op.inputs) if v.dtype in _FLOATS]
+        if not floats or op.type == "Cast":
+            continue
+        if op.type == "MatMul" and _pinned(op, keep):
+            _widened_after(flow, b, op)
+        wanted = _wanted(op, floats, keep, dtype)
+        before = list(op.inputs)
+        _cast_inputs(b, op, floats, wanted, casts)
+        try:
+            types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
+        except RanvierError:  # the op takes no `dtype` input: it stays float32
+            for i, var in enumerate(before):
+                op.replace_input(op.inputs[i], var)
+            _cast_inputs(b, op, floats, dtypes.DT_FLOAT32, casts)
+            types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
+        for var, t in zip(op.outputs, types):
+            var.dtype = t.dtype
+    for var in casts.values():  # a cast an op took back
+        if not var.consumers:
+            flow.remove_op(var.producer)
+            flow.remove_var(var)
+
+
+def _pinned(op: Operation, keep: set[str]) -> bool:
+    """Whether the op writes a value that keeps its dtype: one the caller or other cells
+    read, or a global."""
+    return any(v.name in keep or v.is_global for v in op.outputs)
+
+
+def _widened_after(flow: Flow, b: Builder, op: Operation) -> None:
+    """A product whose output keeps float32 (a weight's gradient the trainer reads) writes
+    a value of its own, which a Cast then widens into the original: the product still
+    takes bfloat16 inputs (its output rounded once, as autocast's are)."""
+    original = op.outputs[0]
+    cast = b.op("Cast", [original], None, {"dtype": original.dtype}).var.producer
+    own = cast.outputs[0]
+    op.outputs[0], own.producer = own, op
+    cast.outputs[0], original.producer = original, cast
+    cast.replace_input(original, own)
+
+
+def _wanted(op: Operation, floats: list[int], keep: set[str], dtype: str) -> str:
+    if op.type == "MatMul":
+        return dtype
+    if op.type in FLOAT32_OPS or _pinned(op, keep):
+        return dtypes.DT_FLOAT32
+    sizes = sorted(((op.inputs[i].size, op.inputs[i].dtype) for i in floats), key=lambda s: s[0], reverse=True)
+    largest = [d for size, d in sizes if size == sizes[0][0]]
+    return dtype if all(d == dtype for d in largest) else dtypes.DT_FLOAT32
+
+
+def _cast_inputs(b: Builder, op: Operation, floats: list[int], wanted: str, casts: dict[tuple[str, str], Variable]) -> None:
+    """Each float input of `op` not of dtype `wanted` replaced by its cast (one per value)."""
+    for i in floats:
+        var = op.inputs[i]
+        if var.dtype == wanted:
+            continue
+        key = (var.name, wanted)
+        if key not in casts:
+            casts[key] = b.op("Cast", [var], None, {"dtype": wanted}).var
+        op.replace_input(var, casts[key])

@@ -1,0 +1,99 @@
+"""Activation precision (`Compiler(precision="bfloat16")`, `compiler/activations.py`): a
+training step's activations and their gradients stored in bfloat16, its parameters,
+optimizer state, gradients the trainer reads and loss in float32, every op still well
+typed; on the CUDA backend (the host emulator here) the losses follow float32's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import ranvier as rv
+from ranvier.compiler.compiler import check_types
+from ranvier.errors import RanvierError
+
+
+def _llama_trainer(backend: str, precision: str):
+    """A stories260K-shaped Llama with heads of 16 features, AdamW and clipping, 2 × 16 tokens."""
+    from ranvier.models import llama
+    from ranvier.train.losses import softmax_cross_entropy
+    from ranvier.train.optimizers import AdamW
+    from ranvier.train.trainer import Trainer
+
+    config = dataclasses.replace(llama.PRESETS["stories260K"], n_heads=4, n_kv_heads=2)
+    model = llama.Llama(config, seed=0)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "train")
+    f.func.training = True
+    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
+    params = model.parameters(f)
+    loss = softmax_cross_entropy(model(f, tokens, params).reshape([32, config.vocab_size]), targets.reshape([32]))
+    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-3), clip_norm=1.0, inputs=[tokens, targets], backend=backend,
+                      precision=precision)
+    return trainer, config.vocab_size
+
+
+def test_bfloat16_activations_leave_parameters_gradients_and_the_loss_in_float32(monkeypatch):
+    """Every product takes bfloat16 inputs, the logits and their gradient are bfloat16, the
+    parameters (globals), the gradients the trainer reads and the loss stay float32, and
+    each op of the compiled step is typed as its definition says."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    trainer, vocabulary = _llama_trainer("cuda", "bfloat16")
+    assert trainer.precision == "bfloat16" and trainer.matmul == "bfloat16"
+    steps = trainer.network.cell("train").steps
+    for step in steps:
+        check_types(step.op)
+    products = [step.op for step in steps if step.op.type == "MatMul"]
+    assert products and all(v.dtype == "bfloat16" for op in products for v in (*op.inputs, *op.outputs))
+    (loss_step,) = [step.op for step in steps if step.op.type == "SoftmaxCrossEntropyGrad"]
+    assert loss_step.inputs[0].dtype == "bfloat16" and loss_step.inputs[0].shape == [32, vocabulary]
+    flow = trainer.network.flow
+    assert {v.dtype for v in flow.vars.values() if v.is_global and v.dtype in ("float32", "bfloat16")} == {"float32"}
+    assert flow.vars[trainer.loss_var.name].dtype == "float32"
+    assert {step.kernel for step in steps if step.op.type.startswith("Attention")} == {"AttentionMMA"}
+
+
+def test_bfloat16_activations_train_to_float32s_losses_on_the_device(monkeypatch):
+    """Ten steps on the CUDA backend's emulator follow the CPU's float32 losses to
+    bfloat16's rounding (measured: within 5e-4)."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    low, vocabulary = _llama_trainer("cuda", "bfloat16")
+    exact, _ = _llama_trainer("cpu", "float32")
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
+        assert low.step(batch) == pytest.approx(exact.step(batch), rel=2e-3)
+
+
+def test_a_backend_without_bfloat16_activations_keeps_float32():
+    trainer, _ = _llama_trainer("cpu", "bfloat16")
+    assert trainer.precision == "float32"
+    assert all(v.dtype != "bfloat16" for v in trainer.network.flow.vars.values())
+
+
+def test_an_unknown_precision_is_named():
+    with pytest.raises(RanvierError, match="unknown precision 'fp8'; available: float32, bfloat16"):
+        rv.Compiler("cpu", precision="fp8")
+
+
+def test_an_op_that_cannot_take_bfloat16_keeps_float32_and_the_casts_tried_for_it_go():
+    """SampleToken takes float32 numbers beside its logits: the logits are widened back for
+    it, and the casts of its other inputs tried first leave no trace."""
+    from ranvier.compiler.activations import use_activation_precision
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    logits = f.matmul(f.var("x", "float32", [64, 32]), f.var("w", "float32", [32, 16]))
+    tokens, _ = f.sample_token(logits, f.var("u", "float32", [64]), f.var("t", "float32", []), f.var("k", "int32", []),
+                               f.var("p", "float32", []))
+    (tokens + 1).var.out = True
+    use_activation_precision(flow, flow.func("f"), {v.name for v in flow.vars.values() if v.out or v.in_})
+    ops = flow.func("f").ops
+    for op in ops:
+        check_types(op)
+    (sample,) = [op for op in ops if op.type == "SampleToken"]
+    assert [v.dtype for v in sample.inputs] == ["float32", "float32", "float32", "int32", "float32"]
+    casts = [(op.inputs[0].name, op.outputs[0].dtype) for op in ops if op.type == "Cast"]
+    assert sorted(casts) == [("f/MatMul:0", "float32"), ("f/w", "bfloat16"), ("f/x", "bfloat16")]
