@@ -1064,6 +1064,21 @@ def test_pipeline_mixed_precision_only_where_asked_and_possible(matmul, precisio
     assert matmul_op.attrs.get("precision") == ("bfloat16" if mixed else None)
 
 
+@pytest.mark.parametrize(("precision", "stored", "applies"), [
+    ("bfloat16", ("float32", "bfloat16"), True),
+    ("bfloat16", ("float32",), False),  # asked for, but the backend cannot store bfloat16
+    ("float32", ("float32", "bfloat16"), False),
+])
+def test_pipeline_activation_precision_only_where_asked_and_possible(precision, stored, applies):
+    flow, y = _pipeline_flow()
+    backend = types.SimpleNamespace(capabilities=Capabilities(activation_precisions=stored), runs_whole=lambda op: True)
+    options = dataclasses.replace(CompileOptions(), precision=precision)
+    ran = run_pipeline(_context(flow, backend, options, {y.name}))
+    assert ("activation-precision" in ran) is applies
+    assert ran.index("cse") < ran.index("fuse") and (not applies or ran.index("cse") < ran.index("activation-precision") < ran.index("fuse"))
+    assert flow.vars[y.name].dtype == "float32"  # the function's output keeps its dtype
+
+
 def test_pipeline_without_rewrites_skips_mixed_precision_too():
     flow, y = _pipeline_flow()
     backend = types.SimpleNamespace(
