@@ -156,10 +156,12 @@ def match_threads(torch) -> None:
 Step = Callable[[np.ndarray, np.ndarray], float]
 
 
-def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False, backend: str = "cpu"):
+def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkpointed: bool = False, backend: str = "cpu",
+                    precision: str = "float32"):
     """ranvier's training step of a language model on [batch, seq] token windows: AdamW,
     clipping at 1, the model's auxiliary losses added; a Trainer, or a CheckpointedStack,
-    on `backend`. Prints the compile time; returns the trainer (`trainer.step([x, y])`)."""
+    on `backend`, its activations stored in `precision` (a Trainer's). Prints the compile
+    time; returns the trainer (`trainer.step([x, y])`)."""
     import ranvier as rv
     from ranvier.train.losses import softmax_cross_entropy
     from ranvier.train.optimizers import AdamW
@@ -189,8 +191,8 @@ def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkp
         if aux is not None:
             loss = loss + aux
         trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul,
-                          backend=backend)
-    kind = f"{backend}, {matmul}" + (", checkpointed" if checkpointed else "")
+                          backend=backend, precision=precision)
+    kind = f"{backend}, {matmul}" + (", checkpointed" if checkpointed else "") + (f", {precision} activations" if precision != "float32" else "")
     print(f"ranvier ({kind}) compiled the training step in {time.perf_counter() - start:.1f}s")
     return trainer
 

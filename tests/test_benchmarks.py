@@ -74,6 +74,18 @@ def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monke
 
 
 @pytest.mark.slow
+def test_training_benchmark_stores_activations_in_bfloat16_on_the_cuda_backend_where_asked(monkeypatch):
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    out = run("llama_train.py", "--backend", "cuda", "--preset", "stories260K", "--batch", "2", "--seq", "16", "--steps", "1",
+              "--repeats", "1", "--precision", "bfloat16", "--no-torch-compile")
+    assert "ranvier (cuda, bfloat16, bfloat16 activations) compiled the training step" in out
+    assert_summary(out.splitlines(), "tokens/s", sides=("ranvier", "rv-no-graph", "pytorch"))
+    done = subprocess.run([sys.executable, "llama_train.py", "--precision", "bfloat16"], check=False, cwd=BENCHMARKS,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--precision bfloat16 is for --backend cuda" in done.stderr
+
+
+@pytest.mark.slow
 def test_onnx_inference_benchmark_races_onnx_runtime_on_each_model():
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
