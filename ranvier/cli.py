@@ -15,7 +15,7 @@ import numpy as np
 
 from . import debug
 from .atomic import os_error
-from .backends import MATMUL_PRECISIONS, backend_names
+from .backends import MATMUL_PRECISIONS, PRECISIONS, backend_names
 from .errors import RanvierError
 
 
@@ -148,6 +148,7 @@ def _train_mnist(args: argparse.Namespace) -> int:
         backend=args.backend,
         cpu=args.cpu,
         matmul=args.matmul,
+        precision=args.precision,
         seed=args.seed,
         data=args.data,
         checkpoint_every=args.checkpoint_every,
@@ -178,7 +179,7 @@ def _train_llama(args: argparse.Namespace) -> int:
         steps=args.steps if args.steps is not None or args.minutes is not None else LlamaRunConfig.steps, minutes=args.minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
         backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
-        matmul=args.matmul, checkpoint_every=args.checkpoint_every, zero=args.zero,
+        matmul=args.matmul, precision=args.precision, checkpoint_every=args.checkpoint_every, zero=args.zero,
     )
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"{args.task}-{args.preset}-%Y%m%d-%H%M%S")
     print(f"run directory: {run_dir}")
@@ -414,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
     mnist.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
+    mnist.add_argument("--precision", default="float32", choices=PRECISIONS,
+                       help="bfloat16: activations and their gradients stored in bfloat16 on GPUs (parameters and "
+                            "optimizer state float32)")
     mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
     mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
@@ -454,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
         lm.add_argument("--cpu", default="", metavar="MASK")
         lm.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
                         help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
+        lm.add_argument("--precision", default="float32", choices=PRECISIONS,
+                        help="bfloat16: activations and their gradients stored in bfloat16 on GPUs (parameters and "
+                             "optimizer state float32; not with --checkpointed)")
         lm.add_argument("--run-dir", default=None)
         lm.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
         lm.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")

@@ -1,5 +1,6 @@
 """Training flags mean what they say: --minutes plans the run, --resume keeps the run's
-settings, --data trains on pretokenized shards where they lie, --matmul records what ran."""
+settings, --data trains on pretokenized shards where they lie, --matmul records what ran,
+--precision stores activations in bfloat16 where the backend can."""
 
 from __future__ import annotations
 
@@ -83,6 +84,24 @@ def test_matmul_bfloat16_without_amx_records_float32(tmp_path, capsys):
     main(["train", "mnist", "--resume", str(run), "--matmul", "bfloat16", "--steps", "3", "--quiet"])
     with pytest.raises(RanvierError, match="cannot change --matmul float32"):
         main(["train", "mnist", "--resume", str(run), "--matmul", "float32", "--steps", "4", "--quiet"])
+
+
+def test_precision_bfloat16_stores_activations_in_bfloat16_on_the_gpu_and_says_where_it_cannot(tmp_path, capsys, monkeypatch):
+    """On the CUDA backend (its emulator here) a run records bfloat16 activations and
+    bfloat16 products, without a note; on the CPU it says activations stay float32; a
+    checkpointed Llama refuses it, naming the clash."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    gpu = tmp_path / "gpu"
+    main(["train", "mnist", "--steps", "2", "--backend", "cuda", "--precision", "bfloat16", "--run-dir", str(gpu), *TINY_MNIST])
+    printed = capsys.readouterr().out
+    assert "--precision" not in printed and "--matmul" not in printed
+    assert config_of(gpu)["precision"] == "bfloat16" and config_of(gpu)["matmul"] == "bfloat16"
+    main(["train", "mnist", "--steps", "2", "--precision", "bfloat16", "--run-dir", str(tmp_path / "cpu"), *TINY_MNIST])
+    assert "--precision bfloat16: the cpu backend stores activations in float32" in capsys.readouterr().out
+    with pytest.raises(RanvierError, match="--precision bfloat16 stores a whole step's activations in one cell; it does not "
+                                           "combine with --checkpointed"):
+        main(["train", "llama", "--steps", "1", "--checkpointed", "--precision", "bfloat16", "--run-dir",
+              str(tmp_path / "lm"), *TINY_LM])
 
 
 def test_progress_counts_a_resumed_runs_steps_from_where_it_stands(capsys):

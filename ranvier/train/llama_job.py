@@ -78,6 +78,7 @@ class LlamaRunConfig:
     cpu: str = ""
     matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
     matmul_requested: str | None = None  # what --matmul asked for
+    precision: str = "float32"  # what activations are stored in: "bfloat16" on a GPU (not with checkpointed)
     checkpointed: bool = False  # stream the layers through a CheckpointedStack
     zero: bool = False  # ZeRO-1 over data-parallel workers (a resume may change it)
 
@@ -253,6 +254,9 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
                "matmul": rundir.requested_matmul(config), "zero": config.zero}
     entropy = float(manifest.get("unigram_entropy", math.nan))
     if config.checkpointed:
+        if config.precision != "float32":
+            raise RanvierError(f"--precision {config.precision} stores a whole step's activations in one cell; "
+                               "it does not combine with --checkpointed")
         window = ("int32", [batch, config.seq])
         stack = CheckpointedStack(model, window, window, lm_loss, optimizer, accumulate=config.accumulate, **options)
         return LlamaRun(stack, model, train, validation, stack.loss, entropy)
@@ -278,7 +282,7 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     eval_loss.var.out = True
 
     trainer = Trainer(loss, list(params.values()), optimizer, inputs=[tokens, targets], accumulate=config.accumulate,
-                      watch=watch, **options)
+                      watch=watch, precision=config.precision, **options)
     eval_data = trainer.network.cell("eval").instance()
 
     def evaluate(x: np.ndarray, y: np.ndarray) -> float:
@@ -345,6 +349,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     run = build(config, run_dir)
     trainer = run.trainer
     rundir.record_matmul(config, trainer.matmul)
+    if not config.checkpointed:
+        rundir.note_precision(config, trainer.precision)
     rundir.write_config(run_dir, config.model, config)
     rng = np.random.default_rng(config.seed)
     metrics_path = run_dir / "metrics.jsonl"

@@ -42,6 +42,7 @@ class MnistConfig:
     cpu: str = ""
     matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
     matmul_requested: str | None = None  # what --matmul asked for
+    precision: str = "float32"  # what activations are stored in: "bfloat16" on a GPU
     seed: int = 0
     data: str | None = None
     checkpoint_every: int = 500
@@ -77,6 +78,7 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         backend=config.backend,
         cpu=config.cpu,
         matmul=rundir.requested_matmul(config),
+        precision=config.precision,
         zero=config.zero,
     )
     trainer.set_dataset([train_split.pixels(shape), train_split.labels.astype(np.int32)], seed=config.seed)
@@ -112,6 +114,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
     rundir.open_run_dir(run_dir)
     trainer, _, test_split = make_trainer(config)
     rundir.record_matmul(config, trainer.matmul)
+    rundir.note_precision(config, trainer.precision)
     rundir.write_config(run_dir, "mnist", config)
     metrics_path = run_dir / "metrics.jsonl"
     if resume and rundir.checkpoint_step(run_dir) is not None:

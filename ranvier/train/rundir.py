@@ -226,13 +226,20 @@ def requested_matmul(config) -> str:
     return config.matmul_requested or config.matmul
 
 
+def note_precision(config, ran: str) -> None:
+    """Say so where the backend stores activations in another precision than --precision
+    asked for (bfloat16 activations are the CUDA backend's; the CPU keeps float32)."""
+    if ran != config.precision:
+        print(f"--precision {config.precision}: the {config.backend} backend stores activations in {ran}")
+
+
 def record_matmul(config, ran: str) -> None:
     """Record in the config the precision the matrix products run in, beside the one asked
     for, and say so when they differ (bfloat16 needs AMX-BF16 tiles; without them the
     compiler keeps float32)."""
     config.matmul_requested = requested_matmul(config)
     config.matmul = ran
-    if ran != config.matmul_requested:
+    if ran != config.matmul_requested and ran == "float32":  # (bfloat16 activations take bfloat16 products: no news)
         where = (f"the {config.backend} backend has no bfloat16 matrix products" if config.backend != "cpu" else
                  f"this CPU{f' (masked with --cpu={config.cpu})' if config.cpu else ''} has no usable AMX-BF16")
         print(f"--matmul {config.matmul_requested}: {where}: matrix products run in {ran}")
