@@ -416,8 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
     mnist.add_argument("--precision", default="float32", choices=PRECISIONS,
-                       help="bfloat16: activations and their gradients stored in bfloat16 on GPUs (parameters and "
-                            "optimizer state float32)")
+                       help="bfloat16 / float16: activations and their gradients stored in that type on GPUs "
+                            "(parameters and optimizer state float32; float16 with dynamic loss scaling)")
     mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
     mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
@@ -459,8 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
         lm.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
                         help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
         lm.add_argument("--precision", default="float32", choices=PRECISIONS,
-                        help="bfloat16: activations and their gradients stored in bfloat16 on GPUs (parameters and "
-                             "optimizer state float32; not with --checkpointed)")
+                        help="bfloat16 / float16: activations and their gradients stored in that type on GPUs "
+                             "(parameters and optimizer state float32; float16 with dynamic loss scaling; not with "
+                             "--checkpointed)")
         lm.add_argument("--run-dir", default=None)
         lm.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
         lm.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")

@@ -74,7 +74,7 @@ def test_a_backend_without_bfloat16_activations_keeps_float32():
 
 
 def test_an_unknown_precision_is_named():
-    with pytest.raises(RanvierError, match="unknown precision 'fp8'; available: float32, bfloat16"):
+    with pytest.raises(RanvierError, match="unknown precision .fp8.; available: float32, bfloat16, float16"):
         rv.Compiler("cpu", precision="fp8")
 
 
@@ -97,3 +97,23 @@ def test_an_op_that_cannot_take_bfloat16_keeps_float32_and_the_casts_tried_for_i
     assert [v.dtype for v in sample.inputs] == ["float32", "float32", "float32", "int32", "float32"]
     casts = [(op.inputs[0].name, op.outputs[0].dtype) for op in ops if op.type == "Cast"]
     assert sorted(casts) == [("f/MatMul:0", "float32"), ("f/w", "bfloat16"), ("f/x", "bfloat16")]
+
+
+def test_float16_activations_train_with_dynamic_loss_scaling(monkeypatch):
+    """float16 turns loss scaling on (its gradients would underflow): the step's activations
+    are float16, no step is skipped on this model, and ten steps follow float32's losses."""
+    from ranvier.train.loss_scale import DynamicLossScale
+
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    half, vocabulary = _llama_trainer("cuda", "float16")
+    assert half.precision == "float16"
+    flow = half.network.flow
+    assert flow.vars["train/loss_scale"].data == DynamicLossScale().initial
+    products = [step.op for step in half.network.cell("train").steps if step.op.type == "MatMul"]
+    assert products and all(v.dtype == "float16" for op in products for v in op.inputs)
+    exact, _ = _llama_trainer("cpu", "float32")
+    rng = np.random.default_rng(2)
+    for _ in range(10):
+        batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
+        assert half.step(batch) == pytest.approx(exact.step(batch), rel=2e-3)
+    assert half.skipped_steps == 0 and half.step_count == 10

@@ -88,14 +88,18 @@ def test_matmul_bfloat16_without_amx_records_float32(tmp_path, capsys):
 
 def test_precision_bfloat16_stores_activations_in_bfloat16_on_the_gpu_and_says_where_it_cannot(tmp_path, capsys, monkeypatch):
     """On the CUDA backend (its emulator here) a run records bfloat16 activations and
-    bfloat16 products, without a note; on the CPU it says activations stay float32; a
-    checkpointed Llama refuses it, naming the clash."""
+    bfloat16 products, without a note, and float16 activations say how many steps loss
+    scaling skipped; on the CPU it says activations stay float32; a checkpointed Llama
+    refuses it, naming the clash."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     gpu = tmp_path / "gpu"
     main(["train", "mnist", "--steps", "2", "--backend", "cuda", "--precision", "bfloat16", "--run-dir", str(gpu), *TINY_MNIST])
     printed = capsys.readouterr().out
     assert "--precision" not in printed and "--matmul" not in printed
     assert config_of(gpu)["precision"] == "bfloat16" and config_of(gpu)["matmul"] == "bfloat16"
+    main(["train", "mnist", "--steps", "2", "--backend", "cuda", "--precision", "float16", "--run-dir", str(tmp_path / "half"),
+          *TINY_MNIST])
+    assert "loss scaling skipped 0 of 2 steps" in capsys.readouterr().out  # float16 scales the loss
     main(["train", "mnist", "--steps", "2", "--precision", "bfloat16", "--run-dir", str(tmp_path / "cpu"), *TINY_MNIST])
     assert "--precision bfloat16: the cpu backend stores activations in float32" in capsys.readouterr().out
     with pytest.raises(RanvierError, match="--precision bfloat16 stores a whole step's activations in one cell; it does not "

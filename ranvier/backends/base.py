@@ -18,7 +18,7 @@ from ..flow.graph import Operation, Variable
 from ..runtime import Cell, Instance, Step
 
 MATMUL_PRECISIONS = ("float32", "tfloat32", "bfloat16")
-PRECISIONS = ("float32", "bfloat16")  # what activations are stored in
+PRECISIONS = ("float32", "bfloat16", "float16")  # what activations are stored in
 DENORMALS = ("keep", "flush")
 
 
@@ -36,9 +36,9 @@ class CompileOptions:
         modes, for the cell and the workers running its parts). On Intel cores an
         arithmetic operation on a subnormal costs some hundred cycles: an Adam step over
         state decayed below 1e-38 ran 13 times slower.
-    precision: one of PRECISIONS: "float32", or "bfloat16": activations and their gradients
-        stored in bfloat16 (parameters, optimizer state and losses in float32), where the
-        backend can (`Capabilities.activation_precisions`)."""
+    precision: one of PRECISIONS: "float32", or "bfloat16" / "float16": activations and their
+        gradients stored in that type (parameters, optimizer state and losses in float32),
+        where the backend can (`Capabilities.activation_precisions`)."""
 
     cpu: str = ""
     cache: bool = True

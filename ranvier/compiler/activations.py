@@ -1,5 +1,5 @@
 """Activation precision: a function's float32 activations and their gradients stored in
-bfloat16 (`Compiler(precision="bfloat16")`), its parameters, optimizer state, losses and
+bfloat16 or float16 (`Compiler(precision=...)`), its parameters, optimizer state, losses and
 the values other cells read in float32: half the bytes for every memory-bound kernel and
 bfloat16 inputs for every matrix product. Kernels still compute in float32 (a bfloat16
 value is widened when loaded and rounded when stored), so what changes is where values
@@ -8,7 +8,7 @@ are rounded.
 The pass walks the ops in dependency order and picks each one's float dtype, then casts
 the inputs that differ (`Cast` ops, which fusion later folds into the neighbouring
 elementwise programs, where they cost nothing):
-- matrix products run on bfloat16 inputs (a weight is rounded once per step);
+- matrix products run on half-precision inputs (a weight is rounded once per step);
 - ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds,
   attention's gradient, whose statistics must not be rounded), ops that write a value
   other cells or the caller read (a loss), a global (an optimizer's update) or one that
@@ -27,7 +27,7 @@ from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import op_def
 
 FLOAT32_OPS = {"AttentionGrad", "ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
-_FLOATS = (dtypes.DT_FLOAT32, dtypes.DT_BFLOAT16)
+_FLOATS = (dtypes.DT_FLOAT32, dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16)
 
 
 def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: str = dtypes.DT_BFLOAT16) -> None:

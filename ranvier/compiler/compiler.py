@@ -70,9 +70,10 @@ class Compiler:
             backend cannot, products stay float32).
         denormals: "keep" (IEEE subnormal numbers) or "flush" (the CPU backend's code treats
             them as zero: far faster on Intel cores where values decay below 1e-38).
-        precision: "float32", or "bfloat16": activations and their gradients stored in
-            bfloat16, parameters, optimizer state and losses in float32, matrix products on
-            bfloat16 inputs (mixed precision; where the backend cannot, float32)."""
+        precision: "float32", or "bfloat16" / "float16": activations and their gradients
+            stored in that type, parameters, optimizer state and losses in float32, matrix
+            products on its inputs (mixed precision; where the backend cannot, float32;
+            float16's narrow range wants loss scaling, which Trainer turns on for it)."""
         self.backend_name = backend
         if precision == "bfloat16" and matmul == "float32":
             matmul = "bfloat16"  # the products left in float32 (an attention gradient's) round their inputs too

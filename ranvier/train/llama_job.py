@@ -78,7 +78,7 @@ class LlamaRunConfig:
     cpu: str = ""
     matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
     matmul_requested: str | None = None  # what --matmul asked for
-    precision: str = "float32"  # what activations are stored in: "bfloat16" on a GPU (not with checkpointed)
+    precision: str = "float32"  # what activations are stored in: "bfloat16" or "float16" on a GPU (not checkpointed)
     checkpointed: bool = False  # stream the layers through a CheckpointedStack
     zero: bool = False  # ZeRO-1 over data-parallel workers (a resume may change it)
 
@@ -416,6 +416,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
         # resumes from the checkpoint before, which drops this line and logs it again.
         metrics.write({"step": trainer.step_count, "val_loss": final})
     checkpoint()
+    if not config.checkpointed:
+        rundir.note_skipped(config, trainer)
     print(f"validation_loss={final:.4f} unigram_entropy={run.unigram_entropy:.4f} (nats per token)")
     experts = expert_metrics(trainer.watched)
     if experts:

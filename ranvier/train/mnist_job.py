@@ -42,7 +42,7 @@ class MnistConfig:
     cpu: str = ""
     matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
     matmul_requested: str | None = None  # what --matmul asked for
-    precision: str = "float32"  # what activations are stored in: "bfloat16" on a GPU
+    precision: str = "float32"  # what activations are stored in: "bfloat16" or "float16" on a GPU
     seed: int = 0
     data: str | None = None
     checkpoint_every: int = 500
@@ -159,6 +159,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
         # resumes from the checkpoint before, which drops this line and logs it again.
         metrics.write({"step": trainer.step_count, "test_accuracy": accuracy})
     trainer.save(run_dir / "checkpoint")
+    rundir.note_skipped(config, trainer)
     print(f"test_accuracy={accuracy:.4f}")
     return accuracy
 

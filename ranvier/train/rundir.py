@@ -233,6 +233,12 @@ def note_precision(config, ran: str) -> None:
         print(f"--precision {config.precision}: the {config.backend} backend stores activations in {ran}")
 
 
+def note_skipped(config, trainer) -> None:
+    """With float16 activations (dynamic loss scaling on), how many steps the scaling skipped."""
+    if config.precision == "float16":
+        print(f"loss scaling skipped {trainer.skipped_steps:,} of {trainer.step_count:,} steps")
+
+
 def record_matmul(config, ran: str) -> None:
     """Record in the config the precision the matrix products run in, beside the one asked
     for, and say so when they differ (bfloat16 needs AMX-BF16 tiles; without them the

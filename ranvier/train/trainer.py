@@ -386,8 +386,10 @@ class Trainer(TrainerBase):
         that decays below 1e-38 (Adam's moments of rarely used embedding rows) would
         otherwise slow every update it takes part in, on Intel cores 13-fold.
     matmul: "float32", or "bfloat16" for mixed-precision matrix products (see Compiler).
-    precision: "float32", or "bfloat16": activations and their gradients stored in bfloat16,
-        matrix products on bfloat16 inputs (see Compiler; where the backend cannot, float32).
+    precision: "float32", or "bfloat16" / "float16": activations and their gradients stored in
+        that type, matrix products on its inputs (see Compiler; where the backend cannot,
+        float32). float16 turns on dynamic loss scaling unless `loss_scale` is given: its
+        gradients would underflow below 6e-8 (`skipped_steps` counts the steps skipped).
     world: the ranks of a data-parallel run (default: the MPI job this process was started
         in, or none). Each rank's inputs hold its share of the global batch; the gradients
         are averaged over the ranks before the update, so N ranks take the steps one process
@@ -439,6 +441,8 @@ class Trainer(TrainerBase):
         self.inputs = [t.var for t in inputs] if inputs is not None else self._function_inputs()
         self.local_rows = self.inputs[0].shape[0] * accumulate
 
+        if precision == "float16" and loss_scale is None:
+            loss_scale = DynamicLossScale()
         scale = scale_tensor(b, loss_scale, self.func.name)
         grads_by_name = gradient(self.flow, self.func, self.params, loss=loss, seed=scale)
         grads = [grads_by_name[p.name] for p in self.params]

@@ -62,7 +62,7 @@ class CUDABackend:
 
     def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=("float32", "tfloat32", "bfloat16"),
-                                         activation_precisions=("float32", "bfloat16"),
+                                         activation_precisions=("float32", "bfloat16", "float16"),
                                          fuses_epilogue=blas.fuses_epilogue)
         self.use_disk_cache = options.cache
         self.device: Device | None = None
