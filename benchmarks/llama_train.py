@@ -16,7 +16,7 @@ with a datasheet bf16 peak, as the MFU against that. The issue's shapes:
 --preset stories15M --batch 64 --seq 256, and --preset stories110M --batch 32 --seq 1024.
 Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5] [--checkpointed]
      (a --seq past the preset's window lengthens its rotary tables: --batch 2 --seq 1024 races long-context attention)
-     [--backend cuda] [--matmul float32|tfloat32|bfloat16] [--precision float32|bfloat16]
+     [--backend cuda] [--matmul float32|tfloat32|bfloat16] [--precision float32|bfloat16|float16]
      [--torch-compile | --no-torch-compile]
 """
 
@@ -59,7 +59,7 @@ def dense_feed_forward(config):
 
 
 def main() -> None:
-    from ranvier.backends import MATMUL_PRECISIONS
+    from ranvier.backends import MATMUL_PRECISIONS, PRECISIONS
     from ranvier.models.llama import PRESETS, Llama
 
     parser = training_arguments(__doc__.splitlines()[0], PRESETS, "stories15M")
@@ -68,14 +68,14 @@ def main() -> None:
     parser.add_argument("--matmul", default=None, choices=MATMUL_PRECISIONS,
                         help="ranvier's matrix products (default: float32, and bfloat16 beside it on AMX CPUs; "
                              "bfloat16 on cuda)")
-    parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"],
-                        help="with --backend cuda, what ranvier stores activations in (bfloat16: half the bytes, "
-                             "parameters and optimizer state still float32)")
+    parser.add_argument("--precision", default="float32", choices=PRECISIONS,
+                        help="with --backend cuda, what ranvier stores activations in (bfloat16, float16: half the "
+                             "bytes, parameters and optimizer state still float32)")
     parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                         help="with --backend cuda, race PyTorch through torch.compile too (default: where PyTorch sees a GPU)")
     args = parser.parse_args()
     if args.precision != "float32" and (args.backend != "cuda" or args.checkpointed):
-        parser.error("--precision bfloat16 is for --backend cuda, without --checkpointed")
+        parser.error(f"--precision {args.precision} is for --backend cuda, without --checkpointed")
     import torch
 
     from ranvier.backends.cpu.amx import amx_usable
