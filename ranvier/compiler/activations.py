@@ -1,9 +1,9 @@
 """Activation precision: a function's float32 activations and their gradients stored in
 bfloat16 or float16 (`Compiler(precision=...)`), its parameters, optimizer state, losses and
 the values other cells read in float32: half the bytes for every memory-bound kernel and
-bfloat16 inputs for every matrix product. Kernels still compute in float32 (a bfloat16
-value is widened when loaded and rounded when stored), so what changes is where values
-are rounded.
+half-precision inputs for every matrix product. Kernels still compute in float32 (a
+half-precision value is widened when loaded and rounded when stored), so what changes is
+where values are rounded.
 
 The pass walks the ops in dependency order and picks each one's float dtype, then casts
 the inputs that differ (`Cast` ops, which fusion later folds into the neighbouring
@@ -12,10 +12,10 @@ elementwise programs, where they cost nothing):
 - ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds,
   attention's gradient, whose statistics must not be rounded), ops that write a value
   other cells or the caller read (a loss), a global (an optimizer's update) or one that
-  cannot be typed in bfloat16, get float32 inputs;
+  cannot be typed in half precision, get float32 inputs;
 - any other op takes the dtype of its largest float input (its activation, rather than a
   norm's gain or a loss's scale), float32 on a tie (a residual stream, float32 from the
-  embedding on, stays float32 where a bfloat16 branch is added to it).
+  embedding on, stays float32 where a half-precision branch is added to it).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _pinned(op: Operation, keep: set[str]) -> bool:
 def _widened_after(flow: Flow, b: Builder, op: Operation) -> None:
     """A product whose output keeps float32 (a weight's gradient the trainer reads) writes
     a value of its own, which a Cast then widens into the original: the product still
-    takes bfloat16 inputs (its output rounded once, as autocast's are)."""
+    takes half-precision inputs (its output rounded once, as autocast's are)."""
     original = op.outputs[0]
     cast = b.op("Cast", [original], None, {"dtype": original.dtype}).var.producer
     own = cast.outputs[0]
