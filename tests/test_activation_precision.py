@@ -36,9 +36,10 @@ def _llama_trainer(backend: str, precision: str):
 
 
 def test_bfloat16_activations_leave_parameters_gradients_and_the_loss_in_float32(monkeypatch):
-    """Every product takes bfloat16 inputs, the logits and their gradient are bfloat16, the
-    parameters (globals), the gradients the trainer reads and the loss stay float32, and
-    each op of the compiled step is typed as its definition says."""
+    """Every product takes bfloat16 inputs, the logits and their gradient are bfloat16, so is
+    attention and its gradient on tensor cores, the parameters (globals), the gradients the
+    trainer reads and the loss stay float32, and each op of the compiled step is typed as
+    its definition says."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     trainer, vocabulary = _llama_trainer("cuda", "bfloat16")
     assert trainer.precision == "bfloat16" and trainer.matmul == "bfloat16"
@@ -52,7 +53,9 @@ def test_bfloat16_activations_leave_parameters_gradients_and_the_loss_in_float32
     flow = trainer.network.flow
     assert {v.dtype for v in flow.vars.values() if v.is_global and v.dtype in ("float32", "bfloat16")} == {"float32"}
     assert flow.vars[trainer.loss_var.name].dtype == "float32"
-    assert {step.kernel for step in steps if step.op.type.startswith("Attention")} == {"AttentionMMA"}
+    attention = [step for step in steps if step.op.type.startswith("Attention")]
+    assert {step.kernel for step in attention} == {"AttentionMMA"}
+    assert {v.dtype for step in attention for v in (*step.op.inputs, *step.op.outputs)} == {"bfloat16"}
 
 
 def test_bfloat16_activations_train_to_float32s_losses_on_the_device(monkeypatch):

@@ -929,22 +929,26 @@ MMA_ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, sc
 
 @pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,bias,heads_first", MMA_ATTENTION_CASES)
 @pytest.mark.parametrize("op_type", ["Attention", "AttentionGrad"])
-def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(op_type, heads, kv_heads, queries, keys, size, causal,
-                                                                   bias, heads_first):
+@pytest.mark.parametrize("operands", ["float32", "bfloat16"])
+def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, op_type, heads, kv_heads, queries, keys, size,
+                                                                   causal, bias, heads_first):
     """The tensor-core kernels, as the host emulator runs their warps' products and
     exchanges: every output element written, equal to float64 attention (or its gradient)
     over q, k, v (and dout) rounded to bfloat16, within the rounding of the probabilities
     (and score gradients) to bfloat16: 2⁻⁸ of the largest |v| for the output, 2⁻⁷ of each
     gradient's largest element; rows that see no key 0; four warps a block, a block per
     64 query (or key) rows of a head; the GPU's code assembles, its fragments in registers
-    up to heads of 64."""
+    up to heads of 64. Float32 operands take the kernels where the products may round to
+    bfloat16; bfloat16 operands (bfloat16 activations) always, the gradient's statistics
+    parked unrounded in two bfloat16 elements each."""
     from ranvier.backends.cuda import attention_mma
     from ranvier.ops.attention import attention as attention_reference
     from ranvier.ops.attention import attention_grad
 
-    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, "float32", bias, heads_first)
-    assert not attention_mma.supports(op)  # float32 products unless the compile asks for bfloat16
-    op.set_attr("precision", "bfloat16")
+    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, operands, bias, heads_first)
+    if operands == "float32":
+        assert not attention_mma.supports(op)  # float32 products unless the compile asks for bfloat16
+        op.set_attr("precision", "bfloat16")
     assert attention_mma.supports(op) and kernels.kernel_kind(op) == "AttentionMMA"
     got = _run_on_host(op, values)
     assert got["status"][0] == 0

@@ -9,8 +9,9 @@ The pass walks the ops in dependency order and picks each one's float dtype, the
 the inputs that differ (`Cast` ops, which fusion later folds into the neighbouring
 elementwise programs, where they cost nothing):
 - matrix products run on half-precision inputs (a weight is rounded once per step);
-- ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds,
-  attention's gradient, whose statistics must not be rounded), ops that write a value
+- ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds;
+  attention's gradient with float16, which no tensor-core kernel takes and whose
+  decomposition would round its probabilities to float16), ops that write a value
   other cells or the caller read (a loss), a global (an optimizer's update) or one that
   cannot be typed in half precision, get float32 inputs;
 - any other op takes the dtype of its largest float input (its activation, rather than a
@@ -26,7 +27,7 @@ from ..flow.builder import Builder
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import op_def
 
-FLOAT32_OPS = {"AttentionGrad", "ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
+FLOAT32_OPS = {"ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
 _FLOATS = (dtypes.DT_FLOAT32, dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16)
 
 
@@ -79,7 +80,7 @@ def _widened_after(flow: Flow, b: Builder, op: Operation) -> None:
 def _wanted(op: Operation, floats: list[int], keep: set[str], dtype: str) -> str:
     if op.type == "MatMul":
         return dtype
-    if op.type in FLOAT32_OPS or _pinned(op, keep):
+    if op.type in FLOAT32_OPS or _pinned(op, keep) or (op.type == "AttentionGrad" and dtype != dtypes.DT_BFLOAT16):
         return dtypes.DT_FLOAT32
     sizes = sorted(((op.inputs[i].size, op.inputs[i].dtype) for i in floats), key=lambda s: s[0], reverse=True)
     largest = [d for size, d in sizes if size == sizes[0][0]]

@@ -17,7 +17,8 @@ row's maximum taken over the four lanes that hold the row (two `warps.exchange`s
 running sum l kept as each lane's own share until the end; O += P V.
 
 AttentionGrad, three launches as the float32 kernels' (`attention.py`), the same parked
-statistics in the first elements of a dq row:
+statistics in the first elements of a dq row (in a bfloat16 row, each statistic's float32
+bits in two elements, so none is rounded):
 1. query rows streaming key and value tiles: S and dP = dO Vᵀ; m and l online as above,
    and D = Σₛ pₛ dPₛ beside l; parked m, 1/l and D/l;
 2. key rows streaming tiles of query rows, their dout rows and parked statistics, in every
@@ -37,8 +38,8 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import Array, EmitContext
-from ..llvm.irutil import declared
+from ..llvm.context import Array, EmitContext, ir_of
+from ..llvm.irutil import I16, I32, declared, load, store
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from . import warps
@@ -54,16 +55,14 @@ FLOAT = dtypes.DT_FLOAT32
 
 
 def supports(op: Operation) -> bool:
-    """Float32 operands whose products may round to bfloat16 (the op's precision), or, for
-    the forward pass, bfloat16 operands (`Compiler(precision="bfloat16")`'s activations;
-    the gradient keeps float32 operands there, its statistics parked unrounded)."""
+    """Float32 operands whose products may round to bfloat16 (the op's precision), or
+    bfloat16 operands (`Compiler(precision="bfloat16")`'s activations)."""
     if op.type not in ("Attention", "AttentionGrad"):
         return False
     size = op.inputs[0].shape[-1]
     operands = {v.dtype for v in (*op.inputs, *op.outputs)}
     rounded = attrs_of(op)["precision"] == "bfloat16" and operands == {FLOAT}
-    halves = op.type == "Attention" and operands == {dtypes.DT_BFLOAT16}
-    return (rounded or halves) and size % 16 == 0 and 16 <= size <= 128
+    return (rounded or operands == {dtypes.DT_BFLOAT16}) and size % 16 == 0 and 16 <= size <= 128
 
 
 def _key_tile(size: int) -> int:
@@ -129,6 +128,28 @@ def _exp(program: BlockProgram, x: Value) -> Value:
     ctx = program.ctx
     power = declared(ctx.module, "llvm.nvvm.ex2.approx.f", ir.FunctionType(ir.FloatType(), [ir.FloatType()]))
     return Value(ctx.b, ctx.b.call(power, [(x * math.log2(math.e)).ir]), FLOAT)
+
+
+def _park(ctx: EmitContext, dq: Variable, at: Value, k: int, value: Value) -> None:
+    """Statistic k (m, 1/l or D) of the query row at element `at`, kept in its dq row until
+    the third launch: element k of a float32 row; in a bfloat16 row, its float32 bits in
+    elements 2k and 2k + 1 (the low half first), so nothing is rounded."""
+    if dq.dtype == FLOAT:
+        ctx.store(dq, at + k, value)
+        return
+    b = ctx.b
+    bits = b.bitcast(value.ir, I32)
+    for half, part in enumerate((bits, b.lshr(bits, ir.Constant(I32, 16)))):
+        store(b, b.trunc(part, I16), ctx.pointer(dq), ir_of(at + 2 * k + half), I16)
+
+
+def _parked(ctx: EmitContext, dq: Variable, at: Value, k: Value | int) -> Value:
+    """Statistic k of the query row at `at`, as `_park` left it."""
+    if dq.dtype == FLOAT:
+        return ctx.load(dq, at + k)
+    b = ctx.b
+    low, high = (b.zext(load(b, ctx.pointer(dq), ir_of(at + k * 2 + half), I16), I32) for half in (0, 1))
+    return Value(b, b.bitcast(b.or_(low, b.shl(high, ir.Constant(I32, 16))), ir.FloatType()), FLOAT)
 
 
 def _zero(program: BlockProgram, array: PrivateArray, count: int) -> None:
@@ -344,9 +365,8 @@ def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, ind
             inverse = unseen_inverse(total.load(r))
             with ctx.when(t < shape.queries):  # the four lanes of a row store the same three values
                 at = shape.query_row(block.b, block.h, t)
-                ctx.store(dq, at, finite_peak(peak.load(r)))
-                ctx.store(dq, at + 1, inverse)
-                ctx.store(dq, at + 2, d.load(r) * inverse)
+                for k, value in enumerate((finite_peak(peak.load(r)), inverse, d.load(r) * inverse)):
+                    _park(ctx, dq, at, k, value)
 
 
 def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
@@ -360,7 +380,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
     with program.phase(wait=False) as thread:
         for r, at in enumerate(block.row_offsets(thread)):
             for k in range(PARKED):
-                parked.store(r * PARKED + k, ctx.load(dq, at + k))
+                parked.store(r * PARKED + k, _parked(ctx, dq, at, k))
         _zero(program, gradient, size // 8 * 4)
         block.pack()
 
@@ -413,8 +433,12 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
           ctx.loop(first_seen // QUERY_TILE, -(-shape.queries // QUERY_TILE), name="tile") as tile):
         h, first_query = kv * shape.group + g, tile * QUERY_TILE
         load_tiles(program, first_query, QUERY_TILE, shape.queries - 1, [
-            (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
-            (dq, lambda t: shape.query_row(b, h, t), parked, PARKED)], PADDING)
+            (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size)],
+            PADDING)
+        with program.phase() as thread, ctx.loop(thread, QUERY_TILE * PARKED, step=program.threads, name="e") as e:
+            row, k = e // PARKED, e % PARKED
+            at = shape.query_row(b, h, (first_query + row).minimum(shape.queries - 1))
+            parked.store(row * (PARKED + PADDING) + k, _parked(ctx, dq, at, k))
         _times_transposed(program, size, QUERY_TILE, queries, k_words, b_words, weights)  # Sᵀ
         _times_transposed(program, size, QUERY_TILE, douts, v_words, b_words, gradients)  # dPᵀ
         with program.phase(wait=False) as thread:
