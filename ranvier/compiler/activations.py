@@ -21,6 +21,8 @@ elementwise programs, where they cost nothing):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .. import dtypes
 from ..errors import RanvierError
 from ..flow.builder import Builder
@@ -31,8 +33,10 @@ FLOAT32_OPS = {"ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
 _FLOATS = (dtypes.DT_FLOAT32, dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16)
 
 
-def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: str = dtypes.DT_BFLOAT16) -> None:
-    """Store `func`'s float32 activations in `dtype` (module docstring)."""
+def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: str = dtypes.DT_BFLOAT16,
+                             runs_whole: Callable[[Operation], bool] = lambda op: True) -> None:
+    """Store `func`'s float32 activations in `dtype` (module docstring); an op the backend
+    cannot run whole in half precision (`runs_whole`) stays float32."""
     b = Builder(flow, func)
     casts: dict[tuple[str, str], Variable] = {}
     for op in flow.op_order(func):
@@ -44,9 +48,8 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
         wanted = _wanted(op, floats, keep, dtype)
         before = list(op.inputs)
         _cast_inputs(b, op, floats, wanted, casts)
-        try:
-            types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
-        except RanvierError:  # the op takes no `dtype` input: it stays float32
+        types = _types(op, runs_whole)
+        if types is None:  # the op takes no half-precision input, or has no kernel for one: float32
             for i, var in enumerate(before):
                 op.replace_input(op.inputs[i], var)
             _cast_inputs(b, op, floats, dtypes.DT_FLOAT32, casts)
@@ -57,6 +60,22 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
         if not var.consumers:
             flow.remove_op(var.producer)
             flow.remove_var(var)
+
+
+def _types(op: Operation, runs_whole: Callable[[Operation], bool]) -> list | None:
+    """The op's output types on its current inputs, or None where it cannot take them
+    (its definition refuses them, or the backend has no kernel for it so typed)."""
+    try:
+        types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
+    except RanvierError:
+        return None
+    outputs = [var.dtype for var in op.outputs]
+    for var, t in zip(op.outputs, types):
+        var.dtype = t.dtype
+    runs = runs_whole(op)
+    for var, dtype in zip(op.outputs, outputs):
+        var.dtype = dtype
+    return types if runs else None
 
 
 def _pinned(op: Operation, keep: set[str]) -> bool:
