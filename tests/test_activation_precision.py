@@ -15,14 +15,15 @@ from ranvier.compiler.compiler import check_types
 from ranvier.errors import RanvierError
 
 
-def _llama_trainer(backend: str, precision: str):
-    """A stories260K-shaped Llama with heads of 16 features, AdamW and clipping, 2 × 16 tokens."""
+def _llama_trainer(backend: str, precision: str, heads: int = 4):
+    """A stories260K-shaped Llama with `heads` heads (of 16 features at 4), AdamW and
+    clipping, 2 × 16 tokens."""
     from ranvier.models import llama
     from ranvier.train.losses import softmax_cross_entropy
     from ranvier.train.optimizers import AdamW
     from ranvier.train.trainer import Trainer
 
-    config = dataclasses.replace(llama.PRESETS["stories260K"], n_heads=4, n_kv_heads=2)
+    config = dataclasses.replace(llama.PRESETS["stories260K"], n_heads=heads, n_kv_heads=heads // 2)
     model = llama.Llama(config, seed=0)
     flow = rv.Flow()
     f = rv.Builder(flow, "train")
@@ -120,3 +121,13 @@ def test_float16_activations_train_with_dynamic_loss_scaling(monkeypatch):
         batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
         assert half.step(batch) == pytest.approx(exact.step(batch), rel=2e-3)
     assert half.skipped_steps == 0 and half.step_count == 10
+
+
+def test_an_op_without_a_half_precision_kernel_stays_float32(monkeypatch):
+    """Heads of 8 features: no tensor-core kernel takes the attention gradient in bfloat16
+    (nor the float32 one), so it stays float32; the forward pass's kernel takes bfloat16."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    trainer, _ = _llama_trainer("cuda", "bfloat16", heads=8)
+    steps = {step.op.type: step for step in trainer.network.cell("train").steps if step.op.type.startswith("Attention")}
+    assert steps["AttentionGrad"].op.inputs[0].dtype == "float32" and steps["AttentionGrad"].kernel == "Attention"
+    assert steps["Attention"].op.inputs[0].dtype == "bfloat16"
