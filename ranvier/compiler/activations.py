@@ -101,9 +101,8 @@ def _wanted(op: Operation, floats: list[int], keep: set[str], dtype: str) -> str
         return dtype
     if op.type in FLOAT32_OPS or _pinned(op, keep) or (op.type == "AttentionGrad" and dtype != dtypes.DT_BFLOAT16):
         return dtypes.DT_FLOAT32
-    sizes = sorted(((op.inputs[i].size, op.inputs[i].dtype) for i in floats), key=lambda s: s[0], reverse=True)
-    largest = [d for size, d in sizes if size == sizes[0][0]]
-    return dtype if all(d == dtype for d in largest) else dtypes.DT_FLOAT32
+    largest = max(op.inputs[i].size for i in floats)
+    return dtype if {op.inputs[i].dtype for i in floats if op.inputs[i].size == largest} == {dtype} else dtypes.DT_FLOAT32
 
 
 def _cast_inputs(b: Builder, op: Operation, floats: list[int], wanted: str, casts: dict[tuple[str, str], Variable]) -> None:

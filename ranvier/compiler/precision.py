@@ -11,6 +11,7 @@ from __future__ import annotations
 from .. import dtypes
 from ..flow.graph import Function
 from ..ops import attrs_of
+from ..ops.attention import heads_first_shape
 
 
 def _rows(op) -> int:
@@ -33,4 +34,4 @@ def use_matmul_precision(func: Function, precision: str) -> None:
 
 
 def _queries(op) -> int:
-    return op.inputs[0].shape[-2 if attrs_of(op)["heads_first"] else -3]
+    return heads_first_shape(op.inputs[0].shape, attrs_of(op)["heads_first"])[2]

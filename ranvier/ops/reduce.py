@@ -133,16 +133,25 @@ for _type in ("All", "Any"):
     vjp(_type)(zero_gradient)
 
 
+def _op_axes(op) -> list[int]:
+    """A reduction op's reduced axes, sorted, each once (every axis where none is given)."""
+    rank = op.inputs[0].rank
+    given = op_def(op.type).attrs_of(op)["axis"]
+    return list(range(rank)) if given is None else sorted({a % rank for a in given})
+
+
+def _later_stage(op_type: str) -> str:
+    """What a reduction done in stages runs after its first: a sum of squares then sums."""
+    return "Sum" if op_type == "SumSquares" else op_type
+
+
 def _split_reduction(b, op):
     """A reduction over axes that are not adjacent, as one reduction per adjacent block
     (kept as size-1 dimensions), then a reshape: sums of sums, maxima of maxima, and
     means of equal-sized means are the whole reduction; a sum of squares squares only in
     its first block and sums the rest."""
     x = b.wrap(op.inputs[0])
-    given = op_def(op.type).attrs_of(op)["axis"]
-    if given is None:
-        return None
-    axes = sorted({a % x.rank for a in given})
+    axes = _op_axes(op)
     blocks = []
     for axis in axes:
         if blocks and blocks[-1][-1] == axis - 1:
@@ -152,7 +161,7 @@ def _split_reduction(b, op):
     if len(blocks) < 2:
         return None
     for number, block in enumerate(reversed(blocks)):
-        kind = "Sum" if number and op.type == "SumSquares" else op.type
+        kind = _later_stage(op.type) if number else op.type
         x = getattr(b, METHODS[kind])(x, axis=block, keepdims=True)
     return x.reshape(op.outputs[0].shape)
 
@@ -179,8 +188,7 @@ def _staged_reduction(b, op):
     stage only). For a backend that runs a few long reductions better as many short ones
     (a GPU, whose block per output would leave most of it idle)."""
     x = b.wrap(op.inputs[0])
-    given = op_def(op.type).attrs_of(op)["axis"]
-    axes = list(range(x.rank)) if given is None else sorted({a % x.rank for a in given})
+    axes = _op_axes(op)
     if not axes or axes != list(range(axes[0], axes[-1] + 1)):
         return None
     reduced = int(np.prod([x.shape[a] for a in axes]))
@@ -189,8 +197,7 @@ def _staged_reduction(b, op):
         return None
     pieces = _reshaped(x, [*x.shape[: axes[0]], reduced // chunk, chunk, *x.shape[axes[-1] + 1 :]])
     first = getattr(b, METHODS[op.type])(pieces, axis=[axes[0] + 1])
-    kind = "Sum" if op.type == "SumSquares" else op.type
-    return _reshaped(getattr(b, METHODS[kind])(first, axis=[axes[0]]), op.outputs[0].shape)
+    return _reshaped(getattr(b, METHODS[_later_stage(op.type)])(first, axis=[axes[0]]), op.outputs[0].shape)
 
 
 def _reshaped(t, shape):

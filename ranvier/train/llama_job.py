@@ -349,8 +349,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     run = build(config, run_dir)
     trainer = run.trainer
     rundir.record_matmul(config, trainer.matmul)
-    if not config.checkpointed:
-        rundir.note_precision(config, trainer.precision)
+    rundir.note_precision(config, trainer)
     rundir.write_config(run_dir, config.model, config)
     rng = np.random.default_rng(config.seed)
     metrics_path = run_dir / "metrics.jsonl"
@@ -416,8 +415,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
         # resumes from the checkpoint before, which drops this line and logs it again.
         metrics.write({"step": trainer.step_count, "val_loss": final})
     checkpoint()
-    if not config.checkpointed:
-        rundir.note_skipped(config, trainer)
+    rundir.note_skipped(config, trainer)
     print(f"validation_loss={final:.4f} unigram_entropy={run.unigram_entropy:.4f} (nats per token)")
     experts = expert_metrics(trainer.watched)
     if experts:

@@ -114,7 +114,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
     rundir.open_run_dir(run_dir)
     trainer, _, test_split = make_trainer(config)
     rundir.record_matmul(config, trainer.matmul)
-    rundir.note_precision(config, trainer.precision)
+    rundir.note_precision(config, trainer)
     rundir.write_config(run_dir, "mnist", config)
     metrics_path = run_dir / "metrics.jsonl"
     if resume and rundir.checkpoint_step(run_dir) is not None:

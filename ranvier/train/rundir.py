@@ -226,11 +226,11 @@ def requested_matmul(config) -> str:
     return config.matmul_requested or config.matmul
 
 
-def note_precision(config, ran: str) -> None:
+def note_precision(config, trainer) -> None:
     """Say so where the backend stores activations in another precision than --precision
-    asked for (bfloat16 activations are the CUDA backend's; the CPU keeps float32)."""
-    if ran != config.precision:
-        print(f"--precision {config.precision}: the {config.backend} backend stores activations in {ran}")
+    asked for (half-precision activations are the CUDA backend's; the CPU keeps float32)."""
+    if config.precision != "float32" and trainer.precision != config.precision:
+        print(f"--precision {config.precision}: the {config.backend} backend stores activations in {trainer.precision}")
 
 
 def note_skipped(config, trainer) -> None:

@@ -41,6 +41,7 @@ from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ...ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
 from ..llvm.context import Array, EmitContext
+from ..llvm.loops import pairwise
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray
@@ -135,9 +136,7 @@ def _dot(ctx: EmitContext, shape: AttentionShape, a: Callable, b: Callable, dtyp
     sums = [a(i) * b(i) for i in range(min(_CHAINS, shape.size))]
     for i in range(len(sums), shape.size):
         sums[i % _CHAINS] = a(i).mul_add(b(i), sums[i % _CHAINS])
-    while len(sums) > 1:
-        sums = [sums[k] + sums[k + 1] if k + 1 < len(sums) else sums[k] for k in range(0, len(sums), 2)]
-    return sums[0]
+    return pairwise(lambda x, y: x + y, sums)
 
 
 def _own_rows(program: BlockProgram, shape: AttentionShape, dtype: str, count: int) -> list[PrivateArray]:

@@ -1,8 +1,8 @@
-"""Attention and its gradient on tensor cores, FlashAttention-2's way: for a compile whose
-matrix products run in bfloat16 (`Compiler(matmul="bfloat16")` marks the ops' precision),
-float32 operands (or bfloat16 ones for the forward pass), head sizes a multiple of 16 up
-to 128. Every product is a warp's
-`warps.mma` (bfloat16 inputs, float32 sums); no score matrix is formed.
+"""Attention and its gradient on tensor cores, FlashAttention-2's way: float32 operands of
+a compile whose matrix products run in bfloat16 (`Compiler(matmul="bfloat16")` marks the
+ops' precision), or bfloat16 operands (`Compiler(precision="bfloat16")`'s activations);
+head sizes a multiple of 16 up to 128. Every product is a warp's `warps.mma` (bfloat16
+inputs, float32 sums); no score matrix is formed.
 
 A block of `WARPS` warps takes 64 rows, 16 a warp (the rows of an mma's A), and the warps
 stream tiles of the rows they pair with through shared memory together (rows padded by
@@ -99,13 +99,12 @@ def _own_rows(thread: Value, first: Value) -> list[Value]:
     return [row, row + 8]
 
 
-def _elements(columns: int) -> Iterator[tuple[int, int, int]]:
-    """(row r of the lane's two, offset in the fragment's columns from 2q, index in the lane's
-    C fragments) of each float the lane holds of a 16 × `columns` product."""
-    for r in range(2):
-        for j in range(columns // 8):
-            for half in range(2):
-                yield r, j * 8 + half, j * 4 + 2 * r + half
+def _elements(columns: int, r: int) -> Iterator[tuple[int, int]]:
+    """(offset in the fragment's columns from 2q, index in the lane's C fragments) of each
+    float the lane holds of row r (of its two) of a 16 × `columns` product."""
+    for j in range(columns // 8):
+        for half in range(2):
+            yield j * 8 + half, j * 4 + 2 * r + half
 
 
 def _pack_rows(program: BlockProgram, var: Variable, rows: list[Value], size: int, words: PrivateArray) -> None:
@@ -265,7 +264,7 @@ class _QueryBlock:
         _, _, place = _lane(program.thread)
         for r, t in enumerate(self.rows(program.thread)):
             seen = shape.visible_keys(ctx, t).minimum(shape.keys)
-            for _, column, at in (e for e in _elements(self.per_tile) if e[0] == r):
+            for column, at in _elements(self.per_tile, r):
                 s = first_key + place * 2 + column
                 score = shape.score(ctx, self.scores.load(at), self.b, self.h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
                 visit(r, at, (s < seen).where(score, -math.inf))
@@ -295,7 +294,7 @@ def _online_softmax(block: _QueryBlock, first_key: Value, peak, total, tile_peak
             correction = _exp(program, peak.load(r) - finite)
             share = total.load(r) * correction
             rescale(r, correction)
-            for _, _, at in (e for e in _elements(block.per_tile) if e[0] == r):
+            for _, at in _elements(block.per_tile, r):
                 weight = _exp(program, block.scores.load(at) - finite)
                 block.scores.store(at, weight)
                 weigh(r, at, weight)
@@ -317,7 +316,7 @@ def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index:
         block.pack()
 
     def rescale(r: int, factor: Value) -> None:
-        for _, _, at in (e for e in _elements(size) if e[0] == r):
+        for _, at in _elements(size, r):
             output.store(at, output.load(at) * factor)
 
     def tile(first_key: Value) -> None:
@@ -333,7 +332,7 @@ def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index:
             inverse = unseen_inverse(total.load(r))
             with ctx.when(t < shape.queries):
                 at = shape.query_row(block.b, block.h, t) + place * 2
-                for _, column, i in (e for e in _elements(size) if e[0] == r):
+                for column, i in _elements(size, r):
                     ctx.store(op.outputs[0], at + column, output.load(i) * inverse)
 
 
@@ -402,7 +401,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
         for r, t in enumerate(block.rows(thread)):
             with ctx.when(t < shape.queries):
                 at = shape.query_row(block.b, block.h, t) + place * 2
-                for _, column, i in (e for e in _elements(size) if e[0] == r):
+                for column, i in _elements(size, r):
                     ctx.store(dq, at + column, gradient.load(i) * shape.scale)
 
 
@@ -436,15 +435,15 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
             (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size)],
             PADDING)
         with program.phase() as thread, ctx.loop(thread, QUERY_TILE * PARKED, step=program.threads, name="e") as e:
-            row, k = e // PARKED, e % PARKED
+            row, statistic = e // PARKED, e % PARKED
             at = shape.query_row(b, h, (first_query + row).minimum(shape.queries - 1))
-            parked.store(row * (PARKED + PADDING) + k, _parked(ctx, dq, at, k))
+            parked.store(row * (PARKED + PADDING) + statistic, _parked(ctx, dq, at, statistic))
         _times_transposed(program, size, QUERY_TILE, queries, k_words, b_words, weights)  # Sᵀ
         _times_transposed(program, size, QUERY_TILE, douts, v_words, b_words, gradients)  # dPᵀ
         with program.phase(wait=False) as thread:
             _, _, place = _lane(thread)
             for r, s in enumerate(_own_rows(thread, first_key)):
-                for _, column, at in (e for e in _elements(QUERY_TILE) if e[0] == r):
+                for column, at in _elements(QUERY_TILE, r):
                     t = first_query + place * 2 + column
                     row = (place * 2 + column) * (PARKED + PADDING)
                     peak, inverse, d = (parked.load(row + i) for i in range(PARKED))
@@ -462,6 +461,6 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         for r, s in enumerate(_own_rows(thread, first_key)):
             with ctx.when(s < shape.keys):
                 at = shape.key_row(b, kv, s) + place * 2
-                for _, column, i in (e for e in _elements(size) if e[0] == r):
+                for column, i in _elements(size, r):
                     ctx.store(dk, at + column, dk_sum.load(i) * shape.scale)
                     ctx.store(dv, at + column, dv_sum.load(i))

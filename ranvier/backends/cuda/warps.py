@@ -68,25 +68,30 @@ def mma(program: BlockProgram, d: tuple[PrivateArray, int], a: tuple[PrivateArra
     if program.on_gpu:
         with program.phase(wait=False):
             _warp_sync(ctx)
-            array, at = a
-            words = [array.load(at + k).ir for k in range(4)]
-            array, at = b
-            words += [array.load(at + k).ir for k in range(2)]
-            array, at = c
-            sums = [array.load(at + k).ir for k in range(4)]
             product = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4), _MMA,
                                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            result = ctx.b.call(product, [*words, *sums])
+            result = ctx.b.call(product, [*_fragment(a, 4), *_fragment(b, 2), *_fragment(c, 4)])
             array, at = d
             for k in range(4):
                 array.store(at + k, Value(ctx.b, ctx.b.extract_value(result, k), dtypes.DT_FLOAT32))
         return
-    if program.thread is not None:
-        raise RuntimeError("a warp-wide operation comes between phases, not in one")
+    _between_phases(program)
     operands = []
     for array, at in (a, b, c, d):
         operands += [ctx.b.gep(array.base, [ir_of(at)]), ir.Constant(I64, array.count)]
     ctx.b.call(_emulated_mma(ctx.module), [*operands, ir.Constant(I64, program.threads)])
+
+
+def _fragment(operand: tuple[PrivateArray, int], count: int) -> list[ir.Value]:
+    """A lane's `count` registers of a fragment: its private array from the offset on."""
+    array, at = operand
+    return [array.load(at + k).ir for k in range(count)]
+
+
+def _between_phases(program: BlockProgram) -> None:
+    """The host emulator runs a warp-wide operation over every lane at once: outside a phase."""
+    if program.thread is not None:
+        raise RuntimeError("a warp-wide operation comes between phases, not in one")
 
 
 def _emulated_mma(module: ir.Module) -> ir.Function:
@@ -134,8 +139,7 @@ def exchange(program: BlockProgram, target: PrivateArray, source: PrivateArray, 
                                              ir.Constant(I32, WARP - 1)])
                 target.store(i, Value(ctx.b, moved, source.dtype))
         return
-    if program.thread is not None:
-        raise RuntimeError("a warp-wide operation comes between phases, not in one")
+    _between_phases(program)
     with ctx.loop(0, program.threads, name="lane") as thread:
         for i in range(count):
             target.of(thread).store(i, source.of(thread ^ mask).load(i))

@@ -75,7 +75,9 @@ def fold(ctx, start: Value | int, count: int | Value, lanes: int, dtype: str, in
 
 
 def pairwise(combine, partials: list[Value]) -> Value:
-    """The independent chains' partial results combined two by two (their count a power of two)."""
+    """The independent chains' partial results combined two by two (an odd one out passes
+    to the next round as it is)."""
     while len(partials) > 1:
-        partials = [combine(partials[j], partials[j + 1]) for j in range(0, len(partials), 2)]
+        partials = [combine(partials[j], partials[j + 1]) if j + 1 < len(partials) else partials[j]
+                    for j in range(0, len(partials), 2)]
     return partials[0]
