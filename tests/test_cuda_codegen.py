@@ -691,7 +691,10 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, networks, model
     train = networks[0].cell("train")
     kinds = [step.kernel for step in train.steps]
     if model == "mlp":
-        assert set(kinds) == {"cuBLASLt", "Map", "Copy", "Reduce", "Rows"}, kinds
+        assert set(kinds) == {"cuBLASLt", "Map", "Copy", "Reduce", "Rows", "ForEach"}, kinds
+        # the four parameters' Adam updates, as one kernel
+        assert [(step.op.attrs["op"], step.op.attrs["count"]) for step in train.steps if step.kernel == "ForEach"] == [
+            ("Calculate", "4")], [step.op.name for step in train.steps if step.kernel == "ForEach"]
         assert sum(kind == "cuBLASLt" for kind in kinds) == 5  # two forward products, three backward
         assert [step.op.type for step in train.steps if step.kernel == "Rows"] == ["SoftmaxCrossEntropyGrad"]
     else:

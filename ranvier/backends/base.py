@@ -8,7 +8,7 @@ binds and runs a cell's code. Adding a backend touches no compiler file: impleme
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,13 +62,19 @@ class Capabilities:
         it as one op (MatMulCalculate, Conv2DCalculate), so the epilogue pass may fuse them.
     fuses_epilogue: where given, which epilogues it runs so — `fuses_epilogue(product,
         program, inputs)` for the product's variable, the fused op's program and its further
-        inputs; the others stay apart (cuBLASLt adds a bias and applies a ReLU, no more)."""
+        inputs; the others stay apart (cuBLASLt adds a bias and applies a ReLU, no more).
+    foreach: where given, it runs independent ops of one type and attributes as one kernel
+        (a ForEach), so the horizontal fusion pass groups them: `foreach(op)` is a key,
+        equal for ops one kernel can run together, or None for an op it would not group.
+    foreach_operands: the most variables one such kernel takes."""
 
     rewrites: bool = True
     matmul_precisions: tuple[str, ...] = ("float32",)
     activation_precisions: tuple[str, ...] = ("float32",)
     epilogues: bool = True
     fuses_epilogue: Callable[[Variable, str, list[Variable]], bool] | None = None
+    foreach: Callable[[Operation], Hashable | None] | None = None
+    foreach_operands: int = 0
 
 
 class Backend(Protocol):

@@ -13,6 +13,7 @@ pipeline decides which passes apply.
     fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
     mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
     fuse-epilogue    a MatMul or Conv2D and the elementwise op that alone reads its product → one op
+    fuse-foreach     independent ops of one type (each parameter's update, cast, norm) → one ForEach
 
 `RANVIER_DEBUG=passes` prints the function after each pass.
 """
@@ -29,6 +30,7 @@ from .activations import use_activation_precision
 from .attention import fuse_attention
 from .decompose import decompose
 from .epilogue import fuse_epilogues
+from .foreach import fuse_foreach
 from .fuse import fuse_elementwise
 from .loss import fuse_loss_with_gradient
 from .precision import use_matmul_precision
@@ -64,6 +66,10 @@ def _epilogues(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.backend.capabilities.epilogues
 
 
+def _foreach(ctx: PassContext) -> bool:
+    return _rewrites(ctx) and ctx.backend.capabilities.foreach is not None
+
+
 @dataclass(frozen=True)
 class Pass:
     name: str
@@ -85,6 +91,9 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul), _mixed_precision),
     Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep, c.backend.capabilities.fuses_epilogue),
          _epilogues),
+    Pass("fuse-foreach",
+         lambda c: fuse_foreach(c.flow, c.func, c.backend.capabilities.foreach, c.backend.capabilities.foreach_operands),
+         _foreach),
 )
 
 

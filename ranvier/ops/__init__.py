@@ -3,6 +3,7 @@
 from . import (  # noqa: F401  (registration)
     attention,
     elementwise,
+    foreach,
     fused,
     index,
     matmul,

@@ -7,7 +7,9 @@ pads, reductions, rows, lookups, scatters, a MoE layer's routing and grouped pro
 in-place assignments, attention and its gradient, and the products cuBLASLt cannot take;
 a thread per output element, or a block per row or index), and the cell's kernels are one
 PTX module, for the GPU found (`driver.py`) or else Hopper (sm_90, 132 multiprocessors).
-Steps of one signature (`kernels.signature`: a model's layers) share one set of kernels.
+Steps of one signature (`kernels.signature`: a model's layers) share one set of kernels,
+and independent small steps of one type (each parameter's update) are one kernel
+(a ForEach, `foreach.py`).
 A reshape of a value that lives only in the cell is the value's own bytes (`shares_storage`)
 and launches nothing: copying it would write each element onto itself (a step's logits,
 2 GB at stories15M's batch, were copied three times over).
@@ -37,10 +39,11 @@ import numpy as np
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view, op_def
+from ...ops.foreach import members
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..cpu import jit  # the compile cache, shared with the CPU's object files
-from . import blas, kernels, ptx
+from . import blas, foreach, kernels, ptx
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU, HostEmulator
 from .driver import Device, DriverGPU, find_device
 from .launch import LaunchShape, block_launch, map_launch
@@ -63,7 +66,8 @@ class CUDABackend:
     def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=("float32", "tfloat32", "bfloat16"),
                                          activation_precisions=("float32", "bfloat16", "float16"),
-                                         fuses_epilogue=blas.fuses_epilogue)
+                                         fuses_epilogue=blas.fuses_epilogue, foreach=kernels.foreach_key,
+                                         foreach_operands=foreach.MAX_OPERANDS)
         self.use_disk_cache = options.cache
         self.device: Device | None = None
         self.missing = ""
@@ -97,6 +101,9 @@ class CUDABackend:
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         """A thread reads its element's inputs before it writes: an elementwise op may write
         over an input of its output's exact type and shape."""
+        if op.type == "ForEach":  # within a member only: the others run beside it, not before
+            return any(any(v is source for v in m.inputs) and any(v is target for v in m.outputs)
+                       and self.in_place(m, source, target) for m in members(op))
         same = source.dtype == target.dtype and list(source.shape) == list(target.shape)
         return same and kernels.supports(op) and kernels.kernel_kind(op) == "Map"
 

@@ -37,13 +37,17 @@ def special_register(module: ir.Module, b: ir.IRBuilder, name: str) -> ir.Value:
     return b.zext(b.call(declared(module, full, ir.FunctionType(I32, [])), []), I64)
 
 
-def shared_array(ctx: EmitContext, dtype: str, count: int) -> Array:
-    """`count` scalars in the block's shared memory (GPU code only)."""
-    module = ctx.module
-    memory = ir.GlobalVariable(module, ir.ArrayType(compute_type(dtype), count), module.get_unique_name("shared"),
-                               addrspace=SHARED)
+def shared_variable(module: ir.Module, dtype: str, count: int, name: str) -> ir.GlobalVariable:
+    """`count` scalars of the block's shared memory, a variable of the module."""
+    memory = ir.GlobalVariable(module, ir.ArrayType(compute_type(dtype), count), name, addrspace=SHARED)
     memory.linkage, memory.align = "internal", 16
     memory.initializer = ir.Constant(memory.value_type, ir.Undefined)
+    return memory
+
+
+def shared_array(ctx: EmitContext, dtype: str, count: int) -> Array:
+    """`count` scalars in the block's shared memory, of this array's own (GPU code only)."""
+    memory = shared_variable(ctx.module, dtype, count, ctx.module.get_unique_name("shared"))
     return Array(ctx.b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
 
 

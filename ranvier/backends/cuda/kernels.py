@@ -38,6 +38,7 @@ from llvmlite import ir
 
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
+from ...ops.foreach import members
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
@@ -47,6 +48,7 @@ from . import (
     attention_mma,
     experts,
     facts,
+    foreach,
     lookups,
     maps,
     pads,
@@ -78,12 +80,31 @@ class GPUKernel:
 
 
 def supports(op: Operation) -> bool:
+    if op.type == "ForEach":
+        keys = {foreach_key(member) for member in members(op)}
+        return len(keys) == 1 and None not in keys
     return any(generator.supports(op) for generator in GENERATORS)
+
+
+def foreach_key(op: Operation) -> int | None:
+    """Which ForEach kernels the op may join (`Capabilities.foreach`): the threads of a
+    block of its one launch (0 for a thread per element), for a map (not a copy),
+    reduction, row op or pad of at most `foreach.GROUPED_WORK` threads' work; else None."""
+    generator = next((g for g in GENERATORS if g.supports(op)), None)
+    if generator not in (maps, reductions, rows, pads) or (generator is maps and maps.is_copy(op)):
+        return None
+    launches = _launches(generator, op)
+    if len(launches) != 1:
+        return None
+    elements, _, threads = launches[0]
+    return threads if 0 < elements * max(threads, 1) <= foreach.GROUPED_WORK else None
 
 
 def kernel_kind(op: Operation) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
     "Route", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention" or "ShapeFact"."""
+    if op.type == "ForEach":
+        return "ForEach"
     generator = _generator(op)
     if generator is maps:
         return "Copy" if maps.is_copy(op) else "Map"
@@ -125,6 +146,8 @@ class ThreadContext(EmitContext):
 
 
 def _generator(op: Operation):
+    if op.type == "ForEach":
+        return foreach
     for generator in GENERATORS:
         if generator.supports(op):
             return generator
@@ -162,15 +185,19 @@ Emit = Callable[[EmitContext, ir.Value], None]
 def _launches(generator, op: Operation) -> list[tuple[int, Emit, int]]:
     """The op's launches in order, each (elements, how to emit one, threads per block of a
     block kernel or 0): one for most ops; an accumulation first zeroes its output (a launch
-    finishes before the next starts)."""
+    finishes before the next starts); a ForEach its members' single launches as one."""
+    if op.type == "ForEach":
+        return [foreach.laid_end_to_end([_launches(_generator(m), m)[0] for m in members(op)])]
     if hasattr(generator, "launches"):
         return [(*launch, 0) if len(launch) == 2 else launch for launch in generator.launches(op)]
     return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index), 0)]
 
 
 def _operands(generator, op: Operation) -> tuple[Variable, ...]:
-    """The variables the op's kernels take, in order: the generator's choice, or the op's
-    inputs and outputs, each once."""
+    """The variables the op's kernels take, in order: the generator's choice (a ForEach:
+    its members'), or the op's inputs and outputs, each once."""
+    if op.type == "ForEach":
+        return tuple({id(v): v for m in members(op) for v in _operands(_generator(m), m)}.values())
     if hasattr(generator, "operands"):
         return generator.operands(op)
     return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())

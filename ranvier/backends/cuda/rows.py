@@ -24,10 +24,11 @@ from contextlib import nullcontext
 from llvmlite import ir
 
 from ...flow.graph import Operation
-from ..llvm.context import EmitContext
+from ..llvm.context import Array, EmitContext
+from ..llvm.irutil import I32
 from ..llvm.rows import ROW_OPS, row_shape
 from ..llvm.values import Value, index_value
-from .blocks import barrier, shared_array, special_register
+from .blocks import barrier, shared_variable, special_register
 
 ONE_THREAD_ROWS = {"TopK", "SoftmaxTopK"}
 
@@ -72,7 +73,7 @@ def _threads(ctx: EmitContext, threads: int):
 
 def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, dtype: str, initial, combine, term) -> Value:
     """`combine` over `term(index, 1)` along a row, split over the block (module docstring)."""
-    partials = shared_array(ctx, dtype, threads) if ctx.on_gpu else ctx.array(dtype, threads)
+    partials = _partials(ctx, dtype, threads) if ctx.on_gpu else ctx.array(dtype, threads)
     with _threads(ctx, threads) as thread:
         partial = ctx.local(dtype, 1, initial)
         with ctx.loop(thread, length, step=threads, name="i") as i:
@@ -88,6 +89,18 @@ def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, d
     total = partials.load(0)
     barrier(ctx)  # every thread has the total before a later fold writes the partials again
     return total
+
+
+def _partials(ctx: EmitContext, dtype: str, threads: int) -> Array:
+    """The shared array a fold leaves its threads' partial results in: one per dtype and
+    block size in a module, which every fold reuses (a fold ends with a barrier after
+    its total is read, so the next one may write it), so that a kernel of many folds —
+    a ForEach of row ops — holds no more shared memory than a kernel of one."""
+    name = f"fold_partials_{dtype}_{threads}"
+    memory = ctx.module.globals.get(name)
+    if memory is None:
+        memory = shared_variable(ctx.module, dtype, threads, name)
+    return Array(ctx.b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
 
 
 def each_over_block(ctx: EmitContext, threads: int, start: Value, length: int, body) -> None:

@@ -1,0 +1,97 @@
+"""ForEach: one op applied to several independent sets of operands, as one op — a
+multi-tensor update (every parameter's AdamW step), every weight's cast, every gradient's
+sum of squares.
+
+A backend that pays for each kernel launch (a GPU: a few microseconds each, against a
+parameter update of a few microseconds) runs it as one kernel; the compiler's horizontal
+fusion (`compiler/foreach.py`) makes it there. It means exactly its members, one after
+another: its shape rule and reference are theirs, and any backend without a kernel for it
+runs the members one by one (its decomposition).
+
+The op carries its members' type (`op`), how many there are (`count`) and their common
+attributes; its inputs are the first member's inputs, then the second's, and so on, and
+likewise its outputs.
+"""
+
+from __future__ import annotations
+
+from ..flow.graph import Operation
+from .registry import Attr, Attrs, TensorType, decomposition, define, op_def
+
+OWN_ATTRS = ("op", "count")
+
+
+def member_attrs(attrs: dict[str, str]) -> dict[str, str]:
+    """The members' own attributes, from a ForEach's."""
+    return {name: value for name, value in attrs.items() if name not in OWN_ATTRS}
+
+
+def _split(items: list, count: int) -> list[list]:
+    size = len(items) // count
+    return [items[k * size:(k + 1) * size] for k in range(count)]
+
+
+def members(op: Operation) -> list[Operation]:
+    """The ops a ForEach stands for, over its own variables (detached: no function lists
+    them and no variable names them as its producer or consumer)."""
+    count = int(op.attrs["count"])
+    found = []
+    for k, (inputs, outputs) in enumerate(zip(_split(op.inputs, count), _split(op.outputs, count) if op.outputs else [[]] * count)):
+        member = Operation(f"{op.name}.{k}", op.attrs["op"])
+        member.inputs, member.outputs, member.attrs = list(inputs), list(outputs), member_attrs(op.attrs)
+        member.func = op.func
+        found.append(member)
+    return found
+
+
+def _infer(ctx) -> list[TensorType]:
+    member, count = ctx.attrs["op"], ctx.attrs["count"]
+    definition = op_def(member)
+    if member == "ForEach" or any(name in definition.attrs for name in OWN_ATTRS):
+        raise ctx.fail(f"a member op type other than {member} (a ForEach's own attributes are {', '.join(OWN_ATTRS)})")
+    if count < 1 or len(ctx.inputs) % count:
+        raise ctx.fail(f"{count} members' inputs, as many each (got {len(ctx.inputs)} inputs)")
+    types = []
+    for k, inputs in enumerate(_split(ctx.inputs, count)):
+        types += definition.infer_types(f"{ctx.op_name}.{k}", inputs, member_attrs(ctx.attrs.raw))
+    return types
+
+
+def _reference(attrs: Attrs, args, outs) -> list:
+    definition = op_def(attrs["op"])
+    count = attrs["count"]
+    own = Attrs(member_attrs(attrs.raw), attrs.op_name, definition.type, definition.attrs)
+    results, writes = [], []  # every member's outputs, then every member's writes in place
+    for inputs, outputs in zip(_split(list(args), count), _split(list(outs), count) if outs else [[]] * count):
+        made = list(definition.reference(own, inputs, outputs))
+        results += made[:len(outputs)]
+        writes += made[len(outputs):]
+    return results + writes
+
+
+def _written(op: Operation) -> list[int]:
+    """Each member's inputs it overwrites in place (a fused parameter update's)."""
+    width = len(op.inputs) // int(op.attrs["count"])
+    return [k * width + i for k, member in enumerate(members(op)) for i in op_def(member.type).written_inputs(member)]
+
+
+def _flops(op: Operation) -> int:
+    return sum(op_def(member.type).cost(member) for member in members(op))
+
+
+define(
+    "ForEach", _infer, _reference, (0, None), "fused",
+    "one op over several sets of operands (inputs and outputs member by member), one kernel",
+    attrs=[Attr("op", "str", "Identity", "the members' op type"), Attr("count", "int", 1, "how many members")],
+    written=_written, flops=_flops,
+)
+
+
+@decomposition("ForEach")
+def _one_by_one(b, op: Operation) -> list:
+    """The members as ops of their own."""
+    results = []
+    for member in members(op):
+        made = b.op(member.type, member.inputs, None, member.attrs)
+        results += list(made) if isinstance(made, tuple) else [made]
+    return results
