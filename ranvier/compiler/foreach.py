@@ -9,8 +9,9 @@ kernel may take (`Capabilities.foreach_operands`: its parameters are bounded). A
 one key, type and attributes, the pass groups
 - sinks: ops nothing in the function reads (a parameter's update, written in place);
 - sources: ops that read nothing the function computes (a weight's cast);
-- siblings: ops read by the same ops, or groups of ops (each gradient's sum of squares,
-  all read by the clipping's norm; the gradients' casts, read by those sums and the updates).
+- siblings: ops read by the same ops, or groups of ops, looking through views (each
+  gradient's sum of squares, all read by the clipping's norm; the gradients' casts, read by
+  those sums and the updates).
 No member of such a group reaches another: a sink has no readers, a source no producer in the
 function, and a path from one sibling to another would run through their common readers,
 which come after both. So the function stays acyclic. A sibling that reads a variable
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 from ..flow.graph import Flow, Function, Operation
-from ..ops import written_inputs
+from ..ops import is_view, written_inputs
 from .schedule import readers
 
 GroupKey = Callable[[Operation], Hashable | None]
@@ -36,11 +37,14 @@ def fuse_foreach(flow: Flow, func: Function, key_of: GroupKey, max_operands: int
     position = {id(op): i for i, op in enumerate(order)}
     overwritten = {id(op) for target in {id(v): v for op in func.ops for v in written_inputs(op)}.values()
                    for op in readers(target)}
-    node: dict[int, Hashable] = {}  # id(op) -> the group it joins, or the op's own id
+    node: dict[int, frozenset] = {}  # id(op) -> the group it joins, or the op's own id (a view: its readers')
     groups: dict[Hashable, list[Operation]] = {}
     for op in reversed(order):  # readers first: an op's readers have found their groups
+        if is_view(op):  # seen through: its readers read its input
+            node[id(op)] = _readers(op, func, node)
+            continue
         group = _group_of(op, func, key_of(op), node, overwritten)
-        node[id(op)] = group if group is not None else id(op)
+        node[id(op)] = frozenset([group if group is not None else id(op)])
         if group is not None:
             groups.setdefault(group, []).append(op)
     for members in groups.values():
@@ -55,7 +59,7 @@ def _group_of(op: Operation, func: Function, key: Hashable | None, node: dict[in
     if key is None:
         return None
     kind = (key, op.type, tuple(sorted(op.attrs.items())), len(op.inputs), len(op.outputs))
-    readers_ = frozenset(node[id(c)] for v in op.outputs for c in v.consumers if c.func is func)
+    readers_ = _readers(op, func, node)
     if not readers_:
         return kind, "sinks"
     if written_inputs(op):
@@ -63,6 +67,11 @@ def _group_of(op: Operation, func: Function, key: Hashable | None, node: dict[in
     if not any(v.producer is not None and v.producer.func is func for v in op.inputs):
         return kind, "sources"
     return None if id(op) in overwritten else (kind, "siblings", readers_)
+
+
+def _readers(op: Operation, func: Function, node: dict[int, frozenset]) -> frozenset:
+    """The groups and ops that read the op's outputs, through views."""
+    return frozenset().union(*(node[id(c)] for v in op.outputs for c in v.consumers if c.func is func))
 
 
 def _chunks(members: list[Operation], max_operands: int) -> list[list[Operation]]:
