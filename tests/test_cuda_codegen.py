@@ -462,6 +462,7 @@ ROW_CASES = [  # op, attrs, dtype, row length: a short row, a head's, a vocabula
     ("SoftmaxCrossEntropyGrad", {"label_smoothing": 0.1}, "float32", 30), ("LayerNorm", {"eps": 1e-5}, "float32", 3000),
     ("SoftmaxCrossEntropyGrad", {"with_loss": True}, "float32", 9000),
     ("Rotary", {}, "float32", 48), ("Rotary", {"inverse": True}, "float64", 64),  # a head's pairs turned
+    ("RMSNormGrad", {"eps": 1e-5}, "float32", 288), ("RMSNormGrad", {"eps": 1e-6}, "float32", 2000),
 ]
 
 
@@ -477,6 +478,9 @@ def _row_op(name, attrs, dtype, n, labels=None):
         for k, table in enumerate(["cos", "sin"]):
             inputs.append(f.var(table, dtype, [3, n // 2]))
             values[f"f/{table}"] = random_array([3, n // 2], dtype, seed=7 + k)
+    if name == "RMSNormGrad":  # a half-precision gradient beside float32 rows, and a gain
+        inputs += [f.var("dy", "bfloat16", shape), f.var("gamma", dtype, [n])]
+        values["f/dy"], values["f/gamma"] = random_array(shape, "bfloat16", seed=8), random_array([n], dtype, seed=9)
     if name in ("LayerNorm", "RMSNorm"):
         for k, extra in enumerate(["gamma", "beta"][: 2 if name == "LayerNorm" else 1]):
             inputs.append(f.var(extra, dtype, [n]))

@@ -1,6 +1,7 @@
 """ForEach (one op over several sets of operands) and the horizontal fusion pass that makes
 it: the op means its members on every backend (the CPU runs them one by one, the CUDA
-backend as one kernel, checked on the host emulator), the pass groups only ops that cannot
+backend as one kernel: on the host emulator, and on a GPU where there is one), the pass
+groups only ops that cannot
 reach one another, and a training step's per-parameter work becomes a few kernels."""
 
 from __future__ import annotations
@@ -10,17 +11,12 @@ import pytest
 from helpers import check, random_array, run_flow
 
 import ranvier as rv
-from ranvier.backends.cuda import device, kernels, ptx
+from ranvier.backends.cuda import kernels, ptx
 from ranvier.compiler.foreach import fuse_foreach
 from ranvier.compiler.schedule import schedule
 from ranvier.ops.foreach import members
 
 TESTED_OPS = {"ForEach"}
-
-
-@pytest.fixture
-def emulator(monkeypatch):
-    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
 
 
 def _foreach(f, op_type: str, operands: list[list], attrs: dict | None = None):
@@ -29,8 +25,8 @@ def _foreach(f, op_type: str, operands: list[list], attrs: dict | None = None):
 
 
 def _on_cuda(build, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[str]]:
-    """The outputs of `build(f, *inputs)` computed on the CUDA backend (the emulator), and
-    its steps' kernel kinds."""
+    """The outputs of `build(f, *inputs)` computed on the CUDA backend, and its steps'
+    kernel kinds."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     handles = [f.var(f"x{i}", rv.dtypes.from_numpy(a.dtype), a.shape) for i, a in enumerate(inputs)]
@@ -111,7 +107,7 @@ def test_a_foreach_computes_what_its_members_compute_one_by_one(op_type):
 
 
 @pytest.mark.parametrize("op_type", sorted(MEMBER_CASES))
-def test_the_gpu_runs_a_foreach_as_one_kernel_with_its_members_arithmetic(emulator, op_type):
+def test_the_gpu_runs_a_foreach_as_one_kernel_with_its_members_arithmetic(on_device, op_type):
     attrs, shapes = MEMBER_CASES[op_type]
     inputs = _member_inputs(shapes, seed=5)
     got, kinds = _on_cuda(_build_group(op_type, attrs, shapes), inputs)
@@ -139,7 +135,7 @@ def _adam_like(f, count: int, shapes: list[tuple]):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "cuda"])
-def test_a_foreach_writes_its_members_parameters_in_place(emulator, backend):
+def test_a_foreach_writes_its_members_parameters_in_place(on_device, backend):
     shapes = [(3, 4), (17,), (2, 2, 5)]
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
@@ -293,7 +289,7 @@ def test_row_members_share_one_shared_array_and_assemble():
         ptx.assemble(ptx.emit_ptx(module, ptx.ARCHITECTURE))
 
 
-def test_a_training_steps_parameter_work_is_a_few_kernels(emulator):
+def test_a_training_steps_parameter_work_is_a_few_kernels(on_device):
     """A small Llama's step with clipping and AdamW: every parameter's update in two
     kernels (matrices, decayed; norms' gains, not), and its values those of the step
     computed without grouping (the CPU backend)."""

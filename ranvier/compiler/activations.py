@@ -7,7 +7,8 @@ where values are rounded.
 
 The pass walks the ops in dependency order and picks each one's float dtype, then casts
 the inputs that differ (`Cast` ops, which fusion later folds into the neighbouring
-elementwise programs, where they cost nothing):
+elementwise programs, where they cost nothing), unless the op computes that dtype from its
+inputs as they are (a row kernel that widens what it reads):
 - matrix products run on half-precision inputs (a weight is rounded once per step);
 - ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds;
   attention's gradient with float16, which no tensor-core kernel takes and whose
@@ -30,6 +31,7 @@ from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import op_def
 
 FLOAT32_OPS = {"ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
+RESHAPES = {"Reshape", "ExpandDims", "Squeeze"}  # views of a value's elements in order
 _FLOATS = (dtypes.DT_FLOAT32, dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16)
 
 
@@ -47,7 +49,8 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
             _widened_after(flow, b, op)
         wanted = _wanted(op, floats, keep, dtype)
         before = list(op.inputs)
-        _cast_inputs(b, op, floats, wanted, casts)
+        if not _takes_as_they_are(op, wanted, runs_whole):
+            _cast_inputs(b, op, floats, wanted, casts)
         types = _types(op, runs_whole)
         if types is None:  # the op takes no half-precision input, or has no kernel for one: float32
             for i, var in enumerate(before):
@@ -56,7 +59,7 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
             types = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
         for var, t in zip(op.outputs, types):
             var.dtype = t.dtype
-    for var in casts.values():  # a cast an op took back
+    for var in reversed(list(casts.values())):  # a cast an op took back (a reshape of one first)
         if not var.consumers:
             flow.remove_op(var.producer)
             flow.remove_var(var)
@@ -76,6 +79,14 @@ def _types(op: Operation, runs_whole: Callable[[Operation], bool]) -> list | Non
     for var, dtype in zip(op.outputs, outputs):
         var.dtype = dtype
     return types if runs else None
+
+
+def _takes_as_they_are(op: Operation, wanted: str, runs_whole: Callable[[Operation], bool]) -> bool:
+    """Whether the op computes `wanted` from its inputs as they are, mixed dtypes and all
+    (a norm's gradient reading a half-precision gradient beside a float32 residual stream):
+    casting them first would cost a pass of its own."""
+    types = _types(op, runs_whole)
+    return types is not None and all(t.dtype == wanted for t in types if t.dtype in _FLOATS)
 
 
 def _pinned(op: Operation, keep: set[str]) -> bool:
@@ -109,9 +120,19 @@ def _cast_inputs(b: Builder, op: Operation, floats: list[int], wanted: str, cast
     """Each float input of `op` not of dtype `wanted` replaced by its cast (one per value)."""
     for i in floats:
         var = op.inputs[i]
-        if var.dtype == wanted:
-            continue
-        key = (var.name, wanted)
-        if key not in casts:
+        if var.dtype != wanted:
+            op.replace_input(var, _cast(b, var, wanted, casts))
+
+
+def _cast(b: Builder, var: Variable, wanted: str, casts: dict[tuple[str, str], Variable]) -> Variable:
+    """`var` in dtype `wanted`, cast once per value; a reshape of a value, the same reshape
+    of the value's cast (a norm's output, cast for its product, is read reshaped by the
+    weight's gradient: one cast serves both)."""
+    key = (var.name, wanted)
+    if key not in casts:
+        producer = var.producer
+        if producer is not None and producer.func is b.func and producer.type in RESHAPES:
+            casts[key] = b.wrap(_cast(b, producer.inputs[0], wanted, casts)).reshape(list(var.shape)).var
+        else:
             casts[key] = b.op("Cast", [var], None, {"dtype": wanted}).var
-        op.replace_input(var, casts[key])
+    return casts[key]

@@ -15,7 +15,8 @@ likewise its outputs.
 
 from __future__ import annotations
 
-from ..flow.graph import Operation
+from dataclasses import dataclass, field
+
 from .registry import Attr, Attrs, TensorType, decomposition, define, op_def
 
 OWN_ATTRS = ("op", "count")
@@ -31,17 +32,26 @@ def _split(items: list, count: int) -> list[list]:
     return [items[k * size:(k + 1) * size] for k in range(count)]
 
 
-def members(op: Operation) -> list[Operation]:
-    """The ops a ForEach stands for, over its own variables (detached: no function lists
-    them and no variable names them as its producer or consumer)."""
+@dataclass
+class Member:
+    """One op a ForEach stands for, as kernels and rules read an op: its name, type,
+    variables and attributes (no function lists it, no variable names it as its producer
+    or consumer)."""
+
+    name: str
+    type: str
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    attrs: dict[str, str] = field(default_factory=dict)
+    func: object = None
+
+
+def members(op) -> list[Member]:
+    """The ops a ForEach stands for, over its own variables."""
     count = int(op.attrs["count"])
-    found = []
-    for k, (inputs, outputs) in enumerate(zip(_split(op.inputs, count), _split(op.outputs, count) if op.outputs else [[]] * count)):
-        member = Operation(f"{op.name}.{k}", op.attrs["op"])
-        member.inputs, member.outputs, member.attrs = list(inputs), list(outputs), member_attrs(op.attrs)
-        member.func = op.func
-        found.append(member)
-    return found
+    outputs = _split(op.outputs, count) if op.outputs else [[]] * count
+    return [Member(f"{op.name}.{k}", op.attrs["op"], list(inputs), list(outs), member_attrs(op.attrs), op.func)
+            for k, (inputs, outs) in enumerate(zip(_split(op.inputs, count), outputs))]
 
 
 def _infer(ctx) -> list[TensorType]:
@@ -69,13 +79,13 @@ def _reference(attrs: Attrs, args, outs) -> list:
     return results + writes
 
 
-def _written(op: Operation) -> list[int]:
+def _written(op) -> list[int]:
     """Each member's inputs it overwrites in place (a fused parameter update's)."""
     width = len(op.inputs) // int(op.attrs["count"])
     return [k * width + i for k, member in enumerate(members(op)) for i in op_def(member.type).written_inputs(member)]
 
 
-def _flops(op: Operation) -> int:
+def _flops(op) -> int:
     return sum(op_def(member.type).cost(member) for member in members(op))
 
 
@@ -88,7 +98,7 @@ define(
 
 
 @decomposition("ForEach")
-def _one_by_one(b, op: Operation) -> list:
+def _one_by_one(b, op) -> list:
     """The members as ops of their own."""
     results = []
     for member in members(op):

@@ -147,12 +147,14 @@ def _layer_norm_vjp(ctx, g):
 
 
 def _rms_norm_vjp(ctx, g):
-    x = ctx.inputs[0]
-    rstd = ((x * x).mean(axis=-1, keepdims=True) + ctx.attrs["eps"]).rsqrt()
-    xhat = x * rstd
-    dxhat = g[0] * ctx.inputs[1] if len(ctx.inputs) > 1 else g[0]
-    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-    return [dx, _leading_sum(g[0] * xhat)] if len(ctx.inputs) > 1 else [dx]
+    """One fused op (RMSNormGrad: a row pass, as the forward's); a gain's gradient sums
+    its second output over the rows."""
+    x, *gain = ctx.inputs
+    made = ctx.b.op("RMSNormGrad", [x, g[0], *gain], None, {"eps": ctx.attrs["eps"]})
+    if not gain:
+        return [made]
+    dx, scaled = made
+    return [dx, _leading_sum(scaled)]
 
 
 def _build_layer_norm(b, x, gamma=None, beta=None, eps=None, name=None):

@@ -1,7 +1,8 @@
 """Backward ops of the nn composites (their VJPs build them): the input and filter
 gradients of Conv2D, the input gradients of MaxPool and AvgPool, and the fused
-gradient of SoftmaxCrossEntropy. Each decomposes, like its forward op, into window
-primitives and GEMMs where a backend has no kernel for it whole."""
+gradients of SoftmaxCrossEntropy and RMSNorm. Each decomposes, like its forward op, into
+window primitives, GEMMs or elementwise ops and reductions where a backend has no kernel
+for it whole."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import numpy as np
 
 from .nn import (
+    EPS,
     KSIZE,
     LABEL_SMOOTHING,
     PADDING,
@@ -284,3 +286,58 @@ define(
     attrs=[LABEL_SMOOTHING, Attr("with_loss", "bool", False, "a second output: the per-example loss")],
     flops=lambda op: 5 * op.inputs[0].size,
 )
+
+
+# ---- RMSNorm's gradient ----------------------------------------------------------------------------
+
+
+def _infer_rms_norm_grad(ctx):
+    """(x, dy[, gamma]): dx, and with a gain dy·x̂ too (the rows its gradient sums). dy and
+    gamma may be of another float dtype than x (a half-precision gradient meeting a
+    float32 residual stream): they are read widened, and the outputs take x's dtype."""
+    x, dy, *gain = ctx.inputs
+    if any(v.dtype not in FLOATS for v in ctx.inputs):
+        raise ctx.fail("floating-point inputs")
+    if x.rank == 0 or tuple(dy.shape) != tuple(x.shape):
+        raise ctx.fail("x of rank >= 1 and a gradient dy of x's shape")
+    if gain and tuple(gain[0].shape) != (x.shape[-1],):
+        raise ctx.fail(f"a gain of shape [{x.shape[-1]}] (the last dimension of x)")
+    if not ctx.attrs["eps"] >= 0.0:
+        raise ctx.fail(f"attribute eps >= 0 (got {ctx.attrs['eps']})")
+    return [TensorType(x.dtype, x.shape)] * (2 if gain else 1)
+
+
+def rms_norm_grad(x, dy, gamma=None, eps=EPS.default) -> list[np.ndarray]:
+    """dx of RMSNorm = rstd · (dx̂ − x̂ · mean(dx̂ · x̂)) with dx̂ = dy · gamma, x̂ = x · rstd;
+    with gamma, also dy · x̂."""
+    x, dy = _f64(x), _f64(dy)
+    rstd = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    xhat = x * rstd
+    dxhat = dy if gamma is None else dy * _f64(gamma)
+    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return [dx] if gamma is None else [dx, dy * xhat]
+
+
+define(
+    "RMSNormGrad",
+    _infer_rms_norm_grad,
+    lambda attrs, args, outs: rms_norm_grad(*args, eps=attrs["eps"]),
+    (2, 3),
+    "nn",
+    "d x of RMSNorm (x, d y[, gamma]) in one fused step over each row; with gamma also d y · x̂, whose "
+    "sum over rows is gamma's gradient",
+    attrs=[EPS],
+    flops=lambda op: 8 * op.inputs[0].size,
+)
+
+
+@decomposition("RMSNormGrad")
+def _rms_norm_grad_by_ops(b, op):
+    """The gradient's formula as elementwise ops and row means."""
+    x, *rest = (b.wrap(v) for v in op.inputs)
+    dy, *gain = (t if t.dtype == x.dtype else t.cast(x.dtype) for t in rest)
+    rstd = ((x * x).mean(axis=-1, keepdims=True) + op_def(op.type).attrs_of(op)["eps"]).rsqrt()
+    xhat = x * rstd
+    dxhat = dy * gain[0] if gain else dy
+    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return [dx, dy * xhat] if gain else dx

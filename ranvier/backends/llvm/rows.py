@@ -1,11 +1,12 @@
 """Fused row kernels over the last axis, for every LLVM backend: Softmax, LogSoftmax,
-LayerNorm, RMSNorm and SoftmaxCrossEntropy with its gradient, each in as few passes over
+LayerNorm, RMSNorm and SoftmaxCrossEntropy with their gradients, each in as few passes over
 the row as its math allows.
 
     softmax        max | exp, sum (exp stored) | scale
     log_softmax    max | sum of exp            | x − max − log(sum)
     layer_norm     mean | variance             | normalize, scale, shift
     rms_norm       mean square                 | normalize, scale
+    its gradient   mean square | Σ dy·γ·x      | dx (and dy·x̂, for γ's gradient)
     cross-entropy  max | sum of exp (and of target·x) → one loss per row
     its gradient   max | sum of exp            | softmax · Σp' − p'  (and the loss)
     top-k          k passes, each the best after the last pick (a router's few experts)
@@ -147,6 +148,41 @@ def norm_rows(op) -> RowBody:
             ctx.store(y, i, value)
 
         row.each(normalize)
+
+    return body
+
+
+def rms_norm_grad_rows(op) -> RowBody:
+    """dx = rstd · (dy·γ − x · rstd² · mean(dy·γ·x)) over each row, in three passes (the
+    mean square, the dot, the output), and with a gain dy·x̂ beside it. dy and γ may be
+    stored in another float dtype than x: they are widened as they are read."""
+    x, dy, *gain = op.inputs
+    dx = op.outputs[0]
+    scaled = op.outputs[1] if gain else None
+    _, n = row_shape(op)
+    eps = attrs_of(op)["eps"]
+
+    def body(ctx, r):
+        start = r * n
+        row = Row(ctx, start, n, x.dtype)
+
+        def read(var, i, w) -> Value:
+            value = ctx.load(var, i, w)
+            return value if var.dtype == x.dtype else value.cast(x.dtype)
+
+        def dxhat(i, w) -> Value:
+            return read(dy, i, w) * read(gain[0], i - start, w) if gain else read(dy, i, w)
+
+        rstd = 1.0 / (row.sum(lambda i, w: _square(ctx.load(x, i, w))) * (1.0 / n) + eps).sqrt()
+        shift = row.sum(lambda i, w: dxhat(i, w) * ctx.load(x, i, w)) * (rstd * rstd * (1.0 / n))
+
+        def gradient(i, w):
+            value = ctx.load(x, i, w)
+            ctx.store(dx, i, (dxhat(i, w) - value * shift.splat(w)) * rstd.splat(w))
+            if scaled is not None:
+                ctx.store(scaled, i, read(dy, i, w) * value * rstd.splat(w))
+
+        row.each(gradient)
 
     return body
 
@@ -516,6 +552,7 @@ def sample_rows(op) -> RowBody:
 ROW_OPS: dict[str, tuple[Callable[..., RowBody], Callable[..., bool]]] = {
     "Softmax": (softmax_rows, last_axis), "LogSoftmax": (softmax_rows, last_axis),
     "LayerNorm": (norm_rows, nonempty_rows), "RMSNorm": (norm_rows, nonempty_rows),
+    "RMSNormGrad": (rms_norm_grad_rows, nonempty_rows),
     "SoftmaxCrossEntropy": (cross_entropy_rows, nonempty_rows),
     "SoftmaxCrossEntropyGrad": (cross_entropy_grad_rows, nonempty_rows),
     "TopK": (top_k_rows, nonempty_rows), "SoftmaxTopK": (softmax_top_k_rows, nonempty_rows),

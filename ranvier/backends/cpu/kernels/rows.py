@@ -11,6 +11,7 @@ from ...llvm.rows import (
     last_axis,
     nonempty_rows,
     norm_rows,
+    rms_norm_grad_rows,
     rotary_rows,
     row_shape,
     sample_rows,
@@ -47,6 +48,11 @@ def softmax(ctx, op) -> None:
 @kernel("RMSNormRow", {"RMSNorm"}, supports=nonempty_rows)
 def norm(ctx, op) -> None:
     each_row(ctx, op, norm_rows(op))
+
+
+@kernel("RMSNormGradRow", {"RMSNormGrad"}, supports=nonempty_rows)
+def norm_grad(ctx, op) -> None:
+    each_row(ctx, op, rms_norm_grad_rows(op))
 
 
 @kernel("RotaryRow", {"Rotary"})
