@@ -296,3 +296,85 @@ def test_the_fused_convolutions_reference_is_the_unfused_flows():
     tx, tw, tb = _torch(x, w, bias)
     check(np.array(data[y]), torch.tanh(torch.nn.functional.conv2d(tx, tw, stride=(2, 1), padding=(1, 0)) + tb).numpy(),
           "float32", rtol=1e-5, atol=1e-6)
+
+
+# ---- row ops: a norm or a norm's gradient, and the Calculate after it -----------------------
+
+TESTED_OPS |= {"RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate"}
+
+
+def _norms_and_their_epilogues(f, x, dy, g, b, res):
+    """A norm's output rounded to bfloat16 for a product, a layer norm's through a GELU with
+    a residual, and a norm's gradient added to the residual stream's (and rounded for the
+    next product), its gain's terms kept apart."""
+    rounded = f.cast(f.rms_norm(x, g), "bfloat16")
+    activated = f.gelu(f.layer_norm(x, g, b)) + res * 0.5
+    dx, scaled = f.op("RMSNormGrad", [x, dy, g], None, {"eps": 1e-5})
+    stream = dx + res
+    return rounded, activated, stream, f.cast(stream, "bfloat16"), scaled
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_a_norm_and_a_norms_gradient_run_their_epilogues_as_they_write(on_device, backend):
+    inputs = [random_array([6, 40], "float32", seed=1), random_array([6, 40], "bfloat16", seed=2),
+              random_array([40], "float32", seed=3), random_array([40], "float32", seed=4),
+              random_array([6, 40], "float32", seed=5)]
+    want = run_flow(_norms_and_their_epilogues, inputs)  # the reference (and the CPU)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    handles = [f.var(f"x{i}", rv.dtypes.from_numpy(a.dtype), a.shape) for i, a in enumerate(inputs)]
+    outputs = _norms_and_their_epilogues(f, *handles)
+    for t in outputs:
+        t.var.out = True
+    cell = rv.Compiler(backend).compile(flow).cell("f")
+    assert sorted(s.op.type for s in cell.steps) == ["LayerNormCalculate", "RMSNormCalculate", "RMSNormGradCalculate"]
+    data = cell.instance()
+    for handle, value in zip(handles, inputs):
+        data[handle] = value
+    data.compute()
+    for t, expected in zip(outputs, want):
+        check(np.array(data[t]), np.asarray(expected, np.float64), t.dtype)
+
+
+@pytest.mark.parametrize("row_op", ["RMSNorm", "LayerNorm", "RMSNormGrad"])
+def test_a_fused_row_op_means_its_row_op_then_its_program(row_op):
+    x, dy, g = random_array([3, 5, 24], "float32", seed=6), random_array([3, 5, 24], "float32", seed=7), random_array([24], "float32", seed=8)
+    scale = random_array([], "float32", seed=9)
+    row_inputs = {"RMSNorm": [x, g], "LayerNorm": [x, g, g], "RMSNormGrad": [x, dy, g]}[row_op]
+
+    def fused(f, *t):
+        return f.op(f"{row_op}Calculate", list(t), None,
+                    {"eps": 1e-5, "row_inputs": len(row_inputs), "expr": "$0=Mul(%0,%1);@0=Tanh($0);@1=Add(%0,%2)"})
+
+    def apart(f, *t):
+        made = f.op(row_op, list(t[:len(row_inputs)]), None, {"eps": 1e-5})
+        made = list(made) if isinstance(made, tuple) else [made]
+        return [f.tanh(made[0] * t[-2]), made[0] + t[-1], *made[1:]]
+
+    got = run_flow(fused, [*row_inputs, scale, dy])
+    want = run_flow(apart, [*row_inputs, scale, dy])
+    assert len(got) == len(want) == (3 if row_op == "RMSNormGrad" else 2)
+    for a, b in zip(got, want):
+        check(a, np.asarray(b, np.float64), "float32")
+
+
+def test_no_row_epilogue_where_the_output_is_read_elsewhere_or_broadcast():
+    def build(f, x, g, b):
+        y = f.rms_norm(x, g)
+        shifted = y + b  # a bias along the row: read per column, not element by element
+        return shifted, f.rms_norm(x, b) * 2.0, f.exp(f.rms_norm(g * 1.0, b))
+
+    flow = run_flow(build, [random_array([4, 16], "float32", seed=1), random_array([16], "float32", seed=2),
+                            random_array([16], "float32", seed=3)]).flow
+    kinds = sorted(s.op.type for s in _steps(flow))
+    assert "RMSNorm" in kinds and kinds.count("RMSNormCalculate") == 2, kinds
+
+
+def test_a_malformed_row_epilogue_is_named():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, g = f.var("x", "float32", [4, 8]), f.var("g", "float32", [8])
+    with pytest.raises(rv.ShapeError, match="RMSNormCalculate.*row op's shape"):
+        f.op("RMSNormCalculate", [x, g, f.var("v", "float32", [4, 1])], None, {"row_inputs": 2, "expr": "@0=Add(%0,%1)"})
+    with pytest.raises(rv.ShapeError, match="row_inputs between 1 and 2"):
+        f.op("RMSNormCalculate", [x, g], None, {"row_inputs": 3, "expr": "@0=Exp(%0)"})

@@ -36,6 +36,7 @@ NON_DIFFERENTIABLE = {
     "Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput",
     "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "MoECombineGrad", "AssignAddScatter",
     "MatMulCalculate", "Conv2DCalculate", "SampleToken", "ForEach", "RMSNormGrad",
+    "RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate",
 }
 
 FD_EPS = 1e-6

@@ -63,6 +63,18 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
         if not var.consumers:
             flow.remove_op(var.producer)
             flow.remove_var(var)
+    _drop_unread_reshapes(flow, func, keep)
+
+
+def _drop_unread_reshapes(flow: Flow, func: Function, keep: set[str]) -> None:
+    """Reshapes whose readers now read a reshape of a cast instead: nothing reads them."""
+    while unread := [op for op in func.ops if op.type in RESHAPES
+                     and not any(v.consumers or v.name in keep or v.out for v in op.outputs)]:
+        for op in unread:
+            outputs = list(op.outputs)
+            flow.remove_op(op)
+            for v in outputs:
+                flow.remove_var(v)
 
 
 def _types(op: Operation, runs_whole: Callable[[Operation], bool]) -> list | None:

@@ -9,6 +9,13 @@ dtype too (the product is computed into it, then overwritten in place by the pro
 the Calculate writes no input in place, and each of its other inputs reads one element
 per (row, column) of the matrix the GEMM writes (`epilogue_input_strides`: a bias, a
 same-shaped tensor, a per-row scale; a convolution's per-channel bias).
+
+A row op that writes each element of its first output once (a norm, a norm's gradient:
+`ROW_EPILOGUE_OPS`) takes the Calculate that alone reads that output the same way, as
+RMSNormCalculate and its kin: the program runs as each element is computed and the row
+op's output is never stored — a norm's output rounded to bfloat16 as it is written, a
+norm's gradient added to the residual stream's. The Calculate's other inputs must be of
+the output's shape or single values.
 """
 
 from __future__ import annotations
@@ -17,15 +24,16 @@ from collections.abc import Callable
 
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops.expression import Call, Program, Ref, parse
-from ..ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, written_inputs
+from ..ops.fused import EPILOGUE_PRODUCTS, ROW_EPILOGUE_OPS, epilogue_input_strides, fused_type, written_inputs
 from .fuse import is_elementwise
 from .rewrite import erase
 
 
 def fuse_epilogues(flow: Flow, func: Function, keep: set[str], accepts: Callable | None = None) -> None:
-    """Replace each MatMul or Conv2D and the Calculate that alone reads its product by one op
-    (where given, only those `accepts(product, program, further inputs)`: `Capabilities`)."""
-    for producer in [op for op in func.ops if op.type in EPILOGUE_PRODUCTS]:
+    """Replace each MatMul, Conv2D or row op and the Calculate that alone reads its product
+    by one op (where given, only those `accepts(product, program, further inputs)`:
+    `Capabilities`)."""
+    for producer in [op for op in func.ops if op.type in EPILOGUE_PRODUCTS or op.type in ROW_EPILOGUE_OPS]:
         calculate = _epilogue_of(producer, func, keep)
         if calculate is None:
             continue
@@ -45,9 +53,11 @@ def _epilogue_of(producer: Operation, func: Function, keep: set[str]) -> Operati
         return None
     if any(list(v.shape) != list(product.shape) for v in calculate.outputs):
         return None
+    others = [v for v in calculate.inputs if v is not product]
+    if producer.type in ROW_EPILOGUE_OPS:  # read element by element as the row is written
+        return calculate if all(list(v.shape) == list(product.shape) or v.size == 1 for v in others) else None
     if not any(v.dtype == product.dtype for v in calculate.outputs):
         return None
-    others = [v for v in calculate.inputs if v is not product]
     if any(epilogue_input_strides(v.shape, product.shape, EPILOGUE_PRODUCTS[producer.type]) is None for v in others):
         return None
     return calculate
@@ -78,8 +88,11 @@ def _fused_program(producer: Operation, calculate: Operation) -> tuple[Program, 
     product = producer.outputs[0]
     others = [v for v in calculate.inputs if v is not product]
     inputs = {i: (0 if v is product else 1 + others.index(v)) for i, v in enumerate(calculate.inputs)}
-    landing = next(v for v in calculate.outputs if v.dtype == product.dtype)
-    order = [landing, *(v for v in calculate.outputs if v is not landing)]
+    if producer.type in ROW_EPILOGUE_OPS:
+        order = list(calculate.outputs)
+    else:
+        landing = next(v for v in calculate.outputs if v.dtype == product.dtype)
+        order = [landing, *(v for v in calculate.outputs if v is not landing)]
     outputs = {j: order.index(v) for j, v in enumerate(calculate.outputs)}
     return _renumbered(_program(calculate), inputs, outputs), others, order
 
@@ -92,10 +105,12 @@ def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation,
     kind = fused_type(producer.type)
     fused = flow.add_op(flow.unique_name(f"{func.name}/{kind}", flow.ops), kind)
     fused.attrs = {**producer.attrs, "expr": str(program)}
-    a, b = producer.inputs
+    inputs, further = list(producer.inputs), list(producer.outputs[1:])
+    if producer.type in ROW_EPILOGUE_OPS:
+        fused.attrs["row_inputs"] = str(len(inputs))
     erase(flow, [producer, calculate], [product])
-    for v in (a, b, *others):
+    for v in (*inputs, *others):
         fused.add_input(v)
-    for v in order:
+    for v in (*order, *further):
         fused.add_output(v)
     func.add(fused)

@@ -12,9 +12,10 @@ import math
 import numpy as np
 
 from .. import dtypes
-from . import matmul, nn  # noqa: F401  (the products epilogues follow are defined first)
+from . import matmul, nn, nn_grad  # noqa: F401  (the products and row ops epilogues follow are defined first)
 from .expression import Call, Ref, parse
-from .registry import Attr, Attrs, TensorType, define, op_def
+from .foreach import Member
+from .registry import Attr, Attrs, TensorType, decomposition, define, op_def
 
 
 class _Spec:
@@ -220,3 +221,89 @@ for _product in EPILOGUE_PRODUCTS:
         attrs=[*op_def(_product).attrs.values(), Attr("expr", "str", "", "the epilogue program; %0 is the product, %i input i + 1")],
         flops=_product_calculate_flops,
     )
+
+
+# ---- RMSNormCalculate, LayerNormCalculate, RMSNormGradCalculate: a row op and the Calculate
+# that reads its first output -------------------------------------------------------------------
+#
+# The epilogue pass makes one of a row op (a norm or a norm's gradient, which writes each
+# element of its first output once, in its last pass over the row) and the Calculate that
+# alone reads that output, taking further inputs of its shape or single values: the
+# Calculate then runs as each element is computed, and the row op's output is never
+# stored (a norm's output rounded to bfloat16 for the products that read it; a norm's
+# gradient added to the residual stream's). Inputs: the row op's (`row_inputs` of them),
+# then the Calculate's others; in the program %0 is the row op's output, %i (i ≥ 1) input
+# row_inputs + i − 1. Outputs: the program's, then the row op's further outputs.
+ROW_EPILOGUE_OPS = ("RMSNorm", "LayerNorm", "RMSNormGrad")
+ROW_INPUTS = Attr("row_inputs", "int", 1, "how many of the inputs are the row op's")
+
+
+def row_split(op_type: str, attrs: dict[str, str], inputs: list, outputs: list) -> tuple:
+    """(the row op's attributes, its inputs, the program's further inputs, the program's
+    outputs, the row op's further outputs) of a fused row op."""
+    count = int(attrs.get("row_inputs", 1))
+    base = op_def(product_type(op_type))
+    further_outputs = len(base.infer_types("", inputs[:count], _product_attrs(op_type, attrs))) - 1
+    program_outputs = len(outputs) - further_outputs
+    return (_product_attrs(op_type, attrs), inputs[:count], inputs[count:], outputs[:program_outputs],
+            outputs[program_outputs:])
+
+
+def _infer_row_calculate(ctx):
+    count = ctx.attrs["row_inputs"]
+    if not 1 <= count <= len(ctx.inputs):
+        raise ctx.fail(f"attribute row_inputs between 1 and {len(ctx.inputs)} (got {count})")
+    row_types = op_def(product_type(ctx.op_type)).infer_types(ctx.op_name, ctx.inputs[:count],
+                                                              _product_attrs(ctx.op_type, ctx.attrs.raw))
+    program = parse(ctx.attrs["expr"])
+    if any(target.kind == "%" for target, _ in program.statements):
+        raise ctx.fail("an epilogue that writes no input in place")
+    first = row_types[0]
+    if any(list(v.shape) != list(first.shape) and v.size != 1 for v in ctx.inputs[count:]):
+        raise ctx.fail(f"further inputs of the row op's shape {list(first.shape)} or single values")
+    values = program_types(program, [_Spec("row", first.dtype, first.shape), *ctx.inputs[count:]], ctx.op_name)
+    outputs = _outputs(values)
+    if not outputs or any(list(v.shape) != list(first.shape) for v in outputs):
+        raise ctx.fail(f"program outputs of the row op's shape {list(first.shape)}")
+    return [TensorType(v.dtype, v.shape) for v in outputs] + row_types[1:]
+
+
+def _row_calculate_reference(fused: str):
+    def reference(attrs, args, outs):
+        base = op_def(product_type(fused))
+        count = attrs["row_inputs"]
+        raw = _product_attrs(fused, attrs.raw)
+        row_types = base.infer_types("", [_Spec(f"%{i}", dtypes.from_numpy(np.asarray(a).dtype), np.shape(a))
+                                          for i, a in enumerate(args[:count])], raw)
+        row = list(base.reference(Attrs(raw, "", base.type, base.attrs), args[:count], row_types))
+        # the kernel applies the program to each element as computed, unrounded
+        return _reference(attrs, [np.asarray(row[0]), *args[count:]], outs[:len(outs) - len(row) + 1]) + row[1:]
+
+    return reference
+
+
+def _row_calculate_flops(op) -> int:
+    attrs, row_inputs, _, program_outputs, further = row_split(op.type, op.attrs, op.inputs, op.outputs)
+    row = Member(op.name, product_type(op.type), row_inputs, program_outputs[:1] + further, attrs)
+    return op_def(row.type).cost(row) + op.outputs[0].size * _computing_statements(op)
+
+
+def _row_calculate_in_parts(b, op):
+    """The row op, then the Calculate over its first output."""
+    attrs, row_inputs, further_inputs, _, _ = row_split(op.type, op.attrs, op.inputs, op.outputs)
+    row = b.op(product_type(op.type), row_inputs, None, attrs)
+    row = list(row) if isinstance(row, tuple) else [row]
+    result = b.op("Calculate", [row[0], *further_inputs], None, {"expr": op.attrs["expr"]})
+    return [*(list(result) if isinstance(result, tuple) else [result]), *row[1:]]
+
+
+for _row_op in ROW_EPILOGUE_OPS:
+    define(
+        fused_type(_row_op), _infer_row_calculate, _row_calculate_reference(fused_type(_row_op)), (1, None), "fused",
+        f"{_row_op} (its first row_inputs inputs), then a Calculate program over its first output (%0) and further "
+        "inputs of its shape (%1 is input row_inputs); outputs: the program's, then the row op's others",
+        attrs=[*op_def(_row_op).attrs.values(), ROW_INPUTS,
+               Attr("expr", "str", "", "the epilogue program; %0 is the row op's first output")],
+        flops=_row_calculate_flops,
+    )
+    decomposition(fused_type(_row_op))(_row_calculate_in_parts)

@@ -40,6 +40,7 @@ from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view, op_def
 from ...ops.foreach import members
+from ...ops.fused import ROW_EPILOGUE_OPS
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..cpu import jit  # the compile cache, shared with the CPU's object files
@@ -66,7 +67,7 @@ class CUDABackend:
     def __init__(self, options: CompileOptions = DEFAULT_OPTIONS):
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=("float32", "tfloat32", "bfloat16"),
                                          activation_precisions=("float32", "bfloat16", "float16"),
-                                         fuses_epilogue=blas.fuses_epilogue, foreach=kernels.foreach_key,
+                                         fuses_epilogue=_fuses_epilogue, foreach=kernels.foreach_key,
                                          foreach_operands=foreach.MAX_OPERANDS)
         self.use_disk_cache = options.cache
         self.device: Device | None = None
@@ -193,6 +194,13 @@ class CUDABackend:
 
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return np.zeros(len(instance.cell.steps))
+
+
+def _fuses_epilogue(product: Variable, program: str, inputs: list[Variable]) -> bool:
+    """Any program after a row op (its row kernel runs it as each element is computed);
+    after a product, the epilogues cuBLASLt runs."""
+    producer = product.producer
+    return (producer is not None and producer.type in ROW_EPILOGUE_OPS) or blas.fuses_epilogue(product, program, inputs)
 
 
 def _onto_itself(cell: Cell, op: Operation) -> bool:

@@ -16,6 +16,7 @@ from ...llvm.rows import (
     row_shape,
     sample_rows,
     softmax_rows,
+    with_epilogue,
 )
 from ...llvm.values import Value
 from ..codegen import KernelContext
@@ -53,6 +54,11 @@ def norm(ctx, op) -> None:
 @kernel("RMSNormGradRow", {"RMSNormGrad"}, supports=nonempty_rows)
 def norm_grad(ctx, op) -> None:
     each_row(ctx, op, rms_norm_grad_rows(op))
+
+
+@kernel("RowEpilogue", {"RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate"}, supports=nonempty_rows)
+def norm_with_epilogue(ctx, op) -> None:
+    each_row(ctx, op, with_epilogue(op))
 
 
 @kernel("RotaryRow", {"Rotary"})
