@@ -40,17 +40,21 @@ class Profile:
     def by_kernel(self, top: int = 12) -> str:
         """Each kernel's time over all the steps it runs, largest first (the `top` of them):
         where a cell's time goes, at a glance. A GPU kernel's launch shapes are left out
-        (`Map[sm_90 12 × 256]` counts as Map)."""
-        kernels: dict[str, tuple[float, int, int]] = {}
+        (`Map[sm_90 12 × 256]` counts as Map). Beside the arithmetic rate, the rate of the
+        bytes its steps' inputs and outputs hold (each read or written once: the least
+        traffic there is), which against the memory's bandwidth says how near a
+        memory-bound kernel runs to its floor."""
+        kernels: dict[str, tuple[float, int, int, int]] = {}
         for s in self.steps:
             name = s.kernel.split("[")[0]
-            seconds, flops, count = kernels.get(name, (0.0, 0, 0))
-            kernels[name] = (seconds + s.seconds, flops + s.flops, count + 1)
+            seconds, flops, moved, count = kernels.get(name, (0.0, 0, 0, 0))
+            kernels[name] = (seconds + s.seconds, flops + s.flops, moved + _bytes(s.op), count + 1)
         total = self.total or 1e-30
         lines = [f"cell {self.cell_name}: {self.total * 1e3:.3f} ms per compute{f' on {self.device}' if self.device else ''}, by kernel",
-                 f"  {'kernel':<24} {'steps':>5} {'time us':>10} {'share':>6} {'GFLOP/s':>8}"]
-        for kernel, (seconds, flops, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:top]:
-            lines.append(f"  {kernel:<24} {count:>5} {seconds * 1e6:10.1f} {seconds / total * 100:5.1f}% {_rate(flops, seconds)}")
+                 f"  {'kernel':<24} {'steps':>5} {'time us':>10} {'share':>6} {'GFLOP/s':>8} {'GB/s':>8}"]
+        for kernel, (seconds, flops, moved, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:top]:
+            lines.append(f"  {kernel:<24} {count:>5} {seconds * 1e6:10.1f} {seconds / total * 100:5.1f}% {_rate(flops, seconds)} "
+                         f"{_rate(moved, seconds)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -68,6 +72,12 @@ class Profile:
         return "\n".join(lines)
 
 
-def _rate(flops: int, seconds: float) -> str:
-    """GFLOP/s in a column 8 wide, blank for a step that counts no arithmetic or took no time."""
-    return f"{flops / seconds / 1e9:8.1f}" if flops and seconds > 0 else f"{'':>8}"
+def _rate(count: int, seconds: float) -> str:
+    """Billions per second (GFLOP/s, GB/s) in a column 8 wide, blank for a step that counts
+    none or took no time."""
+    return f"{count / seconds / 1e9:8.1f}" if count and seconds > 0 else f"{'':>8}"
+
+
+def _bytes(op: Operation) -> int:
+    """The bytes an op's inputs and outputs hold, each variable once."""
+    return sum(v.nbytes for v in {id(v): v for v in (*op.inputs, *op.outputs)}.values())
