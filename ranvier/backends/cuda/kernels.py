@@ -118,6 +118,8 @@ class ThreadContext(EmitContext):
     """What a GPU thread's element is written in: variables are the kernel's parameters,
     vectors are one lane wide, and bad data sets the kernel's status word."""
 
+    row_passes_reread_memory = True  # a row's every pass reads it from memory (or L2) again
+
     def __init__(self, module: ir.Module, b: ir.IRBuilder, pointers: dict[int, ir.Value], status: ir.Value, on_gpu: bool):
         super().__init__(module, b)
         self.pointers, self.status, self.on_gpu = pointers, status, on_gpu
@@ -127,6 +129,11 @@ class ThreadContext(EmitContext):
         if not self.row_threads:
             return super().row_fold(start, length, lanes, dtype, initial, combine, term)
         return rows.fold_over_block(self, self.row_threads, start, length, dtype, initial, combine, term)
+
+    def row_peak_and_exp_sum(self, start: Value, length: int, lanes: int, dtype: str, read) -> tuple[Value, Value]:
+        if not self.row_threads:
+            return super().row_peak_and_exp_sum(start, length, lanes, dtype, read)
+        return rows.peak_and_exp_sum_over_block(self, self.row_threads, start, length, dtype, read)
 
     def row_each(self, start: Value, length: int, lanes: int, body) -> None:
         if not self.row_threads:

@@ -19,6 +19,7 @@ rows stay one thread's each.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 from llvmlite import ir
@@ -91,12 +92,53 @@ def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, d
     return total
 
 
-def _partials(ctx: EmitContext, dtype: str, threads: int) -> Array:
+def peak_and_exp_sum_over_block(ctx: EmitContext, threads: int, start: Value, length: int, dtype: str,
+                                read) -> tuple[Value, Value]:
+    """A row's maximum and Σ exp(x − max) in one pass over it: each thread keeps its
+    elements' running maximum and their sum rescaled whenever the maximum grows; the block
+    then combines the threads' pairs as `fold_over_block` combines single values."""
+    peaks = _partials(ctx, dtype, threads) if ctx.on_gpu else ctx.array(dtype, threads)
+    sums = _partials(ctx, dtype, threads, "sums") if ctx.on_gpu else ctx.array(dtype, threads)
+    with _threads(ctx, threads) as thread:
+        peak, total = ctx.local(dtype, 1, -math.inf), ctx.local(dtype, 1, 0.0)
+        with ctx.loop(thread, length, step=threads, name="i") as i:
+            merged = _merged(peak.value, total.value, read(start + i, 1), ctx.constant(dtype, 1.0))
+            peak.set(merged[0])
+            total.set(merged[1])
+        peaks.store(thread, peak.value)
+        sums.store(thread, total.value)
+    stride = threads // 2
+    while stride:
+        barrier(ctx)
+        with _threads(ctx, stride if not ctx.on_gpu else threads) as thread, ctx.when(thread < stride):
+            merged = _merged(peaks.load(thread), sums.load(thread), peaks.load(thread + stride), sums.load(thread + stride))
+            peaks.store(thread, merged[0])
+            sums.store(thread, merged[1])
+        stride //= 2
+    barrier(ctx)
+    result = peaks.load(0), sums.load(0)
+    barrier(ctx)  # as a fold's: every thread has the pair before the arrays are written again
+    return result
+
+
+def _merged(peak_a: Value, sum_a: Value, peak_b: Value, sum_b: Value) -> tuple[Value, Value]:
+    """Two (maximum, Σ exp(x − maximum)) pairs as one, each sum rescaled to the larger
+    maximum (a part that has seen only −∞ then adds nothing)."""
+    peak = (peak_b > peak_a).where(peak_b, peak_a)
+    return peak, _rescaled(sum_a, peak_a, peak) + _rescaled(sum_b, peak_b, peak)
+
+
+def _rescaled(total: Value, own: Value, peak: Value) -> Value:
+    return own.equal(peak).where(total, total * (own - peak).exp())
+
+
+def _partials(ctx: EmitContext, dtype: str, threads: int, which: str = "") -> Array:
     """The shared array a fold leaves its threads' partial results in: one per dtype and
-    block size in a module, which every fold reuses (a fold ends with a barrier after
-    its total is read, so the next one may write it), so that a kernel of many folds —
-    a ForEach of row ops — holds no more shared memory than a kernel of one."""
-    name = f"fold_partials_{dtype}_{threads}"
+    block size in a module (and a second, `which`, for a fold of pairs), which every fold
+    reuses (a fold ends with a barrier after its total is read, so the next one may write
+    it), so that a kernel of many folds — a ForEach of row ops — holds no more shared
+    memory than a kernel of one."""
+    name = f"fold_partials_{dtype}_{threads}{'_' + which if which else ''}"
     memory = ctx.module.globals.get(name)
     if memory is None:
         memory = shared_variable(ctx.module, dtype, threads, name)

@@ -11,6 +11,7 @@ this vocabulary alone (row kernels, reductions) serve both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +27,8 @@ from .values import Value, index_value
 
 class EmitContext:
     """A function being generated: its module and the builder at its current block."""
+
+    row_passes_reread_memory = False  # a row kernel's later passes find the row in cache (a CPU core's)
 
     def __init__(self, module: ir.Module, builder: ir.IRBuilder):
         self.module = module
@@ -47,6 +50,14 @@ class EmitContext:
         """`combine` over `term(index, width)` along a row of `length` from `start` (a row
         kernel's pass, `rows.Row`): here in vectors of `lanes`, then the lanes folded."""
         return fold(self, start, length, lanes, dtype, initial, combine, term)
+
+    def row_peak_and_exp_sum(self, start: Value, length: int | Value, lanes: int, dtype: str, read) -> tuple[Value, Value]:
+        """A row's maximum and Σ exp(x − max) of `read(index, width)`: here two passes, the
+        maximum then the sum, each exponential computed once."""
+        peak = self.row_fold(start, length, lanes, dtype, -math.inf, lambda a, x: (x > a).where(x, a), read)
+        total = self.row_fold(start, length, lanes, dtype, 0.0, lambda a, x: a + x,
+                              lambda i, w: (read(i, w) - peak.splat(w)).exp())
+        return peak, total
 
     def row_each(self, start: Value, length: int | Value, lanes: int, body) -> None:
         """`body(index, width)` over a row (a row kernel's last pass): here in vectors."""

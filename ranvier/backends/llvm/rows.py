@@ -9,6 +9,8 @@ the row as its math allows.
     its gradient   mean square | Σ dy·γ·x      | dx (and dy·x̂, for γ's gradient)
     cross-entropy  max | sum of exp (and of target·x) → one loss per row
     its gradient   max | sum of exp            | softmax · Σp' − p'  (and the loss)
+                   (on a GPU, whose every pass reads the row from memory again, the max and
+                   the sum of exp in one pass, the sum rescaled as the max grows)
     top-k          k passes, each the best after the last pick (a router's few experts)
     softmax-top-k  the softmax's passes, then top-k of the probabilities
     rotary         each pair of a head's features turned by its position's angle
@@ -93,24 +95,23 @@ def softmax_rows(op) -> RowBody:
     x, y = op.inputs[0], op.outputs[0]
     _, n = row_shape(op)
     log = op.type == "LogSoftmax"
-    # A float32/float64 y holds the exponentials between passes; a half-precision y
-    # would round them, and the result twice, so there they are computed again.
-    keep = not log and y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
 
     def body(ctx, r):
+        # Where a row stays in cache between passes (a CPU core's), a float32/float64 y
+        # holds the exponentials between passes; a half-precision y would round them, and
+        # the result twice, so there — and where each pass reads memory again (a GPU),
+        # which a store and its reload would cost twice — they are computed again.
+        keep = not log and y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and not ctx.row_passes_reread_memory
         row = Row(ctx, r * n, n, x.dtype)
-        peak = row.max(x)
+        if keep:
+            peak = row.max(x)
+            total = row.sum(lambda i, w: _stored(ctx, y, i, (ctx.load(x, i, w) - peak.splat(w)).exp()))
+        else:
+            peak, total = _peak_and_exp_sum(row, x)
 
         def exponential(i, w):
             return (ctx.load(x, i, w) - peak.splat(w)).exp()
 
-        def stored_exponential(i, w):
-            e = exponential(i, w)
-            if keep:
-                ctx.store(y, i, e)
-            return e
-
-        total = row.sum(stored_exponential)
         if log:
             shift = peak + total.log()
             row.each(lambda i, w: ctx.store(y, i, ctx.load(x, i, w) - shift.splat(w)))
@@ -234,10 +235,16 @@ def rotary_rows(op) -> RowBody:
 
 
 def _peak_and_exp_sum(row: Row, x) -> tuple[Value, Value]:
-    """A row's maximum and Σ exp(x − max): the two passes every log-sum-exp starts with."""
+    """A row's maximum and Σ exp(x − max), which every log-sum-exp starts with: two passes,
+    or one where the context prefers (`EmitContext.row_peak_and_exp_sum`)."""
     ctx = row.ctx
-    peak = row.max(x)
-    return peak, row.sum(lambda i, w: (ctx.load(x, i, w) - peak.splat(w)).exp())
+    return ctx.row_peak_and_exp_sum(row.start, row.length, row.lanes, row.dtype, lambda i, w: ctx.load(x, i, w))
+
+
+def _stored(ctx, var, at, value: Value) -> Value:
+    """`value`, stored at element `at` of `var` on the way (exponentials kept between passes)."""
+    ctx.store(var, at, value)
+    return value
 
 
 def _smoothed(row: Row, target, smoothing: float, n: int) -> Callable[[Value, int], Value]:
@@ -294,9 +301,10 @@ def cross_entropy_rows(op) -> RowBody:
 
 def cross_entropy_grad_rows(op) -> RowBody:
     """d logits = d loss · (softmax · Σp' − p') in three passes per row (max, sum of exp,
-    output), with the target row p' built on the fly: no one-hot, no stored softmax.
-    A float32/float64 output holds the exponentials between the last two passes (as
-    the softmax does), so each element's exp is computed once: the kernel's main cost.
+    output; two where the context takes the max and sum in one), with the target row p'
+    built on the fly: no one-hot, no stored softmax. Where the row stays in cache, a
+    float32/float64 output holds the exponentials between the last two passes (as the
+    softmax does), so each element's exp is computed once: the kernel's main cost there.
     Fused with the forward (`with_loss`), the row's loss comes from the same max and sum."""
     logits, target, dloss = op.inputs
     out = op.outputs[0]
@@ -304,22 +312,20 @@ def cross_entropy_grad_rows(op) -> RowBody:
     _, n = row_shape(op)
     smoothing = attrs_of(op)["label_smoothing"]
     classes = _class_targets(target)
-    keep = out.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
 
     def body(ctx, r):
         start = r * n
         row = Row(ctx, start, n, logits.dtype)
-        peak = row.max(logits)
+        keep = out.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and not ctx.row_passes_reread_memory  # as softmax's
+        if keep:
+            peak = row.max(logits)
+            total = row.sum(lambda i, w: _stored(ctx, out, i, (ctx.load(logits, i, w) - peak.splat(w)).exp()))
+        else:
+            peak, total = _peak_and_exp_sum(row, logits)
 
         def exponential(i, w):
             return (ctx.load(logits, i, w) - peak.splat(w)).exp()
 
-        def stored_exponential(i, w):
-            e = exponential(i, w)
-            ctx.store(out, i, e)
-            return e
-
-        total = row.sum(stored_exponential if keep else exponential)
         g = ctx.load(dloss, r)
         if classes:
             label = _label(ctx, target, r, n)
