@@ -294,8 +294,8 @@ define(
 def _infer_rms_norm_grad(ctx):
     """(x, dy[, gamma]): dx, and with a gain dy·x̂ too (the rows its gradient sums). dy and
     gamma may be of another float dtype than x (a half-precision gradient meeting a
-    float32 residual stream): they are read widened; dx takes x's dtype and dy·x̂ dy's
-    (terms of a gradient, stored as the gradient is)."""
+    float32 residual stream): they are read widened, and both outputs take x's dtype (a
+    gain's gradient summed from float32 terms, as autocast's is)."""
     x, dy, *gain = ctx.inputs
     if any(v.dtype not in FLOATS for v in ctx.inputs):
         raise ctx.fail("floating-point inputs")
@@ -305,7 +305,7 @@ def _infer_rms_norm_grad(ctx):
         raise ctx.fail(f"a gain of shape [{x.shape[-1]}] (the last dimension of x)")
     if not ctx.attrs["eps"] >= 0.0:
         raise ctx.fail(f"attribute eps >= 0 (got {ctx.attrs['eps']})")
-    return [TensorType(x.dtype, x.shape)] + ([TensorType(dy.dtype, x.shape)] if gain else [])
+    return [TensorType(x.dtype, x.shape)] * (2 if gain else 1)
 
 
 def rms_norm_grad(x, dy, gamma=None, eps=EPS.default) -> list[np.ndarray]:
@@ -341,7 +341,4 @@ def _rms_norm_grad_by_ops(b, op):
     xhat = x * rstd
     dxhat = dy * gain[0] if gain else dy
     dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-    if not gain:
-        return dx
-    scaled = dy * xhat
-    return [dx, scaled if scaled.dtype == rest[0].dtype else scaled.cast(rest[0].dtype)]
+    return [dx, dy * xhat] if gain else dx
