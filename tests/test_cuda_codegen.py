@@ -168,6 +168,45 @@ def test_a_fused_calculate_program_becomes_one_kernel_with_the_cpus_arithmetic(b
     _assembles(op)
 
 
+def _large_maps(f):
+    """Maps of four elements a thread: an update in place over a ragged size (67,591: a
+    launch of 16,898 groups, the last of three past the end), broadcast inputs, bfloat16
+    loads and stores; and a transposed copy."""
+    w = f.parameter("w", random_array([257, 263], "float32", seed=1))
+    x, b = f.var("x", "bfloat16", [257, 263]), f.var("b", "float32", [263])
+    lr = f.var("lr", "float32", [])
+    h = f.cast(x, "float32") + b
+    f.op("Calculate", [w, h, lr], None, {"expr": "$0=Mul(%1,%2);%0=Sub(%0,$0)"})
+    f.cast(f.gelu(h), "bfloat16").var.out = True
+    f.transpose(h, [1, 0]).var.out = True
+
+
+def test_a_large_map_takes_four_elements_a_thread_and_loads_them_first():
+    flow = rv.Flow()
+    _large_maps(rv.Builder(flow, "f"))
+    values = {"f/x": random_array([257, 263], "bfloat16", seed=2), "f/b": random_array([263], "float32", seed=3),
+              "f/lr": np.float32(0.25)}
+    cpu = rv.Compiler("cpu").compile(flow)
+    data = cpu.cell("f").instance()
+    for name, value in values.items():
+        data[name] = value
+    before = np.array(cpu["f/w"])
+    data.compute()
+    for step in cpu.cell("f").steps:
+        op = step.op
+        if not kernels.supports(op):
+            continue
+        inputs = {v.name: np.array(data[v.name]) if v.name != "f/w" else before for v in op.inputs if not v.constant}
+        inputs.update({v.name: np.asarray(v.data).reshape(v.shape) for v in op.inputs if v.constant})
+        got = _run_on_host(op, inputs)
+        assert got["status"][0] == 0
+        for var in [*op.outputs, *(v for v in op.inputs if v.name == "f/w")]:
+            want = np.array(cpu["f/w"] if var.name == "f/w" else data[var.name])
+            assert got[var.name].tobytes() == want.tobytes(), (op.type, var.name)
+        if op.outputs and op.outputs[0].size == 257 * 263:
+            assert _assembles(op) == -(-257 * 263 // 4)
+
+
 REDUCTION_CASES = [  # op, dtype, input shape, axes (None: all)
     ("Sum", "float32", [6, 40], [1]), ("Sum", "float32", [6, 40, 3], [1]), ("Mean", "float32", [4, 5, 6], [0, 1]),
     ("Max", "float32", [7, 9], [0]), ("Min", "float64", [7, 9], None), ("Product", "float32", [3, 8], [1]),

@@ -1,6 +1,7 @@
-"""One element of an elementwise op with a formula, of a fused Calculate program, or of a
-copy through a view (`kernels.py` runs one thread per element); a concatenation or split is
-a copy per part, each its own launch. The element's index is split into the
+"""Elements of an elementwise op with a formula, of a fused Calculate program, or of a
+copy through a view (`kernels.py` runs one thread per launch element: here one element of a
+small map, four of a large one, loaded together); a concatenation or split is a copy per
+part, each its own launch. The element's index is split into the
 iteration dimensions (merged where every operand walks them as one), and each operand is
 read through its strided view, so a broadcast costs no copy. The arithmetic is the CPU
 backend's, from the same formulas on the same IR values (`ranvier.backends.llvm.formulas`),
@@ -9,6 +10,7 @@ one lane wide: the same code generator's results, bit for bit."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from llvmlite import ir
@@ -100,34 +102,73 @@ def operands(op: Operation) -> tuple[Variable, ...]:
     return tuple({id(v.var): v.var for v in views}.values())
 
 
+def unroll(description: _Map) -> int:
+    """Elements a thread takes per trip through its loop: a large map's several, their loads
+    all issued before any result is stored, so that each thread has that many loads in flight
+    (one 2-byte load a thread leaves an H100 about half its bandwidth); a small map's one (its
+    threads are few already), as is a wide program's (its registers would crowd the
+    multiprocessor)."""
+    views = len(description.inputs) + len(description.outputs)
+    return UNROLL if math.prod(description.shape) >= UNROLLED_FROM and views <= UNROLLED_VIEWS else 1
+
+
+UNROLL = 4
+UNROLLED_FROM = 1 << 16  # elements
+UNROLLED_VIEWS = 6  # inputs and outputs
+
+
 def launches(op: Operation) -> list:
-    """(elements, emit) per map: one for most ops, one per part of a Concat or Split."""
-    return [(math.prod(description.shape), lambda ctx, index, description=description: _emit(ctx, description, index))
-            for description in _describe(op)]
+    """(elements, emit) per map: one for most ops, one per part of a Concat or Split. An
+    element of the launch is `unroll` elements of the map, a launch's length apart (so a
+    warp's loads of each stay one run of memory)."""
+    made = []
+    for description in _describe(op):
+        size, count = math.prod(description.shape), unroll(description)
+        made.append((-(-size // count), lambda ctx, index, d=description, c=count: _emit(ctx, d, index, c)))
+    return made
 
 
-def _emit(ctx: EmitContext, description: _Map, index: ir.Value) -> None:
+def _emit(ctx: EmitContext, description: _Map, group: ir.Value, count: int) -> None:
+    """Elements group, group + G, ... (`count` of them, G the launch's length) of the map:
+    every load first, then the programs, then the stores (an element past the end reads
+    the group's first and stores nothing)."""
     b = ctx.b
+    size = math.prod(description.shape)
+    length = -(-size // count)
     views = description.inputs + description.outputs
     dims, strides = collapse(description.shape, views)
+    indices = [group if k == 0 else b.add(group, i64(k * length)) for k in range(count)]
+    inside = [None] + [b.icmp_unsigned("<", index, i64(size)) for index in indices[1:]]
+    safe = [index if within is None else b.select(within, index, group) for index, within in zip(indices, inside)]
+    offsets = [_offsets(b, index, dims, strides, views) for index in safe]
+    values = []
+    for at in offsets:
+        loaded = []
+        for k, view in enumerate(description.inputs):
+            raw = load(b, ctx.pointer(view.var), at[k], storage_type(view.var.dtype))
+            loaded.append(Value(b, widen(b, raw, view.var.dtype, 1), view.var.dtype))
+        values.append(loaded)
+    results = [description.body(loaded, 1) for loaded in values]
+    first_output = len(description.inputs)
+    for at, within, computed in zip(offsets, inside, results):
+        with b.if_then(within) if within is not None else nullcontext():
+            for k, (view, value) in enumerate(zip(description.outputs, computed)):
+                narrowed = narrow(b, value.ir, view.var.dtype, 1)
+                store(b, narrowed, ctx.pointer(view.var), at[first_output + k], storage_type(view.var.dtype))
+
+
+def _offsets(b: ir.IRBuilder, index: ir.Value, dims: list, strides: list[list[int]], views: list[View]) -> list[ir.Value]:
+    """Each view's element offset for the map's element `index`."""
     coordinates, rest = [], index
     for d in reversed(range(len(dims))):  # the outermost coordinate needs no division
         coordinates.insert(0, b.srem(rest, i64(dims[d])) if d else rest)
         if d:
             rest = b.sdiv(rest, i64(dims[d]))
-
-    def offset(number: int) -> ir.Value:
-        total = i64(views[number].offset)
+    found = []
+    for number, view in enumerate(views):
+        total = i64(view.offset)
         for coordinate, stride in zip(coordinates, strides[number]):
             if stride:
                 total = b.add(total, b.mul(coordinate, i64(stride)))
-        return total
-
-    values = []
-    for k, view in enumerate(description.inputs):
-        raw = load(b, ctx.pointer(view.var), offset(k), storage_type(view.var.dtype))
-        values.append(Value(b, widen(b, raw, view.var.dtype, 1), view.var.dtype))
-    first_output = len(description.inputs)
-    for k, (view, value) in enumerate(zip(description.outputs, description.body(values, 1))):
-        narrowed = narrow(b, value.ir, view.var.dtype, 1)
-        store(b, narrowed, ctx.pointer(view.var), offset(first_output + k), storage_type(view.var.dtype))
+        found.append(total)
+    return found
