@@ -77,8 +77,12 @@ def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, d
     partials = _partials(ctx, dtype, threads) if ctx.on_gpu else ctx.array(dtype, threads)
     with _threads(ctx, threads) as thread:
         partial = ctx.local(dtype, 1, initial)
-        with ctx.loop(thread, length, step=threads, name="i") as i:
-            partial.set(combine(partial.value, term(start + i, 1)))
+
+        def fold_in(value: Value, inside: Value | None) -> None:
+            combined = combine(partial.value, value)
+            partial.set(combined if inside is None else inside.where(combined, partial.value))
+
+        _own_elements(ctx, thread, length, threads, lambda at: term(start + at, 1), fold_in)
         partials.store(thread, partial.value)
     stride = threads // 2
     while stride:
@@ -101,10 +105,13 @@ def peak_and_exp_sum_over_block(ctx: EmitContext, threads: int, start: Value, le
     sums = _partials(ctx, dtype, threads, "sums") if ctx.on_gpu else ctx.array(dtype, threads)
     with _threads(ctx, threads) as thread:
         peak, total = ctx.local(dtype, 1, -math.inf), ctx.local(dtype, 1, 0.0)
-        with ctx.loop(thread, length, step=threads, name="i") as i:
-            merged = _merged(peak.value, total.value, read(start + i, 1), ctx.constant(dtype, 1.0))
-            peak.set(merged[0])
-            total.set(merged[1])
+
+        def fold_in(value: Value, inside: Value | None) -> None:
+            merged = _merged(peak.value, total.value, value, ctx.constant(dtype, 1.0))
+            peak.set(merged[0] if inside is None else inside.where(merged[0], peak.value))
+            total.set(merged[1] if inside is None else inside.where(merged[1], total.value))
+
+        _own_elements(ctx, thread, length, threads, lambda at: read(start + at, 1), fold_in)
         peaks.store(thread, peak.value)
         sums.store(thread, total.value)
     stride = threads // 2
@@ -119,6 +126,25 @@ def peak_and_exp_sum_over_block(ctx: EmitContext, threads: int, start: Value, le
     result = peaks.load(0), sums.load(0)
     barrier(ctx)  # as a fold's: every thread has the pair before the arrays are written again
     return result
+
+
+FOLDED_AT_ONCE = 4  # a thread's elements whose terms (their loads) a fold computes before folding them in
+
+
+def _own_elements(ctx: EmitContext, thread: Value, length: int, threads: int, term, fold_in) -> None:
+    """Thread `thread`'s elements of a row — thread, thread + T, ... (T the block's
+    threads) — `FOLDED_AT_ONCE` at a time: every term computed first, so that their loads
+    are in flight together (one at a time, a block of a warp per row leaves a GPU waiting
+    on memory), then folded in order, `fold_in(term, inside)`: `inside` says whether the
+    element is in the row (None: known to be); a term past the end reads the thread's
+    first element of the trip, and is not folded in. The order of folding is the plain
+    loop's, so the result is too."""
+    with ctx.loop(thread, length, step=threads * FOLDED_AT_ONCE, name="i") as i:
+        elements = [i] + [i + k * threads for k in range(1, FOLDED_AT_ONCE)]
+        inside = [None] + [at < length for at in elements[1:]]
+        terms = [term(at if within is None else within.where(at, i)) for at, within in zip(elements, inside)]
+        for value, within in zip(terms, inside):
+            fold_in(value, within)
 
 
 def _merged(peak_a: Value, sum_a: Value, peak_b: Value, sum_b: Value) -> tuple[Value, Value]:
