@@ -118,6 +118,9 @@ EPILOGUES = [  # how the layer ends, the dtype, X's shape, the plan's epilogue (
     ("relu(x @ w + b)", "float32", [3, 8, 16], "RELU_BIAS"), ("b + x @ w", "float32", [8, 16], "BIAS"),
     ("relu(x @ w)", "float16", [8, 16], "RELU"), ("gelu(x @ w + b)", "float32", [8, 16], None),
     ("relu(x @ w + b)", "float64", [8, 16], None), ("x @ w + b", "float32", [2, 1, 8, 16], None),
+    # a tensor of the product's shape added: cuBLASLt's C, with β = 1
+    ("x @ w + r", "float32", [3, 8, 16], "ADD"), ("r + x @ w", "bfloat16", [8, 16], "ADD"),
+    ("relu(x @ w + r)", "float32", [8, 16], None),
 ]
 
 
@@ -127,12 +130,16 @@ def _layer(ending: str, dtype: str, x_shape: list[int]):
     x, b = f.var("x", dtype, x_shape), f.var("b", dtype, [4])
     w = f.var("w", dtype, [3, 16, 4] if len(x_shape) == 4 else [16, 4])  # [2, 1, …] @ [3, …]: no strided batch
     product = x @ w
+    r = f.var("r", dtype, list(product.shape))
     y = {"relu(x @ w + b)": lambda: f.relu(product + b), "b + x @ w": lambda: b + product, "relu(x @ w)": lambda: f.relu(product),
-         "gelu(x @ w + b)": lambda: f.gelu(product + b), "x @ w + b": lambda: product + b}[ending]()
+         "gelu(x @ w + b)": lambda: f.gelu(product + b), "x @ w + b": lambda: product + b, "x @ w + r": lambda: product + r,
+         "r + x @ w": lambda: r + product, "relu(x @ w + r)": lambda: f.relu(product + r)}[ending]()
     y.var.out = True
     values = {"f/x": random_array(x_shape, dtype, seed=1), "f/w": random_array(w.shape, dtype, seed=2) * 0.3}
     if "b" in ending:
         values["f/b"] = random_array([4], dtype, seed=3)
+    if "r" in ending.replace("relu", ""):
+        values["f/r"] = random_array(list(product.shape), dtype, seed=4)
     return flow, y.var.name, values
 
 
@@ -155,7 +162,7 @@ def test_a_bias_and_a_relu_after_a_product_are_cublaslts_epilogue(monkeypatch, e
             data[name] = value
         data.compute()
         results.append(np.array(data[output]).astype(np.float64))
-    tolerance = {"float16": 3e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
+    tolerance = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
     np.testing.assert_allclose(*results, rtol=tolerance, atol=tolerance)
 
 
@@ -276,3 +283,23 @@ def test_each_call_of_a_biased_product_hands_cublaslt_its_bias(monkeypatch):
     attribute, pointer = events[matmul - 1][1][1], events[matmul - 1][1][2]._obj.value
     assert calls[matmul - 1] == "cublasLtMatmulDescSetAttribute" and attribute == blas._DESC_BIAS_POINTER
     assert pointer == data.device.address(flow.vars["f/b"])
+
+
+def test_a_product_plus_a_tensor_of_its_shape_hands_cublaslt_that_tensor_as_c_with_beta_one(monkeypatch):
+    """A residual added to a product is cuBLASLt's C (β = 1) in the same call: C the
+    residual's address, D the output's, and no bias pointer set."""
+    events: list = []
+    monkeypatch.setattr(blas, "find_library", lambda: "libcublasLt.so.13")
+    fake_driver, fake_blas = _RecordingDriver(events), _FakeCublasLt(events)
+    gpu = driver.DriverGPU(lambda name: fake_blas if "cublas" in name else fake_driver)
+    monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
+    flow, output, values = _layer("x @ w + r", "float32", [3, 8, 16])
+    data = rv.Compiler("cuda").compile(flow).cell("f").instance()
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    (arguments,) = [args for call, args in events if call == "cublasLtMatmul"]
+    alpha, beta, c, d = arguments[2][0], arguments[7][0], arguments[8].value, arguments[10].value
+    assert (alpha, beta) == (1.0, 1.0)
+    assert c == data.device.address(flow.vars["f/r"]) and d == data.device.address(flow.vars[output]) and c != d
+    assert not [args for call, args in events if call == "cublasLtMatmulDescSetAttribute" and args[1] == blas._DESC_BIAS_POINTER]

@@ -18,9 +18,11 @@ bfloat16 matrices sum in float32, float64 ones in float64.
 
 Epilogues: a product followed by a bias added along its rows (a linear layer's), a ReLU,
 or both, is one call (cuBLASLt's BIAS, RELU and RELU_BIAS epilogues, on float32 and
-half-precision products): the compiler fuses those (`Capabilities.fuses_epilogue` →
-`fuses_epilogue`) into a MatMulCalculate, and no other epilogue, which stays a map
-kernel of its own.
+half-precision products), and so is a product plus a tensor of its own shape and dtype (a
+residual, or another product: the gradients a branching value gets), which cuBLASLt reads
+as its C matrix with β = 1 (ADD here; its DEFAULT epilogue): the compiler fuses those
+(`Capabilities.fuses_epilogue` → `fuses_epilogue`) into a MatMulCalculate, and no other
+epilogue, which stays a map kernel of its own.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ _DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
 # MatMulCalculate programs cuBLASLt runs as its epilogue (cublasLtEpilogue_t)
 _EPILOGUES = {"@0=Add(%0,%1)": "BIAS", "@0=Add(%1,%0)": "BIAS", "@0=Relu(%0)": "RELU",
               "$0=Add(%0,%1);@0=Relu($0)": "RELU_BIAS", "$0=Add(%1,%0);@0=Relu($0)": "RELU_BIAS"}
-_EPILOGUE_CODES = {"DEFAULT": 1, "RELU": 2, "BIAS": 4, "RELU_BIAS": 6}
+_EPILOGUE_CODES = {"DEFAULT": 1, "ADD": 1, "RELU": 2, "BIAS": 4, "RELU_BIAS": 6}  # ADD: DEFAULT with C and β = 1
 _ANY_ALIGNMENT = 64  # a stand-in bias address for the heuristic: as aligned as the arena's slots
 
 
@@ -87,7 +89,7 @@ class GemmPlan:
     a: Layout
     b: Layout
     d: Layout
-    epilogue: str = "DEFAULT"  # a key of _EPILOGUE_CODES: with a bias, the call's fourth operand
+    epilogue: str = "DEFAULT"  # a key of _EPILOGUE_CODES: with a bias or C, the call's fourth operand
 
     def __str__(self) -> str:
         """In the MatMul's own terms: its rows × columns × inner size, batch and precision."""
@@ -114,6 +116,8 @@ def epilogue_of(program: str, product: Variable, inputs: list[Variable]) -> str 
     if "BIAS" not in kind:
         return kind if not inputs else None
     (bias,) = inputs
+    if kind == "BIAS" and list(bias.shape) == list(product.shape) and bias.dtype == product.dtype:
+        return "ADD"  # the whole of a tensor like the product's added: cuBLASLt's C
     along_rows = bias.shape[-1:] == product.shape[-1:] and all(d == 1 for d in bias.shape[:-1])
     return kind if along_rows and bias.dtype == product.dtype and bias.rank <= product.rank else None
 
@@ -209,6 +213,8 @@ def run_on_host(gemm: GemmPlan, addresses: list[int]) -> None:
     result = np.matmul(op_a, op_b)
     if "BIAS" in gemm.epilogue:  # one value per row of D (a column of the MatMul's product)
         result = result + _host_matrices(addresses[3], Layout(gemm.m, 1, gemm.m, 0), dtype, 1).astype(wide)
+    if gemm.epilogue == "ADD":  # C, laid out as D
+        result = result + _host_matrices(addresses[3], gemm.d, dtype, gemm.batch).astype(wide)
     if "RELU" in gemm.epilogue:
         result = np.maximum(result, 0)
     d[...] = result.astype(dtype)
@@ -252,6 +258,7 @@ class Prepared:
     result: _HeuristicResult
     alpha: ctypes.Array
     beta: ctypes.Array
+    epilogue: str
 
 
 def _check(library, status: int, what: str) -> None:
@@ -321,17 +328,19 @@ class CublasLt:
         if found.value < 1:
             raise RanvierError(f"cuBLASLt has no algorithm for {gemm}")
         scale = ctypes.c_double if gemm.compute == "64F" else ctypes.c_float
-        return Prepared(desc, layouts, result, (scale * 1)(1.0), (scale * 1)(0.0))
+        beta = 1.0 if gemm.epilogue == "ADD" else 0.0
+        return Prepared(desc, layouts, result, (scale * 1)(1.0), (scale * 1)(beta), gemm.epilogue)
 
     def matmul(self, prepared: Prepared, addresses: list[int]) -> None:
         """D = op(A)·op(B), and the epilogue, on the stream (`addresses`: A's, B's, D's and
-        the bias's where there is one)."""
-        if len(addresses) > 3:
+        the bias's or C's where there is one)."""
+        if "BIAS" in prepared.epilogue:
             _set(self.library, "cublasLtMatmulDescSetAttribute", prepared.desc, _DESC_BIAS_POINTER,
                  ctypes.c_uint64(addresses[3]))
         a, b, d = (ctypes.c_uint64(address) for address in addresses[:3])
+        c = ctypes.c_uint64(addresses[3]) if prepared.epilogue == "ADD" else d
         a_layout, b_layout, d_layout = prepared.layouts
         _check(self.library, self.library.cublasLtMatmul(
-            self._handle, prepared.desc, prepared.alpha, a, a_layout, b, b_layout, prepared.beta, d, d_layout, d, d_layout,
+            self._handle, prepared.desc, prepared.alpha, a, a_layout, b, b_layout, prepared.beta, c, d_layout, d, d_layout,
             ctypes.byref(prepared.result.algo), ctypes.c_uint64(self._workspace), ctypes.c_size_t(WORKSPACE_BYTES),
             self._stream), "run a product")
