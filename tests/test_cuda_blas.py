@@ -303,3 +303,30 @@ def test_a_product_plus_a_tensor_of_its_shape_hands_cublaslt_that_tensor_as_c_wi
     assert (alpha, beta) == (1.0, 1.0)
     assert c == data.device.address(flow.vars["f/r"]) and d == data.device.address(flow.vars[output]) and c != d
     assert not [args for call, args in events if call == "cublasLtMatmulDescSetAttribute" and args[1] == blas._DESC_BIAS_POINTER]
+
+
+def test_a_half_precision_product_added_to_a_float32_residual_keeps_its_float32_sums(monkeypatch):
+    """bfloat16 activations' residual add (the product widened, then added to the float32
+    stream) is one call: C and D float32, A and B bfloat16, the sums never rounded to
+    bfloat16 — the CPU's result, which rounds the product first, within that rounding."""
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, w, r = f.var("x", "bfloat16", [2, 8, 16]), f.var("w", "bfloat16", [16, 12]), f.var("r", "float32", [2, 8, 12])
+    y = r + f.cast(x @ w, "float32")
+    y.var.out = True
+    values = {"f/x": random_array([2, 8, 16], "bfloat16", seed=1), "f/w": random_array([16, 12], "bfloat16", seed=2),
+              "f/r": random_array([2, 8, 12], "float32", seed=3)}
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    (step,) = cell.steps
+    assert step.kernel == blas.KIND and step.variant.endswith("bfloat16 into float32, compute 32F, epilogue ADD"), step.variant
+    results = {}
+    for backend_name in ("cuda", "cpu"):
+        data = rv.Compiler(backend_name).compile(flow).cell("f").instance()
+        for name, value in values.items():
+            data[name] = value
+        data.compute()
+        results[backend_name] = np.array(data[y]).astype(np.float64)
+    exact = values["f/r"].astype(np.float64) + values["f/x"].astype(np.float64) @ values["f/w"].astype(np.float64)
+    np.testing.assert_allclose(results["cuda"], exact, rtol=1e-5, atol=1e-5)  # float32 sums, one rounding
+    np.testing.assert_allclose(results["cpu"], exact, rtol=1e-2, atol=2e-2)  # the product rounded to bfloat16 first

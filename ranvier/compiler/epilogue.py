@@ -5,7 +5,9 @@ instead of as a pass of its own over the whole product: a bias, an activation, a
 added, any fused elementwise program.
 
 It applies when the Calculate's outputs all have the product's shape, one of them its
-dtype too (the product is computed into it, then overwritten in place by the program),
+dtype too (the product is computed into it, then overwritten in place by the program; a
+backend that states its epilogues, `accepts`, may take a half-precision product's
+float32 sums into a float32 output instead: cuBLASLt's D),
 the Calculate writes no input in place, and each of its other inputs reads one element
 per (row, column) of the matrix the GEMM writes (`epilogue_input_strides`: a bias, a
 same-shaped tensor, a per-row scale; a convolution's per-channel bias).
@@ -37,6 +39,9 @@ def fuse_epilogues(flow: Flow, func: Function, keep: set[str], accepts: Callable
         calculate = _epilogue_of(producer, func, keep)
         if calculate is None:
             continue
+        landed = any(v.dtype == producer.outputs[0].dtype for v in calculate.outputs)
+        if accepts is None and not landed and producer.type not in ROW_EPILOGUE_OPS:
+            continue  # the product computed into no output of its dtype: only a backend that says so runs that
         program, others, order = _fused_program(producer, calculate)
         if accepts is None or accepts(producer.outputs[0], str(program), others):
             _fuse(flow, func, producer, calculate, program, others, order)
@@ -56,8 +61,6 @@ def _epilogue_of(producer: Operation, func: Function, keep: set[str]) -> Operati
     others = [v for v in calculate.inputs if v is not product]
     if producer.type in ROW_EPILOGUE_OPS:  # read element by element as the row is written
         return calculate if all(list(v.shape) == list(product.shape) or v.size == 1 for v in others) else None
-    if not any(v.dtype == product.dtype for v in calculate.outputs):
-        return None
     if any(epilogue_input_strides(v.shape, product.shape, EPILOGUE_PRODUCTS[producer.type]) is None for v in others):
         return None
     return calculate
@@ -91,7 +94,7 @@ def _fused_program(producer: Operation, calculate: Operation) -> tuple[Program, 
     if producer.type in ROW_EPILOGUE_OPS:
         order = list(calculate.outputs)
     else:
-        landing = next(v for v in calculate.outputs if v.dtype == product.dtype)
+        landing = next((v for v in calculate.outputs if v.dtype == product.dtype), calculate.outputs[0])
         order = [landing, *(v for v in calculate.outputs if v is not landing)]
     outputs = {j: order.index(v) for j, v in enumerate(calculate.outputs)}
     return _renumbered(_program(calculate), inputs, outputs), others, order

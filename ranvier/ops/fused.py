@@ -112,8 +112,9 @@ define(
 # The compiler's epilogue pass (compiler/epilogue.py) makes one of a MatMul or a Conv2D whose
 # product only a Calculate reads: inputs the product's two (a, b; x, w), then the
 # Calculate's other inputs; in the program %0 is the product and %i (i ≥ 1) is input i + 1.
-# Output 0 has the product's type: the product is computed into it, and the program then
-# runs over each block of it a GEMM call made, while the block is still in cache.
+# Output 0 has the product's type (or float32 for a half-precision product, whose float32
+# sums it then keeps): the product is computed into it, and the program then runs over
+# each block of it a GEMM call made, while the block is still in cache.
 
 # The ops whose product an epilogue can follow, and how the GEMM writes it as a matrix:
 # (outer, columns), its leading dimensions a call never crosses and its trailing dimensions
@@ -142,8 +143,10 @@ def _infer_product_calculate(ctx):
         raise ctx.fail("an epilogue that writes no input in place")
     values = program_types(program, [_Spec("product", product.dtype, product.shape), *ctx.inputs[2:]], ctx.op_name)
     outputs = _outputs(values)
-    if not outputs or outputs[0].dtype != product.dtype or list(outputs[0].shape) != list(product.shape):
-        raise ctx.fail(f"a first output of the product's type, {product.dtype}{list(product.shape)}")
+    widened = product.dtype in (dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16) and outputs and outputs[0].dtype == dtypes.DT_FLOAT32
+    if not outputs or (outputs[0].dtype != product.dtype and not widened) or list(outputs[0].shape) != list(product.shape):
+        raise ctx.fail(f"a first output of the product's type, {product.dtype}{list(product.shape)} "
+                       "(or float32, a half-precision product's float32 sums)")
     for v in outputs:
         if list(v.shape) != list(product.shape):
             raise ctx.fail(f"every output of the product's shape {list(product.shape)} (got {list(v.shape)})")

@@ -20,7 +20,9 @@ Epilogues: a product followed by a bias added along its rows (a linear layer's),
 or both, is one call (cuBLASLt's BIAS, RELU and RELU_BIAS epilogues, on float32 and
 half-precision products), and so is a product plus a tensor of its own shape and dtype (a
 residual, or another product: the gradients a branching value gets), which cuBLASLt reads
-as its C matrix with β = 1 (ADD here; its DEFAULT epilogue): the compiler fuses those
+as its C matrix with β = 1 (ADD here; its DEFAULT epilogue) — a half-precision product
+widened and added to a float32 tensor too (the residual stream under bfloat16
+activations: C and D float32, the product's float32 sums never rounded): the compiler fuses those
 (`Capabilities.fuses_epilogue` → `fuses_epilogue`) into a MatMulCalculate, and no other
 epilogue, which stays a map kernel of its own.
 """
@@ -61,6 +63,9 @@ _DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
 _EPILOGUES = {"@0=Add(%0,%1)": "BIAS", "@0=Add(%1,%0)": "BIAS", "@0=Relu(%0)": "RELU",
               "$0=Add(%0,%1);@0=Relu($0)": "RELU_BIAS", "$0=Add(%1,%0);@0=Relu($0)": "RELU_BIAS"}
 _EPILOGUE_CODES = {"DEFAULT": 1, "ADD": 1, "RELU": 2, "BIAS": 4, "RELU_BIAS": 6}  # ADD: DEFAULT with C and β = 1
+# A half-precision product widened and added to a float32 tensor (a residual stream): C and D
+# float32, the product's float32 sums never rounded to half precision
+_WIDENED_ADD = {"$0=Cast[dtype=float32](%0);@0=Add(%1,$0)", "$0=Cast[dtype=float32](%0);@0=Add($0,%1)"}
 _ANY_ALIGNMENT = 64  # a stand-in bias address for the heuristic: as aligned as the arena's slots
 
 
@@ -90,12 +95,18 @@ class GemmPlan:
     b: Layout
     d: Layout
     epilogue: str = "DEFAULT"  # a key of _EPILOGUE_CODES: with a bias or C, the call's fourth operand
+    out_dtype: str = ""  # C's and D's, where not A's and B's (a half-precision product's float32 sums)
+
+    @property
+    def d_dtype(self) -> str:
+        return self.out_dtype or self.dtype
 
     def __str__(self) -> str:
         """In the MatMul's own terms: its rows × columns × inner size, batch and precision."""
         batch = f" × {self.batch}" if self.batch > 1 else ""
         epilogue = f", epilogue {self.epilogue}" if self.epilogue != "DEFAULT" else ""
-        return f"{self.n}×{self.m}×{self.k}{batch} {self.dtype}, compute {self.compute}{epilogue}"
+        into = f" into {self.d_dtype}" if self.d_dtype != self.dtype else ""
+        return f"{self.n}×{self.m}×{self.k}{batch} {self.dtype}{into}, compute {self.compute}{epilogue}"
 
 
 @dataclass(frozen=True)
@@ -110,14 +121,18 @@ class Gemm:
 
 def epilogue_of(program: str, product: Variable, inputs: list[Variable]) -> str | None:
     """The cuBLASLt epilogue that runs a product's fused program (module docstring), or None."""
-    kind = _EPILOGUES.get(program)
+    widened = program in _WIDENED_ADD
+    kind = "BIAS" if widened else _EPILOGUES.get(program)
     if kind is None or product.dtype not in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16):
         return None
     if "BIAS" not in kind:
         return kind if not inputs else None
     (bias,) = inputs
-    if kind == "BIAS" and list(bias.shape) == list(product.shape) and bias.dtype == product.dtype:
+    out_dtype = dtypes.DT_FLOAT32 if widened else product.dtype
+    if kind == "BIAS" and list(bias.shape) == list(product.shape) and bias.dtype == out_dtype:
         return "ADD"  # the whole of a tensor like the product's added: cuBLASLt's C
+    if widened:
+        return None
     along_rows = bias.shape[-1:] == product.shape[-1:] and all(d == 1 for d in bias.shape[:-1])
     return kind if along_rows and bias.dtype == product.dtype and bias.rank <= product.rank else None
 
@@ -173,7 +188,8 @@ def plan_product(op: Operation) -> Gemm | None:
     a = Layout(inner, cols, inner, y_step) if ty else Layout(cols, inner, cols, y_step)
     b = Layout(rows, inner, rows, x_step) if tx else Layout(inner, rows, inner, x_step)
     d = Layout(cols, rows, cols, rows * cols)
-    described = GemmPlan(x.dtype, compute, ty, tx, cols, rows, inner, count, a, b, d, epilogue)
+    out_dtype = out.dtype if out.dtype != x.dtype else ""
+    described = GemmPlan(x.dtype, compute, ty, tx, cols, rows, inner, count, a, b, d, epilogue, out_dtype)
     return Gemm("g_" + "".join(c if c.isalnum() else "_" for c in op.name), described, (y, x, out, *op.inputs[2:]))
 
 
@@ -204,9 +220,9 @@ def _as_tensor_cores_read(values: np.ndarray, compute: str) -> np.ndarray:
 def run_on_host(gemm: GemmPlan, addresses: list[int]) -> None:
     """What cublasLtMatmul computes for the plan, over host memory at A's, B's and D's
     addresses: the emulator's product, and the check that a plan means the MatMul."""
-    dtype = np.dtype(dtypes.to_numpy(gemm.dtype))
-    a, b, d = (_host_matrices(address, layout, dtype, gemm.batch)
-               for address, layout in zip(addresses, (gemm.a, gemm.b, gemm.d)))
+    dtype, d_dtype = np.dtype(dtypes.to_numpy(gemm.dtype)), np.dtype(dtypes.to_numpy(gemm.d_dtype))
+    a, b, d = (_host_matrices(address, layout, kind, gemm.batch)
+               for address, layout, kind in zip(addresses, (gemm.a, gemm.b, gemm.d), (dtype, dtype, d_dtype)))
     wide = np.float64 if gemm.compute == "64F" else np.float32
     op_a = _as_tensor_cores_read((a.swapaxes(1, 2) if gemm.transa else a).astype(wide), gemm.compute)
     op_b = _as_tensor_cores_read((b.swapaxes(1, 2) if gemm.transb else b).astype(wide), gemm.compute)
@@ -214,10 +230,10 @@ def run_on_host(gemm: GemmPlan, addresses: list[int]) -> None:
     if "BIAS" in gemm.epilogue:  # one value per row of D (a column of the MatMul's product)
         result = result + _host_matrices(addresses[3], Layout(gemm.m, 1, gemm.m, 0), dtype, 1).astype(wide)
     if gemm.epilogue == "ADD":  # C, laid out as D
-        result = result + _host_matrices(addresses[3], gemm.d, dtype, gemm.batch).astype(wide)
+        result = result + _host_matrices(addresses[3], gemm.d, d_dtype, gemm.batch).astype(wide)
     if "RELU" in gemm.epilogue:
         result = np.maximum(result, 0)
-    d[...] = result.astype(dtype)
+    d[...] = result.astype(d_dtype)
 
 
 # ---- the plan on a GPU ------------------------------------------------------------------------
@@ -288,9 +304,9 @@ def describe(library, gemm: GemmPlan) -> tuple[ctypes.c_void_p, tuple[ctypes.c_v
     if "BIAS" in gemm.epilogue:  # the heuristic reads the bias address's alignment; each call sets the real one
         _set(library, "cublasLtMatmulDescSetAttribute", desc, _DESC_BIAS_POINTER, ctypes.c_uint64(_ANY_ALIGNMENT))
     layouts = []
-    for layout in (gemm.a, gemm.b, gemm.d):
+    for layout, matrix_type in ((gemm.a, data_type), (gemm.b, data_type), (gemm.d, _DATA_TYPES[gemm.d_dtype])):
         handle = ctypes.c_void_p()
-        _check(library, library.cublasLtMatrixLayoutCreate(ctypes.byref(handle), data_type, ctypes.c_uint64(layout.rows),
+        _check(library, library.cublasLtMatrixLayoutCreate(ctypes.byref(handle), matrix_type, ctypes.c_uint64(layout.rows),
                                                            ctypes.c_uint64(layout.cols), ctypes.c_int64(layout.ld)),
                f"describe a matrix of {gemm}")
         if gemm.batch > 1:
