@@ -1,8 +1,8 @@
 """ForEach (one op over several sets of operands) and the horizontal fusion pass that makes
 it: the op means its members on every backend (the CPU runs them one by one, the CUDA
 backend as one kernel: on the host emulator, and on a GPU where there is one), the pass
-groups only ops that cannot
-reach one another, and a training step's per-parameter work becomes a few kernels."""
+groups only ops that cannot reach one another, and a training step's per-parameter work
+becomes a few kernels."""
 
 from __future__ import annotations
 
