@@ -102,7 +102,7 @@ def foreach_key(op: Operation) -> int | None:
 
 def kernel_kind(op: Operation) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
-    "Route", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention" or "ShapeFact"."""
+    "Route", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention", "ShapeFact" or "ForEach"."""
     if op.type == "ForEach":
         return "ForEach"
     generator = _generator(op)
