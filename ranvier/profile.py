@@ -48,7 +48,7 @@ class Profile:
         for s in self.steps:
             name = s.kernel.split("[")[0]
             seconds, flops, moved, count = kernels.get(name, (0.0, 0, 0, 0))
-            kernels[name] = (seconds + s.seconds, flops + s.flops, moved + _bytes(s.op), count + 1)
+            kernels[name] = (seconds + s.seconds, flops + s.flops, moved + moved_bytes(s.op), count + 1)
         total = self.total or 1e-30
         lines = [f"cell {self.cell_name}: {self.total * 1e3:.3f} ms per compute{f' on {self.device}' if self.device else ''}, by kernel",
                  f"  {'kernel':<24} {'steps':>5} {'time us':>10} {'share':>6} {'GFLOP/s':>8} {'GB/s':>8}"]
@@ -78,6 +78,7 @@ def _rate(count: int, seconds: float) -> str:
     return f"{count / seconds / 1e9:8.1f}" if count and seconds > 0 else f"{'':>8}"
 
 
-def _bytes(op: Operation) -> int:
-    """The bytes an op's inputs and outputs hold, each variable once."""
+def moved_bytes(op: Operation) -> int:
+    """The bytes an op's inputs and outputs hold, each variable once: the least traffic a
+    kernel computing it has."""
     return sum(v.nbytes for v in {id(v): v for v in (*op.inputs, *op.outputs)}.values())

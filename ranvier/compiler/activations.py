@@ -49,9 +49,10 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
             _widened_after(flow, b, op)
         wanted = _wanted(op, floats, keep, dtype)
         before = list(op.inputs)
-        if not _takes_as_they_are(op, wanted, runs_whole):
-            _cast_inputs(b, op, floats, wanted, casts)
         types = _types(op, runs_whole)
+        if not _computes(types, wanted):  # unless it computes `wanted` from its inputs as they are
+            _cast_inputs(b, op, floats, wanted, casts)
+            types = _types(op, runs_whole)
         if types is None:  # the op takes no half-precision input, or has no kernel for one: float32
             for i, var in enumerate(before):
                 op.replace_input(op.inputs[i], var)
@@ -93,11 +94,10 @@ def _types(op: Operation, runs_whole: Callable[[Operation], bool]) -> list | Non
     return types if runs else None
 
 
-def _takes_as_they_are(op: Operation, wanted: str, runs_whole: Callable[[Operation], bool]) -> bool:
-    """Whether the op computes `wanted` from its inputs as they are, mixed dtypes and all
-    (a norm's gradient reading a half-precision gradient beside a float32 residual stream):
-    casting them first would cost a pass of its own."""
-    types = _types(op, runs_whole)
+def _computes(types: list | None, wanted: str) -> bool:
+    """Whether an op typed so (`_types`) computes `wanted` from its inputs as they are,
+    mixed dtypes and all (a norm's gradient reading a half-precision gradient beside a
+    float32 residual stream): casting them first would cost a pass of its own."""
     return types is not None and all(t.dtype == wanted for t in types if t.dtype in _FLOATS)
 
 

@@ -54,7 +54,7 @@ def fuse_foreach(flow: Flow, func: Function, key_of: GroupKey, max_operands: int
                 _fuse(flow, func, chunk)
 
 
-def _group_of(op: Operation, func: Function, key: Hashable | None, node: dict[int, Hashable],
+def _group_of(op: Operation, func: Function, key: Hashable | None, node: dict[int, frozenset],
               overwritten: set[int]) -> Hashable | None:
     if key is None:
         return None

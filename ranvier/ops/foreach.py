@@ -28,6 +28,7 @@ def member_attrs(attrs: dict[str, str]) -> dict[str, str]:
 
 
 def _split(items: list, count: int) -> list[list]:
+    """`items` in `count` runs of equal length (empty ones where there are none)."""
     size = len(items) // count
     return [items[k * size:(k + 1) * size] for k in range(count)]
 
@@ -49,9 +50,8 @@ class Member:
 def members(op) -> list[Member]:
     """The ops a ForEach stands for, over its own variables."""
     count = int(op.attrs["count"])
-    outputs = _split(op.outputs, count) if op.outputs else [[]] * count
-    return [Member(f"{op.name}.{k}", op.attrs["op"], list(inputs), list(outs), member_attrs(op.attrs), op.func)
-            for k, (inputs, outs) in enumerate(zip(_split(op.inputs, count), outputs))]
+    return [Member(f"{op.name}.{k}", op.attrs["op"], inputs, outputs, member_attrs(op.attrs), op.func)
+            for k, (inputs, outputs) in enumerate(zip(_split(op.inputs, count), _split(op.outputs, count)))]
 
 
 def _infer(ctx) -> list[TensorType]:
@@ -72,7 +72,7 @@ def _reference(attrs: Attrs, args, outs) -> list:
     count = attrs["count"]
     own = Attrs(member_attrs(attrs.raw), attrs.op_name, definition.type, definition.attrs)
     results, writes = [], []  # every member's outputs, then every member's writes in place
-    for inputs, outputs in zip(_split(list(args), count), _split(list(outs), count) if outs else [[]] * count):
+    for inputs, outputs in zip(_split(list(args), count), _split(list(outs), count)):
         made = list(definition.reference(own, inputs, outputs))
         results += made[:len(outputs)]
         writes += made[len(outputs):]

@@ -74,25 +74,16 @@ def _threads(ctx: EmitContext, threads: int):
 
 def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, dtype: str, initial, combine, term) -> Value:
     """`combine` over `term(index, 1)` along a row, split over the block (module docstring)."""
-    partials = _partials(ctx, dtype, threads) if ctx.on_gpu else ctx.array(dtype, threads)
+    partials = _partials(ctx, dtype, threads)
     with _threads(ctx, threads) as thread:
         partial = ctx.local(dtype, 1, initial)
 
         def fold_in(value: Value, inside: Value | None) -> None:
-            combined = combine(partial.value, value)
-            partial.set(combined if inside is None else inside.where(combined, partial.value))
+            _set_inside(partial, combine(partial.value, value), inside)
 
         _own_elements(ctx, thread, length, threads, lambda at: term(start + at, 1), fold_in)
         partials.store(thread, partial.value)
-    stride = threads // 2
-    while stride:
-        barrier(ctx)
-        with _threads(ctx, stride if not ctx.on_gpu else threads) as thread, ctx.when(thread < stride):
-            partials.store(thread, combine(partials.load(thread), partials.load(thread + stride)))
-        stride //= 2
-    barrier(ctx)
-    total = partials.load(0)
-    barrier(ctx)  # every thread has the total before a later fold writes the partials again
+    (total,) = _combined_over_block(ctx, threads, [partials], lambda a, b: [combine(a[0], b[0])])
     return total
 
 
@@ -101,31 +92,43 @@ def peak_and_exp_sum_over_block(ctx: EmitContext, threads: int, start: Value, le
     """A row's maximum and Σ exp(x − max) in one pass over it: each thread keeps its
     elements' running maximum and their sum rescaled whenever the maximum grows; the block
     then combines the threads' pairs as `fold_over_block` combines single values."""
-    peaks = _partials(ctx, dtype, threads) if ctx.on_gpu else ctx.array(dtype, threads)
-    sums = _partials(ctx, dtype, threads, "sums") if ctx.on_gpu else ctx.array(dtype, threads)
+    peaks, sums = _partials(ctx, dtype, threads), _partials(ctx, dtype, threads, "sums")
     with _threads(ctx, threads) as thread:
         peak, total = ctx.local(dtype, 1, -math.inf), ctx.local(dtype, 1, 0.0)
 
         def fold_in(value: Value, inside: Value | None) -> None:
             merged = _merged(peak.value, total.value, value, ctx.constant(dtype, 1.0))
-            peak.set(merged[0] if inside is None else inside.where(merged[0], peak.value))
-            total.set(merged[1] if inside is None else inside.where(merged[1], total.value))
+            _set_inside(peak, merged[0], inside)
+            _set_inside(total, merged[1], inside)
 
         _own_elements(ctx, thread, length, threads, lambda at: read(start + at, 1), fold_in)
         peaks.store(thread, peak.value)
         sums.store(thread, total.value)
+    peak, total = _combined_over_block(ctx, threads, [peaks, sums], lambda a, b: _merged(*a, *b))
+    return peak, total
+
+
+def _set_inside(local, value: Value, inside: Value | None) -> None:
+    """A fold's running value set to `value`, where the element folded in is in the row."""
+    local.set(value if inside is None else inside.where(value, local.value))
+
+
+def _combined_over_block(ctx: EmitContext, threads: int, partials: list, merge) -> list[Value]:
+    """The block's threads' partial results (one array a value, thread t's at t) combined in
+    rounds, each halving the threads still merging (`merge(first's values, second's)`, a
+    barrier between rounds); every thread gets the totals."""
     stride = threads // 2
     while stride:
         barrier(ctx)
         with _threads(ctx, stride if not ctx.on_gpu else threads) as thread, ctx.when(thread < stride):
-            merged = _merged(peaks.load(thread), sums.load(thread), peaks.load(thread + stride), sums.load(thread + stride))
-            peaks.store(thread, merged[0])
-            sums.store(thread, merged[1])
+            merged = merge([a.load(thread) for a in partials], [a.load(thread + stride) for a in partials])
+            for array, value in zip(partials, merged):
+                array.store(thread, value)
         stride //= 2
     barrier(ctx)
-    result = peaks.load(0), sums.load(0)
-    barrier(ctx)  # as a fold's: every thread has the pair before the arrays are written again
-    return result
+    totals = [array.load(0) for array in partials]
+    barrier(ctx)  # every thread has the totals before a later fold writes the partials again
+    return totals
 
 
 FOLDED_AT_ONCE = 4  # a thread's elements whose terms (their loads) a fold computes before folding them in
@@ -163,7 +166,9 @@ def _partials(ctx: EmitContext, dtype: str, threads: int, which: str = "") -> Ar
     block size in a module (and a second, `which`, for a fold of pairs), which every fold
     reuses (a fold ends with a barrier after its total is read, so the next one may write
     it), so that a kernel of many folds — a ForEach of row ops — holds no more shared
-    memory than a kernel of one."""
+    memory than a kernel of one. On the host, an array of the element function's own."""
+    if not ctx.on_gpu:
+        return ctx.array(dtype, threads)
     name = f"fold_partials_{dtype}_{threads}{'_' + which if which else ''}"
     memory = ctx.module.globals.get(name)
     if memory is None:
