@@ -465,6 +465,16 @@ def test_cond(dtype, shapes):
     check(out, expected, dtype, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_cond_on_one_flag_chooses_whole_rows(flag):
+    """A scalar condition (an optimizer's skip flag) is read once and chooses whole vectors:
+    every element of a row longer than a vector, and of its tail, follows it."""
+    x = random_array((3, 37), "float32", seed=46)
+    y = random_array((3, 37), "float32", seed=47)
+    out = run1(lambda f, cc, a, b: f.cond(cc, a * 2, b - 1), np.array(flag), x, y)
+    check(out, 2 * as_f64(x) if flag else as_f64(y) - 1, "float32")
+
+
 def test_cond_with_python_numbers():
     c = random_array((3, 7), "bool", seed=44)
     x = random_array((3, 7), "float16", seed=45)

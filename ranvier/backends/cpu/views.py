@@ -51,16 +51,30 @@ def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: 
                 last: int | Value) -> None:
     """emit_map's loops, over [first, last) of the outermost dimension."""
     inner_ok = all(s[-1] in (0, 1) for s in strides)
+    # An input that stays put from some loop inward (a scalar, a bias along a row) is read
+    # once, before that loop: read inside it, every store might have changed it, so LLVM
+    # reloads it per vector and cannot take a condition on it (AdamW's skip flag) out of
+    # the loop. Only inputs are read ahead: no map writes a variable it reads through a
+    # broadcast (an in-place output has its input's shape).
+    steady = [min(d for d in range(len(dims) + 1) if not any(strides[k][d:])) for k in range(n_in)]
+    held: dict[int, Value] = {}
+
+    def read(k: int, offset: Value, width: int, unit: bool) -> Value:
+        if k in held:
+            return held[k].splat(width)
+        if width == 1 or unit:
+            return ctx.load(views[k].var, offset, width)
+        return ctx.load(views[k].var, offset).splat(width)
 
     def access(offsets: list[Value], width: int, unit: list[bool]) -> None:
-        values = [
-            ctx.load(v.var, offset, width) if width == 1 or unit[k] else ctx.load(v.var, offset).splat(width)
-            for k, (v, offset) in enumerate(zip(views[:n_in], offsets))
-        ]
+        values = [read(k, offset, width, unit[k]) for k, offset in enumerate(offsets[:n_in])]
         for view, offset, value in zip(views[n_in:], offsets[n_in:], body(values, width)):
             ctx.store(view.var, offset, ctx.load(view.var, offset, width) + value if accumulate else value)
 
     def level(depth: int, offsets: list[Value]) -> None:
+        for k in range(n_in):
+            if steady[k] == depth:
+                held[k] = ctx.load(views[k].var, offsets[k])
         if depth < len(dims) - 1:
             start, stop = (first, last) if depth == 0 else (0, dims[depth])
             with ctx.loop(start, stop, name=f"d{depth}") as i:

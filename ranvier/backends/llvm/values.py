@@ -204,7 +204,21 @@ class Value:
         yes, no = like.like(if_true), like.like(if_false)
         if self.lanes < yes.lanes:
             return self.splat(yes.lanes).where(yes, no)
-        return Value(self.b, self.b.select(self.ir, yes.ir, no.ir), like.dtype)
+        # A condition the same in every lane (a flag read once) chooses whole vectors: a
+        # branch LLVM can take out of the loop, where a lane mask becomes blends and
+        # masked stores (microcoded on AMD's cores).
+        condition = self._splat_source() or self.ir
+        return Value(self.b, self.b.select(condition, yes.ir, no.ir), like.dtype)
+
+    def _splat_source(self) -> ir.Value | None:
+        """The scalar a vector made by `splat` repeats, or None."""
+        shuffle = self.ir
+        if not isinstance(shuffle, ir.ShuffleVector) or any(i.constant for i in shuffle.operands[2].constant):
+            return None
+        single = shuffle.operands[0]
+        if not isinstance(single, ir.InsertElement) or single.operands[2].constant != 0:
+            return None
+        return single.operands[1]
 
     def minimum(self, other) -> Value:
         return self._extreme(other, "lt")
