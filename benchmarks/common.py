@@ -65,20 +65,31 @@ class Ceilings:
         return "\n".join([str(self), *rates])
 
 
-def time_round_robin(runs: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each callable, interleaved: every round times each one once, in turn.
+SETTLE_SECONDS = 0.15  # how long a turn runs untimed before its timed call
 
-    Each timed call follows an untimed one of the same callable, so it finds its own caches and
-    thread pool warm rather than those of whichever implementation ran just before it (numpy,
-    SciPy (which ranvier's BlasGemm calls) and torch each keep a separate BLAS thread pool).
+
+def time_in_turns(runs: dict[str, Callable[[], object]], warmup: int, repeats: int,
+                  settle: float = SETTLE_SECONDS) -> dict[str, list[float]]:
+    """Seconds per call of each callable, timed in turns: each of `repeats` rounds gives
+    every callable a turn, the order rotating from round to round. A turn runs its callable
+    back to back, untimed, for `settle` seconds and at least `warmup` calls, then times one
+    call: the steady state a loop of such calls reaches, as in a training step.
+
+    Timing each call right after another implementation's measured that implementation's
+    thread pool instead: numpy's OpenBLAS and PyTorch's OpenMP threads keep spinning for up
+    to ~0.1 s after their last call, and on a 2-core machine they took the cores a
+    multithreaded kernel called next needed (ranvier's MNIST product ran 3-5× slower there
+    than in a loop of its own calls).
     """
-    for _ in range(warmup):
-        for run in runs.values():
-            run()
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            run()
+    names = list(runs)
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            run = runs[name]
+            start, calls = time.perf_counter(), 0
+            while calls < max(1, warmup) or time.perf_counter() - start < settle:
+                run()
+                calls += 1
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
@@ -90,7 +101,7 @@ def measure_ceilings(megabytes: int, gemm_n: int, repeats: int, torch=None) -> C
     matmul of numpy's BLAS and, given the torch module, torch's, whichever is faster here)."""
     src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
     dst = np.empty_like(src)
-    copy = time_round_robin({"copy": lambda: np.copyto(dst, src)}, 2, repeats)["copy"]
+    copy = time_in_turns({"copy": lambda: np.copyto(dst, src)}, 2, repeats, settle=0)["copy"]
     rng = np.random.default_rng(0)
     a = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
     b = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
@@ -98,7 +109,7 @@ def measure_ceilings(megabytes: int, gemm_n: int, repeats: int, torch=None) -> C
     if torch is not None:
         ta, tb = torch.from_numpy(a), torch.from_numpy(b)
         matmuls["torch"] = lambda: ta @ tb
-    gemm = time_round_robin(matmuls, 2, repeats)
+    gemm = time_in_turns(matmuls, 2, repeats)
     return Ceilings(bandwidth=2 * src.nbytes / statistics.median(copy), gemm=2 * gemm_n**3 / min(map(min, gemm.values())))
 
 

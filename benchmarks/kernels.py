@@ -8,8 +8,9 @@
 # precision, bf16 inputs and float32 sums on AMX, where the CPU has it). Options: --repeats N,
 # --warmup N, --quick (smaller sizes for a smoke run).
 #
-# Each round times every implementation once, in turn (each timed call right after an untimed one
-# of its own), so noise on a shared machine hits all of them alike. The table shows the median,
+# Each round times every implementation once, in turn (`time_in_turns`: each timed call after
+# untimed ones of its own, long enough for the previous implementation's thread pool to go quiet),
+# so noise on a shared machine hits all of them alike. The table shows the median,
 # the time relative to ranvier, and the achieved GB/s (memory-bound ops: inputs read once plus
 # outputs written once) or GFLOP/s (GEMM) as a fraction of the ceiling measured at start: memory
 # bandwidth from the median np.copyto of 256 MiB arrays (read + write bytes), peak fp32 GEMM from the
@@ -33,7 +34,7 @@ import numpy as np
 import scipy.special
 import torch
 import torch.nn.functional as F
-from common import Ceilings, comparison, machine, measure_ceilings, time_round_robin
+from common import SETTLE_SECONDS, Ceilings, comparison, machine, measure_ceilings, time_in_turns
 
 import ranvier as rv
 from ranvier.backends.cpu.amx import amx_usable
@@ -285,8 +286,8 @@ def report(bench: Benchmark, times: dict[str, list[float]], ceilings: Ceilings) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; 5 with --quick)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 5; 2 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds, each timing one call of every implementation (default 20; 5 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls, at the least, before each timed one (default 5; 2 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes for a fast smoke run")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 20)
@@ -298,7 +299,8 @@ def main() -> None:
     print(machine(torch))
     print(
         f"numpy {np.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"ranvier backend cpu; {warmup} warmup + {repeats} timed rounds, implementations interleaved; "
+        f"ranvier backend cpu; {repeats} rounds, each implementation in turn timing one call after {warmup}+ "
+        f"untimed ones and {SETTLE_SECONDS:g} s of them; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
     )
     ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=5 if args.quick else 10, torch=torch)
@@ -323,7 +325,7 @@ def main() -> None:
     for make in benchmarks:
         bench, ranvier_result = make()
         verify(bench, ranvier_result)
-        times = time_round_robin(bench.runs, warmup, repeats)
+        times = time_in_turns(bench.runs, warmup, repeats)
         print("\n".join(report(bench, times, ceilings)), flush=True)
     print()
     print("vs rv = median time / ranvier's median time (above 1: ranvier is faster); of ceil = rate / ceiling")
