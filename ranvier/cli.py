@@ -18,6 +18,11 @@ from .atomic import os_error
 from .backends import MATMUL_PRECISIONS, PRECISIONS, backend_names
 from .errors import RanvierError
 
+_MATMUL_HELP = ("bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention "
+                "too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
+_PRECISION_HELP = ("bfloat16 / float16: activations and their gradients stored in that type on GPUs (parameters and "
+                   "optimizer state float32; float16 with dynamic loss scaling")
+
 
 def _number(kind: type, accepts, needs: str):
     """An argparse type: a number of `kind` that `accepts`, or a usage error saying it `needs` more."""
@@ -414,10 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--backend", default="cpu", choices=backend_names())
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
     mnist.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
-                       help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
+                       help=_MATMUL_HELP)
     mnist.add_argument("--precision", default="float32", choices=PRECISIONS,
-                       help="bfloat16 / float16: activations and their gradients stored in that type on GPUs "
-                            "(parameters and optimizer state float32; float16 with dynamic loss scaling)")
+                       help=_PRECISION_HELP + ")")
     mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
     mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
@@ -457,11 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
         lm.add_argument("--backend", default="cpu", choices=backend_names())
         lm.add_argument("--cpu", default="", metavar="MASK")
         lm.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
-                        help="bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
+                        help=_MATMUL_HELP)
         lm.add_argument("--precision", default="float32", choices=PRECISIONS,
-                        help="bfloat16 / float16: activations and their gradients stored in that type on GPUs "
-                             "(parameters and optimizer state float32; float16 with dynamic loss scaling; not with "
-                             "--checkpointed)")
+                        help=_PRECISION_HELP + "; not with --checkpointed)")
         lm.add_argument("--run-dir", default=None)
         lm.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
         lm.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")

@@ -90,7 +90,7 @@ def foreach_key(op: Operation) -> int | None:
     """Which ForEach kernels the op may join (`Capabilities.foreach`): the threads of a
     block of its one launch (0 for a thread per element), for a map (not a copy),
     reduction, row op or pad of at most `foreach.GROUPED_WORK` threads' work; else None."""
-    generator = next((g for g in GENERATORS if g.supports(op)), None)
+    generator = _supporting(op)
     if generator not in (maps, reductions, rows, pads) or (generator is maps and maps.is_copy(op)):
         return None
     launches = _launches(generator, op)
@@ -152,13 +152,18 @@ class ThreadContext(EmitContext):
             self.b.store(i64(1), self.status)
 
 
+def _supporting(op: Operation):
+    """The first generator that supports the op, or None."""
+    return next((g for g in GENERATORS if g.supports(op)), None)
+
+
 def _generator(op: Operation):
     if op.type == "ForEach":
         return foreach
-    for generator in GENERATORS:
-        if generator.supports(op):
-            return generator
-    raise RanvierError(f"{op.name} ({op.type}): no GPU kernel computes it yet")
+    generator = _supporting(op)
+    if generator is None:
+        raise RanvierError(f"{op.name} ({op.type}): no GPU kernel computes it yet")
+    return generator
 
 
 def signature(op: Operation) -> str:
