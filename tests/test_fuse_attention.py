@@ -20,7 +20,7 @@ from ranvier.compiler.attention import fuse_attention
 def fused_kernels(monkeypatch):
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "scores_budget", lambda: 0)
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
 
 
 def kernels(flow: rv.Flow) -> set[str]:

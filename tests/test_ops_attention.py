@@ -50,7 +50,7 @@ def cpu_attention(request, monkeypatch):
     AVX-512): an unbounded budget makes every case decompose, a zero one run fused."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "scores_budget", lambda: 0 if request.param == "fused" else 1 << 62)
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0 if request.param == "fused" else 1 << 62)
     return request.param
 
 
@@ -202,7 +202,7 @@ def test_decomposed_backward_reuses_the_forward_probabilities(monkeypatch):
     import ranvier as rv
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "scores_budget", lambda: 1 << 62)
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 1 << 62)
 
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
@@ -227,7 +227,7 @@ def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, heads_fi
     tensors are [B, T, heads, hd])."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "scores_budget", lambda: 0)
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
     monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 8 * 45)
     monkeypatch.setattr(cpu, "thread_count", lambda: threads)
     monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
@@ -262,7 +262,7 @@ def test_attention_gemm_heads_wider_than_a_panel(cpu_mask, hd, monkeypatch):
     import ranvier as rv
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "scores_budget", lambda: 0)
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
     monkeypatch.setattr(cpu, "thread_count", lambda: 2)
     monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
     b, h, kv, t, s = 2, 4, 2, 21, 29
