@@ -304,7 +304,9 @@ def test_large_maps_shared_out_over_threads(mask):
     def build(f, x, flat, row):
         return [f.tanh(x * row + 1.5), f.transpose(x, [1, 0]), f.sigmoid(flat) * flat]
 
-    rows, n = 1031, split_thresholds().nbytes // 4 // 1024 + 5
+    # the transpose's output has n rows, shared out a vector's lanes (16 at most) at a time:
+    # at least two parts' worth, whatever threshold this machine measured
+    rows, n = 1031, max(2 * 16 + 5, split_thresholds().nbytes // 4 // 1024 + 5)
     inputs = {"x": data([rows, n]), "flat": data([rows * n + 7], seed=1), "row": data([n], seed=2)}
     cell = on_cpu(build, inputs, mask, cache=False)
     if thread_count() > 1:
