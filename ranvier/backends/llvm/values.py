@@ -207,7 +207,8 @@ class Value:
         # A condition the same in every lane (a flag read once) chooses whole vectors: a
         # branch LLVM can take out of the loop, where a lane mask becomes blends and
         # masked stores (microcoded on AMD's cores).
-        condition = self._splat_source() or self.ir
+        uniform = self._splat_source()
+        condition = self.ir if uniform is None else uniform
         return Value(self.b, self.b.select(condition, yes.ir, no.ir), like.dtype)
 
     def _splat_source(self) -> ir.Value | None:
