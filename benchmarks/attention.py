@@ -28,7 +28,7 @@ def ranvier_side(args, matmul: str):
     """A function timing `steps` computes of each pass's cell: (forward, backward) seconds
     per compute, summed over the cell's steps; and the kernels each pass ran. A pass is a
     cell of its own, so it is timed whole whether the backend runs the op whole or
-    decomposes it (the CPU does below 32 MB of scores without AVX-512)."""
+    decomposes it into products and a softmax."""
     flow = rv.Flow()
     shapes = {"q": [args.batch, args.seq, args.heads, args.head_size], "k": [args.batch, args.seq, args.kv_heads, args.head_size],
               "v": [args.batch, args.seq, args.kv_heads, args.head_size], "dout": [args.batch, args.seq, args.heads, args.head_size]}
