@@ -97,29 +97,13 @@ def softmax_rows(op) -> RowBody:
     log = op.type == "LogSoftmax"
 
     def body(ctx, r):
-        # Where a row stays in cache between passes (a CPU core's), a float32/float64 y
-        # holds the exponentials between passes; a half-precision y would round them, and
-        # the result twice, so there — and where each pass reads memory again (a GPU),
-        # which a store and its reload would cost twice — they are computed again.
-        keep = not log and y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and not ctx.row_passes_reread_memory
         row = Row(ctx, r * n, n, x.dtype)
-        if keep:
-            peak = row.max(x)
-            total = row.sum(lambda i, w: _stored(ctx, y, i, (ctx.load(x, i, w) - peak.splat(w)).exp()))
-        else:
-            peak, total = _peak_and_exp_sum(row, x)
-
-        def exponential(i, w):
-            return (ctx.load(x, i, w) - peak.splat(w)).exp()
-
         if log:
+            peak, total = _peak_and_exp_sum(row, x)
             shift = peak + total.log()
             row.each(lambda i, w: ctx.store(y, i, ctx.load(x, i, w) - shift.splat(w)))
-        elif keep:
-            scale = 1.0 / total
-            # The exponentials were stored in y by the sum pass; scale them in place.
-            row.each(lambda i, w: ctx.store(y, i, ctx.load(y, i, w) * scale.splat(w)))
         else:
+            _, total, exponential = _exponentials(row, x, y)
             scale = 1.0 / total
             row.each(lambda i, w: ctx.store(y, i, exponential(i, w) * scale.splat(w)))
 
@@ -241,6 +225,22 @@ def _peak_and_exp_sum(row: Row, x) -> tuple[Value, Value]:
     return ctx.row_peak_and_exp_sum(row.start, row.length, row.lanes, row.dtype, lambda i, w: ctx.load(x, i, w))
 
 
+def _exponentials(row: Row, x, y) -> tuple[Value, Value, Callable[[Value, int], Value]]:
+    """A row's maximum, Σ exp(x − max), and `exponential(index, width)` for the pass that
+    writes `y` (the output the exponentials become). Where the row stays in cache between
+    passes (a CPU core's), a float32/float64 y holds them from the sum pass on, so each is
+    computed once; a half-precision y would round them, and the result twice, and where
+    each pass reads memory again (a GPU) a store and its reload would cost twice: there
+    they are computed again."""
+    ctx = row.ctx
+    if y.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and not ctx.row_passes_reread_memory:
+        peak = row.max(x)
+        total = row.sum(lambda i, w: _stored(ctx, y, i, (ctx.load(x, i, w) - peak.splat(w)).exp()))
+        return peak, total, lambda i, w: ctx.load(y, i, w)
+    peak, total = _peak_and_exp_sum(row, x)
+    return peak, total, lambda i, w: (ctx.load(x, i, w) - peak.splat(w)).exp()
+
+
 def _stored(ctx, var, at, value: Value) -> Value:
     """`value`, stored at element `at` of `var` on the way (exponentials kept between passes)."""
     ctx.store(var, at, value)
@@ -316,16 +316,7 @@ def cross_entropy_grad_rows(op) -> RowBody:
     def body(ctx, r):
         start = r * n
         row = Row(ctx, start, n, logits.dtype)
-        keep = out.dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and not ctx.row_passes_reread_memory  # as softmax's
-        if keep:
-            peak = row.max(logits)
-            total = row.sum(lambda i, w: _stored(ctx, out, i, (ctx.load(logits, i, w) - peak.splat(w)).exp()))
-        else:
-            peak, total = _peak_and_exp_sum(row, logits)
-
-        def exponential(i, w):
-            return (ctx.load(logits, i, w) - peak.splat(w)).exp()
-
+        peak, total, exponential = _exponentials(row, logits, out)
         g = ctx.load(dloss, r)
         if classes:
             label = _label(ctx, target, r, n)
@@ -338,7 +329,7 @@ def cross_entropy_grad_rows(op) -> RowBody:
             ctx.store(loss, r, _row_loss(row, logits, target, label, peak, total, smoothing))
 
         def gradient(i, w):
-            probability = (ctx.load(out, i, w) if keep else exponential(i, w)) * scale.splat(w)
+            probability = exponential(i, w) * scale.splat(w)
             if classes:
                 hot = ((i - start).splat(w) + ctx.lane_numbers(w)).equal(label.splat(w))
                 on, off = ctx.constant(logits.dtype, 1.0 - smoothing + smoothing / n, w), smoothing / n
