@@ -253,6 +253,19 @@ def test_work_is_cut_into_near_equal_aligned_shares():
     assert shares(1, 8) == [(0, 1)]
 
 
+def test_split_thresholds_survive_a_spinning_job_measured_as_free(monkeypatch):
+    """A job with the workers spinning costs ~0.1 µs, near the timer's noise: a
+    measurement of 0 must not make every tiny kernel split (it was once kept at 8 KiB)."""
+    from ranvier.backends.cpu import parallel
+    from ranvier.backends.cpu.pool import pool
+
+    monkeypatch.setattr(type(pool()), "job_seconds", lambda self, parts, asleep: 10e-6 if asleep else 0.0)
+    measured = parallel._measure(2)
+    assert measured.spin_seconds == 50e-9
+    work = parallel.SPLIT_FACTOR * (10e-6 * 50e-9) ** 0.5
+    assert measured.nbytes == parallel._power_of_two(work * measured.core_bytes_per_second)
+
+
 @pytest.mark.parametrize("mask", MASKS)
 def test_row_kernels_shared_out_over_threads(mask):
     """Rows of a large op run on several threads; each row is still computed whole."""

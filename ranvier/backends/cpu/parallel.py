@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,8 @@ Part = Callable[[KernelContext], None]
 # A kernel is split when one core would take this many times a job's cost to run it
 # (on two cores it then takes 3/4 of its time).
 SPLIT_FACTOR = 4
+_METHOD = "spinning: median of 5, at least a line's round trip"
+_LINE_ROUND_TRIP_SECONDS = 50e-9  # a cache line to another core and back: ~2 × 100 cycles
 SPLIT_ENVIRONMENT = "RANVIER_SPLIT_BYTES"  # a fixed byte threshold (FLOPs: 8 per byte), skipping the measurement
 
 
@@ -84,7 +87,12 @@ def _measure(cores: int) -> SplitThresholds:
     from .target import host_target
 
     workers = pool()
-    wake, spin = workers.job_seconds(cores, asleep=True), workers.job_seconds(cores, asleep=False)
+    wake = workers.job_seconds(cores, asleep=True)
+    # A job with the workers spinning costs about 0.1 µs, near the timer's noise: one
+    # measurement in a noisy moment came out 0, was kept, and split everything from 8 KiB
+    # (16 times too small) on that machine for good. The median of several, and never less
+    # than a cache line's trip to another core and back, which every job makes.
+    spin = max(_LINE_ROUND_TRIP_SECONDS, statistics.median(workers.job_seconds(cores, asleep=False) for _ in range(5)))
     source = np.ones(1 << 21, np.float32)  # 8 MiB: beyond the caches, on one core (numpy's copy)
     target = np.empty_like(source)
     times = []
@@ -113,7 +121,8 @@ def split_thresholds() -> SplitThresholds:
         nbytes = int(fixed)
         return SplitThresholds(8 * nbytes, nbytes, 0.0, 0.0, 0.0, 0.0)
     cores = thread_count()
-    with kept(kept_path("split", f"{host_target().key()}\n{cores}")) as values:
+    # kept per machine, core count and way of measuring: a change to the last measures anew
+    with kept(kept_path("split", f"{host_target().key()}\n{cores}\n{_METHOD}")) as values:
         if values:
             try:
                 return SplitThresholds(**values)
