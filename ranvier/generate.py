@@ -76,7 +76,12 @@ class _CellVars:
 
 
 class Generator:
-    """Prefill and decode cells for a Llama with the given weights (ranvier keys, [in, out])."""
+    """Prefill and decode cells for a Llama with the given weights (ranvier keys, [in, out]).
+
+    The weights are the cells' constants: the backend may keep them in a form of its own
+    (the CPU's GEMM panels, packed once). `matmul="bfloat16"` lets products round their
+    inputs to bf16 where the backend gains by it; on the CPU that keeps the matrices a decode
+    step multiplies a vector by in bf16, half the bytes it streams per token."""
 
     def __init__(
         self,
@@ -84,6 +89,7 @@ class Generator:
         weights: Mapping[str, np.ndarray] | None = None,
         prefill: int = 32,
         backend: str = "cpu",
+        matmul: str = "float32",
     ):
         self.config = c = model.config
         if weights is not None:
@@ -107,8 +113,10 @@ class Generator:
             token, _ = b.sample_token(b.gather(logits, last), *drawing)
             logits.var.out = token.var.out = True
             self.cells[name] = _CellVars(tokens.var, position.var, logits.var, last.var, [t.var for t in drawing], token.var)
+        for key in model.initial:  # never trained here: constants, not parameters
+            flow.vars[f"{model.name}/{key}"].learnable = False
         start = time.perf_counter()
-        self.network = Compiler(backend).compile(flow)
+        self.network = Compiler(backend, matmul=matmul).compile(flow)
         self.compile_seconds = time.perf_counter() - start
         self.instances = {name: self.network.cell(name).instance() for name in self.cells}
 

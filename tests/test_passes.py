@@ -689,7 +689,7 @@ def test_bfloat16_matmul_marks_float32_products_with_rows(a_shape, b_shape, dtyp
     a = f.var("a", dtype, a_shape)
     b = f.var("b", dtype, b_shape)
     y = f.matmul(a, b, **attrs)
-    use_matmul_precision(flow.func("f"), "bfloat16")
+    use_matmul_precision(flow.func("f"), "bfloat16", Capabilities(matmul_precisions=("float32", "bfloat16")))
     assert y.producer.attrs.get("precision") == ("bfloat16" if bf16 else None)
     assert rv.ops.attrs_of(y.producer)["precision"] == ("bfloat16" if bf16 else "float32")
 
@@ -698,8 +698,33 @@ def test_bfloat16_matmul_leaves_other_ops():
     flow, f = new_flow()
     a = f.var("a", rv.DT_FLOAT, [8, 16])
     f.sum(a.exp(), axis=0)
-    use_matmul_precision(flow.func("f"), "bfloat16")
+    use_matmul_precision(flow.func("f"), "bfloat16", Capabilities(matmul_precisions=("float32", "bfloat16"),
+                                                                   narrow_weights=("bfloat16",)))
     assert all("precision" not in op.attrs for op in flow.func("f").ops)
+
+
+@pytest.mark.parametrize("weights", ["const", "learnable", "input", "assigned"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("products", [False, True])
+def test_narrow_weights_mark_vector_products_by_unchanging_constants(weights, rows, products):
+    """A backend keeping constant matrices in bf16 gets a decode step's vector-matrix
+    products by them marked, not those by a parameter, an input, or a constant some op
+    writes (a cache); products with rows only where it also computes in bf16."""
+    flow, f = new_flow()
+    x = f.var("x", rv.DT_FLOAT, [1, rows, 16])
+    if weights == "input":
+        w = f.var("w", rv.DT_FLOAT, [16, 4])
+    elif weights == "learnable":
+        w = f.parameter("w", rand([16, 4], seed=3))
+    else:
+        w = f.const(rand([16, 4], seed=3))
+        if weights == "assigned":
+            f.assign(w, w * 2.0)
+    y = f.matmul(x, w)
+    precisions = ("float32", "bfloat16") if products else ("float32",)
+    use_matmul_precision(flow.func("f"), "bfloat16", Capabilities(matmul_precisions=precisions, narrow_weights=("bfloat16",)))
+    marked = products if rows > 1 else weights == "const"
+    assert y.producer.attrs.get("precision") == ("bfloat16" if marked else None)
 
 
 # ---- schedule ---------------------------------------------------------------------------------

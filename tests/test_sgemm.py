@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -71,26 +72,29 @@ def test_generated_gemm_matches_float64_numpy_and_writes_only_c(shape, ta, tb, m
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n:]).all(), "nothing outside C written"
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["float32", "bf16"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_the_gemm_on_packed_panels_matches_float64_numpy_and_writes_only_c(shape, ta, tb, mask):
+@pytest.mark.parametrize("shape", [*SHAPES, (1, 70, 1100), (1, 800, 40), (2, 11, 530)])  # a decode step's one row
+def test_the_gemm_on_packed_panels_matches_float64_numpy_and_writes_only_c(shape, ta, tb, mask, narrow):
     """ranvier_sgemm_packed, B packed ahead of time (a constant's weights), from its first
-    panel and from a later one (a worker-pool part's columns)."""
+    panel and from a later one (a worker-pool part's columns); `narrow`: its bf16 twin,
+    against B rounded to bf16 (A and the sums stay float32)."""
     m, n, k = shape
     target = host_target(mask)
-    gemm = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target))
+    gemm = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target, narrow))
     rng = np.random.default_rng(m * 10_000 + n * 100 + k + 1)
     pad = 3
     a, b, c = _operands(m, n, k, ta, tb, pad, rng)
     op_b = b[:, : b.shape[1] - pad]
-    panels = sgemm.pack_panels(op_b, tb, target)
+    panels = sgemm.pack_panels(op_b, tb, target, narrow=narrow)
     assert panels.size == 0 or panels.ctypes.data % sgemm.PANEL_ALIGNMENT == 0
     nr = sgemm.panel_width(target)
     first = nr if n > nr else 0
-    gemm(int(ta), m, n - first, k, a.ctypes.data, a.shape[1], panels.ctypes.data + first * k * 4, c.ctypes.data, c.shape[1])
+    gemm(int(ta), m, n - first, k, a.ctypes.data, a.shape[1], panels.ctypes.data + first * k * panels.itemsize, c.ctypes.data,
+         c.shape[1])
     op_a = a[:, : a.shape[1] - pad].astype(np.float64)
-    wide = op_b.astype(np.float64)
+    wide = (op_b.astype(ml_dtypes.bfloat16) if narrow else op_b).astype(np.float64)
     want = ((op_a.T if ta else op_a) @ (wide.T if tb else wide))[:, first:]
     got = c[:m, : n - first]
     assert np.isfinite(got).all(), "every element of C written"
@@ -119,6 +123,9 @@ def test_packed_panels_hold_op_b_by_columns_of_nr_zeros_past_each_range():
         np.testing.assert_array_equal(first[1, :, :1], b[:, nr : nr + 1])
         np.testing.assert_array_equal(second[0], b[:, nr + 1 : 2 * nr + 1])
         assert split.ctypes.data % sgemm.PANEL_ALIGNMENT == 0
+        narrow = sgemm.pack_panels(source, transposed, target, ranges, narrow=True)
+        assert narrow.dtype == ml_dtypes.bfloat16 and narrow.ctypes.data % sgemm.PANEL_ALIGNMENT == 0
+        np.testing.assert_array_equal(narrow, split.astype(ml_dtypes.bfloat16))  # rounded to nearest, ties to even
 
 
 def test_the_workspace_fits_every_variant():

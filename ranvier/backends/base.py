@@ -66,7 +66,10 @@ class Capabilities:
     foreach: where given, it runs independent ops of one type and attributes as one kernel
         (a ForEach), so the horizontal fusion pass groups them: `foreach(op)` is a key,
         equal for ops one kernel can run together, or None for an op it would not group.
-    foreach_operands: the most variables one such kernel takes."""
+    foreach_operands: the most variables one such kernel takes.
+    narrow_weights: the precisions it can keep an unchanging constant matrix in, packed
+        ahead of time, so that even a vector-matrix product by one (a decode step's, which
+        only streams the matrix) reads fewer bytes; the mixed-precision pass marks those too."""
 
     rewrites: bool = True
     matmul_precisions: tuple[str, ...] = ("float32",)
@@ -75,6 +78,7 @@ class Capabilities:
     fuses_epilogue: Callable[[Variable, str, list[Variable]], bool] | None = None
     foreach: Callable[[Operation], Hashable | None] | None = None
     foreach_operands: int = 0
+    narrow_weights: tuple[str, ...] = ()
 
 
 class Backend(Protocol):

@@ -55,7 +55,9 @@ def _rewrites(ctx: PassContext) -> bool:
 
 
 def _mixed_precision(ctx: PassContext) -> bool:
-    return _rewrites(ctx) and ctx.options.matmul in ctx.backend.capabilities.matmul_precisions and ctx.options.matmul != "float32"
+    capabilities = ctx.backend.capabilities
+    return (_rewrites(ctx) and ctx.options.matmul != "float32"
+            and ctx.options.matmul in (*capabilities.matmul_precisions, *capabilities.narrow_weights))
 
 
 def _activation_precision(ctx: PassContext) -> bool:
@@ -88,7 +90,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
-    Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul), _mixed_precision),
+    Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul, c.backend.capabilities), _mixed_precision),
     Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep, c.backend.capabilities.fuses_epilogue),
          _epilogues),
     Pass("fuse-foreach",

@@ -1,16 +1,19 @@
 """Mixed precision: float32 matrix products run with inputs rounded to bfloat16 or TF32 and
 float32 sums (`MatMul`'s precision attribute), where the user asks for it and the backend can.
 
-Vector-matrix products (a decode step's) stay float32: they stream their matrix once,
-so narrower inputs would save nothing there; so does a decode step's attention, of one
-query.
+Vector-matrix products (a decode step's) stay float32 where the matrix would be rounded as
+it is read: they stream it once, so narrower inputs would save nothing; so does a decode
+step's attention, of one query. A backend that keeps an unchanging constant matrix (an
+inference model's weights) in the narrower type ahead of time (`narrow_weights`) halves the
+bytes such a product streams: those are marked for it.
 """
 
 from __future__ import annotations
 
 from .. import dtypes
+from ..backends.base import Capabilities
 from ..flow.graph import Function
-from ..ops import attrs_of
+from ..ops import attrs_of, unchanging_constant
 from ..ops.attention import heads_first_shape
 
 
@@ -23,13 +26,23 @@ def _rows(op) -> int:
     return a.size // a.shape[-1] if b.rank == 2 and a.rank > 2 else a.shape[-2]
 
 
-def use_matmul_precision(func: Function, precision: str) -> None:
-    """Mark the float32 matrix products of `func` that have rows to run in `precision`,
-    and the float32 attention ops (their products) and gradients of more than one query."""
+def use_matmul_precision(func: Function, precision: str, capabilities: Capabilities) -> None:
+    """Mark, to run in `precision`, the float32 matrix products of `func` that have rows and
+    the float32 attention ops (their products) and gradients of more than one query, where
+    the backend computes in `precision`; and the vector-matrix products by an unchanging
+    constant matrix, where the backend keeps such a matrix in `precision`."""
+    products = precision in capabilities.matmul_precisions
+    weights = precision in capabilities.narrow_weights
     for op in func.ops:
         if op.inputs[0].dtype != dtypes.DT_FLOAT32:
             continue
-        if (op.type == "MatMul" and _rows(op) > 1) or (op.type in ("Attention", "AttentionGrad") and _queries(op) > 1):
+        if op.type == "MatMul" and _rows(op) > 1:
+            marked = products
+        elif op.type == "MatMul":
+            marked = weights and op.inputs[1].rank == 2 and unchanging_constant(op.inputs[1])
+        else:
+            marked = products and op.type in ("Attention", "AttentionGrad") and _queries(op) > 1
+        if marked:
             op.set_attr("precision", precision)
 
 

@@ -32,6 +32,7 @@ from .registry import (
     is_view,
     op_def,
     op_method,
+    unchanging_constant,
     vjp,
     written_inputs,
     zero_gradient,
@@ -39,5 +40,6 @@ from .registry import (
 
 __all__ = [
     "Attr", "Attrs", "Decomposition", "InferContext", "OpDef", "TensorType", "all_ops", "attrs_of", "decomposition",
-    "define", "has_op", "is_view", "op_def", "op_method", "vjp", "written_inputs", "zero_gradient",
+    "define", "has_op", "is_view", "op_def", "op_method", "unchanging_constant", "vjp", "written_inputs",
+    "zero_gradient",
 ]

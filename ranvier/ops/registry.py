@@ -404,6 +404,12 @@ def written_inputs(op) -> list:
     return [op.inputs[i] for i in op_def(op.type).written_inputs(op)]
 
 
+def unchanging_constant(var) -> bool:
+    """A constant (an inference model's weights) that no op writes: a key/value cache
+    starts as data too, and is written as decoding goes."""
+    return var.constant and all(all(v is not var for v in written_inputs(reader)) for reader in var.consumers)
+
+
 def is_view(op) -> bool:
     """Whether the op's output is its first input's elements in the same order (a reshape)."""
     return op_def(op.type).view

@@ -21,7 +21,7 @@ from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
 from .kernels.conv import CONV_KERNEL
-from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, PACKED_GEMM_KERNELS
+from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, NARROW_PACKED_KERNEL, PACKED_GEMM_KERNELS
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
@@ -39,10 +39,12 @@ class CPUBackend:
         if self.flush_denormals and not fpmode.is_x86(self.target.machine.triple):
             raise RanvierError(f"denormals='flush' sets x86's MXCSR; this CPU is {self.target.machine.triple}: use 'keep'")
         # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay
-        # float32. Only a compile that asks for bf16 asks the OS for the tile state.
+        # float32. Only a compile that asks for bf16 asks the OS for the tile state. On any
+        # CPU, a constant matrix may be kept in bf16 panels for the vector-matrix products
+        # by it (a decode step's), which only stream it.
         bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
         precisions = ("float32", "bfloat16") if bfloat16 else ("float32",)
-        self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions)
+        self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16",))
 
     # ---- compile time -----------------------------------------------------------------
 
@@ -188,6 +190,8 @@ class CPUBackend:
             table[codegen.SGEMM_GENERATED] = sgemm.gemm_address(self.target)
         if any(step.kernel in PACKED_GEMM_KERNELS for step in cell.steps):
             table[codegen.SGEMM_PACKED] = sgemm.packed_gemm_address(self.target)
+        if any(step.kernel == NARROW_PACKED_KERNEL for step in cell.steps):
+            table[codegen.SGEMM_PACKED_BF16] = sgemm.packed_gemm_address(self.target, narrow=True)
         if any(step.kernel == CONV_KERNEL for step in cell.steps):
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
         for k, var in enumerate(layout.table):

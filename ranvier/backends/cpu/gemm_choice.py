@@ -35,10 +35,12 @@ _FORTRAN_SGEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, _INT, 
                                   ctypes.c_void_p, _INT, _FLOAT, ctypes.c_void_p, _INT)
 
 
-def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool = False) -> bool:
+def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool = False,
+                        narrow: bool = False) -> bool:
     """Whether the generated GEMM beats BLAS for op(A)[m×k] · op(B)[k×n] (leading
     dimensions lda, ldb) on this machine; with `packed`, the generated GEMM on a B packed
-    ahead of time (`sgemm.pack_panels`: a constant's) against BLAS on the plain B.
+    ahead of time (`sgemm.pack_panels`: a constant's) against BLAS on the plain B; with
+    `narrow` as well, on that B's panels in bf16 against BLAS on the float32 B.
 
     A product over the measuring budget is timed on its first columns, at least
     `_FEWEST_BLOCKS` blocks of B, with every row and all of k (both GEMMs
@@ -56,24 +58,25 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
         if columns < _FEWEST_BLOCKS * block:
             return False
         n, ldb = columns, (ldb if tb else columns)
-    return _decide(bool(ta), bool(tb), m, n, k, lda, ldb, packed)
+    return _decide(bool(ta), bool(tb), m, n, k, lda, ldb, packed, narrow)
 
 
 @functools.cache
-def _decide(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool) -> bool:
-    key = f"{'packed ' if packed else ''}{'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
+def _decide(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool, narrow: bool) -> bool:
+    form = "bf16 packed " if narrow else "packed " if packed else ""
+    key = f"{form}{'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
     # kept per machine, per generated GEMM and per way of measuring: a change to either measures anew
     identity = f"{host_target().key()}\n{sgemm.gemm_code(host_target()).digest}\n{_METHOD}"
     with kept(kept_path("gemm", identity)) as choices:
         if choices is not None and isinstance(choices.get(key), bool):
             return choices[key]
-        faster = _measure(ta, tb, m, n, k, lda, ldb, packed)
+        faster = _measure(ta, tb, m, n, k, lda, ldb, packed, narrow)
         if choices is not None:
             choices[key] = faster
         return faster
 
 
-def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool) -> bool:
+def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool, narrow: bool = False) -> bool:
     target = host_target()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, lda) if ta else (m, lda), dtype=np.float32)
@@ -88,8 +91,8 @@ def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, pac
     flags = (b"T" if tb else b"N", b"T" if ta else b"N")  # row-major C = column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
 
     if packed:
-        panels = sgemm.pack_panels(b[:, :k] if tb else b[:, :n], tb, target)
-        on_panels = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target))
+        panels = sgemm.pack_panels(b[:, :k] if tb else b[:, :n], tb, target, narrow=narrow)
+        on_panels = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target, narrow))
 
         def ours() -> None:
             on_panels(int(ta), m, n, k, a.ctypes.data, lda, panels.ctypes.data, c.ctypes.data, n)

@@ -44,6 +44,17 @@ tile, they filled the core's line-fill buffers and stalled it. Past the last blo
 strips ask for A's next rows instead: Winograd's A is its transformed filters, constant and
 as far from the core as any panels.
 
+Such a B may also be packed in bfloat16 (`pack_panels(..., narrow=True)`: for a product
+whose precision lets its inputs be rounded to bf16), half the bytes, for
+
+    void ranvier_sgemm_packed_bf16(i64 transpose_a, i64 m, i64 n, i64 k, float* A, i64 lda,
+                                   u16* panels, float* C, i64 ldc)
+
+the same loops again, each panel row widened to float32 as it is loaded (a bf16 is a
+float32's upper half), the sums float32. A product of one row (a decode step's) only
+streams its matrix, so it takes slices of k four times as deep (`ROW_KC`: each panel read
+in long runs) and asks for the lines a fixed distance ahead of where it reads.
+
 A convolution's B is the im2col matrix of its input, never written out:
 
     void ranvier_sgemm_windows(i64 m, i64 n, i64 k, float* A, i64 lda, float* image,
@@ -63,13 +74,17 @@ import ctypes
 import functools
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from llvmlite import ir
 
+from ...dtypes import DT_BFLOAT16
+from ..llvm.convert import widen
 from ..llvm.irutil import (
     BYTE_PTR,
     F32,
     I1,
+    I16,
     I32,
     I64,
     VOID,
@@ -87,6 +102,7 @@ from .target import CPUTarget
 
 SYMBOL = "ranvier_sgemm"
 PACKED_SYMBOL = "ranvier_sgemm_packed"
+BF16_PACKED_SYMBOL = "ranvier_sgemm_packed_bf16"
 WINDOWS_SYMBOL = "ranvier_sgemm_windows"
 GEOMETRY = ("height", "width", "kernel_height", "kernel_width", "stride_height", "stride_width", "pad_height",
             "pad_width", "out_width")
@@ -102,6 +118,14 @@ PACKED_CTYPE = ctypes.CFUNCTYPE(
 )
 
 KC = 256  # steps of k per packed block: a strip's slice of A, MR × 1 KiB, stays in L1
+# A single row times panels packed ahead of time (a decode step's product) takes up to this
+# many steps of k a slice: its row's slice, 4 KiB, stays in L1 as well, and each panel is
+# read in one run where k fits rather than in pieces a panel's length apart.
+ROW_KC = 4 * KC
+# ...and asks for its panel's lines this many elements ahead of the step it reads, one per
+# step: the hardware's prefetchers alone streamed bf16 panels at 11-12 GB/s on an AVX2
+# EPYC core, where OpenBLAS's float32 GEMV streams 19-22; 1,024 ahead reached 15-20.
+ROW_AHEAD = 1024
 _BLOCK_BYTES = 384 << 10  # a block of B packed into the workspace: most of a 512 KiB L2
 # A block of B packed ahead of time (a constant's) is smaller, a quarter of the L2: it comes
 # from memory, not from a packing pass that just wrote it, and the strips of A and tiles of C
@@ -115,12 +139,15 @@ _FLOAT_PTR = F32.as_pointer()
 _LINE_FLOATS = 16  # a 64-byte cache line
 _FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
 _PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64])
+_BF16_PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, I16.as_pointer(), _FLOAT_PTR, I64])
 WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64.as_pointer(), I64, _FLOAT_PTR, I64,
                                                        BYTE_PTR])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
 # ..., then lines to bring into L2 meanwhile, one per step of k: runs of `run` lines `stride`
 # floats apart from `ahead`, `lines` of them in all
 _MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1, _FLOAT_PTR, I64, I64, I64])
+_MICRO_BF16 = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, I16.as_pointer(), _FLOAT_PTR, I64, I64, I1, _FLOAT_PTR, I64,
+                                     I64, I64])
 # kc, a, a's row stride, the edge's columns (KC apart), c, ldc, columns, add to C?
 _DOT = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
 # A block's last panel this narrow is computed as dot products along k (`dot_kernel`): a
@@ -178,8 +205,9 @@ def gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address
 
 
-def packed_gemm_address(target: CPUTarget) -> int:
-    return gemm_code(target).address_of(PACKED_SYMBOL)
+def packed_gemm_address(target: CPUTarget, narrow: bool = False) -> int:
+    """`ranvier_sgemm_packed`, or with `narrow` its twin on bf16 panels."""
+    return gemm_code(target).address_of(BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
 
 
 def windows_gemm_address(target: CPUTarget) -> int:
@@ -195,23 +223,27 @@ def panels_size(columns: int, k: int, target: CPUTarget) -> int:
     return -(-columns // nr) * nr * k
 
 
-def pack_panels(b: np.ndarray, transposed: bool, target: CPUTarget, ranges: list[tuple[int, int]] | None = None) -> np.ndarray:
+def pack_panels(b: np.ndarray, transposed: bool, target: CPUTarget, ranges: list[tuple[int, int]] | None = None,
+                narrow: bool = False) -> np.ndarray:
     """op(B) (B float32 [k, n], or [n, k] when `transposed`) as `ranvier_sgemm_packed`
     reads it: panels of NR columns, each k rows of NR floats, zeros past the last column;
     64-byte aligned. With `ranges` (column ranges, each a call's), each range's panels
-    follow the previous range's, `panels_size` floats each; else one range of all n."""
+    follow the previous range's, `panels_size` elements each; else one range of all n.
+    `narrow`: rounded to the nearest bfloat16 (ties to even), for `ranvier_sgemm_packed_bf16`."""
+    dtype = ml_dtypes.bfloat16 if narrow else np.float32
+    itemsize = np.dtype(dtype).itemsize
     columns = b.T if transposed else b
     k, n = columns.shape
     nr = panel_width(target)
     ranges = ranges or [(0, n)]
     total = sum(panels_size(last - first, k, target) for first, last in ranges)
-    storage = np.empty(total + PANEL_ALIGNMENT // 4, np.float32)
-    start = (-storage.ctypes.data % PANEL_ALIGNMENT) // 4
+    storage = np.empty(total + PANEL_ALIGNMENT // itemsize, dtype)
+    start = (-storage.ctypes.data % PANEL_ALIGNMENT) // itemsize
     packed = storage[start : start + total]
     at = 0
     for first, last in ranges:
         count = -(-(last - first) // nr)
-        padded = np.zeros((k, count * nr), np.float32)
+        padded = np.zeros((k, count * nr), dtype)
         padded[:, : last - first] = columns[:, first:last]
         packed[at : at + count * nr * k] = padded.reshape(k, count, nr).transpose(1, 0, 2).reshape(-1)
         at += count * nr * k
@@ -257,6 +289,13 @@ class _Emitter:
     def load_vector(self, b: ir.IRBuilder, pointer: ir.Value, aligned: bool = False) -> ir.Value:
         return b.load(b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
 
+    def load_panel_vector(self, b: ir.IRBuilder, pointer: ir.Value) -> ir.Value:
+        """A vector of a panel's row, from an aligned float or bf16 pointer, as floats."""
+        if pointer.type.pointee != I16:
+            return self.load_vector(b, pointer, aligned=True)
+        narrow = ir.VectorType(I16, self.lanes)
+        return widen(b, b.load(b.bitcast(pointer, narrow.as_pointer()), align=self.lanes * 2), DT_BFLOAT16, self.lanes)
+
     def store_vector(self, b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, aligned: bool = False) -> None:
         b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
 
@@ -271,22 +310,30 @@ class _Emitter:
 
     # ---- the micro-kernel -----------------------------------------------------------------
 
-    def micro_kernel(self, rows: int, vectors: int) -> ir.Function:
+    def micro_kernel(self, rows: int, vectors: int, narrow: bool = False) -> ir.Function:
         """C[rows × vectors·L] (=|+=) A-strip[rows × kc] · the panel's first vectors·L
-        columns [kc × NR]: a panel over C's edge computes only the vectors it needs."""
-        function = ir.Function(self.module, _MICRO, name=f"{SYMBOL}_tile{rows}x{vectors}")
+        columns [kc × NR]: a panel over C's edge computes only the vectors it needs.
+        `narrow`: the panel holds bf16."""
+        function = ir.Function(self.module, _MICRO_BF16 if narrow else _MICRO,
+                               name=f"{SYMBOL}_tile{rows}x{vectors}{'_bf16' if narrow else ''}")
         function.linkage = "internal"
         kc, a, sa, sk, panel, c, ldc, columns, accumulate, ahead, run, stride, lines = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
-        sums = [[b.alloca(self.vector) for _ in range(vectors)] for _ in range(rows)]
-        for row in sums:
+        # A tile of fewer rows than MR has registers to spare: it spreads k's steps over
+        # `chains` sets of sums, each its own chain of multiply-adds, added up at the end.
+        # With one set a row waited on the multiply-add's latency at every step (a decode
+        # step's one row of bf16 panels: 7.8 cycles a step from L2, 5.7 with four sets).
+        chains = self.mr // rows if narrow else 1
+        sets = [[[b.alloca(self.vector) for _ in range(vectors)] for _ in range(rows)] for _ in range(chains)]
+        for row in (row for chain in sets for row in chain):
             for slot in row:
                 b.store(self.zeros, slot)
         row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
         run_start, in_run = b.alloca(_FLOAT_PTR), b.alloca(I64)
         b.store(ahead, run_start)
         b.store(i64(0), in_run)
-        with for_range(b, i64(0), kc, name="p") as p:
+
+        def step_of_k(p: ir.Value, sums: list[list[ir.Value]]) -> None:
             # one line asked for per step, spread among the multiply-adds (a burst of them
             # before the loop would fill the core's miss buffers and stall it)
             with b.if_then(b.icmp_signed("<", p, lines)):
@@ -296,12 +343,26 @@ class _Emitter:
                 b.store(b.select(wraps, i64(0), following), in_run)
                 b.store(b.select(wraps, b.gep(b.load(run_start), [stride]), b.load(run_start)), run_start)
             step = b.gep(panel, [b.mul(p, i64(self.nr))])
-            parts = [self.load_vector(b, b.gep(step, [i64(v * self.lanes)]), aligned=True) for v in range(vectors)]
+            if narrow and rows == 1:
+                self.prefetch_line(b, b.bitcast(b.gep(step, [i64(ROW_AHEAD)]), _FLOAT_PTR))
+            parts = [self.load_panel_vector(b, b.gep(step, [i64(v * self.lanes)])) for v in range(vectors)]
             along = b.mul(p, sk)
             for r in range(rows):
                 value = splat(b, b.load(b.gep(row_starts[r], [along])), self.lanes)
                 for h in range(vectors):
                     b.store(b.call(self.fma, [value, parts[h], b.load(sums[r][h])]), sums[r][h])
+
+        whole_steps = b.mul(b.sdiv(kc, i64(chains)), i64(chains))
+        with for_range(b, i64(0), whole_steps, step=chains, name="p") as p:
+            for number, chain in enumerate(sets):
+                step_of_k(b.add(p, i64(number)), chain)
+        with for_range(b, whole_steps, kc, name="pk") as p:
+            step_of_k(p, sets[0])
+        sums = sets[0]
+        for chain in sets[1:]:
+            for r in range(rows):
+                for h in range(vectors):
+                    b.store(b.fadd(b.load(sums[r][h]), b.load(chain[r][h])), sums[r][h])
         whole = b.icmp_signed("==", columns, i64(vectors * self.lanes))
         with b.if_else(whole) as (full, edge):
             with full:
@@ -326,7 +387,7 @@ class _Emitter:
     def dot_kernel(self, rows: int) -> ir.Function:
         """C[rows × columns] (=|+=) A-strip[rows × kc] · the edge's columns, each a dot
         product along k: A's rows read in place (k contiguous), each edge column kc
-        contiguous floats (`KC` apart). Two vectors of k per row in flight, so the rows'
+        contiguous floats (`ROW_KC` apart). Two vectors of k per row in flight, so the rows'
         sums are eight independent chains of multiply-adds."""
         function = ir.Function(self.module, _DOT, name=f"{SYMBOL}_dot{rows}")
         function.linkage = "internal"
@@ -338,7 +399,7 @@ class _Emitter:
         row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
         whole = b.mul(b.sdiv(kc, i64(double)), i64(double))
         with for_range(b, i64(0), columns, name="dj") as j:
-            column = b.gep(edge, [b.mul(j, i64(KC))])
+            column = b.gep(edge, [b.mul(j, i64(ROW_KC))])
             for pair in sums:
                 for slot in pair:
                     b.store(self.zeros, slot)
@@ -617,8 +678,12 @@ def build_module(target: CPUTarget) -> ir.Module:
     tiles = {(rows, vectors): emit.micro_kernel(rows, vectors) for rows in range(1, emit.mr + 1)
              for vectors in range(1, emit.vectors + 1)}
     tiles.update({(rows, "dot"): emit.dot_kernel(rows) for rows in range(1, emit.mr + 1)})
+    narrow_tiles = {(rows, vectors): emit.micro_kernel(rows, vectors, narrow=True) for rows in range(1, emit.mr + 1)
+                    for vectors in range(1, emit.vectors + 1)}
+    narrow_tiles.update({(rows, "dot"): tiles[rows, "dot"] for rows in range(1, emit.mr + 1)})
     _gemm(emit, tiles, block_columns(target), "matrix")
     _gemm(emit, tiles, block_columns(target, packed=True), "panels")
+    _gemm(emit, narrow_tiles, block_columns(target, packed=True), "bf16 panels")
     _gemm(emit, tiles, block_columns(target), "windows")
     return module
 
@@ -626,10 +691,13 @@ def build_module(target: CPUTarget) -> ir.Module:
 def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block: int, source: str) -> None:
     """The GEMM whose B is `source`: a "matrix" packed a block at a time (`ranvier_sgemm`),
     "panels" packed ahead of time (`ranvier_sgemm_packed`: the same loops, less the
-    packing), or a convolution's "windows" (`ranvier_sgemm_windows`)."""
-    packed = source == "panels"
+    packing), "bf16 panels" (`ranvier_sgemm_packed_bf16`), or a convolution's "windows"
+    (`ranvier_sgemm_windows`)."""
+    packed = source.endswith("panels")
+    narrow = source == "bf16 panels"
     if packed:
-        function = ir.Function(emit.module, _PACKED_FUNCTION, name=PACKED_SYMBOL)
+        function = ir.Function(emit.module, _BF16_PACKED_FUNCTION if narrow else _PACKED_FUNCTION,
+                               name=BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
         ta, m, n, k, a, lda, panels_of_b, c, ldc = function.args
     elif source == "windows":
         function = ir.Function(emit.module, WINDOWS_FUNCTION, name=WINDOWS_SYMBOL)
@@ -650,8 +718,8 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
     # values side by side, rows lda apart), or MR lines of one L1 set when rows are a
     # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
     copy_a = b.or_(transposed, b.icmp_signed("==", b.and_(lda, i64(1023)), i64(0)))
-    strip_copy = b.alloca(F32, i64(emit.mr * KC))
-    edge = b.alloca(F32, i64(DOT_COLUMNS * KC))
+    strip_copy = b.alloca(F32, i64(max(emit.mr * KC, ROW_KC)))
+    edge = b.alloca(F32, i64(DOT_COLUMNS * ROW_KC))
     nr, nc_max = i64(emit.nr), i64(block)
 
     empty = b.icmp_signed("==", k, i64(0))  # an empty sum: C is zeros
@@ -664,7 +732,8 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
     mr = emit.mr
     full_rows = b.mul(b.sdiv(m, i64(mr)), i64(mr))
     # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
-    slices = b.sdiv(b.add(k, i64(KC - 1)), i64(KC))
+    depth = b.select(b.icmp_signed("==", m, i64(1)), i64(ROW_KC), i64(KC)) if narrow else i64(KC)
+    slices = b.sdiv(b.add(k, b.sub(depth, i64(1))), depth)
     slice_steps = b.sdiv(b.add(k, b.sub(slices, i64(1))), b.select(b.icmp_signed(">", slices, i64(0)), slices, i64(1)))
     with for_range(b, i64(0), n, step=block, name="jc") as jc:
         nc = smaller(nc_max, b.sub(n, jc))
@@ -693,7 +762,8 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
             with b.if_then(dots):
                 last = panel(last_first)
                 with for_range(b, i64(0), edge_columns, name="ej") as j, for_range(b, i64(0), kc, name="ep") as p:
-                    b.store(b.load(b.gep(last, [b.add(b.mul(p, nr), j)])), b.gep(edge, [b.add(b.mul(j, i64(KC)), p)]))
+                    value = b.load(b.gep(last, [b.add(b.mul(p, nr), j)]))
+                    b.store(widen(b, value, DT_BFLOAT16, 1) if narrow else value, b.gep(edge, [b.add(b.mul(j, i64(ROW_KC)), p)]))
             tiled_panels = b.sub(panels, b.zext(dots, I64))
 
             # the next block: these columns' next slice of k, else the next columns' first slice
@@ -709,9 +779,13 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                     next slice of k of this panel, else the first of the next block's."""
                     next_column = b.add(b.add(jc, nc), first)
                     later = b.gep(panels_of_b, [b.mul(next_column, k)])
-                    exists = b.or_(same_columns, b.icmp_signed("<", next_column, n))
-                    lines = b.select(exists, b.sdiv(b.mul(upcoming_kc, nr), i64(_LINE_FLOATS)), i64(0))
-                    return b.select(same_columns, b.gep(panel(first), [b.mul(kc, nr)]), later), lines
+                    # one row asks for its lines ahead of where it reads instead (`ROW_AHEAD`)
+                    exists = b.and_(b.or_(same_columns, b.icmp_signed("<", next_column, n)),
+                                    b.icmp_signed(">", m, i64(1)) if narrow else ir.Constant(I1, 1))
+                    per_line = _LINE_FLOATS * (2 if narrow else 1)  # panel elements in a cache line
+                    lines = b.select(exists, b.sdiv(b.mul(upcoming_kc, nr), i64(per_line)), i64(0))
+                    start = b.select(same_columns, b.gep(panel(first), [b.mul(kc, nr)]), later)
+                    return b.bitcast(start, _FLOAT_PTR), lines  # the tiles step through lines as floats
 
             strips = b.sdiv(b.add(m, i64(mr - 1)), i64(mr))
 

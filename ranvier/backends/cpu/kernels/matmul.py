@@ -17,14 +17,24 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....flow.graph import Variable
-from ....ops import attrs_of, written_inputs
+from ....ops import attrs_of, unchanging_constant
 from ...kernels import Prepared
-from ...llvm.irutil import F32, F64, I8, I32, I64, VOID, i64, storage_type
+from ...llvm.irutil import F32, F64, I8, I16, I32, I64, VOID, i64, storage_type
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
 from .. import sgemm
 from ..amx import workspace_bytes
-from ..codegen import BF16GEMM, BLAS_THREADS, DGEMM, DGEMV, SGEMM, SGEMM_GENERATED, SGEMM_PACKED, SGEMV
+from ..codegen import (
+    BF16GEMM,
+    BLAS_THREADS,
+    DGEMM,
+    DGEMV,
+    SGEMM,
+    SGEMM_GENERATED,
+    SGEMM_PACKED,
+    SGEMM_PACKED_BF16,
+    SGEMV,
+)
 from ..gemm_choice import generated_is_faster
 from ..parallel import each_part, run_parts, share_out, shares, thread_count, worth_splitting
 from ..target import host_target
@@ -265,13 +275,14 @@ class GeneratedGemm:
 
 class PackedGemm:
     """The generated GEMM on a B already in panels (`sgemm.pack_panels`, or at run time
-    `sgemm.pack_at_run_time`), as generated code calls it: C[m, n] = op(A)[m, k] · B."""
+    `sgemm.pack_at_run_time`), as generated code calls it: C[m, n] = op(A)[m, k] · B;
+    `narrow`: on bf16 panels."""
 
-    _TYPE = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer(), F32.as_pointer(), I64])
-
-    def __init__(self, ctx):
+    def __init__(self, ctx, narrow: bool = False):
         self.b = ctx.b
-        self._function = self.b.bitcast(ctx.table_entry(SGEMM_PACKED), self._TYPE.as_pointer())
+        panels = (I16 if narrow else F32).as_pointer()
+        function = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, panels, F32.as_pointer(), I64])
+        self._function = self.b.bitcast(ctx.table_entry(SGEMM_PACKED_BF16 if narrow else SGEMM_PACKED), function.as_pointer())
 
     def gemm(self, ta: bool, m, n, k, a: ir.Value, lda, panels: ir.Value, c: ir.Value, ldc) -> None:
         def size(value) -> ir.Value:
@@ -360,7 +371,35 @@ def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) ->
     _run_calls(ctx, op, parts, call, len(parts) * share)
 
 
-@kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_precision, workspace=amx_workspace_bytes)
+NARROW_PACKED_KERNEL = "PackedGemmBf16"
+
+
+def _narrow_packed_faster(op) -> bool:
+    """A vector times a constant matrix the product's precision lets be rounded to bf16
+    (a decode step's: `narrow_weights`), where the generated GEMM on bf16 panels measured
+    faster than BLAS on the float32 matrix. Such a product only streams the matrix."""
+    ta, tb, m, k, _, batches = _gemms(op)
+    if not (_bfloat16_precision(op) and _by_constant(op) and m == 1 and len(batches) == 1):
+        return False
+    largest = max((g for part in gemm_parts(op, _FLOAT_UNIT) for g in part), key=lambda g: g.n)
+    return generated_is_faster(ta, tb, 1, largest.n, k, op.inputs[0].shape[-1], op.inputs[1].shape[-1], packed=True,
+                               narrow=True)
+
+
+@kernel(NARROW_PACKED_KERNEL, MATMUL_OPS, supports=_narrow_packed_faster, prepares=lambda op: [_panels_of_b(op, narrow=True)])
+def narrow_packed_matmul(ctx, op) -> None:
+    """The generated GEMM on the constant B's panels packed in bf16 when the network was
+    made: half the bytes a vector-matrix product streams."""
+    _call_packed(ctx, op, narrow=True)
+
+
+def _bfloat16_products(op) -> bool:
+    """Products with rows in bf16 (a vector's product by a constant comes marked for bf16
+    panels, `narrow_weights`: where those are not faster, BLAS's GEMV beats the tiles)."""
+    return _bfloat16_precision(op) and _gemms(op)[2] > 1
+
+
+@kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_products, workspace=amx_workspace_bytes)
 def amx_matmul(ctx, op) -> None:
     parts = amx_parts(op)
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
@@ -391,19 +430,13 @@ def _column_ranges(op) -> list[tuple[int, int]]:
     return list(dict.fromkeys(ranges))
 
 
-def _panels_of_b(op) -> Prepared:
-    """A constant B packed once into the generated GEMM's panels, each call's columns
-    apart (so a part's columns need not start on a panel)."""
+def _panels_of_b(op, narrow: bool = False) -> Prepared:
+    """A constant B packed once into the generated GEMM's panels (`narrow`: in bf16), each
+    call's columns apart (so a part's columns need not start on a panel)."""
     transposed = bool(attrs_of(op)["transpose_b"])
     ranges = _column_ranges(op)
-    form = f"sgemm panels{' of Bᵀ' if transposed else ''}, columns {ranges}"
-    return Prepared(op.inputs[1], form, lambda value, target: sgemm.pack_panels(value, transposed, target, ranges))
-
-
-def unchanging_constant(var) -> bool:
-    """A constant (an inference model's weights) that no op writes: a key/value cache
-    starts as data too, and is written as decoding goes."""
-    return var.constant and all(all(v is not var for v in written_inputs(reader)) for reader in var.consumers)
+    form = f"sgemm {'bf16 ' if narrow else ''}panels{' of Bᵀ' if transposed else ''}, columns {ranges}"
+    return Prepared(op.inputs[1], form, lambda value, target: sgemm.pack_panels(value, transposed, target, ranges, narrow))
 
 
 def _by_constant(op) -> bool:
@@ -422,18 +455,23 @@ def _packed_faster(op) -> bool:
 def packed_matmul(ctx, op) -> None:
     """The generated GEMM, B read from panels packed when the network was made: the
     product's steps skip the packing the workspace version does every call."""
+    _call_packed(ctx, op, narrow=False)
+
+
+def _call_packed(ctx, op, narrow: bool) -> None:
+    """Each part's calls of the generated GEMM on the constant B's panels (`narrow`: bf16)."""
     a, c = op.inputs[0], op.outputs[0]
     ta, _, _, k, _, _ = _gemms(op)
-    panels = _panels_of_b(op)
+    panels = _panels_of_b(op, narrow)
     starts, at = {}, 0
     for first, last in _column_ranges(op):
         starts[first, last] = at
         at += sgemm.panels_size(last - first, k, ctx.target)
 
     def call(ctx, number: int, g: _Gemm, target: ir.Value) -> None:
-        packed = ctx.prepared(panels.var, panels.form, F32)
-        PackedGemm(ctx).gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
-                             ctx.b.gep(packed, [i64(starts[g.column, g.column + g.n])]), target, c.shape[-1])
+        packed = ctx.prepared(panels.var, panels.form, I16 if narrow else F32)
+        PackedGemm(ctx, narrow).gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
+                                     ctx.b.gep(packed, [i64(starts[g.column, g.column + g.n])]), target, c.shape[-1])
 
     _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT), call, 0, fixed=lambda g: (g.column, g.n))  # its panels' start
 

@@ -43,7 +43,7 @@ import numpy as np
 from llvmlite import ir
 
 from .... import dtypes
-from ....ops import attrs_of
+from ....ops import attrs_of, unchanging_constant
 from ...kernels import Prepared
 from ...llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, cache_line_aligned, for_range, i64
 from ...llvm.values import Value
@@ -51,7 +51,7 @@ from .. import sgemm
 from ..codegen import SGEMM_PACKED
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import PACKED_GEMM_KERNELS, unchanging_constant
+from .matmul import PACKED_GEMM_KERNELS
 from .program import epilogue
 
 WINOGRAD_KERNEL = "WinogradConv"
