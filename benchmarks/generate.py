@@ -10,7 +10,10 @@ are compared too (float32 rounding may part them where random weights give near-
 With `--llama2c DIR` (a checkout of karpathy/llama2.c), its run.c is a third side: built
 here with `cc -O3 -march=native -fopenmp`, on the same weights exported as a llama2.c
 .bin, with OMP_NUM_THREADS equal to ranvier's threads; it reports its own decode tok/s.
-With `--backend cuda` ranvier's cells run on the GPU and the PyTorch decoder, weights and
+On the CPU ranvier also runs with `matmul="bfloat16"` (the "ranvier-bf16" side): the weights a
+decoded token is multiplied by are kept in bf16 panels, float32 sums, so each token reads half
+the bytes; its greedy tokens may part from the float32 ones where the random weights give
+near-ties. With `--backend cuda` ranvier's cells run on the GPU and the PyTorch decoder, weights and
 cache, on the same GPU where PyTorch sees one (each token's arg-max read back, as a
 decoder must); both in float32.
 Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64] [--llama2c DIR] [--backend cuda]
@@ -130,13 +133,15 @@ def race(preset: str, tokens: int, repeats: int, llama2c: Path | None = None, ba
 
     config = PRESETS[preset]
     model = Llama(config, seed=0)
-    generator = Generator(model, prefill=16, backend=backend)
+    generators = {"ranvier": Generator(model, prefill=16, backend=backend)}
+    if backend == "cpu":
+        generators["ranvier-bf16"] = Generator(model, prefill=16, backend=backend, matmul="bfloat16")
     decoder = torch_decoder(config, model.initial, torch_device)
-    print(f"{preset}: {config.parameter_count() / 1e6:.1f}M parameters, ranvier ({backend}) compiled in "
-          f"{generator.compile_seconds:.1f}s; PyTorch on {torch_device}; prompt {len(PROMPT)} tokens, {tokens} decoded "
-          f"greedily, batch 1")
-    sides = {"ranvier": lambda: generator.stream(PROMPT, tokens, Sampling(temperature=0)),
-             "pytorch": lambda: decoder(PROMPT, tokens)}
+    compiled = ", ".join(f"{name} in {g.compile_seconds:.1f}s" for name, g in generators.items())
+    print(f"{preset}: {config.parameter_count() / 1e6:.1f}M parameters, ranvier ({backend}) compiled: {compiled}; PyTorch on "
+          f"{torch_device}; prompt {len(PROMPT)} tokens, {tokens} decoded greedily, batch 1")
+    sides = {name: (lambda g=g: g.stream(PROMPT, tokens, Sampling(temperature=0))) for name, g in generators.items()}
+    sides["pytorch"] = lambda: decoder(PROMPT, tokens)
     workdir = tempfile.TemporaryDirectory()
     run_c = llama2c_decoder(llama2c, Path(workdir.name), config, model.initial) if llama2c else None
     for start in sides.values():
@@ -151,9 +156,11 @@ def race(preset: str, tokens: int, repeats: int, llama2c: Path | None = None, ba
             rates["llama2.c"].append(run_c(tokens))
             print(f"  run {repeat + 1} {'llama2.c':12s} {rates['llama2.c'][-1]:9.1f} tokens/s", flush=True)
     workdir.cleanup()
-    ours, theirs = produced["ranvier"], produced["pytorch"]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    print(f"the same greedy tokens for the first {same} of {len(ours)}")
+    theirs = produced["pytorch"]
+    for name in generators:
+        ours = produced[name]
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        print(f"{name} and pytorch: the same greedy tokens for the first {same} of {len(ours)}")
     medians = {name: statistics.median(values) for name, values in rates.items()}
     summary(medians, "tokens/s", higher_is_better=True, digits=1)
     if "llama2.c" in medians:

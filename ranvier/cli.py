@@ -205,7 +205,7 @@ def _generate(args: argparse.Namespace) -> int:
     if config_file.is_file() and kind_of(json.loads(config_file.read_text())):  # a run, not a Hugging Face folder
         _check_run(args.model, ("llama", "moe"), "generate")
     config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
-    generator = Generator(language_model(config), weights, backend=args.backend)
+    generator = Generator(language_model(config), weights, backend=args.backend, matmul=args.matmul)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt = tokenizer.encode(args.prompt, bos=True)
     print(args.prompt, end="", flush=True)
@@ -483,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
     generate.add_argument("--max-tokens", type=_positive_int, default=256)
     generate.add_argument("--backend", default="cpu", choices=backend_names())
+    generate.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
+                          help="bfloat16: products with the weights rounded to bf16, float32 sums (on any CPU the "
+                               "weights each decoded token is multiplied by are kept in bf16: half the bytes to read per "
+                               "token; the prompt's products too on AMX-BF16 CPUs and GPUs); tfloat32: TF32 inputs on GPUs")
     generate.set_defaults(run=_generate)
 
     overview = commands.add_parser("summary", help="a language-model preset's parameters, FLOPs and memory, without its weights")

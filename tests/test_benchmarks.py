@@ -112,9 +112,13 @@ def test_mnist_benchmark_says_which_side_is_faster_and_how_far_each_is_from_the_
 
 @pytest.mark.slow
 def test_generate_benchmark_races_pytorch_with_a_kv_cache_on_the_same_weights():
+    """ranvier in float32 and with bf16 weights, against PyTorch's float32 decoder."""
     out = run("generate.py", "--presets", "stories260K", "--tokens", "8", "--repeats", "1")
-    assert_summary(out.splitlines(), "tokens/s")
-    assert "the same greedy tokens for the first 8 of 8" in out
+    assert_summary(out.splitlines(), "tokens/s", sides=("ranvier", "ranvier-bf16", "pytorch"))
+    assert re.search(r"compiled: ranvier in [\d.]+s, ranvier-bf16 in [\d.]+s; ", out)
+    assert "ranvier and pytorch: the same greedy tokens for the first 8 of 8" in out
+    assert re.search(r"^ranvier-bf16 and pytorch: the same greedy tokens for the first \d of 8$", out, re.MULTILINE)
+    assert re.search(r"^ranvier-bf16 is \d+\.\d\d× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
 
 
 @pytest.mark.slow
@@ -141,9 +145,9 @@ def test_generate_benchmark_decodes_on_the_cuda_backend(monkeypatch):
     out = run("generate.py", "--presets", "stories260K", "--tokens", "8", "--repeats", "1", "--backend", "cuda")
     lines = out.splitlines()
     assert lines[1] == "GPU: none that PyTorch sees; its side runs on the CPU"
-    assert re.match(r"stories260K: .*, ranvier \(cuda\) compiled in [\d.]+s; PyTorch on cpu; ", lines[2])
+    assert re.match(r"stories260K: .*, ranvier \(cuda\) compiled: ranvier in [\d.]+s; PyTorch on cpu; ", lines[2])
     assert_summary(lines, "tokens/s")
-    assert "the same greedy tokens for the first 8 of 8" in out
+    assert "ranvier and pytorch: the same greedy tokens for the first 8 of 8" in out
 
 
 @pytest.mark.slow

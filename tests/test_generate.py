@@ -94,3 +94,37 @@ def test_stream_stops_at_eos_and_at_the_context():
     assert len(list(generator.stream([1] * 20, 50, Sampling(temperature=0)))) == CONFIG.max_seq_len - 20 + 1
     with pytest.raises(rv.RanvierError, match="at most 24"):
         generator.prefill([1] * 25)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared classifier", "own classifier"])
+def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monkeypatch):
+    """matmul="bfloat16" on the CPU: every product of a decode step by a weight matrix reads
+    bf16 panels, and its logits are a float32 decoder's on those matrices rounded to bf16
+    (the embedding's lookup stays float32; the prompt's products with rows too, but on
+    AMX-BF16 CPUs, which run them on bf16 tiles)."""
+    import dataclasses
+
+    import ml_dtypes
+
+    monkeypatch.setenv("RANVIER_GEMM", "generated")  # the bf16 panels whatever this machine measures
+    config = dataclasses.replace(CONFIG, shared_classifier=shared)
+    weights = {k: (np.random.default_rng(3).standard_normal(v.shape) * 0.3 + (v.ndim == 1)).astype(np.float32)
+               for k, v in Llama(config).initial.items()}
+    narrow = Generator(Llama(config), weights, prefill=8, matmul="bfloat16")
+    decode = narrow.network.cell("decode")
+    products = [s for s in decode.steps if s.op.type.startswith("MatMul") and s.op.inputs[1].constant]
+    assert len(products) == 7 * config.n_layers + 1 and {s.kernel for s in products} == {"PackedGemmBf16"}
+    assert all(s.kernel != "PackedGemmBf16" for s in narrow.network.cell("prefill").steps)
+
+    def rounded(key: str, value: np.ndarray) -> np.ndarray:
+        return value.astype(ml_dtypes.bfloat16).astype(np.float32) if value.ndim == 2 and key != "tok_embeddings" else value
+
+    # decode steps alone (the prompt's products with rows would read the float32 weights)
+    rounded_weights = {k: rounded(k, v) for k, v in weights.items()} if not shared else weights
+    reference = Generator(Llama(config), rounded_weights, prefill=8)
+    for position, token in enumerate([1, 5, 9, 13, 3, 17, 40]):
+        got, want = narrow.decode(token, position), reference.decode(token, position)
+        if shared:  # the classifier is the embedding, rounded for the product alone: a float32 decoder's, to bf16
+            assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() and not np.array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

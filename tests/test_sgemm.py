@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -141,7 +142,8 @@ _CHOICE_SCRIPT = """
 from ranvier.backends.cpu.gemm_choice import generated_is_faster
 print(generated_is_faster(False, True, 128, 96, 200, 200, 200), generated_is_faster(False, False, 48, 64, 80, 80, 64),
       generated_is_faster(False, False, 4096, 4096, 4096, 4096, 4096), generated_is_faster(True, True, 40, 50, 60, 40, 60, True),
-      generated_is_faster(False, True, 128, 50000, 768, 768, 768, True))
+      generated_is_faster(False, True, 128, 50000, 768, 768, 768, True),
+      generated_is_faster(False, False, 1, 96, 300, 300, 96, True, True))
 """
 
 
@@ -156,13 +158,14 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
     block = sgemm.block_columns(host_target(), packed=True)
     columns = (1 << 29) // (2 * 128 * 768) // block * block
     assert set(json.loads(kept.read_text())) == {"NT 128x96x200 lda 200 ldb 200", "NN 48x64x80 lda 80 ldb 64",
-                                                 "packed TT 40x50x60 lda 40 ldb 60", f"packed NT 128x{columns}x768 lda 768 ldb 768"}
+                                                 "packed TT 40x50x60 lda 40 ldb 60", f"packed NT 128x{columns}x768 lda 768 ldb 768",
+                                                 "bf16 packed NN 1x96x300 lda 300 ldb 96"}
     assert first.split()[2] == "False"
     again = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     assert again == first
     forced = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
                             text=True, check=True).stdout
-    assert forced.split() == ["False"] * 5
+    assert forced.split() == ["False"] * 6
 
 
 def test_a_wrong_gemm_setting_is_named(monkeypatch):
@@ -185,7 +188,8 @@ def test_every_variant_compiles_whatever_the_host():
         target = CPUTarget(name, features)
         assembly = jit.assembly(sgemm.build_module(target), target)
         register = {"skylake-avx512": "%zmm", "haswell": "%ymm", "x86-64": "%xmm"}[name]
-        assert all(f"{symbol}:" in assembly for symbol in (sgemm.SYMBOL, sgemm.PACKED_SYMBOL, sgemm.WINDOWS_SYMBOL))
+        symbols = (sgemm.SYMBOL, sgemm.PACKED_SYMBOL, sgemm.BF16_PACKED_SYMBOL, sgemm.WINDOWS_SYMBOL)
+        assert all(f"{symbol}:" in assembly for symbol in symbols)
         assert register in assembly
 
 
@@ -220,6 +224,54 @@ def test_a_product_by_a_constant_reads_panels_packed_once_per_network(gemm, kern
         constant = cell.network.globals[cell.steps[0].op.inputs[1].name]
         with pytest.raises(ValueError, match="read-only"):
             constant[...] = 0
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one thread", "all threads"])
+@pytest.mark.parametrize("mask", MASKS)
+def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(mask, split, monkeypatch):
+    """matmul="bfloat16" on any CPU: a decode step's vector-matrix products by constants
+    (plain, transposed, an epilogue after) run on bf16 panels, each part a share of the
+    columns, against float64 with the matrices rounded to bf16; a product with rows, or by a
+    parameter, stays float32. Every element of the outputs is written."""
+    import ranvier as rv
+    from ranvier.backends.cpu.kernels import matmul
+    from ranvier.backends.cpu.parallel import thread_count
+
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    monkeypatch.setattr(matmul, "worth_splitting", lambda flops=0, nbytes=0: split and thread_count() > 1)
+    rng = np.random.default_rng(6)
+    w, wt, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((300, 131), (77, 300), (300, 20)))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, rows = f.var("x", "float32", [1, 1, 300]), f.var("rows", "float32", [3, 300])
+    outputs = [f.matmul(x, f.const(w)), f.matmul(x, f.const(wt), transpose_b=True).tanh(), f.matmul(rows, f.const(w)),
+               f.matmul(x, f.parameter("v", v))]
+    for t in outputs:
+        t.var.out = True
+    cell = rv.Compiler("cpu", cpu=mask, matmul="bfloat16", cache=False).compile(flow).cell("f")
+    kernel_of = {out.name: s.kernel for s in cell.steps for out in s.op.outputs}
+    assert [kernel_of[t.var.name] for t in outputs] == ["PackedGemmBf16", "PackedGemmBf16", "PackedGemm", "BlasGemm"]
+    assert bool(re.search(r"^step\d+_part\d*:", cell.asm(), re.MULTILINE)) == (split and thread_count() > 1)
+    data = cell.instance()
+    vector, matrix = rng.standard_normal((1, 1, 300)).astype(np.float32), rng.standard_normal((3, 300)).astype(np.float32)
+    data[x], data[rows] = vector, matrix
+    for t in outputs:
+        data[t] = np.full(t.shape, np.nan, np.float32)
+    data.compute()
+
+    def rounded(m: np.ndarray) -> np.ndarray:
+        return m.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    wide = vector.astype(np.float64)
+    for got, want, bound in [(data[outputs[0]], wide @ rounded(w), np.abs(wide) @ np.abs(w)),
+                             (np.arctanh(np.clip(data[outputs[1]], -0.999999, 0.999999)), wide @ rounded(wt).T, None),
+                             (data[outputs[2]], matrix.astype(np.float64) @ w, np.abs(matrix) @ np.abs(w)),
+                             (data[outputs[3]], wide @ v, np.abs(wide) @ np.abs(v))]:
+        assert np.isfinite(got).all(), "every element written"
+        if bound is None:
+            np.testing.assert_allclose(np.tanh(got), np.tanh(want), rtol=1e-5, atol=1e-6)
+        else:
+            assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
 
 
 def test_a_constant_some_op_writes_is_never_packed(monkeypatch):
