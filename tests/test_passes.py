@@ -1045,9 +1045,10 @@ def _pipeline_flow():
     return flow, y
 
 
-def _fake_backend(precisions=("float32", "bfloat16")):
+def _fake_backend(precisions=("float32", "bfloat16"), narrow_weights=()):
     return types.SimpleNamespace(
-        capabilities=Capabilities(rewrites=True, matmul_precisions=precisions), runs_whole=lambda op: True,
+        capabilities=Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=narrow_weights),
+        runs_whole=lambda op: True,
     )
 
 
@@ -1072,18 +1073,19 @@ def test_pipeline_runs_the_rewrites_in_order_for_the_cpu_backend():
 
 
 @pytest.mark.parametrize(
-    ("matmul", "precisions", "mixed"),
+    ("matmul", "precisions", "narrow", "runs", "mixed"),
     [
-        ("bfloat16", ("float32", "bfloat16"), True),
-        ("bfloat16", ("float32",), False),  # asked for, but the backend cannot
-        ("float32", ("float32", "bfloat16"), False),  # the backend can, but nobody asked
+        ("bfloat16", ("float32", "bfloat16"), (), True, True),
+        ("bfloat16", ("float32",), (), False, False),  # asked for, but the backend cannot
+        ("float32", ("float32", "bfloat16"), ("bfloat16",), False, False),  # the backend can, but nobody asked
+        ("bfloat16", ("float32",), ("bfloat16",), True, False),  # bf16 constants only, for vector products: this one has rows
     ],
 )
-def test_pipeline_mixed_precision_only_where_asked_and_possible(matmul, precisions, mixed):
+def test_pipeline_mixed_precision_only_where_asked_and_possible(matmul, precisions, narrow, runs, mixed):
     flow, y = _pipeline_flow()
     options = dataclasses.replace(CompileOptions(), matmul=matmul)
-    ran = run_pipeline(_context(flow, _fake_backend(precisions), options, {y.name}))
-    expected = ["fuse-attention", "decompose", "fold", "cse", "fuse", "fuse-loss", "fuse-router"] + (["mixed-precision"] if mixed else [])
+    ran = run_pipeline(_context(flow, _fake_backend(precisions, narrow), options, {y.name}))
+    expected = ["fuse-attention", "decompose", "fold", "cse", "fuse", "fuse-loss", "fuse-router"] + (["mixed-precision"] if runs else [])
     assert ran == [*expected, "fuse-epilogue"]
     (matmul_op,) = [op for op in flow.func("f").ops if op.type == "MatMulCalculate"]
     assert matmul_op.attrs.get("precision") == ("bfloat16" if mixed else None)
