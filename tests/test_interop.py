@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import struct
 
 import numpy as np
@@ -518,3 +519,8 @@ def test_export_run_directory_from_the_command_line(tmp_path, sentencepiece_toke
             assert main(["generate", str(model), "--prompt", "Lily", "--max-tokens", "5", "--temperature", "0", *extra]) == 0
         texts.append(printed.getvalue().splitlines()[0])
     assert texts[0] == texts[1] == texts[2] and texts[0].startswith("Lily")
+    # with the decode step's weights in bf16: text, and the speed on stderr
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        assert main(["generate", str(run), "--prompt", "Lily", "--max-tokens", "5", "--temperature", "0", "--matmul", "bfloat16"]) == 0
+    assert printed.getvalue().startswith("Lily") and re.search(r"^\d+ tokens, [\d.]+ tokens/s$", said.getvalue(), re.MULTILINE)
