@@ -78,10 +78,11 @@ class _CellVars:
 class Generator:
     """Prefill and decode cells for a Llama with the given weights (ranvier keys, [in, out]).
 
-    The weights are the cells' constants: the backend may keep them in a form of its own
-    (the CPU's GEMM panels, packed once). `matmul="bfloat16"` lets products round their
-    inputs to bf16 where the backend gains by it; on the CPU that keeps the matrices a decode
-    step multiplies a vector by in bf16, half the bytes it streams per token."""
+    `matmul="bfloat16"` lets products round their inputs to bf16 where the backend gains by
+    it: the weights become the cells' constants, and the CPU keeps each matrix in bf16 GEMM
+    panels, packed once, so a decode step (which only streams its weights) reads half the
+    bytes per token. In float32 they stay parameters: packed panels of them would double the
+    weights' memory for the prompt's products alone (a decode step's run on BLAS's GEMV)."""
 
     def __init__(
         self,
@@ -113,8 +114,9 @@ class Generator:
             token, _ = b.sample_token(b.gather(logits, last), *drawing)
             logits.var.out = token.var.out = True
             self.cells[name] = _CellVars(tokens.var, position.var, logits.var, last.var, [t.var for t in drawing], token.var)
-        for key in model.initial:  # never trained here: constants, not parameters
-            flow.vars[f"{model.name}/{key}"].learnable = False
+        if matmul != "float32":
+            for key in model.initial:
+                flow.vars[f"{model.name}/{key}"].learnable = False
         start = time.perf_counter()
         self.network = Compiler(backend, matmul=matmul).compile(flow)
         self.compile_seconds = time.perf_counter() - start

@@ -100,11 +100,14 @@ def test_stream_stops_at_eos_and_at_the_context():
 def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monkeypatch):
     """matmul="bfloat16" on the CPU: every product of a decode step by a weight matrix reads
     bf16 panels, and its logits are a float32 decoder's on those matrices rounded to bf16
-    (the embedding's lookup stays float32; the prompt's products with rows too, but on
-    AMX-BF16 CPUs, which run them on bf16 tiles)."""
+    (the embedding's lookup stays float32). The prompt's products read the same panels, or
+    AMX-BF16 tiles where the CPU has them."""
     import dataclasses
 
     import ml_dtypes
+
+    from ranvier.backends.cpu.amx import amx_usable
+    from ranvier.backends.cpu.target import host_target
 
     monkeypatch.setenv("RANVIER_GEMM", "generated")  # the bf16 panels whatever this machine measures
     config = dataclasses.replace(CONFIG, shared_classifier=shared)
@@ -114,12 +117,13 @@ def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monke
     decode = narrow.network.cell("decode")
     products = [s for s in decode.steps if s.op.type.startswith("MatMul") and s.op.inputs[1].constant]
     assert len(products) == 7 * config.n_layers + 1 and {s.kernel for s in products} == {"PackedGemmBf16"}
-    assert all(s.kernel != "PackedGemmBf16" for s in narrow.network.cell("prefill").steps)
+    prefill = [s for s in narrow.network.cell("prefill").steps if s.op.type.startswith("MatMul") and s.op.inputs[1].constant]
+    assert {s.kernel for s in prefill} == {"AmxGemm" if amx_usable(host_target()) else "PackedGemmBf16"}
 
     def rounded(key: str, value: np.ndarray) -> np.ndarray:
         return value.astype(ml_dtypes.bfloat16).astype(np.float32) if value.ndim == 2 and key != "tok_embeddings" else value
 
-    # decode steps alone (the prompt's products with rows would read the float32 weights)
+    # token by token through the decode cells (a prompt's cell may run on AMX tiles, which round A too)
     rounded_weights = {k: rounded(k, v) for k, v in weights.items()} if not shared else weights
     reference = Generator(Llama(config), rounded_weights, prefill=8)
     for position, token in enumerate([1, 5, 9, 13, 3, 17, 40]):

@@ -707,9 +707,9 @@ def test_bfloat16_matmul_leaves_other_ops():
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("products", [False, True])
 def test_narrow_weights_mark_vector_products_by_unchanging_constants(weights, rows, products):
-    """A backend keeping constant matrices in bf16 gets a decode step's vector-matrix
-    products by them marked, not those by a parameter, an input, or a constant some op
-    writes (a cache); products with rows only where it also computes in bf16."""
+    """A backend keeping constant matrices in bf16 gets the products by them marked, a
+    decode step's vector-matrix ones too, not those by a parameter, an input, or a constant
+    some op writes (a cache); other products with rows where it computes in bf16."""
     flow, f = new_flow()
     x = f.var("x", rv.DT_FLOAT, [1, rows, 16])
     if weights == "input":
@@ -723,7 +723,7 @@ def test_narrow_weights_mark_vector_products_by_unchanging_constants(weights, ro
     y = f.matmul(x, w)
     precisions = ("float32", "bfloat16") if products else ("float32",)
     use_matmul_precision(flow.func("f"), "bfloat16", Capabilities(matmul_precisions=precisions, narrow_weights=("bfloat16",)))
-    marked = products if rows > 1 else weights == "const"
+    marked = (products and rows > 1) or weights == "const"
     assert y.producer.attrs.get("precision") == ("bfloat16" if marked else None)
 
 
@@ -1078,7 +1078,7 @@ def test_pipeline_runs_the_rewrites_in_order_for_the_cpu_backend():
         ("bfloat16", ("float32", "bfloat16"), (), True, True),
         ("bfloat16", ("float32",), (), False, False),  # asked for, but the backend cannot
         ("float32", ("float32", "bfloat16"), ("bfloat16",), False, False),  # the backend can, but nobody asked
-        ("bfloat16", ("float32",), ("bfloat16",), True, False),  # bf16 constants only, for vector products: this one has rows
+        ("bfloat16", ("float32",), ("bfloat16",), True, True),  # bf16 constants only: this product's matrix is one
     ],
 )
 def test_pipeline_mixed_precision_only_where_asked_and_possible(matmul, precisions, narrow, runs, mixed):

@@ -230,10 +230,10 @@ def test_a_product_by_a_constant_reads_panels_packed_once_per_network(gemm, kern
 @pytest.mark.parametrize("mask", MASKS)
 def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(mask, split, monkeypatch):
     """matmul="bfloat16" on any CPU: a decode step's vector-matrix products by constants
-    (plain, transposed, an epilogue after) run on bf16 panels, each part a share of the
-    columns, against float64 with the matrices rounded to bf16; a product by a parameter
-    stays float32, and one with rows too but on AMX-BF16 tiles. Every element of the
-    outputs is written."""
+    (plain, transposed, an epilogue after) and one with rows run on bf16 panels, each part a
+    share of the columns, against float64 with the matrices rounded to bf16 (the one with
+    rows on AMX-BF16 tiles where the CPU has them); a product by a parameter stays float32.
+    Every element of the outputs is written."""
     import ranvier as rv
     from ranvier.backends.cpu.amx import amx_usable
     from ranvier.backends.cpu.kernels import matmul
@@ -253,7 +253,7 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
     cell = rv.Compiler("cpu", cpu=mask, matmul="bfloat16", cache=False).compile(flow).cell("f")
     kernel_of = {out.name: s.kernel for s in cell.steps for out in s.op.outputs}
     tiles = amx_usable(host_target(mask))
-    rows_kernel = "AmxGemm" if tiles else "PackedGemm"
+    rows_kernel = "AmxGemm" if tiles else "PackedGemmBf16"
     assert [kernel_of[t.var.name] for t in outputs] == ["PackedGemmBf16", "PackedGemmBf16", rows_kernel, "BlasGemm"]
     assert bool(re.search(r"^step\d+_part\d*:", cell.asm(), re.MULTILINE)) == (split and thread_count() > 1)
     data = cell.instance()
@@ -269,7 +269,7 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
     wide = vector.astype(np.float64)
     for got, want, bound in [(data[outputs[0]], wide @ rounded(w), np.abs(wide) @ np.abs(w)),
                              (np.arctanh(np.clip(data[outputs[1]], -0.999999, 0.999999)), wide @ rounded(wt).T, None),
-                             (data[outputs[2]], rounded(matrix) @ rounded(w) if tiles else matrix.astype(np.float64) @ w,
+                             (data[outputs[2]], (rounded(matrix) if tiles else matrix.astype(np.float64)) @ rounded(w),
                               np.abs(matrix) @ np.abs(w)),
                              (data[outputs[3]], wide @ v, np.abs(wide) @ np.abs(v))]:
         assert np.isfinite(got).all(), "every element written"

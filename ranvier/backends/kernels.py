@@ -11,7 +11,7 @@ native, so the compiler decomposes such an op where its definition can.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,13 +101,14 @@ class KernelLibrary:
 
         return register
 
-    def choose(self, op: Operation) -> Kernel:
-        """The first kernel that supports `op`, else the fallback."""
+    def choose(self, op: Operation, unavailable: Container[str] = ()) -> Kernel:
+        """The first kernel that supports `op`, else the fallback; kernels named in
+        `unavailable` (their instructions are not the target's) are passed over."""
         for kernel in self.kernels:
-            if (kernel.ops is None or op.type in kernel.ops) and kernel.supports(op):
+            if kernel.name not in unavailable and (kernel.ops is None or op.type in kernel.ops) and kernel.supports(op):
                 return kernel
         return self.fallback
 
-    def supports(self, op: Operation) -> bool:
+    def supports(self, op: Operation, unavailable: Container[str] = ()) -> bool:
         """Whether a native kernel runs the op whole."""
-        return self.choose(op).native
+        return self.choose(op, unavailable).native

@@ -5,7 +5,7 @@ Vector-matrix products (a decode step's) stay float32 where the matrix would be 
 it is read: they stream it once, so narrower inputs would save nothing; so does a decode
 step's attention, of one query. A backend that keeps an unchanging constant matrix (an
 inference model's weights) in the narrower type ahead of time (`narrow_weights`) halves the
-bytes such a product streams: those are marked for it.
+bytes a product by it streams: all of those are marked for it, whatever their rows.
 """
 
 from __future__ import annotations
@@ -29,17 +29,16 @@ def _rows(op) -> int:
 def use_matmul_precision(func: Function, precision: str, capabilities: Capabilities) -> None:
     """Mark, to run in `precision`, the float32 matrix products of `func` that have rows and
     the float32 attention ops (their products) and gradients of more than one query, where
-    the backend computes in `precision`; and the vector-matrix products by an unchanging
-    constant matrix, where the backend keeps such a matrix in `precision`."""
+    the backend computes in `precision`; and the products by an unchanging constant matrix,
+    vector-matrix ones too, where the backend keeps such a matrix in `precision`."""
     products = precision in capabilities.matmul_precisions
     weights = precision in capabilities.narrow_weights
     for op in func.ops:
         if op.inputs[0].dtype != dtypes.DT_FLOAT32:
             continue
-        if op.type == "MatMul" and _rows(op) > 1:
-            marked = products
-        elif op.type == "MatMul":
-            marked = weights and op.inputs[1].rank == 2 and unchanging_constant(op.inputs[1])
+        if op.type == "MatMul":
+            by_constant = op.inputs[1].rank == 2 and unchanging_constant(op.inputs[1])
+            marked = (products and _rows(op) > 1) or (weights and by_constant)
         else:
             marked = products and op.type in ("Attention", "AttentionGrad") and _queries(op) > 1
         if marked:

@@ -15,6 +15,7 @@ from ...flow.graph import Operation, Variable
 from ...ops import is_view
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
+from ..kernels import Kernel
 from ..reference import reference_kernel
 from . import amx, codegen, fpmode, jit, sgemm
 from .blas import blas_pointers, blas_thread_setter
@@ -45,23 +46,29 @@ class CPUBackend:
         bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
         precisions = ("float32", "bfloat16") if bfloat16 else ("float32",)
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16",))
+        # products marked bf16 for their constant's panels never reach the tiles elsewhere
+        self.unavailable = () if bfloat16 else (AMX_KERNEL,)
+
+    def kernel(self, op: Operation) -> Kernel:
+        """The library's kernel for `op` on this target."""
+        return LIBRARY.choose(op, self.unavailable)
 
     # ---- compile time -----------------------------------------------------------------
 
     def runs_whole(self, op: Operation) -> bool:
         """Whether a native kernel supports the op as it is (else it decomposes)."""
-        return LIBRARY.supports(op)
+        return LIBRARY.supports(op, self.unavailable)
 
     def choose(self, op: Operation) -> Step:
-        chosen = LIBRARY.choose(op)
+        chosen = self.kernel(op)
         return Step(op, chosen.name, self.target.variant if chosen.native else "python", chosen.cost(op))
 
     def workspace_bytes(self, step: Step) -> int:
-        return LIBRARY.choose(step.op).workspace_bytes(step.op)
+        return self.kernel(step.op).workspace_bytes(step.op)
 
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         """Whether the op's kernel may write `target` over `source` (see Kernel.in_place)."""
-        return LIBRARY.choose(op).may_write_over(op, source, target)
+        return self.kernel(op).may_write_over(op, source, target)
 
     def shares_storage(self, op: Operation) -> bool:
         """A reshape (or other view) of a local is its input's bytes: the copy kernel
@@ -77,7 +84,7 @@ class CPUBackend:
                     table.append(v)
         layout = Layout({s.var.name: s.offset for s in cell.slots}, table)
         for step in cell.steps:
-            for prepared in LIBRARY.choose(step.op).prepared(step.op):
+            for prepared in self.kernel(step.op).prepared(step.op):
                 if all((p.var.name, p.form) != (prepared.var.name, prepared.form) for p in layout.prepared):
                     layout.prepared.append(prepared)
         self._alias_views(cell, layout)
@@ -103,7 +110,7 @@ class CPUBackend:
                 debug.dump(kind, f"cell {cell.name}: {what}", self.code(cell, kind))
 
     def _module(self, cell: Cell, layout: Layout):
-        emitters = [LIBRARY.choose(step.op).emit for step in cell.steps]
+        emitters = [self.kernel(step.op).emit for step in cell.steps]
         return codegen.build_module(cell.name, self.target, cell.steps, layout, emitters, self.flush_denormals)
 
     def code(self, cell: Cell, kind: str) -> str:

@@ -371,31 +371,10 @@ def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) ->
     _run_calls(ctx, op, parts, call, len(parts) * share)
 
 
-NARROW_PACKED_KERNEL = "PackedGemmBf16"
-
-
-def _narrow_packed_faster(op) -> bool:
-    """A vector times a constant matrix the product's precision lets be rounded to bf16
-    (a decode step's: `narrow_weights`), where the generated GEMM on bf16 panels measured
-    faster than BLAS on the float32 matrix. Such a product only streams the matrix."""
-    ta, tb, m, k, _, batches = _gemms(op)
-    if not (_bfloat16_precision(op) and _by_constant(op) and m == 1 and len(batches) == 1):
-        return False
-    largest = max((g for part in gemm_parts(op, _FLOAT_UNIT) for g in part), key=lambda g: g.n)
-    return generated_is_faster(ta, tb, 1, largest.n, k, op.inputs[0].shape[-1], op.inputs[1].shape[-1], packed=True,
-                               narrow=True)
-
-
-@kernel(NARROW_PACKED_KERNEL, MATMUL_OPS, supports=_narrow_packed_faster, prepares=lambda op: [_panels_of_b(op, narrow=True)])
-def narrow_packed_matmul(ctx, op) -> None:
-    """The generated GEMM on the constant B's panels packed in bf16 when the network was
-    made: half the bytes a vector-matrix product streams."""
-    _call_packed(ctx, op, narrow=True)
-
-
 def _bfloat16_products(op) -> bool:
-    """Products with rows in bf16 (a vector's product by a constant comes marked for bf16
-    panels, `narrow_weights`: where those are not faster, BLAS's GEMV beats the tiles)."""
+    """Products with rows in bf16, on AMX tiles (the backend passes this kernel over on
+    targets without them); a vector's product by a constant comes marked for bf16 panels
+    (`narrow_weights`), and where those are not faster BLAS's GEMV beats the tiles."""
     return _bfloat16_precision(op) and _gemms(op)[2] > 1
 
 
@@ -403,6 +382,28 @@ def _bfloat16_products(op) -> bool:
 def amx_matmul(ctx, op) -> None:
     parts = amx_parts(op)
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
+
+
+NARROW_PACKED_KERNEL = "PackedGemmBf16"
+
+
+def _narrow_packed_faster(op) -> bool:
+    """A product by a constant matrix that its precision lets be rounded to bf16 (marked
+    for `narrow_weights`: where no AMX tiles take it, or it is a vector's, a decode step's),
+    where the generated GEMM on bf16 panels measured faster than BLAS on the float32 matrix."""
+    ta, tb, _, k, _, batches = _gemms(op)
+    if not (_bfloat16_precision(op) and _by_constant(op) and len(batches) == 1):
+        return False
+    largest = max((g for part in gemm_parts(op, _FLOAT_UNIT) for g in part), key=lambda g: g.m * g.n)
+    return generated_is_faster(ta, tb, largest.m, largest.n, k, op.inputs[0].shape[-1], op.inputs[1].shape[-1],
+                               packed=True, narrow=True)
+
+
+@kernel(NARROW_PACKED_KERNEL, MATMUL_OPS, supports=_narrow_packed_faster, prepares=lambda op: [_panels_of_b(op, narrow=True)])
+def narrow_packed_matmul(ctx, op) -> None:
+    """The generated GEMM on the constant B's panels packed in bf16 when the network was
+    made: half the bytes a product streams, which is all a vector-matrix product does."""
+    _call_packed(ctx, op, narrow=True)
 
 
 def _float32(op) -> bool:
