@@ -261,6 +261,31 @@ for backend in ("cpu", "reference"):
 for index, (got, want) in enumerate(zip(*results)):
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4 if index == winograd_output else 2e-5)
+# the same products by constants with matmul="bfloat16": the weights' bf16 panels where those
+# measured faster (always, with the generated GEMM forced), AMX tiles for rows where the CPU has them
+import ml_dtypes
+cell = rv.Compiler("cpu", cpu=sys.argv[2], matmul="bfloat16", cache=False).compile(flow).cell("f")
+kernel_of = {s.op.outputs[0].name: s.kernel for s in cell.steps}
+assert sum(kernel_of[o.var.name] == "PackedGemmBf16" for o in constant_products) == (
+    0 if os.environ["RANVIER_GEMM"] == "blas" else 5 - sum(kernel_of[o.var.name] == "AmxGemm" for o in constant_products))
+data = cell.instance()
+for name, value in values.items():
+    data[h[name]] = value
+for o in constant_products:
+    data[o] = np.full(o.shape, np.nan, np.float32)
+data.compute()
+
+def rounded(x):
+    return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+for o, (a, w, ta, tb) in zip(constant_products, [("a", "w", False, False), ("a", "wt", False, True), ("batch", "w", False, False),
+                                                 ("at", "w", True, False), ("v", "w", False, False)]):
+    kernel = kernel_of[o.var.name]
+    x = rounded(values[a]) if kernel == "AmxGemm" else values[a].astype(np.float64)
+    y = rounded(weights[w]) if kernel in ("AmxGemm", "PackedGemmBf16") else weights[w].astype(np.float64)
+    x, y = (np.swapaxes(x, -1, -2) if ta else x), (y.T if tb else y)
+    got = np.array(data[o])
+    assert np.isfinite(got).all() and np.all(np.abs(got - x @ y) <= 1e-5 * (np.abs(x) @ np.abs(y)) + 1e-30), kernel
 print("ok")
 """
 
@@ -272,7 +297,8 @@ print("ok")
 def test_kernels_split_over_every_thread_count_match_the_reference(threads, mask, gemm):
     """With splitting forced for the smallest ops, GEMMs (transposes, batches, broadcast,
     a vector, short products over a deep k cut along it, one with an epilogue; the
-    generated GEMM and BLAS), convolutions (one image in blocks, a batch by
+    generated GEMM and BLAS; products by constants on float32 panels, and on bf16 panels
+    with matmul="bfloat16"), convolutions (one image in blocks, a batch by
     images), max pooling, row kernels, maps and reductions (by rows, by
     columns, across a middle axis), lookups and their scattered sums give the
     reference's results on 1, 2 and every core, and in 7 parts (ragged shares, parts
