@@ -20,6 +20,9 @@ from .errors import RanvierError
 
 _MATMUL_HELP = ("bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention "
                 "too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
+_INFERENCE_MATMUL_HELP = ("bfloat16: products by the weights with these rounded to bf16, float32 sums: on any CPU the "
+                          "weights are kept in bf16 panels, half the bytes to read (a decoded token's products only "
+                          "read them), on AMX-BF16 CPUs the products with rows run on tiles; tfloat32: TF32 inputs on GPUs")
 _PRECISION_HELP = ("bfloat16 / float16: activations and their gradients stored in that type on GPUs (parameters and "
                    "optimizer state float32; float16 with dynamic loss scaling")
 
@@ -348,7 +351,7 @@ def _run_model(args: argparse.Namespace) -> int:
     from .modelrun import load_model, parse_dims, read_inputs, run
 
     flow = load_model(args.model, parse_dims(args.dims))
-    data, outputs = run(flow, read_inputs(flow, args.input), args.backend, args.cpu)
+    data, outputs = run(flow, read_inputs(flow, args.input), args.backend, args.cpu, args.matmul)
     for name, array in outputs.items():
         print(f"{name}: {array.dtype}[{'x'.join(map(str, array.shape))}]")
         print(np.array2string(array, threshold=20, edgeitems=3, precision=6))
@@ -366,9 +369,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .modelrun import bench, comparison, load_model, parse_dims
 
     flow = load_model(args.model, parse_dims(args.dims))
-    times = bench(args.model, flow, args.repeats, args.cpu)
+    times = bench(args.model, flow, args.repeats, args.cpu, args.matmul)
     ours, theirs = times["ranvier"], times["onnxruntime"]
-    print(f"{args.model}: ranvier {ours * 1e3:.2f} ms, ONNX Runtime {theirs * 1e3:.2f} ms "
+    products = f" (products in {args.matmul})" if args.matmul != "float32" else ""
+    print(f"{args.model}: ranvier{products} {ours * 1e3:.2f} ms, ONNX Runtime {theirs * 1e3:.2f} ms "
           f"(medians of {args.repeats}): {comparison('ranvier', ours, 'ONNX Runtime', theirs, higher_is_better=False)}")
     return 0
 
@@ -483,10 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
     generate.add_argument("--max-tokens", type=_positive_int, default=256)
     generate.add_argument("--backend", default="cpu", choices=backend_names())
-    generate.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
-                          help="bfloat16: products with the weights rounded to bf16, float32 sums (on any CPU the "
-                               "weights each decoded token is multiplied by are kept in bf16: half the bytes to read per "
-                               "token; the prompt's products too on AMX-BF16 CPUs and GPUs); tfloat32: TF32 inputs on GPUs")
+    generate.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS, help=_INFERENCE_MATMUL_HELP)
     generate.set_defaults(run=_generate)
 
     overview = commands.add_parser("summary", help="a language-model preset's parameters, FLOPs and memory, without its weights")
@@ -550,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--dims", help=dims_help)
     running.add_argument("--backend", default="cpu", choices=backend_names())
     running.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
+    running.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS, help=_INFERENCE_MATMUL_HELP)
     running.add_argument("--output", metavar="DIR", help="also save each output as DIR/NAME.npy")
     running.add_argument("--profile", action="store_true", help="print the per-step profile (to stderr)")
     running.set_defaults(run=_run_model)
@@ -559,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark.add_argument("--dims", help=dims_help)
     benchmark.add_argument("--repeats", type=_positive_int, default=10, help="timed runs per side (default 10; medians are compared)")
     benchmark.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
+    benchmark.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS, help=_INFERENCE_MATMUL_HELP)
     benchmark.set_defaults(run=_bench)
 
     cache = commands.add_parser("cache", help="the JIT cache of compiled code ($RANVIER_CACHE, default ~/.cache/ranvier)")

@@ -124,8 +124,8 @@ def describe(variables) -> str:
     return ", ".join(f"{_name(v)}: {v.typestr()}" for v in variables)
 
 
-def instance(flow: Flow, backend: str = "cpu", cpu: str = "") -> Instance:
-    network = Compiler(backend=backend, cpu=cpu).compile(flow)
+def instance(flow: Flow, backend: str = "cpu", cpu: str = "", matmul: str = "float32") -> Instance:
+    network = Compiler(backend=backend, cpu=cpu, matmul=matmul).compile(flow)
     return network.cell(only_function(flow).name).instance()
 
 
@@ -137,24 +137,26 @@ def feed(data: Instance, inputs: Mapping[str, np.ndarray]) -> None:
             data[name] = array
 
 
-def run(flow: Flow, inputs: Mapping[str, np.ndarray], backend: str = "cpu", cpu: str = "") -> tuple[Instance, dict[str, np.ndarray]]:
+def run(flow: Flow, inputs: Mapping[str, np.ndarray], backend: str = "cpu", cpu: str = "",
+        matmul: str = "float32") -> tuple[Instance, dict[str, np.ndarray]]:
     """Compute the model once; its outputs by name."""
-    data = instance(flow, backend, cpu)
+    data = instance(flow, backend, cpu, matmul)
     feed(data, inputs)
     data.compute()
     outputs = flow.outputs(only_function(flow))
     return data, {_name(v): np.array(data[v]) for v in outputs}
 
 
-def bench(path: str | os.PathLike, flow: Flow, repeats: int = 10, cpu: str = "") -> dict[str, float]:
-    """Median seconds per inference of ranvier and of ONNX Runtime (default session, all
-    graph optimizations) on the same random inputs, alternating; needs onnxruntime."""
+def bench(path: str | os.PathLike, flow: Flow, repeats: int = 10, cpu: str = "", matmul: str = "float32") -> dict[str, float]:
+    """Median seconds per inference of ranvier (its products in `matmul`) and of ONNX Runtime
+    (float32, default session, all graph optimizations) on the same random inputs,
+    alternating; needs onnxruntime."""
     try:
         import onnxruntime
     except ImportError:
         raise RanvierError("ranvier bench compares with ONNX Runtime: pip install onnxruntime") from None
     inputs = random_inputs(flow)
-    data = instance(flow, cpu=cpu)
+    data = instance(flow, cpu=cpu, matmul=matmul)
     feed(data, inputs)
     session = onnxruntime.InferenceSession(os.fspath(path), providers=["CPUExecutionProvider"])
     feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
