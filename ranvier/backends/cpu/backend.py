@@ -41,8 +41,8 @@ class CPUBackend:
             raise RanvierError(f"denormals='flush' sets x86's MXCSR; this CPU is {self.target.machine.triple}: use 'keep'")
         # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay
         # float32. Only a compile that asks for bf16 asks the OS for the tile state. On any
-        # CPU, a constant matrix may be kept in bf16 panels for the vector-matrix products
-        # by it (a decode step's), which only stream it.
+        # CPU, a constant matrix may be kept in bf16 panels for the products by it that no
+        # tiles take (a decode step's vector-matrix ones only stream it).
         bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
         precisions = ("float32", "bfloat16") if bfloat16 else ("float32",)
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16",))

@@ -391,12 +391,8 @@ def _narrow_packed_faster(op) -> bool:
     """A product by a constant matrix that its precision lets be rounded to bf16 (marked
     for `narrow_weights`: where no AMX tiles take it, or it is a vector's, a decode step's),
     where the generated GEMM on bf16 panels measured faster than BLAS on the float32 matrix."""
-    ta, tb, _, k, _, batches = _gemms(op)
-    if not (_bfloat16_precision(op) and _by_constant(op) and len(batches) == 1):
-        return False
-    largest = max((g for part in gemm_parts(op, _FLOAT_UNIT) for g in part), key=lambda g: g.m * g.n)
-    return generated_is_faster(ta, tb, largest.m, largest.n, k, op.inputs[0].shape[-1], op.inputs[1].shape[-1],
-                               packed=True, narrow=True)
+    return (_bfloat16_precision(op) and _by_constant(op) and len(_gemms(op)[5]) == 1
+            and _chose_generated(op, packed=True, narrow=True))
 
 
 @kernel(NARROW_PACKED_KERNEL, MATMUL_OPS, supports=_narrow_packed_faster, prepares=lambda op: [_panels_of_b(op, narrow=True)])
@@ -410,14 +406,16 @@ def _float32(op) -> bool:
     return op.inputs[0].dtype == dtypes.DT_FLOAT32 and op.inputs[1].dtype == dtypes.DT_FLOAT32
 
 
-def _chose_generated(op, packed: bool) -> bool:
-    """Not a vector times a matrix (GEMV streams it best), and the generated GEMM measured
-    faster than BLAS on the largest call a part makes, as it makes it."""
+def _chose_generated(op, packed: bool, narrow: bool = False) -> bool:
+    """Not a vector times a matrix (GEMV streams it best) unless on bf16 panels (`narrow`:
+    half the bytes to stream), and the generated GEMM measured faster than BLAS on the
+    largest call a part makes, as it makes it."""
     ta, tb = _gemms(op)[:2]
     calls = [g for part in gemm_parts(op, _FLOAT_UNIT, slices=not packed) for g in part]
     largest = max(calls, key=lambda g: g.m * g.n * g.k)
     lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
-    return largest.m > 1 and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed)
+    return (narrow or largest.m > 1) and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed,
+                                                             narrow)
 
 
 PACKED_KERNEL = "PackedGemm"
