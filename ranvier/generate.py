@@ -3,10 +3,11 @@
 Both cells run the same chunk computation — T new tokens at positions pos..pos+T−1 —
 for T = the prefill width and T = 1. Each layer's keys and values live in resident
 caches [kv_heads, max_seq, head_dim]. A chunk attends to the cached rows before pos
-and, causally, to its own new keys and values; then only its T rows are written into
-the caches in place (AssignSlice), so a decode step costs O(1) cache writes, not a
-copy of the cache. Rows at or past the current position (stale, or a padded prompt
-chunk's padding) are masked until a later step overwrites them.
+and, causally, to its own new keys and values (CachedAttention, which reads only those
+pos rows: a step early in a long context reads little of its caches); then only its T
+rows are written into the caches in place (AssignSlice), so a decode step costs O(1)
+cache writes, not a copy of the cache. Rows at or past the current position (stale, or a
+padded prompt chunk's padding) are never read until a later step overwrites them.
 
 Each cell also draws the next token from the logits of a chosen row (the prompt's last,
 or the decoded token's) with the SampleToken op: greedy (temperature 0), temperature,
@@ -17,7 +18,6 @@ id per step, not a vocabulary's logits to sample on the host.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -141,40 +141,34 @@ class Generator:
         positions = b.const(offsets) + position  # [T]
         cos, sin = (b.const(t) for t in rope_tables(c.head_dim, c.max_seq_len, c.rope_base))
         rope = tuple(b.gather(t, positions) for t in (cos, sin))  # [T, hd/2]
-        # Cached row s is visible to every query of the chunk when s < pos; new row j to query t when j <= t.
-        rows = b.const(np.arange(c.max_seq_len, dtype=np.int32))
-        cached = b.cond(rows >= position, b.const(-math.inf), b.const(0.0)).reshape([1, 1, 1, c.max_seq_len])
-        causal = b.const(np.triu(np.full((width, width), -np.inf, np.float32), k=1))
         x = b.gather(p["tok_embeddings"], tokens)
         for i in range(c.n_layers):
             w = {key.split(".", 2)[2]: value for key, value in p.items() if key.startswith(f"layers.{i}.")}
             h = b.rms_norm(x, w["attention_norm"], c.norm_eps)
-            x = x + self._attention(b, h, w, rope, i, position, cached, causal)
+            x = x + self._attention(b, h, w, rope, i, position)
             x = x + self.model.feed_forward(b, b.rms_norm(x, w["ffn_norm"], c.norm_eps), w)
         x = b.rms_norm(x, p["norm"], c.norm_eps)
         logits = b.matmul(x, p["tok_embeddings"], transpose_b=True) if c.shared_classifier else x @ p["output"]
         return logits.reshape([width, c.vocab_size])
 
-    def _attention(self, b, x, w, rope, layer, position, cached, causal) -> Tensor:
+    def _attention(self, b, x, w, rope, layer, position) -> Tensor:
+        """The chunk's queries over the cache's first `position` rows and the chunk's own
+        keys (CachedAttention: only the rows in use are read); the chunk's keys and values
+        then go into the caches at `position`."""
         c = self.config
-        width, hd, groups, seq = x.shape[1], c.head_dim, c.n_heads // c.n_kv_heads, c.max_seq_len
-        q = b.rotary((x @ w["wq"]).reshape([1, width, c.n_heads, hd]), *rope)
-        q = q.reshape([width, c.n_kv_heads, groups, hd]).transpose([1, 2, 0, 3])  # [KV, G, T, hd]
-        old, new = [], []
+        width, hd = x.shape[1], c.head_dim
+        q = b.rotary((x @ w["wq"]).reshape([1, width, c.n_heads, hd]), *rope).transpose([0, 2, 1, 3])
+        new, caches = [], []
         for name, projection, rotated in (("k", "wk", True), ("v", "wv", False)):
             chunk = (x @ w[projection]).reshape([1, width, c.n_kv_heads, hd])
-            chunk = (b.rotary(chunk, *rope) if rotated else chunk).reshape([width, c.n_kv_heads, hd]).transpose([1, 0, 2])
+            chunk = (b.rotary(chunk, *rope) if rotated else chunk).transpose([0, 2, 1, 3])  # [1, KV, T, hd]
             cache = self._cache(b, f"{layer}/{name}")
-            old.append(cache.reshape([c.n_kv_heads, 1, seq, hd]))
-            new.append(chunk.reshape([c.n_kv_heads, 1, width, hd]))
+            new.append(chunk)
+            caches.append(cache.reshape([1, c.n_kv_heads, c.max_seq_len, hd]))
             # Runs after every read of the cache in this cell (the compiler orders writes last).
-            b.op("AssignSlice", [cache, chunk, position], None, {"axis": 1})
-        scale = 1.0 / math.sqrt(hd)
-        scores = b.concat([b.matmul(q, old[0], transpose_b=True) * scale + cached,
-                           b.matmul(q, new[0], transpose_b=True) * scale + causal], axis=3)
-        weights_old, weights_new = b.split(b.softmax(scores), [seq, width], axis=3)
-        out = weights_old @ old[1] + weights_new @ new[1]  # [KV, G, T, hd]
-        return out.transpose([2, 0, 1, 3]).reshape([1, width, c.dim]) @ w["wo"]
+            b.op("AssignSlice", [cache, chunk.reshape([c.n_kv_heads, width, hd]), position], None, {"axis": 1})
+        out = b.cached_attention(q, *new, *caches, position)  # [1, H, T, hd]
+        return out.transpose([0, 2, 1, 3]).reshape([1, width, c.dim]) @ w["wo"]
 
     # ---- running ---------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (registration)
     attention,
+    cached_attention,
     elementwise,
     foreach,
     fused,

@@ -104,6 +104,17 @@ def _rows_heads_first(op) -> bool:
     return _too_big_to_decompose(op) and attrs_of(op)["heads_first"]
 
 
+def row_dot(ctx, size: int, x, x_start: Value, y, y_start: Value) -> Value:
+    """x[x_start:+size] · y[y_start:+size], in vectors."""
+    return Row(ctx, x_start, size, x.dtype).sum(lambda i, w: ctx.load(x, i, w) * ctx.load(y, i - x_start + y_start, w))
+
+
+def row_axpy(ctx, size: int, alpha: Value, x, x_start: Value, y, y_start: Value) -> None:
+    """y[y_start:+size] += alpha · x[x_start:+size], in vectors."""
+    Row(ctx, y_start, size, y.dtype).each(
+        lambda i, w: ctx.store(y, i, ctx.load(y, i, w) + alpha.splat(w) * ctx.load(x, i - y_start + x_start, w)))
+
+
 class _Heads:
     """Offsets of a (batch·head, query) pair's rows in q/out and its key/value head."""
 
@@ -146,14 +157,10 @@ class _Heads:
         return rows, self.visible(first_query + rows - 1)
 
     def dot(self, x, x_start: Value, y, y_start: Value) -> Value:
-        row = Row(self.ctx, x_start, self.size, x.dtype)
-        return row.sum(lambda i, w: self.ctx.load(x, i, w) * self.ctx.load(y, i - x_start + y_start, w))
+        return row_dot(self.ctx, self.size, x, x_start, y, y_start)
 
     def axpy(self, alpha: Value, x, x_start: Value, y, y_start: Value) -> None:
-        """y[y_start:+size] += alpha · x[x_start:+size]."""
-        ctx = self.ctx
-        row = Row(ctx, y_start, self.size, y.dtype)
-        row.each(lambda i, w: ctx.store(y, i, ctx.load(y, i, w) + alpha.splat(w) * ctx.load(x, i - y_start + x_start, w)))
+        row_axpy(self.ctx, self.size, alpha, x, x_start, y, y_start)
 
     def probabilities(self, q, q_start: Value, k, kv: Value, count, p, bias_start: Value | int) -> None:
         """Fill p[j] with the probability of each visible key j."""

@@ -1,0 +1,106 @@
+"""Attention over a key/value cache, as a decoder steps through a sequence.
+
+CachedAttention(q [B, H, T, hd], k [B, KV, T, hd], v [B, KV, T, hd],
+                k_cache [B, KV, S, hd], v_cache [B, KV, S, hd], length) → [B, H, T, hd]:
+
+the T new positions' queries attend to the first `length` rows of the caches (the
+positions before them) and, causally, to the new keys: query t sees every cached row
+and new rows j ≤ t. Head h reads key/value head h // (H / KV). `length` is an int32 or
+int64 scalar read at run time, 0 ≤ length ≤ S (outside that, an error where a kernel
+checks it). `scale` defaults to 1/√hd.
+
+A decoder holding a cache of S rows reads only its `length` live rows this way, not all
+S behind a mask: a stories110M decode step read its 1,024-row caches whole, 75 MB a
+token. The op decomposes into the masked form (both sets of scores, one softmax over
+their concatenation) for a backend with no kernel for it. Inference only: it has no
+gradient (training attends with Attention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .attention import scale_of
+from .registry import Attr, TensorType, decomposition, define, op_def
+from .rules import FLOATS
+
+
+def _infer(ctx):
+    q, k, v, k_cache, v_cache, length = ctx.inputs
+    if length.dtype not in ("int32", "int64") or length.shape:
+        raise ctx.fail("a scalar int32/int64 length (the cache rows in use)")
+    if len({x.dtype for x in (q, k, v, k_cache, v_cache)}) != 1 or q.dtype not in FLOATS:
+        raise ctx.fail("floating-point q, k, v and caches of one dtype")
+    if q.rank != 4 or list(k.shape) != list(v.shape) or list(k_cache.shape) != list(v_cache.shape) or k.rank != 4 \
+            or k_cache.rank != 4:
+        raise ctx.fail("q [B, H, T, hd], k and v of one shape [B, KV, T, hd], caches of one shape [B, KV, S, hd]")
+    batch, heads, queries, size = q.shape
+    if list(k.shape) != [batch, k.shape[1], queries, size] or k.shape[1] == 0 or heads % k.shape[1]:
+        raise ctx.fail("k and v [B, KV, T, hd] with q's B, T and hd, and heads H a multiple of key/value heads KV")
+    if [k_cache.shape[i] for i in (0, 1, 3)] != [batch, k.shape[1], size]:
+        raise ctx.fail("caches [B, KV, S, hd] with k's B, KV and hd")
+    return [TensorType(q.dtype, q.shape)]
+
+
+def cached_attention(q, k, v, k_cache, v_cache, length, scale=None):
+    """Query t (of T) over cache rows [0, length) and new rows [0, t], float64."""
+    length = int(length)
+    rows = k_cache.shape[2]
+    if not 0 <= length <= rows:
+        raise IndexError(f"cache length {length} is outside [0, {rows}]")
+    _, heads, queries, size = q.shape
+    groups = heads // k.shape[1]
+    scale = 1.0 / math.sqrt(size) if scale is None else scale
+    keys = np.concatenate([k_cache[:, :, :length], k], axis=2).astype(np.float64)
+    values = np.concatenate([v_cache[:, :, :length], v], axis=2).astype(np.float64)
+    keys, values = (np.repeat(x, groups, axis=1) for x in (keys, values))
+    scores = np.einsum("bhtd,bhsd->bhts", np.asarray(q, np.float64), keys) * scale
+    hidden = np.arange(length + queries)[None, :] > np.arange(queries)[:, None] + length
+    scores = np.where(hidden, -np.inf, scores)
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return np.einsum("bhts,bhsd->bhtd", e / e.sum(axis=-1, keepdims=True), values)
+
+
+def _flops(op) -> int:
+    """Scores and weighted values over the whole cache and the new rows (at most)."""
+    batch, heads, queries, size = op.inputs[0].shape
+    return 2 * 2 * batch * heads * queries * (op.inputs[3].shape[2] + queries) * size
+
+
+define(
+    "CachedAttention",
+    _infer,
+    lambda a, args, o: [cached_attention(*args, scale=scale_of(a, args[0].shape[-1]))],
+    6,
+    "nn",
+    "CachedAttention(q, k, v, k_cache, v_cache, length): the new positions over the cache's first length rows and themselves",
+    attrs=[Attr("scale", "float", None, "score scale (default 1/√head size)")],
+    flops=_flops,
+    method="cached_attention",
+)
+
+
+@decomposition("CachedAttention")
+def _masked(b, op):
+    """Scores against every cache row, those from `length` on masked with −∞, beside the
+    new rows' causally masked scores; one softmax over both, then both weighted sums.
+    The query heads of a key/value head are stacked into G·T rows, one product each."""
+    q, k, v, k_cache, v_cache, length = (b.wrap(x) for x in op.inputs)
+    batch, heads, queries, size = q.shape
+    kv_heads, rows = k.shape[1], k_cache.shape[2]
+    groups = heads // kv_heads
+    scale = scale_of(op_def(op.type).attrs_of(op), size)
+    stacked = q.reshape([batch, kv_heads, groups * queries, size])
+    length = length if length.dtype == "int32" else b.cast(length, "int32")
+    past = b.const(np.arange(rows, dtype=np.int32)) >= length
+    past_mask = b.cond(past, b.const(np.float32(-math.inf)), b.const(np.float32(0.0))).reshape([1, 1, 1, rows])
+    causal = np.triu(np.full((queries, queries), -np.inf, np.float32), k=1)
+    new_mask = b.const(np.tile(causal, (groups, 1)))
+    if q.dtype != "float32":
+        past_mask, new_mask = b.cast(past_mask, q.dtype), b.cast(new_mask, q.dtype)
+    scores = b.concat([stacked.matmul(k_cache, transpose_b=True) * scale + past_mask,
+                       stacked.matmul(k, transpose_b=True) * scale + new_mask], axis=3)
+    cached, new = b.split(b.softmax(scores), [rows, queries], axis=3)
+    return (cached @ v_cache + new @ v).reshape(op.outputs[0].shape)
