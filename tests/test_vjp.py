@@ -35,7 +35,7 @@ F32 = m.DT_FLOAT32
 NON_DIFFERENTIABLE = {
     "Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput",
     "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "MoECombineGrad", "AssignAddScatter",
-    "MatMulCalculate", "Conv2DCalculate", "SampleToken", "ForEach", "RMSNormGrad",
+    "MatMulCalculate", "Conv2DCalculate", "SampleToken", "CachedAttention", "ForEach", "RMSNormGrad",
     "RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate",
 }
 
