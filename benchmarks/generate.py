@@ -15,7 +15,9 @@ decoded token is multiplied by are kept in bf16 panels, float32 sums, so each to
 the bytes; its greedy tokens may part from the float32 ones where the random weights give
 near-ties. With `--backend cuda` ranvier's cells run on the GPU and the PyTorch decoder, weights and
 cache, on the same GPU where PyTorch sees one (each token's arg-max read back, as a
-decoder must); both in float32.
+decoder must); both in float32. Each side's rate is also given as the bytes it streams a
+token (the weights, its matrices in bf16 for ranvier-bf16, and the live KV cache) per
+second, against the memory bandwidth measured here (on the GPU, its own).
 Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64] [--llama2c DIR] [--backend cuda]
 """
 
@@ -33,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from common import comparison, machine, match_threads, summary
+from common import Ceilings, comparison, machine, match_threads, measure_ceilings, measure_gpu_ceilings, summary
 
 PROMPT = [1, 306, 471, 263]
 
@@ -125,7 +127,33 @@ def llama2c_decoder(source: Path, workdir: Path, config, weights: dict[str, np.n
     return rate
 
 
-def race(preset: str, tokens: int, repeats: int, llama2c: Path | None = None, backend: str = "cpu",
+# Bytes per element of the weight matrices each side streams: ranvier-bf16 keeps them in bf16 panels.
+MATRIX_BYTES = {"ranvier": 4, "ranvier-bf16": 2, "pytorch": 4, "llama2.c": 4}
+
+
+def bytes_per_token(config, matrix_bytes: int, position: float) -> float:
+    """What a decode step at `position` must read: every weight matrix once (the embedding
+    table only the token's row, unless it is also the classifier), the float32 norm gains,
+    and the cached keys and values of the positions before it."""
+    matrices = config.parameter_count() - config.vocab_size * config.dim * (0 if config.shared_classifier else 1)
+    gains = (2 * config.n_layers + 1) * config.dim
+    cache = 2 * config.n_layers * config.n_kv_heads * config.head_dim * position
+    return (matrices - gains) * matrix_bytes + 4 * (gains + config.dim + cache)
+
+
+def bandwidth_report(config, tokens: int, medians: dict[str, float], ceilings: Ceilings) -> str:
+    """Each side's decode rate as the bytes it streams per second, against the memory ceiling:
+    a decode step reads every weight once, so bandwidth, not arithmetic, bounds it."""
+    position = len(PROMPT) + (tokens - 1) / 2  # the decoded tokens' mean position
+    lines = [str(ceilings)]
+    for name, rate in medians.items():
+        streamed = bytes_per_token(config, MATRIX_BYTES[name], position)
+        lines.append(f"{name:12s} {streamed / 1e6:7.1f} MB a token, {rate * streamed / 1e9:6.1f} GB/s, "
+                     f"{rate * streamed / ceilings.bandwidth:.0%} of the memory ceiling")
+    return "\n".join(lines)
+
+
+def race(preset: str, tokens: int, repeats: int, ceilings: Ceilings, llama2c: Path | None = None, backend: str = "cpu",
          torch_device: str = "cpu") -> None:
     """Both sides on one preset's shapes, alternating; print each run and the summary."""
     from ranvier.generate import Generator, Sampling
@@ -165,6 +193,7 @@ def race(preset: str, tokens: int, repeats: int, llama2c: Path | None = None, ba
     summary(medians, "tokens/s", higher_is_better=True, digits=1)
     if "llama2.c" in medians:
         print(f"{comparison('ranvier', medians['ranvier'], 'llama2.c', medians['llama2.c'], True)} (median tokens/s)")
+    print(bandwidth_report(config, tokens, medians, ceilings))
 
 
 def main() -> None:
@@ -184,8 +213,10 @@ def main() -> None:
     torch_device = "cuda" if args.backend == "cuda" and torch.cuda.is_available() else "cpu"
     if args.backend == "cuda":
         print(f"GPU: {torch.cuda.get_device_name()}" if torch_device == "cuda" else "GPU: none that PyTorch sees; its side runs on the CPU")
+    on_gpu = torch_device == "cuda"
+    ceilings = measure_gpu_ceilings(torch) if on_gpu else measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     for preset in args.presets:
-        race(preset, args.tokens, args.repeats, args.llama2c, args.backend, torch_device)
+        race(preset, args.tokens, args.repeats, ceilings, args.llama2c, args.backend, torch_device)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,11 @@ def test_generate_benchmark_races_pytorch_with_a_kv_cache_on_the_same_weights():
     assert "ranvier and pytorch: the same greedy tokens for the first 8 of 8" in out
     assert re.search(r"^ranvier-bf16 and pytorch: the same greedy tokens for the first \d of 8$", out, re.MULTILINE)
     assert re.search(r"^ranvier-bf16 is \d+\.\d\d× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
+    assert re.search(r"^ceilings measured here: .*, memory [\d.]+ GB/s \(a copy, read \+ write\)$", out, re.MULTILINE)
+    streamed = {side: float(megabytes) for side, megabytes in
+                re.findall(r"^(\S+) +([\d.]+) MB a token, +[\d.]+ GB/s, \d+% of the memory ceiling$", out, re.MULTILINE)}
+    assert set(streamed) == {"ranvier", "ranvier-bf16", "pytorch"}
+    assert streamed["ranvier"] == streamed["pytorch"] > streamed["ranvier-bf16"] >= streamed["ranvier"] / 2
 
 
 @pytest.mark.slow
