@@ -463,13 +463,32 @@ def _bisect(ctx, low: int | Value, high: int | Value, steps: int, holds: Callabl
     return lo.value
 
 
+def _first_passing(ctx, probs, start: Value, n: int, drawn: Value) -> Value:
+    """The first position of the row whose running sum of `probs` exceeds `drawn`
+    (n − 1 where none does): a bisection over positions whose every step sums only the
+    half it rules on, the sum before it carried, so all its steps together read the row
+    about twice rather than once a step."""
+    f32 = dtypes.DT_FLOAT32
+    lo = ctx.local(dtypes.DT_INT64, 1, ctx.index(0).cast(dtypes.DT_INT64))
+    hi = ctx.local(dtypes.DT_INT64, 1, ctx.index(n - 1).cast(dtypes.DT_INT64))
+    before = ctx.local(f32, 1, 0.0)  # the sum of probs before lo
+    with ctx.loop(0, max(1, (n - 1).bit_length()), name="bisect"), ctx.when(lo.value < hi.value):
+        mid = lo.value + (hi.value - lo.value) / 2
+        through_mid = before.value + Row(ctx, start + lo.value, mid - lo.value + 1, f32).sum(lambda i, w: ctx.load(probs, i, w))
+        passed = through_mid > drawn
+        hi.set(passed.where(mid, hi.value))
+        lo.set(passed.where(lo.value, mid + 1))
+        before.set(passed.where(before.value, through_mid))
+    return lo.value
+
+
 def sample_rows(op) -> RowBody:
     """A token per row (`ranvier.ops.sampling`), every step a pass or a bisection of passes:
     the row's maximum; greedy: its first position; else the k-th largest logit (bisection
     over the logits' ordered bits: each pass counts the logits at least a candidate), the
     exponentials kept in `probabilities` with their sum, the nucleus's cut (bisection over
     the probabilities' bits: each pass sums those at least a candidate), and the token
-    (bisection over positions: each pass sums the probabilities up to one)."""
+    (bisection over positions, `_first_passing`)."""
     logits, uniform, temperature, top_k, top_p = op.inputs
     token, probs = op.outputs
     _, n = row_shape(op)
@@ -533,12 +552,7 @@ def sample_rows(op) -> RowBody:
                     return e
 
                 total.set(row.sum(trimmed))
-            drawn = ctx.load(uniform, r) * total.value
-
-            def passes(index):
-                return row.sum(lambda i, w: (position(i, w) <= index.splat(w)).where(ctx.load(probs, i, w), 0.0)) > drawn
-
-            chosen.set(_bisect(ctx, 0, n - 1, max(1, (n - 1).bit_length()), passes, upper=False))
+            chosen.set(_first_passing(ctx, probs, start, n, ctx.load(uniform, r) * total.value))
             # rounding can leave the running sum short of the drawn mass: the last kept position
             with ctx.when(ctx.load(probs, start + chosen.value).equal(0.0)):
                 last = row.fold(-1.0, _max, lambda i, w: (ctx.load(probs, i, w) > 0.0).where(position(i, w).cast(f32), -1.0))
