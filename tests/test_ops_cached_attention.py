@@ -15,12 +15,25 @@ from ranvier.backends.cuda import device
 
 TESTED_OPS = {"CachedAttention"}
 
-SHAPES = [  # (B, H, KV, T, S, hd, length)
-    (1, 4, 2, 1, 16, 8, 5),  # a decode step, grouped-query heads
-    (2, 6, 3, 4, 20, 19, 0),  # a first prompt chunk: no cache rows yet; a ragged head size
-    (1, 3, 1, 3, 9, 37, 9),  # multi-query, the cache full
-    (1, 2, 2, 5, 64, 64, 33),  # rows of whole vectors and a tail
+SHAPES = [  # (B, H, KV, T, S, hd, length); the CPU takes a key/value head of G·T ≥ 4 query rows as a block
+    (1, 4, 2, 1, 16, 8, 5),  # a decode step, grouped-query heads: rows
+    (1, 2, 2, 3, 12, 8, 4),  # a short chunk: rows, each seeing the new rows up to its own
+    (2, 6, 3, 4, 20, 19, 0),  # a first prompt chunk: no cache rows yet; a ragged head size: blocks
+    (1, 3, 1, 3, 9, 37, 9),  # multi-query, the cache full: a block
+    (1, 2, 2, 5, 64, 64, 33),  # rows of whole vectors and a tail: blocks
 ]
+
+
+def test_the_cpu_takes_a_key_value_heads_many_query_rows_as_a_block():
+    kernels = []
+    for shape in SHAPES:
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        handles = [f.var(f"x{i}", "float32" if i < 5 else "int32", list(x.shape)) for i, x in enumerate(inputs(shape, "float32"))]
+        f.cached_attention(*handles).var.out = True
+        (step,) = [s for s in rv.Compiler("cpu").compile(flow).cell("f").steps if s.op.type == "CachedAttention"]
+        kernels.append(step.kernel)
+    assert kernels == ["CachedAttentionRow"] * 2 + ["CachedAttentionBlock"] * 3
 
 
 def naive(q, k, v, k_cache, v_cache, length, scale):
@@ -66,7 +79,7 @@ def test_cached_attention(dtype, shape, split):
     check(got, naive(*values[:5], shape[-1], 1.0 / math.sqrt(shape[5])), dtype)
 
 
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3]])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]])
 def test_its_decomposition_on_the_cuda_emulator(shape, monkeypatch):
     """The CUDA backend has no kernel of its own: the masked form runs there."""
     monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
@@ -87,7 +100,7 @@ def test_its_decomposition_on_the_cuda_emulator(shape, monkeypatch):
 def test_cache_rows_past_the_length_are_never_read():
     """Rows from `length` on may hold anything (a stale step's, a padded chunk's): NaN
     there must not reach the output, as it would through a masked score."""
-    shape = SHAPES[3]
+    shape = SHAPES[4]
     values = inputs(shape, "float32")
     length = shape[-1]
     for cache in values[3:5]:
