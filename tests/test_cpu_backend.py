@@ -830,24 +830,61 @@ def test_cross_entropy_label_out_of_range_raises():
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("transpose_b", [False, True])
 @pytest.mark.parametrize("batch", [(), (3,)])
-def test_vector_matrix_products_use_gemv_correctly(dtype, transpose_a, transpose_b, batch):
-    """A one-row product (a decode step) goes to BLAS GEMV; every layout must agree with numpy."""
-    k, n = 37, 29
+@pytest.mark.parametrize("parts", ["one", "every core"])
+@pytest.mark.parametrize(("k", "n"), [(37, 29), (130, 203)])
+def test_vector_matrix_products_use_gemv_correctly(dtype, transpose_a, transpose_b, batch, parts, k, n, monkeypatch):
+    """A one-row product (a decode step): a single float32 one streams its matrix in place
+    (`Gemv`: B cut along k, each part's rows into a partial product; Bᵀ's rows shared out),
+    others go to BLAS's GEMV; on one part and on every core (k not a multiple of the rows
+    it adds at once, nor of a part's share), with a scale and a bias as the epilogue;
+    every layout must agree with numpy."""
+    if parts == "every core":
+        monkeypatch.setenv("RANVIER_SPLIT_BYTES", "1")
     a_shape = (*batch, k, 1) if transpose_a else (*batch, 1, k)
     b_shape = (*batch, n, k) if transpose_b else (*batch, k, n)
     rng = np.random.default_rng(11)
     a_value, b_value = rng.standard_normal(a_shape).astype(dtype), rng.standard_normal(b_shape).astype(dtype)
+    bias_value = rng.standard_normal(n).astype(dtype)
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    a, b = f.var("a", dtype, a_shape), f.var("b", dtype, b_shape)
-    y = f.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b, name="y")
+    a, b, bias = f.var("a", dtype, a_shape), f.var("b", dtype, b_shape), f.var("bias", dtype, [n])
+    y = f.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b, name="y") * 0.5 + bias
     data = rv.Compiler("cpu").compile(flow).cell("f").instance()
+    (product,) = [step for step in data.cell.steps if step.op.type.startswith("MatMul")]
+    assert product.op.type == "MatMulCalculate"
+    assert product.kernel == ("Gemv" if dtype == "float32" and not batch else "BlasGemm")
     data[y][...] = np.nan
-    data[a], data[b] = a_value, b_value
+    data[a], data[b], data[bias] = a_value, b_value, bias_value
     data.compute()
     left = np.swapaxes(a_value, -1, -2) if transpose_a else a_value
     right = np.swapaxes(b_value, -1, -2) if transpose_b else b_value
-    np.testing.assert_allclose(data[y], left @ right, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-5 if dtype == "float32" else 1e-12)
+    tolerance = 1e-5 if dtype == "float32" else 1e-12
+    want = (left.astype(np.float64) @ right.astype(np.float64)) * 0.5 + bias_value
+    np.testing.assert_allclose(data[y], want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("parts", ["one", "every core"])
+def test_gemv_on_every_variant(mask, transpose_b, parts, monkeypatch):
+    """The streamed vector-matrix product in AVX-512, AVX2 and SSE vectors, over a ragged
+    row of 203 columns and 130 steps of k."""
+    if parts == "every core":
+        monkeypatch.setenv("RANVIER_SPLIT_BYTES", "1")
+    k, n = 130, 203
+    rng = np.random.default_rng(12)
+    x, w = rng.standard_normal((1, k)).astype(np.float32), rng.standard_normal((n, k) if transpose_b else (k, n)).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    a, b = f.var("a", "float32", [1, k]), f.var("b", "float32", list(w.shape))
+    y = f.matmul(a, b, transpose_b=transpose_b, name="y")
+    data = rv.Compiler("cpu", cpu=mask).compile(flow).cell("f").instance()
+    assert [step.kernel for step in data.cell.steps] == ["Gemv"]
+    data[y][...] = np.nan
+    data[a], data[b] = x, w
+    data.compute()
+    want = x.astype(np.float64) @ (w.T if transpose_b else w).astype(np.float64)
+    np.testing.assert_allclose(data[y], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_split_written_in_parallel_parts_compiles():
