@@ -82,8 +82,8 @@ class Generator:
     it: the weights become the cells' constants, and the CPU keeps each matrix in bf16 GEMM
     panels, packed once, so a decode step (which only streams its weights) reads half the
     bytes per token. In float32 they stay parameters: packed panels of them would double the
-    weights' memory for the prompt's products alone (a decode step's stream the matrices in
-    place: `Gemv`)."""
+    weights' memory for the prompt's products alone (a decode step's products stream the
+    matrices in place: `Gemv`)."""
 
     def __init__(
         self,

@@ -6,8 +6,9 @@ CachedAttention(q [B, H, T, hd], k [B, KV, T, hd], v [B, KV, T, hd],
 the T new positions' queries attend to the first `length` rows of the caches (the
 positions before them) and, causally, to the new keys: query t sees every cached row
 and new rows j ≤ t. Head h reads key/value head h // (H / KV). `length` is an int32 or
-int64 scalar read at run time, 0 ≤ length ≤ S (outside that, an error where a kernel
-checks it). `scale` defaults to 1/√hd.
+int64 scalar read at run time, 0 ≤ length ≤ S: outside that the reference and the CPU's
+kernels fail, while the decomposed form below takes it as its mask does (no cache row
+below 0, every one above S). `scale` defaults to 1/√hd.
 
 A decoder holding a cache of S rows reads only its `length` live rows this way, not all
 S behind a mask: a stories110M decode step read its 1,024-row caches whole, 75 MB a
