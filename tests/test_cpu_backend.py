@@ -10,7 +10,6 @@ op tests do not: fusion, whole training steps, the cache and failure paths.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import re
 import subprocess
@@ -839,7 +838,6 @@ def test_vector_matrix_products_use_gemv_correctly(dtype, transpose_a, transpose
     others go to BLAS's GEMV; on one part and on every core (k not a multiple of the rows
     it adds at once, nor of a part's share), with a scale and a bias as the epilogue;
     every layout must agree with numpy."""
-    monkeypatch.setenv("RANVIER_GEMM", "generated")  # not BLAS's GEMV where it measures faster here
     if parts == "every core":
         monkeypatch.setenv("RANVIER_SPLIT_BYTES", "1")
     a_shape = (*batch, k, 1) if transpose_a else (*batch, 1, k)
@@ -871,7 +869,6 @@ def test_vector_matrix_products_use_gemv_correctly(dtype, transpose_a, transpose
 def test_gemv_on_every_variant(mask, transpose_b, parts, monkeypatch):
     """The streamed vector-matrix product in AVX-512, AVX2 and SSE vectors, over a ragged
     row of 203 columns and 130 steps of k."""
-    monkeypatch.setenv("RANVIER_GEMM", "generated")
     if parts == "every core":
         monkeypatch.setenv("RANVIER_SPLIT_BYTES", "1")
     k, n = 130, 203
@@ -888,38 +885,6 @@ def test_gemv_on_every_variant(mask, transpose_b, parts, monkeypatch):
     data.compute()
     want = x.astype(np.float64) @ (w.T if transpose_b else w).astype(np.float64)
     np.testing.assert_allclose(data[y], want, rtol=1e-5, atol=1e-5)
-
-
-def test_the_gemv_choice_is_measured_once_per_shape_and_kept(tmp_path, monkeypatch):
-    """A one-row product's kernel is the faster of the streamed GEMV and BLAS's, measured
-    on one-op cells of its shape the first time (both really compiled and timed here),
-    then read from the cache folder; `RANVIER_GEMM` fixes it instead."""
-    from ranvier.backends.cpu import gemm_choice
-
-    monkeypatch.setenv("RANVIER_CACHE", str(tmp_path))
-    monkeypatch.delenv("RANVIER_GEMM", raising=False)
-    gemm_choice._decide_gemv.cache_clear()
-    measured = []
-    real = gemm_choice._measure_gemv
-
-    def measure(tb, k, n):
-        measured.append((tb, k, n))
-        return real(tb, k, n)
-
-    monkeypatch.setattr(gemm_choice, "_measure_gemv", measure)
-    first = gemm_choice.gemv_is_faster(True, 40, 24)
-    assert gemm_choice.gemv_is_faster(True, 40, 24) == first and measured == [(True, 40, 24)]
-    gemm_choice._decide_gemv.cache_clear()  # a new process: the kept choice, not a new measurement
-    assert gemm_choice.gemv_is_faster(True, 40, 24) == first and len(measured) == 1
-    (kept,) = tmp_path.glob("gemv-*.json")
-    assert json.loads(kept.read_text()) == {"gemv T 40x24": first}
-    gemm_choice._decide_gemv.cache_clear()
-    for fixed, kernel in (("blas", "BlasGemm"), ("generated", "Gemv")):
-        monkeypatch.setenv("RANVIER_GEMM", fixed)
-        flow = rv.Flow()
-        f = rv.Builder(flow, "f")
-        f.matmul(f.var("x", "float32", [1, 40]), f.var("w", "float32", [40, 24]))
-        assert [step.kernel for step in rv.Compiler("cpu").compile(flow).cell("f").steps] == [kernel]
 
 
 def test_a_split_written_in_parallel_parts_compiles():

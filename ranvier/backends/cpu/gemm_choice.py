@@ -2,13 +2,10 @@
 or the vendor BLAS, whichever measured faster here for that shape and those leading
 dimensions on one thread, the way a worker-pool part runs it. Each is measured once per
 machine and the choice kept (measured.py); products too large to time quickly stay on
-BLAS; `RANVIER_GEMM=generated` or `=blas` fixes the choice instead. A row times a matrix
-(a decode step's product) chooses the same way between the streamed GEMV (`Gemv`) and
-BLAS's, each measured as a whole one-op cell on every core (`gemv_is_faster`)."""
+BLAS; `RANVIER_GEMM=generated` or `=blas` fixes the choice instead."""
 
 from __future__ import annotations
 
-import contextvars
 import ctypes
 import functools
 import os
@@ -38,16 +35,6 @@ _FORTRAN_SGEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, _INT, 
                                   ctypes.c_void_p, _INT, _FLOAT, ctypes.c_void_p, _INT)
 
 
-def _fixed_choice() -> bool | None:
-    """What `RANVIER_GEMM` fixes: True for generated code, False for BLAS, None to measure."""
-    fixed = os.environ.get(GEMM_ENVIRONMENT, "")
-    if fixed in ("generated", "blas"):
-        return fixed == "generated"
-    if fixed:
-        raise RanvierError(f"${GEMM_ENVIRONMENT}={fixed!r}: expected 'generated' or 'blas' (or unset, to measure)")
-    return None
-
-
 def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool = False,
                         narrow: bool = False) -> bool:
     """Whether the generated GEMM beats BLAS for op(A)[m×k] · op(B)[k×n] (leading
@@ -60,9 +47,11 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
     go through B a block of columns at a time, so the rest repeats what was timed).
     Fewer columns would not show how the whole streams C and A through memory (a 2048 ×
     16000 LM-head block timed as 1213 × 384 chose wrongly): such a product stays on BLAS."""
-    fixed = _fixed_choice()
-    if fixed is not None:
-        return fixed
+    fixed = os.environ.get(GEMM_ENVIRONMENT, "")
+    if fixed in ("generated", "blas"):
+        return fixed == "generated"
+    if fixed:
+        raise RanvierError(f"${GEMM_ENVIRONMENT}={fixed!r}: expected 'generated' or 'blas' (or unset, to measure)")
     if 2 * m * n * k > _MEASURED_FLOPS:
         block = sgemm.block_columns(host_target(), packed)
         columns = _MEASURED_FLOPS // (2 * m * k) // block * block
@@ -128,71 +117,4 @@ def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, pac
         else:
             ours_seconds, theirs_seconds = seconds(ours), seconds(theirs)
         ratios.append(ours_seconds / theirs_seconds)
-    return statistics.median(ratios) < 1.0
-
-
-_GEMV_METHOD = "one-op cells on every core, median of paired ratios"
-_probing: contextvars.ContextVar[bool | None] = contextvars.ContextVar("gemv_probe", default=None)
-
-
-def gemv_is_faster(tb: bool, k: int, n: int) -> bool:
-    """Whether the streamed GEMV beats BLAS's for x[1×k] · op(B) (B [k×n], or [n×k] with
-    `tb`) on this machine: two cells of that one product, one with each kernel, timed in
-    pairs as the GEMMs are, the choice kept per shape. Inside a probe's own compile the
-    probe's side is the answer."""
-    probing = _probing.get()
-    if probing is not None:
-        return probing
-    fixed = _fixed_choice()
-    if fixed is not None:
-        return fixed
-    return _decide_gemv(bool(tb), k, n)
-
-
-@functools.cache
-def _decide_gemv(tb: bool, k: int, n: int) -> bool:
-    key = f"gemv {'T' if tb else 'N'} {k}x{n}"
-    identity = f"{host_target().key()}\n{_GEMV_METHOD}"
-    with kept(kept_path("gemv", identity)) as choices:
-        if choices is not None and isinstance(choices.get(key), bool):
-            return choices[key]
-        faster = _measure_gemv(tb, k, n)
-        if choices is not None:
-            choices[key] = faster
-        return faster
-
-
-def _measure_gemv(tb: bool, k: int, n: int) -> bool:
-    from ...compiler import Compiler
-    from ...flow.builder import Builder
-    from ...flow.graph import Flow
-
-    rng = np.random.default_rng(0)
-    flow = Flow()
-    f = Builder(flow, "probe")
-    x = f.var("x", "float32", [1, k])
-    product = f.matmul(x, f.parameter("w", rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)),
-                       transpose_b=tb)
-    product.var.out = True
-    instances = {}
-    for streamed in (True, False):
-        token = _probing.set(streamed)
-        try:
-            instances[streamed] = Compiler("cpu", cache=False).compile(flow).cell("probe").instance()
-        finally:
-            _probing.reset(token)
-        instances[streamed][x] = rng.standard_normal((1, k), dtype=np.float32)
-        instances[streamed].compute()  # first touches outside the timing
-
-    def seconds(streamed: bool) -> float:
-        start = time.perf_counter()
-        instances[streamed].compute()
-        return time.perf_counter() - start
-
-    ratios = []
-    for round_ in range(_ROUNDS):
-        first = bool(round_ % 2)
-        times = {first: seconds(first)}
-        times[not first] = seconds(not first)
-        ratios.append(times[True] / times[False])
     return statistics.median(ratios) < 1.0

@@ -1,8 +1,7 @@
 """MatMul: float32 through ranvier's generated GEMM (sgemm.py) where it measured faster
 for the shape, else, and float64, through the vendor BLAS (OpenBLAS, via SciPy), called
 directly from generated code; a float32 row times a matrix (a decode step's) by streaming
-the matrix in place (`Gemv`) where that measured faster than BLAS's GEMV; float32 in mixed
-precision through the AMX bf16 GEMM;
+the matrix in place (`Gemv`); float32 in mixed precision through the AMX bf16 GEMM;
 other dtypes through a generated triple loop.
 
 Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
@@ -40,7 +39,7 @@ from ..codegen import (
     SGEMM_PACKED_BF16,
     SGEMV,
 )
-from ..gemm_choice import gemv_is_faster, generated_is_faster
+from ..gemm_choice import generated_is_faster
 from ..parallel import each_part, run_parts, share_out, shares, thread_count, worth_splitting
 from ..target import host_target
 from .library import kernel
@@ -563,10 +562,9 @@ ROWS_AT_ONCE = 4  # rows of the matrix one pass over a vector-matrix product's o
 
 
 def _vector_times_matrix(op) -> bool:
-    """One float32 row times a matrix (a decode step's product, which only streams the
-    matrix), where the streamed GEMV measured faster than BLAS's for its shape."""
-    _, tb, m, k, n, batches = _gemms(op)
-    return _float32(op) and m == 1 and len(batches) == 1 and gemv_is_faster(tb, k, n)
+    """One float32 row times a matrix: a decode step's product, which only streams the matrix."""
+    _, _, m, _, _, batches = _gemms(op)
+    return _float32(op) and m == 1 and len(batches) == 1
 
 
 def _vector_parts(op) -> list[list[_Gemm]]:
