@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .attention import scale_of
+from .attention import attention, scale_of
 from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS
 
@@ -46,22 +46,14 @@ def _infer(ctx):
 
 
 def cached_attention(q, k, v, k_cache, v_cache, length, scale=None):
-    """Query t (of T) over cache rows [0, length) and new rows [0, t], float64."""
+    """Attention over cache rows [0, length) followed by the new rows, causal: with
+    S' = length + T keys, query t sees s ≤ t + S' − T, every cached row and new rows j ≤ t."""
     length = int(length)
     rows = k_cache.shape[2]
     if not 0 <= length <= rows:
         raise IndexError(f"cache length {length} is outside [0, {rows}]")
-    _, heads, queries, size = q.shape
-    groups = heads // k.shape[1]
-    scale = 1.0 / math.sqrt(size) if scale is None else scale
-    keys = np.concatenate([k_cache[:, :, :length], k], axis=2).astype(np.float64)
-    values = np.concatenate([v_cache[:, :, :length], v], axis=2).astype(np.float64)
-    keys, values = (np.repeat(x, groups, axis=1) for x in (keys, values))
-    scores = np.einsum("bhtd,bhsd->bhts", np.asarray(q, np.float64), keys) * scale
-    hidden = np.arange(length + queries)[None, :] > np.arange(queries)[:, None] + length
-    scores = np.where(hidden, -np.inf, scores)
-    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return np.einsum("bhts,bhsd->bhtd", e / e.sum(axis=-1, keepdims=True), values)
+    keys, values = (np.concatenate([cache[:, :, :length], new], axis=2) for cache, new in ((k_cache, k), (v_cache, v)))
+    return attention(q, keys, values, causal=True, scale=scale)
 
 
 def _flops(op) -> int:
