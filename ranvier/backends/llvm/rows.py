@@ -64,6 +64,17 @@ class Row:
         self.ctx.row_each(self.start, self.length, self.lanes, body)
 
 
+def row_dot(ctx, size: int, x, x_start: Value, y, y_start: Value) -> Value:
+    """x[x_start:+size] · y[y_start:+size], in vectors."""
+    return Row(ctx, x_start, size, x.dtype).sum(lambda i, w: ctx.load(x, i, w) * ctx.load(y, i - x_start + y_start, w))
+
+
+def row_axpy(ctx, size: int, alpha: Value, x, x_start: Value, y, y_start: Value) -> None:
+    """y[y_start:+size] += alpha · x[x_start:+size], in vectors."""
+    Row(ctx, y_start, size, y.dtype).each(
+        lambda i, w: ctx.store(y, i, ctx.load(y, i, w) + alpha.splat(w) * ctx.load(x, i - y_start + x_start, w)))
+
+
 def _max(acc: Value, x: Value) -> Value:
     return (x > acc).where(x, acc)
 

@@ -35,7 +35,7 @@ from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
 from ...llvm.irutil import BYTE_PTR, cache_line_aligned, i64
 from ...llvm.loops import fill
-from ...llvm.rows import Row, finite_peak, normalized_exponentials, unseen_inverse
+from ...llvm.rows import Row, finite_peak, normalized_exponentials, row_axpy, row_dot, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -102,17 +102,6 @@ def _rows_heads_first(op) -> bool:
     """The float64 row kernels read heads first; the other layout decomposes into
     transposes around an op they take."""
     return _too_big_to_decompose(op) and attrs_of(op)["heads_first"]
-
-
-def row_dot(ctx, size: int, x, x_start: Value, y, y_start: Value) -> Value:
-    """x[x_start:+size] · y[y_start:+size], in vectors."""
-    return Row(ctx, x_start, size, x.dtype).sum(lambda i, w: ctx.load(x, i, w) * ctx.load(y, i - x_start + y_start, w))
-
-
-def row_axpy(ctx, size: int, alpha: Value, x, x_start: Value, y, y_start: Value) -> None:
-    """y[y_start:+size] += alpha · x[x_start:+size], in vectors."""
-    Row(ctx, y_start, size, y.dtype).each(
-        lambda i, w: ctx.store(y, i, ctx.load(y, i, w) + alpha.splat(w) * ctx.load(x, i - y_start + x_start, w)))
 
 
 class _Heads:

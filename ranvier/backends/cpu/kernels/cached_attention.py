@@ -20,10 +20,9 @@ from .... import dtypes
 from ....ops import attrs_of
 from ....ops.attention import scale_of
 from ...llvm.context import load_index
-from ...llvm.rows import Row, normalized_exponentials
+from ...llvm.rows import Row, normalized_exponentials, row_axpy, row_dot
 from ...llvm.values import Value
 from ..parallel import each_part, shares, thread_count, worth_splitting
-from .attention import row_axpy, row_dot
 from .library import kernel
 from .matmul import Blas, single_threaded_blas
 

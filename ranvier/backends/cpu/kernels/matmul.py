@@ -23,7 +23,7 @@ from ....flow.graph import Variable
 from ....ops import attrs_of, unchanging_constant
 from ...kernels import Prepared
 from ...llvm.irutil import F32, F64, I8, I16, I32, I64, VOID, i64, storage_type
-from ...llvm.rows import Row
+from ...llvm.rows import Row, row_dot
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
 from .. import sgemm
@@ -597,8 +597,7 @@ def vector_matrix(ctx, op) -> None:
         y = ctx.scratch(f"{op.name}/y", f32, c.shape[-1], ctx.b.bitcast(target, I8.as_pointer()))
         if tb:
             with ctx.loop(0, g.n, name="j") as j:
-                row = g.b + j * g.k
-                ctx.store(y, j, Row(ctx, row, g.k, f32).sum(lambda i, w: ctx.load(a, i - row, w) * ctx.load(b, i, w)))
+                ctx.store(y, j, row_dot(ctx, g.k, b, g.b + j * g.k, a, g.a))
             return
         columns = Row(ctx, ctx.index(0), g.n, f32)
         columns.each(lambda i, w: ctx.store(y, i, ctx.constant(f32, 0.0, w)))
