@@ -31,6 +31,7 @@ from .flow.builder import Builder, Tensor
 from .flow.graph import Flow, Variable
 from .models.llama import Llama, rope_tables
 from .ops.sampling import pick, sample_distribution
+from .runtime import aligned_array, aligned_zeros
 
 _UNIFORM_BITS = 24  # uniform numbers of float32's precision, so none rounds up to 1
 
@@ -98,7 +99,7 @@ class Generator:
             missing = sorted(set(model.initial) - set(weights))
             if missing:
                 raise RanvierError(f"generator weights lack {', '.join(missing[:5])}")
-            model.initial = {key: np.ascontiguousarray(weights[key], np.float32) for key in model.initial}
+            model.initial = {key: aligned_array(weights[key], np.float32) for key in model.initial}
         self.model = model
         self.prefill_width = min(prefill, c.max_seq_len)
         flow = Flow()
@@ -119,7 +120,7 @@ class Generator:
             for key in model.initial:
                 flow.vars[f"{model.name}/{key}"].learnable = False
         start = time.perf_counter()
-        self.network = Compiler(backend, matmul=matmul).compile(flow)
+        self.network = Compiler(backend, matmul=matmul).compile(flow, share_data=True)
         self.compile_seconds = time.perf_counter() - start
         self.instances = {name: self.network.cell(name).instance() for name in self.cells}
 
@@ -130,7 +131,7 @@ class Generator:
         var_name = f"cache/{name}"
         if var_name not in b.flow.vars:
             var = b.flow.add_var(var_name, dtypes.DT_FLOAT32, [c.n_kv_heads, c.max_seq_len, c.head_dim])
-            var.set_data(np.zeros(var.shape, np.float32))
+            var.set_data(aligned_zeros(var.shape, np.float32))
             var.nogradient = True
         return b.wrap(b.flow.vars[var_name])
 

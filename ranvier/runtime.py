@@ -3,6 +3,7 @@ layout; an Instance is one cell's data, whose tensors are writable numpy views."
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -52,11 +53,36 @@ class Step:
         return f"{lhs}{self.label}({ins}){expression}"
 
 
-def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
+ALIGNMENT = 64  # bytes: where globals and instance buffers start (a cache line; an AVX-512 vector)
+
+
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
     """A zeroed uint8 buffer whose first byte is aligned (numpy only promises 16 bytes)."""
     raw = np.zeros(nbytes + alignment, dtype=np.uint8)
     start = (-raw.ctypes.data) % alignment
     return raw[start : start + nbytes]
+
+
+def is_aligned(array: np.ndarray) -> bool:
+    """Whether the array is C-contiguous and starts on an `ALIGNMENT` boundary."""
+    return array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
+
+
+def aligned_array(value, dtype) -> np.ndarray:
+    """`value` as a C-contiguous array of `dtype` starting on an `ALIGNMENT` boundary: the
+    array itself where it already is one, else an aligned copy."""
+    array = np.asarray(value)
+    if array.dtype == np.dtype(dtype) and is_aligned(array):
+        return array
+    copy = aligned_zeros(array.shape, dtype)
+    copy[...] = array
+    return copy
+
+
+def aligned_zeros(shape, dtype) -> np.ndarray:
+    """A zeroed C-contiguous array of `dtype` starting on an `ALIGNMENT` boundary (its pages
+    untouched until written, as np.zeros leaves them)."""
+    return aligned_empty(math.prod(shape) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
 
 
 def view_of(buffer: np.ndarray, offset: int, var: Variable) -> np.ndarray:
@@ -97,21 +123,30 @@ class GlobalArrays(MutableMapping):
 
 
 class Network:
-    """Compiled flow: the cells of its functions and the globals (constants, parameters) they share."""
+    """Compiled flow: the cells of its functions and the globals (constants, parameters) they share.
 
-    def __init__(self, flow: Flow, backend_name: str):
+    A global starts as a copy of its variable's data, so training the network leaves the
+    flow's data (a model's initial values) as it was. With `share_data` the network instead
+    takes a variable's data array itself where that is already laid out as a global
+    (`_shareable`): no second copy of the weights, and the two name the same memory."""
+
+    def __init__(self, flow: Flow, backend_name: str, share_data: bool = False):
         self.flow = flow
         self.backend_name = backend_name
+        self.share_data = share_data
         self.cells: dict[str, Cell] = {}
         self.globals = GlobalArrays()
         self._prepared: dict[tuple[str, str, str], np.ndarray] = {}
 
     def add_global(self, var: Variable) -> np.ndarray:
         if var.name not in self.globals.host:
-            # A learnable variable without an initial value starts at zero.
-            array = view_of(aligned_empty(var.nbytes), 0, var)
-            if var.data is not None:
-                array[...] = var.data
+            if self.share_data and _shareable(var):
+                array = var.data
+            else:
+                # A learnable variable without an initial value starts at zero.
+                array = view_of(aligned_empty(var.nbytes), 0, var)
+                if var.data is not None:
+                    array[...] = var.data
             self.globals[var.name] = array
         return self.globals[var.name]
 
@@ -151,6 +186,14 @@ class Network:
         """The profiles of every instance that has computed, cell by cell (Myelin's net.profile())."""
         profiles = [str(data.profile()) for cell in self.cells.values() for data in cell.instances if data.computes]
         return "\n\n".join(profiles) or "no instance has computed yet"
+
+
+def _shareable(var: Variable) -> bool:
+    """Whether the variable's data can serve as its global: aligned and contiguous, of its
+    dtype and shape, and writable."""
+    data = var.data
+    return (isinstance(data, np.ndarray) and data.dtype == dtypes.to_numpy(var.dtype) and list(data.shape) == var.shape
+            and data.flags.writeable and is_aligned(data))
 
 
 def _key_name(key) -> str:

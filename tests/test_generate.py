@@ -9,6 +9,7 @@ import pytest
 import ranvier as rv
 from ranvier.generate import Generator, Sampling
 from ranvier.models.llama import Llama, LlamaConfig
+from ranvier.runtime import aligned_zeros, is_aligned
 
 CONFIG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=48, max_seq_len=24)
 
@@ -54,6 +55,29 @@ def test_greedy_with_kv_cache_matches_full_forward(prefill):
     assert list(generator.stream(prompt, 8, Sampling(temperature=0))) == expected
     np.testing.assert_allclose(generator.prefill(prompt), rows[0], rtol=1e-4, atol=1e-5)
     assert len(set(expected)) > 3  # a real sequence, not one repeated token
+
+
+@pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
+def test_the_generator_keeps_one_copy_of_the_weights(matmul):
+    """The network's weights are the model's arrays (given weights are copied once, aligned),
+    not a second copy of them, and its caches start as untouched zeros."""
+    weights = spread_weights()
+    unaligned = {}
+    for key, value in weights.items():  # each 4 bytes past an alignment boundary
+        unaligned[key] = aligned_zeros([value.size + 1], np.float32)[1:].reshape(value.shape)
+        unaligned[key][...] = value
+        assert not is_aligned(unaligned[key])
+    model = Llama(CONFIG)
+    generator = Generator(model, unaligned, prefill=4, matmul=matmul)
+    for key, value in model.initial.items():
+        assert np.shares_memory(generator.network[f"{model.name}/{key}"], value), key
+        np.testing.assert_array_equal(value, weights[key])
+    caches = [name for name in generator.network.globals if name.startswith("cache/")]
+    assert len(caches) == 2 * CONFIG.n_layers
+    prompt = [1, 5, 9, 13, 2]
+    expected, _ = full_forward_greedy(weights, prompt, 4) if matmul == "float32" else (None, None)
+    tokens = list(generator.stream(prompt, 4, Sampling(temperature=0)))
+    assert expected is None or tokens == expected
 
 
 def test_sampling_is_seeded_and_respects_top_k_and_top_p():

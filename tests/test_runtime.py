@@ -113,6 +113,35 @@ def test_compiling_leaves_the_flow_as_built():
     assert str(flow) == before
 
 
+def test_shared_data_is_the_network_global_itself_where_it_is_aligned():
+    """compile(share_data=True): an aligned, writable array of the variable's dtype is the
+    global (no copy: writes reach both sides); anything else is still copied; by default
+    every global is a copy, so running the network leaves the flow's data alone."""
+    from ranvier.runtime import aligned_array, is_aligned
+
+    rng = np.random.default_rng(4)
+    weights = aligned_array(rng.standard_normal((64, 256)), np.float32)
+    assert aligned_array(weights, np.float32) is weights and is_aligned(weights)
+    bias = aligned_array(rng.standard_normal(257), np.float32)[1:]  # 4 bytes past a boundary
+    assert not is_aligned(bias) and is_aligned(aligned_array(bias, np.float32))
+    flow = myelin.Flow()
+    f = myelin.Builder(flow, "f")
+    w, b = f.parameter("W", weights), f.array("b", bias)
+    x = f.var("x", myelin.DT_FLOAT, [2, 64])
+    y = f.add(f.matmul(x, w), b, name="y")
+    inputs = rng.standard_normal((2, 64)).astype(np.float32)
+    for share in (False, True):
+        network = myelin.Compiler().compile(flow, share_data=share)
+        assert np.shares_memory(network[w], weights) == share
+        assert not np.shares_memory(network[b], b.var.data)
+        data = network.cell("f").instance()
+        data[x] = inputs
+        data.compute()
+        np.testing.assert_allclose(data[y], inputs @ weights + b.var.data, rtol=1e-5, atol=1e-5)
+    network[w][0, 0] += 1.0  # the shared network's weights are the flow's
+    assert weights[0, 0] == network[w][0, 0]
+
+
 def test_demo_command_prints_a_cell_and_a_result():
     out = subprocess.run([sys.executable, "-m", "ranvier.cli", "demo"], capture_output=True, text=True, check=True).stdout
     assert out.startswith("cell f {") and "sum=1.000000" in out

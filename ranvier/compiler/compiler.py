@@ -80,10 +80,13 @@ class Compiler:
         self.options = CompileOptions(cpu, cache, matmul, denormals, precision)
         self.backend = create_backend(backend, self.options)
 
-    def compile(self, flow: Flow) -> Network:
+    def compile(self, flow: Flow, share_data: bool = False) -> Network:
+        """share_data: the network's globals are the flow's data arrays themselves where
+        those are aligned (`runtime.aligned_array`), not copies: an inference network keeps
+        one copy of its weights, and writes to either side reach the other."""
         with compile_observer(flow) if compile_observer else contextlib.nullcontext():
             # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
-            network = Network(flow.copy(), self.backend_name)
+            network = Network(flow.copy(), self.backend_name, share_data)
             for func in list(network.flow.funcs.values()):
                 if func.backprop and f"gradients/{func.name}" not in network.flow.funcs and not func.name.startswith("gradients/"):
                     gradient_function(network.flow, func)

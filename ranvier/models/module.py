@@ -10,6 +10,7 @@ import numpy as np
 from ..flow.builder import Builder, Tensor
 from ..flow.flags import VarFlags
 from ..flow.graph import Flow
+from ..runtime import aligned_array
 
 
 class Module:
@@ -30,7 +31,8 @@ class Module:
     def add(self, key: str, value: np.ndarray) -> None:
         self.shapes[key] = tuple(np.shape(value))
         if self.allocate:
-            self.initial[key] = np.ascontiguousarray(value, dtype=np.float32)
+            # aligned as a network's globals are, so an inference network can use them in place
+            self.initial[key] = aligned_array(value, np.float32)
 
     def _declare(self, key: str, shape, values: Callable[[], np.ndarray]) -> None:
         """A parameter of `shape` whose initial values `values()` makes (not called, and
