@@ -887,6 +887,41 @@ def test_gemv_on_every_variant(mask, transpose_b, parts, monkeypatch):
     np.testing.assert_allclose(data[y], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("shape", [(37, 131, 10), (133, 9, 70), (21, 300, 1), (2, 12, 12)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("transposes", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thin_products_on_every_variant_and_thread_count(mask, shape, transposes, threads, monkeypatch):
+    """A product with n ≤ THIN (a dot product per element of C along k, or vectors of C's
+    rows where A is transposed) or k ≤ THIN (C's rows from k factors each) runs ThinGemm,
+    in AVX-512, AVX2 and SSE vectors, its rows shared out over 1 to 3 parts (ragged: rows,
+    k and n not multiples of a vector), with a scale, a bias and a ReLU as its epilogue;
+    every element written, as float64 numpy computes it."""
+    from ranvier.backends.cpu.kernels import matmul
+
+    monkeypatch.setattr(matmul, "thread_count", lambda: threads)
+    monkeypatch.setattr(matmul, "worth_splitting", lambda flops=0, nbytes=0: threads > 1)
+    m, k, n = shape
+    ta, tb = transposes[0] == "T", transposes[1] == "T"
+    rng = np.random.default_rng(13)
+    a_value = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    b_value = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    bias_value = rng.standard_normal(n).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    a, b, bias = f.var("a", "float32", list(a_value.shape)), f.var("b", "float32", list(b_value.shape)), f.var("bias", "float32", [n])
+    y = f.relu(f.matmul(a, b, transpose_a=ta, transpose_b=tb) * 0.5 + bias, name="y")
+    data = rv.Compiler("cpu", cpu=mask).compile(flow).cell("f").instance()
+    assert [(step.kernel, step.op.type) for step in data.cell.steps] == [("ThinGemm", "MatMulCalculate")]
+    unit = host_target().lanes(4) if ta else 1  # "across" shares whole vectors of rows
+    assert len(matmul._thin_parts(data.cell.steps[0].op)) == min(threads, -(-m // unit))
+    data[y][...] = np.nan
+    data[a], data[b], data[bias] = a_value, b_value, bias_value
+    data.compute()
+    left, right = (a_value.T if ta else a_value).astype(np.float64), (b_value.T if tb else b_value).astype(np.float64)
+    np.testing.assert_allclose(data[y], np.maximum(left @ right * 0.5 + bias_value, 0), rtol=1e-5, atol=1e-5)
+
+
 def test_a_split_written_in_parallel_parts_compiles():
     """Each output of a large Split is a parallel loop: one step, several part functions."""
     from ranvier.backends.cpu.parallel import split_thresholds

@@ -1,7 +1,9 @@
 """MatMul: float32 through ranvier's generated GEMM (sgemm.py) where it measured faster
 for the shape, else, and float64, through the vendor BLAS (OpenBLAS, via SciPy), called
 directly from generated code; a float32 row times a matrix (a decode step's) by streaming
-the matrix in place (`Gemv`); float32 in mixed precision through the AMX bf16 GEMM;
+the matrix in place (`Gemv`); one with a side of a few columns or steps of k (a
+classifier's, and its gradients) with an accumulator per column (`ThinGemm`); float32 in
+mixed precision through the AMX bf16 GEMM;
 other dtypes through a generated triple loop.
 
 Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
@@ -23,6 +25,7 @@ from ....flow.graph import Variable
 from ....ops import attrs_of, unchanging_constant
 from ...kernels import Prepared
 from ...llvm.irutil import F32, F64, I8, I16, I32, I64, VOID, i64, storage_type
+from ...llvm.loops import for_vectors
 from ...llvm.rows import Row, row_dot
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
@@ -386,6 +389,139 @@ def _bfloat16_products(op) -> bool:
 def amx_matmul(ctx, op) -> None:
     parts = amx_parts(op)
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
+
+
+THIN = 12  # columns (or steps of k) a thin product keeps in registers, an accumulator (or a factor) each
+
+
+def _thin_form(op) -> str | None:
+    """How a float32 product with a thin side is computed, or None: "dot" (n ≤ THIN, op(A)'s
+    rows contiguous along k), "across" (n ≤ THIN, op(A) = Aᵀ: C's rows contiguous in A's rows)
+    or "depth" (k ≤ THIN)."""
+    ta, _, m, k, n, batches = _gemms(op)
+    if not _float32(op) or len(batches) != 1 or m < 2:
+        return None
+    if n <= THIN:
+        return "across" if ta else "dot"
+    return "depth" if k <= THIN else None
+
+
+def _packs_b(op) -> bool:
+    """Whether each part first copies op(B) in the layout its form reads: Bᵀ's rows along k
+    for "dot", op(B)'s rows along n for "depth"."""
+    tb = _gemms(op)[1]
+    form = _thin_form(op)
+    return (form == "dot" and not tb) or (form == "depth" and tb)
+
+
+def _thin_parts(op) -> list[list[_Gemm]]:
+    """C's rows shared out, whole vectors of them where "across" reads them as vectors."""
+    ta, _, m, k, n, _ = _gemms(op)
+    lda = op.inputs[0].shape[-1]
+    threads = thread_count() if worth_splitting(2 * m * n * k, max(op.inputs[0].nbytes, op.inputs[1].nbytes)) else 1
+    unit = host_target().lanes(4) if ta else 1
+    return [[_Gemm(last - first, n, k, first if ta else first * lda, 0, first * n)] for first, last in shares(m, threads, unit)]
+
+
+def _thin_share(op) -> int:
+    """Workspace bytes per part: op(B) packed, cache-line aligned."""
+    _, _, _, k, n, _ = _gemms(op)
+    return -(-k * n * 4 // 64) * 64 if _packs_b(op) else 0
+
+
+@kernel("ThinGemm", MATMUL_OPS, supports=lambda op: _thin_form(op) is not None,
+        workspace=lambda op: len(_thin_parts(op)) * _thin_share(op))
+def thin_matmul(ctx, op) -> None:
+    """A product with a side of at most `THIN` (a classifier's few columns, or few steps of
+    k: its gradients), where a GEMM's 24- or 48-column panels would be mostly padding: every
+    lane of every multiply-add is C's, each of C's thin rows or columns an accumulator in a
+    register. "dot": per row of C, n dot products along k, the row of A read once; "across":
+    vectors of C's rows (a row of A read in place) times each of op(B)'s n factors; "depth":
+    per row of C, its k factors times op(B)'s rows. Parts take C's rows; each packs op(B)
+    first where its form reads it in the other layout (k × n floats, few)."""
+    a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]
+    ta, tb, _, k, n, _ = _gemms(op)
+    lda, ldb = a.shape[-1], b.shape[-1]
+    form, f32 = _thin_form(op), dtypes.DT_FLOAT32
+    lanes = ctx.lanes_for([f32])
+    share = _thin_share(op)
+
+    def b_at(p, j):
+        """The element index of op(B)[p, j] in B."""
+        return j * ldb + p if tb else p * ldb + j
+
+    def call(ctx, number, g: _Gemm, target: ir.Value) -> None:
+        out = ctx.scratch(f"{op.name}/c", f32, c.size, ctx.b.bitcast(target, I8.as_pointer()))
+        source, source_at = b, b_at
+        if share:
+            packed = ctx.scratch(f"{op.name}/b", f32, k * n,
+                                 ctx.b.gep(ctx.address(ctx.workspace), [ctx.index(number * share).ir]))
+            packed_at = (lambda p, j: j * k + p) if form == "dot" else (lambda p, j: p * n + j)
+            with ctx.loop(0, k, name="pk") as p, ctx.loop(0, n, name="pn") as j:
+                ctx.store(packed, packed_at(p, j), ctx.load(b, b_at(p, j)))
+            source, source_at = packed, packed_at
+        if form == "dot":
+            _dot_rows(ctx, g, a, lda, source, source_at, out, lanes)
+        elif form == "across":
+            _rows_across(ctx, g, a, lda, source, source_at, out, lanes)
+        else:
+            _depth_rows(ctx, g, a, lda, ta, source, source_at, out, lanes)
+
+    _run_calls(ctx, op, _thin_parts(op), call, len(_thin_parts(op)) * share)
+
+
+def _dot_rows(ctx, g: _Gemm, a, lda: int, bt, bt_at, out, lanes: int) -> None:
+    """C[i, j] = A[i, :] · Bᵀ[j, :] for the call's rows, Bᵀ's rows contiguous along k."""
+    f32 = dtypes.DT_FLOAT32
+    whole = g.k - g.k % lanes
+    with ctx.loop(0, g.m, name="i") as i:
+        sums = [ctx.local(f32, lanes, 0.0) for _ in range(g.n)]
+        tails = [ctx.local(f32, 1, 0.0) for _ in range(g.n)]
+
+        def step(p, width: int, into) -> None:
+            x = ctx.load(a, g.a + i * lda + p, width)
+            for j, total in enumerate(into):
+                total.set(x.mul_add(ctx.load(bt, bt_at(p, j), width), total.value))
+
+        if whole:
+            with ctx.loop(0, whole, step=lanes, name="p") as p:
+                step(p, lanes, sums)
+        if whole < g.k:
+            with ctx.loop(whole, g.k, name="pt") as p:
+                step(p, 1, tails)
+        for j in range(g.n):
+            total = sums[j].value
+            while total.lanes > 1:
+                low, high = total.halves()
+                total = low + high
+            ctx.store(out, i * g.n + j, total.lane(0) + tails[j].value if lanes > 1 else total + tails[j].value)
+
+
+def _rows_across(ctx, g: _Gemm, a, lda: int, b, b_at, out, lanes: int) -> None:
+    """C[i:i+w, j] = Σ_p A[p, i:i+w] · op(B)[p, j]: op(A) = Aᵀ, so C's rows lie along A's rows."""
+    f32 = dtypes.DT_FLOAT32
+
+    def rows(i, width: int) -> None:
+        sums = [ctx.local(f32, width, 0.0) for _ in range(g.n)]
+        with ctx.loop(0, g.k, name="p") as p:
+            x = ctx.load(a, g.a + p * lda + i, width)
+            for j, total in enumerate(sums):
+                total.set(x.mul_add(ctx.load(b, b_at(p, j)).splat(width), total.value))
+        for j, total in enumerate(sums):
+            value = total.value
+            for r in range(width):
+                ctx.store(out, (i + r) * g.n + j, value.lane(r) if width > 1 else value)
+
+    for_vectors(ctx, 0, g.m, lanes, rows)
+
+
+def _depth_rows(ctx, g: _Gemm, a, lda: int, ta: bool, b, b_at, out, lanes: int) -> None:
+    """C[i, :] = Σ_p op(A)[i, p] · op(B)[p, :], op(B)'s rows contiguous along n."""
+    with ctx.loop(0, g.m, name="i") as i:
+        factors = [ctx.load(a, g.a + (p * lda + i if ta else i * lda + p)) for p in range(g.k)]
+        Row(ctx, i * g.n, g.n, dtypes.DT_FLOAT32).each(lambda at, w: ctx.store(out, at, functools.reduce(
+            lambda total, p: factors[p].splat(w).mul_add(ctx.load(b, b_at(p, at - i * g.n), w), total),
+            range(1, g.k), factors[0].splat(w) * ctx.load(b, b_at(0, at - i * g.n), w))))
 
 
 NARROW_PACKED_KERNEL = "PackedGemmBf16"
