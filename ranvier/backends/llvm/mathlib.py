@@ -69,6 +69,18 @@ _ERF = {
          0.005223977331905118, -0.0008548294625607735, 0.00012053199700619726, -1.4842740406357477e-05,
          1.469649461046637e-06),
 }
+# float32 erf alone (not erfc or Gelu, whose tails need relative accuracy): x + x * P(x^2) below
+# _ERF32_CUT, else 1 - exp(-x^2) * E(t) with E(t) ~ erfcx(x) = exp(x^2) erfc(x) over [_ERF32_CUT,
+# _ERF32_ONE], t = (x - mid) / half in [-1, 1]; erf rounds to 1 beyond. No division and a plain exp:
+# above the cut erfc <= 0.16, so its relative error (exp's, and x^2's rounding times x^2) moves erf
+# by a fraction of an ulp. Least-squares fits on relative error. Against float64 erf on 2.2M points
+# in [-5, 5]: at most 1.04 ulp (the erfc-tail form float64 keeps: 1.87), in 0.71 of its time (AVX2).
+_ERF32_CUT = 1.0
+_ERF32_SMALL = (0.12837917, -0.3761263, 0.11283622, -0.02685551, 0.005191834, -0.00080433843, 7.9710946e-05)
+_ERF32_ONE = 3.92
+_ERFCX32_MID, _ERFCX32_HALF = 2.46, 1.46
+_ERFCX32 = (0.21382068, -0.11151691, 0.055256315, -0.026167596, 0.011896706, -0.005216671, 0.0022247802,
+            -0.0009088646, 0.00033392553, -0.00013546355, 7.876433e-05, -2.6877029e-05)
 # erfc(u) = exp(-u^2) * S(t) / u for 0.5 <= u <= _ERFC_MAX, t = (u - c) / (u + c). u * exp(u^2) *
 # erfc(u) tends to 1/sqrt(pi), so S varies little and its Horner sum is well conditioned; the
 # Moebius map folds u -> infinity into t -> 1. A small c keeps |t| small near u = 0.5, where
@@ -563,10 +575,18 @@ def silu(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
 
 @_nan_in_nan_out
 def erf(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """Error function: x + x * P(x^2) below 0.5, 1 - erfc(|x|) above with erfc from the tail
-    approximation, and x's sign."""
+    """Error function, with x's sign: in float32 x + x * P(x^2) below 1, 1 - exp(-x^2) * E(t)
+    above (`_ERF32_CUT`); in float64 x + x * P(x^2) below 0.5, 1 - erfc(|x|) above with erfc
+    from the tail approximation."""
     o = _Ops(builder, x.type)
     a = o.abs(x)
+    if o.bits == 32:
+        small = o.fma(a, o.poly(o.mul(a, a), _ERF32_SMALL), a)
+        v = o.min_const(a, _ERF32_ONE)
+        t = o.fma(v, o.c(1 / _ERFCX32_HALF), o.c(-_ERFCX32_MID / _ERFCX32_HALF))
+        m, s = _exp_parts(o, o.mul(o.mul(v, v), o.c(-1.0)))
+        large = o.sub(o.c(1.0), o.mul(o.mul(m, o.poly(t, _ERFCX32)), s))
+        return o.copysign(o.select(o.cmp("<", a, o.c(_ERF32_CUT)), small, large), x)
     m, s, q = _erfc_tail(o, a, gelu=False)
     large = o.sub(o.c(1.0), o.mul(o.mul(m, q), s))
     return o.copysign(o.select(o.cmp("<", a, o.c(_ERF_CUT)), _erf_small(o, a), large), x)
