@@ -330,14 +330,16 @@ def test_max_pool_of_negative_values_ignores_padding():
 
 @pytest.mark.parametrize("mask", ["", "-avx512", "-avx512,-avx2"])
 @pytest.mark.parametrize("ksize,strides,padding", [((3, 3), (2, 2), (1, 1)), ((2, 2), (1, 1), (0, 0)), ((3, 2), (3, 1), (1, 1)),
-                                                   ((1, 1), (2, 2), (0, 0))])
-def test_max_pool_kernel_reads_windows_in_place_on_every_variant(mask, ksize, strides, padding):
-    """MaxPool runs whole (`WindowMax`): rows wide enough for vectors of whole windows, strided
-    and not, borders clipped; a NaN anywhere in a window is its maximum."""
+                                                   ((1, 1), (2, 2), (0, 0)), ((2, 2), (2, 2), (0, 0))])
+@pytest.mark.parametrize("width", [75, 14, 9])
+def test_max_pool_kernel_reads_windows_in_place_on_every_variant(mask, ksize, strides, padding, width):
+    """MaxPool runs whole (`WindowMax`): rows wide enough for vectors of whole windows, and
+    rows of fewer outputs than a vector's lanes (narrower vectors: a CNN's 14 × 14 pooled to
+    7 × 7), strided and not, borders clipped; a NaN anywhere in a window is its maximum."""
     from ranvier.ops.nn import max_pool
 
-    x = random_array((2, 3, 13, 75), "float32", seed=26)
-    x[0, 1, 4, 33] = x[1, 2, 0, 0] = x[1, 0, 12, 74] = np.nan
+    x = random_array((2, 3, 13, width), "float32", seed=26)
+    x[0, 1, 4, width // 2] = x[1, 2, 0, 0] = x[1, 0, 12, width - 1] = np.nan
     flow = ranvier.Flow()
     f = ranvier.Builder(flow, "f")
     y = f.max_pool(f.var("x", "float32", list(x.shape)), ksize=ksize, strides=strides, padding=padding)

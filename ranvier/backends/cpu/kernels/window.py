@@ -63,8 +63,10 @@ def max_pool(ctx, op) -> None:
     (kh, kw), (sh, sw), (ph, pw) = pool_params(attrs_of(op))
     _, _, height, width = x.shape
     planes, ho, wo = x.shape[0] * x.shape[1], y.shape[2], y.shape[3]
-    lanes = ctx.lanes_for([y.dtype])
     rows_inside, (inside_first, inside_last) = _inside(height, kh, sh, ph, ho), _inside(width, kw, sw, pw, wo)
+    lanes = ctx.lanes_for([y.dtype])
+    while lanes > 1 and lanes > inside_last - inside_first:  # a short row (7 outputs) in narrower vectors
+        lanes //= 2
     # a vector's loads reach s - 1 elements past its last window: keep them inside the row
     loads_inside = max(inside_first, min(inside_last, (width - kw - sw + 1 + pw) // sw + 1))
     vectors_last = inside_first + (loads_inside - inside_first) // lanes * lanes
