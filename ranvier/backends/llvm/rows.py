@@ -424,6 +424,23 @@ def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Va
     row.each(lambda i, w: ctx.store(target, i, ctx.load(target, i, w) * scale.splat(w)))
 
 
+def scaled_softmax(ctx: EmitContext, scores, start: Value, seen: int | Value, scale: float, bias=None,
+                   unseen_zero: bool = False) -> None:
+    """scores[start:+seen] → softmax(scale · scores + bias(i, width)), in place (an attention
+    query's raw scores to its probabilities): the logits stored as the maximum is taken over
+    them, then `normalized_exponentials`."""
+    row = Row(ctx, start, seen, scores.dtype)
+
+    def logit(i, w):
+        value = ctx.load(scores, i, w) * scale
+        value = value + bias(i, w) if bias is not None else value
+        ctx.store(scores, i, value)
+        return value
+
+    peak = row.fold(-math.inf, _max, logit)
+    normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero)
+
+
 def finite_peak(peak: Value) -> Value:
     """The maximum a row's exponentials are taken against, 0 for a row of −∞ (an attention
     query that sees no key), whose exp(−∞ − 0) are then 0 rather than exp(−∞ + ∞) = NaN."""

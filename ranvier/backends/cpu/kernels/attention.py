@@ -35,7 +35,7 @@ from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
 from ...llvm.irutil import BYTE_PTR, cache_line_aligned, i64
 from ...llvm.loops import fill
-from ...llvm.rows import Row, finite_peak, normalized_exponentials, row_axpy, row_dot, unseen_inverse
+from ...llvm.rows import Row, finite_peak, row_axpy, row_dot, scaled_softmax, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -198,19 +198,13 @@ class _Heads:
         passed over (a causal row sees half the keys on average), the rest at 0."""
         ctx = self.ctx
         seen, bias_start = self.row_keys(t), self.bias_start(bh, t)
-        row = Row(ctx, start, seen, self.dtype)
 
-        def logit(i, w):
-            score = ctx.load(scores, i, w) * self.scale
-            if self.bias is not None:
-                across = self.bias_dims[3] > 1
-                score = score + (ctx.load(self.bias, bias_start + (i - start), w) if across else
-                                 ctx.load(self.bias, bias_start).splat(w))
-            ctx.store(scores, i, score)
-            return score
+        def bias(i, w):
+            if self.bias_dims[3] > 1:
+                return ctx.load(self.bias, bias_start + (i - start), w)
+            return ctx.load(self.bias, bias_start).splat(w)
 
-        peak = row.fold(-math.inf, lambda acc, x: (x > acc).where(x, acc), logit)
-        normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero=True)
+        scaled_softmax(ctx, scores, start, seen, self.scale, bias if self.bias is not None else None, unseen_zero=True)
         self.clear_unseen(scores, start, seen, columns)
 
     def each_query(self, q, k, p, body) -> None:

@@ -20,7 +20,7 @@ from .... import dtypes
 from ....ops import attrs_of
 from ....ops.attention import scale_of
 from ...llvm.context import load_index
-from ...llvm.rows import Row, normalized_exponentials, row_axpy, row_dot
+from ...llvm.rows import Row, normalized_exponentials, row_axpy, row_dot, scaled_softmax
 from ...llvm.values import Value
 from ..parallel import each_part, shares, thread_count, worth_splitting
 from .library import kernel
@@ -108,15 +108,7 @@ def cached_attention_blocks(ctx, op) -> None:
                       fresh, width)
             with ctx.loop(0, block, name="r") as r:
                 start, seen = r * width, live + r % queries + 1
-                row = Row(ctx, start, seen, q.dtype)
-
-                def scaled(i, w):
-                    score = ctx.load(scores, i, w) * scale
-                    ctx.store(scores, i, score)
-                    return score
-
-                peak = row.fold(float("-inf"), lambda acc, x: (x > acc).where(x, acc), scaled)
-                normalized_exponentials(ctx, row, scores, scores, peak)
+                scaled_softmax(ctx, scores, start, seen, scale)
                 Row(ctx, start + seen, live + queries - seen, q.dtype).each(
                     lambda i, w: ctx.store(scores, i, ctx.constant(q.dtype, 0.0, w)))
             blas.gemm(False, False, block, size, queries, fresh, width, ctx.element_pointer(v, new), size,
