@@ -84,7 +84,11 @@ class Generator:
     panels, packed once, so a decode step (which only streams its weights) reads half the
     bytes per token. In float32 they stay parameters: packed panels of them would double the
     weights' memory for the prompt's products alone (a decode step's products stream the
-    matrices in place: `Gemv`)."""
+    matrices in place: `Gemv`).
+
+    The network keeps no copy of its own: the model's initial arrays (aligned, as models
+    make them; given `weights` are copied once where they are not) are its weights, so a
+    write to either reaches the other, and with bf16 products they become read-only."""
 
     def __init__(
         self,

@@ -397,9 +397,10 @@ THIN = 12  # columns (or steps of k) a thin product keeps in registers, an accum
 def _thin_form(op) -> str | None:
     """How a float32 product with a thin side is computed, or None: "dot" (n ≤ THIN, op(A)'s
     rows contiguous along k), "across" (n ≤ THIN, op(A) = Aᵀ: C's rows contiguous in A's rows)
-    or "depth" (k ≤ THIN)."""
+    or "depth" (k ≤ THIN). A product whose precision lets it round its inputs to bf16 is left
+    to the bf16 kernels (panels or AMX tiles), as the user asked."""
     ta, _, m, k, n, batches = _gemms(op)
-    if not _float32(op) or len(batches) != 1 or m < 2:
+    if not _float32(op) or _bfloat16_precision(op) or len(batches) != 1 or m < 2:
         return None
     if n <= THIN:
         return "across" if ta else "dot"
@@ -465,7 +466,7 @@ def thin_matmul(ctx, op) -> None:
         elif form == "across":
             _rows_across(ctx, g, a, lda, source, source_at, out, lanes)
         else:
-            _depth_rows(ctx, g, a, lda, ta, source, source_at, out, lanes)
+            _depth_rows(ctx, g, a, lda, ta, source, source_at, out)
 
     _run_calls(ctx, op, _thin_parts(op), call, len(_thin_parts(op)) * share)
 
@@ -494,7 +495,7 @@ def _dot_rows(ctx, g: _Gemm, a, lda: int, bt, bt_at, out, lanes: int) -> None:
             while total.lanes > 1:
                 low, high = total.halves()
                 total = low + high
-            ctx.store(out, i * g.n + j, total.lane(0) + tails[j].value if lanes > 1 else total + tails[j].value)
+            ctx.store(out, i * g.n + j, (total.lane(0) if lanes > 1 else total) + tails[j].value)
 
 
 def _rows_across(ctx, g: _Gemm, a, lda: int, b, b_at, out, lanes: int) -> None:
@@ -515,7 +516,7 @@ def _rows_across(ctx, g: _Gemm, a, lda: int, b, b_at, out, lanes: int) -> None:
     for_vectors(ctx, 0, g.m, lanes, rows)
 
 
-def _depth_rows(ctx, g: _Gemm, a, lda: int, ta: bool, b, b_at, out, lanes: int) -> None:
+def _depth_rows(ctx, g: _Gemm, a, lda: int, ta: bool, b, b_at, out) -> None:
     """C[i, :] = Σ_p op(A)[i, p] · op(B)[p, :], op(B)'s rows contiguous along n."""
     with ctx.loop(0, g.m, name="i") as i:
         factors = [ctx.load(a, g.a + (p * lda + i if ta else i * lda + p)) for p in range(g.k)]
