@@ -60,7 +60,8 @@ def test_greedy_with_kv_cache_matches_full_forward(prefill):
 @pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
 def test_the_generator_keeps_one_copy_of_the_weights(matmul):
     """The network's weights are the model's arrays (given weights are copied once, aligned),
-    not a second copy of them, and its caches start as untouched zeros."""
+    not a second copy of them; its caches are the network's globals, one per layer and key or
+    value; its greedy tokens are the full forward pass's."""
     weights = spread_weights()
     unaligned = {}
     for key, value in weights.items():  # each 4 bytes past an alignment boundary

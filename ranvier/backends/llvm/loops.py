@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llvmlite import ir
+
 from ...flow.graph import Variable
 from .values import Value
 
@@ -65,13 +67,19 @@ def fold(ctx, start: Value | int, count: int | Value, lanes: int, dtype: str, in
     for_vectors(ctx, start + interleaved, count - interleaved, lanes, step)
     total = scalar.value
     if lanes > 1 and (not known or count >= lanes):
-        partial = pairwise(combine, [vector.value for vector in vectors])
-        # halves combined until one lane is left: four dependent steps for 16 lanes where
-        # lane by lane took 16, the latency a short row (an attention query's) waits on
-        while partial.lanes > 1:
-            partial = combine(*partial.halves())
-        total = combine(total, partial.lane(0))
+        total = combine(total, fold_lanes(pairwise(combine, [vector.value for vector in vectors]), combine))
     return total
+
+
+def fold_lanes(vector: Value, combine: Callable[[Value, Value], Value]) -> Value:
+    """`combine` over a vector's lanes, as a scalar (a scalar is returned as it is). Halves
+    are combined until one lane is left: four dependent steps for 16 lanes where lane by
+    lane took 16, the latency a short row (an attention query's) waits on."""
+    if not isinstance(vector.ir.type, ir.VectorType):
+        return vector
+    while vector.lanes > 1:
+        vector = combine(*vector.halves())
+    return vector.lane(0)
 
 
 def pairwise(combine, partials: list[Value]) -> Value:

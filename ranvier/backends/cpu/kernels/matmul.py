@@ -25,7 +25,7 @@ from ....flow.graph import Variable
 from ....ops import attrs_of, unchanging_constant
 from ...kernels import Prepared
 from ...llvm.irutil import F32, F64, I8, I16, I32, I64, VOID, i64, storage_type
-from ...llvm.loops import for_vectors
+from ...llvm.loops import fold_lanes, for_vectors
 from ...llvm.rows import Row, row_dot
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
@@ -468,7 +468,8 @@ def thin_matmul(ctx, op) -> None:
         else:
             _depth_rows(ctx, g, a, lda, ta, source, source_at, out)
 
-    _run_calls(ctx, op, _thin_parts(op), call, len(_thin_parts(op)) * share)
+    parts = _thin_parts(op)
+    _run_calls(ctx, op, parts, call, len(parts) * share)
 
 
 def _dot_rows(ctx, g: _Gemm, a, lda: int, bt, bt_at, out, lanes: int) -> None:
@@ -491,11 +492,7 @@ def _dot_rows(ctx, g: _Gemm, a, lda: int, bt, bt_at, out, lanes: int) -> None:
             with ctx.loop(whole, g.k, name="pt") as p:
                 step(p, 1, tails)
         for j in range(g.n):
-            total = sums[j].value
-            while total.lanes > 1:
-                low, high = total.halves()
-                total = low + high
-            ctx.store(out, i * g.n + j, (total.lane(0) if lanes > 1 else total) + tails[j].value)
+            ctx.store(out, i * g.n + j, fold_lanes(sums[j].value, operator.add) + tails[j].value)
 
 
 def _rows_across(ctx, g: _Gemm, a, lda: int, b, b_at, out, lanes: int) -> None:
