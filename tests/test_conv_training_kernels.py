@@ -1,7 +1,8 @@
 """The CPU kernels of a CNN's backward pass: ConvFilterGemm (a convolution's filter gradient,
-each image's windows copied into scratch and added in by one GEMM, never the whole batch's
-im2col) against PyTorch's float64 filter gradient, for strides, padding, rectangular filters
-and the images shared out over parts; WindowMaxGrad (max pooling's gradient, each window's
+each image's windows copied into scratch and added in, never the whole batch's im2col: in
+float32 by tiles of dot products, whole and at the edges, with positions left over past the
+last vector; in float64 by one GEMM) against PyTorch's float64 filter gradient, for strides,
+padding, rectangular filters and the images shared out over parts; WindowMaxGrad (max pooling's gradient, each window's
 first maximum found in place) against the reference, with ties, NaNs, overlapping and padded
 windows."""
 
@@ -22,6 +23,7 @@ FILTER_CASES = [
     ((2, 2, 9, 8), (3, 2, 3, 2), (2, 3), (0, 1)),  # strides, rectangular filters, padding on one axis
     ((1, 4, 7, 7), (2, 4, 1, 1), (2, 2), (0, 0)),  # a 1 × 1 downsampling
     ((2, 2, 6, 5), (3, 2, 3, 3), (1, 1), (1, 1)),  # output rows shorter than a vector
+    ((2, 1, 12, 12), (8, 1, 5, 5), (1, 1), (2, 2)),  # whole tiles of filters, a tap left over (MNIST's first)
 ]
 
 
