@@ -107,6 +107,68 @@ def conv_gemm(ctx, op) -> None:
     run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op))])
 
 
+def _copy_windows(ctx, op, image: Value, windows: ir.Value, row_stride: int) -> None:
+    """An image's windows (its im2col matrix) into `windows`: row (c, i, j), `row_stride`
+    elements apart, holds the image's element under tap (i, j) of each output position,
+    zero in the padding. A channel's taps are unrolled, so each one's run of output columns
+    inside the image is known here, its copy planned in vectors, and only a row's top and
+    bottom edges are checked as it runs. `op` is the convolution (x, w → y) or its filter
+    gradient (x, dy → dw)."""
+    x, second = op.inputs[0], op.inputs[1]
+    (_, channels, height, width) = x.shape
+    attrs = attrs_of(op)
+    kernel_height, kernel_width = attrs["filter_shape"][2:] if op.type == "Conv2DBackpropFilter" else second.shape[2:]
+    out_height, out_width = (second if op.type == "Conv2DBackpropFilter" else op.outputs[0]).shape[2:]
+    (stride_height, stride_width), (pad_height, pad_width) = attrs["strides"], attrs["padding"]
+    element = storage_type(x.dtype)
+    b = ctx.b
+    lanes = ctx.lanes_for([x.dtype])
+
+    def zeros(row: Value, start: int, stop: int) -> None:
+        for_vectors(ctx, row + start, stop - start, lanes,
+                    lambda at, w: store(b, ctx.constant(x.dtype, 0.0, w).ir, windows, at.ir, element, w))
+
+    def run(row: Value, source: Value, first: int, last: int) -> None:
+        """Output columns [first, last) of a row from the image's row at `source`."""
+        if stride_width != 1:
+            with ctx.loop(first, last, name="inside") as xo:
+                store(b, ctx.load(x, source + xo * stride_width).ir, windows, (row + xo).ir, element)
+            return
+        count = last - first
+        if count == 0:
+            return
+        # a run of the image's row: vectors as wide as fit (a 14-wide run two of 8, the
+        # second overlapping the first), the last one ending at the run's end
+        w = 1 << (min(lanes, count).bit_length() - 1)
+
+        def copy(at: Value | int, w: int = w) -> None:
+            store(b, ctx.load(x, source + first + at, w).ir, windows, (row + first + at).ir, element, w)
+
+        with ctx.loop(0, count - w + 1, step=w, name="run") as at:
+            copy(at)
+        if count % w:
+            copy(count - w)
+
+    with ctx.loop(0, channels, name="channel") as c:
+        for i in range(kernel_height):
+            for j in range(kernel_width):
+                # the output columns whose input column xo·s - p + j lies in the image
+                first = min(out_width, max(0, -(-(pad_width - j) // stride_width)))
+                last = max(first, min(out_width, (width - 1 + pad_width - j) // stride_width + 1))
+                tap = (c * kernel_height + i) * kernel_width + j
+                with ctx.loop(0, out_height, name="yo") as yo:
+                    y = yo * stride_height - pad_height + i
+                    row = tap * row_stride + yo * out_width
+                    source = ((image * channels + c) * height + y) * width + j - pad_width
+                    with b.if_else(((y >= 0) & (y < height)).ir) as (inside, padding):
+                        with inside:
+                            zeros(row, 0, first)
+                            run(row, source, first, last)
+                            zeros(row, last, out_width)
+                        with padding:
+                            zeros(row, 0, out_width)
+
+
 FILTER_GRADIENT_KERNEL = "ConvFilterGemm"
 
 
@@ -160,13 +222,9 @@ def conv_filter_gradient(ctx, op) -> None:
     and every lane of every multiply-add is dw's, where a BLAS call per image spent as long
     packing its few rows (8 filters of 25 taps: 31 GFLOP/s) as multiplying. In float64 each
     image is one BLAS call."""
-    x, dy = op.inputs
-    dw = op.outputs[0]
-    attrs = attrs_of(op)
-    (_, channels, height, width), (_, filters, out_height, out_width) = x.shape, dy.shape
-    kernel_height, kernel_width = dw.shape[2:]
-    (stride_height, stride_width), (pad_height, pad_width) = attrs["strides"], attrs["padding"]
-    taps, positions = channels * kernel_height * kernel_width, out_height * out_width
+    dy, dw = op.inputs[1], op.outputs[0]
+    (_, filters, out_height, out_width) = dy.shape
+    taps, positions = math.prod(dw.shape[1:]), out_height * out_width
     element = storage_type(dw.dtype)
     share, parts = _filter_gradient_share(op), _filter_gradient_parts(op)
     single_threaded_blas(ctx)
@@ -179,58 +237,6 @@ def conv_filter_gradient(ctx, op) -> None:
         windows = ctx.b.gep(base, [i64(number * share)])
         return windows, ctx.b.gep(windows, [i64(taps * positions)])
 
-    def windows_of(ctx, image: Value, windows: ir.Value) -> None:
-        """Row (c, i, j) of the windows: the image's element under tap (i, j) of each
-        output position, zero in the padding. A channel's taps are unrolled, so each one's
-        run of output columns inside the image is known here, its copy planned in vectors,
-        and only a row's top and bottom edges are checked as it runs."""
-        b = ctx.b
-        lanes = ctx.lanes_for([dw.dtype])
-
-        def zeros(row: Value, start: int, stop: int) -> None:
-            for_vectors(ctx, row + start, stop - start, lanes,
-                        lambda at, w: store(b, ctx.constant(dw.dtype, 0.0, w).ir, windows, at.ir, element, w))
-
-        def run(row: Value, source: Value, first: int, last: int) -> None:
-            """Output columns [first, last) of a row from the image's row at `source`."""
-            if stride_width != 1:
-                with ctx.loop(first, last, name="inside") as xo:
-                    store(b, ctx.load(x, source + xo * stride_width).ir, windows, (row + xo).ir, element)
-                return
-            count = last - first
-            if count == 0:
-                return
-            # a run of the image's row: vectors as wide as fit (a 14-wide run two of 8, the
-            # second overlapping the first), the last one ending at the run's end
-            w = 1 << (min(lanes, count).bit_length() - 1)
-
-            def copy(at: Value | int, w: int = w) -> None:
-                store(b, ctx.load(x, source + first + at, w).ir, windows, (row + first + at).ir, element, w)
-
-            with ctx.loop(0, count - w + 1, step=w, name="run") as at:
-                copy(at)
-            if count % w:
-                copy(count - w)
-
-        with ctx.loop(0, channels, name="channel") as c:
-            for i in range(kernel_height):
-                for j in range(kernel_width):
-                    # the output columns whose input column xo·s - p + j lies in the image
-                    first = min(out_width, max(0, -(-(pad_width - j) // stride_width)))
-                    last = max(first, min(out_width, (width - 1 + pad_width - j) // stride_width + 1))
-                    tap = (c * kernel_height + i) * kernel_width + j
-                    with ctx.loop(0, out_height, name="yo") as yo:
-                        y = yo * stride_height - pad_height + i
-                        row = (tap * out_height + yo) * out_width
-                        source = ((image * channels + c) * height + y) * width + j - pad_width
-                        with b.if_else(((y >= 0) & (y < height)).ir) as (inside, padding):
-                            with inside:
-                                zeros(row, 0, first)
-                                run(row, source, first, last)
-                                zeros(row, last, out_width)
-                            with padding:
-                                zeros(row, 0, out_width)
-
     def part(number: int, first: int, last: int):
         def emit(ctx) -> None:
             windows, total = scratch(ctx, number)
@@ -238,7 +244,7 @@ def conv_filter_gradient(ctx, op) -> None:
                         lambda i, w: store(ctx.b, ctx.constant(dw.dtype, 0.0, w).ir, total, i.ir, element, w))
             blas = None if _dot_tiled(op) else Blas(ctx, dw.dtype)
             with ctx.loop(first, last, name="image") as image:
-                windows_of(ctx, image, windows)
+                _copy_windows(ctx, op, image, windows, positions)
                 if blas is None:
                     rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, windows)
                     sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total)
