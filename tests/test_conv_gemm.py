@@ -17,7 +17,7 @@ from helpers import random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
-from ranvier.backends.cpu.kernels import winograd
+from ranvier.backends.cpu.kernels import conv, winograd
 from ranvier.backends.cpu.target import host_target
 
 MASKS = ["", "-avx512", "-avx512,-avx2"]
@@ -81,8 +81,10 @@ def test_the_windows_gemm_matches_an_im2col_product_and_writes_only_c(geometry, 
 @pytest.fixture(autouse=True)
 def _no_winograd(monkeypatch):
     """The implicit GEMM on every geometry here, 3 × 3 filters of stride 1 included (which
-    Winograd's kernel would otherwise take: tests/test_winograd.py)."""
+    Winograd's kernel would otherwise take: tests/test_winograd.py), and few filters (which
+    ConvTiles would: tests/test_conv_tiles.py)."""
     monkeypatch.setattr(winograd, "_MAX_PAIRS", 0)
+    monkeypatch.setattr(conv, "FEW_FILTERS", 0)
 
 
 def _conv_cell(shape, filters, strides, padding, mask: str = ""):

@@ -248,15 +248,17 @@ def test_a_convolutions_matrix_is_its_channels_by_positions():
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize(("size", "kernel"), [(3, "WinogradConv"), (1, "ConvGemm")])
-def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilogue(batch, mask, size, kernel):
+@pytest.mark.parametrize(("size", "filters", "kernel"), [(3, 8, "WinogradConv"), (1, 8, "ConvTiles"), (1, 24, "ConvGemm")])
+def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilogue(batch, mask, size, filters, kernel):
     """relu(conv(x, w) + bias + skip), and a ReLU alone after a convolution, each one
-    Conv2DCalculate on the convolution's kernel (Winograd's for 3 × 3 filters, the implicit
-    GEMM for 1 × 1), every output element written; float64 PyTorch agrees (to float32
-    rounding of sums of |terms|)."""
-    arrays = {"x": random_array([batch, 6, 13, 11], "float32", seed=1), "w1": random_array([8, 6, size, size], "float32", seed=2),
-              "w2": random_array([8, 8, size, size], "float32", seed=3), "bias": random_array([1, 8, 1, 1], "float32", seed=4),
-              "skip": random_array([batch, 8, 13, 11], "float32", seed=5)}
+    Conv2DCalculate on the convolution's kernel (Winograd's for 3 × 3 filters; for 1 × 1 the
+    tiles for few filters, the implicit GEMM for more), every output element written;
+    float64 PyTorch agrees (to float32 rounding of sums of |terms|)."""
+    arrays = {"x": random_array([batch, 6, 13, 11], "float32", seed=1),
+              "w1": random_array([filters, 6, size, size], "float32", seed=2),
+              "w2": random_array([filters, filters, size, size], "float32", seed=3),
+              "bias": random_array([1, filters, 1, 1], "float32", seed=4),
+              "skip": random_array([batch, filters, 13, 11], "float32", seed=5)}
     padding = size // 2
     flow = rv.Flow()
     f = rv.Builder(flow, "f")

@@ -482,10 +482,10 @@ def test_conv2d_backprop(xs, ws, strides, padding):
     check(dw, edw, "float64")
 
 
-@pytest.mark.parametrize("dtype,kernel", [("float32", "ConvGemm"), ("float64", None)])
+@pytest.mark.parametrize("dtype,kernel", [("float32", "ConvTiles"), ("float64", None)])
 def test_a_stride_one_input_gradient_is_a_convolution(dtype, kernel):
     """dx of a stride-1 convolution is dy convolved with the turned filters: on the CPU in
-    float32 one implicit GEMM, no windows scattered back; in float64 that convolution is
+    float32 one convolution kernel (tiles, for its 3 filters), no windows scattered back; in float64 that convolution is
     itself decomposed (into im2col and a GEMM), never left to Python. Stride 2 keeps the
     scatter."""
     x_shape, w = [2, 3, 9, 7], random_array((4, 3, 3, 2), dtype, seed=32)

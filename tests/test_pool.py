@@ -208,7 +208,7 @@ from ranvier.backends.cpu.parallel import thread_count
 assert thread_count() == int(sys.argv[1])
 rng = np.random.default_rng(0)
 shapes = {"a": [37, 29], "b": [29, 45], "at": [29, 37], "bt": [45, 29], "batch": [6, 37, 29], "other": [6, 29, 45],
-          "v": [1, 29], "ka": [16, 777], "kb": [777, 40], "kat": [777, 16], "kbt": [40, 777], "x": [67, 131], "g": [131], "image": [1, 3, 12, 12], "images": [3, 3, 12, 12], "filters": [5, 3, 3, 3]}
+          "v": [1, 29], "ka": [16, 777], "kb": [777, 40], "kat": [777, 16], "kbt": [40, 777], "x": [67, 131], "g": [131], "image": [1, 3, 12, 12], "images": [3, 3, 12, 12], "filters": [5, 3, 3, 3], "many": [20, 3, 3, 3]}
 values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 flow = rv.Flow()
 f = rv.Builder(flow, "f")
@@ -222,8 +222,9 @@ outputs = [f.matmul(h["a"], h["b"]), f.matmul(h["at"], h["b"], transpose_a=True)
            f.max(h["batch"], axis=1), f.mean(h["batch"], axis=[1, 2]), f.sum(h["x"]), f.max(h["batch"]), f.mean(h["x"]),
            f.sum_squares(h["x"]), f.sum_squares(h["x"], axis=0),
            f.conv2d(h["image"], h["filters"], padding=1), f.conv2d(h["images"], h["filters"], strides=2, padding=1),
+           f.conv2d(h["images"], h["many"], strides=2, padding=1),
            f.max_pool(h["images"], ksize=3, strides=2, padding=1)]
-winograd_output = len(outputs) - 3  # the stride-1 convolution
+winograd_output = len(outputs) - 4  # the stride-1 convolution
 # products by constants (weights), which the generated GEMM reads from panels packed once
 weights = {"w": rng.standard_normal((29, 45)).astype(np.float32), "wt": rng.standard_normal((70, 29)).astype(np.float32)}
 constant_products = [f.matmul(h["a"], f.const(weights["w"])), f.matmul(h["a"], f.const(weights["wt"]), transpose_b=True),
@@ -243,7 +244,9 @@ for backend in ("cpu", "reference"):
         assert sum(s.kernel == wanted for s in cell.steps) >= 5, [s.kernel for s in cell.steps]
         packed = sum(s.kernel == "PackedGemm" for s in cell.steps)
         assert packed == (4 if wanted == "Gemm" else 0), [s.kernel for s in cell.steps]
-        assert sorted(s.kernel for s in cell.steps if s.op.type.startswith("Conv2D")) == ["ConvGemm", "WinogradConv"]
+        # few filters: tiles over whole images, while there are as many images as parts
+        few = "ConvTiles" if thread_count() <= 3 else "ConvGemm"
+        assert sorted(s.kernel for s in cell.steps if s.op.type.startswith("Conv2D")) == sorted([few, "ConvGemm", "WinogradConv"])
         from ranvier.backends.cpu.kernels.matmul import gemm_parts
         cut_along_k = [s for s in cell.steps if s.op.type.startswith("MatMul")
                        and any(g.slice for part in gemm_parts(s.op, 16, slices=True) for g in part)]

@@ -4,6 +4,9 @@ where the generated GEMM packs each block of the windows straight from the image
 decomposition's Pad, StridedView and their memory traffic (for ResNet-18 at batch 1,
 60 MB written and read again) are gone. The output comes out NCHW, as the GEMM writes it;
 a Conv2DCalculate's program (bias, activation, residual) runs over each block after its call.
+
+A convolution of few filters (`ConvTiles`) and a filter gradient (`ConvFilterGemm`) instead
+copy one image's windows at a time into scratch and multiply them there in register tiles.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ _UNIT = 16  # edges of the blocks of an image's output a part computes
 # columns a multiple of the GEMM's blocks of B (384 on every target).
 _CALL_BYTES = 256 << 10
 _CALL_UNIT = 384
+_MAX_LANES = 16  # float32 lanes of the widest vectors (AVX-512): scratch is sized for them
+# The register tiles of the kernels for few filters: TILE_FILTERS filters by TILE_TAPS taps of
+# a filter gradient (each element's partial sums a vector), or by `_TILE_VECTORS` vectors of
+# a convolution's positions. Each step loads TILE_FILTERS + 3 vectors (or broadcasts) for 12
+# multiply-adds into 12 of AVX2's 16 registers; the other shapes tried were up to 1.9 times slower.
+TILE_FILTERS, TILE_TAPS = 4, 3
 
 
 def _sizes(op) -> tuple[int, int, int, int]:
@@ -81,6 +90,119 @@ def _geometry(ctx, op) -> ir.GlobalVariable:
     constant.global_constant, constant.linkage = True, "internal"
     constant.initializer = ir.Constant(array, [i64(v) for v in values])
     return constant
+
+
+TILES_KERNEL = "ConvTiles"
+# A convolution with at most this many filters is computed by `conv_tiles`: the GEMM's packed
+# panels of the windows serve each of its few filters' rows, so packing them costs as much
+# as the multiply-adds (the MNIST CNN's 8 and 16 filters: 46-66 GFLOP/s).
+FEW_FILTERS = 16
+_TILE_VECTORS = 3
+
+
+def _tiled(op) -> bool:
+    """float32, few filters, and at least an image for each of the pool's parts (fewer,
+    and the GEMM shares out the blocks of an image)."""
+    images, filters = _sizes(op)[:2]
+    return _supported(op) and filters <= FEW_FILTERS and images >= _tile_threads(op)
+
+
+def _tile_threads(op) -> int:
+    taps = _sizes(op)[3]
+    return thread_count() if worth_splitting(2 * op.outputs[0].size * taps, op.inputs[0].nbytes) else 1
+
+
+def _tile_parts(op) -> list[tuple[int, int]]:
+    """The images each worker-pool part takes."""
+    return shares(_sizes(op)[0], _tile_threads(op))
+
+
+def _windows_stride(positions: int, lanes: int) -> int:
+    """Elements between the windows' rows: the positions rounded up to whole vectors."""
+    return -(-positions // lanes) * lanes
+
+
+def _tiles_share(op) -> int:
+    """A part's scratch in elements: one image's windows, rows whole vectors apart."""
+    _, _, positions, taps = _sizes(op)
+    return taps * _windows_stride(positions, _MAX_LANES)
+
+
+@kernel(TILES_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_tiled,
+        workspace=lambda op: len(_tile_parts(op)) * _tiles_share(op) * 4)
+def conv_tiles(ctx, op) -> None:
+    """y[image] [O, Ho·Wo] = W · windows, a part's images one at a time: each image's
+    windows copied into the part's scratch (`_copy_windows`), where the tiles read them in
+    place (`_tile_products`), then the Conv2DCalculate's program over the image's output
+    while it is in cache."""
+    w, y = op.inputs[1], op.outputs[0]
+    _, filters, positions, taps = _sizes(op)
+    f32 = dtypes.DT_FLOAT32
+    lanes = ctx.lanes_for([f32])
+    stride, share = _windows_stride(positions, lanes), _tiles_share(op)
+
+    def part(number: int, first: int, last: int):
+        def emit(ctx) -> None:
+            base = ctx.b.bitcast(ctx.address(ctx.workspace), storage_type(f32).as_pointer())
+            windows = ctx.b.gep(base, [i64(number * share)])
+            rows = ctx.scratch(f"{op.name}/windows", f32, taps * stride, windows)
+            if stride > positions:  # the rows' ends, read by the last tiles but never stored from
+                with ctx.loop(0, taps, name="tap") as t:
+                    for_vectors(ctx, t * stride + positions, stride - positions, lanes, lambda at, n: ctx.store(rows, at, 0.0))
+            with ctx.loop(first, last, name="image") as image:
+                _copy_windows(ctx, op, image, windows, stride)
+                at = image * (filters * positions)
+                _tile_products(ctx, w, rows, stride, y, at, filters, taps, positions, lanes)
+                epilogue(ctx, op, at, filters, positions)
+
+        return emit
+
+    run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_tile_parts(op))])
+
+
+def _tile_products(ctx, w, windows, stride: int, y, at: Value, filters: int, taps: int, positions: int, lanes: int) -> None:
+    """y[f, p] = Σ_t w[f, t] · windows[t, p] for y's rows from element `at`: tiles of
+    `TILE_FILTERS` filters by `_TILE_VECTORS` vectors of positions, each output vector a
+    register along the taps, which read a row of windows per step; a column of tiles reads
+    the same stretch of windows, so it stays in L1 while the column's filters go by. The
+    last tiles may be narrower or lower; their vectors past the positions are not stored."""
+    f32 = dtypes.DT_FLOAT32
+    span = _TILE_VECTORS * lanes
+    whole = positions - positions % span
+
+    def tile(f0: Value | int, p0: Value | int, height: int, vectors: int) -> None:
+        sums = [[ctx.local(f32, lanes, 0.0) for _ in range(vectors)] for _ in range(height)]
+        with ctx.loop(0, taps, name="tap") as t:
+            row = [ctx.load(windows, t * stride + p0 + v * lanes, lanes) for v in range(vectors)]
+            for f in range(height):
+                factor = ctx.load(w, (f0 + f) * taps + t).splat(lanes)
+                for v, total in enumerate(sums[f]):
+                    total.set(factor.mul_add(row[v], total.value))
+        for f in range(height):
+            for v, total in enumerate(sums[f]):
+                start = p0 + v * lanes
+                target = at + (f0 + f) * positions + start
+                valid = lanes if isinstance(p0, Value) else min(lanes, positions - start)
+                if valid == lanes:
+                    ctx.store(y, target, total.value)
+                else:
+                    value = total.value
+                    for r in range(valid):
+                        ctx.store(y, target + r, value.lane(r))
+
+    def column(p0: Value | int, vectors: int) -> None:
+        full = filters - filters % TILE_FILTERS
+        if full:
+            with ctx.loop(0, full, step=TILE_FILTERS, name="f0") as f0:
+                tile(f0, p0, TILE_FILTERS, vectors)
+        if full < filters:
+            tile(full, p0, filters - full, vectors)
+
+    if whole:
+        with ctx.loop(0, whole, step=span, name="p0") as p0:
+            column(p0, _TILE_VECTORS)
+    if whole < positions:
+        column(whole, -(-(positions - whole) // lanes))
 
 
 @kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes)
@@ -189,11 +311,6 @@ def _filter_gradient_share(op) -> int:
     return taps * (dy.shape[2] * dy.shape[3]) + sums
 
 
-_MAX_LANES = 16  # float32 lanes of the widest vectors (AVX-512)
-# A tile of dw: this many filters by this many taps, each element's partial sums a vector
-# register, so each step along the positions loads TILE_FILTERS + TILE_TAPS vectors for
-# TILE_FILTERS · TILE_TAPS multiply-adds (12 of 16 registers with AVX2).
-TILE_FILTERS, TILE_TAPS = 4, 3
 
 
 def _dot_tiled(op) -> bool:
