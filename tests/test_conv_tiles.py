@@ -27,6 +27,7 @@ CASES = [
     ((2, 4, 9, 7), (3, 4, 3, 3), (2, 2), (1, 1)),  # stride 2, fewer filters than a tile, 20 positions
     ((3, 2, 8, 5), (13, 2, 2, 3), (2, 1), (1, 2)),  # rectangular filters, padding wider on one axis
     ((2, 5, 7, 7), (1, 5, 1, 1), (2, 2), (0, 0)),  # one filter, a 1 × 1 downsampling: 16 positions
+    ((2, 3, 9, 8), (6, 3, 3, 5), (1, 1), (0, 2)),  # padding on one axis only, rectangular filters
 ]
 
 

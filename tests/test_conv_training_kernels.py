@@ -24,6 +24,7 @@ FILTER_CASES = [
     ((1, 4, 7, 7), (2, 4, 1, 1), (2, 2), (0, 0)),  # a 1 × 1 downsampling
     ((2, 2, 6, 5), (3, 2, 3, 3), (1, 1), (1, 1)),  # output rows shorter than a vector
     ((2, 1, 12, 12), (8, 1, 5, 5), (1, 1), (2, 2)),  # whole tiles of filters, a tap left over (MNIST's first)
+    ((2, 3, 9, 8), (6, 3, 3, 5), (1, 1), (0, 2)),  # padding on one axis only, rectangular filters
 ]
 
 

@@ -194,22 +194,27 @@ def _infer_gelu(ctx):
 
 
 def gelu_gate(x, approximate: str):
-    """GELU's gate Φ (gelu(x) = x·Φ(x)) and, for the tanh form, its tanh. The gradient and
-    the training-step decomposition both build them here, op for op, so the compiler's
-    CSE computes the erf (or tanh) once for the forward and the backward pass."""
+    """GELU's gate Φ (gelu(x) = x·Φ(x)) and, for the tanh form, its tanh, or for the erf
+    form the erf's argument u = x/√2. The gradient and the training-step decomposition both
+    build them here, op for op, so the compiler's CSE computes the erf (or tanh) once for
+    the forward and the backward pass."""
     if approximate == "tanh":
         t = ((x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)).tanh()
         return 0.5 * (1.0 + t), t
-    return 0.5 * (1.0 + (x * (1.0 / math.sqrt(2.0))).erf()), None
+    u = x * (1.0 / math.sqrt(2.0))
+    return 0.5 * (1.0 + u.erf()), u
 
 
 def _gelu_vjp(ctx, grads):
     (x,) = ctx.inputs
-    gate, t = gelu_gate(x, ctx.attrs["approximate"])
-    if t is not None:
+    approximate = ctx.attrs["approximate"]
+    gate, inner = gelu_gate(x, approximate)
+    if approximate == "tanh":
         dinner = (1.0 + x * x * (3 * 0.044715)) * math.sqrt(2.0 / math.pi)
-        return [grads[0] * (gate + x * 0.5 * (1.0 - t * t) * dinner)]
-    pdf = (x * x * -0.5).exp() * (1.0 / math.sqrt(2.0 * math.pi))
+        return [grads[0] * (gate + x * 0.5 * (1.0 - inner * inner) * dinner)]
+    # the density φ(x) = exp(-u²)/√(2π): the float32 erf of u computes exp(-u²) too, so the
+    # CPU's program computes it once for both
+    pdf = (-(inner * inner)).exp() * (1.0 / math.sqrt(2.0 * math.pi))
     return [grads[0] * (gate + x * pdf)]
 
 

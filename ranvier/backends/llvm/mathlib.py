@@ -584,7 +584,10 @@ def erf(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
         small = o.fma(a, o.poly(o.mul(a, a), _ERF32_SMALL), a)
         v = o.min_const(a, _ERF32_ONE)
         t = o.fma(v, o.c(1 / _ERFCX32_HALF), o.c(-_ERFCX32_MID / _ERFCX32_HALF))
-        m, s = _exp_parts(o, o.mul(o.mul(v, v), o.c(-1.0)))
+        # exp(-x²), unclamped: past _ERF32_ONE it only shrinks, and erf stays 1. The same
+        # exp of the same -(x·x) elsewhere in a program (Gelu's gradient: its density) is
+        # then the same instructions, which LLVM computes once.
+        m, s = _exp_parts(o, o.builder.fneg(o.mul(x, x)))
         large = o.sub(o.c(1.0), o.mul(o.mul(m, o.poly(t, _ERFCX32)), s))
         return o.copysign(o.select(o.cmp("<", a, o.c(_ERF32_CUT)), small, large), x)
     m, s, q = _erfc_tail(o, a, gelu=False)
