@@ -5,7 +5,9 @@
 # cross-entropy with int64 targets, Adam's update over moments decayed into subnormals (ranvier
 # flushing them, as its trainers compile; the peers computing with them), float32 GEMM
 # (square and MLP-shaped; again with ranvier in mixed
-# precision, bf16 inputs and float32 sums on AMX, where the CPU has it). Options: --repeats N,
+# precision, bf16 inputs and float32 sums on AMX, where the CPU has it), and the MNIST CNN's
+# 5 × 5 convolutions over a batch: the second one forward and both filter gradients (numpy as
+# an einsum over the padded input's windows). Options: --repeats N,
 # --warmup N, --quick (smaller sizes for a smoke run).
 #
 # Each round times every implementation once, in turn (`time_in_turns`: each timed call after
@@ -254,6 +256,51 @@ def bench_gemm(m: int, k: int, n: int, rng: np.random.Generator, matmul: str = "
     ), result
 
 
+def _conv_windows(x: np.ndarray, size: int, padding: int) -> np.ndarray:
+    """x [N, C, H, W] as its windows [N, C, H', W', size, size] (stride 1), a view."""
+    padded = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    return np.lib.stride_tricks.sliding_window_view(padded, (size, size), axis=(2, 3))
+
+
+def bench_conv(images: int, channels: int, side: int, filters: int, rng: np.random.Generator,
+               filter_gradient: bool = False) -> BenchmarkAndResult:
+    """A 5 × 5 convolution of padding 2 (the MNIST CNN's), or its filter gradient: dw from
+    the input and the output's gradient, as a training step computes it."""
+    x = rng.standard_normal((images, channels, side, side), dtype=np.float32)
+    w = rng.standard_normal((filters, channels, 5, 5), dtype=np.float32)
+    dy = rng.standard_normal((images, filters, side, side), dtype=np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    vx = f.var("x", rv.DT_FLOAT, list(x.shape))
+    if filter_gradient:
+        second, value = f.var("dy", rv.DT_FLOAT, list(dy.shape)), dy
+        vy = f.op("Conv2DBackpropFilter", [vx, second], attrs={"strides": [1, 1], "padding": [2, 2], "filter_shape": list(w.shape)})
+    else:
+        second, value = f.var("w", rv.DT_FLOAT, list(w.shape)), w
+        vy = f.conv2d(vx, second, padding=2)
+    vy.var.out = True
+    cell, kernels = compile_cell(flow)
+    result, compute = ranvier_run(cell, {vx: x, second: value}, vy)
+    tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
+    if filter_gradient:
+        runs = {"numpy": lambda: np.einsum("nchwij,nohw->ocij", _conv_windows(x, 5, 2), dy, optimize=True),
+                "torch": lambda: torch.nn.grad.conv2d_weight(tx, list(w.shape), tdy, padding=2)}
+        name = f"conv 5x5 filter gradient [{images}x{channels}x{side}x{side}] -> [{filters}x{channels}x5x5]"
+    else:
+        runs = {"numpy": lambda: np.einsum("nchwij,ocij->nohw", _conv_windows(x, 5, 2), w, optimize=True),
+                "torch": lambda: F.conv2d(tx, tw, padding=2)}
+        name = f"conv 5x5 [{images}x{channels}x{side}x{side}] * [{filters}x{channels}x5x5]"
+    return Benchmark(
+        name,
+        {"ranvier": compute, **runs},
+        work=2 * images * filters * side * side * channels * 25,
+        compute_bound=True,
+        kernels=kernels,
+        rtol=1e-3,
+        atol=1e-2,
+    ), result
+
+
 # ---- running and reporting ----------------------------------------------------------------------
 
 
@@ -294,6 +341,7 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     rows = 512 if args.quick else 4096
     square = 256 if args.quick else 1024
+    images = 16 if args.quick else 128
     rng = np.random.default_rng(0)
 
     print(machine(torch))
@@ -319,6 +367,9 @@ def main() -> None:
         lambda: bench_adam_decayed(rows * 1024, rng),
         lambda: bench_gemm(square, square, square, rng),
         lambda: bench_gemm(128, 784, 256, rng),
+        lambda: bench_conv(images, 8, 14, 16, rng),
+        lambda: bench_conv(images, 8, 14, 16, rng, filter_gradient=True),
+        lambda: bench_conv(images, 1, 28, 8, rng, filter_gradient=True),
     ]
     if amx_usable(host_target()):
         benchmarks += [lambda: bench_gemm(square, square, square, rng, "bfloat16"), lambda: bench_gemm(128, 784, 256, rng, "bfloat16")]
