@@ -167,8 +167,6 @@ def _tile_products(ctx, w, windows, stride: int, y, at: Value, filters: int, tap
     the same stretch of windows, so it stays in L1 while the column's filters go by. The
     last tiles may be narrower or lower; their vectors past the positions are not stored."""
     f32 = dtypes.DT_FLOAT32
-    span = _TILE_VECTORS * lanes
-    whole = positions - positions % span
 
     def tile(f0: Value | int, p0: Value | int, height: int, vectors: int) -> None:
         sums = [[ctx.local(f32, lanes, 0.0) for _ in range(vectors)] for _ in range(height)]
@@ -190,19 +188,21 @@ def _tile_products(ctx, w, windows, stride: int, y, at: Value, filters: int, tap
                     for r in range(valid):
                         ctx.store(y, target + r, value.lane(r))
 
-    def column(p0: Value | int, vectors: int) -> None:
-        full = filters - filters % TILE_FILTERS
-        if full:
-            with ctx.loop(0, full, step=TILE_FILTERS, name="f0") as f0:
-                tile(f0, p0, TILE_FILTERS, vectors)
-        if full < filters:
-            tile(full, p0, filters - full, vectors)
+    def column(p0: Value | int, width: int) -> None:
+        _by_tiles(ctx, filters, TILE_FILTERS, "f0", lambda f0, height: tile(f0, p0, height, -(-width // lanes)))
 
+    _by_tiles(ctx, positions, _TILE_VECTORS * lanes, "p0", column)
+
+
+def _by_tiles(ctx, count: int, size: int, name: str, emit) -> None:
+    """`emit(first, width)` over [0, count): tiles of `size` in a run-time loop, then the
+    narrower one left at the end."""
+    whole = count - count % size
     if whole:
-        with ctx.loop(0, whole, step=span, name="p0") as p0:
-            column(p0, _TILE_VECTORS)
-    if whole < positions:
-        column(whole, -(-(positions - whole) // lanes))
+        with ctx.loop(0, whole, step=size, name=name) as first:
+            emit(first, size)
+    if whole < count:
+        emit(whole, count - whole)
 
 
 @kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes)
@@ -425,17 +425,5 @@ def _add_dot_tiles(ctx, dy, at: Value, windows, sums, filters: int, taps: int, p
                 if whole < positions:
                     ctx.store(sums, at_sum(f, t), ctx.load(sums, at_sum(f, t)) + scalars[f][t].value)
 
-    def tiles(f0: Value | int, height: int) -> None:
-        full = taps - taps % TILE_TAPS
-        if full:
-            with ctx.loop(0, full, step=TILE_TAPS, name="t0") as t0:
-                tile(f0, t0, height, TILE_TAPS)
-        if full < taps:
-            tile(f0, full, height, taps - full)
-
-    full = filters - filters % TILE_FILTERS
-    if full:
-        with ctx.loop(0, full, step=TILE_FILTERS, name="f0") as f0:
-            tiles(f0, TILE_FILTERS)
-    if full < filters:
-        tiles(full, filters - full)
+    _by_tiles(ctx, filters, TILE_FILTERS, "f0",
+              lambda f0, height: _by_tiles(ctx, taps, TILE_TAPS, "t0", lambda t0, width: tile(f0, t0, height, width)))
