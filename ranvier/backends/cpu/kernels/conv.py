@@ -311,8 +311,6 @@ def _filter_gradient_share(op) -> int:
     return taps * (dy.shape[2] * dy.shape[3]) + sums
 
 
-
-
 def _dot_tiled(op) -> bool:
     """Whether the filter gradient's products are `_add_dot_tiles`' (float32) rather than BLAS's (float64)."""
     return op.outputs[0].dtype == dtypes.DT_FLOAT32
