@@ -245,7 +245,7 @@ for backend in ("cpu", "reference"):
         packed = sum(s.kernel == "PackedGemm" for s in cell.steps)
         assert packed == (4 if wanted == "Gemm" else 0), [s.kernel for s in cell.steps]
         # few filters: tiles over whole images, while there are as many images as parts
-        few = "ConvTiles" if thread_count() <= 3 else "ConvGemm"
+        few = "ConvTiles" if thread_count() <= shapes["images"][0] else "ConvGemm"
         assert sorted(s.kernel for s in cell.steps if s.op.type.startswith("Conv2D")) == sorted([few, "ConvGemm", "WinogradConv"])
         from ranvier.backends.cpu.kernels.matmul import gemm_parts
         cut_along_k = [s for s in cell.steps if s.op.type.startswith("MatMul")
