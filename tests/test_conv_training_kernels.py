@@ -4,17 +4,19 @@ float32 by tiles of dot products, whole and at the edges, with positions left ov
 last vector; in float64 by one GEMM) against PyTorch's float64 filter gradient, for strides,
 padding, rectangular filters and the images shared out over parts; WindowMaxGrad (max pooling's gradient, each window's
 first maximum found in place) against the reference, with ties, NaNs, overlapping and padded
-windows."""
+windows, bare and with the ReLU gradient after it run as dx is written (MaxPoolGradCalculate)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from helpers import random_array
+from helpers import check, random_array, run_flow
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import conv, window
+
+TESTED_OPS = {"MaxPoolGradCalculate"}
 
 FILTER_CASES = [
     # x, filters, strides, padding
@@ -106,3 +108,73 @@ def test_the_max_pool_gradient_goes_to_each_windows_first_maximum(case, mask, dt
     got, want = outputs["cpu"], outputs["reference"]
     np.testing.assert_array_equal(got != 0, want != 0)  # the same elements took gradients
     np.testing.assert_allclose(got, want, rtol=1e-6)  # overlapping windows add in float32
+
+
+@pytest.mark.parametrize("mask,dtype", VARIANTS)
+@pytest.mark.parametrize("case", POOL_CASES, ids=[f"case{i}" for i in range(len(POOL_CASES))])
+def test_the_max_pool_gradient_runs_the_relu_gradient_after_it_as_it_writes(case, mask, dtype, monkeypatch):
+    """MaxPoolGradCalculate: the ReLU's gradient (a mask read where dx is written), a second
+    output through a residual, and dx rounded to bfloat16 as a third."""
+    monkeypatch.setattr(window, "thread_count", lambda: 2)
+    monkeypatch.setattr(window, "worth_splitting", lambda flops=0, nbytes=0: True)
+    x_shape, ksize, strides, padding = case
+    attrs = {"ksize": list(ksize), "padding": list(padding), **({"strides": list(strides)} if strides else {})}
+    steps = strides or ksize
+    dy_shape = [*x_shape[:2], *((x_shape[2 + a] + 2 * padding[a] - ksize[a]) // steps[a] + 1 for a in (0, 1))]
+    x_value = np.random.default_rng(5).integers(-2, 3, x_shape).astype(dtype)  # ties, and zeros the ReLU masks
+    x_value.reshape(-1)[[3, 20]] = np.nan
+    values = [x_value, random_array(dy_shape, dtype, seed=6), random_array(x_shape, dtype, seed=7)]
+    outputs = {}
+    for backend in ("reference", "cpu"):
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        x, dy, residual = (f.var(name, dtype, v.shape) for name, v in zip(("x", "dy", "residual"), values))
+        dx = f.op("MaxPoolGrad", [x, dy], attrs=attrs)
+        results = [f.cast(dx, "bfloat16"), dx * 0.5 + residual, f.select(f.greater(x, 0.0), dx)]
+        for t in results:
+            t.var.out = True
+        cell = rv.Compiler(backend, cpu=mask if backend == "cpu" else "", cache=False).compile(flow).cell("f")
+        if backend == "cpu":
+            assert [(step.kernel, step.op.type) for step in cell.steps] == [("WindowMaxGrad", "MaxPoolGradCalculate")]
+        data = cell.instance()
+        for handle, value in zip((x, dy, residual), values):
+            data[handle] = value
+        for t in results:
+            data[t] = np.full(t.shape, np.nan, np.asarray(data[t]).dtype)
+        data.compute()
+        outputs[backend] = [np.array(data[t]).astype(np.float64) for t in results]
+    for got, want in zip(outputs["cpu"], outputs["reference"]):
+        assert not np.isnan(got).any()  # every element written (x's NaNs take gradients that are finite)
+        np.testing.assert_allclose(got, want, rtol=1e-6 if got.dtype == dtype else 8e-3)
+
+
+def test_no_pool_gradient_epilogue_without_an_output_of_dxs_dtype():
+    """Overlapping windows add up in the program's first output, so, as after a product, a
+    program none of whose outputs is of dx's dtype stays apart."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, dy = f.var("x", "float32", [1, 2, 7, 9]), f.var("dy", "float32", [1, 2, 4, 5])
+    dx = f.op("MaxPoolGrad", [x, dy], attrs={"ksize": [3, 3], "strides": [2, 2], "padding": [1, 1]})
+    f.cast(dx, "bfloat16").var.out = True
+    kinds = [step.op.type for step in rv.Compiler("cpu", cache=False).compile(flow).cell("f").steps]
+    assert kinds == ["MaxPoolGrad", "Cast"], kinds
+
+
+@pytest.mark.parametrize("ksize,strides", [((2, 2), None), ((3, 3), (2, 2))])
+def test_a_fused_pool_gradient_means_the_pool_gradient_then_its_program(ksize, strides):
+    x, scale, other = random_array([2, 3, 8, 8], "float32", seed=1), random_array([], "float32", seed=2), random_array([2, 3, 8, 8], "float32", seed=3)
+    attrs = {"ksize": list(ksize), **({"strides": list(strides)} if strides else {})}
+    out = 4 if strides is None else 3
+    dy = random_array([2, 3, out, out], "float32", seed=4)
+
+    def fused(f, x, dy, scale, other):
+        return f.op("MaxPoolGradCalculate", [x, dy, scale, other], None,
+                    {**attrs, "row_inputs": 2, "expr": "$0=Mul(%0,%1);@0=Tanh($0);@1=Add(%0,%2)"})
+
+    def apart(f, x, dy, scale, other):
+        dx = f.op("MaxPoolGrad", [x, dy], attrs=attrs)
+        return f.tanh(dx * scale), dx + other
+
+    got, want = run_flow(fused, [x, dy, scale, other]), run_flow(apart, [x, dy, scale, other])
+    for a, b in zip(got, want):
+        check(a, np.asarray(b, np.float64), "float32")

@@ -376,7 +376,7 @@ def test_a_malformed_row_epilogue_is_named():
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x, g = f.var("x", "float32", [4, 8]), f.var("g", "float32", [8])
-    with pytest.raises(rv.ShapeError, match="RMSNormCalculate.*row op's shape"):
+    with pytest.raises(rv.ShapeError, match="RMSNormCalculate.*RMSNorm output's shape"):
         f.op("RMSNormCalculate", [x, g, f.var("v", "float32", [4, 1])], None, {"row_inputs": 2, "expr": "@0=Add(%0,%1)"})
     with pytest.raises(rv.ShapeError, match="row_inputs between 1 and 2"):
         f.op("RMSNormCalculate", [x, g], None, {"row_inputs": 3, "expr": "@0=Exp(%0)"})

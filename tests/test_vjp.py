@@ -36,7 +36,7 @@ NON_DIFFERENTIABLE = {
     "Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput",
     "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "MoECombineGrad", "AssignAddScatter",
     "MatMulCalculate", "Conv2DCalculate", "SampleToken", "CachedAttention", "ForEach", "RMSNormGrad",
-    "RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate",
+    "RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate", "MaxPoolGradCalculate",
 }
 
 FD_EPS = 1e-6

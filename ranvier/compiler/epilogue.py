@@ -17,7 +17,10 @@ A row op that writes each element of its first output once (a norm, a norm's gra
 RMSNormCalculate and its kin: the program runs as each element is computed and the row
 op's output is never stored — a norm's output rounded to bfloat16 as it is written, a
 norm's gradient added to the residual stream's. The Calculate's other inputs must be of
-the output's shape or single values.
+the output's shape or single values. A max pooling's gradient (`WINDOW_EPILOGUE_OPS`)
+takes one too, as MaxPoolGradCalculate: a CNN's ReLU gradient runs as dx is written,
+rather than as a pass over the whole of it. Where its windows overlap, dx adds up in the
+program's first output, so, as after a product, one output must be of dx's dtype.
 """
 
 from __future__ import annotations
@@ -26,16 +29,23 @@ from collections.abc import Callable
 
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops.expression import Call, Program, Ref, parse
-from ..ops.fused import EPILOGUE_PRODUCTS, ROW_EPILOGUE_OPS, epilogue_input_strides, fused_type, written_inputs
+from ..ops.fused import (
+    ELEMENT_EPILOGUE_OPS,
+    EPILOGUE_PRODUCTS,
+    ROW_EPILOGUE_OPS,
+    epilogue_input_strides,
+    fused_type,
+    written_inputs,
+)
 from .fuse import is_elementwise
 from .rewrite import erase
 
 
 def fuse_epilogues(flow: Flow, func: Function, keep: set[str], accepts: Callable | None = None) -> None:
-    """Replace each MatMul, Conv2D or row op and the Calculate that alone reads its product
-    by one op (where given, only those `accepts(product, program, further inputs)`:
+    """Replace each MatMul, Conv2D, row op or pool gradient and the Calculate that alone
+    reads its product by one op (where given, only those `accepts(product, program, further inputs)`:
     `Capabilities`)."""
-    for producer in [op for op in func.ops if op.type in EPILOGUE_PRODUCTS or op.type in ROW_EPILOGUE_OPS]:
+    for producer in [op for op in func.ops if op.type in EPILOGUE_PRODUCTS or op.type in ELEMENT_EPILOGUE_OPS]:
         calculate = _epilogue_of(producer, func, keep)
         if calculate is None:
             continue
@@ -59,7 +69,7 @@ def _epilogue_of(producer: Operation, func: Function, keep: set[str]) -> Operati
     if any(list(v.shape) != list(product.shape) for v in calculate.outputs):
         return None
     others = [v for v in calculate.inputs if v is not product]
-    if producer.type in ROW_EPILOGUE_OPS:  # read element by element as the row is written
+    if producer.type in ELEMENT_EPILOGUE_OPS:  # read element by element as the output is written
         return calculate if all(list(v.shape) == list(product.shape) or v.size == 1 for v in others) else None
     if any(epilogue_input_strides(v.shape, product.shape, EPILOGUE_PRODUCTS[producer.type]) is None for v in others):
         return None
@@ -109,7 +119,7 @@ def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation,
     fused = flow.add_op(flow.unique_name(f"{func.name}/{kind}", flow.ops), kind)
     fused.attrs = {**producer.attrs, "expr": str(program)}
     inputs, further = list(producer.inputs), list(producer.outputs[1:])
-    if producer.type in ROW_EPILOGUE_OPS:
+    if producer.type in ELEMENT_EPILOGUE_OPS:
         fused.attrs["row_inputs"] = str(len(inputs))
     erase(flow, [producer, calculate], [product])
     for v in (*inputs, *others):

@@ -226,8 +226,8 @@ for _product in EPILOGUE_PRODUCTS:
     )
 
 
-# ---- RMSNormCalculate, LayerNormCalculate, RMSNormGradCalculate: a row op and the Calculate
-# that reads its first output -------------------------------------------------------------------
+# ---- RMSNormCalculate, LayerNormCalculate, RMSNormGradCalculate, MaxPoolGradCalculate: an op
+# that writes each element of its first output once, and the Calculate that reads it -----------
 #
 # The epilogue pass makes one of a row op (a norm or a norm's gradient, which writes each
 # element of its first output once, in its last pass over the row) and the Calculate that
@@ -237,8 +237,15 @@ for _product in EPILOGUE_PRODUCTS:
 # gradient added to the residual stream's). Inputs: the row op's (`row_inputs` of them),
 # then the Calculate's others; in the program %0 is the row op's output, %i (i ≥ 1) input
 # row_inputs + i − 1. Outputs: the program's, then the row op's further outputs.
+#
+# A max pooling's gradient takes one the same way (a CNN's ReLU gradient after it): where
+# its windows tile the image, each element of dx is written once; where they overlap, a
+# plane's windows add into the program's first output, and the program runs over the plane
+# after them. So, as after a product, one output must be of dx's dtype, and comes first.
 ROW_EPILOGUE_OPS = ("RMSNorm", "LayerNorm", "RMSNormGrad")
-ROW_INPUTS = Attr("row_inputs", "int", 1, "how many of the inputs are the row op's")
+WINDOW_EPILOGUE_OPS = ("MaxPoolGrad",)
+ELEMENT_EPILOGUE_OPS = ROW_EPILOGUE_OPS + WINDOW_EPILOGUE_OPS
+ROW_INPUTS = Attr("row_inputs", "int", 1, "how many of the inputs are the row op's (the pool gradient's)")
 
 
 def row_split(op_type: str, attrs: dict[str, str], inputs: list, outputs: list) -> tuple:
@@ -263,11 +270,11 @@ def _infer_row_calculate(ctx):
         raise ctx.fail("an epilogue that writes no input in place")
     first = row_types[0]
     if any(list(v.shape) != list(first.shape) and v.size != 1 for v in ctx.inputs[count:]):
-        raise ctx.fail(f"further inputs of the row op's shape {list(first.shape)} or single values")
+        raise ctx.fail(f"further inputs of the {product_type(ctx.op_type)} output's shape {list(first.shape)} or single values")
     values = program_types(program, [_Spec("row", first.dtype, first.shape), *ctx.inputs[count:]], ctx.op_name)
     outputs = _outputs(values)
     if not outputs or any(list(v.shape) != list(first.shape) for v in outputs):
-        raise ctx.fail(f"program outputs of the row op's shape {list(first.shape)}")
+        raise ctx.fail(f"program outputs of the {product_type(ctx.op_type)} output's shape {list(first.shape)}")
     return [TensorType(v.dtype, v.shape) for v in outputs] + row_types[1:]
 
 
@@ -300,7 +307,7 @@ def _row_calculate_in_parts(b, op):
     return [*(list(result) if isinstance(result, tuple) else [result]), *row[1:]]
 
 
-for _row_op in ROW_EPILOGUE_OPS:
+for _row_op in ELEMENT_EPILOGUE_OPS:
     define(
         fused_type(_row_op), _infer_row_calculate, _row_calculate_reference(fused_type(_row_op)), (1, None), "fused",
         f"{_row_op} (its first row_inputs inputs), then a Calculate program over its first output (%0) and further "

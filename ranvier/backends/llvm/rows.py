@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ... import dtypes
 from ...ops import attrs_of, op_def
@@ -34,6 +33,7 @@ from ...ops.foreach import Member
 from ...ops.fused import ROW_EPILOGUE_OPS, fused_type, product_type, row_split
 from .context import EmitContext, check_range, load_index
 from .formulas import program_body
+from .store_epilogue import StoreEpilogue, Unstored
 from .values import Value
 
 RowBody = Callable[[EmitContext, Value], None]
@@ -592,36 +592,6 @@ def sample_rows(op) -> RowBody:
     return body
 
 
-@dataclass(frozen=True)
-class _Unstored:
-    """A row op's first output that an epilogue takes as each element is computed."""
-
-    name: str
-    dtype: str
-    shape: tuple
-
-
-class _Epilogue:
-    """The context a fused row op's row op runs in: its stores of the first output run the
-    epilogue program on the value instead (the program's further inputs read at the same
-    element, or single values), storing the program's outputs; all else is the kernel's."""
-
-    def __init__(self, ctx: EmitContext, first: _Unstored, further: list, outputs: list, program):
-        self._ctx, self._first, self._further, self._outputs, self._program = ctx, first, further, outputs, program
-
-    def __getattr__(self, name: str):
-        return getattr(self._ctx, name)
-
-    def store(self, var, at, value) -> None:
-        if var is not self._first:
-            self._ctx.store(var, at, value)
-            return
-        w = value.lanes
-        operands = [value] + [self._ctx.load(v, at, w) if v.size > 1 else self._ctx.load(v, 0).splat(w) for v in self._further]
-        for out, result in zip(self._outputs, self._program(operands, w)):
-            self._ctx.store(out, at, result)
-
-
 def with_epilogue(op) -> RowBody:
     """A fused row op (`ranvier.ops.fused`: RMSNormCalculate and its kin): its row op's
     passes, each element of the row op's first output handed to the program as it is
@@ -629,12 +599,12 @@ def with_epilogue(op) -> RowBody:
     attrs, row_inputs, further, program_outputs, other_outputs = row_split(op.type, op.attrs, op.inputs, op.outputs)
     base = product_type(op.type)
     (first, *_) = op_def(base).infer_types(op.name, row_inputs, attrs)
-    unstored = _Unstored(f"{op.name}:row", first.dtype, tuple(first.shape))
+    unstored = Unstored(f"{op.name}:row", first.dtype, tuple(first.shape))
     body = ROW_OPS[base][0](Member(op.name, base, row_inputs, [unstored, *other_outputs], attrs))
     program = program_body(parse(op.attrs["expr"]), len(program_outputs))
 
     def fused(ctx, r):
-        body(_Epilogue(ctx, unstored, further, program_outputs, program), r)
+        body(StoreEpilogue(ctx, unstored, further, program_outputs, program), r)
 
     return fused
 

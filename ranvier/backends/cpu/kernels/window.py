@@ -6,9 +6,13 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .... import dtypes
-from ....ops import attrs_of
+from ....ops import attrs_of, op_def
+from ....ops.expression import parse
+from ....ops.fused import product_type, row_split
 from ....ops.nn import pool_params
+from ...llvm.formulas import program_body
 from ...llvm.loops import fill, for_vectors
+from ...llvm.store_epilogue import StoreEpilogue, Unstored
 from ...llvm.strided import View, attribute_view, contiguous_strides, dense_view
 from ...llvm.values import Value
 from ..parallel import share_out, thread_count, worth_splitting
@@ -137,59 +141,89 @@ def max_pool(ctx, op) -> None:
         share_out(ctx, rows, threads, share)
 
 
-def _full_precision(op) -> bool:
-    """float32 and float64: overlapping windows add into dx, which half precision would
-    round at each add where the reference rounds once."""
-    return op.outputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
+def _pool_gradient(op) -> tuple:
+    """(x, dy, dx's dtype, the epilogue's further inputs and outputs and its program) of a
+    MaxPoolGrad (no epilogue: its own output, no program) or a MaxPoolGradCalculate."""
+    if op.type == "MaxPoolGrad":
+        return *op.inputs, op.outputs[0].dtype, [], op.outputs, None
+    attrs, (x, dy), further, outputs, _ = row_split(op.type, op.attrs, op.inputs, op.outputs)
+    (dx,) = op_def(product_type(op.type)).infer_types(op.name, [x, dy], attrs)
+    return x, dy, dx.dtype, further, outputs, program_body(parse(op.attrs["expr"]), len(outputs))
 
 
-@kernel("WindowMaxGrad", {"MaxPoolGrad"}, supports=_full_precision)
+def _supported_gradient(op) -> bool:
+    """dx in float32 or float64: overlapping windows add into dx, which half precision would
+    round at each add where the reference rounds once. With an epilogue, they add up in the
+    program's first output (`ranvier.compiler.epilogue` puts one of dx's dtype first)."""
+    _, _, dtype, _, outputs, _ = _pool_gradient(op)
+    return dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and outputs[0].dtype == dtype
+
+
+@kernel("WindowMaxGrad", {"MaxPoolGrad", "MaxPoolGradCalculate"}, supports=_supported_gradient)
 def max_pool_grad(ctx, op) -> None:
     """Each window's gradient added where its first maximum lies, the window read in place:
     the decomposition's windows copy, arg-max, one-hot mask and scatter (8 of the MNIST CNN's
     38 ms training step) are one pass. A NaN is its window's maximum, as numpy's arg-max
     has it. Planes are shared out over the cores: a plane's windows touch only it, so
-    overlapping windows add in the reference's order."""
-    x, dy = op.inputs
-    dx = op.outputs[0]
+    overlapping windows add in the reference's order.
+
+    With an epilogue (MaxPoolGradCalculate: a CNN's ReLU gradient), tiled windows hand each
+    element of dx to the program as they write it, and dx is never stored; overlapping
+    ones add up a plane in the program's first output, then run the program over the plane
+    in place while it is in cache."""
+    x, dy, dtype, further, outputs, program = _pool_gradient(op)
     (kh, kw), (sh, sw), (ph, pw) = pool_params(attrs_of(op))
     _, _, height, width = x.shape
     planes, ho, wo = x.shape[0] * x.shape[1], dy.shape[2], dy.shape[3]
     area = height * width
+    unstored = Unstored(f"{op.name}:dx", dtype, tuple(x.shape))
+
+    def epilogue(ctx):
+        """The part's context: its stores of `unstored` run the program."""
+        return StoreEpilogue(ctx, unstored, further, outputs, program) if program else ctx
+
+    dx = outputs[0]
 
     def share(ctx, first: int | Value, last: int | Value) -> None:
         lanes = ctx.lanes_for([dx.dtype])
         for_vectors(ctx, first * area, (last - first) * area, lanes, lambda i, w: ctx.store(dx, i, ctx.constant(dx.dtype, 0.0, w)))
-        with ctx.loop(first, last, name="plane") as plane, ctx.loop(0, ho, name="yo") as yo, ctx.loop(0, wo, name="xo") as xo:
-            top, left = yo * sh - ph, xo * sw - pw
-            best = ctx.local(dx.dtype, initial=-float("inf"))
-            where = ctx.local(dtypes.DT_INT64, initial=-1)
+        with ctx.loop(first, last, name="plane") as plane:
+            with ctx.loop(0, ho, name="yo") as yo, ctx.loop(0, wo, name="xo") as xo:
+                top, left = yo * sh - ph, xo * sw - pw
+                best = ctx.local(dx.dtype, initial=-float("inf"))
+                where = ctx.local(dtypes.DT_INT64, initial=-1)
 
-            def visit(at: Value) -> None:
-                value, current = ctx.load(x, at), best.value
-                # the first maximum, a NaN counting as one (it stays once found)
-                better = (where.value < 0) | (current.equal(current) & ((value > current) | value.not_equal(value)))
-                best.set(better.where(value, current))
-                where.set(better.where(at, where.value))
+                def visit(at: Value) -> None:
+                    value, current = ctx.load(x, at), best.value
+                    # the first maximum, a NaN counting as one (it stays once found)
+                    better = (where.value < 0) | (current.equal(current) & ((value > current) | value.not_equal(value)))
+                    best.set(better.where(value, current))
+                    where.set(better.where(at, where.value))
 
-            inside = (top >= 0) & (top + kh <= height) & (left >= 0) & (left + kw <= width)
-            with ctx.b.if_else(inside.ir) as (interior, border):
-                with interior:  # every tap in the image: the taps unrolled
-                    corner = plane * area + top * width + left
-                    for i in range(kh):
-                        for j in range(kw):
-                            visit(corner + (i * width + j))
-                with border, ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
-                        ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
-                    visit(plane * area + iy * width + ix)
-            with ctx.when(where.value >= 0):
-                ctx.store(dx, where.value, ctx.load(dx, where.value) + ctx.load(dy, (plane * ho + yo) * wo + xo))
+                inside = (top >= 0) & (top + kh <= height) & (left >= 0) & (left + kw <= width)
+                with ctx.b.if_else(inside.ir) as (interior, border):
+                    with interior:  # every tap in the image: the taps unrolled
+                        corner = plane * area + top * width + left
+                        for i in range(kh):
+                            for j in range(kw):
+                                visit(corner + (i * width + j))
+                    with border, ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
+                            ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
+                        visit(plane * area + iy * width + ix)
+                with ctx.when(where.value >= 0):
+                    ctx.store(dx, where.value, ctx.load(dx, where.value) + ctx.load(dy, (plane * ho + yo) * wo + xo))
+            if program:
+                running = epilogue(ctx)
+                for_vectors(ctx, plane * area, area, lanes, lambda i, w: running.store(unstored, i, ctx.load(dx, i, w)))
 
     if not planes:
         return
-    threads = thread_count() if worth_splitting(nbytes=x.nbytes + dx.nbytes + dy.nbytes) else 1
-    tiled = _tiled_pairs(op)
-    share_out(ctx, planes, threads, _tiled_pairs_share(op) if tiled else share)
+    threads = thread_count() if worth_splitting(nbytes=sum(v.nbytes for v in (*op.inputs, *op.outputs))) else 1
+    if _tiled_pairs(op):
+        tiled = _tiled_pairs_share(x, dy, unstored if program else dx, kh)
+        share_out(ctx, planes, threads, lambda ctx, first, last: tiled(epilogue(ctx), first, last))
+    else:
+        share_out(ctx, planes, threads, share)
 
 
 def _tiled_pairs(op) -> bool:
@@ -200,17 +234,14 @@ def _tiled_pairs(op) -> bool:
     return kw == 2 and tuple(strides) == (kh, kw) and tuple(padding) == (0, 0) and height % kh == 0 and width % 2 == 0 and width >= 4
 
 
-def _tiled_pairs_share(op):
-    """MaxPoolGrad over planes [first, last) of tiled two-column windows, a vector of w
-    windows along an output row at a time: each row of taps is two vectors of the input
-    split into its even and odd columns, the first maximum (a NaN counting as one) kept
-    lane by lane as the scalar windows keep it, and every element of dx written once, the
-    window's gradient where its maximum lies and zero elsewhere (no zeroing pass, no
-    scattered adds). A row of windows not a multiple of w ends with a vector overlapping
+def _tiled_pairs_share(x, dy, dx, kh: int):
+    """MaxPoolGrad over planes [first, last) of tiled two-column windows `kh` rows high, a
+    vector of w windows along an output row at a time: each row of taps is two vectors of
+    the input split into its even and odd columns, the first maximum (a NaN counting as
+    one) kept lane by lane as the scalar windows keep it, and every element of dx written
+    once, the window's gradient where its maximum lies and zero elsewhere (no zeroing pass,
+    no scattered adds). A row of windows not a multiple of w ends with a vector overlapping
     the one before, which writes the same values again."""
-    x, dy = op.inputs
-    dx = op.outputs[0]
-    (kh, _), _, _ = pool_params(attrs_of(op))
     _, _, height, width = x.shape
     ho, wo = dy.shape[2], dy.shape[3]
 
