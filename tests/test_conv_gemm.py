@@ -85,6 +85,7 @@ def _no_winograd(monkeypatch):
     ConvTiles would: tests/test_conv_tiles.py)."""
     monkeypatch.setattr(winograd, "_MAX_PAIRS", 0)
     monkeypatch.setattr(conv, "FEW_FILTERS", 0)
+    monkeypatch.setattr(conv, "PLANE_FILTERS", 0)
 
 
 def _conv_cell(shape, filters, strides, padding, mask: str = ""):

@@ -1,10 +1,11 @@
-"""ConvTiles (kernels/conv.py): a convolution of few filters as each image's windows copied
-into scratch and multiplied there by tiles of filters × vectors of positions, against
+"""ConvTiles (kernels/conv.py): a convolution of few filters multiplied by tiles of filters ×
+vectors of positions, which read each image's windows from its padded planes (stride 1) or
+from a copy of them in scratch (other strides), against
 PyTorch's float64 convolution, on every vector variant, with the images shared out over one,
 two and three parts; whole tiles and narrower or lower ones at the edges, output positions
 past the last whole vector, strides, padding, rectangular filters, and a Conv2DCalculate's
 bias, residual and ReLU run over each image's output. Which convolutions it takes: few
-filters, and at least an image for each part."""
+filters (more with stride 1), and at least an image for each part."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ CASES = [
     ((3, 2, 8, 5), (13, 2, 2, 3), (2, 1), (1, 2)),  # rectangular filters, padding wider on one axis
     ((2, 5, 7, 7), (1, 5, 1, 1), (2, 2), (0, 0)),  # one filter, a 1 × 1 downsampling: 16 positions
     ((2, 3, 9, 8), (6, 3, 3, 5), (1, 1), (0, 2)),  # padding on one axis only, rectangular filters
+    ((2, 6, 10, 9), (41, 6, 7, 7), (1, 1), (3, 3)),  # 41 filters past 16: planes only, a last tile of one filter
+    ((3, 7, 6, 5), (64, 7, 1, 1), (1, 1), (0, 0)),  # 1 × 1 unpadded: the planes are the image, 64 filters
+    ((2, 2, 12, 3), (9, 2, 4, 2), (1, 1), (1, 0)),  # even filters, padded rows wider than the output
 ]
 
 
@@ -88,12 +92,15 @@ def test_many_filters_or_fewer_images_than_parts_stay_on_the_implicit_gemm(monke
     monkeypatch.setattr(conv, "thread_count", lambda: 2)
     monkeypatch.setattr(conv, "worth_splitting", lambda flops=0, nbytes=0: True)
     kernels = {}
-    for name, shape, filters in [("few", (2, 3, 9, 9), (conv.FEW_FILTERS, 3, 3, 3)),
-                                 ("many", (2, 3, 9, 9), (conv.FEW_FILTERS + 1, 3, 3, 3)),
-                                 ("one image", (1, 3, 9, 9), (4, 3, 3, 3))]:
-        cell, _ = _cell(shape, filters, (2, 2), (1, 1), "", fused=False)
+    for name, shape, filters, strides in [("few", (2, 3, 9, 9), (conv.FEW_FILTERS, 3, 3, 3), (2, 2)),
+                                          ("many", (2, 3, 9, 9), (conv.FEW_FILTERS + 1, 3, 3, 3), (2, 2)),
+                                          ("more on planes", (2, 3, 9, 9), (conv.PLANE_FILTERS, 3, 3, 3), (1, 1)),
+                                          ("too many on planes", (2, 3, 9, 9), (conv.PLANE_FILTERS + 1, 3, 3, 3), (1, 1)),
+                                          ("one image", (1, 3, 9, 9), (4, 3, 3, 3), (1, 1))]:
+        cell, _ = _cell(shape, filters, strides, (1, 1), "", fused=False)
         kernels[name] = cell.steps[0].kernel
-    assert kernels == {"few": conv.TILES_KERNEL, "many": "ConvGemm", "one image": "ConvGemm"}
+    assert kernels == {"few": conv.TILES_KERNEL, "many": "ConvGemm", "more on planes": conv.TILES_KERNEL,
+                       "too many on planes": "ConvGemm", "one image": "ConvGemm"}
 
 
 def test_the_printed_cell_names_the_tiles():

@@ -248,7 +248,7 @@ def test_a_convolutions_matrix_is_its_channels_by_positions():
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize(("size", "filters", "kernel"), [(3, 8, "WinogradConv"), (1, 8, "ConvTiles"), (1, 24, "ConvGemm")])
+@pytest.mark.parametrize(("size", "filters", "kernel"), [(3, 8, "WinogradConv"), (1, 24, "ConvTiles"), (1, 72, "ConvGemm")])
 def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilogue(batch, mask, size, filters, kernel):
     """relu(conv(x, w) + bias + skip), and a ReLU alone after a convolution, each one
     Conv2DCalculate on the convolution's kernel (Winograd's for 3 × 3 filters; for 1 × 1 the
