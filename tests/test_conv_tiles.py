@@ -106,3 +106,12 @@ def test_many_filters_or_fewer_images_than_parts_stay_on_the_implicit_gemm(monke
 def test_the_printed_cell_names_the_tiles():
     cell, _ = _cell((1, 3, 8, 8), (4, 3, 3, 3), (2, 2), (1, 1), "", fused=False)
     assert conv.TILES_KERNEL in str(cell)
+
+
+def test_a_three_by_three_convolution_of_few_channels_and_filters_takes_the_tiles_before_winograd(monkeypatch):
+    monkeypatch.setattr(winograd, "_MAX_PAIRS", 256 * 256)
+    monkeypatch.setattr(conv, "thread_count", lambda: 2)
+    monkeypatch.setattr(conv, "worth_splitting", lambda flops=0, nbytes=0: True)
+    few, _ = _cell((2, 8, 9, 9), (conv.WINOGRAD_PAIRS // 8, 8, 3, 3), (1, 1), (1, 1), "", fused=False)
+    more, _ = _cell((2, 8, 9, 9), (conv.WINOGRAD_PAIRS // 8 + 1, 8, 3, 3), (1, 1), (1, 1), "", fused=False)
+    assert (few.steps[0].kernel, more.steps[0].kernel) == (conv.TILES_KERNEL, "WinogradConv")

@@ -204,8 +204,10 @@ if threads <= len(cores):
 else:  # more parts than this machine has cores (a 16-core host's code), its pool's threads sharing them
     os.sched_getaffinity = lambda pid: set(range(threads))
 import ranvier as rv
+from ranvier.backends.cpu.kernels import conv
 from ranvier.backends.cpu.parallel import thread_count
 assert thread_count() == int(sys.argv[1])
+conv.WINOGRAD_PAIRS = 0  # the stride-1 convolution is Winograd's, not the tiles'
 rng = np.random.default_rng(0)
 shapes = {"a": [37, 29], "b": [29, 45], "at": [29, 37], "bt": [45, 29], "batch": [6, 37, 29], "other": [6, 29, 45],
           "v": [1, 29], "ka": [16, 777], "kb": [777, 40], "kat": [777, 16], "kbt": [40, 777], "x": [67, 131], "g": [131], "image": [1, 3, 12, 12], "images": [3, 3, 12, 12], "filters": [5, 3, 3, 3], "many": [20, 3, 3, 3]}

@@ -5,7 +5,8 @@ PyTorch's float64 convolution for each vector variant and each form, with consta
 every edge of its loops (outputs of odd sizes, tile rows padded to whole vectors, padding 0
 to 2, a last block of fewer rows, channels past one slice of the GEMM's k), with a
 Conv2DCalculate's program, and for each way of sharing the work out (images, blocks of tile
-rows, filters); which form each convolution takes, and which convolutions it takes."""
+rows, filters); which form each convolution takes, and which convolutions it takes (with
+the tiles' share of them, those of at most `conv.WINOGRAD_PAIRS`, turned off)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ from helpers import random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
-from ranvier.backends.cpu.kernels import winograd
+from ranvier.backends.cpu.kernels import conv, winograd
 
 MASKS = ["", "-avx512", "-avx512,-avx2"]
+
+
+@pytest.fixture(autouse=True)
+def _winograds_own(monkeypatch):
+    """Every 3 × 3 stride-1 convolution here Winograd's: the tiles, tried first, would take
+    those of few channels and filters (tests/test_conv_tiles.py)."""
+    monkeypatch.setattr(conv, "WINOGRAD_PAIRS", 0)
 
 
 FORMS = {form.name: form for form in winograd.FORMS}
