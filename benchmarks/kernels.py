@@ -5,9 +5,10 @@
 # cross-entropy with int64 targets, Adam's update over moments decayed into subnormals (ranvier
 # flushing them, as its trainers compile; the peers computing with them), float32 GEMM
 # (square and MLP-shaped; again with ranvier in mixed
-# precision, bf16 inputs and float32 sums on AMX, where the CPU has it), and the MNIST CNN's
-# 5 × 5 convolutions over a batch: the second one forward and both filter gradients (numpy as
-# an einsum over the padded input's windows). Options: --repeats N,
+# precision, bf16 inputs and float32 sums on AMX, where the CPU has it), the MNIST CNN's
+# 5 × 5 convolutions over a batch: the second one forward, its input gradient's (a convolution
+# of 16 channels into 8) and both filter gradients, and a small CIFAR-style 3 × 3 convolution
+# (numpy as an einsum over the padded input's windows). Options: --repeats N,
 # --warmup N, --quick (smaller sizes for a smoke run).
 #
 # Each round times every implementation once, in turn (`time_in_turns`: each timed call after
@@ -263,37 +264,40 @@ def _conv_windows(x: np.ndarray, size: int, padding: int) -> np.ndarray:
 
 
 def bench_conv(images: int, channels: int, side: int, filters: int, rng: np.random.Generator,
-               filter_gradient: bool = False) -> BenchmarkAndResult:
-    """A 5 × 5 convolution of padding 2 (the MNIST CNN's), or its filter gradient: dw from
-    the input and the output's gradient, as a training step computes it."""
+               filter_gradient: bool = False, size: int = 5) -> BenchmarkAndResult:
+    """A `size` × `size` convolution of stride 1 and "same" padding (the MNIST CNN's 5 × 5),
+    or its filter gradient: dw from the input and the output's gradient, as a training step
+    computes it."""
+    padding = size // 2
     x = rng.standard_normal((images, channels, side, side), dtype=np.float32)
-    w = rng.standard_normal((filters, channels, 5, 5), dtype=np.float32)
+    w = rng.standard_normal((filters, channels, size, size), dtype=np.float32)
     dy = rng.standard_normal((images, filters, side, side), dtype=np.float32)
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     vx = f.var("x", rv.DT_FLOAT, list(x.shape))
     if filter_gradient:
         second, value = f.var("dy", rv.DT_FLOAT, list(dy.shape)), dy
-        vy = f.op("Conv2DBackpropFilter", [vx, second], attrs={"strides": [1, 1], "padding": [2, 2], "filter_shape": list(w.shape)})
+        vy = f.op("Conv2DBackpropFilter", [vx, second],
+                  attrs={"strides": [1, 1], "padding": [padding, padding], "filter_shape": list(w.shape)})
     else:
         second, value = f.var("w", rv.DT_FLOAT, list(w.shape)), w
-        vy = f.conv2d(vx, second, padding=2)
+        vy = f.conv2d(vx, second, padding=padding)
     vy.var.out = True
     cell, kernels = compile_cell(flow)
     result, compute = ranvier_run(cell, {vx: x, second: value}, vy)
     tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
     if filter_gradient:
-        runs = {"numpy": lambda: np.einsum("nchwij,nohw->ocij", _conv_windows(x, 5, 2), dy, optimize=True),
-                "torch": lambda: torch.nn.grad.conv2d_weight(tx, list(w.shape), tdy, padding=2)}
-        name = f"conv 5x5 filter gradient [{images}x{channels}x{side}x{side}] -> [{filters}x{channels}x5x5]"
+        runs = {"numpy": lambda: np.einsum("nchwij,nohw->ocij", _conv_windows(x, size, padding), dy, optimize=True),
+                "torch": lambda: torch.nn.grad.conv2d_weight(tx, list(w.shape), tdy, padding=padding)}
+        name = f"conv {size}x{size} filter gradient [{images}x{channels}x{side}x{side}] -> [{filters}x{channels}x{size}x{size}]"
     else:
-        runs = {"numpy": lambda: np.einsum("nchwij,ocij->nohw", _conv_windows(x, 5, 2), w, optimize=True),
-                "torch": lambda: F.conv2d(tx, tw, padding=2)}
-        name = f"conv 5x5 [{images}x{channels}x{side}x{side}] * [{filters}x{channels}x5x5]"
+        runs = {"numpy": lambda: np.einsum("nchwij,ocij->nohw", _conv_windows(x, size, padding), w, optimize=True),
+                "torch": lambda: F.conv2d(tx, tw, padding=padding)}
+        name = f"conv {size}x{size} [{images}x{channels}x{side}x{side}] * [{filters}x{channels}x{size}x{size}]"
     return Benchmark(
         name,
         {"ranvier": compute, **runs},
-        work=2 * images * filters * side * side * channels * 25,
+        work=2 * images * filters * side * side * channels * size * size,
         compute_bound=True,
         kernels=kernels,
         rtol=1e-3,
@@ -368,8 +372,10 @@ def main() -> None:
         lambda: bench_gemm(square, square, square, rng),
         lambda: bench_gemm(128, 784, 256, rng),
         lambda: bench_conv(images, 8, 14, 16, rng),
+        lambda: bench_conv(images, 16, 14, 8, rng),
         lambda: bench_conv(images, 8, 14, 16, rng, filter_gradient=True),
         lambda: bench_conv(images, 1, 28, 8, rng, filter_gradient=True),
+        lambda: bench_conv(images // 2, 16, 32, 16, rng, size=3),
     ]
     if amx_usable(host_target()):
         benchmarks += [lambda: bench_gemm(square, square, square, rng, "bfloat16"), lambda: bench_gemm(128, 784, 256, rng, "bfloat16")]
