@@ -65,6 +65,33 @@ def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, mask, m
         assert np.all(np.abs(got - want) <= (1e-6 if dtype == "float32" else 1e-13) * bound + 1e-30)
 
 
+@pytest.mark.parametrize("mask", [m for m, dtype in VARIANTS if dtype == "float32"])
+def test_the_filter_gradient_on_planes_reads_nothing_past_a_row(mask):
+    """An infinity in the image's last column: the taps whose windows hold it take it, the
+    others stay finite, though a row's last vector of the padded planes reads it past the
+    output row's end (masked off there, where dy's zeros would make it a NaN)."""
+    x_value = random_array((2, 2, 6, 10), "float32", seed=3)
+    x_value[0, 1, 2, 9] = np.inf
+    dy_value = random_array((2, 3, 6, 10), "float32", seed=4)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, dy = f.var("x", "float32", x_value.shape), f.var("dy", "float32", dy_value.shape)
+    dw = f.op("Conv2DBackpropFilter", [x, dy], attrs={"strides": [1, 1], "padding": [1, 1], "filter_shape": [3, 2, 3, 3]})
+    dw.var.out = True
+    cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    assert conv._gradient_planes(cell.steps[0].op) is not None
+    data = cell.instance()
+    data[x], data[dy] = x_value, dy_value
+    data.compute()
+    got = np.array(data[dw])
+    want = torch.nn.grad.conv2d_weight(torch.tensor(x_value, dtype=torch.float64), [3, 2, 3, 3],
+                                       torch.tensor(dy_value, dtype=torch.float64), padding=1).numpy()
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    assert np.isfinite(want).any() and not np.isfinite(want).all()
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
 POOL_CASES = [
     ((2, 3, 8, 8), (2, 2), None, (0, 0)),  # a CNN's 2 × 2 pooling: windows apart, tiling the image
     ((1, 2, 28, 28), (2, 2), None, (0, 0)),  # MNIST's first: rows of 14 windows, the last vector overlapping

@@ -6,7 +6,8 @@ decomposition's Pad, StridedView and their memory traffic (for ResNet-18 at batc
 a Conv2DCalculate's program (bias, activation, residual) runs over each block after its call.
 
 A convolution of few filters (`ConvTiles`) and a filter gradient (`ConvFilterGemm`) instead
-copy one image's windows at a time into scratch and multiply them there in register tiles.
+multiply one image at a time in register tiles, reading its windows from its padded planes
+(stride 1: `_Planes`) or from a copy of them in scratch.
 """
 
 from __future__ import annotations
@@ -164,20 +165,41 @@ class _Planes:
         return self.out_height * self.width
 
     def length(self, lanes: int) -> int:
-        """Elements of the padded image, and past it as far as the last tap's last vector reads."""
+        """Elements of the padded image, and past it as far as the last tap's last vector
+        reads: the wide positions' (a convolution's), or its last row's (a filter gradient's)."""
         reach = (self.kernel_height - 1) * self.width + self.kernel_width - 1
-        return (self.channels - 1) * self.plane + reach + _windows_stride(self.wide, lanes)
+        last = max(_windows_stride(self.wide, lanes), (self.out_height - 1) * self.width + _windows_stride(self.out_width, lanes))
+        return (self.channels - 1) * self.plane + reach + last
+
+    def tap_row(self, t: Value | int) -> Value | int:
+        """Where tap t's row of windows starts in the planes."""
+        area = self.kernel_height * self.kernel_width
+        return (t // area) * self.plane + (t % area // self.kernel_width) * self.width + t % self.kernel_width
 
 
 def _planes(op) -> _Planes | None:
-    """The padded planes of a stride-1 convolution; None for another stride (its windows
-    are copied instead)."""
+    """The padded planes of a stride-1 convolution (or of its filter gradient's input); None
+    for another stride (its windows are copied instead)."""
     attrs = attrs_of(op)
     if tuple(attrs["strides"]) != (1, 1):
         return None
-    (_, channels, height, width), (pad_height, pad_width) = op.inputs[0].shape, attrs["padding"]
-    return _Planes(channels, height + 2 * pad_height, width + 2 * pad_width, *op.inputs[1].shape[2:],
-                   *op.outputs[0].shape[2:])
+    x, second = op.inputs[0], op.inputs[1]
+    gradient = op.type == "Conv2DBackpropFilter"
+    kernel_shape = attrs["filter_shape"][2:] if gradient else second.shape[2:]
+    (_, channels, height, width), (pad_height, pad_width) = x.shape, attrs["padding"]
+    return _Planes(channels, height + 2 * pad_height, width + 2 * pad_width, *kernel_shape,
+                   *(second if gradient else op.outputs[0]).shape[2:])
+
+
+def _copy_planes(ctx, op, image: Value, planes: _Planes, padded) -> None:
+    """The inside of image `image` of `op`'s input into its padded planes `padded` (whose
+    padding is zero already)."""
+    x = op.inputs[0]
+    (_, channels, height, width), (pad_height, pad_width) = x.shape, attrs_of(op)["padding"]
+    with ctx.loop(0, channels * height, name="row") as row:
+        c, r = row // height, row % height
+        _copy_run(ctx, x, (image * channels + c) * (height * width) + r * width, padded,
+                  c * planes.plane + (r + pad_height) * planes.width + pad_width, width, ctx.lanes_for([x.dtype]))
 
 
 def _tiles_share(op) -> int:
@@ -199,7 +221,7 @@ def conv_tiles(ctx, op) -> None:
     (`_Planes`; the rows' ends computed and dropped as the output is gathered from across
     the planes' width), else each image's windows are copied into scratch
     (`_copy_windows`) and read there."""
-    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    w, y = op.inputs[1], op.outputs[0]
     _, filters, positions, taps = _sizes(op)
     f32 = dtypes.DT_FLOAT32
     lanes = ctx.lanes_for([f32])
@@ -239,19 +261,15 @@ def conv_tiles(ctx, op) -> None:
         computed = ctx.scratch(f"{op.name}/wide", f32, filters * wide, ctx.b.gep(scratch, [i64(length)]))
         # the padding, once: each image writes only the inside
         for_vectors(ctx, 0, length, lanes, lambda at, n: ctx.store(image_planes, at, ctx.constant(f32, 0.0, n)))
-        (_, channels, height, width), (pad_height, pad_width) = x.shape, attrs_of(op)["padding"]
         kernel_height, kernel_width = planes.kernel_height, planes.kernel_width
 
         def each_tap(body) -> None:
-            with ctx.loop(0, channels, name="channel") as c, ctx.loop(0, kernel_height, name="ki") as i:
+            with ctx.loop(0, planes.channels, name="channel") as c, ctx.loop(0, kernel_height, name="ki") as i:
                 for j in range(kernel_width):
                     body((c * kernel_height + i) * kernel_width + j, c * planes.plane + i * planes.width + j)
 
         with ctx.loop(first, last, name="image") as image:
-            with ctx.loop(0, channels * height, name="row") as row:
-                c, r = row // height, row % height
-                _copy_run(ctx, x, (image * channels + c) * (height * width) + r * width, image_planes,
-                          c * planes.plane + (r + pad_height) * planes.width + pad_width, width, lanes)
+            _copy_planes(ctx, op, image, planes, image_planes)
             _tile_products(ctx, w, image_planes, each_tap, computed, 0, filters, taps, wide, lanes)
             at = image * (filters * positions)
             with ctx.loop(0, filters * planes.out_height, name="out_row") as row:
@@ -421,12 +439,22 @@ def _filter_gradient_parts(op) -> list[tuple[int, int]]:
 
 
 def _filter_gradient_share(op) -> int:
-    """A part's scratch in elements: one image's windows [taps, positions] and its own sum
-    of dw (in float32 a vector of partial sums per element, `_MAX_LANES` wide)."""
+    """A part's scratch in elements: its own sum of dw (in float32 a vector of partial sums
+    per element, `_MAX_LANES` wide), then one image's windows [taps, positions] or, with
+    padded planes, the image's planes and its dy with rows whole vectors long."""
     dy = op.inputs[1]
     taps = math.prod(op.outputs[0].shape[1:])
     sums = op.outputs[0].size * (_MAX_LANES if _dot_tiled(op) else 1)
-    return taps * (dy.shape[2] * dy.shape[3]) + sums
+    planes = _gradient_planes(op)
+    if planes is None:
+        return sums + taps * (dy.shape[2] * dy.shape[3])
+    rows = dy.shape[1] * planes.out_height * _windows_stride(planes.out_width, _MAX_LANES)
+    return sums + _windows_stride(planes.length(_MAX_LANES), _MAX_LANES) + rows
+
+
+def _gradient_planes(op) -> _Planes | None:
+    """The padded planes a float32 filter gradient of stride 1 reads its windows from."""
+    return _planes(op) if _dot_tiled(op) else None
 
 
 def _dot_tiled(op) -> bool:
@@ -454,7 +482,12 @@ def conv_filter_gradient(ctx, op) -> None:
     contiguous rows. In float32 these are computed in tiles (`_add_dot_tiles`): no packing,
     and every lane of every multiply-add is dw's, where a BLAS call per image spent as long
     packing its few rows (8 filters of 25 taps: 31 GFLOP/s) as multiplying. In float64 each
-    image is one BLAS call."""
+    image is one BLAS call.
+
+    With stride 1, the float32 tiles read the windows from the image's padded planes instead
+    (`_Planes`, as ConvTiles does), output row by output row, and dy from a copy whose rows
+    are whole vectors: the planes and dy stay in L1, where the copied windows (the MNIST CNN's
+    second: 156 KiB an image) streamed from L2."""
     dy, dw = op.inputs[1], op.outputs[0]
     (_, filters, out_height, out_width) = dy.shape
     taps, positions = math.prod(dw.shape[1:]), out_height * out_width
@@ -464,33 +497,52 @@ def conv_filter_gradient(ctx, op) -> None:
     lanes = ctx.lanes_for([dw.dtype])
     sum_lanes = lanes if _dot_tiled(op) else 1
 
+    planes = _gradient_planes(op)
+
     def scratch(ctx, number: int) -> tuple[ir.Value, ir.Value]:
-        """A part's windows and its sum of dw."""
+        """A part's sum of dw, and the rest of its scratch."""
         base = ctx.b.bitcast(ctx.address(ctx.workspace), element.as_pointer())
-        windows = ctx.b.gep(base, [i64(number * share)])
-        return windows, ctx.b.gep(windows, [i64(taps * positions)])
+        total = ctx.b.gep(base, [i64(number * share)])
+        return total, ctx.b.gep(total, [i64(dw.size * sum_lanes)])
 
     def part(number: int, first: int, last: int):
         def emit(ctx) -> None:
-            windows, total = scratch(ctx, number)
+            total, rest = scratch(ctx, number)
             for_vectors(ctx, 0, dw.size * sum_lanes, lanes,
                         lambda i, w: store(ctx.b, ctx.constant(dw.dtype, 0.0, w).ir, total, i.ir, element, w))
+            if planes is not None:
+                on_planes(ctx, first, last, ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total), rest)
+                return
             blas = None if _dot_tiled(op) else Blas(ctx, dw.dtype)
             with ctx.loop(first, last, name="image") as image:
-                _copy_windows(ctx, op, image, windows, positions)
+                _copy_windows(ctx, op, image, rest, positions)
                 if blas is None:
-                    rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, windows)
+                    rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, rest)
                     sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total)
-                    _add_dot_tiles(ctx, dy, image * (filters * positions), rows, sums, filters, taps, positions, lanes)
+                    _add_dot_tiles(ctx, sums, filters, taps, lanes, _flat_positions(ctx, dy, rows, image * (filters * positions), taps, positions, lanes))
                 else:
                     gradient = ctx.b.gep(ctx.pointer(dy), [(image * (filters * positions)).ir])
-                    blas.gemm(False, True, filters, taps, positions, gradient, positions, windows, positions, total, taps,
+                    blas.gemm(False, True, filters, taps, positions, gradient, positions, rest, positions, total, taps,
                               add=True)
 
         return emit
 
+    def on_planes(ctx, first: int, last: int, sums, rest: ir.Value) -> None:
+        """The part's images from their padded planes, each dy row copied to a whole number of
+        vectors (zeros past its end, so the last vector of a row adds nothing there)."""
+        length, row = _windows_stride(planes.length(lanes), lanes), _windows_stride(out_width, lanes)
+        padded = ctx.scratch(f"{op.name}/planes", dw.dtype, length, rest)
+        rows = ctx.scratch(f"{op.name}/rows", dw.dtype, filters * out_height * row, ctx.b.gep(rest, [i64(length)]))
+        for area, count in ((padded, length), (rows, filters * out_height * row)):
+            for_vectors(ctx, 0, count, lanes, lambda at, n, area=area: ctx.store(area, at, ctx.constant(dw.dtype, 0.0, n)))
+        with ctx.loop(first, last, name="image") as image:
+            _copy_planes(ctx, op, image, planes, padded)
+            with ctx.loop(0, filters * out_height, name="dy_row") as r:
+                _copy_run(ctx, dy, image * (filters * positions) + r * out_width, rows, r * row, out_width, lanes)
+            _add_dot_tiles(ctx, sums, filters, taps, lanes, _plane_positions(ctx, rows, padded, planes, lanes))
+
     run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(parts)])
-    sums = [scratch(ctx, number)[1] for number in range(len(parts))]
+    sums = [scratch(ctx, number)[0] for number in range(len(parts))]
 
     def add_parts(i, w):
         total = Value(ctx.b, load(ctx.b, sums[0], i.ir, element, w), dw.dtype)
@@ -507,13 +559,14 @@ def conv_filter_gradient(ctx, op) -> None:
         ctx.store(dw, i, fold_lanes(total, operator.add))
 
 
-def _add_dot_tiles(ctx, dy, at: Value, windows, sums, filters: int, taps: int, positions: int, lanes: int) -> None:
+def _add_dot_tiles(ctx, sums, filters: int, taps: int, lanes: int, walk) -> None:
     """sums[f, t] += dy[f, :] · windows[t, :] as vectors of partial sums (lane l holds the
-    terms of positions ≡ l modulo the lanes; a short last stretch goes to lane 0), for dy's
-    rows from element `at`, in tiles of `TILE_FILTERS` × `TILE_TAPS` and narrower ones at the
-    edges, each tile's sums held in registers along the positions."""
+    terms of positions ≡ l modulo the lanes; a short last stretch goes to lane 0), in tiles of
+    `TILE_FILTERS` × `TILE_TAPS` and narrower ones at the edges, each tile's sums held in
+    registers along the positions. `walk(f0, t0, height, width, step, vectors, scalars)` runs
+    over the positions (`_flat_positions`, `_plane_positions`), calling `step(loads of dy's
+    rows, loads of the taps' rows, sums)` at each."""
     f32 = dtypes.DT_FLOAT32
-    whole = positions - positions % lanes
 
     def tile(f0: Value | int, t0: Value | int, height: int, width: int) -> None:
         def at_sum(f: int, t: int) -> Value:
@@ -522,24 +575,62 @@ def _add_dot_tiles(ctx, dy, at: Value, windows, sums, filters: int, taps: int, p
         vectors = [[ctx.local(f32, lanes, ctx.load(sums, at_sum(f, t), lanes)) for t in range(width)] for f in range(height)]
         scalars = [[ctx.local(f32, 1, 0.0) for _ in range(width)] for _ in range(height)]
 
-        def step(p, w: int, into) -> None:
-            taps_now = [ctx.load(windows, (t0 + t) * positions + p, w) for t in range(width)]
-            for f in range(height):
-                factor = ctx.load(dy, at + (f0 + f) * positions + p, w)
+        def step(factors: list[Value], taps_now: list[Value], into) -> None:
+            for f, factor in enumerate(factors):
                 for t, total in enumerate(into[f]):
                     total.set(factor.mul_add(taps_now[t], total.value))
 
-        if whole:
-            with ctx.loop(0, whole, step=lanes, name="p") as p:
-                step(p, lanes, vectors)
-        if whole < positions:
-            with ctx.loop(whole, positions, name="pt") as p:
-                step(p, 1, scalars)
+        tails = walk(f0, t0, height, width, step, vectors, scalars)
         for f in range(height):
             for t in range(width):
                 ctx.store(sums, at_sum(f, t), vectors[f][t].value)
-                if whole < positions:
+                if tails:
                     ctx.store(sums, at_sum(f, t), ctx.load(sums, at_sum(f, t)) + scalars[f][t].value)
 
     _by_tiles(ctx, filters, TILE_FILTERS, "f0",
               lambda f0, height: _by_tiles(ctx, taps, TILE_TAPS, "t0", lambda t0, width: tile(f0, t0, height, width)))
+
+
+def _flat_positions(ctx, dy, windows, at: Value, taps: int, positions: int, lanes: int):
+    """The walk of `_add_dot_tiles` over an image's copied windows [taps, positions] and its dy
+    rows from element `at`: whole vectors of positions, then one at a time into the scalar
+    sums. Returns whether there were any."""
+    whole = positions - positions % lanes
+
+    def walk(f0, t0, height: int, width: int, step, vectors, scalars) -> bool:
+        def loads(p, w: int):
+            return ([ctx.load(dy, at + (f0 + f) * positions + p, w) for f in range(height)],
+                    [ctx.load(windows, (t0 + t) * positions + p, w) for t in range(width)])
+
+        if whole:
+            with ctx.loop(0, whole, step=lanes, name="p") as p:
+                step(*loads(p, lanes), vectors)
+        if whole < positions:
+            with ctx.loop(whole, positions, name="pt") as p:
+                step(*loads(p, 1), scalars)
+        return whole < positions
+
+    return walk
+
+
+def _plane_positions(ctx, rows, padded, planes: _Planes, lanes: int):
+    """The walk of `_add_dot_tiles` over an image's padded planes and its dy `rows` (each a
+    whole number of vectors, zeros past the output's width): row by row of the output, its
+    vectors unrolled; a row's last vector reads the planes past the row, which count nothing,
+    masked to zero (the zeros of dy would turn an infinity there into a NaN)."""
+    row = _windows_stride(planes.out_width, lanes)
+    valid = planes.out_width - (row - lanes)
+    mask = ctx.lane_numbers(lanes) < valid if valid < lanes else None
+
+    def walk(f0, t0, height: int, width: int, step, vectors, scalars) -> bool:
+        starts = [planes.tap_row(t0 + t) for t in range(width)]
+        with ctx.loop(0, planes.out_height, name="yo") as y:
+            for v in range(0, row, lanes):
+                factors = [ctx.load(rows, ((f0 + f) * planes.out_height + y) * row + v, lanes) for f in range(height)]
+                taps_now = [ctx.load(padded, start + y * planes.width + v, lanes) for start in starts]
+                if mask is not None and v == row - lanes:
+                    taps_now = [mask.where(value, 0.0) for value in taps_now]
+                step(factors, taps_now, vectors)
+        return False
+
+    return walk
