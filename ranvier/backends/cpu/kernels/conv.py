@@ -143,10 +143,10 @@ def _windows_stride(positions: int, lanes: int) -> int:
 @dataclass(frozen=True)
 class _Planes:
     """A stride-1 convolution's image padded once into planes (channels × height × width,
-    the padding included), where tap (c, i, j)'s row of windows is the run of the padded
-    image from c·plane + i·width + j: its `wide` positions are the output's rows computed
-    across the whole padded width, of which the first `out_width` of each are the output's
-    and the rest are never stored. No windows are copied: the image and its padding are."""
+    the padding included), where tap (c, i, j)'s windows for output row y are the run of the
+    planes from c·plane + (i + y)·width + j: a row of the output read as whole vectors (its
+    last one past the row's end, which is computed and dropped, or masked) is contiguous
+    there. No windows are copied: the image and its padding are."""
 
     channels: int
     height: int
@@ -160,16 +160,11 @@ class _Planes:
     def plane(self) -> int:
         return self.height * self.width
 
-    @property
-    def wide(self) -> int:
-        return self.out_height * self.width
-
     def length(self, lanes: int) -> int:
-        """Elements of the padded image, and past it as far as the last tap's last vector
-        reads: the wide positions' (a convolution's), or its last row's (a filter gradient's)."""
+        """Elements of the padded image, and past it as far as the last tap's last vector of
+        the last output row reads."""
         reach = (self.kernel_height - 1) * self.width + self.kernel_width - 1
-        last = max(_windows_stride(self.wide, lanes), (self.out_height - 1) * self.width + _windows_stride(self.out_width, lanes))
-        return (self.channels - 1) * self.plane + reach + last
+        return (self.channels - 1) * self.plane + reach + (self.out_height - 1) * self.width + _windows_stride(self.out_width, lanes)
 
     def tap_row(self, t: Value | int) -> Value | int:
         """Where tap t's row of windows starts in the planes."""
@@ -203,13 +198,14 @@ def _copy_planes(ctx, op, image: Value, planes: _Planes, padded) -> None:
 
 
 def _tiles_share(op) -> int:
-    """A part's scratch in elements: one image's padded planes and the output computed across
-    their width, or one image's windows, rows whole vectors apart."""
+    """A part's scratch in elements: one image's padded planes and its output with rows whole
+    vectors long, or one image's windows, rows whole vectors apart."""
     _, filters, positions, taps = _sizes(op)
     planes = _planes(op)
     if planes is None:
         return taps * _windows_stride(positions, _MAX_LANES)
-    return _windows_stride(planes.length(_MAX_LANES), _MAX_LANES) + filters * _windows_stride(planes.wide, _MAX_LANES)
+    rows = planes.out_height * _windows_stride(planes.out_width, _MAX_LANES)
+    return _windows_stride(planes.length(_MAX_LANES), _MAX_LANES) + filters * rows
 
 
 @kernel(TILES_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_tiled, first=True,
@@ -218,8 +214,8 @@ def conv_tiles(ctx, op) -> None:
     """y[image] [O, Ho·Wo] = W · windows, a part's images one at a time, multiplied in
     register tiles (`_tile_products`), then the Conv2DCalculate's program over the image's
     output while it is in cache. With stride 1 the tiles read the image's padded planes
-    (`_Planes`; the rows' ends computed and dropped as the output is gathered from across
-    the planes' width), else each image's windows are copied into scratch
+    (`_Planes`: each output row rounded up to whole vectors, the extra columns computed and
+    dropped as the output is gathered), else each image's windows are copied into scratch
     (`_copy_windows`) and read there."""
     w, y = op.inputs[1], op.outputs[0]
     _, filters, positions, taps = _sizes(op)
@@ -256,9 +252,11 @@ def conv_tiles(ctx, op) -> None:
             epilogue(ctx, op, at, filters, positions)
 
     def padded(ctx, scratch: ir.Value, first: int, last: int) -> None:
-        length, wide = _windows_stride(planes.length(lanes), lanes), _windows_stride(planes.wide, lanes)
+        # the output's rows rounded up to whole vectors: position p is row p // row, column p % row
+        length, row = _windows_stride(planes.length(lanes), lanes), _windows_stride(planes.out_width, lanes)
         image_planes = ctx.scratch(f"{op.name}/planes", f32, length, scratch)
-        computed = ctx.scratch(f"{op.name}/wide", f32, filters * wide, ctx.b.gep(scratch, [i64(length)]))
+        rows = planes.out_height * row
+        computed = ctx.scratch(f"{op.name}/rows", f32, filters * rows, ctx.b.gep(scratch, [i64(length)]))
         # the padding, once: each image writes only the inside
         for_vectors(ctx, 0, length, lanes, lambda at, n: ctx.store(image_planes, at, ctx.constant(f32, 0.0, n)))
         kernel_height, kernel_width = planes.kernel_height, planes.kernel_width
@@ -268,14 +266,15 @@ def conv_tiles(ctx, op) -> None:
                 for j in range(kernel_width):
                     body((c * kernel_height + i) * kernel_width + j, c * planes.plane + i * planes.width + j)
 
+        def in_planes(p: Value | int) -> Value | int:
+            return p // row * planes.width + p % row
+
         with ctx.loop(first, last, name="image") as image:
             _copy_planes(ctx, op, image, planes, image_planes)
-            _tile_products(ctx, w, image_planes, each_tap, computed, 0, filters, taps, wide, lanes)
+            _tile_products(ctx, w, image_planes, each_tap, computed, 0, filters, taps, rows, lanes, in_planes)
             at = image * (filters * positions)
-            with ctx.loop(0, filters * planes.out_height, name="out_row") as row:
-                f, r = row // planes.out_height, row % planes.out_height
-                _copy_run(ctx, computed, f * wide + r * planes.width, y, at + f * positions + r * planes.out_width,
-                          planes.out_width, lanes)
+            with ctx.loop(0, filters * planes.out_height, name="out_row") as r:
+                _copy_run(ctx, computed, r * row, y, at + r * planes.out_width, planes.out_width, lanes)
             epilogue(ctx, op, at, filters, positions)
 
     run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_tile_parts(op))])
@@ -292,20 +291,22 @@ def _copy_run(ctx, source, source_at: Value, target, target_at: Value, count: in
 
 
 def _tile_products(ctx, w, windows, each_tap, y, at: Value | int, filters: int, taps: int, positions: int,
-                   lanes: int) -> None:
+                   lanes: int, in_windows=lambda p: p) -> None:
     """y[f, p] = Σ_t w[f, t] · windows[t, p] for y's rows from element `at`: tiles of
     `TILE_FILTERS` filters by `_TILE_VECTORS` vectors of positions, each output vector a
     register along the taps, which read a row of windows per step (`each_tap(body)` calls
-    `body(t, where tap t's row starts)`); a column of tiles reads the same stretch of
-    windows, so it stays in L1 while the column's filters go by. The last tiles may be
-    narrower or lower; their vectors past the positions are not stored."""
+    `body(t, where tap t's row starts)`, and position p of it is `in_windows(p)` further, a
+    vector's positions contiguous); a column of tiles reads the same stretch of windows, so
+    it stays in L1 while the column's filters go by. The last tiles may be narrower or lower;
+    their vectors past the positions are not stored."""
     f32 = dtypes.DT_FLOAT32
 
     def tile(f0: Value | int, p0: Value | int, height: int, vectors: int) -> None:
         sums = [[ctx.local(f32, lanes, 0.0) for _ in range(vectors)] for _ in range(height)]
+        offsets = [in_windows(p0 + v * lanes) for v in range(vectors)]
 
         def step(t, start) -> None:
-            row = [ctx.load(windows, start + p0 + v * lanes, lanes) for v in range(vectors)]
+            row = [ctx.load(windows, start + offset, lanes) for offset in offsets]
             for f in range(height):
                 factor = ctx.load(w, (f0 + f) * taps + t).splat(lanes)
                 for v, total in enumerate(sums[f]):
