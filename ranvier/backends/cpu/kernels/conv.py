@@ -497,7 +497,6 @@ def conv_filter_gradient(ctx, op) -> None:
     single_threaded_blas(ctx)
     lanes = ctx.lanes_for([dw.dtype])
     sum_lanes = lanes if _dot_tiled(op) else 1
-
     planes = _gradient_planes(op)
 
     def scratch(ctx, number: int) -> tuple[ir.Value, ir.Value]:
@@ -520,7 +519,8 @@ def conv_filter_gradient(ctx, op) -> None:
                 if blas is None:
                     rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, rest)
                     sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total)
-                    _add_dot_tiles(ctx, sums, filters, taps, lanes, _flat_positions(ctx, dy, rows, image * (filters * positions), taps, positions, lanes))
+                    walk = _flat_positions(ctx, dy, rows, image * (filters * positions), taps, positions, lanes)
+                    _add_dot_tiles(ctx, sums, filters, taps, lanes, walk)
                 else:
                     gradient = ctx.b.gep(ctx.pointer(dy), [(image * (filters * positions)).ir])
                     blas.gemm(False, True, filters, taps, positions, gradient, positions, rest, positions, total, taps,
