@@ -744,7 +744,7 @@ def test_fallback_is_visible_and_correct():
     assert {s.op.type for s in python} == {"ScatterAdd"}
     assert sum(variant == "python" for _, variant in printed_steps(cell)) == len(python), str(cell)
     native = [s for s in cell.steps if s.variant != "python"]
-    assert {"WinogradConv", "WindowMax", "SoftmaxRow", "TileTranspose"} <= {s.kernel for s in native}
+    assert {"ConvTiles", "WindowMax", "SoftmaxRow", "TileTranspose"} <= {s.kernel for s in native}
     assert all(s.variant == expected_variant("") for s in native)
     got = compute(cell.network, handles, outputs, arrays)
     want = compute(rv.Compiler("reference").compile(flow), handles, outputs, arrays)
