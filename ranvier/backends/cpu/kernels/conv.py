@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from .... import dtypes
+from ....flow.graph import Variable
 from ....ops import attrs_of
 from ...llvm.irutil import I64, i64, load, storage_type, store
 from ...llvm.loops import fold_lanes, for_vectors, pairwise
@@ -166,10 +167,28 @@ class _Planes:
         reach = (self.kernel_height - 1) * self.width + self.kernel_width - 1
         return (self.channels - 1) * self.plane + reach + (self.out_height - 1) * self.width + _windows_stride(self.out_width, lanes)
 
+    def tap_start(self, c: Value | int, i: Value | int, j: Value | int) -> Value | int:
+        """Where tap (c, i, j)'s row of windows starts in the planes."""
+        return c * self.plane + i * self.width + j
+
     def tap_row(self, t: Value | int) -> Value | int:
         """Where tap t's row of windows starts in the planes."""
         area = self.kernel_height * self.kernel_width
-        return (t // area) * self.plane + (t % area // self.kernel_width) * self.width + t % self.kernel_width
+        return self.tap_start(t // area, t % area // self.kernel_width, t % self.kernel_width)
+
+    def scratch_elements(self, filters: int) -> int:
+        """A part's scratch (`_planes_scratch`) on any target: the planes, then `filters`
+        planes of output rows each rounded up to whole vectors."""
+        rows = self.out_height * _windows_stride(self.out_width, _MAX_LANES)
+        return _windows_stride(self.length(_MAX_LANES), _MAX_LANES) + filters * rows
+
+
+def _window_shape(op) -> tuple[int, int, int, int]:
+    """(kernel height, kernel width, output height, output width) of a convolution (x, w → y)
+    or its filter gradient (x, dy → dw)."""
+    if op.type == "Conv2DBackpropFilter":
+        return (*attrs_of(op)["filter_shape"][2:], *op.inputs[1].shape[2:])
+    return (*op.inputs[1].shape[2:], *op.outputs[0].shape[2:])
 
 
 def _planes(op) -> _Planes | None:
@@ -178,12 +197,20 @@ def _planes(op) -> _Planes | None:
     attrs = attrs_of(op)
     if tuple(attrs["strides"]) != (1, 1):
         return None
-    x, second = op.inputs[0], op.inputs[1]
-    gradient = op.type == "Conv2DBackpropFilter"
-    kernel_shape = attrs["filter_shape"][2:] if gradient else second.shape[2:]
-    (_, channels, height, width), (pad_height, pad_width) = x.shape, attrs["padding"]
-    return _Planes(channels, height + 2 * pad_height, width + 2 * pad_width, *kernel_shape,
-                   *(second if gradient else op.outputs[0]).shape[2:])
+    (_, channels, height, width), (pad_height, pad_width) = op.inputs[0].shape, attrs["padding"]
+    return _Planes(channels, height + 2 * pad_height, width + 2 * pad_width, *_window_shape(op))
+
+
+def _planes_scratch(ctx, name: str, dtype: str, planes: _Planes, filters: int, lanes: int,
+                    at: ir.Value) -> tuple[Variable, Variable, int]:
+    """A part's padded planes, their padding zeroed once (each image writes only the inside),
+    and after them `filters` planes of output rows each `row` elements long, from `at`:
+    (planes, rows, row)."""
+    length, row = _windows_stride(planes.length(lanes), lanes), _windows_stride(planes.out_width, lanes)
+    padded = ctx.scratch(f"{name}/planes", dtype, length, at)
+    rows = ctx.scratch(f"{name}/rows", dtype, filters * planes.out_height * row, ctx.b.gep(at, [i64(length)]))
+    for_vectors(ctx, 0, length, lanes, lambda i, n: ctx.store(padded, i, ctx.constant(dtype, 0.0, n)))
+    return padded, rows, row
 
 
 def _copy_planes(ctx, op, image: Value, planes: _Planes, padded) -> None:
@@ -204,8 +231,7 @@ def _tiles_share(op) -> int:
     planes = _planes(op)
     if planes is None:
         return taps * _windows_stride(positions, _MAX_LANES)
-    rows = planes.out_height * _windows_stride(planes.out_width, _MAX_LANES)
-    return _windows_stride(planes.length(_MAX_LANES), _MAX_LANES) + filters * rows
+    return planes.scratch_elements(filters)
 
 
 @kernel(TILES_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_tiled, first=True,
@@ -246,25 +272,21 @@ def conv_tiles(ctx, op) -> None:
                 body(t, t * stride)
 
         with ctx.loop(first, last, name="image") as image:
-            _copy_windows(ctx, op, image, scratch, stride)
+            _copy_windows(ctx, op, image, rows, stride)
             at = image * (filters * positions)
             _tile_products(ctx, w, rows, each_tap, y, at, filters, taps, positions, lanes)
             epilogue(ctx, op, at, filters, positions)
 
     def padded(ctx, scratch: ir.Value, first: int, last: int) -> None:
         # the output's rows rounded up to whole vectors: position p is row p // row, column p % row
-        length, row = _windows_stride(planes.length(lanes), lanes), _windows_stride(planes.out_width, lanes)
-        image_planes = ctx.scratch(f"{op.name}/planes", f32, length, scratch)
+        image_planes, computed, row = _planes_scratch(ctx, op.name, f32, planes, filters, lanes, scratch)
         rows = planes.out_height * row
-        computed = ctx.scratch(f"{op.name}/rows", f32, filters * rows, ctx.b.gep(scratch, [i64(length)]))
-        # the padding, once: each image writes only the inside
-        for_vectors(ctx, 0, length, lanes, lambda at, n: ctx.store(image_planes, at, ctx.constant(f32, 0.0, n)))
         kernel_height, kernel_width = planes.kernel_height, planes.kernel_width
 
         def each_tap(body) -> None:
             with ctx.loop(0, planes.channels, name="channel") as c, ctx.loop(0, kernel_height, name="ki") as i:
                 for j in range(kernel_width):
-                    body((c * kernel_height + i) * kernel_width + j, c * planes.plane + i * planes.width + j)
+                    body((c * kernel_height + i) * kernel_width + j, planes.tap_start(c, i, j))
 
         def in_planes(p: Value | int) -> Value | int:
             return p // row * planes.width + p % row
@@ -366,47 +388,31 @@ def conv_gemm(ctx, op) -> None:
     run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op))])
 
 
-def _copy_windows(ctx, op, image: Value, windows: ir.Value, row_stride: int) -> None:
+def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int) -> None:
     """An image's windows (its im2col matrix) into `windows`: row (c, i, j), `row_stride`
     elements apart, holds the image's element under tap (i, j) of each output position,
     zero in the padding. A channel's taps are unrolled, so each one's run of output columns
     inside the image is known here, its copy planned in vectors, and only a row's top and
     bottom edges are checked as it runs. `op` is the convolution (x, w → y) or its filter
     gradient (x, dy → dw)."""
-    x, second = op.inputs[0], op.inputs[1]
+    x = op.inputs[0]
     (_, channels, height, width) = x.shape
     attrs = attrs_of(op)
-    kernel_height, kernel_width = attrs["filter_shape"][2:] if op.type == "Conv2DBackpropFilter" else second.shape[2:]
-    out_height, out_width = (second if op.type == "Conv2DBackpropFilter" else op.outputs[0]).shape[2:]
+    kernel_height, kernel_width, out_height, out_width = _window_shape(op)
     (stride_height, stride_width), (pad_height, pad_width) = attrs["strides"], attrs["padding"]
-    element = storage_type(x.dtype)
     b = ctx.b
     lanes = ctx.lanes_for([x.dtype])
 
     def zeros(row: Value, start: int, stop: int) -> None:
-        for_vectors(ctx, row + start, stop - start, lanes,
-                    lambda at, w: store(b, ctx.constant(x.dtype, 0.0, w).ir, windows, at.ir, element, w))
+        for_vectors(ctx, row + start, stop - start, lanes, lambda at, w: ctx.store(windows, at, ctx.constant(x.dtype, 0.0, w)))
 
     def run(row: Value, source: Value, first: int, last: int) -> None:
         """Output columns [first, last) of a row from the image's row at `source`."""
         if stride_width != 1:
             with ctx.loop(first, last, name="inside") as xo:
-                store(b, ctx.load(x, source + xo * stride_width).ir, windows, (row + xo).ir, element)
-            return
-        count = last - first
-        if count == 0:
-            return
-        # a run of the image's row: vectors as wide as fit (a 14-wide run two of 8, the
-        # second overlapping the first), the last one ending at the run's end
-        w = 1 << (min(lanes, count).bit_length() - 1)
-
-        def copy(at: Value | int, w: int = w) -> None:
-            store(b, ctx.load(x, source + first + at, w).ir, windows, (row + first + at).ir, element, w)
-
-        with ctx.loop(0, count - w + 1, step=w, name="run") as at:
-            copy(at)
-        if count % w:
-            copy(count - w)
+                ctx.store(windows, row + xo, ctx.load(x, source + xo * stride_width))
+        elif last > first:
+            _copy_run(ctx, x, source + first, windows, row + first, last - first, lanes)
 
     with ctx.loop(0, channels, name="channel") as c:
         for i in range(kernel_height):
@@ -449,8 +455,7 @@ def _filter_gradient_share(op) -> int:
     planes = _gradient_planes(op)
     if planes is None:
         return sums + taps * (dy.shape[2] * dy.shape[3])
-    rows = dy.shape[1] * planes.out_height * _windows_stride(planes.out_width, _MAX_LANES)
-    return sums + _windows_stride(planes.length(_MAX_LANES), _MAX_LANES) + rows
+    return sums + planes.scratch_elements(dy.shape[1])
 
 
 def _gradient_planes(op) -> _Planes | None:
@@ -514,10 +519,10 @@ def conv_filter_gradient(ctx, op) -> None:
                 on_planes(ctx, first, last, ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total), rest)
                 return
             blas = None if _dot_tiled(op) else Blas(ctx, dw.dtype)
+            rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, rest)
             with ctx.loop(first, last, name="image") as image:
-                _copy_windows(ctx, op, image, rest, positions)
+                _copy_windows(ctx, op, image, rows, positions)
                 if blas is None:
-                    rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, rest)
                     sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total)
                     walk = _flat_positions(ctx, dy, rows, image * (filters * positions), taps, positions, lanes)
                     _add_dot_tiles(ctx, sums, filters, taps, lanes, walk)
@@ -531,11 +536,8 @@ def conv_filter_gradient(ctx, op) -> None:
     def on_planes(ctx, first: int, last: int, sums, rest: ir.Value) -> None:
         """The part's images from their padded planes, each dy row copied to a whole number of
         vectors (zeros past its end, so the last vector of a row adds nothing there)."""
-        length, row = _windows_stride(planes.length(lanes), lanes), _windows_stride(out_width, lanes)
-        padded = ctx.scratch(f"{op.name}/planes", dw.dtype, length, rest)
-        rows = ctx.scratch(f"{op.name}/rows", dw.dtype, filters * out_height * row, ctx.b.gep(rest, [i64(length)]))
-        for area, count in ((padded, length), (rows, filters * out_height * row)):
-            for_vectors(ctx, 0, count, lanes, lambda at, n, area=area: ctx.store(area, at, ctx.constant(dw.dtype, 0.0, n)))
+        padded, rows, row = _planes_scratch(ctx, op.name, dw.dtype, planes, filters, lanes, rest)
+        for_vectors(ctx, 0, filters * out_height * row, lanes, lambda at, n: ctx.store(rows, at, ctx.constant(dw.dtype, 0.0, n)))
         with ctx.loop(first, last, name="image") as image:
             _copy_planes(ctx, op, image, planes, padded)
             with ctx.loop(0, filters * out_height, name="dy_row") as r:
