@@ -1,10 +1,6 @@
-"""Fixtures the test modules share, and where a parallel run keeps its code cache."""
+"""Fixtures the test modules share, and what a parallel run measures before it starts."""
 
 from __future__ import annotations
-
-import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -32,23 +28,12 @@ def on_device(request, monkeypatch):
     return request.param
 
 
-# A run over several pytest-xdist workers gives them a code cache of their own, removed when
-# the run ends. The cache folder also keeps this machine's measurements (GEMM choices, split
-# thresholds), taken once and then used by every later process; taken while the other workers
-# load every core, they would be kept skewed in the user's cache.
-_PARALLEL_CACHE = "_ranvier_parallel_cache"
-
-
 def pytest_configure(config):
-    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None) or "RANVIER_CACHE" in os.environ:
-        return  # a worker (it inherits the folder), a serial run, or a cache named by the user
-    folder = tempfile.mkdtemp(prefix="ranvier-tests-")
-    os.environ["RANVIER_CACHE"] = folder  # the workers start after this, with this environment
-    setattr(config, _PARALLEL_CACHE, folder)
+    """Before a run's pytest-xdist workers start, this process takes the machine's split
+    thresholds (kept in the code cache's folder, then used by every later process) while
+    the cores are idle: taken by a worker, with the others loading every core, they would
+    be kept skewed. Kept already, they are only read."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        from ranvier.backends.cpu.parallel import split_thresholds
 
-
-def pytest_unconfigure(config):
-    folder = getattr(config, _PARALLEL_CACHE, None)
-    if folder is not None:
-        del os.environ["RANVIER_CACHE"]
-        shutil.rmtree(folder, ignore_errors=True)
+        split_thresholds()
