@@ -21,7 +21,7 @@ from llvmlite import ir
 from .... import dtypes
 from ....flow.graph import Variable
 from ....ops import attrs_of
-from ...llvm.irutil import I64, i64, load, storage_type, store
+from ...llvm.irutil import I64, i64, load, storage_type
 from ...llvm.loops import fold_lanes, for_vectors, pairwise
 from ...llvm.values import Value
 from .. import sgemm
@@ -513,17 +513,16 @@ def conv_filter_gradient(ctx, op) -> None:
     def part(number: int, first: int, last: int):
         def emit(ctx) -> None:
             total, rest = scratch(ctx, number)
-            for_vectors(ctx, 0, dw.size * sum_lanes, lanes,
-                        lambda i, w: store(ctx.b, ctx.constant(dw.dtype, 0.0, w).ir, total, i.ir, element, w))
+            sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * sum_lanes, total)
+            for_vectors(ctx, 0, dw.size * sum_lanes, lanes, lambda i, w: ctx.store(sums, i, ctx.constant(dw.dtype, 0.0, w)))
             if planes is not None:
-                on_planes(ctx, first, last, ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total), rest)
+                on_planes(ctx, first, last, sums, rest)
                 return
             blas = None if _dot_tiled(op) else Blas(ctx, dw.dtype)
             rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, rest)
             with ctx.loop(first, last, name="image") as image:
                 _copy_windows(ctx, op, image, rows, positions)
                 if blas is None:
-                    sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * lanes, total)
                     walk = _flat_positions(ctx, dy, rows, image * (filters * positions), taps, positions, lanes)
                     _add_dot_tiles(ctx, sums, filters, taps, lanes, walk)
                 else:
