@@ -252,6 +252,36 @@ def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, heads_fi
         check(result, layout(want), "float32")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_attention_gemm_pads_score_rows_4_kib_apart(causal, heads_first, monkeypatch):
+    """With 1,024 keys a block's rows of scores would lie 4 KiB apart, so the kernels keep
+    them a cache line further apart: the forward's and the gradient's products, row passes
+    and d keys / d values read them through that stride (over two parts) and every output
+    equals the per-head loop's; the last rows of a causal block see all 1,024 keys."""
+    import ranvier.backends.cpu.kernels.attention as cpu
+
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
+    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
+    b, h, kv, t, s, hd = 1, 2, 1, 11, 1024, 8
+    assert cpu._score_stride(_grad_op(b, h, kv, t, s, hd)) == s + 16
+    assert cpu._score_stride(_grad_op(b, h, kv, t, 1000, hd)) == 1000
+    q, k, v, dout = (random_array(shape, "float32", seed=i) for i, shape in
+                     enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+
+    def build(f, q, k, v, dout):
+        attrs = {"causal": causal, "heads_first": heads_first}
+        return [f.attention(q, k, v, causal=causal, heads_first=heads_first), *f.op("AttentionGrad", [q, k, v, dout], None, attrs)]
+
+    def layout(x):
+        return x if heads_first else np.swapaxes(x, 1, 2)
+
+    got = run_flow(build, [layout(x) for x in (q, k, v, dout)])
+    for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd))):
+        check(result, layout(want), "float32")
+
+
 @pytest.mark.parametrize("cpu_mask", ["", "-avx512", "-avx512,-avx2"])
 @pytest.mark.parametrize("hd", [64, 100])
 def test_attention_gemm_heads_wider_than_a_panel(cpu_mask, hd, monkeypatch):
