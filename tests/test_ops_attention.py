@@ -156,6 +156,11 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
         check(got, want.numpy(), dtype)
 
 
+def _layout(heads_first: bool, x):
+    """x [B, H, T, hd] as a test feeds it: as it is, or [B, T, H, hd] where heads come second."""
+    return x if heads_first else np.swapaxes(x, 1, 2)
+
+
 def _grad_op(b, h, kv, t, s, hd):
     import ranvier as rv
 
@@ -244,12 +249,9 @@ def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, heads_fi
         return [f.attention(q, k, v, *bias, causal=causal, heads_first=heads_first),
                 *f.op("AttentionGrad", [q, k, v, dout, *bias], None, attrs)]
 
-    def layout(x):
-        return x if heads_first else np.swapaxes(x, 1, 2)
-
-    got = run_flow(build, [*(layout(x) for x in (q, k, v, dout)), *bias])
+    got = run_flow(build, [*(_layout(heads_first, x) for x in (q, k, v, dout)), *bias])
     for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd), bias[0] if bias else None)):
-        check(result, layout(want), "float32")
+        check(result, _layout(heads_first, want), "float32")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -274,12 +276,9 @@ def test_attention_gemm_pads_score_rows_4_kib_apart(causal, heads_first, monkeyp
         attrs = {"causal": causal, "heads_first": heads_first}
         return [f.attention(q, k, v, causal=causal, heads_first=heads_first), *f.op("AttentionGrad", [q, k, v, dout], None, attrs)]
 
-    def layout(x):
-        return x if heads_first else np.swapaxes(x, 1, 2)
-
-    got = run_flow(build, [layout(x) for x in (q, k, v, dout)])
+    got = run_flow(build, [_layout(heads_first, x) for x in (q, k, v, dout)])
     for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd))):
-        check(result, layout(want), "float32")
+        check(result, _layout(heads_first, want), "float32")
 
 
 @pytest.mark.parametrize("cpu_mask", ["", "-avx512", "-avx512,-avx2"])

@@ -251,8 +251,8 @@ def _score_stride(op) -> int:
     they read a moment before. On a Zen 3 core pair (causal, alternated runs), the line
     more took attention [2, 1024, 6 heads, 48] forward and backward to 0.81-0.86 and
     0.82-0.92 of the time, [4, 1024, 12, 64] to 0.81 and 0.91, [1, 2048, 6, 48] to 0.83 and
-    0.90. At 256, 512 and 1,000 keys a line more changed nothing; at 128 rows padded to an
-    odd number of lines made the gradient 4% slower."""
+    0.90. At 256, 512 and 1,000 keys a line more changed nothing; at 128 keys, rows padded
+    to an odd number of lines made the gradient 4% slower."""
     keys = _dims(op).keys
     return keys + 16 if keys % 1024 == 0 else keys
 
@@ -300,6 +300,7 @@ class _Panels:
         self.ctx = ctx
         d = _dims(op)
         self.size, self.keys, self.stride, self.out_stride = d.size, d.keys, d.kv_stride, d.q_stride
+        self.score_stride = _score_stride(op)  # between the rows of a block's scores, which its products write and read
         self.var = ctx.scratch(name, dtypes.DT_FLOAT32, _panels_bytes(op, 1) // 4, at)
         self.nr = sgemm.panel_width(ctx.target)
 
@@ -316,17 +317,17 @@ class _Panels:
         sgemm.pack_at_run_time(ctx.module, ctx.target, ctx.b, transposed, ctx.element_pointer(source, kv), self.stride,
                                i64(k), i64(n), ctx.pointer(self.var))
 
-    def times_keys(self, gemm: PackedGemm, rows, seen, a: ir.Value, lda: int, c: ir.Value, ldc: int) -> None:
-        """C[rows × S'] = A[rows × hd] · the across-keys panels' first `seen` columns."""
-        gemm.gemm(False, rows, seen, self.size, a, lda, self.ctx.pointer(self.var), c, ldc)
+    def times_keys(self, gemm: PackedGemm, rows, seen, a: ir.Value, lda: int, c: ir.Value) -> None:
+        """C[rows × S'] (a block's scores) = A[rows × hd] · the across-keys panels' first `seen` columns."""
+        gemm.gemm(False, rows, seen, self.size, a, lda, self.ctx.pointer(self.var), c, self.score_stride)
 
-    def times_head(self, gemm: PackedGemm, rows, seen, a: ir.Value, lda: int, c: ir.Value) -> None:
-        """C[rows × hd] (rows of the output or d q) = A[rows × seen] (rows `lda` apart) · the
+    def times_head(self, gemm: PackedGemm, rows, seen, a: ir.Value, c: ir.Value) -> None:
+        """C[rows × hd] (rows of the output or d q) = A[rows × seen] (a block's scores) · the
         along-keys panels' first `seen` rows: a call per panel, as the panels are S deep
         and the product only `seen`."""
         for first in range(0, self.size, self.nr):
             panel = self.ctx.b.gep(self.ctx.pointer(self.var), [i64(first * self.keys)])
-            gemm.gemm(False, rows, min(self.nr, self.size - first), seen, a, lda, panel,
+            gemm.gemm(False, rows, min(self.nr, self.size - first), seen, a, self.score_stride, panel,
                       self.ctx.b.gep(c, [i64(first)]), self.out_stride)
 
 
@@ -364,11 +365,10 @@ def attention_blocks(ctx, op) -> None:
                 keys_across.across_keys(k, kv)
                 values.along_keys(v, kv)
                 packed_kv.set(kv)
-            keys_across.times_keys(gemm, rows, seen, ctx.element_pointer(q, query_rows), d.q_stride, ctx.pointer(scores),
-                                   score_stride)
+            keys_across.times_keys(gemm, rows, seen, ctx.element_pointer(q, query_rows), d.q_stride, ctx.pointer(scores))
             with ctx.loop(0, rows, name="r") as r:
                 heads.normalize(scores, r * score_stride, bh, first_query + r, seen)
-            values.times_head(gemm, rows, seen, ctx.pointer(scores), score_stride, ctx.element_pointer(out, query_rows))
+            values.times_head(gemm, rows, seen, ctx.pointer(scores), ctx.element_pointer(out, query_rows))
 
     each_part(ctx, _block_parts(op), part)
 
@@ -476,12 +476,12 @@ def attention_grad_blocks(ctx, op) -> None:
                 rows, seen = geometry.block(first_query, rows_per_block)
                 query_rows = geometry.q_row(bh, first_query)
                 at_q, at_dout = ctx.element_pointer(q, query_rows), ctx.element_pointer(dout, query_rows)
-                keys_across.times_keys(packed, rows, seen, at_q, d.q_stride, ctx.pointer(p), score_stride)
-                values_across.times_keys(packed, rows, seen, at_dout, d.q_stride, ctx.pointer(ds), score_stride)
+                keys_across.times_keys(packed, rows, seen, at_q, d.q_stride, ctx.pointer(p))
+                values_across.times_keys(packed, rows, seen, at_dout, d.q_stride, ctx.pointer(ds))
                 with ctx.loop(0, rows, name="r") as r:
                     geometry.normalize(p, r * score_stride, bh, first_query + r, seen)
                     geometry.score_gradients(p, ds, r * score_stride, first_query + r, seen)
-                keys_along.times_head(packed, rows, seen, ctx.pointer(ds), score_stride, ctx.element_pointer(dq, query_rows))
+                keys_along.times_head(packed, rows, seen, ctx.pointer(ds), ctx.element_pointer(dq, query_rows))
                 for (grad, base, stride), left, right in zip(targets, (ds, p), (at_q, at_dout)):
                     gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), score_stride, right, d.q_stride, ctx.pointer(head),
                               size)
