@@ -1,6 +1,6 @@
 """Activation precision (`Compiler(precision="bfloat16")`, `compiler/activations.py`): a
 training step's activations and their gradients stored in bfloat16, its parameters,
-optimizer state, gradients the trainer reads and loss in float32, every op still well
+optimizer state, gradients the trainer reads and losses in float32, every op still well
 typed; on the CUDA backend (the host emulator here) the losses follow float32's."""
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def test_bfloat16_activations_leave_parameters_gradients_and_the_loss_in_float32
     assert products and all(v.dtype == "bfloat16" for op in products for v in (*op.inputs, *op.outputs))
     (loss_step,) = [step.op for step in steps if step.op.type == "SoftmaxCrossEntropyGrad"]
     assert loss_step.inputs[0].dtype == "bfloat16" and loss_step.inputs[0].shape == [32, vocabulary]
+    assert [v.dtype for v in loss_step.outputs] == ["bfloat16", "float32"]  # the logits' gradient, the per-example losses
     flow = trainer.network.flow
     assert {v.dtype for v in flow.vars.values() if v.is_global and v.dtype in ("float32", "bfloat16")} == {"float32"}
     assert flow.vars[trainer.loss_var.name].dtype == "float32"
@@ -61,14 +62,15 @@ def test_bfloat16_activations_leave_parameters_gradients_and_the_loss_in_float32
 
 def test_bfloat16_activations_train_to_float32s_losses_on_the_device(monkeypatch):
     """Ten steps on the CUDA backend's emulator follow the CPU's float32 losses to
-    bfloat16's rounding (measured: within 5e-4)."""
+    bfloat16's rounding (measured: within 1.0e-4; 5.0e-4 while the per-example losses
+    were stored in bfloat16)."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     low, vocabulary = _llama_trainer("cuda", "bfloat16")
     exact, _ = _llama_trainer("cpu", "float32")
     rng = np.random.default_rng(1)
     for _ in range(10):
         batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
-        assert low.step(batch) == pytest.approx(exact.step(batch), rel=2e-3)
+        assert low.step(batch) == pytest.approx(exact.step(batch), rel=3e-4)
 
 
 def test_a_backend_without_bfloat16_activations_keeps_float32():

@@ -221,6 +221,23 @@ def test_normalization_and_losses():
     check(flow, {x: uniform([4, 6]), labels: RNG.integers(0, 6, [4]).astype(np.int32), target: probs / probs.sum(-1, keepdims=True)})
 
 
+
+def test_half_precision_logits_export_a_float32_loss():
+    """The per-example loss of float16 logits is float32 in ranvier, and the exported model
+    computes it in float32 from the widened logits, as ranvier does."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", rv.DT_HALF, [5, 9])
+    labels = f.var("labels", rv.DT_INT32, [5])
+    target = f.var("target", rv.DT_HALF, [5, 9])
+    f.softmax_cross_entropy(x, labels, label_smoothing=0.1, name="xent").var.out = True
+    f.softmax_cross_entropy(x, target, name="xent_probs").var.out = True
+    probs = RNG.random([5, 9])
+    model = check(flow, {x: uniform([5, 9], -6, 6).astype(np.float16), labels: RNG.integers(0, 9, [5]).astype(np.int32),
+                         target: (probs / probs.sum(-1, keepdims=True)).astype(np.float16)})
+    assert {o.type.tensor_type.elem_type for o in model.graph.output} == {onnx.TensorProto.FLOAT}
+
+
 def test_convolution_and_pooling():
     flow = rv.Flow()
     f = rv.Builder(flow, "f")

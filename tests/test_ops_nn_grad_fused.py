@@ -39,12 +39,33 @@ def test_probability_targets_of_any_mass(smoothing):
     check(got, expected(logits, probs, dloss), "float32")
 
 
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_half_precision_logits_take_a_float32_loss_gradient_and_give_float32_losses(low):
+    """The per-example loss of half-precision logits is float32 (SoftmaxCrossEntropy's
+    type), so its gradient comes in float32; the fused loss output is float32 too, to
+    float32's tolerance (a bfloat16 loss near 4 would be off by up to 0.008)."""
+    logits = random_array([6, 41], low, seed=17, low=-6, high=6)
+    labels = rng(18).integers(0, 41, (6,)).astype("int32")
+    dloss = random_array([6], "float32", seed=19)
+    got, loss = run_flow(lambda f, x, t, g: f.op("SoftmaxCrossEntropyGrad", [x, t, g], None, {"with_loss": True}),
+                         [logits, labels, dloss])
+    check(got, expected(logits, np.eye(41)[labels], dloss), low)
+    x = logits.astype(np.float64)
+    lse = np.log(np.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1)) + x.max(axis=-1)
+    check(loss, lse - x[np.arange(6), labels], "float32")
+
+
 def test_shape_errors():
     message = shape_error(
         lambda f, x, t, g: f.op("SoftmaxCrossEntropyGrad", [x, t, g]),
         [("x", "float32", [4, 10]), ("t", "int32", [4]), ("g", "float32", [5])],
     )
     assert_mentions(message, "SoftmaxCrossEntropyGrad", "g: float32[5]", "float32[4]")
+    message = shape_error(
+        lambda f, x, t, g: f.op("SoftmaxCrossEntropyGrad", [x, t, g]),
+        [("x", "bfloat16", [4, 10]), ("t", "int32", [4]), ("g", "float64", [4])],
+    )
+    assert_mentions(message, "SoftmaxCrossEntropyGrad", "g: float64[4]", "loss's type float32[4]")
 
 
 # ---- RMSNormGrad ----------------------------------------------------------------------------------

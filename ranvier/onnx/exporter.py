@@ -511,11 +511,16 @@ def _one_hot(g, indices: str, index_var: Variable, depth: int, dtype: int) -> st
 @converts("SoftmaxCrossEntropy")
 def _cross_entropy(g, op, logits, target):
     logits_var, target_var = op.inputs
-    dtype = _numpy(logits_var)
+    loss_dtype = op.outputs[0].dtype
+    if loss_dtype != logits_var.dtype:  # half-precision logits: computed in float32, as ranvier does
+        logits = g.node("Cast", [logits], to=onnx_dtype(loss_dtype))
+        if target_var.dtype == logits_var.dtype:
+            target = g.node("Cast", [target], to=onnx_dtype(loss_dtype))
+    dtype = dtypes.to_numpy(loss_dtype)
     classes = logits_var.shape[-1]
     probs = target
     if target_var.dtype != logits_var.dtype:
-        probs = _one_hot(g, target, target_var, classes, onnx_dtype(logits_var.dtype))
+        probs = _one_hot(g, target, target_var, classes, onnx_dtype(loss_dtype))
     smoothing = attrs_of(op)["label_smoothing"]
     if smoothing:
         probs = g.node("Add", [g.node("Mul", [probs, g.const(1 - smoothing, dtype)]), g.const(smoothing / classes, dtype)])

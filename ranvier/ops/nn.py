@@ -13,6 +13,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from .. import dtypes
 from ..errors import RanvierError
 from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, INDEX, normalize_axis, same_dtype
@@ -195,7 +196,13 @@ def _infer_cross_entropy(ctx):
     smoothing = ctx.attrs["label_smoothing"]
     if not 0.0 <= smoothing < 1.0:
         raise ctx.fail(f"label_smoothing in [0, 1) (got {smoothing})")
-    return [TensorType(logits.dtype, logits.shape[:-1])]
+    return [TensorType(loss_dtype(logits.dtype), logits.shape[:-1])]
+
+
+def loss_dtype(logits_dtype: str) -> str:
+    """A per-example loss is float32 for half-precision logits, as autocast computes it: a
+    loss near 10 rounded to bfloat16 moves in steps of 0.06, and a logged loss with it."""
+    return dtypes.DT_FLOAT32 if logits_dtype in (dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16) else logits_dtype
 
 
 def target_distribution(target, classes: int, smoothing: float) -> np.ndarray:

@@ -255,7 +255,8 @@ def _avg_pool_grad_by_spreading(b, op):
 def _infer_cross_entropy_grad(ctx):
     logits, target, dloss = ctx.inputs
     (loss_type,) = op_def("SoftmaxCrossEntropy").infer_types(ctx.op_name, [logits, target], ctx.attrs.raw)
-    if dloss.dtype != loss_type.dtype or tuple(dloss.shape) != loss_type.shape:
+    # the loss's dtype, or the logits' (an upstream gradient kept in half precision, read widened)
+    if dloss.dtype not in (loss_type.dtype, logits.dtype) or tuple(dloss.shape) != loss_type.shape:
         raise ctx.fail(f"a loss gradient of the per-example loss's type {loss_type.dtype}{list(loss_type.shape)}")
     types = [TensorType(logits.dtype, logits.shape)]
     return [*types, loss_type] if ctx.attrs["with_loss"] else types
