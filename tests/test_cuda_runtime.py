@@ -10,6 +10,7 @@ on a GPU through the CUDA driver where one is found (skipped elsewhere)."""
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import pytest
@@ -99,6 +100,38 @@ def test_a_long_reduction_to_one_value_runs_in_two_stages_on_the_device(on_devic
     got, want = _outputs("cuda", _gradient_norm, values), _outputs("cpu", _gradient_norm, values)
     for name, expected in want.items():
         np.testing.assert_allclose(got[name], expected, rtol=2e-6, err_msg=name)
+
+
+COLUMN_SUMS = {  # the summed value, its axes, and the pieces' and results' shapes on the GPU
+    "gain": ("float32", [8, 512, 96], [0, 1], [[128, 32, 96], [128, 96]]),  # a gain's gradient over the tokens
+    "rows-of-30": ("float32", [3000, 40], [0], [[100, 30, 40], [100, 40]]),  # rows that 32 does not divide
+    "bfloat16": ("bfloat16", [2048, 64], [0], [[2048, 64]]),  # kept whole: each piece's result would be rounded
+}
+
+
+@pytest.mark.parametrize("case", sorted(COLUMN_SUMS))
+def test_long_columns_reduce_in_pieces_a_thread_each_on_the_device(on_device, case):
+    """Not a block per column reading one element a row: pieces of 32 (30) rows, a thread
+    per piece of a column, adjacent columns' threads reading a row together, then the
+    pieces' sums (a block per column over few rows); float64's sums to float32's
+    summation error."""
+    dtype, shape, axes, stages = COLUMN_SUMS[case]
+
+    def build(f):
+        f.sum(f.var("x", dtype, shape), axis=axes, name="y").var.out = True
+
+    flow = rv.Flow()
+    build(rv.Builder(flow, "f"))
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    launched = [(step.op.inputs[0].shape, [k.elements for k in cell.native["kernels"][index]])
+                for index, step in enumerate(cell.steps) if step.op.type == "Sum"]
+    assert launched == [(stage, [math.prod(stage) // stage[-2]]) for stage in stages]
+    x = random_array(shape, dtype, seed=10)
+    (got,) = _outputs("cuda", build, {"f/x": x}).values()
+    wide = x.astype(np.float64)
+    want, magnitude = wide.sum(axis=tuple(axes)), np.abs(wide).sum(axis=tuple(axes))
+    rounding = 2.0**-8 * np.abs(want) if dtype == "bfloat16" else 0.0  # the result's own
+    assert np.all(np.abs(got.astype(np.float64) - want) <= rounding + 1e-6 * magnitude)
 
 
 def _trainer(backend_name: str, model: str = "mlp"):

@@ -538,6 +538,15 @@ def test_a_staged_reduction_cuts_its_axis_into_enough_equal_pieces(reduced, chun
     assert staged_chunk(reduced) == chunk
 
 
+@pytest.mark.parametrize("reduced,inner,chunk", [(32768, 768, 32), (3000, 64, 30), (1009, 16, None), (16, 4, 8), (32, 2, 16)])
+def test_columns_are_cut_into_pieces_of_up_to_32_rows(reduced, inner, chunk):
+    """The most rows up to 32 that divide the axis (a piece never the whole axis), 8 at
+    least; None where none does."""
+    from ranvier.ops.reduce import staged_chunk
+
+    assert staged_chunk(reduced, inner) == chunk
+
+
 @pytest.mark.parametrize("case", sorted(DECOMPOSED))
 def test_decompose_where_the_backend_cannot_run_the_op(case):
     flow, f = new_flow()

@@ -171,12 +171,18 @@ for _type in REDUCTIONS:
 
 STAGE_CHUNKS = (16384, 8192, 4096, 2048, 1024)  # the pieces' lengths a staged reduction may take
 STAGE_PIECES = 256  # pieces enough to spread over a few hundred processors
+COLUMN_CHUNKS = range(32, 7, -1)  # rows a piece of a column reduction may take, the most first
 
 
-def staged_chunk(reduced: int) -> int | None:
+def staged_chunk(reduced: int, inner: int = 1) -> int | None:
     """The length of the pieces a long reduced axis is cut into for a staged reduction:
     the longest of `STAGE_CHUNKS` that divides it into `STAGE_PIECES` or more, else the
-    shortest that divides it; None where none does."""
+    shortest that divides it; None where none does. Columns (`inner` > 1, a gain's
+    gradient summed over rows) are cut into pieces of 8 to 32 rows: a piece of a
+    column is then one GPU thread's, beside its neighbour columns' threads reading the
+    same rows, and the pieces' results reduce again the same way until few are left."""
+    if inner > 1:
+        return next((chunk for chunk in COLUMN_CHUNKS if reduced % chunk == 0 and reduced > chunk), None)
     dividing = [chunk for chunk in STAGE_CHUNKS if reduced % chunk == 0 and reduced > chunk]
     return next((chunk for chunk in dividing if reduced // chunk >= STAGE_PIECES), dividing[-1] if dividing else None)
 
@@ -192,7 +198,7 @@ def _staged_reduction(b, op):
     if not axes or axes != list(range(axes[0], axes[-1] + 1)):
         return None
     reduced = int(np.prod([x.shape[a] for a in axes]))
-    chunk = staged_chunk(reduced)
+    chunk = staged_chunk(reduced, int(np.prod(x.shape[axes[-1] + 1 :])))
     if chunk is None:
         return None
     pieces = _reshaped(x, [*x.shape[: axes[0]], reduced // chunk, chunk, *x.shape[axes[-1] + 1 :]])

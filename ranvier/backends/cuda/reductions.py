@@ -13,7 +13,10 @@ A block per output leaves most of the GPU idle where there are few outputs of a 
 axis (a gradient's sum of squares for its norm: one output, millions of elements, one
 multiprocessor of 132): those this backend declines, and the reduction's staged
 decomposition (`ranvier.ops.reduce`) runs them as a reduction of many pieces, then one of
-the pieces' results.
+the pieces' results. So it does with long columns (a gain's gradient: 768 columns summed
+over 32K rows), whose block per column would read one element a row, each a cache line
+apart: their pieces of 32 rows are a thread's each, a warp reading 32 adjacent columns of
+a row at once, and the pieces' results reduce the same way until few are left.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ SPLIT_AXIS = 64  # reduced elements from which a block splits the axis…
 FEW_OUTPUTS = 1 << 16  # …where there are at most this many outputs (more fill the GPU a thread each)
 STAGED_OUTPUTS = 64  # outputs under which a long axis reduces in stages…
 STAGED_AXIS = 1 << 16  # …from this many reduced elements on
+STAGED_COLUMNS = 1024  # rows from which columns that would take a block each reduce in stages
 
 
 def supports(op: Operation) -> bool:
@@ -53,8 +57,12 @@ def supports(op: Operation) -> bool:
 def staged(op: Operation) -> bool:
     """Whether the reduction is better run in stages (module docstring)."""
     outer, reduced, inner = blocks(op)
-    return (dtypes.is_float(op.inputs[0].dtype) and outer * inner < STAGED_OUTPUTS and reduced >= STAGED_AXIS
-            and staged_chunk(reduced) is not None)
+    dtype = op.inputs[0].dtype
+    few_long = dtypes.is_float(dtype) and outer * inner < STAGED_OUTPUTS and reduced >= STAGED_AXIS
+    # half-precision columns keep their one rounding (each piece's result would be rounded too)
+    long_columns = (dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and inner > 1 and reduced >= STAGED_COLUMNS
+                    and outer * inner <= FEW_OUTPUTS)
+    return (few_long or long_columns) and staged_chunk(reduced, inner) is not None
 
 
 def operands(op: Operation) -> tuple[Variable, ...]:
