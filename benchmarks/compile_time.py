@@ -33,30 +33,30 @@ def main() -> None:
         os.sched_getaffinity = lambda pid: set(range(args.cores))  # before ranvier reads it
     from common import machine, ranvier_trainer
 
-    from ranvier.backends.cpu import backend, jit
+    from ranvier.backends.cpu import backend, jit, parallel_compile
     from ranvier.models.llama import PRESETS, Llama
 
     print(machine() + (f"; code generated as for {args.cores} cores" if args.cores else ""))
     lines: list[int] = []
-    make_module = backend.CPUBackend._module
+    make_modules = backend.CPUBackend._modules
 
     def counting(self, cell, layout):
-        module = make_module(self, cell, layout)
+        modules = make_modules(self, cell, layout)
         if cell.name == "train":
-            lines.append(str(module).count("\n"))
-        return module
+            lines.append(sum(str(module).count("\n") for module in modules))
+        return modules
 
-    backend.CPUBackend._module = counting
-    compile_object, in_llvm = jit.compile_object, [0.0]
+    backend.CPUBackend._modules = counting
+    compile_modules, in_llvm = parallel_compile.compile_modules, [0.0]
 
-    def timed(module, target):
+    def timed(modules, target):
         start = time.perf_counter()
         try:
-            return compile_object(module, target)
+            return compile_modules(modules, target)
         finally:
             in_llvm[0] += time.perf_counter() - start
 
-    jit.compile_object = timed
+    parallel_compile.compile_modules = timed
     measured = Path(tempfile.mkdtemp())  # what the machine measured, carried from one repetition to the next
     seconds, llvm_shares = [], []
     for repeat in range(args.repeats + 1):  # the first also measures the machine, and is not counted

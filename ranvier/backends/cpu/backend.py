@@ -17,7 +17,7 @@ from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..kernels import Kernel
 from ..reference import reference_kernel
-from . import amx, codegen, fpmode, jit, sgemm
+from . import amx, codegen, fpmode, jit, parallel_compile, sgemm
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
@@ -95,7 +95,7 @@ class CPUBackend:
         key = jit.cache_key(f"{jit.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{mode}{description}", self.target)
 
         def generate() -> bytes:
-            return jit.compile_object(self._module(cell, layout), self.target)
+            return parallel_compile.compile_modules(self._modules(cell, layout), self.target)
 
         code, origin = jit.cached_object(key, generate, self.use_disk_cache)
         cell.native = {
@@ -109,18 +109,19 @@ class CPUBackend:
             if debug.enabled(kind):
                 debug.dump(kind, f"cell {cell.name}: {what}", self.code(cell, kind))
 
-    def _module(self, cell: Cell, layout: Layout):
+    def _modules(self, cell: Cell, layout: Layout) -> list:
         emitters = [self.kernel(step.op).emit for step in cell.steps]
-        return codegen.build_module(cell.name, self.target, cell.steps, layout, emitters, self.flush_denormals)
+        return codegen.build_modules(cell.name, self.target, cell.steps, layout, emitters, self.flush_denormals,
+                                     parallel_compile.parts())
 
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's LLVM IR ("llvm": as generated, before LLVM optimizes it) or its
         optimized machine code ("asm"), generated again from the cell's steps."""
-        module = self._module(cell, cell.native["layout"])
+        modules = self._modules(cell, cell.native["layout"])
         if kind == "llvm":
-            return str(module)
+            return "\n".join(map(str, modules))
         if kind == "asm":
-            return jit.assembly(module, self.target)
+            return "\n".join(jit.assembly(module, self.target) for module in modules)
         raise RanvierError(f"the CPU backend shows its code as 'llvm' or 'asm', not {kind!r}")
 
     @staticmethod

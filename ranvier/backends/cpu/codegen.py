@@ -1,4 +1,5 @@
-"""Cell code generation: one LLVM module per cell, one native entry point.
+"""Cell code generation: a cell's LLVM modules (one, or several compiled side by side), one
+native entry point.
 
 The cell function takes a table of pointers, filled once per instance:
 
@@ -11,8 +12,8 @@ The cell function takes a table of pointers, filled once per instance:
     ptrs[14 + k] the k-th global or linked (primal) variable, then the prepared constants
 
 Nothing process-specific is baked into the code, so the object file can be cached
-on disk and reused by another process. Each step is an internal function; the cell
-function calls them in order and adds each step's cycle count to its profile counter.
+on disk and reused by another process. Each step is a function of its own (internal
+where the cell is one module); the cell function calls them in order and adds each step's cycle count to its profile counter.
 Compiled to flush denormals, it sets the thread's FTZ and DAZ modes around them
 (`fpmode`) and puts the thread's own back after.
 """
@@ -142,25 +143,31 @@ class KernelContext(EmitContext):
         slot = self.b.gep(counters, [i64(self.step_index)])
         self.b.store(self.b.add(self.b.load(slot), self.b.sub(self.b.call(clock, []), start)), slot)
 
-def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout, emitters,
-                 flush_denormals: bool = False) -> ir.Module:
-    """The module of one cell: a step function per op and the `cell` entry point."""
-    module = ir.Module(name=name)
-    module.triple = target.machine.triple
-    module.data_layout = str(target.machine.target_data)
-    use_features(module, target.feature_set)  # F16C conversions, FMA's exact products
+def build_modules(name: str, target: CPUTarget, steps: list[Step], layout: Layout, emitters,
+                  flush_denormals: bool = False, parts: int = 1) -> list[ir.Module]:
+    """The modules of one cell: a step function per op, spread over up to `parts` modules
+    of about as many instructions each (compiled side by side: `parallel_compile`), and
+    the `cell` entry point in the first, calling the others' steps by name."""
+    modules = [_new_module(name if parts == 1 else f"{name}.{k}", target) for k in range(max(1, min(parts, len(steps))))]
+    instructions = [0] * len(modules)
     step_type = ir.FunctionType(VOID, [BYTE_PTR.as_pointer()])
     step_functions = []
     for index, step in enumerate(steps):
+        home = instructions.index(min(instructions))
+        module = modules[home]
+        known = len(module.functions)
         function = ir.Function(module, step_type, name=f"step{index}")
-        function.linkage = "internal"
+        if len(modules) == 1:
+            function.linkage = "internal"
         # Kept out of line: optimizing many small functions is linear, one huge one is not.
         function.attributes.add("noinline")
         ctx = KernelContext(module, function, target, layout, index, step.workspace)
         emitters[index](ctx, step.op)
         ctx.b.ret_void()
-        step_functions.append(function)
+        instructions[home] += sum(len(block.instructions) for made in module.functions[known:] for block in made.blocks)
+        step_functions.append(function if home == 0 else ir.Function(modules[0], step_type, name=f"step{index}"))
 
+    module = modules[0]
     cell = ir.Function(module, step_type, name="cell")
     b = ir.IRBuilder(cell.append_basic_block("entry"))
     ptrs = cell.args[0]
@@ -176,4 +183,12 @@ def build_module(name: str, target: CPUTarget, steps: list[Step], layout: Layout
     if saved_mode is not None:
         fpmode.write_mxcsr(b, saved_mode)
     b.ret_void()
+    return modules
+
+
+def _new_module(name: str, target: CPUTarget) -> ir.Module:
+    module = ir.Module(name=name)
+    module.triple = target.machine.triple
+    module.data_layout = str(target.machine.target_data)
+    use_features(module, target.feature_set)  # F16C conversions, FMA's exact products
     return module

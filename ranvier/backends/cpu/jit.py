@@ -163,8 +163,19 @@ def assembly(module: ir.Module, target: CPUTarget) -> str:
     return target.machine.emit_assembly(_optimized(module, target))
 
 
+def compile_text(*texts: str, target: CPUTarget) -> bytes:
+    """Machine code for modules' IR texts, linked into one module and optimized."""
+    parsed = llvm.parse_assembly(texts[0])
+    for text in texts[1:]:
+        parsed.link_in(llvm.parse_assembly(text))
+    return target.machine.emit_object(_optimize(parsed, target))
+
+
 def _optimized(module: ir.Module, target: CPUTarget) -> llvm.ModuleRef:
-    parsed = llvm.parse_assembly(str(module))
+    return _optimize(llvm.parse_assembly(str(module)), target)
+
+
+def _optimize(parsed: llvm.ModuleRef, target: CPUTarget) -> llvm.ModuleRef:
     parsed.verify()
     options = llvm.create_pipeline_tuning_options(speed_level=3)
     # Kernels are vectorized by construction; LLVM's loop vectorizer and unroller only
@@ -177,13 +188,41 @@ def _optimized(module: ir.Module, target: CPUTarget) -> llvm.ModuleRef:
     return parsed
 
 
+_BUNDLE = b"ranvier-objects-1\n"
+
+
+def bundle(objects: list[bytes]) -> bytes:
+    """Several object files as one piece of code (a cell compiled in parts): cached and
+    loaded as one, the calls between them linked when it is loaded."""
+    if len(objects) == 1:
+        return objects[0]
+    sizes = b"".join(len(o).to_bytes(8, "little") for o in objects)
+    return _BUNDLE + len(objects).to_bytes(4, "little") + sizes + b"".join(objects)
+
+
+def unbundled(code: bytes) -> list[bytes]:
+    """The object files of `code` (one, or a bundle's)."""
+    if not code.startswith(_BUNDLE):
+        return [code]
+    at = len(_BUNDLE) + 4
+    count = int.from_bytes(code[len(_BUNDLE) : at], "little")
+    sizes = [int.from_bytes(code[at + 8 * k : at + 8 * k + 8], "little") for k in range(count)]
+    at += 8 * count
+    objects = []
+    for size in sizes:
+        objects.append(code[at : at + size])
+        at += size
+    return objects
+
+
 class LoadedCode:
-    """An object file loaded as machine code; the code is unmapped when this is collected,
+    """Object code loaded as machine code; the code is unmapped when this is collected,
     so whoever calls into it (a cell, a cached helper) must hold a reference."""
 
     def __init__(self, code: bytes, target: CPUTarget, symbol: str):
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), target.new_machine())
-        self._engine.add_object_file(llvm.ObjectFileRef.from_data(code))
+        for part in unbundled(code):  # the engine's linker resolves the parts' calls to each other
+            self._engine.add_object_file(llvm.ObjectFileRef.from_data(part))
         self._engine.finalize_object()
         self.address: int = self._engine.get_function_address(symbol)
         self.digest = hashlib.sha256(code).hexdigest()  # names this machine code (measurements of it are kept under it)
