@@ -8,6 +8,7 @@ import hashlib
 from collections.abc import Callable
 
 import numpy as np
+from llvmlite import ir
 
 from ... import debug
 from ...errors import RanvierError
@@ -109,7 +110,7 @@ class CPUBackend:
             if debug.enabled(kind):
                 debug.dump(kind, f"cell {cell.name}: {what}", self.code(cell, kind))
 
-    def _modules(self, cell: Cell, layout: Layout) -> list:
+    def _modules(self, cell: Cell, layout: Layout) -> list[ir.Module]:
         emitters = [self.kernel(step.op).emit for step in cell.steps]
         return codegen.build_modules(cell.name, self.target, cell.steps, layout, emitters, self.flush_denormals,
                                      parallel_compile.parts())

@@ -13,7 +13,8 @@ The cell function takes a table of pointers, filled once per instance:
 
 Nothing process-specific is baked into the code, so the object file can be cached
 on disk and reused by another process. Each step is a function of its own (internal
-where the cell is one module); the cell function calls them in order and adds each step's cycle count to its profile counter.
+where the cell is one module); the cell function calls them in order and adds each
+step's cycle count to its profile counter.
 Compiled to flush denormals, it sets the thread's FTZ and DAZ modes around them
 (`fpmode`) and puts the thread's own back after.
 """

@@ -48,10 +48,13 @@ def _start(text: str, target: CPUTarget) -> subprocess.Popen | None:
     try:
         worker = subprocess.Popen([sys.executable, "-c", _SERVE, _PACKAGE_PARENT, target.name, target.features],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        worker.stdin.write(text.encode())
-        worker.stdin.close()
     except OSError:  # no process to spare (a limit, an interpreter gone): compiled here
         return None
+    try:
+        worker.stdin.write(text.encode())
+        worker.stdin.close()
+    except BrokenPipeError:  # it ended before reading its module: `_result` finds it failed
+        pass
     return worker
 
 
