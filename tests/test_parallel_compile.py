@@ -12,7 +12,15 @@ from helpers import random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import jit, parallel_compile
-from ranvier.backends.cpu.parallel import SPLIT_ENVIRONMENT, thread_count
+from ranvier.backends.cpu.parallel import SPLIT_ENVIRONMENT, split_thresholds, thread_count
+
+
+@pytest.fixture(autouse=True)
+def _thresholds_read_again_after():
+    """The split thresholds this module's steps fix are dropped after each test (the next
+    reads the machine's own again)."""
+    yield
+    split_thresholds.cache_clear()
 
 
 def _training_step(f):
@@ -34,6 +42,7 @@ def _losses(monkeypatch, parts: int, worker_lines: int) -> tuple[list[float], in
     """Five steps' losses of the step compiled in `parts` modules, how many workers
     compiled parts of it, its IR and how many object files its machine code is."""
     monkeypatch.setenv(SPLIT_ENVIRONMENT, "4096")  # the same kernels split over threads each time
+    split_thresholds.cache_clear()  # read again, from the setting
     made = []  # the code compiled, each cell's
     monkeypatch.setattr(jit, "cached_object", lambda key, generate, use_disk=True: (made.append(generate()) or made[-1], "compiled"))
     monkeypatch.setattr(parallel_compile, "parts", lambda: parts)
