@@ -155,27 +155,23 @@ def cache_key(description: str, target: CPUTarget) -> str:
 
 def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
     """Machine code for `module`, optimized."""
-    return target.machine.emit_object(_optimized(module, target))
+    return compile_text(str(module), target=target)
 
 
 def assembly(module: ir.Module, target: CPUTarget) -> str:
     """The machine code compile_object makes of `module`, as assembly text."""
-    return target.machine.emit_assembly(_optimized(module, target))
+    return target.machine.emit_assembly(_optimized(str(module), target=target))
 
 
 def compile_text(*texts: str, target: CPUTarget) -> bytes:
     """Machine code for modules' IR texts, linked into one module and optimized."""
+    return target.machine.emit_object(_optimized(*texts, target=target))
+
+
+def _optimized(*texts: str, target: CPUTarget) -> llvm.ModuleRef:
     parsed = llvm.parse_assembly(texts[0])
     for text in texts[1:]:
         parsed.link_in(llvm.parse_assembly(text))
-    return target.machine.emit_object(_optimize(parsed, target))
-
-
-def _optimized(module: ir.Module, target: CPUTarget) -> llvm.ModuleRef:
-    return _optimize(llvm.parse_assembly(str(module)), target)
-
-
-def _optimize(parsed: llvm.ModuleRef, target: CPUTarget) -> llvm.ModuleRef:
     parsed.verify()
     options = llvm.create_pipeline_tuning_options(speed_level=3)
     # Kernels are vectorized by construction; LLVM's loop vectorizer and unroller only
