@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, guards
 from .errors import RanvierError, shape_str
 from .flow.graph import Flow, Function, Operation, Variable
 from .handles import Channel, TensorHandle
@@ -56,11 +56,10 @@ class Step:
 ALIGNMENT = 64  # bytes: where globals and instance buffers start (a cache line; an AVX-512 vector)
 
 
-def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
-    """A zeroed uint8 buffer whose first byte is aligned (numpy only promises 16 bytes)."""
-    raw = np.zeros(nbytes + alignment, dtype=np.uint8)
-    start = (-raw.ctypes.data) % alignment
-    return raw[start : start + nbytes]
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, what: str = "a buffer") -> np.ndarray:
+    """A zeroed uint8 buffer whose first byte is aligned (numpy only promises 16 bytes),
+    between guard bytes in the test mode (`guards`; `what` names it there)."""
+    return guards.allocate(nbytes, alignment, what=what)
 
 
 def is_aligned(array: np.ndarray) -> bool:
@@ -144,7 +143,7 @@ class Network:
                 array = var.data
             else:
                 # A learnable variable without an initial value starts at zero.
-                array = view_of(aligned_empty(var.nbytes), 0, var)
+                array = view_of(aligned_empty(var.nbytes, what=f"global {var.name}"), 0, var)
                 if var.data is not None:
                     array[...] = var.data
             self.globals[var.name] = array
@@ -328,7 +327,7 @@ class Instance:
 
     def __init__(self, cell: Cell, primal: Instance | None = None):
         self.cell = cell
-        self.buffer = aligned_empty(cell.size)
+        self.buffer = aligned_empty(cell.size, what=f"the data of an instance of cell {cell.name}")
         self._views = [view_of(self.buffer, s.offset, s.var) for s in cell.slots]
         self._by_name = {s.var.name: v for s, v in zip(cell.slots, self._views)}
         # Per-step time accumulated by the backend (its own unit: seconds or cycles).
@@ -433,7 +432,10 @@ class Instance:
             )
         for local, element, _ in self._connected.values():
             local[...] = element
-        self._run()
+        try:
+            self._run()
+        finally:
+            guards.check()
         for local, element, computed in self._connected.values():
             if computed:
                 element[...] = local

@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 from llvmlite import ir
 
+from ... import guards
 from ...runtime import Cell
 from ..llvm.irutil import use_features
 from . import blas, kernels
@@ -106,10 +107,9 @@ class HostEmulator:
         self._memory: dict[int, np.ndarray] = {}
 
     def allocate(self, nbytes: int) -> int:
-        block = np.full(max(1, nbytes) + 64, 0xFF, np.uint8)
-        start = -block.ctypes.data % 64
-        address = block.ctypes.data + start
-        self._memory[address] = block
+        memory = guards.allocate(max(1, nbytes), 64, fill=0xFF, what="a block of emulated device memory")
+        address = memory.ctypes.data
+        self._memory[address] = memory
         return address
 
     def release(self, address: int) -> None:
