@@ -6,9 +6,9 @@ CachedAttention(q [B, H, T, hd], k [B, KV, T, hd], v [B, KV, T, hd],
 the T new positions' queries attend to the first `length` rows of the caches (the
 positions before them) and, causally, to the new keys: query t sees every cached row
 and new rows j ≤ t. Head h reads key/value head h // (H / KV). `length` is an int32 or
-int64 scalar read at run time, 0 ≤ length ≤ S: outside that the reference and the CPU's
-kernels fail, while the decomposed form below takes it as its mask does (no cache row
-below 0, every one above S). `scale` defaults to 1/√hd.
+int64 scalar read at run time, 0 ≤ length ≤ S: outside that the compute fails, on every
+backend and in the decomposed form below too (a lookup of the length refuses it there).
+`scale` defaults to 1/√hd.
 
 A decoder holding a cache of S rows reads only its `length` live rows this way, not all
 S behind a mask: a stories110M decode step read its 1,024-row caches whole, 75 MB a
@@ -86,8 +86,11 @@ def _masked(b, op):
     groups = heads // kv_heads
     scale = scale_of(op_def(op.type).attrs_of(op), size)
     stacked = q.reshape([batch, kv_heads, groups * queries, size])
-    length = length if length.dtype == "int32" else b.cast(length, "int32")
-    past = b.const(np.arange(rows, dtype=np.int32)) >= length
+    # The length looked up in [0, 1, ..., S]: the lookup refuses a length outside the cache
+    # on every backend, as the op does, and gives it as int32 exactly (a cast would read
+    # 2³² + 1 as 1, and a comparison takes any length as a mask).
+    live = b.gather(b.const(np.arange(rows + 1, dtype=np.int32)), length)
+    past = b.const(np.arange(rows, dtype=np.int32)) >= live
     past_mask = b.cond(past, b.const(np.float32(-math.inf)), b.const(np.float32(0.0))).reshape([1, 1, 1, rows])
     causal = np.triu(np.full((queries, queries), -np.inf, np.float32), k=1)
     new_mask = b.const(np.tile(causal, (groups, 1)))

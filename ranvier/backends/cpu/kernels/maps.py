@@ -118,16 +118,16 @@ def split(ctx, op) -> None:
 
 @kernel("AssignSlice", {"AssignSlice"})
 def assign_slice(ctx, op) -> None:
-    """target[..., start:start+n, ...] = value: only the n rows move, whatever the target's size."""
+    """target[..., start:start+n, ...] = value: only the n rows move, whatever the target's
+    size. A start outside the target fails the step and moves nothing."""
     target, value, start = op.inputs
     axis = attrs_of(op)["axis"] % target.rank
     outer = math.prod(target.shape[:axis])
     inner = math.prod(target.shape[axis + 1 :])
     rows, capacity = value.shape[axis], target.shape[axis]
     begin = load_index(ctx, start, 0)
-    check_range(ctx, begin, capacity)
-    count = (capacity - begin).minimum(rows).maximum(0)
-    with ctx.loop(0, outer, name="o") as o:
+    count = (capacity - begin).minimum(rows)
+    with ctx.when(check_range(ctx, begin, capacity)), ctx.loop(0, outer, name="o") as o:
         from_row = o * (rows * inner)
         to_row = o * (capacity * inner) + begin * inner
         with ctx.loop(0, count * inner, name="e") as e:
