@@ -97,17 +97,28 @@ def test_its_decomposition_on_the_cuda_emulator(shape, monkeypatch):
     check(data[out], naive(*values[:5], shape[-1], 0.3), "float32")
 
 
-def test_cache_rows_past_the_length_are_never_read():
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_cache_rows_past_the_length_are_never_read(backend, monkeypatch):
     """Rows from `length` on may hold anything (a stale step's, a padded chunk's): NaN
-    there must not reach the output, as it would through a masked score."""
+    there must not reach the output, as it would through a masked score or a zero weight
+    (the CPU's kernel, and the decomposed form on the CUDA emulator)."""
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
     shape = SHAPES[4]
     values = inputs(shape, "float32")
     length = shape[-1]
     for cache in values[3:5]:
         cache[:, :, length:] = np.nan
-    (got,) = run_flow(lambda f, *x: [f.cached_attention(*x)], values)
-    assert np.isfinite(got).all()
-    check(got, naive(*values[:5], length, 1.0 / math.sqrt(shape[5])), "float32")
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    handles = [f.var(f"x{i}", "float32" if i < 5 else "int32", list(x.shape)) for i, x in enumerate(values)]
+    out = f.cached_attention(*handles)
+    out.var.out = True
+    data = rv.Compiler(backend).compile(flow).cell("f").instance()
+    for handle, value in zip(handles, values):
+        data[handle] = value
+    data.compute()
+    assert np.isfinite(data[out]).all()
+    check(data[out], naive(*values[:5], length, 1.0 / math.sqrt(shape[5])), "float32")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

@@ -91,12 +91,15 @@ def _masked(b, op):
     # 2³² + 1 as 1, and a comparison takes any length as a mask).
     live = b.gather(b.const(np.arange(rows + 1, dtype=np.int32)), length)
     past = b.const(np.arange(rows, dtype=np.int32)) >= live
-    past_mask = b.cond(past, b.const(np.float32(-math.inf)), b.const(np.float32(0.0))).reshape([1, 1, 1, rows])
+    # Rows from `length` on are selected away, not masked by adding −∞ or weighted by 0:
+    # they may hold anything (a stale step's, NaN), and NaN − ∞ or 0 · NaN is NaN.
+    cached_scores = b.cond(past.reshape([1, 1, 1, rows]), b.const(np.array(-math.inf, q.dtype)),
+                           stacked.matmul(k_cache, transpose_b=True) * scale)
+    live_values = b.cond(past.reshape([1, 1, rows, 1]), b.const(np.array(0, q.dtype)), v_cache)
     causal = np.triu(np.full((queries, queries), -np.inf, np.float32), k=1)
     new_mask = b.const(np.tile(causal, (groups, 1)))
     if q.dtype != "float32":
-        past_mask, new_mask = b.cast(past_mask, q.dtype), b.cast(new_mask, q.dtype)
-    scores = b.concat([stacked.matmul(k_cache, transpose_b=True) * scale + past_mask,
-                       stacked.matmul(k, transpose_b=True) * scale + new_mask], axis=3)
+        new_mask = b.cast(new_mask, q.dtype)
+    scores = b.concat([cached_scores, stacked.matmul(k, transpose_b=True) * scale + new_mask], axis=3)
     cached, new = b.split(b.softmax(scores), [rows, queries], axis=3)
-    return (cached @ v_cache + new @ v).reshape(op.outputs[0].shape)
+    return (cached @ live_values + new @ v).reshape(op.outputs[0].shape)
