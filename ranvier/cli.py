@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -108,92 +109,116 @@ def _given(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in args.given}
 
 
-def _launched_workers(args: argparse.Namespace) -> int | None:
-    """With --workers N (outside an MPI job): run this command as N ranks and return their
-    exit code. Otherwise None, after making this process a quiet rank if it is one of
-    several but not rank 0 (which alone prints, shows progress and writes the run)."""
-    from .distributed import current_world, launched_by_mpi
-    from .distributed.launch import launch
+def _join_the_ranks(args: argparse.Namespace) -> None:
+    """In one of several data-parallel ranks: stop with the `--workers` launcher that
+    started it, and, if not rank 0 (which alone prints, shows progress and writes the run),
+    be quiet."""
+    from .distributed import current_world
+    from .distributed.launch import launcher_pid, watch_launcher
 
-    if args.workers > 1 and not launched_by_mpi():
-        code = launch(args.argv, args.workers)
-        if code:
-            print(f"ranvier: error: the {args.workers} workers stopped with exit code {code}: a rank failed or was "
-                  "killed (its message is above); the last checkpoint is intact", file=sys.stderr)
-        return code
     world = current_world()
     if world.size > 1 and args.workers not in (1, world.size):
         raise RanvierError(f"--workers {args.workers} in an MPI job of {world.size} ranks: leave --workers out under mpiexec")
+    launcher = launcher_pid()
+    if launcher is not None:
+        def orphaned() -> None:
+            print(f"ranvier: error{_rank()}: the launcher (process {launcher}) has ended; this rank stops too",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+        watch_launcher(launcher, orphaned)
     if not world.is_root:
         from .compiler import compiler
 
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- this rank's output, for the rest of the process
         args.quiet, args.dashboard = True, False
         compiler.compile_observer = None
-    return None
+
+
+def _launch_workers(args: argparse.Namespace, run_dir: Path) -> int:
+    """Run this command as --workers N ranks, in `run_dir` (named to them: a new run's
+    default name is this process's to choose), and wait for them."""
+    from .distributed.launch import launch
+
+    argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
+    code = launch(argv, args.workers)
+    if code:
+        raise RanvierError(f"the {args.workers} workers stopped with exit code {code}: a rank failed or was killed "
+                           "(its message is above); the last checkpoint is intact")
+    return 0
+
+
+def _train(args: argparse.Namespace, kinds: tuple[str, ...], new_name: str,
+           start: Callable[[Path], object], resume: Callable[[Path], object]) -> int:
+    """A training command: `start` a new run in --run-dir (else runs/<new_name>, a strftime
+    pattern), or `resume` the one --resume names, holding its run directory claimed (see
+    rundir.claimed) for the run's life; with --workers N, in the launcher of N ranks."""
+    from .distributed import launched_by_mpi
+    from .distributed.launch import launcher_pid
+    from .train.rundir import claimed
+
+    launching = args.workers > 1 and not launched_by_mpi()
+    if launched_by_mpi():
+        _join_the_ranks(args)
+    if args.resume:
+        _check_run(args.resume, kinds, f"train {args.task} --resume")
+        run_dir = Path(args.resume)
+    else:
+        run_dir = Path(args.run_dir or Path("runs") / time.strftime(new_name))
+        if launcher_pid() is None:  # a launcher's ranks are told it, and the launcher has said it
+            print(f"run directory: {run_dir}")
+    with claimed(run_dir, resume=bool(args.resume), force=args.force):
+        if launching:
+            return _launch_workers(args, run_dir)
+        (resume if args.resume else start)(run_dir)
+    return 0
 
 
 def _train_mnist(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .train.mnist_job import MnistConfig, resume_mnist, train_mnist
-    from .train.rundir import removed_on_failure
 
-    launched = _launched_workers(args)
-    if launched is not None:
-        return launched
-    if args.resume:
-        _check_run(args.resume, ("mnist",), "train mnist --resume")
-        resume_mnist(Path(args.resume), _given(args), progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
-        return 0
-    config = MnistConfig(
-        model=args.model,
-        steps=args.steps if args.steps is not None or args.minutes is not None else MnistConfig.steps,
-        minutes=args.minutes,
-        batch=args.batch,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        backend=args.backend,
-        cpu=args.cpu,
-        matmul=args.matmul,
-        precision=args.precision,
-        seed=args.seed,
-        data=args.data,
-        checkpoint_every=args.checkpoint_every,
-        zero=args.zero,
-    )
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"mnist-{args.model}-%Y%m%d-%H%M%S")
-    print(f"run directory: {run_dir}")
-    with removed_on_failure(run_dir):
+    def start(run_dir: Path) -> None:
+        config = MnistConfig(
+            model=args.model,
+            steps=args.steps if args.steps is not None or args.minutes is not None else MnistConfig.steps,
+            minutes=args.minutes,
+            batch=args.batch,
+            lr=args.lr,
+            optimizer=args.optimizer,
+            backend=args.backend,
+            cpu=args.cpu,
+            matmul=args.matmul,
+            precision=args.precision,
+            seed=args.seed,
+            data=args.data,
+            checkpoint_every=args.checkpoint_every,
+            zero=args.zero,
+        )
         train_mnist(config, run_dir, progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
-    return 0
+
+    def resume(run_dir: Path) -> None:
+        resume_mnist(run_dir, _given(args), progress=not args.quiet, profile=args.profile, dashboard=args.dashboard)
+
+    return _train(args, ("mnist",), f"mnist-{args.model}-%Y%m%d-%H%M%S", start, resume)
 
 
 def _train_llama(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .train.llama_job import LlamaRunConfig, resume_llama, train_llama
-    from .train.rundir import removed_on_failure
 
-    launched = _launched_workers(args)
-    if launched is not None:
-        return launched
-    if args.resume:
-        _check_run(args.resume, (args.task,), f"train {args.task} --resume")
-        resume_llama(Path(args.resume), _given(args), progress=not args.quiet, dashboard=args.dashboard)
-        return 0
-    config = LlamaRunConfig(
-        preset=args.preset, model=args.task, corpus=args.corpus, data=args.data,
-        steps=args.steps if args.steps is not None or args.minutes is not None else LlamaRunConfig.steps, minutes=args.minutes,
-        batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
-        backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
-        matmul=args.matmul, precision=args.precision, checkpoint_every=args.checkpoint_every, zero=args.zero,
-    )
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(f"{args.task}-{args.preset}-%Y%m%d-%H%M%S")
-    print(f"run directory: {run_dir}")
-    with removed_on_failure(run_dir):
+    def start(run_dir: Path) -> None:
+        config = LlamaRunConfig(
+            preset=args.preset, model=args.task, corpus=args.corpus, data=args.data,
+            steps=args.steps if args.steps is not None or args.minutes is not None else LlamaRunConfig.steps, minutes=args.minutes,
+            batch=args.batch, seq=args.seq, lr=args.lr, accumulate=args.accumulate, seed=args.seed,
+            backend=args.backend, cpu=args.cpu, max_corpus_bytes=args.max_corpus_bytes, checkpointed=args.checkpointed,
+            matmul=args.matmul, precision=args.precision, checkpoint_every=args.checkpoint_every, zero=args.zero,
+        )
         train_llama(config, run_dir, progress=not args.quiet, dashboard=args.dashboard)
-    return 0
+
+    def resume(run_dir: Path) -> None:
+        resume_llama(run_dir, _given(args), progress=not args.quiet, dashboard=args.dashboard)
+
+    return _train(args, (args.task,), f"{args.task}-{args.preset}-%Y%m%d-%H%M%S", start, resume)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -430,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
     mnist.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")
-    mnist.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
+    _resume_or_force(mnist, resume_help)
     mnist.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
     mnist.add_argument("--quiet", action="store_true", help="no progress bar")
     mnist.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
@@ -468,8 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=_MATMUL_HELP)
         lm.add_argument("--precision", default="float32", choices=PRECISIONS,
                         help=_PRECISION_HELP + "; not with --checkpointed)")
-        lm.add_argument("--run-dir", default=None)
-        lm.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
+        lm.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")
+        _resume_or_force(lm, resume_help)
         lm.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
         lm.add_argument("--quiet", action="store_true")
         lm.add_argument("--dashboard", action="store_true",
@@ -568,6 +593,15 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["info", "clear"], help="info: where, entries, size; clear: delete every entry")
     cache.set_defaults(run=_cache)
     return parser
+
+
+def _resume_or_force(parser: argparse.ArgumentParser, resume_help: str) -> None:
+    """A run directory that holds a run already is continued (--resume) or replaced (--force)."""
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
+    existing.add_argument("--force", action="store_true",
+                          help="start over in a --run-dir that holds a run, deleting that run (without --force or "
+                               "--resume such a folder is refused)")
 
 
 def _data_parallel_options(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from ranvier.errors import RanvierError
 from ranvier.train import rundir
 from ranvier.train.checkpoint import load_checkpoint
 from ranvier.train.llama_job import remove_abandoned
+from ranvier.train.runlock import LOCK
 
 RANVIER = [sys.executable, "-m", "ranvier.cli"]
 MNIST = ["train", "mnist", "--batch", "8", "--quiet"]
@@ -221,7 +222,8 @@ def test_full_disk_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path, mo
     line = error_line(result)
     assert "No space left on device (ENOSPC)" in line and str(disk / "run" / "checkpoint") in line
     assert "step 2 checkpoint" in line  # what a resume would continue from
-    assert sorted(path.name for path in kept.rglob("*") if path.name.startswith(".")) == []  # no temporary files
+    hidden = sorted(path.name for path in kept.rglob("*") if path.name.startswith("."))
+    assert hidden == [LOCK]  # no temporary files, only the lock the run held
     assert checkpoint_step(kept) == 2 and litter(kept) == []
     # The checkpoint kept is whole: resumed on a disk with room, the run ends as one never stopped.
     assert ranvier("train", "mnist", "--resume", kept, "--quiet").returncode == 0

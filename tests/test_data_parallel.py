@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from ranvier import RanvierError
 from ranvier.distributed import GradientReducer, World, owners
 from ranvier.distributed.launch import find_mpiexec, without_workers
 from ranvier.train.checkpoint import load_checkpoint
+from ranvier.train.rundir import checkpoint_step
 
 WORKER = Path(__file__).resolve().parent / "dp_worker.py"
 TOLERANCE = 1e-4  # of each tensor's largest magnitude: float32 sums in another order, through Adam
@@ -271,3 +273,59 @@ def test_cli_llama_on_two_workers_matches_one(tmp_path):
     one = validation_loss("--run-dir", str(tmp_path / "one"))
     two = validation_loss("--run-dir", str(tmp_path / "two"), "--workers", "2", "--zero")
     assert two == pytest.approx(one, rel=1e-5)
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The processes below `launcher` (mpiexec, its proxy, the ranks), from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+    found, frontier = [], [launcher]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@needs_mpi
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the launcher's processes in /proc")
+def test_ranks_end_when_their_launcher_is_killed(tmp_path):
+    """`kill -9` of `ranvier train ... --workers 2` ends mpiexec and both ranks within
+    seconds, and the run resumes from its last checkpoint."""
+    run = tmp_path / "run"
+    mnist = [sys.executable, "-m", "ranvier.cli", "train", "mnist", "--batch", "8", "--quiet"]
+    launcher = subprocess.Popen([*mnist, "--steps", "1000000", "--checkpoint-every", "20", "--workers", "2", "--run-dir", str(run)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while launcher.poll() is None and checkpoint_step(run) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        below = ranks_of(launcher.pid)
+        assert len(below) >= 3, f"mpiexec and two ranks: {below}"  # (and for MPICH, a proxy between them)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(map(alive, below)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in below if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the launcher's processes outlived it"
+    resumed = subprocess.run([*mnist, "--resume", str(run), "--steps", str(checkpoint_step(run) + 2)],
+                             capture_output=True, text=True, check=False)
+    assert resumed.returncode == 0, resumed.stderr

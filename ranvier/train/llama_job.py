@@ -344,7 +344,6 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     stop_at: pause after this step (checkpointed, schedule unchanged), to resume later.
     dashboard: show the live dashboard (on a terminal) instead of the progress bar.
     """
-    rundir.open_run_dir(run_dir)
     rundir.write_config(run_dir, config.model, config)
     run = build(config, run_dir)
     trainer = run.trainer

@@ -111,7 +111,6 @@ def resume_mnist(run_dir: Path, flags: dict | None = None, progress: bool = True
 def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progress: bool = True, profile: bool = False,
                 dashboard: bool = False) -> float:
     """Train (or resume) and return the test accuracy. Prints `test_accuracy=0.XXXX` last."""
-    rundir.open_run_dir(run_dir)
     trainer, _, test_split = make_trainer(config)
     rundir.record_matmul(config, trainer.matmul)
     rundir.note_precision(config, trainer)

@@ -1,4 +1,5 @@
-"""What every training job's run directory shares: its config.json and its metrics.jsonl."""
+"""What every training job's run directory shares: its claim on the folder (a lock, and the rule
+that a new run does not replace an old one unasked), its config.json and its metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, fields
@@ -14,8 +16,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ..atomic import TEMPORARY, WriteError, atomic_write_bytes, os_error, remove_partial_writes
 from ..distributed import current_world
+from ..distributed.launch import launcher_pid
 from ..errors import RanvierError
 from .checkpoint import METADATA, read_metadata
+from .runlock import holder, lock_run_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -31,37 +35,83 @@ def _runs(kinds: tuple[str, ...]) -> str:
     return f"{KINDS[kinds[0]][0]} {' or '.join(KINDS[kind][1] for kind in kinds)} run"
 
 
+# A run's files, as --force replaces them: config.json first, which makes the folder a run.
+RUN_FILES = ("config.json", "checkpoint", "metrics.jsonl", "tokenizer.model", "tokenizer.json", "data", "curves.png")
+# Those that mark a folder as holding a run, which a new run will not replace unasked.
+RUN_MARKERS = ("config.json", "checkpoint", "metrics.jsonl")
+
+
 @contextlib.contextmanager
-def removed_on_failure(run_dir: Path) -> Iterator[None]:
-    """A new run's directory, removed again when the run fails (or is interrupted) before
-    its first checkpoint: a config without weights is nothing to resume or keep."""
-    existed = run_dir.exists()
-    try:
-        yield
-    except BaseException:
-        if current_world().is_root and not existed and not (run_dir / "checkpoint").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+def claimed(run_dir: Path, resume: bool = False, force: bool = False) -> Iterator[None]:
+    """Hold `run_dir` for one training, from before its config is read to the run's end.
 
+    The folder is made (a new run) and locked (runlock: a second training in it gets an
+    error naming this process); one training cannot write is refused here, naming it,
+    before any compile, and the temporary files of writes a killed run left are removed.
+    A new run (not `resume`) refuses a folder holding a run already, unless `force`, which
+    deletes that run first. A new run that fails (or is interrupted) before its first
+    checkpoint takes its folder away again: a config without weights is nothing to resume.
 
-def open_run_dir(run_dir: Path) -> None:
-    """Make or reopen a run directory for training. One training cannot write is refused
-    here, naming it, before any compile (it would fail at the first checkpoint, minutes in);
-    the temporary files of writes a killed run left are removed. (Of a data-parallel run's
-    ranks, rank 0 writes the run directory; the others only read it.)"""
+    Of a data-parallel run's ranks, rank 0 claims the folder and the others only read it;
+    ranks started by `--workers` find it claimed by their launcher, which holds the lock."""
     if not current_world().is_root:
+        yield
         return
+    existed = run_dir.exists()
+    lock = None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for folder in (run_dir, run_dir / "checkpoint"):
-            if folder.is_dir():
-                # Only a write tells: permissions, read-only mounts and root's rights all count.
-                fd, probe = tempfile.mkstemp(prefix=".probe.", suffix=TEMPORARY, dir=folder)
-                os.close(fd)
-                os.unlink(probe)
-                remove_partial_writes(folder)
+        if not held_by_launcher(run_dir):
+            lock = lock_run_dir(run_dir)  # making the lock file tests that the folder can be written
+        checkpoints = run_dir / "checkpoint"
+        if checkpoints.is_dir():
+            # Only a write tells: permissions, read-only mounts and root's rights all count.
+            fd, probe = tempfile.mkstemp(prefix=".probe.", suffix=TEMPORARY, dir=checkpoints)
+            os.close(fd)
+            os.unlink(probe)
+            remove_partial_writes(checkpoints)
+        remove_partial_writes(run_dir)
     except OSError as error:
+        if lock is not None:
+            os.close(lock)
         raise RanvierError(f"the run directory {run_dir} is not writable: {os_error(error)}") from None
+    try:
+        if not resume:
+            _start_over(run_dir, force)
+        yield
+    except BaseException:
+        if not existed and not (run_dir / "checkpoint").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def held_by_launcher(run_dir: Path) -> bool:
+    """Whether this process is a rank started by `--workers` whose launcher holds the lock
+    of `run_dir` (the lock file names it)."""
+    launcher = launcher_pid()
+    return launcher is not None and holder(run_dir) == {"pid": launcher, "host": socket.gethostname()}
+
+
+def _start_over(run_dir: Path, force: bool) -> None:
+    """Make way for a new run in `run_dir`: a run there already is refused, naming what was
+    found, or with `force` deleted, its config.json first (a deletion cut short leaves a
+    folder that is no longer a run to resume, and is refused again until forced)."""
+    found = [name for name in RUN_MARKERS if (run_dir / name).exists()]
+    if not found:
+        return
+    if not force:
+        raise RanvierError(f"{run_dir} holds a run already ({', '.join(found)}): pass --resume {run_dir} to continue it, "
+                           "--force to start over and replace it, or another --run-dir")
+    print(f"--force: replacing the run in {run_dir}")
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def checkpoint_step(run_dir: Path) -> int | None:
