@@ -57,6 +57,23 @@ def test_bias_and_gelu_run_in_the_products_epilogue(gemm, ta, tb, monkeypatch):
     assert step.op.type == "MatMulCalculate"
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize(("m", "k", "n"), [(0, 50, 70), (37, 50, 0), (37, 0, 70), (0, 0, 0)])
+def test_zero_size_products_compute_as_the_reference_does(gemm, m, k, n, monkeypatch):
+    """A zero-size batch (m = 0) or layer (n = 0) has nothing to write, its epilogue
+    included; a product over k = 0 is zeros, and its epilogue runs on them (here bias + gelu)."""
+    monkeypatch.setenv("RANVIER_GEMM", gemm)
+    x, w, bias = random_array([m, k], "float32", seed=1), random_array([k, n], "float32", seed=2), random_array([n], "float32", seed=3)
+
+    def build(f, x, w, b):
+        return f.gelu(f.matmul(x, w) + b), f.reduce("Sum", x, axis=1)
+
+    product, sums = run_flow(build, [x, w, bias])
+    tx, tw, tb = _torch(x, w, bias)
+    check(product, torch.nn.functional.gelu(tx @ tw + tb).numpy().astype(np.float32))
+    check(sums, np.zeros([m], np.float32) if k == 0 else x.sum(axis=1))
+
+
 @pytest.mark.parametrize("mask", MASKS)
 def test_a_residual_and_a_per_row_scale_over_a_batch_of_rows(mask):
     """x[B, T, K] @ W is one GEMM over B·T rows; the epilogue reads a same-shaped residual
