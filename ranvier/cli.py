@@ -717,6 +717,9 @@ def console() -> int:
     from .compiler import compiler
 
     args = _parse(sys.argv[1:])
+    # Names a file held as bytes that are not UTF-8 (read as surrogates) print escaped, as on stderr.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     show_traceback = args.debug or debug.tracebacks()
     compiler.compile_observer = _CompileStatus
     try:

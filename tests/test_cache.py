@@ -5,6 +5,8 @@ once all succeed and leave one intact entry."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import random
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ranvier.backends.cpu import jit
+from ranvier.backends.cpu import jit, parallel
 from ranvier.cli import main
 
 
@@ -69,6 +71,29 @@ def test_cache_info_names_the_machine_measurements_that_clearing_keeps(cache, ca
     capsys.readouterr()
     assert main(["cache", "info"]) == 0
     assert "this machine's measurements (split thresholds, GEMM choices): gemm-0123.json" in capsys.readouterr().out
+
+
+def test_measurements_that_do_not_read_are_measured_again_and_cleared(cache, capsys, monkeypatch):
+    """A split-*.json of strings (hand-edited, or written by something else) is measured
+    anew, not a traceback at the first compile, and `cache clear` removes one."""
+    monkeypatch.delenv("RANVIER_SPLIT_BYTES", raising=False)
+    parallel.split_thresholds.cache_clear()
+    monkeypatch.setattr(parallel, "_measure", lambda cores: parallel.SplitThresholds(1 << 20, 1 << 17, 1e-5, 1e-7, 1e10, 1e11))
+    try:
+        kept = parallel.split_thresholds()
+        (path,) = cache.glob("split-*.json")
+        for corrupt in ({**json.loads(path.read_text()), "flops": "many"}, {"flops": 1}, ["x"], {"nbytes": 0}):
+            path.write_text(json.dumps(corrupt))
+            parallel.split_thresholds.cache_clear()
+            assert parallel.split_thresholds() == kept
+            assert json.loads(path.read_text()) == dataclasses.asdict(kept)  # the file is whole again
+    finally:
+        parallel.split_thresholds.cache_clear()
+    (cache / "split-0123.json").write_text('{"flops": "many"}')
+    (cache / "split-4567.json").write_bytes(b"\xff")
+    assert main(["cache", "clear"]) == 0
+    assert "deleted 2 entries" in capsys.readouterr().out
+    assert [p.name for p in cache.glob("*.json")] == [path.name]  # the measurements that read are kept
 
 
 def test_entry_evicted_while_reading_is_recompiled(cache, monkeypatch):

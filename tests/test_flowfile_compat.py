@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import array
 import logging
+import os
 import struct
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -255,6 +258,25 @@ def test_names_that_are_not_utf8_survive_byte_for_byte(tmp_path):
     path = tmp_path / "latin1.flow"
     flow.save(path)
     assert path.read_bytes() == data
+
+
+def test_a_model_whose_names_are_not_utf8_compiles_runs_and_prints(tmp_path):
+    """Its names reach the compile cache's key and the printed outputs: encoded as they are,
+    and shown escaped on a stdout that takes only UTF-8."""
+    path = tmp_path / "names.flow"
+    saved = Flow()
+    f = ranvier.Builder(saved, "f")
+    f.relu(f.var("x", "float32", [2, 3]), name="y").var.out = True
+    saved.save(path)
+    path.write_bytes(path.read_bytes().replace(b"f/x", b"f/\xff").replace(b"f/y", b"f/\xfe"))
+    flow = Flow().load(path)
+    x = np.array([[1, -2, 3], [-4, 5, -6]], np.float32)
+    np.testing.assert_array_equal(run(flow, "f", {"f/\udcff": x}, "f/\udcfe:0"), np.maximum(x, 0))
+    np.save(tmp_path / "x.npy", x)
+    done = subprocess.run([sys.executable, "-m", "ranvier.cli", "run", str(path), "--input", f"f/\udcff={tmp_path / 'x.npy'}"],
+                          capture_output=True, check=False, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert done.stdout.decode().startswith("f/\\udcfe:0: float32[2x3]\n[[1. 0. 3.]")
 
 
 # ---- constants as SLING's Python writer stores them --------------------------------------------------------

@@ -101,9 +101,14 @@ def prune_cache(max_bytes: int) -> int:
 
 
 def clear_cache() -> tuple[int, int]:
-    """Delete every entry (a process compiling meanwhile just writes its own again); the
-    number of entries and bytes deleted."""
+    """Delete every entry (a process compiling meanwhile just writes its own again), and
+    the machine's measurements that do not read as such (the others are kept: see
+    measured.py); the number of files and bytes deleted."""
+    from .measured import unreadable
+
     entries = cache_entries()
+    if cache_dir().is_dir():
+        entries += [CacheEntry(path, path.stat().st_size, 0.0) for path in unreadable(cache_dir())]
     for entry in entries:
         with contextlib.suppress(FileNotFoundError):
             entry.path.unlink()
@@ -150,7 +155,8 @@ def source_digest(*folders: str) -> str:
 
 
 def cache_key(description: str, target: CPUTarget) -> str:
-    return hashlib.sha256(f"{__version__}\n{target.key()}\n{description}".encode()).hexdigest()
+    # (names a .flow file held as bytes that are not UTF-8 are read as surrogates: encoded as they are)
+    return hashlib.sha256(f"{__version__}\n{target.key()}\n{description}".encode(errors="surrogatepass")).hexdigest()
 
 
 def compile_object(module: ir.Module, target: CPUTarget) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,13 +36,28 @@ def kept(path: Path) -> Iterator[dict | None]:
         return
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            values = json.loads(path.read_text())
-        except (OSError, ValueError):
-            values = {}
-        if not isinstance(values, dict):
-            values = {}
+        values = _read(path)
         before = dict(values)
         yield values
         if values != before:
             atomic_write_bytes(path, json.dumps(values, sort_keys=True).encode())
+
+
+def _read(path: Path) -> dict:
+    """The measurements in `path`, a JSON object of numbers and booleans; an empty dict
+    where there are none or they do not read as such (a corrupt file is measured anew)."""
+    try:
+        values = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return values if _are_measurements(values) else {}
+
+
+def _are_measurements(values: object) -> bool:
+    return isinstance(values, dict) and all(type(v) is bool or (type(v) in (int, float) and math.isfinite(v))
+                                            for v in values.values())
+
+
+def unreadable(folder: Path) -> list[Path]:
+    """The measurement files in `folder` (`kept_path`'s) that do not read as measurements."""
+    return [path for path in folder.glob("*-*.json") if path.is_file() and not _read(path)]

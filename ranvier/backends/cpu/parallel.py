@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 from llvmlite import ir
@@ -123,15 +123,22 @@ def split_thresholds() -> SplitThresholds:
     cores = thread_count()
     # kept per machine, core count and way of measuring: a change to the last measures anew
     with kept(kept_path("split", f"{host_target().key()}\n{cores}\n{_METHOD}")) as values:
-        if values:
-            try:
-                return SplitThresholds(**values)
-            except TypeError:  # kept by an older version
-                values.clear()
+        if values and _are_thresholds(values):
+            return SplitThresholds(**values)
+        if values:  # kept by an older version, or corrupt: measured anew
+            values.clear()
         measured = _measure(cores)
         if values is not None:
             values.update(asdict(measured))
         return measured
+
+
+def _are_thresholds(values: dict) -> bool:
+    """Whether kept numbers are a SplitThresholds' fields: sizes of at least 1, costs and rates above 0."""
+    if set(values) != {field.name for field in fields(SplitThresholds)} or any(type(v) is bool for v in values.values()):
+        return False
+    return all(values[name] >= 1 and type(values[name]) is int for name in ("flops", "nbytes")) and \
+        all(value > 0 for value in values.values())
 
 
 def worth_splitting(flops: int = 0, nbytes: int = 0) -> bool:
