@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import sys
 import threading
@@ -227,10 +226,10 @@ def _generate(args: argparse.Namespace) -> int:
     from .generate import Generator, Sampling
     from .interop import load_any
     from .models import language_model
-    from .train.rundir import kind_of
+    from .train.rundir import kind_of, read_saved
 
     config_file = Path(args.model, "config.json")
-    if config_file.is_file() and kind_of(json.loads(config_file.read_text())):  # a run, not a Hugging Face folder
+    if config_file.is_file() and kind_of(read_saved(config_file)):  # a run, not a Hugging Face folder
         _check_run(args.model, ("llama", "moe"), "generate")
     config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
     generator = Generator(language_model(config), weights, backend=args.backend, matmul=args.matmul)

@@ -99,6 +99,9 @@ def read_inputs(flow: Flow, specs: Sequence[str]) -> dict[str, np.ndarray]:
         except (OSError, ValueError) as error:
             raise RanvierError(f"cannot read input {name} from {file}: {error}") from None
         var = wanted[name]
+        if array.dtype.kind not in "biuf":  # booleans and real numbers: not records, strings, dates or complex
+            raise RanvierError(f"input {name} from {file} holds elements of dtype {array.dtype}, expected real numbers "
+                               f"(or booleans) for a {var.dtype} input")
         if list(array.shape) != var.shape:
             raise RanvierError(f"input {name} from {file} has shape [{shape_str(array.shape)}], expected [{shape_str(var.shape)}]")
         given[name] = array

@@ -4,29 +4,40 @@ run, from its metrics.jsonl, as a PNG."""
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 from .atomic import atomic_write_bytes
-from .errors import RanvierError
+from .errors import RanvierError, brief, parse_json
+
+CURVES = ("loss", "val_loss", "lr")
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The (step, value) points of each of CURVES in the run's metrics.jsonl, or an error
+    naming the line that is not a record of numbers."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise RanvierError(f"{run_dir} has no metrics.jsonl: is it a run directory?")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise RanvierError(f"{path} line {number} is not JSON: {error}") from None
-    return records
+    curves: dict[str, list[tuple[int, float]]] = {key: [] for key in CURVES}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = parse_json(line, RanvierError, f"{path} line {number} is not JSON")
+        if not isinstance(record, dict):
+            raise RanvierError(f"{path} line {number} is {brief(record)}, expected a JSON object")
+        for key in CURVES:
+            if key in record:
+                step, value = record.get("step"), record[key]
+                if type(step) is not int or type(value) not in (int, float):
+                    raise RanvierError(f"{path} line {number}: {key} {brief(value)} at step {brief(step)}, "
+                                       "expected a number at an integer step")
+                curves[key].append((step, value))
+    return curves
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     """Write the curves to `out` (default RUN_DIR/curves.png) and return its path."""
+    series = read_curves(run_dir)
     try:
         import matplotlib
 
@@ -34,8 +45,6 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise RanvierError("plotting needs matplotlib: pip install 'ranvier[plot]'") from None
-    records = read_metrics(run_dir)
-    series = {key: [(r["step"], r[key]) for r in records if key in r] for key in ("loss", "val_loss", "lr")}
     if not series["loss"]:
         raise RanvierError(f"{run_dir / 'metrics.jsonl'} has no training losses to plot")
     figure, (loss_axes, lr_axes) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])

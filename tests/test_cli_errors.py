@@ -160,6 +160,11 @@ FAILURES = [
     (["run", "{flow}", "--input", "f/x={missing}.npy"], ["cannot read input f/x"]),
     (["run", "{flow}", "--input", "f/x={npy}", "--output", "{file}"], ["exists already and is not a folder"]),
     (["bench", "{missing}.onnx"], ["no model file"]),
+    (["plot", "{not-utf8-metrics}"], ["metrics.jsonl line 2 is not JSON", "can't decode byte 0xff"]),
+    (["train", "mnist", "--resume", "{zero-batch}"], ["config.json: batch is 0, expected an integer above 0"]),
+    (["train", "llama", "--resume", "{odd-shards}", "--steps", "5", "--quiet"],
+     ['config.json: shards holds {"file": "data00.bin"}, expected a token shard\'s {"path": string']),
+    (["run", "{flow}", "--input", "f/x={records}"], ["f/x from", "holds elements of dtype [('a', '<f4')], expected real numbers"]),
 ]
 
 
@@ -174,8 +179,14 @@ def paths(tmp_path, runs):
     np.save(tmp_path / "x.npy", np.ones((1, 4), np.float32))
     (tmp_path / "model.bin").write_bytes(b"not a model")
     (tmp_path / "empty").mkdir()
+    np.save(tmp_path / "records.npy", np.zeros((1, 4), [("a", "f4")]))
+    metrics = fake_run(tmp_path / "not-utf8-metrics", "mnist", MnistConfig())
+    (metrics / "metrics.jsonl").write_bytes(b'{"step": 10, "loss": 2.3}\n{"step": 20, "loss": 2.\xff}\n')
+    odd_shards = fake_run(tmp_path / "odd-shards", "llama", LlamaRunConfig(shards=[{"file": "data00.bin"}]))
     named = {"missing": tmp_path / "missing", "new": tmp_path / "new", "file": tmp_path / "model.bin",
-             "empty": tmp_path / "empty", "flow": tmp_path / "model.flow", "npy": tmp_path / "x.npy"}
+             "empty": tmp_path / "empty", "flow": tmp_path / "model.flow", "npy": tmp_path / "x.npy",
+             "records": tmp_path / "records.npy", "not-utf8-metrics": metrics,
+             "zero-batch": fake_run(tmp_path / "zero-batch", "mnist", MnistConfig(batch=0)), "odd-shards": odd_shards}
     return {**named, **runs}
 
 

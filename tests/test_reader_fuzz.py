@@ -1,7 +1,9 @@
-"""Fuzzed file readers: llama2.c checkpoints and tokenizer.bin, Hugging Face folders
-(config.json, safetensors files, the shard index), ranvier checkpoints, token shards with
-their manifest, tokenizer .json files and MNIST IDX files, plain and gzipped. (The .flow
-reader has its own fuzz test, test_flowfile_fuzz.py.)
+"""Fuzzed file readers: llama2.c checkpoints and tokenizer.bin (encoding and decoding with
+it too), SentencePiece models (the same), Hugging Face folders (config.json, safetensors
+files, the shard index), ranvier checkpoints (with the batch samplers' states a resume
+restores), a run's config.json, token shards with their manifest, tokenizer .json files and
+MNIST IDX files, plain and gzipped. (The .flow reader has its own fuzz test,
+test_flowfile_fuzz.py.)
 
 Each reader gets a valid input made by ranvier's own writers (or, for IDX, by the format's
 few bytes), then garbage and wrong magic, the files cut short at many points, headers that
@@ -33,8 +35,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ranvier.data import mnist
+from ranvier.data.batches import BatchSampler
 from ranvier.data.shards import MANIFEST, TokenShards, pretokenize
-from ranvier.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
+from ranvier.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, train_sentencepiece
 from ranvier.errors import RanvierError
 from ranvier.interop import (
     Llama2cTokenizer,
@@ -47,7 +50,10 @@ from ranvier.interop import (
 )
 from ranvier.models.llama import LlamaConfig
 from ranvier.models.moe import MoEConfig
+from ranvier.train import llama_job, mnist_job, rundir
 from ranvier.train.checkpoint import METADATA, load_checkpoint, read_metadata, save_checkpoint
+from ranvier.train.llama_job import LlamaRunConfig, restore_sampler_rng
+from ranvier.train.mnist_job import MnistConfig
 
 SEED = 19
 BUDGET_S = 1.5  # each reader's mutation loop runs this long ...
@@ -70,6 +76,7 @@ UNSHARED = replace(LLAMA, shared_classifier=False)
 MOE = MoEConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=29, hidden_dim=8, max_seq_len=8,
                 n_experts=3, top_k=2)
 HF_INDEX = "model.safetensors.index.json"
+SHARD = {"path": "/data/shards/data00.bin", "bytes": 4096, "mtime_ns": 1_700_000_000_000_000_000}
 
 
 def random_weights(config: LlamaConfig) -> dict[str, np.ndarray]:
@@ -100,11 +107,33 @@ def make_llama2c(config: LlamaConfig, version: int) -> Callable[[Path], tuple[Pa
 
 
 def make_tokenizer_bin(folder: Path) -> tuple[Path, list[Path]]:
+    """llama2.c's layout: <unk>, BOS, EOS, the 256 byte tokens, then merged pieces."""
     rng = random.Random(SEED)
-    tokens = [rng.randbytes(rng.randint(1, 6)) for _ in range(60)]
+    tokens = [b"<unk>", b"\n<s>\n", b"\n</s>\n", *(f"<0x{byte:02X}>".encode() for byte in range(256)),
+              *(rng.randbytes(rng.randint(1, 6)) for _ in range(60))]
     path = folder / "tokenizer.bin"
     Llama2cTokenizer(tokens, [rng.uniform(-10, 0) for _ in tokens]).save(path)
     return path, [path]
+
+
+TEXT = "hé wörld ✓ \x00 🙂"  # ASCII, 2-, 3- and 4-byte characters, a NUL
+
+
+def read_tokenizer_bin(path: Path) -> None:
+    tokenizer = import_tokenizer_bin(path)
+    tokenizer.decode(tokenizer.encode(TEXT, bos=True, eos=True))
+
+
+def make_sentencepiece(folder: Path) -> tuple[Path, list[Path]]:
+    texts = ["the quick brown fox jumps over the lazy dog", "hé wörld ✓ 123 456"] * 8
+    tokenizer = train_sentencepiece(iter(texts), 300, output_prefix=folder / "tokenizer", num_threads=1)
+    return tokenizer.path, [tokenizer.path]
+
+
+def read_sentencepiece(path: Path) -> None:
+    tokenizer = load_tokenizer(path)
+    tokenizer.decode(tokenizer.encode(TEXT, bos=True, eos=True))
+    tokenizer.decode(range(tokenizer.vocab_size))
 
 
 def make_hf(folder: Path) -> tuple[Path, list[Path]]:
@@ -132,7 +161,9 @@ def make_checkpoint(folder: Path) -> tuple[Path, list[Path]]:
     arrays = {"mlp/W0": rng.standard_normal((8, 6)).astype(np.float32),
               "mlp/b0": rng.standard_normal(6).astype(ml_dtypes.bfloat16),
               "adam/t": np.array(3, np.int64), "mask": rng.random((2, 3)) < 0.5}
-    path = save_checkpoint(folder / "checkpoint", arrays, {"step": 3, "schedule": {"kind": "constant", "lr": 0.01}})
+    samplers = {"sampler": BatchSampler(100, 10, seed=4, epoch=2, position=30).state(),
+                "rng": np.random.default_rng(SEED).bit_generator.state}
+    path = save_checkpoint(folder / "checkpoint", arrays, {"step": 3, "schedule": {"kind": "constant", "lr": 0.01}, **samplers})
     return path, [path / METADATA, *path.glob("weights-*.safetensors")]
 
 
@@ -144,8 +175,20 @@ def reseal_checkpoint(file: Path, data: bytes, pristine: dict[Path, bytes]) -> d
 
 
 def read_checkpoint(path: Path) -> None:
-    read_metadata(path)
+    """The weights, and the batch samplers' states that resuming a run restores."""
+    metadata = read_metadata(path)
     load_checkpoint(path)
+    BatchSampler(100, 10).restore(metadata.get("sampler"), str(path / METADATA))
+    restore_sampler_rng(np.random.default_rng(), metadata.get("rng"), path / METADATA)
+
+
+def make_run_config(kind: str, config) -> Callable[[Path], tuple[Path, list[Path]]]:
+    def make(folder: Path) -> tuple[Path, list[Path]]:
+        run = folder / "run"
+        run.mkdir()
+        rundir.write_config(run, kind, config)
+        return run, [run / "config.json"]
+    return make
 
 
 def make_shards(folder: Path) -> tuple[Path, list[Path]]:
@@ -184,10 +227,13 @@ def make_idx(compress: bool) -> Callable[[Path], tuple[Path, list[Path]]]:
 READERS = {
     "llama2c-v0": Reader(make_llama2c(LLAMA, 0), import_llama2c),
     "llama2c-v1": Reader(make_llama2c(UNSHARED, 1), import_llama2c),
-    "tokenizer.bin": Reader(make_tokenizer_bin, import_tokenizer_bin, lenient=True),
+    "tokenizer.bin": Reader(make_tokenizer_bin, read_tokenizer_bin, lenient=True),
+    "sentencepiece": Reader(make_sentencepiece, read_sentencepiece),
     "hf": Reader(make_hf, import_hf),
     "hf-sharded": Reader(make_hf_sharded, import_hf),
     "checkpoint": Reader(make_checkpoint, read_checkpoint, reseal=reseal_checkpoint),
+    "mnist config.json": Reader(make_run_config("mnist", MnistConfig()), mnist_job.read_config),
+    "llama config.json": Reader(make_run_config("llama", LlamaRunConfig(shards=[SHARD])), llama_job.read_run),
     "shards": Reader(make_shards, read_shards, lenient=True),
     "tokenizer.json": Reader(make_tokenizer_json, load_tokenizer),
     "idx": Reader(make_idx(False), mnist.read_idx),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import RanvierError
+from ..errors import RanvierError, brief
 
 
 @dataclass
@@ -48,7 +48,14 @@ class BatchSampler:
     def state(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "shuffle": self.shuffle}
 
-    def restore(self, state: dict) -> None:
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
-        self.shuffle = bool(state.get("shuffle", True))
+    def restore(self, state: object, source: str) -> None:
+        """Continue from a `state()` read from `source` (a checkpoint's file, for the error a
+        state that is not one gets)."""
+        counts = isinstance(state, dict) and all(type(state.get(name)) is int for name in ("seed", "epoch", "position"))
+        if not counts or state["epoch"] < 0 or not 0 <= state["position"] <= self.size or \
+                type(state.get("shuffle", True)) is not bool:
+            raise RanvierError(f"{source}: sampler is {brief(state)}, expected this sampler's state: integers seed, "
+                               f"epoch (0 or more) and position (0 to {self.size}), and a boolean shuffle")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self.shuffle = state.get("shuffle", True)
         self._order_epoch = -1

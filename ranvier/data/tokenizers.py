@@ -180,7 +180,9 @@ class SentencePieceTokenizer:
         spm = _sentencepiece()
         try:
             self._model = spm.SentencePieceProcessor(model_proto=self._proto)
-        except RuntimeError as error:
+            # A corrupt piece that is not UTF-8 is refused here, not in some later encode.
+            self._model.id_to_piece(list(range(self._model.vocab_size())))
+        except (RuntimeError, UnicodeDecodeError) as error:  # (a corrupt model's own message may not be UTF-8)
             raise TokenizerError(f"{self.path} is not a SentencePiece model: {error}") from None
         self.vocab_size = int(self._model.vocab_size())
         self.bos_id = int(self._model.bos_id())

@@ -23,9 +23,10 @@ class Llama2cTokenizer:
     kind = "llama2c"
 
     def __init__(self, tokens: list[bytes], scores: list[float], max_token_length: int | None = None,
-                 bos_id: int = 1, eos_id: int = 2):
+                 bos_id: int = 1, eos_id: int = 2, source: str = "llama2.c tokenizer"):
+        self.source = source  # what messages call it: the file it was read from
         if len(tokens) != len(scores) or not tokens:
-            raise InteropError("llama2.c tokenizer: needs one score per token and at least one token")
+            raise InteropError(f"{source}: needs one score per token and at least one token")
         self.tokens = [bytes(t) for t in tokens]
         self.scores = [float(np.float32(s)) for s in scores]
         self.max_token_length = max(len(t) for t in self.tokens) if max_token_length is None else int(max_token_length)
@@ -41,6 +42,9 @@ class Llama2cTokenizer:
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """run.c's encode(): dummy-prefix space, one token per UTF-8 codepoint (bytes + 3 when
         unknown), then merge the best-scoring adjacent pair until none is in the vocabulary."""
+        for wanted, token, name in ((bos, self.bos_id, "BOS"), (eos, self.eos_id, "EOS")):
+            if wanted and token >= self.vocab_size:
+                raise InteropError(f"{self.source}: no {name} token: its id {token} is past the {self.vocab_size} tokens")
         ids: list[int] = [self.bos_id] if bos else []
         if text and b" " in self._ids:  # add_dummy_prefix
                 ids.append(self._ids[b" "])
@@ -49,6 +53,9 @@ class Llama2cTokenizer:
             token = self._ids.get(data)
             if token is not None:
                 ids.append(token)
+            elif max(data) + 3 >= self.vocab_size:
+                raise InteropError(f"{self.source}: {char!r} is not one of its {self.vocab_size} tokens, nor are its bytes: "
+                                   "run.c's byte tokens are ids 3 + byte, 259 tokens at least")
             else:
                 ids.extend(byte + 3 for byte in data)
         while True:
@@ -70,7 +77,7 @@ class Llama2cTokenizer:
         for position, token in enumerate(ids):
             token = int(token)
             if not 0 <= token < self.vocab_size:
-                raise InteropError(f"llama2.c tokenizer: id {token} at position {position} is outside 0..{self.vocab_size - 1}")
+                raise InteropError(f"{self.source}: id {token} at position {position} is outside 0..{self.vocab_size - 1}")
             if token not in (self.bos_id, self.eos_id):
                 piece = self.tokens[token]
                 if previous == self.bos_id and piece.startswith(b" "):
@@ -171,4 +178,4 @@ def import_tokenizer_bin(path: str | os.PathLike) -> Llama2cTokenizer:
         position += length
     if not tokens:
         raise InteropError(f"{path}: a llama2.c tokenizer.bin with no tokens")
-    return Llama2cTokenizer(tokens, scores, max_length)
+    return Llama2cTokenizer(tokens, scores, max_length, source=str(path))

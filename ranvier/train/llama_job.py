@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -36,13 +37,14 @@ from ..data import corpus as corpora
 from ..data.shards import MANIFEST, TokenShards, pretokenize
 from ..data.tokenizers import load_tokenizer, train_sentencepiece
 from ..distributed import current_world
-from ..errors import RanvierError
+from ..errors import RanvierError, brief
 from ..flow.builder import Builder
 from ..flow.graph import Flow
 from ..models import LANGUAGE_MODELS, MoE, language_model
 from ..models.llama import Llama, LlamaConfig
 from . import rundir
 from .budget import plan_steps
+from .checkpoint import METADATA, CheckpointError, load_checkpoint
 from .losses import softmax_cross_entropy
 from .optimizers import AdamW
 from .peak import measured_peak
@@ -81,6 +83,11 @@ class LlamaRunConfig:
     precision: str = "float32"  # what activations are stored in: "bfloat16" or "float16" on a GPU (not checkpointed)
     checkpointed: bool = False  # stream the layers through a CheckpointedStack
     zero: bool = False  # ZeRO-1 over data-parallel workers (a resume may change it)
+
+    # The settings above 0, and those 0 or more, as a saved config.json is checked.
+    POSITIVE: ClassVar[set[str]] = {"steps", "minutes", "batch", "seq", "lr", "clip", "accumulate", "eval_every",
+                                    "eval_batches", "checkpoint_every", "sample_every", "max_corpus_bytes"}
+    NON_NEGATIVE: ClassVar[set[str]] = {"min_lr", "warmup", "weight_decay"}
 
 
 @dataclass
@@ -154,7 +161,13 @@ def shard_record(path: Path) -> dict:
 
 def check_shards(run_dir: Path, recorded: list[dict]) -> None:
     """Refuse to resume on shards that are gone or differ from those the run started on."""
+    if not recorded:
+        raise RanvierError(f"{run_dir / 'config.json'}: shards is [], expected the token shards the run trains on")
     for entry in recorded:
+        if set(entry) != {"path", "bytes", "mtime_ns"} or not isinstance(entry["path"], str) or \
+                type(entry["bytes"]) is not int or type(entry["mtime_ns"]) is not int:
+            raise RanvierError(f"{run_dir / 'config.json'}: shards holds {brief(entry)}, expected a token shard's "
+                               '{"path": string, "bytes": integer, "mtime_ns": integer}')
         path = Path(entry["path"])
         if not path.is_file():
             raise RanvierError(f"{run_dir} trains on the token shard {path}, which is missing; "
@@ -208,8 +221,6 @@ def read_run(run_dir: Path) -> LlamaRunConfig:
 
 def load_model(run_dir: Path):
     """(LlamaConfig, weights with ranvier keys, tokenizer) of a trained run directory."""
-    from .checkpoint import load_checkpoint
-
     config = read_run(run_dir)
     tokenizer = load_tokenizer(run_tokenizer(run_dir))
     arrays, _ = load_checkpoint(run_dir / "checkpoint")
@@ -323,6 +334,18 @@ def validation_loss(run: LlamaRun, config: LlamaRunConfig) -> float:
     return float(mean[0]) / world.size
 
 
+def restore_sampler_rng(rng: np.random.Generator, state: object, source: Path) -> None:
+    """Give `rng` (numpy's PCG64) the batch sampler's `state` saved in `source`: two 128-bit
+    words and a buffered 32-bit one, or an error naming the field."""
+    words = state.get("state") if isinstance(state, dict) else None
+    if not (isinstance(words, dict) and all(type(words.get(name)) is int and 0 <= words[name] < 2**128 for name in ("state", "inc"))
+            and state.get("bit_generator") == "PCG64" and state.get("has_uint32") in (0, 1)
+            and type(state.get("uinteger")) is int and 0 <= state["uinteger"] < 2**32):
+        raise CheckpointError(f"{source}: rng is {brief(state)}, expected the batch sampler's PCG64 state "
+                              '{"bit_generator": "PCG64", "state": {"state", "inc"}, "has_uint32", "uinteger"}')
+    rng.bit_generator.state = state
+
+
 def sample_text(run: LlamaRun, tokenizer, generator_box: list, tokens: int = 48) -> str:
     """Text generated from the trainer's current weights (temperature 0.8, top-k 50)."""
     from ..generate import Generator, Sampling
@@ -354,7 +377,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     metrics_path = run_dir / "metrics.jsonl"
     if resume and rundir.checkpoint_step(run_dir) is not None:
         metadata = trainer.load(run_dir / "checkpoint")
-        rng.bit_generator.state = metadata["rng"]
+        restore_sampler_rng(rng, metadata.get("rng"), run_dir / "checkpoint" / METADATA)
     rundir.keep_metrics_until(metrics_path, trainer.step_count)
     world = trainer.world
     progress, dashboard = progress and world.is_root, dashboard and world.is_root

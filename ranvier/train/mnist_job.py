@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -48,6 +49,9 @@ class MnistConfig:
     checkpoint_every: int = 500
     log_every: int = 10
     zero: bool = False  # ZeRO-1 over data-parallel workers (a resume may change it)
+
+    # The settings above 0 (each width of `hidden`), as a saved config.json is checked.
+    POSITIVE: ClassVar[set[str]] = {"steps", "minutes", "batch", "lr", "hidden", "checkpoint_every", "log_every"}
 
 
 def make_model(config: MnistConfig):

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, TypeVar
 from ..atomic import TEMPORARY, WriteError, atomic_write_bytes, os_error, remove_partial_writes
 from ..distributed import current_world
 from ..distributed.launch import launcher_pid
-from ..errors import RanvierError
+from ..errors import RanvierError, brief, parse_json
 from .checkpoint import METADATA, read_metadata
 from .runlock import holder, lock_run_dir
+from .settings import check_settings
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -157,16 +158,23 @@ def write_config(run_dir: Path, kind: str, config) -> None:
         atomic_write_bytes(run_dir / "config.json", json.dumps({"kind": kind, **asdict(config)}, indent=1).encode())
 
 
-def kind_of(saved: dict) -> str | None:
+def kind_of(saved: object) -> str | None:
     """A saved config's run kind; runs written before config.json recorded it are known by
     their keys. None: not a ranvier run's config (a Hugging Face config.json, say)."""
-    if "kind" in saved:
-        return saved["kind"]
-    if "preset" in saved:
-        return saved.get("model", "llama")
-    if "optimizer" in saved and "hidden" in saved:
-        return "mnist"
-    return None
+    if not isinstance(saved, dict):
+        kind = None
+    elif "kind" in saved:
+        kind = saved["kind"]
+    elif "preset" in saved:
+        kind = saved.get("model", "llama")
+    else:
+        kind = "mnist" if "optimizer" in saved and "hidden" in saved else None
+    return kind if isinstance(kind, str) else None
+
+
+def read_saved(path: Path) -> object:
+    """A config.json's contents, or an error naming it where it is not JSON."""
+    return parse_json(path.read_bytes(), RanvierError, f"{path} is not JSON")
 
 
 def check_kind(run_dir: Path, kinds: tuple[str, ...], command: str | None = None) -> dict:
@@ -177,13 +185,10 @@ def check_kind(run_dir: Path, kinds: tuple[str, ...], command: str | None = None
         raise RanvierError(f"{run_dir} is not a run directory: {'no such folder' if not run_dir.exists() else 'not a folder'}")
     if not path.is_file():
         raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise RanvierError(f"{path} is not JSON: {error}") from None
+    saved = read_saved(path)
     kind = kind_of(saved)
     if kind not in kinds:
-        what = _runs((kind,)) if kind in KINDS else "not a ranvier run directory"
+        what = _runs((kind,)) if kind in KINDS else "not a ranvier run directory (its config.json names no kind of run)"
         needs = f"{command} needs {_runs(kinds)}" if command else f"expected {_runs(kinds)}"
         raise RanvierError(f"{run_dir} is {what}; {needs}")
     return saved
@@ -196,6 +201,7 @@ def read_config(run_dir: Path, kind: type[Config], kinds: tuple[str, ...]) -> Co
     unknown = set(saved) - {f.name for f in fields(kind)}
     if unknown:
         raise RanvierError(f"{run_dir / 'config.json'} has settings this ranvier does not know: {', '.join(sorted(unknown))}")
+    check_settings(run_dir / "config.json", kind, saved)
     return kind(**saved)
 
 
@@ -209,10 +215,12 @@ def keep_metrics_until(path: Path, step: int) -> None:
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (a cut line, or one nested past what the parser recurses)
             if number == len(lines):
                 break
             raise RanvierError(f"{path} line {number} is not JSON: {line[:80]!r}") from None
+        if not isinstance(record, dict) or type(record.get("step", 0)) is not int:
+            raise RanvierError(f"{path} line {number} is {brief(record)}, expected a JSON object with an integer step")
         if record.get("step", 0) <= step:
             kept.append(line)
     atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())

@@ -23,7 +23,7 @@ from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Variable
 from . import schedules
-from .checkpoint import check_compatible, load_checkpoint, save_checkpoint
+from .checkpoint import METADATA, check_compatible, load_checkpoint, save_checkpoint
 from .loss_scale import DynamicLossScale, dynamic_updates, scale_tensor
 from .nonfinite import NonFiniteError, first_in, replay
 from .optimizers import Adam, Current, Update, counter_var, current_value, state_var
@@ -365,8 +365,8 @@ class TrainerBase:
         for name, target in expected.items():
             target[...] = arrays[name]
         self.step_count = int(metadata["step"])
-        if metadata.get("sampler") and self.sampler is not None:
-            self.sampler.restore(metadata["sampler"])
+        if self.sampler is not None:
+            self.sampler.restore(metadata.get("sampler"), str(Path(directory) / METADATA))
         return metadata
 
 
