@@ -26,6 +26,11 @@ _MASK_GROUPS = {
 }
 _MASK_GROUPS["avx2"] += _MASK_GROUPS["avx512"]
 _MASK_GROUPS["avx"] += _MASK_GROUPS["avx2"]
+# CPUs gain extensions faster than a list: a family also masks every feature of the host
+# whose name starts so (Zen 5's avx512vp2intersect, AVX2's VEX-coded avxvnni, avxifma...).
+_FAMILY_PREFIXES = {"avx512": ("avx512", "avx10", "amx-")}
+_FAMILY_PREFIXES["avx2"] = (*_FAMILY_PREFIXES["avx512"], "avxvnni", "avxifma", "avxneconvert")
+_FAMILY_PREFIXES["avx"] = _FAMILY_PREFIXES["avx2"]
 # Myelin's names (its --cpu flag) for what LLVM calls otherwise.
 _MYELIN_NAMES = {"fma3": "fma"}
 # What Myelin's "only these" form (a mask without a leading sign) switches off first;
@@ -104,6 +109,8 @@ def host_target(mask: str = "") -> CPUTarget:
                 features[feature] = False
     for enable, family in entries:
         members = _MASK_GROUPS.get(family, [family])
+        if not enable:
+            members = members + [f for f in features if f.startswith(_FAMILY_PREFIXES.get(family, ()))]
         if enable:
             if family not in host and not host & set(members):
                 raise RanvierError(f"cannot enable CPU feature {family!r}: this CPU ({name}) does not have it")
