@@ -206,4 +206,6 @@ def test_ranvier_run_refuses_a_start_outside_the_cache_in_one_line(tmp_path, dty
                           timeout=WORKER_SECONDS, check=False)
     assert done.returncode == 1, f"{_exit(done.returncode)}: {done.stderr[-2000:]}"
     capacity = 4 if axis == 0 else 8
-    assert done.stderr == f"ranvier: error: AssignSlice op f/AssignSlice failed: start {start} is outside [0, {capacity})\n"
+    # On a loaded machine the compile may outlast the CLI's one second and announce itself first.
+    said = [line for line in done.stderr.splitlines() if not line.startswith("compiling ")]
+    assert said == [f"ranvier: error: AssignSlice op f/AssignSlice failed: start {start} is outside [0, {capacity})"]
