@@ -8,12 +8,20 @@ eager one of the same trunk, with the caller's feed-forward layers) and the race
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
+import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -45,6 +53,51 @@ def machine(torch=None) -> str:
     if torch is not None:
         line += f"; torch {torch.__version__} with {torch.get_num_threads()} threads"
     return line
+
+
+def torch_features(torch, compiled: bool = False) -> str:
+    """Which instructions each of PyTorch's CPU libraries runs here, in their own words:
+    ATen's vectorized kernels (elementwise, SDPA), MKL (float32 matrix products: the build
+    and the processors its code path is for, as MKL_VERBOSE names them), oneDNN
+    (convolutions, bf16 products: its ISA, as ONEDNN_VERBOSE names it) and, where
+    `compiled`, the vector ISA of Inductor's generated C++ (its products stay ATen's)."""
+    probe = ("import torch\n"
+             "a = torch.randn(64, 64)\n"
+             "a @ a\n"  # MKL's sgemm
+             "torch.nn.functional.linear(a.bfloat16(), a.bfloat16())\n")  # a oneDNN primitive
+    verbose = {**os.environ, "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], check=False, env=verbose, capture_output=True, text=True, timeout=300).stdout
+    mkl = re.search(r"^MKL_VERBOSE (oneMKL [^,]*?) Product build \d+ for Intel\(R\) 64 architecture (.*?), Lnx", out, re.MULTILINE)
+    onednn = re.search(r"^onednn_verbose,.*,cpu,isa:(.*)$", out, re.MULTILINE)
+    line = (f"PyTorch's CPU code: ATen kernels [{torch.backends.cpu.get_cpu_capability()}], "
+            f"products by {f'{mkl[1]} (its path for {mkl[2]!r})' if mkl else 'MKL (it named no path)'}, "
+            f"oneDNN [{onednn[1] if onednn else 'it named no ISA'}]")
+    if compiled:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        line += f"; {TORCH_COMPILE}: Inductor's generated C++ [{pick_vec_isa() or 'no vector ISA'}], products by ATen's"
+    return line
+
+
+def cold_caches() -> str:
+    """Point ranvier's code cache and Inductor's at empty folders for the rest of this
+    process (removed at exit), so each side's first compile is a user's first run's:
+    ranvier keeps what it measured of this machine (its GEMM choices, split thresholds),
+    as a user's second model would. Call it before torch is imported. Returns the words
+    the benchmark prints about its compile times."""
+    from ranvier.backends.cpu.jit import cache_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="cold-compile-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    (folder / "ranvier").mkdir()
+    for measured in cache_dir().glob("*.json"):
+        shutil.copy(measured, folder / "ranvier")
+    os.environ["RANVIER_CACHE"] = str(folder / "ranvier")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    return "compile times cold: nothing compiled was cached"
+
+
+WARM_CACHES = "compile times with the caches as found (--cold-compile: a first run's)"
 
 
 @dataclass
@@ -137,12 +190,16 @@ def measure_gpu_ceilings(torch, n: int = 8192, repeats: int = 5) -> Ceilings:
 
 
 def summary(medians: dict[str, float], unit: str, higher_is_better: bool, peer: str = "pytorch", digits: int = 0) -> None:
-    """Print each side's median and how each side other than `peer` compares with it."""
+    """Print each side's median, how each side other than `peer` compares with it, and
+    how ranvier compares with torch.compile where that races too."""
     for name, value in medians.items():
         print(f"{name:12s} median {value:9.{digits}f} {unit}")
     for name, value in medians.items():
         if name != peer and peer in medians:
             print(f"{comparison(name, value, peer, medians[peer], higher_is_better)} (median {unit})")
+    if TORCH_COMPILE in medians and "ranvier" in medians:
+        print(f"{comparison('ranvier', medians['ranvier'], TORCH_COMPILE, medians[TORCH_COMPILE], higher_is_better)} "
+              f"(median {unit})")
 
 
 def training_arguments(description: str, presets, default: str) -> argparse.ArgumentParser:
@@ -154,6 +211,15 @@ def training_arguments(description: str, presets, default: str) -> argparse.Argu
     parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     parser.add_argument("--repeats", type=int, default=3)
     return parser
+
+
+def compile_options(parser: argparse.ArgumentParser, torch_compile_default: str = "on") -> None:
+    """The options of a training race's compile: a torch.compile side, and cold caches."""
+    parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"race PyTorch through torch.compile (Inductor) too (default: {torch_compile_default})")
+    parser.add_argument("--cold-compile", action="store_true",
+                        help="compile each side with nothing cached, as a first run does (ranvier keeps what it "
+                             "measured of the machine)")
 
 
 def match_threads(torch) -> None:
@@ -298,14 +364,18 @@ def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], r
          flops_per_token: int, ceilings: Ceilings, datasheet: tuple[float, str] | None = None) -> dict[str, float]:
     """Train every side on the same token batches, the sides alternating each repetition
     (so the machine's slow and fast spells fall on all of them); print each side's first
-    step (a torch.compile side compiles in it), each run, the median tokens/s per side,
-    the model arithmetic that rate does against the machine's GEMM ceiling (and against
-    the `datasheet` peak, (FLOP/s, device), where given: the MFU), and how each side
-    compares with "pytorch" and, where one races, "torch.compile". Returns the medians."""
+    step (a torch.compile side compiles in it: where it cannot, one line says why and the
+    side is left out), each run, the median tokens/s per side, the model arithmetic that
+    rate does against the machine's GEMM ceiling (and against the `datasheet` peak,
+    (FLOP/s, device), where given: the MFU), and how each side compares with "pytorch"
+    (and ranvier with "torch.compile"). Returns the medians."""
     tokens = sum(x.size for x, _ in batches)
-    for name, step in sides.items():
+    sides = dict(sides)
+    for name, step in list(sides.items()):
         start = time.perf_counter()
-        step(*batches[0])
+        if name == TORCH_COMPILE and not compiles(lambda step=step: step(*batches[0])):
+            del sides[name]
+            continue
         print(f"  first step {name:13s} {time.perf_counter() - start:9.2f} s", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for repeat in range(repeats):
@@ -317,8 +387,6 @@ def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], r
                   f"(ln V = {math.log(vocab_size):.3f})", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     summary(medians, "tokens/s", higher_is_better=True)
-    if TORCH_COMPILE in medians:
-        print(f"{comparison('ranvier', medians['ranvier'], TORCH_COMPILE, medians[TORCH_COMPILE], True)} (median tokens/s)")
     print(ceilings)
     for name, rate in medians.items():
         achieved = rate * flops_per_token
@@ -329,6 +397,20 @@ def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], r
 
 
 TORCH_COMPILE = "torch.compile"  # the race side of PyTorch through torch.compile
+
+
+def compiles(first_call: Callable[[], object]) -> bool:
+    """Make a torch.compile side's first call (its compile); False, with one line why,
+    where Inductor cannot compile it here (no C++ compiler, an op it does not lower)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    try:
+        first_call()
+    except TorchDynamoException as error:
+        reason = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        print(f"  {TORCH_COMPILE} left out: Inductor could not compile here ({reason.strip()})", flush=True)
+        return False
+    return True
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets, by the device name's words: what
 # an MFU is quoted against (6N FLOP per token plus attention's).
 DATASHEET_BF16 = {"H100 80GB HBM3": 989.4e12, "H100 SXM": 989.4e12, "H200": 989.4e12, "H100 NVL": 835.5e12,

@@ -3,31 +3,37 @@
 The stories15M shape (dim 288, 6 layers, 6 heads, vocab 32000, hidden 768) at seq 256
 by default; both sides train with AdamW on identical random token batches, alternating
 for several repetitions, and the median tokens/s of each and the ratio are printed.
-Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix products.
+Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix products. On
+the CPU, PyTorch also trains through torch.compile (Inductor's C++ kernels; the
+"torch.compile" side, its first step the compile: --no-torch-compile leaves it out), and
+the instructions each side's libraries run are printed. Compile times are as the caches
+find them; --cold-compile compiles both sides with nothing cached.
 
 With --backend cuda, ranvier's CUDA backend races PyTorch eager under bf16 autocast on
 the GPU (ranvier's products in bf16 too, unless --matmul says otherwise), and ranvier
 runs twice: replaying each step as one CUDA graph, and launching kernel by kernel
 (RANVIER_CUDA_GRAPHS=0: the "rv-no-graph" side), so the graph's saving shows. Where
-PyTorch sees a GPU, PyTorch also runs through torch.compile (the "torch.compile" side,
-bf16 autocast, its first step the compile; --torch-compile races it on the CPU too). Each
+PyTorch sees a GPU, PyTorch also runs through torch.compile there (bf16 autocast; without
+a GPU, --torch-compile races it on the CPU: the host emulator's check). Each
 side's model arithmetic is shown against the GPU's measured bf16 GEMM rate and, for GPUs
 with a datasheet bf16 peak, as the MFU against that. The issue's shapes:
 --preset stories15M --batch 64 --seq 256, and --preset stories110M --batch 32 --seq 1024.
 Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5] [--checkpointed]
      (a --seq past the preset's window lengthens its rotary tables: --batch 2 --seq 1024 races long-context attention)
      [--backend cuda] [--matmul float32|tfloat32|bfloat16] [--precision float32|bfloat16|float16]
-     [--torch-compile | --no-torch-compile]
+     [--torch-compile | --no-torch-compile] [--cold-compile]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
 from common import (
     TORCH_COMPILE,
+    WARM_CACHES,
+    cold_caches,
+    compile_options,
     datasheet_peak,
     machine,
     match_threads,
@@ -37,6 +43,7 @@ from common import (
     ranvier_trainer,
     stepper,
     token_batches,
+    torch_features,
     torch_trainer,
     training_arguments,
 )
@@ -71,11 +78,11 @@ def main() -> None:
     parser.add_argument("--precision", default="float32", choices=PRECISIONS,
                         help="with --backend cuda, what ranvier stores activations in (bfloat16, float16: half the "
                              "bytes, parameters and optimizer state still float32)")
-    parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="with --backend cuda, race PyTorch through torch.compile too (default: where PyTorch sees a GPU)")
+    compile_options(parser, "on the CPU; with --backend cuda, where PyTorch sees a GPU")
     args = parser.parse_args()
     if args.precision != "float32" and (args.backend != "cuda" or args.checkpointed):
         parser.error(f"--precision {args.precision} is for --backend cuda, without --checkpointed")
+    compile_times = cold_caches() if args.cold_compile else WARM_CACHES
     import torch
 
     from ranvier.backends.cpu.amx import amx_usable
@@ -91,11 +98,16 @@ def main() -> None:
         first_trainer, sides, ceilings = gpu_sides(args, config, torch)
         datasheet = datasheet_peak(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     else:
+        torch_compile = args.torch_compile is not False
+        print(torch_features(torch, torch_compile))
+        print(compile_times)
         matmuls = [args.matmul] if args.matmul else ["float32", "bfloat16"] if amx_usable(host_target()) else ["float32"]
         trainers = [ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, matmul, args.checkpointed) for matmul in matmuls]
         first_trainer = trainers[0]
         sides = {name: stepper(trainer) for name, trainer in zip(("ranvier", "ranvier-bf16"), trainers)}
         sides["pytorch"] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config))
+        if torch_compile:
+            sides[TORCH_COMPILE] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config), compiled=True)
         ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")

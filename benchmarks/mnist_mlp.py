@@ -7,8 +7,12 @@ test accuracy on the 1,000 test digits. Both sides gather each batch's uint8 pix
 divide them by 255 in the step, as `ranvier train mnist` does. The two sides alternate for
 several repetitions; each side's median accuracy, then its median seconds and how much
 faster or slower than PyTorch it is, are printed. Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix
-products (`matmul="bfloat16"`: bf16 inputs, float32 sums) as a third side.
-Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340] [--model cnn]
+products (`matmul="bfloat16"`: bf16 inputs, float32 sums) as a third side. PyTorch also
+trains through torch.compile (Inductor's C++ kernels; --no-torch-compile leaves it out),
+compiled before its timed steps as ranvier's step is; each run prints each side's compile
+time (as the caches find them; --cold-compile: with nothing cached), and the instructions
+each side's libraries run are printed first.
+Run: python benchmarks/mnist_mlp.py [--repeats 3] [--steps 2340] [--model cnn] [--no-torch-compile] [--cold-compile]
 """
 
 from __future__ import annotations
@@ -18,7 +22,18 @@ import statistics
 import time
 
 import numpy as np
-from common import machine, match_threads, measure_ceilings, summary
+from common import (
+    TORCH_COMPILE,
+    WARM_CACHES,
+    cold_caches,
+    compile_options,
+    compiles,
+    machine,
+    match_threads,
+    measure_ceilings,
+    summary,
+    torch_features,
+)
 
 
 def _images(split, model: str) -> np.ndarray:
@@ -26,15 +41,20 @@ def _images(split, model: str) -> np.ndarray:
     return split.pixels([784] if model == "mlp" else [1, 28, 28])
 
 
-def run_ranvier(steps: int, backend: str, matmul: str = "float32", model: str = "mlp") -> tuple[float, float]:
+Run = tuple[float, float, float | None]  # seconds of the timed steps, test accuracy, seconds to compile (None: eager)
+
+
+def run_ranvier(steps: int, backend: str, matmul: str = "float32", model: str = "mlp") -> Run:
     from ranvier.train.mnist_job import MnistConfig, make_trainer
 
+    start = time.perf_counter()
     trainer, _, test = make_trainer(MnistConfig(steps=steps, backend=backend, matmul=matmul, model=model))
+    compiled = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
         trainer.step()
     seconds = time.perf_counter() - start
-    return seconds, trainer.accuracy(_images(test, model), test.labels)
+    return seconds, trainer.accuracy(_images(test, model), test.labels), compiled
 
 
 def torch_model(model: str):
@@ -50,7 +70,10 @@ def torch_model(model: str):
     )
 
 
-def run_torch(steps: int, model_name: str = "mlp") -> tuple[float, float]:
+def run_torch(steps: int, model_name: str = "mlp", compiled: bool = False) -> Run | None:
+    """PyTorch eager, or with `compiled` its model through torch.compile, compiled before
+    the timed steps by a forward and backward pass whose gradients are dropped (None, with
+    one line why, where Inductor cannot compile here)."""
     import torch
 
     from ranvier.data import mnist
@@ -62,17 +85,26 @@ def run_torch(steps: int, model_name: str = "mlp") -> tuple[float, float]:
     model = torch_model(model_name)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sampler = BatchSampler(len(x), 128, seed=0)
+
+    def loss(index):
+        return torch.nn.functional.cross_entropy(forward(x[index].float() / 255), y[index])
+
+    forward, compile_seconds = model, None
+    if compiled:
+        forward, start = torch.compile(model), time.perf_counter()
+        if not compiles(lambda: loss(torch.arange(128)).backward()):
+            return None
+        optimizer.zero_grad(set_to_none=True)
+        compile_seconds = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
-        index = torch.from_numpy(sampler.next())
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x[index].float() / 255), y[index])
-        loss.backward()
+        loss(torch.from_numpy(sampler.next())).backward()
         optimizer.step()
     seconds = time.perf_counter() - start
     with torch.no_grad():
         accuracy = (model(torch.tensor(_images(test, model_name)).float() / 255).argmax(1).numpy() == test.labels).mean()
-    return seconds, float(accuracy)
+    return seconds, float(accuracy), compile_seconds
 
 
 def main() -> None:
@@ -81,27 +113,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2340)
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    compile_options(parser)
     args = parser.parse_args()
+    compile_times = cold_caches() if args.cold_compile else WARM_CACHES
     import torch
 
     from ranvier.backends.cpu.amx import amx_usable
     from ranvier.backends.cpu.target import host_target
 
     match_threads(torch)
+    torch_compile = args.torch_compile is not False
     print(f"{machine(torch)}; ranvier backend {args.backend}; model {args.model}")
+    print(torch_features(torch, torch_compile))
+    print(compile_times)
     sides = {"ranvier": lambda: run_ranvier(args.steps, args.backend, model=args.model)}
     if args.backend == "cpu" and amx_usable(host_target()):
         sides["ranvier-bf16"] = lambda: run_ranvier(args.steps, args.backend, "bfloat16", args.model)
     sides["pytorch"] = lambda: run_torch(args.steps, args.model)
-    results = {name: [] for name in sides}
+    if torch_compile:
+        sides[TORCH_COMPILE] = lambda: run_torch(args.steps, args.model, compiled=True)
+    results: dict[str, list[Run]] = {name: [] for name in sides}
     for repeat in range(args.repeats):
-        for name, run in sides.items():
-            seconds, accuracy = run()
-            results[name].append((seconds, accuracy))
-            print(f"  run {repeat + 1} {name:12s} {seconds:7.2f} s  accuracy {accuracy:.4f}", flush=True)
+        for name, run in list(sides.items()):
+            result = run()
+            if result is None:  # torch.compile could not compile here: said why, left out
+                del sides[name], results[name]
+                continue
+            seconds, accuracy, compiled = result
+            results[name].append(result)
+            compile_note = f"  (compiled in {compiled:.2f} s)" if compiled is not None else ""
+            print(f"  run {repeat + 1} {name:13s} {seconds:7.2f} s  accuracy {accuracy:.4f}{compile_note}", flush=True)
     for name, runs in results.items():
-        print(f"{name:12s} median accuracy {statistics.median(a for _, a in runs):.4f}")
-    medians = {name: statistics.median(s for s, _ in runs) for name, runs in results.items()}
+        first_compile = f", compiled in {runs[0][2]:.2f} s in its first run" if runs[0][2] is not None else ""
+        print(f"{name:13s} median accuracy {statistics.median(a for _, a, _ in runs):.4f}{first_compile}")
+    medians = {name: statistics.median(s for s, _, _ in runs) for name, runs in results.items()}
     summary(medians, "s", higher_is_better=False, digits=2)
     print(measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch).against(step_flops(args.model) * args.steps, medians))
 

@@ -21,6 +21,17 @@ def run(script: str, *args: str) -> str:
     return done.stdout
 
 
+def assert_torch_compile_side(out: str, unit: str) -> None:
+    """The training races on the CPU: the instructions PyTorch's libraries and Inductor
+    ran, the compile times' caches in words, the torch.compile side's median and verdicts."""
+    assert re.search(r"^PyTorch's CPU code: ATen kernels \[\w+\], products by .*, oneDNN \[.+\]; "
+                     r"torch.compile: Inductor's generated C\+\+ \[.+\], products by ATen's$", out, re.MULTILINE), out
+    assert "compile times with the caches as found (--cold-compile: a first run's)" in out
+    assert re.search(rf"^torch.compile median +[\d.]+ {unit}$", out, re.MULTILINE)
+    for verdict in (r"torch.compile is [\d.]+× (faster|slower) than pytorch", r"ranvier is [\d.]+× (faster|slower) than torch.compile"):
+        assert re.search(rf"^{verdict} \(median {unit}\)$", out, re.MULTILINE), verdict
+
+
 def assert_summary(lines: list[str], unit: str, sides=("ranvier", "pytorch")) -> None:
     """The machine first; each side's median; "ranvier is N× faster/slower than pytorch"."""
     assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0] and "torch " in lines[0]
@@ -37,8 +48,10 @@ def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, 
     assert re.search(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", out)
     for side in ("ranvier", "pytorch"):
         assert re.search(rf"^{side} +[\d.]+ GFLOP/s of model arithmetic .*, \d+% of the GEMM ceiling$", out, re.MULTILINE), side
-    if script == "llama_train.py":  # where ranvier's step spent its time, kernel by kernel
+    if script == "llama_train.py":  # where ranvier's step spent its time, kernel by kernel; torch.compile beside eager
         assert re.search(r"^cell train: [\d.]+ ms per compute, by kernel$", out, re.MULTILINE)
+        assert re.search(r"^  first step torch.compile +[\d.]+ s$", out, re.MULTILINE)
+        assert_torch_compile_side(out, "tokens/s")
     if script == "moe_train.py":
         assert "routing skips 50% of the expert FLOPs" in out  # top-2 of 4
         assert "ranvier's step: matrix products" in out
@@ -105,9 +118,14 @@ def test_onnx_inference_benchmark_races_onnx_runtime_on_each_model():
 def test_mnist_benchmark_says_which_side_is_faster_and_how_far_each_is_from_the_ceiling():
     out = run("mnist_mlp.py", "--steps", "20", "--repeats", "1")
     assert_summary(out.splitlines(), "s")
+    assert_torch_compile_side(out, "s")
     assert re.search(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", out)
-    for side in ("ranvier", "pytorch"):
-        assert re.search(rf"^{side} +[\d.]+ GFLOP/s, \d+% of the GEMM ceiling$", out, re.MULTILINE), side
+    for side in ("ranvier", "pytorch", "torch.compile"):
+        assert re.search(rf"^{re.escape(side)} +[\d.]+ GFLOP/s, \d+% of the GEMM ceiling$", out, re.MULTILINE), side
+    for side in ("ranvier", "torch.compile"):  # each compiles before its timed steps; eager has nothing to compile
+        assert re.search(rf"^{re.escape(side)} +median accuracy [\d.]+, compiled in [\d.]+ s in its first run$", out,
+                         re.MULTILINE), side
+    assert re.search(r"^pytorch +median accuracy [\d.]+$", out, re.MULTILINE)
 
 
 @pytest.mark.slow
