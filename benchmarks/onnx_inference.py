@@ -1,13 +1,18 @@
-"""ranvier vs ONNX Runtime, inference of ONNX models exported from PyTorch.
+"""ranvier vs ONNX Runtime and OpenVINO, inference of ONNX models exported from PyTorch.
 
 Three random-initialised models, exported with torch.onnx.export (dynamo): a
 BERT-base-shaped encoder (12 layers, hidden 768, sequence 128, with an attention
 mask), a ResNet-18-shaped CNN (224×224) and a GPT-2-small-shaped decoder (a 128-token
 prefill). Each is timed at batch 1 (latency) and batch 32 (throughput) in ranvier
-(`ranvier.onnx.load`, CPU backend) and in ONNX Runtime (CPU, default session options:
-all graph optimizations), on the same inputs, alternating, medians of several runs.
+(`ranvier.onnx.load`, CPU backend), in ONNX Runtime (CPU, default session options: all
+graph optimizations) and, where it is installed, in OpenVINO (its CPU plugin on the
+same .onnx file, as many threads as ranvier, its default precision: bf16 where the CPU
+has AVX512_BF16 or AMX), on the same inputs, alternating, medians of several runs.
+With --matmul bfloat16 ranvier also runs with its products in bfloat16 (the
+"ranvier-bf16" side), its output's error measured against ranvier's float32 output.
 
     python benchmarks/onnx_inference.py                       # all three, batch 1 and 32
+    python benchmarks/onnx_inference.py --matmul bfloat16     # ranvier-bf16 beside them
     python benchmarks/onnx_inference.py --models resnet18 --batches 1 --repeats 5
     python benchmarks/onnx_inference.py --quick               # small shapes: checks it runs
 """
@@ -16,7 +21,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnxruntime
@@ -25,7 +34,8 @@ from common import machine, measure_ceilings
 
 import ranvier
 import ranvier.onnx
-from ranvier.modelrun import race
+from ranvier.backends.cpu.parallel import thread_count
+from ranvier.modelrun import comparison, race
 
 
 class BasicBlock(torch.nn.Module):
@@ -118,18 +128,68 @@ def models(quick: bool):
     }
 
 
-def compare(module, inputs, repeats: int) -> tuple[dict[str, float], float, int]:
+def openvino_core():
+    """OpenVINO's runtime, or None where it is not installed."""
+    try:
+        import openvino
+    except ImportError:
+        return None
+    return openvino.Core()
+
+
+def openvino_side(core, path: Path, feeds: dict[str, np.ndarray]) -> tuple[Callable[[], object], Callable[[], np.ndarray], str]:
+    """OpenVINO's CPU plugin on the .onnx file at `path`, as many threads as ranvier, its
+    own default precision: a call that infers on `feeds`, one that reads the first
+    output, and the precision it compiled the model in."""
+    compiled = core.compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": thread_count()})
+    request = compiled.create_infer_request()
+    return (lambda: request.infer(feeds)), (lambda: np.array(request.get_output_tensor(0).data)), \
+        compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+
+
+def relative_error(output: np.ndarray, reference: np.ndarray) -> float:
+    """The largest difference from `reference`, as a share of its largest magnitude."""
+    return float(np.abs(np.asarray(output, np.float64) - reference).max() / np.abs(reference).max())
+
+
+@dataclass
+class Result:
+    times: dict[str, float]  # median seconds per inference, by side
+    errors: dict[str, str]  # max relative error and what it was measured against, by side
+    flops: int
+    openvino_precision: str | None
+
+
+def compare(module, inputs, repeats: int, matmul: str, core) -> Result:
+    """Export `module` on `inputs` to one .onnx file and time every side on it: ranvier
+    (float32, and with its products in `matmul` where that is not float32), ONNX Runtime
+    and, given its `core`, OpenVINO."""
     model = torch.onnx.export(module, tuple(inputs), dynamo=True, verbose=False).model_proto
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
-    data = ranvier.Compiler().compile(ranvier.onnx.load(model)).cell("main").instance()
-    for name, value in feeds.items():
-        data[name] = value
-    times = race({"ranvier": data.compute, "onnxruntime": lambda: session.run(None, feeds)}, repeats)
-    output = model.graph.output[0].name
-    reference = session.run(None, feeds)[0]
-    error = float(np.abs(np.asarray(data[output]) - reference).max() / np.abs(reference).max())
-    return times, error, data.cell.flops
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.onnx"
+        path.write_bytes(model.SerializeToString())
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
+        output = model.graph.output[0].name
+        instances = {"ranvier": "float32"} | ({"ranvier-bf16": matmul} if matmul != "float32" else {})
+        for side, precision in instances.items():
+            data = ranvier.Compiler(matmul=precision).compile(ranvier.onnx.load(model)).cell("main").instance()
+            for name, value in feeds.items():
+                data[name] = value
+            instances[side] = data
+        sides = {side: data.compute for side, data in instances.items()}
+        sides["onnxruntime"] = lambda: session.run(None, feeds)
+        outputs = {side: (lambda data=data: np.asarray(data[output])) for side, data in instances.items()}
+        outputs["onnxruntime"] = lambda: session.run(None, feeds)[0]
+        openvino_precision = None
+        if core is not None:
+            sides["openvino"], outputs["openvino"], openvino_precision = openvino_side(core, path, feeds)
+        times = race(sides, repeats)
+    results = {side: read() for side, read in outputs.items()}
+    errors = {"ranvier": f"{relative_error(results['ranvier'], results['onnxruntime']):.1e} against onnxruntime"}
+    errors |= {side: f"{relative_error(results[side], results['ranvier']):.1e} against ranvier's float32"
+               for side in results if side not in ("ranvier", "onnxruntime")}
+    return Result(times, errors, instances["ranvier"].cell.flops, openvino_precision)
 
 
 def main() -> None:
@@ -137,6 +197,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["bert-base", "resnet18", "gpt2-small"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per side (medians are compared)")
+    parser.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
+                        help="bfloat16: ranvier also runs with its products in bfloat16 (the ranvier-bf16 side)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -147,19 +209,32 @@ def main() -> None:
     ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     print(ceilings)
     print(f"ONNX Runtime {onnxruntime.__version__}: default session options (all graph optimizations), CPUExecutionProvider")
-    print(f"{'model':<11} {'batch':>5} {'ranvier ms':>11} {'ORT ms':>9}  {'items/s ranvier':>16} {'items/s ORT':>12}  ratio")
+    core = openvino_core()
+    if core is None:
+        print("OpenVINO: not installed (pip install openvino), its side left out")
+    else:
+        import openvino
+
+        print(f"OpenVINO {openvino.__version__.split('-')[0]}: CPU plugin, {thread_count()} threads (INFERENCE_NUM_THREADS), "
+              f"its default precision (INFERENCE_PRECISION_HINT) and {core.get_property('CPU', 'PERFORMANCE_HINT').name} hint")
+    ranvier_sides = ["ranvier", "ranvier-bf16"] if args.matmul != "float32" else ["ranvier"]
     for name in args.models:
         module, make_inputs = catalogue[name]
         module.eval()
         for batch in args.batches:
             with torch.no_grad():
-                times, error, flops = compare(module, make_inputs(batch), args.repeats)
-            ours, theirs = times["ranvier"], times["onnxruntime"]
-            verdict = f"ranvier {theirs / ours:.2f}× faster" if ours <= theirs else f"ranvier {ours / theirs:.2f}× slower"
-            print(f"{name:<11} {batch:>5} {ours * 1e3:>11.1f} {theirs * 1e3:>9.1f}  {batch / ours:>16.1f} {batch / theirs:>12.1f}  "
-                  f"{verdict} (ranvier/ORT time {ours / theirs:.2f}; max rel. error {error:.1e}; "
-                  f"{flops / 1e9:.1f} GFLOP: ranvier {flops / ours / ceilings.gemm:.0%}, ORT {flops / theirs / ceilings.gemm:.0%} "
-                  f"of the GEMM ceiling)", flush=True)
+                result = compare(module, make_inputs(batch), args.repeats, args.matmul, core)
+            precision = f"; OpenVINO in {result.openvino_precision}" if result.openvino_precision else ""
+            print(f"{name}, batch {batch}: {result.flops / 1e9:.1f} GFLOP{precision}")
+            for side, seconds in result.times.items():
+                error = f"; max rel. error {result.errors[side]}" if side in result.errors else ""
+                print(f"  {side:12s} {seconds * 1e3:10.1f} ms {batch / seconds:10.1f} items/s  "
+                      f"{result.flops / seconds / ceilings.gemm:4.0%} of the fp32 GEMM ceiling{error}")
+            for ours in ranvier_sides:
+                for peer in ("onnxruntime", "openvino"):
+                    if peer in result.times:
+                        print(f"  {comparison(ours, result.times[ours], peer, result.times[peer], higher_is_better=False)} "
+                              f"(median time: {result.times[ours] / result.times[peer]:.2f} of {peer}'s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ between the times someone measures."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -99,19 +100,41 @@ def test_training_benchmark_stores_activations_in_bfloat16_on_the_cuda_backend_w
 
 
 @pytest.mark.slow
-def test_onnx_inference_benchmark_races_onnx_runtime_on_each_model():
+def test_onnx_inference_benchmark_races_onnx_runtime_and_openvino_on_each_model():
+    """Each model's sides (ranvier in float32 and with bf16 products, ONNX Runtime,
+    OpenVINO where installed) with their times and errors, and each ranvier side's
+    verdict against each peer."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    out = run("onnx_inference.py", "--quick", "--batches", "1", "--repeats", "1")
+    openvino = importlib.util.find_spec("openvino") is not None
+    out = run("onnx_inference.py", "--quick", "--batches", "1", "--repeats", "1", "--matmul", "bfloat16")
     lines = out.splitlines()
     assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0]
     assert re.match(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", lines[1])
     assert lines[2].startswith("ONNX Runtime ")
+    if openvino:
+        assert re.fullmatch(r"OpenVINO [\d.]+: CPU plugin, \d+ threads \(INFERENCE_NUM_THREADS\), its default precision "
+                            r"\(INFERENCE_PRECISION_HINT\) and \w+ hint", lines[3]), lines[3]
+    else:
+        assert lines[3] == "OpenVINO: not installed (pip install openvino), its side left out"
+    peers = ["onnxruntime", "openvino"] if openvino else ["onnxruntime"]
+    bounds = {"ranvier": ("onnxruntime", 1e-5), "ranvier-bf16": ("ranvier's float32", 2e-2), "openvino": ("ranvier's float32", 5e-2)}
     for model in ("bert-base", "resnet18", "gpt2-small"):
-        row = next(line for line in lines if line.startswith(model))
-        assert ("faster" in row or "slower" in row) and "max rel. error" in row
-        assert re.search(r"GFLOP: ranvier \d+%, ORT \d+% of the GEMM ceiling\)$", row), row
-        assert float(row.split("max rel. error ")[1].split(";")[0]) < 1e-5, row
+        first = lines.index(next(line for line in lines if line.startswith(f"{model}, batch 1: ")))
+        assert re.fullmatch(rf"{model}, batch 1: [\d.]+ GFLOP" + ("; OpenVINO in (bf16|f32|f16)" if openvino else ""), lines[first])
+        rows = {line.split()[0]: line for line in lines[first + 1:first + 3 + len(peers)]}
+        assert list(rows) == ["ranvier", "ranvier-bf16", *peers], rows
+        for side, row in rows.items():
+            found = re.fullmatch(rf"  {side} +[\d.]+ ms +[\d.]+ items/s +\d+% of the fp32 GEMM ceiling"
+                                 r"(?:; max rel. error (\S+) against (.+))?", row)
+            assert found, row
+            if side in bounds:
+                assert found[2] == bounds[side][0] and float(found[1]) < bounds[side][1], row
+        verdicts = lines[first + 3 + len(peers):first + 3 + 3 * len(peers)]
+        assert [tuple(line.split()[i] for i in (0, 5)) for line in verdicts] == [
+            (ours, peer) for ours in ("ranvier", "ranvier-bf16") for peer in peers], verdicts
+        for line in verdicts:
+            assert re.fullmatch(r"  \S+ is [\d.]+× (faster|slower) than (\S+) \(median time: [\d.]+ of \2's\)", line), line
 
 
 @pytest.mark.slow
