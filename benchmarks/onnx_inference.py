@@ -1,9 +1,9 @@
 """ranvier vs ONNX Runtime and OpenVINO, inference of ONNX models exported from PyTorch.
 
-Three random-initialised models, exported with torch.onnx.export (dynamo): a
+Four random-initialised models, exported with torch.onnx.export (dynamo): a
 BERT-base-shaped encoder (12 layers, hidden 768, sequence 128, with an attention
-mask), a ResNet-18-shaped CNN (224×224) and a GPT-2-small-shaped decoder (a 128-token
-prefill). Each is timed at batch 1 (latency) and batch 32 (throughput) in ranvier
+mask), a ResNet-18-shaped CNN (224×224), a GPT-2-small-shaped decoder (a 128-token
+prefill) and a ViT-B/16-shaped vision transformer (224×224: 197 tokens). Each is timed at batch 1 (latency) and batch 32 (throughput) in ranvier
 (`ranvier.onnx.load`, CPU backend), in ONNX Runtime (CPU, default session options: all
 graph optimizations) and, where it is installed, in OpenVINO (its CPU plugin on the
 same .onnx file, as many threads as ranvier, its default precision: bf16 where the CPU
@@ -11,7 +11,7 @@ has AVX512_BF16 or AMX), on the same inputs, alternating, medians of several run
 With --matmul bfloat16 ranvier also runs with its products in bfloat16 (the
 "ranvier-bf16" side), its output's error measured against ranvier's float32 output.
 
-    python benchmarks/onnx_inference.py                       # all three, batch 1 and 32
+    python benchmarks/onnx_inference.py                       # all four, batch 1 and 32
     python benchmarks/onnx_inference.py --matmul bfloat16     # ranvier-bf16 beside them
     python benchmarks/onnx_inference.py --models resnet18 --batches 1 --repeats 5
     python benchmarks/onnx_inference.py --quick               # small shapes: checks it runs
@@ -113,6 +113,27 @@ class Decoder(torch.nn.Module):
         return self.head(self.norm(x))
 
 
+class VisionTransformer(torch.nn.Module):
+    """ViT-B/16's shape: 16×16 patches as tokens behind a class token, learned positions,
+    pre-norm GELU layers, the class token's output classified."""
+
+    def __init__(self, image=224, patch=16, width=768, layers=12, heads=12, classes=1000):
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, width, patch, patch)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, width) * 0.02)
+        self.positions = torch.nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, width) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, batch_first=True, dropout=0.0, activation="gelu",
+                                                 norm_first=True)
+        self.layers = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, images):
+        x = self.patches(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.positions
+        return self.head(self.norm(self.layers(x))[:, 0])
+
+
 def models(quick: bool):
     """name → (module, example inputs for a batch size)."""
     if quick:
@@ -120,11 +141,13 @@ def models(quick: bool):
             "bert-base": (Encoder(1000, 64, 2, 4, 64), lambda n: [torch.randint(0, 1000, (n, 16)), torch.ones(n, 16, dtype=torch.int64)]),
             "resnet18": (ResNet((8, 16, 16, 32), 10), lambda n: [torch.randn(n, 3, 32, 32)]),
             "gpt2-small": (Decoder(1000, 64, 4, 2, 64), lambda n: [torch.randint(0, 1000, (n, 16))]),
+            "vit-b16": (VisionTransformer(32, 8, 64, 2, 4, 10), lambda n: [torch.randn(n, 3, 32, 32)]),
         }
     return {
         "bert-base": (Encoder(), lambda n: [torch.randint(0, 30522, (n, 128)), torch.ones(n, 128, dtype=torch.int64)]),
         "resnet18": (ResNet(), lambda n: [torch.randn(n, 3, 224, 224)]),
         "gpt2-small": (Decoder(), lambda n: [torch.randint(0, 50257, (n, 128))]),
+        "vit-b16": (VisionTransformer(), lambda n: [torch.randn(n, 3, 224, 224)]),
     }
 
 
@@ -194,7 +217,8 @@ def compare(module, inputs, repeats: int, matmul: str, core) -> Result:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["bert-base", "resnet18", "gpt2-small"])
+    names = ["bert-base", "resnet18", "gpt2-small", "vit-b16"]
+    parser.add_argument("--models", nargs="+", default=names, choices=names)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per side (medians are compared)")
     parser.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],

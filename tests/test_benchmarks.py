@@ -119,7 +119,7 @@ def test_onnx_inference_benchmark_races_onnx_runtime_and_openvino_on_each_model(
         assert lines[3] == "OpenVINO: not installed (pip install openvino), its side left out"
     peers = ["onnxruntime", "openvino"] if openvino else ["onnxruntime"]
     bounds = {"ranvier": ("onnxruntime", 1e-5), "ranvier-bf16": ("ranvier's float32", 2e-2), "openvino": ("ranvier's float32", 5e-2)}
-    for model in ("bert-base", "resnet18", "gpt2-small"):
+    for model in ("bert-base", "resnet18", "gpt2-small", "vit-b16"):
         first = lines.index(next(line for line in lines if line.startswith(f"{model}, batch 1: ")))
         assert re.fullmatch(rf"{model}, batch 1: [\d.]+ GFLOP" + ("; OpenVINO in (bf16|f32|f16)" if openvino else ""), lines[first])
         rows = {line.split()[0]: line for line in lines[first + 1:first + 3 + len(peers)]}
