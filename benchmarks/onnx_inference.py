@@ -9,7 +9,8 @@ graph optimizations) and, where it is installed, in OpenVINO (its CPU plugin on 
 same .onnx file, as many threads as ranvier, its default precision: bf16 where the CPU
 has AVX512_BF16 or AMX), on the same inputs, alternating, medians of several runs.
 With --matmul bfloat16 ranvier also runs with its products in bfloat16 (the
-"ranvier-bf16" side), its output's error measured against ranvier's float32 output.
+"ranvier-bf16" side), its output's error measured against ranvier's float32 output;
+--profile prints where each ranvier side's time went, kernel by kernel.
 
     python benchmarks/onnx_inference.py                       # all four, batch 1 and 32
     python benchmarks/onnx_inference.py --matmul bfloat16     # ranvier-bf16 beside them
@@ -181,6 +182,7 @@ class Result:
     errors: dict[str, str]  # max relative error and what it was measured against, by side
     flops: int
     openvino_precision: str | None
+    profiles: dict[str, str]  # each ranvier side's time by kernel over its calls in the race
 
 
 def compare(module, inputs, repeats: int, matmul: str, core) -> Result:
@@ -207,12 +209,15 @@ def compare(module, inputs, repeats: int, matmul: str, core) -> Result:
         openvino_precision = None
         if core is not None:
             sides["openvino"], outputs["openvino"], openvino_precision = openvino_side(core, path, feeds)
+        for data in instances.values():
+            data.reset_profile()
         times = race(sides, repeats)
     results = {side: read() for side, read in outputs.items()}
     errors = {"ranvier": f"{relative_error(results['ranvier'], results['onnxruntime']):.1e} against onnxruntime"}
     errors |= {side: f"{relative_error(results[side], results['ranvier']):.1e} against ranvier's float32"
                for side in results if side not in ("ranvier", "onnxruntime")}
-    return Result(times, errors, instances["ranvier"].cell.flops, openvino_precision)
+    profiles = {side: data.profile().by_kernel() for side, data in instances.items()}
+    return Result(times, errors, instances["ranvier"].cell.flops, openvino_precision, profiles)
 
 
 def main() -> None:
@@ -223,6 +228,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per side (medians are compared)")
     parser.add_argument("--matmul", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: ranvier also runs with its products in bfloat16 (the ranvier-bf16 side)")
+    parser.add_argument("--profile", action="store_true", help="print each ranvier side's time by kernel")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -259,6 +265,9 @@ def main() -> None:
                     if peer in result.times:
                         print(f"  {comparison(ours, result.times[ours], peer, result.times[peer], higher_is_better=False)} "
                               f"(median time: {result.times[ours] / result.times[peer]:.2f} of {peer}'s)", flush=True)
+            if args.profile:
+                for side, profile in result.profiles.items():
+                    print(f"  {side}'s {profile}", flush=True)
 
 
 if __name__ == "__main__":

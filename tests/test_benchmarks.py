@@ -102,12 +102,12 @@ def test_training_benchmark_stores_activations_in_bfloat16_on_the_cuda_backend_w
 @pytest.mark.slow
 def test_onnx_inference_benchmark_races_onnx_runtime_and_openvino_on_each_model():
     """Each model's sides (ranvier in float32 and with bf16 products, ONNX Runtime,
-    OpenVINO where installed) with their times and errors, and each ranvier side's
-    verdict against each peer."""
+    OpenVINO where installed) with their times and errors, each ranvier side's verdict
+    against each peer and its time by kernel."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     openvino = importlib.util.find_spec("openvino") is not None
-    out = run("onnx_inference.py", "--quick", "--batches", "1", "--repeats", "1", "--matmul", "bfloat16")
+    out = run("onnx_inference.py", "--quick", "--batches", "1", "--repeats", "1", "--matmul", "bfloat16", "--profile")
     lines = out.splitlines()
     assert lines[0].startswith("CPU: ") and " cores, ranvier kernels [" in lines[0]
     assert re.match(r"ceilings measured here: fp32 GEMM [\d,]+ GFLOP/s .*memory [\d.,]+ GB/s", lines[1])
@@ -135,6 +135,8 @@ def test_onnx_inference_benchmark_races_onnx_runtime_and_openvino_on_each_model(
             (ours, peer) for ours in ("ranvier", "ranvier-bf16") for peer in peers], verdicts
         for line in verdicts:
             assert re.fullmatch(r"  \S+ is [\d.]+× (faster|slower) than (\S+) \(median time: [\d.]+ of \2's\)", line), line
+        profiles = [line for line in lines[first + 3 + 3 * len(peers):] if " per compute, by kernel" in line][:2]
+        assert [line.split("'s cell main: ")[0] for line in profiles] == ["  ranvier", "  ranvier-bf16"], profiles
 
 
 @pytest.mark.slow
