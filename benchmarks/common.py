@@ -69,8 +69,11 @@ def torch_features(torch, compiled: bool = False) -> str:
     out = subprocess.run([sys.executable, "-c", probe], check=False, env=verbose, capture_output=True, text=True, timeout=300).stdout
     mkl = re.search(r"^MKL_VERBOSE (oneMKL [^,]*?) Product build \d+ for Intel\(R\) 64 architecture (.*?), Lnx", out, re.MULTILINE)
     onednn = re.search(r"^onednn_verbose,.*,cpu,isa:(.*)$", out, re.MULTILINE)
-    line = (f"PyTorch's CPU code: ATen kernels [{torch.backends.cpu.get_cpu_capability()}], "
-            f"products by {f'{mkl[1]} (its path for {mkl[2]!r})' if mkl else 'MKL (it named no path)'}, "
+    if mkl:
+        products = f"{mkl[1]} (its path for {mkl[2]!r})"
+    else:
+        products = "MKL (it named no path)" if torch.backends.mkl.is_available() else "its BLAS (not MKL)"
+    line = (f"PyTorch's CPU code: ATen kernels [{torch.backends.cpu.get_cpu_capability()}], products by {products}, "
             f"oneDNN [{onednn[1] if onednn else 'it named no ISA'}]")
     if compiled:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
