@@ -145,7 +145,9 @@ def _run_on(backend: str, flow, handles, arrays, outputs) -> list[np.ndarray]:
     runs = []
     for which in (0, 1):
         for t in outputs:
-            _fill(instance[t], t.dtype, which)
+            sentinel = instance[t]
+            _fill(sentinel, t.dtype, which)
+            instance[t] = sentinel  # set through the instance: a device's copy holds it too
         for h, a in zip(handles, arrays):
             if h.var.consumers:
                 instance[h][...] = a

@@ -21,7 +21,8 @@ output (`operands`, each once: the kernels' pointer parameters); and either how 
 such (elements, emit) in order, or (blocks, emit, threads) for a block kernel, whose
 element is a block of `threads` threads working together (`blocks.BlockProgram`). Every
 kernel takes one more parameter, a status word (i64*) a thread sets to 1 on bad data (a
-class label out of range): the runtime raises, naming the step.
+class label out of range): the runtime raises, naming the step. A kernel whose elements
+check no data (`GPUKernel.fails` false) never writes it.
 
 That element is a function of its own, `element(index, operands..., status)`, which the
 kernel calls per element. The same function compiled for the host, inside a plain loop
@@ -31,7 +32,7 @@ kernel calls per element. The same function compiled for the host, inside a plai
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from llvmlite import ir
@@ -71,12 +72,14 @@ GPU_FEATURES = frozenset({"fma", "f16c"})
 class GPUKernel:
     """A generated kernel: its name, the variables its pointer parameters point at (in
     order; each once, whether read, written or both), and its elements (threads' work) —
-    or, for a block kernel (`threads` > 0), its blocks of `threads` threads."""
+    or, for a block kernel (`threads` > 0), its blocks of `threads` threads; and whether
+    it may set its status word (`fails`: its elements check their data)."""
 
     name: str
     operands: tuple[Variable, ...]
     elements: int
     threads: int = 0
+    fails: bool = False
 
 
 def supports(op: Operation) -> bool:
@@ -124,6 +127,7 @@ class ThreadContext(EmitContext):
         super().__init__(module, b)
         self.pointers, self.status, self.on_gpu = pointers, status, on_gpu
         self.row_threads = 0  # a row kernel's threads splitting each row (`rows.py`); 0: one thread's row
+        self.fails = False  # whether the element may set the status word
 
     def row_fold(self, start: Value, length: int, lanes: int, dtype: str, initial, combine, term) -> Value:
         if not self.row_threads:
@@ -148,6 +152,7 @@ class ThreadContext(EmitContext):
         return 1
 
     def fail(self, condition: Value | ir.Value) -> None:
+        self.fails = True
         with self.b.if_then(ir_of(condition), likely=False):
             self.b.store(i64(1), self.status)
 
@@ -183,7 +188,7 @@ def shared_kernels(made: list[GPUKernel], op: Operation) -> list[GPUKernel]:
     """`made` (the kernels of an op of the same signature) as `op`'s: the same code, run on
     `op`'s variables."""
     operands = _operands(_generator(op), op)
-    return [GPUKernel(kernel.name, operands, kernel.elements, kernel.threads) for kernel in made]
+    return [replace(kernel, operands=operands) for kernel in made]
 
 
 def kernel_name(op: Operation) -> str:
@@ -232,7 +237,7 @@ def _element_functions(module: ir.Module, op: Operation, on_gpu: bool) -> list[t
                             {id(v): arguments[k] for k, v in enumerate(operands)}, status, on_gpu)
         emit(ctx, index)
         ctx.b.ret_void()
-        made.append((function, GPUKernel(name, operands, elements, threads)))
+        made.append((function, GPUKernel(name, operands, elements, threads, ctx.fails)))
     return made
 
 

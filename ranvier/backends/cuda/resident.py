@@ -1,18 +1,22 @@
 """Cells running on a device: each instance's data in one device arena, the network's
 globals kept on the device, and a compute as the cell's launches in order.
 
-What moves between host and device, and when:
-- An instance's arena holds all its local variables at the offsets the memory planner
-  gave them (the cell's layout, as on the CPU). A compute first copies in the locals set
-  before it (the cell's inputs: a batch, a learning rate) from the instance's host views,
-  and afterwards copies out the ones read after it (its outputs: a loss); nothing else
-  moves. Another local is copied back when the host asks for it (`data[x]`), and one the
-  host sets (`data[x] = value`) goes out before the next compute.
-- A global (parameter, optimizer state, constant) is copied to the device before the
-  first compute that reads it and then lives there: a training step updates it in place
-  on the device. The host's array is brought up to date when the host reaches for it
-  (`network[name]`, `data[name]`, a checkpoint's state arrays), and then sent again before
-  the next compute, since the host may have written it.
+What moves between host and device, and when (a training step: the batch and learning
+rate in, one copy of a few bytes out):
+- An instance's arena holds its local variables at the offsets the memory planner gave
+  them (the cell's layout, as on the CPU). A compute first copies in the cell's inputs
+  (a batch, a learning rate: the host writes them through their views, so they always
+  go) and any other local the host set since the last one (`data[x] = value`), adjacent
+  ones in one copy. Afterwards one copy brings back the instance's mailbox
+  (`mailbox.py`): the status words, and the small outputs (a loss, a flag, a norm), which
+  live there. Nothing else moves: any other local (a gradient, an activation, an
+  inference cell's logits) is copied back when the host reads it (`data[x]`), once per
+  compute.
+- A global (parameter, optimizer state, constant, KV cache) is copied to the device
+  before the first compute that reads it and then lives there: a training step updates
+  it in place on the device. The host's array is brought up to date when the host
+  reaches for it (`network[name]`, `data[name]`, a checkpoint's state arrays), and then
+  sent again before the next compute, since the host may have written it.
 - A gradient cell reads its forward instance's values in that instance's arena.
 
 A compute's launches (every step's kernels or cuBLASLt product, and the timing marks
@@ -25,10 +29,12 @@ compares them).
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
 write there stays: an input handed out so is no longer copied in from the host (until the
-host sets it again), and a global's host copy is fetched again when next read.
+host sets it again), and the host's copy of anything else handed out is fetched again
+when next read.
 
-Each step's kernels get one status word; a kernel that meets bad data (a label or index
-out of range) sets it, and the compute raises naming the step, as on the CPU.
+Each step whose kernels check their data gets a status word; a kernel that meets bad
+data (a label or index out of range) sets it, and the compute raises naming the step, as
+on the CPU.
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ from ... import dtypes
 from ...errors import RanvierError
 from ...flow.graph import Variable
 from ...ops import written_inputs
-from ...runtime import Cell, Instance, Network
+from ...runtime import Cell, Instance, Network, Slot
 from .blas import Gemm
 from .device import GPU
+from .mailbox import Mailbox
 
 _HOST_NEWER, _SAME, _DEVICE_NEWER = "host newer", "same", "device newer"
 GRAPHS_ENVIRONMENT = "RANVIER_CUDA_GRAPHS"  # "0": launch kernel by kernel, no graph
@@ -130,19 +137,19 @@ class DeviceInstance:
         self.cell, self.instance, self.gpu, self.code = cell, instance, gpu, code
         self.globals = device_globals(cell.network, gpu)
         self.arena = gpu.allocate(cell.size)
-        self.status = np.zeros(max(1, len(cell.steps)), np.int64)
-        self.status_address = gpu.allocate(self.status.nbytes)
-        weakref.finalize(self, _release, gpu, [self.arena, self.status_address])
-        steps = len(cell.steps)
-        self.inputs = [slot for slot in cell.slots if slot.first < 0]
-        self.outputs = [slot for slot in cell.slots if slot.last >= steps]
-        self.pending: dict[str, object] = {}  # locals the host set since the last compute
+        self.mailbox = Mailbox(cell, gpu)
+        weakref.finalize(self, _release, gpu, [self.arena, self.mailbox.address])
+        self.inputs = [slot for slot in cell.slots if cell.roles.get(slot.var.name) == "input"]
+        self.state = {slot.var.name for slot in cell.slots if cell.roles.get(slot.var.name) == "state"}
+        self.mailed = {slot.var.name for slot in cell.slots if self.mailbox.address_of(slot) is not None}
+        self.pending: dict[str, Slot] = {}  # locals the host set since the last compute: sent before the next
+        self.host_current: set[str] = set()  # locals whose host view holds their latest value
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.timer = gpu.timer(len(cell.steps) + 1)
         self.graph = None  # the launches, captured by the first compute and replayed by the next
         self.launches = []
         for index in range(len(cell.steps)):
-            status = self.status_address + 8 * index
+            status = self.mailbox.status_word(index)
             for kernel, shape in zip(cell.native["kernels"][index], cell.native["shapes"][index]):
                 operands = [self.address(v) for v in kernel.operands]
                 self.launches.append((index, kernel, shape, operands if isinstance(kernel, Gemm) else [*operands, status]))
@@ -153,11 +160,12 @@ class DeviceInstance:
         instance.device = self
 
     def address(self, var: Variable) -> int:
-        """Where `var` lives on the device: this arena, the network's globals, or the
-        forward instance's arena."""
+        """Where `var` lives on the device: this arena (or its mailbox), the network's
+        globals, or the forward instance's arena."""
         slot = self.cell.slot(var)
         if slot is not None:
-            return self.arena + slot.offset
+            mailed = self.mailbox.address_of(slot)
+            return self.arena + slot.offset if mailed is None else mailed
         if var.is_global:
             return self.globals.address(var)
         primal = self.instance.primal
@@ -165,17 +173,24 @@ class DeviceInstance:
             return primal.device.address(var)
         raise RanvierError(f"{var.name} is not a variable of cell {self.cell.name} or of its linked forward instance")
 
-    def _host_view(self, slot) -> np.ndarray:
+    def _host_view(self, slot: Slot) -> np.ndarray:
         return self.instance.buffer[slot.offset : slot.offset + slot.var.nbytes]
 
     def before_read(self, var: Variable) -> None:
+        """The host is about to read a local: bring its device value back, unless the host's
+        view holds it already or the host has set those bytes since."""
         slot = self.cell.slot(var)
-        if slot is not None and var.name not in self.pending:
-            self.gpu.synchronize()
-            self.gpu.download(self.arena + slot.offset, self._host_view(slot))
+        if slot is None or var.name in self.host_current or any(_overlap(slot, s) for s in self.pending.values()):
+            return
+        self.gpu.synchronize()
+        self.gpu.download(self.address(var), self._host_view(slot))
+        self.host_current.add(var.name)
+        if var.name in self.state:  # read and written by the cell: the host may change it through its view
+            self.pending[var.name] = slot
 
     def after_write(self, var: Variable) -> None:
         self.pending[var.name] = self.cell.slot(var)
+        self.host_current.add(var.name)
         self.fed_on_device.discard(var.name)
 
     def array(self, var: Variable) -> DeviceArray:
@@ -184,49 +199,74 @@ class DeviceInstance:
         if var.is_global:
             self.globals.before_compute([var.name])
             self.globals.after_compute([var.name])
-        elif self.cell.slot(var) is not None and self.cell.slot(var).first < 0:
-            self.fed_on_device.add(var.name)
+        elif self.cell.slot(var) is not None:
+            if any(slot.var is var for slot in self.inputs):
+                self.fed_on_device.add(var.name)
+            self.host_current.discard(var.name)
         return DeviceArray(address, var, self, self.gpu.host_memory)
+
+    def _send(self) -> None:
+        """Copy in the inputs and the other locals the host set, adjacent ones in one copy."""
+        sent = {slot.var.name: slot for slot in self.inputs if slot.var.name not in self.fed_on_device} | self.pending
+        in_arena = []
+        for slot in sent.values():
+            mailed = self.mailbox.address_of(slot)
+            if mailed is None:
+                in_arena.append(slot)
+            else:
+                self.gpu.upload(mailed, self._host_view(slot))
+        for start, stop in _spans(in_arena, self.cell.slots):
+            self.gpu.upload(self.arena + start, self.instance.buffer[start:stop])
+        self.pending.clear()
 
     def _launch_steps(self) -> None:
         """Every step's kernels in order, with a timing mark at each step's end."""
-        timer, step = self.timer, 0
-        timer.record(0)
+        mark, step = self.timer.record, 0
+        mark(0)
         for index, kernel, shape, addresses in self.launches:
             while step < index:
                 step += 1
-                timer.record(step)
+                mark(step)
             if isinstance(kernel, Gemm):
                 self.gpu.gemm(self.code, kernel, addresses)
             else:
                 self.gpu.launch(self.code, kernel, shape, addresses)
         while step < len(self.cell.steps):
             step += 1
-            timer.record(step)
+            mark(step)
 
     def __call__(self) -> None:
-        gpu = self.gpu
         self.globals.before_compute(self.read_globals)
-        inputs = [s for s in self.inputs if s.var.name not in self.fed_on_device]
-        for slot in [*inputs, *(s for s in self.pending.values() if s.first >= 0)]:
-            gpu.upload(self.arena + slot.offset, self._host_view(slot))
-        self.pending.clear()
-        gpu.zero(self.status_address, self.status.nbytes)
+        self._send()
         if os.environ.get(GRAPHS_ENVIRONMENT) == "0":
             self._launch_steps()
         elif self.graph is None:
-            self.graph = gpu.graph(self._launch_steps)
+            self.graph = self.gpu.graph(self._launch_steps)
         else:
-            gpu.replay(self.graph)
-        steps, timer = len(self.cell.steps), self.timer
+            self.gpu.replay(self.graph)
         self.globals.after_compute(self.written_globals)
-        gpu.synchronize()
-        for index in range(steps):
-            self.instance.step_time[index] += timer.seconds(index, index + 1)
-        gpu.download(self.status_address, self.status)
-        for slot in self.outputs:
-            gpu.download(self.arena + slot.offset, self._host_view(slot))
-        failed = np.flatnonzero(self.status)
-        if failed.size:
-            op = self.cell.steps[failed[0]].op
+        self.gpu.synchronize()
+        failed = self.mailbox.receive(self.instance.buffer)
+        self.host_current = self.mailed | {slot.var.name for slot in self.inputs if slot.var.name not in self.fed_on_device}
+        for index in range(len(self.cell.steps)):
+            self.instance.step_time[index] += self.timer.seconds(index, index + 1)
+        if failed is not None:
+            op = self.cell.steps[failed].op
             raise RanvierError(f"{op.type} op {op.name} failed on the GPU: an index or class label is out of range")
+
+
+def _overlap(a: Slot, b: Slot) -> bool:
+    return a.offset < b.offset + b.size and b.offset < a.offset + a.size
+
+
+def _spans(slots: list[Slot], layout: list[Slot]) -> list[tuple[int, int]]:
+    """The arena's byte ranges that hold `slots`, two joined where only the padding before
+    the second lies between them (less than its alignment, and no variable of the `layout`)."""
+    spans: list[list[int]] = []
+    for start, stop, alignment in sorted({(slot.offset, slot.offset + slot.var.nbytes, slot.alignment) for slot in slots}):
+        if spans and start - spans[-1][1] < alignment and not any(
+                other.offset < start and spans[-1][1] < other.offset + other.size for other in layout):
+            spans[-1][1] = max(spans[-1][1], stop)
+        else:
+            spans.append([start, stop])
+    return [(start, stop) for start, stop in spans]
