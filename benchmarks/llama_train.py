@@ -112,7 +112,11 @@ def main() -> None:
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
     race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings, datasheet)
-    print(first_trainer.profile().by_kernel())  # where ranvier's step spends its time (averaged over the race)
+    if args.backend == "cuda":  # a GPU times each step only when asked (it costs): steps of their own, after the race
+        first_trainer.reset_profile()
+        for x, y in batches:
+            first_trainer.step([x, y])
+    print(first_trainer.profile().by_kernel())  # where ranvier's step spends its time
 
 
 def gpu_sides(args, config, torch):

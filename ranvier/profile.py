@@ -21,11 +21,16 @@ class StepTime:
 class Profile:
     """Average time per compute of each step of a cell, over the computes since the last reset."""
 
-    def __init__(self, cell_name: str, computes: int, steps: list[StepTime], device: str | None = None):
+    def __init__(self, cell_name: str, computes: int, steps: list[StepTime], device: str | None = None, timed: bool = True):
         self.cell_name = cell_name
         self.computes = computes
         self.steps = steps
         self.device = device  # the GPU the steps ran on (no share of CPU cores to show); None: the CPU
+        self.timed = timed  # whether the steps were timed (a GPU's only from reset_profile() on)
+
+    def _untimed(self) -> str:
+        return (f"cell {self.cell_name}: {self.computes} computes on {self.device}, not timed: a GPU times steps from "
+                "data.reset_profile() on (--profile)")
 
     @property
     def total(self) -> float:
@@ -44,6 +49,8 @@ class Profile:
         bytes its steps' inputs and outputs hold (each read or written once: the least
         traffic there is), which against the memory's bandwidth says how near a
         memory-bound kernel runs to its floor."""
+        if not self.timed:
+            return self._untimed()
         kernels: dict[str, tuple[float, int, int, int]] = {}
         for s in self.steps:
             name = s.kernel.split("[")[0]
@@ -58,6 +65,8 @@ class Profile:
         return "\n".join(lines)
 
     def __str__(self) -> str:
+        if not self.timed:
+            return self._untimed()
         total = self.total or 1e-30
         where = f"on {self.device}" if self.device else f"{self.all_cores_share:.0%} of it on all cores"
         lines = [

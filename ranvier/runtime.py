@@ -334,6 +334,9 @@ class Instance:
         self.step_time = np.zeros(max(1, len(cell.steps)), cell.backend.step_time_dtype)
         self.all_cores_time = np.zeros_like(self.step_time)  # the part of it run on all cores
         self.computes = 0
+        # Whether each step is timed: from the first reset_profile() on. The CPU backend times
+        # every compute anyway (its counters cost nothing); a GPU only while this is set.
+        self.profiling = False
         # Reference variables connected to channel elements: copied in before a compute,
         # and the ones the cell computes copied back after it.
         self._connected: dict[str, tuple[np.ndarray, np.ndarray, bool]] = {}
@@ -453,9 +456,13 @@ class Instance:
             StepTime(i, s.label, seconds[i] / computes, s.flops, s.op, all_cores[i] / computes)
             for i, s in enumerate(self.cell.steps)
         ]
-        return Profile(self.cell.name, self.computes, steps, self.device.gpu.name if self.device is not None else None)
+        return Profile(self.cell.name, self.computes, steps, self.device.gpu.name if self.device is not None else None,
+                       timed=self.profiling or self.device is None)
 
     def reset_profile(self) -> None:
+        """Start the profile afresh, and time each step from the next compute on (a GPU times
+        steps only once asked: each costs a mark between kernels, read back after the compute)."""
+        self.profiling = True
         self.computes = 0
         self.step_time[...] = 0
         self.all_cores_time[...] = 0

@@ -209,8 +209,14 @@ def test_a_gradient_cell_reads_its_forward_instance_on_the_device(on_device):
     np.testing.assert_allclose(network("cuda"), network("cpu"), rtol=1e-5, atol=1e-7)
 
 
-def test_every_step_is_timed_on_the_device(on_device):
+def test_steps_are_timed_on_the_device_when_profiled(on_device):
+    """Timing costs a GPU (an event between each two steps, read back after each compute):
+    steps are timed from reset_profile() on, and a profile before it says so."""
     gpu, _ = _trainer("cuda")
+    gpu.step()
+    assert gpu.data.step_time.sum() == 0
+    assert "1 computes on" in str(gpu.profile()) and "not timed: a GPU times steps from data.reset_profile() on" in str(gpu.profile())
+    gpu.reset_profile()
     for _ in range(3):
         gpu.step()
     profile = gpu.profile()
@@ -314,6 +320,8 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
 def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(monkeypatch, graphs):
+    """A plain compute's graph holds its kernels alone; a profiled compute replays a graph
+    of its own, with a timing mark between each two steps."""
     events: list = []
     gpu = driver.DriverGPU(lambda name: _RecordingDriver(events))
     monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
@@ -323,21 +331,26 @@ def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(mo
     data = rv.Compiler("cuda").compile(flow).cell("f").instance()
     data["f/x"] = random_array([4, 8], "float32", seed=1)
     monkeypatch.setenv(resident.GRAPHS_ENVIRONMENT, graphs)
-    for _ in range(3):
-        data.compute()
-    calls = [call for call, _ in events]
     kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
-    # a timing mark on each side of each step; while captured, as a node of the graph
-    record_flags = [args[2] for call, args in events if call == "cuEventRecordWithFlags"]
     marks = len(data.cell.steps) + 1
-    if graphs == "1":
-        assert calls.count("cuStreamBeginCapture_v2") == 1 and calls.count("cuGraphLaunch") == 3
-        assert calls.count("cuLaunchKernel") == kernels_per_compute  # captured once
-        assert record_flags == [driver._EVENT_RECORD_EXTERNAL] * marks
-    else:
-        assert not any("Capture" in call or "Graph" in call for call in calls)
-        assert calls.count("cuLaunchKernel") == 3 * kernels_per_compute
-        assert record_flags == [driver._EVENT_RECORD_DEFAULT] * 3 * marks
+    for profiled in (False, True):
+        events.clear()
+        if profiled:
+            data.reset_profile()
+        for _ in range(3):
+            data.compute()
+        calls = [call for call, _ in events]
+        # a timing mark on each side of each step, profiled; while captured, as a node of the graph
+        record_flags = [args[2] for call, args in events if call == "cuEventRecordWithFlags"]
+        if graphs == "1":
+            assert calls.count("cuStreamBeginCapture_v2") == 1 and calls.count("cuGraphLaunch") == 3
+            assert calls.count("cuLaunchKernel") == kernels_per_compute  # captured once
+            assert record_flags == [driver._EVENT_RECORD_EXTERNAL] * marks * profiled
+        else:
+            assert not any("Capture" in call or "Graph" in call for call in calls)
+            assert calls.count("cuLaunchKernel") == 3 * kernels_per_compute
+            assert record_flags == [driver._EVENT_RECORD_DEFAULT] * 3 * marks * profiled
+        assert ("cuEventElapsedTime" in calls) == profiled
 
 
 def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeypatch):

@@ -396,6 +396,8 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
 
     tokenizer = load_tokenizer(run_tokenizer(run_dir))
     generators: list = []
+    if dashboard:  # it shows where the step's time goes, which a GPU times only when asked
+        trainer.reset_profile()
     with rundir.MetricsLog(metrics_path) as metrics:
         def run_step() -> tuple[int, float, float, dict]:
             x, y = run.train.sample(config.batch * config.accumulate, config.seq, rng,

@@ -129,6 +129,8 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
     if trainer.world.size > 1:
         print(trainer.parallel_summary())
 
+    if profile or dashboard:  # a GPU times each step only when asked
+        trainer.reset_profile()
     start = time.perf_counter()
     with rundir.MetricsLog(metrics_path) as metrics:
         def run_step() -> tuple[int, float, float, dict]:

@@ -152,6 +152,7 @@ class CheckpointedStack(TrainerBase):
         ]
         # The checkpoints: layer i's input, for the backward's recompute.
         self._activations = [np.empty(self.act_type[1], dtypes.to_numpy(self.act_type[0])) for _ in range(model.depth + 1)]
+        self._profiled_from = 0  # the step the profile starts after (reset_profile)
         self._start_parallel(list(params.values()))
 
     # ---- building the stages -------------------------------------------------------------
@@ -396,10 +397,21 @@ class CheckpointedStack(TrainerBase):
         """As the Trainer's: parameters and optimizer state (the gradient buffers are scratch)."""
         return {name: array for name, array in super().state_arrays().items() if name not in self._grad_names}
 
+    def _instances(self) -> list:
+        return [self.embed_data, self.layer_data, self.head_data, self.backward_data, self.embed_backward_data, self.update_data]
+
+    def reset_profile(self) -> None:
+        """Start the profile afresh (on a GPU, start timing each step: see Instance.reset_profile)."""
+        for data in self._instances():
+            data.reset_profile()
+        self._profiled_from = self.step_count
+
     def profile(self) -> Profile:
-        """Time per training step of every stage's steps (the layer cells summed over layers)."""
-        instances = [self.embed_data, self.layer_data, self.head_data, self.backward_data, self.embed_backward_data, self.update_data]
-        steps = max(self.step_count, 1)
+        """Time per training step of every stage's steps (the layer cells summed over layers),
+        since the last reset_profile()."""
+        instances = self._instances()
+        profiled = max(self.step_count - self._profiled_from, 0)
+        steps = max(profiled, 1)
         result = []
         for data in instances:
             seconds = data.cell.backend.step_seconds(data)
@@ -408,4 +420,5 @@ class CheckpointedStack(TrainerBase):
                 result.append(StepTime(len(result), s.label, seconds[i] / steps, s.flops * data.computes // steps, s.op,
                                        all_cores[i] / steps))
         device = self.layer_data.device
-        return Profile("checkpointed stack", self.step_count, result, device.gpu.name if device is not None else None)
+        return Profile("checkpointed stack", profiled, result, device.gpu.name if device is not None else None,
+                       timed=device is None or self.layer_data.profiling)

@@ -580,6 +580,10 @@ class Trainer(TrainerBase):
         """The train-step cell's profile: time per step of each kernel."""
         return self.data.profile()
 
+    def reset_profile(self) -> None:
+        """Start the profile afresh (on a GPU, start timing each step: see Instance.reset_profile)."""
+        self.data.reset_profile()
+
     @property
     def grad_norm(self) -> float:
         """The last step's global gradient norm (before clipping)."""

@@ -19,12 +19,14 @@ rate in, one copy of a few bytes out):
   sent again before the next compute, since the host may have written it.
 - A gradient cell reads its forward instance's values in that instance's arena.
 
-A compute's launches (every step's kernels or cuBLASLt product, and the timing marks
-between them) are captured once as a graph (a CUDA graph on the driver) and replayed as
-one launch by every later compute: the addresses they read never change, only the
-memory's contents. A compute made while `RANVIER_CUDA_GRAPHS=0` makes its launches one
-by one instead, which is what a graph saves (benchmarks/llama_train.py --backend cuda
-compares them).
+A compute's launches (every step's kernels or cuBLASLt product) are captured once as a
+graph (a CUDA graph on the driver) and replayed as one launch by every later compute: the
+addresses they read never change, only the memory's contents. A compute made while
+`RANVIER_CUDA_GRAPHS=0` makes its launches one by one instead, which is what a graph
+saves (benchmarks/llama_train.py --backend cuda compares them). Steps are timed (an event
+between each two, each read back after the compute) only while the instance is profiled
+(`data.reset_profile()`, `--profile`); a profiled compute replays a graph of its own, with
+the events in it.
 
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
@@ -145,8 +147,8 @@ class DeviceInstance:
         self.pending: dict[str, Slot] = {}  # locals the host set since the last compute: sent before the next
         self.host_current: set[str] = set()  # locals whose host view holds their latest value
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
-        self.timer = gpu.timer(len(cell.steps) + 1)
-        self.graph = None  # the launches, captured by the first compute and replayed by the next
+        self.timer = None  # the marks between steps, made by the first profiled compute
+        self.graphs: dict[bool, object] = {}  # the launches captured as a graph: untimed, and timed (profiled)
         self.launches = []
         for index in range(len(cell.steps)):
             status = self.mailbox.status_word(index)
@@ -219,9 +221,10 @@ class DeviceInstance:
             self.gpu.upload(self.arena + start, self.instance.buffer[start:stop])
         self.pending.clear()
 
-    def _launch_steps(self) -> None:
-        """Every step's kernels in order, with a timing mark at each step's end."""
-        mark, step = self.timer.record, 0
+    def _launch_steps(self, timed: bool) -> None:
+        """Every step's kernels in order; profiled, with a timing mark at each step's end."""
+        mark = self.timer.record if timed else lambda step: None
+        step = 0
         mark(0)
         for index, kernel, shape, addresses in self.launches:
             while step < index:
@@ -235,21 +238,29 @@ class DeviceInstance:
             step += 1
             mark(step)
 
+    def _launch(self, timed: bool) -> None:
+        """The launches, as a graph (module docstring)."""
+        if timed and self.timer is None:
+            self.timer = self.gpu.timer(len(self.cell.steps) + 1)
+        if os.environ.get(GRAPHS_ENVIRONMENT) == "0":
+            self._launch_steps(timed)
+        elif timed in self.graphs:
+            self.gpu.replay(self.graphs[timed])
+        else:
+            self.graphs[timed] = self.gpu.graph(lambda: self._launch_steps(timed))
+
     def __call__(self) -> None:
+        timed = self.instance.profiling
         self.globals.before_compute(self.read_globals)
         self._send()
-        if os.environ.get(GRAPHS_ENVIRONMENT) == "0":
-            self._launch_steps()
-        elif self.graph is None:
-            self.graph = self.gpu.graph(self._launch_steps)
-        else:
-            self.gpu.replay(self.graph)
+        self._launch(timed)
         self.globals.after_compute(self.written_globals)
         self.gpu.synchronize()
         failed = self.mailbox.receive(self.instance.buffer)
         self.host_current = self.mailed | {slot.var.name for slot in self.inputs if slot.var.name not in self.fed_on_device}
-        for index in range(len(self.cell.steps)):
-            self.instance.step_time[index] += self.timer.seconds(index, index + 1)
+        if timed:
+            for index in range(len(self.cell.steps)):
+                self.instance.step_time[index] += self.timer.seconds(index, index + 1)
         if failed is not None:
             op = self.cell.steps[failed].op
             raise RanvierError(f"{op.type} op {op.name} failed on the GPU: an index or class label is out of range")
