@@ -240,9 +240,10 @@ class _FakeCublasLt:
 
 
 def test_the_driver_prepares_products_before_capture_and_runs_one_call_each_inside_it(monkeypatch):
-    """Handle, workspace, descriptors and algorithm when the cell is loaded (a graph capture
-    may not allocate); in the captured compute, cublasLtMatmul on the runtime's stream with
-    the arena addresses of Y, X and the output, and the workspace."""
+    """Handle, workspace and descriptors when the cell is loaded, the algorithm by the first
+    compute, which runs launch by launch (a graph capture may not allocate, nor load
+    cuBLASLt's kernels); in the second compute's capture, cublasLtMatmul on the runtime's
+    stream with the arena addresses of Y, X and the output, and the workspace."""
     events: list = []
     monkeypatch.setattr(blas, "find_library", lambda: "libcublasLt.so.13")
     fake_driver, fake_blas = _RecordingDriver(events), _FakeCublasLt(events)
@@ -252,12 +253,14 @@ def test_the_driver_prepares_products_before_capture_and_runs_one_call_each_insi
     data = cell.instance()
     data["f/x"], data["f/y"] = random_array([4, 5, 7], "float32", seed=1), random_array([7, 6], "float32", seed=2)
     data.compute()
+    data.compute()
     calls = [call for call, _ in events]
-    setup = ["cublasLtCreate", "cuMemAlloc_v2", "cublasLtMatmulDescCreate", "cublasLtMatmulAlgoGetHeuristic"]
+    setup = ["cublasLtCreate", "cuMemAlloc_v2", "cublasLtMatmulDescCreate", "cublasLtMatmulAlgoGetHeuristic", "cublasLtMatmul"]
     assert all(calls.index(call) < calls.index("cuStreamBeginCapture_v2") for call in setup)
     begin, end = calls.index("cuStreamBeginCapture_v2"), calls.index("cuStreamEndCapture")
     assert [c for c in calls[begin:end] if c.startswith("cublasLt")] == ["cublasLtMatmul"]
-    (arguments,) = [args for call, args in events if call == "cublasLtMatmul"]
+    warm_up, arguments = [args for call, args in events if call == "cublasLtMatmul"]
+    assert [warm_up[i].value for i in (3, 5, 8, 10)] == [arguments[i].value for i in (3, 5, 8, 10)]  # A, B, C, D
     device_data = data.device
     addresses = [device_data.address(v) for v in blas.plan_product(cell.steps[0].op).operands]
     assert [arguments[i].value for i in (3, 5, 10)] == addresses

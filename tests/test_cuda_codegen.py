@@ -359,7 +359,8 @@ class _FakeDriver:
             elif call == "cuDeviceGetAttribute":
                 args[0]._obj.value = {75: 9, 76: 0, 16: 132}[args[1]]
             elif call == "cuGetErrorName":
-                args[1]._obj.value = {100: b"CUDA_ERROR_NO_DEVICE", 999: b"CUDA_ERROR_UNKNOWN"}[args[0]]
+                args[1]._obj.value = {100: b"CUDA_ERROR_NO_DEVICE", 900: b"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                                      999: b"CUDA_ERROR_UNKNOWN"}[args[0]]
             return 0
 
         return run

@@ -307,7 +307,7 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     gpu.replay(graph)
     assert len(fake.launches) == 1  # captured once; the graph runs it
     assert fake.graph_calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
-                                "cuGraphLaunch", "cuGraphLaunch"]
+                                "cuGraphDestroy", "cuGraphLaunch", "cuGraphLaunch"]
     cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99", "cubin": b""}})()
     with pytest.raises(RanvierError, match="load cell f's PTX: CUDA_ERROR_INVALID_PTX\nptxas fatal: unknown target sm_99"):
         gpu.load(cell)
@@ -318,18 +318,28 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     assert fake.loaded == cell.native["cubin"]
 
 
-@pytest.mark.parametrize("graphs", ["1", "0"])
-def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(monkeypatch, graphs):
-    """A plain compute's graph holds its kernels alone; a profiled compute replays a graph
-    of its own, with a timing mark between each two steps."""
-    events: list = []
-    gpu = driver.DriverGPU(lambda name: _RecordingDriver(events))
+def _softmax_on_stand_in(monkeypatch, events: list, fail: dict[str, int] | None = None):
+    """A two-step cell on the recording stand-in for libcuda (failing the calls in `fail`)."""
+    fake = _RecordingDriver(events)
+    fake.fail = fail or {}
+    gpu = driver.DriverGPU(lambda name: fake)
     monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     f.softmax(f.var("x", "float32", [4, 8]) * 2.0).var.out = True
     data = rv.Compiler("cuda").compile(flow).cell("f").instance()
     data["f/x"] = random_array([4, 8], "float32", seed=1)
+    return data
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(monkeypatch, graphs):
+    """The first compute launches kernel by kernel (cuBLASLt's first calls are no graph's),
+    the second captures its launches (thread-local capture mode) and runs the graph, later
+    ones replay it. A plain compute's graph holds its kernels alone; a profiled compute
+    replays a graph of its own, with a timing mark between each two steps."""
+    events: list = []
+    data = _softmax_on_stand_in(monkeypatch, events)
     monkeypatch.setenv(resident.GRAPHS_ENVIRONMENT, graphs)
     kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
     marks = len(data.cell.steps) + 1
@@ -343,14 +353,38 @@ def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(mo
         # a timing mark on each side of each step, profiled; while captured, as a node of the graph
         record_flags = [args[2] for call, args in events if call == "cuEventRecordWithFlags"]
         if graphs == "1":
-            assert calls.count("cuStreamBeginCapture_v2") == 1 and calls.count("cuGraphLaunch") == 3
-            assert calls.count("cuLaunchKernel") == kernels_per_compute  # captured once
+            (capture,) = [args for call, args in events if call == "cuStreamBeginCapture_v2"]
+            assert capture[1] == driver._CAPTURE_THREAD_LOCAL == 1
+            warm_up = 1 - profiled  # the profiled computes come warm: the first of them is captured
+            assert calls.count("cuGraphLaunch") == 3 - warm_up
+            assert calls.count("cuLaunchKernel") == (1 + warm_up) * kernels_per_compute  # once captured
+            assert calls.index("cuLaunchKernel") < calls.index("cuStreamBeginCapture_v2") or profiled
             assert record_flags == [driver._EVENT_RECORD_EXTERNAL] * marks * profiled
         else:
             assert not any("Capture" in call or "Graph" in call for call in calls)
             assert calls.count("cuLaunchKernel") == 3 * kernels_per_compute
             assert record_flags == [driver._EVENT_RECORD_DEFAULT] * 3 * marks * profiled
         assert ("cuEventElapsedTime" in calls) == profiled
+
+
+@pytest.mark.parametrize("refused", ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags"])
+def test_a_graph_the_driver_cannot_capture_leaves_the_instance_launching_kernel_by_kernel(monkeypatch, refused):
+    """One warning names the driver's error; that compute and every later one launch their
+    kernels one by one, and the capture is not tried again."""
+    events: list = []
+    data = _softmax_on_stand_in(monkeypatch, events, fail={refused: 900})
+    kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
+    data.compute()
+    with pytest.warns(RuntimeWarning, match="cell f: the driver could not capture its launches as a graph .*"
+                                            "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED.*launching them kernel by kernel") as caught:
+        for _ in range(3):
+            data.compute()
+    assert len(caught) == 1
+    calls = [call for call, _ in events]
+    assert calls.count("cuStreamBeginCapture_v2") == 1 and "cuGraphLaunch" not in calls
+    captured = kernels_per_compute if refused != "cuStreamBeginCapture_v2" else 0
+    assert calls.count("cuLaunchKernel") == 4 * kernels_per_compute + captured
+    assert calls.count("cuStreamEndCapture") == (refused != "cuStreamBeginCapture_v2")  # the stream left capture mode
 
 
 def test_without_a_gpu_or_the_emulator_an_instance_names_what_is_missing(monkeypatch):

@@ -20,7 +20,9 @@ _MULTIPROCESSOR_COUNT, _CAPABILITY_MAJOR, _CAPABILITY_MINOR = 16, 75, 76
 # CUjit_option values (cuda.h): where the driver's PTX compiler writes its errors
 _JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
 _LOG_BYTES = 1 << 14
-_CAPTURE_GLOBAL = 0  # CUstreamCaptureMode: no other thread may use the GPU unsafely meanwhile
+# CUstreamCaptureMode: this thread may make no unsafe call (an allocation, a synchronous
+# copy) while it captures; other threads (another library's) may go on as they please
+_CAPTURE_THREAD_LOCAL = 1
 # CUevent_record_flags: an event recorded while a stream is captured becomes a node of the
 # graph (recorded at each replay) only with this flag; without it the capture takes it as
 # an edge between streams and the event is never recorded (its times are then refused)
@@ -170,17 +172,27 @@ class DriverGPU:
         self._blas.matmul(code[gemm.name], addresses)
 
     def graph(self, launches) -> ctypes.c_void_p:
-        """The launches captured from the stream as a CUDA graph, instantiated, and run once."""
+        """The launches captured from the stream as a CUDA graph, instantiated, and run once.
+        A capture that fails (a launch refused while capturing included) ends, leaving the
+        stream as it was, and raises."""
         graph, executable = ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self._library.cuStreamBeginCapture_v2(self._stream, _CAPTURE_GLOBAL), "start capturing a graph")
+        self._check(self._library.cuStreamBeginCapture_v2(self._stream, _CAPTURE_THREAD_LOCAL), "start capturing a graph")
         self.capturing = True
         try:
             launches()
+        except BaseException:
+            self._library.cuStreamEndCapture(self._stream, ctypes.byref(graph))  # the stream leaves capture mode
+            if graph:
+                self._library.cuGraphDestroy(graph)
+            raise
         finally:
             self.capturing = False
-            self._check(self._library.cuStreamEndCapture(self._stream, ctypes.byref(graph)), "finish capturing a graph")
-        self._check(self._library.cuGraphInstantiateWithFlags(ctypes.byref(executable), graph, ctypes.c_ulonglong(0)),
-                    "instantiate a graph")
+        self._check(self._library.cuStreamEndCapture(self._stream, ctypes.byref(graph)), "finish capturing a graph")
+        try:
+            self._check(self._library.cuGraphInstantiateWithFlags(ctypes.byref(executable), graph, ctypes.c_ulonglong(0)),
+                        "instantiate a graph")
+        finally:
+            self._library.cuGraphDestroy(graph)  # the instantiated graph keeps what it needs
         self.replay(executable)
         return executable
 

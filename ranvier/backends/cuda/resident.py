@@ -19,11 +19,14 @@ rate in, one copy of a few bytes out):
   sent again before the next compute, since the host may have written it.
 - A gradient cell reads its forward instance's values in that instance's arena.
 
-A compute's launches (every step's kernels or cuBLASLt product) are captured once as a
-graph (a CUDA graph on the driver) and replayed as one launch by every later compute: the
-addresses they read never change, only the memory's contents. A compute made while
-`RANVIER_CUDA_GRAPHS=0` makes its launches one by one instead, which is what a graph
-saves (benchmarks/llama_train.py --backend cuda compares them). Steps are timed (an event
+A compute's launches (every step's kernels or cuBLASLt product) run kernel by kernel the
+first time: cuBLASLt's first calls load its kernels and choose its algorithms, which no
+graph may capture. The second compute captures them as a graph (a CUDA graph on the
+driver, in the thread-local capture mode) and every later one replays it as one launch:
+the addresses they read never change, only the memory's contents. Where the driver cannot
+capture them, the instance warns once and launches kernel by kernel from then on. A
+compute made while `RANVIER_CUDA_GRAPHS=0` makes its launches one by one, which is what a
+graph saves (benchmarks/llama_train.py --backend cuda compares them). Steps are timed (an event
 between each two, each read back after the compute) only while the instance is profiled
 (`data.reset_profile()`, `--profile`); a profiled compute replays a graph of its own, with
 the events in it.
@@ -42,6 +45,7 @@ on the CPU.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 
 import numpy as np
@@ -149,6 +153,8 @@ class DeviceInstance:
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.timer = None  # the marks between steps, made by the first profiled compute
         self.graphs: dict[bool, object] = {}  # the launches captured as a graph: untimed, and timed (profiled)
+        self.capture_failed = False  # then every compute launches kernel by kernel
+        self.computes = 0
         self.launches = []
         for index in range(len(cell.steps)):
             status = self.mailbox.status_word(index)
@@ -239,15 +245,22 @@ class DeviceInstance:
             mark(step)
 
     def _launch(self, timed: bool) -> None:
-        """The launches, as a graph (module docstring)."""
+        """The launches: kernel by kernel the first time, then as a graph (module docstring)."""
         if timed and self.timer is None:
             self.timer = self.gpu.timer(len(self.cell.steps) + 1)
-        if os.environ.get(GRAPHS_ENVIRONMENT) == "0":
+        if self.computes == 0 or self.capture_failed or os.environ.get(GRAPHS_ENVIRONMENT) == "0":
             self._launch_steps(timed)
         elif timed in self.graphs:
             self.gpu.replay(self.graphs[timed])
         else:
-            self.graphs[timed] = self.gpu.graph(lambda: self._launch_steps(timed))
+            try:
+                self.graphs[timed] = self.gpu.graph(lambda: self._launch_steps(timed))
+            except RanvierError as error:
+                self.capture_failed = True
+                warnings.warn(f"cell {self.cell.name}: the driver could not capture its launches as a graph ({error}); "
+                              "launching them kernel by kernel", RuntimeWarning, stacklevel=4)
+                self._launch_steps(timed)
+        self.computes += 1
 
     def __call__(self) -> None:
         timed = self.instance.profiling
