@@ -216,6 +216,23 @@ def test_libcublaslt_accepts_the_plans_descriptors(x_shape, y_shape, ta, tb, dty
     LIBRARY.cublasLtMatmulDescDestroy(desc)
 
 
+@needs_cublaslt
+def test_libcublaslt_takes_the_alignment_preferences():
+    preference = ctypes.c_void_p()
+    assert LIBRARY.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)) == 0
+    for attribute, value in zip(blas._PREFERENCE_MIN_ALIGNMENTS, (64, 128, 16, 256)):
+        blas._set(LIBRARY, "cublasLtMatmulPreferenceSetAttribute", preference, attribute, ctypes.c_uint32(value))
+        assert _read(LIBRARY.cublasLtMatmulPreferenceGetAttribute, preference, attribute, ctypes.c_uint32) == value
+    LIBRARY.cublasLtMatmulPreferenceDestroy(preference)
+
+
+def test_heuristic_results_are_laid_out_as_cublaslt_writes_them():
+    """cublasLtMatmulHeuristicResult_t: the algorithm's 8 words, the workspace size, the
+    status, the waves and 4 reserved ints; the heuristic writes an array of them, so past
+    the first a wrong size reads garbage."""
+    assert ctypes.sizeof(blas._HeuristicResult) == 96
+
+
 def test_without_libcublaslt_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setattr(blas.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(blas.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
@@ -224,19 +241,82 @@ def test_without_libcublaslt_the_error_says_what_to_install(monkeypatch):
 
 
 class _FakeCublasLt:
-    """A stand-in for libcublasLt that records its calls (and the driver's, through `events`)."""
+    """A stand-in for libcublasLt that records its calls (and the driver's, through `events`).
+    Its heuristic offers `offered` algorithms, numbered 0, 1, ... in their first word; a
+    product run with one of the `refused` fails (CUBLAS_STATUS_NOT_SUPPORTED)."""
 
-    def __init__(self, events: list):
-        self.events = events
+    NOT_SUPPORTED = 15
+
+    def __init__(self, events: list, offered: int = 1, refused: tuple[int, ...] = ()):
+        self.events, self.offered, self.refused = events, offered, refused
 
     def __getattr__(self, call: str):
         def run(*args):
             self.events.append((call, args))
             if call == "cublasLtMatmulAlgoGetHeuristic":
-                args[-1]._obj.value = 1
+                *_, results, found = args
+                for number in range(min(self.offered, args[-3])):
+                    results[number].algo[0] = number
+                found._obj.value = min(self.offered, args[-3])
+            elif call == "cublasLtMatmul" and args[12]._obj[0] in self.refused:
+                return self.NOT_SUPPORTED
+            elif call == "cublasLtGetStatusName":
+                return {self.NOT_SUPPORTED: b"CUBLAS_STATUS_NOT_SUPPORTED"}.get(args[0])
             return 0
 
         return run
+
+
+def _product_on_stand_ins(monkeypatch, events: list, **blas_stand_in):
+    """A product [4, 5, 7] @ [7, 6] on the libcuda and libcublasLt stand-ins (`blas_stand_in`:
+    the _FakeCublasLt's options); its instance, inputs set."""
+    monkeypatch.setattr(blas, "find_library", lambda: "libcublasLt.so.13")
+    fake_driver, fake_blas = _RecordingDriver(events), _FakeCublasLt(events, **blas_stand_in)
+    gpu = driver.DriverGPU(lambda name: fake_blas if "cublas" in name else fake_driver)
+    monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
+    cell, _ = _product_cell([4, 5, 7], [7, 6], False, False, "float32")
+    data = cell.instance()
+    data["f/x"], data["f/y"] = random_array([4, 5, 7], "float32", seed=1), random_array([7, 6], "float32", seed=2)
+    return data
+
+
+def test_the_heuristic_is_told_each_matrixs_alignment_and_asked_for_several_algorithms(monkeypatch):
+    """The heuristic is told the alignment of each matrix's real address (y, cuBLASLt's A,
+    lies 576 bytes into the arena: 64-byte aligned; cuBLASLt assumes 256 unless told) and
+    asked for several algorithms."""
+    events: list = []
+    data = _product_on_stand_ins(monkeypatch, events)
+    data.compute()
+    addresses = [data.device.address(v) for v in blas.plan_product(data.cell.steps[0].op).operands]
+    told = {args[1]: args[2]._obj.value for call, args in events if call == "cublasLtMatmulPreferenceSetAttribute"}
+    assert [told[attribute] for attribute in blas._PREFERENCE_MIN_ALIGNMENTS] == \
+        [blas.alignment(address) for address in (*addresses, addresses[2])]  # A, B, C (D's, no C here), D
+    assert told[blas._PREFERENCE_MIN_ALIGNMENTS[0]] == 64 and told[blas._PREFERENCE_MIN_ALIGNMENTS[1]] == 256
+    (heuristic,) = [args for call, args in events if call == "cublasLtMatmulAlgoGetHeuristic"]
+    assert heuristic[7] == blas.CANDIDATES > 1
+    assert blas.alignment(576) == 64 and blas.alignment(1 << 20) == 256 and blas.alignment(8) == 8
+
+
+def test_the_first_algorithm_that_runs_is_kept(monkeypatch):
+    """The heuristic's first two are refused; the third runs the first compute's product and
+    is the one the second compute captures (the third replays it), the heuristic asked once."""
+    events: list = []
+    data = _product_on_stand_ins(monkeypatch, events, offered=4, refused=(0, 1))
+    for _ in range(3):
+        data.compute()
+    runs = [args[12]._obj[0] for call, args in events if call == "cublasLtMatmul"]
+    assert runs == [0, 1, 2, 2]
+    assert [call for call, _ in events].count("cublasLtMatmulAlgoGetHeuristic") == 1
+
+
+@pytest.mark.parametrize("offered,why", [(3, r"the 3 algorithms its heuristic offered were refused \(CUBLAS_STATUS_NOT_SUPPORTED\)"),
+                                         (0, "its heuristic offered none")])
+def test_a_product_no_algorithm_runs_is_named_with_its_shape_and_dtypes(monkeypatch, offered, why):
+    events: list = []
+    data = _product_on_stand_ins(monkeypatch, events, offered=offered, refused=(0, 1, 2))
+    with pytest.raises(RanvierError, match=r"cuBLASLt has no algorithm that runs the product 20×6×7 float32, compute 32F "
+                                           r"with A, B, C and D at 64, 256, 256, 256-byte-aligned addresses: " + why):
+        data.compute()
 
 
 def test_the_driver_prepares_products_before_capture_and_runs_one_call_each_inside_it(monkeypatch):
@@ -281,11 +361,14 @@ def test_each_call_of_a_biased_product_hands_cublaslt_its_bias(monkeypatch):
     for name, value in values.items():
         data[name] = value
     data.compute()
+    data.compute()
     calls = [call for call, _ in events]
-    matmul = calls.index("cublasLtMatmul")
-    attribute, pointer = events[matmul - 1][1][1], events[matmul - 1][1][2]._obj.value
-    assert calls[matmul - 1] == "cublasLtMatmulDescSetAttribute" and attribute == blas._DESC_BIAS_POINTER
-    assert pointer == data.device.address(flow.vars["f/b"])
+    matmuls = [index for index, call in enumerate(calls) if call == "cublasLtMatmul"]
+    assert len(matmuls) == 2  # the first compute's (which chose the algorithm), and the captured one
+    for matmul in matmuls:
+        setting = max(index for index in range(matmul) if calls[index] == "cublasLtMatmulDescSetAttribute")
+        attribute, pointer = events[setting][1][1], events[setting][1][2]._obj.value
+        assert attribute == blas._DESC_BIAS_POINTER and pointer == data.device.address(flow.vars["f/b"])
 
 
 def test_a_product_plus_a_tensor_of_its_shape_hands_cublaslt_that_tensor_as_c_with_beta_one(monkeypatch):

@@ -243,10 +243,10 @@ class _MemoryDriver(_FakeDriver):
         def run(*args):
             if "Capture" in call or "Graph" in call:
                 self.graph_calls.append(call)
-            if call == "cuMemAlloc_v2":
-                block = np.zeros(args[1].value, np.uint8)
+            if call == "cuMemAlloc_v2":  # 256-byte aligned, as the driver's memory is
+                block = np.zeros(args[1].value + 256, np.uint8)
                 self.blocks.append(block)
-                args[0]._obj.value = block.ctypes.data
+                args[0]._obj.value = block.ctypes.data + (-block.ctypes.data % 256)
             elif call in ("cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2"):
                 ctypes.memmove(args[0].value, args[1].value, args[2].value)
             elif call == "cuModuleLoadDataEx":

@@ -33,7 +33,7 @@ import ctypes
 import importlib.util
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
@@ -58,6 +58,9 @@ _FLOAT32_COMPUTE = {"float32": "32F", "tfloat32": "32F_FAST_TF32", "bfloat16": "
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6
 _PREFERENCE_MAX_WORKSPACE = 1
+_PREFERENCE_MIN_ALIGNMENTS = (5, 6, 7, 8)  # A's, B's, C's and D's, in bytes: cuBLASLt assumes 256 unless told
+_MOST_ALIGNMENT = 256  # the most cuBLASLt's algorithms ask of a matrix's address
+CANDIDATES = 8  # algorithms asked of the heuristic, best first: the first that runs is kept
 _DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
 # MatMulCalculate programs cuBLASLt runs as its epilogue (cublasLtEpilogue_t)
 _EPILOGUES = {"@0=Add(%0,%1)": "BIAS", "@0=Add(%1,%0)": "BIAS", "@0=Relu(%0)": "RELU",
@@ -66,7 +69,6 @@ _EPILOGUE_CODES = {"DEFAULT": 1, "ADD": 1, "RELU": 2, "BIAS": 4, "RELU_BIAS": 6}
 # A half-precision product widened and added to a float32 tensor (a residual stream): C and D
 # float32, the product's float32 sums never rounded to half precision
 _WIDENED_ADD = {"$0=Cast[dtype=float32](%0);@0=Add(%1,$0)", "$0=Cast[dtype=float32](%0);@0=Add($0,%1)"}
-_ANY_ALIGNMENT = 64  # a stand-in bias address for the heuristic: as aligned as the arena's slots
 
 
 @dataclass(frozen=True)
@@ -267,21 +269,31 @@ def find_library() -> str:
 
 @dataclass
 class Prepared:
-    """A plan's descriptors and the algorithm cuBLASLt's heuristic chose, made once."""
+    """A plan's descriptors, made once, and the algorithm that ran it at each alignment of
+    its matrices' addresses (an instance's are the same at every compute)."""
 
+    gemm: GemmPlan
     desc: ctypes.c_void_p
     layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    result: _HeuristicResult
     alpha: ctypes.Array
     beta: ctypes.Array
-    epilogue: str
+    algorithms: dict[tuple[int, int, int, int], _HeuristicResult] = field(default_factory=dict)
+
+
+def alignment(address: int) -> int:
+    """The largest power of two, up to 256, that `address` is a multiple of."""
+    return min(_MOST_ALIGNMENT, address & -address) if address else _MOST_ALIGNMENT
+
+
+def _status_name(library, status: int) -> str:
+    name = library.cublasLtGetStatusName
+    name.restype = ctypes.c_char_p
+    return (name(status) or b"status %d" % status).decode()
 
 
 def _check(library, status: int, what: str) -> None:
     if status != 0:
-        name = library.cublasLtGetStatusName
-        name.restype = ctypes.c_char_p
-        raise RanvierError(f"cuBLASLt failed to {what}: {(name(status) or b'status %d' % status).decode()}")
+        raise RanvierError(f"cuBLASLt failed to {what}: {_status_name(library, status)}")
 
 
 def _set(library, setter: str, handle: ctypes.c_void_p, attribute: int, value) -> None:
@@ -301,8 +313,6 @@ def describe(library, gemm: GemmPlan) -> tuple[ctypes.c_void_p, tuple[ctypes.c_v
         _set(library, "cublasLtMatmulDescSetAttribute", desc, attribute, ctypes.c_int32(int(transposed)))
     if gemm.epilogue != "DEFAULT":
         _set(library, "cublasLtMatmulDescSetAttribute", desc, _DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_CODES[gemm.epilogue]))
-    if "BIAS" in gemm.epilogue:  # the heuristic reads the bias address's alignment; each call sets the real one
-        _set(library, "cublasLtMatmulDescSetAttribute", desc, _DESC_BIAS_POINTER, ctypes.c_uint64(_ANY_ALIGNMENT))
     layouts = []
     for layout, matrix_type in ((gemm.a, data_type), (gemm.b, data_type), (gemm.d, _DATA_TYPES[gemm.d_dtype])):
         handle = ctypes.c_void_p()
@@ -318,9 +328,14 @@ def describe(library, gemm: GemmPlan) -> tuple[ctypes.c_void_p, tuple[ctypes.c_v
 
 class CublasLt:
     """libcublasLt through ctypes, on a device's stream: a handle and one workspace for
-    every product (they run one after another on that stream), each plan's descriptors and
-    algorithm chosen when its cell is loaded — before any graph capture, which may not
-    allocate — so that a product in a compute is one cublasLtMatmul call."""
+    every product (they run one after another on that stream), and each plan's descriptors,
+    made when its cell is loaded — before any graph capture, which may not allocate. A
+    product's algorithm is chosen at its first call, which runs outside any capture (an
+    instance's first compute launches kernel by kernel), as cuBLASLt's users do: the
+    heuristic is told the alignment of each matrix's real address (else it assumes 256
+    bytes, and offers algorithms that refuse the arena's 64-byte-aligned matrices) and asked
+    for several algorithms, best first; the first that runs is kept for later calls, so
+    that a product in a graph is one cublasLtMatmul call."""
 
     def __init__(self, stream: ctypes.c_void_p, allocate: Callable[[int], int], load: Callable[[str], object] = ctypes.CDLL):
         self.library = load(find_library())
@@ -330,33 +345,61 @@ class CublasLt:
         self._workspace = allocate(WORKSPACE_BYTES)
 
     def prepare(self, gemm: GemmPlan) -> Prepared:
-        library = self.library
-        desc, layouts = describe(library, gemm)
-        preference = ctypes.c_void_p()
-        _check(library, library.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "make a preference")
-        _set(library, "cublasLtMatmulPreferenceSetAttribute", preference, _PREFERENCE_MAX_WORKSPACE,
-             ctypes.c_uint64(WORKSPACE_BYTES))
-        result, found = _HeuristicResult(), ctypes.c_int()
-        _check(library, library.cublasLtMatmulAlgoGetHeuristic(self._handle, desc, layouts[0], layouts[1], layouts[2],
-                                                               layouts[2], preference, 1, ctypes.byref(result),
-                                                               ctypes.byref(found)), f"choose an algorithm for {gemm}")
-        library.cublasLtMatmulPreferenceDestroy(preference)
-        if found.value < 1:
-            raise RanvierError(f"cuBLASLt has no algorithm for {gemm}")
+        desc, layouts = describe(self.library, gemm)
         scale = ctypes.c_double if gemm.compute == "64F" else ctypes.c_float
         beta = 1.0 if gemm.epilogue == "ADD" else 0.0
-        return Prepared(desc, layouts, result, (scale * 1)(1.0), (scale * 1)(beta), gemm.epilogue)
+        return Prepared(gemm, desc, layouts, (scale * 1)(1.0), (scale * 1)(beta))
+
+    def _candidates(self, prepared: Prepared, alignments: tuple[int, ...]) -> list[_HeuristicResult]:
+        """Up to CANDIDATES algorithms for the product with its matrices so aligned, best first."""
+        library = self.library
+        preference = ctypes.c_void_p()
+        _check(library, library.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "make a preference")
+        try:
+            _set(library, "cublasLtMatmulPreferenceSetAttribute", preference, _PREFERENCE_MAX_WORKSPACE,
+                 ctypes.c_uint64(WORKSPACE_BYTES))
+            for attribute, value in zip(_PREFERENCE_MIN_ALIGNMENTS, alignments):
+                _set(library, "cublasLtMatmulPreferenceSetAttribute", preference, attribute, ctypes.c_uint32(value))
+            results, found = (_HeuristicResult * CANDIDATES)(), ctypes.c_int()
+            a_layout, b_layout, d_layout = prepared.layouts
+            _check(library, library.cublasLtMatmulAlgoGetHeuristic(self._handle, prepared.desc, a_layout, b_layout, d_layout,
+                                                                   d_layout, preference, CANDIDATES, results,
+                                                                   ctypes.byref(found)),
+                   f"choose an algorithm for {prepared.gemm}")
+        finally:
+            library.cublasLtMatmulPreferenceDestroy(preference)
+        return list(results[: found.value])
 
     def matmul(self, prepared: Prepared, addresses: list[int]) -> None:
         """D = op(A)·op(B), and the epilogue, on the stream (`addresses`: A's, B's, D's and
-        the bias's or C's where there is one)."""
-        if "BIAS" in prepared.epilogue:
+        the bias's or C's where there is one); the first call chooses the algorithm."""
+        if "BIAS" in prepared.gemm.epilogue:
             _set(self.library, "cublasLtMatmulDescSetAttribute", prepared.desc, _DESC_BIAS_POINTER,
                  ctypes.c_uint64(addresses[3]))
-        a, b, d = (ctypes.c_uint64(address) for address in addresses[:3])
-        c = ctypes.c_uint64(addresses[3]) if prepared.epilogue == "ADD" else d
+        a, b, d = addresses[:3]
+        c = addresses[3] if prepared.gemm.epilogue == "ADD" else d
+        alignments = tuple(alignment(address) for address in (a, b, c, d))
+        chosen = prepared.algorithms.get(alignments)
+        if chosen is not None:
+            _check(self.library, self._run(prepared, chosen, a, b, c, d), f"run {prepared.gemm}")
+            return
+        candidates = self._candidates(prepared, alignments)
+        refused = []
+        for candidate in candidates:
+            status = self._run(prepared, candidate, a, b, c, d)
+            if status == 0:
+                prepared.algorithms[alignments] = candidate
+                return
+            refused.append(_status_name(self.library, status))
+        offered = (f"the {len(candidates)} algorithms its heuristic offered were refused ({', '.join(sorted(set(refused)))})"
+                   if candidates else "its heuristic offered none")
+        raise RanvierError(f"cuBLASLt has no algorithm that runs the product {prepared.gemm} with A, B, C and D at "
+                           f"{', '.join(map(str, alignments))}-byte-aligned addresses: {offered}")
+
+    def _run(self, prepared: Prepared, algorithm: _HeuristicResult, a: int, b: int, c: int, d: int) -> int:
+        """One cublasLtMatmul call on the stream; its status."""
         a_layout, b_layout, d_layout = prepared.layouts
-        _check(self.library, self.library.cublasLtMatmul(
-            self._handle, prepared.desc, prepared.alpha, a, a_layout, b, b_layout, prepared.beta, c, d_layout, d, d_layout,
-            ctypes.byref(prepared.result.algo), ctypes.c_uint64(self._workspace), ctypes.c_size_t(WORKSPACE_BYTES),
-            self._stream), "run a product")
+        return self.library.cublasLtMatmul(
+            self._handle, prepared.desc, prepared.alpha, ctypes.c_uint64(a), a_layout, ctypes.c_uint64(b), b_layout,
+            prepared.beta, ctypes.c_uint64(c), d_layout, ctypes.c_uint64(d), d_layout, ctypes.byref(algorithm.algo),
+            ctypes.c_uint64(self._workspace), ctypes.c_size_t(WORKSPACE_BYTES), self._stream)
