@@ -428,6 +428,41 @@ def datasheet_peak(device_name: str) -> tuple[float, str] | None:
     return None
 
 
+SLOWEST_STEPS = "the slowest steps of ranvier's step, timed by events:"  # heads the table .ci/gpu-report keeps
+
+
+def slowest_steps(profile, ceilings: Ceilings, count: int = 15) -> str:
+    """A markdown table of the `count` steps that take a profile's compute the most time:
+    each one's kernel, achieved FLOP/s and bytes/s (its inputs and outputs, each once: the
+    least it moves) against the measured ceilings."""
+    from ranvier.profile import moved_bytes
+
+    lines = [SLOWEST_STEPS, "", "| step | kernel | op | µs | share | GFLOP/s | of GEMM | GB/s | of copy |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    total = profile.total or 1e-30
+    for step in sorted(profile.steps, key=lambda s: -s.seconds)[:count]:
+        seconds = step.seconds or 1e-30
+        flops, moved = step.flops / seconds, moved_bytes(step.op) / seconds
+        lines.append(f"| {step.index} | {step.kernel} | {step.op.type} {step.op.name} | {step.seconds * 1e6:.1f} | "
+                     f"{step.seconds / total:.1%} | {flops / 1e9:.1f} | {flops / ceilings.gemm:.1%} | {moved / 1e9:.1f} | "
+                     f"{moved / ceilings.bandwidth:.1%} |")
+    return "\n".join(lines)
+
+
+def gpu_result(model: str, medians: dict[str, float], flops_per_token: float, peak: float, gpu: str) -> str:
+    """The line a GPU race ends with, which .ci/gpu-check keeps: "gpu-result stories15M
+    tokens/s=123456 vs-eager=1.23 vs-compile=0.87 mfu=31.2% gpu=H200" (ratios: ranvier's
+    tokens/s over the peer's, n/a where it did not run; the MFU against `peak` FLOP/s)."""
+    ours = medians["ranvier"]
+
+    def versus(peer: str) -> str:
+        return f"{ours / medians[peer]:.2f}" if peer in medians else "n/a"
+
+    name = gpu.removeprefix("NVIDIA ").replace(" ", "-")
+    return (f"gpu-result {model} tokens/s={ours:.0f} vs-eager={versus('pytorch')} vs-compile={versus(TORCH_COMPILE)} "
+            f"mfu={ours * flops_per_token / peak:.1%} gpu={name}")
+
+
 def token_batches(vocab_size: int, batch: int, seq: int, count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """`count` (tokens, targets) pairs of random token ids, identical for every side."""
     rng = np.random.default_rng(seed)

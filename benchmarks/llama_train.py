@@ -16,8 +16,10 @@ runs twice: replaying each step as one CUDA graph, and launching kernel by kerne
 PyTorch sees a GPU, PyTorch also runs through torch.compile there (bf16 autocast; without
 a GPU, --torch-compile races it on the CPU: the host emulator's check). Each
 side's model arithmetic is shown against the GPU's measured bf16 GEMM rate and, for GPUs
-with a datasheet bf16 peak, as the MFU against that. The issue's shapes:
---preset stories15M --batch 64 --seq 256, and --preset stories110M --batch 32 --seq 1024.
+with a datasheet bf16 peak, as the MFU against that; the race ends with a `gpu-result` line
+(tokens/s, ranvier's ratio to eager and to torch.compile, MFU) that .ci/gpu-check keeps. The
+issue's shapes: --preset stories15M --batch 64 --seq 256, and --preset stories110M --batch 32
+--seq 1024.
 Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 256] [--steps 5] [--checkpointed]
      (a --seq past the preset's window lengthens its rotary tables: --batch 2 --seq 1024 races long-context attention)
      [--backend cuda] [--matmul float32|tfloat32|bfloat16] [--precision float32|bfloat16|float16]
@@ -35,12 +37,14 @@ from common import (
     cold_caches,
     compile_options,
     datasheet_peak,
+    gpu_result,
     machine,
     match_threads,
     measure_ceilings,
     measure_gpu_ceilings,
     race,
     ranvier_trainer,
+    slowest_steps,
     stepper,
     token_batches,
     torch_features,
@@ -111,12 +115,19 @@ def main() -> None:
         ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
     print(f"{args.preset}: {config.parameter_count() / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
-    race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings, datasheet)
-    if args.backend == "cuda":  # a GPU times each step only when asked (it costs): steps of their own, after the race
+    medians = race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings, datasheet)
+    if args.backend == "cuda":
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "emulator"
+        print(gpu_result(args.preset, medians, config.flops_per_token(args.seq), datasheet[0] if datasheet else ceilings.gemm,
+                         gpu), flush=True)
+        # a GPU times each step only when asked (it costs): steps of their own, after the race
         first_trainer.reset_profile()
         for x, y in batches:
             first_trainer.step([x, y])
-    print(first_trainer.profile().by_kernel())  # where ranvier's step spends its time
+    profile = first_trainer.profile()  # where ranvier's step spends its time
+    print(profile.by_kernel())
+    if profile.timed:
+        print(slowest_steps(profile, ceilings))
 
 
 def gpu_sides(args, config, torch):

@@ -85,6 +85,10 @@ def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monke
     assert re.search(r"^ranvier is \d+\.\d\d× (faster|slower) than torch.compile \(median tokens/s\)$", out, re.MULTILINE)
     assert re.search(r"^cell train: [\d.]+ ms per compute on host emulator.*, by kernel$", out, re.MULTILINE)
     assert re.search(r"^  Attention +\d+ +[\d.]+ +[\d.]+%", out, re.MULTILINE)
+    assert re.search(r"^gpu-result stories260K tokens/s=\d+ vs-eager=\d+\.\d\d vs-compile=\d+\.\d\d mfu=[\d.]+% gpu=emulator$",
+                     out, re.MULTILINE)
+    table = out[out.index("the slowest steps of ranvier's step, timed by events:"):].splitlines()
+    assert table[2].startswith("| step | kernel |") and len([line for line in table if line.startswith("| ")]) == 2 + 15
 
 
 @pytest.mark.slow
@@ -233,6 +237,19 @@ def test_data_parallel_benchmark_scales_both_sides_over_mpi_ranks():
         assert re.search(rf"^{n} ranks: ranvier is [\d.]+× (faster|slower) than pytorch \(median tokens/s\)$", out, re.MULTILINE)
     assert "gradients all-reduced per step: " in out
     assert ("share cores (oversubscribed)" in out) == (len(os.sched_getaffinity(0)) < 3)
+
+
+def test_a_gpu_race_ends_with_its_gpu_result_line():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from common import gpu_result
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    medians = {"ranvier": 1230.4, "rv-no-graph": 1100.0, "pytorch": 1000.0, "torch.compile": 1414.0}
+    assert gpu_result("stories15M", medians, 1e9, 4e13, "NVIDIA H200") == \
+        "gpu-result stories15M tokens/s=1230 vs-eager=1.23 vs-compile=0.87 mfu=3.1% gpu=H200"
+    del medians["torch.compile"]
+    assert "vs-compile=n/a mfu" in gpu_result("stories110M", medians, 1e9, 4e13, "NVIDIA H100 80GB HBM3")
 
 
 def test_an_mfu_is_quoted_against_the_datasheet_peak_of_the_gpu_named():
