@@ -382,6 +382,8 @@ class Instance:
 
     def __getitem__(self, key) -> np.ndarray:
         var = self.variable(key)
+        if var.name not in self._by_name and not var.is_global and self.primal is not None:
+            return self.primal[var]  # a value of the forward instance, brought up to date there
         if self.device is not None and var.name in self._by_name:
             self.device.before_read(var)
         return self._host_view(key, var)

@@ -204,9 +204,12 @@ def test_a_gradient_cell_reads_its_forward_instance_on_the_device(on_device):
         forward.compute()
         backward = net.cell("gradients/f").instance(primal=forward)
         backward.compute()
-        return np.array(backward[grads[w.name]])
+        read = next(v for v in backward.cell.external if v.nbytes > 8)  # through the gradient instance
+        return np.array(backward[grads[w.name]]), np.array(backward[read]), np.array(forward[read])
 
-    np.testing.assert_allclose(network("cuda"), network("cpu"), rtol=1e-5, atol=1e-7)
+    (gpu, read, forward), (cpu, _, _) = network("cuda"), network("cpu")
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(read, forward)  # the forward instance's value, brought back
 
 
 def test_steps_are_timed_on_the_device_when_profiled(on_device):
