@@ -9,6 +9,8 @@ values the host reads back are checked on the host emulator."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 from helpers import random_array
@@ -19,6 +21,7 @@ import ranvier as rv
 from ranvier.backends.cuda import backend, blas, device, driver
 
 COPIES = ("cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2")
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _stand_in_gpu(monkeypatch, events: list) -> driver.DriverGPU:
@@ -37,23 +40,17 @@ def _copies(events: list) -> list[tuple[str, int]]:
 
 
 def _stories15m_trainer():
-    """stories15M (the preset's model) training with AdamW and clipping, bfloat16
-    activations, on 2 × 32 tokens (the step's shapes do not change what crosses)."""
+    """stories15M's training step as benchmarks/llama_train.py --backend cuda races it
+    (AdamW, clipping, bfloat16 activations), on 2 × 32 tokens: the shape changes no count."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from common import ranvier_trainer
+    finally:
+        sys.path.remove(str(BENCHMARKS))
     from ranvier.models.llama import PRESETS, Llama
-    from ranvier.train.losses import softmax_cross_entropy
-    from ranvier.train.optimizers import AdamW
-    from ranvier.train.trainer import Trainer
 
-    config = dataclasses.replace(PRESETS["stories15M"], max_seq_len=32)
-    model = Llama(config, seed=0)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    f.func.training = True
-    tokens, targets = f.var("tokens", "int32", [2, 32]), f.var("targets", "int32", [2, 32])
-    params = model.parameters(f)
-    loss = softmax_cross_entropy(model(f, tokens, params).reshape([64, config.vocab_size]), targets.reshape([64]))
-    return Trainer(loss, list(params.values()), AdamW(lr=1e-4), clip_norm=1.0, inputs=[tokens, targets],
-                   backend="cuda", precision="bfloat16")
+    model = Llama(dataclasses.replace(PRESETS["stories15M"], max_seq_len=32), seed=0)
+    return ranvier_trainer(model, 2, 32, "bfloat16", backend="cuda", precision="bfloat16")
 
 
 def test_a_training_step_moves_its_batch_in_and_a_few_bytes_out(monkeypatch):
