@@ -6,8 +6,9 @@ rate in, one copy of a few bytes out):
 - An instance's arena holds its local variables at the offsets the memory planner gave
   them (the cell's layout, as on the CPU). A compute first copies in the cell's inputs
   (a batch, a learning rate: the host writes them through their views, so they always
-  go) and any other local the host set since the last one (`data[x] = value`), adjacent
-  ones in one copy. Afterwards one copy brings back the instance's mailbox
+  go) and any other local the host set since the last one (`data[x] = value`; or read,
+  for a local the cell reads and writes, which the host may change through its view),
+  adjacent ones in one copy. Afterwards one copy brings back the instance's mailbox
   (`mailbox.py`): the status words, and the small outputs (a loss, a flag, a norm), which
   live there. Nothing else moves: any other local (a gradient, an activation, an
   inference cell's logits) is copied back when the host reads it (`data[x]`), once per
@@ -26,10 +27,10 @@ driver, in the thread-local capture mode) and every later one replays it as one 
 the addresses they read never change, only the memory's contents. Where the driver cannot
 capture them, the instance warns once and launches kernel by kernel from then on. A
 compute made while `RANVIER_CUDA_GRAPHS=0` makes its launches one by one, which is what a
-graph saves (benchmarks/llama_train.py --backend cuda compares them). Steps are timed (an event
-between each two, each read back after the compute) only while the instance is profiled
-(`data.reset_profile()`, `--profile`); a profiled compute replays a graph of its own, with
-the events in it.
+graph saves (benchmarks/llama_train.py --backend cuda compares them). Steps are timed (an
+event between each two, each read back after the compute) only while the instance is
+profiled (`data.reset_profile()`, `--profile`); a profiled compute replays a graph of its
+own, with the events in it.
 
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
