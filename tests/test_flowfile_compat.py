@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import logging
+import math
 import os
 import struct
 import subprocess
@@ -291,6 +292,15 @@ PYTHON_WRITER_CONSTANTS = [
     ("bfloat16", [3], struct.pack("<f", 1.5), np.full(3, 1.5, dtypes.to_numpy("bfloat16"))),
     ("float64", [], struct.pack("<i", 7), np.float64(7)),  # const(7, dtype=DT_DOUBLE): an int's bytes
     ("float64", [2, 2], struct.pack("<4i", 1, 0, 3, 4), np.array([[1, 0], [3, 4]], np.float64)),  # an int array
+    # A negative int's bytes are a float32 NaN (-1 is 0xFFFFFFFF): still an int, not NaN.
+    ("float64", [], struct.pack("<i", -1), np.float64(-1)),  # const(-1, dtype=DT_DOUBLE)
+    ("float16", [], struct.pack("<i", -300), np.float16(-300)),
+    ("bfloat16", [3], struct.pack("<i", -2), np.full(3, -2, dtypes.to_numpy("bfloat16"))),
+    ("float64", [3], struct.pack("<3i", -7, 0, 5), np.array([-7, 0, 5], np.float64)),  # np.int32 data
+    ("float32", [2], struct.pack("<2q", -1, 3), np.array([-1, 3], np.float32)),  # array('q') data
+    # A float's own NaN and infinities stay floats.
+    ("float64", [], struct.pack("<f", math.nan), np.float64(math.nan)),
+    ("float64", [2], struct.pack("<2f", -math.inf, 1.5), np.array([-math.inf, 1.5])),
     ("int64", [], struct.pack("<i", -5), np.int64(-5)),  # const(-5, dtype=DT_INT64)
     ("int8", [], struct.pack("<i", -128), np.int8(-128)),
     ("uint16", [4], struct.pack("<i", 65535), np.full(4, 65535, np.uint16)),

@@ -26,8 +26,9 @@ that are not UTF-8 (kept byte for byte) and a -1 dimension, bound to the batch s
 caller gives (`Flow.load(path, batch_size=N)`; kept as -1 without one). A constant is
 raw bytes to Myelin; here it becomes an array of its variable's type, and bytes that do
 not fill dtype × shape are read the way SLING's Python writer produces them (a float
-as 4 float32 bytes, an int as 4 int32 bytes, an array in its own type), converted, and
-reported with a `FlowFileWarning`; bytes that cannot be read so are an error.
+as 4 float32 bytes, an int as 4 int32 bytes, an array in its own type; for a float
+variable, bytes that read as nothing but subnormals and NaNs are an int's), converted,
+and reported with a `FlowFileWarning`; bytes that cannot be read so are an error.
 
 The reader treats the file as untrusted: it reads it into memory and checks every
 count and length against the bytes that are left before allocating anything, so a
@@ -128,10 +129,20 @@ def _stand_in(raw: memoryview, dtype: str, count: int) -> np.ndarray | None:
     if source is None:
         return None
     values = np.frombuffer(raw, source.newbyteorder("<"))
-    if kind == "float" and np.any(values) and np.all(np.abs(values) < np.finfo(source).tiny):
-        # Nothing but subnormal floats: the bytes are an int stored for a float variable.
+    if kind == "float" and _ints_in_floats(values):
         values = np.frombuffer(raw, _STAND_INS["int"][width].newbyteorder("<"))
     return values
+
+
+def _ints_in_floats(values: np.ndarray) -> bool:
+    """Whether floats read from a Python writer's bytes are ints' bytes instead: none of
+    them is a number a program writes as a float (a normal number, an infinity, the NaN
+    numpy and struct write), and one is not zero. A small int, the kind a program stores,
+    is a subnormal float if it is positive and a NaN if it is negative (-1 is 0xFFFFFFFF)."""
+    bits = values.view(values.dtype.str.replace("f", "u"))
+    quiet_nan = np.array(np.nan, values.dtype).view(bits.dtype)
+    plausible = (np.abs(values) >= np.finfo(values.dtype).tiny) | (bits == quiet_nan)
+    return bool(np.any(values != 0)) and not np.any(plausible)
 
 
 def _constant(raw: memoryview, dtype: str, shape: list[int]) -> tuple[np.ndarray, list[int], str]:
