@@ -181,6 +181,10 @@ def gradient(
         if g is None:
             zero = b.const(0.0, v.dtype)
             g = b.broadcast_to(zero, v.shape) if v.shape else b.identity(zero)
+        elif g.producer is None or g.producer.func is not target_func:
+            # The seed itself (d(x + y)/dx), or a value of another function: a copy makes
+            # the gradient a value of the function that computes the gradients.
+            g = b.identity(g)
         result[v.name] = g
     _prune(flow, target_func, ops_before, {g.var.name for g in result.values()})
     for g in result.values():
@@ -278,13 +282,8 @@ def gradient_function(flow: Flow, func: Function | str) -> Function:
             total = b.var(f"d_{_basename(v)}", v.dtype, v.shape)
             total.var.out = True
             b.assign(total, total + grads[v.name])
-        elif grads[v.name].producer is not None and grads[v.name].producer.func.name == name:
+        else:
             flow.add_alias(grads[v.name].var, adjoint)
-        else:  # the gradient is a value the function does not compute (its seed, a constant): copy it
-            copy = b.rawop("Identity", f"d_{_basename(v)}")
-            copy.add_input(grads[v.name].var)
-            copy.add_output(flow.add_var(adjoint, v.dtype, v.shape))
-            copy.outputs[0].out = True
     return flow.funcs[name]
 
 

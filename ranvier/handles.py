@@ -1,8 +1,13 @@
-"""Myelin's runtime handles: a tensor seen element by element, and channels.
+"""Myelin's runtime handles: a tensor as an array and element by element, and channels.
 
-`instance.tensor(x)` gives a `TensorHandle`: Myelin's `name()`, `rank()`, `shape()`,
-`type()`, element reads as Python numbers and element writes, and the buffer itself
-through numpy (`np.asarray(handle)` is a writable view, never a copy).
+`instance[x]` gives a `TensorArray`: a writable numpy view of the tensor that also
+answers Myelin's `name()`, `rank()`, `shape()` and `type()`, so numpy code and the
+examples of Myelin's guide both run on it; indexing and `len()` are numpy's.
+
+`instance.tensor(x)` gives a `TensorHandle`, the tensor as Myelin's Python API indexes
+it: an int on a tensor of rank 2 or more is a flat element index (`t[4]` of a [2, 3]
+tensor is element [1, 1]), an index on a scalar is ignored, elements read as Python
+numbers, `len()` counts elements; `np.asarray(handle)` is a writable view, never a copy.
 
 A `Channel` is a resizable array of tensors of one format, the memory a recurrent
 cell's reference variables point into: `instance.connect(h_in, channel, t - 1)` makes
@@ -18,6 +23,58 @@ from .errors import RanvierError, shape_str
 from .flow.graph import Variable
 
 
+class Shape(tuple):
+    """A shape that reads as numpy's tuple (`a.shape == (2, 3)`) and as a call, Myelin's
+    `t.shape()`, which gives a list."""
+
+    def __call__(self) -> list[int]:
+        return list(self)
+
+
+class TensorArray(np.ndarray):
+    """A view of one tensor of an instance or a network: a numpy array that also has
+    Myelin's tensor methods.
+
+    Views of it (slices, reshapes) are views of the same tensor; what is computed from
+    it (`t + 1`, `np.exp(t)`, `t.sum()`) is a plain array or number, and a copy has no name.
+    """
+
+    _var: Variable | None = None
+
+    @classmethod
+    def of(cls, var: Variable, array: np.ndarray) -> TensorArray:
+        view = array.view(cls)
+        view._var = var
+        return view
+
+    def __array_finalize__(self, obj) -> None:
+        self._var = getattr(obj, "_var", None) if self.base is not None else None
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        # A result written into the tensor (`t += 1`) stays the tensor; any other is plain.
+        result = array if isinstance(array, TensorArray) else array.view(np.ndarray)
+        return result[()] if return_scalar else result
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(np.ndarray.shape.__get__(self))
+
+    @shape.setter
+    def shape(self, value) -> None:
+        np.ndarray.shape.__set__(self, value)
+
+    def name(self) -> str:
+        if self._var is None:
+            raise RanvierError("this array is a copy of a tensor, not the tensor: it has no name")
+        return self._var.name
+
+    def rank(self) -> int:
+        return self.ndim
+
+    def type(self) -> str:
+        return dtypes.from_numpy(self.dtype)
+
+
 class TensorHandle:
     """One tensor of an instance, a network or a channel, as Myelin's Python API shows it."""
 
@@ -25,7 +82,7 @@ class TensorHandle:
 
     def __init__(self, var: Variable, array: np.ndarray):
         self.var = var
-        self.array = array
+        self.array = np.asarray(array)  # a plain view: the handle's own indexing is Myelin's
 
     def name(self) -> str:
         return self.var.name
@@ -42,12 +99,23 @@ class TensorHandle:
     def __len__(self) -> int:
         return self.array.size
 
+    def _index(self, index):
+        """Myelin's index as numpy's: an int into a tensor of rank 2 or more counts
+        elements in row-major order; a scalar has one element whatever the index."""
+        if self.array.ndim == 0:
+            return ()
+        if self.array.ndim > 1 and isinstance(index, (int, np.integer)):
+            if not 0 <= index < self.array.size:
+                raise IndexError(f"element {index} of {self.var.name}, which has {self.array.size} elements")
+            return np.unravel_index(index, self.array.shape)
+        return index
+
     def __getitem__(self, index):
-        element = self.array[index]
+        element = self.array[self._index(index)]
         return element.item() if np.ndim(element) == 0 else element
 
     def __setitem__(self, index, value) -> None:
-        self.array[index] = value
+        self.array[self._index(index)] = value
 
     def __array__(self, dtype=None, copy=None):
         if copy:

@@ -13,7 +13,7 @@ import numpy as np
 from . import dtypes, guards
 from .errors import RanvierError, shape_str
 from .flow.graph import Flow, Function, Operation, Variable
-from .handles import Channel, TensorHandle
+from .handles import Channel, TensorArray, TensorHandle
 from .ops import written_inputs
 from .profile import Profile, StepTime
 
@@ -166,13 +166,26 @@ class Network:
         except KeyError:
             raise RanvierError(f"no cell {name!r} in the network; cells: {', '.join(self.cells) or 'none'}") from None
 
-    def __getitem__(self, key) -> np.ndarray:
+    def __getitem__(self, key) -> TensorArray:
         """The array of a global (constant or parameter), by handle, name or alias: writable,
         except a constant a kernel reads prepared (`prepared`: a GEMM's packed weights)."""
         var = self.flow.lookup(_key_name(key))
         if var.name not in self.globals:
             raise RanvierError(f"{var.name} is not a global of the network (it is local to a cell)")
-        return self.globals[var.name]
+        return TensorArray.of(var, self.globals[var.name])
+
+    def __setitem__(self, key, value) -> None:
+        """Set a global's elements (Myelin's `net[W] = array`); a scalar fills it."""
+        array = self[key]
+        value = np.asarray(value)
+        if not array.flags.writeable:
+            raise RanvierError(f"cannot set {array.name()}: a kernel reads it prepared, so it is read-only once compiled")
+        try:
+            array[...] = value
+        except ValueError:
+            raise RanvierError(
+                f"cannot set {array.name()}: got an array of shape {list(value.shape)}, expected [{shape_str(array.shape)}]"
+            ) from None
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: a for name, a in self.globals.items() if self.flow.vars[name].learnable}
@@ -323,7 +336,8 @@ def _globals_of(steps: list[Step]) -> list[Variable]:
 
 
 class Instance:
-    """One cell's data. `data[x]` is a writable numpy view; `compute()` runs the cell."""
+    """One cell's data. `data[x]` is a writable numpy view with Myelin's tensor methods
+    (`TensorArray`), `data.tensor(x)` Myelin's tensor handle; `compute()` runs the cell."""
 
     def __init__(self, cell: Cell, primal: Instance | None = None):
         self.cell = cell
@@ -350,8 +364,9 @@ class Instance:
             self.link(primal)
 
     def link(self, primal: Instance | None) -> None:
-        """Bind the instance of the forward cell this (gradient) cell reads its values from."""
-        if primal is not None:
+        """Bind the instance of the forward cell this (gradient) cell reads its values from
+        (a cell that reads none, the gradient of a sum say, takes any instance and ignores it)."""
+        if primal is not None and self.cell.external:
             sources = {v.producer.func.name for v in self.cell.external}
             if primal.cell.name not in sources:
                 raise RanvierError(
@@ -380,13 +395,13 @@ class Instance:
             return self.cell.slots[key].var
         return self.cell.resolve(key)
 
-    def __getitem__(self, key) -> np.ndarray:
+    def __getitem__(self, key) -> TensorArray:
         var = self.variable(key)
         if var.name not in self._by_name and not var.is_global and self.primal is not None:
             return self.primal[var]  # a value of the forward instance, brought up to date there
         if self.device is not None and var.name in self._by_name:
             self.device.before_read(var)
-        return self._host_view(key, var)
+        return TensorArray.of(var, self._host_view(key, var))
 
     def _host_view(self, key, var: Variable) -> np.ndarray:
         return self._views[key] if isinstance(key, (int, np.integer)) else self.view(var)
@@ -468,6 +483,11 @@ class Instance:
         self.computes = 0
         self.step_time[...] = 0
         self.all_cores_time[...] = 0
+
+    def __str__(self) -> str:
+        """Every variable of the instance with its value, one a line, as Myelin prints an instance."""
+        values = (self[index] for index in range(len(self.cell.slots)))
+        return "".join(f"{v.name()} = {np.array2string(v, separator=',', max_line_width=1 << 30)}\n" for v in values)
 
     def __repr__(self) -> str:
         return f"<Instance of cell {self.cell.name}, {self.cell.size} bytes>"

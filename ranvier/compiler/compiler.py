@@ -9,9 +9,9 @@ from collections.abc import Callable
 from .. import dtypes
 from ..autodiff import gradient_function
 from ..backends import CompileOptions, create_backend
-from ..errors import CompileError, RanvierError
+from ..errors import CompileError, RanvierError, UnknownOpError
 from ..flow.graph import Flow, Function, Operation, Variable
-from ..ops import op_def, written_inputs
+from ..ops import has_op, op_def, written_inputs
 from ..runtime import Cell, Network, Step
 from .declared import reshape_declared_outputs
 from .memory import plan_memory
@@ -98,6 +98,10 @@ class Compiler:
 
     def compile_function(self, network: Network, func: Function) -> Cell:
         flow = network.flow
+        for op in func.ops:
+            if not has_op(op.type):  # a file or Myelin's builder may hold any op type
+                raise UnknownOpError(f"{op.type} op {op.name} of function {func.name}: ranvier has no definition "
+                                     f"of op type {op.type!r}, so it cannot compile it")
         for var in flow.inputs(func):
             if var.producer is None and not var.shape_defined():
                 raise undefined_shape(var, func)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import RanvierError
-from ..ops import op_def, op_method
+from ..ops import TensorType, has_op, op_def, op_method
 from .flags import VarFlags
 from .graph import Connector, Flow, Function, Operation, Variable, attr_string
 
@@ -48,8 +48,9 @@ class Tensor:
         return hash(self.var)
 
     def __eq__(self, other) -> bool:
-        """Handles are equal when they name the same variable (use .equal() for the Equal op)."""
-        return isinstance(other, Tensor) and other.var is self.var
+        """Equal to a handle on the same variable and to the variable itself, whose hash is
+        the handle's: a dict keyed by either finds the other (use .equal() for the Equal op)."""
+        return variable_of(other) is self.var
 
     def __getattr__(self, name: str):
         # x.relu(), x.sum(axis=1), x.reshape([2, 3]), ...: every op method, with x first;
@@ -203,12 +204,16 @@ class Builder:
     def op(self, optype: str, args: Sequence, name: str | None = None, attrs: dict | None = None):
         """Add an op; its outputs' types are inferred now. Returns a Tensor, or a tuple for several outputs.
 
-        Attributes that are None, or equal to the op's declared default, are left out."""
-        definition = op_def(optype)
+        Attributes that are None, or equal to the op's declared default, are left out. An op
+        type ranvier does not define is added as Myelin's builder adds any op: one output
+        of its first input's dtype and its highest-rank input's shape (the program may
+        declare another); compiling it is what fails."""
+        definition = op_def(optype) if has_op(optype) else None
         inputs = self.operands(args)
-        str_attrs = {k: attr_string(v) for k, v in (attrs or {}).items() if v is not None and not _is_default(definition, k, v)}
+        str_attrs = {k: attr_string(v) for k, v in (attrs or {}).items()
+                     if v is not None and not (definition and _is_default(definition, k, v))}
         opname = self.opname(name if name is not None else optype)
-        types = definition.infer_types(opname, inputs, str_attrs)
+        types = definition.infer_types(opname, inputs, str_attrs) if definition else [_undefined_op_output(inputs)]
 
         op: Operation = self.flow.add_op(opname, optype)
         op.attrs = str_attrs
@@ -285,6 +290,11 @@ class Builder:
 
 
 Flow.builder_class = Builder
+
+
+def _undefined_op_output(inputs: list[Variable]) -> TensorType:
+    dtype = inputs[0].dtype if inputs else dtypes.DT_FLOAT32
+    return TensorType(dtype, tuple(max((v.shape for v in inputs), key=len, default=[])))
 
 
 def _is_default(definition, name: str, value) -> bool:
