@@ -144,6 +144,75 @@ def test_python_writer_file_loads_and_computes(tmp_path):
     np.testing.assert_array_equal(run(flow, "g", {"g/u": u}, "g/z:0"), u * 0.375)
 
 
+# ---- ops as SLING's builders declare them ------------------------------------------------------------------
+
+
+def sling_builder_file(ops: list[tuple[str, str, list[str], str, list[int]]], inputs: dict[str, tuple[str, list[int]]],
+                       consts: dict[str, tuple[str, list[int], bytes]] | None = None) -> bytes:
+    """A function f as SLING's Python Builder saves it: each op's output declared by the
+    builder (Builder.op: the first input's type; the gather and matmul helpers' shapes),
+    given here as (op type, name, inputs, declared type, declared shape); every result is an output."""
+    variables = [var_rec(6, f"f/{n}", t, shape, flags=IN) for n, (t, shape) in inputs.items()]
+    consts = consts or {}
+    variables += [var_rec(6, f"f/{n}", t, shape, data=raw) for n, (t, shape, raw) in consts.items()]
+    variables += [var_rec(6, f"f/{name}:0", dtype, shape, flags=OUT) for _, name, _, dtype, shape in ops]
+    names = {n: f"f/{n}" for n in [*inputs, *consts]} | {name: f"f/{name}:0" for _, name, *_ in ops}
+    records = [op_rec(6, f"f/{name}", optype, [names[i] for i in args], [names[name]]) for optype, name, args, *_ in ops]
+    return flow_file(6, vars=variables, ops=records, funcs=[list_rec(6, "f", [f"f/{op[1]}" for op in ops])])
+
+
+def compute_all(flow: Flow, inputs: dict) -> dict[str, np.ndarray]:
+    data = ranvier.Compiler().compile(flow).cell("f").instance()
+    for name, value in inputs.items():
+        data[f"f/{name}"] = value
+    data.compute()
+    return {v.name[2:].removesuffix(":0"): np.array(data[v]) for v in flow.vars.values() if v.producer is not None}
+
+
+def test_comparisons_and_logic_declared_with_their_inputs_type_compute_0_or_1_in_it():
+    """SLING's builders declare Less(float32, float32) a float32 tensor, and And, Not, All,
+    Cond's condition read such tensors; ranvier computes 0 or 1 in the declared type
+    (Myelin writes all-one bit masks there: the same booleans)."""
+    f4, i4 = ("float32", [4]), ("int32", [4])
+    flow = load_bytes(sling_builder_file([
+        ("Less", "lt", ["x", "y"], *f4), ("Equal", "eq", ["x", "y"], *f4), ("Not", "ne", ["eq"], *f4),
+        ("And", "and", ["lt", "ne"], *f4), ("Or", "or", ["lt", "eq"], *f4), ("Xor", "xor", ["lt", "x"], *f4),
+        ("Cond", "cond", ["lt", "x", "y"], *f4), ("Select", "sel", ["eq", "y"], *f4),
+        ("All", "all", ["lt"], "float32", []), ("Any", "any", ["eq"], "float32", []),
+        ("GreaterEqual", "ge", ["i", "j"], *i4), ("Mul", "masked", ["ge", "i"], *i4), ("Not", "nge", ["ge"], *i4),
+    ], {"x": f4, "y": f4, "i": i4, "j": i4}))
+    x, y = np.array([1.5, 2, -3, 0], np.float32), np.array([2, 2, -4, 1], np.float32)
+    i, j = np.array([3, -1, 7, 0], np.int32), np.array([3, 0, 2, 9], np.int32)
+    got = compute_all(flow, {"x": x, "y": y, "i": i, "j": j})
+    lt, eq, ge = x < y, x == y, i >= j
+    expected = {
+        "lt": lt, "eq": eq, "ne": ~eq, "and": lt & ~eq, "or": lt | eq, "xor": lt ^ (x != 0), "cond": np.where(lt, x, y),
+        "sel": np.where(eq, y, 0), "all": np.all(lt), "any": np.any(eq), "ge": ge, "masked": ge * i, "nge": ~ge,
+    }
+    for name, value in expected.items():
+        declared = flow.vars[f"f/{name}:0"].dtype
+        assert got[name].dtype == dtypes.to_numpy(declared), name
+        np.testing.assert_array_equal(got[name], np.asarray(value).astype(declared), err_msg=name)
+
+
+def test_gather_keeps_the_shape_sling_declares():
+    """SLING's builders declare Gather(emb[5, 3], ind[1, 2]) as [2, 3] (ranvier's own gather
+    gives numpy's [1, 2, 3]) and a MatMul of it as [2, 4]; a lookup of one scalar index
+    (the C++ FlowBuilder) as [1, 3]."""
+    emb = RNG.standard_normal((5, 3)).astype(np.float32)
+    weights = RNG.standard_normal((3, 4)).astype(np.float32)
+    flow = load_bytes(sling_builder_file(
+        [("Gather", "rows", ["emb", "ind"], "float32", [2, 3]), ("MatMul", "y", ["rows", "W"], "float32", [2, 4]),
+         ("Gather", "one", ["emb", "k"], "float32", [1, 3])],
+        {"ind": ("int32", [1, 2]), "k": ("int32", [])},
+        {"emb": ("float32", [5, 3], emb.tobytes()), "W": ("float32", [3, 4], weights.tobytes())},
+    ))
+    got = compute_all(flow, {"ind": [[4, 1]], "k": 2})
+    np.testing.assert_array_equal(got["rows"], emb[[4, 1]])
+    np.testing.assert_allclose(got["y"], emb[[4, 1]] @ weights, rtol=1e-6)
+    np.testing.assert_array_equal(got["one"], emb[[2]])
+
+
 # ---- batch size ----------------------------------------------------------------------------------------
 
 
@@ -152,8 +221,12 @@ def test_minus_one_binds_to_the_batch_size_given(tmp_path, caplog):
     path.write_bytes(cpp_file(6))
     unbound = Flow().load(path)
     assert unbound.vars["f/x"].shape == [-1, 3]
-    with pytest.raises(CompileError, match=r"f/x .*undefined shape \[-1x3\].*Flow\(\)\.load\(path, batch_size=N\)"):
-        ranvier.Compiler().compile(unbound)
+    # Without a batch size the compiler gives -1 batch size 1, as Myelin does (flow.cc reads
+    # -1 as its batch_size_, 1 by default; pysling's compiler makes -1 a 1); the flow keeps -1.
+    with caplog.at_level(logging.INFO, logger="ranvier.compiler.compiler"):
+        np.testing.assert_allclose(run(unbound, "f", {"f/x": X[:1]}, "f/y:0"), X[:1] @ W + B, rtol=1e-6)
+    assert "bound the -1 dimensions of 3 variables to batch size 1" in caplog.text and "f/x, f/h:0, f/y:0" in caplog.text
+    assert unbound.vars["f/x"].shape == [-1, 3]
     with caplog.at_level(logging.INFO, logger="ranvier.flow.fileformat"):
         bound = Flow().load(path, batch_size=5)
     assert "bound the -1 dimensions of 3 variables to batch size 5: f/x, f/h:0, f/y:0" in caplog.text

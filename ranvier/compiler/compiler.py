@@ -4,6 +4,7 @@ the schedule, the backend's kernel for every step, and the memory plan."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 from .. import dtypes
@@ -13,7 +14,7 @@ from ..errors import CompileError, RanvierError, UnknownOpError
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import has_op, op_def, written_inputs
 from ..runtime import Cell, Network, Step
-from .declared import reshape_declared_outputs
+from .declared import convert_declared_conditions, reshape_declared_outputs
 from .memory import plan_memory
 from .pipeline import PassContext, run_pipeline
 from .references import resolve_references
@@ -23,6 +24,8 @@ from .schedule import schedule
 # Given the flow about to be compiled, it returns a context manager around the compile.
 compile_observer: Callable[[Flow], contextlib.AbstractContextManager] | None = None
 
+logger = logging.getLogger(__name__)
+
 
 def undefined_shape(var: Variable, func: Function) -> CompileError:
     return CompileError(
@@ -30,6 +33,17 @@ def undefined_shape(var: Variable, func: Function) -> CompileError:
         "give every dimension a size before compiling (a .flow file's -1 dimensions take a batch size "
         "when loaded, as in Myelin: Flow().load(path, batch_size=N))"
     )
+
+
+def bind_undefined_dimensions(flow: Flow) -> None:
+    """Give the -1 dimensions still in the flow batch size 1, as Myelin does when it
+    compiles (pysling's compiler, and C++ Flow::Read without a batch size)."""
+    bound = [var for var in flow.vars.values() if -1 in var.shape and var.data is None]
+    for var in bound:
+        var.shape = [1 if d == -1 else d for d in var.shape]
+    if bound:
+        logger.info("bound the -1 dimensions of %d variables to batch size 1 (as Myelin does; "
+                    "Flow().load(path, batch_size=N) binds another): %s", len(bound), ", ".join(v.name for v in bound))
 
 
 def check_types(op: Operation) -> None:
@@ -87,10 +101,12 @@ class Compiler:
         with compile_observer(flow) if compile_observer else contextlib.nullcontext():
             # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
             network = Network(flow.copy(), self.backend_name, share_data)
+            bind_undefined_dimensions(network.flow)
             for func in list(network.flow.funcs.values()):
                 if func.backprop and f"gradients/{func.name}" not in network.flow.funcs and not func.name.startswith("gradients/"):
                     gradient_function(network.flow, func)
             resolve_references(network.flow)
+            convert_declared_conditions(network.flow)
             reshape_declared_outputs(network.flow)
             for func in network.flow.funcs.values():
                 network.cells[func.name] = self.compile_function(network, func)
