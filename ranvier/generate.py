@@ -82,7 +82,10 @@ class Generator:
     `matmul="bfloat16"` lets products round their inputs to bf16 where the backend gains by
     it: the weights become the cells' constants, and the CPU keeps each matrix in bf16 GEMM
     panels, packed once, so a decode step (which only streams its weights) reads half the
-    bytes per token. In float32 they stay parameters: packed panels of them would double the
+    bytes per token. `matmul="int8"` keeps each matrix as q8_0 blocks instead (32 int8 along k
+    with a float16 scale, llama.cpp's layout) and quantizes each product's rows likewise, int32
+    sums of the blocks' products (on VNNI where the CPU has it): a little over a quarter of
+    float32's bytes. In float32 they stay parameters: packed panels of them would double the
     weights' memory for the prompt's products alone (a decode step's products stream the
     matrices in place: `Gemv`).
 

@@ -157,3 +157,40 @@ def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monke
             assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() and not np.array_equal(got, want)
         else:
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared classifier", "own classifier"])
+def test_int8_weights_decode_near_float32_on_the_dequantized_weights(shared):
+    """matmul="int8": every product by a weight matrix, the prompt's and the decode step's,
+    reads its q8_0 blocks (`Q8Gemm`), the rows quantized likewise; the logits stay near a
+    float32 decoder's on the dequantized matrices (they part by the activations' rounding,
+    at most half a step of 1/127 of each block's largest value; at near-ties of these random
+    weights, the greedy token with them)."""
+    import dataclasses
+
+    from ranvier.backends.cpu.q8gemm import quantize_q8_0
+
+    config = dataclasses.replace(CONFIG, shared_classifier=shared)
+    weights = {k: (np.random.default_rng(3).standard_normal(v.shape) * 0.3 + (v.ndim == 1)).astype(np.float32)
+               for k, v in Llama(config).initial.items()}
+    quantized = Generator(Llama(config), weights, prefill=8, matmul="int8")
+    for name in ("prefill", "decode"):
+        products = [s for s in quantized.network.cell(name).steps if s.op.type.startswith("MatMul") and s.op.inputs[1].constant]
+        assert len(products) == 7 * config.n_layers + 1 and {s.kernel for s in products} == {"Q8Gemm"}
+
+    def dequantized(key: str, value: np.ndarray) -> np.ndarray:
+        if value.ndim != 2 or key == "tok_embeddings":  # the lookup reads float32 rows; a shared classifier's product does not
+            return value
+        d, q = quantize_q8_0(value.T)
+        blocks = (d.astype(np.float16).astype(np.float32)[:, :, None] * q.reshape(len(q), -1, 32)).reshape(len(q), -1)
+        return np.ascontiguousarray(blocks[:, : value.shape[0]].T)
+
+    reference = Generator(Llama(config), {k: dequantized(k, v) for k, v in weights.items()}, prefill=8)
+    # a shared classifier is the embedding, quantized for the product alone: the reference's is float32
+    share = 0.1 if shared else 0.05
+    prompt = [1, 5, 9, 13, 3, 17, 40]
+    got, want = quantized.prefill(prompt), reference.prefill(prompt)
+    assert np.abs(got - want).max() <= share * np.abs(want).max() and not np.array_equal(got, want)
+    for position, token in enumerate(prompt):
+        got, want = quantized.decode(token, position), reference.decode(token, position)
+        assert np.abs(got - want).max() <= share * np.abs(want).max()

@@ -9,9 +9,9 @@ import importlib
 from collections.abc import Callable
 
 from ..errors import RanvierError
-from .base import DENORMALS, MATMUL_PRECISIONS, PRECISIONS, Backend, Capabilities, CompileOptions
+from .base import DENORMALS, MATMUL_PRECISIONS, PRECISIONS, WEIGHT_PRECISIONS, Backend, Capabilities, CompileOptions
 
-__all__ = ["DENORMALS", "MATMUL_PRECISIONS", "PRECISIONS", "Backend", "Capabilities", "CompileOptions", "backend_names", "create_backend", "register_backend"]
+__all__ = ["DENORMALS", "MATMUL_PRECISIONS", "PRECISIONS", "WEIGHT_PRECISIONS", "Backend", "Capabilities", "CompileOptions", "backend_names", "create_backend", "register_backend"]
 
 Factory = Callable[[CompileOptions], Backend]
 

@@ -17,7 +17,10 @@ import numpy as np
 from ..flow.graph import Operation, Variable
 from ..runtime import Cell, Instance, Step
 
-MATMUL_PRECISIONS = ("float32", "tfloat32", "bfloat16")
+MATMUL_PRECISIONS = ("float32", "tfloat32", "bfloat16", "int8")
+# Precisions only products by an unchanging constant matrix take (an inference model's
+# weights, kept so ahead of time): a training step has none to give them.
+WEIGHT_PRECISIONS = ("int8",)
 PRECISIONS = ("float32", "bfloat16", "float16")  # what activations are stored in
 DENORMALS = ("keep", "flush")
 
@@ -30,7 +33,10 @@ class CompileOptions:
     cache: reuse generated code across processes (the on-disk compile cache).
     matmul: one of MATMUL_PRECISIONS: "float32", or "tfloat32" / "bfloat16": float32 matrix
         products round their inputs to that type and sum in float32, where the backend can
-        (`Capabilities`).
+        (`Capabilities`); "int8": products by an unchanging constant matrix read it as int8
+        blocks of 32 along k with a float16 scale each (llama.cpp's q8_0), their other input
+        quantized the same way, int32 sums of the blocks' products (`narrow_weights`); other
+        products stay float32.
     denormals: one of DENORMALS: "keep" computes with IEEE subnormal numbers; "flush" makes
         the CPU backend's code treat them as zero, inputs and results (x86's FTZ and DAZ
         modes, for the cell and the workers running its parts). On Intel cores an
@@ -69,7 +75,8 @@ class Capabilities:
     foreach_operands: the most variables one such kernel takes.
     narrow_weights: the precisions it can keep an unchanging constant matrix in, packed
         ahead of time, so that even a vector-matrix product by one (a decode step's, which
-        only streams the matrix) reads fewer bytes; the mixed-precision pass marks those too."""
+        only streams the matrix) reads fewer bytes; the mixed-precision pass marks those too
+        (bfloat16, or int8's q8_0 blocks)."""
 
     rewrites: bool = True
     matmul_precisions: tuple[str, ...] = ("float32",)

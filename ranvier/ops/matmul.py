@@ -75,7 +75,8 @@ define(
         Attr("transpose_a", "bool", False, "use aᵀ"),
         Attr("transpose_b", "bool", False, "use bᵀ"),
         Attr("precision", "str", "float32",
-             "float32, or bfloat16 / tfloat32: float32 inputs may be rounded to that type, float32 sums"),
+             "float32, or bfloat16 / tfloat32: float32 inputs may be rounded to that type, float32 sums; int8 "
+             "(b an unchanging constant): both quantized to blocks of 32 int8 along k with a scale each (q8_0)"),
     ],
     vjp=_matmul_vjp, flops=_matmul_flops, method="matmul",
 )

@@ -18,12 +18,12 @@ from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..kernels import Kernel
 from ..reference import reference_kernel
-from . import amx, codegen, fpmode, jit, parallel_compile, sgemm
+from . import amx, codegen, fpmode, jit, parallel_compile, q8gemm, sgemm
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
 from .kernels.conv import CONV_KERNEL
-from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, NARROW_PACKED_KERNEL, PACKED_GEMM_KERNELS
+from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, INT8_KERNEL, NARROW_PACKED_KERNEL, PACKED_GEMM_KERNELS
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
@@ -43,10 +43,10 @@ class CPUBackend:
         # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay
         # float32. Only a compile that asks for bf16 asks the OS for the tile state. On any
         # CPU, a constant matrix may be kept in bf16 panels for the products by it that no
-        # tiles take (a decode step's vector-matrix ones only stream it).
+        # tiles take (a decode step's vector-matrix ones only stream it), or in int8 blocks.
         bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
         precisions = ("float32", "bfloat16") if bfloat16 else ("float32",)
-        self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16",))
+        self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16", "int8"))
         # products marked bf16 for their constant's panels never reach the tiles elsewhere
         self.unavailable = () if bfloat16 else (AMX_KERNEL,)
 
@@ -201,6 +201,8 @@ class CPUBackend:
             table[codegen.SGEMM_PACKED] = sgemm.packed_gemm_address(self.target)
         if any(step.kernel == NARROW_PACKED_KERNEL for step in cell.steps):
             table[codegen.SGEMM_PACKED_BF16] = sgemm.packed_gemm_address(self.target, narrow=True)
+        if any(step.kernel == INT8_KERNEL for step in cell.steps):
+            table[codegen.Q8GEMM] = q8gemm.gemm_address(self.target)
         if any(step.kernel == CONV_KERNEL for step in cell.steps):
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
         for k, var in enumerate(layout.table):

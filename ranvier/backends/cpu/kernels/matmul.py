@@ -3,7 +3,8 @@ for the shape, else, and float64, through the vendor BLAS (OpenBLAS, via SciPy),
 directly from generated code; a float32 row times a matrix (a decode step's) by streaming
 the matrix in place (`Gemv`); one with a side of a few columns or steps of k (a
 classifier's, and its gradients) with an accumulator per column (`ThinGemm`); float32 in
-mixed precision through the AMX bf16 GEMM;
+mixed precision through the AMX bf16 GEMM; a product by a constant in int8 (q8_0 blocks,
+`Q8Gemm`);
 other dtypes through a generated triple loop.
 
 Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
@@ -29,13 +30,14 @@ from ...llvm.loops import fold_lanes, for_vectors
 from ...llvm.rows import Row, row_dot
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
-from .. import sgemm
+from .. import q8gemm, sgemm
 from ..amx import workspace_bytes
 from ..codegen import (
     BF16GEMM,
     BLAS_THREADS,
     DGEMM,
     DGEMV,
+    Q8GEMM,
     SGEMM,
     SGEMM_GENERATED,
     SGEMM_PACKED,
@@ -554,6 +556,62 @@ def _chose_generated(op, packed: bool, narrow: bool = False) -> bool:
     lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
     return (narrow or largest.m > 1) and generated_is_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed,
                                                              narrow)
+
+
+INT8_KERNEL = "Q8Gemm"
+
+
+def _int8_products(op) -> bool:
+    """A product by a constant matrix marked int8 (`narrow_weights`), whatever its rows: the
+    q8_0 panels are the only copy of the matrix a product in int8 reads."""
+    return attrs_of(op)["precision"] == "int8" and _by_constant(op) and len(_gemms(op)[5]) == 1
+
+
+def _q8_panels(op) -> Prepared:
+    """The constant B quantized to q8_0 along k and packed once, each call's columns apart."""
+    transposed = bool(attrs_of(op)["transpose_b"])
+    ranges = _column_ranges(op)
+    return Prepared(op.inputs[1], f"q8_0 panels{' of Bᵀ' if transposed else ''}, columns {ranges}",
+                    lambda value, target: q8gemm.pack_panels(value, transposed, target, ranges))
+
+
+def _q8_call_bytes(g: _Gemm) -> int:
+    return q8gemm.workspace_bytes(g.m, g.k)
+
+
+def _q8_workspace_bytes(op) -> int:
+    """Each part's call quantizes its rows of A into its share."""
+    parts = gemm_parts(op, _FLOAT_UNIT)
+    return len(parts) * _share(parts, _q8_call_bytes)
+
+
+@kernel(INT8_KERNEL, MATMUL_OPS, supports=_int8_products, prepares=lambda op: [_q8_panels(op)], workspace=_q8_workspace_bytes)
+def int8_matmul(ctx, op) -> None:
+    """`ranvier_q8_gemm` (q8gemm.py) on the constant B's q8_0 panels packed when the network
+    was made: each call quantizes its rows of A to q8_0 blocks, then sums the blocks'
+    products in int32 (vpdpbusd where the CPU has VNNI) and their scaled sums in float32.
+    A decode step's row reads about a quarter of the float32 matrix's bytes."""
+    a, c = op.inputs[0], op.outputs[0]
+    k = _gemms(op)[3]
+    panels = _q8_panels(op)
+    parts = gemm_parts(op, _FLOAT_UNIT)
+    share = _share(parts, _q8_call_bytes)
+    starts, at = {}, 0
+    for first, last in _column_ranges(op):
+        starts[first, last] = at
+        at += q8gemm.panels_bytes(last - first, k, ctx.target)
+    function = ir.FunctionType(VOID, [I64] * 3 + [F32.as_pointer(), I64, I8.as_pointer(), F32.as_pointer(), I64,
+                                                  I8.as_pointer()])
+
+    def call(ctx, number, g: _Gemm, target: ir.Value) -> None:
+        b = ctx.b
+        packed = b.gep(ctx.prepared(panels.var, panels.form, I8), [i64(starts[g.column, g.column + g.n])])
+        scratch = b.gep(ctx.address(ctx.workspace), [ctx.index(number * share).ir])
+        gemm = b.bitcast(ctx.table_entry(Q8GEMM), function.as_pointer())
+        b.call(gemm, [ctx.index(g.m).ir, i64(g.n), i64(k), ctx.element_pointer(a, g.a), i64(a.shape[-1]), packed, target,
+                      i64(c.shape[-1]), scratch])
+
+    _run_calls(ctx, op, parts, call, len(parts) * share, fixed=lambda g: (g.column, g.n))
 
 
 PACKED_KERNEL = "PackedGemm"

@@ -1,0 +1,357 @@
+"""Products by an int8 matrix in llama.cpp's q8_0 form, generated as LLVM IR for the target.
+
+    void ranvier_q8_gemm(i64 m, i64 n, i64 k, float* A, i64 lda, i8* panels, float* C, i64 ldc,
+                         i8* workspace)
+
+computes C[m×n] = A[m×k] · W[k×n], overwriting C, on the calling thread, for a constant W packed
+ahead of time (`pack_panels`) in q8_0: each column's k steps in blocks of 32, a block's int8
+values q = round(w / d) with d = the block's largest magnitude / 127, d kept in float16
+(llama.cpp's `quantize_row_q8_0_ref`, so a GGUF file's q8_0 blocks are these). The call
+first quantizes A's rows the same way, along k, into the workspace (`workspace_bytes`;
+their scales stay float32): the product of two blocks is then exact in int32, and the float32
+sums add each block's, times its two scales. These are llama.cpp's numerics for a q8_0 matrix
+(it quantizes the activations to q8_0 too, their scales rounded to float16).
+
+The panels hold NR = 4 vectors of 32-bit lanes of columns (64 with AVX-512, 32 with AVX2),
+zeros past n; per block of 32 steps of k, the NR columns' float16 scales, then 8 groups of 4
+steps, each NR columns × 4 bytes (a column's 4 steps side by side: one 32-bit lane, as
+`vpdpbusd` takes them). That instruction multiplies unsigned bytes by signed ones, four pairs
+summed into each lane, so the panels hold q + 128 and the activations their signed q: the
+offset adds 128 × the activations' block sum to every lane, which the lane's int32 sum
+starts from, negated. A tile of C (`tile_shape`: MR rows × NR columns) keeps its float32
+sums and a block's int32 sums in registers, each step of a group a panel row of 4 vectors
+times MR broadcast 4-byte groups of the activations. Without VNNI (AVX2 on Zen 3, SSE) the
+same products come from `vpmaddwd` on the even and odd bytes widened to 16 bits: exact too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import numpy as np
+from llvmlite import ir
+
+from ...dtypes import DT_FLOAT16
+from ..llvm.convert import widen
+from ..llvm.irutil import (
+    BYTE_PTR,
+    F32,
+    I1,
+    I8,
+    I16,
+    I32,
+    I64,
+    VOID,
+    constant,
+    declared,
+    for_range,
+    i64,
+    intrinsic,
+    splat,
+    use_features,
+)
+from . import jit
+from .target import CPUTarget
+
+SYMBOL = "ranvier_q8_gemm"
+BLOCK = 32  # steps of k a scale covers: llama.cpp's QK8_0
+GROUP = 4  # steps of k one 32-bit lane sums
+_OFFSET = 128  # added to the weights' int8 values, so vpdpbusd reads them unsigned
+_ROW_ALIGNMENT = 64
+_FLOAT_PTR = F32.as_pointer()
+_FUNCTION = ir.FunctionType(VOID, [I64, I64, I64, _FLOAT_PTR, I64, BYTE_PTR, _FLOAT_PTR, I64, BYTE_PTR])
+GEMM_CTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+# blocks, the strip's first quantized row, rows' stride, its scales, its int32 sums' starts,
+# panel, C, ldc, columns of C to write
+_TILE = ir.FunctionType(VOID, [I64, BYTE_PTR, I64, BYTE_PTR, BYTE_PTR, BYTE_PTR, _FLOAT_PTR, I64, I64])
+_VECTORS = 4  # of a panel row
+
+
+def panel_width(target: CPUTarget) -> int:
+    """NR: a panel's columns, 4 vectors of 32-bit lanes."""
+    return _VECTORS * target.lanes(4)
+
+
+def tile_rows(target: CPUTarget) -> int:
+    """MR: rows of a tile. Each row keeps 4 vectors of float32 sums and 4 of a block's int32
+    sums: with AVX-512's 32 registers two rows fit beside the panel row and a broadcast,
+    with 16 one."""
+    return 2 if target.lanes(4) >= 16 else 1
+
+
+def vnni_lanes(target: CPUTarget) -> int:
+    """The 32-bit lanes of the target's vpdpbusd (AVX512-VNNI: 16, AVX-VNNI: 8), 0 without."""
+    features = target.feature_set
+    if target.variant == "avx512" and "avx512vnni" in features:
+        return 16
+    if target.variant == "avx2" and ("avxvnni" in features or {"avx512vnni", "avx512vl"} <= features):
+        return 8
+    return 0
+
+
+def blocks_of(k: int) -> int:
+    return -(-k // BLOCK)
+
+
+def quantized_row_bytes(k: int) -> int:
+    """A row of A quantized in the workspace: its int8 blocks, their float32 scales and the
+    int32 sums its products start from, padded to a cache line."""
+    blocks = blocks_of(k)
+    return -(-blocks * (BLOCK + 8) // _ROW_ALIGNMENT) * _ROW_ALIGNMENT
+
+
+def workspace_bytes(m: int, k: int) -> int:
+    """Scratch `ranvier_q8_gemm` needs for m rows of k: the quantized rows, and a line to
+    align their start."""
+    return _ROW_ALIGNMENT + m * quantized_row_bytes(k)
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf (halves away from zero), exactly, in x's float type."""
+    magnitude = np.abs(x)
+    floored = np.floor(magnitude)
+    return np.copysign(floored + (magnitude - floored >= 0.5), x)
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of x (float32 [rows, k]) in q8_0 along k, as llama.cpp's
+    `quantize_row_q8_0_ref`: per block of 32 (zeros past k), d = its largest magnitude / 127
+    and q = round(x · (1 / d)), halves away from zero (0 where d is 0). (d float32
+    [rows, blocks], q int8 [rows, blocks · 32]); a file keeps d in float16."""
+    x = np.asarray(x, np.float32)
+    rows, k = x.shape
+    blocks = blocks_of(k)
+    padded = np.zeros((rows, blocks * BLOCK), np.float32)
+    padded[:, :k] = x
+    grouped = padded.reshape(rows, blocks, BLOCK)
+    d = np.abs(grouped).max(axis=2) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = _round_half_away(grouped * inverse[..., None]).astype(np.int8)
+    return d.astype(np.float32), q.reshape(rows, blocks * BLOCK)
+
+
+def panels_bytes(columns: int, k: int, target: CPUTarget) -> int:
+    """Bytes the panels of `columns` columns of k steps take: whole panels of NR."""
+    nr = panel_width(target)
+    return -(-columns // nr) * blocks_of(k) * (BLOCK + 2) * nr
+
+
+_PANEL_ALIGNMENT = 64
+
+
+def pack_panels(b: np.ndarray, transposed: bool, target: CPUTarget, ranges: list[tuple[int, int]] | None = None) -> np.ndarray:
+    """op(B) (B float32 [k, n], or [n, k] when `transposed`) quantized to q8_0 along k and
+    packed as `ranvier_q8_gemm` reads it (uint8, 64-byte aligned). With `ranges` (column
+    ranges, each a call's), each range's panels follow the previous range's,
+    `panels_bytes` each; else one range of all n."""
+    columns = np.asarray(b, np.float32) if transposed else np.asarray(b, np.float32).T  # [n, k]: a column per row
+    n, k = columns.shape
+    nr, blocks = panel_width(target), blocks_of(k)
+    ranges = ranges or [(0, n)]
+    total = sum(panels_bytes(last - first, k, target) for first, last in ranges)
+    storage = np.empty(total + _PANEL_ALIGNMENT, np.uint8)
+    start = -storage.ctypes.data % _PANEL_ALIGNMENT
+    packed = storage[start : start + total]
+    at = 0
+    for first, last in ranges:
+        count = -(-(last - first) // nr)
+        d, q = quantize_q8_0(columns[first:last])
+        scales = np.zeros((count * nr, blocks), np.float16)
+        scales[: last - first] = d
+        values = np.zeros((count * nr, blocks * BLOCK), np.uint8)
+        values[: last - first] = q.view(np.uint8) ^ np.uint8(_OFFSET)  # q + 128, as unsigned bytes
+        values[last - first :] = _OFFSET  # zeros past n
+        block = np.empty((count, blocks, (BLOCK + 2) * nr), np.uint8)
+        block[..., : 2 * nr] = scales.reshape(count, nr, blocks).transpose(0, 2, 1).copy().view(np.uint8)
+        groups = values.reshape(count, nr, blocks, BLOCK // GROUP, GROUP).transpose(0, 2, 3, 1, 4)
+        block[..., 2 * nr :] = groups.reshape(count, blocks, BLOCK * nr)
+        size = count * blocks * (BLOCK + 2) * nr
+        packed[at : at + size] = block.reshape(-1)
+        at += size
+    return packed
+
+
+@functools.cache
+def gemm_code(target: CPUTarget) -> jit.LoadedCode:
+    """`ranvier_q8_gemm` compiled for `target` and loaded for the life of the process."""
+    return jit.generated_function(SYMBOL, Path(__file__), target, build_module)
+
+
+def gemm_address(target: CPUTarget) -> int:
+    return gemm_code(target).address
+
+
+class _Emitter:
+    """IR for one target: its vectors, and how it sums products of bytes."""
+
+    def __init__(self, module: ir.Module, target: CPUTarget):
+        self.module = module
+        self.lanes = target.lanes(4)
+        self.nr = panel_width(target)
+        self.floats = ir.VectorType(F32, self.lanes)
+        self.ints = ir.VectorType(I32, self.lanes)
+        self.bytes = ir.VectorType(I8, 4 * self.lanes)
+        self.fma = intrinsic(module, "fmuladd", self.floats)
+        vnni = vnni_lanes(target)
+        self.dpbusd = None
+        if vnni == self.lanes:
+            self.dpbusd = declared(module, f"llvm.x86.avx512.vpdpbusd.{32 * self.lanes}",
+                                   ir.FunctionType(self.ints, [self.ints] * 3))
+
+    def load(self, b: ir.IRBuilder, pointer: ir.Value, type_: ir.Type) -> ir.Value:
+        """A value of `type_` from a byte pointer, alignment unknown."""
+        return b.load(b.bitcast(pointer, type_.as_pointer()), align=1)
+
+    def dot_groups(self, b: ir.IRBuilder, sums: ir.Value, weights: ir.Value, activations: ir.Value) -> ir.Value:
+        """sums + in each lane, the 4 unsigned bytes of `weights` times the 4 signed bytes of
+        `activations` there (vectors of 32-bit lanes): vpdpbusd, or its exact emulation."""
+        if self.dpbusd is not None:
+            return b.call(self.dpbusd, [sums, weights, activations])
+        halves = ir.VectorType(I16, 2 * self.lanes)
+        w, x = b.bitcast(weights, halves), b.bitcast(activations, halves)
+        eight = constant(halves, 8)
+        # the even and odd bytes of each 16-bit half, widened: unsigned weights, signed activations
+        pairs = [(b.and_(w, constant(halves, 0xFF)), b.ashr(b.shl(x, eight), eight)), (b.lshr(w, eight), b.ashr(x, eight))]
+        wide = ir.VectorType(I32, 2 * self.lanes)
+        evens = ir.Constant(ir.VectorType(I32, self.lanes), [2 * i for i in range(self.lanes)])
+        odds = ir.Constant(ir.VectorType(I32, self.lanes), [2 * i + 1 for i in range(self.lanes)])
+        for wh, xh in pairs:  # vpmaddwd: each lane's two 16-bit products, added
+            products = b.mul(b.sext(wh, wide), b.sext(xh, wide))
+            sums = b.add(sums, b.add(b.shuffle_vector(products, products, evens), b.shuffle_vector(products, products, odds)))
+        return sums
+
+    # ---- quantizing A ----------------------------------------------------------------------
+
+    def quantize_rows(self, b: ir.IRBuilder, m: ir.Value, k: ir.Value, a: ir.Value, lda: ir.Value, rows: ir.Value,
+                      row_bytes: ir.Value) -> None:
+        """A's m rows into q8_0 rows at `rows`: each its int8 blocks, then their float32
+        scales, then −128 × each block's sum (where its int32 products start)."""
+        lanes, per_block = self.lanes, BLOCK // self.lanes
+        blocks = b.sdiv(b.add(k, i64(BLOCK - 1)), i64(BLOCK))
+        whole = b.sdiv(k, i64(BLOCK))
+        buffer = b.alloca(F32, i64(BLOCK))  # a last block of fewer than 32 steps, zeros after them
+        fabs, fmax = intrinsic(self.module, "fabs", self.floats), declared(
+            self.module, f"llvm.vector.reduce.fmax.v{lanes}f32", ir.FunctionType(F32, [self.floats]))
+        round_ = intrinsic(self.module, "round", self.floats)
+        add = declared(self.module, f"llvm.vector.reduce.add.v{lanes}i32", ir.FunctionType(I32, [self.ints]))
+        with for_range(b, i64(0), m, name="qr") as r:
+            source = b.gep(a, [b.mul(r, lda)])
+            row = b.gep(rows, [b.mul(r, row_bytes)])
+            scales = b.bitcast(b.gep(row, [b.mul(blocks, i64(BLOCK))]), _FLOAT_PTR)
+            starts = b.bitcast(b.gep(row, [b.mul(blocks, i64(BLOCK + 4))]), I32.as_pointer())
+            with for_range(b, i64(0), blocks, name="qb") as block:
+                first = b.mul(block, i64(BLOCK))
+                # the partial last block, padded
+                with b.if_then(b.icmp_signed(">=", block, whole)), for_range(b, i64(0), i64(BLOCK), name="qp") as p:
+                    inside = b.icmp_signed("<", b.add(first, p), k)
+                    value = b.load(b.gep(source, [b.select(inside, b.add(first, p), i64(0))]))
+                    b.store(b.select(inside, value, ir.Constant(F32, 0.0)), b.gep(buffer, [p]))
+                start = b.select(b.icmp_signed(">=", block, whole), buffer, b.gep(source, [first]))
+                values = [b.load(b.bitcast(b.gep(start, [i64(v * lanes)]), self.floats.as_pointer()), align=4)
+                          for v in range(per_block)]
+                largest = b.call(fabs, [values[0]])
+                for value in values[1:]:
+                    magnitude = b.call(fabs, [value])
+                    largest = b.select(b.fcmp_ordered(">", magnitude, largest), magnitude, largest)
+                d = b.fdiv(b.call(fmax, [largest]), ir.Constant(F32, 127.0))
+                inverse = b.select(b.fcmp_ordered("!=", d, ir.Constant(F32, 0.0)), b.fdiv(ir.Constant(F32, 1.0), d),
+                                   ir.Constant(F32, 0.0))
+                total = ir.Constant(I32, 0)
+                for v, value in enumerate(values):
+                    q = b.fptosi(b.call(round_, [b.fmul(value, splat(b, inverse, lanes))]), self.ints)
+                    total = b.add(total, b.call(add, [q]))
+                    target = b.bitcast(b.gep(row, [b.add(first, i64(v * lanes))]), ir.VectorType(I8, lanes).as_pointer())
+                    b.store(b.trunc(q, ir.VectorType(I8, lanes)), target, align=1)
+                b.store(d, b.gep(scales, [block]))
+                b.store(b.mul(total, ir.Constant(I32, -_OFFSET)), b.gep(starts, [block]))
+
+    # ---- the tile --------------------------------------------------------------------------
+
+    def tile(self, rows: int) -> ir.Function:
+        """C[rows × columns] = the strip's quantized rows · the panel: per block, each row's
+        int32 sums start from its offset term, take 8 steps of 4 vectors (`dot_groups`), then
+        join its float32 sums times the block's scales (the panel's per column, the row's one)."""
+        function = ir.Function(self.module, _TILE, name=f"{SYMBOL}_tile{rows}")
+        function.linkage = "internal"
+        blocks, strip, row_bytes, strip_scales, strip_starts, panel, c, ldc, columns = function.args
+        b = ir.IRBuilder(function.append_basic_block("entry"))
+        lanes, nr = self.lanes, self.nr
+        sums = [[b.alloca(self.floats) for _ in range(_VECTORS)] for _ in range(rows)]
+        for row in sums:
+            for slot in row:
+                b.store(constant(self.floats, 0.0), slot)
+        row_starts = [b.gep(strip, [b.mul(i64(r), row_bytes)]) for r in range(rows)]
+        scale_rows = [b.bitcast(b.gep(strip_scales, [b.mul(i64(r), row_bytes)]), _FLOAT_PTR) for r in range(rows)]
+        start_rows = [b.bitcast(b.gep(strip_starts, [b.mul(i64(r), row_bytes)]), I32.as_pointer()) for r in range(rows)]
+        block_bytes = (BLOCK + 2) * nr
+        with for_range(b, i64(0), blocks, name="kb") as block:
+            at = b.gep(panel, [b.mul(block, i64(block_bytes))])
+            totals = [[splat(b, b.load(b.gep(start_rows[r], [block])), lanes)] * _VECTORS for r in range(rows)]
+            for group in range(BLOCK // GROUP):
+                weights = [self.load(b, b.gep(at, [i64(2 * nr + group * GROUP * nr + v * GROUP * lanes)]), self.ints)
+                           for v in range(_VECTORS)]
+                for r in range(rows):
+                    four = self.load(b, b.gep(row_starts[r], [b.add(b.mul(block, i64(BLOCK)), i64(group * GROUP))]), I32)
+                    activations = splat(b, four, lanes)
+                    totals[r] = [self.dot_groups(b, totals[r][v], weights[v], activations) for v in range(_VECTORS)]
+            half = ir.VectorType(ir.HalfType(), lanes)
+            scales = [widen(b, self.load(b, b.gep(at, [i64(2 * v * lanes)]), half), DT_FLOAT16, lanes) for v in range(_VECTORS)]
+            for r in range(rows):
+                row_scale = splat(b, b.load(b.gep(scale_rows[r], [block])), lanes)
+                for v in range(_VECTORS):
+                    joined = b.call(self.fma, [b.sitofp(totals[r][v], self.floats), b.fmul(scales[v], row_scale),
+                                               b.load(sums[r][v])])
+                    b.store(joined, sums[r][v])
+        lane = ir.Constant(ir.VectorType(I64, lanes), list(range(lanes)))
+        store = declared(self.module, f"llvm.masked.store.v{lanes}f32.p0v{lanes}f32",
+                         ir.FunctionType(VOID, [self.floats, self.floats.as_pointer(), I32, ir.VectorType(I1, lanes)]))
+        for v in range(_VECTORS):
+            mask = b.icmp_signed("<", b.add(lane, splat(b, i64(v * lanes), lanes)), splat(b, columns, lanes))
+            for r in range(rows):
+                target = b.bitcast(b.gep(c, [b.add(b.mul(i64(r), ldc), i64(v * lanes))]), self.floats.as_pointer())
+                b.call(store, [b.load(sums[r][v]), target, ir.Constant(I32, 4), mask])
+        b.ret_void()
+        return function
+
+
+def build_module(target: CPUTarget) -> ir.Module:
+    module = ir.Module(SYMBOL)
+    module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    use_features(module, target.feature_set)
+    emit = _Emitter(module, target)
+    mr, nr = tile_rows(target), panel_width(target)
+    tiles = {rows: emit.tile(rows) for rows in range(1, mr + 1)}
+    function = ir.Function(module, _FUNCTION, name=SYMBOL)
+    m, n, k, a, lda, panels, c, ldc, workspace = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    blocks = b.sdiv(b.add(k, i64(BLOCK - 1)), i64(BLOCK))
+    row_bytes = b.mul(b.sdiv(b.add(b.mul(blocks, i64(BLOCK + 8)), i64(_ROW_ALIGNMENT - 1)), i64(_ROW_ALIGNMENT)),
+                      i64(_ROW_ALIGNMENT))
+    address = b.ptrtoint(workspace, I64)
+    rows = b.inttoptr(b.and_(b.add(address, i64(_ROW_ALIGNMENT - 1)), i64(-_ROW_ALIGNMENT)), BYTE_PTR)
+    emit.quantize_rows(b, m, k, a, lda, rows, row_bytes)
+    scales, starts = b.gep(rows, [b.mul(blocks, i64(BLOCK))]), b.gep(rows, [b.mul(blocks, i64(BLOCK + 4))])
+    panel_bytes = b.mul(blocks, i64((BLOCK + 2) * nr))
+    full_rows = b.mul(b.sdiv(m, i64(mr)), i64(mr))
+    with for_range(b, i64(0), n, step=nr, name="jr") as j:
+        panel = b.gep(panels, [b.mul(b.sdiv(j, i64(nr)), panel_bytes)])
+        remaining = b.sub(n, j)
+        columns = b.select(b.icmp_signed("<", remaining, i64(nr)), remaining, i64(nr))
+
+        def strip(i0: ir.Value, count: int) -> None:
+            at = b.mul(i0, row_bytes)
+            b.call(tiles[count], [blocks, b.gep(rows, [at]), row_bytes, b.gep(scales, [at]), b.gep(starts, [at]), panel,
+                                  b.gep(c, [b.add(b.mul(i0, ldc), j)]), ldc, columns])
+
+        with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
+            strip(i0, mr)
+        left = b.sub(m, full_rows)
+        for count in range(1, mr):
+            with b.if_then(b.icmp_signed("==", left, i64(count))):
+                strip(full_rows, count)
+    b.ret_void()
+    return module
