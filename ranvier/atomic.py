@@ -42,6 +42,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
 
     A failure (a full disk, a read-only file system) removes the temporary file and raises a
     WriteError naming `path`; the file there, if any, is unchanged."""
+    _write_beside(path, lambda name, f: write(f))
+
+
+def atomic_write_by_name(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """`atomic_write` for a library that writes a file only by its name (the gguf package's
+    writer opens the path it is given): `write(name)` fills the temporary file `name`."""
+    _write_beside(path, lambda name, f: write(Path(name)))
+
+
+def _write_beside(path: str | os.PathLike, fill: Callable[[str, BinaryIO], None]) -> None:
+    """Create a temporary file beside `path`, `fill(its name, itself)`, and move it over `path`."""
     target = Path(path)
     # A path's own mistakes (a file where a folder should be) raise as they are, naming it.
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +64,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             umask = os.umask(0)
             os.umask(umask)
             os.fchmod(f.fileno(), 0o666 & ~umask)
-            write(f)
+            fill(tmp, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)

@@ -15,14 +15,18 @@ import numpy as np
 
 from . import debug
 from .atomic import os_error
-from .backends import MATMUL_PRECISIONS, PRECISIONS, backend_names
+from .backends import MATMUL_PRECISIONS, PRECISIONS, WEIGHT_PRECISIONS, backend_names
 from .errors import RanvierError
+from .interop.gguf_file import GGUF_TYPES
 
 _MATMUL_HELP = ("bfloat16: mixed-precision matrix products (bf16 inputs, float32 sums) on AMX-BF16 CPUs or GPUs, attention "
                 "too on GPUs (tensor cores); tfloat32: TF32 inputs on GPUs")
 _INFERENCE_MATMUL_HELP = ("bfloat16: products by the weights with these rounded to bf16, float32 sums: on any CPU the "
                           "weights are kept in bf16 panels, half the bytes to read (a decoded token's products only "
-                          "read them), on AMX-BF16 CPUs the products with rows run on tiles; tfloat32: TF32 inputs on GPUs")
+                          "read them), on AMX-BF16 CPUs the products with rows run on tiles; int8 (CPU): the weights "
+                          "kept as llama.cpp's q8_0 blocks (32 int8, a float16 scale), the products' rows quantized "
+                          "likewise, int32 sums; tfloat32: TF32 inputs on GPUs")
+_TRAINING_MATMUL = tuple(p for p in MATMUL_PRECISIONS if p not in WEIGHT_PRECISIONS)  # a step has no constant matrices
 _PRECISION_HELP = ("bfloat16 / float16: activations and their gradients stored in that type on GPUs (parameters and "
                    "optimizer state float32; float16 with dynamic loss scaling")
 
@@ -220,19 +224,27 @@ def _train_llama(args: argparse.Namespace) -> int:
     return _train(args, (args.task,), f"{args.task}-{args.preset}-%Y%m%d-%H%M%S", start, resume)
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .generate import Generator, Sampling
+def _load_language_model(model: str, tokenizer: str | None, kinds: tuple[str, ...], command: str):
+    """(config, weights, tokenizer) of a run directory (of one of `kinds`), a llama2.c .bin,
+    a GGUF file or a Hugging Face folder."""
     from .interop import load_any
-    from .models import language_model
     from .train.rundir import kind_of, read_saved
 
-    config_file = Path(args.model, "config.json")
+    config_file = Path(model, "config.json")
     if config_file.is_file() and kind_of(read_saved(config_file)):  # a run, not a Hugging Face folder
-        _check_run(args.model, ("llama", "moe"), "generate")
-    config, weights, tokenizer = load_any(Path(args.model), args.tokenizer)
-    generator = Generator(language_model(config), weights, backend=args.backend, matmul=args.matmul)
+        _check_run(model, kinds, command)
+    return load_any(Path(model), tokenizer)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .generate import Generator, Sampling
+    from .models import language_model
+
+    if args.weights is not None and args.matmul not in ("float32", args.weights):
+        raise RanvierError(f"--weights {args.weights} and --matmul {args.matmul} ask for two precisions: give one")
+    config, weights, tokenizer = _load_language_model(args.model, args.tokenizer, ("llama", "moe"), "generate")
+    matmul = args.weights if args.weights is not None else args.matmul
+    generator = Generator(language_model(config), weights, backend=args.backend, matmul=matmul)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt = tokenizer.encode(args.prompt, bos=True)
     print(args.prompt, end="", flush=True)
@@ -342,6 +354,16 @@ def _export_llama2c(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_gguf(args: argparse.Namespace) -> int:
+    """Write a model (a run, llama2.c checkpoint, Hugging Face folder or GGUF file) as a GGUF file llama.cpp loads."""
+    from .interop import export_gguf
+
+    config, weights, tokenizer = _load_language_model(args.model, args.tokenizer, ("llama",), "export gguf")
+    path = export_gguf(config, weights, tokenizer, Path(args.out), args.dtype)
+    print(f"wrote {path} (GGUF, llama, matrices in {args.dtype}, {config.parameter_count() / 1e6:.2f}M parameters)")
+    return 0
+
+
 def _export_hf(args: argparse.Namespace) -> int:
     """Write a run's checkpoint as a Hugging Face folder (LlamaForCausalLM, or MixtralForCausalLM for a
     MoE), plus tokenizer.model."""
@@ -446,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     mnist.add_argument("--backend", default="cpu", choices=backend_names())
     mnist.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512 or -avx512,-avx2")
-    mnist.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
+    mnist.add_argument("--matmul", default="float32", choices=_TRAINING_MATMUL,
                        help=_MATMUL_HELP)
     mnist.add_argument("--precision", default="float32", choices=PRECISIONS,
                        help=_PRECISION_HELP + ")")
@@ -488,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         lm.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
         lm.add_argument("--backend", default="cpu", choices=backend_names())
         lm.add_argument("--cpu", default="", metavar="MASK")
-        lm.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS,
+        lm.add_argument("--matmul", default="float32", choices=_TRAINING_MATMUL,
                         help=_MATMUL_HELP)
         lm.add_argument("--precision", default="float32", choices=PRECISIONS,
                         help=_PRECISION_HELP + "; not with --checkpointed)")
@@ -512,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=_positive_int, default=256)
     generate.add_argument("--backend", default="cpu", choices=backend_names())
     generate.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS, help=_INFERENCE_MATMUL_HELP)
+    generate.add_argument("--weights", default=None, choices=["float32", "bfloat16", "int8"],
+                          help="how the products keep the weights: bfloat16 (bf16 panels) or int8 (q8_0 blocks), "
+                               "--matmul's names for the same")
     generate.set_defaults(run=_generate)
 
     overview = commands.add_parser("summary", help="a language-model preset's parameters, FLOPs and memory, without its weights")
@@ -549,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_vocab.add_argument("--bytes", action="store_true", help="byte tokens, 258-id vocabulary (the default)")
     corpus.set_defaults(run=_data_pretokenize)
 
-    export = commands.add_parser("export", help="export a Llama run's checkpoint for llama2.c or Hugging Face")
+    export = commands.add_parser("export", help="export a Llama run's checkpoint for llama2.c, llama.cpp (GGUF) or Hugging Face")
     formats = export.add_subparsers(dest="format", required=True)
     llama2c = formats.add_parser("llama2c", help="a llama2.c model .bin (run.c reads version 0)")
     llama2c.add_argument("run_dir", help="a `ranvier train llama` run directory")
@@ -557,6 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     llama2c.add_argument("--version", type=int, choices=[0, 1], default=0, help="0: legacy (run.c), 1: export.py's version 1")
     llama2c.add_argument("--tokenizer-out", default=None, metavar="FILE", help="also write the tokenizer as llama2.c's tokenizer.bin")
     llama2c.set_defaults(run=_export_llama2c)
+    gguf = formats.add_parser("gguf", help="a GGUF file llama.cpp loads (llama architecture, SentencePiece vocabulary)")
+    gguf.add_argument("model", help="a `ranvier train llama` run directory, a llama2.c .bin, a Hugging Face folder or a GGUF file")
+    gguf.add_argument("out", help="the .gguf file to write")
+    gguf.add_argument("--tokenizer", default=None, help="the model's tokenizer.bin (llama2.c) or tokenizer file, where it has none")
+    gguf.add_argument("--dtype", default="float32", choices=GGUF_TYPES,
+                      help="the matrices' type: q8_0 is blocks of 32 int8 with a float16 scale (default: %(default)s)")
+    gguf.set_defaults(run=_export_gguf)
     hf = formats.add_parser("hf", help="a Hugging Face folder (config.json, model.safetensors): LlamaForCausalLM, or MixtralForCausalLM for a MoE")
     hf.add_argument("run_dir", help="a `ranvier train llama|moe` run directory")
     hf.add_argument("out_dir", help="the folder to write")

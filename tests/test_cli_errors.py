@@ -118,6 +118,9 @@ USAGE = [
     (["export"], ["format"]),
     (["export", "hf", "{llama}"], ["out_dir"]),
     (["export", "llama2c", "{llama}", "out.bin", "--version", "2"], ["--version"]),
+    (["export", "gguf", "{llama}", "out.gguf", "--dtype", "q4_0"], ["--dtype"]),
+    (["generate", "{llama}", "--weights", "int4"], ["--weights"]),
+    (["train", "mnist", "--matmul", "int8"], ["--matmul"]),
     (["convert", "model.onnx"], ["target"]),
     (["run"], ["model"]),
     (["run", "model.onnx", "--cpu=-avx9000"], ["avx9000"]),
@@ -127,7 +130,8 @@ USAGE = [
 ]
 
 FAILURES = [
-    (["generate", "{missing}"], ["is not a run directory, a llama2.c checkpoint or a Hugging Face folder"]),
+    (["generate", "{missing}"], ["is not a run directory, a llama2.c checkpoint, a GGUF file or a Hugging Face folder"]),
+    (["generate", "{llama}", "--weights", "int8", "--matmul", "bfloat16"], ["ask for two precisions: give one"]),
     (["generate", "{file}"], ["llama2.c checkpoint", "--tokenizer"]),
     (["generate", "{mnist}"], ["is an MNIST run; `ranvier generate` needs a llama or moe run"]),
     (["generate", "{old-mnist}"], ["is an MNIST run"]),
@@ -151,6 +155,8 @@ FAILURES = [
     (["export", "llama2c", "{mnist}", "out.bin"], ["is an MNIST run"]),
     (["export", "llama2c", "{moe}", "out.bin"], ["is a moe run; `ranvier export llama2c` needs a llama run"]),
     (["export", "hf", "{missing}", "{new}"], ["is not a run directory"]),
+    (["export", "gguf", "{mnist}", "out.gguf"], ["is an MNIST run; `ranvier export gguf` needs a llama run"]),
+    (["export", "gguf", "{moe}", "out.gguf"], ["is a moe run; `ranvier export gguf` needs a llama run"]),
     (["data", "pretokenize", "{missing}", "--out", "{new}"], ["does not exist"]),
     (["data", "pretokenize", "--out", "{file}"], ["exists already and is not a folder"]),
     (["data", "tinystories", "--json-dir", "{missing}", "--dest", "{new}"], ["not found"]),

@@ -4,6 +4,7 @@ Hugging Face folders (with the q/k rotary permutation checked against a rotate_h
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -511,16 +512,33 @@ def test_export_run_directory_from_the_command_line(tmp_path, sentencepiece_toke
     assert_same(imported, weights)
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (run / "tokenizer.model").read_bytes()
 
-    # The same model generates the same greedy text from all three forms.
+    forms = [(run, []), (tmp_path / "model.bin", ["--tokenizer", str(tmp_path / "tokenizer.bin")]), (tmp_path / "hf", [])]
+    if importlib.util.find_spec("gguf"):
+        from ranvier.interop import import_gguf
+
+        assert main(["export", "gguf", str(run), str(tmp_path / "model.gguf")]) == 0
+        imported_config, imported, tokenizer = import_gguf(tmp_path / "model.gguf")
+        assert imported_config == config
+        assert_same(imported, weights)
+        assert tokenizer.encode(text) == sentencepiece_tokenizer.encode(text)
+        forms.append((tmp_path / "model.gguf", []))
+    # The same model generates the same greedy text from every form.
     texts = []
-    for model, extra in ((run, []), (tmp_path / "model.bin", ["--tokenizer", str(tmp_path / "tokenizer.bin")]), (tmp_path / "hf", [])):
+    for model, extra in forms:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             assert main(["generate", str(model), "--prompt", "Lily", "--max-tokens", "5", "--temperature", "0", *extra]) == 0
         texts.append(printed.getvalue().splitlines()[0])
-    assert texts[0] == texts[1] == texts[2] and texts[0].startswith("Lily")
+    assert len(set(texts)) == 1 and texts[0].startswith("Lily")
     # with the decode step's weights in bf16: text, and the speed on stderr
     printed, said = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
         assert main(["generate", str(run), "--prompt", "Lily", "--max-tokens", "5", "--temperature", "0", "--matmul", "bfloat16"]) == 0
     assert printed.getvalue().startswith("Lily") and re.search(r"^\d+ tokens, [\d.]+ tokens/s$", said.getvalue(), re.MULTILINE)
+    # ... and as int8 q8_0 blocks
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        assert main(["generate", str(run), "--prompt", "Lily", "--max-tokens", "5", "--temperature", "0", "--weights", "int8"]) == 0
+    assert printed.getvalue().startswith("Lily") and re.search(r"^\d+ tokens, [\d.]+ tokens/s$", said.getvalue(), re.MULTILINE)
+    with pytest.raises(rv.RanvierError, match="--weights int8 and --matmul bfloat16 ask for two precisions"):
+        main(["generate", str(run), "--weights", "int8", "--matmul", "bfloat16"])
