@@ -18,16 +18,25 @@ cache, on the same GPU where PyTorch sees one (each token's arg-max read back, a
 decoder must); both in float32. Each side's rate is also given as the bytes it streams a
 token (the weights, its matrices in bf16 for ranvier-bf16, and the live KV cache) per
 second, against the memory bandwidth measured here (on the GPU, its own).
-Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64] [--llama2c DIR] [--backend cuda]
+With `--llama-cpp PATH` (a llama.cpp build folder, or its llama-batched-bench), llama.cpp races
+ranvier on the same weights written as GGUF files (`ranvier.interop.export_gguf`) in f32, bf16
+and q8_0, ranvier's sides float32, bfloat16 and int8 (q8_0 blocks, `matmul="int8"`): a 128-token
+prompt (`--prompt`) then 128 tokens decoded one at a time (`--decoded`), batch 1, the same threads,
+the sides alternating for `--llama-cpp-repeats` rounds (5); llama.cpp's prefill and decode
+tokens/s are its batched-bench's S_PP and S_TG (the prompt as one batch, then each token after it,
+no sampling), ranvier's the prompt's cell and its decode steps (each drawing its greedy token in
+the cell). Without the flag, that race is skipped with a line saying so.
+Run: python benchmarks/generate.py [--presets stories15M stories110M] [--tokens 64] [--llama2c DIR]
+     [--llama-cpp PATH] [--backend cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
-import struct
 import subprocess
 import tempfile
 import time
@@ -103,6 +112,16 @@ def decode_rate(stream: Iterator[int]) -> tuple[float, list[int]]:
     return (len(tokens) - 1) / (time.perf_counter() - start), tokens
 
 
+def placeholder_tokenizer(vocab_size: int):
+    """A llama2.c vocabulary of `vocab_size` made-up pieces (the special ones, the 256 bytes,
+    then "<i>"), for the peers that need one to load random weights."""
+    from ranvier.interop import Llama2cTokenizer
+
+    pieces = [b"<unk>", b"<s>", b"</s>"] + [b"<0x%02X>" % i for i in range(256)]
+    pieces += [f"<{i}>".encode() for i in range(len(pieces), vocab_size)]
+    return Llama2cTokenizer(pieces, [0.0] * len(pieces))
+
+
 def llama2c_decoder(source: Path, workdir: Path, config, weights: dict[str, np.ndarray]) -> Callable[[int], float]:
     """`rate(n)`: run.c's own decode tok/s for n tokens on these weights (a built binary,
     the model as a llama2.c .bin, a tokenizer.bin of placeholder pieces)."""
@@ -113,10 +132,7 @@ def llama2c_decoder(source: Path, workdir: Path, config, weights: dict[str, np.n
     if not binary.exists():
         subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-o", str(binary), str(source / "run.c"), "-lm"], check=True)
     model = export_llama2c(config, weights, workdir / "model.bin")
-    pieces = [b"<unk>", b"<s>", b"</s>"] + [bytes([i]) for i in range(256)]
-    pieces += [f"<{i}>".encode() for i in range(len(pieces), config.vocab_size)]
-    (workdir / "tokenizer.bin").write_bytes(
-        struct.pack("<I", max(map(len, pieces))) + b"".join(struct.pack("<fI", 0.0, len(p)) + p for p in pieces))
+    placeholder_tokenizer(config.vocab_size).save(workdir / "tokenizer.bin")
     environment = {**os.environ, "OMP_NUM_THREADS": str(thread_count())}
 
     def rate(n: int) -> float:
@@ -196,6 +212,121 @@ def race(preset: str, tokens: int, repeats: int, ceilings: Ceilings, llama2c: Pa
     print(bandwidth_report(config, tokens, medians, ceilings))
 
 
+# ---- llama.cpp ----------------------------------------------------------------------------------
+
+LLAMA_CPP_BENCH = "llama-batched-bench"
+# each format raced: ranvier's matmul, the GGUF dtype llama.cpp reads
+FORMATS = {"f32": ("float32", "float32"), "bf16": ("bfloat16", "bfloat16"), "q8_0": ("int8", "q8_0")}
+# bytes a weight of each format takes in a decode step's products (q8_0: 32 int8 and a float16 scale)
+FORMAT_BYTES = {"f32": 4, "bf16": 2, "q8_0": 34 / 32}
+
+
+def llama_cpp_binary(path: Path | None) -> Path | None:
+    """llama.cpp's batched-bench: `path` itself, or in a build folder (its bin/) or checkout (build/bin/)."""
+    if path is None:
+        return None
+    candidates = [path] if path.is_file() else [path / "bin" / LLAMA_CPP_BENCH, path / LLAMA_CPP_BENCH,
+                                                path / "build" / "bin" / LLAMA_CPP_BENCH]
+    return next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+
+
+def llama_cpp_build(binary: Path) -> str:
+    """llama.cpp's version line, and whether its CPU code was built for this machine (GGML_NATIVE)."""
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=True).stderr.strip().splitlines()
+    cache = next((folder / "CMakeCache.txt" for folder in binary.parents if (folder / "CMakeCache.txt").is_file()), None)
+    native = "unknown build flags"
+    if cache is not None:
+        native = ("built -march=native (GGML_NATIVE=ON: this CPU's AVX-512, VNNI, BF16)"
+                  if "GGML_NATIVE:BOOL=ON" in cache.read_text() else "built without GGML_NATIVE")
+    return f"{' '.join(version[-2:])}; {native}"
+
+
+def llama_cpp_rates(binary: Path, model: Path, threads: int, prompt: int, decoded: int) -> tuple[float, float]:
+    """llama.cpp's (prefill, decode) tokens/s: batched-bench's S_PP (the prompt as one batch)
+    and S_TG (then `decoded` tokens one at a time), batch 1."""
+    done = subprocess.run([str(binary), "-m", str(model), "-c", str(prompt + decoded), "-b", str(prompt), "-ub", str(prompt),
+                           "-npp", str(prompt), "-ntg", str(decoded), "-npl", "1", "-t", str(threads), "-tb", str(threads),
+                           "--output-format", "jsonl"], capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{binary} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    result = json.loads(lines[-1])
+    return result["speed_pp"], result["speed_tg"]
+
+
+def ranvier_rates(generator, prompt: list[int], decoded: int) -> tuple[float, float]:
+    """ranvier's (prefill, decode) tokens/s: the prompt through the prefill cell (one chunk),
+    then `decoded` decode steps after it, each drawing its greedy token in the cell."""
+    from ranvier.generate import Sampling
+
+    start = time.perf_counter()
+    stream = generator.stream(prompt, decoded + 1, Sampling(temperature=0))
+    next(stream)
+    prefilled = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return len(prompt) / (prefilled - start), count / (time.perf_counter() - prefilled)
+
+
+def decode_kernels(generator) -> str:
+    """The kernels of the decode cell's products by the weights, e.g. "Q8Gemm"."""
+    weights = f"{generator.model.name}/"
+    steps = generator.network.cell("decode").steps
+    return "+".join(sorted({s.kernel.split("[")[0] for s in steps
+                            if s.op.type.startswith("MatMul") and s.op.inputs[1].name.startswith(weights)}))
+
+
+def race_llama_cpp(preset: str, binary: Path, prompt_length: int, decoded: int, repeats: int, ceilings: Ceilings) -> None:
+    """ranvier against llama.cpp on one preset's random weights in each format, alternating."""
+    from ranvier.backends.cpu.parallel import thread_count
+    from ranvier.generate import Generator
+    from ranvier.interop import export_gguf
+    from ranvier.models.llama import PRESETS, Llama
+
+    config = PRESETS[preset]
+    if prompt_length + decoded > config.max_seq_len:
+        raise SystemExit(f"{preset} holds {config.max_seq_len} positions: --prompt {prompt_length} and --decoded {decoded} "
+                         "do not fit")
+    model = Llama(config, seed=0)
+    threads = thread_count()
+    prompt = np.random.default_rng(1).integers(3, config.vocab_size, prompt_length).tolist()
+    workdir = tempfile.TemporaryDirectory()
+    tokenizer = placeholder_tokenizer(config.vocab_size)
+    files, generators = {}, {}
+    for name, (matmul, dtype) in FORMATS.items():
+        files[name] = export_gguf(config, model.initial, tokenizer, Path(workdir.name) / f"{name}.gguf", dtype)
+        generators[name] = Generator(model, prefill=prompt_length, matmul=matmul)
+    print(f"\n{preset} against llama.cpp: the same random weights (GGUF f32, bf16, q8_0), prompt {prompt_length} tokens "
+          f"then {decoded} decoded, batch 1, {threads} threads each, {repeats} alternating rounds")
+    print(f"llama.cpp: {binary}, {llama_cpp_build(binary)}")
+    print("ranvier's decode products: " + ", ".join(f"{name} {decode_kernels(g)}" for name, g in generators.items()))
+    sides = {}
+    for name in FORMATS:
+        sides[f"ranvier {name}"] = lambda g=generators[name]: ranvier_rates(g, prompt, decoded)
+        sides[f"llama.cpp {name}"] = lambda f=files[name]: llama_cpp_rates(binary, f, threads, prompt_length, decoded)
+    for side in sides.values():
+        side()  # warm up: caches, and the page cache's copy of each file
+    rates = {name: [] for name in sides}
+    for repeat in range(repeats):
+        for name, side in sides.items():
+            rates[name].append(side())
+            print(f"  run {repeat + 1} {name:15s} prefill {rates[name][-1][0]:9.1f} tokens/s, decode {rates[name][-1][1]:7.1f} "
+                  "tokens/s", flush=True)
+    workdir.cleanup()
+    medians = {name: (statistics.median(r[0] for r in values), statistics.median(r[1] for r in values))
+               for name, values in rates.items()}
+    weights = config.parameter_count() - config.vocab_size * config.dim * (0 if config.shared_classifier else 1)
+    print(f"{'format':6s} {'prefill tokens/s: ranvier':>26s} {'llama.cpp':>10s} {'ratio':>6s}   "
+          f"{'decode tokens/s: ranvier':>25s} {'llama.cpp':>10s} {'ratio':>6s}   {'weights streamed: ranvier':>25s} {'llama.cpp':>10s}")
+    for name in FORMATS:
+        (ours_pp, ours_tg), (theirs_pp, theirs_tg) = medians[f"ranvier {name}"], medians[f"llama.cpp {name}"]
+        streamed = weights * FORMAT_BYTES[name]
+        print(f"{name:6s} {ours_pp:26.1f} {theirs_pp:10.1f} {ours_pp / theirs_pp:5.2f}×   {ours_tg:25.1f} {theirs_tg:10.1f} "
+              f"{ours_tg / theirs_tg:5.2f}×   {ours_tg * streamed / 1e9:20.1f} GB/s {theirs_tg * streamed / 1e9:5.1f} GB/s")
+    float32 = medians["ranvier f32"][1]
+    print(f"ranvier's decode against its own float32: bf16 {medians['ranvier bf16'][1] / float32:.2f}×, "
+          f"int8 {medians['ranvier q8_0'][1] / float32:.2f}×; {ceilings}")
+
+
 def main() -> None:
     import torch
 
@@ -207,6 +338,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama2c", type=Path, metavar="DIR", help="a llama2.c checkout: its run.c races too")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--llama-cpp", type=Path, metavar="PATH",
+                        help="a llama.cpp build folder (or its llama-batched-bench): it races ranvier in f32, bf16 and q8_0")
+    parser.add_argument("--prompt", type=int, default=128, help="the llama.cpp race's prompt tokens (default: %(default)s)")
+    parser.add_argument("--decoded", type=int, default=128, help="the llama.cpp race's decoded tokens (default: %(default)s)")
+    parser.add_argument("--llama-cpp-repeats", type=int, default=5, help="the llama.cpp race's rounds (default: %(default)s)")
     args = parser.parse_args()
     match_threads(torch)
     print(machine(torch))
@@ -215,8 +351,15 @@ def main() -> None:
         print(f"GPU: {torch.cuda.get_device_name()}" if torch_device == "cuda" else "GPU: none that PyTorch sees; its side runs on the CPU")
     on_gpu = torch_device == "cuda"
     ceilings = measure_gpu_ceilings(torch) if on_gpu else measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
+    binary = llama_cpp_binary(args.llama_cpp)
     for preset in args.presets:
         race(preset, args.tokens, args.repeats, ceilings, args.llama2c, args.backend, torch_device)
+        if binary is not None and args.backend == "cpu":
+            race_llama_cpp(preset, binary, args.prompt, args.decoded, args.llama_cpp_repeats, ceilings)
+    if binary is None or args.backend != "cpu":
+        reason = ("no --llama-cpp PATH given" if args.llama_cpp is None else f"no {LLAMA_CPP_BENCH} at {args.llama_cpp}"
+                  if binary is None else "its CPU side races ranvier's CPU backend")
+        print(f"llama.cpp: skipped ({reason}; build it from source with cmake -DGGML_NATIVE=ON and give its build folder)")
 
 
 if __name__ == "__main__":
