@@ -18,12 +18,19 @@ from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..kernels import Kernel
 from ..reference import reference_kernel
-from . import amx, codegen, fpmode, jit, parallel_compile, q8gemm, sgemm
+from . import amx, bf16gemv, codegen, fpmode, jit, parallel_compile, q8gemm, sgemm
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
 from .kernels.conv import CONV_KERNEL
-from .kernels.matmul import AMX_KERNEL, GENERATED_GEMM_KERNELS, INT8_KERNEL, NARROW_PACKED_KERNEL, PACKED_GEMM_KERNELS
+from .kernels.matmul import (
+    AMX_KERNEL,
+    GENERATED_GEMM_KERNELS,
+    INT8_KERNEL,
+    NARROW_PACKED_KERNEL,
+    PACKED_GEMM_KERNELS,
+    PAIRS_GEMV_KERNEL,
+)
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
@@ -47,8 +54,9 @@ class CPUBackend:
         bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
         precisions = ("float32", "bfloat16") if bfloat16 else ("float32",)
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16", "int8"))
-        # products marked bf16 for their constant's panels never reach the tiles elsewhere
-        self.unavailable = () if bfloat16 else (AMX_KERNEL,)
+        # products marked bf16 for their constant's panels never reach the tiles elsewhere; a
+        # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can
+        self.unavailable = (() if bfloat16 else (AMX_KERNEL,)) + (() if bf16gemv.supported(self.target) else (PAIRS_GEMV_KERNEL,))
 
     def kernel(self, op: Operation) -> Kernel:
         """The library's kernel for `op` on this target."""
@@ -201,6 +209,8 @@ class CPUBackend:
             table[codegen.SGEMM_PACKED] = sgemm.packed_gemm_address(self.target)
         if any(step.kernel == NARROW_PACKED_KERNEL for step in cell.steps):
             table[codegen.SGEMM_PACKED_BF16] = sgemm.packed_gemm_address(self.target, narrow=True)
+        if any(step.kernel == PAIRS_GEMV_KERNEL for step in cell.steps):
+            table[codegen.DPBF16GEMV] = bf16gemv.gemv_address(self.target)
         if any(step.kernel == INT8_KERNEL for step in cell.steps):
             table[codegen.Q8GEMM] = q8gemm.gemm_address(self.target)
         if any(step.kernel == CONV_KERNEL for step in cell.steps):

@@ -20,6 +20,23 @@ VOID = ir.VoidType()
 BYTE_PTR = I8.as_pointer()
 
 
+class _BFloatType(ir.Type):
+    """LLVM's bfloat type, which llvmlite does not define: the element of the AVX512-BF16
+    and AMX-BF16 instructions' operands."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloatType)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+BF16 = _BFloatType()
+
+
 def i64(value: int) -> ir.Constant:
     return ir.Constant(I64, int(value))
 

@@ -3,8 +3,8 @@ for the shape, else, and float64, through the vendor BLAS (OpenBLAS, via SciPy),
 directly from generated code; a float32 row times a matrix (a decode step's) by streaming
 the matrix in place (`Gemv`); one with a side of a few columns or steps of k (a
 classifier's, and its gradients) with an accumulator per column (`ThinGemm`); float32 in
-mixed precision through the AMX bf16 GEMM; a product by a constant in int8 (q8_0 blocks,
-`Q8Gemm`);
+mixed precision through the AMX bf16 GEMM; a row times a constant in bf16 on AVX512-BF16's
+dot products of pairs (`Bf16Gemv`); a product by a constant in int8 (q8_0 blocks, `Q8Gemm`);
 other dtypes through a generated triple loop.
 
 Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
@@ -30,13 +30,14 @@ from ...llvm.loops import fold_lanes, for_vectors
 from ...llvm.rows import Row, row_dot
 from ...llvm.strided import contiguous_strides
 from ...llvm.values import Value
-from .. import q8gemm, sgemm
+from .. import bf16gemv, q8gemm, sgemm
 from ..amx import workspace_bytes
 from ..codegen import (
     BF16GEMM,
     BLAS_THREADS,
     DGEMM,
     DGEMV,
+    DPBF16GEMV,
     Q8GEMM,
     SGEMM,
     SGEMM_GENERATED,
@@ -522,6 +523,57 @@ def _depth_rows(ctx, g: _Gemm, a, lda: int, ta: bool, b, b_at, out) -> None:
         Row(ctx, i * g.n, g.n, dtypes.DT_FLOAT32).each(lambda at, w: ctx.store(out, at, functools.reduce(
             lambda total, p: factors[p].splat(w).mul_add(ctx.load(b, b_at(p, at - i * g.n), w), total),
             range(1, g.k), factors[0].splat(w) * ctx.load(b, b_at(0, at - i * g.n), w))))
+
+
+PAIRS_GEMV_KERNEL = "Bf16Gemv"  # the backend passes it over on targets without AVX512-BF16
+
+
+def _row_by_narrow_constant(op) -> bool:
+    """One row times a constant matrix that its precision lets be rounded to bf16: a decode
+    step's product, which only streams the matrix."""
+    _, _, m, _, _, batches = _gemms(op)
+    return _bfloat16_precision(op) and _by_constant(op) and m == 1 and len(batches) == 1
+
+
+def _pair_panels(op) -> Prepared:
+    """The constant B rounded to bf16 and packed once in pairs of k, each call's columns apart:
+    the form and layout of the GEMM on bf16 pairs' panels."""
+    transposed = bool(attrs_of(op)["transpose_b"])
+    ranges = _column_ranges(op)
+    return Prepared(op.inputs[1], f"sgemm bf16 pair panels{' of Bᵀ' if transposed else ''}, columns {ranges}",
+                    lambda value, target: bf16gemv.pack_pairs(value, transposed, target, ranges))
+
+
+def _pairs_gemv_workspace_bytes(op) -> int:
+    return len(gemm_parts(op, _FLOAT_UNIT)) * bf16gemv.workspace_bytes(_gemms(op)[3])
+
+
+@kernel(PAIRS_GEMV_KERNEL, MATMUL_OPS, supports=_row_by_narrow_constant, prepares=lambda op: [_pair_panels(op)],
+        workspace=_pairs_gemv_workspace_bytes)
+def pairs_gemv(ctx, op) -> None:
+    """`ranvier_gemv_dpbf16` (bf16gemv.py) on the constant B's bf16 pairs packed when the
+    network was made: each part rounds x to bf16 pairs and streams its columns' panels
+    through vdpbf16ps, float32 sums: near a plain read's rate (bf16gemv.py), where widening
+    the bf16 panels to float32 (`PackedGemmBf16`) kept fewer of the matrix's lines in flight."""
+    a = op.inputs[0]
+    k = _gemms(op)[3]
+    panels = _pair_panels(op)
+    parts = gemm_parts(op, _FLOAT_UNIT)
+    share = bf16gemv.workspace_bytes(k)
+    starts, at = {}, 0
+    for first, last in _column_ranges(op):
+        starts[first, last] = at
+        at += bf16gemv.pairs_size(last - first, k, ctx.target)
+    function = ir.FunctionType(VOID, [I64, I64, F32.as_pointer(), I32.as_pointer(), F32.as_pointer(), I8.as_pointer()])
+
+    def call(ctx, number, g: _Gemm, target: ir.Value) -> None:
+        b = ctx.b
+        packed = b.gep(ctx.prepared(panels.var, panels.form, I16), [i64(starts[g.column, g.column + g.n])])
+        scratch = b.gep(ctx.address(ctx.workspace), [ctx.index(number * share).ir])
+        gemv = b.bitcast(ctx.table_entry(DPBF16GEMV), function.as_pointer())
+        b.call(gemv, [i64(g.n), i64(k), ctx.element_pointer(a, g.a), b.bitcast(packed, I32.as_pointer()), target, scratch])
+
+    _run_calls(ctx, op, parts, call, len(parts) * share, fixed=lambda g: (g.column, g.n))
 
 
 NARROW_PACKED_KERNEL = "PackedGemmBf16"
