@@ -18,8 +18,9 @@ MASKS = ["", "-avx512vnni", "-avx512", "-avx512,-avxvnni", "-avx512,-avx2"]
 SHAPES = [
     (1, 64, 32),  # one block, one whole panel (AVX-512's)
     (1, 70, 100),  # a partial last block of k, a panel and a few columns
-    (2, 33, 64),  # a whole tile of rows (AVX-512's two)
-    (3, 130, 768),  # a strip and a row left over; three panels of AVX-512, five of AVX2
+    (2, 33, 64),  # a whole tile of rows (AVX-VNNI's two)
+    (3, 130, 768),  # three rows left over (AVX-512's tile is four); three panels of AVX-512, five of AVX2
+    (6, 64, 96),  # a whole tile of AVX-512 and two rows left over
     (5, 17, 33),  # one step past a block: a block of one step
     (16, 200, 288),
     (7, 1, 40),  # one column
