@@ -214,3 +214,22 @@ def test_import_errors_name_what_is_wrong(tmp_path):
         import_gguf(_rewrite(good, tmp_path / "nokey.gguf", drop=("llama.feed_forward_length",)))
     with pytest.raises(InteropError, match="missing layers.1.w2"):
         import_gguf(_rewrite(good, tmp_path / "notensor.gguf", drop=(gguf_name("layers.1.w2"),)))
+
+
+def test_q8_0_files_blocks_are_what_int8_products_read(tmp_path):
+    """A q8_0 file's weights, read back to float32 and quantized again for `matmul="int8"`,
+    give the file's own blocks: each block's largest value is ±127 steps of its scale, so the
+    scale and the steps come back exactly."""
+    config = CONFIGS["shared"]
+    export_gguf(config, random_weights(config, seed=9), placeholder_tokenizer(config.vocab_size), tmp_path / "m.gguf", "q8_0")
+    _, weights, _ = import_gguf(tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    for tensor in reader.tensors:
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+            continue
+        key = next(k for k in weights if gguf_name(k) == tensor.name)
+        rows = weights[key].T if key.rsplit(".", 1)[-1] in MATRICES else weights[key]
+        d, q = quantize_q8_0(np.ascontiguousarray(rows))
+        blocks = np.asarray(tensor.data).reshape(len(q), -1, 34)
+        np.testing.assert_array_equal(d.astype(np.float16), blocks[..., :2].copy().view(np.float16)[..., 0], err_msg=key)
+        np.testing.assert_array_equal(q, blocks[..., 2:].copy().view(np.int8).reshape(q.shape), err_msg=key)
