@@ -525,6 +525,16 @@ def _depth_rows(ctx, g: _Gemm, a, lda: int, ta: bool, b, b_at, out) -> None:
             range(1, g.k), factors[0].splat(w) * ctx.load(b, b_at(0, at - i * g.n), w))))
 
 
+def _range_starts(op, size) -> dict[tuple[int, int], int]:
+    """Where each call's columns start in B's packed form, each range of columns `size(columns)`
+    elements after the previous one's (`pack_panels`' `ranges`)."""
+    starts, at = {}, 0
+    for first, last in _column_ranges(op):
+        starts[first, last] = at
+        at += size(last - first)
+    return starts
+
+
 PAIRS_GEMV_KERNEL = "Bf16Gemv"  # the backend passes it over on targets without AVX512-BF16
 
 
@@ -560,10 +570,7 @@ def pairs_gemv(ctx, op) -> None:
     panels = _pair_panels(op)
     parts = gemm_parts(op, _FLOAT_UNIT)
     share = bf16gemv.workspace_bytes(k)
-    starts, at = {}, 0
-    for first, last in _column_ranges(op):
-        starts[first, last] = at
-        at += bf16gemv.pairs_size(last - first, k, ctx.target)
+    starts = _range_starts(op, lambda columns: bf16gemv.pairs_size(columns, k, ctx.target))
     function = ir.FunctionType(VOID, [I64, I64, F32.as_pointer(), I32.as_pointer(), F32.as_pointer(), I8.as_pointer()])
 
     def call(ctx, number, g: _Gemm, target: ir.Value) -> None:
@@ -648,10 +655,7 @@ def int8_matmul(ctx, op) -> None:
     panels = _q8_panels(op)
     parts = gemm_parts(op, _FLOAT_UNIT)
     share = _share(parts, _q8_call_bytes)
-    starts, at = {}, 0
-    for first, last in _column_ranges(op):
-        starts[first, last] = at
-        at += q8gemm.panels_bytes(last - first, k, ctx.target)
+    starts = _range_starts(op, lambda columns: q8gemm.panels_bytes(columns, k, ctx.target))
     function = ir.FunctionType(VOID, [I64] * 3 + [F32.as_pointer(), I64, I8.as_pointer(), F32.as_pointer(), I64,
                                                   I8.as_pointer()])
 
