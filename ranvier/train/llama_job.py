@@ -111,7 +111,7 @@ def tokenized_corpus(config: LlamaRunConfig, vocab_size: int) -> Path:
 
     Its name hashes what the tokens depend on (the corpus files with their sizes and
     times, the byte cap, the vocabulary size), so an edited corpus is tokenized afresh."""
-    from ..backends.cpu.jit import cache_dir
+    from ..backends.cache_folder import cache_dir
 
     files = corpora.corpus_files(config.corpus)
     identity = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]

@@ -44,15 +44,13 @@ from llvmlite import ir
 
 from ...atomic import atomic_write_bytes
 from ...version import __version__
+from ..cache_folder import cache_dir
+from .measured import unreadable
 from .target import CPUTarget
 
 # Object files by cache key, least recently used first; holds at most MEMORY_CACHE_BYTES.
 _MEMORY_CACHE: OrderedDict[str, bytes] = OrderedDict()
 MEMORY_CACHE_BYTES = 64 * 2**20
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RANVIER_CACHE", Path.home() / ".cache" / "ranvier"))
 
 
 DEFAULT_CACHE_MAX_MB = 512
@@ -104,8 +102,6 @@ def clear_cache() -> tuple[int, int]:
     """Delete every entry (a process compiling meanwhile just writes its own again), and
     the machine's measurements that do not read as such (the others are kept: see
     measured.py); the number of files and bytes deleted."""
-    from .measured import unreadable
-
     entries = cache_entries()
     if cache_dir().is_dir():
         entries += [CacheEntry(path, path.stat().st_size, 0.0) for path in unreadable(cache_dir())]

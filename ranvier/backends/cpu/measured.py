@@ -12,12 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ...atomic import atomic_write_bytes
+from ..cache_folder import cache_dir
 
 
 def kept_path(kind: str, identity: str) -> Path:
     """The file holding measurements of `kind` for a machine described by `identity`."""
-    from .jit import cache_dir
-
     return cache_dir() / f"{kind}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
 
 

@@ -1,0 +1,13 @@
+"""Where ranvier keeps what it makes once per machine: compiled code (cpu/jit.py), the
+machine's measurements (cpu/measured.py), prepared corpora. Every backend and job finds
+the folder here, so none imports another's loader for it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """`$RANVIER_CACHE`, default ~/.cache/ranvier."""
+    return Path(os.environ.get("RANVIER_CACHE", Path.home() / ".cache" / "ranvier"))
