@@ -462,7 +462,10 @@ class Instance:
         self.computes += 1
 
     def clear(self) -> None:
+        """Zero every local variable (a device's copy too)."""
         self.buffer[...] = 0
+        if self.device is not None:
+            self.device.cleared()
 
     def profile(self) -> Profile:
         """Time per step, averaged over the computes since the last `reset_profile()`."""

@@ -212,6 +212,39 @@ def test_a_gradient_cell_reads_its_forward_instance_on_the_device(on_device):
     np.testing.assert_array_equal(read, forward)  # the forward instance's value, brought back
 
 
+def test_a_learnable_gradient_adds_up_from_zero_and_is_cleared_on_the_device(on_device):
+    """A learnable parameter's gradient adds up over computes, from a new instance's zeros,
+    until data.clear() zeros it: the device's copy starts and is cleared as the host's (fresh
+    emulated memory is NaN, and a cleared host buffer alone left the device's sum)."""
+    def gradients(backend_name: str) -> list[np.ndarray]:
+        flow = rv.Flow()
+        f = rv.Builder(flow, "fit")
+        x = f.var("x", "float32", [6, 5])
+        w = f.array("w", random_array([5, 4], "float32", seed=9) * 0.3)
+        w.var.learnable = True
+        f.sum(f.tanh(x @ w)).var.out = True
+        f.func.backprop = True
+        net = rv.Compiler(backend_name).compile(flow)
+        forward = net.cell("fit").instance()
+        backward = net.cell("gradients/fit").instance(primal=forward)
+        sums = []
+        for seed in range(1, 6):
+            if seed == 4:  # after a compute whose sum the host has not read
+                backward.clear()
+            forward[x] = random_array([6, 5], "float32", seed=seed)
+            forward.compute()
+            backward["gradients/fit/d_Sum:0"] = 1.0
+            backward.compute()
+            if seed in (2, 5):
+                sums.append(np.array(backward["gradients/fit/d_w"]))
+        return sums
+
+    gpu, cpu = gradients("cuda"), gradients("cpu")
+    for got, want in zip(gpu, cpu):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(cpu[0], cpu[1])  # computes 1 and 2, then 4 and 5
+
+
 def test_steps_are_timed_on_the_device_when_profiled(on_device):
     """Timing costs a GPU (an event between each two steps, read back after each compute):
     steps are timed from reset_profile() on, and a profile before it says so."""

@@ -7,8 +7,9 @@ rate in, one copy of a few bytes out):
   them (the cell's layout, as on the CPU). A compute first copies in the cell's inputs
   (a batch, a learning rate: the host writes them through their views, so they always
   go) and any other local the host set since the last one (`data[x] = value`; or read,
-  for a local the cell reads and writes, which the host may change through its view),
-  adjacent ones in one copy. Afterwards one copy brings back the instance's mailbox
+  for a local the cell reads and writes, which the host may change through its view; and
+  such a local once a new or cleared instance holds zeros, as on the CPU), adjacent ones
+  in one copy. Afterwards one copy brings back the instance's mailbox
   (`mailbox.py`): the status words, and the small outputs (a loss, a flag, a norm), which
   live there. Nothing else moves: any other local (a gradient, an activation, an
   inference cell's logits) is copied back when the host reads it (`data[x]`), once per
@@ -152,6 +153,7 @@ class DeviceInstance:
         self.pending: dict[str, Slot] = {}  # locals the host set since the last compute: sent before the next
         self.host_current: set[str] = set()  # locals whose host view holds their latest value
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
+        self.cleared()
         self.timer = None  # the marks between steps, made by the first profiled compute
         self.graphs: dict[bool, object] = {}  # the launches captured as a graph: untimed, and timed (profiled)
         self.capture_failed = False  # then every compute launches kernel by kernel
@@ -181,6 +183,14 @@ class DeviceInstance:
         if primal is not None and isinstance(primal.device, DeviceInstance):
             return primal.device.address(var)
         raise RanvierError(f"{var.name} is not a variable of cell {self.cell.name} or of its linked forward instance")
+
+    def cleared(self) -> None:
+        """The host's buffer is all zeros (a new instance's, or `data.clear()`): it holds every
+        local's value until the next compute, and the locals the cell reads before writing (an
+        accumulated gradient) go out before it, as the CPU would read them."""
+        self.host_current = {slot.var.name for slot in self.cell.slots}
+        self.pending = {slot.var.name: slot for slot in self.cell.slots if slot.var.name in self.state}
+        self.fed_on_device.clear()
 
     def _host_view(self, slot: Slot) -> np.ndarray:
         return self.instance.buffer[slot.offset : slot.offset + slot.var.nbytes]
