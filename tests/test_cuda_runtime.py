@@ -176,6 +176,30 @@ def test_the_hosts_writes_to_parameters_reach_the_device_and_checkpoints_cross_b
     assert back.step() == pytest.approx(cpu.step(), rel=2e-5)
 
 
+def test_a_checkpointed_stack_on_the_device_follows_the_cpus_losses_and_parameters(on_device):
+    """A CheckpointedStack of two micro-batches a step: the head's and the embedding's
+    gradients stay on the device between their cells, and the host adds the first
+    micro-batch's to the second's; 3 steps of AdamW with clipping take the CPU's losses
+    and leave its parameters and moments."""
+    from test_stack import batch, config, stack
+
+    from ranvier.train.optimizers import AdamW
+
+    results = {}
+    for backend_name in ("cuda", "cpu"):
+        trainer = stack(config(layers=2), optimizer=AdamW(lr=3e-3), clip_norm=0.5, accumulate=2, backend=backend_name)
+        losses = []
+        for step in range(3):
+            (x, y), (x2, y2) = batch(step), batch(step + 10)
+            losses.append(trainer.step([np.concatenate([x, x2]), np.concatenate([y, y2])]))
+        results[backend_name] = losses, trainer.state_arrays()
+    (gpu_losses, gpu_state), (cpu_losses, cpu_state) = results["cuda"], results["cpu"]
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-5)
+    assert sorted(gpu_state) == sorted(cpu_state)
+    for name, expected in cpu_state.items():
+        np.testing.assert_allclose(gpu_state[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_a_label_out_of_range_fails_the_step_by_name(on_device):
     gpu, _ = _trainer("cuda")
     labels = np.zeros(32, np.int64)

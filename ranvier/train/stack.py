@@ -145,7 +145,7 @@ class CheckpointedStack(TrainerBase):
         self._x0, self._head_loss, self._eval_loss = x0.var, head_loss.var, eval_loss.var
         self._layer_w, self._backward_w, self._backward_grads = layer_w, backward_w, backward_grads
         self._grad_names = {g.var.name for g in self.grads.values()}
-        self._resident_grads = [self.update_data[g.var] for key, g in self.grads.items() if g.var.is_global]
+        self._resident_grads = [g.var for g in self.grads.values() if g.var.is_global]
         key_of = {p.var.name: key for key, p in params.items()}
         self._layer_grad_vars = [
             {key: self.grads[key_of[global_name]].var for key, global_name in layer.items()} for layer in self._layer_globals
@@ -296,7 +296,7 @@ class CheckpointedStack(TrainerBase):
         self._check_batch(self.inputs[0], x)
         self._check_batch(self.inputs[1], target)
         # The head's and embedding's cells overwrite their resident gradients.
-        earlier = [np.array(a) for a in self._resident_grads] if add else []
+        earlier = [np.array(a) for a in self._resident_grad_arrays()] if add else []
         last, reported = self._forward(x)
         head = self.head_data
         head[self._head_x] = last
@@ -324,13 +324,21 @@ class CheckpointedStack(TrainerBase):
         embed[self._embed_backward_input] = x
         embed[self._embed_backward_dx] = upstream
         embed.compute()
-        for accumulator, before in zip(self._resident_grads, earlier):
-            accumulator += before
-        if reduce:
-            self.reducer.submit(self._resident_grads)
+        if add or reduce:  # else they stay where the cells wrote them
+            resident = self._resident_grad_arrays()
+            for accumulator, before in zip(resident, earlier):
+                accumulator += before
+            if reduce:
+                self.reducer.submit(resident)
         for name, value in reported.items():
             self._add_watched(name, value, self.accumulate, fresh=not add)
         return float(head[self._head_loss]) + float(reported.get("aux_loss", 0.0))
+
+    def _resident_grad_arrays(self) -> list[np.ndarray]:
+        """The resident gradient buffers as they are now: fetched after the cells that write
+        them, since a device's copy (the CUDA backend's) comes back, and the host's writes go
+        out, only through such a fetch."""
+        return [self.update_data[var] for var in self._resident_grads]
 
     def _batch_gradients(self, named: dict[str, np.ndarray]) -> float:
         """The gradients of a whole batch: the mean over its micro-batches. Returns the mean loss."""
