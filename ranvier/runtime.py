@@ -91,19 +91,31 @@ def view_of(buffer: np.ndarray, offset: int, var: Variable) -> np.ndarray:
 
 class GlobalArrays(MutableMapping):
     """A network's globals by name: host arrays. Where a device keeps them (the CUDA
-    backend), `before_access` is told of each one the host is about to read or write, so
-    the device's newer values come back first and the host's go out before the next
-    compute; `host` holds the arrays themselves, for the device to copy without that."""
+    backend), `before_access(name, writing)` is told of each one the host is about to
+    reach, so the device's newer value comes back first and, unless the host only reads
+    it (`read`), the host's goes out before the next compute. An array handed out so holds
+    the value of that moment: after a compute that may change it, fetch it again. `host`
+    holds the arrays themselves, for the device to copy without that."""
 
     def __init__(self):
         self.host: dict[str, np.ndarray] = {}
-        self.before_access: Callable[[str], None] | None = None
+        self.before_access: Callable[[str, bool], None] | None = None
 
     def __getitem__(self, name: str) -> np.ndarray:
         array = self.host[name]
         if self.before_access is not None:
-            self.before_access(name)
+            self.before_access(name, True)
         return array
+
+    def read(self, name: str) -> np.ndarray:
+        """A global's value to read only (a read-only view), which then need not go back
+        to a device (a layer's weights fed to a cell, a checkpoint's arrays)."""
+        array = self.host[name]
+        if self.before_access is not None:
+            self.before_access(name, False)
+        view = array.view()
+        view.flags.writeable = False
+        return view
 
     def __setitem__(self, name: str, array: np.ndarray) -> None:
         self.host[name] = array
@@ -188,7 +200,7 @@ class Network:
             ) from None
 
     def parameters(self) -> dict[str, np.ndarray]:
-        return {name: a for name, a in self.globals.items() if self.flow.vars[name].learnable}
+        return {name: self.globals[name] for name in self.globals if self.flow.vars[name].learnable}
 
     def tensor(self, key) -> TensorHandle:
         """A global as Myelin's tensor handle."""

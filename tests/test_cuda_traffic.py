@@ -113,3 +113,30 @@ def test_an_inference_output_is_copied_out_when_read(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
         assert (again == got).all()
     assert not np.allclose(values["cuda"][0][0], values["cuda"][1][0])  # the second compute's values
+
+
+def test_weights_fed_to_layers_and_a_checkpoint_go_back_to_no_device(monkeypatch, tmp_path):
+    """On the emulator: a CheckpointedStack feeds each layer its weights from the parameters
+    (read back from the device after each update) and saves a checkpoint; neither sends a
+    parameter or moment to the device again (every one went up at each step). The
+    checkpoint holds the device's values."""
+    from test_stack import batch, config, stack
+
+    from ranvier.train.checkpoint import load_checkpoint
+
+    monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
+    uploads = []
+    upload = device.HostEmulator.upload
+    monkeypatch.setattr(device.HostEmulator, "upload", lambda gpu, address, host: uploads.append(address)
+                        or upload(gpu, address, host))
+    trainer = stack(config(layers=2), backend="cuda")
+    trainer.step(batch(0))
+    on_device = set(trainer.network.device_globals.addresses.values())
+    uploads.clear()
+    trainer.step(batch(1))
+    trainer.save(tmp_path / "checkpoint")
+    trainer.step(batch(2))
+    assert uploads and not on_device & set(uploads)
+    saved, _ = load_checkpoint(tmp_path / "checkpoint")
+    trainer.step(batch(3))
+    assert not (saved["llama/norm"] == trainer.network["llama/norm"]).all()  # the step changed what was saved

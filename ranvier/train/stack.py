@@ -264,7 +264,7 @@ class CheckpointedStack(TrainerBase):
     def _feed_layer(self, data, weights: dict[str, Variable], i: int) -> None:
         globals_ = self.network.globals
         for key, var in weights.items():
-            data[var][...] = globals_[self._layer_globals[i][key]]
+            data[var] = globals_.read(self._layer_globals[i][key])  # read only: no copy back to a device
 
     def _forward(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Embed and run every layer, keeping each layer's input; returns the last output
@@ -401,9 +401,9 @@ class CheckpointedStack(TrainerBase):
             raise RanvierError("the gradient norm is not computed: create the stack with clip_norm or track_grad_norm=True")
         return float(self.update_data[self.norm_var])
 
-    def state_arrays(self) -> dict[str, np.ndarray]:
+    def _state_names(self) -> list[str]:
         """As the Trainer's: parameters and optimizer state (the gradient buffers are scratch)."""
-        return {name: array for name, array in super().state_arrays().items() if name not in self._grad_names}
+        return [name for name in super()._state_names() if name not in self._grad_names]
 
     def _instances(self) -> list:
         return [self.embed_data, self.layer_data, self.head_data, self.backward_data, self.embed_backward_data, self.update_data]

@@ -169,7 +169,7 @@ class TrainerBase:
     def parallel_summary(self) -> str:
         """One line on the data-parallel run: its ranks, each one's rows per step and the
         training state (parameters and optimizer state) each holds. Every rank calls it."""
-        held = self.world.gather(sum(a.nbytes for a in self.state_arrays().values()), "counting each rank's state")
+        held = self.world.gather(sum(self.flow.vars[name].nbytes for name in self._state_names()), "counting each rank's state")
         sharing = "ZeRO-1: optimizer state sharded" if self.zero else "optimizer state replicated"
         return (f"data parallel: {self.world.size} workers, {self.local_rows} rows each per step; training state per worker "
                 f"{', '.join(f'{n / 2**20:.1f}' for n in held)} MiB ({sharing})")
@@ -319,14 +319,16 @@ class TrainerBase:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """Everything training changes: parameters and every global an Assign writes.
+        """Everything training changes, by name (writable: a device's copy goes out again
+        before the next step)."""
+        return {name: self.network.globals[name] for name in self._state_names()}
+
+    def _state_names(self) -> list[str]:
+        """The globals training changes: parameters and every global an Assign writes.
         (Constants the compiler made, which the flow as built does not have, are not state.)"""
         written = {op.inputs[0].name for op in self.flow.ops.values() if op.type == "Assign"}
-        return {
-            name: array
-            for name, array in sorted(self.network.globals.items())
-            if name in written or (name in self.flow.vars and self.flow.vars[name].learnable)
-        }
+        return [name for name in sorted(self.network.globals)
+                if name in written or (name in self.flow.vars and self.flow.vars[name].learnable)]
 
     def save(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Write weights, optimizer state, step, schedule and data position, atomically.
@@ -340,7 +342,7 @@ class TrainerBase:
             "sampler": self.sampler.state() if self.sampler else None,
             **(extra or {}),
         }
-        arrays = self.state_arrays()
+        arrays = {name: self.network.globals.read(name) for name in self._state_names()}
         if self.zero:
             learnable = {name for name, var in self.flow.vars.items() if var.learnable}
             shares = self.world.collect({n: a for n, a in arrays.items() if n not in learnable}, "collecting the optimizer state")
@@ -492,11 +494,11 @@ class Trainer(TrainerBase):
         self._finite_view = (self.apply_data or self.data)[self.finite_var]
         self._start_parallel(self.params)
 
-    def state_arrays(self) -> dict[str, np.ndarray]:
+    def _state_names(self) -> list[str]:
         """As TrainerBase's, less the gradient accumulators (zero between steps), so the
         checkpoint is the same with or without accumulation and data parallelism."""
         scratch = {v.name for v in self._accumulators}
-        return {name: array for name, array in super().state_arrays().items() if name not in scratch}
+        return [name for name in super()._state_names() if name not in scratch]
 
     def _function_inputs(self) -> list[Variable]:
         used = {v.name for v in self.flow.inputs(self.func)}

@@ -17,8 +17,10 @@ rate in, one copy of a few bytes out):
 - A global (parameter, optimizer state, constant, KV cache) is copied to the device
   before the first compute that reads it and then lives there: a training step updates
   it in place on the device. The host's array is brought up to date when the host
-  reaches for it (`network[name]`, `data[name]`, a checkpoint's state arrays), and then
-  sent again before the next compute, since the host may have written it.
+  reaches for it (`network[name]`, `data[name]`, `trainer.state_arrays()`), and then sent
+  again before the next compute, since the host may have written it; unless the host
+  asked to read it only (`network.globals.read(name)`: a checkpoint being saved, a
+  layer's weights fed to a cell).
 - A gradient cell reads its forward instance's values in that instance's arena.
 
 A compute's launches (every step's kernels or cuBLASLt product) run kernel by kernel the
@@ -94,15 +96,18 @@ class DeviceGlobals:
         for name in written:
             self.state[name] = _DEVICE_NEWER
 
-    def before_host_access(self, name: str) -> None:
-        """The host is about to read or write a global: bring its device value back first."""
+    def before_host_access(self, name: str, writing: bool) -> None:
+        """The host is about to read a global, and maybe write it: bring its device value
+        back first; one the host may write goes out again before the next compute."""
         state = self.state.get(name)
         if state is None:
             return
         if state == _DEVICE_NEWER:
             self.gpu.synchronize()
             self.gpu.download(self.addresses[name], self.network.globals.host[name])
-        self.state[name] = _HOST_NEWER
+            self.state[name] = _SAME
+        if writing:
+            self.state[name] = _HOST_NEWER
 
 
 class DeviceArray:
