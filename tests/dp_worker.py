@@ -2,7 +2,7 @@
 
 The same builders make the single-process oracle inside the test process. The job is a
 JSON object: model ("mlp": a Trainer sampling its dataset; "stack": a CheckpointedStack
-fed explicit global batches), zero, accumulate, steps, first (the step to start from,
+fed explicit global batches), backend (default "cpu"), zero, accumulate, steps, first (the step to start from,
 resuming `load` if given), save (a checkpoint folder to write at the end), out (the
 folder each rank writes rank<r>.npz into: its losses and final state), fail: "kill"
 or "hang" rank 1 after `fail_at` steps, and poison_at: at that step the last rank's rows
@@ -38,7 +38,8 @@ def build(job: dict, world=None):
     """The job's trainer, its dataset set (for "mlp"), for `world` (None: this process's)."""
     ranks = world.size if world is not None else _world_size()
     micro = GLOBAL_BATCH // (ranks * job.get("accumulate", 1))
-    options = {"accumulate": job.get("accumulate", 1), "zero": job.get("zero", False), "world": world, "clip_norm": 0.5}
+    options = {"accumulate": job.get("accumulate", 1), "zero": job.get("zero", False), "world": world, "clip_norm": 0.5,
+               "backend": job.get("backend", "cpu")}
     if "poison_at" in job:
         options["loss_scale"] = DynamicLossScale(initial=2.0**8)
     if job["model"] == "mlp":

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ranvier import RanvierError
+from ranvier.backends.cuda import device
 from ranvier.distributed import GradientReducer, World, owners
 from ranvier.distributed.launch import find_mpiexec, without_workers
 from ranvier.train.checkpoint import load_checkpoint
@@ -45,8 +46,8 @@ def launch(ranks: int, job: dict, timeout: float = 120, env: dict | None = None)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
 
 
-def run_ranks(ranks: int, job: dict) -> list[dict]:
-    done = launch(ranks, job)
+def run_ranks(ranks: int, job: dict, env: dict | None = None) -> list[dict]:
+    done = launch(ranks, job, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = []
     for rank in range(ranks):
@@ -158,6 +159,20 @@ def test_ranks_take_the_single_process_steps(tmp_path, model, ranks, zero, accum
         moments = [sum(v.size for k, v in result.items() if k.endswith("adam_m")) for result in results]
         assert sum(moments) == sum(v.size for k, v in expected.items() if k.endswith("adam_m"))
         assert max(moments) < sum(moments)
+
+
+@needs_mpi
+@pytest.mark.parametrize(("model", "zero", "accumulate"), [("stack", True, 1), ("stack", False, 2), ("mlp", True, 2)])
+def test_ranks_on_the_cuda_emulator_take_the_cpus_single_process_steps(tmp_path, model, zero, accumulate):
+    """Two ranks on the CUDA backend (its host emulator), where parameters, optimizer state
+    and resident gradients live on the device: the gradients the all-reduce averages on the
+    host and the parameters ZeRO-1 gathers there reach the device before the next step."""
+    job = {"model": model, "steps": 3, "zero": zero, "accumulate": accumulate, "out": str(tmp_path), "backend": "cuda"}
+    results = run_ranks(2, job, env={device.DEVICE_ENVIRONMENT: device.EMULATOR})
+    losses, expected = oracle({**job, "backend": "cpu"})
+    np.testing.assert_allclose(results[0]["losses"], losses, rtol=1e-5)
+    for result in results:
+        assert_close(result, expected)
 
 
 @needs_mpi

@@ -37,20 +37,24 @@ class ParameterGather:
         for dtype in dict.fromkeys(p.dtype for p in params):
             # Each rank's part is its owned parameters of this dtype, in order; the whole
             # is the parts of ranks 0, 1, … one after the other.
-            by_rank = [[p for p, o in zip(params, owner) if p.dtype == dtype and o == r] for r in range(world.size)]
-            counts = [sum(p.size for p in group) for group in by_rank]
+            by_rank = [[i for i, (p, o) in enumerate(zip(params, owner)) if p.dtype == dtype and o == r] for r in range(world.size)]
+            counts = [sum(params[i].size for i in group) for group in by_rank]
             self.groups.append((by_rank, counts, np.empty(counts[world.rank], dtype), np.empty(sum(counts), dtype)))
 
-    def __call__(self) -> None:
+    def __call__(self, params: Sequence[np.ndarray]) -> None:
+        """Gather into `params`, the parameters' arrays as they are now (in the order given
+        at the start; a device's globals are fetched afresh after each update): this
+        rank's own are read, every other rank's written."""
         for by_rank, counts, part, whole in self.groups:
             offset = 0
-            for p in by_rank[self.world.rank]:
-                part[offset : offset + p.size] = p.reshape(-1)
-                offset += p.size
+            for i in by_rank[self.world.rank]:
+                part[offset : offset + params[i].size] = params[i].reshape(-1)
+                offset += params[i].size
             self.world.allgather_into(part, whole, counts, f"the all-gather of the updated parameters ({whole.nbytes:,} bytes)")
             offset = 0
             for rank, group in enumerate(by_rank):
-                for p in group:
+                for i in group:
+                    p = params[i]
                     if rank != self.world.rank:
                         p[...] = whole[offset : offset + p.size].reshape(p.shape)
                     offset += p.size

@@ -372,8 +372,7 @@ class CheckpointedStack(TrainerBase):
         self.update_data.compute()
         if not self.update_data[self.finite_var]:
             raise NonFiniteError(self.step_count + 1, self._first_nonfinite())
-        if self._gather_params is not None:
-            self._gather_params()
+        self._gather_updated()
         self.step_count += 1
         return loss
 

@@ -165,6 +165,16 @@ class TrainerBase:
             self.world.broadcast_(array, f"the broadcast of {p.var.name} from rank 0")
         if self.zero:
             self._gather_params = ParameterGather(self.world, arrays, self._owner)
+            self._param_names = [p.var.name for p in params]
+
+    def _gather_updated(self) -> None:
+        """With ZeRO-1, after an update: the parameters other ranks updated, into this rank's
+        copies (fetched now, after the update: this rank's own read only)."""
+        if self._gather_params is None:
+            return
+        globals_ = self.network.globals
+        self._gather_params([globals_.read(name) if owner == self.world.rank else globals_[name]
+                             for name, owner in zip(self._param_names, self._owner)])
 
     def parallel_summary(self) -> str:
         """One line on the data-parallel run: its ranks, each one's rows per step and the
@@ -547,8 +557,7 @@ class Trainer(TrainerBase):
             self.apply_data[self.lr_var] = lr
             self.apply_data.compute()
             self._check_finite()
-            if self._gather_params is not None:
-                self._gather_params()
+            self._gather_updated()
         self.step_count += 1
         return loss
 
