@@ -8,6 +8,8 @@ examples of Myelin's guide both run on it; indexing and `len()` are numpy's.
 it: an int on a tensor of rank 2 or more is a flat element index (`t[4]` of a [2, 3]
 tensor is element [1, 1]), an index on a scalar is ignored, elements read as Python
 numbers, `len()` counts elements; `np.asarray(handle)` is a writable view, never a copy.
+A handle fetches its array at each use (`instance[x]`), so that where a device holds the
+value (the CUDA backend) it reads the latest compute's and its writes reach the next one.
 
 A `Channel` is a resizable array of tensors of one format, the memory a recurrent
 cell's reference variables point into: `instance.connect(h_in, channel, t - 1)` makes
@@ -15,6 +17,8 @@ the cell read its `h_in` from element t − 1.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -80,9 +84,14 @@ class TensorHandle:
 
     __array_priority__ = 1.0
 
-    def __init__(self, var: Variable, array: np.ndarray):
+    def __init__(self, var: Variable, fetch: Callable[[], np.ndarray]):
         self.var = var
-        self.array = np.asarray(array)  # a plain view: the handle's own indexing is Myelin's
+        self._fetch = fetch
+
+    @property
+    def array(self) -> np.ndarray:
+        """The tensor's array as it is now, a plain view: the handle's own indexing is Myelin's."""
+        return np.asarray(self._fetch())
 
     def name(self) -> str:
         return self.var.name
@@ -99,23 +108,25 @@ class TensorHandle:
     def __len__(self) -> int:
         return self.array.size
 
-    def _index(self, index):
+    def _index(self, array: np.ndarray, index):
         """Myelin's index as numpy's: an int into a tensor of rank 2 or more counts
         elements in row-major order; a scalar has one element whatever the index."""
-        if self.array.ndim == 0:
+        if array.ndim == 0:
             return ()
-        if self.array.ndim > 1 and isinstance(index, (int, np.integer)):
-            if not 0 <= index < self.array.size:
-                raise IndexError(f"element {index} of {self.var.name}, which has {self.array.size} elements")
-            return np.unravel_index(index, self.array.shape)
+        if array.ndim > 1 and isinstance(index, (int, np.integer)):
+            if not 0 <= index < array.size:
+                raise IndexError(f"element {index} of {self.var.name}, which has {array.size} elements")
+            return np.unravel_index(index, array.shape)
         return index
 
     def __getitem__(self, index):
-        element = self.array[self._index(index)]
+        array = self.array
+        element = array[self._index(array, index)]
         return element.item() if np.ndim(element) == 0 else element
 
     def __setitem__(self, index, value) -> None:
-        self.array[self._index(index)] = value
+        array = self.array
+        array[self._index(array, index)] = value
 
     def __array__(self, dtype=None, copy=None):
         if copy:
@@ -150,7 +161,8 @@ class Channel:
         return len(self.elements)
 
     def __getitem__(self, index: int) -> TensorHandle:
-        return TensorHandle(self.format, self.elements[self._check(index)])
+        self._check(index)
+        return TensorHandle(self.format, lambda: self.element(index))
 
     def _check(self, index: int) -> int:
         if not 0 <= index < len(self.elements):

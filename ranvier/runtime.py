@@ -181,10 +181,14 @@ class Network:
     def __getitem__(self, key) -> TensorArray:
         """The array of a global (constant or parameter), by handle, name or alias: writable,
         except a constant a kernel reads prepared (`prepared`: a GEMM's packed weights)."""
+        var = self._global(key)
+        return TensorArray.of(var, self.globals[var.name])
+
+    def _global(self, key) -> Variable:
         var = self.flow.lookup(_key_name(key))
         if var.name not in self.globals:
             raise RanvierError(f"{var.name} is not a global of the network (it is local to a cell)")
-        return TensorArray.of(var, self.globals[var.name])
+        return var
 
     def __setitem__(self, key, value) -> None:
         """Set a global's elements (Myelin's `net[W] = array`); a scalar fills it."""
@@ -204,7 +208,8 @@ class Network:
 
     def tensor(self, key) -> TensorHandle:
         """A global as Myelin's tensor handle."""
-        return TensorHandle(self.flow.lookup(_key_name(key)), self[key])
+        var = self._global(key)
+        return TensorHandle(var, lambda: self.globals[var.name])
 
     def profile(self) -> str:
         """The profiles of every instance that has computed, cell by cell (Myelin's net.profile())."""
@@ -365,7 +370,7 @@ class Instance:
         self.profiling = False
         # Reference variables connected to channel elements: copied in before a compute,
         # and the ones the cell computes copied back after it.
-        self._connected: dict[str, tuple[np.ndarray, np.ndarray, bool]] = {}
+        self._connected: dict[str, tuple[Variable, np.ndarray, bool]] = {}
         self.primal: Instance | None = None
         self._run = None
         # Where the cell's data lives on a device (the CUDA backend's DeviceInstance): told of
@@ -444,7 +449,7 @@ class Instance:
 
     def tensor(self, key) -> TensorHandle:
         """Myelin's tensor handle on one of the cell's variables."""
-        return TensorHandle(self.variable(key), self[key])
+        return TensorHandle(self.variable(key), lambda: self[key])
 
     def connect(self, key, channel: Channel, index: int) -> None:
         """Make a reference variable of the cell stand for element `index` of `channel`."""
@@ -454,7 +459,7 @@ class Instance:
         if var.shape != channel.format.shape or var.dtype != channel.format.dtype:
             raise RanvierError(f"{var.name} is {var.typestr()}; the channel holds {channel.format.typestr()}")
         computed = var.producer is not None and var.producer.func is self.cell.func
-        self._connected[var.name] = (self.view(var), channel.element(index), computed)
+        self._connected[var.name] = (var, channel.element(index), computed)
 
     def compute(self) -> None:
         if self._run is None:
@@ -462,15 +467,15 @@ class Instance:
                 f"cell {self.cell.name} reads values computed by another cell: link its primal first, "
                 f"data[{self.cell.primal_name!r}] = <forward instance>, or cell.instance(primal=...)"
             )
-        for local, element, _ in self._connected.values():
-            local[...] = element
+        for var, element, _ in self._connected.values():
+            self[var] = element
         try:
             self._run()
         finally:
             guards.check()
-        for local, element, computed in self._connected.values():
+        for var, element, computed in self._connected.values():
             if computed:
-                element[...] = local
+                element[...] = self[var]
         self.computes += 1
 
     def clear(self) -> None:

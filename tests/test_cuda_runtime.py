@@ -236,6 +236,47 @@ def test_a_gradient_cell_reads_its_forward_instance_on_the_device(on_device):
     np.testing.assert_array_equal(read, forward)  # the forward instance's value, brought back
 
 
+def test_tensor_handles_and_channels_see_each_computes_values_on_the_device(on_device):
+    """Myelin's handles, made once: one reads the latest compute's values (an output the
+    device wrote, a global it updated in place), an element written through one reaches
+    the next compute; a channel element connected to a computed reference variable
+    receives the device's value after each compute."""
+    def observe(backend_name: str) -> list:
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        x = f.var("x", "float32", [2, 3])
+        w = f.array("w", random_array([3, 4], "float32", seed=2))
+        f.tanh(x @ w).var.out = True
+        f.op("Assign", [w, w * 0.5])
+        g = rv.Builder(flow, "g")
+        h = g.var("h", "float32", [1, 4])
+        h.var.ref = True
+        out = g.tanh(h) + 1.0
+        out.var.ref = True
+        net = rv.Compiler(backend_name).compile(flow)
+        data = net.cell("f").instance()
+        y = next(v for v in flow.vars.values() if v.out)
+        handles = data.tensor(x), data.tensor(y), net.tensor(w)
+        data[x] = random_array([2, 3], "float32", seed=1)
+        seen = []
+        for step in range(3):
+            handles[0][1, step] = 2.0 + step
+            data.compute()
+            seen += [np.array(handles[1]), handles[1][1, 2], np.array(handles[2])]
+        cell = net.cell("g")
+        channel = cell.channel(h, 4)
+        channel[0][0, 1] = 0.5
+        recurrent = cell.instance()
+        for t in range(3):
+            recurrent.connect(h, channel, t)
+            recurrent.connect(out, channel, t + 1)
+            recurrent.compute()
+        return seen + [np.array(channel[t]) for t in range(4)]
+
+    for got, want in zip(observe("cuda"), observe("cpu"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_a_learnable_gradient_adds_up_from_zero_and_is_cleared_on_the_device(on_device):
     """A learnable parameter's gradient adds up over computes, from a new instance's zeros,
     until data.clear() zeros it: the device's copy starts and is cleared as the host's (fresh

@@ -22,6 +22,9 @@ rate in, one copy of a few bytes out):
   asked to read it only (`network.globals.read(name)`: a checkpoint being saved, a
   layer's weights fed to a cell).
 - A gradient cell reads its forward instance's values in that instance's arena.
+- An array the host holds (`data[x]`, `network[name]`) is the value of the moment it was
+  fetched: fetched again after a compute, it is that compute's, and written, it goes out
+  before the next (the library fetches again; Myelin's tensor handles at each use).
 
 A compute's launches (every step's kernels or cuBLASLt product) run kernel by kernel the
 first time: cuBLASLt's first calls load its kernels and choose its algorithms, which no
