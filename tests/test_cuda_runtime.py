@@ -236,6 +236,34 @@ def test_a_gradient_cell_reads_its_forward_instance_on_the_device(on_device):
     np.testing.assert_array_equal(read, forward)  # the forward instance's value, brought back
 
 
+def test_what_the_host_sets_in_a_forward_instance_reaches_its_gradient_instance_on_the_device(on_device):
+    """A gradient instance reads its forward instance's values where they are: a forward
+    value the host sets after the forward's compute (here its activation, which the
+    gradient reads) is the one the gradient reads, as on the CPU (the device's copy kept
+    the computed one)."""
+    from ranvier.autodiff import gradient
+
+    def weight_gradient(backend_name: str) -> np.ndarray:
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        x, w = f.var("x", "float32", [6, 5]), f.var("w", "float32", [5, 4])
+        activation = f.tanh(x @ w)
+        f.sum(activation).var.out = True
+        grads = gradient(flow, "f", [w], loss=next(v for v in flow.vars.values() if v.out), into="gradients/f")
+        net = rv.Compiler(backend_name).compile(flow)
+        forward = net.cell("f").instance()
+        forward[x] = random_array([6, 5], "float32", seed=8)
+        forward[w] = random_array([5, 4], "float32", seed=9) * 0.3
+        forward.compute()
+        backward = net.cell("gradients/f").instance(primal=forward)
+        assert activation.name in {v.name for v in backward.cell.external}
+        forward[activation] = np.tanh(random_array([6, 4], "float32", seed=10))
+        backward.compute()
+        return np.array(backward[grads[w.name]])
+
+    np.testing.assert_allclose(weight_gradient("cuda"), weight_gradient("cpu"), rtol=1e-5, atol=1e-6)
+
+
 def test_tensor_handles_and_channels_see_each_computes_values_on_the_device(on_device):
     """Myelin's handles, made once: one reads the latest compute's values (an output the
     device wrote, a global it updated in place), an element written through one reaches

@@ -21,7 +21,8 @@ rate in, one copy of a few bytes out):
   again before the next compute, since the host may have written it; unless the host
   asked to read it only (`network.globals.read(name)`: a checkpoint being saved, a
   layer's weights fed to a cell).
-- A gradient cell reads its forward instance's values in that instance's arena.
+- A gradient cell reads its forward instance's values in that instance's arena (what the
+  host set there since the forward's compute goes out first).
 - An array the host holds (`data[x]`, `network[name]`) is the value of the moment it was
   fetched: fetched again after a compute, it is that compute's, and written, it goes out
   before the next (the library fetches again; Myelin's tensor handles at each use).
@@ -234,7 +235,15 @@ class DeviceInstance:
 
     def _send(self) -> None:
         """Copy in the inputs and the other locals the host set, adjacent ones in one copy."""
-        sent = {slot.var.name: slot for slot in self.inputs if slot.var.name not in self.fed_on_device} | self.pending
+        self._upload({slot.var.name: slot for slot in self.inputs if slot.var.name not in self.fed_on_device} | self.pending)
+
+    def send_pending(self) -> None:
+        """Copy in the locals the host set since the last compute (before a gradient
+        instance's compute reads them here)."""
+        self._upload(self.pending)
+
+    def _upload(self, sent: dict[str, Slot]) -> None:
+        """Copy in `sent`, adjacent ones in one copy; then nothing the host set is pending."""
         in_arena = []
         for slot in sent.values():
             mailed = self.mailbox.address_of(slot)
@@ -285,6 +294,9 @@ class DeviceInstance:
         timed = self.instance.profiling
         self.globals.before_compute(self.read_globals)
         self._send()
+        primal = self.instance.primal
+        if primal is not None and isinstance(primal.device, DeviceInstance):
+            primal.device.send_pending()
         self._launch(timed)
         self.globals.after_compute(self.written_globals)
         self.gpu.synchronize()
