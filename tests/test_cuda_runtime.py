@@ -365,6 +365,7 @@ class _MemoryDriver(_FakeDriver):
         self.launches = []
         self.blocks = []
         self.graph_calls = []
+        self.handles = 0
 
     def __getattr__(self, call: str):
         describe = super().__getattr__(call)
@@ -384,6 +385,9 @@ class _MemoryDriver(_FakeDriver):
                 return 218  # CUDA_ERROR_INVALID_PTX
             elif call == "cuGetErrorName" and args[0] == 218:
                 args[1]._obj.value = b"CUDA_ERROR_INVALID_PTX"
+            elif call in ("cuGraphInstantiateWithFlags", "cuEventCreate") and call not in self.fail:  # a handle of its own each
+                self.handles += 1
+                args[0]._obj.value = self.handles
             elif call == "cuLaunchKernel":
                 function, grid, _, _, threads, _, _, _, _, parameters, _ = args
                 count = len(self.last_operands)
@@ -494,6 +498,40 @@ def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(mo
             assert calls.count("cuLaunchKernel") == 3 * kernels_per_compute
             assert record_flags == [driver._EVENT_RECORD_DEFAULT] * 3 * marks * profiled
         assert ("cuEventElapsedTime" in calls) == profiled
+
+
+def test_graphs_and_timing_marks_go_back_with_the_instance(monkeypatch):
+    """Each instance's two graphs (its plain computes' and its profiled ones') and its
+    timing events are destroyed when the instance goes, as its memory is, and not before:
+    over 6 instances on the recording stand-in for libcuda, every one made is destroyed."""
+    import gc
+
+    events: list = []
+    cell = _softmax_on_stand_in(monkeypatch, events).cell
+
+    def made(call: str) -> list[int]:
+        return [args[0]._obj.value for name, args in events if name == call]
+
+    def destroyed(call: str) -> list[int]:
+        return [args[0].value for name, args in events if name == call]
+
+    for _ in range(6):
+        data = cell.instance()
+        data["f/x"] = random_array([4, 8], "float32", seed=1)
+        for _ in range(2):
+            data.compute()
+        data.reset_profile()
+        for _ in range(2):
+            data.compute()
+        gc.collect()
+    graphs, marks = made("cuGraphInstantiateWithFlags"), made("cuEventCreate")
+    assert len(graphs) == 6 * 2 and len(marks) == 6 * (len(cell.steps) + 1)
+    assert sorted(destroyed("cuGraphExecDestroy")) == graphs[:-2]  # every instance's but the one alive
+    assert sorted(destroyed("cuEventDestroy_v2")) == marks[: -len(cell.steps) - 1]
+    del data
+    gc.collect()
+    assert sorted(destroyed("cuGraphExecDestroy")) == graphs
+    assert sorted(destroyed("cuEventDestroy_v2")) == marks
 
 
 @pytest.mark.parametrize("refused", ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags"])
@@ -656,7 +694,8 @@ def test_device_memory_goes_back_with_the_instance_and_the_network(monkeypatch):
     f.tanh(f.var("x", "float32", [3, 8]) @ weights[0] @ weights[1]).var.out = True
     network = rv.Compiler("cuda").compile(flow)
     data = network.cell("f").instance()
-    data.compute()
+    for _ in range(3):  # the second captures a graph (on the emulator, the launches' function)
+        data.compute()
     assert len(emulator._memory) == before + 2 + 2  # the arena and the status words; the two constants
     del data
     gc.collect()

@@ -70,6 +70,9 @@ class GPU(Protocol):
 
     def replay(self, graph: object) -> None: ...
 
+    def discard(self, graph: object) -> None:
+        """Give back a graph `graph` made."""
+
     def synchronize(self) -> None: ...
 
 
@@ -79,6 +82,9 @@ class Timer(Protocol):
 
     def seconds(self, start: int, stop: int) -> float:
         """Time between two marks, once the launches between them have finished."""
+
+    def close(self) -> None:
+        """Give back what the marks hold on the device."""
 
 
 class HostTimer:
@@ -92,6 +98,9 @@ class HostTimer:
 
     def seconds(self, start: int, stop: int) -> float:
         return self.times[stop] - self.times[start]
+
+    def close(self) -> None:
+        pass
 
 
 class HostEmulator:
@@ -169,6 +178,9 @@ class HostEmulator:
 
     def replay(self, graph: Callable[[], None]) -> None:
         graph()
+
+    def discard(self, graph: Callable[[], None]) -> None:
+        pass
 
     def synchronize(self) -> None:
         pass

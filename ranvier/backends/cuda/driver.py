@@ -199,6 +199,9 @@ class DriverGPU:
     def replay(self, graph: ctypes.c_void_p) -> None:
         self._check(self._library.cuGraphLaunch(graph, self._stream), "launch a graph")
 
+    def discard(self, graph: ctypes.c_void_p) -> None:
+        self._check(self._library.cuGraphExecDestroy(graph), "destroy a graph")
+
     def timer(self, marks: int) -> EventTimer:
         return EventTimer(self, marks)
 
@@ -225,3 +228,7 @@ class EventTimer:
         self.gpu._check(self.gpu._library.cuEventElapsedTime(ctypes.byref(milliseconds), self.events[start], self.events[stop]),
                         "time a step")
         return milliseconds.value / 1e3
+
+    def close(self) -> None:
+        for event in self.events:
+            self.gpu._check(self.gpu._library.cuEventDestroy_v2(event), "destroy an event")

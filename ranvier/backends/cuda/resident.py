@@ -37,7 +37,8 @@ compute made while `RANVIER_CUDA_GRAPHS=0` makes its launches one by one, which 
 graph saves (benchmarks/llama_train.py --backend cuda compares them). Steps are timed (an
 event between each two, each read back after the compute) only while the instance is
 profiled (`data.reset_profile()`, `--profile`); a profiled compute replays a graph of its
-own, with the events in it.
+own, with the events in it. An instance's graphs and events are destroyed when it goes,
+as its memory is given back (`Launches`).
 
 `data.device_array(x)` hands a variable's device memory to other GPU libraries without a
 copy (`DeviceArray`: `__cuda_array_interface__`, which CuPy and PyTorch read). What they
@@ -64,7 +65,7 @@ from ...flow.graph import Variable
 from ...ops import written_inputs
 from ...runtime import Cell, Instance, Network, Slot
 from .blas import Gemm
-from .device import GPU
+from .device import GPU, Timer
 from .mailbox import Mailbox
 
 _HOST_NEWER, _SAME, _DEVICE_NEWER = "host newer", "same", "device newer"
@@ -163,16 +164,14 @@ class DeviceInstance:
         self.host_current: set[str] = set()  # locals whose host view holds their latest value
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.cleared()
-        self.timer = None  # the marks between steps, made by the first profiled compute
-        self.graphs: dict[bool, object] = {}  # the launches captured as a graph: untimed, and timed (profiled)
-        self.capture_failed = False  # then every compute launches kernel by kernel
-        self.computes = 0
-        self.launches = []
+        launches = []
         for index in range(len(cell.steps)):
             status = self.mailbox.status_word(index)
             for kernel, shape in zip(cell.native["kernels"][index], cell.native["shapes"][index]):
                 operands = [self.address(v) for v in kernel.operands]
-                self.launches.append((index, kernel, shape, operands if isinstance(kernel, Gemm) else [*operands, status]))
+                launches.append((index, kernel, shape, operands if isinstance(kernel, Gemm) else [*operands, status]))
+        self.launches = Launches(cell.name, len(cell.steps), launches, gpu, code)
+        weakref.finalize(self, self.launches.release)
         # the globals the kernels read (a shape operand no kernel reads stays on the host)
         self.read_globals = [var.name for var in cell.global_vars if var.name in self.globals.addresses]
         written = {v.name for step in cell.steps for v in (*written_inputs(step.op), *step.op.outputs) if v.is_global}
@@ -255,7 +254,58 @@ class DeviceInstance:
             self.gpu.upload(self.arena + start, self.instance.buffer[start:stop])
         self.pending.clear()
 
-    def _launch_steps(self, timed: bool) -> None:
+    def __call__(self) -> None:
+        timed = self.instance.profiling
+        self.globals.before_compute(self.read_globals)
+        self._send()
+        primal = self.instance.primal
+        if primal is not None and isinstance(primal.device, DeviceInstance):
+            primal.device.send_pending()
+        self.launches(timed)
+        self.globals.after_compute(self.written_globals)
+        self.gpu.synchronize()
+        failed = self.mailbox.receive(self.instance.buffer)
+        self.host_current = self.mailed | {slot.var.name for slot in self.inputs if slot.var.name not in self.fed_on_device}
+        if timed:
+            for index in range(len(self.cell.steps)):
+                self.instance.step_time[index] += self.launches.seconds(index)
+        if failed is not None:
+            op = self.cell.steps[failed].op
+            raise RanvierError(f"{op.type} op {op.name} failed on the GPU: an index or class label is out of range")
+
+
+class Launches:
+    """An instance's launches (every step's kernels or products, in order, at fixed
+    addresses), made kernel by kernel or as a graph (module docstring), and what they hold
+    on the device: their graphs and timing marks, given back when the instance goes (a
+    finalizer holds this, which holds nothing of the instance's)."""
+
+    def __init__(self, name: str, steps: int, launches: list[tuple], gpu: GPU, code: object):
+        self.name, self.steps, self.launches, self.gpu, self.code = name, steps, launches, gpu, code
+        self.timer: Timer | None = None  # the marks between steps, made by the first profiled compute
+        self.graphs: dict[bool, object] = {}  # the launches captured as a graph: untimed, and timed (profiled)
+        self.capture_failed = False  # then every compute launches kernel by kernel
+        self.computes = 0
+
+    def __call__(self, timed: bool) -> None:
+        """The launches: kernel by kernel the first time, then as a graph (module docstring)."""
+        if timed and self.timer is None:
+            self.timer = self.gpu.timer(self.steps + 1)
+        if self.computes == 0 or self.capture_failed or os.environ.get(GRAPHS_ENVIRONMENT) == "0":
+            self._in_order(timed)
+        elif timed in self.graphs:
+            self.gpu.replay(self.graphs[timed])
+        else:
+            try:
+                self.graphs[timed] = self.gpu.graph(lambda: self._in_order(timed))
+            except RanvierError as error:
+                self.capture_failed = True
+                warnings.warn(f"cell {self.name}: the driver could not capture its launches as a graph ({error}); "
+                              "launching them kernel by kernel", RuntimeWarning, stacklevel=4)
+                self._in_order(timed)
+        self.computes += 1
+
+    def _in_order(self, timed: bool) -> None:
         """Every step's kernels in order; profiled, with a timing mark at each step's end."""
         mark = self.timer.record if timed else lambda step: None
         step = 0
@@ -268,46 +318,19 @@ class DeviceInstance:
                 self.gpu.gemm(self.code, kernel, addresses)
             else:
                 self.gpu.launch(self.code, kernel, shape, addresses)
-        while step < len(self.cell.steps):
+        while step < self.steps:
             step += 1
             mark(step)
 
-    def _launch(self, timed: bool) -> None:
-        """The launches: kernel by kernel the first time, then as a graph (module docstring)."""
-        if timed and self.timer is None:
-            self.timer = self.gpu.timer(len(self.cell.steps) + 1)
-        if self.computes == 0 or self.capture_failed or os.environ.get(GRAPHS_ENVIRONMENT) == "0":
-            self._launch_steps(timed)
-        elif timed in self.graphs:
-            self.gpu.replay(self.graphs[timed])
-        else:
-            try:
-                self.graphs[timed] = self.gpu.graph(lambda: self._launch_steps(timed))
-            except RanvierError as error:
-                self.capture_failed = True
-                warnings.warn(f"cell {self.cell.name}: the driver could not capture its launches as a graph ({error}); "
-                              "launching them kernel by kernel", RuntimeWarning, stacklevel=4)
-                self._launch_steps(timed)
-        self.computes += 1
+    def seconds(self, step: int) -> float:
+        """Step `step`'s time in the last (profiled) compute."""
+        return self.timer.seconds(step, step + 1)
 
-    def __call__(self) -> None:
-        timed = self.instance.profiling
-        self.globals.before_compute(self.read_globals)
-        self._send()
-        primal = self.instance.primal
-        if primal is not None and isinstance(primal.device, DeviceInstance):
-            primal.device.send_pending()
-        self._launch(timed)
-        self.globals.after_compute(self.written_globals)
-        self.gpu.synchronize()
-        failed = self.mailbox.receive(self.instance.buffer)
-        self.host_current = self.mailed | {slot.var.name for slot in self.inputs if slot.var.name not in self.fed_on_device}
-        if timed:
-            for index in range(len(self.cell.steps)):
-                self.instance.step_time[index] += self.timer.seconds(index, index + 1)
-        if failed is not None:
-            op = self.cell.steps[failed].op
-            raise RanvierError(f"{op.type} op {op.name} failed on the GPU: an index or class label is out of range")
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            self.gpu.discard(graph)
+        if self.timer is not None:
+            self.timer.close()
 
 
 def _overlap(a: Slot, b: Slot) -> bool:
