@@ -91,7 +91,9 @@ class Generator:
 
     The network keeps no copy of its own: the model's initial arrays (aligned, as models
     make them; given `weights` are copied once where they are not) are its weights, so a
-    write to either reaches the other, and with bf16 products they become read-only."""
+    write to either reaches the other, and with bf16 products they become read-only. (On
+    a GPU the device keeps its own copy: a write must go through `generator.network[name]`
+    to reach it.)"""
 
     def __init__(
         self,

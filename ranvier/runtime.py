@@ -394,7 +394,9 @@ class Instance:
         self._run = self.cell.backend.bind(self.cell, self)
 
     def view(self, var: Variable) -> np.ndarray:
-        """Array for any variable the cell touches: a slice of this instance, or a network global."""
+        """The host's array for any variable the cell touches: a slice of this instance, or a
+        network global; what a backend computing on the host reads and writes. (Where a
+        device computes, it may be stale: `data[x]` brings the device's value back.)"""
         local = self._by_name.get(var.name)
         if local is not None:
             return local
