@@ -2,7 +2,8 @@
 vector variant, every shape class (edges of the tile, of k's slices and of B's blocks,
 transposes, leading dimensions wider than the matrix, empty sums), and nothing outside C
 written; the per-shape choice between it and BLAS, measured once and kept; the GEMM on B packed
-ahead of time (a constant's panels)."""
+ahead of time (a constant's panels); the GEMMs on bf16 pairs (AVX512-BF16's vdpbf16ps), against
+float64 on the bf16-rounded operands."""
 
 from __future__ import annotations
 
@@ -106,6 +107,66 @@ def test_the_gemm_on_packed_panels_matches_float64_numpy_and_writes_only_c(shape
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
 
 
+needs_pairs = pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+PAIR_SHAPES = [*SHAPES, (8, 48, 2), (3, 50, 3),  # a whole tile of one pair; an odd k: its last pair padded
+               (20, 100, 1100), (17, 1000, 515)]  # three slices of k (even ones, then one of 76); blocks of columns
+
+
+@needs_pairs
+@pytest.mark.parametrize("packed", [False, True], ids=["matrix", "panels"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("shape", PAIR_SHAPES)
+def test_the_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writes_only_c(shape, ta, tb, packed):
+    """ranvier_sgemm_dpbf16 (B packed into pairs a block at a time) and
+    ranvier_sgemm_packed_dpbf16 (B's pairs packed ahead of time, called from its first panel
+    and from a later one): both operands rounded to bf16 to nearest even, float32 sums."""
+    m, n, k = shape
+    target = host_target()
+    rng = np.random.default_rng(m * 10_000 + n * 100 + k + 2)
+    pad = 3
+    a, b, c = _operands(m, n, k, ta, tb, pad, rng)
+    op_b = b[:, : b.shape[1] - pad]
+    nr = sgemm.panel_width(target)
+    first = nr if packed and n > nr else 0
+    if packed:
+        panels = sgemm.pack_panels(op_b, tb, target, pairs=True)
+        assert panels.size == 0 or panels.ctypes.data % sgemm.PANEL_ALIGNMENT == 0
+        gemm = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target, pairs=True))
+        gemm(int(ta), m, n - first, k, a.ctypes.data, a.shape[1], panels.ctypes.data + first * (k + k % 2) * panels.itemsize,
+             c.ctypes.data, c.shape[1])
+    else:
+        gemm = sgemm.GEMM_CTYPE(sgemm.pairs_gemm_address(target))
+        workspace = np.empty(sgemm.workspace_bytes(n, k), np.uint8)
+        gemm(int(ta), int(tb), m, n, k, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], c.ctypes.data, c.shape[1],
+             workspace.ctypes.data)
+    op_a = a[:, : a.shape[1] - pad].astype(ml_dtypes.bfloat16).astype(np.float64)
+    op_a = op_a.T if ta else op_a
+    wide = op_b.astype(ml_dtypes.bfloat16).astype(np.float64)
+    wide = (wide.T if tb else wide)[:, first:]
+    got = c[:m, : n - first]
+    assert np.isfinite(got).all(), "every element of C written"
+    bound = np.abs(op_a) @ np.abs(wide)  # float32 sums of exact products of bf16
+    assert np.all(np.abs(got - op_a @ wide) <= 1e-5 * bound + 1e-30)
+    frame = c.copy()
+    frame[:m, : n - first] = 0
+    assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
+
+
+def test_pair_panels_hold_two_steps_of_k_for_each_column_rounded_to_nearest_even():
+    target = host_target()
+    nr = sgemm.panel_width(target)
+    b = np.random.default_rng(1).standard_normal((7, nr + 5)).astype(np.float32)
+    for transposed, source in [(False, b), (True, np.ascontiguousarray(b.T))]:
+        panels = sgemm.pack_panels(source, transposed, target, pairs=True)
+        assert panels.dtype == ml_dtypes.bfloat16 and panels.size == sgemm.panels_size(nr + 5, 7, target, pairs=True)
+        rounded = b.astype(ml_dtypes.bfloat16)
+        pairs = panels.reshape(2, 4, nr, 2)  # [panel, pair of k, column, its two steps]
+        np.testing.assert_array_equal(pairs[0, :3, :, 0], rounded[0:6:2, :nr])
+        np.testing.assert_array_equal(pairs[0, :3, :, 1], rounded[1:6:2, :nr])
+        np.testing.assert_array_equal(pairs[1, 3, :5, 0], rounded[6, nr:])
+        assert not pairs[1, 3, :, 1].astype(np.float32).any() and not pairs[1, :, 5:].astype(np.float32).any()
+
+
 def test_packed_panels_hold_op_b_by_columns_of_nr_zeros_past_each_range():
     target = host_target()
     nr = sgemm.panel_width(target)
@@ -183,14 +244,20 @@ def test_every_variant_compiles_whatever_the_host():
     from ranvier.backends.cpu import jit
     from ranvier.backends.cpu.target import CPUTarget
 
-    for name, features in [("skylake-avx512", "+avx512f,+avx512vl,+avx2,+fma,+avx"), ("haswell", "+avx2,+fma,+avx"),
+    pairs = (sgemm.PAIRS_SYMBOL, sgemm.PAIRS_PACKED_SYMBOL)
+    for name, features in [("znver4", "+avx512f,+avx512bw,+avx512vl,+avx512bf16,+avx2,+fma,+avx"),
+                           ("skylake-avx512", "+avx512f,+avx512vl,+avx2,+fma,+avx"), ("haswell", "+avx2,+fma,+avx"),
                            ("x86-64", "+sse4.2")]:
         target = CPUTarget(name, features)
         assembly = jit.assembly(sgemm.build_module(target), target)
-        register = {"skylake-avx512": "%zmm", "haswell": "%ymm", "x86-64": "%xmm"}[name]
+        register = {"znver4": "%zmm", "skylake-avx512": "%zmm", "haswell": "%ymm", "x86-64": "%xmm"}[name]
         symbols = (sgemm.SYMBOL, sgemm.PACKED_SYMBOL, sgemm.BF16_PACKED_SYMBOL, sgemm.WINDOWS_SYMBOL)
         assert all(f"{symbol}:" in assembly for symbol in symbols)
         assert register in assembly
+        # the GEMMs on bf16 pairs only where the target has AVX512-BF16
+        assert all((f"{symbol}:" in assembly) == (name == "znver4") for symbol in pairs)
+        assert ("vdpbf16ps" in assembly) == (name == "znver4")
+    assert not sgemm.pairs_supported(host_target("-avx512bf16"))
 
 
 @pytest.mark.parametrize("gemm,kernel", [("generated", "PackedGemm"), ("blas", "BlasGemm")])

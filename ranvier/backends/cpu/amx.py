@@ -60,12 +60,12 @@ from pathlib import Path
 from llvmlite import ir
 
 from ...errors import RanvierError
+from ..llvm.convert import bf16_pairs
 from ..llvm.irutil import (
     BYTE_PTR,
     F32,
     I1,
     I8,
-    I16,
     I32,
     I64,
     VOID,
@@ -153,20 +153,6 @@ def gemm_code(target: CPUTarget) -> jit.LoadedCode:
 # IR building blocks
 
 
-class _BFloat(ir.Type):
-    """LLVM's bfloat type, which llvmlite does not define."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _BFloat)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
-
-
-_BF16 = _BFloat()
 _V16F = ir.VectorType(F32, 16)
 _V16I = ir.VectorType(I32, 16)
 _V16B = ir.VectorType(I1, 16)
@@ -220,21 +206,6 @@ def _masked_load(b: ir.IRBuilder, pointer: ir.Value, mask: ir.Value) -> ir.Value
 def _masked_store(b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, mask: ir.Value) -> None:
     args = [value, b.bitcast(pointer, _V16F.as_pointer()), ir.Constant(I32, 4), mask]
     _call(b, "llvm.masked.store.v16f32.p0", VOID, args)
-
-
-def _to_pairs(b: ir.IRBuilder, first: ir.Value, second: ir.Value, interleave: bool) -> ir.Value:
-    """Two vectors of 16 floats → 16 bfloat16 pairs as <16 x i32>: `first` then `second`
-    (consecutive values of k), or, interleaving, (first[i], second[i]) pairs."""
-    if interleave:
-        # Shuffled as integers: on bfloat values LLVM would move the shuffle before the
-        # conversions and interleave twice as many float lanes.
-        halves = [b.bitcast(b.fptrunc(v, ir.VectorType(_BF16, 16)), ir.VectorType(I16, 16)) for v in (first, second)]
-        order = [lane for i in range(16) for lane in (i, 16 + i)]
-        pairs = b.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, 32), order))
-    else:
-        # VCVTNE2PS2BF16 converts both at once, its second operand into the low half.
-        pairs = _call(b, "llvm.x86.avx512bf16.cvtne2ps2bf16.512", ir.VectorType(_BF16, 32), [second, first])
-    return b.bitcast(pairs, _V16I)
 
 
 def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
@@ -300,7 +271,7 @@ def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Fun
                     _masked_load(b, _float_offset(b, origin, i64(16 * h)), _when(b, valid, mask))
                     for h, mask in enumerate((low, high))
                 ]
-                vectors.append(_to_pairs(b, *halves, interleave=False))
+                vectors.append(bf16_pairs(b, *halves, interleave=False))
         else:
             # Pair p: source rows k0 + 2p and k0 + 2p + 1, interleaved, 16 columns wide.
             columns = _lane_mask(b, first, outer)
@@ -311,7 +282,7 @@ def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Fun
                     row = b.add(k0, i64(2 * p + j))
                     origin = _float_offset(b, source, b.add(b.mul(row, ld), first))
                     rows.append(_masked_load(b, origin, _when(b, b.icmp_signed("<", row, k), columns)))
-                vectors.append(_to_pairs(b, *rows, interleave=True))
+                vectors.append(bf16_pairs(b, *rows, interleave=True))
         if transpose:
             vectors = _transpose(b, vectors)
         out = _byte_offset(b, packed, _block_offset(b, b.sub(panel, start), step, b.sub(stop, start), steps))

@@ -130,9 +130,9 @@ def describe_cache() -> str:
 def generated_function(symbol: str, generator: Path, target: CPUTarget, build: Callable[[CPUTarget], ir.Module]) -> LoadedCode:
     """A function generated once per process (a GEMM the cells call through their pointer
     table), compiled for `target` and cached in memory and on disk like cell code, under
-    a key of its generator's source and the IR helpers', so editing either recompiles it."""
+    a key of its generator's source and the IR helpers' (irutil, convert), so editing any recompiles it."""
     digest = hashlib.sha256()
-    for path in (generator, Path(__file__).parent.parent / "llvm" / "irutil.py"):
+    for path in (generator, *(Path(__file__).parent.parent / "llvm" / name for name in ("irutil.py", "convert.py"))):
         digest.update(path.read_bytes())
     code, _ = cached_object(cache_key(f"{symbol}\n{digest.hexdigest()}", target), lambda: compile_object(build(target), target))
     return load_object(code, target, symbol)

@@ -55,6 +55,23 @@ float32's upper half), the sums float32. A product of one row (a decode step's) 
 streams its matrix, so it takes slices of k four times as deep (`ROW_KC`: each panel read
 in long runs) and asks for the lines a fixed distance ahead of where it reads.
 
+Where the CPU has AVX512-BF16 (Zen 4 and 5, Cooper Lake; Sapphire Rapids without its AMX
+tiles), a product whose precision lets both inputs be rounded to bfloat16 runs on
+`vdpbf16ps` instead, a dot product of bf16 pairs into float32 sums: twice the multiply-adds
+of an FMA per instruction.
+
+    void ranvier_sgemm_dpbf16(... the arguments of ranvier_sgemm ...)
+    void ranvier_sgemm_packed_dpbf16(i64 transpose_a, i64 m, i64 n, i64 k, float* A, i64 lda,
+                                     u16* panels, float* C, i64 ldc)
+
+are the same loops and tiles on pairs: each step of k the micro-kernel takes is two, k and
+k + 1, held as two bf16 in one 32-bit slot. B's panels (`pack_pairs`, or ahead of time
+`pack_panels(..., pairs=True)`) hold in their row p, for each of the NR columns, op(B)[2p, j]
+and op(B)[2p + 1, j] side by side; a strip of A is copied as pairs too (`copy_pairs`), and
+a step broadcasts one pair of a row (a 32-bit element) against the panel's row of V
+vectors. An odd k ends in a pair with a zero. Both are rounded to the nearest bfloat16
+(ties to even, as ml_dtypes rounds; subnormal floats read as zero), the sums stay float32.
+
 A convolution's B is the im2col matrix of its input, never written out:
 
     void ranvier_sgemm_windows(i64 m, i64 n, i64 k, float* A, i64 lda, float* image,
@@ -79,8 +96,9 @@ import numpy as np
 from llvmlite import ir
 
 from ...dtypes import DT_BFLOAT16
-from ..llvm.convert import widen
+from ..llvm.convert import bf16_pairs, widen
 from ..llvm.irutil import (
+    BF16,
     BYTE_PTR,
     F32,
     I1,
@@ -104,6 +122,8 @@ SYMBOL = "ranvier_sgemm"
 PACKED_SYMBOL = "ranvier_sgemm_packed"
 BF16_PACKED_SYMBOL = "ranvier_sgemm_packed_bf16"
 WINDOWS_SYMBOL = "ranvier_sgemm_windows"
+PAIRS_SYMBOL = "ranvier_sgemm_dpbf16"
+PAIRS_PACKED_SYMBOL = "ranvier_sgemm_packed_dpbf16"
 GEOMETRY = ("height", "width", "kernel_height", "kernel_width", "stride_height", "stride_width", "pad_height",
             "pad_width", "out_width")
 
@@ -126,6 +146,9 @@ ROW_KC = 4 * KC
 # step: the hardware's prefetchers alone streamed bf16 panels at 11-12 GB/s on an AVX2
 # EPYC core, where OpenBLAS's float32 GEMV streams 19-22; 1,024 ahead reached 15-20.
 ROW_AHEAD = 1024
+# Steps of k per block on bf16 pairs: a block of B and a strip of A take the bytes KC float32
+# steps do, and each panel row carries twice the work.
+PAIRS_KC = 2 * KC
 _BLOCK_BYTES = 384 << 10  # a block of B packed into the workspace: most of a 512 KiB L2
 # A block of B packed ahead of time (a constant's) is smaller, a quarter of the L2: it comes
 # from memory, not from a packing pass that just wrote it, and the strips of A and tiles of C
@@ -136,10 +159,13 @@ _BLOCK_BYTES = 384 << 10  # a block of B packed into the workspace: most of a 51
 # alternated pairs each), the FFN's 3,072-deep products 15% faster on one core.
 _PACKED_BLOCK_BYTES = {8: 128 << 10, 16: 384 << 10}  # by float lanes; SSE's 4 as AVX2's
 _FLOAT_PTR = F32.as_pointer()
-_LINE_FLOATS = 16  # a 64-byte cache line
+_PAIRS_PTR = I32.as_pointer()  # bf16 pairs, one 32-bit slot each
+_LINE_FLOATS = 16  # a 64-byte cache line: also its 32-bit slots of bf16 pairs
 _FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
 _PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64])
 _BF16_PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, I16.as_pointer(), _FLOAT_PTR, I64])
+_PACKED_FUNCTIONS = {"panels": (_PACKED_FUNCTION, PACKED_SYMBOL), "bf16 panels": (_BF16_PACKED_FUNCTION, BF16_PACKED_SYMBOL),
+                     "pair panels": (_BF16_PACKED_FUNCTION, PAIRS_PACKED_SYMBOL)}
 WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64.as_pointer(), I64, _FLOAT_PTR, I64,
                                                        BYTE_PTR])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
@@ -148,6 +174,9 @@ WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PT
 _MICRO = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1, _FLOAT_PTR, I64, I64, I64])
 _MICRO_BF16 = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, I64, I16.as_pointer(), _FLOAT_PTR, I64, I64, I1, _FLOAT_PTR, I64,
                                      I64, I64])
+# the same on pairs: pairs of k (kc of them), A's strip and the panel in bf16 pairs
+_MICRO_PAIRS = ir.FunctionType(VOID, [I64, _PAIRS_PTR, I64, I64, _PAIRS_PTR, _FLOAT_PTR, I64, I64, I1, _FLOAT_PTR, I64, I64,
+                                      I64])
 # kc, a, a's row stride, the edge's columns (ROW_KC apart), c, ldc, columns, add to C?
 _DOT = ir.FunctionType(VOID, [I64, _FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64, I64, I1])
 # A block's last panel this narrow is computed as dot products along k (`dot_kernel`): a
@@ -178,8 +207,14 @@ def panel_width(target: CPUTarget) -> int:
     return tile_shape(target)[1] * target.lanes(4)
 
 
+def pairs_supported(target: CPUTarget) -> bool:
+    """Whether `target` has the GEMMs on bf16 pairs (`vdpbf16ps`, AVX512-BF16)."""
+    return target.variant == "avx512" and "avx512bf16" in target.feature_set
+
+
 def block_columns(target: CPUTarget, packed: bool = False) -> int:
-    """NC: the columns of a block of B, whole panels; `packed`: of a B packed ahead of time."""
+    """NC: the columns of a block of B, whole panels; `packed`: of a B packed ahead of time.
+    A block of bf16 pairs (`PAIRS_KC` deep) takes as many bytes a column as a float32 one."""
     nr = panel_width(target)
     packed_bytes = _PACKED_BLOCK_BYTES[max(8, target.lanes(4))]
     return max(nr, (packed_bytes if packed else _BLOCK_BYTES) // (KC * 4) // nr * nr)
@@ -205,9 +240,15 @@ def gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address
 
 
-def packed_gemm_address(target: CPUTarget, narrow: bool = False) -> int:
-    """`ranvier_sgemm_packed`, or with `narrow` its twin on bf16 panels."""
-    return gemm_code(target).address_of(BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
+def packed_gemm_address(target: CPUTarget, narrow: bool = False, pairs: bool = False) -> int:
+    """`ranvier_sgemm_packed`, or with `narrow` its twin on bf16 panels, with `pairs` the
+    one on bf16 pairs (`pairs_supported` targets)."""
+    return gemm_code(target).address_of(PAIRS_PACKED_SYMBOL if pairs else BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
+
+
+def pairs_gemm_address(target: CPUTarget) -> int:
+    """`ranvier_sgemm_dpbf16`, on a `pairs_supported` target: ranvier_sgemm's arguments."""
+    return gemm_code(target).address_of(PAIRS_SYMBOL)
 
 
 def windows_gemm_address(target: CPUTarget) -> int:
@@ -217,36 +258,44 @@ def windows_gemm_address(target: CPUTarget) -> int:
 PANEL_ALIGNMENT = 64  # bytes: the micro-kernel loads a panel's rows as aligned vectors
 
 
-def panels_size(columns: int, k: int, target: CPUTarget) -> int:
-    """Floats the panels of `columns` columns of op(B) take: whole panels of NR."""
+def panels_size(columns: int, k: int, target: CPUTarget, pairs: bool = False) -> int:
+    """Elements (floats, or bf16) the panels of `columns` columns of op(B) take: whole panels
+    of NR; `pairs`: of bf16 pairs, k rounded up to even."""
     nr = panel_width(target)
-    return -(-columns // nr) * nr * k
+    return -(-columns // nr) * nr * (k + k % 2 if pairs else k)
 
 
 def pack_panels(b: np.ndarray, transposed: bool, target: CPUTarget, ranges: list[tuple[int, int]] | None = None,
-                narrow: bool = False) -> np.ndarray:
+                narrow: bool = False, pairs: bool = False) -> np.ndarray:
     """op(B) (B float32 [k, n], or [n, k] when `transposed`) as `ranvier_sgemm_packed`
     reads it: panels of NR columns, each k rows of NR floats, zeros past the last column;
     64-byte aligned. With `ranges` (column ranges, each a call's), each range's panels
     follow the previous range's, `panels_size` elements each; else one range of all n.
-    `narrow`: rounded to the nearest bfloat16 (ties to even), for `ranvier_sgemm_packed_bf16`."""
-    dtype = ml_dtypes.bfloat16 if narrow else np.float32
+    `narrow`: rounded to the nearest bfloat16 (ties to even), for `ranvier_sgemm_packed_bf16`;
+    `pairs`: so rounded, each panel row a pair of k (a zero past an odd k) for each column,
+    for `ranvier_sgemm_packed_dpbf16`."""
+    dtype = ml_dtypes.bfloat16 if narrow or pairs else np.float32
     itemsize = np.dtype(dtype).itemsize
     columns = b.T if transposed else b
     k, n = columns.shape
     nr = panel_width(target)
     ranges = ranges or [(0, n)]
-    total = sum(panels_size(last - first, k, target) for first, last in ranges)
+    total = sum(panels_size(last - first, k, target, pairs) for first, last in ranges)
     storage = np.empty(total + PANEL_ALIGNMENT // itemsize, dtype)
     start = (-storage.ctypes.data % PANEL_ALIGNMENT) // itemsize
     packed = storage[start : start + total]
     at = 0
+    depth = k + k % 2 if pairs else k
     for first, last in ranges:
         count = -(-(last - first) // nr)
-        padded = np.zeros((k, count * nr), dtype)
-        padded[:, : last - first] = columns[:, first:last]
-        packed[at : at + count * nr * k] = padded.reshape(k, count, nr).transpose(1, 0, 2).reshape(-1)
-        at += count * nr * k
+        padded = np.zeros((depth, count * nr), dtype)
+        padded[:k, : last - first] = columns[:, first:last]
+        if pairs:  # [pair, its two steps, panel, column] → [panel, pair, column, its two steps]
+            panels = padded.reshape(depth // 2, 2, count, nr).transpose(2, 0, 3, 1)
+        else:
+            panels = padded.reshape(k, count, nr).transpose(1, 0, 2)
+        packed[at : at + count * nr * depth] = panels.reshape(-1)
+        at += count * nr * depth
     return packed
 
 
@@ -296,6 +345,16 @@ class _Emitter:
         narrow = ir.VectorType(I16, self.lanes)
         return widen(b, b.load(b.bitcast(pointer, narrow.as_pointer()), align=self.lanes * 2), DT_BFLOAT16, self.lanes)
 
+    def load_pairs(self, b: ir.IRBuilder, pointer: ir.Value) -> ir.Value:
+        """A vector of a panel's row of bf16 pairs, from an aligned pointer to its slots."""
+        slots = ir.VectorType(I32, self.lanes)
+        return b.bitcast(b.load(b.bitcast(pointer, slots.as_pointer()), align=self.lanes * 4), ir.VectorType(BF16, 2 * self.lanes))
+
+    def pair_dot(self) -> ir.Function:
+        """vdpbf16ps: (sums, pairs, pairs) → sums + each lane's two products."""
+        pairs = ir.VectorType(BF16, 2 * self.lanes)
+        return declared(self.module, "llvm.x86.avx512bf16.dpbf16ps.512", ir.FunctionType(self.vector, [self.vector, pairs, pairs]))
+
     def store_vector(self, b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, aligned: bool = False) -> None:
         b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
 
@@ -310,12 +369,13 @@ class _Emitter:
 
     # ---- the micro-kernel -----------------------------------------------------------------
 
-    def micro_kernel(self, rows: int, vectors: int, narrow: bool = False) -> ir.Function:
+    def micro_kernel(self, rows: int, vectors: int, narrow: bool = False, pairs: bool = False) -> ir.Function:
         """C[rows × vectors·L] (=|+=) A-strip[rows × kc] · the panel's first vectors·L
         columns [kc × NR]: a panel over C's edge computes only the vectors it needs.
-        `narrow`: the panel holds bf16."""
-        function = ir.Function(self.module, _MICRO_BF16 if narrow else _MICRO,
-                               name=f"{SYMBOL}_tile{rows}x{vectors}{'_bf16' if narrow else ''}")
+        `narrow`: the panel holds bf16. `pairs`: the strip and the panel hold bf16 pairs,
+        kc of them, each step one `vdpbf16ps` per vector."""
+        signature, suffix = (_MICRO_PAIRS, "_pairs") if pairs else (_MICRO_BF16, "_bf16") if narrow else (_MICRO, "")
+        function = ir.Function(self.module, signature, name=f"{SYMBOL}_tile{rows}x{vectors}{suffix}")
         function.linkage = "internal"
         kc, a, sa, sk, panel, c, ldc, columns, accumulate, ahead, run, stride, lines = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
@@ -323,7 +383,7 @@ class _Emitter:
         # `chains` sets of sums, each its own chain of multiply-adds, added up at the end.
         # With one set a row waited on the multiply-add's latency at every step (a decode
         # step's one row of bf16 panels, 256 × 480 from L2: 7.8 cycles a step, 5.4 with four sets).
-        chains = self.mr // rows if narrow else 1
+        chains = self.mr // rows if narrow or pairs else 1
         sets = [[[b.alloca(self.vector) for _ in range(vectors)] for _ in range(rows)] for _ in range(chains)]
         for row in (row for chain in sets for row in chain):
             for slot in row:
@@ -345,8 +405,15 @@ class _Emitter:
             step = b.gep(panel, [b.mul(p, i64(self.nr))])
             if narrow and rows == 1:
                 self.prefetch_line(b, b.bitcast(b.gep(step, [i64(ROW_AHEAD)]), _FLOAT_PTR))
-            parts = [self.load_panel_vector(b, b.gep(step, [i64(v * self.lanes)])) for v in range(vectors)]
             along = b.mul(p, sk)
+            if pairs:
+                parts = [self.load_pairs(b, b.gep(step, [i64(v * self.lanes)])) for v in range(vectors)]
+                for r in range(rows):
+                    pair = b.bitcast(splat(b, b.load(b.gep(row_starts[r], [along])), self.lanes), parts[0].type)
+                    for h in range(vectors):
+                        b.store(b.call(self.pair_dot(), [b.load(sums[r][h]), pair, parts[h]]), sums[r][h])
+                return
+            parts = [self.load_panel_vector(b, b.gep(step, [i64(v * self.lanes)])) for v in range(vectors)]
             for r in range(rows):
                 value = splat(b, b.load(b.gep(row_starts[r], [along])), self.lanes)
                 for h in range(vectors):
@@ -443,6 +510,42 @@ class _Emitter:
                     value = b.load(b.gep(strip, [b.add(b.mul(i64(r), sa), p)]))
                     b.store(value, b.gep(copy, [b.add(b.mul(p, i64(rows)), i64(r))]))
 
+    def copy_pairs(self, b: ir.IRBuilder, transposed: ir.Value, strip: ir.Value, sa: ir.Value, sk: ir.Value, kc: ir.Value,
+                   rows: int, copy: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """A's strip (`rows` rows, kc steps of k) as bf16 pairs into `copy` (64-byte
+        aligned), a zero after an odd kc; returns the copy's (row stride, pair stride) in
+        slots. A's rows along k (not `transposed`) convert 32 steps at a time into a row of
+        the copy each, whole vectors; a transposed strip's rows of k, `rows` values side by
+        side, interleave two at a time into the pairs of one step."""
+        lanes = self.lanes
+        row_slots = b.mul(b.sdiv(b.add(kc, i64(2 * lanes - 1)), i64(2 * lanes)), i64(lanes))
+        pair_steps = b.sdiv(b.add(kc, i64(1)), i64(2))
+        run, halves = ir.VectorType(F32, rows), ir.VectorType(I16, rows)
+        with b.if_else(transposed) as (side_by_side, apart):
+            with side_by_side, for_range(b, i64(0), pair_steps, name="cp") as p:
+                second_inside = b.icmp_signed("<", b.add(b.mul(p, i64(2)), i64(1)), kc)
+                values = []
+                for step, inside in ((b.mul(p, i64(2)), None), (b.add(b.mul(p, i64(2)), i64(1)), second_inside)):
+                    at = step if inside is None else b.select(inside, step, i64(0))
+                    value = b.load(b.bitcast(b.gep(strip, [b.mul(at, sk)]), run.as_pointer()), align=4)
+                    if inside is not None:
+                        value = b.select(inside, value, ir.Constant(run, [ir.Constant(F32, 0.0)] * rows))
+                    values.append(b.bitcast(b.fptrunc(value, ir.VectorType(BF16, rows)), halves))
+                order = [half for r in range(rows) for half in (r, rows + r)]
+                pairs = b.shuffle_vector(*values, ir.Constant(ir.VectorType(I32, 2 * rows), order))
+                b.store(b.bitcast(pairs, ir.VectorType(I32, rows)),
+                        b.bitcast(b.gep(copy, [b.mul(p, i64(rows))]), ir.VectorType(I32, rows).as_pointer()), align=4)
+            with apart, for_range(b, i64(0), row_slots, step=lanes, name="cq") as q:
+                steps = b.mul(q, i64(2))
+                masks = self._lane_masks(b, steps, kc, 2)
+                for r in range(rows):
+                    start = b.gep(strip, [b.add(b.mul(i64(r), sa), steps)])
+                    first, second = (self.masked_read(b, b.gep(start, [i64(h * lanes)]), masks[h]) for h in range(2))
+                    target = b.gep(copy, [b.add(b.mul(i64(r), row_slots), q)])
+                    b.store(bf16_pairs(b, first, second, interleave=False),
+                            b.bitcast(target, ir.VectorType(I32, lanes).as_pointer()), align=4 * lanes)
+        return b.select(transposed, i64(1), row_slots), b.select(transposed, i64(rows), i64(1))
+
     # ---- packing B ------------------------------------------------------------------------
 
     def pack(self, b: ir.IRBuilder, tb: ir.Value, source: ir.Value, ldb: ir.Value, pc: ir.Value, jc: ir.Value,
@@ -510,6 +613,71 @@ class _Emitter:
                 merged.add_incoming(value, plain_block)
                 merged.add_incoming(masked, edge_block)
                 self.store_vector(b, merged, b.gep(panel, [b.add(b.mul(p, nr), i64(h * self.lanes))]), aligned=True)
+
+    def pack_pairs(self, b: ir.IRBuilder, tb: ir.Value, source: ir.Value, ldb: ir.Value, pc: ir.Value, jc: ir.Value,
+                   kc: ir.Value, nc: ir.Value, packed: ir.Value) -> None:
+        """op(B)[pc:pc+kc, jc:jc+nc] into panels of NR columns of bf16 pairs (`packed`,
+        slots): a panel's row p holds op(B)[pc+2p, j] and op(B)[pc+2p+1, j] (zero past kc)
+        for each of its columns, zeros past nc."""
+        nr = i64(self.nr)
+        pair_steps = b.sdiv(b.add(kc, i64(1)), i64(2))
+        panels = b.sdiv(b.add(nc, i64(self.nr - 1)), nr)
+        with for_range(b, i64(0), panels, name="q") as q:
+            first = b.mul(q, nr)
+            columns = b.select(b.icmp_signed("<", b.sub(nc, first), nr), b.sub(nc, first), nr)
+            panel = b.gep(packed, [b.mul(q, b.mul(pair_steps, nr))])
+            column = b.add(jc, first)
+            with b.if_else(b.icmp_signed("!=", tb, i64(0))) as (transposed, plain):
+                with transposed:
+                    self._pack_pair_columns(b, source, ldb, pc, column, kc, pair_steps, columns, panel)
+                with plain:
+                    self._pack_pair_rows(b, source, ldb, pc, column, kc, pair_steps, columns, panel)
+
+    def _lane_masks(self, b: ir.IRBuilder, start: ir.Value, limit: ir.Value, count: int) -> list[ir.Value]:
+        """`count` vectors' lanes i, from `start` on, where start + i < limit."""
+        lane = ir.Constant(ir.VectorType(I64, self.lanes), list(range(self.lanes)))
+        return [b.icmp_signed("<", b.add(lane, splat(b, b.add(start, i64(h * self.lanes)), self.lanes)), splat(b, limit, self.lanes))
+                for h in range(count)]
+
+    def _pack_pair_rows(self, b, source, ldb, pc, column, kc, pair_steps, columns, panel) -> None:
+        """op(B)[p, j] = B[p, j]: two of B's rows, a vector of columns at a time (masked
+        over B's edge), interleave into a row of pairs."""
+        masks = self._lane_masks(b, i64(0), columns, self.vectors)
+        none = ir.Constant(masks[0].type, [ir.Constant(I1, 0)] * self.lanes)
+        with for_range(b, i64(0), pair_steps, name="pp") as p:
+            step = b.add(pc, b.mul(p, i64(2)))
+            second_inside = b.icmp_signed("<", b.add(b.mul(p, i64(2)), i64(1)), kc)
+            first_row = b.gep(source, [b.add(b.mul(step, ldb), column)])
+            second_row = b.gep(first_row, [b.select(second_inside, ldb, i64(0))])
+            for h, mask in enumerate(masks):
+                first = self.masked_read(b, b.gep(first_row, [i64(h * self.lanes)]), mask)
+                second = self.masked_read(b, b.gep(second_row, [i64(h * self.lanes)]), b.select(second_inside, mask, none))
+                target = b.gep(panel, [b.add(b.mul(p, i64(self.nr)), i64(h * self.lanes))])
+                b.store(bf16_pairs(b, first, second, interleave=True),
+                        b.bitcast(target, ir.VectorType(I32, self.lanes).as_pointer()), align=4 * self.lanes)
+
+    def _pack_pair_columns(self, b, source, ldb, pc, column, kc, pair_steps, columns, panel) -> None:
+        """op(B)[p, j] = B[j, p]: each of L of B's rows gives L pairs of k (2L floats,
+        masked past kc), and the L × L block of pairs, transposed in registers, is L rows of
+        the panel's L columns; rows past the last pair are not stored."""
+        lanes = self.lanes
+        none = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
+        with for_range(b, i64(0), pair_steps, step=lanes, name="pt") as p:
+            steps = b.mul(p, i64(2))
+            masks = self._lane_masks(b, steps, kc, 2)
+            for part in range(self.vectors):
+                rows = []
+                for j in range(lanes):
+                    inside = b.icmp_signed("<", i64(part * lanes + j), columns)
+                    row = b.add(column, b.select(inside, i64(part * lanes + j), i64(0)))
+                    start = b.gep(source, [b.add(b.mul(row, ldb), b.add(pc, steps))])
+                    first, second = (self.masked_read(b, b.gep(start, [i64(h * lanes)]), b.select(inside, masks[h], none))
+                                     for h in range(2))
+                    rows.append(bf16_pairs(b, first, second, interleave=False))
+                for t, vector in enumerate(transpose_square(b, rows)):
+                    with b.if_then(b.icmp_signed("<", b.add(p, i64(t)), pair_steps)):
+                        target = b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), i64(self.nr)), i64(part * lanes))])
+                        b.store(vector, b.bitcast(target, vector.type.as_pointer()), align=4 * lanes)
 
     # ---- packing a convolution's windows ---------------------------------------------------
 
@@ -685,6 +853,11 @@ def build_module(target: CPUTarget) -> ir.Module:
     _gemm(emit, tiles, block_columns(target, packed=True), "panels")
     _gemm(emit, narrow_tiles, block_columns(target, packed=True), "bf16 panels")
     _gemm(emit, tiles, block_columns(target), "windows")
+    if pairs_supported(target):
+        pair_tiles = {(rows, vectors): emit.micro_kernel(rows, vectors, pairs=True) for rows in range(1, emit.mr + 1)
+                      for vectors in range(1, emit.vectors + 1)}
+        _gemm(emit, pair_tiles, block_columns(target), "pairs")
+        _gemm(emit, pair_tiles, block_columns(target, packed=True), "pair panels")
     return module
 
 
@@ -692,23 +865,27 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
     """The GEMM whose B is `source`: a "matrix" packed a block at a time (`ranvier_sgemm`),
     "panels" packed ahead of time (`ranvier_sgemm_packed`: the same loops, less the
     packing), "bf16 panels" (`ranvier_sgemm_packed_bf16`), or a convolution's "windows"
-    (`ranvier_sgemm_windows`)."""
+    (`ranvier_sgemm_windows`); on bf16 pairs, a "pairs" matrix (`ranvier_sgemm_dpbf16`) or
+    "pair panels" (`ranvier_sgemm_packed_dpbf16`)."""
     packed = source.endswith("panels")
     narrow = source == "bf16 panels"
+    pairs = source.startswith("pair")
     if packed:
-        function = ir.Function(emit.module, _BF16_PACKED_FUNCTION if narrow else _PACKED_FUNCTION,
-                               name=BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
+        signature, name = _PACKED_FUNCTIONS[source]
+        function = ir.Function(emit.module, signature, name=name)
         ta, m, n, k, a, lda, panels_of_b, c, ldc = function.args
     elif source == "windows":
         function = ir.Function(emit.module, WINDOWS_FUNCTION, name=WINDOWS_SYMBOL)
         m, n, k, a, lda, image, geometry_of_b, first_column, c, ldc, workspace = function.args
         ta = i64(0)
     else:
-        function = ir.Function(emit.module, _FUNCTION, name=SYMBOL)
+        function = ir.Function(emit.module, _FUNCTION, name=PAIRS_SYMBOL if pairs else SYMBOL)
         ta, tb, m, n, k, a, lda, matrix, ldb, c, ldc, workspace = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
+    if packed and pairs:
+        panels_of_b = b.bitcast(panels_of_b, _PAIRS_PTR)
     if not packed:
-        block_of_b = cache_line_aligned(b, workspace, _FLOAT_PTR)
+        block_of_b = cache_line_aligned(b, workspace, _PAIRS_PTR if pairs else _FLOAT_PTR)
     if source == "windows":
         geometry = {name: b.load(b.gep(geometry_of_b, [i64(index)])) for index, name in enumerate(GEOMETRY)}
         taps, positions = b.alloca(I32, i64(3 * KC)), b.alloca(I32, i64(3 * emit.nr))
@@ -717,9 +894,18 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
     # A strip read in place touches a cache line per step of k when A is transposed (MR
     # values side by side, rows lda apart), or MR lines of one L1 set when rows are a
     # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
-    copy_a = b.or_(transposed, b.icmp_signed("==", b.and_(lda, i64(1023)), i64(0)))
-    strip_copy = b.alloca(F32, i64(max(emit.mr * KC, ROW_KC)))
+    # A strip on pairs is always copied: into pairs.
+    copy_a = ir.Constant(I1, 1) if pairs else b.or_(transposed, b.icmp_signed("==", b.and_(lda, i64(1023)), i64(0)))
+    if pairs:
+        strip_copy = b.alloca(I32, i64(emit.mr * PAIRS_KC // 2))
+        strip_copy.align = 64  # its rows are stored as aligned vectors
+    else:
+        strip_copy = b.alloca(F32, i64(max(emit.mr * KC, ROW_KC)))
     edge = b.alloca(F32, i64(DOT_COLUMNS * ROW_KC))
+
+    def panel_rows(steps: ir.Value) -> ir.Value:
+        """The rows of a panel `steps` steps of k take: pairs of them, on pairs."""
+        return b.sdiv(b.add(steps, i64(1)), i64(2)) if pairs else steps
     nr, nc_max = i64(emit.nr), i64(block)
 
     empty = b.icmp_signed("==", k, i64(0))  # an empty sum: C is zeros
@@ -732,9 +918,11 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
     mr = emit.mr
     full_rows = b.mul(b.sdiv(m, i64(mr)), i64(mr))
     # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
-    depth = b.select(b.icmp_signed("==", m, i64(1)), i64(ROW_KC), i64(KC)) if narrow else i64(KC)
+    depth = b.select(b.icmp_signed("==", m, i64(1)), i64(ROW_KC), i64(KC)) if narrow else i64(PAIRS_KC if pairs else KC)
     slices = b.sdiv(b.add(k, b.sub(depth, i64(1))), depth)
     slice_steps = b.sdiv(b.add(k, b.sub(slices, i64(1))), b.select(b.icmp_signed(">", slices, i64(0)), slices, i64(1)))
+    if pairs:  # even, so that no pair straddles two slices
+        slice_steps = b.and_(b.add(slice_steps, i64(1)), i64(-2))
     with for_range(b, i64(0), n, step=block, name="jc") as jc:
         nc = smaller(nc_max, b.sub(n, jc))
         panels = b.sdiv(b.add(nc, i64(emit.nr - 1)), nr)
@@ -744,26 +932,30 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
             if packed:  # a panel is NR columns by all k; this slice of it starts pc rows in
 
                 def panel(first: ir.Value) -> ir.Value:
-                    return b.gep(panels_of_b, [b.add(b.mul(b.add(jc, first), k), b.mul(pc, nr))])
+                    return b.gep(panels_of_b, [b.add(b.mul(b.add(jc, first), panel_rows(k)), b.mul(panel_rows(pc), nr))])
             else:
                 if source == "windows":
                     emit.pack_windows(b, image, geometry, first_column, pc, jc, kc, nc, block_of_b, taps, positions)
+                elif pairs:
+                    emit.pack_pairs(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b)
                 else:
                     emit.pack(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b)
 
                 def panel(first: ir.Value) -> ir.Value:
-                    return b.gep(block_of_b, [b.mul(first, kc)])
+                    return b.gep(block_of_b, [b.mul(first, panel_rows(kc))])
 
             accumulate = b.icmp_signed(">", pc, i64(0))
             # a narrow last panel as dot products, where A's rows are read in place (k contiguous)
             last_first = b.mul(b.sub(panels, i64(1)), nr)
             edge_columns = b.sub(nc, last_first)
-            dots = b.and_(b.not_(copy_a), b.icmp_signed("<=", edge_columns, i64(DOT_COLUMNS)))
-            with b.if_then(dots):
-                last = panel(last_first)
-                with for_range(b, i64(0), edge_columns, name="ej") as j, for_range(b, i64(0), kc, name="ep") as p:
-                    value = b.load(b.gep(last, [b.add(b.mul(p, nr), j)]))
-                    b.store(widen(b, value, DT_BFLOAT16, 1) if narrow else value, b.gep(edge, [b.add(b.mul(j, i64(ROW_KC)), p)]))
+            # (not on pairs: A's strip is copied)
+            dots = ir.Constant(I1, 0) if pairs else b.and_(b.not_(copy_a), b.icmp_signed("<=", edge_columns, i64(DOT_COLUMNS)))
+            if not pairs:
+                with b.if_then(dots):
+                    last = panel(last_first)
+                    with for_range(b, i64(0), edge_columns, name="ej") as j, for_range(b, i64(0), kc, name="ep") as p:
+                        value = b.load(b.gep(last, [b.add(b.mul(p, nr), j)]))
+                        b.store(widen(b, value, DT_BFLOAT16, 1) if narrow else value, b.gep(edge, [b.add(b.mul(j, i64(ROW_KC)), p)]))
             tiled_panels = b.sub(panels, b.zext(dots, I64))
 
             # the next block: these columns' next slice of k, else the next columns' first slice
@@ -778,18 +970,18 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                     """Where panel `first`'s next slice starts and its lines (0: none): the
                     next slice of k of this panel, else the first of the next block's."""
                     next_column = b.add(b.add(jc, nc), first)
-                    later = b.gep(panels_of_b, [b.mul(next_column, k)])
+                    later = b.gep(panels_of_b, [b.mul(next_column, panel_rows(k))])
                     # one row asks for its lines ahead of where it reads instead (`ROW_AHEAD`)
                     exists = b.and_(b.or_(same_columns, b.icmp_signed("<", next_column, n)),
                                     b.icmp_signed(">", m, i64(1)) if narrow else ir.Constant(I1, 1))
                     per_line = _LINE_FLOATS * (2 if narrow else 1)  # panel elements in a cache line
-                    lines = b.select(exists, b.sdiv(b.mul(upcoming_kc, nr), i64(per_line)), i64(0))
-                    start = b.select(same_columns, b.gep(panel(first), [b.mul(kc, nr)]), later)
+                    lines = b.select(exists, b.sdiv(b.mul(panel_rows(upcoming_kc), nr), i64(per_line)), i64(0))
+                    start = b.select(same_columns, b.gep(panel(first), [b.mul(panel_rows(kc), nr)]), later)
                     return b.bitcast(start, _FLOAT_PTR), lines  # the tiles step through lines as floats
 
             strips = b.sdiv(b.add(m, i64(mr - 1)), i64(mr))
 
-            if source == "matrix":  # the next block's source in B, read from memory while this one computes
+            if source in ("matrix", "pairs"):  # the next block's source in B, read from memory while this one computes
                 next_jc = b.select(same_columns, jc, b.add(jc, nc))
                 upcoming_nc = smaller(nc_max, b.sub(n, next_jc))
                 exists = b.icmp_signed("<", next_jc, n)
@@ -832,22 +1024,26 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
 
             def strip(i0: ir.Value, rows: int) -> None:
                 strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
-                with b.if_then(copy_a):
-                    emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
-                read_a = b.select(copy_a, strip_copy, strip_a)
-                row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
+                if pairs:
+                    row_step, k_step = emit.copy_pairs(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
+                    read_a = strip_copy
+                else:
+                    with b.if_then(copy_a):
+                        emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
+                    read_a = b.select(copy_a, strip_copy, strip_a)
+                    row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
                 a_ahead = next_strip_of_a(i0)
                 with for_range(b, i64(0), tiled_panels, name="jr") as q:
                     first = b.mul(q, nr)
                     columns = smaller(nr, b.sub(nc, first))
-                    arguments = [kc, read_a, row_step, k_step, panel(first), b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]),
+                    arguments = [panel_rows(kc), read_a, row_step, k_step, panel(first), b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]),
                                  ldc, columns, accumulate]
                     if packed:  # each strip asks for its share of the lines, a tile's steps' worth as it computes
                         start, lines = upcoming(first)
                         share = b.sdiv(b.add(lines, b.sub(strips, i64(1))), strips)
                         low = smaller(b.mul(b.sdiv(i0, i64(mr)), share), lines)
                         high = smaller(b.add(low, share), lines)
-                        spread = smaller(b.sub(high, low), kc)
+                        spread = smaller(b.sub(high, low), panel_rows(kc))
                         emit.prefetch(b, start, b.add(low, spread), high)
                         ahead = [b.gep(start, [b.mul(low, i64(_LINE_FLOATS))]), spread, i64(0), spread]
                         # With none of B's lines for this strip to ask for (the last block and slice of
@@ -859,7 +1055,7 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                         ahead = [b.select(a_first, x, y) for x, y in zip(a_ahead, ahead)]
                     else:  # the next strip's rows of A by the strip's first tile (read in place), B's by the others
                         ahead = [*a_ahead[:3], b.select(b.icmp_signed("==", q, i64(0)), a_ahead[3], i64(0))]
-                        if source == "matrix":
+                        if source in ("matrix", "pairs"):
                             b_ahead = upcoming_rows(i0, q)
                             takes_b = b.icmp_signed(">", b_ahead[3], i64(0))
                             ahead = [b.select(takes_b, x, y) for x, y in zip(b_ahead, ahead)]
@@ -869,9 +1065,10 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                     for vectors in range(1, emit.vectors + 1):
                         with b.if_then(b.icmp_signed("==", needed, i64(vectors))):
                             b.call(tiles[rows, vectors], arguments)
-                with b.if_then(dots):
-                    b.call(tiles[rows, "dot"], [kc, read_a, row_step, edge, b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, last_first))]),
-                                                ldc, edge_columns, accumulate])
+                if not pairs:
+                    with b.if_then(dots):
+                        b.call(tiles[rows, "dot"], [kc, read_a, row_step, edge, b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, last_first))]),
+                                                    ldc, edge_columns, accumulate])
 
             with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
                 strip(i0, mr)
