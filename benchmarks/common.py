@@ -41,14 +41,16 @@ def cpu_model() -> str:
 
 
 def machine(torch=None) -> str:
-    """CPU, the cores this process may use, the kernel variant ranvier generates (with AMX
-    where usable) and, given the torch module, the threads PyTorch runs."""
-    from ranvier.backends.cpu.amx import amx_usable
+    """CPU, the cores this process may use, the kernel variant ranvier generates (with what
+    runs bf16 products: AMX tiles or AVX512-BF16 pairs) and, given the torch module, the
+    threads PyTorch runs."""
+    from ranvier.backends.cpu.backend import bf16_gemm
     from ranvier.backends.cpu.parallel import thread_count
     from ranvier.backends.cpu.target import host_target
 
     target = host_target()
-    variant = target.variant + ("+amx-bf16" if amx_usable(target) else "")
+    bf16 = bf16_gemm(target)
+    variant = target.variant + (f"+{bf16}" if bf16 else "")
     line = f"CPU: {cpu_model()} ({target.name}), {thread_count()} cores, ranvier kernels [{variant}]"
     if torch is not None:
         line += f"; torch {torch.__version__} with {torch.get_num_threads()} threads"

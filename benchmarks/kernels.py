@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from common import SETTLE_SECONDS, Ceilings, comparison, machine, measure_ceilings, time_in_turns
 
 import ranvier as rv
-from ranvier.backends.cpu.amx import amx_usable
+from ranvier.backends.cpu.backend import bf16_gemm
 from ranvier.backends.cpu.target import host_target
 from ranvier.runtime import Cell
 
@@ -377,7 +377,7 @@ def main() -> None:
         lambda: bench_conv(images, 1, 28, 8, rng, filter_gradient=True),
         lambda: bench_conv(images // 2, 16, 32, 16, rng, size=3),
     ]
-    if amx_usable(host_target()):
+    if bf16_gemm(host_target()):
         benchmarks += [lambda: bench_gemm(square, square, square, rng, "bfloat16"), lambda: bench_gemm(128, 784, 256, rng, "bfloat16")]
     for make in benchmarks:
         bench, ranvier_result = make()

@@ -3,7 +3,8 @@
 The stories15M shape (dim 288, 6 layers, 6 heads, vocab 32000, hidden 768) at seq 256
 by default; both sides train with AdamW on identical random token batches, alternating
 for several repetitions, and the median tokens/s of each and the ratio are printed.
-Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix products. On
+Where the CPU has AMX-BF16 or AVX512-BF16, ranvier also runs with mixed-precision matrix
+products ("ranvier-bf16", compared with ranvier's float32 too). On
 the CPU, PyTorch also trains through torch.compile (Inductor's C++ kernels; the
 "torch.compile" side, its first step the compile: --no-torch-compile leaves it out), and
 the instructions each side's libraries run are printed. Compile times are as the caches
@@ -35,6 +36,7 @@ from common import (
     TORCH_COMPILE,
     WARM_CACHES,
     cold_caches,
+    comparison,
     compile_options,
     datasheet_peak,
     gpu_result,
@@ -77,8 +79,8 @@ def main() -> None:
     parser.add_argument("--checkpointed", action="store_true", help="ranvier trains through a CheckpointedStack")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--matmul", default=None, choices=MATMUL_PRECISIONS,
-                        help="ranvier's matrix products (default: float32, and bfloat16 beside it on AMX CPUs; "
-                             "bfloat16 on cuda)")
+                        help="ranvier's matrix products (default: float32, and bfloat16 beside it on CPUs with AMX-BF16 "
+                             "or AVX512-BF16, as with bfloat16; bfloat16 on cuda)")
     parser.add_argument("--precision", default="float32", choices=PRECISIONS,
                         help="with --backend cuda, what ranvier stores activations in (bfloat16, float16: half the "
                              "bytes, parameters and optimizer state still float32)")
@@ -89,7 +91,7 @@ def main() -> None:
     compile_times = cold_caches() if args.cold_compile else WARM_CACHES
     import torch
 
-    from ranvier.backends.cpu.amx import amx_usable
+    from ranvier.backends.cpu.backend import bf16_gemm
     from ranvier.backends.cpu.target import host_target
 
     match_threads(torch)
@@ -105,7 +107,8 @@ def main() -> None:
         torch_compile = args.torch_compile is not False
         print(torch_features(torch, torch_compile))
         print(compile_times)
-        matmuls = [args.matmul] if args.matmul else ["float32", "bfloat16"] if amx_usable(host_target()) else ["float32"]
+        both = bf16_gemm(host_target()) and args.matmul in (None, "bfloat16")
+        matmuls = ["float32", "bfloat16"] if both else [args.matmul or "float32"]
         trainers = [ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, matmul, args.checkpointed) for matmul in matmuls]
         first_trainer = trainers[0]
         sides = {name: stepper(trainer) for name, trainer in zip(("ranvier", "ranvier-bf16"), trainers)}
@@ -124,10 +127,13 @@ def main() -> None:
         first_trainer.reset_profile()
         for x, y in batches:
             first_trainer.step([x, y])
-    profile = first_trainer.profile()  # where ranvier's step spends its time
-    print(profile.by_kernel())
-    if profile.timed:
-        print(slowest_steps(profile, ceilings))
+    if "ranvier-bf16" in medians:
+        print(f"{comparison('ranvier-bf16', medians['ranvier-bf16'], 'ranvier', medians['ranvier'], True)} (median tokens/s)")
+    for trainer in trainers if args.backend == "cpu" else [first_trainer]:  # where each step spends its time
+        profile = trainer.profile()
+        print(profile.by_kernel())
+        if profile.timed:
+            print(slowest_steps(profile, ceilings))
 
 
 def gpu_sides(args, config, torch):

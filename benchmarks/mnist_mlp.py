@@ -6,8 +6,9 @@ layer), Adam lr 1e-3, batch 128, 2,340 steps on the bundled 4,000-digit training
 test accuracy on the 1,000 test digits. Both sides gather each batch's uint8 pixels and
 divide them by 255 in the step, as `ranvier train mnist` does. The two sides alternate for
 several repetitions; each side's median accuracy, then its median seconds and how much
-faster or slower than PyTorch it is, are printed. Where the CPU has AMX-BF16, ranvier also runs with mixed-precision matrix
-products (`matmul="bfloat16"`: bf16 inputs, float32 sums) as a third side. PyTorch also
+faster or slower than PyTorch it is, are printed. Where the CPU has AMX-BF16 or AVX512-BF16,
+ranvier also runs with mixed-precision matrix products (`matmul="bfloat16"`: bf16 inputs,
+float32 sums) as a third side, "ranvier-bf16", compared with ranvier's float32 too. PyTorch also
 trains through torch.compile (Inductor's C++ kernels; --no-torch-compile leaves it out),
 compiled before its timed steps as ranvier's step is; each run prints each side's compile
 time (as the caches find them; --cold-compile: with nothing cached), and the instructions
@@ -26,6 +27,7 @@ from common import (
     TORCH_COMPILE,
     WARM_CACHES,
     cold_caches,
+    comparison,
     compile_options,
     compiles,
     machine,
@@ -118,7 +120,7 @@ def main() -> None:
     compile_times = cold_caches() if args.cold_compile else WARM_CACHES
     import torch
 
-    from ranvier.backends.cpu.amx import amx_usable
+    from ranvier.backends.cpu.backend import bf16_gemm
     from ranvier.backends.cpu.target import host_target
 
     match_threads(torch)
@@ -127,7 +129,7 @@ def main() -> None:
     print(torch_features(torch, torch_compile))
     print(compile_times)
     sides = {"ranvier": lambda: run_ranvier(args.steps, args.backend, model=args.model)}
-    if args.backend == "cpu" and amx_usable(host_target()):
+    if args.backend == "cpu" and bf16_gemm(host_target()):
         sides["ranvier-bf16"] = lambda: run_ranvier(args.steps, args.backend, "bfloat16", args.model)
     sides["pytorch"] = lambda: run_torch(args.steps, args.model)
     if torch_compile:
@@ -148,6 +150,8 @@ def main() -> None:
         print(f"{name:13s} median accuracy {statistics.median(a for _, a, _ in runs):.4f}{first_compile}")
     medians = {name: statistics.median(s for s, _, _ in runs) for name, runs in results.items()}
     summary(medians, "s", higher_is_better=False, digits=2)
+    if "ranvier-bf16" in medians:
+        print(f"{comparison('ranvier-bf16', medians['ranvier-bf16'], 'ranvier', medians['ranvier'], False)} (median s)")
     print(measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch).against(step_flops(args.model) * args.steps, medians))
 
 

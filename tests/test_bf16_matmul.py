@@ -1,5 +1,8 @@
 """Mixed-precision matrix products (`Compiler(matmul="bfloat16")`): float32 MatMuls run
-on AMX tiles with bf16-rounded inputs and float32 sums, split over threads when large."""
+with bf16-rounded inputs and float32 sums, split over threads when large: on AMX tiles, or
+where the CPU has AVX512-BF16 and no tiles on the generated GEMM on bf16 pairs (vdpbf16ps;
+here always, $RANVIER_GEMM=generated, where it would otherwise take the products it
+measured faster than float32)."""
 
 from __future__ import annotations
 
@@ -8,22 +11,38 @@ import numpy as np
 import pytest
 
 import ranvier as rv
-from ranvier.backends.cpu.amx import amx_usable
-from ranvier.backends.cpu.kernels.matmul import amx_parts
+from ranvier.backends.cpu.backend import bf16_gemm
+from ranvier.backends.cpu.kernels.matmul import amx_parts, gemm_parts
 from ranvier.backends.cpu.parallel import thread_count
 from ranvier.backends.cpu.target import host_target
 
-pytestmark = pytest.mark.skipif(not amx_usable(host_target()), reason="this CPU (or OS) offers no AMX-BF16")
+BF16_GEMM = bf16_gemm(host_target())
+pytestmark = pytest.mark.skipif(BF16_GEMM is None, reason="this CPU (or OS) offers neither AMX-BF16 nor AVX512-BF16")
+TILES = BF16_GEMM == "amx-bf16"
+KERNEL = "AmxGemm" if TILES else "GemmDpbf16"
+PACKED_KERNEL = "AmxGemm" if TILES else "PackedGemmDpbf16"  # a product by a constant: its pairs packed once
+
+
+@pytest.fixture(autouse=True)
+def generated_gemms(monkeypatch):
+    """The bf16 GEMM on pairs takes every product it supports, measured faster or not."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+
+
+def parts_of(step) -> list:
+    return amx_parts(step.op) if TILES else gemm_parts(step.op, 16, slices=True)
 
 
 def rounded(x: np.ndarray) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-def compiled_matmul(a_shape, b_shape, matmul="bfloat16", cpu="", **attrs):
+def compiled_matmul(a_shape, b_shape, matmul="bfloat16", cpu="", constant=None, **attrs):
+    """A cell of one product; `constant`: B is that constant matrix."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    a, b = f.var("a", rv.DT_FLOAT, a_shape), f.var("b", rv.DT_FLOAT, b_shape)
+    a = f.var("a", rv.DT_FLOAT, a_shape)
+    b = f.var("b", rv.DT_FLOAT, b_shape) if constant is None else f.const(constant)
     c = f.matmul(a, b, **attrs)
     c.var.out = True
     cell = rv.Compiler(cpu=cpu, matmul=matmul).compile(flow).cell("f")
@@ -47,16 +66,21 @@ CASES = [
 SPLIT = {7, 8, 9, 10, 11}  # the cases large enough to run on several threads
 
 
+@pytest.mark.parametrize("constant", [False, True], ids=["matrix", "constant"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_bf16_matmul_matches_the_rounded_product(case):
+def test_bf16_matmul_matches_the_rounded_product(case, constant):
     a_shape, b_shape, attrs = CASES[case]
-    cell, a, b, c = compiled_matmul(a_shape, b_shape, **attrs)
-    (step,) = [s for s in cell.steps if s.kernel == "AmxGemm"]
-    assert (len(amx_parts(step.op)) > 1) == (case in SPLIT and thread_count() > 1)
+    if constant and len(b_shape) > 2:
+        pytest.skip("a constant of a batch of matrices is not packed")
     rng = np.random.default_rng(len(a_shape) * 1000 + a_shape[-1])
     x, y = rng.standard_normal(a_shape, np.float32), rng.standard_normal(b_shape, np.float32)
+    cell, a, b, c = compiled_matmul(a_shape, b_shape, constant=y if constant else None, **attrs)
+    (step,) = [s for s in cell.steps if s.kernel == (PACKED_KERNEL if constant else KERNEL)]
+    assert (len(parts_of(step)) > 1) == (case in SPLIT and thread_count() > 1)
     data = cell.instance()
-    data[a], data[b] = x, y
+    data[a] = x
+    if not constant:
+        data[b] = y
     data[c][...] = np.nan  # every element must be written
     data.compute()
     xa, yb = rounded(x), rounded(y)
@@ -72,21 +96,32 @@ def test_bf16_matmul_matches_the_rounded_product(case):
 def test_the_cell_shows_the_kernel_and_its_workspace():
     cell, *_ = compiled_matmul((64, 64), (64, 64))
     text = str(cell)
-    assert "AmxGemm" in text and "f/MatMul/workspace: uint8" in text
+    assert f"{KERNEL}[avx512]" in text and "f/MatMul/workspace: uint8" in text
 
 
 def test_vector_products_and_float32_requests_stay_in_float32():
     cell, *_ = compiled_matmul((1, 64), (64, 64))
-    assert [s.kernel for s in cell.steps] == ["BlasGemm"]  # GEMV
+    assert [s.kernel for s in cell.steps] == ["Gemv"]
     float32 = (["BlasGemm"], ["Gemm"])  # whichever measured faster for the shape
     cell, *_ = compiled_matmul((64, 64), (64, 64), matmul="float32")
     assert [s.kernel for s in cell.steps] in float32
     cell, *_ = compiled_matmul((64, 64), (64, 64), cpu="-avx512")  # masks AMX with AVX-512
     assert [s.kernel for s in cell.steps] in float32
+    cell, *_ = compiled_matmul((64, 64), (64, 64), cpu="-avx512bf16")  # masks the pairs, and the AMX kernel's packing
+    assert [s.kernel for s in cell.steps] in float32
+
+
+@pytest.mark.skipif(TILES, reason="AMX tiles take every product with rows")
+def test_thin_products_stay_on_their_float32_kernel():
+    """A classifier's 10 columns (and its gradients' 10 steps of k) would fill a fifth of
+    a 48-column panel of pairs: ThinGemm keeps them."""
+    for a_shape, b_shape in [((64, 300), (300, 10)), ((64, 10), (10, 300))]:
+        cell, *_ = compiled_matmul(a_shape, b_shape)
+        assert [s.kernel for s in cell.steps] == ["ThinGemm"]
 
 
 def test_unknown_precision_is_refused():
-    with pytest.raises(rv.RanvierError, match="unknown matmul precision 'float8'; available: float32, bfloat16"):
+    with pytest.raises(rv.RanvierError, match="unknown matmul precision 'float8'; available: float32, tfloat32, bfloat16"):
         rv.Compiler(matmul="float8")
 
 

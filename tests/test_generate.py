@@ -126,15 +126,16 @@ def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monke
     """matmul="bfloat16" on the CPU: every product of a decode step by a weight matrix reads
     bf16 panels, and its logits are a float32 decoder's on those matrices rounded to bf16
     (the embedding's lookup stays float32). The prompt's products read the same panels, or
-    AMX-BF16 tiles where the CPU has them. Where the CPU has AVX512-BF16 a decode step's
-    products are its dot products of pairs (`Bf16Gemv`), which round the row to bf16 too:
-    near that decoder's logits then, not at them (the kernel's own test holds it to float64)."""
+    AMX-BF16 tiles where the CPU has them, else bf16 pairs where it has AVX512-BF16. Where the
+    CPU has AVX512-BF16 a decode step's products are its dot products of pairs (`Bf16Gemv`),
+    which round the row to bf16 too: near that decoder's logits then, not at them (the
+    kernel's own test holds it to float64)."""
     import dataclasses
 
     import ml_dtypes
 
     from ranvier.backends.cpu import bf16gemv
-    from ranvier.backends.cpu.amx import amx_usable
+    from ranvier.backends.cpu.backend import bf16_gemm
     from ranvier.backends.cpu.target import host_target
 
     monkeypatch.setenv("RANVIER_GEMM", "generated")  # the bf16 panels whatever this machine measures
@@ -148,7 +149,8 @@ def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monke
     assert len(products) == 7 * config.n_layers + 1
     assert {s.kernel for s in products} == {"Bf16Gemv" if pairs else "PackedGemmBf16"}
     prefill = [s for s in narrow.network.cell("prefill").steps if s.op.type.startswith("MatMul") and s.op.inputs[1].constant]
-    assert {s.kernel for s in prefill} == {"AmxGemm" if amx_usable(host_target()) else "PackedGemmBf16"}
+    rows = {"amx-bf16": "AmxGemm", "avx512bf16": "PackedGemmDpbf16"}.get(bf16_gemm(host_target()), "PackedGemmBf16")
+    assert {s.kernel for s in prefill} == {rows}
 
     def rounded(key: str, value: np.ndarray) -> np.ndarray:
         return value.astype(ml_dtypes.bfloat16).astype(np.float32) if value.ndim == 2 and key != "tok_embeddings" else value

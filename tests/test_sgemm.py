@@ -229,6 +229,37 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
     assert forced.split() == ["False"] * 6
 
 
+_PAIRS_CHOICE_SCRIPT = """
+from ranvier.backends.cpu.gemm_choice import pairs_are_faster
+print(pairs_are_faster(False, False, 64, 96, 128, 128, 96), pairs_are_faster(False, True, 2048, 32000, 288, 288, 288, True),
+      pairs_are_faster(False, False, 2048, 288, 32000, 32000, 288))
+"""
+
+
+@needs_pairs
+@pytest.mark.slow
+def test_the_choice_of_pairs_is_measured_against_the_float32_choice_and_kept(tmp_path):
+    """Each product's pairs against the float32 GEMM it would take (its own choice, measured
+    first), kept; a large one (an LM head's, and its gradient's) timed on a corner of at
+    least four blocks of columns and within the budget along k and rows."""
+    env = dict(os.environ, RANVIER_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    env.pop("RANVIER_GEMM", None)
+    first = subprocess.run([sys.executable, "-c", _PAIRS_CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
+    (kept,) = tmp_path.glob("gemm-*.json")
+    keys = [key for key in json.loads(kept.read_text()) if key.startswith("pairs")]
+    block = sgemm.block_columns(host_target(), packed=True)
+    depth = (1 << 32) // (2 * 2048 * 288) // sgemm.PAIRS_KC * sgemm.PAIRS_KC
+    assert len(keys) == 3
+    assert any(re.fullmatch(r"pairs against (generated|blas) NN 64x96x128 lda 128 ldb 96", key) for key in keys), keys
+    assert f"pairs against blas NN 2048x288x{depth} lda 32000 ldb 288" in keys
+    assert any(re.fullmatch(rf"pairs packed against (packed|blas) NT 2048x{4 * block}x288 lda 288 ldb 288", key) for key in keys)
+    again = subprocess.run([sys.executable, "-c", _PAIRS_CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
+    assert again == first
+    forced = subprocess.run([sys.executable, "-c", _PAIRS_CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
+                            text=True, check=True).stdout
+    assert forced.split() == ["False"] * 3
+
+
 def test_a_wrong_gemm_setting_is_named(monkeypatch):
     from ranvier.backends.cpu.gemm_choice import generated_is_faster
     from ranvier.errors import RanvierError
@@ -299,11 +330,11 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
     """matmul="bfloat16" on any CPU: a decode step's vector-matrix products by constants
     (plain, transposed, an epilogue after) and one with rows run on bf16 panels, each part a
     share of the columns, against float64 with the matrices rounded to bf16 (the one with
-    rows on AMX-BF16 tiles where the CPU has them); a product by a parameter stays float32
-    (the streamed GEMV).
+    rows on AMX-BF16 tiles where the CPU has them, else on AVX512-BF16's pairs where it has
+    those, its rows rounded too); a product by a parameter stays float32 (the streamed GEMV).
     Every element of the outputs is written."""
     import ranvier as rv
-    from ranvier.backends.cpu.amx import amx_usable
+    from ranvier.backends.cpu.backend import bf16_gemm
     from ranvier.backends.cpu.kernels import matmul
     from ranvier.backends.cpu.parallel import thread_count
 
@@ -320,8 +351,8 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
         t.var.out = True
     cell = rv.Compiler("cpu", cpu=mask, matmul="bfloat16", cache=False).compile(flow).cell("f")
     kernel_of = {out.name: s.kernel for s in cell.steps for out in s.op.outputs}
-    tiles = amx_usable(host_target(mask))
-    rows_kernel = "AmxGemm" if tiles else "PackedGemmBf16"
+    rows_in_bf16 = bf16_gemm(host_target(mask))
+    rows_kernel = {"amx-bf16": "AmxGemm", "avx512bf16": "PackedGemmDpbf16"}.get(rows_in_bf16, "PackedGemmBf16")
     assert [kernel_of[t.var.name] for t in outputs] == ["PackedGemmBf16", "PackedGemmBf16", rows_kernel, "Gemv"]
     assert bool(re.search(r"^step\d+_part\d*:", cell.asm(), re.MULTILINE)) == (split and thread_count() > 1)
     data = cell.instance()
@@ -341,7 +372,7 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
     for got, want, bound, slack in [
         (data[outputs[0]], wide @ rounded(w), np.abs(wide) @ np.abs(w), 0.0),
         (data[outputs[1]], np.tanh(wide @ rounded(wt).T), np.abs(wide) @ np.abs(wt).T, 1e-6),
-        (data[outputs[2]], (rounded(matrix) if tiles else matrix.astype(np.float64)) @ rounded(w),
+        (data[outputs[2]], (rounded(matrix) if rows_in_bf16 else matrix.astype(np.float64)) @ rounded(w),
          np.abs(matrix) @ np.abs(w), 0.0),
         (data[outputs[3]], wide @ v, np.abs(wide) @ np.abs(v), 0.0),
     ]:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ranvier.backends.cpu import amx
+from ranvier.backends.cpu.backend import bf16_gemm
 from ranvier.backends.cpu.target import host_target
 from ranvier.cli import main
 from ranvier.errors import RanvierError
@@ -73,11 +73,11 @@ def test_minutes_plans_the_steps_and_records_them(tmp_path, capsys):
 
 
 def test_matmul_bfloat16_without_amx_records_float32(tmp_path, capsys):
-    if amx.amx_usable(host_target("-avx512")):
-        pytest.skip("masking AVX-512 leaves AMX here")
+    if bf16_gemm(host_target("-avx512")):
+        pytest.skip("masking AVX-512 leaves a bf16 GEMM here")
     run = tmp_path / "run"
     main(["train", "mnist", "--steps", "2", "--matmul", "bfloat16", "--cpu=-avx512", "--run-dir", str(run), *TINY_MNIST])
-    assert "--matmul bfloat16: this CPU (masked with --cpu=-avx512) has no usable AMX-BF16: matrix products run in float32" \
+    assert "--matmul bfloat16: this CPU (masked with --cpu=-avx512) has no usable AMX-BF16 or AVX512-BF16: matrix products run in float32" \
         in capsys.readouterr().out
     assert config_of(run)["matmul"] == "float32" and config_of(run)["matmul_requested"] == "bfloat16"
     # What the run asked for is what a resume compares with.

@@ -299,11 +299,11 @@ def note_skipped(config, trainer) -> None:
 
 def record_matmul(config, ran: str) -> None:
     """Record in the config the precision the matrix products run in, beside the one asked
-    for, and say so when they differ (bfloat16 needs AMX-BF16 tiles; without them the
-    compiler keeps float32)."""
+    for, and say so when they differ (bfloat16 needs AMX-BF16 tiles or AVX512-BF16; without
+    them the compiler keeps float32)."""
     config.matmul_requested = requested_matmul(config)
     config.matmul = ran
     if ran != config.matmul_requested and ran == "float32":  # (bfloat16 activations take bfloat16 products: no news)
         where = (f"the {config.backend} backend has no bfloat16 matrix products" if config.backend != "cpu" else
-                 f"this CPU{f' (masked with --cpu={config.cpu})' if config.cpu else ''} has no usable AMX-BF16")
+                 f"this CPU{f' (masked with --cpu={config.cpu})' if config.cpu else ''} has no usable AMX-BF16 or AVX512-BF16")
         print(f"--matmul {config.matmul_requested}: {where}: matrix products run in {ran}")

@@ -30,12 +30,25 @@ from .kernels.matmul import (
     NARROW_PACKED_KERNEL,
     PACKED_GEMM_KERNELS,
     PAIRS_GEMV_KERNEL,
+    PAIRS_KERNEL,
+    PAIRS_KERNELS,
+    PAIRS_PACKED_KERNEL,
 )
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+def bf16_gemm(target: CPUTarget) -> str | None:
+    """What runs `matmul="bfloat16"` products on `target` here: "amx-bf16" (AMX tiles, where
+    the OS lets this process use them: asking is the first use), else "avx512bf16" (the
+    generated GEMM on bf16 pairs, where it measures faster), else None (they stay float32)."""
+    if amx.amx_usable(target):
+        return "amx-bf16"
+    return "avx512bf16" if sgemm.pairs_supported(target) else None
+
 
 class CPUBackend:
     name = "cpu"
@@ -47,16 +60,19 @@ class CPUBackend:
         self.flush_denormals = options.denormals == "flush"
         if self.flush_denormals and not fpmode.is_x86(self.target.machine.triple):
             raise RanvierError(f"denormals='flush' sets x86's MXCSR; this CPU is {self.target.machine.triple}: use 'keep'")
-        # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) products stay
-        # float32. Only a compile that asks for bf16 asks the OS for the tile state. On any
-        # CPU, a constant matrix may be kept in bf16 panels for the products by it that no
-        # tiles take (a decode step's vector-matrix ones only stream it), or in int8 blocks.
-        bfloat16 = options.matmul == "bfloat16" and amx.amx_usable(self.target)
-        precisions = ("float32", "bfloat16") if bfloat16 else ("float32",)
+        # bf16 GEMMs run on AMX tiles; without them (or the OS's permission) on AVX512-BF16's
+        # dot products of pairs where the CPU has those; else products stay float32. Only a
+        # compile that asks for bf16 asks the OS for the tile state. On any CPU, a constant
+        # matrix may be kept in bf16 panels for the products by it that no bf16 GEMM takes
+        # (a decode step's vector-matrix ones only stream it), or in int8 blocks.
+        products = bf16_gemm(self.target) if options.matmul == "bfloat16" else None
+        tiles, pairs = products == "amx-bf16", products == "avx512bf16"
+        precisions = ("float32", "bfloat16") if products else ("float32",)
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16", "int8"))
-        # products marked bf16 for their constant's panels never reach the tiles elsewhere; a
+        # products marked bf16 for their constant's panels never reach a bf16 GEMM elsewhere; a
         # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can
-        self.unavailable = (() if bfloat16 else (AMX_KERNEL,)) + (() if bf16gemv.supported(self.target) else (PAIRS_GEMV_KERNEL,))
+        self.unavailable = (*(() if tiles else (AMX_KERNEL,)), *(() if pairs else PAIRS_KERNELS),
+                            *(() if bf16gemv.supported(self.target) else (PAIRS_GEMV_KERNEL,)))
 
     def kernel(self, op: Operation) -> Kernel:
         """The library's kernel for `op` on this target."""
@@ -213,6 +229,10 @@ class CPUBackend:
             table[codegen.DPBF16GEMV] = bf16gemv.gemv_address(self.target)
         if any(step.kernel == INT8_KERNEL for step in cell.steps):
             table[codegen.Q8GEMM] = q8gemm.gemm_address(self.target)
+        if any(step.kernel == PAIRS_KERNEL for step in cell.steps):
+            table[codegen.SGEMM_DPBF16] = sgemm.pairs_gemm_address(self.target)
+        if any(step.kernel == PAIRS_PACKED_KERNEL for step in cell.steps):
+            table[codegen.SGEMM_PACKED_DPBF16] = sgemm.packed_gemm_address(self.target, pairs=True)
         if any(step.kernel == CONV_KERNEL for step in cell.steps):
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
         for k, var in enumerate(layout.table):

@@ -1,8 +1,10 @@
 """Which float32 GEMM computes a product of a given shape: the generated one (sgemm.py)
 or the vendor BLAS, whichever measured faster here for that shape and those leading
-dimensions on one thread, the way a worker-pool part runs it. Each is measured once per
-machine and the choice kept (measured.py); products too large to time quickly stay on
-BLAS; `RANVIER_GEMM=generated` or `=blas` fixes the choice instead."""
+dimensions on one thread, the way a worker-pool part runs it; and, for a product whose
+precision lets its inputs be rounded to bfloat16, whether the generated GEMM on bf16 pairs
+beats that float32 choice. Each is measured once per machine and the choice kept
+(measured.py); products too large to time quickly stay on BLAS; `RANVIER_GEMM=generated`
+or `=blas` fixes the choice instead."""
 
 from __future__ import annotations
 
@@ -47,11 +49,9 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
     go through B a block of columns at a time, so the rest repeats what was timed).
     Fewer columns would not show how the whole streams C and A through memory (a 2048 ×
     16000 LM-head block timed as 1213 × 384 chose wrongly): such a product stays on BLAS."""
-    fixed = os.environ.get(GEMM_ENVIRONMENT, "")
-    if fixed in ("generated", "blas"):
-        return fixed == "generated"
-    if fixed:
-        raise RanvierError(f"${GEMM_ENVIRONMENT}={fixed!r}: expected 'generated' or 'blas' (or unset, to measure)")
+    fixed = _fixed_choice()
+    if fixed is not None:
+        return fixed
     if 2 * m * n * k > _MEASURED_FLOPS:
         block = sgemm.block_columns(host_target(), packed)
         columns = _MEASURED_FLOPS // (2 * m * k) // block * block
@@ -59,6 +59,16 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
             return False
         n, ldb = columns, (ldb if tb else columns)
     return _decide(bool(ta), bool(tb), m, n, k, lda, ldb, packed, narrow)
+
+
+def _fixed_choice() -> bool | None:
+    """Whether $RANVIER_GEMM fixes the generated GEMM (True) or BLAS (False); None: measure."""
+    fixed = os.environ.get(GEMM_ENVIRONMENT, "")
+    if fixed in ("generated", "blas"):
+        return fixed == "generated"
+    if fixed:
+        raise RanvierError(f"${GEMM_ENVIRONMENT}={fixed!r}: expected 'generated' or 'blas' (or unset, to measure)")
+    return None
 
 
 @functools.cache
@@ -76,33 +86,89 @@ def _decide(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, pack
         return faster
 
 
+def pairs_are_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool = False) -> bool:
+    """Whether the GEMM on bf16 pairs (`vdpbf16ps`, on `sgemm.pairs_supported` targets) beats
+    the float32 GEMM the product takes otherwise (the generated one or BLAS, as
+    `generated_is_faster` chooses) for op(A)[m×k] · op(B)[k×n]; with `packed`, B packed
+    ahead of time (a constant's) for both generated GEMMs. A product over the measuring
+    budget is timed on a corner of it, as `generated_is_faster` times one on its first
+    columns, but on at least `_FEWEST_BLOCKS` blocks of B, then on its first blocks of k and
+    first rows as `_PAIRS_MEASURED_FLOPS` needs: a large product (an LM head's, and its
+    gradients) is where the narrower type pays most, and its blocks repeat what was timed.
+    $RANVIER_GEMM=generated takes the pairs, =blas stays on float32 BLAS."""
+    fixed = _fixed_choice()
+    if fixed is not None:
+        return fixed
+    if 2 * m * n * k > _MEASURED_FLOPS:
+        block = sgemm.block_columns(host_target(), packed)
+        n = min(n, max(_MEASURED_FLOPS // (2 * m * k) // block, _FEWEST_BLOCKS) * block)
+        k = min(k, max(1, _PAIRS_MEASURED_FLOPS // (2 * m * n) // sgemm.PAIRS_KC) * sgemm.PAIRS_KC)
+        m = min(m, max(sgemm.tile_shape(host_target())[0], _PAIRS_MEASURED_FLOPS // (2 * n * k)))
+    return _decide_pairs(bool(ta), bool(tb), m, n, k, lda, ldb, packed)
+
+
+_PAIRS_MEASURED_FLOPS = 1 << 32  # the most a product on pairs is timed on (~25 ms a run)
+
+
+@functools.cache
+def _decide_pairs(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool) -> bool:
+    float32 = ("packed" if packed else "generated") if generated_is_faster(ta, tb, m, n, k, lda, ldb, packed) else "blas"
+    key = f"pairs{' packed' if packed else ''} against {float32} {'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
+    identity = f"{host_target().key()}\n{sgemm.gemm_code(host_target()).digest}\n{_METHOD}"
+    with kept(kept_path("gemm", identity)) as choices:
+        if choices is not None and isinstance(choices.get(key), bool):
+            return choices[key]
+        faster = _first_is_faster(*_runners(ta, tb, m, n, k, lda, ldb, ["pair panels" if packed else "pairs", float32]))
+        if choices is not None:
+            choices[key] = faster
+        return faster
+
+
 def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool, narrow: bool = False) -> bool:
+    ours = "bf16 packed" if narrow else "packed" if packed else "generated"
+    return _first_is_faster(*_runners(ta, tb, m, n, k, lda, ldb, [ours, "blas"]))
+
+
+def _runners(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, kinds: list[str]) -> list:
+    """A call of each of `kinds` of GEMM on the same random operands, on this thread:
+    "blas", "generated", "packed" (on B packed ahead of time), "bf16 packed" (on its bf16
+    panels), "pairs" (on bf16 pairs, B packed as it goes) or "pair panels" (on B's bf16
+    pairs packed ahead of time)."""
     target = host_target()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, lda) if ta else (m, lda), dtype=np.float32)
     b = rng.standard_normal((n, ldb) if tb else (k, ldb), dtype=np.float32)
     c = np.empty((m, n), np.float32)
     workspace = np.empty(sgemm.workspace_bytes(n, k), np.uint8)
-    generated = sgemm.GEMM_CTYPE(sgemm.gemm_address(target))
-    blas = _FORTRAN_SGEMM(blas_pointers()[0])
-    ctypes.CFUNCTYPE(None, ctypes.c_int)(blas_thread_setter())(1)
-    refs = [ctypes.byref(ctypes.c_int(v)) for v in (n, m, k, ldb, lda, n)]
-    one, zero = ctypes.byref(ctypes.c_float(1.0)), ctypes.byref(ctypes.c_float(0.0))
-    flags = (b"T" if tb else b"N", b"T" if ta else b"N")  # row-major C = column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
+    op_b = b[:, :k] if tb else b[:, :n]
 
-    if packed:
-        panels = sgemm.pack_panels(b[:, :k] if tb else b[:, :n], tb, target, narrow=narrow)
-        on_panels = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target, narrow))
+    def on_matrix(address: int):
+        gemm = sgemm.GEMM_CTYPE(address)
+        return lambda: gemm(int(ta), int(tb), m, n, k, a.ctypes.data, lda, b.ctypes.data, ldb, c.ctypes.data, n,
+                            workspace.ctypes.data)
 
-        def ours() -> None:
-            on_panels(int(ta), m, n, k, a.ctypes.data, lda, panels.ctypes.data, c.ctypes.data, n)
-    else:
+    def on_panels(narrow: bool = False, pairs: bool = False):
+        panels = sgemm.pack_panels(op_b, tb, target, narrow=narrow, pairs=pairs)
+        gemm = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target, narrow, pairs))
+        return lambda: gemm(int(ta), m, n, k, a.ctypes.data, lda, panels.ctypes.data, c.ctypes.data, n)
 
-        def ours() -> None:
-            generated(int(ta), int(tb), m, n, k, a.ctypes.data, lda, b.ctypes.data, ldb, c.ctypes.data, n, workspace.ctypes.data)
+    def on_blas():
+        blas = _FORTRAN_SGEMM(blas_pointers()[0])
+        ctypes.CFUNCTYPE(None, ctypes.c_int)(blas_thread_setter())(1)
+        refs = [ctypes.byref(ctypes.c_int(v)) for v in (n, m, k, ldb, lda, n)]
+        one, zero = ctypes.byref(ctypes.c_float(1.0)), ctypes.byref(ctypes.c_float(0.0))
+        flags = (b"T" if tb else b"N", b"T" if ta else b"N")  # row-major C = column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
+        return lambda: blas(*flags, *refs[:3], one, b.ctypes.data, refs[3], a.ctypes.data, refs[4], zero, c.ctypes.data,
+                            refs[5])
 
-    def theirs() -> None:
-        blas(*flags, *refs[:3], one, b.ctypes.data, refs[3], a.ctypes.data, refs[4], zero, c.ctypes.data, refs[5])
+    makers = {"blas": on_blas, "generated": lambda: on_matrix(sgemm.gemm_address(target)), "packed": on_panels,
+              "bf16 packed": lambda: on_panels(narrow=True), "pairs": lambda: on_matrix(sgemm.pairs_gemm_address(target)),
+              "pair panels": lambda: on_panels(pairs=True)}
+    return [makers[kind]() for kind in kinds]
+
+
+def _first_is_faster(ours, theirs) -> bool:
+    """Whether `ours` takes less time than `theirs`: the median of `_ROUNDS` paired ratios."""
 
     def seconds(run) -> float:
         start = time.perf_counter()

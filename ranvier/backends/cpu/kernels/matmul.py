@@ -3,8 +3,11 @@ for the shape, else, and float64, through the vendor BLAS (OpenBLAS, via SciPy),
 directly from generated code; a float32 row times a matrix (a decode step's) by streaming
 the matrix in place (`Gemv`); one with a side of a few columns or steps of k (a
 classifier's, and its gradients) with an accumulator per column (`ThinGemm`); float32 in
-mixed precision through the AMX bf16 GEMM; a row times a constant in bf16 on AVX512-BF16's
-dot products of pairs (`Bf16Gemv`); a product by a constant in int8 (q8_0 blocks, `Q8Gemm`);
+mixed precision through the AMX bf16 GEMM, or where the CPU has AVX512-BF16 and no AMX
+tiles through the generated GEMM on bf16 pairs where it measured faster (`GemmDpbf16`,
+`PackedGemmDpbf16` on a constant's pairs packed once); a row times a constant in bf16 on
+AVX512-BF16's dot products of pairs (`Bf16Gemv`); a product by a constant in int8 (q8_0
+blocks, `Q8Gemm`);
 other dtypes through a generated triple loop.
 
 Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so BLAS is called with
@@ -40,12 +43,14 @@ from ..codegen import (
     DPBF16GEMV,
     Q8GEMM,
     SGEMM,
+    SGEMM_DPBF16,
     SGEMM_GENERATED,
     SGEMM_PACKED,
     SGEMM_PACKED_BF16,
+    SGEMM_PACKED_DPBF16,
     SGEMV,
 )
-from ..gemm_choice import generated_is_faster
+from ..gemm_choice import generated_is_faster, pairs_are_faster
 from ..parallel import each_part, run_parts, share_out, shares, thread_count, worth_splitting
 from ..target import host_target
 from .library import kernel
@@ -286,13 +291,14 @@ class GeneratedGemm:
 class PackedGemm:
     """The generated GEMM on a B already in panels (`sgemm.pack_panels`, or at run time
     `sgemm.pack_at_run_time`), as generated code calls it: C[m, n] = op(A)[m, k] · B;
-    `narrow`: on bf16 panels."""
+    `narrow`: on bf16 panels; `pairs`: on bf16 pairs."""
 
-    def __init__(self, ctx, narrow: bool = False):
+    def __init__(self, ctx, narrow: bool = False, pairs: bool = False):
         self.b = ctx.b
-        panels = (I16 if narrow else F32).as_pointer()
+        panels = (I16 if narrow or pairs else F32).as_pointer()
         function = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, panels, F32.as_pointer(), I64])
-        self._function = self.b.bitcast(ctx.table_entry(SGEMM_PACKED_BF16 if narrow else SGEMM_PACKED), function.as_pointer())
+        slot = SGEMM_PACKED_DPBF16 if pairs else SGEMM_PACKED_BF16 if narrow else SGEMM_PACKED
+        self._function = self.b.bitcast(ctx.table_entry(slot), function.as_pointer())
 
     def gemm(self, ta: bool, m, n, k, a: ir.Value, lda, panels: ir.Value, c: ir.Value, ldc) -> None:
         def size(value) -> ir.Value:
@@ -368,6 +374,16 @@ def _run_calls(ctx, op, parts: list[list[_Gemm]], emit_call, partials_at: int, f
         share_out(ctx, m, count, add_up)
 
 
+def _generated_call_bytes(g: _Gemm) -> int:
+    """The workspace of a call of the generated GEMM, on float32 or on bf16 pairs."""
+    return sgemm.workspace_bytes(g.n, g.k)
+
+
+def _generated_workspace_bytes(op) -> int:
+    parts = gemm_parts(op, _FLOAT_UNIT, slices=True)
+    return len(parts) * _share(parts, _generated_call_bytes) + _partials_bytes(op, parts)
+
+
 def _call_generated(ctx, op, slot: int, parts: list[list[_Gemm]], share: int) -> None:
     """The calls of a generated GEMM (`slot`: see GeneratedGemm), each part with `share`
     bytes of the step's workspace, the partial products of a product cut along k after them."""
@@ -394,20 +410,65 @@ def amx_matmul(ctx, op) -> None:
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
 
 
+PAIRS_KERNEL = "GemmDpbf16"
+PAIRS_PACKED_KERNEL = "PackedGemmDpbf16"
+# The kernels on bf16 pairs: the backend passes them over on targets without AVX512-BF16,
+# and where AMX tiles take the products.
+PAIRS_KERNELS = (PAIRS_KERNEL, PAIRS_PACKED_KERNEL)
+
+
+def _pairs_faster(op, packed: bool) -> bool:
+    """A float32 product with rows in bf16, not a thin one (ThinGemm's: a 48-column panel
+    would be mostly padding), by a constant matrix (`packed`: its pairs packed once) or not,
+    where the GEMM on bf16 pairs measured faster than the float32 GEMM it takes otherwise,
+    on the largest call a part makes, as it makes it."""
+    if not (_bfloat16_products(op) and _float32(op) and _thin_shape(op) is None and _by_constant(op) == packed):
+        return False
+    ta, tb, _, _, _, batches = _gemms(op)
+    if packed and len(batches) != 1:
+        return False
+    calls = [g for part in gemm_parts(op, _FLOAT_UNIT, slices=not packed) for g in part]
+    largest = max(calls, key=lambda g: g.m * g.n * g.k)
+    lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
+    return pairs_are_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed)
+
+
+@kernel(PAIRS_KERNEL, MATMUL_OPS, supports=lambda op: _pairs_faster(op, packed=False), workspace=_generated_workspace_bytes)
+def pairs_matmul(ctx, op) -> None:
+    """The generated GEMM on bf16 pairs (vdpbf16ps), both operands packed into pairs as it
+    goes: a product of activations (a training step's, forward and backward)."""
+    parts = gemm_parts(op, _FLOAT_UNIT, slices=True)
+    _call_generated(ctx, op, SGEMM_DPBF16, parts, _share(parts, _generated_call_bytes))
+
+
+@kernel(PAIRS_PACKED_KERNEL, MATMUL_OPS, supports=lambda op: _pairs_faster(op, packed=True),
+        prepares=lambda op: [_panels_of_b(op, pairs=True)])
+def pairs_packed_matmul(ctx, op) -> None:
+    """The generated GEMM on bf16 pairs, B's pairs packed once when the network was made
+    (an inference model's weights), A's strips as it goes."""
+    _call_packed(ctx, op, pairs=True)
+
+
 THIN = 12  # columns (or steps of k) a thin product keeps in registers, an accumulator (or a factor) each
 
 
-def _thin_form(op) -> str | None:
+def _thin_shape(op) -> str | None:
     """How a float32 product with a thin side is computed, or None: "dot" (n ≤ THIN, op(A)'s
     rows contiguous along k), "across" (n ≤ THIN, op(A) = Aᵀ: C's rows contiguous in A's rows)
-    or "depth" (k ≤ THIN). A product whose precision lets it round its inputs to bf16 is left
-    to the bf16 kernels (panels or AMX tiles), as the user asked."""
+    or "depth" (k ≤ THIN)."""
     ta, _, m, k, n, batches = _gemms(op)
-    if not _float32(op) or _bfloat16_precision(op) or len(batches) != 1 or m < 2:
+    if not _float32(op) or len(batches) != 1 or m < 2:
         return None
     if n <= THIN:
         return "across" if ta else "dot"
     return "depth" if k <= THIN else None
+
+
+def _thin_form(op) -> str | None:
+    """`_thin_shape`, but for a product by a constant whose precision lets it round its inputs
+    to bf16: that is left to the bf16 kernels (panels or AMX tiles), as the user asked. One
+    with rows in bf16 is AMX's, which come first; on bf16 pairs, thin ones are left here."""
+    return None if _bfloat16_precision(op) and _by_constant(op) else _thin_shape(op)
 
 
 def _packs_b(op) -> bool:
@@ -681,13 +742,15 @@ def _column_ranges(op) -> list[tuple[int, int]]:
     return list(dict.fromkeys(ranges))
 
 
-def _panels_of_b(op, narrow: bool = False) -> Prepared:
-    """A constant B packed once into the generated GEMM's panels (`narrow`: in bf16), each
-    call's columns apart (so a part's columns need not start on a panel)."""
+def _panels_of_b(op, narrow: bool = False, pairs: bool = False) -> Prepared:
+    """A constant B packed once into the generated GEMM's panels (`narrow`: in bf16; `pairs`:
+    in bf16 pairs), each call's columns apart (so a part's columns need not start on a panel)."""
     transposed = bool(attrs_of(op)["transpose_b"])
     ranges = _column_ranges(op)
-    form = f"sgemm {'bf16 ' if narrow else ''}panels{' of Bᵀ' if transposed else ''}, columns {ranges}"
-    return Prepared(op.inputs[1], form, lambda value, target: sgemm.pack_panels(value, transposed, target, ranges, narrow))
+    kind = "bf16 pair " if pairs else "bf16 " if narrow else ""
+    form = f"sgemm {kind}panels{' of Bᵀ' if transposed else ''}, columns {ranges}"
+    return Prepared(op.inputs[1], form,
+                    lambda value, target: sgemm.pack_panels(value, transposed, target, ranges, narrow, pairs))
 
 
 def _by_constant(op) -> bool:
@@ -709,19 +772,20 @@ def packed_matmul(ctx, op) -> None:
     _call_packed(ctx, op, narrow=False)
 
 
-def _call_packed(ctx, op, narrow: bool) -> None:
-    """Each part's calls of the generated GEMM on the constant B's panels (`narrow`: bf16)."""
+def _call_packed(ctx, op, narrow: bool = False, pairs: bool = False) -> None:
+    """Each part's calls of the generated GEMM on the constant B's panels (`narrow`: bf16;
+    `pairs`: bf16 pairs)."""
     a, c = op.inputs[0], op.outputs[0]
     ta, _, _, k, _, _ = _gemms(op)
-    panels = _panels_of_b(op, narrow)
+    panels = _panels_of_b(op, narrow, pairs)
     starts, at = {}, 0
     for first, last in _column_ranges(op):
         starts[first, last] = at
-        at += sgemm.panels_size(last - first, k, ctx.target)
+        at += sgemm.panels_size(last - first, k, ctx.target, pairs)
 
     def call(ctx, number: int, g: _Gemm, target: ir.Value) -> None:
-        packed = ctx.prepared(panels.var, panels.form, I16 if narrow else F32)
-        PackedGemm(ctx, narrow).gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
+        packed = ctx.prepared(panels.var, panels.form, I16 if narrow or pairs else F32)
+        PackedGemm(ctx, narrow, pairs).gemm(ta, g.m, g.n, k, ctx.element_pointer(a, g.a), a.shape[-1],
                                      ctx.b.gep(packed, [i64(starts[g.column, g.column + g.n])]), target, c.shape[-1])
 
     _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT), call, 0, fixed=lambda g: (g.column, g.n))  # its panels' start
@@ -732,19 +796,10 @@ GENERATED_KERNEL = "Gemm"
 GENERATED_GEMM_KERNELS = {GENERATED_KERNEL}
 
 
-def _generated_call_bytes(g: _Gemm) -> int:
-    return sgemm.workspace_bytes(g.n, g.k)
-
-
 def _generated_faster(op) -> bool:
     """Products by constants are the packed kernel's or BLAS's: packing B every call
     cannot beat packing it once."""
     return _float32(op) and not _by_constant(op) and _chose_generated(op, packed=False)
-
-
-def _generated_workspace_bytes(op) -> int:
-    parts = gemm_parts(op, _FLOAT_UNIT, slices=True)
-    return len(parts) * _share(parts, _generated_call_bytes) + _partials_bytes(op, parts)
 
 
 @kernel(GENERATED_KERNEL, MATMUL_OPS, supports=_generated_faster, workspace=_generated_workspace_bytes)
