@@ -313,3 +313,85 @@ def test_attention_gemm_heads_wider_than_a_panel(cpu_mask, hd, monkeypatch):
         # sums over heads this wide round further than float32's element tolerance: errors
         # are bounded against the output's largest value instead
         check(data[tensor], want, "float32", atol=1e-5 * np.abs(want).max())
+
+
+def _bf16(x):
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def naive_on_bf16_products(q, k, v, dout, causal, scale):
+    """`naive` with every product's inputs rounded to bf16, as the kernels on bf16 pairs
+    round them (the scores' softmax and its gradient in between unrounded): the output and
+    the three gradients, and bounds on each one's error (the sums of its products'
+    magnitudes)."""
+    q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    b, h, t, _ = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    results = [np.zeros_like(x) for x in (q, q, k, v)]
+    bounds = [np.zeros_like(x) for x in (q, q, k, v)]
+    for n in range(b):
+        for head in range(h):
+            g = head // (h // kv)
+            for i in range(t):
+                seen = i + s - t + 1 if causal else s
+                qi, keys, values, di = _bf16(q[n, head, i]), _bf16(k[n, g, :seen]), _bf16(v[n, g, :seen]), _bf16(dout[n, head, i])
+                scores = scale * (keys @ qi)
+                p = np.exp(scores - scores.max())
+                p /= p.sum()
+                dp = values @ di
+                ds = scale * p * (dp - p @ dp)
+                for into, row, value, magnitude in [
+                        (0, (n, head, i), _bf16(p) @ values, np.abs(_bf16(p)) @ np.abs(values)),
+                        (1, (n, head, i), _bf16(ds) @ keys, np.abs(_bf16(ds)) @ np.abs(keys)),
+                        (2, (n, g, slice(0, seen)), np.outer(_bf16(ds), qi), np.abs(np.outer(_bf16(ds), qi))),
+                        (3, (n, g, slice(0, seen)), np.outer(_bf16(p), di), np.abs(np.outer(_bf16(p), di)))]:
+                    results[into][row] += value
+                    bounds[into][row] += magnitude
+    return results, bounds
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("hd", [12, 64])
+def test_attention_on_bf16_pairs_rounds_each_products_inputs(causal, heads_first, hd, monkeypatch):
+    """matmul="bfloat16" where the CPU has AVX512-BF16 and no AMX tiles: AttentionGemmDpbf16
+    and AttentionGradGemmDpbf16 run every product on the GEMM on bf16 pairs (45 keys: odd
+    causal rows' last pair of keys; 64-wide heads: two panels), items over two parts; each
+    output against float64 on the inputs each product rounds, within float32 sums and the
+    odd probability that the float32 softmax rounds to the bf16 neighbour of float64's."""
+    import ranvier as rv
+    import ranvier.backends.cpu.kernels.attention as cpu
+    from ranvier.backends.cpu.backend import bf16_gemm
+    from ranvier.backends.cpu.target import host_target
+
+    if bf16_gemm(host_target()) != "avx512bf16":
+        pytest.skip("the products run on bf16 pairs where the CPU has AVX512-BF16 and no usable AMX tiles")
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
+    monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 8 * 45)
+    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
+    b, h, kv, t, s = 2, 4, 2, 37, 45
+    q, k, v, dout = (random_array(shape, "float32", seed=i) for i, shape in
+                     enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    handles = [f.var(name, "float32", list(_layout(heads_first, x).shape)) for name, x in zip("qkvd", (q, k, v, dout))]
+    attrs = {"causal": causal, "heads_first": heads_first}
+    outputs = [f.attention(*handles[:3], causal=causal, heads_first=heads_first), *f.op("AttentionGrad", handles, None, attrs)]
+    for tensor in outputs:
+        tensor.var.out = True
+    cell = rv.Compiler("cpu", matmul="bfloat16", cache=False).compile(flow).cell("f")
+    assert [step.kernel for step in cell.steps] == ["AttentionGemmDpbf16", "AttentionGradGemmDpbf16"]
+    data = cell.instance()
+    for handle, x in zip(handles, (q, k, v, dout)):
+        data[handle] = _layout(heads_first, x)
+    for tensor in outputs:
+        data[tensor] = np.full(tensor.shape, np.nan, np.float32)
+    data.compute()
+    wanted, bounds = naive_on_bf16_products(q, k, v, dout, causal, 1.0 / math.sqrt(hd))
+    for tensor, want, bound in zip(outputs, wanted, bounds):
+        got = _layout(heads_first, np.asarray(data[tensor], np.float64))
+        assert np.isfinite(got).all(), "every element written"
+        assert np.all(np.abs(got - want) <= 1e-4 * bound + 1e-6), np.max(np.abs(got - want) / (bound + 1e-6))

@@ -29,10 +29,9 @@ from .kernels.matmul import (
     INT8_KERNEL,
     NARROW_PACKED_KERNEL,
     PACKED_GEMM_KERNELS,
+    PAIRS_GEMM_KERNELS,
     PAIRS_GEMV_KERNEL,
-    PAIRS_KERNEL,
-    PAIRS_KERNELS,
-    PAIRS_PACKED_KERNEL,
+    PAIRS_PACKED_GEMM_KERNELS,
 )
 from .parallel import split_thresholds, thread_count
 from .pool import pool
@@ -71,7 +70,7 @@ class CPUBackend:
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16", "int8"))
         # products marked bf16 for their constant's panels never reach a bf16 GEMM elsewhere; a
         # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can
-        self.unavailable = (*(() if tiles else (AMX_KERNEL,)), *(() if pairs else PAIRS_KERNELS),
+        self.unavailable = (*(() if tiles else (AMX_KERNEL,)), *(() if pairs else (*PAIRS_GEMM_KERNELS, *PAIRS_PACKED_GEMM_KERNELS)),
                             *(() if bf16gemv.supported(self.target) else (PAIRS_GEMV_KERNEL,)))
 
     def kernel(self, op: Operation) -> Kernel:
@@ -229,9 +228,9 @@ class CPUBackend:
             table[codegen.DPBF16GEMV] = bf16gemv.gemv_address(self.target)
         if any(step.kernel == INT8_KERNEL for step in cell.steps):
             table[codegen.Q8GEMM] = q8gemm.gemm_address(self.target)
-        if any(step.kernel == PAIRS_KERNEL for step in cell.steps):
+        if any(step.kernel in PAIRS_GEMM_KERNELS for step in cell.steps):
             table[codegen.SGEMM_DPBF16] = sgemm.pairs_gemm_address(self.target)
-        if any(step.kernel == PAIRS_PACKED_KERNEL for step in cell.steps):
+        if any(step.kernel in PAIRS_PACKED_GEMM_KERNELS for step in cell.steps):
             table[codegen.SGEMM_PACKED_DPBF16] = sgemm.packed_gemm_address(self.target, pairs=True)
         if any(step.kernel == CONV_KERNEL for step in cell.steps):
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)

@@ -300,12 +300,17 @@ def pack_panels(b: np.ndarray, transposed: bool, target: CPUTarget, ranges: list
 
 
 def pack_at_run_time(module: ir.Module, target: CPUTarget, b: ir.IRBuilder, transposed: bool, source: ir.Value, ldb: int,
-                     k: ir.Value, n: ir.Value, panels: ir.Value) -> None:
+                     k: ir.Value, n: ir.Value, panels: ir.Value, pairs: bool = False) -> None:
     """Emit, where `b` is, the packing of op(B) [k × n] (B from float `source`, rows `ldb`
     apart; op(B) its transpose where `transposed`) into `panels` (64-byte aligned) as
-    `ranvier_sgemm_packed` reads them: the run-time twin of `pack_panels`, by the same
-    packing the GEMM does a block at a time."""
-    _Emitter(module, target).pack(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, panels)
+    `ranvier_sgemm_packed` reads them (`pairs`: in bf16 pairs, as `ranvier_sgemm_packed_dpbf16`
+    does): the run-time twin of `pack_panels`, by the same packing the GEMM does a block at
+    a time."""
+    emit = _Emitter(module, target)
+    if pairs:
+        emit.pack_pairs(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, b.bitcast(panels, _PAIRS_PTR))
+    else:
+        emit.pack(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, panels)
 
 
 class _Emitter:

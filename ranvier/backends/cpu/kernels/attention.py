@@ -9,7 +9,10 @@ partial sums of its own) dP = dO Vᵀ, dS = scale · P (dP − Σ P·dP), dQ = d
 dK += dSᵀ Q_block and dV += Pᵀ dO_block, all by the GEMM. The key and value heads a
 part's products read as B are packed into the GEMM's panels once per head (`_Panels`),
 not by every product. Tensors [B, T, heads, hd] (`heads_first` false) are read and
-written in place, a head's rows heads · hd apart instead of hd.
+written in place, a head's rows heads · hd apart instead of hd. Where the products'
+precision lets their inputs be rounded to bfloat16 and the CPU has AVX512-BF16 without AMX
+tiles (`AttentionGemmDpbf16`, `AttentionGradGemmDpbf16`), the same products run on the GEMM
+on bf16 pairs, the heads packed into pairs; the softmax and its gradient stay float32.
 
 In float64, one query row at a time: scores against every visible key into a row buffer
 on the stack, their maximum, exponentials and sum, then the weighted sum of values. The
@@ -38,10 +41,18 @@ from ...llvm.loops import fill
 from ...llvm.rows import Row, finite_peak, row_axpy, row_dot, scaled_softmax, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
-from ..codegen import SGEMM_GENERATED
+from ..codegen import SGEMM_DPBF16, SGEMM_GENERATED
 from ..parallel import each_part, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import GENERATED_GEMM_KERNELS, PACKED_GEMM_KERNELS, GeneratedGemm, PackedGemm, panel_floats
+from .matmul import (
+    GENERATED_GEMM_KERNELS,
+    PACKED_GEMM_KERNELS,
+    PAIRS_GEMM_KERNELS,
+    PAIRS_PACKED_GEMM_KERNELS,
+    GeneratedGemm,
+    PackedGemm,
+    panel_floats,
+)
 
 # Attention whose score matrices (batch × heads × queries × keys) take more bytes than this
 # runs fused; smaller ones decompose into GEMMs and a softmax (the tests raise it to run
@@ -261,6 +272,12 @@ def _gemm_blocks(op) -> bool:
     return op.inputs[0].dtype == dtypes.DT_FLOAT32 and _too_big_to_decompose(op)
 
 
+def _pair_blocks(op) -> bool:
+    """`_gemm_blocks` whose products may round their inputs to bf16: marked so where the
+    backend runs products on bf16 pairs (it passes the kernels on pairs over elsewhere)."""
+    return _gemm_blocks(op) and attrs_of(op)["precision"] == "bfloat16"
+
+
 def _block_parts(op) -> list[tuple[int, int]]:
     """Each worker-pool part's range of (batch·head, query block) items."""
     d = _dims(op)
@@ -294,15 +311,17 @@ class _Panels:
     reads it (a multi-query head serves every query head and block): moe-15M's attention
     [4, 6, 256, 48] packed K 24 times a batch, and packing took 15-40% of each product's
     time (one thread, Emerald Rapids). Its panels take `_panels_bytes(op, 1)` of the
-    part's workspace from `at`."""
+    part's workspace from `at`; `pairs`: in bf16 pairs, for the GEMM on pairs."""
 
-    def __init__(self, ctx, name: str, at: ir.Value, op):
+    def __init__(self, ctx, name: str, at: ir.Value, op, pairs: bool = False):
         self.ctx = ctx
         d = _dims(op)
         self.size, self.keys, self.stride, self.out_stride = d.size, d.keys, d.kv_stride, d.q_stride
         self.score_stride = _score_stride(op)  # between the rows of a block's scores, which its products write and read
+        # (32-bit slots: floats, or pairs of bf16)
         self.var = ctx.scratch(name, dtypes.DT_FLOAT32, _panels_bytes(op, 1) // 4, at)
         self.nr = sgemm.panel_width(ctx.target)
+        self.pairs = pairs
 
     def across_keys(self, source, kv: Value) -> None:
         """source's head at kv [S × hd] (rows `stride` apart) as op(B) = its transpose [hd × S]: S columns."""
@@ -315,7 +334,7 @@ class _Panels:
     def _pack(self, source, kv: Value, transposed: bool, k: int, n: int) -> None:
         ctx = self.ctx
         sgemm.pack_at_run_time(ctx.module, ctx.target, ctx.b, transposed, ctx.element_pointer(source, kv), self.stride,
-                               i64(k), i64(n), ctx.pointer(self.var))
+                               i64(k), i64(n), ctx.pointer(self.var), self.pairs)
 
     def times_keys(self, gemm: PackedGemm, rows, seen, a: ir.Value, lda: int, c: ir.Value) -> None:
         """C[rows × S'] (a block's scores) = A[rows × hd] · the across-keys panels' first `seen` columns."""
@@ -325,8 +344,9 @@ class _Panels:
         """C[rows × hd] (rows of the output or d q) = A[rows × seen] (a block's scores) · the
         along-keys panels' first `seen` rows: a call per panel, as the panels are S deep
         and the product only `seen`."""
+        depth = -(-self.keys // 2) if self.pairs else self.keys  # a panel's rows: S, or its pairs
         for first in range(0, self.size, self.nr):
-            panel = self.ctx.b.gep(self.ctx.pointer(self.var), [i64(first * self.keys)])
+            panel = self.ctx.b.gep(self.ctx.pointer(self.var), [i64(first * depth)])
             gemm.gemm(False, rows, min(self.nr, self.size - first), seen, a, self.score_stride, panel,
                       self.ctx.b.gep(c, [i64(first)]), self.out_stride)
 
@@ -335,8 +355,19 @@ def _block_workspace(op) -> int:
     return len(_block_parts(op)) * _block_share(op)
 
 
+@kernel("AttentionGemmDpbf16", {"Attention"}, supports=_pair_blocks, workspace=_block_workspace)
+def attention_pair_blocks(ctx, op) -> None:
+    _attention_blocks(ctx, op, pairs=True)
+
+
 @kernel("AttentionGemm", {"Attention"}, supports=_gemm_blocks, workspace=_block_workspace)
 def attention_blocks(ctx, op) -> None:
+    _attention_blocks(ctx, op, pairs=False)
+
+
+def _attention_blocks(ctx, op, pairs: bool) -> None:
+    """Per (batch·head, block of query rows): S = Q_block Kᵀ, P = softmax(S) in place, O_block
+    = P V; on the GEMM on bf16 pairs where `pairs`."""
     q, k, v = op.inputs[:3]
     out = op.outputs[0]
     d = _dims(op)
@@ -346,14 +377,14 @@ def attention_blocks(ctx, op) -> None:
 
     def part(ctx, number: int | Value, first: int | Value, last: int | Value) -> None:
         heads = _Heads(ctx, q, k, op)
-        gemm = PackedGemm(ctx)
+        gemm = PackedGemm(ctx, pairs=pairs)
 
         start = cache_line_aligned(ctx.b, ctx.b.gep(ctx.address(ctx.workspace), [ctx.index(number * share).ir]), BYTE_PTR)
 
         def at(offset: int) -> ir.Value:
             return ctx.b.gep(start, [i64(offset)])
 
-        keys_across, values = (_Panels(ctx, f"{op.name}/{name}", at(i * _panels_bytes(op, 1)), op)
+        keys_across, values = (_Panels(ctx, f"{op.name}/{name}", at(i * _panels_bytes(op, 1)), op, pairs)
                                for i, name in enumerate(("k", "v")))
         scores = ctx.scratch(f"{op.name}/scores", q.dtype, rows_per_block * score_stride, at(_panels_bytes(op, 2)))
         packed_kv = ctx.local(dtypes.DT_INT64, initial=-1)
@@ -374,6 +405,7 @@ def attention_blocks(ctx, op) -> None:
 
 
 PACKED_GEMM_KERNELS.add("AttentionGemm")
+PAIRS_PACKED_GEMM_KERNELS.add("AttentionGemmDpbf16")
 
 
 @dataclass(frozen=True)
@@ -420,11 +452,21 @@ def _grad_workspace(op) -> int:
     return len(_grad_parts(op)) * _grad_share(op)
 
 
+@kernel("AttentionGradGemmDpbf16", {"AttentionGrad"}, supports=_pair_blocks, workspace=_grad_workspace)
+def attention_grad_pair_blocks(ctx, op) -> None:
+    _attention_grad_blocks(ctx, op, pairs=True)
+
+
 @kernel("AttentionGradGemm", {"AttentionGrad"}, supports=_gemm_blocks, workspace=_grad_workspace)
 def attention_grad_blocks(ctx, op) -> None:
+    _attention_grad_blocks(ctx, op, pairs=False)
+
+
+def _attention_grad_blocks(ctx, op, pairs: bool) -> None:
     """Per (batch, key/value head), for each query head of its group and block of query
     rows: P again (the forward's product and normalisation), dP = dO Vᵀ, dS, then
-    dQ = dS K, dK += dSᵀ Q and dV += Pᵀ dO, the last two through a scratch head."""
+    dQ = dS K, dK += dSᵀ Q and dV += Pᵀ dO, the last two through a scratch head; on the
+    GEMM on bf16 pairs where `pairs`."""
     q, k, v, dout = op.inputs[:4]
     dq, dk, dv = op.outputs
     d = _dims(op)
@@ -448,11 +490,12 @@ def attention_grad_blocks(ctx, op) -> None:
 
     def part(ctx, number: int | Value, first_item, last_item, first_pair, last_pair) -> None:
         geometry = _Heads(ctx, q, k, op)
-        gemm, packed = GeneratedGemm(ctx, SGEMM_GENERATED, number, share), PackedGemm(ctx)
+        gemm = GeneratedGemm(ctx, SGEMM_DPBF16 if pairs else SGEMM_GENERATED, number, share)
+        packed = PackedGemm(ctx, pairs=pairs)
         panels_at = cache_line_aligned(
             ctx.b, ctx.b.gep(ctx.address(ctx.workspace), [ctx.index(number * share + _grad_panels_offset(op)).ir]), BYTE_PTR)
         keys_across, values_across, keys_along = (
-            _Panels(ctx, f"{op.name}/{name}", ctx.b.gep(panels_at, [i64(i * _panels_bytes(op, 1))]), op)
+            _Panels(ctx, f"{op.name}/{name}", ctx.b.gep(panels_at, [i64(i * _panels_bytes(op, 1))]), op, pairs)
             for i, name in enumerate(("kt", "vt", "k")))
         p = scratch(ctx, number, "p", 0, block_floats)
         ds = scratch(ctx, number, "ds", 4 * block_floats, block_floats)
@@ -510,6 +553,8 @@ def _add_up(ctx, target, base: int, stride: int, sources, rows: int, size: int) 
 
 GENERATED_GEMM_KERNELS.add("AttentionGradGemm")
 PACKED_GEMM_KERNELS.add("AttentionGradGemm")
+PAIRS_GEMM_KERNELS.add("AttentionGradGemmDpbf16")
+PAIRS_PACKED_GEMM_KERNELS.add("AttentionGradGemmDpbf16")
 
 
 @kernel("AttentionRow", {"Attention"}, supports=_rows_heads_first)

@@ -301,9 +301,11 @@ class PackedGemm:
         self._function = self.b.bitcast(ctx.table_entry(slot), function.as_pointer())
 
     def gemm(self, ta: bool, m, n, k, a: ir.Value, lda, panels: ir.Value, c: ir.Value, ldc) -> None:
+        """`panels` as any pointer: a scratch holding them is typed float32."""
         def size(value) -> ir.Value:
             return value.ir if isinstance(value, Value) else i64(value)
 
+        panels = self.b.bitcast(panels, self._function.type.pointee.args[6])
         self.b.call(self._function, [i64(int(ta)), size(m), size(n), size(k), a, size(lda), panels, c, size(ldc)])
 
 
@@ -412,9 +414,11 @@ def amx_matmul(ctx, op) -> None:
 
 PAIRS_KERNEL = "GemmDpbf16"
 PAIRS_PACKED_KERNEL = "PackedGemmDpbf16"
-# The kernels on bf16 pairs: the backend passes them over on targets without AVX512-BF16,
+# Kernels that call the generated GEMM on bf16 pairs, and on pairs packed ahead of time
+# (attention's add theirs): the backend passes them over on targets without AVX512-BF16,
 # and where AMX tiles take the products.
-PAIRS_KERNELS = (PAIRS_KERNEL, PAIRS_PACKED_KERNEL)
+PAIRS_GEMM_KERNELS = {PAIRS_KERNEL}
+PAIRS_PACKED_GEMM_KERNELS = {PAIRS_PACKED_KERNEL}
 
 
 def _pairs_faster(op, packed: bool) -> bool:
