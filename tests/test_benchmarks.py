@@ -41,6 +41,18 @@ def assert_summary(lines: list[str], unit: str, sides=("ranvier", "pytorch")) ->
     assert any(re.fullmatch(rf"ranvier is \d+\.\d\d× (faster|slower) than pytorch \(median {unit}\)", line) for line in lines)
 
 
+def assert_bf16_side(out: str, unit: str) -> None:
+    """Where this CPU runs bf16 products (AMX tiles, AVX512-BF16 pairs), the machine line says
+    which and ranvier-bf16 races beside ranvier's float32, compared with it; elsewhere neither."""
+    from ranvier.backends.cpu.backend import bf16_gemm
+    from ranvier.backends.cpu.target import host_target
+
+    bf16 = bf16_gemm(host_target())
+    assert (f"+{bf16}]" in out.splitlines()[0]) == bool(bf16)
+    compared = re.search(rf"^ranvier-bf16 is \d+\.\d\d× (faster|slower) than ranvier \(median {unit}\)$", out, re.MULTILINE)
+    assert bool(compared) == bool(bf16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,preset", [("llama_train.py", "stories260K"), ("moe_train.py", "moe-tiny")])
 def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, preset):
@@ -53,6 +65,7 @@ def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, 
         assert re.search(r"^cell train: [\d.]+ ms per compute, by kernel$", out, re.MULTILINE)
         assert re.search(r"^  first step torch.compile +[\d.]+ s$", out, re.MULTILINE)
         assert_torch_compile_side(out, "tokens/s")
+        assert_bf16_side(out, "tokens/s")
     if script == "moe_train.py":
         assert "routing skips 50% of the expert FLOPs" in out  # top-2 of 4
         assert "ranvier's step: matrix products" in out
@@ -155,6 +168,7 @@ def test_mnist_benchmark_says_which_side_is_faster_and_how_far_each_is_from_the_
         assert re.search(rf"^{re.escape(side)} +median accuracy [\d.]+, compiled in [\d.]+ s in its first run$", out,
                          re.MULTILINE), side
     assert re.search(r"^pytorch +median accuracy [\d.]+$", out, re.MULTILINE)
+    assert_bf16_side(out, "s")
 
 
 @pytest.mark.slow

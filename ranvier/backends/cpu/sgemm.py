@@ -65,7 +65,7 @@ of an FMA per instruction.
                                      u16* panels, float* C, i64 ldc)
 
 are the same loops and tiles on pairs: each step of k the micro-kernel takes is two, k and
-k + 1, held as two bf16 in one 32-bit slot. B's panels (`pack_pairs`, or ahead of time
+k + 1, held as two bf16 in one 32-bit slot. B's panels (`pack(..., pairs=True)`, or ahead of time
 `pack_panels(..., pairs=True)`) hold in their row p, for each of the NR columns, op(B)[2p, j]
 and op(B)[2p + 1, j] side by side; a strip of A is copied as pairs too (`copy_pairs`), and
 a step broadcasts one pair of a row (a 32-bit element) against the panel's row of V
@@ -307,10 +307,8 @@ def pack_at_run_time(module: ir.Module, target: CPUTarget, b: ir.IRBuilder, tran
     does): the run-time twin of `pack_panels`, by the same packing the GEMM does a block at
     a time."""
     emit = _Emitter(module, target)
-    if pairs:
-        emit.pack_pairs(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, b.bitcast(panels, _PAIRS_PTR))
-    else:
-        emit.pack(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, panels)
+    emit.pack(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, b.bitcast(panels, _PAIRS_PTR) if pairs else panels,
+              pairs)
 
 
 class _Emitter:
@@ -554,20 +552,29 @@ class _Emitter:
     # ---- packing B ------------------------------------------------------------------------
 
     def pack(self, b: ir.IRBuilder, tb: ir.Value, source: ir.Value, ldb: ir.Value, pc: ir.Value, jc: ir.Value,
-             kc: ir.Value, nc: ir.Value, packed: ir.Value) -> None:
-        """op(B)[pc:pc+kc, jc:jc+nc] into panels of NR columns, zeros past nc."""
+             kc: ir.Value, nc: ir.Value, packed: ir.Value, pairs: bool = False) -> None:
+        """op(B)[pc:pc+kc, jc:jc+nc] into panels of NR columns, zeros past nc; `pairs`: of
+        bf16 pairs (`packed` slots), a panel's row p holding op(B)[pc+2p, j] and
+        op(B)[pc+2p+1, j] (zero past kc) for each of its columns."""
         nr = i64(self.nr)
+        depth = b.sdiv(b.add(kc, i64(1)), i64(2)) if pairs else kc  # a panel's rows
         panels = b.sdiv(b.add(nc, i64(self.nr - 1)), nr)
         with for_range(b, i64(0), panels, name="q") as q:
             first = b.mul(q, nr)
             columns = b.select(b.icmp_signed("<", b.sub(nc, first), nr), b.sub(nc, first), nr)
-            panel = b.gep(packed, [b.mul(q, b.mul(kc, nr))])
+            panel = b.gep(packed, [b.mul(q, b.mul(depth, nr))])
             column = b.add(jc, first)
             with b.if_else(b.icmp_signed("!=", tb, i64(0))) as (transposed, plain):
                 with transposed:
-                    self._pack_columns(b, source, ldb, pc, column, kc, columns, panel)
+                    if pairs:
+                        self._pack_pair_columns(b, source, ldb, pc, column, kc, depth, columns, panel)
+                    else:
+                        self._pack_columns(b, source, ldb, pc, column, kc, columns, panel)
                 with plain:
-                    self._pack_rows(b, source, ldb, pc, column, kc, columns, panel)
+                    if pairs:
+                        self._pack_pair_rows(b, source, ldb, pc, column, kc, depth, columns, panel)
+                    else:
+                        self._pack_rows(b, source, ldb, pc, column, kc, columns, panel)
 
     def _pack_columns(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
         """op(B)[p, j] = B[j, p]: each column of the panel is a run of one of B's rows.
@@ -618,25 +625,6 @@ class _Emitter:
                 merged.add_incoming(value, plain_block)
                 merged.add_incoming(masked, edge_block)
                 self.store_vector(b, merged, b.gep(panel, [b.add(b.mul(p, nr), i64(h * self.lanes))]), aligned=True)
-
-    def pack_pairs(self, b: ir.IRBuilder, tb: ir.Value, source: ir.Value, ldb: ir.Value, pc: ir.Value, jc: ir.Value,
-                   kc: ir.Value, nc: ir.Value, packed: ir.Value) -> None:
-        """op(B)[pc:pc+kc, jc:jc+nc] into panels of NR columns of bf16 pairs (`packed`,
-        slots): a panel's row p holds op(B)[pc+2p, j] and op(B)[pc+2p+1, j] (zero past kc)
-        for each of its columns, zeros past nc."""
-        nr = i64(self.nr)
-        pair_steps = b.sdiv(b.add(kc, i64(1)), i64(2))
-        panels = b.sdiv(b.add(nc, i64(self.nr - 1)), nr)
-        with for_range(b, i64(0), panels, name="q") as q:
-            first = b.mul(q, nr)
-            columns = b.select(b.icmp_signed("<", b.sub(nc, first), nr), b.sub(nc, first), nr)
-            panel = b.gep(packed, [b.mul(q, b.mul(pair_steps, nr))])
-            column = b.add(jc, first)
-            with b.if_else(b.icmp_signed("!=", tb, i64(0))) as (transposed, plain):
-                with transposed:
-                    self._pack_pair_columns(b, source, ldb, pc, column, kc, pair_steps, columns, panel)
-                with plain:
-                    self._pack_pair_rows(b, source, ldb, pc, column, kc, pair_steps, columns, panel)
 
     def _lane_masks(self, b: ir.IRBuilder, start: ir.Value, limit: ir.Value, count: int) -> list[ir.Value]:
         """`count` vectors' lanes i, from `start` on, where start + i < limit."""
@@ -941,10 +929,8 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
             else:
                 if source == "windows":
                     emit.pack_windows(b, image, geometry, first_column, pc, jc, kc, nc, block_of_b, taps, positions)
-                elif pairs:
-                    emit.pack_pairs(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b)
                 else:
-                    emit.pack(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b)
+                    emit.pack(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b, pairs)
 
                 def panel(first: ir.Value) -> ir.Value:
                     return b.gep(block_of_b, [b.mul(first, panel_rows(kc))])
