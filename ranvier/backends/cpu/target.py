@@ -24,6 +24,9 @@ _MASK_GROUPS = {
     "avx2": ["avx2", "fma", "f16c", "vaes", "vpclmulqdq", "gfni"],
     "avx": ["avx", "xsave", "xsaveopt"],
 }
+# AMX's bf16 GEMM packs its tiles with AVX512-BF16's conversions: masking those masks it too
+# (--cpu=-avx512bf16 leaves a Sapphire Rapids, as a Zen 4, its float32 products).
+_MASK_GROUPS["avx512bf16"] = ["avx512bf16", "amx-bf16"]
 _MASK_GROUPS["avx2"] += _MASK_GROUPS["avx512"]
 _MASK_GROUPS["avx"] += _MASK_GROUPS["avx2"]
 # CPUs gain extensions faster than a list: a family also masks every feature of the host
