@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 import ranvier as rv
-from ranvier.backends.cpu import bf16gemv
-from ranvier.backends.cpu.sgemm import panel_width
+from ranvier.backends.cpu import bf16gemv, sgemm
 from ranvier.backends.cpu.target import host_target
 
-pytestmark = pytest.mark.skipif(not bf16gemv.supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+pytestmark = pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
 
 SHAPES = [
     (48, 2),  # one panel row of one panel
@@ -40,7 +39,7 @@ def test_gemv_matches_float64_on_bf16_rounded_operands(n, k):
     w = rng.standard_normal((k, n), dtype=np.float32)
     y = np.full(n + 5, np.nan, np.float32)
     workspace = np.zeros(bf16gemv.workspace_bytes(k), np.uint8)
-    panels = bf16gemv.pack_pairs(w, False, target)
+    panels = sgemm.pack_panels(w, False, target, pairs=True)
     gemv(n, k, x.ctypes.data, panels.ctypes.data, y.ctypes.data, workspace.ctypes.data)
     expected = rounded(x) @ rounded(w)
     bound = 1e-5 * (np.abs(rounded(x)) @ np.abs(rounded(w))) + 1e-30  # float32 sums of exact products
@@ -52,20 +51,20 @@ def test_pairs_hold_two_steps_of_k_per_column():
     """Panel q, row p, column j: (w[2p, j], w[2p + 1, j]) rounded to bf16, zeros past n and k;
     the same from Bᵀ, each range of columns in panels of its own."""
     target = host_target()
-    nr = panel_width(target)
+    nr = sgemm.panel_width(target)
     k, n = 5, nr + 3
     w = np.random.default_rng(1).standard_normal((k, n), dtype=np.float32)
-    packed = bf16gemv.pack_pairs(w, False, target)
-    assert packed.ctypes.data % 64 == 0 and packed.size == bf16gemv.pairs_size(n, k, target) == 2 * nr * 6
+    packed = sgemm.pack_panels(w, False, target, pairs=True)
+    assert packed.ctypes.data % 64 == 0 and packed.size == sgemm.panels_size(n, k, target, pairs=True) == 2 * nr * 6
     panels = packed.reshape(2, 3, nr, 2).astype(np.float32)
     padded = np.zeros((6, 2 * nr), np.float32)
     padded[:k, :n] = w.astype(ml_dtypes.bfloat16).astype(np.float32)
     for q in range(2):
         for p in range(3):
             np.testing.assert_array_equal(panels[q, p], padded[2 * p : 2 * p + 2, q * nr : (q + 1) * nr].T)
-    np.testing.assert_array_equal(bf16gemv.pack_pairs(w.T.copy(), True, target), packed)
-    ranges = bf16gemv.pack_pairs(w, False, target, [(0, 4), (4, n)])
-    assert ranges.size == bf16gemv.pairs_size(4, k, target) + bf16gemv.pairs_size(n - 4, k, target)
+    np.testing.assert_array_equal(sgemm.pack_panels(w.T.copy(), True, target, pairs=True), packed)
+    ranges = sgemm.pack_panels(w, False, target, [(0, 4), (4, n)], pairs=True)
+    assert ranges.size == sgemm.panels_size(4, k, target, pairs=True) + sgemm.panels_size(n - 4, k, target, pairs=True)
 
 
 def _row_product(k: int, n: int, transposed: bool, mask: str = ""):

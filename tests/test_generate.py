@@ -134,7 +134,7 @@ def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monke
 
     import ml_dtypes
 
-    from ranvier.backends.cpu import bf16gemv
+    from ranvier.backends.cpu import sgemm
     from ranvier.backends.cpu.backend import bf16_gemm
     from ranvier.backends.cpu.target import host_target
 
@@ -145,7 +145,7 @@ def test_bf16_weights_decode_as_float32_on_weights_rounded_to_bf16(shared, monke
     narrow = Generator(Llama(config), weights, prefill=8, matmul="bfloat16")
     decode = narrow.network.cell("decode")
     products = [s for s in decode.steps if s.op.type.startswith("MatMul") and s.op.inputs[1].constant]
-    pairs = bf16gemv.supported(host_target())
+    pairs = sgemm.pairs_supported(host_target())
     assert len(products) == 7 * config.n_layers + 1
     assert {s.kernel for s in products} == {"Bf16Gemv" if pairs else "PackedGemmBf16"}
     prefill = [s for s in narrow.network.cell("prefill").steps if s.op.type.startswith("MatMul") and s.op.inputs[1].constant]

@@ -268,13 +268,13 @@ for index, (got, want) in enumerate(zip(*results)):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4 if index == winograd_output else 2e-5)
 # the same products by constants with matmul="bfloat16": the weights' bf16 panels where those
 # measured faster (always, with the generated GEMM forced), AMX tiles for rows where the CPU has them,
-# else bf16 pairs where it has AVX512-BF16 (A rounded as well)
+# else bf16 pairs where it has AVX512-BF16, as for a vector (these round A as well)
 import ml_dtypes
 cell = rv.Compiler("cpu", cpu=sys.argv[2], matmul="bfloat16", cache=False).compile(flow).cell("f")
 kernel_of = {s.op.outputs[0].name: s.kernel for s in cell.steps}
-rows_in_bf16 = ("AmxGemm", "PackedGemmDpbf16")
+a_in_bf16 = ("AmxGemm", "PackedGemmDpbf16", "Bf16Gemv")
 assert sum(kernel_of[o.var.name] == "PackedGemmBf16" for o in constant_products) == (
-    0 if os.environ["RANVIER_GEMM"] == "blas" else 5 - sum(kernel_of[o.var.name] in rows_in_bf16 for o in constant_products))
+    0 if os.environ["RANVIER_GEMM"] == "blas" else 5 - sum(kernel_of[o.var.name] in a_in_bf16 for o in constant_products))
 data = cell.instance()
 for name, value in values.items():
     data[h[name]] = value
@@ -288,8 +288,8 @@ def rounded(x):
 for o, (a, w, ta, tb) in zip(constant_products, [("a", "w", False, False), ("a", "wt", False, True), ("batch", "w", False, False),
                                                  ("at", "w", True, False), ("v", "w", False, False)]):
     kernel = kernel_of[o.var.name]
-    x = rounded(values[a]) if kernel in rows_in_bf16 else values[a].astype(np.float64)
-    y = rounded(weights[w]) if kernel in (*rows_in_bf16, "PackedGemmBf16") else weights[w].astype(np.float64)
+    x = rounded(values[a]) if kernel in a_in_bf16 else values[a].astype(np.float64)
+    y = rounded(weights[w]) if kernel in (*a_in_bf16, "PackedGemmBf16") else weights[w].astype(np.float64)
     x, y = (np.swapaxes(x, -1, -2) if ta else x), (y.T if tb else y)
     got = np.array(data[o])
     assert np.isfinite(got).all() and np.all(np.abs(got - x @ y) <= 1e-5 * (np.abs(x) @ np.abs(y)) + 1e-30), kernel

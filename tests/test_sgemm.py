@@ -152,21 +152,6 @@ def test_the_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writ
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
 
 
-def test_pair_panels_hold_two_steps_of_k_for_each_column_rounded_to_nearest_even():
-    target = host_target()
-    nr = sgemm.panel_width(target)
-    b = np.random.default_rng(1).standard_normal((7, nr + 5)).astype(np.float32)
-    for transposed, source in [(False, b), (True, np.ascontiguousarray(b.T))]:
-        panels = sgemm.pack_panels(source, transposed, target, pairs=True)
-        assert panels.dtype == ml_dtypes.bfloat16 and panels.size == sgemm.panels_size(nr + 5, 7, target, pairs=True)
-        rounded = b.astype(ml_dtypes.bfloat16)
-        pairs = panels.reshape(2, 4, nr, 2)  # [panel, pair of k, column, its two steps]
-        np.testing.assert_array_equal(pairs[0, :3, :, 0], rounded[0:6:2, :nr])
-        np.testing.assert_array_equal(pairs[0, :3, :, 1], rounded[1:6:2, :nr])
-        np.testing.assert_array_equal(pairs[1, 3, :5, 0], rounded[6, nr:])
-        assert not pairs[1, 3, :, 1].astype(np.float32).any() and not pairs[1, :, 5:].astype(np.float32).any()
-
-
 def test_packed_panels_hold_op_b_by_columns_of_nr_zeros_past_each_range():
     target = host_target()
     nr = sgemm.panel_width(target)
@@ -331,9 +316,10 @@ def test_a_product_by_a_constant_reads_panels_packed_once_per_network(gemm, kern
 def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(mask, split, monkeypatch):
     """matmul="bfloat16" on any CPU: a decode step's vector-matrix products by constants
     (plain, transposed, an epilogue after) and one with rows run on bf16 panels, each part a
-    share of the columns, against float64 with the matrices rounded to bf16 (the one with
-    rows on AMX-BF16 tiles where the CPU has them, else on AVX512-BF16's pairs where it has
-    those, its rows rounded too); a product by a parameter stays float32 (the streamed GEMV).
+    share of the columns, against float64 with the matrices rounded to bf16 (the vector's
+    on AVX512-BF16's pairs where the CPU has those, the vector rounded too (Bf16Gemv); the one
+    with rows on AMX-BF16 tiles where the CPU has them, else on AVX512-BF16's pairs, its rows
+    rounded too); a product by a parameter stays float32 (the streamed GEMV).
     Every element of the outputs is written."""
     import ranvier as rv
     from ranvier.backends.cpu.backend import bf16_gemm
@@ -355,7 +341,9 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
     kernel_of = {out.name: s.kernel for s in cell.steps for out in s.op.outputs}
     rows_in_bf16 = bf16_gemm(host_target(mask))
     rows_kernel = {"amx-bf16": "AmxGemm", "avx512bf16": "PackedGemmDpbf16"}.get(rows_in_bf16, "PackedGemmBf16")
-    assert [kernel_of[t.var.name] for t in outputs] == ["PackedGemmBf16", "PackedGemmBf16", rows_kernel, "Gemv"]
+    vector_in_bf16 = sgemm.pairs_supported(host_target(mask))
+    vector_kernel = "Bf16Gemv" if vector_in_bf16 else "PackedGemmBf16"
+    assert [kernel_of[t.var.name] for t in outputs] == [vector_kernel, vector_kernel, rows_kernel, "Gemv"]
     assert bool(re.search(r"^step\d+_part\d*:", cell.asm(), re.MULTILINE)) == (split and thread_count() > 1)
     data = cell.instance()
     vector, matrix = rng.standard_normal((1, 1, 300)).astype(np.float32), rng.standard_normal((3, 300)).astype(np.float32)
@@ -367,7 +355,7 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
     def rounded(m: np.ndarray) -> np.ndarray:
         return m.astype(ml_dtypes.bfloat16).astype(np.float64)
 
-    wide = vector.astype(np.float64)
+    wide = rounded(vector) if vector_in_bf16 else vector.astype(np.float64)
     # A float32 sum of 300 products errs by up to ~1e-5 of the sum of their magnitudes, in
     # whatever order a CPU adds them (a sum that cancels to near zero is not known to 1e-5 of
     # itself); tanh, 1-Lipschitz, passes that error on and adds a few ulps of its own.
@@ -376,7 +364,7 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
         (data[outputs[1]], np.tanh(wide @ rounded(wt).T), np.abs(wide) @ np.abs(wt).T, 1e-6),
         (data[outputs[2]], (rounded(matrix) if rows_in_bf16 else matrix.astype(np.float64)) @ rounded(w),
          np.abs(matrix) @ np.abs(w), 0.0),
-        (data[outputs[3]], wide @ v, np.abs(wide) @ np.abs(v), 0.0),
+        (data[outputs[3]], vector.astype(np.float64) @ v, np.abs(vector) @ np.abs(v), 0.0),
     ]:
         assert np.isfinite(got).all(), "every element written"
         assert np.all(np.abs(got - want) <= 1e-5 * bound + slack + 1e-30)

@@ -71,7 +71,7 @@ class CPUBackend:
         # products marked bf16 for their constant's panels never reach a bf16 GEMM elsewhere; a
         # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can
         self.unavailable = (*(() if tiles else (AMX_KERNEL,)), *(() if pairs else (*PAIRS_GEMM_KERNELS, *PAIRS_PACKED_GEMM_KERNELS)),
-                            *(() if bf16gemv.supported(self.target) else (PAIRS_GEMV_KERNEL,)))
+                            *(() if sgemm.pairs_supported(self.target) else (PAIRS_GEMV_KERNEL,)))
 
     def kernel(self, op: Operation) -> Kernel:
         """The library's kernel for `op` on this target."""

@@ -4,7 +4,8 @@ generated as LLVM IR.
     void ranvier_gemv_dpbf16(i64 n, i64 k, float* x, i32* panels, float* y, i8* workspace)
 
 computes y[n] = x[k] · W[k×n], overwriting y, on the calling thread, for a W packed ahead of time
-(`pack_pairs`) in the panels the GEMM on bf16 pairs reads: NR columns a panel (48, `sgemm.panel_width`),
+in the panels the GEMM on bf16 pairs reads (`sgemm.pack_panels(..., pairs=True)`): NR columns a
+panel (48, `sgemm.panel_width`),
 each k/2 rows of NR 32-bit slots, a slot two steps of k of one column (k, then k + 1 in its upper
 half; a zero past an odd k), the weights rounded to the nearest bf16. The call first rounds x the
 same way into pairs in the workspace (`workspace_bytes`); then per panel, `vdpbf16ps` takes a
@@ -26,15 +27,13 @@ import ctypes
 import functools
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
 from llvmlite import ir
 
 from ...dtypes import DT_BFLOAT16
 from ..llvm.convert import narrow
 from ..llvm.irutil import BF16, BYTE_PTR, F32, I1, I32, I64, VOID, constant, declared, for_range, i64, splat
 from . import jit
-from .sgemm import PANEL_ALIGNMENT, panel_width
+from .sgemm import panel_width
 from .target import CPUTarget
 
 SYMBOL = "ranvier_gemv_dpbf16"
@@ -46,49 +45,15 @@ GEMV_CTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_voi
                               ctypes.c_void_p)
 
 
-def supported(target: CPUTarget) -> bool:
-    """Whether `target` has vdpbf16ps on 512-bit vectors (AVX512-BF16: Zen 4 and 5, Cooper Lake, Sapphire Rapids)."""
-    return target.variant == "avx512" and "avx512bf16" in target.feature_set
-
-
 def workspace_bytes(k: int) -> int:
     """Scratch `ranvier_gemv_dpbf16` needs for x of k: its pairs, whole vectors of them, and
     a line to align their start."""
     return 64 + -(-k // (2 * _LANES)) * _LANES * 4
 
 
-def pairs_size(columns: int, k: int, target: CPUTarget) -> int:
-    """bf16 elements the panels of `columns` columns of k steps take: whole panels, k made even."""
-    return -(-columns // panel_width(target)) * panel_width(target) * (k + k % 2)
-
-
-def pack_pairs(b: np.ndarray, transposed: bool, target: CPUTarget, ranges: list[tuple[int, int]] | None = None) -> np.ndarray:
-    """op(B) (B float32 [k, n], or [n, k] when `transposed`) rounded to the nearest bf16 (ties
-    to even) and packed in pairs of k as `ranvier_gemv_dpbf16` reads them (64-byte aligned).
-    With `ranges` (column ranges, each a call's), each range's panels follow the previous
-    range's, `pairs_size` elements each; else one range of all n."""
-    columns = b.T if transposed else b
-    k, n = columns.shape
-    nr, depth = panel_width(target), k + k % 2
-    ranges = ranges or [(0, n)]
-    total = sum(pairs_size(last - first, k, target) for first, last in ranges)
-    storage = np.empty(total + PANEL_ALIGNMENT // 2, ml_dtypes.bfloat16)
-    start = (-storage.ctypes.data % PANEL_ALIGNMENT) // 2
-    packed = storage[start : start + total]
-    at = 0
-    for first, last in ranges:
-        count = -(-(last - first) // nr)
-        padded = np.zeros((depth, count * nr), ml_dtypes.bfloat16)
-        padded[:k, : last - first] = columns[:, first:last]
-        # [pair, its two steps, panel, column] → [panel, pair, column, its two steps]
-        packed[at : at + count * nr * depth] = padded.reshape(depth // 2, 2, count, nr).transpose(2, 0, 3, 1).reshape(-1)
-        at += count * nr * depth
-    return packed
-
-
 @functools.cache
 def gemv_code(target: CPUTarget) -> jit.LoadedCode:
-    """`ranvier_gemv_dpbf16` compiled for `target` (a `supported` one) and loaded for the life of the process."""
+    """`ranvier_gemv_dpbf16` compiled for `target` (a `sgemm.pairs_supported` one) and loaded for the life of the process."""
     return jit.generated_function(SYMBOL, Path(__file__), target, build_module)
 
 

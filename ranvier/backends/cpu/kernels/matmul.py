@@ -610,20 +610,11 @@ def _row_by_narrow_constant(op) -> bool:
     return _bfloat16_precision(op) and _by_constant(op) and m == 1 and len(batches) == 1
 
 
-def _pair_panels(op) -> Prepared:
-    """The constant B rounded to bf16 and packed once in pairs of k, each call's columns apart:
-    the form and layout of the GEMM on bf16 pairs' panels."""
-    transposed = bool(attrs_of(op)["transpose_b"])
-    ranges = _column_ranges(op)
-    return Prepared(op.inputs[1], f"sgemm bf16 pair panels{' of Bᵀ' if transposed else ''}, columns {ranges}",
-                    lambda value, target: bf16gemv.pack_pairs(value, transposed, target, ranges))
-
-
 def _pairs_gemv_workspace_bytes(op) -> int:
     return len(gemm_parts(op, _FLOAT_UNIT)) * bf16gemv.workspace_bytes(_gemms(op)[3])
 
 
-@kernel(PAIRS_GEMV_KERNEL, MATMUL_OPS, supports=_row_by_narrow_constant, prepares=lambda op: [_pair_panels(op)],
+@kernel(PAIRS_GEMV_KERNEL, MATMUL_OPS, supports=_row_by_narrow_constant, prepares=lambda op: [_panels_of_b(op, pairs=True)],
         workspace=_pairs_gemv_workspace_bytes)
 def pairs_gemv(ctx, op) -> None:
     """`ranvier_gemv_dpbf16` (bf16gemv.py) on the constant B's bf16 pairs packed when the
@@ -632,10 +623,10 @@ def pairs_gemv(ctx, op) -> None:
     the bf16 panels to float32 (`PackedGemmBf16`) kept fewer of the matrix's lines in flight."""
     a = op.inputs[0]
     k = _gemms(op)[3]
-    panels = _pair_panels(op)
+    panels = _panels_of_b(op, pairs=True)
     parts = gemm_parts(op, _FLOAT_UNIT)
     share = bf16gemv.workspace_bytes(k)
-    starts = _range_starts(op, lambda columns: bf16gemv.pairs_size(columns, k, ctx.target))
+    starts = _range_starts(op, lambda columns: sgemm.panels_size(columns, k, ctx.target, pairs=True))
     function = ir.FunctionType(VOID, [I64, I64, F32.as_pointer(), I32.as_pointer(), F32.as_pointer(), I8.as_pointer()])
 
     def call(ctx, number, g: _Gemm, target: ir.Value) -> None:
