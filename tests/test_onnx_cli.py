@@ -64,7 +64,9 @@ def test_bench_says_which_side_is_faster(model_file, capsys):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_run_with_bf16_weights_reads_them_rounded(model_file, tmp_path, capsys, monkeypatch, batch):
     """--matmul bfloat16: the weight's bf16 panels (the generated GEMM forced), the output
-    ONNX Runtime's on the weight rounded to bf16, not on the float32 one."""
+    ONNX Runtime's on the weight rounded to bf16, not on the float32 one; a row on
+    AVX512-BF16's pairs (Bf16Gemv) where the CPU has them, rows on AMX tiles, which round x
+    as well."""
     import ml_dtypes
 
     monkeypatch.setenv("RANVIER_GEMM", "generated")
@@ -72,14 +74,16 @@ def test_run_with_bf16_weights_reads_them_rounded(model_file, tmp_path, capsys, 
     np.save(tmp_path / "x.npy", x)
     assert main(["run", str(model_file), "--dims", f"batch={batch}", "--input", f"x={tmp_path / 'x.npy'}",
                  "--output", str(tmp_path / "out"), "--profile", "--matmul", "bfloat16"]) == 0
-    tiles = ranvier.backends.cpu.amx.amx_usable(ranvier.backends.cpu.target.host_target()) and batch > 1
-    assert ("AmxGemm" if tiles else "PackedGemmBf16") in capsys.readouterr().err
+    target = ranvier.backends.cpu.target.host_target()
+    kernel = ("AmxGemm" if ranvier.backends.cpu.amx.amx_usable(target) else "PackedGemmBf16") if batch > 1 else \
+        ("Bf16Gemv" if ranvier.backends.cpu.sgemm.pairs_supported(target) else "PackedGemmBf16")
+    assert kernel in capsys.readouterr().err
     model = onnx.load(model_file)
     weight = onnx.numpy_helper.to_array(model.graph.initializer[0])
     model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(weight.astype(ml_dtypes.bfloat16).astype(np.float32), "W"))
     onnx.save(model, tmp_path / "rounded.onnx")
     got = np.load(tmp_path / "out" / "y.npy")
-    if not tiles:  # (tiles round x as well)
+    if kernel == "PackedGemmBf16":  # (the others round x as well)
         np.testing.assert_allclose(got, expected(tmp_path / "rounded.onnx", x), rtol=1e-5, atol=1e-7)
     assert not np.allclose(got, expected(model_file, x), rtol=1e-5, atol=1e-7)
 
