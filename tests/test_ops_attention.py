@@ -156,6 +156,20 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
         check(got, want.numpy(), dtype)
 
 
+def fused_over_two_parts(monkeypatch) -> None:
+    """The CPU's fused attention kernels for every size, their items over two parts."""
+    import ranvier.backends.cpu.kernels.attention as cpu
+
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
+    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
+
+
+def operands(b, h, kv, t, s, hd):
+    """Random q, k, v and d out, heads first."""
+    return [random_array(shape, "float32", seed=i) for i, shape in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)])]
+
+
 def _layout(heads_first: bool, x):
     """x [B, H, T, hd] as a test feeds it: as it is, or [B, T, H, hd] where heads come second."""
     return x if heads_first else np.swapaxes(x, 1, 2)
@@ -263,14 +277,11 @@ def test_attention_gemm_pads_score_rows_4_kib_apart(causal, heads_first, monkeyp
     equals the per-head loop's; the last rows of a causal block see all 1,024 keys."""
     import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
-    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
-    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
+    fused_over_two_parts(monkeypatch)
     b, h, kv, t, s, hd = 1, 2, 1, 11, 1024, 8
     assert cpu._score_stride(_grad_op(b, h, kv, t, s, hd)) == s + 16
     assert cpu._score_stride(_grad_op(b, h, kv, t, 1000, hd)) == 1000
-    q, k, v, dout = (random_array(shape, "float32", seed=i) for i, shape in
-                     enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    q, k, v, dout = operands(b, h, kv, t, s, hd)
 
     def build(f, q, k, v, dout):
         attrs = {"causal": causal, "heads_first": heads_first}
@@ -289,14 +300,10 @@ def test_attention_gemm_heads_wider_than_a_panel(cpu_mask, hd, monkeypatch):
     backward's products against float64 loops, on every CPU variant, items over two parts
     (the outputs are the same bits as the unpacked products': packing reorders no sum)."""
     import ranvier as rv
-    import ranvier.backends.cpu.kernels.attention as cpu
 
-    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
-    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
-    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
+    fused_over_two_parts(monkeypatch)
     b, h, kv, t, s = 2, 4, 2, 21, 29
-    q, k, v, dout = (random_array(shape, "float32", seed=i) for i, shape in
-                     enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    q, k, v, dout = operands(b, h, kv, t, s, hd)
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     handles = [f.var(name, "float32", list(x.shape)) for name, x in zip("qkvd", (q, k, v, dout))]
@@ -368,13 +375,10 @@ def test_attention_on_bf16_pairs_rounds_each_products_inputs(causal, heads_first
 
     if bf16_gemm(host_target()) != "avx512bf16":
         pytest.skip("the products run on bf16 pairs where the CPU has AVX512-BF16 and no usable AMX tiles")
-    monkeypatch.setattr(cpu, "SCORES_BUDGET", 0)
+    fused_over_two_parts(monkeypatch)
     monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 8 * 45)
-    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
-    monkeypatch.setattr(cpu, "worth_splitting", lambda *args, **kwargs: True)
     b, h, kv, t, s = 2, 4, 2, 37, 45
-    q, k, v, dout = (random_array(shape, "float32", seed=i) for i, shape in
-                     enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
+    q, k, v, dout = operands(b, h, kv, t, s, hd)
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     handles = [f.var(name, "float32", list(_layout(heads_first, x).shape)) for name, x in zip("qkvd", (q, k, v, dout))]
