@@ -8,6 +8,7 @@ nodes give, and a seeded fuzz of malformed model bytes.
 from __future__ import annotations
 
 import io
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -505,6 +506,71 @@ def test_external_data(tmp_path):
     [expected] = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, feeds)
     [actual] = run_ranvier(tmp_path / "m.onnx", feeds, ["y"])
     assert_matches(actual, expected, "y")
+
+
+def external_model(folder) -> tuple[onnx.ModelProto, bytes]:
+    """A Gemm whose weight is external data in `folder`/w.data, saved by onnx itself; the
+    model as saved, and the data file's bytes."""
+    folder.mkdir()
+    values = {"x": rand(2, 8), "w": Known(rand(8, 6))}
+    model = build([helper.make_node("MatMul", ["x", "w"], ["y"])], values, ["y"])
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6]))
+    onnx.save_model(model, folder / "m.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
+    return onnx.load(folder / "m.onnx", load_external_data=False), (folder / "w.data").read_bytes()
+
+
+def set_external(model: onnx.ModelProto, **entries: str) -> None:
+    [weight] = model.graph.initializer
+    for entry in weight.external_data:
+        if entry.key in entries:
+            entry.value = entries.pop(entry.key)
+    for key, value in entries.items():
+        weight.external_data.add(key=key, value=value)
+
+
+def outside_file(folder, data: bytes):
+    secret = folder.parent / "secret.bin"
+    secret.write_bytes(bytes(reversed(data)))  # the same size as the weight: a reader that follows it would load it
+    return secret
+
+
+EXTERNAL_REFUSED = {
+    "a linked file": (lambda folder, data: (folder / "w.data").unlink() or (folder / "w.data").symlink_to(
+        outside_file(folder, data)), {}, "symbolic link, w.data"),
+    "a linked folder": (lambda folder, data: (folder / "d").symlink_to(outside_file(folder, data).parent),
+                        {"location": "d/secret.bin"}, "symbolic link, d"),
+    "a path up": (outside_file, {"location": "../secret.bin"}, "not a path inside"),
+    "an absolute path": (outside_file, {"location": "/etc/passwd"}, "not a path inside"),
+    "a missing file": (lambda folder, data: (folder / "w.data").unlink(), {}, "does not exist"),
+    "a folder": (lambda folder, data: (folder / "sub").mkdir(), {"location": "sub"}, "not a regular file"),
+    "a FIFO": (lambda folder, data: os.mkfifo(folder / "pipe"), {"location": "pipe"}, "not a regular file"),
+    "a short file": (lambda folder, data: (folder / "w.data").write_bytes(data[:-4]), {}, r"bytes 0 to 192 .* 188"),
+    "an offset past the end": (lambda folder, data: None, {"offset": "8"}, r"bytes 8 to 200 .* 192"),
+    "a length past the end": (lambda folder, data: None, {"length": "4096"}, r"length 4096 is not the 192 bytes"),
+    "a negative offset": (lambda folder, data: None, {"offset": "-8"}, r"bytes -8 to 184"),
+    "a length that is no number": (lambda folder, data: None, {"length": "lots"}, "not a whole number"),
+}
+
+
+@pytest.mark.parametrize("case", EXTERNAL_REFUSED)
+def test_external_data_outside_the_models_folder_is_refused(case, tmp_path):
+    """Whatever the onnx package would do (before 1.21 it follows links anywhere), ranvier
+    reads external data only from regular files inside the model's folder, reached through
+    no symbolic link, within their length."""
+    folder = tmp_path / "model"
+    model, data = external_model(folder)
+    prepare, entries, reason = EXTERNAL_REFUSED[case]
+    prepare(folder, data)
+    set_external(model, **entries)
+    onnx.save_model(model, folder / "m.onnx")
+    with pytest.raises(OnnxError, match=rf"m.onnx: tensor 'w'.*{reason}"):
+        ro.load(folder / "m.onnx")
+
+
+def test_external_data_needs_the_models_file(tmp_path):
+    model, _ = external_model(tmp_path / "model")
+    with pytest.raises(OnnxError, match="tensor 'w' keeps its data in a file beside the model"):
+        ro.load(model)
 
 
 # ---- errors ------------------------------------------------------------------------------------------

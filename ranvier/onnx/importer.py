@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,6 +25,7 @@ from ..errors import UnknownOpError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
 from . import converters  # noqa: F401  (each converter registers itself)
+from .external import load_external_data
 from .node import CONVERTERS, Node, OnnxError, Value, onnx_dtype
 
 # Operators whose result is not a function of their inputs' values: never folded.
@@ -46,7 +48,8 @@ def load(model: str | os.PathLike | bytes | onnx.ModelProto, dims: Mapping[str, 
 
 
 def read_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
-    """The ModelProto, checked by ONNX's checker; a clear error for anything unreadable."""
+    """The ModelProto with its external data read (`external.py`), checked by ONNX's
+    checker; a clear error for anything unreadable."""
     source = "<bytes>" if isinstance(model, bytes) else "<ModelProto>" if isinstance(model, onnx.ModelProto) else os.fspath(model)
     try:
         if isinstance(model, onnx.ModelProto):
@@ -54,13 +57,22 @@ def read_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.Model
         elif isinstance(model, bytes):
             proto = onnx.load_from_string(model)
         else:
-            proto = onnx.load(os.fspath(model), load_external_data=True)
-        onnx.checker.check_model(proto)
+            proto = onnx.load(os.fspath(model), load_external_data=False)
     except FileNotFoundError:
         raise
-    except Exception as error:  # noqa: BLE001  (protobuf, checker and external-data errors have no common base)
-        raise OnnxError(f"{source} is not a valid ONNX model: {type(error).__name__}: {str(error).strip()[:300]}") from None
+    except Exception as error:  # noqa: BLE001  (protobuf's errors have no common base)
+        raise _invalid(source, error) from None
+    folder = None if isinstance(model, (bytes, onnx.ModelProto)) else Path(os.fspath(model)).parent
+    load_external_data(proto, folder, source)
+    try:
+        onnx.checker.check_model(proto)
+    except Exception as error:  # noqa: BLE001  (the checker raises several kinds)
+        raise _invalid(source, error) from None
     return proto
+
+
+def _invalid(source: str, error: Exception) -> OnnxError:
+    return OnnxError(f"{source} is not a valid ONNX model: {type(error).__name__}: {str(error).strip()[:300]}")
 
 
 class _GraphImporter:
