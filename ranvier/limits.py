@@ -46,13 +46,13 @@ def byte_size(nbytes: int) -> str:
     if nbytes < 1024:
         return f"{nbytes} bytes"
     power = min((nbytes.bit_length() - 1) // 10, 5)
-    return f"{nbytes / 1024**power:.3g} {'KMGTP'[power - 1]}iB"
+    return f"{nbytes / 1024**power:.2f}".rstrip("0").rstrip(".") + f" {'KMGTP'[power - 1]}iB"
 
 
 def check_allocation(nbytes: int, what: str, error: type[RanvierError] = RanvierError) -> None:
-    """Refuse `what` (a phrase naming the node, variable or field, e.g. "ONNX node 'x'
-    (Expand)'s output float32[10x10]") when its `nbytes` are past the limit."""
+    """Refuse `what` (naming the node, variable or config fields it comes from, e.g. "ONNX
+    node 'x' (Expand, opset 17): its output 'y', float32[10x10]") when its `nbytes` are
+    past the limit."""
     limit = memory_limit()
     if nbytes > limit:
-        raise error(f"{what} needs {byte_size(nbytes)}, past ranvier's limit of {byte_size(limit)} for one allocation "
-                    f"({ENVIRONMENT} sets it)")
+        raise error(f"{what}: {byte_size(nbytes)}, past ranvier's memory limit of {byte_size(limit)} ({ENVIRONMENT} sets it)")

@@ -14,6 +14,7 @@ from . import dtypes, guards
 from .errors import RanvierError, shape_str
 from .flow.graph import Flow, Function, Operation, Variable
 from .handles import Channel, TensorArray, TensorHandle
+from .limits import check_allocation
 from .ops import written_inputs
 from .profile import Profile, StepTime
 
@@ -155,6 +156,7 @@ class Network:
                 array = var.data
             else:
                 # A learnable variable without an initial value starts at zero.
+                check_allocation(var.nbytes, f"global variable {var.name}: {var.typestr()}")
                 array = view_of(aligned_empty(var.nbytes, what=f"global {var.name}"), 0, var)
                 if var.data is not None:
                     array[...] = var.data

@@ -41,6 +41,7 @@ def runs(tmp_path):
         "moe": fake_run(tmp_path / "moe", "moe", LlamaRunConfig(preset="moe-tiny", model="moe")),
         "old-mnist": fake_run(tmp_path / "old-mnist", "mnist", MnistConfig(), recorded=False),
         "old-llama": fake_run(tmp_path / "old-llama", "llama", LlamaRunConfig(), recorded=False),
+        "huge-mnist": fake_run(tmp_path / "huge-mnist", "mnist", MnistConfig(hidden=[10**12])),
     }
 
 
@@ -150,6 +151,7 @@ FAILURES = [
     (["eval", "{llama}"], ["is a llama run; `ranvier eval` needs an MNIST run"]),
     (["eval", "{old-llama}"], ["is a llama run"]),
     (["eval", "{mnist}"], ["no checkpoint"]),
+    (["eval", "{huge-mnist}"], ["layer sizes [784, 1000000000000, 10]): 2.82 PiB, past ranvier's memory limit"]),
     (["plot", "{missing}"], ["is not a run directory"]),
     (["export", "hf", "{mnist}", "{new}"], ["is an MNIST run; `ranvier export hf` needs a llama or moe run"]),
     (["export", "llama2c", "{mnist}", "out.bin"], ["is an MNIST run"]),

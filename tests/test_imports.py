@@ -136,7 +136,7 @@ def test_no_layer_imports_itself_back():
 # The layers from the bottom up, as the README lists them: each may import only the
 # layers before it. The package's own __init__ (the Myelin-style API) sits on top.
 ORDER = [
-    "ranvier.errors", "ranvier.version", "ranvier.dtypes", "ranvier.atomic", "ranvier.guards", "ranvier.safetensors_file", "ranvier.debug", "ranvier.progress",
+    "ranvier.errors", "ranvier.version", "ranvier.dtypes", "ranvier.atomic", "ranvier.guards", "ranvier.limits", "ranvier.safetensors_file", "ranvier.debug", "ranvier.progress",
     "ranvier.distributed",
     "ranvier.dashboard", "ranvier.plot", "ranvier.data",
     "ranvier.ops", "ranvier.flow", "ranvier.nn", "ranvier.autodiff", "ranvier.profile", "ranvier.handles", "ranvier.runtime",

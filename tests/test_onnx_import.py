@@ -11,6 +11,7 @@ import io
 import os
 import random
 import time
+import tracemalloc
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ import ranvier  # noqa: E402
 import ranvier.onnx as ro  # noqa: E402
 from ranvier.errors import RanvierError, UnknownOpError  # noqa: E402
 from ranvier.onnx import OnnxError  # noqa: E402
+from ranvier.onnx.node import CONVERTERS  # noqa: E402
 
 RNG = np.random.default_rng(15)
 TOLERANCE = 1e-5
@@ -602,7 +604,7 @@ REFUSED = [
     ("Conv", {"x": rand(1, 3, 9), "w": Known(rand(4, 3, 3))}, {}, "rank-3"),
     ("MaxPool", {"x": IMAGE}, {"kernel_shape": [3, 3], "ceil_mode": 1}, "ceil_mode"),
     ("Slice", {"x": X34, "s": known(3), "e": known(0), "a": known(1), "t": known(-1)}, {}, "step -1"),
-    ("Slice", {"x": X34, "s": known(0), "e": known(3), "a": known(1), "t": known(0)}, {}, "step 0"),
+    ("Slice", {"x": X34, "s": known(0), "e": known(3), "a": known(1), "t": known(0)}, {}, "'step' cannot be 0"),
     ("Pad", {"x": X34, "p": known(1, 1, 1, 1)}, {"mode": "reflect"}, "mode 'reflect'"),
     ("Resize", {"x": IMAGE, "r": known(dtype=np.float32), "s": known(1, 1, 1.5, 2, dtype=np.float32)}, {},
      "whole"),
@@ -660,6 +662,63 @@ def test_refused_extra_outputs_are_named():
     stats = helper.make_node("LayerNormalization", ["x", "g"], ["y", "mean"], name="the_node")
     with pytest.raises(OnnxError, match=r"'the_node' \(LayerNormalization.*mean"):
         ro.load(model_with(stats, {"x": X34, "g": Known(rand(4))}))
+
+
+def test_folded_nodes_are_type_checked():
+    """A node folded at load is checked against its operator's schema as ONNX Runtime checks
+    it: a Softmax of integers is refused (ONNX's reference evaluator computed [0, 1, 0, 0])."""
+    node = helper.make_node("Softmax", ["c"], ["y"], name="the_node")
+    model = helper.make_model(helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", TensorProto.INT64, [4])],
+                                                [numpy_helper.from_array(np.int64([1, 5, 2, 3]), "c")]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(OnnxError, match=r"'the_node' \(Softmax, opset 17\): is invalid: .*unsupported type: tensor\(int64\)"):
+        ro.load(model)
+
+
+def test_a_converters_mistake_is_named(monkeypatch):
+    """What a converter returns is held to the type and shape ONNX infers for the node."""
+    monkeypatch.setitem(CONVERTERS, "Relu", lambda node: node.tensor(0).transpose([1, 0]))
+    with pytest.raises(OnnxError, match=r"'the_node' \(Relu, opset 17\): its output 'y' came out float32\[4x3\] "
+                                        r"where ONNX infers float32\[3x4\]"):
+        ro.load(model_with(helper.make_node("Relu", ["x"], ["y"], name="the_node"), {"x": X34}))
+
+
+def constant_of_shape_model(*shape: int) -> onnx.ModelProto:
+    """The 114-byte model of issue 53: a ConstantOfShape folded at load, summed."""
+    nodes = [helper.make_node("ConstantOfShape", ["s"], ["c"], name="the_node"),
+             helper.make_node("ReduceSum", ["c"], ["y"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(np.int64(shape), "s")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("shape, limit_mb, size", [((2000, 1000), "1", "7.63 MiB"), ((10**6, 10**6), None, "3.64 TiB")])
+def test_a_value_folded_past_the_memory_limit_is_refused_before_it_is_computed(shape, limit_mb, size, monkeypatch):
+    if limit_mb is None:
+        monkeypatch.delenv("RANVIER_MAX_MEMORY_MB", raising=False)
+    else:
+        monkeypatch.setenv("RANVIER_MAX_MEMORY_MB", limit_mb)
+    tracemalloc.start()
+    try:
+        with pytest.raises(OnnxError, match=rf"'the_node' \(ConstantOfShape, opset 17\): its output 'c', "
+                                            rf"float32\[{shape[0]}x{shape[1]}\] computed at load: {size}, past ranvier's memory limit"):
+            ro.load(constant_of_shape_model(*shape))
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    monkeypatch.setenv("RANVIER_MAX_MEMORY_MB", "1")
+    [total] = run_ranvier(constant_of_shape_model(20, 30), {}, ["y"])  # what fits is folded
+    assert total == 0
+
+
+def test_an_output_past_the_memory_limit_is_refused_at_compile_time():
+    """The 113-byte model of issue 53: an input expanded to 4 TB, which compiled and then
+    failed in numpy's allocation when the instance was made."""
+    node = helper.make_node("Expand", ["x", "s"], ["y"])
+    model = model_with(node, {"x": rand(1), "s": known(100_000, 100_000, 100)})
+    with pytest.raises(RanvierError, match=r"an instance of cell main \(its largest variable main/.* \(y\): "
+                                           r"float32\[100000x100000x100\], 3.64 TiB\): 3.64 TiB, past ranvier's memory limit"):
+        ranvier.Compiler().compile(ro.load(model))
 
 
 def test_computed_reshape_target_is_refused():

@@ -12,6 +12,7 @@ from ..autodiff import gradient_function
 from ..backends import CompileOptions, create_backend
 from ..errors import CompileError, RanvierError, UnknownOpError
 from ..flow.graph import Flow, Function, Operation, Variable
+from ..limits import byte_size, check_allocation
 from ..ops import has_op, op_def, written_inputs
 from ..runtime import Cell, Network, Step
 from .declared import convert_declared_conditions, reshape_declared_outputs
@@ -156,6 +157,11 @@ class Compiler:
             ops, ranked + list(workspaces.values()), set(roles), self.backend.in_place,
             shares_storage=self.backend.shares_storage, workspaces=workspaces,
         )
+        if local:
+            largest = max(local.values(), key=lambda v: v.nbytes)
+            known_as = f" ({', '.join(largest.aliases)})" if largest.aliases else ""
+            check_allocation(size, f"an instance of cell {func.name} (its largest variable {largest.name}{known_as}: "
+                                   f"{largest.typestr()}, {byte_size(largest.nbytes)})", CompileError)
         cell = Cell(network, func, steps, slots, size, self.backend, roles, list(external.values()))
         self.backend.finish(cell)
         return cell

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
+from ..limits import check_allocation
 from .module import Module
 
 
@@ -92,6 +93,7 @@ PRESETS = {
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of position × θ^(−2i/head_dim), shape [seq_len, head_dim/2]."""
+    check_allocation(4 * seq_len * head_dim, f"rotary tables for {seq_len:,} positions of head size {head_dim}")
     frequencies = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     angles = np.outer(np.arange(seq_len), frequencies)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -99,11 +101,13 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[np.ndarray, 
 
 class Llama(Module):
     name = "llama"
+    sizes = ("dim", "n_layers", "hidden_dim", "vocab_size")  # the config's fields the parameter count grows with
 
     def __init__(self, config: LlamaConfig, seed: int = 0, allocate: bool = True):
         super().__init__(seed, allocate)
         self.config = config
         c = config
+        self.reserve(c.parameter_count(), ", ".join(f"{field} {getattr(c, field)}" for field in self.sizes))
         kv = c.n_kv_heads * c.head_dim
         # llama2.c's initialization: N(0, 0.02), residual projections scaled by 1/√(2·layers).
         self.residual_std = 0.02 / math.sqrt(2 * c.n_layers)

@@ -32,6 +32,7 @@ class MLP(Module):
             raise RanvierError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
         self.sizes = list(sizes)
         self.activation = activation
+        self.reserve(sum((fan_in + 1) * fan_out for fan_in, fan_out in itertools.pairwise(sizes)), f"layer sizes {self.sizes}")
         for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
             self.uniform_fan_in(f"W{i}", (fan_in, fan_out), fan_in)
             self.uniform_fan_in(f"b{i}", (fan_out,), fan_in)

@@ -10,6 +10,7 @@ import numpy as np
 from ..flow.builder import Builder, Tensor
 from ..flow.flags import VarFlags
 from ..flow.graph import Flow
+from ..limits import check_allocation
 from ..runtime import aligned_array
 
 
@@ -27,6 +28,12 @@ class Module:
         self.allocate = allocate
         self.initial: dict[str, np.ndarray] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def reserve(self, count: int, sizes: str) -> None:
+        """Before drawing any: refuse `count` float32 parameters past ranvier's memory limit,
+        naming the `sizes` (from a config) they come from."""
+        if self.allocate:
+            check_allocation(4 * count, f"{self.name}'s {count:,} parameters ({sizes})")
 
     def add(self, key: str, value: np.ndarray) -> None:
         self.shapes[key] = tuple(np.shape(value))

@@ -105,6 +105,7 @@ PRESETS = {
 
 class MoE(Llama):
     name = "moe"
+    sizes = (*Llama.sizes, "n_experts")
 
     def __init__(self, config: MoEConfig, seed: int = 0, allocate: bool = True):
         self._aux: dict[Function, list[Tensor]] = {}

@@ -50,7 +50,7 @@ def _read(tensor: onnx.TensorProto, folder: Path, where: str) -> bytes:
     if length is not None and length != expected:
         raise OnnxError(f"{where}: external data length {length} is not the {expected} bytes of its "
                         f"{_type_name(tensor)}[{'x'.join(map(str, tensor.dims))}]")
-    check_allocation(expected, where, OnnxError)
+    check_allocation(expected, f"{where}: its external data", OnnxError)
     try:
         # Neither following a link nor waiting on a FIFO put there since the checks.
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))

@@ -26,6 +26,7 @@ from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
 from . import converters  # noqa: F401  (each converter registers itself)
 from .external import load_external_data
+from .inference import check_fold_sizes, check_results, infer_outputs
 from .node import CONVERTERS, Node, OnnxError, Value, onnx_dtype
 
 # Operators whose result is not a function of their inputs' values: never folded.
@@ -138,8 +139,10 @@ class _GraphImporter:
             raise OnnxError(f"ONNX node {proto.name!r} reads {missing[0]!r}, which no earlier node computes")
         inputs = [self.values[name] if name else None for name in proto.input]
         node = Node(proto, inputs, self)
+        inferred = {} if _has_subgraph(proto) else infer_outputs(node)
         if (not domain and proto.op_type not in _NOT_FOLDED and not _has_subgraph(proto)
                 and all(v is None or isinstance(v, np.ndarray) for v in inputs)):
+            check_fold_sizes(node, inferred)
             results = self.fold(node)
         else:
             converter = CONVERTERS.get(key)
@@ -157,6 +160,7 @@ class _GraphImporter:
                 # ONNX's checker: report it by node rather than as a Python error from deep inside.
                 raise node.error(f"could not be converted: {type(error).__name__}: {error}") from None
         results = results if isinstance(results, (list, tuple)) else [results]
+        check_results(node, inferred, results)
         for name, value in zip(proto.output, results):
             if name:
                 self.values[name] = value

@@ -63,8 +63,13 @@ class Node:
         value = self.inputs[index]
         return list(value.shape)
 
+    @property
+    def label(self) -> str:
+        """How messages name the node: "ONNX node 'fc1' (Gemm, opset 17)"."""
+        return f"ONNX node {self.name!r} ({self.proto.op_type}, opset {self.opset})"
+
     def error(self, message: str) -> OnnxError:
-        return OnnxError(f"ONNX node {self.name!r} ({self.proto.op_type}, opset {self.opset}): {message}")
+        return OnnxError(f"{self.label}: {message}")
 
 
 Converter = Callable[[Node], list[Value] | Value]
