@@ -614,6 +614,10 @@ REFUSED = [
      {"mode": "linear"}, "mode 'linear'"),
     ("ArgMax", {"x": X34}, {"select_last_index": 1}, "select_last_index"),
     ("Gather", {"x": X34, "i": known(4)}, {}, "outside"),
+    ("Gemm", {"a": X34, "b": Known(rand(4, 5)), "c": Known(rand(2, 1, 5))}, {},
+     r"its C of shape \[2, 1, 5\] does not broadcast to the product's \[3, 5\]"),
+    ("Gemm", {"a": X34, "b": Known(rand(4, 5)), "c": Known(rand(3, 2))}, {"beta": 0.0}, "its C of shape"),
+    ("Conv", {"x": IMAGE, "w": W333}, {"kernel_shape": [5, 5]}, r"kernel_shape \[5, 5\] contradicts its weight's window \[3, 3\]"),
 ]
 
 
@@ -662,6 +666,20 @@ def test_refused_extra_outputs_are_named():
     stats = helper.make_node("LayerNormalization", ["x", "g"], ["y", "mean"], name="the_node")
     with pytest.raises(OnnxError, match=r"'the_node' \(LayerNormalization.*mean"):
         ro.load(model_with(stats, {"x": X34, "g": Known(rand(4))}))
+
+
+def test_declared_output_types_are_checked():
+    model = model_with(helper.make_node("Relu", ["x"], ["y"]), {"x": X34})
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.INT64
+    with pytest.raises(OnnxError, match="graph output 'y' is declared int64 but its node computes float32"):
+        ro.load(model)
+
+
+def test_input_names_that_clean_alike_stay_apart():
+    """"x/y", "x:y" and "x_y" are all x_y as flow names; each is its own input."""
+    nodes = [helper.make_node("Add", ["x/y", "x:y"], ["s"]), helper.make_node("Mul", ["s", "x_y"], ["y"])]
+    check(build(nodes, {"x/y": rand(3, 4), "x:y": rand(3, 4), "x_y": rand(3, 4)}, ["y"]),
+          {"x/y": rand(3, 4), "x:y": rand(3, 4), "x_y": rand(3, 4)})
 
 
 def test_folded_nodes_are_type_checked():

@@ -126,9 +126,13 @@ def gemm(node: Node):
                            transpose_b=bool(node.attr("transB", 0)))
     if alpha != 1.0:
         result = result * alpha
-    if node.optional(2) is not None and beta != 0.0:
+    if node.optional(2) is not None:
         bias = node.tensor(2)
-        result = result + (bias * beta if beta != 1.0 else bias)
+        # ONNX broadcasts C one way only, to the product's [M, N]: a C of [2, 1, N] is refused, not grown to [2, M, N].
+        if bias.rank > 2 or any(c not in (1, d) for c, d in zip(reversed(bias.shape), reversed(result.shape))):
+            raise node.error(f"its C of shape {bias.shape} does not broadcast to the product's {result.shape}")
+        if beta != 0.0:
+            result = result + (bias * beta if beta != 1.0 else bias)
     return result
 
 
@@ -478,6 +482,9 @@ def conv(node: Node):
     x, w = node.tensor(0), node.tensor(1)
     if int(node.attr("group", 1)) != 1:
         raise node.error(f"group={node.attr('group')} (grouped or depthwise convolution) is not supported")
+    kernel = node.attr("kernel_shape")
+    if kernel is not None and list(kernel) != list(w.shape[2:]):
+        raise node.error(f"kernel_shape {list(kernel)} contradicts its weight's window {list(w.shape[2:])}")
     strides, padding, extra = _window(node, x, list(w.shape[2:]))
     y = node.b.conv2d(_pad_extra(node, x, extra, 0.0), w, strides=strides, padding=padding)
     if node.optional(2) is not None:

@@ -99,7 +99,7 @@ class _GraphImporter:
         for proto in self.graph.node:
             self.convert(proto)
         for value_info in self.graph.output:
-            self.output(value_info.name)
+            self.output(value_info)
 
     def _dim_names(self) -> set[str]:
         return {d.dim_param for v in self.graph.input for d in v.type.tensor_type.shape.dim if d.dim_param}
@@ -118,14 +118,21 @@ class _GraphImporter:
                 symbol = dim.dim_param or f"dimension {index}"
                 raise OnnxError(f"graph input {value_info.name!r} has a symbolic size {symbol!r}; give it one at load: "
                                 f"load(..., dims={{{symbol!r}: N}})")
-        var = self.b.var(_clean(value_info.name), onnx_dtype(tensor_type.elem_type, value_info.name), shape)
+        # Names that clean alike ("x/y", "x:y", "x_y") are numbered apart; each keeps its ONNX name as an alias.
+        free = self.b.varname(_clean(value_info.name) or "input").removeprefix(f"{self.b.func.name}/")
+        var = self.b.var(free, onnx_dtype(tensor_type.elem_type, value_info.name), shape)
         self.flow.add_alias(var.var, value_info.name)
         return var
 
-    def output(self, name: str) -> None:
+    def output(self, value_info: onnx.ValueInfoProto) -> None:
+        name = value_info.name
         value = self.values.get(name)
         if value is None:
             raise OnnxError(f"graph output {name!r} is computed by no node")
+        declared = value_info.type.tensor_type.elem_type
+        dtype = dtypes.from_numpy(value.dtype) if isinstance(value, np.ndarray) else value.dtype
+        if declared and onnx_dtype(declared, f"graph output {name!r}") != dtype:
+            raise OnnxError(f"graph output {name!r} is declared {onnx_dtype(declared, name)} but its node computes {dtype}")
         tensor = value if isinstance(value, Tensor) and value.producer is not None else self.b.identity(self.as_tensor(value, name))
         tensor.var.out = True
         if self.flow.find_var(name) is None:
