@@ -104,11 +104,25 @@ def read_inputs(flow: Flow, specs: Sequence[str]) -> dict[str, np.ndarray]:
                                f"(or booleans) for a {var.dtype} input")
         if list(array.shape) != var.shape:
             raise RanvierError(f"input {name} from {file} has shape [{shape_str(array.shape)}], expected [{shape_str(var.shape)}]")
+        if not converts_exactly(array, dtypes.to_numpy(var.dtype)):
+            raise RanvierError(f"input {name} from {file} is {array.dtype}, which the model's {var.dtype} input cannot hold "
+                               "(floats are not truncated into integers, and integers must be in its range)")
         given[name] = array
     missing = [n for n in wanted if n not in given]
     if missing:
         raise RanvierError(f"no --input for {', '.join(missing)}; the model's inputs: {describe(wanted.values())}")
     return given
+
+
+def converts_exactly(array: np.ndarray, dtype) -> bool:
+    """Whether `array` becomes a `dtype` input as a user means it: of the same kind or a
+    wider one (float64 rounded to float32, integers to floats), integers in the type's range."""
+    if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+        return False
+    if np.dtype(dtype).kind in "iu" and array.size:
+        limits = np.iinfo(dtype)
+        return bool(limits.min <= array.min() and array.max() <= limits.max)
+    return True
 
 
 def random_inputs(flow: Flow, seed: int = 0) -> dict[str, np.ndarray]:

@@ -140,3 +140,48 @@ def test_an_input_used_only_for_its_shape_needs_no_value_in_the_cell(tmp_path, c
     main(["run", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--input", f"like={tmp_path / 'like.npy'}",
           "--output", str(tmp_path / "out")])
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "y.npy"), x.reshape(2, 3))
+
+
+@pytest.fixture
+def lookup_file(tmp_path):
+    """y = table[ids] + x: an int32 input and a float32 one."""
+    table = helper.make_tensor("table", TensorProto.FLOAT, [5, 2], RNG.standard_normal(10).astype(np.float32))
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["rows"]), helper.make_node("Add", ["rows", "x"], ["y"])],
+                              "g", [helper.make_tensor_value_info("ids", TensorProto.INT32, [3]),
+                                    helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])], [table])
+    path = tmp_path / "lookup.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def run_lookup(path, tmp_path, ids: np.ndarray, x: np.ndarray) -> np.ndarray:
+    np.save(tmp_path / "ids.npy", ids)
+    np.save(tmp_path / "x.npy", x)
+    main(["run", str(path), "--input", f"ids={tmp_path / 'ids.npy'}", "--input", f"x={tmp_path / 'x.npy'}",
+          "--output", str(tmp_path / "out")])
+    return np.load(tmp_path / "out" / "y.npy")
+
+
+X32 = RNG.standard_normal((3, 2))
+
+
+@pytest.mark.parametrize("ids, x, message", [
+    (np.array([1.7, 0, 4]), X32, "input ids from .* is float64, which the model's int32 input cannot hold"),
+    (np.int64([1, 2**31, 4]), X32, "input ids from .* is int64, which the model's int32 input cannot hold"),
+    (np.int64([1, -2**31 - 1, 4]), X32, "is int64, which the model's int32"),
+    (np.int32([1, 0, 4]), X32 + 1j, "input x from .* holds elements of dtype complex128, expected real numbers"),
+    (np.array([True, False, True]).astype(np.uint64) << 63, X32, "is uint64, which the model's int32"),
+])
+def test_run_refuses_inputs_their_type_cannot_hold(lookup_file, tmp_path, ids, x, message):
+    """An .npy of another type is taken only where nothing is lost but a float's rounding
+    (ORT refuses any other type; ranvier cast 1.7 to 1 and wrapped 2^31 into int32)."""
+    with pytest.raises(RanvierError, match=message):
+        run_lookup(lookup_file, tmp_path, ids, x)
+
+
+def test_run_takes_inputs_of_a_kind_it_can_hold(lookup_file, tmp_path):
+    ids = np.int64([4, 0, 2])
+    got = run_lookup(lookup_file, tmp_path, ids, X32)  # int64 ids in int32's range, float64 rounded to float32
+    want = ort.InferenceSession(str(lookup_file)).run(None, {"ids": ids.astype(np.int32), "x": X32.astype(np.float32)})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
