@@ -286,7 +286,9 @@ def test_float32_grouped_gemms_through_either_gemm(transpose, gemm, kernels, mon
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_grouped_matmul_refuses_bad_offsets(backend):
+@pytest.mark.parametrize("offsets", [[0, 4, 9], [1, 3, 6], [0, 4, 2], [-1, 2, 6]],
+                         ids=["past the rows", "not from 0", "falling", "negative"])
+def test_grouped_matmul_refuses_bad_offsets(backend, offsets):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x, w, o = f.var("x", "float32", [6, 3]), f.var("w", "float32", [2, 3, 4]), f.var("o", "int32", [3])
@@ -294,7 +296,7 @@ def test_grouped_matmul_refuses_bad_offsets(backend):
     y.var.out = True
     data = rv.Compiler(backend).compile(flow).cell("f").instance()
     data[x], data[w] = RNG.standard_normal((6, 3)), RNG.standard_normal((2, 3, 4))
-    data[o] = np.array([0, 4, 9], np.int32)  # past the 6 rows
+    data[o] = np.array(offsets, np.int32)
     with pytest.raises(rv.RanvierError, match="GroupedMatMul"):
         data.compute()
 

@@ -60,6 +60,8 @@ def group_bounds(ctx: EmitContext, offsets, e: Value, rows: int) -> tuple[Value,
     within the rows fail the step (the runtime raises), and such a group is not good."""
     start = ctx.load(offsets, e).cast(dtypes.DT_INT64)
     stop = ctx.load(offsets, e + 1).cast(dtypes.DT_INT64)
-    bad = (start < 0) | (stop < start) | (stop > rows)
+    # Rows before the first group would be left unwritten (the reference refuses them too).
+    first = ctx.load(offsets, 0).cast(dtypes.DT_INT64)
+    bad = first.not_equal(0) | (start < 0) | (stop < start) | (stop > rows)
     ctx.fail(bad)
     return start, stop, ~bad
