@@ -339,6 +339,28 @@ def test_cli_data_tinystories(tmp_path, capsys):
     np.testing.assert_array_equal(np.fromfile(tmp_path / "b" / "tok300" / "data00.bin", dtype="<u2"), data)
 
 
+def test_cli_data_pretokenize_a_corpus_without_newlines(tmp_path, capsys):
+    """SentencePiece skips sentences over 4,192 bytes: a corpus of one long line trained on
+    nothing and failed with "!sentences_.empty()". Long lines now come in pieces."""
+    corpus = tmp_path / "one-line.txt"
+    corpus.write_text(" ".join(STORIES * 60), encoding="utf-8")
+    assert main(["data", "pretokenize", str(corpus), "--out", str(tmp_path / "sp"), "--vocab-size", "300"]) == 0
+    tok = load_tokenizer(tmp_path / "sp" / "tokenizer.model")
+    assert tok.vocab_size == 300 and len(TokenShards(tmp_path / "sp")) < 0.8 * len(corpus.read_text())  # merges were learned
+    assert tok.decode(tok.encode(corpus.read_text())) == corpus.read_text()
+
+
+@pytest.mark.parametrize("line", ["word " * 3000, "é" * 5000 + " x", "日本語" * 2000], ids=["spaces", "one long word", "no spaces"])
+def test_long_lines_reach_sentencepiece_in_pieces(line, tmp_path):
+    from ranvier.data.tokenizers import MAX_SENTENCE_BYTES, _sentences
+
+    pieces = list(_sentences([line]))
+    assert "".join(pieces) == line.rstrip() or "".join(pieces) == line
+    assert all(0 < len(piece.encode()) <= MAX_SENTENCE_BYTES for piece in pieces)
+    (tmp_path / "line.txt").write_text(line, encoding="utf-8")
+    assert train_sentencepiece([tmp_path / "line.txt"], 270, output_prefix=tmp_path / "tok").vocab_size == 270
+
+
 def test_cli_data_pretokenize(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

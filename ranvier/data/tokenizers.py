@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -213,12 +213,37 @@ class SentencePieceTokenizer:
         return f"SentencePieceTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
+# SentencePiece's max_sentence_length (its default): the trainer skips longer sentences, so
+# a corpus of one long line trained on nothing ("!sentences_.empty()").
+MAX_SENTENCE_BYTES = 4192
+
+
 def _sentences(documents: Iterable[str]) -> Iterable[str]:
-    """Non-empty lines of each document: SentencePiece trains on lines, as it does when it reads text files."""
+    """Non-empty lines of each document, as SentencePiece trains on lines; a line longer
+    than it takes comes in pieces, cut before a space where there is one."""
     for document in documents:
         for line in document.splitlines():
-            if line.strip():
-                yield line
+            data = line.encode("utf-8")
+            while data:
+                cut = len(data)
+                if cut > MAX_SENTENCE_BYTES:
+                    cut = data.rfind(b" ", 1, MAX_SENTENCE_BYTES + 1)
+                    if cut < 0:  # no space: cut between two characters
+                        cut = MAX_SENTENCE_BYTES
+                        while data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+                            cut -= 1
+                piece, data = data[:cut].decode("utf-8"), data[cut:]
+                if piece.strip():
+                    yield piece
+
+
+def _file_documents(files: list[Path]) -> Iterator[str]:
+    for file in files:
+        with open(file, encoding="utf-8") as lines:
+            try:
+                yield from lines
+            except UnicodeDecodeError as error:
+                raise TokenizerError(f"SentencePiece training input {file} is not UTF-8 text: {error}") from None
 
 
 def train_sentencepiece(
@@ -247,7 +272,6 @@ def train_sentencepiece(
     spm = _sentencepiece()
     if isinstance(text_files_or_iterator, (str, os.PathLike)):
         text_files_or_iterator = [text_files_or_iterator]
-    source: dict
     if isinstance(text_files_or_iterator, (list, tuple)):
         files = [Path(f) for f in text_files_or_iterator]
         missing = [str(f)[:60] for f in files if not f.is_file()]
@@ -256,15 +280,16 @@ def train_sentencepiece(
                 f"SentencePiece training input: {', '.join(missing[:3]) or 'no files given'}: not found "
                 "(pass text files as a list of paths, documents as an iterator of strings)"
             )
-        source = {"input": [str(f) for f in files], "input_format": "text"}
+        documents = _file_documents(files)
         described = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
     else:
-        source = {"sentence_iterator": _sentences(text_files_or_iterator)}
+        documents = text_files_or_iterator
         described = "the given documents"
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            **source,
+            sentence_iterator=_sentences(documents),
+            max_sentence_length=MAX_SENTENCE_BYTES,
             model_writer=model,
             model_type=model_type,
             vocab_size=vocab_size,
