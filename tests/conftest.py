@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fuzzing import watching
 
 from ranvier.backends.cuda import device, driver
 from ranvier.errors import RanvierError
@@ -26,6 +27,13 @@ def on_device(request, monkeypatch):
     else:
         monkeypatch.delenv(device.DEVICE_ENVIRONMENT, raising=False)
     return request.param
+
+
+@pytest.fixture
+def watched():
+    """tracemalloc on and an alarm for a case that hangs, for fuzzing.within."""
+    with watching():
+        yield
 
 
 def pytest_configure(config):

@@ -9,10 +9,7 @@ Each reader gets a valid input made by ranvier's own writers (or, for IDX, by th
 few bytes), then garbage and wrong magic, the files cut short at many points, headers that
 claim huge sizes, and seeded random mutations for a time budget. Every input must load or
 raise a RanvierError that names the file at fault: never another exception, a hang, or an
-allocation beyond what the input's size warrants. Allocations are watched with tracemalloc,
-which sees Python's and numpy's; a reader that sized an array from a header it had not
-checked against the file would be caught even where the operating system lets the
-allocation through untouched.
+allocation beyond what the input's size warrants (watched as fuzzing.py says).
 """
 
 from __future__ import annotations
@@ -21,10 +18,8 @@ import gzip
 import hashlib
 import json
 import random
-import signal
 import struct
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,13 +27,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from fuzzing import within
 from safetensors.numpy import load_file, save_file
 
 from ranvier.data import mnist
 from ranvier.data.batches import BatchSampler
 from ranvier.data.shards import MANIFEST, TokenShards, pretokenize
 from ranvier.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, train_sentencepiece
-from ranvier.errors import RanvierError
 from ranvier.interop import (
     Llama2cTokenizer,
     export_hf,
@@ -244,50 +239,15 @@ READERS = {
 # ---- reading under watch ------------------------------------------------------------------------
 
 
-class Hang(BaseException):  # not an Exception, so no reader's handler can swallow it
-    """Raised by the alarm in a read that runs too long."""
-
-
-@pytest.fixture
-def watched() -> Iterator[None]:
-    """tracemalloc on, and an alarm that interrupts a hung read."""
-
-    def alarm(signum, frame):
-        raise Hang
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    started = not tracemalloc.is_tracing()
-    if started:
-        tracemalloc.start()
-    yield
-    if started:
-        tracemalloc.stop()
-    signal.signal(signal.SIGALRM, previous)
-
-
 def attempt(read: Callable[[Path], object], path: Path, culprit: Path, limit: int, label: str,
             timeout: float = CASE_TIMEOUT_S) -> str | None:
-    """Read once: the error's message when the input is refused, None when it loads. Fails on
-    any other exception, a hang, a message that does not name the culprit file, or more than
-    `limit` bytes allocated."""
-    tracemalloc.reset_peak()
-    before = tracemalloc.get_traced_memory()[0]
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        read(path)
-        message = None
-    except RanvierError as error:
-        message = str(error)
-        assert culprit.name in message, f"{label}: the error does not name {culprit.name}: {message}"
-    except Hang:
-        pytest.fail(f"{label}: still reading after {timeout} s")
-    except Exception as error:
-        raise AssertionError(f"{label}: {type(error).__name__}: {error}") from error
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    grown = tracemalloc.get_traced_memory()[1] - before
-    assert grown <= limit, f"{label}: allocated {grown:,} bytes, more than the {limit:,} this input warrants"
-    return message
+    """Read under the watch (fuzzing.within): the error's message when the input is refused,
+    None when it loads. Also fails on a message that does not name the culprit file."""
+    error = within(lambda: read(path), limit, timeout, label)
+    if error is None:
+        return None
+    assert culprit.name in str(error), f"{label}: the error does not name {culprit.name}: {error}"
+    return str(error)
 
 
 def write(file: Path, data: bytes) -> None:
@@ -560,5 +520,5 @@ def test_the_watch_catches_trusting_readers(tmp_path, watched):
         while True:
             pass
 
-    with pytest.raises(pytest.fail.Exception, match="still reading"):
+    with pytest.raises(pytest.fail.Exception, match="still running"):
         attempt(endless, path, path, MEMORY_SLACK, "an endless reader", timeout=0.2)
