@@ -19,6 +19,7 @@ from . import dtypes
 from .compiler import Compiler
 from .errors import RanvierError, shape_str
 from .flow.graph import Flow, Function, Variable
+from .limits import check_allocation
 from .runtime import Instance
 
 
@@ -130,6 +131,7 @@ def random_inputs(flow: Flow, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     inputs = {}
     for var in model_inputs(flow):
+        check_allocation(var.nbytes, f"input {_name(var)}: {var.typestr()}")
         if dtypes.is_float(var.dtype):
             inputs[_name(var)] = rng.standard_normal(var.shape).astype(dtypes.to_numpy(var.dtype))
         else:

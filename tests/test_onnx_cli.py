@@ -185,3 +185,16 @@ def test_run_takes_inputs_of_a_kind_it_can_hold(lookup_file, tmp_path):
     got = run_lookup(lookup_file, tmp_path, ids, X32)  # int64 ids in int32's range, float64 rounded to float32
     want = ort.InferenceSession(str(lookup_file)).run(None, {"ids": ids.astype(np.int32), "x": X32.astype(np.float32)})[0]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_bench_refuses_random_inputs_past_the_memory_limit(tmp_path, monkeypatch):
+    """bench draws its inputs before compiling: a declared [2, 2^31] input was numpy's
+    MemoryError (found by test_onnx_fuzz.py)."""
+    monkeypatch.setenv("RANVIER_MAX_MEMORY_MB", "1024")  # however much memory the machine has
+    table = helper.make_tensor("table", TensorProto.FLOAT, [5, 2], RNG.standard_normal(10).astype(np.float32))
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"])], "g",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 2**31])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2**31, 2])], [table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "wide.onnx")
+    with pytest.raises(RanvierError, match=r"input ids: int64\[2x2147483648\]: 32 GiB, past ranvier's memory limit"):
+        main(["bench", str(tmp_path / "wide.onnx")])

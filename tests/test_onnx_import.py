@@ -207,6 +207,7 @@ NODE_CASES = [
     case("LayerNormalization", {"x": X234, "g": Known(rand(4)), "b": Known(rand(4))}),
     case("LayerNormalization", {"x": X234, "g": Known(rand(3, 4))}, axis=-2, epsilon=1e-3, id="axis-2-no-bias"),
     case("LayerNormalization", {"x": X234, "g": rand(4), "b": rand(4)}, id="fed-scale"),
+    case("LayerNormalization", {"x": X234, "g": Known(rand(1)), "b": Known(rand(3, 1))}, axis=1, id="broadcast-scale-bias"),
     # Shapes.
     case("Reshape", {"x": X234, "s": known(0, -1, 2)}),
     case("Reshape", {"x": X234, "s": known(-1)}, id="flat"),
@@ -618,6 +619,12 @@ REFUSED = [
      r"its C of shape \[2, 1, 5\] does not broadcast to the product's \[3, 5\]"),
     ("Gemm", {"a": X34, "b": Known(rand(4, 5)), "c": Known(rand(3, 2))}, {"beta": 0.0}, "its C of shape"),
     ("Conv", {"x": IMAGE, "w": W333}, {"kernel_shape": [5, 5]}, r"kernel_shape \[5, 5\] contradicts its weight's window \[3, 3\]"),
+    # Found by test_onnx_fuzz.py: each was taken (the bias and scale reshaped, the axis taken modulo the rank).
+    ("Conv", {"x": IMAGE, "w": W333, "b": Known(rand(1, 4))}, {}, r"bias of shape \[1, 4\] is not one value per output channel"),
+    ("Conv", {"x": IMAGE, "w": W333}, {"pads": [1, 1, 1, 1], "auto_pad": "SAME_UPPER"}, "both pads and auto_pad"),
+    ("LayerNormalization", {"x": X234, "g": Known(rand(4)), "b": Known(rand(4, 1))}, {},
+     r"bias of shape \[4, 1\] does not broadcast to the normalized axes \[4\]"),
+    ("LayerNormalization", {"x": X234, "g": Known(rand(4))}, {"axis": 35}, r"axis 35 is outside \[-3, 3\)"),
 ]
 
 
@@ -672,6 +679,30 @@ def test_declared_output_types_are_checked():
     model = model_with(helper.make_node("Relu", ["x"], ["y"]), {"x": X34})
     model.graph.output[0].type.tensor_type.elem_type = TensorProto.INT64
     with pytest.raises(OnnxError, match="graph output 'y' is declared int64 but its node computes float32"):
+        ro.load(model)
+
+
+def test_declared_value_types_are_checked():
+    """Intermediate values' declared types are held to what their nodes compute, as ONNX
+    Runtime holds them; one declared without an element type is refused as it refuses it."""
+    model = model_with(helper.make_node("Relu", ["x"], ["y"]), {"x": X34})
+    model.graph.value_info.append(helper.make_tensor_value_info("y", TensorProto.INT32, [3, 4]))
+    with pytest.raises(OnnxError, match="value 'y' is declared int32 but its node computes float32"):
+        ro.load(model)
+    model.graph.value_info[-1].type.tensor_type.elem_type = TensorProto.UNDEFINED
+    with pytest.raises(OnnxError, match="value 'y' is declared a tensor_type of element type 0"):
+        ro.load(model)
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.UNDEFINED
+    del model.graph.value_info[:]
+    with pytest.raises(OnnxError, match="graph output 'y' is declared a tensor_type of element type 0"):
+        ro.load(model)
+
+
+def test_an_opset_newer_than_onnx_knows_is_refused():
+    model = model_with(helper.make_node("Relu", ["x"], ["y"]), {"x": X34})
+    model.opset_import[0].version = onnx.defs.onnx_opset_version() + 1
+    with pytest.raises(OnnxError, match=rf"opset {onnx.defs.onnx_opset_version() + 1} of ONNX's operators; .* knows them "
+                                        rf"up to opset {onnx.defs.onnx_opset_version()}"):
         ro.load(model)
 
 

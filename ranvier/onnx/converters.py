@@ -137,9 +137,8 @@ def gemm(node: Node):
 
 
 def _over_trailing_axes(x, axis: int, normalise):
-    """Apply a last-axis op over the axes from `axis` on (ONNX's LayerNormalization and
-    the opset < 13 softmax flatten them), reshaping around it."""
-    axis %= x.rank
+    """Apply a last-axis op over the axes from `axis` (counted from 0) on (ONNX's
+    LayerNormalization and the opset < 13 softmax flatten them), reshaping around it."""
     if axis == x.rank - 1:
         return normalise(x)
     flat = x.reshape([*x.shape[:axis], math.prod(x.shape[axis:])])
@@ -151,8 +150,8 @@ def softmax(node: Node):
     x = node.tensor(0)
     method = node.b.softmax if node.proto.op_type == "Softmax" else node.b.log_softmax
     if node.opset >= 13:
-        return method(x, axis=int(node.attr("axis", -1)))
-    return _over_trailing_axes(x, int(node.attr("axis", 1)), lambda flat: method(flat, axis=-1))
+        return method(x, axis=node.axis(node.attr("axis", -1), x.rank))
+    return _over_trailing_axes(x, node.axis(node.attr("axis", 1), x.rank), lambda flat: method(flat, axis=-1))
 
 
 @converts("Attention")
@@ -214,10 +213,20 @@ def layer_norm(node: Node):
     if any(node.proto.output[1:]):
         raise node.error("its mean and inverse standard deviation outputs are not supported")
     x = node.tensor(0)
-    axis = int(node.attr("axis", -1)) % x.rank
-    width = math.prod(x.shape[axis:])
-    gamma = node.tensor(1).reshape([width])
-    beta = node.tensor(2).reshape([width]) if node.optional(2) is not None else None
+    axis = node.axis(node.attr("axis", -1), x.rank)
+    normalized = x.shape[axis:]
+
+    def per_element(index: int, what: str):
+        """Scale or bias over the normalized axes (as numpy broadcasts it there), flattened."""
+        value = node.tensor(index)
+        offset = len(normalized) - value.rank
+        if offset < 0 or any(d not in (1, normalized[offset + i]) for i, d in enumerate(value.shape)):
+            raise node.error(f"its {what} of shape {value.shape} does not broadcast to the normalized axes {normalized}")
+        whole = value if value.shape == normalized else node.b.broadcast_to(value, normalized)
+        return whole.reshape([math.prod(normalized)])
+
+    gamma = per_element(1, "scale")
+    beta = per_element(2, "bias") if node.optional(2) is not None else None
     eps = float(node.attr("epsilon", 1e-5))
     return _over_trailing_axes(x, axis, lambda flat: node.b.layer_norm(flat, gamma, beta, eps=eps))
 
@@ -282,6 +291,8 @@ def reshape(node: Node):
 def flatten(node: Node):
     x = node.tensor(0)
     axis = int(node.attr("axis", 1))
+    if not -x.rank <= axis <= x.rank:
+        raise node.error(f"axis {axis} is outside [-{x.rank}, {x.rank}] for its rank-{x.rank} input")
     axis += x.rank if axis < 0 else 0  # a negative axis counts from the end, in [-rank, rank]
     return x.reshape([math.prod(x.shape[:axis]), math.prod(x.shape[axis:])])
 
@@ -292,7 +303,7 @@ def _axes(node: Node, rank: int, attribute_until: int) -> list[int] | None:
         axes = node.attr("axes")
     else:
         axes = node.constant(1, "axes") if node.optional(1) is not None else None
-    return None if axes is None else sorted(int(a) % rank for a in np.asarray(axes).reshape(-1))
+    return None if axes is None else sorted(node.axis(a, rank) for a in np.asarray(axes).reshape(-1))
 
 
 @converts("Unsqueeze")
@@ -323,14 +334,14 @@ def transpose(node: Node):
 @converts("Concat")
 def concat(node: Node):
     parts = [node.tensor(i) for i, v in enumerate(node.inputs) if not (isinstance(v, np.ndarray) and v.size == 0)]
-    axis = int(node.attr("axis")) % parts[0].rank
+    axis = node.axis(node.attr("axis"), parts[0].rank)
     return parts[0] if len(parts) == 1 else node.b.concat(parts, axis)
 
 
 @converts("Split")
 def split(node: Node):
     x = node.tensor(0)
-    axis = int(node.attr("axis", 0)) % x.rank
+    axis = node.axis(node.attr("axis", 0), x.rank)
     if node.opset >= 13 and node.optional(1) is not None:
         sizes = [int(s) for s in node.constant(1, "split sizes")]
     elif node.attr("split") is not None:
@@ -348,7 +359,7 @@ def slice_(node: Node):
     x = node.tensor(0)
     starts = [int(v) for v in node.constant(1, "starts")]
     ends = [int(v) for v in node.constant(2, "ends")]
-    axes = [int(a) % x.rank for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(len(starts)))
+    axes = [node.axis(a, x.rank) for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(len(starts)))
     steps = [int(s) for s in node.constant(4, "steps")] if node.optional(4) is not None else [1] * len(starts)
     begin, size, stride = [0] * x.rank, list(x.shape), [1] * x.rank
     for axis, start, end, step in zip(axes, starts, ends, steps):
@@ -366,7 +377,7 @@ def slice_(node: Node):
 @converts("Gather")
 def gather(node: Node):
     params = node.tensor(0)
-    axis = int(node.attr("axis", 0)) % params.rank
+    axis = node.axis(node.attr("axis", 0), params.rank)
     indices = node.inputs[1]
     if isinstance(indices, np.ndarray):
         indices = np.where(indices < 0, indices + params.shape[axis], indices)  # ONNX counts negatives from the end
@@ -442,7 +453,7 @@ def arg(node: Node):
     if node.attr("select_last_index", 0):
         raise node.error("select_last_index=1 is not supported")
     method = node.b.argmax if node.proto.op_type == "ArgMax" else node.b.argmin
-    return method(x, axis=int(node.attr("axis", 0)) % x.rank, keepdims=bool(node.attr("keepdims", 1)),
+    return method(x, axis=node.axis(node.attr("axis", 0), x.rank), keepdims=bool(node.attr("keepdims", 1)),
                   output_type="int64")
 
 
@@ -457,6 +468,8 @@ def _window(node: Node, x, kernel: list[int]) -> tuple[list[int], list[int], lis
         raise node.error("dilations other than 1 are not supported")
     strides = list(node.attr("strides", [1, 1]))
     auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad != "NOTSET" and "pads" in node.attrs:
+        raise node.error(f"has both pads and auto_pad {auto_pad}; ONNX allows one")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         pads = []
         for size, k, s in zip(x.shape[2:], kernel, strides):
@@ -488,7 +501,10 @@ def conv(node: Node):
     strides, padding, extra = _window(node, x, list(w.shape[2:]))
     y = node.b.conv2d(_pad_extra(node, x, extra, 0.0), w, strides=strides, padding=padding)
     if node.optional(2) is not None:
-        y = y + node.tensor(2).reshape([1, w.shape[0], 1, 1])
+        bias = node.tensor(2)
+        if bias.shape != [w.shape[0]]:
+            raise node.error(f"its bias of shape {bias.shape} is not one value per output channel, [{w.shape[0]}]")
+        y = y + bias.reshape([1, w.shape[0], 1, 1])
     return y
 
 
@@ -529,7 +545,7 @@ def pad(node: Node):
     pads = [int(p) for p in (node.constant(1, "pads") if node.opset >= 11 else node.attr("pads"))]
     value = node.optional(2) if node.opset >= 11 else node.attr("value", 0.0)
     value = float(node.constant(2, "constant value")) if node.opset >= 11 and value is not None else float(value or 0.0)
-    axes = [int(a) % x.rank for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(x.rank))
+    axes = [node.axis(a, x.rank) for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(x.rank))
     before, after = [0] * x.rank, [0] * x.rank
     for i, axis in enumerate(axes):
         before[axis], after[axis] = pads[i], pads[i + len(axes)]

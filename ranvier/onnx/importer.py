@@ -85,9 +85,14 @@ class _GraphImporter:
         self.dims = dims
         self.opsets = {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
         self.values: dict[str, Value] = {}
+        self.value_infos = {v.name: v for v in self.graph.value_info}  # types the graph declares for its values
         self.constant_vars: dict[str, Tensor] = {}
 
     def run(self) -> None:
+        version, newest = self.opsets.get("ai.onnx", 0), onnx.defs.onnx_opset_version()
+        if version > newest:  # its operators' meaning is not yet known (ONNX Runtime refuses it too)
+            raise OnnxError(f"the model imports opset {version} of ONNX's operators; the onnx package installed "
+                            f"({onnx.__version__}) knows them up to opset {newest}")
         initializers = {t.name: _initializer(t) for t in self.graph.initializer}
         self.values.update(initializers)
         for value_info in self.graph.input:
@@ -129,14 +134,26 @@ class _GraphImporter:
         value = self.values.get(name)
         if value is None:
             raise OnnxError(f"graph output {name!r} is computed by no node")
-        declared = value_info.type.tensor_type.elem_type
-        dtype = dtypes.from_numpy(value.dtype) if isinstance(value, np.ndarray) else value.dtype
-        if declared and onnx_dtype(declared, f"graph output {name!r}") != dtype:
-            raise OnnxError(f"graph output {name!r} is declared {onnx_dtype(declared, name)} but its node computes {dtype}")
+        self.check_declared(value_info, value, "graph output")
         tensor = value if isinstance(value, Tensor) and value.producer is not None else self.b.identity(self.as_tensor(value, name))
         tensor.var.out = True
         if self.flow.find_var(name) is None:
             self.flow.add_alias(tensor.var, name)
+
+    def check_declared(self, value_info: onnx.ValueInfoProto, value: Value, what: str) -> None:
+        """A value must have the element type the graph declares for it (ONNX Runtime
+        refuses a model where it does not); a declared shape is a hint, as it is there."""
+        kind = value_info.type.WhichOneof("value")
+        if kind is None:  # declared without a type
+            return
+        declared = value_info.type.tensor_type.elem_type if kind == "tensor_type" else None
+        if not declared:
+            raise OnnxError(f"{what} {value_info.name!r} is declared a {kind} of element type {declared}, not a tensor "
+                            "of a known one")
+        dtype = dtypes.from_numpy(value.dtype) if isinstance(value, np.ndarray) else value.dtype
+        if onnx_dtype(declared, f"{what} {value_info.name!r}") != dtype:
+            raise OnnxError(f"{what} {value_info.name!r} is declared {onnx_dtype(declared, value_info.name)} but its node "
+                            f"computes {dtype}")
 
     def convert(self, proto: onnx.NodeProto) -> None:
         domain = proto.domain if proto.domain not in ("", "ai.onnx") else ""
@@ -169,6 +186,8 @@ class _GraphImporter:
         results = results if isinstance(results, (list, tuple)) else [results]
         check_results(node, inferred, results)
         for name, value in zip(proto.output, results):
+            if name and value is not None and name in self.value_infos:
+                self.check_declared(self.value_infos[name], value, "value")
             if name:
                 self.values[name] = value
 

@@ -59,6 +59,14 @@ class Node:
     def optional(self, index: int) -> Value | None:
         return self.inputs[index] if index < len(self.inputs) else None
 
+    def axis(self, value, rank: int, what: str = "axis") -> int:
+        """An axis ONNX counts in [-rank, rank), from 0; an error naming the node outside it
+        (where `% rank` would quietly take axis 35 of a rank-3 input for axis 2)."""
+        axis = int(value)
+        if not -rank <= axis < rank:
+            raise self.error(f"{what} {axis} is outside [-{rank}, {rank}) for its rank-{rank} input")
+        return axis % rank
+
     def shape(self, index: int) -> list[int]:
         value = self.inputs[index]
         return list(value.shape)
