@@ -625,6 +625,7 @@ REFUSED = [
     ("LayerNormalization", {"x": X234, "g": Known(rand(4)), "b": Known(rand(4, 1))}, {},
      r"bias of shape \[4, 1\] does not broadcast to the normalized axes \[4\]"),
     ("LayerNormalization", {"x": X234, "g": Known(rand(4))}, {"axis": 35}, r"axis 35 is outside \[-3, 3\)"),
+    ("ReduceSum", {"x": X234, "a": Known(np.int64([[1]]))}, {}, r"its axes \(input 1\) is int64\[1x1\], not a vector"),
 ]
 
 

@@ -276,7 +276,7 @@ def batch_norm_affine(node: Node) -> tuple[np.ndarray, np.ndarray]:
 @converts("Reshape")
 def reshape(node: Node):
     x = node.tensor(0)
-    target = [int(d) for d in node.constant(1, "target shape")]
+    target = node.ints(1, "target shape")
     if not node.attr("allowzero", 0):
         target = [x.shape[i] if d == 0 else d for i, d in enumerate(target)]
     if -1 in target:
@@ -302,14 +302,14 @@ def _axes(node: Node, rank: int, attribute_until: int) -> list[int] | None:
     if node.opset < attribute_until:
         axes = node.attr("axes")
     else:
-        axes = node.constant(1, "axes") if node.optional(1) is not None else None
-    return None if axes is None else sorted(node.axis(a, rank) for a in np.asarray(axes).reshape(-1))
+        axes = node.ints(1, "axes") if node.optional(1) is not None else None
+    return None if axes is None else sorted(node.axis(a, rank) for a in axes)
 
 
 @converts("Unsqueeze")
 def unsqueeze(node: Node):
     x = node.tensor(0)
-    rank = x.rank + len(np.asarray(node.attr("axes") if node.opset < 13 else node.constant(1, "axes")).reshape(-1))
+    rank = x.rank + len(node.attr("axes") if node.opset < 13 else node.ints(1, "axes"))
     shape = list(x.shape)
     for axis in _axes(node, rank, 13):
         shape.insert(axis, 1)
@@ -343,7 +343,7 @@ def split(node: Node):
     x = node.tensor(0)
     axis = node.axis(node.attr("axis", 0), x.rank)
     if node.opset >= 13 and node.optional(1) is not None:
-        sizes = [int(s) for s in node.constant(1, "split sizes")]
+        sizes = node.ints(1, "split sizes")
     elif node.attr("split") is not None:
         sizes = [int(s) for s in node.attr("split")]
     else:
@@ -357,10 +357,9 @@ def split(node: Node):
 @converts("Slice")
 def slice_(node: Node):
     x = node.tensor(0)
-    starts = [int(v) for v in node.constant(1, "starts")]
-    ends = [int(v) for v in node.constant(2, "ends")]
-    axes = [node.axis(a, x.rank) for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(len(starts)))
-    steps = [int(s) for s in node.constant(4, "steps")] if node.optional(4) is not None else [1] * len(starts)
+    starts, ends = node.ints(1, "starts"), node.ints(2, "ends")
+    axes = [node.axis(a, x.rank) for a in node.ints(3, "axes")] if node.optional(3) is not None else list(range(len(starts)))
+    steps = node.ints(4, "steps") if node.optional(4) is not None else [1] * len(starts)
     begin, size, stride = [0] * x.rank, list(x.shape), [1] * x.rank
     for axis, start, end, step in zip(axes, starts, ends, steps):
         if step < 1:
@@ -403,7 +402,7 @@ def gather(node: Node):
 @converts("Expand")
 def expand(node: Node):
     x = node.tensor(0)
-    shape = [int(d) for d in node.constant(1, "shape")]
+    shape = node.ints(1, "shape")
     target = list(np.broadcast_shapes(tuple(x.shape), tuple(shape)))
     return x if target == x.shape else node.b.broadcast_to(x, target)
 
@@ -542,10 +541,10 @@ def pad(node: Node):
     x = node.tensor(0)
     if node.attr("mode", "constant") != "constant":
         raise node.error(f"mode {node.attr('mode')!r}: only constant padding is supported")
-    pads = [int(p) for p in (node.constant(1, "pads") if node.opset >= 11 else node.attr("pads"))]
+    pads = node.ints(1, "pads") if node.opset >= 11 else [int(p) for p in node.attr("pads")]
     value = node.optional(2) if node.opset >= 11 else node.attr("value", 0.0)
     value = float(node.constant(2, "constant value")) if node.opset >= 11 and value is not None else float(value or 0.0)
-    axes = [node.axis(a, x.rank) for a in node.constant(3, "axes")] if node.optional(3) is not None else list(range(x.rank))
+    axes = [node.axis(a, x.rank) for a in node.ints(3, "axes")] if node.optional(3) is not None else list(range(x.rank))
     before, after = [0] * x.rank, [0] * x.rank
     for i, axis in enumerate(axes):
         before[axis], after[axis] = pads[i], pads[i + len(axes)]

@@ -56,6 +56,15 @@ class Node:
                              "it is computed from the model's inputs")
         return value
 
+    def ints(self, index: int, what: str) -> list[int]:
+        """Input `index`, known at load, as ONNX gives shapes, axes, sizes and pads: one
+        dimension of integers (a [1, 1] axes tensor is refused, as ONNX Runtime refuses it)."""
+        value = self.constant(index, what)
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise self.error(f"its {what} (input {index}) is {value.dtype}[{'x'.join(map(str, value.shape))}], "
+                             "not a vector of integers")
+        return [int(v) for v in value]
+
     def optional(self, index: int) -> Value | None:
         return self.inputs[index] if index < len(self.inputs) else None
 
