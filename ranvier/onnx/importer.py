@@ -93,6 +93,8 @@ class _GraphImporter:
         if version > newest:  # its operators' meaning is not yet known (ONNX Runtime refuses it too)
             raise OnnxError(f"the model imports opset {version} of ONNX's operators; the onnx package installed "
                             f"({onnx.__version__}) knows them up to opset {newest}")
+        if not self.graph.output:
+            raise OnnxError("the model's graph has no outputs: it computes nothing")
         initializers = {t.name: _initializer(t) for t in self.graph.initializer}
         self.values.update(initializers)
         for value_info in self.graph.input:
