@@ -18,6 +18,7 @@ from pathlib import Path, PurePath
 import onnx
 from onnx import helper
 
+from ..errors import shape_str
 from ..limits import check_allocation
 from .node import OnnxError
 
@@ -49,7 +50,7 @@ def _read(tensor: onnx.TensorProto, folder: Path, where: str) -> bytes:
     expected = _nbytes(tensor, where)
     if length is not None and length != expected:
         raise OnnxError(f"{where}: external data length {length} is not the {expected} bytes of its "
-                        f"{_type_name(tensor)}[{'x'.join(map(str, tensor.dims))}]")
+                        f"{_type_name(tensor)}[{shape_str(tensor.dims)}]")
     check_allocation(expected, f"{where}: its external data", OnnxError)
     try:
         # Neither following a link nor waiting on a FIFO put there since the checks.
@@ -96,7 +97,7 @@ def _nbytes(tensor: onnx.TensorProto, where: str) -> int:
     except (KeyError, TypeError, ValueError):
         itemsize = 0
     if tensor.data_type == onnx.TensorProto.STRING or itemsize == 0 or any(d < 0 for d in tensor.dims):
-        raise OnnxError(f"{where}: a {_type_name(tensor)}[{'x'.join(map(str, tensor.dims))}] cannot be external data")
+        raise OnnxError(f"{where}: a {_type_name(tensor)}[{shape_str(tensor.dims)}] cannot be external data")
     return math.prod(tensor.dims) * itemsize
 
 

@@ -10,7 +10,7 @@ import onnx
 from onnx import helper
 
 from .. import dtypes
-from ..errors import RanvierError
+from ..errors import RanvierError, shape_str
 from ..flow.builder import Tensor
 
 if TYPE_CHECKING:
@@ -61,19 +61,19 @@ class Node:
         dimension of integers (a [1, 1] axes tensor is refused, as ONNX Runtime refuses it)."""
         value = self.constant(index, what)
         if value.ndim != 1 or value.dtype.kind not in "iu":
-            raise self.error(f"its {what} (input {index}) is {value.dtype}[{'x'.join(map(str, value.shape))}], "
+            raise self.error(f"its {what} (input {index}) is {value.dtype}[{shape_str(value.shape)}], "
                              "not a vector of integers")
         return [int(v) for v in value]
 
     def optional(self, index: int) -> Value | None:
         return self.inputs[index] if index < len(self.inputs) else None
 
-    def axis(self, value, rank: int, what: str = "axis") -> int:
+    def axis(self, value, rank: int) -> int:
         """An axis ONNX counts in [-rank, rank), from 0; an error naming the node outside it
         (where `% rank` would quietly take axis 35 of a rank-3 input for axis 2)."""
         axis = int(value)
         if not -rank <= axis < rank:
-            raise self.error(f"{what} {axis} is outside [-{rank}, {rank}) for its rank-{rank} input")
+            raise self.error(f"axis {axis} is outside [-{rank}, {rank}) for its rank-{rank} input")
         return axis % rank
 
     def shape(self, index: int) -> list[int]:
