@@ -697,6 +697,13 @@ def test_declared_value_types_are_checked():
         ro.load(model)
 
 
+def test_an_initializer_of_negative_dims_is_refused():
+    model = model_with(helper.make_node("Add", ["x", "one"], ["y"]), {"x": X34, "one": Known(np.float32([1.0]))})
+    model.graph.initializer[0].dims[0] = -(2**31)  # onnx 1.16 took it for [-1], a one-element tensor
+    with pytest.raises(OnnxError, match=r"(?i)negative dimension"):  # onnx 1.23's checker says so first
+        ro.load(model)
+
+
 def test_a_graph_without_outputs_is_refused():
     model = model_with(helper.make_node("Relu", ["x"], ["y"]), {"x": X34})
     del model.graph.output[:]

@@ -91,12 +91,18 @@ def _inside(folder: Path, location: str, where: str) -> Path:
     return path
 
 
+# Element types packed below a byte (two int4 to a byte): their data's length is not items × itemsize.
+_PACKED = {getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2", "FLOAT6E2M3",
+                                                        "FLOAT6E3M2") if hasattr(onnx.TensorProto, name)}
+
+
 def _nbytes(tensor: onnx.TensorProto, where: str) -> int:
     try:
         itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     except (KeyError, TypeError, ValueError):
         itemsize = 0
-    if tensor.data_type == onnx.TensorProto.STRING or itemsize == 0 or any(d < 0 for d in tensor.dims):
+    unsized = tensor.data_type in _PACKED or tensor.data_type == onnx.TensorProto.STRING or itemsize == 0
+    if unsized or any(d < 0 for d in tensor.dims):
         raise OnnxError(f"{where}: a {_type_name(tensor)}[{shape_str(tensor.dims)}] cannot be external data")
     return math.prod(tensor.dims) * itemsize
 

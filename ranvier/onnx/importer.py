@@ -218,6 +218,8 @@ class _GraphImporter:
 
 
 def _initializer(tensor: onnx.TensorProto) -> np.ndarray:
+    if any(d < 0 for d in tensor.dims):  # onnx 1.16 read a one-element tensor of dims [-2^31] as of [-1]
+        raise OnnxError(f"initializer {tensor.name!r} has negative dimensions {list(tensor.dims)}")
     try:
         return numpy_helper.to_array(tensor)
     except (ValueError, TypeError, KeyError) as error:  # an unknown element type, data not matching its dims

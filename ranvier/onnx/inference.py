@@ -37,7 +37,7 @@ def infer_outputs(node: Node) -> dict[str, onnx.TypeProto]:
         if not name or value is None:
             continue
         type_proto = _type_of(value)
-        if type_proto is None:  # an element type this onnx cannot name (bfloat16 in onnx 1.16)
+        if type_proto is None:  # an element type numpy has none for
             return {}
         types[name] = type_proto
         if isinstance(value, np.ndarray) and value.size <= _BY_VALUE:
