@@ -9,8 +9,8 @@ rows are written into the caches in place (AssignSlice), so a decode step costs 
 cache writes, not a copy of the cache. Rows at or past the current position (stale, or a
 padded prompt chunk's padding) are never read until a later step overwrites them.
 
-Each cell also draws the next token from the logits of a chosen row (the prompt's last,
-or the decoded token's) with the SampleToken op: greedy (temperature 0), temperature,
+Each cell computes the logits of one chosen row only (the prompt's last, or the decoded
+token's) and draws the next token from them with the SampleToken op: greedy (temperature 0), temperature,
 top-k and top-p (nucleus), its settings inputs of the cell and its uniform number drawn
 from a seeded numpy Generator, so runs are reproducible and `stream` reads back one token
 id per step, not a vocabulary's logits to sample on the host.
@@ -117,12 +117,12 @@ class Generator:
             b = Builder(flow, name)
             tokens = b.var("tokens", dtypes.DT_INT32, [1, width])
             position = b.var("position", dtypes.DT_INT32, [])
-            logits = self._chunk(b, tokens, position)
-            # the next token, drawn from the logits of row `last` (the chunk's last real token)
+            # the row whose logits the cell gives and draws the next token from: the chunk's last real token
             last = b.var("last", dtypes.DT_INT32, [1])
+            logits = self._chunk(b, tokens, position, last)
             drawing = [b.var("uniform", dtypes.DT_FLOAT32, [1]), b.var("temperature", dtypes.DT_FLOAT32, []),
                        b.var("top_k", dtypes.DT_INT32, []), b.var("top_p", dtypes.DT_FLOAT32, [])]
-            token, _ = b.sample_token(b.gather(logits, last), *drawing)
+            token, _ = b.sample_token(logits, *drawing)
             logits.var.out = token.var.out = True
             self.cells[name] = _CellVars(tokens.var, position.var, logits.var, last.var, [t.var for t in drawing], token.var)
         if matmul != "float32":
@@ -144,7 +144,11 @@ class Generator:
             var.nogradient = True
         return b.wrap(b.flow.vars[var_name])
 
-    def _chunk(self, b: Builder, tokens: Tensor, position: Tensor) -> Tensor:
+    def _chunk(self, b: Builder, tokens: Tensor, position: Tensor, last: Tensor) -> Tensor:
+        """The logits [1, vocab] after row `last` of a chunk of tokens at `position`. Only that
+        row goes through the final norm and the classifier: a prompt's other rows' logits are
+        never read, and for a 128-token prompt of stories110M their product by the 32,000-word
+        classifier was an eighth of the prefill's time."""
         c = self.config
         p = self.model.parameters(b)
         width = tokens.shape[1]
@@ -158,9 +162,8 @@ class Generator:
             h = b.rms_norm(x, w["attention_norm"], c.norm_eps)
             x = x + self._attention(b, h, w, rope, i, position)
             x = x + self.model.feed_forward(b, b.rms_norm(x, w["ffn_norm"], c.norm_eps), w)
-        x = b.rms_norm(x, p["norm"], c.norm_eps)
-        logits = b.matmul(x, p["tok_embeddings"], transpose_b=True) if c.shared_classifier else x @ p["output"]
-        return logits.reshape([width, c.vocab_size])
+        x = b.rms_norm(b.gather(x.reshape([width, c.dim]), last), p["norm"], c.norm_eps)
+        return b.matmul(x, p["tok_embeddings"], transpose_b=True) if c.shared_classifier else x @ p["output"]
 
     def _attention(self, b, x, w, rope, layer, position) -> Tensor:
         """The chunk's queries over the cache's first `position` rows and the chunk's own
@@ -213,7 +216,7 @@ class Generator:
     def prefill(self, prompt: list[int]) -> np.ndarray:
         """Feed the prompt from position 0; returns the logits after its last token."""
         data = self._prefill(prompt)
-        return np.array(data[self.cells["prefill"].logits][(len(prompt) - 1) % self.prefill_width])
+        return np.array(data[self.cells["prefill"].logits][0])
 
     def decode(self, token: int, position: int) -> np.ndarray:
         """Feed one token at `position`; returns the logits after it."""
