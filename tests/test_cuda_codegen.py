@@ -415,7 +415,7 @@ def test_without_a_gpu_a_cell_compiles_for_hopper_and_its_instance_names_what_is
     assert text.count(".visible .entry") == 3 and ".target sm_90" in text
     if ptx.ptxas_path() is not None:
         assert all(step.variant.startswith("sm_90") for step in cell.steps[1:])
-        assert "Map[sm_90 12 × 256]" in str(cell)  # 32 × 96 elements
+        assert "Map[sm_90 3 × 256]" in str(cell)  # 32 × 96 elements, four float32 a thread
         ptx.assemble(text)
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU and its driver"):
         cell.instance()

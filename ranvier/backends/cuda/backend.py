@@ -47,7 +47,7 @@ from ..cpu import jit  # the compile cache, shared with the CPU's object files
 from . import blas, foreach, kernels, ptx
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU, HostEmulator
 from .driver import Device, DriverGPU, find_device
-from .launch import LaunchShape, block_launch, map_launch
+from .launch import LaunchShape, block_launch, covering_launch, map_launch
 from .resident import DeviceInstance
 
 HOPPER_MULTIPROCESSORS = 132  # an H100 SXM's: the launch shapes of a compile without a GPU
@@ -161,6 +161,8 @@ class CUDABackend:
     def _launch_shape(self, kernel: kernels.GPUKernel, report: ptx.Assembled | None) -> LaunchShape:
         # without ptxas's count, as many registers as a thread may have: a shape that always fits
         registers = report.registers(kernel.name) if report else MAX_REGISTERS
+        if kernel.one_pass:
+            return covering_launch(kernel.elements, kernel.threads, registers)
         if kernel.threads:
             return block_launch(kernel.elements, kernel.threads, self.multiprocessors, registers)
         return map_launch(kernel.elements, self.multiprocessors, registers)

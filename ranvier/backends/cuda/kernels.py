@@ -72,14 +72,16 @@ GPU_FEATURES = frozenset({"fma", "f16c"})
 class GPUKernel:
     """A generated kernel: its name, the variables its pointer parameters point at (in
     order; each once, whether read, written or both), and its elements (threads' work) —
-    or, for a block kernel (`threads` > 0), its blocks of `threads` threads; and whether
-    it may set its status word (`fails`: its elements check their data)."""
+    or, for a block kernel (`threads` > 0), its blocks of `threads` threads; whether
+    it may set its status word (`fails`: its elements check their data); and whether its
+    launch covers every element at once (`one_pass`)."""
 
     name: str
     operands: tuple[Variable, ...]
     elements: int
     threads: int = 0
     fails: bool = False
+    one_pass: bool = False  # a thread (a block) per element, no grid-stride loop (`add_kernels`)
 
 
 def supports(op: Operation) -> bool:
@@ -237,7 +239,7 @@ def _element_functions(module: ir.Module, op: Operation, on_gpu: bool) -> list[t
                             {id(v): arguments[k] for k, v in enumerate(operands)}, status, on_gpu)
         emit(ctx, index)
         ctx.b.ret_void()
-        made.append((function, GPUKernel(name, operands, elements, threads, ctx.fails)))
+        made.append((function, GPUKernel(name, operands, elements, threads, ctx.fails, one_pass=op.type == "ForEach")))
     return made
 
 
@@ -250,7 +252,10 @@ def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.M
 def add_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
     """The op's GPU kernels in `module` (a GPU module), one per launch, in launch order:
     `name(operands..., status)` runs a grid-stride loop over the launch's elements (a block
-    kernel's blocks: each block takes whole elements)."""
+    kernel's blocks: each block takes whole elements), or, `one_pass`, its one element: a
+    ForEach's pointer parameters (a hundred, for an optimizer's update) are then each
+    loaded in the branch of the member that reads them, where a loop's every trip would
+    keep them all in registers (ptxas gave an AdamW ForEach 168 registers a thread)."""
     use_features(module, GPU_FEATURES)
     kernels = []
     for element, kernel in _element_functions(module, op, on_gpu=True):
@@ -262,6 +267,13 @@ def add_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
             threads = special_register(module, b, "ntid.x")
             first = b.add(b.mul(special_register(module, b, "ctaid.x"), threads), special_register(module, b, "tid.x"))
             step = b.mul(special_register(module, b, "nctaid.x"), threads)
+        if kernel.one_pass:
+            with b.if_then(b.icmp_unsigned("<", first, i64(kernel.elements))):
+                b.call(element, [first, *function.args])
+            b.ret_void()
+            mark_kernel(module, function)
+            kernels.append(kernel)
+            continue
         loop, body, done = (function.append_basic_block(n) for n in ("loop", "body", "done"))
         b.branch(loop)
         b.position_at_end(loop)

@@ -63,3 +63,17 @@ def block_launch(blocks: int, threads: int, multiprocessors: int, registers: int
         raise RanvierError(f"a block of {threads} threads at {registers} registers each does not fit a multiprocessor "
                            f"({sm.registers} registers)")
     return LaunchShape(min(blocks, multiprocessors * fitting), threads)
+
+
+
+def covering_launch(elements: int, threads: int, registers: int, sm: Multiprocessor = Multiprocessor()) -> LaunchShape:
+    """The launch shape of a kernel without a grid-stride loop (`GPUKernel.one_pass`): a
+    block of `threads` per element (a block kernel's), or with `threads` 0 a thread per
+    element in blocks as a map's; every element its own, however many blocks that takes."""
+    if elements < 1:
+        raise RanvierError(f"a launch needs elements; got {elements}")
+    per_block = threads or min(THREADS_PER_BLOCK, -(-elements // WARP) * WARP)
+    if resident_blocks(per_block, registers, sm) == 0:
+        raise RanvierError(f"a block of {per_block} threads at {registers} registers each does not fit a "
+                           f"multiprocessor ({sm.registers} registers)")
+    return LaunchShape(elements if threads else -(-elements // per_block), per_block)

@@ -1,11 +1,20 @@
 """Elements of an elementwise op with a formula, of a fused Calculate program, or of a
 copy through a view (`kernels.py` runs one thread per launch element: here one element of a
-small map, four of a large one, loaded together); a concatenation or split is a copy per
-part, each its own launch. The element's index is split into the
-iteration dimensions (merged where every operand walks them as one), and each operand is
-read through its strided view, so a broadcast costs no copy. The arithmetic is the CPU
-backend's, from the same formulas on the same IR values (`ranvier.backends.llvm.formulas`),
-one lane wide: the same code generator's results, bit for bit."""
+small map, four of a large one, loaded together, or a vector of a map whose operands allow
+it); a concatenation or split is a copy per part, each its own launch. The element's index
+is split into the iteration dimensions (merged where every operand walks them as one), and
+each operand is read through its strided view, so a broadcast costs no copy. The
+arithmetic is the CPU backend's, from the same formulas on the same IR values
+(`ranvier.backends.llvm.formulas`): the same code generator's results, bit for bit.
+
+A map whose every operand holds a thread's run of elements contiguous and 16 bytes
+aligned (or one broadcast element) takes them as a vector (`vector_lanes`: 8 bfloat16 or
+4 float32), each operand one 16-byte load or store (`ld.global.v4`), the GPU's widest: a
+2-byte load per thread leaves an H100's memory system waiting on instructions. The
+elements past the last whole vector (a size not a multiple of the lanes) are a thread's
+each. The arena's offsets and the driver's allocations are 64-byte aligned, so a variable's
+element k·lanes is 16-byte aligned; a view starting elsewhere (a slice at an odd column)
+is read element by element."""
 
 from __future__ import annotations
 
@@ -15,13 +24,14 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import op_def
 from ...ops.expression import parse
 from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
 from ..llvm.formulas import apply, program_body
-from ..llvm.irutil import i64, load, storage_type, store
+from ..llvm.irutil import i64, load, storage_type, store, typed_pointer
 from ..llvm.strided import (
     SOURCE_VIEWS,
     Body,
@@ -117,15 +127,87 @@ UNROLLED_FROM = 1 << 16  # elements
 UNROLLED_VIEWS = 6  # inputs and outputs
 
 
+VECTOR_BYTES = 16  # a thread's widest load or store: ld.global.v4.b32
+MAX_LANES = 8  # bfloat16's lanes in those bytes (narrower types take 8 too: fewer registers)
+
+
+def vector_lanes(description: _Map) -> int:
+    """Elements of the map a thread takes as one vector (module docstring), or 1: each
+    view's run of them one element (a broadcast) or contiguous, starting at a multiple of
+    the lanes; runs within the innermost dimension (a single dimension may end in a partial
+    run, which the scalar tail takes)."""
+    views = description.inputs + description.outputs
+    lanes = min(MAX_LANES, VECTOR_BYTES // min(dtypes.itemsize(v.var.dtype) for v in views))
+    dims, strides = collapse(description.shape, views)
+    if lanes < 2 or math.prod(description.shape) < lanes or (len(dims) > 1 and dims[-1] % lanes):
+        return 1
+    for view, steps in zip(views, strides):
+        if steps[-1] == 1 and (view.offset % lanes or any(step % lanes for step in steps[:-1])):
+            return 1
+        if steps[-1] not in (0, 1):
+            return 1
+    return lanes
+
+
 def launches(op: Operation) -> list:
     """(elements, emit) per map: one for most ops, one per part of a Concat or Split. An
-    element of the launch is `unroll` elements of the map, a launch's length apart (so a
-    warp's loads of each stay one run of memory)."""
+    element of the launch is a vector of the map's elements and then one of its tail
+    (`vector_lanes`), or `unroll` elements of the map, a launch's length apart (so a warp's
+    loads of each stay one run of memory)."""
     made = []
     for description in _describe(op):
-        size, count = math.prod(description.shape), unroll(description)
+        size, lanes = math.prod(description.shape), vector_lanes(description)
+        if lanes > 1:
+            vectors, tail = divmod(size, lanes)
+            made.append((vectors + tail, lambda ctx, index, d=description, n=lanes: _emit_vectors(ctx, d, index, n)))
+            continue
+        count = unroll(description)
         made.append((-(-size // count), lambda ctx, index, d=description, c=count: _emit(ctx, d, index, c)))
     return made
+
+
+def _emit_vectors(ctx: EmitContext, description: _Map, index: ir.Value, lanes: int) -> None:
+    """Launch element `index`: the map's elements index·lanes, ... as one vector, or past
+    the last whole vector, one element of the tail."""
+    b = ctx.b
+    size = math.prod(description.shape)
+    vectors = size // lanes
+    if size == vectors * lanes:
+        _emit_run(ctx, description, b.mul(index, i64(lanes)), lanes)
+        return
+    with b.if_else(b.icmp_unsigned("<", index, i64(vectors))) as (body, tail):
+        with body:
+            _emit_run(ctx, description, b.mul(index, i64(lanes)), lanes)
+        with tail:
+            _emit_run(ctx, description, b.add(index, i64(vectors * (lanes - 1))), 1)
+
+
+def _emit_run(ctx: EmitContext, description: _Map, first: ir.Value, lanes: int) -> None:
+    """The map's elements first, ..., first + lanes − 1 (a run within the innermost dimension),
+    each view's as one access: a vector of its contiguous elements, or its one broadcast
+    element repeated."""
+    b = ctx.b
+    views = description.inputs + description.outputs
+    dims, strides = collapse(description.shape, views)
+    offsets = _offsets(b, first, dims, strides, views)
+    loaded = []
+    for view, at, steps in zip(description.inputs, offsets, strides):
+        width = lanes if steps[-1] else 1
+        pointer, align = _access(b, ctx.pointer(view.var), at, view.var.dtype, width)
+        raw = b.load(pointer, align=align)
+        loaded.append(Value(b, widen(b, raw, view.var.dtype, width), view.var.dtype).splat(lanes))
+    computed = description.body(loaded, lanes)
+    first_output = len(description.inputs)
+    for view, at, value in zip(description.outputs, offsets[first_output:], computed):
+        pointer, align = _access(b, ctx.pointer(view.var), at, view.var.dtype, lanes)
+        b.store(narrow(b, value.splat(lanes).ir, view.var.dtype, lanes), pointer, align=align)
+
+
+def _access(b: ir.IRBuilder, base: ir.Value, at: ir.Value, dtype: str, lanes: int) -> tuple[ir.Value, int | None]:
+    """A pointer to `lanes` elements of a variable from element `at` (a multiple of the
+    lanes: 16-byte aligned, or the run's bytes where fewer), and that alignment."""
+    pointer = typed_pointer(b, base, at, storage_type(dtype), lanes)
+    return pointer, (min(VECTOR_BYTES, lanes * dtypes.itemsize(dtype)) if lanes > 1 else None)
 
 
 def _emit(ctx: EmitContext, description: _Map, group: ir.Value, count: int) -> None:

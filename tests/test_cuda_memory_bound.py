@@ -1,0 +1,154 @@
+"""The CUDA backend's memory-bound kernels in the shapes that reach a GPU's copy bandwidth:
+maps that move 16 bytes a thread per operand (`ld.global.v4`) with a scalar tail, and
+views that cannot (an unaligned slice) read element by element; ForEach kernels without a
+grid-stride loop, so that their many pointers are not all held in registers. Each kernel's arithmetic,
+compiled for the host, is checked against the numpy reference on random inputs, its outputs
+filled with NaN first so that an element no thread writes shows. Nothing here runs on a GPU
+(the instruction counts are read from the PTX, and ptxas's report where it is installed)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+from helpers import np_dtype, random_array
+
+import ranvier as rv
+from ranvier.backends.cpu import jit
+from ranvier.backends.cpu.target import host_target
+from ranvier.backends.cuda import kernels, launch, maps, ptx
+from ranvier.errors import RanvierError
+
+needs_ptxas = pytest.mark.skipif(ptx.ptxas_path() is None, reason="ptxas (CUDA toolkit or nvidia-cuda-nvcc) is not installed")
+
+
+def _run_on_host(op, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The op's GPU kernels compiled for this CPU, run over every launch element: each
+    operand's final contents, those not given starting as NaN (all ones: NaN in every
+    float type), and the status word."""
+    target = host_target()
+    module, launches = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
+    code = jit.load_object(jit.compile_object(module, target), target, launches[0].name)
+    operands = launches[0].operands
+    arrays = {}
+    for var in operands:
+        if var.name in values:
+            arrays[var.name] = np.ascontiguousarray(values[var.name]).astype(np_dtype(var.dtype)).copy()
+        else:
+            ones = np.full(int(np.prod(var.shape)) * np_dtype(var.dtype).itemsize, 0xFF, np.uint8)
+            arrays[var.name] = ones.view(np_dtype(var.dtype)).reshape(var.shape)
+    status = np.zeros(1, np.int64)
+    for kernel in launches:
+        function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(operands) + 1), ctypes.c_int64, ctypes.c_int64)(
+            code.address_of(kernel.name))
+        function(*[arrays[v.name].ctypes.data for v in operands], status.ctypes.data, 0, kernel.elements)
+    arrays["status"] = status
+    return arrays
+
+
+def _run_steps(flow, values: dict[str, np.ndarray]) -> tuple[list, dict[str, np.ndarray]]:
+    """The flow compiled for the GPU (sm_90; no GPU needed) and each step's kernels run on
+    the host in turn (`_run_on_host`): the steps, and every variable's final contents."""
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    data = dict(values)
+    for step in cell.steps:
+        got = _run_on_host(step.op, data)
+        assert got["status"][0] == 0
+        data.update({name: value for name, value in got.items() if name != "status"})
+    return cell.steps, data
+
+
+def _reference(flow, values: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    data = rv.Compiler("reference").compile(flow).cell("f").instance()
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    return {name: np.array(data[name]) for name in outputs}
+
+
+def _close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    assert not np.isnan(got.astype(np.float64)).any(), "an element was not written"
+    tolerance = 1e-2 if dtype == "bfloat16" else 1e-6
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tolerance, atol=tolerance)
+
+
+def _ptx(op) -> str:
+    module, _ = kernels.kernel_module(op)
+    return ptx.emit_ptx(module)
+
+
+# ---- maps: a vector of 16 bytes per operand, then a scalar tail ------------------------------
+
+
+# (output dtype, elements): sizes a multiple of the lanes, with a tail of one and of lanes - 1,
+# and smaller than one vector
+MAP_CASES = [("bfloat16", 1024), ("bfloat16", 1001), ("bfloat16", 1007), ("bfloat16", 5), ("float32", 1024),
+             ("float32", 1003), ("float32", 3)]
+
+
+@pytest.mark.parametrize("dtype,size", MAP_CASES, ids=[f"{d}-{n}" for d, n in MAP_CASES])
+def test_a_map_moves_16_bytes_a_thread_and_its_tail_one_element_each(dtype, size):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, y, scale = f.var("x", dtype, [size]), f.var("y", "float32", [size]), f.var("s", "float32", [])
+    out = f.cast(f.cast(x, "float32") * y + scale, dtype)
+    out.var.out = True
+    values = {"f/x": random_array([size], dtype, seed=1), "f/y": random_array([size], "float32", seed=2),
+              "f/s": np.float32(0.75)}
+    (step,), got = _run_steps(flow, values)
+    op = step.op
+    _close(got[out.name], _reference(flow, values, [out.name])[out.name], dtype)
+    lanes = 8 if dtype == "bfloat16" else 4
+    (description,) = maps._describe(op)
+    if size >= lanes:
+        assert maps.vector_lanes(description) == lanes
+        assert kernels._launches(maps, op)[0][0] == size // lanes + size % lanes
+        assert re.search(r"ld\.global(\.nc)?\.v4", _ptx(op)) and re.search(r"st\.global\.v4", _ptx(op))
+    else:
+        assert maps.vector_lanes(description) == 1
+
+
+def test_a_broadcast_row_is_a_vector_and_a_broadcast_scalar_is_repeated():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, bias, gain = f.var("x", "float32", [48, 96]), f.var("b", "float32", [96]), f.var("g", "float32", [48, 1])
+    out = (x + bias) * gain
+    out.var.out = True
+    values = {"f/x": random_array([48, 96], "float32", seed=3), "f/b": random_array([96], "float32", seed=4),
+              "f/g": random_array([48, 1], "float32", seed=5)}
+    (step,), got = _run_steps(flow, values)
+    assert maps.vector_lanes(maps._describe(step.op)[0]) == 4
+    _close(got[out.name], _reference(flow, values, [out.name])[out.name], "float32")
+
+
+# (begin column, columns of the slice): an offset a multiple of four float32 (16 bytes) takes
+# vectors; an offset of one, or a row length that is not, reads element by element
+SLICE_CASES = [(4, 32, 4), (1, 32, 1), (4, 30, 1), (0, 40, 4)]
+
+
+@pytest.mark.parametrize("begin,columns,lanes", SLICE_CASES, ids=[f"{b}+{c}" for b, c, _ in SLICE_CASES])
+def test_a_slice_is_vectors_where_its_start_is_aligned_and_elements_where_not(begin, columns, lanes):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [9, 44])
+    part = f.op("Slice", [x], None, {"begin": [0, begin], "size": [9, columns]})
+    out = f.exp(part)
+    out.var.out = True
+    values = {"f/x": random_array([9, 44], "float32", seed=6)}
+    steps, got = _run_steps(flow, values)
+    assert [step.op.type for step in steps] == ["Slice", "Exp"]
+    assert maps.vector_lanes(maps._describe(steps[0].op)[0]) == lanes
+    _close(got[out.name], _reference(flow, values, [out.name])[out.name], "float32")
+
+
+# ---- a ForEach: a thread per element, no loop holding every pointer in registers --------------
+
+
+def test_a_foreach_launch_covers_its_elements_without_a_grid_stride_loop():
+    assert launch.covering_launch(10**8, 0, 80) == launch.LaunchShape(-(-10**8 // 256), 256)
+    assert launch.covering_launch(100, 0, 80) == launch.LaunchShape(1, 128)
+    assert launch.covering_launch(5000, 128, 40) == launch.LaunchShape(5000, 128)
+    with pytest.raises(RanvierError, match="does not fit a multiprocessor"):
+        launch.covering_launch(10, 1024, 255)
