@@ -1,15 +1,20 @@
 """The CUDA backend's memory-bound kernels in the shapes that reach a GPU's copy bandwidth:
 maps that move 16 bytes a thread per operand (`ld.global.v4`) with a scalar tail, and
-views that cannot (an unaligned slice) read element by element; ForEach kernels without a
-grid-stride loop, so that their many pointers are not all held in registers. Each kernel's arithmetic,
+views that cannot (an unaligned slice) read element by element; rows a warp's, four to a
+block, their folds combined by warp shuffles; ForEach kernels without a grid-stride loop,
+so that their many pointers are not all held in registers. Each kernel's arithmetic,
 compiled for the host, is checked against the numpy reference on random inputs, its outputs
 filled with NaN first so that an element no thread writes shows. Nothing here runs on a GPU
 (the instruction counts are read from the PTX, and ptxas's report where it is installed)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +25,8 @@ from ranvier.backends.cpu import jit
 from ranvier.backends.cpu.target import host_target
 from ranvier.backends.cuda import kernels, launch, maps, ptx
 from ranvier.errors import RanvierError
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 needs_ptxas = pytest.mark.skipif(ptx.ptxas_path() is None, reason="ptxas (CUDA toolkit or nvidia-cuda-nvcc) is not installed")
 
@@ -143,6 +150,37 @@ def test_a_slice_is_vectors_where_its_start_is_aligned_and_elements_where_not(be
     _close(got[out.name], _reference(flow, values, [out.name])[out.name], "float32")
 
 
+# ---- rows: a warp per short row, four to a block; a block's warps combined by shuffles ------
+
+
+# (op, rows, length): short rows four to a block (seven: the last block's fourth warp has no
+# row), and long rows over a block of four and of eight warps
+ROW_CASES = [("RMSNorm", 7, 96), ("Softmax", 7, 200), ("RMSNorm", 3, 2000), ("Softmax", 2, 9000), ("LogSoftmax", 5, 1030)]
+
+
+@pytest.mark.parametrize("name,rows,length", ROW_CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in ROW_CASES])
+def test_rows_are_a_warps_four_to_a_block_or_a_blocks_and_match_the_reference(name, rows, length):
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [rows, length])
+    values = {"f/x": random_array([rows, length], "float32", seed=7)}
+    inputs = [x]
+    if name == "RMSNorm":
+        inputs.append(f.var("g", "float32", [length]))
+        values["f/g"] = random_array([length], "float32", seed=8)
+    out = f.op(name, inputs, None, {})
+    out.var.out = True
+    op = out.var.producer
+    got = _run_on_host(op, values)
+    _close(got[out.name], _reference(flow, values, [out.name])[out.name], "float32")
+    (kernel,) = kernels.kernel_module(op)[1]
+    assert (kernel.elements, kernel.threads) == ((-(-rows // 4), 128) if length <= 1024 else (rows, 128 if length <= 8192 else 256))
+    text = _ptx(op)
+    # a warp's lanes are combined by shuffles; a block's warps through shared memory and barriers
+    assert "shfl.sync.down" in text
+    assert ("bar.sync" in text) == (length > 1024)
+
+
 # ---- a ForEach: a thread per element, no loop holding every pointer in registers --------------
 
 
@@ -152,3 +190,42 @@ def test_a_foreach_launch_covers_its_elements_without_a_grid_stride_loop():
     assert launch.covering_launch(5000, 128, 40) == launch.LaunchShape(5000, 128)
     with pytest.raises(RanvierError, match="does not fit a multiprocessor"):
         launch.covering_launch(10, 1024, 255)
+
+
+# ---- a Llama training step's PTX: what a regression of the above would show --------------------
+
+
+@pytest.mark.slow
+@needs_ptxas
+def test_a_llama_training_steps_ptx_loads_16_bytes_and_folds_rows_by_shuffles(monkeypatch):
+    """stories15M's training step (2 × 32 tokens, bfloat16 activations, AdamW with clipping)
+    as benchmarks/llama_train.py --backend cuda compiles it, counted in its PTX and ptxas's
+    report. Before vector maps, warp shuffles and one-pass ForEach kernels it had 1,634
+    global loads, none of 16 bytes, 20 shuffles (the attention's), and ForEach kernels of
+    up to 201 registers a thread."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from common import ranvier_trainer
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from ranvier.models.llama import PRESETS, Llama
+
+    compiled = []
+    compile_flow = rv.Compiler.compile
+    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: compiled.append(compile_flow(self, flow)) or compiled[-1])
+    monkeypatch.delenv("RANVIER_CUDA_DEVICE", raising=False)
+    with contextlib.suppress(RanvierError):  # the instance needs a GPU; the cell is compiled by then
+        ranvier_trainer(Llama(dataclasses.replace(PRESETS["stories15M"], max_seq_len=32), seed=0), 2, 32, "bfloat16",
+                        backend="cuda", precision="bfloat16")
+    cell = compiled[0].cell("train")
+    text = cell.backend.code(cell, "ptx")
+    loads = re.findall(r"\bld\.global\S*", text)
+    wide = [load for load in loads if ".v4" in load]
+    assert len(wide) >= 400 and len(wide) >= len(loads) // 4, (len(wide), len(loads))
+    assert len(re.findall(r"\bst\.global\S*\.v4", text)) >= 300
+    assert len(re.findall(r"\bshfl\.sync", text)) >= 500
+    report = ptx.assemble(text).report
+    reported = re.findall(r"Compiling entry function '([^']+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", report, re.DOTALL)
+    assert not [name for name, spilled, _ in reported if int(spilled)], "no kernel spills"
+    foreach = {name: int(registers) for name, _, registers in reported if name.endswith("_foreach")}
+    assert foreach and max(foreach.values()) <= 96, foreach

@@ -1,14 +1,19 @@
 """Row ops (softmax, norms, cross-entropy and its gradient, a head's rotary embedding) as
-block kernels: a block of threads per row, running the CPU backend's row passes
-(`ranvier.backends.llvm.rows`) with each pass split over the block
+block kernels: a group of threads per row, running the CPU backend's row passes
+(`ranvier.backends.llvm.rows`) with each pass split over the group
 (`ThreadContext.row_fold`, `row_each`, which call here).
 
-Thread t takes elements t, t + T, ... of the row (T the block's threads: neighbouring
-threads read neighbouring elements, so a warp's loads are whole lines). A fold (a row's
-maximum, a sum) leaves each thread a partial result; the block combines the partials in
-shared memory, halving the active threads each round (a barrier between rounds), and
-every thread reads the total. The host emulator folds in the same order — each thread's
-partial in turn, then the same rounds — so its results are the GPU's bit for bit.
+A short row (a head's, a model's width: at most 1,024 elements) is a warp's, four rows to
+a block of 128 threads (a block of one warp would leave half a multiprocessor's threads
+unused: it holds at most 32 blocks); a long one (a vocabulary's) a block of 128 or 256
+threads. Thread t of a row's T takes elements t, t + T, ... (neighbouring threads read
+neighbouring elements, so a warp's loads are whole lines). A fold (a row's maximum, a sum)
+leaves each thread a partial result; each warp combines its lanes' partials by shuffles
+(`shfl.sync.down`, halving the distance each round: 16, 8, 4, 2, 1), and a block of
+several warps then its warps' results, one word each through shared memory, by the same
+rounds in its first warp; every thread gets the total (a shuffle from lane 0, or shared
+memory). The host emulator folds in the same order — each thread's partial in turn, then
+the same rounds over an array of the partials — so its results are the GPU's bit for bit.
 A pass's side stores (a softmax's exponentials, kept in its output between passes) land
 in elements a thread later reads back itself. Values every thread computes alike (a
 row's loss) every thread stores alike.
@@ -26,7 +31,7 @@ from llvmlite import ir
 
 from ...flow.graph import Operation
 from ..llvm.context import Array, EmitContext
-from ..llvm.irutil import I32
+from ..llvm.irutil import I32, declared
 from ..llvm.rows import ROW_OPS, row_shape
 from ..llvm.values import Value, index_value
 from .blocks import barrier, shared_variable, special_register
@@ -38,22 +43,39 @@ def supports(op: Operation) -> bool:
     return op.type in ROW_OPS and ROW_OPS[op.type][1](op)
 
 
+WARP = 32
+ROWS_PER_BLOCK = 4  # warps' rows a block of short rows takes
+
+
 def threads_per_row(length: int) -> int:
     """A warp for a short row (a head's, a model's width), more for a long one (a
     vocabulary's): a power of two, so the fold's rounds halve evenly."""
-    return 32 if length <= 1024 else 128 if length <= 8192 else 256
+    return WARP if length <= 1024 else 128 if length <= 8192 else 256
 
 
 def row_launch(rows: int, length: int, body) -> tuple:
-    """The launch of `body(ctx, r)` for each of `rows` rows of `length`, a block per row
-    whose threads split its passes (`EmitContext.row_fold`, `row_each`)."""
+    """The launch of `body(ctx, r)` for each of `rows` rows of `length`: a warp per short
+    row, `ROWS_PER_BLOCK` of them to a block, or a block per long row, whose threads split
+    its passes (`EmitContext.row_fold`, `row_each`). A warp's row needs no barrier, so the
+    warps of a block's last rows past the end skip theirs."""
     threads = threads_per_row(length)
+    together = ROWS_PER_BLOCK if threads == WARP and rows > 1 else 1
 
     def emit(ctx, index: ir.Value) -> None:
         ctx.row_threads = threads
-        body(ctx, index_value(ctx.b, index))
+        if together == 1:
+            body(ctx, index_value(ctx.b, index))
+            return
+        first = index_value(ctx.b, index) * together
+        if ctx.on_gpu:
+            row = first + index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x")) // threads
+            with ctx.when(row < rows):
+                body(ctx, row)
+            return
+        with ctx.loop(0, together, name="row") as number, ctx.when(first + number < rows):
+            body(ctx, first + number)
 
-    return rows, emit, threads
+    return -(-rows // together), emit, threads * together
 
 
 def launches(op: Operation) -> list[tuple]:
@@ -65,10 +87,11 @@ def launches(op: Operation) -> list[tuple]:
 
 
 def _threads(ctx: EmitContext, threads: int):
-    """The block's threads as the code sees them: on the GPU the one running (its
-    number); on the host a loop over the first `threads` in turn (the with-block, once each)."""
+    """A row's threads as the code sees them: on the GPU the one running (its number in
+    its row's group of `threads`); on the host a loop over them in turn (the with-block,
+    once each)."""
     if ctx.on_gpu:
-        return nullcontext(index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x")))
+        return nullcontext(index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x")) % threads)
     return ctx.loop(0, threads, name="thread")
 
 
@@ -82,8 +105,10 @@ def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, d
             _set_inside(partial, combine(partial.value, value), inside)
 
         _own_elements(ctx, thread, length, threads, lambda at: term(start + at, 1), fold_in)
-        partials.store(thread, partial.value)
-    (total,) = _combined_over_block(ctx, threads, [partials], lambda a, b: [combine(a[0], b[0])])
+        own = [partial.value]
+        if not ctx.on_gpu:
+            partials.store(thread, own[0])
+    (total,) = _combined_over_block(ctx, threads, own, [partials], lambda a, b: [combine(a[0], b[0])])
     return total
 
 
@@ -102,9 +127,11 @@ def peak_and_exp_sum_over_block(ctx: EmitContext, threads: int, start: Value, le
             _set_inside(total, merged[1], inside)
 
         _own_elements(ctx, thread, length, threads, lambda at: read(start + at, 1), fold_in)
-        peaks.store(thread, peak.value)
-        sums.store(thread, total.value)
-    peak, total = _combined_over_block(ctx, threads, [peaks, sums], lambda a, b: _merged(*a, *b))
+        own = [peak.value, total.value]
+        if not ctx.on_gpu:
+            peaks.store(thread, own[0])
+            sums.store(thread, own[1])
+    peak, total = _combined_over_block(ctx, threads, own, [peaks, sums], lambda a, b: _merged(*a, *b))
     return peak, total
 
 
@@ -113,22 +140,86 @@ def _set_inside(local, value: Value, inside: Value | None) -> None:
     local.set(value if inside is None else inside.where(value, local.value))
 
 
-def _combined_over_block(ctx: EmitContext, threads: int, partials: list, merge) -> list[Value]:
-    """The block's threads' partial results (one array a value, thread t's at t) combined in
-    rounds, each halving the threads still merging (`merge(first's values, second's)`, a
-    barrier between rounds); every thread gets the totals."""
-    stride = threads // 2
-    while stride:
-        barrier(ctx)
-        with _threads(ctx, stride if not ctx.on_gpu else threads) as thread, ctx.when(thread < stride):
-            merged = merge([a.load(thread) for a in partials], [a.load(thread + stride) for a in partials])
-            for array, value in zip(partials, merged):
-                array.store(thread, value)
+def _combined_over_block(ctx: EmitContext, threads: int, own: list[Value], partials: list[Array], merge) -> list[Value]:
+    """The row's threads' partial results combined (`merge(first's values, second's)`), in
+    the rounds the module docstring says; every thread gets the totals. On the GPU `own`
+    are the thread's values, and `partials` (one array a value) hold a block's warps'
+    results; on the host `partials` hold every thread's, thread t's at t."""
+    if ctx.on_gpu:
+        return _combined_on_gpu(ctx, threads, own, partials, merge)
+    stride = min(threads, WARP) // 2
+    while stride:  # each warp's lanes, as its shuffles combine them into lane 0
+        with ctx.loop(0, threads, name="lane") as thread, ctx.when(thread % WARP < stride):
+            _merge_into(partials, thread, thread + stride, merge)
         stride //= 2
+    stride = threads // WARP // 2
+    while stride:  # the warps' results, at their lanes 0, as the first warp combines them
+        with ctx.loop(0, stride, name="warp") as warp:
+            _merge_into(partials, warp * WARP, (warp + stride) * WARP, merge)
+        stride //= 2
+    return [array.load(0) for array in partials]
+
+
+def _merge_into(partials: list[Array], first: Value, second: Value, merge) -> None:
+    merged = merge([a.load(first) for a in partials], [a.load(second) for a in partials])
+    for array, value in zip(partials, merged):
+        array.store(first, value)
+
+
+def _combined_on_gpu(ctx: EmitContext, threads: int, own: list[Value], partials: list[Array], merge) -> list[Value]:
+    """`_combined_over_block` on the GPU: shuffles within each warp, then, for a block of
+    several warps, the warps' results through shared memory, combined by the first warp."""
+    values = _warp_folded(ctx, own, min(threads, WARP), merge)
+    if threads <= WARP:
+        return [_shuffled(ctx, value, "idx", 0) for value in values]
+    warps = threads // WARP
+    thread = index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x"))
+    lane, warp = thread % WARP, thread // WARP
+    with ctx.when(lane.equal(0)):
+        for array, value in zip(partials, values):
+            array.store(warp, value)
+    barrier(ctx)
+    with ctx.when(thread < WARP):
+        # lanes past the warps' count read a result too (any: only lane 0's total is kept)
+        totals = _warp_folded(ctx, [array.load(lane % warps) for array in partials], warps, merge)
+        with ctx.when(thread.equal(0)):
+            for array, value in zip(partials, totals):
+                array.store(0, value)
     barrier(ctx)
     totals = [array.load(0) for array in partials]
     barrier(ctx)  # every thread has the totals before a later fold writes the partials again
     return totals
+
+
+def _warp_folded(ctx: EmitContext, values: list[Value], width: int, merge) -> list[Value]:
+    """Lane 0's values merged with lanes 1 .. width − 1's, a tree of shuffles down."""
+    stride = width // 2
+    while stride:
+        values = merge(values, [_shuffled(ctx, value, "down", stride) for value in values])
+        stride //= 2
+    return values
+
+
+def _shuffled(ctx: EmitContext, value: Value, mode: str, amount: int) -> Value:
+    """`value` from another lane of the warp (shfl.sync: "down" `amount` lanes, or "idx"
+    from lane `amount`), moved as 32-bit words whatever its type."""
+    b = ctx.b
+    kind = value.ir.type
+    bits = kind.width if isinstance(kind, ir.IntType) else 64 if isinstance(kind, ir.DoubleType) else 32
+    whole = ir.IntType(bits)
+    as_bits = value.ir if isinstance(kind, ir.IntType) else b.bitcast(value.ir, whole)
+    shuffle = declared(ctx.module, f"llvm.nvvm.shfl.sync.{mode}.i32", ir.FunctionType(I32, [I32] * 4))
+
+    def moved(word: ir.Value) -> ir.Value:
+        return b.call(shuffle, [ir.Constant(I32, -1), word, ir.Constant(I32, amount), ir.Constant(I32, WARP - 1)])
+
+    if bits == 64:
+        low, high = (moved(b.trunc(part, I32)) for part in (as_bits, b.lshr(as_bits, ir.Constant(whole, 32))))
+        result = b.or_(b.zext(low, whole), b.shl(b.zext(high, whole), ir.Constant(whole, 32)))
+    else:
+        result = moved(b.zext(as_bits, I32) if bits < 32 else as_bits)
+        result = b.trunc(result, whole) if bits < 32 else result
+    return Value(b, result if isinstance(kind, ir.IntType) else b.bitcast(result, kind), value.dtype)
 
 
 FOLDED_AT_ONCE = 4  # a thread's elements whose terms (their loads) a fold computes before folding them in
@@ -162,17 +253,19 @@ def _rescaled(total: Value, own: Value, peak: Value) -> Value:
 
 
 def _partials(ctx: EmitContext, dtype: str, threads: int, which: str = "") -> Array:
-    """The shared array a fold leaves its threads' partial results in: one per dtype and
-    block size in a module (and a second, `which`, for a fold of pairs), which every fold
-    reuses (a fold ends with a barrier after its total is read, so the next one may write
-    it), so that a kernel of many folds — a ForEach of row ops — holds no more shared
-    memory than a kernel of one. On the host, an array of the element function's own."""
+    """Where a fold leaves its partial results: on the host an array of the element
+    function's own, a slot per thread; on the GPU a block's warps' results in shared
+    memory, one array per dtype and block size in a module (and a second, `which`, for a
+    fold of pairs), which every fold reuses (a fold ends with a barrier after its total is
+    read, so the next one may write it), so that a kernel of many folds — a ForEach of row
+    ops — holds no more shared memory than a kernel of one. A warp's row needs none."""
     if not ctx.on_gpu:
         return ctx.array(dtype, threads)
-    name = f"fold_partials_{dtype}_{threads}{'_' + which if which else ''}"
+    warps = max(1, threads // WARP)
+    name = f"fold_partials_{dtype}_{warps}{'_' + which if which else ''}"
     memory = ctx.module.globals.get(name)
     if memory is None:
-        memory = shared_variable(ctx.module, dtype, threads, name)
+        memory = shared_variable(ctx.module, dtype, warps, name)
     return Array(ctx.b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
 
 
