@@ -5,7 +5,8 @@ through an Instance, fills every output with a sentinel before `compute()` (twic
 with two different sentinels, so an element the kernel never writes cannot pass by
 luck), runs the reference backend and returns the outputs. `check` compares an
 output against an expectation computed independently in the test, with a
-tolerance that suits the output dtype.
+tolerance that suits the output dtype. `run_gpu_kernels_on_host` runs an op's CUDA
+kernels compiled for this CPU (the code the GPU gets, its threads one after another).
 """
 
 from __future__ import annotations
@@ -240,3 +241,34 @@ __all__ = [
     "Result", "as_f64", "assert_mentions", "check", "np_dtype",
     "random_array", "rng", "run1", "run_flow", "shape_error",
 ]
+
+
+def run_gpu_kernels_on_host(op, values: dict[str, np.ndarray], fill: int = 0x5A) -> dict[str, np.ndarray]:
+    """The op's GPU kernels' arithmetic compiled for this CPU and run over every launch
+    element: each operand's final contents (those not in `values` start as the byte
+    `fill` repeated: 0x5A, a pattern no element keeps, or 0xFF, NaN in every float type),
+    and the kernels' status word ("status")."""
+    import ctypes
+
+    from ranvier.backends.cpu import jit
+    from ranvier.backends.cpu.target import host_target
+    from ranvier.backends.cuda import kernels
+
+    target = host_target()
+    module, launches = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
+    code = jit.load_object(jit.compile_object(module, target), target, launches[0].name)
+    operands = launches[0].operands
+    arrays = {}
+    for var in operands:
+        if var.name in values:
+            arrays[var.name] = np.ascontiguousarray(values[var.name]).astype(np_dtype(var.dtype)).copy()
+        else:
+            pattern = np.full(int(np.prod(var.shape)) * np_dtype(var.dtype).itemsize, fill, np.uint8)
+            arrays[var.name] = pattern.view(np_dtype(var.dtype)).reshape(var.shape)
+    status = np.zeros(1, np.int64)
+    for kernel in launches:
+        function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(operands) + 1), ctypes.c_int64, ctypes.c_int64)(
+            code.address_of(kernel.name))
+        function(*[arrays[v.name].ctypes.data for v in operands], status.ctypes.data, 0, kernel.elements)
+    arrays["status"] = status
+    return arrays

@@ -9,17 +9,15 @@ on its host emulation)."""
 
 from __future__ import annotations
 
-import ctypes
 import re
 
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import np_dtype, random_array
+from helpers import np_dtype, random_array, run_gpu_kernels_on_host
 
 import ranvier as rv
 from ranvier.backends.cpu import jit
-from ranvier.backends.cpu.target import host_target
 from ranvier.backends.cuda import attention, backend, device, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
 from ranvier.errors import RanvierError
@@ -67,30 +65,6 @@ def _cpu_outputs(flow, op, values) -> list[np.ndarray]:
     return [np.array(data[v.name]) for v in op.outputs]
 
 
-def _run_on_host(op, values) -> dict[str, np.ndarray]:
-    """The op's GPU kernel arithmetic compiled for this CPU and run over every element:
-    each operand's final contents (outputs start as a pattern no element keeps), and the
-    kernel's status word ("status")."""
-    target = host_target()
-    module, launches = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
-    code = jit.load_object(jit.compile_object(module, target), target, launches[0].name)
-    operands = launches[0].operands
-    arrays = {}
-    for var in operands:
-        if var.name in values:
-            arrays[var.name] = np.ascontiguousarray(values[var.name]).copy()
-        else:
-            pattern = np.full(int(np.prod(var.shape)) * np_dtype(var.dtype).itemsize, 0x5A, np.uint8)
-            arrays[var.name] = pattern.view(np_dtype(var.dtype)).reshape(var.shape)
-    status = np.zeros(1, np.int64)
-    for kernel in launches:
-        function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(operands) + 1), ctypes.c_int64, ctypes.c_int64)(
-            code.address_of(kernel.name))
-        function(*[arrays[v.name].ctypes.data for v in operands], status.ctypes.data, 0, kernel.elements)
-    arrays["status"] = status
-    return arrays
-
-
 def _assembles(op) -> int:
     """The op's kernel assembles for sm_90 (where ptxas is installed): its elements."""
     module, (kernel,) = kernels.kernel_module(op)
@@ -103,7 +77,7 @@ def _assembles(op) -> int:
 def test_the_kernels_arithmetic_equals_the_cpu_backends_bit_for_bit(name, dtype):
     flow, op, values = _single_op_flow(name, dtype)
     want = _cpu_outputs(flow, op, values)
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     for var, expected in zip(op.outputs, want):
         result = got[var.name]
         assert result.dtype == expected.dtype and result.shape == expected.shape
@@ -162,7 +136,7 @@ def test_a_fused_calculate_program_becomes_one_kernel_with_the_cpus_arithmetic(b
         if not cell.network.flow.vars[name].constant:
             data[name] = value
     data.compute()
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     for var in op.outputs:
         assert got[var.name].tobytes() == np.array(data[var.name]).tobytes(), var.name
     _assembles(op)
@@ -198,7 +172,7 @@ def test_a_large_map_takes_four_elements_a_thread_and_loads_them_first():
             continue
         inputs = {v.name: np.array(data[v.name]) if v.name != "f/w" else before for v in op.inputs if not v.constant}
         inputs.update({v.name: np.asarray(v.data).reshape(v.shape) for v in op.inputs if v.constant})
-        got = _run_on_host(op, inputs)
+        got = run_gpu_kernels_on_host(op, inputs)
         assert got["status"][0] == 0
         for var in [*op.outputs, *(v for v in op.inputs if v.name == "f/w")]:
             want = np.array(cpu["f/w"] if var.name == "f/w" else data[var.name])
@@ -232,7 +206,7 @@ def test_a_reduction_matches_the_reference_a_thread_or_a_block_per_output(name, 
     out.var.out = True
     op = out.var.producer
     values = {"f/x": random_array(shape, dtype, seed=3, low=0.5 if name == "Product" else -3, high=1.5 if name == "Product" else 3)}
-    got = _run_on_host(op, values)[out.var.name]
+    got = run_gpu_kernels_on_host(op, values)[out.var.name]
     data = rv.Compiler("reference").compile(flow).cell("f").instance()
     data["f/x"] = values["f/x"]
     data.compute()
@@ -286,7 +260,7 @@ def test_a_product_is_one_thread_per_output_element_and_matches_the_reference(a_
     y = f.matmul(f.var("a", dtype, a_shape), f.var("b", dtype, b_shape), transpose_a=ta, transpose_b=tb)
     y.var.out = True
     values = {"f/a": random_array(a_shape, dtype, seed=31), "f/b": random_array(b_shape, dtype, seed=32)}
-    got = _run_on_host(y.var.producer, values)[y.var.name]
+    got = run_gpu_kernels_on_host(y.var.producer, values)[y.var.name]
     a, b = (values[n].astype(np.float64) for n in ("f/a", "f/b"))
     want = (np.swapaxes(a, -1, -2) if ta else a) @ (np.swapaxes(b, -1, -2) if tb else b)
     tolerance = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
@@ -540,7 +514,7 @@ def _row_op(name, attrs, dtype, n, labels=None):
 @pytest.mark.parametrize("name,attrs,dtype,n", ROW_CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in ROW_CASES])
 def test_a_row_op_runs_the_cpus_row_passes_split_over_a_block(name, attrs, dtype, n):
     flow, op, values = _row_op(name, attrs, dtype, n)
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     data = rv.Compiler("reference").compile(flow).cell("f").instance()
     for key, value in values.items():
@@ -576,7 +550,7 @@ def test_sampling_splits_each_pass_and_bisection_over_a_block():
     uniform = np.array([np.cumsum(q)[pick(q, 0.4)] - q[pick(q, 0.4)] / 2 for q in p], np.float32)
     values = {"f/l": logits, "f/u": uniform, "f/t": np.float32(0.9), "f/k": np.int32(200), "f/p": np.float32(top_p)}
     op = tokens.var.producer
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     assert got[tokens.name].tolist() == [pick(q, float(u)) for q, u in zip(p, uniform, strict=True)]
     np.testing.assert_allclose(got[probabilities.name], np.array(p), atol=1e-6)
@@ -610,7 +584,7 @@ def _lookup(name, indices, oov=False, width=5):
                                              ("OneHot", [3, 0, 8, 3, -2, 9], False)])
 def test_a_lookup_runs_a_thread_or_a_block_per_index_with_the_cpus_results(name, indices, oov, width):
     flow, op, values = _lookup(name, indices, oov, width)
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     (want,) = _cpu_outputs(flow, op, values)
     assert got[op.outputs[0].name].tobytes() == want.tobytes()
@@ -627,7 +601,7 @@ def test_a_pad_is_one_thread_per_output_element_with_the_cpus_result(before, aft
     out = f.op("Pad", [x], None, {"before": before, "after": after, "value": value})
     out.var.out = True
     values = {"f/x": random_array([2, 3, 5, 4], "float32", seed=9)}
-    got = _run_on_host(out.var.producer, values)[out.var.name]
+    got = run_gpu_kernels_on_host(out.var.producer, values)[out.var.name]
     (want,) = _cpu_outputs(flow, out.var.producer, values)
     assert got.tobytes() == want.tobytes()
 
@@ -655,7 +629,7 @@ def _scatter(name, dtype="float32"):
 @pytest.mark.parametrize("name", ["ScatterAdd", "StridedScatterAdd"])
 def test_a_scatter_zeroes_then_adds_with_atomics_and_equals_the_cpu_in_index_order(name, dtype, atomic):
     flow, op, values = _scatter(name, dtype)
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     (want,) = _cpu_outputs(flow, op, values)
     if dtype in ("float16", "bfloat16"):  # rounded after each add here; the CPU's reference rounds the sum once
@@ -674,7 +648,7 @@ def test_a_scatter_zeroes_then_adds_with_atomics_and_equals_the_cpu_in_index_ord
 
 def test_a_gather_outside_its_table_sets_the_status_word():
     _, op, values = _lookup("Gather", [3, 9, 0])
-    assert _run_on_host(op, values)["status"][0] == 1
+    assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
 
 
 @pytest.mark.parametrize("name", ["TopK", "SoftmaxTopK"])
@@ -688,7 +662,7 @@ def test_a_router_row_takes_its_top_k_one_row_per_thread(name):
     op = outputs[0].var.producer
     values = {"f/x": random_array([5, 8], "float32", seed=12)}
     values["f/x"][1, 2] = values["f/x"][1, 5]  # a tie goes to the lower index
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     want = _cpu_outputs(flow, op, values)
     for var, expected in zip(op.outputs, want):
         if var.dtype == "float32" and name == "SoftmaxTopK":  # the softmax's sum in another order
@@ -700,9 +674,9 @@ def test_a_router_row_takes_its_top_k_one_row_per_thread(name):
 
 def test_a_class_label_out_of_range_sets_the_kernels_status_word():
     _, op, values = _row_op("SoftmaxCrossEntropy", {}, "float32", 10, labels=[3, 0, 10, 7, 1, 2])
-    assert _run_on_host(op, values)["status"][0] == 1
+    assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
     values["f/labels"][2] = 9
-    assert _run_on_host(op, values)["status"][0] == 0
+    assert run_gpu_kernels_on_host(op, values)["status"][0] == 0
 
 
 def _copies(f):
@@ -761,7 +735,7 @@ def test_copies_through_views_equal_the_cpu_backends():
     reshaped = {}
     for op in copies:
         inputs = {**values, **reshaped}
-        ran = _run_on_host(op, inputs)
+        ran = run_gpu_kernels_on_host(op, inputs)
         for out in op.outputs:
             reshaped[out.name] = ran[out.name]
             if out.out:
@@ -785,13 +759,13 @@ def test_the_routing_sort_runs_in_one_thread_with_the_cpus_result(capacity):
     choices = np.random.default_rng(5).integers(0, 4, (9, 2)).astype(np.int32)
     choices[4] = [3, 3]  # one expert twice over: more than capacity 3 wants it
     flow, op, values = _route(capacity, choices)
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     for var, expected in zip(op.outputs, _cpu_outputs(flow, op, values)):
         assert got[var.name].tobytes() == expected.tobytes(), var.name
     assert _assembles(op) == 1
     values["f/experts"][2, 1] = 4
-    assert _run_on_host(op, values)["status"][0] == 1
+    assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
 
 
 def _grouped(op_type: str, dtype: str, transposed: bool, offsets: list[int]):
@@ -826,7 +800,7 @@ def test_a_grouped_product_is_one_thread_per_output_and_matches_the_reference(op
     from ranvier.ops.moe import grouped_matmul, grouped_matmul_weight_grad
 
     op, values = _grouped(op_type, dtype, transposed, [0, 4, 4, 7])
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     x, offsets = values["f/x"], values["f/offsets"]
     if op_type == "GroupedMatMul":
@@ -843,9 +817,9 @@ def test_a_grouped_product_is_one_thread_per_output_and_matches_the_reference(op
 @pytest.mark.parametrize("op_type", ["GroupedMatMul", "GroupedMatMulWeightGrad"])
 def test_group_offsets_that_do_not_rise_set_the_status_word(op_type):
     op, values = _grouped(op_type, "float32", False, [0, 6, 4, 7])
-    assert _run_on_host(op, values)["status"][0] == 1
+    assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
     op, values = _grouped(op_type, "float32", False, [0, 4, 6, 11])  # past the 10 rows
-    assert _run_on_host(op, values)["status"][0] == 1
+    assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
 
 
 @pytest.mark.parametrize("start,expect_status", [(0, 0), (5, 0), (8, 1)])
@@ -860,7 +834,7 @@ def test_a_slice_assigned_in_place_writes_its_rows_and_drops_those_past_the_end(
     op = flow.ops["f/AssignSlice"]
     values = {"f/cache": random_array([2, 8, 5], "float32", seed=41), "f/value": random_array([2, 3, 5], "float32", seed=42),
               "f/position": np.array(start, np.int32)}
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == expect_status
     want = values["f/cache"].copy()
     if not expect_status:
@@ -877,7 +851,7 @@ def test_an_assign_copies_every_element_in_place():
     f.assign(target, value)
     op = next(op for op in flow.ops.values() if op.type == "Assign")
     values = {"f/state": random_array([4, 7], "float64", seed=43), "f/value": random_array([4, 7], "float64", seed=44)}
-    assert _run_on_host(op, values)["f/state"].tobytes() == values["f/value"].tobytes()
+    assert run_gpu_kernels_on_host(op, values)["f/state"].tobytes() == values["f/value"].tobytes()
 
 
 ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype, score bias
@@ -949,7 +923,7 @@ def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, 
     if op_type == "AttentionGrad" and dtype == "float16":
         assert not kernels.supports(op)
         return
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     args = [values[f"f/{name}"] for name in ("q", "k", "v", "dout")[: 3 if op_type == "Attention" else 4]]
     score_bias = values.get("f/bias")
@@ -999,7 +973,7 @@ def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, op
         assert not attention_mma.supports(op)  # float32 products unless the compile asks for bfloat16
         op.set_attr("precision", "bfloat16")
     assert attention_mma.supports(op) and kernels.kernel_kind(op) == "AttentionMMA"
-    got = _run_on_host(op, values)
+    got = run_gpu_kernels_on_host(op, values)
     assert got["status"][0] == 0
     names = ("q", "k", "v", "dout")[: 3 if op_type == "Attention" else 4]
     rounded = [values[f"f/{name}"].astype(ml_dtypes.bfloat16).astype(np.float64) for name in names]

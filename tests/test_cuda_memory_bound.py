@@ -10,7 +10,6 @@ filled with NaN first so that an element no thread writes shows. Nothing here ru
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import re
 import sys
@@ -18,11 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import np_dtype, random_array
+from helpers import random_array, run_gpu_kernels_on_host
 
 import ranvier as rv
-from ranvier.backends.cpu import jit
-from ranvier.backends.cpu.target import host_target
 from ranvier.backends.cuda import kernels, launch, maps, ptx
 from ranvier.errors import RanvierError
 
@@ -32,27 +29,8 @@ needs_ptxas = pytest.mark.skipif(ptx.ptxas_path() is None, reason="ptxas (CUDA t
 
 
 def _run_on_host(op, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The op's GPU kernels compiled for this CPU, run over every launch element: each
-    operand's final contents, those not given starting as NaN (all ones: NaN in every
-    float type), and the status word."""
-    target = host_target()
-    module, launches = kernels.host_module(op, target.machine.triple, str(target.machine.target_data), target.feature_set)
-    code = jit.load_object(jit.compile_object(module, target), target, launches[0].name)
-    operands = launches[0].operands
-    arrays = {}
-    for var in operands:
-        if var.name in values:
-            arrays[var.name] = np.ascontiguousarray(values[var.name]).astype(np_dtype(var.dtype)).copy()
-        else:
-            ones = np.full(int(np.prod(var.shape)) * np_dtype(var.dtype).itemsize, 0xFF, np.uint8)
-            arrays[var.name] = ones.view(np_dtype(var.dtype)).reshape(var.shape)
-    status = np.zeros(1, np.int64)
-    for kernel in launches:
-        function = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(operands) + 1), ctypes.c_int64, ctypes.c_int64)(
-            code.address_of(kernel.name))
-        function(*[arrays[v.name].ctypes.data for v in operands], status.ctypes.data, 0, kernel.elements)
-    arrays["status"] = status
-    return arrays
+    """The op's GPU kernels run on the host, the operands not given starting as NaN."""
+    return run_gpu_kernels_on_host(op, values, fill=0xFF)
 
 
 def _run_steps(flow, values: dict[str, np.ndarray]) -> tuple[list, dict[str, np.ndarray]]:
