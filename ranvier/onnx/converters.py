@@ -13,7 +13,6 @@ import math
 import numpy as np
 
 from .. import dtypes
-from ..ops.nn import avg_pool
 from .node import Node, converts, onnx_dtype
 
 # ---- elementwise -----------------------------------------------------------------------------
@@ -456,84 +455,7 @@ def arg(node: Node):
                   output_type="int64")
 
 
-# ---- convolution, pooling, padding, resizing ------------------------------------------------------
-
-
-def _window(node: Node, x, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """(strides, symmetric padding, extra (before, after) padding) of a 2-D window op."""
-    if x.rank != 4 or len(kernel) != 2:
-        raise node.error(f"only 2-D windows over [N, C, H, W] are supported, not a rank-{x.rank} input")
-    if any(d != 1 for d in node.attr("dilations", [1, 1])):
-        raise node.error("dilations other than 1 are not supported")
-    strides = list(node.attr("strides", [1, 1]))
-    auto_pad = node.attr("auto_pad", "NOTSET")
-    if auto_pad != "NOTSET" and "pads" in node.attrs:
-        raise node.error(f"has both pads and auto_pad {auto_pad}; ONNX allows one")
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        pads = []
-        for size, k, s in zip(x.shape[2:], kernel, strides):
-            total = max((-(-size // s) - 1) * s + k - size, 0)
-            small, large = total // 2, total - total // 2
-            pads.append((small, large) if auto_pad == "SAME_UPPER" else (large, small))
-        pads = [pads[0][0], pads[1][0], pads[0][1], pads[1][1]]
-    else:
-        pads = list(node.attr("pads", [0, 0, 0, 0])) if auto_pad != "VALID" else [0, 0, 0, 0]
-    symmetric = [min(pads[0], pads[2]), min(pads[1], pads[3])]
-    extra = [pads[0] - symmetric[0], pads[1] - symmetric[1], pads[2] - symmetric[0], pads[3] - symmetric[1]]
-    return strides, symmetric, extra
-
-
-def _pad_extra(node: Node, x, extra: list[int], value: float):
-    if not any(extra):
-        return x
-    return node.b.pad(x, before=[0, 0, extra[0], extra[1]], after=[0, 0, extra[2], extra[3]], value=value)
-
-
-@converts("Conv")
-def conv(node: Node):
-    x, w = node.tensor(0), node.tensor(1)
-    if int(node.attr("group", 1)) != 1:
-        raise node.error(f"group={node.attr('group')} (grouped or depthwise convolution) is not supported")
-    kernel = node.attr("kernel_shape")
-    if kernel is not None and list(kernel) != list(w.shape[2:]):
-        raise node.error(f"kernel_shape {list(kernel)} contradicts its weight's window {list(w.shape[2:])}")
-    strides, padding, extra = _window(node, x, list(w.shape[2:]))
-    y = node.b.conv2d(_pad_extra(node, x, extra, 0.0), w, strides=strides, padding=padding)
-    if node.optional(2) is not None:
-        bias = node.tensor(2)
-        if bias.shape != [w.shape[0]]:
-            raise node.error(f"its bias of shape {bias.shape} is not one value per output channel, [{w.shape[0]}]")
-        y = y + bias.reshape([1, w.shape[0], 1, 1])
-    return y
-
-
-@converts("MaxPool", "AveragePool")
-def pool(node: Node):
-    x = node.tensor(0)
-    if node.attr("ceil_mode", 0):
-        raise node.error("ceil_mode=1 is not supported")
-    if len(node.proto.output) > 1 and node.proto.output[1]:
-        raise node.error("its indices output is not supported")
-    kernel = list(node.attr("kernel_shape"))
-    strides, padding, extra = _window(node, x, kernel)
-    if node.proto.op_type == "MaxPool":
-        return node.b.max_pool(_pad_extra(node, x, extra, -math.inf), ksize=kernel, strides=strides, padding=padding)
-    padded = _pad_extra(node, x, extra, 0.0)
-    average = node.b.avg_pool(padded, ksize=kernel, strides=strides, padding=padding)
-    if (any(padding) or any(extra)) and not node.attr("count_include_pad", 0):
-        # ranvier counts padding as zeros; ONNX's default divides by the real elements only.
-        ones = np.ones([1, 1, *x.shape[2:]])
-        ones = np.pad(ones, [(0, 0), (0, 0), (extra[0], extra[2]), (extra[1], extra[3])])
-        share = avg_pool(ones, kernel, strides, padding).astype(dtypes.to_numpy(x.dtype))
-        average = average / node.importer.as_tensor(share, "")
-    return average
-
-
-@converts("GlobalAveragePool", "GlobalMaxPool")
-def global_pool(node: Node):
-    x = node.tensor(0)
-    method = node.b.mean if node.proto.op_type == "GlobalAveragePool" else node.b.max
-    return method(x, axis=list(range(2, x.rank)), keepdims=True)
+# ---- padding, resizing ------------------------------------------------------------------------------
 
 
 @converts("Pad")
