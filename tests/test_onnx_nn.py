@@ -14,16 +14,25 @@ import pytest
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from test_onnx_import import Known, case, check_node, rand  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from test_onnx_import import RNG, Known, case, check_node, model_with, rand  # noqa: E402
 
 import ranvier  # noqa: E402
 import ranvier.onnx as ro  # noqa: E402
+from ranvier.onnx import OnnxError  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 # The operators whose node-suite cases this file runs (with their `_expanded` forms, which
 # build them from other operators).
-OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool"}
+OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool",
+             "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
+             "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
+             "HannWindow", "HammingWindow", "BlackmanWindow"}
+
+# Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
+# the harness makes them initializers of the values the case feeds.
+LOAD_TIME_INPUTS = {"HannWindow": (0,), "HammingWindow": (0,), "BlackmanWindow": (0,)}
 
 
 @functools.cache
@@ -41,20 +50,34 @@ def suite_cases(operators: set[str]) -> list[str]:
     return sorted(name for name, c in node_suite().items() if any(n.op_type in operators for n in c.model.graph.node))
 
 
+def bind_load_time_inputs(model: onnx.ModelProto, inputs: list[np.ndarray]) -> tuple[onnx.ModelProto, dict]:
+    """The model with the graph inputs that LOAD_TIME_INPUTS names made initializers of
+    their values, and the feeds of the rest by name."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    known = {t.name for t in model.graph.initializer}
+    feeds = dict(zip([i.name for i in model.graph.input if i.name not in known], inputs))
+    bound = {node.input[i] for node in model.graph.node for i in LOAD_TIME_INPUTS.get(node.op_type, ())
+             if i < len(node.input) and node.input[i] in feeds}
+    model.graph.initializer.extend(numpy_helper.from_array(feeds.pop(name), name) for name in sorted(bound))
+    graph_inputs = [i for i in model.graph.input if i.name not in bound]
+    del model.graph.input[:]
+    model.graph.input.extend(graph_inputs)
+    return model, feeds
+
+
 def run_suite_case(name: str) -> None:
     """Compile the case's model on the CPU backend, feed each data set's inputs and compare
     every output with ONNX's expected values at the case's tolerances."""
     case = node_suite()[name]
-    cell = ranvier.Compiler("cpu").compile(ro.load(case.model)).cell("main")
-    known = {t.name for t in case.model.graph.initializer}
-    names = [i.name for i in case.model.graph.input if i.name not in known]
     for inputs, expected in case.data_sets:
+        model, feeds = bind_load_time_inputs(case.model, inputs)
+        cell = ranvier.Compiler("cpu").compile(ro.load(model)).cell("main")
         data = cell.instance()
-        for input_name, value in zip(names, inputs):
+        for input_name, value in feeds.items():
             if input_name in cell:  # an input whose shape alone is read folds away
                 data[input_name] = value
         data.compute()
-        for output, want in zip(case.model.graph.output, expected):
+        for output, want in zip(model.graph.output, expected):
             got = np.array(data[output.name])
             assert got.shape == want.shape and got.dtype == want.dtype, \
                 f"{output.name}: {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}"
@@ -100,4 +123,85 @@ WINDOW_CASES = [
 
 @pytest.mark.parametrize("op, values, kwargs", WINDOW_CASES)
 def test_windows_match_onnxruntime(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+# ---- normalizations ---------------------------------------------------------------------------------------------
+
+X = rand(2, 6, 3, 4)
+NORMALIZATION_CASES = [
+    case("LayerNormalization", {"x": X, "s": rand(3, 4), "b": rand(4)}, axis=2, outputs=("y", "mean", "inv_std"),
+         id="statistics"),
+    case("LayerNormalization", {"x": X, "s": rand(6, 3, 4)}, axis=-3, epsilon=0.1, outputs=("y", "mean"),
+         id="mean-only"),
+    case("LayerNormalization", {"x": X, "s": rand(4), "b": rand(4)}, id="y-only"),
+    case("RMSNormalization", {"x": X, "s": rand(3, 1)}, axis=-2, epsilon=0.01, opset=23),
+    case("RMSNormalization", {"x": X, "s": Known(rand(4))}, opset=23, id="last-axis"),
+    case("InstanceNormalization", {"x": X * 3 + 1, "s": rand(6), "b": rand(6)}, epsilon=1e-3),
+    case("InstanceNormalization", {"x": rand(2, 3, 5, 2, 3), "s": rand(3), "b": rand(3)}, id="3d"),
+    case("GroupNormalization", {"x": X * 2 - 1, "s": rand(6), "b": rand(6)}, num_groups=3, opset=21),
+    case("GroupNormalization", {"x": rand(2, 4, 5), "s": rand(4), "b": rand(4)}, num_groups=4, epsilon=0.1, opset=21,
+         id="one-channel-groups"),
+    case("LpNormalization", {"x": X}, axis=1, p=1),
+    case("LpNormalization", {"x": X}, id="l2-last-axis"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", NORMALIZATION_CASES)
+def test_normalizations_match_onnxruntime(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+def load_node(op: str, values: dict, opset: int = 17, **attrs):
+    """ranvier's import of one node reading `values` into y (ONNX Runtime refuses what the
+    refusal tests load)."""
+    return ro.load(model_with(helper.make_node(op, list(values), ["y"], **attrs), values, opset))
+
+
+def test_a_group_count_that_does_not_divide_the_channels_is_refused():
+    with pytest.raises(OnnxError, match="num_groups 4 does not divide"):
+        load_node("GroupNormalization", {"x": X, "s": rand(6), "b": rand(6)}, num_groups=4, opset=21)
+
+
+# ---- losses -------------------------------------------------------------------------------------------------------
+
+SCORES = rand(3, 5, 2, 4)
+TARGET = RNG.integers(0, 5, (3, 2, 4)).astype(np.int64)
+TARGET[0, 1, 2] = TARGET[2, 0, 0] = -1  # ignored where ignore_index is -1
+LOSS_CASES = [
+    *(case("NegativeLogLikelihoodLoss", {"x": SCORES, "t": TARGET, "w": rand(5, low=0.2, high=2)}, reduction=r,
+           ignore_index=-1, id=f"weighted-{r}") for r in ("none", "sum", "mean")),
+    case("NegativeLogLikelihoodLoss", {"x": rand(6, 4), "t": RNG.integers(0, 4, 6).astype(np.int32)}, id="int32-2d"),
+    case("NegativeLogLikelihoodLoss", {"x": SCORES, "t": np.clip(TARGET, 0, None)}, ignore_index=3, id="ignored-class"),
+    *(case("SoftmaxCrossEntropyLoss", {"x": SCORES, "t": TARGET}, reduction=r, ignore_index=-1,
+           outputs=("loss", "log_prob"), id=r) for r in ("none", "sum", "mean")),
+    case("SoftmaxCrossEntropyLoss", {"x": SCORES, "t": np.clip(TARGET, 0, None), "w": rand(5, low=0.2, high=2)},
+         id="weighted"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", LOSS_CASES)
+def test_losses_match_onnxruntime(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+def test_an_unknown_loss_reduction_is_refused():
+    with pytest.raises(OnnxError, match="reduction 'average' is not one of none, sum, mean"):
+        load_node("NegativeLogLikelihoodLoss", {"x": SCORES, "t": TARGET}, reduction="average")
+
+
+# ---- depth and space, window functions ------------------------------------------------------------------------
+
+BLOCK_CASES = [
+    case("DepthToSpace", {"x": rand(2, 12, 3, 2)}, blocksize=2, id="dcr"),
+    case("DepthToSpace", {"x": rand(2, 18, 2, 3)}, blocksize=3, mode="CRD", id="crd"),
+    case("SpaceToDepth", {"x": rand(2, 3, 4, 6)}, blocksize=2),
+    *(case(op, {"n": Known(np.int64(10))}, periodic=p, id=f"periodic-{p}")
+      for op in ("HannWindow", "HammingWindow", "BlackmanWindow") for p in (0, 1)),
+    case("HannWindow", {"n": Known(np.int32(7))}, output_datatype=TensorProto.DOUBLE, id="double"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", BLOCK_CASES)
+def test_blocks_and_windows_match_onnxruntime(op, values, kwargs):
     check_node(op, values, **kwargs)

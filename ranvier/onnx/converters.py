@@ -207,29 +207,6 @@ def _heads_first(node: Node, index: int):
     return x.reshape([x.shape[0], x.shape[1], heads, x.shape[2] // heads]).transpose([0, 2, 1, 3])
 
 
-@converts("LayerNormalization")
-def layer_norm(node: Node):
-    if any(node.proto.output[1:]):
-        raise node.error("its mean and inverse standard deviation outputs are not supported")
-    x = node.tensor(0)
-    axis = node.axis(node.attr("axis", -1), x.rank)
-    normalized = x.shape[axis:]
-
-    def per_element(index: int, what: str):
-        """Scale or bias over the normalized axes (as numpy broadcasts it there), flattened."""
-        value = node.tensor(index)
-        offset = len(normalized) - value.rank
-        if offset < 0 or any(d not in (1, normalized[offset + i]) for i, d in enumerate(value.shape)):
-            raise node.error(f"its {what} of shape {value.shape} does not broadcast to the normalized axes {normalized}")
-        whole = value if value.shape == normalized else node.b.broadcast_to(value, normalized)
-        return whole.reshape([math.prod(normalized)])
-
-    gamma = per_element(1, "scale")
-    beta = per_element(2, "bias") if node.optional(2) is not None else None
-    eps = float(node.attr("epsilon", 1e-5))
-    return _over_trailing_axes(x, axis, lambda flat: node.b.layer_norm(flat, gamma, beta, eps=eps))
-
-
 @converts("SkipLayerNormalization", domain="com.microsoft")
 def skip_layer_norm(node: Node):
     """ONNX Runtime's fused residual + LayerNorm: LN(x + skip + bias); output 3 is the sum."""
