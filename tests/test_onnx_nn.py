@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-from test_onnx_import import RNG, Known, case, check_node, model_with, rand  # noqa: E402
+from test_onnx_import import RNG, Known, case, check_node, known, model_with, rand  # noqa: E402
 
 import ranvier  # noqa: E402
 import ranvier.onnx as ro  # noqa: E402
@@ -28,11 +28,12 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool",
              "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
-             "HannWindow", "HammingWindow", "BlackmanWindow"}
+             "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample"}
 
 # Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
 # the harness makes them initializers of the values the case feeds.
-LOAD_TIME_INPUTS = {"HannWindow": (0,), "HammingWindow": (0,), "BlackmanWindow": (0,)}
+LOAD_TIME_INPUTS = {"HannWindow": (0,), "HammingWindow": (0,), "BlackmanWindow": (0,), "Resize": (1, 2, 3),
+                    "Upsample": (1,)}
 
 
 @functools.cache
@@ -205,3 +206,59 @@ BLOCK_CASES = [
 @pytest.mark.parametrize("op, values, kwargs", BLOCK_CASES)
 def test_blocks_and_windows_match_onnxruntime(op, values, kwargs):
     check_node(op, values, **kwargs)
+
+
+# ---- resizing -----------------------------------------------------------------------------------------------------
+
+
+def scales(*values) -> Known:
+    return Known(np.asarray(values, np.float32))
+
+
+NO_ROI = Known(np.zeros(0, np.float32))
+PICTURE = rand(2, 3, 5, 6)
+# ONNX Runtime's align_corners divides by the whole output length less one where ONNX's
+# reference (and the node suite's expected outputs, which ranvier follows) divides by the
+# scaled length less one: they agree where scale × length is whole, as it is here.
+WHOLE = {"align_corners": (1, 1, 1.6, 0.5)}
+RESIZE_CASES = [
+    *(case("Resize", {"x": PICTURE, "r": NO_ROI, "s": scales(*WHOLE.get(coordinates, (1, 1, 1.6, 0.7)))}, mode=mode,
+           coordinate_transformation_mode=coordinates, opset=19, id=f"{mode}-{coordinates}")
+      for mode in ("linear", "cubic")
+      for coordinates in ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric")),
+    # Scales whose source positions are never a float32 rounding away from a tie (ONNX
+    # Runtime computes them in float32, ranvier in float64 as ONNX's reference does).
+    *(case("Resize", {"x": PICTURE, "r": NO_ROI, "s": scales(1, 1, *factors)}, mode="nearest", nearest_mode=rounding,
+           coordinate_transformation_mode=coordinates, opset=19, id=f"nearest-{rounding}-{coordinates}")
+      for rounding, coordinates, factors in (("round_prefer_floor", "half_pixel", (2, 3)),
+                                             ("round_prefer_ceil", "asymmetric", (2, 1.5)),
+                                             ("floor", "align_corners", (2, 3)),
+                                             ("ceil", "tf_half_pixel_for_nn", (2.4, 3)))),
+    case("Resize", {"x": PICTURE, "r": NO_ROI, "s": scales(1, 1, 0.5, 0.4)}, mode="cubic", antialias=1, opset=19,
+         id="cubic-antialias"),
+    case("Resize", {"x": PICTURE, "r": NO_ROI, "s": scales(1, 1, 0.6, 0.5)}, mode="linear", antialias=1, opset=19,
+         id="linear-antialias"),
+    case("Resize", {"x": PICTURE, "r": NO_ROI, "s": scales(1, 1, 1.7, 1.2)}, mode="cubic", cubic_coeff_a=-0.5,
+         exclude_outside=1, opset=19, id="cubic-exclude-outside"),
+    case("Resize", {"x": PICTURE, "z": known(4, 9)}, inputs=["x", "", "", "z"], mode="linear", axes=[3, 2], opset=19,
+         id="sizes-axes"),
+    case("Resize", {"x": PICTURE, "z": known(3, 9)}, inputs=["x", "", "", "z"], mode="linear", axes=[2, 3],
+         keep_aspect_ratio_policy="not_larger", opset=19, id="not-larger"),
+    case("Resize", {"x": PICTURE, "r": Known(np.float32([0, 0, 0.2, -0.1, 1, 1, 0.9, 1.3])), "z": known(2, 3, 4, 7)},
+         inputs=["x", "r", "", "z"], mode="linear", coordinate_transformation_mode="tf_crop_and_resize",
+         extrapolation_value=2.5, opset=19, id="crop-and-resize"),
+    case("Resize", {"x": RNG.integers(0, 255, (1, 2, 3, 4)).astype(np.uint8), "r": NO_ROI, "s": scales(1, 1, 1.5, 2)},
+         opset=19, id="uint8-nearest"),
+    case("Upsample", {"x": PICTURE, "s": scales(1, 1, 2, 1.5)}, mode="linear", opset=9, id="linear"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", RESIZE_CASES)
+def test_resize_matches_onnxruntime(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+def test_linear_resize_of_integers_is_refused():
+    with pytest.raises(OnnxError, match="linear interpolation of int32"):
+        load_node("Resize", {"x": RNG.integers(0, 9, (1, 1, 3, 3)).astype(np.int32), "r": NO_ROI,
+                             "s": scales(1, 1, 2, 2)}, mode="linear", opset=19)

@@ -432,7 +432,7 @@ def arg(node: Node):
                   output_type="int64")
 
 
-# ---- padding, resizing ------------------------------------------------------------------------------
+# ---- padding ------------------------------------------------------------------------------
 
 
 @converts("Pad")
@@ -450,43 +450,3 @@ def pad(node: Node):
     if min(before + after) < 0:
         raise node.error("negative pads (cropping) are not supported")
     return node.b.pad(x, before=before, after=after, value=value)
-
-
-# Where ONNX's nearest Resize reads output index i from (before rounding), by coordinate mode,
-# and how it rounds, by nearest_mode.
-_RESIZE_SOURCE = {
-    "half_pixel": lambda i, f: (i + 0.5) / f - 0.5, "pytorch_half_pixel": lambda i, f: (i + 0.5) / f - 0.5,
-    "asymmetric": lambda i, f: i / f, "tf_half_pixel_for_nn": lambda i, f: (i + 0.5) / f,
-}
-_RESIZE_ROUND = {"round_prefer_floor": lambda v: math.ceil(v - 0.5), "round_prefer_ceil": lambda v: math.floor(v + 0.5),
-                 "floor": math.floor, "ceil": math.ceil}
-
-
-@converts("Resize", "Upsample")
-def resize(node: Node):
-    """Nearest-neighbour upsampling by whole factors: each element repeated (the usual
-    decoder and FPN upsampling); other modes, and coordinate and rounding modes that
-    do not read output i from input i // factor, are refused by name."""
-    x = node.tensor(0)
-    mode = node.attr("mode", "nearest")
-    coordinates = node.attr("coordinate_transformation_mode", "half_pixel" if node.opset >= 11 else "asymmetric")
-    rounding = node.attr("nearest_mode", "round_prefer_floor" if node.opset >= 11 else "floor")
-    if mode != "nearest" or coordinates not in _RESIZE_SOURCE or rounding not in _RESIZE_ROUND:
-        raise node.error(f"mode {mode!r} with {coordinates} coordinates and nearest_mode {rounding}: "
-                         "only nearest upsampling by whole factors is supported")
-    scales_index, sizes_index = (1, None) if node.proto.op_type == "Upsample" else (2, 3)
-    if sizes_index is not None and node.optional(sizes_index) is not None and np.size(node.inputs[sizes_index]):
-        factors = [s / d for s, d in zip(node.constant(sizes_index, "sizes"), x.shape)]
-    else:
-        factors = [float(f) for f in node.constant(scales_index, "scales")]
-    if any(f < 1 or f != int(f) for f in factors):
-        raise node.error(f"scales {factors}: only whole upsampling factors are supported")
-    factors = [int(f) for f in factors]
-    # Output block k * f + j (j < f) must read input k; k = 1 keeps clamping at 0 from hiding a miss.
-    to_source, round_ = _RESIZE_SOURCE[coordinates], _RESIZE_ROUND[rounding]
-    if any(round_(to_source(f + j, f)) != 1 for f in set(factors) for j in range(f)):
-        raise node.error(f"{coordinates} coordinates with nearest_mode {rounding} do not repeat each element "
-                         f"for scales {factors}; only that upsampling is supported")
-    spread = [d for size, f in zip(x.shape, factors) for d in (size, f)]
-    grown = node.b.broadcast_to(x.reshape([d for size in x.shape for d in (size, 1)]), spread)
-    return grown.reshape([size * f for size, f in zip(x.shape, factors)])
