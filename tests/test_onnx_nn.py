@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool",
              "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
-             "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample"}
+             "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding"}
 
 # Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
 # the harness makes them initializers of the values the case feeds.
@@ -262,3 +262,33 @@ def test_linear_resize_of_integers_is_refused():
     with pytest.raises(OnnxError, match="linear interpolation of int32"):
         load_node("Resize", {"x": RNG.integers(0, 9, (1, 1, 3, 3)).astype(np.int32), "r": NO_ROI,
                              "s": scales(1, 1, 2, 2)}, mode="linear", opset=19)
+
+
+# ---- rotary embeddings --------------------------------------------------------------------------------------------
+
+ANGLES = RNG.uniform(0, 6.3, (12, 4))
+COS, SIN = Known(np.cos(ANGLES).astype(np.float32)), Known(np.sin(ANGLES).astype(np.float32))
+POSITIONS = RNG.integers(0, 12, (2, 5)).astype(np.int64)
+ROTARY_CASES = [
+    case("RotaryEmbedding", {"x": rand(2, 3, 5, 8), "c": COS, "s": SIN, "p": POSITIONS}, opset=23, id="4d"),
+    case("RotaryEmbedding", {"x": rand(2, 3, 5, 8), "c": COS, "s": SIN, "p": POSITIONS}, interleaved=1, opset=23,
+         id="4d-interleaved"),
+    case("RotaryEmbedding", {"x": rand(2, 5, 36), "c": COS, "s": SIN, "p": POSITIONS}, num_heads=3,
+         rotary_embedding_dim=8, opset=23, id="3d-partial"),
+    case("RotaryEmbedding", {"x": rand(2, 5, 24), "c": COS, "s": SIN, "p": POSITIONS}, num_heads=2,
+         rotary_embedding_dim=8, interleaved=1, opset=23, id="3d-partial-interleaved"),
+    case("RotaryEmbedding", {"x": rand(2, 3, 5, 8), "c": np.cos(ANGLES[:10]).astype(np.float32).reshape(2, 5, 4),
+                             "s": np.sin(ANGLES[:10]).astype(np.float32).reshape(2, 5, 4)}, opset=23,
+         id="tables-per-token"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", ROTARY_CASES)
+def test_rotary_embedding_matches_onnxruntime(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+def test_a_rotary_dimension_past_the_head_is_refused():
+    with pytest.raises(OnnxError, match="rotary_embedding_dim 10 is not an even number of at most the head size 8"):
+        load_node("RotaryEmbedding", {"x": rand(2, 3, 5, 8), "c": COS, "s": SIN, "p": POSITIONS},
+                  rotary_embedding_dim=10, opset=23)
