@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool",
              "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
-             "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding"}
+             "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding", "RNN", "GRU", "LSTM"}
 
 # Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
 # the harness makes them initializers of the values the case feeds.
@@ -292,3 +292,57 @@ def test_a_rotary_dimension_past_the_head_is_refused():
     with pytest.raises(OnnxError, match="rotary_embedding_dim 10 is not an even number of at most the head size 8"):
         load_node("RotaryEmbedding", {"x": rand(2, 3, 5, 8), "c": COS, "s": SIN, "p": POSITIONS},
                   rotary_embedding_dim=10, opset=23)
+
+
+# ---- recurrent layers ---------------------------------------------------------------------------------------------
+
+SEQUENCE = rand(5, 3, 4)  # [seq, batch, input]
+LENGTHS = np.array([5, 2, 4], np.int32)
+
+
+def recurrent(gates: int, hidden: int, directions: int = 1, bias: bool = True, inputs: int = 4) -> dict:
+    values = {"w": rand(directions, gates * hidden, inputs) * 0.5, "r": rand(directions, gates * hidden, hidden) * 0.5}
+    if bias:
+        values["b"] = rand(directions, 2 * gates * hidden) * 0.5
+    return values
+
+
+def states(directions: int, hidden: int, batch: int = 3, cells: bool = False) -> dict:
+    values = {"h0": rand(directions, batch, hidden)}
+    if cells:
+        values["c0"] = rand(directions, batch, hidden)
+    return values
+
+
+RECURRENT_CASES = [
+    case("RNN", {"x": SEQUENCE, **recurrent(1, 6)}, outputs=("y", "y_h"), hidden_size=6, id="forward"),
+    case("RNN", {"x": SEQUENCE, **recurrent(1, 6, 2), "n": LENGTHS, **states(2, 6)}, outputs=("y", "y_h"),
+         hidden_size=6, direction="bidirectional", activations=["Relu", "LeakyRelu"], activation_alpha=[0.2],
+         id="bidirectional-lengths-activations"),
+    case("GRU", {"x": SEQUENCE, **recurrent(3, 5)}, outputs=("y", "y_h"), hidden_size=5, linear_before_reset=1,
+         id="linear-before-reset"),
+    case("GRU", {"x": SEQUENCE, **recurrent(3, 5, 2), "n": LENGTHS, **states(2, 5)}, outputs=("y", "y_h"),
+         hidden_size=5, direction="bidirectional", clip=0.8, id="bidirectional-lengths-clip"),
+    case("GRU", {"x": SEQUENCE, **recurrent(3, 5, bias=False)}, outputs=("y", "y_h"), hidden_size=5,
+         direction="reverse", id="reverse-no-bias"),
+    case("LSTM", {"x": SEQUENCE, **recurrent(4, 6), "n": LENGTHS, **states(1, 6, cells=True),
+                  "p": rand(1, 18) * 0.5}, outputs=("y", "y_h", "y_c"), hidden_size=6, id="peepholes-lengths"),
+    case("LSTM", {"x": SEQUENCE, **recurrent(4, 6, 2)}, outputs=("y", "y_h", "y_c"), hidden_size=6,
+         direction="bidirectional", activations=["HardSigmoid", "Tanh", "Softsign"] * 2, id="bidirectional-activations"),
+    case("LSTM", {"x": SEQUENCE, **recurrent(4, 6)}, outputs=("y", "y_h", "y_c"), hidden_size=6, direction="reverse",
+         clip=1.5, id="reverse-clip"),
+]
+
+
+# ONNX Runtime computes the batch-first layout (layout 1) of none of them: the node suite's
+# batchwise cases hold ranvier to it.
+@pytest.mark.parametrize("op, values, kwargs", RECURRENT_CASES)
+def test_recurrent_layers_match_onnxruntime(op, values, kwargs):
+    order = ["x", "w", "r", "b", "n", "h0", "c0", "p"]  # X, W, R, B, sequence_lens, initial_h, initial_c, P
+    inputs = [k if k in values else "" for k in order[:max(order.index(k) for k in values) + 1]]
+    check_node(op, values, inputs=inputs, **kwargs)
+
+
+def test_an_unknown_recurrent_activation_is_refused():
+    with pytest.raises(OnnxError, match="activation 'Gelu' is not one of Tanh"):
+        load_node("RNN", {"x": SEQUENCE, **recurrent(1, 6)}, hidden_size=6, activations=["Gelu"])

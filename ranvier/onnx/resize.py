@@ -212,10 +212,10 @@ def _sizes_and_scales(node: Node, x: Tensor, axes: list[int]) -> tuple[list[int]
             if node.optional(2) is not None and np.size(node.constant(2, "scales")):
                 raise node.error("has both scales and sizes; ONNX allows one")
             sizes = node.ints(3, "sizes")
+            policy = node.attr("keep_aspect_ratio_policy", "stretch")
             if len(sizes) != len(axes) or min(sizes, default=1) < 1:
                 raise node.error(f"its sizes {sizes} are not one size >= 1 per resized axis ({len(axes)})")
             scales = [s / x.shape[a] for s, a in zip(sizes, axes)]
-            policy = node.attr("keep_aspect_ratio_policy", "stretch")
             if policy not in ASPECT_POLICIES:
                 raise node.error(f"keep_aspect_ratio_policy {policy!r} is not one of {', '.join(ASPECT_POLICIES)}")
             if policy != "stretch":
@@ -223,6 +223,7 @@ def _sizes_and_scales(node: Node, x: Tensor, axes: list[int]) -> tuple[list[int]
                 scales = [scale] * len(axes)
                 sizes = [int(scale * x.shape[a] + 0.5) for a in axes]
             return sizes, scales
+        node.attr("keep_aspect_ratio_policy")  # applies to sizes only
         scales = [float(s) for s in np.asarray(node.constant(index, "scales")).reshape(-1)]
     if len(scales) != len(axes) or min(scales, default=1) <= 0:
         raise node.error(f"its scales {scales} are not one positive factor per resized axis ({len(axes)})")
@@ -233,8 +234,8 @@ def _region(node: Node, settings: Settings, x: Tensor, axes: list[int]) -> list[
     """tf_crop_and_resize's region of interest (start, end, as fractions) of each resized axis."""
     node.attr("extrapolation_value")
     if settings.coordinates != "tf_crop_and_resize":
-        if node.proto.op_type == "Resize" and node.opset >= 11 and node.optional(1) is not None:
-            node.constant(1, "roi")  # read but unused: it matters to tf_crop_and_resize only
+        if node.proto.op_type == "Resize" and node.opset >= 11:
+            node.optional(1)  # the roi matters to tf_crop_and_resize only
         return [None] * len(axes)
     roi = np.asarray(node.constant(1, "roi"), np.float64).reshape(-1)
     if roi.size == 2 * x.rank and len(axes) != x.rank:

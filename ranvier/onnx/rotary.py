@@ -15,9 +15,9 @@ from .node import Node, converts
 
 def _heads_last(node: Node, x: Tensor) -> Tensor:
     """x as [B, S, heads, head size]."""
+    heads = int(node.attr("num_heads", 0))
     if x.rank == 4:  # [B, heads, S, head size]
         return x.transpose([0, 2, 1, 3])
-    heads = int(node.attr("num_heads", 0))
     if x.rank != 3 or heads < 1 or x.shape[2] % heads:
         raise node.error(f"its input of shape {x.shape} is not [B, heads, S, head size], nor [B, S, hidden] with "
                          f"num_heads ({heads}) dividing hidden")

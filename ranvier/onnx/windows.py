@@ -230,6 +230,7 @@ def _transposed_placement(node: Node, rank: int, sizes: list[int], strides: list
     if output_shape is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         output_shape = [i * s for i, s in zip(sizes, strides)]
     if output_shape is not None:
+        node.attr("pads")  # output_shape decides them
         output_shape = [int(o) for o in output_shape][-rank:]
         if len(output_shape) != rank or min(output_shape) < 1:
             raise node.error(f"its output_shape {list(node.attr('output_shape'))} is not one size per spatial axis")
@@ -282,6 +283,7 @@ def max_pool(node: Node):
     x = node.tensor(0)
     win = _pool_window(node, x)
     wants_indices = len(node.proto.output) > 1 and bool(node.proto.output[1])
+    node.attr("storage_order")  # orders the indices only (read there)
     if _fits_pool_op(x, win) and not wants_indices:
         return node.b.max_pool(x, ksize=win.kernel, strides=win.strides, padding=win.before)
     windows = _pool_windows(node, x, win, _lowest(x.dtype))
