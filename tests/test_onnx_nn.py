@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-from test_onnx_import import RNG, Known, case, check_node, known, model_with, rand  # noqa: E402
+from test_onnx_import import RNG, Known, build, case, check, check_node, known, model_with, rand  # noqa: E402
 
 import ranvier  # noqa: E402
 import ranvier.onnx as ro  # noqa: E402
@@ -28,12 +28,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool",
              "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
-             "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding", "RNN", "GRU", "LSTM"}
+             "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding", "RNN", "GRU", "LSTM", "LRN",
+             "MeanVarianceNormalization", "Col2Im", "MaxUnpool"}
 
 # Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
 # the harness makes them initializers of the values the case feeds.
 LOAD_TIME_INPUTS = {"HannWindow": (0,), "HammingWindow": (0,), "BlackmanWindow": (0,), "Resize": (1, 2, 3),
-                    "Upsample": (1,)}
+                    "Upsample": (1,), "Col2Im": (1, 2), "MaxUnpool": (2,)}
 
 
 @functools.cache
@@ -119,12 +120,30 @@ WINDOW_CASES = [
     case("LpPool", {"x": IMAGE}, kernel_shape=[3, 3], id="p2"),
     case("GlobalLpPool", {"x": IMAGE}, p=3),
     case("GlobalMaxPool", {"x": rand(2, 3, 4, 5, 2)}, id="3d"),
+    case("Col2Im", {"x": rand(2, 3 * 6, 9), "i": known(5, 7), "k": known(2, 3)}, strides=[2, 2], pads=[1, 0, 0, 1],
+         opset=18, id="strided-padded"),
+    case("Col2Im", {"x": rand(1, 2 * 4, 15), "i": known(5, 7), "k": known(2, 2)}, dilations=[2, 2], opset=18,
+         id="dilated"),
 ]
 
 
 @pytest.mark.parametrize("op, values, kwargs", WINDOW_CASES)
 def test_windows_match_onnxruntime(op, values, kwargs):
     check_node(op, values, **kwargs)
+
+
+# (ONNX Runtime reads the indices as places in output_shape where it is given, ONNX's
+# reference and node suite as places in the default shape, as ranvier does: these leave
+# output_shape out.)
+@pytest.mark.parametrize("attrs", [{"kernel_shape": [2, 2], "strides": [2, 2]},
+                                   {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}],
+                         ids=["disjoint", "overlapping-padded"])
+def test_max_unpool_of_max_pool_matches_onnxruntime(attrs):
+    """MaxPool's indices into MaxUnpool; overlapping windows name a place more than once."""
+    x = rand(2, 4, 8, 8)
+    pool = helper.make_node("MaxPool", ["x"], ["p", "i"], **attrs)
+    unpool = helper.make_node("MaxUnpool", ["p", "i"], ["y"], **attrs)
+    check(build([pool, unpool], {"x": x}, ["y"]), {"x": x})
 
 
 # ---- normalizations ---------------------------------------------------------------------------------------------
@@ -145,6 +164,10 @@ NORMALIZATION_CASES = [
          id="one-channel-groups"),
     case("LpNormalization", {"x": X}, axis=1, p=1),
     case("LpNormalization", {"x": X}, id="l2-last-axis"),
+    case("LRN", {"x": X}, size=3, alpha=0.01, beta=0.6, bias=2.0),
+    case("LRN", {"x": rand(2, 7, 3, 2)}, size=5, id="size-5"),
+    case("MeanVarianceNormalization", {"x": X * 2 + 1}),
+    case("MeanVarianceNormalization", {"x": X}, axes=[1, -1], id="axes"),
 ]
 
 

@@ -141,3 +141,33 @@ def lp_norm(node: Node):
         node.b.sum(x * x, axis=[axis], keepdims=True).sqrt()
     zero = node.b.const(0.0, x.dtype)
     return node.b.cond(node.b.equal(norm, zero), node.b.broadcast_to(zero, x.shape), x / norm)
+
+
+@converts("LRN")
+def local_response_norm(node: Node):
+    """x divided by (bias + alpha/size · the sum of squares of the `size` channels around
+    each) ** beta: the squares padded along the channels and summed `size` slices."""
+    x = node.tensor(0)
+    size = int(node.attr("size"))
+    if x.rank < 3 or size < 1:
+        raise node.error(f"size {size} over its input of shape {x.shape}: needs size >= 1 and [N, C, ...spatial]")
+    alpha, beta, bias = float(node.attr("alpha", 1e-4)), float(node.attr("beta", 0.75)), float(node.attr("bias", 1.0))
+    channels = x.shape[1]
+    squares = node.b.pad(x * x, before=[0, (size - 1) // 2, *[0] * (x.rank - 2)],
+                         after=[0, size // 2, *[0] * (x.rank - 2)], value=0.0)
+    window = [node.b.slice(squares, [0, k, *[0] * (x.rank - 2)], [x.shape[0], channels, *x.shape[2:]])
+              for k in range(size)]
+    total = window[0]
+    for part in window[1:]:
+        total = total + part
+    return x / (total * (alpha / size) + bias) ** beta
+
+
+@converts("MeanVarianceNormalization")
+def mean_variance_norm(node: Node):
+    """(x − mean) / sqrt(variance + 1e-9) over the axes (ONNX's function body's epsilon)."""
+    x = node.tensor(0)
+    axes = sorted({node.axis(a, x.rank) for a in node.attr("axes", [0, 2, 3])})
+    mean = node.b.mean(x, axis=axes, keepdims=True)
+    centred = x - mean
+    return centred / (node.b.mean(centred * centred, axis=axes, keepdims=True) + 1e-9).sqrt()

@@ -370,3 +370,74 @@ def global_pool(node: Node):
     powered = x * x if p == 2 else abs(x) ** p
     total = node.b.sum(powered, axis=axes, keepdims=True)
     return total.sqrt() if p == 2 else total ** (1.0 / p)
+
+
+# ---- the inverses of windows: Col2Im, MaxUnpool ----------------------------------------------------------------
+
+
+@converts("Col2Im")
+def col2im(node: Node):
+    """Columns [N, C·taps, positions] added back onto the image [N, C, ...image_shape]
+    through the windows' view of the padded image (the transpose of Conv's im2col)."""
+    x = node.tensor(0)
+    image, block = node.ints(1, "image_shape"), node.ints(2, "block_shape")
+    rank, taps = len(image), math.prod(block)
+    if x.rank != 3 or len(block) != rank or min(block + image, default=0) < 1 or x.shape[1] % taps:
+        raise node.error(f"its input of shape {x.shape} with image_shape {image} and block_shape {block} is not "
+                         "[N, C·prod(block_shape), positions]")
+    n, channels = x.shape[0], x.shape[1] // taps
+    shape = [n, channels, *image]
+    win = window(node, _Shaped(shape), block)
+    if math.prod(win.out) != x.shape[2]:
+        raise node.error(f"its {x.shape[2]} positions are not the {math.prod(win.out)} ({win.out}) its windows take")
+    target = [n, channels, *[s + b + a for s, b, a in zip(image, win.before, win.after)]]
+    placed = view(target, win, taps_first=True)
+    y = x.reshape(placed["shape"]).strided_scatter_add(**placed, target_shape=target)
+    if any(win.before) or any(win.after):
+        y = node.b.slice(y, [0, 0, *win.before], shape)
+    return y
+
+
+@dataclass
+class _Shaped:
+    """A stand-in with the shape `window` reads (Col2Im's image is not a tensor yet)."""
+
+    shape: list[int]
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@converts("MaxUnpool")
+def max_unpool(node: Node):
+    """Each value put back where MaxPool's indices say it came from, zeros elsewhere. The
+    indices count places in the pool's input (the default output shape); a larger
+    output_shape holds those at the same coordinates, zeros after them. Overlapping
+    windows can name one place twice, with the same value: the sums there are divided by
+    the count."""
+    x, indices = node.tensor(0), node.tensor(1)
+    if x.rank < 3 or indices.shape != x.shape:
+        raise node.error(f"its indices of shape {indices.shape} are not those of its input of shape {x.shape}")
+    kernel = [int(k) for k in node.attr("kernel_shape")]
+    rank = x.rank - 2
+    strides = spatial_attr(node, "strides", rank, 1)
+    pads = [int(p) for p in node.attr("pads", [0] * 2 * rank)]
+    if len(kernel) != rank or len(pads) != 2 * rank:
+        raise node.error(f"kernel_shape {kernel} and pads {pads} do not fit its {rank} spatial axes")
+    out = [(i - 1) * s + k - b - a for i, s, k, b, a in zip(x.shape[2:], strides, kernel, pads[:rank], pads[rank:])]
+    wanted = node.ints(2, "output_shape")[-rank:] if node.optional(2) is not None else out
+    if len(wanted) != rank or any(w < o for w, o in zip(wanted, out)):
+        raise node.error(f"its output_shape {wanted} is smaller than the {out} its windows cover")
+    shape = [*x.shape[:2], *out]
+    rows = math.prod(shape)
+    flat = indices.reshape([math.prod(x.shape)])
+    if flat.dtype != dtypes.DT_INT64:
+        flat = flat.cast(dtypes.DT_INT64)
+    total = node.b.scatter_add(flat, x.reshape([math.prod(x.shape)]), rows=rows)
+    counts = node.b.scatter_add(flat, node.b.broadcast_to(node.b.const(np.asarray(1.0, dtypes.to_numpy(x.dtype))),
+                                                          [math.prod(x.shape)]), rows=rows)
+    y = (total / node.b.maximum(counts, 1.0)).reshape(shape)
+    if wanted == out:
+        return y
+    return node.b.pad(y, before=[0] * x.rank, after=[0, 0, *[w - o for w, o in zip(wanted, out)]], value=0.0)
