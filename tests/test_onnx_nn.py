@@ -30,7 +30,7 @@ OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "Globa
              "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
              "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding", "RNN", "GRU", "LSTM", "LRN",
-             "MeanVarianceNormalization", "Col2Im", "MaxUnpool", "GridSample"}
+             "MeanVarianceNormalization", "BatchNormalization", "Col2Im", "MaxUnpool", "GridSample"}
 
 # Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
 # the harness makes them initializers of the values the case feeds.
@@ -169,6 +169,10 @@ NORMALIZATION_CASES = [
     case("LRN", {"x": rand(2, 7, 3, 2)}, size=5, id="size-5"),
     case("MeanVarianceNormalization", {"x": X * 2 + 1}),
     case("MeanVarianceNormalization", {"x": X}, axes=[1, -1], id="axes"),
+    case("BatchNormalization", {"x": X, "s": rand(6), "b": rand(6), "m": rand(6), "v": rand(6, low=0.5, high=2)},
+         epsilon=1e-3, opset=15, id="statistics-at-run-time"),
+    case("BatchNormalization", {"x": X * 2 + 1, "s": rand(6), "b": rand(6), "m": rand(6), "v": rand(6, low=0.5, high=2)},
+         outputs=("y", "running_mean", "running_var"), training_mode=1, momentum=0.7, opset=15, id="training"),
 ]
 
 

@@ -226,26 +226,6 @@ def fast_gelu(node: Node):
     return node.b.gelu(x, approximate="tanh" if node.proto.op_type == "FastGelu" else "none")
 
 
-@converts("BatchNormalization")
-def batch_norm(node: Node):
-    """Inference batch norm as one scale and shift per channel (the compiler fuses them
-    into the elementwise work around; PyTorch's exporters fold it into the convolution)."""
-    if node.attr("training_mode", 0):
-        raise node.error("training_mode=1 is not supported (ranvier imports inference graphs)")
-    scale, shift = batch_norm_affine(node)
-    x = node.tensor(0)
-    shape = [1, x.shape[1]] + [1] * (x.rank - 2)
-    return x * node.importer.as_tensor(scale.reshape(shape), "") + \
-        node.importer.as_tensor(shift.reshape(shape), "")
-
-
-def batch_norm_affine(node: Node) -> tuple[np.ndarray, np.ndarray]:
-    gamma, beta = node.constant(1, "scale"), node.constant(2, "bias")
-    mean, var = node.constant(3, "running mean"), node.constant(4, "running variance")
-    scale = gamma / np.sqrt(var.astype(np.float64) + float(node.attr("epsilon", 1e-5)))
-    return scale.astype(gamma.dtype), (beta - mean * scale).astype(gamma.dtype)
-
-
 # ---- shapes -------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """ONNX's normalizations: LayerNormalization (with its mean and inverse standard
-deviation outputs), RMSNormalization, InstanceNormalization, GroupNormalization and
-LpNormalization.
+deviation outputs), RMSNormalization, InstanceNormalization, GroupNormalization,
+BatchNormalization (inference and training mode), LpNormalization, LRN and
+MeanVarianceNormalization.
 
 Each normalizes rows: the axes it normalizes over flattened into the last one, where
 ranvier's LayerNorm and RMSNorm ops compute (their kernels fuse the statistics with the
@@ -12,6 +13,8 @@ a narrower input is widened first and its results narrowed back.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from .. import dtypes
 from ..flow.builder import Tensor
@@ -171,3 +174,48 @@ def mean_variance_norm(node: Node):
     mean = node.b.mean(x, axis=axes, keepdims=True)
     centred = x - mean
     return centred / (node.b.mean(centred * centred, axis=axes, keepdims=True) + 1e-9).sqrt()
+
+
+@converts("BatchNormalization")
+def batch_norm(node: Node):
+    """Batch norm per channel (axis 1). Inference with its statistics known at load is one
+    scale and shift per channel (the compiler fuses them into the elementwise work
+    around; PyTorch's exporters fold it into the convolution); computed statistics are
+    applied as they come. training_mode (opset 14) normalizes by the batch's own mean and
+    (biased) variance, and returns the running statistics moved toward them by momentum."""
+    x = node.tensor(0)
+    if x.rank < 2 or x.dtype not in dtypes.FLOAT_DTYPES:
+        raise node.error(f"its input {x.dtype}{x.shape} is not a floating-point [N, C, ...]")
+    eps = float(node.attr("epsilon", 1e-5))
+    momentum = float(node.attr("momentum", 0.9))
+    training = bool(node.attr("training_mode", 0)) if node.opset >= 14 else False
+    if node.opset < 14 and any(node.proto.output[1:]):
+        raise node.error(f"its running statistics outputs (training, opset {node.opset} < 14) are not supported")
+    channels = x.shape[1]
+    shape = [1, channels, *[1] * (x.rank - 2)]
+    for index, what in ((1, "scale"), (2, "bias"), (3, "input_mean"), (4, "input_var")):
+        if node.shape(index) != [channels]:
+            raise node.error(f"its {what} of shape {node.shape(index)} is not one value per channel, [{channels}]")
+    if not training:
+        known = all(isinstance(node.inputs[i], np.ndarray) for i in range(1, 5))
+        if known:
+            scale, shift = batch_norm_affine(node)
+            return x * node.importer.as_tensor(scale.reshape(shape), "") + node.importer.as_tensor(shift.reshape(shape), "")
+        gamma, beta, mean, var = (node.tensor(i).reshape(shape) for i in range(1, 5))
+        return (x - mean) * node.b.rsqrt(var + eps) * gamma + beta
+    axes = [0, *range(2, x.rank)]
+    mean = node.b.mean(x, axis=axes, keepdims=True)
+    centred = x - mean
+    var = node.b.mean(centred * centred, axis=axes, keepdims=True)
+    y = centred * node.b.rsqrt(var + eps) * node.tensor(1).reshape(shape) + node.tensor(2).reshape(shape)
+    running_mean = node.tensor(3) * momentum + mean.reshape([channels]) * (1.0 - momentum)
+    running_var = node.tensor(4) * momentum + var.reshape([channels]) * (1.0 - momentum)
+    return [y, running_mean, running_var]
+
+
+def batch_norm_affine(node: Node) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, shift) per channel of an inference batch norm whose statistics are known."""
+    gamma, beta = node.constant(1, "scale"), node.constant(2, "bias")
+    mean, var = node.constant(3, "running mean"), node.constant(4, "running variance")
+    scale = gamma / np.sqrt(var.astype(np.float64) + float(node.attr("epsilon", 1e-5)))
+    return scale.astype(gamma.dtype), (beta - mean * scale).astype(gamma.dtype)
