@@ -30,7 +30,7 @@ OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "Globa
              "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
              "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding", "RNN", "GRU", "LSTM", "LRN",
-             "MeanVarianceNormalization", "BatchNormalization", "Col2Im", "MaxUnpool", "GridSample"}
+             "MeanVarianceNormalization", "BatchNormalization", "Col2Im", "MaxUnpool", "GridSample", "DeformConv"}
 
 # Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
 # the harness makes them initializers of the values the case feeds.
@@ -397,4 +397,18 @@ GRID_CASES = [
 
 @pytest.mark.parametrize("op, values, kwargs", GRID_CASES)
 def test_grid_sample_matches_onnxruntime(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+DEFORM_CASES = [
+    case("DeformConv", {"x": rand(2, 4, 6, 7), "w": rand(6, 2, 3, 3), "o": rand(2, 2 * 9 * 2, 4, 5) * 1.5,
+                        "b": rand(6), "m": rand(2, 2 * 9, 4, 5, low=0, high=1)},
+         group=2, offset_group=2, opset=19, id="groups-bias-mask"),
+    case("DeformConv", {"x": rand(1, 3, 7, 8), "w": rand(4, 3, 2, 3), "o": rand(1, 2 * 6, 4, 2) * 2},
+         strides=[2, 3], pads=[1, 0, 1, 2], dilations=[1, 2], opset=19, id="strided-padded-dilated"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", DEFORM_CASES)
+def test_deform_conv_matches_onnxruntime(op, values, kwargs):
     check_node(op, values, **kwargs)

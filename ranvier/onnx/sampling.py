@@ -1,11 +1,12 @@
-"""ONNX's GridSample: the input read at the positions a grid holds (normalized to [-1, 1]),
+"""ONNX's GridSample and DeformConv: the input read at the positions a grid holds (normalized to [-1, 1]),
 by nearest, linear or cubic interpolation over 2 or 3 spatial axes, with zeros, border
 or reflection padding.
 
 The positions are computed, so the taps are too: along each axis the flow computes each
 output's source coordinate, the input positions its taps read and their weights, as
 ONNX's reference does element by element; every combination of one tap per axis is one
-Gather from the input laid out [N·positions, C], weighted and summed.
+Gather from the input laid out [N·positions, C], weighted and summed. DeformConv reads
+its taps so, bilinearly at their offset places, before its filters' product.
 """
 
 from __future__ import annotations
@@ -46,11 +47,10 @@ def _cubic_weights(node: Node, t: Tensor) -> list[Tensor]:
             ((a * (s + 1.0) - 5 * a) * (s + 1.0) + 8 * a) * (s + 1.0) - 4 * a]
 
 
-def _axis_taps(node: Node, g: Tensor, size: int, mode: str, padding: str,
+def _axis_taps(node: Node, x: Tensor, size: int, mode: str, padding: str,
                align_corners: bool) -> list[tuple[Tensor, Tensor | None]]:
-    """(input position, weight) of each tap along one axis, for grid coordinates g; the
-    positions are whole numbers inside the axis, held in floating point."""
-    x = (g + 1.0) * ((size - 1) / 2) if align_corners else ((g + 1.0) * size - 1.0) / 2
+    """(input position, weight) of each tap along one axis of `size`, for source
+    coordinates x; the positions are whole numbers inside the axis, held in floating point."""
     low, high = (0.0, size - 1.0) if align_corners else (-0.5, size - 0.5)
     if mode == "nearest":
         x = node.b.round(x)  # half to even, as the reference's rint
@@ -71,7 +71,7 @@ def _axis_taps(node: Node, g: Tensor, size: int, mode: str, padding: str,
     for place, weight in zip(places, weights):
         if padding == "zeros":
             inside = node.b.logical_and(node.b.greater_equal(place, 0.0), node.b.less_equal(place, size - 1.0))
-            mask = inside.cast(g.dtype)
+            mask = inside.cast(x.dtype)
             weight = mask if weight is None else weight * mask
         elif padding == "reflection":
             place = _reflect(node, place, low, high)
@@ -99,19 +99,79 @@ def grid_sample(node: Node):
     # The grid's last axis lists coordinates fastest axis first: (x, y[, z]) for axes (..., H, W).
     coordinates = [node.b.slice(grid, [0] * (grid.rank - 1) + [rank - 1 - k], [n, *out, 1]).reshape([n, *out])
                    for k in range(rank)]
-    per_axis = [_axis_taps(node, g, size, mode, padding, align_corners) for g, size in zip(coordinates, sizes)]
+    sources = [(g + 1.0) * ((size - 1) / 2) if align_corners else ((g + 1.0) * size - 1.0) / 2
+               for g, size in zip(coordinates, sizes)]
+    per_axis = [_axis_taps(node, s, size, mode, padding, align_corners) for s, size in zip(sources, sizes)]
     table = x.transpose([0, *range(2, x.rank), 1]).reshape([n * math.prod(sizes), channels])
-    strides = [math.prod(sizes[k + 1:]) for k in range(rank)]
-    first_row = node.importer.as_tensor(
-        (np.arange(n) * math.prod(sizes)).reshape([n, *[1] * rank]).astype(dtypes.to_numpy(x.dtype)), "")
+    first_rows = (np.arange(n) * math.prod(sizes)).reshape([n, *[1] * rank])
+    y = _sum_of_taps(node, table, first_rows, per_axis, sizes, [n, *out])
+    return y.transpose([0, grid.rank - 1, *range(1, grid.rank - 1)])
+
+
+def _sum_of_taps(node: Node, table: Tensor, first_rows: np.ndarray, per_axis: list, sizes: list[int],
+                 shape: list[int]) -> Tensor:
+    """The rows of `table` [images·positions, C] each combination of one tap per axis
+    reads (from the image's first row), weighted and summed: [*shape, C]."""
+    strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
     y = None
     for combination in itertools.product(*per_axis):
-        row, weight = first_row, None
+        row, weight = node.importer.as_tensor(first_rows.astype(dtypes.to_numpy(table.dtype)), ""), None
         for (place, tap_weight), stride in zip(combination, strides):
             row = row + place * float(stride)
             if tap_weight is not None:
                 weight = tap_weight if weight is None else weight * tap_weight
         read = node.b.gather(table, row.cast(dtypes.DT_INT64))
-        term = read if weight is None else read * weight.reshape([n, *out, 1])
+        term = read if weight is None else read * weight.reshape([*shape, 1])
         y = term if y is None else y + term
-    return y.transpose([0, grid.rank - 1, *range(1, grid.rank - 1)])
+    return y
+
+
+@converts("DeformConv")
+def deform_conv(node: Node):
+    """A 2-D convolution whose every tap reads its input at a learned offset from where a
+    Conv would, bilinearly (zeros outside, as GridSample with align_corners), optionally
+    scaled by a mask; then the filters times those columns, per group."""
+    x, w, offset = node.tensor(0), node.tensor(1), node.tensor(2)
+    if x.rank != 4 or w.rank != 4 or x.dtype not in dtypes.FLOAT_DTYPES:
+        raise node.error(f"its input {x.dtype}{x.shape} and weight {w.shape} are not a floating-point [N, C, H, W] "
+                         "and [M, C/group, kH, kW] (2-D deformable convolution)")
+    n, channels, height, width = x.shape
+    filters, per_group, kh, kw = w.shape
+    groups, offset_groups = int(node.attr("group", 1)), int(node.attr("offset_group", 1))
+    if groups < 1 or channels != per_group * groups or filters % groups or offset_groups < 1 or channels % offset_groups:
+        raise node.error(f"group {groups} and offset_group {offset_groups} do not split its {channels} channels and "
+                         f"{filters} filters (weight {w.shape})")
+    kernel = node.attr("kernel_shape")
+    if kernel is not None and list(kernel) != [kh, kw]:
+        raise node.error(f"kernel_shape {list(kernel)} contradicts its weight's window {[kh, kw]}")
+    strides, dilations = [int(s) for s in node.attr("strides", [1, 1])], [int(d) for d in node.attr("dilations", [1, 1])]
+    pads = [int(p) for p in node.attr("pads", [0, 0, 0, 0])]
+    oh, ow = offset.shape[2:] if offset.rank == 4 else (0, 0)
+    if offset.shape != [n, offset_groups * kh * kw * 2, oh, ow] or \
+            oh != (height + pads[0] + pads[2] - (kh - 1) * dilations[0] - 1) // strides[0] + 1 or \
+            ow != (width + pads[1] + pads[3] - (kw - 1) * dilations[1] - 1) // strides[1] + 1:
+        raise node.error(f"its offset of shape {offset.shape} is not [N, offset_group·kH·kW·2, out H, out W] of the "
+                         "windows its strides, pads and dilations make")
+    shape = [n, offset_groups, kh, kw, oh, ow]
+    offsets = offset.reshape([n, offset_groups, kh, kw, 2, oh, ow])
+    sources = []
+    for axis, (taps, outs) in enumerate(((kh, oh), (kw, ow))):
+        along = [axis == 0, axis == 1]
+        start = (np.arange(outs) * strides[axis] - pads[axis])[None, :] + (np.arange(taps) * dilations[axis])[:, None]
+        start = start.reshape([1, 1, taps if along[0] else 1, taps if along[1] else 1,
+                               outs if along[0] else 1, outs if along[1] else 1])
+        moved = node.b.slice(offsets, [0, 0, 0, 0, axis, 0, 0], [n, offset_groups, kh, kw, 1, oh, ow]).reshape(shape)
+        sources.append(moved + node.importer.as_tensor(start.astype(dtypes.to_numpy(x.dtype)), ""))
+    per_axis = [_axis_taps(node, s, size, "linear", "zeros", True) for s, size in zip(sources, (height, width))]
+    per_offset_group = channels // offset_groups
+    table = x.reshape([n, offset_groups, per_offset_group, height * width]).transpose([0, 1, 3, 2])
+    table = table.reshape([n * offset_groups * height * width, per_offset_group])
+    first_rows = (np.arange(n * offset_groups) * height * width).reshape([n, offset_groups, 1, 1, 1, 1])
+    sampled = _sum_of_taps(node, table, first_rows, per_axis, [height, width], shape)  # [N, G, kH, kW, oH, oW, C/G]
+    if node.optional(4) is not None:
+        sampled = sampled * node.tensor(4).reshape([*shape, 1])
+    columns = sampled.transpose([0, 1, 6, 2, 3, 4, 5]).reshape([n, groups, per_group * kh * kw, oh * ow])
+    y = node.b.matmul(w.reshape([groups, filters // groups, per_group * kh * kw]), columns).reshape([n, filters, oh, ow])
+    if node.optional(3) is not None:
+        y = y + node.tensor(3).reshape([1, filters, 1, 1])
+    return y
