@@ -30,7 +30,7 @@ OPERATORS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "Globa
              "LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "LpNormalization",
              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss", "DepthToSpace", "SpaceToDepth",
              "HannWindow", "HammingWindow", "BlackmanWindow", "Resize", "Upsample", "RotaryEmbedding", "RNN", "GRU", "LSTM", "LRN",
-             "MeanVarianceNormalization", "BatchNormalization", "Col2Im", "MaxUnpool", "GridSample", "DeformConv"}
+             "MeanVarianceNormalization", "BatchNormalization", "Col2Im", "MaxUnpool", "GridSample", "DeformConv", "RoiAlign"}
 
 # Node inputs ranvier reads at load (sizes, scales) that the suite feeds as graph inputs:
 # the harness makes them initializers of the values the case feeds.
@@ -412,3 +412,25 @@ DEFORM_CASES = [
 @pytest.mark.parametrize("op, values, kwargs", DEFORM_CASES)
 def test_deform_conv_matches_onnxruntime(op, values, kwargs):
     check_node(op, values, **kwargs)
+
+
+ROIS = np.float32([[0.5, 1.0, 9.0, 7.5], [3.2, 0.0, 5.1, 2.2], [-3.0, 4.0, 14.0, 13.0], [6.0, 6.0, 6.5, 6.2]])
+ROI_CASES = [
+    case("RoiAlign", {"x": rand(2, 3, 9, 11), "r": ROIS, "i": np.int64([0, 1, 1, 0])}, output_height=3,
+         output_width=4, sampling_ratio=2, opset=16, id="avg-half-pixel"),
+    case("RoiAlign", {"x": rand(2, 3, 9, 11), "r": ROIS * 2, "i": np.int64([1, 0, 1, 1])}, output_height=2,
+         output_width=3, sampling_ratio=3, spatial_scale=0.5, coordinate_transformation_mode="output_half_pixel",
+         opset=16, id="avg-output-half-pixel-scaled"),
+    case("RoiAlign", {"x": rand(2, 3, 9, 11), "r": ROIS, "i": np.int64([0, 1, 1, 0])}, mode="max", output_height=3,
+         output_width=3, sampling_ratio=2, opset=16, id="max"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", ROI_CASES)
+def test_roi_align_matches_onnxruntime(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+def test_an_adaptive_roi_sampling_ratio_is_refused():
+    with pytest.raises(OnnxError, match="sampling_ratio 0: an adaptive count"):
+        load_node("RoiAlign", {"x": rand(2, 3, 9, 11), "r": ROIS, "i": np.int64([0, 1, 1, 0])}, opset=16)

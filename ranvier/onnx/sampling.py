@@ -1,4 +1,4 @@
-"""ONNX's GridSample and DeformConv: the input read at the positions a grid holds (normalized to [-1, 1]),
+"""ONNX's GridSample, DeformConv and RoiAlign: the input read at the positions a grid holds (normalized to [-1, 1]),
 by nearest, linear or cubic interpolation over 2 or 3 spatial axes, with zeros, border
 or reflection padding.
 
@@ -6,7 +6,8 @@ The positions are computed, so the taps are too: along each axis the flow comput
 output's source coordinate, the input positions its taps read and their weights, as
 ONNX's reference does element by element; every combination of one tap per axis is one
 Gather from the input laid out [N·positions, C], weighted and summed. DeformConv reads
-its taps so, bilinearly at their offset places, before its filters' product.
+its taps so, bilinearly at their offset places, before its filters' product; RoiAlign
+its samples within each region's bins.
 """
 
 from __future__ import annotations
@@ -175,3 +176,73 @@ def deform_conv(node: Node):
     if node.optional(3) is not None:
         y = y + node.tensor(3).reshape([1, filters, 1, 1])
     return y
+
+
+def _roi_axis(node: Node, start: Tensor, end: Tensor, size: int, pooled: int, samples: int, half_pixel: bool):
+    """Along one axis of `size`, for each roi's [R] start and end: the taps (low, high
+    place) and weights (of low, of high) of its samples [R, pooled, samples] as RoiAlign
+    reads them (Caffe2's bilinear rule: clamped at the last position), and which samples
+    lie outside the input."""
+    length = end - start
+    if not half_pixel:
+        length = node.b.maximum(length, 1.0)
+    step = (length / float(pooled)).reshape([start.shape[0], 1, 1])
+    within = (np.arange(pooled)[:, None] + (np.arange(samples)[None, :] + 0.5) / samples).astype(np.float64)
+    s = start.reshape([start.shape[0], 1, 1]) + step * node.importer.as_tensor(within.astype(dtypes.to_numpy(start.dtype)), "")
+    outside = node.b.logical_or(node.b.less(s, -1.0), node.b.greater(s, float(size)))
+    s = node.b.maximum(s, 0.0)
+    low = node.b.floor(s)
+    edge = node.b.greater_equal(low, size - 1.0)
+    low = node.b.cond(edge, node.b.minimum(low, size - 1.0), low)
+    s = node.b.cond(edge, low, s)
+    high = node.b.cond(edge, low, low + 1.0)
+    fraction = s - low
+    return (low, high), (1.0 - fraction, fraction), outside
+
+
+@converts("RoiAlign")
+def roi_align(node: Node):
+    """Each region of interest pooled to output_height × output_width bins, each bin the
+    average (or max) of sampling_ratio² bilinear samples, as ONNX's reference computes it."""
+    x, rois, batch_indices = node.tensor(0), node.tensor(1), node.tensor(2)
+    if x.rank != 4 or rois.rank != 2 or rois.shape[1] != 4 or batch_indices.shape != [rois.shape[0]]:
+        raise node.error(f"its input {x.shape}, rois {rois.shape} and batch_indices {batch_indices.shape} are not "
+                         "[N, C, H, W], [R, 4] and [R]")
+    mode = node.attr("mode", "avg")
+    coordinates = node.attr("coordinate_transformation_mode", "half_pixel" if node.opset >= 16 else "output_half_pixel")
+    samples = int(node.attr("sampling_ratio", 0))
+    if mode not in ("avg", "max") or coordinates not in ("half_pixel", "output_half_pixel"):
+        raise node.error(f"mode {mode!r} with coordinate_transformation_mode {coordinates!r}: the modes are avg and max, "
+                         "the coordinate modes half_pixel and output_half_pixel")
+    if samples < 1:
+        raise node.error(f"sampling_ratio {samples}: an adaptive count of samples (0), which differs roi by roi, "
+                         "is not supported; give a positive sampling_ratio")
+    out_h, out_w = int(node.attr("output_height", 1)), int(node.attr("output_width", 1))
+    n, channels, height, width = x.shape
+    count = rois.shape[0]
+    half_pixel = coordinates == "half_pixel"
+    corners = (node.b.cast(rois, x.dtype) if rois.dtype != x.dtype else rois) * float(node.attr("spatial_scale", 1.0))
+    if half_pixel:
+        corners = corners - 0.5
+    x1, y1, x2, y2 = (c.reshape([count]) for c in corners.split(4, axis=1))
+    places_y, weights_y, outside_y = _roi_axis(node, y1, y2, height, out_h, samples, half_pixel)
+    places_x, weights_x, outside_x = _roi_axis(node, x1, x2, width, out_w, samples, half_pixel)
+    shape = [count, out_h, samples, out_w, samples]
+    along_y, along_x = [count, out_h, samples, 1, 1], [count, 1, 1, out_w, samples]
+    inside = node.b.logical_not(node.b.logical_or(outside_y.reshape(along_y), outside_x.reshape(along_x))).cast(x.dtype)
+    table = x.transpose([0, 2, 3, 1]).reshape([n * height * width, channels])
+    first_rows = batch_indices.cast(x.dtype).reshape([count, 1, 1, 1, 1]) * float(height * width)
+    terms = []
+    for place_y, weight_y in zip(places_y, weights_y):
+        for place_x, weight_x in zip(places_x, weights_x):
+            row = first_rows + place_y.reshape(along_y) * float(width) + place_x.reshape(along_x)
+            weight = weight_y.reshape(along_y) * weight_x.reshape(along_x) * inside
+            read = node.b.gather(table, node.b.cast(row, dtypes.DT_INT64))
+            terms.append(read * weight.reshape([*shape, 1]))
+    if mode == "avg":
+        total = terms[0] + terms[1] + terms[2] + terms[3]
+        pooled = node.b.sum(total, axis=[2, 4]) / float(samples * samples)
+    else:
+        biggest = node.b.maximum(node.b.maximum(terms[0], terms[1]), node.b.maximum(terms[2], terms[3]))
+        pooled = node.b.max(biggest, axis=[2, 4])
+    return pooled.transpose([0, 3, 1, 2])
