@@ -24,7 +24,7 @@ from .. import dtypes
 from ..errors import UnknownOpError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
-from . import blocks, converters, losses, normalization, recurrent, resize, rotary, sampling, windows  # noqa: F401  (each converter registers itself)
+from . import bilinear, blocks, converters, losses, normalization, recurrent, resize, rotary, windows  # noqa: F401  (each converter registers itself)
 from .external import load_external_data
 from .inference import check_fold_sizes, check_results, infer_outputs
 from .node import CONVERTERS, Node, OnnxError, Value, onnx_dtype

@@ -1,13 +1,11 @@
-"""ONNX's GridSample, DeformConv and RoiAlign: the input read at the positions a grid holds (normalized to [-1, 1]),
-by nearest, linear or cubic interpolation over 2 or 3 spatial axes, with zeros, border
-or reflection padding.
+"""ONNX's operators that read their input bilinearly at places they compute: DeformConv
+(each tap of a convolution at a learned offset) and RoiAlign (samples within each region
+of interest's bins).
 
-The positions are computed, so the taps are too: along each axis the flow computes each
-output's source coordinate, the input positions its taps read and their weights, as
-ONNX's reference does element by element; every combination of one tap per axis is one
-Gather from the input laid out [N·positions, C], weighted and summed. DeformConv reads
-its taps so, bilinearly at their offset places, before its filters' product; RoiAlign
-its samples within each region's bins.
+The places are computed, so the taps are too: the flow computes each sample's place, the
+input positions its taps read and their weights, as ONNX's reference does element by
+element; every combination of taps is one Gather from the input laid out
+[images·positions, channels], weighted and summed.
 """
 
 from __future__ import annotations
@@ -21,92 +19,20 @@ from .. import dtypes
 from ..flow.builder import Tensor
 from .node import Node, converts
 
-MODES = {"bilinear": "linear", "bicubic": "cubic", "linear": "linear", "cubic": "cubic", "nearest": "nearest"}
-PADDINGS = ("zeros", "border", "reflection")
-CUBIC_A = -0.75  # the Keys kernel's a, as ONNX fixes it for GridSample
 
-
-def _reflect(node: Node, x: Tensor, low: float, high: float) -> Tensor:
-    """x mirrored at low and high until it lies between them."""
-    span = high - low
-    u = x - low
-    u = u - node.b.floor(u / (2 * span)) * (2 * span)  # into [0, 2·span)
-    return node.b.cond(node.b.greater(u, span), 2 * span - u, u) + low
-
-
-def _clamp(node: Node, x: Tensor, low: float, high: float) -> Tensor:
-    return node.b.maximum(node.b.minimum(x, high), low)
-
-
-def _cubic_weights(node: Node, t: Tensor) -> list[Tensor]:
-    """The Keys kernel's weights of the taps at −1, 0, 1, 2 from a source t past the first."""
-    a = CUBIC_A
-    s = 1.0 - t
-    return [((a * (t + 1.0) - 5 * a) * (t + 1.0) + 8 * a) * (t + 1.0) - 4 * a,
-            ((a + 2) * t - (a + 3)) * t * t + 1.0,
-            ((a + 2) * s - (a + 3)) * s * s + 1.0,
-            ((a * (s + 1.0) - 5 * a) * (s + 1.0) + 8 * a) * (s + 1.0) - 4 * a]
-
-
-def _axis_taps(node: Node, x: Tensor, size: int, mode: str, padding: str,
-               align_corners: bool) -> list[tuple[Tensor, Tensor | None]]:
-    """(input position, weight) of each tap along one axis of `size`, for source
-    coordinates x; the positions are whole numbers inside the axis, held in floating point."""
-    low, high = (0.0, size - 1.0) if align_corners else (-0.5, size - 0.5)
-    if mode == "nearest":
-        x = node.b.round(x)  # half to even, as the reference's rint
-    outside = node.b.logical_or(node.b.less(x, low), node.b.greater(x, high))
-    if padding == "border":
-        x = node.b.cond(outside, _clamp(node, x, 0.0, size - 1.0), x)
-    elif padding == "reflection":
-        x = node.b.cond(outside, _reflect(node, x, low, high), x)
-    if mode == "nearest":
-        places, weights = [x], [None]
-    else:
-        first = node.b.floor(x)
-        t = x - first
-        offsets = (0, 1) if mode == "linear" else (-1, 0, 1, 2)
-        places = [first + float(o) for o in offsets]
-        weights = [1.0 - t, t] if mode == "linear" else _cubic_weights(node, t)
+def _linear_taps(node: Node, x: Tensor, size: int) -> list[tuple[Tensor, Tensor]]:
+    """(input position, weight) of the two taps around each source place x along an axis
+    of `size`, a tap outside the axis weighing 0 (as GridSample with zeros padding and
+    align_corners reads); the positions are whole numbers inside the axis, held in
+    floating point."""
+    first = node.b.floor(x)
+    t = x - first
     taps = []
-    for place, weight in zip(places, weights):
-        if padding == "zeros":
-            inside = node.b.logical_and(node.b.greater_equal(place, 0.0), node.b.less_equal(place, size - 1.0))
-            mask = inside.cast(x.dtype)
-            weight = mask if weight is None else weight * mask
-        elif padding == "reflection":
-            place = _reflect(node, place, low, high)
-        taps.append((node.b.trunc(_clamp(node, place, 0.0, size - 1.0)), weight))
+    for place, weight in ((first, 1.0 - t), (first + 1.0, t)):
+        inside = node.b.logical_and(node.b.greater_equal(place, 0.0), node.b.less_equal(place, size - 1.0))
+        clamped = node.b.maximum(node.b.minimum(place, size - 1.0), 0.0)
+        taps.append((clamped, weight * inside.cast(x.dtype)))
     return taps
-
-
-@converts("GridSample")
-def grid_sample(node: Node):
-    x, grid = node.tensor(0), node.tensor(1)
-    rank = x.rank - 2
-    if rank not in (2, 3) or grid.rank != x.rank or grid.shape[0] != x.shape[0] or grid.shape[-1] != rank:
-        raise node.error(f"its input of shape {x.shape} and grid of shape {grid.shape} are not [N, C, ...spatial] "
-                         "and [N, ...output, spatial rank] over 2 or 3 spatial axes")
-    if x.dtype not in dtypes.FLOAT_DTYPES or grid.dtype != x.dtype:
-        raise node.error(f"its input {x.dtype} and grid {grid.dtype} are not of one floating-point dtype")
-    mode = MODES.get(node.attr("mode", "linear" if node.opset >= 20 else "bilinear"))
-    padding = node.attr("padding_mode", "zeros")
-    if mode is None or padding not in PADDINGS:
-        raise node.error(f"mode {node.attr('mode')!r} with padding_mode {padding!r}: the modes are nearest, linear "
-                         f"(bilinear) and cubic (bicubic), the paddings {', '.join(PADDINGS)}")
-    align_corners = bool(node.attr("align_corners", 0))
-    n, channels, sizes = x.shape[0], x.shape[1], x.shape[2:]
-    out = grid.shape[1:-1]
-    # The grid's last axis lists coordinates fastest axis first: (x, y[, z]) for axes (..., H, W).
-    coordinates = [node.b.slice(grid, [0] * (grid.rank - 1) + [rank - 1 - k], [n, *out, 1]).reshape([n, *out])
-                   for k in range(rank)]
-    sources = [(g + 1.0) * ((size - 1) / 2) if align_corners else ((g + 1.0) * size - 1.0) / 2
-               for g, size in zip(coordinates, sizes)]
-    per_axis = [_axis_taps(node, s, size, mode, padding, align_corners) for s, size in zip(sources, sizes)]
-    table = x.transpose([0, *range(2, x.rank), 1]).reshape([n * math.prod(sizes), channels])
-    first_rows = (np.arange(n) * math.prod(sizes)).reshape([n, *[1] * rank])
-    y = _sum_of_taps(node, table, first_rows, per_axis, sizes, [n, *out])
-    return y.transpose([0, grid.rank - 1, *range(1, grid.rank - 1)])
 
 
 def _sum_of_taps(node: Node, table: Tensor, first_rows: np.ndarray, per_axis: list, sizes: list[int],
@@ -116,13 +42,12 @@ def _sum_of_taps(node: Node, table: Tensor, first_rows: np.ndarray, per_axis: li
     strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
     y = None
     for combination in itertools.product(*per_axis):
-        row, weight = node.importer.as_tensor(first_rows.astype(dtypes.to_numpy(table.dtype)), ""), None
+        row = node.importer.as_tensor(first_rows.astype(dtypes.to_numpy(table.dtype)), "")
+        weight = None
         for (place, tap_weight), stride in zip(combination, strides):
             row = row + place * float(stride)
-            if tap_weight is not None:
-                weight = tap_weight if weight is None else weight * tap_weight
-        read = node.b.gather(table, row.cast(dtypes.DT_INT64))
-        term = read if weight is None else read * weight.reshape([*shape, 1])
+            weight = tap_weight if weight is None else weight * tap_weight
+        term = node.b.gather(table, row.cast(dtypes.DT_INT64)) * weight.reshape([*shape, 1])
         y = term if y is None else y + term
     return y
 
@@ -130,8 +55,8 @@ def _sum_of_taps(node: Node, table: Tensor, first_rows: np.ndarray, per_axis: li
 @converts("DeformConv")
 def deform_conv(node: Node):
     """A 2-D convolution whose every tap reads its input at a learned offset from where a
-    Conv would, bilinearly (zeros outside, as GridSample with align_corners), optionally
-    scaled by a mask; then the filters times those columns, per group."""
+    Conv would, bilinearly (zeros outside), optionally scaled by a mask; then the filters
+    times those columns, per group."""
     x, w, offset = node.tensor(0), node.tensor(1), node.tensor(2)
     if x.rank != 4 or w.rank != 4 or x.dtype not in dtypes.FLOAT_DTYPES:
         raise node.error(f"its input {x.dtype}{x.shape} and weight {w.shape} are not a floating-point [N, C, H, W] "
@@ -163,7 +88,7 @@ def deform_conv(node: Node):
                                outs if along[0] else 1, outs if along[1] else 1])
         moved = node.b.slice(offsets, [0, 0, 0, 0, axis, 0, 0], [n, offset_groups, kh, kw, 1, oh, ow]).reshape(shape)
         sources.append(moved + node.importer.as_tensor(start.astype(dtypes.to_numpy(x.dtype)), ""))
-    per_axis = [_axis_taps(node, s, size, "linear", "zeros", True) for s, size in zip(sources, (height, width))]
+    per_axis = [_linear_taps(node, s, size) for s, size in zip(sources, (height, width))]
     per_offset_group = channels // offset_groups
     table = x.reshape([n, offset_groups, per_offset_group, height * width]).transpose([0, 1, 3, 2])
     table = table.reshape([n * offset_groups * height * width, per_offset_group])
