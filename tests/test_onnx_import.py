@@ -783,8 +783,19 @@ def test_an_output_past_the_memory_limit_is_refused_at_compile_time():
         ranvier.Compiler().compile(ro.load(model))
 
 
-def test_computed_reshape_target_is_refused():
+def test_computed_reshape_target_needs_its_inputs_bound():
+    """A shape computed from graph inputs names them; bound with `constants`, the model loads."""
     nodes = [helper.make_node("Abs", ["s"], ["t"]), helper.make_node("Reshape", ["x", "t"], ["y"], name="the_node")]
-    model = onnx.shape_inference.infer_shapes(build(nodes, {"x": X34, "s": np.int64([2, 6])}, ["y"]))
-    with pytest.raises(OnnxError, match=r"'the_node' \(Reshape.*target shape.*'t'.*computed from the model's inputs"):
+    model = onnx.shape_inference.infer_shapes(build(nodes, {"x": X34, "s": np.int64([-2, 6])}, ["y"]))
+    with pytest.raises(ro.ValueNeeded, match=r"'the_node' \(Reshape.*target shape.*'t'.*computed from graph inputs "
+                                             r"\['s'\].*constants=") as refused:
         ro.load(model)
+    assert refused.value.inputs == {"s"}
+    data = ranvier.Compiler().compile(ro.load(model, constants={"s": np.int64([-2, 6])})).cell("main").instance()
+    data["x"] = X34
+    data.compute()
+    np.testing.assert_array_equal(data["y"], X34.reshape(2, 6))
+    with pytest.raises(OnnxError, match=r"constant for graph input 's' is int32\[2\]; the model declares it int64\[2\]"):
+        ro.load(model, constants={"s": np.int32([-2, 6])})
+    with pytest.raises(OnnxError, match=r"constants names \['z'\], which are not inputs of the model"):
+        ro.load(model, constants={"z": np.int64([2, 6])})

@@ -58,8 +58,21 @@ def where(node: Node):
 
 @converts("Dropout")
 def dropout(node: Node):
+    """Dropout as inference computes it, the identity; training mode is refused, unless
+    its ratio is 0 (random draws ranvier does not make as ONNX Runtime makes them)."""
     if len(node.proto.output) > 1 and node.proto.output[1]:
         raise node.error("its mask output is not supported (inference has no dropout)")
+    node.attr("seed")  # draws nothing in inference
+    if node.opset < 7:
+        training = not node.attr("is_test", 0)
+        ratio = float(node.attr("ratio", 0.5))
+    elif node.opset < 12:
+        training, ratio = False, float(node.attr("ratio", 0.5))
+    else:
+        training = node.optional(2) is not None and bool(node.constant(2, "training_mode"))
+        ratio = float(node.constant(1, "ratio")) if node.optional(1) is not None else 0.5
+    if training and ratio:
+        raise node.error(f"training_mode with ratio {ratio} (random dropout) is not supported")
     return node.b.identity(node.tensor(0))
 
 
@@ -90,6 +103,7 @@ def gelu(node: Node):
 
 @converts("Cast", "CastLike")
 def cast(node: Node):
+    node.attr("saturate"), node.attr("round_mode")  # conversions to float8 types only, which ranvier has not
     if node.proto.op_type == "Cast":
         target = onnx_dtype(node.attr("to"), f"Cast node {node.name!r}")
     else:
@@ -156,37 +170,55 @@ def softmax(node: Node):
 
 @converts("Attention")
 def attention(node: Node):
-    """ONNX's scaled dot-product attention (opset 23) as ranvier's Attention op: 4-D
+    """ONNX's scaled dot-product attention (opsets 23-25) as ranvier's Attention op: 4-D
     [B, heads, T, head size] inputs, or 3-D [B, T, heads · head size] with q_num_heads and
     kv_num_heads; grouped key/value heads; a boolean (True: attend) or additive mask as the
     score bias; cached keys and values (past_key/past_value) put in front of the new ones,
-    returned as present_key/present_value. `is_causal` lets query i see key j ≤ i + the
-    cached count: ranvier's causal flag when there are as many new keys as queries, else
-    a constant mask."""
+    returned as present_key/present_value.
+
+    Which keys query i sees (`_visible_keys`): with `is_causal` those j ≤ i + offset, where
+    the offset is the cached count (past_key's length, or nonpad_kv_seqlen − T per batch
+    for a cache kept outside); with left/right_window_size (opset 25) those within the
+    window around i + offset; with nonpad_kv_seqlen those j below it. The square causal
+    case is ranvier's causal flag; the rest a constant or computed -inf bias, composed
+    with the mask."""
     if node.attr("softcap", 0.0):
-        raise node.error("its softcap is not supported")
+        raise node.error(f"attribute softcap={node.attr('softcap')} is not supported")
     if len(node.proto.output) > 3 and node.proto.output[3]:
-        raise node.error("its qk_matmul_output is not supported")
+        raise node.error(f"its qk_matmul_output (qk_matmul_output_mode={node.attr('qk_matmul_output_mode', 0)}) "
+                         "is not supported")
+    node.attr("qk_matmul_output_mode")  # what the qk_matmul_output refused above holds
     q, k, v = (_heads_first(node, i) for i in range(3))
+    precision = node.attr("softmax_precision")
+    if precision is not None and dtypes.itemsize(onnx_dtype(precision, "softmax_precision")) > 4:
+        raise node.error(f"softmax_precision {onnx_dtype(precision, 'softmax_precision')}: ranvier's softmax "
+                         "computes in float32")
     if k.shape[-1] != v.shape[-1]:
         raise node.error(f"values of head size {v.shape[-1]} differ from keys' {k.shape[-1]}; ranvier needs them equal")
-    past = node.optional(4)
+    past, nonpad = node.optional(4), node.optional(6)
+    if (past is None) != (node.optional(5) is None):
+        raise node.error("has only one of past_key and past_value (ONNX needs both)")
+    if past is not None and nonpad is not None:
+        raise node.error("has both past_key and nonpad_kv_seqlen (ONNX allows one)")
     new_keys = k.shape[2]
     if past is not None:
-        if node.optional(5) is None:
-            raise node.error("has past_key without past_value (ONNX needs both)")
         k = node.b.concat([node.tensor(4), k], 2)
         v = node.b.concat([node.tensor(5), v], 2)
     queries, keys = q.shape[2], k.shape[2]
-    bias = None
-    if node.optional(3) is not None:
-        mask = node.tensor(3)
-        bias = node.b.cond(mask, node.b.const(0.0, q.dtype), node.b.const(-math.inf, q.dtype)) if mask.dtype == dtypes.DT_BOOL else mask
     causal = bool(node.attr("is_causal", 0))
-    if causal and new_keys != queries:  # the cached count, not S − T, sets where query 0 stops
-        seen = np.arange(keys)[None, :] <= np.arange(queries)[:, None] + (keys - new_keys)
-        frontier = node.b.const(np.where(seen, 0.0, -np.inf).astype(dtypes.to_numpy(q.dtype)))
-        bias, causal = (frontier if bias is None else bias + frontier), False
+    window = int(node.attr("left_window_size", -1)), int(node.attr("right_window_size", -1))
+    if min(window) < -1:
+        raise node.error(f"window sizes {list(window)}: each must be -1 (unbounded) or at least 0")
+    bias = _attention_mask(node, q.dtype, keys) if node.optional(3) is not None else None
+    # ranvier's causal flag lets query t see keys s ≤ t + S − T: right where the new keys are the queries.
+    causal_flag = causal and window == (-1, -1) and nonpad is None and new_keys == queries
+    if (causal and not causal_flag) or window != (-1, -1) or nonpad is not None:
+        lengths = None if nonpad is None else node.tensor(6).reshape([q.shape[0], 1, 1, 1])
+        offset = keys - new_keys if lengths is None else lengths - queries
+        visible = _visible_keys(node, queries, keys, offset, causal, window, lengths)
+        frontier = node.b.cond(visible, node.b.const(0.0, q.dtype), node.b.const(-math.inf, q.dtype))
+        bias = frontier if bias is None else bias + frontier
+        causal = False
     scale = node.attr("scale")
     y = node.b.attention(q, k, v, bias, causal=causal, scale=None if scale is None else float(scale))
     if node.inputs[0].rank == 3:
@@ -194,14 +226,50 @@ def attention(node: Node):
     return [y, k, v]
 
 
+def _attention_mask(node: Node, dtype: str, keys: int):
+    """Attention's mask as a score bias: a boolean one as 0 (attend) and -inf; one shorter
+    than the keys padded with -inf, as ONNX pads it."""
+    mask = node.tensor(3)
+    if mask.dtype == dtypes.DT_BOOL:
+        mask = node.b.cond(mask, node.b.const(0.0, dtype), node.b.const(-math.inf, dtype))
+    if mask.shape[-1] < keys:
+        mask = node.b.pad(mask, before=[0] * mask.rank, after=[0] * (mask.rank - 1) + [keys - mask.shape[-1]],
+                          value=-math.inf)
+    return mask
+
+
+def _visible_keys(node: Node, queries: int, keys: int, offset, causal: bool, window: tuple[int, int], nonpad):
+    """Whether query i sees key j, [1 or B, 1, T, S]: the causal frontier j ≤ p, the window
+    p − left ≤ j ≤ p + right (p = i + offset, the query's position among the keys), and
+    j < nonpad. `offset` and `nonpad` are numbers or [B, 1, 1, 1] int64 tensors."""
+    index = node.b.const(np.arange(queries, dtype=np.int64).reshape(1, 1, queries, 1))
+    key = node.b.const(np.arange(keys, dtype=np.int64).reshape(1, 1, 1, keys))
+    position = index + offset
+    left, right = window
+    conditions = [key <= position] if causal else []
+    if left >= 0:
+        conditions.append(key >= position - left)
+    if right >= 0:
+        conditions.append(key <= position + right)
+    if nonpad is not None:
+        conditions.append(key < nonpad)
+    visible = conditions[0]
+    for condition in conditions[1:]:
+        visible = visible & condition
+    return visible
+
+
 def _heads_first(node: Node, index: int):
     """Input `index` (Q, K or V) as [B, heads, T, head size]."""
     x = node.tensor(index)
+    heads = node.attr("q_num_heads" if index == 0 else "kv_num_heads")
     if x.rank == 4:
+        if heads is not None and int(heads) != x.shape[1]:
+            raise node.error(f"{'q_num_heads' if index == 0 else 'kv_num_heads'}={heads} contradicts the "
+                             f"{x.shape[1]} heads of its 4-D input {index}")
         return x
     if x.rank != 3:
         raise node.error(f"input {index} has rank {x.rank}; ONNX Attention takes rank 3 or 4")
-    heads = node.attr("q_num_heads" if index == 0 else "kv_num_heads")
     if heads is None or x.shape[2] % int(heads):
         raise node.error(f"3-D input {index} needs {'q_num_heads' if index == 0 else 'kv_num_heads'} dividing its last axis")
     heads = int(heads)
@@ -212,6 +280,8 @@ def _heads_first(node: Node, index: int):
 def layer_norm(node: Node):
     if any(node.proto.output[1:]):
         raise node.error("its mean and inverse standard deviation outputs are not supported")
+    if node.attr("stash_type", 1) != 1:  # ranvier computes the statistics in float32 or wider
+        raise node.error(f"stash_type {node.attr('stash_type')} (statistics in other than float32) is not supported")
     x = node.tensor(0)
     axis = node.axis(node.attr("axis", -1), x.rank)
     normalized = x.shape[axis:]
@@ -256,6 +326,7 @@ def batch_norm(node: Node):
     into the elementwise work around; PyTorch's exporters fold it into the convolution)."""
     if node.attr("training_mode", 0):
         raise node.error("training_mode=1 is not supported (ranvier imports inference graphs)")
+    node.attr("momentum")  # updates running statistics in training mode only
     scale, shift = batch_norm_affine(node)
     x = node.tensor(0)
     shape = [1, x.shape[1]] + [1] * (x.rank - 2)
@@ -514,6 +585,7 @@ def pool(node: Node):
         raise node.error("ceil_mode=1 is not supported")
     if len(node.proto.output) > 1 and node.proto.output[1]:
         raise node.error("its indices output is not supported")
+    node.attr("storage_order")  # orders the indices output only
     kernel = list(node.attr("kernel_shape"))
     strides, padding, extra = _window(node, x, kernel)
     if node.proto.op_type == "MaxPool":
@@ -575,8 +647,13 @@ def resize(node: Node):
     if mode != "nearest" or coordinates not in _RESIZE_SOURCE or rounding not in _RESIZE_ROUND:
         raise node.error(f"mode {mode!r} with {coordinates} coordinates and nearest_mode {rounding}: "
                          "only nearest upsampling by whole factors is supported")
+    # What only the linear, cubic and tf_crop_and_resize modes read, refused above.
+    node.optional(1), node.attr("antialias"), node.attr("cubic_coeff_a"), node.attr("exclude_outside")
+    node.attr("extrapolation_value")
     scales_index, sizes_index = (1, None) if node.proto.op_type == "Upsample" else (2, 3)
     if sizes_index is not None and node.optional(sizes_index) is not None and np.size(node.inputs[sizes_index]):
+        if node.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+            raise node.error(f"keep_aspect_ratio_policy {node.attr('keep_aspect_ratio_policy')!r} is not supported")
         factors = [s / d for s, d in zip(node.constant(sizes_index, "sizes"), x.shape)]
     else:
         factors = [float(f) for f in node.constant(scales_index, "scales")]

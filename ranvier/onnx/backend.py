@@ -1,0 +1,107 @@
+"""ranvier as an ONNX backend (`onnx.backend.base.Backend`): `prepare(model)` returns a
+representation whose `run(inputs)` compiles the model on its first call and computes it.
+
+Like a JIT, the representation specializes on what fixes the compiled code: the sizes of
+symbolic dimensions are taken from the inputs' shapes, and an input whose value fixes a
+shape (a Reshape's target, a TopK's k, pads, axes, sizes given as graph inputs) is bound
+to the value it holds; each distinct set of those is compiled once and kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupledict
+
+from ..compiler import Compiler
+from ..runtime import Instance
+from .importer import load, read_model
+from .node import ValueNeeded
+
+_DEVICES = {DeviceType.CPU: "cpu"}
+
+
+class RanvierRep(BackendRep):
+    """A prepared model: compiled instances by the dims and bound values they were compiled for."""
+
+    def __init__(self, model: onnx.ModelProto, device: str = "CPU", compiler: Compiler | None = None):
+        self.model = read_model(model)
+        self.compiler = compiler or Compiler(_DEVICES[Device(device).type])
+        initializers = {t.name for t in self.model.graph.initializer}
+        self.inputs = [v for v in self.model.graph.input if v.name not in initializers]
+        self.outputs = [v.name for v in self.model.graph.output]
+        self.bound: tuple[str, ...] = ()  # inputs whose values the compiled code depends on
+        self.instances: dict[tuple, Instance] = {}
+
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        feeds = self._feeds(inputs)
+        while True:
+            key = self._key(feeds)
+            instance = self.instances.get(key)
+            if instance is not None:
+                break
+            try:
+                instance = self._compile(feeds)
+            except ValueNeeded as needed:  # a shape-fixing value is computed from inputs: bind them and retry
+                if needed.inputs <= set(self.bound):
+                    raise
+                self.bound = tuple(sorted({*self.bound, *needed.inputs}))
+                continue
+            self.instances[key] = instance
+            break
+        for name, value in feeds.items():
+            if name in instance.cell:  # an input only read for its shape folds away
+                instance[name] = value
+        instance.compute()
+        results = [np.array(instance[name]) for name in self.outputs]
+        return namedtupledict("Outputs", self.outputs)(*results)
+
+    def _feeds(self, inputs: Any) -> dict[str, np.ndarray]:
+        if isinstance(inputs, Mapping):
+            return {name: np.asarray(value) for name, value in inputs.items()}
+        if isinstance(inputs, np.ndarray):
+            inputs = [inputs]
+        values = list(inputs)
+        if len(values) > len(self.inputs):
+            raise ValueError(f"the model takes {len(self.inputs)} inputs; {len(values)} were given")
+        return {v.name: np.asarray(value) for v, value in zip(self.inputs, values)}
+
+    def _key(self, feeds: dict[str, np.ndarray]) -> tuple:
+        shapes = tuple(feeds[v.name].shape if v.name in feeds else None for v in self.inputs)
+        values = tuple((name, feeds[name].dtype.str, feeds[name].tobytes()) for name in self.bound)
+        return shapes, values
+
+    def _compile(self, feeds: dict[str, np.ndarray]) -> Instance:
+        dims: dict[str, int] = {}
+        for value_info in self.inputs:
+            shape = feeds[value_info.name].shape if value_info.name in feeds else ()
+            for dim, size in zip(value_info.type.tensor_type.shape.dim, shape):
+                if dim.dim_param:
+                    dims[dim.dim_param] = int(size)
+        constants = {name: feeds[name] for name in self.bound}
+        flow = load(self.model, dims=dims, constants=constants)
+        return self.compiler.compile(flow).cell("main").instance()
+
+
+class RanvierBackend(Backend):
+    """ONNX's backend interface over ranvier's importer and compiler."""
+
+    @classmethod
+    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> RanvierRep:
+        return RanvierRep(model, device, **kwargs)
+
+    @classmethod
+    def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple:
+        return cls.prepare(model, device, **kwargs).run(inputs)
+
+    @classmethod
+    def supports_device(cls, device: str) -> bool:
+        return Device(device).type in _DEVICES
+
+
+prepare = RanvierBackend.prepare
+run_model = RanvierBackend.run_model
+supports_device = RanvierBackend.supports_device
