@@ -19,7 +19,7 @@ from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupl
 from ..compiler import Compiler
 from ..runtime import Instance
 from .importer import load, read_model
-from .node import ValueNeeded
+from .node import OnnxError, ValueNeeded
 
 _DEVICES = {DeviceType.CPU: "cpu"}
 
@@ -32,6 +32,9 @@ class RanvierRep(BackendRep):
         self.compiler = compiler or Compiler(_DEVICES[Device(device).type])
         initializers = {t.name for t in self.model.graph.initializer}
         self.inputs = [v for v in self.model.graph.input if v.name not in initializers]
+        for value_info in self.inputs:  # refused here, before a sequence's values are read as an array
+            if not value_info.type.HasField("tensor_type"):
+                raise OnnxError(f"graph input {value_info.name!r} is not a tensor (sequences and maps are not supported)")
         self.outputs = [v.name for v in self.model.graph.output]
         self.bound: tuple[str, ...] = ()  # inputs whose values the compiled code depends on
         self.instances: dict[tuple, Instance] = {}
@@ -60,25 +63,28 @@ class RanvierRep(BackendRep):
         return namedtupledict("Outputs", self.outputs)(*results)
 
     def _feeds(self, inputs: Any) -> dict[str, np.ndarray]:
+        """The inputs by name: given as a mapping, or in the order of the graph's inputs."""
+        names = [v.name for v in self.inputs]
         if isinstance(inputs, Mapping):
-            return {name: np.asarray(value) for name, value in inputs.items()}
-        if isinstance(inputs, np.ndarray):
-            inputs = [inputs]
-        values = list(inputs)
-        if len(values) > len(self.inputs):
-            raise ValueError(f"the model takes {len(self.inputs)} inputs; {len(values)} were given")
-        return {v.name: np.asarray(value) for v, value in zip(self.inputs, values)}
+            feeds = {name: np.asarray(value) for name, value in inputs.items()}
+        else:
+            values = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+            if len(values) > len(names):
+                raise OnnxError(f"the model takes {len(names)} inputs {names}; {len(values)} were given")
+            feeds = {name: np.asarray(value) for name, value in zip(names, values)}
+        if set(feeds) != set(names):
+            raise OnnxError(f"the model takes inputs {names}; given {sorted(feeds)}")
+        return feeds
 
     def _key(self, feeds: dict[str, np.ndarray]) -> tuple:
-        shapes = tuple(feeds[v.name].shape if v.name in feeds else None for v in self.inputs)
+        shapes = tuple(feeds[v.name].shape for v in self.inputs)
         values = tuple((name, feeds[name].dtype.str, feeds[name].tobytes()) for name in self.bound)
         return shapes, values
 
     def _compile(self, feeds: dict[str, np.ndarray]) -> Instance:
         dims: dict[str, int] = {}
         for value_info in self.inputs:
-            shape = feeds[value_info.name].shape if value_info.name in feeds else ()
-            for dim, size in zip(value_info.type.tensor_type.shape.dim, shape):
+            for dim, size in zip(value_info.type.tensor_type.shape.dim, feeds[value_info.name].shape):
                 if dim.dim_param:
                     dims[dim.dim_param] = int(size)
         constants = {name: feeds[name] for name in self.bound}
@@ -89,13 +95,22 @@ class RanvierRep(BackendRep):
 class RanvierBackend(Backend):
     """ONNX's backend interface over ranvier's importer and compiler."""
 
-    @classmethod
-    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> RanvierRep:
-        return RanvierRep(model, device, **kwargs)
+    representation: type[RanvierRep] = RanvierRep  # what `prepare` returns
 
     @classmethod
-    def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple:
-        return cls.prepare(model, device, **kwargs).run(inputs)
+    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", compiler: Compiler | None = None,
+                **options: Any) -> RanvierRep:
+        """The model, to be compiled when first run. `compiler` picks the target's variant
+        (`Compiler("cpu", cpu="-avx512")`); of other options only the tolerances ONNX's
+        test runner passes along for its own comparison (rtol, atol) are taken."""
+        unknown = set(options) - {"rtol", "atol"}
+        if unknown:
+            raise OnnxError(f"options {sorted(unknown)} are not ranvier backend options; it takes compiler")
+        return cls.representation(model, device, compiler)
+
+    @classmethod
+    def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **options: Any) -> tuple:
+        return cls.prepare(model, device, **options).run(inputs)
 
     @classmethod
     def supports_device(cls, device: str) -> bool:

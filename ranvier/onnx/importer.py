@@ -24,7 +24,7 @@ from .. import dtypes
 from ..errors import UnknownOpError, shape_str
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
-from . import converters  # noqa: F401  (each converter registers itself)
+from . import attention, converters  # noqa: F401  (each converter registers itself)
 from .external import load_external_data
 from .inference import check_fold_sizes, check_results, infer_outputs
 from .node import CONVERTERS, Node, OnnxError, Value, onnx_dtype
