@@ -24,7 +24,7 @@ from ranvier import dtypes
 FLOATS = dtypes.FLOAT_DTYPES
 INTS = dtypes.INT_DTYPES
 SIGNED_INTS = ("int8", "int16", "int32", "int64")
-UNSIGNED_INTS = ("uint8", "uint16")
+UNSIGNED_INTS = ("uint8", "uint16", "uint32", "uint64")
 NUMERIC = dtypes.NUMERIC_DTYPES
 ALL = dtypes.ALL_DTYPES
 LOW_PRECISION = ("float16", "bfloat16")

@@ -53,7 +53,8 @@ def wrap(values: np.ndarray, dtype: str) -> np.ndarray:
     info = np.iinfo(np_dtype(dtype))
     span = int(info.max) - int(info.min) + 1
     v = np.asarray(values, dtype=object)
-    return np.vectorize(lambda e: (int(e) - int(info.min)) % span + int(info.min), otypes=[np.int64])(v)
+    wrapped = np.vectorize(lambda e: (int(e) - int(info.min)) % span + int(info.min), otypes=[object])(v)
+    return wrapped.astype(np_dtype(dtype))  # object to the dtype itself: uint64's range passes int64's
 
 
 def ints_of(a) -> np.ndarray:
