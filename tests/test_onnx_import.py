@@ -257,6 +257,8 @@ NODE_CASES = [
     case("ReduceSum", {"x": X234, "a": known(-1, 0)}, opset=13, id="opset13"),
     case("ReduceMean", {"x": X234}, opset=18, keepdims=0, id="all"),
     case("ReduceSum", {"x": X234}, opset=13, noop_with_empty_axes=1, id="noop"),
+    case("ReduceSum", {"x": X234, "a": Known(np.int64([]))}, opset=13, id="empty-axes-all"),
+    case("ReduceSum", {"x": X234, "a": Known(np.int64([]))}, opset=13, noop_with_empty_axes=1, id="empty-axes-noop"),
     case("ArgMax", {"x": X234}, axis=1, keepdims=0),
     case("ArgMax", {"x": X234}, id="default"),
     case("ArgMin", {"x": X234}, axis=-1, keepdims=1),

@@ -402,11 +402,10 @@ def reduce(node: Node):
     x = node.tensor(0)
     since = 13 if node.proto.op_type == "ReduceSum" else 18  # when axes became an input
     axes = _axes(node, x.rank, since)
-    if axes is None and node.attr("noop_with_empty_axes", 0):
+    if not axes and node.attr("noop_with_empty_axes", 0):  # axes omitted or empty
         return node.b.identity(x)
     keepdims = bool(node.attr("keepdims", 1))
-    return getattr(node.b, _REDUCE[node.proto.op_type])(x, axis=axes if axes is not None else list(range(x.rank)),
-                                                        keepdims=keepdims)
+    return getattr(node.b, _REDUCE[node.proto.op_type])(x, axis=axes or list(range(x.rank)), keepdims=keepdims)
 
 
 @converts("ArgMax", "ArgMin")
