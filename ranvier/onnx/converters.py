@@ -58,10 +58,9 @@ def where(node: Node):
 
 @converts("Dropout")
 def dropout(node: Node):
-    """Dropout as inference computes it, the identity; training mode is refused, unless
-    its ratio is 0 (random draws ranvier does not make as ONNX Runtime makes them)."""
-    if len(node.proto.output) > 1 and node.proto.output[1]:
-        raise node.error("its mask output is not supported (inference has no dropout)")
+    """Dropout as inference computes it, the identity, and its mask all true; training
+    mode is refused, unless its ratio is 0 (random draws ranvier does not make as ONNX
+    Runtime makes them)."""
     node.attr("seed")  # draws nothing in inference
     if node.opset < 7:
         training = not node.attr("is_test", 0)
@@ -73,7 +72,9 @@ def dropout(node: Node):
         ratio = float(node.constant(1, "ratio")) if node.optional(1) is not None else 0.5
     if training and ratio:
         raise node.error(f"training_mode with ratio {ratio} (random dropout) is not supported")
-    return node.b.identity(node.tensor(0))
+    x = node.tensor(0)
+    kept = np.ones(x.shape, bool if node.opset >= 10 else dtypes.to_numpy(x.dtype))  # a bool mask since opset 10
+    return [node.b.identity(x), kept]
 
 
 @converts("LeakyRelu")
