@@ -261,6 +261,8 @@ NODE_CASES = [
     case("ReduceSum", {"x": X234, "a": Known(np.int64([]))}, opset=13, noop_with_empty_axes=1, id="empty-axes-noop"),
     case("ArgMax", {"x": X234}, axis=1, keepdims=0),
     case("ArgMax", {"x": X234}, id="default"),
+    *(case(op, {"x": RNG.integers(0, 3, (2, 3, 4)).astype(np.float32)}, axis=axis, keepdims=k, select_last_index=1,
+           id=f"last-axis{axis}-keepdims{k}") for op in ("ArgMax", "ArgMin") for axis, k in ((1, 0), (-1, 1))),
     case("ArgMin", {"x": X234}, axis=-1, keepdims=1),
     # Convolution and pooling over [N, C, H, W].
     case("Conv", {"x": IMAGE, "w": Known(rand(4, 3, 3, 3)), "b": Known(rand(4))}, pads=[1, 1, 1, 1]),
@@ -622,7 +624,6 @@ REFUSED = [
      {"coordinate_transformation_mode": "asymmetric"}, "do not repeat"),
     ("Resize", {"x": IMAGE, "r": known(dtype=np.float32), "s": known(1, 1, 2, 2, dtype=np.float32)},
      {"mode": "linear"}, "mode 'linear'"),
-    ("ArgMax", {"x": X34}, {"select_last_index": 1}, "select_last_index"),
     ("Gather", {"x": X34, "i": known(4)}, {}, "outside"),
     ("Gemm", {"a": X34, "b": Known(rand(4, 5)), "c": Known(rand(2, 1, 5))}, {},
      r"its C of shape \[2, 1, 5\] does not broadcast to the product's \[3, 5\]"),

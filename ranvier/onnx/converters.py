@@ -412,11 +412,22 @@ def reduce(node: Node):
 @converts("ArgMax", "ArgMin")
 def arg(node: Node):
     x = node.tensor(0)
+    axis, keepdims = node.axis(node.attr("axis", 0), x.rank), bool(node.attr("keepdims", 1))
     if node.attr("select_last_index", 0):
-        raise node.error("select_last_index=1 is not supported")
+        return _last_extreme_index(node, x, axis, keepdims)
     method = node.b.argmax if node.proto.op_type == "ArgMax" else node.b.argmin
-    return method(x, axis=node.axis(node.attr("axis", 0), x.rank), keepdims=bool(node.attr("keepdims", 1)),
-                  output_type="int64")
+    return method(x, axis=axis, keepdims=keepdims, output_type="int64")
+
+
+def _last_extreme_index(node: Node, x, axis: int, keepdims: bool):
+    """ArgMax/ArgMin with select_last_index: the greatest index holding the extreme (a NaN
+    counts as one, as numpy's argmax finds it), by a max over the indices where it is."""
+    extreme = x.max(axis=[axis], keepdims=True) if node.proto.op_type == "ArgMax" else x.min(axis=[axis], keepdims=True)
+    at = x.equal(extreme) | x.not_equal(x)
+    shape = [1] * x.rank
+    shape[axis] = x.shape[axis]
+    index = node.b.const(np.arange(x.shape[axis], dtype=np.int64).reshape(shape))
+    return node.b.cond(at, index, node.b.const(np.int64(-1))).max(axis=[axis], keepdims=keepdims)
 
 
 # ---- convolution, pooling, padding, resizing ------------------------------------------------------
