@@ -151,6 +151,9 @@ def test_backend_refuses_what_it_cannot_take():
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
     model = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Abs", ["x"], ["y"])], "g", [x], [y]))
     assert RanvierBackend.supports_device("CPU") and not RanvierBackend.supports_device("CUDA")
+    assert not RanvierBackend.supports_device("TPU")
+    with pytest.raises(RanvierError, match=r"device 'CUDA': ranvier's ONNX backend runs on the CPU"):
+        RanvierBackend.prepare(model, "CUDA")
     with pytest.raises(RanvierError, match=r"options \['threads'\] are not ranvier backend options"):
         RanvierBackend.prepare(model, threads=4)
     rep = RanvierBackend.prepare(model)

@@ -29,6 +29,8 @@ class RanvierRep(BackendRep):
 
     def __init__(self, model: onnx.ModelProto, device: str = "CPU", compiler: Compiler | None = None):
         self.model = read_model(model)
+        if not RanvierBackend.supports_device(device):
+            raise OnnxError(f"device {device!r}: ranvier's ONNX backend runs on the CPU")
         self.compiler = compiler or Compiler(_DEVICES[Device(device).type])
         initializers = {t.name for t in self.model.graph.initializer}
         self.inputs = [v for v in self.model.graph.input if v.name not in initializers]
@@ -41,26 +43,24 @@ class RanvierRep(BackendRep):
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         feeds = self._feeds(inputs)
-        while True:
-            key = self._key(feeds)
-            instance = self.instances.get(key)
-            if instance is not None:
-                break
-            try:
-                instance = self._compile(feeds)
-            except ValueNeeded as needed:  # a shape-fixing value is computed from inputs: bind them and retry
-                if needed.inputs <= set(self.bound):
-                    raise
-                self.bound = tuple(sorted({*self.bound, *needed.inputs}))
-                continue
-            self.instances[key] = instance
-            break
+        instance = self._instance(feeds)
         for name, value in feeds.items():
             if name in instance.cell:  # an input only read for its shape folds away
                 instance[name] = value
         instance.compute()
         results = [np.array(instance[name]) for name in self.outputs]
         return namedtupledict("Outputs", self.outputs)(*results)
+
+    def _instance(self, feeds: dict[str, np.ndarray]) -> Instance:
+        """The instance compiled for these inputs' shapes and bound values, compiled on first sight."""
+        while (key := self._key(feeds)) not in self.instances:
+            try:
+                self.instances[key] = self._compile(feeds)
+            except ValueNeeded as needed:  # a shape-fixing value computed from inputs: bind them, compile again
+                if needed.inputs <= set(self.bound):
+                    raise
+                self.bound = tuple(sorted({*self.bound, *needed.inputs}))
+        return self.instances[key]
 
     def _feeds(self, inputs: Any) -> dict[str, np.ndarray]:
         """The inputs by name: given as a mapping, or in the order of the graph's inputs."""
@@ -114,7 +114,10 @@ class RanvierBackend(Backend):
 
     @classmethod
     def supports_device(cls, device: str) -> bool:
-        return Device(device).type in _DEVICES
+        try:
+            return Device(device).type in _DEVICES
+        except AttributeError:  # not a device type ONNX names
+            return False
 
 
 prepare = RanvierBackend.prepare
