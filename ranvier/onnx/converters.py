@@ -171,8 +171,8 @@ def softmax(node: Node):
 
 @converts("LayerNormalization")
 def layer_norm(node: Node):
-    if any(node.proto.output[1:]):
-        raise node.error("its mean and inverse standard deviation outputs are not supported")
+    """LayerNormalization over the axes from `axis` on; its optional mean and inverse
+    standard deviation outputs (float32, the stash type) are computed beside it."""
     if node.attr("stash_type", 1) != 1:  # ranvier computes the statistics in float32 or wider
         raise node.error(f"stash_type {node.attr('stash_type')} (statistics in other than float32) is not supported")
     x = node.tensor(0)
@@ -191,7 +191,15 @@ def layer_norm(node: Node):
     gamma = per_element(1, "scale")
     beta = per_element(2, "bias") if node.optional(2) is not None else None
     eps = float(node.attr("epsilon", 1e-5))
-    return _over_trailing_axes(x, axis, lambda flat: node.b.layer_norm(flat, gamma, beta, eps=eps))
+    y = _over_trailing_axes(x, axis, lambda flat: node.b.layer_norm(flat, gamma, beta, eps=eps))
+    if not any(node.proto.output[1:]):
+        return y
+    stats = x if x.dtype == dtypes.DT_FLOAT32 else node.b.cast(x, dtypes.DT_FLOAT32)
+    axes = list(range(axis, x.rank))
+    mean = stats.mean(axis=axes, keepdims=True)
+    centered = stats - mean
+    variance = (centered * centered).mean(axis=axes, keepdims=True)
+    return [y, mean, node.b.rsqrt(variance + eps)]
 
 
 @converts("SkipLayerNormalization", domain="com.microsoft")
