@@ -262,6 +262,9 @@ class Cell:
         self._slot_by_name = {s.var.name: s for s in slots}
         self._index = {s.var.name: i for i, s in enumerate(slots)}
         self.global_vars = _globals_of(steps)
+        # The backend's compiled code, of its own type (the CPU's CPUCode, CUDA's CUDACode),
+        # which its `finish` sets; None for a backend that generates none (the reference).
+        self.native: object = None
         # Myelin names the link from a gradient cell to its forward instance `<cell>/primal`.
         self.primal_name = (func.primal_link or f"{self.name}/primal") if self.external else None
         self.instances: weakref.WeakSet[Instance] = weakref.WeakSet()

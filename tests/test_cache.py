@@ -139,7 +139,7 @@ a = np.linspace(-3, 3, 37 * 13, dtype=np.float32).reshape(37, 13)
 instance[x] = a
 instance.compute()
 assert np.allclose(instance[y], np.tanh(2 * a) + a / (1 + np.exp(-a)), rtol=1e-5, atol=1e-6)
-print(cell.native["origin"])
+print(cell.native.origin)
 """
 
 

@@ -15,10 +15,12 @@ import math
 import numpy as np
 import pytest
 from helpers import random_array
+from llvmlite import ir
 from test_cuda_codegen import _FakeDriver
 
 import ranvier as rv
 from ranvier.backends.cuda import backend, device, driver, resident
+from ranvier.backends.cuda.code import CUDACode
 from ranvier.backends.cuda.launch import LaunchShape
 from ranvier.errors import RanvierError
 
@@ -72,7 +74,7 @@ def test_a_reshape_of_a_value_in_the_cell_launches_nothing(on_device):
     shapes = _reshapes(rv.Builder(flow, "f"))
     values = {name: random_array(shape, "float32", seed=i) for i, (name, shape) in enumerate(shapes.items())}
     cell = rv.Compiler("cuda").compile(flow).cell("f")
-    launched = [cell.native["kernels"][index] for index, step in enumerate(cell.steps) if step.op.type == "Reshape"]
+    launched = [cell.native.kernels[index] for index, step in enumerate(cell.steps) if step.op.type == "Reshape"]
     assert launched == [[], []]
     got, want = _outputs("cuda", _reshapes, values), _outputs("cpu", _reshapes, values)
     for name, expected in want.items():
@@ -93,7 +95,7 @@ def test_a_long_reduction_to_one_value_runs_in_two_stages_on_the_device(on_devic
     flow = rv.Flow()
     shapes = _gradient_norm(rv.Builder(flow, "f"))
     cell = rv.Compiler("cuda").compile(flow).cell("f")
-    staged = [(step.op.type, step.op.inputs[0].shape, [k.elements for k in cell.native["kernels"][index]])
+    staged = [(step.op.type, step.op.inputs[0].shape, [k.elements for k in cell.native.kernels[index]])
               for index, step in enumerate(cell.steps)]
     assert staged == [("SumSquares", [300, 1024], [300]), ("Sum", [300], [1])]
     values = {name: random_array(shape, "float32", seed=9) for name, shape in shapes.items()}
@@ -122,7 +124,7 @@ def test_long_columns_reduce_in_pieces_a_thread_each_on_the_device(on_device, ca
     y = f.sum(x, axis=axes)
     y.var.out = True
     cell = rv.Compiler("cuda").compile(flow).cell("f")
-    launched = [(step.op.inputs[0].shape, [k.elements for k in cell.native["kernels"][index]])
+    launched = [(step.op.inputs[0].shape, [k.elements for k in cell.native.kernels[index]])
                 for index, step in enumerate(cell.steps) if step.op.type == "Sum"]
     assert launched == [(stage, [math.prod(stage) // stage[-2]]) for stage in stages]
     data = cell.instance()
@@ -441,14 +443,15 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     assert len(fake.launches) == 1  # captured once; the graph runs it
     assert fake.graph_calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
                                 "cuGraphDestroy", "cuGraphLaunch", "cuGraphLaunch"]
-    cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99", "cubin": b""}})()
+    native = CUDACode(ir.Module(), ".target sm_99", b"", {}, [], {}, "compiled", "", use_disk_cache=False)
+    cell = type("Cell", (), {"name": "f", "native": native})()
     with pytest.raises(RanvierError, match="load cell f's PTX: CUDA_ERROR_INVALID_PTX\nptxas fatal: unknown target sm_99"):
         gpu.load(cell)
     assert fake.loaded == b".target sm_99"
-    cell.native["cubin"] = b"\x7fELF machine code from ptxas"  # made at compile time: loaded instead of the PTX
+    cell.native.cubin = b"\x7fELF machine code from ptxas"  # made at compile time: loaded instead of the PTX
     with pytest.raises(RanvierError, match="load cell f's machine code"):
         gpu.load(cell)
-    assert fake.loaded == cell.native["cubin"]
+    assert fake.loaded == cell.native.cubin
 
 
 def _softmax_on_stand_in(monkeypatch, events: list, fail: dict[str, int] | None = None):
@@ -474,7 +477,7 @@ def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(mo
     events: list = []
     data = _softmax_on_stand_in(monkeypatch, events)
     monkeypatch.setenv(resident.GRAPHS_ENVIRONMENT, graphs)
-    kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
+    kernels_per_compute = sum(len(launches) for launches in data.cell.native.kernels.values())
     marks = len(data.cell.steps) + 1
     for profiled in (False, True):
         events.clear()
@@ -540,7 +543,7 @@ def test_a_graph_the_driver_cannot_capture_leaves_the_instance_launching_kernel_
     kernels one by one, and the capture is not tried again."""
     events: list = []
     data = _softmax_on_stand_in(monkeypatch, events, fail={refused: 900})
-    kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
+    kernels_per_compute = sum(len(launches) for launches in data.cell.native.kernels.values())
     data.compute()
     with pytest.warns(RuntimeWarning, match="cell f: the driver could not capture its launches as a graph .*"
                                             "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED.*launching them kernel by kernel") as caught:

@@ -76,8 +76,8 @@ def test_dropped_networks_unmap_their_code():
 def test_cells_with_the_same_code_share_one_engine():
     first, *_ = small_network(9, 0)
     second, *_ = small_network(9, 1)
-    assert first.cell("f").native["code"] is second.cell("f").native["code"]
-    code = weakref.ref(first.cell("f").native["code"])
+    assert first.cell("f").native.code is second.cell("f").native.code
+    code = weakref.ref(first.cell("f").native.code)
     del first, second
     gc.collect()
     assert code() is None, "the engine outlived every network that used it"

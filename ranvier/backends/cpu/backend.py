@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
@@ -38,6 +39,27 @@ from .pool import pool
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+@dataclass
+class CPUCode:
+    """A cell as the CPU backend compiled it (`Cell.native`): its machine code, loaded; the
+    layout of the pointer table the code reads; where the code came from ("compiled", or
+    the compile cache's "memory" or "disk"); and the steps it calls back into Python for
+    (no native kernel runs them: each op's numpy reference does)."""
+
+    code: jit.LoadedCode
+    layout: Layout
+    origin: str
+    python_steps: list[int]
+
+    @staticmethod
+    def of(cell: Cell) -> CPUCode:
+        """The CPU code of a cell the CPU backend compiled."""
+        if not isinstance(cell.native, CPUCode):
+            raise RanvierError(f"cell {cell.name} was compiled for the {cell.network.backend_name} backend, not for the CPU")
+        return cell.native
+
 
 
 def bf16_gemm(target: CPUTarget) -> str | None:
@@ -122,12 +144,8 @@ class CPUBackend:
             return parallel_compile.compile_modules(self._modules(cell, layout), self.target)
 
         code, origin = jit.cached_object(key, generate, self.use_disk_cache)
-        cell.native = {
-            "code": jit.load_object(code, self.target, "cell"),
-            "layout": layout,
-            "origin": origin,
-            "python_steps": [i for i, s in enumerate(cell.steps) if s.variant == "python"],
-        }
+        python_steps = [i for i, s in enumerate(cell.steps) if s.variant == "python"]
+        cell.native = CPUCode(jit.load_object(code, self.target, "cell"), layout, origin, python_steps)
         # Shown whether the code was generated now or came from the cache.
         for kind, what in (("llvm", "LLVM IR"), ("asm", "machine code")):
             if debug.enabled(kind):
@@ -141,7 +159,7 @@ class CPUBackend:
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's LLVM IR ("llvm": as generated, before LLVM optimizes it) or its
         optimized machine code ("asm"), generated again from the cell's steps."""
-        modules = self._modules(cell, cell.native["layout"])
+        modules = self._modules(cell, CPUCode.of(cell).layout)
         if kind == "llvm":
             return "\n".join(map(str, modules))
         if kind == "asm":
@@ -189,10 +207,10 @@ class CPUBackend:
         return instance.all_cores_time.astype(np.float64) / jit.cycles_per_second()
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
-        native = cell.native
-        layout: Layout = native["layout"]
+        native = CPUCode.of(cell)
+        layout = native.layout
         status = np.zeros(1, np.int64)
-        fallbacks = {i: reference_kernel(cell.steps[i].op, instance) for i in native["python_steps"]}
+        fallbacks = {i: reference_kernel(cell.steps[i].op, instance) for i in native.python_steps}
         errors: list[BaseException] = []
 
         def run_fallback(index: int) -> None:
@@ -240,8 +258,8 @@ class CPUBackend:
                     for p in layout.prepared]
         for p, array in zip(layout.prepared, prepared):
             table[layout.prepared_slot(p.var, p.form)] = array.ctypes.data
-        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["code"].address)
-        keep_alive = (callback, table, status, native["code"], workers, prepared)
+        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.code.address)
+        keep_alive = (callback, table, status, native.code, workers, prepared)
 
         def run() -> None:
             function(ctypes.addressof(table))

@@ -45,6 +45,7 @@ from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..cpu import jit  # the compile cache, shared with the CPU's object files
 from . import blas, foreach, kernels, ptx
+from .code import CUDACode
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU, HostEmulator
 from .driver import Device, DriverGPU, find_device
 from .launch import LaunchShape, block_launch, covering_launch, map_launch
@@ -118,7 +119,7 @@ class CUDABackend:
         again), kept in the compile cache (`ranvier cache`), keyed by the cell, the
         architecture, and the versions of the code generator, LLVM and ptxas."""
         module = ptx.gpu_module(cell.name, self.architecture)
-        generated: dict[int, list] = {}
+        generated: dict[int, list[kernels.GPUKernel | blas.Gemm]] = {}
         made: dict[str, list[kernels.GPUKernel]] = {}  # by signature: a model's layers share their kernels
         owners = []  # the steps whose kernels are in the module
         for index, step in enumerate(cell.steps):
@@ -155,8 +156,8 @@ class CUDABackend:
             shapes[index] = [self._launch_shape(k, report) for k in launches]
             if report:
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes[index]))}"
-        cell.native = {"module": module, "ptx": built["ptx"], "cubin": base64.b64decode(built["cubin"]), "kernels": generated,
-                       "owners": owners, "shapes": shapes, "origin": origin, "key": key.hexdigest()}
+        cell.native = CUDACode(module, built["ptx"], base64.b64decode(built["cubin"]), generated, owners, shapes, origin,
+                               key.hexdigest(), self.use_disk_cache)
 
     def _launch_shape(self, kernel: kernels.GPUKernel, report: ptx.Assembled | None) -> LaunchShape:
         # without ptxas's count, as many registers as a thread may have: a shape that always fits
@@ -170,18 +171,19 @@ class CUDABackend:
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's GPU kernels as LLVM IR ("llvm") or PTX ("ptx")."""
         if kind == "llvm":
-            return str(cell.native["module"])
+            return str(CUDACode.of(cell).module)
         if kind == "ptx":
-            return cell.native["ptx"]
+            return CUDACode.of(cell).ptx
         raise RanvierError(f"the CUDA backend shows its code as 'llvm' or 'ptx', not {kind!r}")
 
     # ---- run time -----------------------------------------------------------------------
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
         gpu = self._gpu(cell)
-        if "loaded" not in cell.native or cell.native["loaded"][0] is not gpu:
-            cell.native["loaded"] = (gpu, gpu.load(cell))
-        return DeviceInstance(cell, instance, gpu, cell.native["loaded"][1])
+        code = CUDACode.of(cell)
+        if code.loaded is None or code.loaded[0] is not gpu:
+            code.loaded = (gpu, gpu.load(cell))
+        return DeviceInstance(cell, instance, gpu, code.loaded[1])
 
     def _gpu(self, cell: Cell) -> GPU:
         """The device cells run on: the emulator where asked for, else the GPU found."""

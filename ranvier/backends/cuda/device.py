@@ -28,6 +28,7 @@ from ...runtime import Cell
 from ..llvm.irutil import use_features
 from . import blas, kernels
 from .blas import Gemm
+from .code import CUDACode
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
@@ -140,21 +141,22 @@ class HostEmulator:
         from ..cpu.target import host_target
 
         target = host_target()
+        native = CUDACode.of(cell)
 
         def compile_for_host() -> bytes:
             module = ir.Module(f"{cell.name} on the host")
             module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
             use_features(module, target.feature_set)
-            for index in cell.native["owners"]:  # each kernel once, however many steps run it
+            for index in native.owners:  # each kernel once, however many steps run it
                 kernels.add_host_kernels(module, cell.steps[index].op)
             return jit.compile_object(module, target)
 
-        launches = list({kernel.name: kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels
+        launches = list({kernel.name: kernel for step_kernels in native.kernels.values() for kernel in step_kernels
                          if isinstance(kernel, GPUKernel)}.values())
         if not launches:  # a cell of no steps (its outputs are its inputs' views)
             return {}
-        key = jit.cache_key(f"cuda emulator\n{cell.native['key']}", target)
-        entry, _ = jit.cached_object(key, compile_for_host, cell.backend.use_disk_cache)
+        key = jit.cache_key(f"cuda emulator\n{native.key}", target)
+        entry, _ = jit.cached_object(key, compile_for_host, native.use_disk_cache)
         code = jit.load_object(entry, target, launches[0].name)
         functions: dict[str, object] = {"$code": code}  # the loaded object lives as long as its functions
         for kernel in launches:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import RanvierError
+from ...runtime import Cell
 from .blas import CublasLt, Gemm
+from .code import CUDACode
 
 DRIVER_LIBRARY = "libcuda.so.1"
 # CUdevice_attribute values (cuda.h)
@@ -133,7 +135,7 @@ class DriverGPU:
         self._check(self._library.cuMemsetD8_v2(ctypes.c_uint64(address), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes)),
                     "zero device memory")
 
-    def load(self, cell) -> dict[str, object]:
+    def load(self, cell: Cell) -> dict[str, object]:
         """The cell's kernels: the machine code ptxas made for this device's architecture
         at compile time, or else its PTX compiled by the driver (a failure quotes the
         driver's compile log); and its products prepared by cuBLASLt."""
@@ -141,13 +143,14 @@ class DriverGPU:
         log = ctypes.create_string_buffer(_LOG_BYTES)
         options = (ctypes.c_int * 2)(_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
         values = (ctypes.c_void_p * 2)(ctypes.cast(log, ctypes.c_void_p), ctypes.c_void_p(_LOG_BYTES))
-        image, what = (cell.native["cubin"], "machine code") if cell.native["cubin"] else (cell.native["ptx"].encode(), "PTX")
+        native = CUDACode.of(cell)
+        image, what = (native.cubin, "machine code") if native.cubin else (native.ptx.encode(), "PTX")
         code = self._library.cuModuleLoadDataEx(ctypes.byref(module), ctypes.c_char_p(image), 2, options, values)
         if code != 0:
             raise RanvierError(f"the CUDA driver failed to load cell {cell.name}'s {what}: {_error_name(self._library, code)}"
                                + (f"\n{log.value.decode(errors='replace')}" if log.value else ""))
         functions: dict[str, object] = {}
-        for launches in cell.native["kernels"].values():
+        for launches in native.kernels.values():
             for kernel in launches:
                 if isinstance(kernel, Gemm):
                     if self._blas is None:

@@ -65,6 +65,7 @@ from ...flow.graph import Variable
 from ...ops import written_inputs
 from ...runtime import Cell, Instance, Network, Slot
 from .blas import Gemm
+from .code import CUDACode
 from .device import GPU, Timer
 from .mailbox import Mailbox
 
@@ -165,9 +166,10 @@ class DeviceInstance:
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.cleared()
         launches = []
+        native = CUDACode.of(cell)
         for index in range(len(cell.steps)):
             status = self.mailbox.status_word(index)
-            for kernel, shape in zip(cell.native["kernels"][index], cell.native["shapes"][index]):
+            for kernel, shape in zip(native.kernels[index], native.shapes[index]):
                 operands = [self.address(v) for v in kernel.operands]
                 launches.append((index, kernel, shape, operands if isinstance(kernel, Gemm) else [*operands, status]))
         self.launches = Launches(cell.name, len(cell.steps), launches, gpu, code)
