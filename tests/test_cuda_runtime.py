@@ -435,10 +435,10 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     assert (back == values).all()
     kernel = type("Kernel", (), {"name": "k_f_Add"})()
     fake.last_operands = [address, address + 16, address + 32]
-    gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands)
+    gpu.launch(driver.DriverKernels({"k_f_Add": "function"}, {}), kernel, LaunchShape(3, 256), fake.last_operands)
     assert fake.launches == [("function", 3, 256, [address, address + 16, address + 32])]
     fake.launches.clear()
-    graph = gpu.graph(lambda: gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands))
+    graph = gpu.graph(lambda: gpu.launch(driver.DriverKernels({"k_f_Add": "function"}, {}), kernel, LaunchShape(3, 256), fake.last_operands))
     gpu.replay(graph)
     assert len(fake.launches) == 1  # captured once; the graph runs it
     assert fake.graph_calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",

@@ -92,7 +92,7 @@ def evaluate(op: Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """The op's numpy reference on `inputs`: its outputs, then the new values of the
     inputs it writes in place."""
     definition = op_def(op.type)
-    types = [TensorType(v.dtype, v.shape) for v in op.outputs]
+    types = [TensorType(v.dtype, tuple(v.shape)) for v in op.outputs]
     args = [_widen(array, var) for array, var in zip(inputs, op.inputs)]
     # IEEE semantics: overflow, inf and NaN are values here, not warnings.
     with np.errstate(all="ignore"):

@@ -72,6 +72,12 @@ def _foreach(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.backend.capabilities.foreach is not None
 
 
+def _fuse_foreach(ctx: PassContext) -> None:
+    capabilities = ctx.backend.capabilities
+    if capabilities.foreach is not None:
+        fuse_foreach(ctx.flow, ctx.func, capabilities.foreach, capabilities.foreach_operands)
+
+
 @dataclass(frozen=True)
 class Pass:
     name: str
@@ -93,9 +99,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul, c.backend.capabilities), _mixed_precision),
     Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep, c.backend.capabilities.fuses_epilogue),
          _epilogues),
-    Pass("fuse-foreach",
-         lambda c: fuse_foreach(c.flow, c.func, c.backend.capabilities.foreach, c.backend.capabilities.foreach_operands),
-         _foreach),
+    Pass("fuse-foreach", _fuse_foreach, _foreach),
 )
 
 

@@ -17,7 +17,7 @@ from ...flow.graph import Operation, Variable
 from ...ops import is_view
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
-from ..kernels import Kernel
+from ..kernels import Kernel, Prepared
 from ..reference import reference_kernel
 from . import amx, bf16gemv, codegen, fpmode, jit, parallel_compile, q8gemm, sgemm
 from .blas import blas_pointers, blas_thread_setter
@@ -254,14 +254,17 @@ class CPUBackend:
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
-        prepared = [cell.network.prepared(p.var, p.form, self.target.key(), lambda value, p=p: p.make(value, self.target))
-                    for p in layout.prepared]
+        def made(p: Prepared) -> np.ndarray:
+            return cell.network.prepared(p.var, p.form, self.target.key(), lambda value: p.make(value, self.target))
+
+        prepared = [made(p) for p in layout.prepared]
         for p, array in zip(layout.prepared, prepared):
             table[layout.prepared_slot(p.var, p.form)] = array.ctypes.data
         function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.code.address)
+        # what the code reads, alive as long as `run` is (its default argument holds it)
         keep_alive = (callback, table, status, native.code, workers, prepared)
 
-        def run() -> None:
+        def run(_keep_alive: tuple[object, ...] = keep_alive) -> None:
             function(ctypes.addressof(table))
             if status[0]:
                 step = cell.steps[int(status[0]) - 1]
@@ -277,5 +280,4 @@ class CPUBackend:
                 reference_kernel(step.op, instance)()
                 raise RanvierError(f"{step.op.type} op {step.op.name} failed: an index is out of range")
 
-        run.keep_alive = keep_alive
         return run

@@ -162,12 +162,12 @@ def compile_object(module: ir.Module, target: CPUTarget) -> bytes:
 
 def assembly(module: ir.Module, target: CPUTarget) -> str:
     """The machine code compile_object makes of `module`, as assembly text."""
-    return target.machine.emit_assembly(_optimized(str(module), target=target))
+    return str(target.machine.emit_assembly(_optimized(str(module), target=target)))
 
 
 def compile_text(*texts: str, target: CPUTarget) -> bytes:
     """Machine code for modules' IR texts, linked into one module and optimized."""
-    return target.machine.emit_object(_optimized(*texts, target=target))
+    return bytes(target.machine.emit_object(_optimized(*texts, target=target)))
 
 
 def _optimized(*texts: str, target: CPUTarget) -> llvm.ModuleRef:
@@ -227,7 +227,7 @@ class LoadedCode:
 
     def address_of(self, symbol: str) -> int:
         """Another exported function of the same code."""
-        return self._engine.get_function_address(symbol)
+        return int(self._engine.get_function_address(symbol))
 
 
 _LOADED: weakref.WeakValueDictionary[tuple[bytes, str], LoadedCode] = weakref.WeakValueDictionary()
@@ -323,4 +323,4 @@ def cycles_per_second() -> float:
     read = ctypes.CFUNCTYPE(ctypes.c_uint64)(loaded.address)
     start_cycles, start = read(), time.perf_counter()
     time.sleep(0.05)
-    return (read() - start_cycles) / (time.perf_counter() - start)
+    return float(read() - start_cycles) / (time.perf_counter() - start)

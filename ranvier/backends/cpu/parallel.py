@@ -25,7 +25,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
@@ -204,7 +204,7 @@ def per_part(ctx: KernelContext, number: Value, values: list[int]) -> int | Valu
     return ctx.index(ctx.b.load(ctx.b.gep(table, [i64(0), number.ir])))
 
 
-def each_part(ctx: KernelContext, values: list[tuple[int, ...]], body: Callable[..., None]) -> None:
+def each_part(ctx: KernelContext, values: Sequence[tuple[int, ...]], body: Callable[..., None]) -> None:
     """A part per entry of `values`, as one job: `body(ctx, number, *entry)` emitted once,
     the part's number and entry run-time Values (`per_part`: a number where every part
     has the same; all numbers where a single part runs inline). No entries, no parts."""

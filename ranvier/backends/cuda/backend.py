@@ -39,11 +39,12 @@ import numpy as np
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view, op_def
-from ...ops.foreach import members
+from ...ops.foreach import Member, members
 from ...ops.fused import ROW_EPILOGUE_OPS
 from ...runtime import Cell, Instance, Step
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..cpu import jit  # the compile cache, shared with the CPU's object files
+from ..kernels import planned
 from . import blas, foreach, kernels, ptx
 from .code import CUDACode
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU, HostEmulator
@@ -100,7 +101,7 @@ class CUDABackend:
     def workspace_bytes(self, step: Step) -> int:
         return 0
 
-    def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
+    def in_place(self, op: Operation | Member, source: Variable, target: Variable) -> bool:
         """A thread reads its element's inputs before it writes: an elementwise op may write
         over an input of its output's exact type and shape."""
         if op.type == "ForEach":  # within a member only: the others run beside it, not before
@@ -121,10 +122,10 @@ class CUDABackend:
         module = ptx.gpu_module(cell.name, self.architecture)
         generated: dict[int, list[kernels.GPUKernel | blas.Gemm]] = {}
         made: dict[str, list[kernels.GPUKernel]] = {}  # by signature: a model's layers share their kernels
-        owners = []  # the steps whose kernels are in the module
+        owners: list[int] = []  # the steps whose kernels are in the module
         for index, step in enumerate(cell.steps):
             if step.kernel == blas.KIND:
-                generated[index] = [blas.plan_product(step.op)]
+                generated[index] = [planned(blas.plan_product(step.op), step.op)]
                 continue
             if _onto_itself(cell, step.op):
                 generated[index] = []
@@ -148,13 +149,11 @@ class CUDABackend:
         entry, origin = jit.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
         built = json.loads(entry)
         report = ptx.Assembled(b"", built["ptxas"]) if built["ptxas"] else None
-        shapes = {}
+        shapes: dict[int, list[LaunchShape | None]] = {}
         for index, launches in generated.items():
-            if cell.steps[index].kernel == blas.KIND:
-                shapes[index] = [None]  # cuBLASLt chooses its kernels' shapes
-                continue
-            shapes[index] = [self._launch_shape(k, report) for k in launches]
-            if report:
+            # (cuBLASLt chooses its kernels' shapes)
+            shapes[index] = [self._launch_shape(k, report) if isinstance(k, kernels.GPUKernel) else None for k in launches]
+            if report and cell.steps[index].kernel != blas.KIND:
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes[index]))}"
         cell.native = CUDACode(module, built["ptx"], base64.b64decode(built["cubin"]), generated, owners, shapes, origin,
                                key.hexdigest(), self.use_disk_cache)

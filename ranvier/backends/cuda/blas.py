@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any  # a loaded library (or a test's stand-in): its functions found by name
 
 import ml_dtypes
 import numpy as np
@@ -274,10 +275,10 @@ class Prepared:
 
     gemm: GemmPlan
     desc: ctypes.c_void_p
-    layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    layouts: tuple[ctypes.c_void_p, ...]  # A's, B's and D's
     alpha: ctypes.Array
     beta: ctypes.Array
-    algorithms: dict[tuple[int, int, int, int], _HeuristicResult] = field(default_factory=dict)
+    algorithms: dict[tuple[int, ...], _HeuristicResult] = field(default_factory=dict)  # by A's, B's, C's and D's alignments
 
 
 def alignment(address: int) -> int:
@@ -337,7 +338,7 @@ class CublasLt:
     for several algorithms, best first; the first that runs is kept for later calls, so
     that a product in a graph is one cublasLtMatmul call."""
 
-    def __init__(self, stream: ctypes.c_void_p, allocate: Callable[[int], int], load: Callable[[str], object] = ctypes.CDLL):
+    def __init__(self, stream: ctypes.c_void_p, allocate: Callable[[int], int], load: Callable[[str], Any] = ctypes.CDLL):
         self.library = load(find_library())
         self._stream = stream
         self._handle = ctypes.c_void_p()

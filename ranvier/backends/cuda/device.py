@@ -18,7 +18,8 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 from llvmlite import ir
@@ -53,25 +54,27 @@ class GPU(Protocol):
 
     def zero(self, address: int, nbytes: int) -> None: ...
 
-    def load(self, cell: Cell) -> object:
-        """The cell's kernels, ready to launch (what `launch` takes as `code`)."""
+    def load(self, cell: Cell) -> Any:
+        """The cell's kernels, ready to launch: what `launch` and `gemm` take as `code`, of
+        the device's own type."""
 
-    def launch(self, code: object, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
+    def launch(self, code: Any, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         """Run `kernel` over its elements; `addresses`: its operands', then its status word's."""
 
-    def gemm(self, code: object, gemm: Gemm, addresses: list[int]) -> None:
+    def gemm(self, code: Any, gemm: Gemm, addresses: list[int]) -> None:
         """Run a planned product; `addresses`: cuBLASLt's A, B and D (and a bias)."""
 
     def timer(self, marks: int) -> Timer:
         """`marks` points in the launch order to time between, made once and reused."""
 
-    def graph(self, launches: Callable[[], None]) -> object:
+    def graph(self, launches: Callable[[], None]) -> Any:
         """The launches (and timing marks) `launches` makes, captured once as a graph that
         `replay` runs again as one launch; this call runs them too."""
 
-    def replay(self, graph: object) -> None: ...
+    def replay(self, graph: Any) -> None:
+        """Run a graph `graph` made (of the device's own type)."""
 
-    def discard(self, graph: object) -> None:
+    def discard(self, graph: Any) -> None:
         """Give back a graph `graph` made."""
 
     def synchronize(self) -> None: ...
@@ -104,6 +107,15 @@ class HostTimer:
         pass
 
 
+@dataclass
+class HostKernels:
+    """A cell's kernels compiled for this CPU (`HostEmulator.load`): each one's function by
+    name, and the loaded code they are in, which lives as long as they do."""
+
+    functions: dict[str, Callable[..., None]]
+    code: object
+
+
 class HostEmulator:
     """The GPU's kernels run on this CPU (see the module's docstring). Memory is host
     memory, kept alive here; addresses are its own. Fresh memory has every bit set (NaN in
@@ -113,7 +125,7 @@ class HostEmulator:
     name = "host emulator of the CUDA backend (this CPU)"
     host_memory = True  # its "device" addresses are the host's
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._memory: dict[int, np.ndarray] = {}
 
     def allocate(self, nbytes: int) -> int:
@@ -134,7 +146,7 @@ class HostEmulator:
     def zero(self, address: int, nbytes: int) -> None:
         ctypes.memset(address, 0, nbytes)
 
-    def load(self, cell: Cell) -> dict[str, object]:
+    def load(self, cell: Cell) -> HostKernels:
         """The cell's launches compiled for this CPU as one module, kept in the compile
         cache beside the cell's PTX (under the same key)."""
         from ..cpu import jit
@@ -154,20 +166,20 @@ class HostEmulator:
         launches = list({kernel.name: kernel for step_kernels in native.kernels.values() for kernel in step_kernels
                          if isinstance(kernel, GPUKernel)}.values())
         if not launches:  # a cell of no steps (its outputs are its inputs' views)
-            return {}
+            return HostKernels({}, None)
         key = jit.cache_key(f"cuda emulator\n{native.key}", target)
         entry, _ = jit.cached_object(key, compile_for_host, native.use_disk_cache)
         code = jit.load_object(entry, target, launches[0].name)
-        functions: dict[str, object] = {"$code": code}  # the loaded object lives as long as its functions
+        functions: dict[str, Callable[..., None]] = {}
         for kernel in launches:
             signature = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)
             functions[kernel.name] = signature(code.address_of(kernel.name))
-        return functions
+        return HostKernels(functions, code)
 
-    def launch(self, code: dict[str, object], kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
-        code[kernel.name](*addresses, 0, kernel.elements)
+    def launch(self, code: HostKernels, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
+        code.functions[kernel.name](*addresses, 0, kernel.elements)
 
-    def gemm(self, code: dict[str, object], gemm: Gemm, addresses: list[int]) -> None:
+    def gemm(self, code: HostKernels, gemm: Gemm, addresses: list[int]) -> None:
         blas.run_on_host(gemm.plan, addresses)
 
     def timer(self, marks: int) -> HostTimer:
