@@ -1,9 +1,11 @@
 """Shared machinery for the op tests.
 
-`run_flow` builds a one-function flow with `ranvier.Builder`, feeds the inputs
+`run_flow` builds a one-function flow with `ranvier.Builder`, compiles it for each
+backend in `BACKENDS` (RANVIER_TEST_BACKENDS, default "reference,cpu"), feeds the inputs
 through an Instance, fills every output with a sentinel before `compute()` (twice,
 with two different sentinels, so an element the kernel never writes cannot pass by
-luck), runs the reference backend and returns the outputs. `check` compares an
+luck), checks each backend's outputs against the reference backend's and returns the
+reference's. `check` compares an
 output against an expectation computed independently in the test, with a
 tolerance that suits the output dtype. `run_gpu_kernels_on_host` runs an op's CUDA
 kernels compiled for this CPU (the code the GPU gets, its threads one after another).

@@ -1,7 +1,9 @@
-"""The pass pipeline: every rewrite between the function a user built and the steps a
-backend runs, in order. Each pass is a small rewrite in a module of its own, tested on
-its own; a backend only states what it can do (`Capabilities`, `runs_whole`), and the
-pipeline decides which passes apply.
+"""The pass pipeline: the rewrites of one function, in order, between the function as
+`Compiler.compile` hands it over and the steps a backend runs. Before it, over the whole
+flow, `Compiler.compile` derives the gradient functions (`autodiff`) and resolves
+references and declared conditions. Each pass is a small rewrite in a module of its own,
+tested on its own; a backend only states what it can do (`Capabilities`, `runs_whole`),
+and the pipeline decides which passes apply.
 
     fuse-attention   softmax(scale · Q Kᵀ + mask) V written out op by op → one Attention
     decompose        composites the backend cannot run whole → the ops they are made of
