@@ -9,6 +9,7 @@ checks the class against the protocol (pyproject.toml lists this file)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -19,6 +20,7 @@ from ranvier.autodiff import gradient
 from ranvier.backends import Backend, Capabilities, CompileOptions, register_backend
 from ranvier.errors import RanvierError
 from ranvier.flow.graph import Operation, Variable
+from ranvier.jobs.peak import measured_peak
 from ranvier.models import llama, moe
 from ranvier.ops import TensorType, all_ops, op_def
 from ranvier.ops.foreach import Member, members
@@ -66,13 +68,19 @@ class NumpyProtocolBackend:
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
         def run() -> None:
-            for step in cell.steps:
+            for index, step in enumerate(cell.steps):
+                start = time.perf_counter()
                 _run_reference(step.op, instance)
+                instance.step_time[index] += time.perf_counter() - start
 
         return run
 
     def step_seconds(self, instance: Instance) -> np.ndarray:
         return instance.step_time
+
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        n = 64
+        return 2 * n**3 / product_seconds(n) / 1e9, f"{matmul} GEMM on {self.name}"
 
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return instance.all_cores_time
@@ -224,7 +232,8 @@ def test_the_cases_compute_every_op_family(backend: str, computed: dict[str, lis
     """A family no case reaches (a new one) is untested on a backend of the protocol alone."""
     if not computed[backend]:
         pytest.skip("the cases above did not run in this session")
-    wanted = {definition.family for definition in all_ops().values()}
+    # (ranvier's own ops: not those another test module defines in this process)
+    wanted = {definition.family for definition in all_ops().values() if definition.infer.__module__.startswith("ranvier.")}
     assert _families(computed[backend]) == wanted
 
 
@@ -233,3 +242,15 @@ def test_the_protocol_declares_every_method_the_compiler_and_runtime_call() -> N
     declared = {name for name in vars(Backend) if not name.startswith("_")} | set(Backend.__annotations__)
     implemented = {name for name in vars(NumpyProtocolBackend) if not name.startswith("_")} | {"capabilities"}
     assert declared == implemented
+
+
+def test_a_run_on_the_backend_times_its_steps_and_its_peak() -> None:
+    """The profile and the dashboard's peak come through the protocol too."""
+    flow, values = _every_other_family()
+    data = rv.Compiler("numpy-protocol").compile(flow).cell("f").instance()
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    assert all(step.seconds > 0 for step in data.profile().steps)
+    gflops, what = measured_peak("numpy-protocol")
+    assert gflops > 0 and what == "float32 GEMM on numpy-protocol"

@@ -679,10 +679,10 @@ def test_compile_cache_across_processes(tmp_path):
 
 
 def test_compile_cache_in_memory(tmp_path, monkeypatch):
-    from ranvier.backends.cpu import jit
+    from ranvier.backends import compile_cache
 
     monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())  # what earlier tests compiled does not count
+    monkeypatch.setattr(compile_cache, "_MEMORY_CACHE", OrderedDict())  # what earlier tests compiled does not count
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", "float32", [13, 7])

@@ -17,6 +17,7 @@ import pytest
 from helpers import np_dtype, random_array, run_gpu_kernels_on_host
 
 import ranvier as rv
+from ranvier.backends import compile_cache
 from ranvier.backends.cpu import jit
 from ranvier.backends.cuda import attention, backend, device, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
@@ -433,10 +434,10 @@ def test_a_cells_ptx_and_launch_shapes_are_kept_in_the_compile_cache(monkeypatch
     from collections import OrderedDict
 
     monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())
+    monkeypatch.setattr(compile_cache, "_MEMORY_CACHE", OrderedDict())
     first = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
     again = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
-    jit._MEMORY_CACHE.clear()
+    compile_cache._MEMORY_CACHE.clear()
     from_disk = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
     assert [c.native.origin for c in (first, again, from_disk)] == ["compiled", "memory", "disk"]
     assert first.backend.code(first, "ptx") == from_disk.backend.code(from_disk, "ptx")
@@ -703,7 +704,7 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, networks, model
     """Forward, loss and its gradient, backward products (a CNN's windows and their
     scatter-adds) and Adam: every step a GPU kernel or a planned product; only the
     instances need the device."""
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):

@@ -138,7 +138,7 @@ def test_long_columns_reduce_in_pieces_a_thread_each_on_the_device(on_device, ca
 
 
 def _trainer(backend_name: str, model: str = "mlp"):
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     trainer, _, test = make_trainer(MnistConfig(steps=12, backend=backend_name, model=model, batch=32, hidden=[48]))
     return trainer, test

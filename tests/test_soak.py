@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ranvier as rv
-from ranvier.backends.cpu import jit
+from ranvier.backends import compile_cache
 
 
 def mappings() -> int:
@@ -84,11 +84,11 @@ def test_cells_with_the_same_code_share_one_engine():
 
 
 def test_memory_cache_of_object_code_is_bounded(monkeypatch):
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())
-    monkeypatch.setattr(jit, "MEMORY_CACHE_BYTES", 1)  # keeps only the newest entry
+    monkeypatch.setattr(compile_cache, "_MEMORY_CACHE", OrderedDict())
+    monkeypatch.setattr(compile_cache, "MEMORY_CACHE_BYTES", 1)  # keeps only the newest entry
     for width in (5, 6, 7):
         small_network(width, width)
-    assert len(jit._MEMORY_CACHE) == 1
+    assert len(compile_cache._MEMORY_CACHE) == 1
 
 
 def test_network_survives_a_million_computes_with_flat_memory():

@@ -140,6 +140,13 @@ class Backend(Protocol):
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         """The part of each step's accumulated time it ran split over all the cores, in seconds."""
 
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        """The rate a training run's share of peak (the dashboard's) is taken against, with
+        its matrix products in `matmul`, and what was measured; a device's own figure is
+        timed on an n × n × n product compiled for this backend, whose seconds (by the
+        backend's clock, the best of several computes) `product_seconds(n)` gives. None: no
+        figure of its own (the host's fp32 GEMM is taken)."""
+
     def code(self, cell: Cell, kind: str) -> str:
         """The generated code of a cell as text, e.g. kind "llvm" or "asm"; a RanvierError
         for a kind the backend does not generate."""

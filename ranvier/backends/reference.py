@@ -70,6 +70,9 @@ class ReferenceBackend:
     def step_seconds(self, instance: Instance) -> np.ndarray:
         return instance.step_time
 
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        return None  # numpy on the host: the host's GEMM is the peak
+
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return instance.all_cores_time  # numpy's own threads are not counted: zeros
 

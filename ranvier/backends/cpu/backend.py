@@ -16,6 +16,7 @@ from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view
 from ...runtime import Cell, Instance, Step
+from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..kernels import Kernel, Prepared
 from ..reference import reference_kernel
@@ -138,12 +139,12 @@ class CPUBackend:
         # the generator's sources: this backend, the shared LLVM layer, the op definitions
         # (their formulas are generated as code)
         mode = "flush denormals\n" if self.flush_denormals else ""
-        key = jit.cache_key(f"{jit.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{mode}{description}", self.target)
+        key = jit.cache_key(f"{compile_cache.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{mode}{description}", self.target)
 
         def generate() -> bytes:
             return parallel_compile.compile_modules(self._modules(cell, layout), self.target)
 
-        code, origin = jit.cached_object(key, generate, self.use_disk_cache)
+        code, origin = compile_cache.cached_object(key, generate, self.use_disk_cache)
         python_steps = [i for i, s in enumerate(cell.steps) if s.variant == "python"]
         cell.native = CPUCode(jit.load_object(code, self.target, "cell"), layout, origin, python_steps)
         # Shown whether the code was generated now or came from the cache.
@@ -202,6 +203,9 @@ class CPUBackend:
     def step_seconds(self, instance: Instance) -> np.ndarray:
         """The cycle counts the generated code accumulated, in seconds."""
         return instance.step_time.astype(np.float64) / jit.cycles_per_second()
+
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        return None  # this machine's fp32 GEMM (numpy's BLAS), whatever the run's precision
 
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return instance.all_cores_time.astype(np.float64) / jit.cycles_per_second()

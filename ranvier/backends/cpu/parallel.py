@@ -34,8 +34,8 @@ from llvmlite import ir
 
 from ..llvm.irutil import BYTE_PTR, I32, I64, i64
 from ..llvm.values import Value
+from ..measured import kept, kept_path
 from .codegen import POOL, KernelContext
-from .measured import kept, kept_path
 from .pool import RUN, pool
 
 Part = Callable[[KernelContext], None]

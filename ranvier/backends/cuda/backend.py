@@ -19,7 +19,7 @@ shows it.
 An instance runs on the device (`resident.py`: one arena per instance, globals kept on
 the device, inputs in and outputs out per compute), through the CUDA driver
 (`driver.DriverGPU`), or, with `RANVIER_CUDA_DEVICE=emulator`, on this CPU's emulation of
-the device (`device.HostEmulator`: the same kernels' arithmetic and the same runtime, for
+the device (`emulator.HostEmulator`: the same kernels' arithmetic and the same runtime, for
 tests). Without either, making an instance raises, naming what this machine lacks (the
 driver, a GPU); nothing runs on the CPU in a GPU's place unasked.
 """
@@ -42,13 +42,14 @@ from ...ops import is_view, op_def
 from ...ops.foreach import Member, members
 from ...ops.fused import ROW_EPILOGUE_OPS
 from ...runtime import Cell, Instance, Step
+from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
-from ..cpu import jit  # the compile cache, shared with the CPU's object files
 from ..kernels import planned
 from . import blas, foreach, kernels, ptx
 from .code import CUDACode
-from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU, HostEmulator
+from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU
 from .driver import Device, DriverGPU, find_device
+from .emulator import HostEmulator
 from .launch import LaunchShape, block_launch, covering_launch, map_launch
 from .resident import DeviceInstance
 
@@ -143,10 +144,10 @@ class CUDABackend:
             return json.dumps({"ptx": text, "ptxas": assembled.report if assembled else "",
                                "cubin": base64.b64encode(assembled.cubin).decode() if assembled else ""}).encode()
 
-        sources = jit.source_digest("backends/cuda", "backends/llvm", "ops")
+        sources = compile_cache.source_digest("backends/cuda", "backends/llvm", "ops")
         toolkit = f"{llvm.llvm_version_info} {ptx.ptxas_version()}"
         key = hashlib.sha256(f"{sources}\n{self.architecture}\n{toolkit}\n{_describe(cell)}".encode())
-        entry, origin = jit.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
+        entry, origin = compile_cache.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
         built = json.loads(entry)
         report = ptx.Assembled(b"", built["ptxas"]) if built["ptxas"] else None
         shapes: dict[int, list[LaunchShape | None]] = {}
@@ -194,6 +195,13 @@ class CUDABackend:
 
     def step_seconds(self, instance: Instance) -> np.ndarray:
         return instance.step_time
+
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        """The device's own product in the run's precision (cuBLASLt's, as the steps' products
+        are), so that a run's share of it is its MFU: 8192 × 8192 × 8192 (256 on the host
+        emulator)."""
+        n = 256 if os.environ.get(DEVICE_ENVIRONMENT) == EMULATOR else 8192
+        return 2 * n**3 / product_seconds(n) / 1e9, f"{matmul} GEMM on {self.name}"
 
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return np.zeros(len(instance.cell.steps))
