@@ -133,7 +133,7 @@ def split_thresholds() -> SplitThresholds:
         return measured
 
 
-def _are_thresholds(values: dict) -> bool:
+def _are_thresholds(values: dict[str, float]) -> bool:
     """Whether kept numbers are a SplitThresholds' fields: sizes of at least 1, costs and rates above 0."""
     if set(values) != {field.name for field in fields(SplitThresholds)} or any(type(v) is bool for v in values.values()):
         return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm
@@ -170,7 +171,7 @@ def _prerequisites(family: str) -> list[str]:
     return [f for needed in chain[: chain.index(family)] for f in _own(needed)] if family in chain else []
 
 
-def _parse(flat: str):
+def _parse(flat: str) -> Iterator[tuple[str, bool]]:
     for item in flat.split(","):
         if item:
             yield item[1:], item[0] == "+"

@@ -58,7 +58,7 @@ class Device:
         return f"{self.name} ({self.architecture}, {self.multiprocessors} multiprocessors)"
 
 
-def _error_name(library, code: int) -> str:
+def _error_name(library: Any, code: int) -> str:
     name = ctypes.c_char_p()
     if library.cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
         return name.value.decode()
@@ -190,7 +190,7 @@ class DriverGPU:
             self._blas = CublasLt(self._stream, self.allocate, self._load)
         return self._blas
 
-    def graph(self, launches) -> ctypes.c_void_p:
+    def graph(self, launches: Callable[[], None]) -> ctypes.c_void_p:
         """The launches captured from the stream as a CUDA graph, instantiated, and run once.
         A capture that fails (a launch refused while capturing included) ends, leaving the
         stream as it was, and raises."""

@@ -77,4 +77,4 @@ class Mailbox:
         if not failed.size:
             return None
         self.gpu.zero(self.address, words.nbytes)  # the next compute starts clean
-        return self.failing[failed[0]]
+        return int(self.failing[failed[0]])
