@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 import pytest
+from helpers import language_model_trainer
 
 import ranvier as rv
 from ranvier.autodiff import gradient
@@ -25,8 +26,6 @@ from ranvier.models import llama, moe
 from ranvier.ops import TensorType, all_ops, op_def
 from ranvier.ops.foreach import Member, members
 from ranvier.runtime import Cell, Instance, Step
-from ranvier.train.losses import softmax_cross_entropy
-from ranvier.train.optimizers import AdamW
 from ranvier.train.trainer import Trainer
 
 
@@ -114,16 +113,8 @@ TINY_MOE = moe.MoEConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size
 def _trainer(kind: str, backend: str) -> Trainer:
     """A tiny Llama or MoE language model training with AdamW and clipping on 2 × 8 tokens."""
     model = llama.Llama(TINY_LLAMA, seed=1) if kind == "llama" else moe.MoE(TINY_MOE, seed=1)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    f.func.training = True
-    tokens, targets = f.var("tokens", "int32", [2, 8]), f.var("targets", "int32", [2, 8])
-    params = model.parameters(f)
-    logits = model(f, tokens, params).reshape([16, model.config.vocab_size])
-    loss = softmax_cross_entropy(logits, targets.reshape([16]))
-    if kind == "moe":
-        loss = loss + model.auxiliary_loss(f)
-    return Trainer(loss, list(params.values()), AdamW(lr=1e-2), clip_norm=1.0, inputs=[tokens, targets], backend=backend)
+    trainer: Trainer = language_model_trainer(model, backend, 2, 8, 1e-2)
+    return trainer
 
 
 STATES = ("assigned", "sliced", "scattered")  # globals the flow below writes in place

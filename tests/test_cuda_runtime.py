@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import random_array
+from helpers import language_model_trainer, random_array
 from llvmlite import ir
 from test_cuda_codegen import _FakeDriver
 
@@ -574,26 +574,12 @@ def _language_model_trainer(backend_name: str, kind: str, matmul: str = "float32
     import dataclasses
 
     from ranvier.models import llama, moe
-    from ranvier.train.losses import softmax_cross_entropy
-    from ranvier.train.optimizers import AdamW
-    from ranvier.train.trainer import Trainer
 
     config = llama.PRESETS["stories260K"]
     if heads is not None:
         config = dataclasses.replace(config, n_heads=heads, n_kv_heads=heads // 2)
     model = llama.Llama(config, seed=0) if kind == "llama" else moe.MoE(moe.PRESETS["moe-tiny"], seed=0)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    f.func.training = True
-    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
-    params = model.parameters(f)
-    logits = model(f, tokens, params).reshape([32, model.config.vocab_size])
-    loss = softmax_cross_entropy(logits, targets.reshape([32]))
-    if kind == "moe":
-        loss = loss + model.auxiliary_loss(f)
-    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-3), clip_norm=1.0, inputs=[tokens, targets], backend=backend_name,
-                      matmul=matmul)
-    return trainer, model.config.vocab_size
+    return language_model_trainer(model, backend_name, 2, 16, 1e-3, matmul=matmul), model.config.vocab_size
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])
