@@ -115,12 +115,18 @@ def test_an_excerpt_quotes_its_source(block: Block) -> None:
         at = found + len(chunk)
 
 
-def test_every_block_is_run_or_says_why_not() -> None:
-    """A block is run, checked against the source it quotes, or skipped with a reason."""
-    kinds = {b.marker[0] if b.marker else "run" for document in DOCUMENTS for b in blocks(document)}
-    assert kinds <= {"run", "excerpt", "after", "not run"}
-    unexplained = [f"{b.document}:{b.line}" for d in DOCUMENTS for b in blocks(d) if b.marker and not b.marker[1]]
-    assert not unexplained, f"markers without an argument: {unexplained}"
+def test_every_comment_before_a_block_is_a_marker_with_its_argument() -> None:
+    """A misspelt marker would leave its block run (or not) unnoticed."""
+    wrong = []
+    for document in DOCUMENTS:
+        lines = (ROOT / document).read_text().splitlines()
+        for k, line in enumerate(lines[1:], 1):
+            before = lines[k - 1].strip()
+            if line.strip() == "```python" and before.startswith("<!--"):
+                marker = MARKER.fullmatch(before)
+                if marker is None or not marker.group(2):
+                    wrong.append(f"{document} line {k}: {before}")
+    assert not wrong, f"comments before code blocks that are not markers: {wrong}"
 
 
 def test_the_reader_finds_the_blocks_and_their_markers() -> None:
