@@ -18,7 +18,6 @@ from helpers import np_dtype, random_array, run_gpu_kernels_on_host
 
 import ranvier as rv
 from ranvier.backends import compile_cache
-from ranvier.backends.cpu import jit
 from ranvier.backends.cuda import attention, backend, device, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
 from ranvier.errors import RanvierError
