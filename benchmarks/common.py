@@ -90,7 +90,7 @@ def cold_caches() -> str:
     ranvier keeps what it measured of this machine (its GEMM choices, split thresholds),
     as a user's second model would. Call it before torch is imported. Returns the words
     the benchmark prints about its compile times."""
-    from ranvier.backends.cpu.jit import cache_dir
+    from ranvier.backends.cache_folder import cache_dir
 
     folder = Path(tempfile.mkdtemp(prefix="cold-compile-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)

@@ -33,7 +33,8 @@ def main() -> None:
         os.sched_getaffinity = lambda pid: set(range(args.cores))  # before ranvier reads it
     from common import machine, ranvier_trainer
 
-    from ranvier.backends.cpu import backend, jit, parallel_compile
+    from ranvier.backends import compile_cache
+    from ranvier.backends.cpu import backend, parallel_compile
     from ranvier.models.llama import PRESETS, Llama
 
     print(machine() + (f"; code generated as for {args.cores} cores" if args.cores else ""))
@@ -64,7 +65,7 @@ def main() -> None:
         for kept in measured.glob("*.json"):
             shutil.copy(kept, cache)
         os.environ["RANVIER_CACHE"] = str(cache)
-        jit._MEMORY_CACHE.clear()
+        compile_cache._MEMORY_CACHE.clear()
         in_llvm[0] = 0.0
         start = time.perf_counter()
         ranvier_trainer(Llama(PRESETS[args.preset], seed=0), args.batch, args.seq)

@@ -47,7 +47,7 @@ Run = tuple[float, float, float | None]  # seconds of the timed steps, test accu
 
 
 def run_ranvier(steps: int, backend: str, matmul: str = "float32", model: str = "mlp") -> Run:
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     start = time.perf_counter()
     trainer, _, test = make_trainer(MnistConfig(steps=steps, backend=backend, matmul=matmul, model=model))
@@ -158,7 +158,7 @@ def main() -> None:
 def step_flops(model: str = "mlp") -> int:
     """The arithmetic of one training step as ranvier's compiled step counts it; both
     sides do the same products (neither computes the input's gradient)."""
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     return make_trainer(MnistConfig(steps=1, model=model))[0].cell.flops
 

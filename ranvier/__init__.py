@@ -22,6 +22,8 @@ from .dtypes import (
     DT_INT64,
     DT_UINT8,
     DT_UINT16,
+    DT_UINT32,
+    DT_UINT64,
 )
 from .errors import CompileError, FlowFileError, RanvierError, ShapeError, UnknownOpError
 from .flow import Blob, Builder, Connector, Flow, Function, Operation, Tensor, Variable
@@ -54,6 +56,8 @@ __all__ = [
     "DT_INT64",
     "DT_UINT8",
     "DT_UINT16",
+    "DT_UINT32",
+    "DT_UINT64",
     "Blob",
     "Builder",
     "Cell",

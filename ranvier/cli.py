@@ -52,7 +52,7 @@ _probability = _number(float, lambda x: 0 < x <= 1, "in (0, 1]")
 
 def _check_run(path: str, kinds: tuple[str, ...], command: str) -> None:
     """A command taking a run directory says up front when it is of the wrong kind."""
-    from .train.rundir import check_kind
+    from .train.runs import check_kind
 
     check_kind(Path(path), kinds, f"`ranvier {command}`")
 
@@ -155,10 +155,10 @@ def _train(args: argparse.Namespace, kinds: tuple[str, ...], new_name: str,
            start: Callable[[Path], object], resume: Callable[[Path], object]) -> int:
     """A training command: `start` a new run in --run-dir (else runs/<new_name>, a strftime
     pattern), or `resume` the one --resume names, holding its run directory claimed (see
-    rundir.claimed) for the run's life; with --workers N, in the launcher of N ranks."""
+    jobs.rundir.claimed) for the run's life; with --workers N, in the launcher of N ranks."""
     from .distributed import launched_by_mpi
     from .distributed.launch import launcher_pid
-    from .train.rundir import claimed
+    from .jobs.rundir import claimed
 
     launching = args.workers > 1 and not launched_by_mpi()
     if launched_by_mpi():
@@ -178,7 +178,7 @@ def _train(args: argparse.Namespace, kinds: tuple[str, ...], new_name: str,
 
 
 def _train_mnist(args: argparse.Namespace) -> int:
-    from .train.mnist_job import MnistConfig, resume_mnist, train_mnist
+    from .jobs.mnist import MnistConfig, resume_mnist, train_mnist
 
     def start(run_dir: Path) -> None:
         config = MnistConfig(
@@ -206,7 +206,8 @@ def _train_mnist(args: argparse.Namespace) -> int:
 
 
 def _train_llama(args: argparse.Namespace) -> int:
-    from .train.llama_job import LlamaRunConfig, resume_llama, train_llama
+    from .jobs.llama import resume_llama, train_llama
+    from .train.runs import LlamaRunConfig
 
     def start(run_dir: Path) -> None:
         config = LlamaRunConfig(
@@ -228,7 +229,7 @@ def _load_language_model(model: str, tokenizer: str | None, kinds: tuple[str, ..
     """(config, weights, tokenizer) of a run directory (of one of `kinds`), a llama2.c .bin,
     a GGUF file or a Hugging Face folder."""
     from .interop import load_any
-    from .train.rundir import kind_of, read_saved
+    from .train.runs import kind_of, read_saved
 
     config_file = Path(model, "config.json")
     if config_file.is_file() and kind_of(read_saved(config_file)):  # a run, not a Hugging Face folder
@@ -285,7 +286,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .train.mnist_job import evaluate_run
+    from .jobs.mnist import evaluate_run
 
     _check_run(args.run_dir, ("mnist",), "eval")
     evaluate_run(Path(args.run_dir))
@@ -424,13 +425,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from .backends.cpu import jit
+    from .backends import compile_cache
 
     if args.action == "clear":
-        count, size = jit.clear_cache()
-        print(f"deleted {count:,} entries ({size / 2**20:,.1f} MB) from {jit.cache_dir()}")
+        count, size = compile_cache.clear_cache()
+        print(f"deleted {count:,} entries ({size / 2**20:,.1f} MB) from {compile_cache.cache_dir()}")
     else:
-        print(jit.describe_cache())
+        print(compile_cache.describe_cache())
     return 0
 
 

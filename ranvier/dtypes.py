@@ -17,6 +17,8 @@ DT_INT32 = "int32"
 DT_INT64 = "int64"
 DT_UINT8 = "uint8"
 DT_UINT16 = "uint16"
+DT_UINT32 = "uint32"
+DT_UINT64 = "uint64"
 DT_BOOL = "bool"
 
 DT_FLOAT = DT_FLOAT32
@@ -36,12 +38,14 @@ _NUMPY = {
     DT_INT64: np.dtype(np.int64),
     DT_UINT8: np.dtype(np.uint8),
     DT_UINT16: np.dtype(np.uint16),
+    DT_UINT32: np.dtype(np.uint32),
+    DT_UINT64: np.dtype(np.uint64),
     DT_BOOL: np.dtype(np.bool_),
 }
 
 ALL_DTYPES: tuple[str, ...] = tuple(_NUMPY)
 FLOAT_DTYPES = (DT_FLOAT16, DT_BFLOAT16, DT_FLOAT32, DT_FLOAT64)
-INT_DTYPES = (DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT8, DT_UINT16)
+INT_DTYPES = (DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT8, DT_UINT16, DT_UINT32, DT_UINT64)
 NUMERIC_DTYPES = FLOAT_DTYPES + INT_DTYPES
 
 # Types Myelin's .flow files can name that ranvier carries but cannot compute with, with

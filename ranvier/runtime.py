@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from . import dtypes, guards
 from .errors import RanvierError, shape_str
@@ -17,6 +19,9 @@ from .handles import Channel, TensorArray, TensorHandle
 from .limits import check_allocation
 from .ops import written_inputs
 from .profile import Profile, StepTime
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 
 @dataclass
@@ -68,7 +73,7 @@ def is_aligned(array: np.ndarray) -> bool:
     return array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
 
 
-def aligned_array(value, dtype) -> np.ndarray:
+def aligned_array(value: object, dtype: npt.DTypeLike) -> np.ndarray:
     """`value` as a C-contiguous array of `dtype` starting on an `ALIGNMENT` boundary: the
     array itself where it already is one, else an aligned copy."""
     array = np.asarray(value)
@@ -79,7 +84,7 @@ def aligned_array(value, dtype) -> np.ndarray:
     return copy
 
 
-def aligned_zeros(shape, dtype) -> np.ndarray:
+def aligned_zeros(shape: Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
     """A zeroed C-contiguous array of `dtype` starting on an `ALIGNMENT` boundary (its pages
     untouched until written, as np.zeros leaves them)."""
     return aligned_empty(math.prod(shape) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
@@ -90,7 +95,7 @@ def view_of(buffer: np.ndarray, offset: int, var: Variable) -> np.ndarray:
     return buffer[offset : offset + var.nbytes].view(dtype).reshape(var.shape)
 
 
-class GlobalArrays(MutableMapping):
+class GlobalArrays(MutableMapping[str, np.ndarray]):
     """A network's globals by name: host arrays. Where a device keeps them (the CUDA
     backend), `before_access(name, writing)` is told of each one the host is about to
     reach, so the device's newer value comes back first and, unless the host only reads
@@ -98,7 +103,7 @@ class GlobalArrays(MutableMapping):
     the value of that moment: after a compute that may change it, fetch it again. `host`
     holds the arrays themselves, for the device to copy without that."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.host: dict[str, np.ndarray] = {}
         self.before_access: Callable[[str, bool], None] | None = None
 
@@ -114,7 +119,7 @@ class GlobalArrays(MutableMapping):
         array = self.host[name]
         if self.before_access is not None:
             self.before_access(name, False)
-        view = array.view()
+        view: np.ndarray = array.view()
         view.flags.writeable = False
         return view
 
@@ -124,10 +129,10 @@ class GlobalArrays(MutableMapping):
     def __delitem__(self, name: str) -> None:
         del self.host[name]
 
-    def __contains__(self, name) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self.host
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.host)
 
     def __len__(self) -> int:
@@ -148,11 +153,13 @@ class Network:
         self.share_data = share_data
         self.cells: dict[str, Cell] = {}
         self.globals = GlobalArrays()
+        # Where a device keeps the globals, set by its backend (the CUDA backend's DeviceGlobals).
+        self.device_globals: object = None
         self._prepared: dict[tuple[str, str, str], np.ndarray] = {}
 
     def add_global(self, var: Variable) -> np.ndarray:
         if var.name not in self.globals.host:
-            if self.share_data and _shareable(var):
+            if self.share_data and var.data is not None and _shareable(var):
                 array = var.data
             else:
                 # A learnable variable without an initial value starts at zero.
@@ -180,19 +187,19 @@ class Network:
         except KeyError:
             raise RanvierError(f"no cell {name!r} in the network; cells: {', '.join(self.cells) or 'none'}") from None
 
-    def __getitem__(self, key) -> TensorArray:
+    def __getitem__(self, key: object) -> TensorArray:
         """The array of a global (constant or parameter), by handle, name or alias: writable,
         except a constant a kernel reads prepared (`prepared`: a GEMM's packed weights)."""
         var = self._global(key)
         return TensorArray.of(var, self.globals[var.name])
 
-    def _global(self, key) -> Variable:
+    def _global(self, key: object) -> Variable:
         var = self.flow.lookup(_key_name(key))
         if var.name not in self.globals:
             raise RanvierError(f"{var.name} is not a global of the network (it is local to a cell)")
         return var
 
-    def __setitem__(self, key, value) -> None:
+    def __setitem__(self, key: object, value: object) -> None:
         """Set a global's elements (Myelin's `net[W] = array`); a scalar fills it."""
         array = self[key]
         value = np.asarray(value)
@@ -208,7 +215,7 @@ class Network:
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: self.globals[name] for name in self.globals if self.flow.vars[name].learnable}
 
-    def tensor(self, key) -> TensorHandle:
+    def tensor(self, key: object) -> TensorHandle:
         """A global as Myelin's tensor handle."""
         var = self._global(key)
         return TensorHandle(var, lambda: self.globals[var.name])
@@ -227,7 +234,7 @@ def _shareable(var: Variable) -> bool:
             and data.flags.writeable and is_aligned(data))
 
 
-def _key_name(key) -> str:
+def _key_name(key: object) -> str:
     if isinstance(key, str):
         return key
     var = getattr(key, "var", key)
@@ -246,7 +253,7 @@ class Cell:
         steps: list[Step],
         slots: list[Slot],
         size: int,
-        backend,
+        backend: Backend,
         roles: dict[str, str] | None = None,
         external: list[Variable] | None = None,
     ):
@@ -262,6 +269,9 @@ class Cell:
         self._slot_by_name = {s.var.name: s for s in slots}
         self._index = {s.var.name: i for i, s in enumerate(slots)}
         self.global_vars = _globals_of(steps)
+        # The backend's compiled code, of its own type (the CPU's CPUCode, CUDA's CUDACode),
+        # which its `finish` sets; None for a backend that generates none (the reference).
+        self.native: object = None
         # Myelin names the link from a gradient cell to its forward instance `<cell>/primal`.
         self.primal_name = (func.primal_link or f"{self.name}/primal") if self.external else None
         self.instances: weakref.WeakSet[Instance] = weakref.WeakSet()
@@ -280,11 +290,11 @@ class Cell:
         count each window, which parameter counts cannot)."""
         return sum(step.flops for step in self.steps)
 
-    def channel(self, key, size: int = 0) -> Channel:
+    def channel(self, key: object, size: int = 0) -> Channel:
         """A channel of `size` tensors shaped like the variable `key` (Myelin's cell.channel)."""
         return Channel(self.resolve(key), size)
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         """Whether the cell has this variable (or its primal link), as Myelin's `name in cell`."""
         name = _key_name(key)
         if name == self.primal_name:
@@ -292,7 +302,7 @@ class Cell:
         var = self.network.flow.find_var(name)
         return var is not None and (var.name in self._index or var in self.global_vars or var in self.external)
 
-    def index(self, name) -> int:
+    def index(self, name: object) -> int:
         """The parameter id of a local variable, for fast lookups (`data[id]`); the primal
         link's id is one past the last variable's."""
         if _key_name(name) == self.primal_name:
@@ -302,7 +312,7 @@ class Cell:
             raise RanvierError(f"{resolved.name} is not a local variable of cell {self.name}")
         return self._index[resolved.name]
 
-    def resolve(self, key) -> Variable:
+    def resolve(self, key: object) -> Variable:
         name = _key_name(key)
         var = self.network.flow.find_var(name)
         if var is None:
@@ -354,6 +364,28 @@ def _globals_of(steps: list[Step]) -> list[Variable]:
     return list(seen.values())
 
 
+class DeviceData(Protocol):
+    """Where an instance's data lives on a device (the CUDA backend's DeviceInstance), which
+    its backend sets as `Instance.device`: told of each local variable the host is about to
+    read (its value comes back) or has set (it goes out before the next compute)."""
+
+    @property
+    def device_name(self) -> str:
+        """The device's name, as profiles print it."""
+
+    def before_read(self, var: Variable) -> None:
+        """The host is about to read local `var`: its view must hold the device's value."""
+
+    def after_write(self, var: Variable) -> None:
+        """The host has set local `var` in its view: it goes to the device before the next compute."""
+
+    def array(self, var: Variable) -> object:
+        """`var`'s memory on the device, without a copy (`Instance.device_array`)."""
+
+    def cleared(self) -> None:
+        """The host zeroed the instance's buffer: every local's value is the host's now."""
+
+
 class Instance:
     """One cell's data. `data[x]` is a writable numpy view with Myelin's tensor methods
     (`TensorArray`), `data.tensor(x)` Myelin's tensor handle; `compute()` runs the cell."""
@@ -374,11 +406,10 @@ class Instance:
         # and the ones the cell computes copied back after it.
         self._connected: dict[str, tuple[Variable, np.ndarray, bool]] = {}
         self.primal: Instance | None = None
-        self._run = None
-        # Where the cell's data lives on a device (the CUDA backend's DeviceInstance): told of
-        # a local variable the host is about to read (`before_read`: its value comes back)
-        # or has set (`after_write`: it goes out before the next compute). None on the CPU.
-        self.device = None
+        self._run: Callable[[], None] | None = None
+        # Where the cell's data lives on a device, set by a backend that keeps it there; None
+        # where the host's buffer is the data (the CPU).
+        self.device: DeviceData | None = None
         if primal is not None or not cell.external:
             self.link(primal)
 
@@ -386,7 +417,7 @@ class Instance:
         """Bind the instance of the forward cell this (gradient) cell reads its values from
         (a cell that reads none, the gradient of a sum say, takes any instance and ignores it)."""
         if primal is not None and self.cell.external:
-            sources = {v.producer.func.name for v in self.cell.external}
+            sources = {op.func.name for v in self.cell.external if (op := v.producer) is not None and op.func is not None}
             if primal.cell.name not in sources:
                 raise RanvierError(
                     f"cell {self.cell.name} reads values of cell {', '.join(sorted(sources))}, "
@@ -408,7 +439,7 @@ class Instance:
             return self.primal.view(var)
         raise RanvierError(f"{var.name} is not a variable of cell {self.cell.name}")
 
-    def variable(self, key) -> Variable:
+    def variable(self, key: object) -> Variable:
         """The variable a key names: a parameter id (`cell.index`), a name, alias or handle."""
         if isinstance(key, (int, np.integer)):
             if not 0 <= key < len(self._views):
@@ -416,7 +447,7 @@ class Instance:
             return self.cell.slots[key].var
         return self.cell.resolve(key)
 
-    def __getitem__(self, key) -> TensorArray:
+    def __getitem__(self, key: object) -> TensorArray:
         var = self.variable(key)
         if var.name not in self._by_name and not var.is_global and self.primal is not None:
             return self.primal[var]  # a value of the forward instance, brought up to date there
@@ -424,10 +455,10 @@ class Instance:
             self.device.before_read(var)
         return TensorArray.of(var, self._host_view(key, var))
 
-    def _host_view(self, key, var: Variable) -> np.ndarray:
+    def _host_view(self, key: object, var: Variable) -> np.ndarray:
         return self._views[key] if isinstance(key, (int, np.integer)) else self.view(var)
 
-    def __setitem__(self, key, value) -> None:
+    def __setitem__(self, key: object, value: object) -> None:
         if isinstance(value, Instance):
             if _key_name(key) != self.cell.primal_name and not (isinstance(key, (int, np.integer)) and key == len(self._views)):
                 raise RanvierError(f"only the primal link {self.cell.primal_name or '(none: this cell reads no other cell)'} takes an instance")
@@ -444,18 +475,18 @@ class Instance:
         if self.device is not None and var.name in self._by_name:
             self.device.after_write(var)
 
-    def device_array(self, key):
+    def device_array(self, key: object) -> object:
         """The variable's memory where the cell computes, shared without a copy: on the CPU
         the numpy view `data[key]`; on a GPU a handle other GPU libraries read in place
         (`ranvier.backends.cuda.resident.DeviceArray`)."""
         var = self.variable(key)
         return self[key] if self.device is None else self.device.array(var)
 
-    def tensor(self, key) -> TensorHandle:
+    def tensor(self, key: object) -> TensorHandle:
         """Myelin's tensor handle on one of the cell's variables."""
         return TensorHandle(self.variable(key), lambda: self[key])
 
-    def connect(self, key, channel: Channel, index: int) -> None:
+    def connect(self, key: object, channel: Channel, index: int) -> None:
         """Make a reference variable of the cell stand for element `index` of `channel`."""
         var = self.cell.resolve(key)
         if not var.ref:
@@ -497,7 +528,7 @@ class Instance:
             StepTime(i, s.label, seconds[i] / computes, s.flops, s.op, all_cores[i] / computes)
             for i, s in enumerate(self.cell.steps)
         ]
-        return Profile(self.cell.name, self.computes, steps, self.device.gpu.name if self.device is not None else None,
+        return Profile(self.cell.name, self.computes, steps, self.device.device_name if self.device is not None else None,
                        timed=self.profiling or self.device is None)
 
     def reset_profile(self) -> None:

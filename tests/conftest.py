@@ -45,3 +45,10 @@ def pytest_configure(config):
         from ranvier.backends.cpu.parallel import split_thresholds
 
         split_thresholds()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The counts of ONNX's node conformance suite, where the run included it."""
+    from node_suite_report import summarize
+
+    summarize(terminalreporter)

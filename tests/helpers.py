@@ -1,9 +1,11 @@
 """Shared machinery for the op tests.
 
-`run_flow` builds a one-function flow with `ranvier.Builder`, feeds the inputs
+`run_flow` builds a one-function flow with `ranvier.Builder`, compiles it for each
+backend in `BACKENDS` (RANVIER_TEST_BACKENDS, default "reference,cpu"), feeds the inputs
 through an Instance, fills every output with a sentinel before `compute()` (twice,
 with two different sentinels, so an element the kernel never writes cannot pass by
-luck), runs the reference backend and returns the outputs. `check` compares an
+luck), checks each backend's outputs against the reference backend's and returns the
+reference's. `check` compares an
 output against an expectation computed independently in the test, with a
 tolerance that suits the output dtype. `run_gpu_kernels_on_host` runs an op's CUDA
 kernels compiled for this CPU (the code the GPU gets, its threads one after another).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +27,7 @@ from ranvier import dtypes
 FLOATS = dtypes.FLOAT_DTYPES
 INTS = dtypes.INT_DTYPES
 SIGNED_INTS = ("int8", "int16", "int32", "int64")
-UNSIGNED_INTS = ("uint8", "uint16")
+UNSIGNED_INTS = ("uint8", "uint16", "uint32", "uint64")
 NUMERIC = dtypes.NUMERIC_DTYPES
 ALL = dtypes.ALL_DTYPES
 LOW_PRECISION = ("float16", "bfloat16")
@@ -231,15 +234,52 @@ def shape_error(build: Callable, inputs: Sequence[tuple[str, str, Sequence[int]]
     return str(info.value)
 
 
+def language_model_trainer(model: Any, backend: str, batch: int, seq: int, lr: float, **options: Any) -> Any:
+    """`model` (a Llama, or a MoE with its load-balancing loss) training with AdamW and
+    clipping on batch × seq tokens (inputs "tokens" and "targets"), compiled for `backend`
+    with the Trainer's further `options`."""
+    from ranvier.models.moe import MoE
+    from ranvier.train.losses import softmax_cross_entropy
+    from ranvier.train.optimizers import AdamW
+    from ranvier.train.trainer import Trainer
+
+    flow = ranvier.Flow()
+    f = ranvier.Builder(flow, "train")
+    f.func.training = True
+    tokens, targets = f.var("tokens", "int32", [batch, seq]), f.var("targets", "int32", [batch, seq])
+    params = model.parameters(f)
+    logits = model(f, tokens, params).reshape([batch * seq, model.config.vocab_size])
+    loss = softmax_cross_entropy(logits, targets.reshape([batch * seq]))
+    if isinstance(model, MoE):
+        loss = loss + model.auxiliary_loss(f)
+    return Trainer(loss, list(params.values()), AdamW(lr=lr), clip_norm=1.0, inputs=[tokens, targets], backend=backend,
+                   **options)
+
+
 def assert_mentions(message: str, *parts: str) -> None:
     for part in parts:
         assert part in message, f"{part!r} not in error message: {message}"
 
 
 __all__ = [
-    "ALL", "FLOATS", "INTS", "LOW_PRECISION", "NUMERIC", "SIGNED_INTS", "UNSIGNED_INTS",
-    "Result", "as_f64", "assert_mentions", "check", "np_dtype",
-    "random_array", "rng", "run1", "run_flow", "shape_error",
+    "ALL",
+    "FLOATS",
+    "INTS",
+    "LOW_PRECISION",
+    "NUMERIC",
+    "SIGNED_INTS",
+    "UNSIGNED_INTS",
+    "Result",
+    "as_f64",
+    "assert_mentions",
+    "check",
+    "language_model_trainer",
+    "np_dtype",
+    "random_array",
+    "rng",
+    "run1",
+    "run_flow",
+    "shape_error",
 ]
 
 

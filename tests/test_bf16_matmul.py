@@ -126,7 +126,7 @@ def test_unknown_precision_is_refused():
 
 
 def test_mixed_precision_training_follows_float32():
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     losses = {}
     for matmul in ("float32", "bfloat16"):

@@ -16,19 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from ranvier.backends.cpu import jit, parallel
+from ranvier.backends import compile_cache
+from ranvier.backends.cpu import parallel
 from ranvier.cli import main
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())
+    monkeypatch.setattr(compile_cache, "_MEMORY_CACHE", OrderedDict())
     return tmp_path / "cache"
 
 
 def _store(key: str, size: int) -> bytes:
-    code, origin = jit.cached_object(key, lambda: bytes(size))
+    code, origin = compile_cache.cached_object(key, lambda: bytes(size))
     assert origin == "compiled"
     return code
 
@@ -44,8 +45,8 @@ def test_cap_evicts_least_recently_used(cache, monkeypatch):
     _store("b", 1000)
     _age(cache, "a", 30)
     _age(cache, "b", 20)
-    jit._MEMORY_CACHE.clear()
-    assert jit.cached_object("a", lambda: pytest.fail("a is on disk"))[1] == "disk"  # a read makes "a" recent
+    compile_cache._MEMORY_CACHE.clear()
+    assert compile_cache.cached_object("a", lambda: pytest.fail("a is on disk"))[1] == "disk"  # a read makes "a" recent
     _store("c", 1000)
     assert sorted(path.stem for path in cache.glob("*.o")) == ["a", "c"]
 
@@ -98,15 +99,15 @@ def test_measurements_that_do_not_read_are_measured_again_and_cleared(cache, cap
 
 def test_entry_evicted_while_reading_is_recompiled(cache, monkeypatch):
     _store("a", 1000)
-    jit._MEMORY_CACHE.clear()
-    read = jit._read_entry
+    compile_cache._MEMORY_CACHE.clear()
+    read = compile_cache._read_entry
 
     def evicted_first(path):  # another process deletes the entry between the check and the read
         path.unlink()
         return read(path)
 
-    monkeypatch.setattr(jit, "_read_entry", evicted_first)
-    code, origin = jit.cached_object("a", lambda: b"fresh")
+    monkeypatch.setattr(compile_cache, "_read_entry", evicted_first)
+    code, origin = compile_cache.cached_object("a", lambda: b"fresh")
     assert (code, origin) == (b"fresh", "compiled")
 
 
@@ -119,9 +120,9 @@ def test_every_damaged_byte_fails_the_checksum(cache):
         damaged = bytearray(intact)
         damaged[position] ^= 1 << rng.randrange(8)
         entry.write_bytes(bytes(damaged))
-        assert jit._read_entry(entry) is None, f"a flipped bit at byte {position} went unnoticed"
+        assert compile_cache._read_entry(entry) is None, f"a flipped bit at byte {position} went unnoticed"
     entry.write_bytes(intact)
-    assert jit._read_entry(entry) == code
+    assert compile_cache._read_entry(entry) == code
 
 
 _COMPILE_SCRIPT = """
@@ -139,7 +140,7 @@ a = np.linspace(-3, 3, 37 * 13, dtype=np.float32).reshape(37, 13)
 instance[x] = a
 instance.compute()
 assert np.allclose(instance[y], np.tanh(2 * a) + a / (1 + np.exp(-a)), rtol=1e-5, atol=1e-6)
-print(cell.native["origin"])
+print(cell.native.origin)
 """
 
 
@@ -159,16 +160,16 @@ def test_processes_compiling_the_same_model_at_once(tmp_path):
         assert set(origins) <= {"compiled", "disk"} and (round_ == 0 or origins == ["disk"] * 4), origins
         entries = [e for e in cache.iterdir() if not e.name.startswith("split-")]  # this machine's split thresholds
         assert len(entries) == 1 and entries[0].suffix == ".o", f"left in the cache: {[e.name for e in entries]}"
-        assert jit._read_entry(entries[0]) is not None
+        assert compile_cache._read_entry(entries[0]) is not None
 
 
 def test_the_folder_is_listed_at_the_first_write_then_after_each_sixteenth_of_the_cap(cache, monkeypatch):
     """Enforcing the cap lists every entry: a cache of 50,000 small entries made each
     compile pay for that listing before writes were counted."""
-    monkeypatch.setattr(jit, "_PRUNING", jit._PruneSchedule())
+    monkeypatch.setattr(compile_cache, "_PRUNING", compile_cache._PruneSchedule())
     monkeypatch.setenv("RANVIER_CACHE_MAX_MB", str(16_000 / 2**20))  # a sixteenth: about 1,000 bytes
     listings = []
-    monkeypatch.setattr(jit, "prune_cache", listings.append)
+    monkeypatch.setattr(compile_cache, "prune_cache", listings.append)
     for number, size in enumerate([10, 400, 400, 300, 10]):
         _store(f"k{number}", size)
         assert len(listings) == [1, 1, 1, 2, 2][number], f"after write {number}"

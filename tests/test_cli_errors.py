@@ -15,9 +15,10 @@ import pytest
 from ranvier.cli import _describe, build_parser, console
 from ranvier.compiler import compiler
 from ranvier.errors import RanvierError
-from ranvier.train import rundir
-from ranvier.train.llama_job import LlamaRunConfig
-from ranvier.train.mnist_job import MnistConfig
+from ranvier.jobs import rundir
+from ranvier.jobs.mnist import MnistConfig
+from ranvier.train import runs as run_files
+from ranvier.train.runs import LlamaRunConfig
 
 
 def fake_run(path: Path, kind: str, config, recorded: bool = True) -> Path:
@@ -269,7 +270,7 @@ def test_a_machine_failing_a_write_is_one_line_other_os_errors_a_traceback(cli, 
     def failing():
         raise OSError(number, "failed", "/cache/x.o")
 
-    monkeypatch.setattr("ranvier.backends.cpu.jit.describe_cache", failing)
+    monkeypatch.setattr("ranvier.backends.compile_cache.describe_cache", failing)
     if not one_line:
         with pytest.raises(OSError):
             cli("cache", "info")
@@ -297,9 +298,9 @@ def test_the_installed_command_prints_one_line_or_with_debug_the_traceback(runs)
 
 def test_run_kinds_are_recorded_and_inferred_for_older_runs(runs):
     for name, kind in [("mnist", "mnist"), ("llama", "llama"), ("moe", "moe"), ("old-mnist", "mnist"), ("old-llama", "llama")]:
-        assert rundir.kind_of(rundir.check_kind(runs[name], (kind,))) == kind
-    assert rundir.kind_of({"architectures": ["LlamaForCausalLM"]}) is None  # a Hugging Face config
-    assert rundir.read_config(runs["old-mnist"], MnistConfig, ("mnist",)) == MnistConfig()
+        assert run_files.kind_of(run_files.check_kind(runs[name], (kind,))) == kind
+    assert run_files.kind_of({"architectures": ["LlamaForCausalLM"]}) is None  # a Hugging Face config
+    assert run_files.read_config(runs["old-mnist"], MnistConfig, ("mnist",)) == MnistConfig()
 
 
 def test_a_slow_compile_says_so_on_stderr_and_the_library_stays_quiet(capsys):

@@ -653,7 +653,7 @@ _CACHE_SCRIPT = textwrap.dedent(
     instance[x] = a
     instance.compute()
     assert np.allclose(instance[y], np.tanh(2 * a) + 1 / (1 + np.exp(-a)), rtol=1e-5, atol=1e-6)
-    print(cell.native["origin"])
+    print(cell.native.origin)
     """
 )
 
@@ -679,10 +679,10 @@ def test_compile_cache_across_processes(tmp_path):
 
 
 def test_compile_cache_in_memory(tmp_path, monkeypatch):
-    from ranvier.backends.cpu import jit
+    from ranvier.backends import compile_cache
 
     monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())  # what earlier tests compiled does not count
+    monkeypatch.setattr(compile_cache, "_MEMORY_CACHE", OrderedDict())  # what earlier tests compiled does not count
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", "float32", [13, 7])
@@ -690,7 +690,7 @@ def test_compile_cache_in_memory(tmp_path, monkeypatch):
     y.var.out = True
     first = rv.Compiler("cpu", cpu="-avx512").compile(flow).cell("f")
     second = rv.Compiler("cpu", cpu="-avx512").compile(flow).cell("f")
-    assert first.native["origin"] == "compiled" and second.native["origin"] == "memory"
+    assert first.native.origin == "compiled" and second.native.origin == "memory"
     for cell in (first, second):
         instance = cell.instance()
         instance[x] = data([13, 7])

@@ -26,9 +26,9 @@ import pytest
 from ranvier.cli import main
 from ranvier.data.corpus import read_corpus
 from ranvier.errors import RanvierError
-from ranvier.train import rundir
+from ranvier.jobs import rundir
+from ranvier.jobs.llama import remove_abandoned
 from ranvier.train.checkpoint import load_checkpoint
-from ranvier.train.llama_job import remove_abandoned
 from ranvier.train.runlock import LOCK
 
 RANVIER = [sys.executable, "-m", "ranvier.cli"]
@@ -267,7 +267,7 @@ def test_unwritable_run_directory_is_refused_before_compiling(tmp_path, finished
         pytest.skip("root writes through chmod 0o555 (the read-only tmpfs test covers root)")
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    monkeypatch.setattr("ranvier.train.mnist_job.make_trainer", lambda config: pytest.fail("compiled before refusing"))
+    monkeypatch.setattr("ranvier.jobs.mnist.make_trainer", lambda config: pytest.fail("compiled before refusing"))
     run.chmod(0o555)
     try:
         with pytest.raises(RanvierError, match=f"run directory {run} is not writable: Permission denied"):

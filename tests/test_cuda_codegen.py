@@ -17,7 +17,7 @@ import pytest
 from helpers import np_dtype, random_array, run_gpu_kernels_on_host
 
 import ranvier as rv
-from ranvier.backends.cpu import jit
+from ranvier.backends import compile_cache
 from ranvier.backends.cuda import attention, backend, device, driver, kernels, launch, ptx
 from ranvier.backends.llvm.irutil import storage_type
 from ranvier.errors import RanvierError
@@ -411,8 +411,8 @@ def test_steps_of_one_signature_share_their_kernels(monkeypatch):
     monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
     cell = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing), _two_layers)
     maps = [index for index, step in enumerate(cell.steps) if step.kernel == "Map"]
-    assert len(maps) == 2 and cell.native["owners"] == maps[:1]
-    (first,), (second,) = (cell.native["kernels"][index] for index in maps)
+    assert len(maps) == 2 and cell.native.owners == maps[:1]
+    (first,), (second,) = (cell.native.kernels[index] for index in maps)
     assert first.name == second.name and first.operands != second.operands
     assert cell.backend.code(cell, "ptx").count(".visible .entry") == 1
     values = {f"f/{name}": random_array(shape, "float32", seed=i) * 0.5
@@ -433,18 +433,18 @@ def test_a_cells_ptx_and_launch_shapes_are_kept_in_the_compile_cache(monkeypatch
     from collections import OrderedDict
 
     monkeypatch.setenv("RANVIER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())
+    monkeypatch.setattr(compile_cache, "_MEMORY_CACHE", OrderedDict())
     first = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
     again = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
-    jit._MEMORY_CACHE.clear()
+    compile_cache._MEMORY_CACHE.clear()
     from_disk = _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing))
-    assert [c.native["origin"] for c in (first, again, from_disk)] == ["compiled", "memory", "disk"]
+    assert [c.native.origin for c in (first, again, from_disk)] == ["compiled", "memory", "disk"]
     assert first.backend.code(first, "ptx") == from_disk.backend.code(from_disk, "ptx")
     assert str(first) == str(from_disk)  # the same launch shapes, from the kept ptxas report
-    assert first.native["cubin"] == from_disk.native["cubin"]  # the driver loads it without compiling the PTX
-    assert first.native["cubin"][:4] == (b"\x7fELF" if ptx.ptxas_path() else b"")
+    assert first.native.cubin == from_disk.native.cubin  # the driver loads it without compiling the PTX
+    assert first.native.cubin[:4] == (b"\x7fELF" if ptx.ptxas_path() else b"")
     other = _compile_for_gpu(monkeypatch, lambda: driver.Device("NVIDIA A100", (8, 0), 108))
-    assert other.native["origin"] == "compiled" and ".target sm_80" in other.backend.code(other, "ptx")
+    assert other.native.origin == "compiled" and ".target sm_80" in other.backend.code(other, "ptx")
 
 
 def test_a_found_gpu_sets_the_architecture_and_its_instances_go_to_the_driver(monkeypatch):
@@ -703,7 +703,7 @@ def test_a_training_step_compiles_for_the_gpu_whole(monkeypatch, networks, model
     """Forward, loss and its gradient, backward products (a CNN's windows and their
     scatter-adds) and Adam: every step a GPU kernel or a planned product; only the
     instances need the device."""
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     monkeypatch.setattr(backend, "find_device", lambda: driver.find_device(_missing))
     with pytest.raises(RanvierError, match="compiled for sm_90, but the CUDA backend needs an NVIDIA GPU"):

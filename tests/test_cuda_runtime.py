@@ -14,11 +14,13 @@ import math
 
 import numpy as np
 import pytest
-from helpers import random_array
+from helpers import language_model_trainer, random_array
+from llvmlite import ir
 from test_cuda_codegen import _FakeDriver
 
 import ranvier as rv
 from ranvier.backends.cuda import backend, device, driver, resident
+from ranvier.backends.cuda.code import CUDACode
 from ranvier.backends.cuda.launch import LaunchShape
 from ranvier.errors import RanvierError
 
@@ -72,7 +74,7 @@ def test_a_reshape_of_a_value_in_the_cell_launches_nothing(on_device):
     shapes = _reshapes(rv.Builder(flow, "f"))
     values = {name: random_array(shape, "float32", seed=i) for i, (name, shape) in enumerate(shapes.items())}
     cell = rv.Compiler("cuda").compile(flow).cell("f")
-    launched = [cell.native["kernels"][index] for index, step in enumerate(cell.steps) if step.op.type == "Reshape"]
+    launched = [cell.native.kernels[index] for index, step in enumerate(cell.steps) if step.op.type == "Reshape"]
     assert launched == [[], []]
     got, want = _outputs("cuda", _reshapes, values), _outputs("cpu", _reshapes, values)
     for name, expected in want.items():
@@ -93,7 +95,7 @@ def test_a_long_reduction_to_one_value_runs_in_two_stages_on_the_device(on_devic
     flow = rv.Flow()
     shapes = _gradient_norm(rv.Builder(flow, "f"))
     cell = rv.Compiler("cuda").compile(flow).cell("f")
-    staged = [(step.op.type, step.op.inputs[0].shape, [k.elements for k in cell.native["kernels"][index]])
+    staged = [(step.op.type, step.op.inputs[0].shape, [k.elements for k in cell.native.kernels[index]])
               for index, step in enumerate(cell.steps)]
     assert staged == [("SumSquares", [300, 1024], [300]), ("Sum", [300], [1])]
     values = {name: random_array(shape, "float32", seed=9) for name, shape in shapes.items()}
@@ -122,7 +124,7 @@ def test_long_columns_reduce_in_pieces_a_thread_each_on_the_device(on_device, ca
     y = f.sum(x, axis=axes)
     y.var.out = True
     cell = rv.Compiler("cuda").compile(flow).cell("f")
-    launched = [(step.op.inputs[0].shape, [k.elements for k in cell.native["kernels"][index]])
+    launched = [(step.op.inputs[0].shape, [k.elements for k in cell.native.kernels[index]])
                 for index, step in enumerate(cell.steps) if step.op.type == "Sum"]
     assert launched == [(stage, [math.prod(stage) // stage[-2]]) for stage in stages]
     data = cell.instance()
@@ -136,7 +138,7 @@ def test_long_columns_reduce_in_pieces_a_thread_each_on_the_device(on_device, ca
 
 
 def _trainer(backend_name: str, model: str = "mlp"):
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     trainer, _, test = make_trainer(MnistConfig(steps=12, backend=backend_name, model=model, batch=32, hidden=[48]))
     return trainer, test
@@ -433,22 +435,23 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     assert (back == values).all()
     kernel = type("Kernel", (), {"name": "k_f_Add"})()
     fake.last_operands = [address, address + 16, address + 32]
-    gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands)
+    gpu.launch(driver.DriverKernels({"k_f_Add": "function"}, {}), kernel, LaunchShape(3, 256), fake.last_operands)
     assert fake.launches == [("function", 3, 256, [address, address + 16, address + 32])]
     fake.launches.clear()
-    graph = gpu.graph(lambda: gpu.launch({"k_f_Add": "function"}, kernel, LaunchShape(3, 256), fake.last_operands))
+    graph = gpu.graph(lambda: gpu.launch(driver.DriverKernels({"k_f_Add": "function"}, {}), kernel, LaunchShape(3, 256), fake.last_operands))
     gpu.replay(graph)
     assert len(fake.launches) == 1  # captured once; the graph runs it
     assert fake.graph_calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
                                 "cuGraphDestroy", "cuGraphLaunch", "cuGraphLaunch"]
-    cell = type("Cell", (), {"name": "f", "native": {"ptx": ".target sm_99", "cubin": b""}})()
+    native = CUDACode(ir.Module(), ".target sm_99", b"", {}, [], {}, "compiled", "", use_disk_cache=False)
+    cell = type("Cell", (), {"name": "f", "native": native})()
     with pytest.raises(RanvierError, match="load cell f's PTX: CUDA_ERROR_INVALID_PTX\nptxas fatal: unknown target sm_99"):
         gpu.load(cell)
     assert fake.loaded == b".target sm_99"
-    cell.native["cubin"] = b"\x7fELF machine code from ptxas"  # made at compile time: loaded instead of the PTX
+    cell.native.cubin = b"\x7fELF machine code from ptxas"  # made at compile time: loaded instead of the PTX
     with pytest.raises(RanvierError, match="load cell f's machine code"):
         gpu.load(cell)
-    assert fake.loaded == cell.native["cubin"]
+    assert fake.loaded == cell.native.cubin
 
 
 def _softmax_on_stand_in(monkeypatch, events: list, fail: dict[str, int] | None = None):
@@ -474,7 +477,7 @@ def test_computes_replay_one_graph_or_with_graphs_off_launch_kernel_by_kernel(mo
     events: list = []
     data = _softmax_on_stand_in(monkeypatch, events)
     monkeypatch.setenv(resident.GRAPHS_ENVIRONMENT, graphs)
-    kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
+    kernels_per_compute = sum(len(launches) for launches in data.cell.native.kernels.values())
     marks = len(data.cell.steps) + 1
     for profiled in (False, True):
         events.clear()
@@ -540,7 +543,7 @@ def test_a_graph_the_driver_cannot_capture_leaves_the_instance_launching_kernel_
     kernels one by one, and the capture is not tried again."""
     events: list = []
     data = _softmax_on_stand_in(monkeypatch, events, fail={refused: 900})
-    kernels_per_compute = sum(len(launches) for launches in data.cell.native["kernels"].values())
+    kernels_per_compute = sum(len(launches) for launches in data.cell.native.kernels.values())
     data.compute()
     with pytest.warns(RuntimeWarning, match="cell f: the driver could not capture its launches as a graph .*"
                                             "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED.*launching them kernel by kernel") as caught:
@@ -571,26 +574,12 @@ def _language_model_trainer(backend_name: str, kind: str, matmul: str = "float32
     import dataclasses
 
     from ranvier.models import llama, moe
-    from ranvier.train.losses import softmax_cross_entropy
-    from ranvier.train.optimizers import AdamW
-    from ranvier.train.trainer import Trainer
 
     config = llama.PRESETS["stories260K"]
     if heads is not None:
         config = dataclasses.replace(config, n_heads=heads, n_kv_heads=heads // 2)
     model = llama.Llama(config, seed=0) if kind == "llama" else moe.MoE(moe.PRESETS["moe-tiny"], seed=0)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "train")
-    f.func.training = True
-    tokens, targets = f.var("tokens", "int32", [2, 16]), f.var("targets", "int32", [2, 16])
-    params = model.parameters(f)
-    logits = model(f, tokens, params).reshape([32, model.config.vocab_size])
-    loss = softmax_cross_entropy(logits, targets.reshape([32]))
-    if kind == "moe":
-        loss = loss + model.auxiliary_loss(f)
-    trainer = Trainer(loss, list(params.values()), AdamW(lr=1e-3), clip_norm=1.0, inputs=[tokens, targets], backend=backend_name,
-                      matmul=matmul)
-    return trainer, model.config.vocab_size
+    return language_model_trainer(model, backend_name, 2, 16, 1e-3, matmul=matmul), model.config.vocab_size
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])

@@ -18,7 +18,7 @@ from test_cuda_blas import _FakeCublasLt
 from test_cuda_runtime import _classifier, _RecordingDriver
 
 import ranvier as rv
-from ranvier.backends.cuda import backend, blas, device, driver
+from ranvier.backends.cuda import backend, blas, device, driver, emulator
 
 COPIES = ("cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2")
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -89,8 +89,8 @@ def test_an_inference_output_is_copied_out_when_read(monkeypatch):
     reads it; the read brings the compute's values (the CPU's), once per compute."""
     monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
     downloads = []
-    download = device.HostEmulator.download
-    monkeypatch.setattr(device.HostEmulator, "download", lambda gpu, address, host: downloads.append(host.nbytes)
+    download = emulator.HostEmulator.download
+    monkeypatch.setattr(emulator.HostEmulator, "download", lambda gpu, address, host: downloads.append(host.nbytes)
                         or download(gpu, address, host))
     values = {}
     for backend_name in ("cuda", "cpu"):
@@ -126,8 +126,8 @@ def test_weights_fed_to_layers_and_a_checkpoint_go_back_to_no_device(monkeypatch
 
     monkeypatch.setenv(device.DEVICE_ENVIRONMENT, device.EMULATOR)
     uploads = []
-    upload = device.HostEmulator.upload
-    monkeypatch.setattr(device.HostEmulator, "upload", lambda gpu, address, host: uploads.append(address)
+    upload = emulator.HostEmulator.upload
+    monkeypatch.setattr(emulator.HostEmulator, "upload", lambda gpu, address, host: uploads.append(address)
                         or upload(gpu, address, host))
     trainer = stack(config(layers=2), backend="cuda")
     trainer.step(batch(0))

@@ -10,9 +10,9 @@ from rich.live import Live
 
 from ranvier import dashboard
 from ranvier.dashboard import Dashboard, sparkline
+from ranvier.jobs.peak import measured_peak
 from ranvier.profile import Profile, StepTime
 from ranvier.progress import BAR_WIDTH, expected_steps, fit, training_progress
-from ranvier.train.peak import device_peak
 
 
 def test_sparkline_scales_to_the_block_range():
@@ -114,9 +114,9 @@ def test_dashboard_last_frame_shows_the_final_validation_loss(monkeypatch):
 def test_on_a_gpu_the_share_of_peak_is_the_devices_own_product_in_the_runs_precision(monkeypatch):
     """A CUDA run's dashboard measures the device's product (the cuBLASLt call its steps
     make, bf16 here) by the device's clock: its share is the run's MFU. Here on the host
-    emulator, at a small size."""
+    emulator, at its small size."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
-    gflops, what = device_peak("cuda", "bfloat16", n=64)
+    gflops, what = measured_peak("cuda", "bfloat16")
     assert gflops > 0 and what == "bfloat16 GEMM on cuda"
     board = Dashboard("run", total_steps=10, compile_seconds=1.0, peak_gflops=gflops, peak_what=what)
     board.update(1, 2.0, 1.0, 100, gflops * 0.5e9)

@@ -21,8 +21,8 @@ from ranvier import RanvierError
 from ranvier.backends.cuda import device
 from ranvier.distributed import GradientReducer, World, owners
 from ranvier.distributed.launch import find_mpiexec, without_workers
+from ranvier.jobs.rundir import checkpoint_step
 from ranvier.train.checkpoint import load_checkpoint
-from ranvier.train.rundir import checkpoint_step
 
 WORKER = Path(__file__).resolve().parent / "dp_worker.py"
 TOLERANCE = 1e-4  # of each tensor's largest magnitude: float32 sums in another order, through Adam

@@ -34,7 +34,7 @@ MIN_CASES = 40
 ALPHABET = "abxyz09/:_-. éüß✓中文🙂𝔘" + "\udc80\udcff"
 DTYPE_NAMES = [*dtypes.ALL_DTYPES, *dtypes.ALIASES, *dtypes.STORAGE_DTYPES]
 TYPECODES = {"float32": "f", "float64": "d", "int8": "b", "int16": "h", "int32": "i", "int64": "q",
-             "uint8": "B", "uint16": "H", "float16": "f", "bfloat16": "f"}
+             "uint8": "B", "uint16": "H", "uint32": "I", "uint64": "Q", "float16": "f", "bfloat16": "f"}
 INT32_RANGE = (-(2**31), 2**31 - 1)
 
 

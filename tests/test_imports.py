@@ -141,7 +141,8 @@ ORDER = [
     "ranvier.dashboard", "ranvier.plot", "ranvier.data",
     "ranvier.ops", "ranvier.flow", "ranvier.nn", "ranvier.autodiff", "ranvier.profile", "ranvier.handles", "ranvier.runtime",
     "ranvier.backends",
-    "ranvier.compiler", "ranvier.models", "ranvier.generate", "ranvier.train", "ranvier.interop", "ranvier.onnx", "ranvier.modelrun",
+    "ranvier.compiler", "ranvier.models", "ranvier.generate", "ranvier.train", "ranvier.interop", "ranvier.onnx",
+    "ranvier.jobs", "ranvier.modelrun",
     "ranvier", "ranvier.cli",
 ]
 
@@ -158,3 +159,61 @@ def test_each_layer_imports_only_the_layers_beneath_it():
         if any(ORDER.index(t) > position for t in layers.get(layer, set()))
     }
     assert not wrong, f"layers importing layers above them: {wrong}"
+
+
+# Backends that sit side by side: neither may import the other's modules (what they share
+# lives in ranvier.backends itself: the protocol, the compile cache, the LLVM helpers, and the
+# numpy reference a backend runs an op it has no kernel for with).
+SIBLING_BACKENDS = ["ranvier.backends.cpu", "ranvier.backends.cuda"]
+# The one crossing, with its reason: the CUDA backend's host emulator runs the GPU's kernels
+# on this CPU, compiled and loaded by the CPU backend's LLVM loader.
+CROSSINGS = {"ranvier.backends.cuda.emulator": {"ranvier.backends.cpu.jit", "ranvier.backends.cpu.target"}}
+
+
+def _sibling(module: str) -> str | None:
+    return next((s for s in SIBLING_BACKENDS if module == s or module.startswith(f"{s}.")), None)
+
+
+def _crossings(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Imports from one sibling backend into another, less the allowed ones."""
+    found = {}
+    for module, targets in graph.items():
+        home = _sibling(module)
+        wrong = sorted(t for t in targets - CROSSINGS.get(module, set()) if home and _sibling(t) not in (None, home))
+        if wrong:
+            found[module] = wrong
+    return found
+
+
+def test_sibling_backends_do_not_import_each_other():
+    crossings = _crossings(import_graph())
+    assert not crossings, f"backends importing another backend's modules: {crossings}"
+
+
+def test_the_sibling_check_sees_a_crossing():
+    graph = {"ranvier.backends.cuda.backend": {"ranvier.backends.cpu.jit", "ranvier.backends.compile_cache"},
+             "ranvier.backends.cpu.backend": {"ranvier.backends.cuda.ptx", "ranvier.backends.cpu.jit"},
+             "ranvier.backends.cuda.emulator": {"ranvier.backends.cpu.jit"}}
+    assert _crossings(graph) == {"ranvier.backends.cuda.backend": ["ranvier.backends.cpu.jit"],
+                                 "ranvier.backends.cpu.backend": ["ranvier.backends.cuda.ptx"]}
+
+
+# The application: what the `ranvier` command runs (its jobs, their run directories, the
+# model tools), above every library layer. A library layer imports none of it.
+APPLICATION = ["ranvier.jobs", "ranvier.modelrun", "ranvier.cli"]
+
+
+def _library_importing_application(layers: dict[str, set[str]]) -> dict[str, list[str]]:
+    return {layer: sorted(targets & set(APPLICATION)) for layer, targets in layers.items()
+            if layer not in APPLICATION and layer != "ranvier" and targets & set(APPLICATION)}
+
+
+def test_no_library_layer_imports_the_application():
+    wrong = _library_importing_application(_layer_graph(import_graph()))
+    assert not wrong, f"library layers importing application modules: {wrong}"
+
+
+def test_the_application_sits_on_top():
+    assert ORDER[-len(APPLICATION) - 1 :] == [*APPLICATION[:-1], "ranvier", "ranvier.cli"]
+    assert _library_importing_application({"ranvier.interop": {"ranvier.jobs", "ranvier.models"}}) == {
+        "ranvier.interop": ["ranvier.jobs"]}

@@ -481,7 +481,7 @@ def test_export_run_directory_from_the_command_line(tmp_path, sentencepiece_toke
     from ranvier.interop import weights_from_run
     from ranvier.models.llama import PRESETS
     from ranvier.train.checkpoint import save_checkpoint
-    from ranvier.train.llama_job import LlamaRunConfig
+    from ranvier.train.runs import LlamaRunConfig
 
     run = tmp_path / "run"
     run.mkdir()

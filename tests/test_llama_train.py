@@ -9,7 +9,8 @@ import pytest
 
 from ranvier.cli import console, main
 from ranvier.data.corpus import read_corpus
-from ranvier.train.llama_job import LlamaRunConfig, resume_llama, train_llama
+from ranvier.jobs.llama import resume_llama, train_llama
+from ranvier.train.runs import LlamaRunConfig
 
 
 def losses(run_dir):
@@ -71,7 +72,7 @@ def test_checkpointed_llama_run_trains_and_resumes_exactly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_llama_job_accumulates_micro_batches(tmp_path, checkpointed):
-    from ranvier.train.llama_job import build
+    from ranvier.jobs.llama import build
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(read_corpus(max_bytes=100_000))

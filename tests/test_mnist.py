@@ -109,8 +109,8 @@ def test_the_job_feeds_pixels_that_the_step_scales_as_the_float_images_would_be(
     """`ranvier train mnist` gathers uint8 pixels and divides them by 255 in the step: the
     losses, parameters and predictions are those of the same classifier fed
     `Split.flat()` / `nchw()` (numpy's pixels / np.float32(255))."""
+    from ranvier.jobs.mnist import MnistConfig, example_shape, make_model, make_trainer
     from ranvier.train.classifier import build_classifier
-    from ranvier.train.mnist_job import MnistConfig, example_shape, make_model, make_trainer
     from ranvier.train.optimizers import Adam
     from ranvier.train.trainer import Trainer
 
@@ -130,7 +130,7 @@ def test_the_job_feeds_pixels_that_the_step_scales_as_the_float_images_would_be(
 
 def test_float_images_for_a_pixel_input_are_refused_not_truncated():
     from ranvier.errors import RanvierError
-    from ranvier.train.mnist_job import MnistConfig, make_trainer
+    from ranvier.jobs.mnist import MnistConfig, make_trainer
 
     trainer, train, test = make_trainer(MnistConfig(batch=16, hidden=[16]))
     with pytest.raises(RanvierError, match=r"evaluate\(\)'s examples for infer/x is float32, expected uint8"):

@@ -15,8 +15,9 @@ import ranvier as rv
 from ranvier.cli import main
 from ranvier.data.corpus import read_corpus
 from ranvier.generate import Generator, Sampling
+from ranvier.jobs.llama import train_llama
 from ranvier.models.moe import MoE, MoEConfig
-from ranvier.train.llama_job import LlamaRunConfig, train_llama
+from ranvier.train.runs import LlamaRunConfig
 
 STEPS = 10
 RUN = {"model": "moe", "preset": "moe-tiny", "steps": STEPS, "batch": 4, "seq": 32, "warmup": 2, "eval_every": 5,

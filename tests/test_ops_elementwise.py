@@ -53,7 +53,8 @@ def wrap(values: np.ndarray, dtype: str) -> np.ndarray:
     info = np.iinfo(np_dtype(dtype))
     span = int(info.max) - int(info.min) + 1
     v = np.asarray(values, dtype=object)
-    return np.vectorize(lambda e: (int(e) - int(info.min)) % span + int(info.min), otypes=[np.int64])(v)
+    wrapped = np.vectorize(lambda e: (int(e) - int(info.min)) % span + int(info.min), otypes=[object])(v)
+    return wrapped.astype(np_dtype(dtype))  # object to the dtype itself: uint64's range passes int64's
 
 
 def ints_of(a) -> np.ndarray:
@@ -251,7 +252,8 @@ def test_gelu_forms_differ():
 
 # ---- Cast ------------------------------------------------------------------------------------
 
-CAST_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "float16", "bfloat16", "float32", "float64"]
+CAST_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "bfloat16",
+               "float32", "float64"]
 
 
 def _cast_source(src: str, dst: str) -> np.ndarray:
@@ -285,6 +287,13 @@ def test_cast(src, dst):
 def test_cast_float_to_int_truncates_toward_zero():
     x = np.array([-2.9, -2.5, -0.7, 0.7, 2.5, 2.9], np.float32)
     check(run1(lambda f, a: f.cast(a, "int32"), x), [-2, -2, 0, 0, 2, 2], "int32")
+
+
+@pytest.mark.parametrize("src", ["float32", "float64"])
+def test_cast_to_uint64_past_int64s_range(src):
+    """Floats from 2^63 up convert to uint64 as numpy converts them, not through int64."""
+    x = np.array([3e18, 1.5, 1.7e19, 2.0**63, 2.0**63 - 2**40, 0.0, 1.8e19], src)
+    np.testing.assert_array_equal(run1(lambda f, a: f.cast(a, "uint64"), x), x.astype(np.uint64))
 
 
 def test_cast_accepts_numpy_dtypes():

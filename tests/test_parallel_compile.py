@@ -11,6 +11,7 @@ import pytest
 from helpers import random_array
 
 import ranvier as rv
+from ranvier.backends import compile_cache
 from ranvier.backends.cpu import jit, parallel_compile
 from ranvier.backends.cpu.parallel import SPLIT_ENVIRONMENT, split_thresholds, thread_count
 
@@ -44,7 +45,7 @@ def _losses(monkeypatch, parts: int, worker_lines: int) -> tuple[list[float], in
     monkeypatch.setenv(SPLIT_ENVIRONMENT, "4096")  # the same kernels split over threads each time
     split_thresholds.cache_clear()  # read again, from the setting
     made = []  # the code compiled, each cell's
-    monkeypatch.setattr(jit, "cached_object", lambda key, generate, use_disk=True: (made.append(generate()) or made[-1], "compiled"))
+    monkeypatch.setattr(compile_cache, "cached_object", lambda key, generate, use_disk=True: (made.append(generate()) or made[-1], "compiled"))
     monkeypatch.setattr(parallel_compile, "parts", lambda: parts)
     monkeypatch.setattr(parallel_compile, "WORKER_LINES", worker_lines)
     started = []

@@ -43,12 +43,14 @@ from ranvier.interop import (
     import_tokenizer_bin,
     weight_shapes,
 )
+from ranvier.jobs import rundir
+from ranvier.jobs.llama import restore_sampler_rng
+from ranvier.jobs.mnist import MnistConfig
+from ranvier.jobs.mnist import read_config as read_mnist_config
 from ranvier.models.llama import LlamaConfig
 from ranvier.models.moe import MoEConfig
-from ranvier.train import llama_job, mnist_job, rundir
 from ranvier.train.checkpoint import METADATA, load_checkpoint, read_metadata, save_checkpoint
-from ranvier.train.llama_job import LlamaRunConfig, restore_sampler_rng
-from ranvier.train.mnist_job import MnistConfig
+from ranvier.train.runs import LlamaRunConfig, read_run
 
 SEED = 19
 BUDGET_S = 1.5  # each reader's mutation loop runs this long ...
@@ -227,8 +229,8 @@ READERS = {
     "hf": Reader(make_hf, import_hf),
     "hf-sharded": Reader(make_hf_sharded, import_hf),
     "checkpoint": Reader(make_checkpoint, read_checkpoint, reseal=reseal_checkpoint),
-    "mnist config.json": Reader(make_run_config("mnist", MnistConfig()), mnist_job.read_config),
-    "llama config.json": Reader(make_run_config("llama", LlamaRunConfig(shards=[SHARD])), llama_job.read_run),
+    "mnist config.json": Reader(make_run_config("mnist", MnistConfig()), read_mnist_config),
+    "llama config.json": Reader(make_run_config("llama", LlamaRunConfig(shards=[SHARD])), read_run),
     "shards": Reader(make_shards, read_shards, lenient=True),
     "tokenizer.json": Reader(make_tokenizer_json, load_tokenizer),
     "idx": Reader(make_idx(False), mnist.read_idx),

@@ -19,7 +19,7 @@ import pytest
 from ranvier.cli import main
 from ranvier.distributed.launch import watch_launcher
 from ranvier.errors import RanvierError
-from ranvier.train import rundir
+from ranvier.jobs import rundir
 from ranvier.train.runlock import LOCK, RunDirLocked, lock_run_dir
 
 RANVIER = [sys.executable, "-m", "ranvier.cli"]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ranvier as rv
-from ranvier.backends.cpu import jit
+from ranvier.backends import compile_cache
 
 
 def mappings() -> int:
@@ -76,19 +76,19 @@ def test_dropped_networks_unmap_their_code():
 def test_cells_with_the_same_code_share_one_engine():
     first, *_ = small_network(9, 0)
     second, *_ = small_network(9, 1)
-    assert first.cell("f").native["code"] is second.cell("f").native["code"]
-    code = weakref.ref(first.cell("f").native["code"])
+    assert first.cell("f").native.code is second.cell("f").native.code
+    code = weakref.ref(first.cell("f").native.code)
     del first, second
     gc.collect()
     assert code() is None, "the engine outlived every network that used it"
 
 
 def test_memory_cache_of_object_code_is_bounded(monkeypatch):
-    monkeypatch.setattr(jit, "_MEMORY_CACHE", OrderedDict())
-    monkeypatch.setattr(jit, "MEMORY_CACHE_BYTES", 1)  # keeps only the newest entry
+    monkeypatch.setattr(compile_cache, "_MEMORY_CACHE", OrderedDict())
+    monkeypatch.setattr(compile_cache, "MEMORY_CACHE_BYTES", 1)  # keeps only the newest entry
     for width in (5, 6, 7):
         small_network(width, width)
-    assert len(jit._MEMORY_CACHE) == 1
+    assert len(compile_cache._MEMORY_CACHE) == 1
 
 
 def test_network_survives_a_million_computes_with_flat_memory():

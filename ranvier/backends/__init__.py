@@ -1,5 +1,6 @@
 """Backends turn a cell's steps into running code: `reference` (numpy, the oracle), `cpu`
-(LLVM) and `cuda` (LLVM's NVPTX; finds the GPU, generates its kernels, runs nothing yet).
+(LLVM) and `cuda` (LLVM's NVPTX and cuBLASLt through the CUDA driver, on an NVIDIA GPU or,
+with RANVIER_CUDA_DEVICE=emulator, the same kernels on this CPU).
 The compiler finds them here by name; a backend's module is imported when a compile
 first asks for it."""
 

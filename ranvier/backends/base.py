@@ -89,9 +89,26 @@ class Capabilities:
 
 
 class Backend(Protocol):
-    name: str
-    capabilities: Capabilities
-    step_time_dtype: type  # the unit instances accumulate step times in (seconds, cycles)
+    """What the compiler and the runtime call on a backend: nothing else is asked of one.
+
+    A backend is built by `factory(options)` (`register_backend`) with the compile's
+    `CompileOptions`. The compiler runs its passes as `capabilities` allow (decomposing what
+    `runs_whole` refuses), asks `choose` for each op's step, plans memory (with
+    `workspace_bytes`, `in_place` and `shares_storage`) and calls `finish` with the cell laid
+    out; an `Instance` of the cell then calls `bind` once and the function it returns on each
+    compute, and reads its profile through `step_seconds` and `all_cores_seconds`. mypy checks
+    each backend, and tests/test_backend_protocol.py one written against this class alone."""
+
+    name: str  # what `Compiler(backend=...)` calls it
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Which of the compiler's passes apply to its flows."""
+
+    @property
+    def step_time_dtype(self) -> type[np.generic]:
+        """The unit an instance accumulates its step times in (seconds, cycles), as the dtype
+        of `Instance.step_time`."""
 
     def runs_whole(self, op: Operation) -> bool:
         """Whether a kernel runs the op as it is; if not, the compiler decomposes it."""
@@ -99,8 +116,9 @@ class Backend(Protocol):
     def choose(self, op: Operation) -> Step:
         """The step that computes `op`: its kernel, variant and cost."""
 
-    def scratch_bytes(self, step: Step) -> int:
-        """Working memory the step's kernel needs while it runs (planned like a temporary)."""
+    def workspace_bytes(self, step: Step) -> int:
+        """Bytes of working memory the step's kernel needs while it runs, 0 for none: the
+        compiler plans them like a temporary live during the step, as `step.workspace`."""
 
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
         """Whether `op` may write `target` over `source` when `source` dies at `op`."""
@@ -109,16 +127,26 @@ class Backend(Protocol):
         """Whether a view op's output may simply be its input's bytes."""
 
     def finish(self, cell: Cell) -> None:
-        """Generate (or fetch from a cache) the cell's code."""
+        """Generate (or fetch from a cache) the cell's code, kept in `cell.native`."""
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
-        """The function that computes the cell on an instance's data."""
+        """The function that computes the cell on an instance's data, called once per
+        instance; it adds each step's time to `instance.step_time` (and the part of it run
+        on all cores to `instance.all_cores_time`) in `step_time_dtype`'s unit."""
 
     def step_seconds(self, instance: Instance) -> np.ndarray:
         """The instance's accumulated step times, in seconds."""
 
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
-        """The part of each step's accumulated time it ran split over all the cores."""
+        """The part of each step's accumulated time it ran split over all the cores, in seconds."""
+
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        """The rate a training run's share of peak (the dashboard's) is taken against, with
+        its matrix products in `matmul`, and what was measured; a device's own figure is
+        timed on an n × n × n product compiled for this backend, whose seconds (by the
+        backend's clock, the best of several computes) `product_seconds(n)` gives. None: no
+        figure of its own (the host's fp32 GEMM is taken)."""
 
     def code(self, cell: Cell, kind: str) -> str:
-        """The generated code of a cell as text, e.g. kind "llvm" or "asm"."""
+        """The generated code of a cell as text, e.g. kind "llvm" or "asm"; a RanvierError
+        for a kind the backend does not generate."""

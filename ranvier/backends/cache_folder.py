@@ -1,5 +1,5 @@
-"""Where ranvier keeps what it makes once per machine: compiled code (cpu/jit.py), the
-machine's measurements (cpu/measured.py), prepared corpora. Every backend and job finds
+"""Where ranvier keeps what it makes once per machine: compiled code (compile_cache.py), the
+machine's measurements (measured.py), prepared corpora. Every backend and job finds
 the folder here, so none imports another's loader for it."""
 
 from __future__ import annotations

@@ -13,15 +13,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
+from ..errors import RanvierError
 from ..flow.graph import Operation, Variable
 from ..ops import op_def
+
+Plan = TypeVar("Plan")
+Emit = Callable[..., None]  # a backend's generator for a step (on the CPU, `emit(ctx, op)`)
 
 
 def _always(op: Operation) -> bool:
     return True
+
+
+def planned(plan: Plan | None, op: Operation) -> Plan:
+    """The plan a kernel's `supports` found for `op` (a tiling, a geometry), as its emitter
+    takes it again: None there means the kernel was asked to emit an op it does not support."""
+    if plan is None:
+        raise RanvierError(f"{op.type} op {op.name}: its kernel was chosen for an op it does not support")
+    return plan
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,7 @@ class Prepared:
 
     var: Variable
     form: str
-    make: Callable[[np.ndarray, object], np.ndarray]
+    make: Callable[[np.ndarray, Any], np.ndarray]  # (value, the backend's target)
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,7 @@ class Kernel:
 
     name: str
     ops: frozenset[str] | None
-    emit: Callable
+    emit: Emit
     supports: Callable[[Operation], bool] = _always
     flops: Callable[[Operation], int] | None = None
     in_place: Callable[[Operation, Variable, Variable], bool] | None = None
@@ -91,11 +104,11 @@ class KernelLibrary:
         return kernel
 
     def kernel(
-        self, name: str, ops: Iterable[str] | None = None, *, first: bool = False, **options,
-    ) -> Callable[[Callable], Callable]:
+        self, name: str, ops: Iterable[str] | None = None, *, first: bool = False, **options: Any,
+    ) -> Callable[[Emit], Emit]:
         """Decorator: register the decorated emitter as kernel `name` for `ops`."""
 
-        def register(emit: Callable) -> Callable:
+        def register(emit: Emit) -> Emit:
             self.register(Kernel(name, frozenset(ops) if ops is not None else None, emit, **options), first)
             return emit
 

@@ -70,6 +70,9 @@ class ReferenceBackend:
     def step_seconds(self, instance: Instance) -> np.ndarray:
         return instance.step_time
 
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        return None  # numpy on the host: the host's GEMM is the peak
+
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return instance.all_cores_time  # numpy's own threads are not counted: zeros
 
@@ -92,7 +95,7 @@ def evaluate(op: Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """The op's numpy reference on `inputs`: its outputs, then the new values of the
     inputs it writes in place."""
     definition = op_def(op.type)
-    types = [TensorType(v.dtype, v.shape) for v in op.outputs]
+    types = [TensorType(v.dtype, tuple(v.shape)) for v in op.outputs]
     args = [_widen(array, var) for array, var in zip(inputs, op.inputs)]
     # IEEE semantics: overflow, inf and NaN are values here, not warnings.
     with np.errstate(all="ignore"):

@@ -28,7 +28,7 @@ from .. import dtypes
 from ..errors import RanvierError
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Function, Operation, Variable
-from ..ops import op_def
+from ..ops import TensorType, op_def
 
 FLOAT32_OPS = {"ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
 RESHAPES = {"Reshape", "ExpandDims", "Squeeze"}  # views of a value's elements in order
@@ -61,7 +61,7 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
         for var, t in zip(op.outputs, types):
             var.dtype = t.dtype
     for var in reversed(list(casts.values())):  # a cast an op took back (a reshape of one first)
-        if not var.consumers:
+        if not var.consumers and var.producer is not None:
             flow.remove_op(var.producer)
             flow.remove_var(var)
     _drop_unread_reshapes(flow, func, keep)
@@ -78,7 +78,7 @@ def _drop_unread_reshapes(flow: Flow, func: Function, keep: set[str]) -> None:
                 flow.remove_var(v)
 
 
-def _types(op: Operation, runs_whole: Callable[[Operation], bool]) -> list | None:
+def _types(op: Operation, runs_whole: Callable[[Operation], bool]) -> list[TensorType] | None:
     """The op's output types on its current inputs, or None where it cannot take them
     (its definition refuses them, or the backend has no kernel for it so typed)."""
     try:
@@ -94,7 +94,7 @@ def _types(op: Operation, runs_whole: Callable[[Operation], bool]) -> list | Non
     return types if runs else None
 
 
-def _computes(types: list | None, wanted: str) -> bool:
+def _computes(types: list[TensorType] | None, wanted: str) -> bool:
     """Whether an op typed so (`_types`) computes `wanted` from its inputs as they are,
     mixed dtypes and all (a norm's gradient reading a half-precision gradient beside a
     float32 residual stream): casting them first would cost a pass of its own."""

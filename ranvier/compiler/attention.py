@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..flow.builder import Builder
+from ..errors import CompileError
+from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of
 from .rewrite import splice
@@ -41,9 +42,17 @@ class _Match:
     ops: list[Operation] = field(default_factory=list)  # the pattern's ops, from the softmax down
 
     @property
+    def key(self) -> Variable:
+        """K, or Kᵀ where only that is there."""
+        key = self.k if self.k is not None else self.k_transposed
+        if key is None:
+            raise CompileError(f"attention over {self.q.name}: the pattern has neither K nor Kᵀ")
+        return key
+
+    @property
     def key_shape(self) -> list[int]:
         if self.k_transposed is None:
-            return list(self.k.shape)
+            return list(self.key.shape)
         kt = self.k_transposed.shape
         return [*kt[:-2], kt[-1], kt[-2]]
 
@@ -62,25 +71,23 @@ def _fuse(flow: Flow, func: Function, product: Operation, keep: set[str]) -> Non
     v = product.inputs[1]
     if match is None or match.q.rank not in (3, 4) or v.rank != match.q.rank:
         return
-    k = match.k
     scores = softmax.inputs[0]
     causal, bias = _split_addends(match.addends, scores)
     if not _shapes_fit(match, v, scores, bias):
         return
-    expanded = [a.producer for a in bias if _unexpanded(a) is not a]
+    expanded = [a.producer for a in bias if a.producer is not None and _unexpanded(a) is not a]
     b = Builder(flow, func)
-    q = b.wrap(match.q)
-    if k is None:
-        k = b.wrap(match.k_transposed).transpose([*range(v.rank - 2), v.rank - 1, v.rank - 2])
-    elif list(k.shape) != match.key_shape:
-        k = b.wrap(k).reshape(match.key_shape)
+    queries = b.wrap(match.q)
+    if match.k is None:
+        keys = b.wrap(match.key).transpose([*range(v.rank - 2), v.rank - 1, v.rank - 2])
+    elif list(match.k.shape) != match.key_shape:
+        keys = b.wrap(match.k).reshape(match.key_shape)
     else:
-        k = b.wrap(k)
-    v = b.wrap(v)
-    bias = _sum(b, bias)
-    if q.rank == 3:  # [B·H, T, hd]: one batch of B·H heads (a bias of rank 3 reads as [1, B·H, T, S])
-        q, k, v = (x.reshape([1, *x.shape]) for x in (q, k, v))
-    out = b.attention(q, k, v, bias, causal=causal, scale=match.scale)
+        keys = b.wrap(match.k)
+    values = b.wrap(v)
+    if queries.rank == 3:  # [B·H, T, hd]: one batch of B·H heads (a bias of rank 3 reads as [1, B·H, T, S])
+        queries, keys, values = (x.reshape([1, *x.shape]) for x in (queries, keys, values))
+    out = b.attention(queries, keys, values, _sum(b, bias), causal=causal, scale=match.scale)
     if out.rank != product.outputs[0].rank:
         out = out.reshape(product.outputs[0].shape)
     splice(flow, product, [out])
@@ -196,6 +203,8 @@ def _is_causal_mask(var: Variable, scores: Variable) -> bool:
     queries, keys = scores.shape[-2:]
     if queries > keys:
         return False
+    if var.data is None:
+        return False
     data = np.asarray(var.data, np.float64).reshape(-1, queries, keys)
     hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
     lowest = np.finfo(var.data.dtype).min if np.issubdtype(var.data.dtype, np.floating) else -np.inf
@@ -206,8 +215,7 @@ def _shapes_fit(match: _Match, v: Variable, scores: Variable, bias: list[Variabl
     """Q [.., T, hd], K [.., S, hd], V [.., S, hd] of one dtype and the same leading
     axes, and addends of that dtype that broadcast to the scores without growing them."""
     q, key = match.q, match.key_shape
-    key_var = match.k if match.k is not None else match.k_transposed
-    if not q.dtype == key_var.dtype == v.dtype == scores.dtype:
+    if not q.dtype == match.key.dtype == v.dtype == scores.dtype:
         return False
     if key != list(v.shape) or list(v.shape[:-2]) != list(q.shape[:-2]) or v.shape[-1] != q.shape[-1]:
         return False
@@ -215,7 +223,7 @@ def _shapes_fit(match: _Match, v: Variable, scores: Variable, bias: list[Variabl
                and all(d in (1, n) for d, n in zip(reversed(x.shape), reversed(scores.shape))) for x in bias)
 
 
-def _sum(b: Builder, addends: list[Variable]):
+def _sum(b: Builder, addends: list[Variable]) -> Tensor | None:
     if not addends:
         return None
     total = b.wrap(_unexpanded(addends[0]))
@@ -252,7 +260,7 @@ def _private_producer(var: Variable, func: Function, keep: set[str]) -> Operatio
 
 def _over_last_axis(softmax: Operation) -> bool:
     rank = softmax.inputs[0].rank
-    return attrs_of(softmax)["axis"] % rank == rank - 1
+    return bool(attrs_of(softmax)["axis"] % rank == rank - 1)
 
 
 def _transposes(product: Operation) -> bool:

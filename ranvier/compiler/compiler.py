@@ -23,7 +23,7 @@ from .schedule import schedule
 
 # Set by the `ranvier` command to show slow compiles; the library itself prints nothing.
 # Given the flow about to be compiled, it returns a context manager around the compile.
-compile_observer: Callable[[Flow], contextlib.AbstractContextManager] | None = None
+compile_observer: Callable[[Flow], contextlib.AbstractContextManager[object]] | None = None
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,12 @@ write all-one bit masks there; both read as the same booleans).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
 from .. import dtypes
-from ..errors import RanvierError
+from ..errors import CompileError, RanvierError
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Operation
 from ..ops import TensorType, has_op, op_def
@@ -52,7 +53,7 @@ def reshape_declared_outputs(flow: Flow) -> None:
             _redirect_output(flow, op, index, computed, "Reshape", declared.shape)
 
 
-def _declared_outputs(flow: Flow):
+def _declared_outputs(flow: Flow) -> Iterator[tuple[Operation, int, TensorType]]:
     """(op, output index, the type the op computes there) for every output of every op in
     a function; ops whose types cannot be inferred are left to the type check that follows."""
     for op in list(flow.ops.values()):
@@ -66,7 +67,8 @@ def _declared_outputs(flow: Flow):
             yield op, index, computed
 
 
-def _redirect_output(flow: Flow, op: Operation, index: int, computed: TensorType, convert: str, target) -> None:
+def _redirect_output(flow: Flow, op: Operation, index: int, computed: TensorType, convert: str,
+                     target: str | list[int]) -> None:
     """Make `op` write its output `index` as it computes it, into a new variable, and a
     `convert` op (Reshape to shape `target`, Cast to dtype `target`) fill the declared one."""
     declared = op.outputs[index]
@@ -83,4 +85,7 @@ def _redirect_output(flow: Flow, op: Operation, index: int, computed: TensorType
     else:
         view.set_attr("dtype", target)
     view.add_output(declared)
-    op.func.add(view)
+    func = op.func
+    if func is None:
+        raise CompileError(f"{op.type} op {op.name} belongs to no function")
+    func.add(view)

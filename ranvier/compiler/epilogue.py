@@ -41,7 +41,8 @@ from .fuse import is_elementwise
 from .rewrite import erase
 
 
-def fuse_epilogues(flow: Flow, func: Function, keep: set[str], accepts: Callable | None = None) -> None:
+def fuse_epilogues(flow: Flow, func: Function, keep: set[str],
+                   accepts: Callable[[Variable, str, list[Variable]], bool] | None = None) -> None:
     """Replace each MatMul, Conv2D, row op or pool gradient and the Calculate that alone
     reads its product by one op (where given, only those `accepts(product, program, further inputs)`:
     `Capabilities`)."""
@@ -85,14 +86,15 @@ def _program(op: Operation) -> Program:
 
 
 def _renumbered(program: Program, inputs: dict[int, int], outputs: dict[int, int]) -> Program:
-    def operand(node: Ref | Call) -> Ref | Call:
-        if isinstance(node, Call):
-            return Call(node.op_type, tuple(operand(a) for a in node.args), node.attrs)
+    def ref(node: Ref) -> Ref:
         if node.kind == "%":
             return Ref("%", inputs[node.index])
         return Ref("@", outputs[node.index]) if node.kind == "@" else node
 
-    return Program([(operand(target), operand(call)) for target, call in program.statements])
+    def call(node: Call) -> Call:
+        return Call(node.op_type, tuple(call(a) if isinstance(a, Call) else ref(a) for a in node.args), node.attrs)
+
+    return Program([(ref(target), call(node)) for target, node in program.statements])
 
 
 def _fused_program(producer: Operation, calculate: Operation) -> tuple[Program, list[Variable], list[Variable]]:

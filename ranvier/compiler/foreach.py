@@ -37,7 +37,7 @@ def fuse_foreach(flow: Flow, func: Function, key_of: GroupKey, max_operands: int
     position = {id(op): i for i, op in enumerate(order)}
     overwritten = {id(op) for target in {id(v): v for op in func.ops for v in written_inputs(op)}.values()
                    for op in readers(target)}
-    node: dict[int, frozenset] = {}  # id(op) -> the group it joins, or the op's own id (a view: its readers')
+    node: dict[int, frozenset[Hashable]] = {}  # id(op) -> the group it joins, or the op's own id (a view: its readers')
     groups: dict[Hashable, list[Operation]] = {}
     for op in reversed(order):  # readers first: an op's readers have found their groups
         if is_view(op):  # seen through: its readers read its input
@@ -54,7 +54,7 @@ def fuse_foreach(flow: Flow, func: Function, key_of: GroupKey, max_operands: int
                 _fuse(flow, func, chunk)
 
 
-def _group_of(op: Operation, func: Function, key: Hashable | None, node: dict[int, frozenset],
+def _group_of(op: Operation, func: Function, key: Hashable | None, node: dict[int, frozenset[Hashable]],
               overwritten: set[int]) -> Hashable | None:
     if key is None:
         return None
@@ -69,14 +69,16 @@ def _group_of(op: Operation, func: Function, key: Hashable | None, node: dict[in
     return None if id(op) in overwritten else (kind, "siblings", readers_)
 
 
-def _readers(op: Operation, func: Function, node: dict[int, frozenset]) -> frozenset:
+def _readers(op: Operation, func: Function, node: dict[int, frozenset[Hashable]]) -> frozenset[Hashable]:
     """The groups and ops that read the op's outputs, through views."""
     return frozenset().union(*(node[id(c)] for v in op.outputs for c in v.consumers if c.func is func))
 
 
 def _chunks(members: list[Operation], max_operands: int) -> list[list[Operation]]:
     """`members` in runs of at most `max_operands` distinct variables each."""
-    chunks, current, seen = [], [], set()
+    chunks: list[list[Operation]] = []
+    current: list[Operation] = []
+    seen: set[int] = set()
     for op in members:
         own = {id(v) for v in (*op.inputs, *op.outputs)}
         if current and len(seen | own) > max_operands:

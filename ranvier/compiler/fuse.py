@@ -80,7 +80,7 @@ class _Fusion:
     so every op that depended on either of them gains that too: the masks stay
     transitive, and a convexity check is a few mask tests."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.group_of: dict[Operation, _Group] = {}
         self.depends_on: dict[Operation, int] = {}
         self.bits: dict[_Group, int] = {}  # the groups merged into a root, as a mask

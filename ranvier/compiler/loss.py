@@ -4,11 +4,11 @@ op goes: one read of the logits instead of two (131 MB per stories15M step)."""
 
 from __future__ import annotations
 
-from ..flow.graph import Flow, Function
+from ..flow.graph import Flow, Function, Operation
 from .rewrite import depends_on
 
 
-def _key(op) -> tuple:
+def _key(op: Operation) -> tuple[str, str, tuple[tuple[str, str], ...]]:
     return op.inputs[0].name, op.inputs[1].name, tuple(sorted(op.attrs.items()))
 
 

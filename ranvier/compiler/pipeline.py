@@ -1,7 +1,9 @@
-"""The pass pipeline: every rewrite between the function a user built and the steps a
-backend runs, in order. Each pass is a small rewrite in a module of its own, tested on
-its own; a backend only states what it can do (`Capabilities`, `runs_whole`), and the
-pipeline decides which passes apply.
+"""The pass pipeline: the rewrites of one function, in order, between the function as
+`Compiler.compile` hands it over and the steps a backend runs. Before it, over the whole
+flow, `Compiler.compile` derives the gradient functions (`autodiff`) and resolves
+references and declared conditions. Each pass is a small rewrite in a module of its own,
+tested on its own; a backend only states what it can do (`Capabilities`, `runs_whole`),
+and the pipeline decides which passes apply.
 
     fuse-attention   softmax(scale · Q Kᵀ + mask) V written out op by op → one Attention
     decompose        composites the backend cannot run whole → the ops they are made of
@@ -72,6 +74,12 @@ def _foreach(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.backend.capabilities.foreach is not None
 
 
+def _fuse_foreach(ctx: PassContext) -> None:
+    capabilities = ctx.backend.capabilities
+    if capabilities.foreach is not None:
+        fuse_foreach(ctx.flow, ctx.func, capabilities.foreach, capabilities.foreach_operands)
+
+
 @dataclass(frozen=True)
 class Pass:
     name: str
@@ -93,9 +101,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul, c.backend.capabilities), _mixed_precision),
     Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep, c.backend.capabilities.fuses_epilogue),
          _epilogues),
-    Pass("fuse-foreach",
-         lambda c: fuse_foreach(c.flow, c.func, c.backend.capabilities.foreach, c.backend.capabilities.foreach_operands),
-         _foreach),
+    Pass("fuse-foreach", _fuse_foreach, _foreach),
 )
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from .. import dtypes
 from ..backends.base import Capabilities
-from ..flow.graph import Function
+from ..flow.graph import Function, Operation
 from ..ops import attrs_of, unchanging_constant
 from ..ops.attention import heads_first_shape
 
 
-def _rows(op) -> int:
+def _rows(op: Operation) -> int:
     """Rows of the product: of one matrix, or of every batch together where a batch of
     row blocks meets one shared matrix (x[B, T, K] @ W is a single product of B·T rows)."""
     a, b = op.inputs[:2]
@@ -46,5 +46,5 @@ def use_matmul_precision(func: Function, precision: str, capabilities: Capabilit
             op.set_attr("precision", precision)
 
 
-def _queries(op) -> int:
+def _queries(op: Operation) -> int:
     return heads_first_shape(op.inputs[0].shape, attrs_of(op)["heads_first"])[2]

@@ -17,6 +17,8 @@ from ..flow.graph import Flow
 def resolve_references(flow: Flow) -> None:
     for op in [op for op in flow.ops.values() if op.type == "Reference"]:
         reader, name = op.func, op.attr("var")
+        if reader is None:
+            raise CompileError(f"Reference op {op.name} belongs to no function")
         if name is None or len(op.inputs) != 1 or len(op.outputs) != 1:
             raise CompileError(f"Reference op {op.name} needs one instance input, one output and a 'var' attribute")
         target = flow.find_var(name)

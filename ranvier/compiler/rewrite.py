@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
+from ..errors import CompileError
 from ..flow.graph import Flow, Function, Operation, Variable
+
+if TYPE_CHECKING:
+    from ..flow.builder import Tensor
 
 
 def replace_uses(old: Variable, new: Variable, within: Function | None = None) -> None:
@@ -23,7 +28,7 @@ def erase(flow: Flow, ops: Iterable[Operation], variables: Iterable[Variable] = 
         flow.remove_var(var)
 
 
-def splice(flow: Flow, op: Operation, results: list) -> None:
+def splice(flow: Flow, op: Operation, results: Sequence[Tensor]) -> None:
     """Replace `op` by the ops that computed `results` (handles, one per output): the last
     op of each result writes the original output variable instead of its own, so every
     name the rest of the flow reads stays."""
@@ -31,6 +36,8 @@ def splice(flow: Flow, op: Operation, results: list) -> None:
     flow.remove_op(op)
     for original, new in zip(originals, results):
         last = new.var.producer
+        if last is None:
+            raise CompileError(f"{op.type} op {op.name}: its replacement's {new.var.name} is computed by no op")
         last.outputs[last.outputs.index(new.var)] = original
         original.producer = last
         flow.remove_var(new.var)

@@ -5,12 +5,14 @@ readers (the load-balancing loss)."""
 
 from __future__ import annotations
 
-from ..flow.graph import Flow, Function
+from typing import TypeGuard
+
+from ..flow.graph import Flow, Function, Operation
 from ..ops import attrs_of
 from .rewrite import erase
 
 
-def _softmax_over_last_axis(op) -> bool:
+def _softmax_over_last_axis(op: Operation | None) -> TypeGuard[Operation]:
     return op is not None and op.type == "Softmax" and attrs_of(op)["axis"] % op.inputs[0].rank == op.inputs[0].rank - 1
 
 

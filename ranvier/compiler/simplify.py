@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import numpy as np
 
-from ..flow.graph import Flow, Function, Operation
+from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import TensorType, op_def
 from .rewrite import erase, replace_uses
 
@@ -33,7 +35,7 @@ def fold_constants(flow: Flow, func: Function, keep: set[str]) -> None:
             or any(v.name in keep or v.size > FOLD_LIMIT for v in op.outputs)
         ):
             continue
-        types = [TensorType(v.dtype, v.shape) for v in op.outputs]
+        types = [TensorType(v.dtype, tuple(v.shape)) for v in op.outputs]
         args = [np.asarray(v.data) for v in op.inputs]
         args = [a.astype(np.float32) if v.dtype in ("float16", "bfloat16") else a for a, v in zip(args, op.inputs)]
         with np.errstate(all="ignore"):
@@ -44,7 +46,7 @@ def fold_constants(flow: Flow, func: Function, keep: set[str]) -> None:
             var.set_data(result)
 
 
-def _operand_key(var, written: set[str]):
+def _operand_key(var: Variable, written: set[str]) -> Hashable:
     """What makes two operands the same: their variable, or for small constants their
     value (a gradient rule's 1/√2 is the forward pass's 1/√2)."""
     if var.data is not None and not var.learnable and var.size <= 16 and var.name not in written:
@@ -54,7 +56,7 @@ def _operand_key(var, written: set[str]):
 
 def eliminate_common_subexpressions(flow: Flow, func: Function, keep: set[str]) -> None:
     """Ops of one type, with the same attributes and inputs, compute the same thing once."""
-    seen: dict[tuple, Operation] = {}
+    seen: dict[Hashable, Operation] = {}
     written = _written(flow)
     for op in flow.op_order(func):
         if not op.outputs or op_def(op.type).written_inputs(op):

@@ -353,7 +353,7 @@ class Flow:
 
     builder_class: type  # what define() returns; the builder module, which imports this one, sets it
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.vars: dict[str, Variable] = {}
         self.ops: dict[str, Operation] = {}
         self.funcs: dict[str, Function] = {}

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..data.tokenizers import load_tokenizer
 from ..models.llama import LlamaConfig
-from ..train.llama_job import load_model
+from ..train.runs import load_model
 from .gguf_file import import_gguf
 from .hf import import_hf
 from .llama2c import import_llama2c

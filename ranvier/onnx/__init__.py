@@ -7,6 +7,6 @@ Needs the `onnx` package (`pip install 'ranvier[onnx]'`); ranvier itself does no
 from .exporter import save
 from .from_torch import from_torch
 from .importer import load, read_model
-from .node import OnnxError
+from .node import OnnxError, ValueNeeded
 
-__all__ = ["OnnxError", "from_torch", "load", "read_model", "save"]
+__all__ = ["OnnxError", "ValueNeeded", "from_torch", "load", "read_model", "save"]

@@ -57,9 +57,23 @@ def where(node: Node):
 
 @converts("Dropout")
 def dropout(node: Node):
-    if len(node.proto.output) > 1 and node.proto.output[1]:
-        raise node.error("its mask output is not supported (inference has no dropout)")
-    return node.b.identity(node.tensor(0))
+    """Dropout as inference computes it, the identity, and its mask all true; training
+    mode is refused, unless its ratio is 0 (random draws ranvier does not make as ONNX
+    Runtime makes them)."""
+    node.attr("seed")  # draws nothing in inference
+    if node.opset < 7:
+        training = not node.attr("is_test", 0)
+        ratio = float(node.attr("ratio", 0.5))
+    elif node.opset < 12:
+        training, ratio = False, float(node.attr("ratio", 0.5))
+    else:
+        training = node.optional(2) is not None and bool(node.constant(2, "training_mode"))
+        ratio = float(node.constant(1, "ratio")) if node.optional(1) is not None else 0.5
+    if training and ratio:
+        raise node.error(f"training_mode with ratio {ratio} (random dropout) is not supported")
+    x = node.tensor(0)
+    kept = np.ones(x.shape, bool if node.opset >= 10 else dtypes.to_numpy(x.dtype))  # a bool mask since opset 10
+    return [node.b.identity(x), kept]
 
 
 @converts("LeakyRelu")
@@ -89,6 +103,7 @@ def gelu(node: Node):
 
 @converts("Cast", "CastLike")
 def cast(node: Node):
+    node.attr("saturate"), node.attr("round_mode")  # conversions to float8 types only, which ranvier has not
     if node.proto.op_type == "Cast":
         target = onnx_dtype(node.attr("to"), f"Cast node {node.name!r}")
     else:
@@ -153,58 +168,6 @@ def softmax(node: Node):
     return _over_trailing_axes(x, node.axis(node.attr("axis", 1), x.rank), lambda flat: method(flat, axis=-1))
 
 
-@converts("Attention")
-def attention(node: Node):
-    """ONNX's scaled dot-product attention (opset 23) as ranvier's Attention op: 4-D
-    [B, heads, T, head size] inputs, or 3-D [B, T, heads · head size] with q_num_heads and
-    kv_num_heads; grouped key/value heads; a boolean (True: attend) or additive mask as the
-    score bias; cached keys and values (past_key/past_value) put in front of the new ones,
-    returned as present_key/present_value. `is_causal` lets query i see key j ≤ i + the
-    cached count: ranvier's causal flag when there are as many new keys as queries, else
-    a constant mask."""
-    if node.attr("softcap", 0.0):
-        raise node.error("its softcap is not supported")
-    if len(node.proto.output) > 3 and node.proto.output[3]:
-        raise node.error("its qk_matmul_output is not supported")
-    q, k, v = (_heads_first(node, i) for i in range(3))
-    if k.shape[-1] != v.shape[-1]:
-        raise node.error(f"values of head size {v.shape[-1]} differ from keys' {k.shape[-1]}; ranvier needs them equal")
-    past = node.optional(4)
-    new_keys = k.shape[2]
-    if past is not None:
-        if node.optional(5) is None:
-            raise node.error("has past_key without past_value (ONNX needs both)")
-        k = node.b.concat([node.tensor(4), k], 2)
-        v = node.b.concat([node.tensor(5), v], 2)
-    queries, keys = q.shape[2], k.shape[2]
-    bias = None
-    if node.optional(3) is not None:
-        mask = node.tensor(3)
-        bias = node.b.cond(mask, node.b.const(0.0, q.dtype), node.b.const(-math.inf, q.dtype)) if mask.dtype == dtypes.DT_BOOL else mask
-    causal = bool(node.attr("is_causal", 0))
-    if causal and new_keys != queries:  # the cached count, not S − T, sets where query 0 stops
-        seen = np.arange(keys)[None, :] <= np.arange(queries)[:, None] + (keys - new_keys)
-        frontier = node.b.const(np.where(seen, 0.0, -np.inf).astype(dtypes.to_numpy(q.dtype)))
-        bias, causal = (frontier if bias is None else bias + frontier), False
-    scale = node.attr("scale")
-    y = node.b.attention(q, k, v, bias, causal=causal, scale=None if scale is None else float(scale))
-    if node.inputs[0].rank == 3:
-        y = y.transpose([0, 2, 1, 3]).reshape([y.shape[0], queries, y.shape[1] * y.shape[3]])
-    return [y, k, v]
-
-
-def _heads_first(node: Node, index: int):
-    """Input `index` (Q, K or V) as [B, heads, T, head size]."""
-    x = node.tensor(index)
-    if x.rank == 4:
-        return x
-    if x.rank != 3:
-        raise node.error(f"input {index} has rank {x.rank}; ONNX Attention takes rank 3 or 4")
-    heads = node.attr("q_num_heads" if index == 0 else "kv_num_heads")
-    if heads is None or x.shape[2] % int(heads):
-        raise node.error(f"3-D input {index} needs {'q_num_heads' if index == 0 else 'kv_num_heads'} dividing its last axis")
-    heads = int(heads)
-    return x.reshape([x.shape[0], x.shape[1], heads, x.shape[2] // heads]).transpose([0, 2, 1, 3])
 
 
 @converts("SkipLayerNormalization", domain="com.microsoft")
@@ -395,21 +358,31 @@ def reduce(node: Node):
     x = node.tensor(0)
     since = 13 if node.proto.op_type == "ReduceSum" else 18  # when axes became an input
     axes = _axes(node, x.rank, since)
-    if axes is None and node.attr("noop_with_empty_axes", 0):
+    if not axes and node.attr("noop_with_empty_axes", 0):  # axes omitted or empty
         return node.b.identity(x)
     keepdims = bool(node.attr("keepdims", 1))
-    return getattr(node.b, _REDUCE[node.proto.op_type])(x, axis=axes if axes is not None else list(range(x.rank)),
-                                                        keepdims=keepdims)
+    return getattr(node.b, _REDUCE[node.proto.op_type])(x, axis=axes or list(range(x.rank)), keepdims=keepdims)
 
 
 @converts("ArgMax", "ArgMin")
 def arg(node: Node):
     x = node.tensor(0)
+    axis, keepdims = node.axis(node.attr("axis", 0), x.rank), bool(node.attr("keepdims", 1))
     if node.attr("select_last_index", 0):
-        raise node.error("select_last_index=1 is not supported")
+        return _last_extreme_index(node, x, axis, keepdims)
     method = node.b.argmax if node.proto.op_type == "ArgMax" else node.b.argmin
-    return method(x, axis=node.axis(node.attr("axis", 0), x.rank), keepdims=bool(node.attr("keepdims", 1)),
-                  output_type="int64")
+    return method(x, axis=axis, keepdims=keepdims, output_type="int64")
+
+
+def _last_extreme_index(node: Node, x, axis: int, keepdims: bool):
+    """ArgMax/ArgMin with select_last_index: the greatest index holding the extreme (a NaN
+    counts as one, as numpy's argmax finds it), by a max over the indices where it is."""
+    extreme = x.max(axis=[axis], keepdims=True) if node.proto.op_type == "ArgMax" else x.min(axis=[axis], keepdims=True)
+    at = x.equal(extreme) | x.not_equal(x)
+    shape = [1] * x.rank
+    shape[axis] = x.shape[axis]
+    index = node.b.const(np.arange(x.shape[axis], dtype=np.int64).reshape(shape))
+    return node.b.cond(at, index, node.b.const(np.int64(-1))).max(axis=[axis], keepdims=keepdims)
 
 
 # ---- padding ------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ EXTERNAL_MIN_BYTES = 1024  # smaller tensors stay inline, as onnx's own writer d
 ONNX_DTYPES = {
     "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT,
     "float64": TensorProto.DOUBLE, "int8": TensorProto.INT8, "int16": TensorProto.INT16, "int32": TensorProto.INT32,
-    "int64": TensorProto.INT64, "uint8": TensorProto.UINT8, "uint16": TensorProto.UINT16, "bool": TensorProto.BOOL,
+    "int64": TensorProto.INT64, "uint8": TensorProto.UINT8, "uint16": TensorProto.UINT16, "uint32": TensorProto.UINT32,
+    "uint64": TensorProto.UINT64, "bool": TensorProto.BOOL,
 }
 
 

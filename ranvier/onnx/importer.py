@@ -21,10 +21,21 @@ import onnx
 from onnx import numpy_helper
 
 from .. import dtypes
-from ..errors import UnknownOpError
+from ..errors import UnknownOpError, shape_str
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
-from . import bilinear, blocks, converters, losses, normalization, recurrent, resize, rotary, windows  # noqa: F401  (each converter registers itself)
+from . import (  # noqa: F401  (each converter registers itself)
+    attention,
+    bilinear,
+    blocks,
+    converters,
+    losses,
+    normalization,
+    recurrent,
+    resize,
+    rotary,
+    windows,
+)
 from .external import load_external_data
 from .inference import check_fold_sizes, check_results, infer_outputs
 from .node import CONVERTERS, Node, OnnxError, Value, onnx_dtype
@@ -34,17 +45,20 @@ _NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifo
 
 
 def load(model: str | os.PathLike | bytes | onnx.ModelProto, dims: Mapping[str, int] | None = None,
-         function: str = "main") -> Flow:
+         function: str = "main", constants: Mapping[str, np.ndarray] | None = None) -> Flow:
     """A flow with one function computing the ONNX model's graph.
 
     model: a file (external-data files beside it are read too), its bytes, or a ModelProto.
     dims: sizes for the graph's symbolic dimensions, e.g. {"batch": 1, "sequence": 128}.
     function: the name of the flow function (its variables are named `<function>/...`;
         the graph's inputs and outputs are also reachable by their ONNX names).
+    constants: values for graph inputs, bound at load as if they were initializers: an
+        input that fixes a shape (a Reshape's target, a TopK's k, pads, axes) must be
+        known when the flow is built (`ValueNeeded` names the inputs a node waits for).
     """
     proto = read_model(model)
     flow = Flow()
-    _GraphImporter(proto, flow, function, dict(dims or {})).run()
+    _GraphImporter(proto, flow, function, dict(dims or {}), dict(constants or {})).run()
     return flow
 
 
@@ -77,8 +91,10 @@ def _invalid(source: str, error: Exception) -> OnnxError:
 
 
 class _GraphImporter:
-    def __init__(self, model: onnx.ModelProto, flow: Flow, function: str, dims: dict[str, int]):
+    def __init__(self, model: onnx.ModelProto, flow: Flow, function: str, dims: dict[str, int],
+                 constants: dict[str, np.ndarray]):
         self.model = model
+        self.constants = constants
         self.graph = model.graph
         self.flow = flow
         self.b = Builder(flow, function)
@@ -97,8 +113,15 @@ class _GraphImporter:
             raise OnnxError("the model's graph has no outputs: it computes nothing")
         initializers = {t.name: _initializer(t) for t in self.graph.initializer}
         self.values.update(initializers)
-        for value_info in self.graph.input:
-            if value_info.name not in initializers:
+        inputs = [v for v in self.graph.input if v.name not in initializers]
+        unknown = set(self.constants) - {v.name for v in inputs}
+        if unknown:
+            raise OnnxError(f"constants names {sorted(unknown)}, which are not inputs of the model; its inputs are "
+                            f"{[v.name for v in inputs]}")
+        for value_info in inputs:
+            if value_info.name in self.constants:
+                self.values[value_info.name] = self.constant(value_info)
+            else:
                 self.values[value_info.name] = self.input(value_info)
         unused = set(self.dims) - self._dim_names()
         if unused:
@@ -130,6 +153,35 @@ class _GraphImporter:
         var = self.b.var(free, onnx_dtype(tensor_type.elem_type, value_info.name), shape)
         self.flow.add_alias(var.var, value_info.name)
         return var
+
+    def constant(self, value_info: onnx.ValueInfoProto) -> np.ndarray:
+        """A graph input bound at load (`load(..., constants=...)`), held to its declared type and sizes."""
+        value = np.asarray(self.constants[value_info.name])
+        tensor_type = value_info.type.tensor_type
+        declared = onnx_dtype(tensor_type.elem_type, f"graph input {value_info.name!r}")
+        dims = tensor_type.shape.dim
+        fits = len(dims) == value.ndim and all(not d.HasField("dim_value") or d.dim_value == size
+                                              for d, size in zip(dims, value.shape))
+        if dtypes.from_numpy(value.dtype) != declared or (tensor_type.HasField("shape") and not fits):
+            shape = "x".join(str(d.dim_value) if d.HasField("dim_value") else d.dim_param or "?" for d in dims)
+            raise OnnxError(f"constant for graph input {value_info.name!r} is {value.dtype}[{shape_str(value.shape)}]; "
+                            f"the model declares it {declared}[{shape}]")
+        return value
+
+    def inputs_feeding(self, name: str) -> set[str]:
+        """The graph inputs (not bound as constants) that value `name` is computed from."""
+        producers = {output: node for node in self.graph.node for output in node.output if output}
+        inputs, seen, stack = set(), set(), [name]
+        while stack:
+            value = stack.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            if value in producers:
+                stack.extend(n for n in producers[value].input if n)
+            elif isinstance(self.values.get(value), Tensor) and self.values[value].producer is None:
+                inputs.add(value)
+        return inputs
 
     def output(self, value_info: onnx.ValueInfoProto) -> None:
         name = value_info.name
@@ -185,6 +237,7 @@ class _GraphImporter:
                 # A malformed node (attributes of the wrong kind or size, inconsistent shapes) that passed
                 # ONNX's checker: report it by node rather than as a Python error from deep inside.
                 raise node.error(f"could not be converted: {type(error).__name__}: {error}") from None
+            node.check_all_read()
         results = results if isinstance(results, (list, tuple)) else [results]
         check_results(node, inferred, results)
         for name, value in zip(proto.output, results):
@@ -197,7 +250,7 @@ class _GraphImporter:
         """Evaluate a node whose inputs are all known, with ONNX's reference implementation."""
         from onnx.reference import ReferenceEvaluator
 
-        feeds = {name: value for name, value in zip(node.proto.input, node.inputs) if name}
+        feeds = {name: value for name, value in zip(node.proto.input, node.inputs.untracked) if name}
         try:
             evaluator = ReferenceEvaluator(node.proto, opsets={"": node.opset})
             return [np.asarray(v) for v in evaluator.run(None, feeds)]

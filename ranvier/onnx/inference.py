@@ -33,7 +33,7 @@ def infer_outputs(node: Node) -> dict[str, onnx.TypeProto]:
     except onnx.defs.SchemaError:  # an operator of another domain (ONNX Runtime's), or none: the converters decide
         return {}
     types, values = {}, {}
-    for name, value in zip(proto.input, node.inputs):
+    for name, value in zip(proto.input, node.inputs.untracked):
         if not name or value is None:
             continue
         type_proto = _type_of(value)

@@ -23,16 +23,105 @@ class OnnxError(RanvierError):
     """A model ranvier cannot read or convert; the message names the node and the operator."""
 
 
+class ValueNeeded(OnnxError):
+    """A node needs a value known at load (a shape, axes, sizes, pads, k) that is computed
+    from graph inputs: bound to their values (`load(..., constants=...)`), the node converts.
+    `inputs` names them; `ranvier.onnx.backend` binds them to the values it is run with."""
+
+    def __init__(self, message: str, inputs: set[str]):
+        super().__init__(message)
+        self.inputs = inputs
+
+
+class _Inputs(list):
+    """A node's input values, noting which ones a converter reads."""
+
+    def __init__(self, values: list[Value | None]):
+        super().__init__(values)
+        self.read: set[int] = set()
+
+    def __getitem__(self, index):
+        self.read.update(range(len(self))[index] if isinstance(index, slice) else [range(len(self))[index]])
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        self.read.update(range(len(self)))
+        return super().__iter__()
+
+    @property
+    def untracked(self) -> list[Value | None]:
+        """The values, not counted as read (for the importer's own checks)."""
+        return list.copy(self)
+
+
+class _Attributes(dict):
+    """A node's attribute values by name, noting which ones a converter reads."""
+
+    def __init__(self, values: dict):
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name, default=None):
+        self.read.add(name)
+        return super().get(name, default)
+
+    def __contains__(self, name) -> bool:
+        self.read.add(name)
+        return super().__contains__(name)
+
+
 class Node:
-    """One ONNX node as a converter sees it: its inputs' values, attributes and builder."""
+    """One ONNX node as a converter sees it: its inputs' values, attributes and builder.
+
+    A converter reads every input and attribute it honours (`tensor`, `constant`, `attr`
+    and the like); after it returns, the importer refuses the node if it holds an input,
+    or an attribute with other than its default value, that the converter never read
+    (`check_all_read`): what a converter does not know of is refused by name, never
+    computed as if absent."""
 
     def __init__(self, proto: onnx.NodeProto, inputs: list[Value | None], importer: _GraphImporter):
         self.proto = proto
-        self.inputs = inputs
+        self.inputs = _Inputs(inputs)
         self.importer = importer
         self.b = importer.b
         self.opset = importer.opsets.get(proto.domain or "ai.onnx", 0)
-        self.attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
+        self.attrs = _Attributes({a.name: helper.get_attribute_value(a) for a in proto.attribute})
+
+    def check_all_read(self) -> None:
+        """Refuse an input or a non-default attribute the converter did not read."""
+        for index, name in enumerate(self.proto.input):
+            if name and index not in self.inputs.read:
+                raise self.error(f"its input {index} ({self._input_name(index)}, {name!r}) is not supported")
+        for name in sorted(set(self.attrs) - self.attrs.read):
+            value = dict.__getitem__(self.attrs, name)
+            if value != self._default(name):
+                shown = value.decode() if isinstance(value, bytes) else value
+                raise self.error(f"attribute {name}={shown!r} is not supported")
+
+    def _schema(self) -> onnx.defs.OpSchema | None:
+        try:
+            return onnx.defs.get_schema(self.proto.op_type, self.opset, self.proto.domain or "")
+        except onnx.defs.SchemaError:
+            return None
+
+    def _input_name(self, index: int) -> str:
+        schema = self._schema()
+        if schema is None or not schema.inputs:
+            return "unnamed"
+        formal = schema.inputs[min(index, len(schema.inputs) - 1)]  # a variadic last input repeats
+        return formal.name
+
+    def _default(self, name: str):
+        """The attribute's default by the operator's schema; None where it has none."""
+        schema = self._schema()
+        attribute = schema.attributes.get(name) if schema is not None else None
+        if attribute is None or not attribute.default_value.type:
+            return None
+        return helper.get_attribute_value(attribute.default_value)
 
     @property
     def name(self) -> str:
@@ -52,8 +141,10 @@ class Node:
         if value is None:
             raise self.error(f"needs its {what} (input {index})")
         if not isinstance(value, np.ndarray):
-            raise self.error(f"needs its {what} (input {index}, {self.proto.input[index]!r}) known at load time; "
-                             "it is computed from the model's inputs")
+            inputs = self.importer.inputs_feeding(self.proto.input[index])
+            raise ValueNeeded(f"{self.label}: needs its {what} (input {index}, {self.proto.input[index]!r}) known at "
+                              f"load time; it is computed from graph inputs {sorted(inputs)}: bind them with "
+                              f"load(..., constants={{name: value}})", inputs)
         return value
 
     def ints(self, index: int, what: str) -> list[int]:

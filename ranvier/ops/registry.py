@@ -6,9 +6,12 @@ ops, its FLOP count, the Builder methods that add it, and for elementwise ops a
 formula any code generator can evaluate. Backends keep only their kernels, and each
 kernel says which ops it supports.
 
-    SOFTPLUS = unary("Softplus", softplus, FLOATS, method="softplus",
-                     vjp=lambda x, y, g: g * x.sigmoid(),
-                     formula=lambda x: (x.exp() + 1.0).log())
+    unary("Softplus", softplus, FLOATS, method="softplus",
+          vjp=lambda x, y, g: g * x.sigmoid(),
+          formula=lambda x: x.maximum(0) + ((-x.abs()).exp() + 1.0).log())
+
+(the formula is log(1 + eˣ) written so that it never overflows; ops/elementwise.py holds
+the real declaration).
 
 Gradient rules and decompositions build ops through a builder they are handed, so
 this layer imports nothing of the graph or the compiler.

@@ -427,5 +427,5 @@ class CheckpointedStack(TrainerBase):
                 result.append(StepTime(len(result), s.label, seconds[i] / steps, s.flops * data.computes // steps, s.op,
                                        all_cores[i] / steps))
         device = self.layer_data.device
-        return Profile("checkpointed stack", profiled, result, device.gpu.name if device is not None else None,
+        return Profile("checkpointed stack", profiled, result, device.device_name if device is not None else None,
                        timed=device is None or self.layer_data.profiling)

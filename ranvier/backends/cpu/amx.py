@@ -267,11 +267,9 @@ def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Fun
                 row = b.add(first, i64(r))
                 valid = b.icmp_signed("<", row, outer)
                 origin = _float_offset(b, source, b.add(b.mul(row, ld), k0))
-                halves = [
-                    _masked_load(b, _float_offset(b, origin, i64(16 * h)), _when(b, valid, mask))
-                    for h, mask in enumerate((low, high))
-                ]
-                vectors.append(bf16_pairs(b, *halves, interleave=False))
+                first, second = (_masked_load(b, _float_offset(b, origin, i64(16 * h)), _when(b, valid, mask))
+                                 for h, mask in enumerate((low, high)))
+                vectors.append(bf16_pairs(b, first, second, interleave=False))
         else:
             # Pair p: source rows k0 + 2p and k0 + 2p + 1, interleaved, 16 columns wide.
             columns = _lane_mask(b, first, outer)
@@ -282,7 +280,7 @@ def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Fun
                     row = b.add(k0, i64(2 * p + j))
                     origin = _float_offset(b, source, b.add(b.mul(row, ld), first))
                     rows.append(_masked_load(b, origin, _when(b, b.icmp_signed("<", row, k), columns)))
-                vectors.append(bf16_pairs(b, *rows, interleave=True))
+                vectors.append(bf16_pairs(b, rows[0], rows[1], interleave=True))
         if transpose:
             vectors = _transpose(b, vectors)
         out = _byte_offset(b, packed, _block_offset(b, b.sub(panel, start), step, b.sub(stop, start), steps))

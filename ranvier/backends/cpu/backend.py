@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
@@ -15,8 +16,9 @@ from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view
 from ...runtime import Cell, Instance, Step
+from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
-from ..kernels import Kernel
+from ..kernels import Kernel, Prepared
 from ..reference import reference_kernel
 from . import amx, bf16gemv, codegen, fpmode, jit, parallel_compile, q8gemm, sgemm
 from .blas import blas_pointers, blas_thread_setter
@@ -38,6 +40,27 @@ from .pool import pool
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+@dataclass
+class CPUCode:
+    """A cell as the CPU backend compiled it (`Cell.native`): its machine code, loaded; the
+    layout of the pointer table the code reads; where the code came from ("compiled", or
+    the compile cache's "memory" or "disk"); and the steps it calls back into Python for
+    (no native kernel runs them: each op's numpy reference does)."""
+
+    code: jit.LoadedCode
+    layout: Layout
+    origin: str
+    python_steps: list[int]
+
+    @staticmethod
+    def of(cell: Cell) -> CPUCode:
+        """The CPU code of a cell the CPU backend compiled."""
+        if not isinstance(cell.native, CPUCode):
+            raise RanvierError(f"cell {cell.name} was compiled for the {cell.network.backend_name} backend, not for the CPU")
+        return cell.native
+
 
 
 def bf16_gemm(target: CPUTarget) -> str | None:
@@ -116,18 +139,14 @@ class CPUBackend:
         # the generator's sources: this backend, the shared LLVM layer, the op definitions
         # (their formulas are generated as code)
         mode = "flush denormals\n" if self.flush_denormals else ""
-        key = jit.cache_key(f"{jit.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{mode}{description}", self.target)
+        key = jit.cache_key(f"{compile_cache.source_digest('backends/cpu', 'backends/llvm', 'ops')}\n{mode}{description}", self.target)
 
         def generate() -> bytes:
             return parallel_compile.compile_modules(self._modules(cell, layout), self.target)
 
-        code, origin = jit.cached_object(key, generate, self.use_disk_cache)
-        cell.native = {
-            "code": jit.load_object(code, self.target, "cell"),
-            "layout": layout,
-            "origin": origin,
-            "python_steps": [i for i, s in enumerate(cell.steps) if s.variant == "python"],
-        }
+        code, origin = compile_cache.cached_object(key, generate, self.use_disk_cache)
+        python_steps = [i for i, s in enumerate(cell.steps) if s.variant == "python"]
+        cell.native = CPUCode(jit.load_object(code, self.target, "cell"), layout, origin, python_steps)
         # Shown whether the code was generated now or came from the cache.
         for kind, what in (("llvm", "LLVM IR"), ("asm", "machine code")):
             if debug.enabled(kind):
@@ -141,7 +160,7 @@ class CPUBackend:
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's LLVM IR ("llvm": as generated, before LLVM optimizes it) or its
         optimized machine code ("asm"), generated again from the cell's steps."""
-        modules = self._modules(cell, cell.native["layout"])
+        modules = self._modules(cell, CPUCode.of(cell).layout)
         if kind == "llvm":
             return "\n".join(map(str, modules))
         if kind == "asm":
@@ -185,14 +204,17 @@ class CPUBackend:
         """The cycle counts the generated code accumulated, in seconds."""
         return instance.step_time.astype(np.float64) / jit.cycles_per_second()
 
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        return None  # this machine's fp32 GEMM (numpy's BLAS), whatever the run's precision
+
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return instance.all_cores_time.astype(np.float64) / jit.cycles_per_second()
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
-        native = cell.native
-        layout: Layout = native["layout"]
+        native = CPUCode.of(cell)
+        layout = native.layout
         status = np.zeros(1, np.int64)
-        fallbacks = {i: reference_kernel(cell.steps[i].op, instance) for i in native["python_steps"]}
+        fallbacks = {i: reference_kernel(cell.steps[i].op, instance) for i in native.python_steps}
         errors: list[BaseException] = []
 
         def run_fallback(index: int) -> None:
@@ -236,14 +258,17 @@ class CPUBackend:
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
-        prepared = [cell.network.prepared(p.var, p.form, self.target.key(), lambda value, p=p: p.make(value, self.target))
-                    for p in layout.prepared]
+        def made(p: Prepared) -> np.ndarray:
+            return cell.network.prepared(p.var, p.form, self.target.key(), lambda value: p.make(value, self.target))
+
+        prepared = [made(p) for p in layout.prepared]
         for p, array in zip(layout.prepared, prepared):
             table[layout.prepared_slot(p.var, p.form)] = array.ctypes.data
-        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native["code"].address)
-        keep_alive = (callback, table, status, native["code"], workers, prepared)
+        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.code.address)
+        # what the code reads, alive as long as `run` is (its default argument holds it)
+        keep_alive = (callback, table, status, native.code, workers, prepared)
 
-        def run() -> None:
+        def run(_keep_alive: tuple[object, ...] = keep_alive) -> None:
             function(ctypes.addressof(table))
             if status[0]:
                 step = cell.steps[int(status[0]) - 1]
@@ -259,5 +284,4 @@ class CPUBackend:
                 reference_kernel(step.op, instance)()
                 raise RanvierError(f"{step.op.type} op {step.op.name} failed: an index is out of range")
 
-        run.keep_alive = keep_alive
         return run

@@ -35,5 +35,10 @@ def blas_thread_setter() -> int:
             handle = ctypes.CDLL(library.filepath)
             for symbol in ("scipy_openblas_set_num_threads", "openblas_set_num_threads", "scipy_openblas_set_num_threads64_"):
                 if hasattr(handle, symbol):
-                    return ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
-    return ctypes.cast(_NO_THREAD_CONTROL, ctypes.c_void_p).value
+                    return _address(getattr(handle, symbol))
+    return _address(_NO_THREAD_CONTROL)
+
+
+def _address(function: ctypes._CData) -> int:
+    """Where a C function is (a found symbol's address, never null)."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0

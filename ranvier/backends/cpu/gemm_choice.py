@@ -17,9 +17,9 @@ import time
 import numpy as np
 
 from ...errors import RanvierError
+from ..measured import kept, kept_path
 from . import sgemm
 from .blas import blas_pointers, blas_thread_setter
-from .measured import kept, kept_path
 from .target import host_target
 
 GEMM_ENVIRONMENT = "RANVIER_GEMM"

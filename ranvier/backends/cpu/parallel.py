@@ -25,7 +25,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
@@ -34,8 +34,8 @@ from llvmlite import ir
 
 from ..llvm.irutil import BYTE_PTR, I32, I64, i64
 from ..llvm.values import Value
+from ..measured import kept, kept_path
 from .codegen import POOL, KernelContext
-from .measured import kept, kept_path
 from .pool import RUN, pool
 
 Part = Callable[[KernelContext], None]
@@ -133,7 +133,7 @@ def split_thresholds() -> SplitThresholds:
         return measured
 
 
-def _are_thresholds(values: dict) -> bool:
+def _are_thresholds(values: dict[str, float]) -> bool:
     """Whether kept numbers are a SplitThresholds' fields: sizes of at least 1, costs and rates above 0."""
     if set(values) != {field.name for field in fields(SplitThresholds)} or any(type(v) is bool for v in values.values()):
         return False
@@ -204,7 +204,7 @@ def per_part(ctx: KernelContext, number: Value, values: list[int]) -> int | Valu
     return ctx.index(ctx.b.load(ctx.b.gep(table, [i64(0), number.ir])))
 
 
-def each_part(ctx: KernelContext, values: list[tuple[int, ...]], body: Callable[..., None]) -> None:
+def each_part(ctx: KernelContext, values: Sequence[tuple[int, ...]], body: Callable[..., None]) -> None:
     """A part per entry of `values`, as one job: `body(ctx, number, *entry)` emitted once,
     the part's number and entry run-time Values (`per_part`: a number where every part
     has the same; all numbers where a single part runs inline). No entries, no parts."""

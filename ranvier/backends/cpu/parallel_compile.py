@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO, cast
 
 from llvmlite import ir
 
@@ -44,24 +45,26 @@ def compile_modules(modules: list[ir.Module], target: CPUTarget) -> bytes:
     return jit.bundle(objects)
 
 
-def _start(text: str, target: CPUTarget) -> subprocess.Popen | None:
+def _start(text: str, target: CPUTarget) -> subprocess.Popen[bytes] | None:
     try:
         worker = subprocess.Popen([sys.executable, "-c", _SERVE, _PACKAGE_PARENT, target.name, target.features],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     except OSError:  # no process to spare (a limit, an interpreter gone): compiled here
         return None
+    stdin = cast(IO[bytes], worker.stdin)  # a pipe, as asked
     try:
-        worker.stdin.write(text.encode())
-        worker.stdin.close()
+        stdin.write(text.encode())
+        stdin.close()
     except BrokenPipeError:  # it ended before reading its module: `_result` finds it failed
         pass
     return worker
 
 
-def _result(worker: subprocess.Popen | None, text: str, target: CPUTarget) -> bytes:
+def _result(worker: subprocess.Popen[bytes] | None, text: str, target: CPUTarget) -> bytes:
     if worker is not None:
-        code = worker.stdout.read()
-        worker.stdout.close()
+        stdout = cast(IO[bytes], worker.stdout)
+        code = stdout.read()
+        stdout.close()
         if worker.wait() == 0 and code:
             return code
     return jit.compile_text(text, target=target)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from llvmlite import ir
 
+from .. import compile_cache
 from . import fpmode, jit
 from .target import CPUTarget, host_target
 
@@ -396,5 +397,5 @@ def pool() -> Pool:
     target = host_target()
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     key = jit.cache_key(f"ranvier_pool\n{digest}", target)
-    code, _ = jit.cached_object(key, lambda: jit.compile_object(build_module(target), target), use_disk=False)
+    code, _ = compile_cache.cached_object(key, lambda: jit.compile_object(build_module(target), target), use_disk=False)
     return Pool(jit.load_object(code, target, SYMBOLS[0]))

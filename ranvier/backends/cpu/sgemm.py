@@ -836,19 +836,21 @@ def build_module(target: CPUTarget) -> ir.Module:
     module = ir.Module(SYMBOL)
     module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
     emit = _Emitter(module, target)
-    tiles = {(rows, vectors): emit.micro_kernel(rows, vectors) for rows in range(1, emit.mr + 1)
-             for vectors in range(1, emit.vectors + 1)}
+    tiles: dict[tuple[int, int | str], ir.Function] = {
+        (rows, vectors): emit.micro_kernel(rows, vectors) for rows in range(1, emit.mr + 1) for vectors in range(1, emit.vectors + 1)}
     tiles.update({(rows, "dot"): emit.dot_kernel(rows) for rows in range(1, emit.mr + 1)})
-    narrow_tiles = {(rows, vectors): emit.micro_kernel(rows, vectors, narrow=True) for rows in range(1, emit.mr + 1)
-                    for vectors in range(1, emit.vectors + 1)}
+    narrow_tiles: dict[tuple[int, int | str], ir.Function] = {
+        (rows, vectors): emit.micro_kernel(rows, vectors, narrow=True) for rows in range(1, emit.mr + 1)
+        for vectors in range(1, emit.vectors + 1)}
     narrow_tiles.update({(rows, "dot"): tiles[rows, "dot"] for rows in range(1, emit.mr + 1)})
     _gemm(emit, tiles, block_columns(target), "matrix")
     _gemm(emit, tiles, block_columns(target, packed=True), "panels")
     _gemm(emit, narrow_tiles, block_columns(target, packed=True), "bf16 panels")
     _gemm(emit, tiles, block_columns(target), "windows")
     if pairs_supported(target):
-        pair_tiles = {(rows, vectors): emit.micro_kernel(rows, vectors, pairs=True) for rows in range(1, emit.mr + 1)
-                      for vectors in range(1, emit.vectors + 1)}
+        pair_tiles: dict[tuple[int, int | str], ir.Function] = {
+            (rows, vectors): emit.micro_kernel(rows, vectors, pairs=True) for rows in range(1, emit.mr + 1)
+            for vectors in range(1, emit.vectors + 1)}
         _gemm(emit, pair_tiles, block_columns(target), "pairs")
         _gemm(emit, pair_tiles, block_columns(target, packed=True), "pair panels")
     return module

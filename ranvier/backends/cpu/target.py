@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm
@@ -31,7 +32,7 @@ _MASK_GROUPS["avx2"] += _MASK_GROUPS["avx512"]
 _MASK_GROUPS["avx"] += _MASK_GROUPS["avx2"]
 # CPUs gain extensions faster than a list: a family also masks every feature of the host
 # whose name starts so (Zen 5's avx512vp2intersect, AVX2's VEX-coded avxvnni, avxifma...).
-_FAMILY_PREFIXES = {"avx512": ("avx512", "avx10", "amx-")}
+_FAMILY_PREFIXES: dict[str, tuple[str, ...]] = {"avx512": ("avx512", "avx10", "amx-")}
 _FAMILY_PREFIXES["avx2"] = (*_FAMILY_PREFIXES["avx512"], "avxvnni", "avxifma", "avxneconvert")
 _FAMILY_PREFIXES["avx"] = _FAMILY_PREFIXES["avx2"]
 # Myelin's names (its --cpu flag) for what LLVM calls otherwise.
@@ -170,7 +171,7 @@ def _prerequisites(family: str) -> list[str]:
     return [f for needed in chain[: chain.index(family)] for f in _own(needed)] if family in chain else []
 
 
-def _parse(flat: str):
+def _parse(flat: str) -> Iterator[tuple[str, bool]]:
     for item in flat.split(","):
         if item:
             yield item[1:], item[0] == "+"

@@ -6,13 +6,17 @@ start outside it sets the status word, as on the CPU)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
 from ...flow.graph import Operation
 from ...ops import attrs_of
-from ..llvm.context import EmitContext, check_range, load_index
+from ..llvm.context import check_range, load_index
 from ..llvm.values import index_value
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 OPS = ("Assign", "AssignSlice")
 
@@ -25,7 +29,7 @@ def elements(op: Operation) -> int:
     return op.inputs[1].size
 
 
-def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     target, value = op.inputs[:2]
     e = index_value(ctx.b, index)
     if op.type == "Assign":

@@ -33,6 +33,7 @@ sums, so each multiply-add need not wait for the one before.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
@@ -40,11 +41,14 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ...ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
-from ..llvm.context import Array, EmitContext
+from ..llvm.context import Array
 from ..llvm.loops import pairwise
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 PARKED = 3  # m, 1/l and D, in a dq row between launches
 TILE = 32  # a block's rows, one per thread: a warp
@@ -76,7 +80,7 @@ class AttentionShape:
         self.bias = bias_of(op)
         self.bias_dims = bias_dims(self.bias.shape) if self.bias is not None else None
 
-    def score(self, ctx: EmitContext, product: Value, b: Value, h: Value, t: Value, s: Value) -> Value:
+    def score(self, ctx: ThreadContext, product: Value, b: Value, h: Value, t: Value, s: Value) -> Value:
         """Query t's score of key s from their dot product: scaled, plus the bias."""
         score = product * self.scale
         if self.bias is None:
@@ -93,7 +97,7 @@ class AttentionShape:
             return ((b * self.kv_heads + kv) * self.keys + s) * self.size
         return ((b * self.keys + s) * self.kv_heads + kv) * self.size
 
-    def visible_keys(self, ctx: EmitContext, t: Value) -> Value:
+    def visible_keys(self, ctx: ThreadContext, t: Value) -> Value:
         """One past the last key query t sees."""
         return t + (self.keys - self.queries + 1) if self.causal else ctx.index(self.keys)
 
@@ -116,22 +120,22 @@ def _unrolled(shape: AttentionShape) -> bool:
     return shape.size <= UNROLLED_SIZE
 
 
-def _each(ctx: EmitContext, shape: AttentionShape, body: Callable[[Value | int], None], name: str = "i") -> None:
+def _each(ctx: ThreadContext, shape: AttentionShape, body: Callable[[Value | int], None], name: str = "i") -> None:
     """`body(i)` for each element i of a row: i a number where the loop is unrolled."""
     if _unrolled(shape):
         for i in range(shape.size):
             body(i)
     else:
-        with ctx.loop(0, shape.size, name=name) as i:
-            body(i)
+        with ctx.loop(0, shape.size, name=name) as index:
+            body(index)
 
 
-def _dot(ctx: EmitContext, shape: AttentionShape, a: Callable, b: Callable, dtype: str) -> Value:
+def _dot(ctx: ThreadContext, shape: AttentionShape, a: Callable, b: Callable, dtype: str) -> Value:
     """Σᵢ a(i) · b(i) along a row: unrolled, over `_CHAINS` independent sums."""
     if not _unrolled(shape):
         total = ctx.local(dtype, initial=0.0)
-        with ctx.loop(0, shape.size, name="d") as i:
-            total.set(a(i).mul_add(b(i), total.value))
+        with ctx.loop(0, shape.size, name="d") as d:
+            total.set(a(d).mul_add(b(d), total.value))
         return total.value
     sums = [a(i) * b(i) for i in range(min(_CHAINS, shape.size))]
     for i in range(len(sums), shape.size):
@@ -144,7 +148,7 @@ def _own_rows(program: BlockProgram, shape: AttentionShape, dtype: str, count: i
     return [program.private(dtype, shape.size) for _ in range(count)]
 
 
-def _read_row(ctx: EmitContext, shape: AttentionShape, var: Variable, at: Value, row: PrivateArray) -> None:
+def _read_row(ctx: ThreadContext, shape: AttentionShape, var: Variable, at: Value, row: PrivateArray) -> None:
     _each(ctx, shape, lambda i: row.store(i, ctx.load(var, at + i)))
 
 
@@ -178,13 +182,13 @@ def _query_block(shape: AttentionShape, block: Value) -> tuple[Value, Value, Val
     return heads // shape.heads, heads % shape.heads, block % shape.query_tiles * TILE
 
 
-def _key_tiles_seen(ctx: EmitContext, shape: AttentionShape, first_query: Value, rows: int) -> Value:
+def _key_tiles_seen(ctx: ThreadContext, shape: AttentionShape, first_query: Value, rows: int) -> Value:
     """How many tiles of `rows` keys a block of queries from `first_query` looks at."""
     last_query = (first_query + TILE).minimum(shape.queries) - 1
     return (shape.visible_keys(ctx, last_query) + (rows - 1)) // rows
 
 
-def launches(op: Operation) -> list[tuple[int, Callable[[EmitContext, ir.Value], None], int]]:
+def launches(op: Operation) -> list[tuple[int, Callable[[ThreadContext, ir.Value], None], int]]:
     shape = AttentionShape(op)
     query_blocks = shape.batch * shape.heads * shape.query_tiles
 
@@ -290,8 +294,12 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
     heads = block // shape.key_tiles
     b, kv, first_key = heads // shape.kv_heads, heads % shape.kv_heads, block % shape.key_tiles * TILE
     dk_acc, dv_acc, key, value = _own_rows(program, shape, dk.dtype, 4)
+    def clear(i: Value | int) -> None:
+        dk_acc.store(i, ctx.constant(dk.dtype, 0.0))
+        dv_acc.store(i, ctx.constant(dv.dtype, 0.0))
+
     with program.phase() as thread:
-        _each(ctx, shape, lambda i: (dk_acc.store(i, ctx.constant(dk.dtype, 0.0)), dv_acc.store(i, ctx.constant(dv.dtype, 0.0))))
+        _each(ctx, shape, clear)
         at = shape.key_row(b, kv, _own(shape.keys, first_key + thread))
         _read_row(ctx, shape, op.inputs[1], at, key)
         _read_row(ctx, shape, v, at, value)
@@ -312,13 +320,20 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
                 score = shape.score(ctx, _dot(ctx, shape, _tile_row(queries, j, size), key.load, dk.dtype), b, h, first_query + j, s)
                 p = (score - peak).exp() * inverse
                 ds = p * (_dot(ctx, shape, _tile_row(douts, j, size), value.load, dk.dtype) - d) * shape.scale
-                _each(ctx, shape, lambda i: (dk_acc.store(i, queries.load(j * size + i).mul_add(ds, dk_acc.load(i))),
-                                             dv_acc.store(i, douts.load(j * size + i).mul_add(p, dv_acc.load(i)))))
+                def add(i: Value | int) -> None:
+                    dk_acc.store(i, queries.load(j * size + i).mul_add(ds, dk_acc.load(i)))
+                    dv_acc.store(i, douts.load(j * size + i).mul_add(p, dv_acc.load(i)))
+
+                _each(ctx, shape, add)
     with program.phase() as thread:
         s = first_key + thread
         with ctx.when(s < shape.keys):
             at = shape.key_row(b, kv, s)
-            _each(ctx, shape, lambda i: (ctx.store(dk, at + i, dk_acc.load(i)), ctx.store(dv, at + i, dv_acc.load(i))))
+            def write(i: Value | int) -> None:
+                ctx.store(dk, at + i, dk_acc.load(i))
+                ctx.store(dv, at + i, dv_acc.load(i))
+
+            _each(ctx, shape, write)
 
 
 def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:

@@ -32,19 +32,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import Array, EmitContext, ir_of
+from ..llvm.context import Array, ir_of
 from ..llvm.irutil import I16, I32, declared, load, store
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from . import warps
 from .attention import PARKED, AttentionShape, load_tiles
 from .blocks import BlockProgram, PrivateArray
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 WARPS = 4
 ROWS = 16 * WARPS  # a block's own rows
@@ -74,7 +78,7 @@ def launches(op: Operation) -> list[tuple]:
     shape = AttentionShape(op)
     query_blocks = shape.batch * shape.heads * -(-shape.queries // ROWS)
 
-    def block(kernel: Callable) -> Callable[[EmitContext, ir.Value], None]:
+    def block(kernel: Callable) -> Callable[[ThreadContext, ir.Value], None]:
         return lambda ctx, index: kernel(BlockProgram(ctx, THREADS, ctx.on_gpu), op, shape, index_value(ctx.b, index))
 
     if op.type == "Attention":
@@ -129,7 +133,7 @@ def _exp(program: BlockProgram, x: Value) -> Value:
     return Value(ctx.b, ctx.b.call(power, [(x * math.log2(math.e)).ir]), FLOAT)
 
 
-def _park(ctx: EmitContext, dq: Variable, at: Value, k: int, value: Value) -> None:
+def _park(ctx: ThreadContext, dq: Variable, at: Value, k: int, value: Value) -> None:
     """Statistic k (m, 1/l or D) of the query row at element `at`, kept in its dq row until
     the third launch: element k of a float32 row; in a bfloat16 row, its float32 bits in
     elements 2k and 2k + 1 (the low half first), so nothing is rounded."""
@@ -142,7 +146,7 @@ def _park(ctx: EmitContext, dq: Variable, at: Value, k: int, value: Value) -> No
         store(b, b.trunc(part, I16), ctx.pointer(dq), ir_of(at + 2 * k + half), I16)
 
 
-def _parked(ctx: EmitContext, dq: Variable, at: Value, k: Value | int) -> Value:
+def _parked(ctx: ThreadContext, dq: Variable, at: Value, k: Value | int) -> Value:
     """Statistic k of the query row at `at`, as `_park` left it."""
     if dq.dtype == FLOAT:
         return ctx.load(dq, at + k)
@@ -226,6 +230,13 @@ class _QueryBlock:
         self.a_words = program.private(dtypes.DT_INT32, 4)
         self.scores = program.private(FLOAT, self.per_tile // 8 * 4)
         self.keys, self.values = (program.shared(FLOAT, self.per_tile * (size + PADDING)) for _ in range(2))
+
+    @property
+    def dout_words(self) -> PrivateArray:
+        """dout's A fragments, in a block made with its gradient."""
+        if self.g_words is None:
+            raise RuntimeError("a query block made without the gradient has no fragments of dout")
+        return self.g_words
 
     def rows(self, thread: Value) -> list[Value]:
         return _own_rows(thread, self.first)
@@ -352,7 +363,7 @@ def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, ind
 
     def tile(first_key: Value) -> None:
         _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
-        _times_transposed(program, size, block.per_tile, block.values, block.g_words, block.b_words, products)
+        _times_transposed(program, size, block.per_tile, block.values, block.dout_words, block.b_words, products)
         _online_softmax(block, first_key, peak, total, tile_peak, partner, lambda r, factor: d.store(r, d.load(r) * factor),
                         lambda r, at, p: d.store(r, p.mul_add(products.load(at), d.load(r))))
 
@@ -385,7 +396,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
 
     def tile(first_key: Value) -> None:
         _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
-        _times_transposed(program, size, block.per_tile, block.values, block.g_words, block.b_words, products)
+        _times_transposed(program, size, block.per_tile, block.values, block.dout_words, block.b_words, products)
         with program.phase(wait=False):
             def score_gradient(r: int, at: int, score: Value) -> None:
                 peak, inverse, d = (parked.load(r * PARKED + k) for k in range(PARKED))
@@ -443,15 +454,15 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         with program.phase(wait=False) as thread:
             _, _, place = _lane(thread)
             for r, s in enumerate(_own_rows(thread, first_key)):
-                for column, at in _elements(QUERY_TILE, r):
+                for column, held in _elements(QUERY_TILE, r):
                     t = first_query + place * 2 + column
                     row = (place * 2 + column) * (PARKED + PADDING)
                     peak, inverse, d = (parked.load(row + i) for i in range(PARKED))
-                    score = shape.score(ctx, weights.load(at), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
+                    score = shape.score(ctx, weights.load(held), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
                     seen = (t < shape.queries) & (s < shape.visible_keys(ctx, t).minimum(shape.keys))
                     p = seen.where(_exp(program, score - peak) * inverse, 0.0)
-                    weights.store(at, p)
-                    gradients.store(at, p * (gradients.load(at) - d))
+                    weights.store(held, p)
+                    gradients.store(held, p * (gradients.load(held) - d))
         _accumulate(program, size, QUERY_TILE, douts, weights, a_words, b_words, dv_sum)
         _accumulate(program, size, QUERY_TILE, queries, gradients, a_words, b_words, dk_sum)
         with program.phase():  # every warp done with the tiles before the next overwrites them

@@ -19,7 +19,7 @@ shows it.
 An instance runs on the device (`resident.py`: one arena per instance, globals kept on
 the device, inputs in and outputs out per compute), through the CUDA driver
 (`driver.DriverGPU`), or, with `RANVIER_CUDA_DEVICE=emulator`, on this CPU's emulation of
-the device (`device.HostEmulator`: the same kernels' arithmetic and the same runtime, for
+the device (`emulator.HostEmulator`: the same kernels' arithmetic and the same runtime, for
 tests). Without either, making an instance raises, naming what this machine lacks (the
 driver, a GPU); nothing runs on the CPU in a GPU's place unasked.
 """
@@ -39,14 +39,17 @@ import numpy as np
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view, op_def
-from ...ops.foreach import members
+from ...ops.foreach import Member, members
 from ...ops.fused import ROW_EPILOGUE_OPS
 from ...runtime import Cell, Instance, Step
+from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
-from ..cpu import jit  # the compile cache, shared with the CPU's object files
+from ..kernels import planned
 from . import blas, foreach, kernels, ptx
-from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU, HostEmulator
+from .code import CUDACode
+from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU
 from .driver import Device, DriverGPU, find_device
+from .emulator import HostEmulator
 from .launch import LaunchShape, block_launch, covering_launch, map_launch
 from .resident import DeviceInstance
 
@@ -99,7 +102,7 @@ class CUDABackend:
     def workspace_bytes(self, step: Step) -> int:
         return 0
 
-    def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
+    def in_place(self, op: Operation | Member, source: Variable, target: Variable) -> bool:
         """A thread reads its element's inputs before it writes: an elementwise op may write
         over an input of its output's exact type and shape."""
         if op.type == "ForEach":  # within a member only: the others run beside it, not before
@@ -118,12 +121,12 @@ class CUDABackend:
         again), kept in the compile cache (`ranvier cache`), keyed by the cell, the
         architecture, and the versions of the code generator, LLVM and ptxas."""
         module = ptx.gpu_module(cell.name, self.architecture)
-        generated: dict[int, list] = {}
+        generated: dict[int, list[kernels.GPUKernel | blas.Gemm]] = {}
         made: dict[str, list[kernels.GPUKernel]] = {}  # by signature: a model's layers share their kernels
-        owners = []  # the steps whose kernels are in the module
+        owners: list[int] = []  # the steps whose kernels are in the module
         for index, step in enumerate(cell.steps):
             if step.kernel == blas.KIND:
-                generated[index] = [blas.plan_product(step.op)]
+                generated[index] = [planned(blas.plan_product(step.op), step.op)]
                 continue
             if _onto_itself(cell, step.op):
                 generated[index] = []
@@ -141,22 +144,20 @@ class CUDABackend:
             return json.dumps({"ptx": text, "ptxas": assembled.report if assembled else "",
                                "cubin": base64.b64encode(assembled.cubin).decode() if assembled else ""}).encode()
 
-        sources = jit.source_digest("backends/cuda", "backends/llvm", "ops")
+        sources = compile_cache.source_digest("backends/cuda", "backends/llvm", "ops")
         toolkit = f"{llvm.llvm_version_info} {ptx.ptxas_version()}"
         key = hashlib.sha256(f"{sources}\n{self.architecture}\n{toolkit}\n{_describe(cell)}".encode())
-        entry, origin = jit.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
+        entry, origin = compile_cache.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
         built = json.loads(entry)
         report = ptx.Assembled(b"", built["ptxas"]) if built["ptxas"] else None
-        shapes = {}
+        shapes: dict[int, list[LaunchShape | None]] = {}
         for index, launches in generated.items():
-            if cell.steps[index].kernel == blas.KIND:
-                shapes[index] = [None]  # cuBLASLt chooses its kernels' shapes
-                continue
-            shapes[index] = [self._launch_shape(k, report) for k in launches]
-            if report:
+            # (cuBLASLt chooses its kernels' shapes)
+            shapes[index] = [self._launch_shape(k, report) if isinstance(k, kernels.GPUKernel) else None for k in launches]
+            if report and cell.steps[index].kernel != blas.KIND:
                 cell.steps[index].variant = f"{self.architecture} {', '.join(map(str, shapes[index]))}"
-        cell.native = {"module": module, "ptx": built["ptx"], "cubin": base64.b64decode(built["cubin"]), "kernels": generated,
-                       "owners": owners, "shapes": shapes, "origin": origin, "key": key.hexdigest()}
+        cell.native = CUDACode(module, built["ptx"], base64.b64decode(built["cubin"]), generated, owners, shapes, origin,
+                               key.hexdigest(), self.use_disk_cache)
 
     def _launch_shape(self, kernel: kernels.GPUKernel, report: ptx.Assembled | None) -> LaunchShape:
         # without ptxas's count, as many registers as a thread may have: a shape that always fits
@@ -170,18 +171,19 @@ class CUDABackend:
     def code(self, cell: Cell, kind: str) -> str:
         """The cell's GPU kernels as LLVM IR ("llvm") or PTX ("ptx")."""
         if kind == "llvm":
-            return str(cell.native["module"])
+            return str(CUDACode.of(cell).module)
         if kind == "ptx":
-            return cell.native["ptx"]
+            return CUDACode.of(cell).ptx
         raise RanvierError(f"the CUDA backend shows its code as 'llvm' or 'ptx', not {kind!r}")
 
     # ---- run time -----------------------------------------------------------------------
 
     def bind(self, cell: Cell, instance: Instance) -> Callable[[], None]:
         gpu = self._gpu(cell)
-        if "loaded" not in cell.native or cell.native["loaded"][0] is not gpu:
-            cell.native["loaded"] = (gpu, gpu.load(cell))
-        return DeviceInstance(cell, instance, gpu, cell.native["loaded"][1])
+        code = CUDACode.of(cell)
+        if code.loaded is None or code.loaded[0] is not gpu:
+            code.loaded = (gpu, gpu.load(cell))
+        return DeviceInstance(cell, instance, gpu, code.loaded[1])
 
     def _gpu(self, cell: Cell) -> GPU:
         """The device cells run on: the emulator where asked for, else the GPU found."""
@@ -193,6 +195,13 @@ class CUDABackend:
 
     def step_seconds(self, instance: Instance) -> np.ndarray:
         return instance.step_time
+
+    def peak_gflops(self, matmul: str, product_seconds: Callable[[int], float]) -> tuple[float, str] | None:
+        """The device's own product in the run's precision (cuBLASLt's, as the steps' products
+        are), so that a run's share of it is its MFU: 8192 × 8192 × 8192 (256 on the host
+        emulator)."""
+        n = 256 if os.environ.get(DEVICE_ENVIRONMENT) == EMULATOR else 8192
+        return 2 * n**3 / product_seconds(n) / 1e9, f"{matmul} GEMM on {self.name}"
 
     def all_cores_seconds(self, instance: Instance) -> np.ndarray:
         return np.zeros(len(instance.cell.steps))

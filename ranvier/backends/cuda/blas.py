@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any  # a loaded library (or a test's stand-in): its functions found by name
 
 import ml_dtypes
 import numpy as np
@@ -215,7 +216,7 @@ def _as_tensor_cores_read(values: np.ndarray, compute: str) -> np.ndarray:
     if compute == "32F_FAST_TF32":
         bits = values.astype(np.float32).view(np.uint32)
         rounded = (bits + np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
-        return rounded.view(np.float32)
+        return np.asarray(rounded.view(np.float32))
     return values
 
 
@@ -274,10 +275,10 @@ class Prepared:
 
     gemm: GemmPlan
     desc: ctypes.c_void_p
-    layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    alpha: ctypes.Array
-    beta: ctypes.Array
-    algorithms: dict[tuple[int, int, int, int], _HeuristicResult] = field(default_factory=dict)
+    layouts: tuple[ctypes.c_void_p, ...]  # A's, B's and D's
+    alpha: ctypes.Array[ctypes.c_float] | ctypes.Array[ctypes.c_double]
+    beta: ctypes.Array[ctypes.c_float] | ctypes.Array[ctypes.c_double]
+    algorithms: dict[tuple[int, ...], _HeuristicResult] = field(default_factory=dict)  # by A's, B's, C's and D's alignments
 
 
 def alignment(address: int) -> int:
@@ -285,23 +286,23 @@ def alignment(address: int) -> int:
     return min(_MOST_ALIGNMENT, address & -address) if address else _MOST_ALIGNMENT
 
 
-def _status_name(library, status: int) -> str:
+def _status_name(library: Any, status: int) -> str:
     name = library.cublasLtGetStatusName
     name.restype = ctypes.c_char_p
     return (name(status) or b"status %d" % status).decode()
 
 
-def _check(library, status: int, what: str) -> None:
+def _check(library: Any, status: int, what: str) -> None:
     if status != 0:
         raise RanvierError(f"cuBLASLt failed to {what}: {_status_name(library, status)}")
 
 
-def _set(library, setter: str, handle: ctypes.c_void_p, attribute: int, value) -> None:
+def _set(library: Any, setter: str, handle: ctypes.c_void_p, attribute: int, value: ctypes._SimpleCData[Any]) -> None:
     _check(library, getattr(library, setter)(handle, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))),
            f"set attribute {attribute} ({setter})")
 
 
-def describe(library, gemm: GemmPlan) -> tuple[ctypes.c_void_p, tuple[ctypes.c_void_p, ...]]:
+def describe(library: Any, gemm: GemmPlan) -> tuple[ctypes.c_void_p, tuple[ctypes.c_void_p, ...]]:
     """The plan's operation and matrix-layout descriptors, made by `library` (libcublasLt:
     descriptors need no GPU)."""
     data_type = _DATA_TYPES[gemm.dtype]
@@ -337,7 +338,7 @@ class CublasLt:
     for several algorithms, best first; the first that runs is kept for later calls, so
     that a product in a graph is one cublasLtMatmul call."""
 
-    def __init__(self, stream: ctypes.c_void_p, allocate: Callable[[int], int], load: Callable[[str], object] = ctypes.CDLL):
+    def __init__(self, stream: ctypes.c_void_p, allocate: Callable[[int], int], load: Callable[[str], Any] = ctypes.CDLL):
         self.library = load(find_library())
         self._stream = stream
         self._handle = ctypes.c_void_p()
@@ -399,7 +400,7 @@ class CublasLt:
     def _run(self, prepared: Prepared, algorithm: _HeuristicResult, a: int, b: int, c: int, d: int) -> int:
         """One cublasLtMatmul call on the stream; its status."""
         a_layout, b_layout, d_layout = prepared.layouts
-        return self.library.cublasLtMatmul(
+        return int(self.library.cublasLtMatmul(
             self._handle, prepared.desc, prepared.alpha, ctypes.c_uint64(a), a_layout, ctypes.c_uint64(b), b_layout,
             prepared.beta, ctypes.c_uint64(c), d_layout, ctypes.c_uint64(d), d_layout, ctypes.byref(algorithm.algo),
-            ctypes.c_uint64(self._workspace), ctypes.c_size_t(WORKSPACE_BYTES), self._stream)
+            ctypes.c_uint64(self._workspace), ctypes.c_size_t(WORKSPACE_BYTES), self._stream))

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
-from ..llvm.context import Array, EmitContext, ir_of
+from ..llvm.context import Array, ir_of
 from ..llvm.irutil import I32, I64, VOID, compute_type, declared, i64
 from ..llvm.values import Value, index_value
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 SHARED = 3  # NVPTX's address space of a block's shared memory
 
@@ -45,13 +49,13 @@ def shared_variable(module: ir.Module, dtype: str, count: int, name: str) -> ir.
     return memory
 
 
-def shared_array(ctx: EmitContext, dtype: str, count: int) -> Array:
+def shared_array(ctx: ThreadContext, dtype: str, count: int) -> Array:
     """`count` scalars in the block's shared memory, of this array's own (GPU code only)."""
     memory = shared_variable(ctx.module, dtype, count, ctx.module.get_unique_name("shared"))
     return Array(ctx.b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
 
 
-def barrier(ctx: EmitContext) -> None:
+def barrier(ctx: ThreadContext) -> None:
     """Wait until every thread of the block is here (`bar.sync`). On the host, where the
     block's threads run one after another, nothing: there the code is ordered already."""
     if ctx.on_gpu:
@@ -89,9 +93,20 @@ class BlockProgram:
     `ctx` is the element function's context, `threads` the block's size, `on_gpu` whether
     the code is for the GPU or for the host emulator."""
 
-    def __init__(self, ctx: EmitContext, threads: int, on_gpu: bool):
+    def __init__(self, ctx: ThreadContext, threads: int, on_gpu: bool):
         self.ctx, self.threads, self.on_gpu = ctx, threads, on_gpu
-        self.thread: Value | None = None  # inside a phase: the thread's number in the block
+        self._thread: Value | None = None  # inside a phase: the thread's number in the block
+
+    @property
+    def in_phase(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def thread(self) -> Value:
+        """The running thread's number in the block, inside a phase."""
+        if self._thread is None:
+            raise RuntimeError("a thread's number is known only inside a phase")
+        return self._thread
 
     def shared(self, dtype: str, count: int) -> Array:
         """`count` scalars the block's threads share."""
@@ -109,17 +124,17 @@ class BlockProgram:
         """Code each thread runs (the with-block; it gets the thread's number); the block
         then waits until all its threads are done, unless `wait` is false (a phase whose
         results only its own thread, or its warp through a warp-wide operation, reads)."""
-        if self.thread is not None:
+        if self._thread is not None:
             raise RuntimeError("a phase cannot hold another: the block waits between phases")
         ctx = self.ctx
         if self.on_gpu:
-            self.thread = index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x"))
-            yield self.thread
+            self._thread = index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x"))
+            yield self._thread
             if wait:
                 barrier(ctx)
         else:
             with ctx.loop(0, self.threads, name="thread") as thread:
-                self.thread = thread
+                self._thread = thread
                 yield thread
-        self.thread = None
+        self._thread = None
 

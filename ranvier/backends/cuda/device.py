@@ -4,35 +4,24 @@
 the cell's kernels loaded, launches and cuBLASLt products, timing marks between them, and
 a compute's launches captured once as a graph and replayed. Two kinds provide
 it: the CUDA driver (`driver.DriverGPU`: PTX loaded by the driver, launches on the
-device, products by cuBLASLt) and `HostEmulator`, which runs each launch's element
-function compiled for this CPU over every element, one launch after another, and each
-product as cuBLASLt's plan says in numpy (`blas.run_on_host`): the same generated
-arithmetic and the same runtime (arena, transfers, status words, globals kept on the
-"device"), where no GPU is at hand. It is what the tests run cells on, and
-`RANVIER_CUDA_DEVICE=emulator` selects it; it is slow, and never chosen in a GPU's place
-unasked.
+device, products by cuBLASLt) and `emulator.HostEmulator`, which runs the same kernels on
+this CPU where no GPU is at hand: `RANVIER_CUDA_DEVICE=emulator` selects it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
-from llvmlite import ir
 
-from ... import guards
 from ...runtime import Cell
-from ..llvm.irutil import use_features
-from . import blas, kernels
 from .blas import Gemm
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
 EMULATOR = "emulator"
-DEVICE_ENVIRONMENT = "RANVIER_CUDA_DEVICE"  # "emulator": run cells on HostEmulator
+DEVICE_ENVIRONMENT = "RANVIER_CUDA_DEVICE"  # "emulator": run cells on emulator.HostEmulator
 
 
 class GPU(Protocol):
@@ -52,25 +41,27 @@ class GPU(Protocol):
 
     def zero(self, address: int, nbytes: int) -> None: ...
 
-    def load(self, cell: Cell) -> object:
-        """The cell's kernels, ready to launch (what `launch` takes as `code`)."""
+    def load(self, cell: Cell) -> Any:
+        """The cell's kernels, ready to launch: what `launch` and `gemm` take as `code`, of
+        the device's own type."""
 
-    def launch(self, code: object, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
+    def launch(self, code: Any, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         """Run `kernel` over its elements; `addresses`: its operands', then its status word's."""
 
-    def gemm(self, code: object, gemm: Gemm, addresses: list[int]) -> None:
+    def gemm(self, code: Any, gemm: Gemm, addresses: list[int]) -> None:
         """Run a planned product; `addresses`: cuBLASLt's A, B and D (and a bias)."""
 
     def timer(self, marks: int) -> Timer:
         """`marks` points in the launch order to time between, made once and reused."""
 
-    def graph(self, launches: Callable[[], None]) -> object:
+    def graph(self, launches: Callable[[], None]) -> Any:
         """The launches (and timing marks) `launches` makes, captured once as a graph that
         `replay` runs again as one launch; this call runs them too."""
 
-    def replay(self, graph: object) -> None: ...
+    def replay(self, graph: Any) -> None:
+        """Run a graph `graph` made (of the device's own type)."""
 
-    def discard(self, graph: object) -> None:
+    def discard(self, graph: Any) -> None:
         """Give back a graph `graph` made."""
 
     def synchronize(self) -> None: ...
@@ -85,102 +76,3 @@ class Timer(Protocol):
 
     def close(self) -> None:
         """Give back what the marks hold on the device."""
-
-
-class HostTimer:
-    """Marks as the host's clock: the emulator runs each launch as it is made."""
-
-    def __init__(self, marks: int):
-        self.times = [0.0] * marks
-
-    def record(self, mark: int) -> None:
-        self.times[mark] = time.perf_counter()
-
-    def seconds(self, start: int, stop: int) -> float:
-        return self.times[stop] - self.times[start]
-
-    def close(self) -> None:
-        pass
-
-
-class HostEmulator:
-    """The GPU's kernels run on this CPU (see the module's docstring). Memory is host
-    memory, kept alive here; addresses are its own. Fresh memory has every bit set (NaN in
-    a float, -1 in an integer), as a device's holds whatever it held: a kernel that reads
-    what nothing wrote shows in its results."""
-
-    name = "host emulator of the CUDA backend (this CPU)"
-    host_memory = True  # its "device" addresses are the host's
-
-    def __init__(self):
-        self._memory: dict[int, np.ndarray] = {}
-
-    def allocate(self, nbytes: int) -> int:
-        memory = guards.allocate(max(1, nbytes), 64, fill=0xFF, what="a block of emulated device memory")
-        address = memory.ctypes.data
-        self._memory[address] = memory
-        return address
-
-    def release(self, address: int) -> None:
-        del self._memory[address]
-
-    def upload(self, address: int, host: np.ndarray) -> None:
-        ctypes.memmove(address, np.ascontiguousarray(host).ctypes.data, host.nbytes)
-
-    def download(self, address: int, host: np.ndarray) -> None:
-        ctypes.memmove(host.ctypes.data, address, host.nbytes)
-
-    def zero(self, address: int, nbytes: int) -> None:
-        ctypes.memset(address, 0, nbytes)
-
-    def load(self, cell: Cell) -> dict[str, object]:
-        """The cell's launches compiled for this CPU as one module, kept in the compile
-        cache beside the cell's PTX (under the same key)."""
-        from ..cpu import jit
-        from ..cpu.target import host_target
-
-        target = host_target()
-
-        def compile_for_host() -> bytes:
-            module = ir.Module(f"{cell.name} on the host")
-            module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
-            use_features(module, target.feature_set)
-            for index in cell.native["owners"]:  # each kernel once, however many steps run it
-                kernels.add_host_kernels(module, cell.steps[index].op)
-            return jit.compile_object(module, target)
-
-        launches = list({kernel.name: kernel for step_kernels in cell.native["kernels"].values() for kernel in step_kernels
-                         if isinstance(kernel, GPUKernel)}.values())
-        if not launches:  # a cell of no steps (its outputs are its inputs' views)
-            return {}
-        key = jit.cache_key(f"cuda emulator\n{cell.native['key']}", target)
-        entry, _ = jit.cached_object(key, compile_for_host, cell.backend.use_disk_cache)
-        code = jit.load_object(entry, target, launches[0].name)
-        functions: dict[str, object] = {"$code": code}  # the loaded object lives as long as its functions
-        for kernel in launches:
-            signature = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)
-            functions[kernel.name] = signature(code.address_of(kernel.name))
-        return functions
-
-    def launch(self, code: dict[str, object], kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
-        code[kernel.name](*addresses, 0, kernel.elements)
-
-    def gemm(self, code: dict[str, object], gemm: Gemm, addresses: list[int]) -> None:
-        blas.run_on_host(gemm.plan, addresses)
-
-    def timer(self, marks: int) -> HostTimer:
-        return HostTimer(marks)
-
-    def graph(self, launches: Callable[[], None]) -> Callable[[], None]:
-        """The emulator runs each launch as it is made: its graph is the call itself."""
-        launches()
-        return launches
-
-    def replay(self, graph: Callable[[], None]) -> None:
-        graph()
-
-    def discard(self, graph: Callable[[], None]) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass

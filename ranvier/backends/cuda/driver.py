@@ -8,11 +8,16 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any  # a loaded library (or a test's stand-in): its functions found by name
 
 import numpy as np
 
 from ...errors import RanvierError
-from .blas import CublasLt, Gemm
+from ...runtime import Cell
+from .blas import CublasLt, Gemm, Prepared
+from .code import CUDACode
+from .kernels import GPUKernel
+from .launch import LaunchShape
 
 DRIVER_LIBRARY = "libcuda.so.1"
 # CUdevice_attribute values (cuda.h)
@@ -27,6 +32,15 @@ _CAPTURE_THREAD_LOCAL = 1
 # graph (recorded at each replay) only with this flag; without it the capture takes it as
 # an edge between streams and the event is never recorded (its times are then refused)
 _EVENT_RECORD_DEFAULT, _EVENT_RECORD_EXTERNAL = 0, 1
+
+
+@dataclass
+class DriverKernels:
+    """A cell's code loaded by the driver (`DriverGPU.load`): each kernel's function, and
+    each product prepared by cuBLASLt, by name."""
+
+    functions: dict[str, ctypes.c_void_p]
+    products: dict[str, Prepared]
 
 
 @dataclass(frozen=True)
@@ -44,14 +58,14 @@ class Device:
         return f"{self.name} ({self.architecture}, {self.multiprocessors} multiprocessors)"
 
 
-def _error_name(library, code: int) -> str:
+def _error_name(library: Any, code: int) -> str:
     name = ctypes.c_char_p()
     if library.cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
         return name.value.decode()
     return f"error {code}"
 
 
-def find_device(load: Callable[[str], object] = ctypes.CDLL) -> Device:
+def find_device(load: Callable[[str], Any] = ctypes.CDLL) -> Device:
     """The first CUDA device through the driver (`load` opens the library: a test may pass a
     stand-in), or a RanvierError that says what is missing."""
     try:
@@ -90,9 +104,9 @@ class DriverGPU:
 
     host_memory = False
 
-    def __init__(self, load: Callable[[str], object] = ctypes.CDLL):
+    def __init__(self, load: Callable[[str], Any] = ctypes.CDLL):
         self._load = load
-        self._blas: CublasLt | None = None  # started by the first cell with a product
+        self._blas: CublasLt | None = None  # `_cublas()`
         self.device = find_device(load)
         self.name = str(self.device)
         self._library = load(DRIVER_LIBRARY)
@@ -133,7 +147,7 @@ class DriverGPU:
         self._check(self._library.cuMemsetD8_v2(ctypes.c_uint64(address), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes)),
                     "zero device memory")
 
-    def load(self, cell) -> dict[str, object]:
+    def load(self, cell: Cell) -> DriverKernels:
         """The cell's kernels: the machine code ptxas made for this device's architecture
         at compile time, or else its PTX compiled by the driver (a failure quotes the
         driver's compile log); and its products prepared by cuBLASLt."""
@@ -141,37 +155,42 @@ class DriverGPU:
         log = ctypes.create_string_buffer(_LOG_BYTES)
         options = (ctypes.c_int * 2)(_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
         values = (ctypes.c_void_p * 2)(ctypes.cast(log, ctypes.c_void_p), ctypes.c_void_p(_LOG_BYTES))
-        image, what = (cell.native["cubin"], "machine code") if cell.native["cubin"] else (cell.native["ptx"].encode(), "PTX")
+        native = CUDACode.of(cell)
+        image, what = (native.cubin, "machine code") if native.cubin else (native.ptx.encode(), "PTX")
         code = self._library.cuModuleLoadDataEx(ctypes.byref(module), ctypes.c_char_p(image), 2, options, values)
         if code != 0:
             raise RanvierError(f"the CUDA driver failed to load cell {cell.name}'s {what}: {_error_name(self._library, code)}"
                                + (f"\n{log.value.decode(errors='replace')}" if log.value else ""))
-        functions: dict[str, object] = {}
-        for launches in cell.native["kernels"].values():
+        loaded = DriverKernels({}, {})
+        for launches in native.kernels.values():
             for kernel in launches:
                 if isinstance(kernel, Gemm):
-                    if self._blas is None:
-                        self._blas = CublasLt(self._stream, self.allocate, self._load)
-                    functions[kernel.name] = self._blas.prepare(kernel.plan)
+                    loaded.products[kernel.name] = self._cublas().prepare(kernel.plan)
                     continue
-                if kernel.name in functions:  # shared by steps of the same signature
+                if kernel.name in loaded.functions:  # shared by steps of the same signature
                     continue
                 function = ctypes.c_void_p()
                 self._check(self._library.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()),
                             f"find kernel {kernel.name}")
-                functions[kernel.name] = function
-        return functions
+                loaded.functions[kernel.name] = function
+        return loaded
 
-    def launch(self, code: dict[str, ctypes.c_void_p], kernel, shape, addresses: list[int]) -> None:
+    def launch(self, code: DriverKernels, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         values = [ctypes.c_uint64(a) for a in addresses]
         parameters = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        self._check(self._library.cuLaunchKernel(code[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, self._stream,
+        self._check(self._library.cuLaunchKernel(code.functions[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, self._stream,
                                                  parameters, None), f"launch {kernel.name}")
 
-    def gemm(self, code: dict[str, object], gemm: Gemm, addresses: list[int]) -> None:
-        self._blas.matmul(code[gemm.name], addresses)
+    def gemm(self, code: DriverKernels, gemm: Gemm, addresses: list[int]) -> None:
+        self._cublas().matmul(code.products[gemm.name], addresses)
 
-    def graph(self, launches) -> ctypes.c_void_p:
+    def _cublas(self) -> CublasLt:
+        """cuBLASLt on this device's stream, started by the first cell with a product."""
+        if self._blas is None:
+            self._blas = CublasLt(self._stream, self.allocate, self._load)
+        return self._blas
+
+    def graph(self, launches: Callable[[], None]) -> ctypes.c_void_p:
         """The launches captured from the stream as a CUDA graph, instantiated, and run once.
         A capture that fails (a launch refused while capturing included) ends, leaving the
         stream as it was, and raises."""

@@ -11,14 +11,18 @@ products on tensor cores are the GPU speed issue's work.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llvmlite import ir
 
 from ... import dtypes
 from ...flow.graph import Operation
 from ...ops import attrs_of
-from ..llvm.context import EmitContext
 from ..llvm.routing import group_bounds, route
 from ..llvm.values import Value, index_value
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 OPS = ("MoERoute", "GroupedMatMul", "GroupedMatMulWeightGrad")
 
@@ -31,7 +35,7 @@ def elements(op: Operation) -> int:
     return 1 if op.type == "MoERoute" else op.outputs[0].size
 
 
-def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     if op.type == "MoERoute":
         route(ctx, op)
     elif op.type == "GroupedMatMul":
@@ -40,7 +44,7 @@ def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
         _grouped_weight_grad(ctx, op, index_value(ctx.b, index))
 
 
-def _grouped_product(ctx: EmitContext, op: Operation, index: Value) -> None:
+def _grouped_product(ctx: ThreadContext, op: Operation, index: Value) -> None:
     x, w, offsets = op.inputs
     y = op.outputs[0]
     transposed = attrs_of(op)["transpose_b"]
@@ -60,7 +64,7 @@ def _grouped_product(ctx: EmitContext, op: Operation, index: Value) -> None:
     ctx.store(y, index, total.value)
 
 
-def _grouped_weight_grad(ctx: EmitContext, op: Operation, index: Value) -> None:
+def _grouped_weight_grad(ctx: ThreadContext, op: Operation, index: Value) -> None:
     x, dy, offsets = op.inputs
     dw = op.outputs[0]
     rows, k = x.shape

@@ -3,12 +3,16 @@ into the output by one thread per element (the input itself is never read)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
 from ...ops.shape import SHAPE_FACTS, shape_fact
-from ..llvm.context import EmitContext
 from ..llvm.values import index_value
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 
 def supports(op: Operation) -> bool:
@@ -23,7 +27,7 @@ def elements(op: Operation) -> int:
     return op.outputs[0].size
 
 
-def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     at = index_value(ctx.b, index)
     for position, value in enumerate(shape_fact(op.type, op.inputs[0].shape).reshape(-1).tolist()):
         with ctx.when(at.equal(position)):

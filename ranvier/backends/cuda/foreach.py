@@ -14,16 +14,19 @@ launch of a few microseconds for a few microseconds of work.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
-from ..llvm.context import EmitContext
 from ..llvm.irutil import i64
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 GROUPED_WORK = 1 << 22  # the most threads' worth of work a member may have: larger kernels gain little
 MAX_OPERANDS = 256  # variables one ForEach kernel takes: 2 KB of the 4 KB of parameters a launch may pass
 
-Emit = Callable[[EmitContext, ir.Value], None]
+Emit = Callable[["ThreadContext", ir.Value], None]
 
 
 def laid_end_to_end(launches: list[tuple[int, Emit, int]]) -> tuple[int, Emit, int]:
@@ -34,7 +37,7 @@ def laid_end_to_end(launches: list[tuple[int, Emit, int]]) -> tuple[int, Emit, i
         starts.append(starts[-1] + elements)
     emits = [emit for _, emit, _ in launches]
 
-    def emit(ctx: EmitContext, index: ir.Value) -> None:
+    def emit(ctx: ThreadContext, index: ir.Value) -> None:
         b = ctx.b
 
         def between(lo: int, hi: int) -> None:

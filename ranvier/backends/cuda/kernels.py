@@ -39,7 +39,7 @@ from llvmlite import ir
 
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
-from ...ops.foreach import members
+from ...ops.foreach import Member, members
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
@@ -84,14 +84,14 @@ class GPUKernel:
     one_pass: bool = False  # a thread (a block) per element, no grid-stride loop (`add_kernels`)
 
 
-def supports(op: Operation) -> bool:
+def supports(op: Operation | Member) -> bool:
     if op.type == "ForEach":
         keys = {foreach_key(member) for member in members(op)}
         return len(keys) == 1 and None not in keys
     return any(generator.supports(op) for generator in GENERATORS)
 
 
-def foreach_key(op: Operation) -> int | None:
+def foreach_key(op: Operation | Member) -> int | None:
     """Which ForEach kernels the op may join (`Capabilities.foreach`): the threads of a
     block of its one launch (0 for a thread per element), for a map (not a copy),
     reduction, row op or pad of at most `foreach.GROUPED_WORK` threads' work; else None."""
@@ -105,7 +105,7 @@ def foreach_key(op: Operation) -> int | None:
     return threads if 0 < elements * max(threads, 1) <= foreach.GROUPED_WORK else None
 
 
-def kernel_kind(op: Operation) -> str:
+def kernel_kind(op: Operation | Member) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
     "Route", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention", "ShapeFact" or "ForEach"."""
     if op.type == "ForEach":
@@ -131,17 +131,17 @@ class ThreadContext(EmitContext):
         self.row_threads = 0  # a row kernel's threads splitting each row (`rows.py`); 0: one thread's row
         self.fails = False  # whether the element may set the status word
 
-    def row_fold(self, start: Value, length: int, lanes: int, dtype: str, initial, combine, term) -> Value:
+    def row_fold(self, start: Value | int, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
         if not self.row_threads:
             return super().row_fold(start, length, lanes, dtype, initial, combine, term)
         return rows.fold_over_block(self, self.row_threads, start, length, dtype, initial, combine, term)
 
-    def row_peak_and_exp_sum(self, start: Value, length: int, lanes: int, dtype: str, read) -> tuple[Value, Value]:
+    def row_peak_and_exp_sum(self, start: Value | int, length: int | Value, lanes: int, dtype: str, read) -> tuple[Value, Value]:
         if not self.row_threads:
             return super().row_peak_and_exp_sum(start, length, lanes, dtype, read)
         return rows.peak_and_exp_sum_over_block(self, self.row_threads, start, length, dtype, read)
 
-    def row_each(self, start: Value, length: int, lanes: int, body) -> None:
+    def row_each(self, start: Value | int, length: int | Value, lanes: int, body) -> None:
         if not self.row_threads:
             super().row_each(start, length, lanes, body)
         else:
@@ -159,12 +159,12 @@ class ThreadContext(EmitContext):
             self.b.store(i64(1), self.status)
 
 
-def _supporting(op: Operation):
+def _supporting(op: Operation | Member):
     """The first generator that supports the op, or None."""
     return next((g for g in GENERATORS if g.supports(op)), None)
 
 
-def _generator(op: Operation):
+def _generator(op: Operation | Member):
     if op.type == "ForEach":
         return foreach
     generator = _supporting(op)
@@ -198,10 +198,10 @@ def kernel_name(op: Operation) -> str:
     return "k_" + "".join(c if c.isalnum() else "_" for c in op.name)
 
 
-Emit = Callable[[EmitContext, ir.Value], None]
+Emit = Callable[[ThreadContext, ir.Value], None]
 
 
-def _launches(generator, op: Operation) -> list[tuple[int, Emit, int]]:
+def _launches(generator, op: Operation | Member) -> list[tuple[int, Emit, int]]:
     """The op's launches in order, each (elements, how to emit one, threads per block of a
     block kernel or 0): one for most ops; an accumulation first zeroes its output (a launch
     finishes before the next starts); a ForEach its members' single launches as one."""
@@ -212,7 +212,7 @@ def _launches(generator, op: Operation) -> list[tuple[int, Emit, int]]:
     return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index), 0)]
 
 
-def _operands(generator, op: Operation) -> tuple[Variable, ...]:
+def _operands(generator, op: Operation | Member) -> tuple[Variable, ...]:
     """The variables the op's kernels take, in order: the generator's choice (a ForEach:
     its members'), or the op's inputs and outputs, each once."""
     if op.type == "ForEach":

@@ -9,12 +9,16 @@ outside the table sets the kernel's status word, as on the CPU."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ...flow.graph import Operation
-from ..llvm.context import EmitContext, check_range
+from ..llvm.context import check_range
 from ..llvm.lookups import LOOKUP_OPS, pooled_rows
 from ..llvm.values import Value, index_value
 from .rows import row_launch
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 WARP = 32
 
@@ -37,7 +41,7 @@ def launches(op: Operation) -> list[tuple]:
     return [row_launch(indices.size, width, body)]
 
 
-def _pooled_column(ctx: EmitContext, op: Operation, column: Value) -> None:
+def _pooled_column(ctx: ThreadContext, op: Operation, column: Value) -> None:
     table, indices = op.inputs
     out = op.outputs[0]
     width = table.shape[1]

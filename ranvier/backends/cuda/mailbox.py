@@ -25,6 +25,7 @@ import numpy as np
 
 from ...runtime import Cell, Slot
 from .blas import Gemm
+from .code import CUDACode
 from .device import GPU
 
 SMALL_OUTPUT_BYTES = 8  # an output this small (one or two scalars) comes back with the status words
@@ -36,7 +37,7 @@ class Mailbox:
 
     def __init__(self, cell: Cell, gpu: GPU):
         self.gpu = gpu
-        kernels = cell.native["kernels"]
+        kernels = CUDACode.of(cell).kernels
         self.failing = [index for index in range(len(cell.steps))
                         if any(not isinstance(kernel, Gemm) and kernel.fails for kernel in kernels.get(index, []))]
         at = WORD * len(self.failing)
@@ -76,4 +77,4 @@ class Mailbox:
         if not failed.size:
             return None
         self.gpu.zero(self.address, words.nbytes)  # the next compute starts clean
-        return self.failing[failed[0]]
+        return int(self.failing[failed[0]])

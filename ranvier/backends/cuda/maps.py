@@ -28,6 +28,7 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import op_def
 from ...ops.expression import parse
+from ...ops.foreach import Member
 from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
 from ..llvm.formulas import apply, program_body
@@ -67,7 +68,7 @@ def _identity(values, lanes):
     return values
 
 
-def is_copy(op: Operation) -> bool:
+def is_copy(op: Operation | Member) -> bool:
     """Data movement only: a view's copy, a concatenation or a split."""
     return op.type in COPIES or op.type in ("Concat", "Split")
 
@@ -241,7 +242,8 @@ def _emit(ctx: EmitContext, description: _Map, group: ir.Value, count: int) -> N
 
 def _offsets(b: ir.IRBuilder, index: ir.Value, dims: list, strides: list[list[int]], views: list[View]) -> list[ir.Value]:
     """Each view's element offset for the map's element `index`."""
-    coordinates, rest = [], index
+    coordinates: list[ir.Value] = []
+    rest = index
     for d in reversed(range(len(dims))):  # the outermost coordinate needs no division
         coordinates.insert(0, b.srem(rest, i64(dims[d])) if d else rest)
         if d:

@@ -4,13 +4,17 @@ two maps; a thread computes its element either way at once.)"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import EmitContext
 from ..llvm.strided import contiguous_strides
 from ..llvm.values import index_value
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 
 def supports(op: Operation) -> bool:
@@ -25,7 +29,7 @@ def elements(op: Operation) -> int:
     return op.outputs[0].size
 
 
-def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     x, out = op.inputs[0], op.outputs[0]
     attrs = attrs_of(op)
     rest, inside, source = index_value(ctx.b, index), None, ctx.index(0)

@@ -8,13 +8,17 @@ generated tiles) are the GPU speed issue's work.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llvmlite import ir
 
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import EmitContext
 from ..llvm.strided import contiguous_strides
 from ..llvm.values import index_value
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 
 def supports(op: Operation) -> bool:
@@ -33,7 +37,7 @@ def batch_strides(var: Variable, batch: list[int]) -> list[int]:
     return [0 if d < lead or var.shape[d - lead] == 1 else own[d - lead] for d in range(len(batch))]
 
 
-def emit(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     a, b = op.inputs[:2]
     out = op.outputs[0]
     attrs = attrs_of(op)

@@ -66,7 +66,7 @@ def emit_ptx(module: ir.Module, architecture: str = ARCHITECTURE) -> str:
     parsed.verify()
     builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
     builder.getModulePassManager().run(parsed, builder)
-    return machine.emit_assembly(parsed)
+    return str(machine.emit_assembly(parsed))
 
 
 def ptxas_path() -> str | None:

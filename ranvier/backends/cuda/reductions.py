@@ -21,24 +21,29 @@ a row at once, and the pieces' results reduce the same way until few are left.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llvmlite import ir
 
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops.reduce import staged_chunk
-from ..llvm.context import EmitContext
 from ..llvm.reductions import (
     REDUCTIONS,
     arg_reduction_element,
     blocks,
     column_reduction,
     combiner,
+    contiguous,
     finished,
     identity,
     term,
 )
 from ..llvm.values import index_value
 from .rows import fold_over_block, threads_per_row
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 ARG_REDUCTIONS = {"ArgMax", "ArgMin"}
 SPLIT_AXIS = 64  # reduced elements from which a block splits the axis…
@@ -51,7 +56,7 @@ STAGED_COLUMNS = 1024  # rows from which columns that would take a block each re
 def supports(op: Operation) -> bool:
     if op.type in ARG_REDUCTIONS:
         return True
-    return op.type in REDUCTIONS and blocks(op) is not None and not staged(op)
+    return op.type in REDUCTIONS and contiguous(op) and not staged(op)
 
 
 def staged(op: Operation) -> bool:
@@ -78,7 +83,7 @@ def launches(op: Operation) -> list[tuple]:
     return [(outputs, lambda ctx, index: _block_element(ctx, op, threads, index), threads)]
 
 
-def _thread_element(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
+def _thread_element(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     inner = blocks(op)[2]
     at = index_value(ctx.b, index)
     if op.type in ARG_REDUCTIONS:
@@ -87,7 +92,7 @@ def _thread_element(ctx: EmitContext, op: Operation, index: ir.Value) -> None:
         column_reduction(op)(ctx, at // inner, at % inner, 1)
 
 
-def _block_element(ctx: EmitContext, op: Operation, threads: int, index: ir.Value) -> None:
+def _block_element(ctx: ThreadContext, op: Operation, threads: int, index: ir.Value) -> None:
     """One output element, its reduced axis split over the block (every thread stores the total)."""
     x, out = op.inputs[0], op.outputs[0]
     _, reduced, inner = blocks(op)

@@ -53,9 +53,11 @@ on the CPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 import weakref
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -65,6 +67,7 @@ from ...flow.graph import Variable
 from ...ops import written_inputs
 from ...runtime import Cell, Instance, Network, Slot
 from .blas import Gemm
+from .code import CUDACode
 from .device import GPU, Timer
 from .mailbox import Mailbox
 
@@ -134,7 +137,7 @@ class DeviceArray:
         return f"<DeviceArray {self.var.name}: {self.var.typestr()} at {self.address:#x}>"
 
 
-def _release(gpu: GPU, addresses) -> None:
+def _release(gpu: GPU, addresses: Iterable[int]) -> None:
     """Give a collected instance's (or network's) device memory back."""
     for address in list(addresses):
         gpu.release(address)
@@ -142,8 +145,8 @@ def _release(gpu: GPU, addresses) -> None:
 
 def device_globals(network: Network, gpu: GPU) -> DeviceGlobals:
     """The network's globals on `gpu` (one record per network)."""
-    record = getattr(network, "device_globals", None)
-    if record is None or record.gpu is not gpu:
+    record = network.device_globals
+    if not isinstance(record, DeviceGlobals) or record.gpu is not gpu:
         record = network.device_globals = DeviceGlobals(network, gpu)
     return record
 
@@ -164,19 +167,29 @@ class DeviceInstance:
         self.host_current: set[str] = set()  # locals whose host view holds their latest value
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.cleared()
-        launches = []
+        launches: list[tuple[int, Callable[[], None]]] = []  # (its step, the launch)
+        native = CUDACode.of(cell)
         for index in range(len(cell.steps)):
             status = self.mailbox.status_word(index)
-            for kernel, shape in zip(cell.native["kernels"][index], cell.native["shapes"][index]):
+            for kernel, shape in zip(native.kernels[index], native.shapes[index]):
                 operands = [self.address(v) for v in kernel.operands]
-                launches.append((index, kernel, shape, operands if isinstance(kernel, Gemm) else [*operands, status]))
-        self.launches = Launches(cell.name, len(cell.steps), launches, gpu, code)
+                if isinstance(kernel, Gemm):
+                    launches.append((index, functools.partial(gpu.gemm, code, kernel, operands)))
+                elif shape is not None:
+                    launches.append((index, functools.partial(gpu.launch, code, kernel, shape, [*operands, status])))
+                else:
+                    raise RanvierError(f"kernel {kernel.name} of cell {cell.name} was compiled without its launch shape")
+        self.launches = Launches(cell.name, len(cell.steps), launches, gpu)
         weakref.finalize(self, self.launches.release)
         # the globals the kernels read (a shape operand no kernel reads stays on the host)
         self.read_globals = [var.name for var in cell.global_vars if var.name in self.globals.addresses]
         written = {v.name for step in cell.steps for v in (*written_inputs(step.op), *step.op.outputs) if v.is_global}
         self.written_globals = sorted(written & set(self.read_globals))
         instance.device = self
+
+    @property
+    def device_name(self) -> str:
+        return self.gpu.name
 
     def address(self, var: Variable) -> int:
         """Where `var` lives on the device: this arena (or its mailbox), the network's
@@ -216,7 +229,10 @@ class DeviceInstance:
             self.pending[var.name] = slot
 
     def after_write(self, var: Variable) -> None:
-        self.pending[var.name] = self.cell.slot(var)
+        slot = self.cell.slot(var)
+        if slot is None:
+            raise RanvierError(f"{var.name} is not a local variable of cell {self.cell.name}")
+        self.pending[var.name] = slot
         self.host_current.add(var.name)
         self.fed_on_device.discard(var.name)
 
@@ -280,8 +296,8 @@ class Launches:
     on the device: their graphs and timing marks, given back when the instance goes (a
     finalizer holds this, which holds nothing of the instance's)."""
 
-    def __init__(self, name: str, steps: int, launches: list[tuple], gpu: GPU, code: object):
-        self.name, self.steps, self.launches, self.gpu, self.code = name, steps, launches, gpu, code
+    def __init__(self, name: str, steps: int, launches: list[tuple[int, Callable[[], None]]], gpu: GPU):
+        self.name, self.steps, self.launches, self.gpu = name, steps, launches, gpu
         self.timer: Timer | None = None  # the marks between steps, made by the first profiled compute
         self.graphs: dict[bool, object] = {}  # the launches captured as a graph: untimed, and timed (profiled)
         self.capture_failed = False  # then every compute launches kernel by kernel
@@ -307,23 +323,23 @@ class Launches:
 
     def _in_order(self, timed: bool) -> None:
         """Every step's kernels in order; profiled, with a timing mark at each step's end."""
-        mark = self.timer.record if timed else lambda step: None
+        timer = self.timer if timed else None
+        mark = timer.record if timer is not None else lambda step: None
         step = 0
         mark(0)
-        for index, kernel, shape, addresses in self.launches:
+        for index, launch in self.launches:
             while step < index:
                 step += 1
                 mark(step)
-            if isinstance(kernel, Gemm):
-                self.gpu.gemm(self.code, kernel, addresses)
-            else:
-                self.gpu.launch(self.code, kernel, shape, addresses)
+            launch()
         while step < self.steps:
             step += 1
             mark(step)
 
     def seconds(self, step: int) -> float:
         """Step `step`'s time in the last (profiled) compute."""
+        if self.timer is None:
+            raise RanvierError(f"cell {self.name} has no step times: no compute was profiled (reset_profile() starts that)")
         return self.timer.seconds(step, step + 1)
 
     def release(self) -> None:

@@ -26,15 +26,19 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
 from ...flow.graph import Operation
-from ..llvm.context import Array, EmitContext
+from ..llvm.context import Array
 from ..llvm.irutil import I32, declared
 from ..llvm.rows import ROW_OPS, row_shape
 from ..llvm.values import Value, index_value
 from .blocks import barrier, shared_variable, special_register
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 ONE_THREAD_ROWS = {"TopK", "SoftmaxTopK"}
 
@@ -86,7 +90,7 @@ def launches(op: Operation) -> list[tuple]:
     return [row_launch(rows, length, body)]
 
 
-def _threads(ctx: EmitContext, threads: int):
+def _threads(ctx: ThreadContext, threads: int):
     """A row's threads as the code sees them: on the GPU the one running (its number in
     its row's group of `threads`); on the host a loop over them in turn (the with-block,
     once each)."""
@@ -95,7 +99,7 @@ def _threads(ctx: EmitContext, threads: int):
     return ctx.loop(0, threads, name="thread")
 
 
-def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, dtype: str, initial, combine, term) -> Value:
+def fold_over_block(ctx: ThreadContext, threads: int, start: Value | int, length: int | Value, dtype: str, initial, combine, term) -> Value:
     """`combine` over `term(index, 1)` along a row, split over the block (module docstring)."""
     partials = _partials(ctx, dtype, threads)
     with _threads(ctx, threads) as thread:
@@ -112,7 +116,7 @@ def fold_over_block(ctx: EmitContext, threads: int, start: Value, length: int, d
     return total
 
 
-def peak_and_exp_sum_over_block(ctx: EmitContext, threads: int, start: Value, length: int, dtype: str,
+def peak_and_exp_sum_over_block(ctx: ThreadContext, threads: int, start: Value | int, length: int | Value, dtype: str,
                                 read) -> tuple[Value, Value]:
     """A row's maximum and Σ exp(x − max) in one pass over it: each thread keeps its
     elements' running maximum and their sum rescaled whenever the maximum grows; the block
@@ -131,8 +135,8 @@ def peak_and_exp_sum_over_block(ctx: EmitContext, threads: int, start: Value, le
         if not ctx.on_gpu:
             peaks.store(thread, own[0])
             sums.store(thread, own[1])
-    peak, total = _combined_over_block(ctx, threads, own, [peaks, sums], lambda a, b: _merged(*a, *b))
-    return peak, total
+    block_peak, block_total = _combined_over_block(ctx, threads, own, [peaks, sums], lambda a, b: _merged(*a, *b))
+    return block_peak, block_total
 
 
 def _set_inside(local, value: Value, inside: Value | None) -> None:
@@ -140,7 +144,7 @@ def _set_inside(local, value: Value, inside: Value | None) -> None:
     local.set(value if inside is None else inside.where(value, local.value))
 
 
-def _combined_over_block(ctx: EmitContext, threads: int, own: list[Value], partials: list[Array], merge) -> list[Value]:
+def _combined_over_block(ctx: ThreadContext, threads: int, own: list[Value], partials: list[Array], merge) -> list[Value]:
     """The row's threads' partial results combined (`merge(first's values, second's)`), in
     the rounds the module docstring says; every thread gets the totals. On the GPU `own`
     are the thread's values, and `partials` (one array a value) hold a block's warps'
@@ -166,7 +170,7 @@ def _merge_into(partials: list[Array], first: Value, second: Value, merge) -> No
         array.store(first, value)
 
 
-def _combined_on_gpu(ctx: EmitContext, threads: int, own: list[Value], partials: list[Array], merge) -> list[Value]:
+def _combined_on_gpu(ctx: ThreadContext, threads: int, own: list[Value], partials: list[Array], merge) -> list[Value]:
     """`_combined_over_block` on the GPU: shuffles within each warp, then, for a block of
     several warps, the warps' results through shared memory, combined by the first warp."""
     values = _warp_folded(ctx, own, min(threads, WARP), merge)
@@ -191,7 +195,7 @@ def _combined_on_gpu(ctx: EmitContext, threads: int, own: list[Value], partials:
     return totals
 
 
-def _warp_folded(ctx: EmitContext, values: list[Value], width: int, merge) -> list[Value]:
+def _warp_folded(ctx: ThreadContext, values: list[Value], width: int, merge) -> list[Value]:
     """Lane 0's values merged with lanes 1 .. width − 1's, a tree of shuffles down."""
     stride = width // 2
     while stride:
@@ -200,7 +204,7 @@ def _warp_folded(ctx: EmitContext, values: list[Value], width: int, merge) -> li
     return values
 
 
-def _shuffled(ctx: EmitContext, value: Value, mode: str, amount: int) -> Value:
+def _shuffled(ctx: ThreadContext, value: Value, mode: str, amount: int) -> Value:
     """`value` from another lane of the warp (shfl.sync: "down" `amount` lanes, or "idx"
     from lane `amount`), moved as 32-bit words whatever its type."""
     b = ctx.b
@@ -225,7 +229,7 @@ def _shuffled(ctx: EmitContext, value: Value, mode: str, amount: int) -> Value:
 FOLDED_AT_ONCE = 4  # a thread's elements whose terms (their loads) a fold computes before folding them in
 
 
-def _own_elements(ctx: EmitContext, thread: Value, length: int, threads: int, term, fold_in) -> None:
+def _own_elements(ctx: ThreadContext, thread: Value, length: int | Value, threads: int, term, fold_in) -> None:
     """Thread `thread`'s elements of a row — thread, thread + T, ... (T the block's
     threads) — `FOLDED_AT_ONCE` at a time: every term computed first, so that their loads
     are in flight together (one at a time, a block of a warp per row leaves a GPU waiting
@@ -252,7 +256,7 @@ def _rescaled(total: Value, own: Value, peak: Value) -> Value:
     return own.equal(peak).where(total, total * (own - peak).exp())
 
 
-def _partials(ctx: EmitContext, dtype: str, threads: int, which: str = "") -> Array:
+def _partials(ctx: ThreadContext, dtype: str, threads: int, which: str = "") -> Array:
     """Where a fold leaves its partial results: on the host an array of the element
     function's own, a slot per thread; on the GPU a block's warps' results in shared
     memory, one array per dtype and block size in a module (and a second, `which`, for a
@@ -269,7 +273,7 @@ def _partials(ctx: EmitContext, dtype: str, threads: int, which: str = "") -> Ar
     return Array(ctx.b, memory.gep([ir.Constant(I32, 0), ir.Constant(I32, 0)]), dtype)
 
 
-def each_over_block(ctx: EmitContext, threads: int, start: Value, length: int, body) -> None:
+def each_over_block(ctx: ThreadContext, threads: int, start: Value | int, length: int | Value, body) -> None:
     """`body(index, 1)` for each element of a row, thread t taking elements t, t + T, ..."""
     with _threads(ctx, threads) as thread, ctx.loop(thread, length, step=threads, name="i") as i:
         body(start + i, 1)

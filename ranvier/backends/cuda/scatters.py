@@ -13,16 +13,20 @@ index outside the table sets the status word."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import EmitContext, check_range, load_index
+from ..llvm.context import check_range, load_index
 from ..llvm.convert import narrow, widen
 from ..llvm.irutil import I32, I64, i64, storage_type
 from ..llvm.values import Value, index_value
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 
 def supports(op: Operation) -> bool:
@@ -42,7 +46,7 @@ def launches(op: Operation) -> list:
             (_added(op).size, lambda ctx, index: _add(ctx, op, index_value(ctx.b, index)))]
 
 
-def _atomic_add(ctx: EmitContext, var: Variable, at: Value, value: Value) -> None:
+def _atomic_add(ctx: ThreadContext, var: Variable, at: Value, value: Value) -> None:
     """var[at] += value, atomically (module docstring)."""
     stored = storage_type(var.dtype)
     if isinstance(stored, (ir.FloatType, ir.DoubleType)):
@@ -53,7 +57,7 @@ def _atomic_add(ctx: EmitContext, var: Variable, at: Value, value: Value) -> Non
         _add_by_compare_and_swap(ctx, var, at, value)
 
 
-def _add_by_compare_and_swap(ctx: EmitContext, var: Variable, at: Value, value: Value) -> None:
+def _add_by_compare_and_swap(ctx: ThreadContext, var: Variable, at: Value, value: Value) -> None:
     """var[at] += value for an 8- or 16-bit element: read the aligned 32-bit word holding
     it, write the word back with the element's sum in place only if no other thread
     changed it meanwhile (cmpxchg), else try again with what that thread left."""
@@ -80,7 +84,7 @@ def _add_by_compare_and_swap(ctx: EmitContext, var: Variable, at: Value, value: 
     b.position_at_end(done)
 
 
-def _add(ctx: EmitContext, op: Operation, index: Value) -> None:
+def _add(ctx: ThreadContext, op: Operation, index: Value) -> None:
     out, added = op.outputs[0], _added(op)
     value = ctx.load(added, index)
     if op.type == "ScatterAdd":
@@ -99,7 +103,7 @@ def _add(ctx: EmitContext, op: Operation, index: Value) -> None:
 
 
 
-def _assign_add(ctx: EmitContext, op: Operation, index: Value) -> None:
+def _assign_add(ctx: ThreadContext, op: Operation, index: Value) -> None:
     """Element i of added row n: table[indices[n]] += value[n] (value's one row, if it has
     one); a negative index adds to the out-of-vocabulary row, or without one ends the list
     (no row from that index on is added), as Myelin's kernel reads it."""

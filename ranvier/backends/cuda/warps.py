@@ -24,6 +24,8 @@ GPU.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llvmlite import ir
 
 from ... import dtypes
@@ -32,6 +34,9 @@ from ..llvm.convert import narrow
 from ..llvm.irutil import F32, I32, I64, VOID, declared
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray
+
+if TYPE_CHECKING:
+    from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 WARP = 32
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
@@ -54,7 +59,7 @@ def _unpacked(b: ir.IRBuilder, word: ir.Value, high: bool) -> ir.Value:
     return b.bitcast(bits, F32)
 
 
-def _warp_sync(ctx: EmitContext) -> None:
+def _warp_sync(ctx: ThreadContext) -> None:
     """Every lane of the warp here before a warp-wide instruction (after code where they parted)."""
     ctx.b.call(declared(ctx.module, "llvm.nvvm.bar.warp.sync", ir.FunctionType(VOID, [I32])), [ir.Constant(I32, -1)])
 
@@ -90,7 +95,7 @@ def _fragment(operand: tuple[PrivateArray, int], count: int) -> list[ir.Value]:
 
 def _between_phases(program: BlockProgram) -> None:
     """The host emulator runs a warp-wide operation over every lane at once: outside a phase."""
-    if program.thread is not None:
+    if program.in_phase:
         raise RuntimeError("a warp-wide operation comes between phases, not in one")
 
 

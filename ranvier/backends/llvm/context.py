@@ -46,12 +46,12 @@ class EmitContext:
         """Report bad data (an index out of range) when `condition` holds; the runtime raises."""
         raise NotImplementedError
 
-    def row_fold(self, start: Value, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
+    def row_fold(self, start: Value | int, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
         """`combine` over `term(index, width)` along a row of `length` from `start` (a row
         kernel's pass, `rows.Row`): here in vectors of `lanes`, then the lanes folded."""
         return fold(self, start, length, lanes, dtype, initial, combine, term)
 
-    def row_peak_and_exp_sum(self, start: Value, length: int | Value, lanes: int, dtype: str, read) -> tuple[Value, Value]:
+    def row_peak_and_exp_sum(self, start: Value | int, length: int | Value, lanes: int, dtype: str, read) -> tuple[Value, Value]:
         """A row's maximum and Σ exp(x − max) of `read(index, width)`: here two passes, the
         maximum then the sum, each exponential computed once."""
         peak = self.row_fold(start, length, lanes, dtype, -math.inf, lambda a, x: (x > a).where(x, a), read)
@@ -59,7 +59,7 @@ class EmitContext:
                               lambda i, w: (read(i, w) - peak.splat(w)).exp())
         return peak, total
 
-    def row_each(self, start: Value, length: int | Value, lanes: int, body) -> None:
+    def row_each(self, start: Value | int, length: int | Value, lanes: int, body) -> None:
         """`body(index, width)` over a row (a row kernel's last pass): here in vectors."""
         for_vectors(self, start, length, lanes, body)
 

@@ -101,7 +101,12 @@ def cast(b: ir.IRBuilder, value: ir.Value, source: str, target: str, lanes: int)
         return converted
     if isinstance(dst, ir.IntType):
         # Through int64 then truncate: what numpy's astype does on x86 for values in range.
-        whole = b.fptosi(value, vector_of(ir.IntType(64), lanes))
+        i64s = vector_of(ir.IntType(64), lanes)
+        whole = b.fptosi(value, i64s)
+        if target == dtypes.DT_UINT64:  # from 2^63 up, past int64: 2^63 less converted, its top bit set back
+            top = constant(value.type, 2.0**63)
+            high = b.xor(b.fptosi(b.fsub(value, top), i64s), constant(i64s, -(2**63)))
+            whole = b.select(b.fcmp_ordered(">=", value, top), high, whole)
         return b.trunc(whole, vdst) if dst.width < 64 else whole
     if _float_bits(dst) > _float_bits(src):
         return b.fpext(value, vdst)

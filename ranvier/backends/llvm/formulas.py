@@ -5,6 +5,7 @@ formula gets a kernel on each."""
 
 from __future__ import annotations
 
+from ...errors import RanvierError
 from ...ops import Attrs, op_def
 from ...ops.expression import Program
 from .strided import Body
@@ -14,6 +15,8 @@ from .values import Value
 def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
     """`op_type(args)` on IR values, by the op's formula, with its typed attributes."""
     definition = op_def(op_type)
+    if definition.formula is None:
+        raise RanvierError(f"op type {op_type} has no formula to generate code from")
     return definition.formula(*args, **Attrs(attrs, op_type, op_type, definition.attrs).values())
 
 

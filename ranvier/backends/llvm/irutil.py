@@ -54,6 +54,8 @@ _STORAGE = {
     dtypes.DT_INT64: I64,
     dtypes.DT_UINT8: I8,
     dtypes.DT_UINT16: I16,
+    dtypes.DT_UINT32: I32,
+    dtypes.DT_UINT64: I64,
     dtypes.DT_BOOL: I8,
 }
 

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 
 from ... import dtypes
+from ...errors import RanvierError
 from ...ops import attrs_of
 from .context import EmitContext
 from .irutil import compute_type, is_signed
@@ -19,8 +20,20 @@ from .values import Value
 REDUCTIONS = {"Sum", "SumSquares", "Mean", "Max", "Min", "Product", "All", "Any"}
 
 
-def blocks(op) -> tuple[int, int, int] | None:
-    """(outer, reduced, inner) sizes, or None when the reduced axes are not contiguous."""
+def contiguous(op) -> bool:
+    """Whether the reduction's axes are contiguous, so a kernel reads its input as blocks."""
+    return _blocks(op) is not None
+
+
+def blocks(op) -> tuple[int, int, int]:
+    """(outer, reduced, inner) sizes of a reduction whose axes are `contiguous`."""
+    found = _blocks(op)
+    if found is None:
+        raise RanvierError(f"{op.type} op {op.name}: its reduced axes are not contiguous, so no kernel reads it as blocks")
+    return found
+
+
+def _blocks(op) -> tuple[int, int, int] | None:
     x = op.inputs[0]
     attrs = attrs_of(op)
     if op.type in ("ArgMax", "ArgMin"):

@@ -43,7 +43,7 @@ class Row:
     """Vector passes over one row of `length` elements starting at element `start`; a
     length known only at run time is a non-negative int64 Value (the CPU's loops take one)."""
 
-    def __init__(self, ctx: EmitContext, start: Value, length: int | Value, dtype: str):
+    def __init__(self, ctx: EmitContext, start: Value | int, length: int | Value, dtype: str):
         self.ctx, self.start, self.length, self.dtype = ctx, start, length, dtype
         self.lanes = ctx.lanes_for([dtype])
         while isinstance(length, int) and self.lanes > 1 and self.lanes > length:  # short rows (a head of 8) use narrower vectors
@@ -64,7 +64,7 @@ class Row:
         self.ctx.row_each(self.start, self.length, self.lanes, body)
 
 
-def row_dot(ctx, size: int, x, x_start: Value, y, y_start: Value) -> Value:
+def row_dot(ctx, size: int, x, x_start: Value | int, y, y_start: Value | int) -> Value:
     """x[x_start:+size] · y[y_start:+size], in vectors."""
     return Row(ctx, x_start, size, x.dtype).sum(lambda i, w: ctx.load(x, i, w) * ctx.load(y, i - x_start + y_start, w))
 
@@ -258,7 +258,7 @@ def _stored(ctx, var, at, value: Value) -> Value:
     return value
 
 
-def _smoothed(row: Row, target, smoothing: float, n: int) -> Callable[[Value, int], Value]:
+def _smoothed(row: Row, target, smoothing: float, n: int | Value) -> Callable[[Value, int], Value]:
     """Reader of a probability target row with label smoothing: p' = p(1 − s) + s/n."""
 
     def read(i, w):

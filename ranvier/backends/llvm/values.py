@@ -198,9 +198,12 @@ class Value:
 
     def where(self, if_true: Value | Number, if_false: Value | Number) -> Value:
         """self ? if_true : if_false, for a bool condition; a number takes the other's dtype."""
-        if not isinstance(if_true, Value) and not isinstance(if_false, Value):
+        if isinstance(if_true, Value):
+            like = if_true
+        elif isinstance(if_false, Value):
+            like = if_false
+        else:
             raise TypeError("where() needs at least one Value to know the result's dtype; make a constant with x.constant()")
-        like = if_true if isinstance(if_true, Value) else if_false
         yes, no = like.like(if_true), like.like(if_false)
         if self.lanes < yes.lanes:
             return self.splat(yes.lanes).where(yes, no)

@@ -184,13 +184,15 @@ class _Heads:
 
     def row_keys(self, t: Value) -> Value | int:
         """The keys query t sees, as the length of its row of scores (0 where it sees none)."""
-        return self.visible(t).maximum(0) if self.causal else self.keys
+        seen = self.visible(t)
+        return seen.maximum(0) if isinstance(seen, Value) else seen
 
     def clear_unseen(self, row_values, start: Value, seen: Value | int, columns: Value | int) -> None:
         """Zero a block row's entries from `seen` to `columns` (the keys of the block's last
         row, which the products after read), where this query sees fewer."""
         if self.causal:
-            Row(self.ctx, start + seen, (columns - seen).maximum(0), self.dtype).each(
+            unseen = columns - seen
+            Row(self.ctx, start + seen, unseen.maximum(0) if isinstance(unseen, Value) else max(unseen, 0), self.dtype).each(
                 lambda i, w: self.ctx.store(row_values, i, self.ctx.constant(self.dtype, 0.0, w)))
 
     def score_gradients(self, p, dp, start: Value, t: Value, columns: Value | int) -> None:
@@ -509,7 +511,7 @@ def _attention_grad_blocks(ctx, op, pairs: bool) -> None:
             for grad, base, stride in targets:
                 with ctx.loop(0, keys, name="j") as j:
                     Row(ctx, base + j * stride, size, q.dtype).each(
-                        lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))
+                        lambda i, w, grad=grad: ctx.store(grad, i, ctx.constant(q.dtype, 0.0, w)))  # type: ignore[misc]  # (mypy infers no lambda binding a loop variable by default)
             keys_across.across_keys(k, kv)
             values_across.across_keys(v, kv)
             keys_along.along_keys(k, kv)
@@ -530,7 +532,7 @@ def _attention_grad_blocks(ctx, op, pairs: bool) -> None:
                               size)
                     with ctx.loop(0, seen, name="j") as j:
                         row = base + j * stride - j * size  # the head's row j, where `head` has it at j · size
-                        Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad, row=row: ctx.store(
+                        Row(ctx, j * size, size, q.dtype).each(lambda i, w, grad=grad, row=row: ctx.store(  # type: ignore[misc]  # (mypy infers no lambda binding a loop variable by default)
                             grad, row + i, ctx.load(grad, row + i, w) + ctx.load(head, i, w)))
 
     each_part(ctx, [(*shared.items, *(shared.pairs or (0, groups * blocks))) for shared in parts], part)

@@ -256,7 +256,7 @@ def conv_tiles(ctx, op) -> None:
             if planes is None:
                 windowed(ctx, scratch, first, last)
             else:
-                padded(ctx, scratch, first, last)
+                padded(ctx, scratch, first, last, planes)
 
         return emit
 
@@ -277,7 +277,7 @@ def conv_tiles(ctx, op) -> None:
             _tile_products(ctx, w, rows, each_tap, y, at, filters, taps, positions, lanes)
             epilogue(ctx, op, at, filters, positions)
 
-    def padded(ctx, scratch: ir.Value, first: int, last: int) -> None:
+    def padded(ctx, scratch: ir.Value, first: int, last: int, planes: _Planes) -> None:
         # the output's rows rounded up to whole vectors: position p is row p // row, column p % row
         image_planes, computed, row = _planes_scratch(ctx, op.name, f32, planes, filters, lanes, scratch)
         rows = planes.out_height * row
@@ -516,7 +516,7 @@ def conv_filter_gradient(ctx, op) -> None:
             sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * sum_lanes, total)
             for_vectors(ctx, 0, dw.size * sum_lanes, lanes, lambda i, w: ctx.store(sums, i, ctx.constant(dw.dtype, 0.0, w)))
             if planes is not None:
-                on_planes(ctx, first, last, sums, rest)
+                on_planes(ctx, first, last, sums, rest, planes)
                 return
             blas = None if _dot_tiled(op) else Blas(ctx, dw.dtype)
             rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, rest)
@@ -532,7 +532,7 @@ def conv_filter_gradient(ctx, op) -> None:
 
         return emit
 
-    def on_planes(ctx, first: int, last: int, sums, rest: ir.Value) -> None:
+    def on_planes(ctx, first: int, last: int, sums, rest: ir.Value, planes: _Planes) -> None:
         """The part's images from their padded planes, each dy row copied to a whole number of
         vectors (zeros past its end, so the last vector of a row adds nothing there)."""
         padded, rows, row = _planes_scratch(ctx, op.name, dw.dtype, planes, filters, lanes, rest)
@@ -571,7 +571,7 @@ def _add_dot_tiles(ctx, sums, filters: int, taps: int, lanes: int, walk) -> None
     f32 = dtypes.DT_FLOAT32
 
     def tile(f0: Value | int, t0: Value | int, height: int, width: int) -> None:
-        def at_sum(f: int, t: int) -> Value:
+        def at_sum(f: int, t: int) -> Value | int:
             return ((f0 + f) * taps + t0 + t) * lanes
 
         vectors = [[ctx.local(f32, lanes, ctx.load(sums, at_sum(f, t), lanes)) for t in range(width)] for f in range(height)]

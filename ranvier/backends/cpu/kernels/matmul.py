@@ -158,13 +158,12 @@ def gemm_grid(m: int, n: int, k: int, parts: int, unit: int) -> list[tuple[tuple
     """C[m, n] (over k) cut into at most `parts` blocks (row range, column range), edges
     multiples of `unit`: the most blocks, then the cheapest largest block
     (`_grid_block_cost`)."""
-    best = None
+    grids = []
     for across in range(1, parts + 1):
         rows, columns = shares(m, across, unit), shares(n, parts // across, unit)
         rank = (len(rows) * len(columns), -max(_grid_block_cost(r1 - r0, c1 - c0, k, len(columns)) for r0, r1 in rows for c0, c1 in columns))
-        if best is None or rank > best[0]:
-            best = rank, rows, columns
-    _, rows, columns = best
+        grids.append((rank, rows, columns))
+    _, rows, columns = max(grids, key=lambda grid: grid[0])  # the first of the best
     return [(r, c) for r in rows for c in columns]
 
 
@@ -371,7 +370,7 @@ def _run_calls(ctx, op, parts: list[list[_Gemm]], emit_call, partials_at: int, f
                   lambda ctx, number, *values: compute(ctx, number, [
                       _Gemm(*values[j * len(fields) : (j + 1) * len(fields)]) for j in range(calls)]))
     else:
-        run_parts(ctx, [lambda ctx, number=number, part=part: compute(ctx, number, part) for number, part in enumerate(parts)])
+        run_parts(ctx, [functools.partial(compute, number=number, calls=part) for number, part in enumerate(parts)])
     if count > 1:
         share_out(ctx, m, count, add_up)
 

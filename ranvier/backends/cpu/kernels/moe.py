@@ -100,7 +100,7 @@ def moe_combine_grad(ctx, op) -> None:
                     row, inside = _slot(ctx, slot, t * k + j, rows.shape[0])
                     start = inside.where(row, 0) * width
                     dot = Row(ctx, t * width, width, dy.dtype).sum(
-                        lambda i, w, start=start: ctx.load(dy, i, w) * ctx.load(rows, start + i - t * width, w))
+                        lambda i, w, start=start: ctx.load(dy, i, w) * ctx.load(rows, start + i - t * width, w))  # type: ignore[misc]  # (mypy infers no lambda binding a loop variable by default)
                     ctx.store(d_weights, t * k + j, inside.where(dot, 0.0))
             low, high = rows_share
             Row(ctx, ctx.index(low * width), (high - low) * width, d_rows.dtype).each(

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from ....flow.graph import Variable
 from ....ops.expression import parse
 from ....ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, product_type
+from ...kernels import planned
 from ...llvm.formulas import program_body
 from ...llvm.strided import View
 from ...llvm.values import Value
@@ -50,6 +51,6 @@ def epilogue(ctx, op, at: int | Value, rows: int | Value, columns: int, partials
         return program([sum(values[1 : 1 + added], values[0]), *values[1 + added :]], lanes)
 
     inputs = [block(v, own) for v in (product, *partials)]
-    inputs += [block(v, epilogue_input_strides(v.shape, product.shape, layout)) for v in others]
+    inputs += [block(v, planned(epilogue_input_strides(v.shape, product.shape, layout), op)) for v in others]
     outputs = [block(v, own) for v in (op.outputs if fused else [product])]
     emit_map(ctx, [rows, columns], inputs, outputs, body, split=False)

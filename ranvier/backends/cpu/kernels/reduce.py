@@ -8,6 +8,8 @@ Reductions over axes that are not adjacent decompose (see `ranvier.ops.reduce`).
 
 from __future__ import annotations
 
+import functools
+
 from ...llvm.irutil import compute_type
 from ...llvm.loops import fold, for_vectors
 from ...llvm.reductions import (
@@ -16,6 +18,7 @@ from ...llvm.reductions import (
     blocks,
     column_reduction,
     combiner,
+    contiguous,
     finished,
     identity,
     term,
@@ -44,7 +47,7 @@ def _partials_bytes(op) -> int:
     return blocks(op)[0] * pieces * 8 if pieces > 1 else 0
 
 
-@kernel("Reduce", REDUCTIONS, supports=lambda op: blocks(op) is not None, workspace=_partials_bytes)
+@kernel("Reduce", REDUCTIONS, supports=contiguous, workspace=_partials_bytes)
 def reduction(ctx, op) -> None:
     """A large reduction is shared out over the pool by its blocks; with fewer blocks
     than cores, by vectors of its columns (a bias gradient's column sums) or, for rows,
@@ -94,11 +97,9 @@ def _reduce_rows_in_pieces(ctx, op, pieces: int, lanes: int) -> None:
 
     each_part(ctx, runs, piece)
     with ctx.loop(0, outer, name="o") as o:
-        total = None
-        for number in range(len(runs)):
-            value = Value(ctx.b, ctx.b.load(ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir])), x.dtype)
-            total = value if total is None else combine(total, value)
-        ctx.store(out, o, finished(op, total))
+        values = [Value(ctx.b, ctx.b.load(ctx.b.gep(partials(ctx), [(o * len(runs) + number).ir])), x.dtype)
+                  for number in range(len(runs))]
+        ctx.store(out, o, finished(op, functools.reduce(combine, values)))
 
 
 @kernel("ArgReduce", {"ArgMax", "ArgMin"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .... import dtypes
 from ....ops import attrs_of
+from ...kernels import planned
 from ...llvm.irutil import transpose_square
 from ...llvm.strided import View, collapse, contiguous_strides, dense_view
 from ...llvm.values import Value
@@ -42,7 +43,7 @@ def _tiles_pay(op) -> bool:
 @kernel("TileTranspose", {"Transpose"}, supports=_tiles_pay)
 def tile_transpose(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
-    batch, p, q = batched_transpose(op)
+    batch, p, q = planned(batched_transpose(op), op)
     lanes = ctx.target.lanes(dtypes.itemsize(x.dtype))
     threads = thread_count() if worth_splitting(nbytes=2 * x.nbytes) else 1
     whole_p, whole_q = p - p % lanes, q - q % lanes

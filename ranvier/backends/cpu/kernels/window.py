@@ -249,16 +249,14 @@ def _tiled_pairs_share(x, dy, dx, kh: int):
         evens, odds = [2 * lane for lane in range(w)], [2 * lane + 1 for lane in range(w)]
         interleaved = [lane // 2 + (lane % 2) * w for lane in range(2 * w)]
         rows = [(plane * height + yo * kh + i) * width + xo * 2 for i in range(kh)]  # each tap row's first element
-        best = where = None
+        taps = []  # (the tap's values, its number)
         for i, row in enumerate(rows):
             left, right = ctx.load(x, row, w), ctx.load(x, row + w, w)
-            for j, lanes in enumerate((evens, odds)):
-                value, tap = left.shuffle(lanes, right), ctx.constant(dtypes.DT_INT32, 2 * i + j, w)
-                if best is None:
-                    best, where = value, tap
-                    continue
-                better = best.equal(best) & ((value > best) | value.not_equal(value))
-                best, where = better.where(value, best), better.where(tap, where)
+            taps += [(left.shuffle(lanes, right), ctx.constant(dtypes.DT_INT32, 2 * i + j, w)) for j, lanes in enumerate((evens, odds))]
+        best, where = taps[0]
+        for value, tap in taps[1:]:
+            better = best.equal(best) & ((value > best) | value.not_equal(value))
+            best, where = better.where(value, best), better.where(tap, where)
         gradient, zero = ctx.load(dy, (plane * ho + yo) * wo + xo, w), ctx.constant(dx.dtype, 0.0, w)
         for i, row in enumerate(rows):
             even, odd = (where.equal(ctx.constant(dtypes.DT_INT32, 2 * i + j, w)).where(gradient, zero) for j in (0, 1))

@@ -10,9 +10,10 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any  # JSON numbers and booleans, read as each measurement needs
 
-from ...atomic import atomic_write_bytes
-from ..cache_folder import cache_dir
+from ..atomic import atomic_write_bytes
+from .cache_folder import cache_dir
 
 
 def kept_path(kind: str, identity: str) -> Path:
@@ -21,7 +22,7 @@ def kept_path(kind: str, identity: str) -> Path:
 
 
 @contextmanager
-def kept(path: Path) -> Iterator[dict | None]:
+def kept(path: Path) -> Iterator[dict[str, Any] | None]:
     """The measurements in `path` (an empty dict if there are none or they do not read),
     held under a lock beside the file: processes starting together on a fresh machine
     wait for the first one's measurement rather than each taking its own. What the body
@@ -42,7 +43,7 @@ def kept(path: Path) -> Iterator[dict | None]:
             atomic_write_bytes(path, json.dumps(values, sort_keys=True).encode())
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path) -> dict[str, Any]:
     """The measurements in `path`, a JSON object of numbers and booleans; an empty dict
     where there are none or they do not read as such (a corrupt file is measured anew)."""
     try:

@@ -25,9 +25,8 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 
@@ -40,54 +39,18 @@ from ..distributed import current_world
 from ..errors import RanvierError, brief
 from ..flow.builder import Builder
 from ..flow.graph import Flow
-from ..models import LANGUAGE_MODELS, MoE, language_model
-from ..models.llama import Llama, LlamaConfig
+from ..models import MoE, language_model
+from ..models.llama import Llama
+from ..train.budget import plan_steps
+from ..train.checkpoint import METADATA, CheckpointError
+from ..train.losses import softmax_cross_entropy
+from ..train.optimizers import AdamW
+from ..train.runs import LlamaRunConfig, family_of, model_config_for, read_run, run_tokenizer
+from ..train.schedules import WarmupCosine
+from ..train.stack import CheckpointedStack
+from ..train.trainer import Trainer
 from . import rundir
-from .budget import plan_steps
-from .checkpoint import METADATA, CheckpointError, load_checkpoint
-from .losses import softmax_cross_entropy
-from .optimizers import AdamW
 from .peak import measured_peak
-from .schedules import WarmupCosine
-from .stack import CheckpointedStack
-from .trainer import Trainer
-
-
-@dataclass
-class LlamaRunConfig:
-    preset: str = "stories260K"
-    model: str = "llama"  # or "moe": the family the preset belongs to
-    corpus: str | None = None
-    data: str | None = None  # a folder of token shards (from `ranvier data pretokenize`) instead of a corpus
-    shards: list[dict] | None = None  # the shard files trained on: {"path", "bytes", "mtime_ns"}
-    steps: int | None = 2000  # None: as many as fit in `minutes`
-    minutes: float | None = None  # plan the steps to fit this training time
-    batch: int = 16
-    seq: int = 128
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup: int = 100
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    accumulate: int = 1
-    eval_every: int = 200
-    eval_batches: int = 8
-    checkpoint_every: int = 500
-    sample_every: int = 200
-    max_corpus_bytes: int | None = None
-    seed: int = 0
-    backend: str = "cpu"
-    cpu: str = ""
-    matmul: str = "float32"  # what ran: "bfloat16" is mixed-precision matrix products on AMX
-    matmul_requested: str | None = None  # what --matmul asked for
-    precision: str = "float32"  # what activations are stored in: "bfloat16" or "float16" on a GPU (not checkpointed)
-    checkpointed: bool = False  # stream the layers through a CheckpointedStack
-    zero: bool = False  # ZeRO-1 over data-parallel workers (a resume may change it)
-
-    # The settings above 0, and those 0 or more, as a saved config.json is checked.
-    POSITIVE: ClassVar[set[str]] = {"steps", "minutes", "batch", "seq", "lr", "clip", "accumulate", "eval_every",
-                                    "eval_batches", "checkpoint_every", "sample_every", "max_corpus_bytes"}
-    NON_NEGATIVE: ClassVar[set[str]] = {"min_lr", "warmup", "weight_decay"}
 
 
 @dataclass
@@ -98,12 +61,6 @@ class LlamaRun:
     validation: TokenShards
     eval_loss: Callable[[np.ndarray, np.ndarray], float]  # (tokens, targets) → loss, forward only
     unigram_entropy: float
-
-
-def run_tokenizer(run_dir: Path) -> Path:
-    """The run's tokenizer file: tokenizer.model (SentencePiece), or tokenizer.json."""
-    model = run_dir / "tokenizer.model"
-    return model if model.exists() or not (run_dir / "tokenizer.json").exists() else run_dir / "tokenizer.json"
 
 
 def tokenized_corpus(config: LlamaRunConfig, vocab_size: int) -> Path:
@@ -200,33 +157,6 @@ def prepare_data(config: LlamaRunConfig, run_dir: Path, vocab_size: int) -> tupl
     paths = [Path(name) for name in shards.names]
     config.shards = [shard_record(path) for path in paths]
     return tokenizer_path, manifest, paths
-
-
-def family_of(config: LlamaRunConfig) -> tuple[dict[str, LlamaConfig], type[Llama]]:
-    """The presets and model class of the run's model family."""
-    if config.model not in LANGUAGE_MODELS:
-        raise RanvierError(f"unknown model family {config.model!r}; choose one of {', '.join(LANGUAGE_MODELS)}")
-    return LANGUAGE_MODELS[config.model]
-
-
-def model_config_for(config: LlamaRunConfig, vocab_size: int) -> LlamaConfig:
-    """The preset's architecture with the run's vocabulary (and room for its sequence length)."""
-    preset = family_of(config)[0][config.preset]
-    return type(preset)(**{**asdict(preset), "vocab_size": vocab_size, "max_seq_len": max(preset.max_seq_len, config.seq)})
-
-
-def read_run(run_dir: Path) -> LlamaRunConfig:
-    return rundir.read_config(run_dir, LlamaRunConfig, tuple(LANGUAGE_MODELS))
-
-
-def load_model(run_dir: Path):
-    """(LlamaConfig, weights with ranvier keys, tokenizer) of a trained run directory."""
-    config = read_run(run_dir)
-    tokenizer = load_tokenizer(run_tokenizer(run_dir))
-    arrays, _ = load_checkpoint(run_dir / "checkpoint")
-    prefix = f"{family_of(config)[1].name}/"
-    weights = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix) and name.count("/") == 1}
-    return model_config_for(config, tokenizer.vocab_size), weights, tokenizer
 
 
 def lr_schedule(config: LlamaRunConfig) -> WarmupCosine:

@@ -18,13 +18,14 @@ from ..data import mnist
 from ..distributed import current_world
 from ..errors import RanvierError
 from ..models import CNN, MLP
+from ..train import runs
+from ..train.budget import plan_steps
+from ..train.classifier import build_classifier
+from ..train.optimizers import SGD, Adam, AdamW
+from ..train.schedules import Constant
+from ..train.trainer import Trainer
 from . import rundir
-from .budget import plan_steps
-from .classifier import build_classifier
-from .optimizers import SGD, Adam, AdamW
 from .peak import measured_peak
-from .schedules import Constant
-from .trainer import Trainer
 
 OPTIMIZERS = {"adam": Adam, "adamw": AdamW, "sgd": SGD}
 
@@ -99,7 +100,7 @@ def _test_images(config: MnistConfig, split: mnist.Split) -> np.ndarray:
 
 
 def read_config(run_dir: Path) -> MnistConfig:
-    return rundir.read_config(run_dir, MnistConfig, ("mnist",))
+    return runs.read_config(run_dir, MnistConfig, ("mnist",))
 
 
 def resume_mnist(run_dir: Path, flags: dict | None = None, progress: bool = True, profile: bool = False,

@@ -1,5 +1,6 @@
 """What every training job's run directory shares: its claim on the folder (a lock, and the rule
-that a new run does not replace an old one unasked), its config.json and its metrics.jsonl."""
+that a new run does not replace an old one unasked), its config.json (written here, read back
+by `train/runs.py`), its metrics.jsonl, and the flags a resume may change."""
 
 from __future__ import annotations
 
@@ -10,31 +11,19 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from ..atomic import TEMPORARY, WriteError, atomic_write_bytes, os_error, remove_partial_writes
 from ..distributed import current_world
 from ..distributed.launch import launcher_pid
-from ..errors import RanvierError, brief, parse_json
-from .checkpoint import METADATA, read_metadata
-from .runlock import holder, lock_run_dir
-from .settings import check_settings
+from ..errors import RanvierError, brief
+from ..train.checkpoint import METADATA, read_metadata
+from ..train.runlock import holder, lock_run_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
-
-Config = TypeVar("Config")
-
-# Each kind of run with its article, as messages name it.
-KINDS = {"mnist": ("an", "MNIST"), "llama": ("a", "llama"), "moe": ("a", "moe")}
-
-
-def _runs(kinds: tuple[str, ...]) -> str:
-    """ "a llama or moe run" """
-    return f"{KINDS[kinds[0]][0]} {' or '.join(KINDS[kind][1] for kind in kinds)} run"
-
 
 # A run's files, as --force replaces them: config.json first, which makes the folder a run.
 RUN_FILES = ("config.json", "checkpoint", "metrics.jsonl", "tokenizer.model", "tokenizer.json", "data", "curves.png")
@@ -156,53 +145,6 @@ def write_config(run_dir: Path, kind: str, config) -> None:
     data-parallel run)."""
     if current_world().is_root:
         atomic_write_bytes(run_dir / "config.json", json.dumps({"kind": kind, **asdict(config)}, indent=1).encode())
-
-
-def kind_of(saved: object) -> str | None:
-    """A saved config's run kind; runs written before config.json recorded it are known by
-    their keys. None: not a ranvier run's config (a Hugging Face config.json, say)."""
-    if not isinstance(saved, dict):
-        kind = None
-    elif "kind" in saved:
-        kind = saved["kind"]
-    elif "preset" in saved:
-        kind = saved.get("model", "llama")
-    else:
-        kind = "mnist" if "optimizer" in saved and "hidden" in saved else None
-    return kind if isinstance(kind, str) else None
-
-
-def read_saved(path: Path) -> object:
-    """A config.json's contents, or an error naming it where it is not JSON."""
-    return parse_json(path.read_bytes(), RanvierError, f"{path} is not JSON")
-
-
-def check_kind(run_dir: Path, kinds: tuple[str, ...], command: str | None = None) -> dict:
-    """The saved config of `run_dir`, a run of one of `kinds`, or an error naming what it is
-    and what `command` (when given) needs."""
-    path = run_dir / "config.json"
-    if not run_dir.is_dir():
-        raise RanvierError(f"{run_dir} is not a run directory: {'no such folder' if not run_dir.exists() else 'not a folder'}")
-    if not path.is_file():
-        raise RanvierError(f"{run_dir} is not a run directory: config.json is missing")
-    saved = read_saved(path)
-    kind = kind_of(saved)
-    if kind not in kinds:
-        what = _runs((kind,)) if kind in KINDS else "not a ranvier run directory (its config.json names no kind of run)"
-        needs = f"{command} needs {_runs(kinds)}" if command else f"expected {_runs(kinds)}"
-        raise RanvierError(f"{run_dir} is {what}; {needs}")
-    return saved
-
-
-def read_config(run_dir: Path, kind: type[Config], kinds: tuple[str, ...]) -> Config:
-    """The job config saved in `run_dir/config.json`, which must be a run of one of `kinds`."""
-    saved = check_kind(run_dir, kinds)
-    saved.pop("kind", None)
-    unknown = set(saved) - {f.name for f in fields(kind)}
-    if unknown:
-        raise RanvierError(f"{run_dir / 'config.json'} has settings this ranvier does not know: {', '.join(sorted(unknown))}")
-    check_settings(run_dir / "config.json", kind, saved)
-    return kind(**saved)
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
