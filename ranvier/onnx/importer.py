@@ -29,6 +29,7 @@ from . import (  # noqa: F401  (each converter registers itself)
     bilinear,
     blocks,
     converters,
+    elementwise,
     losses,
     normalization,
     recurrent,
