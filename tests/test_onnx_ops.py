@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_onnx_import import Known, case, check_node, rand
+from test_onnx_import import RNG, Known, case, check_node, rand
 
 X234 = rand(2, 3, 4) * 2
 
@@ -38,6 +38,10 @@ ELEMENTWISE_CASES = [
     case("ThresholdedRelu", {"x": X234}, alpha=-0.5, id="alpha"),
     case("Swish", {"x": X234 * 3}, opset=24),
     case("Swish", {"x": X234 * 3}, opset=24, alpha=0.7, id="alpha"),
+    case("Mod", {"a": RNG.integers(-20, 20, (2, 3, 4)), "b": RNG.integers(1, 6, (3, 1)) * [[1], [-1], [1]]}, id="int64"),
+    case("Mod", {"a": RNG.integers(-20, 20, (2, 3, 4)).astype(np.int32), "b": np.int32([3, -4, 5, -7])}, fmod=1,
+         id="int32-fmod"),
+    case("Mod", {"a": X234 * 10, "b": Known(np.float32([3, -4, 1.5, -0.7]))}, fmod=1, id="float-fmod"),
     case("IsNaN", {"x": _with_specials(X234)}, opset=20),
     case("IsNaN", {"x": _with_specials(X234).astype(np.float16)}, opset=20, id="float16"),
     case("IsInf", {"x": _with_specials(X234)}, opset=20),

@@ -35,7 +35,7 @@ TESTED_OPS = {
     "Add", "Sub", "Mul", "Div", "Pow", "Minimum", "Maximum", "Equal", "NotEqual", "Less",
     "LessEqual", "Greater", "GreaterEqual", "And", "Or", "Xor", "Cond", "Select",
     "Trunc", "Tan", "Cot", "Sec", "Csc", "Asin", "Acos", "Atan", "Acot", "Asec", "Acsc", "Sinh", "Cosh", "Coth", "Sech",
-    "Csch", "Asinh", "Acosh", "Atanh", "Acoth", "Asech", "Acsch", "Softsign", "LogSigmoid", "AndNot",
+    "Csch", "Asinh", "Acosh", "Atanh", "Acoth", "Asech", "Acsch", "Softsign", "LogSigmoid", "AndNot", "FMod", "Mod",
 }
 
 try:  # scipy is an independent erf; math.erf is the fallback
@@ -381,6 +381,53 @@ def test_pow_integer_exponents_of_negative_bases():
     x = np.array([-3.0, -2.0, -0.5, 0.5, 2.0], np.float32)
     check(run1(lambda f, a: a**2, x), as_f64(x) ** 2, "float32")
     check(run1(lambda f, a: a**3, x), as_f64(x) ** 3, "float32")
+
+
+def _remainder_of(a, b, dtype: str, floored: bool):
+    """Element by element in Python: math.fmod or % for floats; for integers the truncated
+    remainder (|a| % |b| with a's sign) or the floored one (%), x % 0 being 0."""
+
+    def one(x, y):
+        if isinstance(x, float):
+            if floored:
+                return x % y if y else math.nan
+            return math.fmod(x, y) if y else math.nan
+        if y == 0:
+            return 0
+        if floored:
+            return x % y
+        return -(abs(x) % abs(y)) if x < 0 else abs(x) % abs(y)
+
+    kind = float if dtype in FLOATS else int
+    pairs = np.broadcast_arrays(as_f64(a), as_f64(b)) if kind is float else np.broadcast_arrays(ints_of(a), ints_of(b))
+    return np.vectorize(lambda x, y: one(kind(x), kind(y)), otypes=[np.float64 if kind is float else object])(*pairs)
+
+
+@pytest.mark.parametrize("shapes", BROADCAST_SHAPES[3:6], ids=SHAPE_IDS[3:6])
+@pytest.mark.parametrize("op", ["FMod", "Mod"])
+@pytest.mark.parametrize("dtype", NUMERIC)
+def test_remainders(op, dtype, shapes):
+    """fmod (the dividend's sign) and mod (the divisor's), mixed signs and divisors of 0."""
+    sa, sb = shapes
+    low = 0 if dtype in UNSIGNED_INTS else -40
+    a = random_array(sa, dtype, seed=5, low=low, high=40)
+    b = random_array(sb, dtype, seed=6, low=low / 4, high=9)
+    b.flat[0] = 0
+    expected = _remainder_of(a, b, dtype, floored=op == "Mod")
+    if dtype in INTS:
+        expected = expected.astype(np.int64)
+    check(run1(lambda f, x, y: getattr(f, op.lower())(x, y), a, b), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", SIGNED_INTS)
+def test_remainders_of_the_most_negative_integer(dtype):
+    """MIN % −1 is 0 (the hardware's srem traps there), and MIN % 3 its true remainder."""
+    low = np.iinfo(np_dtype(dtype)).min
+    a = np.array([low, low, low, 7], np_dtype(dtype))
+    b = np.array([-1, 3, -3, -1], np_dtype(dtype))
+    for method, floored in (("fmod", False), ("mod", True)):
+        expected = [0, *(low % d if floored else -(-low % abs(d)) for d in (3, -3)), 0]
+        check(run1(lambda f, x, y, m=method: getattr(f, m)(x, y), a, b), expected, dtype)
 
 
 def test_minimum_maximum_nan_free_ties():

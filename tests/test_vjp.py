@@ -77,6 +77,16 @@ def untied(shape_a, shape_b, gap=1e-3):
             return a, b
 
 
+def off_quotients(shape_a, shape_b):
+    """a and b of mixed signs whose broadcast quotients a/b lie away from integers (where
+    a remainder jumps)."""
+    while True:
+        a, b = normal(*shape_a) * 3.0, away(*shape_b, lo=0.5, hi=2.0)
+        fraction = np.abs(a / b) % 1.0
+        if np.all((fraction > 0.05) & (fraction < 0.95)):
+            return a, b
+
+
 def ints(high, *shape, dtype=np.int32):
     return _RNG.integers(0, high, shape).astype(dtype)
 
@@ -221,6 +231,8 @@ BINARY = [
     ("Pow", lambda a, b: a ** b, torch.pow, lambda sa, sb: (positive(*sa), _RNG.uniform(-1.5, 1.5, sb))),
     ("Minimum", lambda a, b: a.builder.minimum(a, b), torch.minimum, untied),
     ("Maximum", lambda a, b: a.builder.maximum(a, b), torch.maximum, untied),
+    ("FMod", lambda a, b: a.fmod(b), torch.fmod, off_quotients),
+    ("Mod", lambda a, b: a.mod(b), torch.remainder, off_quotients),
 ]
 for _name, _build, _torch, _gen in BINARY:
     for _label, _sa, _sb in BROADCASTS:

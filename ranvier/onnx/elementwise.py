@@ -1,7 +1,7 @@
 """Converters of ONNX's elementwise operators beyond `converters.py`'s table: the
 activations with parameters (Elu, Selu, Celu, HardSigmoid, HardSwish, Mish, PRelu, Shrink,
 ThresholdedRelu, Swish) and the float tests (IsNaN, IsInf), each as the few ranvier ops of
-its formula, which the compiler fuses into one loop.
+its formula, which the compiler fuses into one loop; and Mod, as ranvier's FMod or Mod.
 """
 
 from __future__ import annotations
@@ -102,3 +102,10 @@ def is_inf(node: Node):
     if positive or negative:
         return node.b.equal(x, math.inf if positive else -math.inf)
     return np.zeros(x.shape, bool)  # detects neither
+
+
+@converts("Mod")
+def mod(node: Node):
+    """fmod=1: C's fmod (the dividend's sign); fmod=0: Python's % (the divisor's sign)."""
+    a, b = node.tensor(0), node.tensor(1)
+    return node.b.fmod(a, b) if node.attr("fmod", 0) else node.b.mod(a, b)

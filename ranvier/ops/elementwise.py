@@ -316,6 +316,28 @@ def _pow_vjp(a, c, y, g):
     return g * c * a.pow(c - 1.0), g * y * a.log()
 
 
+def _remainder(function):
+    """np.fmod or np.mod, silent where numpy warns: an integer x % 0 is 0 there too."""
+
+    def reference(a, b):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return function(a, b)
+
+    return reference
+
+
+def _mod_formula(x, y):
+    """fmod(x, y), moved by y where its sign differs from y's (as numpy's npy_divmod does)."""
+    r = x.fmod(y)
+    return (r.not_equal(0) & ((r < 0) ^ (y < 0))).where(r + y, r)
+
+
+def _remainder_vjp(a, c, y, g):
+    """y = a − q·c for the whole quotient q (truncated or floored): dy/da = 1, dy/dc = −q,
+    and q = (a − y)/c up to rounding, which round() takes away."""
+    return g, -(g * ((a - y) / c).round())
+
+
 def _div_vjp(a, c, y, g):
     ga = g / c
     return ga, -(ga * y)
@@ -335,6 +357,10 @@ binary("Mul", np.multiply, NUMERIC, None, "mul", lambda a, c, y, g: (g * c, g * 
 binary("Div", _div, NUMERIC, None, "div", _div_vjp, lambda x, y: x / y,
        "a / b; integers truncate toward zero (x / 0 is 0)")
 binary("Pow", np.power, FLOATS, None, "pow", _pow_vjp, _pow_formula)
+binary("FMod", _remainder(np.fmod), NUMERIC, None, "fmod", _remainder_vjp, lambda x, y: x.fmod(y),
+       "the remainder of a / b truncated toward zero, of a's sign (C's fmod); an integer x % 0 is 0")
+binary("Mod", _remainder(np.mod), NUMERIC, None, "mod", _remainder_vjp, _mod_formula,
+       "the remainder of a / b floored, of b's sign (Python's %, np.mod); an integer x % 0 is 0")
 binary("Minimum", np.minimum, NUMERIC, None, "minimum", _extreme_vjp(lambda a, c: a <= c), lambda x, y: x.minimum(y),
        "NaN propagates, as np.minimum")
 binary("Maximum", np.maximum, NUMERIC, None, "maximum", _extreme_vjp(lambda a, c: a >= c), lambda x, y: x.maximum(y),

@@ -153,6 +153,21 @@ class Value:
         """Integer remainder, for the non-negative integers of index arithmetic (urem)."""
         return self._new(self.b.urem(self.ir, self.like(other).ir))
 
+    def fmod(self, other) -> Value:
+        """The remainder of self / other truncated toward zero, of self's sign (C's fmod:
+        frem, exact on the CPU; NVPTX lowers it as x − y·trunc(x/y), exact while the
+        quotient fits the mantissa), as the reference computes it without the hardware
+        trap: an integer x % 0 is 0, as is MIN % −1 (srem of either raises SIGFPE on x86)."""
+        other = self.like(other)
+        if self.is_float:
+            return self._new(self.b.frem(self.ir, other.ir))
+        zero, one = self.constant(0), self.constant(1)
+        if not is_signed(self.dtype):
+            by_zero = other.equal(zero)
+            return by_zero.where(zero, self._new(self.b.urem(self.ir, by_zero.where(one, other).ir)))
+        trivial = other.equal(zero) | other.equal(-1)
+        return trivial.where(zero, self._new(self.b.srem(self.ir, trivial.where(one, other).ir)))
+
     # ---- comparisons and logic ---------------------------------------------------------------
 
     def _compare(self, kind: str, other) -> Value:
