@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_onnx_import import RNG, Known, case, check_node, rand
+from onnx import TensorProto, helper
+from test_onnx_import import RNG, Known, build, case, check_node, known, rand
+
+import ranvier.onnx as ro
+from ranvier.onnx import OnnxError
 
 X234 = rand(2, 3, 4) * 2
 
@@ -54,3 +58,134 @@ ELEMENTWISE_CASES = [
 @pytest.mark.parametrize("op, values, kwargs", ELEMENTWISE_CASES)
 def test_elementwise(op, values, kwargs):
     check_node(op, values, **kwargs)
+
+
+def _ints(low, high, shape, dtype=np.int64) -> np.ndarray:
+    return RNG.integers(low, high, shape).astype(dtype)
+
+
+def _distinct(rows: int, columns: int, size: int) -> np.ndarray:
+    """int64 indices [rows, columns], distinct within each row, below `size`, some written
+    from the end (negative)."""
+    picks = np.stack([RNG.permutation(size)[:columns] for _ in range(rows)])
+    return np.where(RNG.random(picks.shape) < 0.3, picks - size, picks).astype(np.int64)
+
+
+X345 = rand(3, 4, 5)
+TIES = _ints(0, 3, (3, 4, 5), np.int32)  # integers with many ties
+
+INDEXING_CASES = [
+    case("GatherElements", {"data": X345, "indices": _ints(-4, 4, (3, 2, 5))}, axis=1),
+    case("GatherElements", {"data": X345, "indices": _ints(-5, 5, (2, 4, 3), np.int32)}, axis=-1, id="int32-smaller"),
+    case("GatherElements", {"data": TIES, "indices": _ints(0, 3, (2, 4, 5))}, id="int-axis0"),
+    case("GatherND", {"data": X345, "indices": np.int64([[[0, 1], [2, -1]], [[1, 3], [-3, 0]]])}),
+    case("GatherND", {"data": X345, "indices": np.int64([[2, 1, 4], [0, -4, -1]])}, id="elements"),
+    case("GatherND", {"data": X345, "indices": np.int64([[[1], [3]], [[0], [-1]], [[2], [2]]])}, batch_dims=1,
+         id="batch-dims"),
+    case("GatherND", {"data": TIES, "indices": Known(np.int64([[1], [0]]))}, id="known-indices"),
+    case("ScatterElements", {"data": X345, "indices": _distinct(3, 2, 4).reshape(3, 2, 1), "updates": rand(3, 2, 1)},
+         axis=1, opset=18),
+    case("ScatterElements", {"data": rand(4, 5), "indices": _distinct(4, 3, 5), "updates": rand(4, 3)}, axis=-1,
+         opset=18, id="last-axis"),
+    case("ScatterElements", {"data": rand(4, 5), "indices": _ints(-4, 4, (3, 5)), "updates": rand(3, 5)},
+         reduction="add", opset=18, id="add-duplicates"),
+    case("ScatterElements", {"data": TIES, "indices": _ints(0, 3, (4, 4, 5)), "updates": _ints(-3, 3, (4, 4, 5), np.int32)},
+         reduction="mul", opset=18, id="mul-int"),
+    case("ScatterElements", {"data": rand(4, 5), "indices": _ints(0, 5, (4, 3)), "updates": rand(4, 3) * 3},
+         axis=1, reduction="max", opset=18, id="max"),
+    case("ScatterElements", {"data": rand(4, 5), "indices": _ints(0, 5, (4, 3)), "updates": rand(4, 3) * 3},
+         axis=1, reduction="min", opset=18, id="min"),
+    case("Scatter", {"data": rand(4, 5), "indices": _distinct(4, 3, 5), "updates": rand(4, 3)}, axis=1, opset=10),
+    case("ScatterND", {"data": X345, "indices": np.int64([[2], [-3]]), "updates": rand(2, 4, 5)}, opset=18),
+    case("ScatterND", {"data": X345, "indices": np.int64([[0, 1, 2], [2, -1, 4], [1, 1, 1]]), "updates": rand(3)},
+         opset=18, id="elements"),
+    case("ScatterND", {"data": X345, "indices": np.int64([[[0, 1], [2, 1]], [[0, 1], [1, -4]]]),
+                       "updates": rand(2, 2, 5)}, reduction="add", opset=18, id="add-duplicates"),
+    case("ScatterND", {"data": TIES, "indices": np.int64([[1, 2], [1, 2], [0, 0]]),
+                       "updates": _ints(-3, 4, (3, 5), np.int32)}, reduction="mul", opset=18, id="mul-int"),
+    case("ScatterND", {"data": X345, "indices": np.int64([[1], [1], [0]]), "updates": rand(3, 4, 5) * 2},
+         reduction="max", opset=18, id="max"),
+    case("ScatterND", {"data": X345, "indices": np.int64([[1], [1], [0]]), "updates": rand(3, 4, 5) * 2},
+         reduction="min", opset=18, id="min"),
+    case("OneHot", {"indices": np.int64([[0, -1, 5], [2, -5, 7]]), "depth": Known(np.int64(5)),
+                    "values": Known(np.float32([0.5, 2.0]))}),
+    case("OneHot", {"indices": np.float32([1.7, -2.2, 3.0]), "depth": Known(np.float32([4])),
+                    "values": np.float32([-3, 9])}, axis=0, id="float-indices-axis0"),
+    case("OneHot", {"indices": _ints(-3, 3, (2, 3)), "depth": Known(np.int64([3])),
+                    "values": Known(np.float32([0, 1]))}, axis=1, id="axis1"),
+    case("TopK", {"x": rand(3, 6), "k": known(3)}, outputs=("values", "indices")),
+    case("TopK", {"x": rand(5, 3), "k": known(2)}, outputs=("values", "indices"), axis=0, largest=0,
+         id="smallest-axis0"),
+    case("TopK", {"x": TIES, "k": known(4)}, outputs=("values", "indices"), axis=1, id="int-ties"),
+    case("TopK", {"x": TIES, "k": known(3)}, outputs=("values", "indices"), largest=0, id="int-ties-smallest"),
+    case("ReverseSequence", {"x": rand(4, 3, 2), "lens": np.int64([4, 1, 3])}),
+    case("ReverseSequence", {"x": rand(3, 4, 2), "lens": np.int64([2, 4, 1])}, batch_axis=0, time_axis=1, id="batch-first"),
+    case("Compress", {"x": X345, "condition": Known(np.bool_([1, 0, 1, 1]))}, axis=1),
+    case("Compress", {"x": X345, "condition": Known(np.bool_([0, 1, 1, 0, 0, 1]))}, id="flattened"),
+    case("Tile", {"x": rand(2, 3), "repeats": known(3, 2)}),
+    case("Tile", {"x": TIES, "repeats": known(1, 2, 1)}, id="int"),
+    case("EyeLike", {"x": rand(3, 5)}, k=1),
+    case("EyeLike", {"x": rand(4, 3)}, k=-2, dtype=6, id="int32"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", INDEXING_CASES)
+def test_indexing(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+ALGEBRA_CASES = [
+    case("CumSum", {"x": X345, "axis": Known(np.int64(1))}),
+    case("CumSum", {"x": X345, "axis": Known(np.int32([-1]))}, exclusive=1, id="exclusive"),
+    case("CumSum", {"x": TIES, "axis": Known(np.int64(0))}, reverse=1, id="int-reverse"),
+    case("CumSum", {"x": X345, "axis": Known(np.int64(2))}, exclusive=1, reverse=1, id="exclusive-reverse"),
+    case("Hardmax", {"x": X345}, opset=13, axis=1),
+    case("Hardmax", {"x": np.float32([[1, 3, 3], [2, 2, 0]])}, opset=13, id="ties"),
+    case("Hardmax", {"x": X345}, opset=11, axis=1, id="flattened"),
+    case("Det", {"x": rand(2, 3, 3)}),
+    case("Det", {"x": rand(4, 4)}, id="4x4"),
+    case("Einsum", {"a": rand(3, 4), "b": rand(4, 5)}, equation="ij,jk->ik", opset=12),
+    case("Einsum", {"a": rand(2, 3, 4), "b": rand(2, 4, 5)}, equation="bij,bjk->bik", opset=12, id="batch-matmul"),
+    case("Einsum", {"q": rand(2, 3, 4, 5), "k": rand(2, 3, 6, 5)}, equation="bhqd,bhkd->bhqk", opset=12, id="scores"),
+    case("Einsum", {"a": rand(2, 4, 4)}, equation="...ii->...i", opset=12, id="batch-diagonal"),
+    case("Einsum", {"a": rand(4, 4)}, equation="ii", opset=12, id="trace"),
+    case("Einsum", {"a": rand(3, 4)}, equation="ij->ji", opset=12, id="transpose"),
+    case("Einsum", {"a": rand(3, 4), "b": rand(4)}, equation="ij,j", opset=12, id="implicit"),
+    case("Einsum", {"a": rand(3), "b": rand(4), "c": rand(3, 4)}, equation="i,j,ij->", opset=12, id="three"),
+    case("Einsum", {"a": rand(2, 1, 3), "b": rand(5, 3)}, equation="...j,kj->...k", opset=12, id="ellipsis-broadcast"),
+    case("ReduceL1", {"x": X345, "axes": known(1)}, opset=18),
+    case("ReduceL2", {"x": X345, "axes": known(-1, 0)}, opset=18, keepdims=0),
+    case("ReduceLogSum", {"x": np.abs(X345) + 0.1}, opset=18, id="all"),
+    case("ReduceLogSumExp", {"x": X345 * 100, "axes": known(2)}, opset=18, id="large"),
+    case("ReduceLogSumExp", {"x": X345, "axes": Known(np.zeros(0, np.int64))}, opset=18, keepdims=0, id="empty-axes"),
+    case("ReduceL1", {"x": X345}, opset=13, axes=[0, 2], id="opset13"),
+    case("ReduceSum", {"x": X345, "axes": Known(np.zeros(0, np.int64))}, opset=13, id="empty-axes"),
+    case("ReduceMax", {"x": X345 > 0, "axes": known(1)}, opset=20, id="bool"),
+    case("ReduceMin", {"x": X345 > 0, "axes": known(1)}, opset=20, id="bool"),
+    case("ArgMax", {"x": TIES}, axis=1, select_last_index=1, opset=13),
+    case("ArgMin", {"x": TIES}, axis=-1, keepdims=0, select_last_index=1, opset=13),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", ALGEBRA_CASES)
+def test_algebra(op, values, kwargs):
+    check_node(op, values, **kwargs)
+
+
+@pytest.mark.parametrize("op, values, what, output_type, rank", [
+    ("Range", {"start": np.float32(0), "limit": Known(np.float32(5)), "delta": Known(np.float32(1))}, "start",
+     TensorProto.FLOAT, 1),
+    ("ConstantOfShape", {"shape": np.int64([2, 3])}, "shape", TensorProto.FLOAT, 2),
+    ("NonZero", {"x": X345}, "its values set the output's shape", TensorProto.INT64, 2),
+    ("Unique", {"x": X345}, "its values set the output's shape", TensorProto.FLOAT, 1),
+    ("Compress", {"x": X345, "condition": np.bool_([1, 0, 1])}, "condition", TensorProto.FLOAT, 3),
+    ("Tile", {"x": X345, "repeats": np.int64([1, 2, 1])}, "repeats", TensorProto.FLOAT, 3),
+])
+def test_inputs_that_set_shapes_must_be_known(op, values, what, output_type, rank):
+    """Read from the model's inputs, an input that sets the output's shape is refused by
+    name (the model loads with it as an initializer, as the cases above show)."""
+    node = helper.make_node(op, list(values), ["y"])
+    model = build([node], values, ["y"], opset=18)
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", output_type, ["n"] * rank))
+    with pytest.raises(OnnxError, match=rf"{op}.*{what}.*known at load"):
+        ro.load(model)

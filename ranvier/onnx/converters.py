@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .. import dtypes
+from .indexing import take
 from .node import Node, converts, onnx_dtype
 
 # ---- elementwise -----------------------------------------------------------------------------
@@ -361,7 +362,20 @@ def reduce(node: Node):
     if not axes and node.attr("noop_with_empty_axes", 0):  # axes omitted or empty
         return node.b.identity(x)
     keepdims = bool(node.attr("keepdims", 1))
-    return getattr(node.b, _REDUCE[node.proto.op_type])(x, axis=axes or list(range(x.rank)), keepdims=keepdims)
+    axes = axes or list(range(x.rank))
+    method = _REDUCE[node.proto.op_type]
+    if method in ("max", "min") and x.dtype == dtypes.DT_BOOL:  # the largest of booleans is any, the smallest all
+        method = "any" if method == "max" else "all"
+    elif method in ("max", "min") and any(x.shape[a] == 0 for a in axes):
+        # The extreme of nothing: the dtype's lowest value for a max, its highest for a min (as ONNX says).
+        kind = dtypes.to_numpy(x.dtype)
+        if x.dtype in dtypes.FLOAT_DTYPES:
+            value = -np.inf if method == "max" else np.inf
+        else:
+            value = np.iinfo(kind).min if method == "max" else np.iinfo(kind).max
+        shape = [1 if i in axes else d for i, d in enumerate(x.shape) if keepdims or i not in axes]
+        return np.full(shape, value, kind)
+    return getattr(node.b, method)(x, axis=axes, keepdims=keepdims)
 
 
 @converts("ArgMax", "ArgMin")

@@ -25,11 +25,13 @@ from ..errors import UnknownOpError, shape_str
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
 from . import (  # noqa: F401  (each converter registers itself)
+    algebra,
     attention,
     bilinear,
     blocks,
     converters,
     elementwise,
+    indexing,
     losses,
     normalization,
     recurrent,
