@@ -32,7 +32,10 @@ BROADCASTS = [[3, 5, 7], [5, 1], [3, 1, 7]]  # the inputs' shapes, in turn: a fu
 MORE_DTYPES = {"Add": ["int32", "int8", "float64", "float16", "bfloat16"], "Div": ["int32", "float64"],
                "Mul": ["int64", "bfloat16"], "Maximum": ["uint8", "float16"], "Less": ["int16", "float64"],
                "Exp": ["float64", "float16"], "Tanh": ["bfloat16"], "Neg": ["int32"], "Abs": ["int8"]}
-CASES = [(name, "float32") for name in FORMULA_OPS] + [(name, dt) for name, extra in MORE_DTYPES.items() for dt in extra]
+INTEGER_ONLY = {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "ShiftLeft", "ShiftRight"}
+MORE_DTYPES.update({"ShiftLeft": ["int8", "uint16", "int64"], "ShiftRight": ["int8", "uint8", "int64"]})
+CASES = [(name, "int32" if name in INTEGER_ONLY else "float32") for name in FORMULA_OPS] + \
+    [(name, dt) for name, extra in MORE_DTYPES.items() for dt in extra]
 
 needs_ptxas = pytest.mark.skipif(ptx.ptxas_path() is None, reason="ptxas (CUDA toolkit or nvidia-cuda-nvcc) is not installed")
 

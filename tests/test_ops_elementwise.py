@@ -36,6 +36,7 @@ TESTED_OPS = {
     "LessEqual", "Greater", "GreaterEqual", "And", "Or", "Xor", "Cond", "Select",
     "Trunc", "Tan", "Cot", "Sec", "Csc", "Asin", "Acos", "Atan", "Acot", "Asec", "Acsc", "Sinh", "Cosh", "Coth", "Sech",
     "Csch", "Asinh", "Acosh", "Atanh", "Acoth", "Asech", "Acsch", "Softsign", "LogSigmoid", "AndNot", "FMod", "Mod",
+    "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "ShiftLeft", "ShiftRight",
 }
 
 try:  # scipy is an independent erf; math.erf is the fallback
@@ -428,6 +429,69 @@ def test_remainders_of_the_most_negative_integer(dtype):
     for method, floored in (("fmod", False), ("mod", True)):
         expected = [0, *(low % d if floored else -(-low % abs(d)) for d in (3, -3)), 0]
         check(run1(lambda f, x, y, m=method: getattr(f, m)(x, y), a, b), expected, dtype)
+
+
+def _bits(values, dtype: str) -> list[int]:
+    """Each integer's two's complement bits as a Python int of the dtype's width."""
+    width = np.dtype(np_dtype(dtype)).itemsize * 8
+    return [int(v) % (1 << width) for v in np.asarray(values).reshape(-1)]
+
+
+def _from_bits(bits: list[int], dtype: str, shape) -> np.ndarray:
+    width = np.dtype(np_dtype(dtype)).itemsize * 8
+    signed = np.issubdtype(np_dtype(dtype), np.signedinteger)
+    return np.array([b - (1 << width) if signed and b >> (width - 1) else b for b in bits], np.int64).reshape(shape)
+
+
+@pytest.mark.parametrize("shapes", BROADCAST_SHAPES[3:6], ids=SHAPE_IDS[3:6])
+@pytest.mark.parametrize("op", ["BitwiseAnd", "BitwiseOr", "BitwiseXor"])
+@pytest.mark.parametrize("dtype", INTS)
+def test_bitwise_logic(op, dtype, shapes):
+    """Bit by bit on the two's complement patterns of random integers over the dtype's range."""
+    info = np.iinfo(np_dtype(dtype))
+    a = random_array(shapes[0], dtype, seed=7, low=int(info.min), high=int(info.max))
+    b = random_array(shapes[1], dtype, seed=8, low=int(info.min), high=int(info.max))
+    a_b, b_b = np.broadcast_arrays(a, b)
+    combine = {"BitwiseAnd": lambda x, y: x & y, "BitwiseOr": lambda x, y: x | y, "BitwiseXor": lambda x, y: x ^ y}[op]
+    expected = _from_bits([combine(x, y) for x, y in zip(_bits(a_b, dtype), _bits(b_b, dtype))], dtype, a_b.shape)
+    method = {"BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or", "BitwiseXor": "bitwise_xor"}[op]
+    check(run1(lambda f, x, y: getattr(f, method)(x, y), a, b), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", INTS)
+def test_bitwise_not(dtype):
+    info = np.iinfo(np_dtype(dtype))
+    x = random_array((5, 7), dtype, seed=9, low=int(info.min), high=int(info.max))
+    width = np.dtype(np_dtype(dtype)).itemsize * 8
+    expected = _from_bits([(1 << width) - 1 - v for v in _bits(x, dtype)], dtype, x.shape)
+    check(run1(lambda f, t: f.bitwise_not(t), x), expected, dtype)
+
+
+@pytest.mark.parametrize("op", ["ShiftLeft", "ShiftRight"])
+@pytest.mark.parametrize("dtype", INTS)
+def test_shifts(op, dtype):
+    """Shifts by every amount from −2 to the width + 1 of random integers over the dtype's
+    range: a left shift drops the bits moved past the top, a right shift copies the sign
+    in (signed) or zeros (unsigned); amounts outside [0, width) shift every bit out."""
+    info = np.iinfo(np_dtype(dtype))
+    width = np.dtype(np_dtype(dtype)).itemsize * 8
+    low = -2 if dtype in SIGNED_INTS else 0
+    amounts = np.arange(low, width + 2).astype(np_dtype(dtype))
+    x = random_array((3, 1), dtype, seed=10, low=int(info.min), high=int(info.max))
+    x[0, 0] = info.min
+    pairs = np.broadcast_arrays(x, amounts)
+    expected = []
+    for value, amount in zip(pairs[0].reshape(-1).tolist(), pairs[1].reshape(-1).tolist()):
+        inside = 0 <= amount < width
+        if op == "ShiftLeft":
+            expected.append((value << amount) % (1 << width) if inside else 0)
+        else:
+            expected.append(value >> amount if inside else (-1 if value < 0 else 0))
+    expected = np.array(expected, dtype=object).reshape(pairs[0].shape)
+    if op == "ShiftLeft":
+        expected = _from_bits(expected.reshape(-1).tolist(), dtype, pairs[0].shape)
+    method = "shift_left" if op == "ShiftLeft" else "shift_right"
+    check(run1(lambda f, a, b: getattr(f, method)(a, b), x, amounts), expected.astype(np.int64), dtype)
 
 
 def test_minimum_maximum_nan_free_ties():

@@ -279,6 +279,12 @@ case(
     x=_x, y=_y,
 )
 case(
+    "Bitwise",
+    lambda b, n, x: n.bitwise_and(6).bitwise_or(1).bitwise_xor(2).shift_left(3).shift_right(1).bitwise_not().cast(F64) * x,
+    lambda n, x: torch.bitwise_not(((((n & 6) | 1) ^ 2) << 3) >> 1).double() * x,
+    n=np.arange(-10, 10, dtype=np.int32).reshape(4, 5), x=normal(4, 5),
+)
+case(
     "All-Any",
     lambda b, x, y: b.cond((x > -1.0).all(axis=1, keepdims=True) & (y > 0.5).any(axis=1, keepdims=True), x, y * 2.0),
     lambda x, y: torch.where((x > -1.0).all(dim=1, keepdim=True) & (y > 0.5).any(dim=1, keepdim=True), x, y * 2.0),

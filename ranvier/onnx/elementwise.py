@@ -1,7 +1,8 @@
 """Converters of ONNX's elementwise operators beyond `converters.py`'s table: the
 activations with parameters (Elu, Selu, Celu, HardSigmoid, HardSwish, Mish, PRelu, Shrink,
 ThresholdedRelu, Swish) and the float tests (IsNaN, IsInf), each as the few ranvier ops of
-its formula, which the compiler fuses into one loop; and Mod, as ranvier's FMod or Mod.
+its formula, which the compiler fuses into one loop; Mod, as ranvier's FMod or Mod; and the
+bitwise operators of integers (BitwiseAnd, BitwiseOr, BitwiseXor, BitwiseNot, BitShift).
 """
 
 from __future__ import annotations
@@ -109,3 +110,25 @@ def mod(node: Node):
     """fmod=1: C's fmod (the dividend's sign); fmod=0: Python's % (the divisor's sign)."""
     a, b = node.tensor(0), node.tensor(1)
     return node.b.fmod(a, b) if node.attr("fmod", 0) else node.b.mod(a, b)
+
+
+_BITWISE = {"BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or", "BitwiseXor": "bitwise_xor"}
+
+
+@converts(*_BITWISE)
+def bitwise(node: Node):
+    return getattr(node.b, _BITWISE[node.proto.op_type])(node.tensor(0), node.tensor(1))
+
+
+@converts("BitwiseNot")
+def bitwise_not(node: Node):
+    return node.b.bitwise_not(node.tensor(0))
+
+
+@converts("BitShift")
+def bit_shift(node: Node):
+    direction = node.attr("direction")
+    if direction not in ("LEFT", "RIGHT"):
+        raise node.error(f"direction {direction!r} is not LEFT or RIGHT")
+    method = node.b.shift_left if direction == "LEFT" else node.b.shift_right
+    return method(node.tensor(0), node.tensor(1))

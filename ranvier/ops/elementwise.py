@@ -378,6 +378,36 @@ binary("AndNot", lambda a, b: np.logical_and(np.logical_not(a), b), (dtypes.DT_B
        lambda x, y: ~x & y, "(not a) and b, as Myelin's AndNot")
 
 
+# ---- bitwise ops of integers --------------------------------------------------------------------------
+
+
+def _shift_reference(left: bool):
+    """ONNX's BitShift: a shift amount outside [0, width) shifts every bit out, leaving 0
+    (or, shifting a negative number right, -1); left shifts wrap as two's complement."""
+
+    def reference(a, b):
+        a, b = np.broadcast_arrays(a, b)
+        width = a.dtype.itemsize * 8
+        inside = (b >= 0) & (b < width)
+        amount = np.where(inside, b, 0).astype(a.dtype)
+        if left:
+            unsigned = np.dtype(f"u{a.dtype.itemsize}")
+            return np.where(inside, np.left_shift(a.view(unsigned), amount.view(unsigned)).view(a.dtype), 0).astype(a.dtype)
+        return np.where(inside, np.right_shift(a, amount), np.where(a < 0, -1, 0)).astype(a.dtype)
+
+    return reference
+
+
+binary("BitwiseAnd", np.bitwise_and, dtypes.INT_DTYPES, None, "bitwise_and", None, lambda x, y: x & y, "the bits set in both")
+binary("BitwiseOr", np.bitwise_or, dtypes.INT_DTYPES, None, "bitwise_or", None, lambda x, y: x | y, "the bits set in either")
+binary("BitwiseXor", np.bitwise_xor, dtypes.INT_DTYPES, None, "bitwise_xor", None, lambda x, y: x ^ y, "the bits set in one only")
+unary("BitwiseNot", np.invert, dtypes.INT_DTYPES, "bitwise_not", None, lambda x: ~x, "every bit flipped")
+binary("ShiftLeft", _shift_reference(True), dtypes.INT_DTYPES, None, "shift_left", None, lambda x, y: x.shift_left(y),
+       "a's bits moved up by b, wrapping; b outside [0, width) gives 0")
+binary("ShiftRight", _shift_reference(False), dtypes.INT_DTYPES, None, "shift_right", None, lambda x, y: x.shift_right(y),
+       "a's bits moved down by b, the sign copied in for signed dtypes; b outside [0, width) shifts every bit out")
+
+
 # ---- Cond and Select ------------------------------------------------------------------------------------
 
 def _infer_cond(ctx):

@@ -211,6 +211,25 @@ class Value:
     def __invert__(self):
         return self._new(self.b.not_(self.ir))
 
+    def shift_left(self, amount) -> Value:
+        """The integer's bits moved up by `amount`, zeros shifted in, the top ones lost
+        (shl). A shift by the width or more, or by a negative amount, gives 0 (ONNX's
+        BitShift), where shl's result would be poison."""
+        amount = self.like(amount)
+        inside = (amount >= 0) & (amount < dtypes.itemsize(self.dtype) * 8)
+        return inside.where(self._new(self.b.shl(self.ir, inside.where(amount, 0).ir)), 0)
+
+    def shift_right(self, amount) -> Value:
+        """The integer's bits moved down by `amount`: copies of the sign bit shifted in for
+        signed dtypes (ashr), zeros for unsigned ones (lshr). A shift outside [0, width)
+        leaves only what is shifted in: −1 or 0 by the sign, 0 unsigned."""
+        amount = self.like(amount)
+        width = dtypes.itemsize(self.dtype) * 8
+        inside = (amount >= 0) & (amount < width)
+        if is_signed(self.dtype):
+            return self._new(self.b.ashr(self.ir, inside.where(amount, width - 1).ir))
+        return inside.where(self._new(self.b.lshr(self.ir, inside.where(amount, 0).ir)), 0)
+
     def where(self, if_true: Value | Number, if_false: Value | Number) -> Value:
         """self ? if_true : if_false, for a bool condition; a number takes the other's dtype."""
         if isinstance(if_true, Value):
