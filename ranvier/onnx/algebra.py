@@ -110,17 +110,11 @@ def det(node: Node):
 
 @converts("Einsum")
 def einsum(node: Node):
-    """Each operand's repeated letters reduced to their diagonal, its letters seen nowhere
-    else summed, then every operand laid out along the letters (the output's first) and
-    multiplied with broadcasting, and the letters not in the output summed."""
+    """Each operand's repeated letters reduced to their diagonal and its letters seen
+    nowhere else summed; then the operands contracted left to right, each pair by one
+    (batched) matrix product over the letters they share that nothing later needs."""
     operands = [node.tensor(i) for i in range(len(node.inputs))]
     terms, output = _einsum_terms(node, str(node.attr("equation")), [t.rank for t in operands])
-    sizes: dict[str, int] = {}
-    for t, letters in zip(operands, terms):
-        for letter, size in zip(letters, t.shape):
-            if sizes.setdefault(letter, size) != size and 1 not in (size, sizes[letter]):
-                raise node.error(f"letter {letter!r} has sizes {sizes[letter]} and {size}")
-            sizes[letter] = max(sizes[letter], size)
     prepared = []
     for index, (t, letters) in enumerate(zip(operands, terms)):
         t, letters = _diagonal(node, t, letters)
@@ -130,18 +124,49 @@ def einsum(node: Node):
             t = t.sum(axis=alone)
             letters = [letter for i, letter in enumerate(letters) if i not in alone]
         prepared.append((t, letters))
-    order = list(output) + sorted({letter for _, letters in prepared for letter in letters} - set(output))
-    product = None
-    for t, letters in prepared:
-        present = [letter for letter in order if letter in letters]
-        if present != letters:
-            t = t.transpose([letters.index(letter) for letter in present])
-        t = t.reshape([t.shape[present.index(letter)] if letter in present else 1 for letter in order])
-        product = t if product is None else product * t
-    contracted = list(range(len(output), len(order)))
-    result = product.sum(axis=contracted) if contracted else product
-    full = [sizes[letter] for letter in output]
-    return result if result.shape == full else node.b.broadcast_to(result, full)
+    result, letters = prepared[0]
+    for index in range(1, len(prepared)):
+        later = set(output).union(*(terms[j] for j in range(index + 1, len(terms))))
+        result, letters = _contract(node, (result, letters), prepared[index], later)
+    if letters != output:
+        result = result.transpose([letters.index(letter) for letter in output])
+    return result
+
+
+def _contract(node: Node, first, second, keep: set[str]):
+    """Two operands (tensor, letters) as one over the letters in `keep`: a matrix
+    product [batch, rows, shared] @ [batch, shared, columns] with the letters both have
+    and keep as the batch, or, where a letter's sizes differ (a broadcast 1), the
+    operands laid out along every letter, multiplied and the dropped letters summed."""
+    (a, a_letters), (b, b_letters) = first, second
+    size = dict(zip(a_letters, a.shape)) | dict(zip(b_letters, b.shape))
+    batch = [c for c in a_letters if c in b_letters and c in keep]
+    shared = [c for c in a_letters if c in b_letters and c not in keep]
+    rows = [c for c in a_letters if c not in b_letters]
+    columns = [c for c in b_letters if c not in a_letters]
+    if all(a.shape[a_letters.index(c)] == b.shape[b_letters.index(c)] for c in batch + shared):
+        def count(letters):
+            return math.prod(size[c] for c in letters)
+
+        left = _laid_out(a, a_letters, batch + rows + shared).reshape([count(batch), count(rows), count(shared)])
+        right = _laid_out(b, b_letters, batch + shared + columns).reshape([count(batch), count(shared), count(columns)])
+        together = batch + rows + columns
+        return node.b.matmul(left, right).reshape([size[c] for c in together]), together
+    order = batch + rows + columns + shared
+    product = _laid_out(a, a_letters, order, spread=True) * _laid_out(b, b_letters, order, spread=True)
+    dropped = list(range(len(order) - len(shared), len(order)))
+    return (product.sum(axis=dropped) if dropped else product), order[:len(order) - len(shared)]
+
+
+def _laid_out(t, letters: list[str], order: list[str], spread: bool = False):
+    """t with its axes in `order`'s order; with `spread`, a 1 for each letter of `order`
+    it lacks (to broadcast against the other operand)."""
+    present = [c for c in order if c in letters]
+    if present != letters:
+        t = t.transpose([letters.index(c) for c in present])
+    if spread and len(present) != len(order):
+        t = t.reshape([t.shape[present.index(c)] if c in present else 1 for c in order])
+    return t
 
 
 def _diagonal(node: Node, t, letters: list[str]):
