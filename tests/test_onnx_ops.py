@@ -205,3 +205,44 @@ def test_inputs_that_set_shapes_must_be_known(op, values, what, output_type, ran
     model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", output_type, ["n"] * rank))
     with pytest.raises(OnnxError, match=rf"{op}.*{what}.*known at load"):
         ro.load(model)
+
+
+def _bytes(shape, dtype=np.uint8) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return RNG.integers(int(info.min), int(info.max) + 1, shape).astype(dtype)
+
+
+QUANTIZATION_CASES = [
+    case("QuantizeLinear", {"x": X345 * 40, "scale": Known(np.float32(0.3)), "zero": Known(np.uint8(128))}, opset=21),
+    case("QuantizeLinear", {"x": X345 * 40, "scale": rand(4, low=0.2, high=0.5), "zero": _bytes(4, np.int8)},
+         axis=1, opset=21, id="per-axis-int8"),
+    case("QuantizeLinear", {"x": X345 * 4000, "scale": Known(rand(3, 4, 3, low=0.5, high=2.0)),
+                            "zero": Known(_bytes((3, 4, 3), np.int16))}, axis=-1, block_size=2, opset=21,
+         id="blocked-int16"),
+    case("QuantizeLinear", {"x": X345 * 40, "scale": rand(1, low=0.2, high=0.5)}, opset=21, id="uint8-no-zero-point"),
+    case("DequantizeLinear", {"x": _bytes((3, 4, 5), np.int8), "scale": Known(np.float32(0.05)),
+                              "zero": Known(np.int8(-3))}, opset=21),
+    case("DequantizeLinear", {"x": _bytes((3, 4, 5)), "scale": rand(5, low=0.01, high=0.1), "zero": _bytes(5)},
+         axis=-1, opset=21, id="per-axis-uint8"),
+    case("DequantizeLinear", {"x": _bytes((3, 4, 5), np.uint16), "scale": Known(rand(3, 2, 5, low=0.01, high=0.1)),
+                              "zero": Known(_bytes((3, 2, 5), np.uint16))}, axis=1, block_size=2, opset=21,
+         id="blocked-uint16"),
+    case("DequantizeLinear", {"x": _bytes((3, 4), np.int8), "scale": np.array(0.02, np.float16)}, opset=21, id="float16"),
+    case("DynamicQuantizeLinear", {"x": X345 * 3}, outputs=("y", "scale", "zero"), opset=11),
+    case("DynamicQuantizeLinear", {"x": np.abs(X345) + 1}, outputs=("y", "scale", "zero"), opset=11, id="positive"),
+    case("MatMulInteger", {"a": _bytes((3, 4)), "b": _bytes((4, 5)), "a0": Known(np.uint8(120)),
+                           "b0": Known(_bytes(5))}, opset=10),
+    case("MatMulInteger", {"a": _bytes((2, 3, 4), np.int8), "b": _bytes((4, 5), np.int8)}, opset=10, id="int8"),
+    case("QLinearMatMul", {"a": _bytes((3, 4)), "sa": np.array(0.02, np.float32), "za": np.array(130, np.uint8),
+                           "b": _bytes((4, 5)), "sb": np.array(0.03, np.float32), "zb": np.array(120, np.uint8),
+                           "sy": np.array(0.4, np.float32), "zy": np.array(125, np.uint8)},
+         opset=21),
+    case("QLinearMatMul", {"a": _bytes((2, 3, 4), np.int8), "sa": Known(np.float32([0.02])), "za": Known(np.int8([1])),
+                           "b": _bytes((2, 4, 5), np.int8), "sb": Known(np.float32([0.03])), "zb": Known(np.int8([-2])),
+                           "sy": Known(np.float32([0.1])), "zy": Known(np.int8([-4]))}, opset=21, id="int8-3d"),
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", QUANTIZATION_CASES)
+def test_quantization(op, values, kwargs):
+    check_node(op, values, **kwargs)
