@@ -135,6 +135,15 @@ INDEXING_CASES = [
     case("Compress", {"x": X345, "condition": Known(np.bool_([0, 1, 1, 0, 0, 1]))}, id="flattened"),
     case("Tile", {"x": rand(2, 3), "repeats": known(3, 2)}),
     case("Tile", {"x": TIES, "repeats": known(1, 2, 1)}, id="int"),
+    case("Slice", {"x": X345, "s": known(3, 4), "e": known(0, -10), "a": known(1, 2), "t": known(-1, -2)},
+         opset=13, id="negative-steps"),
+    case("Slice", {"x": X345, "s": known(-1, 0), "e": known(-4, 5), "a": known(0, 2), "t": known(-2, 2)},
+         opset=13, id="mixed-steps"),
+    case("Pad", {"x": X345, "p": known(1, 2, 0, 2, 1, 3)}, mode="reflect", opset=13, id="reflect"),
+    case("Pad", {"x": X345, "p": known(2, 0, -1, 1, 3, 2)}, mode="edge", opset=13, id="edge-crop"),
+    case("Pad", {"x": X345, "p": known(3, 1, 4, -2), "v": Known(np.float32(0.5)), "a": known(0, -1)}, opset=18,
+         id="constant-axes-crop"),
+    case("Pad", {"x": TIES, "p": known(0, 5, 2, 1, 6, 0)}, mode="wrap", opset=19, id="wrap-int"),
     case("EyeLike", {"x": rand(3, 5)}, k=1),
     case("EyeLike", {"x": rand(4, 3)}, k=-2, dtype=6, id="int32"),
 ]
@@ -146,6 +155,10 @@ def test_indexing(op, values, kwargs):
 
 
 ALGEBRA_CASES = [
+    case("Pow", {"x": X345, "e": _ints(-2, 4, (3, 4, 5), np.int32)}, opset=15, id="float-int32"),
+    case("Pow", {"x": _ints(-3, 5, (3, 4)), "e": _ints(0, 5, (3, 4))}, opset=15, id="int64-int64"),
+    case("Pow", {"x": _ints(1, 6, (3, 4), np.int32), "e": rand(3, 4, low=0.0, high=3.0)}, opset=15,
+         id="int32-float"),
     case("CumSum", {"x": X345, "axis": Known(np.int64(1))}),
     case("CumSum", {"x": X345, "axis": Known(np.int32([-1]))}, exclusive=1, id="exclusive"),
     case("CumSum", {"x": TIES, "axis": Known(np.int64(0))}, reverse=1, id="int-reverse"),

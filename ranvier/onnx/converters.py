@@ -26,7 +26,7 @@ _UNARY = {
     "Not": "logical_not", "Softplus": "softplus", "Softsign": "softsign", "Identity": "identity",
 }
 _BINARY = {
-    "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Equal": "equal", "Less": "less",
+    "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Equal": "equal", "Less": "less",
     "Greater": "greater", "LessOrEqual": "less_equal", "GreaterOrEqual": "greater_equal",
     "And": "logical_and", "Or": "logical_or", "Xor": "logical_xor",
 }
@@ -40,6 +40,20 @@ def unary(node: Node):
 @converts(*_BINARY)
 def binary(node: Node):
     return getattr(node.b, _BINARY[node.proto.op_type])(node.tensor(0), node.tensor(1))
+
+
+@converts("Pow")
+def pow_(node: Node):
+    """x ** y in x's dtype: a float base takes an exponent of any dtype; an integer base
+    is raised in float64 and truncated back, as ONNX Runtime's std::pow and cast do.
+    ranvier's pow, exp(y · log x), lands within a few ulps of the power (3^6 as
+    728.9999999999994), so a power that close to a whole number is taken as it."""
+    x, y = node.tensor(0), node.tensor(1)
+    if x.dtype in dtypes.FLOAT_DTYPES:
+        return node.b.pow(x, y if y.dtype == x.dtype else node.b.cast(y, x.dtype))
+    wide = node.b.pow(node.b.cast(x, dtypes.DT_FLOAT64), y if y.dtype == dtypes.DT_FLOAT64 else node.b.cast(y, dtypes.DT_FLOAT64))
+    whole = wide.round()
+    return node.b.cast(node.b.cond((wide - whole).abs() <= whole.abs() * 1e-12, whole, wide), x.dtype)
 
 
 @converts("Max", "Min", "Sum", "Mean")
@@ -281,16 +295,22 @@ def slice_(node: Node):
     axes = [node.axis(a, x.rank) for a in node.ints(3, "axes")] if node.optional(3) is not None else list(range(len(starts)))
     steps = node.ints(4, "steps") if node.optional(4) is not None else [1] * len(starts)
     begin, size, stride = [0] * x.rank, list(x.shape), [1] * x.rank
+    backwards = {}  # axis: the positions a negative step reads, gathered after the view
     for axis, start, end, step in zip(axes, starts, ends, steps):
-        if step < 1:
-            raise node.error(f"step {step} along axis {axis}: only positive steps are supported")
         indices = range(x.shape[axis])[slice(start, end, step)]
+        if step < 0:
+            backwards[axis] = np.asarray(indices, np.int64)
+            continue
         begin[axis], size[axis], stride[axis] = (indices.start if len(indices) else 0), len(indices), step
     if all(s == 1 for s in stride):
-        return node.b.slice(x, begin, size)
-    element_strides = [math.prod(x.shape[i + 1:]) for i in range(x.rank)]
-    return node.b.strided_view(x, offset=sum(b * e for b, e in zip(begin, element_strides)), shape=size,
-                               strides=[s * e for s, e in zip(stride, element_strides)])
+        y = node.b.slice(x, begin, size) if (begin, size) != ([0] * x.rank, x.shape) else x
+    else:
+        element_strides = [math.prod(x.shape[i + 1:]) for i in range(x.rank)]
+        y = node.b.strided_view(x, offset=sum(b * e for b, e in zip(begin, element_strides)), shape=size,
+                                strides=[s * e for s, e in zip(stride, element_strides)])
+    for axis, positions in backwards.items():
+        y = take(node, y, positions, axis)
+    return y
 
 
 @converts("Gather")
@@ -405,8 +425,9 @@ def _last_extreme_index(node: Node, x, axis: int, keepdims: bool):
 @converts("Pad")
 def pad(node: Node):
     x = node.tensor(0)
-    if node.attr("mode", "constant") != "constant":
-        raise node.error(f"mode {node.attr('mode')!r}: only constant padding is supported")
+    mode = node.attr("mode", "constant")
+    if mode not in ("constant", "edge", "reflect", "wrap"):
+        raise node.error(f"mode {mode!r} is not one of constant, edge, reflect, wrap")
     pads = node.ints(1, "pads") if node.opset >= 11 else [int(p) for p in node.attr("pads")]
     value = node.optional(2) if node.opset >= 11 else node.attr("value", 0.0)
     value = float(node.constant(2, "constant value")) if node.opset >= 11 and value is not None else float(value or 0.0)
@@ -414,6 +435,15 @@ def pad(node: Node):
     before, after = [0] * x.rank, [0] * x.rank
     for i, axis in enumerate(axes):
         before[axis], after[axis] = pads[i], pads[i + len(axes)]
-    if min(before + after) < 0:
-        raise node.error("negative pads (cropping) are not supported")
-    return node.b.pad(x, before=before, after=after, value=value)
+    if mode != "constant":
+        # Each output position reads the input position numpy's pad of the positions
+        # gives (a negative pad crops), gathered along each padded axis.
+        for axis in range(x.rank):
+            if before[axis] or after[axis]:
+                positions = np.pad(np.arange(x.shape[axis]), (max(before[axis], 0), max(after[axis], 0)), mode=mode)
+                x = take(node, x, positions[max(-before[axis], 0):len(positions) - max(-after[axis], 0)], axis)
+        return x
+    if min(before + after) < 0:  # cropped first
+        kept = [d + min(b, 0) + min(a, 0) for d, b, a in zip(x.shape, before, after)]
+        x = node.b.slice(x, [max(-b, 0) for b in before], kept)
+    return node.b.pad(x, before=[max(b, 0) for b in before], after=[max(a, 0) for a in after], value=value)
