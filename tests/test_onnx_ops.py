@@ -144,6 +144,12 @@ INDEXING_CASES = [
     case("Pad", {"x": X345, "p": known(3, 1, 4, -2), "v": Known(np.float32(0.5)), "a": known(0, -1)}, opset=18,
          id="constant-axes-crop"),
     case("Pad", {"x": TIES, "p": known(0, 5, 2, 1, 6, 0)}, mode="wrap", opset=19, id="wrap-int"),
+    case("TensorScatter", {"cache": rand(2, 3, 6, 4), "update": rand(2, 3, 2, 4), "at": np.int64([1, 4])}, opset=24),
+    case("TensorScatter", {"cache": rand(2, 5, 3), "update": rand(2, 3, 3), "at": np.int64([4, 1])}, axis=1,
+         mode="circular", opset=24, id="circular"),
+    case("TensorScatter", {"cache": rand(3, 4, 2), "update": rand(3, 1, 2)}, axis=1, opset=24, id="no-indices"),
+    case("CenterCropPad", {"x": X345, "shape": known(2, 7)}, axes=[0, 2], opset=18),
+    case("CenterCropPad", {"x": TIES, "shape": known(6, 1, 4)}, opset=18, id="int"),
     case("EyeLike", {"x": rand(3, 5)}, k=1),
     case("EyeLike", {"x": rand(4, 3)}, k=-2, dtype=6, id="int32"),
 ]

@@ -1,7 +1,7 @@
 """Converters of ONNX's indexing and tensor-building operators: GatherElements, GatherND,
-ScatterElements (and the older Scatter), ScatterND, OneHot, TopK, ReverseSequence, Compress,
-Tile and EyeLike; and Range, ConstantOfShape, NonZero and Unique, which need their inputs
-known at load.
+ScatterElements (and the older Scatter), ScatterND, TensorScatter, CenterCropPad, OneHot,
+TopK, ReverseSequence, Compress, Tile and EyeLike; and Range, ConstantOfShape, NonZero and
+Unique, which need their inputs known at load.
 
 The gathers and scatters become ranvier's Gather and ScatterAdd on flattened tensors:
 each element's position in the flattened input (its linear index) is computed from the
@@ -141,6 +141,58 @@ def scatter_nd(node: Node):
                          f"need {[*indices.shape[:-1], *rest]}")
     scattered = _scatter_rows(node, rows, linear.reshape([count]), updates.reshape([count, rows.shape[1]]))
     return scattered.reshape(data.shape)
+
+
+@converts("TensorScatter")
+def tensor_scatter(node: Node):
+    """A key/value cache [batch, ..., length, ...] with each batch entry's update written
+    along the axis from its write index on (in circular mode, wrapping at the length)."""
+    cache, update = node.tensor(0), node.tensor(1)
+    axis = node.axis(node.attr("axis", -2), cache.rank)
+    mode = node.attr("mode", "linear")
+    if mode not in ("linear", "circular"):
+        raise node.error(f"mode {mode!r} is not linear or circular")
+    if axis == 0 or update.rank != cache.rank or any(
+            u != c for i, (u, c) in enumerate(zip(update.shape, cache.shape)) if i != axis) or \
+            update.shape[axis] > cache.shape[axis]:
+        raise node.error(f"update of shape {update.shape} does not fit cache {cache.shape} along axis {axis} "
+                         "(after the batch axis)")
+    length = cache.shape[axis]
+    step = np.arange(update.shape[axis], dtype=np.int64).reshape([-1] + [1] * (cache.rank - axis - 1))
+    if node.optional(2) is None:
+        position = node.b.const(step)
+    else:
+        starts = node.b.cast(node.tensor(2), dtypes.DT_INT64).reshape([cache.shape[0]] + [1] * (cache.rank - 1))
+        position = starts + node.b.const(step)
+    if mode == "circular":
+        position = node.b.mod(position, node.b.const(np.int64(length)))
+    strides = _strides(cache.shape)
+    linear = node.b.broadcast_to(position * node.b.const(np.int64(strides[axis])), update.shape) + \
+        node.b.const(_positions(update.shape, axis, strides))
+    rows = _scatter_rows(node, cache.reshape([cache.size, 1]), linear.reshape([update.size]),
+                         update.reshape([update.size, 1]))
+    return rows.reshape(cache.shape)
+
+
+@converts("CenterCropPad")
+def center_crop_pad(node: Node):
+    """Each named axis cropped or zero-padded to its size in `shape`, centred (the odd
+    element cropped from, or padded at, the end)."""
+    x = node.tensor(0)
+    sizes = node.ints(1, "shape")
+    axes = [node.axis(a, x.rank) for a in node.attr("axes", range(x.rank))]
+    if len(sizes) != len(axes):
+        raise node.error(f"shape {sizes} does not give one size per axis of {axes}")
+    begin, kept, before, after = [0] * x.rank, list(x.shape), [0] * x.rank, [0] * x.rank
+    for axis, size in zip(axes, sizes):
+        if size < x.shape[axis]:
+            begin[axis], kept[axis] = (x.shape[axis] - size) // 2, size
+        else:
+            before[axis] = (size - x.shape[axis]) // 2
+            after[axis] = size - x.shape[axis] - before[axis]
+    if kept != x.shape:
+        x = node.b.slice(x, begin, kept)
+    return node.b.pad(x, before=before, after=after, value=0) if any(before + after) else x
 
 
 @converts("OneHot")
