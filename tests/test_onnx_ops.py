@@ -169,6 +169,8 @@ ALGEBRA_CASES = [
     case("CumSum", {"x": X345, "axis": Known(np.int32([-1]))}, exclusive=1, id="exclusive"),
     case("CumSum", {"x": TIES, "axis": Known(np.int64(0))}, reverse=1, id="int-reverse"),
     case("CumSum", {"x": X345, "axis": Known(np.int64(2))}, exclusive=1, reverse=1, id="exclusive-reverse"),
+    case("AffineGrid", {"theta": rand(2, 2, 3), "size": known(2, 3, 4, 5)}, opset=20),
+    case("AffineGrid", {"theta": rand(1, 3, 4), "size": known(1, 1, 3, 2, 4)}, opset=20, align_corners=1, id="3d-corners"),
     case("Hardmax", {"x": X345}, opset=13, axis=1),
     case("Hardmax", {"x": np.float32([[1, 3, 3], [2, 2, 0]])}, opset=13, id="ties"),
     case("Hardmax", {"x": X345}, opset=11, axis=1, id="flattened"),

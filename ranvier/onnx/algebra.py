@@ -1,5 +1,5 @@
 """Converters of ONNX's math operators beyond `converters.py`'s table: the cumulative sum and
-product, Einsum, Det, Hardmax and the reductions that are a formula around a sum
+product, Einsum, AffineGrid, Det, Hardmax and the reductions that are a formula around a sum
 (ReduceL1, ReduceL2, ReduceLogSum, ReduceLogSumExp), each as the ranvier ops of its
 formula.
 """
@@ -106,6 +106,28 @@ def det(node: Node):
     terms = columns.gather(node.b.const(picks)).product(axis=[1])  # [n!, batch]
     total = (terms * node.b.const(np.asarray(signs, dtypes.to_numpy(x.dtype)).reshape(-1, 1))).sum(axis=[0])
     return total.reshape(batch)
+
+
+@converts("AffineGrid")
+def affine_grid(node: Node):
+    """The sampling grid [N, (D,) H, W, 2 or 3] of theta [N, 2, 3] (or [N, 3, 4]): each
+    output point's normalized coordinates (x first), with a 1 appended, times thetaᵀ.
+    The size, which sets the grid's shape, must be known at load."""
+    theta = node.tensor(0)
+    size = node.ints(1, "size")
+    spatial = size[2:]
+    k = len(spatial)
+    if k not in (2, 3) or theta.shape != [size[0], k, k + 1]:
+        raise node.error(f"theta of shape {theta.shape} and size {size}: AffineGrid takes [N, 2, 3] with [N, C, H, W] "
+                         "or [N, 3, 4] with [N, C, D, H, W]")
+    if node.attr("align_corners", 0):
+        axes = [np.linspace(-1.0, 1.0, n) for n in spatial]
+    else:
+        axes = [(2.0 * np.arange(n) + 1.0) / n - 1.0 for n in spatial]
+    points = np.meshgrid(*axes, indexing="ij")[::-1]  # x (along the last axis) first
+    base = np.stack([*points, np.ones(spatial)], axis=-1).reshape(-1, k + 1)
+    grid = node.b.matmul(theta, node.b.const(base.T.astype(dtypes.to_numpy(theta.dtype))))  # [N, k, points]
+    return grid.transpose([0, 2, 1]).reshape([size[0], *spatial, k])
 
 
 @converts("Einsum")
