@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
-from test_onnx_import import RNG, Known, build, case, check_node, known, rand
+from test_onnx_import import RNG, Known, assert_matches, build, case, check_node, known, rand, run_ranvier
 
 import ranvier.onnx as ro
 from ranvier.onnx import OnnxError
@@ -267,3 +267,41 @@ QUANTIZATION_CASES = [
 @pytest.mark.parametrize("op, values, kwargs", QUANTIZATION_CASES)
 def test_quantization(op, values, kwargs):
     check_node(op, values, **kwargs)
+
+
+W34 = rand(3, 4)
+TRAINING_CASES = [
+    ("Adagrad", {"r": np.float32(0.1), "t": np.int64(3), "x": W34, "g": rand(3, 4), "h": rand(3, 4) ** 2},
+     {"decay_factor": 0.1, "epsilon": 1e-5, "norm_coefficient": 0.01}, 2),
+    ("Adam", {"r": np.float32(0.1), "t": np.int64(4), "x": W34, "x2": rand(5), "g": rand(3, 4), "g2": rand(5),
+              "v": rand(3, 4), "v2": rand(5), "h": rand(3, 4) ** 2, "h2": rand(5) ** 2},
+     {"alpha": 0.9, "beta": 0.99, "epsilon": 1e-4, "norm_coefficient": 0.01, "norm_coefficient_post": 0.02}, 6),
+    ("Adam", {"r": np.float32(0.1), "t": np.int64(0), "x": W34, "g": rand(3, 4), "v": rand(3, 4), "h": rand(3, 4) ** 2},
+     {"alpha": 0.8, "beta": 0.9}, 3),
+    ("Momentum", {"r": np.float32(0.1), "t": np.int64(0), "x": W34, "g": rand(3, 4), "v": rand(3, 4)},
+     {"alpha": 0.9, "beta": 0.5, "mode": "standard", "norm_coefficient": 0.01}, 2),
+    ("Momentum", {"r": np.float32(0.1), "t": np.int64(2), "x": W34, "g": rand(3, 4), "v": rand(3, 4)},
+     {"alpha": 0.9, "beta": 0.5, "mode": "nesterov", "norm_coefficient": 0.01}, 2),
+]
+
+
+@pytest.mark.parametrize("op, values, attrs, outputs", TRAINING_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(TRAINING_CASES)])
+def test_training_updates(op, values, attrs, outputs):
+    """The update rules of ONNX's training domain, which ONNX Runtime does not run, against
+    ONNX's reference implementation."""
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {name: np.asarray(value) for name, value in values.items()}
+    names = [f"out{i}" for i in range(outputs)]
+    node = helper.make_node(op, list(feeds), names, domain="ai.onnx.preview.training", **attrs)
+    model = build([node], feeds, names, opset=18)
+    model.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    count = len(feeds) - 2 - outputs  # parameters: each has one more input (its gradient) than outputs
+    parameters = list(feeds.values())[2:]
+    del model.graph.output[:]
+    model.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, parameters[i % count].shape)
+                              for i, name in enumerate(names))
+    expected = ReferenceEvaluator(model).run(None, feeds)
+    for name, actual, e in zip(names, run_ranvier(model, feeds, names), expected):
+        assert_matches(actual, np.asarray(e, np.float32), name)

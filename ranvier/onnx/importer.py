@@ -34,6 +34,7 @@ from . import (  # noqa: F401  (each converter registers itself)
     indexing,
     losses,
     normalization,
+    optimizers,
     quantize,
     recurrent,
     resize,
