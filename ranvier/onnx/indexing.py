@@ -1,6 +1,6 @@
 """Converters of ONNX's indexing and tensor-building operators: GatherElements, GatherND,
-ScatterElements (and the older Scatter), ScatterND, TensorScatter, CenterCropPad, OneHot,
-TopK, ReverseSequence, Compress, Tile and EyeLike; and Range, ConstantOfShape, NonZero and
+ScatterElements (and the older Scatter), ScatterND, TensorScatter, Col2Im, CenterCropPad,
+OneHot, TopK, ReverseSequence, Compress, Tile and EyeLike; and Range, ConstantOfShape, NonZero and
 Unique, which need their inputs known at load.
 
 The gathers and scatters become ranvier's Gather and ScatterAdd on flattened tensors:
@@ -193,6 +193,39 @@ def center_crop_pad(node: Node):
     if kept != x.shape:
         x = node.b.slice(x, begin, kept)
     return node.b.pad(x, before=before, after=after, value=0) if any(before + after) else x
+
+
+@converts("Col2Im")
+def col2im(node: Node):
+    """Columns [N, C · block elements, blocks] summed back into images [N, C, *image_shape]:
+    each column element adds to the pixel its block's position, its offset in the block
+    (dilated) and the padding put it at, a constant index per element; ranvier's
+    ScatterAdd sums them (those that fell on the padding into a row then dropped)."""
+    x = node.tensor(0)
+    image, block = node.ints(1, "image_shape"), node.ints(2, "block_shape")
+    rank = len(image)
+    dilations = list(node.attr("dilations", [1] * rank))
+    strides = list(node.attr("strides", [1] * rank))
+    pads = list(node.attr("pads", [0] * 2 * rank))
+    span = [d * (k - 1) + 1 for d, k in zip(dilations, block)]
+    counts = [(size + pads[i] + pads[i + rank] - span[i]) // strides[i] + 1 for i, size in enumerate(image)]
+    elements = math.prod(block)
+    if x.rank != 3 or x.shape[1] % elements or x.shape[2] != math.prod(counts) or len(block) != rank:
+        raise node.error(f"its input of shape {x.shape} is not [N, C · {elements}, {math.prod(counts)}] for blocks of "
+                         f"{block} over images of {image}")
+    channels = x.shape[1] // elements
+    offsets = np.indices(block).reshape(rank, -1)  # [rank, block elements]
+    places = np.indices(counts).reshape(rank, -1)  # [rank, blocks]
+    where = [places[d][None, :] * strides[d] + offsets[d][:, None] * dilations[d] - pads[d] for d in range(rank)]
+    inside = np.all([(w >= 0) & (w < image[d]) for d, w in enumerate(where)], axis=0)  # [block elements, blocks]
+    pixel = sum(np.clip(w, 0, image[d] - 1) * _strides(image)[d] for d, w in enumerate(where))
+    pixels = math.prod(image)
+    target = pixel[None] + (np.arange(channels) * pixels)[:, None, None]  # [C, block elements, blocks]
+    target = np.where(inside[None], target, channels * pixels).reshape(-1).astype(np.int64)
+    columns = x.transpose([1, 2, 0]).reshape([x.shape[1] * x.shape[2], x.shape[0]])
+    summed = node.b.scatter_add(node.b.const(target), columns, rows=channels * pixels + 1)
+    images = node.b.slice(summed, [0, 0], [channels * pixels, x.shape[0]])
+    return images.transpose([1, 0]).reshape([x.shape[0], channels, *image])
 
 
 @converts("OneHot")
