@@ -54,7 +54,7 @@ def _single_op_flow(name: str, dtype: str):
         tensor = f.var(f"in{i}", kind, shape)
         values[tensor.name] = random_array(shape, kind, seed=i + 1)
         tensors.append(tensor)
-    attrs = {"dtype": "float16"} if name == "Cast" else {}
+    attrs = {"Cast": {"dtype": "float16"}, "Bitcast": {"dtype": "int32"}}.get(name, {})
     out = f.op(name, tensors, None, attrs)
     out.var.out = True
     return flow, out.var.producer, values

@@ -36,7 +36,7 @@ TESTED_OPS = {
     "LessEqual", "Greater", "GreaterEqual", "And", "Or", "Xor", "Cond", "Select",
     "Trunc", "Tan", "Cot", "Sec", "Csc", "Asin", "Acos", "Atan", "Acot", "Asec", "Acsc", "Sinh", "Cosh", "Coth", "Sech",
     "Csch", "Asinh", "Acosh", "Atanh", "Acoth", "Asech", "Acsch", "Softsign", "LogSigmoid", "AndNot", "FMod", "Mod",
-    "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "ShiftLeft", "ShiftRight",
+    "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "ShiftLeft", "ShiftRight", "Bitcast",
 }
 
 try:  # scipy is an independent erf; math.erf is the fallback
@@ -492,6 +492,42 @@ def test_shifts(op, dtype):
         expected = _from_bits(expected.reshape(-1).tolist(), dtype, pairs[0].shape)
     method = "shift_left" if op == "ShiftLeft" else "shift_right"
     check(run1(lambda f, a, b: getattr(f, method)(a, b), x, amounts), expected.astype(np.int64), dtype)
+
+
+BITCASTS = [("float32", "int32", "f", "i"), ("int32", "float32", "i", "f"), ("float64", "int64", "d", "q"),
+            ("int64", "float64", "q", "d"), ("int8", "uint8", "b", "B"), ("uint16", "int16", "H", "h"),
+            ("bool", "uint8", "?", "B"), ("bool", "int8", "?", "b")]
+
+
+@pytest.mark.parametrize("source, target, packs, unpacks", BITCASTS, ids=[f"{s}-{t}" for s, t, _, _ in BITCASTS])
+def test_bitcast(source, target, packs, unpacks):
+    """Each element's bytes read as the target dtype, as Python's struct packs and unpacks
+    them; integers over their whole range, floats with infinities, NaN and -0."""
+    import struct
+
+    if source in FLOATS:
+        x = random_array((4, 5), source, seed=12, low=-1e6, high=1e6)
+        x.flat[:4] = [np.inf, -np.inf, np.nan, -0.0]
+    elif source == "bool":
+        x = random_array((4, 5), source, seed=12)
+    else:
+        info = np.iinfo(np_dtype(source))
+        x = random_array((4, 5), source, seed=12, low=int(info.min), high=int(info.max))
+    expected = np.array([struct.unpack(f"<{unpacks}", struct.pack(f"<{packs}", v))[0] for v in x.reshape(-1).tolist()])
+    actual = run1(lambda f, t: f.bitcast(t, target), x)
+    assert actual.dtype == np_dtype(target)
+    if target in FLOATS:  # compare the bits: NaN payloads and -0 included
+        np.testing.assert_array_equal(actual.view(f"u{actual.itemsize}"),
+                                      expected.astype(np_dtype(target)).reshape(x.shape).view(f"u{actual.itemsize}"))
+    else:
+        np.testing.assert_array_equal(actual, expected.reshape(x.shape).astype(np_dtype(target)))
+
+
+@pytest.mark.parametrize("source, target", [("float32", "int16"), ("float16", "int16"), ("int16", "bfloat16"),
+                                            ("uint8", "bool")])
+def test_bitcast_refuses(source, target):
+    with pytest.raises(ranvier.errors.ShapeError, match="one width, neither float16 nor bfloat16"):
+        run1(lambda f, t: f.bitcast(t, target), random_array((3,), source))
 
 
 def test_minimum_maximum_nan_free_ties():

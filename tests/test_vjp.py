@@ -285,6 +285,12 @@ case(
     n=np.arange(-10, 10, dtype=np.int32).reshape(4, 5), x=normal(4, 5),
 )
 case(
+    "Bitcast",
+    lambda b, n, x: n.bitcast("uint8").cast(F64) * x,
+    lambda n, x: n.view(torch.uint8).double() * x,
+    n=np.arange(-10, 10, dtype=np.int8).reshape(4, 5), x=normal(4, 5),
+)
+case(
     "All-Any",
     lambda b, x, y: b.cond((x > -1.0).all(axis=1, keepdims=True) & (y > 0.5).any(axis=1, keepdims=True), x, y * 2.0),
     lambda x, y: torch.where((x > -1.0).all(dim=1, keepdim=True) & (y > 0.5).any(dim=1, keepdim=True), x, y * 2.0),

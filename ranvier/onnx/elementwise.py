@@ -2,7 +2,8 @@
 activations with parameters (Elu, Selu, Celu, HardSigmoid, HardSwish, Mish, PRelu, Shrink,
 ThresholdedRelu, Swish) and the float tests (IsNaN, IsInf), each as the few ranvier ops of
 its formula, which the compiler fuses into one loop; Mod, as ranvier's FMod or Mod; and the
-bitwise operators of integers (BitwiseAnd, BitwiseOr, BitwiseXor, BitwiseNot, BitShift).
+bitwise operators of integers (BitwiseAnd, BitwiseOr, BitwiseXor, BitwiseNot, BitShift) and
+BitCast.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 
 import numpy as np
 
-from .node import Node, converts
+from .node import Node, converts, onnx_dtype
 
 
 def _exp_minus_one(x, alpha: float):
@@ -132,3 +133,8 @@ def bit_shift(node: Node):
         raise node.error(f"direction {direction!r} is not LEFT or RIGHT")
     method = node.b.shift_left if direction == "LEFT" else node.b.shift_right
     return method(node.tensor(0), node.tensor(1))
+
+
+@converts("BitCast")
+def bit_cast(node: Node):
+    return node.b.bitcast(node.tensor(0), onnx_dtype(node.attr("to"), f"{node.label}'s to"))

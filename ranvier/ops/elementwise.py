@@ -255,6 +255,30 @@ define(
 )
 
 
+def _infer_bitcast(ctx):
+    """A dtype of the input's width; float16 and bfloat16, which kernels hold in float32,
+    and bool targets (whose other bit patterns numpy has no value for) are refused."""
+    source, target = ctx.inputs[0].dtype, ctx.attrs.str("dtype")
+    halves, allowed = (dtypes.DT_FLOAT16, dtypes.DT_BFLOAT16), [d for d in dtypes.ALL_DTYPES if d != dtypes.DT_BOOL]
+    if target not in allowed or source in halves or target in halves or \
+            dtypes.itemsize(source) != dtypes.itemsize(target):
+        raise ctx.fail("an input and attribute dtype of one width, neither float16 nor bfloat16, the dtype not bool")
+    return [TensorType(target, ctx.inputs[0].shape)]
+
+
+define(
+    "Bitcast", _infer_bitcast,
+    lambda attrs, args, outs: [np.ascontiguousarray(args[0]).view(dtypes.to_numpy(outs[0].dtype))], 1, "elementwise",
+    "x's bits read as attribute dtype (of the same width), as numpy's view",
+    attrs=[Attr("dtype", "str", None, "the target dtype")],
+    vjp=zero_gradient,
+    # A bool is held as the one-byte 0 or 1 its view reads, where kernels compute it as a 1-bit value.
+    formula=lambda x, dtype: x.cast(dtype) if x.dtype == dtypes.DT_BOOL else x.bitcast(dtype),
+    method="bitcast",
+    build=lambda b, x, dtype, name=None: b.op("Bitcast", [x], name, {"dtype": dtypes.normalize(dtype)}),
+)
+
+
 # ---- binary -----------------------------------------------------------------------------------------
 
 def _int_div(a, b):
