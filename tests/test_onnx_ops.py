@@ -223,6 +223,7 @@ def test_algebra(op, values, kwargs):
     ("Unique", {"x": X345}, "its values set the output's shape", TensorProto.FLOAT, 1),
     ("Compress", {"x": X345, "condition": np.bool_([1, 0, 1])}, "condition", TensorProto.FLOAT, 3),
     ("Tile", {"x": X345, "repeats": np.int64([1, 2, 1])}, "repeats", TensorProto.FLOAT, 3),
+    ("NonMaxSuppression", {"boxes": rand(1, 6, 4), "scores": rand(1, 2, 6)}, "boxes", TensorProto.INT64, 2),
 ])
 def test_inputs_that_set_shapes_must_be_known(op, values, what, output_type, rank):
     """Read from the model's inputs, an input that sets the output's shape is refused by

@@ -1,7 +1,8 @@
 """Converters of ONNX's indexing and tensor-building operators: GatherElements, GatherND,
 ScatterElements (and the older Scatter), ScatterND, TensorScatter, Col2Im, CenterCropPad,
-OneHot, TopK, ReverseSequence, Compress, Tile and EyeLike; and Range, ConstantOfShape, NonZero and
-Unique, which need their inputs known at load.
+OneHot, TopK, ReverseSequence, Compress, Tile and EyeLike; and the operators that need
+their inputs known at load (Range, ConstantOfShape, MelWeightMatrix, NonZero, Unique,
+NonMaxSuppression, ImageDecoder).
 
 The gathers and scatters become ranvier's Gather and ScatterAdd on flattened tensors:
 each element's position in the flattened input (its linear index) is computed from the
@@ -335,17 +336,24 @@ def eye_like(node: Node):
     return np.eye(*node.shape(0), int(node.attr("k", 0)), dtype=dtypes.to_numpy(dtype))
 
 
-# Operators whose inputs set their output's shape (Range's bounds, ConstantOfShape's shape)
-# or whose output's shape depends on their input's values (NonZero, Unique): known at load,
-# the importer folds them before any converter; read from the model's inputs, they cannot
-# be compiled to static shapes, and these converters say which input must be known.
+# Operators whose inputs set their output's shape (Range's bounds, ConstantOfShape's shape,
+# MelWeightMatrix's sizes) or whose output's shape depends on their inputs' values (NonZero,
+# Unique, NonMaxSuppression, ImageDecoder): known at load, the importer folds them before
+# any converter; read from the model's inputs, they cannot be compiled to static shapes,
+# and these converters say which input must be known.
+_VALUES_SET_SHAPE = "(its values set the output's shape)"
 _KNOWN_INPUTS = {"Range": ("start", "limit", "delta"), "ConstantOfShape": ("shape",),
-                 "NonZero": ("input (its values set the output's shape)",),
-                 "Unique": ("input (its values set the output's shape)",)}
+                 "MelWeightMatrix": ("num_mel_bins", "dft_length", "sample_rate", "lower_edge_hertz",
+                                     "upper_edge_hertz"),
+                 "NonZero": (f"input {_VALUES_SET_SHAPE}",), "Unique": (f"input {_VALUES_SET_SHAPE}",),
+                 "NonMaxSuppression": (f"boxes {_VALUES_SET_SHAPE}", f"scores {_VALUES_SET_SHAPE}",
+                                       "max_output_boxes_per_class", "iou_threshold", "score_threshold"),
+                 "ImageDecoder": (f"encoded stream {_VALUES_SET_SHAPE}",)}
 
 
 @converts(*_KNOWN_INPUTS)
 def known_inputs(node: Node):
     for index, what in enumerate(_KNOWN_INPUTS[node.proto.op_type]):
-        node.constant(index, what)
+        if index == 0 or node.optional(index) is not None:  # the first input is never optional
+            node.constant(index, what)
     return node.importer.fold(node)
