@@ -154,6 +154,8 @@ INDEXING_CASES = [
     case("Col2Im", {"x": rand(2, 12, 16), "image": known(5, 6), "block": known(2, 3)}, opset=18),
     case("Col2Im", {"x": rand(1, 8, 9), "image": known(6, 7), "block": known(2, 2)}, opset=18, strides=[2, 2],
          pads=[1, 0, 0, 1], dilations=[1, 2], id="strides-pads-dilations"),
+    case("MaxUnpool", {"x": rand(2, 3, 2, 3), "i": RNG.choice(2 * 3 * 4 * 6, 36, replace=False).reshape(2, 3, 2, 3)},
+         kernel_shape=[2, 2], strides=[2, 2], opset=11),
     case("CenterCropPad", {"x": X345, "shape": known(2, 7)}, axes=[0, 2], opset=18),
     case("CenterCropPad", {"x": TIES, "shape": known(6, 1, 4)}, opset=18, id="int"),
     case("EyeLike", {"x": rand(3, 5)}, k=1),
@@ -347,4 +349,29 @@ def test_stft_against_numpy(onesided):
     spectrum = np.fft.fft(frames, axis=-1)[..., :bins]
     expected = np.stack([spectrum.real, spectrum.imag], axis=-1).astype(np.float32)
     (actual,) = run_ranvier(model, {"signal": signal, "window": window}, ["y"])
+    assert_matches(actual, expected, "y")
+
+
+def test_max_unpool_of_overlapping_windows():
+    """Where MaxPool's windows overlap, one element is the maximum of several and its index
+    comes several times, with its value each time: unpooled, it comes back once, as ONNX
+    Runtime puts it."""
+    indices = np.int64([[[[0, 6], [6, 11]], [[16, 17], [17, 17]]]])
+    x = rand(1, 2, 2, 2)
+    x[0, 0, 1, 0] = x[0, 0, 0, 1]
+    x[0, 1, 1, :] = x[0, 1, 0, 1]
+    check_node("MaxUnpool", {"x": x, "i": indices}, kernel_shape=[3, 3], strides=[1, 1], opset=11)
+
+
+def test_swiglu_against_the_reference():
+    """SwiGLU (opset 28, which ONNX Runtime does not run yet) against ONNX's reference."""
+    from onnx.reference import ReferenceEvaluator
+
+    values = {"a": rand(3, 8) * 3, "b": rand(3, 8)}
+    node = helper.make_node("SwiGLU", ["a", "b"], ["y"], alpha=0.7)
+    model = build([node], values, ["y"], opset=28)
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8]))
+    (expected,) = ReferenceEvaluator(model).run(None, values)
+    (actual,) = run_ranvier(model, values, ["y"])
     assert_matches(actual, expected, "y")

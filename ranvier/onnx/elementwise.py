@@ -1,7 +1,7 @@
 """Converters of ONNX's elementwise operators beyond `converters.py`'s table: the
 activations with parameters (Elu, Selu, Celu, HardSigmoid, HardSwish, Mish, PRelu, Shrink,
-ThresholdedRelu, Swish) and the float tests (IsNaN, IsInf), each as the few ranvier ops of
-its formula, which the compiler fuses into one loop; Mod, as ranvier's FMod or Mod; and the
+ThresholdedRelu, Swish, SwiGLU) and the float tests (IsNaN, IsInf), each as the few ranvier
+ops of its formula, which the compiler fuses into one loop; Mod, as ranvier's FMod or Mod; and the
 bitwise operators of integers (BitwiseAnd, BitwiseOr, BitwiseXor, BitwiseNot, BitShift) and
 BitCast.
 """
@@ -82,11 +82,20 @@ def thresholded_relu(node: Node):
     return node.b.select(x > float(node.attr("alpha", 1.0)), x)
 
 
+def _swish(x, alpha: float):
+    """x · sigmoid(alpha · x)."""
+    return x * (x * alpha if alpha != 1.0 else x).sigmoid()
+
+
 @converts("Swish")
 def swish(node: Node):
-    x = node.tensor(0)
-    alpha = float(node.attr("alpha", 1.0))
-    return x * (x * alpha if alpha != 1.0 else x).sigmoid()
+    return _swish(node.tensor(0), float(node.attr("alpha", 1.0)))
+
+
+@converts("SwiGLU")
+def swiglu(node: Node):
+    """a · sigmoid(alpha · a) · b: the Swish of a gating b."""
+    return _swish(node.tensor(0), float(node.attr("alpha", 1.0))) * node.tensor(1)
 
 
 @converts("IsNaN")

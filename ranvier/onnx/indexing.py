@@ -1,6 +1,6 @@
 """Converters of ONNX's indexing and tensor-building operators: GatherElements, GatherND,
-ScatterElements (and the older Scatter), ScatterND, TensorScatter, Col2Im, CenterCropPad,
-OneHot, TopK, ReverseSequence, Compress, Tile and EyeLike; and the operators that need
+ScatterElements (and the older Scatter), ScatterND, TensorScatter, Col2Im, MaxUnpool,
+CenterCropPad, OneHot, TopK, ReverseSequence, Compress, Tile and EyeLike; and the operators that need
 their inputs known at load (Range, ConstantOfShape, MelWeightMatrix, NonZero, Unique,
 NonMaxSuppression, ImageDecoder).
 
@@ -227,6 +227,32 @@ def col2im(node: Node):
     summed = node.b.scatter_add(node.b.const(target), columns, rows=channels * pixels + 1)
     images = node.b.slice(summed, [0, 0], [channels * pixels, x.shape[0]])
     return images.transpose([1, 0]).reshape([x.shape[0], channels, *image])
+
+
+@converts("MaxUnpool")
+def max_unpool(node: Node):
+    """Zeros of the pooled input's size with each value put back where its index (into
+    the whole flattened tensor, as MaxPool gives them) says; an element that was the
+    maximum of overlapping windows comes back once (its copies are averaged, being equal).
+    A larger output_shape pads the end of each axis with zeros."""
+    x = node.tensor(0)
+    kernel = list(node.attr("kernel_shape"))
+    rank = len(kernel)
+    strides = list(node.attr("strides", [1] * rank))
+    pads = list(node.attr("pads", [0] * 2 * rank))
+    shape = x.shape[:2] + [(x.shape[2 + d] - 1) * strides[d] - pads[d] - pads[rank + d] + kernel[d] for d in range(rank)]
+    total = math.prod(shape)
+    indices = from_end(node, node.tensor(1), total).reshape([x.size])
+    placed = node.b.scatter_add(indices, x.reshape([x.size]), rows=total)
+    copies = node.b.scatter_add(indices, node.b.const(np.ones(x.size, dtypes.to_numpy(x.dtype))), rows=total)
+    zero = node.b.const(0, x.dtype)
+    y = node.b.cond(copies > zero, placed / node.b.maximum(copies, node.b.const(1, x.dtype)), zero).reshape(shape)
+    if node.optional(2) is None:
+        return y
+    target = node.ints(2, "output_shape")
+    if len(target) != len(shape) or any(t < s for t, s in zip(target, shape)):
+        raise node.error(f"output_shape {target} is smaller than the unpooled shape {shape}")
+    return node.b.pad(y, before=[0] * len(shape), after=[t - s for t, s in zip(target, shape)], value=0)
 
 
 @converts("OneHot")
