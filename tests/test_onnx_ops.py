@@ -375,3 +375,21 @@ def test_swiglu_against_the_reference():
     (expected,) = ReferenceEvaluator(model).run(None, values)
     (actual,) = run_ranvier(model, values, ["y"])
     assert_matches(actual, expected, "y")
+
+
+IMAGE = rand(2, 3, 5, 6)
+GRID = rand(2, 4, 7, 2, low=-1.3, high=1.3)  # points inside and outside the image
+GRID_SAMPLE_CASES = [
+    case("GridSample", {"x": IMAGE, "grid": GRID}, opset=20, mode=mode, padding_mode=padding, align_corners=corners,
+         id=f"{mode}-{padding}-{corners}")
+    for mode in ("nearest", "linear", "cubic") for padding in ("zeros", "border", "reflection") for corners in (0, 1)
+] + [
+    case("GridSample", {"x": rand(1, 2, 3, 4, 5), "grid": rand(1, 2, 3, 4, 3, low=-1.3, high=1.3)}, opset=20,
+         mode=mode, padding_mode=padding, id=f"volumetric-{mode}-{padding}")
+    for mode in ("nearest", "linear") for padding in ("zeros", "reflection")
+]
+
+
+@pytest.mark.parametrize("op, values, kwargs", GRID_SAMPLE_CASES)
+def test_grid_sample(op, values, kwargs):
+    check_node(op, values, **kwargs)

@@ -39,6 +39,7 @@ from . import (  # noqa: F401  (each converter registers itself)
     recurrent,
     resize,
     rotary,
+    sampling,
     spectral,
     windows,
 )
