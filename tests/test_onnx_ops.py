@@ -6,9 +6,10 @@ test_onnx_import: random inputs fed at run time unless marked `Known` (an initia
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
-from test_onnx_import import RNG, Known, assert_matches, build, case, check_node, known, rand, run_ranvier
+from test_onnx_import import RNG, Known, assert_matches, build, case, check, check_node, known, rand, run_ranvier
 
 import ranvier.onnx as ro
 from ranvier.onnx import OnnxError
@@ -393,3 +394,65 @@ GRID_SAMPLE_CASES = [
 @pytest.mark.parametrize("op, values, kwargs", GRID_SAMPLE_CASES)
 def test_grid_sample(op, values, kwargs):
     check_node(op, values, **kwargs)
+
+
+def _body(nodes, inputs, outputs) -> onnx.GraphProto:
+    """A subgraph of float32 values of any shape, but for Loop's iteration number i (an
+    int64) and its condition cond (a bool), scalars."""
+    kinds = {"i": TensorProto.INT64, "cond": TensorProto.BOOL, "cond_out": TensorProto.BOOL}
+
+    def info(name):
+        return helper.make_tensor_value_info(name, kinds.get(name, TensorProto.FLOAT), [] if name in kinds else None)
+
+    return helper.make_graph(nodes, "body", [info(name) for name in inputs], [info(name) for name in outputs])
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_if_with_a_condition_known_at_load(taken):
+    """The branch taken reads the model's input and a value of the outer graph."""
+    x = rand(3, 4)
+    then_branch = _body([helper.make_node("Mul", ["x", "x"], ["t"])], [], ["t"])
+    else_branch = _body([helper.make_node("Sub", ["x", "shift"], ["e"])], [], ["e"])
+    nodes = [helper.make_node("Exp", ["x"], ["shift"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch)]
+    check(build(nodes, {"x": x, "c": Known(np.bool_(taken))}, ["y"], opset=17), {"x": x})
+
+
+def test_loop_unrolled_at_load():
+    """Four iterations of a running sum and product over the iteration number, with a scan
+    output of each step's sum."""
+    x = rand(2, 3)
+    body = _body([helper.make_node("Identity", ["cond"], ["cond_out"]),
+                  helper.make_node("Cast", ["i"], ["fi"], to=TensorProto.FLOAT),
+                  helper.make_node("Add", ["total", "fi"], ["total_out"]),
+                  helper.make_node("Mul", ["product", "x"], ["product_out"]),
+                  helper.make_node("Add", ["total_out", "product_out"], ["step"])],
+                 ["i", "cond", "total", "product"], ["cond_out", "total_out", "product_out", "step"])
+    node = helper.make_node("Loop", ["n", "go", "x", "x"], ["total", "product", "steps"], body=body)
+    check(build([node], {"x": x, "n": Known(np.int64(4)), "go": Known(np.bool_(True))}, ["total", "product", "steps"],
+                opset=17), {"x": x})
+
+
+@pytest.mark.parametrize("directions", [(0, 0), (1, 0), (0, 1)], ids=["forward", "reverse-input", "reverse-output"])
+def test_scan_unrolled_at_load(directions):
+    """A running sum (state) over the rows of x scanned along axis 1, each step's sum times
+    the row of a second scan input as a scan output stacked along axis 1."""
+    x, w = rand(3, 5, 4), rand(5, 4)
+    body = _body([helper.make_node("Add", ["state", "row"], ["state_out"]),
+                  helper.make_node("Mul", ["state_out", "weights"], ["out"])],
+                 ["state", "row", "weights"], ["state_out", "out"])
+    node = helper.make_node("Scan", ["initial", "x", "w"], ["final", "outs"], body=body, num_scan_inputs=2,
+                            scan_input_axes=[1, 0], scan_input_directions=[directions[0], 0],
+                            scan_output_axes=[1], scan_output_directions=[directions[1]])
+    initial = rand(3, 4)
+    check(build([node], {"initial": initial, "x": x, "w": w}, ["final", "outs"], opset=17),
+          {"initial": initial, "x": x, "w": w})
+
+
+def test_known_nodes_fold_in_their_own_opset():
+    """An opset-11 Unsqueeze (axes an attribute, an input from opset 13) of a known value
+    folds as opset 11 defines it: ONNX's reference evaluator takes a bare node as of the
+    newest opset."""
+    x = rand(3, 4)
+    nodes = [helper.make_node("Unsqueeze", ["n"], ["shape"], axes=[0]), helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    check(build(nodes, {"x": x, "n": Known(np.int64(12))}, ["y"], opset=11), {"x": x})

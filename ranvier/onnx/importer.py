@@ -29,6 +29,7 @@ from . import (  # noqa: F401  (each converter registers itself)
     attention,
     bilinear,
     blocks,
+    control,
     converters,
     elementwise,
     indexing,
@@ -258,8 +259,13 @@ class _GraphImporter:
         from onnx.reference import ReferenceEvaluator
 
         feeds = {name: value for name, value in zip(node.proto.input, node.inputs.untracked) if name}
+        # A one-node graph: ReferenceEvaluator ignores the opsets of a bare node and takes its
+        # newest version (an opset-11 Unsqueeze's axes attribute then fails to fold).
+        untyped = onnx.TypeProto()
+        graph = onnx.helper.make_graph([node.proto], "fold", [onnx.helper.make_value_info(n, untyped) for n in feeds],
+                                       [onnx.helper.make_value_info(n, untyped) for n in node.proto.output if n])
         try:
-            evaluator = ReferenceEvaluator(node.proto, opsets={"": node.opset})
+            evaluator = ReferenceEvaluator(graph, opsets={"": node.opset})
             return [np.asarray(v) for v in evaluator.run(None, feeds)]
         except Exception as error:  # noqa: BLE001  (the reference raises anything)
             raise node.error(f"could not be computed at load time: {type(error).__name__}: {error}") from None
