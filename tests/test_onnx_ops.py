@@ -183,6 +183,8 @@ ALGEBRA_CASES = [
     case("Hardmax", {"x": X345}, opset=13, axis=1),
     case("Hardmax", {"x": np.float32([[1, 3, 3], [2, 2, 0]])}, opset=13, id="ties"),
     case("Hardmax", {"x": X345}, opset=11, axis=1, id="flattened"),
+    case("LRN", {"x": rand(2, 5, 3, 4)}, size=3),
+    case("LRN", {"x": rand(2, 6, 3, 2)}, size=5, alpha=0.01, beta=0.5, bias=2.0, id="wide"),
     case("Det", {"x": rand(2, 3, 3)}),
     case("Det", {"x": rand(4, 4)}, id="4x4"),
     case("Einsum", {"a": rand(3, 4), "b": rand(4, 5)}, equation="ij,jk->ik", opset=12),
