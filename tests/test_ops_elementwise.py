@@ -431,6 +431,13 @@ def test_remainders_of_the_most_negative_integer(dtype):
         check(run1(lambda f, x, y, m=method: getattr(f, m)(x, y), a, b), expected, dtype)
 
 
+def _whole_range(dtype: str) -> dict:
+    """random_array's bounds for integers over the dtype's range (within int64's, which it
+    draws from)."""
+    info = np.iinfo(np_dtype(dtype))
+    return {"low": max(int(info.min), -2**63), "high": min(int(info.max), 2**63 - 1)}
+
+
 def _bits(values, dtype: str) -> list[int]:
     """Each integer's two's complement bits as a Python int of the dtype's width."""
     width = np.dtype(np_dtype(dtype)).itemsize * 8
@@ -448,9 +455,8 @@ def _from_bits(bits: list[int], dtype: str, shape) -> np.ndarray:
 @pytest.mark.parametrize("dtype", INTS)
 def test_bitwise_logic(op, dtype, shapes):
     """Bit by bit on the two's complement patterns of random integers over the dtype's range."""
-    info = np.iinfo(np_dtype(dtype))
-    a = random_array(shapes[0], dtype, seed=7, low=int(info.min), high=int(info.max))
-    b = random_array(shapes[1], dtype, seed=8, low=int(info.min), high=int(info.max))
+    a = random_array(shapes[0], dtype, seed=7, **_whole_range(dtype))
+    b = random_array(shapes[1], dtype, seed=8, **_whole_range(dtype))
     a_b, b_b = np.broadcast_arrays(a, b)
     combine = {"BitwiseAnd": lambda x, y: x & y, "BitwiseOr": lambda x, y: x | y, "BitwiseXor": lambda x, y: x ^ y}[op]
     expected = _from_bits([combine(x, y) for x, y in zip(_bits(a_b, dtype), _bits(b_b, dtype))], dtype, a_b.shape)
@@ -460,8 +466,7 @@ def test_bitwise_logic(op, dtype, shapes):
 
 @pytest.mark.parametrize("dtype", INTS)
 def test_bitwise_not(dtype):
-    info = np.iinfo(np_dtype(dtype))
-    x = random_array((5, 7), dtype, seed=9, low=int(info.min), high=int(info.max))
+    x = random_array((5, 7), dtype, seed=9, **_whole_range(dtype))
     width = np.dtype(np_dtype(dtype)).itemsize * 8
     expected = _from_bits([(1 << width) - 1 - v for v in _bits(x, dtype)], dtype, x.shape)
     check(run1(lambda f, t: f.bitwise_not(t), x), expected, dtype)
@@ -477,7 +482,7 @@ def test_shifts(op, dtype):
     width = np.dtype(np_dtype(dtype)).itemsize * 8
     low = -2 if dtype in SIGNED_INTS else 0
     amounts = np.arange(low, width + 2).astype(np_dtype(dtype))
-    x = random_array((3, 1), dtype, seed=10, low=int(info.min), high=int(info.max))
+    x = random_array((3, 1), dtype, seed=10, **_whole_range(dtype))
     x[0, 0] = info.min
     pairs = np.broadcast_arrays(x, amounts)
     expected = []
@@ -511,8 +516,7 @@ def test_bitcast(source, target, packs, unpacks):
     elif source == "bool":
         x = random_array((4, 5), source, seed=12)
     else:
-        info = np.iinfo(np_dtype(source))
-        x = random_array((4, 5), source, seed=12, low=int(info.min), high=int(info.max))
+        x = random_array((4, 5), source, seed=12, **_whole_range(source))
     expected = np.array([struct.unpack(f"<{unpacks}", struct.pack(f"<{packs}", v))[0] for v in x.reshape(-1).tolist()])
     actual = run1(lambda f, t: f.bitcast(t, target), x)
     assert actual.dtype == np_dtype(target)

@@ -416,8 +416,9 @@ def _shift_reference(left: bool):
         amount = np.where(inside, b, 0).astype(a.dtype)
         if left:
             unsigned = np.dtype(f"u{a.dtype.itemsize}")
-            return np.where(inside, np.left_shift(a.view(unsigned), amount.view(unsigned)).view(a.dtype), 0).astype(a.dtype)
-        return np.where(inside, np.right_shift(a, amount), np.where(a < 0, -1, 0)).astype(a.dtype)
+            return np.where(inside, np.left_shift(a.view(unsigned), amount.view(unsigned)).view(a.dtype), a.dtype.type(0))
+        shifted_out = np.where(a < 0, a.dtype.type(-1), a.dtype.type(0)) if a.dtype.kind == "i" else np.zeros_like(a)
+        return np.where(inside, np.right_shift(a, amount), shifted_out)
 
     return reference
 
