@@ -54,8 +54,8 @@ def loop(node: Node):
     inputs, which gives the next condition, the carried values and the scan outputs
     (stacked along a new first axis)."""
     body = node.attr("body")
-    count = int(node.constant(0, "trip count")) if node.optional(0) is not None else None
-    going = bool(node.constant(1, "condition")) if node.optional(1) is not None else True
+    count = int(node.constant(0, "trip count").item()) if node.optional(0) is not None else None
+    going = bool(node.constant(1, "condition").item()) if node.optional(1) is not None else True
     carried = [node.inputs[i] for i in range(2, len(node.inputs))]
     names = [value.name for value in body.input]
     scans: list[list[Value]] = []

@@ -260,7 +260,7 @@ def one_hot(node: Node):
     """values[1] where the index (negative ones counted from the end) is the position along
     the new axis, values[0] elsewhere; an index outside [-depth, depth) gives a row of
     values[0]."""
-    depth = int(node.constant(1, "depth").reshape(-1)[0])
+    depth = int(node.constant(1, "depth").item())
     indices, values = node.tensor(0), node.tensor(2)
     rank = indices.rank + 1
     axis = node.axis(node.attr("axis", -1), rank)

@@ -45,7 +45,7 @@ def dft(node: Node):
     if channels not in (1, 2) or x.rank < 2:
         raise node.error(f"its input of shape {x.shape} does not end in 1 (real) or 2 (complex) channels")
     if node.opset >= 20:
-        axis = int(node.constant(2, "axis")) if node.optional(2) is not None else -2
+        axis = int(node.constant(2, "axis").item()) if node.optional(2) is not None else -2
     else:
         axis = int(node.attr("axis", 1))
     if not (-x.rank <= axis <= -2 or 0 <= axis <= x.rank - 2):
@@ -54,7 +54,7 @@ def dft(node: Node):
     inverse, onesided = bool(node.attr("inverse", 0)), bool(node.attr("onesided", 0))
     n = x.shape[axis]
     if node.optional(1) is not None and np.size(node.inputs[1]):
-        length = int(node.constant(1, "dft_length"))
+        length = int(node.constant(1, "dft_length").item())
     else:
         length = 2 * (n - 1) if inverse and onesided else n
     order = [i for i in range(x.rank - 1) if i != axis] + [axis, x.rank - 1]
@@ -70,10 +70,10 @@ def stft(node: Node):
     signal = node.tensor(0)
     if signal.rank != 3 or signal.shape[-1] not in (1, 2):
         raise node.error(f"its signal of shape {signal.shape} is not [batch, samples, 1 or 2]")
-    step = int(node.constant(1, "frame_step"))
+    step = int(node.constant(1, "frame_step").item())
     window = node.optional(2)
     if node.optional(3) is not None:
-        length = int(node.constant(3, "frame_length"))
+        length = int(node.constant(3, "frame_length").item())
     elif window is not None:
         length = node.shape(2)[0]
     else:
