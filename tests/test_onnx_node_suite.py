@@ -49,9 +49,20 @@ def _strings_or_ml(case) -> bool:
             or any(n.domain == "ai.onnx.ml" for n in graph.node))
 
 
+# The suite's expected DFT outputs are numpy's FFT of complex64 data, whose zeros come out
+# as float32 residues (test_dft_inverse: 1.9e-7 where the exact value is 0, the suite's
+# atol 1e-7); ranvier's transform, one float64 product, gives 5.6e-16 there. DFT outputs
+# are compared with an atol of 1e-6, in both ranvier and ONNX Runtime.
+DFT_ATOL = 1e-6
+
+
+def _has_dft(case) -> bool:
+    return any(n.op_type == "DFT" for n in case.model.graph.node)
+
+
 def _tolerances(case) -> dict[str, float]:
     rtol = max(case.rtol, FLOAT16_RTOL) if _outputs_float16(case) else case.rtol
-    return {"rtol": rtol, "atol": case.atol}
+    return {"rtol": rtol, "atol": max(case.atol, DFT_ATOL) if _has_dft(case) else case.atol}
 
 
 # Cases ranvier must compute, never refuse: the operators it covers in full.
@@ -91,7 +102,7 @@ NOT_NUMERIC = "computes with strings or ai.onnx.ml operators; ranvier computes n
 
 OnnxBackendNodeModelTest = onnx.backend.test.BackendTest(
     _MarkingBackend, __name__,
-    test_kwargs={name: _tolerances(case) for name, case in CASES.items() if _outputs_float16(case)},
+    test_kwargs={name: _tolerances(case) for name, case in CASES.items() if _outputs_float16(case) or _has_dft(case)},
 ).test_cases["OnnxBackendNodeModelTest"]
 for _name in [name for name in vars(OnnxBackendNodeModelTest) if name.startswith("test_")]:
     if _name.endswith("_cuda"):  # ranvier's backend here is the CPU's
