@@ -1,5 +1,5 @@
 """Converters of ONNX's math operators beyond `converters.py`'s table: the cumulative sum and
-product, Einsum, AffineGrid, Det, Hardmax, LRN and the reductions that are a formula around a sum
+product, Einsum, AffineGrid, Det, Hardmax and the reductions that are a formula around a sum
 (ReduceL1, ReduceL2, ReduceLogSum, ReduceLogSumExp), each as the ranvier ops of its
 formula.
 """
@@ -86,23 +86,6 @@ def reduce_formula(node: Node):
         return node.b.identity(x)
     formula = _REDUCE_FORMULAS[node.proto.op_type]
     return formula(x, axes or list(range(x.rank)), bool(node.attr("keepdims", 1)))
-
-
-@converts("LRN")
-def local_response_norm(node: Node):
-    """x / (bias + alpha / size · Σ x²)^beta, the sum over the channels within the window
-    around each one (floor((size − 1) / 2) before, ceil after): the squares times a
-    constant band matrix over the channel axis."""
-    x = node.tensor(0)
-    size = int(node.attr("size"))
-    alpha, beta, bias = float(node.attr("alpha", 1e-4)), float(node.attr("beta", 0.75)), float(node.attr("bias", 1.0))
-    channels = x.shape[1]
-    source, target = np.arange(channels)[:, None], np.arange(channels)[None, :]
-    band = (source >= target - (size - 1) // 2) & (source <= target + size // 2)
-    moved, back = last_axis(x * x, 1)
-    sums = node.b.matmul(moved, node.b.const(band.astype(dtypes.to_numpy(x.dtype))))
-    sums = sums if back is None else sums.transpose(back)
-    return x / node.b.pow(sums * (alpha / size) + bias, node.b.const(beta, x.dtype))
 
 
 @converts("Det")

@@ -1,6 +1,6 @@
 """Converters of ONNX's indexing and tensor-building operators: GatherElements, GatherND,
-ScatterElements (and the older Scatter), ScatterND, TensorScatter, Col2Im, MaxUnpool,
-CenterCropPad, OneHot, TopK, ReverseSequence, Compress, Tile and EyeLike; and the operators that need
+ScatterElements (and the older Scatter), ScatterND, TensorScatter, CenterCropPad, OneHot,
+TopK, ReverseSequence, Compress, Tile and EyeLike; and the operators that need
 their inputs known at load (Range, ConstantOfShape, MelWeightMatrix, NonZero, Unique,
 NonMaxSuppression, ImageDecoder).
 
@@ -194,65 +194,6 @@ def center_crop_pad(node: Node):
     if kept != x.shape:
         x = node.b.slice(x, begin, kept)
     return node.b.pad(x, before=before, after=after, value=0) if any(before + after) else x
-
-
-@converts("Col2Im")
-def col2im(node: Node):
-    """Columns [N, C · block elements, blocks] summed back into images [N, C, *image_shape]:
-    each column element adds to the pixel its block's position, its offset in the block
-    (dilated) and the padding put it at, a constant index per element; ranvier's
-    ScatterAdd sums them (those that fell on the padding into a row then dropped)."""
-    x = node.tensor(0)
-    image, block = node.ints(1, "image_shape"), node.ints(2, "block_shape")
-    rank = len(image)
-    dilations = list(node.attr("dilations", [1] * rank))
-    strides = list(node.attr("strides", [1] * rank))
-    pads = list(node.attr("pads", [0] * 2 * rank))
-    span = [d * (k - 1) + 1 for d, k in zip(dilations, block)]
-    counts = [(size + pads[i] + pads[i + rank] - span[i]) // strides[i] + 1 for i, size in enumerate(image)]
-    elements = math.prod(block)
-    if x.rank != 3 or x.shape[1] % elements or x.shape[2] != math.prod(counts) or len(block) != rank:
-        raise node.error(f"its input of shape {x.shape} is not [N, C · {elements}, {math.prod(counts)}] for blocks of "
-                         f"{block} over images of {image}")
-    channels = x.shape[1] // elements
-    offsets = np.indices(block).reshape(rank, -1)  # [rank, block elements]
-    places = np.indices(counts).reshape(rank, -1)  # [rank, blocks]
-    where = [places[d][None, :] * strides[d] + offsets[d][:, None] * dilations[d] - pads[d] for d in range(rank)]
-    inside = np.all([(w >= 0) & (w < image[d]) for d, w in enumerate(where)], axis=0)  # [block elements, blocks]
-    pixel = sum(np.clip(w, 0, image[d] - 1) * _strides(image)[d] for d, w in enumerate(where))
-    pixels = math.prod(image)
-    target = pixel[None] + (np.arange(channels) * pixels)[:, None, None]  # [C, block elements, blocks]
-    target = np.where(inside[None], target, channels * pixels).reshape(-1).astype(np.int64)
-    columns = x.transpose([1, 2, 0]).reshape([x.shape[1] * x.shape[2], x.shape[0]])
-    summed = node.b.scatter_add(node.b.const(target), columns, rows=channels * pixels + 1)
-    images = node.b.slice(summed, [0, 0], [channels * pixels, x.shape[0]])
-    return images.transpose([1, 0]).reshape([x.shape[0], channels, *image])
-
-
-@converts("MaxUnpool")
-def max_unpool(node: Node):
-    """Zeros of the pooled input's size with each value put back where its index (into
-    the whole flattened tensor, as MaxPool gives them) says; an element that was the
-    maximum of overlapping windows comes back once (its copies are averaged, being equal).
-    A larger output_shape pads the end of each axis with zeros."""
-    x = node.tensor(0)
-    kernel = list(node.attr("kernel_shape"))
-    rank = len(kernel)
-    strides = list(node.attr("strides", [1] * rank))
-    pads = list(node.attr("pads", [0] * 2 * rank))
-    shape = x.shape[:2] + [(x.shape[2 + d] - 1) * strides[d] - pads[d] - pads[rank + d] + kernel[d] for d in range(rank)]
-    total = math.prod(shape)
-    indices = from_end(node, node.tensor(1), total).reshape([x.size])
-    placed = node.b.scatter_add(indices, x.reshape([x.size]), rows=total)
-    copies = node.b.scatter_add(indices, node.b.const(np.ones(x.size, dtypes.to_numpy(x.dtype))), rows=total)
-    zero = node.b.const(0, x.dtype)
-    y = node.b.cond(copies > zero, placed / node.b.maximum(copies, node.b.const(1, x.dtype)), zero).reshape(shape)
-    if node.optional(2) is None:
-        return y
-    target = node.ints(2, "output_shape")
-    if len(target) != len(shape) or any(t < s for t, s in zip(target, shape)):
-        raise node.error(f"output_shape {target} is smaller than the unpooled shape {shape}")
-    return node.b.pad(y, before=[0] * len(shape), after=[t - s for t, s in zip(target, shape)], value=0)
 
 
 @converts("OneHot")
