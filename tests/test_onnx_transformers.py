@@ -20,8 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 from test_onnx_import import check, export, graph_inputs  # noqa: E402
 
-from ranvier.onnx.node import CONVERTERS  # noqa: E402
-
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -100,10 +98,6 @@ ARCHITECTURES = {"bert": bert, "gpt2": gpt2, "llama": llama, "vit": vit, "whispe
 # key/value heads, and torch 2.13's decomposition of T5's SDPA output fails ("Cannot view
 # a tensor with shape [2, 8, 4, 16] and strides (512, 16, 128, 1)").
 EAGER = {("llama", False), ("t5-encoder", True)}
-# Operators these exports hold that the importer gains on another branch of issue 56
-# (the masks of transformers' attention: IsNaN from the TorchScript exporter, GatherND from
-# the dynamo one); an export holding one the importer lacks is an expected failure until then.
-PENDING_OPERATORS = {"IsNaN", "GatherND"}
 CASES = [(name, dynamo) for name in ARCHITECTURES for dynamo in (False, True)]
 
 
@@ -116,7 +110,4 @@ def test_exported_architecture(name, dynamo):
     if (name, dynamo) in EAGER:
         model.config._attn_implementation = "eager"
     onnx_model = export(FirstOutput(model).eval(), inputs, dynamo)
-    pending = {node.op_type for node in onnx_model.graph.node} & PENDING_OPERATORS - set(CONVERTERS)
-    if pending:
-        pytest.xfail(f"the export holds {', '.join(sorted(pending))}, which another branch of issue 56 adds")
     check(onnx_model, {n: t.numpy() for n, t in zip(graph_inputs(onnx_model), inputs)})
