@@ -447,7 +447,7 @@ def _bits(values, dtype: str) -> list[int]:
 def _from_bits(bits: list[int], dtype: str, shape) -> np.ndarray:
     width = np.dtype(np_dtype(dtype)).itemsize * 8
     signed = np.issubdtype(np_dtype(dtype), np.signedinteger)
-    return np.array([b - (1 << width) if signed and b >> (width - 1) else b for b in bits], np.int64).reshape(shape)
+    return np.array([b - (1 << width) if signed and b >> (width - 1) else b for b in bits], np_dtype(dtype)).reshape(shape)
 
 
 @pytest.mark.parametrize("shapes", BROADCAST_SHAPES[3:6], ids=SHAPE_IDS[3:6])
@@ -496,7 +496,7 @@ def test_shifts(op, dtype):
     if op == "ShiftLeft":
         expected = _from_bits(expected.reshape(-1).tolist(), dtype, pairs[0].shape)
     method = "shift_left" if op == "ShiftLeft" else "shift_right"
-    check(run1(lambda f, a, b: getattr(f, method)(a, b), x, amounts), expected.astype(np.int64), dtype)
+    check(run1(lambda f, a, b: getattr(f, method)(a, b), x, amounts), expected.astype(np_dtype(dtype)), dtype)
 
 
 BITCASTS = [("float32", "int32", "f", "i"), ("int32", "float32", "i", "f"), ("float64", "int64", "d", "q"),
