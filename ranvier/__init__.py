@@ -32,12 +32,13 @@ from .runtime import Cell, Instance, Network
 from .version import __version__
 
 
-def from_torch(module, example_inputs, dims=None, function: str = "main") -> Flow:
+def from_torch(module, example_inputs, dims=None, function: str = "main", trainable: bool = False) -> Flow:
     """A PyTorch module's forward pass as a flow, through torch.export and ONNX (see
-    `ranvier.onnx.from_torch`); needs torch, onnx and onnxscript."""
+    `ranvier.onnx.from_torch`; `trainable=True` for a flow to train); needs torch, onnx
+    and onnxscript."""
     from .onnx import from_torch as convert
 
-    return convert(module, example_inputs, dims, function)
+    return convert(module, example_inputs, dims, function, trainable)
 
 
 __all__ = [

@@ -21,7 +21,8 @@ from .flow.graph import Flow, Function, Operation, Variable
 from .ops import has_op, op_def, vjp
 
 __all__ = [
-    "VJPContext", "backward", "backward_from", "gradient", "gradient_function", "has_vjp", "link_primal", "unbroadcast", "vjp",
+    "VJPContext", "backward", "backward_from", "gradient", "gradient_function", "has_vjp", "link_primal", "unbroadcast",
+    "ungradable_ops", "vjp",
 ]
 
 
@@ -97,6 +98,15 @@ def _relevant_ops(ops: list[Operation], sources: set[str], targets: list[Variabl
             needed.update(v.name for v in op.inputs)
     relevant.reverse()
     return relevant
+
+
+def ungradable_ops(flow: Flow, func: Function | str, wrt: Iterable, roots: Iterable) -> list[Operation]:
+    """The ops between a `wrt` variable and a root that a gradient would have to pass
+    and cannot (no VJP rule): what `gradient` would fail on, found before building it."""
+    func = flow.func(func)
+    sources = {variable_of(w).name for w in wrt}
+    relevant = _relevant_ops(flow.op_order(func), sources, [variable_of(r) for r in roots], set())
+    return [op for op in relevant if op_def(op.type).vjp is None and any(_differentiable(v) for v in op.outputs)]
 
 
 def gradient(

@@ -26,6 +26,7 @@ from ranvier.ops import TensorType, all_ops, define, has_op
 FORMULA_OPS = sorted(name for name, d in all_ops().items() if d.family == "elementwise" and d.formula is not None and name != "Identity")
 LOGICAL = {"Not", "And", "Or", "Xor", "AndNot"}
 CONDITIONS = {"Cond", "Select"}  # the first input is a bool
+INTEGERS = {"RandomUniform"}  # every input is an int32
 SHAPE = [3, 5, 7]
 BROADCASTS = [[3, 5, 7], [5, 1], [3, 1, 7]]  # the inputs' shapes, in turn: a full one, then broadcast ones
 # ops checked in more dtypes than float32: integer arithmetic, doubles, and half-precision loads and stores
@@ -49,7 +50,7 @@ def _single_op_flow(name: str, dtype: str):
     count = definition.min_inputs
     tensors, values = [], {}
     for i in range(count):
-        kind = "bool" if name in LOGICAL or (name in CONDITIONS and i == 0) else dtype
+        kind = "bool" if name in LOGICAL or (name in CONDITIONS and i == 0) else "int32" if name in INTEGERS else dtype
         shape = BROADCASTS[i]
         tensor = f.var(f"in{i}", kind, shape)
         values[tensor.name] = random_array(shape, kind, seed=i + 1)

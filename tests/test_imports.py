@@ -141,7 +141,7 @@ ORDER = [
     "ranvier.dashboard", "ranvier.plot", "ranvier.data",
     "ranvier.ops", "ranvier.flow", "ranvier.nn", "ranvier.autodiff", "ranvier.profile", "ranvier.handles", "ranvier.runtime",
     "ranvier.backends",
-    "ranvier.compiler", "ranvier.models", "ranvier.generate", "ranvier.train", "ranvier.interop", "ranvier.onnx",
+    "ranvier.compiler", "ranvier.models", "ranvier.generate", "ranvier.onnx", "ranvier.train", "ranvier.interop",
     "ranvier.jobs", "ranvier.modelrun",
     "ranvier", "ranvier.cli",
 ]

@@ -57,6 +57,8 @@ NOT_INDICES = {
     "Size": "an integer output known when the cell is compiled",
     "Rank": "an integer output known when the cell is compiled",
     "MoEAuxLoss": "its expert counts are summed as numbers, never used as places",
+    "RandomUniform": "its counters and seed are hashed as numbers, never used as places",
+    "Dropout": "its seed is hashed as a number, never used as a place",
 }
 
 

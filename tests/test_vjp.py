@@ -26,6 +26,7 @@ import ranvier as m
 from ranvier import autodiff, dtypes
 from ranvier.autodiff import backward, backward_from, gradient, vjp
 from ranvier.ops import TensorType, all_ops, define, has_op, op_def
+from ranvier.ops.random import positions, uniform
 
 F64 = m.DT_DOUBLE
 F32 = m.DT_FLOAT32
@@ -307,6 +308,26 @@ case(
     lambda b, n, x: n.one_hot(5, F64) * x,
     lambda n, x: F.one_hot(n.long(), 5).double() * x,
     n=np.array([0, 4, 2, 2], np.int32), x=normal(4, 5),
+)
+
+# ---- random numbers: dropout's mask is a constant of x; the numbers have no gradient -----------------
+
+
+def _kept(shape, seed, rate, stream):
+    return torch.from_numpy(uniform(positions(shape), np.int32(seed), stream) >= np.float32(rate))
+
+
+case(
+    "Dropout",
+    lambda b, x, s: b.dropout(x, s, 0.4, 3),
+    lambda x, s: torch.where(_kept([5, 6], 9, 0.4, 3), x * (1.0 / (1.0 - 0.4)), 0.0),
+    x=normal(5, 6), s=np.int32(9),
+)
+case(
+    "RandomUniform",
+    lambda b, c, s, x: b.random_uniform(c, s, 2).cast(F64) * x,
+    lambda c, s, x: torch.from_numpy(uniform(c.numpy(), s.numpy(), 2)).double() * x,
+    c=np.arange(12, dtype=np.int32).reshape(3, 4), s=np.int32(4), x=normal(3, 4),
 )
 
 # ---- reductions ------------------------------------------------------------------------------

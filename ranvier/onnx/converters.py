@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .. import dtypes
+from . import training
 from .indexing import take
 from .node import Node, converts, onnx_dtype
 
@@ -74,17 +75,19 @@ def where(node: Node):
 def dropout(node: Node):
     """Dropout as inference computes it, the identity, and its mask all true; training
     mode is refused, unless its ratio is 0 (random draws ranvier does not make as ONNX
-    Runtime makes them)."""
+    Runtime makes them). A trainable import drops (`training.dropout`)."""
+    if node.importer.training:
+        return training.dropout(node)
     node.attr("seed")  # draws nothing in inference
     if node.opset < 7:
-        training = not node.attr("is_test", 0)
+        training_mode = not node.attr("is_test", 0)
         ratio = float(node.attr("ratio", 0.5))
     elif node.opset < 12:
-        training, ratio = False, float(node.attr("ratio", 0.5))
+        training_mode, ratio = False, float(node.attr("ratio", 0.5))
     else:
-        training = node.optional(2) is not None and bool(node.constant(2, "training_mode"))
+        training_mode = node.optional(2) is not None and bool(node.constant(2, "training_mode"))
         ratio = float(node.constant(1, "ratio")) if node.optional(1) is not None else 0.5
-    if training and ratio:
+    if training_mode and ratio:
         raise node.error(f"training_mode with ratio {ratio} (random dropout) is not supported")
     x = node.tensor(0)
     kept = np.ones(x.shape, bool if node.opset >= 10 else dtypes.to_numpy(x.dtype))  # a bool mask since opset 10
@@ -124,6 +127,8 @@ def cast(node: Node):
     else:
         like = node.inputs[1]
         target = dtypes.from_numpy(like.dtype) if isinstance(like, np.ndarray) else like.dtype
+    if isinstance(node.inputs[0], np.ndarray):  # known like a model input: stays known, to fold what follows
+        return node.inputs[0].astype(dtypes.to_numpy(target))
     x = node.tensor(0)
     return x if x.dtype == target else node.b.cast(x, target)
 
@@ -286,6 +291,42 @@ def split(node: Node):
         sizes = [min(step, x.shape[axis] - i * step) for i in range(count)]
     parts = node.b.split(x, sizes, axis)
     return list(parts)
+
+
+@converts("SplitToSequence")
+def split_to_sequence(node: Node):
+    """A sequence is a list of values: the parts along `axis`, of the sizes input 1 gives
+    (one size: parts of it, the last smaller), or of 1 each (squeezed unless keepdims)."""
+    x = node.inputs[0]
+    rank = len(x.shape)
+    axis = int(node.attr("axis", 0)) % rank
+    length = x.shape[axis]
+    split = node.optional(1)
+    if split is None:
+        sizes = [1] * length
+    elif np.ndim(node.constant(1, "split")) == 0:
+        step = int(split)
+        sizes = [min(step, length - start) for start in range(0, length, step)]
+    else:
+        sizes = [int(s) for s in split]
+    if sum(sizes) != length or min(sizes, default=1) < 1:
+        raise node.error(f"split sizes {sizes} do not cover the {length} elements of axis {axis}")
+    squeeze = split is None and not node.attr("keepdims", 1)
+    if isinstance(x, np.ndarray):
+        parts = np.split(x, np.cumsum(sizes)[:-1], axis)
+        return [[np.squeeze(p, axis) if squeeze else p for p in parts]]
+    parts = node.b.split(x, sizes, axis) if len(sizes) > 1 else [x]
+    shape = [d for i, d in enumerate(x.shape) if i != axis]
+    return [[p.reshape(shape) if squeeze else p for p in parts]]
+
+
+@converts("SequenceAt")
+def sequence_at(node: Node):
+    sequence = node.inputs[0]
+    position = int(node.constant(1, "position"))
+    if not -len(sequence) <= position < len(sequence):
+        raise node.error(f"position {position} is outside the sequence of {len(sequence)}")
+    return sequence[position]
 
 
 @converts("Slice")

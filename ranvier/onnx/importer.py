@@ -6,14 +6,15 @@ is either known at load time (a numpy array: initializers, constants, shapes, an
 anything computed only from them, folded with ONNX's own reference implementation) or
 a flow variable. Shapes are static: a symbolic dimension (`batch`, `sequence`) is bound
 to a size given at load (`dims={"batch": 1}`), so `Shape`, `Range` and
-`ConstantOfShape` fold away and `Reshape` targets are constants.
+`ConstantOfShape` fold away and `Reshape` targets are constants. A trainable import
+(`training.py`) makes the weights learnable variables instead of known values.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -42,18 +43,22 @@ from . import (  # noqa: F401  (each converter registers itself)
     rotary,
     sampling,
     spectral,
+    training,
     windows,
 )
 from .external import load_external_data
 from .inference import check_fold_sizes, check_results, infer_outputs
 from .node import CONVERTERS, Node, OnnxError, Value, onnx_dtype
 
-# Operators whose result is not a function of their inputs' values: never folded.
-_NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+# Operators never folded: those whose result is not a function of their inputs' values, and
+# those of sequences (lists of values, which only the converters hold).
+_NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
+               "SplitToSequence", "SequenceAt"}
 
 
 def load(model: str | os.PathLike | bytes | onnx.ModelProto, dims: Mapping[str, int] | None = None,
-         function: str = "main", constants: Mapping[str, np.ndarray] | None = None) -> Flow:
+         function: str = "main", constants: Mapping[str, np.ndarray] | None = None,
+         trainable: bool | Collection[str] = False) -> Flow:
     """A flow with one function computing the ONNX model's graph.
 
     model: a file (external-data files beside it are read too), its bytes, or a ModelProto.
@@ -63,10 +68,15 @@ def load(model: str | os.PathLike | bytes | onnx.ModelProto, dims: Mapping[str, 
     constants: values for graph inputs, bound at load as if they were initializers: an
         input that fixes a shape (a Reshape's target, a TopK's k, pads, axes) must be
         known when the flow is built (`ValueNeeded` names the inputs a node waits for).
+    trainable: True to train the model: its weights become learnable variables (reachable
+        by their initializer names), and batch norm and dropout compute as in training
+        (see `training.py` for which initializers are weights); or the initializer names
+        to learn.
     """
     proto = read_model(model)
     flow = Flow()
-    _GraphImporter(proto, flow, function, dict(dims or {}), dict(constants or {})).run()
+    learnable = training.learnable_initializers(proto, trainable) if trainable is not False else None
+    _GraphImporter(proto, flow, function, dict(dims or {}), dict(constants or {}), learnable).run()
     return flow
 
 
@@ -100,7 +110,7 @@ def _invalid(source: str, error: Exception) -> OnnxError:
 
 class _GraphImporter:
     def __init__(self, model: onnx.ModelProto, flow: Flow, function: str, dims: dict[str, int],
-                 constants: dict[str, np.ndarray]):
+                 constants: dict[str, np.ndarray], learnable: list[str] | None = None):
         self.model = model
         self.constants = constants
         self.graph = model.graph
@@ -111,6 +121,11 @@ class _GraphImporter:
         self.values: dict[str, Value] = {}
         self.value_infos = {v.name: v for v in self.graph.value_info}  # types the graph declares for its values
         self.constant_vars: dict[str, Tensor] = {}
+        self.training = learnable is not None  # batch norm and dropout compute as in training
+        self.learnable = learnable or []
+        self.origin: dict[str, str] = {}  # a flow op's name -> the ONNX node it came from
+        self._seed: Tensor | None = None
+        self._streams = 0
 
     def run(self) -> None:
         version, newest = self.opsets.get("ai.onnx", 0), onnx.defs.onnx_opset_version()
@@ -121,6 +136,7 @@ class _GraphImporter:
             raise OnnxError("the model's graph has no outputs: it computes nothing")
         initializers = {t.name: _initializer(t) for t in self.graph.initializer}
         self.values.update(initializers)
+        params = [self.parameter(name, initializers[name]) for name in self.learnable]
         inputs = [v for v in self.graph.input if v.name not in initializers]
         unknown = set(self.constants) - {v.name for v in inputs}
         if unknown:
@@ -138,6 +154,8 @@ class _GraphImporter:
             self.convert(proto)
         for value_info in self.graph.output:
             self.output(value_info)
+        if self.training:
+            training.check_gradients(self, params)
 
     def _dim_names(self) -> set[str]:
         return {d.dim_param for v in self.graph.input for d in v.type.tensor_type.shape.dim if d.dim_param}
@@ -226,6 +244,7 @@ class _GraphImporter:
         inputs = [self.values[name] if name else None for name in proto.input]
         node = Node(proto, inputs, self)
         inferred = {} if _has_subgraph(proto) else infer_outputs(node)
+        ops_before = len(self.flow.ops)
         if (not domain and proto.op_type not in _NOT_FOLDED and not _has_subgraph(proto)
                 and all(v is None or isinstance(v, np.ndarray) for v in inputs)):
             check_fold_sizes(node, inferred)
@@ -248,6 +267,8 @@ class _GraphImporter:
             node.check_all_read()
         results = results if isinstance(results, (list, tuple)) else [results]
         check_results(node, inferred, results)
+        for op_name in list(self.flow.ops)[ops_before:]:
+            self.origin[op_name] = node.name
         for name, value in zip(proto.output, results):
             if name and value is not None and name in self.value_infos:
                 self.check_declared(self.value_infos[name], value, "value")
@@ -255,9 +276,12 @@ class _GraphImporter:
                 self.values[name] = value
 
     def fold(self, node: Node) -> list[np.ndarray]:
-        """Evaluate a node whose inputs are all known, with ONNX's reference implementation."""
+        """Evaluate a node whose inputs are all known, with ONNX's reference implementation
+        (or numpy's, where that one fails)."""
         from onnx.reference import ReferenceEvaluator
 
+        if node.proto.op_type in _FOLDED_BY_NUMPY:
+            return _FOLDED_BY_NUMPY[node.proto.op_type](node)
         feeds = {name: value for name, value in zip(node.proto.input, node.inputs.untracked) if name}
         # A one-node graph: ReferenceEvaluator ignores the opsets of a bare node and takes its
         # newest version (an opset-11 Unsqueeze's axes attribute then fails to fold).
@@ -281,6 +305,52 @@ class _GraphImporter:
         if name:
             self.constant_vars[name] = tensor
         return tensor
+
+    def parameter(self, name: str, value: np.ndarray) -> Tensor:
+        """A learnable variable holding initializer `name`, reachable by that name."""
+        tensor = self.b.parameter(_clean(name) or "weight", np.ascontiguousarray(value))
+        self.flow.add_alias(tensor.var, name)
+        self.values[name] = tensor
+        return tensor
+
+    def state_variable(self, node: Node, index: int) -> Tensor:
+        """Input `index` of `node`, an initializer the node updates in place (batch norm's
+        running statistics), as a global variable holding it, reachable by its name."""
+        name = node.proto.input[index]
+        value = self.values.get(name)
+        if isinstance(value, Tensor):
+            if not value.var.is_global or value.var.learnable:
+                raise node.error(f"input {index} ({name!r}) must be an initializer of its own to be updated in training")
+            return value
+        array = np.ascontiguousarray(node.constant(index, f"input {index}"))
+        var = self.flow.add_var(self.b.varname(_clean(name) or "state"), dtypes.from_numpy(array.dtype), array.shape)
+        var.set_data(array)
+        var.nogradient = True
+        self.flow.add_alias(var, name)
+        self.values[name] = tensor = self.b.wrap(var)
+        return tensor
+
+    def dropout_seed(self) -> tuple[Tensor, int]:
+        """The seed every dropout of the step reads (a global the step counts up, so each
+        step draws new masks) and the next dropout's stream."""
+        if self._seed is None:
+            var = self.flow.add_var(self.b.varname("dropout_seed"), dtypes.DT_INT32, [])
+            var.set_data(np.zeros((), np.int32))
+            var.nogradient = True
+            self._seed = self.b.wrap(var)
+            self.b.assign(self._seed, self._seed + 1)
+        self._streams += 1
+        return self._seed, self._streams - 1
+
+
+def _gather_elements(node: Node) -> list[np.ndarray]:
+    """ONNX's reference takes at most 64 rows (numpy's `choose`) and then fails."""
+    data, indices = node.constant(0, "data"), node.constant(1, "indices")
+    axis = int(node.attr("axis", 0)) % max(data.ndim, 1)
+    return [np.take_along_axis(data, np.where(indices < 0, indices + data.shape[axis], indices), axis)]
+
+
+_FOLDED_BY_NUMPY = {"GatherElements": _gather_elements}
 
 
 def _initializer(tensor: onnx.TensorProto) -> np.ndarray:

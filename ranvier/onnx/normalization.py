@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import dtypes
 from ..flow.builder import Tensor
+from . import training
 from .node import Node, converts
 
 STATISTICS_DTYPE = dtypes.DT_FLOAT32  # ONNX's stash_type 1, the only one ONNX Runtime implements
@@ -182,7 +183,11 @@ def batch_norm(node: Node):
     scale and shift per channel (the compiler fuses them into the elementwise work
     around; PyTorch's exporters fold it into the convolution); computed statistics are
     applied as they come. training_mode (opset 14) normalizes by the batch's own mean and
-    (biased) variance, and returns the running statistics moved toward them by momentum."""
+    (biased) variance, and returns the running statistics moved toward them by momentum.
+    A trainable import computes as training does, its running statistics updated in the
+    step (`training.batch_norm`)."""
+    if node.importer.training:
+        return training.batch_norm(node)
     x = node.tensor(0)
     if x.rank < 2 or x.dtype not in dtypes.FLOAT_DTYPES:
         raise node.error(f"its input {x.dtype}{x.shape} is not a floating-point [N, C, ...]")

@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registration)
     moe,
     nn,
     nn_grad,
+    random,
     reduce,
     rotary,
     sampling,
