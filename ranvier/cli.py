@@ -237,6 +237,29 @@ def _load_language_model(model: str, tokenizer: str | None, kinds: tuple[str, ..
     return load_any(Path(model), tokenizer)
 
 
+def _train_onnx(args: argparse.Namespace) -> int:
+    from .jobs.onnx import OnnxRunConfig, resume_onnx, train_onnx
+
+    if (args.model is None) == (args.resume is None):
+        raise RanvierError("ranvier train onnx takes a model to start a run (ranvier train onnx MODEL.onnx) "
+                           "or --resume RUN_DIR to continue one, not both")
+
+    def start(run_dir: Path) -> None:
+        config = OnnxRunConfig(
+            model=str(Path(args.model).resolve()), data=str(Path(args.data).resolve()) if args.data else None,
+            steps=args.steps if args.steps is not None or args.minutes is not None else OnnxRunConfig.steps,
+            minutes=args.minutes, batch=args.batch, seq=args.seq, lr=args.lr, weight_decay=args.weight_decay,
+            optimizer=args.optimizer, seed=args.seed, backend=args.backend, cpu=args.cpu, matmul=args.matmul,
+            checkpoint_every=args.checkpoint_every, zero=args.zero,
+        )
+        train_onnx(config, run_dir, progress=not args.quiet, dashboard=args.dashboard)
+
+    def resume(run_dir: Path) -> None:
+        resume_onnx(run_dir, _given(args), progress=not args.quiet, dashboard=args.dashboard)
+
+    return _train(args, ("onnx",), f"onnx-{Path(args.model or 'model').stem}-%Y%m%d-%H%M%S", start, resume)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .generate import Generator, Sampling
     from .models import language_model
@@ -523,6 +546,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a live terminal dashboard with samples (plain output when not a terminal)")
         _data_parallel_options(lm)
         lm.set_defaults(run=_train_llama)
+
+    from_onnx = tasks.add_parser("onnx", help="an ONNX model: a classifier on MNIST, or a language model on token shards")
+    from_onnx.add_argument("model", nargs="?", default=None, help="the .onnx file (its weights are where training starts)")
+    from_onnx = _noting_given(from_onnx)
+    from_onnx.add_argument("--data", default=None,
+                      help="a folder of token shards (`ranvier data pretokenize`): a language model; else MNIST's IDX files "
+                           "(default: the bundled 5,000-digit subset): a classifier")
+    from_onnx.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default 1000; with --minutes, at most this many)")
+    from_onnx.add_argument("--minutes", type=_positive_float, default=None, help=minutes_help)
+    from_onnx.add_argument("--batch", type=_positive_int, default=32, help="examples per step, over all workers (default: %(default)s)")
+    from_onnx.add_argument("--seq", type=_positive_int, default=128, help="a language model's tokens per window (default: %(default)s)")
+    from_onnx.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate, constant (default: %(default)s)")
+    from_onnx.add_argument("--weight-decay", type=_non_negative_float, default=0.01, help="(default: %(default)s)")
+    from_onnx.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default="adamw")
+    from_onnx.add_argument("--seed", type=int, default=0, help="seed of the batch order and the dropout masks (default: %(default)s)")
+    from_onnx.add_argument("--backend", default="cpu", choices=backend_names())
+    from_onnx.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
+    from_onnx.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS, help=_MATMUL_HELP)
+    from_onnx.add_argument("--run-dir", default=None, help="where to write config, metrics, checkpoints and trained.onnx")
+    _resume_or_force(from_onnx, resume_help)
+    from_onnx.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
+    from_onnx.add_argument("--quiet", action="store_true", help="no progress bar")
+    from_onnx.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
+    _data_parallel_options(from_onnx)
+    from_onnx.set_defaults(run=_train_onnx)
 
     generate = commands.add_parser("generate", help="generate text from a trained Llama run directory")
     generate.add_argument("model", help="a `ranvier train llama|moe` run directory, a llama2.c .bin or a Hugging Face folder")

@@ -243,3 +243,86 @@ def test_gather_elements_of_known_values_folds_past_onnx_references_64_rows():
     proto = model(nodes, {"x": x}, {"table": table, "index": np.arange(16, dtype=np.int64)[None] * 5 - 3}, ["y"], opset=13)
     _against_ort(proto, {"x": x}, ["y"])
 
+
+# ---- ranvier train onnx ---------------------------------------------------------------------------
+
+
+def _mlp_file(path, width: int = 784) -> str:
+    """A classifier of flat images as ONNX: a [batch, width] input, two layers."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["logits"], transB=1)]
+    initializers = {"w1": rng.normal(0, 0.05, (32, width)).astype(np.float32), "b1": np.zeros(32, np.float32),
+                    "w2": rng.normal(0, 0.2, (10, 32)).astype(np.float32), "b2": np.zeros(10, np.float32)}
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+                              [numpy_helper.from_array(v, n) for n, v in initializers.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return str(path)
+
+
+def _metrics(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_onnx_a_classifier_resumes_where_it_stopped_and_writes_the_trained_model(tmp_path, capsys):
+    from ranvier.cli import main
+
+    model = _mlp_file(tmp_path / "mlp.onnx")
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    common = ["--batch", "16", "--lr", "3e-3", "--quiet"]
+    main(["train", "onnx", model, "--steps", "40", "--run-dir", str(straight), *common])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("test_accuracy=0.") and float(last.split("=")[1].split()[0]) > 0.5
+    main(["train", "onnx", model, "--steps", "20", "--run-dir", str(interrupted), *common])
+    main(["train", "onnx", "--resume", str(interrupted), "--steps", "40", "--quiet"])
+    assert "from step 20" in capsys.readouterr().out
+    def losses(run_dir):
+        return [(r["step"], r["loss"]) for r in _metrics(run_dir) if "loss" in r]
+
+    assert losses(interrupted) == losses(straight)  # step for step, bit for bit
+    assert _metrics(interrupted)[-1] == _metrics(straight)[-1]  # the same test accuracy
+    trained = onnx.load(straight / "trained.onnx")
+    images = np.random.default_rng(1).uniform(0, 1, (3, 784)).astype(np.float32)
+    (logits,) = ort.InferenceSession(trained.SerializeToString()).run(None, {"x": images})
+    assert logits.shape == (3, 10)
+    assert not np.array_equal(numpy_helper.to_array(trained.graph.initializer[0]),
+                              numpy_helper.to_array(onnx.load(model).graph.initializer[0])), "the weights trained"
+
+
+def test_train_onnx_a_language_model_on_token_shards(tmp_path, capsys):
+    from ranvier.cli import main
+
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    main(["data", "pretokenize", str(tmp_path / "text.txt"), "--out", str(tmp_path / "shards"), "--bytes"])
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gather", ["table", "tokens"], ["e"]), helper.make_node("MatMul", ["e", "out"], ["logits"])]
+    graph = helper.make_graph(nodes, "bigram", [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["b", "t"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t", 258])],
+                              [numpy_helper.from_array(rng.normal(0, 0.1, (258, 16)).astype(np.float32), "table"),
+                               numpy_helper.from_array(rng.normal(0, 0.1, (16, 258)).astype(np.float32), "out")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "bigram.onnx")
+    main(["train", "onnx", str(tmp_path / "bigram.onnx"), "--data", str(tmp_path / "shards"), "--batch", "8", "--seq", "16",
+          "--steps", "60", "--lr", "1e-2", "--run-dir", str(tmp_path / "run"), "--quiet"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("validation_loss=")
+    assert float(last.split("=")[1].split()[0]) < np.log(258) - 1, "it learned the text's letters"
+    assert (tmp_path / "run" / "trained.onnx").is_file()
+
+
+def test_train_onnx_refuses_what_it_cannot_train_by_name(tmp_path):
+    from ranvier.cli import main
+    from ranvier.errors import RanvierError
+
+    with pytest.raises(RanvierError, match="takes a model to start a run .* or --resume RUN_DIR to continue one, not both"):
+        main(["train", "onnx"])
+    with pytest.raises(RanvierError, match=r"28 × 28 images; .*input 'x' is \[8, 100\] \(100 values an example\)"):
+        main(["train", "onnx", _mlp_file(tmp_path / "small.onnx", width=100), "--batch", "8", "--run-dir", str(tmp_path / "a"),
+              "--quiet"])
+    model = _mlp_file(tmp_path / "mlp.onnx")
+    main(["train", "onnx", model, "--steps", "2", "--batch", "8", "--run-dir", str(tmp_path / "b"), "--quiet"])
+    (tmp_path / "mlp.onnx").write_bytes((tmp_path / "mlp.onnx").read_bytes() + b"\0")
+    with pytest.raises(RanvierError, match="mlp.onnx has changed since .* started"):
+        main(["train", "onnx", "--resume", str(tmp_path / "b"), "--steps", "4", "--quiet"])

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
 
 # A run's files, as --force replaces them: config.json first, which makes the folder a run.
-RUN_FILES = ("config.json", "checkpoint", "metrics.jsonl", "tokenizer.model", "tokenizer.json", "data", "curves.png")
+RUN_FILES = ("config.json", "checkpoint", "metrics.jsonl", "tokenizer.model", "tokenizer.json", "data", "curves.png",
+             "trained.onnx")
 # Those that mark a folder as holding a run, which a new run will not replace unasked.
 RUN_MARKERS = ("config.json", "checkpoint", "metrics.jsonl")
 

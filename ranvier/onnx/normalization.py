@@ -193,7 +193,7 @@ def batch_norm(node: Node):
         raise node.error(f"its input {x.dtype}{x.shape} is not a floating-point [N, C, ...]")
     eps = float(node.attr("epsilon", 1e-5))
     momentum = float(node.attr("momentum", 0.9))
-    training = bool(node.attr("training_mode", 0)) if node.opset >= 14 else False
+    training_mode = bool(node.attr("training_mode", 0)) if node.opset >= 14 else False
     if node.opset < 14 and any(node.proto.output[1:]):
         raise node.error(f"its running statistics outputs (training, opset {node.opset} < 14) are not supported")
     channels = x.shape[1]
@@ -201,7 +201,7 @@ def batch_norm(node: Node):
     for index, what in ((1, "scale"), (2, "bias"), (3, "input_mean"), (4, "input_var")):
         if node.shape(index) != [channels]:
             raise node.error(f"its {what} of shape {node.shape(index)} is not one value per channel, [{channels}]")
-    if not training:
+    if not training_mode:
         known = all(isinstance(node.inputs[i], np.ndarray) for i in range(1, 5))
         if known:
             scale, shift = batch_norm_affine(node)

@@ -21,7 +21,7 @@ from .settings import check_settings
 Config = TypeVar("Config")
 
 # Each kind of run with its article, as messages name it.
-KINDS = {"mnist": ("an", "MNIST"), "llama": ("a", "llama"), "moe": ("a", "moe")}
+KINDS = {"mnist": ("an", "MNIST"), "llama": ("a", "llama"), "moe": ("a", "moe"), "onnx": ("an", "ONNX")}
 
 
 def _runs(kinds: tuple[str, ...]) -> str:
