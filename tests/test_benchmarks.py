@@ -72,6 +72,22 @@ def test_training_benchmark_prints_the_machine_both_sides_and_the_ratio(script, 
 
 
 @pytest.mark.slow
+def test_torch_training_benchmark_races_eager_and_torch_compile_on_each_model():
+    """ResNet-18 and GPT-2 (tiny shapes): each side's compile time, then each side's median
+    and ranvier's verdicts against PyTorch eager and torch.compile, and ranvier's kernels."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxscript")
+    out = run("torch_train.py", "--quick", "--steps", "1", "--repeats", "1")
+    for unit in ("examples/s", "tokens/s"):
+        assert_summary(out.splitlines(), unit, sides=("ranvier", "pytorch", "torch.compile"))
+        assert_torch_compile_side(out, unit)
+    assert len(re.findall(r"^  compile ranvier +[\d.]+ s  \(torch.export and the ONNX import [\d.]+ s, the cell [\d.]+ s\)$",
+                          out, re.MULTILINE)) == 2
+    assert len(re.findall(r"^  compile torch.compile +-?[\d.]+ s  \(its first step", out, re.MULTILINE)) == 2
+    assert len(re.findall(r"^cell main: [\d.]+ ms per compute, by kernel$", out, re.MULTILINE)) == 2
+
+
+@pytest.mark.slow
 def test_compile_time_benchmark_prints_the_code_and_the_seconds_as_for_more_cores():
     out = run("compile_time.py", "--preset", "stories260K", "--batch", "2", "--seq", "16", "--cores", "3", "--repeats", "1")
     lines = out.splitlines()

@@ -33,7 +33,6 @@ from ranvier.train.optimizers import AdamW  # noqa: E402
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:Exporting a model while it is in training mode"),
 ]
 STEPS = 20
 LOSS_TOLERANCE = 1e-4

@@ -11,6 +11,7 @@ trained values load back with `module.load_state_dict`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -44,7 +45,9 @@ def from_torch(module, example_inputs: Sequence, dims: Mapping[str, int] | None 
         # A trainable export traces the training-mode forward and is not optimized: the
         # optimizer would fold batch norm into the convolution before it, as for inference.
         module.train(trainable or was_training)
-        program = torch.onnx.export(module, tuple(example_inputs), dynamo=True, verbose=False, optimize=not trainable)
+        with warnings.catch_warnings():  # a trainable export is of the training mode on purpose
+            warnings.filterwarnings("ignore", "Exporting a model while it is in training mode")
+            program = torch.onnx.export(module, tuple(example_inputs), dynamo=True, verbose=False, optimize=not trainable)
     except ImportError as error:
         raise RanvierError(f"torch.onnx.export needs {error.name or 'onnxscript'} (pip install onnxscript)") from None
     except Exception as error:  # noqa: BLE001  (torch.export raises many kinds for untraceable code)

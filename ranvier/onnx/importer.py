@@ -12,6 +12,7 @@ to a size given at load (`dims={"batch": 1}`), so `Shape`, `Range` and
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -267,7 +268,7 @@ class _GraphImporter:
             node.check_all_read()
         results = results if isinstance(results, (list, tuple)) else [results]
         check_results(node, inferred, results)
-        for op_name in list(self.flow.ops)[ops_before:]:
+        for op_name in itertools.islice(reversed(self.flow.ops), len(self.flow.ops) - ops_before):
             self.origin[op_name] = node.name
         for name, value in zip(proto.output, results):
             if name and value is not None and name in self.value_infos:

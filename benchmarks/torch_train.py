@@ -1,0 +1,186 @@
+"""PyTorch modules trained by ranvier: its compiled step against PyTorch eager and torch.compile.
+
+The same random-initialised Hugging Face modules on every side (no download): ResNet-18
+(ResNetConfig's basic blocks, 1,000 classes) at batch 32 × 224², and GPT-2 small
+(GPT2Config's defaults, dropout off unless --dropout) at batch 8 × 256 tokens. Each side
+trains a copy of the module from the same weights with AdamW (lr 1e-4) on cross-entropy,
+on the same batches: ranvier through `ranvier.train.compile_step` (torch.export, the
+trainable ONNX import, one compiled cell), PyTorch eager, and PyTorch through torch.compile
+(Inductor's C++ kernels on the CPU; --no-torch-compile leaves it out). Each side's compile
+time is printed beside it (ranvier's: export, import and compile; torch.compile's: its
+first step, less an eager step); then the sides alternate for --repeats repetitions of
+--steps steps, and the medians of examples/s (tokens/s for GPT-2) and their ratios are
+printed, with the machine, the instructions each side's libraries run, and where
+ranvier's step spent its time. Compile times are as the caches find them; --cold-compile
+compiles with nothing cached. --quick: tiny shapes, to check the script runs.
+Run: python benchmarks/torch_train.py [--models resnet18 gpt2-small] [--steps 2] [--repeats 3]
+     [--torch-compile | --no-torch-compile] [--cold-compile] [--dropout 0.1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from common import (
+    TORCH_COMPILE,
+    WARM_CACHES,
+    cold_caches,
+    compile_options,
+    compiles,
+    machine,
+    match_threads,
+    summary,
+    torch_features,
+)
+
+LR = 1e-4
+Batch = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
+class Model:
+    module: object  # a torch.nn.Module returning logits
+    batches: list[Batch]
+    unit: str  # what a step trains on: examples or tokens
+    per_batch: int  # of them in a batch
+    shape: str
+
+
+def resnet18(quick: bool, steps: int, dropout: float) -> Model:
+    import transformers
+
+    batch, size = (2, 32) if quick else (32, 224)
+    config = transformers.ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512],
+                                       embedding_size=64, num_labels=1000)
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((batch, 3, size, size), dtype=np.float32), rng.integers(0, 1000, batch)) for _ in range(steps)]
+    return Model(logits(transformers.ResNetForImageClassification(config)), batches, "examples", batch,
+                 f"batch {batch} x {size}²")
+
+
+def gpt2_small(quick: bool, steps: int, dropout: float) -> Model:
+    import transformers
+
+    batch, seq = (2, 16) if quick else (8, 256)
+    sizes = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000} if quick else {}
+    config = transformers.GPT2Config(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **sizes)
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, config.vocab_size, (batch, seq + 1)) for _ in range(steps)]
+    return Model(logits(transformers.GPT2LMHeadModel(config)), [(w[:, :-1], w[:, 1:]) for w in windows], "tokens", batch * seq,
+                 f"batch {batch} x {seq} tokens, dropout {dropout:g}")
+
+
+MODELS: dict[str, Callable[[bool, int, float], Model]] = {"resnet18": resnet18, "gpt2-small": gpt2_small}
+
+
+def logits(model):
+    """A module computing a Hugging Face model's logits, what the loss is taken of (torch is
+    imported here, after --cold-compile has pointed Inductor's cache elsewhere)."""
+    import torch
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(x).logits
+
+    return Logits()
+
+
+def torch_step(module, compiled: bool) -> Callable[[np.ndarray, np.ndarray], float]:
+    """PyTorch's training step of (a copy of) the module, eager or through torch.compile."""
+    import torch
+    import torch.nn.functional as F
+
+    module = copy.deepcopy(module).train()
+    forward = torch.compile(module) if compiled else module
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        logits = forward(torch.from_numpy(x))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y).reshape(-1))
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    return step
+
+
+def ranvier_step(module, batch: Batch):
+    """ranvier's compiled step of (a copy of) the module; prints what its compile took."""
+    import ranvier.train
+    from ranvier.train.optimizers import AdamW
+
+    start = time.perf_counter()
+    step = ranvier.train.compile_step(copy.deepcopy(module), "cross_entropy", AdamW(lr=LR), batch=batch)
+    seconds = time.perf_counter() - start
+    print(f"  compile ranvier        {seconds:9.2f} s  (torch.export and the ONNX import {seconds - step.compile_seconds:.1f} s, "
+          f"the cell {step.compile_seconds:.1f} s)", flush=True)
+    return step
+
+
+def race(name: str, model: Model, steps: int, repeats: int, torch_compile: bool) -> None:
+    print(f"{name}: {sum(p.numel() for p in model.module.parameters()) / 1e6:.1f}M parameters, {model.shape}", flush=True)
+    trainer = ranvier_step(model.module, model.batches[0])
+    sides = {"ranvier": trainer, "pytorch": torch_step(model.module, compiled=False)}
+    trainer(*model.batches[0])  # each side's first step untimed: its memory touched for the first time
+    start = time.perf_counter()
+    sides["pytorch"](*model.batches[0])
+    eager = time.perf_counter() - start
+    if torch_compile:
+        compiled = torch_step(model.module, compiled=True)
+        start = time.perf_counter()
+        if compiles(lambda: compiled(*model.batches[0])):
+            first = time.perf_counter() - start
+            print(f"  compile {TORCH_COMPILE:14s} {first - eager:9.2f} s  (its first step, {first:.1f} s, less an eager step)",
+                  flush=True)
+            sides[TORCH_COMPILE] = compiled
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    names = list(sides)
+    for repeat in range(repeats):
+        for side in names[repeat % len(names):] + names[:repeat % len(names)]:  # each side first in turn
+            start = time.perf_counter()
+            losses = [sides[side](x, y) for x, y in model.batches[:steps]]
+            rates[side].append(steps * model.per_batch / (time.perf_counter() - start))
+            print(f"  run {repeat + 1} {side:14s} {rates[side][-1]:9.1f} {model.unit}/s  loss {losses[-1]:.3f}", flush=True)
+    summary({side: statistics.median(values) for side, values in rates.items()}, f"{model.unit}/s", higher_is_better=True, digits=1)
+    print(trainer.profile().by_kernel(), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions per side (medians are compared)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="GPT-2's dropout (its config's default is 0.1)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script runs")
+    compile_options(parser)
+    args = parser.parse_args()
+    compile_times = cold_caches() if args.cold_compile else WARM_CACHES
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    match_threads(torch)
+    torch_compile = args.torch_compile is not False
+    print(machine(torch))
+    print(torch_features(torch, torch_compile))
+    print(compile_times)
+    for name in args.models:
+        race(name, MODELS[name](args.quick, args.steps, args.dropout), args.steps, args.repeats, torch_compile)
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
