@@ -1,7 +1,8 @@
 """The CPU kernels of a CNN's backward pass: ConvFilterGemm (a convolution's filter gradient,
 each image's windows copied into scratch and added in, never the whole batch's im2col: in
 float32 by tiles of dot products, whole and at the edges, with positions left over past the
-last vector; in float64 by one GEMM) against PyTorch's float64 filter gradient, for strides,
+last vector; in float64, and in float32 where the tiles' sums would leave the cache for few
+positions, by one GEMM an image) against PyTorch's float64 filter gradient, for strides,
 padding, rectangular filters and the images shared out over parts; WindowMaxGrad (max pooling's gradient, each window's
 first maximum found in place) against the reference, with ties, NaNs, overlapping and padded
 windows, bare and with the ReLU gradient after it run as dx is written (MaxPoolGradCalculate)."""
@@ -27,6 +28,7 @@ FILTER_CASES = [
     ((2, 2, 6, 5), (3, 2, 3, 3), (1, 1), (1, 1)),  # output rows shorter than a vector
     ((2, 1, 12, 12), (8, 1, 5, 5), (1, 1), (2, 2)),  # whole tiles of filters, a tap left over (MNIST's first)
     ((2, 3, 9, 8), (6, 3, 3, 5), (1, 1), (0, 2)),  # padding on one axis only, rectangular filters
+    ((3, 32, 6, 6), (64, 32, 3, 3), (2, 2), (1, 1)),  # partial sums past the cache for 9 positions: by BLAS in float32 too
 ]
 
 
@@ -53,6 +55,7 @@ def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, mask, m
     cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
     assert [step.kernel for step in cell.steps] == [conv.FILTER_GRADIENT_KERNEL]
     assert len(conv._filter_gradient_parts(cell.steps[0].op)) == min(2, x_shape[0])
+    assert conv._dot_tiled(cell.steps[0].op) == (dtype == "float32" and w_shape[0] < 64)
     data = cell.instance()
     data[x], data[dy] = x_value, dy_value
     tx, tdy = torch.tensor(x_value, dtype=torch.float64), torch.tensor(dy_value, dtype=torch.float64)

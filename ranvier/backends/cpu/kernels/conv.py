@@ -463,9 +463,22 @@ def _gradient_planes(op) -> _Planes | None:
     return _planes(op) if _dot_tiled(op) else None
 
 
+# The dot tiles keep a vector of partial sums per element of dw, read and written once an
+# image: past the L2 cache, with fewer positions an image than a vector's bytes (ResNet-18's
+# last stage: 7 × 7), that traffic outweighs the multiply-adds (a 512 × 512 × 3 × 3 filter
+# gradient at batch 32: 986 ms, BLAS's GEMM an image 425 ms, PyTorch's 420 ms).
+_SUMS_IN_CACHE_BYTES = 1 << 20
+_FEWEST_POSITIONS_PAST_CACHE = 64
+
+
 def _dot_tiled(op) -> bool:
-    """Whether the filter gradient's products are `_add_dot_tiles`' (float32) rather than BLAS's (float64)."""
-    return op.outputs[0].dtype == dtypes.DT_FLOAT32
+    """Whether the filter gradient's products are `_add_dot_tiles`' (float32) rather than BLAS's
+    (float64, and float32 whose partial sums leave the cache for few positions an image)."""
+    dy, dw = op.inputs[1], op.outputs[0]
+    if dw.dtype != dtypes.DT_FLOAT32:
+        return False
+    sums_bytes = dw.size * _MAX_LANES * dtypes.itemsize(dw.dtype)
+    return sums_bytes <= _SUMS_IN_CACHE_BYTES or dy.shape[2] * dy.shape[3] >= _FEWEST_POSITIONS_PAST_CACHE
 
 
 def _filter_gradient_workspace(op) -> int:
@@ -488,7 +501,8 @@ def conv_filter_gradient(ctx, op) -> None:
     contiguous rows. In float32 these are computed in tiles (`_add_dot_tiles`): no packing,
     and every lane of every multiply-add is dw's, where a BLAS call per image spent as long
     packing its few rows (8 filters of 25 taps: 31 GFLOP/s) as multiplying. In float64 each
-    image is one BLAS call.
+    image is one BLAS call, as in float32 where the tiles' partial sums would stream from
+    memory for few positions (`_dot_tiled`).
 
     With stride 1, the float32 tiles read the windows from the image's padded planes instead
     (`_Planes`, as ConvTiles does), output row by output row, and dy from a copy whose rows
