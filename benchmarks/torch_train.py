@@ -8,7 +8,7 @@ on the same batches: ranvier through `ranvier.train.compile_step` (torch.export,
 trainable ONNX import, one compiled cell), PyTorch eager, and PyTorch through torch.compile
 (Inductor's C++ kernels on the CPU; --no-torch-compile leaves it out). Each side's compile
 time is printed beside it (ranvier's: export, import and compile; torch.compile's: its
-first step, less an eager step); then the sides alternate for --repeats repetitions of
+first step, beside a warm eager step); then the sides alternate for --repeats repetitions of
 --steps steps, and the medians of examples/s (tokens/s for GPT-2) and their ratios are
 printed, with the machine, the instructions each side's libraries run, and where
 ranvier's step spent its time. Compile times are as the caches find them; --cold-compile
@@ -133,17 +133,18 @@ def race(name: str, model: Model, steps: int, repeats: int, torch_compile: bool)
     print(f"{name}: {sum(p.numel() for p in model.module.parameters()) / 1e6:.1f}M parameters, {model.shape}", flush=True)
     trainer = ranvier_step(model.module, model.batches[0])
     sides = {"ranvier": trainer, "pytorch": torch_step(model.module, compiled=False)}
-    trainer(*model.batches[0])  # each side's first step untimed: its memory touched for the first time
+    for step in sides.values():  # each side's first step untimed: its memory touched for the first time
+        step(*model.batches[0])
+    trainer.reset_profile()
     start = time.perf_counter()
     sides["pytorch"](*model.batches[0])
-    eager = time.perf_counter() - start
+    eager = time.perf_counter() - start  # beside torch.compile's first step: the rest of it is compiling
     if torch_compile:
         compiled = torch_step(model.module, compiled=True)
         start = time.perf_counter()
         if compiles(lambda: compiled(*model.batches[0])):
             first = time.perf_counter() - start
-            print(f"  compile {TORCH_COMPILE:14s} {first - eager:9.2f} s  (its first step, {first:.1f} s, less an eager step)",
-                  flush=True)
+            print(f"  compile {TORCH_COMPILE:14s} {first:9.2f} s  (its first step; a warm eager step {eager:.1f} s)", flush=True)
             sides[TORCH_COMPILE] = compiled
     rates: dict[str, list[float]] = {side: [] for side in sides}
     names = list(sides)
