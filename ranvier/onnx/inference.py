@@ -64,7 +64,7 @@ def check_results(node: Node, outputs: dict[str, onnx.TypeProto], results: list)
     for name, value in zip(node.proto.output, results):
         inferred = outputs.get(name)
         actual = None if value is None else _type_of(value)
-        if inferred is None or actual is None:
+        if inferred is None or actual is None or not actual.HasField("tensor_type"):  # a sequence: its elements vary
             continue
         expected, got = inferred.tensor_type, actual.tensor_type
         same_type = not expected.elem_type or expected.elem_type == got.elem_type
@@ -74,7 +74,11 @@ def check_results(node: Node, outputs: dict[str, onnx.TypeProto], results: list)
             raise node.error(f"its output {name!r} came out {_typestr(actual)} where ONNX infers {_typestr(inferred)}")
 
 
-def _type_of(value: np.ndarray | Tensor) -> onnx.TypeProto | None:
+def _type_of(value: np.ndarray | Tensor | list) -> onnx.TypeProto | None:
+    if isinstance(value, list):  # a sequence (SplitToSequence's): its elements' type, their shapes left open
+        element = _type_of(value[0]) if value else None
+        return None if element is None else helper.make_sequence_type_proto(
+            helper.make_tensor_type_proto(element.tensor_type.elem_type, None))
     dtype = value.dtype if isinstance(value, np.ndarray) else np.dtype(dtypes.to_numpy(value.dtype))
     try:
         element = helper.np_dtype_to_tensor_dtype(dtype)
