@@ -33,6 +33,7 @@ from ..data.shards import MANIFEST, TokenShards
 from ..distributed import current_world
 from ..errors import RanvierError
 from ..onnx import load, read_model
+from ..train import runs
 from ..train.budget import plan_steps
 from ..train.checkpoint import METADATA
 from ..train.schedules import Constant
@@ -213,7 +214,7 @@ def _language_model(config: OnnxRunConfig, validation: TokenShards):
 
 
 def read_config(run_dir: Path) -> OnnxRunConfig:
-    return rundir.read_config(run_dir, OnnxRunConfig, ("onnx",))
+    return runs.read_config(run_dir, OnnxRunConfig, ("onnx",))
 
 
 def resume_onnx(run_dir: Path, flags: dict | None = None, progress: bool = True, dashboard: bool = False) -> float | None:

@@ -317,8 +317,7 @@ class _GraphImporter:
     def state_variable(self, node: Node, index: int) -> Tensor:
         """Input `index` of `node`, an initializer the node updates in place (batch norm's
         running statistics), as a global variable holding it, reachable by its name."""
-        name = node.proto.input[index]
-        value = self.values.get(name)
+        name, value = node.proto.input[index], node.optional(index)
         if isinstance(value, Tensor):
             if not value.var.is_global or value.var.learnable:
                 raise node.error(f"input {index} ({name!r}) must be an initializer of its own to be updated in training")

@@ -75,6 +75,7 @@ def batch_norm(node: Node):
     running mean and variance (the latter from the unbiased variance) move towards them
     by 1 − momentum, written in place; outputs 1 and 2 are the new running values."""
     b, x = node.b, node.tensor(0)
+    node.attr("training_mode")  # a trainable import trains, whatever the export's mode
     if x.rank < 2:
         raise node.error(f"needs an input of rank 2 or more ([N, C, ...]), not {x.rank}")
     channels = x.shape[1]
@@ -103,6 +104,7 @@ def dropout(node: Node):
     default 0.5), the kept ones scaled by 1 / (1 − ratio); the mask comes from the step's
     seed and the node's own stream (see `ranvier.ops.random`)."""
     x = node.tensor(0)
+    node.optional(2), node.attr("seed")  # a trainable import drops whatever training_mode says, by the step's seed
     ratio = float(node.constant(1, "ratio")) if node.optional(1) is not None else 0.5
     if len(node.proto.output) > 1 and node.proto.output[1]:
         raise node.error("its mask output is not supported")
