@@ -3,8 +3,8 @@ or the vendor BLAS, whichever measured faster here for that shape and those lead
 dimensions on one thread, the way a worker-pool part runs it; and, for a product whose
 precision lets its inputs be rounded to bfloat16, whether the generated GEMM on bf16 pairs
 beats that float32 choice. Each is measured once per machine and the choice kept
-(measured.py); products too large to time quickly stay on BLAS; `RANVIER_GEMM=generated`
-or `=blas` fixes the choice instead."""
+(measured.py); a product too large to time quickly is timed on a corner of it (`_corner`);
+`RANVIER_GEMM=generated` or `=blas` fixes the choice instead."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from .blas import blas_pointers, blas_thread_setter
 from .target import host_target
 
 GEMM_ENVIRONMENT = "RANVIER_GEMM"
-_MEASURED_FLOPS = 1 << 29  # a larger product is timed on some of its columns (this takes ~7 ms)
+_MEASURED_FLOPS = 1 << 29  # a larger product is timed on a corner of it (this takes ~7 ms)
+_CORNER_FLOPS = 1 << 32  # the most a corner is timed on (~25 ms a run on bf16 pairs)
 _FEWEST_BLOCKS = 4  # of B's columns, for a product timed on its first columns
 # The two run in pairs, each going first in every other pair; the median of the pairs'
 # time ratios decides. Each one's fastest run of 15 kept a choice that later measured 10%
@@ -42,23 +43,30 @@ def generated_is_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ld
     """Whether the generated GEMM beats BLAS for op(A)[m×k] · op(B)[k×n] (leading
     dimensions lda, ldb) on this machine; with `packed`, the generated GEMM on a B packed
     ahead of time (`sgemm.pack_panels`: a constant's) against BLAS on the plain B; with
-    `narrow` as well, on that B's panels in bf16 against BLAS on the float32 B.
-
-    A product over the measuring budget is timed on its first columns, at least
-    `_FEWEST_BLOCKS` blocks of B, with every row and all of k (both GEMMs
-    go through B a block of columns at a time, so the rest repeats what was timed).
-    Fewer columns would not show how the whole streams C and A through memory (a 2048 ×
-    16000 LM-head block timed as 1213 × 384 chose wrongly): such a product stays on BLAS."""
+    `narrow` as well, on that B's panels in bf16 against BLAS on the float32 B. A product
+    over the measuring budget is timed on a corner of it (`_corner`)."""
     fixed = _fixed_choice()
     if fixed is not None:
         return fixed
-    if 2 * m * n * k > _MEASURED_FLOPS:
-        block = sgemm.block_columns(host_target(), packed)
-        columns = _MEASURED_FLOPS // (2 * m * k) // block * block
-        if columns < _FEWEST_BLOCKS * block:
-            return False
-        n, ldb = columns, (ldb if tb else columns)
-    return _decide(bool(ta), bool(tb), m, n, k, lda, ldb, packed, narrow)
+    return _decide(bool(ta), bool(tb), *_corner(m, n, k, packed, sgemm.KC), lda, ldb, packed, narrow)
+
+
+def _corner(m: int, n: int, k: int, packed: bool, depth: int) -> tuple[int, int, int]:
+    """The corner of op(A)[m×k] · op(B)[k×n] a product over `_MEASURED_FLOPS` is timed on:
+    its first columns, as many as that budget gives with every row and all of k but at
+    least `_FEWEST_BLOCKS` blocks of B (both GEMMs go through B a block of columns at a
+    time, so the rest repeats what was timed; fewer columns would not show how the whole
+    streams C and A through memory: a 2048 × 16000 LM-head block timed as 1213 × 384 chose
+    wrongly); then, where that is still over `_CORNER_FLOPS`, its first blocks of k
+    (`depth` steps each) and its first rows. A large product (a batch's, an LM head's) is
+    where the choice matters most, and its blocks repeat what was timed."""
+    if 2 * m * n * k <= _MEASURED_FLOPS:
+        return m, n, k
+    block = sgemm.block_columns(host_target(), packed)
+    n = min(n, max(_MEASURED_FLOPS // (2 * m * k) // block, _FEWEST_BLOCKS) * block)
+    k = min(k, max(1, _CORNER_FLOPS // (2 * m * n) // depth) * depth)
+    m = min(m, max(sgemm.tile_shape(host_target())[0], _CORNER_FLOPS // (2 * n * k)))
+    return m, n, k
 
 
 def _fixed_choice() -> bool | None:
@@ -74,13 +82,19 @@ def _fixed_choice() -> bool | None:
 @functools.cache
 def _decide(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool, narrow: bool) -> bool:
     form = "bf16 packed " if narrow else "packed " if packed else ""
-    key = f"{form}{'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
-    # kept per machine, per generated GEMM and per way of measuring: a change to either measures anew
+    ours = "bf16 packed" if narrow else "packed" if packed else "generated"
+    return _kept_or_measured(f"{form}{'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}",
+                             lambda: _first_is_faster(*_runners(ta, tb, m, n, k, lda, ldb, [ours, "blas"])))
+
+
+def _kept_or_measured(key: str, measure) -> bool:
+    """The choice kept under `key`, else `measure()`'s, then kept: per machine, per generated
+    GEMM and per way of measuring (a change to either measures anew)."""
     identity = f"{host_target().key()}\n{sgemm.gemm_code(host_target()).digest}\n{_METHOD}"
     with kept(kept_path("gemm", identity)) as choices:
         if choices is not None and isinstance(choices.get(key), bool):
             return choices[key]
-        faster = _measure(ta, tb, m, n, k, lda, ldb, packed, narrow)
+        faster = measure()
         if choices is not None:
             choices[key] = faster
         return faster
@@ -91,42 +105,20 @@ def pairs_are_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: 
     the float32 GEMM the product takes otherwise (the generated one or BLAS, as
     `generated_is_faster` chooses) for op(A)[m×k] · op(B)[k×n]; with `packed`, B packed
     ahead of time (a constant's) for both generated GEMMs. A product over the measuring
-    budget is timed on a corner of it, as `generated_is_faster` times one on its first
-    columns, but on at least `_FEWEST_BLOCKS` blocks of B, then on its first blocks of k and
-    first rows as `_PAIRS_MEASURED_FLOPS` needs: a large product (an LM head's, and its
-    gradients) is where the narrower type pays most, and its blocks repeat what was timed.
+    budget is timed on a corner of it (`_corner`), the float32 choice on the same corner.
     $RANVIER_GEMM=generated takes the pairs, =blas stays on float32 BLAS."""
     fixed = _fixed_choice()
     if fixed is not None:
         return fixed
-    if 2 * m * n * k > _MEASURED_FLOPS:
-        block = sgemm.block_columns(host_target(), packed)
-        n = min(n, max(_MEASURED_FLOPS // (2 * m * k) // block, _FEWEST_BLOCKS) * block)
-        k = min(k, max(1, _PAIRS_MEASURED_FLOPS // (2 * m * n) // sgemm.PAIRS_KC) * sgemm.PAIRS_KC)
-        m = min(m, max(sgemm.tile_shape(host_target())[0], _PAIRS_MEASURED_FLOPS // (2 * n * k)))
-    return _decide_pairs(bool(ta), bool(tb), m, n, k, lda, ldb, packed)
-
-
-_PAIRS_MEASURED_FLOPS = 1 << 32  # the most a product on pairs is timed on (~25 ms a run)
+    return _decide_pairs(bool(ta), bool(tb), *_corner(m, n, k, packed, sgemm.PAIRS_KC), lda, ldb, packed)
 
 
 @functools.cache
 def _decide_pairs(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool) -> bool:
     float32 = ("packed" if packed else "generated") if generated_is_faster(ta, tb, m, n, k, lda, ldb, packed) else "blas"
     key = f"pairs{' packed' if packed else ''} against {float32} {'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
-    identity = f"{host_target().key()}\n{sgemm.gemm_code(host_target()).digest}\n{_METHOD}"
-    with kept(kept_path("gemm", identity)) as choices:
-        if choices is not None and isinstance(choices.get(key), bool):
-            return choices[key]
-        faster = _first_is_faster(*_runners(ta, tb, m, n, k, lda, ldb, ["pair panels" if packed else "pairs", float32]))
-        if choices is not None:
-            choices[key] = faster
-        return faster
-
-
-def _measure(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool, narrow: bool = False) -> bool:
-    ours = "bf16 packed" if narrow else "packed" if packed else "generated"
-    return _first_is_faster(*_runners(ta, tb, m, n, k, lda, ldb, [ours, "blas"]))
+    return _kept_or_measured(key, lambda: _first_is_faster(
+        *_runners(ta, tb, m, n, k, lda, ldb, ["pair panels" if packed else "pairs", float32])))
 
 
 def _runners(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, kinds: list[str]) -> list:
