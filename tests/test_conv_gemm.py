@@ -3,13 +3,14 @@ windows straight from the image (`ranvier_sgemm_windows`) against float64 im2col
 for each vector variant and every geometry class (strides, padding wider than the kernel's
 reach, rectangular kernels, output rows shorter and longer than a vector, vectors over a
 few output rows and over many, several slices of k and blocks of columns, a call starting
-mid-row); and the kernel in compiled cells against PyTorch's float64 convolution, over
-batches shared out by image and single images cut into blocks."""
+mid-row); its twin on bf16 pairs (`ranvier_sgemm_windows_dpbf16`, AVX512-BF16) against
+float64 on the bf16-rounded operands; and the kernels in compiled cells against PyTorch's
+float64 convolution, over batches shared out by image and single images cut into blocks,
+in bf16 (ConvGemmDpbf16) where the CPU has the pairs and the choice is forced."""
 
 from __future__ import annotations
 
-import ctypes
-
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -21,8 +22,7 @@ from ranvier.backends.cpu.kernels import conv, winograd
 from ranvier.backends.cpu.target import host_target
 
 MASKS = ["", "-avx512", "-avx512,-avx2"]
-WINDOWS_CTYPE = ctypes.CFUNCTYPE(None, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+needs_pairs = pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
 
 GEOMETRIES = [
     # channels, height, width, filters, (kernel), (strides), (padding)
@@ -37,6 +37,10 @@ GEOMETRIES = [
     (9, 7, 7, 5, (3, 3), (1, 1), (1, 1)),  # a 7 × 7 image: vectors over 2-4 output rows, a masked load each
     (6, 9, 4, 5, (3, 3), (1, 1), (1, 1)),  # rows of 4: vectors over more rows than that, one gather each
 ]
+PAIR_GEOMETRIES = [*GEOMETRIES,
+                   (3, 9, 9, 4, (1, 1), (1, 1), (0, 0)),  # three taps: the last pair's second a zero
+                   (113, 6, 6, 9, (3, 3), (1, 1), (1, 1)),  # 1,017 taps: two slices of k on pairs, the last pair odd
+                   (7, 30, 30, 17, (5, 5), (1, 1), (2, 2))]  # 175 taps over 900 columns: blocks of columns
 
 
 def _im2col(x: np.ndarray, kernel, strides, padding) -> tuple[np.ndarray, int]:
@@ -55,15 +59,31 @@ def _im2col(x: np.ndarray, kernel, strides, padding) -> tuple[np.ndarray, int]:
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"g{i}" for i in range(len(GEOMETRIES))])
 def test_the_windows_gemm_matches_an_im2col_product_and_writes_only_c(geometry, mask):
+    _check_windows_gemm(geometry, sgemm.windows_gemm_address(host_target(mask)), lambda values: values.astype(np.float64),
+                        1e-6)
+
+
+@needs_pairs
+@pytest.mark.parametrize("geometry", PAIR_GEOMETRIES, ids=[f"g{i}" for i in range(len(PAIR_GEOMETRIES))])
+def test_the_windows_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writes_only_c(geometry):
+    """Filters and windows rounded to the nearest bf16, products exact, sums float32."""
+    _check_windows_gemm(geometry, sgemm.windows_gemm_address(host_target(), pairs=True),
+                        lambda values: values.astype(ml_dtypes.bfloat16).astype(np.float64), 1e-5)
+
+
+def _check_windows_gemm(geometry, address: int, rounded, tolerance: float) -> None:
+    """The GEMM at `address` on the image's windows, from several first columns, against
+    the float64 product of the `rounded` operands, within `tolerance` of the sum of the
+    products' magnitudes; every element of C written, nothing outside it."""
     c, h, w, o, kernel, strides, padding = geometry
-    gemm = WINDOWS_CTYPE(sgemm.windows_gemm_address(host_target(mask)))
+    gemm = sgemm.WINDOWS_CTYPE(address)
     rng = np.random.default_rng(sum(geometry[:4]))
     image = rng.standard_normal((c, h, w)).astype(np.float32)
-    columns, wo = _im2col(image, kernel, strides, padding)
+    columns, wo = _im2col(rounded(image), kernel, strides, padding)
     k, n = columns.shape
     weights = rng.standard_normal((o, k + 3)).astype(np.float32)  # lda wider than a row
-    want = weights[:, :k].astype(np.float64) @ columns
-    bound = np.abs(weights[:, :k]).astype(np.float64) @ np.abs(columns)
+    want = rounded(weights[:, :k]) @ columns
+    bound = np.abs(rounded(weights[:, :k])) @ np.abs(columns)
     geometry_array = np.array([h, w, *kernel, *strides, *padding, wo], np.int64)
     for first in sorted({0, 8, min(n - 1, 17)}):  # a part's columns start anywhere in a row
         out = np.full((o + 1, n + 5), np.nan, np.float32)
@@ -72,7 +92,7 @@ def test_the_windows_gemm_matches_an_im2col_product_and_writes_only_c(geometry, 
              out.ctypes.data, out.shape[1], workspace.ctypes.data)
         got = out[:o, : n - first]
         assert np.isfinite(got).all(), "every element of C written"
-        assert np.all(np.abs(got - want[:, first:]) <= 1e-6 * bound[:, first:] + 1e-30)
+        assert np.all(np.abs(got - want[:, first:]) <= tolerance * bound[:, first:] + 1e-30)
         frame = out.copy()
         frame[:o, : n - first] = 0
         assert np.isnan(frame[o:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
@@ -88,13 +108,13 @@ def _no_winograd(monkeypatch):
     monkeypatch.setattr(conv, "PLANE_FILTERS", 0)
 
 
-def _conv_cell(shape, filters, strides, padding, mask: str = ""):
+def _conv_cell(shape, filters, strides, padding, mask: str = "", matmul: str = "float32"):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x, w = f.var("x", "float32", shape), f.var("w", "float32", filters)
     y = f.conv2d(x, w, strides=strides, padding=padding)
     y.var.out = True
-    return rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f"), y
+    return rv.Compiler("cpu", cpu=mask, cache=False, matmul=matmul).compile(flow).cell("f"), y
 
 
 CASES = [
@@ -124,6 +144,32 @@ def test_conv2d_runs_as_one_implicit_gemm_and_matches_pytorch(case, mask):
     got = np.array(data[y])
     assert np.isfinite(got).all()
     assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30)
+
+
+@pytest.mark.parametrize("mask", ["", "-avx512bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, monkeypatch):
+    """matmul="bfloat16", the choice forced to the pairs: where the CPU has AVX512-BF16 a
+    convolution takes ConvGemmDpbf16 and matches PyTorch's float64 convolution of the
+    bf16-rounded x and w; masked (or on a CPU without them) it stays ConvGemm in float32."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    shape, filters, strides, padding = case
+    cell, y = _conv_cell(shape, filters, strides, padding, mask, matmul="bfloat16")
+    pairs = sgemm.pairs_supported(host_target(mask))
+    (step,) = cell.steps
+    assert step.kernel == ("ConvGemmDpbf16" if pairs else "ConvGemm")
+    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
+    data = cell.instance()
+    data["f/x"], data["f/w"] = x, w
+    data[y] = np.full(y.shape, np.nan, np.float32)
+    data.compute()
+    dtype = ml_dtypes.bfloat16 if pairs else np.float32
+    tx, tw = (torch.tensor(v.astype(dtype).astype(np.float64)) for v in (x, w))
+    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
+    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
+    got = np.array(data[y])
+    assert np.isfinite(got).all()
+    assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
 
 
 def test_other_dtypes_decompose_into_the_im2col_product():

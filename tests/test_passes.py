@@ -703,6 +703,18 @@ def test_bfloat16_matmul_marks_float32_products_with_rows(a_shape, b_shape, dtyp
     assert rv.ops.attrs_of(y.producer)["precision"] == ("bfloat16" if bf16 else "float32")
 
 
+@pytest.mark.parametrize(("dtype", "products", "bf16"), [("float32", True, True), ("float32", False, False),
+                                                      ("float64", True, False)])
+def test_bfloat16_matmul_marks_float32_convolutions(dtype, products, bf16):
+    """A convolution is a product of filters by windows: marked where the backend computes
+    products in bf16 (not where it only keeps constant matrices so)."""
+    flow, f = new_flow()
+    y = f.conv2d(f.var("x", dtype, [2, 3, 8, 8]), f.var("w", dtype, [4, 3, 3, 3]), padding=1)
+    precisions = ("float32", "bfloat16") if products else ("float32",)
+    use_matmul_precision(flow.func("f"), "bfloat16", Capabilities(matmul_precisions=precisions, narrow_weights=("bfloat16",)))
+    assert rv.ops.attrs_of(y.producer)["precision"] == ("bfloat16" if bf16 else "float32")
+
+
 def test_bfloat16_matmul_leaves_other_ops():
     flow, f = new_flow()
     a = f.var("a", rv.DT_FLOAT, [8, 16])

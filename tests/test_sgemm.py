@@ -218,9 +218,10 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
 
 
 _PAIRS_CHOICE_SCRIPT = """
-from ranvier.backends.cpu.gemm_choice import pairs_are_faster
+from ranvier.backends.cpu.gemm_choice import packed_pairs_are_faster, pairs_are_faster, windows_pairs_are_faster
 print(pairs_are_faster(False, False, 64, 96, 128, 128, 96), pairs_are_faster(False, True, 2048, 32000, 288, 288, 288, True),
-      pairs_are_faster(False, False, 2048, 288, 32000, 32000, 288))
+      pairs_are_faster(False, False, 2048, 288, 32000, 32000, 288), windows_pairs_are_faster(64, 400, 576, (20, 20, 3, 3, 1, 1, 1, 1, 20)),
+      packed_pairs_are_faster(128, 196, 128))
 """
 
 
@@ -229,15 +230,19 @@ print(pairs_are_faster(False, False, 64, 96, 128, 128, 96), pairs_are_faster(Fal
 def test_the_choice_of_pairs_is_measured_against_the_float32_choice_and_kept(tmp_path):
     """Each product's pairs against the float32 GEMM it would take (its own choice, measured
     first), kept; a large one (an LM head's, and its gradient's) timed on a corner of at
-    least four blocks of columns and within the budget along k and rows."""
+    least four blocks of columns and within the budget along k and rows; a convolution's
+    windows on pairs against its float32 windows, and Winograd's pair panels against float32
+    panels, kept too."""
     env = dict(os.environ, RANVIER_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
     env.pop("RANVIER_GEMM", None)
     first = subprocess.run([sys.executable, "-c", _PAIRS_CHOICE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
     (kept,) = tmp_path.glob("gemm-*.json")
-    keys = [key for key in json.loads(kept.read_text()) if key.startswith("pairs")]
+    keys = [key for key in json.loads(kept.read_text()) if key.startswith("pair")]
     block = sgemm.block_columns(host_target(), packed=True)
     depth = (1 << 32) // (2 * 2048 * 288) // sgemm.PAIRS_KC * sgemm.PAIRS_KC
-    assert len(keys) == 3
+    assert len(keys) == 5
+    assert "pair windows against windows 64x400x576 geometry 20 20 3 3 1 1 1 1 20" in keys
+    assert "pair panels against panels NN 128x196x128 lda 128" in keys
     assert any(re.fullmatch(r"pairs against (generated|blas) NN 64x96x128 lda 128 ldb 96", key) for key in keys), keys
     assert any(re.fullmatch(rf"pairs against (generated|blas) NN 2048x288x{depth} lda 32000 ldb 288", key) for key in keys), keys
     assert any(re.fullmatch(rf"pairs packed against (packed|blas) NT 2048x{4 * block}x288 lda 288 ldb 288", key) for key in keys)
@@ -245,7 +250,7 @@ def test_the_choice_of_pairs_is_measured_against_the_float32_choice_and_kept(tmp
     assert again == first
     forced = subprocess.run([sys.executable, "-c", _PAIRS_CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
                             text=True, check=True).stdout
-    assert forced.split() == ["False"] * 3
+    assert forced.split() == ["False"] * 5
 
 
 def test_a_wrong_gemm_setting_is_named(monkeypatch):
@@ -263,7 +268,7 @@ def test_every_variant_compiles_whatever_the_host():
     from ranvier.backends.cpu import jit
     from ranvier.backends.cpu.target import CPUTarget
 
-    pairs = (sgemm.PAIRS_SYMBOL, sgemm.PAIRS_PACKED_SYMBOL)
+    pairs = (sgemm.PAIRS_SYMBOL, sgemm.PAIRS_PACKED_SYMBOL, sgemm.WINDOWS_PAIRS_SYMBOL)
     for name, features in [("znver4", "+avx512f,+avx512bw,+avx512vl,+avx512bf16,+avx2,+fma,+avx"),
                            ("skylake-avx512", "+avx512f,+avx512vl,+avx2,+fma,+avx"), ("haswell", "+avx2,+fma,+avx"),
                            ("x86-64", "+sse4.2")]:

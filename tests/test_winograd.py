@@ -6,10 +6,13 @@ every edge of its loops (outputs of odd sizes, tile rows padded to whole vectors
 to 2, a last block of fewer rows, channels past one slice of the GEMM's k), with a
 Conv2DCalculate's program, and for each way of sharing the work out (images, blocks of tile
 rows, filters); which form each convolution takes, and which convolutions it takes (with
-the tiles' share of them, those of at most `conv.WINOGRAD_PAIRS`, turned off)."""
+the tiles' share of them, those of at most `conv.WINOGRAD_PAIRS`, turned off). In bf16
+(WinogradConvDpbf16, AVX512-BF16: V in bf16 pairs, U rounded as the GEMM reads it) against
+float64 F(2, 3) on the bf16-rounded U and V, for the same geometries, filters and shares."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -18,6 +21,7 @@ from helpers import random_array
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
 from ranvier.backends.cpu.kernels import conv, winograd
+from ranvier.backends.cpu.target import host_target
 
 MASKS = ["", "-avx512", "-avx512,-avx2"]
 
@@ -89,18 +93,23 @@ def form(request, monkeypatch):
     return FORMS[request.param]
 
 
-def _cell(shape, filters, padding, mask="", calculate=False, seed=0):
-    """A cell convolving a variable x with constant filters (and, if `calculate`, a bias,
-    a residual and a ReLU after), its output, and the float64 expectation and error bound."""
+def _cell(shape, filters, padding, mask="", calculate=False, seed=0, matmul="float32", constant=True):
+    """A cell convolving a variable x with filters, constant or (not `constant`) a variable
+    set here (and, if `calculate`, a bias, a residual and a ReLU after), its output, and the
+    float64 expectation and error bound: the direct convolution's, or where the products
+    run on pairs (`matmul="bfloat16"` where the CPU has them) F(2, 3)'s on bf16 U and V."""
     x_value = random_array(shape, "float32", seed=seed)
     w_value = random_array(filters, "float32", seed=seed + 1, low=-1, high=1)
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", "float32", shape)
-    y = f.conv2d(x, f.const(w_value), strides=1, padding=padding)
+    y = f.conv2d(x, f.const(w_value) if constant else f.var("w", "float32", filters), strides=1, padding=padding)
     tx, tw = torch.tensor(x_value, dtype=torch.float64), torch.tensor(w_value, dtype=torch.float64)
-    want = torch.nn.functional.conv2d(tx, tw, padding=padding)
-    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), padding=padding)
+    if matmul == "bfloat16" and sgemm.pairs_supported(host_target(mask)):
+        want, bound = (torch.tensor(v) for v in _pairs_f2(x_value, w_value, padding, constant))
+    else:
+        want = torch.nn.functional.conv2d(tx, tw, padding=padding)
+        bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), padding=padding)
     if calculate:
         bias = random_array((filters[0], 1, 1), "float32", seed=seed + 2)
         residual = random_array(want.shape, "float32", seed=seed + 3)
@@ -108,10 +117,45 @@ def _cell(shape, filters, padding, mask="", calculate=False, seed=0):
         want = torch.relu(want + torch.tensor(bias, dtype=torch.float64) + torch.tensor(residual, dtype=torch.float64))
         bound = bound + torch.tensor(np.abs(bias) + np.abs(residual), dtype=torch.float64)
     y.var.out = True
-    cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    cell = rv.Compiler("cpu", cpu=mask, cache=False, matmul=matmul).compile(flow).cell("f")
     data = cell.instance()
     data[x] = x_value
+    if not constant:
+        data["f/w"] = w_value
     return cell, data, y, want.numpy(), bound.numpy()
+
+
+def _bf16(values) -> np.ndarray:
+    return np.asarray(values, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _transformed32(matrix: np.ndarray, square: np.ndarray) -> np.ndarray:
+    """matrix · square · matrixᵀ over the first two axes of `square`, in float32 as the kernel
+    computes it (its own `_apply_both`, on numpy arrays), [points, ...]."""
+    values = winograd._apply_both(matrix, [list(row) for row in square.astype(np.float32)])
+    return np.stack([value for row in values for value in row])
+
+
+def _pairs_f2(x: np.ndarray, w: np.ndarray, padding: int, constant: bool) -> tuple[np.ndarray, np.ndarray]:
+    """F(2, 3) in float64 on U and V rounded to bf16, each as the kernel makes it in float32:
+    V by the input transform, U prepared (a `constant`'s, in float64) or by the filter
+    transform; and the sum of its terms' magnitudes through the output transform's."""
+    form = winograd.F2
+    (images, _, height, width), filters = x.shape, w.shape[0]
+    out_height, out_width = height + 2 * padding - 2, width + 2 * padding - 2
+    rows, columns = -(-out_height // 2), -(-out_width // 2)
+    padded = np.zeros((images, x.shape[1], 2 * rows + 2, 2 * columns + 2), np.float32)
+    padded[:, :, padding : padding + height, padding : padding + width] = x
+    u = winograd.transformed_filters(w, form) if constant else _transformed32(form.filter, w.transpose(2, 3, 0, 1))
+    u = _bf16(u).reshape(4, 4, filters, -1)
+    want, bound = np.zeros((2, images, filters, 2 * rows, 2 * columns))
+    for i in range(rows):
+        for j in range(columns):
+            patch = padded[:, :, 2 * i : 2 * i + 4, 2 * j : 2 * j + 4].transpose(2, 3, 0, 1)
+            v = _bf16(_transformed32(form.input_t, patch)).reshape(4, 4, images, -1)
+            for total, (a, uu, vv) in zip((want, bound), ((form.output_t, u, v), (np.abs(form.output_t), np.abs(u), np.abs(v)))):
+                total[:, :, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = np.einsum("ai,ijkc,ijnc,bj->nkab", a, uu, vv, a)
+    return want[:, :, :out_height, :out_width], bound[:, :, :out_height, :out_width]
 
 
 def _check(data, y, want, bound) -> None:
@@ -177,6 +221,55 @@ def test_each_way_of_sharing_the_work_out(split, monkeypatch, form):
         assert len(rows) == 2 and len(filter_ranges) == 1
     else:
         assert len(rows) == 1 and filter_ranges == {(0, 128), (128, 256)}
+    _check(data, y, want, bound)
+
+
+PAIR_GEOMETRIES = [*GEOMETRIES, ((1, 128, 28, 28), (128, 128, 3, 3), 1)]
+
+
+@pytest.mark.parametrize("constant", [True, False], ids=["constant", "changing"])
+@pytest.mark.parametrize("mask", ["", "-avx512bf16"])
+@pytest.mark.parametrize("geometry", PAIR_GEOMETRIES, ids=[f"g{i}" for i in range(len(PAIR_GEOMETRIES))])
+def test_in_bf16_its_products_run_on_pairs_where_the_cpu_has_them(geometry, mask, constant, monkeypatch):
+    """matmul="bfloat16", the choice forced to the pairs: F(2, 3) on V in bf16 pairs
+    (WinogradConvDpbf16) where the CPU has AVX512-BF16, odd channel counts' last pair half
+    zeros, filters constant (U prepared) or changing (U made by each compute); masked (or on a
+    CPU without them) WinogradConv in float32."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    monkeypatch.setattr(winograd, "_form", lambda op: winograd.F2)
+    cell, data, y, want, bound = _cell(*geometry, mask=mask, matmul="bfloat16", constant=constant)
+    pairs = sgemm.pairs_supported(host_target(mask))
+    (step,) = cell.steps
+    assert step.kernel == (winograd.PAIRS_KERNEL if pairs else winograd.WINOGRAD_KERNEL)
+    _check(data, y, want, bound)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_on_pairs_each_way_of_sharing_the_work_out(split, monkeypatch):
+    """As `test_each_way_of_sharing_the_work_out`, with a Calculate after, on pairs."""
+    if not sgemm.pairs_supported(host_target()):
+        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps)")
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    monkeypatch.setattr(winograd, "_form", lambda op: winograd.F2)
+    monkeypatch.setattr(winograd, "thread_count", lambda: 2)
+    monkeypatch.setattr(winograd, "worth_splitting", lambda flops, nbytes: True)
+    shape, filters = SPLITS[split]
+    cell, data, y, want, bound = _cell(shape, filters, 1, calculate=True, seed=len(split), matmul="bfloat16")
+    (step,) = cell.steps
+    assert step.kernel == winograd.PAIRS_KERNEL
+    assert len(winograd._parts(step.op, winograd._geometry(step.op, sgemm.panel_width(cell.backend.target), pairs=True))) == 2
+    _check(data, y, want, bound)
+
+
+def test_in_bf16_the_larger_form_stays_float32(monkeypatch):
+    """F(4, 3)'s transforms magnify bf16's rounding of U and V (kernels/winograd.py): a
+    convolution in that form keeps float32 products whatever matmul asks."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    monkeypatch.setattr(winograd, "_form", lambda op: winograd.F4)
+    cell, data, y, *_ = _cell((1, 8, 12, 12), (8, 8, 3, 3), 1, matmul="bfloat16")
+    (step,) = cell.steps
+    assert step.kernel == winograd.WINOGRAD_KERNEL
+    _, *_, want, bound = _cell((1, 8, 12, 12), (8, 8, 3, 3), 1)  # the same values, in float32
     _check(data, y, want, bound)
 
 

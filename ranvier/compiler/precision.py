@@ -1,5 +1,6 @@
 """Mixed precision: float32 matrix products run with inputs rounded to bfloat16 or TF32 and
-float32 sums (`MatMul`'s precision attribute), where the user asks for it and the backend can.
+float32 sums (`MatMul`'s precision attribute), where the user asks for it and the backend can;
+so do attention's products and convolutions (products of filters by windows).
 
 Vector-matrix products (a decode step's) stay float32 where the matrix would be rounded as
 it is read: they stream it once, so narrower inputs would save nothing; so does a decode
@@ -28,10 +29,11 @@ def _rows(op: Operation) -> int:
 
 
 def use_matmul_precision(func: Function, precision: str, capabilities: Capabilities) -> None:
-    """Mark, to run in `precision`, the float32 matrix products of `func` that have rows and
-    the float32 attention ops (their products) and gradients of more than one query, where
-    the backend computes in `precision`; and the products by an unchanging constant matrix,
-    vector-matrix ones too, where the backend keeps such a matrix in `precision`."""
+    """Mark, to run in `precision`, the float32 matrix products of `func` that have rows, the
+    float32 attention ops (their products) and gradients of more than one query and the
+    float32 convolutions, where the backend computes in `precision`; and the products by an
+    unchanging constant matrix, vector-matrix ones too, where the backend keeps such a
+    matrix in `precision`."""
     products = precision in capabilities.matmul_precisions
     weights = precision in capabilities.narrow_weights
     for op in func.ops:
@@ -40,6 +42,8 @@ def use_matmul_precision(func: Function, precision: str, capabilities: Capabilit
         if op.type == "MatMul":
             by_constant = op.inputs[1].rank == 2 and unchanging_constant(op.inputs[1])
             marked = (products and _rows(op) > 1) or (weights and by_constant)
+        elif op.type == "Conv2D":
+            marked = products
         else:
             marked = products and op.type in ("Attention", "AttentionGrad") and _queries(op) > 1
         if marked:

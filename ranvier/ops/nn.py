@@ -318,7 +318,8 @@ define(
     2,
     "nn",
     "Conv2D(x NCHW, w OIHW)",
-    attrs=[STRIDES, PADDING],
+    attrs=[STRIDES, PADDING, Attr("precision", "str", "float32", "float32, or bfloat16: float32 inputs may be rounded to it, "
+                                   "float32 sums (MatMul's precision)")],
     vjp=_conv_vjp,
     flops=lambda op: conv_flops(op.outputs[0], op.inputs[1]),
     method="conv2d",

@@ -25,6 +25,7 @@ from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
 from .kernels.conv import CONV_KERNEL
+from .kernels.conv import PAIRS_KERNEL as CONV_PAIRS_KERNEL
 from .kernels.matmul import (
     AMX_KERNEL,
     GENERATED_GEMM_KERNELS,
@@ -256,6 +257,8 @@ class CPUBackend:
             table[codegen.SGEMM_PACKED_DPBF16] = sgemm.packed_gemm_address(self.target, pairs=True)
         if any(step.kernel == CONV_KERNEL for step in cell.steps):
             table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
+        if any(step.kernel == CONV_PAIRS_KERNEL for step in cell.steps):
+            table[codegen.SGEMM_WINDOWS_DPBF16] = sgemm.windows_gemm_address(self.target, pairs=True)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
         def made(p: Prepared) -> np.ndarray:

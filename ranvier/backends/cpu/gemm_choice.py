@@ -2,7 +2,8 @@
 or the vendor BLAS, whichever measured faster here for that shape and those leading
 dimensions on one thread, the way a worker-pool part runs it; and, for a product whose
 precision lets its inputs be rounded to bfloat16, whether the generated GEMM on bf16 pairs
-beats that float32 choice. Each is measured once per machine and the choice kept
+beats that float32 choice (a convolution's too: its windows or Winograd's transformed tiles
+on pairs against them in float32). Each is measured once per machine and the choice kept
 (measured.py); a product too large to time quickly is timed on a corner of it (`_corner`);
 `RANVIER_GEMM=generated` or `=blas` fixes the choice instead."""
 
@@ -119,6 +120,61 @@ def _decide_pairs(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int
     key = f"pairs{' packed' if packed else ''} against {float32} {'T' if ta else 'N'}{'T' if tb else 'N'} {m}x{n}x{k} lda {lda} ldb {ldb}"
     return _kept_or_measured(key, lambda: _first_is_faster(
         *_runners(ta, tb, m, n, k, lda, ldb, ["pair panels" if packed else "pairs", float32])))
+
+
+def packed_pairs_are_faster(m: int, n: int, k: int) -> bool:
+    """Whether the GEMM on B's panels in bf16 pairs beats the one on its float32 panels for
+    A[m×k] (rows k apart) · B[k×n], B packed as it is made (Winograd's transformed tiles: its
+    products take the GEMM on panels either way); $RANVIER_GEMM=generated takes the pairs,
+    =blas stays on float32."""
+    fixed = _fixed_choice()
+    if fixed is not None:
+        return fixed
+    return _decide_packed_pairs(*_corner(m, n, k, True, sgemm.PAIRS_KC))
+
+
+@functools.cache
+def _decide_packed_pairs(m: int, n: int, k: int) -> bool:
+    return _kept_or_measured(f"pair panels against panels NN {m}x{n}x{k} lda {k}",
+                             lambda: _first_is_faster(*_runners(False, False, m, n, k, k, n, ["pair panels", "packed"])))
+
+
+def windows_pairs_are_faster(m: int, n: int, k: int, geometry: tuple[int, ...]) -> bool:
+    """Whether a convolution's GEMM on its windows in bf16 pairs (`ranvier_sgemm_windows_dpbf16`,
+    on `sgemm.pairs_supported` targets) beats the one in float32 for a call of m filters by n
+    output positions over k taps, its image's `geometry` (`sgemm.GEOMETRY`'s values);
+    $RANVIER_GEMM=generated takes the pairs, =blas stays on float32."""
+    fixed = _fixed_choice()
+    if fixed is not None:
+        return fixed
+    return _decide_windows_pairs(m, n, k, tuple(geometry))
+
+
+@functools.cache
+def _decide_windows_pairs(m: int, n: int, k: int, geometry: tuple[int, ...]) -> bool:
+    key = f"pair windows against windows {m}x{n}x{k} geometry {' '.join(map(str, geometry))}"
+    return _kept_or_measured(key, lambda: _first_is_faster(*_windows_runners(m, n, k, geometry)))
+
+
+def _windows_runners(m: int, n: int, k: int, geometry: tuple[int, ...]) -> list:
+    """A call of the windows GEMM on bf16 pairs and one in float32 on the same random filters
+    and image, from its first output position, on this thread."""
+    target = host_target()
+    size = dict(zip(sgemm.GEOMETRY, geometry))
+    rng = np.random.default_rng(0)
+    channels = k // (size["kernel_height"] * size["kernel_width"])
+    image = rng.standard_normal((channels, size["height"], size["width"]), dtype=np.float32)
+    filters = rng.standard_normal((m, k), dtype=np.float32)
+    shape = np.array(geometry, np.int64)
+    c = np.empty((m, n), np.float32)
+    workspace = np.empty(sgemm.workspace_bytes(n, k), np.uint8)
+
+    def runner(pairs: bool):
+        gemm = sgemm.WINDOWS_CTYPE(sgemm.windows_gemm_address(target, pairs))
+        return lambda: gemm(m, n, k, filters.ctypes.data, k, image.ctypes.data, shape.ctypes.data, 0, c.ctypes.data, n,
+                            workspace.ctypes.data)
+
+    return [runner(True), runner(False)]
 
 
 def _runners(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, kinds: list[str]) -> list:

@@ -82,7 +82,8 @@ packs B's blocks straight from one image [channels, H, W] (`pack_windows`): row 
 is a filter tap (channel, kernel row, kernel column), column j an output position
 (first_column + j as row y, column x of the output), and B[p, j] the image's element
 under that tap, zero in the padding. `geometry` holds H, W, KH, KW, SH, SW, PH, PW and
-the output width.
+the output width. `ranvier_sgemm_windows_dpbf16` (same arguments) packs the windows as
+bf16 pairs of taps and multiplies them on `vdpbf16ps`, as `ranvier_sgemm_dpbf16` does a matrix.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ BF16_PACKED_SYMBOL = "ranvier_sgemm_packed_bf16"
 WINDOWS_SYMBOL = "ranvier_sgemm_windows"
 PAIRS_SYMBOL = "ranvier_sgemm_dpbf16"
 PAIRS_PACKED_SYMBOL = "ranvier_sgemm_packed_dpbf16"
+WINDOWS_PAIRS_SYMBOL = "ranvier_sgemm_windows_dpbf16"
 GEOMETRY = ("height", "width", "kernel_height", "kernel_width", "stride_height", "stride_width", "pad_height",
             "pad_width", "out_width")
 
@@ -135,6 +137,11 @@ GEMM_CTYPE = ctypes.CFUNCTYPE(
 
 PACKED_CTYPE = ctypes.CFUNCTYPE(
     None, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+)
+
+WINDOWS_CTYPE = ctypes.CFUNCTYPE(
+    None, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
 )
 
 KC = 256  # steps of k per packed block: a strip's slice of A, MR × 1 KiB, stays in L1
@@ -251,8 +258,14 @@ def pairs_gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address_of(PAIRS_SYMBOL)
 
 
-def windows_gemm_address(target: CPUTarget) -> int:
-    return gemm_code(target).address_of(WINDOWS_SYMBOL)
+def windows_gemm_address(target: CPUTarget, pairs: bool = False) -> int:
+    """`ranvier_sgemm_windows`, or with `pairs` its twin on bf16 pairs (`pairs_supported` targets)."""
+    return gemm_code(target).address_of(WINDOWS_PAIRS_SYMBOL if pairs else WINDOWS_SYMBOL)
+
+
+def window_taps(pairs: bool) -> int:
+    """The most taps (rows of B) a slice of a convolution's windows packs: KC, on pairs PAIRS_KC."""
+    return PAIRS_KC if pairs else KC
 
 
 PANEL_ALIGNMENT = 64  # bytes: the micro-kernel loads a panel's rows as aligned vectors
@@ -676,16 +689,19 @@ class _Emitter:
 
     def pack_windows(self, b: ir.IRBuilder, image: ir.Value, geometry: dict[str, ir.Value], first_column: ir.Value,
                      pc: ir.Value, jc: ir.Value, kc: ir.Value, nc: ir.Value, packed: ir.Value, taps: ir.Value,
-                     positions: ir.Value) -> None:
+                     positions: ir.Value, pairs: bool = False) -> None:
         """B[pc:pc+kc, jc:jc+nc] of the im2col matrix of `image` (see the module's docstring)
-        into panels of NR columns, zeros in the padding and past nc. `taps` (3 × KC i32) and
-        `positions` (3 × NR i32) are scratch: each row's offset in the image, kernel row and
-        kernel column; each column's offset, first input row and first input column. A
-        vector of columns in one output row is one masked load per row of B (stride 1) or
-        two and a shuffle (stride 2); one over a few output rows (stride 1) a masked load per
-        row; any other vector is one gather."""
+        into panels of NR columns, zeros in the padding and past nc; `pairs`: of bf16 pairs
+        (`packed` slots), a panel's row holding two taps of each column, as `pack` makes
+        them. `taps` (3 × `window_taps(pairs)` i32) and `positions` (3 × NR i32) are
+        scratch: each row's offset in the image, kernel row and kernel column; each column's
+        offset, first input row and first input column. A vector of columns in one output
+        row is one masked load per row of B (stride 1) or two and a shuffle (stride 2); one
+        over a few output rows (stride 1) a masked load per row; any other vector is one
+        gather."""
         g = geometry
         lanes, nr = self.lanes, self.nr
+        depth = window_taps(pairs)
         ints = ir.VectorType(I32, lanes)
 
         def i32(value: ir.Value) -> ir.Value:
@@ -702,7 +718,7 @@ class _Emitter:
             row, column = b.sdiv(within, g["kernel_width"]), b.srem(within, g["kernel_width"])
             offset = b.add(b.mul(channel, plane), b.add(b.mul(row, g["width"]), column))
             for field, value in enumerate((offset, row, column)):
-                b.store(i32(value), table(taps, field, KC, p))
+                b.store(i32(value), table(taps, field, depth, p))
 
         height, width = (splat(b, i32(g[name]), lanes) for name in ("height", "width"))
         row_step = i32(g["stride_height"])  # input rows from one output row to the next
@@ -726,7 +742,8 @@ class _Emitter:
                 offset = b.select(inside, b.add(b.mul(top, i32(g["width"])), left), ir.Constant(I32, 0))
                 for field, value in enumerate((offset, b.select(inside, top, outside), left)):
                     b.store(value, table(positions, field, nr, i64(j)))
-            panel = b.gep(packed, [b.mul(q, b.mul(kc, i64(nr)))])
+            panel_rows = b.sdiv(b.add(kc, i64(1)), i64(2)) if pairs else kc
+            panel = b.gep(packed, [b.mul(q, b.mul(panel_rows, i64(nr)))])
             for h in range(self.vectors):
                 offsets, tops, lefts = (b.load(b.bitcast(table(positions, field, nr, i64(h * lanes)), ints.as_pointer()), align=4)
                                         for field in range(3))
@@ -749,8 +766,8 @@ class _Emitter:
                 stride = g["stride_width"]
 
                 def pack(way: str, masked: bool, columns_of_vector=columns_of_vector, target=target) -> None:
-                    self._pack_window_vector(b, way, masked, image, taps, kc, columns_of_vector, (height, width), row_step,
-                                             target)
+                    self._pack_window_vector(b, way, masked, image, (taps, depth), kc, columns_of_vector, (height, width),
+                                             row_step, target, pairs)
 
                 with b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(1)))) as (run, other):
                     with run, b.if_else(inside) as (clear, edge):
@@ -758,28 +775,30 @@ class _Emitter:
                             pack("run", masked=False)
                         with edge:
                             pack("run", masked=True)
-                    with other, b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(2)))) as (pairs, scattered):
-                        with pairs, b.if_else(inside) as (clear, edge):
+                    with other, b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(2)))) as (halves, scattered):
+                        with halves, b.if_else(inside) as (clear, edge):
                             with clear:
-                                pack("pairs", masked=False)
+                                pack("every other", masked=False)
                             with edge:
-                                pack("pairs", masked=True)
+                                pack("every other", masked=True)
                         with scattered, b.if_else(b.and_(few_rows, b.icmp_signed("==", stride, i64(1)))) as (by_rows, by_lanes):
                             with by_rows:
                                 pack("segments", masked=True)
                             with by_lanes:
                                 pack("lanes", masked=True)
 
-    def _pack_window_vector(self, b: ir.IRBuilder, way: str, masked: bool, image: ir.Value, taps: ir.Value, kc: ir.Value,
-                            columns: tuple[ir.Value, ...], bounds: tuple[ir.Value, ir.Value], row_step: ir.Value,
-                            target: ir.Value) -> None:
+    def _pack_window_vector(self, b: ir.IRBuilder, way: str, masked: bool, image: ir.Value, taps: tuple[ir.Value, int],
+                            kc: ir.Value, columns: tuple[ir.Value, ...], bounds: tuple[ir.Value, ir.Value], row_step: ir.Value,
+                            target: ir.Value, pairs: bool) -> None:
         """A vector of B's columns for each of the slice's kc rows, stored NR floats apart from
-        `target`, read `way`: "run" (one load), "pairs" (stride 2: two loads, every other
-        element), "segments" (stride 1 over up to `_MAX_SEGMENTS` output rows: a masked load
-        per row, each into its lanes) or "lanes" (a gather of each lane's element); `masked`:
-        lanes whose tap falls in the padding are zeros, not read (else every lane is
-        inside). `columns` holds the vector's offsets, first input rows and columns (i32
-        vectors) and its first offset; `bounds` the image's height and width (splatted)."""
+        `target` (`pairs`: two rows' as NR bf16 pairs, a zero after an odd kc), read `way`:
+        "run" (one load), "every other" (stride 2: two loads, every other element),
+        "segments" (stride 1 over up to `_MAX_SEGMENTS` output rows: a masked load per row,
+        each into its lanes) or "lanes" (a gather of each lane's element); `masked`: lanes
+        whose tap falls in the padding are zeros, not read (else every lane is inside).
+        `taps` is the taps' table and its fields' length; `columns` holds the vector's
+        offsets, first input rows and columns (i32 vectors) and its first offset; `bounds`
+        the image's height and width (splatted)."""
         lanes = self.lanes
         ints = ir.VectorType(I32, lanes)
         offsets, tops, lefts, first_offset = columns
@@ -796,8 +815,11 @@ class _Emitter:
                 last = ir.Constant(I32, lanes - 1)
                 lane = b.select(b.icmp_signed("<", first_lane, last), first_lane, last)
                 segments.append((b.icmp_signed("==", tops, splat(b, top, lanes)), b.sub(b.extract_element(offsets, lane), first_lane)))
-        with for_range(b, i64(0), kc, name="wp") as p:
-            tap_offset, tap_row, tap_column = (b.load(b.gep(taps, [b.add(i64(field * KC), p)])) for field in range(3))
+        table, depth = taps
+
+        def row_of_b(p: ir.Value) -> ir.Value:
+            """The vector's columns of B's row p: the image under tap p."""
+            tap_offset, tap_row, tap_column = (b.load(b.gep(table, [b.add(i64(field * depth), p)])) for field in range(3))
             if masked:
                 rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), bounds[0])
                 mask = b.and_(rows, b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), bounds[1]))
@@ -811,7 +833,7 @@ class _Emitter:
                 for lanes_of_row, row_start in segments:
                     at = b.gep(image, [b.sext(b.add(tap_offset, row_start), I64)])
                     value = self.masked_read(b, at, b.and_(mask, lanes_of_row), value)
-            elif way == "pairs":
+            elif way == "every other":
                 no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
                 halves = []
                 for half in (0, 1):  # element 2e of the 2L read is lane e's
@@ -824,7 +846,19 @@ class _Emitter:
                 addresses = b.add(splat(b, b.ptrtoint(image, I64), lanes), b.mul(b.sext(safe, wide), constant(wide, 4)))
                 pointers = b.inttoptr(addresses, self.gather.args[0].type)
                 value = b.call(self.gather, [pointers, ir.Constant(I32, 4), mask, self.zeros])
-            self.store_vector(b, value, b.gep(target, [b.mul(p, i64(self.nr))]), aligned=True)
+            return value
+
+        if not pairs:
+            with for_range(b, i64(0), kc, name="wp") as p:
+                self.store_vector(b, row_of_b(p), b.gep(target, [b.mul(p, i64(self.nr))]), aligned=True)
+            return
+        with for_range(b, i64(0), b.sdiv(b.add(kc, i64(1)), i64(2)), name="wq") as q:
+            first = b.mul(q, i64(2))
+            inside = b.icmp_signed("<", b.add(first, i64(1)), kc)
+            second = b.select(inside, row_of_b(b.select(inside, b.add(first, i64(1)), first)), self.zeros)
+            b.store(bf16_pairs(b, row_of_b(first), second, interleave=True),
+                    b.bitcast(b.gep(target, [b.mul(q, i64(self.nr))]), ir.VectorType(I32, self.lanes).as_pointer()),
+                    align=4 * self.lanes)
 
     def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value, others: ir.Value | None = None) -> ir.Value:
         """The vector at `start` in the lanes `mask` leaves on, `others`' (zeros) in the rest (not read)."""
@@ -853,6 +887,7 @@ def build_module(target: CPUTarget) -> ir.Module:
             for vectors in range(1, emit.vectors + 1)}
         _gemm(emit, pair_tiles, block_columns(target), "pairs")
         _gemm(emit, pair_tiles, block_columns(target, packed=True), "pair panels")
+        _gemm(emit, pair_tiles, block_columns(target), "pair windows")
     return module
 
 
@@ -860,17 +895,18 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
     """The GEMM whose B is `source`: a "matrix" packed a block at a time (`ranvier_sgemm`),
     "panels" packed ahead of time (`ranvier_sgemm_packed`: the same loops, less the
     packing), "bf16 panels" (`ranvier_sgemm_packed_bf16`), or a convolution's "windows"
-    (`ranvier_sgemm_windows`); on bf16 pairs, a "pairs" matrix (`ranvier_sgemm_dpbf16`) or
-    "pair panels" (`ranvier_sgemm_packed_dpbf16`)."""
+    (`ranvier_sgemm_windows`); on bf16 pairs, a "pairs" matrix (`ranvier_sgemm_dpbf16`),
+    "pair panels" (`ranvier_sgemm_packed_dpbf16`) or "pair windows" (`ranvier_sgemm_windows_dpbf16`)."""
     packed = source.endswith("panels")
     narrow = source == "bf16 panels"
     pairs = source.startswith("pair")
+    windows = source.endswith("windows")
     if packed:
         signature, name = _PACKED_FUNCTIONS[source]
         function = ir.Function(emit.module, signature, name=name)
         ta, m, n, k, a, lda, panels_of_b, c, ldc = function.args
-    elif source == "windows":
-        function = ir.Function(emit.module, WINDOWS_FUNCTION, name=WINDOWS_SYMBOL)
+    elif windows:
+        function = ir.Function(emit.module, WINDOWS_FUNCTION, name=WINDOWS_PAIRS_SYMBOL if pairs else WINDOWS_SYMBOL)
         m, n, k, a, lda, image, geometry_of_b, first_column, c, ldc, workspace = function.args
         ta = i64(0)
     else:
@@ -881,9 +917,9 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
         panels_of_b = b.bitcast(panels_of_b, _PAIRS_PTR)
     if not packed:
         block_of_b = cache_line_aligned(b, workspace, _PAIRS_PTR if pairs else _FLOAT_PTR)
-    if source == "windows":
+    if windows:
         geometry = {name: b.load(b.gep(geometry_of_b, [i64(index)])) for index, name in enumerate(GEOMETRY)}
-        taps, positions = b.alloca(I32, i64(3 * KC)), b.alloca(I32, i64(3 * emit.nr))
+        taps, positions = b.alloca(I32, i64(3 * window_taps(pairs))), b.alloca(I32, i64(3 * emit.nr))
     transposed = b.icmp_signed("!=", ta, i64(0))
     sa, sk = b.select(transposed, i64(1), lda), b.select(transposed, lda, i64(1))
     # A strip read in place touches a cache line per step of k when A is transposed (MR
@@ -929,8 +965,8 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                 def panel(first: ir.Value) -> ir.Value:
                     return b.gep(panels_of_b, [b.add(b.mul(b.add(jc, first), panel_rows(k)), b.mul(panel_rows(pc), nr))])
             else:
-                if source == "windows":
-                    emit.pack_windows(b, image, geometry, first_column, pc, jc, kc, nc, block_of_b, taps, positions)
+                if windows:
+                    emit.pack_windows(b, image, geometry, first_column, pc, jc, kc, nc, block_of_b, taps, positions, pairs)
                 else:
                     emit.pack(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b, pairs)
 

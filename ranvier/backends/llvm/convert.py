@@ -116,20 +116,22 @@ def cast(b: ir.IRBuilder, value: ir.Value, source: str, target: str, lanes: int)
 def bf16_pairs(b: ir.IRBuilder, first: ir.Value, second: ir.Value, interleave: bool) -> ir.Value:
     """Two vectors of 16 floats → 16 pairs of bfloat16 (rounded to nearest even) as
     <16 x i32>, the operand of AVX512-BF16's and AMX's dot products of pairs: `first`
-    then `second` (consecutive values of k), or, interleaving, (first[i], second[i]).
-    Needs AVX512-BF16; its conversions read subnormal floats as zero."""
+    then `second` (consecutive values of k), or, interleaving, (first[i], second[i]) (of
+    vectors of any lanes, as many pairs). Needs AVX512-BF16; its conversions read subnormal
+    floats as zero."""
+    lanes = first.type.count
     if interleave:
         # Shuffled as integers: on bfloat values LLVM would move the shuffle before the
         # conversions and interleave twice as many float lanes.
-        halves = [b.bitcast(b.fptrunc(v, ir.VectorType(BF16, 16)), ir.VectorType(I16, 16)) for v in (first, second)]
-        order = [lane for i in range(16) for lane in (i, 16 + i)]
-        pairs = b.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, 32), order))
+        halves = [b.bitcast(b.fptrunc(v, ir.VectorType(BF16, lanes)), ir.VectorType(I16, lanes)) for v in (first, second)]
+        order = [lane for i in range(lanes) for lane in (i, lanes + i)]
+        pairs = b.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, 2 * lanes), order))
     else:
         # VCVTNE2PS2BF16 converts both at once, its second operand into the low half.
         both = ir.VectorType(BF16, 32)
         convert = declared(b.module, "llvm.x86.avx512bf16.cvtne2ps2bf16.512", ir.FunctionType(both, [first.type] * 2))
         pairs = b.call(convert, [second, first])
-    return b.bitcast(pairs, ir.VectorType(I32, 16))
+    return b.bitcast(pairs, ir.VectorType(I32, lanes))
 
 
 def _float_bits(t: ir.Type) -> int:

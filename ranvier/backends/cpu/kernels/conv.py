@@ -4,6 +4,8 @@ where the generated GEMM packs each block of the windows straight from the image
 decomposition's Pad, StridedView and their memory traffic (for ResNet-18 at batch 1,
 60 MB written and read again) are gone. The output comes out NCHW, as the GEMM writes it;
 a Conv2DCalculate's program (bias, activation, residual) runs over each block after its call.
+A convolution marked for bf16 products (`matmul="bfloat16"`) packs its windows as bf16 pairs
+and multiplies them on AVX512-BF16's `vdpbf16ps` (`ConvGemmDpbf16`) where that measured faster.
 
 A convolution of few filters (`ConvTiles`) and a filter gradient (`ConvFilterGemm`) instead
 multiply one image at a time in register tiles, reading its windows from its padded planes
@@ -25,10 +27,11 @@ from ...llvm.irutil import I64, i64, load, storage_type
 from ...llvm.loops import fold_lanes, for_vectors, pairwise
 from ...llvm.values import Value
 from .. import sgemm
-from ..codegen import SGEMM_WINDOWS
+from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
+from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import Blas, gemm_grid, single_threaded_blas
+from .matmul import PAIRS_GEMM_KERNELS, Blas, gemm_grid, single_threaded_blas
 from .program import epilogue
 
 CONV_KERNEL = "ConvGemm"
@@ -83,11 +86,16 @@ def _workspace_bytes(op) -> int:
     return len(_parts(op)) * _share(op)
 
 
-def _geometry(ctx, op) -> ir.GlobalVariable:
-    """The GEMM's `geometry` (sgemm.GEOMETRY) as a constant of the module."""
+def _geometry_values(op) -> list[int]:
+    """The GEMM's `geometry`: sgemm.GEOMETRY's values."""
     attrs = attrs_of(op)
     (_, _, height, width), (kernel_height, kernel_width) = op.inputs[0].shape, op.inputs[1].shape[2:]
-    values = [height, width, kernel_height, kernel_width, *attrs["strides"], *attrs["padding"], op.outputs[0].shape[3]]
+    return [height, width, kernel_height, kernel_width, *attrs["strides"], *attrs["padding"], op.outputs[0].shape[3]]
+
+
+def _geometry(ctx, op) -> ir.GlobalVariable:
+    """The GEMM's `geometry` (sgemm.GEOMETRY) as a constant of the module."""
+    values = _geometry_values(op)
     array = ir.ArrayType(I64, len(values))
     constant = ir.GlobalVariable(ctx.module, array, name=ctx.module.get_unique_name("conv_geometry"))
     constant.global_constant, constant.linkage = True, "internal"
@@ -364,8 +372,34 @@ def _by_tiles(ctx, count: int, size: int, name: str, emit) -> None:
         emit(whole, count - whole)
 
 
+PAIRS_KERNEL = "ConvGemmDpbf16"
+PAIRS_GEMM_KERNELS.add(PAIRS_KERNEL)  # passed over where the products on pairs do not run
+
+
+def _pairs_faster(op) -> bool:
+    """A convolution marked for bf16 products whose GEMM on its windows in bf16 pairs measured
+    faster than the float32 one, on the largest call a part makes."""
+    if not (_supported(op) and attrs_of(op)["precision"] == "bfloat16"):
+        return False
+    _, _, count, _, width = max((call for part in _parts(op) for call in part), key=lambda call: call[2] * call[4])
+    return windows_pairs_are_faster(count, width, _sizes(op)[3], tuple(_geometry_values(op)))
+
+
+@kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_pairs_faster, workspace=_workspace_bytes)
+def conv_gemm_pairs(ctx, op) -> None:
+    """ConvGemm's calls on `ranvier_sgemm_windows_dpbf16`: filters and windows rounded to bf16
+    pairs, float32 sums."""
+    _call_windows(ctx, op, SGEMM_WINDOWS_DPBF16)
+
+
 @kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes)
 def conv_gemm(ctx, op) -> None:
+    _call_windows(ctx, op, SGEMM_WINDOWS)
+
+
+def _call_windows(ctx, op, slot: int) -> None:
+    """Each part's calls of the windows GEMM in pointer-table `slot`, each followed by the
+    op's epilogue over the block it wrote."""
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     _, rows, columns, taps = _sizes(op)
     image_size = math.prod(x.shape[1:])
@@ -375,7 +409,7 @@ def conv_gemm(ctx, op) -> None:
     def part(calls, number: int):
         def emit(ctx) -> None:
             b = ctx.b
-            gemm = b.bitcast(ctx.table_entry(SGEMM_WINDOWS), sgemm.WINDOWS_FUNCTION.as_pointer())
+            gemm = b.bitcast(ctx.table_entry(slot), sgemm.WINDOWS_FUNCTION.as_pointer())
             scratch = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
             for image, r0, count, c0, width in calls:
                 b.call(gemm, [i64(count), i64(width), i64(taps), ctx.element_pointer(w, r0 * taps), i64(taps),

@@ -45,17 +45,21 @@ from llvmlite import ir
 from .... import dtypes
 from ....ops import attrs_of, unchanging_constant
 from ...kernels import Prepared
+from ...llvm.convert import bf16_pairs
 from ...llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, cache_line_aligned, for_range, i64
 from ...llvm.values import Value
 from .. import sgemm
-from ..codegen import SGEMM_PACKED
+from ..codegen import SGEMM_PACKED, SGEMM_PACKED_DPBF16
+from ..gemm_choice import packed_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import PACKED_GEMM_KERNELS
+from .matmul import PACKED_GEMM_KERNELS, PAIRS_PACKED_GEMM_KERNELS
 from .program import epilogue
 
 WINOGRAD_KERNEL = "WinogradConv"
 PACKED_GEMM_KERNELS.add(WINOGRAD_KERNEL)
+PAIRS_KERNEL = "WinogradConvDpbf16"  # its products on bf16 pairs: passed over where those do not run
+PAIRS_PACKED_GEMM_KERNELS.add(PAIRS_KERNEL)
 
 
 
@@ -142,6 +146,12 @@ class _Geometry:
     out_width: int
     group: int  # tiles per vector of the transforms
     panel: int  # NR: tiles per packed panel of V
+    pairs: bool = False  # V in bf16 pairs of channels, for the GEMM on pairs
+
+    @property
+    def depth(self) -> int:
+        """The channels V holds: on pairs, rounded up to even (the last pair's second zeros)."""
+        return self.channels + self.channels % 2 if self.pairs else self.channels
 
     @property
     def tile_rows(self) -> int:
@@ -168,9 +178,9 @@ class _Geometry:
 
     @property
     def v_floats(self) -> int:
-        """Floats from one point's V to the next: the block's tiles in whole panels, by all
-        channels (`_staggered`)."""
-        return _staggered(-(-self.block_tiles // self.panel) * self.panel * self.channels)
+        """Floats (or slots of a bf16 pair) from one point's V to the next: the block's tiles
+        in whole panels, by all channels (`_staggered`)."""
+        return _staggered(-(-self.block_tiles // self.panel) * self.panel * (self.depth // 2 if self.pairs else self.depth))
 
     @property
     def m_floats(self) -> int:
@@ -190,7 +200,7 @@ class _Geometry:
 
     @property
     def patch_floats(self) -> int:
-        return self.channels * self.patch_rows * self.patch_width
+        return self.depth * self.patch_rows * self.patch_width
 
     @property
     def workspace_bytes(self) -> int:
@@ -228,8 +238,8 @@ def _form(op) -> Form:
     return min(usable, key=lambda form: tiles(form) * form.points)
 
 
-def _geometry(op, panel: int) -> _Geometry:
-    """`op`'s sizes, for the packed GEMM's panels of `panel` tiles."""
+def _geometry(op, panel: int, pairs: bool = False) -> _Geometry:
+    """`op`'s sizes, for the packed GEMM's panels of `panel` tiles (`pairs`: of bf16 pairs)."""
     (_, channels, height, width), (filters, *_), (_, _, out_height, out_width) = (v.shape for v in (*op.inputs[:2], op.outputs[0]))
     pad_height, pad_width = attrs_of(op)["padding"]
     form = _form(op)
@@ -237,7 +247,7 @@ def _geometry(op, panel: int) -> _Geometry:
     # a row are 7 vectors of 4, or 4 of 8 with 4 padding); SSE's panels of 12 hold 4s only
     tiles = -(-out_width // form.tile)
     group = 8 if panel % 8 == 0 and -(-tiles // 8) * 8 <= -(-tiles // 4) * 4 else 4
-    return _Geometry(form, channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel)
+    return _Geometry(form, channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel, pairs)
 
 
 def _supported(op) -> bool:
@@ -276,9 +286,14 @@ def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int]]]:
     return [[(i, 0, g.tile_rows, first, last)] for i in range(images) for first, last in shares(g.filters, per_image, _FILTER_UNIT)]
 
 
-def _workspace_bytes(op) -> int:
-    """U where it is made at run time, and the parts' scratch for any target's panel width."""
-    return _filter_bytes(op) + max(len(_parts(op, g)) * g.workspace_bytes for g in (_geometry(op, panel) for panel in sgemm.PANEL_WIDTHS))
+def _workspace_bytes(op, pairs: bool = False) -> int:
+    """U where it is made at run time, and the parts' scratch for any target's panel width
+    (`pairs`: AVX-512's, the only one with the GEMM on pairs)."""
+    geometries = [_geometry(op, _PAIRS_PANEL, pairs=True)] if pairs else [_geometry(op, panel) for panel in sgemm.PANEL_WIDTHS]
+    return _filter_bytes(op) + max(len(_parts(op, g)) * g.workspace_bytes for g in geometries)
+
+
+_PAIRS_PANEL = 48  # NR of the GEMM on bf16 pairs, AVX-512's
 
 
 def _prepared(op) -> list[Prepared]:
@@ -312,10 +327,37 @@ _GEMM = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer
 _TILES = ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer(), F32.as_pointer(), I64, I64, I64, BYTE_PTR, _GEMM.as_pointer()])
 
 
+def _pairs_faster(op) -> bool:
+    """A convolution marked for bf16 products, in F(2, 3), whose GEMM on V in bf16 pairs
+    measured faster than the one on float32 V, on the largest call a part makes (a block's
+    tiles by its filters). F(4, 3)'s transforms, whose coefficients reach 8, magnify bf16's
+    rounding of U and V: a 64-channel 56 × 56 convolution erred by 6.7e-2 of its output's
+    largest magnitude, where F(2, 3) on pairs erred by 4e-3 at 128 and 256 channels (rounding
+    x and w to bf16 alone: 2.3e-3), so those stay float32."""
+    if not (_supported(op) and attrs_of(op)["precision"] == "bfloat16" and _form(op) is F2):
+        return False
+    g = _geometry(op, _PAIRS_PANEL, pairs=True)
+    filters = max(last - first for part in _parts(op, g) for _, _, _, first, last in part)
+    return packed_pairs_are_faster(filters, g.block_tiles, g.channels)
+
+
+@kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_pairs_faster, workspace=lambda op: _workspace_bytes(op, pairs=True),
+        prepares=_prepared)
+def winograd_conv_pairs(ctx, op) -> None:
+    """WinogradConv with V in bf16 pairs of channels (each rounded to nearest even as the input
+    transform stores it) and its products on `ranvier_sgemm_packed_dpbf16`, U rounded as the
+    GEMM reads it: float32 transforms and sums."""
+    _winograd(ctx, op, pairs=True)
+
+
 @kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes, prepares=_prepared)
 def winograd_conv(ctx, op) -> None:
+    _winograd(ctx, op, pairs=False)
+
+
+def _winograd(ctx, op, pairs: bool) -> None:
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
-    g = _geometry(op, sgemm.panel_width(ctx.target))
+    g = _geometry(op, sgemm.panel_width(ctx.target), pairs)
     tiles = _Emitter(ctx.module, g).tiles_function()
     image_size, out_size = math.prod(x.shape[1:]), math.prod(y.shape[1:])
     plane = g.out_height * g.out_width
@@ -333,7 +375,7 @@ def winograd_conv(ctx, op) -> None:
     def part(calls, number: int):
         def emit(ctx) -> None:
             b = ctx.b
-            gemm = b.bitcast(ctx.table_entry(SGEMM_PACKED), _GEMM.as_pointer())
+            gemm = b.bitcast(ctx.table_entry(SGEMM_PACKED_DPBF16 if pairs else SGEMM_PACKED), _GEMM.as_pointer())
             filters = transformed(ctx)
             scratch = b.gep(ctx.address(ctx.workspace), [i64(made_here + number * g.workspace_bytes)])
             for image, first, last, first_filter, last_filter in calls:
@@ -383,6 +425,8 @@ class _Emitter:
         function.linkage = "internal"
         image, filters, out, first_row, last_row, filter_count, scratch, gemm = function.args
         b = self.b = ir.IRBuilder(function.append_basic_block("entry"))
+        # on pairs, a channel's transformed tiles wait here for the next channel's
+        self.first_of_pair = b.alloca(self.vector, i64(self.form.points)) if g.pairs else None
         v = cache_line_aligned(b, scratch, F32.as_pointer())
         points = self.form.points
         m = b.gep(v, [i64(points * g.v_floats)])
@@ -430,13 +474,14 @@ class _Emitter:
     def gather_rows(self, image: ir.Value, top: ir.Value, rows: ir.Value, patches: ir.Value) -> None:
         """The input rows under the block's tiles, every channel, into `patches` with their
         padding as zeros (the image's column x at x + pad_width): the transform reads them
-        without masks."""
+        without masks. On pairs, an odd channel count's last pair has a channel of zeros."""
         b, g, tile = self.b, self.g, self.form.tile
-        with for_range(b, i64(0), i64(g.channels), name="gather_channel") as c, \
+        with for_range(b, i64(0), i64(g.depth), name="gather_channel") as c, \
                 for_range(b, i64(0), b.add(b.mul(rows, i64(tile)), i64(self.form.patch - tile)), name="gather_row") as r:
             y = b.add(b.sub(b.mul(top, i64(tile)), i64(g.pad_height)), r)
             target = b.gep(patches, [b.mul(b.add(b.mul(c, i64(g.patch_rows)), r), i64(g.patch_width))])
-            with b.if_else(b.icmp_unsigned("<", y, i64(g.height))) as (inside, outside):
+            inside_image = b.and_(b.icmp_unsigned("<", y, i64(g.height)), b.icmp_signed("<", c, i64(g.channels)))
+            with b.if_else(inside_image) as (inside, outside):
                 with inside:
                     self.copy(None, target, g.pad_width)
                     source = b.gep(image, [b.add(b.mul(c, i64(g.height * g.width)), b.mul(y, i64(g.width)))])
@@ -471,7 +516,8 @@ class _Emitter:
 
     def input_transform(self, patches: ir.Value, row: ir.Value, tile: ir.Value, index: ir.Value, v: ir.Value) -> None:
         """V of the `group` tiles from `tile` in the block's tile row `row`, every channel,
-        into the panels at tile `index` of the block."""
+        into the panels at tile `index` of the block; on pairs, two channels at a time, each
+        point's two vectors rounded to bf16 and interleaved into a row of the panel's pairs."""
         b, g, form = self.b, self.g, self.form
         group, step = g.group, form.tile
         # A tile's patch column j lies `step` columns after the previous tile's: a row of
@@ -480,9 +526,11 @@ class _Emitter:
         bases = range(0, form.patch, step)
         phases = [ir.Constant(self.ints, [phase + step * e for e in range(group)]) for phase in range(step)]
         panel, lane = b.sdiv(index, i64(g.panel)), b.srem(index, i64(g.panel))
-        target = b.add(b.mul(panel, i64(g.panel * g.channels)), lane)
+        target = b.add(b.mul(panel, i64(g.panel * (g.depth // 2 if g.pairs else g.depth))), lane)
         first = b.add(b.mul(b.mul(row, i64(step)), i64(g.patch_width)), b.mul(tile, i64(step)))
-        with for_range(b, i64(0), i64(g.channels), name="channel") as c:
+
+        def transformed(c: ir.Value) -> list[Value]:
+            """Each point's V of channel c."""
             corner = b.gep(patches, [b.add(b.mul(c, i64(g.patch_rows * g.patch_width)), first)])
             patch = []
             for r in range(form.patch):
@@ -493,10 +541,24 @@ class _Emitter:
                     columns += [Value(b, self.pick(run, phases[phase]), dtypes.DT_FLOAT32)
                                 for phase in range(min(step, form.patch - base))]
                 patch.append(columns)
+            return [value for row_ in _apply_both(form.input_t, patch) for value in row_]
+
+        if not g.pairs:
+            with for_range(b, i64(0), i64(g.channels), name="channel") as c:
+                at = b.add(target, b.mul(c, i64(g.panel)))
+                for point, value in enumerate(transformed(c)):
+                    pointer = b.gep(v, [b.add(at, i64(point * g.v_floats))])
+                    b.store(value.ir, b.bitcast(pointer, self.vector.as_pointer()), align=4)
+            return
+        slots = ir.VectorType(I32, group)
+        with for_range(b, i64(0), i64(g.depth // 2), name="channel_pair") as c:
+            for point, value in enumerate(transformed(b.mul(c, i64(2)))):
+                b.store(value.ir, b.gep(self.first_of_pair, [i64(point)]))
             at = b.add(target, b.mul(c, i64(g.panel)))
-            for point, value in enumerate(value for row_ in _apply_both(form.input_t, patch) for value in row_):
+            for point, value in enumerate(transformed(b.add(b.mul(c, i64(2)), i64(1)))):
+                pairs = bf16_pairs(b, b.load(b.gep(self.first_of_pair, [i64(point)])), value.ir, interleave=True)
                 pointer = b.gep(v, [b.add(at, i64(point * g.v_floats))])
-                b.store(value.ir, b.bitcast(pointer, self.vector.as_pointer()), align=4)
+                b.store(pairs, b.bitcast(pointer, slots.as_pointer()), align=4)
 
     def output_transform(self, m: ir.Value, at: ir.Value, tiles_out: ir.Value, k: ir.Value, row: ir.Value, tile: ir.Value) -> None:
         """The tile × tile outputs of filter k for the `group` tiles from `tile` in the block's
