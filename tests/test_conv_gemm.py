@@ -36,6 +36,9 @@ GEOMETRIES = [
     (2, 40, 48, 4, (3, 3), (1, 1), (1, 1)),  # rows a multiple of every vector width, n over several blocks
     (9, 7, 7, 5, (3, 3), (1, 1), (1, 1)),  # a 7 × 7 image: vectors over 2-4 output rows, a masked load each
     (6, 9, 4, 5, (3, 3), (1, 1), (1, 1)),  # rows of 4: vectors over more rows than that, one gather each
+    (5, 28, 28, 6, (3, 3), (2, 2), (1, 1)),  # stride 2, rows of 14: vectors over 2-3 rows, two loads a row
+    (7, 14, 14, 9, (1, 1), (2, 2), (0, 0)),  # stride 2, rows of 7 inside the image (a downsampling's)
+    (5, 12, 6, 4, (3, 3), (2, 2), (1, 1)),  # stride 2, rows of 3: vectors over more rows, one gather each
 ]
 PAIR_GEOMETRIES = [*GEOMETRIES,
                    (3, 9, 9, 4, (1, 1), (1, 1), (0, 0)),  # three taps: the last pair's second a zero

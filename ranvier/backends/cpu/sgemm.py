@@ -697,8 +697,8 @@ class _Emitter:
         scratch: each row's offset in the image, kernel row and kernel column; each column's
         offset, first input row and first input column. A vector of columns in one output
         row is one masked load per row of B (stride 1) or two and a shuffle (stride 2); one
-        over a few output rows (stride 1) a masked load per row; any other vector is one
-        gather."""
+        over a few output rows the same for each row, into its lanes; any other vector is
+        one gather."""
         g = geometry
         lanes, nr = self.lanes, self.nr
         depth = window_taps(pairs)
@@ -781,9 +781,15 @@ class _Emitter:
                                 pack("every other", masked=False)
                             with edge:
                                 pack("every other", masked=True)
-                        with scattered, b.if_else(b.and_(few_rows, b.icmp_signed("==", stride, i64(1)))) as (by_rows, by_lanes):
-                            with by_rows:
-                                pack("segments", masked=True)
+                        with scattered, b.if_else(few_rows) as (by_rows, by_lanes):
+                            with by_rows, b.if_else(b.icmp_signed("==", stride, i64(1))) as (whole, halves):
+                                with whole:
+                                    pack("segments", masked=True)
+                                with halves, b.if_else(b.icmp_signed("==", stride, i64(2))) as (every_other, scattered_rows):
+                                    with every_other:
+                                        pack("segments of every other", masked=True)
+                                    with scattered_rows:
+                                        pack("lanes", masked=True)
                             with by_lanes:
                                 pack("lanes", masked=True)
 
@@ -794,7 +800,9 @@ class _Emitter:
         `target` (`pairs`: two rows' as NR bf16 pairs, a zero after an odd kc), read `way`:
         "run" (one load), "every other" (stride 2: two loads, every other element),
         "segments" (stride 1 over up to `_MAX_SEGMENTS` output rows: a masked load per row,
-        each into its lanes) or "lanes" (a gather of each lane's element); `masked`: lanes
+        each into its lanes), "segments of every other" (stride 2 over as many: two loads
+        and a shuffle per row, each into its lanes) or "lanes" (a gather of each lane's
+        element); `masked`: lanes
         whose tap falls in the padding are zeros, not read (else every lane is inside).
         `taps` is the taps' table and its fields' length; `columns` holds the vector's
         offsets, first input rows and columns (i32 vectors) and its first offset; `bounds`
@@ -802,7 +810,8 @@ class _Emitter:
         lanes = self.lanes
         ints = ir.VectorType(I32, lanes)
         offsets, tops, lefts, first_offset = columns
-        if way == "segments":  # each output row's lanes, and where lane 0 would read for that row's run
+        step = 2 if way == "segments of every other" else 1  # image columns from one lane to the next
+        if way.startswith("segments"):  # each output row's lanes, and where lane 0 would read for that row's run
             segments = []
             first_top = b.extract_element(tops, ir.Constant(I32, 0))
             mask_bits = ir.IntType(lanes)
@@ -814,7 +823,8 @@ class _Emitter:
                 first_lane = b.zext(b.call(popcount, [b.bitcast(before, mask_bits)]), I32)
                 last = ir.Constant(I32, lanes - 1)
                 lane = b.select(b.icmp_signed("<", first_lane, last), first_lane, last)
-                segments.append((b.icmp_signed("==", tops, splat(b, top, lanes)), b.sub(b.extract_element(offsets, lane), first_lane)))
+                row_start = b.sub(b.extract_element(offsets, lane), b.mul(first_lane, ir.Constant(I32, step)))
+                segments.append((b.icmp_signed("==", tops, splat(b, top, lanes)), row_start))
         table, depth = taps
 
         def row_of_b(p: ir.Value) -> ir.Value:
@@ -833,13 +843,13 @@ class _Emitter:
                 for lanes_of_row, row_start in segments:
                     at = b.gep(image, [b.sext(b.add(tap_offset, row_start), I64)])
                     value = self.masked_read(b, at, b.and_(mask, lanes_of_row), value)
+            elif way == "segments of every other":
+                value = self.zeros
+                for lanes_of_row, row_start in segments:
+                    at = b.gep(image, [b.sext(b.add(tap_offset, row_start), I64)])
+                    value = b.select(lanes_of_row, self._every_other(b, at, b.and_(mask, lanes_of_row)), value)
             elif way == "every other":
-                no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
-                halves = []
-                for half in (0, 1):  # element 2e of the 2L read is lane e's
-                    evens = ir.Constant(ints, [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)])
-                    halves.append(self.masked_read(b, b.gep(start, [i64(half * lanes)]), b.shuffle_vector(mask, no_lanes, evens)))
-                value = b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
+                value = self._every_other(b, start, mask)
             else:  # one gather: the lanes' addresses from their offsets in the image
                 safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
                 wide = ir.VectorType(I64, lanes)
@@ -859,6 +869,17 @@ class _Emitter:
             b.store(bf16_pairs(b, row_of_b(first), second, interleave=True),
                     b.bitcast(b.gep(target, [b.mul(q, i64(self.nr))]), ir.VectorType(I32, self.lanes).as_pointer()),
                     align=4 * self.lanes)
+
+    def _every_other(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value) -> ir.Value:
+        """Lane e: element 2e from `start` where `mask` leaves lane e on, else zero (not read)."""
+        lanes = self.lanes
+        ints = ir.VectorType(I32, lanes)
+        no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
+        halves = []
+        for half in (0, 1):  # element 2e of the 2L read is lane e's
+            evens = ir.Constant(ints, [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)])
+            halves.append(self.masked_read(b, b.gep(start, [i64(half * lanes)]), b.shuffle_vector(mask, no_lanes, evens)))
+        return b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
 
     def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value, others: ir.Value | None = None) -> ir.Value:
         """The vector at `start` in the lanes `mask` leaves on, `others`' (zeros) in the rest (not read)."""
