@@ -38,6 +38,7 @@ from .loss import fuse_loss_with_gradient
 from .precision import use_matmul_precision
 from .router import fuse_softmax_top_k
 from .simplify import eliminate_common_subexpressions, fold_constants
+from .views import fold_view_chains
 
 
 @dataclass
@@ -95,6 +96,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("activation-precision",
          lambda c: use_activation_precision(c.flow, c.func, c.keep, c.options.precision, c.backend.runs_whole),
          _activation_precision),
+    Pass("fold-views", lambda c: fold_view_chains(c.flow, c.func, c.keep, c.backend.runs_whole), _rewrites),
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),

@@ -1,0 +1,158 @@
+"""Chains of copies through views folded into one: Transposes and Gathers of one constant
+row, with reshapes between them, whose results only the next op of the chain reads, become
+one StridedView of the chain's first input.
+
+An attention layer exported from PyTorch's MultiheadAttention copies its activations ten
+times where one copy each of q, k and v would do: QKV's Transpose, three Gathers of its
+rows, three head-splitting Transposes. Each copy is a pass over memory and, on several
+cores, a step the pool's threads meet at; one StridedView reads the same elements once.
+
+A view is (offset, shape, strides) in elements of the chain's source. A reshape of a view
+keeps it a view where each group of axes it merges or splits is laid out contiguously
+(numpy's no-copy reshape); where not, the chain starts again at that reshape's input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..flow.builder import Builder
+from ..flow.graph import Flow, Function, Operation, Variable
+from ..ops import attrs_of, is_view
+from .rewrite import splice
+
+
+@dataclass(frozen=True)
+class _View:
+    source: Variable
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    copies: int  # copying ops folded into it
+    ops: tuple[Operation, ...]  # the chain's ops, first to last
+
+
+def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[[Operation], bool]) -> None:
+    """Replace each chain of two or more copies (see the module) by one StridedView, where
+    the backend `runs` one whole."""
+    views: dict[str, _View] = {}
+    for op in list(func.ops):
+        view = _folded(op, views, func, keep)
+        if view is None:
+            continue
+        out = op.outputs[0]
+        views[out.name] = view
+        ends = not (_private(out, func, keep) and all(_step(reader, view) is not None for reader in out.consumers))
+        if ends and view.copies >= 2:
+            _replace(flow, func, op, view, runs)
+
+
+def _private(x: Variable, func: Function, keep: set[str]) -> bool:
+    """Whether one op that may continue a chain reads `x`, as its first input, and x is no
+    result: then it reads x's view of the chain's source instead, and x need not be made.
+    (Not several: QKV's Transpose folded into each of its three Gathers, the heads'
+    reshapes after them could no longer be views, and each head's copies were two again.)"""
+    if len(x.consumers) != 1 or x.name in keep or x.out:
+        return False
+    (reader,) = x.consumers
+    return reader.func is func and len(reader.outputs) == 1 and reader.inputs[0] is x and (
+        is_view(reader) or reader.type == "Transpose" or _row_of_constant(reader) is not None)
+
+
+def _row_of_constant(op: Operation) -> int | None:
+    """The row a Gather of one constant index reads, else None."""
+    if op.type != "Gather" or len(op.inputs) != 2 or op.inputs[1].rank != 0 or not op.inputs[1].constant:
+        return None
+    return int(op.inputs[1].data)
+
+
+def _folded(op: Operation, views: dict[str, _View], func: Function, keep: set[str]) -> _View | None:
+    """`op`'s result as a view of its chain's source, or None where `op` is no view copy."""
+    if op.func is not func or len(op.outputs) != 1 or not op.inputs:
+        return None
+    x = op.inputs[0]
+    start = views.get(x.name) if _private(x, func, keep) else None
+    if start is None:
+        start = _View(x, 0, tuple(x.shape), _contiguous(x.shape), 0, ())
+    step = _step(op, start)
+    if step is None and start.ops:  # a reshape the view cannot take: the chain starts again here
+        start = _View(x, 0, tuple(x.shape), _contiguous(x.shape), 0, ())
+        step = _step(op, start)
+    return step
+
+
+def _step(op: Operation, view: _View) -> _View | None:
+    """`view` through `op`, or None where `op` is none of the ops a view folds."""
+    out = op.outputs[0]
+    copies, ops = view.copies, (*view.ops, op)
+    if is_view(op) and len(op.inputs) <= 2:
+        strides = _reshaped(view.shape, view.strides, tuple(out.shape))
+        return None if strides is None else _View(view.source, view.offset, tuple(out.shape), strides, copies, ops)
+    if op.type == "Transpose":
+        perm = attrs_of(op)["perm"] or list(reversed(range(len(view.shape))))
+        return _View(view.source, view.offset, tuple(view.shape[p] for p in perm), tuple(view.strides[p] for p in perm),
+                     copies + 1, ops)
+    row = _row_of_constant(op)
+    if row is not None:
+        if not 0 <= row < view.shape[0]:
+            return None  # the Gather's own check names the index
+        return _View(view.source, view.offset + row * view.strides[0], view.shape[1:], view.strides[1:], copies + 1, ops)
+    return None
+
+
+def _replace(flow: Flow, func: Function, last: Operation, view: _View, runs: Callable[[Operation], bool]) -> None:
+    """`last`'s result read once from the chain's source; the chain's other ops that
+    nothing reads any more removed."""
+    b = Builder(flow, func)
+    folded = b.wrap(view.source).strided_view(offset=view.offset, shape=list(view.shape), strides=list(view.strides))
+    if not runs(folded.var.producer):
+        flow.remove_op(folded.var.producer)
+        flow.remove_var(folded.var)
+        return
+    splice(flow, last, [folded])
+    for op in reversed(view.ops[:-1]):
+        outputs = list(op.outputs)
+        if not any(var.consumers for var in outputs):
+            flow.remove_op(op)
+            for var in outputs:
+                flow.remove_var(var)
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _reshaped(shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of `new_shape` reading the same elements in the same order as (shape,
+    strides), or None where no strides do (numpy's no-copy reshape)."""
+    if math.prod(shape) == 0:
+        return _contiguous(new_shape)
+    old = [(size, stride) for size, stride in zip(shape, strides) if size != 1]
+    wanted = [size for size in new_shape if size != 1]
+    found: list[int] = []
+    i = j = 0
+    while i < len(old) and j < len(wanted):
+        old_end, new_end = i + 1, j + 1
+        old_size, new_size = old[i][0], wanted[j]
+        while old_size != new_size:  # the smallest groups of axes of equal size
+            if old_size < new_size:
+                old_size *= old[old_end][0]
+                old_end += 1
+            else:
+                new_size *= wanted[new_end]
+                new_end += 1
+        if any(old[a][1] != old[a + 1][1] * old[a + 1][0] for a in range(i, old_end - 1)):
+            return None  # the group's axes are not laid out one inside the next
+        stride, group = old[old_end - 1][1], []
+        for size in reversed(wanted[j:new_end]):
+            group.append(stride)
+            stride *= size
+        found.extend(reversed(group))
+        i, j = old_end, new_end
+    found_iter = iter(found)
+    return tuple(0 if size == 1 else next(found_iter) for size in new_shape)

@@ -1,0 +1,130 @@
+"""compiler/views.py: chains of Transposes and Gathers of one constant row, with reshapes
+between them, folded into one StridedView. The strides a reshape of a strided view takes
+against numpy's no-copy reshape; compiled chains against the numpy reference (outputs
+filled with NaN first), and which ops remain: an attention layer's head split as
+PyTorch's MultiheadAttention exports it, a reshape no view can take (the chain starts
+again after it), an intermediate read elsewhere or kept (the chain ends there)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from helpers import random_array
+from numpy.lib.stride_tricks import as_strided
+
+import ranvier as rv
+from ranvier.compiler.views import _reshaped
+
+
+def _random_view(rng: np.random.Generator) -> np.ndarray:
+    """A view of a fresh array: its axes permuted, some stepped or cut."""
+    shape = rng.integers(1, 5, size=rng.integers(1, 5))
+    view = np.arange(math.prod(shape) * 4).reshape(*shape[:-1], shape[-1] * 4)
+    view = view[..., :: rng.integers(1, 5)][..., : shape[-1]]
+    return view.transpose(rng.permutation(view.ndim))
+
+
+def _factorings(size: int, rng: np.random.Generator) -> tuple[int, ...]:
+    """A random shape of `size` elements, size-1 axes among them."""
+    shape = []
+    while size > 1:
+        factor = int(rng.choice([d for d in range(2, size + 1) if size % d == 0]))
+        shape.append(factor)
+        size //= factor
+        if rng.random() < 0.2:
+            shape.append(1)
+    return tuple(shape) or (1,)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_reshape_of_a_view_is_a_view_exactly_where_numpy_reshapes_without_copying(seed):
+    rng = np.random.default_rng(seed)
+    view = _random_view(rng)
+    new_shape = _factorings(view.size, rng)
+    strides = _reshaped(view.shape, tuple(s // view.itemsize for s in view.strides), new_shape)
+    try:
+        expected = np.reshape(view, new_shape, copy=False)
+    except ValueError:
+        expected = None
+    if expected is None:
+        assert strides is None
+        return
+    assert strides is not None
+    flat = view.base if view.base is not None else view
+    offset = (view.__array_interface__["data"][0] - flat.__array_interface__["data"][0]) // view.itemsize
+    got = as_strided(flat.reshape(-1)[offset:], new_shape, [s * view.itemsize for s in strides])
+    np.testing.assert_array_equal(got, expected)
+
+
+def _run(build, shape):
+    """The chain `build` makes of x on the CPU, against the reference; the CPU cell's steps."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", shape)
+    outputs = build(f, x)
+    for y in outputs:
+        y.var.out = True
+    value = random_array(shape, "float32", seed=3)
+    results = []
+    for backend in ("cpu", "reference"):
+        cell = rv.Compiler(backend, cache=False).compile(flow).cell("f")
+        data = cell.instance()
+        data[x] = value
+        for y in outputs:
+            data[y] = np.full(y.shape, np.nan, np.float32)
+        data.compute()
+        results.append(([np.array(data[y]) for y in outputs], cell))
+    (got, cell), (want, _) = results
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)  # copies exact, an exp to its last bits
+    return [step.op.type for step in cell.steps]
+
+
+def _row(f, index: int):
+    return f.const(np.array(index, np.int64))
+
+
+def _heads(f, qkv, which: int):
+    """PyTorch's MultiheadAttention export: q, k or v of QKV [T, B, 3, D] as [B, H, T, D/H]."""
+    t, b, _, d = qkv.shape
+    part = f.gather(qkv.reshape([1, t, b, 3, d]).transpose([3, 1, 2, 0, 4]).reshape([3, t, b, d]), _row(f, which))
+    return part.reshape([t, b * 4, d // 4]).transpose([1, 0, 2]).reshape([b, 4, t, d // 4])
+
+
+def test_the_head_split_of_an_exported_attention_is_one_copy_a_head():
+    """QKV's Transpose, read by three Gathers, is made; each Gather, its reshapes and the
+    head split's Transpose are one StridedView."""
+    types = _run(lambda f, x: [_heads(f, x, which) for which in range(3)], [5, 2, 3, 16])
+    assert types.count("StridedView") == 3 and "Gather" not in types and types.count("Transpose") == 1
+
+
+def test_a_reshape_no_view_can_take_starts_the_chain_again():
+    """[4, 6] transposed, then merged whole: no strides read it in order; the Transposes
+    before and after are each their own copy (one each: nothing to fold)."""
+    types = _run(lambda f, x: [x.transpose([1, 0]).reshape([24]).reshape([6, 4]).transpose([1, 0])], [4, 6])
+    assert "StridedView" not in types and types.count("Transpose") == 2
+
+
+def test_two_transposes_with_a_reshape_between_are_one_copy():
+    types = _run(lambda f, x: [x.transpose([0, 2, 1]).reshape([3, 2, 2, 5]).transpose([2, 0, 3, 1])], [3, 5, 4])
+    assert types == ["StridedView"]
+
+
+def test_an_intermediate_read_elsewhere_is_made_and_the_chain_ends_there():
+    def build(f, x):
+        middle = x.transpose([1, 0, 2])
+        return [f.gather(middle, _row(f, 2)).transpose([1, 0]), middle.exp()]
+
+    types = _run(build, [3, 4, 5])
+    assert sorted(types) == ["Exp", "StridedView", "Transpose"]  # the Gather and Transpose after it: one copy
+
+
+def test_a_result_in_the_middle_of_a_chain_is_made():
+    def build(f, x):
+        middle = x.transpose([1, 0, 2])
+        return [f.gather(middle, _row(f, 1)).transpose([1, 0]), middle]
+
+    types = _run(build, [3, 4, 5])
+    assert sorted(types) == ["StridedView", "Transpose"]
