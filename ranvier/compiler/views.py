@@ -35,7 +35,7 @@ class _View:
 
 def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[[Operation], bool]) -> None:
     """Replace each chain of two or more copies (see the module) by one StridedView, where
-    the backend `runs` one whole."""
+    it reads rows (`_reads_rows`) and the backend `runs` one whole."""
     views: dict[str, _View] = {}
     for op in list(func.ops):
         view = _folded(op, views, func, keep)
@@ -44,8 +44,14 @@ def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[
         out = op.outputs[0]
         views[out.name] = view
         ends = not (_private(out, func, keep) and all(_step(reader, view) is not None for reader in out.consumers))
-        if ends and view.copies >= 2:
+        if ends and view.copies >= 2 and _reads_rows(view):
             _replace(flow, func, op, view, runs)
+
+
+def _reads_rows(view: _View) -> bool:
+    """Whether the view reads its innermost axis contiguously: one that does not (Kᵀ, NCHW →
+    NHWC) stays a chain, its Transpose of the innermost axis copied in tiles (TileTranspose)."""
+    return not view.shape or view.shape[-1] == 1 or view.strides[-1] == 1
 
 
 def _private(x: Variable, func: Function, keep: set[str]) -> bool:
