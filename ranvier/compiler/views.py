@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Function, Operation, Variable
-from ..ops import attrs_of, is_view
+from ..ops import attrs_of, is_view, unchanging_constant
 from .rewrite import splice
 
 
@@ -67,8 +67,8 @@ def _private(x: Variable, func: Function, keep: set[str]) -> bool:
 
 
 def _row_of_constant(op: Operation) -> int | None:
-    """The row a Gather of one constant index reads, else None."""
-    if op.type != "Gather" or len(op.inputs) != 2 or op.inputs[1].rank != 0 or not op.inputs[1].constant:
+    """The row a Gather of one constant index (that no op writes) reads, else None."""
+    if op.type != "Gather" or len(op.inputs) != 2 or op.inputs[1].rank != 0 or not unchanging_constant(op.inputs[1]):
         return None
     return int(op.inputs[1].data)
 
