@@ -1,10 +1,10 @@
-"""compiler/views.py: chains of Transposes and Gathers of one constant row, with reshapes
-between them, folded into one StridedView. The strides a reshape of a strided view takes
-against numpy's no-copy reshape; compiled chains against the numpy reference (outputs
-filled with NaN first), and which ops remain: an attention layer's head split as
-PyTorch's MultiheadAttention exports it, a reshape no view can take (the chain starts
-again after it), an intermediate read elsewhere or kept (the chain ends there), a chain
-whose result reads its input across rows (left alone)."""
+"""compiler/views.py: chains of Transposes, Gathers of one constant row and Splits, with
+reshapes between them, folded into one StridedView. The strides a reshape of a strided view
+takes against numpy's no-copy reshape; compiled chains against the numpy reference
+(outputs filled with NaN first), and which ops remain: an attention layer's head split as
+PyTorch's MultiheadAttention exports it and as GPT-2's does (a Split), a reshape no view
+can take (the chain starts again after it), an intermediate read elsewhere or kept (the
+chain ends there), a chain whose result reads its input across rows (left alone)."""
 
 from __future__ import annotations
 
@@ -135,3 +135,22 @@ def test_a_chain_that_moves_the_innermost_axis_stays_a_chain():
     """Its Transpose is copied in tiles; a StridedView would read a column at a time."""
     types = _run(lambda f, x: [f.gather(x.transpose([2, 0, 1]), _row(f, 1)).transpose([1, 0])], [6, 4, 3])
     assert "StridedView" not in types and "Gather" in types
+
+
+def test_a_split_into_heads_is_one_copy_a_part():
+    """GPT-2's export: QKV Split along its features, each part's heads split by a Transpose."""
+
+    def build(f, x):
+        return [part.reshape([2, 5, 2, 4]).transpose([0, 2, 1, 3]) for part in f.split(x, [8, 8, 8], axis=-1)]
+
+    types = _run(build, [2, 5, 24])
+    assert types == ["StridedView"] * 3
+
+
+def test_a_split_with_a_part_read_as_it_is_stays():
+    def build(f, x):
+        first, second = f.split(x, 2, axis=1)
+        return [first.reshape([2, 3, 2, 4]).transpose([0, 2, 1, 3]), second.exp()]
+
+    types = _run(build, [2, 6, 8])
+    assert sorted(types) == ["Exp", "Split", "StridedView"]

@@ -1,11 +1,12 @@
-"""Chains of copies through views folded into one: Transposes and Gathers of one constant
-row, with reshapes between them, whose results only the next op of the chain reads, become
-one StridedView of the chain's first input.
+"""Chains of copies through views folded into one: Transposes, Gathers of one constant row
+and Splits, with reshapes between them, whose results only the next op of the chain reads,
+become one StridedView of the chain's first input (a Split's parts one each).
 
-An attention layer exported from PyTorch's MultiheadAttention copies its activations ten
-times where one copy each of q, k and v would do: QKV's Transpose, three Gathers of its
-rows, three head-splitting Transposes. Each copy is a pass over memory and, on several
-cores, a step the pool's threads meet at; one StridedView reads the same elements once.
+An attention layer exported from PyTorch's MultiheadAttention copies q, k and v seven
+times (QKV's Transpose, a Gather of each one's rows, a head-splitting Transpose each):
+folded, four (QKV's Transpose, a StridedView each); GPT-2's splits QKV, then each part's
+heads: four copies, folded three. Each copy is a pass over memory and, on several cores, a
+step the pool's threads meet at.
 
 A view is (offset, shape, strides) in elements of the chain's source. A reshape of a view
 keeps it a view where each group of axes it merges or splits is laid out contiguously
@@ -38,14 +39,11 @@ def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[
     it reads rows (`_reads_rows`) and the backend `runs` one whole."""
     views: dict[str, _View] = {}
     for op in list(func.ops):
-        view = _folded(op, views, func, keep)
-        if view is None:
-            continue
-        out = op.outputs[0]
-        views[out.name] = view
-        ends = not (_private(out, func, keep) and all(_step(reader, view) is not None for reader in out.consumers))
-        if ends and view.copies >= 2 and _reads_rows(view):
-            _replace(flow, func, op, view, runs)
+        for out, view in zip(op.outputs, _folded(op, views, func, keep) or ()):
+            views[out.name] = view
+            ends = not (_private(out, func, keep) and all(_step(reader, view) is not None for reader in out.consumers))
+            if ends and view.copies >= 2 and _reads_rows(view) and len(op.outputs) == 1:
+                _replace(flow, func, op, view, runs)
 
 
 def _reads_rows(view: _View) -> bool:
@@ -62,8 +60,8 @@ def _private(x: Variable, func: Function, keep: set[str]) -> bool:
     if len(x.consumers) != 1 or x.name in keep or x.out:
         return False
     (reader,) = x.consumers
-    return reader.func is func and len(reader.outputs) == 1 and reader.inputs[0] is x and (
-        is_view(reader) or reader.type == "Transpose" or _row_of_constant(reader) is not None)
+    return reader.func is func and reader.inputs[0] is x and (
+        is_view(reader) or reader.type == "Transpose" or _row_of_constant(reader) is not None or _split_axis(reader) is not None)
 
 
 def _row_of_constant(op: Operation) -> int | None:
@@ -73,9 +71,16 @@ def _row_of_constant(op: Operation) -> int | None:
     return int(op.inputs[1].data)
 
 
-def _folded(op: Operation, views: dict[str, _View], func: Function, keep: set[str]) -> _View | None:
-    """`op`'s result as a view of its chain's source, or None where `op` is no view copy."""
-    if op.func is not func or len(op.outputs) != 1 or not op.inputs:
+def _split_axis(op: Operation) -> int | None:
+    """The axis a Split cuts, given by a constant no op writes, else None."""
+    if op.type != "Split" or len(op.inputs) != 3 or not unchanging_constant(op.inputs[2]):
+        return None
+    return int(op.inputs[2].data.reshape(-1)[0]) % op.inputs[0].rank
+
+
+def _folded(op: Operation, views: dict[str, _View], func: Function, keep: set[str]) -> list[_View] | None:
+    """`op`'s results as views of its chain's source, or None where `op` is no view copy."""
+    if op.func is not func or not op.outputs or not op.inputs:
         return None
     x = op.inputs[0]
     start = views.get(x.name) if _private(x, func, keep) else None
@@ -88,22 +93,30 @@ def _folded(op: Operation, views: dict[str, _View], func: Function, keep: set[st
     return step
 
 
-def _step(op: Operation, view: _View) -> _View | None:
-    """`view` through `op`, or None where `op` is none of the ops a view folds."""
+def _step(op: Operation, view: _View) -> list[_View] | None:
+    """`view` through `op`, a view for each of its results, or None where `op` is none of
+    the ops a view folds."""
     out = op.outputs[0]
     copies, ops = view.copies, (*view.ops, op)
     if is_view(op) and len(op.inputs) <= 2:
         strides = _reshaped(view.shape, view.strides, tuple(out.shape))
-        return None if strides is None else _View(view.source, view.offset, tuple(out.shape), strides, copies, ops)
+        return None if strides is None else [_View(view.source, view.offset, tuple(out.shape), strides, copies, ops)]
     if op.type == "Transpose":
         perm = attrs_of(op)["perm"] or list(reversed(range(len(view.shape))))
-        return _View(view.source, view.offset, tuple(view.shape[p] for p in perm), tuple(view.strides[p] for p in perm),
-                     copies + 1, ops)
+        return [_View(view.source, view.offset, tuple(view.shape[p] for p in perm), tuple(view.strides[p] for p in perm),
+                      copies + 1, ops)]
     row = _row_of_constant(op)
     if row is not None:
         if not 0 <= row < view.shape[0]:
             return None  # the Gather's own check names the index
-        return _View(view.source, view.offset + row * view.strides[0], view.shape[1:], view.strides[1:], copies + 1, ops)
+        return [_View(view.source, view.offset + row * view.strides[0], view.shape[1:], view.strides[1:], copies + 1, ops)]
+    axis = _split_axis(op)
+    if axis is not None:  # each part a slice of the view along the axis
+        parts, first = [], 0
+        for part in op.outputs:
+            parts.append(_View(view.source, view.offset + first * view.strides[axis], tuple(part.shape), view.strides, copies + 1, ops))
+            first += part.shape[axis]
+        return parts
     return None
 
 
