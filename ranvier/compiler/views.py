@@ -38,7 +38,7 @@ def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[
     """Replace each chain of two or more copies (see the module) by one StridedView, where
     it reads rows (`_reads_rows`) and the backend `runs` one whole."""
     views: dict[str, _View] = {}
-    for op in list(func.ops):
+    for op in flow.op_order(func):  # producers first: a chain is seen from its start
         for out, view in zip(op.outputs, _folded(op, views, func, keep) or ()):
             views[out.name] = view
             ends = not (_private(out, func, keep) and all(_step(reader, view) is not None for reader in out.consumers))
