@@ -15,7 +15,7 @@ keeps it a view where each group of axes it merges or splits is laid out contigu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..flow.builder import Builder
@@ -66,16 +66,18 @@ def _private(x: Variable, func: Function, keep: set[str]) -> bool:
 
 def _row_of_constant(op: Operation) -> int | None:
     """The row a Gather of one constant index (that no op writes) reads, else None."""
-    if op.type != "Gather" or len(op.inputs) != 2 or op.inputs[1].rank != 0 or not unchanging_constant(op.inputs[1]):
+    data = op.inputs[1].data if op.type == "Gather" and len(op.inputs) == 2 else None
+    if data is None or data.ndim != 0 or not unchanging_constant(op.inputs[1]):
         return None
-    return int(op.inputs[1].data)
+    return int(data)
 
 
 def _split_axis(op: Operation) -> int | None:
     """The axis a Split cuts, given by a constant no op writes, else None."""
-    if op.type != "Split" or len(op.inputs) != 3 or not unchanging_constant(op.inputs[2]):
+    data = op.inputs[2].data if op.type == "Split" and len(op.inputs) == 3 else None
+    if data is None or not unchanging_constant(op.inputs[2]):
         return None
-    return int(op.inputs[2].data.reshape(-1)[0]) % op.inputs[0].rank
+    return int(data.reshape(-1)[0]) % op.inputs[0].rank
 
 
 def _folded(op: Operation, views: dict[str, _View], func: Function, keep: set[str]) -> list[_View] | None:
@@ -138,7 +140,7 @@ def _replace(flow: Flow, func: Function, last: Operation, view: _View, runs: Cal
                 flow.remove_var(var)
 
 
-def _contiguous(shape) -> tuple[int, ...]:
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
