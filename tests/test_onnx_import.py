@@ -285,6 +285,8 @@ NODE_CASES = [
     case("GlobalMaxPool", {"x": IMAGE}),
     case("Pad", {"x": X234, "p": known(0, 1, 2, 1, 0, 3), "v": Known(np.float32(1.5))}, opset=13),
     case("Pad", {"x": X234, "p": known(0, 1, 0, 0, 2, 1)}, opset=13, id="zeros"),
+    case("Pad", {"x": X234, "p": known(0, 1, 2, 1, 0, 3), "v": Known(np.float32([-1.5]))}, opset=13,
+         id="value-of-shape-1"),  # as ONNX's Attention function passes it
     case("Pad", {"x": X234, "p": known(2, 1, 0, 3), "v": Known(np.float32(-2)), "a": known(-1, 0)}, opset=18,
          id="axes"),
     case("Pad", {"x": X234}, opset=2, pads=[0, 1, 1, 0, 2, 0], value=0.5, id="opset2"),

@@ -471,7 +471,13 @@ def pad(node: Node):
         raise node.error(f"mode {mode!r} is not one of constant, edge, reflect, wrap")
     pads = node.ints(1, "pads") if node.opset >= 11 else [int(p) for p in node.attr("pads")]
     value = node.optional(2) if node.opset >= 11 else node.attr("value", 0.0)
-    value = float(node.constant(2, "constant value")) if node.opset >= 11 and value is not None else float(value or 0.0)
+    if node.opset >= 11 and value is not None:
+        given = np.asarray(node.constant(2, "constant value"))
+        if given.size != 1:  # ONNX's functions pass it as one value of shape [1] as well as a scalar
+            raise node.error(f"its constant value of shape {list(given.shape)} is not one value")
+        value = float(given.reshape(()))
+    else:
+        value = float(value or 0.0)
     axes = [node.axis(a, x.rank) for a in node.ints(3, "axes")] if node.optional(3) is not None else list(range(x.rank))
     before, after = [0] * x.rank, [0] * x.rank
     for i, axis in enumerate(axes):
