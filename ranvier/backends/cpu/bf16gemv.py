@@ -31,7 +31,22 @@ from llvmlite import ir
 
 from ...dtypes import DT_BFLOAT16
 from ..llvm.convert import narrow
-from ..llvm.irutil import BF16, BYTE_PTR, F32, I1, I32, I64, VOID, constant, declared, for_range, i64, splat
+from ..llvm.irutil import (
+    BF16,
+    BYTE_PTR,
+    F32,
+    I1,
+    I32,
+    I64,
+    VOID,
+    cache_line_aligned,
+    constant,
+    declared,
+    for_range,
+    i64,
+    padded_run,
+    splat,
+)
 from . import jit
 from .sgemm import panel_width
 from .target import CPUTarget
@@ -77,19 +92,14 @@ def build_module(target: CPUTarget) -> ir.Module:
 
     # x's pairs: each vector of 16 floats rounded to bf16 is 8 pairs; the last, partial one
     # from a buffer of zeros past k
-    address = b.ptrtoint(workspace, I64)
-    pairs = b.inttoptr(b.and_(b.add(address, i64(63)), i64(-64)), I32.as_pointer())
+    pairs = cache_line_aligned(b, workspace, I32.as_pointer())
     buffer = b.alloca(F32, i64(_LANES))
     half = ir.VectorType(I32, _LANES // 2)
     chunks = b.sdiv(b.add(k, i64(_LANES - 1)), i64(_LANES))
     whole = b.sdiv(k, i64(_LANES))
     with for_range(b, i64(0), chunks, name="xc") as chunk:
         first = b.mul(chunk, i64(_LANES))
-        with b.if_then(b.icmp_signed(">=", chunk, whole)), for_range(b, i64(0), i64(_LANES), name="xt") as e:
-            inside = b.icmp_signed("<", b.add(first, e), k)
-            value = b.load(b.gep(x, [b.select(inside, b.add(first, e), i64(0))]))
-            b.store(b.select(inside, value, ir.Constant(F32, 0.0)), b.gep(buffer, [e]))
-        source = b.select(b.icmp_signed(">=", chunk, whole), buffer, b.gep(x, [first]))
+        source = padded_run(b, x, first, k, _LANES, buffer, b.icmp_signed(">=", chunk, whole))
         values = b.load(b.bitcast(source, floats.as_pointer()), align=4)
         target_slots = b.bitcast(b.gep(pairs, [b.mul(chunk, i64(_LANES // 2))]), half.as_pointer())
         b.store(b.bitcast(narrow(b, values, DT_BFLOAT16, _LANES), half), target_slots, align=4)

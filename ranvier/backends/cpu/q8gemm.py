@@ -44,11 +44,13 @@ from ..llvm.irutil import (
     I32,
     I64,
     VOID,
+    by_strips,
     constant,
     declared,
     for_range,
     i64,
     intrinsic,
+    padded_run,
     splat,
     use_features,
 )
@@ -250,12 +252,7 @@ class _Emitter:
             starts = b.bitcast(b.gep(row, [b.mul(blocks, i64(BLOCK + 4))]), I32.as_pointer())
             with for_range(b, i64(0), blocks, name="qb") as block:
                 first = b.mul(block, i64(BLOCK))
-                # the partial last block, padded
-                with b.if_then(b.icmp_signed(">=", block, whole)), for_range(b, i64(0), i64(BLOCK), name="qp") as p:
-                    inside = b.icmp_signed("<", b.add(first, p), k)
-                    value = b.load(b.gep(source, [b.select(inside, b.add(first, p), i64(0))]))
-                    b.store(b.select(inside, value, ir.Constant(F32, 0.0)), b.gep(buffer, [p]))
-                start = b.select(b.icmp_signed(">=", block, whole), buffer, b.gep(source, [first]))
+                start = padded_run(b, source, first, k, BLOCK, buffer, b.icmp_signed(">=", block, whole))
                 values = [b.load(b.bitcast(b.gep(start, [i64(v * lanes)]), self.floats.as_pointer()), align=4)
                           for v in range(per_block)]
                 largest = b.call(fabs, [values[0]])
@@ -341,7 +338,6 @@ def build_module(target: CPUTarget) -> ir.Module:
     emit.quantize_rows(b, m, k, a, lda, rows, row_bytes)
     scales, starts = b.gep(rows, [b.mul(blocks, i64(BLOCK))]), b.gep(rows, [b.mul(blocks, i64(BLOCK + 4))])
     panel_bytes = b.mul(blocks, i64((BLOCK + 2) * nr))
-    full_rows = b.mul(b.sdiv(m, i64(mr)), i64(mr))
     with for_range(b, i64(0), n, step=nr, name="jr") as j:
         panel = b.gep(panels, [b.mul(b.sdiv(j, i64(nr)), panel_bytes)])
         remaining = b.sub(n, j)
@@ -352,11 +348,6 @@ def build_module(target: CPUTarget) -> ir.Module:
             b.call(tiles[count], [blocks, b.gep(rows, [at]), row_bytes, b.gep(scales, [at]), b.gep(starts, [at]), panel,
                                   b.gep(c, [b.add(b.mul(i0, ldc), j)]), ldc, columns])
 
-        with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
-            strip(i0, mr)
-        left = b.sub(m, full_rows)
-        for count in range(1, mr):
-            with b.if_then(b.icmp_signed("==", left, i64(count))):
-                strip(full_rows, count)
+        by_strips(b, m, mr, strip)
     b.ret_void()
     return module

@@ -107,6 +107,7 @@ from ..llvm.irutil import (
     I32,
     I64,
     VOID,
+    by_strips,
     cache_line_aligned,
     constant,
     declared,
@@ -968,7 +969,6 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
         return b.select(b.icmp_signed("<", x, y), x, y)
 
     mr = emit.mr
-    full_rows = b.mul(b.sdiv(m, i64(mr)), i64(mr))
     # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
     depth = b.select(b.icmp_signed("==", m, i64(1)), i64(ROW_KC), i64(KC)) if narrow else i64(PAIRS_KC if pairs else KC)
     slices = b.sdiv(b.add(k, b.sub(depth, i64(1))), depth)
@@ -1120,10 +1120,5 @@ def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block
                         b.call(tiles[rows, "dot"], [kc, read_a, row_step, edge, b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, last_first))]),
                                                     ldc, edge_columns, accumulate])
 
-            with for_range(b, i64(0), full_rows, step=mr, name="ir") as i0:
-                strip(i0, mr)
-            left = b.sub(m, full_rows)
-            for rows in range(1, mr):
-                with b.if_then(b.icmp_signed("==", left, i64(rows))):
-                    strip(full_rows, rows)
+            by_strips(b, m, mr, strip)
     b.ret_void()

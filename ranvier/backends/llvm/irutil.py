@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from llvmlite import ir
@@ -159,6 +159,31 @@ def for_range(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int = 1, n
     index.add_incoming(following, b.block)
     b.branch(header)
     b.position_at_end(done)
+
+
+def by_strips(b: ir.IRBuilder, m: ir.Value, height: int, strip: Callable[[ir.Value, int], None]) -> None:
+    """Rows [0, m) in strips of `height` rows, `strip(first row, rows)`, then the m % height rows
+    left as one strip of that many: a kernel whose tiles are unrolled per strip height calls
+    each with a constant count."""
+    full = b.mul(b.sdiv(m, i64(height)), i64(height))
+    with for_range(b, i64(0), full, step=height, name="ir") as first:
+        strip(first, height)
+    left = b.sub(m, full)
+    for rows in range(1, height):
+        with b.if_then(b.icmp_signed("==", left, i64(rows))):
+            strip(full, rows)
+
+
+def padded_run(b: ir.IRBuilder, source: ir.Value, first: ir.Value, stop: ir.Value, count: int, buffer: ir.Value,
+               partial: ir.Value) -> ir.Value:
+    """A pointer to the `count` floats of `source` from `first`: `source` itself, or where
+    `partial` (a row's last run, past its end) `buffer` holding those before `stop` and zeros
+    after them, so a vector loop reads its last run whole."""
+    with b.if_then(partial), for_range(b, i64(0), i64(count), name="pad") as e:
+        inside = b.icmp_signed("<", b.add(first, e), stop)
+        value = b.load(b.gep(source, [b.select(inside, b.add(first, e), i64(0))]))
+        b.store(b.select(inside, value, ir.Constant(F32, 0.0)), b.gep(buffer, [e]))
+    return b.select(partial, buffer, b.gep(source, [first]))
 
 
 CACHE_LINE = 64  # bytes
