@@ -9,6 +9,8 @@ reference's. `check` compares an
 output against an expectation computed independently in the test, with a
 tolerance that suits the output dtype. `run_gpu_kernels_on_host` runs an op's CUDA
 kernels compiled for this CPU (the code the GPU gets, its threads one after another).
+`shape_error` returns the message of a build that must fail, and `language_model_trainer`
+builds the Llama or MoE training step several backends' tests train.
 """
 
 from __future__ import annotations
