@@ -247,10 +247,12 @@ def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkp
     import ranvier as rv
     from ranvier.train.losses import softmax_cross_entropy
     from ranvier.train.optimizers import AdamW
+    from ranvier.train.options import TrainOptions
     from ranvier.train.trainer import Trainer
 
     vocab = model.config.vocab_size
     optimizer = AdamW(lr=1e-4, beta2=0.95, weight_decay=0.1, decay_matrices_only=True)
+    options = TrainOptions(clip_norm=1.0, matmul=matmul, backend=backend, precision=precision)
 
     def lm_loss(b, logits, targets):
         return softmax_cross_entropy(logits.reshape([batch * seq, vocab]), targets.reshape([batch * seq]))
@@ -260,7 +262,7 @@ def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkp
         from ranvier.train.stack import CheckpointedStack
 
         window = ("int32", [batch, seq])
-        trainer = CheckpointedStack(model, window, window, lm_loss, optimizer, clip_norm=1.0, matmul=matmul, backend=backend)
+        trainer = CheckpointedStack(model, window, window, lm_loss, optimizer, options)
     else:
         flow = rv.Flow()
         f = rv.Builder(flow, "train")
@@ -272,8 +274,7 @@ def ranvier_trainer(model, batch: int, seq: int, matmul: str = "float32", checkp
         aux = model.auxiliary_loss(f)
         if aux is not None:
             loss = loss + aux
-        trainer = Trainer(loss, list(params.values()), optimizer, clip_norm=1.0, inputs=[tokens, targets], matmul=matmul,
-                          backend=backend, precision=precision)
+        trainer = Trainer(loss, list(params.values()), optimizer, options, inputs=[tokens, targets])
     kind = f"{backend}, {matmul}" + (", checkpointed" if checkpointed else "") + (f", {precision} activations" if precision != "float32" else "")
     print(f"ranvier ({kind}) compiled the training step in {time.perf_counter() - start:.1f}s")
     return trainer

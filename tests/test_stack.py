@@ -14,6 +14,7 @@ from ranvier.flow.graph import Flow
 from ranvier.models.llama import Llama, LlamaConfig
 from ranvier.train.losses import softmax_cross_entropy
 from ranvier.train.optimizers import AdamW
+from ranvier.train.options import TrainOptions
 from ranvier.train.schedules import WarmupCosine
 from ranvier.train.stack import CheckpointedStack
 from ranvier.train.trainer import Trainer
@@ -81,10 +82,9 @@ def test_gradients_equal_the_monolithic_backward(shared):
 @pytest.mark.slow
 def test_training_matches_the_monolithic_trainer_and_shares_its_checkpoints(tmp_path):
     c = config()
-    options = {
-        "optimizer": AdamW(lr=3e-3, beta2=0.95, weight_decay=0.1, decay_matrices_only=True),
-        "schedule": WarmupCosine(lr=3e-3, warmup=2, total=6, floor=3e-4), "clip_norm": 0.5,
-    }
+    schedule = WarmupCosine(lr=3e-3, warmup=2, total=6, floor=3e-4)
+    options = {"optimizer": AdamW(lr=3e-3, beta2=0.95, weight_decay=0.1, decay_matrices_only=True),
+               "options": TrainOptions(schedule=schedule, clip_norm=0.5)}  # one options object for both
     streamed = stack(c, **options)
     whole, _ = monolithic(c, **options)
     for step in range(4):
@@ -103,9 +103,9 @@ def test_training_matches_the_monolithic_trainer_and_shares_its_checkpoints(tmp_
     x, y = batch(9)
     assert resumed.step([x, y]) == pytest.approx(streamed.step([x, y]), rel=1e-6)
     resumed.save(tmp_path / "whole")
-    again = stack(c, **options)
+    again = stack(c, optimizer=options["optimizer"], clip_norm=0.5)  # the schedule comes back with the checkpoint
     again.load(tmp_path / "whole")
-    assert again.step_count == 5
+    assert again.step_count == 5 and again.schedule == schedule
     for name, array in again.state_arrays().items():
         np.testing.assert_array_equal(array, resumed.state_arrays()[name], err_msg=name)
 
@@ -158,6 +158,19 @@ def test_loss_runs_forward_only_and_agrees_with_the_training_loss():
     assert s.loss(x, y) < forward  # the step learned something
     profile = s.profile()
     assert profile.total > 0 and any("layer_backward" in step.op.name for step in profile.steps)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"precision": "bfloat16"}, "CheckpointedStack takes no precision='bfloat16': half-precision activations are the "
+                                "Trainer's"),
+    ({"loss_scale": 1024.0}, "CheckpointedStack takes no loss_scale=1024.0: the stack's activations and gradients are "
+                             "float32"),
+    ({"clip": 1.0}, "CheckpointedStack got unknown option clip; its options are schedule, clip_norm,"),
+])
+def test_options_the_stack_cannot_honour_are_refused_by_name(setting, message):
+    with pytest.raises(RanvierError) as caught:
+        stack(config(layers=1), **setting)
+    assert str(caught.value).startswith(message)
 
 
 def test_bad_batches_and_unequal_layers_are_refused():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ranvier as rv
+from ranvier.distributed import World
 from ranvier.models import CNN, MLP
 from ranvier.train import schedules
 from ranvier.train.checkpoint import CheckpointError
@@ -17,6 +18,7 @@ from ranvier.train.classifier import build_classifier
 from ranvier.train.loss_scale import DynamicLossScale
 from ranvier.train.losses import mse, softmax_cross_entropy
 from ranvier.train.optimizers import SGD, Adam, AdamW
+from ranvier.train.options import TrainOptions
 from ranvier.train.trainer import Trainer
 from ranvier.train.unrolled import UnrolledTrainer
 
@@ -100,7 +102,23 @@ def test_schedules():
     linear = schedules.LinearDecay(lr=1.0, total=100, floor=0.0, warmup=0)
     assert linear(0) == 1.0 and linear(50) == pytest.approx(0.5) and linear(200) == 0.0
     assert schedules.Constant(0.3)(1000) == 0.3
-    assert schedules.from_dict(schedules.to_dict(cosine)) == cosine
+    assert schedules.from_dict(schedules.to_dict(cosine), "checkpoint.json") == cosine
+    assert schedules.from_dict({"type": "LinearDecay", "lr": 1, "total": 100}, "c.json") == schedules.LinearDecay(1.0, 100)
+    assert schedules.to_dict(lambda step: 0.1) is None  # a function of the caller's: a checkpoint cannot rebuild it
+
+
+@pytest.mark.parametrize("saved, message", [
+    ({"type": "Cosine", "lr": 1.0}, 'c.json: schedule is {"type": "Cosine", "lr": 1.0}, expected an object whose type is '
+                                    "one of Constant, WarmupCosine, LinearDecay"),
+    ([1, 2], "c.json: schedule is [1, 2], expected an object"),
+    ({"type": "Constant"}, "c.json: the Constant schedule has no settings, expected lr"),
+    ({"type": "Constant", "lr": 1.0, "warmup": 3}, "c.json: the Constant schedule has lr, warmup, expected lr"),
+    ({"type": "WarmupCosine", "lr": 1.0, "warmup": 2.5, "total": 10}, "c.json: warmup is 2.5, expected an integer"),
+])
+def test_a_saved_schedule_that_is_not_one_is_refused_by_name(saved, message):
+    with pytest.raises(rv.RanvierError) as caught:
+        schedules.from_dict(saved, "c.json")
+    assert str(caught.value).startswith(message)
 
 
 def test_schedule_feeds_the_compiled_step():
@@ -188,10 +206,8 @@ def test_trainer_learns_and_evaluates_with_shared_parameters():
     assert trainer.evaluate(X).shape == (96, 3)  # 96 = 2 full eval batches + a padded one
 
 
-def test_unrolled_trainer_equals_single_steps():
-    single = classifier_trainer()
-    expected = single.train(8, progress=False)
-
+def unrolled_trainer(options: TrainOptions | None = None, **kwargs) -> UnrolledTrainer:
+    """classifier_trainer's model and data, 4 steps a call."""
     flow = rv.Flow()
     model = MLP([7, 16, 3], seed=3)
 
@@ -201,12 +217,91 @@ def test_unrolled_trainer_equals_single_steps():
         return softmax_cross_entropy(model(b, x, params), y)
 
     params = list(model.parameters(rv.Builder(flow, "train_unrolled")).values())
-    unrolled = UnrolledTrainer(flow, build, params, 4, Adam(lr=0.01))
+    unrolled = UnrolledTrainer(flow, build, params, 4, Adam(lr=0.01), options, **kwargs)
     unrolled.set_dataset([X, Y.argmax(axis=1).astype(np.int32)], seed=5)
+    return unrolled
+
+
+def test_unrolled_trainer_equals_single_steps():
+    options = TrainOptions(clip_norm=0.5, schedule=schedules.LinearDecay(lr=0.02, total=8))
+    single = classifier_trainer(options=options)
+    expected = single.train(8, progress=False)
+    unrolled = unrolled_trainer(options)
     got = [loss for call in unrolled.train(2, progress=False) for loss in call]
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     np.testing.assert_allclose(unrolled.network["mlp/W0"], single.network["mlp/W0"], rtol=1e-6)
     assert unrolled.step_count == 8
+    assert unrolled.grad_norm == pytest.approx(single.grad_norm, rel=1e-5)  # the last of its 4 steps'
+    with pytest.raises(rv.RanvierError, match="the gradient norm is not computed: create the UnrolledTrainer with clip_norm"):
+        _ = unrolled_trainer().grad_norm
+
+
+def test_one_options_object_for_every_trainer_and_keywords_in_place_of_its_fields():
+    options = TrainOptions(clip_norm=0.5, track_grad_norm=True)
+    by_object, by_keywords = classifier_trainer(options=options), classifier_trainer(clip_norm=0.5, track_grad_norm=True)
+    assert by_object.train(3, progress=False) == by_keywords.train(3, progress=False)
+    assert classifier_trainer(options=options, clip_norm=None).options == TrainOptions(track_grad_norm=True)
+    with pytest.raises(rv.RanvierError, match=r"Trainer got unknown option clip; its options are schedule, clip_norm, "):
+        classifier_trainer(clip=1.0)
+    with pytest.raises(rv.RanvierError, match="accumulate must be an integer >= 1, got 0"):
+        TrainOptions(accumulate=0)
+    with pytest.raises(rv.RanvierError, match=r"clip_norm must be above 0 \(or None: no clipping\), got -1"):
+        classifier_trainer(clip_norm=-1)
+
+
+class TwoRanks(World):
+    size = 2
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"accumulate": 2}, "UnrolledTrainer takes no accumulate=2: each of its K steps takes one batch"),
+    ({"loss_scale": 128.0}, "UnrolledTrainer takes no loss_scale=128.0: its K steps run in one compute() call"),
+    ({"precision": "bfloat16"}, "UnrolledTrainer takes no precision='bfloat16': its steps hand the updated parameters"),
+    ({"world": TwoRanks()}, "the UnrolledTrainer applies its K updates inside one compute() call"),
+])
+def test_the_unrolled_trainer_refuses_what_it_cannot_honour_by_name(setting, message):
+    with pytest.raises(rv.RanvierError) as caught:
+        unrolled_trainer(TrainOptions(**setting))
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("kind", ["Trainer", "UnrolledTrainer"])
+def test_resume_restores_the_schedule(tmp_path, kind):
+    """A trainer built anew (with the optimizer's constant rate) takes the checkpoint's
+    schedule: the rates it feeds and the losses after the resume are the uninterrupted run's."""
+    make = classifier_trainer if kind == "Trainer" else unrolled_trainer
+    calls = 4 if kind == "Trainer" else 1  # 4 steps either way
+    schedule = schedules.WarmupCosine(lr=0.05, warmup=3, total=16, floor=0.001)
+
+    def run(trainer, calls: int) -> tuple[list[float], list[float]]:
+        losses, rates = [], []
+        for _ in range(calls):
+            losses += np.ravel(trainer.step()).tolist()
+            rates += np.ravel(trainer.data[trainer.lr_var if kind == "Trainer" else trainer.lrs_var]).tolist()
+        return losses, rates
+
+    expected = run(make(schedule=schedule), 2 * calls)
+    first = make(schedule=schedule)
+    losses, rates = run(first, calls)
+    first.save(tmp_path / "checkpoint")
+    resumed = make()
+    resumed.load(tmp_path / "checkpoint")
+    assert resumed.schedule == schedule
+    more_losses, more_rates = run(resumed, calls)
+    assert rates + more_rates == expected[1]
+    assert losses + more_losses == expected[0]  # bit for bit on the same backend
+
+
+def test_a_schedule_of_the_callers_is_kept_on_load(tmp_path):
+    def halving(step: int) -> float:
+        return 0.02 / 2 ** step
+
+    first = classifier_trainer(schedule=halving)
+    first.train(2, progress=False)
+    first.save(tmp_path / "checkpoint")
+    resumed = classifier_trainer(schedule=halving)
+    resumed.load(tmp_path / "checkpoint")
+    assert resumed.schedule is halving and resumed.step_count == 2
 
 
 def test_checkpoint_resume_is_exact(tmp_path):

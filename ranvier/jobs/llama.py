@@ -45,6 +45,7 @@ from ..train.budget import plan_steps
 from ..train.checkpoint import METADATA, CheckpointError
 from ..train.losses import softmax_cross_entropy
 from ..train.optimizers import AdamW
+from ..train.options import TrainOptions
 from ..train.runs import LlamaRunConfig, family_of, model_config_for, read_run, run_tokenizer
 from ..train.schedules import WarmupCosine
 from ..train.stack import CheckpointedStack
@@ -191,15 +192,15 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
 
     optimizer = AdamW(lr=config.lr, beta1=0.9, beta2=0.95, weight_decay=config.weight_decay, decay_matrices_only=True)
     schedule = lr_schedule(config)
-    options = {"schedule": schedule, "clip_norm": config.clip, "backend": config.backend, "cpu": config.cpu,
-               "matmul": rundir.requested_matmul(config), "zero": config.zero}
+    options = TrainOptions(schedule=schedule, clip_norm=config.clip, accumulate=config.accumulate, precision=config.precision,
+                           backend=config.backend, cpu=config.cpu, matmul=rundir.requested_matmul(config), zero=config.zero)
     entropy = float(manifest.get("unigram_entropy", math.nan))
     if config.checkpointed:
         if config.precision != "float32":
             raise RanvierError(f"--precision {config.precision} stores a whole step's activations in one cell; "
                                "it does not combine with --checkpointed")
         window = ("int32", [batch, config.seq])
-        stack = CheckpointedStack(model, window, window, lm_loss, optimizer, accumulate=config.accumulate, **options)
+        stack = CheckpointedStack(model, window, window, lm_loss, optimizer, options)
         return LlamaRun(stack, model, train, validation, stack.loss, entropy)
 
     flow = Flow()
@@ -222,8 +223,7 @@ def build(config: LlamaRunConfig, run_dir: Path) -> LlamaRun:
     eval_loss = lm_loss(e, model(e, eval_tokens), eval_targets, name="loss")
     eval_loss.var.out = True
 
-    trainer = Trainer(loss, list(params.values()), optimizer, inputs=[tokens, targets], accumulate=config.accumulate,
-                      watch=watch, precision=config.precision, **options)
+    trainer = Trainer(loss, list(params.values()), optimizer, options, inputs=[tokens, targets], watch=watch)
     eval_data = trainer.network.cell("eval").instance()
 
     def evaluate(x: np.ndarray, y: np.ndarray) -> float:
@@ -308,6 +308,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
     if resume and rundir.checkpoint_step(run_dir) is not None:
         metadata = trainer.load(run_dir / "checkpoint")
         restore_sampler_rng(rng, metadata.get("rng"), run_dir / "checkpoint" / METADATA)
+        trainer.schedule = lr_schedule(config)  # the run's config plans it: a resume may have changed --steps
     rundir.keep_metrics_until(metrics_path, trainer.step_count)
     world = trainer.world
     progress, dashboard = progress and world.is_root, dashboard and world.is_root

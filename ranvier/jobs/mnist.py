@@ -22,6 +22,7 @@ from ..train import runs
 from ..train.budget import plan_steps
 from ..train.classifier import build_classifier
 from ..train.optimizers import SGD, Adam, AdamW
+from ..train.options import TrainOptions
 from ..train.schedules import Constant
 from ..train.trainer import Trainer
 from . import rundir
@@ -77,14 +78,10 @@ def make_trainer(config: MnistConfig) -> tuple[Trainer, mnist.Split, mnist.Split
         setup.loss,
         setup.params,
         OPTIMIZERS[config.optimizer](lr=config.lr),
-        schedule=Constant(config.lr),
+        TrainOptions(schedule=Constant(config.lr), backend=config.backend, cpu=config.cpu,
+                     matmul=rundir.requested_matmul(config), precision=config.precision, zero=config.zero),
         predict=setup.logits,
         inputs=[setup.x, setup.labels],
-        backend=config.backend,
-        cpu=config.cpu,
-        matmul=rundir.requested_matmul(config),
-        precision=config.precision,
-        zero=config.zero,
     )
     trainer.set_dataset([train_split.pixels(shape), train_split.labels.astype(np.int32)], seed=config.seed)
     return trainer, train_split, test_split

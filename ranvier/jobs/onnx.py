@@ -36,6 +36,7 @@ from ..onnx import load, read_model
 from ..train import runs
 from ..train.budget import plan_steps
 from ..train.checkpoint import METADATA
+from ..train.options import TrainOptions
 from ..train.schedules import Constant
 from ..train.step import CompiledStep
 from . import rundir
@@ -123,12 +124,12 @@ def build(config: OnnxRunConfig, run_dir: Path) -> OnnxRun:
     local = config.batch // world.size
     decay = {"weight_decay": config.weight_decay}
     optimizer = OPTIMIZERS[config.optimizer](lr=config.lr, **decay)
-    options = {"schedule": Constant(config.lr), "backend": config.backend, "cpu": config.cpu,
-               "matmul": rundir.requested_matmul(config), "zero": config.zero}
+    options = TrainOptions(schedule=Constant(config.lr), backend=config.backend, cpu=config.cpu,
+                           matmul=rundir.requested_matmul(config), zero=config.zero)
     if config.task == "lm":
         value, dims = _bind(proto, [local, config.seq], config.model)
         flow = load(proto, dims=dims, trainable=True)
-        step = CompiledStep(flow, "cross_entropy", optimizer, np.zeros([local, config.seq], np.int32), config.seed, **options)
+        step = CompiledStep(flow, "cross_entropy", optimizer, np.zeros([local, config.seq], np.int32), config.seed, options)
         _, manifest, paths = prepare_data(config, run_dir, vocab_size=0)
         classes = step.flow.outputs(step.func)[0].shape[-1]
         vocabulary = int(manifest["tokenizer"]["vocab_size"])
@@ -143,7 +144,7 @@ def build(config: OnnxRunConfig, run_dir: Path) -> OnnxRun:
         raise RanvierError(f"a classifier trained on MNIST takes 28 × 28 images; {config.model}'s input {value.name!r} "
                            f"is {shape} ({math.prod(shape[1:])} values an example)")
     flow = load(proto, dims=dims, trainable=True)
-    step = CompiledStep(flow, "cross_entropy", optimizer, np.zeros([local], np.int32), config.seed, **options)
+    step = CompiledStep(flow, "cross_entropy", optimizer, np.zeros([local], np.int32), config.seed, options)
     classes = step.flow.outputs(step.func)[0].shape[-1]
     if classes < MNIST_CLASSES:
         raise RanvierError(f"{config.model}'s logits have {classes} classes; MNIST has {MNIST_CLASSES}")

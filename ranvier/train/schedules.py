@@ -1,9 +1,19 @@
-"""Learning-rate schedules, evaluated on the host and fed to the compiled step as a scalar."""
+"""Learning-rate schedules, evaluated on the host and fed to the compiled step as a scalar.
+
+A schedule is any function of the step; those here are also written into a checkpoint
+(`to_dict`) and read back from it (`from_dict`), so that a resumed run keeps its own."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+from ..errors import RanvierError, brief
+from .settings import check_settings
+
+Schedule = Callable[[int], float]  # the learning rate of a step (counted from 0)
 
 
 @dataclass(frozen=True)
@@ -51,10 +61,27 @@ class LinearDecay:
 SCHEDULES = {cls.__name__: cls for cls in (Constant, WarmupCosine, LinearDecay)}
 
 
-def to_dict(schedule) -> dict:
+def to_dict(schedule: Schedule) -> dict | None:
+    """The schedule as a checkpoint records it; None for a function of the caller's, which a
+    checkpoint cannot rebuild (a trainer loading it keeps the one it was given)."""
+    if type(schedule) not in SCHEDULES.values():
+        return None
     return {"type": type(schedule).__name__, **asdict(schedule)}
 
 
-def from_dict(data: dict):
-    data = dict(data)
-    return SCHEDULES[data.pop("type")](**data)
+def from_dict(data: object, source: Path) -> Schedule:
+    """The schedule `to_dict` wrote, read from `source` (a checkpoint's file, for the error
+    a value that is not one gets)."""
+    kind = SCHEDULES.get(data["type"]) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
+    if kind is None:
+        raise RanvierError(f"{source}: schedule is {brief(data)}, expected an object whose type is one of "
+                           f"{', '.join(SCHEDULES)}")
+    settings = {key: value for key, value in data.items() if key != "type"}
+    names = [f.name for f in fields(kind)]
+    required = [f.name for f in fields(kind) if f.default is MISSING]
+    unknown, missing = sorted(set(settings) - set(names)), [n for n in required if n not in settings]
+    if unknown or missing:
+        raise RanvierError(f"{source}: the {kind.__name__} schedule has {', '.join(settings) or 'no settings'}, "
+                           f"expected {', '.join(names)}")
+    check_settings(source, kind, settings)
+    return kind(**settings)

@@ -38,13 +38,21 @@ from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Variable
 from ..profile import Profile, StepTime
-from . import schedules
 from .nonfinite import NonFiniteError, first_in
-from .optimizers import Adam, state_var
+from .optimizers import state_var
+from .options import TrainOptions
 from .trainer import TrainerBase, assign_all, step_updates
 
 TensorType = tuple[str, Sequence[int]]  # (dtype, shape)
 Loss = Callable[[Builder, Tensor, Tensor], Tensor]
+
+# The options a stack cannot honour, and why.
+REFUSED = {
+    "precision": "half-precision activations are the Trainer's, whose one cell holds the whole step; the stack's cells "
+                 "pass float32 activations through the host (use a Trainer)",
+    "loss_scale": "the stack's activations and gradients are float32, which need no loss scaling, and its backward "
+                  "is seeded unscaled",
+}
 
 
 class StackModel(Protocol):
@@ -62,12 +70,14 @@ class CheckpointedStack(TrainerBase):
     one compiled layer backward (with recompute).
 
     input_type, target_type: (dtype, shape) of one micro-batch's model input and loss target.
-    accumulate: micro-batches per step; their gradients are averaged before the update.
     loss: `loss(b, model_output, target)` → scalar loss tensor.
+    optimizer, options: as the Trainer's (a TrainOptions, or its fields as keyword
+        arguments), but for precision and loss_scale, which it refuses. `accumulate` is
+        micro-batches per step, their gradients averaged before the update. In a
+        data-parallel run each layer's weight gradients are averaged over the ranks while
+        the next layer's backward runs.
     name: the update cell's function name; the optimizer's state is named after it, so
         the default matches a monolithic Trainer built in a function "train".
-    backend, cpu, matmul, world, zero: as the Trainer's. In a data-parallel run each layer's
-        weight gradients are averaged over the ranks while the next layer's backward runs.
     """
 
     def __init__(
@@ -77,29 +87,19 @@ class CheckpointedStack(TrainerBase):
         target_type: TensorType,
         loss: Loss,
         optimizer=None,
+        options: TrainOptions | None = None,
         *,
-        schedule=None,
-        clip_norm: float | None = None,
-        track_grad_norm: bool = False,
-        accumulate: int = 1,
         name: str = "train",
-        backend: str = "cpu",
-        cpu: str = "",
-        matmul: str = "float32",
-        world=None,
-        zero: bool = False,
+        **settings,
     ):
-        if accumulate < 1:
-            raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
+        options = self._take_options(optimizer, options, settings, REFUSED)
         self.model = model
-        self.optimizer = optimizer or Adam()
-        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
         self.flow = flow = Flow()
         update = Builder(flow, name)
         update.func.training = True
         params = model.parameters(update)
         self.params = params
-        owned = self._join_world(world, zero, list(params.values()))
+        owned = self._join_world(list(params.values()))
         self._layer_globals = [self._layer_names(params, i) for i in range(model.depth)]
 
         self.watched: dict[str, np.ndarray] = {}
@@ -121,7 +121,7 @@ class CheckpointedStack(TrainerBase):
         self.lr_var = update.var("lr", "float32", []).var
         stepped = step_updates(
             update, list(params.values()), [update.wrap(g.var) for g in self.grads.values()], self.optimizer,
-            update.wrap(self.lr_var), None, None, clip_norm, track_norm=track_grad_norm, owned=owned,
+            update.wrap(self.lr_var), None, None, options.clip_norm, track_norm=options.track_grad_norm, owned=owned,
         )
         assign_all(update, stepped.updates)
         self.norm_var = stepped.norm.var if stepped.norm is not None else None
@@ -131,9 +131,9 @@ class CheckpointedStack(TrainerBase):
         self.finite_var.out = True
 
         self.inputs = [embed_input, head_target]
-        self.accumulate = accumulate
-        self.local_rows = input_type[1][0] * accumulate
-        self._compile(backend, None, cpu, matmul)
+        self.accumulate = options.accumulate
+        self.local_rows = input_type[1][0] * options.accumulate
+        self._compile(None)
         net = self.network
         self.embed_data = net.cell(f"{name}/embed").instance()
         self.layer_data = net.cell(f"{name}/layer").instance()

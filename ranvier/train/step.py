@@ -27,6 +27,7 @@ from ..flow.graph import Flow
 from .checkpoint import load_checkpoint
 from .losses import mse, softmax_cross_entropy
 from .optimizers import AdamW
+from .options import TrainOptions
 from .trainer import Trainer
 
 Loss = str | Callable[[Tensor, Tensor], Tensor] | None
@@ -34,7 +35,8 @@ _LOSSES = ("cross_entropy", "mse")
 
 
 def compile_step(model, loss: Loss = "cross_entropy", optimizer=None, batch: Sequence | None = None, *,
-                 dims: Mapping[str, int] | None = None, seed: int = 0, **options) -> CompiledStep:
+                 dims: Mapping[str, int] | None = None, seed: int = 0, options: TrainOptions | None = None,
+                 **settings) -> CompiledStep:
     """Compile one training step of `model` (forward, loss, backward and update) into a cell.
 
     model: a torch.nn.Module (traced on `batch`'s inputs, see `ranvier.from_torch`), an ONNX
@@ -50,13 +52,14 @@ def compile_step(model, loss: Loss = "cross_entropy", optimizer=None, batch: Seq
         as numpy arrays or tensors. It fixes the shapes the step is compiled for; a
         module needs it, a flow or an ONNX file only for a target of its own shape.
     seed: where the dropout masks' sequence starts (the step counts on from it).
-    options: the Trainer's (schedule, clip_norm, loss_scale, accumulate, backend, cpu,
-        matmul, precision, world, zero, ...).
+    options: the Trainer's TrainOptions (schedule, clip_norm, loss_scale, accumulate,
+        backend, cpu, matmul, precision, world, zero, ...); keyword arguments named as its
+        fields replace its values.
     """
     arrays = [_as_array(a) for a in batch] if batch is not None else None
     target_example = arrays[-1] if arrays is not None and loss is not None else None
     flow = _trainable_flow(model, arrays[:-1] if target_example is not None else arrays, dims)
-    return CompiledStep(flow, loss, optimizer or AdamW(), target_example, seed, **options)
+    return CompiledStep(flow, loss, optimizer or AdamW(), target_example, seed, options, **settings)
 
 
 class CompiledStep(Trainer):
@@ -64,7 +67,7 @@ class CompiledStep(Trainer):
     `step(*batch)` takes the inputs and the target and returns the loss."""
 
     def __init__(self, flow: Flow, loss: Loss, optimizer, target_example: np.ndarray | None = None, seed: int = 0,
-                 **options):
+                 options: TrainOptions | None = None, **settings):
         if not (loss is None or callable(loss) or loss in _LOSSES):
             raise RanvierError(f"unknown loss {loss!r}: {' or '.join(_LOSSES)}, a function (output, target) -> scalar, "
                                "or None")
@@ -83,7 +86,7 @@ class CompiledStep(Trainer):
             raise RanvierError(f"function {func.name} has no outputs to compute a loss from")
         target = None if loss is None else _target(b, loss, outputs[0], target_example)
         total = _loss(loss, outputs, target)
-        super().__init__(total, params, optimizer, inputs=[*inputs, *([target] if target is not None else [])], **options)
+        super().__init__(total, params, optimizer, options, inputs=[*inputs, *([target] if target is not None else [])], **settings)
         self.names = _source_names(flow, set(self.state_arrays()))
         seed_var = flow.vars.get(f"{func.name}/dropout_seed")
         if seed_var is not None:

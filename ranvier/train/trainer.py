@@ -27,6 +27,7 @@ from .checkpoint import METADATA, check_compatible, load_checkpoint, save_checkp
 from .loss_scale import DynamicLossScale, dynamic_updates, scale_tensor
 from .nonfinite import NonFiniteError, first_in, replay
 from .optimizers import Adam, Current, Update, counter_var, current_value, state_var
+from .options import TrainOptions
 
 
 def _all_finite(b: Builder, grads: list[Tensor]) -> Tensor:
@@ -141,11 +142,12 @@ class TrainerBase:
         """Examples per step over all ranks (the global batch, which the dataset is sampled in)."""
         return self.local_rows * self.world.size
 
-    def _join_world(self, world: World | None, zero: bool, params: Sequence[Tensor]) -> list[bool] | None:
-        """Take this process's place in `world` (default: the MPI job it was started in, if
-        any); with ZeRO-1, which of `params` this rank updates."""
+    def _join_world(self, params: Sequence[Tensor]) -> list[bool] | None:
+        """Take this process's place in the options' world (default: the MPI job it was
+        started in, if any); with ZeRO-1, which of `params` this rank updates."""
+        world = self.options.world
         self.world = world if world is not None else current_world()
-        self.zero = zero and self.world.size > 1
+        self.zero = self.options.zero and self.world.size > 1
         if not self.zero:
             return None
         self._owner = owners([int(np.prod(p.shape)) for p in params], self.world.size)
@@ -206,15 +208,28 @@ class TrainerBase:
         share = np.asarray(value, np.float64) / parts
         self.watched[name] = share if fresh else self.watched[name] + share
 
-    def _compile(self, backend: str, predict: Tensor | None, cpu: str = "", matmul: str = "float32",
-                 precision: str = "float32") -> None:
+    def _take_options(self, optimizer, options: TrainOptions | None, settings: Mapping[str, object],
+                      refused: Mapping[str, str] | None = None) -> TrainOptions:
+        """The trainer's options (`options` with the keyword arguments `settings` in place of
+        its fields), refusing by name a setting this trainer cannot honour (`refused`: field →
+        why); sets the optimizer and the schedule."""
+        trainer = type(self).__name__
+        self.options = TrainOptions.merged(options, settings, trainer)
+        self.options.refuse(trainer, refused or {})
+        self.optimizer = optimizer or Adam()
+        self.schedule = self.options.schedule or schedules.Constant(self.optimizer.lr)
+        return self.options
+
+    def _compile(self, predict: Tensor | None) -> None:
+        options = self.options
         compile_start = time.perf_counter()
-        compiler = Compiler(backend, cpu=cpu, matmul=matmul, denormals="flush", precision=precision)
+        compiler = Compiler(options.backend, cpu=options.cpu, matmul=options.matmul, denormals="flush", precision=options.precision)
         self.network = compiler.compile(self.flow)
         self.compile_seconds = time.perf_counter() - compile_start
         # Where the backend cannot run the requested precision, products and activations stay float32.
         matmul = compiler.options.matmul
         self.matmul = matmul if matmul in compiler.backend.capabilities.matmul_precisions else "float32"
+        precision = options.precision
         self.precision = precision if precision in compiler.backend.capabilities.activation_precisions else "float32"
         self.predict_var = predict.var if predict is not None else None
         self.predict_data = self.network.cell(predict.var.producer.func.name).instance() if predict is not None else None
@@ -364,7 +379,10 @@ class TrainerBase:
         return path
 
     def load(self, directory: str | Path) -> dict:
-        """Restore a checkpoint saved by `save`; training continues exactly where it stopped.
+        """Restore a checkpoint saved by `save`: the state, the step, the data position and
+        the schedule (one of `ranvier.train.schedules`; a function of the caller's stays as
+        the trainer was given it), so training continues exactly where it stopped. A caller
+        that plans the rest of the run afresh sets `schedule` after loading.
         (Every rank of a data-parallel run reads it: the run directory must be on a file
         system they all see.)"""
         arrays, metadata = load_checkpoint(directory)
@@ -377,6 +395,8 @@ class TrainerBase:
         for name, target in expected.items():
             target[...] = arrays[name]
         self.step_count = int(metadata["step"])
+        if metadata.get("schedule") is not None:  # (None: a schedule of the caller's, which stays)
+            self.schedule = schedules.from_dict(metadata["schedule"], Path(directory) / METADATA)
         if self.sampler is not None:
             self.sampler.restore(metadata.get("sampler"), str(Path(directory) / METADATA))
         return metadata
@@ -385,29 +405,15 @@ class TrainerBase:
 class Trainer(TrainerBase):
     """Compile one train-step cell for `loss` over `params`; `step(batch)` returns the loss.
 
+    optimizer: SGD, Adam (the default) or AdamW (`ranvier.train.optimizers`).
+    options: a TrainOptions (schedule, clipping, accumulation, loss scaling, precision, the
+        backend, data parallelism); keyword arguments named as its fields replace its values.
     predict: an output in another function of the same flow (sharing the parameters)
         that `evaluate` and `accuracy` run, e.g. the logits of an inference function.
-    accumulate: split each batch into this many micro-batches; gradients accumulate in
-        resident buffers and one update is applied per step.
-    loss_scale: None, a number (static) or a DynamicLossScale.
-    track_grad_norm: also compute the global gradient norm (`grad_norm`) when not clipping.
+    inputs: the step's inputs in the order `step` and `set_dataset` take their arrays
+        (default: the loss's function's inputs).
     watch: {name: tensor of the loss's function} to read after every step into `watched`
         (the mean over micro-batches), e.g. an auxiliary loss or a MoE layer's expert loads.
-    backend, cpu: the compiler backend and, for "cpu", features to mask (e.g. "-avx512").
-        The CPU code flushes denormals (Compiler's denormals="flush"): optimizer state
-        that decays below 1e-38 (Adam's moments of rarely used embedding rows) would
-        otherwise slow every update it takes part in, on Intel cores 13-fold.
-    matmul: "float32", or "bfloat16" for mixed-precision matrix products (see Compiler).
-    precision: "float32", or "bfloat16" / "float16": activations and their gradients stored in
-        that type, matrix products on its inputs (see Compiler; where the backend cannot,
-        float32). float16 turns on dynamic loss scaling unless `loss_scale` is given: its
-        gradients would underflow below 6e-8 (`skipped_steps` counts the steps skipped).
-    world: the ranks of a data-parallel run (default: the MPI job this process was started
-        in, or none). Each rank's inputs hold its share of the global batch; the gradients
-        are averaged over the ranks before the update, so N ranks take the steps one process
-        would take on the global batch. `step` and `set_dataset` take global batches.
-    zero: ZeRO-1 in a data-parallel run: each rank holds the optimizer state of its share
-        of the parameters and updates only those; the others' new values are gathered.
     """
 
     def __init__(
@@ -415,35 +421,24 @@ class Trainer(TrainerBase):
         loss: Tensor,
         params: Sequence[Tensor],
         optimizer=None,
+        options: TrainOptions | None = None,
         *,
-        schedule=None,
-        clip_norm: float | None = None,
-        track_grad_norm: bool = False,
-        loss_scale=None,
-        accumulate: int = 1,
         predict: Tensor | None = None,
         inputs: Sequence[Tensor] | None = None,
         watch: Mapping[str, Tensor] | None = None,
-        backend: str = "cpu",
-        cpu: str = "",
-        matmul: str = "float32",
-        precision: str = "float32",
-        world: World | None = None,
-        zero: bool = False,
+        **settings,
     ):
-        if accumulate < 1:
-            raise RanvierError(f"accumulate must be >= 1, got {accumulate}")
+        options = self._take_options(optimizer, options, settings)
+        accumulate, loss_scale = options.accumulate, options.loss_scale
         self._watch = {name: t.var for name, t in (watch or {}).items()}
         for var in self._watch.values():
             if var.producer is None or var.producer.func is not loss.builder.func:
                 raise RanvierError(f"Trainer can watch only values the loss's function computes; {var.name} is not one")
             var.out = True
         self.watched = {}
-        self.optimizer = optimizer or Adam()
-        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
         self.accumulate = accumulate
         self.params = list(params)
-        owned = self._join_world(world, zero, self.params)
+        owned = self._join_world(self.params)
         self.flow = loss.builder.flow
         b = loss.builder
         self.func = b.func
@@ -453,14 +448,15 @@ class Trainer(TrainerBase):
         self.inputs = [t.var for t in inputs] if inputs is not None else self._function_inputs()
         self.local_rows = self.inputs[0].shape[0] * accumulate
 
-        if precision == "float16" and loss_scale is None:
+        if options.precision == "float16" and loss_scale is None:
             loss_scale = DynamicLossScale()
         scale = scale_tensor(b, loss_scale, self.func.name)
         grads_by_name = gradient(self.flow, self.func, self.params, loss=loss, seed=scale)
         grads = [grads_by_name[p.name] for p in self.params]
         if accumulate == 1 and self.world.size == 1:
             self.lr_var = b.var("lr", "float32", []).var
-            stepped = step_updates(b, self.params, grads, self.optimizer, b.wrap(self.lr_var), scale, loss_scale, clip_norm, track_norm=track_grad_norm)
+            stepped = step_updates(b, self.params, grads, self.optimizer, b.wrap(self.lr_var), scale, loss_scale, options.clip_norm,
+                                   track_norm=options.track_grad_norm)
             assign_all(b, stepped.updates)
             self.apply_func = None
             self._accumulators: list[Variable] = []
@@ -479,7 +475,7 @@ class Trainer(TrainerBase):
             mean_grads = [a * (1.0 / accumulate) for a in accumulated]
             apply_scale = scale_tensor(apply, loss_scale, self.func.name)
             stepped = step_updates(apply, self.params, mean_grads, self.optimizer, apply.wrap(self.lr_var), apply_scale, loss_scale,
-                                   clip_norm, track_norm=track_grad_norm, owned=owned, scope=self.func.name)
+                                   options.clip_norm, track_norm=options.track_grad_norm, owned=owned, scope=self.func.name)
             zero = apply.const(0.0)
             clear = [(acc.var, apply.broadcast_to(zero, acc.shape) if acc.shape else apply.identity(zero)) for acc in accumulated]
             if loss_scale is None:  # a skipped step keeps them, to name the culprit (see _check_finite)
@@ -494,7 +490,7 @@ class Trainer(TrainerBase):
         self.finite_var.out = True
         self.skipped_var = stepped.skipped.var if stepped.skipped is not None else None
 
-        self._compile(backend, predict, cpu, matmul, precision)
+        self._compile(predict)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
         self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None

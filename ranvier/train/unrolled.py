@@ -17,17 +17,34 @@ from ..distributed import current_world
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Variable
-from . import schedules
 from .nonfinite import NonFiniteError, describe
-from .optimizers import Adam, current_value
+from .optimizers import current_value
+from .options import TrainOptions
 from .trainer import TrainerBase, assign_all, step_updates
 
 BuildLoss = Callable[[Builder, dict[str, Tensor], int], Tensor]
 
 
+# The options an UnrolledTrainer cannot honour, and why.
+REFUSED = {
+    "accumulate": "each of its K steps takes one batch; accumulate micro-batches with a Trainer",
+    "loss_scale": "its K steps run in one compute() call, with no point between them for a dynamic scale to back off "
+                  "or a skipped step to be counted",
+    "precision": "its steps hand the updated parameters and optimizer state to the next inside the cell, where "
+                 "half-precision activations would round them",
+}
+
+
 class UnrolledTrainer(TrainerBase):
     """`build_loss(b, params, k)` builds step k's loss from the given parameter values,
-    creating that step's inputs with `b.var(...)` (one set per step, same order each time)."""
+    creating that step's inputs with `b.var(...)` (one set per step, same order each time).
+
+    optimizer, options: as the Trainer's (a TrainOptions, or its fields as keyword
+        arguments), but for accumulate, loss_scale and precision, which it refuses, and a
+        world of more than one rank. `grad_norm` is the last of the K steps'.
+    predict: an output of another function of the flow, for `evaluate` and `accuracy`.
+    func: the name of the function the K steps are built in.
+    """
 
     def __init__(
         self,
@@ -36,23 +53,20 @@ class UnrolledTrainer(TrainerBase):
         params: Sequence[Tensor],
         steps_per_call: int,
         optimizer=None,
+        options: TrainOptions | None = None,
         *,
-        schedule=None,
-        clip_norm: float | None = None,
         predict: Tensor | None = None,
         func: str = "train_unrolled",
-        backend: str = "cpu",
-        cpu: str = "",
-        matmul: str = "float32",
+        **settings,
     ):
+        options = self._take_options(optimizer, options, settings, REFUSED)
         if steps_per_call < 1:
             raise RanvierError(f"steps_per_call must be >= 1, got {steps_per_call}")
-        if current_world().size > 1:
+        if (options.world or current_world()).size > 1:
             raise RanvierError("the UnrolledTrainer applies its K updates inside one compute() call, so there is no point "
                                "between them to average gradients over data-parallel ranks: use a Trainer or CheckpointedStack")
+        self._join_world([])
         self.flow = flow
-        self.optimizer = optimizer or Adam()
-        self.schedule = schedule or schedules.Constant(self.optimizer.lr)
         self.k = steps_per_call
         b = Builder(flow, func)
         b.func.training = True
@@ -77,8 +91,8 @@ class UnrolledTrainer(TrainerBase):
             grads = gradient(flow, self.func, leaves, loss=loss, stop=leaves)
             lr = b.reshape(b.slice(lrs, [k], [1]), [])
             # Once a step is not finite, it and every later one write nothing.
-            stepped = step_updates(b, params, [grads[v.name] for v in leaves], self.optimizer, lr, None, None, clip_norm, current,
-                                   finite_before=finite)
+            stepped = step_updates(b, params, [grads[v.name] for v in leaves], self.optimizer, lr, None, None, options.clip_norm,
+                                   current, track_norm=options.track_grad_norm, finite_before=finite)
             finite = stepped.finite
             finite.var.out = True
             self.finite_vars.append(finite.var)
@@ -89,7 +103,10 @@ class UnrolledTrainer(TrainerBase):
 
         self.inputs = self.step_inputs[0]
         self.local_rows = self.inputs[0].shape[0]
-        self._compile(backend, predict, cpu, matmul)
+        self.norm_var = stepped.norm.var if stepped.norm is not None else None
+        if self.norm_var is not None:
+            self.norm_var.out = True
+        self._compile(predict)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
 
@@ -112,3 +129,11 @@ class UnrolledTrainer(TrainerBase):
                 raise NonFiniteError(self.step_count + 1, loss or f"a gradient of step {self.step_count + 1} (its loss is finite)")
         self.step_count += self.k
         return [float(self.data[v]) for v in self.loss_vars]
+
+    @property
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm (before clipping): the K-th of the last call's."""
+        if self.norm_var is None:
+            raise RanvierError("the gradient norm is not computed: create the UnrolledTrainer with clip_norm or "
+                               "track_grad_norm=True")
+        return float(self.data[self.norm_var])
