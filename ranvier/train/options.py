@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from numbers import Integral
+from typing import Any
 
 from ..distributed import World
 from ..errors import RanvierError
@@ -63,7 +64,7 @@ class TrainOptions:
             raise RanvierError(f"clip_norm must be above 0 (or None: no clipping), got {self.clip_norm!r}")
 
     @classmethod
-    def merged(cls, options: TrainOptions | None, settings: Mapping[str, object], trainer: str) -> TrainOptions:
+    def merged(cls, options: TrainOptions | None, settings: Mapping[str, Any], trainer: str) -> TrainOptions:
         """`options` (default: every default) with `settings`, a trainer's keyword arguments,
         in place of its fields; a name that is not a field is refused."""
         names = [f.name for f in fields(cls)]

@@ -61,7 +61,7 @@ class LinearDecay:
 SCHEDULES = {cls.__name__: cls for cls in (Constant, WarmupCosine, LinearDecay)}
 
 
-def to_dict(schedule: Schedule) -> dict | None:
+def to_dict(schedule: Schedule) -> dict[str, object] | None:
     """The schedule as a checkpoint records it; None for a function of the caller's, which a
     checkpoint cannot rebuild (a trainer loading it keeps the one it was given)."""
     if type(schedule) not in SCHEDULES.values():
@@ -73,7 +73,7 @@ def from_dict(data: object, source: Path) -> Schedule:
     """The schedule `to_dict` wrote, read from `source` (a checkpoint's file, for the error
     a value that is not one gets)."""
     kind = SCHEDULES.get(data["type"]) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
-    if kind is None:
+    if kind is None or not isinstance(data, dict):
         raise RanvierError(f"{source}: schedule is {brief(data)}, expected an object whose type is one of "
                            f"{', '.join(SCHEDULES)}")
     settings = {key: value for key, value in data.items() if key != "type"}

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -208,7 +209,7 @@ class TrainerBase:
         share = np.asarray(value, np.float64) / parts
         self.watched[name] = share if fresh else self.watched[name] + share
 
-    def _take_options(self, optimizer, options: TrainOptions | None, settings: Mapping[str, object],
+    def _take_options(self, optimizer, options: TrainOptions | None, settings: Mapping[str, Any],
                       refused: Mapping[str, str] | None = None) -> TrainOptions:
         """The trainer's options (`options` with the keyword arguments `settings` in place of
         its fields), refusing by name a setting this trainer cannot honour (`refused`: field →
