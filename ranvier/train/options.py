@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any
 
 from ..distributed import World
@@ -60,7 +60,7 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, Integral) or self.accumulate < 1:
             raise RanvierError(f"accumulate must be an integer >= 1, got {self.accumulate!r}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
+        if self.clip_norm is not None and not (isinstance(self.clip_norm, Real) and self.clip_norm > 0):
             raise RanvierError(f"clip_norm must be above 0 (or None: no clipping), got {self.clip_norm!r}")
 
     @classmethod
