@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import ranvier as rv
+from ranvier import CompileError
 from ranvier.backends import Capabilities, CompileOptions, create_backend
 from ranvier.backends.reference import ReferenceBackend
 from ranvier.compiler.decompose import decompose
@@ -24,7 +25,7 @@ from ranvier.compiler.loss import fuse_loss_with_gradient
 from ranvier.compiler.memory import live_ranges, plan_memory
 from ranvier.compiler.pipeline import PassContext, run_pipeline
 from ranvier.compiler.precision import use_matmul_precision
-from ranvier.compiler.rewrite import depends_on, replace_uses, splice
+from ranvier.compiler.rewrite import depends_on, fuse, replace_uses, splice
 from ranvier.compiler.schedule import readers, schedule, write_after_read
 from ranvier.compiler.simplify import FOLD_LIMIT, eliminate_common_subexpressions, fold_constants
 from ranvier.ops.expression import parse
@@ -834,6 +835,47 @@ def test_splice_keeps_the_names_the_flow_reads():
     got = run_reference(flow, {"f/x": xv}, [y.name, z.name])
     for a_, b_ in zip(got, expected):
         np.testing.assert_allclose(a_, b_, rtol=1e-6)
+
+
+def _exp_tanh_neg():
+    """f: e = exp(x), a = tanh(e) (an output), c = neg(a), and the group [exp, tanh]."""
+    flow, f = new_flow()
+    x = f.var("x", rv.DT_FLOAT, [4, 5])
+    e = x.exp()
+    a = f.tanh(e, name="a")
+    c = a.neg()
+    a.var.out = c.var.out = True
+    return flow, x.var, e.var, a.var, c.var
+
+
+@pytest.mark.parametrize("keep_place", [False, True])
+def test_fuse_puts_one_op_in_place_of_a_group(keep_place):
+    flow, x, e, a, c = _exp_tanh_neg()
+    xv = rand([4, 5], seed=81)
+    expected = run_reference(flow, {"f/x": xv}, [a.name, c.name])
+    func = flow.func("f")
+    group = [e.producer, a.producer]
+
+    fused = fuse(flow, func, group, "Calculate", [x], [a], {"expr": "$0=Exp(%0);@0=Tanh($0)"}, dropped=[e],
+                 keep_place=keep_place)
+
+    assert fused.name == "f/Calculate" and fused.attrs == {"expr": "$0=Exp(%0);@0=Tanh($0)"}
+    assert fused.inputs == [x] and fused.outputs == [a] and a.producer is fused and fused.func is func
+    assert [op.type for op in func.ops] == (["Calculate", "Neg"] if keep_place else ["Neg", "Calculate"])
+    assert all(op.name not in flow.ops for op in group) and e.name not in flow.vars
+    assert x.consumers == [fused] and a.consumers == [c.producer]
+    got = run_reference(flow, {"f/x": xv}, [a.name, c.name])
+    for a_, b_ in zip(got, expected):
+        np.testing.assert_allclose(a_, b_, rtol=1e-6)
+
+
+def test_fuse_refuses_a_group_whose_value_would_be_lost():
+    flow, x, e, a, _ = _exp_tanh_neg()
+    func = flow.func("f")
+    ops = list(func.ops)
+    with pytest.raises(CompileError, match=f"would lose {e.name}: each value"):
+        fuse(flow, func, [e.producer, a.producer], "Calculate", [x], [a], {"expr": "$0=Exp(%0);@0=Tanh($0)"})
+    assert func.ops == ops and e.producer in ops  # nothing changed
 
 
 def test_depends_on_follows_producers_within_the_function():

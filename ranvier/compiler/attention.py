@@ -25,7 +25,7 @@ from ..errors import CompileError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of
-from .rewrite import splice
+from .rewrite import erase, splice
 
 _VIEWS = ("Reshape", "Transpose")
 
@@ -244,10 +244,7 @@ def _erase_unread(flow: Flow, ops: list[Operation], keep: set[str]) -> None:
     """Remove the pattern's ops whose results nothing reads any more, top down."""
     for op in ops:
         if op.func is not None and not any(v.consumers or v.name in keep for v in op.outputs):
-            outputs = list(op.outputs)
-            flow.remove_op(op)
-            for var in outputs:
-                flow.remove_var(var)
+            erase(flow, [op], op.outputs)
 
 
 def _private_producer(var: Variable, func: Function, keep: set[str]) -> Operation | None:

@@ -26,6 +26,7 @@ from ..errors import CompileError, RanvierError
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Operation
 from ..ops import TensorType, has_op, op_def
+from .rewrite import add_op, write_into
 
 # How many leading inputs of each op are conditions (None: all of them).
 _CONDITION_INPUTS = {"And": None, "Or": None, "Xor": None, "AndNot": None, "Not": None, "All": None, "Any": None,
@@ -71,21 +72,15 @@ def _redirect_output(flow: Flow, op: Operation, index: int, computed: TensorType
                      target: str | list[int]) -> None:
     """Make `op` write its output `index` as it computes it, into a new variable, and a
     `convert` op (Reshape to shape `target`, Cast to dtype `target`) fill the declared one."""
-    declared = op.outputs[index]
-    result = flow.add_var(flow.unique_name(f"{declared.name}.computed", flow.vars), computed.dtype, computed.shape)
-    declared.producer = None
-    op.outputs[index] = result
-    result.producer = op
-    view = flow.add_op(flow.unique_name(f"{op.name}.declared", flow.ops), convert)
-    view.add_input(result)
+    func = op.func
+    if func is None:
+        raise CompileError(f"{op.type} op {op.name} belongs to no function")
+    result = flow.add_var(flow.unique_name(f"{op.outputs[index].name}.computed", flow.vars), computed.dtype, computed.shape)
+    declared = write_into(op, index, result)
+    view = add_op(flow, func, convert, [result], [declared], name=f"{op.name}.declared")
     if convert == "Reshape":
         shape = flow.add_var(flow.unique_name(f"{view.name}/shape", flow.vars), "int32", [len(target)])
         shape.data = np.asarray(target, np.int32)
         view.add_input(shape)
     else:
         view.set_attr("dtype", target)
-    view.add_output(declared)
-    func = op.func
-    if func is None:
-        raise CompileError(f"{op.type} op {op.name} belongs to no function")
-    func.add(view)

@@ -38,7 +38,7 @@ from ..ops.fused import (
     written_inputs,
 )
 from .fuse import is_elementwise
-from .rewrite import erase
+from .rewrite import fuse
 
 
 def fuse_epilogues(flow: Flow, func: Function, keep: set[str],
@@ -115,17 +115,8 @@ def _fused_program(producer: Operation, calculate: Operation) -> tuple[Program, 
 def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation, program: Program,
           others: list[Variable], order: list[Variable]) -> None:
     """Put the fused op (`_fused_program`'s program, inputs and outputs) in their place."""
-    product = producer.outputs[0]
-
-    kind = fused_type(producer.type)
-    fused = flow.add_op(flow.unique_name(f"{func.name}/{kind}", flow.ops), kind)
-    fused.attrs = {**producer.attrs, "expr": str(program)}
-    inputs, further = list(producer.inputs), list(producer.outputs[1:])
+    attrs = {**producer.attrs, "expr": str(program)}
     if producer.type in ELEMENT_EPILOGUE_OPS:
-        fused.attrs["row_inputs"] = str(len(inputs))
-    erase(flow, [producer, calculate], [product])
-    for v in (*inputs, *others):
-        fused.add_input(v)
-    for v in (*order, *further):
-        fused.add_output(v)
-    func.add(fused)
+        attrs["row_inputs"] = str(len(producer.inputs))
+    fuse(flow, func, [producer, calculate], fused_type(producer.type), [*producer.inputs, *others],
+         [*order, *producer.outputs[1:]], attrs, dropped=producer.outputs[:1])

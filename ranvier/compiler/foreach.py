@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable
 
 from ..flow.graph import Flow, Function, Operation
 from ..ops import is_view, written_inputs
+from .rewrite import fuse
 from .schedule import readers
 
 GroupKey = Callable[[Operation], Hashable | None]
@@ -93,16 +94,5 @@ def _fuse(flow: Flow, func: Function, members: list[Operation]) -> None:
     """One ForEach in place of `members` (ops of one type and attributes), where the first
     of them was in the function's list (ties in the run order keep that list's order)."""
     first = members[0]
-    at = func.ops.index(first)
-    fused = flow.add_op(flow.unique_name(f"{first.name}.foreach", flow.ops), "ForEach")
-    fused.attrs = {"op": first.type, "count": str(len(members)), **first.attrs}
-    inputs = [v for op in members for v in op.inputs]
-    outputs = [v for op in members for v in op.outputs]
-    for op in members:
-        flow.remove_op(op)
-    for v in inputs:
-        fused.add_input(v)
-    for v in outputs:
-        fused.add_output(v)
-    fused.func = func
-    func.ops.insert(at, fused)
+    fuse(flow, func, members, "ForEach", [v for op in members for v in op.inputs], [v for op in members for v in op.outputs],
+         {"op": first.type, "count": str(len(members)), **first.attrs}, name=f"{first.name}.foreach", keep_place=True)

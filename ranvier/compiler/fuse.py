@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import op_def
 from ..ops.expression import Call, Program, Ref
-from .rewrite import erase
+from .rewrite import fuse
 from .schedule import readers
 
 
@@ -259,13 +259,5 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], 
         statements.append((ref, call))
     program = Program([(operand(t) if isinstance(t, Variable) else t, call) for t, call in statements])
 
-    fused = flow.add_op(flow.unique_name(f"{func.name}/Calculate", flow.ops), "Calculate")
-    fused.attrs = {"expr": str(program)}
     internal = [v for op in group.members for v in op.outputs if v not in outputs]
-    erase(flow, [*group.members, *assigns], internal)
-    for v in inputs:
-        fused.add_input(v)
-    for v in outputs:
-        fused.add_output(v)
-    func.add(fused)
-    return fused
+    return fuse(flow, func, [*group.members, *assigns], "Calculate", inputs, outputs, {"expr": str(program)}, dropped=internal)

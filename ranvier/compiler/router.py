@@ -9,7 +9,7 @@ from typing import TypeGuard
 
 from ..flow.graph import Flow, Function, Operation
 from ..ops import attrs_of
-from .rewrite import erase
+from .rewrite import fuse
 
 
 def _softmax_over_last_axis(op: Operation | None) -> TypeGuard[Operation]:
@@ -21,13 +21,5 @@ def fuse_softmax_top_k(flow: Flow, func: Function) -> None:
         softmax = top_k.inputs[0].producer
         if not _softmax_over_last_axis(softmax) or softmax.func is not func:
             continue
-        logits, probs = softmax.inputs[0], softmax.outputs[0]
-        values, indices = top_k.outputs
-        k = attrs_of(top_k)["k"]
-        erase(flow, [softmax, top_k])
-        fused = flow.add_op(flow.unique_name(f"{func.name}/SoftmaxTopK", flow.ops), "SoftmaxTopK")
-        fused.set_attr("k", k)
-        fused.add_input(logits)
-        for output in (probs, values, indices):
-            fused.add_output(output)
-        func.add(fused)
+        fuse(flow, func, [softmax, top_k], "SoftmaxTopK", softmax.inputs[:1], [*softmax.outputs, *top_k.outputs],
+             {"k": str(attrs_of(top_k)["k"])})
