@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import ranvier as rv
 from ranvier.compiler.fuse import fuse_elementwise
-from ranvier.ops.expression import ExpressionError, parse
+from ranvier.ops import expression
+from ranvier.ops.expression import ExpressionError, parse, program_of
 
 TESTED_OPS = {"Calculate"}
 
@@ -40,6 +43,26 @@ def test_calculate_op_evaluates_its_program_and_writes_in_place():
     expected = np.tanh(xv * yv)
     np.testing.assert_allclose(data[out], expected, rtol=1e-6)
     np.testing.assert_allclose(net[p], before - expected, rtol=1e-5)
+
+
+def test_a_program_is_parsed_once_and_follows_its_expression(monkeypatch):
+    texts = []
+    monkeypatch.setattr(expression, "parse", lambda text: texts.append(text) or parse(text))
+    expression.parsed.cache_clear()
+    flow, x, _s, z = build_chain()
+    z.var.out = True
+    net = rv.Compiler().compile(flow)
+    data = net.cell("f").instance()
+    data[x] = np.random.default_rng(3).standard_normal((6, 7)).astype(np.float32)
+    data.compute()
+    programs = [op for op in net.flow.funcs["f"].ops if "expr" in op.attrs]
+    assert len(programs) == 2 and sorted(texts) == sorted(op.attrs["expr"] for op in programs)  # each text once
+    op = programs[0]
+    assert program_of(op) is program_of(op) and str(program_of(op)) == op.attrs["expr"]
+    op.attrs["expr"] = "@0=Neg(%0)"  # a pass rewrites the program: it is read anew
+    assert str(program_of(op)) == "@0=Neg(%0)" and program_of(op).writes == []
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        program_of(op).statements = ()  # shared between ops: it cannot change under one of them
 
 
 def test_calculate_rejects_mistyped_in_place_write():

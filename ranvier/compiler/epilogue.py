@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..flow.graph import Flow, Function, Operation, Variable
-from ..ops.expression import Call, Program, Ref, parse
+from ..ops.expression import Call, Program, Ref, program_of
 from ..ops.fused import (
     ELEMENT_EPILOGUE_OPS,
     EPILOGUE_PRODUCTS,
@@ -80,9 +80,9 @@ def _epilogue_of(producer: Operation, func: Function, keep: set[str]) -> Operati
 def _program(op: Operation) -> Program:
     """A Calculate's program, or a single elementwise op's as one."""
     if op.type == "Calculate":
-        return parse(op.attrs["expr"])
+        return program_of(op)
     call = Call(op.type, tuple(Ref("%", i) for i in range(len(op.inputs))), tuple(sorted(op.attrs.items())))
-    return Program([(Ref("@", 0), call)])
+    return Program(((Ref("@", 0), call),))
 
 
 def _renumbered(program: Program, inputs: dict[int, int], outputs: dict[int, int]) -> Program:
@@ -94,7 +94,7 @@ def _renumbered(program: Program, inputs: dict[int, int], outputs: dict[int, int
     def call(node: Call) -> Call:
         return Call(node.op_type, tuple(call(a) if isinstance(a, Call) else ref(a) for a in node.args), node.attrs)
 
-    return Program([(ref(target), call(node)) for target, node in program.statements])
+    return Program(tuple((ref(target), call(node)) for target, node in program.statements))
 
 
 def _fused_program(producer: Operation, calculate: Operation) -> tuple[Program, list[Variable], list[Variable]]:

@@ -257,7 +257,7 @@ def _build_calculate(flow: Flow, func: Function, group: _Group, keep: set[str], 
             temps += 1
         names[out.name] = ref
         statements.append((ref, call))
-    program = Program([(operand(t) if isinstance(t, Variable) else t, call) for t, call in statements])
+    program = Program(tuple((operand(t) if isinstance(t, Variable) else t, call) for t, call in statements))
 
     internal = [v for op in group.members for v in op.outputs if v not in outputs]
     return fuse(flow, func, [*group.members, *assigns], "Calculate", inputs, outputs, {"expr": str(program)}, dropped=internal)

@@ -12,9 +12,10 @@ reference and the code generator both evaluate a statement by looking up that op
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -40,12 +41,20 @@ class Call:
         return f"{self.op_type}{attrs}({','.join(map(str, self.args))})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Program:
-    statements: list[tuple[Ref, Call]] = field(default_factory=list)
+    """Statements (target, call) in order; immutable, so one parsed program is shared by
+    every op whose expression reads the same (`parsed`)."""
+
+    statements: tuple[tuple[Ref, Call], ...] = ()
 
     def __str__(self) -> str:
         return ";".join(f"{target}={call}" for target, call in self.statements)
+
+    @property
+    def writes(self) -> list[int]:
+        """The inputs it writes in place (statements assigning %i), in statement order."""
+        return [target.index for target, _ in self.statements if target.kind == "%"]
 
     def evaluate(self, inputs: list, outputs: int, call: Callable[[Call, list], Any]) -> list:
         """Run the program on `inputs` (numpy arrays, IR values...), `call(node, args)`
@@ -83,7 +92,7 @@ def parse(text: str) -> Program:
         kind = match.lastgroup
         tokens.append((kind, match.group(kind)))
         pos = match.end()
-    program = Program()
+    statements: list[tuple[Ref, Call]] = []
     i = 0
 
     def peek() -> str:
@@ -130,7 +139,22 @@ def parse(text: str) -> Program:
         call = operand()
         if not isinstance(call, Call):
             call = Call("Identity", (call,))
-        program.statements.append((target, call))
+        statements.append((target, call))
         if i < len(tokens):
             expect(";")
-    return program
+    return Program(tuple(statements))
+
+
+@functools.lru_cache(maxsize=4096)
+def parsed(text: str) -> Program:
+    """The program `text` says, parsed once per text: every reader of an op's `expr` (its
+    type rule, its reference, its cost, each backend's kernel) takes it from here, and a
+    pass that rewrites `expr` is read anew, as the cache is keyed by the text itself."""
+    return parse(text)
+
+
+def program_of(op) -> Program:
+    """A fused op's program (a Calculate's, a MatMulCalculate's...: its `expr` attribute;
+    none for an op without one), parsed once per text (`parsed`). `op` is an Operation or
+    anything that reads as one (a ForEach's Member)."""
+    return parsed(op.attrs.get("expr", ""))

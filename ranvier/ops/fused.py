@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import dtypes
 from . import matmul, nn, nn_grad  # noqa: F401  (the products and row ops epilogues follow are defined first)
-from .expression import Call, Ref, parse
+from .expression import Call, Ref, parsed, program_of
 from .foreach import Member
 from .registry import Attr, Attrs, TensorType, decomposition, define, op_def
 
@@ -52,7 +52,7 @@ def program_types(program, inputs, op_name: str) -> dict[str, _Spec]:
 
 
 def _infer(ctx):
-    program = parse(ctx.attrs["expr"])
+    program = parsed(ctx.attrs["expr"])
     values = program_types(program, ctx.inputs, ctx.op_name)
     for target, _ in program.statements:
         if target.kind == "%":
@@ -69,7 +69,7 @@ def _outputs(values: dict[str, _Spec]) -> list[_Spec]:
 
 def written_inputs(op) -> list[int]:
     """A statement assigning %i writes input i in place (a fused parameter update)."""
-    return [target.index for target, _ in parse(op.attrs.get("expr", "")).statements if target.kind == "%"]
+    return program_of(op).writes
 
 
 def _reference(attrs, args, outs):
@@ -80,7 +80,7 @@ def _reference(attrs, args, outs):
         (result,) = definition.reference(sub_attrs, sub_args, [TensorType(dtype, np.broadcast_shapes(*[np.shape(a) for a in sub_args]))])
         return np.asarray(result)
 
-    return parse(attrs["expr"]).evaluate(list(args), len(outs), call)
+    return parsed(attrs["expr"]).evaluate(list(args), len(outs), call)
 
 
 def _dtype_of(call: Call, args) -> str:
@@ -91,7 +91,7 @@ def _dtype_of(call: Call, args) -> str:
 
 def _computing_statements(op) -> int:
     """The statements of the op's program that compute (not a copy)."""
-    return sum(1 for _, call in parse(op.attrs["expr"]).statements if call.op_type != "Identity")
+    return sum(1 for _, call in program_of(op).statements if call.op_type != "Identity")
 
 
 def _flops(op) -> int:
@@ -138,8 +138,8 @@ def _product_attrs(fused: str, raw: dict[str, str]) -> dict[str, str]:
 
 def _infer_product_calculate(ctx):
     (product,) = op_def(product_type(ctx.op_type)).infer_types(ctx.op_name, ctx.inputs[:2], _product_attrs(ctx.op_type, ctx.attrs.raw))
-    program = parse(ctx.attrs["expr"])
-    if any(target.kind == "%" for target, _ in program.statements):
+    program = parsed(ctx.attrs["expr"])
+    if program.writes:
         raise ctx.fail("an epilogue that writes no input in place")
     values = program_types(program, [_Spec("product", product.dtype, product.shape), *ctx.inputs[2:]], ctx.op_name)
     outputs = _outputs(values)
@@ -265,8 +265,8 @@ def _infer_row_calculate(ctx):
         raise ctx.fail(f"attribute row_inputs between 1 and {len(ctx.inputs)} (got {count})")
     row_types = op_def(product_type(ctx.op_type)).infer_types(ctx.op_name, ctx.inputs[:count],
                                                               _product_attrs(ctx.op_type, ctx.attrs.raw))
-    program = parse(ctx.attrs["expr"])
-    if any(target.kind == "%" for target, _ in program.statements):
+    program = parsed(ctx.attrs["expr"])
+    if program.writes:
         raise ctx.fail("an epilogue that writes no input in place")
     first = row_types[0]
     if any(list(v.shape) != list(first.shape) and v.size != 1 for v in ctx.inputs[count:]):

@@ -27,7 +27,7 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import op_def
-from ...ops.expression import parse
+from ...ops.expression import program_of
 from ...ops.foreach import Member
 from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
@@ -101,8 +101,8 @@ def _describe(op: Operation) -> list[_Map]:
         shape = list(op.outputs[0].shape)
         return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], [dense_view(op.outputs[0])],
                      lambda values, lanes: [apply(op.type, op.attrs, values)])]
-    program = parse(op.attrs["expr"])
-    written = [t.index for t, _ in program.statements if t.kind == "%"]
+    program = program_of(op)
+    written = program.writes
     shape = list(op.outputs[0].shape) if op.outputs else list(op.inputs[written[0]].shape)
     outputs = [dense_view(v) for v in op.outputs] + [dense_view(op.inputs[i]) for i in written]
     return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], outputs, program_body(program, len(op.outputs)))]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from ... import dtypes
 from ...ops import attrs_of, op_def
-from ...ops.expression import parse
+from ...ops.expression import program_of
 from ...ops.foreach import Member
 from ...ops.fused import ROW_EPILOGUE_OPS, fused_type, product_type, row_split
 from .context import EmitContext, check_range, load_index
@@ -601,7 +601,7 @@ def with_epilogue(op) -> RowBody:
     (first, *_) = op_def(base).infer_types(op.name, row_inputs, attrs)
     unstored = Unstored(f"{op.name}:row", first.dtype, tuple(first.shape))
     body = ROW_OPS[base][0](Member(op.name, base, row_inputs, [unstored, *other_outputs], attrs))
-    program = program_body(parse(op.attrs["expr"]), len(program_outputs))
+    program = program_body(program_of(op), len(program_outputs))
 
     def fused(ctx, r):
         body(StoreEpilogue(ctx, unstored, further, program_outputs, program), r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ....ops import attrs_of, op_def
-from ....ops.expression import parse
+from ....ops.expression import program_of
 from ....ops.shape import shape_fact
 from ...llvm.context import check_range, load_index
 from ...llvm.formulas import apply, program_body
@@ -55,20 +55,17 @@ def _uniform_outputs(op) -> bool:
 @kernel("Calculate", {"Calculate"}, supports=_uniform_outputs, in_place=_same_type)
 def calculate(ctx, op) -> None:
     """A fused program: every statement is evaluated per element of the common output shape."""
-    program = parse(op.attrs["expr"])
+    program = program_of(op)
     shape = _iteration_shape(op)
     inputs = [broadcast_view(v, shape) for v in op.inputs]
-    written = [t.index for t, _ in program.statements if t.kind == "%"]
-    outputs = [dense_view(v) for v in op.outputs] + [dense_view(op.inputs[i]) for i in written]
+    outputs = [dense_view(v) for v in op.outputs] + [dense_view(op.inputs[i]) for i in program.writes]
     emit_map(ctx, shape, inputs, outputs, program_body(program, len(op.outputs)))
 
 
 def _iteration_shape(op):
     if op.outputs:
         return list(op.outputs[0].shape)
-    program = parse(op.attrs["expr"])
-    first_write = next(t.index for t, _ in program.statements if t.kind == "%")
-    return list(op.inputs[first_write].shape)
+    return list(op.inputs[program_of(op).writes[0]].shape)
 
 
 @kernel("Copy", {"Identity", "Reshape", "ExpandDims", "Squeeze"}, in_place=_same_bytes)

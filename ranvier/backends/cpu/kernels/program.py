@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from ....flow.graph import Variable
-from ....ops.expression import parse
+from ....ops.expression import program_of
 from ....ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, product_type
 from ...kernels import planned
 from ...llvm.formulas import program_body
@@ -44,7 +44,7 @@ def epilogue(ctx, op, at: int | Value, rows: int | Value, columns: int, partials
 
     own = (per_index if outer else 0, n, 1)
     others = op.inputs[2:] if fused else []
-    program = program_body(parse(op.attrs["expr"]), len(op.outputs)) if fused else lambda values, lanes: values[:1]
+    program = program_body(program_of(op), len(op.outputs)) if fused else lambda values, lanes: values[:1]
     added = len(partials)
 
     def body(values: list[Value], lanes: int) -> list[Value]:

@@ -7,7 +7,7 @@ from llvmlite import ir
 
 from .... import dtypes
 from ....ops import attrs_of, op_def
-from ....ops.expression import parse
+from ....ops.expression import program_of
 from ....ops.fused import product_type, row_split
 from ....ops.nn import pool_params
 from ...llvm.formulas import program_body
@@ -148,7 +148,7 @@ def _pool_gradient(op) -> tuple:
         return *op.inputs, op.outputs[0].dtype, [], op.outputs, None
     attrs, (x, dy), further, outputs, _ = row_split(op.type, op.attrs, op.inputs, op.outputs)
     (dx,) = op_def(product_type(op.type)).infer_types(op.name, [x, dy], attrs)
-    return x, dy, dx.dtype, further, outputs, program_body(parse(op.attrs["expr"]), len(outputs))
+    return x, dy, dx.dtype, further, outputs, program_body(program_of(op), len(outputs))
 
 
 def _supported_gradient(op) -> bool:
