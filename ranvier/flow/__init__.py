@@ -1,8 +1,9 @@
 """The graph IR (Flow, Variable, Operation, Function), the Builder, and .flow file I/O."""
 
 from .builder import Builder, Tensor
+from .elements import Blob, Connector, Function, Operation, Variable
 from .flags import FuncFlags, OpFlags, VarFlags
-from .graph import Blob, Connector, Flow, Function, Operation, Variable
+from .graph import Flow
 
 __all__ = [
     "Blob",

@@ -10,14 +10,18 @@ ops (`ranvier.ops`); the Builder looks them up by name.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import RanvierError
 from ..ops import TensorType, has_op, op_def, op_method
+from .elements import Connector, Function, Operation, Variable, attr_string
 from .flags import VarFlags
-from .graph import Connector, Flow, Function, Operation, Variable, attr_string
+
+if TYPE_CHECKING:  # the graph imports this module for Flow.define
+    from .graph import Flow
 
 
 class Tensor:
@@ -288,8 +292,6 @@ class Builder:
             raise AttributeError(f"Builder has no attribute {name!r} (and no op defines a method of that name)")
         return lambda *args, **kwargs: method(self, *args, **kwargs)
 
-
-Flow.builder_class = Builder
 
 
 def _undefined_op_output(inputs: list[Variable]) -> TensorType:
