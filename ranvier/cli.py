@@ -130,12 +130,9 @@ def _join_the_ranks(args: argparse.Namespace) -> None:
             os._exit(1)
 
         watch_launcher(launcher, orphaned)
-    if not world.is_root:
-        from .compiler import compiler
-
+    if not world.is_root:  # its compiles go unannounced too (`console`)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- this rank's output, for the rest of the process
         args.quiet, args.dashboard = True, False
-        compiler.compile_observer = None
 
 
 def _launch_workers(args: argparse.Namespace, run_dir: Path) -> int:
@@ -745,20 +742,24 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-def _rank() -> str:
-    """" (rank 1 of 4)" in a data-parallel rank, else ""."""
+def _world():
+    """The data-parallel world of a process mpiexec (or --workers) started, else None."""
     from .distributed import current_world, launched_by_mpi
 
-    world = current_world() if launched_by_mpi() else None
+    return current_world() if launched_by_mpi() else None
+
+
+def _rank() -> str:
+    """" (rank 1 of 4)" in a data-parallel rank, else ""."""
+    world = _world()
     return f" (rank {world.rank} of {world.size})" if world is not None and world.size > 1 else ""
 
 
 def _end_other_ranks(code: int) -> None:
     """A data-parallel rank that stops ends the whole job: the others would wait for it."""
-    from .distributed import current_world, launched_by_mpi
-
-    if launched_by_mpi() and current_world().size > 1:
-        current_world().abort(code)
+    world = _world()
+    if world is not None and world.size > 1:
+        world.abort(code)
 
 
 COMPILE_STATUS_AFTER = 1.0  # seconds a compile runs before it is announced
@@ -794,16 +795,17 @@ class _CompileStatus:
 def console() -> int:
     """The `ranvier` command: a user's error said in one line (exit code 1; usage errors 2),
     the full traceback with --debug or RANVIER_DEBUG."""
-    from .compiler import compiler
+    from .compiler.compiler import observing
 
     args = _parse(sys.argv[1:])
     # Names a file held as bytes that are not UTF-8 (read as surrogates) print escaped, as on stderr.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
     show_traceback = args.debug or debug.tracebacks()
-    compiler.compile_observer = _CompileStatus
     try:
-        return args.run(args)
+        world = _world()
+        with observing(_CompileStatus if world is None or world.is_root else None):  # rank 0 alone prints
+            return args.run(args)
     except (*USER_ERRORS, OSError) as error:
         ours = isinstance(error, ModuleNotFoundError) and (error.name or "").startswith("ranvier")  # a bug, not the user's
         unexpected = not isinstance(error, USER_ERRORS) and error.errno not in ENVIRONMENT_ERRNOS
@@ -818,8 +820,6 @@ def console() -> int:
         print(f"ranvier: interrupted{_rank()}", file=sys.stderr)
         _end_other_ranks(130)
         return 130
-    finally:
-        compiler.compile_observer = None  # a caller in the same process (a test) compiles quietly again
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ the config.json that real runs write."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -325,7 +327,45 @@ def test_a_slow_compile_says_so_on_stderr_and_the_library_stays_quiet(capsys):
     with status:
         time.sleep(0.2)
     assert capsys.readouterr().err.startswith("compiling f (1 ops)… 0.")
-    assert compiler.compile_observer is None
+
+
+def _recording(seen: list):
+    """A compile observer that notes each compile's functions as it starts and ends."""
+
+    @contextlib.contextmanager
+    def observer(flow):
+        seen.append(("start", list(flow.funcs)))
+        yield
+        seen.append("end")
+
+    return observer
+
+
+def test_compiles_are_observed_only_within_an_observing_block():
+    import ranvier as rv
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    f.relu(f.var("x", rv.DT_FLOAT, [1, 4]), name="y")
+    seen: list = []
+    rv.Compiler().compile(flow)
+    with compiler.observing(_recording(seen)):
+        rv.Compiler().compile(flow)
+        with compiler.observing(None):  # a rank that does not print, within the command
+            rv.Compiler().compile(flow)
+    rv.Compiler().compile(flow)
+    assert seen == [("start", ["f"]), "end"]
+
+
+@pytest.mark.parametrize("root", [True, False])
+def test_the_command_shows_its_compiles_on_rank_0_alone(monkeypatch, capsys, root):
+    seen: list = []
+    monkeypatch.setattr("ranvier.cli._CompileStatus", _recording(seen))
+    if not root:
+        monkeypatch.setattr("ranvier.cli._world", lambda: types.SimpleNamespace(is_root=False, rank=1, size=2))
+    monkeypatch.setattr(sys, "argv", ["ranvier", "demo"])
+    assert console() == 0
+    assert seen == ([("start", ["f"]), "end"] if root else [])
 
 
 def test_a_new_run_that_fails_before_its_first_checkpoint_leaves_no_directory(tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 from .. import dtypes
 from ..autodiff import gradient_function
@@ -21,11 +22,24 @@ from .pipeline import PassContext, run_pipeline
 from .references import resolve_references
 from .schedule import schedule
 
-# Set by the `ranvier` command to show slow compiles; the library itself prints nothing.
-# Given the flow about to be compiled, it returns a context manager around the compile.
-compile_observer: Callable[[Flow], contextlib.AbstractContextManager[object]] | None = None
+# Given the flow about to be compiled, a context manager around the compile.
+CompileObserver = Callable[[Flow], contextlib.AbstractContextManager[object]]
+
+_observer: ContextVar[CompileObserver | None] = ContextVar("compile observer", default=None)
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def observing(observer: CompileObserver | None) -> Iterator[None]:
+    """Within the block, each compile (in this thread) runs inside `observer(flow)`: how the
+    `ranvier` command shows a slow compile, where the library itself prints nothing. None:
+    compiles unobserved (a data-parallel rank that does not print). Blocks nest."""
+    token = _observer.set(observer)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
 
 
 def undefined_shape(var: Variable, func: Function) -> CompileError:
@@ -99,7 +113,8 @@ class Compiler:
         """share_data: the network's globals are the flow's data arrays themselves where
         those are aligned (`runtime.aligned_array`), not copies: an inference network keeps
         one copy of its weights, and writes to either side reach the other."""
-        with compile_observer(flow) if compile_observer else contextlib.nullcontext():
+        observer = _observer.get()
+        with observer(flow) if observer is not None else contextlib.nullcontext():
             # Passes rewrite the flow; they work on a copy so the caller's flow stays as built.
             network = Network(flow.copy(), self.backend_name, share_data)
             bind_undefined_dimensions(network.flow)
