@@ -38,13 +38,16 @@ class Slot:
 
 @dataclass
 class Step:
-    """One computation of a cell: the op it computes and the kernel chosen for it."""
+    """One computation of a cell: the op it computes and the kernel chosen for it (its name,
+    as cells and profiles print it, and the backend's kernel itself, `chosen`, for the
+    backend to generate the step's code from without choosing again)."""
 
     op: Operation
     kernel: str
     variant: str = ""
     flops: int = 0  # floating-point operations per execution, by the kernel's cost
     workspace: Variable | None = None  # the kernel's working memory, planned like a temporary
+    chosen: object = None  # the backend's kernel (`backends.kernels.Kernel`); None where it has none
 
     @property
     def label(self) -> str:

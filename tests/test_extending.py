@@ -125,15 +125,17 @@ def test_a_hand_written_kernel_registers_in_the_library_and_runs_natively():
     np.testing.assert_allclose(_run(cell64, x64, y64, value.astype(np.float64)), value.astype(np.float64).sum(axis=-1))
 
 
-def test_a_kernel_registered_first_is_tried_first():
+def test_a_kernel_of_a_lower_rank_is_tried_first_whenever_it_registers():
     library = type(LIBRARY)("test", LIBRARY.fallback)
-    library.kernel("General", {"Relu"})(lambda ctx, op: None)
-    library.kernel("Special", {"Relu"}, first=True)(lambda ctx, op: None)
+    library.kernel("General", {"Relu"}, rank=10)(lambda ctx, op: None)
+    library.kernel("Special", {"Relu"})(lambda ctx, op: None)
     flow = rv.Flow()
     relu = rv.Builder(flow, "f").var("x", "float32", [2]).relu()
     assert library.choose(relu.producer).name == "Special"
     with pytest.raises(ValueError, match="registered twice"):
-        library.kernel("General", {"Relu"})(lambda ctx, op: None)
+        library.kernel("General", {"Relu"}, rank=20)(lambda ctx, op: None)
+    with pytest.raises(ValueError, match="Special and Other may take the same ops and have the same rank 0"):
+        library.kernel("Other", None)(lambda ctx, op: None)
 
 
 def test_debug_passes_prints_the_function_after_each_pass(monkeypatch, capsys):

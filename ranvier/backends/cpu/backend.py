@@ -18,7 +18,7 @@ from ...ops import is_view
 from ...runtime import Cell, Instance, Step
 from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
-from ..kernels import Kernel, Prepared
+from ..kernels import Kernel, Prepared, chosen_kernel
 from ..reference import reference_kernel
 from . import amx, bf16gemv, codegen, fpmode, jit, parallel_compile, q8gemm, sgemm
 from .blas import blas_pointers, blas_thread_setter
@@ -98,7 +98,7 @@ class CPUBackend:
                             *(() if sgemm.pairs_supported(self.target) else (PAIRS_GEMV_KERNEL,)))
 
     def kernel(self, op: Operation) -> Kernel:
-        """The library's kernel for `op` on this target."""
+        """The library's kernel for `op` on this target (a step keeps its own: `chosen_kernel`)."""
         return LIBRARY.choose(op, self.unavailable)
 
     # ---- compile time -----------------------------------------------------------------
@@ -109,13 +109,14 @@ class CPUBackend:
 
     def choose(self, op: Operation) -> Step:
         chosen = self.kernel(op)
-        return Step(op, chosen.name, self.target.variant if chosen.native else "python", chosen.cost(op))
+        return Step(op, chosen.name, self.target.variant if chosen.native else "python", chosen.cost(op), chosen=chosen)
 
     def workspace_bytes(self, step: Step) -> int:
-        return self.kernel(step.op).workspace_bytes(step.op)
+        return chosen_kernel(step).workspace_bytes(step.op)
 
     def in_place(self, op: Operation, source: Variable, target: Variable) -> bool:
-        """Whether the op's kernel may write `target` over `source` (see Kernel.in_place)."""
+        """Whether the op's kernel may write `target` over `source` (see Kernel.in_place):
+        asked of ops, before the memory plan, of the kernel the op's step has."""
         return self.kernel(op).may_write_over(op, source, target)
 
     def shares_storage(self, op: Operation) -> bool:
@@ -132,7 +133,7 @@ class CPUBackend:
                     table.append(v)
         layout = Layout({s.var.name: s.offset for s in cell.slots}, table)
         for step in cell.steps:
-            for prepared in self.kernel(step.op).prepared(step.op):
+            for prepared in chosen_kernel(step).prepared(step.op):
                 if all((p.var.name, p.form) != (prepared.var.name, prepared.form) for p in layout.prepared):
                     layout.prepared.append(prepared)
         self._alias_views(cell, layout)
@@ -154,7 +155,7 @@ class CPUBackend:
                 debug.dump(kind, f"cell {cell.name}: {what}", self.code(cell, kind))
 
     def _modules(self, cell: Cell, layout: Layout) -> list[ir.Module]:
-        emitters = [self.kernel(step.op).emit for step in cell.steps]
+        emitters = [chosen_kernel(step).emit for step in cell.steps]
         return codegen.build_modules(cell.name, self.target, cell.steps, layout, emitters, self.flush_denormals,
                                      parallel_compile.parts())
 

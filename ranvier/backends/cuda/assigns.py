@@ -14,6 +14,7 @@ from ...flow.graph import Operation
 from ...ops import attrs_of
 from ..llvm.context import check_range, load_index
 from ..llvm.values import index_value
+from .library import LIBRARY, Generator, one_launch
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -43,3 +44,6 @@ def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     outer, row, column = e // (rows * inner), (e // inner) % rows, e % inner
     with ctx.when(inside & (row < capacity - begin)):
         ctx.copy(value, e, target, (outer * capacity + begin + row) * inner + column)
+
+
+LIBRARY.register(Generator("Assign", None, one_launch(elements, emit), supports=supports, rank=110))

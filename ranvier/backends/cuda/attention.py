@@ -46,6 +46,7 @@ from ..llvm.loops import pairwise
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray
+from .library import LIBRARY, Generator
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -363,3 +364,6 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
         t = first_query + thread
         with ctx.when(t < shape.queries):
             _each(ctx, shape, lambda i: ctx.store(dq, shape.query_row(b, h, t) + i, acc.load(i) * shape.scale))
+
+
+LIBRARY.register(Generator("Attention", None, launches, supports=supports, rank=130))

@@ -46,6 +46,7 @@ from ..llvm.values import Value, index_value
 from . import warps
 from .attention import PARKED, AttentionShape, load_tiles
 from .blocks import BlockProgram, PrivateArray
+from .library import LIBRARY, Generator
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -475,3 +476,6 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
                 for column, i in _elements(size, r):
                     ctx.store(dk, at + column, dk_sum.load(i) * shape.scale)
                     ctx.store(dv, at + column, dv_sum.load(i))
+
+
+LIBRARY.register(Generator("AttentionMMA", None, launches, supports=supports, rank=120))

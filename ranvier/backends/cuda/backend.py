@@ -44,7 +44,7 @@ from ...ops.fused import ROW_EPILOGUE_OPS
 from ...runtime import Cell, Instance, Step
 from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
-from ..kernels import planned
+from ..kernels import chosen_kernel, planned
 from . import blas, foreach, kernels, ptx
 from .code import CUDACode
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU
@@ -97,19 +97,19 @@ class CUDABackend:
                                "(softmax, norms, cross-entropy, top-k), lookups (gather, one-hot, pooled gathers), "
                                "scatter-adds, MoE routing and grouped products, matrix products, assignments, "
                                "attention and shape facts; use --backend cpu for this model")
-        return Step(op, kernels.kernel_kind(op), self.architecture, op_def(op.type).cost(op))
+        kernel = kernels.chosen(op)
+        return Step(op, kernel.name, self.architecture, op_def(op.type).cost(op), chosen=kernel)
 
     def workspace_bytes(self, step: Step) -> int:
         return 0
 
     def in_place(self, op: Operation | Member, source: Variable, target: Variable) -> bool:
-        """A thread reads its element's inputs before it writes: an elementwise op may write
-        over an input of its output's exact type and shape."""
+        """Whether the op's kernel may write `target` over `source` (a map's: see
+        `Kernel.in_place`)."""
         if op.type == "ForEach":  # within a member only: the others run beside it, not before
             return any(any(v is source for v in m.inputs) and any(v is target for v in m.outputs)
                        and self.in_place(m, source, target) for m in members(op))
-        same = source.dtype == target.dtype and list(source.shape) == list(target.shape)
-        return same and kernels.supports(op) and kernels.kernel_kind(op) == "Map"
+        return kernels.supports(op) and kernels.chosen(op).may_write_over(kernels.as_op(op), source, target)
 
     def shares_storage(self, op: Operation) -> bool:
         return is_view(op) and op.type != "Identity"
@@ -133,10 +133,10 @@ class CUDABackend:
                 continue
             signature = kernels.signature(step.op)
             if signature not in made:
-                made[signature] = kernels.add_kernels(module, step.op)
+                made[signature] = kernels.add_kernels(module, step.op, chosen_kernel(step))
                 owners.append(index)
             # a launch over no elements (a zero-size tensor's) is left out
-            generated[index] = [k for k in kernels.shared_kernels(made[signature], step.op) if k.elements]
+            generated[index] = [k for k in kernels.shared_kernels(made[signature], step.op, chosen_kernel(step)) if k.elements]
 
         def generate() -> bytes:
             text = ptx.emit_ptx(module, self.architecture)

@@ -24,6 +24,7 @@ from ...runtime import Cell
 from .. import compile_cache
 from ..cpu import jit
 from ..cpu.target import host_target
+from ..kernels import chosen_kernel
 from ..llvm.irutil import use_features
 from . import blas, kernels
 from .blas import Gemm
@@ -98,7 +99,7 @@ class HostEmulator:
             module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
             use_features(module, target.feature_set)
             for index in native.owners:  # each kernel once, however many steps run it
-                kernels.add_host_kernels(module, cell.steps[index].op)
+                kernels.add_host_kernels(module, cell.steps[index].op, chosen_kernel(cell.steps[index]))
             return jit.compile_object(module, target)
 
         launches = list({kernel.name: kernel for step_kernels in native.kernels.values() for kernel in step_kernels

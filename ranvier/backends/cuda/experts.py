@@ -20,6 +20,7 @@ from ...flow.graph import Operation
 from ...ops import attrs_of
 from ..llvm.routing import group_bounds, route
 from ..llvm.values import Value, index_value
+from .library import LIBRARY, Generator, one_launch
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -76,3 +77,7 @@ def _grouped_weight_grad(ctx: ThreadContext, op: Operation, index: Value) -> Non
     with ctx.when(good), ctx.loop(start, stop, name="r") as r:
         total.set(total.value + ctx.load(x, r * k + a) * ctx.load(dy, r * n + b))
     ctx.store(dw, index, total.value)
+
+
+LIBRARY.register(Generator("Route", frozenset({"MoERoute"}), one_launch(elements, emit), rank=80))
+LIBRARY.register(Generator("GroupedProduct", frozenset(OPS) - {"MoERoute"}, one_launch(elements, emit), rank=90))

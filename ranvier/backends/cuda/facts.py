@@ -10,6 +10,7 @@ from llvmlite import ir
 from ...flow.graph import Operation, Variable
 from ...ops.shape import SHAPE_FACTS, shape_fact
 from ..llvm.values import index_value
+from .library import LIBRARY, Generator, one_launch
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -32,3 +33,6 @@ def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     for position, value in enumerate(shape_fact(op.type, op.inputs[0].shape).reshape(-1).tolist()):
         with ctx.when(at.equal(position)):
             ctx.store(op.outputs[0], position, value)
+
+
+LIBRARY.register(Generator("ShapeFact", None, one_launch(elements, emit), supports=supports, rank=140, operands=operands))

@@ -13,12 +13,13 @@ CPU's row passes, split over a block's threads), `lookups` (one index of a Gathe
 place: Assign, a KV cache's AssignSlice), `attention_mma` (attention in bfloat16 on
 tensor cores, a warp per 16 query rows), `attention` (blocks of query or key rows of
 attention and its gradient, streaming tiles through shared memory, no score matrix
-formed) and `facts` (Shape, Size, Rank: constants stored), tried in order. A generator says
+formed) and `facts` (Shape, Size, Rank: constants stored). Each registers its kernels in
+the GPU's kernel library (`library.py`), tried by rank as the CPU's are. A kernel says
 which ops it `supports`; the variables its kernels read and write, if not every input and
-output (`operands`, each once: the kernels' pointer parameters); and either how many
-`elements` there are and how to `emit` one element at IR index `index` in a
-`ThreadContext` (the shared kernel vocabulary, `EmitContext`), or its `launches`: several
-such (elements, emit) in order, or (blocks, emit, threads) for a block kernel, whose
+output (`operands`, each once: the kernels' pointer parameters); and its launches
+(`emit(op)`): each (elements, emit) — how many elements there are and how to emit one
+at IR index `index` in a `ThreadContext` (the shared kernel vocabulary, `EmitContext`) —
+or (blocks, emit, threads) for a block kernel, whose
 element is a block of `threads` threads working together (`blocks.BlockProgram`). Every
 kernel takes one more parameter, a status word (i64*) a thread sets to 1 on bad data (a
 class label out of range): the runtime raises, naming the step. A kernel whose elements
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 from llvmlite import ir
@@ -40,10 +42,11 @@ from llvmlite import ir
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops.foreach import Member, members
+from ..kernels import Kernel
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I64, VOID, for_range, i64, storage_type, use_features
 from ..llvm.values import Value
-from . import (
+from . import (  # noqa: F401  (registration)
     assigns,
     attention,
     attention_mma,
@@ -59,9 +62,9 @@ from . import (
     scatters,
 )
 from .blocks import special_register
+from .library import LIBRARY, Generator
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
-GENERATORS = (maps, pads, reductions, rows, lookups, scatters, experts, products, assigns, attention_mma, attention, facts)
 # What the kernels may assume of every NVIDIA GPU, in the names the shared emitters test
 # (`has_feature`): a fused multiply-add, and half-precision conversions in hardware (as
 # x86's F16C gives the CPU).
@@ -84,21 +87,24 @@ class GPUKernel:
     one_pass: bool = False  # a thread (a block) per element, no grid-stride loop (`add_kernels`)
 
 
+def as_op(op: Operation | Member) -> Operation:
+    """A ForEach's member as the library and its kernels read it: as they read an op."""
+    return cast(Operation, op)
+
+
 def supports(op: Operation | Member) -> bool:
-    if op.type == "ForEach":
-        keys = {foreach_key(member) for member in members(op)}
-        return len(keys) == 1 and None not in keys
-    return any(generator.supports(op) for generator in GENERATORS)
+    return LIBRARY.supports(as_op(op))
 
 
 def foreach_key(op: Operation | Member) -> int | None:
     """Which ForEach kernels the op may join (`Capabilities.foreach`): the threads of a
     block of its one launch (0 for a thread per element), for a map (not a copy),
-    reduction, row op or pad of at most `foreach.GROUPED_WORK` threads' work; else None."""
-    generator = _supporting(op)
-    if generator not in (maps, reductions, rows, pads) or (generator is maps and maps.is_copy(op)):
+    reduction, row op or pad (`Generator.foreach`) of at most `foreach.GROUPED_WORK`
+    threads' work; else None."""
+    kernel = LIBRARY.choose(as_op(op))
+    if not (isinstance(kernel, Generator) and kernel.foreach):
         return None
-    launches = _launches(generator, op)
+    launches = _launches(op, kernel)
     if len(launches) != 1:
         return None
     elements, _, threads = launches[0]
@@ -108,15 +114,15 @@ def foreach_key(op: Operation | Member) -> int | None:
 def kernel_kind(op: Operation | Member) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
     "Route", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention", "ShapeFact" or "ForEach"."""
-    if op.type == "ForEach":
-        return "ForEach"
-    generator = _generator(op)
-    if generator is maps:
-        return "Copy" if maps.is_copy(op) else "Map"
-    if generator is experts:
-        return "Route" if op.type == "MoERoute" else "GroupedProduct"
-    return {pads: "Pad", reductions: "Reduce", rows: "Rows", lookups: "Lookup", scatters: "Scatter", products: "Product",
-            assigns: "Assign", attention_mma: "AttentionMMA", attention: "Attention", facts: "ShapeFact"}[generator]
+    return chosen(op).name
+
+
+def chosen(op: Operation | Member) -> Generator:
+    """The library's kernel for the op; an op no kernel runs is an error."""
+    kernel = LIBRARY.choose(as_op(op))
+    if not kernel.native or not isinstance(kernel, Generator):
+        raise RanvierError(f"{op.name} ({op.type}): no GPU kernel computes it yet")
+    return kernel
 
 
 class ThreadContext(EmitContext):
@@ -159,20 +165,6 @@ class ThreadContext(EmitContext):
             self.b.store(i64(1), self.status)
 
 
-def _supporting(op: Operation | Member):
-    """The first generator that supports the op, or None."""
-    return next((g for g in GENERATORS if g.supports(op)), None)
-
-
-def _generator(op: Operation | Member):
-    if op.type == "ForEach":
-        return foreach
-    generator = _supporting(op)
-    if generator is None:
-        raise RanvierError(f"{op.name} ({op.type}): no GPU kernel computes it yet")
-    return generator
-
-
 def signature(op: Operation) -> str:
     """Everything an op's kernels are made from: its type and attributes, and each input's
     and output's dtype, shape, which earlier operand it is the same variable as, and a small
@@ -186,10 +178,10 @@ def signature(op: Operation) -> str:
     return "\n".join(lines)
 
 
-def shared_kernels(made: list[GPUKernel], op: Operation) -> list[GPUKernel]:
+def shared_kernels(made: list[GPUKernel], op: Operation, choice: Kernel | None = None) -> list[GPUKernel]:
     """`made` (the kernels of an op of the same signature) as `op`'s: the same code, run on
-    `op`'s variables."""
-    operands = _operands(_generator(op), op)
+    `op`'s variables (`choice`: the op's library kernel, where it was chosen already)."""
+    operands = _operands(op, choice)
     return [replace(kernel, operands=operands) for kernel in made]
 
 
@@ -201,35 +193,49 @@ def kernel_name(op: Operation) -> str:
 Emit = Callable[[ThreadContext, ir.Value], None]
 
 
-def _launches(generator, op: Operation | Member) -> list[tuple[int, Emit, int]]:
+def _kernel(op: Operation | Member, choice: Kernel | None) -> Generator:
+    """The op's kernel: `choice` where it was chosen already (a step's), else the library's."""
+    if choice is None:
+        return chosen(op)
+    if not isinstance(choice, Generator):
+        raise RanvierError(f"{op.name} ({op.type}): kernel {choice.name} is not a GPU kernel")
+    return choice
+
+
+def _launches(op: Operation | Member, choice: Kernel | None = None) -> list[tuple[int, Emit, int]]:
     """The op's launches in order, each (elements, how to emit one, threads per block of a
     block kernel or 0): one for most ops; an accumulation first zeroes its output (a launch
     finishes before the next starts); a ForEach its members' single launches as one."""
-    if op.type == "ForEach":
-        return [foreach.laid_end_to_end([_launches(_generator(m), m)[0] for m in members(op)])]
-    if hasattr(generator, "launches"):
-        return [(*launch, 0) if len(launch) == 2 else launch for launch in generator.launches(op)]
-    return [(generator.elements(op), lambda ctx, index: generator.emit(ctx, op, index), 0)]
+    return [(*launch, 0) if len(launch) == 2 else launch for launch in _kernel(op, choice).emit(op)]
 
 
-def _operands(generator, op: Operation | Member) -> tuple[Variable, ...]:
-    """The variables the op's kernels take, in order: the generator's choice (a ForEach:
+def _operands(op: Operation | Member, choice: Kernel | None = None) -> tuple[Variable, ...]:
+    """The variables the op's kernels take, in order: the kernel's own (a ForEach:
     its members'), or the op's inputs and outputs, each once."""
-    if op.type == "ForEach":
-        return tuple({id(v): v for m in members(op) for v in _operands(_generator(m), m)}.values())
-    if hasattr(generator, "operands"):
-        return generator.operands(op)
+    operands = _kernel(op, choice).operands
+    if operands is not None:
+        return operands(as_op(op))
     return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
 
 
-def _element_functions(module: ir.Module, op: Operation, on_gpu: bool) -> list[tuple[ir.Function, GPUKernel]]:
+def _foreach_supported(op: Operation) -> bool:
+    keys = {foreach_key(member) for member in members(op)}
+    return len(keys) == 1 and None not in keys
+
+
+LIBRARY.register(Generator(
+    "ForEach", frozenset({"ForEach"}), lambda op: [foreach.laid_end_to_end([_launches(m)[0] for m in members(op)])],
+    supports=_foreach_supported, operands=lambda op: tuple({id(v): v for m in members(op) for v in _operands(m)}.values())))
+
+
+def _element_functions(module: ir.Module, op: Operation, on_gpu: bool,
+                       choice: Kernel | None = None) -> list[tuple[ir.Function, GPUKernel]]:
     """`element(index, operands..., status)` for each of the op's launches, with its kernel,
     for the GPU or for the host emulator (`on_gpu`; they differ in block kernels alone)."""
-    generator = _generator(op)
-    operands = _operands(generator, op)
+    operands = _operands(op, choice)
     pointers = [storage_type(v.dtype).as_pointer() for v in operands]
     made = []
-    for number, (elements, emit, threads) in enumerate(_launches(generator, op)):
+    for number, (elements, emit, threads) in enumerate(_launches(op, choice)):
         name = kernel_name(op) + (f"$then{number}" if number else "")  # "$": no op name makes it
         function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers, I64.as_pointer()]), name=f"{name}_element")
         function.linkage = "internal"
@@ -249,16 +255,17 @@ def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.M
     return module, add_kernels(module, op)
 
 
-def add_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
+def add_kernels(module: ir.Module, op: Operation, choice: Kernel | None = None) -> list[GPUKernel]:
     """The op's GPU kernels in `module` (a GPU module), one per launch, in launch order:
     `name(operands..., status)` runs a grid-stride loop over the launch's elements (a block
     kernel's blocks: each block takes whole elements), or, `one_pass`, its one element: a
     ForEach's pointer parameters (a hundred, for an optimizer's update) are then each
     loaded in the branch of the member that reads them, where a loop's every trip would
-    keep them all in registers (ptxas gave an AdamW ForEach 168 registers a thread)."""
+    keep them all in registers (ptxas gave an AdamW ForEach 168 registers a thread).
+    `choice`: the op's library kernel, where it was chosen already (its step's)."""
     use_features(module, GPU_FEATURES)
     kernels = []
-    for element, kernel in _element_functions(module, op, on_gpu=True):
+    for element, kernel in _element_functions(module, op, on_gpu=True, choice=choice):
         function = ir.Function(module, ir.FunctionType(VOID, list(element.function_type.args[1:])), name=kernel.name)
         b = ir.IRBuilder(function.append_basic_block("entry"))
         if kernel.threads:
@@ -300,12 +307,12 @@ def host_module(op: Operation, triple: str, data_layout: str, features: frozense
     return module, add_host_kernels(module, op)
 
 
-def add_host_kernels(module: ir.Module, op: Operation) -> list[GPUKernel]:
+def add_host_kernels(module: ir.Module, op: Operation, choice: Kernel | None = None) -> list[GPUKernel]:
     """Each launch's element function in a host loop, `name(operands..., status, first, last)`,
     in `module` (a host module): the GPU's arithmetic, run here (the launches one after
-    another, as the GPU runs them)."""
+    another, as the GPU runs them). `choice`: as `add_kernels` takes it."""
     kernels = []
-    for element, kernel in _element_functions(module, op, on_gpu=False):
+    for element, kernel in _element_functions(module, op, on_gpu=False, choice=choice):
         function = ir.Function(module, ir.FunctionType(VOID, [*element.function_type.args[1:], I64, I64]), name=kernel.name)
         *pointers, first, last = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))

@@ -15,6 +15,7 @@ from ...flow.graph import Operation
 from ..llvm.context import check_range
 from ..llvm.lookups import LOOKUP_OPS, pooled_rows
 from ..llvm.values import Value, index_value
+from .library import LIBRARY, Generator
 from .rows import row_launch
 
 if TYPE_CHECKING:
@@ -56,3 +57,6 @@ def _pooled_column(ctx: ThreadContext, op: Operation, column: Value) -> None:
     if op.type == "GatherAvg":
         total.set(count.equal(0).where(total.value, total.value / count.cast(out.dtype)))
     ctx.store(out, column, total.value)
+
+
+LIBRARY.register(Generator("Lookup", None, launches, supports=supports, rank=60))

@@ -44,6 +44,7 @@ from ..llvm.strided import (
     part_views,
 )
 from ..llvm.values import Value
+from .library import LIBRARY, Generator
 
 
 @dataclass(frozen=True)
@@ -256,3 +257,15 @@ def _offsets(b: ir.IRBuilder, index: ir.Value, dims: list, strides: list[list[in
                 total = b.add(total, b.mul(coordinate, i64(stride)))
         found.append(total)
     return found
+
+
+def _same_type(op: Operation, source: Variable, target: Variable) -> bool:
+    """A thread reads its element's inputs before it writes: an elementwise op may write
+    over an input of its output's exact type and shape."""
+    return source.dtype == target.dtype and list(source.shape) == list(target.shape)
+
+
+LIBRARY.register(Generator("Copy", None, launches, supports=lambda op: supports(op) and is_copy(op), rank=10,
+                           operands=operands))
+LIBRARY.register(Generator("Map", None, launches, supports=supports, rank=20, in_place=_same_type, operands=operands,
+                           foreach=True))

@@ -12,6 +12,7 @@ from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.strided import contiguous_strides
 from ..llvm.values import index_value
+from .library import LIBRARY, Generator, one_launch
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -42,3 +43,7 @@ def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     value = ctx.load(x, source)
     padding = ctx.constant(out.dtype, attrs["value"])
     ctx.store(out, index_value(ctx.b, index), inside.where(value, padding) if inside is not None else value)
+
+
+LIBRARY.register(Generator("Pad", None, one_launch(elements, emit), supports=supports, rank=30, operands=operands,
+                           foreach=True))

@@ -16,6 +16,7 @@ from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.strided import contiguous_strides
 from ..llvm.values import index_value
+from .library import LIBRARY, Generator, one_launch
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -59,3 +60,4 @@ def emit(ctx: ThreadContext, op: Operation, index: ir.Value) -> None:
     ctx.store(out, element, total.value)
 
 
+LIBRARY.register(Generator("Product", None, one_launch(elements, emit), supports=supports, rank=100))

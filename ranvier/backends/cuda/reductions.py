@@ -40,6 +40,7 @@ from ..llvm.reductions import (
     term,
 )
 from ..llvm.values import index_value
+from .library import LIBRARY, Generator
 from .rows import fold_over_block, threads_per_row
 
 if TYPE_CHECKING:
@@ -102,3 +103,6 @@ def _block_element(ctx: ThreadContext, op: Operation, threads: int, index: ir.Va
     total = fold_over_block(ctx, threads, ctx.index(0), reduced, x.dtype, identity(op.type, x.dtype), combiner(op.type),
                             lambda r, width: element(ctx.load(x, base + r * inner)))
     ctx.store(out, at, finished(op, total))
+
+
+LIBRARY.register(Generator("Reduce", None, launches, supports=supports, rank=40, operands=operands, foreach=True))

@@ -36,6 +36,7 @@ from ..llvm.irutil import I32, declared
 from ..llvm.rows import ROW_OPS, row_shape
 from ..llvm.values import Value, index_value
 from .blocks import barrier, shared_variable, special_register
+from .library import LIBRARY, Generator
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -277,3 +278,6 @@ def each_over_block(ctx: ThreadContext, threads: int, start: Value | int, length
     """`body(index, 1)` for each element of a row, thread t taking elements t, t + T, ..."""
     with _threads(ctx, threads) as thread, ctx.loop(thread, length, step=threads, name="i") as i:
         body(start + i, 1)
+
+
+LIBRARY.register(Generator("Rows", None, launches, supports=supports, rank=50, foreach=True))

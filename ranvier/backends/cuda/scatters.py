@@ -24,6 +24,7 @@ from ..llvm.context import check_range, load_index
 from ..llvm.convert import narrow, widen
 from ..llvm.irutil import I32, I64, i64, storage_type
 from ..llvm.values import Value, index_value
+from .library import LIBRARY, Generator
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -123,3 +124,6 @@ def _assign_add(ctx: ThreadContext, op: Operation, index: Value) -> None:
         listed = ~ended.value
     with ctx.when(listed), ctx.when(check_range(ctx, row, table.shape[0])):
         _atomic_add(ctx, table, row * width + i, added)
+
+
+LIBRARY.register(Generator("Scatter", None, launches, supports=supports, rank=70))

@@ -1,9 +1,8 @@
 """The CPU kernels. Each module registers its kernels in the library (`library.py`) as it
-is imported; the import order below is the order kernels are tried in, but for ConvTiles,
-which registers ahead of Winograd's kernel (`first`): each declines the convolutions the
-other runs faster."""
+is imported; each kernel's rank, not the order of these imports, says which of the kernels
+for an op is tried first."""
 
-from . import matmul, winograd, conv, transpose, maps, reduce, rows, index, window, attention, cached_attention, moe  # noqa: F401, I001  (registration, in order)
+from . import attention, cached_attention, conv, index, maps, matmul, moe, reduce, rows, transpose, window, winograd  # noqa: F401  (registration)
 from .library import LIBRARY, kernel
 
 __all__ = ["LIBRARY", "kernel"]

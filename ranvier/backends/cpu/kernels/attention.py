@@ -357,12 +357,12 @@ def _block_workspace(op) -> int:
     return len(_block_parts(op)) * _block_share(op)
 
 
-@kernel("AttentionGemmDpbf16", {"Attention"}, supports=_pair_blocks, workspace=_block_workspace)
+@kernel("AttentionGemmDpbf16", {"Attention"}, supports=_pair_blocks, rank=10, workspace=_block_workspace)
 def attention_pair_blocks(ctx, op) -> None:
     _attention_blocks(ctx, op, pairs=True)
 
 
-@kernel("AttentionGemm", {"Attention"}, supports=_gemm_blocks, workspace=_block_workspace)
+@kernel("AttentionGemm", {"Attention"}, supports=_gemm_blocks, rank=20, workspace=_block_workspace)
 def attention_blocks(ctx, op) -> None:
     _attention_blocks(ctx, op, pairs=False)
 
@@ -454,12 +454,12 @@ def _grad_workspace(op) -> int:
     return len(_grad_parts(op)) * _grad_share(op)
 
 
-@kernel("AttentionGradGemmDpbf16", {"AttentionGrad"}, supports=_pair_blocks, workspace=_grad_workspace)
+@kernel("AttentionGradGemmDpbf16", {"AttentionGrad"}, supports=_pair_blocks, rank=10, workspace=_grad_workspace)
 def attention_grad_pair_blocks(ctx, op) -> None:
     _attention_grad_blocks(ctx, op, pairs=True)
 
 
-@kernel("AttentionGradGemm", {"AttentionGrad"}, supports=_gemm_blocks, workspace=_grad_workspace)
+@kernel("AttentionGradGemm", {"AttentionGrad"}, supports=_gemm_blocks, rank=20, workspace=_grad_workspace)
 def attention_grad_blocks(ctx, op) -> None:
     _attention_grad_blocks(ctx, op, pairs=False)
 
@@ -559,7 +559,7 @@ PAIRS_GEMM_KERNELS.add("AttentionGradGemmDpbf16")
 PAIRS_PACKED_GEMM_KERNELS.add("AttentionGradGemmDpbf16")
 
 
-@kernel("AttentionRow", {"Attention"}, supports=_rows_heads_first)
+@kernel("AttentionRow", {"Attention"}, supports=_rows_heads_first, rank=30)
 def attention(ctx, op) -> None:
     q, k, v = op.inputs[:3]
     out = op.outputs[0]
@@ -574,7 +574,7 @@ def attention(ctx, op) -> None:
     heads.each_query(q, k, p, weighted_values)
 
 
-@kernel("AttentionGradRow", {"AttentionGrad"}, supports=_rows_heads_first)
+@kernel("AttentionGradRow", {"AttentionGrad"}, supports=_rows_heads_first, rank=30)
 def attention_grad(ctx, op) -> None:
     q, k, v, dout = op.inputs[:4]
     dq, dk, dv = op.outputs

@@ -82,7 +82,7 @@ def _blocks(op) -> bool:
     return _floats(op) and _block_rows(op) >= BLOCK_ROWS
 
 
-@kernel("CachedAttentionBlock", {"CachedAttention"}, supports=_blocks,
+@kernel("CachedAttentionBlock", {"CachedAttention"}, supports=_blocks, rank=10,
         workspace=lambda op: len(_parts(op, op.inputs[1].shape[0] * op.inputs[1].shape[1])) * _share(op, _block_rows(op)))
 def cached_attention_blocks(ctx, op) -> None:
     q, k, v, k_cache, v_cache, _ = op.inputs
@@ -120,7 +120,7 @@ def cached_attention_blocks(ctx, op) -> None:
     each_part(ctx, _parts(op, batch * kv_heads), part)
 
 
-@kernel("CachedAttentionRow", {"CachedAttention"}, supports=_floats,
+@kernel("CachedAttentionRow", {"CachedAttention"}, supports=_floats, rank=20,
         workspace=lambda op: len(_parts(op, op.outputs[0].size // op.inputs[0].shape[3])) * _share(op, 1))
 def cached_attention_rows(ctx, op) -> None:
     q, k, v, k_cache, v_cache, _ = op.inputs

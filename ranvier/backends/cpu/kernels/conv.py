@@ -242,7 +242,7 @@ def _tiles_share(op) -> int:
     return planes.scratch_elements(filters)
 
 
-@kernel(TILES_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_tiled, first=True,
+@kernel(TILES_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_tiled, rank=10,
         workspace=lambda op: len(_tile_parts(op)) * _tiles_share(op) * 4)
 def conv_tiles(ctx, op) -> None:
     """y[image] [O, Ho·Wo] = W · windows, a part's images one at a time, multiplied in
@@ -376,23 +376,27 @@ PAIRS_KERNEL = "ConvGemmDpbf16"
 PAIRS_GEMM_KERNELS.add(PAIRS_KERNEL)  # passed over where the products on pairs do not run
 
 
+def _on_pairs(op) -> bool:
+    """A convolution marked for bf16 products."""
+    return _supported(op) and attrs_of(op)["precision"] == "bfloat16"
+
+
 def _pairs_faster(op) -> bool:
-    """A convolution marked for bf16 products whose GEMM on its windows in bf16 pairs measured
-    faster than the float32 one, on the largest call a part makes."""
-    if not (_supported(op) and attrs_of(op)["precision"] == "bfloat16"):
-        return False
+    """Whether the GEMM on its windows in bf16 pairs measured faster than the float32 one,
+    on the largest call a part makes."""
     _, _, count, _, width = max((call for part in _parts(op) for call in part), key=lambda call: call[2] * call[4])
     return windows_pairs_are_faster(count, width, _sizes(op)[3], tuple(_geometry_values(op)))
 
 
-@kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_pairs_faster, workspace=_workspace_bytes)
+@kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=40, prefer=_pairs_faster,
+        workspace=_workspace_bytes)
 def conv_gemm_pairs(ctx, op) -> None:
     """ConvGemm's calls on `ranvier_sgemm_windows_dpbf16`: filters and windows rounded to bf16
     pairs, float32 sums."""
     _call_windows(ctx, op, SGEMM_WINDOWS_DPBF16)
 
 
-@kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes)
+@kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, rank=50, workspace=_workspace_bytes)
 def conv_gemm(ctx, op) -> None:
     _call_windows(ctx, op, SGEMM_WINDOWS)
 

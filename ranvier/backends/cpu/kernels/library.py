@@ -1,6 +1,6 @@
-"""The CPU backend's kernel library. Kernel modules register into it when imported (in
-the order `kernels/__init__.py` imports them); ops no kernel supports call back into
-Python, which runs their numpy reference.
+"""The CPU backend's kernel library. Kernel modules register into it when imported
+(`kernels/__init__.py` imports them all; their ranks, not that order, say which is tried
+first); ops no kernel supports call back into Python, which runs their numpy reference.
 
 Two kernels come before every module's, for data with no elements (a zero-size batch):
 an op that writes nothing has nothing to do, and one that reads an empty input into a
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ....flow.graph import Operation
 from ....ops import op_def
-from ...kernels import Kernel, KernelLibrary
+from ...kernels import EMPTY_DATA, Kernel, KernelLibrary
 from .python import python_callback
 
 
@@ -31,5 +31,5 @@ def reads_an_empty_input(op: Operation) -> bool:
 
 LIBRARY = KernelLibrary("cpu", fallback=Kernel("Python", None, python_callback, native=False))
 kernel = LIBRARY.kernel
-LIBRARY.register(Kernel("Empty", None, lambda ctx, op: None, supports=writes_nothing, flops=lambda op: 0))
-LIBRARY.register(Kernel("Python", None, python_callback, supports=reads_an_empty_input, native=False))
+LIBRARY.register(Kernel("Empty", None, lambda ctx, op: None, supports=writes_nothing, rank=EMPTY_DATA, flops=lambda op: 0))
+LIBRARY.register(Kernel("Python", None, python_callback, supports=reads_an_empty_input, rank=EMPTY_DATA + 1, native=False))

@@ -13,6 +13,7 @@ import math
 from ....ops import attrs_of, op_def
 from ....ops.expression import program_of
 from ....ops.shape import shape_fact
+from ...kernels import GENERAL
 from ...llvm.context import check_range, load_index
 from ...llvm.formulas import apply, program_body
 from ...llvm.strided import SOURCE_VIEWS, View, broadcast_view, dense_view, part_views
@@ -41,7 +42,7 @@ def has_formula(op) -> bool:
     return definition.family == "elementwise" and definition.formula is not None and op.type != "Identity"
 
 
-@kernel("Elementwise", supports=has_formula, in_place=_same_type)
+@kernel("Elementwise", supports=has_formula, rank=GENERAL, in_place=_same_type)
 def elementwise(ctx, op) -> None:
     out = op.outputs[0]
     inputs = [broadcast_view(v, out.shape) for v in op.inputs]
@@ -87,7 +88,7 @@ def shape_fact_(ctx, op) -> None:
 
 
 @kernel("Broadcast", {"BroadcastTo"})
-@kernel("Transpose", {"Transpose"})
+@kernel("Transpose", {"Transpose"}, rank=20)
 @kernel("Slice", {"Slice"})
 def view_copy(ctx, op) -> None:
     """The input read through the op's view (`SOURCE_VIEWS`)."""

@@ -405,7 +405,7 @@ def _bfloat16_products(op) -> bool:
     return _bfloat16_precision(op) and _gemms(op)[2] > 1
 
 
-@kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_products, workspace=amx_workspace_bytes)
+@kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_products, rank=10, workspace=amx_workspace_bytes)
 def amx_matmul(ctx, op) -> None:
     parts = amx_parts(op)
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
@@ -420,23 +420,27 @@ PAIRS_GEMM_KERNELS = {PAIRS_KERNEL}
 PAIRS_PACKED_GEMM_KERNELS = {PAIRS_PACKED_KERNEL}
 
 
-def _pairs_faster(op, packed: bool) -> bool:
+def _on_pairs(op, packed: bool) -> bool:
     """A float32 product with rows in bf16, not a thin one (ThinGemm's: a 48-column panel
-    would be mostly padding), by a constant matrix (`packed`: its pairs packed once) or not,
-    where the GEMM on bf16 pairs measured faster than the float32 GEMM it takes otherwise,
-    on the largest call a part makes, as it makes it."""
+    would be mostly padding), by a constant matrix (`packed`: its pairs packed once, for a
+    product of one batch) or not."""
     if not (_bfloat16_products(op) and _float32(op) and _thin_shape(op) is None and _by_constant(op) == packed):
         return False
-    ta, tb, _, _, _, batches = _gemms(op)
-    if packed and len(batches) != 1:
-        return False
+    return not packed or len(_gemms(op)[5]) == 1
+
+
+def _pairs_faster(op, packed: bool) -> bool:
+    """Whether the GEMM on bf16 pairs measured faster than the float32 GEMM the product
+    takes otherwise, on the largest call a part makes, as it makes it."""
+    ta, tb = _gemms(op)[:2]
     calls = [g for part in gemm_parts(op, _FLOAT_UNIT, slices=not packed) for g in part]
     largest = max(calls, key=lambda g: g.m * g.n * g.k)
     lda, ldb = op.inputs[0].shape[-1], op.inputs[1].shape[-1]
     return pairs_are_faster(ta, tb, largest.m, largest.n, largest.k, lda, ldb, packed)
 
 
-@kernel(PAIRS_KERNEL, MATMUL_OPS, supports=lambda op: _pairs_faster(op, packed=False), workspace=_generated_workspace_bytes)
+@kernel(PAIRS_KERNEL, MATMUL_OPS, supports=lambda op: _on_pairs(op, packed=False), rank=20,
+        prefer=lambda op: _pairs_faster(op, packed=False), workspace=_generated_workspace_bytes)
 def pairs_matmul(ctx, op) -> None:
     """The generated GEMM on bf16 pairs (vdpbf16ps), both operands packed into pairs as it
     goes: a product of activations (a training step's, forward and backward)."""
@@ -444,8 +448,8 @@ def pairs_matmul(ctx, op) -> None:
     _call_generated(ctx, op, SGEMM_DPBF16, parts, _share(parts, _generated_call_bytes))
 
 
-@kernel(PAIRS_PACKED_KERNEL, MATMUL_OPS, supports=lambda op: _pairs_faster(op, packed=True),
-        prepares=lambda op: [_panels_of_b(op, pairs=True)])
+@kernel(PAIRS_PACKED_KERNEL, MATMUL_OPS, supports=lambda op: _on_pairs(op, packed=True), rank=30,
+        prefer=lambda op: _pairs_faster(op, packed=True), prepares=lambda op: [_panels_of_b(op, pairs=True)])
 def pairs_packed_matmul(ctx, op) -> None:
     """The generated GEMM on bf16 pairs, B's pairs packed once when the network was made
     (an inference model's weights), A's strips as it goes."""
@@ -497,7 +501,7 @@ def _thin_share(op) -> int:
     return -(-k * n * 4 // 64) * 64 if _packs_b(op) else 0
 
 
-@kernel("ThinGemm", MATMUL_OPS, supports=lambda op: _thin_form(op) is not None,
+@kernel("ThinGemm", MATMUL_OPS, supports=lambda op: _thin_form(op) is not None, rank=40,
         workspace=lambda op: len(_thin_parts(op)) * _thin_share(op))
 def thin_matmul(ctx, op) -> None:
     """A product with a side of at most `THIN` (a classifier's few columns, or few steps of
@@ -613,7 +617,7 @@ def _pairs_gemv_workspace_bytes(op) -> int:
     return len(gemm_parts(op, _FLOAT_UNIT)) * bf16gemv.workspace_bytes(_gemms(op)[3])
 
 
-@kernel(PAIRS_GEMV_KERNEL, MATMUL_OPS, supports=_row_by_narrow_constant, prepares=lambda op: [_panels_of_b(op, pairs=True)],
+@kernel(PAIRS_GEMV_KERNEL, MATMUL_OPS, supports=_row_by_narrow_constant, rank=50, prepares=lambda op: [_panels_of_b(op, pairs=True)],
         workspace=_pairs_gemv_workspace_bytes)
 def pairs_gemv(ctx, op) -> None:
     """`ranvier_gemv_dpbf16` (bf16gemv.py) on the constant B's bf16 pairs packed when the
@@ -641,15 +645,15 @@ def pairs_gemv(ctx, op) -> None:
 NARROW_PACKED_KERNEL = "PackedGemmBf16"
 
 
-def _narrow_packed_faster(op) -> bool:
-    """A product by a constant matrix that its precision lets be rounded to bf16 (marked
-    for `narrow_weights`: where no AMX tiles take it, or it is a vector's, a decode step's),
-    where the generated GEMM on bf16 panels measured faster than BLAS on the float32 matrix."""
-    return (_bfloat16_precision(op) and _by_constant(op) and len(_gemms(op)[5]) == 1
-            and _chose_generated(op, packed=True, narrow=True))
+def _narrow_constant(op) -> bool:
+    """A product of one batch by a constant matrix that its precision lets be rounded to
+    bf16 (marked for `narrow_weights`: where no AMX tiles take it, or it is a vector's, a
+    decode step's)."""
+    return _bfloat16_precision(op) and _by_constant(op) and len(_gemms(op)[5]) == 1
 
 
-@kernel(NARROW_PACKED_KERNEL, MATMUL_OPS, supports=_narrow_packed_faster, prepares=lambda op: [_panels_of_b(op, narrow=True)])
+@kernel(NARROW_PACKED_KERNEL, MATMUL_OPS, supports=_narrow_constant, rank=60,
+        prefer=lambda op: _chose_generated(op, packed=True, narrow=True), prepares=lambda op: [_panels_of_b(op, narrow=True)])
 def narrow_packed_matmul(ctx, op) -> None:
     """The generated GEMM on the constant B's panels packed in bf16 when the network was
     made: half the bytes a product streams, which is all a vector-matrix product does."""
@@ -699,7 +703,7 @@ def _q8_workspace_bytes(op) -> int:
     return len(parts) * _share(parts, _q8_call_bytes)
 
 
-@kernel(INT8_KERNEL, MATMUL_OPS, supports=_int8_products, prepares=lambda op: [_q8_panels(op)], workspace=_q8_workspace_bytes)
+@kernel(INT8_KERNEL, MATMUL_OPS, supports=_int8_products, rank=70, prepares=lambda op: [_q8_panels(op)], workspace=_q8_workspace_bytes)
 def int8_matmul(ctx, op) -> None:
     """`ranvier_q8_gemm` (q8gemm.py) on the constant B's q8_0 panels packed when the network
     was made: each call quantizes its rows of A to q8_0 blocks, then sums the blocks'
@@ -753,13 +757,8 @@ def _by_constant(op) -> bool:
     return _float32(op) and b.rank == 2 and unchanging_constant(b)
 
 
-def _packed_faster(op) -> bool:
-    """A product by a constant, where the generated GEMM on panels packed ahead of time
-    measured faster than BLAS."""
-    return _by_constant(op) and _chose_generated(op, packed=True)
-
-
-@kernel(PACKED_KERNEL, MATMUL_OPS, supports=_packed_faster, prepares=lambda op: [_panels_of_b(op)])
+@kernel(PACKED_KERNEL, MATMUL_OPS, supports=_by_constant, rank=80, prefer=lambda op: _chose_generated(op, packed=True),
+        prepares=lambda op: [_panels_of_b(op)])
 def packed_matmul(ctx, op) -> None:
     """The generated GEMM, B read from panels packed when the network was made: the
     product's steps skip the packing the workspace version does every call."""
@@ -793,10 +792,10 @@ GENERATED_GEMM_KERNELS = {GENERATED_KERNEL}
 def _generated_faster(op) -> bool:
     """Products by constants are the packed kernel's or BLAS's: packing B every call
     cannot beat packing it once."""
-    return _float32(op) and not _by_constant(op) and _chose_generated(op, packed=False)
+    return not _by_constant(op) and _chose_generated(op, packed=False)
 
 
-@kernel(GENERATED_KERNEL, MATMUL_OPS, supports=_generated_faster, workspace=_generated_workspace_bytes)
+@kernel(GENERATED_KERNEL, MATMUL_OPS, supports=_float32, rank=90, prefer=_generated_faster, workspace=_generated_workspace_bytes)
 def generated_matmul(ctx, op) -> None:
     """ranvier's own float32 GEMM (sgemm.py), where it measured faster than BLAS."""
     parts = gemm_parts(op, _FLOAT_UNIT, slices=True)
@@ -876,7 +875,7 @@ def _vector_parts(op) -> list[list[_Gemm]]:
             enumerate(shares(k, threads, ROWS_AT_ONCE))]
 
 
-@kernel("Gemv", MATMUL_OPS, supports=_vector_times_matrix,
+@kernel("Gemv", MATMUL_OPS, supports=_vector_times_matrix, rank=100,
         workspace=lambda op: _partials_bytes(op, _vector_parts(op)))
 def vector_matrix(ctx, op) -> None:
     """y = x · B streamed in place: for B, `ROWS_AT_ONCE` of its rows at a time are scaled
@@ -918,7 +917,7 @@ def _blas_workspace_bytes(op) -> int:
     return _partials_bytes(op, gemm_parts(op, _FLOAT_UNIT, slices=True))
 
 
-@kernel("BlasGemm", MATMUL_OPS, supports=_float32_or_64, workspace=_blas_workspace_bytes)
+@kernel("BlasGemm", MATMUL_OPS, supports=_float32_or_64, rank=110, workspace=_blas_workspace_bytes)
 def blas_matmul(ctx, op) -> None:
     """One BLAS call per product, or per block of a large product's C or slice of its k
     (`gemm_parts`), the parts run over the worker pool with BLAS on one thread: BLAS's own
@@ -938,7 +937,7 @@ def blas_matmul(ctx, op) -> None:
     _run_calls(ctx, op, gemm_parts(op, _FLOAT_UNIT, slices=True), call, 0, fixed=lambda g: (g.m == 1,))
 
 
-@kernel("LoopMatMul", MATMUL_OPS)
+@kernel("LoopMatMul", MATMUL_OPS, rank=120)
 def loop_matmul(ctx, op) -> None:
     """Any numeric dtype: a plain triple loop accumulating in the compute type."""
     a, b, c = op.inputs[0], op.inputs[1], op.outputs[0]

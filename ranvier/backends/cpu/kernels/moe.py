@@ -180,10 +180,12 @@ def _group_call(op, columns: int) -> tuple[bool, bool, int, int, int, int, int]:
     return True, False, k, columns, rows, k, n
 
 
+def _float32(op) -> bool:
+    return _supported_float(op) and op.inputs[0].dtype == dtypes.DT_FLOAT32
+
+
 def _generated_faster(op) -> bool:
-    """float32, and the generated GEMM measured faster than BLAS on a typical group."""
-    if not _supported_float(op) or op.inputs[0].dtype != dtypes.DT_FLOAT32:
-        return False
+    """The generated GEMM measured faster than BLAS on a typical group."""
     return generated_is_faster(*_group_call(op, _piece_columns(op)))
 
 
@@ -278,24 +280,25 @@ def _each_piece(ctx, op, caller: _Caller, body) -> None:
     run_parts(ctx, [part(number) for number in range(_parts(op))])
 
 
-@kernel("GroupedGemm", {"GroupedMatMul"}, supports=_generated_faster, workspace=_workspace)
+@kernel("GroupedGemm", {"GroupedMatMul"}, supports=_float32, rank=10, prefer=_generated_faster, workspace=_workspace)
 def grouped_generated(ctx, op) -> None:
     """The grouped product through ranvier's generated GEMM."""
     _grouped_matmul(ctx, op, _Caller(op, generated=True))
 
 
-@kernel("GroupedBlasGemm", {"GroupedMatMul"}, supports=_supported_float, workspace=_blas_workspace)
+@kernel("GroupedBlasGemm", {"GroupedMatMul"}, supports=_supported_float, rank=20, workspace=_blas_workspace)
 def grouped_blas(ctx, op) -> None:
     single_threaded_blas(ctx)
     _grouped_matmul(ctx, op, _Caller(op, generated=False))
 
 
-@kernel("GroupedGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_generated_faster, workspace=_workspace)
+@kernel("GroupedGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_float32, rank=10, prefer=_generated_faster,
+        workspace=_workspace)
 def grouped_weight_grad_generated(ctx, op) -> None:
     _grouped_weight_grad(ctx, op, _Caller(op, generated=True))
 
 
-@kernel("GroupedBlasGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_supported_float, workspace=_blas_workspace)
+@kernel("GroupedBlasGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_supported_float, rank=20, workspace=_blas_workspace)
 def grouped_weight_grad_blas(ctx, op) -> None:
     single_threaded_blas(ctx)
     _grouped_weight_grad(ctx, op, _Caller(op, generated=False))

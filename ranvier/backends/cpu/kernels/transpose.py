@@ -40,7 +40,7 @@ def _tiles_pay(op) -> bool:
     return op.inputs[0].dtype in _MOVED_AS_IS and batched_transpose(op) is not None
 
 
-@kernel("TileTranspose", {"Transpose"}, supports=_tiles_pay)
+@kernel("TileTranspose", {"Transpose"}, supports=_tiles_pay, rank=10)
 def tile_transpose(ctx, op) -> None:
     x, out = op.inputs[0], op.outputs[0]
     batch, p, q = planned(batched_transpose(op), op)

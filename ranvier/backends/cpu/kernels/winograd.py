@@ -327,22 +327,24 @@ _GEMM = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer
 _TILES = ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer(), F32.as_pointer(), I64, I64, I64, BYTE_PTR, _GEMM.as_pointer()])
 
 
-def _pairs_faster(op) -> bool:
-    """A convolution marked for bf16 products, in F(2, 3), whose GEMM on V in bf16 pairs
-    measured faster than the one on float32 V, on the largest call a part makes (a block's
-    tiles by its filters). F(4, 3)'s transforms, whose coefficients reach 8, magnify bf16's
+def _on_pairs(op) -> bool:
+    """A convolution marked for bf16 products, in F(2, 3). F(4, 3)'s transforms, whose coefficients reach 8, magnify bf16's
     rounding of U and V: a 64-channel 56 × 56 convolution erred by 6.7e-2 of its output's
     largest magnitude, where F(2, 3) on pairs erred by 4e-3 at 128 and 256 channels (rounding
     x and w to bf16 alone: 2.3e-3), so those stay float32."""
-    if not (_supported(op) and attrs_of(op)["precision"] == "bfloat16" and _form(op) is F2):
-        return False
+    return _supported(op) and attrs_of(op)["precision"] == "bfloat16" and _form(op) is F2
+
+
+def _pairs_faster(op) -> bool:
+    """Whether its GEMM on V in bf16 pairs measured faster than the one on float32 V, on the
+    largest call a part makes (a block's tiles by its filters)."""
     g = _geometry(op, _PAIRS_PANEL, pairs=True)
     filters = max(last - first for part in _parts(op, g) for _, _, _, first, last in part)
     return packed_pairs_are_faster(filters, g.block_tiles, g.channels)
 
 
-@kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_pairs_faster, workspace=lambda op: _workspace_bytes(op, pairs=True),
-        prepares=_prepared)
+@kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=20, prefer=_pairs_faster,
+        workspace=lambda op: _workspace_bytes(op, pairs=True), prepares=_prepared)
 def winograd_conv_pairs(ctx, op) -> None:
     """WinogradConv with V in bf16 pairs of channels (each rounded to nearest even as the input
     transform stores it) and its products on `ranvier_sgemm_packed_dpbf16`, U rounded as the
@@ -350,7 +352,7 @@ def winograd_conv_pairs(ctx, op) -> None:
     _winograd(ctx, op, pairs=True)
 
 
-@kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, workspace=_workspace_bytes, prepares=_prepared)
+@kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, rank=30, workspace=_workspace_bytes, prepares=_prepared)
 def winograd_conv(ctx, op) -> None:
     _winograd(ctx, op, pairs=False)
 
