@@ -19,7 +19,7 @@ in elements a thread later reads back itself. Values every thread computes alike
 row's loss) every thread stores alike.
 
 Top-k and the router's softmax-top-k pick from the whole row one element at a time: those
-rows stay one thread's each.
+rows stay one thread's each (`RowOp.one_thread`).
 """
 
 from __future__ import annotations
@@ -41,11 +41,8 @@ from .library import LIBRARY, Generator
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
-ONE_THREAD_ROWS = {"TopK", "SoftmaxTopK"}
-
-
 def supports(op: Operation) -> bool:
-    return op.type in ROW_OPS and ROW_OPS[op.type][1](op)
+    return op.type in ROW_OPS and ROW_OPS[op.type].applies(op)
 
 
 WARP = 32
@@ -85,8 +82,8 @@ def row_launch(rows: int, length: int, body) -> tuple:
 
 def launches(op: Operation) -> list[tuple]:
     rows, length = row_shape(op)
-    body = ROW_OPS[op.type][0](op)
-    if op.type in ONE_THREAD_ROWS:
+    body = ROW_OPS[op.type].body(op)
+    if ROW_OPS[op.type].one_thread:
         return [(rows, lambda ctx, index: body(ctx, index_value(ctx.b, index)))]
     return [row_launch(rows, length, body)]
 

@@ -18,13 +18,16 @@ the row as its math allows.
 Each `*_rows(op)` gives the body of one row, `body(ctx, r)`, over an `EmitContext`: the CPU
 backend shares rows out over its cores and runs the passes in vectors; on a GPU a block's
 threads split each pass of a row (`EmitContext.row_fold`, `row_each`), or for top-k one
-thread runs a row's passes one element at a time.
+thread runs a row's passes one element at a time. `@row_op` on a body is all a row op
+needs to run on both backends: each makes its kernels from `ROW_OPS`, which the decorator
+fills (the CPU's in `cpu/kernels/rows.py`, a GPU's in `cuda/rows.py`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ... import dtypes
 from ...ops import attrs_of, op_def
@@ -37,6 +40,41 @@ from .store_epilogue import StoreEpilogue, Unstored
 from .values import Value
 
 RowBody = Callable[[EmitContext, Value], None]
+
+
+def nonempty_rows(op) -> bool:
+    return op.inputs[0].shape[-1] > 0
+
+
+@dataclass(frozen=True)
+class RowOp:
+    """How an op type's rows run: `body(op)` gives the body of one row; `applies(op)` says
+    whether it runs this op; `kernel` is its kernel's name, as cells print it; `one_thread`:
+    a GPU runs each row on one thread (the row picks one element at a time)."""
+
+    kernel: str
+    body: Callable[..., RowBody]
+    applies: Callable[..., bool] = nonempty_rows
+    one_thread: bool = False
+
+
+# The row ops, by op type: filled by `@row_op` on their bodies below.
+ROW_OPS: dict[str, RowOp] = {}
+
+
+def row_op(kernels: dict[str, str], applies: Callable[..., bool] = nonempty_rows,
+           one_thread: bool = False) -> Callable[[Callable[..., RowBody]], Callable[..., RowBody]]:
+    """Decorator: the decorated `*_rows(op)` is the row body of each op type in `kernels`
+    (type -> its kernel's name), for both backends."""
+
+    def register(body: Callable[..., RowBody]) -> Callable[..., RowBody]:
+        for op_type, kernel in kernels.items():
+            if op_type in ROW_OPS:
+                raise ValueError(f"row op {op_type} is declared twice ({ROW_OPS[op_type].kernel}, {kernel})")
+            ROW_OPS[op_type] = RowOp(kernel, body, applies, one_thread)
+        return body
+
+    return register
 
 
 class Row:
@@ -98,10 +136,7 @@ def last_axis(op) -> bool:
     return attrs_of(op)["axis"] % x.rank == x.rank - 1 and x.shape[-1] > 0
 
 
-def nonempty_rows(op) -> bool:
-    return op.inputs[0].shape[-1] > 0
-
-
+@row_op({"Softmax": "SoftmaxRow", "LogSoftmax": "LogSoftmaxRow"}, applies=last_axis)
 def softmax_rows(op) -> RowBody:
     x, y = op.inputs[0], op.outputs[0]
     _, n = row_shape(op)
@@ -121,6 +156,7 @@ def softmax_rows(op) -> RowBody:
     return body
 
 
+@row_op({"LayerNorm": "LayerNormRow", "RMSNorm": "RMSNormRow"})
 def norm_rows(op) -> RowBody:
     x, y = op.inputs[0], op.outputs[0]
     gamma = op.inputs[1] if len(op.inputs) > 1 else None
@@ -153,6 +189,7 @@ def norm_rows(op) -> RowBody:
     return body
 
 
+@row_op({"RMSNormGrad": "RMSNormGradRow"})
 def rms_norm_grad_rows(op) -> RowBody:
     """dx = rstd · (dy·γ − x · rstd² · mean(dy·γ·x)) over each row, in three passes (the
     mean square, the dot, the output), and with a gain dy·x̂ beside it. dy and γ may be
@@ -188,6 +225,7 @@ def rms_norm_grad_rows(op) -> RowBody:
     return body
 
 
+@row_op({"Rotary": "RotaryRow"})
 def rotary_rows(op) -> RowBody:
     """Each row a head's D features at one position: pairs turned by the position's angle,
     w pairs at a time (2w lanes: the pairs' partners swapped and the tables' entries
@@ -295,6 +333,7 @@ def _class_targets(target) -> bool:
     return target.dtype in (dtypes.DT_INT32, dtypes.DT_INT64)
 
 
+@row_op({"SoftmaxCrossEntropy": "CrossEntropyRow"})
 def cross_entropy_rows(op) -> RowBody:
     logits, target = op.inputs
     loss = op.outputs[0]
@@ -310,6 +349,7 @@ def cross_entropy_rows(op) -> RowBody:
     return body
 
 
+@row_op({"SoftmaxCrossEntropyGrad": "CrossEntropyGradRow"})
 def cross_entropy_grad_rows(op) -> RowBody:
     """d logits = d loss · (softmax · Σp' − p') in three passes per row (max, sum of exp,
     output; two where the context takes the max and sum in one), with the target row p'
@@ -382,6 +422,7 @@ def select_top_k(ctx, source, start: Value, n: int, k: int, values, indices, out
         previous_index.set(best_index.value)
 
 
+@row_op({"TopK": "TopKRow"}, one_thread=True)
 def top_k_rows(op) -> RowBody:
     """Each row's k largest values and their indices."""
     x = op.inputs[0]
@@ -391,6 +432,7 @@ def top_k_rows(op) -> RowBody:
     return lambda ctx, r: select_top_k(ctx, x, r * n, n, k, values, indices, r * k)
 
 
+@row_op({"SoftmaxTopK": "SoftmaxTopKRow"}, one_thread=True)
 def softmax_top_k_rows(op) -> RowBody:
     """softmax over the row (its exponentials stored, then scaled in place), then the top k
     of the probabilities just written."""
@@ -510,6 +552,7 @@ def _first_passing(ctx, probs, start: Value, n: int, drawn: Value) -> Value:
     return lo.value
 
 
+@row_op({"SampleToken": "SampleTokenRow"})
 def sample_rows(op) -> RowBody:
     """A token per row (`ranvier.ops.sampling`), every step a pass or a bisection of passes:
     the row's maximum; greedy: its first position; else the k-th largest logit (bisection
@@ -592,6 +635,13 @@ def sample_rows(op) -> RowBody:
     return body
 
 
+def _row_op_applies(op) -> bool:
+    attrs, row_inputs, _, program_outputs, other_outputs = row_split(op.type, op.attrs, op.inputs, op.outputs)
+    base = product_type(op.type)
+    return ROW_OPS[base].applies(Member(op.name, base, row_inputs, [program_outputs[0], *other_outputs], attrs))
+
+
+@row_op({fused_type(name): "RowEpilogue" for name in ROW_EPILOGUE_OPS}, applies=_row_op_applies)
 def with_epilogue(op) -> RowBody:
     """A fused row op (`ranvier.ops.fused`: RMSNormCalculate and its kin): its row op's
     passes, each element of the row op's first output handed to the program as it is
@@ -600,7 +650,7 @@ def with_epilogue(op) -> RowBody:
     base = product_type(op.type)
     (first, *_) = op_def(base).infer_types(op.name, row_inputs, attrs)
     unstored = Unstored(f"{op.name}:row", first.dtype, tuple(first.shape))
-    body = ROW_OPS[base][0](Member(op.name, base, row_inputs, [unstored, *other_outputs], attrs))
+    body = ROW_OPS[base].body(Member(op.name, base, row_inputs, [unstored, *other_outputs], attrs))
     program = program_body(program_of(op), len(program_outputs))
 
     def fused(ctx, r):
@@ -608,21 +658,3 @@ def with_epilogue(op) -> RowBody:
 
     return fused
 
-
-def _row_op_applies(op) -> bool:
-    attrs, row_inputs, _, program_outputs, other_outputs = row_split(op.type, op.attrs, op.inputs, op.outputs)
-    base = product_type(op.type)
-    return ROW_OPS[base][1](Member(op.name, base, row_inputs, [program_outputs[0], *other_outputs], attrs))
-
-
-# Each row op's body and when it applies (the op's kernels run rows over the last axis).
-ROW_OPS: dict[str, tuple[Callable[..., RowBody], Callable[..., bool]]] = {
-    "Softmax": (softmax_rows, last_axis), "LogSoftmax": (softmax_rows, last_axis),
-    "LayerNorm": (norm_rows, nonempty_rows), "RMSNorm": (norm_rows, nonempty_rows),
-    "RMSNormGrad": (rms_norm_grad_rows, nonempty_rows),
-    "SoftmaxCrossEntropy": (cross_entropy_rows, nonempty_rows),
-    "SoftmaxCrossEntropyGrad": (cross_entropy_grad_rows, nonempty_rows),
-    "TopK": (top_k_rows, nonempty_rows), "SoftmaxTopK": (softmax_top_k_rows, nonempty_rows),
-    "SampleToken": (sample_rows, nonempty_rows), "Rotary": (rotary_rows, nonempty_rows),
-}
-ROW_OPS.update({fused_type(name): (with_epilogue, _row_op_applies) for name in ROW_EPILOGUE_OPS})

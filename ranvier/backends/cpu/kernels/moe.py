@@ -1,5 +1,5 @@
-"""Mixture-of-experts kernels: top-k selection (alone, or after the router's softmax in
-the same pass over a row), the counting sort that routes tokens to experts, and the
+"""Mixture-of-experts kernels (top-k selection, alone or after the router's softmax in the
+same pass over a row, is a row op: `llvm/rows.py`): the counting sort that routes tokens to experts, and the
 grouped GEMMs, one GEMM call per expert over its run-time group of rows (or per piece of
 its columns where experts are few beside the cores), the calls claimed one at a time by
 the worker pool's parts, the largest groups first: ranvier's generated GEMM where it
@@ -18,7 +18,7 @@ from ....ops import attrs_of
 from ...llvm.context import check_range, load_index
 from ...llvm.irutil import I64, i64
 from ...llvm.routing import group_bounds, route
-from ...llvm.rows import Row, softmax_top_k_rows, top_k_rows
+from ...llvm.rows import Row
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_GENERATED
@@ -27,17 +27,6 @@ from ..parallel import each_claimed, run_parts, share_out, shares, thread_count,
 from ..target import host_target
 from .library import kernel
 from .matmul import GENERATED_GEMM_KERNELS, Blas, GeneratedGemm, single_threaded_blas
-from .rows import each_row
-
-
-@kernel("TopKRow", {"TopK"})
-def top_k(ctx, op) -> None:
-    each_row(ctx, op, top_k_rows(op))
-
-
-@kernel("SoftmaxTopKRow", {"SoftmaxTopK"})
-def softmax_top_k(ctx, op) -> None:
-    each_row(ctx, op, softmax_top_k_rows(op))
 
 
 def _supported_float(op) -> bool:

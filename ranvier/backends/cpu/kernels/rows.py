@@ -1,27 +1,17 @@
-"""The CPU's row kernels: the fused row passes of `ranvier.backends.llvm.rows`, rows shared
-out over the cores, each row's passes in vectors."""
+"""The CPU's row kernels: the fused row passes of `ranvier.backends.llvm.rows`, one kernel
+for each row op declared there, rows shared out over the cores, each row's passes in vectors."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...llvm.rows import (
-    cross_entropy_grad_rows,
-    cross_entropy_rows,
-    last_axis,
-    nonempty_rows,
-    norm_rows,
-    rms_norm_grad_rows,
-    rotary_rows,
-    row_shape,
-    sample_rows,
-    softmax_rows,
-    with_epilogue,
-)
+from ....flow.graph import Operation
+from ...kernels import Kernel
+from ...llvm.rows import ROW_OPS, RowOp, row_shape
 from ...llvm.values import Value
 from ..codegen import KernelContext
 from ..parallel import share_out, thread_count, worth_splitting
-from .library import kernel
+from .library import LIBRARY
 
 
 def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, Value], None]) -> None:
@@ -39,43 +29,19 @@ def each_row(ctx: KernelContext, op, body: Callable[[KernelContext, Value], None
     share_out(ctx, rows, threads, share)
 
 
-@kernel("SoftmaxRow", {"Softmax"}, supports=last_axis)
-@kernel("LogSoftmaxRow", {"LogSoftmax"}, supports=last_axis)
-def softmax(ctx, op) -> None:
-    each_row(ctx, op, softmax_rows(op))
+def _each_row_of(row: RowOp) -> Callable[[KernelContext, Operation], None]:
+    return lambda ctx, op: each_row(ctx, op, row.body(op))
 
 
-@kernel("LayerNormRow", {"LayerNorm"}, supports=nonempty_rows)
-@kernel("RMSNormRow", {"RMSNorm"}, supports=nonempty_rows)
-def norm(ctx, op) -> None:
-    each_row(ctx, op, norm_rows(op))
+def _register_row_kernels() -> None:
+    """A kernel for each row op (`llvm/rows.py`'s `@row_op`); the ops of one kernel name
+    (the fused ones' RowEpilogue) share one kernel."""
+    types: dict[str, list[str]] = {}
+    for op_type, row in ROW_OPS.items():
+        types.setdefault(row.kernel, []).append(op_type)
+    for name, those in types.items():
+        row = ROW_OPS[those[0]]
+        LIBRARY.register(Kernel(name, frozenset(those), _each_row_of(row), supports=row.applies))
 
 
-@kernel("RMSNormGradRow", {"RMSNormGrad"}, supports=nonempty_rows)
-def norm_grad(ctx, op) -> None:
-    each_row(ctx, op, rms_norm_grad_rows(op))
-
-
-@kernel("RowEpilogue", {"RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate"}, supports=nonempty_rows)
-def norm_with_epilogue(ctx, op) -> None:
-    each_row(ctx, op, with_epilogue(op))
-
-
-@kernel("RotaryRow", {"Rotary"})
-def rotary(ctx, op) -> None:
-    each_row(ctx, op, rotary_rows(op))
-
-
-@kernel("CrossEntropyRow", {"SoftmaxCrossEntropy"}, supports=nonempty_rows)
-def cross_entropy(ctx, op) -> None:
-    each_row(ctx, op, cross_entropy_rows(op))
-
-
-@kernel("CrossEntropyGradRow", {"SoftmaxCrossEntropyGrad"}, supports=nonempty_rows)
-def cross_entropy_grad(ctx, op) -> None:
-    each_row(ctx, op, cross_entropy_grad_rows(op))
-
-
-@kernel("SampleTokenRow", {"SampleToken"}, supports=nonempty_rows)
-def sample_token(ctx, op) -> None:
-    each_row(ctx, op, sample_rows(op))
+_register_row_kernels()
