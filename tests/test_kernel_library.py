@@ -26,7 +26,7 @@ def test_the_order_kernels_are_tried_in_does_not_depend_on_the_order_they_regist
     for _ in range(5):
         shuffled = list(library.kernels)
         rng.shuffle(shuffled)
-        again = KernelLibrary(library.name, library.fallback, library.kind)
+        again = KernelLibrary(library.name, library.fallback)
         for kernel in shuffled:
             again.register(kernel)
         assert [k.name for k in again.kernels] == [k.name for k in library.kernels]

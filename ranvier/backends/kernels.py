@@ -121,14 +121,12 @@ def chosen_kernel(step: Step) -> Kernel:
 
 
 class KernelLibrary:
-    """The kernels of one backend, tried in order of rank (`Kernel.rank`). Kernels made
-    by the `kernel` decorator are of `kind` (a backend's subclass of Kernel, with what its
-    generators need besides)."""
+    """The kernels of one backend (a backend's may be a subclass of Kernel, with what its
+    generators need besides), tried in order of rank (`Kernel.rank`)."""
 
-    def __init__(self, name: str, fallback: Kernel, kind: type[Kernel] = Kernel):
+    def __init__(self, name: str, fallback: Kernel):
         self.name = name
         self.fallback = fallback
-        self.kind = kind
         self.kernels: list[Kernel] = []
 
     def register(self, kernel: Kernel) -> Kernel:
@@ -146,7 +144,7 @@ class KernelLibrary:
         """Decorator: register the decorated emitter as kernel `name` for `ops`."""
 
         def register(emit: Emit) -> Emit:
-            self.register(self.kind(name, frozenset(ops) if ops is not None else None, emit, **options))
+            self.register(Kernel(name, frozenset(ops) if ops is not None else None, emit, **options))
             return emit
 
         return register

@@ -219,6 +219,7 @@ def _operands(op: Operation | Member, choice: Kernel | None = None) -> tuple[Var
 
 
 def _foreach_supported(op: Operation) -> bool:
+    """Whether a ForEach's members all join kernels of one key (`foreach_key`)."""
     keys = {foreach_key(member) for member in members(op)}
     return len(keys) == 1 and None not in keys
 

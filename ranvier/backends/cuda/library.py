@@ -30,7 +30,7 @@ def _none(op: Operation) -> list[tuple[Any, ...]]:
     return []
 
 
-LIBRARY = KernelLibrary("cuda", fallback=Generator("None", None, _none, native=False), kind=Generator)
+LIBRARY = KernelLibrary("cuda", fallback=Generator("None", None, _none, native=False))
 
 
 def one_launch(elements: Callable[[Operation], int], emit: Callable[..., None]) -> Launches:
