@@ -74,3 +74,10 @@ def test_a_step_keeps_the_kernel_chosen_for_it(monkeypatch):
     data[x] = value
     data.compute()
     np.testing.assert_allclose(data[y], (np.exp(value) + 1).sum(axis=1), rtol=1e-5)
+
+
+def test_every_routine_a_cpu_kernel_calls_is_one_a_cells_table_can_hold():
+    from ranvier.backends.cpu.backend import GEMMS
+
+    calls = {slot for kernel in CPU_LIBRARY.kernels for slot in kernel.calls}
+    assert calls == set(GEMMS)

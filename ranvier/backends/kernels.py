@@ -77,6 +77,9 @@ class Kernel:
         input dies at this step: `in_place(op, source, target)`.
     workspace: bytes of working memory the kernel needs while it runs.
     prepares: the constants it reads in a form of its own, made once (`Prepared`).
+    calls: the backend's shared routines its code calls (on the CPU, the slots of a cell's
+        pointer table holding its GEMMs), which a cell's table holds where a step's kernel
+        calls them, and which a target that cannot run them passes the kernel over for.
     native: False for a fallback that leaves generated code (the printed cell says so).
     """
 
@@ -90,6 +93,7 @@ class Kernel:
     in_place: Callable[[Operation, Variable, Variable], bool] | None = None
     workspace: Callable[[Operation], int] | None = None
     prepares: Callable[[Operation], list[Prepared]] | None = None
+    calls: frozenset[int] = frozenset()
     native: bool = True
 
     def takes(self, op: Operation) -> bool:

@@ -24,23 +24,25 @@ from . import amx, bf16gemv, codegen, fpmode, jit, parallel_compile, q8gemm, sge
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
-from .kernels.conv import CONV_KERNEL
-from .kernels.conv import PAIRS_KERNEL as CONV_PAIRS_KERNEL
-from .kernels.matmul import (
-    AMX_KERNEL,
-    GENERATED_GEMM_KERNELS,
-    INT8_KERNEL,
-    NARROW_PACKED_KERNEL,
-    PACKED_GEMM_KERNELS,
-    PAIRS_GEMM_KERNELS,
-    PAIRS_GEMV_KERNEL,
-    PAIRS_PACKED_GEMM_KERNELS,
-)
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+# The generated GEMMs a kernel may call (`Kernel.calls`), by their slot in a cell's table:
+# each one's address on a target, made (compiled, or loaded from the cache) where a cell calls it.
+GEMMS: dict[int, Callable[[CPUTarget], int]] = {
+    codegen.BF16GEMM: amx.gemm_address,
+    codegen.SGEMM_GENERATED: sgemm.gemm_address,
+    codegen.SGEMM_PACKED: sgemm.packed_gemm_address,
+    codegen.SGEMM_PACKED_BF16: lambda target: sgemm.packed_gemm_address(target, narrow=True),
+    codegen.DPBF16GEMV: bf16gemv.gemv_address,
+    codegen.Q8GEMM: q8gemm.gemm_address,
+    codegen.SGEMM_DPBF16: sgemm.pairs_gemm_address,
+    codegen.SGEMM_PACKED_DPBF16: lambda target: sgemm.packed_gemm_address(target, pairs=True),
+    codegen.SGEMM_WINDOWS: sgemm.windows_gemm_address,
+    codegen.SGEMM_WINDOWS_DPBF16: lambda target: sgemm.windows_gemm_address(target, pairs=True),
+}
 
 
 @dataclass
@@ -93,9 +95,12 @@ class CPUBackend:
         precisions = ("float32", "bfloat16") if products else ("float32",)
         self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16", "int8"))
         # products marked bf16 for their constant's panels never reach a bf16 GEMM elsewhere; a
-        # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can
-        self.unavailable = (*(() if tiles else (AMX_KERNEL,)), *(() if pairs else (*PAIRS_GEMM_KERNELS, *PAIRS_PACKED_GEMM_KERNELS)),
-                            *(() if sgemm.pairs_supported(self.target) else (PAIRS_GEMV_KERNEL,)))
+        # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can.
+        # Kernels that call a GEMM this compile does not run are passed over.
+        passed_over = {*(() if tiles else (codegen.BF16GEMM,)),
+                       *(() if pairs else (codegen.SGEMM_DPBF16, codegen.SGEMM_PACKED_DPBF16, codegen.SGEMM_WINDOWS_DPBF16)),
+                       *(() if sgemm.pairs_supported(self.target) else (codegen.DPBF16GEMV,))}
+        self.unavailable = {kernel.name for kernel in LIBRARY.kernels if kernel.calls & passed_over}
 
     def kernel(self, op: Operation) -> Kernel:
         """The library's kernel for `op` on this target (a step keeps its own: `chosen_kernel`)."""
@@ -240,26 +245,8 @@ class CPUBackend:
         workers = pool()
         workers.ensure(thread_count() - 1)
         table[codegen.POOL] = workers.run_address
-        if any(step.kernel == AMX_KERNEL for step in cell.steps):
-            table[codegen.BF16GEMM] = amx.gemm_address(self.target)
-        if any(step.kernel in GENERATED_GEMM_KERNELS for step in cell.steps):
-            table[codegen.SGEMM_GENERATED] = sgemm.gemm_address(self.target)
-        if any(step.kernel in PACKED_GEMM_KERNELS for step in cell.steps):
-            table[codegen.SGEMM_PACKED] = sgemm.packed_gemm_address(self.target)
-        if any(step.kernel == NARROW_PACKED_KERNEL for step in cell.steps):
-            table[codegen.SGEMM_PACKED_BF16] = sgemm.packed_gemm_address(self.target, narrow=True)
-        if any(step.kernel == PAIRS_GEMV_KERNEL for step in cell.steps):
-            table[codegen.DPBF16GEMV] = bf16gemv.gemv_address(self.target)
-        if any(step.kernel == INT8_KERNEL for step in cell.steps):
-            table[codegen.Q8GEMM] = q8gemm.gemm_address(self.target)
-        if any(step.kernel in PAIRS_GEMM_KERNELS for step in cell.steps):
-            table[codegen.SGEMM_DPBF16] = sgemm.pairs_gemm_address(self.target)
-        if any(step.kernel in PAIRS_PACKED_GEMM_KERNELS for step in cell.steps):
-            table[codegen.SGEMM_PACKED_DPBF16] = sgemm.packed_gemm_address(self.target, pairs=True)
-        if any(step.kernel == CONV_KERNEL for step in cell.steps):
-            table[codegen.SGEMM_WINDOWS] = sgemm.windows_gemm_address(self.target)
-        if any(step.kernel == CONV_PAIRS_KERNEL for step in cell.steps):
-            table[codegen.SGEMM_WINDOWS_DPBF16] = sgemm.windows_gemm_address(self.target, pairs=True)
+        for slot in sorted({slot for step in cell.steps for slot in chosen_kernel(step).calls}):
+            table[slot] = GEMMS[slot](self.target)
         for k, var in enumerate(layout.table):
             table[FIRST_TABLE_SLOT + k] = instance.view(layout.aliases.get(var.name, var)).ctypes.data
         def made(p: Prepared) -> np.ndarray:

@@ -41,14 +41,10 @@ from ...llvm.loops import fill
 from ...llvm.rows import Row, finite_peak, row_axpy, row_dot, scaled_softmax, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
-from ..codegen import SGEMM_DPBF16, SGEMM_GENERATED
+from ..codegen import SGEMM_DPBF16, SGEMM_GENERATED, SGEMM_PACKED, SGEMM_PACKED_DPBF16
 from ..parallel import each_part, shares, thread_count, worth_splitting
 from .library import kernel
 from .matmul import (
-    GENERATED_GEMM_KERNELS,
-    PACKED_GEMM_KERNELS,
-    PAIRS_GEMM_KERNELS,
-    PAIRS_PACKED_GEMM_KERNELS,
     GeneratedGemm,
     PackedGemm,
     panel_floats,
@@ -357,12 +353,14 @@ def _block_workspace(op) -> int:
     return len(_block_parts(op)) * _block_share(op)
 
 
-@kernel("AttentionGemmDpbf16", {"Attention"}, supports=_pair_blocks, rank=10, workspace=_block_workspace)
+@kernel("AttentionGemmDpbf16", {"Attention"}, supports=_pair_blocks, rank=10, workspace=_block_workspace,
+        calls=frozenset({SGEMM_PACKED_DPBF16}))
 def attention_pair_blocks(ctx, op) -> None:
     _attention_blocks(ctx, op, pairs=True)
 
 
-@kernel("AttentionGemm", {"Attention"}, supports=_gemm_blocks, rank=20, workspace=_block_workspace)
+@kernel("AttentionGemm", {"Attention"}, supports=_gemm_blocks, rank=20, workspace=_block_workspace,
+        calls=frozenset({SGEMM_PACKED}))
 def attention_blocks(ctx, op) -> None:
     _attention_blocks(ctx, op, pairs=False)
 
@@ -404,10 +402,6 @@ def _attention_blocks(ctx, op, pairs: bool) -> None:
             values.times_head(gemm, rows, seen, ctx.pointer(scores), ctx.element_pointer(out, query_rows))
 
     each_part(ctx, _block_parts(op), part)
-
-
-PACKED_GEMM_KERNELS.add("AttentionGemm")
-PAIRS_PACKED_GEMM_KERNELS.add("AttentionGemmDpbf16")
 
 
 @dataclass(frozen=True)
@@ -454,12 +448,14 @@ def _grad_workspace(op) -> int:
     return len(_grad_parts(op)) * _grad_share(op)
 
 
-@kernel("AttentionGradGemmDpbf16", {"AttentionGrad"}, supports=_pair_blocks, rank=10, workspace=_grad_workspace)
+@kernel("AttentionGradGemmDpbf16", {"AttentionGrad"}, supports=_pair_blocks, rank=10, workspace=_grad_workspace,
+        calls=frozenset({SGEMM_DPBF16, SGEMM_PACKED_DPBF16}))
 def attention_grad_pair_blocks(ctx, op) -> None:
     _attention_grad_blocks(ctx, op, pairs=True)
 
 
-@kernel("AttentionGradGemm", {"AttentionGrad"}, supports=_gemm_blocks, rank=20, workspace=_grad_workspace)
+@kernel("AttentionGradGemm", {"AttentionGrad"}, supports=_gemm_blocks, rank=20, workspace=_grad_workspace,
+        calls=frozenset({SGEMM_GENERATED, SGEMM_PACKED}))
 def attention_grad_blocks(ctx, op) -> None:
     _attention_grad_blocks(ctx, op, pairs=False)
 
@@ -551,12 +547,6 @@ def _add_up(ctx, target, base: int, stride: int, sources, rows: int, size: int) 
             ctx.store(target, base + j * stride + i - j * size, total)
 
         Row(ctx, j * size, size, target.dtype).each(store)
-
-
-GENERATED_GEMM_KERNELS.add("AttentionGradGemm")
-PACKED_GEMM_KERNELS.add("AttentionGradGemm")
-PAIRS_GEMM_KERNELS.add("AttentionGradGemmDpbf16")
-PAIRS_PACKED_GEMM_KERNELS.add("AttentionGradGemmDpbf16")
 
 
 @kernel("AttentionRow", {"Attention"}, supports=_rows_heads_first, rank=30)

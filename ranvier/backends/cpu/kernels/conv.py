@@ -31,7 +31,7 @@ from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import PAIRS_GEMM_KERNELS, Blas, gemm_grid, single_threaded_blas
+from .matmul import Blas, gemm_grid, single_threaded_blas
 from .program import epilogue
 
 CONV_KERNEL = "ConvGemm"
@@ -373,7 +373,6 @@ def _by_tiles(ctx, count: int, size: int, name: str, emit) -> None:
 
 
 PAIRS_KERNEL = "ConvGemmDpbf16"
-PAIRS_GEMM_KERNELS.add(PAIRS_KERNEL)  # passed over where the products on pairs do not run
 
 
 def _on_pairs(op) -> bool:
@@ -389,14 +388,15 @@ def _pairs_faster(op) -> bool:
 
 
 @kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=40, prefer=_pairs_faster,
-        workspace=_workspace_bytes)
+        workspace=_workspace_bytes, calls=frozenset({SGEMM_WINDOWS_DPBF16}))
 def conv_gemm_pairs(ctx, op) -> None:
     """ConvGemm's calls on `ranvier_sgemm_windows_dpbf16`: filters and windows rounded to bf16
     pairs, float32 sums."""
     _call_windows(ctx, op, SGEMM_WINDOWS_DPBF16)
 
 
-@kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, rank=50, workspace=_workspace_bytes)
+@kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, rank=50, workspace=_workspace_bytes,
+        calls=frozenset({SGEMM_WINDOWS}))
 def conv_gemm(ctx, op) -> None:
     _call_windows(ctx, op, SGEMM_WINDOWS)
 

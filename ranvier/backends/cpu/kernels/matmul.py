@@ -405,7 +405,8 @@ def _bfloat16_products(op) -> bool:
     return _bfloat16_precision(op) and _gemms(op)[2] > 1
 
 
-@kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_products, rank=10, workspace=amx_workspace_bytes)
+@kernel(AMX_KERNEL, MATMUL_OPS, supports=_bfloat16_products, rank=10, workspace=amx_workspace_bytes,
+        calls=frozenset({BF16GEMM}))
 def amx_matmul(ctx, op) -> None:
     parts = amx_parts(op)
     _call_generated(ctx, op, BF16GEMM, parts, _share(parts, _amx_call_bytes))
@@ -413,11 +414,6 @@ def amx_matmul(ctx, op) -> None:
 
 PAIRS_KERNEL = "GemmDpbf16"
 PAIRS_PACKED_KERNEL = "PackedGemmDpbf16"
-# Kernels that call the generated GEMM on bf16 pairs, and on pairs packed ahead of time
-# (attention's add theirs): the backend passes them over on targets without AVX512-BF16,
-# and where AMX tiles take the products.
-PAIRS_GEMM_KERNELS = {PAIRS_KERNEL}
-PAIRS_PACKED_GEMM_KERNELS = {PAIRS_PACKED_KERNEL}
 
 
 def _on_pairs(op, packed: bool) -> bool:
@@ -440,7 +436,8 @@ def _pairs_faster(op, packed: bool) -> bool:
 
 
 @kernel(PAIRS_KERNEL, MATMUL_OPS, supports=lambda op: _on_pairs(op, packed=False), rank=20,
-        prefer=lambda op: _pairs_faster(op, packed=False), workspace=_generated_workspace_bytes)
+        prefer=lambda op: _pairs_faster(op, packed=False), workspace=_generated_workspace_bytes,
+        calls=frozenset({SGEMM_DPBF16}))
 def pairs_matmul(ctx, op) -> None:
     """The generated GEMM on bf16 pairs (vdpbf16ps), both operands packed into pairs as it
     goes: a product of activations (a training step's, forward and backward)."""
@@ -449,7 +446,8 @@ def pairs_matmul(ctx, op) -> None:
 
 
 @kernel(PAIRS_PACKED_KERNEL, MATMUL_OPS, supports=lambda op: _on_pairs(op, packed=True), rank=30,
-        prefer=lambda op: _pairs_faster(op, packed=True), prepares=lambda op: [_panels_of_b(op, pairs=True)])
+        prefer=lambda op: _pairs_faster(op, packed=True), prepares=lambda op: [_panels_of_b(op, pairs=True)],
+        calls=frozenset({SGEMM_PACKED_DPBF16}))
 def pairs_packed_matmul(ctx, op) -> None:
     """The generated GEMM on bf16 pairs, B's pairs packed once when the network was made
     (an inference model's weights), A's strips as it goes."""
@@ -618,7 +616,7 @@ def _pairs_gemv_workspace_bytes(op) -> int:
 
 
 @kernel(PAIRS_GEMV_KERNEL, MATMUL_OPS, supports=_row_by_narrow_constant, rank=50, prepares=lambda op: [_panels_of_b(op, pairs=True)],
-        workspace=_pairs_gemv_workspace_bytes)
+        workspace=_pairs_gemv_workspace_bytes, calls=frozenset({DPBF16GEMV}))
 def pairs_gemv(ctx, op) -> None:
     """`ranvier_gemv_dpbf16` (bf16gemv.py) on the constant B's bf16 pairs packed when the
     network was made: each part rounds x to bf16 pairs and streams its columns' panels
@@ -653,7 +651,8 @@ def _narrow_constant(op) -> bool:
 
 
 @kernel(NARROW_PACKED_KERNEL, MATMUL_OPS, supports=_narrow_constant, rank=60,
-        prefer=lambda op: _chose_generated(op, packed=True, narrow=True), prepares=lambda op: [_panels_of_b(op, narrow=True)])
+        prefer=lambda op: _chose_generated(op, packed=True, narrow=True), prepares=lambda op: [_panels_of_b(op, narrow=True)],
+        calls=frozenset({SGEMM_PACKED_BF16}))
 def narrow_packed_matmul(ctx, op) -> None:
     """The generated GEMM on the constant B's panels packed in bf16 when the network was
     made: half the bytes a product streams, which is all a vector-matrix product does."""
@@ -703,7 +702,8 @@ def _q8_workspace_bytes(op) -> int:
     return len(parts) * _share(parts, _q8_call_bytes)
 
 
-@kernel(INT8_KERNEL, MATMUL_OPS, supports=_int8_products, rank=70, prepares=lambda op: [_q8_panels(op)], workspace=_q8_workspace_bytes)
+@kernel(INT8_KERNEL, MATMUL_OPS, supports=_int8_products, rank=70, prepares=lambda op: [_q8_panels(op)], workspace=_q8_workspace_bytes,
+        calls=frozenset({Q8GEMM}))
 def int8_matmul(ctx, op) -> None:
     """`ranvier_q8_gemm` (q8gemm.py) on the constant B's q8_0 panels packed when the network
     was made: each call quantizes its rows of A to q8_0 blocks, then sums the blocks'
@@ -730,8 +730,6 @@ def int8_matmul(ctx, op) -> None:
 
 
 PACKED_KERNEL = "PackedGemm"
-# Kernels that call the generated GEMM on packed panels (Winograd's convolution adds its own).
-PACKED_GEMM_KERNELS = {PACKED_KERNEL}
 
 
 def _column_ranges(op) -> list[tuple[int, int]]:
@@ -758,7 +756,7 @@ def _by_constant(op) -> bool:
 
 
 @kernel(PACKED_KERNEL, MATMUL_OPS, supports=_by_constant, rank=80, prefer=lambda op: _chose_generated(op, packed=True),
-        prepares=lambda op: [_panels_of_b(op)])
+        prepares=lambda op: [_panels_of_b(op)], calls=frozenset({SGEMM_PACKED}))
 def packed_matmul(ctx, op) -> None:
     """The generated GEMM, B read from panels packed when the network was made: the
     product's steps skip the packing the workspace version does every call."""
@@ -785,8 +783,6 @@ def _call_packed(ctx, op, narrow: bool = False, pairs: bool = False) -> None:
 
 
 GENERATED_KERNEL = "Gemm"
-# Kernels that call the generated float32 GEMM (the grouped MoE products add theirs).
-GENERATED_GEMM_KERNELS = {GENERATED_KERNEL}
 
 
 def _generated_faster(op) -> bool:
@@ -795,7 +791,8 @@ def _generated_faster(op) -> bool:
     return not _by_constant(op) and _chose_generated(op, packed=False)
 
 
-@kernel(GENERATED_KERNEL, MATMUL_OPS, supports=_float32, rank=90, prefer=_generated_faster, workspace=_generated_workspace_bytes)
+@kernel(GENERATED_KERNEL, MATMUL_OPS, supports=_float32, rank=90, prefer=_generated_faster, workspace=_generated_workspace_bytes,
+        calls=frozenset({SGEMM_GENERATED}))
 def generated_matmul(ctx, op) -> None:
     """ranvier's own float32 GEMM (sgemm.py), where it measured faster than BLAS."""
     parts = gemm_parts(op, _FLOAT_UNIT, slices=True)

@@ -26,7 +26,7 @@ from ..gemm_choice import generated_is_faster
 from ..parallel import each_claimed, run_parts, share_out, shares, thread_count, worth_splitting
 from ..target import host_target
 from .library import kernel
-from .matmul import GENERATED_GEMM_KERNELS, Blas, GeneratedGemm, single_threaded_blas
+from .matmul import Blas, GeneratedGemm, single_threaded_blas
 
 
 def _supported_float(op) -> bool:
@@ -269,7 +269,8 @@ def _each_piece(ctx, op, caller: _Caller, body) -> None:
     run_parts(ctx, [part(number) for number in range(_parts(op))])
 
 
-@kernel("GroupedGemm", {"GroupedMatMul"}, supports=_float32, rank=10, prefer=_generated_faster, workspace=_workspace)
+@kernel("GroupedGemm", {"GroupedMatMul"}, supports=_float32, rank=10, prefer=_generated_faster, workspace=_workspace,
+        calls=frozenset({SGEMM_GENERATED}))
 def grouped_generated(ctx, op) -> None:
     """The grouped product through ranvier's generated GEMM."""
     _grouped_matmul(ctx, op, _Caller(op, generated=True))
@@ -282,7 +283,7 @@ def grouped_blas(ctx, op) -> None:
 
 
 @kernel("GroupedGemmWeightGrad", {"GroupedMatMulWeightGrad"}, supports=_float32, rank=10, prefer=_generated_faster,
-        workspace=_workspace)
+        workspace=_workspace, calls=frozenset({SGEMM_GENERATED}))
 def grouped_weight_grad_generated(ctx, op) -> None:
     _grouped_weight_grad(ctx, op, _Caller(op, generated=True))
 
@@ -292,8 +293,6 @@ def grouped_weight_grad_blas(ctx, op) -> None:
     single_threaded_blas(ctx)
     _grouped_weight_grad(ctx, op, _Caller(op, generated=False))
 
-
-GENERATED_GEMM_KERNELS.update({"GroupedGemm", "GroupedGemmWeightGrad"})
 
 
 def _grouped_matmul(ctx, op, caller: _Caller) -> None:

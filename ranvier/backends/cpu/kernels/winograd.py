@@ -53,13 +53,10 @@ from ..codegen import SGEMM_PACKED, SGEMM_PACKED_DPBF16
 from ..gemm_choice import packed_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import PACKED_GEMM_KERNELS, PAIRS_PACKED_GEMM_KERNELS
 from .program import epilogue
 
 WINOGRAD_KERNEL = "WinogradConv"
-PACKED_GEMM_KERNELS.add(WINOGRAD_KERNEL)
 PAIRS_KERNEL = "WinogradConvDpbf16"  # its products on bf16 pairs: passed over where those do not run
-PAIRS_PACKED_GEMM_KERNELS.add(PAIRS_KERNEL)
 
 
 
@@ -344,7 +341,7 @@ def _pairs_faster(op) -> bool:
 
 
 @kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=20, prefer=_pairs_faster,
-        workspace=lambda op: _workspace_bytes(op, pairs=True), prepares=_prepared)
+        workspace=lambda op: _workspace_bytes(op, pairs=True), prepares=_prepared, calls=frozenset({SGEMM_PACKED_DPBF16}))
 def winograd_conv_pairs(ctx, op) -> None:
     """WinogradConv with V in bf16 pairs of channels (each rounded to nearest even as the input
     transform stores it) and its products on `ranvier_sgemm_packed_dpbf16`, U rounded as the
@@ -352,7 +349,8 @@ def winograd_conv_pairs(ctx, op) -> None:
     _winograd(ctx, op, pairs=True)
 
 
-@kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, rank=30, workspace=_workspace_bytes, prepares=_prepared)
+@kernel(WINOGRAD_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, rank=30, workspace=_workspace_bytes, prepares=_prepared,
+        calls=frozenset({SGEMM_PACKED}))
 def winograd_conv(ctx, op) -> None:
     _winograd(ctx, op, pairs=False)
 
