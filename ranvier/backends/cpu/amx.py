@@ -56,9 +56,11 @@ import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from llvmlite import ir
 
+from ...dtypes import DT_FLOAT32, DT_INT32, DT_INT64, DT_UINT8
 from ...errors import RanvierError
 from ..llvm.convert import bf16_pairs
 from ..llvm.irutil import (
@@ -66,15 +68,13 @@ from ..llvm.irutil import (
     F32,
     I1,
     I8,
-    I32,
     I64,
     VOID,
     cache_line_aligned,
     declared,
-    for_range,
-    i64,
-    splat,
 )
+from ..llvm.pointers import Pointer, parameters, stack
+from ..llvm.values import Value, call, index_value, loop
 from . import jit
 from .target import CPUTarget
 
@@ -153,62 +153,39 @@ def gemm_code(target: CPUTarget) -> jit.LoadedCode:
 # IR building blocks
 
 
-_V16F = ir.VectorType(F32, 16)
-_V16I = ir.VectorType(I32, 16)
-_V16B = ir.VectorType(I1, 16)
 _FLOAT_PTR = F32.as_pointer()
 
 
-def _call(b: ir.IRBuilder, name: str, result: ir.Type, args: list[ir.Value]) -> ir.Value:
-    """Call the function (an intrinsic) `name`, declared on first use from the arguments' types."""
-    return b.call(declared(b.module, name, ir.FunctionType(result, [a.type for a in args])), args)
+def _intrinsic(b: ir.IRBuilder, name: str, *args: ir.Value) -> None:
+    """Call the tile intrinsic `name` (no result), declared on first use from the arguments' types."""
+    call(b, declared(b.module, name, ir.FunctionType(VOID, [a.type for a in args])), *args)
 
 
 def _tile(tile: int) -> ir.Constant:
     return ir.Constant(I8, tile)
 
 
-def _tile_load(b: ir.IRBuilder, tile: int, base: ir.Value, stride: ir.Value, streaming: bool = False) -> None:
+def _tile_load(tile: int, base: Pointer, stride: Value, streaming: bool = False) -> None:
     name = "llvm.x86.tileloaddt164" if streaming else "llvm.x86.tileloadd64"
-    _call(b, name, VOID, [_tile(tile), base, stride])
+    _intrinsic(base.b, name, _tile(tile), base.view(DT_UINT8).ir, stride.ir)
 
 
-def _tile_store(b: ir.IRBuilder, tile: int, base: ir.Value, stride: ir.Value) -> None:
-    _call(b, "llvm.x86.tilestored64", VOID, [_tile(tile), base, stride])
+def _tile_store(tile: int, base: Pointer, stride: Value) -> None:
+    _intrinsic(base.b, "llvm.x86.tilestored64", _tile(tile), base.view(DT_UINT8).ir, stride.ir)
 
 
-def _byte_offset(b: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
-    return b.gep(b.bitcast(base, BYTE_PTR), [offset])
-
-
-def _float_offset(b: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
-    return b.gep(b.bitcast(base, _FLOAT_PTR), [offset])
-
-
-def _lane_mask(b: ir.IRBuilder, start: ir.Value, limit: ir.Value) -> ir.Value:
+def _lane_mask(start: Value, limit: Value) -> Value:
     """Lanes i of 16 where start + i < limit."""
-    lanes = b.add(splat(b, start, 16), ir.Constant(ir.VectorType(I64, 16), list(range(16))))
-    return b.icmp_signed("<", lanes, splat(b, limit, 16))
+    lanes = start.splat(16) + Value(start.b, ir.Constant(ir.VectorType(I64, 16), list(range(16))), DT_INT64)
+    return lanes < limit.splat(16)
 
 
-def _when(b: ir.IRBuilder, valid: ir.Value, mask: ir.Value) -> ir.Value:
+def _when(valid: Value, mask: Value) -> Value:
     """`mask` where the scalar `valid` holds, else no lanes: a whole row outside the matrix."""
-    return b.select(valid, mask, ir.Constant(_V16B, [0] * 16))
+    return valid.where(mask, mask.zeros())
 
 
-def _masked_load(b: ir.IRBuilder, pointer: ir.Value, mask: ir.Value) -> ir.Value:
-    """16 floats, zero where the mask is off (masked-off lanes never touch memory)."""
-    # The (ptr, i32 align, mask, passthru) form; LLVM upgrades it to its current signature.
-    args = [b.bitcast(pointer, _V16F.as_pointer()), ir.Constant(I32, 4), mask, ir.Constant(_V16F, None)]
-    return _call(b, "llvm.masked.load.v16f32.p0", _V16F, args)
-
-
-def _masked_store(b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, mask: ir.Value) -> None:
-    args = [value, b.bitcast(pointer, _V16F.as_pointer()), ir.Constant(I32, 4), mask]
-    _call(b, "llvm.masked.store.v16f32.p0", VOID, args)
-
-
-def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+def _transpose(rows: list[Value]) -> list[Value]:
     """Transpose a 16 × 16 block of 32-bit lanes held in 16 vectors.
 
     A transpose swaps the four bits of the row index with those of the column index;
@@ -221,29 +198,35 @@ def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
             if r & bit:
                 continue
             upper, lower = rows[r], rows[r | bit]
-            rows[r] = b.shuffle_vector(upper, lower, ir.Constant(_V16I, low))
-            rows[r | bit] = b.shuffle_vector(upper, lower, ir.Constant(_V16I, high))
+            rows[r] = upper.shuffle(low, lower)
+            rows[r | bit] = upper.shuffle(high, lower)
     return rows
 
 
-def _internal_function(module: ir.Module, name: str, args: list[ir.Type]) -> tuple[ir.Function, ir.IRBuilder]:
+def _internal_function(module: ir.Module, name: str, args: list[ir.Type]) -> tuple[ir.IRBuilder, list[Any]]:
+    """An internal function of `args`, its builder at its start and its arguments as Values and pointers."""
     function = ir.Function(module, ir.FunctionType(VOID, args), name=name)
     function.linkage = "internal"
-    return function, ir.IRBuilder(function.append_basic_block("entry"))
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    return b, parameters(b, function)
+
+
+def _pairs(first: Value, second: Value, interleave: bool) -> Value:
+    return Value(first.b, bf16_pairs(first.b, first.ir, second.ir, interleave), DT_INT32)
 
 
 # ---------------------------------------------------------------------------------------
 # Packing
 
 
-def _block_offset(b: ir.IRBuilder, panel: ir.Value, step: ir.Value, panels: ir.Value, steps: ir.Value) -> ir.Value:
+def _block_offset(panel: Value, step: Value, panels: Value, steps: Value) -> Value:
     """Where block `step` of `panel` goes: panels are packed in pairs, the pair's two blocks
     for each step side by side (an odd last panel alone), so that the tiles a kernel loads
     for one step are 2 KiB in a row and a sweep over panels reads one sequential stream."""
-    pair_start = b.mul(b.and_(panel, i64(-2)), b.mul(steps, i64(BLOCK_BYTES)))
-    width = b.select(b.icmp_signed("<", b.or_(panel, i64(1)), panels), i64(2), i64(1))
-    within = b.add(b.mul(step, width), b.and_(panel, i64(1)))
-    return b.add(pair_start, b.mul(within, i64(BLOCK_BYTES)))
+    pair_start = (panel & -2) * (steps * BLOCK_BYTES)
+    width = ((panel | 1) < panels).where(2, index_value(panel.b, 1))
+    within = step * width + (panel & 1)
+    return pair_start + within * BLOCK_BYTES
 
 
 def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Function:
@@ -254,48 +237,46 @@ def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Fun
     the first: 1 KiB blocks of 16 × 16 bfloat16 pairs, indexed [outer][pair] for k along
     rows and [pair][outer] otherwise, transposed on request."""
     name = f"pack_{'rows' if k_along_rows else 'columns'}{'_transposed' if transpose else ''}"
-    function, b = _internal_function(module, name, [_FLOAT_PTR, I64, I64, I64, BYTE_PTR, I64, I64, I64, I64])
-    source, ld, outer, k, packed, first_step, steps, start, stop = function.args
+    b, (source, ld, outer, k, packed, first_step, steps, start, stop) = _internal_function(
+        module, name, [_FLOAT_PTR, I64, I64, I64, BYTE_PTR, I64, I64, I64, I64])
 
-    def block(panel: ir.Value, step: ir.Value) -> None:
-        first, k0 = b.mul(panel, i64(TILE)), b.mul(b.add(first_step, step), i64(K_STEP))
+    def block(panel: Value, step: Value) -> None:
+        first, k0 = panel * TILE, (first_step + step) * K_STEP
         if k_along_rows:
             # Row r: 32 floats of k, i.e. 16 pairs, from source row first + r.
-            low, high = _lane_mask(b, k0, k), _lane_mask(b, b.add(k0, i64(16)), k)
+            low, high = _lane_mask(k0, k), _lane_mask(k0 + 16, k)
             vectors = []
             for r in range(TILE):
-                row = b.add(first, i64(r))
-                valid = b.icmp_signed("<", row, outer)
-                origin = _float_offset(b, source, b.add(b.mul(row, ld), k0))
-                first, second = (_masked_load(b, _float_offset(b, origin, i64(16 * h)), _when(b, valid, mask))
-                                 for h, mask in enumerate((low, high)))
-                vectors.append(bf16_pairs(b, first, second, interleave=False))
+                row = first + r
+                valid = row < outer
+                origin = source + (row * ld + k0)
+                halves = [(origin + 16 * h).masked_load(_when(valid, mask)) for h, mask in enumerate((low, high))]
+                vectors.append(_pairs(*halves, interleave=False))
         else:
             # Pair p: source rows k0 + 2p and k0 + 2p + 1, interleaved, 16 columns wide.
-            columns = _lane_mask(b, first, outer)
+            columns = _lane_mask(first, outer)
             vectors = []
             for p in range(TILE):
                 rows = []
                 for j in range(2):
-                    row = b.add(k0, i64(2 * p + j))
-                    origin = _float_offset(b, source, b.add(b.mul(row, ld), first))
-                    rows.append(_masked_load(b, origin, _when(b, b.icmp_signed("<", row, k), columns)))
-                vectors.append(bf16_pairs(b, rows[0], rows[1], interleave=True))
+                    row = k0 + (2 * p + j)
+                    rows.append((source + (row * ld + first)).masked_load(_when(row < k, columns)))
+                vectors.append(_pairs(rows[0], rows[1], interleave=True))
         if transpose:
-            vectors = _transpose(b, vectors)
-        out = _byte_offset(b, packed, _block_offset(b, b.sub(panel, start), step, b.sub(stop, start), steps))
+            vectors = _transpose(vectors)
+        out = packed + _block_offset(panel - start, step, stop - start, steps)
         for r, vector in enumerate(vectors):
-            b.store(vector, b.bitcast(_byte_offset(b, out, i64(64 * r)), _V16I.as_pointer()), align=64)
+            (out + 64 * r).view(DT_INT32).store(vector, align=64)
 
     # Walk the source in memory order: along its rows, then down.
     if k_along_rows:
-        with for_range(b, start, stop, name="panel") as panel, for_range(b, i64(0), steps, name="step") as step:
+        with loop(b, start, stop, name="panel") as panel, loop(b, 0, steps, name="step") as step:
             block(panel, step)
     else:
-        with for_range(b, i64(0), steps, name="step") as step, for_range(b, start, stop, name="panel") as panel:
+        with loop(b, 0, steps, name="step") as step, loop(b, start, stop, name="panel") as panel:
             block(panel, step)
     b.ret_void()
-    return function
+    return b.function
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,122 +289,105 @@ def _emit_kernel(module: ir.Module, a_panels: int, b_panels: int) -> ir.Function
     at b) over `steps` blocks of k, touching only the first `rows` × `columns` (which may
     exceed the block) of C."""
     name = f"kernel_{a_panels}x{b_panels}"
-    function, b = _internal_function(module, name, [BYTE_PTR, BYTE_PTR, I64, _FLOAT_PTR, I64, I64, I64, I1])
-    a, bp, steps, c, ldc, rows, columns, accumulate = function.args
+    b, (a, bp, steps, c, ldc, rows, columns, accumulate) = _internal_function(
+        module, name, [BYTE_PTR, BYTE_PTR, I64, _FLOAT_PTR, I64, I64, I64, I1])
     with b.goto_entry_block():
-        scratch = b.alloca(ir.ArrayType(F32, TILE * TILE))
-        scratch.align = 64
-    stride = i64(64)
+        scratch = stack(b, DT_FLOAT32, TILE * TILE, align=64)
+    stride = index_value(b, 64)
     tiles = [(i, j) for i in range(a_panels) for j in range(b_panels)]
     # Where each accumulator's 16 × 16 goes in C, and how many of its rows and columns are in C.
-    places = {
-        (i, j): (
-            _float_offset(b, c, b.add(b.mul(i64(16 * i), ldc), i64(16 * j))),
-            b.sub(rows, i64(16 * i)),
-            b.sub(columns, i64(16 * j)),
-        )
-        for i, j in tiles
-    }
-    with b.if_else(accumulate) as (add, overwrite):
+    places = {(i, j): (c + (16 * i * ldc + 16 * j), rows - 16 * i, columns - 16 * j) for i, j in tiles}
+    with b.if_else(accumulate.ir) as (add, overwrite):
         with add:
             for i, j in tiles:
-                _load_accumulator(b, _ACC[i][j], *places[i, j], ldc, scratch)
+                _load_accumulator(_ACC[i][j], *places[i, j], ldc, scratch)
         with overwrite:
             for i, j in tiles:
-                _call(b, "llvm.x86.tilezero", VOID, [_tile(_ACC[i][j])])
-    with for_range(b, i64(0), steps, name="step") as step:
-        a_step = _byte_offset(b, a, b.mul(step, i64(a_panels * BLOCK_BYTES)))
-        b_step = _byte_offset(b, bp, b.mul(step, i64(b_panels * BLOCK_BYTES)))
+                _intrinsic(b, "llvm.x86.tilezero", _tile(_ACC[i][j]))
+    with loop(b, 0, steps, name="step") as step:
+        a_step = a + step * (a_panels * BLOCK_BYTES)
+        b_step = bp + step * (b_panels * BLOCK_BYTES)
         # Each load just before the first product that reads it: a tile register is free
         # only once the previous step's products are done with it. B's blocks stream past
         # (one use per pair of A panels) and load with the T1 hint, which keeps them from
         # pushing A's resident panels out of L1 (measured 2-7% faster).
         for i in range(a_panels):
-            _tile_load(b, _A_TILES[i], _byte_offset(b, a_step, i64(i * BLOCK_BYTES)), stride)
+            _tile_load(_A_TILES[i], a_step + i * BLOCK_BYTES, stride)
             for j in range(b_panels):
                 if i == 0:
-                    _tile_load(b, _B_TILES[j], _byte_offset(b, b_step, i64(j * BLOCK_BYTES)), stride, streaming=True)
-                _call(b, "llvm.x86.tdpbf16ps", VOID, [_tile(_ACC[i][j]), _tile(_A_TILES[i]), _tile(_B_TILES[j])])
+                    _tile_load(_B_TILES[j], b_step + j * BLOCK_BYTES, stride, streaming=True)
+                _intrinsic(b, "llvm.x86.tdpbf16ps", _tile(_ACC[i][j]), _tile(_A_TILES[i]), _tile(_B_TILES[j]))
     for i, j in tiles:
-        _store_accumulator(b, _ACC[i][j], *places[i, j], ldc, scratch)
+        _store_accumulator(_ACC[i][j], *places[i, j], ldc, scratch)
     b.ret_void()
-    return function
+    return b.function
 
 
-def _whole(b: ir.IRBuilder, rows: ir.Value, columns: ir.Value) -> ir.Value:
-    return b.and_(b.icmp_signed(">=", rows, i64(16)), b.icmp_signed(">=", columns, i64(16)))
+def _whole(rows: Value, columns: Value) -> Value:
+    return (rows >= 16) & (columns >= 16)
 
 
-def _load_accumulator(b: ir.IRBuilder, tile: int, corner: ir.Value, rows: ir.Value, columns: ir.Value,
-                      ldc: ir.Value, scratch: ir.Value) -> None:
+def _load_accumulator(tile: int, corner: Pointer, rows: Value, columns: Value, ldc: Value, scratch: Pointer) -> None:
     """Load accumulator `tile` from the 16 × 16 of C at `corner`, of which `rows` × `columns`
     lie inside C; the lanes outside are never stored, so they may hold anything."""
-    with b.if_else(_whole(b, rows, columns)) as (full, edge):
+    b = corner.b
+    with b.if_else(_whole(rows, columns).ir) as (full, edge):
         with full:
-            _tile_load(b, tile, b.bitcast(corner, BYTE_PTR), b.mul(ldc, i64(4)))
+            _tile_load(tile, corner, ldc * 4)
         with edge:
-            mask = _lane_mask(b, i64(0), columns)
-            count = b.select(b.icmp_signed("<", rows, i64(16)), rows, i64(16))
-            with for_range(b, i64(0), count, name="row") as row:
-                values = _masked_load(b, _float_offset(b, corner, b.mul(row, ldc)), mask)
-                b.store(values, b.bitcast(_float_offset(b, scratch, b.mul(row, i64(16))), _V16F.as_pointer()), align=64)
-            _tile_load(b, tile, b.bitcast(scratch, BYTE_PTR), i64(64))
+            mask = _lane_mask(index_value(b, 0), columns)
+            with loop(b, 0, rows.minimum(16), name="row") as row:
+                (scratch + row * 16).store((corner + row * ldc).masked_load(mask), align=64)
+            _tile_load(tile, scratch, index_value(b, 64))
 
 
-def _store_accumulator(b: ir.IRBuilder, tile: int, corner: ir.Value, rows: ir.Value, columns: ir.Value,
-                       ldc: ir.Value, scratch: ir.Value) -> None:
+def _store_accumulator(tile: int, corner: Pointer, rows: Value, columns: Value, ldc: Value, scratch: Pointer) -> None:
     """Store accumulator `tile` into the 16 × 16 of C at `corner`, of which `rows` × `columns`
     (possibly none, possibly more than 16) lie inside C."""
-    with b.if_else(_whole(b, rows, columns)) as (full, edge):
+    b = corner.b
+    with b.if_else(_whole(rows, columns).ir) as (full, edge):
         with full:
-            _tile_store(b, tile, b.bitcast(corner, BYTE_PTR), b.mul(ldc, i64(4)))
+            _tile_store(tile, corner, ldc * 4)
         with edge:
-            _tile_store(b, tile, b.bitcast(scratch, BYTE_PTR), i64(64))
-            mask = _lane_mask(b, i64(0), columns)
-            count = b.select(b.icmp_signed("<", rows, i64(16)), rows, i64(16))
-            with for_range(b, i64(0), count, name="row") as row:
-                values = b.load(b.bitcast(_float_offset(b, scratch, b.mul(row, i64(16))), _V16F.as_pointer()), align=64)
-                _masked_store(b, values, _float_offset(b, corner, b.mul(row, ldc)), mask)
+            _tile_store(tile, scratch, index_value(b, 64))
+            mask = _lane_mask(index_value(b, 0), columns)
+            with loop(b, 0, rows.minimum(16), name="row") as row:
+                (corner + row * ldc).masked_store((scratch + row * 16).load(16, align=64), mask)
 
 
-def _emit_products(b: ir.IRBuilder, kernels: dict[tuple[int, int], ir.Function], steps: ir.Value, chunk: ir.Value,
-                   m: ir.Value, n: ir.Value, c: ir.Value, ldc: ir.Value, accumulate: ir.Value,
-                   a_packed: ir.Value, b_packed: ir.Value, pack_b: Callable[[ir.Value, ir.Value], None]) -> None:
+def _emit_products(kernels: dict[tuple[int, int], ir.Function], steps: Value, chunk: Value, m: Value, n: Value,
+                   c: Pointer, ldc: Value, accumulate: Value, a_packed: Pointer, b_packed: Pointer,
+                   pack_b: Callable[[Value, Value], None]) -> None:
     """C (+)= A · B over one slice of k (`steps` blocks), A packed, in 32 × 32 blocks.
 
     A pair of A panels stays in L1 (outer loop) while B's panels stream past it from L2
     (inner loop), along C's rows. B is packed a chunk of `chunk` panels at a time, just
     before the chunk's sweeps, so that it is still in L2 for them."""
-    panel_bytes = b.mul(steps, i64(BLOCK_BYTES))
-    a_count = b.sdiv(b.add(m, i64(TILE - 1)), i64(TILE))
-    b_count = b.sdiv(b.add(n, i64(TILE - 1)), i64(TILE))
+    b = c.b
+    panel_bytes = steps * BLOCK_BYTES
+    a_count = (m + (TILE - 1)) // TILE
+    b_count = (n + (TILE - 1)) // TILE
 
-    def product(ai: ir.Value, bj: ir.Value, start: ir.Value, a_panels: int, b_panels: int) -> None:
-        row, column = b.mul(ai, i64(TILE)), b.mul(bj, i64(TILE))
-        b.call(kernels[a_panels, b_panels], [
-            _byte_offset(b, a_packed, b.mul(ai, panel_bytes)),
-            _byte_offset(b, b_packed, b.mul(b.sub(bj, start), panel_bytes)),
-            steps,
-            _float_offset(b, c, b.add(b.mul(row, ldc), column)), ldc, b.sub(m, row), b.sub(n, column),
-            accumulate,
-        ])
+    def product(ai: Value, bj: Value, start: Value, a_panels: int, b_panels: int) -> None:
+        row, column = ai * TILE, bj * TILE
+        call(b, kernels[a_panels, b_panels], a_packed + ai * panel_bytes, b_packed + (bj - start) * panel_bytes, steps,
+             c + (row * ldc + column), ldc, m - row, n - column, accumulate)
 
-    def sweep(start: ir.Value, stop: ir.Value, ai: ir.Value, a_panels: int) -> None:
-        with for_range(b, start, b.sub(stop, i64(1)), step=2, name="column") as bj:
+    def sweep(start: Value, stop: Value, ai: Value, a_panels: int) -> None:
+        with loop(b, start, stop - 1, step=2, name="column") as bj:
             product(ai, bj, start, a_panels, 2)
-        with b.if_then(b.trunc(b.sub(stop, start), I1)):
-            product(ai, b.sub(stop, i64(1)), start, a_panels, 1)
+        with b.if_then(((stop - start) & 1).not_equal(0).ir):
+            product(ai, stop - 1, start, a_panels, 1)
 
-    chunks = b.sdiv(b.add(b_count, b.sub(chunk, i64(1))), chunk)
-    with for_range(b, i64(0), chunks, name="chunk") as index:
-        start = b.mul(index, chunk)
-        stop = b.add(start, chunk)
-        stop = b.select(b.icmp_signed("<", stop, b_count), stop, b_count)
+    chunks = (b_count + (chunk - 1)) // chunk
+    with loop(b, 0, chunks, name="chunk") as index:
+        start = index * chunk
+        stop = (start + chunk).minimum(b_count)
         pack_b(start, stop)
-        with for_range(b, i64(0), b.sub(a_count, i64(1)), step=2, name="row") as ai:
+        with loop(b, 0, a_count - 1, step=2, name="row") as ai:
             sweep(start, stop, ai, 2)
-        with b.if_then(b.trunc(a_count, I1)):
-            sweep(start, stop, b.sub(a_count, i64(1)), 1)
+        with b.if_then((a_count & 1).not_equal(0).ir):
+            sweep(start, stop, a_count - 1, 1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -457,34 +421,29 @@ def build_module(target: CPUTarget) -> ir.Module:
 
     signature = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
     function = ir.Function(module, signature, name=SYMBOL)
-    ta, tb, m, n, k, a, lda, bm, ldb, c, ldc, workspace = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
+    ta, tb, m, n, k, a, lda, bm, ldb, c, ldc, workspace = parameters(b, function)
     # The workspace holds a slice of A and a chunk of B; workspace_bytes mirrors these sizes.
-    steps = b.sdiv(b.add(k, i64(K_STEP - 1)), i64(K_STEP))
-    slices = b.sdiv(b.add(steps, i64(_K_SLICE - 1)), i64(_K_SLICE))
-    slices = b.select(b.icmp_signed("<", slices, i64(1)), i64(1), slices)  # k = 0 still clears C
-    slice_steps = b.sdiv(b.add(steps, b.sub(slices, i64(1))), slices)
-    panel_bytes = b.mul(b.select(b.icmp_signed("<", slice_steps, i64(1)), i64(1), slice_steps), i64(BLOCK_BYTES))
-    chunk = b.and_(b.sdiv(i64(_STREAM_BYTES), panel_bytes), i64(-2))
-    chunk = b.select(b.icmp_signed("<", chunk, i64(2)), i64(2), chunk)
-    a_count = b.sdiv(b.add(m, i64(TILE - 1)), i64(TILE))
-    a_packed = cache_line_aligned(b, workspace, BYTE_PTR)
-    b_packed = _byte_offset(b, a_packed, b.mul(b.mul(a_count, slice_steps), i64(BLOCK_BYTES)))
+    steps = (k + (K_STEP - 1)) // K_STEP
+    slices = ((steps + (_K_SLICE - 1)) // _K_SLICE).maximum(1)  # k = 0 still clears C
+    slice_steps = (steps + (slices - 1)) // slices
+    panel_bytes = slice_steps.maximum(1) * BLOCK_BYTES
+    chunk = (index_value(b, _STREAM_BYTES) // panel_bytes & -2).maximum(2)
+    a_count = (m + (TILE - 1)) // TILE
+    a_packed = Pointer(b, cache_line_aligned(b, workspace.ir, BYTE_PTR), DT_UINT8)
+    b_packed = a_packed + a_count * slice_steps * BLOCK_BYTES
     # op(A) is m × k: A itself has k along its rows unless transposed; op(B) is k × n.
-    pack_a = b.select(b.icmp_signed("!=", ta, i64(0)), pack_columns_t, pack_rows)
-    pack_b = b.select(b.icmp_signed("!=", tb, i64(0)), pack_rows_t, pack_columns)
-    _call(b, "llvm.x86.ldtilecfg", VOID, [b.bitcast(config, BYTE_PTR)])
+    pack_a = b.select(ta.not_equal(0).ir, pack_columns_t, pack_rows)
+    pack_b = b.select(tb.not_equal(0).ir, pack_rows_t, pack_columns)
+    _intrinsic(b, "llvm.x86.ldtilecfg", b.bitcast(config, BYTE_PTR))
     # k in slices of at most _K_SLICE steps, as equal as can be; every slice after the
     # first adds its products to C.
-    with for_range(b, i64(0), slices, name="slice") as index:
-        first = b.mul(index, slice_steps)
-        here = b.sub(steps, first)
-        here = b.select(b.icmp_signed("<", here, slice_steps), here, slice_steps)
-        b.call(pack_a, [a, lda, m, k, a_packed, first, here, i64(0), a_count])
-        _emit_products(
-            b, kernels, here, chunk, m, n, c, ldc, b.icmp_signed(">", index, i64(0)), a_packed, b_packed,
-            lambda start, stop: b.call(pack_b, [bm, ldb, n, k, b_packed, first, here, start, stop]),
-        )
-    _call(b, "llvm.x86.tilerelease", VOID, [])
+    with loop(b, 0, slices, name="slice") as index:
+        first = index * slice_steps
+        here = (steps - first).minimum(slice_steps)
+        call(b, pack_a, a, lda, m, k, a_packed, first, here, 0, a_count)
+        _emit_products(kernels, here, chunk, m, n, c, ldc, index > 0, a_packed, b_packed,
+                       lambda start, stop: call(b, pack_b, bm, ldb, n, k, b_packed, first, here, start, stop))
+    _intrinsic(b, "llvm.x86.tilerelease")
     b.ret_void()
     return module

@@ -89,15 +89,17 @@ bf16 pairs of taps and multiplies them on `vdpbf16ps`, as `ranvier_sgemm_dpbf16`
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 from llvmlite import ir
 
-from ...dtypes import DT_BFLOAT16
-from ..llvm.convert import bf16_pairs, widen
+from ...dtypes import DT_BFLOAT16, DT_BOOL, DT_FLOAT32, DT_INT32, DT_INT64, DT_UINT32
+from ..llvm.convert import bf16_pairs
 from ..llvm.irutil import (
     BF16,
     BYTE_PTR,
@@ -109,14 +111,13 @@ from ..llvm.irutil import (
     VOID,
     by_strips,
     cache_line_aligned,
-    constant,
+    compute_type,
     declared,
-    for_range,
-    i64,
     intrinsic,
-    splat,
     transpose_square,
 )
+from ..llvm.pointers import Pointer, PointerVariable, parameters, stack
+from ..llvm.values import Local, Value, call, choose, index_value, local, loop
 from . import jit
 from .target import CPUTarget
 
@@ -321,8 +322,27 @@ def pack_at_run_time(module: ir.Module, target: CPUTarget, b: ir.IRBuilder, tran
     does): the run-time twin of `pack_panels`, by the same packing the GEMM does a block at
     a time."""
     emit = _Emitter(module, target)
-    emit.pack(b, i64(int(transposed)), source, i64(ldb), i64(0), i64(0), k, n, b.bitcast(panels, _PAIRS_PTR) if pairs else panels,
-              pairs)
+    into = Pointer(b, panels, DT_FLOAT32)
+    emit.pack(index_value(b, int(transposed)), Pointer(b, source, DT_FLOAT32), index_value(b, ldb), index_value(b, 0),
+              index_value(b, 0), index_value(b, k), index_value(b, n), into.view(DT_INT32) if pairs else into, pairs)
+
+
+def _pair_dot(sums: Value, first: Value, second: Value) -> Value:
+    """vdpbf16ps: sums + each lane's two products of bf16 pairs (int32 slots of `first` and `second`)."""
+    b, lanes = sums.b, sums.lanes
+    pairs = ir.VectorType(BF16, 2 * lanes)
+    function = declared(b.module, "llvm.x86.avx512bf16.dpbf16ps.512", ir.FunctionType(sums.ir.type, [sums.ir.type, pairs, pairs]))
+    return call(b, function, sums, b.bitcast(first.ir, pairs), b.bitcast(second.ir, pairs), dtype=DT_FLOAT32)
+
+
+def _bf16_pairs(first: Value, second: Value, interleave: bool) -> Value:
+    """`convert.bf16_pairs` over Values: the int32 slots of bf16 pairs of `first` and `second`."""
+    return Value(first.b, bf16_pairs(first.b, first.ir, second.ir, interleave), DT_INT32)
+
+
+def _transposed(rows: list[Value]) -> list[Value]:
+    """An L × L block of L vectors, transposed in registers (`irutil.transpose_square`)."""
+    return [rows[0]._new(vector) for vector in transpose_square(rows[0].b, [row.ir for row in rows])]
 
 
 class _Emitter:
@@ -334,55 +354,23 @@ class _Emitter:
         self.mr, self.vectors = tile_shape(target)
         self.nr = self.vectors * self.lanes
         self.vector = ir.VectorType(F32, self.lanes)  # SSE's 4 lanes at the least
-        self.zeros = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes)
-        # fmuladd: one fused instruction where the target has FMA; without it (SSE) a
-        # multiply and an add, where llvm.fma would call the C library per lane
-        self.fma = intrinsic(module, "fmuladd", self.vector)
-        # (address, read, keep in L2, data)
-        self.prefetch_function = declared(module, "llvm.prefetch.p0i8", ir.FunctionType(VOID, [BYTE_PTR, I32, I32, I32]))
-        # (address, alignment, lanes to load, value of the others): masked-off lanes are not read
-        self.masked_load = declared(
-            module, f"llvm.masked.load.v{self.lanes}f32.p0v{self.lanes}f32",
-            ir.FunctionType(self.vector, [self.vector.as_pointer(), I32, ir.VectorType(I1, self.lanes), self.vector]))
-        # the same from one address per lane
-        pointers = ir.VectorType(_FLOAT_PTR, self.lanes)
-        self.gather = declared(module, f"llvm.masked.gather.v{self.lanes}f32.v{self.lanes}p0f32",
-                               ir.FunctionType(self.vector, [pointers, I32, ir.VectorType(I1, self.lanes), self.vector]))
-        # the largest lane of an i32 vector
-        self.highest = declared(module, f"llvm.vector.reduce.smax.v{self.lanes}i32",
-                                ir.FunctionType(I32, [ir.VectorType(I32, self.lanes)]))
+        self.aligned = 4 * self.lanes  # bytes: a whole vector's alignment, where a panel's rows are
 
-    def load_vector(self, b: ir.IRBuilder, pointer: ir.Value, aligned: bool = False) -> ir.Value:
-        return b.load(b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
+    def zeros(self, b: ir.IRBuilder) -> Value:
+        return Value(b, ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * self.lanes), DT_FLOAT32)
 
-    def load_panel_vector(self, b: ir.IRBuilder, pointer: ir.Value) -> ir.Value:
-        """A vector of a panel's row, from an aligned float or bf16 pointer, as floats."""
-        if pointer.type.pointee != I16:
-            return self.load_vector(b, pointer, aligned=True)
-        narrow = ir.VectorType(I16, self.lanes)
-        return widen(b, b.load(b.bitcast(pointer, narrow.as_pointer()), align=self.lanes * 2), DT_BFLOAT16, self.lanes)
+    def no_lanes(self, b: ir.IRBuilder, on: bool = False) -> Value:
+        """A mask of no lanes (`on`: of every lane)."""
+        return Value(b, ir.Constant(ir.VectorType(I1, self.lanes), [ir.Constant(I1, int(on))] * self.lanes), DT_BOOL)
 
-    def load_pairs(self, b: ir.IRBuilder, pointer: ir.Value) -> ir.Value:
-        """A vector of a panel's row of bf16 pairs, from an aligned pointer to its slots."""
-        slots = ir.VectorType(I32, self.lanes)
-        return b.bitcast(b.load(b.bitcast(pointer, slots.as_pointer()), align=self.lanes * 4), ir.VectorType(BF16, 2 * self.lanes))
+    def lane_numbers(self, b: ir.IRBuilder, dtype: str = DT_INT64) -> Value:
+        """The vector [0, 1, ..., L - 1] of `dtype`."""
+        return Value(b, ir.Constant(ir.VectorType(compute_type(dtype), self.lanes), list(range(self.lanes))), dtype)
 
-    def pair_dot(self) -> ir.Function:
-        """vdpbf16ps: (sums, pairs, pairs) → sums + each lane's two products."""
-        pairs = ir.VectorType(BF16, 2 * self.lanes)
-        return declared(self.module, "llvm.x86.avx512bf16.dpbf16ps.512", ir.FunctionType(self.vector, [self.vector, pairs, pairs]))
-
-    def store_vector(self, b: ir.IRBuilder, value: ir.Value, pointer: ir.Value, aligned: bool = False) -> None:
-        b.store(value, b.bitcast(pointer, self.vector.as_pointer()), align=self.lanes * 4 if aligned else 4)
-
-    def prefetch(self, b: ir.IRBuilder, start: ir.Value, first: ir.Value, last: ir.Value) -> None:
+    def prefetch(self, start: Pointer, first: Value, last: Value) -> None:
         """Ask for the cache lines [first, last) from float `start` on into L2."""
-        with for_range(b, first, last, name="line") as line:
-            self.prefetch_line(b, b.gep(start, [b.mul(line, i64(_LINE_FLOATS))]))
-
-    def prefetch_line(self, b: ir.IRBuilder, address: ir.Value) -> None:
-        """Ask for the cache line at `address` (a float*) into L2."""
-        b.call(self.prefetch_function, [b.bitcast(address, BYTE_PTR), ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+        with loop(start.b, first, last, name="line") as line:
+            (start + line * _LINE_FLOATS).prefetch()
 
     # ---- the micro-kernel -----------------------------------------------------------------
 
@@ -394,77 +382,78 @@ class _Emitter:
         signature, suffix = (_MICRO_PAIRS, "_pairs") if pairs else (_MICRO_BF16, "_bf16") if narrow else (_MICRO, "")
         function = ir.Function(self.module, signature, name=f"{SYMBOL}_tile{rows}x{vectors}{suffix}")
         function.linkage = "internal"
-        kc, a, sa, sk, panel, c, ldc, columns, accumulate, ahead, run, stride, lines = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
+        kc, a, sa, sk, panel, c, ldc, columns, accumulate, ahead, run, stride, lines = parameters(b, function)
+        if narrow:
+            panel = panel.view(DT_BFLOAT16)
+        lanes = self.lanes
         # A tile of fewer rows than MR has registers to spare: it spreads k's steps over
         # `chains` sets of sums, each its own chain of multiply-adds, added up at the end.
         # With one set a row waited on the multiply-add's latency at every step (a decode
         # step's one row of bf16 panels, 256 × 480 from L2: 7.8 cycles a step, 5.4 with four sets).
         chains = self.mr // rows if narrow or pairs else 1
-        sets = [[[b.alloca(self.vector) for _ in range(vectors)] for _ in range(rows)] for _ in range(chains)]
+        sets = [[[local(b, DT_FLOAT32, lanes) for _ in range(vectors)] for _ in range(rows)] for _ in range(chains)]
         for row in (row for chain in sets for row in chain):
             for slot in row:
-                b.store(self.zeros, slot)
-        row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
-        run_start, in_run = b.alloca(_FLOAT_PTR), b.alloca(I64)
-        b.store(ahead, run_start)
-        b.store(i64(0), in_run)
+                slot.set(self.zeros(b))
+        row_starts = [a + r * sa for r in range(rows)]
+        run_start, in_run = PointerVariable(ahead), local(b, DT_INT64, initial=index_value(b, 0))
 
-        def step_of_k(p: ir.Value, sums: list[list[ir.Value]]) -> None:
+        def step_of_k(p: Value, sums: list[list[Local]]) -> None:
             # one line asked for per step, spread among the multiply-adds (a burst of them
             # before the loop would fill the core's miss buffers and stall it)
-            with b.if_then(b.icmp_signed("<", p, lines)):
-                self.prefetch_line(b, b.gep(b.load(run_start), [b.mul(b.load(in_run), i64(_LINE_FLOATS))]))
-                following = b.add(b.load(in_run), i64(1))
-                wraps = b.icmp_signed("==", following, run)
-                b.store(b.select(wraps, i64(0), following), in_run)
-                b.store(b.select(wraps, b.gep(b.load(run_start), [stride]), b.load(run_start)), run_start)
-            step = b.gep(panel, [b.mul(p, i64(self.nr))])
+            with b.if_then((p < lines).ir):
+                (run_start.value + in_run.value * _LINE_FLOATS).prefetch()
+                following = in_run.value + 1
+                wraps = following.equal(run)
+                in_run.set(wraps.where(0, following))
+                run_start.set(wraps.where(run_start.value + stride, run_start.value))
+            step = panel + p * self.nr
             if narrow and rows == 1:
-                self.prefetch_line(b, b.bitcast(b.gep(step, [i64(ROW_AHEAD)]), _FLOAT_PTR))
-            along = b.mul(p, sk)
+                (step + ROW_AHEAD).view(DT_FLOAT32).prefetch()
+            along = p * sk
             if pairs:
-                parts = [self.load_pairs(b, b.gep(step, [i64(v * self.lanes)])) for v in range(vectors)]
+                parts = [(step + v * lanes).load(lanes, align=self.aligned) for v in range(vectors)]
                 for r in range(rows):
-                    pair = b.bitcast(splat(b, b.load(b.gep(row_starts[r], [along])), self.lanes), parts[0].type)
+                    pair = row_starts[r][along].splat(lanes)
                     for h in range(vectors):
-                        b.store(b.call(self.pair_dot(), [b.load(sums[r][h]), pair, parts[h]]), sums[r][h])
+                        sums[r][h].set(_pair_dot(sums[r][h].value, pair, parts[h]))
                 return
-            parts = [self.load_panel_vector(b, b.gep(step, [i64(v * self.lanes)])) for v in range(vectors)]
+            parts = [(step + v * lanes).load(lanes, align=(2 if narrow else 4) * lanes) for v in range(vectors)]
             for r in range(rows):
-                value = splat(b, b.load(b.gep(row_starts[r], [along])), self.lanes)
+                value = row_starts[r][along].splat(lanes)
                 for h in range(vectors):
-                    b.store(b.call(self.fma, [value, parts[h], b.load(sums[r][h])]), sums[r][h])
+                    sums[r][h].set(value.mul_add(parts[h], sums[r][h].value))
 
-        whole_steps = b.mul(b.sdiv(kc, i64(chains)), i64(chains))
-        with for_range(b, i64(0), whole_steps, step=chains, name="p") as p:
+        whole_steps = kc // chains * chains
+        with loop(b, 0, whole_steps, step=chains, name="p") as p:
             for number, chain in enumerate(sets):
-                step_of_k(b.add(p, i64(number)), chain)
-        with for_range(b, whole_steps, kc, name="pk") as p:
+                step_of_k(p + number, chain)
+        with loop(b, whole_steps, kc, name="pk") as p:
             step_of_k(p, sets[0])
         sums = sets[0]
         for chain in sets[1:]:
             for r in range(rows):
                 for h in range(vectors):
-                    b.store(b.fadd(b.load(sums[r][h]), b.load(chain[r][h])), sums[r][h])
-        whole = b.icmp_signed("==", columns, i64(vectors * self.lanes))
-        with b.if_else(whole) as (full, edge):
+                    sums[r][h].set(sums[r][h].value + chain[r][h].value)
+        whole = columns.equal(vectors * lanes)
+        with b.if_else(whole.ir) as (full, edge):
             with full:
                 for r in range(rows):
                     for h in range(vectors):
-                        target = b.gep(c, [b.add(b.mul(i64(r), ldc), i64(h * self.lanes))])
-                        total = b.load(sums[r][h])
-                        added = b.fadd(total, self.load_vector(b, target))
-                        self.store_vector(b, b.select(accumulate, added, total), target)
+                        target = c + (r * ldc + h * lanes)
+                        total = sums[r][h].value
+                        added = total + target.load(lanes, align=4)
+                        target.store(accumulate.where(added, total), align=4)
             with edge:
-                tile = b.alloca(F32, i64(rows * self.nr))
+                tile = stack(b, DT_FLOAT32, rows * self.nr)
                 for r in range(rows):
                     for h in range(vectors):
-                        self.store_vector(b, b.load(sums[r][h]), b.gep(tile, [i64(r * self.nr + h * self.lanes)]))
-                    with for_range(b, i64(0), columns, name="j") as j:
-                        target = b.gep(c, [b.add(b.mul(i64(r), ldc), j)])
-                        value = b.load(b.gep(tile, [b.add(i64(r * self.nr), j)]))
-                        b.store(b.select(accumulate, b.fadd(value, b.load(target)), value), target)
+                        (tile + (r * self.nr + h * lanes)).store(sums[r][h].value, align=4)
+                    with loop(b, 0, columns, name="j") as j:
+                        target = c + (r * ldc + j)
+                        value = tile[r * self.nr + j]
+                        target.store(accumulate.where(value + target.load(), value))
         b.ret_void()
         return function
 
@@ -475,222 +464,194 @@ class _Emitter:
         sums are eight independent chains of multiply-adds."""
         function = ir.Function(self.module, _DOT, name=f"{SYMBOL}_dot{rows}")
         function.linkage = "internal"
-        kc, a, sa, edge, c, ldc, columns, accumulate = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
+        kc, a, sa, edge, c, ldc, columns, accumulate = parameters(b, function)
         lanes, double = self.lanes, 2 * self.lanes
-        sums = [[b.alloca(self.vector) for _ in range(2)] for _ in range(rows)]
-        totals = [b.alloca(F32) for _ in range(rows)]
-        row_starts = [b.gep(a, [b.mul(i64(r), sa)]) for r in range(rows)]
-        whole = b.mul(b.sdiv(kc, i64(double)), i64(double))
-        with for_range(b, i64(0), columns, name="dj") as j:
-            column = b.gep(edge, [b.mul(j, i64(ROW_KC))])
+        sums = [[local(b, DT_FLOAT32, lanes) for _ in range(2)] for _ in range(rows)]
+        totals = [local(b, DT_FLOAT32) for _ in range(rows)]
+        row_starts = [a + r * sa for r in range(rows)]
+        whole = kc // double * double
+        with loop(b, 0, columns, name="dj") as j:
+            column = edge + j * ROW_KC
             for pair in sums:
                 for slot in pair:
-                    b.store(self.zeros, slot)
-            with for_range(b, i64(0), whole, step=double, name="dp") as p:
-                halves = [self.load_vector(b, b.gep(column, [b.add(p, i64(h * lanes))])) for h in range(2)]
+                    slot.set(self.zeros(b))
+            with loop(b, 0, whole, step=double, name="dp") as p:
+                halves = [(column + (p + h * lanes)).load(lanes, align=4) for h in range(2)]
                 for r in range(rows):
                     for h in range(2):
-                        value = self.load_vector(b, b.gep(row_starts[r], [b.add(p, i64(h * lanes))]))
-                        b.store(b.call(self.fma, [value, halves[h], b.load(sums[r][h])]), sums[r][h])
+                        value = (row_starts[r] + (p + h * lanes)).load(lanes, align=4)
+                        sums[r][h].set(value.mul_add(halves[h], sums[r][h].value))
             for r in range(rows):
-                vector = b.fadd(b.load(sums[r][0]), b.load(sums[r][1]))
-                total = b.extract_element(vector, ir.Constant(I32, 0))
+                vector = sums[r][0].value + sums[r][1].value
+                total = vector.lane(0)
                 for e in range(1, lanes):
-                    total = b.fadd(total, b.extract_element(vector, ir.Constant(I32, e)))
-                b.store(total, totals[r])
-            with for_range(b, whole, kc, name="dt") as p:
-                step = b.load(b.gep(column, [p]))
+                    total = total + vector.lane(e)
+                totals[r].set(total)
+            with loop(b, whole, kc, name="dt") as p:
+                step = column[p]
                 for r in range(rows):
-                    product = b.fmul(b.load(b.gep(row_starts[r], [p])), step)
-                    b.store(b.fadd(b.load(totals[r]), product), totals[r])
+                    totals[r].set(totals[r].value + row_starts[r][p] * step)
             for r in range(rows):
-                target = b.gep(c, [b.add(b.mul(i64(r), ldc), j)])
-                total = b.load(totals[r])
-                b.store(b.select(accumulate, b.fadd(b.load(target), total), total), target)
+                target = c + (r * ldc + j)
+                total = totals[r].value
+                target.store(accumulate.where(target.load() + total, total))
         b.ret_void()
         return function
 
     # ---- copying a strip of A ---------------------------------------------------------------
 
-    def copy_strip(self, b: ir.IRBuilder, transposed: ir.Value, strip: ir.Value, sa: ir.Value, sk: ir.Value, kc: ir.Value,
-                   rows: int, copy: ir.Value) -> None:
+    def copy_strip(self, transposed: Value, strip: Pointer, sa: Value, sk: Value, kc: Value, rows: int, copy: Pointer) -> None:
         """A's strip (`rows` rows, kc steps of k) k-major into `copy`: a step's values
         adjacent, as the micro-kernel then reads them (row stride 1, k stride `rows`)."""
-        run = ir.VectorType(F32, rows)
-        with b.if_else(transposed) as (side_by_side, apart):
-            with side_by_side, for_range(b, i64(0), kc, name="ka") as p:
-                source = b.bitcast(b.gep(strip, [b.mul(p, sk)]), run.as_pointer())
-                b.store(b.load(source, align=4), b.bitcast(b.gep(copy, [b.mul(p, i64(rows))]), run.as_pointer()), align=4)
-            with apart, for_range(b, i64(0), kc, name="kb") as p:
+        b = strip.b
+        with b.if_else(transposed.ir) as (side_by_side, apart):
+            with side_by_side, loop(b, 0, kc, name="ka") as p:
+                (copy + p * rows).store((strip + p * sk).load(rows, align=4, vector=True), align=4)
+            with apart, loop(b, 0, kc, name="kb") as p:
                 for r in range(rows):
-                    value = b.load(b.gep(strip, [b.add(b.mul(i64(r), sa), p)]))
-                    b.store(value, b.gep(copy, [b.add(b.mul(p, i64(rows)), i64(r))]))
+                    copy[p * rows + r] = strip[r * sa + p]
 
-    def copy_pairs(self, b: ir.IRBuilder, transposed: ir.Value, strip: ir.Value, sa: ir.Value, sk: ir.Value, kc: ir.Value,
-                   rows: int, copy: ir.Value) -> tuple[ir.Value, ir.Value]:
+    def copy_pairs(self, transposed: Value, strip: Pointer, sa: Value, sk: Value, kc: Value, rows: int,
+                   copy: Pointer) -> tuple[Value, Value]:
         """A's strip (`rows` rows, kc steps of k) as bf16 pairs into `copy` (64-byte
         aligned), a zero after an odd kc; returns the copy's (row stride, pair stride) in
         slots. A's rows along k (not `transposed`) convert 32 steps at a time into a row of
         the copy each, whole vectors; a transposed strip's rows of k, `rows` values side by
         side, interleave two at a time into the pairs of one step."""
-        lanes = self.lanes
-        row_slots = b.mul(b.sdiv(b.add(kc, i64(2 * lanes - 1)), i64(2 * lanes)), i64(lanes))
-        pair_steps = b.sdiv(b.add(kc, i64(1)), i64(2))
-        run, halves = ir.VectorType(F32, rows), ir.VectorType(I16, rows)
-        with b.if_else(transposed) as (side_by_side, apart):
-            with side_by_side, for_range(b, i64(0), pair_steps, name="cp") as p:
-                second_inside = b.icmp_signed("<", b.add(b.mul(p, i64(2)), i64(1)), kc)
-                values = []
-                for step, inside in ((b.mul(p, i64(2)), None), (b.add(b.mul(p, i64(2)), i64(1)), second_inside)):
-                    at = step if inside is None else b.select(inside, step, i64(0))
-                    value = b.load(b.bitcast(b.gep(strip, [b.mul(at, sk)]), run.as_pointer()), align=4)
-                    if inside is not None:
-                        value = b.select(inside, value, ir.Constant(run, [ir.Constant(F32, 0.0)] * rows))
-                    values.append(b.bitcast(b.fptrunc(value, ir.VectorType(BF16, rows)), halves))
-                order = [half for r in range(rows) for half in (r, rows + r)]
-                pairs = b.shuffle_vector(*values, ir.Constant(ir.VectorType(I32, 2 * rows), order))
-                b.store(b.bitcast(pairs, ir.VectorType(I32, rows)),
-                        b.bitcast(b.gep(copy, [b.mul(p, i64(rows))]), ir.VectorType(I32, rows).as_pointer()), align=4)
-            with apart, for_range(b, i64(0), row_slots, step=lanes, name="cq") as q:
-                steps = b.mul(q, i64(2))
-                masks = self._lane_masks(b, steps, kc, 2)
+        b, lanes = strip.b, self.lanes
+        row_slots = (kc + (2 * lanes - 1)) // (2 * lanes) * lanes
+        pair_steps = (kc + 1) // 2
+        with b.if_else(transposed.ir) as (side_by_side, apart):
+            with side_by_side, loop(b, 0, pair_steps, name="cp") as p:
+                second_inside = (p * 2 + 1) < kc
+                first = (strip + p * 2 * sk).load(rows, align=4, vector=True)
+                second = (strip + second_inside.where(p * 2 + 1, 0) * sk).load(rows, align=4, vector=True)
+                second = second_inside.where(second, second.zeros())
+                (copy + p * rows).store(_bf16_pairs(first, second, interleave=True), align=4)
+            with apart, loop(b, 0, row_slots, step=lanes, name="cq") as q:
+                steps = q * 2
+                masks = self._lane_masks(steps, kc, 2)
                 for r in range(rows):
-                    start = b.gep(strip, [b.add(b.mul(i64(r), sa), steps)])
-                    first, second = (self.masked_read(b, b.gep(start, [i64(h * lanes)]), masks[h]) for h in range(2))
-                    target = b.gep(copy, [b.add(b.mul(i64(r), row_slots), q)])
-                    b.store(bf16_pairs(b, first, second, interleave=False),
-                            b.bitcast(target, ir.VectorType(I32, lanes).as_pointer()), align=4 * lanes)
-        return b.select(transposed, i64(1), row_slots), b.select(transposed, i64(rows), i64(1))
+                    start = strip + (r * sa + steps)
+                    first, second = ((start + h * lanes).masked_load(masks[h]) for h in range(2))
+                    (copy + (r * row_slots + q)).store(_bf16_pairs(first, second, interleave=False), align=4 * lanes)
+        return transposed.where(1, row_slots), transposed.where(rows, index_value(b, 1))
 
     # ---- packing B ------------------------------------------------------------------------
 
-    def pack(self, b: ir.IRBuilder, tb: ir.Value, source: ir.Value, ldb: ir.Value, pc: ir.Value, jc: ir.Value,
-             kc: ir.Value, nc: ir.Value, packed: ir.Value, pairs: bool = False) -> None:
+    def pack(self, tb: Value, source: Pointer, ldb: Value, pc: Value, jc: Value, kc: Value, nc: Value, packed: Pointer,
+             pairs: bool = False) -> None:
         """op(B)[pc:pc+kc, jc:jc+nc] into panels of NR columns, zeros past nc; `pairs`: of
         bf16 pairs (`packed` slots), a panel's row p holding op(B)[pc+2p, j] and
         op(B)[pc+2p+1, j] (zero past kc) for each of its columns."""
-        nr = i64(self.nr)
-        depth = b.sdiv(b.add(kc, i64(1)), i64(2)) if pairs else kc  # a panel's rows
-        panels = b.sdiv(b.add(nc, i64(self.nr - 1)), nr)
-        with for_range(b, i64(0), panels, name="q") as q:
-            first = b.mul(q, nr)
-            columns = b.select(b.icmp_signed("<", b.sub(nc, first), nr), b.sub(nc, first), nr)
-            panel = b.gep(packed, [b.mul(q, b.mul(depth, nr))])
-            column = b.add(jc, first)
-            with b.if_else(b.icmp_signed("!=", tb, i64(0))) as (transposed, plain):
+        b, nr = tb.b, self.nr
+        depth = (kc + 1) // 2 if pairs else kc  # a panel's rows
+        panels = (nc + (nr - 1)) // nr
+        with loop(b, 0, panels, name="q") as q:
+            first = q * nr
+            columns = (nc - first).minimum(nr)
+            panel = packed + q * (depth * nr)
+            column = jc + first
+            with b.if_else(tb.not_equal(0).ir) as (transposed, plain):
                 with transposed:
                     if pairs:
-                        self._pack_pair_columns(b, source, ldb, pc, column, kc, depth, columns, panel)
+                        self._pack_pair_columns(source, ldb, pc, column, kc, depth, columns, panel)
                     else:
-                        self._pack_columns(b, source, ldb, pc, column, kc, columns, panel)
+                        self._pack_columns(source, ldb, pc, column, kc, columns, panel)
                 with plain:
                     if pairs:
-                        self._pack_pair_rows(b, source, ldb, pc, column, kc, depth, columns, panel)
+                        self._pack_pair_rows(source, ldb, pc, column, kc, depth, columns, panel)
                     else:
-                        self._pack_rows(b, source, ldb, pc, column, kc, columns, panel)
+                        self._pack_rows(source, ldb, pc, column, kc, columns, panel)
 
-    def _pack_columns(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
+    def _pack_columns(self, source: Pointer, ldb: Value, pc: Value, column: Value, kc: Value, columns: Value,
+                      panel: Pointer) -> None:
         """op(B)[p, j] = B[j, p]: each column of the panel is a run of one of B's rows.
         The panel goes in square blocks, L rows of B by L steps of k (L the vector lanes):
         L vector loads (zeros for a column past B's edge), a transpose in registers, L
         vector stores; the steps of k left over go element by element."""
-        nr, lanes = i64(self.nr), self.lanes
-        whole_steps = b.mul(b.sdiv(kc, i64(lanes)), i64(lanes))
-        with for_range(b, i64(0), whole_steps, step=lanes, name="pb") as p:
+        b, nr, lanes = source.b, self.nr, self.lanes
+        whole_steps = kc // lanes * lanes
+        with loop(b, 0, whole_steps, step=lanes, name="pb") as p:
             for part in range(self.vectors):
                 rows = []
                 for j in range(lanes):
-                    inside = b.icmp_signed("<", i64(part * lanes + j), columns)
-                    row = b.add(column, b.select(inside, i64(part * lanes + j), i64(0)))
-                    value = self.load_vector(b, b.gep(source, [b.add(b.mul(row, ldb), b.add(pc, p))]))
-                    rows.append(b.select(inside, value, self.zeros))
-                for t, vector in enumerate(transpose_square(b, rows)):
-                    self.store_vector(b, vector, b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), nr), i64(part * lanes))]), aligned=True)
-        with for_range(b, i64(0), nr, name="jt") as j:
-            inside = b.icmp_signed("<", j, columns)
-            row = b.gep(source, [b.add(b.mul(b.add(column, j), ldb), pc)])
-            with for_range(b, whole_steps, kc, name="pt") as p:
-                value = b.select(inside, b.load(b.gep(row, [b.select(inside, p, i64(0))])), ir.Constant(F32, 0.0))
-                b.store(value, b.gep(panel, [b.add(b.mul(p, nr), j)]))
+                    inside = columns > part * lanes + j
+                    row = column + inside.where(index_value(b, part * lanes + j), 0)
+                    value = (source + (row * ldb + (pc + p))).load(lanes, align=4)
+                    rows.append(inside.where(value, self.zeros(b)))
+                for t, vector in enumerate(_transposed(rows)):
+                    (panel + ((p + t) * nr + part * lanes)).store(vector, align=self.aligned)
+        with loop(b, 0, nr, name="jt") as j:
+            inside = j < columns
+            row = source + ((column + j) * ldb + pc)
+            with loop(b, whole_steps, kc, name="pt") as p:
+                panel[p * nr + j] = inside.where(row[inside.where(p, 0)], 0.0)
 
-    def _pack_rows(self, b, source, ldb, pc, column, kc, columns, panel) -> None:
+    def _pack_rows(self, source: Pointer, ldb: Value, pc: Value, column: Value, kc: Value, columns: Value,
+                   panel: Pointer) -> None:
         """op(B)[p, j] = B[p, j]: each row of the panel is a run of one of B's rows, copied
         as V vectors; over B's edge as masked loads, zeros past `columns` (element by
         element, a 16-column edge of a 48-column panel cost as much to pack and compute as
         a whole panel)."""
-        nr = i64(self.nr)
-        lane = ir.Constant(ir.VectorType(I64, self.lanes), list(range(self.lanes)))
-        masks = [b.icmp_signed("<", b.add(lane, splat(b, i64(h * self.lanes), self.lanes)), splat(b, columns, self.lanes))
-                 for h in range(self.vectors)]
-        whole = b.icmp_signed("==", columns, nr)
-        with for_range(b, i64(0), kc, name="pr") as p:
-            row = b.gep(source, [b.add(b.mul(b.add(pc, p), ldb), column)])
+        b, nr, lanes = source.b, self.nr, self.lanes
+        masks = self._lane_masks(index_value(b, 0), columns, self.vectors)
+        whole = columns.equal(nr)
+        with loop(b, 0, kc, name="pr") as p:
+            row = source + ((pc + p) * ldb + column)
             for h, mask in enumerate(masks):
-                start = b.gep(row, [i64(h * self.lanes)])
-                with b.if_else(whole) as (plain, edge):
-                    with plain:
-                        value = self.load_vector(b, start)
-                        plain_block = b.block
-                    with edge:
-                        masked = self.masked_read(b, start, mask)
-                        edge_block = b.block
-                merged = b.phi(self.vector)
-                merged.add_incoming(value, plain_block)
-                merged.add_incoming(masked, edge_block)
-                self.store_vector(b, merged, b.gep(panel, [b.add(b.mul(p, nr), i64(h * self.lanes))]), aligned=True)
+                start = row + h * lanes
+                value = choose(whole, lambda start=start: start.load(lanes, align=4),
+                               lambda start=start, mask=mask: start.masked_load(mask))
+                (panel + (p * nr + h * lanes)).store(value, align=self.aligned)
 
-    def _lane_masks(self, b: ir.IRBuilder, start: ir.Value, limit: ir.Value, count: int) -> list[ir.Value]:
+    def _lane_masks(self, start: Value, limit: Value, count: int) -> list[Value]:
         """`count` vectors' lanes i, from `start` on, where start + i < limit."""
-        lane = ir.Constant(ir.VectorType(I64, self.lanes), list(range(self.lanes)))
-        return [b.icmp_signed("<", b.add(lane, splat(b, b.add(start, i64(h * self.lanes)), self.lanes)), splat(b, limit, self.lanes))
-                for h in range(count)]
+        lane = self.lane_numbers(start.b)
+        return [(lane + (start + h * self.lanes).splat(self.lanes)) < limit.splat(self.lanes) for h in range(count)]
 
-    def _pack_pair_rows(self, b, source, ldb, pc, column, kc, pair_steps, columns, panel) -> None:
+    def _pack_pair_rows(self, source: Pointer, ldb: Value, pc: Value, column: Value, kc: Value, pair_steps: Value,
+                        columns: Value, panel: Pointer) -> None:
         """op(B)[p, j] = B[p, j]: two of B's rows, a vector of columns at a time (masked
         over B's edge), interleave into a row of pairs."""
-        masks = self._lane_masks(b, i64(0), columns, self.vectors)
-        none = ir.Constant(masks[0].type, [ir.Constant(I1, 0)] * self.lanes)
-        with for_range(b, i64(0), pair_steps, name="pp") as p:
-            step = b.add(pc, b.mul(p, i64(2)))
-            second_inside = b.icmp_signed("<", b.add(b.mul(p, i64(2)), i64(1)), kc)
-            first_row = b.gep(source, [b.add(b.mul(step, ldb), column)])
-            second_row = b.gep(first_row, [b.select(second_inside, ldb, i64(0))])
+        b, lanes = source.b, self.lanes
+        masks = self._lane_masks(index_value(b, 0), columns, self.vectors)
+        with loop(b, 0, pair_steps, name="pp") as p:
+            step = pc + p * 2
+            second_inside = (p * 2 + 1) < kc
+            first_row = source + (step * ldb + column)
+            second_row = first_row + second_inside.where(ldb, 0)
             for h, mask in enumerate(masks):
-                first = self.masked_read(b, b.gep(first_row, [i64(h * self.lanes)]), mask)
-                second = self.masked_read(b, b.gep(second_row, [i64(h * self.lanes)]), b.select(second_inside, mask, none))
-                target = b.gep(panel, [b.add(b.mul(p, i64(self.nr)), i64(h * self.lanes))])
-                b.store(bf16_pairs(b, first, second, interleave=True),
-                        b.bitcast(target, ir.VectorType(I32, self.lanes).as_pointer()), align=4 * self.lanes)
+                first = (first_row + h * lanes).masked_load(mask)
+                second = (second_row + h * lanes).masked_load(second_inside.where(mask, self.no_lanes(b)))
+                (panel + (p * self.nr + h * lanes)).store(_bf16_pairs(first, second, interleave=True), align=4 * lanes)
 
-    def _pack_pair_columns(self, b, source, ldb, pc, column, kc, pair_steps, columns, panel) -> None:
+    def _pack_pair_columns(self, source: Pointer, ldb: Value, pc: Value, column: Value, kc: Value, pair_steps: Value,
+                           columns: Value, panel: Pointer) -> None:
         """op(B)[p, j] = B[j, p]: each of L of B's rows gives L pairs of k (2L floats,
         masked past kc), and the L × L block of pairs, transposed in registers, is L rows of
         the panel's L columns; rows past the last pair are not stored."""
-        lanes = self.lanes
-        none = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
-        with for_range(b, i64(0), pair_steps, step=lanes, name="pt") as p:
-            steps = b.mul(p, i64(2))
-            masks = self._lane_masks(b, steps, kc, 2)
+        b, lanes = source.b, self.lanes
+        with loop(b, 0, pair_steps, step=lanes, name="pt") as p:
+            steps = p * 2
+            masks = self._lane_masks(steps, kc, 2)
             for part in range(self.vectors):
                 rows = []
                 for j in range(lanes):
-                    inside = b.icmp_signed("<", i64(part * lanes + j), columns)
-                    row = b.add(column, b.select(inside, i64(part * lanes + j), i64(0)))
-                    start = b.gep(source, [b.add(b.mul(row, ldb), b.add(pc, steps))])
-                    first, second = (self.masked_read(b, b.gep(start, [i64(h * lanes)]), b.select(inside, masks[h], none))
-                                     for h in range(2))
-                    rows.append(bf16_pairs(b, first, second, interleave=False))
-                for t, vector in enumerate(transpose_square(b, rows)):
-                    with b.if_then(b.icmp_signed("<", b.add(p, i64(t)), pair_steps)):
-                        target = b.gep(panel, [b.add(b.mul(b.add(p, i64(t)), i64(self.nr)), i64(part * lanes))])
-                        b.store(vector, b.bitcast(target, vector.type.as_pointer()), align=4 * lanes)
+                    inside = columns > part * lanes + j
+                    row = column + inside.where(index_value(b, part * lanes + j), 0)
+                    start = source + (row * ldb + (pc + steps))
+                    first, second = ((start + h * lanes).masked_load(inside.where(masks[h], self.no_lanes(b))) for h in range(2))
+                    rows.append(_bf16_pairs(first, second, interleave=False))
+                for t, vector in enumerate(_transposed(rows)):
+                    with b.if_then(((p + t) < pair_steps).ir):
+                        (panel + ((p + t) * self.nr + part * lanes)).store(vector, align=4 * lanes)
 
     # ---- packing a convolution's windows ---------------------------------------------------
 
-    def pack_windows(self, b: ir.IRBuilder, image: ir.Value, geometry: dict[str, ir.Value], first_column: ir.Value,
-                     pc: ir.Value, jc: ir.Value, kc: ir.Value, nc: ir.Value, packed: ir.Value, taps: ir.Value,
-                     positions: ir.Value, pairs: bool = False) -> None:
+    def pack_windows(self, image: Pointer, geometry: dict[str, Value], first_column: Value, pc: Value, jc: Value, kc: Value,
+                     nc: Value, packed: Pointer, taps: Pointer, positions: Pointer, pairs: bool = False) -> None:
         """B[pc:pc+kc, jc:jc+nc] of the im2col matrix of `image` (see the module's docstring)
         into panels of NR columns, zeros in the padding and past nc; `pairs`: of bf16 pairs
         (`packed` slots), a panel's row holding two taps of each column, as `pack` makes
@@ -701,92 +662,86 @@ class _Emitter:
         over a few output rows the same for each row, into its lanes; any other vector is
         one gather."""
         g = geometry
-        lanes, nr = self.lanes, self.nr
+        b, lanes, nr = image.b, self.lanes, self.nr
         depth = window_taps(pairs)
-        ints = ir.VectorType(I32, lanes)
 
-        def i32(value: ir.Value) -> ir.Value:
-            return b.trunc(value, I32)
+        def table(array: Pointer, field: int, size: int, at: Value | int) -> Pointer:
+            return array + (field * size + at)
 
-        def table(array: ir.Value, field: int, size: int, at: ir.Value) -> ir.Value:
-            return b.gep(array, [b.add(i64(field * size), at)])
-
-        per_tap = b.mul(g["kernel_height"], g["kernel_width"])
-        plane = b.mul(g["height"], g["width"])
-        with for_range(b, i64(0), kc, name="tap") as p:
-            tap = b.add(pc, p)
-            channel, within = b.sdiv(tap, per_tap), b.srem(tap, per_tap)
-            row, column = b.sdiv(within, g["kernel_width"]), b.srem(within, g["kernel_width"])
-            offset = b.add(b.mul(channel, plane), b.add(b.mul(row, g["width"]), column))
+        per_tap = g["kernel_height"] * g["kernel_width"]
+        plane = g["height"] * g["width"]
+        with loop(b, 0, kc, name="tap") as p:
+            tap = pc + p
+            channel, within = tap // per_tap, tap % per_tap
+            row, column = within // g["kernel_width"], within % g["kernel_width"]
+            offset = channel * plane + (row * g["width"] + column)
             for field, value in enumerate((offset, row, column)):
-                b.store(i32(value), table(taps, field, depth, p))
+                table(taps, field, depth, p).store(value.cast(DT_INT32))
 
-        height, width = (splat(b, i32(g[name]), lanes) for name in ("height", "width"))
-        row_step = i32(g["stride_height"])  # input rows from one output row to the next
-        outside = ir.Constant(I32, -(1 << 30))  # a first input row no kernel row brings inside
-        panels = b.sdiv(b.add(nc, i64(nr - 1)), i64(nr))
-        with for_range(b, i64(0), panels, name="wq") as q:
-            first = b.mul(q, i64(nr))
-            columns = b.sub(nc, first)
-            start = b.add(first_column, b.add(jc, first))
-            y, x = b.sdiv(start, g["out_width"]), b.srem(start, g["out_width"])
+        height, width = (g[name].cast(DT_INT32).splat(lanes) for name in ("height", "width"))
+        row_step = g["stride_height"].cast(DT_INT32)  # input rows from one output row to the next
+        outside = Value(b, ir.Constant(I32, -(1 << 30)), DT_INT32)  # a first input row no kernel row brings inside
+        panels = (nc + (nr - 1)) // nr
+        with loop(b, 0, panels, name="wq") as q:
+            first = q * nr
+            columns = nc - first
+            start = first_column + (jc + first)
+            y, x = start // g["out_width"], start % g["out_width"]
             for j in range(nr):  # the output position of each column, stepping along the rows
                 if j:
-                    x = b.add(x, i64(1))
-                    wrapped = b.icmp_signed("==", x, g["out_width"])
-                    y, x = b.select(wrapped, b.add(y, i64(1)), y), b.select(wrapped, i64(0), x)
-                inside = b.icmp_signed("<", i64(j), columns)
-                top = i32(b.sub(b.mul(y, g["stride_height"]), g["pad_height"]))
-                left = i32(b.sub(b.mul(x, g["stride_width"]), g["pad_width"]))
+                    x = x + 1
+                    wrapped = x.equal(g["out_width"])
+                    y, x = wrapped.where(y + 1, y), wrapped.where(0, x)
+                inside = columns > j
+                top = (y * g["stride_height"] - g["pad_height"]).cast(DT_INT32)
+                left = (x * g["stride_width"] - g["pad_width"]).cast(DT_INT32)
                 # a column past nc reads nothing, from an address inside the image: a masked
                 # load from an unmapped page takes a microcode assist even with no lane on
-                offset = b.select(inside, b.add(b.mul(top, i32(g["width"])), left), ir.Constant(I32, 0))
-                for field, value in enumerate((offset, b.select(inside, top, outside), left)):
-                    b.store(value, table(positions, field, nr, i64(j)))
-            panel_rows = b.sdiv(b.add(kc, i64(1)), i64(2)) if pairs else kc
-            panel = b.gep(packed, [b.mul(q, b.mul(panel_rows, i64(nr)))])
+                offset = inside.where(top * g["width"].cast(DT_INT32) + left, 0)
+                for field, value in enumerate((offset, inside.where(top, outside), left)):
+                    table(positions, field, nr, j).store(value)
+            panel_rows = (kc + 1) // 2 if pairs else kc
+            panel = packed + q * (panel_rows * nr)
             for h in range(self.vectors):
-                offsets, tops, lefts = (b.load(b.bitcast(table(positions, field, nr, i64(h * lanes)), ints.as_pointer()), align=4)
-                                        for field in range(3))
-                first_top, last_top = (b.load(table(positions, 1, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
-                first_offset = b.load(table(positions, 0, nr, i64(h * lanes)))
-                one_row = b.icmp_signed("==", first_top, last_top)
+                offsets, tops, lefts = (table(positions, field, nr, h * lanes).load(lanes, align=4) for field in range(3))
+                first_top, last_top = (table(positions, 1, nr, h * lanes + e).load() for e in (0, lanes - 1))
+                first_offset = table(positions, 0, nr, h * lanes).load()
+                one_row = first_top.equal(last_top)
                 # a vector over a few output rows (a small image's): a masked load per row (lanes
                 # past nc have the lowest first row, so the highest is the last column's)
-                highest_top = b.call(self.highest, [tops])
-                few_rows = b.icmp_signed("<=", b.sub(highest_top, first_top), b.mul(row_step, ir.Constant(I32, _MAX_SEGMENTS - 1)))
-                first_left, last_left = (b.load(table(positions, 2, nr, i64(h * lanes + e))) for e in (0, lanes - 1))
+                highest = declared(self.module, f"llvm.vector.reduce.smax.v{lanes}i32",
+                                   ir.FunctionType(I32, [ir.VectorType(I32, lanes)]))
+                highest_top = call(b, highest, tops, dtype=DT_INT32)
+                few_rows = (highest_top - first_top) <= row_step * (_MAX_SEGMENTS - 1)
+                first_left, last_left = (table(positions, 2, nr, h * lanes + e).load() for e in (0, lanes - 1))
                 # every tap of every lane inside the image: loads need no mask
-                inside = b.and_(
-                    b.and_(b.icmp_signed(">=", first_top, ir.Constant(I32, 0)),
-                           b.icmp_signed("<=", b.add(last_top, i32(g["kernel_height"])), i32(g["height"]))),
-                    b.and_(b.icmp_signed(">=", first_left, ir.Constant(I32, 0)),
-                           b.icmp_signed("<=", b.add(last_left, i32(g["kernel_width"])), i32(g["width"]))))
+                inside = (((first_top >= 0) & ((last_top + g["kernel_height"].cast(DT_INT32)) <= g["height"].cast(DT_INT32)))
+                          & ((first_left >= 0) & ((last_left + g["kernel_width"].cast(DT_INT32)) <= g["width"].cast(DT_INT32))))
                 columns_of_vector = (offsets, tops, lefts, first_offset)
-                target = b.gep(panel, [i64(h * lanes)])
+                target = panel + h * lanes
                 stride = g["stride_width"]
 
                 def pack(way: str, masked: bool, columns_of_vector=columns_of_vector, target=target) -> None:
-                    self._pack_window_vector(b, way, masked, image, (taps, depth), kc, columns_of_vector, (height, width),
+                    self._pack_window_vector(way, masked, image, (taps, depth), kc, columns_of_vector, (height, width),
                                              row_step, target, pairs)
 
-                with b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(1)))) as (run, other):
-                    with run, b.if_else(inside) as (clear, edge):
+                with b.if_else((one_row & stride.equal(1)).ir) as (run, other):
+                    with run, b.if_else(inside.ir) as (clear, edge):
                         with clear:
                             pack("run", masked=False)
                         with edge:
                             pack("run", masked=True)
-                    with other, b.if_else(b.and_(one_row, b.icmp_signed("==", stride, i64(2)))) as (halves, scattered):
-                        with halves, b.if_else(inside) as (clear, edge):
+                    with other, b.if_else((one_row & stride.equal(2)).ir) as (halves, scattered):
+                        with halves, b.if_else(inside.ir) as (clear, edge):
                             with clear:
                                 pack("every other", masked=False)
                             with edge:
                                 pack("every other", masked=True)
-                        with scattered, b.if_else(few_rows) as (by_rows, by_lanes):
-                            with by_rows, b.if_else(b.icmp_signed("==", stride, i64(1))) as (whole, halves):
+                        with scattered, b.if_else(few_rows.ir) as (by_rows, by_lanes):
+                            with by_rows, b.if_else(stride.equal(1).ir) as (whole, halves):
                                 with whole:
                                     pack("segments", masked=True)
-                                with halves, b.if_else(b.icmp_signed("==", stride, i64(2))) as (every_other, scattered_rows):
+                                with halves, b.if_else(stride.equal(2).ir) as (every_other, scattered_rows):
                                     with every_other:
                                         pack("segments of every other", masked=True)
                                     with scattered_rows:
@@ -794,9 +749,9 @@ class _Emitter:
                             with by_lanes:
                                 pack("lanes", masked=True)
 
-    def _pack_window_vector(self, b: ir.IRBuilder, way: str, masked: bool, image: ir.Value, taps: tuple[ir.Value, int],
-                            kc: ir.Value, columns: tuple[ir.Value, ...], bounds: tuple[ir.Value, ir.Value], row_step: ir.Value,
-                            target: ir.Value, pairs: bool) -> None:
+    def _pack_window_vector(self, way: str, masked: bool, image: Pointer, taps: tuple[Pointer, int], kc: Value,
+                            columns: tuple[Value, ...], bounds: tuple[Value, Value], row_step: Value, target: Pointer,
+                            pairs: bool) -> None:
         """A vector of B's columns for each of the slice's kc rows, stored NR floats apart from
         `target` (`pairs`: two rows' as NR bf16 pairs, a zero after an odd kc), read `way`:
         "run" (one load), "every other" (stride 2: two loads, every other element),
@@ -808,84 +763,68 @@ class _Emitter:
         `taps` is the taps' table and its fields' length; `columns` holds the vector's
         offsets, first input rows and columns (i32 vectors) and its first offset; `bounds`
         the image's height and width (splatted)."""
-        lanes = self.lanes
-        ints = ir.VectorType(I32, lanes)
+        b, lanes = image.b, self.lanes
         offsets, tops, lefts, first_offset = columns
         step = 2 if way == "segments of every other" else 1  # image columns from one lane to the next
+        segments = []
         if way.startswith("segments"):  # each output row's lanes, and where lane 0 would read for that row's run
-            segments = []
-            first_top = b.extract_element(tops, ir.Constant(I32, 0))
-            mask_bits = ir.IntType(lanes)
-            popcount = intrinsic(self.module, "ctpop", mask_bits)
+            first_top = tops.lane(0)
+            popcount = intrinsic(self.module, "ctpop", ir.IntType(lanes))
             for row in range(_MAX_SEGMENTS):
-                top = b.add(first_top, b.mul(row_step, ir.Constant(I32, row)))
+                top = first_top + row_step * row
                 # lanes of the rows above (columns past nc, with the lowest first row, are not)
-                before = b.and_(b.icmp_signed("<", tops, splat(b, top, lanes)), b.icmp_signed(">=", tops, splat(b, first_top, lanes)))
-                first_lane = b.zext(b.call(popcount, [b.bitcast(before, mask_bits)]), I32)
-                last = ir.Constant(I32, lanes - 1)
-                lane = b.select(b.icmp_signed("<", first_lane, last), first_lane, last)
-                row_start = b.sub(b.extract_element(offsets, lane), b.mul(first_lane, ir.Constant(I32, step)))
-                segments.append((b.icmp_signed("==", tops, splat(b, top, lanes)), row_start))
+                before = (tops < top.splat(lanes)) & (tops >= first_top.splat(lanes))
+                first_lane = Value(b, b.zext(b.call(popcount, [b.bitcast(before.ir, ir.IntType(lanes))]), I32), DT_INT32)
+                row_start = offsets.lane(first_lane.minimum(lanes - 1)) - first_lane * step
+                segments.append((tops.equal(top.splat(lanes)), row_start))
         table, depth = taps
 
-        def row_of_b(p: ir.Value) -> ir.Value:
+        def row_of_b(p: Value) -> Value:
             """The vector's columns of B's row p: the image under tap p."""
-            tap_offset, tap_row, tap_column = (b.load(b.gep(table, [b.add(i64(field * depth), p)])) for field in range(3))
+            tap_offset, tap_row, tap_column = (table[field * depth + p] for field in range(3))
             if masked:
-                rows = b.icmp_unsigned("<", b.add(tops, splat(b, tap_row, lanes)), bounds[0])
-                mask = b.and_(rows, b.icmp_unsigned("<", b.add(lefts, splat(b, tap_column, lanes)), bounds[1]))
+                rows = (tops + tap_row.splat(lanes)).cast(DT_UINT32) < bounds[0].cast(DT_UINT32)
+                mask = rows & ((lefts + tap_column.splat(lanes)).cast(DT_UINT32) < bounds[1].cast(DT_UINT32))
             else:
-                mask = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 1)] * lanes)
-            start = b.gep(image, [b.sext(b.add(tap_offset, first_offset), I64)])
+                mask = self.no_lanes(b, on=True)  # every lane
+            start = image + (tap_offset + first_offset).cast(DT_INT64)
             if way == "run":
-                value = self.masked_read(b, start, mask)
-            elif way == "segments":
-                value = self.zeros
+                return start.masked_load(mask)
+            if way == "segments":
+                value = self.zeros(b)
                 for lanes_of_row, row_start in segments:
-                    at = b.gep(image, [b.sext(b.add(tap_offset, row_start), I64)])
-                    value = self.masked_read(b, at, b.and_(mask, lanes_of_row), value)
-            elif way == "segments of every other":
-                value = self.zeros
+                    at = image + (tap_offset + row_start).cast(DT_INT64)
+                    value = at.masked_load(mask & lanes_of_row, value)
+                return value
+            if way == "segments of every other":
+                value = self.zeros(b)
                 for lanes_of_row, row_start in segments:
-                    at = b.gep(image, [b.sext(b.add(tap_offset, row_start), I64)])
-                    value = b.select(lanes_of_row, self._every_other(b, at, b.and_(mask, lanes_of_row)), value)
-            elif way == "every other":
-                value = self._every_other(b, start, mask)
-            else:  # one gather: the lanes' addresses from their offsets in the image
-                safe = b.select(mask, b.add(offsets, splat(b, tap_offset, lanes)), ir.Constant(ints, [ir.Constant(I32, 0)] * lanes))
-                wide = ir.VectorType(I64, lanes)
-                addresses = b.add(splat(b, b.ptrtoint(image, I64), lanes), b.mul(b.sext(safe, wide), constant(wide, 4)))
-                pointers = b.inttoptr(addresses, self.gather.args[0].type)
-                value = b.call(self.gather, [pointers, ir.Constant(I32, 4), mask, self.zeros])
-            return value
+                    at = image + (tap_offset + row_start).cast(DT_INT64)
+                    value = lanes_of_row.where(self._every_other(at, mask & lanes_of_row), value)
+                return value
+            if way == "every other":
+                return self._every_other(start, mask)
+            # one gather: the lanes' addresses from their offsets in the image
+            return image.gather(mask.where(offsets + tap_offset.splat(lanes), 0), mask, self.zeros(b))
 
         if not pairs:
-            with for_range(b, i64(0), kc, name="wp") as p:
-                self.store_vector(b, row_of_b(p), b.gep(target, [b.mul(p, i64(self.nr))]), aligned=True)
+            with loop(b, 0, kc, name="wp") as p:
+                (target + p * self.nr).store(row_of_b(p), align=self.aligned)
             return
-        with for_range(b, i64(0), b.sdiv(b.add(kc, i64(1)), i64(2)), name="wq") as q:
-            first = b.mul(q, i64(2))
-            inside = b.icmp_signed("<", b.add(first, i64(1)), kc)
-            second = b.select(inside, row_of_b(b.select(inside, b.add(first, i64(1)), first)), self.zeros)
-            b.store(bf16_pairs(b, row_of_b(first), second, interleave=True),
-                    b.bitcast(b.gep(target, [b.mul(q, i64(self.nr))]), ir.VectorType(I32, self.lanes).as_pointer()),
-                    align=4 * self.lanes)
+        with loop(b, 0, (kc + 1) // 2, name="wq") as q:
+            first = q * 2
+            inside = (first + 1) < kc
+            second = inside.where(row_of_b(inside.where(first + 1, first)), self.zeros(b))
+            (target + q * self.nr).store(_bf16_pairs(row_of_b(first), second, interleave=True), align=self.aligned)
 
-    def _every_other(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value) -> ir.Value:
+    def _every_other(self, start: Pointer, mask: Value) -> Value:
         """Lane e: element 2e from `start` where `mask` leaves lane e on, else zero (not read)."""
         lanes = self.lanes
-        ints = ir.VectorType(I32, lanes)
-        no_lanes = ir.Constant(ir.VectorType(I1, lanes), [ir.Constant(I1, 0)] * lanes)
         halves = []
         for half in (0, 1):  # element 2e of the 2L read is lane e's
-            evens = ir.Constant(ints, [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)])
-            halves.append(self.masked_read(b, b.gep(start, [i64(half * lanes)]), b.shuffle_vector(mask, no_lanes, evens)))
-        return b.shuffle_vector(*halves, ir.Constant(ints, [2 * e for e in range(lanes)]))
-
-    def masked_read(self, b: ir.IRBuilder, start: ir.Value, mask: ir.Value, others: ir.Value | None = None) -> ir.Value:
-        """The vector at `start` in the lanes `mask` leaves on, `others`' (zeros) in the rest (not read)."""
-        return b.call(self.masked_load, [b.bitcast(start, self.vector.as_pointer()), ir.Constant(I32, 4), mask,
-                                         self.zeros if others is None else others])
+            evens = [(half * lanes + e) // 2 if e % 2 == 0 else lanes for e in range(lanes)]
+            halves.append((start + half * lanes).masked_load(mask.shuffle(evens, self.no_lanes(start.b))))
+        return halves[0].shuffle([2 * e for e in range(lanes)], halves[1])
 
 
 def build_module(target: CPUTarget) -> ir.Module:
@@ -899,226 +838,298 @@ def build_module(target: CPUTarget) -> ir.Module:
         (rows, vectors): emit.micro_kernel(rows, vectors, narrow=True) for rows in range(1, emit.mr + 1)
         for vectors in range(1, emit.vectors + 1)}
     narrow_tiles.update({(rows, "dot"): tiles[rows, "dot"] for rows in range(1, emit.mr + 1)})
-    _gemm(emit, tiles, block_columns(target), "matrix")
-    _gemm(emit, tiles, block_columns(target, packed=True), "panels")
-    _gemm(emit, narrow_tiles, block_columns(target, packed=True), "bf16 panels")
-    _gemm(emit, tiles, block_columns(target), "windows")
+    _MatrixGemm(emit, tiles, block_columns(target)).define()
+    _PanelsGemm(emit, tiles, block_columns(target, packed=True)).define()
+    _PanelsGemm(emit, narrow_tiles, block_columns(target, packed=True), narrow=True).define()
+    _WindowsGemm(emit, tiles, block_columns(target)).define()
     if pairs_supported(target):
         pair_tiles: dict[tuple[int, int | str], ir.Function] = {
             (rows, vectors): emit.micro_kernel(rows, vectors, pairs=True) for rows in range(1, emit.mr + 1)
             for vectors in range(1, emit.vectors + 1)}
-        _gemm(emit, pair_tiles, block_columns(target), "pairs")
-        _gemm(emit, pair_tiles, block_columns(target, packed=True), "pair panels")
-        _gemm(emit, pair_tiles, block_columns(target), "pair windows")
+        _MatrixGemm(emit, pair_tiles, block_columns(target), pairs=True).define()
+        _PanelsGemm(emit, pair_tiles, block_columns(target, packed=True), pairs=True).define()
+        _WindowsGemm(emit, pair_tiles, block_columns(target), pairs=True).define()
     return module
 
 
-def _gemm(emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block: int, source: str) -> None:
-    """The GEMM whose B is `source`: a "matrix" packed a block at a time (`ranvier_sgemm`),
-    "panels" packed ahead of time (`ranvier_sgemm_packed`: the same loops, less the
-    packing), "bf16 panels" (`ranvier_sgemm_packed_bf16`), or a convolution's "windows"
-    (`ranvier_sgemm_windows`); on bf16 pairs, a "pairs" matrix (`ranvier_sgemm_dpbf16`),
-    "pair panels" (`ranvier_sgemm_packed_dpbf16`) or "pair windows" (`ranvier_sgemm_windows_dpbf16`)."""
-    packed = source.endswith("panels")
-    narrow = source == "bf16 panels"
-    pairs = source.startswith("pair")
-    windows = source.endswith("windows")
-    if packed:
-        signature, name = _PACKED_FUNCTIONS[source]
-        function = ir.Function(emit.module, signature, name=name)
-        ta, m, n, k, a, lda, panels_of_b, c, ldc = function.args
-    elif windows:
-        function = ir.Function(emit.module, WINDOWS_FUNCTION, name=WINDOWS_PAIRS_SYMBOL if pairs else WINDOWS_SYMBOL)
-        m, n, k, a, lda, image, geometry_of_b, first_column, c, ldc, workspace = function.args
-        ta = i64(0)
-    else:
-        function = ir.Function(emit.module, _FUNCTION, name=PAIRS_SYMBOL if pairs else SYMBOL)
-        ta, tb, m, n, k, a, lda, matrix, ldb, c, ldc, workspace = function.args
-    b = ir.IRBuilder(function.append_basic_block("entry"))
-    if packed and pairs:
-        panels_of_b = b.bitcast(panels_of_b, _PAIRS_PTR)
-    if not packed:
-        block_of_b = cache_line_aligned(b, workspace, _PAIRS_PTR if pairs else _FLOAT_PTR)
-    if windows:
-        geometry = {name: b.load(b.gep(geometry_of_b, [i64(index)])) for index, name in enumerate(GEOMETRY)}
-        taps, positions = b.alloca(I32, i64(3 * window_taps(pairs))), b.alloca(I32, i64(3 * emit.nr))
-    transposed = b.icmp_signed("!=", ta, i64(0))
-    sa, sk = b.select(transposed, i64(1), lda), b.select(transposed, lda, i64(1))
-    # A strip read in place touches a cache line per step of k when A is transposed (MR
-    # values side by side, rows lda apart), or MR lines of one L1 set when rows are a
-    # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
-    # A strip on pairs is always copied: into pairs.
-    copy_a = ir.Constant(I1, 1) if pairs else b.or_(transposed, b.icmp_signed("==", b.and_(lda, i64(1023)), i64(0)))
-    if pairs:
-        strip_copy = b.alloca(I32, i64(emit.mr * PAIRS_KC // 2))
-        strip_copy.align = 64  # its rows are stored as aligned vectors
-    else:
-        strip_copy = b.alloca(F32, i64(max(emit.mr * KC, ROW_KC)))
-    edge = b.alloca(F32, i64(DOT_COLUMNS * ROW_KC))
+@dataclasses.dataclass
+class _Slice:
+    """A block of B's columns and a slice of k, as the loops reach it, and the next one's (the
+    block its tiles bring into the caches meanwhile)."""
 
-    def panel_rows(steps: ir.Value) -> ir.Value:
+    jc: Value  # the block's first column
+    nc: Value  # its columns
+    pc: Value  # the slice's first step of k
+    kc: Value  # its steps
+    tiled_panels: Value = dataclasses.field(init=False)  # panels the tiles compute (the last may be dot products)
+    strips: Value = dataclasses.field(init=False)  # strips of MR rows of A
+    same_columns: Value = dataclasses.field(init=False)  # whether the next block is these columns' next slice of k
+    upcoming_pc: Value = dataclasses.field(init=False)  # the next block's first step of k
+    upcoming_kc: Value = dataclasses.field(init=False)  # and its steps
+
+
+class _Gemm:
+    """One GEMM entry point: the loops every source of B shares (k in slices, B's columns in
+    blocks, A's rows in strips, each strip's tiles along the block's panels). A subclass
+    says where B comes from: its entry's arguments, how a block is packed (if it is), where
+    a panel is, and which lines a tile brings into L2 while it computes."""
+
+    def __init__(self, emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block: int, pairs: bool = False,
+                 narrow: bool = False):
+        self.emit, self.tiles, self.block, self.pairs, self.narrow = emit, tiles, block, pairs, narrow
+
+    def define(self) -> None:
+        raise NotImplementedError
+
+    def _entry(self, signature: ir.FunctionType, name: str) -> list[Any]:
+        """The entry point's function, `self.b` at its start; its arguments as Values and pointers."""
+        function = ir.Function(self.emit.module, signature, name=name)
+        self.b = ir.IRBuilder(function.append_basic_block("entry"))
+        return parameters(self.b, function)
+
+    def panel_rows(self, steps: Value) -> Value:
         """The rows of a panel `steps` steps of k take: pairs of them, on pairs."""
-        return b.sdiv(b.add(steps, i64(1)), i64(2)) if pairs else steps
-    nr, nc_max = i64(emit.nr), i64(block)
+        return (steps + 1) // 2 if self.pairs else steps
 
-    empty = b.icmp_signed("==", k, i64(0))  # an empty sum: C is zeros
-    with b.if_then(empty), for_range(b, i64(0), m, name="zi") as i, for_range(b, i64(0), n, name="zj") as j:
-        b.store(ir.Constant(F32, 0.0), b.gep(c, [b.add(b.mul(i, ldc), j)]))
+    # ---- what a source of B says ----------------------------------------------------------
 
-    def smaller(x: ir.Value, y: ir.Value) -> ir.Value:
-        return b.select(b.icmp_signed("<", x, y), x, y)
+    def pack_block(self, s: _Slice) -> None:
+        """Pack the slice's block of B (where B is not packed ahead of time)."""
 
-    mr = emit.mr
-    # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
-    depth = b.select(b.icmp_signed("==", m, i64(1)), i64(ROW_KC), i64(KC)) if narrow else i64(PAIRS_KC if pairs else KC)
-    slices = b.sdiv(b.add(k, b.sub(depth, i64(1))), depth)
-    slice_steps = b.sdiv(b.add(k, b.sub(slices, i64(1))), b.select(b.icmp_signed(">", slices, i64(0)), slices, i64(1)))
-    if pairs:  # even, so that no pair straddles two slices
-        slice_steps = b.and_(b.add(slice_steps, i64(1)), i64(-2))
-    with for_range(b, i64(0), n, step=block, name="jc") as jc:
-        nc = smaller(nc_max, b.sub(n, jc))
-        panels = b.sdiv(b.add(nc, i64(emit.nr - 1)), nr)
-        with for_range(b, i64(0), slices, name="slice") as number:
-            pc = b.mul(number, slice_steps)
-            kc = smaller(slice_steps, b.sub(k, pc))
-            if packed:  # a panel is NR columns by all k; this slice of it starts pc rows in
+    def panel(self, s: _Slice, first: Value) -> Pointer:
+        """The slice's panel from the block's column `first`."""
+        raise NotImplementedError
 
-                def panel(first: ir.Value) -> ir.Value:
-                    return b.gep(panels_of_b, [b.add(b.mul(b.add(jc, first), panel_rows(k)), b.mul(panel_rows(pc), nr))])
-            else:
-                if windows:
-                    emit.pack_windows(b, image, geometry, first_column, pc, jc, kc, nc, block_of_b, taps, positions, pairs)
-                else:
-                    emit.pack(b, tb, matrix, ldb, pc, jc, kc, nc, block_of_b, pairs)
+    def tile_ahead(self, s: _Slice, i0: Value, q: Value, first: Value, a_ahead: list[Any]) -> list[Any]:
+        """What tile q of the strip at row i0 brings into L2 as it computes: (ahead, run,
+        stride, lines), runs of `run` lines `stride` floats apart from `ahead`. `a_ahead`:
+        the next strip's rows of A (read in place), the strip's first tile's to ask for."""
+        return [*a_ahead[:3], q.equal(0).where(a_ahead[3], 0)]
 
-                def panel(first: ir.Value) -> ir.Value:
-                    return b.gep(block_of_b, [b.mul(first, panel_rows(kc))])
+    # ---- the loops ------------------------------------------------------------------------
 
-            accumulate = b.icmp_signed(">", pc, i64(0))
-            # a narrow last panel as dot products, where A's rows are read in place (k contiguous)
-            last_first = b.mul(b.sub(panels, i64(1)), nr)
-            edge_columns = b.sub(nc, last_first)
-            # (not on pairs: A's strip is copied)
-            dots = ir.Constant(I1, 0) if pairs else b.and_(b.not_(copy_a), b.icmp_signed("<=", edge_columns, i64(DOT_COLUMNS)))
-            if not pairs:
-                with b.if_then(dots):
-                    last = panel(last_first)
-                    with for_range(b, i64(0), edge_columns, name="ej") as j, for_range(b, i64(0), kc, name="ep") as p:
-                        value = b.load(b.gep(last, [b.add(b.mul(p, nr), j)]))
-                        b.store(widen(b, value, DT_BFLOAT16, 1) if narrow else value, b.gep(edge, [b.add(b.mul(j, i64(ROW_KC)), p)]))
-            tiled_panels = b.sub(panels, b.zext(dots, I64))
+    def loops(self, ta: Value, m: Value, n: Value, k: Value, a: Pointer, lda: Value, c: Pointer, ldc: Value) -> None:
+        """C[m × n] = op(A) · op(B), then the entry returns."""
+        b, emit, pairs = self.b, self.emit, self.pairs
+        self.m, self.n, self.k, self.a, self.lda, self.c, self.ldc = m, n, k, a, lda, c, ldc
+        transposed = ta.not_equal(0)
+        sa, sk = transposed.where(1, lda), transposed.where(lda, 1)
+        # A strip read in place touches a cache line per step of k when A is transposed (MR
+        # values side by side, rows lda apart), or MR lines of one L1 set when rows are a
+        # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
+        # A strip on pairs is always copied: into pairs.
+        copy_a = Value(b, ir.Constant(I1, 1), DT_BOOL) if pairs else transposed | (lda & 1023).equal(0)
+        if pairs:
+            strip_copy = stack(b, DT_INT32, emit.mr * PAIRS_KC // 2, align=64)  # its rows are stored as aligned vectors
+        else:
+            strip_copy = stack(b, DT_FLOAT32, max(emit.mr * KC, ROW_KC))
+        edge = stack(b, DT_FLOAT32, DOT_COLUMNS * ROW_KC)
+        nr, nc_max = index_value(b, emit.nr), index_value(b, self.block)
 
-            # the next block: these columns' next slice of k, else the next columns' first slice
-            next_pc = b.add(pc, kc)
-            same_columns = b.icmp_signed("<", next_pc, k)
-            upcoming_pc = b.select(same_columns, next_pc, i64(0))
-            upcoming_kc = smaller(slice_steps, b.sub(k, upcoming_pc))
+        with b.if_then(k.equal(0).ir), loop(b, 0, m, name="zi") as i, loop(b, 0, n, name="zj") as j:  # an empty sum: C is zeros
+            c[i * ldc + j] = Value(b, ir.Constant(F32, 0.0), DT_FLOAT32)
 
-            if packed:  # the next block's slice of each panel, read from memory while this one computes
-
-                def upcoming(first: ir.Value) -> tuple[ir.Value, ir.Value]:
-                    """Where panel `first`'s next slice starts and its lines (0: none): the
-                    next slice of k of this panel, else the first of the next block's."""
-                    next_column = b.add(b.add(jc, nc), first)
-                    later = b.gep(panels_of_b, [b.mul(next_column, panel_rows(k))])
-                    # one row asks for its lines ahead of where it reads instead (`ROW_AHEAD`)
-                    exists = b.and_(b.or_(same_columns, b.icmp_signed("<", next_column, n)),
-                                    b.icmp_signed(">", m, i64(1)) if narrow else ir.Constant(I1, 1))
-                    per_line = _LINE_FLOATS * (2 if narrow else 1)  # panel elements in a cache line
-                    lines = b.select(exists, b.sdiv(b.mul(panel_rows(upcoming_kc), nr), i64(per_line)), i64(0))
-                    start = b.select(same_columns, b.gep(panel(first), [b.mul(panel_rows(kc), nr)]), later)
-                    return b.bitcast(start, _FLOAT_PTR), lines  # the tiles step through lines as floats
-
-            strips = b.sdiv(b.add(m, i64(mr - 1)), i64(mr))
-
-            if source in ("matrix", "pairs"):  # the next block's source in B, read from memory while this one computes
-                next_jc = b.select(same_columns, jc, b.add(jc, nc))
-                upcoming_nc = smaller(nc_max, b.sub(n, next_jc))
-                exists = b.icmp_signed("<", next_jc, n)
-                by_rows = b.icmp_signed("==", tb, i64(0))  # op(B)'s rows are B's: a run of columns per step of k
-                source_rows = b.select(exists, b.select(by_rows, upcoming_kc, upcoming_nc), i64(0))
-                run = b.add(b.sdiv(b.select(by_rows, upcoming_nc, upcoming_kc), i64(_LINE_FLOATS)), i64(1))
-                first_source_row = b.select(by_rows, upcoming_pc, next_jc)
-                along = b.select(by_rows, next_jc, upcoming_pc)
-                # each strip takes an even share of the rows, each of its tiles but the first
-                # (which brings in the next strip's rows of A) a share of those
-                strip_rows = b.sdiv(b.add(source_rows, b.sub(strips, i64(1))), strips)
-                b_tiles = b.sub(tiled_panels, b.zext(b.not_(copy_a), I64))
-                tile_rows = b.sdiv(b.add(strip_rows, b.sub(b_tiles, i64(1))), b.select(b.icmp_signed(">", b_tiles, i64(0)), b_tiles, i64(1)))
-
-                def upcoming_rows(i0: ir.Value, q: ir.Value) -> list[ir.Value]:
-                    """(ahead, run, stride, lines) of tile q of the strip at row i0."""
-                    strip_first = smaller(b.mul(b.sdiv(i0, i64(mr)), strip_rows), source_rows)
-                    strip_last = smaller(b.add(strip_first, strip_rows), source_rows)
-                    order = b.sub(q, b.sub(tiled_panels, b_tiles))  # this tile's place among those that fetch B
-                    first = smaller(b.add(strip_first, b.mul(order, tile_rows)), strip_last)
-                    count = b.sub(smaller(b.add(first, tile_rows), strip_last), first)
-                    lines = b.select(b.icmp_signed(">=", order, i64(0)), b.mul(count, run), i64(0))
-                    start = b.gep(matrix, [b.add(b.mul(b.add(first_source_row, first), ldb), along)])
-                    return [start, run, ldb, lines]
-
-            def next_strip_of_a(i0: ir.Value) -> list[ir.Value]:
-                """The lines of the next strip's rows of A (this slice of k; after the last
-                strip, the first strip's next slice), for the strip's first tile to bring into L2
-                as it computes: a strip reads a few short runs, too short for the hardware's
-                prefetchers to follow from memory. (ahead, run, stride, lines) as a tile takes them."""
-                following = b.add(i0, i64(mr))
-                wraps = b.icmp_signed(">=", following, m)
-                row = b.select(wraps, i64(0), following)
-                steps_in = b.select(wraps, b.add(pc, kc), pc)
-                run = b.add(b.sdiv(kc, i64(_LINE_FLOATS)), i64(1))
-                rows_left = smaller(i64(mr), b.sub(m, row))
-                wanted = b.and_(b.not_(transposed), b.icmp_signed("<", steps_in, k))
-                lines = b.select(wanted, b.mul(rows_left, run), i64(0))
-                return [b.gep(a, [b.add(b.mul(row, lda), steps_in)]), run, lda, lines]
-
-            def strip(i0: ir.Value, rows: int) -> None:
-                strip_a = b.gep(a, [b.add(b.mul(i0, sa), b.mul(pc, sk))])
-                if pairs:
-                    row_step, k_step = emit.copy_pairs(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
-                    read_a = strip_copy
-                else:
-                    with b.if_then(copy_a):
-                        emit.copy_strip(b, transposed, strip_a, sa, sk, kc, rows, strip_copy)
-                    read_a = b.select(copy_a, strip_copy, strip_a)
-                    row_step, k_step = b.select(copy_a, i64(1), sa), b.select(copy_a, i64(rows), sk)
-                a_ahead = next_strip_of_a(i0)
-                with for_range(b, i64(0), tiled_panels, name="jr") as q:
-                    first = b.mul(q, nr)
-                    columns = smaller(nr, b.sub(nc, first))
-                    arguments = [panel_rows(kc), read_a, row_step, k_step, panel(first), b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, first))]),
-                                 ldc, columns, accumulate]
-                    if packed:  # each strip asks for its share of the lines, a tile's steps' worth as it computes
-                        start, lines = upcoming(first)
-                        share = b.sdiv(b.add(lines, b.sub(strips, i64(1))), strips)
-                        low = smaller(b.mul(b.sdiv(i0, i64(mr)), share), lines)
-                        high = smaller(b.add(low, share), lines)
-                        spread = smaller(b.sub(high, low), panel_rows(kc))
-                        emit.prefetch(b, start, b.add(low, spread), high)
-                        ahead = [b.gep(start, [b.mul(low, i64(_LINE_FLOATS))]), spread, i64(0), spread]
-                        # With none of B's lines for this strip to ask for (the last block and slice of
-                        # k), its first tile asks for the next strip's rows of A: Winograd's A is the
-                        # transformed filters, from the last-level cache (ResNet-18's 256-channel
-                        # 14 × 14 convolutions at batch 1 in-model 0.84 → 0.68 ms), its B the tiles
-                        # just transformed.
-                        a_first = b.and_(b.icmp_signed("==", q, i64(0)), b.icmp_signed("==", spread, i64(0)))
-                        ahead = [b.select(a_first, x, y) for x, y in zip(a_ahead, ahead)]
-                    else:  # the next strip's rows of A by the strip's first tile (read in place), B's by the others
-                        ahead = [*a_ahead[:3], b.select(b.icmp_signed("==", q, i64(0)), a_ahead[3], i64(0))]
-                        if source in ("matrix", "pairs"):
-                            b_ahead = upcoming_rows(i0, q)
-                            takes_b = b.icmp_signed(">", b_ahead[3], i64(0))
-                            ahead = [b.select(takes_b, x, y) for x, y in zip(b_ahead, ahead)]
-                    arguments += ahead
-                    # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
-                    needed = b.sdiv(b.add(columns, i64(emit.lanes - 1)), i64(emit.lanes))
-                    for vectors in range(1, emit.vectors + 1):
-                        with b.if_then(b.icmp_signed("==", needed, i64(vectors))):
-                            b.call(tiles[rows, vectors], arguments)
+        mr = emit.mr
+        # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
+        depth = m.equal(1).where(ROW_KC, index_value(b, KC)) if self.narrow else index_value(b, PAIRS_KC if pairs else KC)
+        slices = (k + (depth - 1)) // depth
+        slice_steps = (k + (slices - 1)) // (slices > 0).where(slices, 1)
+        if pairs:  # even, so that no pair straddles two slices
+            slice_steps = (slice_steps + 1) & -2
+        with loop(b, 0, n, step=self.block, name="jc") as jc:
+            nc = nc_max.minimum(n - jc)
+            panels = (nc + (emit.nr - 1)) // nr
+            with loop(b, 0, slices, name="slice") as number:
+                pc = number * slice_steps
+                kc = slice_steps.minimum(k - pc)
+                s = _Slice(jc, nc, pc, kc)
+                self.pack_block(s)
+                accumulate = pc > 0
+                # a narrow last panel as dot products, where A's rows are read in place (k contiguous)
+                last_first = (panels - 1) * nr
+                edge_columns = nc - last_first
+                # (not on pairs: A's strip is copied)
+                dots = Value(b, ir.Constant(I1, 0), DT_BOOL) if pairs else ~copy_a & (edge_columns <= DOT_COLUMNS)
                 if not pairs:
-                    with b.if_then(dots):
-                        b.call(tiles[rows, "dot"], [kc, read_a, row_step, edge, b.gep(c, [b.add(b.mul(i0, ldc), b.add(jc, last_first))]),
-                                                    ldc, edge_columns, accumulate])
+                    with b.if_then(dots.ir):
+                        last = self.panel(s, last_first)
+                        with loop(b, 0, edge_columns, name="ej") as j, loop(b, 0, kc, name="ep") as p:
+                            edge[j * ROW_KC + p] = last[p * nr + j]
+                s.tiled_panels = panels - dots.cast(DT_INT64)
 
-            by_strips(b, m, mr, strip)
-    b.ret_void()
+                # the next block: these columns' next slice of k, else the next columns' first slice
+                next_pc = pc + kc
+                s.same_columns = next_pc < k
+                s.upcoming_pc = s.same_columns.where(next_pc, 0)
+                s.upcoming_kc = slice_steps.minimum(k - s.upcoming_pc)
+                s.strips = (m + (mr - 1)) // mr
+                self.prepare_ahead(s, copy_a)
+
+                def next_strip_of_a(i0: Value, s: _Slice = s) -> list[Any]:
+                    """The lines of the next strip's rows of A (this slice of k; after the last
+                    strip, the first strip's next slice), for the strip's first tile to bring into L2
+                    as it computes: a strip reads a few short runs, too short for the hardware's
+                    prefetchers to follow from memory. (ahead, run, stride, lines) as a tile takes them."""
+                    following = i0 + mr
+                    wraps = following >= m
+                    row = wraps.where(0, following)
+                    steps_in = wraps.where(s.pc + s.kc, s.pc)
+                    run = s.kc // _LINE_FLOATS + 1
+                    rows_left = index_value(b, mr).minimum(m - row)
+                    wanted = ~transposed & (steps_in < k)
+                    lines = wanted.where(rows_left * run, 0)
+                    return [a + (row * lda + steps_in), run, lda, lines]
+
+                def strip(i0_ir: ir.Value, rows: int, s: _Slice = s, accumulate: Value = accumulate, dots: Value = dots,
+                          last_first: Value = last_first, edge_columns: Value = edge_columns) -> None:
+                    i0 = index_value(b, i0_ir)
+                    strip_a = a + (i0 * sa + s.pc * sk)
+                    if pairs:
+                        row_step, k_step = emit.copy_pairs(transposed, strip_a, sa, sk, s.kc, rows, strip_copy)
+                        read_a = strip_copy
+                    else:
+                        with b.if_then(copy_a.ir):
+                            emit.copy_strip(transposed, strip_a, sa, sk, s.kc, rows, strip_copy)
+                        read_a = copy_a.where(strip_copy, strip_a)
+                        row_step, k_step = copy_a.where(1, sa), copy_a.where(rows, sk)
+                    a_ahead = next_strip_of_a(i0)
+                    with loop(b, 0, s.tiled_panels, name="jr") as q:
+                        first = q * nr
+                        columns = nr.minimum(s.nc - first)
+                        arguments = [self.panel_rows(s.kc), read_a, row_step, k_step, self.panel(s, first),
+                                     c + (i0 * ldc + (s.jc + first)), ldc, columns, accumulate]
+                        arguments += self.tile_ahead(s, i0, q, first, a_ahead)
+                        # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
+                        needed = (columns + (emit.lanes - 1)) // emit.lanes
+                        for vectors in range(1, emit.vectors + 1):
+                            with b.if_then(needed.equal(vectors).ir):
+                                call(b, self.tiles[rows, vectors], *arguments)
+                    if not pairs:
+                        with b.if_then(dots.ir):
+                            call(b, self.tiles[rows, "dot"], s.kc, read_a, row_step, edge,
+                                 c + (i0 * ldc + (s.jc + last_first)), ldc, edge_columns, accumulate)
+
+                by_strips(b, m.ir, mr, strip)
+        b.ret_void()
+
+    def prepare_ahead(self, s: _Slice, copy_a: Value) -> None:
+        """Work out, once a slice, what the tiles will ask for of the next block."""
+
+
+class _MatrixGemm(_Gemm):
+    """`ranvier_sgemm` (`ranvier_sgemm_dpbf16` on pairs): B a matrix, packed a block at a time
+    into the workspace; while a block computes, its tiles bring the next block's source rows
+    of B into L2, so its packing reads them from there rather than from memory."""
+
+    def define(self) -> None:
+        ta, tb, m, n, k, a, lda, matrix, ldb, c, ldc, workspace = self._entry(_FUNCTION, PAIRS_SYMBOL if self.pairs else SYMBOL)
+        self.tb, self.matrix, self.ldb = tb, matrix, ldb
+        self.block_of_b = Pointer(self.b, cache_line_aligned(self.b, workspace.ir, _PAIRS_PTR if self.pairs else _FLOAT_PTR),
+                                  DT_INT32 if self.pairs else DT_FLOAT32)
+        self.loops(ta, m, n, k, a, lda, c, ldc)
+
+    def pack_block(self, s: _Slice) -> None:
+        self.emit.pack(self.tb, self.matrix, self.ldb, s.pc, s.jc, s.kc, s.nc, self.block_of_b, self.pairs)
+
+    def panel(self, s: _Slice, first: Value) -> Pointer:
+        return self.block_of_b + first * self.panel_rows(s.kc)
+
+    def prepare_ahead(self, s: _Slice, copy_a: Value) -> None:
+        """The next block's rows of B's source, shared out: each strip takes an even share
+        of them, each of its tiles but the first (which brings in the next strip's rows of A)
+        a share of those."""
+        next_jc = s.same_columns.where(s.jc, s.jc + s.nc)
+        upcoming_nc = index_value(self.b, self.block).minimum(self.n - next_jc)
+        exists = next_jc < self.n
+        by_rows = self.tb.equal(0)  # op(B)'s rows are B's: a run of columns per step of k
+        self.source_rows = exists.where(by_rows.where(s.upcoming_kc, upcoming_nc), 0)
+        self.run = by_rows.where(upcoming_nc, s.upcoming_kc) // _LINE_FLOATS + 1
+        self.first_source_row = by_rows.where(s.upcoming_pc, next_jc)
+        self.along = by_rows.where(next_jc, s.upcoming_pc)
+        self.strip_rows = (self.source_rows + (s.strips - 1)) // s.strips
+        self.b_tiles = s.tiled_panels - (~copy_a).cast(DT_INT64)
+        self.tile_rows = (self.strip_rows + (self.b_tiles - 1)) // (self.b_tiles > 0).where(self.b_tiles, 1)
+
+    def tile_ahead(self, s: _Slice, i0: Value, q: Value, first: Value, a_ahead: list[Any]) -> list[Any]:
+        """The next strip's rows of A by the strip's first tile, B's by the others."""
+        ahead = super().tile_ahead(s, i0, q, first, a_ahead)
+        strip_first = ((i0 // self.emit.mr) * self.strip_rows).minimum(self.source_rows)
+        strip_last = (strip_first + self.strip_rows).minimum(self.source_rows)
+        order = q - (s.tiled_panels - self.b_tiles)  # this tile's place among those that fetch B
+        rows_first = (strip_first + order * self.tile_rows).minimum(strip_last)
+        count = (rows_first + self.tile_rows).minimum(strip_last) - rows_first
+        lines = (order >= 0).where(count * self.run, 0)
+        start = self.matrix + ((self.first_source_row + rows_first) * self.ldb + self.along)
+        b_ahead = [start, self.run, self.ldb, lines]
+        takes_b = lines > 0
+        return [takes_b.where(x, y) for x, y in zip(b_ahead, ahead)]
+
+
+class _PanelsGemm(_Gemm):
+    """`ranvier_sgemm_packed`, `ranvier_sgemm_packed_bf16` (`narrow`) and
+    `ranvier_sgemm_packed_dpbf16` (`pairs`): B's panels packed ahead of time, each NR columns
+    by all of k; while a block computes, each strip asks for its share of the next block's
+    lines (from memory)."""
+
+    def define(self) -> None:
+        signature, name = _PACKED_FUNCTIONS["pair panels" if self.pairs else "bf16 panels" if self.narrow else "panels"]
+        ta, m, n, k, a, lda, panels, c, ldc = self._entry(signature, name)
+        self.panels = panels.view(DT_INT32 if self.pairs else DT_BFLOAT16 if self.narrow else DT_FLOAT32)
+        self.loops(ta, m, n, k, a, lda, c, ldc)
+
+    def panel(self, s: _Slice, first: Value) -> Pointer:
+        """A panel is NR columns by all k; this slice of it starts pc rows in."""
+        return self.panels + ((s.jc + first) * self.panel_rows(self.k) + self.panel_rows(s.pc) * self.emit.nr)
+
+    def upcoming(self, s: _Slice, first: Value) -> tuple[Pointer, Value]:
+        """Where panel `first`'s next slice starts and its lines (0: none): the next slice of
+        k of this panel, else the first of the next block's."""
+        next_column = (s.jc + s.nc) + first
+        later = self.panels + next_column * self.panel_rows(self.k)
+        exists = s.same_columns | (next_column < self.n)
+        if self.narrow:  # one row asks for its lines ahead of where it reads instead (`ROW_AHEAD`)
+            exists = exists & (self.m > 1)
+        per_line = _LINE_FLOATS * (2 if self.narrow else 1)  # panel elements in a cache line
+        lines = exists.where(self.panel_rows(s.upcoming_kc) * self.emit.nr // per_line, 0)
+        start = s.same_columns.where(self.panel(s, first) + self.panel_rows(s.kc) * self.emit.nr, later)
+        return start.view(DT_FLOAT32), lines  # the tiles step through lines as floats
+
+    def tile_ahead(self, s: _Slice, i0: Value, q: Value, first: Value, a_ahead: list[Any]) -> list[Any]:
+        """Each strip asks for its share of the lines, a tile's steps' worth as it computes.
+        With none of B's lines for this strip to ask for (the last block and slice of k), its
+        first tile asks for the next strip's rows of A: Winograd's A is the transformed
+        filters, from the last-level cache (ResNet-18's 256-channel 14 × 14 convolutions at
+        batch 1 in-model 0.84 → 0.68 ms), its B the tiles just transformed."""
+        start, lines = self.upcoming(s, first)
+        share = (lines + (s.strips - 1)) // s.strips
+        low = ((i0 // self.emit.mr) * share).minimum(lines)
+        high = (low + share).minimum(lines)
+        spread = (high - low).minimum(self.panel_rows(s.kc))
+        self.emit.prefetch(start, low + spread, high)
+        ahead = [start + low * _LINE_FLOATS, spread, index_value(self.b, 0), spread]
+        a_first = q.equal(0) & spread.equal(0)
+        return [a_first.where(x, y) for x, y in zip(a_ahead, ahead)]
+
+
+class _WindowsGemm(_Gemm):
+    """`ranvier_sgemm_windows` (`ranvier_sgemm_windows_dpbf16` on pairs): B the im2col matrix
+    of a convolution's input, packed a block at a time from the image."""
+
+    def define(self) -> None:
+        m, n, k, a, lda, image, geometry, first_column, c, ldc, workspace = self._entry(
+            WINDOWS_FUNCTION, WINDOWS_PAIRS_SYMBOL if self.pairs else WINDOWS_SYMBOL)
+        b = self.b
+        self.image, self.first_column = image, first_column
+        self.block_of_b = Pointer(b, cache_line_aligned(b, workspace.ir, _PAIRS_PTR if self.pairs else _FLOAT_PTR),
+                                  DT_INT32 if self.pairs else DT_FLOAT32)
+        self.geometry = {name: geometry[index] for index, name in enumerate(GEOMETRY)}
+        self.taps = stack(b, DT_INT32, 3 * window_taps(self.pairs))
+        self.positions = stack(b, DT_INT32, 3 * self.emit.nr)
+        self.loops(index_value(b, 0), m, n, k, a, lda, c, ldc)
+
+    def pack_block(self, s: _Slice) -> None:
+        self.emit.pack_windows(self.image, self.geometry, self.first_column, s.pc, s.jc, s.kc, s.nc, self.block_of_b,
+                               self.taps, self.positions, self.pairs)
+
+    def panel(self, s: _Slice, first: Value) -> Pointer:
+        return self.block_of_b + first * self.panel_rows(s.kc)

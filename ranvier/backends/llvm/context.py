@@ -22,7 +22,7 @@ from ...flow.graph import Variable
 from .convert import narrow, widen
 from .irutil import I64, compute_type, constant, for_range, i64, load, storage_type, store, vector_of
 from .loops import fold, for_vectors
-from .values import Value, index_value
+from .values import Local, Value, index_value
 
 
 class EmitContext:
@@ -121,20 +121,6 @@ class EmitContext:
     def when(self, condition: Value):
         """`if (condition)`: the body is the with-block."""
         return self.b.if_then(condition.ir)
-
-
-class Local:
-    """A mutable kernel variable: read `.value`, write `.set(v)`."""
-
-    def __init__(self, b: ir.IRBuilder, slot: ir.Value, dtype: str):
-        self.b, self.slot, self.dtype = b, slot, dtype
-
-    @property
-    def value(self) -> Value:
-        return Value(self.b, self.b.load(self.slot), self.dtype)
-
-    def set(self, value: Value) -> None:
-        self.b.store(value.ir, self.slot)
 
 
 class Array:

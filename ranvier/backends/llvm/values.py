@@ -17,12 +17,16 @@ division truncates toward zero (x / 0 is 0), rounding is half to even.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
 from llvmlite import ir
 
 from ... import dtypes
 from . import mathlib
 from .convert import cast
-from .irutil import I32, compute_type, constant, intrinsic, is_signed, vector_of
+from .irutil import I32, compute_type, constant, for_range, intrinsic, is_signed, vector_of
 
 Number = int | float | bool
 
@@ -69,9 +73,14 @@ class Value:
         mask = ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
         return self._new(self.b.shuffle_vector(single, ir.Constant(vtype, ir.Undefined), mask))
 
-    def lane(self, index: int) -> Value:
-        """One lane of a vector, as a scalar."""
-        return Value(self.b, self.b.extract_element(self.ir, ir.Constant(ir.IntType(64), index)), self.dtype)
+    def lane(self, index: int | Value) -> Value:
+        """One lane of a vector (lane `index`, a number or an integer Value), as a scalar."""
+        at = index.ir if isinstance(index, Value) else ir.Constant(ir.IntType(64), index)
+        return Value(self.b, self.b.extract_element(self.ir, at), self.dtype)
+
+    def zeros(self) -> Value:
+        """Zeros of this value's type (a vector of one lane too)."""
+        return self._new(ir.Constant(self.ir.type, None))
 
     def halves(self) -> tuple[Value, Value]:
         """A vector's low and high halves of lanes (its lane count even)."""
@@ -129,6 +138,11 @@ class Value:
         if not self.is_float:
             return self * factor + addend
         return self._call("fmuladd", self.like(factor), self.like(addend))
+
+    def fma(self, factor: Value | Number, addend: Value | Number) -> Value:
+        """self · factor + addend rounded once, always (llvm.fma: a call to the C library
+        per lane where the target has no FMA; `mul_add` is the one that may round twice)."""
+        return self._call("fma", self.like(factor), self.like(addend))
 
     def __neg__(self):
         return self._new(self.b.fneg(self.ir) if self.is_float else self.b.neg(self.ir))
@@ -215,6 +229,8 @@ class Value:
         """The integer's bits moved up by `amount`, zeros shifted in, the top ones lost
         (shl). A shift by the width or more, or by a negative amount, gives 0 (ONNX's
         BitShift), where shl's result would be poison."""
+        if isinstance(amount, int) and 0 <= amount < dtypes.itemsize(self.dtype) * 8:  # in range: shl itself
+            return self._new(self.b.shl(self.ir, self.like(amount).ir))
         amount = self.like(amount)
         inside = (amount >= 0) & (amount < dtypes.itemsize(self.dtype) * 8)
         return inside.where(self._new(self.b.shl(self.ir, inside.where(amount, 0).ir)), 0)
@@ -223,18 +239,22 @@ class Value:
         """The integer's bits moved down by `amount`: copies of the sign bit shifted in for
         signed dtypes (ashr), zeros for unsigned ones (lshr). A shift outside [0, width)
         leaves only what is shifted in: −1 or 0 by the sign, 0 unsigned."""
-        amount = self.like(amount)
         width = dtypes.itemsize(self.dtype) * 8
+        if isinstance(amount, int) and 0 <= amount < width:  # in range: ashr or lshr itself
+            shift = self.b.ashr if is_signed(self.dtype) else self.b.lshr
+            return self._new(shift(self.ir, self.like(amount).ir))
+        amount = self.like(amount)
         inside = (amount >= 0) & (amount < width)
         if is_signed(self.dtype):
             return self._new(self.b.ashr(self.ir, inside.where(amount, width - 1).ir))
         return inside.where(self._new(self.b.lshr(self.ir, inside.where(amount, 0).ir)), 0)
 
-    def where(self, if_true: Value | Number, if_false: Value | Number) -> Value:
-        """self ? if_true : if_false, for a bool condition; a number takes the other's dtype."""
-        if isinstance(if_true, Value):
+    def where(self, if_true: Any, if_false: Any) -> Any:
+        """self ? if_true : if_false, for a bool condition; a number takes the other's dtype.
+        Between two pointers (`pointers.Pointer`), one of them."""
+        if not isinstance(if_true, (int, float)):  # a Value or a pointer
             like = if_true
-        elif isinstance(if_false, Value):
+        elif not isinstance(if_false, (int, float)):
             like = if_false
         else:
             raise TypeError("where() needs at least one Value to know the result's dtype; make a constant with x.constant()")
@@ -246,7 +266,7 @@ class Value:
         # masked stores (microcoded on AMD's cores).
         uniform = self._splat_source()
         condition = self.ir if uniform is None else uniform
-        return Value(self.b, self.b.select(condition, yes.ir, no.ir), like.dtype)
+        return like._new(self.b.select(condition, yes.ir, no.ir))
 
     def _splat_source(self) -> ir.Value | None:
         """The scalar a vector made by `splat` repeats, or None."""
@@ -270,6 +290,10 @@ class Value:
         return self.not_equal(self).where(self, chosen) if self.is_float else chosen  # NaN in self too
 
     # ---- elementary functions ---------------------------------------------------------------------
+
+    def copysign(self, sign: Value | Number) -> Value:
+        """This float's magnitude with `sign`'s sign."""
+        return self._call("copysign", self.like(sign))
 
     def abs(self) -> Value:
         if self.is_float:
@@ -393,3 +417,76 @@ class Value:
 def index_value(b: ir.IRBuilder, value: ir.Value | int) -> Value:
     """An int64 Value (loop counters, offsets) from an i64 IR value or a Python int."""
     return Value(b, value if isinstance(value, ir.Value) else constant(ir.IntType(64), value), dtypes.DT_INT64)
+
+
+@contextmanager
+def loop(b: ir.IRBuilder, start: Value | int, stop: Value | int, step: int = 1, name: str = "i") -> Iterator[Value]:
+    """`for (i = start; i < stop; i += step)` over int64 Values; the body is the with-block."""
+    first, last = (x.ir if isinstance(x, Value) else constant(ir.IntType(64), x) for x in (start, stop))
+    with for_range(b, first, last, step, name) as index:
+        yield index_value(b, index)
+
+
+@contextmanager
+def forever(b: ir.IRBuilder, name: str = "loop") -> Iterator[Any]:
+    """A loop whose with-block is its body, repeated until a `leave_if(condition)` the
+    with-block calls finds its condition true (a `while (true) { ... if (c) break; ... }`)."""
+    head, done = b.append_basic_block(f"{name}.head"), b.append_basic_block(f"{name}.done")
+    b.branch(head)
+    b.position_at_end(head)
+
+    def leave_if(condition: Value) -> None:
+        rest = b.append_basic_block(f"{name}.on")
+        b.cbranch(condition.ir, done, rest)
+        b.position_at_end(rest)
+
+    yield leave_if
+    b.branch(head)
+    b.position_at_end(done)
+
+
+def choose(condition: Value, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
+    """condition ? if_true() : if_false(), each emitted on its own branch, so only the one
+    chosen runs (a load that may not be read where the other is taken; `where` computes both)."""
+    b = condition.b
+    with b.if_else(condition.ir) as (yes, no):
+        with yes:
+            chosen = if_true()
+            yes_block = b.block
+        with no:
+            other = if_false()
+            no_block = b.block
+    merged = b.phi(chosen.ir.type)
+    merged.add_incoming(chosen.ir, yes_block)
+    merged.add_incoming(other.ir, no_block)
+    return chosen._new(merged)
+
+
+def call(b: ir.IRBuilder, function: ir.Function, *arguments: Any, dtype: str | None = None) -> Value | None:
+    """`function` called with `arguments` (Values, pointers, IR values; a Python int as an
+    int64): its result as a Value of `dtype`, or None where `dtype` is not given."""
+    values = [constant(ir.IntType(64), a) if isinstance(a, int) else getattr(a, "ir", a) for a in arguments]
+    result = b.call(function, values)
+    return Value(b, result, dtype) if dtype is not None else None
+
+
+class Local:
+    """A mutable kernel variable: read `.value`, write `.set(v)`."""
+
+    def __init__(self, b: ir.IRBuilder, slot: ir.Value, dtype: str):
+        self.b, self.slot, self.dtype = b, slot, dtype
+
+    @property
+    def value(self) -> Value:
+        return Value(self.b, self.b.load(self.slot), self.dtype)
+
+    def set(self, value: Value) -> None:
+        self.b.store(value.ir, self.slot)
+
+
+def local(b: ir.IRBuilder, dtype: str, lanes: int = 1, initial: Value | None = None) -> Local:
+    """A variable of `lanes` lanes of `dtype` on the stack, allotted where `b` is."""
+    result = Local(b, b.alloca(vector_of(compute_type(dtype), lanes)), dtype)
+    if initial is not None:
+        result.set(initial)
+    return result
