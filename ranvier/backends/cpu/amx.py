@@ -323,6 +323,13 @@ def _emit_kernel(module: ir.Module, a_panels: int, b_panels: int) -> ir.Function
     return b.function
 
 
+def _at_least(low: int, x: Value) -> Value:
+    """max(low, x) as `x < low ? low : x`, the form this GEMM was timed with on AMX:
+    `Value.maximum`'s `x > low ? x : low` (the same values) leads LLVM to other code for
+    the whole function, untimed where no AMX machine is at hand."""
+    return (x < low).where(low, x)
+
+
 def _whole(rows: Value, columns: Value) -> Value:
     return (rows >= 16) & (columns >= 16)
 
@@ -425,10 +432,10 @@ def build_module(target: CPUTarget) -> ir.Module:
     ta, tb, m, n, k, a, lda, bm, ldb, c, ldc, workspace = parameters(b, function)
     # The workspace holds a slice of A and a chunk of B; workspace_bytes mirrors these sizes.
     steps = (k + (K_STEP - 1)) // K_STEP
-    slices = ((steps + (_K_SLICE - 1)) // _K_SLICE).maximum(1)  # k = 0 still clears C
+    slices = _at_least(1, (steps + (_K_SLICE - 1)) // _K_SLICE)  # k = 0 still clears C
     slice_steps = (steps + (slices - 1)) // slices
-    panel_bytes = slice_steps.maximum(1) * BLOCK_BYTES
-    chunk = (index_value(b, _STREAM_BYTES) // panel_bytes & -2).maximum(2)
+    panel_bytes = _at_least(1, slice_steps) * BLOCK_BYTES
+    chunk = _at_least(2, index_value(b, _STREAM_BYTES) // panel_bytes & -2)
     a_count = (m + (TILE - 1)) // TILE
     a_packed = Pointer(b, cache_line_aligned(b, workspace.ir, BYTE_PTR), DT_UINT8)
     b_packed = a_packed + a_count * slice_steps * BLOCK_BYTES
