@@ -201,7 +201,7 @@ def test_forever_local_stack_and_calls():
         inner.ret_void()
 
         total, i = local(b, dtypes.DT_INT64, initial=index_value(b, 0)), local(b, dtypes.DT_INT64, initial=index_value(b, 0))
-        at = PointerVariable(out)
+        at = PointerVariable.holding(out)
         with forever(b) as leave_if:
             leave_if(i.value >= n)
             total.set(total.value + i.value * i.value)

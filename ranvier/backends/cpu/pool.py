@@ -35,10 +35,14 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from llvmlite import ir
 
+from ...dtypes import DT_BOOL, DT_INT32, DT_UINT8, DT_UINT64
 from .. import compile_cache
+from ..llvm.pointers import Pointer, PointerVariable, null
+from ..llvm.values import Value, call, choose, forever, local, loop
 from . import fpmode, jit
 from .target import CPUTarget, host_target
 
@@ -131,190 +135,145 @@ class _Emitter:
         return function, ir.IRBuilder(function.append_basic_block("entry"))
 
     @staticmethod
-    def _load(b: ir.IRBuilder, pointer: ir.Value) -> ir.Value:
-        return b.load_atomic(pointer, "seq_cst", 8)
+    def _word(b: ir.IRBuilder, variable: ir.GlobalVariable) -> Pointer:
+        """One of the pool's 64-bit words (read and written atomically, but for the job's
+        task, blocks and stride, which only change while no part runs)."""
+        return Pointer(b, variable, DT_UINT64)
 
-    @staticmethod
-    def _store(b: ir.IRBuilder, value, pointer: ir.Value) -> None:
-        b.store_atomic(value if isinstance(value, ir.Value) else ir.Constant(I64, value), pointer, "seq_cst", 8)
+    def _ticks(self, b: ir.IRBuilder) -> Value:
+        return call(b, self.ticks, dtype=DT_UINT64)
 
     def _relax(self, b: ir.IRBuilder) -> None:
         if self.pause is not None:
-            b.call(self.pause, [])
+            call(b, self.pause)
 
-    def _sync(self, b: ir.IRBuilder, variable: ir.GlobalVariable) -> ir.Value:
-        return b.bitcast(variable, BYTE_PTR)
+    def _libc(self, b: ir.IRBuilder, name: str, *arguments: Any) -> Value:
+        return call(b, self.libc[name], *arguments, dtype=DT_INT32)
+
+    def _sync(self, b: ir.IRBuilder, variable: ir.GlobalVariable) -> Pointer:
+        """The mutex or condition variable, as the byte pointer pthreads takes."""
+        return Pointer(b, variable, DT_UINT8).view(DT_UINT8)  # from [SYNC_BYTES x i8]*
 
     def _drain(self) -> ir.Function:
         """drain(number): claim and run parts of job `number` until none is left."""
         function, b = self._function("pool_drain", ir.FunctionType(ir.VoidType(), [I64]), exported=False)
-        number = function.args[0]
-        loop, claim, run, done = (function.append_basic_block(n) for n in ("loop", "claim", "run", "done"))
-        b.branch(loop)
-        b.position_at_end(loop)
-        word = self._load(b, self.job)
-        ours = b.icmp_unsigned("==", b.lshr(word, ir.Constant(I64, 32)), number)
-        part = b.and_(b.lshr(word, ir.Constant(I64, 16)), ir.Constant(I64, 0xFFFF))
-        left = b.icmp_unsigned("<", part, b.and_(word, ir.Constant(I64, 0xFFFF)))
-        b.cbranch(b.and_(ours, left), claim, done)
-        b.position_at_end(claim)
-        swapped = b.cmpxchg(self.job, word, b.add(word, ir.Constant(I64, 1 << 16)), "seq_cst", "seq_cst")
-        b.cbranch(b.extract_value(swapped, 1), run, loop)
-        b.position_at_end(run)
-        block = b.gep(b.load(self.blocks), [b.mul(part, b.load(self.stride))])
-        b.call(b.load(self.task), [block])
-        b.atomic_rmw("sub", self.pending, ir.Constant(I64, 1), "seq_cst")
-        b.branch(loop)
-        b.position_at_end(done)
+        number = Value(b, function.args[0], DT_UINT64)
+        job = self._word(b, self.job)
+        with forever(b, "claim") as leave_if:
+            word = job.load_atomic()
+            ours = word.shift_right(32).equal(number)
+            part = word.shift_right(16) & 0xFFFF
+            leave_if(~(ours & (part < (word & 0xFFFF))))
+            with b.if_then(job.compare_exchange(word, word + (1 << 16)).ir):
+                task, blocks = b.load(self.task), PointerVariable(b, self.blocks, DT_UINT8).value
+                call(b, task, blocks + part * self._word(b, self.stride).load())
+                self._word(b, self.pending).atomic_sub(1)
         b.ret_void()
         return function
 
     def _worker(self) -> ir.Function:
         """A worker: wait for a new job number (spinning, then asleep), drain it, repeat."""
         function, b = self._function("pool_worker", TASK, exported=False)
-        seen = b.alloca(I64)
-        b.store(self._load(b, self.number), seen)
-        wait, spin, sleep, check, doze, woke, work = (function.append_basic_block(n)
-                                                      for n in ("wait", "spin", "sleep", "check", "doze", "woke", "work"))
-        b.branch(wait)
-        b.position_at_end(wait)
-        start = b.call(self.ticks, [])
-        b.branch(spin)
-        b.position_at_end(spin)
-        fresh = b.icmp_unsigned("!=", self._load(b, self.number), b.load(seen))
-        spun = b.icmp_unsigned(">", b.sub(b.call(self.ticks, []), start), ir.Constant(I64, SPIN_TICKS))
-        keep = function.append_basic_block("keep")
-        b.cbranch(fresh, work, keep)
-        b.position_at_end(keep)
-        self._relax(b)
-        b.cbranch(spun, sleep, spin)
-        b.position_at_end(sleep)
-        mutex, cond = self._sync(b, self.mutex), self._sync(b, self.cond)
-        b.call(self.libc["pthread_mutex_lock"], [mutex])
-        b.atomic_rmw("add", self.sleepers, ir.Constant(I64, 1), "seq_cst")
-        b.branch(check)
-        b.position_at_end(check)
-        b.cbranch(b.icmp_unsigned("==", self._load(b, self.number), b.load(seen)), doze, woke)
-        b.position_at_end(doze)
-        b.call(self.libc["pthread_cond_wait"], [cond, mutex])
-        b.branch(check)
-        b.position_at_end(woke)
-        b.atomic_rmw("sub", self.sleepers, ir.Constant(I64, 1), "seq_cst")
-        b.call(self.libc["pthread_mutex_unlock"], [mutex])
-        b.branch(work)
-        b.position_at_end(work)
-        number = self._load(b, self.number)
-        b.store(number, seen)
-        if self.mxcsr is not None:
-            fpmode.write_mxcsr(b, self.mxcsr)
-        b.call(self.drain, [number])
-        b.branch(wait)
+        number = self._word(b, self.number)
+        seen = local(b, DT_UINT64, initial=number.load_atomic())
+        with forever(b, "job"):  # never left: a worker serves for the life of the process
+            start = self._ticks(b)
+            with forever(b, "spin") as leave_if:
+                leave_if(number.load_atomic().not_equal(seen.value))
+                self._relax(b)
+                leave_if(self._ticks(b) - start > SPIN_TICKS)
+            with b.if_then(number.load_atomic().equal(seen.value).ir):  # spun long enough without a job: sleep
+                mutex, cond = self._sync(b, self.mutex), self._sync(b, self.cond)
+                self._libc(b, "pthread_mutex_lock", mutex)
+                self._word(b, self.sleepers).atomic_add(1)
+                with forever(b, "doze") as leave_if:
+                    leave_if(number.load_atomic().not_equal(seen.value))
+                    self._libc(b, "pthread_cond_wait", cond, mutex)
+                self._word(b, self.sleepers).atomic_sub(1)
+                self._libc(b, "pthread_mutex_unlock", mutex)
+            fresh = number.load_atomic()
+            seen.set(fresh)
+            if self.mxcsr is not None:
+                fpmode.write_mxcsr(b, self.mxcsr)
+            call(b, self.drain, fresh)
+        b.unreachable()
         return function
 
     def _run(self) -> None:
         """ranvier_pool_run(task, blocks, count, stride): every part, on the pool if it is free."""
         function, b = self._function(SYMBOLS[0], RUN, exported=True)
-        task, blocks, count, stride = function.args
-        inline, shared, signal, work, wait, relax, yield_, finish = (
-            function.append_basic_block(n) for n in ("inline", "shared", "signal", "work", "wait", "relax", "yield", "finish"))
-        idle = b.icmp_unsigned("==", self._load(b, self.workers), ir.Constant(I64, 0))
-        single = b.icmp_unsigned("<=", count, ir.Constant(I64, 1))
-        try_own = function.append_basic_block("try_own")
-        b.cbranch(b.or_(idle, single), inline, try_own)
-        b.position_at_end(try_own)
-        owned = b.cmpxchg(self.busy, ir.Constant(I64, 0), ir.Constant(I64, 1), "seq_cst", "seq_cst")
-        b.cbranch(b.extract_value(owned, 1), shared, inline)
-
-        b.position_at_end(inline)
-        index = b.alloca(I64)
-        b.store(ir.Constant(I64, 0), index)
-        inline_loop, inline_body, inline_done = (function.append_basic_block(n) for n in ("inline_loop", "inline_body", "inline_done"))
-        b.branch(inline_loop)
-        b.position_at_end(inline_loop)
-        i = b.load(index)
-        b.cbranch(b.icmp_unsigned("<", i, count), inline_body, inline_done)
-        b.position_at_end(inline_body)
-        b.call(task, [b.gep(blocks, [b.mul(i, stride)])])
-        b.store(b.add(i, ir.Constant(I64, 1)), index)
-        b.branch(inline_loop)
-        b.position_at_end(inline_done)
+        task = function.args[0]
+        blocks = Pointer(b, function.args[1], DT_UINT8)
+        count, stride = (Value(b, argument, DT_UINT64) for argument in function.args[2:])
+        idle = self._word(b, self.workers).load_atomic().equal(0)
+        # a job of one part, or no workers: run inline; else own the pool, unless another caller does
+        not_owned = Value(b, ir.Constant(ir.IntType(1), 0), DT_BOOL)
+        owned = choose(idle | (count <= 1), lambda: not_owned, lambda: self._word(b, self.busy).compare_exchange(0, 1))
+        with b.if_else(owned.ir) as (shared, inline):
+            with inline, loop(b, 0, count, name="inline") as i:
+                call(b, task, blocks + i * stride)
+            with shared:
+                self._publish(b, task, blocks, count, stride)
         b.ret_void()
 
-        b.position_at_end(shared)
+    def _publish(self, b: ir.IRBuilder, task: ir.Value, blocks: Pointer, count: Value, stride: Value) -> None:
+        """The job on the pool, owned by this caller: published, the workers woken, its parts
+        claimed here too, and waited for until the last is done."""
         b.store(task, self.task)
-        b.store(blocks, self.blocks)
-        b.store(stride, self.stride)
+        PointerVariable(b, self.blocks, DT_UINT8).set(blocks)
+        self._word(b, self.stride).store(stride)
         if self.mxcsr is not None:
             fpmode.read_mxcsr(b, self.mxcsr)
-        self._store(b, count, self.pending)
-        number = b.add(self._load(b, self.number), ir.Constant(I64, 1))
-        number = b.and_(number, ir.Constant(I64, 0xFFFFFFFF))
-        self._store(b, b.or_(b.shl(number, ir.Constant(I64, 32)), count), self.job)
-        self._store(b, number, self.number)
-        b.cbranch(b.icmp_unsigned("!=", self._load(b, self.sleepers), ir.Constant(I64, 0)), signal, work)
-        b.position_at_end(signal)
-        mutex = self._sync(b, self.mutex)
-        b.call(self.libc["pthread_mutex_lock"], [mutex])
-        b.call(self.libc["pthread_cond_broadcast"], [self._sync(b, self.cond)])
-        b.call(self.libc["pthread_mutex_unlock"], [mutex])
-        b.branch(work)
-        b.position_at_end(work)
-        b.call(self.drain, [number])
-        start = b.call(self.ticks, [])
-        b.branch(wait)
+        self._word(b, self.pending).store_atomic(count)
+        number = (self._word(b, self.number).load_atomic() + 1) & 0xFFFFFFFF
+        self._word(b, self.job).store_atomic(number.shift_left(32) | count)
+        self._word(b, self.number).store_atomic(number)
+        with b.if_then(self._word(b, self.sleepers).load_atomic().not_equal(0).ir):
+            mutex = self._sync(b, self.mutex)
+            self._libc(b, "pthread_mutex_lock", mutex)
+            self._libc(b, "pthread_cond_broadcast", self._sync(b, self.cond))
+            self._libc(b, "pthread_mutex_unlock", mutex)
+        call(b, self.drain, number)
         # The parts left run on workers: spin while they finish, yielding the core once that
         # takes long (more threads than cores: a waiting worker may need this one).
-        b.position_at_end(wait)
-        b.cbranch(b.icmp_unsigned("==", self._load(b, self.pending), ir.Constant(I64, 0)), finish, relax)
-        b.position_at_end(relax)
-        self._relax(b)
-        spun = b.icmp_unsigned(">", b.sub(b.call(self.ticks, []), start), ir.Constant(I64, SPIN_TICKS))
-        b.cbranch(spun, yield_, wait)
-        b.position_at_end(yield_)
-        b.call(self.libc["sched_yield"], [])
-        b.branch(wait)
-        b.position_at_end(finish)
-        self._store(b, 0, self.busy)
-        b.ret_void()
+        start = self._ticks(b)
+        with forever(b, "wait") as leave_if:
+            leave_if(self._word(b, self.pending).load_atomic().equal(0))
+            self._relax(b)
+            with b.if_then((self._ticks(b) - start > SPIN_TICKS).ir):
+                self._libc(b, "sched_yield")
+        self._word(b, self.busy).store_atomic(0)
 
     def _grow(self, worker: ir.Function) -> None:
         """ranvier_pool_grow(n, masks): start workers until n run (at most MAX_WORKERS),
         worker i bound to the CPUs of the i-th `CPU_SET_BYTES` of `masks` (unless NULL)."""
         function, b = self._function(SYMBOLS[1], ir.FunctionType(ir.VoidType(), [I64, BYTE_PTR]), exported=True)
-        wanted, masks = function.args
-        first = self._load(b, self.workers)
-        with b.if_then(b.icmp_unsigned("==", first, ir.Constant(I64, 0))):
+        wanted, masks = Value(b, function.args[0], DT_UINT64), Pointer(b, function.args[1], DT_UINT8)
+        workers = self._word(b, self.workers)
+        with b.if_then(workers.load_atomic().equal(0).ir):
             self._init_sync(b)
-        loop, body, done = (function.append_basic_block(n) for n in ("loop", "body", "done"))
-        b.branch(loop)
-        b.position_at_end(loop)
-        count = self._load(b, self.workers)
-        b.cbranch(b.icmp_unsigned("<", count, wanted), body, done)
-        b.position_at_end(body)
-        slot = b.gep(self.threads, [ir.Constant(I32, 0), count])
-        status = b.call(self.libc["pthread_create"], [slot, ir.Constant(BYTE_PTR, None), worker, ir.Constant(BYTE_PTR, None)])
-        started = function.append_basic_block("started")
-        b.cbranch(b.icmp_signed("==", status, ir.Constant(I32, 0)), started, done)  # no more threads: run with fewer
-        b.position_at_end(started)
-        with b.if_then(b.icmp_unsigned("!=", masks, ir.Constant(BYTE_PTR, None))):
-            mask = b.gep(masks, [b.mul(count, ir.Constant(I64, CPU_SET_BYTES))])
-            b.call(self.libc["pthread_setaffinity_np"], [b.load(slot), ir.Constant(I64, CPU_SET_BYTES), mask])
-        b.call(self.libc["pthread_detach"], [b.load(slot)])
-        self._store(b, b.add(count, ir.Constant(I64, 1)), self.workers)
-        b.branch(loop)
-        b.position_at_end(done)
+        threads = Pointer(b, self.threads, DT_UINT64).view(DT_UINT64)
+        with forever(b, "grow") as leave_if:
+            count = workers.load_atomic()
+            leave_if(count >= wanted)
+            slot = threads + count
+            started = self._libc(b, "pthread_create", slot, null(b, DT_UINT8), worker, null(b, DT_UINT8))
+            leave_if(started.not_equal(0))  # no more threads: run with fewer
+            with b.if_then(masks.address().not_equal(0).ir):
+                self._libc(b, "pthread_setaffinity_np", slot.load(), CPU_SET_BYTES, masks + count * CPU_SET_BYTES)
+            self._libc(b, "pthread_detach", slot.load())
+            workers.store_atomic(count + 1)
         b.ret_void()
 
     def _init_sync(self, b: ir.IRBuilder) -> None:
-        none = ir.Constant(BYTE_PTR, None)
-        b.call(self.libc["pthread_mutex_init"], [self._sync(b, self.mutex), none])
-        b.call(self.libc["pthread_cond_init"], [self._sync(b, self.cond), none])
+        self._libc(b, "pthread_mutex_init", self._sync(b, self.mutex), null(b, DT_UINT8))
+        self._libc(b, "pthread_cond_init", self._sync(b, self.cond), null(b, DT_UINT8))
 
     def _forget(self) -> None:
         """ranvier_pool_forget(): a forked child's pool: no workers (they were the parent's), free."""
         _, b = self._function(SYMBOLS[2], ir.FunctionType(ir.VoidType(), []), exported=True)
         for variable in (self.workers, self.busy, self.sleepers, self.pending):
-            self._store(b, 0, variable)
+            self._word(b, variable).store_atomic(0)
         b.ret_void()
 
 

@@ -397,7 +397,7 @@ class _Emitter:
             for slot in row:
                 slot.set(self.zeros(b))
         row_starts = [a + r * sa for r in range(rows)]
-        run_start, in_run = PointerVariable(ahead), local(b, DT_INT64, initial=index_value(b, 0))
+        run_start, in_run = PointerVariable.holding(ahead), local(b, DT_INT64, initial=index_value(b, 0))
 
         def step_of_k(p: Value, sums: list[list[Local]]) -> None:
             # one line asked for per step, spread among the multiply-adds (a burst of them

@@ -200,12 +200,18 @@ def parameters(b: ir.IRBuilder, function: ir.Function) -> list[Any]:
 
 
 class PointerVariable:
-    """A mutable pointer of a kernel (where a run of reads has got to): `.value`, `.set(p)`."""
+    """A pointer kept in memory (a global, a stack slot): `.value` reads it, `.set(p)` writes
+    it; `holding(p)` is a kernel's own, such as where a run of reads has got to."""
 
-    def __init__(self, initial: Pointer):
-        self.b, self.dtype = initial.b, initial.dtype
-        self.slot = self.b.alloca(initial.ir.type)
-        self.set(initial)
+    def __init__(self, b: ir.IRBuilder, slot: ir.Value, dtype: str):
+        self.b, self.slot, self.dtype = b, slot, dtype
+
+    @classmethod
+    def holding(cls, initial: Pointer) -> PointerVariable:
+        """A new variable on the stack (allotted where the builder is), set to `initial`."""
+        variable = cls(initial.b, initial.b.alloca(initial.ir.type), initial.dtype)
+        variable.set(initial)
+        return variable
 
     @property
     def value(self) -> Pointer:

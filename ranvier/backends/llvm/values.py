@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, overload
 
 from llvmlite import ir
 
@@ -462,7 +462,15 @@ def choose(condition: Value, if_true: Callable[[], Any], if_false: Callable[[], 
     return chosen._new(merged)
 
 
-def call(b: ir.IRBuilder, function: ir.Function, *arguments: Any, dtype: str | None = None) -> Value | None:
+@overload
+def call(b: ir.IRBuilder, function: ir.Value, *arguments: Any, dtype: str) -> Value: ...
+
+
+@overload
+def call(b: ir.IRBuilder, function: ir.Value, *arguments: Any, dtype: None = None) -> None: ...
+
+
+def call(b: ir.IRBuilder, function: ir.Value, *arguments: Any, dtype: str | None = None) -> Value | None:
     """`function` called with `arguments` (Values, pointers, IR values; a Python int as an
     int64): its result as a Value of `dtype`, or None where `dtype` is not given."""
     values = [constant(ir.IntType(64), a) if isinstance(a, int) else getattr(a, "ir", a) for a in arguments]
