@@ -23,7 +23,7 @@ import pytest
 from llvmlite import ir
 
 from ranvier.backends.llvm import mathlib
-from ranvier.backends.llvm.irutil import use_features
+from ranvier.backends.llvm.irutil import intrinsic, use_features
 
 F32, F64 = np.float32, np.float64
 FUNCTIONS = tuple(mathlib.FUNCTIONS)
@@ -454,7 +454,7 @@ def test_emit_rejects_unknown_kinds_and_types() -> None:
 def test_intrinsic_is_declared_once() -> None:
     module = ir.Module()
     vector = ir.VectorType(ir.FloatType(), 16)
-    fma = mathlib.intrinsic(module, "llvm.fma", vector)
+    fma = intrinsic(module, "llvm.fma", vector)
     assert fma.name == "llvm.fma.v16f32" and len(fma.args) == 3
-    assert mathlib.intrinsic(module, "llvm.fma", vector) is fma
-    assert mathlib.intrinsic(module, "llvm.fabs", ir.DoubleType()).name == "llvm.fabs.f64"
+    assert intrinsic(module, "llvm.fma", vector) is fma
+    assert intrinsic(module, "llvm.fabs", ir.DoubleType()).name == "llvm.fabs.f64"

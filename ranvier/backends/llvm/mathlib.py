@@ -1,7 +1,8 @@
 """Vectorized elementary functions emitted as straight-line LLVM IR.
 
-Every public function takes an `ir.IRBuilder` and a value of type float, double or a
-vector of either (any width) and returns a value of the same type. Each lane runs the
+Every public function takes a `Value` (values.py) of float32 or float64, a scalar or a
+vector of any width, and returns one of the same type, written as the formula it computes
+(`1.0 - 2.0 / (m * s + 1.0)`); `emit` applies one to an IR value. Each lane runs the
 same instruction sequence, so results do not depend on the vector width. The code
 uses only arithmetic, compares, selects, integer manipulation of the float encodings
 and intrinsics that lower to instructions on every x86 level — no libm calls, loops
@@ -34,7 +35,9 @@ from collections.abc import Callable, Sequence
 
 from llvmlite import ir
 
-from .irutil import has_feature, intrinsic
+from ... import dtypes
+from .irutil import has_feature
+from .values import Value
 
 # -- coefficient tables, lowest order first -------------------------------------------------
 # exp(r) = 1 + r + r^2 * P(r) for |r| <= ln2/2; rel. error 2^-28.1 (f32), 2^-57.7 (f64).
@@ -151,104 +154,54 @@ _GELU_G1 = {32: (1.5957691669464111, -4.534068054340423e-08), 64: (1.59576912160
 _GELU_G2 = {32: (0.07135481387376785, 2.3988324659995897e-09), 64: (0.07135481627260025, -6.175149918155315e-19)}
 _GELU_CLAMP = 40.0  # |2y| > 4000 beyond: sigmoid(2y) is exactly 0 or 1
 
-class _Ops:
-    """Lane-wise operations on one floating type (scalar or vector) and the integer type of the
-    same shape and width, with constants splatted to that shape."""
+class _Format:
+    """The encoding of a float dtype: its width, explicit significand bits, exponent bias,
+    and the integer dtype of its bits."""
 
-    def __init__(self, builder: ir.IRBuilder, type_: ir.Type) -> None:
-        lanes = type_.count if isinstance(type_, ir.VectorType) else None
-        scalar = type_.element if lanes else type_
-        if not isinstance(scalar, (ir.FloatType, ir.DoubleType)):
-            raise TypeError(f"mathlib works on float, double or vectors of them, not {type_}")
-        self.builder = builder
-        self.ty = type_
-        self.bits = 64 if isinstance(scalar, ir.DoubleType) else 32
-        self.mant = 52 if self.bits == 64 else 23  # explicit significand bits
+    def __init__(self, dtype: str) -> None:
+        self.bits = 64 if dtype == dtypes.DT_FLOAT64 else 32
+        self.mant = 52 if self.bits == 64 else 23
         self.bias = 1023 if self.bits == 64 else 127
-        self._fscalar = scalar
-        self._iscalar = ir.IntType(self.bits)
-        self.ity = ir.VectorType(self._iscalar, lanes) if lanes else self._iscalar
+        self.int = dtypes.DT_INT64 if self.bits == 64 else dtypes.DT_INT32
 
-    def like(self, scalar: ir.Type) -> _Ops:
-        """Operations on `scalar` elements with this type's shape."""
-        shape = ir.VectorType(scalar, self.ty.count) if isinstance(self.ty, ir.VectorType) else scalar
-        return _Ops(self.builder, shape)
 
-    def c(self, value: float) -> ir.Constant:
-        return self._splat(self.ty, ir.Constant(self._fscalar, value))
+def _format(x: Value) -> _Format:
+    return _Format(x.dtype)
 
-    def ic(self, value: int) -> ir.Constant:
-        return self._splat(self.ity, ir.Constant(self._iscalar, value))
 
-    @staticmethod
-    def _splat(type_: ir.Type, scalar: ir.Constant) -> ir.Constant:
-        return ir.Constant(type_, [scalar] * type_.count) if isinstance(type_, ir.VectorType) else scalar
+def _poly(x: Value, coeffs: Sequence[float]) -> Value:
+    """Horner evaluation of sum(coeffs[i] * x^i)."""
+    acc = x.constant(coeffs[-1])
+    for coeff in reversed(coeffs[:-1]):
+        acc = acc.mul_add(x, coeff)
+    return acc
 
-    def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return self.builder.fadd(a, b)
 
-    def sub(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return self.builder.fsub(a, b)
+def _min_const(x: Value, limit: float) -> Value:
+    """min(x, limit), passing NaN through."""
+    return (x > limit).where(limit, x)
 
-    def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return self.builder.fmul(a, b)
 
-    def div(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return self.builder.fdiv(a, b)
+def _clamp(x: Value, lo: float, hi: float) -> Value:
+    """x limited to [lo, hi], passing NaN through."""
+    return _min_const((x < lo).where(lo, x), hi)
 
-    def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-        """a * b + c, fused where the target has FMA."""
-        return self._call("llvm.fmuladd", a, b, c)
 
-    def poly(self, x: ir.Value, coeffs: Sequence[float]) -> ir.Value:
-        """Horner evaluation of sum(coeffs[i] * x^i)."""
-        acc = self.c(coeffs[-1])
-        for coeff in reversed(coeffs[:-1]):
-            acc = self.fma(acc, x, self.c(coeff))
-        return acc
+def _round_int(x: Value) -> tuple[Value, Value]:
+    """x rounded to the nearest integer (ties to even) as a float and as an integer, for
+    |x| < 2^(p-2). Adding 1.5 * 2^(p-1) leaves the integer in the low significand bits;
+    larger inputs or NaN give a meaningless but defined result (never poison)."""
+    f = _format(x)
+    magic = 1.5 * 2.0**f.mant
+    shifted = x + magic
+    as_int = shifted.bitcast(f.int) - _float_bits(magic, f.bits)
+    return shifted - magic, as_int
 
-    def abs(self, x: ir.Value) -> ir.Value:
-        return self._call("llvm.fabs", x)
 
-    def copysign(self, magnitude: ir.Value, sign: ir.Value) -> ir.Value:
-        return self._call("llvm.copysign", magnitude, sign)
-
-    def _call(self, name: str, *args: ir.Value) -> ir.Value:
-        return self.builder.call(intrinsic(self.builder.module, name, self.ty), list(args))
-
-    def cmp(self, op: str, a: ir.Value, b: ir.Value) -> ir.Value:
-        """Ordered comparison: false when either side is NaN."""
-        return self.builder.fcmp_ordered(op, a, b)
-
-    def select(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-        return self.builder.select(cond, a, b)
-
-    def min_const(self, x: ir.Value, limit: float) -> ir.Value:
-        """min(x, limit), passing NaN through."""
-        return self.select(self.cmp(">", x, self.c(limit)), self.c(limit), x)
-
-    def clamp(self, x: ir.Value, lo: float, hi: float) -> ir.Value:
-        """x limited to [lo, hi], passing NaN through."""
-        return self.min_const(self.select(self.cmp("<", x, self.c(lo)), self.c(lo), x), hi)
-
-    def to_int(self, x: ir.Value) -> ir.Value:
-        return self.builder.bitcast(x, self.ity)
-
-    def from_int(self, i: ir.Value) -> ir.Value:
-        return self.builder.bitcast(i, self.ty)
-
-    def round_int(self, x: ir.Value) -> tuple[ir.Value, ir.Value]:
-        """x rounded to the nearest integer (ties to even) as a float and as an integer, for
-        |x| < 2^(p-2). Adding 1.5 * 2^(p-1) leaves the integer in the low significand bits;
-        larger inputs or NaN give a meaningless but defined result (never poison)."""
-        magic = 1.5 * 2.0**self.mant
-        shifted = self.add(x, self.c(magic))
-        as_int = self.builder.sub(self.to_int(shifted), self.ic(_float_bits(magic, self.bits)))
-        return self.sub(shifted, self.c(magic)), as_int
-
-    def pow2(self, k: ir.Value) -> ir.Value:
-        """2^k for an integer k in the normal exponent range."""
-        return self.from_int(self.builder.shl(self.builder.add(k, self.ic(self.bias)), self.ic(self.mant)))
+def _pow2(k: Value, dtype: str) -> Value:
+    """2^k, a float of `dtype`, for an integer k in the normal exponent range."""
+    f = _Format(dtype)
+    return (k + f.bias).shift_left(f.mant).bitcast(dtype)
 
 
 def _float_bits(value: float, bits: int) -> int:
@@ -259,36 +212,36 @@ def _float_bits(value: float, bits: int) -> int:
 
 # -- double-word arithmetic (exact with or without FMA) ----------------------------------------
 
-def _split(o: _Ops, a: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _split(a: Value) -> tuple[Value, Value]:
     """Veltkamp's split: a = hi + lo, each with at most half the significand bits."""
-    t = o.mul(a, o.c(2.0 ** ((o.mant + 2) // 2) + 1))
-    hi = o.sub(t, o.sub(t, a))
-    return hi, o.sub(a, hi)
+    t = a * (2.0 ** ((_format(a).mant + 2) // 2) + 1)
+    hi = t - (t - a)
+    return hi, a - hi
 
 
-def _two_prod(o: _Ops, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _two_prod(a: Value, b: Value) -> tuple[Value, Value]:
     """a * b = p + e exactly (barring overflow and underflow): e is one fused multiply-add
     where the module's target has FMA, else Dekker's product of split halves (seven
     multiplies and eight adds more: llvm.fma without FMA would call the C library per lane)."""
-    p = o.mul(a, b)
-    if has_feature(o.builder.module, "fma"):
-        return p, o._call("llvm.fma", a, b, o.builder.fneg(p))
-    ah, al = _split(o, a)
-    bh, bl = _split(o, b)
-    e = o.add(o.add(o.add(o.sub(o.mul(ah, bh), p), o.mul(ah, bl)), o.mul(al, bh)), o.mul(al, bl))
+    p = a * b
+    if has_feature(a.b.module, "fma"):
+        return p, a.fma(b, -p)
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    e = ah * bh - p + ah * bl + al * bh + al * bl
     return p, e
 
 
-def _two_sum(o: _Ops, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _two_sum(a: Value, b: Value) -> tuple[Value, Value]:
     """Knuth's sum: a + b = s + e exactly."""
-    s = o.add(a, b)
-    bb = o.sub(s, a)
-    return s, o.add(o.sub(a, o.sub(s, bb)), o.sub(b, bb))
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
 
 
 # -- building blocks ---------------------------------------------------------------------------
 
-def _exp_parts(o: _Ops, hi: ir.Value, lo: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
+def _exp_parts(hi: Value, lo: Value | None = None) -> tuple[Value, Value]:
     """exp(hi + lo) as a pair (m, s) with exp = m * s, where m is normal and s a power of two.
 
     k = round((hi + lo) / ln2) and r = hi + lo - k * ln2 (Cody-Waite: k * LN2_HI is exact, and so,
@@ -298,21 +251,22 @@ def _exp_parts(o: _Ops, hi: ir.Value, lo: ir.Value | None = None) -> tuple[ir.Va
     by s = 2^k2. A caller may scale m first (x * exp(z) = (m * x) * s) to keep that single
     rounding. `lo` carries the low part of an argument known to more than working precision.
     """
-    lo_limit, hi_limit = _EXP_CLAMP[o.bits]
-    hi = o.clamp(hi, lo_limit, hi_limit)
-    whole = hi if lo is None else o.add(hi, lo)
-    k, ki = o.round_int(o.mul(whole, o.c(1 / math.log(2))))
-    r = o.sub(hi, o.mul(k, o.c(_LN2_HI[o.bits])))
+    bits = _format(hi).bits
+    lo_limit, hi_limit = _EXP_CLAMP[bits]
+    hi = _clamp(hi, lo_limit, hi_limit)
+    whole = hi if lo is None else hi + lo
+    k, ki = _round_int(whole * (1 / math.log(2)))
+    r = hi - k * _LN2_HI[bits]
     if lo is not None:
-        r = o.add(r, lo)
-    r = o.sub(r, o.mul(k, o.c(_LN2_LO[o.bits])))
-    p = o.add(o.c(1.0), o.fma(o.mul(r, r), o.poly(r, _EXP[o.bits]), r))
-    k1 = o.builder.ashr(ki, o.ic(1))
-    k2 = o.builder.sub(ki, k1)
-    return o.mul(p, o.pow2(k1)), o.pow2(k2)
+        r = r + lo
+    r = r - k * _LN2_LO[bits]
+    p = 1.0 + (r * r).mul_add(_poly(r, _EXP[bits]), r)
+    k1 = ki.shift_right(1)
+    k2 = ki - k1
+    return p * _pow2(k1, hi.dtype), _pow2(k2, hi.dtype)
 
 
-def _logistic_parts(o: _Ops, z: ir.Value, z_lo: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
+def _logistic_parts(z: Value, z_lo: Value | None = None) -> tuple[Value, Value, Value]:
     """Pieces of sigmoid(z + z_lo): e = exp(-|z + z_lo|) as (m, s), and the denominator 1 + e.
 
     sigmoid(z) = 1 / (1 + e) for z >= 0 and e / (1 + e) for z < 0; neither form cancels or
@@ -320,24 +274,24 @@ def _logistic_parts(o: _Ops, z: ir.Value, z_lo: ir.Value | None = None) -> tuple
     """
     negative_lo = None
     if z_lo is not None:
-        negative_lo = o.select(o.cmp("<", z, o.c(0.0)), z_lo, o.builder.fneg(z_lo))
-    m, s = _exp_parts(o, o.builder.fneg(o.abs(z)), negative_lo)
-    return m, s, o.add(o.c(1.0), o.mul(m, s))
+        negative_lo = (z < 0.0).where(z_lo, -z_lo)
+    m, s = _exp_parts(-z.abs(), negative_lo)
+    return m, s, 1.0 + m * s
 
 
-def _scaled_logistic(o: _Ops, x: ir.Value, z: ir.Value, z_lo: ir.Value | None = None) -> ir.Value:
+def _scaled_logistic(x: Value, z: Value, z_lo: Value | None = None) -> Value:
     """x * sigmoid(z) for z with the sign of x, rounded once even when the result is subnormal.
 
     For x = -inf the limit -0 is returned (x * sigmoid(x) -> 0), not NaN.
     """
-    m, s, denominator = _logistic_parts(o, z, z_lo)
-    positive = o.cmp(">=", z, o.c(0.0))
+    m, s, denominator = _logistic_parts(z, z_lo)
+    positive = z >= 0.0
     # one division serves both signs: x / (1 + e) above zero, m * (x / (1 + e)) * s below
-    quotient = o.div(o.select(positive, x, o.clamp(x, _EXP_CLAMP[o.bits][0], 0.0)), denominator)
-    return o.select(positive, quotient, o.mul(o.mul(m, quotient), s))
+    quotient = positive.where(x, _clamp(x, _EXP_CLAMP[_format(x).bits][0], 0.0)) / denominator
+    return positive.where(quotient, m * quotient * s)
 
 
-def _erfc_tail(o: _Ops, v: ir.Value, gelu: bool) -> tuple[ir.Value, ir.Value, ir.Value]:
+def _erfc_tail(v: Value, gelu: bool) -> tuple[Value, Value, Value]:
     """erfc(u) with u = v, or for Gelu 0.5 * v * erfc(u) with u = v / sqrt2, as a triple (m, s, q)
     with value (m * q) * s; valid for u >= 0.5. v is first clamped to where the value underflows.
 
@@ -347,27 +301,28 @@ def _erfc_tail(o: _Ops, v: ir.Value, gelu: bool) -> tuple[ir.Value, ir.Value, ir
     0.5 * v * exp(-u^2) * S / u = exp(-u^2 - ln(2)/2) * S: the constant joins the low part of
     the exponent and no division is needed.
     """
-    v = o.min_const(v, _ERFC_MAX[o.bits] * (math.sqrt(2) if gelu else 1.0))
-    u = o.mul(v, o.c(math.sqrt(0.5))) if gelu else v
-    kept = (o.mant + 1) // 2
-    vh = o.from_int(o.builder.and_(o.to_int(v), o.ic(-(1 << (o.mant + 1 - kept)))))
-    scale = o.c(-0.5 if gelu else -1.0)
-    square_hi = o.mul(o.mul(vh, vh), scale)
-    square_lo = o.mul(o.mul(o.sub(v, vh), o.add(v, vh)), scale)
+    f = _format(v)
+    v = _min_const(v, _ERFC_MAX[f.bits] * (math.sqrt(2) if gelu else 1.0))
+    u = v * math.sqrt(0.5) if gelu else v
+    kept = (f.mant + 1) // 2
+    vh = (v.bitcast(f.int) & -(1 << (f.mant + 1 - kept))).bitcast(v.dtype)
+    scale = -0.5 if gelu else -1.0
+    square_hi = vh * vh * scale
+    square_lo = (v - vh) * (v + vh) * scale
     if gelu:
-        square_lo = o.sub(square_lo, o.c(math.log(2) / 2))
-    m, s = _exp_parts(o, square_hi, square_lo)
-    c = o.c(_ERFC_C[o.bits])
-    tail = o.poly(o.div(o.sub(u, c), o.add(u, c)), _ERFC_TAIL[o.bits])
-    return m, s, tail if gelu else o.div(tail, u)
+        square_lo = square_lo - math.log(2) / 2
+    m, s = _exp_parts(square_hi, square_lo)
+    c = _ERFC_C[f.bits]
+    tail = _poly((u - c) / (u + c), _ERFC_TAIL[f.bits])
+    return m, s, tail if gelu else tail / u
 
 
-def _erf_small(o: _Ops, a: ir.Value) -> ir.Value:
+def _erf_small(a: Value) -> Value:
     """erf(a) for |a| < 0.5."""
-    return o.fma(a, o.poly(o.mul(a, a), _ERF[o.bits]), a)
+    return a.mul_add(_poly(a * a, _ERF[_format(a).bits]), a)
 
 
-def _trig_parts(builder: ir.IRBuilder, x: ir.Value) -> tuple[_Ops, ir.Value, ir.Value, ir.Value]:
+def _trig_parts(x: Value) -> tuple[Value, Value, Value]:
     """sin(r), cos(r) and the quadrant k (an integer) with |x| = r + k * pi/2, |r| <= pi/4.
 
     The Cody-Waite reduction with a three-part pi/2 runs in double for both precisions: in
@@ -376,123 +331,120 @@ def _trig_parts(builder: ir.IRBuilder, x: ir.Value) -> tuple[_Ops, ir.Value, ir.
     gradually, and past 2^51 the quotient is meaningless, but r is clamped to [-pi/4, pi/4]
     (slightly widened) so sine and cosine stay in [-1, 1].
     """
-    o = _Ops(builder, x.type)
-    d = o.like(ir.DoubleType())
-    a = o.abs(x)
-    wide = a if o.bits == 64 else builder.fpext(a, d.ty)
-    k, ki = d.round_int(d.mul(wide, d.c(2 / math.pi)))
+    f = _format(x)
+    a = x.abs()
+    wide = a.cast(dtypes.DT_FLOAT64)
+    k, ki = _round_int(wide * (2 / math.pi))
     r = wide
     for part in _PIO2:
-        r = d.sub(r, d.mul(k, d.c(part)))
-    if o.bits == 32:
-        r = builder.fptrunc(r, o.ty)
-        ki = builder.trunc(ki, o.ity)
-    r = o.clamp(r, -_TRIG_CLAMP, _TRIG_CLAMP)
-    z = o.mul(r, r)
-    sin_r = o.fma(o.mul(r, z), o.poly(z, _SIN[o.bits]), r)
-    cos_r = o.fma(o.mul(z, z), o.poly(z, _COS[o.bits]), o.fma(z, o.c(-0.5), o.c(1.0)))
-    return o, sin_r, cos_r, ki
+        r = r - k * part
+    if f.bits == 32:
+        r = r.cast(x.dtype)
+        ki = ki.cast(f.int)
+    r = _clamp(r, -_TRIG_CLAMP, _TRIG_CLAMP)
+    z = r * r
+    sin_r = (r * z).mul_add(_poly(z, _SIN[f.bits]), r)
+    cos_r = (z * z).mul_add(_poly(z, _COS[f.bits]), z.mul_add(-0.5, 1.0))
+    return sin_r, cos_r, ki
 
 
-def _odd(o: _Ops, ki: ir.Value) -> ir.Value:
-    return o.builder.icmp_unsigned("!=", o.builder.and_(ki, o.ic(1)), o.ic(0))
+def _odd(ki: Value) -> Value:
+    return (ki & 1).not_equal(0)
 
 
-def _sign_of(o: _Ops, x: ir.Value) -> ir.Value:
+def _sign_of(x: Value) -> Value:
     """The sign bit of x, as an integer mask."""
-    return o.builder.and_(o.to_int(x), o.ic(-(1 << (o.bits - 1))))
+    f = _format(x)
+    return x.bitcast(f.int) & -(1 << (f.bits - 1))
 
 
-def _sin_cos(builder: ir.IRBuilder, x: ir.Value, cosine: bool) -> ir.Value:
+def _sin_cos(x: Value, cosine: bool) -> Value:
     """sin(x) or cos(x) from `_trig_parts`: quadrant k mod 4 picks sin or cos of r and the
     sign; sin is odd, so it takes x's sign back."""
-    o, sin_r, cos_r, ki = _trig_parts(builder, x)
+    sin_r, cos_r, ki = _trig_parts(x)
+    f = _format(x)
     if cosine:
-        ki = builder.add(ki, o.ic(1))
-    result = o.select(_odd(o, ki), cos_r, sin_r)
-    sign = builder.shl(builder.and_(ki, o.ic(2)), o.ic(o.bits - 2))
+        ki = ki + 1
+    result = _odd(ki).where(cos_r, sin_r)
+    sign = (ki & 2).shift_left(f.bits - 2)
     if not cosine:
-        sign = builder.xor(sign, _sign_of(o, x))
-    return o.from_int(builder.xor(o.to_int(result), sign))
+        sign = sign ^ _sign_of(x)
+    return (result.bitcast(f.int) ^ sign).bitcast(x.dtype)
 
 
-def _tan_cot(builder: ir.IRBuilder, x: ir.Value, cotangent: bool) -> ir.Value:
+def _tan_cot(x: Value, cotangent: bool) -> Value:
     """tan(x) or cot(x) of |x| = r + k * pi/2: tan is sin(r) / cos(r) for even k and
     -cos(r) / sin(r) for odd k (cot the reciprocals); both are odd, so x's sign comes back."""
-    o, sin_r, cos_r, ki = _trig_parts(builder, x)
-    odd = _odd(o, ki)
-    swap = builder.not_(odd) if cotangent else odd
-    quotient = o.div(o.select(swap, cos_r, sin_r), o.select(swap, sin_r, cos_r))
-    result = o.select(odd, builder.fneg(quotient), quotient)
-    return o.from_int(builder.xor(o.to_int(result), _sign_of(o, x)))
+    sin_r, cos_r, ki = _trig_parts(x)
+    odd = _odd(ki)
+    swap = ~odd if cotangent else odd
+    quotient = swap.where(cos_r, sin_r) / swap.where(sin_r, cos_r)
+    result = odd.where(-quotient, quotient)
+    return (result.bitcast(_format(x).int) ^ _sign_of(x)).bitcast(x.dtype)
 
 
-def _atan_positive(d: _Ops, a: ir.Value) -> ir.Value:
+def _atan_positive(a: Value) -> Value:
     """atan(a) for a >= 0, fdlibm's scheme: a is reduced to t = (a - c) / (1 + c * a) for
     the c nearest it (t = -1 / a above 39/16), |t| <= 7/16, and atan(a) = atan(c) + atan(t)
     with atan(c) known to twice the precision. Each a - c is exact (Sterbenz)."""
-    numerator, denominator, hi, lo = a, d.c(1.0), d.c(0.0), d.c(0.0)
+    numerator, denominator, hi, lo = a, a.constant(1.0), a.constant(0.0), a.constant(0.0)
     for bound, (c, base_hi, base_lo) in zip(_ATAN_BOUNDS, _ATAN_BASES):
-        above = d.cmp(">=", a, d.c(bound))
+        above = a >= bound
         if math.isinf(c):
-            n, m = d.c(-1.0), a
+            n, m = a.constant(-1.0), a
         else:
-            n, m = d.sub(a, d.c(c)), d.fma(a, d.c(c), d.c(1.0))
-        numerator = d.select(above, n, numerator)
-        denominator = d.select(above, m, denominator)
-        hi = d.select(above, d.c(base_hi), hi)
-        lo = d.select(above, d.c(base_lo), lo)
-    t = d.div(numerator, denominator)
-    z = d.mul(t, t)
-    tail = d.sub(d.mul(d.mul(t, z), d.poly(z, _ATAN)), lo)
-    return d.sub(hi, d.sub(tail, t))
+            n, m = a - c, a.mul_add(c, 1.0)
+        numerator = above.where(n, numerator)
+        denominator = above.where(m, denominator)
+        hi = above.where(base_hi, hi)
+        lo = above.where(base_lo, lo)
+    t = numerator / denominator
+    z = t * t
+    tail = t * z * _poly(z, _ATAN) - lo
+    return hi - (tail - t)
 
 
-def _log1p(d: _Ops, y: ir.Value) -> ir.Value:
+def _log1p(y: Value) -> Value:
     """log(1 + y) as log(u) + (y - (u - 1)) / u with u = 1 + y rounded: the quotient puts
     back, to first order, what rounding u lost. Where u rounds to 1 the result is y itself
     (its sign of zero too)."""
-    u = d.add(d.c(1.0), y)
-    correction = d.div(d.sub(y, d.sub(u, d.c(1.0))), u)
-    finite = d.builder.and_(d.cmp(">", u, d.c(0.0)), d.cmp("<", u, d.c(2.0**53)))
-    result = d.add(log(d.builder, u), d.select(finite, correction, d.c(0.0)))
-    return d.select(d.cmp("==", u, d.c(1.0)), y, result)
+    u = 1.0 + y
+    correction = (y - (u - 1.0)) / u
+    finite = (u > 0.0) & (u < 2.0**53)
+    result = log(u) + finite.where(correction, 0.0)
+    return u.equal(1.0).where(y, result)
 
 
-def _acosh(d: _Ops, y: ir.Value, t: ir.Value) -> ir.Value:
+def _acosh(y: Value, t: Value) -> Value:
     """acosh(y), given t = y - 1 to full relative accuracy (near y = 1 everything hangs on it):
     log1p(t + sqrt(2t + t^2)) up to y = 2, log(2y - 1 / (y + sqrt(y^2 - 1))) above, and
     log(y) + log(2) where y^2 - 1 rounds to y^2. NaN below 1."""
-    small = _log1p(d, d.add(t, d.builder.call(_sqrt(d), [d.fma(t, t, d.add(t, t))])))
-    root = d.builder.call(_sqrt(d), [d.fma(y, y, d.c(-1.0))])
-    middle = log(d.builder, d.sub(d.add(y, y), d.div(d.c(1.0), d.add(y, root))))
-    large = d.add(log(d.builder, y), d.c(math.log(2)))
-    result = d.select(d.cmp(">", y, d.c(_ARC_HYPERBOLIC_LARGE)), large, d.select(d.cmp(">", y, d.c(2.0)), middle, small))
-    return d.select(d.cmp("<", y, d.c(1.0)), d.c(math.nan), result)
+    small = _log1p(t + t.mul_add(t, t + t).sqrt())
+    root = y.mul_add(y, -1.0).sqrt()
+    middle = log(y + y - 1.0 / (y + root))
+    large = log(y) + math.log(2)
+    result = (y > _ARC_HYPERBOLIC_LARGE).where(large, (y > 2.0).where(middle, small))
+    return (y < 1.0).where(math.nan, result)
 
 
-def _sqrt(o: _Ops) -> ir.Function:
-    return intrinsic(o.builder.module, "llvm.sqrt", o.ty)
-
-
-def _exp_half(d: _Ops, a: ir.Value) -> ir.Value:
+def _exp_half(a: Value) -> Value:
     """exp(a) / 2 for a >= 0, finite up to where sinh and cosh overflow."""
-    m, s = _exp_parts(d, a)
-    half = d.mul(d.mul(m, d.c(0.5)), s)
-    return d.select(d.cmp(">", a, d.c(_HYPERBOLIC_OVERFLOW)), d.c(math.inf), half)
+    m, s = _exp_parts(a)
+    half = m * 0.5 * s
+    return (a > _HYPERBOLIC_OVERFLOW).where(math.inf, half)
 
 
-def _reciprocal_exp(d: _Ops, a: ir.Value, sign: float) -> ir.Value:
+def _reciprocal_exp(a: Value, sign: float) -> Value:
     """2e / (1 + sign * e^2) with e = exp(-a), a >= 0: sech (sign 1) and, for a not small,
     |csch| (sign -1). e = m * s is applied last, so a subnormal result is rounded once."""
-    m, s = _exp_parts(d, d.builder.fneg(a))
-    e = d.mul(m, s)
-    return d.mul(d.div(d.add(m, m), d.fma(d.mul(e, e), d.c(sign), d.c(1.0))), s)
+    m, s = _exp_parts(-a)
+    e = m * s
+    return (m + m) / (e * e).mul_add(sign, 1.0) * s
 
 
 # -- public functions --------------------------------------------------------------------------
 
-Function = Callable[[ir.IRBuilder, ir.Value], ir.Value]
+Function = Callable[[Value], Value]
 
 
 def _nan_in_nan_out(function: Function) -> Function:
@@ -501,145 +453,139 @@ def _nan_in_nan_out(function: Function) -> Function:
     which instruction selection may commute differently at different vector widths."""
 
     @functools.wraps(function)
-    def wrapped(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
-        result = function(builder, x)
-        return builder.select(builder.fcmp_unordered("uno", x, x), builder.fadd(x, x), result)
+    def wrapped(x: Value) -> Value:
+        result = function(x)
+        return x.not_equal(x).where(x + x, result)
 
     return wrapped
 
 
 @_nan_in_nan_out
-def exp(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def exp(x: Value) -> Value:
     """e^x; overflows to inf above log(max), underflows through the subnormals to 0."""
-    o = _Ops(builder, x.type)
-    m, s = _exp_parts(o, x)
-    return o.mul(m, s)
+    m, s = _exp_parts(x)
+    return m * s
 
 
 @_nan_in_nan_out
-def log(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def log(x: Value) -> Value:
     """Natural logarithm, fdlibm's scheme: x = 2^k * m with m in [sqrt(1/2), sqrt(2)), found
     from the encoding (subnormals are first scaled by 2^(p+1)); with f = m - 1 and
     s = f / (2 + f), log(m) = f - f^2/2 + s * (f^2/2 + z * Q(z)), z = s^2, and
     log(x) = k * ln2 + log(m) with ln2 split so that k * LN2_HI is exact.
     log(0) = -inf, log(x < 0) = NaN, log(inf) = inf."""
-    o = _Ops(builder, x.type)
-    b = builder
-    tiny = o.cmp("<", x, o.c(2.0 ** (1 - o.bias)))
-    normal = o.select(tiny, o.mul(x, o.c(2.0 ** (o.mant + 1))), x)
+    o = _format(x)
+    tiny = x < 2.0 ** (1 - o.bias)
+    normal = tiny.where(x * 2.0 ** (o.mant + 1), x)
     sqrt_half = _float_bits(math.sqrt(0.5), o.bits)
-    bits = b.add(o.to_int(normal), o.ic(_float_bits(1.0, o.bits) - sqrt_half))
-    k = b.sub(b.ashr(bits, o.ic(o.mant)), o.ic(o.bias))
-    k = b.sub(k, b.select(tiny, o.ic(o.mant + 1), o.ic(0)))
-    m = o.from_int(b.add(b.and_(bits, o.ic((1 << o.mant) - 1)), o.ic(sqrt_half)))
-    f = o.sub(m, o.c(1.0))
-    s = o.div(f, o.add(o.c(2.0), f))
-    z = o.mul(s, s)
-    half_f2 = o.mul(o.mul(f, f), o.c(0.5))
-    kf = b.sitofp(k, o.ty)
-    result = o.fma(s, o.add(half_f2, o.mul(z, o.poly(z, _LOG[o.bits]))), o.mul(kf, o.c(_LN2_LO[o.bits])))
-    result = o.add(o.add(o.sub(result, half_f2), f), o.mul(kf, o.c(_LN2_HI[o.bits])))
-    result = o.select(o.cmp("<", x, o.c(0.0)), o.c(math.nan), result)
-    result = o.select(o.cmp("==", x, o.c(0.0)), o.c(-math.inf), result)
-    return o.select(o.cmp("==", x, o.c(math.inf)), o.c(math.inf), result)
+    bits = normal.bitcast(o.int) + (_float_bits(1.0, o.bits) - sqrt_half)
+    k = bits.shift_right(o.mant) - o.bias
+    k = k - tiny.where(o.mant + 1, k.constant(0))
+    m = ((bits & ((1 << o.mant) - 1)) + sqrt_half).bitcast(x.dtype)
+    f = m - 1.0
+    s = f / (2.0 + f)
+    z = s * s
+    half_f2 = f * f * 0.5
+    kf = k.cast(x.dtype)
+    result = s.mul_add(half_f2 + z * _poly(z, _LOG[o.bits]), kf * _LN2_LO[o.bits])
+    result = result - half_f2 + f + kf * _LN2_HI[o.bits]
+    result = (x < 0.0).where(math.nan, result)
+    result = x.equal(0.0).where(-math.inf, result)
+    return x.equal(math.inf).where(math.inf, result)
 
 
 @_nan_in_nan_out
-def tanh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def tanh(x: Value) -> Value:
     """Hyperbolic tangent: an odd polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above (where
     the subtraction loses less than a bit), with x's sign; tiny x gives x, large |x| gives ±1."""
-    o = _Ops(builder, x.type)
-    a = o.abs(x)
-    z = o.mul(a, a)
-    small = o.fma(o.mul(a, z), o.poly(z, _TANH[o.bits]), a)
-    m, s = _exp_parts(o, o.add(a, a))
-    large = o.sub(o.c(1.0), o.div(o.c(2.0), o.add(o.mul(m, s), o.c(1.0))))
-    return o.copysign(o.select(o.cmp("<", a, o.c(_TANH_CUT)), small, large), x)
+    a = x.abs()
+    z = a * a
+    small = (a * z).mul_add(_poly(z, _TANH[_format(x).bits]), a)
+    m, s = _exp_parts(a + a)
+    large = 1.0 - 2.0 / (m * s + 1.0)
+    return (a < _TANH_CUT).where(small, large).copysign(x)
 
 
 @_nan_in_nan_out
-def sigmoid(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def sigmoid(x: Value) -> Value:
     """1 / (1 + e^-x), from e = exp(-|x|) as 1 / (1 + e) or e / (1 + e), so it is accurate in
     both tails: 1 for large x, subnormal down to 0 for very negative x."""
-    o = _Ops(builder, x.type)
-    m, s, denominator = _logistic_parts(o, x)
-    numerator = o.select(o.cmp(">=", x, o.c(0.0)), o.c(1.0), o.mul(m, s))
-    return o.div(numerator, denominator)
+    m, s, denominator = _logistic_parts(x)
+    numerator = (x >= 0.0).where(1.0, m * s)
+    return numerator / denominator
 
 
 @_nan_in_nan_out
-def silu(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def silu(x: Value) -> Value:
     """x * sigmoid(x) (swish); silu(-inf) = -0, the limit."""
-    return _scaled_logistic(_Ops(builder, x.type), x, x)
+    return _scaled_logistic(x, x)
 
 
 @_nan_in_nan_out
-def erf(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def erf(x: Value) -> Value:
     """Error function, with x's sign: in float32 x + x * P(x^2) below 1, 1 - exp(-x^2) * E(t)
     above (`_ERF32_CUT`); in float64 x + x * P(x^2) below 0.5, 1 - erfc(|x|) above with erfc
     from the tail approximation."""
-    o = _Ops(builder, x.type)
-    a = o.abs(x)
-    if o.bits == 32:
-        small = o.fma(a, o.poly(o.mul(a, a), _ERF32_SMALL), a)
-        v = o.min_const(a, _ERF32_ONE)
-        t = o.fma(v, o.c(1 / _ERFCX32_HALF), o.c(-_ERFCX32_MID / _ERFCX32_HALF))
+    a = x.abs()
+    if _format(x).bits == 32:
+        small = a.mul_add(_poly(a * a, _ERF32_SMALL), a)
+        v = _min_const(a, _ERF32_ONE)
+        t = v.mul_add(1 / _ERFCX32_HALF, -_ERFCX32_MID / _ERFCX32_HALF)
         # exp(-x²), unclamped: past _ERF32_ONE it only shrinks, and erf stays 1. The same
         # exp of the same -(x·x) elsewhere in a program (Gelu's gradient: its density) is
         # then the same instructions, which LLVM computes once.
-        m, s = _exp_parts(o, o.builder.fneg(o.mul(x, x)))
-        large = o.sub(o.c(1.0), o.mul(o.mul(m, o.poly(t, _ERFCX32)), s))
-        return o.copysign(o.select(o.cmp("<", a, o.c(_ERF32_CUT)), small, large), x)
-    m, s, q = _erfc_tail(o, a, gelu=False)
-    large = o.sub(o.c(1.0), o.mul(o.mul(m, q), s))
-    return o.copysign(o.select(o.cmp("<", a, o.c(_ERF_CUT)), _erf_small(o, a), large), x)
+        m, s = _exp_parts(-(x * x))
+        large = 1.0 - m * _poly(t, _ERFCX32) * s
+        return (a < _ERF32_CUT).where(small, large).copysign(x)
+    m, s, q = _erfc_tail(a, gelu=False)
+    large = 1.0 - m * q * s
+    return (a < _ERF_CUT).where(_erf_small(a), large).copysign(x)
 
 
 @_nan_in_nan_out
-def gelu_erf(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def gelu_erf(x: Value) -> Value:
     """Exact Gelu, 0.5 * x * (1 + erf(x / sqrt2)). Where |x| / sqrt2 >= 0.5 it is
     x - 0.5 * x * erfc(u) for x > 0 and 0.5 * x * erfc(u) for x < 0 (u = |x| / sqrt2), so the
     negative tail keeps its relative accuracy down to the subnormals; gelu_erf(-inf) = -0."""
-    o = _Ops(builder, x.type)
-    a = o.abs(x)
-    u = o.mul(a, o.c(math.sqrt(0.5)))
-    small = o.mul(x, o.fma(o.copysign(o.c(0.5), x), _erf_small(o, u), o.c(0.5)))
-    m, s, q = _erfc_tail(o, a, gelu=True)
-    tail = o.mul(o.mul(m, q), s)
-    large = o.select(o.cmp(">=", x, o.c(0.0)), o.sub(x, tail), o.builder.fneg(tail))
-    return o.select(o.cmp("<", u, o.c(_ERF_CUT)), small, large)
+    a = x.abs()
+    u = a * math.sqrt(0.5)
+    small = x * x.constant(0.5).copysign(x).mul_add(_erf_small(u), 0.5)
+    m, s, q = _erfc_tail(a, gelu=True)
+    tail = m * q * s
+    large = (x >= 0.0).where(x - tail, -tail)
+    return (u < _ERF_CUT).where(small, large)
 
 
 @_nan_in_nan_out
-def gelu_tanh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def gelu_tanh(x: Value) -> Value:
     """Tanh-approximated Gelu, 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), computed
     as x * sigmoid(2y). 2y is formed in double-word arithmetic (Dekker products, hi + lo
     constants): the relative error of exp(2y) is |2y| times that of 2y, which would reach
     hundreds of ulps in the negative tail. gelu_tanh(-inf) = -0."""
-    o = _Ops(builder, x.type)
-    xc = o.clamp(x, -_GELU_CLAMP, _GELU_CLAMP)
-    g1_hi, g1_lo = (o.c(v) for v in _GELU_G1[o.bits])
-    g2_hi, g2_lo = (o.c(v) for v in _GELU_G2[o.bits])
-    sq_hi, sq_lo = _two_prod(o, xc, xc)
-    p_hi, p_lo = _two_prod(o, g2_hi, sq_hi)
-    p_lo = o.add(p_lo, o.add(o.mul(g2_hi, sq_lo), o.mul(g2_lo, sq_hi)))
-    t_hi, t_lo = _two_sum(o, g1_hi, p_hi)
-    t_lo = o.add(t_lo, o.add(p_lo, g1_lo))
-    z_hi, z_lo = _two_prod(o, xc, t_hi)
-    z_lo = o.add(z_lo, o.mul(xc, t_lo))
-    return _scaled_logistic(o, x, z_hi, z_lo)
+    bits = _format(x).bits
+    xc = _clamp(x, -_GELU_CLAMP, _GELU_CLAMP)
+    g1_hi, g1_lo = (x.constant(v) for v in _GELU_G1[bits])
+    g2_hi, g2_lo = (x.constant(v) for v in _GELU_G2[bits])
+    sq_hi, sq_lo = _two_prod(xc, xc)
+    p_hi, p_lo = _two_prod(g2_hi, sq_hi)
+    p_lo = p_lo + (g2_hi * sq_lo + g2_lo * sq_hi)
+    t_hi, t_lo = _two_sum(g1_hi, p_hi)
+    t_lo = t_lo + (p_lo + g1_lo)
+    z_hi, z_lo = _two_prod(xc, t_hi)
+    z_lo = z_lo + xc * t_lo
+    return _scaled_logistic(x, z_hi, z_lo)
 
 
 @_nan_in_nan_out
-def sin(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def sin(x: Value) -> Value:
     """Sine; see `_sin_cos` for the range reduction. sin(±inf) = NaN."""
-    return _sin_cos(builder, x, cosine=False)
+    return _sin_cos(x, cosine=False)
 
 
 @_nan_in_nan_out
-def cos(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def cos(x: Value) -> Value:
     """Cosine; see `_sin_cos` for the range reduction. cos(±inf) = NaN."""
-    return _sin_cos(builder, x, cosine=True)
+    return _sin_cos(x, cosine=True)
 
 
 def _in_double(function: Function) -> Function:
@@ -648,193 +594,177 @@ def _in_double(function: Function) -> Function:
     ulp; these functions (rarer in models than exp or tanh) get one implementation."""
 
     @functools.wraps(function)
-    def wrapped(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
-        o = _Ops(builder, x.type)
-        if o.bits == 64:
-            return function(builder, x)
-        wide = builder.fpext(x, o.like(ir.DoubleType()).ty)
-        return builder.fptrunc(function(builder, wide), x.type)
+    def wrapped(x: Value) -> Value:
+        if x.dtype == dtypes.DT_FLOAT64:
+            return function(x)
+        return function(x.cast(dtypes.DT_FLOAT64)).cast(x.dtype)
 
     return wrapped
 
 
 @_nan_in_nan_out
 @_in_double
-def tan(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def tan(x: Value) -> Value:
     """Tangent; the reduction is sin's and cos's. tan(±inf) = NaN."""
-    return _tan_cot(builder, x, cotangent=False)
+    return _tan_cot(x, cotangent=False)
 
 
 @_nan_in_nan_out
 @_in_double
-def cot(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def cot(x: Value) -> Value:
     """Cotangent, 1 / tan(x); cot(±0) = ±inf."""
-    return _tan_cot(builder, x, cotangent=True)
+    return _tan_cot(x, cotangent=True)
 
 
 @_nan_in_nan_out
 @_in_double
-def atan(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def atan(x: Value) -> Value:
     """Arctangent, in (-pi/2, pi/2); atan(±inf) = ±pi/2."""
-    d = _Ops(builder, x.type)
-    return d.copysign(_atan_positive(d, d.abs(x)), x)
+    return _atan_positive(x.abs()).copysign(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def asin(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def asin(x: Value) -> Value:
     """Arcsine, atan(x / sqrt((1 - x)(1 + x))): 1 - |x| is exact where it matters (|x| >= 1/2),
     so the argument keeps its relative accuracy up to ±1. NaN beyond."""
-    d = _Ops(builder, x.type)
-    a = d.abs(x)
-    root = builder.call(_sqrt(d), [d.mul(d.sub(d.c(1.0), a), d.add(d.c(1.0), a))])
-    return d.copysign(_atan_positive(d, d.div(a, root)), x)
+    a = x.abs()
+    root = ((1.0 - a) * (1.0 + a)).sqrt()
+    return _atan_positive(a / root).copysign(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def acos(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def acos(x: Value) -> Value:
     """Arccosine, 2 atan(sqrt((1 - x) / (1 + x))), accurate at both ends (1 - x and 1 + x are
     exact there); in [0, pi], NaN beyond ±1."""
-    d = _Ops(builder, x.type)
-    ratio = d.div(d.sub(d.c(1.0), x), d.add(d.c(1.0), x))
-    angle = _atan_positive(d, builder.call(_sqrt(d), [ratio]))
-    return d.select(d.cmp("<", ratio, d.c(0.0)), d.c(math.nan), d.add(angle, angle))
+    ratio = (1.0 - x) / (1.0 + x)
+    angle = _atan_positive(ratio.sqrt())
+    return (ratio < 0.0).where(math.nan, angle + angle)
 
 
 @_nan_in_nan_out
 @_in_double
-def sinh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def sinh(x: Value) -> Value:
     """Hyperbolic sine: its Taylor series below 1 (where e^x - e^-x would cancel), else
     (e^|x| - e^-|x|) / 2 with x's sign; ±inf beyond log(2 * DBL_MAX)."""
-    d = _Ops(builder, x.type)
-    a = d.abs(x)
-    z = d.mul(a, a)
-    small = d.fma(d.mul(a, z), d.poly(z, _SINH), a)
-    half = _exp_half(d, a)
-    large = d.sub(half, d.div(d.c(0.25), half))
-    return d.copysign(d.select(d.cmp("<", a, d.c(_SINH_CUT)), small, large), x)
+    a = x.abs()
+    z = a * a
+    small = (a * z).mul_add(_poly(z, _SINH), a)
+    half = _exp_half(a)
+    large = half - 0.25 / half
+    return (a < _SINH_CUT).where(small, large).copysign(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def cosh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def cosh(x: Value) -> Value:
     """Hyperbolic cosine, (e^|x| + e^-|x|) / 2 (no cancellation); inf beyond log(2 * DBL_MAX)."""
-    d = _Ops(builder, x.type)
-    half = _exp_half(d, d.abs(x))
-    return d.add(half, d.div(d.c(0.25), half))
+    half = _exp_half(x.abs())
+    return half + 0.25 / half
 
 
 @_nan_in_nan_out
 @_in_double
-def sech(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def sech(x: Value) -> Value:
     """Hyperbolic secant, 2e / (1 + e^2) with e = exp(-|x|): no overflow on the way, and the
     tail stays accurate through the subnormals."""
-    d = _Ops(builder, x.type)
-    return _reciprocal_exp(d, d.abs(x), 1.0)
+    return _reciprocal_exp(x.abs(), 1.0)
 
 
 @_nan_in_nan_out
 @_in_double
-def csch(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def csch(x: Value) -> Value:
     """Hyperbolic cosecant: 1 / sinh(x) below 1, 2e / (1 - e^2) with e = exp(-|x|) above
     (accurate through the subnormals), with x's sign; csch(±0) = ±inf."""
-    d = _Ops(builder, x.type)
-    a = d.abs(x)
-    small = d.div(d.c(1.0), sinh(builder, a))
-    return d.copysign(d.select(d.cmp("<", a, d.c(_SINH_CUT)), small, _reciprocal_exp(d, a, -1.0)), x)
+    a = x.abs()
+    small = 1.0 / sinh(a)
+    return (a < _SINH_CUT).where(small, _reciprocal_exp(a, -1.0)).copysign(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def log1p(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def log1p(x: Value) -> Value:
     """log(1 + x), accurate for small x; -inf at -1, NaN below."""
-    return _log1p(_Ops(builder, x.type), x)
+    return _log1p(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def asinh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def asinh(x: Value) -> Value:
     """Inverse hyperbolic sine (fdlibm's forms): log1p(a + a^2 / (1 + sqrt(1 + a^2))) up to
     a = |x| = 2, log(2a + 1 / (a + sqrt(a^2 + 1))) above, log(a) + log(2) for huge a; x's sign."""
-    d = _Ops(builder, x.type)
-    a = d.abs(x)
-    square = d.mul(a, a)
-    root = builder.call(_sqrt(d), [d.add(square, d.c(1.0))])
-    small = _log1p(d, d.add(a, d.div(square, d.add(d.c(1.0), root))))
-    middle = log(builder, d.add(d.add(a, a), d.div(d.c(1.0), d.add(a, root))))
-    large = d.add(log(builder, a), d.c(math.log(2)))
-    result = d.select(d.cmp(">", a, d.c(_ARC_HYPERBOLIC_LARGE)), large, d.select(d.cmp(">", a, d.c(2.0)), middle, small))
-    return d.copysign(result, x)
+    a = x.abs()
+    square = a * a
+    root = (square + 1.0).sqrt()
+    small = _log1p(a + square / (1.0 + root))
+    middle = log(a + a + 1.0 / (a + root))
+    large = log(a) + math.log(2)
+    result = (a > _ARC_HYPERBOLIC_LARGE).where(large, (a > 2.0).where(middle, small))
+    return result.copysign(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def acosh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def acosh(x: Value) -> Value:
     """Inverse hyperbolic cosine, for x >= 1 (NaN below)."""
-    d = _Ops(builder, x.type)
-    return _acosh(d, x, d.sub(x, d.c(1.0)))
+    return _acosh(x, x - 1.0)
 
 
 @_nan_in_nan_out
 @_in_double
-def asech(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def asech(x: Value) -> Value:
     """Inverse hyperbolic secant, acosh(1 / x) for 0 < x <= 1 with 1 / x - 1 formed as
     (1 - x) / x, exact but for one rounding, and log(2 / x) for tiny x; asech(0) = inf, NaN
     outside [0, 1]."""
-    d = _Ops(builder, x.type)
-    result = _acosh(d, d.div(d.c(1.0), x), d.div(d.sub(d.c(1.0), x), x))
+    result = _acosh(1.0 / x, (1.0 - x) / x)
     # log(2 / x) where acosh(1 / x) is log(1 / x) + log(2), without 1 / x overflowing.
-    tiny = d.sub(d.c(math.log(2)), log(builder, x))
-    return d.select(d.cmp("<", x, d.c(1 / _ARC_HYPERBOLIC_LARGE)), tiny, result)
+    tiny = math.log(2) - log(x)
+    return (x < 1 / _ARC_HYPERBOLIC_LARGE).where(tiny, result)
 
 
 @_nan_in_nan_out
 @_in_double
-def atanh(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def atanh(x: Value) -> Value:
     """Inverse hyperbolic tangent, log1p(2a / (1 - a)) / 2 with a = |x| and x's sign (below
     1/2 as 2a + 2a^2 / (1 - a), fdlibm's form); ±inf at ±1, NaN beyond."""
-    d = _Ops(builder, x.type)
-    a = d.abs(x)
-    twice = d.add(a, a)
-    rest = d.sub(d.c(1.0), a)
-    small = d.add(twice, d.div(d.mul(twice, a), rest))
-    argument = d.select(d.cmp("<", a, d.c(0.5)), small, d.div(twice, rest))
-    return d.copysign(d.mul(_log1p(d, argument), d.c(0.5)), x)
+    a = x.abs()
+    twice = a + a
+    rest = 1.0 - a
+    small = twice + twice * a / rest
+    argument = (a < 0.5).where(small, twice / rest)
+    return (_log1p(argument) * 0.5).copysign(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def acoth(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def acoth(x: Value) -> Value:
     """Inverse hyperbolic cotangent, atanh(1 / x) = log1p(2 / (|x| - 1)) / 2 with x's sign:
     |x| - 1 is exact near 1, where the value hangs on it. ±inf at ±1, NaN inside (-1, 1)."""
-    d = _Ops(builder, x.type)
-    a = d.abs(x)
-    return d.copysign(d.mul(_log1p(d, d.div(d.c(2.0), d.sub(a, d.c(1.0)))), d.c(0.5)), x)
+    a = x.abs()
+    return (_log1p(2.0 / (a - 1.0)) * 0.5).copysign(x)
 
 
 @_nan_in_nan_out
 @_in_double
-def asec(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def asec(x: Value) -> Value:
     """Inverse secant, acos(1 / x) = 2 atan(sqrt((x - 1) / (x + 1))): x ∓ 1 is exact near ±1,
     where the value hangs on it. In [0, pi], NaN inside (-1, 1); asec(±inf) = pi/2."""
-    d = _Ops(builder, x.type)
-    bounded = d.clamp(x, -(2.0**60), 2.0**60)  # (x - 1) / (x + 1) rounds to 1 long before
+    bounded = _clamp(x, -(2.0**60), 2.0**60)  # (x - 1) / (x + 1) rounds to 1 long before
     # As (1 - x) / (-1 - x), so that x = -1 divides by +0: the limit +inf from x < -1.
-    ratio = d.div(d.sub(d.c(1.0), bounded), d.sub(d.c(-1.0), bounded))
-    angle = _atan_positive(d, d.abs(builder.call(_sqrt(d), [ratio])))
-    return d.select(d.cmp("<", ratio, d.c(0.0)), d.c(math.nan), d.add(angle, angle))
+    ratio = (1.0 - bounded) / (-1.0 - bounded)
+    angle = _atan_positive(ratio.sqrt().abs())
+    return (ratio < 0.0).where(math.nan, angle + angle)
 
 
 @_nan_in_nan_out
 @_in_double
-def acsc(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def acsc(x: Value) -> Value:
     """Inverse cosecant, asin(1 / x) = atan(1 / sqrt(|x| - 1) sqrt(|x| + 1)) with x's sign
     (no overflow, exact |x| - 1 near 1). In [-pi/2, pi/2], NaN inside (-1, 1)."""
-    d = _Ops(builder, x.type)
-    a = d.abs(x)
-    roots = d.mul(builder.call(_sqrt(d), [d.sub(a, d.c(1.0))]), builder.call(_sqrt(d), [d.add(a, d.c(1.0))]))
-    return d.copysign(_atan_positive(d, d.div(d.c(1.0), roots)), x)
+    a = x.abs()
+    roots = (a - 1.0).sqrt() * (a + 1.0).sqrt()
+    return _atan_positive(1.0 / roots).copysign(x)
 
 
 FUNCTIONS: dict[str, Function] = {
@@ -874,4 +804,8 @@ def emit(kind: str, builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
         function = FUNCTIONS[kind]
     except KeyError:
         raise ValueError(f"unknown math function {kind!r}; known: {', '.join(FUNCTIONS)}") from None
-    return function(builder, value)
+    scalar = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+    if not isinstance(scalar, (ir.FloatType, ir.DoubleType)):
+        raise TypeError(f"mathlib works on float, double or vectors of them, not {value.type}")
+    dtype = dtypes.DT_FLOAT64 if isinstance(scalar, ir.DoubleType) else dtypes.DT_FLOAT32
+    return function(Value(builder, value, dtype)).ir
