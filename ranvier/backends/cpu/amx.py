@@ -251,7 +251,7 @@ def _emit_pack(module: ir.Module, k_along_rows: bool, transpose: bool) -> ir.Fun
                 valid = row < outer
                 origin = source + (row * ld + k0)
                 halves = [(origin + 16 * h).masked_load(_when(valid, mask)) for h, mask in enumerate((low, high))]
-                vectors.append(_pairs(*halves, interleave=False))
+                vectors.append(_pairs(halves[0], halves[1], interleave=False))
         else:
             # Pair p: source rows k0 + 2p and k0 + 2p + 1, interleaved, 16 columns wide.
             columns = _lane_mask(first, outer)

@@ -576,9 +576,9 @@ class _Emitter:
         with loop(b, 0, whole_steps, step=lanes, name="pb") as p:
             for part in range(self.vectors):
                 rows = []
-                for j in range(lanes):
-                    inside = columns > part * lanes + j
-                    row = column + inside.where(index_value(b, part * lanes + j), 0)
+                for e in range(lanes):
+                    inside = columns > part * lanes + e
+                    row = column + inside.where(index_value(b, part * lanes + e), 0)
                     value = (source + (row * ldb + (pc + p))).load(lanes, align=4)
                     rows.append(inside.where(value, self.zeros(b)))
                 for t, vector in enumerate(_transposed(rows)):
@@ -602,8 +602,7 @@ class _Emitter:
             row = source + ((pc + p) * ldb + column)
             for h, mask in enumerate(masks):
                 start = row + h * lanes
-                value = choose(whole, lambda start=start: start.load(lanes, align=4),
-                               lambda start=start, mask=mask: start.masked_load(mask))
+                value = choose(whole, functools.partial(start.load, lanes, align=4), functools.partial(start.masked_load, mask))
                 (panel + (p * nr + h * lanes)).store(value, align=self.aligned)
 
     def _lane_masks(self, start: Value, limit: Value, count: int) -> list[Value]:
