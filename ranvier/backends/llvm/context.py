@@ -20,9 +20,9 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Variable
 from .convert import narrow, widen
-from .irutil import I64, compute_type, constant, for_range, i64, load, storage_type, store, vector_of
+from .irutil import I64, compute_type, constant, i64, load, storage_type, store, vector_of
 from .loops import fold, for_vectors
-from .values import Local, Value, index_value
+from .values import Local, Value, index_value, loop
 
 
 class EmitContext:
@@ -94,8 +94,8 @@ class EmitContext:
     @contextmanager
     def loop(self, start: Value | int, stop: Value | int, step: int = 1, name: str = "i") -> Iterator[Value]:
         """`for (i = start; i < stop; i += step)` with an int64 Value i; the body is the with-block."""
-        with for_range(self.b, ir_of(start), ir_of(stop), step, name) as i:
-            yield index_value(self.b, i)
+        with loop(self.b, start, stop, step, name) as i:
+            yield i
 
     def local(self, dtype: str, lanes: int = 1, initial=None) -> Local:
         """A variable of the kernel (an accumulator, a running maximum)."""

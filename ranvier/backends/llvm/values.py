@@ -421,15 +421,22 @@ def index_value(b: ir.IRBuilder, value: ir.Value | int) -> Value:
 
 
 @contextmanager
-def loop(b: ir.IRBuilder, start: Value | int, stop: Value | int, step: int = 1, name: str = "i") -> Iterator[Value]:
+def loop(b: ir.IRBuilder, start: Value | ir.Value | int, stop: Value | ir.Value | int, step: int = 1,
+         name: str = "i") -> Iterator[Value]:
     """`for (i = start; i < stop; i += step)` over int64 Values; the body is the with-block."""
-    first, last = (x.ir if isinstance(x, Value) else constant(ir.IntType(64), x) for x in (start, stop))
+    first, last = (_index_ir(x) for x in (start, stop))
     with for_range(b, first, last, step, name) as index:
         yield index_value(b, index)
 
 
+def _index_ir(x: Value | ir.Value | int) -> ir.Value:
+    if isinstance(x, Value):
+        return x.ir
+    return constant(ir.IntType(64), x) if isinstance(x, int) else x
+
+
 @contextmanager
-def forever(b: ir.IRBuilder, name: str = "loop") -> Iterator[Any]:
+def forever(b: ir.IRBuilder, name: str = "loop") -> Iterator[Callable[[Value], None]]:
     """A loop whose with-block is its body, repeated until a `leave_if(condition)` the
     with-block calls finds its condition true (a `while (true) { ... if (c) break; ... }`)."""
     head, done = b.append_basic_block(f"{name}.head"), b.append_basic_block(f"{name}.done")
