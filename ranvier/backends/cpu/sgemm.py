@@ -865,6 +865,10 @@ class _Slice:
     same_columns: Value = dataclasses.field(init=False)  # whether the next block is these columns' next slice of k
     upcoming_pc: Value = dataclasses.field(init=False)  # the next block's first step of k
     upcoming_kc: Value = dataclasses.field(init=False)  # and its steps
+    accumulate: Value = dataclasses.field(init=False)  # whether C has the earlier slices' sums to add to
+    last_first: Value = dataclasses.field(init=False)  # the block's last panel's first column
+    edge_columns: Value = dataclasses.field(init=False)  # and its columns
+    dots: Value = dataclasses.field(init=False)  # whether that panel is dot products, not tiles
 
 
 class _Gemm:
@@ -911,24 +915,23 @@ class _Gemm:
         """C[m × n] = op(A) · op(B), then the entry returns."""
         b, emit, pairs = self.b, self.emit, self.pairs
         self.m, self.n, self.k, self.a, self.lda, self.c, self.ldc = m, n, k, a, lda, c, ldc
-        transposed = ta.not_equal(0)
-        sa, sk = transposed.where(1, lda), transposed.where(lda, 1)
+        self.transposed = transposed = ta.not_equal(0)
+        self.sa, self.sk = transposed.where(1, lda), transposed.where(lda, 1)
         # A strip read in place touches a cache line per step of k when A is transposed (MR
         # values side by side, rows lda apart), or MR lines of one L1 set when rows are a
         # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
         # A strip on pairs is always copied: into pairs.
-        copy_a = Value(b, ir.Constant(I1, 1), DT_BOOL) if pairs else transposed | (lda & 1023).equal(0)
+        self.copy_a = Value(b, ir.Constant(I1, 1), DT_BOOL) if pairs else transposed | (lda & 1023).equal(0)
         if pairs:
-            strip_copy = stack(b, DT_INT32, emit.mr * PAIRS_KC // 2, align=64)  # its rows are stored as aligned vectors
+            self.strip_copy = stack(b, DT_INT32, emit.mr * PAIRS_KC // 2, align=64)  # its rows are stored as aligned vectors
         else:
-            strip_copy = stack(b, DT_FLOAT32, max(emit.mr * KC, ROW_KC))
-        edge = stack(b, DT_FLOAT32, DOT_COLUMNS * ROW_KC)
+            self.strip_copy = stack(b, DT_FLOAT32, max(emit.mr * KC, ROW_KC))
+        self.edge = stack(b, DT_FLOAT32, DOT_COLUMNS * ROW_KC)
         nr, nc_max = index_value(b, emit.nr), index_value(b, self.block)
 
         with b.if_then(k.equal(0).ir), loop(b, 0, m, name="zi") as i, loop(b, 0, n, name="zj") as j:  # an empty sum: C is zeros
             c[i * ldc + j] = Value(b, ir.Constant(F32, 0.0), DT_FLOAT32)
 
-        mr = emit.mr
         # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
         depth = m.equal(1).where(ROW_KC, index_value(b, KC)) if self.narrow else index_value(b, PAIRS_KC if pairs else KC)
         slices = (k + (depth - 1)) // depth
@@ -940,76 +943,81 @@ class _Gemm:
             panels = (nc + (emit.nr - 1)) // nr
             with loop(b, 0, slices, name="slice") as number:
                 pc = number * slice_steps
-                kc = slice_steps.minimum(k - pc)
-                s = _Slice(jc, nc, pc, kc)
-                self.pack_block(s)
-                accumulate = pc > 0
-                # a narrow last panel as dot products, where A's rows are read in place (k contiguous)
-                last_first = (panels - 1) * nr
-                edge_columns = nc - last_first
-                # (not on pairs: A's strip is copied)
-                dots = Value(b, ir.Constant(I1, 0), DT_BOOL) if pairs else ~copy_a & (edge_columns <= DOT_COLUMNS)
-                if not pairs:
-                    with b.if_then(dots.ir):
-                        last = self.panel(s, last_first)
-                        with loop(b, 0, edge_columns, name="ej") as j, loop(b, 0, kc, name="ep") as p:
-                            edge[j * ROW_KC + p] = last[p * nr + j]
-                s.tiled_panels = panels - dots.cast(DT_INT64)
-
-                # the next block: these columns' next slice of k, else the next columns' first slice
-                next_pc = pc + kc
-                s.same_columns = next_pc < k
-                s.upcoming_pc = s.same_columns.where(next_pc, 0)
-                s.upcoming_kc = slice_steps.minimum(k - s.upcoming_pc)
-                s.strips = (m + (mr - 1)) // mr
-                self.prepare_ahead(s, copy_a)
-
-                def next_strip_of_a(i0: Value, s: _Slice = s) -> list[Any]:
-                    """The lines of the next strip's rows of A (this slice of k; after the last
-                    strip, the first strip's next slice), for the strip's first tile to bring into L2
-                    as it computes: a strip reads a few short runs, too short for the hardware's
-                    prefetchers to follow from memory. (ahead, run, stride, lines) as a tile takes them."""
-                    following = i0 + mr
-                    wraps = following >= m
-                    row = wraps.where(0, following)
-                    steps_in = wraps.where(s.pc + s.kc, s.pc)
-                    run = s.kc // _LINE_FLOATS + 1
-                    rows_left = index_value(b, mr).minimum(m - row)
-                    wanted = ~transposed & (steps_in < k)
-                    lines = wanted.where(rows_left * run, 0)
-                    return [a + (row * lda + steps_in), run, lda, lines]
-
-                def strip(i0_ir: ir.Value, rows: int, s: _Slice = s, accumulate: Value = accumulate, dots: Value = dots,
-                          last_first: Value = last_first, edge_columns: Value = edge_columns) -> None:
-                    i0 = index_value(b, i0_ir)
-                    strip_a = a + (i0 * sa + s.pc * sk)
-                    if pairs:
-                        row_step, k_step = emit.copy_pairs(transposed, strip_a, sa, sk, s.kc, rows, strip_copy)
-                        read_a = strip_copy
-                    else:
-                        with b.if_then(copy_a.ir):
-                            emit.copy_strip(transposed, strip_a, sa, sk, s.kc, rows, strip_copy)
-                        read_a = copy_a.where(strip_copy, strip_a)
-                        row_step, k_step = copy_a.where(1, sa), copy_a.where(rows, sk)
-                    a_ahead = next_strip_of_a(i0)
-                    with loop(b, 0, s.tiled_panels, name="jr") as q:
-                        first = q * nr
-                        columns = nr.minimum(s.nc - first)
-                        arguments = [self.panel_rows(s.kc), read_a, row_step, k_step, self.panel(s, first),
-                                     c + (i0 * ldc + (s.jc + first)), ldc, columns, accumulate]
-                        arguments += self.tile_ahead(s, i0, q, first, a_ahead)
-                        # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
-                        needed = (columns + (emit.lanes - 1)) // emit.lanes
-                        for vectors in range(1, emit.vectors + 1):
-                            with b.if_then(needed.equal(vectors).ir):
-                                call(b, self.tiles[rows, vectors], *arguments)
-                    if not pairs:
-                        with b.if_then(dots.ir):
-                            call(b, self.tiles[rows, "dot"], s.kc, read_a, row_step, edge,
-                                 c + (i0 * ldc + (s.jc + last_first)), ldc, edge_columns, accumulate)
-
-                by_strips(b, m.ir, mr, strip)
+                self.block_slice(_Slice(jc, nc, pc, slice_steps.minimum(k - pc)), panels, slice_steps)
         b.ret_void()
+
+    def block_slice(self, s: _Slice, panels: Value, slice_steps: Value) -> None:
+        """The slice's block of B times op(A)'s slice of k, strip by strip."""
+        b, nr = self.b, index_value(self.b, self.emit.nr)
+        self.pack_block(s)
+        s.accumulate = s.pc > 0
+        # a narrow last panel as dot products, where A's rows are read in place (k contiguous)
+        s.last_first = (panels - 1) * nr
+        s.edge_columns = s.nc - s.last_first
+        # (not on pairs: A's strip is copied)
+        s.dots = Value(b, ir.Constant(I1, 0), DT_BOOL) if self.pairs else ~self.copy_a & (s.edge_columns <= DOT_COLUMNS)
+        if not self.pairs:
+            with b.if_then(s.dots.ir):
+                last = self.panel(s, s.last_first)
+                with loop(b, 0, s.edge_columns, name="ej") as j, loop(b, 0, s.kc, name="ep") as p:
+                    self.edge[j * ROW_KC + p] = last[p * nr + j]
+        s.tiled_panels = panels - s.dots.cast(DT_INT64)
+
+        # the next block: these columns' next slice of k, else the next columns' first slice
+        next_pc = s.pc + s.kc
+        s.same_columns = next_pc < self.k
+        s.upcoming_pc = s.same_columns.where(next_pc, 0)
+        s.upcoming_kc = slice_steps.minimum(self.k - s.upcoming_pc)
+        s.strips = (self.m + (self.emit.mr - 1)) // self.emit.mr
+        self.prepare_ahead(s, self.copy_a)
+        by_strips(b, self.m.ir, self.emit.mr, functools.partial(self.strip, s))
+
+    def next_strip_of_a(self, s: _Slice, i0: Value) -> list[Any]:
+        """The lines of the next strip's rows of A (this slice of k; after the last strip, the
+        first strip's next slice), for the strip's first tile to bring into L2 as it computes:
+        a strip reads a few short runs, too short for the hardware's prefetchers to follow from
+        memory. (ahead, run, stride, lines) as a tile takes them."""
+        mr, m = self.emit.mr, self.m
+        following = i0 + mr
+        wraps = following >= m
+        row = wraps.where(0, following)
+        steps_in = wraps.where(s.pc + s.kc, s.pc)
+        run = s.kc // _LINE_FLOATS + 1
+        rows_left = index_value(self.b, mr).minimum(m - row)
+        wanted = ~self.transposed & (steps_in < self.k)
+        lines = wanted.where(rows_left * run, 0)
+        return [self.a + (row * self.lda + steps_in), run, self.lda, lines]
+
+    def strip(self, s: _Slice, first_row: ir.Value, rows: int) -> None:
+        """C's `rows` rows from `first_row` in the block's columns: the strip's tiles along the
+        panels (a micro-kernel of as many vectors as each needs), then the dot products."""
+        b, emit, c, ldc = self.b, self.emit, self.c, self.ldc
+        i0, nr = index_value(b, first_row), index_value(b, emit.nr)
+        strip_a = self.a + (i0 * self.sa + s.pc * self.sk)
+        if self.pairs:
+            row_step, k_step = emit.copy_pairs(self.transposed, strip_a, self.sa, self.sk, s.kc, rows, self.strip_copy)
+            read_a = self.strip_copy
+        else:
+            with b.if_then(self.copy_a.ir):
+                emit.copy_strip(self.transposed, strip_a, self.sa, self.sk, s.kc, rows, self.strip_copy)
+            read_a = self.copy_a.where(self.strip_copy, strip_a)
+            row_step, k_step = self.copy_a.where(1, self.sa), self.copy_a.where(rows, self.sk)
+        a_ahead = self.next_strip_of_a(s, i0)
+        with loop(b, 0, s.tiled_panels, name="jr") as q:
+            first = q * nr
+            columns = nr.minimum(s.nc - first)
+            arguments = [self.panel_rows(s.kc), read_a, row_step, k_step, self.panel(s, first),
+                         c + (i0 * ldc + (s.jc + first)), ldc, columns, s.accumulate]
+            arguments += self.tile_ahead(s, i0, q, first, a_ahead)
+            # the last panel of a block may need fewer vectors (128 columns are 5 panels of 24 and 8)
+            needed = (columns + (emit.lanes - 1)) // emit.lanes
+            for vectors in range(1, emit.vectors + 1):
+                with b.if_then(needed.equal(vectors).ir):
+                    call(b, self.tiles[rows, vectors], *arguments)
+        if not self.pairs:
+            with b.if_then(s.dots.ir):
+                call(b, self.tiles[rows, "dot"], s.kc, read_a, row_step, self.edge, c + (i0 * ldc + (s.jc + s.last_first)),
+                     ldc, s.edge_columns, s.accumulate)
 
     def prepare_ahead(self, s: _Slice, copy_a: Value) -> None:
         """Work out, once a slice, what the tiles will ask for of the next block."""
