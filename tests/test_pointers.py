@@ -104,6 +104,18 @@ def test_masked_load_reads_nothing_past_a_row():
     np.testing.assert_array_equal(y, [1.5, -2.0, 3.25] + [0.0] * 13)
 
 
+def test_masked_loads_refuse_a_converted_dtype():
+    """A masked load or gather moves elements as they are stored: one of bfloat16 (stored as 16
+    bits, computed as float32) is refused, not given a vector of the wrong type."""
+    module = ir.Module("test")
+    function = ir.Function(module, ir.FunctionType(VOID, [FLOAT_PTR]), name="f")
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    (x,) = parameters(b, function)
+    lanes = Value(b, ir.Constant(ir.VectorType(I64, 8), list(range(8))), dtypes.DT_INT64)
+    with pytest.raises(TypeError, match="bfloat16"):
+        x.view(dtypes.DT_BFLOAT16).masked_load(lanes < 3)
+
+
 def test_gather():
     """Lane e: x[offsets[e]] where the mask leaves it on, the others' lane elsewhere."""
 

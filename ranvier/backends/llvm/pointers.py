@@ -89,6 +89,7 @@ class Pointer:
     def masked_load(self, mask: Value, others: Value | None = None, align: int = 4) -> Value:
         """A vector of `mask`'s lanes from here: memory in the lanes it leaves on, `others`'
         lanes (zeros) in the rest, which are never read (no fault past a row's end)."""
+        self._stored_as_computed("masked_load")
         lanes = mask.lanes
         vector = vector_of(compute_type(self.dtype), lanes)
         function = declared(self.b.module, f"llvm.masked.load.{_suffix(vector)}.p0{_suffix(vector)}",
@@ -107,6 +108,7 @@ class Pointer:
     def gather(self, offsets: Value, mask: Value, others: Value) -> Value:
         """Lane e: element offsets[e] from here where `mask` leaves lane e on, else `others`'
         lane (not read). `offsets` is an int32 vector."""
+        self._stored_as_computed("gather")
         lanes = offsets.lanes
         wide = ir.VectorType(I64, lanes)
         element = compute_type(self.dtype)
@@ -118,6 +120,11 @@ class Pointer:
                             ir.FunctionType(vector, [pointers.type, I32, mask.ir.type, vector]))
         gathered = self.b.call(function, [pointers, ir.Constant(I32, dtypes.itemsize(self.dtype)), mask.ir, others.ir])
         return Value(self.b, gathered, self.dtype)
+
+    def _stored_as_computed(self, operation: str) -> None:
+        if storage_type(self.dtype) != compute_type(self.dtype):
+            raise TypeError(f"{operation} reads elements as they are stored: not of {self.dtype}, which computes "
+                            f"as {compute_type(self.dtype)}; view the pointer as the stored type's dtype")
 
     def prefetch(self, cache_level: int = 2) -> None:
         """Ask for the cache line here to be brought in for reading, into L2 (`cache_level`
