@@ -173,8 +173,6 @@ _LINE_FLOATS = 16  # a 64-byte cache line: also its 32-bit slots of bf16 pairs
 _FUNCTION = ir.FunctionType(VOID, [I64] * 5 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64, _FLOAT_PTR, I64, BYTE_PTR])
 _PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, _FLOAT_PTR, _FLOAT_PTR, I64])
 _BF16_PACKED_FUNCTION = ir.FunctionType(VOID, [I64] * 4 + [_FLOAT_PTR, I64, I16.as_pointer(), _FLOAT_PTR, I64])
-_PACKED_FUNCTIONS = {"panels": (_PACKED_FUNCTION, PACKED_SYMBOL), "bf16 panels": (_BF16_PACKED_FUNCTION, BF16_PACKED_SYMBOL),
-                     "pair panels": (_BF16_PACKED_FUNCTION, PAIRS_PACKED_SYMBOL)}
 WINDOWS_FUNCTION = ir.FunctionType(VOID, [I64] * 3 + [_FLOAT_PTR, I64, _FLOAT_PTR, I64.as_pointer(), I64, _FLOAT_PTR, I64,
                                                        BYTE_PTR])
 # kc, a, a's row stride, a's stride along k, packed panel, c, ldc, columns of C to write, add to C?
@@ -1079,7 +1077,8 @@ class _PanelsGemm(_Gemm):
     lines (from memory)."""
 
     def define(self) -> None:
-        signature, name = _PACKED_FUNCTIONS["pair panels" if self.pairs else "bf16 panels" if self.narrow else "panels"]
+        signature = _BF16_PACKED_FUNCTION if self.narrow or self.pairs else _PACKED_FUNCTION
+        name = PAIRS_PACKED_SYMBOL if self.pairs else BF16_PACKED_SYMBOL if self.narrow else PACKED_SYMBOL
         ta, m, n, k, a, lda, panels, c, ldc = self._entry(signature, name)
         self.panels = panels.view(DT_INT32 if self.pairs else DT_BFLOAT16 if self.narrow else DT_FLOAT32)
         self.loops(ta, m, n, k, a, lda, c, ldc)
