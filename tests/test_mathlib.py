@@ -24,6 +24,8 @@ from llvmlite import ir
 
 from ranvier.backends.llvm import mathlib
 from ranvier.backends.llvm.irutil import intrinsic, use_features
+from ranvier.backends.llvm.values import Value
+from ranvier.dtypes import DT_FLOAT32, DT_FLOAT64, DT_INT32
 
 F32, F64 = np.float32, np.float64
 FUNCTIONS = tuple(mathlib.FUNCTIONS)
@@ -75,7 +77,8 @@ def _kernel(module: ir.Module, kind: str, scalar: ir.Type, width: int) -> str:
         value_type = scalar if lanes == 1 else ir.VectorType(scalar, lanes)
         load_at = b.bitcast(b.gep(src, [index]), value_type.as_pointer())
         store_at = b.bitcast(b.gep(dst, [index]), value_type.as_pointer())
-        b.store(mathlib.emit(kind, b, b.load(load_at, align=1)), store_at, align=1)
+        loaded = Value(b, b.load(load_at, align=1), DT_FLOAT64 if isinstance(scalar, ir.DoubleType) else DT_FLOAT32)
+        b.store(mathlib.emit(kind, loaded).ir, store_at, align=1)
         index.add_incoming(b.add(index, ir.Constant(i64, lanes)), body)
         b.branch(head)
         b.position_at_end(done)
@@ -446,9 +449,9 @@ def test_emit_rejects_unknown_kinds_and_types() -> None:
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), name="f")
     builder = ir.IRBuilder(fn.append_basic_block())
     with pytest.raises(ValueError, match="unknown math function"):
-        mathlib.emit("cbrt", builder, ir.Constant(ir.FloatType(), 1.0))
+        mathlib.emit("cbrt", Value(builder, ir.Constant(ir.FloatType(), 1.0), DT_FLOAT32))
     with pytest.raises(TypeError):
-        mathlib.emit("exp", builder, fn.args[0])
+        mathlib.emit("exp", Value(builder, fn.args[0], DT_INT32))
 
 
 def test_intrinsic_is_declared_once() -> None:

@@ -2,7 +2,7 @@
 
 Every public function takes a `Value` (values.py) of float32 or float64, a scalar or a
 vector of any width, and returns one of the same type, written as the formula it computes
-(`1.0 - 2.0 / (m * s + 1.0)`); `emit` applies one to an IR value. Each lane runs the
+(`1.0 - 2.0 / (m * s + 1.0)`); `Value.exp()` and its kin call them. Each lane runs the
 same instruction sequence, so results do not depend on the vector width. The code
 uses only arithmetic, compares, selects, integer manipulation of the float encodings
 and intrinsics that lower to instructions on every x86 level — no libm calls, loops
@@ -32,12 +32,15 @@ import functools
 import math
 import struct
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
 from ... import dtypes
 from .irutil import has_feature
-from .values import Value
+
+if TYPE_CHECKING:  # the functions are written over Values, which call them: values.py imports this module
+    from .values import Value
 
 # -- coefficient tables, lowest order first -------------------------------------------------
 # exp(r) = 1 + r + r^2 * P(r) for |r| <= ln2/2; rel. error 2^-28.1 (f32), 2^-57.7 (f64).
@@ -444,7 +447,7 @@ def _reciprocal_exp(a: Value, sign: float) -> Value:
 
 # -- public functions --------------------------------------------------------------------------
 
-Function = Callable[[Value], Value]
+Function = Callable[["Value"], "Value"]
 
 
 def _nan_in_nan_out(function: Function) -> Function:
@@ -798,14 +801,14 @@ FUNCTIONS: dict[str, Function] = {
 }
 
 
-def emit(kind: str, builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """Emit math function `kind` (a key of FUNCTIONS, e.g. "exp") applied to `value`."""
+def emit(kind: str, x: Value) -> Value:
+    """Math function `kind` (a key of FUNCTIONS, e.g. "exp") applied to `x`, computed in the
+    float type of its IR (half precision computes in float32)."""
     try:
         function = FUNCTIONS[kind]
     except KeyError:
         raise ValueError(f"unknown math function {kind!r}; known: {', '.join(FUNCTIONS)}") from None
-    scalar = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+    scalar = x.ir.type.element if isinstance(x.ir.type, ir.VectorType) else x.ir.type
     if not isinstance(scalar, (ir.FloatType, ir.DoubleType)):
-        raise TypeError(f"mathlib works on float, double or vectors of them, not {value.type}")
-    dtype = dtypes.DT_FLOAT64 if isinstance(scalar, ir.DoubleType) else dtypes.DT_FLOAT32
-    return function(Value(builder, value, dtype)).ir
+        raise TypeError(f"mathlib works on float, double or vectors of them, not {x.ir.type}")
+    return function(x._new(x.ir, dtypes.DT_FLOAT64 if isinstance(scalar, ir.DoubleType) else dtypes.DT_FLOAT32))

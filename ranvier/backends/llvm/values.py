@@ -24,6 +24,7 @@ from typing import Any, overload
 from llvmlite import ir
 
 from ... import dtypes
+from . import mathlib
 from .convert import cast
 from .irutil import I32, compute_type, constant, for_range, intrinsic, is_signed, vector_of
 
@@ -319,9 +320,7 @@ class Value:
         return self._call("trunc")
 
     def _math(self, name: str) -> Value:
-        from . import mathlib  # written over Values: imported once they are defined
-
-        return self._new(mathlib.emit(name, self.b, self.ir))
+        return self._new(mathlib.emit(name, self).ir)
 
     def exp(self) -> Value:
         return self._math("exp")
