@@ -184,7 +184,9 @@ def test_the_workspace_fits_every_variant():
             assert block + 64 <= sgemm.workspace_bytes(n, k)
 
 
-_CHOICE_SCRIPT = """
+# the machine taken as quiet as each choice is measured, so that it is kept (`_quiet`)
+_AS_QUIET = "import ranvier.backends.cpu.gemm_choice as choice; choice._quiet = lambda: True\n"
+_CHOICE_SCRIPT = _AS_QUIET + """
 from ranvier.backends.cpu.gemm_choice import generated_is_faster
 print(generated_is_faster(False, True, 128, 96, 200, 200, 200), generated_is_faster(False, False, 48, 64, 80, 80, 64),
       generated_is_faster(False, False, 4096, 4096, 4096, 4096, 4096), generated_is_faster(True, True, 40, 50, 60, 40, 60, True),
@@ -217,7 +219,7 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
     assert forced.split() == ["False"] * 6
 
 
-_PAIRS_CHOICE_SCRIPT = """
+_PAIRS_CHOICE_SCRIPT = _AS_QUIET + """
 from ranvier.backends.cpu.gemm_choice import packed_pairs_are_faster, pairs_are_faster, windows_pairs_are_faster
 print(pairs_are_faster(False, False, 64, 96, 128, 128, 96), pairs_are_faster(False, True, 2048, 32000, 288, 288, 288, True),
       pairs_are_faster(False, False, 2048, 288, 32000, 32000, 288), windows_pairs_are_faster(64, 400, 576, (20, 20, 3, 3, 1, 1, 1, 1, 20)),
@@ -251,6 +253,30 @@ def test_the_choice_of_pairs_is_measured_against_the_float32_choice_and_kept(tmp
     forced = subprocess.run([sys.executable, "-c", _PAIRS_CHOICE_SCRIPT], env=dict(env, RANVIER_GEMM="blas"), capture_output=True,
                             text=True, check=True).stdout
     assert forced.split() == ["False"] * 5
+
+
+def test_a_choice_measured_under_load_is_used_but_not_kept(tmp_path, monkeypatch):
+    """A choice measured while the load average reached the cores is returned, not kept: the
+    next process measures it again; measured quiet, it is kept and read back unmeasured."""
+    from ranvier.backends.cpu import gemm_choice
+
+    monkeypatch.setenv("RANVIER_CACHE", str(tmp_path))
+    measured = []
+
+    def measure() -> bool:
+        measured.append(True)
+        return True
+
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 0.5, cores, cores))
+    assert gemm_choice._kept_or_measured("NN 8x8x8 lda 8 ldb 8", measure) is True
+    assert not any(json.loads(path.read_text()) for path in tmp_path.glob("gemm-*.json"))
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores - 0.5, cores, cores))
+    assert gemm_choice._kept_or_measured("NN 8x8x8 lda 8 ldb 8", measure) is True
+    assert gemm_choice._kept_or_measured("NN 8x8x8 lda 8 ldb 8", measure) is True
+    assert len(measured) == 2
+    (kept,) = tmp_path.glob("gemm-*.json")
+    assert json.loads(kept.read_text()) == {"NN 8x8x8 lda 8 ldb 8": True}
 
 
 def test_a_wrong_gemm_setting_is_named(monkeypatch):

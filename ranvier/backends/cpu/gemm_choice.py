@@ -4,7 +4,8 @@ dimensions on one thread, the way a worker-pool part runs it; and, for a product
 precision lets its inputs be rounded to bfloat16, whether the generated GEMM on bf16 pairs
 beats that float32 choice (a convolution's too: its windows or Winograd's transformed tiles
 on pairs against them in float32). Each is measured once per machine and the choice kept
-(measured.py); a product too large to time quickly is timed on a corner of it (`_corner`);
+(measured.py) where the machine was quiet as it was measured (`_quiet`); a product too large
+to time quickly is timed on a corner of it (`_corner`);
 `RANVIER_GEMM=generated` or `=blas` fixes the choice instead."""
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ _FEWEST_BLOCKS = 4  # of B's columns, for a product timed on its first columns
 # the wrong way (an MoE's expert weight gradients on BLAS, its step 3% slower): a pair
 # shares the host's passing state, two fastest runs need not.
 _ROUNDS = 15
-_METHOD = "median of paired ratios"
+# A choice measured while other processes wanted the cores is this process's but is not
+# kept: their load lands on one GEMM's runs more than the other's (GPT-2's 3072 -> 768
+# products kept BLAS measured on a shared machine, and ran 1.25 times as long as the
+# generated GEMM's there once quiet). A later process measures it again, and keeps a quiet
+# measurement; choices kept before this rule are measured anew (the method is in their key).
+_METHOD = "median of paired ratios, kept where measured with a load below the cores"
 
 _INT, _FLOAT = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
 _FORTRAN_SGEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, _INT, _INT, _INT, _FLOAT, ctypes.c_void_p, _INT,
@@ -96,9 +102,15 @@ def _kept_or_measured(key: str, measure) -> bool:
         if choices is not None and isinstance(choices.get(key), bool):
             return choices[key]
         faster = measure()
-        if choices is not None:
+        if choices is not None and _quiet():
             choices[key] = faster
         return faster
+
+
+def _quiet() -> bool:
+    """Whether the machine's load (runnable threads, averaged over the last minute, this
+    measurement's included) stayed below its cores: no other process competed for them."""
+    return os.getloadavg()[0] < (os.cpu_count() or 1)
 
 
 def pairs_are_faster(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, packed: bool = False) -> bool:
