@@ -154,3 +154,12 @@ def test_a_split_with_a_part_read_as_it_is_stays():
 
     types = _run(build, [2, 6, 8])
     assert sorted(types) == ["Exp", "Split", "StridedView"]
+
+
+def test_a_transpose_that_moves_only_axes_of_one_element_is_a_reshape():
+    """At batch 1, MultiheadAttention's turn of [batch, sequence, features] to [sequence,
+    batch, features] reads x in order: a reshape, no copy (nor a chain of two such)."""
+    assert "Transpose" not in _run(lambda f, x: [x.transpose([1, 0, 2]).exp()], [1, 5, 4])
+    assert _run(lambda f, x: [x.transpose([1, 0, 2]).reshape([5, 2, 2]).transpose([1, 0, 2]).exp()], [1, 5, 4]) == [
+        "StridedView", "Exp"]
+    assert "Transpose" not in _run(lambda f, x: [x.transpose([2, 1, 0, 3]).exp()], [1, 5, 1, 4])

@@ -36,14 +36,25 @@ class _View:
 
 def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[[Operation], bool]) -> None:
     """Replace each chain of two or more copies (see the module) by one StridedView, where
-    it reads rows (`_reads_rows`) and the backend `runs` one whole."""
+    it reads rows (`_reads_rows`) and the backend `runs` one whole; and any chain that reads
+    its source in order (`_in_order`) by a reshape of it."""
     views: dict[str, _View] = {}
     for op in flow.op_order(func):  # producers first: a chain is seen from its start
         for out, view in zip(op.outputs, _folded(op, views, func, keep) or ()):
             views[out.name] = view
             ends = not (_private(out, func, keep) and all(_step(reader, view) is not None for reader in out.consumers))
-            if ends and view.copies >= 2 and _reads_rows(view) and len(op.outputs) == 1:
+            folds = (view.copies >= 2 and _reads_rows(view)) or (view.copies >= 1 and _in_order(view, out))
+            if ends and folds and len(op.outputs) == 1:
                 _replace(flow, func, op, view, runs)
+
+
+def _in_order(view: _View, out: Variable) -> bool:
+    """Whether the view reads its whole source in its order, the copies having moved only
+    axes of one element (at batch 1, PyTorch's MultiheadAttention's turns of [batch, sequence]
+    to [sequence, batch] and back): a reshape of the source, no copy at all."""
+    if view.offset or out.size != view.source.size or out.dtype != view.source.dtype:
+        return False
+    return all(size == 1 or stride == wanted for size, stride, wanted in zip(view.shape, view.strides, _contiguous(view.shape)))
 
 
 def _reads_rows(view: _View) -> bool:
@@ -123,10 +134,13 @@ def _step(op: Operation, view: _View) -> list[_View] | None:
 
 
 def _replace(flow: Flow, func: Function, last: Operation, view: _View, runs: Callable[[Operation], bool]) -> None:
-    """`last`'s result read once from the chain's source; the chain's other ops that
-    nothing reads any more removed."""
-    b = Builder(flow, func)
-    folded = b.wrap(view.source).strided_view(offset=view.offset, shape=list(view.shape), strides=list(view.strides))
+    """`last`'s result read once from the chain's source (a reshape of it where the view
+    reads it in order); the chain's other ops that nothing reads any more removed."""
+    source = Builder(flow, func).wrap(view.source)
+    if _in_order(view, last.outputs[0]):
+        folded = source.reshape(list(view.shape))
+    else:
+        folded = source.strided_view(offset=view.offset, shape=list(view.shape), strides=list(view.strides))
     if not runs(folded.var.producer):
         flow.remove_op(folded.var.producer)
         flow.remove_var(folded.var)
