@@ -2,7 +2,21 @@
 is imported; each kernel's rank, not the order of these imports, says which of the kernels
 for an op is tried first."""
 
-from . import attention, cached_attention, conv, index, maps, matmul, moe, reduce, rows, transpose, window, winograd  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    attention,
+    cached_attention,
+    conv,
+    conv_stacked,
+    index,
+    maps,
+    matmul,
+    moe,
+    reduce,
+    rows,
+    transpose,
+    window,
+    winograd,
+)
 from .library import LIBRARY, kernel
 
 __all__ = ["LIBRARY", "kernel"]

@@ -93,9 +93,8 @@ def _geometry_values(op) -> list[int]:
     return [height, width, kernel_height, kernel_width, *attrs["strides"], *attrs["padding"], op.outputs[0].shape[3]]
 
 
-def _geometry(ctx, op) -> ir.GlobalVariable:
-    """The GEMM's `geometry` (sgemm.GEOMETRY) as a constant of the module."""
-    values = _geometry_values(op)
+def geometry_constant(ctx, values: list[int]) -> ir.GlobalVariable:
+    """The windows GEMM's `geometry` (sgemm.GEOMETRY's `values`) as a constant of the module."""
     array = ir.ArrayType(I64, len(values))
     constant = ir.GlobalVariable(ctx.module, array, name=ctx.module.get_unique_name("conv_geometry"))
     constant.global_constant, constant.linkage = True, "internal"
@@ -408,7 +407,7 @@ def _call_windows(ctx, op, slot: int) -> None:
     _, rows, columns, taps = _sizes(op)
     image_size = math.prod(x.shape[1:])
     share = _share(op)
-    geometry = _geometry(ctx, op)
+    geometry = geometry_constant(ctx, _geometry_values(op))
 
     def part(calls, number: int):
         def emit(ctx) -> None:

@@ -1,0 +1,98 @@
+"""Conv2D over batches of small images as one windows GEMM per group of stacked images
+(kernels/conv_stacked.py): against PyTorch's float64 convolution, in float32 and on bf16 pairs
+(against float64 on the bf16-rounded operands), over geometries whose padding rows separate
+the images, strides whose rows of an image do not divide evenly, groups that leave a part's
+last images fewer, and a Conv2DCalculate's program run over each image's output; every
+element written (NaN first). What Winograd's kernel takes, 1 × 1 filters, large images and
+fewer than two images a core are not stacked."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from helpers import random_array
+
+import ranvier as rv
+from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.kernels import conv, conv_stacked, winograd
+from ranvier.backends.cpu.parallel import thread_count
+from ranvier.backends.cpu.target import host_target
+
+CASES = [
+    # (images, channels, height, width), (filters, channels, kernel), strides, padding
+    ((9, 6, 7, 7), (70, 6, 5, 5), (1, 1), (2, 2)),  # a 7 × 7 image: four dropped rows between images
+    ((8, 5, 14, 14), (72, 5, 3, 3), (2, 2), (1, 1)),  # stride 2: an image's 16 padded rows, 8 of output
+    ((7, 4, 9, 7), (80, 4, 3, 3), (2, 2), (1, 1)),  # 11 padded rows rounded up to 12 for the stride
+    ((10, 3, 5, 6), (70, 3, 3, 2), (1, 2), (1, 0)),  # a rectangular filter, padding on one axis
+]
+
+
+def _cell(case, matmul: str, mask: str = "", relu: bool = False):
+    shape, filters, strides, padding = case
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, w = f.var("x", "float32", shape), f.var("w", "float32", filters)
+    y = f.conv2d(x, w, strides=strides, padding=padding)
+    if relu:
+        y = f.relu(y)
+    y.var.out = True
+    return rv.Compiler("cpu", cpu=mask, cache=False, matmul=matmul).compile(flow).cell("f"), y
+
+
+def _check(case, cell, y, rounded, tolerance: float, relu: bool = False) -> None:
+    shape, filters, strides, padding = case
+    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
+    data = cell.instance()
+    data["f/x"], data["f/w"] = x, w
+    data[y] = np.full(y.shape, np.nan, np.float32)
+    data.compute()
+    tx, tw = (torch.tensor(rounded(v).astype(np.float64)) for v in (x, w))
+    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
+    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
+    if relu:
+        want = np.maximum(want, 0)
+    got = np.array(data[y])
+    assert np.isfinite(got).all(), "every element written"
+    assert np.all(np.abs(got - want) <= tolerance * bound + 1e-30)
+
+
+def _kernel(cell) -> str:
+    (step,) = [s for s in cell.steps if s.op.type.startswith("Conv2D")]
+    return step.kernel
+
+
+@pytest.mark.parametrize("mask", ["", "-avx512", "-avx512,-avx2"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_a_batch_of_small_images_is_stacked_into_one_gemm_a_group_and_matches_pytorch(case, mask):
+    cell, y = _cell(case, "float32", mask)
+    assert _kernel(cell) == conv_stacked.KERNEL
+    _check(case, cell, y, lambda v: v, 2e-6)
+
+
+@pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_stacked_images_on_bf16_pairs_match_float64_on_the_rounded_operands(case, monkeypatch):
+    monkeypatch.setenv("RANVIER_GEMM", "generated")  # the pairs, whatever this machine measures
+    cell, y = _cell(case, "bfloat16")
+    assert _kernel(cell) == conv_stacked.PAIRS_KERNEL
+    _check(case, cell, y, lambda v: v.astype(ml_dtypes.bfloat16), 1e-5)
+
+
+def test_a_fused_program_runs_over_each_stacked_image():
+    case = CASES[1]
+    cell, y = _cell(case, "float32", relu=True)
+    assert _kernel(cell) == conv_stacked.KERNEL and len(cell.steps) == 1
+    _check(case, cell, y, lambda v: v, 2e-6, relu=True)
+
+
+def test_one_image_a_core_large_images_1x1_filters_and_winograds_are_not_stacked():
+    (_, channels, height, width), filters, strides, padding = CASES[1]
+    few = ((2 * thread_count() - 1, channels, height, width), filters, strides, padding)
+    large = ((8, channels, 40, 40), filters, strides, padding)
+    downsampling = ((8, channels, height, width), (filters[0], channels, 1, 1), strides, (0, 0))
+    for case in (few, large, downsampling):
+        assert _kernel(_cell(case, "float32")[0]) == conv.CONV_KERNEL
+    winograds = ((8, channels, 7, 7), (filters[0], channels, 3, 3), (1, 1), (1, 1))
+    assert _kernel(_cell(winograds, "float32")[0]) == winograd.WINOGRAD_KERNEL
