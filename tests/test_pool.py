@@ -248,7 +248,9 @@ for backend in ("cpu", "reference"):
         assert packed == (4 if wanted == "Gemm" else 0), [s.kernel for s in cell.steps]
         # few filters: tiles over whole images, while there are as many images as parts
         few = "ConvTiles" if thread_count() <= shapes["images"][0] else "ConvGemm"
-        assert sorted(s.kernel for s in cell.steps if s.op.type.startswith("Conv2D")) == sorted([few, "ConvGemm", "WinogradConv"])
+        # small images, two a part: stacked into one GEMM a group
+        many = "ConvStackedGemm" if 2 * thread_count() <= shapes["images"][0] else "ConvGemm"
+        assert sorted(s.kernel for s in cell.steps if s.op.type.startswith("Conv2D")) == sorted([few, many, "WinogradConv"])
         from ranvier.backends.cpu.kernels.matmul import gemm_parts
         cut_along_k = [s for s in cell.steps if s.op.type.startswith("MatMul")
                        and any(g.slice for part in gemm_parts(s.op, 16, slices=True) for g in part)]
