@@ -238,7 +238,8 @@ def test_kernels_benchmark_compares_each_op_and_stays_under_its_ceiling():
     lines = out.splitlines()
     assert lines[0].startswith("CPU: ") and "1 rounds, each implementation in turn timing one call after 2+" in lines[1]
     shares = [float(line.rsplit(None, 1)[1].rstrip("%")) for line in lines if re.match(r"  (ranvier|numpy|torch) +\d", line)]
-    assert shares and all(0 < share <= 100.0 for share in shares)
+    # a share under 0.05% prints as 0.0% (numpy's loops under load)
+    assert shares and all(0 <= share <= 100.0 for share in shares)
     verdicts = [line for line in lines if line.startswith("  ranvier is ")]
     assert len(verdicts) == len(shares) // 3
     assert all(re.fullmatch(r"  ranvier is [\d.]+× (faster|slower) than numpy, [\d.]+× (faster|slower) than torch \(median time\)", v)

@@ -89,7 +89,7 @@ def test_a_map_moves_16_bytes_a_thread_and_its_tail_one_element_each(dtype, size
     (description,) = maps._describe(op)
     if size >= lanes:
         assert maps.vector_lanes(description) == lanes
-        assert kernels._launches(maps, op)[0][0] == size // lanes + size % lanes
+        assert kernels._launches(op)[0][0] == size // lanes + size % lanes
         assert re.search(r"ld\.global(\.nc)?\.v4", _ptx(op)) and re.search(r"st\.global\.v4", _ptx(op))
     else:
         assert maps.vector_lanes(description) == 1
