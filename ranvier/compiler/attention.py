@@ -64,7 +64,8 @@ def fuse_attention(flow: Flow, func: Function, keep: set[str]) -> None:
 
 
 def _fuse(flow: Flow, func: Function, product: Operation, keep: set[str]) -> None:
-    softmax = _private_producer(product.inputs[0], func, keep)
+    probabilities, guard = _unguarded(product.inputs[0], func, keep)
+    softmax = _private_producer(probabilities, func, keep, readers=len(guard) + 1)
     if softmax is None or softmax.type != "Softmax" or _transposes(product) or not _over_last_axis(softmax):
         return
     match = _scores(softmax.inputs[0], func, keep)
@@ -91,7 +92,21 @@ def _fuse(flow: Flow, func: Function, product: Operation, keep: set[str]) -> Non
     if out.rank != product.outputs[0].rank:
         out = out.reshape(product.outputs[0].shape)
     splice(flow, product, [out])
-    _erase_unread(flow, [softmax, *match.ops, *expanded], keep)
+    _erase_unread(flow, [*guard, softmax, *match.ops, *expanded], keep)
+
+
+def _unguarded(var: Variable, func: Function, keep: set[str]) -> tuple[Variable, list[Operation]]:
+    """The probabilities under PyTorch's guard `where(p != p, 0, p)` (its exported SDPA
+    zeroes the NaN rows of queries whose every key is masked), and the guard's ops; the
+    fused op gives such rows zeros itself."""
+    cond = _private_producer(var, func, keep)
+    if cond is None or cond.type != "Cond":
+        return var, []
+    test, zero, p = cond.inputs
+    check = _private_producer(test, func, keep)
+    if check is None or check.type != "NotEqual" or list(check.inputs) != [p, p] or _one_constant(zero) != 0.0:
+        return var, []
+    return p, [cond, check]
 
 
 def _scores(var: Variable, func: Function, keep: set[str]) -> _Match | None:
@@ -247,10 +262,11 @@ def _erase_unread(flow: Flow, ops: list[Operation], keep: set[str]) -> None:
             erase(flow, [op], op.outputs)
 
 
-def _private_producer(var: Variable, func: Function, keep: set[str]) -> Operation | None:
-    """The op of `func` that computes `var`, when only one op reads it and it is no result."""
+def _private_producer(var: Variable, func: Function, keep: set[str], readers: int = 1) -> Operation | None:
+    """The op of `func` that computes `var`, when only the pattern reads it (`readers`
+    reads) and it is no result."""
     op = var.producer
-    if op is None or op.func is not func or len(var.consumers) != 1 or var.name in keep or var.out:
+    if op is None or op.func is not func or len(var.consumers) != readers or var.name in keep or var.out:
         return None
     return op
 

@@ -23,7 +23,8 @@ import numpy as np
 from .. import dtypes
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
-from ..flow.graph import Flow
+from ..compiler.attention import fuse_attention
+from ..flow.graph import Flow, Function
 from .checkpoint import load_checkpoint
 from .losses import mse, softmax_cross_entropy
 from .optimizers import AdamW
@@ -75,6 +76,7 @@ class CompiledStep(Trainer):
             raise RanvierError(f"compile_step takes a flow of one function (the model's), not {len(flow.funcs)}: "
                                f"{', '.join(flow.funcs)}")
         func = next(iter(flow.funcs.values()))
+        _fuse_attention(flow, func)
         b = Builder(flow, func)
         params = [b.wrap(v) for v in flow.vars.values() if v.learnable]
         if not params:
@@ -84,6 +86,8 @@ class CompiledStep(Trainer):
         outputs = [b.wrap(v) for v in flow.outputs(func)]
         if not outputs:
             raise RanvierError(f"function {func.name} has no outputs to compute a loss from")
+        for output in outputs:  # the step's result is the loss: the model's outputs need no storage of their own
+            output.var.out = False
         target = None if loss is None else _target(b, loss, outputs[0], target_example)
         total = _loss(loss, outputs, target)
         super().__init__(total, params, optimizer, options, inputs=[*inputs, *([target] if target is not None else [])], **settings)
@@ -157,6 +161,14 @@ def _trainable_flow(model, inputs: list[np.ndarray] | None, dims: Mapping[str, i
             raise RanvierError("compile_step of a torch module needs batch=(inputs..., target) to trace it on")
         return from_torch(model, [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs], dims, trainable=True)
     raise RanvierError(f"compile_step takes a torch module, an ONNX file or a trainable flow, not {type(model).__name__}")
+
+
+def _fuse_attention(flow: Flow, func: Function) -> None:
+    """The exporters write attention out op by op. Fused before the gradient is taken, its
+    backward is the fused AttentionGrad, which recomputes each block's probabilities
+    rather than keeping every layer's batch × heads × queries × keys scores for it."""
+    keep = {v.name for v in flow.outputs(func)} | {v.name for v in flow.vars.values() if v.out or v.in_}
+    fuse_attention(flow, func, keep)
 
 
 def _as_array(value) -> np.ndarray:
