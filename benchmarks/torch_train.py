@@ -6,13 +6,15 @@ The same random-initialised Hugging Face modules on every side (no download): Re
 trains a copy of the module from the same weights with AdamW (lr 1e-4) on cross-entropy,
 on the same batches: ranvier through `ranvier.train.compile_step` (torch.export, the
 trainable ONNX import, one compiled cell), PyTorch eager, and PyTorch through torch.compile
-(Inductor's C++ kernels on the CPU; --no-torch-compile leaves it out). Each side's compile
-time is printed beside it (ranvier's: export, import and compile; torch.compile's: its
-first step, beside a warm eager step); then the sides alternate for --repeats repetitions of
+(Inductor's C++ kernels on the CPU; --no-torch-compile leaves it out). Each side runs in a
+process of its own, so each one's memory is its own: the processes start one after another,
+each printing its compile time (ranvier's: export, import and compile; torch.compile's: its
+first step, beside its second); then the sides alternate for --repeats repetitions of
 --steps steps, and the medians of examples/s (tokens/s for GPT-2) and their ratios are
-printed, with the machine, the instructions each side's libraries run, and where
-ranvier's step spent its time. Compile times are as the caches find them; --cold-compile
-compiles with nothing cached. --quick: tiny shapes, to check the script runs.
+printed, with each side's peak memory (its process's peak resident set, torch.compile's
+compile workers beside it), the machine, the instructions each side's libraries run, and
+where ranvier's step spent its time. Compile times are as the caches find them;
+--cold-compile compiles with nothing cached. --quick: tiny shapes, to check the script runs.
 Run: python benchmarks/torch_train.py [--models resnet18 gpt2-small] [--steps 2] [--repeats 3]
      [--torch-compile | --no-torch-compile] [--cold-compile] [--dropout 0.1] [--quick]
 """
@@ -20,8 +22,9 @@ Run: python benchmarks/torch_train.py [--models resnet18 gpt2-small] [--steps 2]
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
+import multiprocessing
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -97,11 +100,11 @@ def logits(model):
 
 
 def torch_step(module, compiled: bool) -> Callable[[np.ndarray, np.ndarray], float]:
-    """PyTorch's training step of (a copy of) the module, eager or through torch.compile."""
+    """PyTorch's training step of the module, eager or through torch.compile."""
     import torch
     import torch.nn.functional as F
 
-    module = copy.deepcopy(module).train()
+    module.train()
     forward = torch.compile(module) if compiled else module
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
 
@@ -117,45 +120,110 @@ def torch_step(module, compiled: bool) -> Callable[[np.ndarray, np.ndarray], flo
 
 
 def ranvier_step(module, batch: Batch):
-    """ranvier's compiled step of (a copy of) the module; prints what its compile took."""
+    """ranvier's compiled step of the module, and the words on what its compile took."""
     import ranvier.train
     from ranvier.train.optimizers import AdamW
 
     start = time.perf_counter()
-    step = ranvier.train.compile_step(copy.deepcopy(module), "cross_entropy", AdamW(lr=LR), batch=batch)
+    step = ranvier.train.compile_step(module, "cross_entropy", AdamW(lr=LR), batch=batch)
     seconds = time.perf_counter() - start
-    print(f"  compile ranvier        {seconds:9.2f} s  (torch.export and the ONNX import {seconds - step.compile_seconds:.1f} s, "
-          f"the cell {step.compile_seconds:.1f} s)", flush=True)
-    return step
+    return step, (f"compile ranvier        {seconds:9.2f} s  (torch.export and the ONNX import "
+                  f"{seconds - step.compile_seconds:.1f} s, the cell {step.compile_seconds:.1f} s)")
 
 
-def race(name: str, model: Model, steps: int, repeats: int, torch_compile: bool) -> None:
-    print(f"{name}: {sum(p.numel() for p in model.module.parameters()) / 1e6:.1f}M parameters, {model.shape}", flush=True)
-    trainer = ranvier_step(model.module, model.batches[0])
-    sides = {"ranvier": trainer, "pytorch": torch_step(model.module, compiled=False)}
-    for step in sides.values():  # each side's first step untimed: its memory touched for the first time
-        step(*model.batches[0])
-    trainer.reset_profile()
-    start = time.perf_counter()
-    sides["pytorch"](*model.batches[0])
-    eager = time.perf_counter() - start  # beside torch.compile's first step: the rest of it is compiling
-    if torch_compile:
-        compiled = torch_step(model.module, compiled=True)
+def peak_memory() -> tuple[float, float]:
+    """This process's peak resident set and its children's (Inductor's compile workers), GiB."""
+    kib = 2**20
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib,
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib)
+
+
+def serve(connection, side: str, name: str, quick: bool, steps: int, dropout: float) -> None:
+    """One side of the race, in a process of its own: make its step (the module's weights
+    are every side's: the same seed), take its first step, report what that took, then run
+    --steps steps per request. The torch module goes once the step holds what it needs."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    match_threads(torch)
+    model = MODELS[name](quick, steps, dropout)
+    module, batches = model.module, model.batches
+    model.module = None
+    words = ""
+    if side == "ranvier":
+        step, words = ranvier_step(module, batches[0])
+        del module
+        gc.collect()
+        step(*batches[0])
+        step.reset_profile()
+    else:
+        step = torch_step(module, compiled=side == TORCH_COMPILE)
         start = time.perf_counter()
-        if compiles(lambda: compiled(*model.batches[0])):
+        if side == TORCH_COMPILE:
+            if not compiles(lambda: step(*batches[0])):
+                connection.send(None)
+                return
             first = time.perf_counter() - start
-            print(f"  compile {TORCH_COMPILE:14s} {first:9.2f} s  (its first step; a warm eager step {eager:.1f} s)", flush=True)
-            sides[TORCH_COMPILE] = compiled
-    rates: dict[str, list[float]] = {side: [] for side in sides}
-    names = list(sides)
-    for repeat in range(repeats):
-        for side in names[repeat % len(names):] + names[:repeat % len(names)]:  # each side first in turn
             start = time.perf_counter()
-            losses = [sides[side](x, y) for x, y in model.batches[:steps]]
-            rates[side].append(steps * model.per_batch / (time.perf_counter() - start))
-            print(f"  run {repeat + 1} {side:14s} {rates[side][-1]:9.1f} {model.unit}/s  loss {losses[-1]:.3f}", flush=True)
+            step(*batches[0])
+            words = f"compile {TORCH_COMPILE:14s} {first:9.2f} s  (its first step; its second {time.perf_counter() - start:.1f} s)"
+        else:
+            step(*batches[0])  # its memory touched for the first time
+    connection.send(words)
+    while connection.recv() == "run":
+        start = time.perf_counter()
+        losses = [step(x, y) for x, y in batches[:steps]]
+        connection.send((steps * model.per_batch / (time.perf_counter() - start), losses[-1]))
+    connection.send((peak_memory(), step.profile().by_kernel() if side == "ranvier" else ""))
+
+
+class Side:
+    """A side's process, started (its step compiled and warm) before the next one starts,
+    so that no two compiles share the cores."""
+
+    def __init__(self, side: str, name: str, args: argparse.Namespace):
+        context = multiprocessing.get_context("spawn")
+        self.connection, theirs = context.Pipe()
+        self.process = context.Process(target=serve, args=(theirs, side, name, args.quick, args.steps, args.dropout))
+        self.process.start()
+        self.words = self.connection.recv()  # None: the side is left out
+        if self.words:
+            print(f"  {self.words}", flush=True)
+
+    def run(self) -> tuple[float, float]:
+        self.connection.send("run")
+        return self.connection.recv()
+
+    def close(self) -> tuple[tuple[float, float], str]:
+        self.connection.send("close")
+        result = self.connection.recv()
+        self.process.join()
+        return result
+
+
+def race(name: str, args: argparse.Namespace, torch_compile: bool) -> None:
+    model = MODELS[name](args.quick, args.steps, args.dropout)
+    print(f"{name}: {sum(p.numel() for p in model.module.parameters()) / 1e6:.1f}M parameters, {model.shape}", flush=True)
+    model.module = None  # each side makes its own
+    gc.collect()
+    names = ["ranvier", "pytorch", *([TORCH_COMPILE] if torch_compile else [])]
+    sides = {side: Side(side, name, args) for side in names}
+    sides = {side: worker for side, worker in sides.items() if worker.words is not None}
+    names = list(sides)
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    for repeat in range(args.repeats):
+        for side in names[repeat % len(names):] + names[:repeat % len(names)]:  # each side first in turn
+            rate, loss = sides[side].run()
+            rates[side].append(rate)
+            print(f"  run {repeat + 1} {side:14s} {rate:9.1f} {model.unit}/s  loss {loss:.3f}", flush=True)
+    closed = {side: worker.close() for side, worker in sides.items()}
     summary({side: statistics.median(values) for side, values in rates.items()}, f"{model.unit}/s", higher_is_better=True, digits=1)
-    print(trainer.profile().by_kernel(), flush=True)
+    for side, ((peak, children), _) in closed.items():
+        workers = f" (+ {children:.2f} GiB its compile workers)" if side == TORCH_COMPILE and children else ""
+        print(f"{side:14s} peak memory {peak:6.2f} GiB{workers}")
+    print(closed["ranvier"][1], flush=True)
 
 
 def main() -> None:
@@ -179,8 +247,7 @@ def main() -> None:
     print(torch_features(torch, torch_compile))
     print(compile_times)
     for name in args.models:
-        race(name, MODELS[name](args.quick, args.steps, args.dropout), args.steps, args.repeats, torch_compile)
-        gc.collect()
+        race(name, args, torch_compile)
 
 
 if __name__ == "__main__":
