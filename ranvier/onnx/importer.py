@@ -26,6 +26,7 @@ from .. import dtypes
 from ..errors import UnknownOpError, shape_str
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
+from ..runtime import aligned_array
 from . import (  # noqa: F401  (each converter registers itself)
     algebra,
     attention,
@@ -308,8 +309,9 @@ class _GraphImporter:
         return tensor
 
     def parameter(self, name: str, value: np.ndarray) -> Tensor:
-        """A learnable variable holding initializer `name`, reachable by that name."""
-        tensor = self.b.parameter(_clean(name) or "weight", np.ascontiguousarray(value))
+        """A learnable variable holding initializer `name`, reachable by that name (aligned,
+        so that a network may train this array itself: `Compiler.compile(share_data=True)`)."""
+        tensor = self.b.parameter(_clean(name) or "weight", aligned_array(value, value.dtype))
         self.flow.add_alias(tensor.var, name)
         self.values[name] = tensor
         return tensor

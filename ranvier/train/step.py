@@ -60,15 +60,17 @@ def compile_step(model, loss: Loss = "cross_entropy", optimizer=None, batch: Seq
     arrays = [_as_array(a) for a in batch] if batch is not None else None
     target_example = arrays[-1] if arrays is not None and loss is not None else None
     flow = _trainable_flow(model, arrays[:-1] if target_example is not None else arrays, dims)
-    return CompiledStep(flow, loss, optimizer or AdamW(), target_example, seed, options, **settings)
+    # A flow made here is the step's alone: the step trains its weights' arrays, not copies of them.
+    return CompiledStep(flow, loss, optimizer or AdamW(), target_example, seed, options, share_data=flow is not model, **settings)
 
 
 class CompiledStep(Trainer):
     """A Trainer over a trainable flow, called the way a PyTorch loop is written:
-    `step(*batch)` takes the inputs and the target and returns the loss."""
+    `step(*batch)` takes the inputs and the target and returns the loss. share_data: train
+    the flow's own weight arrays (a flow made for this step alone; see Trainer)."""
 
     def __init__(self, flow: Flow, loss: Loss, optimizer, target_example: np.ndarray | None = None, seed: int = 0,
-                 options: TrainOptions | None = None, **settings):
+                 options: TrainOptions | None = None, share_data: bool = False, **settings):
         if not (loss is None or callable(loss) or loss in _LOSSES):
             raise RanvierError(f"unknown loss {loss!r}: {' or '.join(_LOSSES)}, a function (output, target) -> scalar, "
                                "or None")
@@ -90,7 +92,8 @@ class CompiledStep(Trainer):
             output.var.out = False
         target = None if loss is None else _target(b, loss, outputs[0], target_example)
         total = _loss(loss, outputs, target)
-        super().__init__(total, params, optimizer, options, inputs=[*inputs, *([target] if target is not None else [])], **settings)
+        super().__init__(total, params, optimizer, options, inputs=[*inputs, *([target] if target is not None else [])],
+                         share_data=share_data, **settings)
         self.names = _source_names(flow, set(self.state_arrays()))
         seed_var = flow.vars.get(f"{func.name}/dropout_seed")
         if seed_var is not None:

@@ -221,11 +221,11 @@ class TrainerBase:
         self.schedule = self.options.schedule or schedules.Constant(self.optimizer.lr)
         return self.options
 
-    def _compile(self, predict: Tensor | None) -> None:
+    def _compile(self, predict: Tensor | None, share_data: bool = False) -> None:
         options = self.options
         compile_start = time.perf_counter()
         compiler = Compiler(options.backend, cpu=options.cpu, matmul=options.matmul, denormals="flush", precision=options.precision)
-        self.network = compiler.compile(self.flow)
+        self.network = compiler.compile(self.flow, share_data)
         self.compile_seconds = time.perf_counter() - compile_start
         # Where the backend cannot run the requested precision, products and activations stay float32.
         matmul = compiler.options.matmul
@@ -415,6 +415,9 @@ class Trainer(TrainerBase):
         (default: the loss's function's inputs).
     watch: {name: tensor of the loss's function} to read after every step into `watched`
         (the mean over micro-batches), e.g. an auxiliary loss or a MoE layer's expert loads.
+    share_data: the network trains the flow's own arrays of the weights where they are
+        aligned (see `Compiler.compile`), not copies: for a flow made for this trainer alone,
+        one copy of the weights instead of two (the flow's data then moves with training).
     """
 
     def __init__(
@@ -427,6 +430,7 @@ class Trainer(TrainerBase):
         predict: Tensor | None = None,
         inputs: Sequence[Tensor] | None = None,
         watch: Mapping[str, Tensor] | None = None,
+        share_data: bool = False,
         **settings,
     ):
         options = self._take_options(optimizer, options, settings)
@@ -494,7 +498,7 @@ class Trainer(TrainerBase):
         self.finite_var.out = True
         self.skipped_var = stepped.skipped.var if stepped.skipped is not None else None
 
-        self._compile(predict)
+        self._compile(predict, share_data)
         self.cell = self.network.cell(self.func.name)
         self.data = self.cell.instance()
         self.apply_data = self.network.cell(self.apply_func.name).instance() if self.apply_func else None
