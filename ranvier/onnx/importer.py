@@ -26,7 +26,7 @@ from .. import dtypes
 from ..errors import UnknownOpError, shape_str
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow
-from ..runtime import aligned_array
+from ..runtime import aligned_zeros
 from . import (  # noqa: F401  (each converter registers itself)
     algebra,
     attention,
@@ -309,9 +309,12 @@ class _GraphImporter:
         return tensor
 
     def parameter(self, name: str, value: np.ndarray) -> Tensor:
-        """A learnable variable holding initializer `name`, reachable by that name (aligned,
-        so that a network may train this array itself: `Compiler.compile(share_data=True)`)."""
-        tensor = self.b.parameter(_clean(name) or "weight", aligned_array(value, value.dtype))
+        """A learnable variable holding initializer `name`, reachable by that name. Its data
+        is a writable aligned copy (the initializer may be a read-only view of the model's
+        bytes), so that a network may train that array itself (`Compiler.compile(share_data=True)`)."""
+        data = aligned_zeros(value.shape, value.dtype)
+        data[...] = value
+        tensor = self.b.parameter(_clean(name) or "weight", data)
         self.flow.add_alias(tensor.var, name)
         self.values[name] = tensor
         return tensor
