@@ -384,6 +384,30 @@ def test_pow_integer_exponents_of_negative_bases():
     check(run1(lambda f, a: a**3, x), as_f64(x) ** 3, "float32")
 
 
+def test_a_constant_square_or_cube_compiles_to_products():
+    """x² and x³ (the tanh GELU's cube) and the cube's gradient 3x² are products, not
+    exp(n·log|x|): no Pow is left to compile, and the values are the float64 ones."""
+    from ranvier.autodiff import gradient
+
+    x = random_array([100], "float32")
+    flow = ranvier.Flow()
+    f = ranvier.Builder(flow, "f")
+    w = f.parameter("w", x)
+    cube = w**3.0
+    square = (w**2.0).sum()
+    d_cube = gradient(flow, f.func, [w], loss=cube.sum())["f/w"]
+    for t in (cube, square, d_cube):
+        t.var.out = True
+    network = ranvier.Compiler("cpu").compile(flow)
+    programs = [op.type + op.attrs.get("expr", "") for op in network.flow.funcs["f"].ops]
+    assert not [p for p in programs if "Pow" in p], programs
+    data = network.cell("f").instance()
+    data.compute()
+    check(data[cube.var], as_f64(x) ** 3, "float32")
+    check(data[square.var], (as_f64(x) ** 2).sum(), "float32")
+    check(data[d_cube.var], 3 * as_f64(x) ** 2, "float32")
+
+
 def _remainder_of(a, b, dtype: str, floored: bool):
     """Element by element in Python: math.fmod or % for floats; for integers the truncated
     remainder (|a| % |b| with a's sign) or the floored one (%), x % 0 being 0."""

@@ -337,7 +337,10 @@ def _pow_formula(x, y):
 
 
 def _pow_vjp(a, c, y, g):
-    return g * c * a.pow(c - 1.0), g * y * a.log()
+    lower = c - 1.0
+    if c.var.data is not None and c.var.size == 1:  # a constant one, as x³'s 3x² (products: see _power_as_products)
+        lower = c.builder.const(float(np.asarray(c.var.data).reshape(-1)[0]) - 1.0, c.dtype)
+    return g * c * a.pow(lower), g * y * a.log()
 
 
 def _remainder(function):
@@ -400,6 +403,26 @@ binary("Or", np.logical_or, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_or", Non
 binary("Xor", np.logical_xor, (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_xor", None, lambda x, y: x ^ y)
 binary("AndNot", lambda a, b: np.logical_and(np.logical_not(a), b), (dtypes.DT_BOOL,), dtypes.DT_BOOL, "logical_and_not", None,
        lambda x, y: ~x & y, "(not a) and b, as Myelin's AndNot")
+
+
+def _small_power(op) -> int | None:
+    """The exponent of Pow(x, n) where n is a constant 2 or 3 and x has the result's shape."""
+    exponent = op.inputs[1]
+    if exponent.data is None or exponent.size != 1 or list(op.inputs[0].shape) != list(op.outputs[0].shape):
+        return None
+    value = float(np.asarray(exponent.data).reshape(-1)[0])
+    return int(value) if value in (2.0, 3.0) else None
+
+
+@decomposition("Pow", prefer=lambda op: _small_power(op) is not None)
+def _power_as_products(b, op):
+    """x² and x³ (the tanh GELU's cube, its gradient's square) as products, as PyTorch
+    computes them: exp(n·log|x|) costs two transcendentals an element and rounds worse."""
+    n = _small_power(op)
+    if n is None:
+        return None
+    x = b.wrap(op.inputs[0])
+    return x * x if n == 2 else x * x * x
 
 
 # ---- bitwise ops of integers --------------------------------------------------------------------------
