@@ -10,6 +10,7 @@ gets a code generator's IR values and computes the result with the same vocabula
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -405,7 +406,7 @@ binary("AndNot", lambda a, b: np.logical_and(np.logical_not(a), b), (dtypes.DT_B
        lambda x, y: ~x & y, "(not a) and b, as Myelin's AndNot")
 
 
-def _small_power(op) -> int | None:
+def _small_power(op: Any) -> int | None:
     """The exponent of Pow(x, n) where n is a constant 2 or 3 and x has the result's shape."""
     exponent = op.inputs[1]
     if exponent.data is None or exponent.size != 1 or list(op.inputs[0].shape) != list(op.outputs[0].shape):
@@ -415,7 +416,7 @@ def _small_power(op) -> int | None:
 
 
 @decomposition("Pow", prefer=lambda op: _small_power(op) is not None)
-def _power_as_products(b, op):
+def _power_as_products(b: Any, op: Any) -> Any:
     """x² and x³ (the tanh GELU's cube, its gradient's square) as products, as PyTorch
     computes them: exp(n·log|x|) costs two transcendentals an element and rounds worse."""
     n = _small_power(op)

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes
+from ..compiler.attention import fuse_attention
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
-from ..compiler.attention import fuse_attention
 from ..flow.graph import Flow, Function
 from .checkpoint import load_checkpoint
 from .losses import mse, softmax_cross_entropy
