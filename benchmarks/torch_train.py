@@ -188,6 +188,7 @@ class Side:
         self.connection, theirs = context.Pipe()
         self.process = context.Process(target=serve, args=(theirs, side, name, args.quick, args.steps, args.dropout))
         self.process.start()
+        theirs.close()  # theirs alone now: should the side fail, recv raises EOFError rather than waiting
         self.words = self.connection.recv()  # None: the side is left out
         if self.words:
             print(f"  {self.words}", flush=True)
