@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import dtypes
 from ..compiler.attention import fuse_attention
+from ..compiler.transposed import fold_transposed_operands
 from ..errors import RanvierError
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Flow, Function
@@ -78,7 +79,7 @@ class CompiledStep(Trainer):
             raise RanvierError(f"compile_step takes a flow of one function (the model's), not {len(flow.funcs)}: "
                                f"{', '.join(flow.funcs)}")
         func = next(iter(flow.funcs.values()))
-        _fuse_attention(flow, func)
+        _before_the_gradient(flow, func)
         b = Builder(flow, func)
         params = [b.wrap(v) for v in flow.vars.values() if v.learnable]
         if not params:
@@ -166,12 +167,15 @@ def _trainable_flow(model, inputs: list[np.ndarray] | None, dims: Mapping[str, i
     raise RanvierError(f"compile_step takes a torch module, an ONNX file or a trainable flow, not {type(model).__name__}")
 
 
-def _fuse_attention(flow: Flow, func: Function) -> None:
-    """The exporters write attention out op by op. Fused before the gradient is taken, its
-    backward is the fused AttentionGrad, which recomputes each block's probabilities
-    rather than keeping every layer's batch × heads × queries × keys scores for it."""
+def _before_the_gradient(flow: Flow, func: Function) -> None:
+    """What the exporters write op by op, folded before the gradient is taken, so the
+    backward is built from the folded ops: attention (its backward the fused AttentionGrad,
+    which recomputes each block's probabilities rather than keeping every layer's batch ×
+    heads × queries × keys scores) and products of transposed matrices (the product reads
+    the matrix, so neither the copy nor its gradient's transpose back is made)."""
     keep = {v.name for v in flow.outputs(func)} | {v.name for v in flow.vars.values() if v.out or v.in_}
     fuse_attention(flow, func, keep)
+    fold_transposed_operands(flow, func, keep)
 
 
 def _as_array(value) -> np.ndarray:
