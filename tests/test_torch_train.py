@@ -244,16 +244,15 @@ def _hugging_face(name: str):
 def test_a_gpt2_step_keeps_one_copy_of_its_weights_and_no_scores():
     """The exported attention fuses before the gradient (its backward recomputes the
     probabilities: no [B, H, T, S] scores kept), the tied LM head reads the embedding
-    untransposed (no copy of it transposed); the step's only results are its loss and
-    its finiteness test (the logits and the gradients are no storage of their own for the
-    whole step); the network trains the imported flow's weights, not a copy of them."""
+    untransposed (no copy of it transposed); the logits are no result of the step (no
+    storage of their own for the whole step); the network trains the imported flow's weights, not a copy of them."""
     module, batches, lr = _hugging_face("gpt2")
     step = ranvier.train.compile_step(module, "cross_entropy", AdamW(lr=lr), batch=batches[0])
     kernels = {s.kernel for s in step.cell.steps}
     assert {"AttentionGemm", "AttentionGradGemm"} <= kernels and "SoftmaxRow" not in kernels
     assert not [s.op.name for s in step.cell.steps if s.op.type == "Transpose" and s.op.inputs[0].is_global]  # the tied head's
-    results = [name for name, role in step.cell.roles.items() if role == "output"]
-    assert all(step.network.flow.vars[name].size == 1 for name in results), results
+    results = {name for name, role in step.cell.roles.items() if role == "output"}
+    assert not {v.name for v in step.model_outputs} & results
     weight = step.names["model.transformer.h.0.mlp.c_fc.weight"]
     assert step.network.globals[weight] is step.flow.vars[weight].data
 

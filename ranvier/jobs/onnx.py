@@ -131,7 +131,7 @@ def build(config: OnnxRunConfig, run_dir: Path) -> OnnxRun:
         flow = load(proto, dims=dims, trainable=True)
         step = CompiledStep(flow, "cross_entropy", optimizer, np.zeros([local, config.seq], np.int32), config.seed, options)
         _, manifest, paths = prepare_data(config, run_dir, vocab_size=0)
-        classes = step.flow.outputs(step.func)[0].shape[-1]
+        classes = step.model_outputs[0].shape[-1]
         vocabulary = int(manifest["tokenizer"]["vocab_size"])
         if classes < vocabulary:
             raise RanvierError(f"{config.model}'s logits have {classes} classes, fewer than the tokenizer's "
@@ -145,7 +145,7 @@ def build(config: OnnxRunConfig, run_dir: Path) -> OnnxRun:
                            f"is {shape} ({math.prod(shape[1:])} values an example)")
     flow = load(proto, dims=dims, trainable=True)
     step = CompiledStep(flow, "cross_entropy", optimizer, np.zeros([local], np.int32), config.seed, options)
-    classes = step.flow.outputs(step.func)[0].shape[-1]
+    classes = step.model_outputs[0].shape[-1]
     if classes < MNIST_CLASSES:
         raise RanvierError(f"{config.model}'s logits have {classes} classes; MNIST has {MNIST_CLASSES}")
     train_split, test_split = mnist.load(config.data)

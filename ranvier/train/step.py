@@ -89,6 +89,7 @@ class CompiledStep(Trainer):
         outputs = [b.wrap(v) for v in flow.outputs(func)]
         if not outputs:
             raise RanvierError(f"function {func.name} has no outputs to compute a loss from")
+        self.model_outputs = [output.var for output in outputs]  # what the loss is taken of (the logits)
         for output in outputs:  # the step's result is the loss: the model's outputs need no storage of their own
             output.var.out = False
         target = None if loss is None else _target(b, loss, outputs[0], target_example)

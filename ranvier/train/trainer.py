@@ -463,9 +463,6 @@ class Trainer(TrainerBase):
             stepped = step_updates(b, self.params, grads, self.optimizer, b.wrap(self.lr_var), scale, loss_scale, options.clip_norm,
                                    track_norm=options.track_grad_norm)
             assign_all(b, stepped.updates)
-            watched = set(self._watch.values())
-            for g in grads:  # read only by the update in this cell: their storage is free before and after
-                g.var.out = g.var in watched
             self.apply_func = None
             self._accumulators: list[Variable] = []
         else:
