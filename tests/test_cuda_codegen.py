@@ -698,7 +698,7 @@ def networks(monkeypatch) -> list:
     """Every network compiled while the test runs (a trainer's, whose instances then fail)."""
     compiled = []
     compile_flow = rv.Compiler.compile
-    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: compiled.append(compile_flow(self, flow)) or compiled[-1])
+    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow, *more: compiled.append(compile_flow(self, flow, *more)) or compiled[-1])
     return compiled
 
 

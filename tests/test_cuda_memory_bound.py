@@ -190,7 +190,7 @@ def test_a_llama_training_steps_ptx_loads_16_bytes_and_folds_rows_by_shuffles(mo
 
     compiled = []
     compile_flow = rv.Compiler.compile
-    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow: compiled.append(compile_flow(self, flow)) or compiled[-1])
+    monkeypatch.setattr(rv.Compiler, "compile", lambda self, flow, *more: compiled.append(compile_flow(self, flow, *more)) or compiled[-1])
     monkeypatch.delenv("RANVIER_CUDA_DEVICE", raising=False)
     with contextlib.suppress(RanvierError):  # the instance needs a GPU; the cell is compiled by then
         ranvier_trainer(Llama(dataclasses.replace(PRESETS["stories15M"], max_seq_len=32), seed=0), 2, 32, "bfloat16",
