@@ -496,11 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     mnist.add_argument("--profile", action="store_true", help="print the train step's per-kernel profile at the end")
     mnist.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default: %(default)s)")
     mnist.add_argument("--data", default=None, help="folder with the four MNIST IDX files (plain or .gz)")
-    mnist.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")
-    _resume_or_force(mnist, resume_help)
-    mnist.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
-    mnist.add_argument("--quiet", action="store_true", help="no progress bar")
-    mnist.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
+    _run_options(mnist, resume_help)
     _data_parallel_options(mnist)
     mnist.set_defaults(run=_train_mnist)
 
@@ -535,12 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=_MATMUL_HELP)
         lm.add_argument("--precision", default="float32", choices=PRECISIONS,
                         help=_PRECISION_HELP + "; not with --checkpointed)")
-        lm.add_argument("--run-dir", default=None, help="where to write config, metrics and checkpoints")
-        _resume_or_force(lm, resume_help)
-        lm.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
-        lm.add_argument("--quiet", action="store_true")
-        lm.add_argument("--dashboard", action="store_true",
-                        help="a live terminal dashboard with samples (plain output when not a terminal)")
+        _run_options(lm, resume_help, dashboard="a live terminal dashboard with samples")
         _data_parallel_options(lm)
         lm.set_defaults(run=_train_llama)
 
@@ -561,11 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     from_onnx.add_argument("--backend", default="cpu", choices=backend_names())
     from_onnx.add_argument("--cpu", default="", metavar="MASK", help="CPU features to mask, e.g. -avx512")
     from_onnx.add_argument("--matmul", default="float32", choices=MATMUL_PRECISIONS, help=_MATMUL_HELP)
-    from_onnx.add_argument("--run-dir", default=None, help="where to write config, metrics, checkpoints and trained.onnx")
-    _resume_or_force(from_onnx, resume_help)
-    from_onnx.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
-    from_onnx.add_argument("--quiet", action="store_true", help="no progress bar")
-    from_onnx.add_argument("--dashboard", action="store_true", help="a live terminal dashboard (plain output when not a terminal)")
+    _run_options(from_onnx, resume_help, written="config, metrics, checkpoints and trained.onnx")
     _data_parallel_options(from_onnx)
     from_onnx.set_defaults(run=_train_onnx)
 
@@ -672,13 +659,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resume_or_force(parser: argparse.ArgumentParser, resume_help: str) -> None:
-    """A run directory that holds a run already is continued (--resume) or replaced (--force)."""
+def _run_options(parser: argparse.ArgumentParser, resume_help: str, written: str = "config, metrics and checkpoints",
+                 dashboard: str = "a live terminal dashboard") -> None:
+    """A training job's run directory and how it shows progress. A run directory that holds a
+    run already is continued (--resume) or replaced (--force)."""
+    parser.add_argument("--run-dir", default=None, help=f"where to write {written}")
     existing = parser.add_mutually_exclusive_group()
     existing.add_argument("--resume", default=None, metavar="RUN_DIR", help=resume_help)
     existing.add_argument("--force", action="store_true",
                           help="start over in a --run-dir that holds a run, deleting that run (without --force or "
                                "--resume such a folder is refused)")
+    parser.add_argument("--checkpoint-every", type=_positive_int, default=500, help="steps between checkpoints (default: %(default)s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--dashboard", action="store_true", help=f"{dashboard} (plain output when not a terminal)")
 
 
 def _data_parallel_options(parser: argparse.ArgumentParser) -> None:
