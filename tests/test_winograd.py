@@ -214,13 +214,39 @@ def test_each_way_of_sharing_the_work_out(split, monkeypatch, form):
     op = next(step.op for step in cell.steps if step.kernel == winograd.WINOGRAD_KERNEL)
     parts = winograd._parts(op, winograd._geometry(op, sgemm.panel_width(cell.backend.target)))
     assert len(parts) == 2
-    images, rows, filter_ranges = ({call[i] for part in parts for call in part} for i in (0, slice(1, 3), slice(3, 5)))
+    rows, filter_ranges = ({call[i] for part in parts for call in part} for i in (slice(1, 3), slice(3, 5)))
+    images = [image for part in parts for first, *_, count in part for image in range(first, first + count)]
     if split == "images":
-        assert images == {0, 1, 2} and len(filter_ranges) == 1
+        assert images == [0, 1, 2] and len(filter_ranges) == 1
     elif split == "tile rows":
         assert len(rows) == 2 and len(filter_ranges) == 1
     else:
         assert len(rows) == 1 and filter_ranges == {(0, 128), (128, 256)}
+    _check(data, y, want, bound)
+
+
+def _several_images_a_block(cell, kernel: str) -> None:
+    """The cell's one step is `kernel`, in two parts whose whole images go several to a
+    block, a part's last block with fewer images than the others."""
+    (step,) = cell.steps
+    assert step.kernel == kernel
+    g = winograd._geometry(step.op, sgemm.panel_width(cell.backend.target), pairs=kernel == winograd.PAIRS_KERNEL)
+    parts = winograd._parts(step.op, g)
+    assert len(parts) == 2 and g.block_images > 1
+    assert any(images < g.block_images for part in parts for *_, images in part)
+
+
+MANY_SMALL_IMAGES = ((7, 24, 5, 6), (20, 24, 3, 3))  # 4 and 3 images a part; 3 × 4 tiles an image
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_images_of_few_tiles_go_several_to_a_block(mask, monkeypatch, form):
+    """Whole images of fewer tiles than a block wants are transformed and multiplied together
+    (their filters' U read once for them all), a Calculate after each image."""
+    monkeypatch.setattr(winograd, "thread_count", lambda: 2)
+    monkeypatch.setattr(winograd, "worth_splitting", lambda flops=0, nbytes=0: True)
+    cell, data, y, want, bound = _cell(*MANY_SMALL_IMAGES, 1, mask=mask, calculate=True, seed=4)
+    _several_images_a_block(cell, winograd.WINOGRAD_KERNEL)
     _check(data, y, want, bound)
 
 
@@ -252,12 +278,25 @@ def test_on_pairs_each_way_of_sharing_the_work_out(split, monkeypatch):
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     monkeypatch.setattr(winograd, "_form", lambda op: winograd.F2)
     monkeypatch.setattr(winograd, "thread_count", lambda: 2)
-    monkeypatch.setattr(winograd, "worth_splitting", lambda flops, nbytes: True)
+    monkeypatch.setattr(winograd, "worth_splitting", lambda flops=0, nbytes=0: True)
     shape, filters = SPLITS[split]
     cell, data, y, want, bound = _cell(shape, filters, 1, calculate=True, seed=len(split), matmul="bfloat16")
     (step,) = cell.steps
     assert step.kernel == winograd.PAIRS_KERNEL
     assert len(winograd._parts(step.op, winograd._geometry(step.op, sgemm.panel_width(cell.backend.target), pairs=True))) == 2
+    _check(data, y, want, bound)
+
+
+@pytest.mark.parametrize("constant", [True, False], ids=["constant", "changing"])
+def test_on_pairs_images_of_few_tiles_go_several_to_a_block(constant, monkeypatch):
+    if not sgemm.pairs_supported(host_target()):
+        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps)")
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    monkeypatch.setattr(winograd, "_form", lambda op: winograd.F2)
+    monkeypatch.setattr(winograd, "thread_count", lambda: 2)
+    monkeypatch.setattr(winograd, "worth_splitting", lambda flops=0, nbytes=0: True)
+    cell, data, y, want, bound = _cell(*MANY_SMALL_IMAGES, 1, calculate=True, seed=4, matmul="bfloat16", constant=constant)
+    _several_images_a_block(cell, winograd.PAIRS_KERNEL)
     _check(data, y, want, bound)
 
 

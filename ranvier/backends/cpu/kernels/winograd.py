@@ -13,7 +13,9 @@ an inference model's constants, so U is made once when the network is (a `Prepar
 the weights).
 
 The output's tiles are taken a block of tile rows at a time, sized so the block's V and M stay
-near the caches and the filters' U is read few times. Per block, on the calling thread:
+near the caches and the filters' U is read few times; where a whole image has fewer tiles than
+that, a block takes several images, their tiles one after the other. Per block, on the calling
+thread:
 
 1. the input rows under the block are copied, every channel, into a scratch with their
    padding as zeros, so the transform reads them with plain vector loads;
@@ -144,6 +146,7 @@ class _Geometry:
     group: int  # tiles per vector of the transforms
     panel: int  # NR: tiles per packed panel of V
     pairs: bool = False  # V in bf16 pairs of channels, for the GEMM on pairs
+    batch: int = 1  # the most images a call takes: whole images, several a block where one has few tiles
 
     @property
     def depth(self) -> int:
@@ -160,18 +163,35 @@ class _Geometry:
         return -(-self.out_width // (self.form.tile * self.group)) * self.group
 
     @property
-    def block_rows(self) -> int:
-        """Tile rows per block: enough for V and M to fill _BLOCK_BYTES, and enough that the
+    def wanted_rows(self) -> int:
+        """Tile rows a block wants: enough for V and M to fill _BLOCK_BYTES, and enough that the
         transformed filters, read once a block, move no more bytes per tile than V and M do
         (K·C / P ≤ K + C for P tiles a block): 256 × 256 filters take 128 tiles a block."""
         per_row = 4 * self.form.points * (self.channels + self.filters) * self.row_tiles
         filter_tiles = self.channels * self.filters // (self.channels + self.filters)
-        rows = max(-(-_BLOCK_BYTES // per_row), -(-filter_tiles // self.row_tiles))
-        return max(1, min(self.tile_rows, rows))
+        return max(-(-_BLOCK_BYTES // per_row), -(-filter_tiles // self.row_tiles))
+
+    @property
+    def block_rows(self) -> int:
+        """Tile rows per block of one image: the wanted ones, at most the image's."""
+        return max(1, min(self.tile_rows, self.wanted_rows))
+
+    @property
+    def block_images(self) -> int:
+        """Images a block takes: one, or where a whole image has fewer tiles than a block
+        wants, as many as make them up (at most `batch`), so the filters' U is read once for
+        them all: ResNet-18's 512 × 512 filters (16 MB of U, for 16 tiles a 7 × 7 image)
+        were read from memory for every image."""
+        return max(1, min(self.batch, -(-self.wanted_rows // self.tile_rows)))
+
+    @property
+    def image_rows(self) -> int:
+        """Tile rows a block holds: its images' rows."""
+        return self.block_images * self.block_rows
 
     @property
     def block_tiles(self) -> int:
-        return self.block_rows * self.row_tiles
+        return self.image_rows * self.row_tiles
 
     @property
     def v_floats(self) -> int:
@@ -196,8 +216,13 @@ class _Geometry:
         return self.form.tile * (self.row_tiles + 1)
 
     @property
-    def patch_floats(self) -> int:
+    def image_patch_floats(self) -> int:
+        """An image's input rows under a block."""
         return self.depth * self.patch_rows * self.patch_width
+
+    @property
+    def patch_floats(self) -> int:
+        return self.block_images * self.image_patch_floats
 
     @property
     def workspace_bytes(self) -> int:
@@ -205,7 +230,7 @@ class _Geometry:
         and room to align V to a cache line."""
         tile = self.form.tile
         return 64 + 4 * (self.form.points * (self.v_floats + self.m_floats) + self.patch_floats
-                         + self.filters * tile * self.block_rows * tile * self.row_tiles)
+                         + self.filters * tile * self.image_rows * tile * self.row_tiles)
 
 
 def _staggered(floats: int) -> int:
@@ -244,7 +269,10 @@ def _geometry(op, panel: int, pairs: bool = False) -> _Geometry:
     # a row are 7 vectors of 4, or 4 of 8 with 4 padding); SSE's panels of 12 hold 4s only
     tiles = -(-out_width // form.tile)
     group = 8 if panel % 8 == 0 and -(-tiles // 8) * 8 <= -(-tiles // 4) * 4 else 4
-    return _Geometry(form, channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel, pairs)
+    images, threads = op.inputs[0].shape[0], _threads(op)
+    batch = -(-images // threads) if images >= threads else 1
+    return _Geometry(form, channels, filters, height, width, pad_height, pad_width, out_height, out_width, group, panel, pairs,
+                     batch)
 
 
 def _supported(op) -> bool:
@@ -267,20 +295,27 @@ def _filter_bytes(op) -> int:
 _FILTER_UNIT = 8  # filters in a part's share: whole strips of the GEMM's tiles (MR is 4 or 8)
 
 
-def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int]]]:
-    """The calls per worker-pool part, each (image, first tile row, last tile row, first
-    filter, last filter): whole images shared out when there are at least as many as cores,
-    else each image's blocks, or where it has fewer blocks than its share of the cores, its
-    filters (each part then transforms the whole input, and reads only its filters' U)."""
-    images = op.inputs[0].shape[0]
+def _threads(op) -> int:
+    """The worker-pool parts the convolution is worth."""
     flops = 2 * op.outputs[0].size * math.prod(op.inputs[1].shape[1:])
-    threads = thread_count() if worth_splitting(flops, op.inputs[0].nbytes) else 1
+    return thread_count() if worth_splitting(flops, op.inputs[0].nbytes) else 1
+
+
+def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int, int]]]:
+    """The calls per worker-pool part, each (first image, first tile row, last tile row,
+    first filter, last filter, images): whole images shared out when there are at least as
+    many as cores (a call's images one block, `_Geometry.block_images`), else each image's
+    blocks, or where it has fewer blocks than its share of the cores, its filters (each
+    part then transforms the whole input, and reads only its filters' U)."""
+    images, threads = op.inputs[0].shape[0], _threads(op)
     if images >= threads:
-        return [[(i, 0, g.tile_rows, 0, g.filters) for i in range(first, last)] for first, last in shares(images, threads)]
+        return [[(i, 0, g.tile_rows, 0, g.filters, min(g.block_images, last - i)) for i in range(first, last, g.block_images)]
+                for first, last in shares(images, threads)]
     per_image = max(1, threads // images)
     if -(-g.tile_rows // g.block_rows) >= per_image:
-        return [[(i, first, last, 0, g.filters)] for i in range(images) for first, last in shares(g.tile_rows, per_image, g.block_rows)]
-    return [[(i, 0, g.tile_rows, first, last)] for i in range(images) for first, last in shares(g.filters, per_image, _FILTER_UNIT)]
+        return [[(i, first, last, 0, g.filters, 1)] for i in range(images)
+                for first, last in shares(g.tile_rows, per_image, g.block_rows)]
+    return [[(i, 0, g.tile_rows, first, last, 1)] for i in range(images) for first, last in shares(g.filters, per_image, _FILTER_UNIT)]
 
 
 def _workspace_bytes(op, pairs: bool = False) -> int:
@@ -320,8 +355,10 @@ def _transform_filters(ctx, op, form: Form, target) -> None:
 
 
 _GEMM = ir.FunctionType(VOID, [I64] * 4 + [F32.as_pointer(), I64, F32.as_pointer(), F32.as_pointer(), I64])
-# image, the first filter's U[0], its output plane, first and last tile row, filters, scratch, the packed GEMM
-_TILES = ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer(), F32.as_pointer(), I64, I64, I64, BYTE_PTR, _GEMM.as_pointer()])
+# the first image, the first filter's U[0], its output plane, first and last tile row, filters, images, scratch,
+# the packed GEMM
+_TILES = ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer(), F32.as_pointer(), I64, I64, I64, I64, BYTE_PTR,
+                                _GEMM.as_pointer()])
 
 
 def _on_pairs(op) -> bool:
@@ -336,7 +373,7 @@ def _pairs_faster(op) -> bool:
     """Whether its GEMM on V in bf16 pairs measured faster than the one on float32 V, on the
     largest call a part makes (a block's tiles by its filters)."""
     g = _geometry(op, _PAIRS_PANEL, pairs=True)
-    filters = max(last - first for part in _parts(op, g) for _, _, _, first, last in part)
+    filters = max(last - first for part in _parts(op, g) for _, _, _, first, last, _ in part)
     return packed_pairs_are_faster(filters, g.block_tiles, g.channels)
 
 
@@ -378,13 +415,14 @@ def _winograd(ctx, op, pairs: bool) -> None:
             gemm = b.bitcast(ctx.table_entry(SGEMM_PACKED_DPBF16 if pairs else SGEMM_PACKED), _GEMM.as_pointer())
             filters = transformed(ctx)
             scratch = b.gep(ctx.address(ctx.workspace), [i64(made_here + number * g.workspace_bytes)])
-            for image, first, last, first_filter, last_filter in calls:
-                b.call(tiles, [ctx.element_pointer(x, image * image_size), b.gep(filters, [i64(first_filter * g.channels)]),
-                               ctx.element_pointer(y, image * out_size + first_filter * plane), i64(first), i64(last),
-                               i64(last_filter - first_filter), scratch, gemm])
+            for first_image, first, last, first_filter, last_filter, images in calls:
+                b.call(tiles, [ctx.element_pointer(x, first_image * image_size), b.gep(filters, [i64(first_filter * g.channels)]),
+                               ctx.element_pointer(y, first_image * out_size + first_filter * plane), i64(first), i64(last),
+                               i64(last_filter - first_filter), i64(images), scratch, gemm])
                 top, bottom = g.form.tile * first, min(g.form.tile * last, g.out_height)
-                epilogue(ctx, op, image * out_size + first_filter * plane + top * g.out_width, last_filter - first_filter,
-                         (bottom - top) * g.out_width)
+                for image in range(first_image, first_image + images):
+                    epilogue(ctx, op, image * out_size + first_filter * plane + top * g.out_width, last_filter - first_filter,
+                             (bottom - top) * g.out_width)
 
         return emit
 
@@ -411,7 +449,7 @@ def _apply_both(matrix: np.ndarray, square: list[list[Value]]) -> list[list[Valu
 
 
 class _Emitter:
-    """The function computing one image's output over a range of tile rows."""
+    """The function computing a call's images' output (`tiles_function`)."""
 
     def __init__(self, module: ir.Module, g: _Geometry):
         self.module, self.g, self.form = module, g, g.form
@@ -420,10 +458,14 @@ class _Emitter:
         self.zeros = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * g.group)
 
     def tiles_function(self) -> ir.Function:
+        """The function computing `images` images from the first's output over a range of
+        tile rows (all of them where the images are more than one), a block at a time: a
+        block is some of an image's tile rows or, `g.block_images` of them, whole images,
+        their tiles one after the other in V and M."""
         g = self.g
         function = ir.Function(self.module, _TILES, name=self.module.get_unique_name("winograd_tiles"))
         function.linkage = "internal"
-        image, filters, out, first_row, last_row, filter_count, scratch, gemm = function.args
+        image, filters, out, first_row, last_row, filter_count, images, scratch, gemm = function.args
         b = self.b = ir.IRBuilder(function.append_basic_block("entry"))
         # on pairs, a channel's transformed tiles wait here for the next channel's
         self.first_of_pair = b.alloca(self.vector, i64(self.form.points)) if g.pairs else None
@@ -432,23 +474,33 @@ class _Emitter:
         m = b.gep(v, [i64(points * g.v_floats)])
         patches = b.gep(m, [i64(points * g.m_floats)])
         tiles_out = b.gep(patches, [i64(g.patch_floats)])
-        with for_range(b, first_row, last_row, step=g.block_rows, name="block") as top:
+        image_floats, out_floats = g.channels * g.height * g.width, g.filters * g.out_height * g.out_width
+        with for_range(b, i64(0), images, step=g.block_images, name="image_block") as first_image, \
+                for_range(b, first_row, last_row, step=g.block_rows, name="block") as top:
+            block_images = b.sub(images, first_image)
+            block_images = b.select(b.icmp_signed("<", block_images, i64(g.block_images)), block_images, i64(g.block_images))
             rows = b.sub(last_row, top)
             rows = b.select(b.icmp_signed("<", rows, i64(g.block_rows)), rows, i64(g.block_rows))
-            count = b.mul(rows, i64(g.row_tiles))
-            self.gather_rows(image, top, rows, patches)
-            with for_range(b, i64(0), rows, name="tile_row") as row, \
+            count = b.mul(b.mul(block_images, rows), i64(g.row_tiles))
+            with for_range(b, i64(0), block_images, name="gather_image") as j:
+                self.gather_rows(b.gep(image, [b.mul(b.add(first_image, j), i64(image_floats))]), top, rows,
+                                 b.gep(patches, [b.mul(j, i64(g.image_patch_floats))]))
+            with for_range(b, i64(0), block_images, name="tile_image") as j, for_range(b, i64(0), rows, name="tile_row") as row, \
                     for_range(b, i64(0), i64(g.row_tiles), step=g.group, name="tile") as column:
-                self.input_transform(patches, row, column, b.add(b.mul(row, i64(g.row_tiles)), column), v)
+                index = b.add(b.mul(b.add(b.mul(j, rows), row), i64(g.row_tiles)), column)
+                self.input_transform(b.gep(patches, [b.mul(j, i64(g.image_patch_floats))]), row, column, index, v)
             with for_range(b, i64(0), i64(points), name="point") as point:
                 b.call(gemm, [i64(0), filter_count, count, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * g.channels))]),
                               i64(g.channels), b.gep(v, [b.mul(point, i64(g.v_floats))]), b.gep(m, [b.mul(point, i64(g.m_floats))]),
                               count])
-            with for_range(b, i64(0), filter_count, name="filter") as k, for_range(b, i64(0), rows, name="out_row") as row, \
+            with for_range(b, i64(0), filter_count, name="filter") as k, \
+                    for_range(b, i64(0), b.mul(block_images, rows), name="out_row") as row, \
                     for_range(b, i64(0), i64(g.row_tiles), step=g.group, name="out_tile") as column:
                 at = b.add(b.mul(k, count), b.add(b.mul(row, i64(g.row_tiles)), column))
                 self.output_transform(m, at, tiles_out, k, row, column)
-            self.scatter_rows(tiles_out, top, rows, filter_count, out)
+            with for_range(b, i64(0), block_images, name="scatter_image") as j:
+                self.scatter_rows(b.gep(tiles_out, [b.mul(b.mul(j, rows), i64(g.form.tile * g.form.tile * g.row_tiles))]), top, rows,
+                                  filter_count, b.gep(out, [b.mul(b.add(first_image, j), i64(out_floats))]))
         b.ret_void()
         return function
 
@@ -498,7 +550,7 @@ class _Emitter:
         left = b.sub(i64(g.out_height), b.mul(top, i64(tile)))  # the output's rows from the block's first
         out_rows = b.select(b.icmp_signed("<", left, out_rows), left, out_rows)
         with for_range(b, i64(0), filters, name="scatter_filter") as k, for_range(b, i64(0), out_rows, name="scatter_row") as r:
-            source = b.gep(tiles_out, [b.mul(b.add(b.mul(k, i64(tile * g.block_rows)), r), i64(tile * g.row_tiles))])
+            source = b.gep(tiles_out, [b.mul(b.add(b.mul(k, i64(tile * g.image_rows)), r), i64(tile * g.row_tiles))])
             y = b.add(b.mul(top, i64(tile)), r)
             self.copy(source, b.gep(out, [b.add(b.mul(k, i64(g.out_height * g.out_width)), b.mul(y, i64(g.out_width)))]), g.out_width)
 
@@ -573,7 +625,7 @@ class _Emitter:
         # output row a of the group's tiles: tile e's column j (y[a][j]'s lane e) at size·e + j
         interleave = ir.Constant(ir.VectorType(I32, size * group), [(p % size) * group + p // size for p in range(size * group)])
         width = size * g.row_tiles
-        corner = b.add(b.mul(b.add(b.mul(k, i64(size * g.block_rows)), b.mul(row, i64(size))), i64(width)), b.mul(tile, i64(size)))
+        corner = b.add(b.mul(b.add(b.mul(k, i64(size * g.image_rows)), b.mul(row, i64(size))), i64(width)), b.mul(tile, i64(size)))
         for a in range(size):
             value = self.pick([y[a][j].ir for j in range(size)], interleave)
             pointer = b.gep(tiles_out, [b.add(corner, i64(a * width))])
