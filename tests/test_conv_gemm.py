@@ -175,6 +175,38 @@ def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, monkeyp
     assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
 
 
+@pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("call_bytes", "calls"), [(4480, 1), (3200, 2)])
+def test_a_batchs_image_takes_the_fewest_calls_that_each_write_at_most_the_call_bytes(call_bytes, calls, matmul, monkeypatch):
+    """2 images of 8 filters by 12 × 11 outputs (4,224 bytes an image), in calls of columns a
+    multiple of 16: one call where an image's output fits, else the fewest that fit, every
+    element written (NaN first)."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    monkeypatch.setattr(conv, "_CALL_BYTES", call_bytes)
+    monkeypatch.setattr(conv, "_CALL_UNIT", 16)
+    monkeypatch.setattr(conv, "thread_count", lambda: 2)
+    monkeypatch.setattr(conv, "worth_splitting", lambda flops, nbytes: True)
+    shape, filters, strides, padding = (2, 3, 23, 21), (8, 3, 7, 7), (2, 2), (3, 3)
+    cell, y = _conv_cell(shape, filters, strides, padding, matmul=matmul)
+    (step,) = cell.steps
+    parts = conv._parts(step.op)
+    assert [[call[0] for call in part] for part in parts] == [[0] * calls, [1] * calls]
+    assert all(4 * call[2] * call[4] <= call_bytes and (call[4] % 16 == 0 or call[3] + call[4] == 132) for part in parts for call in part)
+    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
+    data = cell.instance()
+    data["f/x"], data["f/w"] = x, w
+    data[y] = np.full(y.shape, np.nan, np.float32)
+    data.compute()
+    pairs = step.kernel == "ConvGemmDpbf16"
+    dtype = ml_dtypes.bfloat16 if pairs else np.float32
+    tx, tw = (torch.tensor(v.astype(dtype).astype(np.float64)) for v in (x, w))
+    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
+    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
+    got = np.array(data[y])
+    assert np.isfinite(got).all()
+    assert np.all(np.abs(got - want) <= (1e-5 if pairs else 2e-6) * bound + 1e-30)
+
+
 def test_other_dtypes_decompose_into_the_im2col_product():
     flow = rv.Flow()
     f = rv.Builder(flow, "f")

@@ -36,10 +36,13 @@ from .program import epilogue
 
 CONV_KERNEL = "ConvGemm"
 _UNIT = 16  # edges of the blocks of an image's output a part computes
-# A call of a whole image writes at most this much output (ResNet-18's first convolution
-# writes 3.2 MB an image: at batch 32 its bias and ReLU then read it back from memory), in
-# columns a multiple of the GEMM's blocks of B (384 on every target).
-_CALL_BYTES = 256 << 10
+# A whole image is multiplied in the fewest calls that write at most this much output each
+# (ResNet-18's first convolution writes 3.2 MB an image: at batch 32 its bias and ReLU then
+# read it back from memory), in columns a multiple of the GEMM's blocks of B (384 on every
+# target). Each call takes the filters afresh (on pairs, rounding them) and ends in a part-filled panel:
+# its 64 -> 128 convolutions of stride 2 (401 KB an image) in three calls of 262 columns took
+# 1.12-1.3 times one of 784 at batch 32 (bf16, Zen 5, two cores, shared).
+_CALL_BYTES = 512 << 10
 _CALL_UNIT = 384
 _MAX_LANES = 16  # float32 lanes of the widest vectors (AVX-512): scratch is sized for them
 # The register tiles of the kernels for few filters: TILE_FILTERS filters by TILE_TAPS taps of
@@ -64,13 +67,13 @@ def _supported(op) -> bool:
 def _parts(op) -> list[list[tuple[int, int, int, int, int]]]:
     """The calls per worker-pool part, each (image, first row, rows, first column, columns)
     of the output: whole images shared out when there are at least as many as cores (each
-    in calls of at most `_CALL_BYTES` of output, so a Conv2DCalculate's program finds what
-    it reads in the cache), else each image's output cut into a grid of blocks."""
+    in the fewest calls of at most `_CALL_BYTES` of output, so a Conv2DCalculate's program
+    finds what it reads in the cache), else each image's output cut into a grid of blocks."""
     images, rows, columns, taps = _sizes(op)
     threads = thread_count() if worth_splitting(2 * op.outputs[0].size * taps, op.inputs[0].nbytes) else 1
     if images >= threads:
-        width = max(1, _CALL_BYTES // (4 * rows * _CALL_UNIT)) * _CALL_UNIT
-        return [[(i, 0, rows, c0, c1 - c0) for i in range(first, last) for c0, c1 in shares(columns, -(-columns // width))]
+        calls = -(-4 * rows * columns // _CALL_BYTES)
+        return [[(i, 0, rows, c0, c1 - c0) for i in range(first, last) for c0, c1 in shares(columns, calls, _CALL_UNIT)]
                 for first, last in shares(images, threads)]
     return [[(i, r0, r1 - r0, c0, c1 - c0)] for i in range(images)
             for (r0, r1), (c0, c1) in gemm_grid(rows, columns, taps, threads // images, _UNIT)]
