@@ -149,18 +149,11 @@ def test_conv2d_runs_as_one_implicit_gemm_and_matches_pytorch(case, mask):
     assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30)
 
 
-@pytest.mark.parametrize("mask", ["", "-avx512bf16"])
-@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, monkeypatch):
-    """matmul="bfloat16", the choice forced to the pairs: where the CPU has AVX512-BF16 a
-    convolution takes ConvGemmDpbf16 and matches PyTorch's float64 convolution of the
-    bf16-rounded x and w; masked (or on a CPU without them) it stays ConvGemm in float32."""
-    monkeypatch.setenv("RANVIER_GEMM", "generated")
+def _check_against_pytorch(cell, y, case, pairs: bool) -> None:
+    """The cell's convolution of random x and w (`case`: shapes, strides, padding) against
+    PyTorch's float64 one (of the bf16-rounded x and w where it ran on `pairs`), every
+    element written (NaN first)."""
     shape, filters, strides, padding = case
-    cell, y = _conv_cell(shape, filters, strides, padding, mask, matmul="bfloat16")
-    pairs = sgemm.pairs_supported(host_target(mask))
-    (step,) = cell.steps
-    assert step.kernel == ("ConvGemmDpbf16" if pairs else "ConvGemm")
     x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
     data = cell.instance()
     data["f/x"], data["f/w"] = x, w
@@ -175,6 +168,21 @@ def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, monkeyp
     assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
 
 
+@pytest.mark.parametrize("mask", ["", "-avx512bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, monkeypatch):
+    """matmul="bfloat16", the choice forced to the pairs: where the CPU has AVX512-BF16 a
+    convolution takes ConvGemmDpbf16 and matches PyTorch's float64 convolution of the
+    bf16-rounded x and w; masked (or on a CPU without them) it stays ConvGemm in float32."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    shape, filters, strides, padding = case
+    cell, y = _conv_cell(shape, filters, strides, padding, mask, matmul="bfloat16")
+    pairs = sgemm.pairs_supported(host_target(mask))
+    (step,) = cell.steps
+    assert step.kernel == ("ConvGemmDpbf16" if pairs else "ConvGemm")
+    _check_against_pytorch(cell, y, case, pairs)
+
+
 @pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("call_bytes", "calls"), [(4480, 1), (3200, 2)])
 def test_a_batchs_image_takes_the_fewest_calls_that_each_write_at_most_the_call_bytes(call_bytes, calls, matmul, monkeypatch):
@@ -186,25 +194,13 @@ def test_a_batchs_image_takes_the_fewest_calls_that_each_write_at_most_the_call_
     monkeypatch.setattr(conv, "_CALL_UNIT", 16)
     monkeypatch.setattr(conv, "thread_count", lambda: 2)
     monkeypatch.setattr(conv, "worth_splitting", lambda flops, nbytes: True)
-    shape, filters, strides, padding = (2, 3, 23, 21), (8, 3, 7, 7), (2, 2), (3, 3)
-    cell, y = _conv_cell(shape, filters, strides, padding, matmul=matmul)
+    case = (2, 3, 23, 21), (8, 3, 7, 7), (2, 2), (3, 3)
+    cell, y = _conv_cell(*case, matmul=matmul)
     (step,) = cell.steps
     parts = conv._parts(step.op)
     assert [[call[0] for call in part] for part in parts] == [[0] * calls, [1] * calls]
     assert all(4 * call[2] * call[4] <= call_bytes and (call[4] % 16 == 0 or call[3] + call[4] == 132) for part in parts for call in part)
-    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
-    data = cell.instance()
-    data["f/x"], data["f/w"] = x, w
-    data[y] = np.full(y.shape, np.nan, np.float32)
-    data.compute()
-    pairs = step.kernel == "ConvGemmDpbf16"
-    dtype = ml_dtypes.bfloat16 if pairs else np.float32
-    tx, tw = (torch.tensor(v.astype(dtype).astype(np.float64)) for v in (x, w))
-    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
-    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
-    got = np.array(data[y])
-    assert np.isfinite(got).all()
-    assert np.all(np.abs(got - want) <= (1e-5 if pairs else 2e-6) * bound + 1e-30)
+    _check_against_pytorch(cell, y, case, step.kernel == "ConvGemmDpbf16")
 
 
 def test_other_dtypes_decompose_into_the_im2col_product():

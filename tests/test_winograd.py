@@ -270,15 +270,20 @@ def test_in_bf16_its_products_run_on_pairs_where_the_cpu_has_them(geometry, mask
     _check(data, y, want, bound)
 
 
-@pytest.mark.parametrize("split", list(SPLITS))
-def test_on_pairs_each_way_of_sharing_the_work_out(split, monkeypatch):
-    """As `test_each_way_of_sharing_the_work_out`, with a Calculate after, on pairs."""
+def _on_pairs_in_two_parts(monkeypatch) -> None:
+    """F(2, 3) on pairs (skipped where the CPU has none), in two parts as on a 2-core machine."""
     if not sgemm.pairs_supported(host_target()):
         pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps)")
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     monkeypatch.setattr(winograd, "_form", lambda op: winograd.F2)
     monkeypatch.setattr(winograd, "thread_count", lambda: 2)
     monkeypatch.setattr(winograd, "worth_splitting", lambda flops=0, nbytes=0: True)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_on_pairs_each_way_of_sharing_the_work_out(split, monkeypatch):
+    """As `test_each_way_of_sharing_the_work_out`, with a Calculate after, on pairs."""
+    _on_pairs_in_two_parts(monkeypatch)
     shape, filters = SPLITS[split]
     cell, data, y, want, bound = _cell(shape, filters, 1, calculate=True, seed=len(split), matmul="bfloat16")
     (step,) = cell.steps
@@ -289,12 +294,7 @@ def test_on_pairs_each_way_of_sharing_the_work_out(split, monkeypatch):
 
 @pytest.mark.parametrize("constant", [True, False], ids=["constant", "changing"])
 def test_on_pairs_images_of_few_tiles_go_several_to_a_block(constant, monkeypatch):
-    if not sgemm.pairs_supported(host_target()):
-        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps)")
-    monkeypatch.setenv("RANVIER_GEMM", "generated")
-    monkeypatch.setattr(winograd, "_form", lambda op: winograd.F2)
-    monkeypatch.setattr(winograd, "thread_count", lambda: 2)
-    monkeypatch.setattr(winograd, "worth_splitting", lambda flops=0, nbytes=0: True)
+    _on_pairs_in_two_parts(monkeypatch)
     cell, data, y, want, bound = _cell(*MANY_SMALL_IMAGES, 1, calculate=True, seed=4, matmul="bfloat16", constant=constant)
     _several_images_a_block(cell, winograd.PAIRS_KERNEL)
     _check(data, y, want, bound)
