@@ -109,7 +109,8 @@ def test_the_gemm_on_packed_panels_matches_float64_numpy_and_writes_only_c(shape
 
 needs_pairs = pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
 PAIR_SHAPES = [*SHAPES, (8, 48, 2), (3, 50, 3),  # a whole tile of one pair; an odd k: its last pair padded
-               (20, 100, 1100), (17, 1000, 515)]  # three slices of k (even ones, then one of 76); blocks of columns
+               (20, 100, 1100), (17, 1000, 515),  # three slices of k (even ones, then one of 76); blocks of columns
+               (9, 97, 75)]  # a last panel of one column after two (dot products of pairs), an odd k
 
 
 @needs_pairs
