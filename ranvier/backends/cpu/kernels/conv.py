@@ -41,8 +41,9 @@ _UNIT = 16  # edges of the blocks of an image's output a part computes
 # read it back from memory), in columns a multiple of the GEMM's blocks of B (384 on every
 # target). Each call takes the filters afresh (on pairs, rounding them) and ends in a part-filled panel:
 # its 64 -> 128 convolutions of stride 2 (401 KB an image) in three calls of 262 columns took
-# 1.12-1.3 times one of 784 at batch 32 (bf16, Zen 5, two cores, shared).
-_CALL_BYTES = 512 << 10
+# 1.12-1.3 times one of 784 at batch 32 (bf16, Zen 5, two cores, shared), and two of 392 as
+# long as one.
+_CALL_BYTES = 256 << 10
 _CALL_UNIT = 384
 _MAX_LANES = 16  # float32 lanes of the widest vectors (AVX-512): scratch is sized for them
 # The register tiles of the kernels for few filters: TILE_FILTERS filters by TILE_TAPS taps of
