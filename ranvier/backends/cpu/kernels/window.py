@@ -55,6 +55,20 @@ def _inside(size: int, kernel: int, stride: int, padding: int, outputs: int) -> 
     return first, max(first, min(outputs, (size - kernel + padding) // stride + 1))
 
 
+def _taps(ctx, x, at: Value, count: int, kernel: tuple[int, int], stride: int) -> list[Value]:
+    """Each tap's element of `count` windows side by side along a row of x, from element
+    `at` of the first window's top-left, the taps row by row: one load of the lanes'
+    elements a tap (with stride s, s·count contiguous elements and a shuffle of every s-th,
+    reaching s - 1 elements past the last window's tap)."""
+    kh, kw = kernel
+    width = x.shape[-1]
+    if count == 1 or stride == 1:
+        return [ctx.load(x, at + i * width + j, count) for i in range(kh) for j in range(kw)]
+    picks = ir.Constant(ir.VectorType(ir.IntType(32), count), [e * stride for e in range(count)])
+    spans = [ctx.load(x, at + i * width + j, count * stride) for i in range(kh) for j in range(kw)]
+    return [Value(ctx.b, ctx.b.shuffle_vector(v.ir, v.ir, picks), v.dtype) for v in spans]
+
+
 @kernel("WindowMax", {"MaxPool"}, supports=lambda op: dtypes.is_float(op.inputs[0].dtype))
 def max_pool(ctx, op) -> None:
     """Each output the maximum of its window, read in place: the decomposition's padded
@@ -76,17 +90,8 @@ def max_pool(ctx, op) -> None:
     vectors_last = inside_first + (loads_inside - inside_first) // lanes * lanes
     rows = planes * ho
 
-    def taps(ctx, at, count: int):
-        """Tap (i, j)'s element for `count` windows side by side, from element `at` of the
-        first window's top-left."""
-        if count == 1 or sw == 1:
-            return [ctx.load(x, at + i * width + j, count) for i in range(kh) for j in range(kw)]
-        picks = ir.Constant(ir.VectorType(ir.IntType(32), count), [e * sw for e in range(count)])
-        spans = [ctx.load(x, at + i * width + j, count * sw) for i in range(kh) for j in range(kw)]
-        return [Value(ctx.b, ctx.b.shuffle_vector(v.ir, v.ir, picks), v.dtype) for v in spans]
-
     def whole(ctx, plane, top, left, count: int):
-        values = taps(ctx, plane * (height * width) + top * width + left, count)
+        values = _taps(ctx, x, plane * (height * width) + top * width + left, count, (kh, kw), sw)
         best = values[0]
         for value in values[1:]:
             best = best.maximum(value)
@@ -164,8 +169,17 @@ def max_pool_grad(ctx, op) -> None:
     """Each window's gradient added where its first maximum lies, the window read in place:
     the decomposition's windows copy, arg-max, one-hot mask and scatter (8 of the MNIST CNN's
     38 ms training step) are one pass. A NaN is its window's maximum, as numpy's arg-max
-    has it. Planes are shared out over the cores: a plane's windows touch only it, so
-    overlapping windows add in the reference's order.
+    has it. Planes are shared out over the cores: a plane's windows touch only it, so a
+    part zeroes its planes one at a time and adds into each while it is in cache.
+
+    Along a row of outputs, windows wholly inside the image go a vector at a time (as
+    MaxPool's do): each tap one load of the lanes' elements, the first maximum kept lane
+    by lane, then each tap's share of the gradient (the lanes whose maximum it is, zero
+    elsewhere) added to dx where the tap lies, a vector of lanes s apart. Lanes of one tap
+    never meet, so overlapping windows add up however they fall in the vector; the loads'
+    s - 1 elements past the last window stay inside the row (a row of another plane may be
+    another part's), narrower vectors and single windows taking the rest. Windows over the
+    border loop over the part inside.
 
     With an epilogue (MaxPoolGradCalculate: a CNN's ReLU gradient), tiled windows hand each
     element of dx to the program as they write it, and dx is never stored; overlapping
@@ -177,6 +191,9 @@ def max_pool_grad(ctx, op) -> None:
     planes, ho, wo = x.shape[0] * x.shape[1], dy.shape[2], dy.shape[3]
     area = height * width
     unstored = Unstored(f"{op.name}:dx", dtype, tuple(x.shape))
+    rows_inside, (inside_first, inside_last) = _inside(height, kh, sh, ph, ho), _inside(width, kw, sw, pw, wo)
+    loads_inside = max(inside_first, min(inside_last, (width - kw - sw + 1 + pw) // sw + 1))
+    runs, singles_first = _vector_runs(inside_first, loads_inside, ctx.lanes_for([dtype]))
 
     def epilogue(ctx):
         """The part's context: its stores of `unstored` run the program."""
@@ -184,34 +201,71 @@ def max_pool_grad(ctx, op) -> None:
 
     dx = outputs[0]
 
+    def whole(ctx, plane: Value, yo: Value, xo: Value, count: int) -> None:
+        """The gradients of `count` windows side by side, every tap in the image."""
+        corner = plane * area + (yo * sh - ph) * width + xo * sw - pw
+        offsets = [i * width + j for i in range(kh) for j in range(kw)]  # each tap's, from the corner
+        values = _taps(ctx, x, corner, count, (kh, kw), sw)
+        best, where = values[0], ctx.constant(dtypes.DT_INT32, 0, count)
+        for value, offset in zip(values[1:], offsets[1:]):
+            # the first maximum, a NaN counting as one (it stays once found)
+            better = best.equal(best) & ((value > best) | value.not_equal(value))
+            best, where = better.where(value, best), better.where(ctx.constant(dtypes.DT_INT32, offset, count), where)
+        gradient = ctx.load(dy, (plane * ho + yo) * wo + xo, count)
+        if count == 1:
+            at = corner + where.cast(dtypes.DT_INT64)
+            ctx.store(dx, at, ctx.load(dx, at) + gradient)
+            return
+        zero = ctx.constant(dx.dtype, 0.0, count)
+        span, spill = count * sw, max(0, kw - sw)
+        for i in range(kh):
+            # the row of taps' shares summed in registers, then added to dx with one load and
+            # store, and the last windows' taps past the span with one more: a load of each
+            # tap's lanes after the store of the tap beside it would wait for that store
+            row = [where.equal(ctx.constant(dtypes.DT_INT32, i * width + j, count)).where(gradient, zero) for j in range(kw)]
+            at = corner + i * width
+            ctx.store(dx, at, ctx.load(dx, at, span) + _placed(row, sw, 0, span))
+            if spill:
+                ctx.store(dx, at + span, ctx.load(dx, at + span, spill) + _placed(row, sw, span, spill))
+
+    def clipped(ctx, plane: Value, yo: Value, xo: Value) -> None:
+        """A window's gradient, over the part of it inside the image."""
+        top, left = yo * sh - ph, xo * sw - pw
+        best = ctx.local(dx.dtype, initial=-float("inf"))
+        where = ctx.local(dtypes.DT_INT64, initial=-1)
+        with ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
+                ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
+            at = plane * area + iy * width + ix
+            value, current = ctx.load(x, at), best.value
+            better = (where.value < 0) | (current.equal(current) & ((value > current) | value.not_equal(value)))
+            best.set(better.where(value, current))
+            where.set(better.where(at, where.value))
+        with ctx.when(where.value >= 0):
+            ctx.store(dx, where.value, ctx.load(dx, where.value) + ctx.load(dy, (plane * ho + yo) * wo + xo))
+
+    def columns(ctx, plane: Value, yo: Value, first: int, last: int, count: int = 0) -> None:
+        """Outputs [first, last) of a row: `count` at a time of whole windows, else clipped."""
+        with ctx.loop(first, last, step=max(count, 1), name="xo") as xo:
+            if count:
+                whole(ctx, plane, yo, xo, count)
+            else:
+                clipped(ctx, plane, yo, xo)
+
     def share(ctx, first: int | Value, last: int | Value) -> None:
         lanes = ctx.lanes_for([dx.dtype])
-        for_vectors(ctx, first * area, (last - first) * area, lanes, lambda i, w: ctx.store(dx, i, ctx.constant(dx.dtype, 0.0, w)))
         with ctx.loop(first, last, name="plane") as plane:
-            with ctx.loop(0, ho, name="yo") as yo, ctx.loop(0, wo, name="xo") as xo:
-                top, left = yo * sh - ph, xo * sw - pw
-                best = ctx.local(dx.dtype, initial=-float("inf"))
-                where = ctx.local(dtypes.DT_INT64, initial=-1)
-
-                def visit(at: Value) -> None:
-                    value, current = ctx.load(x, at), best.value
-                    # the first maximum, a NaN counting as one (it stays once found)
-                    better = (where.value < 0) | (current.equal(current) & ((value > current) | value.not_equal(value)))
-                    best.set(better.where(value, current))
-                    where.set(better.where(at, where.value))
-
-                inside = (top >= 0) & (top + kh <= height) & (left >= 0) & (left + kw <= width)
+            for_vectors(ctx, plane * area, area, lanes, lambda i, w: ctx.store(dx, i, ctx.constant(dx.dtype, 0.0, w)))
+            with ctx.loop(0, ho, name="yo") as yo:
+                inside = (yo >= rows_inside[0]) & (yo < rows_inside[1])
                 with ctx.b.if_else(inside.ir) as (interior, border):
-                    with interior:  # every tap in the image: the taps unrolled
-                        corner = plane * area + top * width + left
-                        for i in range(kh):
-                            for j in range(kw):
-                                visit(corner + (i * width + j))
-                    with border, ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
-                            ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
-                        visit(plane * area + iy * width + ix)
-                with ctx.when(where.value >= 0):
-                    ctx.store(dx, where.value, ctx.load(dx, where.value) + ctx.load(dy, (plane * ho + yo) * wo + xo))
+                    with interior:
+                        columns(ctx, plane, yo, 0, inside_first)
+                        for run_first, run_last, count in runs:
+                            columns(ctx, plane, yo, run_first, run_last, count)
+                        columns(ctx, plane, yo, singles_first, inside_last, 1)
+                        columns(ctx, plane, yo, inside_last, wo)
+                    with border:
+                        columns(ctx, plane, yo, 0, wo)
             if program:
                 running = epilogue(ctx)
                 for_vectors(ctx, plane * area, area, lanes, lambda i, w: running.store(unstored, i, ctx.load(dx, i, w)))
@@ -224,6 +278,36 @@ def max_pool_grad(ctx, op) -> None:
         share_out(ctx, planes, threads, lambda ctx, first, last: tiled(epilogue(ctx), first, last))
     else:
         share_out(ctx, planes, threads, share)
+
+
+def _placed(shares: list[Value], stride: int, first: int, count: int) -> Value:
+    """Elements [first, first + count) of a row of taps (tap j's share of window k lying
+    at k·stride + j), the shares of a tap row added where they fall."""
+    lanes, zero = shares[0].lanes, shares[0].zeros()
+    total = None
+    for j, share in enumerate(shares):
+        picks = [(p - j) // stride if p >= j and (p - j) % stride == 0 and (p - j) // stride < lanes else lanes
+                 for p in range(first, first + count)]
+        if all(pick == lanes for pick in picks):
+            continue
+        placed = share if picks == list(range(lanes)) else share.shuffle(picks, zero)
+        total = placed if total is None else total + placed
+    assert total is not None
+    return total.lane(0) if count == 1 else total
+
+
+def _vector_runs(first: int, last: int, lanes: int) -> tuple[list[tuple[int, int, int]], int]:
+    """[first, last) as runs (start, stop, width) of whole vectors, `lanes` wide then each
+    narrower power of two, and where the single elements left after them start."""
+    runs = []
+    width = lanes
+    while width > 1:
+        stop = first + (last - first) // width * width
+        if stop > first:
+            runs.append((first, stop, width))
+            first = stop
+        width //= 2
+    return runs, first
 
 
 def _tiled_pairs(op) -> bool:
