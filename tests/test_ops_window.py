@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 from helpers import FLOATS, NUMERIC, assert_mentions, check, random_array, run1, shape_error
 
+import ranvier as rv
+from ranvier.backends.cpu import views
+
 TESTED_OPS = {"Pad", "StridedView", "StridedScatterAdd"}
 
 
@@ -49,3 +52,30 @@ def test_window_shape_errors():
         [("d", "float32", [3, 2])],
     )
     assert_mentions(message, "StridedScatterAdd", "updates of the view's shape [2, 2]")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape,strides,target", [
+    ([3, 2, 2, 3, 3, 3], [98, 49, 7, 1, 14, 2], [3, 2, 7, 7]),  # a convolution's taps onto its images: each image a part's
+    ([4, 5], [3, 1], [14]),  # rows that overlap one another: one part adds them all
+], ids=["images apart", "rows overlapping"])
+def test_strided_scatter_add_shared_over_parts(shape, strides, target, dtype, monkeypatch):
+    """A scatter is shared out over the cores by its outermost dimension only where the
+    slices along it lie apart; overlaps within a slice add up as on one core."""
+    monkeypatch.setattr(views, "thread_count", lambda: 2)
+    monkeypatch.setattr(views, "worth_splitting", lambda flops=0, nbytes=0: True)
+    assert views._slices_apart(shape, strides) == (len(shape) > 2)
+    d = random_array(shape, dtype, seed=4)
+    attrs = {"offset": 0, "shape": shape, "strides": strides, "target_shape": target}
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    updates = f.var("d", dtype, shape)
+    out = f.op("StridedScatterAdd", [updates], None, attrs)
+    out.var.out = True
+    data = rv.Compiler("cpu", cache=False).compile(flow).cell("f").instance()
+    data[updates], data[out] = d, np.full(target, np.nan, dtype)
+    data.compute()
+    expected = np.zeros(int(np.prod(target)))
+    index = np.lib.stride_tricks.as_strided(np.arange(expected.size), shape, [s * 8 for s in strides])
+    np.add.at(expected, index.reshape(-1), d.reshape(-1).astype(np.float64))
+    check(np.array(data[out]), expected.reshape(target).astype(dtype), dtype)

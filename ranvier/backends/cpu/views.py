@@ -23,8 +23,9 @@ def emit_map(ctx, shape: Sequence[int | Value], inputs: list[View], outputs: lis
 
     With `accumulate`, results are added to what the outputs hold, in loop order, so
     views that visit an element more than once (overlapping windows) sum correctly.
-    A large map is shared out over threads by its outermost dimension (never an
-    accumulating one, whose threads could meet at one element); without `split` it runs
+    A large map is shared out over threads by its outermost dimension (an accumulating
+    one only where its outputs' slices along it lie apart, so no two threads meet at an
+    element: a scatter's images); without `split` it runs
     on the calling thread (a part of a kernel that is already one of several: a GEMM's
     epilogue over the block the part computed), and its outermost dimension and the views'
     offsets may be known only at run time (that block's rows and start).
@@ -35,7 +36,8 @@ def emit_map(ctx, shape: Sequence[int | Value], inputs: list[View], outputs: lis
     dims, strides = collapse(list(shape), views)
     lanes = ctx.lanes_for([v.var.dtype for v in views])
     nbytes = sum(v.var.nbytes for v in views)
-    threads = thread_count() if split and not accumulate and worth_splitting(nbytes=nbytes) else 1
+    apart = not accumulate or all(_slices_apart(dims, s) for s in strides[len(inputs):])
+    threads = thread_count() if split and apart and worth_splitting(nbytes=nbytes) else 1
 
     def emit(ctx, first: int | Value, last: int | Value) -> None:
         _emit_range(ctx, dims, strides, views, len(inputs), lanes, body, accumulate, first, last)
@@ -45,6 +47,12 @@ def emit_map(ctx, shape: Sequence[int | Value], inputs: list[View], outputs: lis
         return
     # A lone dimension is cut on vector boundaries, so only the last part has a scalar tail.
     share_out(ctx, dims[0], threads, emit, lanes if len(dims) == 1 else 1)
+
+
+def _slices_apart(dims: list[int], strides: list[int]) -> bool:
+    """Whether a view's slices along its outermost dimension share no element: each step
+    of it goes past all the rest of the dimensions reach."""
+    return abs(strides[0]) > sum(abs(s) * (d - 1) for s, d in zip(strides[1:], dims[1:]))
 
 
 def _emit_range(ctx, dims, strides, views, n_in, lanes, body: Body, accumulate: bool, first: int | Value,
