@@ -37,7 +37,7 @@ NON_DIFFERENTIABLE = {
     "Assign", "AssignSlice", "AttentionGrad", "Calculate", "SoftmaxCrossEntropyGrad", "Conv2DBackpropInput",
     "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "MoECombineGrad", "AssignAddScatter",
     "MatMulCalculate", "Conv2DCalculate", "SampleToken", "CachedAttention", "ForEach", "RMSNormGrad",
-    "RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate", "MaxPoolGradCalculate",
+    "RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate", "MaxPoolGradCalculate", "BatchNormTrainGrad",
 }
 
 FD_EPS = 1e-6
@@ -589,6 +589,24 @@ case(
     lambda x, g: F.rms_norm(x, (5,), g, eps=1e-3),
     x=normal(2, 3, 5), g=normal(5),
 )
+
+
+
+def _batch_norm(b, x, g, s, eps=1e-5):
+    return b.op("BatchNormTrain", [x, g, s], None, {"eps": eps})
+
+
+def _torch_batch_norm(x, g, s, eps=1e-5):
+    dims = [0, *range(2, x.dim())]
+    return F.batch_norm(x, None, None, g, s, training=True, eps=eps), x.mean(dims), x.var(dims, unbiased=False)
+
+
+case("BatchNormTrain[y]", lambda b, x, g, s: _batch_norm(b, x, g, s)[0], lambda x, g, s: _torch_batch_norm(x, g, s)[0],
+     x=normal(3, 4, 2, 5), g=normal(4), s=normal(4))
+case("BatchNormTrain[y,mean,var]", lambda b, x, g, s: _batch_norm(b, x, g, s, eps=1e-3),
+     lambda x, g, s: _torch_batch_norm(x, g, s, eps=1e-3), x=normal(4, 3, 7), g=normal(3), s=normal(3))
+case("BatchNormTrain[rank2,mean]", lambda b, x, g, s: _batch_norm(b, x, g, s)[1] * 1.0, lambda x, g, s: _torch_batch_norm(x, g, s)[1],
+     x=normal(5, 3), g=normal(3), s=normal(3))
 
 
 def _torch_xent(smoothing=0.0):

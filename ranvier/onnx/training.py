@@ -71,29 +71,25 @@ def _weight_like(array: np.ndarray) -> bool:
 
 def batch_norm(node: Node):
     """BatchNormalization in training mode, as torch.nn.BatchNorm computes it: normalised
-    by the batch's mean and (biased) variance over every axis but the channels; the
-    running mean and variance (the latter from the unbiased variance) move towards them
-    by 1 − momentum, written in place; outputs 1 and 2 are the new running values."""
+    by the batch's mean and (biased) variance over every axis but the channels (one
+    BatchNormTrain op, whose gradient is one op too); the running mean and variance (the
+    latter from the unbiased variance) move towards them by 1 − momentum, written in
+    place; outputs 1 and 2 are the new running values."""
     b, x = node.b, node.tensor(0)
     node.attr("training_mode")  # a trainable import trains, whatever the export's mode
     if x.rank < 2:
         raise node.error(f"needs an input of rank 2 or more ([N, C, ...]), not {x.rank}")
     channels = x.shape[1]
-    axes = [0, *range(2, x.rank)]
-    shape = [1, channels] + [1] * (x.rank - 2)
     count = x.size // channels
     if count < 2:
         raise node.error(f"needs more than one value per channel to train (input shape {x.shape}), as PyTorch does")
-    mean = b.mean(x, axis=axes, keepdims=True)
-    centered = x - mean
-    variance = b.mean(centered * centered, axis=axes, keepdims=True)
-    normal = centered * b.rsqrt(variance + float(node.attr("epsilon", 1e-5)))
-    y = normal * node.tensor(1).reshape(shape) + node.tensor(2).reshape(shape)
+    y, mean, variance = b.op("BatchNormTrain", [x, node.tensor(1), node.tensor(2)], None,
+                             {"eps": float(node.attr("epsilon", 1e-5))})
     momentum = float(node.attr("momentum", 0.9))
     updated = []
     for index, statistic, factor in ((3, mean, 1.0), (4, variance, count / (count - 1))):
         running = node.importer.state_variable(node, index)
-        new = running * momentum + statistic.reshape([channels]) * ((1.0 - momentum) * factor)
+        new = running * momentum + statistic * ((1.0 - momentum) * factor)
         b.assign(running, new)
         updated.append(new)
     return [y, *updated]

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (registration)
     attention,
+    batch_norm,
     cached_attention,
     elementwise,
     foreach,

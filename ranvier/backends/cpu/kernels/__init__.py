@@ -4,6 +4,7 @@ for an op is tried first."""
 
 from . import (  # noqa: F401  (registration)
     attention,
+    batch_norm,
     cached_attention,
     conv,
     conv_stacked,
