@@ -3,20 +3,21 @@ the CPU kernels (a channel's planes in two passes, channels shared over the core
 decomposition into elementwise ops and reductions against the float64 reference and
 PyTorch, over ranks, planes that end in a partial vector, the AVX2 and SSE variants, a
 mean far larger than the spread, and every output element written; shape errors named.
-(The gradient against finite differences and PyTorch: tests/test_vjp.py's cases.)"""
+The ReLU after it runs as y is written (BatchNormTrainCalculate), y never stored. (The
+gradient against finite differences and PyTorch: tests/test_vjp.py's cases.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_mentions, random_array, shape_error
+from helpers import assert_mentions, check, random_array, run_flow, shape_error
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import batch_norm as kernels
 from ranvier.ops.batch_norm import batch_norm_train, batch_norm_train_grad
 
-TESTED_OPS = {"BatchNormTrain", "BatchNormTrainGrad"}
+TESTED_OPS = {"BatchNormTrain", "BatchNormTrainGrad", "BatchNormTrainCalculate"}
 
 SHAPES = [
     (4, 3, 9, 7),  # planes of 63: whole vectors and a tail
@@ -123,3 +124,52 @@ def test_shape_errors_name_what_was_expected():
     message = shape_error(lambda f, x, dy, g: f.op("BatchNormTrainGrad", [x, dy, g, g, g], None, {"eps": 1e-5}),
                           [("x", "float32", [2, 3, 4]), ("dy", "float32", [2, 3, 5]), ("g", "float32", [3])])
     assert_mentions(message, "BatchNormTrainGrad", "a gradient dy of x's shape [2, 3, 4]")
+
+
+@pytest.mark.parametrize("mask,dtype", VARIANTS)
+def test_the_relu_after_it_runs_as_y_is_written(mask, dtype, monkeypatch):
+    """BatchNormTrainCalculate: a CNN's ReLU, a second output through a residual and y
+    rounded to bfloat16 as a third, from one pass that never stores y."""
+    monkeypatch.setattr(kernels, "thread_count", lambda: 2)
+    monkeypatch.setattr(kernels, "worth_splitting", lambda flops=0, nbytes=0: True)
+    shape = (3, 4, 6, 11)
+    x, residual, gamma, beta = _values(shape, dtype, seed=11)
+    outputs = {}
+    for backend in ("reference", "cpu"):
+        flow = rv.Flow()
+        f = rv.Builder(flow, "f")
+        handles = [f.var(name, dtype, v.shape) for name, v in zip(("x", "residual", "gamma", "beta"), (x, residual, gamma, beta))]
+        y, mean, var = f.op("BatchNormTrain", [handles[0], handles[2], handles[3]], None, {"eps": 1e-5})
+        results = [y.relu(), y * 0.5 + handles[1], f.cast(y, "bfloat16"), mean, var]
+        for t in results:
+            t.var.out = True
+        cell = rv.Compiler(backend, cpu=mask if backend == "cpu" else "", cache=False).compile(flow).cell("f")
+        if backend == "cpu":
+            assert [(step.kernel, step.op.type) for step in cell.steps] == [("BatchNormChannels", "BatchNormTrainCalculate")]
+        data = cell.instance()
+        for handle, value in zip(handles, (x, residual, gamma, beta)):
+            data[handle] = value
+        for t in results:
+            data[t] = np.full(t.shape, np.nan, np.asarray(data[t]).dtype)
+        data.compute()
+        outputs[backend] = [np.array(data[t]).astype(np.float64) for t in results]
+    for got, want in zip(outputs["cpu"], outputs["reference"]):
+        assert not np.isnan(got).any()
+        tolerance = 8e-3 if got is outputs["cpu"][2] else (2e-5 if dtype == "float32" else 1e-12)
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * max(1.0, np.abs(want).max()))
+
+
+def test_a_fused_batch_norm_means_the_batch_norm_then_its_program():
+    values = _values((2, 3, 4, 5), "float32", seed=13)
+
+    def fused(f, x, other, gamma, beta):
+        return f.op("BatchNormTrainCalculate", [x, gamma, beta, other], None,
+                    {"eps": 1e-5, "row_inputs": 3, "expr": "@0=Relu(%0);@1=Add(%0,%1)"})
+
+    def apart(f, x, other, gamma, beta):
+        y, mean, var = f.op("BatchNormTrain", [x, gamma, beta], None, {"eps": 1e-5})
+        return y.relu(), y + other, mean, var
+
+    got, want = run_flow(fused, values), run_flow(apart, values)
+    for a, b in zip(got, want):
+        check(a, np.asarray(b, np.float64), "float32")

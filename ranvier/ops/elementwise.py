@@ -104,7 +104,10 @@ unary("Neg", np.negative, NUMERIC, "neg", lambda x, y, g: -g, lambda x: -x)
 unary("Abs", np.abs, NUMERIC, "abs", lambda x, y, g: g * x.sign(), lambda x: x.abs())
 unary("Sign", _sign, NUMERIC, "sign", None, _sign_formula)
 unary("Square", np.square, NUMERIC, "square", lambda x, y, g: g * (x * 2.0), lambda x: x * x)
-unary("Relu", _relu, NUMERIC, "relu", lambda x, y, g: (x > 0.0).select(g), lambda x: (x < 0).where(0, x),
+# ReLU's gradient reads its output (y > 0 exactly where x > 0), which the layer after it
+# keeps anyway, so x need not stay alive for the backward pass (and a batch norm before it
+# can run the ReLU as it writes, its own output never stored)
+unary("Relu", _relu, NUMERIC, "relu", lambda x, y, g: (y > 0.0).select(g), lambda x: (x < 0).where(0, x),
       "max(x, 0); NaN stays NaN, as np.maximum")
 unary("Identity", lambda x: x, dtypes.ALL_DTYPES, "identity", lambda x, y, g: g, lambda x: x)
 unary("Exp", np.exp, FLOATS, "exp", lambda x, y, g: g * y, lambda x: x.exp())

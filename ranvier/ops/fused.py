@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from .. import dtypes
-from . import matmul, nn, nn_grad  # noqa: F401  (the products and row ops epilogues follow are defined first)
+from . import batch_norm, matmul, nn, nn_grad  # noqa: F401  (the products and row ops epilogues follow are defined first)
 from .expression import Call, Ref, parsed, program_of
 from .foreach import Member
 from .registry import Attr, Attrs, TensorType, decomposition, define, op_def
@@ -226,8 +226,9 @@ for _product in EPILOGUE_PRODUCTS:
     )
 
 
-# ---- RMSNormCalculate, LayerNormCalculate, RMSNormGradCalculate, MaxPoolGradCalculate: an op
-# that writes each element of its first output once, and the Calculate that reads it -----------
+# ---- RMSNormCalculate, LayerNormCalculate, RMSNormGradCalculate, MaxPoolGradCalculate,
+# BatchNormTrainCalculate: an op that writes each element of its first output once, and the
+# Calculate that reads it ------------------------------------------------------------------------
 #
 # The epilogue pass makes one of a row op (a norm or a norm's gradient, which writes each
 # element of its first output once, in its last pass over the row) and the Calculate that
@@ -244,7 +245,10 @@ for _product in EPILOGUE_PRODUCTS:
 # after them. So, as after a product, one output must be of dx's dtype, and comes first.
 ROW_EPILOGUE_OPS = ("RMSNorm", "LayerNorm", "RMSNormGrad")
 WINDOW_EPILOGUE_OPS = ("MaxPoolGrad",)
-ELEMENT_EPILOGUE_OPS = ROW_EPILOGUE_OPS + WINDOW_EPILOGUE_OPS
+# Training-mode batch norm writes each element of y once too, a channel's planes at a time:
+# a CNN's ReLU runs as y is computed, y never stored.
+CHANNEL_EPILOGUE_OPS = ("BatchNormTrain",)
+ELEMENT_EPILOGUE_OPS = ROW_EPILOGUE_OPS + WINDOW_EPILOGUE_OPS + CHANNEL_EPILOGUE_OPS
 ROW_INPUTS = Attr("row_inputs", "int", 1, "how many of the inputs are the row op's (the pool gradient's)")
 
 

@@ -5,7 +5,8 @@ takes two passes over its planes from memory.
 The forward's first pass takes each plane's mean and sum of squared deviations (a second
 look at the plane while it is in cache), the planes merged in float64 as Chan et al.'s
 parallel variance merges them, so a channel whose mean is large beside its spread loses
-nothing to Σx² − n·mean²; the second writes y = (x − mean)·a + b. The gradient's first
+nothing to Σx² − n·mean²; the second writes y = (x − mean)·a + b (or hands it to an
+epilogue's program as it is computed: BatchNormTrainCalculate, a CNN's ReLU). The gradient's first
 pass sums dy and dy·(x − mean), the second writes dx = dy·k + (x − mean)·l + m: the
 mean taken off in x's dtype, as its rounding leaves it, and the rest of it in float64."""
 
@@ -15,7 +16,11 @@ from collections.abc import Callable
 
 from .... import dtypes
 from ....ops import attrs_of
+from ....ops.expression import program_of
+from ....ops.fused import fused_type, row_split
+from ...llvm.formulas import program_body
 from ...llvm.loops import fold, for_vectors
+from ...llvm.store_epilogue import StoreEpilogue, Unstored
 from ...llvm.values import Value
 from ..parallel import share_out, thread_count, worth_splitting
 from .library import kernel
@@ -25,6 +30,18 @@ F64 = dtypes.DT_FLOAT64
 
 def _supported(op) -> bool:
     return op.inputs[0].dtype in (dtypes.DT_FLOAT32, F64)
+
+
+def _forward(op) -> tuple:
+    """(x, gamma, beta, mean and var outputs, and where y goes: the op's own output, or
+    with an epilogue (BatchNormTrainCalculate: a CNN's ReLU) an Unstored y whose stores run
+    the program, with the program's further inputs, outputs and body)."""
+    if op.type == "BatchNormTrain":
+        y, mean, var = op.outputs
+        return *op.inputs, mean, var, y, [], [], None
+    _, (x, gamma, beta), further, outputs, (mean, var) = row_split(op.type, op.attrs, op.inputs, op.outputs)
+    y = Unstored(f"{op.name}:y", x.dtype, tuple(x.shape))
+    return x, gamma, beta, mean, var, y, further, outputs, program_body(program_of(op), len(outputs))
 
 
 def _planes(op) -> tuple[int, int, int]:
@@ -54,10 +71,9 @@ def _plane_sum(ctx, start: Value, count: int, dtype: str, term: Callable[[Value,
     return total.cast(F64)
 
 
-def _map_planes(ctx, op, channel: Value, value: Callable[[Value, int], Value]) -> None:
-    """out[i] = value(i, w) over the channel's planes of the op's first output."""
+def _map_planes(ctx, op, out, channel: Value, value: Callable[[Value, int], Value]) -> None:
+    """out[i] = value(i, w) over the channel's planes."""
     n, c, s = _planes(op)
-    out = op.outputs[0]
     lanes = ctx.lanes_for([out.dtype])
     with ctx.loop(0, n, name="image") as image:
         for_vectors(ctx, (image * c + channel) * s, s, lanes, lambda i, w: ctx.store(out, i, value(i, w)))
@@ -68,10 +84,9 @@ def _scalar(ctx, var, channel: Value) -> Value:
     return ctx.load(var, channel).cast(F64)
 
 
-@kernel("BatchNormChannels", {"BatchNormTrain"}, supports=_supported)
+@kernel("BatchNormChannels", {"BatchNormTrain", fused_type("BatchNormTrain")}, supports=_supported)
 def batch_norm_train(ctx, op) -> None:
-    x, gamma, beta = op.inputs
-    _, mean_out, var_out = op.outputs
+    x, gamma, beta, mean_out, var_out, y, further, outputs, program = _forward(op)
     n, c, s = _planes(op)
     eps = attrs_of(op)["eps"]
 
@@ -96,7 +111,8 @@ def batch_norm_train(ctx, op) -> None:
         centre = mean.value.cast(x.dtype)
         scale = _scalar(ctx, gamma, channel) / (var + eps).sqrt()
         a, b = scale.cast(x.dtype), (_scalar(ctx, beta, channel) - (mean.value - centre.cast(F64)) * scale).cast(x.dtype)
-        _map_planes(ctx, op, channel, lambda i, w: (ctx.load(x, i, w) - centre.splat(w)).mul_add(a.splat(w), b.splat(w)))
+        storing = StoreEpilogue(ctx, y, further, outputs, program) if program else ctx
+        _map_planes(storing, op, y, channel, lambda i, w: (ctx.load(x, i, w) - centre.splat(w)).mul_add(a.splat(w), b.splat(w)))
 
     _each_channel(ctx, op, channel_body)
 
@@ -136,6 +152,6 @@ def batch_norm_train_grad(ctx, op) -> None:
         def dx(i: Value, w: int) -> Value:
             return ctx.load(dy, i, w).mul_add(k_.splat(w), (ctx.load(x, i, w) - centre.splat(w)).mul_add(l_.splat(w), m_.splat(w)))
 
-        _map_planes(ctx, op, channel, dx)
+        _map_planes(ctx, op, op.outputs[0], channel, dx)
 
     _each_channel(ctx, op, channel_body)
