@@ -13,6 +13,7 @@ import pytest
 from helpers import FLOATS, as_f64, assert_mentions, check, random_array, run1, run_flow, shape_error
 
 import ranvier
+from ranvier.ops import nn_grad
 from ranvier.ops.nn import loss_dtype
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -505,6 +506,31 @@ def test_a_stride_one_input_gradient_is_a_convolution(dtype, kernel):
             assert "StridedScatterAdd" in kernels
         else:
             assert "StridedScatterAdd" not in kernels and (kernel is None or kernel in kernels)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("ws,strides,padding,planes", [
+    ((4, 3, 3, 3), (2, 2), (1, 1), True),  # 17 × 17 outputs an image: each image's taps by one product, added plane by plane
+    ((4, 3, 3, 2), (2, 3), (0, 1), True),  # rectangular filters and strides, padding on one axis
+    ((4, 3, 1, 1), (2, 2), (0, 0), False),  # a 1 × 1 downsampling: no windows overlap, the rows' form
+])
+def test_a_strided_input_gradient_over_wide_images(ws, strides, padding, planes, dtype):
+    """dx of a strided convolution whose images have many outputs: the filters times each
+    image's dy give its taps' gradients channel by channel, scattered onto each plane
+    (a product per image, no transpose of dy); narrow images and 1 × 1 filters keep the
+    product of dy's rows."""
+    x_shape = [2, 3, 33, 52]
+    ho = (x_shape[2] + 2 * padding[0] - ws[2]) // strides[0] + 1
+    wo = (x_shape[3] + 2 * padding[1] - ws[3]) // strides[1] + 1
+    assert ho * wo >= nn_grad.PLANE_PRODUCT_COLUMNS
+    w, dy = random_array(ws, dtype, seed=34), random_array((2, ws[0], ho, wo), dtype, seed=35)
+    attrs = {"strides": list(strides), "padding": list(padding), "input_shape": x_shape}
+    result = run_flow(lambda f, b, g: f.op("Conv2DBackpropInput", [g, b], attrs=attrs), [w, dy])
+    check(result[0], naive_conv2d_grads(np.zeros(x_shape), as_f64(w), as_f64(dy), strides, padding)[0], dtype)
+    steps = ranvier.Compiler("cpu", cache=False).compile(result.flow).cell("f").steps
+    products = [s.op for s in steps if s.op.type == "MatMul"]
+    assert len(products) == 1 and (products[0].inputs[1].rank == 3) == planes  # dy [N, O, Ho·Wo] read as it lies
+    assert "StridedScatterAdd" in {s.kernel for s in steps}
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

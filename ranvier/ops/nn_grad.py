@@ -121,21 +121,43 @@ def _conv_input_grad_as_convolution(b, op):
     return b.conv2d(dy, turned, strides=[1, 1], padding=[kh - 1 - ph, kw - 1 - pw])
 
 
+# The planes' form below needs each image's product wide enough to run at the GEMM's rate (a
+# 7 × 7 image's 49 columns took twice the one product's time) and pays where windows overlap.
+PLANE_PRODUCT_COLUMNS = 256
+
+
 @decomposition("Conv2DBackpropInput")
-def _conv_input_grad_as_gemm(b, op):
+def _conv_input_grad_by_planes(b, op):
     """The filters times each image's dy [O, Ho·Wo] give every tap's gradient over the
     image's windows, [C·KH·KW, Ho·Wo] (dy read as it lies, no transpose); the view's
     transpose (StridedScatterAdd) adds each back onto the padded input, a channel's taps
-    one after another onto its plane, which stays in cache while they add up."""
+    one after another onto its plane, which stays in cache while they add up (where the
+    rows form below adds each window's taps across all of an image's planes)."""
     dy, w = (b.wrap(v) for v in op.inputs)
-    attrs = op_def(op.type).attrs_of(op)
-    x_shape, padding = op.outputs[0].shape, attrs["padding"]
     n, o, ho, wo = dy.shape
     _, c, kh, kw = w.shape
+    if kh * kw == 1 or ho * wo < PLANE_PRODUCT_COLUMNS:
+        return None
+    attrs = op_def(op.type).attrs_of(op)
+    x_shape, padding = op.outputs[0].shape, attrs["padding"]
     _, _, hp, wp = padded = padded_shape(x_shape, padding)
     sh, sw = attrs["strides"]
     view = {"shape": [n, c, kh, kw, ho, wo], "strides": [c * hp * wp, hp * wp, wp, 1, sh * wp, sw]}
     columns = w.reshape([o, c * kh * kw]).matmul(dy.reshape([n, o, ho * wo]), transpose_a=True).reshape(view["shape"])
+    return unpadded(columns.strided_scatter_add(**view, target_shape=padded), padding, x_shape)
+
+
+@decomposition("Conv2DBackpropInput")
+def _conv_input_grad_as_gemm(b, op):
+    """dy's rows times the filters give each window's gradient; the view's transpose
+    (StridedScatterAdd) adds them back onto the padded input."""
+    dy, w = (b.wrap(v) for v in op.inputs)
+    attrs = op_def(op.type).attrs_of(op)
+    x_shape, padding = op.outputs[0].shape, attrs["padding"]
+    _n, o, ho, wo = dy.shape
+    padded = padded_shape(x_shape, padding)
+    view = window_view(padded, w.shape[2:], attrs["strides"], (ho, wo), channels_last=True)
+    columns = _rows_of(dy).matmul(w.reshape([o, math.prod(w.shape[1:])])).reshape(view["shape"])
     return unpadded(columns.strided_scatter_add(**view, target_shape=padded), padding, x_shape)
 
 
