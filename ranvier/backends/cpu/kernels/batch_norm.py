@@ -5,10 +5,11 @@ takes two passes over its planes from memory.
 The forward's first pass takes each plane's mean and sum of squared deviations (a second
 look at the plane while it is in cache), the planes merged in float64 as Chan et al.'s
 parallel variance merges them, so a channel whose mean is large beside its spread loses
-nothing to Σx² − n·mean²; the second writes y = (x − mean)·a + b (or hands it to an
-epilogue's program as it is computed: BatchNormTrainCalculate, a CNN's ReLU). The gradient's first
-pass sums dy and dy·(x − mean), the second writes dx = dy·k + (x − mean)·l + m: the
-mean taken off in x's dtype, as its rounding leaves it, and the rest of it in float64."""
+nothing to Σx² − n·mean²; the second writes y = (x − mean)·a + b, or hands it to an
+epilogue's program as it is computed (BatchNormTrainCalculate: a CNN's ReLU). The
+gradient's first pass sums dy and dy·(x − mean), the second writes dx = dy·k +
+(x − mean)·l + m: the mean taken off in x's dtype, as its rounding leaves it, and the
+rest of it in float64."""
 
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def _plane_sum(ctx, start: Value, count: int, dtype: str, term: Callable[[Value,
     return total.cast(F64)
 
 
+def _square(v: Value) -> Value:
+    return v * v
+
+
 def _map_planes(ctx, op, out, channel: Value, value: Callable[[Value, int], Value]) -> None:
     """out[i] = value(i, w) over the channel's planes."""
     n, c, s = _planes(op)
@@ -117,10 +122,6 @@ def batch_norm_train(ctx, op) -> None:
     _each_channel(ctx, op, channel_body)
 
 
-def _square(v: Value) -> Value:
-    return v * v
-
-
 @kernel("BatchNormChannelsGrad", {"BatchNormTrainGrad"}, supports=_supported)
 def batch_norm_train_grad(ctx, op) -> None:
     """dx = gamma·rstd·(dy − Σdy/M − (x − mean)·rstd²·Σdy(x − mean)/M) over a channel's M
@@ -144,13 +145,15 @@ def batch_norm_train_grad(ctx, op) -> None:
         rstd = 1.0 / (_scalar(ctx, var_in, channel) + eps).sqrt()
         ctx.store(dgamma, channel, (centred_sum * rstd).cast(dgamma.dtype))
         ctx.store(dbeta, channel, sum_dy.value.cast(dbeta.dtype))
+        # dx = dy·k + (x − centre)·l + m
         k = _scalar(ctx, gamma, channel) * rstd
         slope = k * rstd * rstd * centred_sum * (-1.0 / count)
-        k_, l_ = k.cast(x.dtype), slope.cast(x.dtype)
-        m_ = (k * sum_dy.value * (-1.0 / count) + slope * (centre.cast(F64) - mean)).cast(x.dtype)
+        dy_scale, x_scale = k.cast(x.dtype), slope.cast(x.dtype)
+        shift = (k * sum_dy.value * (-1.0 / count) + slope * (centre.cast(F64) - mean)).cast(x.dtype)
 
         def dx(i: Value, w: int) -> Value:
-            return ctx.load(dy, i, w).mul_add(k_.splat(w), (ctx.load(x, i, w) - centre.splat(w)).mul_add(l_.splat(w), m_.splat(w)))
+            centred = ctx.load(x, i, w) - centre.splat(w)
+            return ctx.load(dy, i, w).mul_add(dy_scale.splat(w), centred.mul_add(x_scale.splat(w), shift.splat(w)))
 
         _map_planes(ctx, op, op.outputs[0], channel, dx)
 

@@ -175,11 +175,12 @@ def max_pool_grad(ctx, op) -> None:
     Along a row of outputs, windows wholly inside the image go a vector at a time (as
     MaxPool's do): each tap one load of the lanes' elements, the first maximum kept lane
     by lane, then each tap's share of the gradient (the lanes whose maximum it is, zero
-    elsewhere) added to dx where the tap lies, a vector of lanes s apart. Lanes of one tap
-    never meet, so overlapping windows add up however they fall in the vector; the loads'
-    s - 1 elements past the last window stay inside the row (a row of another plane may be
-    another part's), narrower vectors and single windows taking the rest. Windows over the
-    border loop over the part inside.
+    elsewhere) placed where the tap lies, lanes s apart, and a row of taps' shares summed
+    in registers and added to dx with one load and store. Lanes of one tap never meet, so
+    overlapping windows add up however they fall in the vector; the loads' s - 1 elements
+    past the last window stay inside the row (a row of another plane may be another
+    part's), narrower vectors and single windows taking the rest. Windows over the border
+    loop over the part inside.
 
     With an epilogue (MaxPoolGradCalculate: a CNN's ReLU gradient), tiled windows hand each
     element of dx to the program as they write it, and dx is never stored; overlapping
