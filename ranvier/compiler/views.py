@@ -8,9 +8,16 @@ folded, four (QKV's Transpose, a StridedView each); GPT-2's splits QKV, then eac
 heads: four copies, folded three. Each copy is a pass over memory and, on several cores, a
 step the pool's threads meet at.
 
-A view is (offset, shape, strides) in elements of the chain's source. A reshape of a view
-keeps it a view where each group of axes it merges or splits is laid out contiguously
-(numpy's no-copy reshape); where not, the chain starts again at that reshape's input."""
+A view is an offset and, for each of its axes, that axis's parts in the chain's source,
+(size, stride) in elements, outermost first: one part where the axis has a stride of its
+own. A reshape may merge axes whose parts are not laid out one inside the next (no stride
+reads them), and a later reshape may split them apart again: PyTorch's MultiheadAttention
+at batch 32 turns QKV [T, B, 3·D] into [3, T, B, D] (a copy), takes q, k and v, and merges
+the batch with the heads ([T, B·H, D/H]) before its head split's Transpose, so each head's
+view of QKV itself has no strides until that merge is split again ([B, H, T, D/H]). A chain
+continues through such views only where every chain from there ends on strides
+(`_settles`), else it ends before them (numpy's no-copy reshape); a reshape no parts can
+take (sizes that do not divide) starts the chain again at its input."""
 
 from __future__ import annotations
 
@@ -18,20 +25,56 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..errors import CompileError
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of, is_view, unchanging_constant
 from .rewrite import splice
+
+_Axis = tuple[tuple[int, int], ...]  # an axis's (size, stride) parts in the source, outermost first, none of size 1
 
 
 @dataclass(frozen=True)
 class _View:
     source: Variable
     offset: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
+    axes: tuple[_Axis, ...]
     copies: int  # copying ops folded into it
     ops: tuple[Operation, ...]  # the chain's ops, first to last
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(size for size, _ in axis) for axis in self.axes)
+
+    @property
+    def strides(self) -> tuple[int, ...] | None:
+        return _strides(self.axes)
+
+
+def _strides(axes: tuple[_Axis, ...]) -> tuple[int, ...] | None:
+    """Each axis's stride (0 for an axis of one element), or None where an axis has no
+    stride of its own: its parts are not laid out one inside the next."""
+    if any(len(axis) > 1 for axis in axes):
+        return None
+    return tuple(axis[0][1] if axis else 0 for axis in axes)
+
+
+def _axes(shape: Sequence[int], strides: Sequence[int]) -> tuple[_Axis, ...]:
+    """The axes of `shape` with `strides`."""
+    return tuple(_merged([(size, stride)]) for size, stride in zip(shape, strides))
+
+
+def _merged(parts: Sequence[tuple[int, int]]) -> _Axis:
+    """Parts of size 1 dropped, each part laid out inside the one before merged into it."""
+    merged: list[tuple[int, int]] = []
+    for size, stride in parts:
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    return tuple(merged)
 
 
 def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[[Operation], bool]) -> None:
@@ -40,12 +83,31 @@ def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[
     its source in order (`_in_order`) by a reshape of it."""
     views: dict[str, _View] = {}
     for op in flow.op_order(func):  # producers first: a chain is seen from its start
-        for out, view in zip(op.outputs, _folded(op, views, func, keep) or ()):
-            views[out.name] = view
-            ends = not (_private(out, func, keep) and all(_step(reader, view) is not None for reader in out.consumers))
-            folds = (view.copies >= 2 and _reads_rows(view)) or (view.copies >= 1 and _in_order(view, out))
-            if ends and folds and len(op.outputs) == 1:
+        for out, view in zip(op.outputs, _folded(op, views, func) or ()):
+            if _continues(out, view, func, keep):
+                views[out.name] = view
+                continue
+            folds = view.strides is not None and (
+                (view.copies >= 2 and _reads_rows(view)) or (view.copies >= 1 and _in_order(view, out)))
+            if folds and len(op.outputs) == 1:
                 _replace(flow, func, op, view, runs)
+
+
+def _continues(x: Variable, view: _View, func: Function, keep: set[str]) -> bool:
+    """Whether the chain goes on past x (x's `view`), so that x need not be made: x is read
+    only by ops that continue it, and every chain from there ends on strides (`_settles`)."""
+    return _private(x, func, keep) and all(_step(reader, view) is not None for reader in x.consumers) and \
+        _settles(x, view, func, keep)
+
+
+def _settles(x: Variable, view: _View, func: Function, keep: set[str]) -> bool:
+    """Whether every chain that continues from x (x's `view`) ends on a view with strides,
+    which one StridedView can read."""
+    for reader in x.consumers:
+        for out, continued in zip(reader.outputs, _step(reader, view) or ()):
+            if not (_continues(out, continued, func, keep) or continued.strides is not None):
+                return False
+    return True
 
 
 def _in_order(view: _View, out: Variable) -> bool:
@@ -54,25 +116,27 @@ def _in_order(view: _View, out: Variable) -> bool:
     to [sequence, batch] and back): a reshape of the source, no copy at all."""
     if view.offset or out.size != view.source.size or out.dtype != view.source.dtype:
         return False
-    return all(size == 1 or stride == wanted for size, stride, wanted in zip(view.shape, view.strides, _contiguous(view.shape)))
+    strides = view.strides
+    return strides is not None and all(
+        size == 1 or stride == wanted for size, stride, wanted in zip(view.shape, strides, _contiguous(view.shape)))
 
 
 def _reads_rows(view: _View) -> bool:
     """Whether the view reads its innermost axis contiguously: one that does not (Kᵀ, NCHW →
     NHWC) stays a chain, its Transpose of the innermost axis copied in tiles (TileTranspose)."""
-    return not view.shape or view.shape[-1] == 1 or view.strides[-1] == 1
+    strides = view.strides
+    return strides is not None and (not view.shape or view.shape[-1] == 1 or strides[-1] == 1)
 
 
 def _private(x: Variable, func: Function, keep: set[str]) -> bool:
-    """Whether one op that may continue a chain reads `x`, as its first input, and x is no
-    result: then it reads x's view of the chain's source instead, and x need not be made.
-    (Not several: QKV's Transpose folded into each of its three Gathers, the heads'
-    reshapes after them could no longer be views, and each head's copies were two again.)"""
-    if len(x.consumers) != 1 or x.name in keep or x.out:
+    """Whether only ops that may continue a chain read `x` (QKV's three Gathers), each as its
+    first input, and x is no result: then they read x's view of the chain's source instead,
+    and x need not be made."""
+    if not x.consumers or x.name in keep or x.out:
         return False
-    (reader,) = x.consumers
-    return reader.func is func and reader.inputs[0] is x and (
+    return all(reader.func is func and reader.inputs[0] is x and (
         is_view(reader) or reader.type == "Transpose" or _row_of_constant(reader) is not None or _split_axis(reader) is not None)
+        for reader in x.consumers)
 
 
 def _row_of_constant(op: Operation) -> int | None:
@@ -91,17 +155,18 @@ def _split_axis(op: Operation) -> int | None:
     return int(data.reshape(-1)[0]) % op.inputs[0].rank
 
 
-def _folded(op: Operation, views: dict[str, _View], func: Function, keep: set[str]) -> list[_View] | None:
-    """`op`'s results as views of its chain's source, or None where `op` is no view copy."""
+def _folded(op: Operation, views: dict[str, _View], func: Function) -> list[_View] | None:
+    """`op`'s results as views of its chain's source (x's view where the chain continues past
+    its input x, else x's own), or None where `op` is no view copy."""
     if op.func is not func or not op.outputs or not op.inputs:
         return None
     x = op.inputs[0]
-    start = views.get(x.name) if _private(x, func, keep) else None
+    start = views.get(x.name)
     if start is None:
-        start = _View(x, 0, tuple(x.shape), _contiguous(x.shape), 0, ())
+        start = _View(x, 0, _axes(x.shape, _contiguous(x.shape)), 0, ())
     step = _step(op, start)
     if step is None and start.ops:  # a reshape the view cannot take: the chain starts again here
-        start = _View(x, 0, tuple(x.shape), _contiguous(x.shape), 0, ())
+        start = _View(x, 0, _axes(x.shape, _contiguous(x.shape)), 0, ())
         step = _step(op, start)
     return step
 
@@ -112,35 +177,50 @@ def _step(op: Operation, view: _View) -> list[_View] | None:
     out = op.outputs[0]
     copies, ops = view.copies, (*view.ops, op)
     if is_view(op) and len(op.inputs) <= 2:
-        strides = _reshaped(view.shape, view.strides, tuple(out.shape))
-        return None if strides is None else [_View(view.source, view.offset, tuple(out.shape), strides, copies, ops)]
+        axes = _regrouped(view.axes, tuple(out.shape))
+        return None if axes is None else [_View(view.source, view.offset, axes, copies, ops)]
     if op.type == "Transpose":
-        perm = attrs_of(op)["perm"] or list(reversed(range(len(view.shape))))
-        return [_View(view.source, view.offset, tuple(view.shape[p] for p in perm), tuple(view.strides[p] for p in perm),
-                      copies + 1, ops)]
+        perm = attrs_of(op)["perm"] or list(reversed(range(len(view.axes))))
+        return [_View(view.source, view.offset, tuple(view.axes[p] for p in perm), copies + 1, ops)]
     row = _row_of_constant(op)
     if row is not None:
         if not 0 <= row < view.shape[0]:
             return None  # the Gather's own check names the index
-        return [_View(view.source, view.offset + row * view.strides[0], view.shape[1:], view.strides[1:], copies + 1, ops)]
+        return [_View(view.source, view.offset + _position(view.axes[0], row), view.axes[1:], copies + 1, ops)]
     axis = _split_axis(op)
-    if axis is not None:  # each part a slice of the view along the axis
+    if axis is not None and len(view.axes[axis]) <= 1:  # each part a slice of the view along the axis
+        stride = view.axes[axis][0][1] if view.axes[axis] else 0
         parts, first = [], 0
         for part in op.outputs:
-            parts.append(_View(view.source, view.offset + first * view.strides[axis], tuple(part.shape), view.strides, copies + 1, ops))
+            axes = list(view.axes)
+            axes[axis] = _merged([(part.shape[axis], stride)])
+            parts.append(_View(view.source, view.offset + first * stride, tuple(axes), copies + 1, ops))
             first += part.shape[axis]
         return parts
     return None
+
+
+def _position(axis: _Axis, index: int) -> int:
+    """Where element `index` of an axis lies from its first, in the source: its digit in each
+    part (the last part's the fastest) times the part's stride."""
+    offset = 0
+    for size, stride in reversed(axis):
+        index, digit = divmod(index, size)
+        offset += digit * stride
+    return offset
 
 
 def _replace(flow: Flow, func: Function, last: Operation, view: _View, runs: Callable[[Operation], bool]) -> None:
     """`last`'s result read once from the chain's source (a reshape of it where the view
     reads it in order); the chain's other ops that nothing reads any more removed."""
     source = Builder(flow, func).wrap(view.source)
+    strides = view.strides
+    if strides is None:
+        raise CompileError(f"fold-views: {last.outputs[0].name}'s view of {view.source.name} has no strides to read it by")
     if _in_order(view, last.outputs[0]):
         folded = source.reshape(list(view.shape))
     else:
-        folded = source.strided_view(offset=view.offset, shape=list(view.shape), strides=list(view.strides))
+        folded = source.strided_view(offset=view.offset, shape=list(view.shape), strides=list(strides))
     if not runs(folded.var.producer):
         flow.remove_op(folded.var.producer)
         flow.remove_var(folded.var)
@@ -167,27 +247,34 @@ def _reshaped(shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple
     strides), or None where no strides do (numpy's no-copy reshape)."""
     if math.prod(shape) == 0:
         return _contiguous(new_shape)
-    old = [(size, stride) for size, stride in zip(shape, strides) if size != 1]
-    wanted = [size for size in new_shape if size != 1]
-    found: list[int] = []
-    i = j = 0
-    while i < len(old) and j < len(wanted):
-        old_end, new_end = i + 1, j + 1
-        old_size, new_size = old[i][0], wanted[j]
-        while old_size != new_size:  # the smallest groups of axes of equal size
-            if old_size < new_size:
-                old_size *= old[old_end][0]
-                old_end += 1
+    axes = _regrouped(_axes(shape, strides), new_shape)
+    return None if axes is None else _strides(axes)
+
+
+def _regrouped(axes: tuple[_Axis, ...], new_shape: tuple[int, ...]) -> tuple[_Axis, ...] | None:
+    """The axes of `new_shape` reading the same elements in the same order as `axes`, each
+    new axis the parts it spans (a part split where an axis ends inside it), or None where
+    a part's size and an axis's do not divide one another."""
+    if math.prod(math.prod(size for size, _ in axis) for axis in axes) == 0:
+        return _axes(new_shape, _contiguous(new_shape))
+    parts = list(_merged([part for axis in axes for part in axis]))
+    regrouped = []
+    for size in new_shape:
+        taken, wanted = [], size
+        while wanted > 1:
+            if not parts:
+                return None
+            part_size, stride = parts[0]
+            if part_size <= wanted:
+                if wanted % part_size:
+                    return None
+                taken.append(parts.pop(0))
+                wanted //= part_size
             else:
-                new_size *= wanted[new_end]
-                new_end += 1
-        if any(old[a][1] != old[a + 1][1] * old[a + 1][0] for a in range(i, old_end - 1)):
-            return None  # the group's axes are not laid out one inside the next
-        stride, group = old[old_end - 1][1], []
-        for size in reversed(wanted[j:new_end]):
-            group.append(stride)
-            stride *= size
-        found.extend(reversed(group))
-        i, j = old_end, new_end
-    found_iter = iter(found)
-    return tuple(0 if size == 1 else next(found_iter) for size in new_shape)
+                if part_size % wanted:
+                    return None
+                taken.append((wanted, stride * (part_size // wanted)))
+                parts[0] = (part_size // wanted, stride)
+                wanted = 1
+        regrouped.append(_merged(taken))
+    return None if parts else tuple(regrouped)
