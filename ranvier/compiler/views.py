@@ -192,9 +192,8 @@ def _step(op: Operation, view: _View) -> list[_View] | None:
         stride = view.axes[axis][0][1] if view.axes[axis] else 0
         parts, first = [], 0
         for part in op.outputs:
-            axes = list(view.axes)
-            axes[axis] = _merged([(part.shape[axis], stride)])
-            parts.append(_View(view.source, view.offset + first * stride, tuple(axes), copies + 1, ops))
+            sliced = (*view.axes[:axis], _merged([(part.shape[axis], stride)]), *view.axes[axis + 1 :])
+            parts.append(_View(view.source, view.offset + first * stride, sliced, copies + 1, ops))
             first += part.shape[axis]
         return parts
     return None
