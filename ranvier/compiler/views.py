@@ -11,13 +11,14 @@ step the pool's threads meet at.
 A view is an offset and, for each of its axes, that axis's parts in the chain's source,
 (size, stride) in elements, outermost first: one part where the axis has a stride of its
 own. A reshape may merge axes whose parts are not laid out one inside the next (no stride
-reads them), and a later reshape may split them apart again: PyTorch's MultiheadAttention
-at batch 32 turns QKV [T, B, 3·D] into [3, T, B, D] (a copy), takes q, k and v, and merges
-the batch with the heads ([T, B·H, D/H]) before its head split's Transpose, so each head's
-view of QKV itself has no strides until that merge is split again ([B, H, T, D/H]). A chain
-continues through such views only where every chain from there ends on strides
-(`_settles`), else it ends before them (numpy's no-copy reshape); a reshape no parts can
-take (sizes that do not divide) starts the chain again at its input."""
+reads them; numpy's reshape would copy), and a later reshape may split them apart again:
+PyTorch's MultiheadAttention at batch 32 turns QKV [T, B, 3·D] into [3, T, B, D] (a copy),
+takes q, k and v, and merges the batch with the heads ([T, B·H, D/H]) before its head
+split's Transpose, so each head's view of QKV itself has strides again only once that merge
+is split ([B, H, T, D/H]). A view that ends with such an axis is one StridedView with an axis
+per part, reshaped (no copy) to the chain's result: the heads merged back into the features
+after attention ([B, T, H, D/H] as [B, T, D]). A reshape no parts can take (sizes that do
+not divide) starts the chain again at its input."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import CompileError
 from ..flow.builder import Builder
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of, is_view, unchanging_constant
@@ -87,27 +87,15 @@ def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[
             if _continues(out, view, func, keep):
                 views[out.name] = view
                 continue
-            folds = view.strides is not None and (
-                (view.copies >= 2 and _reads_rows(view)) or (view.copies >= 1 and _in_order(view, out)))
+            folds = (view.copies >= 2 and _reads_rows(view)) or (view.copies >= 1 and _in_order(view, out))
             if folds and len(op.outputs) == 1:
                 _replace(flow, func, op, view, runs)
 
 
 def _continues(x: Variable, view: _View, func: Function, keep: set[str]) -> bool:
     """Whether the chain goes on past x (x's `view`), so that x need not be made: x is read
-    only by ops that continue it, and every chain from there ends on strides (`_settles`)."""
-    return _private(x, func, keep) and all(_step(reader, view) is not None for reader in x.consumers) and \
-        _settles(x, view, func, keep)
-
-
-def _settles(x: Variable, view: _View, func: Function, keep: set[str]) -> bool:
-    """Whether every chain that continues from x (x's `view`) ends on a view with strides,
-    which one StridedView can read."""
-    for reader in x.consumers:
-        for out, continued in zip(reader.outputs, _step(reader, view) or ()):
-            if not (_continues(out, continued, func, keep) or continued.strides is not None):
-                return False
-    return True
+    only by ops that continue it."""
+    return _private(x, func, keep) and all(_step(reader, view) is not None for reader in x.consumers)
 
 
 def _in_order(view: _View, out: Variable) -> bool:
@@ -116,16 +104,19 @@ def _in_order(view: _View, out: Variable) -> bool:
     to [sequence, batch] and back): a reshape of the source, no copy at all."""
     if view.offset or out.size != view.source.size or out.dtype != view.source.dtype:
         return False
-    strides = view.strides
-    return strides is not None and all(
-        size == 1 or stride == wanted for size, stride, wanted in zip(view.shape, strides, _contiguous(view.shape)))
+    return _merged(_parts(view)) in ((), ((out.size, 1),))
+
+
+def _parts(view: _View) -> list[tuple[int, int]]:
+    """The view's parts, outermost first: the axes of the StridedView that reads it."""
+    return [part for axis in view.axes for part in axis]
 
 
 def _reads_rows(view: _View) -> bool:
-    """Whether the view reads its innermost axis contiguously: one that does not (Kᵀ, NCHW →
+    """Whether the view reads its innermost part contiguously: one that does not (Kᵀ, NCHW →
     NHWC) stays a chain, its Transpose of the innermost axis copied in tiles (TileTranspose)."""
-    strides = view.strides
-    return strides is not None and (not view.shape or view.shape[-1] == 1 or strides[-1] == 1)
+    parts = _parts(view)
+    return not parts or parts[-1][1] == 1
 
 
 def _private(x: Variable, func: Function, keep: set[str]) -> bool:
@@ -211,19 +202,20 @@ def _position(axis: _Axis, index: int) -> int:
 
 def _replace(flow: Flow, func: Function, last: Operation, view: _View, runs: Callable[[Operation], bool]) -> None:
     """`last`'s result read once from the chain's source (a reshape of it where the view
-    reads it in order); the chain's other ops that nothing reads any more removed."""
+    reads it in order; else a StridedView with an axis per part, reshaped where an axis has
+    several); the chain's other ops that nothing reads any more removed."""
     source = Builder(flow, func).wrap(view.source)
-    strides = view.strides
-    if strides is None:
-        raise CompileError(f"fold-views: {last.outputs[0].name}'s view of {view.source.name} has no strides to read it by")
     if _in_order(view, last.outputs[0]):
         folded = source.reshape(list(view.shape))
     else:
-        folded = source.strided_view(offset=view.offset, shape=list(view.shape), strides=list(strides))
-    if not runs(folded.var.producer):
-        flow.remove_op(folded.var.producer)
-        flow.remove_var(folded.var)
-        return
+        strides = view.strides
+        parts = [(size, stride) for size, stride in zip(view.shape, strides)] if strides is not None else _parts(view)
+        copied = source.strided_view(offset=view.offset, shape=[size for size, _ in parts], strides=[stride for _, stride in parts])
+        if not runs(copied.var.producer):
+            flow.remove_op(copied.var.producer)
+            flow.remove_var(copied.var)
+            return
+        folded = copied if strides is not None else copied.reshape(list(view.shape))
     splice(flow, last, [folded])
     for op in reversed(view.ops[:-1]):
         outputs = list(op.outputs)
