@@ -37,6 +37,7 @@ from .fuse import fuse_elementwise
 from .loss import fuse_loss_with_gradient
 from .precision import use_matmul_precision
 from .router import fuse_softmax_top_k
+from .row_transposes import move_transposes_past_products
 from .simplify import eliminate_common_subexpressions, fold_constants
 from .views import fold_view_chains
 
@@ -96,6 +97,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("activation-precision",
          lambda c: use_activation_precision(c.flow, c.func, c.keep, c.options.precision, c.backend.runs_whole),
          _activation_precision),
+    Pass("row-transposes", lambda c: move_transposes_past_products(c.flow, c.func, c.keep)),
     Pass("fold-views", lambda c: fold_view_chains(c.flow, c.func, c.keep, c.backend.runs_whole), _rewrites),
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
