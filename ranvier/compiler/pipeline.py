@@ -31,6 +31,7 @@ from ..flow.graph import Flow, Function
 from .activations import use_activation_precision
 from .attention import fuse_attention
 from .attention_layout import use_rows_layout
+from .column_products import split_column_products
 from .decompose import decompose
 from .epilogue import fuse_epilogues
 from .foreach import fuse_foreach
@@ -101,6 +102,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("row-transposes", lambda c: move_transposes_past_products(c.flow, c.func, c.keep)),
     Pass("attention-layout", lambda c: use_rows_layout(c.flow, c.func, c.keep)),
     Pass("fold-views", lambda c: fold_view_chains(c.flow, c.func, c.keep, c.backend.runs_whole), _rewrites),
+    Pass("column-products", lambda c: split_column_products(c.flow, c.func, c.keep)),
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),

@@ -77,6 +77,12 @@ def _merged(parts: Sequence[tuple[int, int]]) -> _Axis:
     return tuple(merged)
 
 
+def merged_parts(shape: Sequence[int], strides: Sequence[int]) -> _Axis:
+    """The (size, stride) parts a view of `shape` with `strides` reads, outermost first, each
+    part laid out inside the one before merged into it: ((n, 1),) for n elements in order."""
+    return _merged(list(zip(shape, strides)))
+
+
 def fold_view_chains(flow: Flow, func: Function, keep: set[str], runs: Callable[[Operation], bool]) -> None:
     """Replace each chain of two or more copies (see the module) by one StridedView, where
     it reads rows (`_reads_rows`) and the backend `runs` one whole; and any chain that reads
@@ -126,7 +132,7 @@ def _private(x: Variable, func: Function, keep: set[str]) -> bool:
     if not x.consumers or x.name in keep or x.out:
         return False
     return all(reader.func is func and reader.inputs[0] is x and (
-        is_view(reader) or reader.type == "Transpose" or _row_of_constant(reader) is not None or _split_axis(reader) is not None)
+        is_view(reader) or reader.type == "Transpose" or _row_of_constant(reader) is not None or split_axis(reader) is not None)
         for reader in x.consumers)
 
 
@@ -138,7 +144,7 @@ def _row_of_constant(op: Operation) -> int | None:
     return int(data)
 
 
-def _split_axis(op: Operation) -> int | None:
+def split_axis(op: Operation) -> int | None:
     """The axis a Split cuts, given by a constant no op writes, else None."""
     data = op.inputs[2].data if op.type == "Split" and len(op.inputs) == 3 else None
     if data is None or not unchanging_constant(op.inputs[2]):
@@ -178,7 +184,7 @@ def _step(op: Operation, view: _View) -> list[_View] | None:
         if not 0 <= row < view.shape[0]:
             return None  # the Gather's own check names the index
         return [_View(view.source, view.offset + _position(view.axes[0], row), view.axes[1:], copies + 1, ops)]
-    axis = _split_axis(op)
+    axis = split_axis(op)
     if axis is not None and len(view.axes[axis]) <= 1:  # each part a slice of the view along the axis
         stride = view.axes[axis][0][1] if view.axes[axis] else 0
         parts, first = [], 0
