@@ -196,6 +196,39 @@ def agree(actual: np.ndarray, expected: np.ndarray, dtype: str, what: str) -> No
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
 
+def cpu_steps_against_reference(build: Callable, shape: Sequence[int], *, matmul: str = "float32", training: bool = False,
+                                seed: int = 3, tolerance: float = 1e-5) -> list:
+    """`build(f, x)` (a list of output Tensors) on a random float32 x of `shape`, compiled for
+    the CPU with its products in `matmul` (and `training` set on the function) and for the
+    reference backend, every output filled with NaN first: the CPU's outputs within
+    `tolerance` (2e-2 with bf16 products) of the reference's, relative and of its largest
+    element; returns the CPU cell's steps (what the passes left)."""
+    flow = ranvier.Flow()
+    f = ranvier.Builder(flow, "f")
+    f.func.training = training
+    x = f.var("x", "float32", list(shape))
+    outputs = build(f, x)
+    for y in outputs:
+        y.var.out = True
+    value = random_array(list(shape), "float32", seed=seed)
+    results = []
+    for backend in ("cpu", "reference"):
+        options = {"matmul": matmul} if backend == "cpu" else {}
+        cell = ranvier.Compiler(backend, cache=False, **options).compile(flow).cell("f")
+        data = cell.instance()
+        data[x] = value
+        for y in outputs:
+            data[y] = np.full(y.shape, np.nan, np.float32)
+        data.compute()
+        results.append(([np.array(data[y]) for y in outputs], cell))
+    (got, cell), (want, _) = results
+    bound = 2e-2 if matmul == "bfloat16" else tolerance
+    for g, w in zip(got, want):
+        assert not np.isnan(g).any(), "an output element was not written"
+        np.testing.assert_allclose(g, w, rtol=bound, atol=bound * float(np.abs(w).max()))
+    return list(cell.steps)
+
+
 def run1(build: Callable, *inputs: np.ndarray) -> np.ndarray:
     """run_flow for a single output."""
     (out,) = run_flow(build, inputs)

@@ -6,11 +6,8 @@ with its products in bf16; left alone where its result is read as it is, or in a
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import random_array
-
-import ranvier as rv
+from helpers import cpu_steps_against_reference, random_array
 
 BATCH, STEPS, HEADS, SIZE = 2, 7, 3, 8
 FEATURES = HEADS * SIZE
@@ -26,28 +23,12 @@ def _layer(f, x, merged: bool = True, mask=None):
 
 
 def _run(build, matmul: str, training: bool = False):
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    if training:
-        f.func.training = True
-    x = f.var("x", "float32", [BATCH, STEPS, 3 * FEATURES])
-    y = build(f, x)
-    y.var.out = True
-    value = random_array(x.shape, "float32", seed=7)
-    results = []
-    for backend in ("cpu", "reference"):
-        cell = rv.Compiler(backend, cache=False, matmul=matmul if backend == "cpu" else "float32").compile(flow).cell("f")
-        data = cell.instance()
-        data[x] = value
-        data[y] = np.full(y.shape, np.nan, np.float32)
-        data.compute()
-        results.append((np.array(data[y]), cell))
-    (got, cell), (want, _) = results
-    assert not np.isnan(got).any()
-    tolerance = 2e-2 if matmul == "bfloat16" else 1e-5
-    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
-    attention = [step.op for step in cell.steps if step.op.type == "Attention"]
-    return [step.op.type for step in cell.steps], attention[0].attrs.get("heads_first", "1")
+    """`build(f, x)` on QKV x on the CPU against the reference: the CPU cell's op types, and
+    the Attention op's heads_first ("1" unless set)."""
+    steps = cpu_steps_against_reference(lambda f, x: [build(f, x)], [BATCH, STEPS, 3 * FEATURES], matmul=matmul,
+                                        training=training, seed=7)
+    attention = [step.op for step in steps if step.op.type == "Attention"]
+    return [step.op.type for step in steps], attention[0].attrs.get("heads_first", "1")
 
 
 @pytest.mark.parametrize("matmul", ["float32", "bfloat16"])

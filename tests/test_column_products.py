@@ -6,9 +6,8 @@ product is also read whole, or by a matrix that is no constant."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import random_array
+from helpers import cpu_steps_against_reference, random_array
 
 import ranvier as rv
 
@@ -16,28 +15,8 @@ BATCH, STEPS, FEATURES = 2, 5, 12
 
 
 def _run(build, matmul: str = "float32"):
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    x = f.var("x", "float32", [BATCH, STEPS, 8])
-    outputs = build(f, x)
-    for y in outputs:
-        y.var.out = True
-    value = random_array(x.shape, "float32", seed=9)
-    results = []
-    for backend in ("cpu", "reference"):
-        cell = rv.Compiler(backend, cache=False, matmul=matmul if backend == "cpu" else "float32").compile(flow).cell("f")
-        data = cell.instance()
-        data[x] = value
-        for y in outputs:
-            data[y] = np.full(y.shape, np.nan, np.float32)
-        data.compute()
-        results.append(([np.array(data[y]) for y in outputs], cell))
-    (got, cell), (want, _) = results
-    tolerance = 2e-2 if matmul == "bfloat16" else 1e-5
-    for g, w in zip(got, want):
-        assert not np.isnan(g).any()
-        np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance * np.abs(w).max())
-    return [step.op.type for step in cell.steps]
+    """What `build` makes of x [B, T, 8] on the CPU against the reference; the CPU cell's op types."""
+    return [step.op.type for step in cpu_steps_against_reference(build, [BATCH, STEPS, 8], matmul=matmul, seed=9)]
 
 
 def _qkv(f, x, transposed: bool = False):

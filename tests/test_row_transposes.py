@@ -5,37 +5,13 @@ compiled against the numpy reference (outputs filled with NaN first), with the o
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import random_array
-
-import ranvier as rv
+from helpers import cpu_steps_against_reference, random_array
 
 
 def _run(build, shape, matmul: str = "float32"):
     """What `build` makes of x on the CPU against the reference; the CPU cell's op types."""
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    x = f.var("x", "float32", shape)
-    outputs = build(f, x)
-    for y in outputs:
-        y.var.out = True
-    value = random_array(shape, "float32", seed=5)
-    results = []
-    for backend in ("cpu", "reference"):
-        cell = rv.Compiler(backend, cache=False, matmul=matmul if backend == "cpu" else "float32").compile(flow).cell("f")
-        data = cell.instance()
-        data[x] = value
-        for y in outputs:
-            data[y] = np.full(y.shape, np.nan, np.float32)
-        data.compute()
-        results.append(([np.array(data[y]) for y in outputs], cell))
-    (got, cell), (want, _) = results
-    tolerance = 2e-2 if matmul == "bfloat16" else 1e-5
-    for g, w in zip(got, want):
-        assert not np.isnan(g).any()
-        np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance * np.abs(w).max())
-    return [step.op.type for step in cell.steps]
+    return [step.op.type for step in cpu_steps_against_reference(build, shape, matmul=matmul, seed=5)]
 
 
 def _weights(f, rows: int, columns: int, seed: int):
