@@ -1130,7 +1130,8 @@ def test_pipeline_runs_the_rewrites_in_order_for_the_cpu_backend():
     flow, y = _pipeline_flow()
     backend = create_backend("cpu", CompileOptions())
     ran = run_pipeline(_context(flow, backend, CompileOptions(), {y.name}))
-    assert ran == ["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "fuse-loss", "fuse-router", "fuse-epilogue"]
+    assert ran == ["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "fuse-loss", "fuse-router", "fuse-epilogue",
+                   "fuse-conv-pool"]
     # the product's scale, shift and tanh run as its GEMM's epilogue
     assert op_types(flow.func("f")) == ["MatMulCalculate"]
 

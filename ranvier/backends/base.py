@@ -73,6 +73,8 @@ class Capabilities:
         (a ForEach), so the horizontal fusion pass groups them: `foreach(op)` is a key,
         equal for ops one kernel can run together, or None for an op it would not group.
     foreach_operands: the most variables one such kernel takes.
+    pools_convolution: where given, it runs a Conv2DCalculate and the MaxPool that alone
+        reads it as one op (Conv2DCalculateMaxPool) where `pools_convolution(conv, pool)`.
     narrow_weights: the precisions it can keep an unchanging constant matrix in, packed
         ahead of time, so that even a vector-matrix product by one (a decode step's, which
         only streams the matrix) reads fewer bytes; the mixed-precision pass marks those too
@@ -85,6 +87,7 @@ class Capabilities:
     fuses_epilogue: Callable[[Variable, str, list[Variable]], bool] | None = None
     foreach: Callable[[Operation], Hashable | None] | None = None
     foreach_operands: int = 0
+    pools_convolution: Callable[[Operation, Operation], bool] | None = None
     narrow_weights: tuple[str, ...] = ()
 
 

@@ -15,6 +15,7 @@ and the pipeline decides which passes apply.
     fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
     mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
     fuse-epilogue    a MatMul or Conv2D and the elementwise op that alone reads its product → one op
+    fuse-conv-pool   a Conv2DCalculate and the MaxPool that alone reads it → one op (inference)
     fuse-foreach     independent ops of one type (each parameter's update, cast, norm) → one ForEach
 
 `RANVIER_DEBUG=passes` prints the function after each pass.
@@ -32,6 +33,7 @@ from .activations import use_activation_precision
 from .attention import fuse_attention
 from .attention_layout import use_rows_layout
 from .column_products import split_column_products
+from .conv_pool import fuse_conv_pools
 from .decompose import decompose
 from .epilogue import fuse_epilogues
 from .foreach import fuse_foreach
@@ -74,6 +76,16 @@ def _epilogues(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.backend.capabilities.epilogues
 
 
+def _conv_pools(ctx: PassContext) -> bool:
+    return _epilogues(ctx) and ctx.backend.capabilities.pools_convolution is not None
+
+
+def _fuse_conv_pools(ctx: PassContext) -> None:
+    accepts = ctx.backend.capabilities.pools_convolution
+    if accepts is not None:
+        fuse_conv_pools(ctx.flow, ctx.func, ctx.keep, accepts)
+
+
 def _foreach(ctx: PassContext) -> bool:
     return _rewrites(ctx) and ctx.backend.capabilities.foreach is not None
 
@@ -109,6 +121,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul, c.backend.capabilities), _mixed_precision),
     Pass("fuse-epilogue", lambda c: fuse_epilogues(c.flow, c.func, c.keep, c.backend.capabilities.fuses_epilogue),
          _epilogues),
+    Pass("fuse-conv-pool", _fuse_conv_pools, _conv_pools),
     Pass("fuse-foreach", _fuse_foreach, _foreach),
 )
 

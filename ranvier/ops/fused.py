@@ -321,3 +321,70 @@ for _row_op in ELEMENT_EPILOGUE_OPS:
         flops=_row_calculate_flops,
     )
     decomposition(fused_type(_row_op))(_row_calculate_in_parts)
+
+
+# ---- Conv2DCalculateMaxPool: a convolution, its epilogue, and the max pooling that alone reads it
+#
+# The compiler's conv-pool pass (compiler/conv_pool.py) makes one of a Conv2DCalculate of one
+# output and the MaxPool that alone reads it (a ResNet stem: convolution, folded batch norm,
+# ReLU, 3 × 3 max pool of stride 2), so a kernel can pool bands of the convolution's output
+# while they are in cache and never store the whole of it (ResNet-18's stem at batch 32:
+# 102 MB written and read back). Inputs and the program as Conv2DCalculate's; the pooling's
+# attributes named pool_*; one output, the pooled tensor.
+CONV_POOL = "Conv2DCalculateMaxPool"
+_CONV_CALCULATE = fused_type("Conv2D")
+_POOL_ATTRS = {"pool_ksize": "ksize", "pool_strides": "strides", "pool_padding": "padding"}
+
+
+def conv_pool_parts(attrs: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(the Conv2DCalculate's attributes, the MaxPool's) of a Conv2DCalculateMaxPool's."""
+    conv = {name: value for name, value in attrs.items() if name not in _POOL_ATTRS}
+    pool = {_POOL_ATTRS[name]: value for name, value in attrs.items() if name in _POOL_ATTRS}
+    return conv, pool
+
+
+def conv_pool_attrs(conv: dict[str, str], pool: dict[str, str]) -> dict[str, str]:
+    """A Conv2DCalculateMaxPool's attributes from its two ops'."""
+    return {**conv, **{fused: pool[name] for fused, name in _POOL_ATTRS.items() if name in pool}}
+
+
+def _infer_conv_pool(ctx):
+    conv, pool = conv_pool_parts(ctx.attrs.raw)
+    products = op_def(_CONV_CALCULATE).infer_types(ctx.op_name, ctx.inputs, conv)
+    if len(products) != 1:
+        raise ctx.fail(f"an epilogue program of one output (got {len(products)})")
+    return op_def("MaxPool").infer_types(ctx.op_name, [_Spec("product", products[0].dtype, products[0].shape)], pool)
+
+
+def _conv_pool_reference(attrs, args, outs):
+    conv, pool = conv_pool_parts(attrs.raw)
+    convolved = op_def(_CONV_CALCULATE)
+    (product,) = convolved.infer_types("", [_Spec(f"%{i}", dtypes.from_numpy(np.asarray(a).dtype), np.shape(a))
+                                            for i, a in enumerate(args)], conv)
+    (y,) = convolved.reference(Attrs(conv, "", convolved.type, convolved.attrs), args, [product])
+    return [nn.max_pool(np.asarray(y), *nn.pool_params(Attrs(pool, "", "MaxPool", op_def("MaxPool").attrs)))]
+
+
+def _conv_pool_flops(op) -> int:
+    conv, pool = conv_pool_parts(op.attrs)
+    (product,) = op_def(_CONV_CALCULATE).infer_types("", op.inputs, conv)
+    member = Member(op.name, _CONV_CALCULATE, list(op.inputs), [_Spec("product", product.dtype, product.shape)], conv)
+    return op_def(_CONV_CALCULATE).cost(member) + op.outputs[0].size * math.prod(nn.pool_params(
+        Attrs(pool, "", "MaxPool", op_def("MaxPool").attrs))[0])
+
+
+define(
+    CONV_POOL, _infer_conv_pool, _conv_pool_reference, (2, None), "fused",
+    f"{_CONV_CALCULATE} (its inputs, attributes and program of one output), then a MaxPool (attributes pool_*) "
+    "over that output",
+    attrs=[*op_def(_CONV_CALCULATE).attrs.values(),
+           *(Attr(fused, op_def("MaxPool").attrs[name].kind, op_def("MaxPool").attrs[name].default,
+                  f"the pooling's {op_def('MaxPool').attrs[name].doc}") for fused, name in _POOL_ATTRS.items())],
+    flops=_conv_pool_flops,
+)
+
+
+@decomposition(CONV_POOL)
+def _conv_pool_in_parts(b, op):
+    conv, pool = conv_pool_parts(op.attrs)
+    return b.op("MaxPool", [b.op(_CONV_CALCULATE, list(op.inputs), None, conv)], None, pool)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 
-from ... import debug
+from ... import debug, dtypes
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view
@@ -24,6 +24,7 @@ from . import amx, bf16gemv, codegen, fpmode, jit, parallel_compile, q8gemm, sge
 from .blas import blas_pointers, blas_thread_setter
 from .codegen import FIRST_TABLE_SLOT, Layout
 from .kernels import LIBRARY
+from .kernels.conv import CONV_KERNEL, PAIRS_KERNEL
 from .parallel import split_thresholds, thread_count
 from .pool import pool
 from .target import CPUTarget, host_target
@@ -93,7 +94,8 @@ class CPUBackend:
         products = bf16_gemm(self.target) if options.matmul == "bfloat16" else None
         tiles, pairs = products == "amx-bf16", products == "avx512bf16"
         precisions = ("float32", "bfloat16") if products else ("float32",)
-        self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16", "int8"))
+        self.capabilities = Capabilities(rewrites=True, matmul_precisions=precisions, narrow_weights=("bfloat16", "int8"),
+                                         pools_convolution=self._pools_convolution)
         # products marked bf16 for their constant's panels never reach a bf16 GEMM elsewhere; a
         # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can.
         # Kernels that call a GEMM this compile does not run are passed over.
@@ -101,6 +103,11 @@ class CPUBackend:
                        *(() if pairs else (codegen.SGEMM_DPBF16, codegen.SGEMM_PACKED_DPBF16, codegen.SGEMM_WINDOWS_DPBF16)),
                        *(() if sgemm.pairs_supported(self.target) else (codegen.DPBF16GEMV,))}
         self.unavailable = {kernel.name for kernel in LIBRARY.kernels if kernel.calls & passed_over}
+
+    def _pools_convolution(self, conv: Operation, pool: Operation) -> bool:
+        """A convolution the windows GEMM multiplies (not Winograd's nor the tiles for few
+        filters), and a float32 max pooling after it: ConvPool pools its bands."""
+        return self.kernel(conv).name in (CONV_KERNEL, PAIRS_KERNEL) and pool.outputs[0].dtype == dtypes.DT_FLOAT32
 
     def kernel(self, op: Operation) -> Kernel:
         """The library's kernel for `op` on this target (a step keeps its own: `chosen_kernel`)."""

@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (registration)
     batch_norm,
     cached_attention,
     conv,
+    conv_pool,
     conv_stacked,
     index,
     maps,

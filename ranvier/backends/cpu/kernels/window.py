@@ -3,9 +3,13 @@ MaxPool whole, each window's maximum read from the input where it lies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from llvmlite import ir
 
 from .... import dtypes
+from ....flow.graph import Variable
 from ....ops import attrs_of, op_def
 from ....ops.expression import program_of
 from ....ops.fused import product_type, row_split
@@ -55,13 +59,15 @@ def _inside(size: int, kernel: int, stride: int, padding: int, outputs: int) -> 
     return first, max(first, min(outputs, (size - kernel + padding) // stride + 1))
 
 
-def _taps(ctx, x, at: Value, count: int, kernel: tuple[int, int], stride: int) -> list[Value]:
+def _taps(ctx, x, at: Value, count: int, kernel: tuple[int, int], stride: int,
+          width: int | None = None) -> list[Value]:
     """Each tap's element of `count` windows side by side along a row of x, from element
     `at` of the first window's top-left, the taps row by row: one load of the lanes'
     elements a tap (with stride s, s·count contiguous elements and a shuffle of every s-th,
-    reaching s - 1 elements past the last window's tap)."""
+    reaching s - 1 elements past the last window's tap); rows `width` elements apart (by
+    default x's last axis)."""
     kh, kw = kernel
-    width = x.shape[-1]
+    width = width or x.shape[-1]
     if count == 1 or stride == 1:
         return [ctx.load(x, at + i * width + j, count) for i in range(kh) for j in range(kw)]
     picks = ir.Constant(ir.VectorType(ir.IntType(32), count), [e * stride for e in range(count)])
@@ -69,18 +75,34 @@ def _taps(ctx, x, at: Value, count: int, kernel: tuple[int, int], stride: int) -
     return [Value(ctx.b, ctx.b.shuffle_vector(v.ir, v.ir, picks), v.dtype) for v in spans]
 
 
-@kernel("WindowMax", {"MaxPool"}, supports=lambda op: dtypes.is_float(op.inputs[0].dtype))
-def max_pool(ctx, op) -> None:
-    """Each output the maximum of its window, read in place: the decomposition's padded
-    copy and windows copy (for a ResNet stem, 1.5 ms of 1.9) are never made. Along a row,
-    windows wholly inside the image go a vector of outputs at a time, a tap one load of
-    the lanes' elements (with stride s, s·L contiguous elements and a shuffle of every
-    s-th); windows over the border loop over the part inside (padding never exceeds half
-    the window, so none is empty). A NaN in a window is its maximum, as numpy's."""
-    x, y = op.inputs[0], op.outputs[0]
-    (kh, kw), (sh, sw), (ph, pw) = pool_params(attrs_of(op))
-    _, _, height, width = x.shape
-    planes, ho, wo = x.shape[0] * x.shape[1], y.shape[2], y.shape[3]
+@dataclass(frozen=True)
+class PoolRows:
+    """Where a max pooling's planes lie: its input's planes `height` × `width`, `in_plane`
+    elements apart from element `x_at`; its outputs' `rows` × `columns` of each plane,
+    `out_plane` elements apart from element `y_at` (a band of a plane's rows, or all)."""
+
+    height: int
+    width: int
+    in_plane: int
+    rows: int
+    columns: int
+    out_plane: int
+    x_at: Value | int = 0
+    y_at: Value | int = 0
+
+
+def emit_max_pool(ctx, x: Variable, y: Variable, pooling: tuple, at: PoolRows, planes: int,
+                  share: Callable[..., None] | None = None) -> None:
+    """Each output of `planes` planes the maximum of its window, read in place from `x`
+    (`pooling`: pool_params' (ksize, strides, padding), the rows' padding counted from `at`'s
+    first input row). Along a row, windows wholly inside the image go a vector of outputs at a
+    time, a tap one load of the lanes' elements (with stride s, s·L contiguous elements and a
+    shuffle of every s-th); windows over the border loop over the part inside (padding never
+    exceeds half the window, so none is empty). A NaN in a window is its maximum, as numpy's.
+    `share(ctx, rows, body)` runs `body(ctx, first, last)` over the rows of outputs (all
+    planes'), by default on this thread."""
+    (kh, kw), (sh, sw), (ph, pw) = pooling
+    height, width, ho, wo = at.height, at.width, at.rows, at.columns
     rows_inside, (inside_first, inside_last) = _inside(height, kh, sh, ph, ho), _inside(width, kw, sw, pw, wo)
     lanes = ctx.lanes_for([y.dtype])
     while lanes > 1 and lanes > inside_last - inside_first:  # a short row (7 outputs) in narrower vectors
@@ -91,7 +113,7 @@ def max_pool(ctx, op) -> None:
     rows = planes * ho
 
     def whole(ctx, plane, top, left, count: int):
-        values = _taps(ctx, x, plane * (height * width) + top * width + left, count, (kh, kw), sw)
+        values = _taps(ctx, x, at.x_at + plane * at.in_plane + top * width + left, count, (kh, kw), sw, width)
         best = values[0]
         for value in values[1:]:
             best = best.maximum(value)
@@ -101,49 +123,64 @@ def max_pool(ctx, op) -> None:
         best = ctx.local(y.dtype, initial=-float("inf"))
         with ctx.loop(top.maximum(0), (top + kh).minimum(height), name="wy") as iy, \
                 ctx.loop(left.maximum(0), (left + kw).minimum(width), name="wx") as ix:
-            best.set(best.value.maximum(ctx.load(x, plane * (height * width) + iy * width + ix)))
+            best.set(best.value.maximum(ctx.load(x, at.x_at + plane * at.in_plane + iy * width + ix)))
         return best.value
 
-    def columns(ctx, row, plane, top, first: int, last: int, count: int = 0):
+    def columns(ctx, plane, yo, top, first: int, last: int, count: int = 0):
         """Outputs [first, last) of a row: `count` at a time of whole windows, else clipped."""
         with ctx.loop(first, last, step=max(count, 1), name="xo") as xo:
             left = xo * sw - pw
             value = whole(ctx, plane, top, left, count) if count else clipped(ctx, plane, top, left)
-            ctx.store(y, row * wo + xo, value)
+            ctx.store(y, at.y_at + plane * at.out_plane + yo * wo + xo, value)
 
-    def tail(ctx, row, plane, top) -> None:
+    def tail(ctx, row, plane, yo, top) -> None:
         """The whole windows after the last vector: one more vector ending at the last of
         them where it can overlap the ones before, else one at a time. Its loads pass the
-        row's end by up to s - 1 elements, which belong to the next row: only the tensor's
-        last row of outputs (whose next row may not exist) goes one at a time."""
+        row's end by up to s - 1 elements, which belong to the next row: only the last row
+        of outputs (whose next row may not exist) goes one at a time."""
         if vectors_last == inside_last:
             return
         if inside_last - inside_first < lanes or lanes == 1:
-            columns(ctx, row, plane, top, vectors_last, inside_last, 1)
+            columns(ctx, plane, yo, top, vectors_last, inside_last, 1)
             return
         with ctx.b.if_else((row < rows - 1).ir) as (overlapping, last_row):
             with overlapping:
-                columns(ctx, row, plane, top, inside_last - lanes, inside_last, lanes)
+                columns(ctx, plane, yo, top, inside_last - lanes, inside_last, lanes)
             with last_row:
-                columns(ctx, row, plane, top, vectors_last, inside_last, 1)
+                columns(ctx, plane, yo, top, vectors_last, inside_last, 1)
 
-    def share(ctx, first: int | Value, last: int | Value) -> None:
+    def body(ctx, first: int | Value, last: int | Value) -> None:
         with ctx.loop(first, last, name="row") as row:
             plane, yo = row // ho, row % ho
             top = yo * sh - ph
             inside = (yo >= rows_inside[0]) & (yo < rows_inside[1])
             with ctx.b.if_else(inside.ir) as (interior, border):
                 with interior:
-                    columns(ctx, row, plane, top, 0, inside_first)
-                    columns(ctx, row, plane, top, inside_first, vectors_last, lanes)
-                    tail(ctx, row, plane, top)
-                    columns(ctx, row, plane, top, inside_last, wo)
+                    columns(ctx, plane, yo, top, 0, inside_first)
+                    columns(ctx, plane, yo, top, inside_first, vectors_last, lanes)
+                    tail(ctx, row, plane, yo, top)
+                    columns(ctx, plane, yo, top, inside_last, wo)
                 with border:
-                    columns(ctx, row, plane, top, 0, wo)
+                    columns(ctx, plane, yo, top, 0, wo)
 
     if rows and wo:
-        threads = thread_count() if worth_splitting(nbytes=x.nbytes + y.nbytes) else 1
-        share_out(ctx, rows, threads, share)
+        if share is None:
+            body(ctx, 0, rows)
+        else:
+            share(ctx, rows, body)
+
+
+@kernel("WindowMax", {"MaxPool"}, supports=lambda op: dtypes.is_float(op.inputs[0].dtype))
+def max_pool(ctx, op) -> None:
+    """Each output the maximum of its window, read in place (`emit_max_pool`): the
+    decomposition's padded copy and windows copy (for a ResNet stem, 1.5 ms of 1.9) are
+    never made. Rows of outputs are shared out over the cores."""
+    x, y = op.inputs[0], op.outputs[0]
+    _, _, height, width = x.shape
+    ho, wo = y.shape[2], y.shape[3]
+    threads = thread_count() if worth_splitting(nbytes=x.nbytes + y.nbytes) else 1
+    emit_max_pool(ctx, x, y, pool_params(attrs_of(op)), PoolRows(height, width, height * width, ho, wo, ho * wo),
+                  x.shape[0] * x.shape[1], lambda ctx, rows, body: share_out(ctx, rows, threads, body))
 
 
 def _pool_gradient(op) -> tuple:
