@@ -1130,8 +1130,8 @@ def test_pipeline_runs_the_rewrites_in_order_for_the_cpu_backend():
     flow, y = _pipeline_flow()
     backend = create_backend("cpu", CompileOptions())
     ran = run_pipeline(_context(flow, backend, CompileOptions(), {y.name}))
-    assert ran == ["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "fuse-loss", "fuse-router", "fuse-epilogue",
-                   "fuse-conv-pool"]
+    assert ran == ["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "chunk-lm-head", "fuse-loss", "fuse-router",
+                   "fuse-epilogue", "fuse-conv-pool"]
     # the product's scale, shift and tanh run as its GEMM's epilogue
     assert op_types(flow.func("f")) == ["MatMulCalculate"]
 
@@ -1149,7 +1149,7 @@ def test_pipeline_mixed_precision_only_where_asked_and_possible(matmul, precisio
     flow, y = _pipeline_flow()
     options = dataclasses.replace(CompileOptions(), matmul=matmul)
     ran = run_pipeline(_context(flow, _fake_backend(precisions, narrow), options, {y.name}))
-    expected = ["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "fuse-loss", "fuse-router"] + (["mixed-precision"] if runs else [])
+    expected = ["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "chunk-lm-head", "fuse-loss", "fuse-router"] + (["mixed-precision"] if runs else [])
     assert ran == [*expected, "fuse-epilogue"]
     (matmul_op,) = [op for op in flow.func("f").ops if op.type == "MatMulCalculate"]
     assert matmul_op.attrs.get("precision") == ("bfloat16" if mixed else None)

@@ -119,4 +119,4 @@ def _fuse(flow: Flow, func: Function, producer: Operation, calculate: Operation,
     if producer.type in ELEMENT_EPILOGUE_OPS:
         attrs["row_inputs"] = str(len(producer.inputs))
     fuse(flow, func, [producer, calculate], fused_type(producer.type), [*producer.inputs, *others],
-         [*order, *producer.outputs[1:]], attrs, dropped=producer.outputs[:1])
+         [*order, *producer.outputs[1:]], attrs, dropped=producer.outputs[:1], keep_place=True)

@@ -11,6 +11,7 @@ and the pipeline decides which passes apply.
     cse              the same op on the same inputs → computed once
     activation-precision  float32 activations → stored in bfloat16 (Compiler(precision=...))
     fuse             chains of elementwise ops, and loops of one shape reading one value → one Calculate (one loop)
+    chunk-lm-head    logits = x·W into a cross-entropy and its gradient → a chunk of rows at a time, never stored whole
     fuse-loss        cross-entropy beside its gradient → one op, one read of the logits
     fuse-router      a softmax read by a TopK → one SoftmaxTopK (a MoE router's row pass)
     mixed-precision  float32 GEMMs → bfloat16 inputs, float32 sums (Compiler(matmul=...))
@@ -38,6 +39,7 @@ from .decompose import decompose
 from .epilogue import fuse_epilogues
 from .foreach import fuse_foreach
 from .fuse import fuse_elementwise
+from .lm_head import chunk_lm_head
 from .loss import fuse_loss_with_gradient
 from .precision import use_matmul_precision
 from .router import fuse_softmax_top_k
@@ -116,6 +118,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fold-views", lambda c: fold_view_chains(c.flow, c.func, c.keep, c.backend.runs_whole), _rewrites),
     Pass("column-products", lambda c: split_column_products(c.flow, c.func, c.keep)),
     Pass("fuse", lambda c: fuse_elementwise(c.flow, c.func, c.flow.op_order(c.func), c.keep)),
+    Pass("chunk-lm-head", lambda c: chunk_lm_head(c.flow, c.func, c.keep)),
     Pass("fuse-loss", lambda c: fuse_loss_with_gradient(c.flow, c.func)),
     Pass("fuse-router", lambda c: fuse_softmax_top_k(c.flow, c.func)),
     Pass("mixed-precision", lambda c: use_matmul_precision(c.func, c.options.matmul, c.backend.capabilities), _mixed_precision),
