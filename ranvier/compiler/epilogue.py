@@ -46,7 +46,11 @@ def fuse_epilogues(flow: Flow, func: Function, keep: set[str],
     """Replace each MatMul, Conv2D, row op or pool gradient and the Calculate that alone
     reads its product by one op (where given, only those `accepts(product, program, further inputs)`:
     `Capabilities`)."""
-    for producer in [op for op in func.ops if op.type in EPILOGUE_PRODUCTS or op.type in ELEMENT_EPILOGUE_OPS]:
+    # Where a Calculate adds two products (a SwiGLU's d x, a chunked LM head's d W), the one
+    # listed later takes it: the earlier one's epilogue would wait for the later product,
+    # holding its inputs (a chunk of logits' gradient) meanwhile. The fused op keeps the
+    # product's place in the list, so it runs where the product would have.
+    for producer in reversed([op for op in func.ops if op.type in EPILOGUE_PRODUCTS or op.type in ELEMENT_EPILOGUE_OPS]):
         calculate = _epilogue_of(producer, func, keep)
         if calculate is None:
             continue
