@@ -26,9 +26,9 @@ from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import attrs_of, is_view
 from .rewrite import depends_on, erase, splice
 
-# The logits of one chunk take at most about this many bytes (float32: 8,192 rows of a
-# 32,000-word vocabulary hold 1 GiB)...
-CHUNK_BYTES = 256 << 20
+# The logits of one chunk take at most about this many bytes (float32: 512 rows of a
+# 32,000-word vocabulary)...
+CHUNK_BYTES = 64 << 20
 # ...and a chunk has at least this many rows per feature of x: each chunk reads and writes
 # d W (vocab × dim floats) once more, which fewer rows would not repay.
 ROWS_PER_FEATURE = 2
