@@ -162,10 +162,10 @@ def test_the_chunked_step_stores_about_the_logits_less():
 
 
 def test_chunk_rows_keep_a_chunk_within_its_bytes_and_at_least_rows_per_feature():
-    assert lm_head.CHUNK_BYTES == 64 << 20 and lm_head.ROWS_PER_FEATURE == 2
-    assert lm_head.chunk_rows(32768, 32000, 64, 4) == 512  # 64 MiB of float32 logits: 524 rows, whole 64s
-    assert lm_head.chunk_rows(32768, 32000, 768, 2) == 1536  # 1,048 rows of bf16, but at least 2 x 768
-    assert lm_head.chunk_rows(300, 32000, 64, 4) == 300  # logits within a chunk: one, no rewrite
+    assert lm_head.CHUNK_BYTES == 256 << 20 and lm_head.ROWS_PER_FEATURE == 2
+    assert lm_head.chunk_rows(32768, 32000, 768, 2) == 4160  # 256 MiB of bf16 logits: 4,194 rows, whole 64s
+    assert lm_head.chunk_rows(2048, 32000, 288, 4) == 2048  # 262 MB of float32 logits: one chunk, no rewrite
+    assert lm_head.chunk_rows(100_000, 4_000_000, 64, 4) == 128  # a chunk of 16 rows, but at least 2 x 64
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
