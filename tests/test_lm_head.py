@@ -6,12 +6,16 @@ less by about the logits' size."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+from helpers import language_model_trainer
 
 import ranvier as rv
 from ranvier.autodiff import backward
 from ranvier.compiler import lm_head
+from ranvier.models import llama
 from ranvier.train.losses import softmax_cross_entropy
 
 ROWS, DIM, VOCAB = 3 * 37, 24, 300  # [3, 37] tokens
@@ -203,28 +207,16 @@ def test_a_llama_trains_as_it_did_with_its_head_chunked(monkeypatch):
     """A one-layer Llama (tied embedding: d W joins the embedding's scattered gradient),
     AdamW with clipping: five steps' losses as the unchunked step's, the head in chunks of
     24 rows of 100."""
-    import dataclasses
-
-    from ranvier.models import llama
-    from ranvier.train.optimizers import AdamW
-    from ranvier.train.trainer import Trainer
+    config = dataclasses.replace(llama.PRESETS["stories260K"], n_layers=1)
 
     def trainer(rows: int | None):
         monkeypatch.setattr(lm_head, "chunk_rows", lambda total, vocab, dim, itemsize: min(total, rows or total))
-        config = dataclasses.replace(llama.PRESETS["stories260K"], n_layers=1)
-        model = llama.Llama(config, seed=0)
-        flow = rv.Flow()
-        f = rv.Builder(flow, "train")
-        f.func.training = True
-        tokens, targets = f.var("tokens", "int32", [2, 50]), f.var("targets", "int32", [2, 50])
-        params = model.parameters(f)
-        loss = softmax_cross_entropy(model(f, tokens, params).reshape([100, config.vocab_size]), targets.reshape([100]))
-        return Trainer(loss, list(params.values()), AdamW(lr=1e-2), clip_norm=1.0, inputs=[tokens, targets]), config.vocab_size
+        return language_model_trainer(llama.Llama(config, seed=0), "cpu", 2, 50, 1e-2)
 
-    chunked, vocab = trainer(24)
+    chunked = trainer(24)
     assert len(_products(chunked.network.cell("train"))) == 5
-    whole, _ = trainer(None)
+    whole = trainer(None)
     rng = np.random.default_rng(3)
     for _ in range(5):
-        batch = [rng.integers(0, vocab, (2, 50)).astype(np.int32) for _ in range(2)]
+        batch = [rng.integers(0, config.vocab_size, (2, 50)).astype(np.int32) for _ in range(2)]
         assert chunked.step(batch) == pytest.approx(whole.step(batch), rel=1e-5)
