@@ -340,7 +340,7 @@ def test_the_pipeline_groups_last_and_only_for_a_backend_that_runs_groups():
         ran = run_pipeline(PassContext(flow, flow.func("f"), backend, CompileOptions(), set()))
         return ran, [op.type for op in flow.func("f").ops]
 
-    assert ran_with(Capabilities()) == (["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "fuse-loss", "fuse-router",
+    assert ran_with(Capabilities()) == (["fuse-attention", "decompose", "fold", "cse", "row-transposes", "attention-layout", "fold-views", "column-products", "fuse", "chunk-lm-head", "fuse-loss", "fuse-router",
                                          "fuse-epilogue"], ["Calculate", "Calculate"])
     ran, ops = ran_with(Capabilities(foreach=_any_elementwise, foreach_operands=16))
     assert ran[-1] == "fuse-foreach" and ops == ["ForEach"]
