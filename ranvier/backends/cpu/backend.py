@@ -35,6 +35,7 @@ _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 GEMMS: dict[int, Callable[[CPUTarget], int]] = {
     codegen.BF16GEMM: amx.gemm_address,
     codegen.SGEMM_GENERATED: sgemm.gemm_address,
+    codegen.SGEMM_ADD: sgemm.add_gemm_address,
     codegen.SGEMM_PACKED: sgemm.packed_gemm_address,
     codegen.SGEMM_PACKED_BF16: lambda target: sgemm.packed_gemm_address(target, narrow=True),
     codegen.DPBF16GEMV: bf16gemv.gemv_address,

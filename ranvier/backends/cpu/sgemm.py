@@ -5,7 +5,8 @@
                        i8* workspace)
 
 computes row-major C[m×n] = op(A)[m×k] · op(B)[k×n] (op(X) is X or Xᵀ; leading
-dimensions count elements), overwriting C, on the calling thread: a parallel MatMul
+dimensions count elements), overwriting C (`ranvier_sgemm_add`, same arguments: adding to
+C), on the calling thread: a parallel MatMul
 gives each worker-pool part its own blocks of C, or its own slice of k and a partial
 product of all of C (kernels/matmul.py, `gemm_parts`).
 
@@ -122,6 +123,7 @@ from . import jit
 from .target import CPUTarget
 
 SYMBOL = "ranvier_sgemm"
+ADD_SYMBOL = "ranvier_sgemm_add"
 PACKED_SYMBOL = "ranvier_sgemm_packed"
 BF16_PACKED_SYMBOL = "ranvier_sgemm_packed_bf16"
 WINDOWS_SYMBOL = "ranvier_sgemm_windows"
@@ -254,6 +256,11 @@ def packed_gemm_address(target: CPUTarget, narrow: bool = False, pairs: bool = F
     """`ranvier_sgemm_packed`, or with `narrow` its twin on bf16 panels, with `pairs` the
     one on bf16 pairs (`pairs_supported` targets)."""
     return gemm_code(target).address_of(PAIRS_PACKED_SYMBOL if pairs else BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
+
+
+def add_gemm_address(target: CPUTarget) -> int:
+    """`ranvier_sgemm_add`: ranvier_sgemm's arguments, C += op(A)·op(B)."""
+    return gemm_code(target).address_of(ADD_SYMBOL)
 
 
 def pairs_gemm_address(target: CPUTarget) -> int:
@@ -868,6 +875,7 @@ def build_module(target: CPUTarget) -> ir.Module:
         for vectors in range(1, emit.vectors + 1)}
     narrow_tiles.update({(rows, "dot"): tiles[rows, "dot"] for rows in range(1, emit.mr + 1)})
     _MatrixGemm(emit, tiles, block_columns(target)).define()
+    _MatrixGemm(emit, tiles, block_columns(target), add=True).define()
     _PanelsGemm(emit, tiles, block_columns(target, packed=True)).define()
     _PanelsGemm(emit, narrow_tiles, block_columns(target, packed=True), narrow=True).define()
     _WindowsGemm(emit, tiles, block_columns(target)).define()
@@ -909,8 +917,9 @@ class _Gemm:
     a panel is, and which lines a tile brings into L2 while it computes."""
 
     def __init__(self, emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block: int, pairs: bool = False,
-                 narrow: bool = False):
+                 narrow: bool = False, add: bool = False):
         self.emit, self.tiles, self.block, self.pairs, self.narrow = emit, tiles, block, pairs, narrow
+        self.add = add  # C += op(A)·op(B): every slice of k adds to C
 
     def define(self) -> None:
         raise NotImplementedError
@@ -960,8 +969,9 @@ class _Gemm:
         self.edge = stack(b, DT_FLOAT32, DOT_COLUMNS * ROW_KC)
         nr, nc_max = index_value(b, emit.nr), index_value(b, self.block)
 
-        with b.if_then(k.equal(0).ir), loop(b, 0, m, name="zi") as i, loop(b, 0, n, name="zj") as j:  # an empty sum: C is zeros
-            c[i * ldc + j] = Value(b, ir.Constant(F32, 0.0), DT_FLOAT32)
+        if not self.add:
+            with b.if_then(k.equal(0).ir), loop(b, 0, m, name="zi") as i, loop(b, 0, n, name="zj") as j:  # an empty sum: C is zeros
+                c[i * ldc + j] = Value(b, ir.Constant(F32, 0.0), DT_FLOAT32)
 
         # k in slices of at most KC steps, as even as can be (784 is 4 × 196, not 3 × 256 + 16)
         depth = m.equal(1).where(ROW_KC, index_value(b, KC)) if self.narrow else index_value(b, PAIRS_KC if pairs else KC)
@@ -981,7 +991,7 @@ class _Gemm:
         """The slice's block of B times op(A)'s slice of k, strip by strip."""
         b, nr = self.b, index_value(self.b, self.emit.nr)
         self.pack_block(s)
-        s.accumulate = s.pc > 0
+        s.accumulate = Value(b, ir.Constant(I1, 1), DT_BOOL) if self.add else s.pc > 0
         # a narrow last panel as dot products, where A's rows are read in place (k contiguous)
         s.last_first = (panels - 1) * nr
         s.edge_columns = s.nc - s.last_first
@@ -1066,7 +1076,8 @@ class _MatrixGemm(_Gemm):
     of B into L2, so its packing reads them from there rather than from memory."""
 
     def define(self) -> None:
-        ta, tb, m, n, k, a, lda, matrix, ldb, c, ldc, workspace = self._entry(_FUNCTION, PAIRS_SYMBOL if self.pairs else SYMBOL)
+        name = PAIRS_SYMBOL if self.pairs else ADD_SYMBOL if self.add else SYMBOL
+        ta, tb, m, n, k, a, lda, matrix, ldb, c, ldc, workspace = self._entry(_FUNCTION, name)
         self.tb, self.matrix, self.ldb = tb, matrix, ldb
         self.block_of_b = Pointer(self.b, cache_line_aligned(self.b, workspace.ir, _PAIRS_PTR if self.pairs else _FLOAT_PTR),
                                   DT_INT32 if self.pairs else DT_FLOAT32)

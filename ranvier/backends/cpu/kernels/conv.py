@@ -27,11 +27,11 @@ from ...llvm.irutil import I64, i64, load, storage_type
 from ...llvm.loops import fold_lanes, for_vectors, pairwise
 from ...llvm.values import Value
 from .. import sgemm
-from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
+from ..codegen import SGEMM_ADD, SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
-from .matmul import Blas, gemm_grid, single_threaded_blas
+from .matmul import Blas, GeneratedGemm, gemm_grid, single_threaded_blas
 from .program import epilogue
 
 CONV_KERNEL = "ConvGemm"
@@ -323,6 +323,24 @@ def _copy_run(ctx, source, source_at: Value, target, target_at: Value, count: in
         ctx.store(target, target_at + (count - w), ctx.load(source, source_at + (count - w), w))
 
 
+def _copy_even(ctx, source, source_at: Value, target, target_at: Value, count: int, lanes: int) -> None:
+    """Every other element of `source` from `source_at`, `count` of them, to contiguous ones
+    of `target` (a stride-2 convolution's windows): vectors as wide as fit, each picked from
+    two loads whose second ends at the vector's last element (so nothing past it is read),
+    the last one overlapping the one before as `_copy_run`'s does."""
+    w = 1 << (min(lanes, count).bit_length() - 1)
+    picks = [2 * k if 2 * k < w else 2 * k + 1 for k in range(w)]
+
+    def vector(at: Value | int) -> None:
+        low, high = ctx.load(source, source_at + 2 * at, w), ctx.load(source, source_at + 2 * at + (w - 1), w)
+        ctx.store(target, target_at + at, low.shuffle(picks, high))
+
+    with ctx.loop(0, count - w + 1, step=w, name="even") as at:
+        vector(at)
+    if count % w:
+        vector(count - w)
+
+
 def _tile_products(ctx, w, windows, each_tap, y, at: Value | int, filters: int, taps: int, positions: int,
                    lanes: int, in_windows=lambda p: p) -> None:
     """y[f, p] = Σ_t w[f, t] · windows[t, p] for y's rows from element `at`: tiles of
@@ -429,18 +447,21 @@ def _call_windows(ctx, op, slot: int) -> None:
     run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op))])
 
 
-def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int) -> None:
+def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int, column: Value | int = 0,
+                  out_rows: tuple[Value | int, int] | None = None) -> None:
     """An image's windows (its im2col matrix) into `windows`: row (c, i, j), `row_stride`
-    elements apart, holds the image's element under tap (i, j) of each output position,
-    zero in the padding. A channel's taps are unrolled, so each one's run of output columns
-    inside the image is known here, its copy planned in vectors, and only a row's top and
-    bottom edges are checked as it runs. `op` is the convolution (x, w → y) or its filter
-    gradient (x, dy → dw)."""
+    elements apart, holds from `column` on the image's element under tap (i, j) of each
+    output position (of `out_rows`, (first, count), where given: else all), zero in the
+    padding. A channel's taps are unrolled, so each one's run of output columns inside the
+    image is known here, its copy planned in vectors, and only a row's top and bottom edges
+    are checked as it runs. `op` is the convolution (x, w → y) or its filter gradient
+    (x, dy → dw)."""
     x = op.inputs[0]
     (_, channels, height, width) = x.shape
     attrs = attrs_of(op)
     kernel_height, kernel_width, out_height, out_width = _window_shape(op)
     (stride_height, stride_width), (pad_height, pad_width) = attrs["strides"], attrs["padding"]
+    first_row, row_count = out_rows or (0, out_height)
     b = ctx.b
     lanes = ctx.lanes_for([x.dtype])
 
@@ -449,7 +470,9 @@ def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int) -> 
 
     def run(row: Value, source: Value, first: int, last: int) -> None:
         """Output columns [first, last) of a row from the image's row at `source`."""
-        if stride_width != 1:
+        if stride_width == 2 and last - first > 1:
+            _copy_even(ctx, x, source + 2 * first, windows, row + first, last - first, lanes)
+        elif stride_width != 1:
             with ctx.loop(first, last, name="inside") as xo:
                 ctx.store(windows, row + xo, ctx.load(x, source + xo * stride_width))
         elif last > first:
@@ -462,9 +485,9 @@ def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int) -> 
                 first = min(out_width, max(0, -(-(pad_width - j) // stride_width)))
                 last = max(first, min(out_width, (width - 1 + pad_width - j) // stride_width + 1))
                 tap = (c * kernel_height + i) * kernel_width + j
-                with ctx.loop(0, out_height, name="yo") as yo:
+                with ctx.loop(first_row, first_row + row_count, name="yo") as yo:
                     y = yo * stride_height - pad_height + i
-                    row = tap * row_stride + yo * out_width
+                    row = tap * row_stride + column + (yo - first_row) * out_width
                     source = ((image * channels + c) * height + y) * width + j - pad_width
                     with b.if_else(((y >= 0) & (y < height)).ir) as (inside, padding):
                         with inside:
@@ -476,6 +499,14 @@ def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int) -> 
 
 
 FILTER_GRADIENT_KERNEL = "ConvFilterGemm"
+# A float32 filter gradient of at least this many filters is a GEMM on the generated
+# `ranvier_sgemm_add`, slab by slab of positions (`_on_slabs`); fewer, and the dot tiles'
+# are faster (no packing: the MNIST CNN's 8 and 16 filters).
+SLAB_FILTERS = 32
+# A slab takes at least this many positions (output rows of an image, or whole images):
+# the GEMM's depth, deep enough that reading and writing the sums of dw once a slab costs
+# little beside its multiply-adds, shallow enough that the slab's copied windows stay in L2.
+_SLAB_POSITIONS = 512
 
 
 def _filter_gradient_parts(op) -> list[tuple[int, int]]:
@@ -486,17 +517,45 @@ def _filter_gradient_parts(op) -> list[tuple[int, int]]:
     return shares(x.shape[0], threads)
 
 
+def _slab_shape(op) -> tuple[int, int]:
+    """(images, output rows of each) a slab takes: whole rows of one image where an image has
+    `_SLAB_POSITIONS`, else whole images, as many as a part has at most."""
+    out_height, out_width = op.inputs[1].shape[2:]
+    positions = out_height * out_width
+    if positions >= _SLAB_POSITIONS:
+        return 1, -(-_SLAB_POSITIONS // out_width)
+    most = max(last - first for first, last in _filter_gradient_parts(op))
+    return min(most, -(-_SLAB_POSITIONS // positions)), out_height
+
+
+def _gemm_bytes(op) -> int:
+    """The generated GEMM's workspace at the start of a part's scratch (none off slabs), in
+    whole cache lines."""
+    if not _on_slabs(op):
+        return 0
+    images, rows = _slab_shape(op)
+    depth = images * rows * op.inputs[1].shape[3]
+    return -(-sgemm.workspace_bytes(math.prod(op.outputs[0].shape[1:]), depth) // 64) * 64
+
+
 def _filter_gradient_share(op) -> int:
-    """A part's scratch in elements: its own sum of dw (in float32 a vector of partial sums
-    per element, `_MAX_LANES` wide), then one image's windows [taps, positions] or, with
-    padded planes, the image's planes and its dy with rows whole vectors long."""
-    dy = op.inputs[1]
-    taps = math.prod(op.outputs[0].shape[1:])
-    sums = op.outputs[0].size * (_MAX_LANES if _dot_tiled(op) else 1)
-    planes = _gradient_planes(op)
-    if planes is None:
-        return sums + taps * (dy.shape[2] * dy.shape[3])
-    return sums + planes.scratch_elements(dy.shape[1])
+    """A part's scratch in bytes, whole cache lines: on slabs the GEMM's workspace, its own sum
+    of dw, a slab's windows [taps, positions] and (a slab of several images) its dy rows
+    [filters, positions]; else its own sum of dw (in float32 a vector of partial sums per
+    element, `_MAX_LANES` wide), then one image's windows [taps, positions] or, with padded
+    planes, the image's planes and its dy with rows whole vectors long."""
+    dy, dw = op.inputs[1], op.outputs[0]
+    taps = math.prod(dw.shape[1:])
+    if _on_slabs(op):
+        images, rows = _slab_shape(op)
+        depth = images * rows * dy.shape[3]
+        elements = dw.size + taps * depth + (dy.shape[1] * depth if images > 1 else 0)
+    else:
+        sums = dw.size * (_MAX_LANES if _dot_tiled(op) else 1)
+        planes = _gradient_planes(op)
+        rest = taps * (dy.shape[2] * dy.shape[3]) if planes is None else planes.scratch_elements(dy.shape[1])
+        elements = sums + rest
+    return _gemm_bytes(op) + -(-elements * dtypes.itemsize(dw.dtype) // 64) * 64
 
 
 def _gradient_planes(op) -> _Planes | None:
@@ -512,38 +571,50 @@ _SUMS_IN_CACHE_BYTES = 1 << 20
 _FEWEST_POSITIONS_PAST_CACHE = 64
 
 
-def _dot_tiled(op) -> bool:
-    """Whether the filter gradient's products are `_add_dot_tiles`' (float32) rather than BLAS's
-    (float64, and float32 whose partial sums leave the cache for few positions an image)."""
+def _on_slabs(op) -> bool:
+    """Whether the float32 filter gradient is the generated GEMM's, slab by slab: many filters,
+    or partial sums of the dot tiles that would leave the cache."""
     dy, dw = op.inputs[1], op.outputs[0]
     if dw.dtype != dtypes.DT_FLOAT32:
         return False
     sums_bytes = dw.size * _MAX_LANES * dtypes.itemsize(dw.dtype)
-    return sums_bytes <= _SUMS_IN_CACHE_BYTES or dy.shape[2] * dy.shape[3] >= _FEWEST_POSITIONS_PAST_CACHE
+    past_cache = sums_bytes > _SUMS_IN_CACHE_BYTES and dy.shape[2] * dy.shape[3] < _FEWEST_POSITIONS_PAST_CACHE
+    return dy.shape[1] >= SLAB_FILTERS or past_cache
+
+
+def _dot_tiled(op) -> bool:
+    """Whether the filter gradient's products are `_add_dot_tiles'` (float32, few filters)."""
+    return op.outputs[0].dtype == dtypes.DT_FLOAT32 and not _on_slabs(op)
 
 
 def _filter_gradient_workspace(op) -> int:
-    return len(_filter_gradient_parts(op)) * _filter_gradient_share(op) * dtypes.itemsize(op.outputs[0].dtype)
+    return len(_filter_gradient_parts(op)) * _filter_gradient_share(op)
 
 
 def _float32_or_64(op) -> bool:
     return op.outputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64) and op.outputs[0].size > 0
 
 
-@kernel(FILTER_GRADIENT_KERNEL, {"Conv2DBackpropFilter"}, supports=_float32_or_64, workspace=_filter_gradient_workspace)
+@kernel(FILTER_GRADIENT_KERNEL, {"Conv2DBackpropFilter"}, supports=_float32_or_64, workspace=_filter_gradient_workspace,
+        calls=frozenset({SGEMM_ADD}))
 def conv_filter_gradient(ctx, op) -> None:
-    """dw [O, C·KH·KW] = Σ over images of dy[n] [O, Ho·Wo] · windows[n]ᵀ, a part's images
-    one at a time: each image's windows copied into the part's scratch (where the cache
-    still holds them) and added into the part's own sum; the parts' sums then added into
-    dw. The decomposition's im2col of the whole batch (the MNIST CNN's 20 MB) is never
-    written.
+    """dw [O, C·KH·KW] = Σ over images of dy[n] [O, Ho·Wo] · windows[n]ᵀ, each part's images
+    added into the part's own sum, the parts' sums then added into dw. The decomposition's
+    im2col of the whole batch (the MNIST CNN's 20 MB) is never written.
+
+    In float32 with many filters (`_on_slabs`) the positions go by in slabs (`_slab_shape`):
+    a slab's windows are copied into the part's scratch, where L2 holds them, and the
+    generated GEMM adds dy's slab times their transpose into the part's sum (`ranvier_sgemm_add`:
+    its micro-kernel's register tiles, the windows packed into its panels as it goes). A
+    slab of part of an image reads dy in place; one of several images (few positions each)
+    copies their rows of dy side by side first, so the GEMM's depth and not the image's
+    bounds how often the sums are read and written.
 
     Both factors run along the positions, so each element of dw is a dot product of two
-    contiguous rows. In float32 these are computed in tiles (`_add_dot_tiles`): no packing,
-    and every lane of every multiply-add is dw's, where a BLAS call per image spent as long
-    packing its few rows (8 filters of 25 taps: 31 GFLOP/s) as multiplying. In float64 each
-    image is one BLAS call, as in float32 where the tiles' partial sums would stream from
-    memory for few positions (`_dot_tiled`).
+    contiguous rows. With few filters, in float32, these are computed in tiles
+    (`_add_dot_tiles`): no packing, and every lane of every multiply-add is dw's, where a
+    GEMM per image spent as long packing its few rows (8 filters of 25 taps: 31 GFLOP/s) as
+    multiplying. In float64 each image is one BLAS call.
 
     With stride 1, the float32 tiles read the windows from the image's padded planes instead
     (`_Planes`, as ConvTiles does), output row by output row, and dy from a copy whose rows
@@ -553,7 +624,7 @@ def conv_filter_gradient(ctx, op) -> None:
     (_, filters, out_height, out_width) = dy.shape
     taps, positions = math.prod(dw.shape[1:]), out_height * out_width
     element = storage_type(dw.dtype)
-    share, parts = _filter_gradient_share(op), _filter_gradient_parts(op)
+    share, parts, gemm_bytes = _filter_gradient_share(op), _filter_gradient_parts(op), _gemm_bytes(op)
     single_threaded_blas(ctx)
     lanes = ctx.lanes_for([dw.dtype])
     sum_lanes = lanes if _dot_tiled(op) else 1
@@ -561,8 +632,8 @@ def conv_filter_gradient(ctx, op) -> None:
 
     def scratch(ctx, number: int) -> tuple[ir.Value, ir.Value]:
         """A part's sum of dw, and the rest of its scratch."""
-        base = ctx.b.bitcast(ctx.address(ctx.workspace), element.as_pointer())
-        total = ctx.b.gep(base, [i64(number * share)])
+        start = ctx.b.gep(ctx.address(ctx.workspace), [i64(number * share + gemm_bytes)])
+        total = ctx.b.bitcast(start, element.as_pointer())
         return total, ctx.b.gep(total, [i64(dw.size * sum_lanes)])
 
     def part(number: int, first: int, last: int):
@@ -570,6 +641,9 @@ def conv_filter_gradient(ctx, op) -> None:
             total, rest = scratch(ctx, number)
             sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * sum_lanes, total)
             for_vectors(ctx, 0, dw.size * sum_lanes, lanes, lambda i, w: ctx.store(sums, i, ctx.constant(dw.dtype, 0.0, w)))
+            if gemm_bytes:
+                on_slabs(ctx, number, first, last, total, rest)
+                return
             if planes is not None:
                 on_planes(ctx, first, last, sums, rest, planes)
                 return
@@ -586,6 +660,49 @@ def conv_filter_gradient(ctx, op) -> None:
                               add=True)
 
         return emit
+
+    def on_slabs(ctx, number: int, first: int, last: int, total: ir.Value, rest: ir.Value) -> None:
+        """The part's positions slab by slab into its sum `total`."""
+        images, rows = _slab_shape(op)
+        depth = images * rows * out_width
+        windows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * depth, rest)
+        gemm = GeneratedGemm(ctx, SGEMM_ADD, number, share)
+
+        def add_product(steps: int, gradient: ir.Value, gradient_stride: int) -> None:
+            """total += dy's slab [filters, steps] · the slab's windows [taps, steps]ᵀ."""
+            gemm.gemm(False, True, filters, taps, steps, gradient, gradient_stride, ctx.pointer(windows), steps, total, taps)
+
+        def rows_slab(image: Value, first_row: Value | int, count: int) -> None:
+            _copy_windows(ctx, op, image, windows, count * out_width, out_rows=(first_row, count))
+            add_product(count * out_width, ctx.element_pointer(dy, image * (filters * positions) + first_row * out_width),
+                        positions)
+
+        def images_slab(first_image: Value | int, count: int) -> None:
+            steps = count * positions
+            with ctx.loop(0, count, name="in_slab") as g:
+                _copy_windows(ctx, op, first_image + g, windows, steps, column=g * positions)
+                with ctx.loop(0, filters, name="filter") as f:
+                    _copy_run(ctx, dy, ((first_image + g) * filters + f) * positions, gradient_rows, f * steps + g * positions,
+                              positions, lanes)
+            add_product(steps, ctx.pointer(gradient_rows), steps)
+
+        if images == 1:
+            whole = out_height - out_height % rows
+            with ctx.loop(first, last, name="image") as image:
+                if whole:
+                    with ctx.loop(0, whole, step=rows, name="slab") as first_row:
+                        rows_slab(image, first_row, rows)
+                if whole < out_height:
+                    rows_slab(image, whole, out_height - whole)
+            return
+        gradient_rows = ctx.scratch(f"{op.name}/dy_rows", dw.dtype, filters * depth, ctx.element_pointer(windows, taps * depth))
+        count = last - first
+        whole = count - count % images
+        if whole:
+            with ctx.loop(first, first + whole, step=images, name="slab") as first_image:
+                images_slab(first_image, images)
+        if whole < count:
+            images_slab(first + whole, count - whole)
 
     def on_planes(ctx, first: int, last: int, sums, rest: ir.Value, planes: _Planes) -> None:
         """The part's images from their padded planes, each dy row copied to a whole number of
