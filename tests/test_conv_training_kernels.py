@@ -1,8 +1,9 @@
 """The CPU kernels of a CNN's backward pass: ConvFilterGemm (a convolution's filter gradient,
-each image's windows copied into scratch and added in, never the whole batch's im2col: in
-float32 by tiles of dot products, whole and at the edges, with positions left over past the
-last vector; in float64, and in float32 where the tiles' sums would leave the cache for few
-positions, by one GEMM an image) against PyTorch's float64 filter gradient, for strides,
+never the whole batch's im2col: in float32 with few filters by tiles of dot products, whole
+and at the edges, with positions left over past the last vector; with many filters, or
+where the tiles' sums would leave the cache, on the generated GEMM slab by slab of
+positions, part of an image or several images a slab; in float64 by one BLAS GEMM an
+image) against PyTorch's float64 filter gradient, for strides,
 padding, rectangular filters and the images shared out over parts; WindowMaxGrad (max pooling's gradient, each window's
 first maximum found in place) against the reference, with ties, NaNs, overlapping and padded
 windows, bare and with the ReLU gradient after it run as dx is written (MaxPoolGradCalculate)."""
@@ -41,6 +42,35 @@ VARIANTS = [("", "float32"), ("", "float64"), ("-avx512", "float32"), ("-avx512,
 @pytest.mark.parametrize("mask,dtype", VARIANTS)
 @pytest.mark.parametrize("case", FILTER_CASES, ids=[f"case{i}" for i in range(len(FILTER_CASES))])
 def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, mask, monkeypatch):
+    op = _check_filter_gradient(case, dtype, mask, monkeypatch)
+    assert conv._dot_tiled(op) == (dtype == "float32" and case[1][0] < conv.SLAB_FILTERS)
+
+
+SLAB_CASES = [
+    # x, filters, strides, padding, (images, output rows) a slab takes
+    ((3, 2, 24, 23), (32, 2, 3, 3), (1, 1), (1, 1), (1, 23)),  # 552 positions: a slab of 23 rows, then one of 1
+    ((2, 3, 47, 45), (33, 3, 3, 3), (2, 2), (1, 1), (1, 23)),  # the same at stride 2 (every other column picked)
+    ((9, 2, 16, 16), (32, 2, 3, 3), (1, 1), (1, 1), (2, 16)),  # two images a slab: parts of 5 and 4, one left over
+    ((5, 4, 9, 9), (40, 4, 3, 3), (1, 1), (1, 1), (3, 9)),  # a part's images, fewer than a slab would take
+    ((3, 4, 13, 11), (32, 4, 1, 1), (2, 2), (0, 0), (2, 7)),  # a 1 × 1 downsampling: rows of 6, an odd width
+    ((2, 3, 30, 31), (36, 3, 7, 7), (2, 2), (3, 3), (1, 15)),  # a 7 × 7 stem at stride 2: 15 × 16 positions
+    ((2, 5, 12, 10), (48, 5, 3, 3), (2, 3), (1, 0), (1, 6)),  # strides of 2 and 3, padding on one axis
+]
+
+
+@pytest.mark.parametrize("mask", ["", "-avx512", "-avx512bf16", "-avx512,-avx2"])
+@pytest.mark.parametrize("case", SLAB_CASES, ids=[f"slab{i}" for i in range(len(SLAB_CASES))])
+def test_the_filter_gradient_of_many_filters_goes_by_slabs_on_the_generated_gemm(case, mask, monkeypatch):
+    """32 filters or more: the generated GEMM adds each slab's product into the part's sums,
+    slabs of part of an image (the last one shorter), or of whole images (dy's rows copied
+    side by side; the last slab of a part fewer images)."""
+    op = _check_filter_gradient(case[:4], "float32", mask, monkeypatch)
+    assert conv._on_slabs(op) and conv._slab_shape(op) == case[4]
+
+
+def _check_filter_gradient(case, dtype: str, mask: str, monkeypatch):
+    """The CPU kernel's dw against PyTorch's in float64, over two parts where there are two
+    images, its output filled with NaN and with a number first: returns the step's op."""
     monkeypatch.setattr(conv, "thread_count", lambda: 2)
     monkeypatch.setattr(conv, "worth_splitting", lambda flops=0, nbytes=0: True)
     x_shape, w_shape, strides, padding = case
@@ -56,7 +86,6 @@ def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, mask, m
     cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
     assert [step.kernel for step in cell.steps] == [conv.FILTER_GRADIENT_KERNEL]
     assert len(conv._filter_gradient_parts(cell.steps[0].op)) == min(2, x_shape[0])
-    assert conv._dot_tiled(cell.steps[0].op) == (dtype == "float32" and w_shape[0] < 64)
     data = cell.instance()
     data[x], data[dy] = x_value, dy_value
     tx, tdy = torch.tensor(x_value, dtype=torch.float64), torch.tensor(dy_value, dtype=torch.float64)
@@ -67,6 +96,7 @@ def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, mask, m
         data.compute()
         got = np.array(data[dw]).astype(np.float64)
         assert np.all(np.abs(got - want) <= (1e-6 if dtype == "float32" else 1e-13) * bound + 1e-30)
+    return cell.steps[0].op
 
 
 @pytest.mark.parametrize("mask", [m for m, dtype in VARIANTS if dtype == "float32"])

@@ -1,7 +1,7 @@
 """ranvier's generated float32 GEMM (backends/cpu/sgemm.py) against float64 numpy, for each
 vector variant, every shape class (edges of the tile, of k's slices and of B's blocks,
 transposes, leading dimensions wider than the matrix, empty sums), and nothing outside C
-written; the per-shape choice between it and BLAS, measured once and kept; the GEMM on B packed
+written (and the adding GEMM's C += op(A)·op(B)); the per-shape choice between it and BLAS, measured once and kept; the GEMM on B packed
 ahead of time (a constant's panels); the GEMMs on bf16 pairs (AVX512-BF16's vdpbf16ps), against
 float64 on the bf16-rounded operands."""
 
@@ -68,6 +68,33 @@ def test_generated_gemm_matches_float64_numpy_and_writes_only_c(shape, ta, tb, m
     got = c[:m, :n]
     assert np.isfinite(got).all(), "every element of C written"
     bound = np.abs(op_a.T if ta else op_a) @ np.abs(op_b.T if tb else op_b)
+    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30)
+    frame = c.copy()
+    frame[:m, :n] = 0
+    assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n:]).all(), "nothing outside C written"
+
+
+@pytest.mark.parametrize("mask", [*MASKS, "-avx512bf16"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_adding_gemm_adds_to_c_and_writes_nothing_else(shape, ta, tb, mask):
+    """ranvier_sgemm_add: C += op(A)·op(B), each slice of k and block of B added to what C
+    held (an empty sum leaves it as it was); outside C the NaN frame stays."""
+    m, n, k = shape
+    gemm = sgemm.GEMM_CTYPE(sgemm.add_gemm_address(host_target(mask)))
+    rng = np.random.default_rng(m * 10_000 + n * 100 + k + 1)
+    pad = 3
+    a, b, c = _operands(m, n, k, ta, tb, pad, rng)
+    before = rng.standard_normal((m, n)).astype(np.float32)
+    c[:m, :n] = before
+    workspace = np.empty(sgemm.workspace_bytes(n, k), np.uint8)
+    gemm(int(ta), int(tb), m, n, k, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], c.ctypes.data, c.shape[1],
+         workspace.ctypes.data)
+    op_a = a[:, : a.shape[1] - pad].astype(np.float64)
+    op_b = (b[:, : b.shape[1] - pad].astype(np.float64).T if tb else b[:, : b.shape[1] - pad].astype(np.float64))
+    want = before + op_a @ op_b
+    bound = np.abs(before) + np.abs(op_a) @ np.abs(op_b)
+    got = c[:m, :n]
     assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30)
     frame = c.copy()
     frame[:m, :n] = 0
@@ -302,7 +329,7 @@ def test_every_variant_compiles_whatever_the_host():
         target = CPUTarget(name, features)
         assembly = jit.assembly(sgemm.build_module(target), target)
         register = {"znver4": "%zmm", "skylake-avx512": "%zmm", "haswell": "%ymm", "x86-64": "%xmm"}[name]
-        symbols = (sgemm.SYMBOL, sgemm.PACKED_SYMBOL, sgemm.BF16_PACKED_SYMBOL, sgemm.WINDOWS_SYMBOL)
+        symbols = (sgemm.SYMBOL, sgemm.ADD_SYMBOL, sgemm.PACKED_SYMBOL, sgemm.BF16_PACKED_SYMBOL, sgemm.WINDOWS_SYMBOL)
         assert all(f"{symbol}:" in assembly for symbol in symbols)
         assert register in assembly
         # the GEMMs on bf16 pairs only where the target has AVX512-BF16
