@@ -501,8 +501,13 @@ def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int, col
 FILTER_GRADIENT_KERNEL = "ConvFilterGemm"
 # A float32 filter gradient of at least this many filters is a GEMM on the generated
 # `ranvier_sgemm_add`, slab by slab of positions (`_on_slabs`); fewer, and the dot tiles'
-# are faster (no packing: the MNIST CNN's 8 and 16 filters).
+# are faster (no packing: the MNIST CNN's 8 and 16 filters). With stride 1 the tiles read
+# the padded planes and copy no windows: they ran 1.2-1.9 times as fast as the slabs up to
+# 32 filters (1 to 32 channels, 3 × 3 and 5 × 5, 14 × 14 to 32 × 32 images), 1.3 at 64
+# filters of 32 channels, as fast at 64 of 64 (ResNet-18's 56 × 56); with stride 2 the
+# slabs 2.7 times as fast at 32 filters (Zen 5, two cores, batch 32).
 SLAB_FILTERS = 32
+PLANE_SLAB_FILTERS = 128
 # A slab takes at least this many positions (output rows of an image, or whole images):
 # the GEMM's depth, deep enough that reading and writing the sums of dw once a slab costs
 # little beside its multiply-adds, shallow enough that the slab's copied windows stay in L2.
@@ -572,14 +577,16 @@ _FEWEST_POSITIONS_PAST_CACHE = 64
 
 
 def _on_slabs(op) -> bool:
-    """Whether the float32 filter gradient is the generated GEMM's, slab by slab: many filters,
-    or partial sums of the dot tiles that would leave the cache."""
+    """Whether the float32 filter gradient is the generated GEMM's, slab by slab: many filters
+    (more where the tiles would read padded planes), or partial sums of the dot tiles that
+    would leave the cache."""
     dy, dw = op.inputs[1], op.outputs[0]
     if dw.dtype != dtypes.DT_FLOAT32:
         return False
     sums_bytes = dw.size * _MAX_LANES * dtypes.itemsize(dw.dtype)
     past_cache = sums_bytes > _SUMS_IN_CACHE_BYTES and dy.shape[2] * dy.shape[3] < _FEWEST_POSITIONS_PAST_CACHE
-    return dy.shape[1] >= SLAB_FILTERS or past_cache
+    fewest = SLAB_FILTERS if _planes(op) is None else PLANE_SLAB_FILTERS
+    return dy.shape[1] >= fewest or past_cache
 
 
 def _dot_tiled(op) -> bool:
