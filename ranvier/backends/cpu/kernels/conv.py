@@ -51,6 +51,15 @@ _MAX_LANES = 16  # float32 lanes of the widest vectors (AVX-512): scratch is siz
 # a convolution's positions. Each step loads TILE_FILTERS + 3 vectors (or broadcasts) for 12
 # multiply-adds into 12 of AVX2's 16 registers; the other shapes tried were up to 1.9 times slower.
 TILE_FILTERS, TILE_TAPS = 4, 3
+# AVX-512's 32 registers hold a filter gradient's tile of 5 filters by 4 taps (20 sums, 9
+# loads): ResNet-18's 64 × 64 × 3 × 3 filter gradient at batch 32 ran 8% faster than in
+# 4 × 3 tiles, 6 × 3 2% (Zen 5, two cores).
+WIDE_TILE_FILTERS, WIDE_TILE_TAPS = 5, 4
+
+
+def _dot_tile_shape(lanes: int) -> tuple[int, int]:
+    """(filters, taps) of a filter gradient's dot tiles on vectors of `lanes` floats."""
+    return (WIDE_TILE_FILTERS, WIDE_TILE_TAPS) if lanes >= _MAX_LANES else (TILE_FILTERS, TILE_TAPS)
 
 
 def _sizes(op) -> tuple[int, int, int, int]:
@@ -743,7 +752,7 @@ def conv_filter_gradient(ctx, op) -> None:
 def _add_dot_tiles(ctx, sums, filters: int, taps: int, lanes: int, walk) -> None:
     """sums[f, t] += dy[f, :] · windows[t, :] as vectors of partial sums (lane l holds the
     terms of positions ≡ l modulo the lanes; a short last stretch goes to lane 0), in tiles of
-    `TILE_FILTERS` × `TILE_TAPS` and narrower ones at the edges, each tile's sums held in
+    `_dot_tile_shape` and narrower ones at the edges, each tile's sums held in
     registers along the positions. `walk(f0, t0, height, width, step, vectors, scalars)` runs
     over the positions (`_flat_positions`, `_plane_positions`), calling `step(loads of dy's
     rows, loads of the taps' rows, sums)` at each."""
@@ -768,8 +777,9 @@ def _add_dot_tiles(ctx, sums, filters: int, taps: int, lanes: int, walk) -> None
                 if tails:
                     ctx.store(sums, at_sum(f, t), ctx.load(sums, at_sum(f, t)) + scalars[f][t].value)
 
-    _by_tiles(ctx, filters, TILE_FILTERS, "f0",
-              lambda f0, height: _by_tiles(ctx, taps, TILE_TAPS, "t0", lambda t0, width: tile(f0, t0, height, width)))
+    tile_filters, tile_taps = _dot_tile_shape(lanes)
+    _by_tiles(ctx, filters, tile_filters, "f0",
+              lambda f0, height: _by_tiles(ctx, taps, tile_taps, "t0", lambda t0, width: tile(f0, t0, height, width)))
 
 
 def _flat_positions(ctx, dy, windows, at: Value, taps: int, positions: int, lanes: int):
