@@ -17,6 +17,7 @@ from helpers import check, random_array, run_flow
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import conv, window
+from ranvier.backends.cpu.target import host_target
 from ranvier.ops.nn_grad import max_pool_grad
 
 TESTED_OPS = {"MaxPoolGradCalculate"}
@@ -30,7 +31,7 @@ FILTER_CASES = [
     ((2, 2, 6, 5), (3, 2, 3, 3), (1, 1), (1, 1)),  # output rows shorter than a vector
     ((2, 1, 12, 12), (8, 1, 5, 5), (1, 1), (2, 2)),  # whole tiles of filters, a tap left over (MNIST's first)
     ((2, 3, 9, 8), (6, 3, 3, 5), (1, 1), (0, 2)),  # padding on one axis only, rectangular filters
-    ((3, 32, 6, 6), (64, 32, 3, 3), (2, 2), (1, 1)),  # partial sums past the cache for 9 positions: by BLAS in float32 too
+    ((3, 32, 6, 6), (64, 32, 3, 3), (2, 2), (1, 1)),  # partial sums past the cache for 9 positions: no tiles in float32 either
 ]
 
 
@@ -44,7 +45,10 @@ VARIANTS = [("", "float32"), ("", "float64"), ("-avx512", "float32"), ("-avx512,
 def test_the_filter_gradient_matches_pytorch_over_each_part(case, dtype, mask, monkeypatch):
     op = _check_filter_gradient(case, dtype, mask, monkeypatch)
     fewest = conv.PLANE_SLAB_FILTERS if tuple(case[2]) == (1, 1) else conv.SLAB_FILTERS
-    assert conv._dot_tiled(op) == (dtype == "float32" and case[1][0] < fewest)
+    wide = conv._wide(host_target(mask))
+    past_cache = case is FILTER_CASES[-1]
+    want = "blas" if dtype == "float64" else "slabs" if wide and (case[1][0] >= fewest or past_cache) else "blas" if past_cache else "tiles"
+    assert conv._filter_gradient_way(op, wide) == want
 
 
 SLAB_CASES = [
@@ -62,11 +66,14 @@ SLAB_CASES = [
 @pytest.mark.parametrize("mask", ["", "-avx512", "-avx512bf16", "-avx512,-avx2"])
 @pytest.mark.parametrize("case", SLAB_CASES, ids=[f"slab{i}" for i in range(len(SLAB_CASES))])
 def test_the_filter_gradient_of_many_filters_goes_by_slabs_on_the_generated_gemm(case, mask, monkeypatch):
-    """32 filters or more (128 at stride 1): the generated GEMM adds each slab's product into the part's sums,
-    slabs of part of an image (the last one shorter), or of whole images (dy's rows copied
-    side by side; the last slab of a part fewer images)."""
+    """32 filters or more (128 at stride 1), on AVX-512: the generated GEMM adds each slab's
+    product into the part's sums, slabs of part of an image (the last one shorter), or of
+    whole images (dy's rows copied side by side; the last slab of a part fewer images).
+    Narrower vectors keep the dot tiles."""
     op = _check_filter_gradient(case[:4], "float32", mask, monkeypatch)
-    assert conv._on_slabs(op) and conv._slab_shape(op) == case[4]
+    wide = conv._wide(host_target(mask))
+    assert conv._filter_gradient_way(op, wide) == ("slabs" if wide else "tiles")
+    assert conv._slab_shape(op) == case[4]
 
 
 def _check_filter_gradient(case, dtype: str, mask: str, monkeypatch):
@@ -114,7 +121,7 @@ def test_the_filter_gradient_on_planes_reads_nothing_past_a_row(mask):
     dw = f.op("Conv2DBackpropFilter", [x, dy], attrs={"strides": [1, 1], "padding": [1, 1], "filter_shape": [3, 2, 3, 3]})
     dw.var.out = True
     cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
-    assert conv._gradient_planes(cell.steps[0].op) is not None
+    assert conv._gradient_planes(cell.steps[0].op, conv._wide(host_target(mask))) is not None
     data = cell.instance()
     data[x], data[dy] = x_value, dy_value
     data.compute()

@@ -509,12 +509,15 @@ def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int, col
 
 FILTER_GRADIENT_KERNEL = "ConvFilterGemm"
 # A float32 filter gradient of at least this many filters is a GEMM on the generated
-# `ranvier_sgemm_add`, slab by slab of positions (`_on_slabs`); fewer, and the dot tiles'
+# `ranvier_sgemm_add`, slab by slab of positions (`_filter_gradient_way`); fewer, and the dot tiles'
 # are faster (no packing: the MNIST CNN's 8 and 16 filters). With stride 1 the tiles read
 # the padded planes and copy no windows: they ran 1.2-1.9 times as fast as the slabs up to
 # 32 filters (1 to 32 channels, 3 × 3 and 5 × 5, 14 × 14 to 32 × 32 images), 1.3 at 64
 # filters of 32 channels, as fast at 64 of 64 (ResNet-18's 56 × 56); with stride 2 the
-# slabs 2.7 times as fast at 32 filters (Zen 5, two cores, batch 32).
+# slabs 2.7 times as fast at 32 filters (Zen 5, two cores, batch 32). Only on AVX-512: the
+# generated GEMM's AVX2 variant (4 × 3 tiles of 8 lanes) ran these products at 60 GFLOP/s a
+# core, half the AVX2 dot tiles' rate (Zen 5 masked to AVX2), so there the tiles and BLAS
+# stay (`_filter_gradient_way`).
 SLAB_FILTERS = 32
 PLANE_SLAB_FILTERS = 128
 # A slab takes at least this many positions (output rows of an image, or whole images):
@@ -542,17 +545,17 @@ def _slab_shape(op) -> tuple[int, int]:
     return min(most, -(-_SLAB_POSITIONS // positions)), out_height
 
 
-def _gemm_bytes(op) -> int:
+def _gemm_bytes(op, wide: bool) -> int:
     """The generated GEMM's workspace at the start of a part's scratch (none off slabs), in
     whole cache lines."""
-    if not _on_slabs(op):
+    if _filter_gradient_way(op, wide) != "slabs":
         return 0
     images, rows = _slab_shape(op)
     depth = images * rows * op.inputs[1].shape[3]
     return -(-sgemm.workspace_bytes(math.prod(op.outputs[0].shape[1:]), depth) // 64) * 64
 
 
-def _filter_gradient_share(op) -> int:
+def _filter_gradient_share(op, wide: bool) -> int:
     """A part's scratch in bytes, whole cache lines: on slabs the GEMM's workspace, its own sum
     of dw, a slab's windows [taps, positions] and (a slab of several images) its dy rows
     [filters, positions]; else its own sum of dw (in float32 a vector of partial sums per
@@ -560,21 +563,22 @@ def _filter_gradient_share(op) -> int:
     planes, the image's planes and its dy with rows whole vectors long."""
     dy, dw = op.inputs[1], op.outputs[0]
     taps = math.prod(dw.shape[1:])
-    if _on_slabs(op):
+    way = _filter_gradient_way(op, wide)
+    if way == "slabs":
         images, rows = _slab_shape(op)
         depth = images * rows * dy.shape[3]
         elements = dw.size + taps * depth + (dy.shape[1] * depth if images > 1 else 0)
     else:
-        sums = dw.size * (_MAX_LANES if _dot_tiled(op) else 1)
-        planes = _gradient_planes(op)
+        sums = dw.size * (_MAX_LANES if way == "tiles" else 1)
+        planes = _gradient_planes(op, wide)
         rest = taps * (dy.shape[2] * dy.shape[3]) if planes is None else planes.scratch_elements(dy.shape[1])
         elements = sums + rest
-    return _gemm_bytes(op) + -(-elements * dtypes.itemsize(dw.dtype) // 64) * 64
+    return _gemm_bytes(op, wide) + -(-elements * dtypes.itemsize(dw.dtype) // 64) * 64
 
 
-def _gradient_planes(op) -> _Planes | None:
+def _gradient_planes(op, wide: bool) -> _Planes | None:
     """The padded planes a float32 filter gradient of stride 1 reads its windows from."""
-    return _planes(op) if _dot_tiled(op) else None
+    return _planes(op) if _filter_gradient_way(op, wide) == "tiles" else None
 
 
 # The dot tiles keep a vector of partial sums per element of dw, read and written once an
@@ -585,26 +589,31 @@ _SUMS_IN_CACHE_BYTES = 1 << 20
 _FEWEST_POSITIONS_PAST_CACHE = 64
 
 
-def _on_slabs(op) -> bool:
-    """Whether the float32 filter gradient is the generated GEMM's, slab by slab: many filters
-    (more where the tiles would read padded planes), or partial sums of the dot tiles that
-    would leave the cache."""
+def _filter_gradient_way(op, wide: bool) -> str:
+    """How the filter gradient's products are computed, on AVX-512 (`wide`) or narrower
+    vectors: "slabs" (the generated GEMM, float32 on AVX-512: many filters, more where the
+    tiles would read padded planes, or partial sums of the dot tiles that would leave the
+    cache), "tiles" (`_add_dot_tiles`, float32) or "blas" (a BLAS call an image: float64, and
+    float32 off AVX-512 where the tiles' sums would leave the cache)."""
     dy, dw = op.inputs[1], op.outputs[0]
     if dw.dtype != dtypes.DT_FLOAT32:
-        return False
+        return "blas"
     sums_bytes = dw.size * _MAX_LANES * dtypes.itemsize(dw.dtype)
     past_cache = sums_bytes > _SUMS_IN_CACHE_BYTES and dy.shape[2] * dy.shape[3] < _FEWEST_POSITIONS_PAST_CACHE
     fewest = SLAB_FILTERS if _planes(op) is None else PLANE_SLAB_FILTERS
-    return dy.shape[1] >= fewest or past_cache
+    if wide and (dy.shape[1] >= fewest or past_cache):
+        return "slabs"
+    return "blas" if past_cache else "tiles"
 
 
-def _dot_tiled(op) -> bool:
-    """Whether the filter gradient's products are `_add_dot_tiles'` (float32, few filters)."""
-    return op.outputs[0].dtype == dtypes.DT_FLOAT32 and not _on_slabs(op)
+def _wide(target) -> bool:
+    """Whether the target's vectors are AVX-512's."""
+    return target.lanes(4) >= _MAX_LANES
 
 
 def _filter_gradient_workspace(op) -> int:
-    return len(_filter_gradient_parts(op)) * _filter_gradient_share(op)
+    """Enough for either vector width's way."""
+    return len(_filter_gradient_parts(op)) * max(_filter_gradient_share(op, wide) for wide in (False, True))
 
 
 def _float32_or_64(op) -> bool:
@@ -618,7 +627,8 @@ def conv_filter_gradient(ctx, op) -> None:
     added into the part's own sum, the parts' sums then added into dw. The decomposition's
     im2col of the whole batch (the MNIST CNN's 20 MB) is never written.
 
-    In float32 with many filters (`_on_slabs`) the positions go by in slabs (`_slab_shape`):
+    In float32 with many filters, on AVX-512 (`_filter_gradient_way`), the positions go by in
+    slabs (`_slab_shape`):
     a slab's windows are copied into the part's scratch, where L2 holds them, and the
     generated GEMM adds dy's slab times their transpose into the part's sum (`ranvier_sgemm_add`:
     its micro-kernel's register tiles, the windows packed into its panels as it goes). A
@@ -627,10 +637,11 @@ def conv_filter_gradient(ctx, op) -> None:
     bounds how often the sums are read and written.
 
     Both factors run along the positions, so each element of dw is a dot product of two
-    contiguous rows. With few filters, in float32, these are computed in tiles
-    (`_add_dot_tiles`): no packing, and every lane of every multiply-add is dw's, where a
-    GEMM per image spent as long packing its few rows (8 filters of 25 taps: 31 GFLOP/s) as
-    multiplying. In float64 each image is one BLAS call.
+    contiguous rows. With few filters (any filters off AVX-512), in float32, these are
+    computed in tiles (`_add_dot_tiles`): no packing, and every lane of every multiply-add is
+    dw's, where a GEMM per image spent as long packing its few rows (8 filters of 25 taps:
+    31 GFLOP/s) as multiplying. In float64 each image is one BLAS call, as in float32 off
+    AVX-512 where the tiles' partial sums would stream from memory for few positions.
 
     With stride 1, the float32 tiles read the windows from the image's padded planes instead
     (`_Planes`, as ConvTiles does), output row by output row, and dy from a copy whose rows
@@ -640,11 +651,13 @@ def conv_filter_gradient(ctx, op) -> None:
     (_, filters, out_height, out_width) = dy.shape
     taps, positions = math.prod(dw.shape[1:]), out_height * out_width
     element = storage_type(dw.dtype)
-    share, parts, gemm_bytes = _filter_gradient_share(op), _filter_gradient_parts(op), _gemm_bytes(op)
+    wide = _wide(ctx.target)
+    way = _filter_gradient_way(op, wide)
+    share, parts, gemm_bytes = _filter_gradient_share(op, wide), _filter_gradient_parts(op), _gemm_bytes(op, wide)
     single_threaded_blas(ctx)
     lanes = ctx.lanes_for([dw.dtype])
-    sum_lanes = lanes if _dot_tiled(op) else 1
-    planes = _gradient_planes(op)
+    sum_lanes = lanes if way == "tiles" else 1
+    planes = _gradient_planes(op, wide)
 
     def scratch(ctx, number: int) -> tuple[ir.Value, ir.Value]:
         """A part's sum of dw, and the rest of its scratch."""
@@ -657,13 +670,13 @@ def conv_filter_gradient(ctx, op) -> None:
             total, rest = scratch(ctx, number)
             sums = ctx.scratch(f"{op.name}/sums", dw.dtype, dw.size * sum_lanes, total)
             for_vectors(ctx, 0, dw.size * sum_lanes, lanes, lambda i, w: ctx.store(sums, i, ctx.constant(dw.dtype, 0.0, w)))
-            if gemm_bytes:
+            if way == "slabs":
                 on_slabs(ctx, number, first, last, total, rest)
                 return
             if planes is not None:
                 on_planes(ctx, first, last, sums, rest, planes)
                 return
-            blas = None if _dot_tiled(op) else Blas(ctx, dw.dtype)
+            blas = None if way == "tiles" else Blas(ctx, dw.dtype)
             rows = ctx.scratch(f"{op.name}/windows", dw.dtype, taps * positions, rest)
             with ctx.loop(first, last, name="image") as image:
                 _copy_windows(ctx, op, image, rows, positions)
