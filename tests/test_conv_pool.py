@@ -21,6 +21,8 @@ from ranvier.backends.cpu import sgemm
 from ranvier.backends.cpu.kernels import conv, conv_pool, winograd
 from ranvier.backends.cpu.target import host_target
 
+TESTED_OPS = {"Conv2DCalculateMaxPool"}
+
 needs_pairs = pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
 
 CASES = [

@@ -38,7 +38,7 @@ NON_DIFFERENTIABLE = {
     "Conv2DBackpropFilter", "MaxPoolGrad", "AvgPoolGrad", "SoftmaxTopK", "GroupedMatMulWeightGrad", "MoECombineGrad", "AssignAddScatter",
     "MatMulCalculate", "Conv2DCalculate", "SampleToken", "CachedAttention", "ForEach", "RMSNormGrad",
     "RMSNormCalculate", "LayerNormCalculate", "RMSNormGradCalculate", "MaxPoolGradCalculate", "BatchNormTrainGrad",
-    "BatchNormTrainCalculate",
+    "BatchNormTrainCalculate", "Conv2DCalculateMaxPool",
 }
 
 FD_EPS = 1e-6
