@@ -196,6 +196,33 @@ def agree(actual: np.ndarray, expected: np.ndarray, dtype: str, what: str) -> No
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
 
+def fused_outputs_on_reference_and_cpu(build: Callable, values: dict[str, np.ndarray], mask: str,
+                                       cpu_steps: list[tuple[str, str]]) -> dict[str, list[np.ndarray]]:
+    """`build(f, *variables)` (the output Tensors) over variables holding `values`, compiled
+    for the reference backend and for the CPU under the feature `mask`, whose steps
+    ((kernel, op type) each) must be `cpu_steps`; every output filled with NaN first. Each
+    backend's outputs, in float64."""
+    outputs = {}
+    for backend in ("reference", "cpu"):
+        flow = ranvier.Flow()
+        f = ranvier.Builder(flow, "f")
+        handles = [f.var(name, str(value.dtype), value.shape) for name, value in values.items()]
+        results = build(f, *handles)
+        for t in results:
+            t.var.out = True
+        cell = ranvier.Compiler(backend, cpu=mask if backend == "cpu" else "", cache=False).compile(flow).cell("f")
+        if backend == "cpu":
+            assert [(step.kernel, step.op.type) for step in cell.steps] == cpu_steps
+        data = cell.instance()
+        for handle, value in zip(handles, values.values()):
+            data[handle] = value
+        for t in results:
+            data[t] = np.full(t.shape, np.nan, np.asarray(data[t]).dtype)
+        data.compute()
+        outputs[backend] = [np.array(data[t]).astype(np.float64) for t in results]
+    return outputs
+
+
 def cpu_steps_against_reference(build: Callable, shape: Sequence[int], *, matmul: str = "float32", training: bool = False,
                                 seed: int = 3, tolerance: float = 1e-5) -> list:
     """`build(f, x)` (a list of output Tensors) on a random float32 x of `shape`, compiled for

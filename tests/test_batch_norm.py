@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_mentions, check, random_array, run_flow, shape_error
+from helpers import assert_mentions, check, fused_outputs_on_reference_and_cpu, random_array, run_flow, shape_error
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import batch_norm as kernels
@@ -134,25 +134,12 @@ def test_the_relu_after_it_runs_as_y_is_written(mask, dtype, monkeypatch):
     monkeypatch.setattr(kernels, "worth_splitting", lambda flops=0, nbytes=0: True)
     shape = (3, 4, 6, 11)
     x, residual, gamma, beta = _values(shape, dtype, seed=11)
-    outputs = {}
-    for backend in ("reference", "cpu"):
-        flow = rv.Flow()
-        f = rv.Builder(flow, "f")
-        handles = [f.var(name, dtype, v.shape) for name, v in zip(("x", "residual", "gamma", "beta"), (x, residual, gamma, beta))]
-        y, mean, var = f.op("BatchNormTrain", [handles[0], handles[2], handles[3]], None, {"eps": 1e-5})
-        results = [y.relu(), y * 0.5 + handles[1], f.cast(y, "bfloat16"), mean, var]
-        for t in results:
-            t.var.out = True
-        cell = rv.Compiler(backend, cpu=mask if backend == "cpu" else "", cache=False).compile(flow).cell("f")
-        if backend == "cpu":
-            assert [(step.kernel, step.op.type) for step in cell.steps] == [("BatchNormChannels", "BatchNormTrainCalculate")]
-        data = cell.instance()
-        for handle, value in zip(handles, (x, residual, gamma, beta)):
-            data[handle] = value
-        for t in results:
-            data[t] = np.full(t.shape, np.nan, np.asarray(data[t]).dtype)
-        data.compute()
-        outputs[backend] = [np.array(data[t]).astype(np.float64) for t in results]
+    def relu_residual_and_bf16(f, x, residual, gamma, beta):
+        y, mean, var = f.op("BatchNormTrain", [x, gamma, beta], None, {"eps": 1e-5})
+        return [y.relu(), y * 0.5 + residual, f.cast(y, "bfloat16"), mean, var]
+
+    outputs = fused_outputs_on_reference_and_cpu(relu_residual_and_bf16, {"x": x, "residual": residual, "gamma": gamma, "beta": beta},
+                                                 mask, [("BatchNormChannels", "BatchNormTrainCalculate")])
     for got, want in zip(outputs["cpu"], outputs["reference"]):
         assert not np.isnan(got).any()
         tolerance = 8e-3 if got is outputs["cpu"][2] else (2e-5 if dtype == "float32" else 1e-12)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import check, random_array, run_flow
+from helpers import check, fused_outputs_on_reference_and_cpu, random_array, run_flow
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import conv, window
@@ -199,25 +199,12 @@ def test_the_max_pool_gradient_runs_the_relu_gradient_after_it_as_it_writes(case
     x_value = np.random.default_rng(5).integers(-2, 3, x_shape).astype(dtype)  # ties, and zeros the ReLU masks
     x_value.reshape(-1)[[3, 20]] = np.nan
     values = [x_value, random_array(dy_shape, dtype, seed=6), random_array(x_shape, dtype, seed=7)]
-    outputs = {}
-    for backend in ("reference", "cpu"):
-        flow = rv.Flow()
-        f = rv.Builder(flow, "f")
-        x, dy, residual = (f.var(name, dtype, v.shape) for name, v in zip(("x", "dy", "residual"), values))
+    def relu_residual_and_bf16(f, x, dy, residual):
         dx = f.op("MaxPoolGrad", [x, dy], attrs=attrs)
-        results = [f.cast(dx, "bfloat16"), dx * 0.5 + residual, f.select(f.greater(x, 0.0), dx)]
-        for t in results:
-            t.var.out = True
-        cell = rv.Compiler(backend, cpu=mask if backend == "cpu" else "", cache=False).compile(flow).cell("f")
-        if backend == "cpu":
-            assert [(step.kernel, step.op.type) for step in cell.steps] == [("WindowMaxGrad", "MaxPoolGradCalculate")]
-        data = cell.instance()
-        for handle, value in zip((x, dy, residual), values):
-            data[handle] = value
-        for t in results:
-            data[t] = np.full(t.shape, np.nan, np.asarray(data[t]).dtype)
-        data.compute()
-        outputs[backend] = [np.array(data[t]).astype(np.float64) for t in results]
+        return [f.cast(dx, "bfloat16"), dx * 0.5 + residual, f.select(f.greater(x, 0.0), dx)]
+
+    outputs = fused_outputs_on_reference_and_cpu(relu_residual_and_bf16, dict(zip(("x", "dy", "residual"), values)), mask,
+                                                 [("WindowMaxGrad", "MaxPoolGradCalculate")])
     for got, want in zip(outputs["cpu"], outputs["reference"]):
         assert not np.isnan(got).any()  # every element written (x's NaNs take gradients that are finite)
         np.testing.assert_allclose(got, want, rtol=1e-6 if got.dtype == dtype else 8e-3)
