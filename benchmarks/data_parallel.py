@@ -111,6 +111,12 @@ def worker(args: argparse.Namespace) -> None:
             rates[name].append(tokens / (time.perf_counter() - start))
             print(f"  {world.size} ranks, run {repeat + 1} {name:8s} {rates[name][-1]:9.0f} tokens/s  loss {losses[-1]:.3f}",
                   flush=True)
+    if wrap is not None:
+        # Gloo's threads must be joined before the interpreter tears down, or the rank dies in std::terminate
+        # ("terminate called without an active exception", exit 6) now and then at exit.
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     result = {"workers": world.size, "cores_per_rank": thread_count(), "rates": rates, "busy": busy, "wait": wait,
               "hidden": hidden}
     print(RESULT + json.dumps(result), flush=True)
