@@ -461,9 +461,13 @@ def gpu_result(model: str, medians: dict[str, float], flops_per_token: float, pe
     def versus(peer: str) -> str:
         return f"{ours / medians[peer]:.2f}" if peer in medians else "n/a"
 
-    name = gpu.removeprefix("NVIDIA ").replace(" ", "-")
     return (f"gpu-result {model} tokens/s={ours:.0f} vs-eager={versus('pytorch')} vs-compile={versus(TORCH_COMPILE)} "
-            f"mfu={ours * flops_per_token / peak:.1%} gpu={name}")
+            f"mfu={ours * flops_per_token / peak:.1%} gpu={gpu_label(gpu)}")
+
+
+def gpu_label(gpu: str) -> str:
+    """A GPU's name as a gpu-result line ends with it: "NVIDIA H100 80GB HBM3" as "H100-80GB-HBM3"."""
+    return gpu.removeprefix("NVIDIA ").replace(" ", "-")
 
 
 def token_batches(vocab_size: int, batch: int, seq: int, count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
