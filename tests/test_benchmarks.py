@@ -293,3 +293,52 @@ def test_an_mfu_is_quoted_against_the_datasheet_peak_of_the_gpu_named():
     assert flops == 989.4e12 and which == "NVIDIA H100 80GB HBM3's 989 TFLOP/s datasheet bf16"
     assert datasheet_peak("NVIDIA H200")[0] == 989.4e12 and datasheet_peak("NVIDIA H100 PCIe")[0] == 756.5e12
     assert datasheet_peak("NVIDIA GeForce RTX 4090") is None
+
+
+@pytest.mark.slow
+def test_gpu_kernel_benchmark_checks_and_runs_every_kernel_on_the_emulator(tmp_path):
+    """--backend emulator --quick: each of the step's kernels checked against the numpy
+    reference (PyTorch's formulas on the CPU too), run on the host emulator, one line of
+    figures per side and a gpu-result line each; the markdown table with a row each."""
+    table = tmp_path / "gpu-kernels.md"
+    out = run("gpu_kernels.py", "--backend", "emulator", "--quick", "--repeats", "1", "--calls", "1", "--out", str(table))
+    lines = out.splitlines()
+    assert lines[0].startswith("CPU: ") and lines[1].startswith("GPU: none: ranvier's kernels run on the CUDA backend's host")
+    assert re.match(r"ceilings measured here: bf16 GEMM [\d,]+ GFLOP/s \(ranvier's cuBLASLt product.*memory [\d.,]+ GB/s", lines[2])
+    assert "PyTorch eager and torch.compile: not timed, on the emulator" in out
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from gpu_kernels import KERNELS
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    results = re.findall(r"^gpu-result kernel/(\S+) us=[\d.]+ (?:GB/s|TFLOP/s)=\d+ roofline=[\d.]+% vs-eager=n/a "
+                         r"vs-compile=n/a gpu=emulator$", out, re.MULTILINE)
+    assert results == list(KERNELS)
+    assert len(re.findall(r"^  ranvier +[\d.]+ µs +[\d,.]+ (GB/s|TFLOP/s) +[\d.]+% of the (copy|GEMM) ceiling$", out, re.MULTILINE)) \
+        == len(KERNELS)
+    text = table.read_text()
+    assert "the stories110M step's kernels alone, against PyTorch on the same GPU:" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| kernel", "| ---"))]
+    assert len(rows) == len(KERNELS) and "| Rows (RMSNormGradCalculate) |" in text and "| Map (Calculate) |" in text
+
+
+def test_gpu_kernel_benchmark_never_times_a_kernel_that_differs_from_the_reference(monkeypatch):
+    """A kernel that writes nothing (the emulator's launches skipped: its outputs keep the
+    fresh memory's NaN) fails the check, naming the kernel, before anything is timed."""
+    import torch
+
+    from ranvier.backends.cuda.emulator import HostEmulator
+    from ranvier.errors import RanvierError
+
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu_kernels
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    (case,) = gpu_kernels.cases(gpu_kernels.TINY, ["rmsnorm"])
+    gpu_kernels.check(case, torch, "cpu")  # the kernel as compiled agrees
+    monkeypatch.setattr(HostEmulator, "launch", lambda self, code, kernel, shape, addresses: None)
+    with pytest.raises(RanvierError, match=r"rmsnorm: ranvier's Cast:0 \[2, 16, 64\] differs from the numpy reference .* "
+                                           r"non-finite 2048\): a wrong kernel is not timed"):
+        gpu_kernels.check(case, torch, "cpu")

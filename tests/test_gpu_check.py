@@ -96,3 +96,23 @@ def test_the_kernel_table_reads_ncus_csv(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM - The user does not have permission' >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="ncu could not read the counters \\(exit 1\\): ==ERROR== ERR_NVGPUCTRPERM"):
         kernels.profile(str(fake))
+
+
+def test_the_report_keeps_the_kernel_races_gpu_result_lines(tmp_path):
+    """benchmarks/gpu_kernels.py's stage: the GPU and ceilings it printed, and a gpu-result
+    line for each kernel it finished before its limit."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "kernel-race.log").write_text(
+        "CPU: Intel Xeon\nGPU: NVIDIA H200 (sm_90, 132 multiprocessors), driver 580.159.04 (CUDA 13.0); torch 2.9.0 built for CUDA 12.8\n"
+        "ceilings measured here: bf16 GEMM 790,000 GFLOP/s (ranvier's cuBLASLt product), memory 4,300.0 GB/s (a copy, read + write)\n"
+        "x W1 [32768x768]·[768x2048] bf16    ranvier kernels: cuBLASLt (MatMul)\n"
+        "gpu-result kernel/matmul-w1 us=180.2 TFLOP/s=572 roofline=72.4% vs-eager=1.01 vs-compile=0.99 gpu=H200\n")
+    report = tmp_path / "gpu-check.md"
+    done = subprocess.run([sys.executable, str(CI / "gpu-report"), str(run), str(report)], check=False, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    section = report.read_text().split("## Kernels against PyTorch (benchmarks/gpu_kernels.py; its table: gpu-kernels.md)")[1]
+    assert section.startswith("\n\n- GPU: NVIDIA H200 (sm_90, 132 multiprocessors), driver 580.159.04 (CUDA 13.0)")
+    assert "```\ngpu-result kernel/matmul-w1 us=180.2 TFLOP/s=572 roofline=72.4% vs-eager=1.01 vs-compile=0.99 gpu=H200\n```" \
+        in section
