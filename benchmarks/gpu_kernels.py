@@ -39,7 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -363,14 +363,21 @@ def adamw(s: Shapes, rng: np.random.Generator) -> list[Case]:
                  torch_fn, tolerance=1e-5, torch_prepare=prepare)]
 
 
-MAKERS = (products, swiglu, rms_norm, adamw, attention, rotary, cross_entropy, embedding)
-KERNELS = ("matmul-w1", "matmul-dw", "lm-head", "swiglu", "swiglu-grad", "rmsnorm", "rmsnorm-grad", "adamw", "attention",
-           "attention-grad", "rotary", "cross-entropy", "gather", "scatter-add")
+# the kernels and the family that makes each, in the order of the step's floor (.ci/cuda-step-floor):
+# the most time first, so that a run cut short has measured those
+KERNELS: dict[str, Callable[[Shapes, np.random.Generator], list[Case]]] = {
+    "matmul-w1": products, "matmul-dw": products, "lm-head": products, "swiglu-grad": swiglu, "swiglu": swiglu,
+    "rmsnorm-grad": rms_norm, "adamw": adamw, "attention-grad": attention, "rotary": rotary, "cross-entropy": cross_entropy,
+    "rmsnorm": rms_norm, "attention": attention, "gather": embedding, "scatter-add": embedding}
 
 
-def cases(shapes: Shapes, names: list[str]) -> list[Case]:
-    made = {case.name: case for make in MAKERS for case in make(shapes, np.random.default_rng(0))}
-    return [made[name] for name in names]
+def cases(shapes: Shapes, names: list[str]) -> Iterator[Case]:
+    """The named kernels' cases in turn, a family's inputs made when its first is asked for."""
+    made: dict[str, Case] = {}
+    for name in names:
+        if name not in made:
+            made |= {case.name: case for case in KERNELS[name](shapes, np.random.default_rng(0))}
+        yield made.pop(name)
 
 
 # ---- ranvier's side ---------------------------------------------------------------------------
@@ -452,25 +459,31 @@ def as_float64(tensor) -> np.ndarray:
 
 def check(case: Case, torch, device: str | None) -> None:
     """ranvier's outputs on the CUDA backend, and PyTorch's formula's on `device` (None:
-    not checked), against the numpy reference; raises naming the kernel and output that
-    differ, or that were left unwritten (the emulator's fresh memory is NaN)."""
+    not checked), against the numpy reference (`agree`)."""
     ours, reference = compile_case(case, "cuda"), compile_case(case, "reference")
     ours.data.compute()
     reference.data.compute()
     wanted = values(reference)
-    sides = {"ranvier": values(ours)}
+    agree(case, "ranvier's", ours.outputs, values(ours), wanted, "the numpy reference")
     if device is not None:
-        sides["pytorch"] = [as_float64(t) for t in case.torch_fn(torch_inputs(case, torch, device))]
-    for side, got in sides.items():
-        for output, actual, expected in zip(ours.outputs, got, wanted, strict=True):
-            actual = actual.reshape(expected.shape)  # a pass may have folded an output's view away
-            scale = float(np.abs(expected).max()) or 1.0
-            error = np.abs(actual - expected)
-            if not np.isfinite(actual).all() or (error > case.tolerance * (np.abs(expected) + scale)).any():
-                worst = float(np.nanmax(error)) if np.isfinite(actual).any() else float("nan")
-                raise RanvierError(f"{case.name}: {side}'s {output.name.split('/')[-1]} {list(actual.shape)} differs from "
-                                   f"the numpy reference (largest difference {worst:.3g}, largest value {scale:.3g}, "
-                                   f"non-finite {int((~np.isfinite(actual)).sum())}): a wrong kernel is not timed")
+        theirs = [as_float64(t) for t in case.torch_fn(torch_inputs(case, torch, device))]
+        agree(case, "pytorch's", ours.outputs, theirs, wanted, "the numpy reference")
+
+
+def agree(case: Case, side: str, outputs: list[rv.Tensor], got: list[np.ndarray], wanted: list[np.ndarray],
+          other: str) -> None:
+    """Raise naming the kernel and the output where `got` differs from `wanted` by more than
+    the case's tolerance (relative to each value plus the output's largest), or where it
+    holds a non-finite value: an element left unwritten (the emulator's fresh memory is NaN)."""
+    for output, actual, expected in zip(outputs, got, wanted, strict=True):
+        actual = actual.reshape(expected.shape)  # a pass may have folded an output's view away
+        scale = float(np.abs(expected).max()) or 1.0
+        error = np.abs(actual - expected)
+        if not np.isfinite(actual).all() or (error > case.tolerance * (np.abs(expected) + scale)).any():
+            worst = float(np.nanmax(error)) if np.isfinite(actual).any() else float("nan")
+            raise RanvierError(f"{case.name}: {side} {output.name.split('/')[-1]} {list(actual.shape)} differs from {other} "
+                               f"(largest difference {worst:.3g}, largest value {scale:.3g}, non-finite "
+                               f"{int((~np.isfinite(actual)).sum())}): a wrong kernel is not timed")
 
 
 # ---- the race -----------------------------------------------------------------------------------
@@ -478,16 +491,22 @@ def check(case: Case, torch, device: str | None) -> None:
 
 def race(case: Case, compiled: Compiled, torch, on_gpu: bool, repeats: int, calls: int) -> dict[str, float]:
     """Seconds per call of each side, the median of `repeats` rounds in which the sides
-    take turns (each round `calls` calls); PyTorch's sides only on a GPU."""
+    take turns (each round `calls` calls); PyTorch's sides only on a GPU, where ranvier's
+    outputs are first checked against PyTorch eager's at these shapes."""
     sides: dict[str, Callable[[], float]] = {"ranvier": ranvier_timer(compiled, calls)}
     if on_gpu:
         tensors = torch_inputs(case, torch, "cuda")
+        # at the timed shapes, where the reference would take too long, ranvier's first
+        # compute against PyTorch eager's first call (checked against the reference above)
+        compiled.data.compute()
+        agree(case, "ranvier's", compiled.outputs, values(compiled), [as_float64(t) for t in case.torch_fn(tensors)],
+              "PyTorch eager's at the timed shapes")
         timed = event_timer(torch)
         sides["pytorch"] = lambda: timed(lambda: case.torch_fn(tensors), calls)
         compiled_fn = torch.compile(case.torch_fn)
         start = time.perf_counter()
         if compiles(lambda: compiled_fn(tensors)):
-            print(f"  {TORCH_COMPILE} compiled it in {time.perf_counter() - start:.1f} s", flush=True)
+            print(f"{case.name}: {TORCH_COMPILE} compiled PyTorch's side in {time.perf_counter() - start:.1f} s", flush=True)
             sides[TORCH_COMPILE] = lambda: timed(lambda: compiled_fn(tensors), calls)
     for run in sides.values():  # a first round untimed: graphs captured, caches warm
         run()
@@ -560,7 +579,7 @@ def gpu_result(row: Row, ceilings: Ceilings, gpu: str) -> str:
 
 
 def markdown(heading: list[str], rows: list[Row], ceilings: Ceilings, gpu: str) -> str:
-    def µs(row: Row, side: str) -> str:
+    def microseconds(row: Row, side: str) -> str:
         return f"{row.seconds[side] * 1e6:.1f}" if side in row.seconds else "-"
 
     lines = ["# GPU kernels of a stories110M training step against PyTorch", "",
@@ -569,10 +588,10 @@ def markdown(heading: list[str], rows: list[Row], ceilings: Ceilings, gpu: str) 
              "| kernel | ranvier's kernels | ranvier µs | rate | of ceiling | eager µs | vs eager | compiled µs | vs compile |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
-        lines.append(f"| {row.case.title} | {row.kernels} | {µs(row, 'ranvier')} | "
+        lines.append(f"| {row.case.title} | {row.kernels} | {microseconds(row, 'ranvier')} | "
                      f"{rate_text(row.rate('ranvier'), row.case.compute_bound)} | "
-                     f"{row.rate('ranvier') / ceiling_of(row.case, ceilings):.1%} | {µs(row, 'pytorch')} | "
-                     f"{row.versus('pytorch')} | {µs(row, TORCH_COMPILE)} | {row.versus(TORCH_COMPILE)} |")
+                     f"{row.rate('ranvier') / ceiling_of(row.case, ceilings):.1%} | {microseconds(row, 'pytorch')} | "
+                     f"{row.versus('pytorch')} | {microseconds(row, TORCH_COMPILE)} | {row.versus(TORCH_COMPILE)} |")
     lines += ["", "vs eager, vs compile: ranvier's speed over PyTorch's (above 1: ranvier is faster).", "", "```",
               *(gpu_result(row, ceilings, gpu) for row in rows), "```", ""]
     return "\n".join(lines)
@@ -661,7 +680,11 @@ def main() -> None:
         except RanvierError as error:
             sys.exit(f"gpu_kernels: {error}")
         compiled = compile_case(case, "cuda")
-        row = Row(case, compiled.kernels, compiled.work, race(case, compiled, torch, on_gpu, args.repeats, args.calls))
+        try:
+            seconds = race(case, compiled, torch, on_gpu, args.repeats, args.calls)
+        except RanvierError as error:
+            sys.exit(f"gpu_kernels: {error}")
+        row = Row(case, compiled.kernels, compiled.work, seconds)
         rows.append(row)
         print("\n".join(printed(row, ceilings)), flush=True)
         print(gpu_result(row, ceilings, gpu), flush=True)
