@@ -11,9 +11,11 @@ same GPU, in its own words (the formulas a PyTorch training step's autograd runs
 fused AdamW), eagerly and through torch.compile.
 
 Before anything is timed, each kernel's outputs at tiny shapes (--quick's) are compared
-with ranvier's numpy reference, and so are PyTorch's: a wrong kernel fails the benchmark
-and is never timed. ranvier's time is its steps' own, by the device's events (the
-instance's profile: the kernels alone, no copies); PyTorch's by CUDA events around
+with ranvier's numpy reference, and so are PyTorch's; on a GPU ranvier's outputs at the
+step's shapes are then compared with PyTorch eager's: a wrong kernel fails the benchmark
+and is never timed. The inputs are the network's parameters, sent to the device once.
+ranvier's time is its kernel's steps' own, by the device's events (the instance's
+profile: no copies, no launch gaps); PyTorch's by CUDA events around
 --calls back-to-back calls. Each side's median of --repeats rounds, the sides taking
 turns. Per kernel it prints the time, the rate (GB/s for the memory-bound, the bytes each
 step's inputs and outputs hold, each once: ranvier's cost model; TFLOP/s for the products
@@ -59,7 +61,7 @@ from ranvier.train.optimizers import AdamW
 from ranvier.train.trainer import assign_all, step_updates
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu" / "gpu-kernels.md"
-TABLE_HEADING = "the stories110M step's kernels alone, against PyTorch on the same GPU:"  # .ci/gpu-report keeps it
+TABLE_HEADING = "the stories110M step's kernels alone, against PyTorch on the same GPU:"
 EPS = 1e-5  # the Llama presets' norm_eps
 
 
@@ -439,8 +441,8 @@ def ranvier_timer(compiled: Compiled, calls: int) -> Callable[[], float]:
 
 
 def torch_inputs(case: Case, torch, device: str) -> dict:
-    """The case's inputs as PyTorch tensors on `device`, bf16 kept
-    bf16, made ready by the case's `torch_prepare` (an optimizer and its state)."""
+    """The case's inputs as PyTorch tensors on `device`, bf16 kept bf16, made ready by the
+    case's `torch_prepare` (an optimizer and its state)."""
     def tensor(value: np.ndarray):
         if value.dtype == dtypes.to_numpy("bfloat16"):
             return torch.from_numpy(value.astype(np.float32)).to(device).bfloat16()
