@@ -2,8 +2,8 @@
 
 Each kernel kind of the bf16 step (.ci/cuda-step-floor stories110M bfloat16 lists them:
 the products, the SwiGLU maps, RMSNorm forward and gradient, the AdamW update with
-clipping, attention, rotary, the LM head's cross-entropy rows, the embedding's gather and
-scatter-add) is built as a flow of its own at the step's shapes (batch 32 x 1,024, dim
+clipping, attention, rotary, the LM head's cross-entropy rows, alone and with the chunk's
+products, the embedding's gather and scatter-add) is built as a flow of its own at the step's shapes (batch 32 x 1,024, dim
 768, hidden 2,048, vocab 32,000, 12 heads; the cross-entropy over one of the LM head's
 chunks of 4,160 rows), in the dtypes the step has them, so that the compiler makes the
 step's kernel of it (the printed kernels say which). PyTorch computes the same on the
@@ -136,15 +136,21 @@ def _flat_views(f: rv.Builder, inputs: dict[str, rv.Tensor], names: str, shape: 
 
 
 def products(s: Shapes, rng: np.random.Generator) -> list[Case]:
-    """The step's three kinds of product: a feed-forward product, a weight's gradient
-    (the activations transposed) and the LM head's chunk of logits (the table transposed)."""
+    """The step's kinds of product: a feed-forward product, one adding the float32
+    residual stream in its epilogue, a weight's gradient (the activations transposed) and
+    the LM head's chunk of logits (the table transposed)."""
     x, h = _bf16(_normal(rng, [s.tokens, s.dim])), _bf16(_normal(rng, [s.tokens, s.hidden]))
-    w1 = _bf16(_normal(rng, [s.dim, s.hidden], 0.02))
+    w1, wo = _bf16(_normal(rng, [s.dim, s.hidden], 0.02)), _bf16(_normal(rng, [s.dim, s.dim], 0.02))
+    residual = _normal(rng, [s.tokens, s.dim])
     table = _bf16(_normal(rng, [s.vocab, s.dim], 0.02))
     rows = _bf16(_normal(rng, [s.chunk, s.dim]))
     return [
         Case("matmul-w1", f"x W1 [{s.tokens}x{s.dim}]·[{s.dim}x{s.hidden}] bf16", {"x": x, "w1": w1},
              lambda f, v: [f.matmul(v["x"], v["w1"])], lambda t: (t["x"] @ t["w1"],), compute_bound=True),
+        Case("matmul-residual", f"r + x Wo [{s.tokens}x{s.dim}]·[{s.dim}x{s.dim}] bf16, r fp32",
+             {"x": x, "wo": wo, "residual": residual},
+             lambda f, v: [v["residual"] + f.matmul(v["x"], v["wo"]).cast("float32")],
+             lambda t: (t["residual"] + (t["x"] @ t["wo"]).float(),), compute_bound=True),
         Case("matmul-dw", f"dW2 = hᵀ dy [{s.hidden}x{s.tokens}]·[{s.tokens}x{s.dim}] bf16", {"h": h, "dy": x},
              lambda f, v: [f.matmul(v["h"], v["dy"], transpose_a=True)], lambda t: (t["h"].T @ t["dy"],),
              compute_bound=True, tolerance=5e-2),
@@ -243,30 +249,50 @@ def rotary(s: Shapes, rng: np.random.Generator) -> list[Case]:
                  lambda f, v: [f.op("Rotary", [v["x"], v["cos"], v["sin"]])], torch_rotary)]
 
 
+def _torch_cross_entropy(logits, targets, scale):
+    """The per-row loss of bf16 logits (in float32, as autocast computes it) and their
+    gradient scaled by `scale`, in bf16."""
+    import torch
+
+    logits = logits.float()
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    loss = torch.logsumexp(logits, -1) - logits[rows, targets.long()]
+    grad = torch.softmax(logits, -1)
+    grad[rows, targets.long()] -= 1
+    return (grad * scale[:, None]).bfloat16(), loss
+
+
 def cross_entropy(s: Shapes, rng: np.random.Generator) -> list[Case]:
     """One of the LM head's chunks of rows: the bf16 logits' per-row loss and their
-    gradient, scaled by the mean's 1/tokens, in one pass (the step's chunked head)."""
+    gradient, scaled by the mean's 1/tokens, in one pass (the step's row kernel); and
+    the whole chunk: its logits' product, that pass, and the products of the rows' and
+    the table's gradients."""
     logits = _bf16(_normal(rng, [s.chunk, s.vocab], 2.0))
+    rows, table = _bf16(_normal(rng, [s.chunk, s.dim])), _bf16(_normal(rng, [s.vocab, s.dim], 0.05))
     targets = rng.integers(0, s.vocab, s.chunk, dtype=np.int32)
     scale = np.full(s.chunk, 1.0 / s.tokens, np.float32)
 
-    def build(f, v):
+    def pass_(f, v):
         grad, loss = f.op("SoftmaxCrossEntropyGrad", [v["logits"], v["targets"], v["scale"]], None, {"with_loss": True})
         return [grad, loss]
 
-    def torch_fn(t):
-        import torch
+    def chunk(f, v):
+        logits = f.matmul(v["x"], v["table"], transpose_b=True)
+        grad, loss = f.op("SoftmaxCrossEntropyGrad", [logits, v["targets"], v["scale"]], None, {"with_loss": True})
+        return [loss, f.matmul(grad, v["table"]), f.matmul(grad, v["x"], transpose_a=True)]
 
-        logits = t["logits"].float()
-        lse = torch.logsumexp(logits, -1)
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        loss = lse - logits[rows, t["targets"].long()]
-        grad = torch.softmax(logits, -1)
-        grad[rows, t["targets"].long()] -= 1
-        return (grad * t["scale"][:, None]).bfloat16(), loss
+    def torch_chunk(t):
+        grad, loss = _torch_cross_entropy(t["x"] @ t["table"].T, t["targets"], t["scale"])
+        return loss, grad @ t["table"], grad.T @ t["x"]
 
-    return [Case("cross-entropy", f"cross-entropy loss and gradient [{s.chunk}x{s.vocab}] bf16",
-                 {"logits": logits, "targets": targets, "scale": scale}, build, torch_fn, tolerance=3e-2)]
+    return [
+        Case("cross-entropy", f"cross-entropy loss and gradient [{s.chunk}x{s.vocab}] bf16",
+             {"logits": logits, "targets": targets, "scale": scale}, pass_,
+             lambda t: _torch_cross_entropy(t["logits"], t["targets"], t["scale"]), tolerance=3e-2),
+        Case("lm-head-loss", f"LM head chunk with its loss and gradients [{s.chunk}x{s.dim}]·[{s.dim}x{s.vocab}] bf16",
+             {"x": rows, "table": table, "targets": targets, "scale": scale}, chunk, torch_chunk, compute_bound=True,
+             tolerance=5e-2),
+    ]
 
 
 def embedding(s: Shapes, rng: np.random.Generator) -> list[Case]:
@@ -375,9 +401,10 @@ def adamw(s: Shapes, rng: np.random.Generator) -> list[Case]:
 # the kernels and the family that makes each, in the order of the step's floor (.ci/cuda-step-floor):
 # the most time first, so that a run cut short has measured those
 KERNELS: dict[str, Callable[[Shapes, np.random.Generator], list[Case]]] = {
-    "matmul-w1": products, "matmul-dw": products, "lm-head": products, "swiglu-grad": swiglu, "swiglu": swiglu,
-    "rmsnorm-grad": rms_norm, "adamw": adamw, "attention-grad": attention, "rotary": rotary, "cross-entropy": cross_entropy,
-    "rmsnorm": rms_norm, "attention": attention, "gather": embedding, "scatter-add": embedding}
+    "matmul-w1": products, "matmul-dw": products, "lm-head": products, "matmul-residual": products, "swiglu-grad": swiglu,
+    "swiglu": swiglu, "rmsnorm-grad": rms_norm, "adamw": adamw, "attention-grad": attention, "rotary": rotary,
+    "cross-entropy": cross_entropy, "lm-head-loss": cross_entropy, "rmsnorm": rms_norm, "attention": attention,
+    "gather": embedding, "scatter-add": embedding}
 
 
 def cases(shapes: Shapes, names: list[str]) -> Iterator[Case]:
