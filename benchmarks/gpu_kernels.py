@@ -619,7 +619,7 @@ def markdown(heading: list[str], rows: list[Row], ceilings: Ceilings, gpu: str) 
         return f"{row.seconds[side] * 1e6:.1f}" if side in row.seconds else "-"
 
     lines = ["# GPU kernels of a stories110M training step against PyTorch", "",
-             "Written by `benchmarks/gpu_kernels.py` (`.ci/gpu-check`'s kernels stage).", "",
+             "Written by `benchmarks/gpu_kernels.py` (`.ci/gpu-check`'s kernel-race stage).", "",
              *(f"- {line}" for line in heading), "", TABLE_HEADING, "",
              "| kernel | ranvier's kernels | ranvier µs | rate | of ceiling | eager µs | vs eager | compiled µs | vs compile |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
