@@ -190,7 +190,7 @@ def test_a_batchs_image_takes_the_fewest_calls_that_each_write_at_most_the_call_
     multiple of 16: one call where an image's output fits, else the fewest that fit, every
     element written (NaN first)."""
     monkeypatch.setenv("RANVIER_GEMM", "generated")
-    monkeypatch.setattr(conv, "_CALL_BYTES", call_bytes)
+    monkeypatch.setattr(conv, "CALL_BYTES", call_bytes)
     monkeypatch.setattr(conv, "_CALL_UNIT", 16)
     monkeypatch.setattr(conv, "thread_count", lambda: 2)
     monkeypatch.setattr(conv, "worth_splitting", lambda flops, nbytes: True)

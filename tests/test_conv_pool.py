@@ -78,7 +78,7 @@ def _check(cell, y, case, pairs: bool) -> None:
 
 
 def _small_bands(monkeypatch, band_bytes: int, threads: int) -> None:
-    monkeypatch.setattr(conv_pool, "_CALL_BYTES", band_bytes)
+    monkeypatch.setattr(conv_pool, "CALL_BYTES", band_bytes)
     monkeypatch.setattr(conv_pool, "thread_count", lambda: threads)
     monkeypatch.setattr(conv_pool, "worth_splitting", lambda flops, nbytes: threads > 1)
 

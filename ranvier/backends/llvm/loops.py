@@ -1,6 +1,7 @@
 """Loops every LLVM backend's kernels are made of, over an `EmitContext`: whole vectors
-then single elements (`for_vectors`), a fold of partial results (`fold`), a fill. With
-one lane (a GPU thread's view of a row) they are plain scalar loops."""
+then single elements (`for_vectors`), a fold of partial results (`fold`), a fill, a copy
+in overlapping vectors (`copy_run`). With one lane (a GPU thread's view of a row) they are
+plain scalar loops."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ def fill(ctx, var: Variable, value: float) -> None:
     """Every element of `var` set to `value`."""
     lanes = ctx.lanes_for([var.dtype])
     for_vectors(ctx, 0, var.size, lanes, lambda i, w: ctx.store(var, i, ctx.constant(var.dtype, value, w)))
+
+
+def copy_run(ctx, source, source_at: Value | int, target, target_at: Value | int, count: int, lanes: int) -> None:
+    """`count` (at least 1) contiguous elements from `source` to `target`, in vectors as wide
+    as fit: a 14-element run two of 8, the second overlapping the first, where `for_vectors`
+    would take one of 8 and six single elements. The overlapping vector reads and writes
+    some elements again, so the source run and the target run must not overlap."""
+    w = 1 << (min(lanes, count).bit_length() - 1)
+    with ctx.loop(0, count - w + 1, step=w, name="run") as at:
+        ctx.store(target, target_at + at, ctx.load(source, source_at + at, w))
+    if count % w:
+        ctx.store(target, target_at + (count - w), ctx.load(source, source_at + (count - w), w))
 
 
 # A fold keeps this many partial results: each vector add waits for the one before it on

@@ -24,7 +24,7 @@ from .... import dtypes
 from ....flow.graph import Variable
 from ....ops import attrs_of
 from ...llvm.irutil import I64, i64, load, storage_type
-from ...llvm.loops import fold_lanes, for_vectors, pairwise
+from ...llvm.loops import copy_run, fold_lanes, for_vectors, pairwise
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_ADD, SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
@@ -42,8 +42,8 @@ _UNIT = 16  # edges of the blocks of an image's output a part computes
 # target). Each call takes the filters afresh (on pairs, rounding them) and ends in a part-filled panel:
 # its 64 -> 128 convolutions of stride 2 (401 KB an image) in three calls of 262 columns took
 # 1.12-1.3 times one of 784 at batch 32 (bf16, Zen 5, two cores, shared), and two of 392 as
-# long as one.
-_CALL_BYTES = 256 << 10
+# long as one. Conv2DCalculateMaxPool's bands (conv_pool.py) compute as many new rows.
+CALL_BYTES = 256 << 10
 _CALL_UNIT = 384
 _MAX_LANES = 16  # float32 lanes of the widest vectors (AVX-512): scratch is sized for them
 # The register tiles of the kernels for few filters: TILE_FILTERS filters by TILE_TAPS taps of
@@ -68,8 +68,10 @@ def _sizes(op) -> tuple[int, int, int, int]:
     return x.shape[0], w.shape[0], y.shape[2] * y.shape[3], math.prod(w.shape[1:])
 
 
-def _supported(op) -> bool:
-    """float32, and every offset in an image fits the GEMM's 32-bit lane arithmetic."""
+def fits_windows_gemm(op) -> bool:
+    """Whether convolution `op` fits the windows GEMM's geometry (which ConvTiles, ConvStackedGemm
+    and Conv2DCalculateMaxPool share): float32 x and w, every offset in an image within the
+    GEMM's 32-bit lane arithmetic, an output of at least one element."""
     x, w = op.inputs[0], op.inputs[1]
     return x.dtype == w.dtype == dtypes.DT_FLOAT32 and math.prod(x.shape[1:]) < 1 << 30 and op.outputs[0].size > 0
 
@@ -77,12 +79,12 @@ def _supported(op) -> bool:
 def _parts(op) -> list[list[tuple[int, int, int, int, int]]]:
     """The calls per worker-pool part, each (image, first row, rows, first column, columns)
     of the output: whole images shared out when there are at least as many as cores (each
-    in the fewest calls of at most `_CALL_BYTES` of output, so a Conv2DCalculate's program
+    in the fewest calls of at most `CALL_BYTES` of output, so a Conv2DCalculate's program
     finds what it reads in the cache), else each image's output cut into a grid of blocks."""
     images, rows, columns, taps = _sizes(op)
     threads = thread_count() if worth_splitting(2 * op.outputs[0].size * taps, op.inputs[0].nbytes) else 1
     if images >= threads:
-        calls = -(-4 * rows * columns // _CALL_BYTES)
+        calls = -(-4 * rows * columns // CALL_BYTES)
         return [[(i, 0, rows, c0, c1 - c0) for i in range(first, last) for c0, c1 in shares(columns, calls, _CALL_UNIT)]
                 for first, last in shares(images, threads)]
     return [[(i, r0, r1 - r0, c0, c1 - c0)] for i in range(images)
@@ -143,7 +145,7 @@ def _tiled(op) -> bool:
     most = FEW_FILTERS if planes is None else PLANE_FILTERS
     winograds = (planes is not None and (planes.kernel_height, planes.kernel_width) == (3, 3)
                  and planes.channels * filters > WINOGRAD_PAIRS)
-    return _supported(op) and filters <= most and not winograds and images >= _tile_threads(op)
+    return fits_windows_gemm(op) and filters <= most and not winograds and images >= _tile_threads(op)
 
 
 def _tile_threads(op) -> int:
@@ -240,8 +242,8 @@ def _copy_planes(ctx, op, image: Value, planes: _Planes, padded) -> None:
     (_, channels, height, width), (pad_height, pad_width) = x.shape, attrs_of(op)["padding"]
     with ctx.loop(0, channels * height, name="row") as row:
         c, r = row // height, row % height
-        _copy_run(ctx, x, (image * channels + c) * (height * width) + r * width, padded,
-                  c * planes.plane + (r + pad_height) * planes.width + pad_width, width, ctx.lanes_for([x.dtype]))
+        copy_run(ctx, x, (image * channels + c) * (height * width) + r * width, padded,
+                 c * planes.plane + (r + pad_height) * planes.width + pad_width, width, ctx.lanes_for([x.dtype]))
 
 
 def _tiles_share(op) -> int:
@@ -316,27 +318,17 @@ def conv_tiles(ctx, op) -> None:
             _tile_products(ctx, w, image_planes, each_tap, computed, 0, filters, taps, rows, lanes, in_planes)
             at = image * (filters * positions)
             with ctx.loop(0, filters * planes.out_height, name="out_row") as r:
-                _copy_run(ctx, computed, r * row, y, at + r * planes.out_width, planes.out_width, lanes)
+                copy_run(ctx, computed, r * row, y, at + r * planes.out_width, planes.out_width, lanes)
             epilogue(ctx, op, at, filters, positions)
 
     run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_tile_parts(op))])
-
-
-def _copy_run(ctx, source, source_at: Value, target, target_at: Value, count: int, lanes: int) -> None:
-    """`count` contiguous elements from `source` to `target`, in vectors as wide as fit (a
-    14-element run two of 8, the second overlapping the first)."""
-    w = 1 << (min(lanes, count).bit_length() - 1)
-    with ctx.loop(0, count - w + 1, step=w, name="run") as at:
-        ctx.store(target, target_at + at, ctx.load(source, source_at + at, w))
-    if count % w:
-        ctx.store(target, target_at + (count - w), ctx.load(source, source_at + (count - w), w))
 
 
 def _copy_even(ctx, source, source_at: Value, target, target_at: Value, count: int, lanes: int) -> None:
     """Every other element of `source` from `source_at`, `count` of them, to contiguous ones
     of `target` (a stride-2 convolution's windows): vectors as wide as fit, each picked from
     two loads whose second ends at the vector's last element (so nothing past it is read),
-    the last one overlapping the one before as `_copy_run`'s does."""
+    the last one overlapping the one before as `copy_run`'s does."""
     w = 1 << (min(lanes, count).bit_length() - 1)
     picks = [2 * k if 2 * k < w else 2 * k + 1 for k in range(w)]
 
@@ -407,7 +399,7 @@ PAIRS_KERNEL = "ConvGemmDpbf16"
 
 def _on_pairs(op) -> bool:
     """A convolution marked for bf16 products."""
-    return _supported(op) and attrs_of(op)["precision"] == "bfloat16"
+    return fits_windows_gemm(op) and attrs_of(op)["precision"] == "bfloat16"
 
 
 def _pairs_faster(op) -> bool:
@@ -425,7 +417,7 @@ def conv_gemm_pairs(ctx, op) -> None:
     _call_windows(ctx, op, SGEMM_WINDOWS_DPBF16)
 
 
-@kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_supported, rank=50, workspace=_workspace_bytes,
+@kernel(CONV_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=fits_windows_gemm, rank=50, workspace=_workspace_bytes,
         calls=frozenset({SGEMM_WINDOWS}))
 def conv_gemm(ctx, op) -> None:
     _call_windows(ctx, op, SGEMM_WINDOWS)
@@ -485,7 +477,7 @@ def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int, col
             with ctx.loop(first, last, name="inside") as xo:
                 ctx.store(windows, row + xo, ctx.load(x, source + xo * stride_width))
         elif last > first:
-            _copy_run(ctx, x, source + first, windows, row + first, last - first, lanes)
+            copy_run(ctx, x, source + first, windows, row + first, last - first, lanes)
 
     with ctx.loop(0, channels, name="channel") as c:
         for i in range(kernel_height):
@@ -711,8 +703,8 @@ def conv_filter_gradient(ctx, op) -> None:
             with ctx.loop(0, count, name="in_slab") as g:
                 _copy_windows(ctx, op, first_image + g, windows, steps, column=g * positions)
                 with ctx.loop(0, filters, name="filter") as f:
-                    _copy_run(ctx, dy, ((first_image + g) * filters + f) * positions, gradient_rows, f * steps + g * positions,
-                              positions, lanes)
+                    copy_run(ctx, dy, ((first_image + g) * filters + f) * positions, gradient_rows, f * steps + g * positions,
+                             positions, lanes)
             add_product(steps, ctx.pointer(gradient_rows), steps)
 
         if images == 1:
@@ -741,7 +733,7 @@ def conv_filter_gradient(ctx, op) -> None:
         with ctx.loop(first, last, name="image") as image:
             _copy_planes(ctx, op, image, planes, padded)
             with ctx.loop(0, filters * out_height, name="dy_row") as r:
-                _copy_run(ctx, dy, image * (filters * positions) + r * out_width, rows, r * row, out_width, lanes)
+                copy_run(ctx, dy, image * (filters * positions) + r * out_width, rows, r * row, out_width, lanes)
             _add_dot_tiles(ctx, sums, filters, taps, lanes, _plane_positions(ctx, rows, padded, planes, lanes))
 
     run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(parts)])

@@ -23,13 +23,14 @@ from ....ops.registry import Attrs, op_def
 from ...kernels import planned
 from ...llvm.formulas import program_body
 from ...llvm.irutil import I64, i64
+from ...llvm.loops import copy_run
 from ...llvm.strided import View
 from .. import sgemm
 from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import emit_map
-from .conv import _CALL_BYTES, _copy_run, geometry_constant
+from .conv import CALL_BYTES, fits_windows_gemm, geometry_constant
 from .library import kernel
 from .window import PoolRows, emit_max_pool
 
@@ -84,7 +85,7 @@ def _plan(op) -> _Plan | None:
     """The bands of `op`, or None where the windows GEMM cannot take its convolution
     (float32 inputs, offsets in 32 bits, a pooled output)."""
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
-    if not (x.dtype == w.dtype == y.dtype == dtypes.DT_FLOAT32) or math.prod(x.shape[1:]) >= 1 << 30 or y.size == 0:
+    if not fits_windows_gemm(op) or y.dtype != dtypes.DT_FLOAT32:
         return None
     conv, pool = conv_pool_parts(op.attrs)
     conv_attrs = Attrs(conv, op.name, "Conv2D", op_def("Conv2D").attrs)
@@ -95,8 +96,8 @@ def _plan(op) -> _Plan | None:
     pooling = pool_params(Attrs(pool, op.name, "MaxPool", op_def("MaxPool").attrs))
     geometry = (height, width, kernel_height, kernel_width, stride_height, stride_width, pad_height, pad_width, conv_width)
     images, pooled_rows = x.shape[0], y.shape[2]
-    # bands of at most _CALL_BYTES of new rows, as ConvGemm's calls
-    band = max(1, _CALL_BYTES // (4 * filters * conv_width * pooling[1][0]))
+    # bands of at most CALL_BYTES of new rows, as ConvGemm's calls
+    band = max(1, CALL_BYTES // (4 * filters * conv_width * pooling[1][0]))
     taps = math.prod(w.shape[1:])
     flops = 2 * images * filters * conv_height * conv_width * taps
     threads = thread_count() if worth_splitting(flops, x.nbytes) else 1
@@ -172,7 +173,7 @@ def _pool_bands(ctx, op, slot: int) -> None:
                         # a row's source is a later row, not yet overwritten
                         with ctx.loop(0, plan.filters * band.carried, name="carried") as r:
                             row_at = (r // band.carried) * ldc + (r % band.carried) * conv_width
-                            _copy_run(ctx, rows, row_at + shift, rows, row_at, conv_width, lanes)
+                            copy_run(ctx, rows, row_at + shift, rows, row_at, conv_width, lanes)
                     new_top = band.top + band.carried
                     width = (band.bottom - new_top) * conv_width
                     if width:

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from .... import dtypes
 from ....ops import attrs_of
 from ...llvm.irutil import BYTE_PTR, I64, cache_line_aligned, i64
-from ...llvm.loops import for_vectors
+from ...llvm.loops import copy_run, for_vectors
 from .. import sgemm
 from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count
-from .conv import _copy_run, _supported, geometry_constant
+from .conv import fits_windows_gemm, geometry_constant
 from .library import kernel
 from .program import epilogue
 
@@ -115,7 +115,7 @@ def _stacked(op) -> bool:
     """float32, small images, at least two for each core, filters larger than 1 × 1; the tall
     image's offsets fit the GEMM's 32-bit lane arithmetic. (Ranked after ConvTiles' few
     filters and Winograd's kernels, which take theirs first.)"""
-    if not _supported(op) or tuple(op.inputs[1].shape[2:]) == (1, 1):
+    if not fits_windows_gemm(op) or tuple(op.inputs[1].shape[2:]) == (1, 1):
         return False
     s = _stack(op)
     return s.positions <= MOST_POSITIONS and s.group >= 2 and s.images >= 2 * thread_count() \
@@ -190,15 +190,15 @@ def _stacked_calls(ctx, op, slot: int) -> None:
         columns = s.columns(count)
         with ctx.loop(0, s.channels * count, name="stack_plane") as plane_index:
             c, g = plane_index // count, plane_index % count
-            _copy_run(ctx, x, (start + g) * image_size + c * plane, tall, (c * s.group + g) * (s.rows * s.width) + pad * s.width,
-                      plane, lanes)
+            copy_run(ctx, x, (start + g) * image_size + c * plane, tall, (c * s.group + g) * (s.rows * s.width) + pad * s.width,
+                     plane, lanes)
         b.call(gemm, [i64(s.filters), i64(columns), i64(s.taps), ctx.element_pointer(w, 0), i64(s.taps),
                       ctx.element_pointer(tall, 0), b.bitcast(geometry, I64.as_pointer()), i64(0),
                       ctx.element_pointer(out, 0), i64(columns), packing])
         with ctx.loop(0, count, name="unstack") as g:
             at = (start + g) * out_size
             with ctx.loop(0, s.filters, name="filter") as f:
-                _copy_run(ctx, out, f * columns + g * (s.out_rows * s.out_width), y, at + f * s.positions, s.positions, lanes)
+                copy_run(ctx, out, f * columns + g * (s.out_rows * s.out_width), y, at + f * s.positions, s.positions, lanes)
             epilogue(ctx, op, at, s.filters, s.positions)
 
     run_parts(ctx, [part(number, first, last) for number, (first, last) in enumerate(_parts(op))])
