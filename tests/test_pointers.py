@@ -18,7 +18,7 @@ from ranvier import dtypes
 from ranvier.backends.cpu import amx, jit
 from ranvier.backends.cpu.target import CPUTarget, host_target
 from ranvier.backends.llvm.irutil import F32, I32, I64, VOID
-from ranvier.backends.llvm.pointers import Pointer, PointerVariable, null, parameters, stack
+from ranvier.backends.llvm.pointers import Pointer, PointerVariable, null, padded_run, parameters, stack
 from ranvier.backends.llvm.values import Value, call, choose, forever, index_value, local, loop
 
 FLOAT_PTR, INT_PTR, LONG_PTR = F32.as_pointer(), I32.as_pointer(), I64.as_pointer()
@@ -245,6 +245,48 @@ def test_constant_shifts_are_plain_instructions(dtype):
     ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(address)(_address(x), _address(y))
     numbers = x if dtype == dtypes.DT_INT32 else x.view(np.uint32)
     assert y.view(numbers.dtype).tolist() == ((numbers >> 3) << 1).astype(numbers.dtype).tolist()
+
+
+def test_bitcast_splits_and_joins_lanes():
+    """bitcast as numpy's view: 8 int32 lanes read as 16 int16 (the q8_0 GEMM's bytes taken
+    two at a time) and back; lanes that do not fill whole lanes of the other dtype refuse."""
+
+    def body(b, x, halves, whole):
+        split = Pointer(b, x.ir, dtypes.DT_INT32).load(8, align=4).bitcast(dtypes.DT_INT16)
+        assert split.lanes == 16
+        Pointer(b, halves.ir, dtypes.DT_INT16).store(split, align=2)
+        Pointer(b, whole.ir, dtypes.DT_INT32).store((split + 1).bitcast(dtypes.DT_INT32), align=4)
+        with pytest.raises(TypeError, match="3 lanes of int16"):
+            Pointer(b, halves.ir, dtypes.DT_INT16).load(3, align=2).bitcast(dtypes.DT_INT32)
+
+    address, _ = _compiled([INT_PTR, ir.IntType(16).as_pointer(), INT_PTR], body)
+    x = np.random.default_rng(3).integers(-(2**31), 2**31, 8).astype(np.int32)
+    halves, whole = np.zeros(16, np.int16), np.zeros(8, np.int32)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(address)(_address(x), _address(halves),
+                                                                                        _address(whole))
+    np.testing.assert_array_equal(halves, x.view(np.int16))
+    np.testing.assert_array_equal(whole, (x.view(np.int16) + np.int16(1)).view(np.int32))
+
+
+@pytest.mark.parametrize("first", [0, 8, 13, 16])
+def test_padded_run_reads_a_last_run_whole(first):
+    """padded_run: a run inside the row is read in place; one past the row's end (`stop`
+    20) from the buffer, the elements before the end then zeros, the row's memory past its
+    end (NaN here) never read."""
+
+    def body(b, x, y, start):
+        buffer = stack(b, dtypes.DT_FLOAT32, 8)
+        run = padded_run(x, start, index_value(b, 20), 8, buffer, start + 8 > 20)
+        y.store(run.load(8, align=4), align=4)
+
+    address, _ = _compiled([FLOAT_PTR, FLOAT_PTR, I64], body)
+    x = np.full(32, np.nan, np.float32)
+    x[:20] = np.random.default_rng(4).standard_normal(20)
+    y = np.full(8, np.nan, np.float32)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(address)(_address(x), _address(y), first)
+    expected = np.zeros(8, np.float32)
+    expected[: min(8, 20 - first)] = x[first : min(first + 8, 20)]
+    np.testing.assert_array_equal(y, expected)
 
 
 def test_amx_gemm_builds_for_an_amx_cpu():

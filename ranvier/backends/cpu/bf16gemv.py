@@ -29,26 +29,13 @@ from pathlib import Path
 
 from llvmlite import ir
 
-from ...dtypes import DT_BFLOAT16
+from ...dtypes import DT_BFLOAT16, DT_FLOAT32, DT_INT16, DT_INT32, DT_INT64
 from ..llvm.convert import narrow
-from ..llvm.irutil import (
-    BF16,
-    BYTE_PTR,
-    F32,
-    I1,
-    I32,
-    I64,
-    VOID,
-    cache_line_aligned,
-    constant,
-    declared,
-    for_range,
-    i64,
-    padded_run,
-    splat,
-)
+from ..llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, cache_line_aligned, constant
+from ..llvm.pointers import Pointer, padded_run, parameters, stack
+from ..llvm.values import Local, Value, local, loop
 from . import jit
-from .sgemm import panel_width
+from .sgemm import pair_dot, panel_width
 from .target import CPUTarget
 
 SYMBOL = "ranvier_gemv_dpbf16"
@@ -79,57 +66,49 @@ def gemv_address(target: CPUTarget) -> int:
 def build_module(target: CPUTarget) -> ir.Module:
     module = ir.Module(SYMBOL)
     module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
-    floats, slots = ir.VectorType(F32, _LANES), ir.VectorType(I32, _LANES)
-    pairs_type = ir.VectorType(BF16, 2 * _LANES)
-    dot = declared(module, "llvm.x86.avx512bf16.dpbf16ps.512", ir.FunctionType(floats, [floats, pairs_type, pairs_type]))
-    store = declared(module, f"llvm.masked.store.v{_LANES}f32.p0v{_LANES}f32",
-                     ir.FunctionType(VOID, [floats, floats.as_pointer(), I32, ir.VectorType(I1, _LANES)]))
     nr = panel_width(target)
     vectors = nr // _LANES
     function = ir.Function(module, _FUNCTION, name=SYMBOL)
-    n, k, x, panels, y, workspace = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
+    n, k, x, panels, y, workspace = parameters(b, function)
 
-    # x's pairs: each vector of 16 floats rounded to bf16 is 8 pairs; the last, partial one
-    # from a buffer of zeros past k
-    pairs = cache_line_aligned(b, workspace, I32.as_pointer())
-    buffer = b.alloca(F32, i64(_LANES))
-    half = ir.VectorType(I32, _LANES // 2)
-    chunks = b.sdiv(b.add(k, i64(_LANES - 1)), i64(_LANES))
-    whole = b.sdiv(k, i64(_LANES))
-    with for_range(b, i64(0), chunks, name="xc") as chunk:
-        first = b.mul(chunk, i64(_LANES))
-        source = padded_run(b, x, first, k, _LANES, buffer, b.icmp_signed(">=", chunk, whole))
-        values = b.load(b.bitcast(source, floats.as_pointer()), align=4)
-        target_slots = b.bitcast(b.gep(pairs, [b.mul(chunk, i64(_LANES // 2))]), half.as_pointer())
-        b.store(b.bitcast(narrow(b, values, DT_BFLOAT16, _LANES), half), target_slots, align=4)
+    # x's pairs: x[i] rounded to bf16 in the low (even i) or high half of slot i / 2; the
+    # last, partial vector of 16 from a buffer of zeros past k
+    pairs = Pointer(b, cache_line_aligned(b, workspace.ir, I32.as_pointer()), DT_INT32)
+    halves = pairs.view(DT_INT16)
+    buffer = stack(b, DT_FLOAT32, _LANES)
+    whole = k // _LANES
+    with loop(b, 0, (k + (_LANES - 1)) // _LANES, name="xc") as chunk:
+        first = chunk * _LANES
+        values = padded_run(x, first, k, _LANES, buffer, chunk >= whole).load(_LANES, align=4)
+        rounded = Value(b, narrow(b, values.ir, DT_BFLOAT16, _LANES), DT_INT16)  # bf16's bits
+        (halves + first).store(rounded, align=4)
 
-    rows = b.sdiv(b.add(k, i64(1)), i64(2))  # panel rows: pairs of k
-    whole_rows = b.mul(b.sdiv(rows, i64(_ROWS_A_STEP)), i64(_ROWS_A_STEP))
-    lane = ir.Constant(ir.VectorType(I64, _LANES), list(range(_LANES)))
+    rows = (k + 1) // 2  # panel rows: pairs of k
+    whole_rows = rows // _ROWS_A_STEP * _ROWS_A_STEP
+    zeros = Value(b, constant(ir.VectorType(F32, _LANES), 0.0), DT_FLOAT32)
+    lanes = Value(b, ir.Constant(ir.VectorType(I64, _LANES), list(range(_LANES))), DT_INT64)
     # two sets of sums, even and odd rows: half the chains' length for data from the caches
-    sums = [[b.alloca(floats) for _ in range(vectors)] for _ in range(2)]
-    with for_range(b, i64(0), n, step=nr, name="jp") as j:
-        panel = b.gep(panels, [b.mul(j, rows)])  # the panel of columns j..: rows × NR slots
+    sums = [[local(b, DT_FLOAT32, _LANES) for _ in range(vectors)] for _ in range(2)]
+    with loop(b, 0, n, step=nr, name="jp") as j:
+        panel = panels + j * rows  # the panel of columns j..: rows × NR slots
         for slot in (s for chain in sums for s in chain):
-            b.store(constant(floats, 0.0), slot)
+            slot.set(zeros)
 
-        def row(p: ir.Value, chain: list[ir.Value]) -> None:
-            broadcast = b.bitcast(splat(b, b.load(b.gep(pairs, [p])), _LANES), pairs_type)
+        def row(p: Value, chain: list[Local]) -> None:
+            """chain[v] += the panel's row p · x's pair p, vector v of the row (vdpbf16ps)."""
+            pair = pairs[p].splat(_LANES)
             for v in range(vectors):
-                at = b.gep(panel, [b.add(b.mul(p, i64(nr)), i64(v * _LANES))])
-                weights = b.bitcast(b.load(b.bitcast(at, slots.as_pointer()), align=64), pairs_type)
-                b.store(b.call(dot, [b.load(chain[v]), weights, broadcast]), chain[v])
+                weights = (panel + (p * nr + v * _LANES)).load(_LANES, align=64)
+                chain[v].set(pair_dot(chain[v].value, weights, pair))
 
-        with for_range(b, i64(0), whole_rows, step=_ROWS_A_STEP, name="pr") as p:
+        with loop(b, 0, whole_rows, step=_ROWS_A_STEP, name="pr") as p:
             for u in range(_ROWS_A_STEP):
-                row(b.add(p, i64(u)), sums[u % 2])
-        with for_range(b, whole_rows, rows, name="pt") as p:
+                row(p + u, sums[u % 2])
+        with loop(b, whole_rows, rows, name="pt") as p:
             row(p, sums[0])
-        columns = b.sub(n, j)
+        columns = (n - j).splat(_LANES)
         for v in range(vectors):
-            mask = b.icmp_signed("<", b.add(lane, splat(b, i64(v * _LANES), _LANES)), splat(b, columns, _LANES))
-            total = b.fadd(b.load(sums[0][v]), b.load(sums[1][v]))
-            b.call(store, [total, b.bitcast(b.gep(y, [b.add(j, i64(v * _LANES))]), floats.as_pointer()), ir.Constant(I32, 4), mask])
+            (y + (j + v * _LANES)).masked_store(sums[0][v].value + sums[1][v].value, lanes + v * _LANES < columns)
     b.ret_void()
     return module

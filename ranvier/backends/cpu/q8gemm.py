@@ -33,27 +33,23 @@ from pathlib import Path
 import numpy as np
 from llvmlite import ir
 
-from ...dtypes import DT_FLOAT16
-from ..llvm.convert import widen
+from ...dtypes import DT_FLOAT16, DT_FLOAT32, DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT16
 from ..llvm.irutil import (
     BYTE_PTR,
+    CACHE_LINE,
     F32,
-    I1,
-    I8,
-    I16,
     I32,
     I64,
     VOID,
     by_strips,
+    cache_line_aligned,
     constant,
     declared,
-    for_range,
-    i64,
     intrinsic,
-    padded_run,
-    splat,
     use_features,
 )
+from ..llvm.pointers import Pointer, padded_run, parameters, stack
+from ..llvm.values import Value, call, index_value, local, loop
 from . import jit
 from .target import CPUTarget
 
@@ -61,7 +57,7 @@ SYMBOL = "ranvier_q8_gemm"
 BLOCK = 32  # steps of k a scale covers: llama.cpp's QK8_0
 GROUP = 4  # steps of k one 32-bit lane sums
 _OFFSET = 128  # added to the weights' int8 values, so vpdpbusd reads them unsigned
-_ROW_ALIGNMENT = 64
+_ROW_ALIGNMENT = CACHE_LINE  # the quantized rows' start and stride
 _FLOAT_PTR = F32.as_pointer()
 _FUNCTION = ir.FunctionType(VOID, [I64, I64, I64, _FLOAT_PTR, I64, BYTE_PTR, _FLOAT_PTR, I64, BYTE_PTR])
 GEMM_CTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -200,76 +196,59 @@ class _Emitter:
         self.lanes = target.lanes(4)
         self.nr = panel_width(target)
         self.floats = ir.VectorType(F32, self.lanes)
-        self.ints = ir.VectorType(I32, self.lanes)
-        self.bytes = ir.VectorType(I8, 4 * self.lanes)
-        self.fma = intrinsic(module, "fmuladd", self.floats)
-        vnni = vnni_lanes(target)
+        ints = ir.VectorType(I32, self.lanes)
         self.dpbusd = None
-        if vnni == self.lanes:
-            self.dpbusd = declared(module, f"llvm.x86.avx512.vpdpbusd.{32 * self.lanes}",
-                                   ir.FunctionType(self.ints, [self.ints] * 3))
+        if vnni_lanes(target) == self.lanes:
+            self.dpbusd = declared(module, f"llvm.x86.avx512.vpdpbusd.{32 * self.lanes}", ir.FunctionType(ints, [ints] * 3))
 
-    def load(self, b: ir.IRBuilder, pointer: ir.Value, type_: ir.Type) -> ir.Value:
-        """A value of `type_` from a byte pointer, alignment unknown."""
-        return b.load(b.bitcast(pointer, type_.as_pointer()), align=1)
-
-    def dot_groups(self, b: ir.IRBuilder, sums: ir.Value, weights: ir.Value, activations: ir.Value) -> ir.Value:
+    def dot_groups(self, sums: Value, weights: Value, activations: Value) -> Value:
         """sums + in each lane, the 4 unsigned bytes of `weights` times the 4 signed bytes of
         `activations` there (vectors of 32-bit lanes): vpdpbusd, or its exact emulation."""
         if self.dpbusd is not None:
-            return b.call(self.dpbusd, [sums, weights, activations])
-        halves = ir.VectorType(I16, 2 * self.lanes)
-        w, x = b.bitcast(weights, halves), b.bitcast(activations, halves)
-        eight = constant(halves, 8)
+            return call(sums.b, self.dpbusd, sums, weights, activations, dtype=DT_INT32)
+        w, x = weights.bitcast(DT_UINT16), activations.bitcast(DT_INT16)
+        evens, odds = list(range(0, 2 * self.lanes, 2)), list(range(1, 2 * self.lanes, 2))
         # the even and odd bytes of each 16-bit half, widened: unsigned weights, signed activations
-        pairs = [(b.and_(w, constant(halves, 0xFF)), b.ashr(b.shl(x, eight), eight)), (b.lshr(w, eight), b.ashr(x, eight))]
-        wide = ir.VectorType(I32, 2 * self.lanes)
-        evens = ir.Constant(ir.VectorType(I32, self.lanes), [2 * i for i in range(self.lanes)])
-        odds = ir.Constant(ir.VectorType(I32, self.lanes), [2 * i + 1 for i in range(self.lanes)])
-        for wh, xh in pairs:  # vpmaddwd: each lane's two 16-bit products, added
-            products = b.mul(b.sext(wh, wide), b.sext(xh, wide))
-            sums = b.add(sums, b.add(b.shuffle_vector(products, products, evens), b.shuffle_vector(products, products, odds)))
+        for wh, xh in ((w & 0xFF, x.shift_left(8).shift_right(8)), (w.shift_right(8), x.shift_right(8))):
+            products = wh.cast(DT_INT32) * xh.cast(DT_INT32)  # vpmaddwd: each lane's two 16-bit products, added
+            sums = sums + (products.shuffle(evens, products) + products.shuffle(odds, products))
         return sums
 
     # ---- quantizing A ----------------------------------------------------------------------
 
-    def quantize_rows(self, b: ir.IRBuilder, m: ir.Value, k: ir.Value, a: ir.Value, lda: ir.Value, rows: ir.Value,
-                      row_bytes: ir.Value) -> None:
+    def quantize_rows(self, m: Value, k: Value, a: Pointer, lda: Value, rows: Pointer, row_bytes: Value) -> None:
         """A's m rows into q8_0 rows at `rows`: each its int8 blocks, then their float32
         scales, then −128 × each block's sum (where its int32 products start)."""
-        lanes, per_block = self.lanes, BLOCK // self.lanes
-        blocks = b.sdiv(b.add(k, i64(BLOCK - 1)), i64(BLOCK))
-        whole = b.sdiv(k, i64(BLOCK))
-        buffer = b.alloca(F32, i64(BLOCK))  # a last block of fewer than 32 steps, zeros after them
-        fabs, fmax = intrinsic(self.module, "fabs", self.floats), declared(
-            self.module, f"llvm.vector.reduce.fmax.v{lanes}f32", ir.FunctionType(F32, [self.floats]))
-        round_ = intrinsic(self.module, "round", self.floats)
-        add = declared(self.module, f"llvm.vector.reduce.add.v{lanes}i32", ir.FunctionType(I32, [self.ints]))
-        with for_range(b, i64(0), m, name="qr") as r:
-            source = b.gep(a, [b.mul(r, lda)])
-            row = b.gep(rows, [b.mul(r, row_bytes)])
-            scales = b.bitcast(b.gep(row, [b.mul(blocks, i64(BLOCK))]), _FLOAT_PTR)
-            starts = b.bitcast(b.gep(row, [b.mul(blocks, i64(BLOCK + 4))]), I32.as_pointer())
-            with for_range(b, i64(0), blocks, name="qb") as block:
-                first = b.mul(block, i64(BLOCK))
-                start = padded_run(b, source, first, k, BLOCK, buffer, b.icmp_signed(">=", block, whole))
-                values = [b.load(b.bitcast(b.gep(start, [i64(v * lanes)]), self.floats.as_pointer()), align=4)
-                          for v in range(per_block)]
-                largest = b.call(fabs, [values[0]])
+        b, lanes, per_block = m.b, self.lanes, BLOCK // self.lanes
+        blocks, whole = (k + (BLOCK - 1)) // BLOCK, k // BLOCK
+        buffer = stack(b, DT_FLOAT32, BLOCK)  # a last block of fewer than 32 steps, zeros after them
+        largest_lane = declared(self.module, f"llvm.vector.reduce.fmax.v{lanes}f32", ir.FunctionType(F32, [self.floats]))
+        lane_sum = declared(self.module, f"llvm.vector.reduce.add.v{lanes}i32",
+                            ir.FunctionType(I32, [ir.VectorType(I32, lanes)]))
+        round_half_away = intrinsic(self.module, "round", self.floats)  # C's roundf, as llama.cpp rounds
+        with loop(b, 0, m, name="qr") as r:
+            source, row = a + r * lda, rows + r * row_bytes
+            scales, starts = (row + blocks * BLOCK).view(DT_FLOAT32), (row + blocks * (BLOCK + 4)).view(DT_INT32)
+            with loop(b, 0, blocks, name="qb") as block:
+                first = block * BLOCK
+                start = padded_run(source, first, k, BLOCK, buffer, block >= whole)
+                values = [(start + v * lanes).load(lanes, align=4) for v in range(per_block)]
+                largest = values[0].abs()
                 for value in values[1:]:
-                    magnitude = b.call(fabs, [value])
-                    largest = b.select(b.fcmp_ordered(">", magnitude, largest), magnitude, largest)
-                d = b.fdiv(b.call(fmax, [largest]), ir.Constant(F32, 127.0))
-                inverse = b.select(b.fcmp_ordered("!=", d, ir.Constant(F32, 0.0)), b.fdiv(ir.Constant(F32, 1.0), d),
-                                   ir.Constant(F32, 0.0))
-                total = ir.Constant(I32, 0)
+                    magnitude = value.abs()
+                    largest = (magnitude > largest).where(magnitude, largest)
+                d = call(b, largest_lane, largest, dtype=DT_FLOAT32) / 127.0
+                inverse = (d > 0.0).where(1.0 / d, 0.0)  # d: 0 for a block of zeros, else positive
+                total = Value(b, ir.Constant(I32, 0), DT_INT32)
                 for v, value in enumerate(values):
-                    q = b.fptosi(b.call(round_, [b.fmul(value, splat(b, inverse, lanes))]), self.ints)
-                    total = b.add(total, b.call(add, [q]))
-                    target = b.bitcast(b.gep(row, [b.add(first, i64(v * lanes))]), ir.VectorType(I8, lanes).as_pointer())
-                    b.store(b.trunc(q, ir.VectorType(I8, lanes)), target, align=1)
-                b.store(d, b.gep(scales, [block]))
-                b.store(b.mul(total, ir.Constant(I32, -_OFFSET)), b.gep(starts, [block]))
+                    rounded = call(b, round_half_away, value * inverse.splat(lanes), dtype=DT_FLOAT32)
+                    # |q| <= 127: fptosi straight to int32 (`cast` goes through int64, numpy's way
+                    # for any float, which without AVX-512 converts lane by lane)
+                    q = Value(b, b.fptosi(rounded.ir, ir.VectorType(I32, lanes)), DT_INT32)
+                    total = total + call(b, lane_sum, q, dtype=DT_INT32)
+                    (row + (first + v * lanes)).view(DT_INT8).store(q.cast(DT_INT8), align=1)
+                scales[block] = d
+                starts[block] = total * -_OFFSET
 
     # ---- the tile --------------------------------------------------------------------------
 
@@ -279,43 +258,34 @@ class _Emitter:
         join its float32 sums times the block's scales (the panel's per column, the row's one)."""
         function = ir.Function(self.module, _TILE, name=f"{SYMBOL}_tile{rows}")
         function.linkage = "internal"
-        blocks, strip, row_bytes, strip_scales, strip_starts, panel, c, ldc, columns = function.args
         b = ir.IRBuilder(function.append_basic_block("entry"))
+        blocks, strip, row_bytes, strip_scales, strip_starts, panel, c, ldc, columns = parameters(b, function)
         lanes, nr = self.lanes, self.nr
-        sums = [[b.alloca(self.floats) for _ in range(_VECTORS)] for _ in range(rows)]
-        for row in sums:
-            for slot in row:
-                b.store(constant(self.floats, 0.0), slot)
-        row_starts = [b.gep(strip, [b.mul(i64(r), row_bytes)]) for r in range(rows)]
-        scale_rows = [b.bitcast(b.gep(strip_scales, [b.mul(i64(r), row_bytes)]), _FLOAT_PTR) for r in range(rows)]
-        start_rows = [b.bitcast(b.gep(strip_starts, [b.mul(i64(r), row_bytes)]), I32.as_pointer()) for r in range(rows)]
-        block_bytes = (BLOCK + 2) * nr
-        with for_range(b, i64(0), blocks, name="kb") as block:
-            at = b.gep(panel, [b.mul(block, i64(block_bytes))])
-            totals = [[splat(b, b.load(b.gep(start_rows[r], [block])), lanes)] * _VECTORS for r in range(rows)]
+        zeros = Value(b, constant(self.floats, 0.0), DT_FLOAT32)
+        sums = [[local(b, DT_FLOAT32, lanes, zeros) for _ in range(_VECTORS)] for _ in range(rows)]
+        row_starts = [strip + r * row_bytes for r in range(rows)]
+        scale_rows = [(strip_scales + r * row_bytes).view(DT_FLOAT32) for r in range(rows)]
+        start_rows = [(strip_starts + r * row_bytes).view(DT_INT32) for r in range(rows)]
+        with loop(b, 0, blocks, name="kb") as block:
+            at = panel + block * ((BLOCK + 2) * nr)
+            totals = [[start_rows[r][block].splat(lanes)] * _VECTORS for r in range(rows)]
             for group in range(BLOCK // GROUP):
-                weights = [self.load(b, b.gep(at, [i64(2 * nr + group * GROUP * nr + v * GROUP * lanes)]), self.ints)
+                weights = [(at + (2 * nr + group * GROUP * nr + v * GROUP * lanes)).view(DT_INT32).load(lanes, align=1)
                            for v in range(_VECTORS)]
                 for r in range(rows):
-                    four = self.load(b, b.gep(row_starts[r], [b.add(b.mul(block, i64(BLOCK)), i64(group * GROUP))]), I32)
-                    activations = splat(b, four, lanes)
-                    totals[r] = [self.dot_groups(b, totals[r][v], weights[v], activations) for v in range(_VECTORS)]
-            half = ir.VectorType(ir.HalfType(), lanes)
-            scales = [widen(b, self.load(b, b.gep(at, [i64(2 * v * lanes)]), half), DT_FLOAT16, lanes) for v in range(_VECTORS)]
+                    four = (row_starts[r] + (block * BLOCK + group * GROUP)).view(DT_INT32).load(align=1)
+                    activations = four.splat(lanes)
+                    totals[r] = [self.dot_groups(totals[r][v], weights[v], activations) for v in range(_VECTORS)]
+            scales = [(at + 2 * v * lanes).view(DT_FLOAT16).load(lanes, align=1) for v in range(_VECTORS)]
             for r in range(rows):
-                row_scale = splat(b, b.load(b.gep(scale_rows[r], [block])), lanes)
+                row_scale = scale_rows[r][block].splat(lanes)
                 for v in range(_VECTORS):
-                    joined = b.call(self.fma, [b.sitofp(totals[r][v], self.floats), b.fmul(scales[v], row_scale),
-                                               b.load(sums[r][v])])
-                    b.store(joined, sums[r][v])
-        lane = ir.Constant(ir.VectorType(I64, lanes), list(range(lanes)))
-        store = declared(self.module, f"llvm.masked.store.v{lanes}f32.p0v{lanes}f32",
-                         ir.FunctionType(VOID, [self.floats, self.floats.as_pointer(), I32, ir.VectorType(I1, lanes)]))
+                    sums[r][v].set(totals[r][v].cast(DT_FLOAT32).mul_add(scales[v] * row_scale, sums[r][v].value))
+        lane = Value(b, ir.Constant(ir.VectorType(I64, lanes), list(range(lanes))), DT_INT64)
         for v in range(_VECTORS):
-            mask = b.icmp_signed("<", b.add(lane, splat(b, i64(v * lanes), lanes)), splat(b, columns, lanes))
+            mask = lane + v * lanes < columns.splat(lanes)
             for r in range(rows):
-                target = b.bitcast(b.gep(c, [b.add(b.mul(i64(r), ldc), i64(v * lanes))]), self.floats.as_pointer())
-                b.call(store, [b.load(sums[r][v]), target, ir.Constant(I32, 4), mask])
+                (c + (r * ldc + v * lanes)).masked_store(sums[r][v].value, mask)
         b.ret_void()
         return function
 
@@ -328,26 +298,23 @@ def build_module(target: CPUTarget) -> ir.Module:
     mr, nr = tile_rows(target), panel_width(target)
     tiles = {rows: emit.tile(rows) for rows in range(1, mr + 1)}
     function = ir.Function(module, _FUNCTION, name=SYMBOL)
-    m, n, k, a, lda, panels, c, ldc, workspace = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
-    blocks = b.sdiv(b.add(k, i64(BLOCK - 1)), i64(BLOCK))
-    row_bytes = b.mul(b.sdiv(b.add(b.mul(blocks, i64(BLOCK + 8)), i64(_ROW_ALIGNMENT - 1)), i64(_ROW_ALIGNMENT)),
-                      i64(_ROW_ALIGNMENT))
-    address = b.ptrtoint(workspace, I64)
-    rows = b.inttoptr(b.and_(b.add(address, i64(_ROW_ALIGNMENT - 1)), i64(-_ROW_ALIGNMENT)), BYTE_PTR)
-    emit.quantize_rows(b, m, k, a, lda, rows, row_bytes)
-    scales, starts = b.gep(rows, [b.mul(blocks, i64(BLOCK))]), b.gep(rows, [b.mul(blocks, i64(BLOCK + 4))])
-    panel_bytes = b.mul(blocks, i64((BLOCK + 2) * nr))
-    with for_range(b, i64(0), n, step=nr, name="jr") as j:
-        panel = b.gep(panels, [b.mul(b.sdiv(j, i64(nr)), panel_bytes)])
-        remaining = b.sub(n, j)
-        columns = b.select(b.icmp_signed("<", remaining, i64(nr)), remaining, i64(nr))
+    m, n, k, a, lda, panels, c, ldc, workspace = parameters(b, function)
+    blocks = (k + (BLOCK - 1)) // BLOCK
+    row_bytes = (blocks * (BLOCK + 8) + (_ROW_ALIGNMENT - 1)) // _ROW_ALIGNMENT * _ROW_ALIGNMENT
+    rows = Pointer(b, cache_line_aligned(b, workspace.ir, BYTE_PTR), workspace.dtype)
+    emit.quantize_rows(m, k, a, lda, rows, row_bytes)
+    scales, starts = rows + blocks * BLOCK, rows + blocks * (BLOCK + 4)
+    with loop(b, 0, n, step=nr, name="jr") as j:
+        panel = panels + j // nr * (blocks * ((BLOCK + 2) * nr))
+        columns = (n - j).minimum(nr)
 
-        def strip(i0: ir.Value, count: int) -> None:
-            at = b.mul(i0, row_bytes)
-            b.call(tiles[count], [blocks, b.gep(rows, [at]), row_bytes, b.gep(scales, [at]), b.gep(starts, [at]), panel,
-                                  b.gep(c, [b.add(b.mul(i0, ldc), j)]), ldc, columns])
+        def strip(first_row: ir.Value, count: int) -> None:
+            i0 = index_value(b, first_row)
+            at = i0 * row_bytes
+            call(b, tiles[count], blocks, rows + at, row_bytes, scales + at, starts + at, panel, c + (i0 * ldc + j), ldc,
+                 columns)
 
-        by_strips(b, m, mr, strip)
+        by_strips(b, m.ir, mr, strip)
     b.ret_void()
     return module

@@ -335,7 +335,7 @@ def pack_at_run_time(module: ir.Module, target: CPUTarget, b: ir.IRBuilder, tran
               index_value(b, 0), index_value(b, k), index_value(b, n), into.view(DT_INT32) if pairs else into, pairs)
 
 
-def _pair_dot(sums: Value, first: Value, second: Value) -> Value:
+def pair_dot(sums: Value, first: Value, second: Value) -> Value:
     """vdpbf16ps: sums + each lane's two products of bf16 pairs (int32 slots of `first` and `second`)."""
     b, lanes = sums.b, sums.lanes
     pairs = ir.VectorType(BF16, 2 * lanes)
@@ -425,7 +425,7 @@ class _Emitter:
                 for r in range(rows):
                     pair = row_starts[r][along].splat(lanes)
                     for h in range(vectors):
-                        sums[r][h].set(_pair_dot(sums[r][h].value, pair, parts[h]))
+                        sums[r][h].set(pair_dot(sums[r][h].value, pair, parts[h]))
                 return
             parts = [(step + v * lanes).load(lanes, align=(2 if narrow else 4) * lanes) for v in range(vectors)]
             for r in range(rows):
@@ -525,7 +525,7 @@ class _Emitter:
             with loop(b, 0, kc, step=lanes, name="dp") as p:
                 pairs = (column + p).load(lanes, align=4)
                 for r in range(rows):
-                    sums[r].set(_pair_dot(sums[r].value, (row_starts[r] + p).load(lanes, align=4 * lanes), pairs))
+                    sums[r].set(pair_dot(sums[r].value, (row_starts[r] + p).load(lanes, align=4 * lanes), pairs))
             for r in range(rows):
                 vector = sums[r].value
                 total = vector.lane(0)

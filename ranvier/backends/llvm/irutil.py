@@ -174,18 +174,6 @@ def by_strips(b: ir.IRBuilder, m: ir.Value, height: int, strip: Callable[[ir.Val
             strip(full, rows)
 
 
-def padded_run(b: ir.IRBuilder, source: ir.Value, first: ir.Value, stop: ir.Value, count: int, buffer: ir.Value,
-               partial: ir.Value) -> ir.Value:
-    """A pointer to the `count` floats of `source` from `first`: `source` itself, or where
-    `partial` (a row's last run, past its end) `buffer` holding those before `stop` and zeros
-    after them, so a vector loop reads its last run whole."""
-    with b.if_then(partial), for_range(b, i64(0), i64(count), name="pad") as e:
-        inside = b.icmp_signed("<", b.add(first, e), stop)
-        value = b.load(b.gep(source, [b.select(inside, b.add(first, e), i64(0))]))
-        b.store(b.select(inside, value, ir.Constant(F32, 0.0)), b.gep(buffer, [e]))
-    return b.select(partial, buffer, b.gep(source, [first]))
-
-
 CACHE_LINE = 64  # bytes
 
 

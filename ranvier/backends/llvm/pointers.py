@@ -24,7 +24,7 @@ from llvmlite import ir
 from ... import dtypes
 from .convert import widen
 from .irutil import BYTE_PTR, I32, I64, VOID, compute_type, declared, i64, storage_type, vector_of
-from .values import Value, index_value
+from .values import Value, index_value, loop
 
 _ATOMIC_ORDER = "seq_cst"
 
@@ -187,6 +187,18 @@ def stack(b: ir.IRBuilder, dtype: str, count: int, align: int | None = None) -> 
     if align is not None:
         memory.align = align
     return Pointer(b, memory, dtype)
+
+
+def padded_run(source: Pointer, first: Value, stop: Value, count: int, buffer: Pointer, partial: Value) -> Pointer:
+    """Where the `count` elements of `source` from `first` can be read whole: `source` itself,
+    or where `partial` (a row's last run, past its end at `stop`) `buffer` holding those
+    before `stop` and zeros after them, so a vector loop reads its last run whole."""
+    b = source.b
+    with b.if_then(partial.ir), loop(b, 0, count, name="pad") as e:
+        at = first + e
+        inside = at < stop
+        buffer[e] = inside.where(source[inside.where(at, 0)], 0)
+    return partial.where(buffer, source + first)
 
 
 _DTYPES = {"i1": dtypes.DT_BOOL, "i8": dtypes.DT_UINT8, "i16": dtypes.DT_INT16, "i32": dtypes.DT_INT32,

@@ -407,11 +407,21 @@ class Value:
         return Value(self.b, cast(self.b, self.ir, self.dtype, dtype, self.lanes), dtype)
 
     def bitcast(self, dtype: str) -> Value:
-        """This value's bits read as `dtype` (of the same width), as numpy's view does."""
-        return Value(self.b, self.b.bitcast(self.ir, vector_of(compute_type(dtype), self.lanes)), dtype)
+        """This value's bits read as `dtype`, as numpy's view does: a narrower dtype splits
+        each lane into several (16 int32 lanes read as 32 int16), a wider one joins them."""
+        source, target = compute_type(self.dtype), compute_type(dtype)
+        lanes, left = divmod(self.lanes * _bits(source), _bits(target))
+        if left:
+            raise TypeError(f"{self.lanes} lanes of {self.dtype} are not a whole number of {dtype} lanes")
+        return Value(self.b, self.b.bitcast(self.ir, vector_of(target, lanes)), dtype)
 
     def __repr__(self) -> str:
         return f"<Value {self.dtype}x{self.lanes}: {self.ir.type}>"
+
+
+def _bits(type_: ir.Type) -> int:
+    """The width of a scalar IR type in bits."""
+    return type_.width if isinstance(type_, ir.IntType) else {"half": 16, "float": 32, "double": 64}[str(type_)]
 
 
 def index_value(b: ir.IRBuilder, value: ir.Value | int) -> Value:
