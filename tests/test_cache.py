@@ -1,7 +1,8 @@
 """The JIT's disk cache: the size cap evicts least recently used entries, `ranvier cache`
 reports and clears it, entries vanishing under a reader cost only a recompile, a damaged
 entry fails its checksum and is compiled again, and processes compiling the same model at
-once all succeed and leave one intact entry."""
+once all succeed and leave one intact entry. A generated GEMM's entry is keyed by every
+source its code is made of."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ranvier.backends import compile_cache
-from ranvier.backends.cpu import parallel
+from ranvier.backends.cpu import amx, bf16gemv, jit, parallel, q8gemm, sgemm
 from ranvier.cli import main
 
 
@@ -173,3 +174,16 @@ def test_the_folder_is_listed_at_the_first_write_then_after_each_sixteenth_of_th
     for number, size in enumerate([10, 400, 400, 300, 10]):
         _store(f"k{number}", size)
         assert len(listings) == [1, 1, 1, 2, 2][number], f"after write {number}"
+
+
+def test_a_generated_functions_key_covers_the_sources_its_code_comes_from():
+    """The GEMM generators' cached code is keyed by their own source and every backend module
+    they import, through one another: the Values and pointers they are written over (once
+    left out: an edit of values.py kept the old machine code), and for bf16gemv.py the
+    panels and instruction it takes from sgemm.py."""
+    backends = Path(sgemm.__file__).resolve().parent.parent
+    for generator in (sgemm, amx, q8gemm, bf16gemv):
+        sources = {str(path.relative_to(backends)) for path in jit.generator_sources(Path(generator.__file__))}
+        assert {"llvm/irutil.py", "llvm/convert.py", "llvm/values.py", "llvm/pointers.py"} <= sources, generator
+        assert f"cpu/{Path(generator.__file__).name}" in sources
+    assert "cpu/sgemm.py" in {str(p.relative_to(backends)) for p in jit.generator_sources(Path(bf16gemv.__file__))}

@@ -13,6 +13,7 @@ cell compiled to the same object code and freed with the last of them.
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import functools
 import hashlib
@@ -32,12 +33,34 @@ from .target import CPUTarget
 def generated_function(symbol: str, generator: Path, target: CPUTarget, build: Callable[[CPUTarget], ir.Module]) -> LoadedCode:
     """A function generated once per process (a GEMM the cells call through their pointer
     table), compiled for `target` and cached in memory and on disk like cell code, under
-    a key of its generator's source and the IR helpers' (irutil, convert), so editing any recompiles it."""
+    a key of the sources its code is made of (`generator_sources`), so editing any recompiles it."""
     digest = hashlib.sha256()
-    for path in (generator, *(Path(__file__).parent.parent / "llvm" / name for name in ("irutil.py", "convert.py"))):
+    for path in generator_sources(generator):
         digest.update(path.read_bytes())
     code, _ = cached_object(cache_key(f"{symbol}\n{digest.hexdigest()}", target), lambda: compile_object(build(target), target))
     return load_object(code, target, symbol)
+
+
+def generator_sources(generator: Path) -> list[Path]:
+    """The generator and the backend modules it imports, directly or through one another:
+    the IR helpers, the Values and pointers it is written over, a sibling generator whose
+    layout or instructions it shares (bf16gemv.py's panels are sgemm.py's)."""
+    backends = Path(__file__).resolve().parent.parent
+    found: list[Path] = []
+    pending = [generator.resolve()]
+    while pending:
+        path = pending.pop()
+        if path in found:
+            continue
+        found.append(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+                continue
+            package = path.parents[node.level - 1].joinpath(*(node.module or "").split("."))
+            for candidate in (package.with_suffix(".py"), *(package / f"{alias.name}.py" for alias in node.names)):
+                if candidate.is_file() and backends in candidate.parents:
+                    pending.append(candidate)
+    return sorted(found)
 
 
 def cache_key(description: str, target: CPUTarget) -> str:
