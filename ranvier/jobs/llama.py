@@ -343,7 +343,7 @@ def train_llama(config: LlamaRunConfig, run_dir: Path, resume: bool = False, pro
             if step % config.eval_every == 0:
                 record["val_loss"] = validation_loss(run, config)
             metrics.write(record)
-            if step % config.checkpoint_every == 0 and step not in (config.steps, stop_at):  # the last is saved below
+            if rundir.checkpoint_due(config, step, stop_at):
                 checkpoint()
             return step, loss, seconds, record
 

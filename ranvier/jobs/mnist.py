@@ -138,7 +138,7 @@ def train_mnist(config: MnistConfig, run_dir: Path, resume: bool = False, progre
             step = trainer.step_count
             if step % config.log_every == 0 or step == config.steps:
                 metrics.write({"step": step, "loss": loss, "lr": config.lr, "elapsed": time.perf_counter() - start})
-            if step % config.checkpoint_every == 0 and step != config.steps:
+            if rundir.checkpoint_due(config, step):
                 trainer.save(run_dir / "checkpoint")
             return step, loss, seconds, {}
 

@@ -274,7 +274,7 @@ def train_onnx(config: OnnxRunConfig, run_dir: Path, resume: bool = False, progr
             record = {"step": done, "loss": loss, "lr": config.lr, "ms": seconds * 1e3}
             if done % config.log_every == 0 or done == config.steps:
                 metrics.write(record)
-            if done % config.checkpoint_every == 0 and done != config.steps:
+            if rundir.checkpoint_due(config, done):
                 checkpoint()
             return done, loss, seconds, record
 

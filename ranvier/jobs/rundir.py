@@ -141,6 +141,15 @@ class MetricsLog:
             os.close(self.fd)
 
 
+def checkpoint_due(config, step: int, stop_at: int | None = None) -> bool:
+    """Whether a job saves its checkpoint as `step` ends: every `config.checkpoint_every`
+    steps, but not at the run's last step (nor at `stop_at`, where it pauses), whose
+    checkpoint the job saves after logging its final evaluation: that checkpoint commits the
+    run as finished, and a run killed before it resumes from the one before, which drops the
+    evaluation's line and logs it again."""
+    return step % config.checkpoint_every == 0 and step not in (config.steps, stop_at)
+
+
 def write_config(run_dir: Path, kind: str, config) -> None:
     """Save a job config as `run_dir/config.json`, with the run's kind first (rank 0 of a
     data-parallel run)."""
