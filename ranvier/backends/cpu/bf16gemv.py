@@ -29,11 +29,11 @@ from pathlib import Path
 
 from llvmlite import ir
 
-from ...dtypes import DT_BFLOAT16, DT_FLOAT32, DT_INT16, DT_INT32, DT_INT64
+from ...dtypes import DT_BFLOAT16, DT_FLOAT32, DT_INT16, DT_INT32
 from ..llvm.convert import narrow
 from ..llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, cache_line_aligned, constant
 from ..llvm.pointers import Pointer, padded_run, parameters, stack
-from ..llvm.values import Local, Value, local, loop
+from ..llvm.values import Local, Value, lane_numbers, local, loop
 from . import jit
 from .sgemm import pair_dot, panel_width
 from .target import CPUTarget
@@ -87,7 +87,7 @@ def build_module(target: CPUTarget) -> ir.Module:
     rows = (k + 1) // 2  # panel rows: pairs of k
     whole_rows = rows // _ROWS_A_STEP * _ROWS_A_STEP
     zeros = Value(b, constant(ir.VectorType(F32, _LANES), 0.0), DT_FLOAT32)
-    lanes = Value(b, ir.Constant(ir.VectorType(I64, _LANES), list(range(_LANES))), DT_INT64)
+    lanes = lane_numbers(b, _LANES)
     # two sets of sums, even and odd rows: half the chains' length for data from the caches
     sums = [[local(b, DT_FLOAT32, _LANES) for _ in range(vectors)] for _ in range(2)]
     with loop(b, 0, n, step=nr, name="jp") as j:

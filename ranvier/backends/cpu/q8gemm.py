@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from llvmlite import ir
 
-from ...dtypes import DT_FLOAT16, DT_FLOAT32, DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT16
+from ...dtypes import DT_FLOAT16, DT_FLOAT32, DT_INT8, DT_INT16, DT_INT32, DT_UINT16
 from ..llvm.irutil import (
     BYTE_PTR,
     CACHE_LINE,
@@ -49,7 +49,7 @@ from ..llvm.irutil import (
     use_features,
 )
 from ..llvm.pointers import Pointer, padded_run, parameters, stack
-from ..llvm.values import Value, call, index_value, local, loop
+from ..llvm.values import Value, call, index_value, lane_numbers, local, loop
 from . import jit
 from .target import CPUTarget
 
@@ -281,7 +281,7 @@ class _Emitter:
                 row_scale = scale_rows[r][block].splat(lanes)
                 for v in range(_VECTORS):
                     sums[r][v].set(totals[r][v].cast(DT_FLOAT32).mul_add(scales[v] * row_scale, sums[r][v].value))
-        lane = Value(b, ir.Constant(ir.VectorType(I64, lanes), list(range(lanes))), DT_INT64)
+        lane = lane_numbers(b, lanes)
         for v in range(_VECTORS):
             mask = lane + v * lanes < columns.splat(lanes)
             for r in range(rows):

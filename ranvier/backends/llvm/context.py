@@ -20,9 +20,9 @@ from llvmlite import ir
 from ... import dtypes
 from ...flow.graph import Variable
 from .convert import narrow, widen
-from .irutil import I64, compute_type, constant, i64, load, storage_type, store, vector_of
+from .irutil import compute_type, constant, i64, load, storage_type, store, vector_of
 from .loops import fold, for_vectors
-from .values import Local, Value, index_value, loop
+from .values import Local, Value, index_value, lane_numbers, loop
 
 
 class EmitContext:
@@ -110,7 +110,7 @@ class EmitContext:
         """The int64 vector [0, 1, ..., lanes - 1] (0 for a scalar)."""
         if lanes == 1:
             return self.index(0)
-        return Value(self.b, ir.Constant(ir.VectorType(I64, lanes), list(range(lanes))), dtypes.DT_INT64)
+        return lane_numbers(self.b, lanes)
 
     def array(self, dtype: str, count: int) -> Array:
         """A scratch array of `count` scalars on the step's stack."""

@@ -429,6 +429,12 @@ def index_value(b: ir.IRBuilder, value: ir.Value | int) -> Value:
     return Value(b, value if isinstance(value, ir.Value) else constant(ir.IntType(64), value), dtypes.DT_INT64)
 
 
+def lane_numbers(b: ir.IRBuilder, lanes: int, dtype: str = dtypes.DT_INT64) -> Value:
+    """The vector [0, 1, ..., lanes - 1] of `dtype`: added to a vector's first index, each
+    lane's own (to mask the lanes past a row's end)."""
+    return Value(b, ir.Constant(ir.VectorType(compute_type(dtype), lanes), list(range(lanes))), dtype)
+
+
 @contextmanager
 def loop(b: ir.IRBuilder, start: Value | ir.Value | int, stop: Value | ir.Value | int, step: int = 1,
          name: str = "i") -> Iterator[Value]:
