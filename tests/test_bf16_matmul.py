@@ -6,6 +6,8 @@ measured faster than float32)."""
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.skipif(BF16_GEMM is None, reason="this CPU (or OS) offe
 TILES = BF16_GEMM == "amx-bf16"
 KERNEL = "AmxGemm" if TILES else "GemmDpbf16"
 PACKED_KERNEL = "AmxGemm" if TILES else "PackedGemmDpbf16"  # a product by a constant: its pairs packed once
+_erf = np.vectorize(math.erf, otypes=[np.float64])
 
 
 @pytest.fixture(autouse=True)
@@ -134,3 +137,30 @@ def test_mixed_precision_training_follows_float32():
         losses[matmul] = [trainer.step() for _ in range(30)]
     assert losses["bfloat16"][-1] < 0.8 * losses["bfloat16"][0]
     np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=0.05)
+
+
+@pytest.mark.parametrize("cpu", ["", "-avx512bf16", "-avx512"])
+def test_gelu_after_a_bf16_product_is_the_fast_one_within_its_bound(cpu):
+    """A product in bfloat16 by a constant and its epilogue's bias and exact Gelu
+    (mathlib.gelu_erf_fast: within 2.5e-7 · max(|x|, 1)) against float64 on the inputs the
+    product read: both rounded to bf16 on pairs, the constant alone on bf16 panels (where
+    AVX512-BF16 is masked)."""
+    rng = np.random.default_rng(5)
+    x, w, bias = (rng.standard_normal(shape, np.float32) for shape in ((70, 96), (96, 130), (130,)))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    a = f.var("a", rv.DT_FLOAT, x.shape)
+    out = f.gelu(f.matmul(a, f.const(w)) + f.const(bias))
+    out.var.out = True
+    cell = rv.Compiler(cpu=cpu, matmul="bfloat16").compile(flow).cell("f")
+    (step,) = cell.steps
+    assert step.op.type == "MatMulCalculate" and step.kernel.split("[")[0] == (PACKED_KERNEL if cpu == "" else "PackedGemmBf16")
+    data = cell.instance()
+    data[a] = x
+    data[out][...] = np.nan  # every element must be written
+    data.compute()
+    xa = rounded(x) if cpu == "" else x.astype(np.float64)
+    wb = rounded(w)
+    product = xa @ wb + bias
+    bound = 1.2e-5 * (np.abs(xa) @ np.abs(wb) + np.abs(bias)) + 2.5e-7 * np.maximum(np.abs(product), 1)
+    assert np.all(np.abs(data[out] - 0.5 * product * (1 + _erf(product / np.sqrt(2)))) <= bound)

@@ -5,6 +5,8 @@ formula gets a kernel on each."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from ...errors import RanvierError
 from ...ops import Attrs, op_def
 from ...ops.expression import Program
@@ -20,10 +22,21 @@ def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
     return definition.formula(*args, **Attrs(attrs, op_type, op_type, definition.attrs).values())
 
 
-def program_body(program: Program, outputs: int) -> Body:
-    """A Calculate program as a loop body: its `outputs` results, then what it writes in place."""
+# An op's formula in place of its own: its arguments and attributes → its value.
+Formula = Callable[[list[Value], dict[str, str]], Value]
+
+
+def program_body(program: Program, outputs: int, formulas: Mapping[str, Formula] | None = None) -> Body:
+    """A Calculate program as a loop body: its `outputs` results, then what it writes in place;
+    an op type in `formulas` computed by that formula instead of its own."""
+    formulas = formulas or {}
+
+    def call(node, args: list[Value]) -> Value:
+        attrs = dict(node.attrs)
+        formula = formulas.get(node.op_type)
+        return formula(args, attrs) if formula is not None else apply(node.op_type, attrs, args)
 
     def body(values, lanes):
-        return program.evaluate(values, outputs, lambda node, args: apply(node.op_type, dict(node.attrs), args))
+        return program.evaluate(values, outputs, call)
 
     return body

@@ -9,15 +9,31 @@ import math
 from collections.abc import Sequence
 
 from ....flow.graph import Variable
+from ....ops import attrs_of
 from ....ops.expression import program_of
 from ....ops.fused import EPILOGUE_PRODUCTS, epilogue_input_strides, fused_type, product_type
 from ...kernels import planned
-from ...llvm.formulas import program_body
+from ...llvm import mathlib
+from ...llvm.formulas import Formula, program_body
 from ...llvm.strided import View
 from ...llvm.values import Value
 from ..views import emit_map
 
 FUSED_PRODUCTS = {fused_type(product) for product in EPILOGUE_PRODUCTS}
+
+
+def _fast_gelu(args: list[Value], attrs: dict[str, str]) -> Value:
+    (x,) = args
+    return x.gelu("tanh") if attrs.get("approximate") == "tanh" else mathlib.gelu_erf_fast(x)
+
+
+def _formulas(op) -> dict[str, Formula]:
+    """Where the product's inputs may be rounded to bfloat16, its program's exact Gelu is
+    `mathlib.gelu_erf_fast`, whose error (2.5e-7 · max(|x|, 1)) is a thousandth of the
+    rounding's. BERT-base at batch 32 (bf16 pairs, one Zen 5 core): the FFN's first product
+    with its bias and Gelu took 1.15 times the second's time (the same FLOPs, a bias and a
+    residual after it) with `gelu_erf`, 1.04 with this."""
+    return {"Gelu": _fast_gelu} if attrs_of(op)["precision"] == "bfloat16" else {}
 
 
 def epilogue(ctx, op, at: int | Value, rows: int | Value, columns: int, partials: Sequence[Variable] = ()) -> None:
@@ -44,7 +60,7 @@ def epilogue(ctx, op, at: int | Value, rows: int | Value, columns: int, partials
 
     own = (per_index if outer else 0, n, 1)
     others = op.inputs[2:] if fused else []
-    program = program_body(program_of(op), len(op.outputs)) if fused else lambda values, lanes: values[:1]
+    program = program_body(program_of(op), len(op.outputs), _formulas(op)) if fused else lambda values, lanes: values[:1]
     added = len(partials)
 
     def body(values: list[Value], lanes: int) -> list[Value]:
