@@ -41,9 +41,9 @@ LIMITS = {
     F64: {"exp": 2, "log": 2, "tanh": 8, "sigmoid": 8, "silu": 8, "erf": 8, "gelu_erf": 8, "gelu_tanh": 8,
           "sin": 8, "cos": 8, **dict.fromkeys(MYELIN, 8)},
 }
-# Float32 functions outside FUNCTIONS, accurate to an absolute bound rather than in ULPs:
-# kind -> (function, its error's bound as a share of max(|x|, 1)).
-ABSOLUTE = {"gelu_erf_fast": (mathlib.gelu_erf_fast, 2.5e-7)}
+# Float32 functions outside FUNCTIONS, for the products whose inputs are rounded to bfloat16:
+# accurate to a bound of their own rather than in ULPs.
+ROUGH = {"gelu_erf_fast": mathlib.gelu_erf_fast, "exp_nonpositive": mathlib.exp_nonpositive}
 PERIODIC = ("sin", "cos", "tan", "cot")
 TRIG_RANGE = 1e4  # sin/cos/tan/cot accuracy is promised up to here; beyond, only finiteness (and [-1, 1])
 # Where the inverse functions are defined (NaN outside): samples concentrate there and at its edges.
@@ -81,7 +81,7 @@ def _kernel(module: ir.Module, kind: str, scalar: ir.Type, width: int) -> str:
         load_at = b.bitcast(b.gep(src, [index]), value_type.as_pointer())
         store_at = b.bitcast(b.gep(dst, [index]), value_type.as_pointer())
         loaded = Value(b, b.load(load_at, align=1), DT_FLOAT64 if isinstance(scalar, ir.DoubleType) else DT_FLOAT32)
-        value = ABSOLUTE[kind][0](loaded) if kind in ABSOLUTE else mathlib.emit(kind, loaded)
+        value = ROUGH[kind](loaded) if kind in ROUGH else mathlib.emit(kind, loaded)
         b.store(value.ir, store_at, align=1)
         index.add_incoming(b.add(index, ir.Constant(i64, lanes)), body)
         b.branch(head)
@@ -128,7 +128,7 @@ def _compile(variant: str) -> Compiled:
     names = {}
     for dtype, scalar in ((F32, ir.FloatType()), (F64, ir.DoubleType())):
         for width in WIDTHS[dtype]:
-            for kind in FUNCTIONS + (tuple(ABSOLUTE) if dtype is F32 else ()):
+            for kind in FUNCTIONS + (tuple(ROUGH) if dtype is F32 else ()):
                 names[kind, dtype, width] = _kernel(module, kind, scalar, width)
     parsed = llvm.parse_assembly(str(module))
     parsed.verify()
@@ -441,22 +441,42 @@ def test_same_bits_for_every_width(compiled: Compiled, dtype: type) -> None:
             assert np.array_equal(result, results[0]), f"{kind} differs between widths 1 and {width}"
 
 
+def _same_special_values(compiled: Compiled, kind: str, width: int, special: list[tuple[float, float]]) -> None:
+    inputs, expected = (np.array(column, F32) for column in zip(*special, strict=True))
+    got = compiled.run(kind, F32, inputs, width)
+    same = np.where(np.isnan(expected), np.isnan(got), (got == expected) & (np.signbit(got) == np.signbit(expected)))
+    assert same.all(), f"{kind}{inputs[~same].tolist()} = {got[~same].tolist()}"
+
+
 @pytest.mark.parametrize("width", WIDTHS[F32])
 def test_fast_gelu_within_its_absolute_bound(compiled: Compiled, width: int) -> None:
-    """gelu_erf_fast against float64 Gelu, at every width; its special values bit for bit."""
-    bound = ABSOLUTE["gelu_erf_fast"][1]
+    """gelu_erf_fast against float64 Gelu within 2.5e-7 · max(|x|, 1), at every width; its
+    special values bit for bit."""
     rng = np.random.default_rng(11)
     x = np.concatenate([rng.uniform(-8, 8, 20000), rng.standard_normal(20000) * 3, _log_uniform(rng, F32, 5000),
                         np.array([6.0, -6.0, np.nextafter(F32(-6), F32(-7)), 1e-30, -1e-30])]).astype(F32)
     got = compiled.run("gelu_erf_fast", F32, x, width).astype(F64)
     x64 = x.astype(F64)
     error = np.abs(got - 0.5 * x64 * _erfc64(-x64 / math.sqrt(2))) / np.maximum(np.abs(x64), 1)
-    assert error.max() <= bound, f"gelu_erf_fast({x[np.argmax(error)]!r}): error {error.max():.3g} of max(|x|, 1)"
-    special = [(np.inf, np.inf), (-np.inf, -0.0), (0.0, 0.0), (-0.0, -0.0), (-1e4, -0.0), (1e4, 1e4), (np.nan, np.nan)]
-    inputs, expected = (np.array(column, F32) for column in zip(*special, strict=True))
-    got = compiled.run("gelu_erf_fast", F32, inputs, width)
-    same = np.where(np.isnan(expected), np.isnan(got), (got == expected) & (np.signbit(got) == np.signbit(expected)))
-    assert same.all(), f"gelu_erf_fast{inputs[~same].tolist()} = {got[~same].tolist()}"
+    assert error.max() <= 2.5e-7, f"gelu_erf_fast({x[np.argmax(error)]!r}): error {error.max():.3g} of max(|x|, 1)"
+    _same_special_values(compiled, "gelu_erf_fast", width, [
+        (np.inf, np.inf), (-np.inf, -0.0), (0.0, 0.0), (-0.0, -0.0), (-1e4, -0.0), (1e4, 1e4), (np.nan, np.nan)])
+
+
+@pytest.mark.parametrize("width", WIDTHS[F32])
+def test_exp_of_nonpositive_values_within_its_bound(compiled: Compiled, request, width: int) -> None:
+    """exp_nonpositive against float64 exp within 4e-7 of it (3e-6 without FMA), or 2^-126
+    below it; exp(-inf) = 0, as a softmax over masked keys needs."""
+    rng = np.random.default_rng(12)
+    x = -np.concatenate([np.abs(rng.standard_normal(20000)) * 30, rng.uniform(0, 100, 20000), np.abs(_log_uniform(rng, F32, 5000)),
+                         np.array([87.3, 87.4, 88.0, 1e-30])]).astype(F32)
+    got = compiled.run("exp_nonpositive", F32, x, width).astype(F64)
+    want = np.exp(x.astype(F64))
+    bound = 3e-6 if request.node.callspec.params["compiled"] == "sse" else 4e-7
+    excess = np.abs(got - want) - (bound * want + 2.0**-126)
+    assert excess.max() <= 0, f"exp_nonpositive({x[np.argmax(excess)]!r}) = {got[np.argmax(excess)]!r}"
+    _same_special_values(compiled, "exp_nonpositive", width, [
+        (-np.inf, 0.0), (0.0, 1.0), (-0.0, 1.0), (-88.0, 0.0), (-1e30, 0.0), (np.nan, np.nan)])
 
 
 def test_straight_line_code_without_calls(compiled: Compiled, request) -> None:

@@ -399,3 +399,50 @@ def test_attention_on_bf16_pairs_rounds_each_products_inputs(causal, heads_first
         got = _layout(heads_first, np.asarray(data[tensor], np.float64))
         assert np.isfinite(got).all(), "every element written"
         assert np.all(np.abs(got - want) <= 1e-4 * bound + 1e-6), np.max(np.abs(got - want) / (bound + 1e-6))
+
+
+@pytest.mark.parametrize("cpu", ["", "-avx512bf16", "-avx512"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_in_bfloat16_attends_to_no_hidden_key(cpu, causal, monkeypatch):
+    """matmul="bfloat16": where the products run on bf16 pairs the softmax's exponentials
+    are mathlib.exp_nonpositive's (masked, the kernels and exp are float32's), and a query
+    that sees no key still attends to nothing (its exp(−∞) are 0, not 2^-127), the rest as
+    float64 (PyTorch) to within bf16's rounding; every element written."""
+    import torch
+
+    import ranvier as rv
+
+    fused_over_two_parts(monkeypatch)
+    b, h, kv, t, s, hd = 2, 4, 2, 6, 40, 16
+    q, k, v, dout = operands(b, h, kv, t, s, hd)
+    mask = unseen_mask(b, t, s, causal).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    handles = [f.var(name, "float32", list(x.shape)) for name, x in zip("qkvdm", (q, k, v, dout, mask))]
+    outputs = [f.attention(*handles[:3], handles[4], causal=causal),
+               *f.op("AttentionGrad", handles, None, {"causal": causal})]
+    for tensor in outputs:
+        tensor.var.out = True
+    cell = rv.Compiler("cpu", cpu=cpu, matmul="bfloat16", cache=False).compile(flow).cell("f")
+    assert [step.kernel.split("[")[0].removesuffix("Dpbf16") for step in cell.steps] == ["AttentionGemm", "AttentionGradGemm"]
+    data = cell.instance()
+    for handle, x in zip(handles, (q, k, v, dout, mask)):
+        data[handle] = x
+    for tensor in outputs:
+        data[tensor] = np.full(tensor.shape, np.nan, np.float32)
+    data.compute()
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+    visible = torch.tensor(mask, dtype=torch.float64)
+    if causal:
+        visible = visible + torch.triu(torch.full((t, s), -torch.inf, dtype=torch.float64), diagonal=s - t + 1)
+    groups = h // kv
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk.repeat_interleave(groups, 1), tv.repeat_interleave(groups, 1),
+                                                           attn_mask=visible)
+    out.backward(torch.tensor(dout, dtype=torch.float64))
+    unseen = np.broadcast_to(np.isneginf(visible.numpy().max(axis=-1)), (b, h, t))
+    assert unseen.any() and np.all(np.asarray(data[outputs[0]])[unseen] == 0)
+    assert np.all(np.asarray(data[outputs[1]])[unseen] == 0)
+    for tensor, want in zip(outputs, [out.detach(), tq.grad, tk.grad, tv.grad]):
+        got, want = np.asarray(data[tensor], np.float64), want.numpy()
+        assert np.isfinite(got).all(), "every element written"
+        assert np.all(np.abs(got - want) <= 2e-2 * np.abs(want).max()), np.abs(got - want).max() / np.abs(want).max()

@@ -449,15 +449,16 @@ def softmax_top_k_rows(op) -> RowBody:
     return body
 
 
-def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Value, unseen_zero: bool = False) -> None:
+def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Value, unseen_zero: bool = False,
+                            exp: Callable[[Value], Value] = Value.exp) -> None:
     """target = exp(source − peak) / their sum along the row (source may be target): the
     exponentials stored, then scaled in place. With `unseen_zero` a row of −∞ (an
-    attention query that sees no key) gives zeros rather than 0/0."""
+    attention query that sees no key) gives zeros rather than 0/0. `exp` is of values <= 0."""
     if unseen_zero:
         peak = finite_peak(peak)
 
     def exponential(i, w):
-        e = (ctx.load(source, i, w) - peak.splat(w)).exp()
+        e = exp(ctx.load(source, i, w) - peak.splat(w))
         ctx.store(target, i, e)
         return e
 
@@ -467,10 +468,10 @@ def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Va
 
 
 def scaled_softmax(ctx: EmitContext, scores, start: Value, seen: int | Value, scale: float, bias=None,
-                   unseen_zero: bool = False) -> None:
+                   unseen_zero: bool = False, exp: Callable[[Value], Value] = Value.exp) -> None:
     """scores[start:+seen] → softmax(scale · scores + bias(i, width)), in place (an attention
     query's raw scores to its probabilities): the logits stored as the maximum is taken over
-    them, then `normalized_exponentials`."""
+    them, then `normalized_exponentials` (by `exp`)."""
     row = Row(ctx, start, seen, scores.dtype)
 
     def logit(i, w):
@@ -480,7 +481,7 @@ def scaled_softmax(ctx: EmitContext, scores, start: Value, seen: int | Value, sc
         return value
 
     peak = row.fold(-math.inf, _max, logit)
-    normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero)
+    normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero, exp)
 
 
 def finite_peak(peak: Value) -> Value:

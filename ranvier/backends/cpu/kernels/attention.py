@@ -36,8 +36,10 @@ from llvmlite import ir
 from .... import dtypes
 from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
+from ...llvm import mathlib
 from ...llvm.irutil import BYTE_PTR, cache_line_aligned, i64
 from ...llvm.loops import fill
+from ...llvm.pointers import Pointer
 from ...llvm.rows import Row, finite_peak, row_axpy, row_dot, scaled_softmax, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
@@ -126,6 +128,9 @@ class _Heads:
         self.dtype = q.dtype
         self.bias = bias_of(op)
         self.bias_dims = bias_dims(self.bias.shape) if self.bias is not None else None
+        # Where the products may round the probabilities to bfloat16, their exponentials need
+        # not be float32's best: `exp_nonpositive` errs by 4e-7 of them, a ten-thousandth of the rounding's.
+        self.exp = mathlib.exp_nonpositive if attrs["precision"] == "bfloat16" else Value.exp
 
     def kv_base(self, bh: Value) -> Value:
         """Where the key/value head query head bh reads starts."""
@@ -213,7 +218,8 @@ class _Heads:
                 return ctx.load(self.bias, bias_start + (i - start), w)
             return ctx.load(self.bias, bias_start).splat(w)
 
-        scaled_softmax(ctx, scores, start, seen, self.scale, bias if self.bias is not None else None, unseen_zero=True)
+        scaled_softmax(ctx, scores, start, seen, self.scale, bias if self.bias is not None else None, unseen_zero=True,
+                       exp=self.exp)
         self.clear_unseen(scores, start, seen, columns)
 
     def each_query(self, q, k, p, body) -> None:
@@ -349,6 +355,16 @@ class _Panels:
                       self.ctx.b.gep(c, [i64(first)]), self.out_stride)
 
 
+def _prefetch_rows(ctx, var, start: Value, rows: Value | int, stride: int, size: int) -> None:
+    """Ask for `rows` rows of `size` floats of `var`, `stride` apart from element `start`, to
+    be brought into L2 (a prefetch never faults: rows past the end are asked for harmlessly)."""
+    lines = -(-size * 4 // 64) + (1 if size * 4 % 64 else 0)
+    with ctx.loop(0, rows, name="pf") as r:
+        row = Pointer(ctx.b, ctx.element_pointer(var, start + r * stride), dtypes.DT_FLOAT32)
+        for line in range(lines):
+            (row + line * 16).prefetch()
+
+
 def _block_workspace(op) -> int:
     return len(_block_parts(op)) * _block_share(op)
 
@@ -396,6 +412,18 @@ def _attention_blocks(ctx, op, pairs: bool) -> None:
                 keys_across.across_keys(k, kv)
                 values.along_keys(v, kv)
                 packed_kv.set(kv)
+            # The next head's keys and values (a share of their rows per block of this head's
+            # queries) and the next block's queries, asked into L2 while this block computes: the
+            # products' outputs they are come from L3 or memory, rows a model's width apart, which
+            # packing them read at a fraction of the copy rate. BERT-base's [8, 128, 12, 64]
+            # on bf16 pairs (one Zen 5 core, alternated): 0.95 of the time.
+            per_block = -(-d.keys // blocks)
+            first_key = item % blocks * per_block
+            next_kv = heads.kv_base(bh + 1) + first_key * d.kv_stride
+            for source in (k, v):
+                _prefetch_rows(ctx, source, next_kv, (d.keys - first_key).minimum(per_block), d.kv_stride, d.size)
+            _prefetch_rows(ctx, q, heads.q_row((item + 1) // blocks, (item + 1) % blocks * rows_per_block), rows_per_block,
+                           d.q_stride, d.size)
             keys_across.times_keys(gemm, rows, seen, ctx.element_pointer(q, query_rows), d.q_stride, ctx.pointer(scores))
             with ctx.loop(0, rows, name="r") as r:
                 heads.normalize(scores, r * score_stride, bh, first_query + r, seen)
