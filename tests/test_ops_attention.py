@@ -132,8 +132,6 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
     """Its output row and every gradient it contributes are 0 — what PyTorch's
     scaled_dot_product_attention gives and ONNX's Attention specifies — not the softmax's
     0/0; the other queries are as without it. PyTorch, float64, is the oracle."""
-    import torch
-
     b, h, kv, t, s, hd = 2, 4, 2, 6, 8, 8
     q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
     mask = unseen_mask(b, t, s, causal).astype(dtype)
@@ -141,6 +139,20 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
     outputs = run_flow(lambda f, q, k, v, d, mask: [f.attention(q, k, v, mask, causal=causal),
                                                     *f.op("AttentionGrad", [q, k, v, d, mask], None, attrs)],
                        [q, k, v, dout, mask])
+    wanted, unseen = masked_sdpa(q, k, v, dout, mask, causal)
+    assert unseen.any() and not unseen.all()
+    assert np.all(wanted[0][unseen] == 0)
+    for got, want in zip(outputs, wanted):
+        check(got, want, dtype)
+
+
+def masked_sdpa(q, k, v, dout, mask, causal):
+    """PyTorch's scaled_dot_product_attention in float64 under `mask` (heads first, key/value
+    heads repeated for their groups): the output and the three gradients, and which
+    (batch, head, query) see no key."""
+    import torch
+
+    (b, h, t, _), (kv, s) = q.shape, k.shape[1:3]
     tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
     visible = torch.tensor(mask, dtype=torch.float64)
     if causal:
@@ -149,11 +161,8 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
     out = torch.nn.functional.scaled_dot_product_attention(tq, tk.repeat_interleave(groups, 1), tv.repeat_interleave(groups, 1),
                                                            attn_mask=visible)
     out.backward(torch.tensor(dout, dtype=torch.float64))
-    unseen = np.isneginf(visible.numpy().max(axis=-1))
-    assert unseen.any() and not unseen.all()
-    assert np.all(out.detach().numpy()[np.broadcast_to(unseen, (b, h, t))] == 0)
-    for got, want in zip(outputs, [out.detach(), tq.grad, tk.grad, tv.grad]):
-        check(got, want.numpy(), dtype)
+    unseen = np.broadcast_to(np.isneginf(visible.numpy().max(axis=-1)), (b, h, t))
+    return [x.detach().numpy() for x in (out, tq.grad, tk.grad, tv.grad)], unseen
 
 
 def fused_over_two_parts(monkeypatch) -> None:
@@ -408,8 +417,6 @@ def test_attention_in_bfloat16_attends_to_no_hidden_key(cpu, causal, monkeypatch
     are mathlib.exp_nonpositive's (masked, the kernels and exp are float32's), and a query
     that sees no key still attends to nothing (its exp(−∞) are 0, not 2^-127), the rest as
     float64 (PyTorch) to within bf16's rounding; every element written."""
-    import torch
-
     import ranvier as rv
 
     fused_over_two_parts(monkeypatch)
@@ -431,18 +438,10 @@ def test_attention_in_bfloat16_attends_to_no_hidden_key(cpu, causal, monkeypatch
     for tensor in outputs:
         data[tensor] = np.full(tensor.shape, np.nan, np.float32)
     data.compute()
-    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
-    visible = torch.tensor(mask, dtype=torch.float64)
-    if causal:
-        visible = visible + torch.triu(torch.full((t, s), -torch.inf, dtype=torch.float64), diagonal=s - t + 1)
-    groups = h // kv
-    out = torch.nn.functional.scaled_dot_product_attention(tq, tk.repeat_interleave(groups, 1), tv.repeat_interleave(groups, 1),
-                                                           attn_mask=visible)
-    out.backward(torch.tensor(dout, dtype=torch.float64))
-    unseen = np.broadcast_to(np.isneginf(visible.numpy().max(axis=-1)), (b, h, t))
+    wanted, unseen = masked_sdpa(q, k, v, dout, mask, causal)
     assert unseen.any() and np.all(np.asarray(data[outputs[0]])[unseen] == 0)
     assert np.all(np.asarray(data[outputs[1]])[unseen] == 0)
-    for tensor, want in zip(outputs, [out.detach(), tq.grad, tk.grad, tv.grad]):
-        got, want = np.asarray(data[tensor], np.float64), want.numpy()
+    for tensor, want in zip(outputs, wanted):
+        got = np.asarray(data[tensor], np.float64)
         assert np.isfinite(got).all(), "every element written"
         assert np.all(np.abs(got - want) <= 2e-2 * np.abs(want).max()), np.abs(got - want).max() / np.abs(want).max()
