@@ -772,11 +772,11 @@ def test_the_routing_sort_runs_in_one_thread_with_the_cpus_result(capacity):
     assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
 
 
-def _grouped(op_type: str, dtype: str, transposed: bool, offsets: list[int]):
-    """A grouped product (or its weight gradient) of 3 experts over 10 rows, K 5, N 7."""
+def _grouped(op_type: str, dtype: str, transposed: bool, offsets: list[int], rows: int = 10, k: int = 5, n: int = 7):
+    """A grouped product (or its weight gradient) of 3 experts over 10 rows, K 5, N 7 (unless given)."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    rows, k, n, experts = 10, 5, 7, 3
+    experts = len(offsets) - 1
     x = f.var("x", dtype, [rows, k])
     groups = f.var("offsets", "int32", [experts + 1])
     if op_type == "GroupedMatMul":
@@ -818,12 +818,67 @@ def test_a_grouped_product_is_one_thread_per_output_and_matches_the_reference(op
     assert _assembles(op) == op.outputs[0].size
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["element-per-thread", "tensor-cores"])
 @pytest.mark.parametrize("op_type", ["GroupedMatMul", "GroupedMatMulWeightGrad"])
-def test_group_offsets_that_do_not_rise_set_the_status_word(op_type):
-    op, values = _grouped(op_type, "float32", False, [0, 6, 4, 7])
+def test_group_offsets_that_do_not_rise_set_the_status_word(op_type, dtype):
+    op, values = _grouped(op_type, dtype, False, [0, 6, 4, 7])
     assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
-    op, values = _grouped(op_type, "float32", False, [0, 4, 6, 11])  # past the 10 rows
+    op, values = _grouped(op_type, dtype, False, [0, 4, 6, 11])  # past the 10 rows
     assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
+    op, values = _grouped(op_type, dtype, False, [1, 4, 6, 7])  # rows before the first group
+    assert run_gpu_kernels_on_host(op, values)["status"][0] == 1
+
+
+MMA_GROUPED_CASES = [  # rows, K, N, group offsets
+    (150, 40, 70, [0, 70, 70, 140]),  # ragged groups over two row tiles, an empty expert, 10 rows no group holds
+    (20, 64, 24, [0, 0, 5, 20]),  # the first expert empty, a depth of two whole tiles, fewer columns than a tile
+    (200, 16, 130, [0, 130, 200, 200]),  # a group of three row tiles, the last expert empty, three column tiles
+]
+
+
+@pytest.mark.parametrize("rows,k,n,offsets", MMA_GROUPED_CASES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["plain", "transposed"])
+@pytest.mark.parametrize("op_type", ["GroupedMatMul", "GroupedMatMulWeightGrad"])
+@pytest.mark.parametrize("operands", ["float32", "bfloat16"])
+def test_bfloat16_grouped_products_run_on_tensor_cores_a_block_per_tile(operands, op_type, transposed, rows, k, n, offsets):
+    """The tensor-core kernels, as the host emulator runs their warps' products: every
+    output element written (outputs NaN first), equal to float64 over the operands rounded
+    to bfloat16 within the output's rounding (float32 sums); rows no group holds and the
+    gradient of an expert no row chose are zeros. Float32 operands take them where the
+    products may round to bfloat16 (the compile's matmul precision), else the
+    element-per-thread kernel. A block of four warps per 64 × 64 tile; the GPU's code
+    assembles with no spills, its sums in registers."""
+    from ranvier.backends.cuda import grouped_mma
+    from ranvier.ops.moe import grouped_matmul, grouped_matmul_weight_grad
+
+    op, values = _grouped(op_type, operands, transposed, offsets, rows, k, n)
+    if operands == "float32":
+        assert not grouped_mma.supports(op) and kernels.kernel_kind(op) == "GroupedProduct"
+        op.set_attr("precision", "bfloat16")
+    assert kernels.kernel_kind(op) == "GroupedProductMMA"
+    got = run_gpu_kernels_on_host(op, values, fill=0xFF)
+    assert got["status"][0] == 0
+    rounded = {name: value.astype(ml_dtypes.bfloat16).astype(np.float64) for name, value in values.items() if name != "f/offsets"}
+    experts = len(offsets) - 1
+    if op_type == "GroupedMatMul":
+        want = grouped_matmul(rounded["f/x"], rounded["f/w"], values["f/offsets"], transposed)
+        assert not want[offsets[-1]:].any()
+    else:
+        want = grouped_matmul_weight_grad(rounded["f/x"], rounded["f/dy"], values["f/offsets"], experts, transposed)
+        empty = [e for e in range(experts) if offsets[e] == offsets[e + 1]]
+        assert empty and not want[empty].any()
+    result = got[op.outputs[0].name]
+    share = 2.0**-8 if operands == "bfloat16" else 1e-5  # the output's rounding, or float32 sums in a different order
+    np.testing.assert_allclose(result, want, rtol=share, atol=share * np.abs(want).max() / 64)
+    module, (launched,) = kernels.kernel_module(op)
+    row_tiles = -(-rows // 64) + experts if op_type == "GroupedMatMul" else experts * -(-(n if transposed else k) // 64)
+    assert launched.threads == 128 and launched.elements == row_tiles * -(-(k if transposed and op_type != "GroupedMatMul" else n) // 64)
+    if ptx.ptxas_path() is not None:
+        text = ptx.emit_ptx(module)
+        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16  # 64 columns by 32 of the depth
+        report = ptx.assemble(text).report
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+        print(re.search(r"Used \d+ registers.*", report).group(0))
 
 
 @pytest.mark.parametrize("start,expect_status", [(0, 0), (5, 0), (8, 1)])

@@ -615,6 +615,20 @@ def test_a_bfloat16_training_step_runs_attention_on_tensor_cores_and_follows_the
         assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=1e-3)
 
 
+def test_a_bfloat16_moe_training_step_runs_its_grouped_products_on_tensor_cores_and_follows_the_float32_losses(on_device):
+    """moe-tiny with its products in bfloat16: the grouped expert products and their
+    gradients on tensor cores (a block per tile within a group), and ten steps' losses
+    within bfloat16's rounding of the CPU's float32 ones."""
+    gpu, vocabulary = _language_model_trainer("cuda", "moe", matmul="bfloat16")
+    grouped = {step.kernel for step in gpu.network.cell("train").steps if step.op.type.startswith("GroupedMatMul")}
+    assert grouped == {"GroupedProductMMA"}
+    cpu, _ = _language_model_trainer("cpu", "moe")
+    rng = np.random.default_rng(2)
+    for _ in range(10):
+        batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
+        assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=1e-3)
+
+
 def _attention_cell(f):
     """Attention and its gradient over [2, 100, heads, 64] rows, four query heads to two
     key/value heads, causal: 100 rows, so the blocks of 64 end ragged."""

@@ -30,10 +30,10 @@ def _rows(op: Operation) -> int:
 
 def use_matmul_precision(func: Function, precision: str, capabilities: Capabilities) -> None:
     """Mark, to run in `precision`, the float32 matrix products of `func` that have rows, the
-    float32 attention ops (their products) and gradients of more than one query and the
-    float32 convolutions, where the backend computes in `precision`; and the products by an
-    unchanging constant matrix, vector-matrix ones too, where the backend keeps such a
-    matrix in `precision`."""
+    float32 attention ops (their products) and gradients of more than one query, the
+    float32 convolutions and a MoE layer's grouped products, where the backend computes in
+    `precision`; and the products by an unchanging constant matrix, vector-matrix ones too,
+    where the backend keeps such a matrix in `precision`."""
     products = precision in capabilities.matmul_precisions
     weights = precision in capabilities.narrow_weights
     for op in func.ops:
@@ -42,7 +42,7 @@ def use_matmul_precision(func: Function, precision: str, capabilities: Capabilit
         if op.type == "MatMul":
             by_constant = op.inputs[1].rank == 2 and unchanging_constant(op.inputs[1])
             marked = (products and _rows(op) > 1) or (weights and by_constant)
-        elif op.type == "Conv2D":
+        elif op.type in ("Conv2D", "GroupedMatMul", "GroupedMatMulWeightGrad"):
             marked = products
         else:
             marked = products and op.type in ("Attention", "AttentionGrad") and _queries(op) > 1

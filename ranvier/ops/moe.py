@@ -169,6 +169,10 @@ define(
 # ---- GroupedMatMul: each group of rows times its own matrix ------------------------------------------------
 
 
+PRECISION = Attr("precision", "str", "float32",
+                 "float32, or bfloat16 / tfloat32: float32 inputs may be rounded to that type, float32 sums")
+
+
 def _infer_grouped(ctx):
     x, w, offsets = ctx.inputs
     if x.dtype not in FLOATS or w.dtype != x.dtype:
@@ -216,7 +220,7 @@ define(
     "GroupedMatMul", _infer_grouped, lambda a, args, o: [grouped_matmul(*args, a["transpose_b"])], 3, "moe",
     "GroupedMatMul(x [R, K], w [E, K, N], offsets [E+1]): rows offsets[e]..offsets[e+1] of x times w[e]; "
     "rows past the last group are zero",
-    attrs=[Attr("transpose_b", "bool", False, "the matrices are [E, N, K]: use each one's transpose")],
+    attrs=[Attr("transpose_b", "bool", False, "the matrices are [E, N, K]: use each one's transpose"), PRECISION],
     vjp=_grouped_vjp,
     flops=_grouped_flops,
     method="grouped_matmul",
@@ -251,6 +255,7 @@ define(
     attrs=[
         Attr("experts", "int", None, "the number of matrices"),
         Attr("transpose", "bool", False, "give each gradient transposed, [E, N, K]"),
+        PRECISION,
     ],
     flops=lambda op: 2 * op.inputs[0].size * op.inputs[1].shape[1],
     method="grouped_matmul_weight_grad",

@@ -9,6 +9,7 @@ reduction's output element: a loop down the reduced axis, by a thread or a block
 CPU's row passes, split over a block's threads), `lookups` (one index of a Gather or OneHot, its row split over a block),
 `scatters` (an accumulation: the output zeroed, then one thread per element added),
 `experts` (a MoE layer's routing sort, one thread; its grouped products' elements),
+`grouped_mma` (the grouped products in bfloat16 on tensor cores, a block per tile),
 `products` (a matrix product's output element), `assigns` (an element written in
 place: Assign, a KV cache's AssignSlice), `attention_mma` (attention in bfloat16 on
 tensor cores, a warp per 16 query rows), `attention` (blocks of query or key rows of
@@ -53,6 +54,7 @@ from . import (  # noqa: F401  (registration)
     experts,
     facts,
     foreach,
+    grouped_mma,
     lookups,
     maps,
     pads,
@@ -113,7 +115,7 @@ def foreach_key(op: Operation | Member) -> int | None:
 
 def kernel_kind(op: Operation | Member) -> str:
     """What a cell printout calls the op's kernel: "Copy", "Map", "Pad", "Reduce", "Rows", "Lookup", "Scatter",
-    "Route", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention", "ShapeFact" or "ForEach"."""
+    "Route", "GroupedProductMMA", "GroupedProduct", "Product", "Assign", "AttentionMMA", "Attention", "ShapeFact" or "ForEach"."""
     return chosen(op).name
 
 
