@@ -405,6 +405,49 @@ def race(sides: dict[str, Step], batches: list[tuple[np.ndarray, np.ndarray]], r
 TORCH_COMPILE = "torch.compile"  # the race side of PyTorch through torch.compile
 
 
+def gpu_sides(args, config, model, feed_forward: tuple[Callable, Callable], torch, checkpointed: bool = False):
+    """ranvier training `model` on the CUDA backend (its products in `args.matmul`,
+    bfloat16 by default; activations in `args.precision`), replaying graphs and launching
+    kernel by kernel (the "rv-no-graph" side), and PyTorch eager with the
+    `feed_forward` (weights, forward) layers, and through torch.compile (where asked, or by
+    default where PyTorch sees a GPU), under bf16 autocast on the GPU (on the CPU in
+    float32 where PyTorch sees no GPU, as with ranvier's host emulator: then only that the
+    script runs is shown); the trainer, the sides and the GPU's ceilings."""
+    from ranvier.backends.cuda.resident import GRAPHS_ENVIRONMENT
+
+    on_gpu = torch.cuda.is_available()
+    print(f"GPU: {torch.cuda.get_device_name()}" if on_gpu else "GPU: none that PyTorch sees; its side runs on the CPU")
+    trainer = ranvier_trainer(model, args.batch, args.seq, args.matmul or "bfloat16", checkpointed, backend="cuda",
+                              precision=args.precision)
+
+    def without_graphs(x, y):
+        os.environ[GRAPHS_ENVIRONMENT] = "0"
+        try:
+            return trainer.step([x, y])
+        finally:
+            del os.environ[GRAPHS_ENVIRONMENT]
+
+    device = "cuda" if on_gpu else "cpu"
+    sides = {"ranvier": stepper(trainer), "rv-no-graph": without_graphs,
+             "pytorch": torch_trainer(config, args.batch, args.seq, *feed_forward, device=device, bf16=on_gpu)}
+    if args.torch_compile if args.torch_compile is not None else on_gpu:
+        sides[TORCH_COMPILE] = torch_trainer(config, args.batch, args.seq, *feed_forward, device=device, bf16=on_gpu,
+                                             compiled=True)
+    ceilings = measure_gpu_ceilings(torch) if on_gpu else measure_ceilings(megabytes=64, gemm_n=1024, repeats=3, torch=torch)
+    return trainer, sides, ceilings
+
+
+def gpu_race_end(model: str, medians: dict[str, float], flops_per_token: float, ceilings: Ceilings,
+                 datasheet: tuple[float, str] | None, trainer, batches, torch) -> None:
+    """After a GPU race: its `gpu-result` line, then the trainer's steps again, each timed
+    (a GPU times each step only when asked, which costs: steps of their own, after the race)."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "emulator"
+    print(gpu_result(model, medians, flops_per_token, datasheet[0] if datasheet else ceilings.gemm, gpu), flush=True)
+    trainer.reset_profile()
+    for x, y in batches:
+        trainer.step([x, y])
+
+
 def compiles(first_call: Callable[[], object]) -> bool:
     """Make a torch.compile side's first call (its compile); False, with one line why,
     where Inductor cannot compile it here (no C++ compiler, an op it does not lower)."""

@@ -30,7 +30,6 @@ Run: python benchmarks/llama_train.py [--preset stories15M] [--batch 4] [--seq 2
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from common import (
     TORCH_COMPILE,
@@ -39,11 +38,11 @@ from common import (
     comparison,
     compile_options,
     datasheet_peak,
-    gpu_result,
+    gpu_race_end,
+    gpu_sides,
     machine,
     match_threads,
     measure_ceilings,
-    measure_gpu_ceilings,
     race,
     ranvier_trainer,
     slowest_steps,
@@ -101,7 +100,8 @@ def main() -> None:
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
     datasheet = None
     if args.backend == "cuda":
-        first_trainer, sides, ceilings = gpu_sides(args, config, torch)
+        first_trainer, sides, ceilings = gpu_sides(args, config, Llama(config, seed=0), dense_feed_forward(config), torch,
+                                                   args.checkpointed)
         datasheet = datasheet_peak(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     else:
         torch_compile = args.torch_compile is not False
@@ -120,13 +120,7 @@ def main() -> None:
           f"{config.flops_per_token(args.seq) / 1e6:.0f} MFLOP per token")
     medians = race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings, datasheet)
     if args.backend == "cuda":
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "emulator"
-        print(gpu_result(args.preset, medians, config.flops_per_token(args.seq), datasheet[0] if datasheet else ceilings.gemm,
-                         gpu), flush=True)
-        # a GPU times each step only when asked (it costs): steps of their own, after the race
-        first_trainer.reset_profile()
-        for x, y in batches:
-            first_trainer.step([x, y])
+        gpu_race_end(args.preset, medians, config.flops_per_token(args.seq), ceilings, datasheet, first_trainer, batches, torch)
     if "ranvier-bf16" in medians:
         print(f"{comparison('ranvier-bf16', medians['ranvier-bf16'], 'ranvier', medians['ranvier'], True)} (median tokens/s)")
     for trainer in trainers if args.backend == "cpu" else [first_trainer]:  # where each step spends its time
@@ -134,37 +128,6 @@ def main() -> None:
         print(profile.by_kernel())
         if profile.timed:
             print(slowest_steps(profile, ceilings))
-
-
-def gpu_sides(args, config, torch):
-    """ranvier on the CUDA backend, replaying graphs and launching kernel by kernel, and
-    PyTorch eager and through torch.compile (where asked, or by default where PyTorch sees
-    a GPU), under bf16 autocast on the GPU (on the CPU in float32 where PyTorch sees no
-    GPU, as with ranvier's host emulator: then only that the script runs is shown); the
-    trainer, the sides and the GPU's ceilings."""
-    from ranvier.backends.cuda.resident import GRAPHS_ENVIRONMENT
-    from ranvier.models.llama import Llama
-
-    on_gpu = torch.cuda.is_available()
-    print(f"GPU: {torch.cuda.get_device_name()}" if on_gpu else "GPU: none that PyTorch sees; its side runs on the CPU")
-    trainer = ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, args.matmul or "bfloat16", args.checkpointed,
-                              backend="cuda", precision=args.precision)
-
-    def without_graphs(x, y):
-        os.environ[GRAPHS_ENVIRONMENT] = "0"
-        try:
-            return trainer.step([x, y])
-        finally:
-            del os.environ[GRAPHS_ENVIRONMENT]
-
-    device = "cuda" if on_gpu else "cpu"
-    sides = {"ranvier": stepper(trainer), "rv-no-graph": without_graphs,
-             "pytorch": torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config), device=device, bf16=on_gpu)}
-    if args.torch_compile if args.torch_compile is not None else on_gpu:
-        sides[TORCH_COMPILE] = torch_trainer(config, args.batch, args.seq, *dense_feed_forward(config), device=device,
-                                             bf16=on_gpu, compiled=True)
-    ceilings = measure_gpu_ceilings(torch) if on_gpu else measure_ceilings(megabytes=64, gemm_n=1024, repeats=3, torch=torch)
-    return trainer, sides, ceilings
 
 
 if __name__ == "__main__":

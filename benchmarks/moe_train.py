@@ -1,4 +1,4 @@
-"""Mixture-of-experts training throughput: ranvier vs PyTorch CPU eager on the same model, same run.
+"""Mixture-of-experts training throughput: ranvier vs PyTorch eager on the same model, same run.
 
 The moe-15M shape (dim 288, 6 layers, 6 query heads and one KV head, 8 SwiGLU experts of
 512, top-2, vocab 4096) at batch 4 x seq 256 by default. Both sides train with AdamW and
@@ -9,12 +9,25 @@ PyTorch runs its experts as Mixtral's eager code does: a loop over experts, each
 tokens routed to it (index_add back, weighted). Both spend the same matrix-product FLOPs,
 so the share of ranvier's step in matrix products, and their rate, is printed too: the
 ratio cannot exceed what the rest of PyTorch's step costs it over ranvier's.
+With --backend cuda, ranvier's CUDA backend (its products in bf16 unless --matmul says
+otherwise: the grouped expert products on tensor cores) races PyTorch eager under bf16
+autocast on the same GPU, ranvier replaying each step as one CUDA graph and launching
+kernel by kernel ("rv-no-graph"), as benchmarks/llama_train.py does; the race ends with a
+`gpu-result` line (the issue's target: moe-15M at 1.5× PyTorch eager bf16) and ranvier's
+step by kernel. Without a GPU it runs on the host emulator (PyTorch's side on the CPU):
+only that the script runs is shown.
 Run: python benchmarks/moe_train.py [--preset moe-15M] [--batch 4] [--seq 256] [--steps 5] [--repeats 3]
+     [--backend cuda] [--matmul float32|tfloat32|bfloat16] [--precision float32|bfloat16|float16]
+     [--torch-compile | --no-torch-compile]
 """
 
 from __future__ import annotations
 
 from common import (
+    compile_options,
+    datasheet_peak,
+    gpu_race_end,
+    gpu_sides,
     machine,
     match_threads,
     measure_ceilings,
@@ -72,12 +85,21 @@ def gemm_share(profile) -> str:
 
 
 def main() -> None:
-    import torch
-
+    from ranvier.backends import MATMUL_PRECISIONS, PRECISIONS
     from ranvier.models.moe import PRESETS, MoE
 
     parser = training_arguments(__doc__.splitlines()[0], PRESETS, "moe-15M")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--matmul", default=None, choices=MATMUL_PRECISIONS,
+                        help="with --backend cuda, ranvier's matrix products (default bfloat16)")
+    parser.add_argument("--precision", default="float32", choices=PRECISIONS,
+                        help="with --backend cuda, what ranvier stores activations in")
+    compile_options(parser, "with --backend cuda, where PyTorch sees a GPU")
     args = parser.parse_args()
+    if args.backend != "cuda" and (args.matmul or args.precision != "float32" or args.torch_compile):
+        parser.error("--matmul, --precision and --torch-compile are for --backend cuda")
+    import torch
+
     config = PRESETS[args.preset]
     match_threads(torch)
     print(machine(torch))
@@ -86,13 +108,21 @@ def main() -> None:
     print(f"{args.preset}: {counts['parameters'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active; "
           f"{config.n_experts} experts, top-{config.top_k}: routing skips {1 - config.top_k / config.n_experts:.0%} "
           f"of the expert FLOPs a dense evaluation would spend ({6 * skipped / 1e9:.3f} GFLOP per token of training)")
-    trainer = ranvier_trainer(MoE(config, seed=0), args.batch, args.seq)
-    sides = {"ranvier": stepper(trainer), "pytorch": torch_trainer(config, args.batch, args.seq, *mixtral_feed_forward(config))}
     batches = token_batches(config.vocab_size, args.batch, args.seq, args.steps)
-    trainer.step(list(batches[0]))
-    trainer.data.reset_profile()  # warm steps only
-    ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
-    race(sides, batches, args.repeats, config.vocab_size, config.flops_per_token(args.seq), ceilings)
+    flops = config.flops_per_token(args.seq)
+    if args.backend == "cuda":
+        trainer, sides, ceilings = gpu_sides(args, config, MoE(config, seed=0), mixtral_feed_forward(config), torch)
+        datasheet = datasheet_peak(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        medians = race(sides, batches, args.repeats, config.vocab_size, flops, ceilings, datasheet)
+        gpu_race_end(args.preset, medians, flops, ceilings, datasheet, trainer, batches, torch)
+        print(trainer.profile().by_kernel())
+    else:
+        trainer = ranvier_trainer(MoE(config, seed=0), args.batch, args.seq)
+        sides = {"ranvier": stepper(trainer), "pytorch": torch_trainer(config, args.batch, args.seq, *mixtral_feed_forward(config))}
+        trainer.step(list(batches[0]))
+        trainer.data.reset_profile()  # warm steps only
+        ceilings = measure_ceilings(megabytes=256, gemm_n=2048, repeats=3, torch=torch)
+        race(sides, batches, args.repeats, config.vocab_size, flops, ceilings)
     print(gemm_share(trainer.profile()))
 
 

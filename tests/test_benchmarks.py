@@ -121,6 +121,27 @@ def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monke
 
 
 @pytest.mark.slow
+def test_moe_training_benchmark_races_the_cuda_backend_against_pytorch_eager(monkeypatch):
+    """On the host emulator here: ranvier with and without graphs against PyTorch eager,
+    the gpu-result line, ranvier's step by kernel with the grouped products on tensor
+    cores; the GPU's flags are refused on the CPU."""
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    out = run("moe_train.py", "--backend", "cuda", "--preset", "moe-tiny", "--batch", "2", "--seq", "16", "--steps", "1",
+              "--repeats", "1")
+    lines = out.splitlines()
+    assert "ranvier (cuda, bfloat16) compiled the training step" in out
+    assert_summary(lines, "tokens/s", sides=("ranvier", "rv-no-graph", "pytorch"))
+    assert re.search(r"^gpu-result moe-tiny tokens/s=\d+ vs-eager=\d+\.\d\d vs-compile=n/a mfu=[\d.]+% gpu=emulator$",
+                     out, re.MULTILINE)
+    assert re.search(r"^cell train: [\d.]+ ms per compute on host emulator.*, by kernel$", out, re.MULTILINE)
+    assert re.search(r"^  GroupedProductMMA +\d+ +[\d.]+ +[\d.]+%", out, re.MULTILINE)
+    assert "ranvier's step: matrix products" in out
+    done = subprocess.run([sys.executable, "moe_train.py", "--matmul", "bfloat16"], check=False, cwd=BENCHMARKS,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "are for --backend cuda" in done.stderr
+
+
+@pytest.mark.slow
 def test_training_benchmark_stores_activations_in_bfloat16_on_the_cuda_backend_where_asked(monkeypatch):
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     out = run("llama_train.py", "--backend", "cuda", "--preset", "stories260K", "--batch", "2", "--seq", "16", "--steps", "1",

@@ -615,18 +615,26 @@ def test_a_bfloat16_training_step_runs_attention_on_tensor_cores_and_follows_the
         assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=1e-3)
 
 
-def test_a_bfloat16_moe_training_step_runs_its_grouped_products_on_tensor_cores_and_follows_the_float32_losses(on_device):
-    """moe-tiny with its products in bfloat16: the grouped expert products and their
-    gradients on tensor cores (a block per tile within a group), and ten steps' losses
-    within bfloat16's rounding of the CPU's float32 ones."""
-    gpu, vocabulary = _language_model_trainer("cuda", "moe", matmul="bfloat16")
+@pytest.mark.parametrize("preset,batch,steps", [("moe-tiny", 2, 10), pytest.param("moe-15M", 1, 3, marks=pytest.mark.slow)])
+def test_a_bfloat16_moe_training_step_runs_its_grouped_products_on_tensor_cores_and_follows_the_float32_losses(
+        on_device, preset, batch, steps):
+    """moe-tiny, and benchmarks/moe_train.py's moe-15M on a few tokens, with the products
+    in bfloat16: the grouped expert products and their gradients on tensor cores (a block
+    per tile within a group), and the steps' losses within bfloat16's rounding of the
+    CPU's float32 ones."""
+    from ranvier.models import moe
+
+    def trainer(backend: str, **options):
+        return language_model_trainer(moe.MoE(moe.PRESETS[preset], seed=0), backend, batch, 16, 1e-3, **options)
+
+    gpu = trainer("cuda", matmul="bfloat16")
     grouped = {step.kernel for step in gpu.network.cell("train").steps if step.op.type.startswith("GroupedMatMul")}
     assert grouped == {"GroupedProductMMA"}
-    cpu, _ = _language_model_trainer("cpu", "moe")
+    cpu = trainer("cpu")
     rng = np.random.default_rng(2)
-    for _ in range(10):
-        batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
-        assert gpu.step(batch) == pytest.approx(cpu.step(batch), rel=1e-3)
+    for _ in range(steps):
+        batch_ = [rng.integers(0, moe.PRESETS[preset].vocab_size, (batch, 16)).astype(np.int32) for _ in range(2)]
+        assert gpu.step(batch_) == pytest.approx(cpu.step(batch_), rel=1e-3)
 
 
 def _attention_cell(f):
