@@ -165,11 +165,10 @@ class _Tiles:
 
 
 def _read(ctx: ThreadContext, var: Variable, at: Value, inside: Value) -> Value:
-    """Element `at` of `var` where `inside`, else 0 (no load)."""
-    value = ctx.local(FLOAT, initial=0.0)
-    with ctx.when(inside):
-        value.set(ctx.load(var, at).cast(FLOAT))
-    return value.value
+    """Element `at` of `var` (an element inside it: the caller clamps) where `inside`, else
+    0: a select, not a branch, so a warp's loads stay together."""
+    value = ctx.load(var, at).cast(FLOAT)
+    return inside.where(value, 0.0)
 
 
 # ---- the kernels ------------------------------------------------------------------------
@@ -214,11 +213,11 @@ def _product(program: BlockProgram, op: Operation, index: Value) -> None:
         depth = step * DEPTH
 
         def row_value(row: Value, p: Value) -> Value:
-            return _read(ctx, x, (first + row).minimum(stop - 1) * k + depth + p, depth + p < k)
+            return _read(ctx, x, (first + row).minimum(stop - 1) * k + (depth + p).minimum(k - 1), depth + p < k)
 
         def weight(column: Value, p: Value) -> Value:
-            j, at = (first_column + column).minimum(n - 1), depth + p
-            return _read(ctx, w, matrix + (j * k + at if transposed else at * n + j), at < k)
+            j, at = (first_column + column).minimum(n - 1), (depth + p).minimum(k - 1)
+            return _read(ctx, w, matrix + (j * k + at if transposed else at * n + j), depth + p < k)
 
         tiles.fill((True, row_value), (transposed, weight))
         tiles.multiply()
@@ -244,7 +243,7 @@ def _weight_gradient(program: BlockProgram, op: Operation, index: Value) -> None
         r = start + step * DEPTH
 
         def source(var: Variable, first: Value, width: int) -> Callable[[Value, Value], Value]:
-            return lambda i, d: _read(ctx, var, (r + d) * width + (first + i).minimum(width - 1), r + d < stop)
+            return lambda i, d: _read(ctx, var, (r + d).minimum(stop - 1) * width + (first + i).minimum(width - 1), r + d < stop)
 
         tiles.fill((False, source(left, first_row, p)), (False, source(right, first_column, q)))
         tiles.multiply()
