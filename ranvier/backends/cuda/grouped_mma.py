@@ -167,8 +167,8 @@ class _Tiles:
 def _read(ctx: ThreadContext, var: Variable, at: Value, inside: Value) -> Value:
     """Element `at` of `var` (an element inside it: the caller clamps) where `inside`, else
     0: a select, not a branch, so a warp's loads stay together."""
-    value = ctx.load(var, at).cast(FLOAT)
-    return inside.where(value, 0.0)
+    value: Value = inside.where(ctx.load(var, at).cast(FLOAT), 0.0)
+    return value
 
 
 # ---- the kernels ------------------------------------------------------------------------
