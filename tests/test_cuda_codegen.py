@@ -848,7 +848,8 @@ def test_bfloat16_grouped_products_run_on_tensor_cores_a_block_per_tile(operands
     gradient of an expert no row chose are zeros. Float32 operands take them where the
     products may round to bfloat16 (the compile's matmul precision), else the
     element-per-thread kernel. A block of four warps per 64 × 64 tile; the GPU's code
-    assembles with no spills, its sums in registers."""
+    assembles with no spills, its sums in registers, its tiles read as 16-byte vectors
+    where the rows are whole vectors."""
     from ranvier.backends.cuda import grouped_mma
     from ranvier.ops.moe import grouped_matmul, grouped_matmul_weight_grad
 
@@ -878,6 +879,8 @@ def test_bfloat16_grouped_products_run_on_tensor_cores_a_block_per_tile(operands
         text = ptx.emit_ptx(module)
         # 64 columns by 32 of the depth, less those of columns past the output's, which LLVM drops
         assert 0 < text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") <= 16
+        if op_type == "GroupedMatMul" and k % 8 == 0:  # x's rows a whole number of 16-byte vectors
+            assert "ld.global.v4" in text
         report = ptx.assemble(text).report
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
         print(re.search(r"Used \d+ registers.*", report).group(0))

@@ -18,7 +18,11 @@ Both kernels multiply tiles the same way (`_multiply`): a block of `WARPS` warps
 and streams the reduced dimension `DEPTH` at a time through two shared tiles (A's 64
 rows and B's 64 columns, each a row of `DEPTH` values padded by `PADDING` floats, so a
 fragment's lanes fall on different banks); each warp packs its A fragments and each
-8-column B fragment from them, then one mma per 16 of the depth.
+8-column B fragment from them, then one mma per 16 of the depth. A tile's values come in
+as 16-byte vector loads where the source's rows are a whole number of vectors (8 bfloat16
+or 4 float32: then every vector is aligned, and wholly inside the product or wholly
+outside), else one by one; values outside the product (past the depth, past a group's
+rows) are zeros, read at a clamped index and selected away rather than branched around.
 
 GroupedMatMul: a block per (tile of 64 rows within one group, tile of 64 output columns).
 Tiles never straddle groups: a block walks the group offsets, counting each group's
@@ -34,11 +38,15 @@ expert's rows; an expert no row chose gets zeros. Bad offsets set the status wor
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
+from ..llvm.context import ir_of
+from ..llvm.convert import widen
+from ..llvm.irutil import storage_type, typed_pointer
 from ..llvm.routing import group_bounds
 from ..llvm.values import Value, index_value
 from . import warps
@@ -55,6 +63,7 @@ ROWS = 16 * WARPS  # a block's rows of the product (A's rows, 16 a warp)
 COLUMNS = 64  # a block's columns of the product (B's columns)
 DEPTH = 32  # the reduced dimension's values a pair of shared tiles holds
 PADDING = 8  # floats after each row of a shared tile
+VECTOR_BYTES = 16  # the widest global load, a vector of 8 bfloat16 or 4 float32
 STRIDE = DEPTH + PADDING
 THREADS = warps.WARP * WARPS
 FLOAT = dtypes.DT_FLOAT32
@@ -115,17 +124,24 @@ class _Tiles:
             for i in range(self.sums.count):
                 self.sums.store(i, self.program.ctx.constant(FLOAT, 0.0))
 
-    def fill(self, a: tuple[bool, Callable[[Value, Value], Value]], b: tuple[bool, Callable[[Value, Value], Value]]) -> None:
-        """One phase: the block's threads fill each shared tile, given (whether the
-        source's next value in memory is the next along the depth, else along the tile's
-        rows; `value(row of the tile, place along the depth)`)."""
+    def fill(self, a: _Source, b: _Source) -> None:
+        """One phase: the block's threads fill A's tile from `a` and B's from `b`, a vector
+        of `lanes` values at a time, consecutive threads taking consecutive vectors of
+        the source (coalesced reads)."""
         program, ctx = self.program, self.program.ctx
         with program.phase() as thread:
-            for tile, rows, (along_depth, value) in ((self.a, ROWS, a), (self.b, COLUMNS, b)):
-                # consecutive threads take values consecutive in the source (coalesced reads)
-                with ctx.loop(thread, rows * DEPTH, step=program.threads, name="e") as e:
-                    row, depth = (e // DEPTH, e % DEPTH) if along_depth else (e % rows, e // rows)
-                    tile.store(row * STRIDE + depth, value(row, depth))
+            for tile, rows, source in ((self.a, ROWS, a), (self.b, COLUMNS, b)):
+                lanes = source.lanes
+                with ctx.loop(thread, rows * DEPTH // lanes, step=program.threads, name="v") as v:
+                    if source.along_depth:
+                        row, depth = v // (DEPTH // lanes), v % (DEPTH // lanes) * lanes
+                    else:
+                        row, depth = v % (rows // lanes) * lanes, v // (rows // lanes)
+                    at, inside = source.place(row, depth, lanes)
+                    values = inside.where(_load(ctx, source.var, at, lanes).cast(FLOAT), 0.0)
+                    for lane in range(lanes):
+                        place = row * STRIDE + depth + lane if source.along_depth else (row + lane) * STRIDE + depth
+                        tile.store(place, values.lane(lane) if lanes > 1 else values)
 
     def multiply(self) -> None:
         """sums += A · Bᵀ over the tiles' depth: each warp packs its 16 rows of A, then per
@@ -164,11 +180,36 @@ class _Tiles:
                         write(first_row + row, column, self.sums.load(j * 4 + i))
 
 
-def _read(ctx: ThreadContext, var: Variable, at: Value, inside: Value) -> Value:
-    """Element `at` of `var` (an element inside it: the caller clamps) where `inside`, else
-    0: a select, not a branch, so a warp's loads stay together."""
-    value: Value = inside.where(ctx.load(var, at).cast(FLOAT), 0.0)
-    return value
+@dataclass(frozen=True)
+class _Source:
+    """Where a shared tile's values come from: `var`, whose next element in memory is the
+    tile's next along the depth (`along_depth`) or else its next row, in rows of `width`
+    elements; `place(tile row, depth, lanes)` gives the element offset of the vector of
+    `lanes` values from there (clamped inside `var`) and whether they are inside the
+    product (else zeros)."""
+
+    var: Variable
+    along_depth: bool
+    width: int
+    place: Callable[[Value, Value, int], tuple[Value, Value]]
+
+    @property
+    def lanes(self) -> int:
+        """Values a thread loads as one 16-byte vector (8 bfloat16 or 4 float32) where the
+        rows' width allows it (every vector aligned: tiles start at multiples of 8), else 1."""
+        lanes = VECTOR_BYTES // dtypes.itemsize(self.var.dtype)
+        return lanes if self.width % lanes == 0 else 1
+
+
+def _load(ctx: ThreadContext, var: Variable, at: Value, lanes: int) -> Value:
+    """`lanes` elements of `var` from element `at`, a multiple of the lanes: one aligned
+    vector load (`ld.global.v4`)."""
+    if lanes == 1:
+        return ctx.load(var, at)
+    b = ctx.b
+    pointer = typed_pointer(b, ctx.pointer(var), ir_of(at), storage_type(var.dtype), lanes)
+    raw = b.load(pointer, align=VECTOR_BYTES)
+    return Value(b, widen(b, raw, var.dtype, lanes), var.dtype)
 
 
 # ---- the kernels ------------------------------------------------------------------------
@@ -212,14 +253,15 @@ def _product(program: BlockProgram, op: Operation, index: Value) -> None:
     with ctx.loop(0, ((group >= 0) & (group < experts)).where(ctx.index(_tiles(k, DEPTH)), 0), name="depth") as step:
         depth = step * DEPTH
 
-        def row_value(row: Value, p: Value) -> Value:
-            return _read(ctx, x, (first + row).minimum(stop - 1) * k + (depth + p).minimum(k - 1), depth + p < k)
+        def row_place(row: Value, p: Value, lanes: int) -> tuple[Value, Value]:
+            return (first + row).minimum(stop - 1) * k + (depth + p).minimum(k - lanes), depth + p < k
 
-        def weight(column: Value, p: Value) -> Value:
-            j, at = (first_column + column).minimum(n - 1), (depth + p).minimum(k - 1)
-            return _read(ctx, w, matrix + (j * k + at if transposed else at * n + j), depth + p < k)
+        def weight_place(column: Value, p: Value, lanes: int) -> tuple[Value, Value]:
+            if transposed:  # w[e] is [n, k]: the depth runs along its rows
+                return matrix + (first_column + column).minimum(n - 1) * k + (depth + p).minimum(k - lanes), depth + p < k
+            return matrix + (depth + p).minimum(k - 1) * n + (first_column + column).minimum(n - lanes), depth + p < k
 
-        tiles.fill((True, row_value), (transposed, weight))
+        tiles.fill(_Source(x, True, k, row_place), _Source(w, transposed, k if transposed else n, weight_place))
         tiles.multiply()
     with ctx.when(group >= 0):
         tiles.store(first, stop - first, first_column, n, lambda r, j, total: ctx.store(y, r * n + j, total))
@@ -242,10 +284,13 @@ def _weight_gradient(program: BlockProgram, op: Operation, index: Value) -> None
     with ctx.loop(0, good.where((stop - start + (DEPTH - 1)) // DEPTH, 0), name="depth") as step:
         r = start + step * DEPTH
 
-        def source(var: Variable, first: Value, width: int) -> Callable[[Value, Value], Value]:
-            return lambda i, d: _read(ctx, var, (r + d).minimum(stop - 1) * width + (first + i).minimum(width - 1), r + d < stop)
+        def source(var: Variable, first: Value, width: int) -> _Source:
+            def place(i: Value, d: Value, lanes: int) -> tuple[Value, Value]:
+                return (r + d).minimum(stop - 1) * width + (first + i).minimum(width - lanes), r + d < stop
 
-        tiles.fill((False, source(left, first_row, p)), (False, source(right, first_column, q)))
+            return _Source(var, False, width, place)
+
+        tiles.fill(source(left, first_row, p), source(right, first_column, q))
         tiles.multiply()
     tiles.store(first_row, ctx.index(p) - first_row, first_column, q,
                 lambda i, j, total: ctx.store(dw, (e * p + i) * q + j, total))
