@@ -59,6 +59,18 @@ def test_the_report_keeps_what_each_stage_printed_a_race_cut_short_too(tmp_path)
     assert "| ranvier | 600,000.0 | 1 | 1.20 |" in cut and "No gpu-result line: the race did not finish." in cut
 
 
+def test_the_report_keeps_the_moe_race_and_its_gpu_result_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "moe.log").write_text(RACE.replace("stories15M", "moe-15M"))
+    report = tmp_path / "gpu-check.md"
+    done = subprocess.run([sys.executable, str(CI / "gpu-report"), str(run), str(report)], check=False, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    section = report.read_text().split("## MoE training: moe-15M (benchmarks/moe_train.py)")[1]
+    assert "| ranvier | 610,000.0 | 2 | 1.24 |" in section and "gpu-result moe-15M tokens/s=610000 vs-eager=1.24" in section
+
+
 def _gpu_kernels():
     import importlib.machinery
     import importlib.util
