@@ -5,8 +5,8 @@ a few passes over the choices, each depending on the last. A grouped product is 
 per output element: GroupedMatMul's element y[r, j] finds the group row r belongs to and
 sums x[r, :] · w[e][:, j] (rows past the last group are zero); the weight gradient's
 element dw[e][a, b] sums x[r, a] · dy[r, b] over group e's rows (zero for an expert no row
-chose). Bad group offsets set the status word, as on the CPU. Correct at any shape; tiled
-products on tensor cores are the GPU speed issue's work.
+chose). Bad group offsets set the status word, as on the CPU. Correct at any shape and
+dtype: the fallback of the tiled tensor-core kernels (`grouped_mma.py`, bfloat16 products).
 """
 
 from __future__ import annotations
