@@ -13,7 +13,7 @@ a copy and a wait in the middle of the step, which breaks the step's captured CU
 and the rule that a step moves nothing between host and device (issue 52). So a block
 here reads the offsets itself and finds its own tile.
 
-Both kernels multiply tiles the same way (`_multiply`): a block of `WARPS` warps holds a
+Both kernels multiply tiles the same way (`_Tiles`): a block of `WARPS` warps holds a
 64 × 64 tile of float32 sums, 16 rows a warp (the rows of an mma's A) as C fragments,
 and streams the reduced dimension `DEPTH` at a time through two shared tiles (A's 64
 rows and B's 64 columns, each a row of `DEPTH` values padded by `PADDING` floats, so a
