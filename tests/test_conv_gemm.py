@@ -18,6 +18,7 @@ from helpers import random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.backend import CPUCode
 from ranvier.backends.cpu.kernels import conv, winograd
 from ranvier.backends.cpu.target import host_target
 
@@ -67,17 +68,21 @@ def test_the_windows_gemm_matches_an_im2col_product_and_writes_only_c(geometry, 
 
 
 @needs_pairs
+@pytest.mark.parametrize("paired", [False, True], ids=["float-filters", "paired-filters"])
 @pytest.mark.parametrize("geometry", PAIR_GEOMETRIES, ids=[f"g{i}" for i in range(len(PAIR_GEOMETRIES))])
-def test_the_windows_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writes_only_c(geometry):
-    """Filters and windows rounded to the nearest bf16, products exact, sums float32."""
-    _check_windows_gemm(geometry, sgemm.windows_gemm_address(host_target(), pairs=True),
-                        lambda values: values.astype(ml_dtypes.bfloat16).astype(np.float64), 1e-5)
+def test_the_windows_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writes_only_c(geometry, paired):
+    """Filters and windows rounded to the nearest bf16, products exact, sums float32; the
+    filters float32 (rounded as the GEMM goes) or rounded ahead of time (`sgemm.paired_rows`,
+    read in place by `ranvier_sgemm_windows_dpbf16_paired`)."""
+    _check_windows_gemm(geometry, sgemm.windows_gemm_address(host_target(), pairs=True, paired_a=paired),
+                        lambda values: values.astype(ml_dtypes.bfloat16).astype(np.float64), 1e-5, paired)
 
 
-def _check_windows_gemm(geometry, address: int, rounded, tolerance: float) -> None:
+def _check_windows_gemm(geometry, address: int, rounded, tolerance: float, paired: bool = False) -> None:
     """The GEMM at `address` on the image's windows, from several first columns, against
     the float64 product of the `rounded` operands, within `tolerance` of the sum of the
-    products' magnitudes; every element of C written, nothing outside it."""
+    products' magnitudes; every element of C written, nothing outside it. `paired`: the
+    filters passed as `sgemm.paired_rows` makes them."""
     c, h, w, o, kernel, strides, padding = geometry
     gemm = sgemm.WINDOWS_CTYPE(address)
     rng = np.random.default_rng(sum(geometry[:4]))
@@ -88,10 +93,12 @@ def _check_windows_gemm(geometry, address: int, rounded, tolerance: float) -> No
     want = rounded(weights[:, :k]) @ columns
     bound = np.abs(rounded(weights[:, :k])) @ np.abs(columns)
     geometry_array = np.array([h, w, *kernel, *strides, *padding, wo], np.int64)
+    paired_filters = sgemm.paired_rows(weights[:, :k])
     for first in sorted({0, 8, min(n - 1, 17)}):  # a part's columns start anywhere in a row
         out = np.full((o + 1, n + 5), np.nan, np.float32)
         workspace = np.empty(sgemm.workspace_bytes(n - first, k), np.uint8)
-        gemm(o, n - first, k, weights.ctypes.data, weights.shape[1], image.ctypes.data, geometry_array.ctypes.data, first,
+        filters, lda = (paired_filters, sgemm.paired_row_slots(k)) if paired else (weights, weights.shape[1])
+        gemm(o, n - first, k, filters.ctypes.data, lda, image.ctypes.data, geometry_array.ctypes.data, first,
              out.ctypes.data, out.shape[1], workspace.ctypes.data)
         got = out[:o, : n - first]
         assert np.isfinite(got).all(), "every element of C written"
@@ -111,10 +118,11 @@ def _no_winograd(monkeypatch):
     monkeypatch.setattr(conv, "PLANE_FILTERS", 0)
 
 
-def _conv_cell(shape, filters, strides, padding, mask: str = "", matmul: str = "float32"):
+def _conv_cell(shape, filters, strides, padding, mask: str = "", matmul: str = "float32", constant: bool = False):
+    """A cell convolving x by filters w: a variable, or (`constant`) _filters' values."""
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    x, w = f.var("x", "float32", shape), f.var("w", "float32", filters)
+    x, w = f.var("x", "float32", shape), f.const(_filters(filters)) if constant else f.var("w", "float32", filters)
     y = f.conv2d(x, w, strides=strides, padding=padding)
     y.var.out = True
     return rv.Compiler("cpu", cpu=mask, cache=False, matmul=matmul).compile(flow).cell("f"), y
@@ -149,14 +157,20 @@ def test_conv2d_runs_as_one_implicit_gemm_and_matches_pytorch(case, mask):
     assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30)
 
 
-def _check_against_pytorch(cell, y, case, pairs: bool) -> None:
-    """The cell's convolution of random x and w (`case`: shapes, strides, padding) against
-    PyTorch's float64 one (of the bf16-rounded x and w where it ran on `pairs`), every
-    element written (NaN first)."""
+def _filters(shape) -> np.ndarray:
+    return random_array(shape, "float32", seed=2, low=-1, high=1)
+
+
+def _check_against_pytorch(cell, y, case, pairs: bool, constant: bool = False) -> None:
+    """The cell's convolution of random x and w (`case`: shapes, strides, padding; w the
+    cell's `constant` where it is one) against PyTorch's float64 one (of the bf16-rounded x
+    and w where it ran on `pairs`), every element written (NaN first)."""
     shape, filters, strides, padding = case
-    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
+    x, w = random_array(shape, "float32", seed=1), _filters(filters)
     data = cell.instance()
-    data["f/x"], data["f/w"] = x, w
+    data["f/x"] = x
+    if not constant:
+        data["f/w"] = w
     data[y] = np.full(y.shape, np.nan, np.float32)
     data.compute()
     dtype = ml_dtypes.bfloat16 if pairs else np.float32
@@ -168,19 +182,22 @@ def _check_against_pytorch(cell, y, case, pairs: bool) -> None:
     assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
 
 
+@pytest.mark.parametrize("constant", [False, True], ids=["variable", "constant"])
 @pytest.mark.parametrize("mask", ["", "-avx512bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, monkeypatch):
+def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, constant, monkeypatch):
     """matmul="bfloat16", the choice forced to the pairs: where the CPU has AVX512-BF16 a
     convolution takes ConvGemmDpbf16 and matches PyTorch's float64 convolution of the
-    bf16-rounded x and w; masked (or on a CPU without them) it stays ConvGemm in float32."""
+    bf16-rounded x and w (constant filters rounded into pairs once, with the network);
+    masked (or on a CPU without them) it stays ConvGemm in float32."""
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     shape, filters, strides, padding = case
-    cell, y = _conv_cell(shape, filters, strides, padding, mask, matmul="bfloat16")
+    cell, y = _conv_cell(shape, filters, strides, padding, mask, matmul="bfloat16", constant=constant)
     pairs = sgemm.pairs_supported(host_target(mask))
     (step,) = cell.steps
     assert step.kernel == ("ConvGemmDpbf16" if pairs else "ConvGemm")
-    _check_against_pytorch(cell, y, case, pairs)
+    assert [p.form for p in CPUCode.of(cell).layout.prepared] == ([conv.PAIRED_FILTERS] if pairs and constant else [])
+    _check_against_pytorch(cell, y, case, pairs, constant)
 
 
 @pytest.mark.parametrize("matmul", ["float32", "bfloat16"])

@@ -18,6 +18,7 @@ from helpers import random_array
 import ranvier as rv
 from ranvier.autodiff import backward
 from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.backend import CPUCode
 from ranvier.backends.cpu.kernels import conv, conv_pool, winograd
 from ranvier.backends.cpu.target import host_target
 
@@ -42,12 +43,13 @@ def _windows_gemm(monkeypatch):
     monkeypatch.setattr(conv, "PLANE_FILTERS", 0)
 
 
-def _stem_cell(case, mask: str = "", matmul: str = "float32"):
+def _stem_cell(case, mask: str = "", matmul: str = "float32", constant: bool = False):
+    """The stem's cell; its filters a variable or (`constant`) _filters' values."""
     shape, filters, (strides, padding), (ksize, pool_strides, pool_padding) = case
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     x = f.var("x", rv.DT_FLOAT, shape)
-    w = f.var("w", rv.DT_FLOAT, [filters, shape[1], 5, 3])
+    w = f.const(_filters(case)) if constant else f.var("w", rv.DT_FLOAT, [filters, shape[1], 5, 3])
     bias = f.var("b", rv.DT_FLOAT, [1, filters, 1, 1])
     y = f.max_pool(f.relu(f.conv2d(x, w, strides=strides, padding=padding) + bias), ksize=ksize, strides=pool_strides,
                    padding=pool_padding)
@@ -55,12 +57,19 @@ def _stem_cell(case, mask: str = "", matmul: str = "float32"):
     return rv.Compiler("cpu", cpu=mask, cache=False, matmul=matmul).compile(flow).cell("f"), y
 
 
-def _check(cell, y, case, pairs: bool) -> None:
+def _filters(case) -> np.ndarray:
+    shape, filters = case[:2]
+    return random_array([filters, shape[1], 5, 3], "float32", seed=2, low=-1, high=1)
+
+
+def _check(cell, y, case, pairs: bool, constant: bool = False) -> None:
     shape, filters, (strides, padding), (ksize, pool_strides, pool_padding) = case
-    x, w = random_array(shape, "float32", seed=1), random_array([filters, shape[1], 5, 3], "float32", seed=2, low=-1, high=1)
+    x, w = random_array(shape, "float32", seed=1), _filters(case)
     bias = random_array([1, filters, 1, 1], "float32", seed=3)
     data = cell.instance()
-    data["f/x"], data["f/w"], data["f/b"] = x, w, bias
+    data["f/x"], data["f/b"] = x, bias
+    if not constant:
+        data["f/w"] = w
     data[y] = np.full(y.shape, np.nan, np.float32)
     data.compute()
     dtype = ml_dtypes.bfloat16 if pairs else np.float32
@@ -97,19 +106,22 @@ def test_a_convolution_and_its_max_pool_run_as_one_op_band_by_band(case, band_by
     _check(cell, y, case, pairs=False)
 
 
+@pytest.mark.parametrize("constant", [False, True], ids=["variable", "constant"])
 @pytest.mark.parametrize("mask", ["", "-avx512bf16"])
 @pytest.mark.parametrize("band_bytes", [1, 3000])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_in_bf16_the_bands_are_multiplied_on_pairs_where_the_cpu_has_them(case, band_bytes, mask, monkeypatch):
+def test_in_bf16_the_bands_are_multiplied_on_pairs_where_the_cpu_has_them(case, band_bytes, mask, constant, monkeypatch):
     """matmul="bfloat16", the choice forced to the pairs: ConvPoolDpbf16 matches float64 on
-    the bf16-rounded x and w where the CPU has AVX512-BF16; masked, ConvPool in float32."""
+    the bf16-rounded x and w where the CPU has AVX512-BF16 (constant filters rounded into
+    pairs once); masked, ConvPool in float32."""
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     _small_bands(monkeypatch, band_bytes, 2)
-    cell, y = _stem_cell(case, mask, matmul="bfloat16")
+    cell, y = _stem_cell(case, mask, matmul="bfloat16", constant=constant)
     pairs = sgemm.pairs_supported(host_target(mask))
     (step,) = cell.steps
     assert step.kernel == ("ConvPoolDpbf16" if pairs else "ConvPool")
-    _check(cell, y, case, pairs)
+    assert [p.form for p in CPUCode.of(cell).layout.prepared] == ([conv.PAIRED_FILTERS] if pairs and constant else [])
+    _check(cell, y, case, pairs, constant)
 
 
 def test_a_training_step_keeps_the_convolutions_output_for_the_gradients():

@@ -16,6 +16,7 @@ from helpers import random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.backend import CPUCode
 from ranvier.backends.cpu.kernels import conv, conv_stacked, winograd
 from ranvier.backends.cpu.parallel import thread_count
 from ranvier.backends.cpu.target import host_target
@@ -29,11 +30,12 @@ CASES = [
 ]
 
 
-def _cell(case, matmul: str, mask: str = "", relu: bool = False):
+def _cell(case, matmul: str, mask: str = "", relu: bool = False, constant: bool = False):
+    """The convolution's cell; its filters a variable or (`constant`) _filters' values."""
     shape, filters, strides, padding = case
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    x, w = f.var("x", "float32", shape), f.var("w", "float32", filters)
+    x, w = f.var("x", "float32", shape), f.const(_filters(filters)) if constant else f.var("w", "float32", filters)
     y = f.conv2d(x, w, strides=strides, padding=padding)
     if relu:
         y = f.relu(y)
@@ -41,11 +43,17 @@ def _cell(case, matmul: str, mask: str = "", relu: bool = False):
     return rv.Compiler("cpu", cpu=mask, cache=False, matmul=matmul).compile(flow).cell("f"), y
 
 
-def _check(case, cell, y, rounded, tolerance: float, relu: bool = False) -> None:
+def _filters(shape) -> np.ndarray:
+    return random_array(shape, "float32", seed=2, low=-1, high=1)
+
+
+def _check(case, cell, y, rounded, tolerance: float, relu: bool = False, constant: bool = False) -> None:
     shape, filters, strides, padding = case
-    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
+    x, w = random_array(shape, "float32", seed=1), _filters(filters)
     data = cell.instance()
-    data["f/x"], data["f/w"] = x, w
+    data["f/x"] = x
+    if not constant:
+        data["f/w"] = w
     data[y] = np.full(y.shape, np.nan, np.float32)
     data.compute()
     tx, tw = (torch.tensor(rounded(v).astype(np.float64)) for v in (x, w))
@@ -72,12 +80,15 @@ def test_a_batch_of_small_images_is_stacked_into_one_gemm_a_group_and_matches_py
 
 
 @pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("constant", [False, True], ids=["variable", "constant"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_stacked_images_on_bf16_pairs_match_float64_on_the_rounded_operands(case, monkeypatch):
+def test_stacked_images_on_bf16_pairs_match_float64_on_the_rounded_operands(case, constant, monkeypatch):
+    """Constant filters rounded into pairs once, with the network (conv.paired_filters)."""
     monkeypatch.setenv("RANVIER_GEMM", "generated")  # the pairs, whatever this machine measures
-    cell, y = _cell(case, "bfloat16")
+    cell, y = _cell(case, "bfloat16", constant=constant)
     assert _kernel(cell) == conv_stacked.PAIRS_KERNEL
-    _check(case, cell, y, lambda v: v.astype(ml_dtypes.bfloat16), 1e-5)
+    assert [p.form for p in CPUCode.of(cell).layout.prepared] == ([conv.PAIRED_FILTERS] if constant else [])
+    _check(case, cell, y, lambda v: v.astype(ml_dtypes.bfloat16), 1e-5, constant=constant)
 
 
 def test_a_fused_program_runs_over_each_stacked_image():

@@ -141,14 +141,18 @@ PAIR_SHAPES = [*SHAPES, (8, 48, 2), (3, 50, 3),  # a whole tile of one pair; an 
 
 
 @needs_pairs
-@pytest.mark.parametrize("packed", [False, True], ids=["matrix", "panels"])
+@pytest.mark.parametrize("packed", [False, True, "paired"], ids=["matrix", "panels", "panels-paired-a"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("shape", PAIR_SHAPES)
 def test_the_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writes_only_c(shape, ta, tb, packed):
     """ranvier_sgemm_dpbf16 (B packed into pairs a block at a time) and
     ranvier_sgemm_packed_dpbf16 (B's pairs packed ahead of time, called from its first panel
-    and from a later one): both operands rounded to bf16 to nearest even, float32 sums."""
+    and from a later one), and ranvier_sgemm_packed_dpbf16_paired (A's pairs too, rounded
+    ahead of time by `sgemm.paired_rows`): both operands rounded to bf16 to nearest even,
+    float32 sums."""
     m, n, k = shape
+    if packed == "paired" and ta:
+        pytest.skip("paired rows of A are never transposed")
     target = host_target()
     rng = np.random.default_rng(m * 10_000 + n * 100 + k + 2)
     pad = 3
@@ -159,8 +163,10 @@ def test_the_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writ
     if packed:
         panels = sgemm.pack_panels(op_b, tb, target, pairs=True)
         assert panels.size == 0 or panels.ctypes.data % sgemm.PANEL_ALIGNMENT == 0
-        gemm = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target, pairs=True))
-        gemm(int(ta), m, n - first, k, a.ctypes.data, a.shape[1], panels.ctypes.data + first * (k + k % 2) * panels.itemsize,
+        paired = packed == "paired"
+        gemm = sgemm.PACKED_CTYPE(sgemm.packed_gemm_address(target, pairs=True, paired_a=paired))
+        rows, lda = (sgemm.paired_rows(a[:, : a.shape[1] - pad]), sgemm.paired_row_slots(k)) if paired else (a, a.shape[1])
+        gemm(int(ta), m, n - first, k, rows.ctypes.data, lda, panels.ctypes.data + first * (k + k % 2) * panels.itemsize,
              c.ctypes.data, c.shape[1])
     else:
         gemm = sgemm.GEMM_CTYPE(sgemm.pairs_gemm_address(target))

@@ -20,6 +20,7 @@ from helpers import random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
+from ranvier.backends.cpu.backend import CPUCode
 from ranvier.backends.cpu.kernels import conv, winograd
 from ranvier.backends.cpu.target import host_target
 
@@ -259,14 +260,16 @@ PAIR_GEOMETRIES = [*GEOMETRIES, ((1, 128, 28, 28), (128, 128, 3, 3), 1)]
 def test_in_bf16_its_products_run_on_pairs_where_the_cpu_has_them(geometry, mask, constant, monkeypatch):
     """matmul="bfloat16", the choice forced to the pairs: F(2, 3) on V in bf16 pairs
     (WinogradConvDpbf16) where the CPU has AVX512-BF16, odd channel counts' last pair half
-    zeros, filters constant (U prepared) or changing (U made by each compute); masked (or on a
-    CPU without them) WinogradConv in float32."""
+    zeros, filters constant (U prepared, on pairs in bf16 pairs of channels) or changing (U
+    made by each compute); masked (or on a CPU without them) WinogradConv in float32."""
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     monkeypatch.setattr(winograd, "_form", lambda op: winograd.F2)
     cell, data, y, want, bound = _cell(*geometry, mask=mask, matmul="bfloat16", constant=constant)
     pairs = sgemm.pairs_supported(host_target(mask))
     (step,) = cell.steps
     assert step.kernel == (winograd.PAIRS_KERNEL if pairs else winograd.WINOGRAD_KERNEL)
+    forms = [p.form for p in CPUCode.of(cell).layout.prepared]
+    assert forms == ([f"{winograd.F2.prepared}{' in bf16 pairs' if pairs else ''}"] if constant else [])
     _check(data, y, want, bound)
 
 

@@ -44,6 +44,8 @@ GEMMS: dict[int, Callable[[CPUTarget], int]] = {
     codegen.SGEMM_PACKED_DPBF16: lambda target: sgemm.packed_gemm_address(target, pairs=True),
     codegen.SGEMM_WINDOWS: sgemm.windows_gemm_address,
     codegen.SGEMM_WINDOWS_DPBF16: lambda target: sgemm.windows_gemm_address(target, pairs=True),
+    codegen.SGEMM_PACKED_DPBF16_PAIRED: lambda target: sgemm.packed_gemm_address(target, pairs=True, paired_a=True),
+    codegen.SGEMM_WINDOWS_DPBF16_PAIRED: lambda target: sgemm.windows_gemm_address(target, pairs=True, paired_a=True),
 }
 
 
@@ -101,7 +103,8 @@ class CPUBackend:
         # row's product by such a constant streams pairs of bf16 through vdpbf16ps where it can.
         # Kernels that call a GEMM this compile does not run are passed over.
         passed_over = {*(() if tiles else (codegen.BF16GEMM,)),
-                       *(() if pairs else (codegen.SGEMM_DPBF16, codegen.SGEMM_PACKED_DPBF16, codegen.SGEMM_WINDOWS_DPBF16)),
+                       *(() if pairs else (codegen.SGEMM_DPBF16, codegen.SGEMM_PACKED_DPBF16, codegen.SGEMM_WINDOWS_DPBF16,
+                                           codegen.SGEMM_PACKED_DPBF16_PAIRED, codegen.SGEMM_WINDOWS_DPBF16_PAIRED)),
                        *(() if sgemm.pairs_supported(self.target) else (codegen.DPBF16GEMV,))}
         self.unavailable = {kernel.name for kernel in LIBRARY.kernels if kernel.calls & passed_over}
 

@@ -85,6 +85,18 @@ is a filter tap (channel, kernel row, kernel column), column j an output positio
 under that tap, zero in the padding. `geometry` holds H, W, KH, KW, SH, SW, PH, PW and
 the output width. `ranvier_sgemm_windows_dpbf16` (same arguments) packs the windows as
 bf16 pairs of taps and multiplies them on `vdpbf16ps`, as `ranvier_sgemm_dpbf16` does a matrix.
+
+On pairs, A's strips are rounded into pairs as the loops reach them, every block of B's
+columns and every call again. Where A is a constant (an inference model's filters, or
+Winograd's transformed filters), `paired_rows` rounds it once, ahead of time, and
+
+    void ranvier_sgemm_windows_dpbf16_paired(... the arguments of ranvier_sgemm_windows ...)
+    void ranvier_sgemm_packed_dpbf16_paired(... the arguments of ranvier_sgemm_packed_dpbf16 ...)
+
+read its strips in place: A is then `paired_rows`' bf16 pairs (lda in 32-bit slots; A not
+transposed), half the bytes of the float32 filters, which at batch 1 stream from memory a
+step at a time (ResNet-18's 512-channel 3 × 3 convolutions read 9.4 MB of float32 filters
+for 0.23 GFLOP each).
 """
 
 from __future__ import annotations
@@ -130,6 +142,7 @@ WINDOWS_SYMBOL = "ranvier_sgemm_windows"
 PAIRS_SYMBOL = "ranvier_sgemm_dpbf16"
 PAIRS_PACKED_SYMBOL = "ranvier_sgemm_packed_dpbf16"
 WINDOWS_PAIRS_SYMBOL = "ranvier_sgemm_windows_dpbf16"
+PAIRED_A_SUFFIX = "_paired"  # of the entries on pairs that read A as `paired_rows` made it
 GEOMETRY = ("height", "width", "kernel_height", "kernel_width", "stride_height", "stride_width", "pad_height",
             "pad_width", "out_width")
 
@@ -252,10 +265,13 @@ def gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address
 
 
-def packed_gemm_address(target: CPUTarget, narrow: bool = False, pairs: bool = False) -> int:
+def packed_gemm_address(target: CPUTarget, narrow: bool = False, pairs: bool = False, paired_a: bool = False) -> int:
     """`ranvier_sgemm_packed`, or with `narrow` its twin on bf16 panels, with `pairs` the
-    one on bf16 pairs (`pairs_supported` targets)."""
-    return gemm_code(target).address_of(PAIRS_PACKED_SYMBOL if pairs else BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
+    one on bf16 pairs (`pairs_supported` targets), with `paired_a` as well the one reading A
+    as `paired_rows` made it."""
+    if pairs:
+        return gemm_code(target).address_of(PAIRS_PACKED_SYMBOL + (PAIRED_A_SUFFIX if paired_a else ""))
+    return gemm_code(target).address_of(BF16_PACKED_SYMBOL if narrow else PACKED_SYMBOL)
 
 
 def add_gemm_address(target: CPUTarget) -> int:
@@ -268,9 +284,36 @@ def pairs_gemm_address(target: CPUTarget) -> int:
     return gemm_code(target).address_of(PAIRS_SYMBOL)
 
 
-def windows_gemm_address(target: CPUTarget, pairs: bool = False) -> int:
-    """`ranvier_sgemm_windows`, or with `pairs` its twin on bf16 pairs (`pairs_supported` targets)."""
-    return gemm_code(target).address_of(WINDOWS_PAIRS_SYMBOL if pairs else WINDOWS_SYMBOL)
+def windows_gemm_address(target: CPUTarget, pairs: bool = False, paired_a: bool = False) -> int:
+    """`ranvier_sgemm_windows`, or with `pairs` its twin on bf16 pairs (`pairs_supported`
+    targets), with `paired_a` as well the one reading A as `paired_rows` made it."""
+    if pairs:
+        return gemm_code(target).address_of(WINDOWS_PAIRS_SYMBOL + (PAIRED_A_SUFFIX if paired_a else ""))
+    return gemm_code(target).address_of(WINDOWS_SYMBOL)
+
+
+def paired_row_slots(k: int) -> int:
+    """32-bit slots from one row of `paired_rows` to the next: its pairs of k, in whole cache lines."""
+    return -(-((k + 1) // 2) // _LINE_FLOATS) * _LINE_FLOATS
+
+
+def paired_rows(a: np.ndarray) -> np.ndarray:
+    """A float32 [m, k] rounded to bfloat16 (nearest, ties to even) as the `_paired` entries
+    read it: row i's steps 2p and 2p + 1 side by side in slot p of its `paired_row_slots(k)`
+    (uint32, the first step in the low half), zeros past k; 64-byte aligned, and a cache line
+    of zeros after the last row. The dot products of a block's narrow last panel read whole
+    vectors of a row from a slice's first pair, so up to 15 slots past the slice: the next
+    slice's pairs, the next row's or that last line, each times the edge's zeros."""
+    m, k = a.shape
+    slots = paired_row_slots(k)
+    storage = np.zeros(m * slots + 2 * _LINE_FLOATS, np.uint32)
+    start = (-storage.ctypes.data % PANEL_ALIGNMENT) // 4
+    rows = storage[start : start + m * slots].reshape(m, slots)
+    halves = np.zeros((m, 2 * slots), ml_dtypes.bfloat16)
+    halves[:, :k] = a
+    steps = halves.view(np.uint16).reshape(m, slots, 2).astype(np.uint32)
+    rows[...] = steps[..., 0] | steps[..., 1] << 16
+    return storage[start : start + m * slots + _LINE_FLOATS]
 
 
 def window_taps(pairs: bool) -> int:
@@ -509,8 +552,10 @@ class _Emitter:
 
     def pairs_dot_kernel(self, rows: int) -> ir.Function:
         """`dot_kernel` on bf16 pairs: A's strip as `copy_pairs` makes it (pairs along k, each
-        row zeros to a whole vector) and each edge column's pairs likewise (`ROW_KC` slots
-        apart), a vector of pairs of a row and a column per `vdpbf16ps`."""
+        row zeros to a whole vector) or `paired_rows` in place (a slice's rows start anywhere
+        in a line, and a row's last vector reads the next slice's pairs: finite, times the
+        edge's zeros) and each edge column's pairs likewise (`ROW_KC` slots apart), a vector
+        of pairs of a row and a column per `vdpbf16ps`."""
         function = ir.Function(self.module, _DOT_PAIRS, name=f"{SYMBOL}_dot{rows}_pairs")
         function.linkage = "internal"
         b = ir.IRBuilder(function.append_basic_block("entry"))
@@ -525,7 +570,7 @@ class _Emitter:
             with loop(b, 0, kc, step=lanes, name="dp") as p:
                 pairs = (column + p).load(lanes, align=4)
                 for r in range(rows):
-                    sums[r].set(pair_dot(sums[r].value, (row_starts[r] + p).load(lanes, align=4 * lanes), pairs))
+                    sums[r].set(pair_dot(sums[r].value, (row_starts[r] + p).load(lanes, align=4), pairs))
             for r in range(rows):
                 vector = sums[r].value
                 total = vector.lane(0)
@@ -885,8 +930,9 @@ def build_module(target: CPUTarget) -> ir.Module:
             for vectors in range(1, emit.vectors + 1)}
         pair_tiles.update({(rows, "dot"): emit.pairs_dot_kernel(rows) for rows in range(1, emit.mr + 1)})
         _MatrixGemm(emit, pair_tiles, block_columns(target), pairs=True).define()
-        _PanelsGemm(emit, pair_tiles, block_columns(target, packed=True), pairs=True).define()
-        _WindowsGemm(emit, pair_tiles, block_columns(target), pairs=True).define()
+        for paired_a in (False, True):
+            _PanelsGemm(emit, pair_tiles, block_columns(target, packed=True), pairs=True, paired_a=paired_a).define()
+            _WindowsGemm(emit, pair_tiles, block_columns(target), pairs=True, paired_a=paired_a).define()
     return module
 
 
@@ -917,9 +963,14 @@ class _Gemm:
     a panel is, and which lines a tile brings into L2 while it computes."""
 
     def __init__(self, emit: _Emitter, tiles: dict[tuple[int, int | str], ir.Function], block: int, pairs: bool = False,
-                 narrow: bool = False, add: bool = False):
+                 narrow: bool = False, add: bool = False, paired_a: bool = False):
         self.emit, self.tiles, self.block, self.pairs, self.narrow = emit, tiles, block, pairs, narrow
         self.add = add  # C += op(A)·op(B): every slice of k adds to C
+        self.paired_a = paired_a  # on pairs: A is `paired_rows`' pairs, its strips read in place
+
+    def symbol(self, name: str) -> str:
+        """The entry's name: `name`, with `PAIRED_A_SUFFIX` where A comes paired."""
+        return name + PAIRED_A_SUFFIX if self.paired_a else name
 
     def define(self) -> None:
         raise NotImplementedError
@@ -961,7 +1012,7 @@ class _Gemm:
         # values side by side, rows lda apart), or MR lines of one L1 set when rows are a
         # multiple of 4 KiB apart: the panels would evict it. Such a strip is copied first.
         # A strip on pairs is always copied: into pairs.
-        self.copy_a = Value(b, ir.Constant(I1, 1), DT_BOOL) if pairs else transposed | (lda & 1023).equal(0)
+        self.copy_a = Value(b, ir.Constant(I1, not self.paired_a), DT_BOOL) if pairs else transposed | (lda & 1023).equal(0)
         if pairs:
             self.strip_copy = stack(b, DT_INT32, emit.mr * PAIRS_KC // 2, align=64)  # its rows are stored as aligned vectors
         else:
@@ -1029,11 +1080,12 @@ class _Gemm:
         wraps = following >= m
         row = wraps.where(0, following)
         steps_in = wraps.where(s.pc + s.kc, s.pc)
-        run = s.kc // _LINE_FLOATS + 1
+        per_slot = 2 if self.paired_a else 1  # steps of k in a float's bytes of a row of A
+        run = s.kc // (per_slot * _LINE_FLOATS) + 1
         rows_left = index_value(self.b, mr).minimum(m - row)
         wanted = ~self.transposed & (steps_in < self.k)
         lines = wanted.where(rows_left * run, 0)
-        return [self.a + (row * self.lda + steps_in), run, self.lda, lines]
+        return [self.a + (row * self.lda + steps_in // per_slot), run, self.lda, lines]
 
     def strip(self, s: _Slice, first_row: ir.Value, rows: int) -> None:
         """C's `rows` rows from `first_row` in the block's columns: the strip's tiles along the
@@ -1041,7 +1093,10 @@ class _Gemm:
         b, emit, c, ldc = self.b, self.emit, self.c, self.ldc
         i0, nr = index_value(b, first_row), index_value(b, emit.nr)
         strip_a = self.a + (i0 * self.sa + s.pc * self.sk)
-        if self.pairs:
+        if self.paired_a:
+            read_a = (self.a + (i0 * self.lda + s.pc // 2)).view(DT_INT32)
+            row_step, k_step = self.lda, index_value(b, 1)
+        elif self.pairs:
             row_step, k_step = emit.copy_pairs(self.transposed, strip_a, self.sa, self.sk, s.kc, rows, self.strip_copy)
             read_a = self.strip_copy
         else:
@@ -1128,7 +1183,7 @@ class _PanelsGemm(_Gemm):
 
     def define(self) -> None:
         signature = _BF16_PACKED_FUNCTION if self.narrow or self.pairs else _PACKED_FUNCTION
-        name = PAIRS_PACKED_SYMBOL if self.pairs else BF16_PACKED_SYMBOL if self.narrow else PACKED_SYMBOL
+        name = self.symbol(PAIRS_PACKED_SYMBOL) if self.pairs else BF16_PACKED_SYMBOL if self.narrow else PACKED_SYMBOL
         ta, m, n, k, a, lda, panels, c, ldc = self._entry(signature, name)
         self.panels = panels.view(DT_INT32 if self.pairs else DT_BFLOAT16 if self.narrow else DT_FLOAT32)
         self.loops(ta, m, n, k, a, lda, c, ldc)
@@ -1173,7 +1228,7 @@ class _WindowsGemm(_Gemm):
 
     def define(self) -> None:
         m, n, k, a, lda, image, geometry, first_column, c, ldc, workspace = self._entry(
-            WINDOWS_FUNCTION, WINDOWS_PAIRS_SYMBOL if self.pairs else WINDOWS_SYMBOL)
+            WINDOWS_FUNCTION, self.symbol(WINDOWS_PAIRS_SYMBOL) if self.pairs else WINDOWS_SYMBOL)
         b = self.b
         self.image, self.first_column = image, first_column
         self.block_of_b = Pointer(b, cache_line_aligned(b, workspace.ir, _PAIRS_PTR if self.pairs else _FLOAT_PTR),

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llvmlite import ir
 
 from .... import dtypes
 from ....flow.graph import Variable
-from ....ops import attrs_of
-from ...llvm.irutil import I64, i64, load, storage_type
+from ....ops import attrs_of, unchanging_constant
+from ...kernels import Prepared
+from ...llvm.irutil import F32, I32, I64, i64, load, storage_type
 from ...llvm.loops import copy_run, fold_lanes, for_vectors, pairwise
 from ...llvm.values import Value
 from .. import sgemm
-from ..codegen import SGEMM_ADD, SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
+from ..codegen import SGEMM_ADD, SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16, SGEMM_WINDOWS_DPBF16_PAIRED
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
@@ -409,11 +411,45 @@ def _pairs_faster(op) -> bool:
     return windows_pairs_are_faster(count, width, _sizes(op)[3], tuple(_geometry_values(op)))
 
 
+PAIRED_FILTERS = "filters' rows in bf16 pairs (sgemm.paired_rows)"
+WINDOWS_PAIRS_CALLS = frozenset({SGEMM_WINDOWS_DPBF16, SGEMM_WINDOWS_DPBF16_PAIRED})
+
+
+def paired_filters(op) -> list[Prepared]:
+    """Constant filters [O, C, KH, KW] rounded into bf16 pairs once, with the network, as rows of
+    their C·KH·KW taps (`sgemm.paired_rows`): the windows GEMM on pairs reads them in place,
+    half the bytes of the float32 filters it would round call by call. None for filters
+    that change (a training step's)."""
+    w = op.inputs[1]
+    if not unchanging_constant(w):
+        return []
+    return [Prepared(w, PAIRED_FILTERS, lambda value, target: sgemm.paired_rows(value.reshape(value.shape[0], -1)))]
+
+
+def windows_filters(ctx, op, slot: int) -> tuple[int, Callable[[Value | int], ir.Value], int]:
+    """The windows GEMM a call of `op` makes and the filters it reads: (its pointer-table slot,
+    the address of filter row r, the rows' stride). On pairs (`slot` SGEMM_WINDOWS_DPBF16),
+    constant filters are `paired_filters`' rows, read by the `_paired` entry; else the
+    float32 filters."""
+    w = op.inputs[1]
+    taps = math.prod(w.shape[1:])
+    if slot != SGEMM_WINDOWS_DPBF16 or not unchanging_constant(w):
+        return slot, lambda row: ctx.element_pointer(w, row * taps), taps
+    slots = sgemm.paired_row_slots(taps)
+    rows = ctx.prepared(w, PAIRED_FILTERS, I32)
+
+    def row_address(row: Value | int) -> ir.Value:
+        at = (row * slots).ir if isinstance(row, Value) else i64(row * slots)
+        return ctx.b.bitcast(ctx.b.gep(rows, [at]), F32.as_pointer())
+
+    return SGEMM_WINDOWS_DPBF16_PAIRED, row_address, slots
+
+
 @kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=40, prefer=_pairs_faster,
-        workspace=_workspace_bytes, calls=frozenset({SGEMM_WINDOWS_DPBF16}))
+        workspace=_workspace_bytes, prepares=paired_filters, calls=WINDOWS_PAIRS_CALLS)
 def conv_gemm_pairs(ctx, op) -> None:
     """ConvGemm's calls on `ranvier_sgemm_windows_dpbf16`: filters and windows rounded to bf16
-    pairs, float32 sums."""
+    pairs, float32 sums; constant filters rounded once (`paired_filters`)."""
     _call_windows(ctx, op, SGEMM_WINDOWS_DPBF16)
 
 
@@ -426,7 +462,7 @@ def conv_gemm(ctx, op) -> None:
 def _call_windows(ctx, op, slot: int) -> None:
     """Each part's calls of the windows GEMM in pointer-table `slot`, each followed by the
     op's epilogue over the block it wrote."""
-    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    x, y = op.inputs[0], op.outputs[0]
     _, rows, columns, taps = _sizes(op)
     image_size = math.prod(x.shape[1:])
     share = _share(op)
@@ -435,10 +471,11 @@ def _call_windows(ctx, op, slot: int) -> None:
     def part(calls, number: int):
         def emit(ctx) -> None:
             b = ctx.b
-            gemm = b.bitcast(ctx.table_entry(slot), sgemm.WINDOWS_FUNCTION.as_pointer())
+            entry, filters, lda = windows_filters(ctx, op, slot)
+            gemm = b.bitcast(ctx.table_entry(entry), sgemm.WINDOWS_FUNCTION.as_pointer())
             scratch = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
             for image, r0, count, c0, width in calls:
-                b.call(gemm, [i64(count), i64(width), i64(taps), ctx.element_pointer(w, r0 * taps), i64(taps),
+                b.call(gemm, [i64(count), i64(width), i64(taps), filters(r0), i64(lda),
                               ctx.element_pointer(x, image * image_size), b.bitcast(geometry, I64.as_pointer()), i64(c0),
                               ctx.element_pointer(y, (image * rows + r0) * columns + c0), i64(columns), scratch])
                 epilogue(ctx, op, (image * rows + r0) * columns + c0, count, width)

@@ -30,7 +30,7 @@ from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import emit_map
-from .conv import CALL_BYTES, fits_windows_gemm, geometry_constant
+from .conv import CALL_BYTES, WINDOWS_PAIRS_CALLS, fits_windows_gemm, geometry_constant, paired_filters, windows_filters
 from .library import kernel
 from .window import PoolRows, emit_max_pool
 
@@ -127,10 +127,10 @@ def _workspace_bytes(op) -> int:
 
 
 @kernel("ConvPoolDpbf16", {CONV_POOL}, supports=_on_pairs, rank=40, prefer=_pairs_faster, workspace=_workspace_bytes,
-        calls=frozenset({SGEMM_WINDOWS_DPBF16}))
+        prepares=paired_filters, calls=WINDOWS_PAIRS_CALLS)
 def conv_pool_pairs(ctx, op) -> None:
     """ConvPool's bands multiplied on `ranvier_sgemm_windows_dpbf16` (filters and windows
-    rounded to bf16 pairs, float32 sums)."""
+    rounded to bf16 pairs, float32 sums; constant filters rounded once)."""
     _pool_bands(ctx, op, SGEMM_WINDOWS_DPBF16)
 
 
@@ -143,7 +143,7 @@ def conv_pool(ctx, op) -> None:
 def _pool_bands(ctx, op, slot: int) -> None:
     """Each part's images, band by band: the carried rows copied down, the new rows
     multiplied (GEMM in pointer-table `slot`) and their program run, the band pooled."""
-    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    x, y = op.inputs[0], op.outputs[0]
     plan = planned(_plan(op), op)
     conv_width = plan.conv_width
     ldc = plan.band_rows * conv_width  # elements between the scratch's filters
@@ -160,7 +160,8 @@ def _pool_bands(ctx, op, slot: int) -> None:
     def part(first: int, last: int, bands: tuple[_Band, ...], number: int):
         def emit(ctx) -> None:
             b = ctx.b
-            gemm = b.bitcast(ctx.table_entry(slot), sgemm.WINDOWS_FUNCTION.as_pointer())
+            entry, filters, lda = windows_filters(ctx, op, slot)
+            gemm = b.bitcast(ctx.table_entry(entry), sgemm.WINDOWS_FUNCTION.as_pointer())
             base = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
             rows = ctx.scratch(f"{op.name}/band{number}", dtypes.DT_FLOAT32, plan.filters * ldc, base)
             packing = b.gep(base, [i64(scratch_bytes)])
@@ -177,8 +178,8 @@ def _pool_bands(ctx, op, slot: int) -> None:
                     new_top = band.top + band.carried
                     width = (band.bottom - new_top) * conv_width
                     if width:
-                        b.call(gemm, [i64(plan.filters), i64(width), i64(plan.taps), ctx.element_pointer(w, 0),
-                                      i64(plan.taps), ctx.element_pointer(x, image * image_size),
+                        b.call(gemm, [i64(plan.filters), i64(width), i64(plan.taps), filters(0),
+                                      i64(lda), ctx.element_pointer(x, image * image_size),
                                       b.bitcast(geometry, I64.as_pointer()), i64(new_top * conv_width),
                                       ctx.element_pointer(rows, band.carried * conv_width), i64(ldc), packing])
                         landing = View(rows, band.carried * conv_width, [ldc, 1])

@@ -34,7 +34,7 @@ from .. import sgemm
 from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count
-from .conv import fits_windows_gemm, geometry_constant
+from .conv import WINDOWS_PAIRS_CALLS, fits_windows_gemm, geometry_constant, paired_filters, windows_filters
 from .library import kernel
 from .program import epilogue
 
@@ -142,7 +142,7 @@ def _workspace_bytes(op) -> int:
 
 # after ConvTiles (10) and Winograd's kernels (20, 30), before ConvGemm's (40, 50)
 @kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=34, prefer=_pairs_faster,
-        workspace=_workspace_bytes, calls=frozenset({SGEMM_WINDOWS_DPBF16}))
+        workspace=_workspace_bytes, prepares=paired_filters, calls=WINDOWS_PAIRS_CALLS)
 def conv_stacked_pairs(ctx, op) -> None:
     """ConvStackedGemm's calls on `ranvier_sgemm_windows_dpbf16`."""
     _stacked_calls(ctx, op, SGEMM_WINDOWS_DPBF16)
@@ -158,7 +158,7 @@ def _stacked_calls(ctx, op, slot: int) -> None:
     """Each part's images, a group at a time: stacked into the tall image, multiplied by one
     call of the windows GEMM in pointer-table `slot`, copied out image by image, each then
     through the op's epilogue."""
-    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    x, y = op.inputs[0], op.outputs[0]
     s = _stack(op)
     f32 = dtypes.DT_FLOAT32
     pad = attrs_of(op)["padding"][0]
@@ -175,24 +175,27 @@ def _stacked_calls(ctx, op, slot: int) -> None:
             out = ctx.scratch(f"{op.name}/stacked", f32, s.out_floats, b.gep(base, [i64(4 * s.tall_floats)]))
             packing = b.gep(base, [i64(4 * (s.tall_floats + s.out_floats))])
             for_vectors(ctx, 0, s.tall_floats, lanes, lambda at, n: ctx.store(tall, at, ctx.constant(f32, 0.0, n)))
-            gemm = b.bitcast(ctx.table_entry(slot), sgemm.WINDOWS_FUNCTION.as_pointer())
+            entry, filters, lda = windows_filters(ctx, op, slot)
+            gemm = b.bitcast(ctx.table_entry(entry), sgemm.WINDOWS_FUNCTION.as_pointer())
+            multiply = (gemm, filters(0), lda)
             whole = (last - first) // s.group * s.group
             if whole:
                 with ctx.loop(first, first + whole, step=s.group, name="group") as start:
-                    group(ctx, gemm, tall, out, packing, start, s.group)
+                    group(ctx, multiply, tall, out, packing, start, s.group)
             if first + whole < last:
-                group(ctx, gemm, tall, out, packing, first + whole, last - first - whole)
+                group(ctx, multiply, tall, out, packing, first + whole, last - first - whole)
 
         return emit
 
-    def group(ctx, gemm, tall, out, packing, start, count: int) -> None:
+    def group(ctx, multiply, tall, out, packing, start, count: int) -> None:
         b = ctx.b
+        gemm, filters, lda = multiply
         columns = s.columns(count)
         with ctx.loop(0, s.channels * count, name="stack_plane") as plane_index:
             c, g = plane_index // count, plane_index % count
             copy_run(ctx, x, (start + g) * image_size + c * plane, tall, (c * s.group + g) * (s.rows * s.width) + pad * s.width,
                      plane, lanes)
-        b.call(gemm, [i64(s.filters), i64(columns), i64(s.taps), ctx.element_pointer(w, 0), i64(s.taps),
+        b.call(gemm, [i64(s.filters), i64(columns), i64(s.taps), filters, i64(lda),
                       ctx.element_pointer(tall, 0), b.bitcast(geometry, I64.as_pointer()), i64(0),
                       ctx.element_pointer(out, 0), i64(columns), packing])
         with ctx.loop(0, count, name="unstack") as g:

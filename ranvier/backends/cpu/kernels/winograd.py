@@ -51,7 +51,7 @@ from ...llvm.convert import bf16_pairs
 from ...llvm.irutil import BYTE_PTR, F32, I32, I64, VOID, cache_line_aligned, for_range, i64
 from ...llvm.values import Value
 from .. import sgemm
-from ..codegen import SGEMM_PACKED, SGEMM_PACKED_DPBF16
+from ..codegen import SGEMM_PACKED, SGEMM_PACKED_DPBF16, SGEMM_PACKED_DPBF16_PAIRED
 from ..gemm_choice import packed_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from .library import kernel
@@ -334,6 +334,17 @@ def _prepared(op) -> list[Prepared]:
     return [Prepared(w, form.prepared, lambda value, target: transformed_filters(value, form))] if unchanging_constant(w) else []
 
 
+def _paired_prepared(op) -> list[Prepared]:
+    """Constant filters' U for the GEMM on pairs: rounded into bf16 pairs of channels once
+    (`sgemm.paired_rows`, a row per point and filter), half the bytes of the float32 U it
+    would round call by call (ResNet-18's 256-channel ones: 4 MB, from memory at batch 1)."""
+    w, form = op.inputs[1], _form(op)
+    if not unchanging_constant(w):
+        return []
+    return [Prepared(w, f"{form.prepared} in bf16 pairs",
+                     lambda value, target: sgemm.paired_rows(transformed_filters(value, form).reshape(-1, w.shape[1])))]
+
+
 def _transform_filters(ctx, op, form: Form, target) -> None:
     """U = G · w · Gᵀ of every filter and channel pair into `target(ctx)` ([points, K, C]),
     the filters shared out over the cores: a step's first job, before the tiles read it."""
@@ -378,11 +389,13 @@ def _pairs_faster(op) -> bool:
 
 
 @kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=20, prefer=_pairs_faster,
-        workspace=lambda op: _workspace_bytes(op, pairs=True), prepares=_prepared, calls=frozenset({SGEMM_PACKED_DPBF16}))
+        workspace=lambda op: _workspace_bytes(op, pairs=True), prepares=_paired_prepared,
+        calls=frozenset({SGEMM_PACKED_DPBF16, SGEMM_PACKED_DPBF16_PAIRED}))
 def winograd_conv_pairs(ctx, op) -> None:
     """WinogradConv with V in bf16 pairs of channels (each rounded to nearest even as the input
     transform stores it) and its products on `ranvier_sgemm_packed_dpbf16`, U rounded as the
-    GEMM reads it: float32 transforms and sums."""
+    GEMM reads it (constant filters' U rounded once, `_paired_prepared`, and read by its
+    `_paired` twin): float32 transforms and sums."""
     _winograd(ctx, op, pairs=True)
 
 
@@ -395,15 +408,18 @@ def winograd_conv(ctx, op) -> None:
 def _winograd(ctx, op, pairs: bool) -> None:
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     g = _geometry(op, sgemm.panel_width(ctx.target), pairs)
-    tiles = _Emitter(ctx.module, g).tiles_function()
+    made_here = _filter_bytes(op)
+    paired = pairs and not made_here  # U in bf16 pairs, its rows `u_row` slots long
+    u_row = sgemm.paired_row_slots(g.channels) if paired else g.channels
+    tiles = _Emitter(ctx.module, g, u_row).tiles_function()
     image_size, out_size = math.prod(x.shape[1:]), math.prod(y.shape[1:])
     plane = g.out_height * g.out_width
-    made_here = _filter_bytes(op)
+    slot = (SGEMM_PACKED_DPBF16_PAIRED if paired else SGEMM_PACKED_DPBF16) if pairs else SGEMM_PACKED
 
     def transformed(ctx) -> ir.Value:
         """U: the constant's prepared form, or the workspace's start (aligned) where it is made."""
         if not made_here:
-            return ctx.prepared(w, g.form.prepared, F32)
+            return ctx.prepared(w, f"{g.form.prepared} in bf16 pairs" if paired else g.form.prepared, F32)
         return cache_line_aligned(ctx.b, ctx.address(ctx.workspace), F32.as_pointer())
 
     if made_here:
@@ -412,11 +428,11 @@ def _winograd(ctx, op, pairs: bool) -> None:
     def part(calls, number: int):
         def emit(ctx) -> None:
             b = ctx.b
-            gemm = b.bitcast(ctx.table_entry(SGEMM_PACKED_DPBF16 if pairs else SGEMM_PACKED), _GEMM.as_pointer())
+            gemm = b.bitcast(ctx.table_entry(slot), _GEMM.as_pointer())
             filters = transformed(ctx)
             scratch = b.gep(ctx.address(ctx.workspace), [i64(made_here + number * g.workspace_bytes)])
             for first_image, first, last, first_filter, last_filter, images in calls:
-                b.call(tiles, [ctx.element_pointer(x, first_image * image_size), b.gep(filters, [i64(first_filter * g.channels)]),
+                b.call(tiles, [ctx.element_pointer(x, first_image * image_size), b.gep(filters, [i64(first_filter * u_row)]),
                                ctx.element_pointer(y, first_image * out_size + first_filter * plane), i64(first), i64(last),
                                i64(last_filter - first_filter), i64(images), scratch, gemm])
                 top, bottom = g.form.tile * first, min(g.form.tile * last, g.out_height)
@@ -451,8 +467,9 @@ def _apply_both(matrix: np.ndarray, square: list[list[Value]]) -> list[list[Valu
 class _Emitter:
     """The function computing a call's images' output (`tiles_function`)."""
 
-    def __init__(self, module: ir.Module, g: _Geometry):
+    def __init__(self, module: ir.Module, g: _Geometry, u_row: int):
         self.module, self.g, self.form = module, g, g.form
+        self.u_row = u_row  # U's elements (or slots of bf16 pairs) from one filter's row to the next
         self.vector = ir.VectorType(F32, g.group)
         self.ints = ir.VectorType(I32, g.group)
         self.zeros = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * g.group)
@@ -490,8 +507,8 @@ class _Emitter:
                 index = b.add(b.mul(b.add(b.mul(j, rows), row), i64(g.row_tiles)), column)
                 self.input_transform(b.gep(patches, [b.mul(j, i64(g.image_patch_floats))]), row, column, index, v)
             with for_range(b, i64(0), i64(points), name="point") as point:
-                b.call(gemm, [i64(0), filter_count, count, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * g.channels))]),
-                              i64(g.channels), b.gep(v, [b.mul(point, i64(g.v_floats))]), b.gep(m, [b.mul(point, i64(g.m_floats))]),
+                b.call(gemm, [i64(0), filter_count, count, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * self.u_row))]),
+                              i64(self.u_row), b.gep(v, [b.mul(point, i64(g.v_floats))]), b.gep(m, [b.mul(point, i64(g.m_floats))]),
                               count])
             with for_range(b, i64(0), filter_count, name="filter") as k, \
                     for_range(b, i64(0), b.mul(block_images, rows), name="out_row") as row, \
