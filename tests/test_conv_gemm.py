@@ -134,6 +134,8 @@ CASES = [
     ((2, 3, 23, 21), (8, 3, 7, 7), (2, 2), (3, 3)),
     ((1, 8, 9, 9), (5, 8, 1, 1), (2, 2), (0, 0)),
     ((1, 2, 8, 5), (3, 2, 2, 3), (2, 1), (1, 2)),
+    ((2, 5, 12, 14), (7, 5, 1, 1), (2, 2), (0, 0)),  # 1 × 1 of stride 2: a plane of the pixels it reads, each image's
+    ((1, 6, 13, 11), (10, 6, 1, 1), (2, 3), (0, 0)),  # of strides 2 and 3 (a column at a time), one image cut into blocks
 ]
 
 
@@ -200,23 +202,44 @@ def test_conv2d_in_bf16_runs_on_pairs_where_the_cpu_has_them(case, mask, constan
     _check_against_pytorch(cell, y, case, pairs, constant)
 
 
+def _small_calls_on_two_parts(monkeypatch, call_bytes: int) -> None:
+    """Calls of at most `call_bytes` of output, columns a multiple of 16, on two parts; the
+    GEMM on pairs where the precision allows."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    monkeypatch.setattr(conv, "CALL_BYTES", call_bytes)
+    monkeypatch.setattr(conv, "_CALL_UNIT", 16)
+    monkeypatch.setattr(conv, "thread_count", lambda: 2)
+    monkeypatch.setattr(conv, "worth_splitting", lambda flops, nbytes: True)
+
+
 @pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("call_bytes", "calls"), [(4480, 1), (3200, 2)])
 def test_a_batchs_image_takes_the_fewest_calls_that_each_write_at_most_the_call_bytes(call_bytes, calls, matmul, monkeypatch):
     """2 images of 8 filters by 12 × 11 outputs (4,224 bytes an image), in calls of columns a
     multiple of 16: one call where an image's output fits, else the fewest that fit, every
     element written (NaN first)."""
-    monkeypatch.setenv("RANVIER_GEMM", "generated")
-    monkeypatch.setattr(conv, "CALL_BYTES", call_bytes)
-    monkeypatch.setattr(conv, "_CALL_UNIT", 16)
-    monkeypatch.setattr(conv, "thread_count", lambda: 2)
-    monkeypatch.setattr(conv, "worth_splitting", lambda flops, nbytes: True)
+    _small_calls_on_two_parts(monkeypatch, call_bytes)
     case = (2, 3, 23, 21), (8, 3, 7, 7), (2, 2), (3, 3)
     cell, y = _conv_cell(*case, matmul=matmul)
     (step,) = cell.steps
     parts = conv._parts(step.op)
     assert [[call[0] for call in part] for part in parts] == [[0] * calls, [1] * calls]
     assert all(4 * call[2] * call[4] <= call_bytes and (call[4] % 16 == 0 or call[3] + call[4] == 132) for part in parts for call in part)
+    _check_against_pytorch(cell, y, case, step.kernel == "ConvGemmDpbf16")
+
+
+@pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
+def test_a_strided_1x1_convolution_multiplies_a_plane_of_the_pixels_its_stride_reads(matmul, monkeypatch):
+    """ResNet's downsampling (1 × 1, stride 2, no padding): each part copies an image's
+    pixels under the stride into a plane once, however many calls of the image it makes
+    (here two an image, 3 images on 2 parts), and the GEMM reads that plane as one row of
+    positions; every element written (NaN first), against PyTorch's float64 convolution."""
+    _small_calls_on_two_parts(monkeypatch, 4 * 9 * 64)
+    case = (3, 6, 19, 21), (9, 6, 1, 1), (2, 2), (0, 0)
+    cell, y = _conv_cell(*case, matmul=matmul)
+    (step,) = cell.steps
+    assert conv._geometry_values(step.op) == [1, 110, 1, 1, 1, 1, 0, 0, 110]  # 10 x 11 outputs in a row
+    assert [[call[0] for call in part] for part in conv._parts(step.op)] == [[0, 0, 1, 1], [2, 2]]
     _check_against_pytorch(cell, y, case, step.kernel == "ConvGemmDpbf16")
 
 

@@ -94,9 +94,28 @@ def _parts(op) -> list[list[tuple[int, int, int, int, int]]]:
 
 
 def _share(op) -> int:
-    """A part's packing scratch: enough for its widest call."""
+    """A part's scratch: an image's subsampled plane (`_subsampled_bytes`), then packing
+    enough for its widest call."""
     taps = _sizes(op)[3]
-    return max(sgemm.workspace_bytes(call[4], taps) for part in _parts(op) for call in part)
+    return _subsampled_bytes(op) + max(sgemm.workspace_bytes(call[4], taps) for part in _parts(op) for call in part)
+
+
+def _subsampled(op) -> bool:
+    """A 1 × 1 convolution of a stride above 1 and no padding (ResNet's downsamplings): its
+    windows are the pixels the stride reads, copied image by image into a plane of them
+    (`_copy_subsampled`) that the GEMM reads as one row of positions. Packed straight from
+    the image, each vector of them took loads from every other element of a row (or of
+    two), and the image's channels went by one row each per block of columns."""
+    attrs = attrs_of(op)
+    return tuple(op.inputs[1].shape[2:]) == (1, 1) and tuple(attrs["strides"]) != (1, 1) and not any(attrs["padding"])
+
+
+def _subsampled_bytes(op) -> int:
+    """An image's subsampled plane [channels, output positions], in whole cache lines; 0 where
+    the convolution reads its image in place."""
+    if not _subsampled(op):
+        return 0
+    return 64 * -(-4 * op.inputs[0].shape[1] * _sizes(op)[2] // 64)
 
 
 def _workspace_bytes(op) -> int:
@@ -104,7 +123,11 @@ def _workspace_bytes(op) -> int:
 
 
 def _geometry_values(op) -> list[int]:
-    """The GEMM's `geometry`: sgemm.GEOMETRY's values."""
+    """The GEMM's `geometry`: sgemm.GEOMETRY's values (a `_subsampled` convolution's plane: one
+    row of its output positions, read with stride 1)."""
+    if _subsampled(op):
+        positions = _sizes(op)[2]
+        return [1, positions, 1, 1, 1, 1, 0, 0, positions]
     attrs = attrs_of(op)
     (_, _, height, width), (kernel_height, kernel_width) = op.inputs[0].shape, op.inputs[1].shape[2:]
     return [height, width, kernel_height, kernel_width, *attrs["strides"], *attrs["padding"], op.outputs[0].shape[3]]
@@ -461,11 +484,12 @@ def conv_gemm(ctx, op) -> None:
 
 def _call_windows(ctx, op, slot: int) -> None:
     """Each part's calls of the windows GEMM in pointer-table `slot`, each followed by the
-    op's epilogue over the block it wrote."""
+    op's epilogue over the block it wrote; a `_subsampled` convolution's calls read the
+    plane its part copied of their image."""
     x, y = op.inputs[0], op.outputs[0]
     _, rows, columns, taps = _sizes(op)
     image_size = math.prod(x.shape[1:])
-    share = _share(op)
+    share, plane_bytes = _share(op), _subsampled_bytes(op)
     geometry = geometry_constant(ctx, _geometry_values(op))
 
     def part(calls, number: int):
@@ -473,16 +497,39 @@ def _call_windows(ctx, op, slot: int) -> None:
             b = ctx.b
             entry, filters, lda = windows_filters(ctx, op, slot)
             gemm = b.bitcast(ctx.table_entry(entry), sgemm.WINDOWS_FUNCTION.as_pointer())
-            scratch = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
+            base = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
+            scratch = b.gep(base, [i64(plane_bytes)])
+            plane = ctx.scratch(f"{op.name}/subsampled", dtypes.DT_FLOAT32, x.shape[1] * columns, base) if plane_bytes else None
+            copied = None  # the image whose plane the scratch holds
             for image, r0, count, c0, width in calls:
+                if plane is not None and image != copied:
+                    _copy_subsampled(ctx, op, image, plane)
+                    copied = image
+                source = ctx.element_pointer(x, image * image_size) if plane is None else ctx.element_pointer(plane, 0)
                 b.call(gemm, [i64(count), i64(width), i64(taps), filters(r0), i64(lda),
-                              ctx.element_pointer(x, image * image_size), b.bitcast(geometry, I64.as_pointer()), i64(c0),
+                              source, b.bitcast(geometry, I64.as_pointer()), i64(c0),
                               ctx.element_pointer(y, (image * rows + r0) * columns + c0), i64(columns), scratch])
                 epilogue(ctx, op, (image * rows + r0) * columns + c0, count, width)
 
         return emit
 
     run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op))])
+
+
+def _copy_subsampled(ctx, op, image: int, plane: Variable) -> None:
+    """The pixels of image `image` a `_subsampled` convolution reads, [channels, output
+    positions] into `plane`: a stride-2 row in vectors picked from pairs of loads."""
+    x = op.inputs[0]
+    (_, channels, height, width), (out_height, out_width) = x.shape, op.outputs[0].shape[2:]
+    stride_height, stride_width = attrs_of(op)["strides"]
+    lanes = ctx.lanes_for([x.dtype])
+    with ctx.loop(0, channels * out_height, name="subsampled_row") as row:
+        source = (image * channels + row // out_height) * (height * width) + row % out_height * (stride_height * width)
+        if stride_width == 2 and out_width > 1:
+            _copy_even(ctx, x, source, plane, row * out_width, out_width, lanes)
+        else:
+            with ctx.loop(0, out_width, name="subsampled_column") as xo:
+                ctx.store(plane, row * out_width + xo, ctx.load(x, source + xo * stride_width))
 
 
 def _copy_windows(ctx, op, image: Value, windows: Variable, row_stride: int, column: Value | int = 0,
