@@ -303,6 +303,21 @@ def test_on_pairs_images_of_few_tiles_go_several_to_a_block(constant, monkeypatc
     _check(data, y, want, bound)
 
 
+@pytest.mark.parametrize(("images", "rows"), [(32, 12), (1, 4)])
+def test_on_pairs_a_part_of_several_images_takes_larger_blocks(images, rows, monkeypatch):
+    """ResNet-18's 128-channel 28 × 28 convolution on pairs in two parts: at batch 32 its
+    blocks are 12 tile rows (_PAIRS_BLOCK_BYTES: 192 tiles, four whole panels), at batch 1
+    (a part takes some of an image's rows) 4, as in float32."""
+    _on_pairs_in_two_parts(monkeypatch)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.conv2d(f.var("x", "float32", [images, 128, 28, 28]), f.const(random_array((128, 128, 3, 3), "float32")), padding=1)
+    y.var.out = True
+    (step,) = rv.Compiler("cpu", cache=False, matmul="bfloat16").compile(flow).cell("f").steps
+    assert step.kernel == winograd.PAIRS_KERNEL
+    assert winograd._geometry(step.op, 48, pairs=True).block_rows == rows
+
+
 def test_in_bf16_the_larger_form_stays_float32(monkeypatch):
     """F(4, 3)'s transforms magnify bf16's rounding of U and V (kernels/winograd.py): a
     convolution in that form keeps float32 products whatever matmul asks."""

@@ -113,6 +113,13 @@ FORMS = (F2, F4)
 # GEMMs' panels and rows are long enough to run near their peak, while V and M stay in the
 # caches between the transforms and the products.
 _BLOCK_BYTES = 512 << 10
+# On bf16 pairs, where a part takes several whole images, a block fills this much instead: ResNet-18's
+# 128-channel 28 × 28 convolutions at batch 32 took blocks of 4 tile rows (64 tiles: a panel
+# of 48 and one of 16 a product) at 512 KiB; in blocks of 12 rows (192 tiles, four whole
+# panels) they ran in 0.90-0.92 of the time, of 6 (two panels) 0.95, of 8 or 14 (a part-filled
+# panel) 0.96 (alone, alternated in one process; Zen 5, two cores, shared). Its other
+# convolutions' blocks are the filters' to size (`wanted_rows`).
+_PAIRS_BLOCK_BYTES = 3 << 20
 # Above this many filter × channel pairs the transformed filters (F(2, 3)'s, 64 bytes a pair,
 # which so many channels take: `_form`) come from memory: ResNet-18's 512 × 512 convolutions (16 MB of U) took 1.2 times the direct
 # convolution's time at batch 1 and the same at batch 8 on an AVX2 EPYC; its 256 × 256
@@ -164,12 +171,14 @@ class _Geometry:
 
     @property
     def wanted_rows(self) -> int:
-        """Tile rows a block wants: enough for V and M to fill _BLOCK_BYTES, and enough that the
+        """Tile rows a block wants: enough for V and M to fill _BLOCK_BYTES (_PAIRS_BLOCK_BYTES on
+        pairs where a part takes several whole images), and enough that the
         transformed filters, read once a block, move no more bytes per tile than V and M do
         (K·C / P ≤ K + C for P tiles a block): 256 × 256 filters take 128 tiles a block."""
         per_row = 4 * self.form.points * (self.channels + self.filters) * self.row_tiles
         filter_tiles = self.channels * self.filters // (self.channels + self.filters)
-        return max(-(-_BLOCK_BYTES // per_row), -(-filter_tiles // self.row_tiles))
+        block_bytes = _PAIRS_BLOCK_BYTES if self.pairs and self.batch > 1 else _BLOCK_BYTES
+        return max(-(-block_bytes // per_row), -(-filter_tiles // self.row_tiles))
 
     @property
     def block_rows(self) -> int:
