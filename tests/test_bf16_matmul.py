@@ -14,7 +14,7 @@ import pytest
 
 import ranvier as rv
 from ranvier.backends.cpu.backend import bf16_gemm
-from ranvier.backends.cpu.kernels.matmul import amx_parts, gemm_parts
+from ranvier.backends.cpu.kernels.matmul import _Gemm, amx_parts, claimed_pieces, gemm_parts
 from ranvier.backends.cpu.parallel import thread_count
 from ranvier.backends.cpu.target import host_target
 
@@ -65,8 +65,10 @@ CASES = [
     ((800, 96), (2000, 96), {"transpose_b": True}),
     ((2000, 640), (2000, 160), {"transpose_a": True}),
     ((8, 256, 256), (8, 256, 256), {}),  # large batch: whole products shared out
+    ((2100, 64), (64, 200), {}),  # a constant's: each core's rows cut in pieces the cores claim
+    ((64, 2100), (64, 96), {"transpose_a": True}),
 ]
-SPLIT = {7, 8, 9, 10, 11}  # the cases large enough to run on several threads
+SPLIT = {7, 8, 9, 10, 11, 12, 13}  # the cases large enough to run on several threads
 
 
 @pytest.mark.parametrize("constant", [False, True], ids=["matrix", "constant"])
@@ -139,14 +141,16 @@ def test_mixed_precision_training_follows_float32():
     np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=0.05)
 
 
+@pytest.mark.parametrize("rows", [70, 2100], ids=["one-part", "pieces"])
 @pytest.mark.parametrize("cpu", ["", "-avx512bf16", "-avx512"])
-def test_gelu_after_a_bf16_product_is_the_fast_one_within_its_bound(cpu):
+def test_gelu_after_a_bf16_product_is_the_fast_one_within_its_bound(cpu, rows):
     """A product in bfloat16 by a constant and its epilogue's bias and exact Gelu
     (mathlib.gelu_erf_fast: within 2.5e-7 · max(|x|, 1)) against float64 on the inputs the
     product read: both rounded to bf16 on pairs, the constant alone on bf16 panels (where
-    AVX512-BF16 is masked)."""
+    AVX512-BF16 is masked); 2,100 rows: each core's cut in pieces (`claimed_pieces`), each
+    piece's epilogue over its own rows."""
     rng = np.random.default_rng(5)
-    x, w, bias = (rng.standard_normal(shape, np.float32) for shape in ((70, 96), (96, 130), (130,)))
+    x, w, bias = (rng.standard_normal(shape, np.float32) for shape in ((rows, 96), (96, 130), (130,)))
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     a = f.var("a", rv.DT_FLOAT, x.shape)
@@ -164,3 +168,21 @@ def test_gelu_after_a_bf16_product_is_the_fast_one_within_its_bound(cpu):
     product = xa @ wb + bias
     bound = 1.2e-5 * (np.abs(xa) @ np.abs(wb) + np.abs(bias)) + 2.5e-7 * np.maximum(np.abs(product), 1)
     assert np.all(np.abs(data[out] - 0.5 * product * (1 + _erf(product / np.sqrt(2)))) <= bound)
+
+
+@pytest.mark.parametrize("ta", [False, True], ids=["a", "a-transposed"])
+def test_claimed_pieces_cover_each_part_s_rows_once(ta):
+    """Parts of 1,056 and 1,044 rows (two calls each, side by side in C's columns) cut into
+    pieces of at least 512 rows, 16-row edges: every row of A and C in exactly one piece
+    per call, with that call's columns; one part is left whole."""
+    lda, ldc = (2100, 200) if ta else (64, 200)
+    parts = [[_Gemm(rows, 96, 64, a=first if ta else first * lda, b=column, c=first * ldc + column, column=column)
+              for column in (0, 96)] for first, rows in ((0, 1056), (1056, 1044))]
+    pieces = claimed_pieces(parts, ta, lda, ldc, 16)
+    assert [[g.m for g in piece] for piece in pieces] == [[528, 528], [528, 528], [528, 528], [516, 516]]
+    for column in (0, 96):
+        calls = [g for piece in pieces for g in piece if g.column == column]
+        assert all(g.n == 96 and g.k == 64 and g.b == column for g in calls)
+        assert [g.a for g in calls] == [first if ta else first * lda for first in (0, 528, 1056, 1584)]
+        assert [g.c for g in calls] == [first * ldc + column for first in (0, 528, 1056, 1584)]
+    assert claimed_pieces(parts[:1], ta, lda, ldc, 16) == parts[:1]
