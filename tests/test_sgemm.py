@@ -460,3 +460,32 @@ def test_a_constant_some_op_writes_is_never_packed(monkeypatch):
     data.compute()
     data.compute()  # the product reads the cache this step wrote, whatever their order in the step
     assert np.array_equal(data[scores][:, 2], np.full(5, value.sum(), np.float32))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_a_large_product_by_a_constant_is_claimed_in_pieces(mask, monkeypatch):
+    """2,100 rows (a batch of two 1,050-row inputs, one GEMM) by constants, plain and
+    transposed: on several cores each core's rows are cut in pieces (`claimed_pieces`);
+    every element written, each equal to float64's product."""
+    import ranvier as rv
+    from ranvier.backends.cpu.kernels.matmul import claimed_pieces, gemm_parts
+
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    rng = np.random.default_rng(7)
+    w, wt = rng.standard_normal((70, 45)).astype(np.float32), rng.standard_normal((33, 70)).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [2, 1050, 70])
+    y, z = f.matmul(x, f.const(w)), f.matmul(x, f.const(wt), transpose_b=True)
+    y.var.out = z.var.out = True
+    cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    assert [s.kernel.split("[")[0] for s in cell.steps] == ["PackedGemm", "PackedGemm"]
+    parts = gemm_parts(cell.steps[0].op, 16)
+    assert len(claimed_pieces(parts, False, 70, 45, 16)) == (4 if len(parts) == 2 else len(parts))
+    data = cell.instance()
+    value = rng.standard_normal((2, 1050, 70)).astype(np.float32)
+    data[x] = value
+    data[y], data[z] = np.full((2, 1050, 45), np.nan, np.float32), np.full((2, 1050, 33), np.nan, np.float32)
+    data.compute()
+    np.testing.assert_allclose(data[y], value.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(data[z], value.astype(np.float64) @ wt.T, rtol=1e-5, atol=1e-4)
