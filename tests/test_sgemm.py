@@ -346,22 +346,28 @@ def test_every_variant_compiles_whatever_the_host():
     assert masked.variant == host_target().variant  # the rest of AVX-512 stays
 
 
+def _products_by_constants(rows: int, mask: str, rng: np.random.Generator):
+    """A cell of x [2, rows, 70] times constants w [70, 45] and wtᵀ (wt [33, 70]): the
+    cell, x, both products, w and wt."""
+    import ranvier as rv
+
+    w, wt = rng.standard_normal((70, 45)).astype(np.float32), rng.standard_normal((33, 70)).astype(np.float32)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", "float32", [2, rows, 70])
+    y, z = f.matmul(x, f.const(w)), f.matmul(x, f.const(wt), transpose_b=True)
+    y.var.out = z.var.out = True
+    return rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f"), x, y, z, w, wt
+
+
 @pytest.mark.parametrize("gemm,kernel", [("generated", "PackedGemm"), ("blas", "BlasGemm")])
 def test_a_product_by_a_constant_reads_panels_packed_once_per_network(gemm, kernel, monkeypatch):
     """A constant B (an imported model's weights) is packed when the first instance is
     made and shared by every instance; it becomes read-only, since the kernels read the
     packed copy. Unpacked, the generated GEMM never takes such a product."""
-    import ranvier as rv
-
     monkeypatch.setenv("RANVIER_GEMM", gemm)
     rng = np.random.default_rng(5)
-    w, wt = rng.standard_normal((70, 45)).astype(np.float32), rng.standard_normal((33, 70)).astype(np.float32)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    x = f.var("x", "float32", [2, 19, 70])
-    y, z = f.matmul(x, f.const(w)), f.matmul(x, f.const(wt), transpose_b=True)
-    y.var.out = z.var.out = True
-    cell = rv.Compiler("cpu", cache=False).compile(flow).cell("f")
+    cell, x, y, z, w, wt = _products_by_constants(19, "", rng)
     assert [s.kernel for s in cell.steps] == [kernel, kernel]
     first, second = cell.instance(), cell.instance()
     for data in (first, second):
@@ -467,18 +473,11 @@ def test_a_large_product_by_a_constant_is_claimed_in_pieces(mask, monkeypatch):
     """2,100 rows (a batch of two 1,050-row inputs, one GEMM) by constants, plain and
     transposed: on several cores each core's rows are cut in pieces (`claimed_pieces`);
     every element written, each equal to float64's product."""
-    import ranvier as rv
     from ranvier.backends.cpu.kernels.matmul import claimed_pieces, gemm_parts
 
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     rng = np.random.default_rng(7)
-    w, wt = rng.standard_normal((70, 45)).astype(np.float32), rng.standard_normal((33, 70)).astype(np.float32)
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    x = f.var("x", "float32", [2, 1050, 70])
-    y, z = f.matmul(x, f.const(w)), f.matmul(x, f.const(wt), transpose_b=True)
-    y.var.out = z.var.out = True
-    cell = rv.Compiler("cpu", cpu=mask, cache=False).compile(flow).cell("f")
+    cell, x, y, z, w, wt = _products_by_constants(1050, mask, rng)
     assert [s.kernel.split("[")[0] for s in cell.steps] == ["PackedGemm", "PackedGemm"]
     parts = gemm_parts(cell.steps[0].op, 16)
     assert len(claimed_pieces(parts, False, 70, 45, 16)) == (4 if len(parts) == 2 else len(parts))
