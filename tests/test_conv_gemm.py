@@ -92,7 +92,7 @@ def _check_windows_gemm(geometry, address: int, rounded, tolerance: float, paire
     weights = rng.standard_normal((o, k + 3)).astype(np.float32)  # lda wider than a row
     want = rounded(weights[:, :k]) @ columns
     bound = np.abs(rounded(weights[:, :k])) @ np.abs(columns)
-    geometry_array = np.array([h, w, *kernel, *strides, *padding, wo], np.int64)
+    geometry_array = np.array([h, w, *kernel, *strides, *padding, wo, 1], np.int64)
     paired_filters = sgemm.paired_rows(weights[:, :k])
     for first in sorted({0, 8, min(n - 1, 17)}):  # a part's columns start anywhere in a row
         out = np.full((o + 1, n + 5), np.nan, np.float32)
@@ -238,8 +238,36 @@ def test_a_strided_1x1_convolution_multiplies_a_plane_of_the_pixels_its_stride_r
     case = (3, 6, 19, 21), (9, 6, 1, 1), (2, 2), (0, 0)
     cell, y = _conv_cell(*case, matmul=matmul)
     (step,) = cell.steps
-    assert conv._geometry_values(step.op) == [1, 110, 1, 1, 1, 1, 0, 0, 110]  # 10 x 11 outputs in a row
+    assert conv._geometry_values(step.op) == [1, 110, 1, 1, 1, 1, 0, 0, 110, 1]  # 10 x 11 outputs in a row
     assert [[call[0] for call in part] for part in conv._parts(step.op)] == [[0, 0, 1, 1], [2, 2]]
+    _check_against_pytorch(cell, y, case, step.kernel == "ConvGemmDpbf16")
+
+
+PHASE_CASES = [  # (case, phase planes' height and width)
+    (((3, 16, 28, 28), (24, 16, 3, 3), (2, 2), (1, 1)), (15, 15)),  # ResNet's first convolution of a stage (56 -> 28 at 1/2)
+    (((3, 5, 13, 11), (7, 5, 3, 3), (2, 2), (1, 1)), (8, 7)),  # odd height and width
+    (((2, 4, 12, 9), (6, 4, 3, 3), (2, 2), (0, 0)), (6, 5)),  # no padding: the last row and column never read
+    (((2, 3, 17, 14), (5, 3, 3, 3), (3, 3), (1, 1)), (6, 5)),  # stride 3: 9 planes, one row each a tap reads
+    (((3, 6, 15, 15), (9, 6, 5, 5), (2, 2), (2, 2)), (10, 10)),  # 5 x 5: a reach of 3 rows and columns in a plane
+]
+
+
+@pytest.mark.parametrize(("matmul", "mask"), [("float32", ""), ("float32", "-avx512"), ("float32", "-avx512,-avx2"),
+                                              ("bfloat16", ""), ("bfloat16", "-avx512bf16")])
+@pytest.mark.parametrize(("case", "planes"), PHASE_CASES, ids=[f"case{i}" for i in range(len(PHASE_CASES))])
+def test_a_strided_convolution_multiplies_phase_planes_of_its_image(case, planes, matmul, mask, monkeypatch):
+    """A convolution of stride s and a filter larger than 1 x 1 (ResNet's 3 x 3 stride-2
+    ones): each part splits an image's padded channels into s x s phase planes once, however
+    many calls of the image it makes (of 16 columns here, 3 or 2 images on 2 parts), and the GEMM reads
+    each tap's positions as a run of one plane, stride 1; every element written (NaN
+    first), against PyTorch's float64 convolution (of the bf16-rounded x and w on pairs)."""
+    _small_calls_on_two_parts(monkeypatch, 4 * case[1][0] * 16)
+    cell, y = _conv_cell(*case, mask=mask, matmul=matmul)
+    (step,) = cell.steps
+    (_, _, kernel_height, kernel_width), s = case[1], case[2][0]
+    out_width = y.shape[3]
+    assert conv._geometry_values(step.op) == [*planes, kernel_height, kernel_width, 1, 1, 0, 0, out_width, s]
+    assert all(len({call[0] for call in part}) < len(part) for part in conv._parts(step.op))  # an image's calls share its planes
     _check_against_pytorch(cell, y, case, step.kernel == "ConvGemmDpbf16")
 
 

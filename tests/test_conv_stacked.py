@@ -27,6 +27,9 @@ CASES = [
     ((8, 5, 14, 14), (72, 5, 3, 3), (2, 2), (1, 1)),  # stride 2: an image's 16 padded rows, 8 of output
     ((7, 4, 9, 7), (80, 4, 3, 3), (2, 2), (1, 1)),  # 11 padded rows rounded up to 12 for the stride
     ((10, 3, 5, 6), (70, 3, 3, 2), (1, 2), (1, 0)),  # a rectangular filter, padding on one axis
+    ((9, 3, 11, 13), (70, 3, 3, 3), (3, 3), (1, 1)),  # stride 3: 13 padded rows rounded up to 15, 9 phase planes
+    ((8, 4, 9, 9), (72, 4, 3, 3), (2, 2), (0, 0)),  # stride 2 unpadded: the last row and column never read
+    ((8, 3, 10, 11), (70, 3, 5, 5), (2, 2), (2, 2)),  # 5 x 5 of stride 2: a reach of 3 rows in a phase plane
 ]
 
 
@@ -89,6 +92,17 @@ def test_stacked_images_on_bf16_pairs_match_float64_on_the_rounded_operands(case
     assert _kernel(cell) == conv_stacked.PAIRS_KERNEL
     assert [p.form for p in CPUCode.of(cell).layout.prepared] == ([conv.PAIRED_FILTERS] if constant else [])
     _check(case, cell, y, lambda v: v.astype(ml_dtypes.bfloat16), 1e-5, constant=constant)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2][0] == c[2][1] > 1], ids=str)
+def test_stacked_images_of_a_stride_are_split_into_phase_planes(case):
+    """A stride s in both directions: the tall image is each channel's s x s phase planes
+    (conv.phase_planes), an image's rows from its output rows' place, read with stride 1."""
+    cell, _ = _cell(case, "float32")
+    s, plane_height, plane_width = conv.phase_planes(cell.steps[0].op)
+    stack = conv_stacked._stack(cell.steps[0].op)
+    assert conv_stacked._geometry_values(cell.steps[0].op) == [
+        (stack.group - 1) * stack.out_rows + plane_height, plane_width, *case[1][2:], 1, 1, 0, 0, stack.out_width, s]
 
 
 def test_a_fused_program_runs_over_each_stacked_image():

@@ -256,7 +256,7 @@ def test_the_choice_is_measured_once_and_kept(tmp_path):
 _PAIRS_CHOICE_SCRIPT = _AS_QUIET + """
 from ranvier.backends.cpu.gemm_choice import packed_pairs_are_faster, pairs_are_faster, windows_pairs_are_faster
 print(pairs_are_faster(False, False, 64, 96, 128, 128, 96), pairs_are_faster(False, True, 2048, 32000, 288, 288, 288, True),
-      pairs_are_faster(False, False, 2048, 288, 32000, 32000, 288), windows_pairs_are_faster(64, 400, 576, (20, 20, 3, 3, 1, 1, 1, 1, 20)),
+      pairs_are_faster(False, False, 2048, 288, 32000, 32000, 288), windows_pairs_are_faster(64, 400, 576, (20, 20, 3, 3, 1, 1, 1, 1, 20, 1)),
       packed_pairs_are_faster(128, 196, 128))
 """
 
@@ -277,7 +277,7 @@ def test_the_choice_of_pairs_is_measured_against_the_float32_choice_and_kept(tmp
     block = sgemm.block_columns(host_target(), packed=True)
     depth = (1 << 32) // (2 * 2048 * 288) // sgemm.PAIRS_KC * sgemm.PAIRS_KC
     assert len(keys) == 5
-    assert "pair windows against windows 64x400x576 geometry 20 20 3 3 1 1 1 1 20" in keys
+    assert "pair windows against windows 64x400x576 geometry 20 20 3 3 1 1 1 1 20 1" in keys
     assert "pair panels against panels NN 128x196x128 lda 128" in keys
     assert any(re.fullmatch(r"pairs against (generated|blas) NN 64x96x128 lda 128 ldb 96", key) for key in keys), keys
     assert any(re.fullmatch(rf"pairs against (generated|blas) NN 2048x288x{depth} lda 32000 ldb 288", key) for key in keys), keys

@@ -174,7 +174,7 @@ def _windows_runners(m: int, n: int, k: int, geometry: tuple[int, ...]) -> list:
     target = host_target()
     size = dict(zip(sgemm.GEOMETRY, geometry))
     rng = np.random.default_rng(0)
-    channels = k // (size["kernel_height"] * size["kernel_width"])
+    channels = k // (size["kernel_height"] * size["kernel_width"]) * size["phases"] ** 2  # phase planes
     image = rng.standard_normal((channels, size["height"], size["width"]), dtype=np.float32)
     filters = rng.standard_normal((m, k), dtype=np.float32)
     shape = np.array(geometry, np.int64)

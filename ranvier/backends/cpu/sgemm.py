@@ -82,8 +82,12 @@ A convolution's B is the im2col matrix of its input, never written out:
 packs B's blocks straight from one image [channels, H, W] (`pack_windows`): row p of B
 is a filter tap (channel, kernel row, kernel column), column j an output position
 (first_column + j as row y, column x of the output), and B[p, j] the image's element
-under that tap, zero in the padding. `geometry` holds H, W, KH, KW, SH, SW, PH, PW and
-the output width. `ranvier_sgemm_windows_dpbf16` (same arguments) packs the windows as
+under that tap, zero in the padding. `geometry` holds H, W, KH, KW, SH, SW, PH, PW, the
+output width and the phases s: 1 for an image as it is; above 1 for one split by a stride
+of s into phase planes (each channel s × s planes of H × W, plane (a, b) its padded rows
+a, a + s, ... and columns b, b + s, ...), where tap (i, j) reads plane (i mod s, j mod s)
+from row i // s, column j // s, and the output's positions step by 1 (SH = SW = 1, no
+padding): each tap's vector of a stride-s row is one load. `ranvier_sgemm_windows_dpbf16` (same arguments) packs the windows as
 bf16 pairs of taps and multiplies them on `vdpbf16ps`, as `ranvier_sgemm_dpbf16` does a matrix.
 
 On pairs, A's strips are rounded into pairs as the loops reach them, every block of B's
@@ -144,7 +148,7 @@ PAIRS_PACKED_SYMBOL = "ranvier_sgemm_packed_dpbf16"
 WINDOWS_PAIRS_SYMBOL = "ranvier_sgemm_windows_dpbf16"
 PAIRED_A_SUFFIX = "_paired"  # of the entries on pairs that read A as `paired_rows` made it
 GEOMETRY = ("height", "width", "kernel_height", "kernel_width", "stride_height", "stride_width", "pad_height",
-            "pad_width", "out_width")
+            "pad_width", "out_width", "phases")
 
 GEMM_CTYPE = ctypes.CFUNCTYPE(
     None, *[ctypes.c_int64] * 5,
@@ -750,14 +754,18 @@ class _Emitter:
             return array + (field * size + at)
 
         per_tap = g["kernel_height"] * g["kernel_width"]
-        plane = g["height"] * g["width"]
+        phases, plane = g["phases"], g["height"] * g["width"]
         with loop(b, 0, kc, name="tap") as p:
             tap = pc + p
             channel, within = tap // per_tap, tap % per_tap
-            row, column = within // g["kernel_width"], within % g["kernel_width"]
-            offset = channel * plane + (row * g["width"] + column)
+            kernel_row, kernel_column = within // g["kernel_width"], within % g["kernel_width"]
+            row, column = kernel_row // phases, kernel_column // phases  # in the tap's phase plane
+            phase = (kernel_row % phases) * phases + kernel_column % phases
+            offset = (channel * (phases * phases) + phase) * plane + (row * g["width"] + column)
             for field, value in enumerate((offset, row, column)):
                 table(taps, field, depth, p).store(value.cast(DT_INT32))
+        # rows and columns of a plane the kernel reaches over from a position's first
+        reach_height, reach_width = ((g[name] - 1) // phases + 1 for name in ("kernel_height", "kernel_width"))
 
         height, width = (g[name].cast(DT_INT32).splat(lanes) for name in ("height", "width"))
         row_step = g["stride_height"].cast(DT_INT32)  # input rows from one output row to the next
@@ -796,8 +804,8 @@ class _Emitter:
                 few_rows = (highest_top - first_top) <= row_step * (_MAX_SEGMENTS - 1)
                 first_left, last_left = (table(positions, 2, nr, h * lanes + e).load() for e in (0, lanes - 1))
                 # every tap of every lane inside the image: loads need no mask
-                inside = (((first_top >= 0) & ((last_top + g["kernel_height"].cast(DT_INT32)) <= g["height"].cast(DT_INT32)))
-                          & ((first_left >= 0) & ((last_left + g["kernel_width"].cast(DT_INT32)) <= g["width"].cast(DT_INT32))))
+                inside = (((first_top >= 0) & ((last_top + reach_height.cast(DT_INT32)) <= g["height"].cast(DT_INT32)))
+                          & ((first_left >= 0) & ((last_left + reach_width.cast(DT_INT32)) <= g["width"].cast(DT_INT32))))
                 columns_of_vector = (offsets, tops, lefts, first_offset)
                 target = panel + h * lanes
                 stride = g["stride_width"]

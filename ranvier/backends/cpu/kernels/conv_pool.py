@@ -94,7 +94,7 @@ def _plan(op) -> _Plan | None:
     conv_height = (height + 2 * pad_height - kernel_height) // stride_height + 1
     conv_width = (width + 2 * pad_width - kernel_width) // stride_width + 1
     pooling = pool_params(Attrs(pool, op.name, "MaxPool", op_def("MaxPool").attrs))
-    geometry = (height, width, kernel_height, kernel_width, stride_height, stride_width, pad_height, pad_width, conv_width)
+    geometry = (height, width, kernel_height, kernel_width, stride_height, stride_width, pad_height, pad_width, conv_width, 1)
     images, pooled_rows = x.shape[0], y.shape[2]
     # bands of at most CALL_BYTES of new rows, as ConvGemm's calls
     band = max(1, CALL_BYTES // (4 * filters * conv_width * pooling[1][0]))
