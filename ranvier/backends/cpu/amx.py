@@ -60,7 +60,7 @@ from typing import Any
 
 from llvmlite import ir
 
-from ...dtypes import DT_FLOAT32, DT_INT32, DT_INT64, DT_UINT8
+from ...dtypes import DT_FLOAT32, DT_INT32, DT_UINT8
 from ...errors import RanvierError
 from ..llvm.convert import bf16_pairs
 from ..llvm.irutil import (
@@ -74,7 +74,7 @@ from ..llvm.irutil import (
     declared,
 )
 from ..llvm.pointers import Pointer, parameters, stack
-from ..llvm.values import Value, call, index_value, loop
+from ..llvm.values import Value, call, index_value, lane_numbers, loop
 from . import jit
 from .target import CPUTarget
 
@@ -176,7 +176,7 @@ def _tile_store(tile: int, base: Pointer, stride: Value) -> None:
 
 def _lane_mask(start: Value, limit: Value) -> Value:
     """Lanes i of 16 where start + i < limit."""
-    lanes = start.splat(16) + Value(start.b, ir.Constant(ir.VectorType(I64, 16), list(range(16))), DT_INT64)
+    lanes = start.splat(16) + lane_numbers(start.b, 16)
     return lanes < limit.splat(16)
 
 

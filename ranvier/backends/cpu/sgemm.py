@@ -128,13 +128,12 @@ from ..llvm.irutil import (
     VOID,
     by_strips,
     cache_line_aligned,
-    compute_type,
     declared,
     intrinsic,
     transpose_square,
 )
 from ..llvm.pointers import Pointer, PointerVariable, parameters, stack
-from ..llvm.values import Local, Value, call, choose, index_value, local, loop
+from ..llvm.values import Local, Value, call, choose, index_value, lane_numbers, local, loop
 from . import jit
 from .target import CPUTarget
 
@@ -418,10 +417,6 @@ class _Emitter:
         """A mask of no lanes (`on`: of every lane)."""
         return Value(b, ir.Constant(ir.VectorType(I1, self.lanes), [ir.Constant(I1, int(on))] * self.lanes), DT_BOOL)
 
-    def lane_numbers(self, b: ir.IRBuilder, dtype: str = DT_INT64) -> Value:
-        """The vector [0, 1, ..., L - 1] of `dtype`."""
-        return Value(b, ir.Constant(ir.VectorType(compute_type(dtype), self.lanes), list(range(self.lanes))), dtype)
-
     def prefetch(self, start: Pointer, first: Value, last: Value) -> None:
         """Ask for the cache lines [first, last) from float `start` on into L2."""
         with loop(start.b, first, last, name="line") as line:
@@ -693,7 +688,7 @@ class _Emitter:
 
     def _lane_masks(self, start: Value, limit: Value, count: int) -> list[Value]:
         """`count` vectors' lanes i, from `start` on, where start + i < limit."""
-        lane = self.lane_numbers(start.b)
+        lane = lane_numbers(start.b, self.lanes)
         return [(lane + (start + h * self.lanes).splat(self.lanes)) < limit.splat(self.lanes) for h in range(count)]
 
     def _pack_pair_rows(self, source: Pointer, ldb: Value, pc: Value, column: Value, kc: Value, pair_steps: Value,
