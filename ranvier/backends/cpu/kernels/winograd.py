@@ -92,6 +92,11 @@ class Form:
         """What constant filters are prepared as."""
         return f"Winograd {self.name} filters U[{self.points}, K, C]"
 
+    @property
+    def prepared_pairs(self) -> str:
+        """What constant filters are prepared as for the GEMM on bf16 pairs."""
+        return f"{self.prepared} in bf16 pairs"
+
 
 F2 = Form("F(2x2, 3x3)",
           np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64),
@@ -350,7 +355,7 @@ def _paired_prepared(op) -> list[Prepared]:
     w, form = op.inputs[1], _form(op)
     if not unchanging_constant(w):
         return []
-    return [Prepared(w, f"{form.prepared} in bf16 pairs",
+    return [Prepared(w, form.prepared_pairs,
                      lambda value, target: sgemm.paired_rows(transformed_filters(value, form).reshape(-1, w.shape[1])))]
 
 
@@ -428,7 +433,7 @@ def _winograd(ctx, op, pairs: bool) -> None:
     def transformed(ctx) -> ir.Value:
         """U: the constant's prepared form, or the workspace's start (aligned) where it is made."""
         if not made_here:
-            return ctx.prepared(w, f"{g.form.prepared} in bf16 pairs" if paired else g.form.prepared, F32)
+            return ctx.prepared(w, g.form.prepared_pairs if paired else g.form.prepared, F32)
         return cache_line_aligned(ctx.b, ctx.address(ctx.workspace), F32.as_pointer())
 
     if made_here:
