@@ -7,7 +7,8 @@ with two different sentinels, so an element the kernel never writes cannot pass 
 luck), checks each backend's outputs against the reference backend's and returns the
 reference's. `check` compares an
 output against an expectation computed independently in the test, with a
-tolerance that suits the output dtype. `run_gpu_kernels_on_host` runs an op's CUDA
+tolerance that suits the output dtype; `assert_within_bound` within an error bound that
+scales with the magnitudes of the computation's terms. `run_gpu_kernels_on_host` runs an op's CUDA
 kernels compiled for this CPU (the code the GPU gets, its threads one after another).
 `shape_error` returns the message of a build that must fail, and `language_model_trainer`
 builds the Llama or MoE training step several backends' tests train.
@@ -284,6 +285,31 @@ def check(actual: np.ndarray, expected, dtype: str | None = None, rtol=None, ato
         np.testing.assert_array_equal(actual, expected.astype(np_dtype(dtype)))
 
 
+def assert_within_bound(got, want, bound, tol: float = 1.0, *, slack: float = 1e-30, what: str = "") -> None:
+    """|got - want| <= tol * bound + slack, element by element: `bound` the magnitudes the
+    error scales with (|a| @ |b| for a product a @ b, whose float32 sums round in proportion
+    to their terms), `slack` an absolute floor for elements whose bound is 0. A NaN fails.
+    The message names how many elements are out and the worst of them (by its error over
+    what was allowed): its index, value, expectation and bound."""
+    prefix = f"{what}: " if what else ""
+    got, want = as_f64(got), as_f64(want)
+    assert got.shape == want.shape, f"{prefix}shape {got.shape}, expected {want.shape}"
+    bound = np.broadcast_to(as_f64(bound), got.shape)
+    error = np.abs(got - want)
+    allowed = tol * bound + slack
+    with np.errstate(divide="ignore", invalid="ignore"):
+        excess = np.where(error <= allowed, 0.0, error / allowed)
+    excess[np.isnan(excess)] = np.inf  # a NaN (in got, want or the bound) fails as the worst
+    if not excess.any():
+        return
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    raise AssertionError(
+        f"{prefix}{np.count_nonzero(excess)} of {excess.size} elements off by more than "
+        f"{tol:g} x bound + {slack:g}; the worst at {tuple(int(i) for i in worst)}: got {float(got[worst])!r}, "
+        f"expected {float(want[worst])!r}, error {error[worst]:.3g}, bound {bound[worst]:.3g} "
+        f"({excess[worst]:.3g} times the {allowed[worst]:.3g} allowed)")
+
+
 def shape_error(build: Callable, inputs: Sequence[tuple[str, str, Sequence[int]]] = ()) -> str:
     """Build a flow expected to fail; returns the ShapeError's message.
 
@@ -334,6 +360,7 @@ __all__ = [
     "Result",
     "as_f64",
     "assert_mentions",
+    "assert_within_bound",
     "check",
     "language_model_trainer",
     "np_dtype",

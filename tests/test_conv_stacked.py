@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from helpers import random_array
+from helpers import assert_within_bound, random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
@@ -66,7 +66,7 @@ def _check(case, cell, y, rounded, tolerance: float, relu: bool = False, constan
         want = np.maximum(want, 0)
     got = np.array(data[y])
     assert np.isfinite(got).all(), "every element written"
-    assert np.all(np.abs(got - want) <= tolerance * bound + 1e-30)
+    assert_within_bound(got, want, bound, tolerance)
 
 
 def _kernel(cell) -> str:

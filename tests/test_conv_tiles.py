@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import random_array
+from helpers import assert_within_bound, random_array
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import conv, winograd
@@ -85,7 +85,7 @@ def test_the_tiles_match_pytorch_and_write_every_output(case, mask, parts, monke
         bound = bound + t["bias"].abs() + t["skip"].abs()
     got = np.array(data[y])
     assert np.isfinite(got).all(), "every output element written"
-    assert np.all(np.abs(got - want.numpy()) <= 2e-6 * bound.numpy() + 1e-30)
+    assert_within_bound(got, want.numpy(), bound.numpy(), 2e-6)
 
 
 def test_many_filters_or_fewer_images_than_parts_stay_on_the_implicit_gemm(monkeypatch):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import check, fused_outputs_on_reference_and_cpu, random_array, run_flow
+from helpers import assert_within_bound, check, fused_outputs_on_reference_and_cpu, random_array, run_flow
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import conv, window
@@ -103,7 +103,7 @@ def _check_filter_gradient(case, dtype: str, mask: str, monkeypatch):
         data[dw] = np.full(w_shape, sentinel, dtype)
         data.compute()
         got = np.array(data[dw]).astype(np.float64)
-        assert np.all(np.abs(got - want) <= (1e-6 if dtype == "float32" else 1e-13) * bound + 1e-30)
+        assert_within_bound(got, want, bound, 1e-6 if dtype == "float32" else 1e-13)
     return cell.steps[0].op
 
 
@@ -182,7 +182,7 @@ def test_the_max_pool_gradient_goes_to_each_windows_first_maximum(case, mask, dt
     np.testing.assert_array_equal(got != 0, want != 0)  # the same elements took gradients
     # overlapping windows add in dx's dtype, in an order of their own: within its rounding of the terms' magnitudes
     bound = max_pool_grad(x_value, np.abs(dy_value), ksize, steps, padding)
-    assert np.all(np.abs(got - want) <= (1e-6 if dtype == "float32" else 1e-14) * bound)
+    assert_within_bound(got, want, bound, 1e-6 if dtype == "float32" else 1e-14)
 
 
 @pytest.mark.parametrize("mask,dtype", VARIANTS)

@@ -14,7 +14,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import np_dtype, random_array, run_gpu_kernels_on_host
+from helpers import assert_within_bound, np_dtype, random_array, run_gpu_kernels_on_host
 
 import ranvier as rv
 from ranvier.backends import compile_cache
@@ -224,7 +224,7 @@ def test_a_reduction_matches_the_reference_a_thread_or_a_block_per_output(name, 
         float32_eps = float(np.finfo(np.float32).eps)
         compute_eps = float(np.finfo(np.float64).eps) if dtype == "float64" else float32_eps
         bound = (reduced * compute_eps + float(ml_dtypes.finfo(want.dtype).eps)) * scale
-        assert np.all(np.abs(got.astype(np.float64) - want.astype(np.float64)) <= bound), (got, want)
+        assert_within_bound(got, want, bound, slack=0.0)
     else:
         np.testing.assert_array_equal(got, want)
     assert _assembles(op) == want.size

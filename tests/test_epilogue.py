@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import check, random_array, run_flow
+from helpers import assert_within_bound, check, random_array, run_flow
 
 import ranvier as rv
 from ranvier.autodiff import backward
@@ -302,7 +302,7 @@ def test_a_residual_block_runs_bias_residual_and_relu_in_the_convolutions_epilog
     bound = (torch.nn.functional.conv2d(inner, t["w2"].abs(), padding=padding) + t["bias"].abs() + t["skip"].abs()).numpy()
     got = np.array(data[y])
     assert np.isfinite(got).all()
-    assert np.all(np.abs(got - want) <= 1e-5 * bound)
+    assert_within_bound(got, want, bound, 1e-5)
 
 
 def test_the_fused_convolutions_reference_is_the_unfused_flows():

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import assert_mentions, check, random_array, run_flow, shape_error
+from helpers import assert_mentions, assert_within_bound, check, random_array, run_flow, shape_error
 
 TESTED_OPS = {"Attention", "AttentionGrad"}
 
@@ -407,7 +407,7 @@ def test_attention_on_bf16_pairs_rounds_each_products_inputs(causal, heads_first
     for tensor, want, bound in zip(outputs, wanted, bounds):
         got = _layout(heads_first, np.asarray(data[tensor], np.float64))
         assert np.isfinite(got).all(), "every element written"
-        assert np.all(np.abs(got - want) <= 1e-4 * bound + 1e-6), np.max(np.abs(got - want) / (bound + 1e-6))
+        assert_within_bound(got, want, bound, 1e-4, slack=1e-6, what=tensor.name)
 
 
 @pytest.mark.parametrize("cpu", ["", "-avx512bf16", "-avx512"])
@@ -444,4 +444,4 @@ def test_attention_in_bfloat16_attends_to_no_hidden_key(cpu, causal, monkeypatch
     for tensor, want in zip(outputs, wanted):
         got = np.asarray(data[tensor], np.float64)
         assert np.isfinite(got).all(), "every element written"
-        assert np.all(np.abs(got - want) <= 2e-2 * np.abs(want).max()), np.abs(got - want).max() / np.abs(want).max()
+        assert_within_bound(got, want, np.abs(want).max(), 2e-2, slack=0.0, what=tensor.name)

@@ -17,6 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import assert_within_bound
 
 from ranvier.backends.cpu import sgemm
 from ranvier.backends.cpu.target import host_target
@@ -67,8 +68,7 @@ def test_generated_gemm_matches_float64_numpy_and_writes_only_c(shape, ta, tb, m
     want = (op_a.T if ta else op_a) @ (op_b.T if tb else op_b)
     got = c[:m, :n]
     assert np.isfinite(got).all(), "every element of C written"
-    bound = np.abs(op_a.T if ta else op_a) @ np.abs(op_b.T if tb else op_b)
-    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30)
+    assert_within_bound(got, want, np.abs(op_a.T if ta else op_a) @ np.abs(op_b.T if tb else op_b), 1e-6)
     frame = c.copy()
     frame[:m, :n] = 0
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n:]).all(), "nothing outside C written"
@@ -95,7 +95,7 @@ def test_the_adding_gemm_adds_to_c_and_writes_nothing_else(shape, ta, tb, mask):
     want = before + op_a @ op_b
     bound = np.abs(before) + np.abs(op_a) @ np.abs(op_b)
     got = c[:m, :n]
-    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30)
+    assert_within_bound(got, want, bound, 1e-6)
     frame = c.copy()
     frame[:m, :n] = 0
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n:]).all(), "nothing outside C written"
@@ -127,8 +127,7 @@ def test_the_gemm_on_packed_panels_matches_float64_numpy_and_writes_only_c(shape
     want = ((op_a.T if ta else op_a) @ (wide.T if tb else wide))[:, first:]
     got = c[:m, : n - first]
     assert np.isfinite(got).all(), "every element of C written"
-    bound = np.abs(op_a.T if ta else op_a) @ np.abs(wide.T if tb else wide)[:, first:]
-    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30)
+    assert_within_bound(got, want, np.abs(op_a.T if ta else op_a) @ np.abs(wide.T if tb else wide)[:, first:], 1e-6)
     frame = c.copy()
     frame[:m, : n - first] = 0
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
@@ -179,8 +178,7 @@ def test_the_gemm_on_bf16_pairs_matches_float64_on_the_rounded_operands_and_writ
     wide = (wide.T if tb else wide)[:, first:]
     got = c[:m, : n - first]
     assert np.isfinite(got).all(), "every element of C written"
-    bound = np.abs(op_a) @ np.abs(wide)  # float32 sums of exact products of bf16
-    assert np.all(np.abs(got - op_a @ wide) <= 1e-5 * bound + 1e-30)
+    assert_within_bound(got, op_a @ wide, np.abs(op_a) @ np.abs(wide), 1e-5)  # float32 sums of exact products of bf16
     frame = c.copy()
     frame[:m, : n - first] = 0
     assert np.isnan(frame[m:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
@@ -434,14 +432,14 @@ def test_a_vector_times_a_constant_reads_bf16_panels_where_the_precision_allows(
     # whatever order a CPU adds them (a sum that cancels to near zero is not known to 1e-5 of
     # itself); tanh, 1-Lipschitz, passes that error on and adds a few ulps of its own.
     for got, want, bound, slack in [
-        (data[outputs[0]], wide @ rounded(w), np.abs(wide) @ np.abs(w), 0.0),
+        (data[outputs[0]], wide @ rounded(w), np.abs(wide) @ np.abs(w), 1e-30),
         (data[outputs[1]], np.tanh(wide @ rounded(wt).T), np.abs(wide) @ np.abs(wt).T, 1e-6),
         (data[outputs[2]], (rounded(matrix) if rows_in_bf16 else matrix.astype(np.float64)) @ rounded(w),
-         np.abs(matrix) @ np.abs(w), 0.0),
-        (data[outputs[3]], vector.astype(np.float64) @ v, np.abs(vector) @ np.abs(v), 0.0),
+         np.abs(matrix) @ np.abs(w), 1e-30),
+        (data[outputs[3]], vector.astype(np.float64) @ v, np.abs(vector) @ np.abs(v), 1e-30),
     ]:
         assert np.isfinite(got).all(), "every element written"
-        assert np.all(np.abs(got - want) <= 1e-5 * bound + slack + 1e-30)
+        assert_within_bound(got, want, bound, 1e-5, slack=slack)
 
 
 def test_a_constant_some_op_writes_is_never_packed(monkeypatch):

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from helpers import random_array
+from helpers import assert_within_bound, random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
@@ -167,7 +167,7 @@ def _check(data, y, want, bound) -> None:
         assert np.isfinite(got).all()
         # the transforms add a few roundings of values a few times the inputs': F(2, 3) erred
         # up to 2e-7 of the bound, F(4, 3), whose coefficients reach 8, up to 4.2e-6
-        assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
+        assert_within_bound(got, want, bound, 1e-5)
 
 
 GEOMETRIES = [
