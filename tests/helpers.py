@@ -8,7 +8,8 @@ luck), checks each backend's outputs against the reference backend's and returns
 reference's. `check` compares an
 output against an expectation computed independently in the test, with a
 tolerance that suits the output dtype; `assert_within_bound` within an error bound that
-scales with the magnitudes of the computation's terms. `run_gpu_kernels_on_host` runs an op's CUDA
+scales with the magnitudes of the computation's terms, and `cell_against_pytorch` a compiled
+cell's output so against a float64 PyTorch function. `run_gpu_kernels_on_host` runs an op's CUDA
 kernels compiled for this CPU (the code the GPU gets, its threads one after another).
 `shape_error` returns the message of a build that must fail, and `language_model_trainer`
 builds the Llama or MoE training step several backends' tests train.
@@ -310,6 +311,32 @@ def assert_within_bound(got, want, bound, tol: float = 1.0, *, slack: float = 1e
         f"({excess[worst]:.3g} times the {allowed[worst]:.3g} allowed)")
 
 
+def cell_against_pytorch(cell: Any, y: Any, values: dict[str, np.ndarray], function: Callable[..., Any], *,
+                         constants: Sequence[str] = (), bf16: Sequence[str] = (), tol: float = 1e-5) -> None:
+    """Compute `cell` with each of `values` in its variable f/<name> (but those named in
+    `constants`, which the cell holds as constants) and `y` filled with NaN first: every
+    element written and within `tol` of `function`'s bound, against `function` of the
+    values (as keywords) as float64 torch tensors, those named in `bf16` rounded to bf16
+    first; the bound is `function` of their magnitudes (the sum of its terms' magnitudes for
+    a convolution, and for what follows it that keeps a sum of positive terms as large)."""
+    import ml_dtypes
+    import torch
+
+    data = cell.instance()
+    for name, value in values.items():
+        if name not in constants:
+            data[f"f/{name}"] = value
+    data[y] = np.full(y.shape, np.nan, np.float32)
+    data.compute()
+    rounded = {name: value.astype(ml_dtypes.bfloat16) if name in bf16 else value for name, value in values.items()}
+    tensors = {name: torch.tensor(value.astype(np.float64)) for name, value in rounded.items()}
+    want = function(**tensors).numpy()
+    bound = function(**{name: t.abs() for name, t in tensors.items()}).numpy()
+    got = np.array(data[y])
+    assert np.isfinite(got).all(), "every output element written"
+    assert_within_bound(got, want, bound, tol, what=y.name)
+
+
 def shape_error(build: Callable, inputs: Sequence[tuple[str, str, Sequence[int]]] = ()) -> str:
     """Build a flow expected to fail; returns the ShapeError's message.
 
@@ -361,6 +388,7 @@ __all__ = [
     "as_f64",
     "assert_mentions",
     "assert_within_bound",
+    "cell_against_pytorch",
     "check",
     "language_model_trainer",
     "np_dtype",

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from helpers import random_array
+from helpers import assert_within_bound, cell_against_pytorch, random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
@@ -102,7 +102,7 @@ def _check_windows_gemm(geometry, address: int, rounded, tolerance: float, paire
              out.ctypes.data, out.shape[1], workspace.ctypes.data)
         got = out[:o, : n - first]
         assert np.isfinite(got).all(), "every element of C written"
-        assert np.all(np.abs(got - want[:, first:]) <= tolerance * bound[:, first:] + 1e-30)
+        assert_within_bound(got, want[:, first:], bound[:, first:], tolerance)
         frame = out.copy()
         frame[:o, : n - first] = 0
         assert np.isnan(frame[o:]).all() and np.isnan(frame[:, n - first :]).all(), "nothing outside C written"
@@ -146,42 +146,21 @@ def test_conv2d_runs_as_one_implicit_gemm_and_matches_pytorch(case, mask):
     cell, y = _conv_cell(shape, filters, strides, padding, mask)
     (step,) = cell.steps
     assert step.kernel == "ConvGemm" and step.variant != "python"
-    x, w = random_array(shape, "float32", seed=1), random_array(filters, "float32", seed=2, low=-1, high=1)
-    data = cell.instance()
-    data["f/x"], data["f/w"] = x, w
-    data[y] = np.full(y.shape, np.nan, np.float32)
-    data.compute()
-    tx, tw = torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64)
-    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
-    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
-    got = np.array(data[y])
-    assert np.isfinite(got).all()
-    assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30)
+    _check_against_pytorch(cell, y, case, pairs=False, tol=2e-6)
 
 
 def _filters(shape) -> np.ndarray:
     return random_array(shape, "float32", seed=2, low=-1, high=1)
 
 
-def _check_against_pytorch(cell, y, case, pairs: bool, constant: bool = False) -> None:
+def _check_against_pytorch(cell, y, case, pairs: bool, constant: bool = False, tol: float = 1e-5) -> None:
     """The cell's convolution of random x and w (`case`: shapes, strides, padding; w the
     cell's `constant` where it is one) against PyTorch's float64 one (of the bf16-rounded x
     and w where it ran on `pairs`), every element written (NaN first)."""
     shape, filters, strides, padding = case
-    x, w = random_array(shape, "float32", seed=1), _filters(filters)
-    data = cell.instance()
-    data["f/x"] = x
-    if not constant:
-        data["f/w"] = w
-    data[y] = np.full(y.shape, np.nan, np.float32)
-    data.compute()
-    dtype = ml_dtypes.bfloat16 if pairs else np.float32
-    tx, tw = (torch.tensor(v.astype(dtype).astype(np.float64)) for v in (x, w))
-    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
-    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
-    got = np.array(data[y])
-    assert np.isfinite(got).all()
-    assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
+    values = {"x": random_array(shape, "float32", seed=1), "w": _filters(filters)}
+    cell_against_pytorch(cell, y, values, lambda x, w: torch.nn.functional.conv2d(x, w, stride=strides, padding=padding),
+                         constants=["w"] if constant else [], bf16=["x", "w"] if pairs else [], tol=tol)
 
 
 @pytest.mark.parametrize("constant", [False, True], ids=["variable", "constant"])

@@ -9,11 +9,10 @@ pool gradient reads the convolution's output) and the reference backend alone.""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from helpers import random_array
+from helpers import cell_against_pytorch, random_array
 
 import ranvier as rv
 from ranvier.autodiff import backward
@@ -63,27 +62,17 @@ def _filters(case) -> np.ndarray:
 
 
 def _check(cell, y, case, pairs: bool, constant: bool = False) -> None:
+    """The stem on random x, w and bias (w the cell's `constant` where it is one) against
+    PyTorch's float64 one (of the bf16-rounded x and w where it ran on `pairs`)."""
     shape, filters, (strides, padding), (ksize, pool_strides, pool_padding) = case
-    x, w = random_array(shape, "float32", seed=1), _filters(case)
-    bias = random_array([1, filters, 1, 1], "float32", seed=3)
-    data = cell.instance()
-    data["f/x"], data["f/b"] = x, bias
-    if not constant:
-        data["f/w"] = w
-    data[y] = np.full(y.shape, np.nan, np.float32)
-    data.compute()
-    dtype = ml_dtypes.bfloat16 if pairs else np.float32
-    tx, tw = (torch.tensor(v.astype(dtype).astype(np.float64)) for v in (x, w))
-    tb = torch.tensor(bias, dtype=torch.float64)
 
     def stem(x, w, b):
         convolved = torch.relu(torch.nn.functional.conv2d(x, w, stride=strides, padding=padding) + b)
-        return torch.nn.functional.max_pool2d(convolved, ksize, pool_strides, pool_padding).numpy()
+        return torch.nn.functional.max_pool2d(convolved, ksize, pool_strides, pool_padding)
 
-    want, bound = stem(tx, tw, tb), stem(tx.abs(), tw.abs(), tb.abs())
-    got = np.array(data[y])
-    assert np.isfinite(got).all()
-    assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-30)
+    values = {"x": random_array(shape, "float32", seed=1), "w": _filters(case),
+              "b": random_array([1, filters, 1, 1], "float32", seed=3)}
+    cell_against_pytorch(cell, y, values, stem, constants=["w"] if constant else [], bf16=["x", "w"] if pairs else [])
 
 
 def _small_bands(monkeypatch, band_bytes: int, threads: int) -> None:

@@ -8,11 +8,10 @@ fewer than two images a core are not stacked."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from helpers import assert_within_bound, random_array
+from helpers import cell_against_pytorch, random_array
 
 import ranvier as rv
 from ranvier.backends.cpu import sgemm
@@ -50,23 +49,16 @@ def _filters(shape) -> np.ndarray:
     return random_array(shape, "float32", seed=2, low=-1, high=1)
 
 
-def _check(case, cell, y, rounded, tolerance: float, relu: bool = False, constant: bool = False) -> None:
+def _check(case, cell, y, pairs: bool, tolerance: float, relu: bool = False, constant: bool = False) -> None:
     shape, filters, strides, padding = case
-    x, w = random_array(shape, "float32", seed=1), _filters(filters)
-    data = cell.instance()
-    data["f/x"] = x
-    if not constant:
-        data["f/w"] = w
-    data[y] = np.full(y.shape, np.nan, np.float32)
-    data.compute()
-    tx, tw = (torch.tensor(rounded(v).astype(np.float64)) for v in (x, w))
-    want = torch.nn.functional.conv2d(tx, tw, stride=strides, padding=padding).numpy()
-    bound = torch.nn.functional.conv2d(tx.abs(), tw.abs(), stride=strides, padding=padding).numpy()
-    if relu:
-        want = np.maximum(want, 0)
-    got = np.array(data[y])
-    assert np.isfinite(got).all(), "every element written"
-    assert_within_bound(got, want, bound, tolerance)
+
+    def convolved(x, w):
+        product = torch.nn.functional.conv2d(x, w, stride=strides, padding=padding)
+        return torch.relu(product) if relu else product
+
+    values = {"x": random_array(shape, "float32", seed=1), "w": _filters(filters)}
+    cell_against_pytorch(cell, y, values, convolved, constants=["w"] if constant else [], bf16=["x", "w"] if pairs else [],
+                         tol=tolerance)
 
 
 def _kernel(cell) -> str:
@@ -79,7 +71,7 @@ def _kernel(cell) -> str:
 def test_a_batch_of_small_images_is_stacked_into_one_gemm_a_group_and_matches_pytorch(case, mask):
     cell, y = _cell(case, "float32", mask)
     assert _kernel(cell) == conv_stacked.KERNEL
-    _check(case, cell, y, lambda v: v, 2e-6)
+    _check(case, cell, y, False, 2e-6)
 
 
 @pytest.mark.skipif(not sgemm.pairs_supported(host_target()), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
@@ -91,7 +83,7 @@ def test_stacked_images_on_bf16_pairs_match_float64_on_the_rounded_operands(case
     cell, y = _cell(case, "bfloat16", constant=constant)
     assert _kernel(cell) == conv_stacked.PAIRS_KERNEL
     assert [p.form for p in CPUCode.of(cell).layout.prepared] == ([conv.PAIRED_FILTERS] if constant else [])
-    _check(case, cell, y, lambda v: v.astype(ml_dtypes.bfloat16), 1e-5, constant=constant)
+    _check(case, cell, y, True, 1e-5, constant=constant)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[2][0] == c[2][1] > 1], ids=str)
@@ -109,7 +101,7 @@ def test_a_fused_program_runs_over_each_stacked_image():
     case = CASES[1]
     cell, y = _cell(case, "float32", relu=True)
     assert _kernel(cell) == conv_stacked.KERNEL and len(cell.steps) == 1
-    _check(case, cell, y, lambda v: v, 2e-6, relu=True)
+    _check(case, cell, y, False, 2e-6, relu=True)
 
 
 def test_one_image_a_core_large_images_1x1_filters_and_winograds_are_not_stacked():

@@ -9,10 +9,9 @@ filters (more with stride 1), and at least an image for each part."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from helpers import assert_within_bound, random_array
+from helpers import cell_against_pytorch, random_array
 
 import ranvier as rv
 from ranvier.backends.cpu.kernels import conv, winograd
@@ -72,20 +71,12 @@ def test_the_tiles_match_pytorch_and_write_every_output(case, mask, parts, monke
     if fused:
         values["bias"] = random_array([1, filters[0], 1, 1], "float32", seed=3)
         values["skip"] = random_array(y.shape, "float32", seed=4)
-    data = cell.instance()
-    for name, value in values.items():
-        data[f"f/{name}"] = value
-    data[y] = np.full(y.shape, np.nan, np.float32)
-    data.compute()
-    t = {name: torch.tensor(value, dtype=torch.float64) for name, value in values.items()}
-    want = torch.nn.functional.conv2d(t["x"], t["w"], stride=strides, padding=padding)
-    bound = torch.nn.functional.conv2d(t["x"].abs(), t["w"].abs(), stride=strides, padding=padding)
-    if fused:
-        want = torch.relu(want + t["bias"] + t["skip"])
-        bound = bound + t["bias"].abs() + t["skip"].abs()
-    got = np.array(data[y])
-    assert np.isfinite(got).all(), "every output element written"
-    assert_within_bound(got, want.numpy(), bound.numpy(), 2e-6)
+
+    def convolved(x, w, bias=None, skip=None):
+        product = torch.nn.functional.conv2d(x, w, stride=strides, padding=padding)
+        return torch.relu(product + bias + skip) if fused else product
+
+    cell_against_pytorch(cell, y, values, convolved, tol=2e-6)
 
 
 def test_many_filters_or_fewer_images_than_parts_stay_on_the_implicit_gemm(monkeypatch):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_within_bound
+from helpers import assert_within_bound, cell_against_pytorch, random_array
+
+import ranvier as rv
 
 
 def test_within_the_bound_passes():
@@ -40,3 +42,21 @@ def test_a_zero_bound_allows_only_the_slack():
         assert_within_bound(np.array([1e-20]), np.array([0.0]), np.array([0.0]), 1.0)
     with pytest.raises(AssertionError, match="shape"):
         assert_within_bound(np.zeros(3), np.zeros((1, 3)), 1.0)
+
+
+def _doubling_cell():
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.var("x", "float32", [3, 5]) * 2.0
+    y.var.out = True
+    return rv.Compiler("reference").compile(flow).cell("f"), y
+
+
+def test_a_cell_against_pytorch_passes_its_own_function_and_fails_another():
+    cell, y = _doubling_cell()
+    values = {"x": random_array([3, 5], "float32", seed=1)}
+    cell_against_pytorch(cell, y, values, lambda x: 2 * x)
+    with pytest.raises(AssertionError, match="15 of 15 elements"):
+        cell_against_pytorch(cell, y, values, lambda x: 2.001 * x)
+    with pytest.raises(AssertionError, match="elements off by more than"):  # x rounded to bf16 first: not what ran
+        cell_against_pytorch(cell, y, values, lambda x: 2 * x, bf16=["x"])
