@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from .registry import Attr, TensorType, decomposition, define, op_def
-from .rules import FLOATS, same_dtype
+from .rules import FLOATS, PRECISION, same_dtype
 
 
 def heads_first_shape(shape, heads_first: bool) -> list[int]:
@@ -152,8 +152,7 @@ ATTRS = [
     Attr("causal", "bool", True, "query t sees keys s ≤ t + S − T"),
     Attr("scale", "float", None, "score scale (default 1/√head size)"),
     Attr("heads_first", "bool", True, "q, k, v and the output [B, heads, T, hd]; false: [B, T, heads, hd]"),
-    Attr("precision", "str", "float32",
-         "float32, or bfloat16: the products q kᵀ and p v may round their inputs to bfloat16 (float32 sums)"),
+    PRECISION,
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .registry import Attr, TensorType, define, op_def
-from .rules import NUMERIC, broadcast_shapes, same_dtype
+from .rules import NUMERIC, PRECISION, broadcast_shapes, same_dtype
 
 
 def matmul_dims(ctx):
@@ -74,9 +74,7 @@ define(
     attrs=[
         Attr("transpose_a", "bool", False, "use aᵀ"),
         Attr("transpose_b", "bool", False, "use bᵀ"),
-        Attr("precision", "str", "float32",
-             "float32, or bfloat16 / tfloat32: float32 inputs may be rounded to that type, float32 sums; int8 "
-             "(b an unchanging constant): both quantized to blocks of 32 int8 along k with a scale each (q8_0)"),
+        PRECISION,
     ],
     vjp=_matmul_vjp, flops=_matmul_flops, method="matmul",
 )

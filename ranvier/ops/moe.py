@@ -24,7 +24,7 @@ from .. import dtypes
 from .index import check_range
 from .nn import softmax
 from .registry import Attr, TensorType, attrs_of, decomposition, define, zero_gradient
-from .rules import FLOATS, INDEX, NUMERIC, same_dtype
+from .rules import FLOATS, INDEX, NUMERIC, PRECISION, same_dtype
 
 # ---- TopK -------------------------------------------------------------------------------------------
 
@@ -167,10 +167,6 @@ define(
 
 
 # ---- GroupedMatMul: each group of rows times its own matrix ------------------------------------------------
-
-
-PRECISION = Attr("precision", "str", "float32",
-                 "float32, or bfloat16 / tfloat32: float32 inputs may be rounded to that type, float32 sums")
 
 
 def _infer_grouped(ctx):

@@ -16,7 +16,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from .. import dtypes
 from ..errors import RanvierError
 from .registry import Attr, TensorType, decomposition, define, op_def
-from .rules import FLOATS, INDEX, normalize_axis, same_dtype
+from .rules import FLOATS, INDEX, PRECISION, normalize_axis, same_dtype
 from .window import padded, padded_shape, window_view
 
 
@@ -318,8 +318,7 @@ define(
     2,
     "nn",
     "Conv2D(x NCHW, w OIHW)",
-    attrs=[STRIDES, PADDING, Attr("precision", "str", "float32", "float32, or bfloat16: float32 inputs may be rounded to it, "
-                                   "float32 sums (MatMul's precision)")],
+    attrs=[STRIDES, PADDING, PRECISION],
     vjp=_conv_vjp,
     flops=lambda op: conv_flops(op.outputs[0], op.inputs[1]),
     method="conv2d",

@@ -1,11 +1,11 @@
-"""Shape and dtype rules shared by several op families."""
+"""Shape and dtype rules, and attributes, shared by several op families."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 from .. import dtypes
-from .registry import InferContext
+from .registry import Attr, InferContext
 
 
 def broadcast_shapes(ctx: InferContext, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -59,3 +59,11 @@ def reduction_axes(ctx: InferContext, rank: int) -> tuple[int, ...]:
 FLOATS = dtypes.FLOAT_DTYPES
 NUMERIC = dtypes.NUMERIC_DTYPES
 INDEX = (dtypes.DT_INT32, dtypes.DT_INT64)
+
+# The matrix products' precision, set by the compiler (compiler/precision.py) on the ops whose
+# float32 products a backend can run narrower: MatMul, Conv2D (filters by windows), Attention
+# and its gradient (q kᵀ and p v), GroupedMatMul and its weight gradient, for their kernels.
+PRECISION = Attr("precision", "str", "float32",
+                 "float32, or bfloat16 / tfloat32: the products' float32 inputs may be rounded to that type, "
+                 "float32 sums; int8 (a MatMul whose b is an unchanging constant): both quantized to blocks of 32 "
+                 "int8 along k with a scale each (q8_0)")
