@@ -14,16 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..flow.graph import Flow, Function, Operation
-from ..ops.fused import CONV_POOL, conv_pool_attrs, fused_type
+from ..ops.fused import CONV_CALCULATE, CONV_POOL, conv_pool_attrs
 from .rewrite import fuse
-
-_CONV_CALCULATE = fused_type("Conv2D")
 
 
 def fuse_conv_pools(flow: Flow, func: Function, keep: set[str], accepts: Callable[[Operation, Operation], bool]) -> None:
     """Replace each Conv2DCalculate and the MaxPool that alone reads its one output by one
     Conv2DCalculateMaxPool, where `accepts(convolution, pool)`."""
-    for conv in [op for op in func.ops if op.type == _CONV_CALCULATE]:
+    for conv in [op for op in func.ops if op.type == CONV_CALCULATE]:
         product = conv.outputs[0]
         if len(conv.outputs) != 1 or product.name in keep or product.out or len(product.consumers) != 1:
             continue

@@ -332,7 +332,7 @@ for _row_op in ELEMENT_EPILOGUE_OPS:
 # 102 MB written and read back). Inputs and the program as Conv2DCalculate's; the pooling's
 # attributes named pool_*; one output, the pooled tensor.
 CONV_POOL = "Conv2DCalculateMaxPool"
-_CONV_CALCULATE = fused_type("Conv2D")
+CONV_CALCULATE = fused_type("Conv2D")  # a convolution and its epilogue
 _POOL_ATTRS = {"pool_ksize": "ksize", "pool_strides": "strides", "pool_padding": "padding"}
 
 
@@ -350,7 +350,7 @@ def conv_pool_attrs(conv: dict[str, str], pool: dict[str, str]) -> dict[str, str
 
 def _infer_conv_pool(ctx):
     conv, pool = conv_pool_parts(ctx.attrs.raw)
-    products = op_def(_CONV_CALCULATE).infer_types(ctx.op_name, ctx.inputs, conv)
+    products = op_def(CONV_CALCULATE).infer_types(ctx.op_name, ctx.inputs, conv)
     if len(products) != 1:
         raise ctx.fail(f"an epilogue program of one output (got {len(products)})")
     return op_def("MaxPool").infer_types(ctx.op_name, [_Spec("product", products[0].dtype, products[0].shape)], pool)
@@ -358,7 +358,7 @@ def _infer_conv_pool(ctx):
 
 def _conv_pool_reference(attrs, args, outs):
     conv, pool = conv_pool_parts(attrs.raw)
-    convolved = op_def(_CONV_CALCULATE)
+    convolved = op_def(CONV_CALCULATE)
     (product,) = convolved.infer_types("", [_Spec(f"%{i}", dtypes.from_numpy(np.asarray(a).dtype), np.shape(a))
                                             for i, a in enumerate(args)], conv)
     (y,) = convolved.reference(Attrs(conv, "", convolved.type, convolved.attrs), args, [product])
@@ -367,17 +367,17 @@ def _conv_pool_reference(attrs, args, outs):
 
 def _conv_pool_flops(op) -> int:
     conv, pool = conv_pool_parts(op.attrs)
-    (product,) = op_def(_CONV_CALCULATE).infer_types("", op.inputs, conv)
-    member = Member(op.name, _CONV_CALCULATE, list(op.inputs), [_Spec("product", product.dtype, product.shape)], conv)
-    return op_def(_CONV_CALCULATE).cost(member) + op.outputs[0].size * math.prod(nn.pool_params(
+    (product,) = op_def(CONV_CALCULATE).infer_types("", op.inputs, conv)
+    member = Member(op.name, CONV_CALCULATE, list(op.inputs), [_Spec("product", product.dtype, product.shape)], conv)
+    return op_def(CONV_CALCULATE).cost(member) + op.outputs[0].size * math.prod(nn.pool_params(
         Attrs(pool, "", "MaxPool", op_def("MaxPool").attrs))[0])
 
 
 define(
     CONV_POOL, _infer_conv_pool, _conv_pool_reference, (2, None), "fused",
-    f"{_CONV_CALCULATE} (its inputs, attributes and program of one output), then a MaxPool (attributes pool_*) "
+    f"{CONV_CALCULATE} (its inputs, attributes and program of one output), then a MaxPool (attributes pool_*) "
     "over that output",
-    attrs=[*op_def(_CONV_CALCULATE).attrs.values(),
+    attrs=[*op_def(CONV_CALCULATE).attrs.values(),
            *(Attr(fused, op_def("MaxPool").attrs[name].kind, op_def("MaxPool").attrs[name].default,
                   f"the pooling's {op_def('MaxPool').attrs[name].doc}") for fused, name in _POOL_ATTRS.items())],
     flops=_conv_pool_flops,
@@ -387,4 +387,4 @@ define(
 @decomposition(CONV_POOL)
 def _conv_pool_in_parts(b, op):
     conv, pool = conv_pool_parts(op.attrs)
-    return b.op("MaxPool", [b.op(_CONV_CALCULATE, list(op.inputs), None, conv)], None, pool)
+    return b.op("MaxPool", [b.op(CONV_CALCULATE, list(op.inputs), None, conv)], None, pool)
