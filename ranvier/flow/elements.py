@@ -6,8 +6,10 @@ that holds them is `graph.py`'s.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
+from typing import Any, Protocol, overload
 
 import numpy as np
 
@@ -52,6 +54,30 @@ def _with_flag(flags, flag, on: bool):
     return type(flag)(value)
 
 
+class _Flagged(Protocol):
+    flags: Any
+
+
+class _Flag:
+    """A bool attribute that reads and sets one bit of its owner's `flags` (Myelin's flag
+    accessors: `var.out = True`, `func.training`)."""
+
+    def __init__(self, flag: enum.IntFlag):
+        self.flag = flag
+
+    @overload
+    def __get__(self, owner: None, owner_type: type) -> _Flag: ...
+
+    @overload
+    def __get__(self, owner: _Flagged, owner_type: type | None = None) -> bool: ...
+
+    def __get__(self, owner: _Flagged | None, owner_type: type | None = None) -> bool | _Flag:
+        return self if owner is None else bool(owner.flags & self.flag)
+
+    def __set__(self, owner: _Flagged, on: bool) -> None:
+        owner.flags = _with_flag(owner.flags, self.flag, on)
+
+
 class Rank(int):
     """A rank that reads as a number (ranvier: `x.rank`) and as a call (Myelin: `x.rank()`)."""
 
@@ -73,26 +99,13 @@ class Variable:
         self.producer: Operation | None = None
         self.consumers: list[Operation] = []
 
-    # Flag accessors read like Myelin's.
-    def _flag(self, flag: VarFlags) -> bool:
-        return bool(self.flags & flag)
-
-    def _set_flag(self, flag: VarFlags, on: bool) -> None:
-        self.flags = _with_flag(self.flags, flag, on)
-
-    in_ = property(lambda self: self._flag(VarFlags.IN), lambda self, on: self._set_flag(VarFlags.IN, on))
-    out = property(lambda self: self._flag(VarFlags.OUT), lambda self, on: self._set_flag(VarFlags.OUT, on))
-    ref = property(lambda self: self._flag(VarFlags.REF), lambda self, on: self._set_flag(VarFlags.REF, on))
-    learnable = property(
-        lambda self: self._flag(VarFlags.LEARNABLE), lambda self, on: self._set_flag(VarFlags.LEARNABLE, on)
-    )
-    unique = property(lambda self: self._flag(VarFlags.UNIQUE), lambda self, on: self._set_flag(VarFlags.UNIQUE, on))
-    dynamic = property(
-        lambda self: self._flag(VarFlags.DYNAMIC), lambda self, on: self._set_flag(VarFlags.DYNAMIC, on)
-    )
-    nogradient = property(
-        lambda self: self._flag(VarFlags.NOGRADIENT), lambda self, on: self._set_flag(VarFlags.NOGRADIENT, on)
-    )
+    in_ = _Flag(VarFlags.IN)
+    out = _Flag(VarFlags.OUT)
+    ref = _Flag(VarFlags.REF)
+    learnable = _Flag(VarFlags.LEARNABLE)
+    unique = _Flag(VarFlags.UNIQUE)
+    dynamic = _Flag(VarFlags.DYNAMIC)
+    nogradient = _Flag(VarFlags.NOGRADIENT)
     # Myelin's Python API spells the IN and OUT flags `input` and `output`.
     input = in_
     output = out
@@ -212,13 +225,7 @@ class Operation:
 
     add_attr = set_attr
 
-    @property
-    def nogradient(self) -> bool:
-        return bool(self.flags & OpFlags.NOGRADIENT)
-
-    @nogradient.setter
-    def nogradient(self, on: bool) -> None:
-        self.flags = _with_flag(self.flags, OpFlags.NOGRADIENT, on)
+    nogradient = _Flag(OpFlags.NOGRADIENT)
 
     def __repr__(self) -> str:
         ins = ", ".join(v.name for v in self.inputs)
@@ -241,21 +248,8 @@ class Function:
         self.ops.append(op)
         op.func = self
 
-    @property
-    def training(self) -> bool:
-        return bool(self.flags & FuncFlags.TRAINING)
-
-    @training.setter
-    def training(self, on: bool) -> None:
-        self.flags = _with_flag(self.flags, FuncFlags.TRAINING, on)
-
-    @property
-    def backprop(self) -> bool:
-        return bool(self.flags & FuncFlags.BACKPROP)
-
-    @backprop.setter
-    def backprop(self, on: bool) -> None:
-        self.flags = _with_flag(self.flags, FuncFlags.BACKPROP, on)
+    training = _Flag(FuncFlags.TRAINING)
+    backprop = _Flag(FuncFlags.BACKPROP)
 
     def __str__(self) -> str:
         lines = [f"func {self.name} {{"]
