@@ -215,8 +215,9 @@ class _Geometry:
 
     @property
     def m_floats(self) -> int:
-        """Floats from one point's M to the next: filters × the block's tiles (`_staggered`)."""
-        return _staggered(self.filters * self.block_tiles)
+        """Floats from one point's M to the next: filters × the block's tiles in whole cache
+        lines (`_staggered`)."""
+        return _staggered(self.filters * -(-self.block_tiles // _LINE_FLOATS) * _LINE_FLOATS)
 
     @property
     def patch_rows(self) -> int:
@@ -245,6 +246,10 @@ class _Geometry:
         tile = self.form.tile
         return 64 + 4 * (self.form.points * (self.v_floats + self.m_floats) + self.patch_floats
                          + self.filters * tile * self.image_rows * tile * self.row_tiles)
+
+
+_LINE_FLOATS = 16  # floats in a cache line
+_COPY_LANES = 16  # floats a move of the block's rows takes: an AVX-512 vector (two or four of the narrower targets')
 
 
 def _staggered(floats: int) -> int:
@@ -319,7 +324,8 @@ def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int, int]]]:
     """The calls per worker-pool part, each (first image, first tile row, last tile row,
     first filter, last filter, images): whole images shared out when there are at least as
     many as cores (a call's images one block, `_Geometry.block_images`), else each image's
-    blocks, or where it has fewer blocks than its share of the cores, its filters (each
+    tile rows in even shares (whole blocks each made ResNet-18's 14 rows of F(4, 3) tiles 8
+    and 6), or where it has fewer blocks than its share of the cores, its filters (each
     part then transforms the whole input, and reads only its filters' U)."""
     images, threads = op.inputs[0].shape[0], _threads(op)
     if images >= threads:
@@ -328,7 +334,7 @@ def _parts(op, g: _Geometry) -> list[list[tuple[int, int, int, int, int, int]]]:
     per_image = max(1, threads // images)
     if -(-g.tile_rows // g.block_rows) >= per_image:
         return [[(i, first, last, 0, g.filters, 1)] for i in range(images)
-                for first, last in shares(g.tile_rows, per_image, g.block_rows)]
+                for first, last in shares(g.tile_rows, per_image)]
     return [[(i, 0, g.tile_rows, first, last, 1)] for i in range(images) for first, last in shares(g.filters, per_image, _FILTER_UNIT)]
 
 
@@ -486,7 +492,6 @@ class _Emitter:
         self.u_row = u_row  # U's elements (or slots of bf16 pairs) from one filter's row to the next
         self.vector = ir.VectorType(F32, g.group)
         self.ints = ir.VectorType(I32, g.group)
-        self.zeros = ir.Constant(self.vector, [ir.Constant(F32, 0.0)] * g.group)
 
     def tiles_function(self) -> ir.Function:
         """The function computing `images` images from the first's output over a range of
@@ -506,13 +511,19 @@ class _Emitter:
         patches = b.gep(m, [i64(points * g.m_floats)])
         tiles_out = b.gep(patches, [i64(g.patch_floats)])
         image_floats, out_floats = g.channels * g.height * g.width, g.filters * g.out_height * g.out_width
+        # the call's tile rows in as few blocks of at most block_rows as they take, as even as
+        # can be: a part's 7 rows of F(4, 3) tiles in blocks of 2 made a last block of 1
+        span = b.sub(last_row, first_row)
+        blocks = b.sdiv(b.add(span, i64(g.block_rows - 1)), i64(g.block_rows))
         with for_range(b, i64(0), images, step=g.block_images, name="image_block") as first_image, \
-                for_range(b, first_row, last_row, step=g.block_rows, name="block") as top:
+                for_range(b, i64(0), blocks, name="block") as block:
             block_images = b.sub(images, first_image)
             block_images = b.select(b.icmp_signed("<", block_images, i64(g.block_images)), block_images, i64(g.block_images))
-            rows = b.sub(last_row, top)
-            rows = b.select(b.icmp_signed("<", rows, i64(g.block_rows)), rows, i64(g.block_rows))
+            top = b.add(first_row, b.sdiv(b.mul(block, span), blocks))
+            rows = b.sub(b.add(first_row, b.sdiv(b.mul(b.add(block, i64(1)), span), blocks)), top)
             count = b.mul(b.mul(block_images, rows), i64(g.row_tiles))
+            # M's rows start on cache lines (84 tiles a row stored vectors across two lines)
+            stride = b.and_(b.add(count, i64(_LINE_FLOATS - 1)), i64(-_LINE_FLOATS))
             with for_range(b, i64(0), block_images, name="gather_image") as j:
                 self.gather_rows(b.gep(image, [b.mul(b.add(first_image, j), i64(image_floats))]), top, rows,
                                  b.gep(patches, [b.mul(j, i64(g.image_patch_floats))]))
@@ -523,11 +534,11 @@ class _Emitter:
             with for_range(b, i64(0), i64(points), name="point") as point:
                 b.call(gemm, [i64(0), filter_count, count, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * self.u_row))]),
                               i64(self.u_row), b.gep(v, [b.mul(point, i64(g.v_floats))]), b.gep(m, [b.mul(point, i64(g.m_floats))]),
-                              count])
+                              stride])
             with for_range(b, i64(0), filter_count, name="filter") as k, \
                     for_range(b, i64(0), b.mul(block_images, rows), name="out_row") as row, \
                     for_range(b, i64(0), i64(g.row_tiles), step=g.group, name="out_tile") as column:
-                at = b.add(b.mul(k, count), b.add(b.mul(row, i64(g.row_tiles)), column))
+                at = b.add(b.mul(k, stride), b.add(b.mul(row, i64(g.row_tiles)), column))
                 self.output_transform(m, at, tiles_out, k, row, column)
             with for_range(b, i64(0), block_images, name="scatter_image") as j:
                 self.scatter_rows(b.gep(tiles_out, [b.mul(b.mul(j, rows), i64(g.form.tile * g.form.tile * g.row_tiles))]), top, rows,
@@ -538,21 +549,28 @@ class _Emitter:
     # ---- moving rows between the image and the block's scratch ------------------------------
 
     def copy(self, source: ir.Value | None, target: ir.Value, count: int) -> None:
-        """`count` floats from `source` (zeros if None) to `target`: whole vectors, then the rest."""
-        b, group = self.b, self.g.group
-        whole = count // group * group
+        """`count` floats from `source` (zeros if None) to `target`: whole vectors of
+        `_COPY_LANES`, then the rest in halving vectors and single floats (a 56-float row of
+        F(2, 3)'s vectors of 4 took 14 moves, now 4)."""
+        b = self.b
 
         def move(at: ir.Value, lanes: int) -> None:
-            kind = self.vector if lanes > 1 else F32
-            value = self.zeros if source is None and lanes > 1 else ir.Constant(F32, 0.0) if source is None else \
+            kind = ir.VectorType(F32, lanes) if lanes > 1 else F32
+            zero = ir.Constant(F32, 0.0)
+            value = (ir.Constant(kind, [zero] * lanes) if lanes > 1 else zero) if source is None else \
                 b.load(b.bitcast(b.gep(source, [at]), kind.as_pointer()), align=4)
             b.store(value, b.bitcast(b.gep(target, [at]), kind.as_pointer()), align=4)
 
+        whole = count // _COPY_LANES * _COPY_LANES
         if whole:
-            with for_range(b, i64(0), i64(whole), step=group, name="copy") as at:
-                move(at, group)
-        for at in range(whole, count):
-            move(i64(at), 1)
+            with for_range(b, i64(0), i64(whole), step=_COPY_LANES, name="copy") as at:
+                move(at, _COPY_LANES)
+        at, lanes = whole, _COPY_LANES
+        while at < count:
+            while lanes > count - at:
+                lanes //= 2
+            move(i64(at), lanes)
+            at += lanes
 
     def gather_rows(self, image: ir.Value, top: ir.Value, rows: ir.Value, patches: ir.Value) -> None:
         """The input rows under the block's tiles, every channel, into `patches` with their
