@@ -320,15 +320,20 @@ def test_on_pairs_a_part_of_several_images_takes_larger_blocks(images, rows, mon
     assert winograd._geometry(step.op, 48, pairs=True).block_rows == rows
 
 
-def test_in_bf16_the_larger_form_stays_float32(monkeypatch):
+@pytest.mark.parametrize("mask", ["", "-avx512bf16"])
+def test_in_bf16_on_pairs_a_convolution_takes_the_smaller_form(mask, monkeypatch):
     """F(4, 3)'s transforms magnify bf16's rounding of U and V (kernels/winograd.py): a
-    convolution in that form keeps float32 products whatever matmul asks."""
+    convolution whose float32 form is F(4, 3) (ResNet-18's 64-channel 56 × 56 ones) runs
+    F(2, 3) on pairs where the CPU has them, its U prepared in that form; masked, F(4, 3) in
+    float32."""
     monkeypatch.setenv("RANVIER_GEMM", "generated")
     monkeypatch.setattr(winograd, "_form", lambda op: winograd.F4)
-    cell, data, y, *_ = _cell((1, 8, 12, 12), (8, 8, 3, 3), 1, matmul="bfloat16")
+    cell, data, y, want, bound = _cell((1, 8, 12, 12), (8, 8, 3, 3), 1, mask=mask, matmul="bfloat16")
+    pairs = sgemm.pairs_supported(host_target(mask))
     (step,) = cell.steps
-    assert step.kernel == winograd.WINOGRAD_KERNEL
-    _, *_, want, bound = _cell((1, 8, 12, 12), (8, 8, 3, 3), 1)  # the same values, in float32
+    assert step.kernel == (winograd.PAIRS_KERNEL if pairs else winograd.WINOGRAD_KERNEL)
+    forms = [p.form for p in CPUCode.of(cell).layout.prepared]
+    assert forms == [winograd.F2.prepared_pairs if pairs else winograd.F4.prepared]
     _check(data, y, want, bound)
 
 

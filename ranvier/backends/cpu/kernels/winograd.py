@@ -8,7 +8,8 @@ summing over the channels inside the ⊙: each of the (m + 2)² points ξ of the
 is a matrix product M[ξ] [K, tiles] = U[ξ] [K, C] · V[ξ] [C, tiles]. F(2×2, 3×3) does 16
 multiplies per tile and channel pair where the direct convolution does 36 (2.25 times fewer),
 F(4×4, 3×3) 36 where it does 144 (4 times fewer), for additions in the transforms and their
-memory traffic; a convolution takes the form that computes fewer (`_form`). The filters are
+memory traffic; a convolution takes the form that computes fewer (`_form`), or on bf16
+pairs F(2, 3) (`_on_pairs`). The filters are
 an inference model's constants, so U is made once when the network is (a `Prepared` form of
 the weights).
 
@@ -280,10 +281,11 @@ def _form(op) -> Form:
 
 
 def _geometry(op, panel: int, pairs: bool = False) -> _Geometry:
-    """`op`'s sizes, for the packed GEMM's panels of `panel` tiles (`pairs`: of bf16 pairs)."""
+    """`op`'s sizes, for the packed GEMM's panels of `panel` tiles (`pairs`: of bf16 pairs,
+    in F(2, 3): `_on_pairs`)."""
     (_, channels, height, width), (filters, *_), (_, _, out_height, out_width) = (v.shape for v in (*op.inputs[:2], op.outputs[0]))
     pad_height, pad_width = attrs_of(op)["padding"]
-    form = _form(op)
+    form = F2 if pairs else _form(op)
     # vectors of 8 tiles where they waste no more tiles on padding than vectors of 4 (28 tiles
     # a row are 7 vectors of 4, or 4 of 8 with 4 padding); SSE's panels of 12 hold 4s only
     tiles = -(-out_width // form.tile)
@@ -304,11 +306,12 @@ def _supported(op) -> bool:
             and math.prod(x.shape[1:]) < 1 << 31)
 
 
-def _filter_bytes(op) -> int:
-    """The workspace's room for U made at run time: filters that change (a training step's,
-    or an input gradient's turned filters), 64 bytes of it for alignment; none for constants."""
+def _filter_bytes(op, form: Form) -> int:
+    """The workspace's room for U in `form` made at run time: filters that change (a training
+    step's, or an input gradient's turned filters), 64 bytes of it for alignment; none for
+    constants."""
     w = op.inputs[1]
-    return 0 if unchanging_constant(w) else 64 + 4 * _form(op).points * w.shape[0] * w.shape[1]
+    return 0 if unchanging_constant(w) else 64 + 4 * form.points * w.shape[0] * w.shape[1]
 
 
 _FILTER_UNIT = 8  # filters in a part's share: whole strips of the GEMM's tiles (MR is 4 or 8)
@@ -342,7 +345,7 @@ def _workspace_bytes(op, pairs: bool = False) -> int:
     """U where it is made at run time, and the parts' scratch for any target's panel width
     (`pairs`: AVX-512's, the only one with the GEMM on pairs)."""
     geometries = [_geometry(op, _PAIRS_PANEL, pairs=True)] if pairs else [_geometry(op, panel) for panel in sgemm.PANEL_WIDTHS]
-    return _filter_bytes(op) + max(len(_parts(op, g)) * g.workspace_bytes for g in geometries)
+    return _filter_bytes(op, geometries[0].form) + max(len(_parts(op, g)) * g.workspace_bytes for g in geometries)
 
 
 _PAIRS_PANEL = 48  # NR of the GEMM on bf16 pairs, AVX-512's
@@ -357,8 +360,9 @@ def _prepared(op) -> list[Prepared]:
 def _paired_prepared(op) -> list[Prepared]:
     """Constant filters' U for the GEMM on pairs: rounded into bf16 pairs of channels once
     (`sgemm.paired_rows`, a row per point and filter), half the bytes of the float32 U it
-    would round call by call (ResNet-18's 256-channel ones: 4 MB, from memory at batch 1)."""
-    w, form = op.inputs[1], _form(op)
+    would round call by call (ResNet-18's 256-channel ones: 4 MB, from memory at batch 1).
+    In F(2, 3), the only form on pairs (`_on_pairs`)."""
+    w, form = op.inputs[1], F2
     if not unchanging_constant(w):
         return []
     return [Prepared(w, form.prepared_pairs,
@@ -393,11 +397,15 @@ _TILES = ir.FunctionType(VOID, [F32.as_pointer(), F32.as_pointer(), F32.as_point
 
 
 def _on_pairs(op) -> bool:
-    """A convolution marked for bf16 products, in F(2, 3). F(4, 3)'s transforms, whose coefficients reach 8, magnify bf16's
+    """A convolution marked for bf16 products: on pairs it takes F(2, 3) whichever form float32
+    would take (`_geometry`). F(4, 3)'s transforms, whose coefficients reach 8, magnify bf16's
     rounding of U and V: a 64-channel 56 × 56 convolution erred by 6.7e-2 of its output's
     largest magnitude, where F(2, 3) on pairs erred by 4e-3 at 128 and 256 channels (rounding
-    x and w to bf16 alone: 2.3e-3), so those stay float32."""
-    return _supported(op) and attrs_of(op)["precision"] == "bfloat16" and _form(op) is F2
+    x and w to bf16 alone: 2.3e-3); F(3, 3) by 2e-2 (its points 0, ±1 and 2 or 1/2, in
+    numpy). And F(2, 3) on pairs is the faster: ResNet-18's 64-channel 56 × 56 convolution
+    took 0.87-0.91 of F(4, 3)'s time in float32 at batch 1, 0.90 at batch 32 (alone,
+    alternated in one process; Zen 5, two cores, shared)."""
+    return _supported(op) and attrs_of(op)["precision"] == "bfloat16"
 
 
 def _pairs_faster(op) -> bool:
@@ -428,7 +436,7 @@ def winograd_conv(ctx, op) -> None:
 def _winograd(ctx, op, pairs: bool) -> None:
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     g = _geometry(op, sgemm.panel_width(ctx.target), pairs)
-    made_here = _filter_bytes(op)
+    made_here = _filter_bytes(op, g.form)
     paired = pairs and not made_here  # U in bf16 pairs, its rows `u_row` slots long
     u_row = sgemm.paired_row_slots(g.channels) if paired else g.channels
     tiles = _Emitter(ctx.module, g, u_row).tiles_function()
@@ -522,7 +530,9 @@ class _Emitter:
             top = b.add(first_row, b.sdiv(b.mul(block, span), blocks))
             rows = b.sub(b.add(first_row, b.sdiv(b.mul(b.add(block, i64(1)), span), blocks)), top)
             count = b.mul(b.mul(block_images, rows), i64(g.row_tiles))
-            # M's rows start on cache lines (84 tiles a row stored vectors across two lines)
+            # M's rows start on cache lines, and the products run over whole vectors of tiles
+            # (those past the block's computed from V's unwritten lanes, never read): 84 tiles
+            # took a last panel of 36 through the GEMM's edge buffer; as 96, about 0.8 of the time
             stride = b.and_(b.add(count, i64(_LINE_FLOATS - 1)), i64(-_LINE_FLOATS))
             with for_range(b, i64(0), block_images, name="gather_image") as j:
                 self.gather_rows(b.gep(image, [b.mul(b.add(first_image, j), i64(image_floats))]), top, rows,
@@ -532,7 +542,7 @@ class _Emitter:
                 index = b.add(b.mul(b.add(b.mul(j, rows), row), i64(g.row_tiles)), column)
                 self.input_transform(b.gep(patches, [b.mul(j, i64(g.image_patch_floats))]), row, column, index, v)
             with for_range(b, i64(0), i64(points), name="point") as point:
-                b.call(gemm, [i64(0), filter_count, count, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * self.u_row))]),
+                b.call(gemm, [i64(0), filter_count, stride, i64(g.channels), b.gep(filters, [b.mul(point, i64(g.filters * self.u_row))]),
                               i64(self.u_row), b.gep(v, [b.mul(point, i64(g.v_floats))]), b.gep(m, [b.mul(point, i64(g.m_floats))]),
                               stride])
             with for_range(b, i64(0), filter_count, name="filter") as k, \
