@@ -410,10 +410,10 @@ def _on_pairs(op) -> bool:
 
 def _pairs_faster(op) -> bool:
     """Whether its GEMM on V in bf16 pairs measured faster than the one on float32 V, on the
-    largest call a part makes (a block's tiles by its filters)."""
+    largest call a part makes (a block's tiles, in whole vectors, by its filters)."""
     g = _geometry(op, _PAIRS_PANEL, pairs=True)
     filters = max(last - first for part in _parts(op, g) for _, _, _, first, last, _ in part)
-    return packed_pairs_are_faster(filters, g.block_tiles, g.channels)
+    return packed_pairs_are_faster(filters, -(-g.block_tiles // _LINE_FLOATS) * _LINE_FLOATS, g.channels)
 
 
 @kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=20, prefer=_pairs_faster,
