@@ -320,6 +320,22 @@ def test_on_pairs_a_part_of_several_images_takes_larger_blocks(images, rows, mon
     assert winograd._geometry(step.op, 48, pairs=True).block_rows == rows
 
 
+@pytest.mark.parametrize(("images", "group", "rows"), [(1, 16, 2), (32, 4, 14)])
+def test_on_pairs_tiles_go_16_to_a_vector_where_the_products_take_no_more_columns(images, group, rows, monkeypatch):
+    """The products on pairs run over a block's tiles in whole vectors of 16: ResNet-18's
+    28-tile rows are transformed 16 tiles a vector (rows of 32) where its blocks take as many
+    columns either way (batch 1, two cores: blocks of 2 rows, 64 columns; in vectors of 4,
+    blocks of 3 rows, 84 tiles in 96 columns), and 4 where those would take more (batch 32:
+    14 rows, 392 tiles in 400 columns, where rows of 32 take 448)."""
+    monkeypatch.setattr(winograd, "thread_count", lambda: 2)
+    monkeypatch.setattr(winograd, "worth_splitting", lambda flops=0, nbytes=0: True)
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    y = f.conv2d(f.var("x", "float32", [images, 64, 56, 56]), f.const(random_array((64, 64, 3, 3), "float32")), padding=1)
+    g = winograd._geometry(y.var.producer, 48, pairs=True)
+    assert (g.group, g.block_rows) == (group, rows)
+
+
 @pytest.mark.parametrize("mask", ["", "-avx512bf16"])
 def test_in_bf16_on_pairs_a_convolution_takes_the_smaller_form(mask, monkeypatch):
     """F(4, 3)'s transforms magnify bf16's rounding of U and V (kernels/winograd.py): a
