@@ -217,7 +217,7 @@ def test_a_strided_1x1_convolution_multiplies_a_plane_of_the_pixels_its_stride_r
     case = (3, 6, 19, 21), (9, 6, 1, 1), (2, 2), (0, 0)
     cell, y = _conv_cell(*case, matmul=matmul)
     (step,) = cell.steps
-    assert conv._geometry_values(step.op) == [1, 110, 1, 1, 1, 1, 0, 0, 110, 1]  # 10 x 11 outputs in a row
+    assert conv.geometry_values(step.op) == [1, 110, 1, 1, 1, 1, 0, 0, 110, 1]  # 10 x 11 outputs in a row
     assert [[call[0] for call in part] for part in conv._parts(step.op)] == [[0, 0, 1, 1], [2, 2]]
     _check_against_pytorch(cell, y, case, step.kernel == "ConvGemmDpbf16")
 
@@ -245,7 +245,7 @@ def test_a_strided_convolution_multiplies_phase_planes_of_its_image(case, planes
     (step,) = cell.steps
     (_, _, kernel_height, kernel_width), s = case[1], case[2][0]
     out_width = y.shape[3]
-    assert conv._geometry_values(step.op) == [*planes, kernel_height, kernel_width, 1, 1, 0, 0, out_width, s]
+    assert conv.geometry_values(step.op) == [*planes, kernel_height, kernel_width, 1, 1, 0, 0, out_width, s]
     assert all(len({call[0] for call in part}) < len(part) for part in conv._parts(step.op))  # an image's calls share its planes
     _check_against_pytorch(cell, y, case, step.kernel == "ConvGemmDpbf16")
 

@@ -31,6 +31,7 @@ CASES = [
     ((1, 4, 17, 23), 18, ((1, 1), (1, 1)), ((2, 2), (2, 2), (0, 0))),  # tiling windows: nothing carried, a row left over
     ((3, 5, 13, 12), 24, ((1, 1), (0, 0)), ((3, 2), (1, 3), (1, 1))),  # overlapping rows, stride 3 along them
     ((1, 6, 9, 40), 17, ((2, 1), (2, 1)), ((5, 3), (2, 2), (2, 1))),  # two rows carried
+    ((1, 2, 19, 22), 9, ((3, 3), (2, 1)), ((3, 3), (2, 2), (1, 1))),  # stride 3: phase planes of an image's parts
 ]
 
 
@@ -111,6 +112,24 @@ def test_in_bf16_the_bands_are_multiplied_on_pairs_where_the_cpu_has_them(case, 
     assert step.kernel == ("ConvPoolDpbf16" if pairs else "ConvPool")
     assert [p.form for p in CPUCode.of(cell).layout.prepared] == ([conv.PAIRED_FILTERS] if pairs and constant else [])
     _check(cell, y, case, pairs, constant)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]], ids=["stride2", "strides2x1", "stride3"])
+def test_a_stem_of_one_stride_reads_its_images_phase_planes(case):
+    """A stride s in both directions (ResNet's stem: 7 × 7, stride 2) reads each image's s × s
+    phase planes (conv.phase_planes), copied once a part, with stride 1 and their padding in
+    them; a stride that differs between the directions reads the image in place."""
+    cell, _ = _stem_cell(case)
+    (step,) = cell.steps
+    shape, (strides, padding) = case[0], case[2]
+    out_height, out_width = ((size + 2 * pad - extent) // stride + 1
+                             for size, extent, stride, pad in zip(shape[2:], (5, 3), strides, padding))
+    geometry = conv_pool._plan(step.op).geometry
+    if strides[0] != strides[1]:
+        assert geometry == (*shape[2:], 5, 3, *strides, *padding, out_width, 1)
+        return
+    s = strides[0]
+    assert geometry == (out_height + 4 // s, out_width + 2 // s, 5, 3, 1, 1, 0, 0, out_width, s)
 
 
 def test_a_training_step_keeps_the_convolutions_output_for_the_gradients():

@@ -24,6 +24,7 @@ from llvmlite import ir
 from .... import dtypes
 from ....flow.graph import Variable
 from ....ops import attrs_of, unchanging_constant
+from ....ops.fused import CONV_POOL
 from ...kernels import Prepared
 from ...llvm.irutil import F32, I32, I64, i64, load, storage_type
 from ...llvm.loops import copy_run, fold_lanes, for_vectors, pairwise
@@ -94,10 +95,10 @@ def _parts(op) -> list[list[tuple[int, int, int, int, int]]]:
 
 
 def _share(op) -> int:
-    """A part's scratch: an image's copy the GEMM reads (`_copy_bytes`), then packing
+    """A part's scratch: an image's copy the GEMM reads (`copy_bytes`), then packing
     enough for its widest call."""
     taps = _sizes(op)[3]
-    return _copy_bytes(op) + max(sgemm.workspace_bytes(call[4], taps) for part in _parts(op) for call in part)
+    return copy_bytes(op) + max(sgemm.workspace_bytes(call[4], taps) for part in _parts(op) for call in part)
 
 
 def _subsampled(op) -> bool:
@@ -127,7 +128,7 @@ def phase_planes(op) -> tuple[int, int, int] | None:
     return s, out_height + (kernel_height - 1) // s, out_width + (kernel_width - 1) // s
 
 
-def _copy_bytes(op) -> int:
+def copy_bytes(op) -> int:
     """An image's subsampled plane [channels, output positions] or its phase planes, in whole
     cache lines; 0 where the convolution reads its image in place."""
     channels, phases = op.inputs[0].shape[1], phase_planes(op)
@@ -136,27 +137,29 @@ def _copy_bytes(op) -> int:
         return 64 * -(-4 * channels * s * s * height * width // 64)
     if not _subsampled(op):
         return 0
-    return 64 * -(-4 * channels * _sizes(op)[2] // 64)
+    out_height, out_width = _window_shape(op)[2:]
+    return 64 * -(-4 * channels * out_height * out_width // 64)
 
 
 def _workspace_bytes(op) -> int:
     return len(_parts(op)) * _share(op)
 
 
-def _geometry_values(op) -> list[int]:
+def geometry_values(op) -> list[int]:
     """The GEMM's `geometry`: sgemm.GEOMETRY's values (a `_subsampled` convolution's plane: one
     row of its output positions, read with stride 1; `phase_planes`: read with stride 1,
     their padding in them)."""
     if _subsampled(op):
-        positions = _sizes(op)[2]
+        out_height, out_width = _window_shape(op)[2:]
+        positions = out_height * out_width
         return [1, positions, 1, 1, 1, 1, 0, 0, positions, 1]
     attrs = attrs_of(op)
     (_, _, height, width), (kernel_height, kernel_width) = op.inputs[0].shape, op.inputs[1].shape[2:]
     phases = phase_planes(op)
     if phases is not None:
         s, plane_height, plane_width = phases
-        return [plane_height, plane_width, kernel_height, kernel_width, 1, 1, 0, 0, op.outputs[0].shape[3], s]
-    return [height, width, kernel_height, kernel_width, *attrs["strides"], *attrs["padding"], op.outputs[0].shape[3], 1]
+        return [plane_height, plane_width, kernel_height, kernel_width, 1, 1, 0, 0, _window_shape(op)[3], s]
+    return [height, width, kernel_height, kernel_width, *attrs["strides"], *attrs["padding"], _window_shape(op)[3], 1]
 
 
 def geometry_constant(ctx, values: list[int]) -> ir.GlobalVariable:
@@ -257,10 +260,15 @@ class _Planes:
 
 
 def _window_shape(op) -> tuple[int, int, int, int]:
-    """(kernel height, kernel width, output height, output width) of a convolution (x, w → y)
-    or its filter gradient (x, dy → dw)."""
+    """(kernel height, kernel width, output height, output width) of a convolution (x, w → y),
+    its filter gradient (x, dy → dw) or a convolution and its max pool (CONV_POOL: the
+    convolution's output, which the pool reads)."""
     if op.type == "Conv2DBackpropFilter":
         return (*attrs_of(op)["filter_shape"][2:], *op.inputs[1].shape[2:])
+    if op.type == CONV_POOL:
+        attrs = attrs_of(op)
+        sizes = zip(op.inputs[0].shape[2:], op.inputs[1].shape[2:], attrs["strides"], attrs["padding"])
+        return (*op.inputs[1].shape[2:], *((size + 2 * pad - extent) // stride + 1 for size, extent, stride, pad in sizes))
     return (*op.inputs[1].shape[2:], *op.outputs[0].shape[2:])
 
 
@@ -457,7 +465,7 @@ def _pairs_faster(op) -> bool:
     """Whether the GEMM on its windows in bf16 pairs measured faster than the float32 one,
     on the largest call a part makes."""
     _, _, count, _, width = max((call for part in _parts(op) for call in part), key=lambda call: call[2] * call[4])
-    return windows_pairs_are_faster(count, width, _sizes(op)[3], tuple(_geometry_values(op)))
+    return windows_pairs_are_faster(count, width, _sizes(op)[3], tuple(geometry_values(op)))
 
 
 PAIRED_FILTERS = "filters' rows in bf16 pairs (sgemm.paired_rows)"
@@ -512,12 +520,10 @@ def _call_windows(ctx, op, slot: int) -> None:
     """Each part's calls of the windows GEMM in pointer-table `slot`, each followed by the
     op's epilogue over the block it wrote; a `_subsampled` or `phase_planes` convolution's calls
     read the plane(s) its part copied of their image, once for all of the image's calls."""
-    x, y = op.inputs[0], op.outputs[0]
+    y = op.outputs[0]
     _, rows, columns, taps = _sizes(op)
-    image_size = math.prod(x.shape[1:])
-    share, plane_bytes = _share(op), _copy_bytes(op)
-    copy = _copy_subsampled if phase_planes(op) is None else copy_phases
-    geometry = geometry_constant(ctx, _geometry_values(op))
+    share = _share(op)
+    geometry = geometry_constant(ctx, geometry_values(op))
 
     def part(calls, number: int):
         def emit(ctx) -> None:
@@ -525,19 +531,15 @@ def _call_windows(ctx, op, slot: int) -> None:
             entry, filters, lda = windows_filters(ctx, op, slot)
             gemm = b.bitcast(ctx.table_entry(entry), sgemm.WINDOWS_FUNCTION.as_pointer())
             base = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
-            scratch = b.gep(base, [i64(plane_bytes)])
-            plane = ctx.scratch(f"{op.name}/copy", dtypes.DT_FLOAT32, plane_bytes // 4, base) if plane_bytes else None
-            if plane is not None and copy is copy_phases:  # the padding, which no image's copy writes
-                for_vectors(ctx, 0, plane_bytes // 4, ctx.lanes_for([x.dtype]),
-                            lambda at, n: ctx.store(plane, at, ctx.constant(x.dtype, 0.0, n)))
-            copied = None  # the image whose plane the scratch holds
+            scratch = b.gep(base, [i64(copy_bytes(op))])
+            bring, source = image_reader(ctx, op, base)
+            copied = None  # the image whose copy the scratch holds
             for image, r0, count, c0, width in calls:
-                if plane is not None and image != copied:
-                    copy(ctx, op, image, plane)
+                if image != copied:
+                    bring(image)
                     copied = image
-                source = ctx.element_pointer(x, image * image_size) if plane is None else ctx.element_pointer(plane, 0)
                 b.call(gemm, [i64(count), i64(width), i64(taps), filters(r0), i64(lda),
-                              source, b.bitcast(geometry, I64.as_pointer()), i64(c0),
+                              source(image), b.bitcast(geometry, I64.as_pointer()), i64(c0),
                               ctx.element_pointer(y, (image * rows + r0) * columns + c0), i64(columns), scratch])
                 epilogue(ctx, op, (image * rows + r0) * columns + c0, count, width)
 
@@ -546,11 +548,29 @@ def _call_windows(ctx, op, slot: int) -> None:
     run_parts(ctx, [part(calls, number) for number, calls in enumerate(_parts(op))])
 
 
-def _copy_subsampled(ctx, op, image: int, plane: Variable) -> None:
+def image_reader(ctx, op, at: ir.Value) -> tuple[Callable[[Value | int], None], Callable[[Value | int], ir.Value]]:
+    """How a part's windows GEMM reads the images of `op` (a convolution, or one with its
+    max pool): (bring(image), which copies the image into the part's scratch at `at` where
+    the GEMM reads a copy (`copy_bytes` of it: a `_subsampled` plane or `phase_planes`, whose
+    padding is zeroed here, once, as no image's copy writes it), and source(image), the
+    address the GEMM's `image` argument takes)."""
+    x = op.inputs[0]
+    plane_bytes, image_size = copy_bytes(op), math.prod(x.shape[1:])
+    if not plane_bytes:
+        return (lambda image: None), (lambda image: ctx.element_pointer(x, image * image_size))
+    plane = ctx.scratch(f"{op.name}/copy", dtypes.DT_FLOAT32, plane_bytes // 4, at)
+    copy = _copy_subsampled if phase_planes(op) is None else copy_phases
+    if copy is copy_phases:
+        for_vectors(ctx, 0, plane_bytes // 4, ctx.lanes_for([x.dtype]),
+                    lambda at, n: ctx.store(plane, at, ctx.constant(x.dtype, 0.0, n)))
+    return (lambda image: copy(ctx, op, image, plane)), (lambda image: ctx.element_pointer(plane, 0))
+
+
+def _copy_subsampled(ctx, op, image: Value | int, plane: Variable) -> None:
     """The pixels of image `image` a `_subsampled` convolution reads, [channels, output
     positions] into `plane`: a stride-2 row in vectors picked from pairs of loads."""
     x = op.inputs[0]
-    (_, channels, height, width), (out_height, out_width) = x.shape, op.outputs[0].shape[2:]
+    (_, channels, height, width), (out_height, out_width) = x.shape, _window_shape(op)[2:]
     stride_height, stride_width = attrs_of(op)["strides"]
     lanes = ctx.lanes_for([x.dtype])
     with ctx.loop(0, channels * out_height, name="subsampled_row") as row:

@@ -7,7 +7,12 @@ output). A band's first rows (those the previous band's last windows share with 
 a 3 × 3 pool of stride 2) are copied down from the previous band rather than computed again.
 
 Parts take whole images when there are at least as many as cores, else bands of each
-image's pooled rows (the first band of each part computes its shared rows afresh)."""
+image's pooled rows (the first band of each part computes its shared rows afresh). A
+convolution of one stride s in both directions (the stem's 7 × 7 of stride 2) reads each
+image's s × s phase planes, copied once a part (conv.image_reader), as ConvGemm does: each
+tap's vector of positions one load, where packed straight from the image it took two loads
+and a shuffle, and over the stem's 147 taps of 3 channels the packing weighs as much as the
+multiply-adds."""
 
 from __future__ import annotations
 
@@ -30,7 +35,17 @@ from ..codegen import SGEMM_WINDOWS, SGEMM_WINDOWS_DPBF16
 from ..gemm_choice import windows_pairs_are_faster
 from ..parallel import run_parts, shares, thread_count, worth_splitting
 from ..views import emit_map
-from .conv import CALL_BYTES, WINDOWS_PAIRS_CALLS, fits_windows_gemm, geometry_constant, paired_filters, windows_filters
+from .conv import (
+    CALL_BYTES,
+    WINDOWS_PAIRS_CALLS,
+    copy_bytes,
+    fits_windows_gemm,
+    geometry_constant,
+    geometry_values,
+    image_reader,
+    paired_filters,
+    windows_filters,
+)
 from .library import kernel
 from .window import PoolRows, emit_max_pool
 
@@ -55,6 +70,7 @@ class _Plan:
     conv_width: int
     pooling: tuple
     geometry: tuple[int, ...]
+    copy_bytes: int  # an image's copy the GEMM reads (conv.copy_bytes: its phase planes), else 0
     parts: tuple[tuple[int, int, tuple[_Band, ...]], ...]  # (first image, last image, bands)
 
     @property
@@ -65,9 +81,13 @@ class _Plan:
     def widest_call(self) -> int:
         return max((band.bottom - band.top - band.carried) * self.conv_width for _, _, bands in self.parts for band in bands)
 
+    def rows_bytes(self) -> int:
+        """A part's bands' rows of every filter, in whole cache lines."""
+        return 64 * -(-4 * self.filters * self.band_rows * self.conv_width // 64)
+
     def share_bytes(self) -> int:
-        """A part's scratch: its bands' rows of every filter, then the GEMM's packing."""
-        return 64 * -(-4 * self.filters * self.band_rows * self.conv_width // 64) + sgemm.workspace_bytes(self.widest_call, self.taps)
+        """A part's scratch: its image's copy, its bands' rows, then the GEMM's packing."""
+        return self.copy_bytes + self.rows_bytes() + sgemm.workspace_bytes(self.widest_call, self.taps)
 
 
 def _bands(first: int, last: int, band: int, conv_height: int, pooling: tuple) -> tuple[_Band, ...]:
@@ -94,7 +114,6 @@ def _plan(op) -> _Plan | None:
     conv_height = (height + 2 * pad_height - kernel_height) // stride_height + 1
     conv_width = (width + 2 * pad_width - kernel_width) // stride_width + 1
     pooling = pool_params(Attrs(pool, op.name, "MaxPool", op_def("MaxPool").attrs))
-    geometry = (height, width, kernel_height, kernel_width, stride_height, stride_width, pad_height, pad_width, conv_width, 1)
     images, pooled_rows = x.shape[0], y.shape[2]
     # bands of at most CALL_BYTES of new rows, as ConvGemm's calls
     band = max(1, CALL_BYTES // (4 * filters * conv_width * pooling[1][0]))
@@ -107,7 +126,7 @@ def _plan(op) -> _Plan | None:
     else:
         parts = tuple((image, image + 1, _bands(start, stop, band, conv_height, pooling))
                       for image in range(images) for start, stop in shares(pooled_rows, threads // images))
-    return _Plan(filters, taps, conv_height, conv_width, pooling, geometry, parts)
+    return _Plan(filters, taps, conv_height, conv_width, pooling, tuple(geometry_values(op)), copy_bytes(op), parts)
 
 
 def _on_pairs(op) -> bool:
@@ -143,13 +162,12 @@ def conv_pool(ctx, op) -> None:
 def _pool_bands(ctx, op, slot: int) -> None:
     """Each part's images, band by band: the carried rows copied down, the new rows
     multiplied (GEMM in pointer-table `slot`) and their program run, the band pooled."""
-    x, y = op.inputs[0], op.outputs[0]
+    y = op.outputs[0]
     plan = planned(_plan(op), op)
     conv_width = plan.conv_width
     ldc = plan.band_rows * conv_width  # elements between the scratch's filters
-    image_size, pooled_plane = math.prod(x.shape[1:]), y.shape[2] * y.shape[3]
+    pooled_plane = y.shape[2] * y.shape[3]
     share = plan.share_bytes()
-    scratch_bytes = share - sgemm.workspace_bytes(plan.widest_call, plan.taps)
     geometry = geometry_constant(ctx, list(plan.geometry))
     lanes = ctx.lanes_for([dtypes.DT_FLOAT32])
     program = program_body(program_of(op), 1)
@@ -163,9 +181,12 @@ def _pool_bands(ctx, op, slot: int) -> None:
             entry, filters, lda = windows_filters(ctx, op, slot)
             gemm = b.bitcast(ctx.table_entry(entry), sgemm.WINDOWS_FUNCTION.as_pointer())
             base = b.gep(ctx.address(ctx.workspace), [i64(number * share)])
-            rows = ctx.scratch(f"{op.name}/band{number}", dtypes.DT_FLOAT32, plan.filters * ldc, base)
-            packing = b.gep(base, [i64(scratch_bytes)])
+            bring, source = image_reader(ctx, op, base)
+            rows = ctx.scratch(f"{op.name}/band{number}", dtypes.DT_FLOAT32, plan.filters * ldc,
+                               b.gep(base, [i64(plan.copy_bytes)]))
+            packing = b.gep(base, [i64(plan.copy_bytes + plan.rows_bytes())])
             with ctx.loop(first, last, name="image") as image:
+                bring(image)
                 previous: _Band | None = None
                 for band in bands:
                     if band.carried and previous is not None:  # a part's first band computes all its rows
@@ -179,7 +200,7 @@ def _pool_bands(ctx, op, slot: int) -> None:
                     width = (band.bottom - new_top) * conv_width
                     if width:
                         b.call(gemm, [i64(plan.filters), i64(width), i64(plan.taps), filters(0),
-                                      i64(lda), ctx.element_pointer(x, image * image_size),
+                                      i64(lda), source(image),
                                       b.bitcast(geometry, I64.as_pointer()), i64(new_top * conv_width),
                                       ctx.element_pointer(rows, band.carried * conv_width), i64(ldc), packing])
                         landing = View(rows, band.carried * conv_width, [ldc, 1])
