@@ -8,6 +8,7 @@ cell whose inputs are the function's variables without data.
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -189,16 +190,25 @@ def race(sides: dict[str, Callable[[], object]], repeats: int, settle: float = S
     """Median seconds per call of each side, after one warm-up call each (first touch of
     weights, thread pools), alternating so both see the same machine. A pause before each
     call lets the other side's threads go idle: ONNX Runtime's spin for a while after a
-    run, and would otherwise take the cores from ranvier's next call."""
+    run, and would otherwise take the cores from ranvier's next call. Each round calls the
+    sides in an order of its own (shuffled, the same every race), so no side always follows
+    the same one: a call finds the cores as the call before left them, and on a shared
+    2-core VM a ranvier side right after another ranvier side ran 1.25-1.4 times as long as
+    the same code right after OpenVINO (ResNet-18 bf16 at batch 1, two instances of one
+    compiled cell, 30 rounds in each order), where the race's fixed order put ranvier-bf16
+    after ranvier's float32 side every time."""
     for side in sides.values():
         side()
     times: dict[str, list[float]] = {name: [] for name in sides}
+    order, shuffle = list(sides), random.Random(0).shuffle
     for _ in range(repeats):
-        for name, side in sides.items():
+        for name in order:
+            side = sides[name]
             time.sleep(settle)
             start = time.perf_counter()
             side()
             times[name].append(time.perf_counter() - start)
+        shuffle(order)
     return {name: statistics.median(values) for name, values in times.items()}
 
 

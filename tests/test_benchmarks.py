@@ -5,6 +5,7 @@ between the times someone measures."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -363,3 +364,20 @@ def test_gpu_kernel_benchmark_never_times_a_kernel_that_differs_from_the_referen
     with pytest.raises(RanvierError, match=r"rmsnorm: ranvier's Cast:0 \[2, 16, 64\] differs from the numpy reference .* "
                                            r"non-finite 2048\): a wrong kernel is not timed"):
         gpu_kernels.check(case, torch, "cpu")
+
+
+def test_a_race_calls_its_sides_in_a_new_order_each_round():
+    """No side always follows the same one (a call finds the cores as the last call left
+    them): over the rounds each side comes after each other side, every side is called
+    once a round after its warm-up, and the medians are its own calls'."""
+    from ranvier import modelrun
+
+    calls: list[str] = []
+    sides = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    times = modelrun.race(sides, repeats=24, settle=0.0)
+    assert set(times) == set(sides)
+    assert calls[:4] == list("abcd")  # the warm-ups
+    rounds = [calls[4 + 4 * r: 8 + 4 * r] for r in range(24)]
+    assert all(sorted(order) == list("abcd") for order in rounds)
+    followed = {(before, after) for before, after in itertools.pairwise(calls[4:]) if before != after}
+    assert followed == {(before, after) for before in "abcd" for after in "abcd" if before != after}
