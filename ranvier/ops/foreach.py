@@ -49,9 +49,23 @@ class Member:
 
 def members(op) -> list[Member]:
     """The ops a ForEach stands for, over its own variables."""
+    return [member(op, k) for k in range(int(op.attrs["count"]))]
+
+
+def member(op, k: int) -> Member:
+    """The `k`th op a ForEach stands for (without making the others: a ForEach of every
+    parameter's update has hundreds)."""
     count = int(op.attrs["count"])
-    return [Member(f"{op.name}.{k}", op.attrs["op"], inputs, outputs, member_attrs(op.attrs), op.func)
-            for k, (inputs, outputs) in enumerate(zip(_split(op.inputs, count), _split(op.outputs, count)))]
+    inputs, outputs = len(op.inputs) // count, len(op.outputs) // count
+    return Member(f"{op.name}.{k}", op.attrs["op"], op.inputs[k * inputs:(k + 1) * inputs],
+                  op.outputs[k * outputs:(k + 1) * outputs], member_attrs(op.attrs), op.func)
+
+
+def members_reading(op, source) -> list[Member]:
+    """The members of a ForEach that read `source` (one, or several where they share it: a
+    learning rate)."""
+    width = len(op.inputs) // int(op.attrs["count"])
+    return [member(op, k // width) for k, v in enumerate(op.inputs) if v is source]
 
 
 def _infer(ctx) -> list[TensorType]:

@@ -39,7 +39,7 @@ import numpy as np
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import is_view, op_def
-from ...ops.foreach import Member, members
+from ...ops.foreach import Member, members_reading
 from ...ops.fused import ROW_EPILOGUE_OPS
 from ...runtime import Cell, Instance, Step
 from .. import compile_cache
@@ -107,8 +107,8 @@ class CUDABackend:
         """Whether the op's kernel may write `target` over `source` (a map's: see
         `Kernel.in_place`)."""
         if op.type == "ForEach":  # within a member only: the others run beside it, not before
-            return any(any(v is source for v in m.inputs) and any(v is target for v in m.outputs)
-                       and self.in_place(m, source, target) for m in members(op))
+            return any(any(v is target for v in m.outputs) and self.in_place(m, source, target)
+                       for m in members_reading(op, source))
         return kernels.supports(op) and kernels.chosen(op).may_write_over(kernels.as_op(op), source, target)
 
     def shares_storage(self, op: Operation) -> bool:
