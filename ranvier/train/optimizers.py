@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import dtypes
 from ..flow.builder import Builder, Tensor
 from ..flow.graph import Variable
 
@@ -30,7 +31,7 @@ def state_var(b: Builder, param: Variable, suffix: str) -> Tensor:
     name = f"{param.name}/{suffix}"
     if name not in b.flow.vars:
         var = b.flow.add_var(name, param.dtype, param.shape)
-        var.set_data(np.zeros(param.shape))
+        var.set_data(np.zeros(param.shape, dtypes.to_numpy(param.dtype)))  # (in float64, converting touched every page)
         var.nogradient = True
     return b.wrap(b.flow.vars[name])
 
