@@ -65,6 +65,11 @@ class Step:
 ALIGNMENT = 64  # bytes: where globals and instance buffers start (a cache line; an AVX-512 vector)
 
 
+def _zero_bytes(array: np.ndarray) -> bool:
+    """Whether every byte of `array` is zero (a -0.0 is not)."""
+    return array.flags.c_contiguous and not array.reshape(-1).view(np.uint8).any()
+
+
 def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, what: str = "a buffer") -> np.ndarray:
     """A zeroed uint8 buffer whose first byte is aligned (numpy only promises 16 bytes),
     between guard bytes in the test mode (`guards`; `what` names it there)."""
@@ -168,7 +173,7 @@ class Network:
                 # A learnable variable without an initial value starts at zero.
                 check_allocation(var.nbytes, f"global variable {var.name}: {var.typestr()}")
                 array = view_of(aligned_empty(var.nbytes, what=f"global {var.name}"), 0, var)
-                if var.data is not None:
+                if var.data is not None and not _zero_bytes(var.data):  # the buffer is zeros already, its pages untouched
                     array[...] = var.data
             self.globals[var.name] = array
         return self.globals[var.name]
