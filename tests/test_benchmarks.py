@@ -98,6 +98,18 @@ def test_compile_time_benchmark_prints_the_code_and_the_seconds_as_for_more_core
 
 
 @pytest.mark.slow
+def test_compile_time_benchmark_splits_the_cuda_steps_compile_by_phase():
+    """--backend cuda --quick: the CUDA step compiled with no GPU, its seconds by phase."""
+    out = run("compile_time.py", "--backend", "cuda", "--quick")
+    assert re.search(r"^stories260K CUDA training step, bfloat16 activations, batch 2 x seq 16: [\d,]+ lines of PTX, "
+                     r"\d+ kernels; compiled in [\d.]+ s \(median of 1\)$", out, re.MULTILINE), out
+    for phase in ("flow passes", "kernel choice, cuBLASLt plans", "memory plan", "GPU kernels built (LLVM IR)",
+                  "PTX (IR printed, optimized, emitted)", "ptxas", "the rest (gradient, type checks, globals)"):
+        assert re.search(rf"^  {re.escape(phase)} +-?[\d.]+ s +-?\d+%$", out, re.MULTILINE), phase
+    assert "A GPU host adds loading the machine code onto the device" in out
+
+
+@pytest.mark.slow
 def test_training_benchmark_races_the_cuda_backend_with_and_without_graphs(monkeypatch):
     """On the host emulator here (PyTorch's sides then on the CPU): the GPU line, ranvier
     replaying graphs and launching kernel by kernel, PyTorch eager and through
