@@ -166,7 +166,7 @@ def cuda_compile_times(args: argparse.Namespace) -> None:
         return compiled[0]
 
     rv.Compiler.compile = keeping
-    seconds, phases = [], []
+    seconds, made, phases = [], [], []
     for _ in range(args.repeats):
         cache = Path(tempfile.mkdtemp())
         os.environ["RANVIER_CACHE"] = str(cache)
@@ -174,8 +174,11 @@ def cuda_compile_times(args: argparse.Namespace) -> None:
         # (the trainer raises once the cell is compiled: an instance needs a GPU)
         with timed_phases((("ranvier", "Compiler.compile", "compile"), *CUDA_PHASES)) as spent, \
                 contextlib.suppress(rv.RanvierError):
-            ranvier_trainer(Llama(config, seed=0), args.batch, args.seq, "bfloat16", backend="cuda",
-                            precision=args.precision)
+            model, start = Llama(config, seed=0), time.perf_counter()
+            try:
+                ranvier_trainer(model, args.batch, args.seq, "bfloat16", backend="cuda", precision=args.precision)
+            finally:
+                made.append(time.perf_counter() - start)
         seconds.append(spent.pop("compile"))
         phases.append(spent)
         shutil.rmtree(cache)
@@ -185,7 +188,8 @@ def cuda_compile_times(args: argparse.Namespace) -> None:
     print(f"CUDA backend, compiled for {ptx.ARCHITECTURE} without a GPU; ptxas: {ptx.ptxas_version() or 'none (the driver compiles the PTX at load)'}")
     print(f"{args.preset} CUDA training step, {args.precision} activations, batch {args.batch} x seq {args.seq}: "
           f"{code.ptx.count(chr(10)):,} lines of PTX, {len(re.findall(r'^.visible .entry', code.ptx, re.MULTILINE))} kernels; "
-          f"compiled in {median:.1f} s (median of {args.repeats})")
+          f"compiled in {median:.1f} s (median of {args.repeats}; the trainer, with its flow, gradient and optimizer, "
+          f"{statistics.median(made):.1f} s)")
     for name in phases[0]:
         taken = statistics.median(spent[name] for spent in phases)
         print(f"  {name:<42} {taken:6.2f} s {taken / median:4.0%}")
