@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -246,6 +247,57 @@ def test_a_wide_product_runs_its_epilogue_block_by_block(gemm, monkeypatch):
     data[y] = np.nan
     data.compute()
     check(data[y], np.tanh(x.astype(np.float64) @ w + bias).astype(np.float32))
+
+
+@pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mask", MASKS)
+def test_a_product_by_a_constant_runs_its_epilogue_block_by_block_as_it_writes(matmul, mask, monkeypatch):
+    """Weights packed ahead of time: each call computes C a block at a time (the GEMM's
+    blocks of columns, the last narrower, by rows that hold 256 KiB, the last fewer) and
+    runs the epilogue (bias, Tanh, a residual) over each block as soon as it is written.
+    Every element written (NaN first), against float64 on the operands the GEMM read: both
+    rounded to bf16 on pairs, the constant alone on bf16 panels, neither in float32."""
+    monkeypatch.setenv("RANVIER_GEMM", "generated")
+    from ranvier.backends.cpu.kernels.matmul import PACKED_KERNEL
+    rng = np.random.default_rng(7)
+    x, w, bias, residual = (rng.standard_normal(shape, np.float32) for shape in ((1100, 200), (200, 900), (900,), (1100, 900)))
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    xs, rs = f.var("x", rv.DT_FLOAT, x.shape), f.var("r", rv.DT_FLOAT, residual.shape)
+    y = f.tanh(xs @ f.const(w) + f.const(bias)) + rs
+    y.var.out = True
+    cell = rv.Compiler(cpu=mask, matmul=matmul).compile(flow).cell("f")
+    (step,) = cell.steps
+    kernel = step.kernel.split("[")[0]
+    assert step.op.type == "MatMulCalculate" and kernel.startswith(PACKED_KERNEL), kernel
+    data = cell.instance()
+    data[xs], data[rs] = x, residual
+    data[y][...] = np.nan
+    data.compute()
+
+    def bf16(a):
+        return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    xa = bf16(x) if kernel.endswith("Dpbf16") else x.astype(np.float64)
+    wb = bf16(w) if kernel != PACKED_KERNEL else w.astype(np.float64)
+    expected = np.tanh(xa @ wb + bias) + residual
+    bound = 1e-5 * (np.abs(xa) @ np.abs(wb) + np.abs(bias)) + 1e-6 * (1 + np.abs(residual))
+    assert np.all(np.abs(data[y] - expected) <= bound)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_a_packed_products_epilogue_blocks_are_the_gemms_blocks_of_columns_in_256_kib(mask):
+    """The blocks of C a packed product with an epilogue computes one at a time: the GEMM's
+    own blocks of columns (no more than the product's), by the most rows, a power of two,
+    whose floats fit 256 KiB."""
+    from ranvier.backends.cpu import sgemm
+    from ranvier.backends.cpu.kernels.matmul import _epilogue_tiles
+    target = rv.Compiler(cpu=mask).backend.target
+    for columns in (3072, 768, 130, 30):
+        width, rows = _epilogue_tiles(target, columns)
+        assert width == min(columns, sgemm.block_columns(target, packed=True))
+        assert rows & (rows - 1) == 0  # whole strips of the GEMM's tiles
+        assert 4 * width * rows <= 256 << 10 < 8 * width * rows
 
 
 def test_a_convolutions_matrix_is_its_channels_by_positions():
