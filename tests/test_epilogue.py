@@ -13,7 +13,9 @@ from helpers import assert_within_bound, check, random_array, run_flow
 
 import ranvier as rv
 from ranvier.autodiff import backward
+from ranvier.backends.cpu import sgemm
 from ranvier.backends.cpu.kernels import conv
+from ranvier.backends.cpu.kernels.matmul import PACKED_KERNEL, _epilogue_tiles
 from ranvier.ops.fused import epilogue_input_strides, epilogue_strides
 
 TESTED_OPS = {"MatMulCalculate", "Conv2DCalculate"}
@@ -249,29 +251,30 @@ def test_a_wide_product_runs_its_epilogue_block_by_block(gemm, monkeypatch):
     check(data[y], np.tanh(x.astype(np.float64) @ w + bias).astype(np.float32))
 
 
+@pytest.mark.parametrize("ta", [False, True], ids=["a", "a-transposed"])
 @pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mask", MASKS)
-def test_a_product_by_a_constant_runs_its_epilogue_block_by_block_as_it_writes(matmul, mask, monkeypatch):
+def test_a_product_by_a_constant_runs_its_epilogue_block_by_block_as_it_writes(matmul, mask, ta, monkeypatch):
     """Weights packed ahead of time: each call computes C a block at a time (the GEMM's
     blocks of columns, the last narrower, by rows that hold 256 KiB, the last fewer) and
     runs the epilogue (bias, Tanh, a residual) over each block as soon as it is written.
     Every element written (NaN first), against float64 on the operands the GEMM read: both
-    rounded to bf16 on pairs, the constant alone on bf16 panels, neither in float32."""
+    rounded to bf16 on pairs, the constant alone on bf16 panels, neither in float32; A read
+    as it is and transposed."""
     monkeypatch.setenv("RANVIER_GEMM", "generated")
-    from ranvier.backends.cpu.kernels.matmul import PACKED_KERNEL
     rng = np.random.default_rng(7)
     x, w, bias, residual = (rng.standard_normal(shape, np.float32) for shape in ((1100, 200), (200, 900), (900,), (1100, 900)))
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
-    xs, rs = f.var("x", rv.DT_FLOAT, x.shape), f.var("r", rv.DT_FLOAT, residual.shape)
-    y = f.tanh(xs @ f.const(w) + f.const(bias)) + rs
+    xs, rs = f.var("x", rv.DT_FLOAT, x.T.shape if ta else x.shape), f.var("r", rv.DT_FLOAT, residual.shape)
+    y = f.tanh(f.matmul(xs, f.const(w), transpose_a=ta) + f.const(bias)) + rs
     y.var.out = True
     cell = rv.Compiler(cpu=mask, matmul=matmul).compile(flow).cell("f")
     (step,) = cell.steps
     kernel = step.kernel.split("[")[0]
     assert step.op.type == "MatMulCalculate" and kernel.startswith(PACKED_KERNEL), kernel
     data = cell.instance()
-    data[xs], data[rs] = x, residual
+    data[xs], data[rs] = np.ascontiguousarray(x.T) if ta else x, residual
     data[y][...] = np.nan
     data.compute()
 
@@ -290,8 +293,6 @@ def test_a_packed_products_epilogue_blocks_are_the_gemms_blocks_of_columns_in_25
     """The blocks of C a packed product with an epilogue computes one at a time: the GEMM's
     own blocks of columns (no more than the product's), by the most rows, a power of two,
     whose floats fit 256 KiB."""
-    from ranvier.backends.cpu import sgemm
-    from ranvier.backends.cpu.kernels.matmul import _epilogue_tiles
     target = rv.Compiler(cpu=mask).backend.target
     for columns in (3072, 768, 130, 30):
         width, rows = _epilogue_tiles(target, columns)
