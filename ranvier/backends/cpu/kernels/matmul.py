@@ -827,14 +827,22 @@ def _call_packed(ctx, op, narrow: bool = False, pairs: bool = False) -> None:
             epilogue(ctx, op, g.c, g.m, g.n)  # (none for a plain product)
             return
         width, rows = _epilogue_tiles(ctx.target, g.n)
-        for first in range(0, g.n, width):  # the GEMM's own blocks of columns, in its order
-            columns = min(width, g.n - first)
-            at_panels = ctx.b.gep(packed, [i64(start + sgemm.panels_size(first, k, ctx.target, pairs))])
+        block_panels = sgemm.panels_size(width, k, ctx.target, pairs)  # (width: whole panels)
+
+        def blocks(first: Value | int, columns: int) -> None:
+            """The block of C from column `first`, `columns` wide, `rows` at a time."""
+            at_panels = ctx.b.gep(packed, [ctx.index(start + first // width * block_panels).ir])
             with ctx.loop(0, g.m, step=rows, name="epilogue_rows") as r0:
                 count = (g.m - r0).minimum(rows)
                 a_at = ctx.element_pointer(a, g.a + (r0 if ta else r0 * lda))
                 gemm.gemm(ta, count, columns, k, a_at, lda, at_panels, ctx.element_pointer(c, g.c + r0 * ldc + first), ldc)
                 epilogue(ctx, op, g.c + r0 * ldc + first, count, columns)
+
+        whole = g.n // width  # the GEMM's own blocks of columns, in its order, the last narrower
+        with ctx.loop(0, whole, name="epilogue_columns") as block:
+            blocks(block * width, width)
+        if g.n % width:
+            blocks(whole * width, g.n % width)
 
     _run_calls(ctx, op, parts, call, 0, fixed=lambda g: (g.column, g.n),  # its panels' start
                calls_run_epilogue=True)
