@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from llvmlite import ir
 
-from ranvier.backends.cpu import jit
+import ranvier as rv
+from ranvier.backends.cpu import backend, jit
 from ranvier.backends.cpu.parallel import split_thresholds, thread_count
-from ranvier.backends.cpu.pool import BYTE_PTR, TASK, pool
+from ranvier.backends.cpu.pool import BYTE_PTR, TASK, bind_caller, pool
 from ranvier.backends.cpu.target import host_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,6 +171,52 @@ def test_workers_are_bound_one_cpu_each_unless_told_not_to(pinned):
     done = subprocess.run([sys.executable, "-c", _PINNING_SCRIPT], env=env, capture_output=True, text=True, check=True)
     caller, *workers = done.stdout.split()
     assert workers == ([str(cpus[(i + 1) % len(cpus)]) for i in range(3)] if pinned else [caller] * 3)
+
+
+def _on_a_thread(function):
+    """What `function` returns, called on a thread of its own (so binding it leaves the test's alone)."""
+    found = []
+    thread = threading.Thread(target=lambda: found.append(function()))
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="two CPUs to bind among")
+def test_a_compute_binds_its_caller_to_the_first_cpu_and_gives_the_mask_back(monkeypatch):
+    """While a cell computes, its calling thread runs on the CPU the workers leave free (the
+    first of its mask); before and after, the thread has its own mask; with
+    RANVIER_PIN_WORKERS=0 nothing is bound."""
+    cpus = os.sched_getaffinity(0)
+
+    def bound_then_restored():
+        mask = bind_caller()
+        during = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, mask)
+        return mask, during
+
+    assert _on_a_thread(bound_then_restored) == (cpus, {min(cpus)})
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x = f.var("x", rv.DT_FLOAT, [512, 512])  # past BIND_CALLER_FLOPS
+    y = x @ x
+    y.var.out = True
+    instance = rv.Compiler().compile(flow).cell("f").instance()
+    instance[x] = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+
+    def computed_mask():
+        os.sched_setaffinity(0, cpus)
+        instance.compute()
+        return os.sched_getaffinity(0)
+
+    assert _on_a_thread(computed_mask) == cpus
+    binds = []
+    monkeypatch.setattr(backend, "bind_caller", lambda: binds.append(bound_then_restored()) or cpus)
+    assert _on_a_thread(computed_mask) == cpus
+    assert binds == [(cpus, {min(cpus)})], "the compute bound nothing"
+    monkeypatch.undo()
+    monkeypatch.setenv("RANVIER_PIN_WORKERS", "0")
+    assert _on_a_thread(bind_caller) is None
 
 
 def test_a_job_costs_far_less_than_a_thread_start():

@@ -10,7 +10,9 @@ Why not a thread per part: starting and joining a thread costs tens of microseco
 only kernels of milliseconds were worth splitting. A pool's workers spin for about
 1 ms after a job (a step's next kernel usually comes sooner), then sleep on a
 condition variable; a job reaches spinning workers in well under a microsecond. Each
-worker is bound to a CPU of its own (`PIN_ENVIRONMENT`), the first left to the callers.
+worker is bound to a CPU of its own (`PIN_ENVIRONMENT`), the first left to the callers,
+and a cell's compute binds its calling thread to that first CPU while it runs
+(`bind_caller`).
 
 The job lives in one 64-bit word, (job number << 32) | (next part << 16) | part count,
 claimed by compare-and-swap: a worker late from one job can never claim a part of the
@@ -348,6 +350,24 @@ def _worker_masks(workers: int) -> ctypes.Array | None:
         cpu = cpus[(worker + 1) % len(cpus)]
         masks[worker * CPU_SET_BYTES + cpu // 8] |= 1 << cpu % 8
     return masks
+
+
+def bind_caller() -> set[int] | None:
+    """Bind the calling thread to the first CPU of its affinity mask, the one the workers
+    leave to callers (`_worker_masks`), and return the mask to restore after the compute;
+    None where nothing was bound (workers stay free, one CPU, no affinity masks). Left free,
+    the caller was at times placed on a worker's CPU after other processes ran, and shared
+    it until the scheduler moved one of them: stories110M's bf16 prefill (128 tokens, ~35
+    ms) ran at 1,900-3,000 tokens/s in 3 of 8 calls after a 2-thread numpy process, at
+    3,640-3,930 in all 8 bound (a 2-core VM). Bound for the compute only, so the user's
+    thread, and any thread it starts later, keeps its own mask."""
+    if os.environ.get(PIN_ENVIRONMENT, "1") == "0" or not hasattr(os, "sched_setaffinity"):
+        return None
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        return None
+    os.sched_setaffinity(0, {min(mask)})
+    return mask
 
 
 @functools.cache
