@@ -66,8 +66,13 @@ ALIGNMENT = 64  # bytes: where globals and instance buffers start (a cache line;
 
 
 def _zero_bytes(array: np.ndarray) -> bool:
-    """Whether every byte of `array` is zero (a -0.0 is not)."""
-    return array.flags.c_contiguous and not array.reshape(-1).view(np.uint8).any()
+    """Whether every byte of `array` is zero (a -0.0 is not). Its first cache line answers
+    for most nonzero data (a model's weights) without the whole pass over it, which numpy's
+    any() makes whatever it finds (200 MB: 7 ms, where copying them takes 16)."""
+    if not array.flags.c_contiguous:
+        return False
+    data = array.reshape(-1).view(np.uint8)
+    return not data[:ALIGNMENT].any() and not data.any()
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, what: str = "a buffer") -> np.ndarray:

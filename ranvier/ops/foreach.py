@@ -29,8 +29,13 @@ def member_attrs(attrs: dict[str, str]) -> dict[str, str]:
 
 def _split(items: list, count: int) -> list[list]:
     """`items` in `count` runs of equal length (empty ones where there are none)."""
+    return [_run(items, count, k) for k in range(count)]
+
+
+def _run(items: list, count: int, k: int) -> list:
+    """Run `k` of `items` cut into `count` runs of equal length."""
     size = len(items) // count
-    return [items[k * size:(k + 1) * size] for k in range(count)]
+    return items[k * size:(k + 1) * size]
 
 
 @dataclass
@@ -56,9 +61,8 @@ def member(op, k: int) -> Member:
     """The `k`th op a ForEach stands for (without making the others: a ForEach of every
     parameter's update has hundreds)."""
     count = int(op.attrs["count"])
-    inputs, outputs = len(op.inputs) // count, len(op.outputs) // count
-    return Member(f"{op.name}.{k}", op.attrs["op"], op.inputs[k * inputs:(k + 1) * inputs],
-                  op.outputs[k * outputs:(k + 1) * outputs], member_attrs(op.attrs), op.func)
+    return Member(f"{op.name}.{k}", op.attrs["op"], _run(op.inputs, count, k), _run(op.outputs, count, k),
+                  member_attrs(op.attrs), op.func)
 
 
 def members_reading(op, source) -> list[Member]:

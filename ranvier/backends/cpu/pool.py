@@ -357,10 +357,11 @@ def bind_caller() -> set[int] | None:
     leave to callers (`_worker_masks`), and return the mask to restore after the compute;
     None where nothing was bound (workers stay free, one CPU, no affinity masks). Left free,
     the caller was at times placed on a worker's CPU after other processes ran, and shared
-    it until the scheduler moved one of them: stories110M's bf16 prefill (128 tokens, ~35
-    ms) ran at 1,900-3,000 tokens/s in 3 of 8 calls after a 2-thread numpy process, at
-    3,640-3,930 in all 8 bound (a 2-core VM). Bound for the compute only, so the user's
-    thread, and any thread it starts later, keeps its own mask."""
+    it until the scheduler moved one of them: stories110M's bf16 prefill (128 tokens, ~40
+    ms), each call after a 2-thread numpy process, ran under 2,800 tokens/s in 7 of 16 calls
+    free (medians 3,069 and 2,871 in two runs of 8) and in 1 of 16 bound (3,397 and 3,365;
+    a 2-core VM, the two alternated). Bound for the compute only, so the user's thread, and
+    any thread it starts later, keeps its own mask."""
     if os.environ.get(PIN_ENVIRONMENT, "1") == "0" or not hasattr(os, "sched_setaffinity"):
         return None
     mask = os.sched_getaffinity(0)

@@ -848,19 +848,15 @@ def _call_packed(ctx, op, narrow: bool = False, pairs: bool = False) -> None:
                calls_run_epilogue=True)
 
 
-# A packed product with an epilogue runs it over blocks of at most this many bytes of C, each
-# right after the GEMM wrote it, while it is in L2: over a call's whole rows it read C back from
-# memory.
-_PACKED_EPILOGUE_BYTES = 256 << 10
-
-
 def _epilogue_tiles(target, columns: int) -> tuple[int, int]:
     """(columns, rows) of the blocks of C a packed product's call with an epilogue computes
     one at a time: the GEMM's own block of columns (`sgemm.block_columns`, which its loops
     take one after another anyway: a call per block changes nothing in what it reads), and
-    rows that hold `_PACKED_EPILOGUE_BYTES` of them (a power of two: whole strips of the GEMM's tiles)."""
+    rows that hold `_EPILOGUE_BYTES` of them, so the epilogue reads the block from L2 where
+    over a call's whole rows it read C back from memory (a power of two: whole strips of the
+    GEMM's tiles)."""
     width = min(columns, sgemm.block_columns(target, packed=True))
-    return width, 1 << max(4, (_PACKED_EPILOGUE_BYTES // (4 * width)).bit_length() - 1)
+    return width, 1 << max(4, (_EPILOGUE_BYTES // (4 * width)).bit_length() - 1)
 
 
 GENERATED_KERNEL = "Gemm"

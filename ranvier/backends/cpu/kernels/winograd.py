@@ -218,14 +218,14 @@ class _Geometry:
     def m_floats(self) -> int:
         """Floats from one point's M to the next: filters × the block's tiles in whole cache
         lines (`_staggered`)."""
-        return _staggered(self.filters * -(-self.block_tiles // _LINE_FLOATS) * _LINE_FLOATS)
+        return _staggered(self.filters * _whole_lines(self.block_tiles))
 
     @property
     def product_columns(self) -> int:
         """The columns an image's products on pairs take: each block's tiles in whole vectors
         of 16."""
         rows = [min(self.block_rows, self.tile_rows - top) for top in range(0, self.tile_rows, self.block_rows)]
-        return sum(-(-r * self.row_tiles // _LINE_FLOATS) * _LINE_FLOATS for r in rows)
+        return sum(_whole_lines(r * self.row_tiles) for r in rows)
 
     @property
     def patch_rows(self) -> int:
@@ -257,6 +257,13 @@ class _Geometry:
 
 
 _LINE_FLOATS = 16  # floats in a cache line
+
+
+def _whole_lines(floats: int) -> int:
+    """`floats` rounded up to whole cache lines (of `_LINE_FLOATS`)."""
+    return -(-floats // _LINE_FLOATS) * _LINE_FLOATS
+
+
 _COPY_LANES = 16  # floats a move of the block's rows takes: an AVX-512 vector (two or four of the narrower targets')
 
 
@@ -429,7 +436,7 @@ def _pairs_faster(op) -> bool:
     largest call a part makes (a block's tiles, in whole vectors, by its filters)."""
     g = _geometry(op, _PAIRS_PANEL, pairs=True)
     filters = max(last - first for part in _parts(op, g) for _, _, _, first, last, _ in part)
-    return packed_pairs_are_faster(filters, -(-g.block_tiles // _LINE_FLOATS) * _LINE_FLOATS, g.channels)
+    return packed_pairs_are_faster(filters, _whole_lines(g.block_tiles), g.channels)
 
 
 @kernel(PAIRS_KERNEL, {"Conv2D", "Conv2DCalculate"}, supports=_on_pairs, rank=20, prefer=_pairs_faster,
