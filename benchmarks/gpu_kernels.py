@@ -136,9 +136,11 @@ def _flat_views(f: rv.Builder, inputs: dict[str, rv.Tensor], names: str, shape: 
 
 
 def products(s: Shapes, rng: np.random.Generator) -> list[Case]:
-    """The step's kinds of product: a feed-forward product, one adding the float32
-    residual stream in its epilogue, a weight's gradient (the activations transposed) and
-    the LM head's chunk of logits (the table transposed)."""
+    """The step's kinds of product: a feed-forward product, an attention projection (q, k
+    and v are three such: its rate beside the feed-forward's wider one says what joining
+    them into one product would gain), one adding the float32 residual stream in its
+    epilogue, a weight's gradient (the activations transposed) and the LM head's chunk of
+    logits (the table transposed)."""
     x, h = _bf16(_normal(rng, [s.tokens, s.dim])), _bf16(_normal(rng, [s.tokens, s.hidden]))
     w1, wo = _bf16(_normal(rng, [s.dim, s.hidden], 0.02)), _bf16(_normal(rng, [s.dim, s.dim], 0.02))
     residual = _normal(rng, [s.tokens, s.dim])
@@ -147,6 +149,8 @@ def products(s: Shapes, rng: np.random.Generator) -> list[Case]:
     return [
         Case("matmul-w1", f"x W1 [{s.tokens}x{s.dim}]·[{s.dim}x{s.hidden}] bf16", {"x": x, "w1": w1},
              lambda f, v: [f.matmul(v["x"], v["w1"])], lambda t: (t["x"] @ t["w1"],), compute_bound=True),
+        Case("matmul-q", f"x Wq [{s.tokens}x{s.dim}]·[{s.dim}x{s.dim}] bf16", {"x": x, "wq": wo},
+             lambda f, v: [f.matmul(v["x"], v["wq"])], lambda t: (t["x"] @ t["wq"],), compute_bound=True),
         Case("matmul-residual", f"r + x Wo [{s.tokens}x{s.dim}]·[{s.dim}x{s.dim}] bf16, r fp32",
              {"x": x, "wo": wo, "residual": residual},
              lambda f, v: [v["residual"] + f.matmul(v["x"], v["wo"]).cast("float32")],
@@ -404,7 +408,7 @@ KERNELS: dict[str, Callable[[Shapes, np.random.Generator], list[Case]]] = {
     "matmul-w1": products, "matmul-dw": products, "lm-head": products, "matmul-residual": products, "swiglu-grad": swiglu,
     "swiglu": swiglu, "rmsnorm-grad": rms_norm, "adamw": adamw, "attention-grad": attention, "rotary": rotary,
     "cross-entropy": cross_entropy, "lm-head-loss": cross_entropy, "rmsnorm": rms_norm, "attention": attention,
-    "gather": embedding, "scatter-add": embedding}
+    "gather": embedding, "scatter-add": embedding, "matmul-q": products}
 
 
 def cases(shapes: Shapes, names: list[str]) -> Iterator[Case]:
