@@ -177,6 +177,11 @@ def by_strips(b: ir.IRBuilder, m: ir.Value, height: int, strip: Callable[[ir.Val
 CACHE_LINE = 64  # bytes
 
 
+def whole_lines(nbytes: int) -> int:
+    """`nbytes` rounded up to whole cache lines: scratch whose parts each start on a line."""
+    return -(-nbytes // CACHE_LINE) * CACHE_LINE
+
+
 def cache_line_aligned(b: ir.IRBuilder, pointer: ir.Value, type_: ir.PointerType) -> ir.Value:
     """`pointer` rounded up to the next cache line (scratch whose start must be aligned:
     its allotment has a line to spare), as `type_`."""

@@ -37,7 +37,7 @@ from .... import dtypes
 from ....ops import attrs_of
 from ....ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
 from ...llvm import mathlib
-from ...llvm.irutil import BYTE_PTR, cache_line_aligned, i64
+from ...llvm.irutil import BYTE_PTR, cache_line_aligned, i64, whole_lines
 from ...llvm.loops import fill
 from ...llvm.pointers import Pointer
 from ...llvm.rows import Row, finite_peak, row_axpy, row_dot, scaled_softmax, unseen_inverse
@@ -294,7 +294,7 @@ def _gemm_bytes(op) -> int:
     """A part's GEMM packing scratch, cache-line rounded: B is Kᵀ [hd × S] or V [S × hd]."""
     d = _dims(op)
     size, keys = d.size, d.keys
-    return -(-max(sgemm.workspace_bytes(keys, size), sgemm.workspace_bytes(size, keys)) // 64) * 64
+    return whole_lines(max(sgemm.workspace_bytes(keys, size), sgemm.workspace_bytes(size, keys)))
 
 
 def _block_share(op) -> int:
@@ -307,7 +307,7 @@ def _panels_bytes(op, count: int) -> int:
     cache-line rounded each: the GEMM reads panels as aligned vectors."""
     d = _dims(op)
     size, keys = d.size, d.keys
-    return count * -(-4 * max(panel_floats(keys, size), panel_floats(size, keys)) // 64) * 64
+    return count * whole_lines(4 * max(panel_floats(keys, size), panel_floats(size, keys)))
 
 
 class _Panels:

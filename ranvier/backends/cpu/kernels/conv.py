@@ -26,7 +26,7 @@ from ....flow.graph import Variable
 from ....ops import attrs_of, unchanging_constant
 from ....ops.fused import CONV_POOL
 from ...kernels import Prepared
-from ...llvm.irutil import F32, I32, I64, i64, load, storage_type
+from ...llvm.irutil import F32, I32, I64, i64, load, storage_type, whole_lines
 from ...llvm.loops import copy_run, fold_lanes, for_vectors, pairwise
 from ...llvm.values import Value
 from .. import sgemm
@@ -134,11 +134,11 @@ def copy_bytes(op) -> int:
     channels, phases = op.inputs[0].shape[1], phase_planes(op)
     if phases is not None:
         s, height, width = phases
-        return 64 * -(-4 * channels * s * s * height * width // 64)
+        return whole_lines(4 * channels * s * s * height * width)
     if not _subsampled(op):
         return 0
     out_height, out_width = _window_shape(op)[2:]
-    return 64 * -(-4 * channels * out_height * out_width // 64)
+    return whole_lines(4 * channels * out_height * out_width)
 
 
 def _workspace_bytes(op) -> int:
@@ -716,7 +716,7 @@ def _gemm_bytes(op, wide: bool) -> int:
         return 0
     images, rows = _slab_shape(op)
     depth = images * rows * op.inputs[1].shape[3]
-    return -(-sgemm.workspace_bytes(math.prod(op.outputs[0].shape[1:]), depth) // 64) * 64
+    return whole_lines(sgemm.workspace_bytes(math.prod(op.outputs[0].shape[1:]), depth))
 
 
 def _filter_gradient_share(op, wide: bool) -> int:
@@ -737,7 +737,7 @@ def _filter_gradient_share(op, wide: bool) -> int:
         planes = _gradient_planes(op, wide)
         rest = taps * (dy.shape[2] * dy.shape[3]) if planes is None else planes.scratch_elements(dy.shape[1])
         elements = sums + rest
-    return _gemm_bytes(op, wide) + -(-elements * dtypes.itemsize(dw.dtype) // 64) * 64
+    return _gemm_bytes(op, wide) + whole_lines(elements * dtypes.itemsize(dw.dtype))
 
 
 def _gradient_planes(op, wide: bool) -> _Planes | None:

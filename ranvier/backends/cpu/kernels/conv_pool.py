@@ -27,7 +27,7 @@ from ....ops.nn import pool_params
 from ....ops.registry import Attrs, op_def
 from ...kernels import planned
 from ...llvm.formulas import program_body
-from ...llvm.irutil import I64, i64
+from ...llvm.irutil import I64, i64, whole_lines
 from ...llvm.loops import copy_run
 from ...llvm.strided import View
 from .. import sgemm
@@ -83,7 +83,7 @@ class _Plan:
 
     def rows_bytes(self) -> int:
         """A part's bands' rows of every filter, in whole cache lines."""
-        return 64 * -(-4 * self.filters * self.band_rows * self.conv_width // 64)
+        return whole_lines(4 * self.filters * self.band_rows * self.conv_width)
 
     def share_bytes(self) -> int:
         """A part's scratch: its image's copy, its bands' rows, then the GEMM's packing."""
