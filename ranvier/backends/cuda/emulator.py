@@ -111,7 +111,7 @@ class HostEmulator:
         code = jit.load_object(entry, target, launches[0].name)
         functions: dict[str, Callable[..., None]] = {}
         for kernel in launches:
-            signature = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(kernel.operands) + 1), ctypes.c_int64, ctypes.c_int64)
+            signature = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (kernel.pointers + 1), ctypes.c_int64, ctypes.c_int64)
             functions[kernel.name] = signature(code.address_of(kernel.name))
         return HostKernels(functions, code)
 

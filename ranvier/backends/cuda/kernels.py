@@ -79,7 +79,9 @@ class GPUKernel:
     order; each once, whether read, written or both), and its elements (threads' work) —
     or, for a block kernel (`threads` > 0), its blocks of `threads` threads; whether
     it may set its status word (`fails`: its elements check their data); and whether its
-    launch covers every element at once (`one_pass`)."""
+    launch covers every element at once (`one_pass`). A table-driven ForEach's kernel
+    (`foreach.table_driven`) takes its operands' addresses in its `table`, in device memory,
+    which is then its one pointer parameter besides the status word."""
 
     name: str
     operands: tuple[Variable, ...]
@@ -87,6 +89,12 @@ class GPUKernel:
     threads: int = 0
     fails: bool = False
     one_pass: bool = False  # a thread (a block) per element, no grid-stride loop (`add_kernels`)
+    table: foreach.Table | None = None
+
+    @property
+    def pointers(self) -> int:
+        """The kernel's pointer parameters before its status word."""
+        return 1 if self.table is not None else len(self.operands)
 
 
 def as_op(op: Operation | Member) -> Operation:
@@ -109,7 +117,7 @@ def foreach_key(op: Operation | Member) -> int | None:
     launches = _launches(op, kernel)
     if len(launches) != 1:
         return None
-    elements, _, threads = launches[0]
+    elements, _, threads, _ = launches[0]
     return threads if 0 < elements * max(threads, 1) <= foreach.GROUPED_WORK else None
 
 
@@ -137,6 +145,7 @@ class ThreadContext(EmitContext):
         super().__init__(module, b)
         self.pointers, self.status, self.on_gpu = pointers, status, on_gpu
         self.row_threads = 0  # a row kernel's threads splitting each row (`rows.py`); 0: one thread's row
+        self.table: ir.Value | None = None  # a table-driven ForEach's table (i64*), its one pointer parameter
         self.fails = False  # whether the element may set the status word
 
     def row_fold(self, start: Value | int, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
@@ -193,6 +202,7 @@ def kernel_name(op: Operation) -> str:
 
 
 Emit = Callable[[ThreadContext, ir.Value], None]
+Launch = tuple[int, Emit, int, "foreach.Table | None"]  # elements, how to emit one, a block's threads or 0, a table
 
 
 def _kernel(op: Operation | Member, choice: Kernel | None) -> Generator:
@@ -204,11 +214,12 @@ def _kernel(op: Operation | Member, choice: Kernel | None) -> Generator:
     return choice
 
 
-def _launches(op: Operation | Member, choice: Kernel | None = None) -> list[tuple[int, Emit, int]]:
+def _launches(op: Operation | Member, choice: Kernel | None = None) -> list[Launch]:
     """The op's launches in order, each (elements, how to emit one, threads per block of a
-    block kernel or 0): one for most ops; an accumulation first zeroes its output (a launch
-    finishes before the next starts); a ForEach its members' single launches as one."""
-    return [(*launch, 0) if len(launch) == 2 else launch for launch in _kernel(op, choice).emit(op)]
+    block kernel or 0, a table-driven ForEach's table or None): one for most ops; an
+    accumulation first zeroes its output (a launch finishes before the next starts); a
+    ForEach its members' single launches as one."""
+    return [(*launch, *(0, None)[len(launch) - 2:]) for launch in _kernel(op, choice).emit(op)]
 
 
 def _operands(op: Operation | Member, choice: Kernel | None = None) -> tuple[Variable, ...]:
@@ -226,9 +237,22 @@ def _foreach_supported(op: Operation) -> bool:
     return len(keys) == 1 and None not in keys
 
 
-LIBRARY.register(Generator(
-    "ForEach", frozenset({"ForEach"}), lambda op: [foreach.laid_end_to_end([_launches(m)[0] for m in members(op)])],
-    supports=_foreach_supported, operands=lambda op: tuple({id(v): v for m in members(op) for v in _operands(m)}.values())))
+def _foreach_operands(op: Operation) -> tuple[Variable, ...]:
+    return tuple({id(v): v for m in members(op) for v in _operands(m)}.values())
+
+
+def _foreach_launches(op: Operation) -> list[Launch]:
+    """A ForEach's one launch: table-driven where its members are flat maps, else its
+    members' launches laid end to end (`foreach.py`)."""
+    grouped = members(op)
+    flats = [maps.flat_map(as_op(m)) if chosen(m).name == "Map" else None for m in grouped]
+    if all(flat is not None for flat in flats):
+        return [foreach.table_driven(cast(list[maps.FlatMap], flats), _foreach_operands(op))]
+    return [(*foreach.laid_end_to_end([_launches(m)[0][:3] for m in grouped]), None)]
+
+
+LIBRARY.register(Generator("ForEach", frozenset({"ForEach"}), _foreach_launches, supports=_foreach_supported,
+                           operands=_foreach_operands))
 
 
 def _element_functions(module: ir.Module, op: Operation, on_gpu: bool,
@@ -236,19 +260,22 @@ def _element_functions(module: ir.Module, op: Operation, on_gpu: bool,
     """`element(index, operands..., status)` for each of the op's launches, with its kernel,
     for the GPU or for the host emulator (`on_gpu`; they differ in block kernels alone)."""
     operands = _operands(op, choice)
-    pointers = [storage_type(v.dtype).as_pointer() for v in operands]
     made = []
-    for number, (elements, emit, threads) in enumerate(_launches(op, choice)):
+    for number, (elements, emit, threads, table) in enumerate(_launches(op, choice)):
         name = kernel_name(op) + (f"$then{number}" if number else "")  # "$": no op name makes it
+        pointers = [I64.as_pointer()] if table is not None else [storage_type(v.dtype).as_pointer() for v in operands]
         function = ir.Function(module, ir.FunctionType(VOID, [I64, *pointers, I64.as_pointer()]), name=f"{name}_element")
         function.linkage = "internal"
         function.attributes.add("alwaysinline")
         index, *arguments, status = function.args
         ctx = ThreadContext(module, ir.IRBuilder(function.append_basic_block("entry")),
-                            {id(v): arguments[k] for k, v in enumerate(operands)}, status, on_gpu)
+                            {} if table is not None else {id(v): arguments[k] for k, v in enumerate(operands)}, status, on_gpu)
+        if table is not None:
+            ctx.table = arguments[0]
         emit(ctx, index)
         ctx.b.ret_void()
-        made.append((function, GPUKernel(name, operands, elements, threads, ctx.fails, one_pass=op.type == "ForEach")))
+        made.append((function, GPUKernel(name, operands, elements, threads, ctx.fails, one_pass=op.type == "ForEach",
+                                         table=table)))
     return made
 
 

@@ -168,11 +168,18 @@ class DeviceInstance:
         self.fed_on_device: set[str] = set()  # inputs handed out as device arrays: not copied in
         self.cleared()
         launches: list[tuple[int, Callable[[], None]]] = []  # (its step, the launch)
+        tables: list[int] = []  # table-driven ForEach kernels' tables, written here once
+        weakref.finalize(self, _release, gpu, tables)
         native = CUDACode.of(cell)
         for index in range(len(cell.steps)):
             status = self.mailbox.status_word(index)
             for kernel, shape in zip(native.kernels[index], native.shapes[index]):
                 operands = [self.address(v) for v in kernel.operands]
+                if not isinstance(kernel, Gemm) and kernel.table is not None:
+                    words = kernel.table.words(operands)
+                    tables.append(gpu.allocate(words.nbytes))
+                    gpu.upload(tables[-1], words)
+                    operands = [tables[-1]]
                 if isinstance(kernel, Gemm):
                     launches.append((index, functools.partial(gpu.gemm, code, kernel, operands)))
                 elif shape is not None:
