@@ -157,6 +157,97 @@ def test_a_foreach_writes_its_members_parameters_in_place(on_device, backend):
         check(np.array(network[p]), before[p.name] - 0.1 * moment, "float32")
 
 
+# ---- a ForEach of flat maps on the GPU: one body per member program, members from a table ----------
+
+# a member's inputs: its bfloat16 parameter and gradient, its float32 moment, the shared float32
+# step; its outputs: the parameter updated (bfloat16) and the moment (float32)
+TABLE_UPDATE = ("$0=Cast[dtype=float32](%1);$1=Mul($0,$0);$2=Add(%2,$1);@1=Identity($2);$3=Sqrt($2);"
+                "$4=Mul($3,%3);$5=Cast[dtype=float32](%0);$6=Sub($5,$4);@0=Cast[dtype=bfloat16]($6)")
+CHUNK_ELEMENTS = 256 * 8  # a chunk's launch elements (a block's threads) of 8-lane vectors
+# sizes under, at and past a vector, a block's vectors and a chunk (the scalar tail), and shaped ones
+TABLE_SIZES = [(1,), (7,), (8,), (9,), (255,), (257,), (CHUNK_ELEMENTS - 1,), (CHUNK_ELEMENTS,),
+               (CHUNK_ELEMENTS + 1,), (3, 5), (33, 65), (2, CHUNK_ELEMENTS + 9)]
+
+
+def _table_update(shapes: list[tuple], seed: int) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """A ForEach of `TABLE_UPDATE` over members of `shapes`, on the CUDA backend: its outputs,
+    their float64 expectation, and the steps' kernel kinds."""
+    inputs = [random_array((), "float32", seed=seed, low=0.01, high=0.1)]
+    for k, shape in enumerate(shapes):
+        inputs += [random_array(shape, "bfloat16", seed=seed + 3 * k + 1), random_array(shape, "bfloat16", seed=seed + 3 * k + 2),
+                   random_array(shape, "float32", seed=seed + 3 * k + 3, low=0.1, high=2.0)]
+
+    def build(f, step, *handles):
+        members = [[*handles[3 * k:3 * k + 3], step] for k in range(len(shapes))]
+        return _foreach(f, "Calculate", members, {"expr": TABLE_UPDATE})
+
+    got, kinds = _on_cuda(build, inputs)
+    want = []
+    step = np.float64(inputs[0])
+    for k in range(len(shapes)):
+        p, g, m = (inputs[1 + 3 * k + i].astype(np.float64) for i in range(3))
+        moment = m + g * g
+        want += [p - np.sqrt(moment) * step, moment]
+    return got, want, kinds
+
+
+def _check_table_update(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert not np.isnan(g.astype(np.float32)).any(), f"output {k}: elements left unwritten (NaN)"
+        check(g, w, "bfloat16" if k % 2 == 0 else "float32")
+
+
+@pytest.mark.parametrize("count", [2, 5, 12, 40])
+def test_a_table_driven_foreach_computes_every_member_at_any_count_and_size(on_device, count):
+    """bfloat16 parameters with float32 state, members of every size of `TABLE_SIZES` in
+    turn (vector members with and without a tail; members smaller than a vector, scalar),
+    their outputs on fresh (NaN) device memory: each element the float64 update's."""
+    shapes = [TABLE_SIZES[k % len(TABLE_SIZES)] for k in range(count)]
+    got, want, kinds = _table_update(shapes, seed=11 * count)
+    assert kinds == ["ForEach"]
+    _check_table_update(got, want)
+
+
+def test_each_chunk_of_a_table_driven_foreach_runs_its_own_member(on_device):
+    """Members of one chunk, exactly, of a chunk and one element, and of a chunk less one
+    element, side by side, each of other values: a chunk given its neighbour's member (its
+    record, or its first chunk, off by one) reads and writes the wrong member, or leaves
+    elements unwritten."""
+    shapes = [(CHUNK_ELEMENTS,), (CHUNK_ELEMENTS + 1,), (CHUNK_ELEMENTS - 1,), (CHUNK_ELEMENTS,), (3,), (2 * CHUNK_ELEMENTS,)]
+    got, want, _ = _table_update(shapes, seed=5)
+    _check_table_update(got, want)
+
+
+def _table_op(shapes: list[tuple]):
+    """A ForEach of `TABLE_UPDATE` over members of `shapes` (not compiled)."""
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    step = f.var("step", "float32", [])
+    members = [[f.var(f"p{k}", "bfloat16", list(s)), f.var(f"g{k}", "bfloat16", list(s)), f.var(f"m{k}", "float32", list(s)), step]
+               for k, s in enumerate(shapes)]
+    return _foreach(f, "Calculate", members, {"expr": TABLE_UPDATE})[0].var.producer
+
+
+def test_a_table_driven_foreachs_code_is_one_body_per_member_program():
+    """The kernel of 40 members is the kernel of 2 of the same programs (vector members,
+    and members smaller than a vector): its size does not grow with its members (a body
+    per member made stories110M's AdamW ForEach 10,776 lines of PTX); the table holds
+    each member's record, and each chunk's."""
+    few, (few_kernel,) = kernels.kernel_module(_table_op([(4096,), (5,)]))
+    many, (kernel,) = kernels.kernel_module(_table_op([(4096 + k,) if k % 2 == 0 else (2 + k % 6,) for k in range(40)]))
+    assert len(str(many).splitlines()) == len(str(few).splitlines())
+    assert few_kernel.table is not None and kernel.table is not None and len(kernel.table.records) == 40
+    assert kernel.elements == kernel.table.chunks * 256
+    assert kernel.pointers == 1 and len(kernel.operands) == 1 + 3 * 40 + 2 * 40
+
+
+@pytest.mark.skipif(ptx.ptxas_path() is None, reason="ptxas (CUDA toolkit or nvidia-cuda-nvcc) not installed")
+def test_a_table_driven_foreach_assembles_with_16_byte_accesses():
+    text = ptx.emit_ptx(kernels.kernel_module(_table_op([(4096,), (5,), (33, 65)]))[0], ptx.ARCHITECTURE)
+    assert "ld.global.v4" in text and "st.global.v4" in text
+    ptx.assemble(text)
+
+
 def test_a_foreach_names_what_is_wrong_with_its_operands():
     flow = rv.Flow()
     f = rv.Builder(flow, "f")

@@ -75,6 +75,7 @@ def laid_end_to_end(launches: Sequence[tuple[int, Emit, int]]) -> tuple[int, Emi
     return starts[-1], emit, launches[0][2]
 
 
+GLOBAL = 1  # NVPTX's address space of global memory
 CHUNK = THREADS_PER_BLOCK  # launch elements a table-driven ForEach gives a member at a time: a block's
 
 
@@ -149,6 +150,15 @@ def _member_element(ctx: ThreadContext, index: ir.Value, flat: FlatMap, first: i
     record = word(b.udiv(at, i64(CHUNK)))
     own = b.sub(at, b.mul(word(record), i64(CHUNK)))
     views = flat.description.inputs + flat.description.outputs
-    bases = [b.inttoptr(word(b.add(record, i64(2 + k))), storage_type(view.var.dtype).as_pointer())
-             for k, view in enumerate(views)]
+    bases = [_device_pointer(ctx, word(b.add(record, i64(2 + k))), storage_type(view.var.dtype)) for k, view in enumerate(views)]
     emit_flat(ctx, flat, bases, word(b.add(record, i64(1))), own)
+
+
+def _device_pointer(ctx: ThreadContext, address: ir.Value, element: ir.Type) -> ir.Value:
+    """A pointer to `element`s at `address`, on the GPU cast through global memory's address
+    space: LLVM then accesses it as global memory (ld.global, as a kernel's pointer
+    parameter is), not through a generic address."""
+    b = ctx.b
+    if not ctx.on_gpu:
+        return b.inttoptr(address, element.as_pointer())
+    return b.addrspacecast(b.inttoptr(address, element.as_pointer(GLOBAL)), element.as_pointer())
