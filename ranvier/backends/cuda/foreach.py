@@ -1,25 +1,27 @@
-"""A ForEach (`ranvier.ops.foreach`: one op over several sets of operands) as one kernel:
-its members' own kernels, each a single launch of the same kind (all a thread per element,
-or all blocks of one size), with their index spaces laid end to end. An element finds its
-member by comparing its index with where each member's elements start — a binary search
-unrolled into branches, a handful of comparisons — and runs that member's element at its
-own index. A block takes one member's element whole, so a block kernel's barriers are
-reached by all its threads alike.
+"""A ForEach (`ranvier.ops.foreach`: one op over several sets of operands) as one kernel,
+as PyTorch's multi_tensor_apply and apex run an optimizer: its members' own kernels (each a
+single launch of the same kind: all a thread per element, or all blocks of one size), one
+body per distinct member program however many members run it, each member's variables
+read from a table.
 
 What it saves is launches: a training step's per-parameter work (a weight's cast, a
 gradient's sum of squares, an AdamW update) is hundreds of small kernels, each paying a
-launch of a few microseconds for a few microseconds of work.
+launch of a few microseconds for a few microseconds of work. A body per member instead of
+per program made stories110M's AdamW ForEach 10,776 lines of PTX, and its ForEach kernels
+most of ptxas's time.
 
-A ForEach of flat maps (`maps.FlatMap`: an AdamW update, a cast) is table-driven instead, as
-PyTorch's multi_tensor_apply and apex run an optimizer: its code is one body per distinct
-member program (the same expression, dtypes, broadcasts and vector lanes), however many
-members run it, where a body per member made stories110M's AdamW ForEach 10,776 lines of
-PTX and most of ptxas's time. Each member's elements are laid out in whole chunks of
-`CHUNK` launch elements (a block's threads: no block straddles two members); the kernel's
+A member program (`Part.key`) is a flat map's (`maps.FlatMap`: the same op and attributes,
+dtypes, broadcasts and vector lanes, any size: an AdamW update, a cast; the size is read at
+run time), or else the member's signature (`kernels.signature`: its type, attributes, dtypes
+and shapes; a model's layers share theirs): the code of one member serves every member of
+its program, its variables' pointers changed. Each member's launch elements are laid out
+in whole chunks (of `CHUNK` threads' elements, so no block straddles two members; of one
+element, a block, for block kernels), members of one program side by side. The kernel's
 one parameter besides its status word is a `Table` in device memory, written once when an
-instance is made, holding each chunk's member record and each record's first chunk, size
-and views' addresses. A thread finds its chunk's record (one load), and runs the member's
-element there.
+instance is made: each chunk's member record, and each record's first chunk, elements,
+size and variables' addresses. An element finds its program by comparing its index with
+where each program's chunks start (a handful of branches), its record through its chunk
+(one load), and runs its member's element at its own index.
 """
 
 from __future__ import annotations
@@ -33,17 +35,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 from llvmlite import ir
 
-from ... import dtypes
 from ...flow.graph import Variable
 from ..llvm.irutil import i64, storage_type
 from .launch import THREADS_PER_BLOCK
-from .maps import FlatMap, emit_flat
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 GROUPED_WORK = 1 << 22  # the most threads' worth of work a member may have: larger kernels gain little
-MAX_OPERANDS = 256  # variables one ForEach kernel takes: 2 KB of the 4 KB of parameters a launch may pass
+# variables one ForEach kernel takes: its table's, in device memory (as its parameters, they were
+# bounded by the 4 KB a launch may pass: stories110M's AdamW was cut in two kernels at 256)
+MAX_OPERANDS = 1 << 12
 
 Emit = Callable[["ThreadContext", ir.Value], None]
 
@@ -76,25 +78,43 @@ def laid_end_to_end(launches: Sequence[tuple[int, Emit, int]]) -> tuple[int, Emi
 
 
 GLOBAL = 1  # NVPTX's address space of global memory
-CHUNK = THREADS_PER_BLOCK  # launch elements a table-driven ForEach gives a member at a time: a block's
+CHUNK = THREADS_PER_BLOCK  # a thread kernel's launch elements given a member at a time: a block's
+
+
+@dataclass(frozen=True)
+class Part:
+    """A member of a ForEach as its kernel runs it: its program (`key`: members of one key
+    share one body), launch elements, size (a flat map's; read at run time), variables (in
+    the order the body takes them), and element: `emit(ctx, index, size)` at its own index,
+    its variables' pointers being `ctx.pointer`'s."""
+
+    key: Hashable
+    elements: int
+    size: int
+    variables: tuple[Variable, ...]
+    emit: Callable[[ThreadContext, ir.Value, ir.Value], None]
 
 
 @dataclass(frozen=True)
 class Record:
-    """A member of a table-driven ForEach: its chunks (from `first`, `chunks` of them), its
-    map's size, and each view's first element as (operand number, byte offset)."""
+    """A member in the table: its chunks (from `first`, `chunks` of them), launch elements,
+    size, and each variable's operand number."""
 
     first: int
     chunks: int
+    elements: int
     size: int
-    views: tuple[tuple[int, int], ...]
+    variables: tuple[int, ...]
+
+
+RECORD_WORDS = 3  # before a record's variables' addresses: its first chunk, elements and size
 
 
 @dataclass(frozen=True)
 class Table:
-    """What a table-driven ForEach kernel reads of its members (module docstring): `words`
-    is the table in device memory, 64-bit words: each chunk's record's word offset, then
-    each record: its first chunk, its size, its views' addresses."""
+    """What a ForEach kernel reads of its members (module docstring): `words` is the table
+    in device memory, 64-bit words: each chunk's record's word offset, then each record: its
+    first chunk, elements, size and variables' addresses."""
 
     records: tuple[Record, ...]
 
@@ -102,56 +122,57 @@ class Table:
     def chunks(self) -> int:
         return sum(record.chunks for record in self.records)
 
-    def record_words(self) -> list[int]:
-        """Where each record starts in the table, in words."""
-        starts = list(itertools.accumulate((2 + len(r.views) for r in self.records), initial=self.chunks))
-        return starts[:-1]
-
     def words(self, addresses: Sequence[int]) -> np.ndarray:
         """The table, the kernel's operands being at `addresses` (in order)."""
-        starts = self.record_words()
+        sizes = [RECORD_WORDS + len(r.variables) for r in self.records]
+        starts = list(itertools.accumulate(sizes, initial=self.chunks))[:-1]
         made = [np.repeat(np.array(starts, np.int64), [r.chunks for r in self.records])]
         for record in self.records:
-            made.append(np.array([record.first, record.size, *(addresses[k] + offset for k, offset in record.views)],
+            made.append(np.array([record.first, record.elements, record.size, *(addresses[k] for k in record.variables)],
                                  dtype=np.uint64).view(np.int64))
         return np.concatenate(made)
 
 
-def table_driven(flats: Sequence[FlatMap], operands: Sequence[Variable]) -> tuple[int, Emit, int, Table]:
-    """The launch of a ForEach whose members are the flat maps `flats` (`maps.flat_map`),
-    over `operands` (its kernel's variables), table-driven (module docstring), with its table."""
-    programs: dict[Hashable, list[FlatMap]] = {}
-    for flat in flats:
-        programs.setdefault(flat.key, []).append(flat)
+def table_driven(parts: Sequence[Part], operands: Sequence[Variable], threads: int) -> tuple[int, Emit, int, Table]:
+    """The launch of a ForEach of `parts` over `operands` (its kernel's variables; `threads`
+    a block's, of a block kernel, or 0), and its table (module docstring)."""
+    programs: dict[Hashable, list[Part]] = {}
+    for part in parts:
+        programs.setdefault(part.key, []).append(part)
+    chunk = 1 if threads else CHUNK
     number = {id(v): k for k, v in enumerate(operands)}
     records, launches, first = [], [], 0
     for group in programs.values():
-        launches.append((sum(-(-flat.elements // CHUNK) for flat in group) * CHUNK,
-                         functools.partial(_member_element, flat=group[0], first=first), 0))
-        for flat in group:
-            chunks = -(-flat.elements // CHUNK)
-            views = tuple((number[id(view.var)], view.offset * dtypes.itemsize(view.var.dtype)) for view in flat.views)
-            records.append(Record(first, chunks, flat.size, views))
+        start = first
+        for part in group:
+            chunks = -(-part.elements // chunk)
+            records.append(Record(first, chunks, part.elements, part.size, tuple(number[id(v)] for v in part.variables)))
             first += chunks
+        launches.append(((first - start) * chunk, functools.partial(_member_element, part=group[0], first=start, chunk=chunk),
+                         threads))
     elements, emit, _ = laid_end_to_end(launches)
-    return elements, emit, 0, Table(tuple(records))
+    return elements, emit, threads, Table(tuple(records))
 
 
-def _member_element(ctx: ThreadContext, index: ir.Value, flat: FlatMap, first: int) -> None:
-    """Element `index` of the chunks of one member program (`flat`'s key) from chunk `first`
-    on: its member's record found through its chunk, the member's element at its own index."""
+def _member_element(ctx: ThreadContext, index: ir.Value, part: Part, first: int, chunk: int) -> None:
+    """Element `index` of the chunks of one member program (`part`'s) from chunk `first` on:
+    its member's record found through its chunk, the member's element at its own index, with
+    the member's variables in the program's code."""
     b = ctx.b
     table = ctx.table
 
     def word(at: ir.Value) -> ir.Value:
         return b.load(b.gep(table, [at]))
 
-    at = b.add(index, i64(first * CHUNK)) if first else index  # in the whole launch
-    record = word(b.udiv(at, i64(CHUNK)))
-    own = b.sub(at, b.mul(word(record), i64(CHUNK)))
-    views = flat.description.inputs + flat.description.outputs
-    bases = [_device_pointer(ctx, word(b.add(record, i64(2 + k))), storage_type(view.var.dtype)) for k, view in enumerate(views)]
-    emit_flat(ctx, flat, bases, word(b.add(record, i64(1))), own)
+    at = b.add(index, i64(first * chunk)) if first else index  # in the whole launch
+    record = word(b.udiv(at, i64(chunk)) if chunk > 1 else at)
+    own = b.sub(at, b.mul(word(record), i64(chunk)) if chunk > 1 else word(record))
+    with b.if_then(b.icmp_unsigned("<", own, word(b.add(record, i64(1))))):
+        pointers = ctx.pointers
+        ctx.pointers = {id(v): _device_pointer(ctx, word(b.add(record, i64(RECORD_WORDS + k))), storage_type(v.dtype))
+                        for k, v in enumerate(part.variables)}
+        part.emit(ctx, own, word(b.add(record, i64(2))))
+        ctx.pointers = pointers
 
 
 def _device_pointer(ctx: ThreadContext, address: ir.Value, element: ir.Type) -> ir.Value:

@@ -242,13 +242,21 @@ def _foreach_operands(op: Operation) -> tuple[Variable, ...]:
 
 
 def _foreach_launches(op: Operation) -> list[Launch]:
-    """A ForEach's one launch: table-driven where its members are flat maps, else its
-    members' launches laid end to end (`foreach.py`)."""
+    """A ForEach's one launch: its members' (`foreach.py`)."""
     grouped = members(op)
-    flats = [maps.flat_map(as_op(m)) if chosen(m).name == "Map" else None for m in grouped]
-    if all(flat is not None for flat in flats):
-        return [foreach.table_driven(cast(list[maps.FlatMap], flats), _foreach_operands(op))]
-    return [(*foreach.laid_end_to_end([_launches(m)[0][:3] for m in grouped]), None)]
+    threads = _launches(grouped[0])[0][2]
+    return [foreach.table_driven([_part(m) for m in grouped], _foreach_operands(op), threads)]
+
+
+def _part(member: Member) -> foreach.Part:
+    """A ForEach's member as its kernel runs it: a flat map's code for any size, or else
+    its own kernel's, shared with the members of its signature."""
+    flat = maps.flat_map(as_op(member)) if chosen(member).name == "Map" else None
+    if flat is not None:
+        return foreach.Part(("flat", flat.key), flat.elements, flat.size, _operands(member),
+                            lambda ctx, index, size: maps.emit_flat(ctx, flat, size, index))
+    elements, emit, _, _ = _launches(member)[0]
+    return foreach.Part(signature(as_op(member)), elements, elements, _operands(member), lambda ctx, index, size: emit(ctx, index))
 
 
 LIBRARY.register(Generator("ForEach", frozenset({"ForEach"}), _foreach_launches, supports=_foreach_supported,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from llvmlite import ir
 
@@ -185,28 +185,24 @@ def _emit_vectors(ctx: EmitContext, description: _Map, index: ir.Value, lanes: i
             _emit_run(ctx, description, b.add(index, i64(vectors * (lanes - 1))), 1)
 
 
-def _emit_run(ctx: EmitContext, description: _Map, first: ir.Value, lanes: int,
-              bases: list[ir.Value] | None = None) -> None:
+def _emit_run(ctx: EmitContext, description: _Map, first: ir.Value, lanes: int) -> None:
     """The map's elements first, ..., first + lanes − 1 (a run within the innermost dimension),
     each view's as one access: a vector of its contiguous elements, or its one broadcast
-    element repeated. `bases`: each view's (inputs', then outputs') first element, where not
-    its variable's kernel parameter (a table-driven ForEach's, `FlatMap`)."""
+    element repeated."""
     b = ctx.b
     views = description.inputs + description.outputs
-    if bases is None:
-        bases = [ctx.pointer(view.var) for view in views]
     dims, strides = collapse(description.shape, views)
     offsets = _offsets(b, first, dims, strides, views)
     loaded = []
-    for view, base, at, steps in zip(description.inputs, bases, offsets, strides):
+    for view, at, steps in zip(description.inputs, offsets, strides):
         width = lanes if steps[-1] else 1
-        pointer, align = _access(b, base, at, view.var.dtype, width)
+        pointer, align = _access(b, ctx.pointer(view.var), at, view.var.dtype, width)
         raw = b.load(pointer, align=align)
         loaded.append(Value(b, widen(b, raw, view.var.dtype, width), view.var.dtype).splat(lanes))
     computed = description.body(loaded, lanes)
     first_output = len(description.inputs)
-    for view, base, at, value in zip(description.outputs, bases[first_output:], offsets[first_output:], computed):
-        pointer, align = _access(b, base, at, view.var.dtype, lanes)
+    for view, at, value in zip(description.outputs, offsets[first_output:], computed):
+        pointer, align = _access(b, ctx.pointer(view.var), at, view.var.dtype, lanes)
         b.store(narrow(b, value.splat(lanes).ir, view.var.dtype, lanes), pointer, align=align)
 
 
@@ -266,15 +262,14 @@ def _offsets(b: ir.IRBuilder, index: ir.Value, dims: list, strides: list[list[in
 
 @dataclass(frozen=True)
 class FlatMap:
-    """A map over one run of elements, each view either walking it (stride 1) or one element
-    broadcast (stride 0): an optimizer's update of a parameter, a weight's cast. Its code
-    does not depend on its size or on where its views start, so one body serves every
-    flat map of one `key` (a table-driven ForEach's members), each view's first element
-    and the size given at run time."""
+    """A map over one run of elements, each view either walking it from its variable's first
+    element (stride 1) or one element broadcast (stride 0): an optimizer's update of a
+    parameter, a weight's cast. Its code does not depend on its size, so one body serves
+    every flat map of one `key`, the size given at run time (`emit_flat`: a table-driven
+    ForEach's members)."""
 
-    key: Hashable  # what the code is made of: the op (its type and attributes), each view's dtype and stride, the lanes
-    description: _Map  # the first such map's, its views starting at their variables' first elements
-    views: list[View]  # this map's own views: inputs, then outputs
+    key: Hashable  # what the code is made of: the op's type and attributes; each view's dtype, stride and variable; the lanes
+    description: _Map
     size: int
     lanes: int  # `vector_lanes`
 
@@ -286,7 +281,7 @@ class FlatMap:
 
 def flat_map(op: Operation) -> FlatMap | None:
     """The op's one map as a `FlatMap`, or None where it is not one (several launches, a
-    view striding otherwise)."""
+    view starting elsewhere or striding otherwise)."""
     if is_copy(op) or not supports(op):
         return None
     described = _describe(op)
@@ -295,32 +290,29 @@ def flat_map(op: Operation) -> FlatMap | None:
     description = described[0]
     views = description.inputs + description.outputs
     dims, strides = collapse(description.shape, views)
-    if len(dims) != 1 or any(steps[-1] not in (0, 1) for steps in strides):
+    if len(dims) != 1 or any(view.offset or steps[-1] not in (0, 1) for view, steps in zip(views, strides)):
         return None
+    first: dict[int, int] = {}  # which view's variable each view's is: a variable's pointer serves all its views
     lanes = vector_lanes(description)
     key = (op.type, tuple(sorted(op.attrs.items())), len(description.inputs),
-           tuple((view.var.dtype, steps[-1]) for view, steps in zip(views, strides)), lanes)
-    at_start = _Map(description.shape, [replace(view, offset=0) for view in description.inputs],
-                    [replace(view, offset=0) for view in description.outputs], description.body)
-    return FlatMap(key, at_start, views, math.prod(description.shape), lanes)
+           tuple((view.var.dtype, steps[-1], first.setdefault(id(view.var), k))
+                 for k, (view, steps) in enumerate(zip(views, strides))), lanes)
+    return FlatMap(key, description, math.prod(description.shape), lanes)
 
 
-def emit_flat(ctx: EmitContext, flat: FlatMap, bases: list[ir.Value], size: ir.Value, index: ir.Value) -> None:
-    """Launch element `index` (`FlatMap.elements`, past them nothing) of a map of `flat`'s key
-    over `size` elements, its views' first elements at `bases`: the arithmetic of the map's
-    own kernel (`launches`), bit for bit."""
+def emit_flat(ctx: EmitContext, flat: FlatMap, size: ir.Value, index: ir.Value) -> None:
+    """Launch element `index` (one of `FlatMap.elements`) of the map of `flat`'s key over
+    `size` elements: the arithmetic of the map's own kernel (`launches`), bit for bit."""
     b, lanes = ctx.b, flat.lanes
-    vectors = b.udiv(size, i64(lanes)) if lanes > 1 else size
-    elements = b.sub(size, b.mul(vectors, i64(lanes - 1))) if lanes > 1 else size
-    with b.if_then(b.icmp_unsigned("<", index, elements)):
-        if lanes == 1:
-            _emit_run(ctx, flat.description, index, 1, bases)
-            return
-        with b.if_else(b.icmp_unsigned("<", index, vectors)) as (body, tail):
-            with body:
-                _emit_run(ctx, flat.description, b.mul(index, i64(lanes)), lanes, bases)
-            with tail:
-                _emit_run(ctx, flat.description, b.add(index, b.mul(vectors, i64(lanes - 1))), 1, bases)
+    if lanes == 1:
+        _emit_run(ctx, flat.description, index, 1)
+        return
+    vectors = b.udiv(size, i64(lanes))
+    with b.if_else(b.icmp_unsigned("<", index, vectors)) as (body, tail):
+        with body:
+            _emit_run(ctx, flat.description, b.mul(index, i64(lanes)), lanes)
+        with tail:
+            _emit_run(ctx, flat.description, b.add(index, b.mul(vectors, i64(lanes - 1))), 1)
 
 
 def _same_type(op: Operation, source: Variable, target: Variable) -> bool:
