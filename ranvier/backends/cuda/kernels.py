@@ -79,9 +79,9 @@ class GPUKernel:
     order; each once, whether read, written or both), and its elements (threads' work) —
     or, for a block kernel (`threads` > 0), its blocks of `threads` threads; whether
     it may set its status word (`fails`: its elements check their data); and whether its
-    launch covers every element at once (`one_pass`). A table-driven ForEach's kernel
-    (`foreach.table_driven`) takes its operands' addresses in its `table`, in device memory,
-    which is then its one pointer parameter besides the status word."""
+    launch covers every element at once (`one_pass`). A ForEach's kernel (`foreach.py`)
+    takes its operands' addresses in its `table`, in device memory, which is then its one
+    pointer parameter besides the status word."""
 
     name: str
     operands: tuple[Variable, ...]
@@ -145,7 +145,7 @@ class ThreadContext(EmitContext):
         super().__init__(module, b)
         self.pointers, self.status, self.on_gpu = pointers, status, on_gpu
         self.row_threads = 0  # a row kernel's threads splitting each row (`rows.py`); 0: one thread's row
-        self.table: ir.Value | None = None  # a table-driven ForEach's table (i64*), its one pointer parameter
+        self.table: ir.Value | None = None  # a ForEach's table (i64*), its one pointer parameter
         self.fails = False  # whether the element may set the status word
 
     def row_fold(self, start: Value | int, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
@@ -216,7 +216,7 @@ def _kernel(op: Operation | Member, choice: Kernel | None) -> Generator:
 
 def _launches(op: Operation | Member, choice: Kernel | None = None) -> list[Launch]:
     """The op's launches in order, each (elements, how to emit one, threads per block of a
-    block kernel or 0, a table-driven ForEach's table or None): one for most ops; an
+    block kernel or 0, a ForEach's table or None): one for most ops; an
     accumulation first zeroes its output (a launch finishes before the next starts); a
     ForEach its members' single launches as one."""
     return [(*launch, *(0, None)[len(launch) - 2:]) for launch in _kernel(op, choice).emit(op)]
@@ -296,10 +296,10 @@ def kernel_module(op: Operation, architecture: str = ARCHITECTURE) -> tuple[ir.M
 def add_kernels(module: ir.Module, op: Operation, choice: Kernel | None = None) -> list[GPUKernel]:
     """The op's GPU kernels in `module` (a GPU module), one per launch, in launch order:
     `name(operands..., status)` runs a grid-stride loop over the launch's elements (a block
-    kernel's blocks: each block takes whole elements), or, `one_pass`, its one element: a
-    ForEach's pointer parameters (a hundred, for an optimizer's update) are then each
-    loaded in the branch of the member that reads them, where a loop's every trip would
-    keep them all in registers (ptxas gave an AdamW ForEach 168 registers a thread).
+    kernel's blocks: each block takes whole elements), or, `one_pass` (a ForEach's), its one
+    element: a thread reads its member's record once (when a ForEach's parameters were
+    every member's pointers, a loop's every trip kept them all in registers: ptxas gave an
+    AdamW ForEach 168 registers a thread).
     `choice`: the op's library kernel, where it was chosen already (its step's)."""
     use_features(module, GPU_FEATURES)
     kernels = []
