@@ -180,7 +180,9 @@ def test_a_llama_training_steps_ptx_loads_16_bytes_and_folds_rows_by_shuffles(mo
     as benchmarks/llama_train.py --backend cuda compiles it, counted in its PTX and ptxas's
     report. Before vector maps, warp shuffles and one-pass ForEach kernels it had 1,634
     global loads, none of 16 bytes, 20 shuffles (the attention's), and ForEach kernels of
-    up to 201 registers a thread."""
+    up to 201 registers a thread. (Since a ForEach's code is a body per member program, not
+    per member, the counts are of fewer lines: 536 loads, 32 of 16 bytes, 134 shuffles.)
+    Every ForEach of updates and casts loads and stores 16 bytes."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         from common import ranvier_trainer
@@ -199,9 +201,11 @@ def test_a_llama_training_steps_ptx_loads_16_bytes_and_folds_rows_by_shuffles(mo
     text = cell.backend.code(cell, "ptx")
     loads = re.findall(r"\bld\.global\S*", text)
     wide = [load for load in loads if ".v4" in load]
-    assert len(wide) >= 400 and len(wide) >= len(loads) // 4, (len(wide), len(loads))
-    assert len(re.findall(r"\bst\.global\S*\.v4", text)) >= 300
-    assert len(re.findall(r"\bshfl\.sync", text)) >= 500
+    assert len(wide) >= 24 and len(re.findall(r"\bst\.global\S*\.v4", text)) >= 16, (len(wide), len(loads))
+    assert len(re.findall(r"\bshfl\.sync", text)) >= 100
+    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)\n}\n", text, re.DOTALL))
+    updates = [name for name in bodies if name.endswith("_foreach") and ("Calculate" in name or "Cast" in name)]
+    assert updates and all("ld.global.v4" in bodies[n] and "st.global.v4" in bodies[n] for n in updates), updates
     report = ptx.assemble(text).report
     reported = re.findall(r"Compiling entry function '([^']+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", report, re.DOTALL)
     assert not [name for name, spilled, _ in reported if int(spilled)], "no kernel spills"
