@@ -11,7 +11,7 @@ import pytest
 from helpers import check, random_array, run_flow
 
 import ranvier as rv
-from ranvier.backends.cuda import kernels, ptx
+from ranvier.backends.cuda import kernels, maps, ptx
 from ranvier.compiler.foreach import fuse_foreach
 from ranvier.compiler.schedule import schedule
 from ranvier.ops.foreach import members
@@ -52,6 +52,7 @@ MEMBER_CASES = {
     "Sum": ({"axis": [0]}, [[(5, 9)], [(100, 3)]]),
     "SumSquares": ({"axis": [1]}, [[(4, 300)], [(2, 70)], [(1, 1000)]]),
     "RMSNorm": ({"eps": 1e-5}, [[(6, 40), (40,)], [(3, 96), (96,)]]),
+    "Pad": ({"before": [1, 0], "after": [2, 3], "value": 0.5}, [[(4, 6)], [(4, 6)], [(7, 2)]]),  # two of one signature
 }
 
 
@@ -239,6 +240,8 @@ def test_a_table_driven_foreachs_code_is_one_body_per_member_program():
     assert few_kernel.table is not None and kernel.table is not None and len(kernel.table.records) == 40
     assert kernel.elements == kernel.table.chunks * 256
     assert kernel.pointers == 1 and len(kernel.operands) == 1 + 3 * 40 + 2 * 40
+    # 8-lane vectors (bf16 beside float32) with a scalar tail, or, under a vector, scalars
+    assert [maps.flat_map(m).lanes for m in members(_table_op([(4096,), (5,), (9,)]))] == [8, 1, 8]
 
 
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="ptxas (CUDA toolkit or nvidia-cuda-nvcc) not installed")
