@@ -107,6 +107,16 @@ def test_a_foreach_computes_what_its_members_compute_one_by_one(op_type):
         check(got, want.astype(np.float64), rv.dtypes.from_numpy(want.dtype))
 
 
+def test_a_foreach_of_one_member_runs_everywhere(on_device):
+    # its count is the attribute's default, which the op does not store
+    x, y = random_array((37,), "float32", seed=1), random_array((37,), "float32", seed=2)
+    (got,), kinds = _on_cuda(lambda f, a, b: _foreach(f, "Add", [[a, b]]), [x, y])
+    assert kinds == ["ForEach"]
+    check(got, x.astype(np.float64) + y, rv.dtypes.DT_FLOAT32)
+    (got,) = run_flow(lambda f, a, b: _foreach(f, "Add", [[a, b]]), [x, y])
+    check(got, x.astype(np.float64) + y, rv.dtypes.DT_FLOAT32)
+
+
 @pytest.mark.parametrize("op_type", sorted(MEMBER_CASES))
 def test_the_gpu_runs_a_foreach_as_one_kernel_with_its_members_arithmetic(on_device, op_type):
     attrs, shapes = MEMBER_CASES[op_type]

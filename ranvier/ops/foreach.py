@@ -27,6 +27,11 @@ def member_attrs(attrs: dict[str, str]) -> dict[str, str]:
     return {name: value for name, value in attrs.items() if name not in OWN_ATTRS}
 
 
+def _count(op) -> int:
+    """How many members `op` has (a one-member ForEach does not store the default 1)."""
+    return int(op_def(op.type).attrs_of(op)["count"])
+
+
 def _split(items: list, count: int) -> list[list]:
     """`items` in `count` runs of equal length (empty ones where there are none)."""
     return [_run(items, count, k) for k in range(count)]
@@ -54,13 +59,13 @@ class Member:
 
 def members(op) -> list[Member]:
     """The ops a ForEach stands for, over its own variables."""
-    return [member(op, k) for k in range(int(op.attrs["count"]))]
+    return [member(op, k) for k in range(_count(op))]
 
 
 def member(op, k: int) -> Member:
     """The `k`th op a ForEach stands for (without making the others: a ForEach of every
     parameter's update has hundreds)."""
-    count = int(op.attrs["count"])
+    count = _count(op)
     return Member(f"{op.name}.{k}", op.attrs["op"], _run(op.inputs, count, k), _run(op.outputs, count, k),
                   member_attrs(op.attrs), op.func)
 
@@ -68,7 +73,7 @@ def member(op, k: int) -> Member:
 def members_reading(op, source) -> list[Member]:
     """The members of a ForEach that read `source` (one, or several where they share it: a
     learning rate)."""
-    width = len(op.inputs) // int(op.attrs["count"])
+    width = len(op.inputs) // _count(op)
     return [member(op, k // width) for k, v in enumerate(op.inputs) if v is source]
 
 
@@ -99,7 +104,7 @@ def _reference(attrs: Attrs, args, outs) -> list:
 
 def _written(op) -> list[int]:
     """Each member's inputs it overwrites in place (a fused parameter update's)."""
-    width = len(op.inputs) // int(op.attrs["count"])
+    width = len(op.inputs) // _count(op)
     return [k * width + i for k, member in enumerate(members(op)) for i in op_def(member.type).written_inputs(member)]
 
 
