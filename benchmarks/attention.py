@@ -4,31 +4,38 @@ A Llama's attention: rows [B, T, heads, hd], causal, grouped key/value heads. ra
 Attention and AttentionGrad are two compiled cells, each timed by the backend's own clock
 per step (the device's events on a GPU), its steps summed; PyTorch's SDPA forward and backward
 (FlashAttention on a GPU, in bfloat16 as autocast runs it; float32 on the CPU) are timed
-around a synchronize. ranvier's products run in --matmul: bfloat16 by default on cuda
-(the tensor-core kernels), float32 on the CPU. Medians of --repeats rounds, each of
---steps computes per side, alternating. FLOPs: the causal half of 4·B·H·T²·hd forward
-and 2.5 times that backward (FlashAttention's own count).
+around a synchronize. On cuda two ranvier sides race: "cudnn", the steps cuDNN's fused
+attention runs (the label says when the device's cuDNN refused them and the own kernels
+ran instead), and "ranvier", the own tensor-core kernels (RANVIER_CUDNN=0 at their
+compile); their operands are --dtype: bfloat16 on cuda by default (float32 operands with
+--matmul bfloat16 run on the own kernels alone, cuDNN taking none), float32 on the CPU.
+ranvier's products run in --matmul: bfloat16 by default on cuda, float32 on the CPU.
+Medians of --repeats rounds, each of --steps computes per side, alternating. FLOPs: the
+causal half of 4·B·H·T²·hd forward and 2.5 times that backward (FlashAttention's own count).
 Run: python benchmarks/attention.py [--backend cuda] [--batch 32] [--seq 1024] [--heads 12] [--kv-heads 12]
-     [--head-size 64] [--repeats 5] [--steps 10] [--matmul float32|bfloat16]
+     [--head-size 64] [--repeats 5] [--steps 10] [--matmul float32|bfloat16] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
+import ml_dtypes
 import numpy as np
 from common import machine, match_threads, summary
 
 import ranvier as rv
 
 
-def ranvier_side(args, matmul: str):
+def ranvier_side(args, matmul: str, cudnn: bool = True):
     """A function timing `steps` computes of each pass's cell: (forward, backward) seconds
     per compute, summed over the cell's steps; and the kernels each pass ran. A pass is a
     cell of its own, so it is timed whole whether the backend runs the op whole or
-    decomposes it into products and a softmax."""
+    decomposes it into products and a softmax. `cudnn` false: compiled with RANVIER_CUDNN=0,
+    the own kernels."""
     flow = rv.Flow()
     shapes = {"q": [args.batch, args.seq, args.heads, args.head_size], "k": [args.batch, args.seq, args.kv_heads, args.head_size],
               "v": [args.batch, args.seq, args.kv_heads, args.head_size], "dout": [args.batch, args.seq, args.heads, args.head_size]}
@@ -36,22 +43,31 @@ def ranvier_side(args, matmul: str):
     operands = {"forward": ("q", "k", "v"), "backward": ("q", "k", "v", "dout")}
     for name, op_type in passes.items():
         f = rv.Builder(flow, name)
-        outputs = f.op(op_type, [f.var(t, "float32", shapes[t]) for t in operands[name]], None, {"heads_first": False})
+        outputs = f.op(op_type, [f.var(t, args.dtype, shapes[t]) for t in operands[name]], None, {"heads_first": False})
         for output in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
             output.var.out = True
-    network = rv.Compiler(args.backend, matmul=matmul).compile(flow)
+    asked = os.environ.pop("RANVIER_CUDNN", None)
+    if not cudnn:
+        os.environ["RANVIER_CUDNN"] = "0"
+    try:
+        network = rv.Compiler(args.backend, matmul=matmul).compile(flow)
+    finally:
+        os.environ.pop("RANVIER_CUDNN", None)
+        if asked is not None:
+            os.environ["RANVIER_CUDNN"] = asked
     rng = np.random.default_rng(0)
-    values = {t: rng.standard_normal(shape).astype(np.float32) for t, shape in shapes.items()}
+    dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32
+    values = {t: rng.standard_normal(shape).astype(dtype) for t, shape in shapes.items()}
     instances, kernels = {}, []
     for name, op_type in passes.items():
         cell = network.cell(name)
         data = instances[name] = cell.instance()
         for t in operands[name]:
             data[f"{name}/{t}"] = values[t]
-        whole = [step.kernel for step in cell.steps if step.op.type == op_type]
+        data.compute()  # (a cuDNN step the device refused is labelled so once its instance is bound)
+        whole = [step.label for step in cell.steps if step.op.type == op_type]
         kernels.append(", ".join(whole) if whole else
                        f"{op_type} decomposed into {', '.join(sorted({step.kernel for step in cell.steps}))}")
-        data.compute()
 
     def run() -> tuple[float, float]:
         seconds = []
@@ -114,8 +130,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--matmul", default=None, choices=["float32", "bfloat16"],
                         help="ranvier's products (default: bfloat16 on cuda, float32 on the CPU)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="ranvier's operands (default: bfloat16 on cuda, float32 on the CPU)")
     args = parser.parse_args()
     args.kv_heads = args.kv_heads or args.heads
+    args.dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else "float32")
     import torch
 
     match_threads(torch)
@@ -124,11 +143,15 @@ def main() -> None:
     if args.backend == "cuda":
         print(f"GPU: {torch.cuda.get_device_name()}" if device == "cuda" else "GPU: none that PyTorch sees; its side runs on the CPU")
     matmul = args.matmul or ("bfloat16" if args.backend == "cuda" else "float32")
-    ours, kernels = ranvier_side(args, matmul)
-    sides = {"ranvier": ours, "pytorch": torch_side(args, torch, device)}
+    sides, kernels = {}, {}
+    if args.backend == "cuda":
+        sides["cudnn"], kernels["cudnn"] = ranvier_side(args, matmul)
+    sides["ranvier"], kernels["ranvier"] = ranvier_side(args, matmul, cudnn=False)
+    sides["pytorch"] = torch_side(args, torch, device)
     forward_flops = 2 * args.batch * args.heads * args.seq * args.seq * args.head_size  # the causal half of 4·B·H·T²·hd
     print(f"batch {args.batch} x seq {args.seq}, {args.heads} heads ({args.kv_heads} key/value) of {args.head_size}, causal; "
-          f"ranvier ({args.backend}, {matmul} products): {kernels}; pytorch: SDPA on {device} in "
+          f"ranvier ({args.backend}, {args.dtype} operands, {matmul} products): "
+          f"{'; '.join(f'{side}: {ran}' for side, ran in kernels.items())}; pytorch: SDPA on {device} in "
           f"{'bfloat16' if device == 'cuda' else 'float32'}")
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
     for repeat in range(args.repeats):

@@ -24,11 +24,15 @@ op for op, and CSE keeps one); a backend with a fused kernel may claim them whol
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, PRECISION, same_dtype
+
+if TYPE_CHECKING:
+    from ..flow.graph import Variable
 
 
 def heads_first_shape(shape, heads_first: bool) -> list[int]:
@@ -74,7 +78,7 @@ def scale_of(attrs, head_size: int) -> float:
     return 1.0 / math.sqrt(head_size) if scale is None else scale
 
 
-def bias_of(op):
+def bias_of(op) -> Variable | None:
     """An Attention or AttentionGrad op's score bias, or None."""
     first = 4 if op.type == "AttentionGrad" else 3
     return op.inputs[first] if len(op.inputs) > first else None
@@ -117,7 +121,7 @@ def _swapped(t, heads_first: bool):
     return t if heads_first else t.transpose([0, 2, 1, 3])
 
 
-def attention(q, k, v, bias=None, causal=True, scale=None, heads_first=True):
+def attention(q, k, v, bias=None, causal: bool = True, scale: float | None = None, heads_first: bool = True) -> np.ndarray:
     if not heads_first:  # [B, T, heads, hd] arrays: the same, axes 1 and 2 swapped each way
         return np.swapaxes(attention(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), bias, causal, scale), 1, 2)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -126,7 +130,8 @@ def attention(q, k, v, bias=None, causal=True, scale=None, heads_first=True):
     return np.einsum("bhts,bhsd->bhtd", p, values)
 
 
-def attention_grad(q, k, v, dout, bias=None, causal=True, scale=None, heads_first=True):
+def attention_grad(q, k, v, dout, bias=None, causal: bool = True, scale: float | None = None,
+                   heads_first: bool = True) -> list[np.ndarray]:
     if not heads_first:
         grads = attention_grad(*(np.swapaxes(x, 1, 2) for x in (q, k, v, dout)), bias, causal, scale)
         return [np.swapaxes(g, 1, 2) for g in grads]

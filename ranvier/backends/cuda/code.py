@@ -1,16 +1,18 @@
 """A cell as the CUDA backend compiled it (`Cell.native`): its kernels as LLVM IR, PTX and,
-where ptxas ran, machine code; each step's launches and their shapes; and, once an
-instance is bound, the code loaded on the device that runs it."""
+where ptxas ran, machine code; each step's launches and their shapes; the steps cuDNN's
+attention claims; and, once an instance is bound, the code loaded on the device that runs
+it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llvmlite import ir
 
 from ...errors import RanvierError
 from ...runtime import Cell
 from .blas import Gemm
+from .cudnn_attention import Sdpa
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
@@ -27,6 +29,8 @@ class CUDACode:
     key: str  # the compile cache's key of the PTX (the emulator's host code is kept beside it)
     use_disk_cache: bool  # as the compile asked (the emulator's host code follows it)
     loaded: tuple[object, object] | None = None  # (the device, the code loaded there), from the first bind
+    # steps cuDNN's fused attention runs where the device takes them (their kernels above: the fall back)
+    attention: dict[int, Sdpa] = field(default_factory=dict)
 
     @staticmethod
     def of(cell: Cell) -> CUDACode:

@@ -1,8 +1,8 @@
 """What the CUDA runtime asks of a device, and a device that is this CPU.
 
 `GPU` is the runtime's whole view of a device: memory (allocate, copy in and out, zero),
-the cell's kernels loaded, launches and cuBLASLt products, timing marks between them, and
-a compute's launches captured once as a graph and replayed. Two kinds provide
+the cell's kernels loaded, launches, cuBLASLt products and cuDNN's attention, timing marks
+between them, and a compute's launches captured once as a graph and replayed. Two kinds provide
 it: the CUDA driver (`driver.DriverGPU`: PTX loaded by the driver, launches on the
 device, products by cuBLASLt) and `emulator.HostEmulator`, which runs the same kernels on
 this CPU where no GPU is at hand: `RANVIER_CUDA_DEVICE=emulator` selects it.
@@ -17,6 +17,7 @@ import numpy as np
 
 from ...runtime import Cell
 from .blas import Gemm
+from .cudnn_attention import Sdpa
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
@@ -50,6 +51,13 @@ class GPU(Protocol):
 
     def gemm(self, code: Any, gemm: Gemm, addresses: list[int]) -> None:
         """Run a planned product; `addresses`: cuBLASLt's A, B and D (and a bias)."""
+
+    def attention_refusal(self, code: Any, call: Sdpa) -> str:
+        """Why the device does not run a claimed attention step with cuDNN ("" where it
+        does): then the step's own kernels run in its place."""
+
+    def attention(self, code: Any, call: Sdpa, addresses: list[int]) -> None:
+        """Run a claimed attention step with cuDNN; `addresses`: its `Sdpa.operands`'."""
 
     def timer(self, marks: int) -> Timer:
         """`marks` points in the launch order to time between, made once and reused."""

@@ -6,8 +6,9 @@ device as the runtime uses it (`device.GPU`)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any  # a loaded library (or a test's stand-in): its functions found by name
 
 import numpy as np
@@ -16,6 +17,7 @@ from ...errors import RanvierError
 from ...runtime import Cell
 from .blas import CublasLt, Gemm, Prepared
 from .code import CUDACode
+from .cudnn_attention import CudnnAttention, Sdpa
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
@@ -36,11 +38,13 @@ _EVENT_RECORD_DEFAULT, _EVENT_RECORD_EXTERNAL = 0, 1
 
 @dataclass
 class DriverKernels:
-    """A cell's code loaded by the driver (`DriverGPU.load`): each kernel's function, and
-    each product prepared by cuBLASLt, by name."""
+    """A cell's code loaded by the driver (`DriverGPU.load`): each kernel's function, each
+    product prepared by cuBLASLt, and each claimed attention step's graphs built by cuDNN
+    or why cuDNN refused them, by name."""
 
     functions: dict[str, ctypes.c_void_p]
     products: dict[str, Prepared]
+    attention: dict[str, Callable[[list[int]], None] | str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class DriverGPU:
     """Device 0 through the CUDA driver API (ctypes): its primary context, memory by
     cuMemAlloc, each cell's PTX loaded by the driver (which compiles it for the device),
     kernels launched on a stream of ours and products run there by cuBLASLt (`blas`),
+    claimed attention by cuDNN (`cudnn_attention`, in the same primary context),
     CUDA events as timing marks, a compute's launches captured as a CUDA graph and
     replayed. Checked on an H100 (.ci/gpu-check: the CUDA tests and every op's tests there)."""
 
@@ -107,6 +112,7 @@ class DriverGPU:
     def __init__(self, load: Callable[[str], Any] = ctypes.CDLL):
         self._load = load
         self._blas: CublasLt | None = None  # `_cublas()`
+        self._sdpa: CudnnAttention | str | None = None  # `_cudnn()`: cuDNN, or why it could not start
         self.device = find_device(load)
         self.name = str(self.device)
         self._library = load(DRIVER_LIBRARY)
@@ -173,7 +179,41 @@ class DriverGPU:
                 self._check(self._library.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()),
                             f"find kernel {kernel.name}")
                 loaded.functions[kernel.name] = function
+        for call in native.attention.values():
+            loaded.attention[call.name] = self._prepare_attention(call)
         return loaded
+
+    def _prepare_attention(self, call: Sdpa) -> Callable[[list[int]], None] | str:
+        """The step's cuDNN graphs, ready to run on its operands' addresses, or why there
+        are none (no frontend, no libcudnn, a graph cuDNN refuses): the step's own kernels
+        then run."""
+        sdpa = self._cudnn()
+        if isinstance(sdpa, str):
+            return sdpa
+        try:
+            return functools.partial(sdpa.run, sdpa.prepare(call.plan))
+        except RanvierError as error:
+            return str(error)
+
+    def attention_refusal(self, code: DriverKernels, call: Sdpa) -> str:
+        prepared = code.attention.get(call.name, "the step was not loaded")
+        return prepared if isinstance(prepared, str) else ""
+
+    def attention(self, code: DriverKernels, call: Sdpa, addresses: list[int]) -> None:
+        run = code.attention[call.name]
+        if isinstance(run, str):
+            raise RanvierError(f"cuDNN refused attention step {call.name} ({run}): its own kernels run it")
+        run(addresses)
+
+    def _cudnn(self) -> CudnnAttention | str:
+        """cuDNN's attention on this device's stream, started by the first cell that claims
+        it; or why it could not start, kept so that no later cell tries again."""
+        if self._sdpa is None:
+            try:
+                self._sdpa = CudnnAttention(self._stream, self.allocate)
+            except RanvierError as error:
+                self._sdpa = str(error)
+        return self._sdpa
 
     def launch(self, code: DriverKernels, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         values = [ctypes.c_uint64(a) for a in addresses]

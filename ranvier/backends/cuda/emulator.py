@@ -1,7 +1,8 @@
 """A device that is this CPU: `HostEmulator` runs each launch's element function compiled
 for this CPU over every element, one launch after another, and each product as
 cuBLASLt's plan says in numpy (`blas.run_on_host`): the same generated arithmetic and the
-same runtime (arena, transfers, status words, globals kept on the "device"), where no GPU
+same runtime (arena, transfers, status words, globals kept on the "device"), and cuDNN's
+attention as its plan says in numpy (`cudnn_attention.run_on_host`), where no GPU
 is at hand. It is what the tests run cells on, and `RANVIER_CUDA_DEVICE=emulator` selects
 it; it is slow, and never chosen in a GPU's place unasked.
 
@@ -26,9 +27,10 @@ from ..cpu import jit
 from ..cpu.target import host_target
 from ..kernels import chosen_kernel
 from ..llvm.irutil import use_features
-from . import blas, kernels
+from . import blas, cudnn_attention, kernels
 from .blas import Gemm
 from .code import CUDACode
+from .cudnn_attention import Sdpa
 from .kernels import GPUKernel
 from .launch import LaunchShape
 
@@ -120,6 +122,12 @@ class HostEmulator:
 
     def gemm(self, code: HostKernels, gemm: Gemm, addresses: list[int]) -> None:
         blas.run_on_host(gemm.plan, addresses)
+
+    def attention_refusal(self, code: HostKernels, call: Sdpa) -> str:
+        return ""  # every plan runs as `cudnn_attention.run_on_host` computes it
+
+    def attention(self, code: HostKernels, call: Sdpa, addresses: list[int]) -> None:
+        cudnn_attention.run_on_host(call.plan, addresses)
 
     def timer(self, marks: int) -> HostTimer:
         return HostTimer(marks)

@@ -27,6 +27,9 @@ rate in, one copy of a few bytes out):
   fetched: fetched again after a compute, it is that compute's, and written, it goes out
   before the next (the library fetches again; Myelin's tensor handles at each use).
 
+A step cuDNN's attention claims (`cudnn_attention`) is one call where the device takes it,
+and else its own kernels, the step then printed as what runs it and why.
+
 A compute's launches (every step's kernels or cuBLASLt product) run kernel by kernel the
 first time: cuBLASLt's first calls load its kernels and choose its algorithms, which no
 graph may capture. The second compute captures them as a graph (a CUDA graph on the
@@ -65,9 +68,11 @@ from ... import dtypes
 from ...errors import RanvierError
 from ...flow.graph import Variable
 from ...ops import written_inputs
-from ...runtime import Cell, Instance, Network, Slot
+from ...runtime import Cell, Instance, Network, Slot, Step
+from ..kernels import chosen_kernel
 from .blas import Gemm
 from .code import CUDACode
+from .cudnn_attention import Sdpa
 from .device import GPU, Timer
 from .mailbox import Mailbox
 
@@ -173,6 +178,10 @@ class DeviceInstance:
         native = CUDACode.of(cell)
         for index in range(len(cell.steps)):
             status = self.mailbox.status_word(index)
+            call = native.attention.get(index)
+            if call is not None and self._runs_with_cudnn(cell.steps[index], call):
+                launches.append((index, functools.partial(gpu.attention, code, call, [self.address(v) for v in call.operands])))
+                continue
             for kernel, shape in zip(native.kernels[index], native.shapes[index]):
                 operands = [self.address(v) for v in kernel.operands]
                 if not isinstance(kernel, Gemm) and kernel.table is not None:
@@ -193,6 +202,14 @@ class DeviceInstance:
         written = {v.name for step in cell.steps for v in (*written_inputs(step.op), *step.op.outputs) if v.is_global}
         self.written_globals = sorted(written & set(self.read_globals))
         instance.device = self
+
+    def _runs_with_cudnn(self, step: Step, call: Sdpa) -> bool:
+        """Whether the device runs a claimed attention step with cuDNN; where it refuses,
+        the step is relabelled as what runs it instead: its own kernel, and why."""
+        refused = self.gpu.attention_refusal(self.code, call)
+        if refused:
+            step.kernel, step.variant = chosen_kernel(step).name, f"cuDNN refused: {refused}"
+        return not refused
 
     @property
     def device_name(self) -> str:

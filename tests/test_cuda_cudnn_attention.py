@@ -1,0 +1,205 @@
+"""cuDNN's fused attention claimed by the CUDA backend (ranvier/backends/cuda/cudnn_attention.py):
+the op's mapping to cuDNN's dims, strides, mask and scale, what cuDNN does not take, the
+claimed steps run end to end (the emulator runs the plan in numpy; a GPU runs cuDNN) against
+float64, and the soft fall back to the own kernels where the device's cuDNN refuses a step."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import random_array
+
+import ranvier as rv
+from ranvier.backends.cuda import cudnn_attention, driver, emulator
+from ranvier.errors import RanvierError
+from ranvier.ops.attention import attention, attention_grad
+
+
+def _attention_flow(heads, kv_heads, queries, keys, size, causal=True, dtype="bfloat16", heads_first=False, scale=None,
+                    bias=False):
+    """Attention and its gradient, each a cell of its own ("forward", "backward"), over rows
+    [2, T, heads, size] (or [2, heads, T, size])."""
+    flow = rv.Flow()
+    rows = {"q": (heads, queries), "k": (kv_heads, keys), "v": (kv_heads, keys), "dout": (heads, queries)}
+    shapes = {name: [2, h, t, size] if heads_first else [2, t, h, size] for name, (h, t) in rows.items()}
+    attrs = {"causal": causal, "heads_first": heads_first, **({"scale": scale} if scale is not None else {})}
+    for cell, op_type, names in (("forward", "Attention", "qkv"), ("backward", "AttentionGrad", ["q", "k", "v", "dout"])):
+        f = rv.Builder(flow, cell)
+        inputs = [f.var(name, dtype, shapes[name]) for name in names]
+        if bias:
+            inputs.append(f.var("bias", dtype, [1, 1, queries, keys]))
+        outputs = f.op(op_type, inputs, None, attrs)
+        for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+            out.var.out = True
+    return flow, shapes
+
+
+def _op(flow, cell):
+    return next(op for op in flow.ops.values() if op.name.startswith(f"{cell}/Attention"))
+
+
+# ---- the mapping ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "heads-last"])
+def test_a_plan_gives_cudnn_the_ops_dims_and_strides_in_either_layout_with_grouped_heads(heads_first):
+    flow, _shapes = _attention_flow(8, 2, 48, 80, 64, heads_first=heads_first)
+    forward, backward = (cudnn_attention.plan_attention(_op(flow, cell)) for cell in ("forward", "backward"))
+    assert forward is not None and backward is not None
+    plan = forward.plan
+    assert (plan.batch, plan.heads, plan.kv_heads, plan.queries, plan.keys, plan.size) == (2, 8, 2, 48, 80, 64)
+    assert plan.q_dims == [2, 8, 48, 64] and plan.kv_dims == [2, 2, 80, 64]
+    if heads_first:  # [B, H, T, hd] contiguous
+        assert plan.q_strides == (8 * 48 * 64, 48 * 64, 64, 1) and plan.kv_strides == (2 * 80 * 64, 80 * 64, 64, 1)
+    else:  # [B, T, H, hd]: a head's rows H·hd apart
+        assert plan.q_strides == (48 * 8 * 64, 64, 8 * 64, 1) and plan.kv_strides == (80 * 2 * 64, 64, 2 * 64, 1)
+    assert plan.causal and plan.scale == pytest.approx(1 / math.sqrt(64)) and plan.dtype == "bfloat16"
+    assert not plan.gradient and backward.plan.gradient
+    assert [v.name.split("/")[-1] for v in forward.operands[:3]] == ["q", "k", "v"]
+    assert [v.name.split("/")[-1] for v in backward.operands[:4]] == ["q", "k", "v", "dout"]
+    assert len(backward.operands) == 7 and backward.plan.kv_strides == plan.kv_strides
+    assert str(plan) == "SDPA forward 2×48×80, 8 heads (2 key/value) of 64, bfloat16, causal, scale 0.125"
+
+
+def test_a_plan_keeps_the_ops_scale_and_float16():
+    flow, _ = _attention_flow(4, 4, 32, 32, 128, causal=False, dtype="float16", scale=0.3)
+    plan = cudnn_attention.plan_attention(_op(flow, "forward")).plan
+    assert plan.scale == pytest.approx(0.3) and not plan.causal and plan.dtype == "float16" and plan.size == 128
+
+
+@pytest.mark.parametrize("options,why", [
+    ({"dtype": "float32"}, "float32 operands"),
+    ({"dtype": "float64"}, "float64 operands"),
+    ({"size": 20}, "head size 20"),
+    ({"size": 160}, "head size 160"),
+    ({"bias": True}, "a score bias"),
+])
+def test_cudnn_takes_no_float32_operands_bias_or_head_sizes_it_lacks(options, why):
+    settings = {"heads": 4, "kv_heads": 2, "queries": 32, "keys": 32, "size": 64} | options
+    flow, _ = _attention_flow(**settings)
+    for cell in ("forward", "backward"):
+        op = _op(flow, cell)
+        assert why in cudnn_attention.refusal(op) and cudnn_attention.plan_attention(op) is None
+
+
+def test_no_op_is_claimed_without_a_recent_gpu_or_the_frontend_or_when_asked_not_to(monkeypatch):
+    monkeypatch.delenv(cudnn_attention.ENVIRONMENT, raising=False)
+    assert "capability 8.0" in cudnn_attention.unavailable(None)
+    assert "capability 8.0" in cudnn_attention.unavailable((7, 5))
+    monkeypatch.setattr(cudnn_attention, "FRONTEND", "no_such_cudnn_frontend")
+    assert "nvidia-cudnn-frontend" in cudnn_attention.unavailable((9, 0))
+    monkeypatch.setenv(cudnn_attention.ENVIRONMENT, "0")
+    assert cudnn_attention.unavailable((9, 0)) == "RANVIER_CUDNN=0"
+
+
+def test_a_missing_frontend_or_libcudnn_is_a_ranvier_error_naming_the_package():
+    with pytest.raises(RanvierError, match="pip install 'ranvier\\[cuda\\]'"):
+        cudnn_attention.load_frontend("no_such_cudnn_frontend")
+
+
+# ---- claimed steps run ------------------------------------------------------------------------------
+
+
+def _claimed_by_cudnn(monkeypatch, on_device):
+    """On the emulator the claim is forced (no GPU to ask); on a GPU it must be real."""
+    if on_device == "emulator":
+        monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "")
+        return
+    device = driver.find_device()
+    why = cudnn_attention.unavailable(device.capability)
+    if why:
+        pytest.skip(f"cuDNN's attention is not claimed on this GPU: {why}")
+
+
+def _run_and_compare(flow, shapes, causal, heads_first, scale=None):
+    """Both cells computed over random bfloat16 operands, their outputs filled with NaN
+    first; each output equal to float64's over the same operands within bfloat16's
+    rounding (the probabilities and score gradients rounded on the tensor cores)."""
+    network = rv.Compiler("cuda").compile(flow)
+    values = {name: random_array(shape, "float32", seed=30 + i).astype(ml_dtypes.bfloat16)
+              for i, (name, shape) in enumerate(shapes.items())}
+    wide = {name: value.astype(np.float64) for name, value in values.items()}
+    wants = {"forward": [attention(wide["q"], wide["k"], wide["v"], causal=causal, scale=scale, heads_first=heads_first)],
+             "backward": attention_grad(wide["q"], wide["k"], wide["v"], wide["dout"], causal=causal, scale=scale,
+                                        heads_first=heads_first)}
+    cells = {}
+    for name, want in wants.items():
+        cell = cells[name] = network.cell(name)
+        data = cell.instance()
+        step = next(step for step in cell.steps if step.op.type.startswith("Attention"))
+        for input_ in step.op.inputs:
+            data[input_.name] = values[input_.name.split("/")[-1]]
+        for output in step.op.outputs:
+            data[output.name] = np.full(output.shape, np.nan, ml_dtypes.bfloat16)
+        data.compute()
+        for output, expected in zip(step.op.outputs, want):
+            got = data[output.name].astype(np.float64)
+            assert np.isfinite(got).all(), f"{output.name}: elements left unwritten"
+            scale_of_values = np.abs(expected).max()
+            np.testing.assert_allclose(got, expected, atol=0.03 * scale_of_values, rtol=0.03, err_msg=output.name)
+    return cells
+
+
+@pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,heads_first", [
+    (4, 2, 40, 40, 64, True, False),  # a Llama's rows [B, T, heads, hd], grouped heads, ragged blocks
+    (2, 1, 24, 56, 32, True, True),  # multi-query, fewer queries than keys: the mask aligned to the bottom right
+    (2, 2, 33, 47, 128, False, False),  # no mask, the largest head size
+])
+def test_claimed_attention_and_its_gradient_match_float64(monkeypatch, on_device, heads, kv_heads, queries, keys, size,
+                                                          causal, heads_first):
+    """The cells' attention steps are cuDNN's (the printed step says so, with the own
+    kernel it falls back to), and compute attention and its gradient, every element."""
+    _claimed_by_cudnn(monkeypatch, on_device)
+    flow, shapes = _attention_flow(heads, kv_heads, queries, keys, size, causal=causal, heads_first=heads_first)
+    cells = _run_and_compare(flow, shapes, causal, heads_first)
+    for cell in cells.values():
+        (step,) = [step for step in cell.steps if step.op.type.startswith("Attention")]
+        assert step.kernel == cudnn_attention.KIND, f"{step.label}: cuDNN did not run it"
+        assert step.variant.startswith("SDPA ") and step.variant.endswith("; else AttentionMMA")
+
+
+def test_a_step_the_devices_cudnn_refuses_runs_its_own_kernels_and_says_so(monkeypatch):
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "")
+    monkeypatch.setattr(emulator.HostEmulator, "attention_refusal", lambda self, code, call: "no engine for it (the test's)")
+    flow, shapes = _attention_flow(4, 2, 40, 40, 64)
+    cells = _run_and_compare(flow, shapes, causal=True, heads_first=False)
+    for cell in cells.values():
+        (step,) = [step for step in cell.steps if step.op.type.startswith("Attention")]
+        assert step.label == "AttentionMMA[cuDNN refused: no engine for it (the test's)]"
+
+
+def test_without_a_gpu_no_attention_is_claimed(monkeypatch):
+    """Here (no GPU found at compile time) the own kernels run, as before."""
+    monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "no GPU")
+    flow, _ = _attention_flow(4, 2, 40, 40, 64)
+    network = rv.Compiler("cuda").compile(flow)
+    kinds = {step.kernel for name in ("forward", "backward") for step in network.cell(name).steps
+             if step.op.type.startswith("Attention")}
+    assert kinds == {"AttentionMMA"}
+
+
+# ---- the frontend's graphs, described without a device -------------------------------------------
+
+
+@pytest.mark.parametrize("cell", ["forward", "backward"])
+@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "heads-last"])
+def test_the_frontend_validates_the_graphs_a_plan_describes(cell, heads_first):
+    """nvidia-cudnn-frontend's own checks of the graphs' tensors and attributes (no device
+    or libcudnn needed): the plan speaks the frontend's API of the version installed."""
+    frontend = pytest.importorskip(cudnn_attention.FRONTEND, reason="nvidia-cudnn-frontend is not installed here")
+    flow, _ = _attention_flow(8, 2, 48, 80, 64, heads_first=heads_first)
+    plan = cudnn_attention.plan_attention(_op(flow, cell)).plan
+    describe = cudnn_attention.describe_backward if plan.gradient else cudnn_attention.describe_forward
+    graphs = [cudnn_attention.describe_forward(frontend, plan), *([describe(frontend, plan)] if plan.gradient else [])]
+    for graph, tensors in graphs:
+        graph.validate()
+        assert [list(t.dim) for t in tensors[:3]] == [plan.q_dims, plan.kv_dims, plan.kv_dims]
+        assert [list(t.stride) for t in tensors[:3]] == [list(plan.q_strides), list(plan.kv_strides), list(plan.kv_strides)]
+    if plan.gradient:
+        *_, dq, dk, dv = graphs[1][1]
+        assert [list(dq.dim), list(dk.dim), list(dv.dim)] == [plan.q_dims, plan.kv_dims, plan.kv_dims]
+        assert list(graphs[0][1][-1].dim) == [2, 8, 48, 1]  # the statistics, one float per query row
