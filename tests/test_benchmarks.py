@@ -242,14 +242,16 @@ def test_generate_benchmark_races_pytorch_with_a_kv_cache_on_the_same_weights():
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
 def test_attention_benchmark_times_both_passes_of_each_side(backend, monkeypatch):
     """ranvier's attention steps by the backend's clock (the CUDA backend on the host
-    emulator here: its tensor-core kernels) against PyTorch's SDPA, both passes, the ratio."""
+    emulator here: its tensor-core kernels, on the cudnn side too, which the emulator does
+    not claim) against PyTorch's SDPA, both passes, the ratio."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     out = run("attention.py", "--backend", backend, "--batch", "1", "--seq", "70", "--heads", "2", "--kv-heads", "1",
               "--head-size", "32", "--repeats", "1", "--steps", "1")
     lines = out.splitlines()
     kernels = "AttentionMMA" if backend == "cuda" else "Attention"
-    assert re.search(rf"ranvier \({backend}, (bfloat16|float32) products\): {kernels}", out), out
-    for side in ("ranvier", "pytorch"):
+    operands = "bfloat16" if backend == "cuda" else "float32"
+    assert re.search(rf"ranvier \({backend}, {operands} operands, (bfloat16|float32) products\): .*ranvier: {kernels}", out), out
+    for side in ("cudnn", "ranvier", "pytorch") if backend == "cuda" else ("ranvier", "pytorch"):
         assert re.search(rf"^{side} +forward +[\d.]+ ms \( *[\d.]+ TFLOP/s\), backward +[\d.]+ ms", out, re.MULTILINE), side
     assert_summary(lines, "ms")
 

@@ -13,7 +13,7 @@ import pytest
 from helpers import random_array
 
 import ranvier as rv
-from ranvier.backends.cuda import cudnn_attention, driver, emulator
+from ranvier.backends.cuda import backend, cudnn_attention, driver, emulator
 from ranvier.errors import RanvierError
 from ranvier.ops.attention import attention, attention_grad
 
@@ -106,7 +106,7 @@ def test_a_missing_frontend_or_libcudnn_is_a_ranvier_error_naming_the_package():
 def _claimed_by_cudnn(monkeypatch, on_device):
     """On the emulator the claim is forced (no GPU to ask); on a GPU it must be real."""
     if on_device == "emulator":
-        monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "")
+        monkeypatch.setattr(backend.CUDABackend, "_cudnn_unavailable", lambda self: "")
         return
     device = driver.find_device()
     why = cudnn_attention.unavailable(device.capability)
@@ -163,7 +163,7 @@ def test_claimed_attention_and_its_gradient_match_float64(monkeypatch, on_device
 
 def test_a_step_the_devices_cudnn_refuses_runs_its_own_kernels_and_says_so(monkeypatch):
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
-    monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "")
+    monkeypatch.setattr(backend.CUDABackend, "_cudnn_unavailable", lambda self: "")
     monkeypatch.setattr(emulator.HostEmulator, "attention_refusal", lambda self, code, call: "no engine for it (the test's)")
     flow, shapes = _attention_flow(4, 2, 40, 40, 64)
     cells = _run_and_compare(flow, shapes, causal=True, heads_first=False)
@@ -172,9 +172,16 @@ def test_a_step_the_devices_cudnn_refuses_runs_its_own_kernels_and_says_so(monke
         assert step.label == "AttentionMMA[cuDNN refused: no engine for it (the test's)]"
 
 
-def test_without_a_gpu_no_attention_is_claimed(monkeypatch):
-    """Here (no GPU found at compile time) the own kernels run, as before."""
-    monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "no GPU")
+@pytest.mark.parametrize("why", ["no GPU", "the host emulator"])
+def test_without_a_gpu_or_on_the_emulator_no_attention_is_claimed(monkeypatch, why):
+    """No GPU found at compile time (here), or cells for the host emulator (which stands in
+    for a GPU without cuDNN unless a test asks): the own kernels run, as before."""
+    if why == "no GPU":
+        monkeypatch.delenv("RANVIER_CUDA_DEVICE", raising=False)
+        monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "no GPU")
+    else:
+        monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+        monkeypatch.setattr(cudnn_attention, "unavailable", lambda capability: "")
     flow, _ = _attention_flow(4, 2, 40, 40, 64)
     network = rv.Compiler("cuda").compile(flow)
     kinds = {step.kernel for name in ("forward", "backward") for step in network.cell(name).steps
@@ -203,3 +210,29 @@ def test_the_frontend_validates_the_graphs_a_plan_describes(cell, heads_first):
         *_, dq, dk, dv = graphs[1][1]
         assert [list(dq.dim), list(dk.dim), list(dv.dim)] == [plan.q_dims, plan.kv_dims, plan.kv_dims]
         assert list(graphs[0][1][-1].dim) == [2, 8, 48, 1]  # the statistics, one float per query row
+
+
+@pytest.mark.parametrize("cell", ["forward", "backward"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "unmasked"])
+def test_libcudnns_own_checks_accept_the_graphs_for_hopper(monkeypatch, cell, causal):
+    """Where libcudnn is here too, the graphs lowered to cuDNN's C++ frontend without a
+    device (sm_90, 132 multiprocessors) pass its validation: the arguments are ones its
+    sdpa and sdpa_backward take, and cuDNN accepts the grouped heads, strides and the mask
+    aligned to the bottom right (a wrong keyword or head count fails here)."""
+    pytest.importorskip(cudnn_attention.FRONTEND, reason="nvidia-cudnn-frontend is not installed here")
+    try:
+        frontend = cudnn_attention.load_frontend()
+    except RanvierError as error:
+        pytest.skip(str(error))
+    if not hasattr(frontend.pygraph, "_backend_handle_for_lowering"):
+        pytest.skip("this frontend lowers its graphs otherwise")
+    # the lowering's handle, which needs a device: none, as the frontend's own device-less path has
+    monkeypatch.setattr(frontend.pygraph, "_backend_handle_for_lowering", lambda self, arguments: None)
+    flow, _ = _attention_flow(8, 2, 48, 80, 64, causal=causal)
+    plan = cudnn_attention.plan_attention(_op(flow, cell)).plan
+    graphs = [cudnn_attention.describe_forward(frontend, plan)]
+    if plan.gradient:
+        graphs.append(cudnn_attention.describe_backward(frontend, plan))
+    for graph, _ in graphs:
+        graph._cpp_graph_kwargs.update(sm_version=90, sm_count=132)
+        graph._lower_to_cpp().validate()

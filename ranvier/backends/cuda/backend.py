@@ -108,7 +108,10 @@ class CUDABackend:
         return Step(op, kernel.name, self.architecture, op_def(op.type).cost(op), chosen=kernel)
 
     def _cudnn_unavailable(self) -> str:
-        """Why no attention is claimed for cuDNN in this compile ("" where it may be)."""
+        """Why no attention is claimed for cuDNN in this compile ("" where it may be): the
+        host emulator, as on a machine without a GPU, runs the own kernels."""
+        if os.environ.get(DEVICE_ENVIRONMENT) == EMULATOR:
+            return "the host emulator"
         return cudnn_attention.unavailable(self.device.capability if self.device else None)
 
     def workspace_bytes(self, step: Step) -> int:
