@@ -202,14 +202,6 @@ def load_frontend(name: str = FRONTEND) -> Any:
     return frontend
 
 
-def _tensor(graph: Any, name: str, dims: list[int], strides: tuple[int, ...], data_type: Any) -> Any:
-    return graph.tensor(name=name, dim=dims, stride=list(strides), data_type=data_type)
-
-
-def _output(tensor: Any, dims: list[int], strides: tuple[int, ...], data_type: Any) -> None:
-    tensor.set_output(True).set_dim(dims).set_stride(list(strides)).set_data_type(data_type)
-
-
 def _mask(frontend: Any, plan: SdpaPlan) -> dict[str, Any]:
     """The causal mask as cuDNN's diagonal band: query t sees keys s ≤ t + S − T."""
     if not plan.causal:
@@ -217,46 +209,54 @@ def _mask(frontend: Any, plan: SdpaPlan) -> dict[str, Any]:
     return {"diagonal_alignment": frontend.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
 
 
-def _stats_layout(plan: SdpaPlan) -> tuple[list[int], tuple[int, int, int, int]]:
-    """The softmax statistics, one float per query row: [B, H, T, 1], contiguous."""
-    return [plan.batch, plan.heads, plan.queries, 1], (plan.heads * plan.queries, plan.queries, 1, 1)
+def _layout(frontend: Any, plan: SdpaPlan, name: str) -> tuple[list[int], list[int], Any]:
+    """Dims, strides and data type of a graph tensor by its role: q's (the output, d out and
+    dq alike), k's (v, dk, dv), or the softmax statistics (one float per query row,
+    [B, H, T, 1] contiguous)."""
+    if name == "stats":
+        rows = [plan.batch, plan.heads, plan.queries, 1]
+        return rows, [plan.heads * plan.queries, plan.queries, 1, 1], frontend.data_type.FLOAT
+    data_type = getattr(frontend.data_type, _DATA_TYPES[plan.dtype])
+    if name in ("k", "v", "dk", "dv"):
+        return plan.kv_dims, list(plan.kv_strides), data_type
+    return plan.q_dims, list(plan.q_strides), data_type
+
+
+def _graph(frontend: Any, plan: SdpaPlan, handle: Any, inputs: tuple[str, ...]) -> tuple[Any, list[Any]]:
+    """An empty graph in the plan's dtype (float32 sums and softmax), and its input tensors."""
+    graph = frontend.pygraph(io_data_type=_layout(frontend, plan, "q")[2], intermediate_data_type=frontend.data_type.FLOAT,
+                             compute_data_type=frontend.data_type.FLOAT, handle=handle)
+    tensors = []
+    for name in inputs:
+        dims, strides, data_type = _layout(frontend, plan, name)
+        tensors.append(graph.tensor(name=name, dim=dims, stride=strides, data_type=data_type))
+    return graph, tensors
+
+
+def _outputs(frontend: Any, plan: SdpaPlan, tensors: dict[str, Any]) -> list[Any]:
+    """The graph's outputs, each laid out as its role says (`_layout`)."""
+    for name, tensor in tensors.items():
+        dims, strides, data_type = _layout(frontend, plan, name)
+        tensor.set_output(True).set_dim(dims).set_stride(strides).set_data_type(data_type)
+    return list(tensors.values())
 
 
 def describe_forward(frontend: Any, plan: SdpaPlan, handle: Any = None) -> tuple[Any, list[Any]]:
     """The forward's graph (with the statistics for a gradient's plan) and its tensors in
     the order they are bound: q, k, v, o (, stats)."""
-    data_type = getattr(frontend.data_type, _DATA_TYPES[plan.dtype])
-    graph = frontend.pygraph(io_data_type=data_type, intermediate_data_type=frontend.data_type.FLOAT,
-                             compute_data_type=frontend.data_type.FLOAT, handle=handle)
-    q = _tensor(graph, "q", plan.q_dims, plan.q_strides, data_type)
-    k = _tensor(graph, "k", plan.kv_dims, plan.kv_strides, data_type)
-    v = _tensor(graph, "v", plan.kv_dims, plan.kv_strides, data_type)
-    o, stats = graph.sdpa(q, k, v, attn_scale=plan.scale, generate_stats=plan.gradient, name="sdpa", **_mask(frontend, plan))
-    _output(o, plan.q_dims, plan.q_strides, data_type)
-    if not plan.gradient:
-        return graph, [q, k, v, o]
-    _output(stats, *_stats_layout(plan), frontend.data_type.FLOAT)
-    return graph, [q, k, v, o, stats]
+    graph, inputs = _graph(frontend, plan, handle, ("q", "k", "v"))
+    o, stats = graph.sdpa(*inputs, attn_scale=plan.scale, generate_stats=plan.gradient, name="sdpa", **_mask(frontend, plan))
+    return graph, inputs + _outputs(frontend, plan, {"o": o, "stats": stats} if plan.gradient else {"o": o})
 
 
 def describe_backward(frontend: Any, plan: SdpaPlan, handle: Any = None) -> tuple[Any, list[Any]]:
     """The backward's graph and its tensors in binding order: q, k, v, d out, o, stats, dq,
     dk, dv."""
-    data_type = getattr(frontend.data_type, _DATA_TYPES[plan.dtype])
-    graph = frontend.pygraph(io_data_type=data_type, intermediate_data_type=frontend.data_type.FLOAT,
-                             compute_data_type=frontend.data_type.FLOAT, handle=handle)
-    q = _tensor(graph, "q", plan.q_dims, plan.q_strides, data_type)
-    k = _tensor(graph, "k", plan.kv_dims, plan.kv_strides, data_type)
-    v = _tensor(graph, "v", plan.kv_dims, plan.kv_strides, data_type)
-    dout = _tensor(graph, "dout", plan.q_dims, plan.q_strides, data_type)
-    o = _tensor(graph, "o", plan.q_dims, plan.q_strides, data_type)
-    stats = _tensor(graph, "stats", *_stats_layout(plan), frontend.data_type.FLOAT)
+    graph, inputs = _graph(frontend, plan, handle, ("q", "k", "v", "dout", "o", "stats"))
+    q, k, v, dout, o, stats = inputs
     dq, dk, dv = graph.sdpa_backward(q, k, v, o, dout, stats, attn_scale=plan.scale, name="sdpa_backward",
                                      **_mask(frontend, plan))
-    _output(dq, plan.q_dims, plan.q_strides, data_type)
-    _output(dk, plan.kv_dims, plan.kv_strides, data_type)
-    _output(dv, plan.kv_dims, plan.kv_strides, data_type)
-    return graph, [q, k, v, dout, o, stats, dq, dk, dv]
+    return graph, inputs + _outputs(frontend, plan, {"dq": dq, "dk": dk, "dv": dv})
 
 
 @dataclass
