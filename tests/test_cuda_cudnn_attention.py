@@ -13,7 +13,7 @@ import pytest
 from helpers import random_array
 
 import ranvier as rv
-from ranvier.backends.cuda import backend, cudnn_attention, driver, emulator
+from ranvier.backends.cuda import backend, cudnn_attention, driver, emulator, resident
 from ranvier.errors import RanvierError
 from ranvier.ops.attention import attention, attention_grad
 
@@ -164,12 +164,14 @@ def test_claimed_attention_and_its_gradient_match_float64(monkeypatch, on_device
 def test_a_step_the_devices_cudnn_refuses_runs_its_own_kernels_and_says_so(monkeypatch):
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     monkeypatch.setattr(backend.CUDABackend, "_cudnn_unavailable", lambda self: "")
-    monkeypatch.setattr(emulator.HostEmulator, "attention_refusal", lambda self, code, call: "no engine for it (the test's)")
+    refusal = "cuDNN refused it: no engine (the test's) " + "and a long list of the engines it asked " * 10
+    monkeypatch.setattr(emulator.HostEmulator, "attention_refusal", lambda self, code, call: refusal)
     flow, shapes = _attention_flow(4, 2, 40, 40, 64)
     cells = _run_and_compare(flow, shapes, causal=True, heads_first=False)
     for cell in cells.values():
         (step,) = [step for step in cell.steps if step.op.type.startswith("Attention")]
-        assert step.label == "AttentionMMA[cuDNN refused: no engine for it (the test's)]"
+        assert step.kernel == "AttentionMMA" and step.variant.startswith("cuDNN refused it: no engine (the test's) and")
+        assert len(step.variant) == resident.REFUSAL_CHARACTERS and step.variant.endswith("…")
 
 
 @pytest.mark.parametrize("why", ["no GPU", "the host emulator"])

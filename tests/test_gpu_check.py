@@ -71,6 +71,33 @@ def test_the_report_keeps_the_moe_race_and_its_gpu_result_line(tmp_path):
     assert "| ranvier | 610,000.0 | 2 | 1.24 |" in section and "gpu-result moe-15M tokens/s=610000 vs-eager=1.24" in section
 
 
+ATTENTION = """CPU: x
+GPU: NVIDIA H200
+batch 32 x seq 1024, 12 heads (12 key/value) of 64, causal; ranvier (cuda, bfloat16 operands, bfloat16 products): \
+cudnn: cuDNN[SDPA forward 32×1024×1024, 12 heads of 64, bfloat16, causal, scale 0.125; else AttentionMMA]; ranvier: AttentionMMA
+  run 1 cudnn    forward     0.500 ms  backward     1.500 ms
+  run 1 ranvier  forward     2.000 ms  backward     9.000 ms
+cudnn    forward     0.500 ms (412.00 TFLOP/s), backward     1.500 ms (343.00 TFLOP/s)
+ranvier  forward     2.000 ms (103.00 TFLOP/s), backward     9.000 ms ( 57.00 TFLOP/s)
+cudnn        median     2.000 ms
+cudnn is 1.10× faster than pytorch (median ms)
+"""
+
+
+def test_the_report_keeps_the_attention_race_and_what_ran_each_side(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "attention.log").write_text(ATTENTION)
+    report = tmp_path / "gpu-check.md"
+    done = subprocess.run([sys.executable, str(CI / "gpu-report"), str(run), str(report)], check=False, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    section = report.read_text().split("## Attention, stories110M's")[1]
+    assert "cudnn: cuDNN[SDPA forward 32×1024×1024" in section and "- cudnn    forward     0.500 ms" in section
+    assert "- cudnn        median     2.000 ms" in section and "- cudnn is 1.10× faster than pytorch" in section
+    assert "run 1" not in section
+
+
 def _gpu_kernels():
     import importlib.machinery
     import importlib.util

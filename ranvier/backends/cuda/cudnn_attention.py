@@ -29,8 +29,8 @@ Soft fall back: each claimed step keeps its own kernels (`attention_mma.py`, els
 `attention.py`), compiled into the cell's module beside the plan. Where the frontend cannot
 be imported, libcudnn cannot be found, or cuDNN refuses to build the step's graph (a shape
 or layout none of its engines take), the step runs them instead, and its label says so:
-"cuDNN" with the plan where cuDNN runs it, the own kernel's name and "cuDNN refused: why"
-where it does not.
+"cuDNN" with the plan where cuDNN runs it, the own kernel's name and why ("cuDNN refused
+SDPA forward …: no engine …", "the cuDNN frontend found no libcudnn …") where it does not.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ from .mailbox import Mailbox
 
 _HOST_NEWER, _SAME, _DEVICE_NEWER = "host newer", "same", "device newer"
 GRAPHS_ENVIRONMENT = "RANVIER_CUDA_GRAPHS"  # "0": launch kernel by kernel, no graph
+REFUSAL_CHARACTERS = 240  # of why a claimed attention step does not run with cuDNN, in its label
 
 
 class DeviceGlobals:
@@ -204,11 +205,13 @@ class DeviceInstance:
         instance.device = self
 
     def _runs_with_cudnn(self, step: Step, call: Sdpa) -> bool:
-        """Whether the device runs a claimed attention step with cuDNN; where it refuses,
-        the step is relabelled as what runs it instead: its own kernel, and why."""
+        """Whether the device runs a claimed attention step with cuDNN; where it does not,
+        the step is relabelled as what runs it instead: its own kernel, and why (its first
+        `REFUSAL_CHARACTERS`: cuDNN's own messages list every engine it asked)."""
         refused = self.gpu.attention_refusal(self.code, call)
         if refused:
-            step.kernel, step.variant = chosen_kernel(step).name, f"cuDNN refused: {refused}"
+            why = refused if len(refused) <= REFUSAL_CHARACTERS else refused[: REFUSAL_CHARACTERS - 1] + "…"
+            step.kernel, step.variant = chosen_kernel(step).name, why
         return not refused
 
     @property
