@@ -238,3 +238,119 @@ def test_libcudnns_own_checks_accept_the_graphs_for_hopper(monkeypatch, cell, ca
     for graph, _ in graphs:
         graph._cpp_graph_kwargs.update(sm_version=90, sm_count=132)
         graph._lower_to_cpp().validate()
+
+
+class _FakeFrontend:
+    """The frontend's surface that CudnnAttention uses, recording what it is asked: its
+    graphs' tensors by name, and each execute's addresses by tensor name."""
+
+    class data_type:  # (the frontend's spellings)
+        BFLOAT16, HALF, FLOAT = "bf16", "f16", "f32"
+
+    class diagonal_alignment:
+        BOTTOM_RIGHT = "bottom right"
+
+    class heur_mode:
+        A, FALLBACK = "A", "FALLBACK"
+
+    def __init__(self, refuse: str = ""):
+        self.refuse, self.executed, self.streams = refuse, [], []
+
+    def create_handle(self):
+        return "handle"
+
+    def set_stream(self, handle, stream):
+        self.streams.append(stream)
+
+    def pygraph(self, **options):
+        return _FakeGraph(self, options)
+
+
+class _FakeTensor:
+    def __init__(self, name):
+        self.name = name
+
+    def set_output(self, output):
+        return self
+
+    def set_dim(self, dims):
+        self.dim = dims
+        return self
+
+    def set_stride(self, strides):
+        self.stride = strides
+        return self
+
+    def set_data_type(self, data_type):
+        return self
+
+
+class _FakeGraph:
+    def __init__(self, frontend, options):
+        self.frontend, self.options = frontend, options
+
+    def tensor(self, name, dim, stride, data_type):
+        return _FakeTensor(name)
+
+    def sdpa(self, q, k, v, **attributes):
+        self.attributes = attributes
+        return _FakeTensor("o"), _FakeTensor("stats")
+
+    def sdpa_backward(self, q, k, v, o, dout, stats, **attributes):
+        self.attributes = attributes
+        return _FakeTensor("dq"), _FakeTensor("dk"), _FakeTensor("dv")
+
+    def validate(self, *heuristics):
+        pass
+
+    build_operation_graph = create_execution_plans = build_plans = validate
+
+    def check_support(self):
+        if self.frontend.refuse:
+            raise RuntimeError(f"{self.frontend.refuse}\nand the engines it asked")
+
+    def get_workspace_size(self):
+        return 4096 if "sdpa_backward" in str(self.attributes.get("name")) else 1024
+
+    def execute(self, tensors, workspace, handle):
+        self.frontend.executed.append(({t.name: address for t, address in tensors.items()}, workspace, handle))
+
+
+def test_the_gradient_runs_cudnns_forward_into_scratch_then_its_backward_on_the_devices_stream():
+    """CudnnAttention with a stand-in frontend: the handle on the device's stream, one
+    prepared plan for a model's layers, the workspace the largest graph asks, the scratch
+    o and statistics the forward writes and the backward reads, every operand bound by name."""
+    import ctypes
+
+    frontend, allocated = _FakeFrontend(), []
+
+    def allocate(nbytes):
+        allocated.append(nbytes)
+        return 1000 * len(allocated)
+
+    sdpa = cudnn_attention.CudnnAttention(ctypes.c_void_p(77), allocate, lambda: frontend)
+    flow, _ = _attention_flow(8, 2, 48, 80, 64)
+    plan = cudnn_attention.plan_attention(_op(flow, "backward")).plan
+    prepared = sdpa.prepare(plan)
+    assert sdpa.prepare(plan) is prepared and frontend.streams == [77]
+    assert allocated == [4096, 2 * 8 * 48 * 64 * 2, 2 * 8 * 48 * 4]  # the workspace, o in bfloat16, the statistics
+    forward, backward = (graph for graph, _ in prepared.graphs)
+    assert forward.attributes["generate_stats"] and forward.attributes["diagonal_band_right_bound"] == 0
+    assert forward.attributes["diagonal_alignment"] == "bottom right" and backward.attributes["attn_scale"] == 0.125
+    sdpa.run(prepared, [11, 12, 13, 14, 21, 22, 23])  # q, k, v, d out, dq, dk, dv
+    (first, workspace, handle), (second, _, _) = frontend.executed
+    assert first == {"q": 11, "k": 12, "v": 13, "o": prepared.o, "stats": prepared.stats}
+    assert second == {"q": 11, "k": 12, "v": 13, "dout": 14, "o": prepared.o, "stats": prepared.stats,
+                      "dq": 21, "dk": 22, "dv": 23}
+    assert workspace == prepared.workspace == 1000 and handle == "handle"
+
+
+def test_a_graph_cudnn_refuses_is_a_ranvier_error_naming_the_plan_and_why():
+    import ctypes
+
+    sdpa = cudnn_attention.CudnnAttention(ctypes.c_void_p(0), lambda nbytes: 0,
+                                          lambda: _FakeFrontend(refuse="no engine for this graph"))
+    flow, _ = _attention_flow(8, 2, 48, 80, 64)
+    plan = cudnn_attention.plan_attention(_op(flow, "forward")).plan
+    with pytest.raises(RanvierError, match=r"^cuDNN refused SDPA forward 2×48×80, .*: no engine for this graph$"):
+        sdpa.prepare(plan)

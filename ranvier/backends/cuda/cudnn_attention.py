@@ -192,11 +192,11 @@ def load_frontend(name: str = FRONTEND) -> Any:
     wheel, or LD_LIBRARY_PATH); a RanvierError naming what is missing where it cannot."""
     try:
         frontend = importlib.import_module(name)
-    except ImportError as error:
-        raise RanvierError(f"nvidia-cudnn-frontend could not be imported ({error}): pip install 'ranvier[cuda]'") from None
+    except Exception as error:  # noqa: BLE001  (its import also asserts what it finds of libcudnn)
+        raise RanvierError(f"nvidia-cudnn-frontend could not be imported ({error!r}): pip install 'ranvier[cuda]'") from None
     try:
         frontend.backend_version()
-    except RuntimeError as error:
+    except Exception as error:  # noqa: BLE001  (a RuntimeError where no libcudnn was loaded)
         raise RanvierError(f"the cuDNN frontend found no libcudnn ({error}): pip install nvidia-cudnn-cu13 (or -cu12 "
                            "for CUDA 12), or put its lib folder on LD_LIBRARY_PATH") from None
     return frontend
@@ -295,11 +295,11 @@ class CudnnAttention:
         if plan in self._prepared:
             return self._prepared[plan]
         frontend = self.frontend
-        described = [describe_forward(frontend, plan, self._handle)]
-        if plan.gradient:
-            described.append(describe_backward(frontend, plan, self._handle))
         workspace = 0
         try:
+            described = [describe_forward(frontend, plan, self._handle)]
+            if plan.gradient:
+                described.append(describe_backward(frontend, plan, self._handle))
             for graph, _ in described:
                 graph.validate()
                 graph.build_operation_graph()
