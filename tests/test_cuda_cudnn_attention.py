@@ -354,3 +354,45 @@ def test_a_graph_cudnn_refuses_is_a_ranvier_error_naming_the_plan_and_why():
     plan = cudnn_attention.plan_attention(_op(flow, "forward")).plan
     with pytest.raises(RanvierError, match=r"^cuDNN refused SDPA forward 2×48×80, .*: no engine for this graph$"):
         sdpa.prepare(plan)
+
+
+@pytest.mark.parametrize("frontend", ["missing", "stand-in"])
+def test_the_driver_runs_a_claimed_step_with_cudnn_or_else_its_own_kernels(monkeypatch, frontend):
+    """Through the stand-in for libcuda: with no frontend to import, the claimed step's own
+    kernels are launched and its label says why; with one, the step is one cuDNN call on
+    the step's arena addresses and no kernel of its own is launched."""
+    import ctypes
+
+    from test_cuda_runtime import _RecordingDriver
+
+    events = []
+    gpu = driver.DriverGPU(lambda name: _RecordingDriver(events))
+    monkeypatch.delenv("RANVIER_CUDA_DEVICE", raising=False)
+    monkeypatch.setattr(backend.CUDABackend, "_gpu", lambda self, cell: gpu)
+    monkeypatch.setattr(backend.CUDABackend, "_cudnn_unavailable", lambda self: "")
+    stand_in = _FakeFrontend()
+    if frontend == "stand-in":
+        monkeypatch.setattr(driver, "CudnnAttention", lambda stream, allocate: cudnn_attention.CudnnAttention(
+            stream, allocate, lambda: stand_in))
+    else:
+        monkeypatch.setattr(driver, "CudnnAttention", lambda stream, allocate: cudnn_attention.CudnnAttention(
+            stream, allocate, lambda: cudnn_attention.load_frontend("no_such_cudnn_frontend")))
+    flow, shapes = _attention_flow(4, 2, 40, 40, 64)
+    cell = rv.Compiler("cuda").compile(flow).cell("forward")
+    (step,) = [step for step in cell.steps if step.op.type == "Attention"]
+    assert step.kernel == "cuDNN"
+    data = cell.instance()
+    for name in "qkv":
+        data[f"forward/{name}"] = np.zeros(shapes[name], ml_dtypes.bfloat16)
+    data.compute()
+    launched = [call for call, _ in events if call == "cuLaunchKernel"]
+    if frontend == "missing":
+        assert step.kernel == "AttentionMMA" and step.variant.startswith("nvidia-cudnn-frontend could not be imported")
+        assert launched and not stand_in.executed
+    else:
+        assert step.kernel == "cuDNN" and not launched
+        ((addresses, _, _),) = stand_in.executed
+        device = data.device
+        assert addresses == {"q": device.address(step.op.inputs[0]), "k": device.address(step.op.inputs[1]),
+                             "v": device.address(step.op.inputs[2]), "o": device.address(step.op.outputs[0])}
+        assert isinstance(gpu._stream, ctypes.c_void_p) and stand_in.streams == [gpu._stream.value or 0]
