@@ -115,9 +115,10 @@ def _claimed_by_cudnn(monkeypatch, on_device):
 
 
 def _run_and_compare(flow, shapes, causal, heads_first, scale=None):
-    """Both cells computed over random bfloat16 operands, their outputs filled with NaN
-    first; each output equal to float64's over the same operands within bfloat16's
-    rounding (the probabilities and score gradients rounded on the tensor cores)."""
+    """Both cells computed three times (launched one by one, captured as a graph, the graph
+    replayed) over random bfloat16 operands, their outputs filled with NaN before each;
+    each output equal to float64's over the same operands within bfloat16's rounding (the
+    probabilities and score gradients rounded on the tensor cores)."""
     network = rv.Compiler("cuda").compile(flow)
     values = {name: random_array(shape, "float32", seed=30 + i).astype(ml_dtypes.bfloat16)
               for i, (name, shape) in enumerate(shapes.items())}
@@ -132,14 +133,15 @@ def _run_and_compare(flow, shapes, causal, heads_first, scale=None):
         step = next(step for step in cell.steps if step.op.type.startswith("Attention"))
         for input_ in step.op.inputs:
             data[input_.name] = values[input_.name.split("/")[-1]]
-        for output in step.op.outputs:
-            data[output.name] = np.full(output.shape, np.nan, ml_dtypes.bfloat16)
-        data.compute()
-        for output, expected in zip(step.op.outputs, want):
-            got = data[output.name].astype(np.float64)
-            assert np.isfinite(got).all(), f"{output.name}: elements left unwritten"
-            scale_of_values = np.abs(expected).max()
-            np.testing.assert_allclose(got, expected, atol=0.03 * scale_of_values, rtol=0.03, err_msg=output.name)
+        for compute in ("launched", "captured", "replayed"):
+            for output in step.op.outputs:
+                data[output.name] = np.full(output.shape, np.nan, ml_dtypes.bfloat16)
+            data.compute()
+            for output, expected in zip(step.op.outputs, want):
+                got = data[output.name].astype(np.float64)
+                assert np.isfinite(got).all(), f"{output.name} ({compute}): elements left unwritten"
+                np.testing.assert_allclose(got, expected, atol=0.03 * np.abs(expected).max(), rtol=0.03,
+                                           err_msg=f"{output.name} ({compute})")
     return cells
 
 
