@@ -1,7 +1,8 @@
 """Attention and its gradient through cuDNN's fused scaled-dot-product attention (SDPA),
 NVIDIA's FlashAttention, by the `nvidia-cudnn-frontend` package: the plan made at compile
 time (`plan_attention`), its graphs built and run on a GPU (`CudnnAttention`), and the same
-plan in numpy on the host emulator (`run_on_host`).
+plan in numpy on the host emulator (`run_on_host`; a compile for the emulator claims nothing,
+as on a GPU without cuDNN, unless a test asks, so its other tests run the own kernels).
 
 The CUDA backend claims an Attention or AttentionGrad op for cuDNN as it claims a MatMul
 for cuBLASLt, where cuDNN's SDPA takes it (`refusal` says why not): bfloat16 or float16
