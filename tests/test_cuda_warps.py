@@ -127,3 +127,119 @@ def test_the_gpus_product_is_one_mma_instruction_that_ptxas_accepts():
     assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 1
     assert "local" not in text  # the fragments are registers
     assert ptx.assemble(text).registers("kernel") > 0
+
+
+TILE_ROWS, TILE_STRIDE = 16, 12  # a shared tile of 16 rows, 12 words (48 bytes: whole 16-byte rows) apart
+
+
+def _row(thread):
+    """The tile row (its first word) a thread names to ldmatrix: a scattered one, sometimes
+    its second 16 bytes, so a lane read from the wrong lane's row shows."""
+    return (thread * 5 + 3) % TILE_ROWS * TILE_STRIDE + (thread // 3) % 2 * 4
+
+
+def _module(name: str, on_gpu: bool, arguments: int = 2):
+    module = ptx.gpu_module(name) if on_gpu else ir.Module(name)
+    if on_gpu:
+        use_features(module, GPU_FEATURES)
+    else:
+        target = host_target()
+        module.triple, module.data_layout = target.machine.triple, str(target.machine.target_data)
+    function = ir.Function(module, ir.FunctionType(VOID, [I32.as_pointer()] * arguments), "kernel")
+    ctx = EmitContext(module, ir.IRBuilder(function.append_basic_block("entry")))
+    ctx.on_gpu = on_gpu
+    return module, function, ctx, BlockProgram(ctx, 32 * WARPS, on_gpu)
+
+
+def _finish(module, function, ctx, on_gpu: bool):
+    ctx.b.ret_void()
+    if on_gpu:
+        ptx.mark_kernel(module, function)
+    return module
+
+
+def _load_matrices_kernel(on_gpu: bool, count: int, transpose: bool):
+    """`kernel(tile words, out)`: the tile into shared memory, then each lane's `count`
+    words from `warps.load_matrices`, lane after lane."""
+    module, function, ctx, program = _module("ldmatrix", on_gpu)
+    given, out = (Array(ctx.b, arg, "int32") for arg in function.args)
+    tile = program.shared("int32", TILE_ROWS * TILE_STRIDE)
+    words = program.private("int32", count)
+    with program.phase() as thread, ctx.loop(thread, TILE_ROWS * TILE_STRIDE, step=program.threads) as e:
+        tile.store(e, given.load(e))
+    warps.load_matrices(program, (words, 0), tile, _row, count, transpose)
+    with program.phase() as thread:
+        for i in range(count):
+            out.store(thread * count + i, words.load(i))
+    return _finish(module, function, ctx, on_gpu)
+
+
+def _run(module, *arrays) -> None:
+    target = host_target()
+    code = jit.load_object(jit.compile_object(module, target), target, "kernel")
+    ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(arrays))(code.address_of("kernel"))(*[a.ctypes.data for a in arrays])
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_load_matrices_gives_each_lane_the_isas_elements_of_the_rows_its_warp_names(count, transpose):
+    """ldmatrix as the PTX ISA says: lanes 8i .. 8i + 7 name the rows of matrix i; lane
+    4g + q's register i holds its row g's elements 2q and 2q + 1 (transposed: element g of
+    its rows 2q and 2q + 1), the lower-numbered in the low half."""
+    rng = np.random.default_rng(5)
+    halves = rng.integers(0, 1 << 16, TILE_ROWS * TILE_STRIDE * 2, dtype=np.uint16)
+    out = np.full(32 * WARPS * count, -1, np.int32)
+    _run(_load_matrices_kernel(on_gpu=False, count=count, transpose=transpose), halves.view(np.int32), out)
+    got = out.view(np.uint32).reshape(WARPS, 32, count)
+    for w in range(WARPS):
+        for i in range(count):
+            matrix = np.stack([halves[2 * _row(32 * w + 8 * i + r):][:8] for r in range(8)])  # lane 8i + r's row
+            if transpose:
+                matrix = matrix.T
+            for lane in range(32):
+                g, q = divmod(lane, 4)
+                want = int(matrix[g, 2 * q]) | int(matrix[g, 2 * q + 1]) << 16
+                assert got[w, lane, i] == want, (w, lane, i)
+
+
+COPIES = 32 * WARPS  # one 16-byte copy a thread
+
+
+def _permuted(thread):
+    """Where a thread's copy lands in the tile (a bijection of the block's threads)."""
+    return (thread * 5 + 3) % COPIES
+
+
+def _copy_kernel(on_gpu: bool):
+    """`kernel(source words, out)`: thread t copies source's 16-byte chunk t into the
+    tile's chunk `_permuted(t)` by `warps.copy_async`, waits, and the tile comes back."""
+    module, function, ctx, program = _module("copies", on_gpu)
+    given, out = (Array(ctx.b, arg, "int32") for arg in function.args)
+    tile = program.shared("int32", COPIES * 4)
+    with program.phase() as thread:
+        warps.copy_async(program, tile, _permuted(thread) * 4, ctx.b.gep(given.base, [(thread * 4).ir]))
+        warps.commit_copies(program)
+        warps.wait_copies(program, 0)
+    with program.phase() as thread, ctx.loop(thread, COPIES * 4, step=program.threads) as e:
+        out.store(e, tile.load(e))
+    return _finish(module, function, ctx, on_gpu)
+
+
+def test_an_asynchronous_copy_moves_16_bytes_from_global_to_shared_memory():
+    source = np.random.default_rng(6).integers(-(1 << 31), 1 << 31, COPIES * 4, dtype=np.int64).astype(np.int32)
+    out = np.full_like(source, -1)
+    _run(_copy_kernel(on_gpu=False), source, out)
+    want = np.empty_like(source).reshape(COPIES, 4)
+    want[[_permuted(t) for t in range(COPIES)]] = source.reshape(COPIES, 4)
+    np.testing.assert_array_equal(out.reshape(COPIES, 4), want)
+
+
+@pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
+@pytest.mark.parametrize("architecture", ["sm_80", "sm_90"])
+def test_the_gpus_loads_and_copies_are_their_instructions_that_ptxas_accepts(architecture):
+    text = ptx.emit_ptx(_load_matrices_kernel(on_gpu=True, count=4, transpose=True), architecture)
+    assert text.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 1
+    ptx.assemble(text, architecture)
+    text = ptx.emit_ptx(_copy_kernel(on_gpu=True), architecture)
+    assert [text.count(f"cp.async.{what}") for what in ("cg.shared.global", "commit_group", "wait_group 0")] == [1, 1, 1]
+    ptx.assemble(text, architecture)

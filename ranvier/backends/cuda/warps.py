@@ -1,6 +1,9 @@
 """Warp-wide operations of a block program (`blocks.BlockProgram`): a tensor-core product
 of bfloat16 fragments summed in float32 (`mma`: PTX's mma.sync.m16n8k16, 16 × 16 by
-16 × 8 per warp), and an exchange of values between lanes (`exchange`: shfl.sync.bfly).
+16 × 8 per warp), fragments loaded from a shared tile (`load_matrices`: ldmatrix), an
+exchange of values between lanes (`exchange`: shfl.sync.bfly); and a thread's copies
+from global to shared memory that run while it computes (`copy_async`: cp.async, with
+`commit_copies` and `wait_copies`).
 
 A warp's 32 lanes hold the product's matrices between them, a fragment each, laid out as
 the PTX ISA says (lane = 4·g + q, g its group, q its place in the group):
@@ -9,6 +12,12 @@ the PTX ISA says (lane = 4·g + q, g its group, q its place in the group):
     B, 16 × 8 by columns: element i of 4 is B[2q + i % 2 + 8·(i // 2)][g]
     C, D, 16 × 8:         element i of 4 is C[g + 8·(i // 2)][2q + i % 2]
 
+ldmatrix gives these fragments from 8 × 8 matrices of 16-bit elements in shared memory,
+lanes 8i .. 8i + 7 naming the 16-byte rows of matrix i: lane 4g + q gets, as its word i,
+elements 2q and 2q + 1 of row g of matrix i (transposed: element g of rows 2q and 2q + 1).
+So an 8-row slice of a tile stored by rows is B's fragment of its transpose (two matrices:
+columns 0-7 and 8-15), and a 16-row slice, transposed, is B's fragment of itself.
+
 A and B fragments are kept packed, two bfloat16 to a 32-bit word (`pack`: the element
 numbered lower in the low half), C and D as float32; each lives in its threads' private
 arrays (`BlockProgram.private`) from an offset on.
@@ -16,22 +25,24 @@ arrays (`BlockProgram.private`) from an offset on.
 On the GPU each operation is its instruction, run by a warp's lanes together, and a
 private array reached at known indices stays in registers. On the host emulator, where a
 block's threads run one after another, a warp-wide operation comes between phases: a
-loop over the block's threads that reads every lane's private array as the layouts above
-say (the product summed in order along k, as float32 multiply-adds). So a kernel written
-with these, its fragments' layouts included, is checked on the host before it runs on a
-GPU.
+loop over the block's threads that reads every lane's private array (or, for ldmatrix,
+the rows every lane names) as the layouts above say (the product summed in order along
+k, as float32 multiply-adds); an asynchronous copy is made at once, its waits nothing. So
+a kernel written with these, its fragments' layouts included, is checked on the host
+before it runs on a GPU (its waits for the copies are the GPU's to prove).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
 from ... import dtypes
-from ..llvm.context import EmitContext, ir_of
+from ..llvm.context import Array, EmitContext, ir_of
 from ..llvm.convert import narrow
-from ..llvm.irutil import F32, I32, I64, VOID, declared
+from ..llvm.irutil import F32, I16, I32, I64, VOID, declared
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray
 
@@ -42,6 +53,7 @@ WARP = 32
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
         "{$10,$11,$12,$13};")
 _EMULATED_MMA = "ranvier_emulated_mma"  # the host emulator's product, one function per module
+COPY_BYTES = 16  # what one cp.async (.cg) moves: 8 bfloat16, 4 float32
 
 
 def pack(program: BlockProgram, high: Value, low: Value) -> Value:
@@ -148,3 +160,75 @@ def exchange(program: BlockProgram, target: PrivateArray, source: PrivateArray, 
     with ctx.loop(0, program.threads, name="lane") as thread:
         for i in range(count):
             target.of(thread).store(i, source.of(thread ^ mask).load(i))
+
+
+def load_matrices(program: BlockProgram, target: tuple[PrivateArray, int], tile: Array, row: Callable[[Value], Value],
+                  count: int = 4, transpose: bool = False) -> None:
+    """ldmatrix in every warp of the block: `count` (1, 2 or 4) 8 × 8 matrices of 16-bit
+    elements from the shared `tile` (32-bit words), lane 4g + q's word i (of its private
+    array `target` from the offset) elements 2q and 2q + 1 of row g of matrix i, or with
+    `transpose` element g of rows 2q and 2q + 1 (the lower-numbered in the low half).
+    Lanes 8i .. 8i + 7 name matrix i's rows: thread t's row starts at word `row(t)` of the
+    tile, a multiple of 4 (16-byte rows). Called between phases."""
+    if count not in (1, 2, 4):
+        raise ValueError(f"ldmatrix loads 1, 2 or 4 matrices, not {count}")
+    ctx = program.ctx
+    array, at = target
+    if program.on_gpu:
+        with program.phase(wait=False) as thread:
+            _warp_sync(ctx)
+            registers = ",".join(f"${k}" for k in range(count))
+            instruction = (f"ldmatrix.sync.aligned.m8n8.x{count}{'.trans' if transpose else ''}.shared.b16 "
+                           f"{{{registers}}}, [${count}];")
+            load = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([I32] * count), [I32]), instruction,
+                                ",".join(["=r"] * count + ["r", "~{memory}"]), side_effect=True)
+            address = ctx.b.ptrtoint(ctx.b.gep(tile.base, [ir_of(row(thread))]), I32)
+            result = ctx.b.call(load, [address])
+            for k in range(count):
+                array.store(at + k, Value(ctx.b, ctx.b.extract_value(result, k), dtypes.DT_INT32))
+        return
+    _between_phases(program)
+    b = ctx.b
+    halves = b.bitcast(tile.base, I16.as_pointer())
+    with ctx.loop(0, program.threads, name="lane") as thread:
+        lane = thread % WARP
+        first, group, place = thread - lane, lane // 4, lane % 4
+        for i in range(count):
+            if transpose:
+                low, high = (b.zext(b.load(b.gep(halves, [ir_of(row(first + 8 * i + place * 2 + k) * 2 + group)])), I32)
+                             for k in range(2))
+                word = Value(b, b.or_(low, b.shl(high, ir.Constant(I32, 16))), dtypes.DT_INT32)
+            else:
+                word = tile.load(row(first + 8 * i + group) + place)
+            array.of(thread).store(at + i, word)
+
+
+def copy_async(program: BlockProgram, tile: Array, word: Value, source: ir.Value) -> None:
+    """`COPY_BYTES` of global memory from the pointer `source` (16-byte aligned) into the
+    shared `tile` (32-bit words) from `word` (a multiple of 4), by the running thread
+    without waiting (cp.async.cg: through L2, not L1); `commit_copies` closes a group of
+    them, and `wait_copies` waits for all but the latest groups. In a phase."""
+    b = program.ctx.b
+    if program.on_gpu:
+        copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type]),
+                            f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES};", "r,l,~{memory}", side_effect=True)
+        b.call(copy, [b.ptrtoint(b.gep(tile.base, [ir_of(word)]), I32), source])
+        return
+    vector = ir.VectorType(I32, COPY_BYTES // 4)  # the host's stack tile is 4-byte aligned only
+    moved = b.load(b.bitcast(source, vector.as_pointer()), align=4)
+    b.store(moved, b.bitcast(b.gep(tile.base, [ir_of(word)]), vector.as_pointer()), align=4)
+
+
+def commit_copies(program: BlockProgram) -> None:
+    """The running thread's `copy_async`s since the last commit, one group (cp.async.commit_group). In a phase."""
+    if program.on_gpu:
+        program.ctx.b.call(ir.InlineAsm(ir.FunctionType(VOID, []), "cp.async.commit_group;", "~{memory}", side_effect=True), [])
+
+
+def wait_copies(program: BlockProgram, pending: int) -> None:
+    """The running thread waits until at most its `pending` latest groups of copies are
+    still in flight (cp.async.wait_group); the block's threads then see them after the
+    phase's barrier. In a phase."""
+    if program.on_gpu:
+        wait = ir.InlineAsm(ir.FunctionType(VOID, []), f"cp.async.wait_group {pending};", "~{memory}", side_effect=True)
+        program.ctx.b.call(wait, [])
