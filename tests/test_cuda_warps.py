@@ -129,7 +129,8 @@ def test_the_gpus_product_is_one_mma_instruction_that_ptxas_accepts():
     assert ptx.assemble(text).registers("kernel") > 0
 
 
-TILE_ROWS, TILE_STRIDE = 16, 12  # a shared tile of 16 rows, 12 words (48 bytes: whole 16-byte rows) apart
+TILE_ROWS, TILE_STRIDE = 16, 12  # a shared tile of 16 rows (and one more), 12 words (48 bytes: whole 16-byte rows) apart
+TILE_WORDS = (TILE_ROWS + 1) * TILE_STRIDE
 
 
 def _row(thread):
@@ -160,14 +161,14 @@ def _finish(module, function, ctx, on_gpu: bool):
 
 def _load_matrices_kernel(on_gpu: bool, count: int, transpose: bool):
     """`kernel(tile words, out)`: the tile into shared memory, then each lane's `count`
-    words from `warps.load_matrices`, lane after lane."""
+    words from `warps.load_matrices` (the rows a row past those `_row` names), lane after lane."""
     module, function, ctx, program = _module("ldmatrix", on_gpu)
     given, out = (Array(ctx.b, arg, "int32") for arg in function.args)
-    tile = program.shared("int32", TILE_ROWS * TILE_STRIDE)
+    tile = program.shared("int32", TILE_WORDS)
     words = program.private("int32", count)
-    with program.phase() as thread, ctx.loop(thread, TILE_ROWS * TILE_STRIDE, step=program.threads) as e:
+    with program.phase() as thread, ctx.loop(thread, TILE_WORDS, step=program.threads) as e:
         tile.store(e, given.load(e))
-    warps.load_matrices(program, (words, 0), tile, _row, count, transpose)
+    warps.load_matrices(program, (words, 0), tile, _row, count, transpose, offset=TILE_STRIDE)
     with program.phase() as thread:
         for i in range(count):
             out.store(thread * count + i, words.load(i))
@@ -185,15 +186,16 @@ def _run(module, *arrays) -> None:
 def test_load_matrices_gives_each_lane_the_isas_elements_of_the_rows_its_warp_names(count, transpose):
     """ldmatrix as the PTX ISA says: lanes 8i .. 8i + 7 name the rows of matrix i; lane
     4g + q's register i holds its row g's elements 2q and 2q + 1 (transposed: element g of
-    its rows 2q and 2q + 1), the lower-numbered in the low half."""
+    its rows 2q and 2q + 1), the lower-numbered in the low half; each row's address the
+    lane's register plus the instruction's immediate offset."""
     rng = np.random.default_rng(5)
-    halves = rng.integers(0, 1 << 16, TILE_ROWS * TILE_STRIDE * 2, dtype=np.uint16)
+    halves = rng.integers(0, 1 << 16, TILE_WORDS * 2, dtype=np.uint16)
     out = np.full(32 * WARPS * count, -1, np.int32)
     _run(_load_matrices_kernel(on_gpu=False, count=count, transpose=transpose), halves.view(np.int32), out)
     got = out.view(np.uint32).reshape(WARPS, 32, count)
     for w in range(WARPS):
         for i in range(count):
-            matrix = np.stack([halves[2 * _row(32 * w + 8 * i + r):][:8] for r in range(8)])  # lane 8i + r's row
+            matrix = np.stack([halves[2 * (_row(32 * w + 8 * i + r) + TILE_STRIDE):][:8] for r in range(8)])  # lane 8i + r's row
             if transpose:
                 matrix = matrix.T
             for lane in range(32):

@@ -5,11 +5,16 @@ head sizes a multiple of 16 up to 128. Every product is a warp's `warps.mma` (bf
 inputs, float32 sums); no score matrix is formed.
 
 A block of `WARPS` warps takes 64 rows, 16 a warp (the rows of an mma's A), and the warps
-stream tiles of the rows they pair with through shared memory together (rows padded by
-`PADDING` floats, so a fragment's lanes fall on different banks). A warp's own rows are
-rounded and packed into A fragments once; a tile's rows come in as B fragments; a
-product's float32 C fragments become the next product's A fragments in place (the layouts
-line up), so the probabilities never leave the registers.
+stream tiles of the rows they pair with through shared memory together, in bfloat16 (rows
+padded by `PADDING` elements, 16 bytes, so the eight rows an ldmatrix reads fall on
+different banks). A warp's own rows are rounded and packed into A fragments once; a
+tile's rows come in as B fragments by `warps.load_matrices` (ldmatrix; transposed where
+the tile is the product's right-hand side as stored); a product's float32 C fragments
+become the next product's A fragments in place (the layouts line up), so the
+probabilities never leave the registers. Tiles are double-buffered (`_pipelined`): the
+next tile's copies are issued before this tile's products, bfloat16 rows by
+`warps.copy_async` (cp.async, 16 bytes a thread at a time) so they land while the tensor
+cores work; float32 rows are loaded and rounded by the threads at once.
 
 Attention: query rows streaming key and value tiles. Per tile: S = Q Kᵀ, scaled, the bias
 added, −∞ where the causal mask hides a key or past the last; the online softmax, each
@@ -40,11 +45,11 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, ir_of
-from ..llvm.irutil import I16, I32, declared, load, store
+from ..llvm.irutil import I16, I32, declared, load, storage_type, store, typed_pointer
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from . import warps
-from .attention import PARKED, AttentionShape, load_tiles
+from .attention import PARKED, AttentionShape
 from .blocks import BlockProgram, PrivateArray
 from .library import LIBRARY, Generator
 
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
 WARPS = 4
 ROWS = 16 * WARPS  # a block's own rows
 THREADS = warps.WARP * WARPS
-PADDING = 8  # floats after each row of a shared tile
+PADDING = 8  # bfloat16 elements (16 bytes) after each row of a shared tile
 QUERY_TILE = 32  # query rows a key block streams at a time (its scores take half the registers of 64)
 FLOAT = dtypes.DT_FLOAT32
 
@@ -71,8 +76,14 @@ def supports(op: Operation) -> bool:
 
 
 def _key_tile(size: int) -> int:
-    """Key rows a streamed tile holds: its key and value rows, padded, in 40 KiB of float32."""
+    """Key rows a streamed tile holds: its key and value rows, padded and double-buffered,
+    in 40 KiB of bfloat16."""
     return 64 if size <= 64 else 32
+
+
+def _stride(size: int) -> int:
+    """32-bit words from one row of a shared tile to the next: `size` bfloat16 and the padding."""
+    return (size + PADDING) // 2
 
 
 def launches(op: Operation) -> list[tuple]:
@@ -161,43 +172,92 @@ def _zero(program: BlockProgram, array: PrivateArray, count: int) -> None:
         array.store(i, program.ctx.constant(FLOAT, 0.0))
 
 
-def _times_transposed(program: BlockProgram, size: int, count: int, tile: Array, a_words: PrivateArray,
+def _times_transposed(program: BlockProgram, size: int, count: int, tile: Array, base: Value, a_words: PrivateArray,
                       b_words: PrivateArray, out: PrivateArray) -> None:
-    """out = A · Tᵀ over `count` rows of a shared tile T: 8 tile rows at a time, their B
-    fragments (Tᵀ's columns) from the tile, then one product per 16 features."""
-    stride = size + PADDING
+    """out = A · Tᵀ over `count` rows of a shared tile T from word `base`: 8 tile rows at a
+    time, their B fragments (Tᵀ's columns: the rows as stored, 8 features a matrix) by
+    ldmatrix, 32 features (or the last 16) at a time, then one product per 16 features."""
+    stride = _stride(size)
+
+    def row(thread: Value) -> Value:  # lanes 8i .. 8i + 7: rows 0-7 of matrix i, features 8i on
+        lane = thread % warps.WARP
+        return base + lane % 8 * stride + lane // 8 * 4
+
     for j in range(count // 8):
-        with program.phase(wait=False) as thread:
-            _, group, place = _lane(thread)
-            row = (j * 8 + group) * stride + place * 2
-            for chunk in range(size // 16):
-                for word in range(2):  # features 2q (and 2q + 1), 2q + 8 (and 2q + 9) of tile row g
-                    at = row + chunk * 16 + 8 * word
-                    b_words.store(chunk * 2 + word, warps.pack(program, tile.load(at + 1), tile.load(at)))
+        with program.phase(wait=False):
             for i in range(4):
                 out.store(j * 4 + i, program.ctx.constant(FLOAT, 0.0))
-        for chunk in range(size // 16):
-            warps.mma(program, (out, j * 4), (a_words, chunk * 4), (b_words, chunk * 2), (out, j * 4))
+        for first in range(0, size // 8, 4):  # two chunks of 16 features (or the last one)
+            warps.load_matrices(program, (b_words, 0), tile, row, min(4, size // 8 - first), offset=j * 8 * stride + first * 4)
+            for chunk in range(first // 2, min(first // 2 + 2, size // 16)):
+                warps.mma(program, (out, j * 4), (a_words, chunk * 4), (b_words, chunk % 2 * 2), (out, j * 4))
 
 
-def _accumulate(program: BlockProgram, size: int, count: int, tile: Array, weights: PrivateArray, a_words: PrivateArray,
-                b_words: PrivateArray, out: PrivateArray) -> None:
-    """out += W · T, W the lanes' C fragments over `count` rows of the shared tile T: W's A
-    fragment packed from two 8-column fragments, 16 tile rows at a time, then one product
-    per 8 features, T's B fragment from the tile."""
-    stride = size + PADDING
+def _accumulate(program: BlockProgram, size: int, count: int, tile: Array, base: Value, weights: PrivateArray,
+                a_words: PrivateArray, b_words: PrivateArray, out: PrivateArray) -> None:
+    """out += W · T, W the lanes' C fragments over `count` rows of the shared tile T from
+    word `base`: W's A fragment packed from two 8-column fragments, 16 tile rows at a
+    time, then one product per 8 features, T's B fragments by a transposing ldmatrix (rows
+    0-7 and 8-15 of the chunk, of 16 features)."""
+    stride = _stride(size)
+
+    def row(thread: Value) -> Value:  # matrix i: rows 8·(i mod 2) on, features 8·(i // 2) on
+        lane = thread % warps.WARP
+        return base + (lane // 8 % 2 * 8 + lane % 8) * stride + lane // 16 * 4
+
     for chunk in range(count // 16):
         with program.phase(wait=False):
             for word in range(4):  # rows g, g + 8 of columns 2q (and 2q + 1) of the chunk's first 8, then its last 8
                 at = (2 * chunk + word // 2) * 4 + 2 * (word % 2)
                 a_words.store(word, warps.pack(program, weights.load(at + 1), weights.load(at)))
-        for n in range(size // 8):
-            with program.phase(wait=False) as thread:
-                _, group, place = _lane(thread)
-                for word in range(2):  # tile rows 2q (and 2q + 1), 2q + 8 (and 2q + 9) of the chunk, feature g
-                    at = (chunk * 16 + place * 2 + 8 * word) * stride + n * 8 + group
-                    b_words.store(word, warps.pack(program, tile.load(at + stride), tile.load(at)))
-            warps.mma(program, (out, n * 4), (a_words, 0), (b_words, 0), (out, n * 4))
+        for pair in range(size // 16):
+            warps.load_matrices(program, (b_words, 0), tile, row, transpose=True, offset=chunk * 16 * stride + pair * 8)
+            for half in range(2):
+                warps.mma(program, (out, (pair * 2 + half) * 4), (a_words, 0), (b_words, half * 2), (out, (pair * 2 + half) * 4))
+
+
+def _copy_rows(program: BlockProgram, first: Value, rows: int, last: Value | int, size: int,
+               sources: list[tuple[Variable, Callable[[Value], Value], Array, Value]]) -> None:
+    """The running thread's share of copying rows first .. first + rows − 1 (clamped to row
+    `last`: a row past it is never used) of each source into its shared tile, 16 bytes of
+    bfloat16 at a time: a bfloat16 source's by cp.async, a float32 source's loaded and
+    rounded at once. A source is (variable, the element offset of its row r, the tile, the
+    tile's first word)."""
+    ctx = program.ctx
+    parts, stride = size // 8, _stride(size)
+    with ctx.loop(program.thread, rows * parts, step=program.threads, name="piece") as piece:
+        row, part = piece // parts, piece % parts
+        for var, row_at, tile, base in sources:
+            at, word = row_at((first + row).minimum(last)) + part * 8, base + row * stride + part * 4
+            if var.dtype == dtypes.DT_BFLOAT16:
+                warps.copy_async(program, tile, word, typed_pointer(ctx.b, ctx.pointer(var), ir_of(at), storage_type(var.dtype)))
+            else:
+                for k in range(4):
+                    tile.store(word + k, warps.pack(program, ctx.load(var, at + 2 * k + 1), ctx.load(var, at + 2 * k)))
+
+
+def _pipelined(program: BlockProgram, count: Value, load: Callable[[Value, Value], None],
+               use: Callable[[Value, Value], None]) -> None:
+    """`use(i, buffer)` for each i < `count`, tile i in shared buffer `buffer` (i mod 2);
+    `load(i, buffer)` (in a phase, the running thread's share of tile i's copies) is
+    issued before tile i − 1 is used, so its copies run under that tile's products. Each
+    tile's copies are one group: before a use every thread waits for all but the latest
+    group, then the block for every thread; after it the block waits again, so no
+    thread refills a buffer another still reads."""
+    ctx = program.ctx
+    with program.phase(wait=False):
+        with ctx.when(count > 0):
+            load(ctx.index(0), ctx.index(0))
+        warps.commit_copies(program)
+    with ctx.loop(0, count, name="tile") as i:
+        with program.phase():
+            with ctx.when(i + 1 < count):
+                load(i + 1, (i + 1) % 2)
+            warps.commit_copies(program)
+            warps.wait_copies(program, 1)
+        use(i, i % 2)
+        with program.phase():
+            pass
 
 
 def _group_sum(program: BlockProgram, values: PrivateArray, partner: PrivateArray, combine=lambda a, b: a + b) -> None:
@@ -227,10 +287,11 @@ class _QueryBlock:
         self.per_tile = _key_tile(size)
         self.q_words = program.private(dtypes.DT_INT32, size // 16 * 4)
         self.g_words = program.private(dtypes.DT_INT32, size // 16 * 4) if with_gradient else None  # dout's
-        self.b_words = program.private(dtypes.DT_INT32, size // 16 * 2)
+        self.b_words = program.private(dtypes.DT_INT32, 4)  # B fragments of two products
         self.a_words = program.private(dtypes.DT_INT32, 4)
         self.scores = program.private(FLOAT, self.per_tile // 8 * 4)
-        self.keys, self.values = (program.shared(FLOAT, self.per_tile * (size + PADDING)) for _ in range(2))
+        self.tile_words = self.per_tile * _stride(size)
+        self.keys, self.values = (program.shared(dtypes.DT_INT32, 2 * self.tile_words) for _ in range(2))  # two buffers each
 
     @property
     def dout_words(self) -> PrivateArray:
@@ -254,20 +315,21 @@ class _QueryBlock:
         if self.g_words is not None:
             _pack_rows(self.program, self.op.inputs[3], offsets, self.shape.size, self.g_words)
 
-    def stream(self, per_tile: Callable[[Value], None]) -> None:
-        """`per_tile(first key)` for each tile of keys the block's queries see, the tile's
-        key and value rows in shared memory; the block waits before the next tile."""
+    def stream(self, per_tile: Callable[[Value, Value], None]) -> None:
+        """`per_tile(first key, first word)` for each tile of keys the block's queries see,
+        the tile's key and value rows in shared memory from that word, the next tile's
+        on their way (`_pipelined`)."""
         program, shape, ctx = self.program, self.shape, self.program.ctx
         kv = self.h // shape.group
         last_query = (self.first + ROWS).minimum(shape.queries) - 1
-        with ctx.loop(0, (shape.visible_keys(ctx, last_query) + self.per_tile - 1) // self.per_tile, name="tile") as tile:
-            first_key = tile * self.per_tile
-            load_tiles(program, first_key, self.per_tile, shape.keys - 1, [
-                (self.op.inputs[1], lambda s: shape.key_row(self.b, kv, s), self.keys, shape.size),
-                (self.op.inputs[2], lambda s: shape.key_row(self.b, kv, s), self.values, shape.size)], PADDING)
-            per_tile(first_key)
-            with program.phase():
-                pass
+
+        def load(tile: Value, buffer: Value) -> None:
+            _copy_rows(program, tile * self.per_tile, self.per_tile, shape.keys - 1, shape.size, [
+                (self.op.inputs[1], lambda s: shape.key_row(self.b, kv, s), self.keys, buffer * self.tile_words),
+                (self.op.inputs[2], lambda s: shape.key_row(self.b, kv, s), self.values, buffer * self.tile_words)])
+
+        tiles = (shape.visible_keys(ctx, last_query) + self.per_tile - 1) // self.per_tile
+        _pipelined(program, tiles, load, lambda tile, buffer: per_tile(tile * self.per_tile, buffer * self.tile_words))
 
     def masked_scores(self, first_key: Value, visit: Callable[[int, int, Value], None]) -> None:
         """Each score of the tile scaled, the bias added, −∞ where its query does not see
@@ -331,10 +393,10 @@ def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index:
         for _, at in _elements(size, r):
             output.store(at, output.load(at) * factor)
 
-    def tile(first_key: Value) -> None:
-        _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
+    def tile(first_key: Value, base: Value) -> None:
+        _times_transposed(program, size, block.per_tile, block.keys, base, block.q_words, block.b_words, block.scores)
         _online_softmax(block, first_key, peak, total, tile_peak, partner, rescale, lambda r, at, p: None)
-        _accumulate(program, size, block.per_tile, block.values, block.scores, block.a_words, block.b_words, output)
+        _accumulate(program, size, block.per_tile, block.values, base, block.scores, block.a_words, block.b_words, output)
 
     block.stream(tile)
     _group_sum(program, total, partner)
@@ -362,9 +424,9 @@ def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, ind
             d.store(r, ctx.constant(FLOAT, 0.0))
         block.pack()
 
-    def tile(first_key: Value) -> None:
-        _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
-        _times_transposed(program, size, block.per_tile, block.values, block.dout_words, block.b_words, products)
+    def tile(first_key: Value, base: Value) -> None:
+        _times_transposed(program, size, block.per_tile, block.keys, base, block.q_words, block.b_words, block.scores)
+        _times_transposed(program, size, block.per_tile, block.values, base, block.dout_words, block.b_words, products)
         _online_softmax(block, first_key, peak, total, tile_peak, partner, lambda r, factor: d.store(r, d.load(r) * factor),
                         lambda r, at, p: d.store(r, p.mul_add(products.load(at), d.load(r))))
 
@@ -395,9 +457,9 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
         _zero(program, gradient, size // 8 * 4)
         block.pack()
 
-    def tile(first_key: Value) -> None:
-        _times_transposed(program, size, block.per_tile, block.keys, block.q_words, block.b_words, block.scores)
-        _times_transposed(program, size, block.per_tile, block.values, block.dout_words, block.b_words, products)
+    def tile(first_key: Value, base: Value) -> None:
+        _times_transposed(program, size, block.per_tile, block.keys, base, block.q_words, block.b_words, block.scores)
+        _times_transposed(program, size, block.per_tile, block.values, base, block.dout_words, block.b_words, products)
         with program.phase(wait=False):
             def score_gradient(r: int, at: int, score: Value) -> None:
                 peak, inverse, d = (parked.load(r * PARKED + k) for k in range(PARKED))
@@ -405,7 +467,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
                 block.scores.store(at, p * (products.load(at) - d))
 
             block.masked_scores(first_key, score_gradient)
-        _accumulate(program, size, block.per_tile, block.keys, block.scores, block.a_words, block.b_words, gradient)
+        _accumulate(program, size, block.per_tile, block.keys, base, block.scores, block.a_words, block.b_words, gradient)
 
     block.stream(tile)
     with program.phase(wait=False) as thread:
@@ -427,47 +489,57 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
     head = index // key_blocks
     b, kv, first_key = head // shape.kv_heads, head % shape.kv_heads, index % key_blocks * ROWS
     k_words, v_words = (program.private(dtypes.DT_INT32, size // 16 * 4) for _ in range(2))
-    b_words, a_words = program.private(dtypes.DT_INT32, size // 16 * 2), program.private(dtypes.DT_INT32, 4)
+    b_words, a_words = program.private(dtypes.DT_INT32, 4), program.private(dtypes.DT_INT32, 4)
     weights, gradients = (program.private(FLOAT, QUERY_TILE // 8 * 4) for _ in range(2))  # Pᵀ, then dPᵀ and dSᵀ
     dk_sum, dv_sum = (program.private(FLOAT, size // 8 * 4) for _ in range(2))
-    stride = size + PADDING
-    queries, douts, parked = (program.shared(FLOAT, QUERY_TILE * width) for width in (stride, stride, PARKED + PADDING))
+    tile_words, parked_row = QUERY_TILE * _stride(size), PARKED  # an odd stride: the rows a warp reads on different banks
+    queries, douts = (program.shared(dtypes.DT_INT32, 2 * tile_words) for _ in range(2))  # two buffers each
+    parked = program.shared(FLOAT, 2 * QUERY_TILE * parked_row)
     with program.phase(wait=False) as thread:
         offsets = [shape.key_row(b, kv, s.minimum(shape.keys - 1)) for s in _own_rows(thread, first_key)]
         _pack_rows(program, k, offsets, size, k_words)
         _pack_rows(program, v, offsets, size, v_words)
         _zero(program, dk_sum, size // 8 * 4)
         _zero(program, dv_sum, size // 8 * 4)
-    # the first query that sees the block's first key
+    # the tiles of query rows from the first query that sees the block's first key, in each head of the group
     first_seen = (first_key - (shape.keys - shape.queries)).maximum(0) if shape.causal else ctx.index(0)
-    with (ctx.loop(0, shape.group, name="g") as g,
-          ctx.loop(first_seen // QUERY_TILE, -(-shape.queries // QUERY_TILE), name="tile") as tile):
-        h, first_query = kv * shape.group + g, tile * QUERY_TILE
-        load_tiles(program, first_query, QUERY_TILE, shape.queries - 1, [
-            (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size)],
-            PADDING)
-        with program.phase() as thread, ctx.loop(thread, QUERY_TILE * PARKED, step=program.threads, name="e") as e:
+    first_tile = first_seen // QUERY_TILE
+    per_head = -(-shape.queries // QUERY_TILE) - first_tile
+
+    def head_and_query(i: Value) -> tuple[Value, Value]:
+        return kv * shape.group + i // per_head, (first_tile + i % per_head) * QUERY_TILE
+
+    def load(i: Value, buffer: Value) -> None:
+        h, first_query = head_and_query(i)
+        _copy_rows(program, first_query, QUERY_TILE, shape.queries - 1, size, [
+            (q, lambda t: shape.query_row(b, h, t), queries, buffer * tile_words),
+            (dout, lambda t: shape.query_row(b, h, t), douts, buffer * tile_words)])
+        with ctx.loop(program.thread, QUERY_TILE * PARKED, step=program.threads, name="e") as e:
             row, statistic = e // PARKED, e % PARKED
             at = shape.query_row(b, h, (first_query + row).minimum(shape.queries - 1))
-            parked.store(row * (PARKED + PADDING) + statistic, _parked(ctx, dq, at, statistic))
-        _times_transposed(program, size, QUERY_TILE, queries, k_words, b_words, weights)  # Sᵀ
-        _times_transposed(program, size, QUERY_TILE, douts, v_words, b_words, gradients)  # dPᵀ
+            parked.store((buffer * QUERY_TILE + row) * parked_row + statistic, _parked(ctx, dq, at, statistic))
+
+    def use(i: Value, buffer: Value) -> None:
+        h, first_query = head_and_query(i)
+        base = buffer * tile_words
+        _times_transposed(program, size, QUERY_TILE, queries, base, k_words, b_words, weights)  # Sᵀ
+        _times_transposed(program, size, QUERY_TILE, douts, base, v_words, b_words, gradients)  # dPᵀ
         with program.phase(wait=False) as thread:
             _, _, place = _lane(thread)
             for r, s in enumerate(_own_rows(thread, first_key)):
                 for column, held in _elements(QUERY_TILE, r):
                     t = first_query + place * 2 + column
-                    row = (place * 2 + column) * (PARKED + PADDING)
+                    row = (buffer * QUERY_TILE + place * 2 + column) * parked_row
                     peak, inverse, d = (parked.load(row + i) for i in range(PARKED))
                     score = shape.score(ctx, weights.load(held), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
                     seen = (t < shape.queries) & (s < shape.visible_keys(ctx, t).minimum(shape.keys))
                     p = seen.where(_exp(program, score - peak) * inverse, 0.0)
                     weights.store(held, p)
                     gradients.store(held, p * (gradients.load(held) - d))
-        _accumulate(program, size, QUERY_TILE, douts, weights, a_words, b_words, dv_sum)
-        _accumulate(program, size, QUERY_TILE, queries, gradients, a_words, b_words, dk_sum)
-        with program.phase():  # every warp done with the tiles before the next overwrites them
-            pass
+        _accumulate(program, size, QUERY_TILE, douts, base, weights, a_words, b_words, dv_sum)
+        _accumulate(program, size, QUERY_TILE, queries, base, gradients, a_words, b_words, dk_sum)
+
+    _pipelined(program, ctx.index(shape.group) * per_head, load, use)
     with program.phase(wait=False) as thread:
         _, _, place = _lane(thread)
         for r, s in enumerate(_own_rows(thread, first_key)):

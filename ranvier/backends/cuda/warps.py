@@ -163,13 +163,15 @@ def exchange(program: BlockProgram, target: PrivateArray, source: PrivateArray, 
 
 
 def load_matrices(program: BlockProgram, target: tuple[PrivateArray, int], tile: Array, row: Callable[[Value], Value],
-                  count: int = 4, transpose: bool = False) -> None:
+                  count: int = 4, transpose: bool = False, offset: int = 0) -> None:
     """ldmatrix in every warp of the block: `count` (1, 2 or 4) 8 × 8 matrices of 16-bit
     elements from the shared `tile` (32-bit words), lane 4g + q's word i (of its private
     array `target` from the offset) elements 2q and 2q + 1 of row g of matrix i, or with
     `transpose` element g of rows 2q and 2q + 1 (the lower-numbered in the low half).
-    Lanes 8i .. 8i + 7 name matrix i's rows: thread t's row starts at word `row(t)` of the
-    tile, a multiple of 4 (16-byte rows). Called between phases."""
+    Lanes 8i .. 8i + 7 name matrix i's rows: thread t's row starts at word `row(t)` +
+    `offset` of the tile, a multiple of 4 (16-byte rows). The constant `offset` is the
+    instruction's own (an immediate), so a warp's loads at fixed distances share one
+    address register. Called between phases."""
     if count not in (1, 2, 4):
         raise ValueError(f"ldmatrix loads 1, 2 or 4 matrices, not {count}")
     ctx = program.ctx
@@ -179,7 +181,7 @@ def load_matrices(program: BlockProgram, target: tuple[PrivateArray, int], tile:
             _warp_sync(ctx)
             registers = ",".join(f"${k}" for k in range(count))
             instruction = (f"ldmatrix.sync.aligned.m8n8.x{count}{'.trans' if transpose else ''}.shared.b16 "
-                           f"{{{registers}}}, [${count}];")
+                           f"{{{registers}}}, [${count}+{offset * 4}];")
             load = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([I32] * count), [I32]), instruction,
                                 ",".join(["=r"] * count + ["r", "~{memory}"]), side_effect=True)
             address = ctx.b.ptrtoint(ctx.b.gep(tile.base, [ir_of(row(thread))]), I32)
@@ -195,11 +197,11 @@ def load_matrices(program: BlockProgram, target: tuple[PrivateArray, int], tile:
         first, group, place = thread - lane, lane // 4, lane % 4
         for i in range(count):
             if transpose:
-                low, high = (b.zext(b.load(b.gep(halves, [ir_of(row(first + 8 * i + place * 2 + k) * 2 + group)])), I32)
+                low, high = (b.zext(b.load(b.gep(halves, [ir_of((row(first + 8 * i + place * 2 + k) + offset) * 2 + group)])), I32)
                              for k in range(2))
                 word = Value(b, b.or_(low, b.shl(high, ir.Constant(I32, 16))), dtypes.DT_INT32)
             else:
-                word = tile.load(row(first + 8 * i + group) + place)
+                word = tile.load(row(first + 8 * i + group) + offset + place)
             array.of(thread).store(at + i, word)
 
 
