@@ -1025,7 +1025,8 @@ def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, op
     (and score gradients) to bfloat16: 2⁻⁸ of the largest |v| for the output, 2⁻⁷ of each
     gradient's largest element; rows that see no key 0; four warps a block, a block per
     64 query (or key) rows of a head; the GPU's code assembles, its fragments in registers
-    up to heads of 64. Float32 operands take the kernels where the products may round to
+    up to heads of 64, its tiles' B fragments by ldmatrix, bfloat16 rows copied by cp.async
+    (which the emulator makes at the wait that covers them, so a missing wait shows). Float32 operands take the kernels where the products may round to
     bfloat16; bfloat16 operands (bfloat16 activations) always, the gradient's statistics
     parked unrounded in two bfloat16 elements each."""
     from ranvier.backends.cuda import attention_mma
@@ -1057,6 +1058,8 @@ def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, op
     if ptx.ptxas_path() is not None:
         text = ptx.emit_ptx(module)
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text  # B fragments from the shared tiles
+        assert ("cp.async.cg.shared.global" in text) == (operands == "bfloat16")  # rows copied as they are
         report = ptx.assemble(text).report
         if size <= 64:  # a head of 128 takes every register the gradient's key launch may have, and a few more
             assert report.count("0 bytes stack frame") == len(launched), report

@@ -204,36 +204,56 @@ def test_load_matrices_gives_each_lane_the_isas_elements_of_the_rows_its_warp_na
                 assert got[w, lane, i] == want, (w, lane, i)
 
 
-COPIES = 32 * WARPS  # one 16-byte copy a thread
+COPIES = 32 * WARPS  # one 16-byte copy a thread in each group
+MARK = -7  # what the tile holds before the copies land
 
 
 def _permuted(thread):
-    """Where a thread's copy lands in the tile (a bijection of the block's threads)."""
+    """Where a thread's copy lands in its half of the tile (a bijection of the block's threads)."""
     return (thread * 5 + 3) % COPIES
 
 
 def _copy_kernel(on_gpu: bool):
-    """`kernel(source words, out)`: thread t copies source's 16-byte chunk t into the
-    tile's chunk `_permuted(t)` by `warps.copy_async`, waits, and the tile comes back."""
+    """`kernel(source words, out)`: the tile marked, then thread t copies source's 16-byte
+    chunks t and COPIES + t into the tile's chunks `_permuted(t)` and COPIES +
+    `_permuted(t)` in two groups; it reads its first word of each after waiting for all
+    but the latest group (out[0 .. 2) of its row of four), then after waiting for both
+    (out[2 .. 4)); then the whole tile after the barrier (out from 4·COPIES on)."""
     module, function, ctx, program = _module("copies", on_gpu)
     given, out = (Array(ctx.b, arg, "int32") for arg in function.args)
-    tile = program.shared("int32", COPIES * 4)
+    tile = program.shared("int32", 2 * COPIES * 4)
+    copies = warps.AsyncCopies(program, per_group=1, groups=2)
+    with program.phase() as thread, ctx.loop(thread, 2 * COPIES * 4, step=program.threads) as e:
+        tile.store(e, ctx.constant("int32", MARK))
     with program.phase() as thread:
-        warps.copy_async(program, tile, _permuted(thread) * 4, ctx.b.gep(given.base, [(thread * 4).ir]))
-        warps.commit_copies(program)
-        warps.wait_copies(program, 0)
-    with program.phase() as thread, ctx.loop(thread, COPIES * 4, step=program.threads) as e:
-        out.store(e, tile.load(e))
+        words = [_permuted(thread) * 4, (COPIES + _permuted(thread)) * 4]
+        for group in range(2):
+            copies.copy(tile, words[group], ctx.b.gep(given.base, [((group * COPIES + thread) * 4).ir]))
+            copies.commit()
+        for pending in (1, 0):
+            copies.wait(pending)
+            for group in range(2):
+                out.store(thread * 4 + (1 - pending) * 2 + group, tile.load(words[group]))
+    with program.phase() as thread, ctx.loop(thread, 2 * COPIES * 4, step=program.threads) as e:
+        out.store(COPIES * 4 + e, tile.load(e))
     return _finish(module, function, ctx, on_gpu)
 
 
-def test_an_asynchronous_copy_moves_16_bytes_from_global_to_shared_memory():
-    source = np.random.default_rng(6).integers(-(1 << 31), 1 << 31, COPIES * 4, dtype=np.int64).astype(np.int32)
-    out = np.full_like(source, -1)
+def test_an_asynchronous_copy_moves_16_bytes_from_global_to_shared_memory_at_the_wait_that_covers_it():
+    """Each chunk lands where its copy said; on the host emulator a group lands at the
+    first wait that leaves fewer groups in flight than came after it, not before (on a
+    GPU a copy not yet waited for may or may not have landed)."""
+    source = np.random.default_rng(6).integers(-(1 << 31), 1 << 31, 2 * COPIES * 4, dtype=np.int64).astype(np.int32)
+    out = np.full(COPIES * 4 + source.size, -1, np.int32)
     _run(_copy_kernel(on_gpu=False), source, out)
-    want = np.empty_like(source).reshape(COPIES, 4)
-    want[[_permuted(t) for t in range(COPIES)]] = source.reshape(COPIES, 4)
-    np.testing.assert_array_equal(out.reshape(COPIES, 4), want)
+    chunks = source.reshape(2, COPIES, 4)
+    want = np.empty_like(chunks)
+    want[:, [_permuted(t) for t in range(COPIES)]] = chunks
+    np.testing.assert_array_equal(out[COPIES * 4 :].reshape(2, COPIES, 4), want)
+    seen = out[: COPIES * 4].reshape(COPIES, 4)
+    np.testing.assert_array_equal(seen[:, 0], chunks[0, :, 0])  # the first group, waited for
+    np.testing.assert_array_equal(seen[:, 1], MARK)  # the second, still in flight
+    np.testing.assert_array_equal(seen[:, 2:], chunks[:, :, 0].T)
 
 
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
@@ -243,5 +263,6 @@ def test_the_gpus_loads_and_copies_are_their_instructions_that_ptxas_accepts(arc
     assert text.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 1
     ptx.assemble(text, architecture)
     text = ptx.emit_ptx(_copy_kernel(on_gpu=True), architecture)
-    assert [text.count(f"cp.async.{what}") for what in ("cg.shared.global", "commit_group", "wait_group 0")] == [1, 1, 1]
+    assert [text.count(f"cp.async.{what}") for what in ("cg.shared.global", "commit_group", "wait_group 1", "wait_group 0")] == \
+        [2, 2, 1, 1]
     ptx.assemble(text, architecture)

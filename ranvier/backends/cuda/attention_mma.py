@@ -216,7 +216,12 @@ def _accumulate(program: BlockProgram, size: int, count: int, tile: Array, base:
                 warps.mma(program, (out, (pair * 2 + half) * 4), (a_words, 0), (b_words, half * 2), (out, (pair * 2 + half) * 4))
 
 
-def _copy_rows(program: BlockProgram, first: Value, rows: int, last: Value | int, size: int,
+def _copies(program: BlockProgram, rows: int, size: int, sources: int) -> int:
+    """The most 16-byte copies a thread makes of `sources` tiles of `rows` rows (`_copy_rows`)."""
+    return -(-rows * (size // 8) // program.threads) * sources
+
+
+def _copy_rows(program: BlockProgram, copies: warps.AsyncCopies, first: Value, rows: int, last: Value | int, size: int,
                sources: list[tuple[Variable, Callable[[Value], Value], Array, Value]]) -> None:
     """The running thread's share of copying rows first .. first + rows − 1 (clamped to row
     `last`: a row past it is never used) of each source into its shared tile, 16 bytes of
@@ -230,31 +235,32 @@ def _copy_rows(program: BlockProgram, first: Value, rows: int, last: Value | int
         for var, row_at, tile, base in sources:
             at, word = row_at((first + row).minimum(last)) + part * 8, base + row * stride + part * 4
             if var.dtype == dtypes.DT_BFLOAT16:
-                warps.copy_async(program, tile, word, typed_pointer(ctx.b, ctx.pointer(var), ir_of(at), storage_type(var.dtype)))
+                copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(var), ir_of(at), storage_type(var.dtype)))
             else:
                 for k in range(4):
                     tile.store(word + k, warps.pack(program, ctx.load(var, at + 2 * k + 1), ctx.load(var, at + 2 * k)))
 
 
-def _pipelined(program: BlockProgram, count: Value, load: Callable[[Value, Value], None],
+def _pipelined(program: BlockProgram, count: Value, per_tile: int, load: Callable[[Value, Value, warps.AsyncCopies], None],
                use: Callable[[Value, Value], None]) -> None:
     """`use(i, buffer)` for each i < `count`, tile i in shared buffer `buffer` (i mod 2);
-    `load(i, buffer)` (in a phase, the running thread's share of tile i's copies) is
-    issued before tile i − 1 is used, so its copies run under that tile's products. Each
-    tile's copies are one group: before a use every thread waits for all but the latest
-    group, then the block for every thread; after it the block waits again, so no
-    thread refills a buffer another still reads."""
+    `load(i, buffer, copies)` (in a phase, the running thread's share of tile i's copies,
+    at most `per_tile`) is issued before tile i − 1 is used, so its copies run under that
+    tile's products. Each tile's copies are one group: before a use every thread waits
+    for all but the latest group, then the block for every thread; after it the block
+    waits again, so no thread refills a buffer another still reads."""
     ctx = program.ctx
+    copies = warps.AsyncCopies(program, per_tile, groups=2)  # this tile's and the next's in flight
     with program.phase(wait=False):
         with ctx.when(count > 0):
-            load(ctx.index(0), ctx.index(0))
-        warps.commit_copies(program)
+            load(ctx.index(0), ctx.index(0), copies)
+        copies.commit()
     with ctx.loop(0, count, name="tile") as i:
         with program.phase():
             with ctx.when(i + 1 < count):
-                load(i + 1, (i + 1) % 2)
-            warps.commit_copies(program)
-            warps.wait_copies(program, 1)
+                load(i + 1, (i + 1) % 2, copies)
+            copies.commit()
+            copies.wait(1)
         use(i, i % 2)
         with program.phase():
             pass
@@ -323,13 +329,14 @@ class _QueryBlock:
         kv = self.h // shape.group
         last_query = (self.first + ROWS).minimum(shape.queries) - 1
 
-        def load(tile: Value, buffer: Value) -> None:
-            _copy_rows(program, tile * self.per_tile, self.per_tile, shape.keys - 1, shape.size, [
+        def load(tile: Value, buffer: Value, copies: warps.AsyncCopies) -> None:
+            _copy_rows(program, copies, tile * self.per_tile, self.per_tile, shape.keys - 1, shape.size, [
                 (self.op.inputs[1], lambda s: shape.key_row(self.b, kv, s), self.keys, buffer * self.tile_words),
                 (self.op.inputs[2], lambda s: shape.key_row(self.b, kv, s), self.values, buffer * self.tile_words)])
 
         tiles = (shape.visible_keys(ctx, last_query) + self.per_tile - 1) // self.per_tile
-        _pipelined(program, tiles, load, lambda tile, buffer: per_tile(tile * self.per_tile, buffer * self.tile_words))
+        _pipelined(program, tiles, _copies(program, self.per_tile, shape.size, 2), load,
+                   lambda tile, buffer: per_tile(tile * self.per_tile, buffer * self.tile_words))
 
     def masked_scores(self, first_key: Value, visit: Callable[[int, int, Value], None]) -> None:
         """Each score of the tile scaled, the bias added, −∞ where its query does not see
@@ -509,9 +516,9 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
     def head_and_query(i: Value) -> tuple[Value, Value]:
         return kv * shape.group + i // per_head, (first_tile + i % per_head) * QUERY_TILE
 
-    def load(i: Value, buffer: Value) -> None:
+    def load(i: Value, buffer: Value, copies: warps.AsyncCopies) -> None:
         h, first_query = head_and_query(i)
-        _copy_rows(program, first_query, QUERY_TILE, shape.queries - 1, size, [
+        _copy_rows(program, copies, first_query, QUERY_TILE, shape.queries - 1, size, [
             (q, lambda t: shape.query_row(b, h, t), queries, buffer * tile_words),
             (dout, lambda t: shape.query_row(b, h, t), douts, buffer * tile_words)])
         with ctx.loop(program.thread, QUERY_TILE * PARKED, step=program.threads, name="e") as e:
@@ -539,7 +546,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         _accumulate(program, size, QUERY_TILE, douts, base, weights, a_words, b_words, dv_sum)
         _accumulate(program, size, QUERY_TILE, queries, base, gradients, a_words, b_words, dk_sum)
 
-    _pipelined(program, ctx.index(shape.group) * per_head, load, use)
+    _pipelined(program, ctx.index(shape.group) * per_head, _copies(program, QUERY_TILE, size, 2), load, use)
     with program.phase(wait=False) as thread:
         _, _, place = _lane(thread)
         for r, s in enumerate(_own_rows(thread, first_key)):

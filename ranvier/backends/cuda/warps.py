@@ -2,8 +2,7 @@
 of bfloat16 fragments summed in float32 (`mma`: PTX's mma.sync.m16n8k16, 16 × 16 by
 16 × 8 per warp), fragments loaded from a shared tile (`load_matrices`: ldmatrix), an
 exchange of values between lanes (`exchange`: shfl.sync.bfly); and a thread's copies
-from global to shared memory that run while it computes (`copy_async`: cp.async, with
-`commit_copies` and `wait_copies`).
+from global to shared memory that run while it computes (`AsyncCopies`: cp.async).
 
 A warp's 32 lanes hold the product's matrices between them, a fragment each, laid out as
 the PTX ISA says (lane = 4·g + q, g its group, q its place in the group):
@@ -27,9 +26,9 @@ private array reached at known indices stays in registers. On the host emulator,
 block's threads run one after another, a warp-wide operation comes between phases: a
 loop over the block's threads that reads every lane's private array (or, for ldmatrix,
 the rows every lane names) as the layouts above say (the product summed in order along
-k, as float32 multiply-adds); an asynchronous copy is made at once, its waits nothing. So
-a kernel written with these, its fragments' layouts included, is checked on the host
-before it runs on a GPU (its waits for the copies are the GPU's to prove).
+k, as float32 multiply-adds); an asynchronous copy is made at the wait that covers it.
+So a kernel written with these, its fragments' layouts and its waits included, is
+checked on the host before it runs on a GPU.
 """
 
 from __future__ import annotations
@@ -205,32 +204,66 @@ def load_matrices(program: BlockProgram, target: tuple[PrivateArray, int], tile:
             array.of(thread).store(at + i, word)
 
 
-def copy_async(program: BlockProgram, tile: Array, word: Value, source: ir.Value) -> None:
-    """`COPY_BYTES` of global memory from the pointer `source` (16-byte aligned) into the
-    shared `tile` (32-bit words) from `word` (a multiple of 4), by the running thread
-    without waiting (cp.async.cg: through L2, not L1); `commit_copies` closes a group of
-    them, and `wait_copies` waits for all but the latest groups. In a phase."""
-    b = program.ctx.b
-    if program.on_gpu:
-        copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type]),
-                            f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES};", "r,l,~{memory}", side_effect=True)
-        b.call(copy, [b.ptrtoint(b.gep(tile.base, [ir_of(word)]), I32), source])
-        return
-    vector = ir.VectorType(I32, COPY_BYTES // 4)  # the host's stack tile is 4-byte aligned only
-    moved = b.load(b.bitcast(source, vector.as_pointer()), align=4)
-    b.store(moved, b.bitcast(b.gep(tile.base, [ir_of(word)]), vector.as_pointer()), align=4)
+class AsyncCopies:
+    """A thread's copies from global to shared memory that run while it computes
+    (cp.async.cg: 16 bytes at a time, through L2, not L1), in groups: `copy` starts one,
+    `commit` closes the group of those started since the last, `wait(pending)` waits until
+    at most the latest `pending` groups are still in flight (the block's threads see the
+    copies after the next barrier). Each in a phase.
 
+    The host emulator keeps each thread's copies in a queue and makes them at the wait
+    that covers them, in order, as the GPU may: a kernel that reads a tile before waiting
+    for it reads what the tile held before. The queue holds `per_group` copies of each of
+    `groups` groups (at most as many as are in flight at once: the `pending` of the waits,
+    and the group being started); the GPU needs nothing of these."""
 
-def commit_copies(program: BlockProgram) -> None:
-    """The running thread's `copy_async`s since the last commit, one group (cp.async.commit_group). In a phase."""
-    if program.on_gpu:
-        program.ctx.b.call(ir.InlineAsm(ir.FunctionType(VOID, []), "cp.async.commit_group;", "~{memory}", side_effect=True), [])
+    def __init__(self, program: BlockProgram, per_group: int, groups: int):
+        self.program, self.capacity = program, per_group * groups
+        if program.on_gpu:
+            return
+        self._sources, self._targets, self._groups = (program.private(dtypes.DT_INT64, self.capacity) for _ in range(3))
+        self._state = program.private(dtypes.DT_INT64, 3)  # the first copy in flight, one past the last, groups committed
+        with program.phase(wait=False):
+            for k in range(3):
+                self._state.store(k, program.ctx.index(0))
 
+    def copy(self, tile: Array, word: Value, source: ir.Value) -> None:
+        """`COPY_BYTES` from the global pointer `source` (16-byte aligned) to the shared
+        `tile` (32-bit words) from `word` (a multiple of 4)."""
+        b = self.program.ctx.b
+        target = b.gep(tile.base, [ir_of(word)])
+        if self.program.on_gpu:
+            copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type]),
+                                f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES};", "r,l,~{memory}", side_effect=True)
+            b.call(copy, [b.ptrtoint(target, I32), source])
+            return
+        last = self._state.load(1)
+        slot = last % self.capacity
+        self._sources.store(slot, Value(b, b.ptrtoint(source, I64), dtypes.DT_INT64))
+        self._targets.store(slot, Value(b, b.ptrtoint(target, I64), dtypes.DT_INT64))
+        self._groups.store(slot, self._state.load(2))
+        self._state.store(1, last + 1)
 
-def wait_copies(program: BlockProgram, pending: int) -> None:
-    """The running thread waits until at most its `pending` latest groups of copies are
-    still in flight (cp.async.wait_group); the block's threads then see them after the
-    phase's barrier. In a phase."""
-    if program.on_gpu:
-        wait = ir.InlineAsm(ir.FunctionType(VOID, []), f"cp.async.wait_group {pending};", "~{memory}", side_effect=True)
-        program.ctx.b.call(wait, [])
+    def commit(self) -> None:
+        if self.program.on_gpu:
+            self.program.ctx.b.call(ir.InlineAsm(ir.FunctionType(VOID, []), "cp.async.commit_group;", "~{memory}",
+                                                 side_effect=True), [])
+            return
+        self._state.store(2, self._state.load(2) + 1)
+
+    def wait(self, pending: int) -> None:
+        ctx = self.program.ctx
+        b = ctx.b
+        if self.program.on_gpu:
+            b.call(ir.InlineAsm(ir.FunctionType(VOID, []), f"cp.async.wait_group {pending};", "~{memory}", side_effect=True), [])
+            return
+        covered = self._state.load(2) - pending  # groups before this one land now: a prefix of the queue
+        landed = ctx.local(dtypes.DT_INT64, initial=self._state.load(0))
+        vector = ir.VectorType(I32, COPY_BYTES // 4).as_pointer()
+        with ctx.loop(self._state.load(0), self._state.load(1), name="copy") as e:
+            slot = e % self.capacity
+            with ctx.when(self._groups.load(slot) < covered):
+                source, target = (b.inttoptr(array.load(slot).ir, vector) for array in (self._sources, self._targets))
+                b.store(b.load(source, align=4), target, align=4)  # the host's stack tile is 4-byte aligned only
+                landed.set(e + 1)
+        self._state.store(0, landed.value)
