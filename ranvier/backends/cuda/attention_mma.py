@@ -45,7 +45,7 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, ir_of
-from ..llvm.irutil import I16, I32, declared, load, storage_type, store, typed_pointer
+from ..llvm.irutil import F32, I16, I32, declared, load, storage_type, store, typed_pointer
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
 from . import warps
@@ -236,9 +236,12 @@ def _copy_rows(program: BlockProgram, copies: warps.AsyncCopies, first: Value, r
             at, word = row_at((first + row).minimum(last)) + part * 8, base + row * stride + part * 4
             if var.dtype == dtypes.DT_BFLOAT16:
                 copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(var), ir_of(at), storage_type(var.dtype)))
-            else:
+            else:  # two aligned vectors of 4 float32 (ld.global.v4), rounded in pairs
+                b = ctx.b
+                halves = [b.load(typed_pointer(b, ctx.pointer(var), ir_of(at + 4 * h), F32, 4), align=16) for h in range(2)]
+                floats = [Value(b, b.extract_element(halves[k // 4], ir.Constant(I32, k % 4)), FLOAT) for k in range(8)]
                 for k in range(4):
-                    tile.store(word + k, warps.pack(program, ctx.load(var, at + 2 * k + 1), ctx.load(var, at + 2 * k)))
+                    tile.store(word + k, warps.pack(program, floats[2 * k + 1], floats[2 * k]))
 
 
 def _pipelined(program: BlockProgram, count: Value, per_tile: int, load: Callable[[Value, Value, warps.AsyncCopies], None],
