@@ -248,25 +248,25 @@ def _pipelined(program: BlockProgram, count: Value, per_tile: int, load: Callabl
                use: Callable[[Value, Value], None]) -> None:
     """`use(i, buffer)` for each i < `count`, tile i in shared buffer `buffer` (i mod 2);
     `load(i, buffer, copies)` (in a phase, the running thread's share of tile i's copies,
-    at most `per_tile`) is issued before tile i − 1 is used, so its copies run under that
-    tile's products. Each tile's copies are one group: before a use every thread waits
-    for all but the latest group, then the block for every thread; after it the block
-    waits again, so no thread refills a buffer another still reads."""
+    at most `per_tile`) is issued just before tile i − 1 is used, so its copies run under
+    that tile's products. Each tile's copies are one group, and one barrier a tile
+    serves both ends: each thread waits for its copies of tile i, then the block for
+    every thread, after which tile i is whole and no thread still reads tile i − 1's
+    buffer, which tile i + 1 then refills."""
     ctx = program.ctx
-    copies = warps.AsyncCopies(program, per_tile, groups=2)  # this tile's and the next's in flight
+    copies = warps.AsyncCopies(program, per_tile, groups=1)  # a tile's copies in flight at a time
     with program.phase(wait=False):
         with ctx.when(count > 0):
             load(ctx.index(0), ctx.index(0), copies)
         copies.commit()
     with ctx.loop(0, count, name="tile") as i:
         with program.phase():
+            copies.wait(0)
+        with program.phase(wait=False):
             with ctx.when(i + 1 < count):
                 load(i + 1, (i + 1) % 2, copies)
             copies.commit()
-            copies.wait(1)
         use(i, i % 2)
-        with program.phase():
-            pass
 
 
 def _group_sum(program: BlockProgram, values: PrivateArray, partner: PrivateArray, combine=lambda a, b: a + b) -> None:
