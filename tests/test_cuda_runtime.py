@@ -649,15 +649,18 @@ def _attention_cell(f, dtype: str):
 
 
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
-def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_device, operands):
-    """The tensor-core kernels on the device (the emulator here, the GPU where there is
-    one): the output and dq, dk, dv equal float64's over the bfloat16-rounded operands,
-    within the rounding of the probabilities and score gradients to bfloat16 (and of
-    bfloat16 results: their rows copied to shared memory by cp.async, waited for)."""
+def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_device, operands, monkeypatch):
+    """The own tensor-core kernels on the device (the emulator here, the GPU where there
+    is one; cuDNN, which would claim bfloat16 operands there, told off): the output and
+    dq, dk, dv equal float64's over the bfloat16-rounded operands, within the rounding of
+    the probabilities and score gradients to bfloat16 (and of bfloat16 results: their
+    rows copied to shared memory by cp.async, waited for)."""
     import ml_dtypes
 
+    from ranvier.backends.cuda import cudnn_attention
     from ranvier.ops.attention import attention, attention_grad
 
+    monkeypatch.setenv(cudnn_attention.ENVIRONMENT, "0")
     flow = rv.Flow()
     shapes = _attention_cell(rv.Builder(flow, "f"), operands)
     cell = rv.Compiler("cuda", matmul="bfloat16").compile(flow).cell("f")
