@@ -14,7 +14,9 @@ aligned (or one broadcast element) takes them as a vector (`vector_lanes`: 8 bfl
 elements past the last whole vector (a size not a multiple of the lanes) are a thread's
 each. The arena's offsets and the driver's allocations are 64-byte aligned, so a variable's
 element k·lanes is 16-byte aligned; a view starting elsewhere (a slice at an odd column)
-is read element by element."""
+is read element by element. Between its loads and its stores a vector's program runs lane
+by lane, so that a thread's registers hold the loaded vectors and one lane's temporaries
+(`_emit_run`): few enough for the warps that cover memory's latency."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from ...ops.foreach import Member
 from ..llvm.context import EmitContext
 from ..llvm.convert import narrow, widen
 from ..llvm.formulas import apply, program_body
-from ..llvm.irutil import i64, load, storage_type, store, typed_pointer
+from ..llvm.irutil import I32, i64, load, storage_type, store, typed_pointer
 from ..llvm.strided import (
     SOURCE_VIEWS,
     Body,
@@ -188,22 +190,46 @@ def _emit_vectors(ctx: EmitContext, description: _Map, index: ir.Value, lanes: i
 def _emit_run(ctx: EmitContext, description: _Map, first: ir.Value, lanes: int) -> None:
     """The map's elements first, ..., first + lanes − 1 (a run within the innermost dimension),
     each view's as one access: a vector of its contiguous elements, or its one broadcast
-    element repeated."""
+    element repeated. Between the loads and the stores the program runs lane by lane, as
+    the unrolled map (`_emit`) runs its elements: a thread holds its operands' vectors and
+    one lane's temporaries. Run on whole vectors, the program's every step was eight lanes
+    wide and every lane's temporaries were live at once: a bfloat16 SwiGLU gradient took 109
+    registers (two blocks of 256 threads a multiprocessor, too few warps to cover memory's
+    latency), lane by lane 45; ptxas, capped instead, spills."""
     b = ctx.b
     views = description.inputs + description.outputs
     dims, strides = collapse(description.shape, views)
     offsets = _offsets(b, first, dims, strides, views)
-    loaded = []
+    loaded: list[ir.Value] = []
     for view, at, steps in zip(description.inputs, offsets, strides):
         width = lanes if steps[-1] else 1
         pointer, align = _access(b, ctx.pointer(view.var), at, view.var.dtype, width)
-        raw = b.load(pointer, align=align)
-        loaded.append(Value(b, widen(b, raw, view.var.dtype, width), view.var.dtype).splat(lanes))
-    computed = description.body(loaded, lanes)
+        loaded.append(b.load(pointer, align=align))
+    results: list[list[ir.Value]] = [[] for _ in description.outputs]
+    for lane in range(lanes):
+        values = [Value(b, widen(b, _lane(b, raw, lane), view.var.dtype, 1), view.var.dtype)
+                  for view, raw in zip(description.inputs, loaded)]
+        for found, view, value in zip(results, description.outputs, description.body(values, 1)):
+            found.append(narrow(b, value.ir, view.var.dtype, 1))
     first_output = len(description.inputs)
-    for view, at, value in zip(description.outputs, offsets[first_output:], computed):
+    for view, at, found in zip(description.outputs, offsets[first_output:], results):
         pointer, align = _access(b, ctx.pointer(view.var), at, view.var.dtype, lanes)
-        b.store(narrow(b, value.splat(lanes).ir, view.var.dtype, lanes), pointer, align=align)
+        b.store(_vector(b, found), pointer, align=align)
+
+
+def _lane(b: ir.IRBuilder, raw: ir.Value, lane: int) -> ir.Value:
+    """Lane `lane` of a loaded vector; a loaded scalar (a broadcast element) as it is."""
+    return b.extract_element(raw, ir.Constant(I32, lane)) if isinstance(raw.type, ir.VectorType) else raw
+
+
+def _vector(b: ir.IRBuilder, lanes: list[ir.Value]) -> ir.Value:
+    """The lanes' scalars as one vector; one lane as the scalar it is."""
+    if len(lanes) == 1:
+        return lanes[0]
+    vector = ir.Constant(ir.VectorType(lanes[0].type, len(lanes)), ir.Undefined)
+    for index, value in enumerate(lanes):
+        vector = b.insert_element(vector, value, ir.Constant(I32, index))
+    return vector
 
 
 def _access(b: ir.IRBuilder, base: ir.Value, at: ir.Value, dtype: str, lanes: int) -> tuple[ir.Value, int | None]:
