@@ -24,14 +24,20 @@ A thread's own rows (its query's q and dout, its key's k and v, the rows it sums
 read from memory once, into private arrays: reading them from the operand at every key
 instead had each of a warp's loads touch 32 lines (the rows are a head apart). For head
 sizes up to `UNROLLED_SIZE` the loops along a row are unrolled, so LLVM reaches those
-arrays at known indices and keeps them in registers (ptxas spills what does not fit: the
-key gradients' four rows from head size 48 on, the query gradient's three from 64); longer
-rows live in the thread's local memory. An unrolled dot product runs over independent
-sums, so each multiply-add need not wait for the one before.
+arrays at known indices and keeps them in registers; longer rows live in the thread's
+local memory. Where a launch's rows would hold more than `ROW_REGISTERS` floats a thread
+(the key gradients' four rows from head size 64 on, the query gradient's three and the
+forward's two at 128: ptxas spilled hundreds of bytes of them), `parts` adjacent lanes of
+a warp share each row (`RowThreads`), each holding every `parts`-th element: a block is
+then `TILE` rows of `parts` threads, and each dot product with a streamed row is summed
+over the row's lanes by warp shuffles (`warps.exchange`), a chunk of `SCORES` keys at a
+time. An unrolled dot product runs over independent sums, so each multiply-add need not
+wait for the one before.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -45,16 +51,19 @@ from ..llvm.context import Array
 from ..llvm.loops import pairwise
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
-from .blocks import BlockProgram, PrivateArray
+from .blocks import BlockProgram, PrivateArray, barrier
 from .library import LIBRARY, Generator
+from .warps import exchange
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 PARKED = 3  # m, 1/l and D, in a dq row between launches
-TILE = 32  # a block's rows, one per thread: a warp
+TILE = 32  # a block's rows
 SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
 UNROLLED_SIZE = 128  # head sizes whose loops along a row are unrolled, the thread's rows in registers
+ROW_REGISTERS = 128  # registers of its own rows a thread keeps: more are split over lanes
+SCORES = 4  # streamed rows whose dot products a split row's lanes sum at once
 _CHAINS = 4  # independent partial sums of an unrolled dot product
 
 
@@ -103,6 +112,115 @@ class AttentionShape:
         return t + (self.keys - self.queries + 1) if self.causal else ctx.index(self.keys)
 
 
+def row_parts(size: int, rows: int, dtype: str = dtypes.DT_FLOAT32) -> int:
+    """Lanes sharing each of a launch's rows, whose threads hold `rows` rows of `size`
+    elements of `dtype` each: the fewest (a power of two dividing the size) that leave a
+    thread at most `ROW_REGISTERS` registers of them (a float64 takes two); one where the
+    rows are not unrolled into registers."""
+    words = rows * size * (2 if dtype == dtypes.DT_FLOAT64 else 1)
+    parts = 1
+    while size <= UNROLLED_SIZE and words // parts > ROW_REGISTERS and size % (2 * parts) == 0:
+        parts *= 2
+    return parts
+
+
+class RowThreads:
+    """A launch's threads and their rows: `parts` adjacent lanes to a row, a block of
+    `TILE` rows; a lane holds the row's elements part, part + parts, ... (so a row's lanes
+    read adjacent words of a streamed row in shared memory), `width` of them."""
+
+    def __init__(self, program: BlockProgram, shape: AttentionShape, parts: int):
+        self.program, self.parts, self.width = program, parts, shape.size // parts
+        self.unrolled = shape.size <= UNROLLED_SIZE
+
+    @property
+    def row(self) -> Value:
+        """The running thread's row of the block (inside a phase)."""
+        return self.program.thread // self.parts if self.parts > 1 else self.program.thread
+
+    @property
+    def part(self) -> Value:
+        """The running thread's place among its row's lanes (inside a phase)."""
+        return self.program.thread % self.parts if self.parts > 1 else self.program.ctx.index(0)
+
+    def element(self, k: Value | int) -> Value:
+        """The row element of the running thread's k-th."""
+        return self.part + k * self.parts if self.parts > 1 else self.program.ctx.index(k)
+
+    def own_rows(self, dtype: str, count: int) -> list[PrivateArray]:
+        """`count` rows of each thread's own (its part of each)."""
+        return [self.program.private(dtype, self.width) for _ in range(count)]
+
+    def each(self, body: Callable[[Value | int, Value], None], name: str = "i") -> None:
+        """`body(k, i)` for each of the thread's elements: k its own index (a number where the
+        loop is unrolled), i the row's."""
+        if self.unrolled:
+            for k in range(self.width):
+                body(k, self.element(k))
+        else:
+            with self.program.ctx.loop(0, self.width, name=name) as index:
+                body(index, self.element(index))
+
+    def dot(self, a: Callable[[Value | int, Value], Value], b: Callable[[Value | int, Value], Value], dtype: str) -> Value:
+        """Σ a(k, i) · b(k, i) over the thread's elements (its part of a dot product):
+        unrolled, over `_CHAINS` independent sums."""
+        if not self.unrolled:
+            total = self.program.ctx.local(dtype, initial=0.0)
+            with self.program.ctx.loop(0, self.width, name="d") as index:
+                i = self.element(index)
+                total.set(a(index, i).mul_add(b(index, i), total.value))
+            return total.value
+        elements = [self.element(k) for k in range(self.width)]
+        sums = [a(k, elements[k]) * b(k, elements[k]) for k in range(min(_CHAINS, self.width))]
+        for k in range(len(sums), self.width):
+            sums[k % _CHAINS] = a(k, elements[k]).mul_add(b(k, elements[k]), sums[k % _CHAINS])
+        return pairwise(lambda x, y: x + y, sums)
+
+    def read_row(self, var: Variable, at: Value, row: PrivateArray) -> None:
+        ctx = self.program.ctx
+        self.each(lambda k, i: row.store(k, ctx.load(var, at + i)))
+
+    def scored(self, rows: int, count: int, dtype: str, partials: Callable[[Value], list[Value]],
+               visit: Callable[[Value, Callable[[], list[Value]]], None]) -> None:
+        """For each streamed row j < `rows` of a tile: `visit(j, sums)`, `sums()` giving the
+        `count` dot products whose thread's parts `partials(j)` gives, summed over the row's
+        lanes (a loop every thread of the block runs, ending with the block waiting). A lane
+        holding its whole row computes them where `visit` asks; split rows' lanes take
+        `SCORES` rows at a time: their parts, then a butterfly of shuffles that leaves each
+        lane the same sums, then the visits. A chunk's rows past the tile read its last and
+        are not visited."""
+        program, ctx = self.program, self.program.ctx
+        if self.parts == 1:
+            with program.phase(), ctx.loop(0, rows, name="j") as j:
+                visit(j, lambda: partials(j))
+            return
+        chunk = min(SCORES, rows)
+        sums, scratch = (program.private(dtype, count * chunk) for _ in range(2))
+
+        def summed(c: int) -> list[Value]:
+            return [sums.load(n * chunk + c) for n in range(count)]
+
+        with ctx.loop(0, rows, step=chunk, name="chunk") as start:
+            # the block waits after the parts: without a barrier LLVM keeps the rows they read
+            # in registers for the visits to read again, a chunk's rows at once (ptxas spilled)
+            with program.phase():
+                for c in range(chunk):
+                    for n, value in enumerate(partials((start + c).minimum(rows - 1))):
+                        sums.store(n * chunk + c, value)
+            mask = 1
+            while mask < self.parts:
+                exchange(program, scratch, sums, count * chunk, mask)
+                with program.phase(wait=False):
+                    for k in range(count * chunk):
+                        sums.store(k, sums.load(k) + scratch.load(k))
+                mask *= 2
+            with program.phase(wait=False):
+                for c in range(chunk):
+                    with ctx.when(start + c < rows):
+                        visit(start + c, functools.partial(summed, c))
+        barrier(ctx)  # every thread done with the tile before the next is loaded over it
+
+
 def _rescale(peak: Value, grown: Value, score: Value) -> tuple[Value, Value]:
     """The online softmax's factor for the sum so far and the new score's weight, when
     the running maximum goes from `peak` to `grown`. Until a score is finite (keys masked
@@ -117,45 +235,9 @@ def _streamed_rows(op: Operation, row_floats: int) -> int:
     return max(1, min(TILE, SHARED_BYTES // (row_floats * item)))
 
 
-def _unrolled(shape: AttentionShape) -> bool:
-    return shape.size <= UNROLLED_SIZE
-
-
-def _each(ctx: ThreadContext, shape: AttentionShape, body: Callable[[Value | int], None], name: str = "i") -> None:
-    """`body(i)` for each element i of a row: i a number where the loop is unrolled."""
-    if _unrolled(shape):
-        for i in range(shape.size):
-            body(i)
-    else:
-        with ctx.loop(0, shape.size, name=name) as index:
-            body(index)
-
-
-def _dot(ctx: ThreadContext, shape: AttentionShape, a: Callable, b: Callable, dtype: str) -> Value:
-    """Σᵢ a(i) · b(i) along a row: unrolled, over `_CHAINS` independent sums."""
-    if not _unrolled(shape):
-        total = ctx.local(dtype, initial=0.0)
-        with ctx.loop(0, shape.size, name="d") as d:
-            total.set(a(d).mul_add(b(d), total.value))
-        return total.value
-    sums = [a(i) * b(i) for i in range(min(_CHAINS, shape.size))]
-    for i in range(len(sums), shape.size):
-        sums[i % _CHAINS] = a(i).mul_add(b(i), sums[i % _CHAINS])
-    return pairwise(lambda x, y: x + y, sums)
-
-
-def _own_rows(program: BlockProgram, shape: AttentionShape, dtype: str, count: int) -> list[PrivateArray]:
-    """`count` rows of each thread's own."""
-    return [program.private(dtype, shape.size) for _ in range(count)]
-
-
-def _read_row(ctx: ThreadContext, shape: AttentionShape, var: Variable, at: Value, row: PrivateArray) -> None:
-    _each(ctx, shape, lambda i: row.store(i, ctx.load(var, at + i)))
-
-
-def _tile_row(tile: Array, j: Value, size: int) -> Callable[[Value], Value]:
+def _tile_row(tile: Array, j: Value, size: int) -> Callable[[Value | int, Value], Value]:
     """Element i of row j of a tile in shared memory."""
-    return lambda i: tile.load(j * size + i)
+    return lambda k, i: tile.load(j * size + i)
 
 
 def load_tiles(program: BlockProgram, first: Value, rows: int, last: int, sources: list[tuple[Variable, Callable, Array, int]],
@@ -193,21 +275,31 @@ def launches(op: Operation) -> list[tuple[int, Callable[[ThreadContext, ir.Value
     shape = AttentionShape(op)
     query_blocks = shape.batch * shape.heads * shape.query_tiles
 
-    def block(emit):
-        return lambda ctx, index: emit(BlockProgram(ctx, TILE, ctx.on_gpu), op, shape, index_value(ctx.b, index))
+    def block(emit, held: int) -> tuple[Callable[[ThreadContext, ir.Value], None], int]:
+        """A launch's element and threads a block, its threads holding `held` rows each."""
+        parts = row_parts(shape.size, held, op.outputs[0].dtype)
+
+        def element(ctx: ThreadContext, index: ir.Value) -> None:
+            program = BlockProgram(ctx, TILE * parts, ctx.on_gpu)
+            emit(program, RowThreads(program, shape, parts), op, shape, index_value(ctx.b, index))
+
+        return element, TILE * parts
 
     if op.type == "Attention":
-        return [(query_blocks, block(_forward), TILE)]
-    return [(query_blocks, block(_statistics), TILE),
-            (shape.batch * shape.kv_heads * shape.key_tiles, block(_key_gradients), TILE),
-            (query_blocks, block(_query_gradient), TILE)]
+        return [(query_blocks, *block(_forward, 2))]  # q and the output
+    return [(query_blocks, *block(_statistics, 2)),  # q and dout
+            (shape.batch * shape.kv_heads * shape.key_tiles, *block(_key_gradients, 4)),  # k, v, dk and dv
+            (query_blocks, *block(_query_gradient, 3))]  # q, dout and dq
 
 
-def _stream_keys(program: BlockProgram, op: Operation, shape: AttentionShape, b: Value, h: Value, first_query: Value,
-                 visit: Callable[[Value, Value, Value, Array, Array], None]) -> None:
+def _stream_keys(threads: RowThreads, op: Operation, shape: AttentionShape, b: Value, h: Value, first_query: Value,
+                 count: int, partials: Callable[[Value, Array, Array], list[Value]],
+                 visit: Callable[[Value, Value, Value, Array, Array, list[Value]], None]) -> None:
     """Stream the key and value rows a block of query rows sees through shared memory:
-    `visit(t, s, j, keys, values)` for each thread's query t and each key s it sees (row j
-    of the tiles)."""
+    for each thread's query t and each key s it sees (row j of the tiles), the `count` dot
+    products `partials(j, keys, values)` gives the thread's parts of, summed over its row's
+    lanes, then `visit(t, s, j, keys, values, sums)`."""
+    program = threads.program
     ctx, size, kv = program.ctx, shape.size, h // shape.group
     rows = _streamed_rows(op, 2 * size)
     dtype = op.outputs[0].dtype
@@ -217,68 +309,74 @@ def _stream_keys(program: BlockProgram, op: Operation, shape: AttentionShape, b:
         load_tiles(program, first_key, rows, shape.keys - 1, [
             (op.inputs[1], lambda s: shape.key_row(b, kv, s), keys, size),
             (op.inputs[2], lambda s: shape.key_row(b, kv, s), values, size)])
-        with program.phase() as thread:
-            t = first_query + thread
-            with ctx.when(t < shape.queries):
-                seen = (shape.visible_keys(ctx, t) - first_key).minimum(rows)
-                with ctx.loop(0, seen, name="j") as j:
-                    visit(t, first_key + j, j, keys, values)
+
+        def seen(j: Value, sums: Callable[[], list[Value]]) -> None:
+            t = first_query + threads.row
+            with ctx.when(t < shape.queries), ctx.when(first_key + j < shape.visible_keys(ctx, t)):
+                visit(t, first_key + j, j, keys, values, sums())
+
+        threads.scored(rows, count, dtype, lambda j: partials(j, keys, values), seen)
 
 
-def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
+def _forward(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
     ctx, size = program.ctx, shape.size
     out = op.outputs[0]
     b, h, first_query = _query_block(shape, block)
     peak, total = program.private(out.dtype, 1), program.private(out.dtype, 1)
-    acc, query = _own_rows(program, shape, out.dtype, 2)
-    with program.phase() as thread:
+    acc, query = threads.own_rows(out.dtype, 2)
+    with program.phase():
         peak.store(0, ctx.constant(out.dtype, -float("inf")))
         total.store(0, ctx.constant(out.dtype, 0.0))
-        _each(ctx, shape, lambda i: acc.store(i, ctx.constant(out.dtype, 0.0)))
-        _read_row(ctx, shape, op.inputs[0], shape.query_row(b, h, _own(shape.queries, first_query + thread)), query)
+        threads.each(lambda k, i: acc.store(k, ctx.constant(out.dtype, 0.0)))
+        threads.read_row(op.inputs[0], shape.query_row(b, h, _own(shape.queries, first_query + threads.row)), query)
 
-    def visit(t, s, j, keys, values):
-        score = shape.score(ctx, _dot(ctx, shape, query.load, _tile_row(keys, j, size), out.dtype), b, h, t, s)
+    def visit(t, s, j, keys, values, sums):
+        score = shape.score(ctx, sums[0], b, h, t, s)
         grown = peak.load(0).maximum(score)
         correction, weight = _rescale(peak.load(0), grown, score)
         total.store(0, total.load(0) * correction + weight)
-        _each(ctx, shape, lambda i: acc.store(i, values.load(j * size + i).mul_add(weight, acc.load(i) * correction)))
+        threads.each(lambda k, i: acc.store(k, values.load(j * size + i).mul_add(weight, acc.load(k) * correction)))
         peak.store(0, grown)
 
-    _stream_keys(program, op, shape, b, h, first_query, visit)
-    with program.phase() as thread:
-        t = first_query + thread
+    _stream_keys(threads, op, shape, b, h, first_query, 1,
+                 lambda j, keys, values: [threads.dot(lambda k, i: query.load(k), _tile_row(keys, j, size), out.dtype)], visit)
+    with program.phase():
+        t = first_query + threads.row
         with ctx.when(t < shape.queries):
             inverse = unseen_inverse(total.load(0))
-            _each(ctx, shape, lambda i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(i) * inverse))
+            threads.each(lambda k, i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(k) * inverse))
 
 
-def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
+def _statistics(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
     peak, total, d = (program.private(dq.dtype, 1) for _ in range(PARKED))
-    query, gradient = _own_rows(program, shape, dq.dtype, 2)
-    with program.phase() as thread:
+    query, gradient = threads.own_rows(dq.dtype, 2)
+    with program.phase():
         for value, initial in ((peak, -float("inf")), (total, 0.0), (d, 0.0)):
             value.store(0, ctx.constant(dq.dtype, initial))
-        at = shape.query_row(b, h, _own(shape.queries, first_query + thread))
-        _read_row(ctx, shape, op.inputs[0], at, query)
-        _read_row(ctx, shape, dout, at, gradient)
+        at = shape.query_row(b, h, _own(shape.queries, first_query + threads.row))
+        threads.read_row(op.inputs[0], at, query)
+        threads.read_row(dout, at, gradient)
 
-    def visit(t, s, j, keys, values):
-        score = shape.score(ctx, _dot(ctx, shape, query.load, _tile_row(keys, j, size), dq.dtype), b, h, t, s)
+    def partials(j, keys, values):
+        return [threads.dot(lambda k, i: query.load(k), _tile_row(keys, j, size), dq.dtype),
+                threads.dot(lambda k, i: gradient.load(k), _tile_row(values, j, size), dq.dtype)]
+
+    def visit(t, s, j, keys, values, sums):
+        score = shape.score(ctx, sums[0], b, h, t, s)
         grown = peak.load(0).maximum(score)
         correction, weight = _rescale(peak.load(0), grown, score)
         total.store(0, total.load(0) * correction + weight)
-        d.store(0, d.load(0) * correction + weight * _dot(ctx, shape, gradient.load, _tile_row(values, j, size), dq.dtype))
+        d.store(0, d.load(0) * correction + weight * sums[1])
         peak.store(0, grown)
 
-    _stream_keys(program, op, shape, b, h, first_query, visit)
-    with program.phase() as thread:
-        t = first_query + thread
-        with ctx.when(t < shape.queries):
+    _stream_keys(threads, op, shape, b, h, first_query, 2, partials, visit)
+    with program.phase():
+        t = first_query + threads.row
+        with ctx.when(t < shape.queries), ctx.when(threads.part.equal(0)):  # a row's first lane parks its statistics
             at = shape.query_row(b, h, t)
             inverse = unseen_inverse(total.load(0))
             ctx.store(dq, at, finite_peak(peak.load(0)))
@@ -286,7 +384,7 @@ def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, blo
             ctx.store(dq, at + 2, d.load(0) * inverse)
 
 
-def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
+def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
     it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
     ctx, size = program.ctx, shape.size
@@ -294,16 +392,17 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
     dq, dk, dv = op.outputs
     heads = block // shape.key_tiles
     b, kv, first_key = heads // shape.kv_heads, heads % shape.kv_heads, block % shape.key_tiles * TILE
-    dk_acc, dv_acc, key, value = _own_rows(program, shape, dk.dtype, 4)
-    def clear(i: Value | int) -> None:
-        dk_acc.store(i, ctx.constant(dk.dtype, 0.0))
-        dv_acc.store(i, ctx.constant(dv.dtype, 0.0))
+    dk_acc, dv_acc, key, value = threads.own_rows(dk.dtype, 4)
 
-    with program.phase() as thread:
-        _each(ctx, shape, clear)
-        at = shape.key_row(b, kv, _own(shape.keys, first_key + thread))
-        _read_row(ctx, shape, op.inputs[1], at, key)
-        _read_row(ctx, shape, v, at, value)
+    def clear(k: Value | int, i: Value) -> None:
+        dk_acc.store(k, ctx.constant(dk.dtype, 0.0))
+        dv_acc.store(k, ctx.constant(dv.dtype, 0.0))
+
+    with program.phase():
+        threads.each(clear)
+        at = shape.key_row(b, kv, _own(shape.keys, first_key + threads.row))
+        threads.read_row(op.inputs[1], at, key)
+        threads.read_row(v, at, value)
     rows = _streamed_rows(op, 2 * size + PARKED)
     queries, douts, parked = (program.shared(dk.dtype, rows * width) for width in (size, size, PARKED))
     # the first query that sees the block's first key
@@ -313,57 +412,71 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         load_tiles(program, first_query, rows, shape.queries - 1, [
             (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
             (dq, lambda t: shape.query_row(b, h, t), parked, PARKED)])
-        with program.phase() as thread:
-            s = first_key + thread
-            with (ctx.when(s < shape.keys), ctx.loop(0, (shape.queries - first_query).minimum(rows), name="j") as j,
-                  ctx.when(s < shape.visible_keys(ctx, first_query + j))):
-                peak, inverse, d = (parked.load(j * PARKED + k) for k in range(PARKED))
-                score = shape.score(ctx, _dot(ctx, shape, _tile_row(queries, j, size), key.load, dk.dtype), b, h, first_query + j, s)
-                p = (score - peak).exp() * inverse
-                ds = p * (_dot(ctx, shape, _tile_row(douts, j, size), value.load, dk.dtype) - d) * shape.scale
-                def add(i: Value | int) -> None:
-                    dk_acc.store(i, queries.load(j * size + i).mul_add(ds, dk_acc.load(i)))
-                    dv_acc.store(i, douts.load(j * size + i).mul_add(p, dv_acc.load(i)))
 
-                _each(ctx, shape, add)
-    with program.phase() as thread:
-        s = first_key + thread
+        def partials(j: Value) -> list[Value]:
+            return [threads.dot(_tile_row(queries, j, size), lambda k, i: key.load(k), dk.dtype),
+                    threads.dot(_tile_row(douts, j, size), lambda k, i: value.load(k), dk.dtype)]
+
+        def visit(j: Value, sums: Callable[[], list[Value]]) -> None:
+            s = first_key + threads.row
+            with (ctx.when(s < shape.keys), ctx.when(first_query + j < shape.queries),
+                  ctx.when(s < shape.visible_keys(ctx, first_query + j))):
+                dots = sums()
+                peak, inverse, d = (parked.load(j * PARKED + k) for k in range(PARKED))
+                score = shape.score(ctx, dots[0], b, h, first_query + j, s)
+                p = (score - peak).exp() * inverse
+                ds = p * (dots[1] - d) * shape.scale
+
+                def add(k: Value | int, i: Value) -> None:
+                    dk_acc.store(k, queries.load(j * size + i).mul_add(ds, dk_acc.load(k)))
+                    dv_acc.store(k, douts.load(j * size + i).mul_add(p, dv_acc.load(k)))
+
+                threads.each(add)
+
+        threads.scored(rows, 2, dk.dtype, partials, visit)
+    with program.phase():
+        s = first_key + threads.row
         with ctx.when(s < shape.keys):
             at = shape.key_row(b, kv, s)
-            def write(i: Value | int) -> None:
-                ctx.store(dk, at + i, dk_acc.load(i))
-                ctx.store(dv, at + i, dv_acc.load(i))
 
-            _each(ctx, shape, write)
+            def write(k: Value | int, i: Value) -> None:
+                ctx.store(dk, at + i, dk_acc.load(k))
+                ctx.store(dv, at + i, dv_acc.load(k))
+
+            threads.each(write)
 
 
-def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape, block: Value) -> None:
+def _query_gradient(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 3: each query row's dq, from its parked m, 1/l and D (read before the row is written)."""
     ctx, size = program.ctx, shape.size
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
     parked = program.private(dq.dtype, PARKED)
-    acc, query, gradient = _own_rows(program, shape, dq.dtype, 3)
-    with program.phase() as thread:
-        at = shape.query_row(b, h, _own(shape.queries, first_query + thread))
+    acc, query, gradient = threads.own_rows(dq.dtype, 3)
+    with program.phase():
+        at = shape.query_row(b, h, _own(shape.queries, first_query + threads.row))
         for k in range(PARKED):
             parked.store(k, ctx.load(dq, at + k))
-        _each(ctx, shape, lambda i: acc.store(i, ctx.constant(dq.dtype, 0.0)))
-        _read_row(ctx, shape, op.inputs[0], at, query)
-        _read_row(ctx, shape, dout, at, gradient)
+        threads.each(lambda k, i: acc.store(k, ctx.constant(dq.dtype, 0.0)))
+        threads.read_row(op.inputs[0], at, query)
+        threads.read_row(dout, at, gradient)
 
-    def visit(t, s, j, keys, values):
+    def partials(j, keys, values):
+        return [threads.dot(lambda k, i: query.load(k), _tile_row(keys, j, size), dq.dtype),
+                threads.dot(lambda k, i: gradient.load(k), _tile_row(values, j, size), dq.dtype)]
+
+    def visit(t, s, j, keys, values, sums):
         peak, inverse, d = (parked.load(k) for k in range(PARKED))
-        score = shape.score(ctx, _dot(ctx, shape, query.load, _tile_row(keys, j, size), dq.dtype), b, h, t, s)
+        score = shape.score(ctx, sums[0], b, h, t, s)
         p = (score - peak).exp() * inverse
-        ds = p * (_dot(ctx, shape, gradient.load, _tile_row(values, j, size), dq.dtype) - d)
-        _each(ctx, shape, lambda i: acc.store(i, keys.load(j * size + i).mul_add(ds, acc.load(i))))
+        ds = p * (sums[1] - d)
+        threads.each(lambda k, i: acc.store(k, keys.load(j * size + i).mul_add(ds, acc.load(k))))
 
-    _stream_keys(program, op, shape, b, h, first_query, visit)
-    with program.phase() as thread:
-        t = first_query + thread
+    _stream_keys(threads, op, shape, b, h, first_query, 2, partials, visit)
+    with program.phase():
+        t = first_query + threads.row
         with ctx.when(t < shape.queries):
-            _each(ctx, shape, lambda i: ctx.store(dq, shape.query_row(b, h, t) + i, acc.load(i) * shape.scale))
+            threads.each(lambda k, i: ctx.store(dq, shape.query_row(b, h, t) + i, acc.load(k) * shape.scale))
 
 
 LIBRARY.register(Generator("Attention", None, launches, supports=supports, rank=130))

@@ -148,12 +148,9 @@ def exchange(program: BlockProgram, target: PrivateArray, source: PrivateArray, 
     four lanes), into `target` (another array). Called between phases."""
     ctx = program.ctx
     if program.on_gpu:
-        shuffle = declared(ctx.module, "llvm.nvvm.shfl.sync.bfly.f32", ir.FunctionType(F32, [I32, F32, I32, I32]))
         with program.phase(wait=False):
             for i in range(count):
-                moved = ctx.b.call(shuffle, [ir.Constant(I32, -1), source.load(i).ir, ir.Constant(I32, mask),
-                                             ir.Constant(I32, WARP - 1)])
-                target.store(i, Value(ctx.b, moved, source.dtype))
+                target.store(i, Value(ctx.b, _butterfly(ctx, source.load(i).ir, mask), source.dtype))
         return
     _between_phases(program)
     with ctx.loop(0, program.threads, name="lane") as thread:
@@ -267,3 +264,19 @@ class AsyncCopies:
                 b.store(b.load(source, align=4), target, align=4)  # the host's stack tile is 4-byte aligned only
                 landed.set(e + 1)
         self._state.store(0, landed.value)
+
+
+def _butterfly(ctx: ThreadContext, value: ir.Value, mask: int) -> ir.Value:
+    """A float32 (or float64: its two 32-bit halves) from the lane whose number differs in `mask`'s bits."""
+    b = ctx.b
+
+    def shuffled(word: ir.Value, kind: str, type_: ir.Type) -> ir.Value:
+        shuffle = declared(ctx.module, f"llvm.nvvm.shfl.sync.bfly.{kind}", ir.FunctionType(type_, [I32, type_, I32, I32]))
+        return b.call(shuffle, [ir.Constant(I32, -1), word, ir.Constant(I32, mask), ir.Constant(I32, WARP - 1)])
+
+    if value.type == F32:
+        return shuffled(value, "f32", F32)
+    bits = b.bitcast(value, I64)
+    low, high = (shuffled(b.trunc(half, I32), "i32", I32) for half in (bits, b.lshr(bits, ir.Constant(I64, 32))))
+    joined = b.or_(b.shl(b.zext(high, I64), ir.Constant(I64, 32)), b.zext(low, I64))
+    return b.bitcast(joined, value.type)
