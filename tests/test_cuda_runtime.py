@@ -637,10 +637,10 @@ def test_a_bfloat16_moe_training_step_runs_its_grouped_products_on_tensor_cores_
         assert gpu.step(batch_) == pytest.approx(cpu.step(batch_), rel=1e-3)
 
 
-def _attention_cell(f, dtype: str):
-    """Attention and its gradient over [2, 100, heads, 64] rows, four query heads to two
-    key/value heads, causal: 100 rows, so the blocks of 64 end ragged."""
-    shapes = {"q": [2, 100, 4, 64], "k": [2, 100, 2, 64], "v": [2, 100, 2, 64], "dout": [2, 100, 4, 64]}
+def _attention_cell(f, dtype: str, size: int = 64):
+    """Attention and its gradient over [2, 100, heads, size] rows, four query heads to two
+    key/value heads, causal: 100 rows, so the blocks of 64 (or 32) end ragged."""
+    shapes = {"q": [2, 100, 4, size], "k": [2, 100, 2, size], "v": [2, 100, 2, size], "dout": [2, 100, 4, size]}
     q, k, v, dout = (f.var(name, dtype, shape) for name, shape in shapes.items())
     f.op("Attention", [q, k, v], None, {"heads_first": False}).var.out = True
     for gradient in f.op("AttentionGrad", [q, k, v, dout], None, {"heads_first": False}):
@@ -678,6 +678,29 @@ def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_devi
         scale = np.abs(rounded[2]).max() if name == "f/Attention:0" else np.abs(want).max()
         np.testing.assert_allclose(np.array(data[name]).astype(np.float64), want, rtol=0, atol=(share + stored) * scale,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("size", [64, 128])
+def test_float32_attention_and_its_gradient_on_the_device_match_float64(on_device, size):
+    """The float32 kernels (products in float32) on the device, at head sizes whose rows
+    are split over two or four lanes of a warp, their dot products summed by shuffles: the
+    output and dq, dk, dv equal float64's to float32's rounding."""
+    from ranvier.ops.attention import attention, attention_grad
+
+    flow = rv.Flow()
+    shapes = _attention_cell(rv.Builder(flow, "f"), "float32", size)
+    cell = rv.Compiler("cuda").compile(flow).cell("f")
+    assert {step.kernel for step in cell.steps if step.op.type.startswith("Attention")} == {"Attention"}
+    data = cell.instance()
+    values = {name: random_array(shape, "float32", seed=30 + i) for i, (name, shape) in enumerate(shapes.items())}
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    operands = [values[f"f/{name}"].astype(np.float64) for name in ("q", "k", "v", "dout")]
+    wants = [attention(*operands[:3], heads_first=False), *attention_grad(*operands, heads_first=False)]
+    names = ["f/Attention:0", "f/AttentionGrad:0", "f/AttentionGrad:1", "f/AttentionGrad:2"]
+    for name, want in zip(names, wants):
+        np.testing.assert_allclose(np.array(data[name]), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=name)
 
 
 def test_decoding_with_the_kv_cache_on_the_device_gives_the_cpus_tokens(on_device):
