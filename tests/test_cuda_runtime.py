@@ -648,6 +648,22 @@ def _attention_cell(f, dtype: str, size: int = 64):
     return {f"f/{name}": shape for name, shape in shapes.items()}
 
 
+def _computed_attention(matmul: str, kernel: str, size: int, seed: int, operands: str = "float32"):
+    """`_attention_cell` over `operands` compiled with its products in `matmul` (its
+    attention `kernel`'s), computed on the device from random operands: the operands and
+    the instance."""
+    flow = rv.Flow()
+    shapes = _attention_cell(rv.Builder(flow, "f"), operands, size)
+    cell = rv.Compiler("cuda", matmul=matmul).compile(flow).cell("f")
+    assert {step.kernel for step in cell.steps if step.op.type.startswith("Attention")} == {kernel}
+    data = cell.instance()
+    values = {name: random_array(shape, operands, seed=seed + i) for i, (name, shape) in enumerate(shapes.items())}
+    for name, value in values.items():
+        data[name] = value
+    data.compute()
+    return values, data
+
+
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
 def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_device, operands, monkeypatch):
     """The own tensor-core kernels on the device (the emulator here, the GPU where there
@@ -661,15 +677,7 @@ def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_devi
     from ranvier.ops.attention import attention, attention_grad
 
     monkeypatch.setenv(cudnn_attention.ENVIRONMENT, "0")
-    flow = rv.Flow()
-    shapes = _attention_cell(rv.Builder(flow, "f"), operands)
-    cell = rv.Compiler("cuda", matmul="bfloat16").compile(flow).cell("f")
-    assert {step.kernel for step in cell.steps if step.op.type.startswith("Attention")} == {"AttentionMMA"}
-    data = cell.instance()
-    values = {name: random_array(shape, operands, seed=20 + i) for i, (name, shape) in enumerate(shapes.items())}
-    for name, value in values.items():
-        data[name] = value
-    data.compute()
+    values, data = _computed_attention("bfloat16", "AttentionMMA", 64, seed=20, operands=operands)
     rounded = [values[f"f/{name}"].astype(ml_dtypes.bfloat16).astype(np.float64) for name in ("q", "k", "v", "dout")]
     wants = [attention(*rounded[:3], heads_first=False), *attention_grad(*rounded, heads_first=False)]
     names = ["f/Attention:0", "f/AttentionGrad:0", "f/AttentionGrad:1", "f/AttentionGrad:2"]
@@ -687,15 +695,7 @@ def test_float32_attention_and_its_gradient_on_the_device_match_float64(on_devic
     output and dq, dk, dv equal float64's to float32's rounding."""
     from ranvier.ops.attention import attention, attention_grad
 
-    flow = rv.Flow()
-    shapes = _attention_cell(rv.Builder(flow, "f"), "float32", size)
-    cell = rv.Compiler("cuda").compile(flow).cell("f")
-    assert {step.kernel for step in cell.steps if step.op.type.startswith("Attention")} == {"Attention"}
-    data = cell.instance()
-    values = {name: random_array(shape, "float32", seed=30 + i) for i, (name, shape) in enumerate(shapes.items())}
-    for name, value in values.items():
-        data[name] = value
-    data.compute()
+    values, data = _computed_attention("float32", "Attention", size, seed=30)
     operands = [values[f"f/{name}"].astype(np.float64) for name in ("q", "k", "v", "dout")]
     wants = [attention(*operands[:3], heads_first=False), *attention_grad(*operands, heads_first=False)]
     names = ["f/Attention:0", "f/AttentionGrad:0", "f/AttentionGrad:1", "f/AttentionGrad:2"]

@@ -130,7 +130,7 @@ class RowThreads:
     read adjacent words of a streamed row in shared memory), `width` of them."""
 
     def __init__(self, program: BlockProgram, shape: AttentionShape, parts: int):
-        self.program, self.parts, self.width = program, parts, shape.size // parts
+        self.program, self.size, self.parts, self.width = program, shape.size, parts, shape.size // parts
         self.unrolled = shape.size <= UNROLLED_SIZE
 
     @property
@@ -347,9 +347,22 @@ def _forward(program: BlockProgram, threads: RowThreads, op: Operation, shape: A
             threads.each(lambda k, i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(k) * inverse))
 
 
+def _score_and_gradient(threads: RowThreads, query: PrivateArray, gradient: PrivateArray,
+                        dtype: str) -> Callable[[Value, Array, Array], list[Value]]:
+    """A query row's parts of its dot products with streamed row j: q · kⱼ (the score) and
+    dout · vⱼ (the probability's gradient)."""
+    size = threads.size
+
+    def partials(j: Value, keys: Array, values: Array) -> list[Value]:
+        return [threads.dot(lambda k, i: query.load(k), _tile_row(keys, j, size), dtype),
+                threads.dot(lambda k, i: gradient.load(k), _tile_row(values, j, size), dtype)]
+
+    return partials
+
+
 def _statistics(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
-    ctx, size = program.ctx, shape.size
+    ctx = program.ctx
     dout, dq = op.inputs[3], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
     peak, total, d = (program.private(dq.dtype, 1) for _ in range(PARKED))
@@ -361,10 +374,6 @@ def _statistics(program: BlockProgram, threads: RowThreads, op: Operation, shape
         threads.read_row(op.inputs[0], at, query)
         threads.read_row(dout, at, gradient)
 
-    def partials(j, keys, values):
-        return [threads.dot(lambda k, i: query.load(k), _tile_row(keys, j, size), dq.dtype),
-                threads.dot(lambda k, i: gradient.load(k), _tile_row(values, j, size), dq.dtype)]
-
     def visit(t, s, j, keys, values, sums):
         score = shape.score(ctx, sums[0], b, h, t, s)
         grown = peak.load(0).maximum(score)
@@ -373,7 +382,7 @@ def _statistics(program: BlockProgram, threads: RowThreads, op: Operation, shape
         d.store(0, d.load(0) * correction + weight * sums[1])
         peak.store(0, grown)
 
-    _stream_keys(threads, op, shape, b, h, first_query, 2, partials, visit)
+    _stream_keys(threads, op, shape, b, h, first_query, 2, _score_and_gradient(threads, query, gradient, dq.dtype), visit)
     with program.phase():
         t = first_query + threads.row
         with ctx.when(t < shape.queries), ctx.when(threads.part.equal(0)):  # a row's first lane parks its statistics
@@ -461,10 +470,6 @@ def _query_gradient(program: BlockProgram, threads: RowThreads, op: Operation, s
         threads.read_row(op.inputs[0], at, query)
         threads.read_row(dout, at, gradient)
 
-    def partials(j, keys, values):
-        return [threads.dot(lambda k, i: query.load(k), _tile_row(keys, j, size), dq.dtype),
-                threads.dot(lambda k, i: gradient.load(k), _tile_row(values, j, size), dq.dtype)]
-
     def visit(t, s, j, keys, values, sums):
         peak, inverse, d = (parked.load(k) for k in range(PARKED))
         score = shape.score(ctx, sums[0], b, h, t, s)
@@ -472,7 +477,7 @@ def _query_gradient(program: BlockProgram, threads: RowThreads, op: Operation, s
         ds = p * (sums[1] - d)
         threads.each(lambda k, i: acc.store(k, keys.load(j * size + i).mul_add(ds, acc.load(k))))
 
-    _stream_keys(threads, op, shape, b, h, first_query, 2, partials, visit)
+    _stream_keys(threads, op, shape, b, h, first_query, 2, _score_and_gradient(threads, query, gradient, dq.dtype), visit)
     with program.phase():
         t = first_query + threads.row
         with ctx.when(t < shape.queries):
