@@ -35,21 +35,28 @@ def test_the_gpu_check_script_parses():
         assert subprocess.run(["bash", "-n", str(CI / script)], check=False).returncode == 0, script
 
 
-def test_the_report_keeps_what_each_stage_printed_a_race_cut_short_too(tmp_path):
+def _report(tmp_path, logs: dict[str, str], report_name: str = "gpu-check.md") -> str:
+    """.ci/gpu-report's report from stage logs (file name: text) of a run folder."""
     run = tmp_path / "run"
     run.mkdir()
-    (run / "machine.log").write_text("gpu: NVIDIA H200, 580.159.04, 143771 MiB\nptxas: /usr/local/cuda/bin/ptxas 13.0\n")
-    (run / "stages.log").write_text("tests: 71 s of 130, exit 1\ntrain-stories15M:64:256: 80 s of 110, exit 0\n"
-                                    "train-stories110M:32:1024: 150 s of 150, cut at its limit\n")
-    (run / "tests.log").write_text("....F\nFAILED tests/test_cuda_blas.py::test_x - AssertionError\n"
-                                   "1 failed, 200 passed, 40 skipped in 70.12s\n")
-    (run / "train-stories15M:64:256.log").write_text(RACE)
-    (run / "train-stories110M:32:1024.log").write_text(RACE.split("  run 2", maxsplit=1)[0])  # cut after its first run
-    report = tmp_path / "results" / "gpu-check.md"
+    for name, text in logs.items():
+        (run / name).write_text(text)
+    report = tmp_path / report_name
     done = subprocess.run([sys.executable, str(CI / "gpu-report"), str(run), str(report)], check=False, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
-    text = report.read_text()
+    return report.read_text()
+
+
+def test_the_report_keeps_what_each_stage_printed_a_race_cut_short_too(tmp_path):
+    text = _report(tmp_path, {
+        "machine.log": "gpu: NVIDIA H200, 580.159.04, 143771 MiB\nptxas: /usr/local/cuda/bin/ptxas 13.0\n",
+        "stages.log": "tests: 71 s of 130, exit 1\ntrain-stories15M:64:256: 80 s of 110, exit 0\n"
+                      "train-stories110M:32:1024: 150 s of 150, cut at its limit\n",
+        "tests.log": "....F\nFAILED tests/test_cuda_blas.py::test_x - AssertionError\n1 failed, 200 passed, 40 skipped in 70.12s\n",
+        "train-stories15M:64:256.log": RACE,
+        "train-stories110M:32:1024.log": RACE.split("  run 2", maxsplit=1)[0],  # cut after its first run
+    }, "results/gpu-check.md")
     assert "- gpu: NVIDIA H200, 580.159.04, 143771 MiB" in text and "- train-stories110M:32:1024: 150 s of 150, cut at its limit" in text
     assert "1 failed, 200 passed, 40 skipped in 70.12s" in text and "- FAILED tests/test_cuda_blas.py::test_x" in text
     finished, cut = text.split("## Training: stories15M, batch 64 x 256")[1].split("## Training: stories110M, batch 32 x 1024")
@@ -60,14 +67,7 @@ def test_the_report_keeps_what_each_stage_printed_a_race_cut_short_too(tmp_path)
 
 
 def test_the_report_keeps_the_moe_race_and_its_gpu_result_line(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "moe.log").write_text(RACE.replace("stories15M", "moe-15M"))
-    report = tmp_path / "gpu-check.md"
-    done = subprocess.run([sys.executable, str(CI / "gpu-report"), str(run), str(report)], check=False, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr
-    section = report.read_text().split("## MoE training: moe-15M (benchmarks/moe_train.py)")[1]
+    section = _report(tmp_path, {"moe.log": RACE.replace("stories15M", "moe-15M")}).split("## MoE training: moe-15M (benchmarks/moe_train.py)")[1]
     assert "| ranvier | 610,000.0 | 2 | 1.24 |" in section and "gpu-result moe-15M tokens/s=610000 vs-eager=1.24" in section
 
 
@@ -85,14 +85,7 @@ cudnn is 1.10× faster than pytorch (median ms)
 
 
 def test_the_report_keeps_the_attention_race_and_what_ran_each_side(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "attention.log").write_text(ATTENTION)
-    report = tmp_path / "gpu-check.md"
-    done = subprocess.run([sys.executable, str(CI / "gpu-report"), str(run), str(report)], check=False, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr
-    section = report.read_text().split("## Attention, stories110M's")[1]
+    section = _report(tmp_path, {"attention.log": ATTENTION}).split("## Attention, stories110M's")[1]
     assert "cudnn: cuDNN[SDPA forward 32×1024×1024" in section and "- cudnn    forward     0.500 ms" in section
     assert "- cudnn        median     2.000 ms" in section and "- cudnn is 1.10× faster than pytorch" in section
     assert "run 1" not in section
@@ -140,18 +133,13 @@ def test_the_kernel_table_reads_ncus_csv(tmp_path, monkeypatch):
 def test_the_report_keeps_the_kernel_races_gpu_result_lines(tmp_path):
     """benchmarks/gpu_kernels.py's stage: the GPU and ceilings it printed, and a gpu-result
     line for each kernel it finished before its limit."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "kernel-race.log").write_text(
+    log = (
         "CPU: Intel Xeon\nGPU: NVIDIA H200 (sm_90, 132 multiprocessors), driver 580.159.04 (CUDA 13.0); torch 2.9.0 built for CUDA 12.8\n"
         "ceilings measured here: bf16 GEMM 790,000 GFLOP/s (ranvier's cuBLASLt product), memory 4,300.0 GB/s (a copy, read + write)\n"
         "x W1 [32768x768]·[768x2048] bf16    ranvier kernels: cuBLASLt (MatMul)\n"
         "gpu-result kernel/matmul-w1 us=180.2 TFLOP/s=572 roofline=72.4% vs-eager=1.01 vs-compile=0.99 gpu=H200\n")
-    report = tmp_path / "gpu-check.md"
-    done = subprocess.run([sys.executable, str(CI / "gpu-report"), str(run), str(report)], check=False, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr
-    section = report.read_text().split("## Kernels against PyTorch (benchmarks/gpu_kernels.py; its table: gpu-kernels.md)")[1]
+    section = _report(tmp_path, {"kernel-race.log": log}).split(
+        "## Kernels against PyTorch (benchmarks/gpu_kernels.py; its table: gpu-kernels.md)")[1]
     assert section.startswith("\n\n- GPU: NVIDIA H200 (sm_90, 132 multiprocessors), driver 580.159.04 (CUDA 13.0)")
     assert "```\ngpu-result kernel/matmul-w1 us=180.2 TFLOP/s=572 roofline=72.4% vs-eager=1.01 vs-compile=0.99 gpu=H200\n```" \
         in section
