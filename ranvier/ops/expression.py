@@ -73,6 +73,30 @@ class Program:
                 env[str(target)] = value
         return [env[f"@{j}"] for j in range(outputs)] + writes
 
+    def feeds(self, outputs: int) -> dict[Call, frozenset[int]]:
+        """Each call of the program (nested ones too; equal calls as one) → the results its
+        value reaches, numbered as `evaluate` returns them: its `outputs` results, then the
+        values it writes in place. A code generator may compute a call more loosely where
+        every result it feeds is stored with less precision (`cuda/fastmath.py`)."""
+        found: dict[Call, frozenset[int]] = {}
+        live = {f"@{j}": {j} for j in range(outputs)}  # the results a name's current value reaches
+        write = len(self.writes)
+        for target, statement in reversed(self.statements):
+            if target.kind == "%":  # each write is a result of its own; reads of %i see the input
+                write -= 1
+                reached = {outputs + write}
+            else:
+                reached = live.pop(str(target), set())  # uses before this statement read an earlier value
+            nodes: list[Ref | Call] = [statement]
+            while nodes:
+                node = nodes.pop()
+                if isinstance(node, Call):
+                    found[node] = found.get(node, frozenset()) | reached
+                    nodes.extend(node.args)
+                elif node.kind != "%":
+                    live.setdefault(str(node), set()).update(reached)
+        return found
+
 
 _TOKEN = re.compile(r"\s*(?:(?P<ref>[%$@]\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<attrs>\[[^\]]*\])|(?P<punct>[(),=;]))")
 

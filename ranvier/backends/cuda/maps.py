@@ -47,6 +47,7 @@ from ..llvm.strided import (
     part_views,
 )
 from ..llvm.values import Value
+from . import fastmath
 from .library import LIBRARY, Generator
 
 
@@ -103,13 +104,18 @@ def _describe(op: Operation) -> list[_Map]:
         return [_Map(list(op.outputs[0].shape), [COPIES[op.type](op)], [dense_view(op.outputs[0])], _identity)]
     if op.type != "Calculate":
         shape = list(op.outputs[0].shape)
-        return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], [dense_view(op.outputs[0])],
-                     lambda values, lanes: [apply(op.type, op.attrs, values)])]
+        sfu = fastmath.formula(op.type, [op.outputs[0].dtype])
+
+        def body(values: list[Value], lanes: int) -> list[Value]:
+            return [sfu(values, dict(op.attrs)) if sfu is not None else apply(op.type, op.attrs, values)]
+
+        return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], [dense_view(op.outputs[0])], body)]
     program = program_of(op)
     written = program.writes
     shape = list(op.outputs[0].shape) if op.outputs else list(op.inputs[written[0]].shape)
     outputs = [dense_view(v) for v in op.outputs] + [dense_view(op.inputs[i]) for i in written]
-    return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], outputs, program_body(program, len(op.outputs)))]
+    formulas = fastmath.program_formulas(program, len(op.outputs), [view.var.dtype for view in outputs])
+    return [_Map(shape, [broadcast_view(v, shape) for v in op.inputs], outputs, program_body(program, len(op.outputs), formulas))]
 
 
 def operands(op: Operation) -> tuple[Variable, ...]:

@@ -5,11 +5,11 @@ formula gets a kernel on each."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from ...errors import RanvierError
 from ...ops import Attrs, op_def
-from ...ops.expression import Program
+from ...ops.expression import Call, Program
 from .strided import Body
 from .values import Value
 
@@ -24,16 +24,17 @@ def apply(op_type: str, attrs: dict[str, str], args: list[Value]) -> Value:
 
 # An op's formula in place of its own: its arguments and attributes → its value.
 Formula = Callable[[list[Value], dict[str, str]], Value]
+# The formula a call of a program is computed by in place of its op's own, or None.
+Formulas = Callable[[Call], Formula | None]
 
 
-def program_body(program: Program, outputs: int, formulas: Mapping[str, Formula] | None = None) -> Body:
+def program_body(program: Program, outputs: int, formulas: Formulas | None = None) -> Body:
     """A Calculate program as a loop body: its `outputs` results, then what it writes in place;
-    an op type in `formulas` computed by that formula instead of its own."""
-    formulas = formulas or {}
+    a call for which `formulas` names one computed by that formula instead of its op's own."""
 
-    def call(node, args: list[Value]) -> Value:
+    def call(node: Call, args: list[Value]) -> Value:
         attrs = dict(node.attrs)
-        formula = formulas.get(node.op_type)
+        formula = formulas(node) if formulas is not None else None
         return formula(args, attrs) if formula is not None else apply(node.op_type, attrs, args)
 
     def body(values, lanes):

@@ -58,7 +58,7 @@ _LOG = {
          0.18183618730610906, 0.15312579777174176, 0.14811417767687712),
 }
 # tanh(x) = x + x^3 * P(x^2) for |x| < 0.625; rel. error 2^-27.7 (f32), 2^-56.4 (f64).
-_TANH_CUT = 0.625
+TANH_CUT = 0.625
 _TANH = {
     32: (-0.3333328, 0.13331412, -0.053737402, 0.020632116, -0.0056977225),
     64: (-0.33333333333332854, 0.1333333333326155, -0.053968253930943955, 0.02186948756801502,
@@ -515,11 +515,16 @@ def tanh(x: Value) -> Value:
     """Hyperbolic tangent: an odd polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above (where
     the subtraction loses less than a bit), with x's sign; tiny x gives x, large |x| gives ±1."""
     a = x.abs()
-    z = a * a
-    small = (a * z).mul_add(_poly(z, _TANH[_format(x).bits]), a)
+    small = tanh_near_zero(a)
     m, s = _exp_parts(a + a)
     large = 1.0 - 2.0 / (m * s + 1.0)
-    return (a < _TANH_CUT).where(small, large).copysign(x)
+    return (a < TANH_CUT).where(small, large).copysign(x)
+
+
+def tanh_near_zero(a: Value) -> Value:
+    """tanh(a) for |a| < TANH_CUT, as an odd polynomial (where 1 - 2 / (e^2a + 1) would cancel)."""
+    z = a * a
+    return (a * z).mul_add(_poly(z, _TANH[_format(a).bits]), a)
 
 
 @_nan_in_nan_out
