@@ -185,6 +185,14 @@ def test_a_float32_maps_code_is_the_precise_formulas(monkeypatch, expr):
     assert not re.search(r"\b(ex2|rcp)\.approx|div\.full|div\.approx", text)
 
 
+@pytest.mark.parametrize("expr", PROGRAMS)
+def test_a_bfloat16_maps_code_takes_the_sfu_and_no_ieee_division(expr):
+    """Each op's bfloat16 map computes by the SFU (ex2.approx, rcp.approx or div.full), with
+    no IEEE division (div.rn and its slow path)."""
+    text = _map_ptx(expr, "bfloat16")
+    assert re.search(r"\b(ex2|rcp)\.approx|div\.full", text) and not re.search(r"\bdiv\.rn", text)
+
+
 @needs_ptxas
 def test_a_bfloat16_swiglu_gradient_is_one_ex2_and_one_reciprocal_a_lane():
     """The bfloat16 SwiGLU gradient's map (8 lanes a thread): one ex2.approx and one
