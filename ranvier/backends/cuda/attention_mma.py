@@ -45,10 +45,10 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, ir_of
-from ..llvm.irutil import F32, I16, I32, declared, load, storage_type, store, typed_pointer
+from ..llvm.irutil import F32, I16, I32, load, storage_type, store, typed_pointer
 from ..llvm.rows import finite_peak, unseen_inverse
 from ..llvm.values import Value, index_value
-from . import warps
+from . import fastmath, warps
 from .attention import PARKED, AttentionShape
 from .blocks import BlockProgram, PrivateArray
 from .library import LIBRARY, Generator
@@ -131,18 +131,6 @@ def _pack_rows(program: BlockProgram, var: Variable, rows: list[Value], size: in
         for word in range(4):  # rows g, g + 8, g, g + 8; features 2q, 2q, 2q + 8, 2q + 8 (and one more each)
             at = rows[word % 2] + chunk * 16 + place * 2 + 8 * (word // 2)
             words.store(chunk * 4 + word, warps.pack(program, ctx.load(var, at + 1), ctx.load(var, at)))
-
-
-def _exp(program: BlockProgram, x: Value) -> Value:
-    """eˣ: on the GPU the special-function unit's 2^x (ex2.approx, 2 ulp; exp(−∞) = 0) of
-    x·log₂e, one instruction where the polynomial takes twenty, the softmax's cost beside
-    the tensor cores'; on the host emulator the polynomial (they part by a few ulp, far
-    inside the bfloat16 rounding the weights then take)."""
-    if not program.on_gpu:
-        return x.exp()
-    ctx = program.ctx
-    power = declared(ctx.module, "llvm.nvvm.ex2.approx.f", ir.FunctionType(ir.FloatType(), [ir.FloatType()]))
-    return Value(ctx.b, ctx.b.call(power, [(x * math.log2(math.e)).ir]), FLOAT)
 
 
 def _park(ctx: ThreadContext, dq: Variable, at: Value, k: int, value: Value) -> None:
@@ -375,11 +363,11 @@ def _online_softmax(block: _QueryBlock, first_key: Value, peak, total, tile_peak
         for r in range(2):
             grown = peak.load(r).maximum(tile_peak.load(r))
             finite = finite_peak(grown)
-            correction = _exp(program, peak.load(r) - finite)
+            correction = fastmath.exp(peak.load(r) - finite)
             share = total.load(r) * correction
             rescale(r, correction)
             for _, at in _elements(block.per_tile, r):
-                weight = _exp(program, block.scores.load(at) - finite)
+                weight = fastmath.exp(block.scores.load(at) - finite)
                 block.scores.store(at, weight)
                 weigh(r, at, weight)
                 share = share + weight
@@ -473,7 +461,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
         with program.phase(wait=False):
             def score_gradient(r: int, at: int, score: Value) -> None:
                 peak, inverse, d = (parked.load(r * PARKED + k) for k in range(PARKED))
-                p = _exp(program, score - peak) * inverse
+                p = fastmath.exp(score - peak) * inverse
                 block.scores.store(at, p * (products.load(at) - d))
 
             block.masked_scores(first_key, score_gradient)
@@ -543,7 +531,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
                     peak, inverse, d = (parked.load(row + i) for i in range(PARKED))
                     score = shape.score(ctx, weights.load(held), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
                     seen = (t < shape.queries) & (s < shape.visible_keys(ctx, t).minimum(shape.keys))
-                    p = seen.where(_exp(program, score - peak) * inverse, 0.0)
+                    p = seen.where(fastmath.exp(score - peak) * inverse, 0.0)
                     weights.store(held, p)
                     gradients.store(held, p * (gradients.load(held) - d))
         _accumulate(program, size, QUERY_TILE, douts, base, weights, a_words, b_words, dv_sum)
