@@ -6,6 +6,7 @@ GPU's instructions, which ptxas must accept."""
 from __future__ import annotations
 
 import ctypes
+import re
 
 import ml_dtypes
 import numpy as np
@@ -213,12 +214,13 @@ def _permuted(thread):
     return (thread * 5 + 3) % COPIES
 
 
-def _copy_kernel(on_gpu: bool):
+def _copy_kernel(on_gpu: bool, zeros: bool = False):
     """`kernel(source words, out)`: the tile marked, then thread t copies source's 16-byte
     chunks t and COPIES + t into the tile's chunks `_permuted(t)` and COPIES +
-    `_permuted(t)` in two groups; it reads its first word of each after waiting for all
-    but the latest group (out[0 .. 2) of its row of four), then after waiting for both
-    (out[2 .. 4)); then the whole tile after the barrier (out from 4·COPIES on)."""
+    `_permuted(t)` in two groups (with `zeros`, an odd thread's second copy is of zeros:
+    no source); it reads its first word of each after waiting for all but the latest
+    group (out[0 .. 2) of its row of four), then after waiting for both (out[2 .. 4));
+    then the whole tile after the barrier (out from 4·COPIES on)."""
     module, function, ctx, program = _module("copies", on_gpu)
     given, out = (Array(ctx.b, arg, "int32") for arg in function.args)
     tile = program.shared("int32", 2 * COPIES * 4)
@@ -228,7 +230,8 @@ def _copy_kernel(on_gpu: bool):
     with program.phase() as thread:
         words = [_permuted(thread) * 4, (COPIES + _permuted(thread)) * 4]
         for group in range(2):
-            copies.copy(tile, words[group], ctx.b.gep(given.base, [((group * COPIES + thread) * 4).ir]))
+            inside = (thread % 2).equal(0) if zeros and group else None
+            copies.copy(tile, words[group], ctx.b.gep(given.base, [((group * COPIES + thread) * 4).ir]), inside)
             copies.commit()
         for pending in (1, 0):
             copies.wait(pending)
@@ -256,6 +259,22 @@ def test_an_asynchronous_copy_moves_16_bytes_from_global_to_shared_memory_at_the
     np.testing.assert_array_equal(seen[:, 2:], chunks[:, :, 0].T)
 
 
+def test_a_copy_with_no_source_lands_zeros_at_the_wait_that_covers_it():
+    """cp.async's zero fill (source size 0): the chunk is 16 bytes of zeros, landing, like
+    a copy, only at its wait; the other copies as before."""
+    source = np.random.default_rng(7).integers(1, 1 << 31, 2 * COPIES * 4, dtype=np.int64).astype(np.int32)
+    out = np.full(COPIES * 4 + source.size, -1, np.int32)
+    _run(_copy_kernel(on_gpu=False, zeros=True), source, out)
+    chunks = source.reshape(2, COPIES, 4).copy()
+    chunks[1, 1::2] = 0  # odd threads' second copies: zeros
+    want = np.empty_like(chunks)
+    want[:, [_permuted(t) for t in range(COPIES)]] = chunks
+    np.testing.assert_array_equal(out[COPIES * 4 :].reshape(2, COPIES, 4), want)
+    seen = out[: COPIES * 4].reshape(COPIES, 4)
+    np.testing.assert_array_equal(seen[:, 1], MARK)  # in flight: neither the copy nor its zeros yet
+    np.testing.assert_array_equal(seen[:, 2:], chunks[:, :, 0].T)
+
+
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
 @pytest.mark.parametrize("architecture", ["sm_80", "sm_90"])
 def test_the_gpus_loads_and_copies_are_their_instructions_that_ptxas_accepts(architecture):
@@ -265,4 +284,7 @@ def test_the_gpus_loads_and_copies_are_their_instructions_that_ptxas_accepts(arc
     text = ptx.emit_ptx(_copy_kernel(on_gpu=True), architecture)
     assert [text.count(f"cp.async.{what}") for what in ("cg.shared.global", "commit_group", "wait_group 1", "wait_group 0")] == \
         [2, 2, 1, 1]
+    ptx.assemble(text, architecture)
+    text = ptx.emit_ptx(_copy_kernel(on_gpu=True, zeros=True), architecture)
+    assert text.count("cp.async.cg.shared.global") == 2 and re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", text)
     ptx.assemble(text, architecture)

@@ -11,7 +11,7 @@ different banks). A warp's own rows are rounded and packed into A fragments once
 tile's rows come in as B fragments by `warps.load_matrices` (ldmatrix; transposed where
 the tile is the product's right-hand side as stored); a product's float32 C fragments
 become the next product's A fragments in place (the layouts line up), so the
-probabilities never leave the registers. Tiles are double-buffered (`_pipelined`): the
+probabilities never leave the registers. Tiles are double-buffered (`warps.pipelined`): the
 next tile's copies are issued before this tile's products, bfloat16 rows by
 `warps.copy_async` (cp.async, 16 bytes a thread at a time) so they land while the tensor
 cores work; float32 rows are loaded and rounded by the threads at once.
@@ -232,31 +232,6 @@ def _copy_rows(program: BlockProgram, copies: warps.AsyncCopies, first: Value, r
                     tile.store(word + k, warps.pack(program, floats[2 * k + 1], floats[2 * k]))
 
 
-def _pipelined(program: BlockProgram, count: Value, per_tile: int, load: Callable[[Value, Value, warps.AsyncCopies], None],
-               use: Callable[[Value, Value], None]) -> None:
-    """`use(i, buffer)` for each i < `count`, tile i in shared buffer `buffer` (i mod 2);
-    `load(i, buffer, copies)` (in a phase, the running thread's share of tile i's copies,
-    at most `per_tile`) is issued just before tile i − 1 is used, so its copies run under
-    that tile's products. Each tile's copies are one group, and one barrier a tile
-    serves both ends: each thread waits for its copies of tile i, then the block for
-    every thread, after which tile i is whole and no thread still reads tile i − 1's
-    buffer, which tile i + 1 then refills."""
-    ctx = program.ctx
-    copies = warps.AsyncCopies(program, per_tile, groups=1)  # a tile's copies in flight at a time
-    with program.phase(wait=False):
-        with ctx.when(count > 0):
-            load(ctx.index(0), ctx.index(0), copies)
-        copies.commit()
-    with ctx.loop(0, count, name="tile") as i:
-        with program.phase():
-            copies.wait(0)
-        with program.phase(wait=False):
-            with ctx.when(i + 1 < count):
-                load(i + 1, (i + 1) % 2, copies)
-            copies.commit()
-        use(i, i % 2)
-
-
 def _group_sum(program: BlockProgram, values: PrivateArray, partner: PrivateArray, combine=lambda a, b: a + b) -> None:
     """Each lane's two values combined over the four lanes that hold the same rows."""
     for mask in (1, 2):
@@ -315,7 +290,7 @@ class _QueryBlock:
     def stream(self, per_tile: Callable[[Value, Value], None]) -> None:
         """`per_tile(first key, first word)` for each tile of keys the block's queries see,
         the tile's key and value rows in shared memory from that word, the next tile's
-        on their way (`_pipelined`)."""
+        on their way (`warps.pipelined`)."""
         program, shape, ctx = self.program, self.shape, self.program.ctx
         kv = self.h // shape.group
         last_query = (self.first + ROWS).minimum(shape.queries) - 1
@@ -326,7 +301,7 @@ class _QueryBlock:
                 (self.op.inputs[2], lambda s: shape.key_row(self.b, kv, s), self.values, buffer * self.tile_words)])
 
         tiles = (shape.visible_keys(ctx, last_query) + self.per_tile - 1) // self.per_tile
-        _pipelined(program, tiles, _copies(program, self.per_tile, shape.size, 2), load,
+        warps.pipelined(program, tiles, _copies(program, self.per_tile, shape.size, 2), load,
                    lambda tile, buffer: per_tile(tile * self.per_tile, buffer * self.tile_words))
 
     def masked_scores(self, first_key: Value, visit: Callable[[int, int, Value], None]) -> None:
@@ -537,7 +512,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         _accumulate(program, size, QUERY_TILE, douts, base, weights, a_words, b_words, dv_sum)
         _accumulate(program, size, QUERY_TILE, queries, base, gradients, a_words, b_words, dk_sum)
 
-    _pipelined(program, ctx.index(shape.group) * per_head, _copies(program, QUERY_TILE, size, 2), load, use)
+    warps.pipelined(program, ctx.index(shape.group) * per_head, _copies(program, QUERY_TILE, size, 2), load, use)
     with program.phase(wait=False) as thread:
         _, _, place = _lane(thread)
         for r, s in enumerate(_own_rows(thread, first_key)):

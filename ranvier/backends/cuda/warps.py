@@ -1,8 +1,10 @@
 """Warp-wide operations of a block program (`blocks.BlockProgram`): a tensor-core product
 of bfloat16 fragments summed in float32 (`mma`: PTX's mma.sync.m16n8k16, 16 × 16 by
 16 × 8 per warp), fragments loaded from a shared tile (`load_matrices`: ldmatrix), an
-exchange of values between lanes (`exchange`: shfl.sync.bfly); and a thread's copies
-from global to shared memory that run while it computes (`AsyncCopies`: cp.async).
+exchange of values between lanes (`exchange`: shfl.sync.bfly); a thread's copies
+from global to shared memory that run while it computes (`AsyncCopies`: cp.async), and
+tiles streamed through two shared buffers by them, the next tile's copies under this
+tile's products (`pipelined`).
 
 A warp's 32 lanes hold the product's matrices between them, a fragment each, laid out as
 the PTX ISA says (lane = 4·g + q, g its group, q its place in the group):
@@ -224,19 +226,28 @@ class AsyncCopies:
             for k in range(3):
                 self._state.store(k, program.ctx.index(0))
 
-    def copy(self, tile: Array, word: Value, source: ir.Value) -> None:
+    def copy(self, tile: Array, word: Value, source: ir.Value, inside: Value | None = None) -> None:
         """`COPY_BYTES` from the global pointer `source` (16-byte aligned) to the shared
-        `tile` (32-bit words) from `word` (a multiple of 4)."""
+        `tile` (32-bit words) from `word` (a multiple of 4); where `inside` is given and
+        false, 16 bytes of zeros instead (cp.async's source size 0: nothing is read, but
+        `source` must still be an address of the operand)."""
         b = self.program.ctx.b
         target = b.gep(tile.base, [ir_of(word)])
         if self.program.on_gpu:
-            copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type]),
-                                f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES};", "r,l,~{memory}", side_effect=True)
-            b.call(copy, [b.ptrtoint(target, I32), source])
+            if inside is None:
+                copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type]),
+                                    f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES};", "r,l,~{memory}", side_effect=True)
+                b.call(copy, [b.ptrtoint(target, I32), source])
+                return
+            copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type, I32]),
+                                f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES}, $2;", "r,l,r,~{memory}", side_effect=True)
+            size = b.select(inside.ir, ir.Constant(I32, COPY_BYTES), ir.Constant(I32, 0))
+            b.call(copy, [b.ptrtoint(target, I32), source, size])
             return
+        address = Value(b, b.ptrtoint(source, I64), dtypes.DT_INT64)
         last = self._state.load(1)
         slot = last % self.capacity
-        self._sources.store(slot, Value(b, b.ptrtoint(source, I64), dtypes.DT_INT64))
+        self._sources.store(slot, address if inside is None else inside.where(address, 0))  # no source: zeros
         self._targets.store(slot, Value(b, b.ptrtoint(target, I64), dtypes.DT_INT64))
         self._groups.store(slot, self._state.load(2))
         self._state.store(1, last + 1)
@@ -261,9 +272,36 @@ class AsyncCopies:
             slot = e % self.capacity
             with ctx.when(self._groups.load(slot) < covered):
                 source, target = (b.inttoptr(array.load(slot).ir, vector) for array in (self._sources, self._targets))
-                b.store(b.load(source, align=4), target, align=4)  # the host's stack tile is 4-byte aligned only
+                b.store(ir.Constant(vector.pointee, None), target, align=4)  # a copy with no source: zeros
+                with ctx.when(self._sources.load(slot).not_equal(0)):
+                    b.store(b.load(source, align=4), target, align=4)  # the host's stack tile is 4-byte aligned only
                 landed.set(e + 1)
         self._state.store(0, landed.value)
+
+
+def pipelined(program: BlockProgram, count: Value, per_tile: int, load: Callable[[Value, Value, AsyncCopies], None],
+               use: Callable[[Value, Value], None]) -> None:
+    """`use(i, buffer)` for each i < `count`, tile i in shared buffer `buffer` (i mod 2);
+    `load(i, buffer, copies)` (in a phase, the running thread's share of tile i's copies,
+    at most `per_tile`) is issued just before tile i − 1 is used, so its copies run under
+    that tile's products. Each tile's copies are one group, and one barrier a tile
+    serves both ends: each thread waits for its copies of tile i, then the block for
+    every thread, after which tile i is whole and no thread still reads tile i − 1's
+    buffer, which tile i + 1 then refills."""
+    ctx = program.ctx
+    copies = AsyncCopies(program, per_tile, groups=1)  # a tile's copies in flight at a time
+    with program.phase(wait=False):
+        with ctx.when(count > 0):
+            load(ctx.index(0), ctx.index(0), copies)
+        copies.commit()
+    with ctx.loop(0, count, name="tile") as i:
+        with program.phase():
+            copies.wait(0)
+        with program.phase(wait=False):
+            with ctx.when(i + 1 < count):
+                load(i + 1, (i + 1) % 2, copies)
+            copies.commit()
+        use(i, i % 2)
 
 
 def _butterfly(ctx: ThreadContext, value: ir.Value, mask: int) -> ir.Value:
