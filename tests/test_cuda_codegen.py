@@ -834,6 +834,9 @@ MMA_GROUPED_CASES = [  # rows, K, N, group offsets
     (20, 64, 24, [0, 0, 5, 20]),  # the first expert empty, a depth of two whole tiles, fewer columns than a tile
     (200, 16, 130, [0, 130, 200, 200]),  # a group of three row tiles, the last expert empty, three column tiles
     (140, 24, 8, [0, 1, 1, 65, 130, 131, 131, 131, 139, 139]),  # nine experts: groups of 1, 64 and 65 rows, four empty
+    # groups of 63, 64, 65, 0, 1 and 97 rows (the weight gradient's depth ragged in each), 10 rows dropped; K 1.5 tiles
+    (300, 48, 72, [0, 63, 127, 192, 192, 193, 290]),
+    (90, 37, 45, [0, 33, 33, 80]),  # rows of x and w no whole number of 16-byte chunks: loaded value by value
 ]
 
 
@@ -877,10 +880,14 @@ def test_bfloat16_grouped_products_run_on_tensor_cores_a_block_per_tile(operands
     assert launched.threads == 128 and launched.elements == row_tiles * -(-(k if transposed and op_type != "GroupedMatMul" else n) // 64)
     if ptx.ptxas_path() is not None:
         text = ptx.emit_ptx(module)
-        # 64 columns by 32 of the depth, less those of columns past the output's, which LLVM drops
-        assert 0 < text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") <= 16
-        if op_type == "GroupedMatMul" and k % 8 == 0:  # x's rows a whole number of 16-byte vectors
-            assert "ld.global.v4" in text
+        # 64 columns by 32 of the depth, less those of columns past the output's, which LLVM drops; the
+        # streaming loop's body twice where LLVM unrolls it by its two buffers
+        assert 0 < text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") <= 32
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text or "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
+        x_copied = op_type == "GroupedMatMul" and k % 8 == 0  # x's rows a whole number of 16-byte vectors
+        if x_copied:
+            assert ("cp.async.cg.shared.global" in text) == (operands == "bfloat16")
+            assert ("ld.global.v4" in text) == (operands == "float32")
         report = ptx.assemble(text).report
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
         print(re.search(r"Used \d+ registers.*", report).group(0))

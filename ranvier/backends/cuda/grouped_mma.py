@@ -15,14 +15,23 @@ here reads the offsets itself and finds its own tile.
 
 Both kernels multiply tiles the same way (`_Tiles`): a block of `WARPS` warps holds a
 64 × 64 tile of float32 sums, 16 rows a warp (the rows of an mma's A) as C fragments,
-and streams the reduced dimension `DEPTH` at a time through two shared tiles (A's 64
-rows and B's 64 columns, each a row of `DEPTH` values padded by `PADDING` floats, so a
-fragment's lanes fall on different banks); each warp packs its A fragments and each
-8-column B fragment from them, then one mma per 16 of the depth. A tile's values come in
-as 16-byte vector loads where the source's rows are a whole number of vectors (8 bfloat16
-or 4 float32: then every vector is aligned, and wholly inside the product or wholly
-outside), else one by one; values outside the product (past the depth, past a group's
-rows) are zeros, read at a clamped index and selected away rather than branched around.
+and streams the reduced dimension `DEPTH` at a time through shared tiles of bfloat16,
+two buffers each (`warps.pipelined`: tile i + 1's copies run under tile i's products,
+one barrier a tile). Each tile lies as its source does (`_Source`), so a thread copies
+8 values contiguous in memory at a time: its lines are A's rows (or B's columns) each
+`DEPTH` long where the source runs along the depth (x, a transposed w), else the
+depth's lines each 64 long (w, and the weight gradient's x and dy), padded by 16 bytes
+so the 8 lines an ldmatrix reads fall on different banks. Fragments come by
+`warps.load_matrices` (ldmatrix), transposed where the tile's lines run across the
+depth (an untransposed w; the weight gradient's x and dy): A's per 16 of the depth, B's per 8
+columns, then one mma per 16 of the depth. A bfloat16 source whose lines are whole
+16-byte chunks is copied by cp.async (every chunk aligned, wholly inside the depth or
+wholly past it: those past it are copies of zeros, cp.async's source size 0); a float32
+source is loaded as 16-byte vectors where its lines are whole vectors, rounded to
+bfloat16 by the threads, and any other one value by value. Values past the depth (the
+product's k, a group's rows in the weight gradient) are zeros on both sides; values
+past the product's rows or columns (a group's last rows, w's last columns) are read at
+a clamped index and feed only sums that are never written.
 
 GroupedMatMul: a block per (tile of 64 rows within one group, tile of 64 output columns).
 Tiles never straddle groups: a block walks the group offsets, counting each group's
@@ -39,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from ... import dtypes
 from ...flow.graph import Operation, Variable
@@ -60,16 +69,15 @@ if TYPE_CHECKING:
 
 WARPS = 4
 ROWS = 16 * WARPS  # a block's rows of the product (A's rows, 16 a warp)
-COLUMNS = 64  # a block's columns of the product (B's columns)
-DEPTH = 32  # the reduced dimension's values a pair of shared tiles holds
-PADDING = 8  # floats after each row of a shared tile
+COLUMNS = 64  # a block's columns of the product (B's columns); a tile's lines across the depth
+DEPTH = 32  # the reduced dimension's values a streamed tile holds
+PADDING = 8  # bfloat16 (16 bytes) after each line of a shared tile, so the 8 lines an ldmatrix reads fall on different banks
+CHUNK = warps.COPY_BYTES // 2  # bfloat16 a thread moves into a tile at a time (one cp.async)
 VECTOR_BYTES = 16  # the widest global load, a vector of 8 bfloat16 or 4 float32
-STRIDE = DEPTH + PADDING
 THREADS = warps.WARP * WARPS
 FLOAT = dtypes.DT_FLOAT32
 OPS = ("GroupedMatMul", "GroupedMatMulWeightGrad")
-
-
+assert ROWS == COLUMNS  # a tile's shape depends only on how its source lies (`_Source`)
 def supports(op: Operation) -> bool:
     """Bfloat16 operands, or float32 ones whose products may round to bfloat16 (the op's
     precision); any shape and any group offsets."""
@@ -109,61 +117,78 @@ def _lane(thread: Value) -> tuple[Value, Value, Value]:
 
 
 class _Tiles:
-    """A block's privates and shared tiles: A's `ROWS` rows and B's `COLUMNS` columns of
-    `DEPTH` values each, and the thread's sums (`COLUMNS` / 8 C fragments)."""
+    """A block's 64 × 64 float32 sums (`COLUMNS` / 8 C fragments a thread) of A · B over
+    the depth, A and B streamed `DEPTH` at a time through double-buffered shared tiles of
+    bfloat16, each tile laid out as its source lies (`_Source`): A's fragments come by
+    ldmatrix (.trans where the tile holds A's columns as lines), B's likewise."""
 
-    def __init__(self, program: BlockProgram):
-        self.program = program
-        self.a, self.b = program.shared(FLOAT, ROWS * STRIDE), program.shared(FLOAT, COLUMNS * STRIDE)
+    def __init__(self, program: BlockProgram, a: _Source, b: _Source):
+        self.program, self.sources = program, (a, b)
+        self.tiles = [program.shared(dtypes.DT_INT32, 2 * source.words) for source in self.sources]  # two buffers each
         self.a_words = program.private(dtypes.DT_INT32, DEPTH // 16 * 4)
         self.b_words = program.private(dtypes.DT_INT32, DEPTH // 16 * 2)
         self.sums = program.private(FLOAT, COLUMNS // 8 * 4)
-
-    def zero(self) -> None:
-        with self.program.phase(wait=False):
+        with program.phase(wait=False):
             for i in range(self.sums.count):
-                self.sums.store(i, self.program.ctx.constant(FLOAT, 0.0))
+                self.sums.store(i, program.ctx.constant(FLOAT, 0.0))
 
-    def fill(self, a: _Source, b: _Source) -> None:
-        """One phase: the block's threads fill A's tile from `a` and B's from `b`, a vector
-        of `lanes` values at a time, consecutive threads taking consecutive vectors of
-        the source (coalesced reads)."""
+    def stream(self, count: Value) -> None:
+        """sums += A · B over `count` tiles of the depth, tile i + 1's copies made while
+        tile i's products run (`warps.pipelined`)."""
+        copies = sum(source.copies_per_thread for source in self.sources if source.copied)
+        warps.pipelined(self.program, count, max(copies, 1), self.fill, self.multiply)
+
+    def fill(self, step: Value, buffer: Value, copies: warps.AsyncCopies) -> None:
+        """The running thread's share of tile `step` of A and B into `buffer`: chunks of 8
+        values along a line, consecutive threads taking consecutive chunks of the source
+        (coalesced reads); a bfloat16 source whose lines are whole chunks by cp.async (zeros
+        where the chunk is outside the product), any other loaded, rounded and stored by
+        the thread (as vectors where the lines allow)."""
         program, ctx = self.program, self.program.ctx
-        with program.phase() as thread:
-            for tile, rows, source in ((self.a, ROWS, a), (self.b, COLUMNS, b)):
-                lanes = source.lanes
-                with ctx.loop(thread, rows * DEPTH // lanes, step=program.threads, name="v") as v:
-                    if source.along_depth:
-                        row, depth = v // (DEPTH // lanes), v % (DEPTH // lanes) * lanes
-                    else:
-                        row, depth = v % (rows // lanes) * lanes, v // (rows // lanes)
-                    at, inside = source.place(row, depth, lanes)
-                    values = inside.where(_load(ctx, source.var, at, lanes).cast(FLOAT), 0.0)
-                    for lane in range(lanes):
-                        place = row * STRIDE + depth + lane if source.along_depth else (row + lane) * STRIDE + depth
-                        tile.store(place, values.lane(lane) if lanes > 1 else values)
+        for source, tile in zip(self.sources, self.tiles):
+            chunks = source.length // CHUNK
+            for first in range(0, source.lines * chunks, program.threads):
+                piece = program.thread + first
+                line, position = piece // chunks, piece % chunks * CHUNK
+                word = buffer * source.words + line * source.stride + position // 2
+                if source.copied:
+                    at, inside = source.at(step, line, position, CHUNK)
+                    copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(source.var), ir_of(at), storage_type(source.var.dtype)),
+                                inside)
+                    continue
+                values: list[Value] = []
+                for part in range(0, CHUNK, source.lanes):
+                    at, inside = source.at(step, line, position + part, source.lanes)
+                    loaded = inside.where(_load(ctx, source.var, at, source.lanes).cast(FLOAT), 0.0)
+                    values += [loaded.lane(lane) for lane in range(source.lanes)] if source.lanes > 1 else [loaded]
+                for k in range(CHUNK // 2):
+                    tile.store(word + k, warps.pack(program, values[2 * k + 1], values[2 * k]))
 
-    def multiply(self) -> None:
-        """sums += A · Bᵀ over the tiles' depth: each warp packs its 16 rows of A, then per
-        8 columns of B their fragment and one product per 16 of the depth."""
+    def multiply(self, step: Value, buffer: Value) -> None:
+        """sums += A · B over the buffer's tiles: each warp's A fragments of its 16 rows (one
+        ldmatrix a 16 of the depth), then per 8 columns their B fragments over the depth
+        (one ldmatrix) and one product per 16 of the depth."""
         program = self.program
-        with program.phase(wait=False) as thread:
-            warp, group, place = _lane(thread)
-            for chunk in range(DEPTH // 16):
-                for word in range(4):  # rows g, g + 8, g, g + 8; depth 2q, 2q, 2q + 8, 2q + 8 (and one more each)
-                    at = (warp * 16 + group + 8 * (word % 2)) * STRIDE + chunk * 16 + place * 2 + 8 * (word // 2)
-                    self.a_words.store(chunk * 4 + word, warps.pack(program, self.a.load(at + 1), self.a.load(at)))
+        (a, b), (a_tile, b_tile) = self.sources, self.tiles
+
+        def a_row(thread: Value) -> Value:  # matrix i: A's rows 8·(i mod 2) on, depth 8·(i // 2) on, of the warp's 16
+            lane = thread % warps.WARP
+            word: Value = buffer * a.words + a.word(thread // warps.WARP * 16 + lane // 8 % 2 * 8, lane // 16 * 8, lane % 8)
+            return word
+
+        def b_row(thread: Value) -> Value:  # matrix i: depth 8·i on, of the first 8 columns
+            lane = thread % warps.WARP
+            word: Value = buffer * b.words + b.word(0, lane // 8 * 8, lane % 8)
+            return word
+
+        for chunk in range(DEPTH // 16):  # the immediate offsets: 16 of the depth (A), 8 columns (B)
+            warps.load_matrices(program, (self.a_words, chunk * 4), a_tile, a_row, transpose=not a.along_depth,
+                                offset=a.word(0, chunk * 16))
         for j in range(COLUMNS // 8):
-            with program.phase(wait=False) as thread:
-                _, group, place = _lane(thread)
-                for chunk in range(DEPTH // 16):
-                    for word in range(2):  # column g; depth 2q (and 2q + 1), 2q + 8 (and 2q + 9)
-                        at = (j * 8 + group) * STRIDE + chunk * 16 + place * 2 + 8 * word
-                        self.b_words.store(chunk * 2 + word, warps.pack(program, self.b.load(at + 1), self.b.load(at)))
+            warps.load_matrices(program, (self.b_words, 0), b_tile, b_row, transpose=not b.along_depth,
+                                offset=b.word(j * 8, 0))
             for chunk in range(DEPTH // 16):
                 warps.mma(program, (self.sums, j * 4), (self.a_words, chunk * 4), (self.b_words, chunk * 2), (self.sums, j * 4))
-        with program.phase():  # every warp done with the tiles before the next fill
-            pass
 
     def store(self, first_row: Value, rows: Value, first_column: Value, columns: int,
               write: Callable[[Value, Value, Value], None]) -> None:
@@ -183,20 +208,66 @@ class _Tiles:
 @dataclass(frozen=True)
 class _Source:
     """Where a shared tile's values come from: `var`, whose next element in memory is the
-    tile's next along the depth (`along_depth`) or else its next row, in rows of `width`
-    elements; `place(tile row, depth, lanes)` gives the element offset of the vector of
-    `lanes` values from there (clamped inside `var`) and whether they are inside the
-    product (else zeros)."""
+    tile's next along the depth (`along_depth`: the tile's lines are the product's 64
+    rows or columns, each `DEPTH` long) or else its next row or column (the lines are the
+    depth's, each 64 long), in lines of `width` elements; `place(step, index, depth,
+    lanes)` gives the element offset of the vector of `lanes` values at (row or column
+    `index`, `depth`) of tile `step`, clamped inside `var`, and whether they are inside
+    the product's depth (else zeros). Values past the product's rows or columns are read
+    clamped: they reach only sums never written."""
 
     var: Variable
     along_depth: bool
     width: int
-    place: Callable[[Value, Value, int], tuple[Value, Value]]
+    place: Callable[[Value, Value, Value, int], tuple[Value, Value]]
+
+    @property
+    def lines(self) -> int:
+        return ROWS if self.along_depth else DEPTH
+
+    @property
+    def length(self) -> int:
+        return DEPTH if self.along_depth else ROWS
+
+    @property
+    def stride(self) -> int:
+        """32-bit words from one line of the tile to the next: `length` bfloat16 and the padding."""
+        return (self.length + PADDING) // 2
+
+    @property
+    def words(self) -> int:
+        return self.lines * self.stride
+
+    @overload
+    def word(self, index: int, depth: int, lines_on: int = 0) -> int: ...
+
+    @overload
+    def word(self, index: Value | int, depth: Value | int, lines_on: Value | int = 0) -> Value | int: ...
+
+    def word(self, index: Value | int, depth: Value | int, lines_on: Value | int = 0) -> Value | int:
+        """The tile's word of its row or column `index` at `depth` (even), `lines_on` lines on."""
+        line, place = (index, depth) if self.along_depth else (depth, index)
+        word: Value | int = (line + lines_on) * self.stride + place // 2
+        return word
+
+    def at(self, step: Value, line: Value, position: Value, lanes: int) -> tuple[Value, Value]:
+        """`place` of the vector of `lanes` values from `position` along tile line `line`."""
+        return self.place(step, line, position, lanes) if self.along_depth else self.place(step, position, line, lanes)
+
+    @property
+    def copied(self) -> bool:
+        """Copied by cp.async: bfloat16 lines a whole number of 16-byte chunks (every chunk
+        aligned, and wholly inside the product's depth or wholly outside)."""
+        return self.var.dtype == dtypes.DT_BFLOAT16 and self.width % CHUNK == 0
+
+    @property
+    def copies_per_thread(self) -> int:
+        return -(-self.lines * self.length // CHUNK // THREADS)
 
     @property
     def lanes(self) -> int:
         """Values a thread loads as one 16-byte vector (8 bfloat16 or 4 float32) where the
-        rows' width allows it (every vector aligned: tiles start at multiples of 8), else 1."""
+        lines' width allows it (every vector aligned: tiles start at multiples of 8), else 1."""
         lanes = VECTOR_BYTES // dtypes.itemsize(self.var.dtype)
         return lanes if self.width % lanes == 0 else 1
 
@@ -246,23 +317,21 @@ def _product(program: BlockProgram, op: Operation, index: Value) -> None:
     column_tiles = _tiles(n, COLUMNS)
     group, first, stop = _find_tile(ctx, offsets, experts, rows, index // column_tiles)
     first_column = index % column_tiles * COLUMNS
-    tiles = _Tiles(program)
-    tiles.zero()
     matrix = group.minimum(experts - 1) * (k * n)
+
+    def row_place(step: Value, row: Value, p: Value, lanes: int) -> tuple[Value, Value]:
+        depth = step * DEPTH + p
+        return (first + row).minimum(stop - 1) * k + depth.minimum(k - lanes), depth < k
+
+    def weight_place(step: Value, column: Value, p: Value, lanes: int) -> tuple[Value, Value]:
+        depth = step * DEPTH + p
+        if transposed:  # w[e] is [n, k]: the depth runs along its rows
+            return matrix + (first_column + column).minimum(n - 1) * k + depth.minimum(k - lanes), depth < k
+        return matrix + depth.minimum(k - 1) * n + (first_column + column).minimum(n - lanes), depth < k
+
+    tiles = _Tiles(program, _Source(x, True, k, row_place), _Source(w, transposed, k if transposed else n, weight_place))
     # an expert's group multiplies; the rows past the last group (and no tile) do not
-    with ctx.loop(0, ((group >= 0) & (group < experts)).where(ctx.index(_tiles(k, DEPTH)), 0), name="depth") as step:
-        depth = step * DEPTH
-
-        def row_place(row: Value, p: Value, lanes: int) -> tuple[Value, Value]:
-            return (first + row).minimum(stop - 1) * k + (depth + p).minimum(k - lanes), depth + p < k
-
-        def weight_place(column: Value, p: Value, lanes: int) -> tuple[Value, Value]:
-            if transposed:  # w[e] is [n, k]: the depth runs along its rows
-                return matrix + (first_column + column).minimum(n - 1) * k + (depth + p).minimum(k - lanes), depth + p < k
-            return matrix + (depth + p).minimum(k - 1) * n + (first_column + column).minimum(n - lanes), depth + p < k
-
-        tiles.fill(_Source(x, True, k, row_place), _Source(w, transposed, k if transposed else n, weight_place))
-        tiles.multiply()
+    tiles.stream(((group >= 0) & (group < experts)).where(ctx.index(_tiles(k, DEPTH)), 0))
     with ctx.when(group >= 0):
         tiles.store(first, stop - first, first_column, n, lambda r, j, total: ctx.store(y, r * n + j, total))
 
@@ -279,19 +348,16 @@ def _weight_gradient(program: BlockProgram, op: Operation, index: Value) -> None
     e, within = index // (row_tiles * column_tiles), index % (row_tiles * column_tiles)
     first_row, first_column = within // column_tiles * ROWS, within % column_tiles * COLUMNS
     start, stop, good = group_bounds(ctx, offsets, e, x.shape[0])
-    tiles = _Tiles(program)
-    tiles.zero()
-    with ctx.loop(0, good.where((stop - start + (DEPTH - 1)) // DEPTH, 0), name="depth") as step:
-        r = start + step * DEPTH
 
-        def source(var: Variable, first: Value, width: int) -> _Source:
-            def place(i: Value, d: Value, lanes: int) -> tuple[Value, Value]:
-                return (r + d).minimum(stop - 1) * width + (first + i).minimum(width - lanes), r + d < stop
+    def source(var: Variable, first: Value, width: int) -> _Source:
+        def place(step: Value, i: Value, d: Value, lanes: int) -> tuple[Value, Value]:
+            r = start + step * DEPTH + d
+            return r.minimum(stop - 1) * width + (first + i).minimum(width - lanes), r < stop
 
-            return _Source(var, False, width, place)
+        return _Source(var, False, width, place)
 
-        tiles.fill(source(left, first_row, p), source(right, first_column, q))
-        tiles.multiply()
+    tiles = _Tiles(program, source(left, first_row, p), source(right, first_column, q))
+    tiles.stream(good.where((stop - start + (DEPTH - 1)) // DEPTH, 0))
     tiles.store(first_row, ctx.index(p) - first_row, first_column, q,
                 lambda i, j, total: ctx.store(dw, (e * p + i) * q + j, total))
 
