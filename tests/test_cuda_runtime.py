@@ -688,6 +688,47 @@ def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_devi
                                    err_msg=name)
 
 
+@pytest.mark.parametrize("operands", ["float32", "bfloat16"])
+def test_bfloat16_grouped_products_on_the_device_match_float64(on_device, operands):
+    """A MoE layer's grouped products on tensor cores on the device (the emulator here,
+    the GPU where there is one: the one check of their ldmatrix fragments, cp.async
+    copies and waits in hardware): y = x · w[e] by groups of 63, 64, 65, 0 and 1 rows with
+    rows dropped past the last, and dw[e] = x_eᵀ · dy_e (x's columns as the tile's rows),
+    over a depth of 1.5 tiles and rows of whole 16-byte chunks (bfloat16 operands copied
+    by cp.async, zeros past the depth); outputs NaN first, equal to float64 over the
+    bfloat16-rounded operands within the output's rounding."""
+    import ml_dtypes
+
+    from ranvier.ops.moe import grouped_matmul, grouped_matmul_weight_grad
+
+    rows, k, n, offsets = 260, 48, 72, [0, 63, 127, 192, 192, 193]
+    experts = len(offsets) - 1
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    x, dy = f.var("x", operands, [rows, k]), f.var("dy", operands, [rows, n])
+    w, groups = f.var("w", operands, [experts, k, n]), f.var("offsets", "int32", [experts + 1])
+    f.op("GroupedMatMul", [x, w, groups], None, {"transpose_b": False}).var.out = True
+    f.op("GroupedMatMulWeightGrad", [x, dy, groups], None, {"experts": experts, "transpose": False}).var.out = True
+    cell = rv.Compiler("cuda", matmul="bfloat16").compile(flow).cell("f")
+    assert {step.kernel for step in cell.steps if step.op.type.startswith("Grouped")} == {"GroupedProductMMA"}
+    data = cell.instance()
+    values = {name: random_array(shape, operands, seed=40 + i)
+              for i, (name, shape) in enumerate({"f/x": [rows, k], "f/dy": [rows, n], "f/w": [experts, k, n]}.items())}
+    for name, value in {**values, "f/offsets": np.array(offsets, np.int32)}.items():
+        data[name] = value
+    names = ["f/GroupedMatMul:0", "f/GroupedMatMulWeightGrad:0"]
+    for name, shape in zip(names, [[rows, n], [experts, k, n]]):
+        data[name] = np.full(shape, np.nan, ml_dtypes.bfloat16 if operands == "bfloat16" else np.float32)
+    data.compute()
+    rounded = {name: value.astype(ml_dtypes.bfloat16).astype(np.float64) for name, value in values.items()}
+    wants = [grouped_matmul(rounded["f/x"], rounded["f/w"], np.array(offsets), False),
+             grouped_matmul_weight_grad(rounded["f/x"], rounded["f/dy"], np.array(offsets), experts, False)]
+    share = 2.0**-8 if operands == "bfloat16" else 1e-5  # the output's rounding, or float32 sums in another order
+    for name, want in zip(names, wants):
+        got = np.array(data[name]).astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=share, atol=share * np.abs(want).max() / 64, err_msg=name)
+
+
 @pytest.mark.parametrize("size", [64, 128])
 def test_float32_attention_and_its_gradient_on_the_device_match_float64(on_device, size):
     """The float32 kernels (products in float32) on the device, at head sizes whose rows
