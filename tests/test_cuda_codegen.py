@@ -851,8 +851,9 @@ def test_bfloat16_grouped_products_run_on_tensor_cores_a_block_per_tile(operands
     gradient of an expert no row chose are zeros. Float32 operands take them where the
     products may round to bfloat16 (the compile's matmul precision), else the
     element-per-thread kernel. A block of four warps per 64 × 64 tile; the GPU's code
-    assembles with no spills, its sums in registers, its tiles read as 16-byte vectors
-    where the rows are whole vectors."""
+    assembles with no spills, its sums in registers, its fragments by ldmatrix, its
+    bfloat16 rows copied by cp.async (float32 ones read as 16-byte vectors) where they are
+    whole 16-byte chunks."""
     from ranvier.backends.cuda import grouped_mma
     from ranvier.ops.moe import grouped_matmul, grouped_matmul_weight_grad
 
