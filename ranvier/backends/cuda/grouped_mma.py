@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, overload
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import ir_of
+from ..llvm.context import Array, ir_of
 from ..llvm.convert import widen
 from ..llvm.irutil import storage_type, typed_pointer
 from ..llvm.routing import group_bounds
@@ -141,28 +141,38 @@ class _Tiles:
     def fill(self, step: Value, buffer: Value, copies: warps.AsyncCopies) -> None:
         """The running thread's share of tile `step` of A and B into `buffer`: chunks of 8
         values along a line, consecutive threads taking consecutive chunks of the source
-        (coalesced reads); a bfloat16 source whose lines are whole chunks by cp.async (zeros
-        where the chunk is outside the product), any other loaded, rounded and stored by
-        the thread (as vectors where the lines allow)."""
+        (coalesced reads). A source read as 16-byte vectors has its chunks unrolled, so
+        that all their loads are in flight at once; the others' are a loop (cp.async's
+        copies run on their own, and a value-by-value chunk's loads are many already),
+        whose addresses LLVM then keeps in no registers across the products."""
         program, ctx = self.program, self.program.ctx
         for source, tile in zip(self.sources, self.tiles):
-            chunks = source.length // CHUNK
-            for first in range(0, source.lines * chunks, program.threads):
-                piece = program.thread + first
-                line, position = piece // chunks, piece % chunks * CHUNK
-                word = buffer * source.words + line * source.stride + position // 2
-                if source.copied:
-                    at, inside = source.at(step, line, position, CHUNK)
-                    copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(source.var), ir_of(at), storage_type(source.var.dtype)),
-                                inside)
-                    continue
-                values: list[Value] = []
-                for part in range(0, CHUNK, source.lanes):
-                    at, inside = source.at(step, line, position + part, source.lanes)
-                    loaded = inside.where(_load(ctx, source.var, at, source.lanes).cast(FLOAT), 0.0)
-                    values += [loaded.lane(lane) for lane in range(source.lanes)] if source.lanes > 1 else [loaded]
-                for k in range(CHUNK // 2):
-                    tile.store(word + k, warps.pack(program, values[2 * k + 1], values[2 * k]))
+            pieces = source.lines * source.length // CHUNK
+            if source.copied or source.lanes == 1:
+                with ctx.loop(program.thread, pieces, step=program.threads, name="piece") as piece:
+                    self._chunk(source, tile, piece, step, buffer, copies)
+            else:
+                for first in range(0, pieces, program.threads):
+                    self._chunk(source, tile, program.thread + first, step, buffer, copies)
+
+    def _chunk(self, source: _Source, tile: Array, piece: Value, step: Value, buffer: Value, copies: warps.AsyncCopies) -> None:
+        """Chunk `piece` of `source`'s tile `step` into `buffer`: by cp.async where the
+        source is copied (zeros where the chunk is past the depth), else loaded, rounded to
+        bfloat16 and stored by the thread."""
+        ctx = self.program.ctx
+        line, position, word = source.chunk(piece, buffer)
+        if source.copied:
+            at, inside = source.at(step, line, position, CHUNK)
+            copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(source.var), ir_of(at), storage_type(source.var.dtype)),
+                        inside)
+            return
+        values: list[Value] = []
+        for part in range(0, CHUNK, source.lanes):
+            at, inside = source.at(step, line, position + part, source.lanes)
+            loaded = inside.where(_load(ctx, source.var, at, source.lanes).cast(FLOAT), 0.0)
+            values += [loaded.lane(lane) for lane in range(source.lanes)] if source.lanes > 1 else [loaded]
+        for k in range(CHUNK // 2):
+            tile.store(word + k, warps.pack(self.program, values[2 * k + 1], values[2 * k]))
 
     def multiply(self, step: Value, buffer: Value) -> None:
         """sums += A · B over the buffer's tiles: each warp's A fragments of its 16 rows (one
@@ -249,6 +259,14 @@ class _Source:
         line, place = (index, depth) if self.along_depth else (depth, index)
         word: Value | int = (line + lines_on) * self.stride + place // 2
         return word
+
+    def chunk(self, piece: Value, buffer: Value) -> tuple[Value, Value, Value]:
+        """Chunk `piece` of the tile (8 values of a line, in order): its line, the place of
+        its first value along the line, and its first word in `buffer`."""
+        chunks = self.length // CHUNK
+        line, position = piece // chunks, piece % chunks * CHUNK
+        word: Value = buffer * self.words + line * self.stride + position // 2
+        return line, position, word
 
     def at(self, step: Value, line: Value, position: Value, lanes: int) -> tuple[Value, Value]:
         """`place` of the vector of `lanes` values from `position` along tile line `line`."""
