@@ -78,6 +78,8 @@ THREADS = warps.WARP * WARPS
 FLOAT = dtypes.DT_FLOAT32
 OPS = ("GroupedMatMul", "GroupedMatMulWeightGrad")
 assert ROWS == COLUMNS  # a tile's shape depends only on how its source lies (`_Source`)
+
+
 def supports(op: Operation) -> bool:
     """Bfloat16 operands, or float32 ones whose products may round to bfloat16 (the op's
     precision); any shape and any group offsets."""
