@@ -60,6 +60,31 @@ def test_bfloat16_activations_leave_parameters_gradients_and_the_loss_in_float32
     assert {v.dtype for step in attention for v in (*step.op.inputs, *step.op.outputs)} == {"bfloat16"}
 
 
+def test_bfloat16_activations_give_a_moe_layers_grouped_products_bfloat16_operands(monkeypatch):
+    """The grouped expert products and their weight gradients are products too: bfloat16
+    operands, the expert weights rounded once a step as a MatMul's are (their float32
+    weights, their largest input, had kept them float32: twice the bytes, and not the
+    tensor cores' copy path); the steps follow the CPU's float32 losses."""
+    from helpers import language_model_trainer
+
+    from ranvier.models import moe
+
+    monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
+    trainer = language_model_trainer(moe.MoE(moe.PRESETS["moe-tiny"], seed=0), "cuda", 2, 16, 1e-3, precision="bfloat16")
+    steps = trainer.network.cell("train").steps
+    grouped = [step for step in steps if step.op.type.startswith("GroupedMatMul")]
+    assert grouped and {step.kernel for step in grouped} == {"GroupedProductMMA"}
+    for step in grouped:
+        check_types(step.op)
+        assert [v.dtype for v in step.op.inputs if v.dtype != "int32"] == ["bfloat16", "bfloat16"], step.op
+    assert {step.op.type for step in grouped} == {"GroupedMatMul", "GroupedMatMulWeightGrad"}
+    exact = language_model_trainer(moe.MoE(moe.PRESETS["moe-tiny"], seed=0), "cpu", 2, 16, 1e-3)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        batch = [rng.integers(0, moe.PRESETS["moe-tiny"].vocab_size, (2, 16)).astype(np.int32) for _ in range(2)]
+        assert trainer.step(batch) == pytest.approx(exact.step(batch), rel=1e-3)
+
+
 def test_bfloat16_activations_train_to_float32s_losses_on_the_device(monkeypatch):
     """Ten steps on the CUDA backend's emulator follow the CPU's float32 losses to
     bfloat16's rounding (measured: within 1.0e-4; 5.0e-4 while the per-example losses

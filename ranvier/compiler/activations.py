@@ -9,7 +9,8 @@ The pass walks the ops in dependency order and picks each one's float dtype, the
 the inputs that differ (`Cast` ops, which fusion later folds into the neighbouring
 elementwise programs, where they cost nothing), unless the op computes that dtype from its
 inputs as they are (a row kernel that widens what it reads):
-- matrix products run on half-precision inputs (a weight is rounded once per step);
+- matrix products (`PRODUCTS`: a MoE layer's grouped ones too) run on half-precision
+  inputs (a weight is rounded once per step);
 - ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds;
   attention's gradient with float16, which no tensor-core kernel takes and whose
   decomposition would round its probabilities to float16), ops that write a value
@@ -31,6 +32,7 @@ from ..flow.graph import Flow, Function, Operation, Variable
 from ..ops import TensorType, op_def
 
 FLOAT32_OPS = {"ScatterAdd", "StridedScatterAdd", "Assign", "AssignSlice"}
+PRODUCTS = {"MatMul", "GroupedMatMul", "GroupedMatMulWeightGrad"}
 RESHAPES = {"Reshape", "ExpandDims", "Squeeze"}  # views of a value's elements in order
 _FLOATS = (dtypes.DT_FLOAT32, dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16)
 
@@ -45,7 +47,7 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
         floats = [i for i, v in enumerate(op.inputs) if v.dtype in _FLOATS]
         if not floats or op.type == "Cast":
             continue
-        if op.type == "MatMul" and _pinned(op, keep):
+        if op.type in PRODUCTS and _pinned(op, keep):
             _widened_after(flow, b, op)
         wanted = _wanted(op, floats, keep, dtype)
         before = list(op.inputs)
@@ -120,7 +122,7 @@ def _widened_after(flow: Flow, b: Builder, op: Operation) -> None:
 
 
 def _wanted(op: Operation, floats: list[int], keep: set[str], dtype: str) -> str:
-    if op.type == "MatMul":
+    if op.type in PRODUCTS:
         return dtype
     if op.type in FLOAT32_OPS or _pinned(op, keep) or (op.type == "AttentionGrad" and dtype != dtypes.DT_BFLOAT16):
         return dtypes.DT_FLOAT32
