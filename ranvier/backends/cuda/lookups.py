@@ -17,11 +17,11 @@ from ..llvm.lookups import LOOKUP_OPS, pooled_rows
 from ..llvm.values import Value, index_value
 from .library import LIBRARY, Generator
 from .rows import row_launch
+from .warps import WARP
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
-WARP = 32
 
 
 POOLED = {"GatherSum", "GatherMax", "GatherAvg"}

@@ -32,11 +32,12 @@ from llvmlite import ir
 
 from ...flow.graph import Operation
 from ..llvm.context import Array
-from ..llvm.irutil import I32, declared
+from ..llvm.irutil import I32
 from ..llvm.rows import ROW_OPS, row_shape
 from ..llvm.values import Value, index_value
 from .blocks import barrier, shared_variable, special_register
 from .library import LIBRARY, Generator
+from .warps import WARP, shuffled
 
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
@@ -45,7 +46,6 @@ def supports(op: Operation) -> bool:
     return op.type in ROW_OPS and ROW_OPS[op.type].applies(op)
 
 
-WARP = 32
 ROWS_PER_BLOCK = 4  # warps' rows a block of short rows takes
 
 
@@ -173,7 +173,7 @@ def _combined_on_gpu(ctx: ThreadContext, threads: int, own: list[Value], partial
     several warps, the warps' results through shared memory, combined by the first warp."""
     values = _warp_folded(ctx, own, min(threads, WARP), merge)
     if threads <= WARP:
-        return [_shuffled(ctx, value, "idx", 0) for value in values]
+        return [shuffled(ctx, value, "idx", 0) for value in values]
     warps = threads // WARP
     thread = index_value(ctx.b, special_register(ctx.module, ctx.b, "tid.x"))
     lane, warp = thread % WARP, thread // WARP
@@ -197,31 +197,9 @@ def _warp_folded(ctx: ThreadContext, values: list[Value], width: int, merge) -> 
     """Lane 0's values merged with lanes 1 .. width − 1's, a tree of shuffles down."""
     stride = width // 2
     while stride:
-        values = merge(values, [_shuffled(ctx, value, "down", stride) for value in values])
+        values = merge(values, [shuffled(ctx, value, "down", stride) for value in values])
         stride //= 2
     return values
-
-
-def _shuffled(ctx: ThreadContext, value: Value, mode: str, amount: int) -> Value:
-    """`value` from another lane of the warp (shfl.sync: "down" `amount` lanes, or "idx"
-    from lane `amount`), moved as 32-bit words whatever its type."""
-    b = ctx.b
-    kind = value.ir.type
-    bits = kind.width if isinstance(kind, ir.IntType) else 64 if isinstance(kind, ir.DoubleType) else 32
-    whole = ir.IntType(bits)
-    as_bits = value.ir if isinstance(kind, ir.IntType) else b.bitcast(value.ir, whole)
-    shuffle = declared(ctx.module, f"llvm.nvvm.shfl.sync.{mode}.i32", ir.FunctionType(I32, [I32] * 4))
-
-    def moved(word: ir.Value) -> ir.Value:
-        return b.call(shuffle, [ir.Constant(I32, -1), word, ir.Constant(I32, amount), ir.Constant(I32, WARP - 1)])
-
-    if bits == 64:
-        low, high = (moved(b.trunc(part, I32)) for part in (as_bits, b.lshr(as_bits, ir.Constant(whole, 32))))
-        result = b.or_(b.zext(low, whole), b.shl(b.zext(high, whole), ir.Constant(whole, 32)))
-    else:
-        result = moved(b.zext(as_bits, I32) if bits < 32 else as_bits)
-        result = b.trunc(result, whole) if bits < 32 else result
-    return Value(b, result if isinstance(kind, ir.IntType) else b.bitcast(result, kind), value.dtype)
 
 
 FOLDED_AT_ONCE = 4  # a thread's elements whose terms (their loads) a fold computes before folding them in

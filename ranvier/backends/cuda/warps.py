@@ -152,7 +152,7 @@ def exchange(program: BlockProgram, target: PrivateArray, source: PrivateArray, 
     if program.on_gpu:
         with program.phase(wait=False):
             for i in range(count):
-                target.store(i, Value(ctx.b, _butterfly(ctx, source.load(i).ir, mask), source.dtype))
+                target.store(i, shuffled(ctx, source.load(i), "bfly", mask))
         return
     _between_phases(program)
     with ctx.loop(0, program.threads, name="lane") as thread:
@@ -304,17 +304,24 @@ def pipelined(program: BlockProgram, count: Value, per_tile: int, load: Callable
         use(i, i % 2)
 
 
-def _butterfly(ctx: ThreadContext, value: ir.Value, mask: int) -> ir.Value:
-    """A float32 (or float64: its two 32-bit halves) from the lane whose number differs in `mask`'s bits."""
+def shuffled(ctx: EmitContext, value: Value, mode: str, amount: int) -> Value:
+    """`value` from another lane of the warp (shfl.sync: "down" `amount` lanes, "bfly" the
+    lane whose number differs in `amount`'s bits, or "idx" lane `amount`), moved as 32-bit
+    words whatever its type (a 64-bit value as its two halves)."""
     b = ctx.b
+    kind = value.ir.type
+    bits = kind.width if isinstance(kind, ir.IntType) else 64 if isinstance(kind, ir.DoubleType) else 32
+    whole = ir.IntType(bits)
+    as_bits = value.ir if isinstance(kind, ir.IntType) else b.bitcast(value.ir, whole)
+    shuffle = declared(ctx.module, f"llvm.nvvm.shfl.sync.{mode}.i32", ir.FunctionType(I32, [I32] * 4))
 
-    def shuffled(word: ir.Value, kind: str, type_: ir.Type) -> ir.Value:
-        shuffle = declared(ctx.module, f"llvm.nvvm.shfl.sync.bfly.{kind}", ir.FunctionType(type_, [I32, type_, I32, I32]))
-        return b.call(shuffle, [ir.Constant(I32, -1), word, ir.Constant(I32, mask), ir.Constant(I32, WARP - 1)])
+    def moved(word: ir.Value) -> ir.Value:
+        return b.call(shuffle, [ir.Constant(I32, -1), word, ir.Constant(I32, amount), ir.Constant(I32, WARP - 1)])
 
-    if value.type == F32:
-        return shuffled(value, "f32", F32)
-    bits = b.bitcast(value, I64)
-    low, high = (shuffled(b.trunc(half, I32), "i32", I32) for half in (bits, b.lshr(bits, ir.Constant(I64, 32))))
-    joined = b.or_(b.shl(b.zext(high, I64), ir.Constant(I64, 32)), b.zext(low, I64))
-    return b.bitcast(joined, value.type)
+    if bits == 64:
+        low, high = (moved(b.trunc(part, I32)) for part in (as_bits, b.lshr(as_bits, ir.Constant(whole, 32))))
+        result = b.or_(b.zext(low, whole), b.shl(b.zext(high, whole), ir.Constant(whole, 32)))
+    else:
+        result = moved(b.zext(as_bits, I32) if bits < 32 else as_bits)
+        result = b.trunc(result, whole) if bits < 32 else result
+    return Value(b, result if isinstance(kind, ir.IntType) else b.bitcast(result, kind), value.dtype)
