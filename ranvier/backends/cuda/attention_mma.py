@@ -102,15 +102,9 @@ def launches(op: Operation) -> list[tuple]:
 
 # ---- a warp's fragments -----------------------------------------------------------------
 
-def _lane(thread: Value) -> tuple[Value, Value, Value]:
-    """A thread's warp, its lane's group g (the fragments' rows g and g + 8) and place q in it."""
-    lane = thread % warps.WARP
-    return thread // warps.WARP, lane // 4, lane % 4
-
-
 def _own_rows(thread: Value, first: Value) -> list[Value]:
     """The two rows, of a block's `ROWS` from `first`, whose fragments the thread holds."""
-    warp, group, _ = _lane(thread)
+    warp, group, _ = warps.lane_of(thread)
     row = first + warp * 16 + group
     return [row, row + 8]
 
@@ -126,7 +120,7 @@ def _elements(columns: int, r: int) -> Iterator[tuple[int, int]]:
 def _pack_rows(program: BlockProgram, var: Variable, rows: list[Value], size: int, words: PrivateArray) -> None:
     """A fragments of the warp's 16 rows of `var` (the element offsets of the lane's rows)."""
     ctx = program.ctx
-    _, _, place = _lane(program.thread)
+    _, _, place = warps.lane_of(program.thread)
     for chunk in range(size // 16):
         for word in range(4):  # rows g, g + 8, g, g + 8; features 2q, 2q, 2q + 8, 2q + 8 (and one more each)
             at = rows[word % 2] + chunk * 16 + place * 2 + 8 * (word // 2)
@@ -308,7 +302,7 @@ class _QueryBlock:
         """Each score of the tile scaled, the bias added, −∞ where its query does not see
         its key; `visit(r, at, score)` for each (in a phase)."""
         program, shape, ctx = self.program, self.shape, self.program.ctx
-        _, _, place = _lane(program.thread)
+        _, _, place = warps.lane_of(program.thread)
         for r, t in enumerate(self.rows(program.thread)):
             seen = shape.visible_keys(ctx, t).minimum(shape.keys)
             for column, at in _elements(self.per_tile, r):
@@ -374,7 +368,7 @@ def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index:
     block.stream(tile)
     _group_sum(program, total, partner)
     with program.phase(wait=False) as thread:
-        _, _, place = _lane(thread)
+        _, _, place = warps.lane_of(thread)
         for r, t in enumerate(block.rows(thread)):
             inverse = unseen_inverse(total.load(r))
             with ctx.when(t < shape.queries):
@@ -444,7 +438,7 @@ def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape,
 
     block.stream(tile)
     with program.phase(wait=False) as thread:
-        _, _, place = _lane(thread)
+        _, _, place = warps.lane_of(thread)
         for r, t in enumerate(block.rows(thread)):
             with ctx.when(t < shape.queries):
                 at = shape.query_row(block.b, block.h, t) + place * 2
@@ -498,7 +492,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         _times_transposed(program, size, QUERY_TILE, queries, base, k_words, b_words, weights)  # Sᵀ
         _times_transposed(program, size, QUERY_TILE, douts, base, v_words, b_words, gradients)  # dPᵀ
         with program.phase(wait=False) as thread:
-            _, _, place = _lane(thread)
+            _, _, place = warps.lane_of(thread)
             for r, s in enumerate(_own_rows(thread, first_key)):
                 for column, held in _elements(QUERY_TILE, r):
                     t = first_query + place * 2 + column
@@ -514,7 +508,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
 
     warps.pipelined(program, ctx.index(shape.group) * per_head, _copies(program, QUERY_TILE, size, 2), load, use)
     with program.phase(wait=False) as thread:
-        _, _, place = _lane(thread)
+        _, _, place = warps.lane_of(thread)
         for r, s in enumerate(_own_rows(thread, first_key)):
             with ctx.when(s < shape.keys):
                 at = shape.key_row(b, kv, s) + place * 2

@@ -112,12 +112,6 @@ def launches(op: Operation) -> list[tuple[int, Callable[[ThreadContext, ir.Value
 
 # ---- a block's 64 × 64 product ----------------------------------------------------------
 
-def _lane(thread: Value) -> tuple[Value, Value, Value]:
-    """A thread's warp, its lane's group g (the fragments' rows g and g + 8) and place q in it."""
-    lane = thread % warps.WARP
-    return thread // warps.WARP, lane // 4, lane % 4
-
-
 class _Tiles:
     """A block's 64 × 64 float32 sums (`COLUMNS` / 8 C fragments a thread) of A · B over
     the depth, A and B streamed `DEPTH` at a time through double-buffered shared tiles of
@@ -208,7 +202,7 @@ class _Tiles:
         `first_row` and `columns` columns (a phase)."""
         program, ctx = self.program, self.program.ctx
         with program.phase(wait=False) as thread:
-            warp, group, place = _lane(thread)
+            warp, group, place = warps.lane_of(thread)
             for j in range(COLUMNS // 8):
                 for i in range(4):  # C[g + 8·(i // 2)][2q + i % 2] of the 8 columns
                     row = warp * 16 + group + 8 * (i // 2)

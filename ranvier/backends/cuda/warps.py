@@ -57,6 +57,13 @@ _EMULATED_MMA = "ranvier_emulated_mma"  # the host emulator's product, one funct
 COPY_BYTES = 16  # what one cp.async (.cg) moves: 8 bfloat16, 4 float32
 
 
+def lane_of(thread: Value) -> tuple[Value, Value, Value]:
+    """A block thread's warp, and its lane's group g (the fragments' rows g and g + 8) and
+    place q in the group (lane = 4·g + q, as the layouts above)."""
+    lane = thread % WARP
+    return thread // WARP, lane // 4, lane % 4
+
+
 def pack(program: BlockProgram, high: Value, low: Value) -> Value:
     """Two float32 values rounded to bfloat16 (to nearest even) in one 32-bit word."""
     b = program.ctx.b
@@ -129,8 +136,8 @@ def _emulated_mma(module: ir.Module) -> ir.Function:
         return b.load(b.gep(base, [ir_of(thread * index_value(b, count) + at)]))
 
     with ctx.loop(0, index_value(b, threads), name="thread") as thread:
-        lane = thread % WARP
-        first, group, place = thread - lane, lane // 4, lane % 4
+        warp, group, place = lane_of(thread)
+        first = warp * WARP  # the warp's lane 0
         for i in range(4):
             row_high, column = i // 2, place * 2 + i % 2
             total = element(c, c_count, thread, i)
@@ -191,8 +198,8 @@ def load_matrices(program: BlockProgram, target: tuple[PrivateArray, int], tile:
     b = ctx.b
     halves = b.bitcast(tile.base, I16.as_pointer())
     with ctx.loop(0, program.threads, name="lane") as thread:
-        lane = thread % WARP
-        first, group, place = thread - lane, lane // 4, lane % 4
+        warp, group, place = lane_of(thread)
+        first = warp * WARP  # the warp's lane 0
         for i in range(count):
             if transpose:
                 low, high = (b.zext(b.load(b.gep(halves, [ir_of((row(first + 8 * i + place * 2 + k) + offset) * 2 + group)])), I32)
