@@ -429,3 +429,11 @@ def run_gpu_kernels_on_host(op, values: dict[str, np.ndarray], fill: int = 0x5A)
         function(*[arrays[v.name].ctypes.data for v in operands], status.ctypes.data, 0, kernel.elements)
     arrays["status"] = status
     return arrays
+
+
+def attention_with_gradient(f, q, k, v, dout, bias=None, **attrs) -> list:
+    """Attention with its statistics and the AttentionGrad that reads them, as the gradient
+    rule builds them: [out, dq, dk, dv, statistics]."""
+    out, statistics = f.attention(q, k, v, bias, statistics=True, **attrs)
+    gradients = f.op("AttentionGrad", [q, k, v, out, statistics, dout, *([] if bias is None else [bias])], None, attrs)
+    return [out, *gradients, statistics]

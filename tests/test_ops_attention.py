@@ -6,7 +6,15 @@ import math
 
 import numpy as np
 import pytest
-from helpers import assert_mentions, assert_within_bound, check, random_array, run_flow, shape_error
+from helpers import (
+    assert_mentions,
+    assert_within_bound,
+    attention_with_gradient,
+    check,
+    random_array,
+    run_flow,
+    shape_error,
+)
 
 TESTED_OPS = {"Attention", "AttentionGrad"}
 
@@ -21,12 +29,14 @@ SHAPES = [  # (B, H, KV, T, S, hd)
 
 
 def naive(q, k, v, dout, causal, scale, bias=None):
-    """Loops over heads and queries, float64: the output and the three gradients."""
+    """Loops over heads and queries, float64: the output, the three gradients and each
+    query's log-sum-exp of its scores (the forward's statistics)."""
     q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
     b, h, t, _ = q.shape
     kv, s = k.shape[1], k.shape[2]
     bias = np.broadcast_to(np.zeros(()) if bias is None else np.asarray(bias, np.float64), (b, h, t, s))
     out, dq, dk, dv = np.zeros_like(q), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    lse = np.zeros((b, h, t))
     for n in range(b):
         for head in range(h):
             g = head // (h // kv)
@@ -34,6 +44,7 @@ def naive(q, k, v, dout, causal, scale, bias=None):
                 visible = i + s - t + 1 if causal else s
                 scores = np.array([scale * q[n, head, i] @ k[n, g, j] + bias[n, head, i, j] for j in range(visible)])
                 p = np.exp(scores - scores.max())
+                lse[n, head, i] = scores.max() + np.log(p.sum())
                 p /= p.sum()
                 out[n, head, i] = p @ v[n, g, :visible]
                 dp = np.array([dout[n, head, i] @ v[n, g, j] for j in range(visible)])
@@ -41,7 +52,7 @@ def naive(q, k, v, dout, causal, scale, bias=None):
                 dq[n, head, i] = scale * ds @ k[n, g, :visible]
                 dk[n, g, :visible] += scale * np.outer(ds, q[n, head, i])
                 dv[n, g, :visible] += np.outer(p, dout[n, head, i])
-    return out, dq, dk, dv
+    return out, dq, dk, dv, lse
 
 
 @pytest.fixture(params=["decomposed", "fused"])
@@ -61,7 +72,7 @@ def test_attention_and_its_gradient(dtype, shape, causal, cpu_attention):
     b, h, kv, t, s, hd = shape
     q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
     attrs = {"causal": causal}
-    outputs = run_flow(lambda f, *x: [f.op("Attention", list(x[:3]), None, attrs), *f.op("AttentionGrad", list(x), None, attrs)], [q, k, v, dout])
+    outputs = run_flow(lambda f, *x: attention_with_gradient(f, *x, **attrs), [q, k, v, dout])
     for got, want in zip(outputs, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd))):
         check(got, want, dtype)
 
@@ -76,10 +87,10 @@ def test_attention_tokens_first(dtype, shape, causal, cpu_attention):
     b, h, kv, t, s, hd = shape
     q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, t, h, hd), (b, s, kv, hd), (b, s, kv, hd), (b, t, h, hd)]))
     attrs = {"causal": causal, "heads_first": False}
-    outputs = run_flow(lambda f, *x: [f.op("Attention", list(x[:3]), None, attrs), *f.op("AttentionGrad", list(x), None, attrs)], [q, k, v, dout])
+    outputs = run_flow(lambda f, *x: attention_with_gradient(f, *x, **attrs), [q, k, v, dout])
     wanted = naive(*(np.swapaxes(x, 1, 2) for x in (q, k, v, dout)), causal, 1.0 / math.sqrt(hd))
     for got, want in zip(outputs, wanted):
-        check(got, np.swapaxes(want, 1, 2), dtype)
+        check(got, want if want.ndim == 3 else np.swapaxes(want, 1, 2), dtype)
 
 
 def test_attention_tokens_first_checks_its_layout():
@@ -107,8 +118,7 @@ def test_attention_adds_a_score_bias(dtype, shape, kind, cpu_attention):
     q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
     bias = score_bias(kind, b, h, t, s, dtype)
     attrs = {"causal": False}
-    outputs = run_flow(lambda f, q, k, v, d, bias: [f.attention(q, k, v, bias, causal=False), *f.op("AttentionGrad", [q, k, v, d, bias], None, attrs)],
-                       [q, k, v, dout, bias])
+    outputs = run_flow(lambda f, q, k, v, d, bias: attention_with_gradient(f, q, k, v, d, bias, **attrs), [q, k, v, dout, bias])
     for got, want in zip(outputs, naive(q, k, v, dout, False, 1.0 / math.sqrt(hd), bias)):
         check(got, want, dtype)
 
@@ -136,9 +146,7 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
     q, k, v, dout = (random_array(x, dtype, seed=i) for i, x in enumerate([(b, h, t, hd), (b, kv, s, hd), (b, kv, s, hd), (b, h, t, hd)]))
     mask = unseen_mask(b, t, s, causal).astype(dtype)
     attrs = {"causal": causal}
-    outputs = run_flow(lambda f, q, k, v, d, mask: [f.attention(q, k, v, mask, causal=causal),
-                                                    *f.op("AttentionGrad", [q, k, v, d, mask], None, attrs)],
-                       [q, k, v, dout, mask])
+    outputs = run_flow(lambda f, q, k, v, d, mask: attention_with_gradient(f, q, k, v, d, mask, **attrs), [q, k, v, dout, mask])
     wanted, unseen = masked_sdpa(q, k, v, dout, mask, causal)
     assert unseen.any() and not unseen.all()
     assert np.all(wanted[0][unseen] == 0)
@@ -148,8 +156,8 @@ def test_a_query_that_sees_no_key_attends_to_nothing(dtype, causal, cpu_attentio
 
 def masked_sdpa(q, k, v, dout, mask, causal):
     """PyTorch's scaled_dot_product_attention in float64 under `mask` (heads first, key/value
-    heads repeated for their groups): the output and the three gradients, and which
-    (batch, head, query) see no key."""
+    heads repeated for their groups): the output, the three gradients and the scores'
+    log-sum-exp (+∞ where a query sees no key), and which (batch, head, query) see no key."""
     import torch
 
     (b, h, t, _), (kv, s) = q.shape, k.shape[1:3]
@@ -162,7 +170,9 @@ def masked_sdpa(q, k, v, dout, mask, causal):
                                                            attn_mask=visible)
     out.backward(torch.tensor(dout, dtype=torch.float64))
     unseen = np.broadcast_to(np.isneginf(visible.numpy().max(axis=-1)), (b, h, t))
-    return [x.detach().numpy() for x in (out, tq.grad, tk.grad, tv.grad)], unseen
+    scores = tq @ tk.repeat_interleave(groups, 1).transpose(-1, -2) / math.sqrt(q.shape[-1]) + visible
+    lse = torch.logsumexp(scores, dim=-1).detach().numpy()
+    return [*(x.detach().numpy() for x in (out, tq.grad, tk.grad, tv.grad)), np.where(unseen, np.inf, lse)], unseen
 
 
 def fused_over_two_parts(monkeypatch) -> None:
@@ -181,7 +191,7 @@ def operands(b, h, kv, t, s, hd):
 
 def _layout(heads_first: bool, x):
     """x [B, H, T, hd] as a test feeds it: as it is, or [B, T, H, hd] where heads come second."""
-    return x if heads_first else np.swapaxes(x, 1, 2)
+    return x if heads_first or x.ndim != 4 else np.swapaxes(x, 1, 2)
 
 
 def _grad_op(b, h, kv, t, s, hd):
@@ -191,7 +201,7 @@ def _grad_op(b, h, kv, t, s, hd):
     f = rv.Builder(flow, "f")
     q, d = (f.var(n, "float32", [b, h, t, hd]) for n in "qd")
     k, v = (f.var(n, "float32", [b, kv, s, hd]) for n in "kv")
-    f.op("AttentionGrad", [q, k, v, d])
+    attention_with_gradient(f, q, k, v, d)
     return flow.ops["f/AttentionGrad"]
 
 
@@ -218,8 +228,7 @@ def test_cpu_fuses_attention_only_when_its_scores_are_too_big_to_store(cpu_atten
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     q, k, v, d = (f.var(n, dtype, [1, 2, 4, 32]) for n in "qkvd")
-    f.op("Attention", [q, k, v])
-    f.op("AttentionGrad", [q, k, v, d])
+    attention_with_gradient(f, q, k, v, d)
     kernels = {s.kernel for s in rv.Compiler("cpu").compile(flow).cell("f").steps}
     fused = cpu_attention == "fused"
     assert ({forward, backward} <= kernels) == fused
@@ -235,9 +244,8 @@ def test_decomposed_backward_reuses_the_forward_probabilities(monkeypatch):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     q, k, v, d = (f.var(n, "float32", [2, 4, 16, 8]) for n in "qkvd")
-    f.op("Attention", [q, k, v]).var.out = True
-    for grad in f.op("AttentionGrad", [q, k, v, d]):
-        grad.var.out = True
+    for result in attention_with_gradient(f, q, k, v, d):
+        result.var.out = True
     kernels = [s.kernel for s in rv.Compiler("cpu").compile(flow).cell("f").steps]
     assert kernels.count("SoftmaxRow") == 1, kernels
 
@@ -268,9 +276,7 @@ def test_attention_gemm_blocks_over_parts(causal, kind, b, kv, threads, heads_fi
     bias = inputs[3:]
 
     def build(f, q, k, v, dout, *bias):
-        attrs = {"causal": causal, "heads_first": heads_first}
-        return [f.attention(q, k, v, *bias, causal=causal, heads_first=heads_first),
-                *f.op("AttentionGrad", [q, k, v, dout, *bias], None, attrs)]
+        return attention_with_gradient(f, q, k, v, dout, *bias, causal=causal, heads_first=heads_first)
 
     got = run_flow(build, [*(_layout(heads_first, x) for x in (q, k, v, dout)), *bias])
     for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd), bias[0] if bias else None)):
@@ -293,8 +299,7 @@ def test_attention_gemm_pads_score_rows_4_kib_apart(causal, heads_first, monkeyp
     q, k, v, dout = operands(b, h, kv, t, s, hd)
 
     def build(f, q, k, v, dout):
-        attrs = {"causal": causal, "heads_first": heads_first}
-        return [f.attention(q, k, v, causal=causal, heads_first=heads_first), *f.op("AttentionGrad", [q, k, v, dout], None, attrs)]
+        return attention_with_gradient(f, q, k, v, dout, causal=causal, heads_first=heads_first)
 
     got = run_flow(build, [_layout(heads_first, x) for x in (q, k, v, dout)])
     for result, want in zip(got, naive(q, k, v, dout, causal, 1.0 / math.sqrt(hd))):
@@ -316,7 +321,7 @@ def test_attention_gemm_heads_wider_than_a_panel(cpu_mask, hd, monkeypatch):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     handles = [f.var(name, "float32", list(x.shape)) for name, x in zip("qkvd", (q, k, v, dout))]
-    outputs = [f.attention(*handles[:3], causal=True), *f.op("AttentionGrad", handles, None, {"causal": True})]
+    outputs = attention_with_gradient(f, *handles, causal=True)
     for tensor in outputs:
         tensor.var.out = True
     cell = rv.Compiler("cpu", cpu=cpu_mask, cache=False).compile(flow).cell("f")
@@ -391,8 +396,7 @@ def test_attention_on_bf16_pairs_rounds_each_products_inputs(causal, heads_first
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     handles = [f.var(name, "float32", list(_layout(heads_first, x).shape)) for name, x in zip("qkvd", (q, k, v, dout))]
-    attrs = {"causal": causal, "heads_first": heads_first}
-    outputs = [f.attention(*handles[:3], causal=causal, heads_first=heads_first), *f.op("AttentionGrad", handles, None, attrs)]
+    outputs = attention_with_gradient(f, *handles, causal=causal, heads_first=heads_first)
     for tensor in outputs:
         tensor.var.out = True
     cell = rv.Compiler("cpu", matmul="bfloat16", cache=False).compile(flow).cell("f")
@@ -426,8 +430,7 @@ def test_attention_in_bfloat16_attends_to_no_hidden_key(cpu, causal, monkeypatch
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     handles = [f.var(name, "float32", list(x.shape)) for name, x in zip("qkvdm", (q, k, v, dout, mask))]
-    outputs = [f.attention(*handles[:3], handles[4], causal=causal),
-               *f.op("AttentionGrad", handles, None, {"causal": causal})]
+    outputs = attention_with_gradient(f, *handles, causal=causal)
     for tensor in outputs:
         tensor.var.out = True
     cell = rv.Compiler("cpu", cpu=cpu, matmul="bfloat16", cache=False).compile(flow).cell("f")
@@ -441,7 +444,8 @@ def test_attention_in_bfloat16_attends_to_no_hidden_key(cpu, causal, monkeypatch
     wanted, unseen = masked_sdpa(q, k, v, dout, mask, causal)
     assert unseen.any() and np.all(np.asarray(data[outputs[0]])[unseen] == 0)
     assert np.all(np.asarray(data[outputs[1]])[unseen] == 0)
-    for tensor, want in zip(outputs, wanted):
+    for tensor, want in zip(outputs[:4], wanted):
         got = np.asarray(data[tensor], np.float64)
         assert np.isfinite(got).all(), "every element written"
         assert_within_bound(got, want, np.abs(want).max(), 2e-2, slack=0.0, what=tensor.name)
+    np.testing.assert_allclose(data[outputs[4]], wanted[4], atol=5e-2)  # scores of bf16 q and k; +∞ where a query sees no key

@@ -39,7 +39,8 @@ def use_rows_layout(flow: Flow, func: Function, keep: set[str]) -> None:
         b = Builder(flow, func)
         swapped = [b.wrap(x).transpose(_SWAP).var for x in (q, k, v)]
         rows = b.op("Attention", [*swapped, *op.inputs[3:]], None, {**op.attrs, "heads_first": False})
-        splice(flow, op, [rows.transpose(_SWAP)])
+        out, *statistics = rows if isinstance(rows, tuple) else (rows,)  # statistics are [B, H, T] either way
+        splice(flow, op, [out.transpose(_SWAP), *statistics])
 
 
 def _viewed(op: Operation | None) -> bool:

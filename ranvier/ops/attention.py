@@ -8,17 +8,26 @@ broadcast to [B, H, T, S] (a padding mask [B, 1, 1, S] of 0 and −∞, a positi
 [1, H, T, S]). A query whose every key is masked (−∞ throughout its row: left padding
 under a causal mask) attends to nothing: its output row and its gradients are 0, as in
 ONNX's Attention and PyTorch's scaled_dot_product_attention, where a plain softmax would
-give 0/0. AttentionGrad(q, k, v, d out[, bias]) → (dq, dk, dv) recomputes the
-probabilities row by row instead of keeping the T×S matrix from the forward pass; a
-bias's own gradient, wanted only when it is learned, comes from the decomposed form.
+give 0/0.
+
+With `statistics`, Attention also gives each query row's softmax statistic, the
+log-sum-exp L = log Σₛ exp(scoreₛ) of its scaled, biased, masked scores, [B, H, T] in float32
+(float64 for float64 operands, never rounded to half precision), +∞ for a row that sees no
+key. AttentionGrad(q, k, v, out, L, d out[, bias]) → (dq, dk, dv) takes the forward's output
+and statistics, as FlashAttention-2's backward does: each probability is exp(score − L),
+recomputed tile by tile with no maximum or sum to find again, and the softmax gradient's
+row term Σₛ pₛ dpₛ is D = Σ d out ∘ out, one pass over two rows. The gradient rule turns
+the forward's statistics on; the T×S probabilities are never kept. A bias's own gradient,
+wanted only when it is learned, comes from the decomposed form.
 
 With `heads_first` false, q, k, v, the output and the gradients are [B, T, heads, hd]
 instead, as a model's projections give them: a kernel reads and writes the heads in
-place, with no transposes on either side (a decomposition makes the transposes).
+place, with no transposes on either side (a decomposition makes the transposes). The
+statistics are [B, H, T] either way.
 
 Both decompose into batched GEMMs and a row softmax (with one additive causal-mask
-constant per function, so the backward's recomputed probabilities are the forward's,
-op for op, and CSE keeps one); a backend with a fused kernel may claim them whole.
+constant per function, so the backward's recomputed scores are the forward's, op for
+op, and CSE keeps one); a backend with a fused kernel may claim them whole.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import dtypes
+from ..errors import RanvierError
 from .registry import Attr, TensorType, decomposition, define, op_def
 from .rules import FLOATS, PRECISION, same_dtype
 
@@ -57,18 +68,38 @@ def _check(ctx, q, k, v, bias=None):
         raise ctx.fail("no more queries than keys for causal attention")
 
 
+def statistics_dtype(dtype: str) -> str:
+    """The dtype of an attention's softmax statistics: float64 for float64 operands, else float32."""
+    return dtypes.DT_FLOAT64 if dtype == dtypes.DT_FLOAT64 else dtypes.DT_FLOAT32
+
+
+def statistics_shape(q_shape, heads_first: bool) -> list[int]:
+    """The statistics' shape [B, H, T] of queries of shape `q_shape`, in either layout."""
+    return heads_first_shape(q_shape, heads_first)[:3]
+
+
 def _infer_attention(ctx):
     dtype = same_dtype(ctx, FLOATS, "floating-point q, k, v of one dtype")
     _check(ctx, *ctx.inputs)
-    return [TensorType(dtype, ctx.inputs[0].shape)]
+    q = ctx.inputs[0]
+    out = [TensorType(dtype, q.shape)]
+    if ctx.attrs["statistics"]:
+        out.append(TensorType(statistics_dtype(dtype), statistics_shape(q.shape, ctx.attrs["heads_first"])))
+    return out
 
 
 def _infer_attention_grad(ctx):
-    dtype = same_dtype(ctx, FLOATS, "floating-point q, k, v, d out of one dtype")
-    q, k, v, dout = ctx.inputs[:4]
-    _check(ctx, q, k, v, *ctx.inputs[4:])
-    if list(dout.shape) != list(q.shape):
-        raise ctx.fail(f"d out of the output's shape {list(q.shape)}")
+    q, k, v, out, lse, dout = ctx.inputs[:6]
+    dtype = q.dtype
+    if dtype not in FLOATS or any(x.dtype != dtype for x in (k, v, out, dout, *ctx.inputs[6:])):
+        raise ctx.fail("floating-point q, k, v, out, d out (and bias) of one dtype")
+    _check(ctx, q, k, v, *ctx.inputs[6:])
+    for name, x in (("out", out), ("d out", dout)):
+        if list(x.shape) != list(q.shape):
+            raise ctx.fail(f"{name} of the output's shape {list(q.shape)}")
+    wanted = statistics_shape(q.shape, ctx.attrs["heads_first"])
+    if lse.dtype != statistics_dtype(dtype) or list(lse.shape) != wanted:
+        raise ctx.fail(f"the forward's statistics {statistics_dtype(dtype)}{wanted} (got {lse.dtype}{list(lse.shape)})")
     return [TensorType(dtype, q.shape), TensorType(dtype, k.shape), TensorType(dtype, v.shape)]
 
 
@@ -80,7 +111,7 @@ def scale_of(attrs, head_size: int) -> float:
 
 def bias_of(op) -> Variable | None:
     """An Attention or AttentionGrad op's score bias, or None."""
-    first = 4 if op.type == "AttentionGrad" else 3
+    first = 6 if op.type == "AttentionGrad" else 3
     return op.inputs[first] if len(op.inputs) > first else None
 
 
@@ -98,22 +129,37 @@ def bias_offset(dims, batch, head, query, key):
     return index
 
 
-def probabilities(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
-    """softmax(scale · q kᵀ + bias) per head [B, H, T, S], float64, with the causal mask."""
+def scores(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
+    """scale · q kᵀ + bias per head [B, H, T, S], float64, −∞ where the causal mask hides a key."""
     _b, h, t, _ = q.shape
     groups = h // k.shape[1]
     keys = np.repeat(np.asarray(k, np.float64), groups, axis=1)
-    scores = np.einsum("bhtd,bhsd->bhts", np.asarray(q, np.float64), keys) * scale
+    result = np.einsum("bhtd,bhsd->bhts", np.asarray(q, np.float64), keys) * scale
     if bias is not None:
-        scores = scores + np.asarray(bias, np.float64)
+        result = result + np.asarray(bias, np.float64)
     if causal:
         s = k.shape[2]
         hidden = np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t)
-        scores = np.where(hidden, -np.inf, scores)
-    peak = scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores - np.where(peak == -np.inf, 0.0, peak))  # a row of −∞ (no key seen): zeros
+        result = np.where(hidden, -np.inf, result)
+    return result
+
+
+def probabilities(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
+    """softmax(scale · q kᵀ + bias) per head [B, H, T, S], float64, with the causal mask."""
+    s = scores(q, k, causal, scale, bias)
+    peak = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - np.where(peak == -np.inf, 0.0, peak))  # a row of −∞ (no key seen): zeros
     total = e.sum(axis=-1, keepdims=True)
     return np.where(total > 0, e / np.where(total > 0, total, 1.0), e)
+
+
+def log_sum_exp(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
+    """Each query row's log Σₛ exp(scoreₛ) [B, H, T], float64; +∞ for a row that sees no key."""
+    s = scores(q, k, causal, scale, bias)
+    peak = s.max(axis=-1)
+    finite = np.where(peak == -np.inf, 0.0, peak)
+    total = np.exp(s - finite[..., None]).sum(axis=-1)
+    return np.where(total > 0, finite + np.log(np.where(total > 0, total, 1.0)), np.inf)
 
 
 def _swapped(t, heads_first: bool):
@@ -121,28 +167,35 @@ def _swapped(t, heads_first: bool):
     return t if heads_first else t.transpose([0, 2, 1, 3])
 
 
-def attention(q, k, v, bias=None, causal: bool = True, scale: float | None = None, heads_first: bool = True) -> np.ndarray:
+def attention(q, k, v, bias=None, causal: bool = True, scale: float | None = None, heads_first: bool = True,
+              statistics: bool = False) -> list[np.ndarray]:
+    """[out] (and [out, L] with `statistics`) of Attention, float64."""
     if not heads_first:  # [B, T, heads, hd] arrays: the same, axes 1 and 2 swapped each way
-        return np.swapaxes(attention(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), bias, causal, scale), 1, 2)
+        results = attention(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), bias, causal, scale, True, statistics)
+        return [np.swapaxes(results[0], 1, 2), *results[1:]]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     p = probabilities(q, k, causal, scale, bias)
     values = np.repeat(np.asarray(v, np.float64), q.shape[1] // k.shape[1], axis=1)
-    return np.einsum("bhts,bhsd->bhtd", p, values)
+    out = np.einsum("bhts,bhsd->bhtd", p, values)
+    return [out, log_sum_exp(q, k, causal, scale, bias)] if statistics else [out]
 
 
-def attention_grad(q, k, v, dout, bias=None, causal: bool = True, scale: float | None = None,
+def attention_grad(q, k, v, out, lse, dout, bias=None, causal: bool = True, scale: float | None = None,
                    heads_first: bool = True) -> list[np.ndarray]:
+    """(dq, dk, dv) from the forward's output and statistics: pₛ = exp(scoreₛ − L) and
+    D = Σ d out ∘ out, as a kernel computes them."""
     if not heads_first:
-        grads = attention_grad(*(np.swapaxes(x, 1, 2) for x in (q, k, v, dout)), bias, causal, scale)
+        grads = attention_grad(*(np.swapaxes(x, 1, 2) for x in (q, k, v, out)), lse, np.swapaxes(dout, 1, 2),
+                               bias, causal, scale)
         return [np.swapaxes(g, 1, 2) for g in grads]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[1] // k.shape[1]
-    p = probabilities(q, k, causal, scale, bias)
+    p = np.exp(scores(q, k, causal, scale, bias) - np.asarray(lse, np.float64)[..., None])
     keys = np.repeat(np.asarray(k, np.float64), groups, axis=1)
     values = np.repeat(np.asarray(v, np.float64), groups, axis=1)
     dout = np.asarray(dout, np.float64)
     dp = np.einsum("bhtd,bhsd->bhts", dout, values)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    ds = p * (dp - (dout * np.asarray(out, np.float64)).sum(axis=-1)[..., None])
     dq = scale * np.einsum("bhts,bhsd->bhtd", ds, keys)
     dk = scale * np.einsum("bhts,bhtd->bhsd", ds, np.asarray(q, np.float64))
     dv = np.einsum("bhts,bhtd->bhsd", p, dout)
@@ -159,20 +212,34 @@ ATTRS = [
     Attr("heads_first", "bool", True, "q, k, v and the output [B, heads, T, hd]; false: [B, T, heads, hd]"),
     PRECISION,
 ]
+STATISTICS = Attr("statistics", "bool", False, "Attention also outputs each query row's log-sum-exp [B, H, T]")
 
 
 def _attention_vjp(ctx, g):
+    if len(g) > 1 and g[1] is not None:
+        raise RanvierError(f"Attention {ctx.op.name}: its statistics have no gradient (they are for AttentionGrad)")
     q, k, v, *bias = ctx.inputs
-    dq, dk, dv = ctx.b.op("AttentionGrad", [q, k, v, g[0], *bias], None, dict(ctx.op.attrs))
+    attrs = {name: value for name, value in ctx.op.attrs.items() if name != "statistics"}
+    dq, dk, dv = ctx.b.op("AttentionGrad", [q, k, v, ctx.outputs[0], forward_statistics(ctx), g[0], *bias], None, attrs)
     if not bias:
         return [dq, dk, dv]
     return [dq, dk, dv, ctx.unbroadcast(_score_gradient(ctx.b, ctx.op, g[0]), bias[0])]
 
 
-def _build_attention(b, q, k, v, bias=None, causal=True, scale=None, heads_first=True, name=None):
-    attrs = {"causal": causal} if scale is None else {"causal": causal, "scale": scale}
-    if not heads_first:
-        attrs["heads_first"] = False
+def forward_statistics(ctx):
+    """The statistics output of the Attention op being differentiated, turned on where the
+    forward was built without it (the gradient rule is what needs them)."""
+    op = ctx.op
+    if len(op.outputs) == 1:
+        op.set_attr("statistics", True)
+        (_, kind) = op_def(op.type).infer_types(op.name, op.inputs, op.attrs)
+        op.add_output(ctx.b.flow.add_var(f"{op.name}:1", kind.dtype, kind.shape))
+    return ctx.b.wrap(op.outputs[1])
+
+
+def _build_attention(b, q, k, v, bias=None, causal=True, scale=None, heads_first=True, statistics=False, name=None):
+    """The output, or (output, statistics) with `statistics`."""
+    attrs = {"causal": causal, "scale": scale, "heads_first": heads_first, "statistics": statistics}
     return b.op("Attention", [q, k, v] if bias is None else [q, k, v, bias], name, attrs)
 
 
@@ -189,12 +256,12 @@ def _flops(op) -> int:
 define(
     "Attention",
     _infer_attention,
-    lambda a, args, o: [attention(*args[:3], *args[3:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]),
-                                  heads_first=a["heads_first"])],
+    lambda a, args, o: attention(*args[:3], *args[3:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]),
+                                 heads_first=a["heads_first"], statistics=a["statistics"]),
     (3, 4),
     "nn",
-    "Attention(q, k, v[, bias])",
-    attrs=ATTRS,
+    "Attention(q, k, v[, bias]) → out[, statistics]",
+    attrs=[*ATTRS, STATISTICS],
     vjp=_attention_vjp,
     flops=_flops,
     method="attention",
@@ -203,22 +270,22 @@ define(
 define(
     "AttentionGrad",
     _infer_attention_grad,
-    lambda a, args, o: attention_grad(*args[:4], *args[4:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]),
+    lambda a, args, o: attention_grad(*args[:6], *args[6:], causal=a["causal"], scale=scale_of(a, args[0].shape[-1]),
                                       heads_first=a["heads_first"]),
-    (4, 5),
+    (6, 7),
     "nn",
-    "(dq, dk, dv) of Attention from (q, k, v, d out[, bias]), recomputing the probabilities",
+    "(dq, dk, dv) of Attention from (q, k, v, out, statistics, d out[, bias])",
     attrs=ATTRS,
     flops=_flops,
 )
 
 
-def _grouped_probabilities(b, op):
-    """Grouped views of q, k, v and the probabilities softmax(scale·q kᵀ + bias + causal mask).
+def _grouped_scores(b, op):
+    """Grouped views of q, k, v and the scores scale·q kᵀ + bias + causal mask.
 
     The query heads sharing a key/value head are stacked into one matrix of G·T rows
     [B, KV, G·T, hd], so each key/value head takes one GEMM of G·T rows rather than G
-    GEMMs of T; the probabilities come out [B, KV, G·T, S] in the same row order."""
+    GEMMs of T; the scores come out [B, KV, G·T, S] in the same row order."""
     q, k, v = _as_heads_first(b, op, op.inputs[:3])
     batch, heads, queries, size = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
@@ -235,10 +302,25 @@ def _grouped_probabilities(b, op):
         if attrs["causal"]:
             scores = scores + _causal_mask(b, queries, keys, q.dtype)
         scores = scores.reshape([batch, kv_heads, groups * queries, keys])
+    return stacked, k, v, scores, scale
+
+
+def _grouped_probabilities(b, op):
+    """`_grouped_scores`, the scores turned into probabilities by the row softmax."""
+    q, k, v, scores, scale = _grouped_scores(b, op)
     p = scores.softmax()
-    if bias is not None:  # a bias may mask a query's every key: its row is 0, not the softmax's 0/0
+    if bias_of(op) is not None:  # a bias may mask a query's every key: its row is 0, not the softmax's 0/0
         p = scores.max(axis=[-1], keepdims=True).not_equal(-math.inf).select(p)
-    return stacked, k, v, p, scale
+    return q, k, v, p, scores, scale
+
+
+def _log_sum_exp(scores):
+    """Each row's log Σ exp, keeping its last axis (of 1); +∞ for a row of −∞ (no key seen)."""
+    peak = scores.max(axis=[-1], keepdims=True)
+    seen = peak.not_equal(-math.inf)
+    finite = seen.select(peak)
+    total = (scores - finite).exp().sum(axis=[-1], keepdims=True)
+    return seen.where(finite + total.log(), math.inf)
 
 
 def grouped_bias_shape(shape, kv_heads: int, groups: int) -> list[int]:
@@ -265,7 +347,7 @@ def _as_heads_first(b, op, values) -> list:
 
 def _score_gradient(b, op, dout):
     """d scores [B, H, T, S] of Attention `op` for d out: a learned bias's gradient."""
-    q, k, v, p, _ = _grouped_probabilities(b, op)
+    q, k, v, p, _, _ = _grouped_probabilities(b, op)
     (dout,) = _as_heads_first(b, op, [dout])
     ds = _d_scores(p, dout.reshape(q.shape).matmul(v, transpose_b=True))
     batch, heads, queries, _ = dout.shape
@@ -286,13 +368,15 @@ def _causal_mask(b, queries: int, keys: int, dtype: str):
 def _transposed_around(b, op):
     """An op taking [B, T, heads, hd] as transposes to and from the same op taking
     [B, heads, T, hd] (which a backend may run whole, or decompose in turn); None where
-    the heads come first already."""
+    the heads come first already. The statistics and a bias are the same in either layout."""
     if op_def(op.type).attrs_of(op)["heads_first"]:
         return None
-    count = 4 if op.type == "AttentionGrad" else 3  # then the bias, the same in either layout
-    inputs = [*_as_heads_first(b, op, op.inputs[:count]), *(b.wrap(x) for x in op.inputs[count:])]
+    turned = (0, 1, 2, 3, 5) if op.type == "AttentionGrad" else (0, 1, 2)  # q, k, v (out, d out)
+    inputs = [_swapped(b.wrap(x), False) if i in turned else b.wrap(x) for i, x in enumerate(op.inputs)]
     results = b.op(op.type, inputs, None, {name: value for name, value in op.attrs.items() if name != "heads_first"})
-    return [_swapped(r, False) for r in results] if isinstance(results, (list, tuple)) else _swapped(results, False)
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    count = 3 if op.type == "AttentionGrad" else 1  # the results in the op's layout: not the statistics
+    return [_swapped(r, False) if i < count else r for i, r in enumerate(results)]
 
 
 @decomposition("Attention")
@@ -300,20 +384,34 @@ def _attention_as_gemms(b, op):
     turned = _transposed_around(b, op)
     if turned is not None:
         return turned
-    _, _, v, p, _ = _grouped_probabilities(b, op)
-    return (p @ v).reshape(op.outputs[0].shape)
+    _, _, v, p, scores, _ = _grouped_probabilities(b, op)
+    out = (p @ v).reshape(op.outputs[0].shape)
+    if len(op.outputs) == 1:
+        return out
+    return [out, _log_sum_exp(_widened(scores, op.outputs[1].dtype)).reshape(op.outputs[1].shape)]
+
+
+def _widened(t, dtype: str):
+    """Tensor t in `dtype` (the statistics' float32 where t is half precision)."""
+    return t if t.dtype == dtype else t.cast(dtype)
 
 
 @decomposition("AttentionGrad")
 def _attention_grad_as_gemms(b, op):
-    """With the group's heads stacked along the rows, the products over rows (d k, d v)
-    sum the group's heads onto their key/value head in the GEMM itself."""
+    """pₛ = exp(scoreₛ − L) from the forward's statistics L (0 where a key is masked, and
+    in a row that sees no key, whose L is +∞); D = Σ d out ∘ out. With the group's heads
+    stacked along the rows, the products over rows (d k, d v) sum the group's heads onto
+    their key/value head in the GEMM itself."""
     turned = _transposed_around(b, op)
     if turned is not None:
         return turned
-    q, k, v, p, scale = _grouped_probabilities(b, op)
-    dout = b.wrap(op.inputs[3]).reshape(q.shape)
-    ds = _d_scores(p, dout.matmul(v, transpose_b=True))
+    q, k, v, scores, scale = _grouped_scores(b, op)
+    rows = [*q.shape[:3], 1]
+    statistics = b.wrap(op.inputs[4])
+    p = _widened((_widened(scores, statistics.dtype) - statistics.reshape(rows)).exp(), q.dtype)
+    out, dout = (b.wrap(op.inputs[i]).reshape(q.shape) for i in (3, 5))
+    d = (out * dout).sum(axis=[-1], keepdims=True)
+    ds = p * (dout.matmul(v, transpose_b=True) - d)
     dq = (ds.matmul(k) * scale).reshape(op.outputs[0].shape)
     dk = ds.matmul(q, transpose_a=True) * scale
     dv = p.matmul(dout, transpose_a=True)

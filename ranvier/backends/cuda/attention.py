@@ -72,7 +72,9 @@ def supports(op: Operation) -> bool:
     and written in place, so a Llama's projections need no transposes)."""
     if op.type not in ("Attention", "AttentionGrad"):
         return False
-    return op.type == "Attention" or (op.inputs[0].shape[-1] >= PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64))
+    if op.type == "Attention":
+        return len(op.outputs) == 1
+    return op.inputs[0].shape[-1] >= PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
 
 
 class AttentionShape:
@@ -363,7 +365,7 @@ def _score_and_gradient(threads: RowThreads, query: PrivateArray, gradient: Priv
 def _statistics(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
     ctx = program.ctx
-    dout, dq = op.inputs[3], op.outputs[0]
+    dout, dq = op.inputs[5], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
     peak, total, d = (program.private(dq.dtype, 1) for _ in range(PARKED))
     query, gradient = threads.own_rows(dq.dtype, 2)
@@ -397,7 +399,7 @@ def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, sh
     """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
     it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
     ctx, size = program.ctx, shape.size
-    q, _, v, dout = op.inputs[:4]
+    q, _, v, _, _, dout = op.inputs[:6]
     dq, dk, dv = op.outputs
     heads = block // shape.key_tiles
     b, kv, first_key = heads // shape.kv_heads, heads % shape.kv_heads, block % shape.key_tiles * TILE
@@ -458,7 +460,7 @@ def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, sh
 def _query_gradient(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
     """Launch 3: each query row's dq, from its parked m, 1/l and D (read before the row is written)."""
     ctx, size = program.ctx, shape.size
-    dout, dq = op.inputs[3], op.outputs[0]
+    dout, dq = op.inputs[5], op.outputs[0]
     b, h, first_query = _query_block(shape, block)
     parked = program.private(dq.dtype, PARKED)
     acc, query, gradient = threads.own_rows(dq.dtype, 3)

@@ -67,7 +67,7 @@ FLOAT = dtypes.DT_FLOAT32
 def supports(op: Operation) -> bool:
     """Float32 operands whose products may round to bfloat16 (the op's precision), or
     bfloat16 operands (`Compiler(precision="bfloat16")`'s activations)."""
-    if op.type not in ("Attention", "AttentionGrad"):
+    if op.type not in ("Attention", "AttentionGrad") or len(op.outputs) == 2:
         return False
     size = op.inputs[0].shape[-1]
     operands = {v.dtype for v in (*op.inputs, *op.outputs)}
@@ -279,7 +279,7 @@ class _QueryBlock:
         offsets = self.row_offsets(self.program.thread)
         _pack_rows(self.program, self.op.inputs[0], offsets, self.shape.size, self.q_words)
         if self.g_words is not None:
-            _pack_rows(self.program, self.op.inputs[3], offsets, self.shape.size, self.g_words)
+            _pack_rows(self.program, self.op.inputs[5], offsets, self.shape.size, self.g_words)
 
     def stream(self, per_tile: Callable[[Value, Value], None]) -> None:
         """`per_tile(first key, first word)` for each tile of keys the block's queries see,
@@ -450,7 +450,7 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
     """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
     it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
     ctx, size = program.ctx, shape.size
-    q, k, v, dout = op.inputs[:4]
+    q, k, v, _, _, dout = op.inputs[:6]
     dq, dk, dv = op.outputs
     key_blocks = -(-shape.keys // ROWS)
     head = index // key_blocks

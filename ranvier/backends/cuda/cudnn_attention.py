@@ -177,10 +177,11 @@ def run_on_host(plan: SdpaPlan, addresses: list[int]) -> None:
     views = [_host_view(address, dims, strides, dtype) for address, (dims, strides) in zip(addresses, layouts)]
     if plan.gradient:
         q, k, v, dout, *outputs = views
-        results = attention_grad(q, k, v, dout, causal=plan.causal, scale=plan.scale)
+        out, lse = attention(q, k, v, causal=plan.causal, scale=plan.scale, statistics=True)
+        results = attention_grad(q, k, v, out, lse, dout, causal=plan.causal, scale=plan.scale)
     else:
         q, k, v, *outputs = views
-        results = [attention(q, k, v, causal=plan.causal, scale=plan.scale)]
+        results = attention(q, k, v, causal=plan.causal, scale=plan.scale)
     for output, result in zip(outputs, results):
         output[...] = np.asarray(result).astype(dtype)
 

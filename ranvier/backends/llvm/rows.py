@@ -450,10 +450,11 @@ def softmax_top_k_rows(op) -> RowBody:
 
 
 def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Value, unseen_zero: bool = False,
-                            exp: Callable[[Value], Value] = Value.exp) -> None:
+                            exp: Callable[[Value], Value] = Value.exp) -> Value:
     """target = exp(source − peak) / their sum along the row (source may be target): the
     exponentials stored, then scaled in place. With `unseen_zero` a row of −∞ (an
-    attention query that sees no key) gives zeros rather than 0/0. `exp` is of values <= 0."""
+    attention query that sees no key) gives zeros rather than 0/0. `exp` is of values <= 0.
+    Returns the row's log Σ exp(source) (`log_sum_exp`)."""
     if unseen_zero:
         peak = finite_peak(peak)
 
@@ -465,13 +466,20 @@ def normalized_exponentials(ctx: EmitContext, row: Row, source, target, peak: Va
     total = row.sum(exponential)
     scale = unseen_inverse(total) if unseen_zero else 1.0 / total
     row.each(lambda i, w: ctx.store(target, i, ctx.load(target, i, w) * scale.splat(w)))
+    return log_sum_exp(peak, total)
+
+
+def log_sum_exp(peak: Value, total: Value) -> Value:
+    """log Σ exp(xᵢ) of a row from its finite peak and total = Σ exp(xᵢ − peak): +∞ where the
+    total is 0 (an attention query that sees no key, whose exp(score − ∞) are then all 0)."""
+    return total.equal(0.0).where(math.inf, peak + total.log())
 
 
 def scaled_softmax(ctx: EmitContext, scores, start: Value, seen: int | Value, scale: float, bias=None,
-                   unseen_zero: bool = False, exp: Callable[[Value], Value] = Value.exp) -> None:
+                   unseen_zero: bool = False, exp: Callable[[Value], Value] = Value.exp) -> Value:
     """scores[start:+seen] → softmax(scale · scores + bias(i, width)), in place (an attention
     query's raw scores to its probabilities): the logits stored as the maximum is taken over
-    them, then `normalized_exponentials` (by `exp`)."""
+    them, then `normalized_exponentials` (by `exp`). Returns the logits' log-sum-exp."""
     row = Row(ctx, start, seen, scores.dtype)
 
     def logit(i, w):
@@ -481,7 +489,7 @@ def scaled_softmax(ctx: EmitContext, scores, start: Value, seen: int | Value, sc
         return value
 
     peak = row.fold(-math.inf, _max, logit)
-    normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero, exp)
+    return normalized_exponentials(ctx, row, scores, scores, peak, unseen_zero, exp)
 
 
 def finite_peak(peak: Value) -> Value:

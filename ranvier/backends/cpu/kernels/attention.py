@@ -40,7 +40,7 @@ from ...llvm import mathlib
 from ...llvm.irutil import BYTE_PTR, cache_line_aligned, i64, whole_lines
 from ...llvm.loops import fill
 from ...llvm.pointers import Pointer
-from ...llvm.rows import Row, finite_peak, row_axpy, row_dot, scaled_softmax, unseen_inverse
+from ...llvm.rows import Row, finite_peak, log_sum_exp, row_axpy, row_dot, scaled_softmax, unseen_inverse
 from ...llvm.values import Value
 from .. import sgemm
 from ..codegen import SGEMM_DPBF16, SGEMM_GENERATED, SGEMM_PACKED, SGEMM_PACKED_DPBF16
@@ -128,6 +128,8 @@ class _Heads:
         self.dtype = q.dtype
         self.bias = bias_of(op)
         self.bias_dims = bias_dims(self.bias.shape) if self.bias is not None else None
+        # The forward's statistics output, where asked for: each row's log-sum-exp [B·H, T]
+        self.statistics = op.outputs[1] if len(op.outputs) == 2 and op.type == "Attention" else None
         # Where the products may round the probabilities to bfloat16, their exponentials need
         # not be float32's best: `exp_nonpositive` errs by 4e-7 of them, a ten-thousandth of the rounding's.
         self.exp = mathlib.exp_nonpositive if attrs["precision"] == "bfloat16" else Value.exp
@@ -163,8 +165,8 @@ class _Heads:
     def axpy(self, alpha: Value, x, x_start: Value, y, y_start: Value) -> None:
         row_axpy(self.ctx, self.size, alpha, x, x_start, y, y_start)
 
-    def probabilities(self, q, q_start: Value, k, kv: Value, count, p, bias_start: Value | int) -> None:
-        """Fill p[j] with the probability of each visible key j."""
+    def probabilities(self, q, q_start: Value, k, kv: Value, count, p, bias_start: Value | int) -> Value:
+        """Fill p[j] with the probability of each visible key j; returns their log-sum-exp."""
         ctx = self.ctx
         peak = ctx.local(self.dtype, 1, -math.inf)
         with ctx.loop(0, count, name="j") as j:
@@ -182,6 +184,12 @@ class _Heads:
         inverse = unseen_inverse(total.value)
         with ctx.loop(0, count, name="j") as j:
             p.store(j, p.load(j) * inverse)
+        return log_sum_exp(subtracted, total.value)
+
+    def keep_statistic(self, bh: Value, t: Value, value: Value) -> None:
+        """Query t of (batch·head) bh's log-sum-exp, where the forward outputs them."""
+        if self.statistics is not None:
+            self.ctx.store(self.statistics, bh * self.queries + t, value)
 
     def row_keys(self, t: Value) -> Value | int:
         """The keys query t sees, as the length of its row of scores (0 where it sees none)."""
@@ -218,8 +226,9 @@ class _Heads:
                 return ctx.load(self.bias, bias_start + (i - start), w)
             return ctx.load(self.bias, bias_start).splat(w)
 
-        scaled_softmax(ctx, scores, start, seen, self.scale, bias if self.bias is not None else None, unseen_zero=True,
-                       exp=self.exp)
+        statistic = scaled_softmax(ctx, scores, start, seen, self.scale, bias if self.bias is not None else None,
+                                   unseen_zero=True, exp=self.exp)
+        self.keep_statistic(bh, t, statistic)
         self.clear_unseen(scores, start, seen, columns)
 
     def each_query(self, q, k, p, body) -> None:
@@ -231,7 +240,7 @@ class _Heads:
             with ctx.loop(0, self.queries, name="t") as t:
                 row = (bh * self.queries + t) * self.size
                 count = self.visible(t)
-                self.probabilities(q, row, k, kv, count, p, self.bias_start(bh, t))
+                self.keep_statistic(bh, t, self.probabilities(q, row, k, kv, count, p, self.bias_start(bh, t)))
                 body(kv, row, count)
 
     def buffer(self):
@@ -493,7 +502,7 @@ def _attention_grad_blocks(ctx, op, pairs: bool) -> None:
     rows: P again (the forward's product and normalisation), dP = dO Vᵀ, dS, then
     dQ = dS K, dK += dSᵀ Q and dV += Pᵀ dO, the last two through a scratch head; on the
     GEMM on bf16 pairs where `pairs`."""
-    q, k, v, dout = op.inputs[:4]
+    q, k, v, _, _, dout = op.inputs[:6]
     dq, dk, dv = op.outputs
     d = _dims(op)
     size, keys, rows_per_block = d.size, d.keys, _block_rows(op)
@@ -594,7 +603,7 @@ def attention(ctx, op) -> None:
 
 @kernel("AttentionGradRow", {"AttentionGrad"}, supports=_rows_heads_first, rank=30)
 def attention_grad(ctx, op) -> None:
-    q, k, v, dout = op.inputs[:4]
+    q, k, v, _, _, dout = op.inputs[:6]
     dq, dk, dv = op.outputs
     heads = _Heads(ctx, q, k, op)
     p, dp = heads.buffer(), heads.buffer()
