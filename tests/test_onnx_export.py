@@ -277,7 +277,8 @@ def test_lookups_and_top_k():
     (2, 2, 3, 4, False, 0.3, [2, 1, 1, 4]),  # a padding mask's shape
 ])
 @pytest.mark.parametrize("heads_first", [True, False])
-def test_attention(heads, kv_heads, queries, keys, causal, scale, bias, heads_first):
+@pytest.mark.parametrize("statistics", [False, True])
+def test_attention(heads, kv_heads, queries, keys, causal, scale, bias, heads_first, statistics):
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
 
@@ -291,7 +292,7 @@ def test_attention(heads, kv_heads, queries, keys, causal, scale, bias, heads_fi
     if bias is not None:
         bias = f.var("bias", rv.DT_FLOAT, bias)
         inputs[bias] = uniform(bias.shape)
-    f.attention(q, k, v, bias, causal=causal, scale=scale, heads_first=heads_first, name="attention")
+    f.attention(q, k, v, bias, causal=causal, scale=scale, heads_first=heads_first, statistics=statistics, name="attention")
     check(flow, inputs)
 
 

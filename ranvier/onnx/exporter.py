@@ -649,4 +649,13 @@ def _attention(g, op, q, k, v, bias=None):
         scores = g.node("Reshape", [scores, g.ints([batch, kv_heads, groups * queries, keys])])
     probs = g.node("Softmax", [scores], axis=-1)
     out = g.node("Reshape", [g.node("MatMul", [probs, v]), g.ints([batch, heads, queries, size])])
-    return out if first else g.node("Transpose", [out], perm=[0, 2, 1, 3])
+    out = out if first else g.node("Transpose", [out], perm=[0, 2, 1, 3])
+    if len(op.outputs) == 1:
+        return out
+    # the statistics: each row's log-sum-exp, +inf (not ONNX's -inf) where a query sees no key
+    if op.outputs[1].dtype != q_var.dtype:  # float32 statistics of half-precision scores
+        scores = g.node("Cast", [scores], to=onnx_dtype(op.outputs[1].dtype))
+    statistics = g.node("ReduceLogSumExp", [scores, g.ints([-1])], keepdims=0)
+    unseen = g.node("IsInf", [statistics], detect_positive=0)
+    statistics = g.node("Where", [unseen, g.const(np.inf, _numpy(op.outputs[1])), statistics])
+    return [out, g.node("Reshape", [statistics, g.ints([batch, heads, queries])])]
