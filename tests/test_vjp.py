@@ -1199,6 +1199,38 @@ def test_separate_gradient_function():
         gcell.instance().compute()
 
 
+def _attention_net(into=None):
+    flow = m.Flow()
+    f = m.Builder(flow, "f")
+    q, k, v = (f.var(name, F64, [2, 4, 6, 8] if name == "q" else [2, 2, 6, 8]) for name in "qkv")
+    out = f.attention(q, k, v)
+    loss = (out * out.tanh()).sum()
+    grads = gradient(flow, "f", [q, k, v], loss=loss, into=into)
+    rng = np.random.default_rng(5)
+    feeds = {x: rng.standard_normal(x.shape) for x in (q, k, v)}
+    return flow, grads, feeds
+
+
+def test_attention_gradient_turns_the_forwards_statistics_on_in_a_separate_gradient_function():
+    """The rule gives the forward's Attention its statistics output, which the gradient cell
+    reads from its primal instance, as it reads the forward's output: the gradients are the
+    fused training function's, and the forward computes each row's log-sum-exp once."""
+    flow, grads, feeds = _attention_net()
+    fused = _run(flow, "f", feeds, grads)
+    flow, grads, feeds = _attention_net(into="gradients/f")
+    (attention,) = [op for op in flow.func("f").ops if op.type == "Attention"]
+    assert len(attention.outputs) == 2 and attention.attr("statistics") == "1"
+    net = m.Compiler().compile(flow)
+    forward = net.cell("f").instance()
+    for t, value in feeds.items():
+        forward[t][...] = value
+    forward.compute()
+    backward_instance = net.cell("gradients/f").instance(primal=forward)
+    backward_instance.compute()
+    for name, g in grads.items():
+        np.testing.assert_allclose(backward_instance[g], fused[name], rtol=1e-12, atol=1e-14, err_msg=name)
+
+
 # ---------------------------------------------------------------------------------------
 # float32
 # ---------------------------------------------------------------------------------------
