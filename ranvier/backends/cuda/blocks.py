@@ -16,25 +16,29 @@ runs a phase as a loop over the block's threads, one after another (the end of t
 the barrier), a private array as one slot per thread, and a shared array on the stack: the
 same program, so the tests of a block kernel's arithmetic on the host test what the GPU runs.
 
-Shared memory beyond 48 KB. A block's static `.shared` variables may hold at most 48 KB on
+Shared memory past 48 KB. A block's static `.shared` variables may hold at most 48 KB on
 every architecture; Hopper gives a block up to 227 KB, but only as dynamic shared memory:
-the module's one `.extern .shared` array, sized by the launch (`sharedMemBytes`), which
+the module's one `.extern .shared` array, sized by each launch (`sharedMemBytes`), which
 the driver allows past 48 KB once the function's attribute
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES says so. A kernel needs nothing of its own
-for that: it asks for its arrays with `program.shared(dtype, count)` as ever, and its
-element function's `SharedMemory` (`ThreadContext.shared_memory`) places them when the
-element is written (`SharedMemory.lay_out`, `kernels.py`). Arrays of 48 KB or less in all
-stay static variables, each its own (the code is what it was); more, and each array
-becomes a slice of the dynamic array at its offset (every offset a multiple of 16 bytes,
-in the order they were asked for), the kernel's `GPUKernel.dynamic_shared_bytes` the
-total. The driver then sets the function's attribute when it loads the module and passes
-those bytes at each launch (a graph captures them with the launch); a kernel that wants
-more than the device gives a block (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-fails to load, naming it and its bytes. The host emulator lays the arrays out the same
-way, as slices of one array on the stack, so a kernel whose slices overlapped would show
-it in the emulator's results. A kernel that needs more than 48 KB (FlashAttention-2's
-gradient tiles) therefore just asks for its tiles; a launch shape counts its shared memory
-against the multiprocessor's (`launch.resident_blocks`).
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES says so. A kernel does nothing of its own
+for it: it asks for every array with `program.shared(dtype, count)`, whatever their sizes
+(double buffers of 64 × 128 bfloat16 tiles: `program.shared(DT_INT32, 2 * 64 * 64)` each),
+and the element function's `SharedMemory` (`ThreadContext.shared_memory`) places them
+once the element is written (`SharedMemory.lay_out`, called by `kernels.py`):
+- 48 KB or less in all: each array stays a static variable of its own (the code is what
+  it was before dynamic shared memory existed);
+- more: each becomes a slice of the dynamic array, in the order they were asked for, at
+  offsets that are multiples of 16 bytes (`shared_bytes`), and the total is the kernel's
+  `GPUKernel.dynamic_shared_bytes`. The driver sets the function's attribute to it when it
+  loads the module and passes it at every launch (a captured graph holds it with the
+  launch). The host emulator lays the arrays out the same way, as slices of one array on
+  the stack, so slices that overlapped would show in its results.
+A block's arrays past what the device gives one (its
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN; a compile without a GPU, Hopper's
+227 KB) are an error naming the kernel and its bytes, at compile and when the driver loads
+it. A launch shape counts the block's shared memory against the multiprocessor's 228 KB
+(`launch.resident_blocks`): 100 KB a block leaves room for two. A row fold's partials
+(`rows.py`, a few words) stay static variables beside them.
 """
 
 from __future__ import annotations
