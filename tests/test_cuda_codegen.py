@@ -321,10 +321,11 @@ def test_ptxas_is_found_in_either_cuda_wheel_layout(tmp_path):
 
 
 class _FakeDriver:
-    """A stand-in for libcuda: each call fills its out-arguments, or fails with `fail`."""
+    """A stand-in for libcuda: each call fills its out-arguments, or fails with `fail`; its
+    device an H100's (a block's shared memory at most `shared_per_block` bytes)."""
 
-    def __init__(self, devices: int = 1, fail: dict[str, int] | None = None):
-        self.devices, self.fail = devices, fail or {}
+    def __init__(self, devices: int = 1, fail: dict[str, int] | None = None, shared_per_block: int = 227 * 1024):
+        self.devices, self.fail, self.shared_per_block = devices, fail or {}, shared_per_block
 
     def __getattr__(self, call: str):
         def run(*args):
@@ -335,7 +336,7 @@ class _FakeDriver:
             elif call == "cuDeviceGetName":
                 args[0].value = b"NVIDIA H100 80GB HBM3"
             elif call == "cuDeviceGetAttribute":
-                args[0]._obj.value = {75: 9, 76: 0, 16: 132}[args[1]]
+                args[0]._obj.value = {75: 9, 76: 0, 16: 132, 97: self.shared_per_block}[args[1]]
             elif call == "cuGetErrorName":
                 args[1]._obj.value = {100: b"CUDA_ERROR_NO_DEVICE", 900: b"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
                                       999: b"CUDA_ERROR_UNKNOWN"}[args[0]]

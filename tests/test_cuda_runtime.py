@@ -433,7 +433,7 @@ def test_the_driver_is_handed_device_addresses_and_the_launch_shape():
     back = np.zeros_like(values)
     gpu.download(address, back)
     assert (back == values).all()
-    kernel = type("Kernel", (), {"name": "k_f_Add"})()
+    kernel = type("Kernel", (), {"name": "k_f_Add", "dynamic_shared_bytes": 0})()
     fake.last_operands = [address, address + 16, address + 32]
     gpu.launch(driver.DriverKernels({"k_f_Add": "function"}, {}), kernel, LaunchShape(3, 256), fake.last_operands)
     assert fake.launches == [("function", 3, 256, [address, address + 16, address + 32])]

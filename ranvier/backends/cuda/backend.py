@@ -53,7 +53,7 @@ from .code import CUDACode
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU
 from .driver import Device, DriverGPU, find_device
 from .emulator import HostEmulator
-from .launch import LaunchShape, block_launch, covering_launch, map_launch
+from .launch import LaunchShape, Multiprocessor, block_launch, check_shared_memory, covering_launch, map_launch
 from .resident import DeviceInstance
 
 HOPPER_MULTIPROCESSORS = 132  # an H100 SXM's: the launch shapes of a compile without a GPU
@@ -176,12 +176,17 @@ class CUDABackend:
                                key.hexdigest(), self.use_disk_cache, attention=attention)
 
     def _launch_shape(self, kernel: kernels.GPUKernel, report: ptx.Assembled | None) -> LaunchShape:
+        """The kernel's launch shape on this compile's GPU; a kernel whose block wants more
+        shared memory than the GPU (else a Hopper GPU) gives one is an error naming it."""
+        limit, device = ((self.device.shared_per_block, str(self.device)) if self.device
+                         else (Multiprocessor().shared_per_block, f"a Hopper GPU ({self.architecture})"))
+        check_shared_memory(kernel.name, kernel.shared_bytes, limit, device)
         # without ptxas's count, as many registers as a thread may have: a shape that always fits
         registers = report.registers(kernel.name) if report else MAX_REGISTERS
         if kernel.one_pass:
             return covering_launch(kernel.elements, kernel.threads, registers)
         if kernel.threads:
-            return block_launch(kernel.elements, kernel.threads, self.multiprocessors, registers)
+            return block_launch(kernel.elements, kernel.threads, self.multiprocessors, registers, shared=kernel.shared_bytes)
         return map_launch(kernel.elements, self.multiprocessors, registers)
 
     def code(self, cell: Cell, kind: str) -> str:

@@ -19,11 +19,15 @@ from .blas import CublasLt, Gemm, Prepared
 from .code import CUDACode
 from .cudnn_attention import CudnnAttention, Sdpa
 from .kernels import GPUKernel
-from .launch import LaunchShape
+from .launch import LaunchShape, Multiprocessor, check_shared_memory
 
 DRIVER_LIBRARY = "libcuda.so.1"
 # CUdevice_attribute values (cuda.h)
 _MULTIPROCESSOR_COUNT, _CAPABILITY_MAJOR, _CAPABILITY_MINOR = 16, 75, 76
+_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # a block's shared memory at most, dynamic included
+# CUfunction_attribute: the dynamic shared memory a function's launches may pass (past 48 KB
+# only once set)
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # CUjit_option values (cuda.h): where the driver's PTX compiler writes its errors
 _JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
 _LOG_BYTES = 1 << 14
@@ -52,6 +56,7 @@ class Device:
     name: str
     capability: tuple[int, int]
     multiprocessors: int
+    shared_per_block: int = Multiprocessor().shared_per_block  # bytes of shared memory a block may have
 
     @property
     def architecture(self) -> str:
@@ -92,11 +97,11 @@ def find_device(load: Callable[[str], Any] = ctypes.CDLL) -> Device:
     name = ctypes.create_string_buffer(256)
     check(library.cuDeviceGetName(name, len(name), device), "name device 0")
     values = []
-    for attribute in (_CAPABILITY_MAJOR, _CAPABILITY_MINOR, _MULTIPROCESSOR_COUNT):
+    for attribute in (_CAPABILITY_MAJOR, _CAPABILITY_MINOR, _MULTIPROCESSOR_COUNT, _SHARED_MEMORY_PER_BLOCK_OPTIN):
         value = ctypes.c_int()
         check(library.cuDeviceGetAttribute(ctypes.byref(value), attribute, device), "describe device 0")
         values.append(value.value)
-    return Device(name.value.decode(), (values[0], values[1]), values[2])
+    return Device(name.value.decode(), (values[0], values[1]), values[2], values[3])
 
 
 class DriverGPU:
@@ -156,7 +161,9 @@ class DriverGPU:
     def load(self, cell: Cell) -> DriverKernels:
         """The cell's kernels: the machine code ptxas made for this device's architecture
         at compile time, or else its PTX compiled by the driver (a failure quotes the
-        driver's compile log); and its products prepared by cuBLASLt."""
+        driver's compile log), each kernel of dynamic shared memory allowed its bytes (a
+        kernel that wants more than the device gives a block fails, naming it); and its
+        products prepared by cuBLASLt."""
         module = ctypes.c_void_p()
         log = ctypes.create_string_buffer(_LOG_BYTES)
         options = (ctypes.c_int * 2)(_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
@@ -178,6 +185,11 @@ class DriverGPU:
                 function = ctypes.c_void_p()
                 self._check(self._library.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()),
                             f"find kernel {kernel.name}")
+                check_shared_memory(kernel.name, kernel.shared_bytes, self.device.shared_per_block, self.name)
+                if kernel.dynamic_shared_bytes:
+                    self._check(self._library.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                                 kernel.dynamic_shared_bytes),
+                                f"allow kernel {kernel.name} {kernel.dynamic_shared_bytes} bytes of dynamic shared memory")
                 loaded.functions[kernel.name] = function
         for call in native.attention.values():
             loaded.attention[call.name] = self._prepare_attention(call)
@@ -218,8 +230,9 @@ class DriverGPU:
     def launch(self, code: DriverKernels, kernel: GPUKernel, shape: LaunchShape, addresses: list[int]) -> None:
         values = [ctypes.c_uint64(a) for a in addresses]
         parameters = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        self._check(self._library.cuLaunchKernel(code.functions[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1, 0, self._stream,
-                                                 parameters, None), f"launch {kernel.name}")
+        self._check(self._library.cuLaunchKernel(code.functions[kernel.name], shape.blocks, 1, 1, shape.threads, 1, 1,
+                                                 kernel.dynamic_shared_bytes, self._stream, parameters, None),
+                    f"launch {kernel.name}")
 
     def gemm(self, code: DriverKernels, gemm: Gemm, addresses: list[int]) -> None:
         self._cublas().matmul(code.products[gemm.name], addresses)

@@ -63,7 +63,7 @@ from . import (  # noqa: F401  (registration)
     rows,
     scatters,
 )
-from .blocks import special_register
+from .blocks import SharedMemory, special_register
 from .library import LIBRARY, Generator
 from .ptx import ARCHITECTURE, gpu_module, mark_kernel
 
@@ -81,7 +81,9 @@ class GPUKernel:
     it may set its status word (`fails`: its elements check their data); and whether its
     launch covers every element at once (`one_pass`). A ForEach's kernel (`foreach.py`)
     takes its operands' addresses in its `table`, in device memory, which is then its one
-    pointer parameter besides the status word."""
+    pointer parameter besides the status word. A block kernel's shared arrays take
+    `shared_bytes` of a block's shared memory; `dynamic_shared_bytes` of them (all or
+    none: `blocks.SharedMemory`) are dynamic, which its launches pass."""
 
     name: str
     operands: tuple[Variable, ...]
@@ -90,6 +92,8 @@ class GPUKernel:
     fails: bool = False
     one_pass: bool = False  # a thread (a block) per element, no grid-stride loop (`add_kernels`)
     table: foreach.Table | None = None
+    shared_bytes: int = 0
+    dynamic_shared_bytes: int = 0
 
     @property
     def pointers(self) -> int:
@@ -147,6 +151,7 @@ class ThreadContext(EmitContext):
         self.row_threads = 0  # a row kernel's threads splitting each row (`rows.py`); 0: one thread's row
         self.table: ir.Value | None = None  # a ForEach's table (i64*), its one pointer parameter
         self.fails = False  # whether the element may set the status word
+        self.shared_memory = SharedMemory()  # its block's shared arrays (`blocks.py`)
 
     def row_fold(self, start: Value | int, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
         if not self.row_threads:
@@ -282,8 +287,9 @@ def _element_functions(module: ir.Module, op: Operation, on_gpu: bool,
             ctx.table = arguments[0]
         emit(ctx, index)
         ctx.b.ret_void()
+        dynamic = ctx.shared_memory.lay_out(ctx, on_gpu)
         made.append((function, GPUKernel(name, operands, elements, threads, ctx.fails, one_pass=op.type == "ForEach",
-                                         table=table)))
+                                         table=table, shared_bytes=ctx.shared_memory.nbytes, dynamic_shared_bytes=dynamic)))
     return made
 
 
