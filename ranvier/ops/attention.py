@@ -220,13 +220,13 @@ def _attention_vjp(ctx, g):
         raise RanvierError(f"Attention {ctx.op.name}: its statistics have no gradient (they are for AttentionGrad)")
     q, k, v, *bias = ctx.inputs
     attrs = {name: value for name, value in ctx.op.attrs.items() if name != "statistics"}
-    dq, dk, dv = ctx.b.op("AttentionGrad", [q, k, v, ctx.outputs[0], forward_statistics(ctx), g[0], *bias], None, attrs)
+    dq, dk, dv = ctx.b.op("AttentionGrad", [q, k, v, ctx.outputs[0], _forward_statistics(ctx), g[0], *bias], None, attrs)
     if not bias:
         return [dq, dk, dv]
     return [dq, dk, dv, ctx.unbroadcast(_score_gradient(ctx.b, ctx.op, g[0]), bias[0])]
 
 
-def forward_statistics(ctx):
+def _forward_statistics(ctx):
     """The statistics output of the Attention op being differentiated, turned on where the
     forward was built without it (the gradient rule is what needs them)."""
     op = ctx.op
