@@ -40,11 +40,15 @@ def ranvier_side(args, matmul: str, cudnn: bool = True):
     shapes = {"q": [args.batch, args.seq, args.heads, args.head_size], "k": [args.batch, args.seq, args.kv_heads, args.head_size],
               "v": [args.batch, args.seq, args.kv_heads, args.head_size], "dout": [args.batch, args.seq, args.heads, args.head_size]}
     passes = {"forward": "Attention", "backward": "AttentionGrad"}
-    operands = {"forward": ("q", "k", "v"), "backward": ("q", "k", "v", "dout")}
+    # The forward as training runs it, with its statistics, which the backward reads beside its output
+    operands = {"forward": ("q", "k", "v"), "backward": ("q", "k", "v", "out", "statistics", "dout")}
+    shapes |= {"out": shapes["q"], "statistics": [args.batch, args.heads, args.seq]}
+    types = {"statistics": "float32"}
     for name, op_type in passes.items():
         f = rv.Builder(flow, name)
-        outputs = f.op(op_type, [f.var(t, args.dtype, shapes[t]) for t in operands[name]], None, {"heads_first": False})
-        for output in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+        attrs = {"heads_first": False, **({"statistics": True} if name == "forward" else {})}
+        inputs = [f.var(t, types.get(t, args.dtype), shapes[t]) for t in operands[name]]
+        for output in f.op(op_type, inputs, None, attrs):
             output.var.out = True
     asked = os.environ.pop("RANVIER_CUDNN", None)
     if not cudnn:
@@ -57,7 +61,7 @@ def ranvier_side(args, matmul: str, cudnn: bool = True):
             os.environ["RANVIER_CUDNN"] = asked
     rng = np.random.default_rng(0)
     dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32
-    values = {t: rng.standard_normal(shape).astype(dtype) for t, shape in shapes.items()}
+    values = {t: rng.standard_normal(shapes[t]).astype(dtype) for t in ("q", "k", "v", "dout")}
     instances, kernels = {}, []
     for name, op_type in passes.items():
         cell = network.cell(name)
@@ -65,6 +69,8 @@ def ranvier_side(args, matmul: str, cudnn: bool = True):
         for t in operands[name]:
             data[f"{name}/{t}"] = values[t]
         data.compute()  # (a cuDNN step the device refused is labelled so once its instance is bound)
+        if name == "forward":  # the backward's out and statistics: the forward's
+            values["out"], values["statistics"] = (np.array(data[f"forward/Attention:{i}"]) for i in range(2))
         whole = [step.label for step in cell.steps if step.op.type == op_type]
         kernels.append(", ".join(whole) if whole else
                        f"{op_type} decomposed into {', '.join(sorted({step.kernel for step in cell.steps}))}")

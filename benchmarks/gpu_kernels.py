@@ -322,8 +322,8 @@ def embedding(s: Shapes, rng: np.random.Generator) -> list[Case]:
 
 def attention(s: Shapes, rng: np.random.Generator) -> list[Case]:
     """Causal attention over [B, T, heads, head size] bf16 rows, forward; and forward with its
-    gradient (ranvier's gradient recomputes the probabilities; PyTorch's SDPA keeps them
-    from its forward, so both sides run both passes)."""
+    gradient (each side's backward reads its forward's output and softmax statistics, so
+    both sides run both passes)."""
     shape = [s.batch, s.seq, s.heads, s.head_size]
     q, k, v, dout = (_bf16(_normal(rng, shape)) for _ in range(4))
     flops_note = f"[{s.batch}x{s.seq}x{s.heads}x{s.head_size}] bf16, causal"
@@ -332,8 +332,8 @@ def attention(s: Shapes, rng: np.random.Generator) -> list[Case]:
         return [f.attention(t["q"], t["k"], t["v"], heads_first=False)]
 
     def both(f, t):
-        out = f.attention(t["q"], t["k"], t["v"], heads_first=False)
-        dq, dk, dv = f.op("AttentionGrad", [t["q"], t["k"], t["v"], t["dout"]], None, {"heads_first": False})
+        out, statistics = f.attention(t["q"], t["k"], t["v"], heads_first=False, statistics=True)
+        dq, dk, dv = f.op("AttentionGrad", [t["q"], t["k"], t["v"], out, statistics, t["dout"]], None, {"heads_first": False})
         return [out, dq, dk, dv]
 
     def torch_forward(t):

@@ -362,7 +362,7 @@ def _causal_mask(b, queries: int, keys: int, dtype: str):
     if existing is not None:
         return b.wrap(existing)
     hidden = np.arange(keys)[None, :] > np.arange(queries)[:, None] + (keys - queries)
-    return b.array(name, np.where(hidden, -np.inf, 0.0).astype(np.float32 if dtype == "float32" else np.float64))
+    return b.array(name, np.where(hidden, -np.inf, 0.0).astype(dtypes.to_numpy(dtype)))
 
 
 def _transposed_around(b, op):
