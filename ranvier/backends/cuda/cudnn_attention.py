@@ -1,14 +1,15 @@
 """Attention and its gradient through cuDNN's fused scaled-dot-product attention (SDPA),
 NVIDIA's FlashAttention, by the `nvidia-cudnn-frontend` package: the plan made at compile
-time (`plan_attention`), its graphs built and run on a GPU (`CudnnAttention`), and the same
+time (`plan_attention`), its graph built and run on a GPU (`CudnnAttention`), and the same
 plan in numpy on the host emulator (`run_on_host`; a compile for the emulator claims nothing,
 as on a GPU without cuDNN, unless a test asks, so its other tests run the own kernels).
 
 The CUDA backend claims an Attention or AttentionGrad op for cuDNN as it claims a MatMul
 for cuBLASLt, where cuDNN's SDPA takes it (`refusal` says why not): bfloat16 or float16
-q, k, v (cuDNN's SDPA reads no float32; casting would cost a pass over every operand and
-gradient and change what the op means, so float32 operands stay with the own kernels,
-`attention_mma.py` where the compile's products run in bfloat16); no score bias; head sizes
+q, k, v, output and gradients beside float32 statistics (cuDNN's SDPA reads no float32
+operands; casting would cost a pass over every operand and gradient and change what the
+op means, so float32 operands stay with the own kernels, `attention_mma.py` where the
+compile's products run in bfloat16); no score bias; head sizes
 a multiple of 8 up to 128; and only where a GPU of compute capability 8.0 or newer and the
 frontend are here (`unavailable`), and `RANVIER_CUDNN` is not "0". Either layout is one set
 of dims [B, heads, T, hd] with its strides: [B, T, heads, hd] rows are read in place.
@@ -17,14 +18,18 @@ reads key/value head h // (H / KV), as the op's. ranvier's causal mask lets quer
 keys s ≤ t + S − T (the queries are the last T positions): cuDNN's mask aligned to the
 bottom right with a right bound of 0. The scale is the op's (1/√hd by default).
 
-The gradient: cuDNN's backward reads the forward's output O and its softmax statistics
-(each query row's max + log Σ exp), which AttentionGrad's inputs (q, k, v, d out) do not
-carry, so the claimed gradient runs cuDNN's forward again first, its O and statistics into
-scratch memory of the plan's (B·H·T·hd elements and B·H·T floats), then the backward. That
-costs one more forward (the causal half of 4·B·H·T·S·hd FLOPs, about 2/5 of the backward's
-own) and those bytes written and read once; in exchange the op, the graph and every other
-backend stay as they are (the own kernels recompute the same statistics in their first
-launch).
+The softmax statistics: cuDNN's Stats output (`generate_stats`) is each query row's
+max + ln Σ exp of its scaled, masked scores, in natural log (not log2 unless the graph
+asks `stats_use_log2`), float32 [B, H, T, 1] with strides (H·T, T, 1, 1) whatever the
+layout of q (nvidia-cudnn-frontend 1.32: `sdpa/graph_analyzer.py` and `sdpa/fwd/engines.py`
+on the `stats_use_log2` convention, `sdpa/fwd/torch_op.py`'s dense stats tensor and
+strides, `_sdpa_validate.py`: "The Stats output of sdpa must be an FP32 tensor"): the op's
+log-sum-exp L [B, H, T], contiguous in either layout, read as those dims. A row that sees
+no key is −∞ in cuDNN's and +∞ in the op's; no claimed op has one (no bias, and a causal
+mask needs no more queries than keys, so each row sees key 0). A forward with statistics
+(a training step's) asks cuDNN for them straight into the op's second output; one without
+(inference) does not. The gradient binds the op's inputs to cuDNN's backward as they are:
+q, k, v, the forward's output O and statistics, d out; cuDNN finds D = Σ d out ∘ O itself.
 
 Soft fall back: each claimed step keeps its own kernels (`attention_mma.py`, else
 `attention.py`), compiled into the cell's module beside the plan. Where the frontend cannot
@@ -57,15 +62,18 @@ ENVIRONMENT = "RANVIER_CUDNN"  # "0": the own attention kernels, never cuDNN's
 FRONTEND = "cudnn"  # the nvidia-cudnn-frontend package's module
 MINIMUM_CAPABILITY = (8, 0)  # cuDNN's fused attention runs on Ampere and newer
 MAX_HEAD_SIZE = 128
-_DATA_TYPES = {dtypes.DT_BFLOAT16: "BFLOAT16", dtypes.DT_FLOAT16: "HALF"}  # cudnn.data_type members
+STATS = dtypes.DT_FLOAT32  # cuDNN's softmax statistics, as the op's for half-precision operands
+_DATA_TYPES = {dtypes.DT_BFLOAT16: "BFLOAT16", dtypes.DT_FLOAT16: "HALF", STATS: "FLOAT"}  # cudnn.data_type members
 
 
 @dataclass(frozen=True)
 class SdpaPlan:
     """Attention or its gradient as cuDNN is asked for it: dims [B, heads, T, hd] and
-    element strides of q (the output and dq alike) and of k and v (dk and dv alike)."""
+    element strides of q (the output, d out and dq alike) and of k and v (dk and dv
+    alike); whether the forward writes the softmax statistics (a gradient reads them)."""
 
     gradient: bool
+    statistics: bool
     dtype: str
     batch: int
     heads: int
@@ -86,18 +94,37 @@ class SdpaPlan:
     def kv_dims(self) -> list[int]:
         return [self.batch, self.kv_heads, self.keys, self.size]
 
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The graph's tensors by role, in binding order (`Sdpa.operands`')."""
+        if self.gradient:
+            return "q", "k", "v", "o", "stats", "dout", "dq", "dk", "dv"
+        return ("q", "k", "v", "o", "stats") if self.statistics else ("q", "k", "v", "o")
+
+    def layout(self, name: str) -> tuple[list[int], list[int], str]:
+        """Dims, element strides and dtype of a graph tensor by its role: q's (o, d out and
+        dq alike), k's (v, dk, dv), or the statistics' (module docstring: cuDNN's
+        [B, H, T, 1] over the op's [B, H, T], float32)."""
+        if name == "stats":
+            return [self.batch, self.heads, self.queries, 1], [self.heads * self.queries, self.queries, 1, 1], STATS
+        if name in ("k", "v", "dk", "dv"):
+            return self.kv_dims, list(self.kv_strides), self.dtype
+        return self.q_dims, list(self.q_strides), self.dtype
+
     def __str__(self) -> str:
         """What a step printout shows: pass, shape, heads, dtype, mask and scale."""
         heads = f"{self.heads} heads" + (f" ({self.kv_heads} key/value)" if self.kv_heads != self.heads else "")
         mask = ", causal" if self.causal else ""
-        return (f"SDPA {'backward' if self.gradient else 'forward'} {self.batch}×{self.queries}×{self.keys}, {heads} of "
+        role = "backward" if self.gradient else "forward with statistics" if self.statistics else "forward"
+        return (f"SDPA {role} {self.batch}×{self.queries}×{self.keys}, {heads} of "
                 f"{self.size}, {self.dtype}{mask}, scale {self.scale:.6g}")
 
 
 @dataclass(frozen=True)
 class Sdpa:
-    """A claimed step's cuDNN call: its plan and the variables in cuDNN's q, k, v (and d out)
-    and the outputs (o; or dq, dk, dv), in that order."""
+    """A claimed step's cuDNN call: its plan and the variables bound to its graph, the op's
+    inputs then its outputs: q, k, v, o (, stats) for the forward; q, k, v, o, stats,
+    d out, dq, dk, dv for the gradient."""
 
     name: str
     plan: SdpaPlan
@@ -114,15 +141,23 @@ def _strides(shape: list[int], heads_first: bool) -> tuple[int, int, int, int]:
     return rows * heads * size, size, heads * size, 1
 
 
+def _statistics(op: Operation) -> Variable | None:
+    """The softmax statistics an Attention op writes (None without them) or its gradient reads."""
+    if op.type == "AttentionGrad":
+        return op.inputs[4]
+    return op.outputs[1] if len(op.outputs) > 1 else None
+
+
 def refusal(op: Operation) -> str:
     """Why cuDNN's SDPA does not take the op ("" where it does; module docstring)."""
     if op.type not in ("Attention", "AttentionGrad"):
         return f"{op.type} is not attention"
-    operand_types = {v.dtype for v in (*op.inputs, *op.outputs)}
     if bias_of(op) is not None:
         return "a score bias (cuDNN's takes none here)"
-    if len(operand_types) != 1 or operand_types.pop() not in _DATA_TYPES:
-        return f"{'/'.join(sorted({v.dtype for v in op.inputs}))} operands (cuDNN's SDPA reads bfloat16 or float16)"
+    # (the statistics of half-precision operands are float32 by the op's rule, as cuDNN's are)
+    operand_types = sorted({v.dtype for v in (*op.inputs, *op.outputs) if v is not _statistics(op)})
+    if len(operand_types) != 1 or operand_types[0] not in (dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16):
+        return f"{'/'.join(operand_types)} operands (cuDNN's SDPA reads bfloat16 or float16)"
     size = op.inputs[0].shape[-1]
     if size % 8 or not 8 <= size <= MAX_HEAD_SIZE:
         return f"head size {size} (cuDNN's SDPA takes a multiple of 8 up to {MAX_HEAD_SIZE})"
@@ -138,11 +173,10 @@ def plan_attention(op: Operation) -> Sdpa | None:
     q, k = op.inputs[:2]
     batch, heads, queries, size = heads_first_shape(q.shape, first)
     _, kv_heads, keys, _ = heads_first_shape(k.shape, first)
-    gradient = op.type == "AttentionGrad"
-    plan = SdpaPlan(gradient, q.dtype, batch, heads, kv_heads, queries, keys, size, _strides(list(q.shape), first),
-                    _strides(list(k.shape), first), attrs["causal"], scale_of(attrs, size))
-    operands = (*op.inputs[: 4 if gradient else 3], *op.outputs)
-    return Sdpa("a_" + "".join(c if c.isalnum() else "_" for c in op.name), plan, operands)
+    plan = SdpaPlan(op.type == "AttentionGrad", _statistics(op) is not None, q.dtype, batch, heads, kv_heads, queries,
+                    keys, size, _strides(list(q.shape), first), _strides(list(k.shape), first), attrs["causal"],
+                    scale_of(attrs, size))
+    return Sdpa("a_" + "".join(c if c.isalnum() else "_" for c in op.name), plan, (*op.inputs, *op.outputs))
 
 
 def unavailable(capability: tuple[int, int] | None) -> str:
@@ -160,30 +194,30 @@ def unavailable(capability: tuple[int, int] | None) -> str:
 # ---- the plan on the host (the emulator) ---------------------------------------------------
 
 
-def _host_view(address: int, dims: list[int], strides: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _host_view(address: int, dims: list[int], strides: list[int], dtype: str) -> np.ndarray:
     """The strided tensor at host `address` as a writable numpy view."""
+    item = np.dtype(dtypes.to_numpy(dtype))
     extent = sum((d - 1) * s for d, s in zip(dims, strides)) + 1
-    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (extent * dtype.itemsize)).from_address(address)).view(dtype)
-    return np.lib.stride_tricks.as_strided(raw, dims, [s * dtype.itemsize for s in strides])
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (extent * item.itemsize)).from_address(address)).view(item)
+    return np.lib.stride_tricks.as_strided(raw, dims, [s * item.itemsize for s in strides])
 
 
 def run_on_host(plan: SdpaPlan, addresses: list[int]) -> None:
     """What cuDNN computes for the plan, over host memory at its operands' addresses (in
-    `Sdpa.operands`' order), in float64 then rounded: the emulator's SDPA, and the check
-    that a plan's dims, strides, mask and scale mean the op."""
-    dtype = np.dtype(dtypes.to_numpy(plan.dtype))
-    layouts = [(plan.q_dims, plan.q_strides), (plan.kv_dims, plan.kv_strides), (plan.kv_dims, plan.kv_strides)]
-    layouts += [(plan.q_dims, plan.q_strides), *layouts] if plan.gradient else [(plan.q_dims, plan.q_strides)]
-    views = [_host_view(address, dims, strides, dtype) for address, (dims, strides) in zip(addresses, layouts)]
+    `Sdpa.operands`' order), in float64 then rounded: the forward (with the statistics
+    where the plan asks), or the backward from the o and statistics it is given; the
+    emulator's SDPA, and the check that a plan's dims, strides, mask and scale mean the op."""
+    views = {name: _host_view(address, *plan.layout(name)) for name, address in zip(plan.tensors, addresses)}
+    q, k, v = views["q"], views["k"], views["v"]
     if plan.gradient:
-        q, k, v, dout, *outputs = views
-        out, lse = attention(q, k, v, causal=plan.causal, scale=plan.scale, statistics=True)
-        results = attention_grad(q, k, v, out, lse, dout, causal=plan.causal, scale=plan.scale)
+        gradients = attention_grad(q, k, v, views["o"], views["stats"][..., 0], views["dout"], causal=plan.causal,
+                                   scale=plan.scale)
+        results = dict(zip(("dq", "dk", "dv"), gradients))
     else:
-        q, k, v, *outputs = views
-        results = attention(q, k, v, causal=plan.causal, scale=plan.scale)
-    for output, result in zip(outputs, results):
-        output[...] = np.asarray(result).astype(dtype)
+        results = dict(zip(("o", "stats"), attention(q, k, v, causal=plan.causal, scale=plan.scale,
+                                                     statistics=plan.statistics)))
+    for name, result in results.items():
+        views[name][...] = np.asarray(result).reshape(views[name].shape).astype(views[name].dtype)
 
 
 # ---- the plan on a GPU ------------------------------------------------------------------------
@@ -211,51 +245,43 @@ def _mask(frontend: Any, plan: SdpaPlan) -> dict[str, Any]:
     return {"diagonal_alignment": frontend.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
 
 
-def _layout(frontend: Any, plan: SdpaPlan, name: str) -> tuple[list[int], list[int], Any]:
-    """Dims, strides and data type of a graph tensor by its role: q's (the output, d out and
-    dq alike), k's (v, dk, dv), or the softmax statistics (one float per query row,
-    [B, H, T, 1] contiguous)."""
-    if name == "stats":
-        rows = [plan.batch, plan.heads, plan.queries, 1]
-        return rows, [plan.heads * plan.queries, plan.queries, 1, 1], frontend.data_type.FLOAT
-    data_type = getattr(frontend.data_type, _DATA_TYPES[plan.dtype])
-    if name in ("k", "v", "dk", "dv"):
-        return plan.kv_dims, list(plan.kv_strides), data_type
-    return plan.q_dims, list(plan.q_strides), data_type
+def _data_type(frontend: Any, dtype: str) -> Any:
+    return getattr(frontend.data_type, _DATA_TYPES[dtype])
 
 
 def _graph(frontend: Any, plan: SdpaPlan, handle: Any, inputs: tuple[str, ...]) -> tuple[Any, list[Any]]:
     """An empty graph in the plan's dtype (float32 sums and softmax), and its input tensors."""
-    graph = frontend.pygraph(io_data_type=_layout(frontend, plan, "q")[2], intermediate_data_type=frontend.data_type.FLOAT,
+    graph = frontend.pygraph(io_data_type=_data_type(frontend, plan.dtype), intermediate_data_type=frontend.data_type.FLOAT,
                              compute_data_type=frontend.data_type.FLOAT, handle=handle)
     tensors = []
     for name in inputs:
-        dims, strides, data_type = _layout(frontend, plan, name)
-        tensors.append(graph.tensor(name=name, dim=dims, stride=strides, data_type=data_type))
+        dims, strides, dtype = plan.layout(name)
+        tensors.append(graph.tensor(name=name, dim=dims, stride=strides, data_type=_data_type(frontend, dtype)))
     return graph, tensors
 
 
 def _outputs(frontend: Any, plan: SdpaPlan, tensors: dict[str, Any]) -> list[Any]:
-    """The graph's outputs, each laid out as its role says (`_layout`)."""
+    """The graph's outputs, each laid out as its role says (`SdpaPlan.layout`)."""
     for name, tensor in tensors.items():
-        dims, strides, data_type = _layout(frontend, plan, name)
-        tensor.set_output(True).set_dim(dims).set_stride(strides).set_data_type(data_type)
+        dims, strides, dtype = plan.layout(name)
+        tensor.set_output(True).set_dim(dims).set_stride(strides).set_data_type(_data_type(frontend, dtype))
     return list(tensors.values())
 
 
 def describe_forward(frontend: Any, plan: SdpaPlan, handle: Any = None) -> tuple[Any, list[Any]]:
-    """The forward's graph (with the statistics for a gradient's plan) and its tensors in
-    the order they are bound: q, k, v, o (, stats)."""
+    """The forward's graph, with the statistics where the plan asks for them, and its
+    tensors in binding order: q, k, v, o (, stats)."""
     graph, inputs = _graph(frontend, plan, handle, ("q", "k", "v"))
-    o, stats = graph.sdpa(*inputs, attn_scale=plan.scale, generate_stats=plan.gradient, name="sdpa", **_mask(frontend, plan))
-    return graph, inputs + _outputs(frontend, plan, {"o": o, "stats": stats} if plan.gradient else {"o": o})
+    o, stats = graph.sdpa(*inputs, attn_scale=plan.scale, generate_stats=plan.statistics, name="sdpa",
+                          **_mask(frontend, plan))
+    return graph, inputs + _outputs(frontend, plan, {"o": o, "stats": stats} if plan.statistics else {"o": o})
 
 
 def describe_backward(frontend: Any, plan: SdpaPlan, handle: Any = None) -> tuple[Any, list[Any]]:
-    """The backward's graph and its tensors in binding order: q, k, v, d out, o, stats, dq,
-    dk, dv."""
-    graph, inputs = _graph(frontend, plan, handle, ("q", "k", "v", "dout", "o", "stats"))
-    q, k, v, dout, o, stats = inputs
+    """The backward's graph, reading the forward's o and statistics, and its tensors in
+    binding order: q, k, v, o, stats, d out, dq, dk, dv."""
+    graph, inputs = _graph(frontend, plan, handle, ("q", "k", "v", "o", "stats", "dout"))
+    q, k, v, o, stats, dout = inputs
     dq, dk, dv = graph.sdpa_backward(q, k, v, o, dout, stats, attn_scale=plan.scale, name="sdpa_backward",
                                      **_mask(frontend, plan))
     return graph, inputs + _outputs(frontend, plan, {"dq": dq, "dk": dk, "dv": dv})
@@ -263,22 +289,20 @@ def describe_backward(frontend: Any, plan: SdpaPlan, handle: Any = None) -> tupl
 
 @dataclass
 class Prepared:
-    """A plan's graphs, built for the device, with their tensors in binding order; the
-    workspace they share; and a gradient's scratch for the recomputed o and statistics."""
+    """A plan's graph, built for the device, with its tensors in binding order, and its workspace."""
 
     plan: SdpaPlan
-    graphs: list[tuple[Any, list[Any]]]
+    graph: Any
+    tensors: list[Any]
     workspace: int
-    o: int = 0
-    stats: int = 0
 
 
 class CudnnAttention:
     """cuDNN's SDPA through the frontend, on a device's stream: one handle for every step
-    (they run one after another on that stream), each plan's graphs built when its cell is
-    loaded (before any graph capture, which may not allocate), and its workspace and
-    scratch allocated then. The handle is made in the current context, which the driver
-    has made its device's primary context: the one the CUDA runtime, and so cuDNN, uses."""
+    (they run one after another on that stream), each plan's graph built when its cell is
+    loaded (before any graph capture, which may not allocate), and its workspace
+    allocated then. The handle is made in the current context, which the driver has made
+    its device's primary context: the one the CUDA runtime, and so cuDNN, uses."""
 
     def __init__(self, stream: ctypes.c_void_p, allocate: Callable[[int], int],
                  load: Callable[[], Any] = load_frontend):
@@ -289,50 +313,32 @@ class CudnnAttention:
             self.frontend.set_stream(self._handle, stream.value or 0)
         except Exception as error:  # noqa: BLE001  (the frontend raises many kinds; its message says what)
             raise RanvierError(f"cuDNN could not make a handle on the device's stream: {error}") from None
-        self._prepared: dict[SdpaPlan, Prepared] = {}  # a model's layers share one plan's graphs
+        self._prepared: dict[SdpaPlan, Prepared] = {}  # a model's layers share one plan's graph
 
     def prepare(self, plan: SdpaPlan) -> Prepared:
-        """The plan's graphs, validated, built and planned for this device; a RanvierError
-        saying why where cuDNN refuses one."""
+        """The plan's graph, validated, built and planned for this device; a RanvierError
+        saying why where cuDNN refuses it."""
         if plan in self._prepared:
             return self._prepared[plan]
         frontend = self.frontend
-        workspace = 0
+        describe = describe_backward if plan.gradient else describe_forward
         try:
-            described = [describe_forward(frontend, plan, self._handle)]
-            if plan.gradient:
-                described.append(describe_backward(frontend, plan, self._handle))
-            for graph, _ in described:
-                graph.validate()
-                graph.build_operation_graph()
-                graph.create_execution_plans([frontend.heur_mode.A, frontend.heur_mode.FALLBACK])
-                graph.check_support()
-                graph.build_plans()
-                workspace = max(workspace, int(graph.get_workspace_size()))
+            graph, tensors = describe(frontend, plan, self._handle)
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([frontend.heur_mode.A, frontend.heur_mode.FALLBACK])
+            graph.check_support()
+            graph.build_plans()
+            workspace = int(graph.get_workspace_size())
         except Exception as error:  # noqa: BLE001  (cudnnGraphNotSupportedError and the rest: the message says why)
             raise RanvierError(f"cuDNN refused {plan}: {_first_line(error)}") from None
-        prepared = Prepared(plan, described, self._allocate(workspace))
-        if plan.gradient:
-            item = np.dtype(dtypes.to_numpy(plan.dtype)).itemsize
-            prepared.o = self._allocate(plan.batch * plan.heads * plan.queries * plan.size * item)
-            prepared.stats = self._allocate(plan.batch * plan.heads * plan.queries * 4)
-        self._prepared[plan] = prepared
+        prepared = self._prepared[plan] = Prepared(plan, graph, tensors, self._allocate(workspace))
         return prepared
 
     def run(self, prepared: Prepared, addresses: list[int]) -> None:
-        """The step on the stream (`addresses`: its `Sdpa.operands`'): the forward; or the
-        forward into the scratch o and statistics, then the backward."""
-        if not prepared.plan.gradient:
-            self._execute(prepared, 0, addresses)
-            return
-        q, k, v, dout, dq, dk, dv = addresses
-        self._execute(prepared, 0, [q, k, v, prepared.o, prepared.stats])
-        self._execute(prepared, 1, [q, k, v, dout, prepared.o, prepared.stats, dq, dk, dv])
-
-    def _execute(self, prepared: Prepared, which: int, addresses: list[int]) -> None:
-        graph, tensors = prepared.graphs[which]
+        """The step's graph on the stream, over `addresses` (its `Sdpa.operands`')."""
         try:
-            graph.execute(dict(zip(tensors, addresses)), prepared.workspace, handle=self._handle)
+            prepared.graph.execute(dict(zip(prepared.tensors, addresses)), prepared.workspace, handle=self._handle)
         except Exception as error:  # noqa: BLE001  (as in `prepare`)
             raise RanvierError(f"cuDNN failed to run {prepared.plan}: {_first_line(error)}") from None
 

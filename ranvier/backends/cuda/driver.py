@@ -43,8 +43,8 @@ _EVENT_RECORD_DEFAULT, _EVENT_RECORD_EXTERNAL = 0, 1
 @dataclass
 class DriverKernels:
     """A cell's code loaded by the driver (`DriverGPU.load`): each kernel's function, each
-    product prepared by cuBLASLt, and each claimed attention step's graphs built by cuDNN
-    or why cuDNN refused them, by name."""
+    product prepared by cuBLASLt, and each claimed attention step's graph built by cuDNN
+    or why cuDNN refused it, by name."""
 
     functions: dict[str, ctypes.c_void_p]
     products: dict[str, Prepared]
@@ -196,8 +196,8 @@ class DriverGPU:
         return loaded
 
     def _prepare_attention(self, call: Sdpa) -> Callable[[list[int]], None] | str:
-        """The step's cuDNN graphs, ready to run on its operands' addresses, or why there
-        are none (no frontend, no libcudnn, a graph cuDNN refuses): the step's own kernels
+        """The step's cuDNN graph, ready to run on its operands' addresses, or why there
+        is none (no frontend, no libcudnn, a graph cuDNN refuses): the step's own kernels
         then run."""
         sdpa = self._cudnn()
         if isinstance(sdpa, str):
