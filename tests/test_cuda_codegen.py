@@ -14,7 +14,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_within_bound, np_dtype, random_array, run_gpu_kernels_on_host
+from helpers import assert_within_bound, attention_with_gradient, np_dtype, random_array, run_gpu_kernels_on_host
 
 import ranvier as rv
 from ranvier.backends import compile_cache
@@ -933,12 +933,15 @@ ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, dtype,
     (4, 2, 5, 5, 8, True, "float32", None), (4, 1, 3, 7, 6, True, "float64", "position"),
     (2, 2, 6, 4, 5, False, "float32", "padding"),
     (2, 1, 4, 4, 8, True, "float16", None),
+    (2, 2, 6, 4, 2, False, "bfloat16", "padding"),  # a head of two: no statistics parked in a row
+    (1, 1, 5, 9, 1, True, "float64", None),
     (2, 1, 70, 70, 8, True, "float32", "padding"),  # three blocks of query (and key) rows, three streamed tiles
     (2, 2, 3, 70, 4, True, "float64", "position"),  # a few queries at the end of a long cache
     (1, 1, 40, 37, 700, False, "float64", None),  # rows so long that a streamed tile holds two of them
     (2, 1, 70, 70, 8, True, "float32", "unseen"),  # left padding: the second image's first queries see no key
     (2, 2, 6, 4, 5, False, "float64", "unseen"),  # the second image's every key masked
     (2, 1, 35, 35, 64, True, "float32", None),  # a Llama's head size: the gradient's key and query rows two lanes' each
+    (2, 1, 35, 35, 64, True, "float16", "unseen"),  # the same in half precision, some queries seeing no key
     (2, 1, 70, 37, 128, False, "float32", "padding"),  # every launch's rows split over lanes (two or four)
     (2, 2, 40, 70, 64, True, "float64", "position"),  # split rows in float64, a chunk of keys past a ragged tile
 ]
@@ -964,20 +967,33 @@ def attention_bias(kind, heads, queries, keys, causal, dtype):
     return rng.standard_normal((heads, queries, keys)).astype(dtype)
 
 
-def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias=None, heads_first=True):
+def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias=None, heads_first=True, statistics=False):
+    """An Attention (with its statistics where asked), or the AttentionGrad that reads an
+    Attention's output and statistics, and random operands for it: q, k, v, d out and the
+    bias, and for a gradient the forward's output and statistics, float64's rounded."""
+    from ranvier.ops.attention import attention as attention_reference
+
     flow = rv.Flow()
     f = rv.Builder(flow, "f")
     shapes = {"q": [2, heads, queries, size], "k": [2, kv_heads, keys, size], "v": [2, kv_heads, keys, size]}
     if not heads_first:
         shapes = {name: [shape[0], shape[2], shape[1], shape[3]] for name, shape in shapes.items()}
-    if op_type == "AttentionGrad":
-        shapes["dout"] = shapes["q"]
+    shapes["dout"] = shapes["q"]
     values = {f"f/{name}": random_array(shape, dtype, seed=50 + i) for i, (name, shape) in enumerate(shapes.items())}
     if bias is not None:
         values["f/bias"] = attention_bias(bias, heads, queries, keys, causal, dtype)
         shapes["bias"] = list(values["f/bias"].shape)
-    inputs = [f.var(name, dtype, shape) for name, shape in shapes.items()]
-    outputs = f.op(op_type, inputs, None, {"causal": causal, "heads_first": heads_first})
+    q, k, v, dout, *score_bias = [f.var(name, dtype, shape) for name, shape in shapes.items()]
+    attrs = {"causal": causal, "heads_first": heads_first}
+    if op_type == "AttentionGrad":
+        outputs = attention_with_gradient(f, q, k, v, dout, *score_bias, **attrs)[1:4]
+        forward = flow.ops["f/Attention"].outputs
+        wanted = attention_reference(*(values[f"f/{name}"] for name in ("q", "k", "v")), values.get("f/bias"),
+                                     causal=causal, heads_first=heads_first, statistics=True)
+        for var, want in zip(forward, wanted):
+            values[var.name] = want.astype(np_dtype(var.dtype))
+    else:
+        outputs = f.attention(q, k, v, *score_bias, statistics=statistics, **attrs)
     for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
         out.var.out = True
     return flow.ops[f"f/{op_type}"], values
@@ -989,34 +1005,46 @@ def _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, 
 def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias,
                                                                 heads_first):
     """Grouped heads, a causal mask with fewer queries than keys, or none, a padding mask
-    or a position bias, rows in one block or several, tiles of many rows or of two, the
-    operands [B, heads, T, hd] or [B, T, heads, hd]: every output element written, equal to
-    the float64 reference to the dtype's rounding; a half-precision gradient is left to the
-    decomposition."""
+    (some queries seeing no key) or a position bias, rows in one block or several, tiles
+    of many rows or of two, the operands [B, heads, T, hd] or [B, T, heads, hd], half
+    precision: every output element written (NaN before), equal to the float64 reference
+    to the dtype's rounding: the forward's output and statistics (+∞ where a query sees
+    no key), the gradient's dq, dk, dv from the forward's output and statistics, in two
+    launches (key rows, then query rows)."""
     from ranvier.ops.attention import attention as attention_reference
     from ranvier.ops.attention import attention_grad
 
-    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias, heads_first)
-    if op_type == "AttentionGrad" and dtype == "float16":
-        assert not kernels.supports(op)
-        return
-    got = run_gpu_kernels_on_host(op, values)
+    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, dtype, bias, heads_first,
+                               statistics=True)
+    assert kernels.kernel_kind(op) == "Attention"
+    got = run_gpu_kernels_on_host(op, values, fill=0xFF)
     assert got["status"][0] == 0
-    args = [values[f"f/{name}"] for name in ("q", "k", "v", "dout")[: 3 if op_type == "Attention" else 4]]
+    names = ("q", "k", "v") if op_type == "Attention" else ("q", "k", "v", "Attention:0", "Attention:1", "dout")
+    args = [values[f"f/{name}"] for name in names]
     score_bias = values.get("f/bias")
-    want = (attention_reference(*args, score_bias, causal=causal, heads_first=heads_first) if op_type == "Attention" else
-            attention_grad(*args, score_bias, causal=causal, heads_first=heads_first))
-    tolerance = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-12}[dtype]
-    for var, expected in zip(op.outputs, [want] if op_type == "Attention" else want):
+    want = (attention_reference(*args, score_bias, causal=causal, heads_first=heads_first, statistics=True)
+            if op_type == "Attention" else attention_grad(*args, score_bias, causal=causal, heads_first=heads_first))
+    tolerance = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 2e-5, "float64": 1e-12}[dtype]
+    for var, expected in zip(op.outputs, want, strict=True):
         np.testing.assert_allclose(got[var.name].astype(np.float64), expected, rtol=tolerance, atol=tolerance, err_msg=var.name)
     module, launched = kernels.kernel_module(op)
     query_blocks, key_blocks = 2 * heads * -(-queries // attention.TILE), 2 * kv_heads * -(-keys // attention.TILE)
-    assert [k.elements for k in launched] == ([query_blocks] if op_type == "Attention" else
-                                              [query_blocks, key_blocks, query_blocks])
-    held = [2] if op_type == "Attention" else [2, 4, 2 + 1]  # the rows a thread of each launch holds
+    assert [k.elements for k in launched] == ([query_blocks] if op_type == "Attention" else [key_blocks, query_blocks])
+    held = [2] if op_type == "Attention" else [4, 3]  # the rows a thread of each launch holds
     assert [k.threads for k in launched] == [attention.TILE * attention.row_parts(size, rows, dtype) for rows in held]
     if ptx.ptxas_path() is not None:
         ptx.assemble(ptx.emit_ptx(module))
+
+
+def test_attention_without_statistics_writes_its_output_alone():
+    """An inference's Attention, no statistics asked: the one output, every element."""
+    from ranvier.ops.attention import attention as attention_reference
+
+    op, values = _attention_op("Attention", 4, 2, 37, 37, 64, True, "float32", "padding")
+    assert len(op.outputs) == 1 and kernels.kernel_kind(op) == "Attention"
+    got = run_gpu_kernels_on_host(op, values, fill=0xFF)
+    (want,) = attention_reference(*(values[f"f/{name}"] for name in ("q", "k", "v")), values["f/bias"])
+    np.testing.assert_allclose(got[op.outputs[0].name], want, rtol=2e-5, atol=2e-5)
 
 
 MMA_ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, score bias, heads first

@@ -5,20 +5,22 @@ together, once (`blocks.BlockProgram`), and every thread reads all of it.
 
 Attention: query rows stream key and value tiles; each thread runs an online softmax over
 its visible keys (the running maximum m, the running sum l, and the output row rescaled
-when m grows).
+when m grows). With statistics, the row's first lane writes L = m + log l (+∞ where l is
+0: a query that sees no key).
 
-AttentionGrad, three launches in order:
-1. query rows streaming key and value tiles: m, 1/l and D = Σₛ pₛ (dout · vₛ) (summed online
-   as the output is, rescaled when m grows), parked in the first elements of the row's dq
-   (a head has at least three), which the third launch overwrites; a query whose every key
-   is masked parks m = 0 and 1/l = 0, so its pₛ = exp(−∞) · 0 are 0, as its output is;
-2. key rows streaming tiles of queries, their dout rows and parked (m, 1/l, D), in every
-   head of the key's group: dk and dv, each pₛ recomputed;
-3. query rows streaming key and value tiles: dq = scale · Σₛ pₛ (dout · vₛ − D) kₛ.
-Head sizes under three, and half-precision gradients (m, l, D would be rounded), are
-decomposed into products and a softmax instead. Correct at any size, in float32; where the
-compile's products run in bfloat16, `attention_mma.py`'s tensor-core kernels take head
-sizes that are multiples of 16 instead.
+AttentionGrad, from the forward's output and statistics, two launches that park nothing:
+1. key rows streaming tiles of queries, their dout rows and L, in every head of the key's
+   group: dk and dv, each pₛ = exp(scale · q · kₛ + bias − L) recomputed (0 in a row that
+   sees no key, whose L is +∞). A tile's D = Σ dout ∘ out per query row is summed as it
+   is loaded, each of its rows by the threads of a key row (their lanes' parts added by
+   shuffles), reading the out rows once per key block: TILE times over, but 1/(4·TILE) of
+   the launch's products, where a pass of its own would need a buffer to park D in;
+2. query rows streaming key and value tiles: dq = scale · Σₛ pₛ (dout · vₛ − D) kₛ, D
+   from the thread's own dout row and its out row, read once.
+Any head size. Half-precision operands are loaded widened to float32 and the results
+rounded once as they are stored; L and D are never rounded. Where the compile's products
+run in bfloat16, `attention_mma.py`'s tensor-core kernels take head sizes that are
+multiples of 16 instead.
 
 A thread's own rows (its query's q and dout, its key's k and v, the rows it sums into) are
 read from memory once, into private arrays: reading them from the operand at every key
@@ -38,6 +40,7 @@ wait for the one before.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -58,7 +61,7 @@ from .warps import exchange
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
-PARKED = 3  # m, 1/l and D, in a dq row between launches
+PARKED = 3  # m, 1/l and D: attention_mma.py's, in a dq row between its launches
 TILE = 32  # a block's rows
 SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
 UNROLLED_SIZE = 128  # head sizes whose loops along a row are unrolled, the thread's rows in registers
@@ -70,11 +73,7 @@ _CHAINS = 4  # independent partial sums of an unrolled dot product
 def supports(op: Operation) -> bool:
     """Either layout: [B, heads, T, hd], or [B, T, heads, hd] (rows heads · hd apart, read
     and written in place, so a Llama's projections need no transposes)."""
-    if op.type not in ("Attention", "AttentionGrad"):
-        return False
-    if op.type == "Attention":
-        return len(op.outputs) == 1
-    return op.inputs[0].shape[-1] >= PARKED and op.inputs[0].dtype in (dtypes.DT_FLOAT32, dtypes.DT_FLOAT64)
+    return op.type in ("Attention", "AttentionGrad")
 
 
 class AttentionShape:
@@ -98,6 +97,10 @@ class AttentionShape:
         if self.bias is None:
             return score
         return score + ctx.load(self.bias, bias_offset(self.bias_dims, b, h, t, s))
+
+    def statistic(self, b: Value, h: Value, t: Value) -> Value:
+        """The element of query t's L in the statistics [B, H, T] (either layout)."""
+        return (b * self.heads + h) * self.queries + t
 
     def query_row(self, b: Value, h: Value, t: Value) -> Value:
         if self.heads_first:
@@ -182,6 +185,18 @@ class RowThreads:
         ctx = self.program.ctx
         self.each(lambda k, i: row.store(k, ctx.load(var, at + i)))
 
+    def lane_sums(self, sums: PrivateArray, scratch: PrivateArray, count: int) -> None:
+        """The first `count` values of each lane's `sums` summed over its row's lanes, every
+        lane left the same totals by a butterfly of shuffles (through `scratch`, as long).
+        Called between phases."""
+        mask = 1
+        while mask < self.parts:
+            exchange(self.program, scratch, sums, count, mask)
+            with self.program.phase(wait=False):
+                for k in range(count):
+                    sums.store(k, sums.load(k) + scratch.load(k))
+            mask *= 2
+
     def scored(self, rows: int, count: int, dtype: str, partials: Callable[[Value], list[Value]],
                visit: Callable[[Value, Callable[[], list[Value]]], None]) -> None:
         """For each streamed row j < `rows` of a tile: `visit(j, sums)`, `sums()` giving the
@@ -209,13 +224,7 @@ class RowThreads:
                 for c in range(chunk):
                     for n, value in enumerate(partials((start + c).minimum(rows - 1))):
                         sums.store(n * chunk + c, value)
-            mask = 1
-            while mask < self.parts:
-                exchange(program, scratch, sums, count * chunk, mask)
-                with program.phase(wait=False):
-                    for k in range(count * chunk):
-                        sums.store(k, sums.load(k) + scratch.load(k))
-                mask *= 2
+            self.lane_sums(sums, scratch, count * chunk)
             with program.phase(wait=False):
                 for c in range(chunk):
                     with ctx.when(start + c < rows):
@@ -289,8 +298,7 @@ def launches(op: Operation) -> list[tuple[int, Callable[[ThreadContext, ir.Value
 
     if op.type == "Attention":
         return [(query_blocks, *block(_forward, 2))]  # q and the output
-    return [(query_blocks, *block(_statistics, 2)),  # q and dout
-            (shape.batch * shape.kv_heads * shape.key_tiles, *block(_key_gradients, 4)),  # k, v, dk and dv
+    return [(shape.batch * shape.kv_heads * shape.key_tiles, *block(_key_gradients, 4)),  # k, v, dk and dv
             (query_blocks, *block(_query_gradient, 3))]  # q, dout and dq
 
 
@@ -347,6 +355,11 @@ def _forward(program: BlockProgram, threads: RowThreads, op: Operation, shape: A
         with ctx.when(t < shape.queries):
             inverse = unseen_inverse(total.load(0))
             threads.each(lambda k, i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(k) * inverse))
+            if len(op.outputs) > 1:
+                with ctx.when(threads.part.equal(0)):  # a row's first lane writes its statistic
+                    seen = total.load(0)
+                    statistic = seen.equal(0.0).where(math.inf, finite_peak(peak.load(0)) + seen.log())
+                    ctx.store(op.outputs[1], shape.statistic(b, h, t), statistic)
 
 
 def _score_and_gradient(threads: RowThreads, query: PrivateArray, gradient: PrivateArray,
@@ -362,45 +375,18 @@ def _score_and_gradient(threads: RowThreads, query: PrivateArray, gradient: Priv
     return partials
 
 
-def _statistics(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
-    """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
-    ctx = program.ctx
-    dout, dq = op.inputs[5], op.outputs[0]
-    b, h, first_query = _query_block(shape, block)
-    peak, total, d = (program.private(dq.dtype, 1) for _ in range(PARKED))
-    query, gradient = threads.own_rows(dq.dtype, 2)
-    with program.phase():
-        for value, initial in ((peak, -float("inf")), (total, 0.0), (d, 0.0)):
-            value.store(0, ctx.constant(dq.dtype, initial))
-        at = shape.query_row(b, h, _own(shape.queries, first_query + threads.row))
-        threads.read_row(op.inputs[0], at, query)
-        threads.read_row(dout, at, gradient)
-
-    def visit(t, s, j, keys, values, sums):
-        score = shape.score(ctx, sums[0], b, h, t, s)
-        grown = peak.load(0).maximum(score)
-        correction, weight = _rescale(peak.load(0), grown, score)
-        total.store(0, total.load(0) * correction + weight)
-        d.store(0, d.load(0) * correction + weight * sums[1])
-        peak.store(0, grown)
-
-    _stream_keys(threads, op, shape, b, h, first_query, 2, _score_and_gradient(threads, query, gradient, dq.dtype), visit)
-    with program.phase():
-        t = first_query + threads.row
-        with ctx.when(t < shape.queries), ctx.when(threads.part.equal(0)):  # a row's first lane parks its statistics
-            at = shape.query_row(b, h, t)
-            inverse = unseen_inverse(total.load(0))
-            ctx.store(dq, at, finite_peak(peak.load(0)))
-            ctx.store(dq, at + 1, inverse)
-            ctx.store(dq, at + 2, d.load(0) * inverse)
+def _probability(shape: AttentionShape, ctx: ThreadContext, product: Value, statistic: Value, b: Value, h: Value, t: Value,
+                 s: Value) -> Value:
+    """pₛ = exp(score − L) of query t and key s from their dot product and t's statistic L."""
+    return (shape.score(ctx, product, b, h, t, s) - statistic).exp()
 
 
 def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
-    """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
-    it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
+    """Launch 1: each key row's dk and dv, over every query of its group's heads that sees
+    it, streaming tiles of query rows, their dout rows, L and D (summed here)."""
     ctx, size = program.ctx, shape.size
-    q, _, v, _, _, dout = op.inputs[:6]
-    dq, dk, dv = op.outputs
+    q, _, v, out, statistics, dout = op.inputs[:6]
+    dk, dv = op.outputs[1:]
     heads = block // shape.key_tiles
     b, kv, first_key = heads // shape.kv_heads, heads % shape.kv_heads, block % shape.key_tiles * TILE
     dk_acc, dv_acc, key, value = threads.own_rows(dk.dtype, 4)
@@ -414,29 +400,36 @@ def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, sh
         at = shape.key_row(b, kv, _own(shape.keys, first_key + threads.row))
         threads.read_row(op.inputs[1], at, key)
         threads.read_row(v, at, value)
-    rows = _streamed_rows(op, 2 * size + PARKED)
-    queries, douts, parked = (program.shared(dk.dtype, rows * width) for width in (size, size, PARKED))
+    rows = _streamed_rows(op, 2 * size + 2)
+    queries, douts = (program.shared(dk.dtype, rows * size) for _ in range(2))
+    lse, terms = (program.shared(statistics.dtype, rows) for _ in range(2))  # L and D of each query row
+    term, scratch = (program.private(statistics.dtype, 1) for _ in range(2))
     # the first query that sees the block's first key
     first_seen = (first_key - (shape.keys - shape.queries)).maximum(0) if shape.causal else ctx.index(0)
     with ctx.loop(0, shape.group, name="g") as g, ctx.loop(first_seen // rows, -(-shape.queries // rows), name="tile") as tile:
         h, first_query = kv * shape.group + g, tile * rows
         load_tiles(program, first_query, rows, shape.queries - 1, [
             (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
-            (dq, lambda t: shape.query_row(b, h, t), parked, PARKED)])
+            (statistics, lambda t: shape.statistic(b, h, t), lse, 1)])
+        # D of the tile's row j, by the threads of the block's row j (rows past the tile's repeat its last)
+        with program.phase(wait=False):
+            j = _own(rows, threads.row)
+            at = shape.query_row(b, h, _own(shape.queries, first_query + j))
+            term.store(0, threads.dot(_tile_row(douts, j, size), lambda k, i: ctx.load(out, at + i), statistics.dtype))
+        threads.lane_sums(term, scratch, 1)
+        with program.phase(), ctx.when(threads.row < rows), ctx.when(threads.part.equal(0)):
+            terms.store(threads.row, term.load(0))
 
         def partials(j: Value) -> list[Value]:
             return [threads.dot(_tile_row(queries, j, size), lambda k, i: key.load(k), dk.dtype),
                     threads.dot(_tile_row(douts, j, size), lambda k, i: value.load(k), dk.dtype)]
 
         def visit(j: Value, sums: Callable[[], list[Value]]) -> None:
-            s = first_key + threads.row
-            with (ctx.when(s < shape.keys), ctx.when(first_query + j < shape.queries),
-                  ctx.when(s < shape.visible_keys(ctx, first_query + j))):
+            s, t = first_key + threads.row, first_query + j
+            with ctx.when(s < shape.keys), ctx.when(t < shape.queries), ctx.when(s < shape.visible_keys(ctx, t)):
                 dots = sums()
-                peak, inverse, d = (parked.load(j * PARKED + k) for k in range(PARKED))
-                score = shape.score(ctx, dots[0], b, h, first_query + j, s)
-                p = (score - peak).exp() * inverse
-                ds = p * (dots[1] - d) * shape.scale
+                p = _probability(shape, ctx, dots[0], lse.load(j), b, h, t, s)
+                ds = p * (dots[1] - terms.load(j)) * shape.scale
 
                 def add(k: Value | int, i: Value) -> None:
                     dk_acc.store(k, queries.load(j * size + i).mul_add(ds, dk_acc.load(k)))
@@ -458,25 +451,26 @@ def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, sh
 
 
 def _query_gradient(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
-    """Launch 3: each query row's dq, from its parked m, 1/l and D (read before the row is written)."""
+    """Launch 2: each query row's dq, its D summed from its own dout row and out row."""
     ctx, size = program.ctx, shape.size
-    dout, dq = op.inputs[5], op.outputs[0]
+    out, statistics, dout = op.inputs[3:6]
+    dq = op.outputs[0]
     b, h, first_query = _query_block(shape, block)
-    parked = program.private(dq.dtype, PARKED)
+    terms, scratch = (program.private(statistics.dtype, 2) for _ in range(2))  # D (summed over the row's lanes), L
     acc, query, gradient = threads.own_rows(dq.dtype, 3)
-    with program.phase():
-        at = shape.query_row(b, h, _own(shape.queries, first_query + threads.row))
-        for k in range(PARKED):
-            parked.store(k, ctx.load(dq, at + k))
+    with program.phase(wait=False):
+        t = _own(shape.queries, first_query + threads.row)
+        at = shape.query_row(b, h, t)
         threads.each(lambda k, i: acc.store(k, ctx.constant(dq.dtype, 0.0)))
         threads.read_row(op.inputs[0], at, query)
         threads.read_row(dout, at, gradient)
+        terms.store(0, threads.dot(lambda k, i: gradient.load(k), lambda k, i: ctx.load(out, at + i), statistics.dtype))
+        terms.store(1, ctx.load(statistics, shape.statistic(b, h, t)))
+    threads.lane_sums(terms, scratch, 1)
 
     def visit(t, s, j, keys, values, sums):
-        peak, inverse, d = (parked.load(k) for k in range(PARKED))
-        score = shape.score(ctx, sums[0], b, h, t, s)
-        p = (score - peak).exp() * inverse
-        ds = p * (sums[1] - d)
+        p = _probability(shape, ctx, sums[0], terms.load(1), b, h, t, s)
+        ds = p * (sums[1] - terms.load(0))
         threads.each(lambda k, i: acc.store(k, keys.load(j * size + i).mul_add(ds, acc.load(k))))
 
     _stream_keys(threads, op, shape, b, h, first_query, 2, _score_and_gradient(threads, query, gradient, dq.dtype), visit)
