@@ -150,11 +150,43 @@ def test_float16_activations_train_with_dynamic_loss_scaling(monkeypatch):
     assert half.skipped_steps == 0 and half.step_count == 10
 
 
-def test_an_op_without_a_half_precision_kernel_stays_float32(monkeypatch):
-    """Heads of 8 features: no tensor-core kernel takes the attention gradient in bfloat16
-    (nor the float32 one), so it stays float32; the forward pass's kernel takes bfloat16."""
+def test_an_op_without_a_half_precision_kernel_stays_float32():
+    """A backend that runs no attention gradient in half precision (its `runs_whole`
+    refusing one): the gradient stays float32, its inputs widened back, while the forward
+    takes bfloat16; the statistics between them float32 throughout."""
+    from helpers import attention_with_gradient
+
+    from ranvier.compiler.activations import use_activation_precision
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    q, k, v, dout = (f.matmul(f.var(f"x{i}", "float32", [64, 8]), f.var(f"w{i}", "float32", [8, 8])).reshape([2, 2, 16, 8])
+                     for i in range(4))  # products: bfloat16 activations
+    for result in attention_with_gradient(f, q, k, v, dout):
+        (result * 2.0).var.out = True
+    use_activation_precision(flow, flow.func("f"), {v.name for v in flow.vars.values() if v.out or v.in_}, "bfloat16",
+                             lambda op: op.type != "AttentionGrad" or op.inputs[0].dtype == "float32")
+    ops = {op.type: op for op in flow.func("f").ops}
+    for op in ops.values():
+        check_types(op)
+    assert [v.dtype for v in ops["Attention"].inputs] == ["bfloat16"] * 3
+    assert [v.dtype for v in ops["Attention"].outputs] == ["bfloat16", "float32"]
+    assert {v.dtype for v in (*ops["AttentionGrad"].inputs, *ops["AttentionGrad"].outputs)} == {"float32"}
+
+
+def test_attention_no_tensor_core_kernel_takes_runs_in_bfloat16_on_the_block_kernels(monkeypatch):
+    """Heads of 8 features, which no tensor-core kernel takes: the CUDA block kernels run
+    the attention and its gradient on bfloat16 operands (in float32 arithmetic), the
+    statistics float32, and ten steps follow the CPU's float32 losses to bfloat16's
+    rounding."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
-    trainer, _ = _llama_trainer("cuda", "bfloat16", heads=8)
-    steps = {step.op.type: step for step in trainer.network.cell("train").steps if step.op.type.startswith("Attention")}
-    assert steps["AttentionGrad"].op.inputs[0].dtype == "float32" and steps["AttentionGrad"].kernel == "Attention"
-    assert steps["Attention"].op.inputs[0].dtype == "bfloat16"
+    low, vocabulary = _llama_trainer("cuda", "bfloat16", heads=8)
+    steps = {step.op.type: step for step in low.network.cell("train").steps if step.op.type.startswith("Attention")}
+    assert {step.kernel for step in steps.values()} == {"Attention"}
+    assert [v.dtype for v in steps["AttentionGrad"].op.inputs] == ["bfloat16"] * 4 + ["float32", "bfloat16"]
+    assert [v.dtype for v in steps["Attention"].op.outputs] == ["bfloat16", "float32"]
+    exact, _ = _llama_trainer("cpu", "float32", heads=8)
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        batch = [rng.integers(0, vocabulary, (2, 16)).astype(np.int32) for _ in range(2)]
+        assert low.step(batch) == pytest.approx(exact.step(batch), rel=3e-4)

@@ -1036,6 +1036,26 @@ def test_attention_streams_tiles_through_a_blocks_shared_memory(op_type, heads, 
         ptx.assemble(ptx.emit_ptx(module))
 
 
+@pytest.mark.parametrize("size,dtype", [(8, "float64"), (64, "float32"), (128, "float16")])
+def test_attention_gradient_reads_the_forwards_output_and_statistics(size, dtype):
+    """The gradient takes pₛ = exp(score − L) and D = Σ d out ∘ out from its inputs, not
+    from the scores again: with L raised by 1.5 and an output that is not the forward's,
+    dq, dk, dv are the reference's for those inputs (whole rows a thread, and rows split
+    over two or four lanes)."""
+    from ranvier.ops.attention import attention_grad
+
+    op, values = _attention_op("AttentionGrad", 4, 2, 40, 40, size, True, dtype, "padding")
+    out, statistics = op.inputs[3:5]
+    values[statistics.name] = values[statistics.name] + 1.5
+    values[out.name] = random_array(out.shape, dtype, seed=60)
+    got = run_gpu_kernels_on_host(op, values, fill=0xFF)
+    args = [values[var.name] for var in op.inputs]
+    wants = attention_grad(*args[:6], args[6], causal=True)
+    tolerance = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-12}[dtype]
+    for var, want in zip(op.outputs, wants, strict=True):
+        np.testing.assert_allclose(got[var.name].astype(np.float64), want, rtol=tolerance, atol=tolerance, err_msg=var.name)
+
+
 def test_attention_without_statistics_writes_its_output_alone():
     """An inference's Attention, no statistics asked: the one output, every element."""
     from ranvier.ops.attention import attention as attention_reference

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import assert_within_bound, language_model_trainer, random_array
+from helpers import assert_within_bound, attention_with_gradient, language_model_trainer, random_array
 from llvmlite import ir
 from test_cuda_codegen import _FakeDriver
 
@@ -638,13 +638,13 @@ def test_a_bfloat16_moe_training_step_runs_its_grouped_products_on_tensor_cores_
 
 
 def _attention_cell(f, dtype: str, size: int = 64):
-    """Attention and its gradient over [2, 100, heads, size] rows, four query heads to two
-    key/value heads, causal: 100 rows, so the blocks of 64 (or 32) end ragged."""
+    """Attention (with its statistics) and the gradient that reads them over [2, 100,
+    heads, size] rows, four query heads to two key/value heads, causal: 100 rows, so the
+    blocks of 64 (or 32) end ragged."""
     shapes = {"q": [2, 100, 4, size], "k": [2, 100, 2, size], "v": [2, 100, 2, size], "dout": [2, 100, 4, size]}
     q, k, v, dout = (f.var(name, dtype, shape) for name, shape in shapes.items())
-    f.op("Attention", [q, k, v], None, {"heads_first": False}).var.out = True
-    for gradient in f.op("AttentionGrad", [q, k, v, dout], None, {"heads_first": False}):
-        gradient.var.out = True
+    for result in attention_with_gradient(f, q, k, v, dout, heads_first=False):
+        result.var.out = True
     return {f"f/{name}": shape for name, shape in shapes.items()}
 
 
@@ -733,13 +733,14 @@ def test_bfloat16_grouped_products_on_the_device_match_float64(on_device, operan
 def test_float32_attention_and_its_gradient_on_the_device_match_float64(on_device, size):
     """The float32 kernels (products in float32) on the device, at head sizes whose rows
     are split over two or four lanes of a warp, their dot products summed by shuffles: the
-    output and dq, dk, dv equal float64's to float32's rounding."""
+    output, its statistics and dq, dk, dv (from them) equal float64's to float32's rounding."""
     from ranvier.ops.attention import attention, attention_grad
 
     values, data = _computed_attention("float32", "Attention", size, seed=30)
-    operands = [values[f"f/{name}"].astype(np.float64) for name in ("q", "k", "v", "dout")]
-    wants = [attention(*operands[:3], heads_first=False), *attention_grad(*operands, heads_first=False)]
-    names = ["f/Attention:0", "f/AttentionGrad:0", "f/AttentionGrad:1", "f/AttentionGrad:2"]
+    q, k, v, dout = (values[f"f/{name}"].astype(np.float64) for name in ("q", "k", "v", "dout"))
+    out, statistics = attention(q, k, v, heads_first=False, statistics=True)
+    wants = [out, statistics, *attention_grad(q, k, v, out, statistics, dout, heads_first=False)]
+    names = ["f/Attention:0", "f/Attention:1", "f/AttentionGrad:0", "f/AttentionGrad:1", "f/AttentionGrad:2"]
     for name, want in zip(names, wants):
         np.testing.assert_allclose(np.array(data[name]), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=name)
 
