@@ -11,10 +11,13 @@ when m grows). With statistics, the row's first lane writes L = m + log l (+∞ 
 AttentionGrad, from the forward's output and statistics, two launches that park nothing:
 1. key rows streaming tiles of queries, their dout rows and L, in every head of the key's
    group: dk and dv, each pₛ = exp(scale · q · kₛ + bias − L) recomputed (0 in a row that
-   sees no key, whose L is +∞). A tile's D = Σ dout ∘ out per query row is summed as it
-   is loaded, each of its rows by the threads of a key row (their lanes' parts added by
-   shuffles), reading the out rows once per key block: TILE times over, but 1/(4·TILE) of
-   the launch's products, where a pass of its own would need a buffer to park D in;
+   sees no key, whose L is +∞). A tile's D = Σ dout ∘ out per query row is summed as its
+   dout rows are copied in, row j by the threads of the block's row j (their lanes' parts
+   added by shuffles), its out row read beside: every key block reads the out rows again
+   (the tile's loads grow by half, from L2, issued with the q rows' before the one wait),
+   but the products grow by 1/(4·TILE), and a pass of its own would cost a launch, a
+   read of out and dout from memory and a buffer to park D in (parked in dq it would be
+   rounded with half-precision operands);
 2. query rows streaming key and value tiles: dq = scale · Σₛ pₛ (dout · vₛ − D) kₛ, D
    from the thread's own dout row and its out row, read once.
 Any head size. Half-precision operands are loaded widened to float32 and the results
@@ -252,13 +255,13 @@ def _tile_row(tile: Array, j: Value, size: int) -> Callable[[Value | int, Value]
 
 
 def load_tiles(program: BlockProgram, first: Value, rows: int, last: int, sources: list[tuple[Variable, Callable, Array, int]],
-               padding: int = 0) -> None:
+               padding: int = 0, wait: bool = True) -> None:
     """One phase: the block's threads copy rows first .. first + rows - 1 (clamped to row
     `last`: a row past it is never used) of each source into its shared tile, a row every
     width + `padding` elements. A source is (variable, the element offset of its row r,
-    the tile, elements per row)."""
+    the tile, elements per row). Unless `wait`, a later phase's barrier is the copies'."""
     ctx = program.ctx
-    with program.phase() as thread:
+    with program.phase(wait=wait) as thread:
         for var, row_at, tile, width in sources:
             with ctx.loop(thread, rows * width, step=program.threads, name="e") as e:
                 row = (first + e // width).minimum(last)
@@ -357,8 +360,8 @@ def _forward(program: BlockProgram, threads: RowThreads, op: Operation, shape: A
             threads.each(lambda k, i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(k) * inverse))
             if len(op.outputs) > 1:
                 with ctx.when(threads.part.equal(0)):  # a row's first lane writes its statistic
-                    seen = total.load(0)
-                    statistic = seen.equal(0.0).where(math.inf, finite_peak(peak.load(0)) + seen.log())
+                    summed = total.load(0)
+                    statistic = summed.equal(0.0).where(math.inf, finite_peak(peak.load(0)) + summed.log())
                     ctx.store(op.outputs[1], shape.statistic(b, h, t), statistic)
 
 
@@ -379,6 +382,26 @@ def _probability(shape: AttentionShape, ctx: ThreadContext, product: Value, stat
                  s: Value) -> Value:
     """pₛ = exp(score − L) of query t and key s from their dot product and t's statistic L."""
     return (shape.score(ctx, product, b, h, t, s) - statistic).exp()
+
+
+def _load_gradient_rows(threads: RowThreads, shape: AttentionShape, out: Variable, dout: Variable, b: Value, h: Value,
+                        first_query: Value, rows: int, douts: Array, term: PrivateArray) -> None:
+    """A phase with no wait: the dout rows of a tile of queries into shared memory, row j
+    by the threads of the block's row j (each its part), and each their part of the row's
+    D = Σ dout ∘ out into `term`, its out row read alongside (0 in a thread past the tile)."""
+    program, ctx = threads.program, threads.program.ctx
+    with program.phase(wait=False):
+        term.store(0, ctx.constant(term.dtype, 0.0))
+        j = threads.row
+        with ctx.when(j < rows):
+            at = shape.query_row(b, h, _own(shape.queries, first_query + j))
+
+            def copied(k: Value | int, i: Value) -> Value:  # the dot product reads each element once
+                value = ctx.load(dout, at + i)
+                douts.store(j * shape.size + i, value)
+                return value
+
+            term.store(0, threads.dot(copied, lambda k, i: ctx.load(out, at + i), term.dtype))
 
 
 def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, shape: AttentionShape, block: Value) -> None:
@@ -409,13 +432,9 @@ def _key_gradients(program: BlockProgram, threads: RowThreads, op: Operation, sh
     with ctx.loop(0, shape.group, name="g") as g, ctx.loop(first_seen // rows, -(-shape.queries // rows), name="tile") as tile:
         h, first_query = kv * shape.group + g, tile * rows
         load_tiles(program, first_query, rows, shape.queries - 1, [
-            (q, lambda t: shape.query_row(b, h, t), queries, size), (dout, lambda t: shape.query_row(b, h, t), douts, size),
-            (statistics, lambda t: shape.statistic(b, h, t), lse, 1)])
-        # D of the tile's row j, by the threads of the block's row j (rows past the tile's repeat its last)
-        with program.phase(wait=False):
-            j = _own(rows, threads.row)
-            at = shape.query_row(b, h, _own(shape.queries, first_query + j))
-            term.store(0, threads.dot(_tile_row(douts, j, size), lambda k, i: ctx.load(out, at + i), statistics.dtype))
+            (q, lambda t: shape.query_row(b, h, t), queries, size), (statistics, lambda t: shape.statistic(b, h, t), lse, 1)],
+            wait=False)
+        _load_gradient_rows(threads, shape, out, dout, b, h, first_query, rows, douts, term)
         threads.lane_sums(term, scratch, 1)
         with program.phase(), ctx.when(threads.row < rows), ctx.when(threads.part.equal(0)):
             terms.store(threads.row, term.load(0))
@@ -456,7 +475,7 @@ def _query_gradient(program: BlockProgram, threads: RowThreads, op: Operation, s
     out, statistics, dout = op.inputs[3:6]
     dq = op.outputs[0]
     b, h, first_query = _query_block(shape, block)
-    terms, scratch = (program.private(statistics.dtype, 2) for _ in range(2))  # D (summed over the row's lanes), L
+    terms, scratch = program.private(statistics.dtype, 2), program.private(statistics.dtype, 1)  # D (over the row's lanes), L
     acc, query, gradient = threads.own_rows(dq.dtype, 3)
     with program.phase(wait=False):
         t = _own(shape.queries, first_query + threads.row)
