@@ -1128,14 +1128,17 @@ def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, op
 
 
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("size", [32, 64, 128])
-def test_attention_keeps_a_threads_rows_in_registers(size):
-    """At a Llama's head sizes every launch of the forward kernel and of the gradient takes
-    no local memory: the thread's rows (or its lanes' parts of them) are registers, not
-    reloaded per key from the operands or spilled to the stack. Whole rows a thread, the
-    gradient's key launch spilled 692 bytes at head size 64, every launch at 128."""
+def test_attention_keeps_a_threads_rows_in_registers(size, dtype):
+    """At a Llama's head sizes every launch of the forward kernel (with its statistics) and
+    of the gradient takes no local memory: the thread's rows (or its lanes' parts of them)
+    are registers, not reloaded per key from the operands or spilled to the stack, half
+    precision's widened to float32 as well. Whole rows a thread, the gradient's key launch
+    spilled 692 bytes at head size 64, every launch at 128."""
     for op_type in ("Attention", "AttentionGrad"):
-        op, _ = _attention_op(op_type, 4, 2, 256, 256, size, True, "float32")
+        op, _ = _attention_op(op_type, 4, 2, 256, 256, size, True, dtype, statistics=True)
+        assert kernels.kernel_kind(op) == "Attention"
         module, launched = kernels.kernel_module(op)
         report = ptx.assemble(ptx.emit_ptx(module)).report
         for name in (kernel.name for kernel in launched):
