@@ -132,7 +132,8 @@ def test_an_op_that_cannot_take_bfloat16_keeps_float32_and_the_casts_tried_for_i
 
 def test_float16_activations_train_with_dynamic_loss_scaling(monkeypatch):
     """float16 turns loss scaling on (its gradients would underflow): the step's activations
-    are float16, no step is skipped on this model, and ten steps follow float32's losses."""
+    are float16, attention's gradient too (the block kernels', in float32 arithmetic), no
+    step is skipped on this model, and ten steps follow float32's losses."""
     from ranvier.train.loss_scale import DynamicLossScale
 
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
@@ -142,6 +143,8 @@ def test_float16_activations_train_with_dynamic_loss_scaling(monkeypatch):
     assert flow.vars["train/loss_scale"].data == DynamicLossScale().initial
     products = [step.op for step in half.network.cell("train").steps if step.op.type == "MatMul"]
     assert products and all(v.dtype == "float16" for op in products for v in op.inputs)
+    gradients = [step for step in half.network.cell("train").steps if step.op.type == "AttentionGrad"]
+    assert gradients and all(step.op.inputs[0].dtype == "float16" and step.kernel == "Attention" for step in gradients)
     exact, _ = _llama_trainer("cpu", "float32")
     rng = np.random.default_rng(2)
     for _ in range(10):

@@ -11,11 +11,11 @@ elementwise programs, where they cost nothing), unless the op computes that dtyp
 inputs as they are (a row kernel that widens what it reads):
 - matrix products (`PRODUCTS`: a MoE layer's grouped ones too) run on half-precision
   inputs (a weight is rounded once per step);
-- ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds;
-  attention's gradient with float16, which no tensor-core kernel takes and whose
-  decomposition would round its probabilities to float16), ops that write a value
-  other cells or the caller read (a loss), a global (an optimizer's update) or one that
-  cannot be typed in half precision, get float32 inputs;
+- ops kept in float32 (`FLOAT32_OPS`: a gradient scattered into a table with atomic adds),
+  ops that write a value other cells or the caller read (a loss), a global (an
+  optimizer's update), one that cannot be typed in half precision or that the backend
+  cannot run whole so typed (an attention gradient whose decomposition would round its
+  probabilities), get float32 inputs;
 - any other op takes the dtype of its largest float input (its activation, rather than a
   norm's gain or a loss's scale), float32 on a tie (a residual stream, float32 from the
   embedding on, stays float32 where a half-precision branch is added to it).
@@ -144,7 +144,7 @@ def _widened_after(flow: Flow, b: Builder, op: Operation) -> None:
 def _wanted(op: Operation, floats: list[int], keep: set[str], dtype: str) -> str:
     if op.type in PRODUCTS:
         return dtype
-    if op.type in FLOAT32_OPS or _pinned(op, keep) or (op.type == "AttentionGrad" and dtype != dtypes.DT_BFLOAT16):
+    if op.type in FLOAT32_OPS or _pinned(op, keep):
         return dtypes.DT_FLOAT32
     largest = max(op.inputs[i].size for i in floats)
     return dtype if {op.inputs[i].dtype for i in floats if op.inputs[i].size == largest} == {dtype} else dtypes.DT_FLOAT32
