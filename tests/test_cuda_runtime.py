@@ -650,8 +650,8 @@ def _attention_cell(f, dtype: str, size: int = 64):
 
 def _computed_attention(matmul: str, kernel: str, size: int, seed: int, operands: str = "float32"):
     """`_attention_cell` over `operands` compiled with its products in `matmul` (its
-    attention `kernel`'s), computed on the device from random operands: the operands and
-    the instance."""
+    attention `kernel`'s), computed on the device from random operands, the outputs NaN
+    first: the operands and the instance."""
     flow = rv.Flow()
     shapes = _attention_cell(rv.Builder(flow, "f"), operands, size)
     cell = rv.Compiler("cuda", matmul=matmul).compile(flow).cell("f")
@@ -660,6 +660,8 @@ def _computed_attention(matmul: str, kernel: str, size: int, seed: int, operands
     values = {name: random_array(shape, operands, seed=seed + i) for i, (name, shape) in enumerate(shapes.items())}
     for name, value in values.items():
         data[name] = value
+    for name in (var.name for var in flow.vars.values() if var.out):
+        data[name] = np.full(data[name].shape, np.nan, data[name].dtype)
     data.compute()
     return values, data
 
