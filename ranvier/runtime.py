@@ -36,6 +36,12 @@ class Slot:
     last: int  # last step that reads it (len(steps): read after compute)
 
 
+def workspace_variable(op: Operation, nbytes: int) -> Variable:
+    """The working memory of `op`'s step (`Step.workspace`), `nbytes` bytes: a kernel that
+    lists this variable among its operands is given the step's (a cell finds it by name)."""
+    return Variable(f"{op.name}/workspace", dtypes.DT_UINT8, [nbytes])
+
+
 @dataclass
 class Step:
     """One computation of a cell: the op it computes and the kernel chosen for it (its name,

@@ -1068,63 +1068,99 @@ def test_attention_without_statistics_writes_its_output_alone():
 
 
 MMA_ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, score bias, heads first
-    (4, 2, 70, 70, 64, True, None, True),  # two blocks of 64 query rows, the second ragged; two tiles of 64 keys
+    (4, 2, 70, 70, 64, True, None, True),  # two blocks of 64 query (and key) rows, the second ragged; GQA
     (2, 2, 5, 130, 32, True, "padding", True),  # a few queries at the end of a long cache, a ragged last tile
-    (2, 1, 70, 70, 48, False, "position", False),  # a learned bias, [B, T, heads, hd]
+    (2, 1, 70, 70, 48, False, "position", False),  # a learned bias, [B, T, heads, hd]: MQA
     (2, 2, 33, 33, 128, True, None, False),  # tiles of 32 keys
     (2, 1, 40, 37, 16, False, "unseen", True),  # the second image's first queries see no key
 ]
 
 
+def _mma_attention_ops(heads, kv_heads, queries, keys, size, causal, operands, bias, heads_first):
+    """Attention with its statistics and the AttentionGrad that reads them, on random
+    operands (and a score bias), with the values of q, k, v, dout (and the bias)."""
+    from helpers import attention_with_gradient
+
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    shapes = {"q": [2, heads, queries, size], "k": [2, kv_heads, keys, size], "v": [2, kv_heads, keys, size],
+              "dout": [2, heads, queries, size]}
+    if not heads_first:
+        shapes = {name: [shape[0], shape[2], shape[1], shape[3]] for name, shape in shapes.items()}
+    values = {f"f/{name}": random_array(shape, operands, seed=50 + i) for i, (name, shape) in enumerate(shapes.items())}
+    inputs = {name: f.var(name, operands, shape) for name, shape in shapes.items()}
+    score_bias = None
+    if bias is not None:
+        values["f/bias"] = attention_bias(bias, heads, queries, keys, causal, operands)
+        score_bias = f.var("bias", operands, list(values["f/bias"].shape))
+    outputs = attention_with_gradient(f, *inputs.values(), score_bias, causal=causal, heads_first=heads_first)
+    for out in outputs:
+        out.var.out = True
+    forward, gradient = (outputs[index].var.producer for index in (0, 1))
+    return forward, gradient, values
+
+
 @pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,bias,heads_first", MMA_ATTENTION_CASES)
-@pytest.mark.parametrize("op_type", ["Attention", "AttentionGrad"])
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
-def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, op_type, heads, kv_heads, queries, keys, size,
-                                                                   causal, bias, heads_first):
+def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, heads, kv_heads, queries, keys, size, causal,
+                                                                   bias, heads_first):
     """The tensor-core kernels, as the host emulator runs their warps' products and
-    exchanges: every output element written, equal to float64 attention (or its gradient)
-    over q, k, v (and dout) rounded to bfloat16, within the rounding of the probabilities
-    (and score gradients) to bfloat16: 2⁻⁸ of the largest |v| for the output, 2⁻⁷ of each
-    gradient's largest element; rows that see no key 0; four warps a block, a block per
-    64 query (or key) rows of a head; the GPU's code assembles, its fragments in registers
-    up to heads of 64, its tiles' B fragments by ldmatrix, bfloat16 rows copied by cp.async
-    (which the emulator makes at the wait that covers them, so a missing wait shows). Float32 operands take the kernels where the products may round to
-    bfloat16; bfloat16 operands (bfloat16 activations) always, the gradient's statistics
-    parked unrounded in two bfloat16 elements each."""
+    exchanges, the gradient fed the forward's own output and statistics: every output
+    element written (outputs and workspace NaN first), equal to float64 attention, its
+    log-sum-exp and its gradient over q, k, v and dout rounded to bfloat16, within the
+    rounding of the probabilities (and score gradients) to bfloat16: 2⁻⁸ of the largest
+    |v| for the output, 2⁻⁷ of each gradient's largest element (dK, dV summed over a
+    group's heads), 2⁻¹⁰ for L; a row that sees no key 0, its L +∞. Four warps a block, a
+    block per 64 query (or key) rows of a head: the forward; the gradient's row terms D,
+    its key blocks (dq added across them) and a bfloat16 dq's rounding. The GPU's code
+    assembles, its tiles' fragments by ldmatrix, bfloat16 rows copied by cp.async (which
+    the emulator makes at the wait that covers them, so a missing wait shows), dq's sums
+    by red.global.add.f32. Float32 operands take the kernels where the products may
+    round to bfloat16; bfloat16 operands (bfloat16 activations) always."""
     from ranvier.backends.cuda import attention_mma
     from ranvier.ops.attention import attention as attention_reference
     from ranvier.ops.attention import attention_grad
 
-    op, values = _attention_op(op_type, heads, kv_heads, queries, keys, size, causal, operands, bias, heads_first)
-    if operands == "float32":
-        assert not attention_mma.supports(op)  # float32 products unless the compile asks for bfloat16
-        op.set_attr("precision", "bfloat16")
-    assert attention_mma.supports(op) and kernels.kernel_kind(op) == "AttentionMMA"
-    got = run_gpu_kernels_on_host(op, values)
+    forward, gradient, values = _mma_attention_ops(heads, kv_heads, queries, keys, size, causal, operands, bias, heads_first)
+    for op in (forward, gradient):
+        if operands == "float32":
+            assert not attention_mma.supports(op)  # float32 products unless the compile asks for bfloat16
+            op.set_attr("precision", "bfloat16")
+        assert attention_mma.supports(op) and kernels.kernel_kind(op) == "AttentionMMA"
+    got = run_gpu_kernels_on_host(forward, values, fill=0xFF)
     assert got["status"][0] == 0
-    names = ("q", "k", "v", "dout")[: 3 if op_type == "Attention" else 4]
-    rounded = [values[f"f/{name}"].astype(ml_dtypes.bfloat16).astype(np.float64) for name in names]
-    if op_type == "Attention":
-        wants = [attention_reference(*rounded, values.get("f/bias"), causal=causal, heads_first=heads_first)]
-        tolerances = [2.0**-8 * np.abs(rounded[2]).max()]
-    else:
-        wants = attention_grad(*rounded, values.get("f/bias"), causal=causal, heads_first=heads_first)
-        tolerances = [2.0**-7 * np.abs(want).max() for want in wants]
-    for var, want, tolerance in zip(op.outputs, wants, tolerances):
-        np.testing.assert_allclose(got[var.name], want, rtol=0, atol=tolerance, err_msg=var.name)
-    module, launched = kernels.kernel_module(op)
-    query_blocks, key_blocks = 2 * heads * -(-queries // 64), 2 * kv_heads * -(-keys // 64)
-    assert [k.elements for k in launched] == ([query_blocks] if op_type == "Attention" else
-                                              [query_blocks, key_blocks, query_blocks])
-    assert all(k.threads == 128 for k in launched)
-    if ptx.ptxas_path() is not None:
-        text = ptx.emit_ptx(module)
-        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
-        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text  # B fragments from the shared tiles
-        assert ("cp.async.cg.shared.global" in text) == (operands == "bfloat16")  # rows copied as they are
-        report = ptx.assemble(text).report
-        if size <= 64:  # a head of 128 takes every register the gradient's key launch may have, and a few more
-            assert report.count("0 bytes stack frame") == len(launched), report
+    out, statistics = (got[var.name] for var in forward.outputs)
+    names = ("q", "k", "v", "dout")
+    rounded = {name: values[f"f/{name}"].astype(ml_dtypes.bfloat16).astype(np.float64) for name in names}
+    score_bias = values.get("f/bias")
+    attrs = {"causal": causal, "heads_first": heads_first}
+    want_out, want_statistics = attention_reference(rounded["q"], rounded["k"], rounded["v"], score_bias, statistics=True, **attrs)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=2.0**-8 * np.abs(rounded["v"]).max(), err_msg="out")
+    assert statistics.dtype == np.float32 and np.array_equal(np.isinf(statistics), np.isinf(want_statistics))
+    seen = np.isfinite(want_statistics)
+    np.testing.assert_allclose(statistics[seen], want_statistics[seen], rtol=2.0**-10, atol=2.0**-10, err_msg="statistics")
+
+    got = run_gpu_kernels_on_host(gradient, {**values, forward.outputs[0].name: out, forward.outputs[1].name: statistics},
+                                  fill=0xFF)
+    assert got["status"][0] == 0
+    wants = attention_grad(rounded["q"], rounded["k"], rounded["v"], want_out, want_statistics, rounded["dout"], score_bias,
+                           **attrs)
+    for var, want in zip(gradient.outputs, wants):
+        np.testing.assert_allclose(got[var.name], want, rtol=0, atol=2.0**-7 * np.abs(want).max(), err_msg=var.name)
+
+    for op, launched_blocks in ((forward, [2 * heads * -(-queries // 64)]),
+                                (gradient, [2 * heads * -(-queries // 64), 2 * kv_heads * -(-keys // 64)])):
+        module, launched = kernels.kernel_module(op)
+        rounding = [] if op is forward or operands == "float32" else [2 * heads * queries * size]  # bfloat16 dq from its sums
+        assert [k.elements for k in launched] == launched_blocks + rounding
+        assert [k.threads for k in launched] == [128] * len(launched_blocks) + [0] * len(rounding)
+        if ptx.ptxas_path() is not None:
+            text = ptx.emit_ptx(module)
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+            assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text  # B fragments from the shared tiles
+            assert ("cp.async.cg.shared.global" in text) == (operands == "bfloat16")  # rows copied as they are
+            assert ("red.global.add.f32" in text) == (op is gradient)
+            ptx.assemble(text)
 
 
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")

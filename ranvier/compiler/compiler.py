@@ -15,7 +15,7 @@ from ..errors import CompileError, RanvierError, UnknownOpError
 from ..flow.graph import Flow, Function, Operation, Variable
 from ..limits import byte_size, check_allocation
 from ..ops import has_op, op_def, written_inputs
-from ..runtime import Cell, Network, Step
+from ..runtime import Cell, Network, Step, workspace_variable
 from .declared import convert_declared_conditions, reshape_declared_outputs
 from .memory import plan_memory
 from .pipeline import PassContext, run_pipeline
@@ -187,6 +187,6 @@ class Compiler:
         for index, step in enumerate(steps):
             size = self.backend.workspace_bytes(step)
             if size:
-                step.workspace = Variable(f"{step.op.name}/workspace", dtypes.DT_UINT8, [size])
+                step.workspace = workspace_variable(step.op, size)
                 workspaces[index] = step.workspace
         return workspaces

@@ -19,18 +19,26 @@ cores work; float32 rows are loaded and rounded by the threads at once.
 Attention: query rows streaming key and value tiles. Per tile: S = Q Kᵀ, scaled, the bias
 added, −∞ where the causal mask hides a key or past the last; the online softmax, each
 row's maximum taken over the four lanes that hold the row (two `warps.exchange`s), the
-running sum l kept as each lane's own share until the end; O += P V.
+running sum l kept as each lane's own share until the end; O += P V. With the op's
+statistics output, each row's log-sum-exp L = m + log l (+∞ where the row sees no key).
 
-AttentionGrad, three launches as the float32 kernels' (`attention.py`), the same parked
-statistics in the first elements of a dq row (in a bfloat16 row, each statistic's float32
-bits in two elements, so none is rounded):
-1. query rows streaming key and value tiles: S and dP = dO Vᵀ; m and l online as above,
-   and D = Σₛ pₛ dPₛ beside l; parked m, 1/l and D/l;
-2. key rows streaming tiles of query rows, their dout rows and parked statistics, in every
-   head of the key's group: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, Pᵀ from the parked m and 1/l of each
-   column's query, dSᵀ = Pᵀ ∘ (dPᵀ − D); dV += Pᵀ dO, dK += scale · dSᵀ Q;
-3. query rows streaming key and value tiles: dQ += scale · dS K, with dS recomputed.
-A query whose every key is masked attends to nothing (its row and gradients are 0).
+AttentionGrad, FlashAttention-2's, from the forward's output O and statistics L:
+1. query rows, two threads a row: D = Σ dO ∘ O of each row into the step's workspace, and
+   the row's float32 dQ accumulator zeroed. A pass of its own, not computed where the
+   gradient's tiles are loaded: that launch would read O again for every block of keys;
+   here it is read once, and the accumulator has to be zeroed before any block adds to it;
+2. key rows (a block's 64, resident in shared memory with their value rows) streaming
+   tiles of `QUERY_TILE` query rows, their dO rows, L and D, in every head of the key's
+   group: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (A fragments from the resident tiles), Pᵀ = exp(Sᵀ − L)
+   (0 where masked), dSᵀ = scale · Pᵀ ∘ (dPᵀ − D); dV += Pᵀ dO and dK += dSᵀ Q in registers;
+   dSᵀ stored to shared memory in bfloat16, and the tile's dQ = dS K (each warp 16 query
+   rows and half the features, dS's A fragments by a transposing ldmatrix) added to the
+   float32 accumulator in global memory (`red.global.add.f32`: every key block of the head
+   adds to the same rows). Five products a tile, no statistic found again;
+3. bfloat16 dq only: the float32 accumulator (the workspace's) rounded into dq. A float32
+   dq is its own accumulator, done after launch 2.
+A query whose every key is masked attends to nothing (L = +∞: its p are 0, its row and
+gradients 0).
 """
 
 from __future__ import annotations
@@ -45,11 +53,12 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, ir_of
-from ..llvm.irutil import F32, I16, I32, load, storage_type, store, typed_pointer
-from ..llvm.rows import finite_peak, unseen_inverse
+from ..llvm.irutil import F32, I32, I64, VOID, storage_type, typed_pointer
+from ..llvm.loops import pairwise
+from ..llvm.rows import finite_peak, log_sum_exp, unseen_inverse
 from ..llvm.values import Value, index_value
 from . import fastmath, warps
-from .attention import PARKED, AttentionShape
+from .attention import AttentionShape
 from .blocks import BlockProgram, PrivateArray
 from .library import LIBRARY, Generator
 
@@ -61,18 +70,24 @@ ROWS = 16 * WARPS  # a block's own rows
 THREADS = warps.WARP * WARPS
 PADDING = 8  # bfloat16 elements (16 bytes) after each row of a shared tile
 QUERY_TILE = 32  # query rows a key block streams at a time (its scores take half the registers of 64)
+SHARED_BYTES = 48 << 10  # a block's shared memory at most
 FLOAT = dtypes.DT_FLOAT32
 
 
 def supports(op: Operation) -> bool:
     """Float32 operands whose products may round to bfloat16 (the op's precision), or
-    bfloat16 operands (`Compiler(precision="bfloat16")`'s activations)."""
-    if op.type not in ("Attention", "AttentionGrad") or len(op.outputs) == 2:
+    bfloat16 operands (`Compiler(precision="bfloat16")`'s activations); the statistics
+    float32 either way. A gradient whose resident tiles fit a block's shared memory."""
+    if op.type not in ("Attention", "AttentionGrad"):
         return False
     size = op.inputs[0].shape[-1]
-    operands = {v.dtype for v in (*op.inputs, *op.outputs)}
+    statistics = op.inputs[4] if op.type == "AttentionGrad" else op.outputs[1] if len(op.outputs) == 2 else None
+    operands = {v.dtype for v in (*op.inputs, *op.outputs) if v is not statistics}
     rounded = attrs_of(op)["precision"] == "bfloat16" and operands == {FLOAT}
-    return (rounded or operands == {dtypes.DT_BFLOAT16}) and size % 16 == 0 and 16 <= size <= 128
+    if op.type == "AttentionGrad" and _gradient_shared_bytes(size) > SHARED_BYTES:
+        return False
+    return ((rounded or operands == {dtypes.DT_BFLOAT16}) and size % 16 == 0 and 16 <= size <= 128
+            and (statistics is None or statistics.dtype == FLOAT))
 
 
 def _key_tile(size: int) -> int:
@@ -86,6 +101,32 @@ def _stride(size: int) -> int:
     return (size + PADDING) // 2
 
 
+def _score_gradient_stride() -> int:
+    """32-bit words from one key's row of a tile of dSᵀ (`QUERY_TILE` bfloat16 and the
+    padding) to the next: 80 bytes, so the eight rows an ldmatrix reads fall on different banks."""
+    return (QUERY_TILE + PADDING) // 2
+
+
+def _gradient_shared_bytes(size: int) -> int:
+    """The gradient's key launch's shared memory: its key and value rows, two buffers of
+    query and dout rows, a tile of dSᵀ, and two buffers of L and D."""
+    words = 2 * ROWS * _stride(size) + 2 * 2 * QUERY_TILE * _stride(size) + ROWS * _score_gradient_stride() + 2 * 2 * QUERY_TILE
+    return 4 * words
+
+
+def _row_terms_words(shape: AttentionShape) -> int:
+    """The workspace's first words, D of each query row [B, H, T], rounded up to 16 bytes."""
+    return -(-shape.batch * shape.heads * shape.queries // 4) * 4
+
+
+def _workspace_bytes(op: Operation) -> int:
+    """The gradient's: D of each query row, then a bfloat16 dq's float32 accumulator."""
+    if op.type != "AttentionGrad":
+        return 0
+    shape, dq = AttentionShape(op), op.outputs[0]
+    return 4 * (_row_terms_words(shape) + (0 if dq.dtype == FLOAT else dq.size))
+
+
 def launches(op: Operation) -> list[tuple]:
     shape = AttentionShape(op)
     query_blocks = shape.batch * shape.heads * -(-shape.queries // ROWS)
@@ -96,8 +137,11 @@ def launches(op: Operation) -> list[tuple]:
     if op.type == "Attention":
         return [(query_blocks, block(_forward), THREADS)]
     key_blocks = shape.batch * shape.kv_heads * -(-shape.keys // ROWS)
-    return [(query_blocks, block(_statistics), THREADS), (key_blocks, block(_key_gradients), THREADS),
-            (query_blocks, block(_query_gradient), THREADS)]
+    made = [(query_blocks, block(_row_terms), THREADS), (key_blocks, block(_gradients), THREADS)]
+    dq = op.outputs[0]
+    if dq.dtype != FLOAT:
+        made.append((dq.size, lambda ctx, index: _round_query_gradient(ctx, op, shape, index_value(ctx.b, index)), 0))
+    return made
 
 
 # ---- a warp's fragments -----------------------------------------------------------------
@@ -125,28 +169,6 @@ def _pack_rows(program: BlockProgram, var: Variable, rows: list[Value], size: in
         for word in range(4):  # rows g, g + 8, g, g + 8; features 2q, 2q, 2q + 8, 2q + 8 (and one more each)
             at = rows[word % 2] + chunk * 16 + place * 2 + 8 * (word // 2)
             words.store(chunk * 4 + word, warps.pack(program, ctx.load(var, at + 1), ctx.load(var, at)))
-
-
-def _park(ctx: ThreadContext, dq: Variable, at: Value, k: int, value: Value) -> None:
-    """Statistic k (m, 1/l or D) of the query row at element `at`, kept in its dq row until
-    the third launch: element k of a float32 row; in a bfloat16 row, its float32 bits in
-    elements 2k and 2k + 1 (the low half first), so nothing is rounded."""
-    if dq.dtype == FLOAT:
-        ctx.store(dq, at + k, value)
-        return
-    b = ctx.b
-    bits = b.bitcast(value.ir, I32)
-    for half, part in enumerate((bits, b.lshr(bits, ir.Constant(I32, 16)))):
-        store(b, b.trunc(part, I16), ctx.pointer(dq), ir_of(at + 2 * k + half), I16)
-
-
-def _parked(ctx: ThreadContext, dq: Variable, at: Value, k: Value | int) -> Value:
-    """Statistic k of the query row at `at`, as `_park` left it."""
-    if dq.dtype == FLOAT:
-        return ctx.load(dq, at + k)
-    b = ctx.b
-    low, high = (b.zext(load(b, ctx.pointer(dq), ir_of(at + k * 2 + half), I16), I32) for half in (0, 1))
-    return Value(b, b.bitcast(b.or_(low, b.shl(high, ir.Constant(I32, 16))), ir.FloatType()), FLOAT)
 
 
 def _zero(program: BlockProgram, array: PrivateArray, count: int) -> None:
@@ -239,9 +261,9 @@ def _group_sum(program: BlockProgram, values: PrivateArray, partner: PrivateArra
 
 class _QueryBlock:
     """A block of query rows streaming key and value tiles: its head and rows, its
-    privates, Q (and dout) packed once."""
+    privates, Q packed once."""
 
-    def __init__(self, program: BlockProgram, op: Operation, shape: AttentionShape, block: Value, with_gradient: bool):
+    def __init__(self, program: BlockProgram, op: Operation, shape: AttentionShape, block: Value):
         self.program, self.op, self.shape = program, op, shape
         size = shape.size
         query_blocks = -(-shape.queries // ROWS)
@@ -252,19 +274,11 @@ class _QueryBlock:
         self.first = (query_blocks - 1 - block % query_blocks) * ROWS
         self.per_tile = _key_tile(size)
         self.q_words = program.private(dtypes.DT_INT32, size // 16 * 4)
-        self.g_words = program.private(dtypes.DT_INT32, size // 16 * 4) if with_gradient else None  # dout's
         self.b_words = program.private(dtypes.DT_INT32, 4)  # B fragments of two products
         self.a_words = program.private(dtypes.DT_INT32, 4)
         self.scores = program.private(FLOAT, self.per_tile // 8 * 4)
         self.tile_words = self.per_tile * _stride(size)
         self.keys, self.values = (program.shared(dtypes.DT_INT32, 2 * self.tile_words) for _ in range(2))  # two buffers each
-
-    @property
-    def dout_words(self) -> PrivateArray:
-        """dout's A fragments, in a block made with its gradient."""
-        if self.g_words is None:
-            raise RuntimeError("a query block made without the gradient has no fragments of dout")
-        return self.g_words
 
     def rows(self, thread: Value) -> list[Value]:
         return _own_rows(thread, self.first)
@@ -275,11 +289,8 @@ class _QueryBlock:
         return [self.shape.query_row(self.b, self.h, t.minimum(self.shape.queries - 1)) for t in self.rows(thread)]
 
     def pack(self) -> None:
-        """Q's A fragments, and dout's where the kernel has them (in a phase)."""
-        offsets = self.row_offsets(self.program.thread)
-        _pack_rows(self.program, self.op.inputs[0], offsets, self.shape.size, self.q_words)
-        if self.g_words is not None:
-            _pack_rows(self.program, self.op.inputs[5], offsets, self.shape.size, self.g_words)
+        """Q's A fragments (in a phase)."""
+        _pack_rows(self.program, self.op.inputs[0], self.row_offsets(self.program.thread), self.shape.size, self.q_words)
 
     def stream(self, per_tile: Callable[[Value, Value], None]) -> None:
         """`per_tile(first key, first word)` for each tile of keys the block's queries see,
@@ -346,7 +357,7 @@ def _online_softmax(block: _QueryBlock, first_key: Value, peak, total, tile_peak
 
 def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
     ctx, size = program.ctx, shape.size
-    block = _QueryBlock(program, op, shape, index, with_gradient=False)
+    block = _QueryBlock(program, op, shape, index)
     output = program.private(FLOAT, size // 8 * 4)
     peak, total, tile_peak, partner = (program.private(FLOAT, 2) for _ in range(4))
     with program.phase(wait=False):
@@ -375,97 +386,153 @@ def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index:
                 at = shape.query_row(block.b, block.h, t) + place * 2
                 for column, i in _elements(size, r):
                     ctx.store(op.outputs[0], at + column, output.load(i) * inverse)
+                if len(op.outputs) == 2:  # the row's four lanes hold the same m and l: the first stores L
+                    with ctx.when(place.equal(0)):
+                        statistic = log_sum_exp(finite_peak(peak.load(r)), total.load(r))
+                        ctx.store(op.outputs[1], _statistic_at(shape, block.b, block.h, t), statistic)
 
 
-def _statistics(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
-    """Launch 1: m, 1/l and D of each query row, parked in its dq row."""
-    ctx, size = program.ctx, shape.size
+# ---- the gradient -----------------------------------------------------------------------
+
+def _statistic_at(shape: AttentionShape, b: Value, h: Value, t: Value) -> Value:
+    """Query t's element of a [B, H, T] row statistic (L, D), in either layout."""
+    return (b * shape.heads + h) * shape.queries + t
+
+
+def _workspace_floats(ctx: ThreadContext, first: int) -> Array:
+    """The step's workspace as float32 words, from word `first`."""
+    b = ctx.b
+    if ctx.workspace is None:
+        raise RuntimeError("the attention gradient's kernels are written with the step's workspace")
+    return Array(b, b.gep(b.bitcast(ctx.workspace, F32.as_pointer()), [ir.Constant(I64, first)]), FLOAT)
+
+
+def _row_terms_of(ctx: ThreadContext) -> Array:
+    """D of each query row [B, H, T] (the workspace's first words)."""
+    return _workspace_floats(ctx, 0)
+
+
+def _accumulator(ctx: ThreadContext, op: Operation, shape: AttentionShape) -> Array:
+    """dq's float32 sums, element for element as dq is laid out: a float32 dq itself, else
+    the workspace's after D."""
     dq = op.outputs[0]
-    block = _QueryBlock(program, op, shape, index, with_gradient=True)
-    products = program.private(FLOAT, block.per_tile // 8 * 4)  # dP = dout Vᵀ
-    peak, total, d, tile_peak, partner = (program.private(FLOAT, 2) for _ in range(5))
+    if dq.dtype == FLOAT:
+        return Array(ctx.b, ctx.pointer(dq), FLOAT)
+    return _workspace_floats(ctx, _row_terms_words(shape))
+
+
+def _add_to(ctx: ThreadContext, array: Array, at: Value, value: Value) -> None:
+    """array[at] += value in global memory, where other blocks add to it too: on the GPU
+    red.global.add.f32 (an atomic add whose old value is not wanted); on the host emulator,
+    whose blocks run one after another, an add."""
+    b = ctx.b
+    pointer = b.gep(array.base, [ir_of(at)])
+    if ctx.on_gpu:
+        add = ir.InlineAsm(ir.FunctionType(VOID, [pointer.type, F32]), "red.global.add.f32 [$0], $1;", "l,f,~{memory}",
+                           side_effect=True)
+        b.call(add, [pointer, value.ir])
+        return
+    b.store(b.fadd(b.load(pointer), value.ir), pointer)
+
+
+def _row_terms(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
+    """Launch 1: D = Σ dout ∘ out of each of a block's 64 query rows, two threads a row
+    (half each, summed by a shuffle), and the row's dq accumulator zeroed."""
+    ctx, size = program.ctx, shape.size
+    out, dout = op.inputs[3], op.inputs[5]
+    query_blocks = -(-shape.queries // ROWS)
+    head = index // query_blocks
+    b, h, first = head // shape.heads, head % shape.heads, index % query_blocks * ROWS
+    half = size // 2
+    partial, other = program.private(FLOAT, 1), program.private(FLOAT, 1)
+    with program.phase(wait=False) as thread:
+        t = first + thread // 2
+        at = shape.query_row(b, h, t.minimum(shape.queries - 1)) + thread % 2 * half
+        sums = [ctx.load(out, at + i) * ctx.load(dout, at + i) for i in range(4)]
+        for i in range(4, half):  # four independent sums: each multiply-add need not wait for the one before
+            sums[i % 4] = ctx.load(out, at + i).mul_add(ctx.load(dout, at + i), sums[i % 4])
+        partial.store(0, pairwise(lambda x, y: x + y, sums))
+        with ctx.when(t < shape.queries):
+            accumulator = _accumulator(ctx, op, shape)
+            for i in range(half):
+                accumulator.store(at + i, ctx.constant(FLOAT, 0.0))
+    warps.exchange(program, other, partial, 1, 1)
+    with program.phase(wait=False) as thread:
+        t = first + thread // 2
+        with ctx.when((t < shape.queries) & (thread % 2).equal(0)):
+            _row_terms_of(ctx).store(_statistic_at(shape, b, h, t), partial.load(0) + other.load(0))
+
+
+def _resident_fragments(program: BlockProgram, size: int, tile: Array, words: PrivateArray) -> None:
+    """A fragments of the warp's 16 rows of a block's `ROWS`-row shared tile, by ldmatrix
+    (16 features a load: rows 0-7 and 8-15 of features 0-7, then of features 8-15)."""
+    stride = _stride(size)
+
+    def row(thread: Value) -> Value:
+        warp, lane = thread // warps.WARP, thread % warps.WARP
+        return (warp * 16 + lane % 8 + lane // 8 % 2 * 8) * stride + lane // 16 * 4
+
+    for chunk in range(size // 16):
+        warps.load_matrices(program, (words, chunk * 4), tile, row, offset=chunk * 8)
+
+
+def _query_gradient_tile(program: BlockProgram, size: int, score_gradients: Array, keys: Array, a_words: PrivateArray,
+                         b_words: PrivateArray, out: PrivateArray) -> None:
+    """out = dS K of a tile: warp w's 16 query rows 16·(w mod 2) on, features w // 2 · size/2
+    on, summed over the block's 64 keys. dS's A fragments from the tile of dSᵀ by a
+    transposing ldmatrix (a fragment's rows are dSᵀ's columns), K's B fragments as
+    `_accumulate` takes them, 8 or 16 features a load."""
+    stride, ds_stride, groups = _stride(size), _score_gradient_stride(), size // 16  # a warp's 8-feature groups
+
+    def gradient_row(thread: Value) -> Value:  # matrix i: keys 8·(i // 2) on, queries 8·(i mod 2) on
+        warp, lane = thread // warps.WARP, thread % warps.WARP
+        return (lane % 8 + lane // 16 * 8) * ds_stride + (warp % 2 * 16 + lane // 8 % 2 * 8) // 2
+
+    def key_row(thread: Value) -> Value:  # matrix i: keys 8·(i mod 2) on, features 8·(i // 2) on
+        warp, lane = thread // warps.WARP, thread % warps.WARP
+        return (lane // 8 % 2 * 8 + lane % 8) * stride + lane // 16 * 4 + warp // 2 * (size // 4)
+
     with program.phase(wait=False):
-        for r in range(2):
-            peak.store(r, ctx.constant(FLOAT, -math.inf))
-            total.store(r, ctx.constant(FLOAT, 0.0))
-            d.store(r, ctx.constant(FLOAT, 0.0))
-        block.pack()
-
-    def tile(first_key: Value, base: Value) -> None:
-        _times_transposed(program, size, block.per_tile, block.keys, base, block.q_words, block.b_words, block.scores)
-        _times_transposed(program, size, block.per_tile, block.values, base, block.dout_words, block.b_words, products)
-        _online_softmax(block, first_key, peak, total, tile_peak, partner, lambda r, factor: d.store(r, d.load(r) * factor),
-                        lambda r, at, p: d.store(r, p.mul_add(products.load(at), d.load(r))))
-
-    block.stream(tile)
-    _group_sum(program, total, partner)
-    _group_sum(program, d, partner)
-    with program.phase(wait=False) as thread:
-        for r, t in enumerate(block.rows(thread)):
-            inverse = unseen_inverse(total.load(r))
-            with ctx.when(t < shape.queries):  # the four lanes of a row store the same three values
-                at = shape.query_row(block.b, block.h, t)
-                for k, value in enumerate((finite_peak(peak.load(r)), inverse, d.load(r) * inverse)):
-                    _park(ctx, dq, at, k, value)
+        for i in range(groups * 4):
+            out.store(i, program.ctx.constant(FLOAT, 0.0))
+    for chunk in range(ROWS // 16):
+        warps.load_matrices(program, (a_words, 0), score_gradients, gradient_row, transpose=True, offset=chunk * 16 * ds_stride)
+        for group in range(0, groups, 2):
+            count = min(2, groups - group)
+            warps.load_matrices(program, (b_words, 0), keys, key_row, count=2 * count, transpose=True,
+                                offset=chunk * 16 * stride + group * 4)
+            for half in range(count):
+                at = (group + half) * 4
+                warps.mma(program, (out, at), (a_words, 0), (b_words, half * 2), (out, at))
 
 
-def _query_gradient(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
-    """Launch 3: each query row's dq, from its parked m, 1/l and D (read before the row is written)."""
+def _gradients(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
+    """Launch 2: a block of 64 key rows' dk and dv, and their share of dq, over every query
+    of its group's heads that sees them (the module docstring)."""
     ctx, size = program.ctx, shape.size
-    dq = op.outputs[0]
-    block = _QueryBlock(program, op, shape, index, with_gradient=True)
-    products = program.private(FLOAT, block.per_tile // 8 * 4)
-    parked = program.private(FLOAT, 2 * PARKED)
-    gradient = program.private(FLOAT, size // 8 * 4)
-    with program.phase(wait=False) as thread:
-        for r, at in enumerate(block.row_offsets(thread)):
-            for k in range(PARKED):
-                parked.store(r * PARKED + k, _parked(ctx, dq, at, k))
-        _zero(program, gradient, size // 8 * 4)
-        block.pack()
-
-    def tile(first_key: Value, base: Value) -> None:
-        _times_transposed(program, size, block.per_tile, block.keys, base, block.q_words, block.b_words, block.scores)
-        _times_transposed(program, size, block.per_tile, block.values, base, block.dout_words, block.b_words, products)
-        with program.phase(wait=False):
-            def score_gradient(r: int, at: int, score: Value) -> None:
-                peak, inverse, d = (parked.load(r * PARKED + k) for k in range(PARKED))
-                p = fastmath.exp(score - peak) * inverse
-                block.scores.store(at, p * (products.load(at) - d))
-
-            block.masked_scores(first_key, score_gradient)
-        _accumulate(program, size, block.per_tile, block.keys, base, block.scores, block.a_words, block.b_words, gradient)
-
-    block.stream(tile)
-    with program.phase(wait=False) as thread:
-        _, _, place = warps.lane_of(thread)
-        for r, t in enumerate(block.rows(thread)):
-            with ctx.when(t < shape.queries):
-                at = shape.query_row(block.b, block.h, t) + place * 2
-                for column, i in _elements(size, r):
-                    ctx.store(dq, at + column, gradient.load(i) * shape.scale)
-
-
-def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
-    """Launch 2: each key row's dk and dv, over every query of its group's heads that sees
-    it, streaming tiles of query rows, their dout rows and parked (m, 1/l, D)."""
-    ctx, size = program.ctx, shape.size
-    q, k, v, _, _, dout = op.inputs[:6]
-    dq, dk, dv = op.outputs
+    q, k, v, _, lse, dout = op.inputs[:6]
+    _, dk, dv = op.outputs
     key_blocks = -(-shape.keys // ROWS)
     head = index // key_blocks
     b, kv, first_key = head // shape.kv_heads, head % shape.kv_heads, index % key_blocks * ROWS
-    k_words, v_words = (program.private(dtypes.DT_INT32, size // 16 * 4) for _ in range(2))
-    b_words, a_words = program.private(dtypes.DT_INT32, 4), program.private(dtypes.DT_INT32, 4)
+    stride, ds_stride = _stride(size), _score_gradient_stride()
+    keys, values = (program.shared(dtypes.DT_INT32, ROWS * stride) for _ in range(2))
+    tile_words = QUERY_TILE * stride
+    queries, douts = (program.shared(dtypes.DT_INT32, 2 * tile_words) for _ in range(2))  # two buffers each
+    terms = program.shared(FLOAT, 2 * 2 * QUERY_TILE)  # each buffer's L, then D, of its queries
+    score_gradients = program.shared(dtypes.DT_INT32, ROWS * ds_stride)  # dSᵀ, a key's row of bfloat16 a tile
+    a_words, b_words = program.private(dtypes.DT_INT32, size // 16 * 4), program.private(dtypes.DT_INT32, 4)
+    packed = program.private(dtypes.DT_INT32, 4)  # a C fragment's A fragment
     weights, gradients = (program.private(FLOAT, QUERY_TILE // 8 * 4) for _ in range(2))  # Pᵀ, then dPᵀ and dSᵀ
     dk_sum, dv_sum = (program.private(FLOAT, size // 8 * 4) for _ in range(2))
-    tile_words, parked_row = QUERY_TILE * _stride(size), PARKED  # an odd stride: the rows a warp reads on different banks
-    queries, douts = (program.shared(dtypes.DT_INT32, 2 * tile_words) for _ in range(2))  # two buffers each
-    parked = program.shared(FLOAT, 2 * QUERY_TILE * parked_row)
-    with program.phase(wait=False) as thread:
-        offsets = [shape.key_row(b, kv, s.minimum(shape.keys - 1)) for s in _own_rows(thread, first_key)]
-        _pack_rows(program, k, offsets, size, k_words)
-        _pack_rows(program, v, offsets, size, v_words)
+    dq_part = program.private(FLOAT, size // 16 * 4)
+    resident = warps.AsyncCopies(program, _copies(program, ROWS, size, 2), groups=1)
+    with program.phase():  # the block's key and value rows, there for every tile
+        _copy_rows(program, resident, first_key, ROWS, shape.keys - 1, size, [
+            (k, lambda s: shape.key_row(b, kv, s), keys, ctx.index(0)),
+            (v, lambda s: shape.key_row(b, kv, s), values, ctx.index(0))])
+        resident.commit()
+        resident.wait(0)
         _zero(program, dk_sum, size // 8 * 4)
         _zero(program, dv_sum, size // 8 * 4)
     # the tiles of query rows from the first query that sees the block's first key, in each head of the group
@@ -481,30 +548,45 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
         _copy_rows(program, copies, first_query, QUERY_TILE, shape.queries - 1, size, [
             (q, lambda t: shape.query_row(b, h, t), queries, buffer * tile_words),
             (dout, lambda t: shape.query_row(b, h, t), douts, buffer * tile_words)])
-        with ctx.loop(program.thread, QUERY_TILE * PARKED, step=program.threads, name="e") as e:
-            row, statistic = e // PARKED, e % PARKED
-            at = shape.query_row(b, h, (first_query + row).minimum(shape.queries - 1))
-            parked.store((buffer * QUERY_TILE + row) * parked_row + statistic, _parked(ctx, dq, at, statistic))
+        with ctx.loop(program.thread, QUERY_TILE, step=program.threads, name="row") as row:
+            at = _statistic_at(shape, b, h, (first_query + row).minimum(shape.queries - 1))
+            terms.store(buffer * 2 * QUERY_TILE + row, ctx.load(lse, at))
+            terms.store((buffer * 2 + 1) * QUERY_TILE + row, _row_terms_of(ctx).load(at))
 
     def use(i: Value, buffer: Value) -> None:
         h, first_query = head_and_query(i)
         base = buffer * tile_words
-        _times_transposed(program, size, QUERY_TILE, queries, base, k_words, b_words, weights)  # Sᵀ
-        _times_transposed(program, size, QUERY_TILE, douts, base, v_words, b_words, gradients)  # dPᵀ
-        with program.phase(wait=False) as thread:
-            _, _, place = warps.lane_of(thread)
+        _resident_fragments(program, size, keys, a_words)
+        _times_transposed(program, size, QUERY_TILE, queries, base, a_words, b_words, weights)  # Sᵀ
+        _resident_fragments(program, size, values, a_words)
+        _times_transposed(program, size, QUERY_TILE, douts, base, a_words, b_words, gradients)  # dPᵀ
+        with program.phase() as thread:
+            warp, group, place = warps.lane_of(thread)
             for r, s in enumerate(_own_rows(thread, first_key)):
                 for column, held in _elements(QUERY_TILE, r):
                     t = first_query + place * 2 + column
-                    row = (buffer * QUERY_TILE + place * 2 + column) * parked_row
-                    peak, inverse, d = (parked.load(row + i) for i in range(PARKED))
+                    at = buffer * 2 * QUERY_TILE + place * 2 + column
+                    lse_t, d = terms.load(at), terms.load(at + QUERY_TILE)
                     score = shape.score(ctx, weights.load(held), b, h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
                     seen = (t < shape.queries) & (s < shape.visible_keys(ctx, t).minimum(shape.keys))
-                    p = seen.where(fastmath.exp(score - peak) * inverse, 0.0)
+                    p = seen.where(fastmath.exp(score - lse_t), 0.0)
                     weights.store(held, p)
-                    gradients.store(held, p * (gradients.load(held) - d))
-        _accumulate(program, size, QUERY_TILE, douts, base, weights, a_words, b_words, dv_sum)
-        _accumulate(program, size, QUERY_TILE, queries, base, gradients, a_words, b_words, dk_sum)
+                    gradients.store(held, p * (gradients.load(held) - d) * shape.scale)
+                for j in range(QUERY_TILE // 8):  # dSᵀ's row s, queries 8j + 2q and 8j + 2q + 1, in one word
+                    word = (warp * 16 + group + 8 * r) * ds_stride + j * 4 + place
+                    score_gradients.store(word, warps.pack(program, gradients.load(j * 4 + 2 * r + 1), gradients.load(j * 4 + 2 * r)))
+        _accumulate(program, size, QUERY_TILE, douts, base, weights, packed, b_words, dv_sum)
+        _accumulate(program, size, QUERY_TILE, queries, base, gradients, packed, b_words, dk_sum)
+        _query_gradient_tile(program, size, score_gradients, keys, a_words, b_words, dq_part)
+        with program.phase(wait=False) as thread:
+            warp, group, place = warps.lane_of(thread)
+            accumulator = _accumulator(ctx, op, shape)
+            for r in range(2):
+                t = first_query + warp % 2 * 16 + group + 8 * r
+                with ctx.when(t < shape.queries):
+                    at = shape.query_row(b, h, t) + warp // 2 * (size // 2) + place * 2
+                    for column, held in _elements(size // 2, r):
+                        _add_to(ctx, accumulator, at + column, dq_part.load(held))
 
     warps.pipelined(program, ctx.index(shape.group) * per_head, _copies(program, QUERY_TILE, size, 2), load, use)
     with program.phase(wait=False) as thread:
@@ -513,8 +595,13 @@ def _key_gradients(program: BlockProgram, op: Operation, shape: AttentionShape, 
             with ctx.when(s < shape.keys):
                 at = shape.key_row(b, kv, s) + place * 2
                 for column, i in _elements(size, r):
-                    ctx.store(dk, at + column, dk_sum.load(i) * shape.scale)
+                    ctx.store(dk, at + column, dk_sum.load(i))
                     ctx.store(dv, at + column, dv_sum.load(i))
 
 
-LIBRARY.register(Generator("AttentionMMA", None, launches, supports=supports, rank=120))
+def _round_query_gradient(ctx: ThreadContext, op: Operation, shape: AttentionShape, index: Value) -> None:
+    """Launch 3 of a bfloat16 dq: element `index` of the float32 accumulator, rounded into dq."""
+    ctx.store(op.outputs[0], index, _accumulator(ctx, op, shape).load(index))
+
+
+LIBRARY.register(Generator("AttentionMMA", None, launches, supports=supports, workspace=_workspace_bytes, rank=120))

@@ -47,7 +47,7 @@ from ...ops.fused import ROW_EPILOGUE_OPS
 from ...runtime import Cell, Instance, Step
 from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
-from ..kernels import chosen_kernel, planned
+from ..kernels import Kernel, chosen_kernel, planned
 from . import blas, cudnn_attention, foreach, kernels, ptx
 from .code import CUDACode
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU
@@ -115,7 +115,9 @@ class CUDABackend:
         return cudnn_attention.unavailable(self.device.capability if self.device else None)
 
     def workspace_bytes(self, step: Step) -> int:
-        return 0
+        """A generated kernel's (`Kernel.workspace`); the own kernel's where cuDNN is claimed
+        (what runs where the device refuses it)."""
+        return step.chosen.workspace_bytes(step.op) if isinstance(step.chosen, Kernel) else 0
 
     def in_place(self, op: Operation | Member, source: Variable, target: Variable) -> bool:
         """Whether the op's kernel may write `target` over `source` (a map's: see

@@ -43,6 +43,7 @@ from llvmlite import ir
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops.foreach import Member, members
+from ...runtime import workspace_variable
 from ..kernels import Kernel
 from ..llvm.context import EmitContext, ir_of
 from ..llvm.irutil import I64, VOID, for_range, i64, storage_type, use_features
@@ -150,6 +151,7 @@ class ThreadContext(EmitContext):
         self.pointers, self.status, self.on_gpu = pointers, status, on_gpu
         self.row_threads = 0  # a row kernel's threads splitting each row (`rows.py`); 0: one thread's row
         self.table: ir.Value | None = None  # a ForEach's table (i64*), its one pointer parameter
+        self.workspace: ir.Value | None = None  # the step's working memory (i8*), its last pointer parameter
         self.fails = False  # whether the element may set the status word
         self.shared_memory = SharedMemory()  # its block's shared arrays (`blocks.py`)
 
@@ -229,11 +231,14 @@ def _launches(op: Operation | Member, choice: Kernel | None = None) -> list[Laun
 
 def _operands(op: Operation | Member, choice: Kernel | None = None) -> tuple[Variable, ...]:
     """The variables the op's kernels take, in order: the kernel's own (a ForEach:
-    its members'), or the op's inputs and outputs, each once."""
-    operands = _kernel(op, choice).operands
-    if operands is not None:
-        return operands(as_op(op))
-    return tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
+    its members'), or the op's inputs and outputs, each once; then the step's workspace,
+    where the kernel asks for one (`Kernel.workspace`: its element reads `ctx.workspace`)."""
+    kernel = _kernel(op, choice)
+    if kernel.operands is not None:
+        return kernel.operands(as_op(op))
+    operands = tuple({id(v): v for v in (*op.inputs, *op.outputs)}.values())
+    nbytes = kernel.workspace_bytes(as_op(op))
+    return (*operands, workspace_variable(as_op(op), nbytes)) if nbytes else operands
 
 
 def _foreach_supported(op: Operation) -> bool:
@@ -285,6 +290,8 @@ def _element_functions(module: ir.Module, op: Operation, on_gpu: bool,
                             {} if table is not None else {id(v): arguments[k] for k, v in enumerate(operands)}, status, on_gpu)
         if table is not None:
             ctx.table = arguments[0]
+        elif _kernel(op, choice).workspace_bytes(as_op(op)):
+            ctx.workspace = arguments[-1]
         emit(ctx, index)
         ctx.b.ret_void()
         dynamic = ctx.shared_memory.lay_out(ctx, on_gpu)
