@@ -70,22 +70,19 @@ ROWS = 16 * WARPS  # a block's own rows
 THREADS = warps.WARP * WARPS
 PADDING = 8  # bfloat16 elements (16 bytes) after each row of a shared tile
 QUERY_TILE = 32  # query rows a key block streams at a time (its scores take half the registers of 64)
-SHARED_BYTES = 48 << 10  # a block's shared memory at most
 FLOAT = dtypes.DT_FLOAT32
 
 
 def supports(op: Operation) -> bool:
     """Float32 operands whose products may round to bfloat16 (the op's precision), or
     bfloat16 operands (`Compiler(precision="bfloat16")`'s activations); the statistics
-    float32 either way. A gradient whose resident tiles fit a block's shared memory."""
+    float32 either way."""
     if op.type not in ("Attention", "AttentionGrad"):
         return False
     size = op.inputs[0].shape[-1]
     statistics = op.inputs[4] if op.type == "AttentionGrad" else op.outputs[1] if len(op.outputs) == 2 else None
     operands = {v.dtype for v in (*op.inputs, *op.outputs) if v is not statistics}
     rounded = attrs_of(op)["precision"] == "bfloat16" and operands == {FLOAT}
-    if op.type == "AttentionGrad" and _gradient_shared_bytes(size) > SHARED_BYTES:
-        return False
     return ((rounded or operands == {dtypes.DT_BFLOAT16}) and size % 16 == 0 and 16 <= size <= 128
             and (statistics is None or statistics.dtype == FLOAT))
 
@@ -105,13 +102,6 @@ def _score_gradient_stride() -> int:
     """32-bit words from one key's row of a tile of dSᵀ (`QUERY_TILE` bfloat16 and the
     padding) to the next: 80 bytes, so the eight rows an ldmatrix reads fall on different banks."""
     return (QUERY_TILE + PADDING) // 2
-
-
-def _gradient_shared_bytes(size: int) -> int:
-    """The gradient's key launch's shared memory: its key and value rows, two buffers of
-    query and dout rows, a tile of dSᵀ, and two buffers of L and D."""
-    words = 2 * ROWS * _stride(size) + 2 * 2 * QUERY_TILE * _stride(size) + ROWS * _score_gradient_stride() + 2 * 2 * QUERY_TILE
-    return 4 * words
 
 
 def _row_terms_words(shape: AttentionShape) -> int:
