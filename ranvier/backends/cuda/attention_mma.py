@@ -167,24 +167,30 @@ def _zero(program: BlockProgram, array: PrivateArray, count: int) -> None:
 
 
 def _times_transposed(program: BlockProgram, size: int, count: int, tile: Array, base: Value, a_words: PrivateArray,
-                      b_words: PrivateArray, out: PrivateArray) -> None:
-    """out = A · Tᵀ over `count` rows of a shared tile T from word `base`: 8 tile rows at a
-    time, their B fragments (Tᵀ's columns: the rows as stored, 8 features a matrix) by
-    ldmatrix, 32 features (or the last 16) at a time, then one product per 16 features."""
+                      b_words: PrivateArray, out: PrivateArray, resident: Array | None = None) -> None:
+    """out = A · Tᵀ over `count` rows of a shared tile T from word `base`, 32 features (or
+    the last 16) at a time: 8 tile rows at a time, their B fragments (Tᵀ's columns: the
+    rows as stored, 8 features a matrix) by ldmatrix, then one product per 16 features.
+    A is the warp's 16 rows: packed in `a_words` (every 16 features' fragment), or rows
+    of the block's `resident` tile, whose fragments of each 32 features are read into
+    `a_words` just before their products (8 registers, not a whole row's)."""
     stride = _stride(size)
 
     def row(thread: Value) -> Value:  # lanes 8i .. 8i + 7: rows 0-7 of matrix i, features 8i on
         lane = thread % warps.WARP
         return base + lane % 8 * stride + lane // 8 * 4
 
-    for j in range(count // 8):
-        with program.phase(wait=False):
-            for i in range(4):
-                out.store(j * 4 + i, program.ctx.constant(FLOAT, 0.0))
-        for first in range(0, size // 8, 4):  # two chunks of 16 features (or the last one)
+    with program.phase(wait=False):
+        _zero(program, out, count // 8 * 4)
+    for first in range(0, size // 8, 4):
+        chunks = range(first // 2, min(first // 2 + 2, size // 16))
+        if resident is not None:
+            _resident_fragments(program, size, resident, a_words, chunks)
+        for j in range(count // 8):
             warps.load_matrices(program, (b_words, 0), tile, row, min(4, size // 8 - first), offset=j * 8 * stride + first * 4)
-            for chunk in range(first // 2, min(first // 2 + 2, size // 16)):
-                warps.mma(program, (out, j * 4), (a_words, chunk * 4), (b_words, chunk % 2 * 2), (out, j * 4))
+            for chunk in chunks:
+                a_at = chunk % 2 * 4 if resident is not None else chunk * 4
+                warps.mma(program, (out, j * 4), (a_words, a_at), (b_words, chunk % 2 * 2), (out, j * 4))
 
 
 def _accumulate(program: BlockProgram, size: int, count: int, tile: Array, base: Value, weights: PrivateArray,
@@ -411,17 +417,19 @@ def _accumulator(ctx: ThreadContext, op: Operation, shape: AttentionShape) -> Ar
     return _workspace_floats(ctx, _row_terms_words(shape))
 
 
-def _add_to(ctx: ThreadContext, array: Array, at: Value, value: Value) -> None:
-    """array[at] += value in global memory, where other blocks add to it too: on the GPU
-    red.global.add.f32 (an atomic add whose old value is not wanted); on the host emulator,
-    whose blocks run one after another, an add."""
+def _add_to(ctx: ThreadContext, array: Array, at: Value, offset: int, value: Value) -> None:
+    """array[at + offset] += value in global memory, where other blocks add to it too: on
+    the GPU red.global.add.f32 (an atomic add whose old value is not wanted), the constant
+    `offset` the instruction's own (so a row's adds share one address register); on the
+    host emulator, whose blocks run one after another, an add."""
     b = ctx.b
     pointer = b.gep(array.base, [ir_of(at)])
     if ctx.on_gpu:
-        add = ir.InlineAsm(ir.FunctionType(VOID, [pointer.type, F32]), "red.global.add.f32 [$0], $1;", "l,f,~{memory}",
-                           side_effect=True)
+        add = ir.InlineAsm(ir.FunctionType(VOID, [pointer.type, F32]), f"red.global.add.f32 [$0+{offset * 4}], $1;",
+                           "l,f,~{memory}", side_effect=True)
         b.call(add, [pointer, value.ir])
         return
+    pointer = b.gep(pointer, [ir.Constant(I64, offset)])
     b.store(b.fadd(b.load(pointer), value.ir), pointer)
 
 
@@ -453,17 +461,18 @@ def _row_terms(program: BlockProgram, op: Operation, shape: AttentionShape, inde
             _row_terms_of(ctx).store(_statistic_at(shape, b, h, t), partial.load(0) + other.load(0))
 
 
-def _resident_fragments(program: BlockProgram, size: int, tile: Array, words: PrivateArray) -> None:
-    """A fragments of the warp's 16 rows of a block's `ROWS`-row shared tile, by ldmatrix
-    (16 features a load: rows 0-7 and 8-15 of features 0-7, then of features 8-15)."""
+def _resident_fragments(program: BlockProgram, size: int, tile: Array, words: PrivateArray, chunks: range) -> None:
+    """A fragments of the warp's 16 rows of a block's `ROWS`-row shared tile, features
+    16·c on for each c of `chunks` (into `words` from 4·(c mod 2)), by ldmatrix: rows 0-7
+    and 8-15 of features 0-7, then of features 8-15."""
     stride = _stride(size)
 
     def row(thread: Value) -> Value:
         warp, lane = thread // warps.WARP, thread % warps.WARP
         return (warp * 16 + lane % 8 + lane // 8 % 2 * 8) * stride + lane // 16 * 4
 
-    for chunk in range(size // 16):
-        warps.load_matrices(program, (words, chunk * 4), tile, row, offset=chunk * 8)
+    for chunk in chunks:
+        warps.load_matrices(program, (words, chunk % 2 * 4), tile, row, offset=chunk * 8)
 
 
 def _query_gradient_tile(program: BlockProgram, size: int, score_gradients: Array, keys: Array, a_words: PrivateArray,
@@ -511,7 +520,7 @@ def _gradients(program: BlockProgram, op: Operation, shape: AttentionShape, inde
     queries, douts = (program.shared(dtypes.DT_INT32, 2 * tile_words) for _ in range(2))  # two buffers each
     terms = program.shared(FLOAT, 2 * 2 * QUERY_TILE)  # each buffer's L, then D, of its queries
     score_gradients = program.shared(dtypes.DT_INT32, ROWS * ds_stride)  # dSᵀ, a key's row of bfloat16 a tile
-    a_words, b_words = program.private(dtypes.DT_INT32, size // 16 * 4), program.private(dtypes.DT_INT32, 4)
+    a_words, b_words = program.private(dtypes.DT_INT32, 8), program.private(dtypes.DT_INT32, 4)  # 32 features' A fragments
     packed = program.private(dtypes.DT_INT32, 4)  # a C fragment's A fragment
     weights, gradients = (program.private(FLOAT, QUERY_TILE // 8 * 4) for _ in range(2))  # Pᵀ, then dPᵀ and dSᵀ
     dk_sum, dv_sum = (program.private(FLOAT, size // 8 * 4) for _ in range(2))
@@ -546,10 +555,8 @@ def _gradients(program: BlockProgram, op: Operation, shape: AttentionShape, inde
     def use(i: Value, buffer: Value) -> None:
         h, first_query = head_and_query(i)
         base = buffer * tile_words
-        _resident_fragments(program, size, keys, a_words)
-        _times_transposed(program, size, QUERY_TILE, queries, base, a_words, b_words, weights)  # Sᵀ
-        _resident_fragments(program, size, values, a_words)
-        _times_transposed(program, size, QUERY_TILE, douts, base, a_words, b_words, gradients)  # dPᵀ
+        _times_transposed(program, size, QUERY_TILE, queries, base, a_words, b_words, weights, resident=keys)  # Sᵀ
+        _times_transposed(program, size, QUERY_TILE, douts, base, a_words, b_words, gradients, resident=values)  # dPᵀ
         with program.phase() as thread:
             warp, group, place = warps.lane_of(thread)
             for r, s in enumerate(_own_rows(thread, first_key)):
@@ -576,7 +583,7 @@ def _gradients(program: BlockProgram, op: Operation, shape: AttentionShape, inde
                 with ctx.when(t < shape.queries):
                     at = shape.query_row(b, h, t) + warp // 2 * (size // 2) + place * 2
                     for column, held in _elements(size // 2, r):
-                        _add_to(ctx, accumulator, at + column, dq_part.load(held))
+                        _add_to(ctx, accumulator, at, column, dq_part.load(held))
 
     warps.pipelined(program, ctx.index(shape.group) * per_head, _copies(program, QUERY_TILE, size, 2), load, use)
     with program.phase(wait=False) as thread:
