@@ -7,14 +7,18 @@ inputs, float32 sums); no score matrix is formed.
 A block of `WARPS` warps takes 64 rows, 16 a warp (the rows of an mma's A), and the warps
 stream tiles of the rows they pair with through shared memory together, in bfloat16 (rows
 padded by `PADDING` elements, 16 bytes, so the eight rows an ldmatrix reads fall on
-different banks). A warp's own rows are rounded and packed into A fragments once; a
-tile's rows come in as B fragments by `warps.load_matrices` (ldmatrix; transposed where
-the tile is the product's right-hand side as stored); a product's float32 C fragments
-become the next product's A fragments in place (the layouts line up), so the
-probabilities never leave the registers. Tiles are double-buffered (`warps.pipelined`): the
-next tile's copies are issued before this tile's products, bfloat16 rows by
-`warps.copy_async` (cp.async, 16 bytes a thread at a time) so they land while the tensor
-cores work; float32 rows are loaded and rounded by the threads at once.
+different banks). A warp's own rows are rounded and packed into A fragments once (the
+forward's query rows), or stay in shared memory and come in as A fragments by ldmatrix,
+32 features at a time (the gradient's key and value rows: beside dK's and dV's sums a
+head of 128's rows would not fit the registers); a tile's rows come in as B fragments by
+`warps.load_matrices` (ldmatrix; transposed where the tile is the product's right-hand
+side as stored); a product's float32 C fragments become the next product's A fragments
+in place (the layouts line up), so the probabilities never leave the registers. Tiles are
+double-buffered (`warps.pipelined`): the next tile's copies are issued before this
+tile's products, bfloat16 rows by `warps.AsyncCopies` (cp.async, 16 bytes a thread at a
+time) so they land while the tensor cores work; float32 rows are loaded and rounded by
+the threads at once. The gradient's key launch takes 75 KB of shared memory at heads of
+128, past the 48 KB of static shared memory (`blocks.py` makes it dynamic).
 
 Attention: query rows streaming key and value tiles. Per tile: S = Q Kᵀ, scaled, the bias
 added, −∞ where the causal mask hides a key or past the last; the online softmax, each
