@@ -1076,30 +1076,6 @@ MMA_ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, sc
 ]
 
 
-def _mma_attention_ops(heads, kv_heads, queries, keys, size, causal, operands, bias, heads_first):
-    """Attention with its statistics and the AttentionGrad that reads them, on random
-    operands (and a score bias), with the values of q, k, v, dout (and the bias)."""
-    from helpers import attention_with_gradient
-
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    shapes = {"q": [2, heads, queries, size], "k": [2, kv_heads, keys, size], "v": [2, kv_heads, keys, size],
-              "dout": [2, heads, queries, size]}
-    if not heads_first:
-        shapes = {name: [shape[0], shape[2], shape[1], shape[3]] for name, shape in shapes.items()}
-    values = {f"f/{name}": random_array(shape, operands, seed=50 + i) for i, (name, shape) in enumerate(shapes.items())}
-    inputs = {name: f.var(name, operands, shape) for name, shape in shapes.items()}
-    score_bias = None
-    if bias is not None:
-        values["f/bias"] = attention_bias(bias, heads, queries, keys, causal, operands)
-        score_bias = f.var("bias", operands, list(values["f/bias"].shape))
-    outputs = attention_with_gradient(f, *inputs.values(), score_bias, causal=causal, heads_first=heads_first)
-    for out in outputs:
-        out.var.out = True
-    forward, gradient = (outputs[index].var.producer for index in (0, 1))
-    return forward, gradient, values
-
-
 @pytest.mark.parametrize("heads,kv_heads,queries,keys,size,causal,bias,heads_first", MMA_ATTENTION_CASES)
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
 def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, heads, kv_heads, queries, keys, size, causal,
@@ -1122,7 +1098,8 @@ def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, he
     from ranvier.ops.attention import attention as attention_reference
     from ranvier.ops.attention import attention_grad
 
-    forward, gradient, values = _mma_attention_ops(heads, kv_heads, queries, keys, size, causal, operands, bias, heads_first)
+    gradient, values = _attention_op("AttentionGrad", heads, kv_heads, queries, keys, size, causal, operands, bias, heads_first)
+    forward = gradient.inputs[3].producer  # the Attention whose output and statistics the gradient reads
     for op in (forward, gradient):
         if operands == "float32":
             assert not attention_mma.supports(op)  # float32 products unless the compile asks for bfloat16

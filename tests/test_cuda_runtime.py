@@ -672,44 +672,26 @@ def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_devi
     """The own tensor-core kernels on the device (the emulator here, the GPU where there
     is one: the one check of the gradient's atomic adds, and of its 75 KB of dynamic
     shared memory at heads of 128, in hardware; cuDNN, which would claim bfloat16 operands
-    there, told off): Attention with its statistics and the gradient from them over
-    [2, 100, heads, size] rows, four query heads to two key/value heads, causal (blocks of
-    64 rows end ragged), the outputs NaN first. The output, the log-sum-exp and dq, dk, dv
-    equal float64's over the bfloat16-rounded operands, within the rounding of the
+    there, told off): the output, its log-sum-exp and dq, dk, dv from them equal
+    float64's over the bfloat16-rounded operands, within the rounding of the
     probabilities and score gradients to bfloat16 (and of bfloat16 results)."""
     import ml_dtypes
-    from helpers import attention_with_gradient
 
     from ranvier.backends.cuda import cudnn_attention
     from ranvier.ops.attention import attention, attention_grad
 
     monkeypatch.setenv(cudnn_attention.ENVIRONMENT, "0")
-    shapes = {"q": [2, 100, 4, size], "k": [2, 100, 2, size], "v": [2, 100, 2, size], "dout": [2, 100, 4, size]}
-    flow = rv.Flow()
-    f = rv.Builder(flow, "f")
-    outputs = attention_with_gradient(f, *(f.var(name, operands, shape) for name, shape in shapes.items()), heads_first=False)
-    for out in outputs:
-        out.var.out = True
-    cell = rv.Compiler("cuda", matmul="bfloat16").compile(flow).cell("f")
-    assert {step.kernel for step in cell.steps if step.op.type.startswith("Attention")} == {"AttentionMMA"}
-    data = cell.instance()
-    values = {name: random_array(shape, operands, seed=20 + i) for i, (name, shape) in enumerate(shapes.items())}
-    for name, value in values.items():
-        data[f"f/{name}"] = value
-    names = [out.var.name for out in outputs]  # out, dq, dk, dv, statistics
-    for name in names:
-        data[name] = np.full(data[name].shape, np.nan, data[name].dtype)
-    data.compute()
-    rounded = {name: value.astype(ml_dtypes.bfloat16).astype(np.float64) for name, value in values.items()}
-    out, statistics = attention(rounded["q"], rounded["k"], rounded["v"], heads_first=False, statistics=True)
-    wants = [out, *attention_grad(rounded["q"], rounded["k"], rounded["v"], out, statistics, rounded["dout"], heads_first=False),
-             statistics]
+    values, data = _computed_attention("bfloat16", "AttentionMMA", size, seed=20, operands=operands)
+    q, k, v, dout = (values[f"f/{name}"].astype(ml_dtypes.bfloat16).astype(np.float64) for name in ("q", "k", "v", "dout"))
+    out, statistics = attention(q, k, v, heads_first=False, statistics=True)
+    wants = [out, *attention_grad(q, k, v, out, statistics, dout, heads_first=False)]
+    names = ["f/Attention:0", "f/AttentionGrad:0", "f/AttentionGrad:1", "f/AttentionGrad:2"]
     stored = 2.0**-8 if operands == "bfloat16" else 0.0  # a result's own rounding, to the largest element's
     for name, want, share in zip(names, wants, [2.0**-8, 2.0**-7, 2.0**-7, 2.0**-7]):
-        scale = np.abs(rounded["v"]).max() if name == names[0] else np.abs(want).max()
+        scale = np.abs(v).max() if name == "f/Attention:0" else np.abs(want).max()
         np.testing.assert_allclose(np.array(data[name]).astype(np.float64), want, rtol=0, atol=(share + stored) * scale,
                                    err_msg=name)
-    np.testing.assert_allclose(np.array(data[names[-1]]), statistics, rtol=2.0**-10, atol=2.0**-10, err_msg="statistics")
+    np.testing.assert_allclose(np.array(data["f/Attention:1"]), statistics, rtol=2.0**-10, atol=2.0**-10, err_msg="statistics")
 
 
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
