@@ -47,6 +47,7 @@ gradients 0).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -57,6 +58,7 @@ from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, ir_of
+from ..llvm.convert import widen
 from ..llvm.irutil import F32, I32, I64, VOID, storage_type, typed_pointer
 from ..llvm.loops import pairwise
 from ..llvm.rows import finite_peak, log_sum_exp, unseen_inverse
@@ -437,6 +439,19 @@ def _add_to(ctx: ThreadContext, array: Array, at: Value, offset: int, value: Val
     b.store(b.fadd(b.load(pointer), value.ir), pointer)
 
 
+def _row_part(ctx: ThreadContext, var: Variable, at: Value, count: int) -> list[Value]:
+    """`count` elements of `var` from element `at`, 16 bytes a load (ld.global.v4: a row's
+    halves start 16-byte aligned, as cp.async needs the rows to), as float32."""
+    b = ctx.b
+    per = warps.COPY_BYTES // (2 if var.dtype == dtypes.DT_BFLOAT16 else 4)
+    values = []
+    for first in range(0, count, per):
+        raw = b.load(typed_pointer(b, ctx.pointer(var), ir_of(at + first), storage_type(var.dtype), per), align=16)
+        wide = widen(b, raw, var.dtype, per)
+        values += [Value(b, b.extract_element(wide, ir.Constant(I32, k)), FLOAT) for k in range(per)]
+    return values
+
+
 def _row_terms(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
     """Launch 1: D = Σ dout ∘ out of each of a block's 64 query rows, two threads a row
     (half each, summed by a shuffle), and the row's dq accumulator zeroed."""
@@ -450,14 +465,16 @@ def _row_terms(program: BlockProgram, op: Operation, shape: AttentionShape, inde
     with program.phase(wait=False) as thread:
         t = first + thread // 2
         at = shape.query_row(b, h, t.minimum(shape.queries - 1)) + thread % 2 * half
-        sums = [ctx.load(out, at + i) * ctx.load(dout, at + i) for i in range(4)]
-        for i in range(4, half):  # four independent sums: each multiply-add need not wait for the one before
-            sums[i % 4] = ctx.load(out, at + i).mul_add(ctx.load(dout, at + i), sums[i % 4])
+        products = zip(_row_part(ctx, out, at, half), _row_part(ctx, dout, at, half))
+        sums = [x * y for x, y in itertools.islice(products, 4)]
+        for i, (x, y) in enumerate(products):  # four independent sums: each multiply-add need not wait for the one before
+            sums[i % 4] = x.mul_add(y, sums[i % 4])
         partial.store(0, pairwise(lambda x, y: x + y, sums))
         with ctx.when(t < shape.queries):
-            accumulator = _accumulator(ctx, op, shape)
-            for i in range(half):
-                accumulator.store(at + i, ctx.constant(FLOAT, 0.0))
+            sums_at = _accumulator(ctx, op, shape).base
+            zeros = ir.Constant(ir.VectorType(F32, 4), None)
+            for i in range(0, half, 4):  # st.global.v4
+                ctx.b.store(zeros, typed_pointer(ctx.b, sums_at, ir_of(at + i), F32, 4), align=16)
     warps.exchange(program, other, partial, 1, 1)
     with program.phase(wait=False) as thread:
         t = first + thread // 2
