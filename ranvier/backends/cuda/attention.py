@@ -64,7 +64,6 @@ from .warps import exchange
 if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
-PARKED = 3  # m, 1/l and D: attention_mma.py's, in a dq row between its launches
 TILE = 32  # a block's rows
 SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
 UNROLLED_SIZE = 128  # head sizes whose loops along a row are unrolled, the thread's rows in registers
