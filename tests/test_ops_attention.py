@@ -344,8 +344,9 @@ def _bf16(x):
 
 def naive_on_bf16_products(q, k, v, dout, causal, scale):
     """`naive` with every product's inputs rounded to bf16, as the kernels on bf16 pairs
-    round them (the scores' softmax and its gradient in between unrounded): the output and
-    the three gradients, and bounds on each one's error (the sums of its products'
+    round them (the scores' softmax and its gradient in between unrounded, the gradient's
+    row term D = d out · out from that output, as the gradient kernel takes it): the output
+    and the three gradients, and bounds on each one's error (the sums of its products'
     magnitudes)."""
     q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
     b, h, t, _ = q.shape
@@ -362,7 +363,7 @@ def naive_on_bf16_products(q, k, v, dout, causal, scale):
                 p = np.exp(scores - scores.max())
                 p /= p.sum()
                 dp = values @ di
-                ds = scale * p * (dp - p @ dp)
+                ds = scale * p * (dp - dout[n, head, i] @ (_bf16(p) @ values))
                 for into, row, value, magnitude in [
                         (0, (n, head, i), _bf16(p) @ values, np.abs(_bf16(p)) @ np.abs(values)),
                         (1, (n, head, i), _bf16(ds) @ keys, np.abs(_bf16(ds)) @ np.abs(keys)),

@@ -3,9 +3,11 @@
 In float32, per (batch·head, block of query rows): the block's scores S = Q_block Kᵀ by
 the generated GEMM into the part's scratch (a block's rows of every key stay in L2), each
 row scaled, biased, masked and turned into probabilities P in place; then the forward
-(`AttentionGemm`) is O_block = P V, and the backward (`AttentionGradGemm`, a part owning
-whole key/value heads, or with fewer of those than cores a share of one's blocks with
-partial sums of its own) dP = dO Vᵀ, dS = scale · P (dP − Σ P·dP), dQ = dS K,
+(`AttentionGemm`) is O_block = P V, keeping each row's log-sum-exp L where asked. The
+backward (`AttentionGradGemm`, a part owning whole key/value heads, or with fewer of those
+than cores a share of one's blocks with partial sums of its own) takes the forward's O and
+L, as FlashAttention-2's does: dP = dO Vᵀ, then in one pass per row P = exp(S − L) and
+dS = scale · P (dP − D) with D = dO · O (no maximum or sum found again), dQ = dS K,
 dK += dSᵀ Q_block and dV += Pᵀ dO_block, all by the GEMM. The key and value heads a
 part's products read as B are packed into the GEMM's panels once per head (`_Panels`),
 not by every product. Tensors [B, T, heads, hd] (`heads_first` false) are read and
@@ -16,8 +18,8 @@ on bf16 pairs, the heads packed into pairs; the softmax and its gradient stay fl
 
 In float64, one query row at a time: scores against every visible key into a row buffer
 on the stack, their maximum, exponentials and sum, then the weighted sum of values. The
-backward recomputes the same row of probabilities, then
-    dp_j = d out · v_j,  ds_j = p_j (dp_j − Σ p·dp),
+backward takes each key in one pass, from the forward's L and D = d out · out:
+    p_j = exp(s_j − L),  dp_j = d out · v_j,  ds_j = p_j (dp_j − D),
     dq += scale · ds_j k_j,  dk_j += scale · ds_j q,  dv_j += p_j · d out.
 
 They claim attention of every size (`SCORES_BUDGET`): the decomposed form (batched GEMMs
@@ -130,6 +132,8 @@ class _Heads:
         self.bias_dims = bias_dims(self.bias.shape) if self.bias is not None else None
         # The forward's statistics output, where asked for: each row's log-sum-exp [B·H, T]
         self.statistics = op.outputs[1] if len(op.outputs) == 2 and op.type == "Attention" else None
+        # AttentionGrad's inputs from the forward: its output and each row's log-sum-exp [B·H, T]
+        self.out, self.lse = (op.inputs[3], op.inputs[4]) if op.type == "AttentionGrad" else (None, None)
         # Where the products may round the probabilities to bfloat16, their exponentials need
         # not be float32's best: `exp_nonpositive` errs by 4e-7 of them, a ten-thousandth of the rounding's.
         self.exp = mathlib.exp_nonpositive if attrs["precision"] == "bfloat16" else Value.exp
@@ -165,14 +169,19 @@ class _Heads:
     def axpy(self, alpha: Value, x, x_start: Value, y, y_start: Value) -> None:
         row_axpy(self.ctx, self.size, alpha, x, x_start, y, y_start)
 
+    def score(self, q, q_start: Value, k, kv: Value, j: Value, bias_start: Value | int) -> Value:
+        """Key j's scaled, biased score for the query at q_start."""
+        score = self.dot(q, q_start, k, kv + j * self.size) * self.scale
+        if self.bias is not None:
+            score = score + self.ctx.load(self.bias, bias_start + (j if self.bias_dims[3] > 1 else 0))
+        return score
+
     def probabilities(self, q, q_start: Value, k, kv: Value, count, p, bias_start: Value | int) -> Value:
         """Fill p[j] with the probability of each visible key j; returns their log-sum-exp."""
         ctx = self.ctx
         peak = ctx.local(self.dtype, 1, -math.inf)
         with ctx.loop(0, count, name="j") as j:
-            score = self.dot(q, q_start, k, kv + j * self.size) * self.scale
-            if self.bias is not None:
-                score = score + ctx.load(self.bias, bias_start + (j if self.bias_dims[3] > 1 else 0))
+            score = self.score(q, q_start, k, kv, j, bias_start)
             p.store(j, score)
             peak.set((score > peak.value).where(score, peak.value))
         total = ctx.local(self.dtype, 1, 0.0)
@@ -204,29 +213,58 @@ class _Heads:
             Row(self.ctx, start + seen, unseen.maximum(0) if isinstance(unseen, Value) else max(unseen, 0), self.dtype).each(
                 lambda i, w: self.ctx.store(row_values, i, self.ctx.constant(self.dtype, 0.0, w)))
 
-    def score_gradients(self, p, dp, start: Value, t: Value, columns: Value | int) -> None:
-        """A block row of d probabilities → d scores, in place: scale · p (dp − Σ p·dp) over
-        the keys query t sees, 0 for the rest of the block's `columns`."""
-        ctx = self.ctx
-        seen = self.row_keys(t)
-        row = Row(ctx, start, seen, self.dtype)
-        total = row.sum(lambda i, w: ctx.load(p, i, w) * ctx.load(dp, i, w))
-        row.each(lambda i, w: ctx.store(dp, i, ctx.load(p, i, w) * (ctx.load(dp, i, w) - total.splat(w)) * self.scale))
-        self.clear_unseen(dp, start, seen, columns)
+    def row_terms(self, dout, bh: Value, t: Value) -> tuple[Value, Value]:
+        """What the gradient takes of query t of (batch·head) bh from the forward: its
+        log-sum-exp L, and D = d out · out (= Σ p·dp, the softmax gradient's row term)."""
+        row = self.q_row(bh, t)
+        return self.ctx.load(self.lse, bh * self.queries + t), self.dot(dout, row, self.out, row)
 
-    def normalize(self, scores, start: Value, bh: Value, t: Value, columns: Value | int) -> None:
-        """A row of a block's raw scores (q · k of the block's `columns` keys) → query t's
-        probabilities, in place: the keys it sees scaled, biased and normalized, only they
-        passed over (a causal row sees half the keys on average), the rest at 0."""
-        ctx = self.ctx
-        seen, bias_start = self.row_keys(t), self.bias_start(bh, t)
+    def probability(self, logit: Value, lse: Value) -> Value:
+        """exp(logit − L), the forward's probability of a key from its scaled, biased score
+        and the row's log-sum-exp: 0 for a masked key (−∞) and in a row that sees no key
+        (L = +∞). L bounds every logit only up to rounding (a logit may exceed it by an ulp
+        or so); the minimum with 0 keeps `exp_nonpositive`'s argument in its domain, and p ≤ 1.
+        NaN stays NaN."""
+        return self.exp((logit - lse.splat(logit.lanes)).minimum(0.0))
+
+    def block_bias(self, bh: Value, t: Value, start: Value):
+        """The bias of query t's keys as `Row` terms (i, width) over a block row from `start`, or None."""
+        if self.bias is None:
+            return None
+        ctx, bias_start = self.ctx, self.bias_start(bh, t)
 
         def bias(i, w):
             if self.bias_dims[3] > 1:
                 return ctx.load(self.bias, bias_start + (i - start), w)
             return ctx.load(self.bias, bias_start).splat(w)
 
-        statistic = scaled_softmax(ctx, scores, start, seen, self.scale, bias if self.bias is not None else None,
+        return bias
+
+    def score_gradients(self, p, ds, start: Value, bh: Value, t: Value, columns: Value | int, dout) -> None:
+        """A block row of raw scores (p: q · k of the block's `columns` keys) and d
+        probabilities (ds: dP = d out · v) → query t's probabilities P and d scores
+        scale · P (dP − D), in place, in one pass over the keys it sees: P from the
+        forward's log-sum-exp (`probability`), D = d out · out (`row_terms`); 0 for the rest of the columns."""
+        ctx = self.ctx
+        seen, bias = self.row_keys(t), self.block_bias(bh, t, start)
+        lse, d = self.row_terms(dout, bh, t)
+
+        def gradient(i, w):
+            logit = ctx.load(p, i, w) * self.scale
+            probability = self.probability(logit + bias(i, w) if bias is not None else logit, lse)
+            ctx.store(p, i, probability)
+            ctx.store(ds, i, probability * (ctx.load(ds, i, w) - d.splat(w)) * self.scale)
+
+        Row(ctx, start, seen, self.dtype).each(gradient)
+        for values in (p, ds):
+            self.clear_unseen(values, start, seen, columns)
+
+    def normalize(self, scores, start: Value, bh: Value, t: Value, columns: Value | int) -> None:
+        """A row of a block's raw scores (q · k of the block's `columns` keys) → query t's
+        probabilities, in place: the keys it sees scaled, biased and normalized, only they
+        passed over (a causal row sees half the keys on average), the rest at 0."""
+        seen = self.row_keys(t)
+        statistic = scaled_softmax(self.ctx, scores, start, seen, self.scale, self.block_bias(bh, t, start),
                                    unseen_zero=True, exp=self.exp)
         self.keep_statistic(bh, t, statistic)
         self.clear_unseen(scores, start, seen, columns)
@@ -499,9 +537,9 @@ def attention_grad_blocks(ctx, op) -> None:
 
 def _attention_grad_blocks(ctx, op, pairs: bool) -> None:
     """Per (batch, key/value head), for each query head of its group and block of query
-    rows: P again (the forward's product and normalisation), dP = dO Vᵀ, dS, then
-    dQ = dS K, dK += dSᵀ Q and dV += Pᵀ dO, the last two through a scratch head; on the
-    GEMM on bf16 pairs where `pairs`."""
+    rows: the scores again (the forward's product), dP = dO Vᵀ, then P = exp(S − L) from the
+    forward's statistics and dS in one pass per row, then dQ = dS K, dK += dSᵀ Q and
+    dV += Pᵀ dO, the last two through a scratch head; on the GEMM on bf16 pairs where `pairs`."""
     q, k, v, _, _, dout = op.inputs[:6]
     dq, dk, dv = op.outputs
     d = _dims(op)
@@ -557,8 +595,7 @@ def _attention_grad_blocks(ctx, op, pairs: bool) -> None:
                 keys_across.times_keys(packed, rows, seen, at_q, d.q_stride, ctx.pointer(p))
                 values_across.times_keys(packed, rows, seen, at_dout, d.q_stride, ctx.pointer(ds))
                 with ctx.loop(0, rows, name="r") as r:
-                    geometry.normalize(p, r * score_stride, bh, first_query + r, seen)
-                    geometry.score_gradients(p, ds, r * score_stride, first_query + r, seen)
+                    geometry.score_gradients(p, ds, r * score_stride, bh, first_query + r, seen, dout)
                 keys_along.times_head(packed, rows, seen, ctx.pointer(ds), ctx.element_pointer(dq, query_rows))
                 for (grad, base, stride), left, right in zip(targets, (ds, p), (at_q, at_dout)):
                     gemm.gemm(True, False, seen, size, rows, ctx.pointer(left), score_stride, right, d.q_stride, ctx.pointer(head),
@@ -603,26 +640,23 @@ def attention(ctx, op) -> None:
 
 @kernel("AttentionGradRow", {"AttentionGrad"}, supports=_rows_heads_first, rank=30)
 def attention_grad(ctx, op) -> None:
+    """Per (batch·head, query), one pass over the keys it sees: each key's probability from
+    the forward's log-sum-exp and the row's D = d out · out (no row buffers, no maximum or
+    sum found again), its d score, and the three gradients' terms."""
     q, k, v, _, _, dout = op.inputs[:6]
     dq, dk, dv = op.outputs
     heads = _Heads(ctx, q, k, op)
-    p, dp = heads.buffer(), heads.buffer()
     for var in (dq, dk, dv):
         fill(ctx, var, 0.0)
-    total = ctx.local(heads.dtype)
-
-    def gradients(kv, row, count):
-        total.set(ctx.constant(heads.dtype, 0.0))
-        with ctx.loop(0, count, name="j") as j:
-            d = heads.dot(dout, row, v, kv + j * heads.size)
-            dp.store(j, d)
-            total.set(total.value + p.load(j) * d)
-        with ctx.loop(0, count, name="j") as j:
-            pj = p.load(j)
-            ds = pj * (dp.load(j) - total.value)
-            key_row = kv + j * heads.size
-            heads.axpy(ds * heads.scale, k, key_row, dq, row)
-            heads.axpy(ds * heads.scale, q, row, dk, key_row)
-            heads.axpy(pj, dout, row, dv, key_row)
-
-    heads.each_query(q, k, p, gradients)
+    with ctx.loop(0, heads.batch * heads.heads, name="bh") as bh:
+        kv = heads.kv_base(bh)
+        with ctx.loop(0, heads.queries, name="t") as t:
+            row, bias_start = heads.q_row(bh, t), heads.bias_start(bh, t)
+            lse, d = heads.row_terms(dout, bh, t)
+            with ctx.loop(0, heads.visible(t), name="j") as j:
+                key_row = kv + j * heads.size
+                p = heads.probability(heads.score(q, row, k, kv, j, bias_start), lse)
+                ds = p * (heads.dot(dout, row, v, key_row) - d) * heads.scale
+                heads.axpy(ds, k, key_row, dq, row)
+                heads.axpy(ds, q, row, dk, key_row)
+                heads.axpy(p, dout, row, dv, key_row)
