@@ -450,3 +450,61 @@ def test_attention_in_bfloat16_attends_to_no_hidden_key(cpu, causal, monkeypatch
         assert np.isfinite(got).all(), "every element written"
         assert_within_bound(got, want, np.abs(want).max(), 2e-2, slack=0.0, what=tensor.name)
     np.testing.assert_allclose(data[outputs[4]], wanted[4], atol=5e-2)  # scores of bf16 q and k; +∞ where a query sees no key
+
+
+# Each CPU gradient kernel: (its name, the operands' dtype, the products' precision)
+GRADIENT_KERNELS = [("AttentionGradGemm", "float32", "float32"), ("AttentionGradGemmDpbf16", "float32", "bfloat16"),
+                    ("AttentionGradRow", "float64", "float32")]
+
+
+@pytest.mark.parametrize(("kernel", "dtype", "matmul"), GRADIENT_KERNELS)
+@pytest.mark.parametrize(("causal", "padding"), [(True, False), (False, True)])
+def test_attention_gradient_takes_the_forwards_statistics(kernel, dtype, matmul, causal, padding, monkeypatch):
+    """A gradient kernel takes each row's log-sum-exp L and the output from its inputs, as
+    the op defines them: with L raised by c, every probability exp(score − L − c) is e^−c of
+    the forward's and, D = d out · out unchanged, so is every gradient; an output not the
+    forward's changes D (the reference's result). A kernel that found each row's maximum and
+    sum again, or took Σ p·dp for D, gives neither. Blocks over two parts; every element written."""
+    import ranvier as rv
+    import ranvier.backends.cpu.kernels.attention as cpu
+    from ranvier.backends.cpu.backend import bf16_gemm
+    from ranvier.backends.cpu.target import host_target
+    from ranvier.ops.attention import attention_grad
+
+    if matmul == "bfloat16" and bf16_gemm(host_target()) != "avx512bf16":
+        pytest.skip("the products run on bf16 pairs where the CPU has AVX512-BF16 and no usable AMX tiles")
+    fused_over_two_parts(monkeypatch)
+    monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 8 * 45)
+    b, h, kv, t, s, hd = 2, 4, 2, 37, 45, 12
+    scale = 1.0 / math.sqrt(hd)
+    q, k, v, dout = (x.astype(dtype) for x in operands(b, h, kv, t, s, hd))
+    bias = [score_bias("padding", b, h, t, s, dtype)] if padding else []
+    out, *_, lse = naive(q, k, v, dout, causal, scale, *bias)
+    out = out + 0.25 * random_array(out.shape, "float64", seed=7)  # not the forward's output
+    arrays = [q, k, v, out.astype(dtype), lse.astype(dtype), dout, *bias]
+    flow = rv.Flow()
+    f = rv.Builder(flow, "f")
+    handles = [f.var(name, dtype, list(x.shape)) for name, x in zip(["q", "k", "v", "out", "lse", "dout", "bias"], arrays)]
+    grads = f.op("AttentionGrad", handles, None, {"causal": causal})
+    for tensor in grads:
+        tensor.var.out = True
+    cell = rv.Compiler("cpu", matmul=matmul, cache=False).compile(flow).cell("f")
+    assert [step.kernel.split("[")[0] for step in cell.steps] == [kernel]
+
+    def gradients(shift: float) -> list[np.ndarray]:
+        data = cell.instance()
+        for handle, x in zip(handles, arrays):
+            data[handle] = x
+        data[handles[4]] = arrays[4] + shift
+        for tensor in grads:
+            data[tensor] = np.full(tensor.shape, np.nan, dtype)
+        data.compute()
+        return [np.asarray(data[tensor], np.float64) for tensor in grads]
+
+    c = 1.5
+    plain, shifted = gradients(0.0), gradients(c)
+    tolerance = {"float64": 1e-10, "float32": 1e-5}[dtype] if matmul == "float32" else 2e-2
+    for tensor, got, moved, want in zip(grads, plain, shifted, attention_grad(*arrays, causal=causal, scale=scale)):
+        assert np.isfinite(got).all() and np.isfinite(moved).all(), "every element written"
+        assert_within_bound(got, want, np.abs(want).max(), tolerance, slack=0.0, what=tensor.name)
+        assert_within_bound(moved, math.exp(-c) * got, np.abs(got).max(), tolerance, slack=0.0, what=f"{tensor.name}, L + {c}")
