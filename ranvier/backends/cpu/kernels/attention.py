@@ -223,9 +223,11 @@ class _Heads:
         """exp(logit − L), the forward's probability of a key from its scaled, biased score
         and the row's log-sum-exp: 0 for a masked key (−∞) and in a row that sees no key
         (L = +∞). L bounds every logit only up to rounding (a logit may exceed it by an ulp
-        or so); the minimum with 0 keeps `exp_nonpositive`'s argument in its domain, and p ≤ 1.
-        NaN stays NaN."""
-        return self.exp((logit - lse.splat(logit.lanes)).minimum(0.0))
+        or so): a positive difference taken as 0 keeps `exp_nonpositive`'s argument in its
+        domain, and p ≤ 1; NaN stays NaN (one compare, where `minimum`'s NaN check cost the
+        float64 gradient 2%)."""
+        difference = logit - lse.splat(logit.lanes)
+        return self.exp((difference > 0.0).where(0.0, difference))
 
     def block_bias(self, bh: Value, t: Value, start: Value):
         """The bias of query t's keys as `Row` terms (i, width) over a block row from `start`, or None."""
@@ -640,23 +642,32 @@ def attention(ctx, op) -> None:
 
 @kernel("AttentionGradRow", {"AttentionGrad"}, supports=_rows_heads_first, rank=30)
 def attention_grad(ctx, op) -> None:
-    """Per (batch·head, query), one pass over the keys it sees: each key's probability from
-    the forward's log-sum-exp and the row's D = d out · out (no row buffers, no maximum or
-    sum found again), its d score, and the three gradients' terms."""
+    """Per (batch·head, query), three passes over the keys it sees: their scores and
+    d probabilities (dot products) into row buffers; each probability from the forward's
+    log-sum-exp and its d score with the row's D = d out · out (no maximum or sum found
+    again); then the three gradients' terms. The exponentials keep a loop of their own:
+    [2, 4, 256, 64] float64, causal, one Zen 5 core, took 1.5 times as long with every
+    key's work in one pass, 1.15 times with the exponentials in the dot products' loop."""
     q, k, v, _, _, dout = op.inputs[:6]
     dq, dk, dv = op.outputs
     heads = _Heads(ctx, q, k, op)
+    p, ds = heads.buffer(), heads.buffer()
     for var in (dq, dk, dv):
         fill(ctx, var, 0.0)
     with ctx.loop(0, heads.batch * heads.heads, name="bh") as bh:
         kv = heads.kv_base(bh)
         with ctx.loop(0, heads.queries, name="t") as t:
-            row, bias_start = heads.q_row(bh, t), heads.bias_start(bh, t)
+            row, bias_start, seen = heads.q_row(bh, t), heads.bias_start(bh, t), heads.visible(t)
             lse, d = heads.row_terms(dout, bh, t)
-            with ctx.loop(0, heads.visible(t), name="j") as j:
+            with ctx.loop(0, seen, name="j") as j:
+                p.store(j, heads.score(q, row, k, kv, j, bias_start))
+                ds.store(j, heads.dot(dout, row, v, kv + j * heads.size))
+            with ctx.loop(0, seen, name="j") as j:
+                probability = heads.probability(p.load(j), lse)
+                p.store(j, probability)
+                ds.store(j, probability * (ds.load(j) - d) * heads.scale)
+            with ctx.loop(0, seen, name="j") as j:
                 key_row = kv + j * heads.size
-                p = heads.probability(heads.score(q, row, k, kv, j, bias_start), lse)
-                ds = p * (heads.dot(dout, row, v, key_row) - d) * heads.scale
-                heads.axpy(ds, k, key_row, dq, row)
-                heads.axpy(ds, q, row, dk, key_row)
-                heads.axpy(p, dout, row, dv, key_row)
+                heads.axpy(ds.load(j), k, key_row, dq, row)
+                heads.axpy(ds.load(j), q, row, dk, key_row)
+                heads.axpy(p.load(j), dout, row, dv, key_row)
