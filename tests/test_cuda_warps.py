@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from llvmlite import ir
 
+import ranvier as rv
 from ranvier.backends.cpu import jit
 from ranvier.backends.cpu.target import host_target
 from ranvier.backends.cuda import ptx, warps
 from ranvier.backends.cuda.blocks import BlockProgram
 from ranvier.backends.cuda.kernels import GPU_FEATURES
 from ranvier.backends.llvm.context import Array, EmitContext
-from ranvier.backends.llvm.irutil import F32, I32, VOID, use_features
+from ranvier.backends.llvm.irutil import F32, I32, VOID, storage_type, use_features
 
 WARPS = 2  # a block of two warps: each does its own product
 
@@ -275,6 +276,64 @@ def test_a_copy_with_no_source_lands_zeros_at_the_wait_that_covers_it():
     np.testing.assert_array_equal(seen[:, 2:], chunks[:, :, 0].T)
 
 
+CHUNK_READS = [("bfloat16", 8), ("bfloat16", 1), ("float32", 4), ("float32", 1)]  # a source's dtype, values read at a time
+
+
+def _source_length(lanes: int) -> int:
+    """Elements of a chunk test's source: its last chunks (all but the first values of
+    one, unless read 8 at a time) past the end, so zeros."""
+    return 2 * COPIES * warps.CHUNK - (24 if lanes == warps.CHUNK else 21 if lanes == 1 else 20)
+
+
+def _chunk_kernel(on_gpu: bool, dtype: str, lanes: int):
+    """`kernel(source, out)`: the tile marked, then thread t copies the source's chunks t
+    and COPIES + t (`warps.copy_chunk`, `lanes` values at a time, those past the source's
+    end zeros, their offsets clamped inside it) into the tile's chunks `_permuted(t)` and
+    COPIES + `_permuted(t)`, waits for its copies; the tile after the barrier into out."""
+    module, function, ctx, program = _module("chunks", on_gpu)
+    given, out = function.args
+    source = rv.Builder(rv.Flow(), "f").var("source", dtype, [_source_length(lanes)]).var
+    ctx.pointer = lambda var: ctx.b.bitcast(given, storage_type(var.dtype).as_pointer())
+    tile, words = program.shared("int32", 2 * COPIES * 4), Array(ctx.b, out, "int32")
+    copies = warps.AsyncCopies(program, per_group=2, groups=1)
+    with program.phase() as thread, ctx.loop(thread, 2 * COPIES * 4, step=program.threads) as e:
+        tile.store(e, ctx.constant("int32", MARK))
+    with program.phase() as thread:
+        for half in range(2):
+            chunk = half * COPIES + thread
+
+            def place(first: int, count: int, chunk=chunk):
+                at = chunk * warps.CHUNK + first
+                return at.minimum(source.size - count), at < source.size
+
+            warps.copy_chunk(program, copies, tile, (half * COPIES + _permuted(thread)) * 4, source, place, lanes)
+        copies.commit()
+        copies.wait(0)
+    with program.phase() as thread, ctx.loop(thread, 2 * COPIES * 4, step=program.threads) as e:
+        words.store(e, tile.load(e))
+    return _finish(module, function, ctx, on_gpu)
+
+
+@pytest.mark.parametrize("dtype,lanes", CHUNK_READS)
+def test_a_chunk_copy_writes_every_bfloat16_of_the_tile_and_zeros_past_the_source(dtype, lanes):
+    """`warps.copy_chunk`: every word of the tile written (none left marked), each chunk's
+    8 values the source's rounded to bfloat16 (to nearest even), packed in pairs (the
+    lower-numbered in the low half), zeros where they lie past the source's end: whole
+    chunks by cp.async's zero fill, single values and vectors by the thread."""
+    length = _source_length(lanes)
+    values = np.random.default_rng(8).standard_normal(length).astype(np.float32)
+    source = values.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else values
+    out = np.full(2 * COPIES * 4, MARK, np.int32)
+    _run(_chunk_kernel(on_gpu=False, dtype=dtype, lanes=lanes), np.ascontiguousarray(source).view(np.uint8), out)
+    padded = np.zeros(2 * COPIES * warps.CHUNK, ml_dtypes.bfloat16)
+    padded[:length] = values.astype(ml_dtypes.bfloat16)
+    chunks = padded.view(np.int32).reshape(2, COPIES, 4)
+    want = np.empty_like(chunks)
+    want[:, [_permuted(t) for t in range(COPIES)]] = chunks
+    np.testing.assert_array_equal(out.reshape(2, COPIES, 4), want)
+    assert not want[1, _permuted(COPIES - 1)].any()  # the last chunk lies past the source: zeros
+
+
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
 @pytest.mark.parametrize("architecture", ["sm_80", "sm_90"])
 def test_the_gpus_loads_and_copies_are_their_instructions_that_ptxas_accepts(architecture):
@@ -285,6 +344,11 @@ def test_the_gpus_loads_and_copies_are_their_instructions_that_ptxas_accepts(arc
     assert [text.count(f"cp.async.{what}") for what in ("cg.shared.global", "commit_group", "wait_group 1", "wait_group 0")] == \
         [2, 2, 1, 1]
     ptx.assemble(text, architecture)
+    for dtype, lanes in CHUNK_READS:  # a whole bfloat16 chunk by cp.async, float32 vectors by ld.global.v4
+        text = ptx.emit_ptx(_chunk_kernel(on_gpu=True, dtype=dtype, lanes=lanes), architecture)
+        assert text.count("cp.async.cg.shared.global") == (2 if lanes == 8 else 0)
+        assert text.count("ld.global.v4") == (4 if lanes == 4 else 0)
+        ptx.assemble(text, architecture)
     text = ptx.emit_ptx(_copy_kernel(on_gpu=True, zeros=True), architecture)
     assert text.count("cp.async.cg.shared.global") == 2 and re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", text)
     ptx.assemble(text, architecture)

@@ -224,30 +224,28 @@ def _accumulate(program: BlockProgram, size: int, count: int, tile: Array, base:
 
 def _copies(program: BlockProgram, rows: int, size: int, sources: int) -> int:
     """The most 16-byte copies a thread makes of `sources` tiles of `rows` rows (`_copy_rows`)."""
-    return -(-rows * (size // 8) // program.threads) * sources
+    return -(-rows * (size // warps.CHUNK) // program.threads) * sources
 
 
 def _copy_rows(program: BlockProgram, copies: warps.AsyncCopies, first: Value, rows: int, last: Value | int, size: int,
                sources: list[tuple[Variable, Callable[[Value], Value], Array, Value]]) -> None:
     """The running thread's share of copying rows first .. first + rows − 1 (clamped to row
     `last`: a row past it is never used) of each source into its shared tile, 16 bytes of
-    bfloat16 at a time: a bfloat16 source's by cp.async, a float32 source's loaded and
-    rounded at once. A source is (variable, the element offset of its row r, the tile, the
-    tile's first word)."""
+    bfloat16 at a time (`warps.copy_chunk`: a bfloat16 source's by cp.async, a float32
+    source's loaded and rounded at once). A source is (variable, the element offset of its
+    row r, the tile, the tile's first word)."""
     ctx = program.ctx
-    parts, stride = size // 8, _stride(size)
+    parts, stride = size // warps.CHUNK, _stride(size)
+
+    def from_element(at: Value) -> Callable[[int, int], tuple[Value, Value | None]]:  # a chunk of a clamped row: all inside
+        return lambda i, lanes: (at + i, None)
+
     with ctx.loop(program.thread, rows * parts, step=program.threads, name="piece") as piece:
         row, part = piece // parts, piece % parts
         for var, row_at, tile, base in sources:
-            at, word = row_at((first + row).minimum(last)) + part * 8, base + row * stride + part * 4
-            if var.dtype == dtypes.DT_BFLOAT16:
-                copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(var), ir_of(at), storage_type(var.dtype)))
-            else:  # two aligned vectors of 4 float32 (ld.global.v4), rounded in pairs
-                b = ctx.b
-                halves = [b.load(typed_pointer(b, ctx.pointer(var), ir_of(at + 4 * h), F32, 4), align=16) for h in range(2)]
-                floats = [Value(b, b.extract_element(halves[k // 4], ir.Constant(I32, k % 4)), FLOAT) for k in range(8)]
-                for k in range(4):
-                    tile.store(word + k, warps.pack(program, floats[2 * k + 1], floats[2 * k]))
+            at = row_at((first + row).minimum(last)) + part * warps.CHUNK
+            warps.copy_chunk(program, copies, tile, base + row * stride + part * (warps.CHUNK // 2), var, from_element(at),
+                             warps.vector_lanes(var.dtype))
 
 
 def _group_sum(program: BlockProgram, values: PrivateArray, partner: PrivateArray, combine=lambda a, b: a + b) -> None:

@@ -53,9 +53,7 @@ from typing import TYPE_CHECKING, overload
 from ... import dtypes
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ..llvm.context import Array, ir_of
-from ..llvm.convert import widen
-from ..llvm.irutil import storage_type, typed_pointer
+from ..llvm.context import Array
 from ..llvm.routing import group_bounds
 from ..llvm.values import Value, index_value
 from . import warps
@@ -72,8 +70,7 @@ ROWS = 16 * WARPS  # a block's rows of the product (A's rows, 16 a warp)
 COLUMNS = 64  # a block's columns of the product (B's columns); a tile's lines across the depth
 DEPTH = 32  # the reduced dimension's values a streamed tile holds
 PADDING = 8  # bfloat16 (16 bytes) after each line of a shared tile, so the 8 lines an ldmatrix reads fall on different banks
-CHUNK = warps.COPY_BYTES // 2  # bfloat16 a thread moves into a tile at a time (one cp.async)
-VECTOR_BYTES = 16  # the widest global load, a vector of 8 bfloat16 or 4 float32
+CHUNK = warps.CHUNK  # bfloat16 a thread moves into a tile at a time (`warps.copy_chunk`)
 THREADS = warps.WARP * WARPS
 FLOAT = dtypes.DT_FLOAT32
 OPS = ("GroupedMatMul", "GroupedMatMulWeightGrad")
@@ -152,23 +149,12 @@ class _Tiles:
                     self._chunk(source, tile, program.thread + first, step, buffer, copies)
 
     def _chunk(self, source: _Source, tile: Array, piece: Value, step: Value, buffer: Value, copies: warps.AsyncCopies) -> None:
-        """Chunk `piece` of `source`'s tile `step` into `buffer`: by cp.async where the
-        source is copied (zeros where the chunk is past the depth), else loaded, rounded to
-        bfloat16 and stored by the thread."""
-        ctx = self.program.ctx
+        """Chunk `piece` of `source`'s tile `step` into `buffer` (`warps.copy_chunk`: by
+        cp.async where the source is copied, zeros where the chunk is past the depth; else
+        loaded `lanes` values at a time, rounded to bfloat16 and stored by the thread)."""
         line, position, word = source.chunk(piece, buffer)
-        if source.copied:
-            at, inside = source.at(step, line, position, CHUNK)
-            copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(source.var), ir_of(at), storage_type(source.var.dtype)),
-                        inside)
-            return
-        values: list[Value] = []
-        for part in range(0, CHUNK, source.lanes):
-            at, inside = source.at(step, line, position + part, source.lanes)
-            loaded = inside.where(_load(ctx, source.var, at, source.lanes).cast(FLOAT), 0.0)
-            values += [loaded.lane(lane) for lane in range(source.lanes)] if source.lanes > 1 else [loaded]
-        for k in range(CHUNK // 2):
-            tile.store(word + k, warps.pack(self.program, values[2 * k + 1], values[2 * k]))
+        warps.copy_chunk(self.program, copies, tile, word, source.var,
+                         lambda first, lanes: source.at(step, line, position + first, lanes), source.lanes)
 
     def multiply(self, step: Value, buffer: Value) -> None:
         """sums += A · B over the buffer's tiles: each warp's A fragments of its 16 rows (one
@@ -270,9 +256,9 @@ class _Source:
 
     @property
     def copied(self) -> bool:
-        """Copied by cp.async: bfloat16 lines a whole number of 16-byte chunks (every chunk
-        aligned, and wholly inside the product's depth or wholly outside)."""
-        return self.var.dtype == dtypes.DT_BFLOAT16 and self.width % CHUNK == 0
+        """Copied by cp.async (`warps.copy_chunk`): bfloat16 lines a whole number of 16-byte
+        chunks (every chunk aligned, and wholly inside the product's depth or wholly outside)."""
+        return self.var.dtype == dtypes.DT_BFLOAT16 and self.lanes == CHUNK
 
     @property
     def copies_per_thread(self) -> int:
@@ -282,19 +268,8 @@ class _Source:
     def lanes(self) -> int:
         """Values a thread loads as one 16-byte vector (8 bfloat16 or 4 float32) where the
         lines' width allows it (every vector aligned: tiles start at multiples of 8), else 1."""
-        lanes = VECTOR_BYTES // dtypes.itemsize(self.var.dtype)
+        lanes = warps.vector_lanes(self.var.dtype)
         return lanes if self.width % lanes == 0 else 1
-
-
-def _load(ctx: ThreadContext, var: Variable, at: Value, lanes: int) -> Value:
-    """`lanes` elements of `var` from element `at`, a multiple of the lanes: one aligned
-    vector load (`ld.global.v4`)."""
-    if lanes == 1:
-        return ctx.load(var, at)
-    b = ctx.b
-    pointer = typed_pointer(b, ctx.pointer(var), ir_of(at), storage_type(var.dtype), lanes)
-    raw = b.load(pointer, align=VECTOR_BYTES)
-    return Value(b, widen(b, raw, var.dtype, lanes), var.dtype)
 
 
 # ---- the kernels ------------------------------------------------------------------------

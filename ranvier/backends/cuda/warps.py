@@ -2,9 +2,11 @@
 of bfloat16 fragments summed in float32 (`mma`: PTX's mma.sync.m16n8k16, 16 × 16 by
 16 × 8 per warp), fragments loaded from a shared tile (`load_matrices`: ldmatrix), an
 exchange of values between lanes (`exchange`: shfl.sync.bfly); a thread's copies
-from global to shared memory that run while it computes (`AsyncCopies`: cp.async), and
-tiles streamed through two shared buffers by them, the next tile's copies under this
-tile's products (`pipelined`).
+from global to shared memory that run while it computes (`AsyncCopies`: cp.async), a
+16-byte chunk of a shared bfloat16 tile copied from any operand (`copy_chunk`: cp.async
+where the operand is bfloat16, else loaded and rounded by the thread), and tiles
+streamed through two shared buffers, the next tile's copies under this tile's products
+(`pipelined`).
 
 A warp's 32 lanes hold the product's matrices between them, a fragment each, laid out as
 the PTX ISA says (lane = 4·g + q, g its group, q its place in the group):
@@ -42,12 +44,13 @@ from llvmlite import ir
 
 from ... import dtypes
 from ..llvm.context import Array, EmitContext, ir_of
-from ..llvm.convert import narrow
-from ..llvm.irutil import F32, I16, I32, I64, VOID, declared
+from ..llvm.convert import narrow, widen
+from ..llvm.irutil import F32, I16, I32, I64, VOID, declared, storage_type, typed_pointer
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray
 
 if TYPE_CHECKING:
+    from ...flow.graph import Variable
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 WARP = 32
@@ -55,6 +58,7 @@ _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,
         "{$10,$11,$12,$13};")
 _EMULATED_MMA = "ranvier_emulated_mma"  # the host emulator's product, one function per module
 COPY_BYTES = 16  # what one cp.async (.cg) moves: 8 bfloat16, 4 float32
+CHUNK = COPY_BYTES // 2  # bfloat16 values one copy puts into a shared tile (`copy_chunk`)
 
 
 def lane_of(thread: Value) -> tuple[Value, Value, Value]:
@@ -241,15 +245,14 @@ class AsyncCopies:
         b = self.program.ctx.b
         target = b.gep(tile.base, [ir_of(word)])
         if self.program.on_gpu:
-            if inside is None:
-                copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type]),
-                                    f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES};", "r,l,~{memory}", side_effect=True)
-                b.call(copy, [b.ptrtoint(target, I32), source])
-                return
-            copy = ir.InlineAsm(ir.FunctionType(VOID, [I32, source.type, I32]),
-                                f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES}, $2;", "r,l,r,~{memory}", side_effect=True)
-            size = b.select(inside.ir, ir.Constant(I32, COPY_BYTES), ir.Constant(I32, 0))
-            b.call(copy, [b.ptrtoint(target, I32), source, size])
+            operands, constraints, sized = [b.ptrtoint(target, I32), source], "r,l", ""
+            if inside is not None:  # the source size as well: 16 bytes, or 0 for zeros
+                operands.append(b.select(inside.ir, ir.Constant(I32, COPY_BYTES), ir.Constant(I32, 0)))
+                constraints, sized = "r,l,r", ", $2"
+            copy = ir.InlineAsm(ir.FunctionType(VOID, [operand.type for operand in operands]),
+                                f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES}{sized};", constraints + ",~{memory}",
+                                side_effect=True)
+            b.call(copy, operands)
             return
         address = Value(b, b.ptrtoint(source, I64), dtypes.DT_INT64)
         last = self._state.load(1)
@@ -284,6 +287,48 @@ class AsyncCopies:
                     b.store(b.load(source, align=4), target, align=4)  # the host's stack tile is 4-byte aligned only
                 landed.set(e + 1)
         self._state.store(0, landed.value)
+
+
+
+def copy_chunk(program: BlockProgram, copies: AsyncCopies, tile: Array, word: Value, var: Variable,
+               place: Callable[[int, int], tuple[Value, Value | None]], lanes: int) -> None:
+    """The running thread's copy of one chunk of a shared tile of bfloat16 (`CHUNK`
+    values, 16 bytes, from `word` of `tile`, a multiple of 4) from the operand `var`, read
+    `lanes` values at a time: a 16-byte vector (`vector_lanes`, from an element offset
+    that is a multiple of it) or one value. `place(i, lanes)` is the element offset of
+    the chunk's values i .. i + lanes − 1 in `var` and whether they are inside it (else
+    zeros; None: always). A bfloat16 chunk read whole is one cp.async (`copies`; its
+    zeros cp.async's source size 0); any other is loaded by the thread (ld.global.v4 for
+    a vector), rounded to bfloat16 in pairs and stored at once."""
+    ctx = program.ctx
+    if var.dtype == dtypes.DT_BFLOAT16 and lanes == CHUNK:
+        at, inside = place(0, CHUNK)
+        copies.copy(tile, word, typed_pointer(ctx.b, ctx.pointer(var), ir_of(at), storage_type(var.dtype)), inside)
+        return
+    values: list[Value] = []
+    for first in range(0, CHUNK, lanes):
+        at, inside = place(first, lanes)
+        loaded = load_vector(ctx, var, at, lanes).cast(dtypes.DT_FLOAT32)
+        if inside is not None:
+            loaded = inside.where(loaded, 0.0)
+        values += [loaded.lane(lane) for lane in range(lanes)] if lanes > 1 else [loaded]
+    for k in range(CHUNK // 2):
+        tile.store(word + k, pack(program, values[2 * k + 1], values[2 * k]))
+
+
+def vector_lanes(dtype: str) -> int:
+    """Values of `dtype` one 16-byte vector load reads (8 bfloat16, 4 float32)."""
+    return COPY_BYTES // dtypes.itemsize(dtype)
+
+
+def load_vector(ctx: ThreadContext, var: Variable, at: Value, lanes: int) -> Value:
+    """`lanes` elements of `var` from element `at` (a multiple of the lanes), as a compute
+    value: one aligned vector load (ld.global.v4), or one element where `lanes` is 1."""
+    if lanes == 1:
+        return ctx.load(var, at)
+    b = ctx.b
+    raw = b.load(typed_pointer(b, ctx.pointer(var), ir_of(at), storage_type(var.dtype), lanes), align=COPY_BYTES)
+    return Value(b, widen(b, raw, var.dtype, lanes), var.dtype)
 
 
 def pipelined(program: BlockProgram, count: Value, per_tile: int, load: Callable[[Value, Value, AsyncCopies], None],
