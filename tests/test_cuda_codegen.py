@@ -1071,7 +1071,7 @@ MMA_ATTENTION_CASES = [  # heads, kv heads, queries, keys, head size, causal, sc
     (4, 2, 70, 70, 64, True, None, True),  # two blocks of 64 query (and key) rows, the second ragged; GQA
     (2, 2, 5, 130, 32, True, "padding", True),  # a few queries at the end of a long cache, a ragged last tile
     (2, 1, 70, 70, 48, False, "position", False),  # a learned bias, [B, T, heads, hd]: MQA
-    (2, 2, 33, 33, 128, True, None, False),  # tiles of 32 keys
+    (2, 2, 33, 100, 128, True, None, False),  # 64-key tiles scored 32 keys at a time, the second tile ragged
     (2, 1, 40, 37, 16, False, "unseen", True),  # the second image's first queries see no key
 ]
 

@@ -670,9 +670,9 @@ def _computed_attention(matmul: str, kernel: str, size: int, seed: int, operands
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
 def test_bfloat16_attention_and_its_gradient_on_the_device_match_float64(on_device, operands, size, monkeypatch):
     """The own tensor-core kernels on the device (the emulator here, the GPU where there
-    is one: the one check of the gradient's atomic adds, and of its 75 KB of dynamic
-    shared memory at heads of 128, in hardware; cuDNN, which would claim bfloat16 operands
-    there, told off): the output, its log-sum-exp and dq, dk, dv from them equal
+    is one: the one check of the gradient's atomic adds, and of the forward's 68 KB and
+    the gradient's 75 KB of dynamic shared memory at heads of 128, in hardware; cuDNN,
+    which would claim bfloat16 operands there, told off): the output, its log-sum-exp and dq, dk, dv from them equal
     float64's over the bfloat16-rounded operands, within the rounding of the
     probabilities and score gradients to bfloat16 (and of bfloat16 results)."""
     import ml_dtypes

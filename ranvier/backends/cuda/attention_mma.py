@@ -17,14 +17,18 @@ in place (the layouts line up), so the probabilities never leave the registers. 
 double-buffered (`warps.pipelined`): the next tile's copies are issued before this
 tile's products, bfloat16 rows by `warps.AsyncCopies` (cp.async, 16 bytes a thread at a
 time) so they land while the tensor cores work; float32 rows are loaded and rounded by
-the threads at once. The gradient's key launch takes 75 KB of shared memory at heads of
-128, past the 48 KB of static shared memory (`blocks.py` makes it dynamic).
+the threads at once. At heads of 128 the forward's tiles take 68 KB of shared memory and
+the gradient's key launch 75 KB, past the 48 KB of static shared memory (`blocks.py`
+makes it dynamic).
 
-Attention: query rows streaming key and value tiles. Per tile: S = Q Kᵀ, scaled, the bias
-added, −∞ where the causal mask hides a key or past the last; the online softmax, each
-row's maximum taken over the four lanes that hold the row (two `warps.exchange`s), the
-running sum l kept as each lane's own share until the end; O += P V. With the op's
-statistics output, each row's log-sum-exp L = m + log l (+∞ where the row sees no key).
+Attention: query rows streaming tiles of `KEY_TILE` key rows and their value rows (one
+cp.async wait and one barrier a tile), in steps of the keys whose scores the registers
+hold (`_scored_keys`: the whole tile, or half at heads of 128). Per step: S = Q Kᵀ,
+scaled, the bias added, −∞ where the causal mask hides a key or past the last; the
+online softmax, each row's maximum taken over the four lanes that hold the row (two
+`warps.exchange`s), the running sum l kept as each lane's own share until the end;
+O += P V. With the op's statistics output, each row's log-sum-exp L = m + log l (+∞
+where the row sees no key).
 
 AttentionGrad, FlashAttention-2's, from the forward's output O and statistics L:
 1. query rows, two threads a row: D = Σ dO ∘ O of each row into the step's workspace, and
@@ -93,10 +97,16 @@ def supports(op: Operation) -> bool:
             and (statistics is None or statistics.dtype == FLOAT))
 
 
-def _key_tile(size: int) -> int:
-    """Key rows a streamed tile holds: its key and value rows, padded and double-buffered,
-    in 40 KiB of bfloat16."""
-    return 64 if size <= 64 else 32
+KEY_TILE = 64  # key rows a streamed tile of the forward holds (68 KB of shared memory at heads of 128)
+
+
+def _scored_keys(size: int) -> int:
+    """Keys of a tile whose scores a warp holds at once (a 16 × n S fragment, n / 2 floats
+    a lane): the whole tile up to heads of 64; at 128, beside the output's 64 floats and
+    Q's 32 words, half of it at a time (ptxas for sm_90: 166 registers with bfloat16
+    operands, 168 with float32, three blocks an SM; the whole tile's scores took 212,
+    leaving room for two)."""
+    return KEY_TILE if size <= 64 else KEY_TILE // 2
 
 
 def _stride(size: int) -> int:
@@ -272,11 +282,11 @@ class _QueryBlock:
         # takes blocks in order, so the longest start first and the short ones fill the tail
         self.b, self.h = head // shape.heads, head % shape.heads
         self.first = (query_blocks - 1 - block % query_blocks) * ROWS
-        self.per_tile = _key_tile(size)
+        self.per_tile, self.per_step = KEY_TILE, _scored_keys(size)
         self.q_words = program.private(dtypes.DT_INT32, size // 16 * 4)
         self.b_words = program.private(dtypes.DT_INT32, 4)  # B fragments of two products
         self.a_words = program.private(dtypes.DT_INT32, 4)
-        self.scores = program.private(FLOAT, self.per_tile // 8 * 4)
+        self.scores = program.private(FLOAT, self.per_step // 8 * 4)
         self.tile_words = self.per_tile * _stride(size)
         self.keys, self.values = (program.shared(dtypes.DT_INT32, 2 * self.tile_words) for _ in range(2))  # two buffers each
 
@@ -292,10 +302,12 @@ class _QueryBlock:
         """Q's A fragments (in a phase)."""
         _pack_rows(self.program, self.op.inputs[0], self.row_offsets(self.program.thread), self.shape.size, self.q_words)
 
-    def stream(self, per_tile: Callable[[Value, Value], None]) -> None:
-        """`per_tile(first key, first word)` for each tile of keys the block's queries see,
-        the tile's key and value rows in shared memory from that word, the next tile's
-        on their way (`warps.pipelined`)."""
+    def stream(self, per_step: Callable[[Value, Value], None]) -> None:
+        """`per_step(first key, first word)` for each `per_step` keys of each tile of keys
+        the block's queries see, their key and value rows in shared memory from that word,
+        the next tile's on their way (`warps.pipelined`: one wait and one barrier a tile).
+        A tile's steps are a loop, not unrolled: ptxas would interleave them (175
+        registers at heads of 128, where one step's 166 leave room for three blocks an SM)."""
         program, shape, ctx = self.program, self.shape, self.program.ctx
         kv = self.h // shape.group
         last_query = (self.first + ROWS).minimum(shape.queries) - 1
@@ -306,17 +318,22 @@ class _QueryBlock:
                 (self.op.inputs[2], lambda s: shape.key_row(self.b, kv, s), self.values, buffer * self.tile_words)])
 
         tiles = (shape.visible_keys(ctx, last_query) + self.per_tile - 1) // self.per_tile
-        warps.pipelined(program, tiles, _copies(program, self.per_tile, shape.size, 2), load,
-                   lambda tile, buffer: per_tile(tile * self.per_tile, buffer * self.tile_words))
+
+        def use(tile: Value, buffer: Value) -> None:
+            with ctx.loop(0, self.per_tile // self.per_step, name="step") as step:
+                first = step * self.per_step
+                per_step(tile * self.per_tile + first, buffer * self.tile_words + first * _stride(shape.size))
+
+        warps.pipelined(program, tiles, _copies(program, self.per_tile, shape.size, 2), load, use)
 
     def masked_scores(self, first_key: Value, visit: Callable[[int, int, Value], None]) -> None:
-        """Each score of the tile scaled, the bias added, −∞ where its query does not see
-        its key; `visit(r, at, score)` for each (in a phase)."""
+        """Each score of the step's keys from `first_key` scaled, the bias added, −∞ where
+        its query does not see its key; `visit(r, at, score)` for each (in a phase)."""
         program, shape, ctx = self.program, self.shape, self.program.ctx
         _, _, place = warps.lane_of(program.thread)
         for r, t in enumerate(self.rows(program.thread)):
             seen = shape.visible_keys(ctx, t).minimum(shape.keys)
-            for column, at in _elements(self.per_tile, r):
+            for column, at in _elements(self.per_step, r):
                 s = first_key + place * 2 + column
                 score = shape.score(ctx, self.scores.load(at), self.b, self.h, t.minimum(shape.queries - 1), s.minimum(shape.keys - 1))
                 visit(r, at, (s < seen).where(score, -math.inf))
@@ -324,7 +341,7 @@ class _QueryBlock:
 
 def _online_softmax(block: _QueryBlock, first_key: Value, peak, total, tile_peak, partner,
                     rescale: Callable[[int, Value], None], weigh: Callable[[int, int, Value], None]) -> None:
-    """The online softmax's step over a tile of masked scores: each row's maximum over its
+    """The online softmax over a step's masked scores: each row's maximum over its
     four lanes, m grown to it, the scores replaced by exp(score − m), the lane's share of l
     (and whatever `rescale(r, factor)` keeps) rescaled by exp(m_old − m), `weigh(r, at, p)`
     for each weight."""
@@ -346,7 +363,7 @@ def _online_softmax(block: _QueryBlock, first_key: Value, peak, total, tile_peak
             correction = fastmath.exp(peak.load(r) - finite)
             share = total.load(r) * correction
             rescale(r, correction)
-            for _, at in _elements(block.per_tile, r):
+            for _, at in _elements(block.per_step, r):
                 weight = fastmath.exp(block.scores.load(at) - finite)
                 block.scores.store(at, weight)
                 weigh(r, at, weight)
@@ -371,12 +388,12 @@ def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index:
         for _, at in _elements(size, r):
             output.store(at, output.load(at) * factor)
 
-    def tile(first_key: Value, base: Value) -> None:
-        _times_transposed(program, size, block.per_tile, block.keys, base, block.q_words, block.b_words, block.scores)
+    def step(first_key: Value, base: Value) -> None:
+        _times_transposed(program, size, block.per_step, block.keys, base, block.q_words, block.b_words, block.scores)
         _online_softmax(block, first_key, peak, total, tile_peak, partner, rescale, lambda r, at, p: None)
-        _accumulate(program, size, block.per_tile, block.values, base, block.scores, block.a_words, block.b_words, output)
+        _accumulate(program, size, block.per_step, block.values, base, block.scores, block.a_words, block.b_words, output)
 
-    block.stream(tile)
+    block.stream(step)
     _group_sum(program, total, partner)
     with program.phase(wait=False) as thread:
         _, _, place = warps.lane_of(thread)
