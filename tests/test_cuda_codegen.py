@@ -1145,6 +1145,19 @@ def test_bfloat16_attention_runs_on_tensor_cores_a_warp_per_16_rows(operands, he
                 assert report.count(" 0 bytes stack frame") == len(launched), report
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("size", [32, 64, 128])
+def test_attention_streams_whole_tiles_at_a_llamas_head_sizes(size, dtype):
+    """Every launch streams tiles of a block's 32 rows: its shared memory two rows of the
+    tile's each, and L and D in the gradient's key launch (at head size 128 that launch
+    took tiles of 31 rows in 32 KiB, 34 tiles a head of 1,024 queries where 32 cover it,
+    each with a ragged chunk of keys)."""
+    rows = attention.TILE * 2 * size * 4
+    for op_type, wanted in (("Attention", [rows]), ("AttentionGrad", [rows + attention.TILE * 2 * 4, rows])):
+        op, _ = _attention_op(op_type, 4, 2, 256, 256, size, True, dtype, statistics=True)
+        assert [kernel.shared_bytes for kernel in kernels.kernel_module(op)[1]] == wanted
+
+
 @pytest.mark.skipif(ptx.ptxas_path() is None, reason="needs ptxas (CUDA toolkit or nvidia-cuda-nvcc)")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("size", [32, 64, 128])

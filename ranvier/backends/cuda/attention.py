@@ -65,8 +65,11 @@ if TYPE_CHECKING:
     from .kernels import ThreadContext  # what a kernel's element is written in (it imports this)
 
 TILE = 32  # a block's rows
-SHARED_BYTES = 32 << 10  # a block's streamed tiles (48 KiB is the most a kernel gets without asking)
 UNROLLED_SIZE = 128  # head sizes whose loops along a row are unrolled, the thread's rows in registers
+# A block's streamed tiles: whole tiles (`TILE` rows) of 4-byte elements up to head sizes of
+# `UNROLLED_SIZE`, the key launch's two rows and L and D each (33,024 bytes at 128: a tile of
+# 31 rows in the 32 KiB before); longer rows and float64's take fewer rows, not more memory
+SHARED_BYTES = TILE * (2 * UNROLLED_SIZE + 2) * 4
 ROW_REGISTERS = 128  # registers of its own rows a thread keeps: more are split over lanes
 SCORES = 4  # streamed rows whose dot products a split row's lanes sum at once
 _CHAINS = 4  # independent partial sums of an unrolled dot product
