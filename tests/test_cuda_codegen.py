@@ -450,6 +450,8 @@ def test_a_cells_ptx_and_launch_shapes_are_kept_in_the_compile_cache(monkeypatch
     assert first.native.cubin[:4] == (b"\x7fELF" if ptx.ptxas_path() else b"")
     other = _compile_for_gpu(monkeypatch, lambda: driver.Device("NVIDIA A100", (8, 0), 108))
     assert other.native.origin == "compiled" and ".target sm_80" in other.backend.code(other, "ptx")
+    monkeypatch.setenv("RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM", "3")  # launch bounds asked for: code of its own
+    assert _compile_for_gpu(monkeypatch, lambda: driver.find_device(_missing)).native.origin == "compiled"
 
 
 def test_a_found_gpu_sets_the_architecture_and_its_instances_go_to_the_driver(monkeypatch):
@@ -1176,3 +1178,43 @@ def test_attention_keeps_a_threads_rows_in_registers(size, dtype):
             properties = re.search(rf"Function properties for {re.escape(name)}\n\s*(\d+) bytes stack frame, (\d+) bytes spill",
                                    report)
             assert properties and properties.groups() == ("0", "0"), (name, report)
+
+
+def _launch_bounds(text: str, kernel: str) -> dict[str, int]:
+    """The `.maxntid` and `.minnctapersm` directives of `kernel`'s entry in PTX `text`."""
+    entry = re.search(rf"\.entry {re.escape(kernel)}\(.*?\)(.*?)\{{", text, re.DOTALL)
+    assert entry, kernel
+    return {name: int(value) for name, value in re.findall(r"\.(maxntid|minnctapersm) (\d+)", entry.group(1))}
+
+
+@needs_ptxas
+@pytest.mark.parametrize("size", [64, 128])
+def test_block_kernels_bound_their_blocks_and_the_attention_key_launch_fits_blocks_as_asked(monkeypatch, size):
+    """Every block kernel's PTX says its launch's threads (`.maxntid`), a thread kernel's
+    nothing; RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM asks the tensor-core gradient's key launch
+    to fit that many blocks a multiprocessor (`.minnctapersm`), and ptxas caps its registers
+    to 65,536 / (128 threads · blocks) (sm_90: 255 registers at heads of 128 unbound)."""
+    from ranvier.backends.cuda import attention_mma
+
+    op, _ = _attention_op("AttentionGrad", 4, 2, 256, 256, size, True, "bfloat16")
+    for blocks in (0, 3, 4):
+        monkeypatch.setenv(attention_mma.KEY_BLOCKS_ENVIRONMENT, str(blocks))
+        module, launched = kernels.kernel_module(op)
+        assert kernels.kernel_kind(op) == "AttentionMMA" and [k.threads for k in launched] == [128, 128, 0]
+        text = ptx.emit_ptx(module)
+        assembled = ptx.assemble(text)
+        rows, key, rounding = (kernel.name for kernel in launched)
+        assert _launch_bounds(text, rows) == {"maxntid": 128} and _launch_bounds(text, rounding) == {}
+        assert _launch_bounds(text, key) == {"maxntid": 128, **({"minnctapersm": blocks} if blocks else {})}
+        if blocks:
+            assert assembled.registers(key) <= 65536 // (128 * blocks)
+
+
+@pytest.mark.parametrize("setting", ["-1", "17", "three"])
+def test_a_bad_blocks_per_multiprocessor_setting_is_refused_by_name(monkeypatch, setting):
+    from ranvier.backends.cuda import attention_mma
+
+    monkeypatch.setenv(attention_mma.KEY_BLOCKS_ENVIRONMENT, setting)
+    op, _ = _attention_op("AttentionGrad", 4, 2, 64, 64, 64, True, "bfloat16")
+    with pytest.raises(RanvierError, match="RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM.*from 1 to 16"):
+        kernels.kernel_module(op)

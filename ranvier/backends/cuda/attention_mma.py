@@ -45,6 +45,10 @@ AttentionGrad, FlashAttention-2's, from the forward's output O and statistics L:
    adds to the same rows). Five products a tile, no statistic found again;
 3. bfloat16 dq only: the float32 accumulator (the workspace's) rounded into dq. A float32
    dq is its own accumulator, done after launch 2.
+Launch 2 takes 245 registers a thread at heads of 64 and 255 at 128 (ptxas for sm_90): two
+blocks a multiprocessor. `RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM=3` (read at compile) bounds
+it to three (`.minnctapersm`: at most 168 registers, ptxas spilling the rest), a trade of
+spills for occupancy that only the GPU's clock can judge (.ci/gpu-check races it).
 A query whose every key is masked attends to nothing (L = +∞: its p are 0, its row and
 gradients 0).
 """
@@ -53,12 +57,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
 from ... import dtypes
+from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, ir_of
@@ -81,6 +87,8 @@ THREADS = warps.WARP * WARPS
 PADDING = 8  # bfloat16 elements (16 bytes) after each row of a shared tile
 QUERY_TILE = 32  # query rows a key block streams at a time (its scores take half the registers of 64)
 FLOAT = dtypes.DT_FLOAT32
+# blocks of the gradient's key launch a multiprocessor must hold (its registers capped to fit)
+KEY_BLOCKS_ENVIRONMENT = "RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM"
 
 
 def supports(op: Operation) -> bool:
@@ -133,17 +141,34 @@ def _workspace_bytes(op: Operation) -> int:
     return 4 * (_row_terms_words(shape) + (0 if dq.dtype == FLOAT else dq.size))
 
 
+def key_blocks_per_multiprocessor() -> int:
+    """The gradient's key launch's blocks that must fit a multiprocessor at once, as
+    `KEY_BLOCKS_ENVIRONMENT` asks (0 where unset: as many as ptxas's registers allow)."""
+    setting = os.environ.get(KEY_BLOCKS_ENVIRONMENT, "").strip()
+    most = 2048 // THREADS  # a multiprocessor's threads
+    if setting.isdigit() and int(setting) <= most:
+        return int(setting)
+    if setting:
+        raise RanvierError(f"{KEY_BLOCKS_ENVIRONMENT}={setting!r}: expected a number of blocks from 1 to {most} "
+                           "(or 0, or unset: no bound)")
+    return 0
+
+
 def launches(op: Operation) -> list[tuple]:
     shape = AttentionShape(op)
     query_blocks = shape.batch * shape.heads * -(-shape.queries // ROWS)
 
-    def block(kernel: Callable) -> Callable[[ThreadContext, ir.Value], None]:
-        return lambda ctx, index: kernel(BlockProgram(ctx, THREADS, ctx.on_gpu), op, shape, index_value(ctx.b, index))
+    def block(kernel: Callable, blocks_per_multiprocessor: int = 0) -> Callable[[ThreadContext, ir.Value], None]:
+        def emit(ctx: ThreadContext, index: ir.Value) -> None:
+            ctx.blocks_per_multiprocessor = blocks_per_multiprocessor
+            kernel(BlockProgram(ctx, THREADS, ctx.on_gpu), op, shape, index_value(ctx.b, index))
+        return emit
 
     if op.type == "Attention":
         return [(query_blocks, block(_forward), THREADS)]
     key_blocks = shape.batch * shape.kv_heads * -(-shape.keys // ROWS)
-    made = [(query_blocks, block(_row_terms), THREADS), (key_blocks, block(_gradients), THREADS)]
+    made = [(query_blocks, block(_row_terms), THREADS),
+            (key_blocks, block(_gradients, key_blocks_per_multiprocessor()), THREADS)]
     dq = op.outputs[0]
     if dq.dtype != FLOAT:
         made.append((dq.size, lambda ctx, index: _round_query_gradient(ctx, op, shape, index_value(ctx.b, index)), 0))

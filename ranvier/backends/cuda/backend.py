@@ -48,7 +48,7 @@ from ...runtime import Cell, Instance, Step
 from .. import compile_cache
 from ..base import DEFAULT_OPTIONS, Capabilities, CompileOptions
 from ..kernels import Kernel, chosen_kernel, planned
-from . import blas, cudnn_attention, foreach, kernels, ptx
+from . import attention_mma, blas, cudnn_attention, foreach, kernels, ptx
 from .code import CUDACode
 from .device import DEVICE_ENVIRONMENT, EMULATOR, GPU
 from .driver import Device, DriverGPU, find_device
@@ -135,7 +135,8 @@ class CUDABackend:
         registers, where ptxas reports them); PTX, and where ptxas ran its report and the
         machine code it made (which the driver then loads instead of compiling the PTX
         again), kept in the compile cache (`ranvier cache`), keyed by the cell, the
-        architecture, and the versions of the code generator, LLVM and ptxas."""
+        architecture, the versions of the code generator, LLVM and ptxas, and the
+        environment settings the code depends on."""
         module = ptx.gpu_module(cell.name, self.architecture)
         generated: dict[int, list[kernels.GPUKernel | blas.Gemm]] = {}
         attention = {index: sdpa for index, step in enumerate(cell.steps) if step.kernel == cudnn_attention.KIND
@@ -164,7 +165,9 @@ class CUDABackend:
 
         sources = compile_cache.source_digest("backends/cuda", "backends/llvm", "ops")
         toolkit = f"{llvm.llvm_version_info} {ptx.ptxas_version()}"
-        key = hashlib.sha256(f"{sources}\n{self.architecture}\n{toolkit}\n{_describe(cell)}".encode())
+        # the environment that changes generated code (launch bounds asked for at compile)
+        settings = f"{attention_mma.KEY_BLOCKS_ENVIRONMENT}={attention_mma.key_blocks_per_multiprocessor()}"
+        key = hashlib.sha256(f"{sources}\n{self.architecture}\n{toolkit}\n{settings}\n{_describe(cell)}".encode())
         entry, origin = compile_cache.cached_object(f"cuda-{key.hexdigest()}", generate, self.use_disk_cache)
         built = json.loads(entry)
         report = ptx.Assembled(b"", built["ptxas"]) if built["ptxas"] else None

@@ -84,7 +84,11 @@ class GPUKernel:
     takes its operands' addresses in its `table`, in device memory, which is then its one
     pointer parameter besides the status word. A block kernel's shared arrays take
     `shared_bytes` of a block's shared memory; `dynamic_shared_bytes` of them (all or
-    none: `blocks.SharedMemory`) are dynamic, which its launches pass."""
+    none: `blocks.SharedMemory`) are dynamic, which its launches pass. Its PTX bounds a
+    block at `threads` threads (`.maxntid`: its launches never run more) and, where
+    `blocks_per_multiprocessor` (its element asked for it: `ThreadContext`), caps a
+    thread's registers so that many blocks fit a multiprocessor (`.minnctapersm`); the
+    host emulator ignores both."""
 
     name: str
     operands: tuple[Variable, ...]
@@ -95,6 +99,7 @@ class GPUKernel:
     table: foreach.Table | None = None
     shared_bytes: int = 0
     dynamic_shared_bytes: int = 0
+    blocks_per_multiprocessor: int = 0
 
     @property
     def pointers(self) -> int:
@@ -154,6 +159,7 @@ class ThreadContext(EmitContext):
         self.workspace: ir.Value | None = None  # the step's working memory (i8*), its last pointer parameter
         self.fails = False  # whether the element may set the status word
         self.shared_memory = SharedMemory()  # its block's shared arrays (`blocks.py`)
+        self.blocks_per_multiprocessor = 0  # a block kernel's blocks that must fit a multiprocessor; 0: as ptxas likes
 
     def row_fold(self, start: Value | int, length: int | Value, lanes: int, dtype: str, initial, combine, term) -> Value:
         if not self.row_threads:
@@ -296,7 +302,8 @@ def _element_functions(module: ir.Module, op: Operation, on_gpu: bool,
         ctx.b.ret_void()
         dynamic = ctx.shared_memory.lay_out(ctx, on_gpu)
         made.append((function, GPUKernel(name, operands, elements, threads, ctx.fails, one_pass=op.type == "ForEach",
-                                         table=table, shared_bytes=ctx.shared_memory.nbytes, dynamic_shared_bytes=dynamic)))
+                                         table=table, shared_bytes=ctx.shared_memory.nbytes, dynamic_shared_bytes=dynamic,
+                                         blocks_per_multiprocessor=ctx.blocks_per_multiprocessor)))
     return made
 
 
@@ -329,7 +336,7 @@ def add_kernels(module: ir.Module, op: Operation, choice: Kernel | None = None) 
             with b.if_then(b.icmp_unsigned("<", first, i64(kernel.elements))):
                 b.call(element, [first, *function.args])
             b.ret_void()
-            mark_kernel(module, function)
+            mark_kernel(module, function, kernel.threads, kernel.blocks_per_multiprocessor)
             kernels.append(kernel)
             continue
         loop, body, done = (function.append_basic_block(n) for n in ("loop", "body", "done"))
@@ -344,7 +351,7 @@ def add_kernels(module: ir.Module, op: Operation, choice: Kernel | None = None) 
         b.branch(loop)
         b.position_at_end(done)
         b.ret_void()
-        mark_kernel(module, function)
+        mark_kernel(module, function, kernel.threads, kernel.blocks_per_multiprocessor)
         kernels.append(kernel)
     return kernels
 

@@ -53,10 +53,18 @@ def gpu_module(name: str, architecture: str = ARCHITECTURE) -> ir.Module:
     return module
 
 
-def mark_kernel(module: ir.Module, function: ir.Function) -> None:
-    """Make `function` a kernel entry point (`.entry` in PTX), launchable from the host."""
+def mark_kernel(module: ir.Module, function: ir.Function, threads: int = 0, blocks_per_multiprocessor: int = 0) -> None:
+    """Make `function` a kernel entry point (`.entry` in PTX), launchable from the host, with
+    its launch bounds (CUDA's `__launch_bounds__`) where it has them: at most `threads`
+    threads a block (`.maxntid`: ptxas may then keep a register budget for that block size
+    alone), and at least `blocks_per_multiprocessor` such blocks resident on a
+    multiprocessor at once (`.minnctapersm`: ptxas caps a thread's registers at 65,536 /
+    (threads · blocks), spilling if it must). 0: no bound."""
     annotations = module.add_named_metadata("nvvm.annotations")
-    annotations.add(module.add_metadata([function, "kernel", ir.Constant(ir.IntType(32), 1)]))
+    bounds = {"kernel": 1, "maxntidx": threads, "minctasm": blocks_per_multiprocessor if threads else 0}
+    for name, value in bounds.items():
+        if value:
+            annotations.add(module.add_metadata([function, name, ir.Constant(ir.IntType(32), value)]))
 
 
 def emit_ptx(module: ir.Module, architecture: str = ARCHITECTURE) -> str:
