@@ -9,11 +9,15 @@ attention runs (the label says when the device's cuDNN refused them and the own 
 ran instead), and "ranvier", the own tensor-core kernels (RANVIER_CUDNN=0 at their
 compile); their operands are --dtype: bfloat16 on cuda by default (float32 operands with
 --matmul bfloat16 run on the own kernels alone, cuDNN taking none), float32 on the CPU.
+--key-blocks N adds a side "own/Nsm": the own kernels with the gradient's key launch bound
+to N blocks a multiprocessor (RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM=N: registers capped,
+ptxas spilling the rest), a race of spills against occupancy.
 ranvier's products run in --matmul: bfloat16 by default on cuda, float32 on the CPU.
 Medians of --repeats rounds, each of --steps computes per side, alternating. FLOPs: the
 causal half of 4·B·H·T²·hd forward and 2.5 times that backward (FlashAttention's own count).
 Run: python benchmarks/attention.py [--backend cuda] [--batch 32] [--seq 1024] [--heads 12] [--kv-heads 12]
      [--head-size 64] [--repeats 5] [--steps 10] [--matmul float32|bfloat16] [--dtype float32|bfloat16]
+     [--key-blocks N]
 """
 
 from __future__ import annotations
@@ -25,17 +29,20 @@ import time
 
 import ml_dtypes
 import numpy as np
-from common import machine, match_threads, summary
+from common import comparison, machine, match_threads, summary
 
 import ranvier as rv
 
+CUDNN = "RANVIER_CUDNN"  # "0": the own attention kernels
+KEY_BLOCKS = "RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM"  # the own gradient's key launch's blocks a multiprocessor
 
-def ranvier_side(args, matmul: str, cudnn: bool = True):
+
+def ranvier_side(args, matmul: str, environment: dict[str, str] | None = None):
     """A function timing `steps` computes of each pass's cell: (forward, backward) seconds
     per compute, summed over the cell's steps; and the kernels each pass ran. A pass is a
     cell of its own, so it is timed whole whether the backend runs the op whole or
-    decomposes it into products and a softmax. `cudnn` false: compiled with RANVIER_CUDNN=0,
-    the own kernels."""
+    decomposes it into products and a softmax. `environment`: settings the compile runs
+    under (RANVIER_CUDNN=0: the own kernels)."""
     flow = rv.Flow()
     shapes = {"q": [args.batch, args.seq, args.heads, args.head_size], "k": [args.batch, args.seq, args.kv_heads, args.head_size],
               "v": [args.batch, args.seq, args.kv_heads, args.head_size], "dout": [args.batch, args.seq, args.heads, args.head_size]}
@@ -50,15 +57,17 @@ def ranvier_side(args, matmul: str, cudnn: bool = True):
         inputs = [f.var(t, types.get(t, args.dtype), shapes[t]) for t in operands[name]]
         for output in f.op(op_type, inputs, None, attrs):
             output.var.out = True
-    asked = os.environ.pop("RANVIER_CUDNN", None)
-    if not cudnn:
-        os.environ["RANVIER_CUDNN"] = "0"
+    asked = {name: os.environ.get(name) for name in (CUDNN, KEY_BLOCKS)}
+    for name in asked:
+        os.environ.pop(name, None)
+    os.environ.update(environment or {})
     try:
         network = rv.Compiler(args.backend, matmul=matmul).compile(flow)
     finally:
-        os.environ.pop("RANVIER_CUDNN", None)
-        if asked is not None:
-            os.environ["RANVIER_CUDNN"] = asked
+        for name, value in asked.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
     rng = np.random.default_rng(0)
     dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32
     values = {t: rng.standard_normal(shapes[t]).astype(dtype) for t in ("q", "k", "v", "dout")}
@@ -138,6 +147,9 @@ def main() -> None:
                         help="ranvier's products (default: bfloat16 on cuda, float32 on the CPU)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="ranvier's operands (default: bfloat16 on cuda, float32 on the CPU)")
+    parser.add_argument("--key-blocks", type=int, default=None,
+                        help="on cuda, also race the own kernels with the gradient's key launch bound to this many blocks "
+                        "a multiprocessor")
     args = parser.parse_args()
     args.kv_heads = args.kv_heads or args.heads
     args.dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else "float32")
@@ -152,7 +164,10 @@ def main() -> None:
     sides, kernels = {}, {}
     if args.backend == "cuda":
         sides["cudnn"], kernels["cudnn"] = ranvier_side(args, matmul)
-    sides["ranvier"], kernels["ranvier"] = ranvier_side(args, matmul, cudnn=False)
+    sides["ranvier"], kernels["ranvier"] = ranvier_side(args, matmul, {CUDNN: "0"})
+    bound = f"own/{args.key_blocks}sm" if args.key_blocks and args.backend == "cuda" else None
+    if bound:
+        sides[bound], kernels[bound] = ranvier_side(args, matmul, {CUDNN: "0", KEY_BLOCKS: str(args.key_blocks)})
     sides["pytorch"] = torch_side(args, torch, device)
     forward_flops = 2 * args.batch * args.heads * args.seq * args.seq * args.head_size  # the causal half of 4·B·H·T²·hd
     print(f"batch {args.batch} x seq {args.seq}, {args.heads} heads ({args.kv_heads} key/value) of {args.head_size}, causal; "
@@ -165,13 +180,15 @@ def main() -> None:
             times[name].append(run())
             forward, backward = times[name][-1]
             print(f"  run {repeat + 1} {name:8s} forward {forward * 1e3:9.3f} ms  backward {backward * 1e3:9.3f} ms", flush=True)
-    medians = {}
+    medians, backwards = {}, {}
     for name, values in times.items():
         forward, backward = (statistics.median(v[i] for v in values) for i in range(2))
-        medians[name] = (forward + backward) * 1e3
+        medians[name], backwards[name] = (forward + backward) * 1e3, backward * 1e3
         print(f"{name:8s} forward {forward * 1e3:9.3f} ms ({forward_flops / forward / 1e12:6.2f} TFLOP/s), backward "
               f"{backward * 1e3:9.3f} ms ({2.5 * forward_flops / backward / 1e12:6.2f} TFLOP/s)")
     summary(medians, "ms", higher_is_better=False, digits=3)
+    if bound:  # the bound key launch against the same kernels unbound: the backward is all it changes
+        print(f"{comparison(bound, backwards[bound], 'ranvier', backwards['ranvier'], False)} (median ms of the backward)")
 
 
 if __name__ == "__main__":

@@ -243,17 +243,19 @@ def test_generate_benchmark_races_pytorch_with_a_kv_cache_on_the_same_weights():
 def test_attention_benchmark_times_both_passes_of_each_side(backend, monkeypatch):
     """ranvier's attention steps by the backend's clock (the CUDA backend on the host
     emulator here: its tensor-core kernels, on the cudnn side too, which the emulator does
-    not claim) against PyTorch's SDPA, both passes, the ratio."""
+    not claim, and bound to 3 blocks a multiprocessor) against PyTorch's SDPA, both passes, the ratio."""
     monkeypatch.setenv("RANVIER_CUDA_DEVICE", "emulator")
     out = run("attention.py", "--backend", backend, "--batch", "1", "--seq", "70", "--heads", "2", "--kv-heads", "1",
-              "--head-size", "32", "--repeats", "1", "--steps", "1")
+              "--head-size", "32", "--repeats", "1", "--steps", "1", "--key-blocks", "3")
     lines = out.splitlines()
     kernels = "AttentionMMA" if backend == "cuda" else "Attention"
     operands = "bfloat16" if backend == "cuda" else "float32"
     assert re.search(rf"ranvier \({backend}, {operands} operands, (bfloat16|float32) products\): .*ranvier: {kernels}", out), out
-    for side in ("cudnn", "ranvier", "pytorch") if backend == "cuda" else ("ranvier", "pytorch"):
+    for side in ("cudnn", "ranvier", "own/3sm", "pytorch") if backend == "cuda" else ("ranvier", "pytorch"):
         assert re.search(rf"^{side} +forward +[\d.]+ ms \( *[\d.]+ TFLOP/s\), backward +[\d.]+ ms", out, re.MULTILINE), side
     assert_summary(lines, "ms")
+    # the key launch bound to 3 blocks a multiprocessor against the same kernels unbound (a GPU's race alone)
+    assert ("own/3sm is" in out and "than ranvier (median ms of the backward)" in out) == (backend == "cuda")
 
 
 @pytest.mark.slow
