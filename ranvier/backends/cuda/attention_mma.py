@@ -45,10 +45,12 @@ AttentionGrad, FlashAttention-2's, from the forward's output O and statistics L:
    adds to the same rows). Five products a tile, no statistic found again;
 3. bfloat16 dq only: the float32 accumulator (the workspace's) rounded into dq. A float32
    dq is its own accumulator, done after launch 2.
-Launch 2 takes 245 registers a thread at heads of 64 and 255 at 128 (ptxas for sm_90): two
-blocks a multiprocessor. `RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM=3` (read at compile) bounds
-it to three (`.minnctapersm`: at most 168 registers, ptxas spilling the rest), a trade of
-spills for occupancy that only the GPU's clock can judge (.ci/gpu-check races it).
+Launch 2 takes 168 registers a thread at heads of 64 (three blocks a multiprocessor) and
+255 at 128 (two), ptxas for sm_90 knowing its blocks are 128 threads (`.maxntid`).
+`RANVIER_ATTENTION_GRAD_BLOCKS_PER_SM=N` (read at compile) bounds it to N blocks
+(`.minnctapersm`: at most 65,536 / (128 · N) registers, ptxas spilling the rest; 3 at 128:
+168 registers and 236 bytes of spills, 4 at 64: 128 and 12 bytes), a trade of spills for
+occupancy that only the GPU's clock can judge (.ci/gpu-check races it).
 A query whose every key is masked attends to nothing (L = +∞: its p are 0, its row and
 gradients 0).
 """
