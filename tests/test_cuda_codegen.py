@@ -854,7 +854,7 @@ def test_bfloat16_grouped_products_run_on_tensor_cores_a_block_per_tile(operands
     gradient of an expert no row chose are zeros. Float32 operands take them where the
     products may round to bfloat16 (the compile's matmul precision), else the
     element-per-thread kernel. A block of four warps per 64 × 64 tile; the GPU's code
-    assembles with no spills, its sums in registers, its fragments by ldmatrix, its
+    assembles with no spills (but a word where ptxas trades it for occupancy), its sums in registers, its fragments by ldmatrix, its
     bfloat16 rows copied by cp.async (float32 ones read as 16-byte vectors) where they are
     whole 16-byte chunks."""
     from ranvier.backends.cuda import grouped_mma
@@ -893,7 +893,9 @@ def test_bfloat16_grouped_products_run_on_tensor_cores_a_block_per_tile(operands
             assert ("cp.async.cg.shared.global" in text) == (operands == "bfloat16")
             assert ("ld.global.v4" in text) == (operands == "float32")
         report = ptx.assemble(text).report
-        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+        # at most a word spilled: ptxas, told a block is 128 threads (`.maxntid`), may spill one to fit
+        # another block a multiprocessor (float32 at 140 × 24 × 8: 48 registers and 4 bytes, 10 blocks, not 56 and 9)
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= 4, report
         print(re.search(r"Used \d+ registers.*", report).group(0))
         if operands == "bfloat16":  # ldmatrix and cp.async (its zero fill too) are sm_80's
             ptx.assemble(ptx.emit_ptx(kernels.kernel_module(op, "sm_80")[0], "sm_80"), "sm_80")
