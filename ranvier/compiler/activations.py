@@ -48,8 +48,9 @@ def use_activation_precision(flow: Flow, func: Function, keep: set[str], dtype: 
     cannot run whole in half precision (`runs_whole`) stays float32."""
     b = Builder(flow, func)
     casts: dict[tuple[str, str], Variable] = {}
-    statistics = _computing_statistics(flow.op_order(func))
-    for op in flow.op_order(func):
+    ops = flow.op_order(func)
+    statistics = _computing_statistics(ops)
+    for op in ops:
         own = _OWN_DTYPE_INPUTS.get(op.type, set())
         floats = [i for i, v in enumerate(op.inputs) if v.dtype in _FLOATS and i not in own]
         if not floats or op.type == "Cast":

@@ -144,18 +144,9 @@ def scores(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
     return result
 
 
-def probabilities(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
-    """softmax(scale · q kᵀ + bias) per head [B, H, T, S], float64, with the causal mask."""
-    s = scores(q, k, causal, scale, bias)
-    peak = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - np.where(peak == -np.inf, 0.0, peak))  # a row of −∞ (no key seen): zeros
-    total = e.sum(axis=-1, keepdims=True)
-    return np.where(total > 0, e / np.where(total > 0, total, 1.0), e)
-
-
-def log_sum_exp(q, k, causal: bool, scale: float, bias=None) -> np.ndarray:
-    """Each query row's log Σₛ exp(scoreₛ) [B, H, T], float64; +∞ for a row that sees no key."""
-    s = scores(q, k, causal, scale, bias)
+def log_sum_exp(s: np.ndarray) -> np.ndarray:
+    """Each row's log Σ exp of scores `s` [..., S] (last axis dropped), float64; +∞ for a row
+    of −∞ (a query that sees no key), whose exp(s − ∞) are then all 0."""
     peak = s.max(axis=-1)
     finite = np.where(peak == -np.inf, 0.0, peak)
     total = np.exp(s - finite[..., None]).sum(axis=-1)
@@ -174,10 +165,12 @@ def attention(q, k, v, bias=None, causal: bool = True, scale: float | None = Non
         results = attention(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), bias, causal, scale, True, statistics)
         return [np.swapaxes(results[0], 1, 2), *results[1:]]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    p = probabilities(q, k, causal, scale, bias)
+    s = scores(q, k, causal, scale, bias)
+    lse = log_sum_exp(s)
+    p = np.exp(s - lse[..., None])  # the softmax; a row that sees no key: zeros
     values = np.repeat(np.asarray(v, np.float64), q.shape[1] // k.shape[1], axis=1)
     out = np.einsum("bhts,bhsd->bhtd", p, values)
-    return [out, log_sum_exp(q, k, causal, scale, bias)] if statistics else [out]
+    return [out, lse] if statistics else [out]
 
 
 def attention_grad(q, k, v, out, lse, dout, bias=None, causal: bool = True, scale: float | None = None,

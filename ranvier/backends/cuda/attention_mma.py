@@ -70,8 +70,7 @@ from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
 from ..llvm.context import Array, ir_of
-from ..llvm.convert import widen
-from ..llvm.irutil import F32, I32, I64, VOID, storage_type, typed_pointer
+from ..llvm.irutil import F32, I64, VOID, typed_pointer
 from ..llvm.loops import pairwise
 from ..llvm.rows import finite_peak, log_sum_exp, unseen_inverse
 from ..llvm.values import Value, index_value
@@ -433,15 +432,10 @@ def _forward(program: BlockProgram, op: Operation, shape: AttentionShape, index:
                 if len(op.outputs) == 2:  # the row's four lanes hold the same m and l: the first stores L
                     with ctx.when(place.equal(0)):
                         statistic = log_sum_exp(finite_peak(peak.load(r)), total.load(r))
-                        ctx.store(op.outputs[1], _statistic_at(shape, block.b, block.h, t), statistic)
+                        ctx.store(op.outputs[1], shape.statistic(block.b, block.h, t), statistic)
 
 
 # ---- the gradient -----------------------------------------------------------------------
-
-def _statistic_at(shape: AttentionShape, b: Value, h: Value, t: Value) -> Value:
-    """Query t's element of a [B, H, T] row statistic (L, D), in either layout."""
-    return (b * shape.heads + h) * shape.queries + t
-
 
 def _workspace_floats(ctx: ThreadContext, first: int) -> Array:
     """The step's workspace as float32 words, from word `first`."""
@@ -484,14 +478,9 @@ def _add_to(ctx: ThreadContext, array: Array, at: Value, offset: int, value: Val
 def _row_part(ctx: ThreadContext, var: Variable, at: Value, count: int) -> list[Value]:
     """`count` elements of `var` from element `at`, 16 bytes a load (ld.global.v4: a row's
     halves start 16-byte aligned, as cp.async needs the rows to), as float32."""
-    b = ctx.b
-    per = warps.COPY_BYTES // (2 if var.dtype == dtypes.DT_BFLOAT16 else 4)
-    values = []
-    for first in range(0, count, per):
-        raw = b.load(typed_pointer(b, ctx.pointer(var), ir_of(at + first), storage_type(var.dtype), per), align=16)
-        wide = widen(b, raw, var.dtype, per)
-        values += [Value(b, b.extract_element(wide, ir.Constant(I32, k)), FLOAT) for k in range(per)]
-    return values
+    lanes = warps.vector_lanes(var.dtype)
+    vectors = (warps.load_vector(ctx, var, at + first, lanes).cast(FLOAT) for first in range(0, count, lanes))
+    return [vector.lane(lane) for vector in vectors for lane in range(lanes)]
 
 
 def _row_terms(program: BlockProgram, op: Operation, shape: AttentionShape, index: Value) -> None:
@@ -521,7 +510,7 @@ def _row_terms(program: BlockProgram, op: Operation, shape: AttentionShape, inde
     with program.phase(wait=False) as thread:
         t = first + thread // 2
         with ctx.when((t < shape.queries) & (thread % 2).equal(0)):
-            _row_terms_of(ctx).store(_statistic_at(shape, b, h, t), partial.load(0) + other.load(0))
+            _row_terms_of(ctx).store(shape.statistic(b, h, t), partial.load(0) + other.load(0))
 
 
 def _resident_fragments(program: BlockProgram, size: int, tile: Array, words: PrivateArray, chunks: range) -> None:
@@ -555,8 +544,7 @@ def _query_gradient_tile(program: BlockProgram, size: int, score_gradients: Arra
         return (lane // 8 % 2 * 8 + lane % 8) * stride + lane // 16 * 4 + warp // 2 * (size // 4)
 
     with program.phase(wait=False):
-        for i in range(groups * 4):
-            out.store(i, program.ctx.constant(FLOAT, 0.0))
+        _zero(program, out, groups * 4)
     for chunk in range(ROWS // 16):
         warps.load_matrices(program, (a_words, 0), score_gradients, gradient_row, transpose=True, offset=chunk * 16 * ds_stride)
         for group in range(0, groups, 2):
@@ -611,7 +599,7 @@ def _gradients(program: BlockProgram, op: Operation, shape: AttentionShape, inde
             (q, lambda t: shape.query_row(b, h, t), queries, buffer * tile_words),
             (dout, lambda t: shape.query_row(b, h, t), douts, buffer * tile_words)])
         with ctx.loop(program.thread, QUERY_TILE, step=program.threads, name="row") as row:
-            at = _statistic_at(shape, b, h, (first_query + row).minimum(shape.queries - 1))
+            at = shape.statistic(b, h, (first_query + row).minimum(shape.queries - 1))
             terms.store(buffer * 2 * QUERY_TILE + row, ctx.load(lse, at))
             terms.store((buffer * 2 + 1) * QUERY_TILE + row, _row_terms_of(ctx).load(at))
 
