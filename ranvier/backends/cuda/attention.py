@@ -43,7 +43,6 @@ wait for the one before.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -55,7 +54,7 @@ from ...ops import attrs_of
 from ...ops.attention import bias_dims, bias_of, bias_offset, heads_first_shape, scale_of
 from ..llvm.context import Array
 from ..llvm.loops import pairwise
-from ..llvm.rows import finite_peak, unseen_inverse
+from ..llvm.rows import finite_peak, log_sum_exp, unseen_inverse
 from ..llvm.values import Value, index_value
 from .blocks import BlockProgram, PrivateArray, barrier
 from .library import LIBRARY, Generator
@@ -362,8 +361,7 @@ def _forward(program: BlockProgram, threads: RowThreads, op: Operation, shape: A
             threads.each(lambda k, i: ctx.store(out, shape.query_row(b, h, t) + i, acc.load(k) * inverse))
             if len(op.outputs) > 1:
                 with ctx.when(threads.part.equal(0)):  # a row's first lane writes its statistic
-                    summed = total.load(0)
-                    statistic = summed.equal(0.0).where(math.inf, finite_peak(peak.load(0)) + summed.log())
+                    statistic = log_sum_exp(finite_peak(peak.load(0)), total.load(0))
                     ctx.store(op.outputs[1], shape.statistic(b, h, t), statistic)
 
 
