@@ -115,6 +115,13 @@ def bias_of(op) -> Variable | None:
     return op.inputs[first] if len(op.inputs) > first else None
 
 
+def statistics_of(op) -> Variable | None:
+    """The softmax statistics an Attention op writes (None without them) or an AttentionGrad reads."""
+    if op.type == "AttentionGrad":
+        return op.inputs[4]
+    return op.outputs[1] if len(op.outputs) > 1 else None
+
+
 def bias_dims(shape) -> list[int]:
     """A bias's shape as rank 4, ones in front (it broadcasts to [B, H, T, S])."""
     return [1] * (4 - len(shape)) + list(shape)

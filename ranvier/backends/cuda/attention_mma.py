@@ -69,6 +69,7 @@ from ... import dtypes
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
+from ...ops.attention import statistics_of
 from ..llvm.context import Array, ir_of
 from ..llvm.irutil import F32, I64, VOID, typed_pointer
 from ..llvm.loops import pairwise
@@ -99,7 +100,7 @@ def supports(op: Operation) -> bool:
     if op.type not in ("Attention", "AttentionGrad"):
         return False
     size = op.inputs[0].shape[-1]
-    statistics = op.inputs[4] if op.type == "AttentionGrad" else op.outputs[1] if len(op.outputs) == 2 else None
+    statistics = statistics_of(op)
     operands = {v.dtype for v in (*op.inputs, *op.outputs) if v is not statistics}
     rounded = attrs_of(op)["precision"] == "bfloat16" and operands == {FLOAT}
     return ((rounded or operands == {dtypes.DT_BFLOAT16}) and size % 16 == 0 and 16 <= size <= 128

@@ -55,7 +55,7 @@ from ... import dtypes
 from ...errors import RanvierError
 from ...flow.graph import Operation, Variable
 from ...ops import attrs_of
-from ...ops.attention import attention, attention_grad, bias_of, heads_first_shape, scale_of
+from ...ops.attention import attention, attention_grad, bias_of, heads_first_shape, scale_of, statistics_of
 
 KIND = "cuDNN"  # what a cell printout calls a step cuDNN runs
 ENVIRONMENT = "RANVIER_CUDNN"  # "0": the own attention kernels, never cuDNN's
@@ -141,13 +141,6 @@ def _strides(shape: list[int], heads_first: bool) -> tuple[int, int, int, int]:
     return rows * heads * size, size, heads * size, 1
 
 
-def _statistics(op: Operation) -> Variable | None:
-    """The softmax statistics an Attention op writes (None without them) or its gradient reads."""
-    if op.type == "AttentionGrad":
-        return op.inputs[4]
-    return op.outputs[1] if len(op.outputs) > 1 else None
-
-
 def refusal(op: Operation) -> str:
     """Why cuDNN's SDPA does not take the op ("" where it does; module docstring)."""
     if op.type not in ("Attention", "AttentionGrad"):
@@ -155,7 +148,7 @@ def refusal(op: Operation) -> str:
     if bias_of(op) is not None:
         return "a score bias (cuDNN's takes none here)"
     # (the statistics of half-precision operands are float32 by the op's rule, as cuDNN's are)
-    operand_types = sorted({v.dtype for v in (*op.inputs, *op.outputs) if v is not _statistics(op)})
+    operand_types = sorted({v.dtype for v in (*op.inputs, *op.outputs) if v is not statistics_of(op)})
     if len(operand_types) != 1 or operand_types[0] not in (dtypes.DT_BFLOAT16, dtypes.DT_FLOAT16):
         return f"{'/'.join(operand_types)} operands (cuDNN's SDPA reads bfloat16 or float16)"
     size = op.inputs[0].shape[-1]
@@ -173,7 +166,7 @@ def plan_attention(op: Operation) -> Sdpa | None:
     q, k = op.inputs[:2]
     batch, heads, queries, size = heads_first_shape(q.shape, first)
     _, kv_heads, keys, _ = heads_first_shape(k.shape, first)
-    plan = SdpaPlan(op.type == "AttentionGrad", _statistics(op) is not None, q.dtype, batch, heads, kv_heads, queries,
+    plan = SdpaPlan(op.type == "AttentionGrad", statistics_of(op) is not None, q.dtype, batch, heads, kv_heads, queries,
                     keys, size, _strides(list(q.shape), first), _strides(list(k.shape), first), attrs["causal"],
                     scale_of(attrs, size))
     return Sdpa("a_" + "".join(c if c.isalnum() else "_" for c in op.name), plan, (*op.inputs, *op.outputs))
